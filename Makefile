@@ -1,0 +1,30 @@
+# `make test` and `make demo` are the whole set-up: each creates .venv if it is missing and
+# installs the project (editable, dev + hf extras) with the CPU build of torch.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so pip takes the local CPU wheel and never a CUDA build.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev,hf,highs]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(PY) -m planner.demo
+
+bench: $(STAMP)
+	$(PY) -m pytest -q -m slow benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,156 @@
+"""Counted collectives over torch.distributed.
+
+Every collective the runtime issues goes through this module so that the bytes one device sends
+are counted with the project's ring convention (see ``ring_bytes``):
+
+- all-reduce: ``2 (n - 1) / n x size``
+- all-gather and reduce-scatter: ``(n - 1) / n x full (gathered) size``
+- broadcast: ``(n - 1) / n x size`` (pipelined ring)
+- point-to-point send: ``size`` (a receive sends nothing)
+
+``size`` is in bytes. A group of one rank sends nothing and the call is skipped entirely.
+Async calls return a ``Work`` handle (``None`` for a skipped call); ``wait(work)`` accepts both.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommStats",
+    "STATS",
+    "ring_bytes",
+    "group_size",
+    "all_reduce",
+    "all_gather_into",
+    "reduce_scatter_into",
+    "broadcast",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "wait",
+]
+
+
+def ring_bytes(kind: str, size_bytes: int, n: int) -> float:
+    """Bytes one device sends for one collective of ``size_bytes`` over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * size_bytes
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return (n - 1) / n * size_bytes
+    if kind == "send":
+        return float(size_bytes)
+    if kind == "recv":
+        return 0.0
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+@dataclass
+class CommStats:
+    """Running totals of bytes sent by this process, by collective kind."""
+
+    bytes_by_kind: Counter = field(default_factory=Counter)
+    calls_by_kind: Counter = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, kind: str, size_bytes: int, n: int) -> None:
+        with self._lock:
+            self.bytes_by_kind[kind] += ring_bytes(kind, size_bytes, n)
+            self.calls_by_kind[kind] += 1
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.bytes_by_kind.values()))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_by_kind.clear()
+            self.calls_by_kind.clear()
+
+
+#: Process-wide counter; the trainer resets it each step.
+STATS = CommStats()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_size(group=None) -> int:
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
+    n = group_size(group)
+    if n == 1:
+        return None
+    STATS.add("all_reduce", _nbytes(tensor), n)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+    """Gather equal ``shard``s of every rank into ``output`` (rank-major, flat)."""
+    n = group_size(group)
+    if n == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard.view_as(output))
+        return None
+    STATS.add("all_gather", _nbytes(output), n)
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    shard: torch.Tensor, full: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False
+):
+    """Sum ``full`` over ranks and keep this rank's equal slice in ``shard``."""
+    n = group_size(group)
+    if n == 1:
+        if shard.data_ptr() != full.data_ptr():
+            shard.copy_(full.view_as(shard))
+        return None
+    STATS.add("reduce_scatter", _nbytes(full), n)
+    return dist.reduce_scatter_tensor(shard, full, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    n = group_size(group)
+    if n == 1:
+        return None
+    STATS.add("broadcast", _nbytes(tensor), n)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    STATS.add("send", _nbytes(tensor), 2)
+    dist.send(tensor, dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    STATS.add("recv", _nbytes(tensor), 2)
+    dist.recv(tensor, src=src, group=group)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None):
+    STATS.add("send", _nbytes(tensor), 2)
+    return dist.isend(tensor, dst=dst, group=group)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None):
+    STATS.add("recv", _nbytes(tensor), 2)
+    return dist.irecv(tensor, src=src, group=group)
+
+
+def wait(work) -> None:
+    """Wait for an async handle; ``None`` (a skipped collective) is a no-op."""
+    if work is not None:
+        work.wait()

@@ -1,0 +1,149 @@
+"""Process-group set-up and local multi-process launch.
+
+``init_distributed`` joins a process group either from torchrun's environment (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or from explicit arguments passed by
+``launch_local``. The backend is nccl when the process owns a CUDA device, gloo otherwise.
+Every collective gets ``timeout`` seconds: a rank that dies or stops answering makes the others
+fail with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["DistContext", "init_distributed", "shutdown", "free_port", "launch_local", "LaunchError"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the world."""
+
+    rank: int
+    """Global rank, 0 .. world_size - 1."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank within this node (selects the CUDA device)."""
+    device: torch.device
+    """Device this rank computes on."""
+    backend: str
+    """``gloo`` or ``nccl``."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_port: int | None = None,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+) -> DistContext:
+    """Join (or create) the default process group; idempotent."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if master_port is not None:
+        os.environ["MASTER_PORT"] = str(master_port)
+    os.environ.setdefault("MASTER_PORT", "29500")
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class LaunchError(RuntimeError):
+    """A local multi-process run failed: which rank, and why."""
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, args: tuple):
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # Two cores shared by every rank: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    init_distributed(rank, world_size, port, timeout_s=timeout_s)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        shutdown()
+
+
+def launch_local(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = 300.0,
+    collective_timeout_s: float | None = None,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``nproc`` spawned processes with a gloo group.
+
+    Raises ``LaunchError`` naming the failing rank if any process fails, and kills the rest.
+    ``timeout_s`` bounds the whole run; ``collective_timeout_s`` bounds each collective.
+    """
+    port = free_port()
+    coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
+    ctx = mp.start_processes(
+        _entry,
+        args=(fn, nproc, port, coll_timeout, tuple(args)),
+        nprocs=nproc,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                if ctx.join(timeout=0.5):
+                    return
+            except mp.ProcessRaisedException as e:
+                raise LaunchError(f"rank {e.error_index} failed:\n{e}") from None
+            except mp.ProcessExitedException as e:
+                raise LaunchError(
+                    f"rank {e.error_index} exited with code {e.exit_code}"
+                    + (f" (signal {e.signal_name})" if e.signal_name else "")
+                ) from None
+            if time.monotonic() > deadline:
+                raise LaunchError(f"local run of {nproc} processes timed out after {timeout_s:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(5)

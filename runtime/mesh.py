@@ -1,0 +1,134 @@
+"""The (pp, dp, tp) device mesh.
+
+Ranks are laid out with tp innermost, then dp, then pp::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+so a tensor-parallel group is a run of consecutive ranks (inside one node when tp divides the
+devices per node) and pipeline stages are the outermost blocks of ranks.
+
+``setup_mesh`` builds one process group per axis for this rank and remembers the mesh, so that
+compiled stage code can ask ``get_mesh().tp_group`` without threading groups through every call.
+Without a process group (a single process), every axis has size 1 and every group is ``None``,
+which ``runtime.comm`` treats as "nothing to communicate".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["Mesh", "setup_mesh", "get_mesh", "set_mesh", "coords_of", "rank_of"]
+
+
+def coords_of(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
+    """``(pp_index, dp_index, tp_index)`` of a global rank."""
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int) -> int:
+    return (pp_index * dp + dp_index) * tp + tp_index
+
+
+@dataclass
+class Mesh:
+    """Degrees, this rank's coordinates and the process group of each axis."""
+
+    pp: int
+    dp: int
+    tp: int
+    rank: int = 0
+    pp_group: object | None = None
+    dp_group: object | None = None
+    tp_group: object | None = None
+    pp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's pipeline group, by stage index."""
+    dp_ranks: tuple[int, ...] = (0,)
+    tp_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pp_index(self) -> int:
+        return coords_of(self.rank, self.dp, self.tp)[0]
+
+    @property
+    def dp_index(self) -> int:
+        return coords_of(self.rank, self.dp, self.tp)[1]
+
+    @property
+    def tp_index(self) -> int:
+        return coords_of(self.rank, self.dp, self.tp)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_index == self.pp - 1
+
+
+_MESH: Mesh = Mesh(1, 1, 1)
+
+
+def get_mesh() -> Mesh:
+    return _MESH
+
+
+def set_mesh(mesh: Mesh) -> Mesh:
+    global _MESH
+    _MESH = mesh
+    return mesh
+
+
+def setup_mesh(pp: int, dp: int, tp: int) -> Mesh:
+    """Create the axis groups (collectively: every rank must call this) and set the mesh."""
+    for name, v in (("pp", pp), ("dp", dp), ("tp", tp)):
+        if v < 1:
+            raise ValueError(f"mesh degree {name}={v} must be >= 1")
+    world = pp * dp * tp
+    if not dist.is_initialized():
+        if world != 1:
+            raise RuntimeError(f"a mesh of {world} ranks needs an initialized process group")
+        return set_mesh(Mesh(1, 1, 1))
+    if dist.get_world_size() != world:
+        raise ValueError(
+            f"the plan needs pp*dp*tp = {pp}*{dp}*{tp} = {world} processes, "
+            f"but the job has {dist.get_world_size()}"
+        )
+    rank = dist.get_rank()
+    mine = coords_of(rank, dp, tp)
+    groups: dict[str, tuple[object | None, tuple[int, ...]]] = {}
+    # new_group is collective over the world: every rank creates every group in the same order.
+    for axis in ("pp", "dp", "tp"):
+        size = {"pp": pp, "dp": dp, "tp": tp}[axis]
+        for a in range(world // size):
+            # Enumerate the groups of this axis: fix the other two coordinates.
+            members = []
+            for r in range(world):
+                c = coords_of(r, dp, tp)
+                others = tuple(x for i, x in enumerate(c) if i != "pp dp tp".split().index(axis))
+                if others == _others_key(a, axis, pp, dp, tp):
+                    members.append(r)
+            members_t = tuple(sorted(members))
+            g = dist.new_group(list(members_t)) if size > 1 else None
+            if rank in members_t:
+                groups[axis] = (g, members_t)
+    mesh = Mesh(
+        pp, dp, tp, rank,
+        pp_group=groups["pp"][0], dp_group=groups["dp"][0], tp_group=groups["tp"][0],
+        pp_ranks=groups["pp"][1], dp_ranks=groups["dp"][1], tp_ranks=groups["tp"][1],
+    )
+    assert coords_of(rank, dp, tp) == mine
+    return set_mesh(mesh)
+
+
+def _others_key(a: int, axis: str, pp: int, dp: int, tp: int) -> tuple[int, int]:
+    """The a-th combination of the two coordinates other than ``axis``, in row-major order."""
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    other = [x for x in ("pp", "dp", "tp") if x != axis]
+    return a // sizes[other[1]], a % sizes[other[1]]
