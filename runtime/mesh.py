@@ -9,8 +9,9 @@ devices per node) and pipeline stages are the outermost blocks of ranks.
 
 ``setup_mesh`` builds one process group per axis for this rank and remembers the mesh, so that
 compiled stage code can ask ``get_mesh().tp_group`` without threading groups through every call.
-Without a process group (a single process), every axis has size 1 and every group is ``None``,
-which ``runtime.comm`` treats as "nothing to communicate".
+Every axis gets a real process group, a size-1 group included (``runtime.comm`` skips collectives
+over one rank), because ``None`` means "the whole world" to torch.distributed. Only without a
+process group (a single process) is every group ``None``, and then the world is one rank too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int) -> in
 
 @dataclass
 class Mesh:
-    """Degrees, this rank's coordinates and the process group of each axis."""
+    """Degrees, this rank's coordinates and the process group of each axis.
+
+    Groups are never ``None`` in a distributed job (a size-1 axis has a one-rank group).
+    """
 
     pp: int
     dp: int
@@ -115,7 +119,7 @@ def setup_mesh(pp: int, dp: int, tp: int) -> Mesh:
                 if others == _others_key(a, axis, pp, dp, tp):
                     members.append(r)
             members_t = tuple(sorted(members))
-            g = dist.new_group(list(members_t)) if size > 1 else None
+            g = dist.new_group(list(members_t))
             if rank in members_t:
                 groups[axis] = (g, members_t)
     mesh = Mesh(

@@ -1,0 +1,387 @@
+"""Lower an exported graph and a plan into readable per-stage Python modules.
+
+The input is the ATen ``GraphModule`` of ``torch.export`` (``ep.module()``) and, for each
+``call_function`` node, its layer-table row. Lowering:
+
+1. assigns every node to a layer and every parameter or buffer to the one layer that uses it
+   (a weight used by several layers of one stage becomes a stage-level shared parameter);
+2. cuts each layer out as its own ``fx.Graph`` whose inputs are the values it reads from earlier
+   layers and whose outputs are the values later layers read, so the generated layer method is a
+   straight-line list of ATen calls (identical transformer blocks produce identical source and
+   share one class);
+3. groups layers into the plan's pipeline stages: a stage receives what earlier stages produced
+   and it (or a later stage) still needs, and sends on what later stages need;
+4. emits one ``stage_<k>.py`` per stage that imports only ``torch`` and ``runtime``.
+
+Nothing is executed: lowering works on the meta device, so a 175B model compiles in seconds.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from codegen.names import safe_ident, UnsafeNameError
+
+__all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "LoweringError"]
+
+_DROP_TARGETS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+}
+
+
+class LoweringError(ValueError):
+    """The graph cannot be lowered as the plan asks (the message says why and what to do)."""
+
+
+class _Src:
+    """A value printed verbatim into generated code (fx prints kwargs with ``repr``)."""
+
+    def __init__(self, src: str):
+        self.src = src
+
+    def __repr__(self) -> str:
+        return self.src
+
+
+_DEVICE = _Src("runtime.device()")
+
+
+@dataclass
+class LayerGraph:
+    """One layer-table row cut out of the whole graph."""
+
+    index: int
+    name: str
+    nodes: list = field(default_factory=list)
+    """``call_function`` nodes of this layer, in graph order."""
+    params: dict = field(default_factory=dict)
+    """Local attribute name -> original parameter/buffer FQN owned by this layer."""
+    inputs: list = field(default_factory=list)
+    """Nodes read from outside (data placeholders, earlier layers, shared weights)."""
+    outputs: list = field(default_factory=list)
+    """Nodes of this layer read by later layers or by the graph output."""
+
+
+@dataclass
+class StageSpec:
+    index: int
+    layers: list
+    data_inputs: list
+    """Names of the graph's inputs this stage reads (``input_ids``, ``labels`` ...)."""
+    recv: list
+    """Nodes received from the previous stage, in order."""
+    send: list
+    """Nodes sent to the next stage, in order (the loss for the last stage)."""
+    shared: dict = field(default_factory=dict)
+    """Stage-level attribute -> FQN for weights used by several layers of this stage."""
+
+
+def _layer_prefix(name: str) -> str:
+    return "" if name.startswith("(") else name
+
+
+def partition_graph(
+    gm: fx.GraphModule,
+    layer_of: Callable[[fx.Node], int],
+    layer_names: list[str],
+    stages: list[list[int]],
+) -> tuple[list[LayerGraph], list[StageSpec], fx.Node]:
+    """Assign nodes to layers and stages; return layer graphs, stage specs and the loss node."""
+    graph = gm.graph
+    n_layers = len(layer_names)
+    layer: dict[fx.Node, int] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = output.args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    loss = outs[0]
+    if not isinstance(loss, fx.Node):
+        raise LoweringError("the model's forward must return the loss tensor as its first output")
+    layers = [LayerGraph(i, layer_names[i]) for i in range(n_layers)]
+    for n in graph.nodes:
+        if n.op == "call_function":
+            if n.target in _DROP_TARGETS and not n.users:
+                continue
+            li = layer_of(n)
+            if not 0 <= li < n_layers:
+                raise LoweringError(f"node {n.name} was assigned to layer {li}, outside 0..{n_layers - 1}")
+            for a in n.all_input_nodes:
+                if a in layer and layer[a] > li:
+                    raise LoweringError(
+                        f"node {n.name} (layer {li}, {layer_names[li]}) reads {a.name} from the later "
+                        f"layer {layer[a]} ({layer_names[layer[a]]}); layers must form a chain")
+            layer[n] = li
+            layers[li].nodes.append(n)
+        elif n.op == "call_module":
+            if n.users:
+                raise LoweringError(f"unexpected submodule call {n.target} in the exported graph")
+        elif n.op not in ("placeholder", "get_attr", "output"):
+            raise LoweringError(f"unsupported node kind {n.op} ({n.name})")
+    # Weights: owned by the single layer that reads them, else shared within a stage.
+    stage_of_layer = {}
+    for k, (a, b) in enumerate(stages):
+        for i in range(a, b + 1):
+            stage_of_layer[i] = k
+    shared_attrs: dict[fx.Node, int] = {}
+    for n in graph.nodes:
+        if n.op != "get_attr":
+            continue
+        users = {layer[u] for u in n.users if u in layer}
+        if not users:
+            continue
+        if len(users) == 1:
+            li = users.pop()
+            prefix = _layer_prefix(layer_names[li])
+            local = n.target[len(prefix) + 1:] if prefix and n.target.startswith(prefix + ".") else n.target
+            layers[li].params[safe_ident(local)] = n.target
+            layer[n] = li
+        else:
+            st = {stage_of_layer[u] for u in users}
+            if len(st) > 1:
+                raise LoweringError(
+                    f"the weight {n.target} is shared by layers {sorted(users)}, which the plan places "
+                    f"in different pipeline stages {sorted(st)}; tied weights must stay in one stage "
+                    "(untie them in the model, or use a plan whose stages keep those layers together)")
+            shared_attrs[n] = st.pop()
+    # Inputs and outputs of each layer.
+    for lg in layers:
+        own = set(lg.nodes) | {n for n in graph.nodes if n.op == "get_attr" and layer.get(n) == lg.index}
+        seen = []
+        for n in lg.nodes:
+            for a in n.all_input_nodes:
+                if a not in own and a not in seen:
+                    seen.append(a)
+        lg.inputs = seen
+        lg.outputs = [n for n in lg.nodes
+                      if n is loss or any(u.op != "output" and layer.get(u, -1) > lg.index for u in n.users)]
+    # Stages.
+    specs = []
+    for k, (a, b) in enumerate(stages):
+        in_stage = {n for i in range(a, b + 1) for n in layers[i].nodes}
+        earlier = {n for i in range(0, a) for n in layers[i].nodes}
+        later_layers = range(b + 1, n_layers)
+        needed_later = {x for i in later_layers for x in layers[i].inputs}
+        used_here = {x for i in range(a, b + 1) for x in layers[i].inputs}
+        data = [p.name for p in placeholders if p in used_here]
+        recv = [n for n in graph.nodes if n in earlier and (n in used_here or n in needed_later)]
+        send = [n for n in graph.nodes if (n in earlier or n in in_stage) and n in needed_later]
+        if k == len(stages) - 1:
+            if loss not in in_stage:
+                raise LoweringError("the loss is not computed in the last stage")
+            send = [loss]
+        shared = {safe_ident(n.target): n.target for n, s in shared_attrs.items() if s == k}
+        specs.append(StageSpec(k, list(range(a, b + 1)), data, recv, send, shared))
+    return layers, specs, loss
+
+
+def _layer_graph_code(lg: LayerGraph, shared_names: dict[str, str], rewrite=None):
+    """Build the layer's own fx.Graph and return (python source of forward, globals, in names)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    in_names = []
+    counter = 0
+    for x in lg.inputs:
+        if x.op == "placeholder":
+            nm = safe_ident(x.name)
+        elif x.op == "get_attr":
+            nm = safe_ident(x.target)
+        else:
+            nm = "x" if counter == 0 else f"x{counter}"
+            counter += 1
+        env[x] = g.placeholder(nm)
+        in_names.append(nm)
+    attr_nodes = {fqn: name for name, fqn in lg.params.items()}
+    for n in lg.nodes:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr" and a not in env:
+                env[a] = g.get_attr(attr_nodes[a.target])
+        args = fx.node.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+        kwargs = {k: (_DEVICE if isinstance(v, torch.device) else v) for k, v in kwargs.items()}
+        new = g.create_node("call_function", n.target, args, kwargs)
+        new.meta = dict(n.meta)
+        env[n] = new
+    outs = [env[o] for o in lg.outputs]
+    g.output(outs[0] if len(outs) == 1 else tuple(outs))
+    if rewrite is not None:
+        rewrite(g, lg)
+    g.eliminate_dead_code()
+    pc = g.python_code(root_module="self")
+    return pc.src, pc.globals, in_names
+
+
+_ALLOWED_MODULES = ("torch", "runtime", "operator", "math", "builtins", "_operator")
+
+
+def imports_for(globals_: dict) -> list[str]:
+    """Import lines for the globals fx's code generator referenced (only trusted modules)."""
+    lines = []
+    for name, obj in sorted(globals_.items()):
+        if name in ("torch", "fx_pytree", "pytree"):
+            continue
+        if name in ("inf", "nan"):
+            lines.append(f"from math import {name}")
+        elif name == "device":
+            lines.append("from torch import device")
+        elif name == "NoneType":
+            lines.append("NoneType = type(None)")
+        elif callable(obj) and getattr(obj, "__module__", None):
+            mod = obj.__module__
+            if mod.split(".")[0] not in _ALLOWED_MODULES:
+                raise LoweringError(f"the graph calls {mod}.{obj.__name__}, which compiled code may not import")
+            lines.append(f"from {mod} import {obj.__name__} as {safe_ident(name)}")
+        else:
+            raise LoweringError(f"generated code would need the global {name!r} ({type(obj).__name__})")
+    return sorted(set(lines))
+
+
+def _tensor_ctor(t: torch.Tensor) -> str:
+    shape = tuple(int(d) for d in t.shape)
+    return f"torch.empty({shape!r}, dtype={t.dtype}, device=device)"
+
+
+def emit_stage_source(
+    gm: fx.GraphModule,
+    layers: list[LayerGraph],
+    spec: StageSpec,
+    *,
+    num_stages: int,
+    checkpoint_layers: set[int],
+    header: str,
+    param_shape: Callable[[str], torch.Tensor] | None = None,
+    rewrite=None,
+) -> tuple[str, dict]:
+    """Return (source of ``stage_<k>.py``, {module attribute path: original FQN})."""
+    get = param_shape or (lambda fqn: _get_tensor(gm, fqn))
+    classes: dict[str, str] = {}  # class body (normalized) -> class name
+    class_src: list[str] = []
+    all_globals: dict = {}
+    body_lines = []
+    init_lines = []
+    param_map: dict[str, str] = {}
+    value_name: dict[fx.Node, str] = {}
+
+    for attr, fqn in spec.shared.items():
+        t = get(fqn)
+        kind = "Parameter" if isinstance(t, torch.nn.Parameter) or t.requires_grad else "buffer"
+        if kind == "Parameter":
+            init_lines.append(f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})")
+        else:
+            init_lines.append(f"self.register_buffer({attr!r}, {_tensor_ctor(t)})")
+        param_map[attr] = fqn
+
+    def vname(n: fx.Node) -> str:
+        if n not in value_name:
+            value_name[n] = safe_ident(n.name, prefix="v_")
+        return value_name[n]
+
+    shared_by_fqn = {fqn: attr for attr, fqn in spec.shared.items()}
+    for li in spec.layers:
+        lg = layers[li]
+        src, glb, in_names = _layer_graph_code(lg, spec.shared, rewrite)
+        for k, v in glb.items():
+            if k in all_globals and all_globals[k] is not v:
+                raise LoweringError(f"conflicting generated global {k!r}")
+            all_globals[k] = v
+        # Parameters of this layer as constructor lines.
+        pinit = []
+        for local, fqn in lg.params.items():
+            t = get(fqn)
+            if isinstance(t, torch.nn.Parameter):
+                pinit.append(f"        self.{local} = torch.nn.Parameter({_tensor_ctor(t)})")
+            else:
+                pinit.append(f"        self.register_buffer({local!r}, {_tensor_ctor(t)})")
+        method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
+        body = ("    def __init__(self, device=None):\n        super().__init__()\n"
+                + ("\n".join(pinit) + "\n" if pinit else "") + "\n" + method + "\n")
+        kind = "Block" if not lg.name.startswith("(") and li not in (0, len(layers) - 1) else \
+            ("Pre" if li == 0 else ("Post" if li == len(layers) - 1 else "Layer"))
+        if body not in classes:
+            base = kind
+            name = base
+            i = 2
+            while name in classes.values():
+                name = f"{base}{i}"
+                i += 1
+            classes[body] = name
+            class_src.append((name, body, [lg.name]))
+        else:
+            for entry in class_src:
+                if entry[0] == classes[body]:
+                    entry[2].append(lg.name)
+        cls = classes[body]
+        attr = f"layer_{li}"
+        init_lines.append(f"self.{attr} = {cls}(device)  # {lg.name!r}"[:200])
+        for local, fqn in lg.params.items():
+            param_map[f"{attr}.{local}"] = fqn
+        # Call site in the stage's forward.
+        args = []
+        for x in lg.inputs:
+            if x.op == "get_attr":
+                args.append(f"self.{shared_by_fqn[x.target]}")
+            elif x.op == "placeholder":
+                args.append(safe_ident(x.name))
+            else:
+                args.append(vname(x))
+        outs = [vname(o) for o in lg.outputs]
+        lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
+        if li in checkpoint_layers:
+            body_lines.append(f"{lhs} = runtime.checkpoint(self.{attr}, {', '.join(args)})")
+        else:
+            body_lines.append(f"{lhs} = self.{attr}({', '.join(args)})")
+
+    recv_names = [vname(n) for n in spec.recv]
+    params = recv_names + [safe_ident(d) for d in spec.data_inputs]
+    sends = [vname(n) for n in spec.send]
+    ret = sends[0] if len(sends) == 1 and spec.index == num_stages - 1 else \
+        "(" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")"
+    out = [header.rstrip(), "", "import torch", "", "import runtime"]
+    used_src = "\n".join(body for _, body, _ in class_src)
+    out += imports_for({k: v for k, v in all_globals.items()
+                        if re.search(rf"\b{re.escape(k)}\b", used_src)})
+    out += ["", ""]
+    for name, body, names in class_src:
+        shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
+        out.append(f"class {name}(torch.nn.Module):")
+        out.append(f'    """Layer(s): {_doc_safe(shown)}."""')
+        out.append("")
+        out.append(body.rstrip())
+        out.append("")
+        out.append("")
+    cls_name = f"Stage{spec.index}"
+    out.append(f"class {cls_name}(torch.nn.Module):")
+    out.append(f'    """Pipeline stage {spec.index} of {num_stages}: layer-table rows '
+               f'{spec.layers[0]}..{spec.layers[-1]}."""')
+    out.append("")
+    out.append(f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}")
+    out.append(f"    RECV = {tuple(recv_names)!r}")
+    out.append(f"    SEND = {tuple(sends)!r}")
+    out.append("")
+    out.append("    def __init__(self, device=None):")
+    out.append("        super().__init__()")
+    out += ["        " + ln for ln in init_lines]
+    out.append("")
+    out.append(f"    def forward(self, {', '.join(params)}):")
+    out += ["        " + ln for ln in body_lines]
+    out.append(f"        return {ret}")
+    out.append("")
+    return "\n".join(out), param_map
+
+
+def _doc_safe(s: str) -> str:
+    return s.replace("\\", "/").replace('"""', "'''").replace("\n", " ")
+
+
+def _get_tensor(gm: fx.GraphModule, fqn: str) -> torch.Tensor:
+    mod_path, _, attr = fqn.rpartition(".")
+    mod = gm.get_submodule(mod_path) if mod_path else gm
+    return getattr(mod, attr)
+
+
+_ = operator  # generated code may reference operator.getitem through fx globals

@@ -1,0 +1,38 @@
+"""Identifiers that end up in generated source.
+
+Everything from the outside world (module paths and parameter names of a user's model, names in
+plan.json) passes through ``safe_ident`` before it is written into a ``.py`` file, so a crafted
+model or plan cannot inject code: the result always matches ``[A-Za-z_][A-Za-z0-9_]*``, is not a
+keyword and is not a dunder name. String literals go through ``repr`` of a ``str`` only.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+
+__all__ = ["safe_ident", "check_ident", "UnsafeNameError"]
+
+_BAD = re.compile(r"[^A-Za-z0-9_]")
+
+
+class UnsafeNameError(ValueError):
+    """A name that would not be a plain identifier in generated code."""
+
+
+def safe_ident(name: str, prefix: str = "p_") -> str:
+    """Map any string to a plain, non-keyword, non-dunder Python identifier."""
+    s = _BAD.sub("_", str(name)).strip("_") or "x"
+    if s[0].isdigit() or keyword.iskeyword(s) or s in ("self", "torch", "runtime"):
+        s = prefix + s
+    s = re.sub(r"_{2,}", "_", s)
+    check_ident(s)
+    return s
+
+
+def check_ident(s: str) -> str:
+    """Raise ``UnsafeNameError`` unless ``s`` is a plain identifier safe to emit."""
+    if not (isinstance(s, str) and s.isidentifier() and s.isascii() and not keyword.iskeyword(s)
+            and not s.startswith("__") and _BAD.search(s) is None):
+        raise UnsafeNameError(f"{s!r} is not a safe identifier for generated code")
+    return s

@@ -1,0 +1,18 @@
+"""Tensor-parallel rewriting of the exported graph (Megatron-style).
+
+``plan_tp_rewrite`` returns a per-layer graph rewrite and, for every original parameter that tp
+shards, how (``{"dim", "kind", "padded"}``), which the runtime uses to cut each rank's piece out
+of the original weights. With ``tp == 1`` nothing is rewritten.
+"""
+
+from __future__ import annotations
+
+__all__ = ["plan_tp_rewrite"]
+
+
+def plan_tp_rewrite(gm, layer_of, names, plan, bundle):
+    if plan.tp == 1:
+        return None, {}
+    from codegen.tp_rewrite import build_tp_rewrite
+
+    return build_tp_rewrite(gm, layer_of, names, plan, bundle)

@@ -1,0 +1,273 @@
+"""Hardware profiles: the numbers every cost model reads, kept as data files.
+
+A profile describes one *device* (a GPU, or one CPU process when training on CPU) and the links
+around it. The built-in kinds live in ``cost_models/profiles/<kind>.json``; ``planner calibrate``
+writes the same format for the machine it runs on, and ``load_hardware`` accepts either a kind
+name or a path to such a file.
+
+Units are SI throughout: FLOP/s, bytes, bytes per second, seconds. Bandwidths are *per device and
+per direction*: NVLink's "600 GB/s" (A100, bidirectional total) is 300 GB/s here, and a 200 Gb/s
+InfiniBand NIC per GPU is 25 GB/s. Latencies are the per-message (per ring step) start-up cost
+``alpha`` of the alpha-beta model in ``cost_models.comm``.
+
+File format (JSON object; ``tf32`` and ``calibration`` optional, every other key required)::
+
+    {"name": "a100-80gb",
+     "peak_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+     "memory_bytes": 85899345920, "memory_bandwidth": 2.039e12,
+     "intra_node_bandwidth": 3e11, "intra_node_latency": 3e-6,
+     "inter_node_bandwidth": 2.5e10, "inter_node_latency": 1e-5,
+     "gpus_per_node": 8, "compute_efficiency": 0.7, "source": "where the numbers come from"}
+
+Every problem with a profile raises ``ProfileError`` (a ``ValueError``) whose message names the
+file and the field, and says what a valid value looks like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "HardwareProfile",
+    "ProfileError",
+    "KNOWN_KINDS",
+    "PEAK_DTYPES",
+    "REQUIRED_PEAK_DTYPES",
+    "PROFILE_DIR",
+    "load_hardware",
+    "profile_path",
+]
+
+#: Folder of the built-in profiles shipped with the package.
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+#: Built-in hardware kinds (file stems in ``PROFILE_DIR``), as the CLI contract names them.
+KNOWN_KINDS: tuple[str, ...] = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "v100-32gb", "cpu")
+
+#: Data types a profile may give a peak for; ``tf32`` is optional (only fp32 matmuls that opt in).
+PEAK_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+REQUIRED_PEAK_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+class ProfileError(ValueError):
+    """A hardware profile could not be found, parsed or validated."""
+
+
+def _is_number(v: Any) -> bool:
+    # bool is an int subclass, but ``true`` is never a meaningful bandwidth.
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device type and its interconnect; every number is per device."""
+
+    name: str
+    """Identifier written into plan.json (``hardware.name``), e.g. ``a100-80gb``."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s by dtype: ``fp32``, ``bf16``, ``fp16`` required, ``tf32`` optional."""
+    memory_bytes: int
+    """Device memory capacity in bytes (what the planner must fit model state and activations in)."""
+    memory_bandwidth: float
+    """Device memory (HBM / DRAM) bandwidth in bytes/s: the roofline's memory ceiling."""
+    intra_node_bandwidth: float
+    """Bytes/s one device can send in one direction to a peer in the same node (NVLink)."""
+    intra_node_latency: float
+    """Seconds of start-up cost per message (per ring step) inside a node."""
+    inter_node_bandwidth: float
+    """Bytes/s one device can send in one direction to another node (its share of the NICs)."""
+    inter_node_latency: float
+    """Seconds of start-up cost per message (per ring step) between nodes."""
+    gpus_per_node: int
+    """Devices per node: consecutive global ranks ``k*G .. k*G+G-1`` share node ``k``."""
+    compute_efficiency: float
+    """Achievable fraction of peak FLOP/s for large matmuls, in (0, 1]."""
+    source: str = ""
+    """Where the numbers come from (datasheet, calibration run, ...)."""
+    calibration: dict[str, Any] | None = None
+    """Raw measurements behind a calibrated profile (``planner calibrate``); ``None`` otherwise."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ProfileError(f"field 'name' must be a non-empty string (got {self.name!r})")
+        if not isinstance(self.peak_flops, dict):
+            raise ProfileError(
+                "field 'peak_flops' must be an object of FLOP/s by dtype, e.g. "
+                f'{{"fp32": 1.95e13, "bf16": 3.12e14, "fp16": 3.12e14}} (got {self.peak_flops!r})'
+            )
+        for dt in REQUIRED_PEAK_DTYPES:
+            if dt not in self.peak_flops:
+                raise ProfileError(
+                    f"field 'peak_flops' is missing dtype {dt!r} "
+                    f"(required: {', '.join(REQUIRED_PEAK_DTYPES)}; optional: tf32)"
+                )
+        for dt, v in self.peak_flops.items():
+            if dt not in PEAK_DTYPES:
+                raise ProfileError(
+                    f"field 'peak_flops' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})"
+                )
+            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+                raise ProfileError(
+                    f"field 'peak_flops.{dt}' must be a positive number of FLOP/s (got {v!r})"
+                )
+        # A private float copy: the caller's dict can change without changing the profile.
+        object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
+        # JSON has one number type: accept an integral float for the integer fields.
+        for name in ("memory_bytes", "gpus_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, float) and v.is_integer():
+                object.__setattr__(self, name, int(v))
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ProfileError(f"field {name!r} must be a positive integer (got {v!r})")
+        for name in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+                raise ProfileError(f"field {name!r} must be a positive number of bytes/s (got {v!r})")
+        for name in ("intra_node_latency", "inter_node_latency"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or v < 0:
+                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {v!r})")
+        e = self.compute_efficiency
+        if not _is_number(e) or not (0 < e <= 1):
+            raise ProfileError(
+                f"field 'compute_efficiency' must be a number in (0, 1], the achievable fraction "
+                f"of peak (got {e!r})"
+            )
+        if not isinstance(self.source, str):
+            raise ProfileError(f"field 'source' must be a string (got {self.source!r})")
+        if self.calibration is not None and not isinstance(self.calibration, dict):
+            raise ProfileError(f"field 'calibration' must be an object or absent (got {self.calibration!r})")
+
+    def __hash__(self) -> int:
+        # Frozen but holds a dict: hash the numbers (equal profiles hash equal), so a profile
+        # can key an lru_cache in the planner.
+        return hash((
+            self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
+            self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
+            self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
+            self.compute_efficiency,
+        ))
+
+    # ----------------------------------------------------------------------------------------
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``)."""
+        try:
+            return float(self.peak_flops[dtype])
+        except KeyError:
+            raise ProfileError(
+                f"hardware {self.name!r} has no peak FLOP/s for dtype {dtype!r} "
+                f"(it has: {', '.join(sorted(self.peak_flops))})"
+            ) from None
+
+    def achievable_flops(self, dtype: str) -> float:
+        """``peak(dtype) * compute_efficiency``: the rate large matmuls actually reach."""
+        return self.peak(dtype) * self.compute_efficiency
+
+    def with_gpus_per_node(self, gpus_per_node: int) -> "HardwareProfile":
+        """A copy with another node size (the CLI's ``--gpus-per-node``), validated."""
+        return dataclasses.replace(self, gpus_per_node=gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object ``load_hardware`` reads back (``calibration`` only when present)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["peak_flops"] = dict(self.peak_flops)
+        if d["calibration"] is None:
+            del d["calibration"]
+        return d
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile as JSON to ``path`` (parent folders created) and return the path."""
+        p = Path(path)
+        if p.parent and not p.parent.exists():
+            p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return p
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = "<dict>") -> "HardwareProfile":
+        """Validate a parsed JSON object; errors are prefixed with ``origin`` (the file)."""
+        if not isinstance(data, dict):
+            raise ProfileError(
+                f"hardware profile {origin}: the top level must be a JSON object, got "
+                f"{type(data).__name__}"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        for key in data:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(names)})"
+                raise ProfileError(f"hardware profile {origin}: unknown field {key!r}{hint}")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ProfileError(
+                f"hardware profile {origin}: missing field{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(repr(m) for m in missing)} (required: {', '.join(required)})"
+            )
+        try:
+            return cls(**data)
+        except ProfileError as e:
+            raise ProfileError(f"hardware profile {origin}: {e}") from None
+
+
+def profile_path(kind: str) -> Path:
+    """Path of a built-in kind's JSON file."""
+    return PROFILE_DIR / f"{kind}.json"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ProfileError(
+            f"hardware profile file not found: {path} (pass a built-in kind "
+            f"({', '.join(KNOWN_KINDS)}) or the path of a profile JSON, e.g. one written by "
+            f"`planner calibrate --out profile.json`)"
+        ) from None
+    except IsADirectoryError:
+        raise ProfileError(f"hardware profile {path} is a directory, not a JSON file") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"hardware profile {path} is not UTF-8 text: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(
+            f"hardware profile {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        ) from None
+
+
+def load_hardware(kind_or_path: str | os.PathLike, gpus_per_node: int | None = None) -> HardwareProfile:
+    """Load a built-in kind (``a100-80gb`` ...) or a profile JSON file.
+
+    A string that is one of ``KNOWN_KINDS`` (any case) selects the packaged profile; anything that ends in
+    ``.json``, contains a path separator or names an existing file is read as a file. Anything
+    else is an unknown kind, and the error lists the known ones. ``gpus_per_node`` (the CLI's
+    ``--gpus-per-node``) overrides the profile's node size.
+    """
+    spec = os.fspath(kind_or_path)
+    if spec.strip().lower() in KNOWN_KINDS:
+        path = profile_path(spec.strip().lower())
+    elif spec.endswith(".json") or os.sep in spec or "/" in spec or os.path.exists(spec):
+        path = Path(spec)
+    else:
+        close = difflib.get_close_matches(spec.lower(), KNOWN_KINDS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ProfileError(
+            f"unknown hardware kind {spec!r}: known kinds are {', '.join(KNOWN_KINDS)}, "
+            f"or pass the path of a profile JSON file.{hint}"
+        )
+    profile = HardwareProfile.from_dict(_read_json(path), origin=str(path))
+    if gpus_per_node is not None:
+        try:
+            profile = profile.with_gpus_per_node(gpus_per_node)
+        except ProfileError as e:
+            raise ProfileError(f"--gpus-per-node override for {profile.name!r}: {e}") from None
+    return profile

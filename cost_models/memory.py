@@ -1,0 +1,222 @@
+"""Memory per device: model state under each ZeRO stage, and activations under 1F1B.
+
+Model state: bytes per parameter
+--------------------------------
+Training with AdamW keeps, per parameter (``b`` = bytes of the training dtype):
+
+===========  =======  =====  ===========  ==========  ==========  =====
+dtype        weights  grads  fp32 master  Adam m      Adam v      total
+===========  =======  =====  ===========  ==========  ==========  =====
+bf16, fp16   2        2      4            4           4           16
+fp32         4        4      (none)       4           4           16
+===========  =======  =====  ===========  ==========  ==========  =====
+
+In mixed precision the optimizer updates an fp32 master copy and writes the low-precision
+weights the forward uses; in fp32 the weights are the master copy. The three buckets reported
+are ``params`` (the training-dtype weights), ``grads`` and ``optimizer`` (master copy + moments).
+
+ZeRO over a data-parallel group of ``dp`` ranks shards these buckets across the group. Sharded
+state lives in a flat buffer padded to a multiple of ``dp`` elements, so each rank holds
+``ceil(P / dp)`` elements of it:
+
+- stage 0: nothing sharded.
+- stage 1: optimizer state sharded (master + moments).
+- stage 2: optimizer state and gradients sharded.
+- stage 3: optimizer state, gradients and weights sharded.
+
+Sharding leaves transient full-size buffers, which are counted when ``largest_layer_params``
+(the parameters of the biggest layer of this device's stage) is given and ``dp > 1``:
+
+- stage 3 all-gathers a layer's full weights just before it runs: one layer's worth of
+  training-dtype weights, or two when the next layer is prefetched (``prefetch=True``);
+- stages 2 and 3 produce a layer's full gradient in backward before reduce-scattering it:
+  one layer's worth of gradients.
+
+``num_params`` is what one device's model replica holds, i.e. after tensor parallelism and the
+pipeline split (TP divides the sharded matrices, not the replicated norms and biases).
+
+Activations under 1F1B
+----------------------
+With ``p`` stages and ``M`` micro-batches, stage ``i`` (0-based) runs ``p - i`` forwards before
+its first backward, so it holds the saved activations of up to ``min(p - i, M)`` micro-batches at
+once. A layer that recomputes keeps only its input (the activation crossing its boundary) for
+each micro-batch in flight, and re-materializes its full saved activations for one micro-batch
+at a time during backward, so the peak is::
+
+    inflight * sum_i (boundary_i if recompute_i else saved_i) + max_{i recomputed} saved_i
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from .compute import DTYPES, smax
+
+__all__ = [
+    "BYTES_PER_PARAM",
+    "bytes_per_param",
+    "shard_elements",
+    "model_state_bytes",
+    "inflight_microbatches",
+    "activation_bytes",
+    "stage_activation_bytes",
+    "split_by_tp",
+    "memory_breakdown",
+]
+
+#: Bytes per parameter of each state component, by training dtype (the table above).
+BYTES_PER_PARAM: dict[str, dict[str, int]] = {
+    "fp32": {"weights": 4, "grads": 4, "master": 0, "adam_m": 4, "adam_v": 4},
+    "bf16": {"weights": 2, "grads": 2, "master": 4, "adam_m": 4, "adam_v": 4},
+    "fp16": {"weights": 2, "grads": 2, "master": 4, "adam_m": 4, "adam_v": 4},
+}
+
+
+def bytes_per_param(dtype: str) -> dict[str, int]:
+    """The row of ``BYTES_PER_PARAM`` for ``dtype`` (a copy)."""
+    try:
+        return dict(BYTES_PER_PARAM[dtype])
+    except KeyError:
+        raise ValueError(f"unknown training dtype {dtype!r}: expected one of {', '.join(DTYPES)}") from None
+
+
+def _check_int(name: str, v: Any, lo: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo} (got {v!r})")
+
+
+def shard_elements(num_params: int, dp: int) -> int:
+    """Elements each rank holds of a flat buffer of ``num_params`` padded to a multiple of ``dp``."""
+    _check_int("num_params", num_params, 0)
+    _check_int("dp", dp, 1)
+    return math.ceil(num_params / dp) if num_params else 0
+
+
+def model_state_bytes(
+    num_params: int,
+    dtype: str,
+    zero_stage: int,
+    dp: int,
+    largest_layer_params: int = 0,
+    prefetch: bool = False,
+) -> dict[str, int]:
+    """Per-device bytes of ``params``, ``grads`` and ``optimizer`` state (see the module table).
+
+    Exact integers: replicated buckets are ``P * bytes``, sharded ones ``ceil(P / dp) * bytes``,
+    plus the transient layer buffers of stages 2 and 3 when ``largest_layer_params`` is given.
+    """
+    _check_int("num_params", num_params, 0)
+    _check_int("dp", dp, 1)
+    _check_int("largest_layer_params", largest_layer_params, 0)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (got {zero_stage!r})")
+    if largest_layer_params > num_params:
+        raise ValueError(
+            f"largest_layer_params ({largest_layer_params}) cannot exceed num_params ({num_params})"
+        )
+    t = bytes_per_param(dtype)
+    shard = shard_elements(num_params, dp)
+    sharded = dp > 1
+    opt_elems = shard if zero_stage >= 1 else num_params
+    grad_elems = shard if zero_stage >= 2 else num_params
+    weight_elems = shard if zero_stage >= 3 else num_params
+    params = weight_elems * t["weights"]
+    grads = grad_elems * t["grads"]
+    if sharded and zero_stage == 3:
+        params += (2 if prefetch else 1) * largest_layer_params * t["weights"]
+    if sharded and zero_stage >= 2:
+        grads += largest_layer_params * t["grads"]
+    optimizer = opt_elems * (t["master"] + t["adam_m"] + t["adam_v"])
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
+
+
+def inflight_microbatches(stage_index: int, num_stages: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage_index`` holds at once under 1F1B.
+
+    ``min(num_stages - stage_index, num_microbatches)``: the warm-up of stage ``i`` runs
+    ``p - i - 1`` forwards, then one more before the first backward frees anything.
+    """
+    _check_int("num_stages", num_stages, 1)
+    _check_int("num_microbatches", num_microbatches, 1)
+    if not isinstance(stage_index, int) or not (0 <= stage_index < num_stages):
+        raise ValueError(f"stage_index must be in 0..{num_stages - 1} (got {stage_index!r})")
+    return min(num_stages - stage_index, num_microbatches)
+
+
+def activation_bytes(
+    per_microbatch_saved_bytes: Any,
+    stage_index: int,
+    num_stages: int,
+    num_microbatches: int,
+    recompute_peak_bytes: Any = 0,
+) -> Any:
+    """Peak activation bytes of a stage: ``inflight * per_microbatch + recompute_peak``.
+
+    ``per_microbatch_saved_bytes`` is what the stage keeps for backward per micro-batch (with
+    recomputing layers counted by their boundary input only); ``recompute_peak_bytes`` is the
+    largest set of activations re-materialized at once during backward (0 without recompute).
+    Accepts sympy expressions.
+    """
+    k = inflight_microbatches(stage_index, num_stages, num_microbatches)
+    return k * per_microbatch_saved_bytes + recompute_peak_bytes
+
+
+def stage_activation_bytes(
+    saved_bytes: Sequence[Any],
+    boundary_bytes: Sequence[Any],
+    recompute: Sequence[bool],
+    stage_index: int,
+    num_stages: int,
+    num_microbatches: int,
+) -> Any:
+    """Peak activation bytes of one stage from its layers (see the module docstring's formula).
+
+    For each layer of the stage: ``saved_bytes[i]`` is what autograd keeps for one micro-batch,
+    ``boundary_bytes[i]`` the layer's input activation (what a checkpoint keeps), and
+    ``recompute[i]`` whether the layer recomputes. All per device, after the TP split.
+    """
+    if not (len(saved_bytes) == len(boundary_bytes) == len(recompute)):
+        raise ValueError(
+            f"saved_bytes, boundary_bytes and recompute must have one entry per layer "
+            f"(got {len(saved_bytes)}, {len(boundary_bytes)}, {len(recompute)})"
+        )
+    per_mb: Any = 0
+    peak: Any = 0
+    for s, b, r in zip(saved_bytes, boundary_bytes, recompute):
+        if r:
+            per_mb = per_mb + b
+            peak = smax(peak, s)
+        else:
+            per_mb = per_mb + s
+    return activation_bytes(per_mb, stage_index, num_stages, num_microbatches, peak)
+
+
+def split_by_tp(sharded_bytes: Any, replicated_bytes: Any, tp: int) -> Any:
+    """Per-device bytes under tensor parallelism: TP divides what it shards, not the rest.
+
+    Column- and row-parallel matmuls split their weights and the activations between them
+    (``sharded_bytes / tp``); layer norms, residual streams and biases of row-parallel layers
+    stay whole on every TP rank (``replicated_bytes``).
+    """
+    _check_int("tp", tp, 1)
+    if isinstance(sharded_bytes, int) and not isinstance(sharded_bytes, bool):
+        return -(-sharded_bytes // tp) + replicated_bytes
+    return sharded_bytes / tp + replicated_bytes
+
+
+def memory_breakdown(
+    num_params: int,
+    dtype: str,
+    zero_stage: int,
+    dp: int,
+    activations: Any,
+    largest_layer_params: int = 0,
+    prefetch: bool = False,
+) -> dict[str, Any]:
+    """plan.json's ``predicted.memory``: ``params, grads, optimizer, activations, total``."""
+    state = model_state_bytes(num_params, dtype, zero_stage, dp, largest_layer_params, prefetch)
+    out: dict[str, Any] = dict(state)
+    out["activations"] = activations
+    out["total"] = state["params"] + state["grads"] + state["optimizer"] + activations
+    return out

@@ -1,0 +1,455 @@
+"""``planner calibrate``: measure this machine and write a hardware profile for it.
+
+What is measured, with ``nproc`` local gloo processes each standing for one device (each gets
+``cpu_count // nproc`` intra-op threads, as ``runtime.dist.launch_local`` sets for training):
+
+- **Matmul throughput** per dtype (fp32, bf16, fp16; a dtype whose matmul fails is skipped) at a
+  few square sizes, all ranks at once so that they share the cores as they do in training.
+  ``peak_flops[dtype]`` is the best per-rank rate seen (``2 n^3`` FLOPs per ``n x n`` product),
+  and ``compute_efficiency`` is 1: the profile's peak is already an achieved rate.
+- **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time).
+- **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
+  ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
+  rank's mean over a few repetitions after a warm-up.
+
+Fitting alpha and beta. ``cost_models.comm`` models a collective of ``S`` bytes over ``n`` ranks
+as ``steps(n) * alpha + link_bytes(S, n) / B`` (``cost_models.comm.ring_terms``). Every
+measurement is one equation in the unknowns ``alpha`` and ``c = 1 / B``; we solve them jointly by
+least squares on *relative* residuals ``(steps*alpha + bytes*c - t) / t`` so that 4 KB latencies
+weigh as much as 16 MB transfers. If the fit makes ``alpha`` negative it is clamped to 0 and
+``c`` refit. The profile's intra-node latency and bandwidth are that fit; per-kind fits are kept
+in the profile's ``calibration`` section for inspection.
+
+A single machine has no network, so the inter-node link copies the intra-node one and
+``gpus_per_node`` is ``nproc`` (all ranks on one node). ``memory_bytes`` is physical RAM divided
+by ``nproc``. The result is written as JSON that ``cost_models.load_hardware(path)`` (and
+``planner plan --hardware profile.json``) accepts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import queue as queue_mod
+import re
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from cost_models.comm import ring_terms
+from cost_models.hardware import HardwareProfile, load_hardware
+
+__all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "fit_alpha_beta", "build_profile"]
+
+KB = 1 << 10
+MB = 1 << 20
+#: Collective kinds measured (``send`` = ping-pong between rank pairs).
+MEASURED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class CalibrationError(ValueError):
+    """Calibration could not run or its measurements could not be fitted."""
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """What to measure and how long to spend on it (picklable: sent to every rank)."""
+
+    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    """Square matmul sizes ``n`` (each product is ``n x n`` by ``n x n``)."""
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    """Matmul dtypes to time."""
+    matmul_budget_s: float = 0.15
+    """Seconds of repetitions per (dtype, size), after one warm-up product."""
+    copy_bytes: int = 32 * MB
+    """Size of the tensor copied to measure memory bandwidth."""
+    message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
+    """Collective sizes in bytes (full size: the reduced tensor or the gathered output)."""
+    max_reps: int = 20
+    """Most repetitions of one collective at one size."""
+    bytes_per_size: int = 48 * MB
+    """Repetitions at size ``S`` are ``clamp(bytes_per_size // S, 2, max_reps)``."""
+
+    @classmethod
+    def quick(cls) -> "CalibrationSpec":
+        """A few seconds of measurement (tests, smoke runs)."""
+        return cls(
+            matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
+            message_sizes=(4 * KB, 64 * KB, 1 * MB), max_reps=5, bytes_per_size=4 * MB,
+        )
+
+    def reps(self, size: int) -> int:
+        return max(2, min(self.max_reps, self.bytes_per_size // max(size, 1)))
+
+    def num_ticks(self) -> int:
+        """Progress-bar steps: one per (dtype, size), one copy, one per (kind, size)."""
+        return len(self.dtypes) * len(self.matmul_sizes) + 1 + len(MEASURED_KINDS) * len(self.message_sizes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker (runs in every spawned rank)
+# ----------------------------------------------------------------------------------------------
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    k = len(ys) // 2
+    return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
+
+
+def _timed_reps(fn, budget_s: float, min_reps: int, max_reps: int = 10_000) -> float:
+    """Median seconds of one ``fn()`` call, repeating for ``budget_s`` (at least ``min_reps``).
+
+    The median, not the mean: on a shared machine a rep that lost its core to another process
+    would otherwise drag the figure down.
+    """
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if len(times) >= min_reps and t1 - start >= budget_s:
+            break
+    return _median(times)
+
+
+def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` product in ``dtype_name`` (median rep)."""
+    import torch
+
+    dt = getattr(torch, _TORCH_DTYPES[dtype_name])
+    a = torch.randn(n, n).to(dt)
+    b = torch.randn(n, n).to(dt)
+    torch.mm(a, b)  # warm-up (and the place an unsupported dtype fails)
+    return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
+
+
+def _time_copy(nbytes: int, budget_s: float) -> float:
+    """Bytes/s of a tensor copy (read + write), median rep."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    return 2.0 * x.numel() * 4 / _timed_reps(lambda: y.copy_(x), budget_s, min_reps=3)
+
+
+def _mean_over_ranks(value: float) -> float:
+    """Mean of a per-rank float; NaN on any rank (a failed measurement) gives NaN."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _time_collective(kind: str, size: int, rank: int, world: int, reps: int) -> tuple[int, int, float]:
+    """``(actual_size_bytes, n, seconds)`` for one collective: the slowest rank's median of ``reps``."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(world, (size // 4) // world * world)  # fp32, divisible by world
+    nbytes = numel * 4
+    if kind == "all_reduce":
+        buf = torch.ones(numel)
+
+        def op():
+            dist.all_reduce(buf)
+    elif kind == "all_gather":
+        out, shard = torch.empty(numel), torch.ones(numel // world)
+        # torch 2.13 renamed the flat-tensor collectives (*_single); older ones have *_tensor.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+        def op():
+            gather(out, shard)
+    elif kind == "reduce_scatter":
+        full, shard = torch.ones(numel), torch.empty(numel // world)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+        def op():
+            scatter(shard, full)
+    elif kind == "send":
+        buf = torch.ones(numel)
+        peer = rank ^ 1  # pairs (0,1), (2,3), ...; with an odd world the last rank sits out
+        active = peer < world
+
+        def op():
+            if not active:
+                return
+            if rank % 2 == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+    else:  # pragma: no cover - MEASURED_KINDS is closed
+        raise ValueError(kind)
+    op()  # warm-up
+    dist.barrier()
+    # Every rank runs the same number of reps (a collective count must match across ranks).
+    secs = _max_over_ranks(_timed_reps(op, 0.0, min_reps=reps, max_reps=reps))
+    if kind == "send":
+        return nbytes, 2, secs / 2  # one way of a round trip
+    return nbytes, world, secs
+
+
+def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: str, progress_q) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    # Deprecation notices from torch.distributed internals would only clutter the progress bar.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+    def tick(label: str) -> None:
+        if rank == 0 and progress_q is not None:
+            progress_q.put(label)
+
+    result: dict[str, Any] = {"matmul": {}, "memory_bandwidth": None, "collectives": []}
+    for dt in spec.dtypes:
+        rates = {}
+        for n in spec.matmul_sizes:
+            dist.barrier()
+            try:
+                rate = _time_matmul(n, dt, spec.matmul_budget_s)
+            except (RuntimeError, TypeError, NotImplementedError):
+                rate = float("nan")
+            rates[str(n)] = _mean_over_ranks(rate)
+            tick(f"matmul {dt} {n}x{n}")
+        result["matmul"][dt] = rates
+    dist.barrier()
+    result["memory_bandwidth"] = _mean_over_ranks(_time_copy(spec.copy_bytes, spec.matmul_budget_s))
+    tick("memory copy")
+    for kind in MEASURED_KINDS:
+        for size in spec.message_sizes:
+            nbytes, n, secs = _time_collective(kind, size, rank, world, spec.reps(size))
+            result["collectives"].append({"kind": kind, "size_bytes": nbytes, "n": n, "seconds": secs})
+            tick(f"{kind} {_fmt_bytes(nbytes)}")
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------------------------
+# Fitting and the profile
+# ----------------------------------------------------------------------------------------------
+def fit_alpha_beta(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least-squares ``(alpha, bandwidth)`` from ``(steps, link_bytes, seconds)`` samples.
+
+    Minimizes ``sum(((steps * alpha + link_bytes * c) - t) / t)^2`` over ``alpha >= 0`` and
+    ``c = 1 / bandwidth > 0`` by the 2 x 2 normal equations (clamping ``alpha`` to 0 and refitting
+    ``c`` alone if needed). Raises ``CalibrationError`` if no positive bandwidth fits, e.g. when
+    times do not grow with size.
+    """
+    rows = [(s / t, b / t) for s, b, t in samples if t > 0]
+    if len(rows) < 2:
+        raise CalibrationError(f"need at least 2 timed messages to fit alpha and beta (got {len(rows)})")
+    # Residual r_i = x_i . (alpha, c) - 1 with x_i = (steps/t, bytes/t).
+    s11 = sum(x * x for x, _ in rows)
+    s12 = sum(x * y for x, y in rows)
+    s22 = sum(y * y for _, y in rows)
+    r1 = sum(x for x, _ in rows)
+    r2 = sum(y for _, y in rows)
+    det = s11 * s22 - s12 * s12
+    if det > 1e-12 * max(s11 * s22, 1e-300):
+        alpha = (r1 * s22 - r2 * s12) / det
+        c = (s11 * r2 - s12 * r1) / det
+    else:  # every sample has the same steps/bytes ratio: only the bandwidth is identifiable
+        alpha, c = -1.0, 1.0
+    if c > 0 and alpha < 0:
+        alpha = 0.0
+        c = r2 / s22 if s22 > 0 else 0.0
+    if c <= 0:
+        raise CalibrationError(
+            "could not fit a bandwidth: collective times do not grow with message size; "
+            "rerun on a quieter machine or with larger --message sizes"
+        )
+    return alpha, 1.0 / c
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, f in (("MB", MB), ("KB", KB)):
+        if n >= f:
+            return f"{n / f:g} {unit}"
+    return f"{n:g} B"
+
+
+def _finite(obj: Any) -> Any:
+    """A copy with NaN / inf floats replaced by ``None`` (strict JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and not (obj == obj and abs(obj) != float("inf")):
+        return None
+    return obj
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: CalibrationSpec) -> HardwareProfile:
+    """Turn the workers' raw measurements into a validated ``HardwareProfile``."""
+    import torch
+
+    peaks: dict[str, float] = {}
+    for dt, rates in raw["matmul"].items():
+        good = [r for r in rates.values() if r == r and r > 0]  # drop NaN (failed dtype)
+        if good:
+            peaks[dt] = max(good)
+    if "fp32" not in peaks:
+        raise CalibrationError("fp32 matmul could not be timed on this machine")
+    for dt in ("bf16", "fp16"):
+        if dt not in peaks:  # not measurable here: keep the base profile's ratio to fp32
+            peaks[dt] = peaks["fp32"] * base.peak(dt) / base.peak("fp32")
+
+    samples = []
+    per_kind: dict[str, dict[str, float]] = {}
+    for kind in MEASURED_KINDS:
+        ks = []
+        for m in raw["collectives"]:
+            if m["kind"] == kind:
+                steps, link_bytes = ring_terms(kind, m["size_bytes"], m["n"])
+                ks.append((steps, link_bytes, m["seconds"]))
+        samples += ks
+        try:
+            a, bw = fit_alpha_beta(ks)
+            per_kind[kind] = {"alpha_s": a, "bandwidth_Bps": bw}
+        except CalibrationError:
+            per_kind[kind] = {"alpha_s": float("nan"), "bandwidth_Bps": float("nan")}
+    alpha, bw = fit_alpha_beta(samples)
+
+    ram = _physical_memory()
+    memory_bytes = ram // nproc if ram else base.memory_bytes
+    host = socket.gethostname()
+    name = "calibrated-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", host).strip("-") or "host")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = (
+        f"Measured by `planner calibrate` on {host} ({platform.machine()}, {os.cpu_count()} logical "
+        f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
+        f"per-process matmul rate (so compute_efficiency = 1); memory_bandwidth = tensor copy; "
+        f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
+        f"send/recv times; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
+    )
+    calibration = {
+        "nproc": nproc,
+        "spec": asdict(spec),
+        "matmul_flops": raw["matmul"],
+        "collectives": raw["collectives"],
+        "fit_by_kind": per_kind,
+        "fit": {"alpha_s": alpha, "bandwidth_Bps": bw},
+    }
+    return HardwareProfile(
+        name=name,
+        peak_flops=peaks,
+        memory_bytes=int(memory_bytes),
+        memory_bandwidth=float(raw["memory_bandwidth"]),
+        intra_node_bandwidth=bw,
+        intra_node_latency=alpha,
+        inter_node_bandwidth=bw,
+        inter_node_latency=alpha,
+        gpus_per_node=nproc,
+        compute_efficiency=1.0,
+        source=source,
+        calibration=_finite(calibration),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+def _drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
+    if not enabled:
+        while not stop.is_set():
+            try:
+                q.get(timeout=0.1)
+            except queue_mod.Empty:
+                pass
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = (TextColumn("[bold]calibrate[/]"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("starting processes", total=total)
+        while not stop.is_set() or not q.empty():
+            try:
+                label = q.get(timeout=0.1)
+            except queue_mod.Empty:
+                continue
+            except (EOFError, OSError):
+                break
+            bar.update(task, advance=1, description=label)
+
+
+def run_calibration(
+    nproc: int,
+    out_path: str | os.PathLike,
+    base_kind: str = "cpu",
+    progress: bool = True,
+    quick: bool = False,
+    timeout_s: float = 300.0,
+    spec: CalibrationSpec | None = None,
+) -> HardwareProfile:
+    """Measure this machine with ``nproc`` local gloo processes and write a profile to ``out_path``.
+
+    ``base_kind`` supplies values that cannot be measured (a dtype whose matmul fails); ``quick``
+    trades accuracy for a few seconds of measurement; ``progress`` shows a rich progress bar on
+    stderr. Returns the profile (also saved as JSON that ``load_hardware(out_path)`` accepts).
+    """
+    from runtime.dist import LaunchError, launch_local
+
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 2:
+        raise CalibrationError(
+            f"calibrate needs --nproc >= 2 to time collectives between processes (got {nproc!r})"
+        )
+    cores = os.cpu_count() or 1
+    if nproc > 4 * cores:
+        raise CalibrationError(
+            f"--nproc {nproc} is more than 4 processes per CPU core ({cores} cores): the timings "
+            f"would measure the scheduler, not the machine; use at most {4 * cores}"
+        )
+    base = load_hardware(base_kind)
+    spec = spec or (CalibrationSpec.quick() if quick else CalibrationSpec())
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").Queue()
+    stop = threading.Event()
+    drain = threading.Thread(target=_drain_progress, args=(q, stop, spec.num_ticks(), progress), daemon=True)
+    drain.start()
+    with tempfile.TemporaryDirectory(prefix="planner-calibrate-") as tmp:
+        raw_file = os.path.join(tmp, "raw.json")
+        try:
+            launch_local(_calibrate_worker, nproc, (spec, raw_file, q), timeout_s=timeout_s,
+                         collective_timeout_s=min(timeout_s, 120.0))
+        except LaunchError as e:
+            raise CalibrationError(f"calibration processes failed: {e}") from None
+        finally:
+            stop.set()
+            drain.join(timeout=5)
+        raw = json.loads(Path(raw_file).read_text())
+    profile = build_profile(raw, nproc, base, spec)
+    profile.save(out_path)
+    return profile

@@ -1,0 +1,262 @@
+"""The ``planner`` command line: plan, compile, train, calibrate, validate, export.
+
+Every command turns bad input into one clear paragraph on stderr and exit status 2 (no
+traceback); a failed training run exits 1 with the reason. See README.md for examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from planner.errors import UserError
+
+__all__ = ["main", "build_parser"]
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {s!r}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help="gpt | gpt2 | gpt2-xl | gpt3-175b | hf:gpt2 | hf:llama | hf:bert | file.py:factory")
+    for flag, help_ in (("--layers", "transformer blocks"), ("--hidden", "model width"),
+                        ("--heads", "attention heads"), ("--kv-heads", "key/value heads (GQA, hf:llama)"),
+                        ("--ffn", "MLP inner width"), ("--vocab", "vocabulary size")):
+        p.add_argument(flag, type=_positive_int, default=None, help=help_)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="planner", description="Plan, compile and run parallel training "
+                                 "strategies for PyTorch models.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("plan", help="choose DP/TP/PP degrees, ZeRO stage, micro-batching and "
+                       "checkpointing for a cluster")
+    _add_model_args(p)
+    p.add_argument("--gpus", type=_positive_int, required=True, help="devices in the cluster")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node "
+                   "(default: the hardware profile's)")
+    p.add_argument("--hardware", required=True, metavar="KIND|profile.json",
+                   help="a100-40gb, a100-80gb, h100-sxm, h200, v100-32gb, cpu, or a profile JSON")
+    p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--dp", type=_positive_int, default=None, help="pin the data-parallel degree")
+    p.add_argument("--tp", type=_positive_int, default=None, help="pin the tensor-parallel degree")
+    p.add_argument("--pp", type=_positive_int, default=None, help="pin the pipeline degree")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
+    p.add_argument("--micro-batch", type=_positive_int, default=None, help="pin the micro-batch size")
+    p.add_argument("--checkpoint", choices=("auto", "none", "all"), default="auto",
+                   help="activation recompute: chosen per layer (auto), never, or every layer")
+    p.add_argument("--memory-headroom", type=float, default=0.9,
+                   help="usable fraction of device memory (default 0.9)")
+    p.add_argument("--tp-across-nodes", action="store_true", help="allow tensor parallelism across nodes")
+    p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("--json", action="store_true", help="print only the plan JSON on stdout")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the schedule and memory")
+
+    p = sub.add_parser("compile", help="lower a plan into per-stage Python modules")
+    p.add_argument("plan")
+    p.add_argument("--out", required=True, metavar="DIR")
+
+    p = sub.add_parser("train", help="train a plan on local processes or under torchrun")
+    p.add_argument("plan")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="spawn N local processes (gloo on CPU); without it, read torchrun's environment")
+    p.add_argument("--steps", type=_positive_int, required=True, help="total steps of the run")
+    p.add_argument("--metrics", default=None, metavar="FILE.jsonl")
+    p.add_argument("--data", default=None, metavar="PATH", help="token file (uint16 .bin/.u16, uint32 "
+                   ".u32, .npy) or UTF-8 text; default synthetic tokens")
+    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR")
+    p.add_argument("--save-every", type=_nonneg_int, default=0, metavar="K")
+    p.add_argument("--keep-last", type=_positive_int, default=2, metavar="K")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
+                   help="fail if any collective waits longer than this")
+    p.add_argument("--lr", type=_positive_float, default=3e-4)
+    p.add_argument("--min-lr", type=float, default=3e-5)
+    p.add_argument("--warmup", type=_nonneg_int, default=0, metavar="STEPS")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--compiled", default=None, metavar="DIR",
+                   help="where to compile the plan (default: a folder beside plan.json)")
+    p.add_argument("--no-memory-tracking", action="store_true", help="skip live-tensor tracking (faster)")
+
+    p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
+    p.add_argument("--nproc", type=_positive_int, default=2)
+    p.add_argument("--out", required=True, metavar="profile.json")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+
+    p = sub.add_parser("validate", help="run a plan here and compare predicted with measured")
+    p.add_argument("plan")
+    p.add_argument("--nproc", type=_positive_int, required=True)
+    p.add_argument("--steps", type=_positive_int, required=True)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--timeout", type=_positive_float, default=300.0)
+
+    p = sub.add_parser("export", help="export a plan or checkpoint to another format")
+    esub = p.add_subparsers(dest="format", metavar="FORMAT")
+    esub.required = True
+    e = esub.add_parser("deepspeed", help="write the equivalent DeepSpeed ds_config.json")
+    e.add_argument("plan")
+    e.add_argument("--out", default="ds_config.json")
+    e = esub.add_parser("weights", help="consolidate a checkpoint into one safetensors file")
+    e.add_argument("checkpoint")
+    e.add_argument("--out", default="model.safetensors")
+    return ap
+
+
+def _sizes(args) -> dict:
+    return {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+            if getattr(args, k, None) is not None}
+
+
+def cmd_plan(args) -> int:
+    from rich.console import Console
+
+    from planner.planning import plan_from_request
+    from planner.request import PlanRequest
+
+    req = PlanRequest(
+        spec=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node or 0, hardware=args.hardware,
+        global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, sizes=_sizes(args),
+        dp=args.dp, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
+        checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
+        tp_across_nodes=args.tp_across_nodes,
+    )
+    plan, hw = plan_from_request(req)
+    from planner.plan import save_plan
+
+    save_plan(plan, args.out)
+    if args.json:
+        sys.stdout.write(plan.to_json())
+    else:
+        from planner.report import render_plan
+
+        console = Console()
+        render_plan(plan, hw, console)
+        console.print(f"\nWrote [bold]{args.out}[/bold].")
+    if args.plot:
+        from planner.plot import plot_plan
+
+        plot_plan(plan, args.plot, hw=hw)
+        if not args.json:
+            print(f"Wrote {args.plot}.")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from codegen.compile import compile_plan
+    from planner.plan import load_plan
+
+    plan = load_plan(args.plan)
+    man = compile_plan(plan, args.out)
+    files = ", ".join(s["file"] for s in man["stages"])
+    print(f"Compiled {args.plan} into {args.out}: {files} + manifest.json (plan {man['plan_hash']}).")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from planner.train import run_train
+
+    return run_train(args)
+
+
+def cmd_calibrate(args) -> int:
+    from planner.calibrate import run_calibration
+
+    run_calibration(args.nproc, args.out, quick=args.quick)
+    print(f"Wrote {args.out}; use it with --hardware {args.out}.")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from planner.validate import run_validate
+
+    return run_validate(args)
+
+
+def cmd_export(args) -> int:
+    if args.format == "deepspeed":
+        from planner.deepspeed import launcher_command, to_deepspeed
+        from planner.plan import load_plan
+
+        plan = load_plan(args.plan)
+        cfg = to_deepspeed(plan)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, args.out)
+        print(f"Wrote {args.out}. Launch with:\n  {launcher_command(plan, args.out)}")
+        return 0
+    from planner.weights import export_weights
+
+    n = export_weights(args.checkpoint, args.out)
+    print(f"Wrote {args.out} ({n} tensors, original model names).")
+    return 0
+
+
+_COMMANDS = {"plan": cmd_plan, "compile": cmd_compile, "train": cmd_train, "calibrate": cmd_calibrate,
+             "validate": cmd_validate, "export": cmd_export}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = [UserError]
+    for mod, name in (("cost_models.hardware", "ProfileError"), ("runtime.data", "DataError"),
+                      ("runtime.compiled", "CompiledError"), ("codegen.lower", "LoweringError"),
+                      ("codegen.names", "UnsafeNameError")):
+        try:
+            errs.append(getattr(__import__(mod, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except _user_errors() as e:
+        print(f"planner {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"planner {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

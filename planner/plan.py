@@ -1,0 +1,332 @@
+"""The Plan: the planner's output, ``plan.json`` (schema_version 1), loaded back with validation.
+
+Every field of the contract in ``shared/CONVENTIONS.md`` is here with its meaning. ``Plan``
+checks its invariants in ``__post_init__`` (``dp*tp*pp == gpus``, ``global_batch == dp *
+micro_batch_size * num_micro_batches``, contiguous stages covering the layer table, ...), so a
+plan that exists is a plan the runtime can run. ``load_plan`` turns any malformed file into a
+``UserError`` that names the field and what it should be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from planner.errors import UserError
+
+__all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative",
+           "load_plan", "save_plan", "SCHEMA_VERSION", "DTYPES", "plan_hash"]
+
+SCHEMA_VERSION = 1
+DTYPES = ("bf16", "fp16", "fp32")
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
+TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer")
+
+
+def _fail(where: str, msg: str) -> None:
+    raise UserError(f"plan: {where} {msg}")
+
+
+def _check_int(where: str, v: Any, lo: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        _fail(where, f"must be an integer, got {v!r}.")
+    if lo is not None and v < lo:
+        _fail(where, f"must be >= {lo}, got {v}.")
+
+
+def _check_num(where: str, v: Any, lo: float | None = 0.0) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        _fail(where, f"must be a finite number, got {v!r}.")
+    if lo is not None and v < lo:
+        _fail(where, f"must be >= {lo}, got {v}.")
+
+
+def _check_str(where: str, v: Any) -> None:
+    if not isinstance(v, str) or not v:
+        _fail(where, f"must be a non-empty string, got {v!r}.")
+
+
+@dataclass
+class ModelInfo:
+    """What was planned: enough to rebuild the model without the original command line."""
+
+    spec: str
+    """Model spec as given to ``--model`` (``gpt2``, ``hf:llama``, ``file.py:factory`` ...)."""
+    params: int
+    """Total parameter count."""
+    layers: int
+    """Number of transformer blocks L (the layer table has L + 2 rows)."""
+    flops_per_step: float
+    """Forward + backward FLOPs of one global batch (without recompute)."""
+    sizes: dict = field(default_factory=dict)
+    """Size overrides used to build the model (``layers``, ``hidden``, ``heads`` ...)."""
+    layer_names: list = field(default_factory=list)
+    """Module path of each layer-table row (index 0 = pre, L + 1 = post)."""
+
+    def __post_init__(self):
+        _check_str("model.spec", self.spec)
+        _check_int("model.params", self.params, 0)
+        _check_int("model.layers", self.layers, 0)
+        _check_num("model.flops_per_step", self.flops_per_step)
+        if not isinstance(self.sizes, dict):
+            _fail("model.sizes", "must be an object.")
+        for k, v in self.sizes.items():
+            _check_int(f"model.sizes.{k}", v, 1)
+        if not isinstance(self.layer_names, list) or not all(isinstance(n, str) for n in self.layer_names):
+            _fail("model.layer_names", "must be a list of strings.")
+
+
+@dataclass
+class HardwareInfo:
+    """The cluster planned for."""
+
+    name: str
+    """Hardware kind (``a100-80gb`` ...) or the path of a profile JSON."""
+    gpus: int
+    """Total devices."""
+    gpus_per_node: int
+    """Devices per node; tensor-parallel groups stay inside a node by default."""
+
+    def __post_init__(self):
+        _check_str("hardware.name", self.name)
+        _check_int("hardware.gpus", self.gpus, 1)
+        _check_int("hardware.gpus_per_node", self.gpus_per_node, 1)
+
+
+@dataclass
+class Predicted:
+    """The cost model's prediction for the chosen strategy (per device, per step)."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    """Bytes on the most loaded device; equals ``memory['total']``."""
+    tflops_per_device: float
+    mfu: float
+    """Model FLOPs utilization: model FLOPs per second per device / peak FLOP/s."""
+    comm_bytes_per_device: float
+    """Bytes one device sends per step (ring convention)."""
+    bubble_fraction: float
+    """Idle fraction of the pipeline schedule: (p - 1) / (m + p - 1) for 1F1B."""
+    memory: dict
+    """Bytes by kind: params, grads, optimizer, activations, total."""
+    time: dict
+    """Seconds by part: compute, recompute, tp_comm, pp_bubble, dp_comm, optimizer."""
+
+    def __post_init__(self):
+        for k in ("step_time_s", "tflops_per_device", "mfu", "comm_bytes_per_device", "bubble_fraction"):
+            _check_num(f"predicted.{k}", getattr(self, k))
+        _check_int("predicted.peak_memory_bytes", self.peak_memory_bytes, 0)
+        for name, keys in (("memory", MEMORY_KEYS), ("time", TIME_KEYS)):
+            d = getattr(self, name)
+            if not isinstance(d, dict):
+                _fail(f"predicted.{name}", "must be an object.")
+            missing = [k for k in keys if k not in d]
+            if missing:
+                _fail(f"predicted.{name}", f"is missing {missing}.")
+            for k, v in d.items():
+                _check_num(f"predicted.{name}.{k}", v)
+        if self.memory["total"] != self.peak_memory_bytes:
+            _fail("predicted.memory.total", f"({self.memory['total']}) must equal "
+                  f"predicted.peak_memory_bytes ({self.peak_memory_bytes}).")
+
+
+@dataclass
+class SolverInfo:
+    name: str
+    """Solver used (``enumerate``, ``pulp-cbc``, ``pulp-highs``)."""
+    seconds: float
+    status: str
+    candidates: int
+    """Strategies evaluated."""
+
+    def __post_init__(self):
+        _check_str("solver.name", self.name)
+        _check_num("solver.seconds", self.seconds)
+        _check_str("solver.status", self.status)
+        _check_int("solver.candidates", self.candidates, 0)
+
+
+@dataclass
+class Alternative:
+    """A runner-up strategy and why it lost."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    micro_batch_size: int
+    step_time_s: float
+    reason: str
+
+    def __post_init__(self):
+        for k in ("dp", "tp", "pp", "micro_batch_size"):
+            _check_int(f"alternatives[].{k}", getattr(self, k), 1)
+        _check_int("alternatives[].zero_stage", self.zero_stage, 0)
+        _check_num("alternatives[].step_time_s", self.step_time_s)
+        _check_str("alternatives[].reason", self.reason)
+
+
+@dataclass
+class Plan:
+    """A complete parallelization strategy (the contents of plan.json)."""
+
+    model: ModelInfo
+    hardware: HardwareInfo
+    global_batch: int
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    seq_len: int
+    dtype: str
+    """Compute dtype: bf16, fp16 (with a dynamic loss scaler) or fp32."""
+    dp: int
+    """Data-parallel degree."""
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline-parallel degree (number of stages)."""
+    zero_stage: int
+    """0: replicated; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+    micro_batch_size: int
+    """Sequences per micro-batch on one data-parallel rank."""
+    num_micro_batches: int
+    """Micro-batches per step per data-parallel rank (gradient accumulation / pipeline depth)."""
+    stages: list
+    """``[[first, last], ...]``: inclusive layer-table indices of each pipeline stage."""
+    checkpoint_layers: list
+    """Layer-table indices whose activations are recomputed in backward."""
+    predicted: Predicted
+    solver: SolverInfo
+    alternatives: list = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.schema_version != SCHEMA_VERSION:
+            _fail("schema_version", f"is {self.schema_version!r}; this planner reads {SCHEMA_VERSION}. "
+                  "Re-run `planner plan` to produce a current plan.")
+        for k in ("global_batch", "seq_len", "dp", "tp", "pp", "micro_batch_size", "num_micro_batches"):
+            _check_int(k, getattr(self, k), 1)
+        _check_int("zero_stage", self.zero_stage, 0)
+        if self.zero_stage > 3:
+            _fail("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.")
+        if self.dtype not in DTYPES:
+            _fail("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.dp * self.tp * self.pp != self.hardware.gpus:
+            _fail("dp*tp*pp", f"= {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
+                  f"must equal hardware.gpus = {self.hardware.gpus}.")
+        if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch:
+            _fail("global_batch", f"({self.global_batch}) must equal dp * micro_batch_size * "
+                  f"num_micro_batches = {self.dp}*{self.micro_batch_size}*{self.num_micro_batches}.")
+        n_rows = self.model.layers + 2
+        if not isinstance(self.stages, list) or len(self.stages) != self.pp:
+            _fail("stages", f"must list one [first, last] pair per pipeline stage ({self.pp}).")
+        expect = 0
+        for i, st in enumerate(self.stages):
+            if not (isinstance(st, (list, tuple)) and len(st) == 2):
+                _fail(f"stages[{i}]", f"must be a [first, last] pair, got {st!r}.")
+            a, b = st
+            _check_int(f"stages[{i}][0]", a, 0)
+            _check_int(f"stages[{i}][1]", b, 0)
+            if a != expect or b < a:
+                _fail(f"stages[{i}]", f"= {list(st)} must start at layer {expect} and not end before it "
+                      "(stages are contiguous and cover the layer table).")
+            expect = b + 1
+        if expect != n_rows:
+            _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{n_rows - 1}.")
+        self.stages = [list(s) for s in self.stages]
+        if not isinstance(self.checkpoint_layers, list):
+            _fail("checkpoint_layers", "must be a list of layer indices.")
+        for i in self.checkpoint_layers:
+            _check_int("checkpoint_layers[]", i, 0)
+            if i >= n_rows:
+                _fail("checkpoint_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
+        if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
+            _fail("checkpoint_layers", "has duplicates.")
+        if self.pp > 1 and self.num_micro_batches < self.pp:
+            _fail("num_micro_batches", f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
+                  "pipeline; use more micro-batches or fewer stages.")
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        order = ["schema_version", "model", "hardware", "global_batch", "seq_len", "dtype", "dp",
+                 "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
+                 "checkpoint_layers", "predicted", "solver", "alternatives"]
+        return {k: d[k] for k in order}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Plan":
+        if not isinstance(d, dict):
+            _fail("file", "must hold a JSON object.")
+        d = dict(d)
+        subs = {"model": ModelInfo, "hardware": HardwareInfo, "predicted": Predicted, "solver": SolverInfo}
+        for key, sub in subs.items():
+            d[key] = _build(sub, d.get(key), key)
+        alts = d.get("alternatives", [])
+        if not isinstance(alts, list):
+            _fail("alternatives", "must be a list.")
+        d["alternatives"] = [_build(Alternative, a, f"alternatives[{i}]") for i, a in enumerate(alts)]
+        return _build(cls, d, "plan")
+
+    def describe_degrees(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage}"
+
+
+def _build(cls, d: Any, where: str):
+    if not isinstance(d, dict):
+        _fail(where, f"must be a JSON object, got {type(d).__name__}.")
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls)
+                if f.default is f.default_factory is __import__("dataclasses").MISSING}
+    missing = sorted(required - set(d))
+    if missing:
+        _fail(where, f"is missing the field(s) {missing}.")
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def load_plan(path: str) -> Plan:
+    """Read and validate a plan.json; every problem becomes a ``UserError``."""
+    if not os.path.exists(path):
+        raise UserError(f"Plan file {path!r} does not exist. Create one with `planner plan ... --out {path}`.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"Plan file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Cannot read plan file {path}: {e}.") from None
+    try:
+        return Plan.from_dict(data)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    except TypeError as e:  # an unexpected structure that slipped past the field checks
+        raise UserError(f"{path}: malformed plan ({e}).") from None
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    """Write atomically: a crash mid-write never leaves a truncated plan.json behind."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(plan.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def plan_hash(plan: Plan) -> str:
+    """Stable hash of the decisions (not the predictions) of a plan."""
+    d = plan.to_dict()
+    keep = {k: d[k] for k in ("model", "hardware", "global_batch", "seq_len", "dtype", "dp", "tp", "pp",
+                              "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
+                              "checkpoint_layers")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

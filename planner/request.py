@@ -1,0 +1,81 @@
+"""What the user asked ``planner plan`` for: the model, the cluster, the batch and the pins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.errors import UserError
+from planner.plan import DTYPES
+
+__all__ = ["PlanRequest", "CHECKPOINT_MODES"]
+
+CHECKPOINT_MODES = ("auto", "none", "all")
+
+
+@dataclass
+class PlanRequest:
+    """One planning problem. ``None`` pins are searched; set pins are fixed."""
+
+    spec: str
+    """Model spec (see ``planner.models.SPEC_HELP``)."""
+    gpus: int
+    """Devices in the cluster."""
+    gpus_per_node: int
+    """Devices per node (0: take the hardware profile's)."""
+    hardware: str
+    """Hardware kind or path of a profile JSON."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq_len: int
+    """Tokens per sequence."""
+    dtype: str = "bf16"
+    """Compute dtype."""
+    sizes: dict = field(default_factory=dict)
+    """Model size overrides (layers, hidden, heads, kv_heads, ffn, vocab)."""
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero_stage: int | None = None
+    micro_batch: int | None = None
+    checkpoint: str = "auto"
+    """``auto`` (the solver chooses per layer), ``none`` or ``all``."""
+    memory_headroom: float = 0.9
+    """Usable fraction of each device's memory."""
+    tp_across_nodes: bool = False
+    """Allow tensor-parallel groups that span nodes (slow; off by default)."""
+
+    def __post_init__(self):
+        if isinstance(self.gpus_per_node, int) and self.gpus_per_node < 0:
+            raise UserError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}.")
+        for k in ("gpus", "global_batch", "seq_len"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        for k in ("dp", "tp", "pp", "micro_batch"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise UserError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
+        if not 0.1 <= self.memory_headroom <= 1.0:
+            raise UserError(f"--memory-headroom must be in [0.1, 1.0], got {self.memory_headroom}.")
+        pins = {k: getattr(self, k) for k in ("dp", "tp", "pp")}
+        fixed = 1
+        for v in pins.values():
+            fixed *= v or 1
+        if all(v is not None for v in pins.values()) and fixed != self.gpus:
+            raise UserError(f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
+                            f"{self.gpus}; the three degrees must multiply to the number of devices.")
+        if self.gpus % fixed:
+            got = " x ".join(f"--{k} {v}" for k, v in pins.items() if v is not None)
+            raise UserError(f"{got} = {fixed} does not divide --gpus {self.gpus}.")
+        if self.dp is not None and self.global_batch % self.dp:
+            raise UserError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp}.")
+        if self.micro_batch is not None and self.dp is not None and \
+                self.global_batch % (self.dp * self.micro_batch):
+            raise UserError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
+                            f"--micro-batch {self.micro_batch}.")

@@ -1,0 +1,141 @@
+"""``planner train``: compile a plan, start one process per rank, train, report.
+
+Local runs (``--nproc N``) spawn N processes with a gloo group on a free port; without
+``--nproc`` the command expects torchrun's environment (``RANK``, ``WORLD_SIZE`` ...) so that
+``torchrun --nnodes ... -m planner train plan.json`` trains on many nodes. Every rank rebuilds
+the original model from the plan's spec and ``--seed`` (on CPU, fp32) and keeps only its shard,
+so all plans of one model and seed start from the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+
+from planner.errors import UserError
+from planner.plan import Plan, load_plan
+
+__all__ = ["run_train", "original_state", "compile_for_training", "train_options_from_args"]
+
+
+def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """The original model's parameters and buffers (fp32, CPU) for ``seed``, by original name."""
+    from planner.models import build_model
+
+    b = build_model(spec, seed=seed, **sizes)
+    state = {n: p.detach() for n, p in b.model.named_parameters()}
+    state.update({n: t for n, t in b.model.named_buffers()})
+    return state
+
+
+def compile_for_training(plan: Plan, plan_path: str, out: str | None) -> str:
+    from codegen.compile import compile_plan
+
+    out = out or os.path.splitext(os.path.abspath(plan_path))[0] + ".compiled"
+    compile_plan(plan, out)
+    return out
+
+
+def train_options_from_args(args):
+    from runtime.trainer import TrainOptions
+
+    return TrainOptions(
+        steps=args.steps, lr=args.lr, min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup,
+        weight_decay=args.weight_decay, max_grad_norm=args.clip if args.clip > 0 else None,
+        seed=args.seed, data_path=args.data, metrics_path=args.metrics,
+        checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep_last=args.keep_last,
+        resume=args.resume, timeout_s=args.timeout, track_memory=not args.no_memory_tracking,
+    )
+
+
+def _worker(rank: int, world: int, compiled: str, opts, spec: str, sizes: dict, seq_len: int,
+            show: bool) -> None:
+    from runtime.trainer import train_worker
+
+    reporter = _Reporter(opts.steps) if (rank == 0 and show) else None
+    try:
+        hist = train_worker(rank, world, compiled, opts,
+                            lambda: original_state(spec, sizes, seq_len, opts.seed),
+                            on_metrics=reporter.update if reporter else None)
+    finally:
+        if reporter:
+            reporter.close()
+    if rank == 0 and show and hist:
+        last = hist[-1]
+        print(f"done: {len(hist)} steps, final loss {last.loss:.4f}, "
+              f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, "
+              f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device", flush=True)
+
+
+class _Reporter:
+    """A rich progress bar with step, loss, tokens/s and memory (rank 0)."""
+
+    def __init__(self, steps: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                 transient=False, disable=not sys.stdout.isatty())
+        self.task = self.progress.add_task("train", total=steps, info="")
+        self.progress.start()
+        self.tty = sys.stdout.isatty()
+
+    def update(self, m) -> None:
+        info = (f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  "
+                f"mem {m.peak_memory_bytes / 2**20:.1f} MiB  lr {m.lr:.2e}")
+        self.progress.update(self.task, completed=m.step, info=info)
+        if not self.tty:
+            print(f"step {m.step}: {info}", flush=True)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def run_train(args) -> int:
+    from runtime.dist import LaunchError, init_distributed, launch_local, shutdown
+
+    plan = load_plan(args.plan)
+    world = plan.dp * plan.tp * plan.pp
+    if args.resume and not args.checkpoint_dir:
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
+    if args.save_every and not args.checkpoint_dir:
+        raise UserError("--save-every needs --checkpoint-dir DIR.")
+    if args.data is not None:
+        from runtime.data import TokenFile
+
+        TokenFile(args.data, plan.seq_len)  # fail fast, before any process starts
+    compiled = compile_for_training(plan, args.plan, getattr(args, "compiled", None))
+    opts = train_options_from_args(args)
+    if args.metrics and not args.resume and os.path.exists(args.metrics):
+        os.remove(args.metrics)
+    sizes = dict(plan.model.sizes)
+    worker_args = (compiled, opts, plan.model.spec, sizes, plan.seq_len, True)
+    if args.nproc is not None:
+        if args.nproc != world:
+            raise UserError(f"{args.plan} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
+                            f"but --nproc is {args.nproc}. Use --nproc {world} or re-plan with --gpus {args.nproc}.")
+        try:
+            launch_local(_worker, args.nproc, worker_args, timeout_s=max(600.0, 60.0 * args.steps),
+                         collective_timeout_s=args.timeout)
+        except LaunchError as e:
+            print(f"planner train: training failed: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if world != 1:
+            raise UserError(f"{args.plan} needs {world} processes: pass --nproc {world}, or launch under "
+                            f"torchrun (torchrun --nproc-per-node ... -m planner train {args.plan} ...).")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_PORT", str(__import__("runtime.dist").dist.free_port()))
+    env_world = int(os.environ["WORLD_SIZE"])
+    if env_world != world:
+        raise UserError(f"{args.plan} needs {world} processes (dp*tp*pp), but torchrun started {env_world}.")
+    ctx = init_distributed(timeout_s=args.timeout)
+    try:
+        _worker(ctx.rank, ctx.world_size, *worker_args)
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,103 @@
+"""Training data as a pure function of (seed, step).
+
+The global batch of step ``t`` is the same for every plan of a model: rank ``d`` of ``dp``
+data-parallel ranks takes rows ``[d * B/dp, (d + 1) * B/dp)`` and splits them into micro-batches.
+So plans that differ in dp, tp, pp or micro-batching see the same samples and, in fp32, produce
+the same losses.
+
+Sources:
+
+- ``SyntheticTokens``: uniform random tokens from a counter-based generator;
+- ``TokenFile``: a flat array of uint16/uint32 token ids (``.bin``/``.npy``, read with a numpy
+  memmap) or a UTF-8 text file read as bytes (byte-level tokens, vocabulary 256). Each sample is
+  a window of ``seq_len + 1`` tokens starting at an offset drawn from (seed, step, row).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+__all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice", "split_micro"]
+
+
+class DataError(ValueError):
+    """The data source cannot be used (the message names the file and the problem)."""
+
+
+def _rng(seed: int, step: int) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, step]))
+
+
+class SyntheticTokens:
+    def __init__(self, vocab: int, seq_len: int, seed: int = 0):
+        if vocab < 2:
+            raise DataError(f"synthetic data needs a vocabulary of at least 2 tokens, got {vocab}")
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+
+    def rows(self, step: int, start: int, stop: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start:stop`` of step ``step``'s global batch as (input_ids, labels)."""
+        tok = _rng(self.seed, step).integers(0, self.vocab, size=(global_batch, self.seq_len + 1))
+        t = torch.from_numpy(tok[start:stop].astype(np.int64))
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class TokenFile:
+    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab: int | None = None):
+        self.path, self.seq_len, self.seed = path, seq_len, seed
+        if not os.path.exists(path):
+            raise DataError(f"data file {path!r} does not exist")
+        if not os.access(path, os.R_OK):
+            raise DataError(f"data file {path!r} is not readable (check its permissions)")
+        try:
+            if path.endswith(".npy"):
+                arr = np.load(path, mmap_mode="r")
+            elif path.endswith((".bin", ".u16", ".u32")):
+                dt = np.uint32 if path.endswith(".u32") else np.uint16
+                arr = np.memmap(path, dtype=dt, mode="r")
+            else:
+                with open(path, "rb") as f:
+                    raw = f.read()
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path} is neither a token array (.bin/.u16 uint16, .u32 uint32, .npy) nor UTF-8 "
+                        f"text (invalid byte at offset {e.start})") from None
+                arr = np.frombuffer(raw, dtype=np.uint8)
+        except (OSError, ValueError) as e:
+            if isinstance(e, DataError):
+                raise
+            raise DataError(f"cannot read data file {path}: {e}") from None
+        if arr.ndim != 1:
+            raise DataError(f"{path}: token arrays must be flat (1-D), got shape {arr.shape}")
+        if arr.shape[0] < seq_len + 1:
+            raise DataError(f"{path} holds {arr.shape[0]} tokens, fewer than one sample of "
+                            f"seq_len + 1 = {seq_len + 1}")
+        self.tokens = arr
+        if vocab is not None and arr.shape[0]:
+            hi = int(arr.max())
+            if hi >= vocab:
+                raise DataError(f"{path} contains token id {hi}, outside the model's vocabulary of {vocab}")
+
+    def rows(self, step: int, start: int, stop: int, global_batch: int):
+        n = self.tokens.shape[0] - self.seq_len - 1
+        offs = _rng(self.seed, step).integers(0, n + 1, size=global_batch)[start:stop]
+        win = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offs])
+        t = torch.from_numpy(win)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def open_data(path: str | None, vocab: int, seq_len: int, seed: int):
+    return SyntheticTokens(vocab, seq_len, seed) if path is None else TokenFile(path, seq_len, seed, vocab)
+
+
+def rank_slice(global_batch: int, dp: int, dp_index: int) -> tuple[int, int]:
+    per = global_batch // dp
+    return dp_index * per, (dp_index + 1) * per
+
+
+def split_micro(t: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    return list(torch.split(t, micro_batch_size, dim=0))

@@ -1,0 +1,890 @@
+"""ZeRO data parallelism (stages 0-3) with mixed precision, written on ``runtime.comm``.
+
+Layout
+------
+The parameters of one pipeline stage are split into *groups* (one per layer, in forward order).
+Each group is a flat vector: its parameters concatenated in order and padded with zeros to
+``padded = ceil(numel / dp) * dp`` elements, so it splits into ``dp`` equal *shards* of
+``S = padded / dp`` elements; data-parallel rank ``r`` owns ``[r S, (r + 1) S)``. Every module
+parameter becomes a view of its group's flat buffer (``p.data = flat[off:off + n].view(shape)``),
+so collectives and the optimizer work on whole buffers without copies.
+
+What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtype)::
+
+    stage   compute params      fp32 master            grads                      AdamW m, v
+    0       P b (full)          = params if fp32        P b (full)                 8 P
+    1       P b (full)          P/dp shard*             P b (full)                 8 P / dp
+    2       P b (full)          P/dp shard*             4 P / dp (fp32 shard)      8 P / dp
+    3       gathered per layer  4 P / dp (the shard)    4 P / dp (fp32 shard)      8 P / dp
+    (* a view of the compute params when they are fp32, separate storage otherwise)
+
+Gradients
+---------
+Each rank's loss is the mean over its local samples; the engine *averages* gradients over dp,
+so dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward passes
+accumulate into the flat gradient buffers (``p.grad`` are views of them). A post-accumulate hook
+on every parameter counts the parameters of a group that received their gradient; when a group
+is complete its bucket may be reduced *while backward continues* (async collectives):
+
+- stage 0/1: all-reduce (sum, then divide by dp) of a *bucket* -- consecutive groups, contiguous
+  in one big gradient buffer, in backward order, about ``bucket_bytes`` each. Reduced once per
+  step: from the hooks of the last backward when ``micro_batches_per_step`` is set, else in
+  ``step()``.
+- stage 2/3: reduce-scatter of each bucket on *every* backward that is not inside ``no_sync()``
+  (a per-micro-batch reduce-scatter, as FSDP does): the result is added (divided by dp) to fp32
+  shard accumulators and the full gradient buffer of the group is freed, so gradients cost
+  ``4 P / dp`` plus the layers in flight. A bucket of several groups is laid out rank-major
+  (``[g1 shard r | g2 shard r]`` for each r) in a staging buffer, one collective for all.
+  Inside ``no_sync()`` full gradients accumulate instead and are reduce-scattered later.
+
+Buckets launch strictly in bucket order (a bucket whose groups finish early waits for the
+earlier buckets), so every rank issues the same collectives in the same order. The end of each
+backward (an autograd engine callback) launches what is left and waits for all of it.
+
+Step
+----
+``step()``: finish reductions; sum of squared gradients over the elements this rank *owns*
+(its shard; at stage 0 only dp rank 0 counts, the gradients being replicated; parameters that
+``replicated_param_filter`` marks as duplicated across tensor-parallel ranks count only on rank 0
+of ``replicated_group``) and a non-finite flag, both in one fp64 all-reduce over dp and then over
+each of ``norm_groups``. ``N = sqrt(sum) / loss_scale`` is the global gradient norm. If any rank
+saw inf/nan, every rank skips the step (and the loss scaler backs off). Otherwise gradients are
+multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))`` and AdamW
+(``runtime.optim.adamw_step_``) updates the fp32 masters; stage 0 copies them into the compute
+parameters, stage 1/2 all-gather the updated shards into the full flat buffers (async, overlapped
+with the next group's update), stage 3 keeps only the shard.
+
+ZeRO-3 parameter lifetime
+-------------------------
+A group's full buffer is materialized by an all-gather just before use and released after by
+resizing its storage to 0 bytes (the parameter views, and any view autograd saved, keep pointing
+at the same storage, which the next gather refills). Each group hooks the deepest module whose
+subtree holds all its parameters (the children, if that is a container such as ``ModuleList``):
+
+- forward pre-hook: gather (waiting for a prefetch), then prefetch the next group in the order
+  the previous forward used; forward post-hook: free, and hook the outputs so that the group is
+  gathered again when backward reaches them (and the group backward reaches next is prefetched);
+- once all its parameters have their gradient the group is freed again.
+
+The contract: a group's parameters are used only inside the forward of its module(s). Groups whose
+parameters share no module below the root are hooked on the root and stay gathered during the
+whole forward or backward. Activation checkpointing must be non-reentrant (the recomputation runs
+inside backward, where nothing is freed).
+
+Mixed precision
+---------------
+``param_dtype`` (fp32, bf16, fp16) is the compute dtype of parameters, gradients and
+collectives; masters, AdamW state and stage-2/3 gradient shards are fp32. Floating-point module
+buffers and forward inputs are cast to ``param_dtype``. fp16 uses ``DynamicLossScaler``: call
+``scale_loss(loss).backward()`` (or multiply by ``engine.loss_scale``).
+
+Assumption: every data-parallel rank runs the same graph (same modules, same parameters receive
+gradients), as with DDP; module weights must be identical on all dp ranks at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from runtime import comm
+from runtime.optim import FORMAT, adamw_step_, clip_coefficient, padded_numel, slice_shard
+from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
+
+__all__ = ["ZeroEngine", "StepInfo", "DynamicLossScaler", "ZeroError"]
+
+
+class ZeroError(RuntimeError):
+    """Misuse of the ZeRO engine (bad layer groups, calls in the wrong phase, bad state)."""
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one ``ZeroEngine.step`` did."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (unscaled); inf or nan when the step was skipped."""
+    skipped: bool
+    """True when some rank saw a non-finite gradient and no rank updated its parameters."""
+    loss_scale: float
+    """Loss scale to use for the next step (1.0 unless fp16)."""
+
+
+_FREE, _GATHERING, _GATHERED = 0, 1, 2
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class _Entry:
+    """One parameter's place in its group's flat buffer."""
+
+    __slots__ = ("name", "param", "shape", "offset", "numel")
+
+    def __init__(self, name: str, param: nn.Parameter, offset: int):
+        self.name, self.param, self.shape = name, param, param.shape
+        self.offset, self.numel = offset, param.numel()
+
+
+class _Group:
+    """A layer: its flat buffers, shard ranges and per-backward bookkeeping."""
+
+    def __init__(self, index: int, names: list[str], entries: list[_Entry], dp: int):
+        self.index, self.names, self.entries = index, names, entries
+        self.numel = sum(e.numel for e in entries)
+        self.padded = padded_numel(self.numel, dp)
+        self.shard = self.padded // dp
+        self.by_id = {id(e.param): e for e in entries}
+        self.full: torch.Tensor | None = None  # compute-dtype params, padded
+        self.master: torch.Tensor | None = None  # fp32 (stage 0: padded full, else the shard)
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None  # compute-dtype grads, padded
+        self.grad_shard: torch.Tensor | None = None  # stage 2/3: fp32 accumulator
+        self.norm_ranges: list[tuple[int, int]] | None = None  # None: the whole tensor
+        self.decay_ranges: list[tuple[int, int]] | None = None
+        self.hook_modules: list[str] = []
+        self.state = _GATHERED
+        self.gather_work = None
+        self.waiting: set[int] = set(self.by_id)  # params without a gradient in this backward
+        self.ready = False  # complete in this backward
+        self.dirty = False  # local gradients not yet reduced
+        self.visited = False  # stage 3: gathered or finished in this backward
+
+
+class ZeroEngine:
+    """ZeRO stage 0-3 data parallelism for one pipeline stage's module (see the module docstring).
+
+    Args:
+        module: the stage's module, parameters in fp32, identical on every dp rank.
+        layers: parameter names per layer, in forward order; every parameter in exactly one
+            group (aliases of tied parameters accepted). ``None``: the parameters directly on
+            ``module`` form a first group, then one group per top-level child.
+        dp_group: data-parallel process group (``None``: dp = 1, no communication).
+        zero_stage: 0, 1, 2 or 3.
+        param_dtype: compute dtype (``torch.float32``, ``torch.bfloat16``, ``torch.float16``).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        max_grad_norm: clip the global gradient norm to this (``None``: no clipping).
+        norm_groups: further process groups whose ranks hold other parts of the model (tensor
+            and pipeline parallel); squared norms and the overflow flag are summed over them.
+        replicated_param_filter: ``name -> bool``; True for parameters duplicated on every rank
+            of ``replicated_group`` (e.g. LayerNorm weights under tensor parallelism). They count
+            once in the gradient norm, on rank 0 of that group only.
+        replicated_group: the group those parameters are duplicated across (default: the tensor
+            parallel group of ``runtime.mesh.get_mesh()``).
+        weight_decay_filter: ``name -> bool``; False exempts a parameter from weight decay
+            (default: every parameter decays).
+        bucket_bytes: target size of one gradient reduction (groups are merged up to it).
+        loss_scaler: loss scaler for fp16 (default for fp16: ``DynamicLossScaler()``); must be
+            ``None`` for other dtypes.
+        prefetch: stage 3 only: gather the next layer asynchronously while this one computes.
+        micro_batches_per_step: number of backward passes per step; when set, stage 0/1 reduce
+            gradients from the hooks of the last one (overlapped with backward) instead of in
+            ``step()``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layers: Sequence[Sequence[str]] | None = None,
+        dp_group=None,
+        zero_stage: int = 0,
+        param_dtype: torch.dtype = torch.float32,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        norm_groups: Iterable = (),
+        replicated_param_filter: Callable[[str], bool] | None = None,
+        replicated_group=None,
+        weight_decay_filter: Callable[[str], bool] | None = None,
+        bucket_bytes: int = 25 * 2**20,
+        loss_scaler: DynamicLossScaler | None = None,
+        prefetch: bool = True,
+        micro_batches_per_step: int | None = None,
+    ):
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if micro_batches_per_step is not None and micro_batches_per_step < 1:
+            raise ValueError(f"micro_batches_per_step must be >= 1, got {micro_batches_per_step}")
+        self.module = module
+        self.stage = zero_stage
+        self.dtype = check_compute_dtype(param_dtype)
+        self.lr, self.beta1, self.beta2 = float(lr), float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay, self.max_grad_norm = float(eps), float(weight_decay), max_grad_norm
+        self.bucket_bytes, self.prefetch = int(bucket_bytes), bool(prefetch)
+        self.micro_batches_per_step = micro_batches_per_step
+        if loss_scaler is None and self.dtype == torch.float16:
+            loss_scaler = DynamicLossScaler()
+        if loss_scaler is not None and self.dtype != torch.float16:
+            raise ValueError(f"a loss scaler is only used with fp16, not {dtype_name(self.dtype)}")
+        self.scaler = loss_scaler
+        self.dp_group = dp_group
+        self.dp = comm.group_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
+        self.norm_groups = [g for g in norm_groups if g is not None and comm.group_size(g) > 1]
+        if replicated_param_filter is not None and replicated_group is None:
+            from runtime.mesh import get_mesh
+
+            replicated_group = get_mesh().tp_group
+        rep_rank = dist.get_rank(replicated_group) if replicated_group is not None else 0
+        self.step_count = 0
+        self._no_sync = False
+        self._backwards = 0  # backward passes since the last step / zero_grad
+        self._cb_task: int | None = None  # graph task whose end callback is queued
+        self._sync_this_backward = False
+        self._inflight: list[tuple] = []
+        self._next_bucket = 0
+        self._hooks: list = []
+        self._fwd_order: list[int] = []
+        self._fwd_seen: set[int] = set()
+        self._last_order: list[int] = []
+
+        params = self._build_groups(layers)
+        dev = {p.device for _, p in params}
+        if len(dev) != 1:
+            raise ZeroError(f"all parameters of a stage must be on one device, found {sorted(map(str, dev))}")
+        self.device = dev.pop()
+        self._setup_ranges(replicated_param_filter, rep_rank, weight_decay_filter)
+        with torch.no_grad():
+            self._allocate()
+            if self.dtype != torch.float32:
+                for m in module.modules():
+                    for k, b in m._buffers.items():
+                        if b is not None and b.is_floating_point():
+                            m._buffers[k] = b.to(self.dtype)
+        self._buckets = self._make_buckets()
+        self._register_hooks()
+
+    # ------------------------------------------------------------------ construction
+    def _build_groups(self, layers) -> list[tuple[str, nn.Parameter]]:
+        canonical = list(self.module.named_parameters())
+        if not canonical:
+            raise ZeroError("the module has no parameters; a ZeRO engine has nothing to manage")
+        by_alias: dict[str, nn.Parameter] = dict(self.module.named_parameters(remove_duplicate=False))
+        canon_name = {id(p): n for n, p in canonical}
+        frozen = [n for n, p in canonical if not p.requires_grad]
+        if frozen:
+            raise ZeroError(f"frozen parameters are not supported (requires_grad=False): {frozen[:5]}")
+        if layers is None:
+            root = [n for n in canon_name.values() if "." not in n]
+            layers = [root] if root else []
+            for child, _ in self.module.named_children():
+                names = [n for n in canon_name.values() if n.startswith(child + ".")]
+                if names:
+                    layers.append(names)
+        seen: dict[int, str] = {}
+        groups = []
+        for gi, names in enumerate(layers):
+            names = list(names)
+            if not names:
+                raise ZeroError(f"layer group {gi} is empty; drop it or give it parameter names")
+            entries, offset = [], 0
+            for n in names:
+                if n not in by_alias:
+                    raise ZeroError(
+                        f"layer group {gi} names {n!r}, which is not a parameter of the module "
+                        f"(parameters are e.g. {list(canon_name.values())[:4]})"
+                    )
+                p = by_alias[n]
+                if id(p) in seen:
+                    raise ZeroError(f"parameter {n!r} appears in layer groups twice (also as {seen[id(p)]!r})")
+                seen[id(p)] = n
+                entries.append(_Entry(canon_name[id(p)], p, offset))
+                offset += p.numel()
+            g = _Group(gi, names, entries, self.dp)
+            g.hook_modules = self._hook_modules(names)
+            groups.append(g)
+        missing = [n for n, p in canonical if id(p) not in seen]
+        if missing:
+            raise ZeroError(f"parameters in no layer group: {missing[:8]} ({len(missing)} in all)")
+        self.groups: list[_Group] = groups
+        return canonical
+
+    def _hook_modules(self, names: list[str]) -> list[str]:
+        """Deepest module(s) holding all ``names``; containers are replaced by their children."""
+        paths = [n.split(".")[:-1] for n in names]
+        prefix = paths[0]
+        for p in paths[1:]:
+            k = 0
+            while k < min(len(prefix), len(p)) and prefix[k] == p[k]:
+                k += 1
+            prefix = prefix[:k]
+        mod = self.module.get_submodule(".".join(prefix))
+        if prefix and isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            heads = sorted({tuple(p[: len(prefix) + 1]) for p in paths})
+            out: list[str] = []
+            for h in heads:
+                sub = [n for n, p in zip(names, paths) if tuple(p[: len(prefix) + 1]) == h]
+                out.extend(x for x in self._hook_modules(sub) if x not in out)
+            return out
+        return [".".join(prefix)]
+
+    def _setup_ranges(self, replicated, rep_rank: int, decays) -> None:
+        r = self.dp_rank
+        for g in self.groups:
+            lo, hi = (0, g.padded) if self.stage == 0 else (r * g.shard, (r + 1) * g.shard)
+            norm, decay, all_norm, all_decay = [], [], True, True
+            for e in g.entries:
+                a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+                if a >= b:
+                    continue
+                counted = (self.stage > 0 or r == 0) and not (
+                    replicated is not None and rep_rank != 0 and replicated(e.name)
+                )
+                if counted:
+                    norm.append((a - lo, b - lo))
+                all_norm &= counted
+                if decays is None or decays(e.name):
+                    decay.append((a - lo, b - lo))
+                else:
+                    all_decay = False
+            g.norm_ranges = None if all_norm and (self.stage > 0 or r == 0) else _merge(norm)
+            g.decay_ranges = None if all_decay else _merge(decay)
+
+    def _allocate(self) -> None:
+        dt, dev, r = self.dtype, self.device, self.dp_rank
+        flats32 = []
+        for g in self.groups:
+            f = torch.zeros(g.padded, dtype=torch.float32, device=dev)
+            for e in g.entries:
+                f[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            flats32.append(f)
+        if self.stage < 3:
+            total = sum(g.padded for g in self.groups)
+            self._flat = torch.zeros(total, dtype=dt, device=dev)
+            self._flat_grad = torch.zeros(total, dtype=dt, device=dev) if self.stage < 2 else None
+            base = 0
+            for g, f in zip(self.groups, flats32):
+                g.base = base
+                g.full = self._flat[base : base + g.padded]
+                g.full.copy_(f)
+                if self.stage == 0:
+                    g.master = g.full if dt == torch.float32 else f
+                else:
+                    sl = slice(r * g.shard, (r + 1) * g.shard)
+                    g.master = g.full[sl] if dt == torch.float32 else f[sl].clone()
+                if self._flat_grad is not None:
+                    g.grad_full = self._flat_grad[base : base + g.padded]
+                base += g.padded
+        else:
+            self._flat = self._flat_grad = None
+            for g, f in zip(self.groups, flats32):
+                g.master = f[r * g.shard : (r + 1) * g.shard].clone()
+                g.full = torch.empty(g.padded, dtype=dt, device=dev)
+        for g in self.groups:
+            g.exp_avg = torch.zeros_like(g.master)
+            g.exp_avg_sq = torch.zeros_like(g.master)
+            if self.stage >= 2:
+                g.grad_shard = torch.zeros(g.shard, dtype=torch.float32, device=dev)
+            for e in g.entries:
+                e.param.data = g.full[e.offset : e.offset + e.numel].view(e.shape)
+                e.param.grad = None
+                if g.grad_full is not None:
+                    e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
+            if self.stage == 3:
+                g.full.untyped_storage().resize_(0)
+                g.state = _FREE
+
+    def _make_buckets(self) -> list[list[int]]:
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        buckets, cur, size = [], [], 0
+        for g in reversed(self.groups):
+            cur.append(g.index)
+            size += g.padded * esize
+            if size >= self.bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            buckets.append(cur)
+        self._bucket_of = {gi: b for b, bucket in enumerate(buckets) for gi in bucket}
+        return buckets
+
+    def _register_hooks(self) -> None:
+        m = self.module
+        self._hooks.append(m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        for g in self.groups:
+            for e in g.entries:
+                self._hooks.append(
+                    e.param.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g, p))
+                )
+        if self.stage == 3:
+            by_module: dict[str, list[_Group]] = {}
+            for g in self.groups:
+                for name in g.hook_modules:
+                    by_module.setdefault(name, []).append(g)
+            for name, groups in by_module.items():
+                sub = m.get_submodule(name)
+                self._hooks.append(sub.register_forward_pre_hook(lambda mod, args, gs=groups: self._pre_forward(gs)))
+                self._hooks.append(sub.register_forward_hook(lambda mod, args, out, gs=groups: self._post_forward(gs, out)))
+        self._hooks.append(m.register_forward_hook(self._root_post_forward))
+
+    def close(self) -> None:
+        """Remove every hook the engine put on the module and its parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ forward (stage 3)
+    def _root_pre_forward(self, module, args, kwargs):
+        if not _in_backward():
+            self._fwd_order, self._fwd_seen = [], set()
+        if self.dtype != torch.float32:
+            return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        return None
+
+    def _root_post_forward(self, module, args, out):
+        if _in_backward() or self.stage != 3:
+            return
+        if self._fwd_order:
+            self._last_order = list(self._fwd_order)
+        for g in self.groups:  # prefetched but not used in this forward
+            self._free(g)
+
+    def _pre_forward(self, groups: list[_Group]) -> None:
+        in_bwd = _in_backward()
+        for g in groups:
+            self._gather(g)
+            self._wait_gather(g)
+            if not in_bwd and g.index not in self._fwd_seen:
+                self._fwd_seen.add(g.index)
+                self._fwd_order.append(g.index)
+        if self.prefetch and not in_bwd:
+            order = self._last_order or list(range(len(self.groups)))
+            last = groups[-1].index
+            if last in order:
+                pos = order.index(last)
+                if pos + 1 < len(order):
+                    self._gather(self.groups[order[pos + 1]], async_op=True)
+
+    def _post_forward(self, groups: list[_Group], out) -> None:
+        if _in_backward():
+            return  # recomputation inside backward: keep the parameters for the backward ops
+        for g in groups:
+            self._free(g)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, gs=groups: self._backward_gather(gs))
+
+    def _backward_gather(self, groups: list[_Group]) -> None:
+        self._begin_backward()
+        for g in groups:
+            self._gather(g)
+            self._wait_gather(g)
+            g.visited = True
+        if self.prefetch:
+            for gi in reversed(self._last_order or list(range(len(self.groups)))):
+                g = self.groups[gi]
+                if not g.visited:
+                    self._gather(g, async_op=True)
+                    break
+
+    def _gather(self, g: _Group, async_op: bool = False) -> None:
+        """Materialize group ``g``'s full compute-dtype parameters (stage 3)."""
+        if self.stage != 3 or g.state != _FREE:
+            return
+        with torch.no_grad():
+            g.full.untyped_storage().resize_(g.padded * g.full.element_size())
+            if self.dp == 1:
+                g.full.copy_(g.master)
+                g.state = _GATHERED
+                return
+            if self.dtype == torch.float32:
+                src = g.master
+            else:
+                src = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
+                src.copy_(g.master)
+            g.gather_work = comm.all_gather_into(g.full, src, self.dp_group, async_op=async_op)
+        g.state = _GATHERING if async_op else _GATHERED
+        if not async_op:
+            g.gather_work = None
+
+    def _wait_gather(self, g: _Group) -> None:
+        if g.state == _GATHERING:
+            comm.wait(g.gather_work)
+            g.gather_work, g.state = None, _GATHERED
+
+    def _free(self, g: _Group) -> None:
+        if self.stage != 3 or g.state == _FREE:
+            return
+        self._wait_gather(g)
+        g.full.untyped_storage().resize_(0)
+        g.state = _FREE
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes run inside only accumulate gradients locally (no communication)."""
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def _begin_backward(self) -> None:
+        """First hook of a backward pass: decide whether it reduces, queue the end callback."""
+        task = torch._C._current_graph_task_id()
+        if task == self._cb_task:
+            return
+        self._cb_task = task
+        self._backwards += 1
+        if self._no_sync or self.dp == 1 and self.stage < 2:
+            self._sync_this_backward = False
+        elif self.stage < 2:
+            self._sync_this_backward = self._backwards == self.micro_batches_per_step
+        else:
+            self._sync_this_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, g: _Group, p: nn.Parameter) -> None:
+        self._begin_backward()
+        e = g.by_id[id(p)]
+        if g.grad_full is None:  # stage 2/3: the group's first gradient since its last reduction
+            g.grad_full = torch.zeros(g.padded, dtype=self.dtype, device=self.device)
+            for x in g.entries:
+                if x is not e:
+                    x.param.grad = g.grad_full[x.offset : x.offset + x.numel].view(x.shape)
+        view = g.grad_full[e.offset : e.offset + e.numel]
+        if p.grad is None:
+            raise ZeroError(f"parameter {e.name!r} has no gradient in its post-accumulate hook")
+        if p.grad.data_ptr() != view.data_ptr():  # created by autograd (or the user reset .grad)
+            with torch.no_grad():
+                view.copy_(p.grad.reshape(-1))
+            p.grad = view.view(e.shape)
+        g.dirty = True
+        g.waiting.discard(id(p))
+        if not g.waiting and not g.ready:
+            g.ready = True
+            g.visited = True
+            self._free(g)
+            if self._sync_this_backward:
+                self._launch_buckets(only_ready=True)
+
+    def _end_backward(self) -> None:
+        sync = self._sync_this_backward
+        self._cb_task = None
+        if sync:
+            self._launch_buckets(only_ready=False)
+            self._drain()
+        for g in self.groups:
+            g.waiting, g.ready, g.visited = set(g.by_id), False, False
+            self._free(g)
+        self._next_bucket = 0
+
+    def _launch_buckets(self, only_ready: bool) -> None:
+        while self._next_bucket < len(self._buckets):
+            bucket = [self.groups[i] for i in self._buckets[self._next_bucket]]
+            if only_ready and not all(g.ready for g in bucket):
+                return
+            self._next_bucket += 1
+            if any(g.dirty for g in bucket):
+                self._reduce_bucket(bucket)
+        self._poll()
+
+    def _reduce_bucket(self, bucket: list[_Group]) -> None:
+        """Launch the reduction of one bucket (async); its completion is handled by ``_finish``."""
+        for g in bucket:
+            g.dirty = False
+        if self.stage < 2:
+            if self.dp == 1:
+                return
+            lo = min(g.base for g in bucket)
+            hi = max(g.base + g.padded for g in bucket)
+            flat = self._flat_grad[lo:hi]
+            work = comm.all_reduce(flat, self.dp_group, async_op=True)
+            self._inflight.append((work, "ar", flat, None))
+            self._poll()
+            return
+        if self.dp == 1:
+            with torch.no_grad():
+                for g in bucket:
+                    if g.grad_full is not None:
+                        g.grad_shard.add_(g.grad_full)
+                    self._drop_grad_full(g)
+            return
+        if len(bucket) == 1 and bucket[0].grad_full is not None:
+            g = bucket[0]
+            src, cols = g.grad_full, [(g, 0)]
+        else:
+            total = sum(g.shard for g in bucket)
+            staging = torch.zeros(self.dp, total, dtype=self.dtype, device=self.device)
+            cols, a = [], 0
+            for g in bucket:
+                if g.grad_full is not None:
+                    staging[:, a : a + g.shard].copy_(g.grad_full.view(self.dp, g.shard))
+                self._drop_grad_full(g)
+                cols.append((g, a))
+                a += g.shard
+            src = staging.view(-1)
+        out = torch.empty(src.numel() // self.dp, dtype=self.dtype, device=self.device)
+        work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=True)
+        self._inflight.append((work, "rs", out, (cols, src)))
+        self._poll()
+
+    def _drop_grad_full(self, g: _Group) -> None:
+        g.grad_full = None
+        for e in g.entries:
+            e.param.grad = None
+
+    def _finish(self, item) -> None:
+        work, kind, out, extra = item
+        comm.wait(work)
+        with torch.no_grad():
+            if kind == "ar":
+                out.div_(self.dp)
+                return
+            cols, _src = extra
+            for g, a in cols:
+                g.grad_shard.add_(out[a : a + g.shard], alpha=1.0 / self.dp)
+                if len(cols) == 1 and g.grad_full is _src:
+                    self._drop_grad_full(g)
+
+    def _poll(self, max_inflight: int = 2) -> None:
+        """Finish completed reductions in order; bound the ones in flight (and their memory)."""
+        while self._inflight and (len(self._inflight) > max_inflight or self._inflight[0][0].is_completed()):
+            self._finish(self._inflight.pop(0))
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._finish(self._inflight.pop(0))
+
+    # ------------------------------------------------------------------ step
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (the identity unless fp16)."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def _grad_source(self, g: _Group) -> torch.Tensor:
+        """fp32 gradient aligned with ``g.master`` (may alias the gradient buffers)."""
+        if self.stage >= 2:
+            return g.grad_shard
+        src = g.grad_full if self.stage == 0 else g.grad_full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
+        return src if src.dtype == torch.float32 else src.float()
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> StepInfo:
+        """Reduce, unscale, check overflow, clip and apply AdamW; collective over all ranks."""
+        if self._cb_task is not None:
+            raise ZeroError("step() was called during a backward pass; call it after backward returns")
+        if lr is not None:
+            self.lr = float(lr)
+        self._next_bucket = 0
+        self._launch_buckets(only_ready=False)
+        self._drain()
+        self._backwards = 0
+        for g in self.groups:
+            self._free(g)
+        grads = [self._grad_source(g) for g in self.groups]
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for g, gr in zip(self.groups, grads):
+            full_sq = torch.dot(gr, gr).double()
+            if g.norm_ranges is None:
+                sums[0] += full_sq
+            else:
+                for a, b in g.norm_ranges:
+                    sums[0] += torch.dot(gr[a:b], gr[a:b]).double()
+            sums[1] += full_sq
+        sums[1] = (~torch.isfinite(sums[1])).double()
+        for grp in ([self.dp_group] if self.dp > 1 else []) + self.norm_groups:
+            comm.all_reduce(sums, grp)
+        total_sq, flag = sums.tolist()
+        scale = self.loss_scale
+        norm = math.sqrt(total_sq) / scale if total_sq >= 0 else float("nan")
+        if flag > 0 or not math.isfinite(norm):
+            if self.scaler is not None:
+                self.scaler.update(True)
+            return StepInfo(grad_norm=norm if not math.isfinite(norm) else float("inf"), skipped=True,
+                            loss_scale=self.loss_scale)
+        coef = clip_coefficient(norm, self.max_grad_norm) / scale
+        self.step_count += 1
+        works = []
+        for g, gr in zip(self.groups, grads):
+            if coef != 1.0:
+                gr.mul_(coef)
+            adamw_step_(
+                g.master, gr, g.exp_avg, g.exp_avg_sq, step=self.step_count, lr=self.lr,
+                beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
+                decay_ranges=g.decay_ranges,
+            )
+            works.append(self._publish(g))
+        for w in works:
+            comm.wait(w)
+        if self.scaler is not None:
+            self.scaler.update(False)
+        return StepInfo(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
+
+    def _publish(self, g: _Group):
+        """Make the compute parameters reflect the updated master (async handle or None)."""
+        if self.stage == 3:
+            return None
+        if self.stage == 0:
+            if g.master is not g.full:
+                g.full.copy_(g.master)
+            return None
+        shard = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
+        if g.master.data_ptr() != shard.data_ptr():
+            shard.copy_(g.master)
+        if self.dp == 1:
+            return None
+        return comm.all_gather_into(g.full, shard, self.dp_group, async_op=True)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (buffers are zeroed and kept; nothing is freed to Python)."""
+        if self._cb_task is not None:
+            raise ZeroError("zero_grad() was called during a backward pass")
+        self._drain()
+        self._backwards = 0
+        for g in self.groups:
+            g.dirty = False
+            if self.stage < 2:
+                for e in g.entries:
+                    e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
+            else:
+                g.grad_shard.zero_()
+                self._drop_grad_full(g)
+        if self._flat_grad is not None:
+            self._flat_grad.zero_()
+
+    # ------------------------------------------------------------------ state and memory
+    def _layout(self) -> list[dict]:
+        return [
+            {"names": [e.name for e in g.entries], "shapes": [list(e.shape) for e in g.entries], "numel": g.numel}
+            for g in self.groups
+        ]
+
+    def state_dict(self) -> dict:
+        """This rank's shards of masters and AdamW state, with the layout needed to reshard.
+
+        Format: see ``runtime.optim``. Stage 0 returns the full (unpadded) state with
+        ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
+        """
+        self._drain()
+        full = self.stage == 0
+
+        def part(t: torch.Tensor, g: _Group) -> torch.Tensor:
+            return (t[: g.numel] if full else t).detach().clone().cpu()
+
+        return {
+            "format": FORMAT,
+            "zero_stage": self.stage,
+            "num_shards": 1 if full else self.dp,
+            "shard_index": 0 if full else self.dp_rank,
+            "step": self.step_count,
+            "lr": self.lr,
+            "param_dtype": dtype_name(self.dtype),
+            "groups": self._layout(),
+            "master": [part(g.master, g) for g in self.groups],
+            "exp_avg": [part(g.exp_avg, g) for g in self.groups],
+            "exp_avg_sq": [part(g.exp_avg_sq, g) for g in self.groups],
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state from ``state_dict`` (same layout) or a full one (``consolidate_shards``).
+
+        Collective at stages 1 and 2 (the loaded shards are all-gathered into the parameters).
+        """
+        if state.get("format") != FORMAT:
+            raise ZeroError(f"not a ZeRO engine state dict (format {state.get('format')!r})")
+        if state["groups"] != self._layout():
+            raise ZeroError(
+                "the state dict's parameter layout (names, shapes or grouping) differs from this "
+                "engine's; it was saved from another model or with other layer groups"
+            )
+        n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
+        if (state["num_shards"], state["shard_index"]) != (n, idx):
+            if state["num_shards"] != 1:
+                raise ZeroError(
+                    f"the state holds shard {state['shard_index']} of {state['num_shards']} but this "
+                    f"rank needs shard {idx} of {n}; join all shards with "
+                    "runtime.optim.consolidate_shards and load the full state"
+                )
+            state = slice_shard(state, n, idx)
+        for g, i in zip(self.groups, range(len(self.groups))):
+            for key, dst in (("master", g.master), ("exp_avg", g.exp_avg), ("exp_avg_sq", g.exp_avg_sq)):
+                src = state[key][i].to(self.device)
+                dst.zero_()
+                dst[: src.numel()].copy_(src)
+        self.step_count = int(state["step"])
+        self.lr = float(state.get("lr", self.lr))
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        for w in [self._publish(g) for g in self.groups]:
+            comm.wait(w)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters by their original names (collective over dp at stages 1-3)."""
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            if self.stage == 0 or self.dp == 1:
+                flat = g.master
+            else:
+                flat = torch.empty(g.padded, dtype=torch.float32, device=self.device)
+                comm.all_gather_into(flat, g.master, self.dp_group)
+            for e in g.entries:
+                out[e.name] = flat[e.offset : e.offset + e.numel].view(e.shape).clone().cpu()
+        return out
+
+    def tracked_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the engine holds (for memory trackers); views share their base's storage."""
+        ts = []
+        for g in self.groups:
+            ts += [t for t in (g.full, g.master, g.exp_avg, g.exp_avg_sq, g.grad_full, g.grad_shard) if t is not None]
+        return ts + [t for t in (self._flat, self._flat_grad) if t is not None]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds right now.
+
+        ``params``: compute parameters (materialized storage only) plus fp32 masters that have
+        their own storage; ``grads``: full gradient buffers and fp32 shards; ``optimizer``: AdamW
+        ``exp_avg`` and ``exp_avg_sq``. Each storage is counted once.
+        """
+        seen: set[int] = set()
+
+        def size(ts) -> int:
+            total = 0
+            for t in ts:
+                if t is None:
+                    continue
+                st = t.untyped_storage()
+                if st.data_ptr() in seen or st.nbytes() == 0:
+                    continue
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+            return total
+
+        params = size([self._flat] + [g.full for g in self.groups] + [g.master for g in self.groups])
+        grads = size([self._flat_grad] + [g.grad_full for g in self.groups] + [g.grad_shard for g in self.groups])
+        optim = size([g.exp_avg for g in self.groups] + [g.exp_avg_sq for g in self.groups])
+        return {"params": params, "grads": grads, "optimizer": optim}

@@ -1,0 +1,100 @@
+"""`planner calibrate`: the alpha-beta fit, and a quick 2-process run that writes a usable profile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_models.comm import collective_time, group_placement, ring_terms
+from cost_models.hardware import load_hardware
+from planner.calibrate import CalibrationError, CalibrationSpec, build_profile, fit_alpha_beta, run_calibration
+
+SIZES = (4096, 65536, 1 << 20, 1 << 24)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    alpha=st.floats(1e-7, 1e-3),
+    bw=st.floats(1e8, 1e12),
+    n=st.integers(2, 16),
+)
+def test_fit_recovers_exact_alpha_beta(alpha, bw, n):
+    samples = []
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        m = 2 if kind == "send" else n
+        for s in SIZES:
+            steps, link = ring_terms(kind, s, m)
+            samples.append((steps, link, steps * alpha + link / bw))
+    a, b = fit_alpha_beta(samples)
+    assert a == pytest.approx(alpha, rel=1e-6)
+    assert b == pytest.approx(bw, rel=1e-6)
+
+
+def test_fit_clamps_negative_latency_and_rejects_flat_times():
+    # Times exactly proportional to bytes, minus a little: the free fit would give alpha < 0.
+    samples = [(1, s, s / 1e9 - 1e-7) for s in (1e5, 1e6, 1e7)]
+    a, b = fit_alpha_beta(samples)
+    assert a == 0.0 and b == pytest.approx(1e9, rel=1e-2)
+    with pytest.raises(CalibrationError, match="could not fit a bandwidth"):
+        fit_alpha_beta([(1, 1e3, 1e-3), (1, 1e6, 1e-4)])
+    with pytest.raises(CalibrationError, match="need at least 2 timed messages"):
+        fit_alpha_beta([(1, 1e3, 1e-3)])
+
+
+def _raw(alpha=5e-5, bw=2e9, bf16_ok=True):
+    colls = []
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        for s in SIZES:
+            steps, link = ring_terms(kind, s, 2)
+            colls.append({"kind": kind, "size_bytes": s, "n": 2, "seconds": steps * alpha + link / bw})
+    nan = float("nan")
+    return {
+        "matmul": {"fp32": {"128": 4e10, "256": 5e10},
+                   "bf16": {"128": 8e10 if bf16_ok else nan, "256": 9e10 if bf16_ok else nan},
+                   "fp16": {"128": 3e10, "256": 2e10}},
+        "memory_bandwidth": 7e9,
+        "collectives": colls,
+    }
+
+
+def test_build_profile_from_raw_measurements(tmp_path):
+    base = load_hardware("cpu")
+    p = build_profile(_raw(), 2, base, CalibrationSpec.quick())
+    assert p.peak_flops == {"fp32": 5e10, "bf16": 9e10, "fp16": 3e10}
+    assert p.intra_node_latency == pytest.approx(5e-5) and p.intra_node_bandwidth == pytest.approx(2e9)
+    assert (p.inter_node_latency, p.inter_node_bandwidth) == (p.intra_node_latency, p.intra_node_bandwidth)
+    assert p.gpus_per_node == 2 and p.compute_efficiency == 1.0 and p.memory_bandwidth == 7e9
+    # A dtype that failed everywhere keeps the base profile's ratio to fp32; NaN is stored as null.
+    q = build_profile(_raw(bf16_ok=False), 2, base, CalibrationSpec.quick())
+    assert q.peak("bf16") == pytest.approx(5e10 * base.peak("bf16") / base.peak("fp32"))
+    path = q.save(tmp_path / "q.json")
+    assert json.loads(path.read_text())["calibration"]["matmul_flops"]["bf16"]["128"] is None
+
+
+def test_nproc_must_be_at_least_two(tmp_path):
+    with pytest.raises(CalibrationError, match=r"calibrate needs --nproc >= 2 .*\(got 1\)"):
+        run_calibration(1, tmp_path / "p.json", progress=False)
+
+
+@pytest.mark.dist
+def test_quick_calibration_writes_loadable_profile(tmp_path):
+    out = tmp_path / "profile.json"
+    prof = run_calibration(2, out, quick=True, progress=False, timeout_s=120)
+    hw = load_hardware(str(out))
+    assert hw == prof
+    assert hw.name.startswith("calibrated-") and hw.gpus_per_node == 2
+    assert all(hw.peak(dt) > 1e8 for dt in ("fp32", "bf16", "fp16"))  # more than 0.1 GFLOP/s
+    assert hw.memory_bandwidth > 1e8 and hw.intra_node_bandwidth > 1e6
+    assert 0 <= hw.intra_node_latency < 0.05
+    cal = hw.calibration
+    spec = CalibrationSpec.quick()
+    assert len(cal["collectives"]) == 4 * len(spec.message_sizes)
+    assert {m["kind"] for m in cal["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    assert set(cal["matmul_flops"]["fp32"]) == {str(n) for n in spec.matmul_sizes}
+    # The fitted model is usable straight away by the collective cost model.
+    t_small = collective_time("all_reduce", 4096, group_placement([0, 1], hw.gpus_per_node), hw)
+    t_big = collective_time("all_reduce", 1 << 24, [0, 1], hw)
+    assert 0 < t_small < t_big

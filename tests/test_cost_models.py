@@ -1,0 +1,404 @@
+"""Hardware profiles, roofline compute time, collective models and memory formulas."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_models.comm import (
+    GroupPlacement,
+    axis_placement,
+    axis_ranks,
+    collective_time,
+    group_placement,
+    hierarchical_time,
+    ring_bytes_sent,
+    ring_time,
+    total_bytes_sent,
+    zero_dp_collectives,
+)
+from cost_models.compute import compute_time, matmul_time, optimizer_step_time, ridge_intensity
+from cost_models.hardware import KNOWN_KINDS, HardwareProfile, ProfileError, load_hardware
+from cost_models.memory import (
+    activation_bytes,
+    inflight_microbatches,
+    memory_breakdown,
+    model_state_bytes,
+    split_by_tp,
+    stage_activation_bytes,
+)
+from runtime import comm as rt_comm
+from runtime.mesh import coords_of, rank_of
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+def _valid() -> dict:
+    return load_hardware("a100-80gb").to_dict()
+
+
+def _write(tmp_path, obj, name="p.json") -> str:
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KNOWN_KINDS)
+def test_every_kind_loads_with_sane_numbers(kind):
+    hw = load_hardware(kind)
+    assert hw.name == kind
+    assert hw.peak("bf16") >= hw.peak("fp32") > 0
+    assert 0 < hw.compute_efficiency <= 1
+    assert hw.inter_node_bandwidth <= hw.intra_node_bandwidth
+    assert hw.inter_node_latency >= hw.intra_node_latency >= 0
+    assert hw.gpus_per_node >= 1 and hw.memory_bytes > 0 and hw.source
+
+
+def test_vendor_figures():
+    a100 = load_hardware("a100-80gb")
+    assert a100.peak("bf16") == 312e12 and a100.peak("fp32") == 19.5e12 and a100.peak("tf32") == 156e12
+    assert a100.memory_bytes == 80 * 2**30 and a100.intra_node_bandwidth == 300e9
+    assert a100.inter_node_bandwidth == 200e9 / 8  # one HDR 200 Gb/s NIC per GPU
+    h100 = load_hardware("h100-sxm")
+    assert h100.peak("bf16") == 989.4e12 and h100.inter_node_bandwidth == 400e9 / 8
+    assert load_hardware("h200").memory_bytes == 141 * 2**30
+    assert load_hardware("a100-40gb").memory_bandwidth == 1555e9
+    assert load_hardware("v100-32gb").peak("fp16") == 125e12
+
+
+def test_gpus_per_node_override_and_roundtrip(tmp_path):
+    hw = load_hardware("h100-sxm", gpus_per_node=4)
+    assert hw.gpus_per_node == 4 and load_hardware("H100-SXM").gpus_per_node == 8
+    path = hw.save(tmp_path / "sub" / "h.json")
+    again = load_hardware(str(path))
+    assert again == hw and hash(again) == hash(hw)
+    with pytest.raises(ProfileError, match=r"--gpus-per-node override for 'h100-sxm'.*'gpus_per_node'"):
+        load_hardware("h100-sxm", gpus_per_node=0)
+
+
+def test_unknown_kind_lists_known_kinds():
+    with pytest.raises(ProfileError) as e:
+        load_hardware("a100")
+    msg = str(e.value)
+    assert "unknown hardware kind 'a100'" in msg
+    assert all(k in msg for k in KNOWN_KINDS)
+    assert "Did you mean 'a100-" in msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ProfileError, match=r"hardware profile file not found: .*nope\.json"):
+        load_hardware(str(tmp_path / "nope.json"))
+
+
+def test_malformed_json_gives_line_and_column(tmp_path):
+    path = _write(tmp_path, '{\n  "name": "x",\n  "memory_bytes": 12,,\n}')
+    with pytest.raises(ProfileError, match=r"p\.json is not valid JSON: .* at line 3, column 22"):
+        load_hardware(path)
+
+
+def test_top_level_must_be_object(tmp_path):
+    with pytest.raises(ProfileError, match=r"top level must be a JSON object, got list"):
+        load_hardware(_write(tmp_path, [1, 2]))
+
+
+def test_missing_field_named_with_file(tmp_path):
+    d = _valid()
+    del d["memory_bandwidth"]
+    with pytest.raises(ProfileError, match=r"p\.json: missing field 'memory_bandwidth' \(required: name, "):
+        load_hardware(_write(tmp_path, d))
+
+
+@pytest.mark.parametrize(
+    "field,value,pattern",
+    [
+        ("memory_bandwidth", -1, r"field 'memory_bandwidth' must be a positive number of bytes/s \(got -1\)"),
+        ("intra_node_latency", -1e-6, r"field 'intra_node_latency' must be a non-negative number"),
+        ("inter_node_bandwidth", "fast", r"field 'inter_node_bandwidth' must be a positive number .*'fast'"),
+        ("gpus_per_node", 0, r"field 'gpus_per_node' must be a positive integer \(got 0\)"),
+        ("gpus_per_node", 2.5, r"field 'gpus_per_node' must be a positive integer \(got 2.5\)"),
+        ("memory_bytes", True, r"field 'memory_bytes' must be a positive integer \(got True\)"),
+        ("compute_efficiency", 1.5, r"field 'compute_efficiency' must be a number in \(0, 1\]"),
+        ("name", "", r"field 'name' must be a non-empty string"),
+        ("peak_flops", 3e14, r"field 'peak_flops' must be an object of FLOP/s by dtype"),
+        ("peak_flops", {"fp32": 1e12, "bf16": 2e12}, r"field 'peak_flops' is missing dtype 'fp16' \(required: fp32, bf16, fp16"),
+        ("peak_flops", {"fp32": 1, "bf16": 1, "fp16": 1, "int8": 1}, r"field 'peak_flops' has unknown dtype 'int8' \(allowed: fp32, tf32"),
+        ("peak_flops", {"fp32": 1, "bf16": -2, "fp16": 1}, r"field 'peak_flops.bf16' must be a positive"),
+    ],
+)
+def test_bad_field_values_name_field_and_file(tmp_path, field, value, pattern):
+    d = _valid()
+    d[field] = value
+    with pytest.raises(ProfileError, match=r"hardware profile .*p\.json: " + pattern):
+        load_hardware(_write(tmp_path, d))
+
+
+def test_unknown_field_suggests_spelling(tmp_path):
+    d = _valid()
+    d["memory_bandwith"] = d.pop("memory_bandwidth")
+    with pytest.raises(ProfileError, match=r"unknown field 'memory_bandwith' \(did you mean 'memory_bandwidth'\?\)"):
+        load_hardware(_write(tmp_path, d))
+
+
+def test_integral_float_accepted_and_peak_lookup_error():
+    d = _valid()
+    d["memory_bytes"] = float(d["memory_bytes"])
+    hw = HardwareProfile.from_dict(d)
+    assert hw.memory_bytes == 80 * 2**30 and isinstance(hw.memory_bytes, int)
+    with pytest.raises(ProfileError, match=r"no peak FLOP/s for dtype 'tf32' \(it has: bf16, fp16, fp32\)"):
+        load_hardware("cpu").peak("tf32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute
+# ---------------------------------------------------------------------------------------------
+def test_roofline_compute_and_memory_bound():
+    hw = load_hardware("a100-80gb")
+    rate = 312e12 * 0.7
+    assert compute_time(1e15, 1e6, hw, "bf16") == pytest.approx(1e15 / rate)
+    assert compute_time(1e6, 2.039e12, hw, "bf16") == pytest.approx(1.0)  # memory-bound: 1 s
+    assert compute_time(1e12, 0, hw, "fp32") == pytest.approx(1e12 / (19.5e12 * 0.7))
+    # Intensity just below / above the ridge point flips the binding ceiling.
+    ridge = ridge_intensity(hw, "bf16")
+    assert compute_time(ridge * 0.5 * 1e9, 1e9, hw, "bf16") == pytest.approx(1e9 / hw.memory_bandwidth)
+    assert compute_time(ridge * 2 * 1e9, 1e9, hw, "bf16") == pytest.approx(ridge * 2 * 1e9 / rate)
+    n = 8192
+    assert matmul_time(n, n, n, hw, "bf16") == pytest.approx(2 * n**3 / rate)
+    with pytest.raises(ValueError, match="no peak FLOP/s for dtype 'int8'"):
+        compute_time(1, 1, hw, "int8")
+    with pytest.raises(ValueError, match="flops must be >= 0"):
+        compute_time(-1, 1, hw, "fp32")
+
+
+def test_optimizer_step_is_memory_bound_28_bytes_per_param():
+    hw = load_hardware("h100-sxm")
+    assert optimizer_step_time(10**9, hw, "bf16") == pytest.approx(28e9 / 3.35e12)
+
+
+def test_symbolic_costs_substitute():
+    sympy = pytest.importorskip("sympy")
+    b = sympy.Symbol("b", positive=True)
+    hw = load_hardware("a100-80gb")
+    t = compute_time(1e12 * b, 1e3 * b, hw, "bf16")
+    assert float(t.subs(b, 4)) == pytest.approx(compute_time(4e12, 4e3, hw, "bf16"))
+    c = collective_time("all_reduce", 1e6 * b, group_placement(range(16), 8), hw)
+    assert float(c.subs(b, 3)) == pytest.approx(collective_time("all_reduce", 3e6, list(range(16)), hw))
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------
+@FAST
+@given(
+    kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"]),
+    size=st.integers(0, 2**40),
+    n=st.integers(1, 4096),
+)
+def test_ring_bytes_agree_with_runtime(kind, size, n):
+    assert ring_bytes_sent(kind, size, n) == pytest.approx(rt_comm.ring_bytes(kind, size, n), rel=1e-12)
+
+
+def test_ring_bytes_contract_values():
+    assert ring_bytes_sent("all_reduce", 800, 8) == 1400
+    assert ring_bytes_sent("all_gather", 800, 8) == 700
+    assert ring_bytes_sent("reduce_scatter", 800, 4) == 600
+    assert ring_bytes_sent("p2p", 800, 2) == ring_bytes_sent("send", 800, 2) == 800
+    assert ring_bytes_sent("all_to_all", 800, 4) == 600
+    assert ring_bytes_sent("all_reduce", 800, 1) == 0
+    with pytest.raises(ValueError, match="unknown collective kind 'gather'"):
+        ring_bytes_sent("gather", 1, 2)
+
+
+def test_intra_node_ring_exact():
+    hw = load_hardware("a100-80gb")
+    S, n = 1e9, 8
+    t = collective_time("all_reduce", S, list(range(8)), hw)
+    assert t == pytest.approx(2 * 7 * 3e-6 + 2 * 7 / 8 * S / 300e9)
+    assert collective_time("all_gather", S, list(range(8)), hw) == pytest.approx(7 * 3e-6 + 7 / 8 * S / 300e9)
+    assert collective_time("send", S, [3, 4], hw) == pytest.approx(3e-6 + S / 300e9)
+    assert collective_time("send", S, [7, 8], hw) == pytest.approx(10e-6 + S / 25e9)  # crosses nodes
+    assert collective_time("all_reduce", S, [5], hw) == 0
+    with pytest.raises(ValueError, match="point-to-point transfer is between 2 ranks"):
+        collective_time("send", S, [0, 1, 2], hw)
+    with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
+        collective_time("all_reduce", S, [0, 1], hw, algorithm="tree")
+
+
+def test_cross_node_ring_uses_network_and_hierarchical_formula():
+    hw = load_hardware("a100-80gb")
+    S = 1e9
+    pl = group_placement(range(32), 8)
+    assert (pl.size, pl.nodes, pl.ranks_per_node) == (32, 4, 8)
+    assert ring_time("all_reduce", S, pl, hw) == pytest.approx(2 * 31 * 10e-6 + 2 * 31 / 32 * S / 25e9)
+    expect = 2 * (7 * 3e-6 + 7 / 8 * S / 300e9) + 2 * 3 * 10e-6 + 2 * 3 / 4 * (S / 8) / 25e9
+    assert hierarchical_time("all_reduce", S, pl, hw) == pytest.approx(expect)
+    assert collective_time("all_reduce", S, pl, hw) == pytest.approx(expect)  # auto picks it
+
+
+@FAST
+@given(
+    nodes=st.integers(2, 16),
+    per_node=st.integers(2, 8),
+    size=st.floats(1e3, 1e11),
+    ratio=st.floats(4, 100),
+    kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]),
+)
+def test_hierarchical_beats_flat_ring_when_network_is_slow(nodes, per_node, size, ratio, kind):
+    base = load_hardware("h100-sxm").to_dict()
+    base.update(inter_node_bandwidth=base["intra_node_bandwidth"] / ratio, gpus_per_node=per_node)
+    hw = HardwareProfile.from_dict(base)
+    pl = group_placement(range(nodes * per_node), per_node)
+    assert hierarchical_time(kind, size, pl, hw) < ring_time(kind, size, pl, hw)
+    assert collective_time(kind, size, pl, hw) == hierarchical_time(kind, size, pl, hw)
+
+
+@FAST
+@given(
+    ranks=st.lists(st.integers(0, 255), min_size=1, max_size=32, unique=True),
+    gpn=st.sampled_from([1, 2, 4, 8]),
+    s1=st.floats(0, 1e10),
+    s2=st.floats(0, 1e10),
+    kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]),
+    algorithm=st.sampled_from(["auto", "ring", "hierarchical"]),
+)
+def test_time_monotone_in_size_and_nonnegative(ranks, gpn, s1, s2, kind, algorithm):
+    hw = load_hardware("a100-40gb", gpus_per_node=gpn)
+    lo, hi = sorted((s1, s2))
+    t_lo = collective_time(kind, lo, ranks, hw, algorithm)
+    t_hi = collective_time(kind, hi, ranks, hw, algorithm)
+    assert 0 <= t_lo <= t_hi
+    # The network is never faster than NVLink here, so spreading over nodes never helps.
+    if len(ranks) > 1:
+        inside = collective_time(kind, hi, list(range(len(ranks))), load_hardware("a100-40gb", gpus_per_node=256))
+        assert inside <= t_hi * (1 + 1e-12)
+
+
+def test_group_placement_and_validation():
+    assert group_placement([0, 8, 16, 24], 8) == GroupPlacement(4, 4, 1)
+    pl = group_placement([6, 7, 8], 8)
+    assert (pl.nodes, pl.ranks_per_node, pl.min_ranks_per_node, pl.even) == (2, 2, 1, False)
+    with pytest.raises(ValueError, match=r"ranks of a group must be distinct \(got \[1, 1\]\)"):
+        group_placement([1, 1], 8)
+    with pytest.raises(ValueError, match="non-negative integers"):
+        group_placement([-1], 8)
+    with pytest.raises(ValueError, match="cannot sit on 2 nodes"):
+        GroupPlacement(3, 2, 1)
+
+
+@FAST
+@given(
+    dp=st.integers(1, 6), tp=st.integers(1, 6), pp=st.integers(1, 5),
+    gpn=st.sampled_from([1, 2, 3, 4, 8]), axis=st.sampled_from(["tp", "dp", "pp"]),
+)
+def test_axis_placement_matches_mesh_layout(dp, tp, pp, gpn, axis):
+    world = dp * tp * pp
+    # Brute force: group ranks by the coordinates other than `axis`, using runtime.mesh's layout.
+    idx = "pp dp tp".split().index(axis)
+    groups: dict = {}
+    for r in range(world):
+        c = coords_of(r, dp, tp)
+        assert rank_of(*c, dp, tp) == r
+        groups.setdefault(tuple(x for i, x in enumerate(c) if i != idx), []).append(r)
+    expected = sorted(sorted(g) for g in groups.values())
+    assert sorted(sorted(g) for g in axis_ranks(axis, dp, tp, pp)) == expected
+    placements = [group_placement(g, gpn) for g in expected]
+    got = axis_placement(axis, dp, tp, pp, gpn)
+    assert got in placements
+    assert got.size == {"tp": tp, "dp": dp, "pp": pp}[axis]
+    assert got.nodes == max(p.nodes for p in placements)
+
+
+def test_axis_placement_typical_layout():
+    # 64 GPUs, 8 per node: tp=8 stays in a node, dp=4 strides over 4 nodes, pp=2 over 2.
+    assert axis_placement("tp", 4, 8, 2, 8) == GroupPlacement(8, 1, 8)
+    assert axis_placement("dp", 4, 8, 2, 8) == GroupPlacement(4, 4, 1)
+    assert axis_placement("pp", 4, 8, 2, 8) == GroupPlacement(2, 2, 1)
+    assert axis_placement("dp", 4, 2, 1, 8) == GroupPlacement(4, 1, 4)
+    with pytest.raises(ValueError, match="unknown mesh axis 'ep'"):
+        axis_placement("ep", 1, 1, 1, 8)
+
+
+def test_zero_dp_collectives_bytes():
+    P, dp = 1001, 4  # padded to 1004 elements
+    assert zero_dp_collectives(P, "bf16", 0, dp) == [("all_reduce", 2002)]
+    assert zero_dp_collectives(P, "fp32", 1, dp) == [("reduce_scatter", 4016), ("all_gather", 4016)]
+    z3 = zero_dp_collectives(P, "bf16", 3, dp)
+    assert z3 == [("all_gather", 2008), ("all_gather", 2008), ("reduce_scatter", 2008)]
+    assert total_bytes_sent(z3, dp) == pytest.approx(3 * 3 / 4 * 2008)
+    assert zero_dp_collectives(P, "bf16", 2, 1) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,w,g,opt", [("bf16", 2, 2, 12), ("fp16", 2, 2, 12), ("fp32", 4, 4, 8)])
+def test_model_state_bytes_exact(dtype, w, g, opt):
+    P, dp, L = 1_000_003, 8, 1000
+    shard = 125_001  # ceil(1_000_003 / 8): flat buffer padded to 1_000_008
+    assert model_state_bytes(P, dtype, 0, dp, L) == {"params": P * w, "grads": P * g, "optimizer": P * opt}
+    assert model_state_bytes(P, dtype, 1, dp, L) == {"params": P * w, "grads": P * g, "optimizer": shard * opt}
+    assert model_state_bytes(P, dtype, 2, dp, L) == {
+        "params": P * w, "grads": shard * g + L * g, "optimizer": shard * opt}
+    assert model_state_bytes(P, dtype, 3, dp, L) == {
+        "params": shard * w + L * w, "grads": shard * g + L * g, "optimizer": shard * opt}
+    assert model_state_bytes(P, dtype, 3, dp, L, prefetch=True)["params"] == shard * w + 2 * L * w
+    # dp = 1: nothing is sharded and no gather buffers exist; 16 bytes per parameter in total.
+    for z in range(4):
+        assert sum(model_state_bytes(P, dtype, z, 1, L).values()) == 16 * P
+
+
+def test_model_state_bytes_errors():
+    with pytest.raises(ValueError, match=r"zero_stage must be 0, 1, 2 or 3 \(got 4\)"):
+        model_state_bytes(10, "bf16", 4, 2)
+    with pytest.raises(ValueError, match="unknown training dtype 'int8'"):
+        model_state_bytes(10, "int8", 0, 2)
+    with pytest.raises(ValueError, match=r"largest_layer_params \(11\) cannot exceed num_params \(10\)"):
+        model_state_bytes(10, "bf16", 3, 2, 11)
+    with pytest.raises(ValueError, match="dp must be an integer >= 1"):
+        model_state_bytes(10, "bf16", 3, 0)
+
+
+@FAST
+@given(p=st.integers(1, 16), m=st.integers(1, 64), data=st.data())
+def test_inflight_microbatches_1f1b(p, m, data):
+    i = data.draw(st.integers(0, p - 1))
+    k = inflight_microbatches(i, p, m)
+    assert k == min(p - i, m)
+    # Simulate 1F1B on stage i: warm-up forwards, then one forward + one backward each.
+    warm = min(p - i - 1, m)
+    live = peak = 0
+    for _ in range(warm):
+        live += 1
+        peak = max(peak, live)
+    for _ in range(m - warm):
+        live += 1
+        peak = max(peak, live)
+        live -= 1
+    assert peak == k
+
+
+def test_activation_bytes_with_recompute():
+    assert activation_bytes(100, 0, 4, 8) == 400
+    assert activation_bytes(100, 3, 4, 8, recompute_peak_bytes=50) == 150
+    saved, boundary = [100, 200, 300], [10, 20, 30]
+    assert stage_activation_bytes(saved, boundary, [False] * 3, 1, 4, 8) == 3 * 600
+    assert stage_activation_bytes(saved, boundary, [True, False, True], 1, 4, 8) == 3 * (10 + 200 + 30) + 300
+    assert stage_activation_bytes(saved, boundary, [True] * 3, 0, 2, 1) == 60 + 300
+    with pytest.raises(ValueError, match="one entry per layer"):
+        stage_activation_bytes(saved, boundary, [True], 0, 1, 1)
+    with pytest.raises(ValueError, match=r"stage_index must be in 0..3 \(got 4\)"):
+        inflight_microbatches(4, 4, 8)
+    assert split_by_tp(1001, 7, 4) == 251 + 7
+
+
+def test_memory_breakdown_total():
+    mem = memory_breakdown(1000, "bf16", 1, 4, activations=5000)
+    assert mem == {"params": 2000, "grads": 2000, "optimizer": 250 * 12, "activations": 5000,
+                   "total": 2000 + 2000 + 3000 + 5000}
+    assert math.isclose(mem["total"], sum(v for k, v in mem.items() if k != "total"))

@@ -1,0 +1,250 @@
+"""The 1F1B executor over gloo against a single-process reference (losses, gradients, bytes, errors)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from runtime import comm
+from runtime.dist import launch_local
+from runtime.mesh import setup_mesh
+from runtime.pipeline import MAX_TENSORS, PipelineError, PipelineStage, TensorMeta, run_pipeline, _ROW
+from runtime.schedule import gpipe, one_f_one_b
+
+IN, H, OUT, T, MB = 5, 8, 4, 3, 2  # input, hidden, output widths; tokens; micro-batch size
+SEED = 1234
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(IN, H)
+
+    def forward(self, x, mask):
+        return self.proj(x), mask
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP; the integer ``mask`` zeroes the update of padded tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.fc1 = nn.Linear(H, 2 * H)
+        self.fc2 = nn.Linear(2 * H, H)
+
+    def forward(self, h, mask):
+        upd = self.fc2(nn.functional.gelu(self.fc1(self.norm(h))))
+        return h + upd * mask.unsqueeze(-1).to(h.dtype), mask
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.out = nn.Linear(H, OUT)
+
+    def forward(self, h, mask, y):
+        err = (self.out(self.norm(h)) - y) ** 2 * mask.unsqueeze(-1).to(h.dtype)
+        return err.sum() / (mask.sum() * OUT)
+
+
+def make_layers(num_blocks: int) -> list[nn.Module]:
+    torch.manual_seed(SEED)
+    return [Embed()] + [Block() for _ in range(num_blocks)] + [Head()]
+
+
+class StageModule(nn.Module):
+    """Layers ``lo .. hi-1`` of the full model; the head's stage returns the loss."""
+
+    def __init__(self, layers: list[nn.Module], lo: int, hi: int):
+        super().__init__()
+        self.lo = lo
+        self.layers = nn.ModuleList(layers[lo:hi])
+        self.has_head = isinstance(self.layers[-1], Head)
+
+    def forward(self, *args):
+        if self.has_head:
+            *args, y = args
+        h, mask = args
+        for layer in self.layers[:-1] if self.has_head else self.layers:
+            h, mask = layer(h, mask)
+        return self.layers[-1](h, mask, y) if self.has_head else (h, mask)
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        return {f"{self.lo + k}.{n}": p.grad.clone() for k, l in enumerate(self.layers) for n, p in l.named_parameters()}
+
+
+def make_data(m: int, seed: int = 7, mb: int = MB):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, mb, T, IN, generator=g)
+    mask = (torch.rand(m, mb, T, generator=g) > 0.3).long()
+    mask[:, :, 0] = 1
+    y = torch.randn(m, mb, T, OUT, generator=g)
+    return [(x[i], mask[i], y[i]) for i in range(m)]
+
+
+def reference(num_blocks: int, data) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, whole model: mean of micro-batch losses and its parameter gradients."""
+    full = StageModule(make_layers(num_blocks), 0, num_blocks + 2)
+    losses = [full(*d) for d in data]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.item(), full.named_grads()
+
+
+def split(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    per = num_layers // pp
+    return [(s * per, num_layers if s == pp - 1 else (s + 1) * per) for s in range(pp)]
+
+
+RECV_META = [((MB, T, H), torch.float32), ((MB, T), torch.int64, False)]
+
+
+def stage_inputs(s: int, pp: int, data):
+    if s == 0:
+        return [(x, mask) for x, mask, _ in data]
+    if s == pp - 1:
+        return [(y,) for _, _, y in data]
+    return [() for _ in data]
+
+
+def _pp_worker(rank, world, num_blocks, m, out_dir):
+    torch.manual_seed(0)
+    mesh = setup_mesh(world, 1, 1)
+    s = mesh.pp_index
+    lo, hi = split(num_blocks + 2, world)[s]
+    module = StageModule(make_layers(num_blocks), lo, hi)
+    stage = PipelineStage.from_mesh(module, recv_meta=RECV_META if s > 0 else ())
+    data = make_data(m)
+    comm.STATS.reset()
+    loss_a = stage.run(one_f_one_b(world, m)[s], stage_inputs(s, world, data))
+    sent_a = dict(comm.STATS.bytes_by_kind)
+    grads_a = module.named_grads()
+    # No zeroing: GPipe with loss_scale 2 accumulates 2x the gradient on top.
+    loss_b = stage.run(gpipe(world, m)[s], stage_inputs(s, world, data), loss_scale=2.0)
+    torch.save(
+        {"loss_a": loss_a, "loss_b": loss_b, "sent_a": sent_a, "grads_a": grads_a, "grads_b": module.named_grads()},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pp, num_blocks, m", [(2, 2, 4), (4, 6, 6)])
+def test_pipeline_matches_single_process(tmp_path, pp, num_blocks, m):
+    launch_local(_pp_worker, pp, (num_blocks, m, str(tmp_path)), timeout_s=120, collective_timeout_s=30)
+    ref_loss, ref_grads = reference(num_blocks, make_data(m))
+    seen = set()
+    for r in range(pp):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        # Every stage returns the (broadcast) mean loss, unscaled.
+        torch.testing.assert_close(got["loss_a"], ref_loss, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["loss_b"], ref_loss, rtol=1e-6, atol=1e-7)
+        for name, g in got["grads_a"].items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["grads_b"][name], 3 * ref_grads[name], rtol=1e-5, atol=1e-6)
+            seen.add(name)
+        # Exact bytes: activations (fp32 hidden + int64 mask) forward, fp32 hidden-grad backward,
+        # one pre-flight all-reduce of the stage table, one 8-byte loss broadcast.
+        act, mask, grad = MB * T * H * 4, MB * T * 8, MB * T * H * 4
+        sends = m * ((act + mask if r < pp - 1 else 0) + (grad if r > 0 else 0))
+        assert got["sent_a"].get("send", 0) == sends
+        assert got["sent_a"]["all_reduce"] == pytest.approx(2 * (pp - 1) / pp * pp * _ROW * 8)
+        assert got["sent_a"]["broadcast"] == pytest.approx((pp - 1) / pp * 8)
+    assert seen == set(ref_grads)  # every parameter lives on exactly one stage and was checked
+
+
+def _error_worker(rank, world, out_dir):
+    setup_mesh(world, 1, 1)
+    s = rank
+    module = StageModule(make_layers(2), *split(4, world)[s])
+    stage = PipelineStage.from_mesh(module, recv_meta=RECV_META if s > 0 else ())
+    msgs = {}
+    cases = {
+        # Micro-batch 2 holds 3 samples instead of 2: stage 0's inputs and stage 1's labels differ.
+        "shapes": [d if i != 2 else tuple(t.repeat(2, *[1] * (t.dim() - 1))[:3] for t in d)
+                   for i, d in enumerate(make_data(4))],
+        "few": make_data(1),
+    }
+    for name, data in cases.items():
+        t0 = time.monotonic()
+        try:
+            stage.run(one_f_one_b(world, len(data), strict=False)[s], stage_inputs(s, world, data))
+            msgs[name] = "no error"
+        except PipelineError as e:
+            msgs[name] = str(e)
+        msgs[name + "_s"] = time.monotonic() - t0
+    msgs["sent"] = comm.STATS.bytes_by_kind.get("send", 0)
+    # The group is still in step after refused runs: a good run succeeds.
+    msgs["ok_loss"] = stage.run(one_f_one_b(world, 4)[s], stage_inputs(s, world, make_data(4)))
+    # A stage whose output does not match its successor's recv_meta fails before sending it.
+    bad = PipelineStage.from_mesh(module, recv_meta=[((MB, T, H + 1), torch.float32), RECV_META[1]] if s > 0 else ())
+    try:
+        bad.run(one_f_one_b(world, 4)[s], stage_inputs(s, world, make_data(4)))
+        msgs["meta"] = "no error"
+    except PipelineError as e:
+        msgs["meta"] = str(e)
+    except Exception as e:  # the receiver: its peer gave up, it must not hang
+        msgs["meta"] = f"{type(e).__name__}: {e}"
+    torch.save(msgs, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.dist
+def test_pipeline_refuses_bad_input_on_every_rank(tmp_path):
+    t0 = time.monotonic()
+    launch_local(_error_worker, 2, (str(tmp_path),), timeout_s=60, collective_timeout_s=8)
+    assert time.monotonic() - t0 < 60
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for got in (r0, r1):
+        assert "pipeline refused to start (nothing was sent)" in got["shapes"]
+        assert "stage 0" in got["shapes"] and "stage 1" in got["shapes"]
+        assert "1 micro-batch for 2 stages" in got["few"]
+        assert got["shapes_s"] < 5 and got["few_s"] < 5  # raised at once, not by a timeout
+        assert got["sent"] == 0
+    # The rank that found the problem gives details; the other names the stage and micro-batch.
+    assert "input 0 of micro-batch 2 is (3, 3, 5) float32 but micro-batch 0's is (2, 3, 5) float32" in r0["shapes"]
+    assert "stage 0: input 0 of micro-batch 2 differs in shape or dtype" in r1["shapes"]
+    assert r0["ok_loss"] == r1["ok_loss"] == pytest.approx(reference(2, make_data(4))[0], rel=1e-6)
+    assert "stage 0 output 0 for micro-batch 0 is (2, 3, 8) float32 but stage 1's recv_meta expects (2, 3, 9) float32" in r0["meta"]
+    assert r1["meta"] != "no error"
+
+
+def test_single_stage_runs_without_processes():
+    data = make_data(3)
+    ref_loss, ref_grads = reference(2, data)
+    module = StageModule(make_layers(2), 0, 4)
+    loss = run_pipeline(module, one_f_one_b(1, 3)[0], data, stage_index=0, num_stages=1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    for name, g in module.named_grads().items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_single_stage_errors_before_running():
+    module = StageModule(make_layers(1), 0, 3)
+    data = make_data(2)
+    data[1] = (data[1][0], data[1][1].int(), data[1][2])
+    with pytest.raises(PipelineError, match=r"input 1 of micro-batch 1 is \(2, 3\) int32 but micro-batch 0's is \(2, 3\) int64"):
+        run_pipeline(module, one_f_one_b(1, 2)[0], data, stage_index=0, num_stages=1)
+    with pytest.raises(PipelineError, match="no micro-batches"):
+        run_pipeline(module, [], [], stage_index=0, num_stages=1)
+    with pytest.raises(PipelineError, match="rank 0's list has no B1@s0"):
+        run_pipeline(module, one_f_one_b(1, 2)[0][:-1], make_data(2), stage_index=0, num_stages=1)
+    assert all(p.grad is None for p in module.parameters())  # nothing ran
+
+
+def test_tensor_meta_and_stage_arguments():
+    assert TensorMeta((2, 3), torch.float32).requires_grad is True
+    assert TensorMeta((2, 3), torch.int64).requires_grad is False
+    with pytest.raises(ValueError, match="cannot require grad"):
+        TensorMeta((2,), torch.int64, True)
+    with pytest.raises(ValueError, match="give its recv_meta"):
+        PipelineStage(nn.Linear(2, 2), 1, 2, prev_rank=0, last_rank=1)
+    with pytest.raises(ValueError, match="needs next_rank"):
+        PipelineStage(nn.Linear(2, 2), 0, 2, last_rank=1)
+    with pytest.raises(ValueError, match="receives nothing"):
+        PipelineStage(nn.Linear(2, 2), 0, 1, recv_meta=RECV_META)
+    assert MAX_TENSORS >= 2

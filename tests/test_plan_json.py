@@ -1,0 +1,77 @@
+"""plan.json: round trip, invariants and clear errors for every kind of malformed file."""
+
+import copy
+import json
+
+import pytest
+
+from planner.errors import UserError
+from planner.plan import Plan, load_plan, plan_hash, save_plan
+
+
+def test_round_trip(tmp_path, sample_plan_dict):
+    plan = Plan.from_dict(sample_plan_dict)
+    p = tmp_path / "plan.json"
+    save_plan(plan, str(p))
+    again = load_plan(str(p))
+    assert again == plan
+    assert json.loads(p.read_text()) == sample_plan_dict
+    assert list(json.loads(p.read_text()))[:3] == ["schema_version", "model", "hardware"]
+    assert plan_hash(again) == plan_hash(plan)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(dp="2"), "dp must be an integer"),
+    (lambda d: d.update(dp=4), "dp*tp*pp"),
+    (lambda d: d.update(num_micro_batches=3), "global_batch (8) must equal"),
+    (lambda d: d.update(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
+    (lambda d: d.update(dtype="int8"), "dtype must be one of"),
+    (lambda d: d.update(stages=[[0, 2], [4, 5]]), "stages[1]"),
+    (lambda d: d.update(stages=[[0, 2], [3, 4]]), "layer table has rows 0..5"),
+    (lambda d: d.update(stages=[[0, 5]]), "one [first, last] pair per pipeline stage"),
+    (lambda d: d.update(checkpoint_layers=[9]), "outside the layer table"),
+    (lambda d: d.update(schema_version=2), "this planner reads 1"),
+    (lambda d: d["predicted"]["memory"].update(total=5), "must equal predicted.peak_memory_bytes"),
+    (lambda d: d["predicted"]["time"].pop("dp_comm"), "predicted.time is missing ['dp_comm']"),
+    (lambda d: d.pop("hardware"), "hardware must be a JSON object"),
+    (lambda d: d["model"].pop("params"), "model is missing the field(s) ['params']"),
+    (lambda d: d.update(alternatives={}), "alternatives must be a list"),
+    (lambda d: d.update(num_micro_batches=1, micro_batch_size=4), "must be >= pp"),
+])
+def test_invalid_plans_name_the_field(tmp_path, sample_plan_dict, mutate, message):
+    d = copy.deepcopy(sample_plan_dict)
+    mutate(d)
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_plan(str(p))
+    assert message in str(e.value)
+    assert str(p) in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_plan(str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"dp": 2,')
+    with pytest.raises(UserError, match=r"not valid JSON \(line 1"):
+        load_plan(str(bad))
+    arr = tmp_path / "arr.json"
+    arr.write_text("[1, 2]")
+    with pytest.raises(UserError, match="must hold a JSON object"):
+        load_plan(str(arr))
+
+
+def test_save_is_atomic_and_keeps_old_file_on_error(tmp_path, sample_plan_dict, monkeypatch):
+    p = tmp_path / "plan.json"
+    plan = Plan.from_dict(sample_plan_dict)
+    save_plan(plan, str(p))
+    before = p.read_text()
+
+    def boom(self):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Plan, "to_json", boom)
+    with pytest.raises(OSError):
+        save_plan(plan, str(p))
+    assert p.read_text() == before

@@ -1,0 +1,451 @@
+"""Tensor parallelism: tp=2 over gloo against a single-process reference, plus pure shard tests.
+
+The distributed checks run in one 2-process launch (spawning is the slow part): each rank runs
+every check, records "ok" or the traceback in a JSON file, and one pytest test per check reads
+the verdicts of both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from runtime import comm
+from runtime.dist import launch_local
+from runtime.memtrack import MemoryTracker
+from runtime.mesh import setup_mesh
+from runtime.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHeadLoss,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    gather_from_tp,
+    padded_vocab_size,
+    row_parallel_linear,
+    scatter_to_tp,
+    shard_dim,
+    shard_heads,
+    shard_qkv,
+    shard_vocab,
+    tp_world_size,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+    vocab_range,
+)
+
+TP = 2
+F32 = 4
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side (runs in each spawned rank)
+# --------------------------------------------------------------------------------------------
+
+
+def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Re-assemble shards for checking, outside runtime.comm so the byte counter is untouched."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _check_mlp(rank, world):
+    """Column (fc1) -> gelu -> row (fc2), default group from the mesh."""
+    torch.manual_seed(0)
+    x, w1, b1 = torch.randn(2, 3, 8), torch.randn(16, 8), torch.randn(16)
+    w2, b2, c = torch.randn(8, 16), torch.randn(8), torch.randn(2, 3, 8)
+    ref = [_leaf(t) for t in (x, w1, b1, w2, b2)]
+    y_ref = F.linear(F.gelu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
+    (y_ref * c).sum().backward()
+
+    xs = _leaf(x)
+    w1s, b1s = _leaf(shard_dim(w1, 0, rank, world)), _leaf(shard_dim(b1, 0, rank, world))
+    w2s, b2s = _leaf(shard_dim(w2, 1, rank, world)), _leaf(b2)
+    comm.STATS.reset()
+    y = row_parallel_linear(F.gelu(column_parallel_linear(xs, w1s, b1s)), w2s, b2s)
+    (y * c).sum().backward()
+    # One all-reduce of [2, 3, 8] fp32 forward (fc2) and one backward (input gradient of fc1).
+    assert comm.STATS.calls_by_kind == {"all_reduce": 2}, comm.STATS.calls_by_kind
+    assert comm.STATS.total == 2 * comm.ring_bytes("all_reduce", 2 * 3 * 8 * F32, world)
+    assert comm.STATS.total == 2 * 2 * (world - 1) / world * 192
+    assert_close(y, y_ref)
+    assert_close(xs.grad, ref[0].grad)
+    assert_close(_gather(w1s.grad, 0), ref[1].grad)
+    assert_close(_gather(b1s.grad, 0), ref[2].grad)
+    assert_close(_gather(w2s.grad, 1), ref[3].grad)
+    assert_close(b2s.grad, ref[4].grad)
+
+
+def _attention(x, wq, bq, wk, bk, wv, bv, wo, bo, heads, kv_heads, hd, group, parallel):
+    """Causal self-attention over ``heads`` local query heads and ``kv_heads`` kv heads."""
+    b, s, _ = x.shape
+    if parallel:
+        q, k, v = (column_parallel_linear(x, w, bb, group) for w, bb in ((wq, bq), (wk, bk), (wv, bv)))
+    else:
+        q, k, v = F.linear(x, wq, bq), F.linear(x, wk, bk), F.linear(x, wv, bv)
+    q = q.view(b, s, heads, hd).transpose(1, 2)
+    k = k.view(b, s, kv_heads, hd).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    v = v.view(b, s, kv_heads, hd).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    a = a.transpose(1, 2).reshape(b, s, heads * hd)
+    if parallel:
+        return row_parallel_linear(a, wo, bo, group)
+    return F.linear(a, wo, bo)
+
+
+def _check_attention(rank, world, kv_heads):
+    """Attention split by heads, explicit group, with grouped-query attention when kv < heads."""
+    heads, hd = 4, 3
+    hidden = heads * hd
+    torch.manual_seed(1 + kv_heads)
+    x = torch.randn(2, 5, hidden)
+    full = {
+        "wq": torch.randn(heads * hd, hidden), "bq": torch.randn(heads * hd),
+        "wk": torch.randn(kv_heads * hd, hidden), "bk": torch.randn(kv_heads * hd),
+        "wv": torch.randn(kv_heads * hd, hidden), "bv": torch.randn(kv_heads * hd),
+        "wo": torch.randn(hidden, heads * hd), "bo": torch.randn(hidden),
+    }
+    full = {k: v * hidden**-0.5 for k, v in full.items()}  # unit-scale activations
+    c = torch.randn(2, 5, hidden)
+    ref = {k: _leaf(v) for k, v in full.items()}
+    xr = _leaf(x)
+    y_ref = _attention(xr, *ref.values(), heads, kv_heads, hd, None, parallel=False)
+    (y_ref * c).sum().backward()
+
+    shard_spec = {  # name -> (head count, dim)
+        "wq": (heads, 0), "bq": (heads, 0), "wk": (kv_heads, 0), "bk": (kv_heads, 0),
+        "wv": (kv_heads, 0), "bv": (kv_heads, 0), "wo": (heads, 1),
+    }
+    loc = {k: _leaf(shard_heads(full[k], n, hd, rank, world, d)) for k, (n, d) in shard_spec.items()}
+    loc["bo"] = _leaf(full["bo"])
+    xs = _leaf(x)
+    group = dist.group.WORLD
+    y = _attention(xs, *loc.values(), heads // world, kv_heads // world, hd, group, parallel=True)
+    (y * c).sum().backward()
+    assert_close(y, y_ref)
+    assert_close(xs.grad, xr.grad)
+    for k, (_, d) in shard_spec.items():
+        assert_close(_gather(loc[k].grad, d), ref[k].grad, msg=lambda m, k=k: f"{k}: {m}")
+    assert_close(loc["bo"].grad, ref["bo"].grad)
+
+
+def _check_embedding(rank, world):
+    """Vocab 11 over 2 ranks: padded to 12, boundary ids on both sides of the split."""
+    vocab, dim = 11, 6
+    torch.manual_seed(2)
+    emb = torch.nn.Embedding(vocab, dim)
+    ids = torch.tensor([[0, 5, 6, 10, 3, 7, 9], [1, 2, 4, 8, 10, 6, 5]])
+    c = torch.randn(2, 7, dim)
+    (emb(ids) * c).sum().backward()
+
+    pe = VocabParallelEmbedding.from_embedding(emb)
+    assert (pe.vocab_start, pe.vocab_end) == (6 * rank, 6 * rank + 6)
+    comm.STATS.reset()
+    out = pe(ids)
+    (out * c).sum().backward()
+    assert comm.STATS.calls_by_kind == {"all_reduce": 1}
+    assert comm.STATS.total == comm.ring_bytes("all_reduce", 2 * 7 * dim * F32, world)
+    assert_close(out, emb(ids))
+    g = _gather(pe.weight.grad, 0)
+    assert_close(g[:vocab], emb.weight.grad)
+    assert torch.all(g[vocab:] == 0), "padded rows must get no gradient"
+
+
+def _check_cross_entropy(rank, world):
+    """LM head + vocab-parallel CE vs. F.cross_entropy: loss, hidden and weight gradients."""
+    vocab, hidden = 13, 8
+    torch.manual_seed(3)
+    h, w = torch.randn(3, 5, hidden), torch.randn(vocab, hidden)
+    labels = torch.randint(0, vocab, (3, 5))
+    labels[0, 1] = labels[2, 4] = -100
+    labels[1, 0], labels[1, 1], labels[1, 2] = 0, 6, 12  # both shards and the last real id
+    hr, wr = _leaf(h), _leaf(w)
+    loss_ref = F.cross_entropy(F.linear(hr, wr).view(-1, vocab), labels.view(-1))
+    loss_ref.backward()
+
+    start, end = vocab_range(vocab, rank, world)
+    hs, ws = _leaf(h), _leaf(shard_vocab(w, rank, world))
+    comm.STATS.reset()
+    logits = column_parallel_linear(hs, ws)
+    assert logits.shape == (3, 5, end - start)
+    loss = vocab_parallel_cross_entropy(logits, labels, start, vocab_size=vocab)
+    loss.backward()
+    # Forward: max, sum-exp and target all-reduces of [15] fp32; backward: dL/dh all-reduce.
+    assert comm.STATS.calls_by_kind == {"all_reduce": 4}, comm.STATS.calls_by_kind
+    expect = 3 * comm.ring_bytes("all_reduce", 15 * F32, world)
+    expect += comm.ring_bytes("all_reduce", 15 * hidden * F32, world)
+    assert comm.STATS.total == expect
+    assert_close(loss, loss_ref)
+    assert_close(hs.grad, hr.grad)
+    g = _gather(ws.grad, 0)
+    assert_close(g[:vocab], wr.grad)
+    assert torch.all(g[vocab:] == 0)
+
+    # The module wrapper (here with a bias, padded like the weight) gives the same.
+    lin = torch.nn.Linear(hidden, vocab)
+    lb_ref = F.cross_entropy(lin(h).view(-1, vocab), labels.view(-1))
+    lb_ref.backward()
+    head = ParallelLMHeadLoss.from_linear(lin)
+    lb = head(h, labels)
+    lb.backward()
+    assert_close(lb, lb_ref)
+    assert_close(_gather(head.weight.grad, 0)[:vocab], lin.weight.grad)
+    assert_close(_gather(head.bias.grad, 0)[:vocab], lin.bias.grad)
+
+    # The sum / none reductions agree with torch.
+    z = torch.randn(15, vocab)
+    zs = _leaf(shard_vocab(z, rank, world, dim=1))
+    zr = _leaf(z)
+    for red in ("sum", "none"):
+        zs.grad = zr.grad = None
+        a = vocab_parallel_cross_entropy(zs, labels.view(-1), start, vocab_size=vocab, reduction=red)
+        b = F.cross_entropy(zr, labels.view(-1), reduction=red)
+        assert_close(a, b)
+        (a * torch.arange(1.0, a.numel() + 1).view_as(a)).sum().backward()
+        (b * torch.arange(1.0, b.numel() + 1).view_as(b)).sum().backward()
+        assert_close(_gather(zs.grad, 1)[:, :vocab], zr.grad)
+
+
+def _check_tied_model(rank, world):
+    """Embedding -> column/row MLP -> tied LM head loss, built from the module wrappers."""
+    vocab, hidden, ffn = 10, 8, 12
+    torch.manual_seed(4)
+    emb, fc1, fc2 = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, ffn), \
+        torch.nn.Linear(ffn, hidden)
+    ids, labels = torch.randint(0, vocab, (2, 6)), torch.randint(0, vocab, (2, 6))
+
+    def ref_loss():
+        x = emb(ids)
+        x = x + fc2(torch.relu(fc1(x)))
+        return F.cross_entropy(F.linear(x, emb.weight).view(-1, vocab), labels.view(-1))
+
+    lr = ref_loss()
+    lr.backward()
+    pe = VocabParallelEmbedding.from_embedding(emb)
+    c1, r2 = ColumnParallelLinear.from_linear(fc1), RowParallelLinear.from_linear(fc2)
+    head = ParallelLMHeadLoss(hidden, vocab, tied_embedding=pe)
+    assert head.weight is pe.weight
+    x = pe(ids)
+    x = x + r2(torch.relu(c1(x)))
+    loss = head(x, labels)
+    loss.backward()
+    assert_close(loss, lr)
+    assert_close(_gather(pe.weight.grad, 0)[:vocab], emb.weight.grad)
+    assert_close(_gather(c1.weight.grad, 0), fc1.weight.grad)
+    assert_close(_gather(c1.bias.grad, 0), fc1.bias.grad)
+    assert_close(_gather(r2.weight.grad, 1), fc2.weight.grad)
+    assert_close(r2.bias.grad, fc2.bias.grad)
+
+
+def _check_gather_scatter(rank, world):
+    """scatter/gather are adjoint: values, gradients and all-gather byte counts."""
+    torch.manual_seed(5)
+    x, c = torch.randn(4, 6, 2), torch.randn(4, 6, 2)
+    for dim in (0, 1, -1):
+        xs = _leaf(x)
+        comm.STATS.reset()
+        part = scatter_to_tp(xs, dim)
+        assert_close(part, x.chunk(world, dim)[rank])
+        y = gather_from_tp(part * 2.0, dim)
+        (y * c).sum().backward()
+        assert_close(y, 2 * x)
+        assert_close(xs.grad, 2 * c)
+        # forward gather + backward gather of the scatter, each of the full 48 fp32 values
+        assert comm.STATS.calls_by_kind == {"all_gather": 2}
+        assert comm.STATS.total == 2 * (world - 1) / world * 48 * F32
+
+
+def _check_memtrack_with_collectives(rank, world):
+    """The CPU memory tracker works around gloo collectives and TP autograd functions."""
+    torch.manual_seed(6)
+    fc1, fc2 = ColumnParallelLinear(8, 16), RowParallelLinear(16, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    mt = MemoryTracker(backend="storage")
+    registered = mt.track_existing(fc1, fc2, x)
+    assert registered == (8 * 16 // world + 16 // world + 16 * 8 // world + 8 + 32) * F32
+    with mt:
+        y = fc2(torch.relu(fc1(x)))
+        y.sum().backward()
+        del y
+    # live now: parameters, their gradients, x and its gradient; the rest was freed
+    assert mt.current_bytes == 2 * registered, (mt.current_bytes, registered)
+    assert mt.peak_bytes > mt.current_bytes
+
+
+def _tp_worker(rank, world, out_dir):
+    mesh = setup_mesh(1, 1, world)
+    assert tp_world_size() == world and mesh.tp_group is not None
+    checks = {
+        "mlp": lambda: _check_mlp(rank, world),
+        "attention_mha": lambda: _check_attention(rank, world, kv_heads=4),
+        "attention_gqa": lambda: _check_attention(rank, world, kv_heads=2),
+        "embedding": lambda: _check_embedding(rank, world),
+        "cross_entropy": lambda: _check_cross_entropy(rank, world),
+        "tied_model": lambda: _check_tied_model(rank, world),
+        "gather_scatter": lambda: _check_gather_scatter(rank, world),
+        "memtrack_with_collectives": lambda: _check_memtrack_with_collectives(rank, world),
+    }
+    verdicts = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            verdicts[name] = "ok"
+        except Exception:  # recorded per check so one failure does not hide the others
+            verdicts[name] = traceback.format_exc()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(verdicts, f)
+
+
+CHECKS = ["mlp", "attention_mha", "attention_gqa", "embedding", "cross_entropy", "tied_model",
+          "gather_scatter", "memtrack_with_collectives"]
+
+
+@pytest.fixture(scope="module")
+def tp_verdicts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    launch_local(_tp_worker, TP, args=(str(out),), timeout_s=120, collective_timeout_s=60)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("check", CHECKS)
+def test_tp2_matches_single_process(tp_verdicts, check):
+    for rank, verdicts in enumerate(tp_verdicts):
+        assert verdicts[check] == "ok", f"rank {rank}, check {check}:\n{verdicts[check]}"
+
+
+# --------------------------------------------------------------------------------------------
+# Pure tests: shard helpers and the tp = 1 degenerate case
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), world=st.integers(1, 4),
+       data=st.data())
+def test_shard_dim_reassembles(shape, world, data):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    shape[dim] *= world
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+    parts = [shard_dim(full, dim, r, world) for r in range(world)]
+    assert all(p.is_contiguous() and p.shape[dim] == shape[dim] // world for p in parts)
+    assert torch.equal(torch.cat(parts, dim=dim), full)
+    parts[0].add_(1)  # a copy: the full tensor is untouched
+    assert torch.equal(torch.cat([shard_dim(full, dim, r, world) for r in range(world)], dim), full)
+
+
+def test_shard_dim_errors():
+    with pytest.raises(ValueError, match=r"size 10.*over 4.*not divisible"):
+        shard_dim(torch.zeros(3, 10), 1, 0, 4)
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        shard_dim(torch.zeros(4), 0, 2, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.sampled_from([1, 2, 4]), q_per=st.integers(1, 3), group=st.integers(1, 3),
+       hd=st.integers(1, 3), hidden=st.integers(1, 3))
+def test_shard_heads_gqa_mapping(world, q_per, group, hd, hidden):
+    kv_heads = world * q_per
+    heads = kv_heads * group  # group = query heads per kv head
+    wq = torch.arange(heads * hd * hidden, dtype=torch.float32).view(heads * hd, hidden)
+    wk = -torch.arange(kv_heads * hd * hidden, dtype=torch.float32).view(kv_heads * hd, hidden)
+    for r in range(world):
+        q_r = shard_heads(wq, heads, hd, r, world).view(heads // world, hd, hidden)
+        k_r = shard_heads(wk, kv_heads, hd, r, world).view(kv_heads // world, hd, hidden)
+        for j in range(heads // world):  # local query head j is global head h
+            h = r * heads // world + j
+            assert torch.equal(q_r[j], wq.view(heads, hd, hidden)[h])
+            # its kv head, found locally the way the attention kernel does, is the global one
+            assert torch.equal(k_r[j // group], wk.view(kv_heads, hd, hidden)[h // group])
+    parts = [shard_heads(wq.t(), heads, hd, r, world, dim=1) for r in range(world)]
+    assert torch.equal(torch.cat(parts, 1), wq.t())
+
+
+def test_shard_heads_errors():
+    with pytest.raises(ValueError, match="cannot split 2 heads over 4"):
+        shard_heads(torch.zeros(2 * 3, 5), 2, 3, 0, 4)
+    with pytest.raises(ValueError, match="expected num_heads x head_dim = 4 x 3 = 12"):
+        shard_heads(torch.zeros(10, 5), 4, 3, 0, 2)
+
+
+def test_shard_qkv_fused_layout():
+    heads, kv, hd, hidden, world = 4, 2, 2, 3, 2
+    q = torch.randn(heads * hd, hidden)
+    k, v = torch.randn(kv * hd, hidden), torch.randn(kv * hd, hidden)
+    fused = torch.cat([q, k, v]).t()  # GPT-2 Conv1D layout [in, out]
+    for r in range(world):
+        got = shard_qkv(fused, heads, kv, hd, r, world, dim=1).t()
+        want = torch.cat([shard_heads(t, n, hd, r, world) for t, n in ((q, heads), (k, kv), (v, kv))])
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(1, 300), world=st.integers(1, 8))
+def test_vocab_range_covers_padded_vocab(vocab, world):
+    padded = padded_vocab_size(vocab, world)
+    assert padded % world == 0 and vocab <= padded < vocab + world
+    ranges = [vocab_range(vocab, r, world) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == padded
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert len({e - s for s, e in ranges}) == 1
+    full = torch.randn(vocab, 2)
+    parts = [shard_vocab(full, r, world) for r in range(world)]
+    cat = torch.cat(parts)
+    assert torch.equal(cat[:vocab], full) and torch.all(cat[vocab:] == 0)
+
+
+def test_single_process_degenerates_to_plain_ops():
+    """Without a tp group every function is the plain op and nothing is communicated."""
+    torch.manual_seed(0)
+    assert tp_world_size() == 1
+    comm.STATS.reset()
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    assert_close(column_parallel_linear(x, w, b, gather_output=True), F.linear(x, w, b))
+    assert_close(row_parallel_linear(x, w, b), F.linear(x, w, b))
+    ids = torch.tensor([[0, 4, 2]])
+    assert_close(vocab_parallel_embedding(ids, w, 0), F.embedding(ids, w))
+    assert comm.STATS.total == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_single_rank_with_padding(reduction):
+    torch.manual_seed(0)
+    vocab = 7
+    z = torch.randn(4, 6, vocab)
+    labels = torch.randint(0, vocab, (4, 6))
+    labels[0, :3] = -100
+    padded = torch.cat([z, torch.randn(4, 6, 3)], -1)  # 3 padded columns that must not count
+    zp, zr = _leaf(padded), _leaf(z)
+    a = vocab_parallel_cross_entropy(zp, labels, 0, vocab_size=vocab, reduction=reduction)
+    b = F.cross_entropy(zr.permute(0, 2, 1), labels, reduction=reduction)
+    assert_close(a, b)
+    (a * 1.5).sum().backward()
+    (b * 1.5).sum().backward()
+    assert_close(zp.grad[..., :vocab], zr.grad)
+    assert torch.all(zp.grad[..., vocab:] == 0)
+
+
+def test_cross_entropy_bf16_and_errors():
+    z = torch.randn(8, 5, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 5, (8,))
+    loss = vocab_parallel_cross_entropy(z, labels)
+    assert loss.dtype == torch.bfloat16
+    assert_close(loss.float(), F.cross_entropy(z.float(), labels), rtol=1e-2, atol=1e-2)
+    loss.backward()
+    assert z.grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="reduction must be"):
+        vocab_parallel_cross_entropy(z, labels, reduction="avg")
+    with pytest.raises(ValueError, match="logits have 8 tokens"):
+        vocab_parallel_cross_entropy(z, torch.zeros(7, dtype=torch.long))
