@@ -25,23 +25,33 @@ DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16
 
 
 def trace_for_plan(plan: Plan):
-    """Export the plan's model on meta at one micro-batch; return (GraphModule, layer_of, names)."""
-    from passes.layers import assign_layers
+    """Export the plan's model on meta at one micro-batch.
+
+    Returns ``(GraphModule, layer_of, layer names, bundle)``. The graph is ``ep.module()``:
+    parameters appear as ``get_attr`` nodes named by their original FQN, shapes are static.
+    """
+    from passes.layers import assign_layers, layer_names
+    from planner.errors import UserError
     from planner.models import build_model
-    from planner.trace import export_model
+    from planner.trace import explain_export_error, find_block_container
 
     bundle = build_model(plan.model.spec, device="meta", batch=plan.micro_batch_size,
                          dtype=DTYPE_OF[plan.dtype], **plan.model.sizes)
     if bundle.kind != "file":
         bundle.example_inputs = bundle.make_inputs(plan.micro_batch_size, plan.seq_len, device="meta")
-    gm = export_model(bundle)
-    layer_of, names = assign_layers(gm)
+    try:
+        ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
+    except Exception as e:  # every export failure becomes one readable message
+        raise explain_export_error(e, plan.model.spec) from e
+    gm = ep.module()
+    _, block_paths = find_block_container(bundle.model)
+    roles = {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"}
+    assign_layers(gm, block_paths, roles)
+    names = layer_names(gm, len(block_paths), block_paths)
     if len(names) != plan.model.layers + 2:
-        from planner.errors import UserError
-
         raise UserError(f"the model traced to {len(names) - 2} blocks but the plan was made for "
                         f"{plan.model.layers}; re-run `planner plan`.")
-    return gm, layer_of, names, bundle
+    return gm, (lambda n: n.meta["layer"]), names, bundle
 
 
 def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:

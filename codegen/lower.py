@@ -83,7 +83,7 @@ class StageSpec:
 
 
 def _layer_prefix(name: str) -> str:
-    return "" if name.startswith("(") else name
+    return name
 
 
 def partition_graph(
@@ -203,7 +203,7 @@ def _layer_graph_code(lg: LayerGraph, shared_names: dict[str, str], rewrite=None
                 env[a] = g.get_attr(attr_nodes[a.target])
         args = fx.node.map_arg(n.args, lambda a: env[a])
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
-        kwargs = {k: (_DEVICE if isinstance(v, torch.device) else v) for k, v in kwargs.items()}
+        args, kwargs = _retarget_devices(args), _retarget_devices(kwargs)
         new = g.create_node("call_function", n.target, args, kwargs)
         new.meta = dict(n.meta)
         env[n] = new
@@ -214,6 +214,17 @@ def _layer_graph_code(lg: LayerGraph, shared_names: dict[str, str], rewrite=None
     g.eliminate_dead_code()
     pc = g.python_code(root_module="self")
     return pc.src, pc.globals, in_names
+
+
+def _retarget_devices(x):
+    """Devices baked in at trace time (meta) become ``runtime.device()`` in generated code."""
+    if isinstance(x, torch.device):
+        return _DEVICE
+    if isinstance(x, (list, tuple)):
+        return type(x)(_retarget_devices(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _retarget_devices(v) for k, v in x.items()}
+    return x
 
 
 _ALLOWED_MODULES = ("torch", "runtime", "operator", "math", "builtins", "_operator")

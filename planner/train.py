@@ -26,8 +26,9 @@ def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str,
     from planner.models import build_model
 
     b = build_model(spec, seed=seed, **sizes)
-    state = {n: p.detach() for n, p in b.model.named_parameters()}
-    state.update({n: t for n, t in b.model.named_buffers()})
+    # remove_duplicate=False: a tied weight appears under every name the graph may use.
+    state = {n: p.detach() for n, p in b.model.named_parameters(remove_duplicate=False)}
+    state.update({n: t for n, t in b.model.named_buffers(remove_duplicate=False)})
     return state
 
 
@@ -112,7 +113,7 @@ def run_train(args) -> int:
     if args.metrics and not args.resume and os.path.exists(args.metrics):
         os.remove(args.metrics)
     sizes = dict(plan.model.sizes)
-    worker_args = (compiled, opts, plan.model.spec, sizes, plan.seq_len, True)
+    worker_args = (compiled, opts, plan.model.spec, sizes, plan.seq_len, not getattr(args, "quiet", False))
     if args.nproc is not None:
         if args.nproc != world:
             raise UserError(f"{args.plan} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "

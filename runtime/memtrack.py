@@ -297,7 +297,9 @@ class MemoryTracker:
 
     def __enter__(self) -> "MemoryTracker":
         if self._active:
-            raise RuntimeError("this MemoryTracker is already active; it cannot be nested in itself")
+            raise RuntimeError(
+                "this MemoryTracker is already active; it cannot be nested in itself"
+            )
         self._active = True
         if self._counter is None:
             torch.cuda.synchronize(self.device)

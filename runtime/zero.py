@@ -29,13 +29,15 @@ is complete its bucket may be reduced *while backward continues* (async collecti
 - stage 0/1: all-reduce (sum, then divide by dp) of a *bucket* -- consecutive groups, contiguous
   in one big gradient buffer, in backward order, about ``bucket_bytes`` each. Reduced once per
   step: from the hooks of the last backward when ``micro_batches_per_step`` is set, else in
-  ``step()``.
+  ``step()``. A backward after a reduction (more backwards than announced) is still right: the
+  buffer then holds ``avg + g_r`` and its reduction gives ``(dp avg + sum g_r) / dp``.
 - stage 2/3: reduce-scatter of each bucket on *every* backward that is not inside ``no_sync()``
   (a per-micro-batch reduce-scatter, as FSDP does): the result is added (divided by dp) to fp32
   shard accumulators and the full gradient buffer of the group is freed, so gradients cost
   ``4 P / dp`` plus the layers in flight. A bucket of several groups is laid out rank-major
   (``[g1 shard r | g2 shard r]`` for each r) in a staging buffer, one collective for all.
   Inside ``no_sync()`` full gradients accumulate instead and are reduce-scattered later.
+  Outside backward ``p.grad`` is then ``None``: the reduced gradient lives in the shards.
 
 Buckets launch strictly in bucket order (a bucket whose groups finish early waits for the
 earlier buckets), so every rank issues the same collectives in the same order. The end of each
@@ -78,6 +80,13 @@ collectives; masters, AdamW state and stage-2/3 gradient shards are fp32. Floati
 buffers and forward inputs are cast to ``param_dtype``. fp16 uses ``DynamicLossScaler``: call
 ``scale_loss(loss).backward()`` (or multiply by ``engine.loss_scale``).
 
+State
+-----
+``state_dict()`` returns this rank's shards (masters, AdamW moments, step, loss scaler) with the
+layout needed to reshard them (``runtime.optim``: ``consolidate_shards`` / ``slice_shard``);
+``load_state_dict`` takes the same layout or a consolidated one, at any dp or stage.
+``full_state_dict()`` gathers the fp32 parameters by their original names.
+
 Assumption: every data-parallel rank runs the same graph (same modules, same parameters receive
 gradients), as with DDP; module weights must be identical on all dp ranks at construction.
 """
@@ -95,14 +104,23 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from runtime import comm
-from runtime.optim import FORMAT, adamw_step_, clip_coefficient, padded_numel, slice_shard
+from runtime.optim import (
+    FREE,
+    GATHERED,
+    GATHERING,
+    FlatGroup,
+    ZeroError,
+    adamw_step_,
+    build_groups,
+    clip_coefficient,
+    export_state,
+    import_state,
+    set_owned_ranges,
+    square_sums,
+)
 from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
 
 __all__ = ["ZeroEngine", "StepInfo", "DynamicLossScaler", "ZeroError"]
-
-
-class ZeroError(RuntimeError):
-    """Misuse of the ZeRO engine (bad layer groups, calls in the wrong phase, bad state)."""
 
 
 @dataclass(frozen=True)
@@ -117,57 +135,8 @@ class StepInfo:
     """Loss scale to use for the next step (1.0 unless fp16)."""
 
 
-_FREE, _GATHERING, _GATHERED = 0, 1, 2
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-class _Entry:
-    """One parameter's place in its group's flat buffer."""
-
-    __slots__ = ("name", "param", "shape", "offset", "numel")
-
-    def __init__(self, name: str, param: nn.Parameter, offset: int):
-        self.name, self.param, self.shape = name, param, param.shape
-        self.offset, self.numel = offset, param.numel()
-
-
-class _Group:
-    """A layer: its flat buffers, shard ranges and per-backward bookkeeping."""
-
-    def __init__(self, index: int, names: list[str], entries: list[_Entry], dp: int):
-        self.index, self.names, self.entries = index, names, entries
-        self.numel = sum(e.numel for e in entries)
-        self.padded = padded_numel(self.numel, dp)
-        self.shard = self.padded // dp
-        self.by_id = {id(e.param): e for e in entries}
-        self.full: torch.Tensor | None = None  # compute-dtype params, padded
-        self.master: torch.Tensor | None = None  # fp32 (stage 0: padded full, else the shard)
-        self.exp_avg: torch.Tensor | None = None
-        self.exp_avg_sq: torch.Tensor | None = None
-        self.grad_full: torch.Tensor | None = None  # compute-dtype grads, padded
-        self.grad_shard: torch.Tensor | None = None  # stage 2/3: fp32 accumulator
-        self.norm_ranges: list[tuple[int, int]] | None = None  # None: the whole tensor
-        self.decay_ranges: list[tuple[int, int]] | None = None
-        self.hook_modules: list[str] = []
-        self.state = _GATHERED
-        self.gather_work = None
-        self.waiting: set[int] = set(self.by_id)  # params without a gradient in this backward
-        self.ready = False  # complete in this backward
-        self.dirty = False  # local gradients not yet reduced
-        self.visited = False  # stage 3: gathered or finished in this backward
 
 
 class ZeroEngine:
@@ -177,7 +146,8 @@ class ZeroEngine:
         module: the stage's module, parameters in fp32, identical on every dp rank.
         layers: parameter names per layer, in forward order; every parameter in exactly one
             group (aliases of tied parameters accepted). ``None``: the parameters directly on
-            ``module`` form a first group, then one group per top-level child.
+            ``module`` form a first group, then one group per top-level child (per element
+            for a ``ModuleList``/``ModuleDict`` child).
         dp_group: data-parallel process group (``None``: dp = 1, no communication).
         zero_stage: 0, 1, 2 or 3.
         param_dtype: compute dtype (``torch.float32``, ``torch.bfloat16``, ``torch.float16``).
@@ -262,13 +232,18 @@ class ZeroEngine:
         self._fwd_order: list[int] = []
         self._fwd_seen: set[int] = set()
         self._last_order: list[int] = []
+        self.counters = {"reduced_in_backward": 0, "reduced_at_backward_end": 0, "reduced_in_step": 0,
+                         "prefetches": 0}
+        """Bucket reductions launched from gradient hooks while backward runs (overlapped), by the
+        end-of-backward callback, or by ``step()``; stage-3 gathers launched ahead of use."""
 
-        params = self._build_groups(layers)
-        dev = {p.device for _, p in params}
+        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp)
+        dev = {e.param.device for g in self.groups for e in g.entries}
         if len(dev) != 1:
             raise ZeroError(f"all parameters of a stage must be on one device, found {sorted(map(str, dev))}")
         self.device = dev.pop()
-        self._setup_ranges(replicated_param_filter, rep_rank, weight_decay_filter)
+        set_owned_ranges(self.groups, self.stage, self.dp_rank, replicated_param_filter, rep_rank,
+                         weight_decay_filter)
         with torch.no_grad():
             self._allocate()
             if self.dtype != torch.float32:
@@ -280,122 +255,36 @@ class ZeroEngine:
         self._register_hooks()
 
     # ------------------------------------------------------------------ construction
-    def _build_groups(self, layers) -> list[tuple[str, nn.Parameter]]:
-        canonical = list(self.module.named_parameters())
-        if not canonical:
-            raise ZeroError("the module has no parameters; a ZeRO engine has nothing to manage")
-        by_alias: dict[str, nn.Parameter] = dict(self.module.named_parameters(remove_duplicate=False))
-        canon_name = {id(p): n for n, p in canonical}
-        frozen = [n for n, p in canonical if not p.requires_grad]
-        if frozen:
-            raise ZeroError(f"frozen parameters are not supported (requires_grad=False): {frozen[:5]}")
-        if layers is None:
-            root = [n for n in canon_name.values() if "." not in n]
-            layers = [root] if root else []
-            for child, _ in self.module.named_children():
-                names = [n for n in canon_name.values() if n.startswith(child + ".")]
-                if names:
-                    layers.append(names)
-        seen: dict[int, str] = {}
-        groups = []
-        for gi, names in enumerate(layers):
-            names = list(names)
-            if not names:
-                raise ZeroError(f"layer group {gi} is empty; drop it or give it parameter names")
-            entries, offset = [], 0
-            for n in names:
-                if n not in by_alias:
-                    raise ZeroError(
-                        f"layer group {gi} names {n!r}, which is not a parameter of the module "
-                        f"(parameters are e.g. {list(canon_name.values())[:4]})"
-                    )
-                p = by_alias[n]
-                if id(p) in seen:
-                    raise ZeroError(f"parameter {n!r} appears in layer groups twice (also as {seen[id(p)]!r})")
-                seen[id(p)] = n
-                entries.append(_Entry(canon_name[id(p)], p, offset))
-                offset += p.numel()
-            g = _Group(gi, names, entries, self.dp)
-            g.hook_modules = self._hook_modules(names)
-            groups.append(g)
-        missing = [n for n, p in canonical if id(p) not in seen]
-        if missing:
-            raise ZeroError(f"parameters in no layer group: {missing[:8]} ({len(missing)} in all)")
-        self.groups: list[_Group] = groups
-        return canonical
-
-    def _hook_modules(self, names: list[str]) -> list[str]:
-        """Deepest module(s) holding all ``names``; containers are replaced by their children."""
-        paths = [n.split(".")[:-1] for n in names]
-        prefix = paths[0]
-        for p in paths[1:]:
-            k = 0
-            while k < min(len(prefix), len(p)) and prefix[k] == p[k]:
-                k += 1
-            prefix = prefix[:k]
-        mod = self.module.get_submodule(".".join(prefix))
-        if prefix and isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
-            heads = sorted({tuple(p[: len(prefix) + 1]) for p in paths})
-            out: list[str] = []
-            for h in heads:
-                sub = [n for n, p in zip(names, paths) if tuple(p[: len(prefix) + 1]) == h]
-                out.extend(x for x in self._hook_modules(sub) if x not in out)
-            return out
-        return [".".join(prefix)]
-
-    def _setup_ranges(self, replicated, rep_rank: int, decays) -> None:
-        r = self.dp_rank
-        for g in self.groups:
-            lo, hi = (0, g.padded) if self.stage == 0 else (r * g.shard, (r + 1) * g.shard)
-            norm, decay, all_norm, all_decay = [], [], True, True
-            for e in g.entries:
-                a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
-                if a >= b:
-                    continue
-                counted = (self.stage > 0 or r == 0) and not (
-                    replicated is not None and rep_rank != 0 and replicated(e.name)
-                )
-                if counted:
-                    norm.append((a - lo, b - lo))
-                all_norm &= counted
-                if decays is None or decays(e.name):
-                    decay.append((a - lo, b - lo))
-                else:
-                    all_decay = False
-            g.norm_ranges = None if all_norm and (self.stage > 0 or r == 0) else _merge(norm)
-            g.decay_ranges = None if all_decay else _merge(decay)
-
     def _allocate(self) -> None:
+        """Move the parameters into flat buffers, one group at a time (so that the original
+        storage of a group can be released before the next one is copied)."""
         dt, dev, r = self.dtype, self.device, self.dp_rank
-        flats32 = []
-        for g in self.groups:
-            f = torch.zeros(g.padded, dtype=torch.float32, device=dev)
-            for e in g.entries:
-                f[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            flats32.append(f)
         if self.stage < 3:
             total = sum(g.padded for g in self.groups)
             self._flat = torch.zeros(total, dtype=dt, device=dev)
             self._flat_grad = torch.zeros(total, dtype=dt, device=dev) if self.stage < 2 else None
-            base = 0
-            for g, f in zip(self.groups, flats32):
+        else:
+            self._flat = self._flat_grad = None
+        base = 0
+        for g in self.groups:
+            f = torch.zeros(g.padded, dtype=torch.float32, device=dev)
+            for e in g.entries:
+                f[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            sl = slice(r * g.shard, (r + 1) * g.shard)
+            if self.stage < 3:
                 g.base = base
                 g.full = self._flat[base : base + g.padded]
                 g.full.copy_(f)
                 if self.stage == 0:
                     g.master = g.full if dt == torch.float32 else f
                 else:
-                    sl = slice(r * g.shard, (r + 1) * g.shard)
                     g.master = g.full[sl] if dt == torch.float32 else f[sl].clone()
                 if self._flat_grad is not None:
                     g.grad_full = self._flat_grad[base : base + g.padded]
                 base += g.padded
-        else:
-            self._flat = self._flat_grad = None
-            for g, f in zip(self.groups, flats32):
-                g.master = f[r * g.shard : (r + 1) * g.shard].clone()
+            else:
+                g.master = f[sl].clone()
                 g.full = torch.empty(g.padded, dtype=dt, device=dev)
-        for g in self.groups:
             g.exp_avg = torch.zeros_like(g.master)
             g.exp_avg_sq = torch.zeros_like(g.master)
             if self.stage >= 2:
@@ -407,7 +296,7 @@ class ZeroEngine:
                     e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
             if self.stage == 3:
                 g.full.untyped_storage().resize_(0)
-                g.state = _FREE
+                g.state = FREE
 
     def _make_buckets(self) -> list[list[int]]:
         esize = torch.empty((), dtype=self.dtype).element_size()
@@ -420,7 +309,6 @@ class ZeroEngine:
                 cur, size = [], 0
         if cur:
             buckets.append(cur)
-        self._bucket_of = {gi: b for b, bucket in enumerate(buckets) for gi in bucket}
         return buckets
 
     def _register_hooks(self) -> None:
@@ -432,7 +320,7 @@ class ZeroEngine:
                     e.param.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g, p))
                 )
         if self.stage == 3:
-            by_module: dict[str, list[_Group]] = {}
+            by_module: dict[str, list[FlatGroup]] = {}
             for g in self.groups:
                 for name in g.hook_modules:
                     by_module.setdefault(name, []).append(g)
@@ -464,7 +352,7 @@ class ZeroEngine:
         for g in self.groups:  # prefetched but not used in this forward
             self._free(g)
 
-    def _pre_forward(self, groups: list[_Group]) -> None:
+    def _pre_forward(self, groups: list[FlatGroup]) -> None:
         in_bwd = _in_backward()
         for g in groups:
             self._gather(g)
@@ -478,9 +366,9 @@ class ZeroEngine:
             if last in order:
                 pos = order.index(last)
                 if pos + 1 < len(order):
-                    self._gather(self.groups[order[pos + 1]], async_op=True)
+                    self._prefetch(self.groups[order[pos + 1]])
 
-    def _post_forward(self, groups: list[_Group], out) -> None:
+    def _post_forward(self, groups: list[FlatGroup], out) -> None:
         if _in_backward():
             return  # recomputation inside backward: keep the parameters for the backward ops
         for g in groups:
@@ -490,7 +378,7 @@ class ZeroEngine:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, gs=groups: self._backward_gather(gs))
 
-    def _backward_gather(self, groups: list[_Group]) -> None:
+    def _backward_gather(self, groups: list[FlatGroup]) -> None:
         self._begin_backward()
         for g in groups:
             self._gather(g)
@@ -500,18 +388,23 @@ class ZeroEngine:
             for gi in reversed(self._last_order or list(range(len(self.groups)))):
                 g = self.groups[gi]
                 if not g.visited:
-                    self._gather(g, async_op=True)
+                    self._prefetch(g)
                     break
 
-    def _gather(self, g: _Group, async_op: bool = False) -> None:
+    def _prefetch(self, g: FlatGroup) -> None:
+        if g.state == FREE:
+            self.counters["prefetches"] += 1
+            self._gather(g, async_op=True)
+
+    def _gather(self, g: FlatGroup, async_op: bool = False) -> None:
         """Materialize group ``g``'s full compute-dtype parameters (stage 3)."""
-        if self.stage != 3 or g.state != _FREE:
+        if self.stage != 3 or g.state != FREE:
             return
         with torch.no_grad():
             g.full.untyped_storage().resize_(g.padded * g.full.element_size())
             if self.dp == 1:
                 g.full.copy_(g.master)
-                g.state = _GATHERED
+                g.state = GATHERED
                 return
             if self.dtype == torch.float32:
                 src = g.master
@@ -519,21 +412,21 @@ class ZeroEngine:
                 src = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
                 src.copy_(g.master)
             g.gather_work = comm.all_gather_into(g.full, src, self.dp_group, async_op=async_op)
-        g.state = _GATHERING if async_op else _GATHERED
+        g.state = GATHERING if async_op else GATHERED
         if not async_op:
             g.gather_work = None
 
-    def _wait_gather(self, g: _Group) -> None:
-        if g.state == _GATHERING:
+    def _wait_gather(self, g: FlatGroup) -> None:
+        if g.state == GATHERING:
             comm.wait(g.gather_work)
-            g.gather_work, g.state = None, _GATHERED
+            g.gather_work, g.state = None, GATHERED
 
-    def _free(self, g: _Group) -> None:
-        if self.stage != 3 or g.state == _FREE:
+    def _free(self, g: FlatGroup) -> None:
+        if self.stage != 3 or g.state == FREE:
             return
         self._wait_gather(g)
         g.full.untyped_storage().resize_(0)
-        g.state = _FREE
+        g.state = FREE
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -550,7 +443,14 @@ class ZeroEngine:
         task = torch._C._current_graph_task_id()
         if task == self._cb_task:
             return
+        if self._cb_task is not None:
+            raise ZeroError(
+                "a backward pass started inside another one (reentrant activation checkpointing?); "
+                "the ZeRO engine needs non-reentrant checkpointing (use_reentrant=False). If an "
+                "earlier backward failed instead, call engine.zero_grad() before the next one"
+            )
         self._cb_task = task
+        self._next_bucket = 0
         self._backwards += 1
         if self._no_sync or self.dp == 1 and self.stage < 2:
             self._sync_this_backward = False
@@ -560,7 +460,7 @@ class ZeroEngine:
             self._sync_this_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _on_grad(self, g: _Group, p: nn.Parameter) -> None:
+    def _on_grad(self, g: FlatGroup, p: nn.Parameter) -> None:
         self._begin_backward()
         e = g.by_id[id(p)]
         if g.grad_full is None:  # stage 2/3: the group's first gradient since its last reduction
@@ -582,30 +482,31 @@ class ZeroEngine:
             g.visited = True
             self._free(g)
             if self._sync_this_backward:
-                self._launch_buckets(only_ready=True)
+                self._launch_buckets(only_ready=True, where="reduced_in_backward")
 
     def _end_backward(self) -> None:
         sync = self._sync_this_backward
         self._cb_task = None
         if sync:
-            self._launch_buckets(only_ready=False)
+            self._launch_buckets(only_ready=False, where="reduced_at_backward_end")
             self._drain()
         for g in self.groups:
             g.waiting, g.ready, g.visited = set(g.by_id), False, False
             self._free(g)
         self._next_bucket = 0
 
-    def _launch_buckets(self, only_ready: bool) -> None:
+    def _launch_buckets(self, only_ready: bool, where: str = "reduced_in_step") -> None:
         while self._next_bucket < len(self._buckets):
             bucket = [self.groups[i] for i in self._buckets[self._next_bucket]]
             if only_ready and not all(g.ready for g in bucket):
                 return
             self._next_bucket += 1
             if any(g.dirty for g in bucket):
+                self.counters[where] += 1
                 self._reduce_bucket(bucket)
         self._poll()
 
-    def _reduce_bucket(self, bucket: list[_Group]) -> None:
+    def _reduce_bucket(self, bucket: list[FlatGroup]) -> None:
         """Launch the reduction of one bucket (async); its completion is handled by ``_finish``."""
         for g in bucket:
             g.dirty = False
@@ -645,7 +546,7 @@ class ZeroEngine:
         self._inflight.append((work, "rs", out, (cols, src)))
         self._poll()
 
-    def _drop_grad_full(self, g: _Group) -> None:
+    def _drop_grad_full(self, g: FlatGroup) -> None:
         g.grad_full = None
         for e in g.entries:
             e.param.grad = None
@@ -682,7 +583,7 @@ class ZeroEngine:
         """``loss * loss_scale`` (the identity unless fp16)."""
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def _grad_source(self, g: _Group) -> torch.Tensor:
+    def _grad_source(self, g: FlatGroup) -> torch.Tensor:
         """fp32 gradient aligned with ``g.master`` (may alias the gradient buffers)."""
         if self.stage >= 2:
             return g.grad_shard
@@ -692,27 +593,19 @@ class ZeroEngine:
     @torch.no_grad()
     def step(self, lr: float | None = None) -> StepInfo:
         """Reduce, unscale, check overflow, clip and apply AdamW; collective over all ranks."""
-        if self._cb_task is not None:
+        if _in_backward():
             raise ZeroError("step() was called during a backward pass; call it after backward returns")
+        self._cb_task = None
         if lr is not None:
             self.lr = float(lr)
         self._next_bucket = 0
         self._launch_buckets(only_ready=False)
         self._drain()
-        self._backwards = 0
+        self._next_bucket = self._backwards = 0
         for g in self.groups:
             self._free(g)
-        grads = [self._grad_source(g) for g in self.groups]
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for g, gr in zip(self.groups, grads):
-            full_sq = torch.dot(gr, gr).double()
-            if g.norm_ranges is None:
-                sums[0] += full_sq
-            else:
-                for a, b in g.norm_ranges:
-                    sums[0] += torch.dot(gr[a:b], gr[a:b]).double()
-            sums[1] += full_sq
-        sums[1] = (~torch.isfinite(sums[1])).double()
+        sums = square_sums(self.groups, self._grad_source, self.device)
+        sums[1] = (~torch.isfinite(sums[1])).double()  # the overflow flag
         for grp in ([self.dp_group] if self.dp > 1 else []) + self.norm_groups:
             comm.all_reduce(sums, grp)
         total_sq, flag = sums.tolist()
@@ -726,7 +619,8 @@ class ZeroEngine:
         coef = clip_coefficient(norm, self.max_grad_norm) / scale
         self.step_count += 1
         works = []
-        for g, gr in zip(self.groups, grads):
+        for g in self.groups:
+            gr = self._grad_source(g)
             if coef != 1.0:
                 gr.mul_(coef)
             adamw_step_(
@@ -741,7 +635,7 @@ class ZeroEngine:
             self.scaler.update(False)
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
 
-    def _publish(self, g: _Group):
+    def _publish(self, g: FlatGroup):
         """Make the compute parameters reflect the updated master (async handle or None)."""
         if self.stage == 3:
             return None
@@ -759,12 +653,15 @@ class ZeroEngine:
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are zeroed and kept; nothing is freed to Python)."""
-        if self._cb_task is not None:
+        if _in_backward():
             raise ZeroError("zero_grad() was called during a backward pass")
+        self._cb_task = None
         self._drain()
-        self._backwards = 0
+        self._backwards = self._next_bucket = 0
         for g in self.groups:
-            g.dirty = False
+            g.dirty = g.ready = g.visited = False
+            g.waiting = set(g.by_id)  # also recovers from a backward that raised midway
+            self._free(g)
             if self.stage < 2:
                 for e in g.entries:
                     e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
@@ -775,12 +672,6 @@ class ZeroEngine:
             self._flat_grad.zero_()
 
     # ------------------------------------------------------------------ state and memory
-    def _layout(self) -> list[dict]:
-        return [
-            {"names": [e.name for e in g.entries], "shapes": [list(e.shape) for e in g.entries], "numel": g.numel}
-            for g in self.groups
-        ]
-
     def state_dict(self) -> dict:
         """This rank's shards of masters and AdamW state, with the layout needed to reshard.
 
@@ -788,25 +679,11 @@ class ZeroEngine:
         ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
         """
         self._drain()
-        full = self.stage == 0
-
-        def part(t: torch.Tensor, g: _Group) -> torch.Tensor:
-            return (t[: g.numel] if full else t).detach().clone().cpu()
-
-        return {
-            "format": FORMAT,
-            "zero_stage": self.stage,
-            "num_shards": 1 if full else self.dp,
-            "shard_index": 0 if full else self.dp_rank,
-            "step": self.step_count,
-            "lr": self.lr,
-            "param_dtype": dtype_name(self.dtype),
-            "groups": self._layout(),
-            "master": [part(g.master, g) for g in self.groups],
-            "exp_avg": [part(g.exp_avg, g) for g in self.groups],
-            "exp_avg_sq": [part(g.exp_avg_sq, g) for g in self.groups],
-            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+        n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
+        state = export_state(self.groups, n, idx, self.step_count)
+        state.update(zero_stage=self.stage, lr=self.lr, param_dtype=dtype_name(self.dtype),
+                     loss_scaler=self.scaler.state_dict() if self.scaler is not None else None)
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -814,28 +691,8 @@ class ZeroEngine:
 
         Collective at stages 1 and 2 (the loaded shards are all-gathered into the parameters).
         """
-        if state.get("format") != FORMAT:
-            raise ZeroError(f"not a ZeRO engine state dict (format {state.get('format')!r})")
-        if state["groups"] != self._layout():
-            raise ZeroError(
-                "the state dict's parameter layout (names, shapes or grouping) differs from this "
-                "engine's; it was saved from another model or with other layer groups"
-            )
         n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
-        if (state["num_shards"], state["shard_index"]) != (n, idx):
-            if state["num_shards"] != 1:
-                raise ZeroError(
-                    f"the state holds shard {state['shard_index']} of {state['num_shards']} but this "
-                    f"rank needs shard {idx} of {n}; join all shards with "
-                    "runtime.optim.consolidate_shards and load the full state"
-                )
-            state = slice_shard(state, n, idx)
-        for g, i in zip(self.groups, range(len(self.groups))):
-            for key, dst in (("master", g.master), ("exp_avg", g.exp_avg), ("exp_avg_sq", g.exp_avg_sq)):
-                src = state[key][i].to(self.device)
-                dst.zero_()
-                dst[: src.numel()].copy_(src)
-        self.step_count = int(state["step"])
+        self.step_count = import_state(self.groups, state, n, idx)
         self.lr = float(state.get("lr", self.lr))
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])

@@ -186,7 +186,8 @@ def test_overhead_on_small_mlp_training_step():
     with mt:
         tracked = min(timed() for _ in range(3))
     factor = tracked / base
-    print(f"\nmemtrack overhead: {base * 1e3:.2f} ms -> {tracked * 1e3:.2f} ms per step ({factor:.2f}x)")
+    print(f"\nmemtrack overhead: {base * 1e3:.2f} ms -> {tracked * 1e3:.2f} ms per step "
+          f"({factor:.2f}x)")
     assert factor < 8.0  # loose: the CI machines are shared; typical is 1.3-3.5x
 
 

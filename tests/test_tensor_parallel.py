@@ -7,7 +7,9 @@ the verdicts of both ranks.
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 import traceback
 
 import pytest
@@ -93,7 +95,8 @@ def _attention(x, wq, bq, wk, bk, wv, bv, wo, bo, heads, kv_heads, hd, group, pa
     """Causal self-attention over ``heads`` local query heads and ``kv_heads`` kv heads."""
     b, s, _ = x.shape
     if parallel:
-        q, k, v = (column_parallel_linear(x, w, bb, group) for w, bb in ((wq, bq), (wk, bk), (wv, bv)))
+        pairs = ((wq, bq), (wk, bk), (wv, bv))
+        q, k, v = (column_parallel_linear(x, w, bb, group) for w, bb in pairs)
     else:
         q, k, v = F.linear(x, wq, bq), F.linear(x, wk, bk), F.linear(x, wv, bv)
     q = q.view(b, s, heads, hd).transpose(1, 2)
@@ -129,7 +132,8 @@ def _check_attention(rank, world, kv_heads):
         "wq": (heads, 0), "bq": (heads, 0), "wk": (kv_heads, 0), "bk": (kv_heads, 0),
         "wv": (kv_heads, 0), "bv": (kv_heads, 0), "wo": (heads, 1),
     }
-    loc = {k: _leaf(shard_heads(full[k], n, hd, rank, world, d)) for k, (n, d) in shard_spec.items()}
+    loc = {k: _leaf(shard_heads(full[k], n, hd, rank, world, d))
+           for k, (n, d) in shard_spec.items()}
     loc["bo"] = _leaf(full["bo"])
     xs = _leaf(x)
     group = dist.group.WORLD
@@ -211,7 +215,8 @@ def _check_cross_entropy(rank, world):
     zr = _leaf(z)
     for red in ("sum", "none"):
         zs.grad = zr.grad = None
-        a = vocab_parallel_cross_entropy(zs, labels.view(-1), start, vocab_size=vocab, reduction=red)
+        a = vocab_parallel_cross_entropy(zs, labels.view(-1), start, vocab_size=vocab,
+                                         reduction=red)
         b = F.cross_entropy(zr, labels.view(-1), reduction=red)
         assert_close(a, b)
         (a * torch.arange(1.0, a.numel() + 1).view_as(a)).sum().backward()
@@ -280,7 +285,12 @@ def _check_memtrack_with_collectives(rank, world):
         y = fc2(torch.relu(fc1(x)))
         y.sum().backward()
         del y
-    # live now: parameters, their gradients, x and its gradient; the rest was freed
+    # Live now: parameters, their gradients, x and its gradient. Gloo's work objects may hold
+    # a collective's tensor a moment longer (released from its own thread), so wait for it.
+    deadline = time.monotonic() + 5.0
+    while mt.current_bytes != 2 * registered and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     assert mt.current_bytes == 2 * registered, (mt.current_bytes, registered)
     assert mt.peak_bytes > mt.current_bytes
 
@@ -387,7 +397,8 @@ def test_shard_qkv_fused_layout():
     fused = torch.cat([q, k, v]).t()  # GPT-2 Conv1D layout [in, out]
     for r in range(world):
         got = shard_qkv(fused, heads, kv, hd, r, world, dim=1).t()
-        want = torch.cat([shard_heads(t, n, hd, r, world) for t, n in ((q, heads), (k, kv), (v, kv))])
+        parts = ((q, heads), (k, kv), (v, kv))
+        want = torch.cat([shard_heads(t, n, hd, r, world) for t, n in parts])
         assert torch.equal(got, want)
 
 

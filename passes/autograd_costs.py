@@ -1,0 +1,400 @@
+"""Forward/backward FLOPs and bytes saved for backward, per node, by replaying autograd.
+
+The exported graph is a forward only. Instead of keeping a table of backward formulas per op, we
+*run* the graph once under autograd on fake tensors (no memory, symbolic sizes) and watch:
+
+- every ATen op dispatched while node ``n`` runs (``linear`` becomes ``t`` + ``addmm``...) is
+  costed with ``torch.utils.flop_counter``'s formulas and charged to ``n``'s forward FLOPs;
+- every tensor autograd saves while ``n`` runs (``torch.autograd.graph.saved_tensors_hooks``) is
+  charged to ``n``'s saved bytes, the storage counted once per layer (views of one storage, or
+  a tensor saved by several consumers, cost it once) and parameters/buffers excluded (they are
+  resident anyway);
+- then ``backward()`` runs; each backward op is charged to the forward node that created the
+  autograd function executing it (``torch._C._current_autograd_node()``, mapped back to the node
+  by walking ``grad_fn.next_functions`` right after each node ran).
+
+So the counts are, by construction, what ``FlopCounterMode`` and ``saved_tensors_hooks`` report
+for an eager training step of the same model, except for one deliberate choice: attention.
+``scaled_dot_product_attention`` is replayed as a fused flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``): it saves q, k, v, the output and the
+log-sum-exp (b x h x s floats), like FlashAttention on GPUs and the CPU flash kernel, not the
+b x h x s x s probabilities of the math fallback the meta device would pick. Its FLOPs follow the
+model-FLOPs convention: forward 4·b·h·s_q·s_k·d (QKᵀ and PV), backward twice that (the score
+recomputation inside flash backward is not model work); this equals what ``FlopCounterMode``
+counts for the math path on the meta device.
+
+FLOPs count matmul-class work only (mm, addmm, bmm, convolution, attention), the
+``FlopCounterMode`` convention; elementwise work is memory-bound and left to bandwidth terms.
+
+Writes per node: ``fwd_flops``, ``bwd_flops`` (sympy), ``saved`` (list of ``SavedTensor``),
+``saved_bytes`` (sympy: the node's share after per-layer de-duplication) and
+``requires_grad`` (bool). Needs ``layer`` (assign_layers) on every node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from passes.common import PassError, iter_tensors, need, to_expr
+
+__all__ = ["annotate_costs", "CostReplay", "SavedTensor", "total_saved_bytes"]
+
+_PASS = "annotate_costs"
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a node's backward keeps."""
+
+    key: int
+    """Identity of its storage within the replay (views share it)."""
+    nbytes: sympy.Expr
+    """Bytes of the whole storage."""
+    dtype: str
+    producer: str
+    """Name of the node whose output owns the storage (the saving node for kernel internals
+    like the attention log-sum-exp or a norm's mean/rstd)."""
+    counted: bool
+    """True for the first saver of this storage in its layer (the one charged its bytes)."""
+
+
+def _shape(x):
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else x
+
+
+def _attention_fwd(query, key, value, *args, out_val=None, **kwargs):
+    return sdpa_flop_count(_shape(query), _shape(key), _shape(value))
+
+
+def _attention_bwd(grad_out, query, key, value, *args, **kwargs):
+    # Model FLOPs: dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q (no QKᵀ recompute).
+    return 2 * sdpa_flop_count(_shape(query), _shape(key), _shape(value))
+
+
+FORMULAS = dict(flop_registry)
+FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = _attention_fwd
+FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = _attention_bwd
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                     scale=None, enable_gqa=False):
+    """SDPA as a fused flash kernel (see module doc); None if the kernel refuses the inputs."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    try:
+        return _aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    except Exception:  # unsupported mask dtype/layout: replay the composite instead
+        return None
+
+
+class _Counter(TorchDispatchMode):
+    """Charges each dispatched op's FLOPs to the node running it (forward) or owning the
+    executing autograd function (backward)."""
+
+    def __init__(self, replay: "CostReplay"):
+        super().__init__()
+        self.replay = replay
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            r = self.replay
+            if r.current is not None:
+                r.fwd[r.current].append(flops)
+            else:
+                fn = torch._C._current_autograd_node()
+                owner = r.fn_owner.get(fn) if fn is not None else None
+                r.bwd.setdefault(owner, []).append(flops)
+        return out
+
+
+class CostReplay(fx.Interpreter):
+    """Runs ``gm`` forward and backward on fake tensors, recording FLOPs and saved tensors.
+
+    ``roles`` says which placeholders are parameters (fresh fake leaves that require grad),
+    buffers/constants and user inputs (export's fake values, no grad).
+    """
+
+    def __init__(self, gm: fx.GraphModule, roles: dict[str, str], symbols: dict):
+        super().__init__(gm, garbage_collect_values=False)
+        self.roles = roles
+        self.symbols = symbols
+        self.current: str | None = None
+        self.fwd: dict[str, list] = {}
+        self.bwd: dict[str | None, list] = {}
+        self.fn_owner: dict[Any, str] = {}
+        self.storage_owner: dict[int, str] = {}
+        self.node_key: dict[str, int] = {}  # node -> storage of its (first) output
+        self.resident: set[int] = set()  # parameter/buffer/constant storages
+        self.saved_raw: dict[str, list[tuple[int, Any, torch.dtype]]] = {}
+        self.keep: list[Any] = []  # keeps storages alive so their identities are never reused
+
+    # ---- forward bookkeeping
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n.name
+        self.fwd[n.name] = []
+        try:
+            result = super().run_node(n)
+        except PassError:
+            raise
+        except Exception as e:
+            raise PassError(_PASS, n, f"replaying the op under autograd failed: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                            ) from e
+        finally:
+            self.current = None
+        self.keep.append(result)
+        for t in iter_tensors(result):
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            self.storage_owner.setdefault(key, n.name)
+            self.node_key.setdefault(n.name, key)
+        self._claim(result, n.name)
+        return result
+
+    def call_function(self, target, args, kwargs):
+        if target is _aten.scaled_dot_product_attention.default:
+            out = _fused_attention(*args, **kwargs)
+            if out is not None:
+                return out
+        return super().call_function(target, args, kwargs)
+
+    def _claim(self, result: Any, name: str) -> None:
+        """Mark the autograd functions created by this node (new ones reachable from its
+        outputs; older ones were claimed by earlier nodes)."""
+        stack = [t.grad_fn for t in iter_tensors(result) if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in self.fn_owner:
+                continue
+            self.fn_owner[fn] = name
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and nxt not in self.fn_owner:
+                    stack.append(nxt)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.current is not None:
+            st = t.untyped_storage()
+            self.saved_raw.setdefault(self.current, []).append(
+                (StorageWeakRef(st).cdata, st.nbytes(), t.dtype))
+            self.keep.append(t)
+        return t
+
+    # ---- the replay
+    def _inputs(self) -> list[Any]:
+        args = []
+        for n in self.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            val = n.meta.get("val")
+            role = self.roles.get(n.name, "input")
+            if role == "param" and isinstance(val, torch.Tensor):
+                t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                        device=val.device)
+                if t.is_floating_point() or t.is_complex():
+                    t.requires_grad_(True)
+                val = t
+            if role != "input" and isinstance(val, torch.Tensor):
+                self.resident.add(StorageWeakRef(val.untyped_storage()).cdata)
+            args.append(val)
+        return args
+
+    def replay(self) -> None:
+        from torch._guards import detect_fake_mode
+
+        vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
+        fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        if fake_mode is None:
+            raise PassError(_PASS, None, "the graph's placeholders carry no fake tensors; trace "
+                            "the model with planner.trace.trace_model (torch.export).")
+        counter = _Counter(self)
+        with fake_mode, torch.enable_grad():
+            args = self._inputs()
+            self.keep.extend(args)
+            with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                out = self.run(*args)
+            roots = [t for t in iter_tensors(out) if t.requires_grad]
+            if roots:
+                with counter:
+                    torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+    def annotate(self) -> None:
+        """Write the node.meta keys from what the replay recorded."""
+        sym = self.symbols
+        counted: set[tuple[int, int]] = set()
+        unowned = self.bwd.pop(None, [])
+        nodes = list(self.graph.nodes)
+        for n in nodes:
+            layer = need(n, "layer", _PASS, "assign_layers")
+            n.meta["fwd_flops"] = sum((to_expr(f, sym) for f in self.fwd.get(n.name, ())),
+                                      sympy.Integer(0))
+            n.meta["bwd_flops"] = sum((to_expr(f, sym) for f in self.bwd.get(n.name, ())),
+                                      sympy.Integer(0))
+            records, total = [], sympy.Integer(0)
+            for key, nbytes, dtype in self.saved_raw.get(n.name, ()):
+                if key in self.resident:
+                    continue
+                first = (layer, key) not in counted
+                counted.add((layer, key))
+                nb = to_expr(nbytes, sym)
+                records.append(SavedTensor(key, nb, str(dtype).replace("torch.", ""),
+                                           self.storage_owner.get(key, n.name), first))
+                if first:
+                    total = total + nb
+            n.meta["saved"] = records
+            n.meta["saved_bytes"] = total
+            val = self.env.get(n)
+            n.meta["requires_grad"] = any(t.requires_grad for t in iter_tensors(val))
+        if unowned:
+            out = nodes[-1]
+            out.meta["bwd_flops"] = out.meta["bwd_flops"] + sum(to_expr(f, sym) for f in unowned)
+
+
+def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]
+                   ) -> tuple[fx.GraphModule, dict[str, str]]:
+    """A copy of ``gm`` without the layers in ``same_as`` (layer -> earlier identical layer).
+
+    Uses of a dropped node are redirected to the node at the same position in its
+    representative layer, so the next kept layer reads the representative's output. Returns the
+    copy and ``{dropped node name: representative node name}``.
+    """
+    by_layer: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            by_layer.setdefault(n.meta["layer"], []).append(n)
+    corr: dict[fx.Node, fx.Node] = {}
+    for lay, rep in same_as.items():
+        mine, theirs = by_layer.get(lay, []), by_layer.get(rep, [])
+        if len(mine) != len(theirs):
+            raise PassError(_PASS, mine[0] if mine else None, f"layer {lay} was declared "
+                            f"identical to layer {rep} but has a different number of ops.")
+        corr.update(zip(mine, theirs))
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n in corr:
+            env[n] = env[corr[n]]
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    return fx.GraphModule(gm, g), {n.name: r.name for n, r in corr.items()}
+
+
+def annotate_costs(gm: fx.GraphModule, roles: dict[str, str], symbols: dict,
+                   same_as: dict[int, int] | None = None) -> fx.GraphModule:
+    """Replay ``gm`` under autograd and write FLOPs and saved bytes per node (see module doc).
+
+    ``same_as`` (layer -> an earlier layer with an identical signature) lets the replay skip
+    repeated blocks: the graph is replayed without them and their nodes receive the
+    representative's results, position by position. Costs do not depend on which block feeds a
+    block, so the result is the same as replaying everything, at the cost of one block.
+    """
+    if not same_as:
+        r = CostReplay(gm, roles, symbols)
+        r.replay()
+        r.annotate()
+        return gm
+    small, corr = _reduced_graph(gm, same_as)
+    r = CostReplay(small, roles, symbols)
+    r.replay()
+    r.annotate()
+    _copy_to_dropped(gm, small, corr, r)
+    return gm
+
+
+def _flat_nodes(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(_flat_nodes(a))
+        elif isinstance(a, dict):
+            out.extend(_flat_nodes(list(a.values())))
+        else:
+            out.append(a)
+    return out
+
+
+def _copy_to_dropped(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str],
+                     r: CostReplay) -> None:
+    """Give every node its replayed results; a dropped node gets its representative's, with
+    the saved tensors renamed to the dropped layer's own producers and storages.
+
+    A saved tensor made inside the representative layer becomes the matching tensor of the
+    dropped layer (a distinct storage). One read from outside (the block's input) becomes what
+    the dropped node reads at the same argument position (the previous block's output), so
+    producers and storage identities, hence de-duplication and tp sharding, stay exact.
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    kept = {n.name: n for n in small.graph.nodes}
+    layer_of = {name: n.meta["layer"] for name, n in nodes.items()}
+    rename: dict[int, dict[str, str]] = {}  # dropped layer: representative name -> own name
+    ext: dict[int, dict[str, str]] = {}  # dropped layer: outside input of rep -> own input
+    for name, rep in corr.items():
+        lay = layer_of[name]
+        rename.setdefault(lay, {})[rep] = name
+    for name, rep in corr.items():
+        lay, rep_layer = layer_of[name], layer_of[rep]
+        mine, theirs = _flat_nodes([nodes[name].args, nodes[name].kwargs]), \
+            _flat_nodes([nodes[rep].args, nodes[rep].kwargs])
+        for a_mine, a_rep in zip(mine, theirs):
+            if isinstance(a_rep, fx.Node) and isinstance(a_mine, fx.Node) and \
+                    layer_of[a_rep.name] != rep_layer:
+                ext.setdefault(lay, {})[a_rep.name] = a_mine.name
+
+    def key_of(name: str):
+        """Storage identity of a node's output, also for nodes that were not replayed."""
+        if name not in corr:
+            return r.node_key.get(name, ("node", name))
+        return translate_key(r.node_key.get(corr[name]), layer_of[name])
+
+    def translate_key(key, lay: int):
+        owner = r.storage_owner.get(key)
+        if owner is None or owner in rename[lay]:
+            return ("dup", lay, key)
+        if owner in ext.get(lay, {}):
+            return key_of(ext[lay][owner])
+        return key
+
+    keys = ("fwd_flops", "bwd_flops", "saved_bytes", "requires_grad")
+    for n in gm.graph.nodes:
+        if n.name not in corr:
+            src = kept.get(n.name)
+            if src is not None:
+                n.meta.update({k: src.meta[k] for k in keys + ("saved",)})
+            continue
+        lay = n.meta["layer"]
+        src = kept[corr[n.name]]
+        n.meta.update({k: src.meta[k] for k in keys})
+        recs = []
+        for rec in src.meta["saved"]:
+            prod = rename[lay].get(rec.producer) or ext.get(lay, {}).get(rec.producer) \
+                or rec.producer
+            if rec.producer == src.name:
+                prod = n.name
+            recs.append(SavedTensor(translate_key(rec.key, lay), rec.nbytes, rec.dtype, prod,
+                                    rec.counted))
+        n.meta["saved"] = recs
+
+
+def total_saved_bytes(gm: fx.GraphModule) -> sympy.Expr:
+    """Bytes autograd keeps for the whole graph, each storage counted once (eager's total)."""
+    seen: dict[int, sympy.Expr] = {}
+    for n in gm.graph.nodes:
+        for rec in n.meta.get("saved", ()):
+            seen.setdefault(rec.key, rec.nbytes)
+    return sum(seen.values(), sympy.Integer(0))

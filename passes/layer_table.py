@@ -1,0 +1,311 @@
+"""The layer table: per-layer costs, symbolic in micro-batch size ``b`` and sequence length ``s``.
+
+This is the planner's input. Row 0 is everything before the first block (``pre``), rows 1..L are
+the blocks, row L+1 everything after (``post``). Every cost is for one micro-batch of ``b``
+sequences of length ``s``, the whole layer, tensor-parallel degree 1; the ``*_tp`` fields are the
+parts of the same quantities that divide by tp under Megatron sharding (so per-device cost at
+degree t is ``x - x_tp + x_tp / t``).
+
+``build_layer_table(spec or bundle, batch=, seq_len=, dtype=, sizes...)`` traces the model
+(``planner.trace``), runs every pass (``passes.analyze``) and sums node costs per layer. Zoo
+models are traced with 2 blocks: the first traced block stands for blocks 1..L-1 and the second
+for block L (only the last block's outgoing boundary differs). Full traces (file factories) group
+blocks by signature and compute each group's costs once.
+
+``LayerTable.numeric(b, s)`` substitutes numbers (one ``lambdify`` of the distinct expressions,
+cached), ``to_json``/``from_json`` round-trip the table so a plan can be re-planned for another
+batch or sequence length without tracing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import sympy
+import torch.fx as fx
+
+from passes.common import B, S, dtype_name
+from planner.errors import UserError
+
+__all__ = ["LayerCosts", "LayerTable", "build_layer_table", "table_from_traced",
+           "EXPR_FIELDS", "INT_FIELDS"]
+
+EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
+               "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
+               "tp_allreduce_bwd_bytes")
+INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes")
+_ZERO = sympy.Integer(0)
+
+
+@dataclass
+class LayerCosts:
+    """Costs of one layer for one micro-batch (b sequences of length s) at tp = 1."""
+
+    index: int
+    """Row in the table: 0 = pre, 1..L = blocks, L+1 = post."""
+    name: str
+    """Module path (``embed``, ``blocks.3``, ``head``)."""
+    kind: str
+    """``pre`` | ``block`` | ``post``."""
+    fwd_flops: sympy.Expr = _ZERO
+    """Forward FLOPs (matmul-class work, FlopCounterMode convention)."""
+    bwd_flops: sympy.Expr = _ZERO
+    """Backward FLOPs (gradients of inputs and weights)."""
+    fwd_flops_tp: sympy.Expr = _ZERO
+    """The part of ``fwd_flops`` that divides by tp."""
+    bwd_flops_tp: sympy.Expr = _ZERO
+    """The part of ``bwd_flops`` that divides by tp."""
+    saved_bytes: sympy.Expr = _ZERO
+    """Activations autograd keeps for backward (each storage once per layer; no weights)."""
+    saved_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``saved_bytes`` held in tp shards."""
+    input_bytes: sympy.Expr = _ZERO
+    """What the layer receives (kept instead of ``saved_bytes`` when the layer recomputes)."""
+    boundary_bytes: sympy.Expr = _ZERO
+    """What crosses the cut after this layer (pipeline send size); 0 for the last row."""
+    boundary: list = field(default_factory=list)
+    """The tensors crossing that cut: ``[(shape exprs, dtype name), ...]``."""
+    tp_allreduce_bytes: sympy.Expr = _ZERO
+    """Bytes all-reduced over tp per forward (row-parallel outputs, vocab-parallel embedding
+    and loss); summed over the model the backward all-reduces the same amount."""
+    tp_allreduce_bwd_bytes: sympy.Expr = _ZERO
+    """Bytes all-reduced over tp in this layer's backward (inputs of column-parallel matmuls)."""
+    param_count: int = 0
+    """Parameters owned by the layer (a tied weight belongs to its first user's layer)."""
+    param_count_tp: int = 0
+    """Of those, the ones sharded by tp."""
+    param_bytes: int = 0
+    """Bytes of those parameters in the traced dtype."""
+    buffer_bytes: int = 0
+    """Bytes of buffers and lifted constants."""
+    signature: str = ""
+    """Digest of the layer's ops, shapes and weights: identical blocks share it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"index": self.index, "name": self.name, "kind": self.kind}
+        for f in EXPR_FIELDS:
+            d[f] = str(getattr(self, f))
+        for f in INT_FIELDS:
+            d[f] = int(getattr(self, f))
+        d["boundary"] = [[[str(e) for e in shape], dt] for shape, dt in self.boundary]
+        d["signature"] = self.signature
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LayerCosts":
+        loc = {"b": B, "s": S}
+        kw = {f: sympy.sympify(d[f], locals=loc) for f in EXPR_FIELDS if f in d}
+        kw.update({f: int(d[f]) for f in INT_FIELDS if f in d})
+        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt)
+                    for shape, dt in d.get("boundary", [])]
+        return cls(index=int(d["index"]), name=d["name"], kind=d["kind"], boundary=boundary,
+                   signature=d.get("signature", ""), **kw)
+
+
+@dataclass
+class LayerTable:
+    """Per-layer costs of one model; numbers come from ``numeric(b, s)``."""
+
+    layers: list[LayerCosts]
+    """Rows 0..L+1 (pre, blocks, post)."""
+    b: sympy.Symbol = B
+    """Symbol of the micro-batch size in every expression."""
+    s: sympy.Symbol = S
+    """Symbol of the sequence length in every expression."""
+    dtype: str = "float32"
+    """Parameter/activation dtype the costs were traced in."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """spec, params, layers, hidden, heads, kv_heads, vocab (plus seq_len, sizes)."""
+    fixed: dict[str, int] = field(default_factory=dict)
+    """Dimensions that are not symbolic (the model forced them): ``{'s': 128}``."""
+    notes: list[str] = field(default_factory=list)
+    """Tracing decisions worth reporting."""
+
+    def __post_init__(self):
+        self._fn = None
+        self._cache: dict[tuple[int, int], list[dict[str, float]]] = {}
+
+    def _compile(self):
+        uniq: dict[sympy.Expr, int] = {}
+        index = []
+        for lay in self.layers:
+            row = []
+            for f in EXPR_FIELDS:
+                e = getattr(lay, f)
+                row.append(uniq.setdefault(e, len(uniq)))
+            index.append(row)
+        exprs = list(uniq)
+        fn = sympy.lambdify((self.b, self.s), exprs, modules="math")
+        self._fn = (fn, index)
+
+    def numeric(self, b: int, s: int) -> list[dict[str, float]]:
+        """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``."""
+        if "s" in self.fixed and int(s) != self.fixed["s"]:
+            raise UserError(f"This model's costs were traced at a fixed sequence length "
+                            f"{self.fixed['s']} (its export specialized it); re-plan with "
+                            f"--seq-len {self.fixed['s']} or make the model shape-generic.")
+        key = (int(b), int(s))
+        if key in self._cache:
+            return self._cache[key]
+        if self._fn is None:
+            self._compile()
+        fn, index = self._fn
+        vals = [float(v) for v in fn(*key)]
+        out = []
+        for lay, row in zip(self.layers, index):
+            d = {f: vals[i] for f, i in zip(EXPR_FIELDS, row)}
+            d.update({f: float(getattr(lay, f)) for f in INT_FIELDS})
+            out.append(d)
+        self._cache[key] = out
+        return out
+
+    def total(self, field_name: str, b: int, s: int) -> float:
+        """Sum of one field over all layers at (b, s)."""
+        if field_name not in EXPR_FIELDS + INT_FIELDS:
+            raise KeyError(f"unknown layer-table field {field_name!r}")
+        return sum(row[field_name] for row in self.numeric(b, s))
+
+    def to_json(self) -> str:
+        return json.dumps({"schema_version": 1, "dtype": self.dtype, "model": self.model,
+                           "fixed": self.fixed, "notes": self.notes,
+                           "layers": [lay.to_dict() for lay in self.layers]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LayerTable":
+        d = json.loads(text)
+        return cls(layers=[LayerCosts.from_dict(x) for x in d["layers"]], dtype=d["dtype"],
+                   model=d.get("model", {}), fixed=d.get("fixed", {}), notes=d.get("notes", []))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
+    """Sum the analyzed graph's node costs per traced layer."""
+    from passes.layers import layer_io, layer_names, layer_signatures
+
+    nb = len(traced.block_paths)
+    n = nb + 2
+    names = layer_names(gm, nb, traced.block_paths)
+    sigs = layer_signatures(gm, nb)
+    rows = [LayerCosts(index=i, name=names[i],
+                       kind="pre" if i == 0 else ("post" if i == n - 1 else "block"),
+                       signature=sigs[i]) for i in range(n)]
+    acc: list[dict[str, Any]] = [{f: _ZERO for f in EXPR_FIELDS} for _ in range(n)]
+    ints: list[dict[str, int]] = [{f: 0 for f in INT_FIELDS} for _ in range(n)]
+    for node in gm.graph.nodes:
+        lay = node.meta["layer"]
+        if not 0 <= lay < n:
+            continue
+        m = node.meta
+        tp = m["tp"]
+        a = acc[lay]
+        if node.op == "placeholder":
+            if "param_count" in m:
+                ints[lay]["param_count"] += m["param_count"]
+                ints[lay]["param_bytes"] += m["param_bytes"]
+                if tp.role == "sharded":
+                    ints[lay]["param_count_tp"] += m["param_count"]
+            elif "buffer_bytes" in m:
+                ints[lay]["buffer_bytes"] += m["buffer_bytes"]
+            continue
+        a["fwd_flops"] += m["fwd_flops"]
+        a["bwd_flops"] += m["bwd_flops"]
+        if tp.divides:
+            a["fwd_flops_tp"] += m["fwd_flops"]
+            a["bwd_flops_tp"] += m["bwd_flops"]
+        a["saved_bytes"] += m["saved_bytes"]
+        a["saved_bytes_tp"] += tp.saved_bytes_tp
+        a["tp_allreduce_bytes"] += tp.allreduce_fwd
+        a["tp_allreduce_bwd_bytes"] += tp.allreduce_bwd
+    for i, io in enumerate(layer_io(gm, nb)):
+        acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
+        acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)
+        rows[i].boundary = [(tuple(x.meta["shape"]), dtype_name(x.meta["dtype"]))
+                            for x in io.boundary]
+    for i, row in enumerate(rows):
+        for f, v in acc[i].items():
+            setattr(row, f, sympy.expand(v))
+        for f, v in ints[i].items():
+            setattr(row, f, v)
+    return rows
+
+
+_POSITIONAL = ("index", "name", "boundary", "boundary_bytes", "input_bytes")
+
+
+def _share_identical_blocks(rows: list[LayerCosts]) -> list[LayerCosts]:
+    """Blocks with equal signatures get the first one's costs (positional fields kept)."""
+    first: dict[str, LayerCosts] = {}
+    out = []
+    for r in rows:
+        if r.kind == "block" and r.signature in first:
+            rep = first[r.signature]
+            r = replace(rep, **{f: getattr(r, f) for f in _POSITIONAL})
+        elif r.kind == "block":
+            first[r.signature] = r
+        out.append(r)
+    return out
+
+
+def _expand(rows: list[LayerCosts], full_layers: int, container: str) -> list[LayerCosts]:
+    """Replicate a shallow trace's blocks to L: traced block 1 -> blocks 1..L-1, the last traced
+    block -> block L (its outgoing boundary is the one the head receives)."""
+    pre, blocks, post = rows[0], rows[1:-1], rows[-1]
+    out = [replace(pre, index=0)]
+    for j in range(full_layers):
+        src = blocks[-1] if j == full_layers - 1 else blocks[0]
+        name = f"{container}.{j}" if container else src.name
+        out.append(replace(src, index=j + 1, name=name))
+    out.append(replace(post, index=full_layers + 1))
+    return out
+
+
+def table_from_traced(traced) -> LayerTable:
+    """Analyze a ``planner.trace.Traced`` and build its layer table."""
+    import passes
+
+    gm = passes.analyze(traced)
+    rows = _graph_layer_costs(traced, gm)
+    if traced.shallow:
+        rows = _expand(rows, traced.layers, traced.container)
+    else:
+        rows = _share_identical_blocks(rows)
+    fixed = dict(traced.fixed)
+    notes = list(traced.notes)
+    if "b" in fixed:
+        # The model pinned the batch size: scale activation costs linearly from the traced batch.
+        b0 = fixed.pop("b")
+        notes.append(f"batch size fixed at {b0} by the model; costs scaled linearly in b")
+        for r in rows:
+            for f in EXPR_FIELDS:
+                setattr(r, f, sympy.expand(getattr(r, f) * B / b0))
+    model = dict(traced.model_info)
+    model["params"] = sum(r.param_count for r in rows)
+    return LayerTable(layers=rows, dtype=dtype_name(traced.dtype), model=model, fixed=fixed,
+                      notes=notes)
+
+
+def build_layer_table(model, *, batch: int | None = None, seq_len: int | None = None,
+                      dtype=None, shallow: bool = True, dynamic: bool = True,
+                      **sizes) -> LayerTable:
+    """Trace ``model`` (spec or ``ModelBundle``) and return its layer table (the CLI's entry).
+
+    ``sizes`` are the model size flags (layers, hidden, heads, kv_heads, ffn, vocab).
+    """
+    from planner.trace import trace_model
+
+    traced = trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
+                         dynamic=dynamic, **sizes)
+    return table_from_traced(traced)
+
+
+def _check_fields():  # keep EXPR_FIELDS/INT_FIELDS in step with the dataclass
+    names = {f.name for f in fields(LayerCosts)}
+    missing = [f for f in EXPR_FIELDS + INT_FIELDS if f not in names]
+    assert not missing, missing
+
+
+_check_fields()

@@ -1,0 +1,707 @@
+"""The planner's search: enumerate degrees and batching, solve partition + recompute as an ILP.
+
+Search
+------
+The small decisions are enumerated (:func:`enumerate_candidates`): ``dp * tp * pp = gpus`` (``tp``
+divides the heads and key/value heads and stays inside a node unless allowed across nodes;
+``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp = 1``, where
+they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)`` micro-batches
+and ``m >= pp`` (1F1B needs it). Pins remove the other values.
+
+Candidates are visited in increasing order of a sound step-time lower bound
+(:func:`planner.strategy.time_lower_bound`). A candidate is skipped without solving when its
+memory lower bound exceeds the capacity, or when its time bound is no better than what it could
+still change: the best time of its own ``(dp, tp, pp)`` or the 4th best over all triples (the
+winner and three runners-up are kept). The loop stops at the first bound above that 4th best.
+Every pruned candidate provably costs at least what it is compared with, so the result equals
+solving every candidate.
+
+ILP of one candidate ``(dp, tp, pp = p, zero, b, m)``
+---------------------------------------------------
+Layers ``l = 0..n-1`` (``n = L + 2``), stages ``k = 0..p-1``; per-layer constants from
+:mod:`planner.strategy` (``w_l`` = forward+backward compute and TP time, ``rec_l``, ``z_l`` =
+per-micro-batch ZeRO time, ``d_l`` = per-step DP time + optimizer, ``st_l`` model state bytes,
+``tr_l`` transient ZeRO bytes, ``sv_l`` saved and ``in_l`` input activation bytes, ``snd_{l,j}``
+time to send layer ``l``'s output over boundary ``j``, ``a_k = min(p - k, m)`` in flight)::
+
+    x[l,k] in {0,1}     layer l is in stage k          (only k in [max(0, p-n+l), min(p-1, l)])
+    c[l,k] in {0,1}     layer l is in stage k and recomputes      c[l,k] <= x[l,k]
+    e[l,k] in [0,1]     layer l is the last of stage k (k < p-1)  e[l,k] >= x[l,k] - x[l+1,k]
+    T, D >= 0           slowest micro-step, exposed tail
+
+    minimize   (m + p - 1) T + D  (+ 1e-6 * (recompute + p2p), a tie-break toward less work;
+                                   times are scaled so the step-time lower bound is 1000)
+    partition  sum_k x[l,k] = 1;  s_l = sum_k k x[l,k];  0 <= s_{l+1} - s_l <= 1
+               (x[0,0] = x[n-1,p-1] = 1 by the windows: p contiguous non-empty stages)
+    time       T >= sum_l (w_l + z_l) x[l,k] + sum_l rec_l c[l,k] + sum_l snd_{l,k} e[l,k]
+                    + sum_l snd_{l,k-1} e[l,k-1]                                   for all k
+               D >= sum_l d_l x[l,k]                                               for all k
+    memory     sum_l st_l x[l,k] + TR_k + a_k (sum_l sv_l x[l,k] - sum_l (sv_l - in_l) c[l,k])
+                   + PK_k <= capacity * headroom                                   for all k
+               TR_k >= tr_l x[l,k];   PK_k >= sv_l c[l,k]       (largest layer / largest recompute)
+
+``e`` only appears on the cheap side of ``>=`` rows, so at the optimum it equals the indicator.
+Pins: ``--checkpoint none`` fixes ``c = 0``, ``all`` fixes ``c[l,k] = x[l,k]`` for the blocks.
+
+Repeated blocks. When the blocks 1..L cost the same (the usual transformer), which blocks a
+stage holds does not matter, only how many: integer ``n_k`` blocks and ``r_k <= n_k`` recomputed
+ones per stage (``sum_k n_k = L``, ``n_k >= 1`` for the middle stages), binaries ``c_pre``,
+``c_post`` for rows 0 and n-1 (always in stages 0 and p-1), ``z_0 = [n_0 >= 1]`` to know
+whether stage 0 ends with a block or the embedding, and ``v_k >= r_k / L`` so that a stage with
+recomputed blocks pays for re-materializing one. The rows above become sums of ``n_k`` and
+``r_k`` times the block's constants: O(p) variables instead of O(n p), which is what makes 96
+layers on 1024 devices fast. Both forms are built by the same ``add_*_constraints`` functions (one
+per family; every row is named ``family_k{k}...`` so an infeasible model says which stage and
+which family failed).
+
+Solvers: pulp's CBC (default) or HiGHS (``solver="highs"``, needs ``highspy``; the environment
+variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
+:func:`planner.strategy.evaluate`, which is what the plan reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import pulp
+
+from cost_models.hardware import HardwareProfile
+from planner.errors import UserError
+from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
+from planner.strategy import (
+    Candidate,
+    CandidateCosts,
+    Evaluation,
+    NumericTable,
+    candidate_costs,
+    check_pins,
+    enumerate_candidates,
+    evaluate,
+    memory_lower_bound,
+    predicted_fields,
+    time_lower_bound,
+)
+
+__all__ = [
+    "SOLVERS", "default_solver", "solve_candidate", "build_problem", "ILPResult", "add_partition_constraints",
+    "add_boundary_constraints", "add_checkpoint_constraints", "add_time_constraints",
+    "add_memory_constraints", "search", "SearchResult", "NoFeasiblePlan", "plan_strategy", "build_plan",
+    "least_memory", "candidate_entries",
+]
+
+SOLVERS = ("cbc", "highs")
+#: Weight of the tie-break terms (recompute + transfer seconds) against the step time.
+TIE_BREAK = 1e-6
+#: The objective is scaled to about this value (the step-time bound, or the capacity, maps to it).
+OBJECTIVE_SCALE = 1000.0
+#: Relative margin kept below the capacity in the ILP (solver feasibility tolerance).
+MEMORY_MARGIN = 1e-6
+#: Relative tolerance when comparing step times (ties go to the lower memory).
+TIME_TOL = 1e-9
+
+
+@functools.lru_cache(maxsize=None)
+def _highs_available() -> bool:
+    try:
+        return pulp.HiGHS().available()
+    except Exception:  # pragma: no cover - depends on the installation
+        return False
+
+
+def default_solver() -> str:
+    """``PLANNER_SOLVER`` if set (``cbc`` or ``highs``), else CBC."""
+    return os.environ.get("PLANNER_SOLVER", "cbc").strip().lower() or "cbc"
+
+
+def _make_solver(name: str, time_limit: float | None):
+    if name == "cbc":
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class name only
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=False, gapRel=1e-9, timeLimit=time_limit)
+    if name == "highs":
+        if not _highs_available():
+            raise ValueError("solver 'highs' needs the highspy package: pip install highspy (or use 'cbc')")
+        return pulp.HiGHS(msg=False, gapRel=1e-9, timeLimit=time_limit)
+    raise ValueError(f"unknown solver {name!r}: expected one of {', '.join(SOLVERS)}")
+
+
+def _var(prob: pulp.LpProblem, name: str, low=None, up=None, cat: str = "Continuous") -> pulp.LpVariable:
+    """A variable attached to ``prob`` (PuLP >= 3.3 API, with a fallback for older PuLP)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner on stdout even with ``msg=False``; ``--json`` output must stay clean."""
+    try:
+        fd = os.dup(1)
+    except OSError:  # pragma: no cover - no stdout
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            try:
+                yield
+            finally:
+                os.dup2(fd, 1)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- variables
+class _Vars:
+    """Variables of one ILP and the linear expressions the constraint families read."""
+
+    uniform = False
+
+    def __init__(self, prob: pulp.LpProblem, cc: CandidateCosts, kinds: list[str], checkpoint: str):
+        self.prob, self.cc, self.kinds, self.mode = prob, cc, kinds, checkpoint
+        self.p, self.m, self.n = cc.cand.pp, cc.cand.num_micro_batches, cc.num_layers
+        # T and D are in units of 1/OBJECTIVE_SCALE of the step-time lower bound, so relative
+        # differences of 1e-6 stay far above the solver's absolute tolerances
+        self.scale = OBJECTIVE_SCALE / max(time_lower_bound(cc), 1e-30)
+        self.T = self.var("T", 0)
+        self.D = self.var("D", 0)
+
+    def var(self, name, low=None, up=None, cat="Continuous"):
+        return _var(self.prob, name, low, up, cat)
+
+
+class _GeneralVars(_Vars):
+    """One binary per (layer, stage): any layer table."""
+
+    def __init__(self, prob, cc, kinds, checkpoint):
+        super().__init__(prob, cc, kinds, checkpoint)
+        n, p = self.n, self.p
+        self.window = [range(max(0, p - n + l), min(p - 1, l) + 1) for l in range(n)]
+        self.members = [[l for l in range(n) if k in self.window[l]] for k in range(p)]
+        self.x = {(l, k): self.var(f"x_{l}_{k}", cat="Binary") for l in range(n) for k in self.window[l]}
+        self.c = {}
+        if checkpoint == "auto":
+            self.c = {lk: self.var(f"c_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x}
+        self.e = {(l, k): self.var(f"e_{l}_{k}", 0, 1) for (l, k) in self.x
+                  if k < p - 1 and l + 1 < n and k + 1 in self.window[l + 1]}
+
+    def rec(self, l, k):
+        if self.mode == "auto":
+            return self.c[(l, k)]
+        if self.mode == "all" and self.kinds[l] == "block":
+            return self.x[(l, k)]
+        return None
+
+    def stage_sum(self, k, f):
+        L = self.cc.layers
+        return pulp.lpSum(f(L[l]) * self.x[(l, k)] for l in self.members[k] if f(L[l]))
+
+    def stage_rec_sum(self, k, f):
+        L = self.cc.layers
+        return pulp.lpSum(f(L[l]) * r for l in self.members[k] if (r := self.rec(l, k)) is not None and f(L[l]))
+
+    def p2p(self, k):
+        cc = self.cc
+        terms = [cc.send_s(l, k) * v for (l, kk), v in self.e.items() if kk == k] if k < self.p - 1 else []
+        if k > 0:
+            terms += [cc.send_s(l, k - 1) * v for (l, kk), v in self.e.items() if kk == k - 1]
+        return pulp.lpSum(terms)
+
+    def trans_terms(self, k):
+        return [(self.x[(l, k)], self.cc.layers[l].trans_b) for l in self.members[k] if self.cc.layers[l].trans_b]
+
+    def peak_terms(self, k):
+        L = self.cc.layers
+        return [(r, L[l].saved_b) for l in self.members[k] if (r := self.rec(l, k)) is not None and L[l].saved_b]
+
+    def decode(self):
+        stage_of = [next(k for k in self.window[l] if self.x[(l, k)].value() > 0.5) for l in range(self.n)]
+        stages = []
+        for k in range(self.p):
+            ls = [l for l in range(self.n) if stage_of[l] == k]
+            stages.append((ls[0], ls[-1]))
+        ck = {l for l in range(self.n) if (r := self.rec(l, stage_of[l])) is not None and pulp.value(r) > 0.5}
+        return stages, ck
+
+
+class _UniformVars(_Vars):
+    """Integer block counts per stage: tables whose blocks 1..L cost the same."""
+
+    uniform = True
+
+    def __init__(self, prob, cc, kinds, checkpoint):
+        super().__init__(prob, cc, kinds, checkpoint)
+        p, L = self.p, self.n - 2
+        self.L = L
+        self.pre, self.blk, self.post = cc.layers[0], cc.layers[1], cc.layers[-1]
+        self.nb = [self.var(f"n_{k}", 0, L, cat="Integer") for k in range(p)]
+        if checkpoint == "auto":
+            self.r = [self.var(f"r_{k}", 0, L, cat="Integer") for k in range(p)]
+            self.v = [self.var(f"v_{k}", cat="Binary") for k in range(p)]
+            self.cpre = self.var("c_pre", cat="Binary")
+            self.cpost = self.var("c_post", cat="Binary")
+        else:
+            self.r = list(self.nb) if checkpoint == "all" else [0] * p
+            self.cpre = self.cpost = 0
+        # has-blocks indicators of the end stages (middle stages always hold a block)
+        self.z0 = self.var("z_first", cat="Binary") if p > 1 else 1
+        self.ulast = self.var("u_last", cat="Binary") if p > 1 else 1
+        self.has = [self.z0 if k == 0 else self.ulast if k == p - 1 else 1 for k in range(p)]
+        if checkpoint == "all":
+            self.v = list(self.has)
+
+    def stage_sum(self, k, f):
+        e = f(self.blk) * self.nb[k]
+        if k == 0:
+            e = e + f(self.pre)
+        if k == self.p - 1:
+            e = e + f(self.post)
+        return e
+
+    def stage_rec_sum(self, k, f):
+        e = f(self.blk) * self.r[k]
+        if k == 0:
+            e = e + f(self.pre) * self.cpre
+        if k == self.p - 1:
+            e = e + f(self.post) * self.cpost
+        return e
+
+    def _boundary(self, j):
+        if j > 0:
+            return self.cc.send_s(1, j)
+        pre, blk = self.cc.send_s(0, 0), self.cc.send_s(1, 0)
+        return pre + (blk - pre) * self.z0
+
+    def p2p(self, k):
+        e = 0
+        if k < self.p - 1:
+            e = e + self._boundary(k)
+        if k > 0:
+            e = e + self._boundary(k - 1)
+        return e
+
+    def trans_terms(self, k):
+        out = [(self.has[k], self.blk.trans_b)] if self.L else []
+        if k == 0:
+            out.append((1, self.pre.trans_b))
+        if k == self.p - 1:
+            out.append((1, self.post.trans_b))
+        return [t for t in out if t[1]]
+
+    def peak_terms(self, k):
+        out = [(self.v[k], self.blk.saved_b)] if self.mode != "none" else []
+        if self.mode == "auto" and k == 0:
+            out.append((self.cpre, self.pre.saved_b))
+        if self.mode == "auto" and k == self.p - 1:
+            out.append((self.cpost, self.post.saved_b))
+        return [t for t in out if t[1]]
+
+    def decode(self):
+        counts = [int(round(v.value())) for v in self.nb]
+        recs = [int(round(pulp.value(r))) for r in self.r]
+        stages, ck, start = [], set(), 0
+        for k in range(self.p):
+            first_block = start + (1 if k == 0 else 0)
+            last = start + counts[k] + (k == 0) + (k == self.p - 1) - 1
+            stages.append((start, last))
+            ck.update(range(first_block, first_block + recs[k]))
+            start = last + 1
+        if pulp.value(self.cpre) > 0.5:
+            ck.add(0)
+        if pulp.value(self.cpost) > 0.5:
+            ck.add(self.n - 1)
+        return stages, ck
+
+
+# ---------------------------------------------------------------------------------- families
+def add_partition_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+    """Each layer in exactly one stage; stages contiguous, in order, none empty."""
+    if v.uniform:
+        prob += pulp.lpSum(v.nb) == v.L, "partition_blocks"
+        for k in range(1, v.p - 1):
+            prob += v.nb[k] >= 1, f"partition_nonempty_k{k}"
+        return
+    for l in range(v.n):
+        prob += pulp.lpSum(v.x[(l, k)] for k in v.window[l]) == 1, f"partition_assign_l{l}"
+    s = [pulp.lpSum(k * v.x[(l, k)] for k in v.window[l]) for l in range(v.n)]
+    for l in range(v.n - 1):
+        prob += s[l + 1] - s[l] >= 0, f"partition_order_l{l}"
+        prob += s[l + 1] - s[l] <= 1, f"partition_noskip_l{l}"
+
+
+def add_boundary_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+    """Which layer ends each stage (its output is what crosses the boundary)."""
+    if v.uniform:
+        if v.p > 1:
+            prob += v.nb[0] <= v.L * v.z0, "boundary_first_has_block"
+            prob += v.z0 <= v.nb[0], "boundary_first_no_block"
+            prob += v.nb[-1] <= v.L * v.ulast, "boundary_last_has_block"
+        return
+    for (l, k), e in v.e.items():
+        nxt = v.x.get((l + 1, k), 0)
+        prob += e >= v.x[(l, k)] - nxt, f"boundary_end_l{l}_k{k}"
+
+
+def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+    """A layer recomputes only where it is; a stage that recomputes pays one re-materialization."""
+    if v.mode != "auto":
+        return
+    if v.uniform:
+        for k in range(v.p):
+            prob += v.r[k] <= v.nb[k], f"checkpoint_within_k{k}"
+            prob += v.r[k] <= v.L * v.v[k], f"checkpoint_any_k{k}"
+        return
+    for (l, k), c in v.c.items():
+        prob += c <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
+
+
+def add_time_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+    """``T`` bounds every stage's micro-step, ``D`` every stage's exposed tail."""
+    for k in range(v.p):
+        work = (v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
+                + v.p2p(k))
+        prob += v.T >= v.scale * work, f"time_microstep_k{k}"
+        prob += v.D >= v.stage_sum(k, lambda c: v.scale * (c.dp_step_s + c.opt_s)), f"time_tail_k{k}"
+
+
+def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
+    """Each stage's device memory (scaled by the capacity) at most ``bound`` (1 - margin if None)."""
+    cap = v.cc.capacity
+    for k in range(v.p):
+        tr = _var(prob, f"zero_buffer_{k}", 0)
+        pk = _var(prob, f"recompute_peak_{k}", 0)
+        for i, (ind, val) in enumerate(v.trans_terms(k)):
+            prob += tr >= (val / cap) * ind, f"memory_zero_buffer_k{k}_{i}"
+        for i, (ind, val) in enumerate(v.peak_terms(k)):
+            prob += pk >= (val / cap) * ind, f"memory_recompute_peak_k{k}_{i}"
+        a = v.cc.inflight[k]
+        mem = (v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
+               - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap) + tr + pk)
+        prob += mem <= (1 - MEMORY_MARGIN if bound is None else bound), f"memory_k{k}"
+
+
+# ---------------------------------------------------------------------------------- solve
+@dataclass
+class ILPResult:
+    """Outcome of one candidate's ILP."""
+
+    evaluation: Evaluation | None
+    """The optimal strategy priced by :func:`planner.strategy.evaluate` (None when infeasible)."""
+    status: str
+    seconds: float
+    uniform: bool
+
+
+def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto", objective: str = "time",
+                  formulation: str = "auto") -> tuple[pulp.LpProblem, _Vars]:
+    """The ILP of one candidate (see the module docstring) and its variables.
+
+    ``formulation``: ``"uniform"`` (block counts; needs identical blocks between a ``pre`` and a
+    ``post`` row), ``"general"`` (one binary per layer and stage) or ``"auto"`` (uniform when it
+    applies). ``objective``: ``"time"`` or ``"memory"`` (see :func:`solve_candidate`).
+    """
+    if checkpoint not in ("auto", "none", "all"):
+        raise ValueError(f"checkpoint must be auto, none or all, got {checkpoint!r}")
+    can_uniform = (cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post"
+                   and all(k == "block" for k in kinds[1:-1]))
+    if formulation == "uniform" and not can_uniform:
+        raise ValueError("the uniform formulation needs identical blocks between a pre and a post row")
+    if formulation not in ("auto", "uniform", "general"):
+        raise ValueError(f"formulation must be auto, uniform or general, got {formulation!r}")
+    uniform = can_uniform and formulation != "general"
+    prob = pulp.LpProblem("plan", pulp.LpMinimize)
+    v = (_UniformVars if uniform else _GeneralVars)(prob, cc, kinds, checkpoint)
+    p, m = v.p, v.m
+    tie = TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
+                       + pulp.lpSum(v.p2p(k) for k in range(p)))
+    bound = None
+    if objective == "time":
+        prob += (m + p - 1) * v.T + v.D + tie
+    elif objective == "memory":
+        bound = _var(prob, "M", 0)
+        prob += OBJECTIVE_SCALE * bound + tie
+    else:
+        raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
+    add_partition_constraints(prob, v)
+    add_boundary_constraints(prob, v)
+    add_checkpoint_constraints(prob, v)
+    add_time_constraints(prob, v)
+    add_memory_constraints(prob, v, bound=bound)
+    return prob, v
+
+
+def solve_candidate(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc",
+                    objective: str = "time", formulation: str = "auto",
+                    time_limit: float | None = 60.0) -> ILPResult:
+    """Optimal partition and recompute set of one candidate.
+
+    ``objective="time"`` minimizes the step time under the memory limit; ``"memory"`` minimizes
+    the most loaded stage's memory with no limit (used to explain infeasibility).
+    """
+    t0 = time.perf_counter()
+    prob, v = build_problem(cc, kinds, checkpoint, objective, formulation)
+    ctx = _quiet_stdout() if solver == "highs" else contextlib.nullcontext()
+    with ctx:
+        prob.solve(_make_solver(solver, time_limit))
+    status = pulp.LpStatus[prob.status]
+    ev = None
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        stages, ck = v.decode()
+        ev = evaluate(cc, stages, sorted(ck))
+        if objective == "time" and not ev.feasible:  # within the solver's tolerance of the limit
+            ev, status = None, "Infeasible"
+    return ILPResult(ev, status, time.perf_counter() - t0, v.uniform)
+
+
+# ---------------------------------------------------------------------------------- search
+@dataclass
+class SearchResult:
+    """Best strategy per ``(dp, tp, pp)``, and what the search did."""
+
+    ranked: list[Evaluation]
+    """Best evaluation of each degree triple, fastest first (ties: less memory first)."""
+    extra: list[Evaluation] = field(default_factory=list)
+    """Runners-up of other (zero, micro-batch) when fewer than three other triples are feasible."""
+    enumerated: int = 0
+    solved: int = 0
+    infeasible: int = 0
+    pruned_time: int = 0
+    pruned_memory: int = 0
+    seconds: float = 0.0
+    solver_seconds: float = 0.0
+    uniform: bool = True
+
+    @property
+    def best(self) -> Evaluation | None:
+        return self.ranked[0] if self.ranked else None
+
+    def alternatives(self, n: int = 3) -> list[Evaluation]:
+        return (self.ranked[1:] + self.extra)[:n]
+
+
+def _better(a: Evaluation, b: Evaluation | None) -> bool:
+    if b is None:
+        return True
+    if a.step_time_s < b.step_time_s * (1 - TIME_TOL):
+        return True
+    if a.step_time_s <= b.step_time_s * (1 + TIME_TOL):
+        return (a.memory["total"], a.strategy.candidate) < (b.memory["total"], b.strategy.candidate)
+    return False
+
+
+def _rank_key(e: Evaluation):
+    return (e.step_time_s, e.memory["total"], e.strategy.candidate)
+
+
+def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str], checkpoint: str = "auto",
+           solver: str = "cbc", keep: int = 4) -> SearchResult:
+    """Best strategies over ``entries`` = ``(time_lb, memory_lb, costs)`` with sound pruning.
+
+    Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
+    ``keep`` triples are feasible, fills the runners-up with the best other candidates.
+    """
+    t0 = time.perf_counter()
+    res = SearchResult(ranked=[], enumerated=len(entries))
+    order = sorted(entries, key=lambda e: (e[0], e[2].cand))
+    best: dict[tuple, Evaluation] = {}
+    solved: set = set()
+
+    def run(cc: CandidateCosts) -> Evaluation | None:
+        r = solve_candidate(cc, kinds, checkpoint, solver)
+        res.solved += 1
+        res.solver_seconds += r.seconds
+        res.uniform = res.uniform and r.uniform
+        solved.add(cc.cand)
+        if r.evaluation is None:
+            res.infeasible += 1
+        return r.evaluation
+
+    for i, (lb, mlb, cc) in enumerate(order):
+        vals = sorted(e.step_time_s for e in best.values())
+        thr = vals[keep - 1] if len(vals) >= keep else float("inf")
+        if lb > thr * (1 + TIME_TOL):
+            res.pruned_time += len(order) - i
+            break
+        if mlb > cc.capacity:
+            res.pruned_memory += 1
+            continue
+        t = cc.cand.degrees
+        if t in best and lb > best[t].step_time_s * (1 + TIME_TOL):
+            res.pruned_time += 1
+            continue
+        ev = run(cc)
+        if ev is not None and _better(ev, best.get(t)):
+            best[t] = ev
+    res.ranked = sorted(best.values(), key=_rank_key)
+    need = keep - len(res.ranked)
+    if res.ranked and need > 0:
+        chosen = {e.strategy.candidate for e in res.ranked}
+        extra: list[Evaluation] = []
+        for lb, mlb, cc in order:
+            if cc.cand in chosen or cc.cand in solved or mlb > cc.capacity:
+                continue
+            if len(extra) >= need and lb > extra[need - 1].step_time_s * (1 + TIME_TOL):
+                break
+            ev = run(cc)
+            if ev is not None:
+                extra = sorted(extra + [ev], key=_rank_key)[:need]
+        res.extra = extra
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+# ---------------------------------------------------------------------------------- entry point
+class NoFeasiblePlan(UserError):
+    """No strategy fits in memory. The message gives the least memory per device any strategy
+    needs, the part that dominates it, and what would make it fit; ``least`` is that strategy."""
+
+    def __init__(self, message: str, least: Evaluation | None = None):
+        super().__init__(message)
+        self.least = least
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def candidate_entries(req, nt: NumericTable, hw: HardwareProfile, gpus_per_node: int,
+                      cands: list[Candidate]) -> list[tuple[float, float, CandidateCosts]]:
+    """``(time lower bound, memory lower bound, costs)`` of every candidate."""
+    cap = hw.memory_bytes * req.memory_headroom
+    out = []
+    for c in cands:
+        cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpus_per_node, cap)
+        out.append((time_lower_bound(cc), memory_lower_bound(cc), cc))
+    return out
+
+
+def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc") -> Evaluation | None:
+    """The strategy with the least memory on its most loaded device, over all ``entries``.
+
+    Visits candidates by increasing memory lower bound and stops once the bound reaches the best
+    found, so the answer is exact.
+    """
+    best: Evaluation | None = None
+    for _lb, mlb, cc in sorted(entries, key=lambda e: (e[1], e[2].cand)):
+        if best is not None and mlb >= best.memory["total"]:
+            break
+        ev = solve_candidate(cc, kinds, checkpoint, solver, objective="memory").evaluation
+        if ev is not None and (best is None or (ev.memory["total"], ev.step_time_s)
+                               < (best.memory["total"], best.step_time_s)):
+            best = ev
+    return best
+
+
+def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, solver: str) -> NoFeasiblePlan:
+    usable = hw.memory_bytes * req.memory_headroom
+    least = least_memory(entries, nt.kinds, req.checkpoint, solver)
+    head = (f"No strategy fits in {_gib(usable)} per device ({req.memory_headroom:.0%} of "
+            f"{_gib(hw.memory_bytes)} on {hw.name}).")
+    if least is None:  # pragma: no cover - every candidate has some partition
+        return NoFeasiblePlan(head)
+    mem, c = least.memory, least.strategy.candidate
+    parts = {"parameters": mem["params"], "gradients": mem["grads"], "optimizer state": mem["optimizer"],
+             "activations": mem["activations"]}
+    dominant = max(parts, key=parts.get)
+    state = mem["params"] + mem["grads"] + mem["optimizer"]
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
+    msg = [head, f"The least any strategy needs is {_gib(mem['total'])} per device ({c.describe()}, "
+           f"{len(least.strategy.checkpoint)} of {len(nt.layers)} layers recomputed; most loaded stage "
+           f"{least.peak_stage}): {detail}; {dominant} dominate{'' if dominant.endswith('s') else 's'}."]
+    fixes: list[str] = []
+    pinned = {k: getattr(req, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch")
+              if getattr(req, k) is not None}
+    if req.checkpoint == "none":
+        pinned["checkpoint"] = "none"
+    if pinned:
+        free = dataclasses.replace(req, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None,
+                                   checkpoint="auto")
+        free_entries = candidate_entries(free, nt, hw, gpn, enumerate_candidates(free, nt, gpn))
+        alt = least_memory(free_entries, nt.kinds, "auto", solver)
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
+        if alt is not None and alt.memory["total"] <= usable:
+            fixes.append(f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only "
+                         f"{_gib(alt.memory['total'])}")
+    if state >= mem["activations"]:
+        if c.zero_stage < 3 and c.dp > 1:
+            fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
+        room = usable - mem["activations"]
+        if room > 0:
+            need = req.gpus * state / room
+            need = int(math.ceil(need / gpn) * gpn)
+            fixes.append(f"more devices (about {need}: model state per device shrinks as they grow)")
+    else:
+        if c.micro_batch_size > 1:
+            fixes.append("--micro-batch 1")
+        if req.checkpoint == "none":
+            fixes.append("--checkpoint auto (recompute activations in backward)")
+        fixes.append("a shorter --seq-len, or more devices for tensor/pipeline parallelism")
+    fixes.append(f"a device with at least {_gib(mem['total'] / req.memory_headroom)} of memory")
+    if req.memory_headroom < 1.0 and mem["total"] <= hw.memory_bytes:
+        fixes.append(f"--memory-headroom {min(1.0, math.ceil(mem['total'] / hw.memory_bytes * 100) / 100):.2f}")
+    msg.append("To make it fit: " + "; or ".join(fixes) + ".")
+    return NoFeasiblePlan(" ".join(msg), least)
+
+
+def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None) -> Plan:
+    """The planner's entry point: the fastest strategy that fits, as a :class:`planner.plan.Plan`.
+
+    ``table`` is a layer table (``passes.layer_table.LayerTable`` or anything with ``layers``,
+    ``b``, ``s``, ``model``) or a :class:`~planner.strategy.NumericTable`. Raises ``UserError`` for
+    pins no strategy can honour and :class:`NoFeasiblePlan` when nothing fits in memory. Besides
+    the plan.json fields, the returned plan carries ``plan.evaluation`` (per-stage costs of the
+    chosen strategy) and ``plan.search`` (a :class:`SearchResult`) for the report and the plot.
+    """
+    t0 = time.perf_counter()
+    solver = (solver or default_solver()).lower()
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}: expected one of {', '.join(SOLVERS)}")
+    gpn = request.gpus_per_node or hw.gpus_per_node
+    if hw.gpus_per_node != gpn:
+        hw = hw.with_gpus_per_node(gpn)
+    nt = table if isinstance(table, NumericTable) else NumericTable(table)
+    check_pins(request, nt, gpn)
+    entries = candidate_entries(request, nt, hw, gpn, enumerate_candidates(request, nt, gpn))
+    res = search(entries, nt.kinds, request.checkpoint, solver)
+    if res.best is None:
+        raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
+    return build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)
+
+
+def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
+               seconds: float) -> Plan:
+    """Assemble plan.json's dataclass from the search's winner and runners-up."""
+    from planner.report import alternative_reason
+
+    ev = res.best
+    c = ev.strategy.candidate
+    flops = nt.flops_per_sequence(req.seq_len) * req.global_batch
+    sizes = {k: v for k, v in (req.sizes or {}).items()
+             if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+    model = ModelInfo(spec=req.spec, params=int(nt.model.get("params") or nt.total_params()),
+                      layers=len(nt.layers) - 2, flops_per_step=float(flops), sizes=sizes,
+                      layer_names=list(nt.names))
+    alts = [Alternative(dp=a.strategy.candidate.dp, tp=a.strategy.candidate.tp, pp=a.strategy.candidate.pp,
+                        zero_stage=a.strategy.candidate.zero_stage,
+                        micro_batch_size=a.strategy.candidate.micro_batch_size,
+                        step_time_s=float(a.step_time_s), reason=alternative_reason(ev, a))
+            for a in res.alternatives(3)]
+    plan = Plan(
+        model=model, hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
+        global_batch=req.global_batch, seq_len=req.seq_len, dtype=req.dtype, dp=c.dp, tp=c.tp, pp=c.pp,
+        zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
+        stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
+        predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
+        solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status="optimal",
+                          candidates=res.enumerated),
+        alternatives=alts)
+    plan.evaluation = ev
+    plan.search = res
+    return plan

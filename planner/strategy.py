@@ -1,0 +1,619 @@
+"""The cost of one fully specified strategy: the single source of truth of the planner.
+
+A *candidate* fixes the degrees and the batching: ``(dp, tp, pp, zero_stage, micro_batch_size,
+num_micro_batches)``. A *strategy* adds the stage partition (``pp`` contiguous ranges of the
+layer table) and the set of recomputed (checkpointed) layers. :func:`evaluate` prices a strategy;
+the ILP in :mod:`planner.ilp` optimizes exactly this function (its tests compare the ILP's
+optimum against brute-force enumeration through :func:`evaluate`), and the plan's ``predicted``
+block is :func:`evaluate`'s output.
+
+Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)
+--------------------------------------------------------------------------------
+From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parallelism divides):
+
+- compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward; time by the
+  roofline ``cost_models.compute.compute_time`` (FLOP-bound: the table carries no byte counts).
+- TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
+  forward (Megatron's row-parallel outputs); the backward all-reduces the same amount (the
+  conjugate at the column-parallel inputs). One all-reduce of that size per pass, timed with
+  ``collective_time`` on the TP group's placement.
+- recompute: a checkpointed layer runs its forward again in backward, TP all-reduces included:
+  ``rec_l = t_fwd + t_tp_fwd``.
+- parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
+  Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
+  flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
+  buffers (replicated). ZeRO-2/3's transient full-size buffers are sized by the largest layer of
+  the stage (ZeRO-3 prefetches the next layer: two layers of gathered weights).
+- activations: ``saved_l = saved - saved_tp + saved_tp / tp`` kept for backward; a checkpointed
+  layer keeps only ``input_bytes`` (its input); ``boundary_bytes`` is what leaves the layer, sent
+  to the next stage when the layer ends one.
+
+Data-parallel and ZeRO communication (``cost_models.comm.zero_dp_collectives`` per layer)
+------------------------------------------------------------------------------------------
+- ZeRO 0: gradient all-reduce, once per step, after the last backward (not overlapped).
+- ZeRO 1: gradient reduce-scatter + parameter all-gather, once per step (not overlapped).
+- ZeRO 2: gradients are sharded, so each micro-batch's gradients are reduce-scattered as its
+  backward produces them (``m`` times per step); the parameter all-gather after the optimizer
+  step is once per step.
+- ZeRO 3: each micro-batch all-gathers every layer's weights for forward and again for backward
+  and reduce-scatters its gradients (``m`` times per step).
+
+No DP/ZeRO collective is assumed hidden under compute: the model is deliberately conservative
+(overlap depends on kernels contending for the same links and memory), so ZeRO 2/3 are chosen
+only when the memory they save is needed or their sharded optimizer step pays for them. ZeRO 2/3
+with pipeline parallelism (or any ``m > 1``) are allowed and charged exactly that per-micro-batch
+traffic inside every micro-step: the runtime runs them (it accumulates into the gradient shard),
+they are just costly, and the solver weighs that cost against the memory they save.
+
+Step time (1F1B, ``p`` stages, ``m`` micro-batches)
+---------------------------------------------------
+For stage ``k`` holding layers ``S_k`` with recomputed set ``R``::
+
+    work_k  = sum_{l in S_k} (t_fwd + t_bwd + t_tp_fwd + t_tp_bwd) + sum_{l in S_k & R} rec_l + p2p_k
+    p2p_k   = send(out of last layer of k, k -> k+1)  [k < p-1]
+            + send(out of last layer of k-1, k -> k-1) [k > 0]       (activation / gradient)
+    T_k     = work_k + sum_{l in S_k} zero_mb_l      one micro-batch through stage k
+    T       = max_k T_k                              the slowest stage paces the pipeline
+    D       = max_k sum_{l in S_k} (dp_step_l + opt_l)   exposed DP/ZeRO traffic + AdamW step
+    step    = (m + p - 1) * T + D
+
+Memory per device of stage ``k`` (``cost_models.memory``): model state of its layers + the
+transient ZeRO buffers of its largest layer + ``min(p - k, m)`` micro-batches of activations
+(``stage_activation_bytes``: checkpointed layers count their input only, plus the largest
+recomputed layer re-materialized once). A strategy is feasible when every stage fits in
+``memory_bytes * memory_headroom``.
+
+Time breakdown (plan.json ``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``)
+and the stage ``d*`` with the largest tail ``D``: ``compute = m * compute_k*``, ``recompute = m *
+rec_k*``, ``tp_comm = m * tp_k*``, ``pp_bubble = (p - 1) * T + m * p2p_k*`` (pipeline overhead:
+bubble and stage-to-stage transfers), ``dp_comm = m * zero_mb_k* + dp_d*``,
+``optimizer = opt_d*``. The parts sum to the step time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from cost_models.comm import (
+    GroupPlacement,
+    axis_placement,
+    collective_time,
+    ring_bytes_sent,
+    zero_dp_collectives,
+)
+from cost_models.compute import compute_time, optimizer_step_time
+from cost_models.hardware import HardwareProfile
+from cost_models.memory import (
+    inflight_microbatches,
+    model_state_bytes,
+    shard_elements,
+    split_by_tp,
+    stage_activation_bytes,
+)
+
+__all__ = [
+    "SYMBOLIC_FIELDS", "INT_FIELDS", "NumericTable", "Candidate", "Strategy", "LayerCost",
+    "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate",
+    "time_lower_bound", "memory_lower_bound", "predicted_fields", "boundary_placements", "divisors",
+    "model_heads", "valid_tp", "check_pins", "enumerate_candidates",
+]
+
+#: Layer-table fields that are sympy expressions in (micro-batch size, sequence length).
+SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
+                   "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes")
+#: Layer-table fields that are plain integers.
+INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes")
+
+
+class NumericTable:
+    """A layer table with its symbolic costs turned into fast numeric functions.
+
+    Identical blocks share identical expressions, so each distinct expression is compiled once
+    (``sympy.lambdify``) and rows for a given ``(b, s)`` are cached: a 96-block table costs
+    about as much as a 3-layer one.
+    """
+
+    def __init__(self, table: Any):
+        self.table = table
+        self.layers = list(table.layers)
+        if not self.layers:
+            raise ValueError("the layer table is empty")
+        self.names = [str(getattr(lay, "name", f"layer{i}")) for i, lay in enumerate(self.layers)]
+        self.kinds = [str(getattr(lay, "kind", "block")) for lay in self.layers]
+        model = dict(getattr(table, "model", {}) or {})
+        self.model = model
+        self.num_blocks = sum(1 for k in self.kinds if k == "block")
+        self._syms = (getattr(table, "b", None), getattr(table, "s", None))
+        self._funcs: dict[Any, Any] = {}
+        self._rows: dict[tuple[int, int], list[dict[str, float]]] = {}
+
+    def _value(self, expr: Any, b: int, s: int) -> float:
+        if isinstance(expr, (int, float)):
+            return float(expr)
+        f = self._funcs.get(expr)
+        if f is None:
+            import sympy
+
+            f = sympy.lambdify(self._syms, expr, "math")
+            self._funcs[expr] = f
+        return float(f(b, s))
+
+    def rows(self, b: int, s: int) -> list[dict[str, float]]:
+        """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached)."""
+        key = (b, s)
+        if key not in self._rows:
+            out = []
+            for lay in self.layers:
+                row = {f: self._value(getattr(lay, f), b, s) for f in SYMBOLIC_FIELDS}
+                for f in INT_FIELDS:
+                    row[f] = int(getattr(lay, f, 0) or 0)
+                out.append(row)
+            self._rows[key] = out
+        return self._rows[key]
+
+    def flops_per_sequence(self, s: int) -> float:
+        """Forward + backward FLOPs of one sequence through the whole model (no recompute)."""
+        return sum(r["fwd_flops"] + r["bwd_flops"] for r in self.rows(1, s))
+
+    def total_params(self) -> int:
+        return int(sum(int(getattr(lay, "param_count", 0) or 0) for lay in self.layers))
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """Degrees and batching: what the search enumerates around each ILP."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    micro_batch_size: int
+    num_micro_batches: int
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.dp, self.tp, self.pp
+
+    def describe(self) -> str:
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
+                f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A fully specified strategy: a candidate plus stage ranges and recomputed layers."""
+
+    candidate: Candidate
+    stages: tuple[tuple[int, int], ...]
+    """Inclusive layer-table ranges, one per pipeline stage, contiguous and covering the table."""
+    checkpoint: frozenset = frozenset()
+    """Layer-table indices whose activations are recomputed in backward."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's per-device costs under one candidate (seconds and bytes)."""
+
+    compute_s: float
+    """Forward + backward compute of one micro-batch."""
+    fwd_s: float
+    tp_s: float
+    """TP all-reduces of forward + backward of one micro-batch."""
+    tp_fwd_s: float
+    rec_s: float
+    """Extra time when checkpointed: forward compute + forward TP all-reduce."""
+    zero_mb_s: float
+    """ZeRO 2/3 collectives of one micro-batch (inside every micro-step)."""
+    dp_step_s: float
+    """Per-step DP/ZeRO collectives (exposed)."""
+    opt_s: float
+    params_b: int
+    grads_b: int
+    optimizer_b: int
+    trans_params_b: int
+    """ZeRO-3 gathered weights while this layer (and the prefetched next) runs."""
+    trans_grads_b: int
+    """ZeRO-2/3 full gradient of this layer before its reduce-scatter."""
+    saved_b: float
+    input_b: float
+    boundary_b: float
+    tp_sent_b: float
+    """Bytes sent by the TP all-reduce of one pass (forward or backward) of one micro-batch."""
+    zero_mb_sent_b: float
+    dp_step_sent_b: float
+    num_params: int
+    """Parameters on one device (after the TP split)."""
+
+    @property
+    def work_s(self) -> float:
+        return self.compute_s + self.tp_s
+
+    @property
+    def state_b(self) -> int:
+        return self.params_b + self.grads_b + self.optimizer_b
+
+    @property
+    def trans_b(self) -> int:
+        return self.trans_params_b + self.trans_grads_b
+
+
+@functools.lru_cache(maxsize=1024)
+def boundary_placements(dp: int, tp: int, pp: int, gpus_per_node: int) -> tuple[GroupPlacement, ...]:
+    """Placement of the worst rank pair across each pipeline boundary ``j -> j + 1``.
+
+    Under ``rank = (pp_i * dp + dp_i) * tp + tp_i`` stage ``j``'s rank ``r`` talks to ``r + dp*tp``;
+    a boundary is inter-node when any such pair lives on two nodes.
+    """
+    width = dp * tp
+    out = []
+    for j in range(pp - 1):
+        cross = width >= gpus_per_node or any(
+            (j * width + i) // gpus_per_node != ((j + 1) * width + i) // gpus_per_node for i in range(width))
+        out.append(GroupPlacement(2, 2, 1) if cross else GroupPlacement(2, 1, 2))
+    return tuple(out)
+
+
+class CandidateCosts:
+    """Every per-layer number of one candidate, and the per-boundary send times."""
+
+    def __init__(self, cand: Candidate, layers: list[LayerCost], hw: HardwareProfile,
+                 gpus_per_node: int, capacity: float):
+        self.cand = cand
+        self.layers = layers
+        self.hw = hw
+        self.capacity = capacity
+        self.placements = boundary_placements(cand.dp, cand.tp, cand.pp, gpus_per_node)
+        p, m = cand.pp, cand.num_micro_batches
+        self.inflight = [inflight_microbatches(k, p, m) for k in range(p)]
+        self._send: dict[tuple[float, int], float] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def send_s(self, layer: int, boundary: int) -> float:
+        """Seconds to send layer ``layer``'s output across pipeline boundary ``boundary``."""
+        key = (self.layers[layer].boundary_b, boundary)
+        t = self._send.get(key)
+        if t is None:
+            t = float(collective_time("send", key[0], self.placements[boundary], self.hw))
+            self._send[key] = t
+        return t
+
+    def is_uniform(self) -> bool:
+        """True when rows 1..L (the blocks) cost the same: the ILP can count blocks per stage."""
+        return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-1])
+
+
+def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate,
+                    gpus_per_node: int, capacity: float) -> CandidateCosts:
+    """Per-layer costs of ``cand`` (identical rows are priced once)."""
+    rows = nt.rows(cand.micro_batch_size, seq_len)
+    tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
+    dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
+    memo: dict[tuple, LayerCost] = {}
+    layers = []
+    for row in rows:
+        key = tuple(row[f] for f in SYMBOLIC_FIELDS + INT_FIELDS)
+        lc = memo.get(key)
+        if lc is None:
+            lc = memo[key] = _layer_cost(row, hw, dtype, cand, tp_pl, dp_pl)
+        layers.append(lc)
+    return CandidateCosts(cand, layers, hw, gpus_per_node, capacity)
+
+
+def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
+                tp_pl: GroupPlacement, dp_pl: GroupPlacement) -> LayerCost:
+    tp, dp, z = cand.tp, cand.dp, cand.zero_stage
+    fwd = row["fwd_flops"] - row["fwd_flops_tp"] + row["fwd_flops_tp"] / tp
+    bwd = row["bwd_flops"] - row["bwd_flops_tp"] + row["bwd_flops_tp"] / tp
+    t_f = float(compute_time(fwd, 0.0, hw, dtype))
+    t_b = float(compute_time(bwd, 0.0, hw, dtype))
+    arb = row["tp_allreduce_bytes"]
+    t_tp = float(collective_time("all_reduce", arb, tp_pl, hw)) if tp > 1 and arb > 0 else 0.0
+    tp_sent = float(ring_bytes_sent("all_reduce", arb, tp)) if tp > 1 else 0.0
+    n_tp = row["param_count_tp"]
+    P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
+    base = model_state_bytes(P, dtype, z, dp)
+    peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True)
+    colls = zero_dp_collectives(P, dtype, z, dp)
+    if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
+        per_mb, per_step = list(colls), []
+    elif z == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
+        per_mb = [c for c in colls if c[0] == "reduce_scatter"]
+        per_step = [c for c in colls if c[0] != "reduce_scatter"]
+    else:
+        per_mb, per_step = [], list(colls)
+    zmb_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_mb)
+    step_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_step)
+    zmb_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_mb)
+    step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
+    opt_params = shard_elements(P, dp) if z >= 1 else P
+    saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
+    return LayerCost(
+        compute_s=t_f + t_b, fwd_s=t_f, tp_s=2 * t_tp, tp_fwd_s=t_tp, rec_s=t_f + t_tp,
+        zero_mb_s=zmb_t, dp_step_s=step_t,
+        opt_s=float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0,
+        params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],
+        trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
+        saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
+        tp_sent_b=tp_sent, zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b, num_params=P,
+    )
+
+
+@dataclass
+class StageCost:
+    """One pipeline stage's share of a strategy's cost."""
+
+    first: int
+    last: int
+    compute_s: float
+    recompute_s: float
+    tp_s: float
+    p2p_s: float
+    zero_mb_s: float
+    work_s: float
+    micro_step_s: float
+    """``work + zero_mb``: one micro-batch's forward + backward on this stage."""
+    dp_s: float
+    opt_s: float
+    fwd_s: float
+    """Forward part of the micro-step, for drawing the schedule (``fwd_s + bwd_s = micro_step_s``)."""
+    bwd_s: float
+    """Backward part (with recompute) of the micro-step, for drawing the schedule."""
+    memory: dict
+    """``params, grads, optimizer, activations, total`` in bytes on one device of this stage."""
+    comm_bytes: float
+    """Bytes one device of this stage sends per step (ring convention)."""
+
+
+@dataclass
+class Evaluation:
+    """The cost of a strategy: step time, its parts, memory and traffic."""
+
+    strategy: Strategy
+    stages: list[StageCost]
+    step_time_s: float
+    micro_step_s: float
+    tail_s: float
+    time: dict
+    memory: dict
+    peak_stage: int
+    bottleneck_stage: int
+    comm_bytes_per_device: float
+    bubble_fraction: float
+    feasible: bool
+    capacity: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = ()) -> Evaluation:
+    """Price a strategy of candidate ``cc.cand`` (see the module docstring for every formula)."""
+    cand = cc.cand
+    p, m = cand.pp, cand.num_micro_batches
+    n = cc.num_layers
+    stages = tuple((int(a), int(b)) for a, b in stages)
+    if len(stages) != p:
+        raise ValueError(f"{len(stages)} stage ranges for pp={p}")
+    expect = 0
+    for a, b in stages:
+        if a != expect or b < a:
+            raise ValueError(f"stages {stages} are not contiguous non-empty ranges from layer 0")
+        expect = b + 1
+    if expect != n:
+        raise ValueError(f"stages {stages} do not cover the {n} layers")
+    ck = frozenset(int(i) for i in checkpoint)
+    if any(not 0 <= i < n for i in ck):
+        raise ValueError(f"checkpoint layers {sorted(ck)} outside 0..{n - 1}")
+    out: list[StageCost] = []
+    for k, (a, b) in enumerate(stages):
+        ls = cc.layers[a:b + 1]
+        rc = [i in ck for i in range(a, b + 1)]
+        compute = sum(l.compute_s for l in ls)
+        tp = sum(l.tp_s for l in ls)
+        rec = sum(l.rec_s for l, r in zip(ls, rc) if r)
+        p2p, sent = 0.0, 0.0
+        if k < p - 1:
+            p2p += cc.send_s(b, k)
+            sent += cc.layers[b].boundary_b
+        if k > 0:
+            prev = stages[k - 1][1]
+            p2p += cc.send_s(prev, k - 1)
+            sent += cc.layers[prev].boundary_b
+        zmb = sum(l.zero_mb_s for l in ls)
+        work = compute + tp + rec + p2p
+        acts = float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m))
+        big = max(ls, key=lambda l: l.trans_b)
+        params = sum(l.params_b for l in ls) + big.trans_params_b
+        grads = sum(l.grads_b for l in ls) + big.trans_grads_b
+        optim = sum(l.optimizer_b for l in ls)
+        mem = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
+               "activations": int(math.ceil(acts))}
+        mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+        tp_passes = sum(l.tp_sent_b * (3 if r else 2) for l, r in zip(ls, rc))
+        comm = m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
+        # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward;
+        # transfers are split evenly between the two passes
+        fwd = sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cand.zero_stage == 3 else 0.0) + p2p / 2
+        out.append(StageCost(
+            first=a, last=b, compute_s=compute, recompute_s=rec, tp_s=tp, p2p_s=p2p, zero_mb_s=zmb,
+            work_s=work, micro_step_s=work + zmb, dp_s=sum(l.dp_step_s for l in ls),
+            opt_s=sum(l.opt_s for l in ls), fwd_s=fwd, bwd_s=work + zmb - fwd,
+            memory=mem, comm_bytes=comm))
+    T = max(s.micro_step_s for s in out)
+    kb = max(range(p), key=lambda k: out[k].micro_step_s)
+    kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
+    D = out[kd].dp_s + out[kd].opt_s
+    step = (m + p - 1) * T + D
+    sb = out[kb]
+    time = {"compute": m * sb.compute_s, "recompute": m * sb.recompute_s, "tp_comm": m * sb.tp_s,
+            "pp_bubble": (p - 1) * T + m * sb.p2p_s,
+            "dp_comm": m * sb.zero_mb_s + out[kd].dp_s, "optimizer": out[kd].opt_s}
+    kp = max(range(p), key=lambda k: out[k].memory["total"])
+    return Evaluation(
+        strategy=Strategy(cand, stages, ck), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
+        time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
+        comm_bytes_per_device=max(s.comm_bytes for s in out),
+        bubble_fraction=(p - 1) / (m + p - 1), feasible=out[kp].memory["total"] <= cc.capacity,
+        capacity=cc.capacity)
+
+
+def time_lower_bound(cc: CandidateCosts) -> float:
+    """A step time no strategy of this candidate can beat (sound: used to prune the search).
+
+    ``T >= max(sum_l (work_l + zero_mb_l) / p + cheapest sends, max_l (work_l + zero_mb_l))``
+    because the slowest stage is at least the average one and holds at least one layer; ``D >=
+    sum_l (dp_l + opt_l) / p`` likewise. Recompute only adds time.
+    """
+    p, m = cc.cand.pp, cc.cand.num_micro_batches
+    ls = cc.layers
+    work = sum(l.work_s + l.zero_mb_s for l in ls)
+    if p > 1:
+        # every boundary carries one activation forward and one gradient back, each at least
+        # the cheapest layer output over that boundary
+        for j in range(p - 1):
+            work += 2 * min(cc.send_s(i, j) for i in range(len(ls) - 1))
+    T = max(work / p, max(l.work_s + l.zero_mb_s for l in ls))
+    D = max(sum(l.dp_step_s + l.opt_s for l in ls) / p, max(l.dp_step_s + l.opt_s for l in ls))
+    return (m + p - 1) * T + D
+
+
+def memory_lower_bound(cc: CandidateCosts) -> float:
+    """Bytes per device that every strategy of this candidate needs on its most loaded stage.
+
+    The most loaded stage holds at least the average of all stages (each layer's state once and
+    at least ``min(saved, input)`` of activations once), stage 0 holds the first layer with
+    ``min(p, m)`` micro-batches in flight, and some stage holds each single layer.
+    """
+    p = cc.cand.pp
+    ls = cc.layers
+    least = [l.state_b + min(l.saved_b, l.input_b) for l in ls]
+    avg = (sum(least) + max(l.trans_b for l in ls)) / p
+    first = ls[0].state_b + ls[0].trans_b + cc.inflight[0] * min(ls[0].saved_b, ls[0].input_b)
+    single = max(x + l.trans_b for x, l in zip(least, ls))
+    return max(avg, first, single)
+
+
+def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:
+    """plan.json's ``predicted`` block for an evaluation (model FLOPs: recompute excluded)."""
+    tflops = flops_per_step / ev.step_time_s / gpus / 1e12 if ev.step_time_s > 0 else 0.0
+    return {
+        "step_time_s": float(ev.step_time_s), "peak_memory_bytes": int(ev.memory["total"]),
+        "tflops_per_device": float(tflops), "mfu": float(tflops * 1e12 / peak_flops),
+        "comm_bytes_per_device": float(ev.comm_bytes_per_device),
+        "bubble_fraction": float(ev.bubble_fraction),
+        "memory": {k: int(v) for k, v in ev.memory.items()},
+        "time": {k: float(v) for k, v in ev.time.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------- candidates
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def model_heads(nt: NumericTable) -> tuple[int | None, int | None]:
+    """``(heads, kv_heads)`` from the table's model facts (``None`` when unknown)."""
+    heads = nt.model.get("heads") or None
+    kv = nt.model.get("kv_heads") or heads
+    return heads, kv
+
+
+def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_nodes: bool) -> str | None:
+    """Why ``tp`` cannot be used (``None`` when it can)."""
+    heads, kv = model_heads(nt)
+    if gpus % tp:
+        return f"--tp {tp} does not divide --gpus {gpus}"
+    if tp > 1 and heads is None:
+        return ("the model's attention head count is unknown, so tensor parallelism cannot split it; "
+                "use --tp 1")
+    if heads and heads % tp:
+        return f"--tp {tp} does not divide the model's {heads} attention heads"
+    if kv and kv % tp:
+        return f"--tp {tp} does not divide the model's {kv} key/value heads"
+    if not across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
+        return (f"--tp {tp} would split tensor-parallel groups across nodes of {gpus_per_node} devices "
+                f"(allow it with --tp-across-nodes, or use a --tp that divides {gpus_per_node})")
+    return None
+
+
+def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
+    """Reject pins no strategy can honour, with what to use instead (``UserError``)."""
+    from planner.errors import UserError
+
+    rows = len(nt.layers)
+    dp, tp, pp = req.dp, req.tp, req.pp
+    if dp and tp and pp and dp * tp * pp != req.gpus:
+        raise UserError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
+                        "the three degrees must multiply to the number of devices.")
+    if tp:
+        why = valid_tp(tp, nt, req.gpus, gpus_per_node, req.tp_across_nodes)
+        if why:
+            ok = [t for t in divisors(req.gpus)
+                  if valid_tp(t, nt, req.gpus, gpus_per_node, req.tp_across_nodes) is None]
+            raise UserError(f"{why}. Valid --tp values here: {', '.join(map(str, ok))}.")
+    if pp and pp > rows:
+        raise UserError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
+                        f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}.")
+    if pp and pp > 1 and req.micro_batch and dp:
+        m = req.global_batch // (dp * req.micro_batch)
+        if m < pp:
+            raise UserError(f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
+                            f"= {m} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
+                            "micro-batch per stage. Use a smaller --micro-batch or fewer stages.")
+
+
+def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
+    """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.ilp).
+
+    Raises ``UserError`` listing why nothing is left when the pins and the batch admit no
+    candidate at all.
+    """
+    from planner.errors import UserError
+
+    gpus, gb = req.gpus, req.global_batch
+    rows = len(nt.layers)
+    out: list[Candidate] = []
+    why: dict[str, int] = {}
+
+    def skip(reason: str) -> None:
+        why[reason] = why.get(reason, 0) + 1
+
+    for tp in divisors(gpus):
+        if req.tp and tp != req.tp:
+            continue
+        if valid_tp(tp, nt, gpus, gpus_per_node, req.tp_across_nodes):
+            skip("tensor-parallel degree not allowed by the heads or the node size")
+            continue
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if (req.pp and pp != req.pp) or (req.dp and dp != req.dp):
+                continue
+            if pp > rows:
+                skip(f"more pipeline stages than the {rows} layer-table rows")
+                continue
+            if gb % dp:
+                skip("global batch not divisible by the data-parallel degree")
+                continue
+            for b in divisors(gb // dp):
+                if req.micro_batch and b != req.micro_batch:
+                    continue
+                m = gb // (dp * b)
+                if pp > 1 and m < pp:
+                    skip("fewer micro-batches than pipeline stages")
+                    continue
+                zeros = [req.zero_stage] if req.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                out.extend(Candidate(dp, tp, pp, z, b, m) for z in zeros)
+    if not out:
+        pins = " ".join(f"--{k.replace('_', '-')} {getattr(req, k)}" for k in ("dp", "tp", "pp", "micro_batch")
+                        if getattr(req, k) is not None)
+        reasons = "; ".join(f"{r} ({n}x)" for r, n in why.items()) or "the pins exclude every degree"
+        raise UserError(f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
+                        f"{gb}{' and ' + pins if pins else ''}: {reasons}. Pick a global batch divisible by "
+                        "more data-parallel degrees, or pin fewer decisions.")
+    return out

@@ -1,0 +1,428 @@
+"""Tracing front end: ``torch.export`` on the meta device, with repeated-block reuse.
+
+``trace_model(spec or bundle, batch=, seq_len=, dtype=)`` returns a ``Traced``: the ATen graph of
+one training forward (``forward(input_ids, labels) -> loss``) plus what the passes need to read it.
+
+Graph form. ``Traced.gm`` is ``ExportedProgram.graph_module``: parameters, buffers and lifted
+constants are *placeholders* (``Traced.roles`` / ``Traced.fqns`` say which, from the export's graph
+signature), so every tensor the graph touches is an explicit input with a fake value in
+``node.meta["val"]``. That is the convenient form for analysis. For training, codegen wants
+``Traced.exported.module()`` (parameters unlifted back into the module; gradients match eager).
+
+Symbolic sizes. The batch and sequence dimensions of the inputs are exported as ``Dim``s, so every
+shape in the graph is a polynomial in two shape symbols; ``Traced.symbols`` maps them to
+``passes.common.B`` / ``S``. If a model forces a size to a constant (export specializes it), that
+dimension is recorded in ``Traced.fixed`` and the passes see numbers for it.
+
+Repeated blocks. Transformers are ``pre -> L identical blocks -> post``. For zoo models (``gpt``
+presets and ``hf:``) we export a copy rebuilt with 2 blocks (meta device: nothing is allocated),
+check that the two traced blocks have identical signatures (op sequence, shapes, parameter
+shapes, wiring), and let the layer table replicate the block L times. Export cost then does not
+grow with depth (GPT-3 175B exports in the time of a 2-block model). The blocks are found
+generically: the children of the ``ModuleList``/``Sequential`` with the most children of one type
+(``blocks.N``, ``transformer.h.N``, ``model.layers.N``, ``bert.encoder.layer.N``). A user's
+``file.py:factory`` is traced in full; identical blocks are grouped by signature so the layer
+table computes each group's costs once.
+
+Errors. A model that cannot be exported (data-dependent Python control flow, an unsupported op)
+raises ``UserError`` naming the user's ``file:line`` and what to change, not torch's traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim, ExportedProgram
+
+from planner.errors import UserError
+from planner.models import PRESETS, ModelBundle, build_model, parse_spec
+
+__all__ = ["Traced", "trace_model", "find_block_container", "resolve_dtype", "DTYPES",
+           "SHALLOW_LAYERS"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+SHALLOW_LAYERS = 2
+"""Blocks in the shallow copy of a zoo model: two, so the traced blocks can be compared."""
+
+_HF_CONFIGS = {"gpt2": ("GPT2Config", "n_layer"), "llama": ("LlamaConfig", "num_hidden_layers"),
+               "bert": ("BertConfig", "num_hidden_layers")}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``'bf16'``/``'fp16'``/``'fp32'`` (or a torch dtype) -> the torch dtype."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise UserError(f"Unknown dtype {dtype!r}; use bf16, fp16 or fp32.") from None
+
+
+def find_block_container(model: nn.Module) -> tuple[str, list[str]]:
+    """The repeated blocks of ``model``: ``(container path, [block paths])``.
+
+    Among all ``ModuleList``/``Sequential`` containers, pick the one with the most children of a
+    single type (ties: the first found, i.e. the outermost); the blocks are those children, in
+    order. Returns ``("", [])`` when the model has no such container.
+    """
+    best: tuple[int, str, list[str]] = (0, "", [])
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = list(mod.named_children())
+        if not kids:
+            continue
+        counts = Counter(type(m) for _, m in kids)
+        typ, n = counts.most_common(1)[0]
+        if n > best[0]:
+            names = [f"{path}.{name}" if path else name for name, m in kids if type(m) is typ]
+            best = (n, path, names)
+    return best[1], best[2]
+
+
+@dataclass
+class Traced:
+    """One exported training forward and the facts the passes need to analyze it."""
+
+    gm: fx.GraphModule
+    """``exported.graph_module``: ATen training IR, parameters/buffers lifted to placeholders."""
+    exported: ExportedProgram
+    """The export itself (``exported.module()`` is the trainable form)."""
+    bundle: ModelBundle
+    """The traced model: the shallow copy for zoo models, the user's model for files."""
+    spec: str
+    """The model spec as given."""
+    kind: str
+    """``gpt``, ``hf`` or ``file``."""
+    dtype: torch.dtype
+    """Parameter/activation dtype the model was traced in."""
+    layers: int
+    """L: blocks in the full model (the layer table has L + 2 rows)."""
+    block_paths: list[str]
+    """Module paths of the blocks present in ``gm`` (e.g. ``['blocks.0', 'blocks.1']``)."""
+    container: str
+    """Path of the module holding the blocks (``'blocks'``, ``'inner.transformer.h'``)."""
+    shallow: bool
+    """True when ``gm`` holds fewer blocks than the model (the table replicates one)."""
+    roles: dict[str, str]
+    """Placeholder name -> ``param`` | ``buffer`` | ``constant`` | ``input``."""
+    fqns: dict[str, str]
+    """Placeholder name -> parameter/buffer/constant FQN in the traced module."""
+    tied: dict[str, str]
+    """Placeholder name -> the earlier placeholder holding the same tensor (tied weights:
+    export lists e.g. GPT-2's ``wte`` and ``lm_head`` weights separately)."""
+    symbols: dict[sympy.Symbol, sympy.Symbol]
+    """Export's shape symbols -> ``passes.common.B`` / ``S``."""
+    example: dict[str, int]
+    """Example sizes the trace ran at: ``{'b': ..., 's': ...}``."""
+    fixed: dict[str, int] = field(default_factory=dict)
+    """Dimensions that export kept constant, with their value (``{}`` when fully symbolic)."""
+    model_info: dict[str, Any] = field(default_factory=dict)
+    """spec, layers, hidden, heads, kv_heads, vocab, seq_len and the size overrides."""
+    notes: list[str] = field(default_factory=list)
+    """What the tracer decided (fallbacks, specializations), for reports."""
+    seconds: float = 0.0
+    """Wall time spent building and exporting."""
+
+
+# --------------------------------------------------------------------------------------------
+# Export with readable errors
+
+
+def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
+    """The innermost traceback frame outside torch (the user's or a library's model code)."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    here = os.path.abspath(__file__)
+    best = None
+    e: BaseException | None = exc
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for fr in traceback.extract_tb(e.__traceback__):
+            fn = os.path.abspath(fr.filename) if not fr.filename.startswith("<") else fr.filename
+            if fn.startswith(torch_dir) or fn.startswith("<") or fn == here:
+                continue
+            best = (fr.filename, fr.lineno or 0, (fr.line or "").strip())
+        e = e.__cause__ or e.__context__
+    return best
+
+
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "DataDependentOutputException",
+                   "UserError: Could not extract specialized integer")
+_UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicOutputShape")
+
+
+def explain_export_error(exc: BaseException, what: str) -> UserError:
+    """Turn a ``torch.export`` failure into a short ``UserError`` with the source line and a fix."""
+    first = str(exc).strip().splitlines()
+    headline = next((ln.strip() for ln in first if ln.strip()), type(exc).__name__)
+    if len(headline) > 200:
+        headline = headline[:200] + "..."
+    frame = _user_frame(exc)
+    where = f"{frame[0]}:{frame[1]}" if frame else "an unknown line"
+    code = f"  `{frame[2]}`" if frame and frame[2] else ""
+    text = f"{type(exc).__name__}: {exc}"
+    if any(k in text for k in _DATA_DEPENDENT):
+        advice = ("The model branches on tensor *values* (e.g. `if x.sum() > 0:` or `.item()`), "
+                  "which cannot be traced once for all inputs. Compute both branches and select "
+                  "with `torch.where(cond, a, b)`, or use `torch.cond(pred, true_fn, false_fn, "
+                  "(x,))`; branch only on shapes or Python constants.")
+    elif any(k in text for k in _UNSUPPORTED):
+        advice = ("The model uses an operation torch.export cannot capture. Replace it with a "
+                  "standard torch op, or move it out of forward().")
+    elif "Constraints violated" in text or "specialized" in text:
+        advice = ("A batch or sequence dimension was forced to a constant; avoid code that "
+                  "depends on the exact size (e.g. asserts on x.shape[0]).")
+    else:
+        advice = "Make forward() traceable by torch.export (no Python side effects on tensor data)."
+    return UserError(f"Cannot trace {what}: {headline}\n  at {where}{code}\n  What to do: {advice}")
+
+
+def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
+    try:
+        return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    except UserError:
+        raise
+    except Exception as e:  # torch raises many types; all become one readable UserError
+        raise explain_export_error(e, what) from e
+
+
+# --------------------------------------------------------------------------------------------
+# Building the model to trace
+
+
+def _full_layers(kind: str, name: str, sizes: dict) -> int:
+    """L of the full model without building it."""
+    if sizes.get("layers") is not None:
+        return int(sizes["layers"])
+    if kind == "gpt":
+        return PRESETS[name].layers
+    import transformers
+
+    cls_name, attr = _HF_CONFIGS[name]
+    return int(getattr(getattr(transformers, cls_name)(), attr))
+
+
+def _example_sizes(batch: int | None, seq_len: int | None, max_seq: int) -> tuple[int, int]:
+    """Example (b, s) for export: >= 2 (export pins sizes 0/1) and distinct (no aliasing)."""
+    s = max(int(seq_len or max_seq), 3)
+    s = min(s, max(max_seq, 3))
+    b = max(int(batch or 2), 2)
+    if b == s:
+        b += 1
+    return b, s
+
+
+def _placeholder_roles(ep: ExportedProgram
+                       ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """Role, FQN and tied-weight alias of every placeholder, from the graph signature."""
+    from torch.export.graph_signature import InputKind
+
+    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
+             InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
+    roles, fqns, tied = {}, {}, {}
+    groups: dict[int, list[str]] = {}
+    tensors = {**ep.state_dict, **ep.constants}
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        roles[name] = kinds.get(spec.kind, "input")
+        if spec.target is not None:
+            fqns[name] = spec.target
+            t = tensors.get(spec.target)
+            if t is not None:
+                groups.setdefault(id(t), []).append(name)
+    used = {n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder" and n.users}
+    for names in groups.values():
+        canon = next((x for x in names if x in used), names[0])
+        tied.update({x: canon for x in names if x != canon})
+    return roles, fqns, tied
+
+
+def _symbol_map(gm: fx.GraphModule, roles: dict[str, str], b_ex: int, s_ex: int
+                ) -> tuple[dict, dict[str, int]]:
+    """Map the first user input's dim 0 / dim 1 symbols to B / S; report constant dims."""
+    from passes.common import B, S
+
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder" and roles[n.name] == "input")
+    shape = first.meta["val"].shape
+    symbols, fixed = {}, {}
+    for dim, ours, ex in ((0, B, b_ex), (1, S, s_ex)):
+        if dim >= len(shape):
+            continue
+        size = shape[dim]
+        if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+            symbols[size.node.expr] = ours
+        else:
+            fixed[str(ours)] = int(size) if not isinstance(size, torch.SymInt) else ex
+    return symbols, fixed
+
+
+def _dynamic_spec(inputs: tuple, b0: int, s0: int | None):
+    """Mark dim 0 of every input of size b0 as ``b`` and dim 1 of size s0 as ``s``."""
+    bd = Dim("b", min=2)
+    sd = Dim("s", min=2)
+    spec = []
+    for t in inputs:
+        d = {}
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == b0:
+            d[0] = bd
+        if s0 is not None and isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == s0:
+            d[1] = sd
+        spec.append(d or None)
+    return tuple(spec)
+
+
+def _zoo_bundle(spec: str, sizes: dict, layers: int, dtype) -> ModelBundle:
+    """Build a zoo model on the meta device with ``layers`` blocks (sizes as given)."""
+    return build_model(spec, **{**sizes, "layers": layers}, device="meta", dtype=dtype)
+
+
+def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: int | None = None,
+                dtype: str | torch.dtype | None = None, shallow: bool = True,
+                dynamic: bool = True, **sizes) -> Traced:
+    """Export one training forward of ``model`` on the meta device.
+
+    ``model`` is a spec (``gpt3-175b``, ``hf:llama``, ``path.py:factory``; ``sizes`` are
+    ``build_model``'s overrides: layers, hidden, heads, kv_heads, ffn, vocab) or a ``ModelBundle``.
+    ``batch``/``seq_len`` set the example sizes (shapes stay symbolic unless ``dynamic=False``).
+    ``shallow=False`` traces every block of a zoo model. File factories are traced as returned,
+    with their own example inputs.
+    """
+    t0 = time.perf_counter()
+    dt = resolve_dtype(dtype)
+    notes: list[str] = []
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if isinstance(model, ModelBundle):
+        bundle0 = model
+        spec, kind = model.spec, model.kind
+        sizes = {**model.sizes, **sizes}
+        name = parse_spec(spec)[1] if kind != "file" else spec
+        if dtype is None:
+            p = next(model.model.parameters(), None)
+            dt = p.dtype if p is not None else dt
+    else:
+        spec = model
+        kind, name = parse_spec(spec)
+        bundle0 = None
+
+    if kind == "file":
+        bundle = bundle0 or build_model(spec)
+        return _trace_file(bundle, dt if (dtype is not None) else None, dynamic, t0)
+
+    full_layers = bundle0.layers if bundle0 is not None else _full_layers(kind, name, sizes)
+    n_trace = full_layers if (not shallow or full_layers <= SHALLOW_LAYERS) else SHALLOW_LAYERS
+    bundle = _zoo_bundle(spec, sizes, n_trace, dt)
+    if seq_len is not None and seq_len > bundle.seq_len:
+        raise UserError(f"Sequence length {seq_len} exceeds {spec}'s maximum of "
+                        f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
+                        f"positions with the size flag.")
+    b_ex, s_ex = _example_sizes(batch, seq_len, bundle.seq_len)
+    bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
+    traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic, notes)
+    if traced.shallow:
+        from passes.layers import assign_layers, layer_signatures
+
+        assign_layers(traced.gm, traced.block_paths, traced.roles)
+        sigs = layer_signatures(traced.gm, len(traced.block_paths))
+        if len(set(sigs[1:-1])) != 1:
+            notes.append("shallow trace: traced blocks differ; traced every block instead")
+            bundle = _zoo_bundle(spec, sizes, full_layers, dt)
+            bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
+            traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic,
+                                   notes)
+    traced.model_info = dict(spec=spec, layers=full_layers, hidden=bundle.hidden,
+                             heads=bundle.heads, kv_heads=bundle.kv_heads, vocab=bundle.vocab,
+                             seq_len=bundle.seq_len, sizes={k: v for k, v in sizes.items()
+                                                            if k != "layers"})
+    traced.seconds = time.perf_counter() - t0
+    return traced
+
+
+def _trace_bundle(bundle: ModelBundle, kind: str, spec: str, dt: torch.dtype, full_layers: int,
+                  b_ex: int, s_ex: int, dynamic: bool, notes: list[str]) -> Traced:
+    """Export a zoo bundle whose inputs are ``(input_ids, labels)`` of shape (b_ex, s_ex)."""
+    container, blocks = find_block_container(bundle.model)
+    dyn = None
+    if dynamic:
+        bd, sd = Dim("b", min=2), Dim("s", min=2, max=max(bundle.seq_len, s_ex))
+        dyn = ({0: bd, 1: sd}, {0: bd, 1: sd})
+    what = f"model {spec!r}"
+    try:
+        ep = _export(bundle.model, bundle.example_inputs, dyn, what)
+    except UserError:
+        if dyn is None:
+            raise
+        ep = _export(bundle.model, bundle.example_inputs, None, what)
+        notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
+    roles, fqns, tied = _placeholder_roles(ep)
+    symbols, fixed = _symbol_map(ep.graph_module, roles, b_ex, s_ex)
+    return Traced(gm=ep.graph_module, exported=ep, bundle=bundle, spec=spec, kind=kind, dtype=dt,
+                  layers=full_layers, block_paths=blocks, container=container,
+                  shallow=len(blocks) < full_layers, roles=roles, fqns=fqns, tied=tied,
+                  symbols=symbols,
+                  example={"b": b_ex, "s": s_ex}, fixed=fixed, notes=notes)
+
+
+def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: float) -> Traced:
+    """Export a user's factory model in full with its own example inputs."""
+    notes: list[str] = []
+    model, inputs = bundle.model, tuple(bundle.example_inputs)
+    params = list(model.parameters())
+    if dt is not None and any(p.dtype != dt for p in params if p.is_floating_point()):
+        model = copy.deepcopy(model).to(dt)
+        inputs = tuple(t.to(dt) if t.is_floating_point() else t for t in inputs)
+    if dt is None:
+        dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    first = inputs[0]
+    b0 = int(first.shape[0]) if first.dim() >= 1 else 1
+    s0 = int(first.shape[1]) if first.dim() >= 2 else None
+    if b0 == 1 and dynamic:
+        # Export pins size-1 dims; the model is traced at batch 2 (shapes stay symbolic in b).
+        inputs = tuple(t.expand(2, *t.shape[1:]).contiguous()
+                       if t.dim() >= 1 and t.shape[0] == 1 else t for t in inputs)
+        b0 = 2
+    container, blocks = find_block_container(model)
+    what = f"model {bundle.spec!r}"
+    ep = None
+    if dynamic:
+        try:
+            ep = _export(model, inputs, _dynamic_spec(inputs, b0, s0 if s0 != b0 else None), what)
+        except UserError:
+            ep = None
+    if ep is None:
+        # Either dynamic shapes were refused or the model is untraceable: a static export
+        # tells which (and its error is the one the user needs to see).
+        ep = _export(model, inputs, None, what)
+        if dynamic:
+            notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
+    roles, fqns, tied = _placeholder_roles(ep)
+    symbols, fixed = _symbol_map(ep.graph_module, roles, b0, s0 or 1)
+    if s0 is None:
+        fixed.pop("s", None)
+    tr = Traced(gm=ep.graph_module, exported=ep, bundle=bundle, spec=bundle.spec, kind="file",
+                dtype=dt, layers=len(blocks), block_paths=blocks, container=container,
+                shallow=False, roles=roles, fqns=fqns, tied=tied, symbols=symbols,
+                example={"b": b0, "s": s0 or 1}, fixed=fixed, notes=notes)
+    nparams = sum(p.numel() for p in params)
+    tr.model_info = dict(spec=bundle.spec, layers=len(blocks), hidden=bundle.hidden,
+                         heads=bundle.heads, kv_heads=bundle.kv_heads, vocab=bundle.vocab,
+                         seq_len=bundle.seq_len, params=nparams, sizes={})
+    tr.seconds = time.perf_counter() - t0
+    return tr

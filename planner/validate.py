@@ -1,0 +1,77 @@
+"""``planner validate``: run a plan here for K steps and compare prediction with measurement.
+
+Measured values are medians over the steps after the first two (warm-up), memory and bytes the
+maximum over ranks (as the metrics JSONL already records them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from planner.errors import UserError
+from planner.plan import load_plan
+
+__all__ = ["run_validate", "compare"]
+
+KEYS = ("step_time_s", "peak_memory_bytes", "comm_bytes_per_device")
+
+
+def compare(plan, metrics: list[dict]) -> dict:
+    """The ``validate --json`` object from a plan and its metrics lines."""
+    rows = metrics[2:] if len(metrics) > 2 else metrics
+    if not rows:
+        raise UserError("validate needs at least one measured step.")
+    measured = {
+        "step_time_s": statistics.median(r["step_time_s"] for r in rows),
+        "peak_memory_bytes": int(max(r["peak_memory_bytes"] for r in rows)),
+        "comm_bytes_per_device": statistics.median(r["comm_bytes"] for r in rows),
+    }
+    p = plan.predicted
+    predicted = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
+                 "comm_bytes_per_device": p.comm_bytes_per_device}
+    return {"predicted": predicted, "measured": measured}
+
+
+def run_validate(args) -> int:
+    from argparse import Namespace
+
+    from planner.train import run_train
+
+    plan = load_plan(args.plan)
+    with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        targs = Namespace(
+            plan=args.plan, nproc=args.nproc, steps=args.steps, metrics=metrics, data=None, seed=args.seed,
+            checkpoint_dir=None, save_every=0, keep_last=1, resume=False, timeout=args.timeout, lr=3e-4,
+            min_lr=3e-5, warmup=0, weight_decay=0.1, clip=1.0, compiled=os.path.join(tmp, "compiled"),
+            no_memory_tracking=False, quiet=True,
+        )
+        rc = run_train(targs)
+        if rc != 0:
+            return rc
+        with open(metrics, encoding="utf-8") as f:
+            lines = [json.loads(ln) for ln in f if ln.strip()]
+    result = compare(plan, lines)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{args.plan}: predicted vs measured ({len(lines)} steps, median after 2 warm-up)")
+    t.add_column("quantity")
+    t.add_column("predicted", justify="right")
+    t.add_column("measured", justify="right")
+    t.add_column("measured / predicted", justify="right")
+    fmt = {"step_time_s": lambda v: f"{v:.4f} s", "peak_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
+           "comm_bytes_per_device": lambda v: f"{v / 2**20:,.2f} MiB"}
+    for k in KEYS:
+        pv, mv = result["predicted"][k], result["measured"][k]
+        ratio = f"{mv / pv:.2f}" if pv else "-"
+        t.add_row(k, fmt[k](pv), fmt[k](mv), ratio)
+    Console().print(t)
+    return 0

@@ -1,0 +1,282 @@
+"""Training checkpoints: atomic, resumable bit-for-bit, and loadable under another plan.
+
+Layout of ``DIR``::
+
+    DIR/step-000120/            one finished checkpoint (torch.distributed.checkpoint format)
+        meta.json               step, plan, model, tensor shapes, loss scaler; written last
+        *.distcp, .metadata     DCP shards
+    DIR/.tmp-step-000130/       a save in progress (ignored; removed by the next save)
+
+What is saved is the *logical* training state, keyed by the original model's parameter names, so
+any plan of the same model can load it:
+
+- ``model/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``: the full fp32 master weight and
+  AdamW moments of every parameter (ZeRO shards joined over dp, tensor-parallel pieces joined
+  over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage);
+- ``rng/<rank>``: every rank's CPU (and CUDA) generator state;
+- in ``meta.json``: the step (data position: data is a function of (seed, step)), the optimizer
+  step count, the loss-scaler state and the plan hash.
+
+Atomicity: all ranks write into ``.tmp-step-N``; only after every rank reports success does rank 0
+write ``meta.json`` and rename the folder to ``step-N``. A crash or a full disk mid-save leaves the
+earlier checkpoints untouched. Loading under the same plan restores RNG states too, so the losses
+after a resume are bit-identical to an uninterrupted run; under another plan the weights and
+optimizer state are resharded (RNG streams then differ, which only matters with dropout).
+
+Joining shards costs one full copy of a stage's state on the writing rank: fine for the models this
+runtime trains on CPU; a DTensor-based layout would avoid it at scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from runtime.optim import FORMAT, consolidate_shards
+
+__all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
+
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_KINDS = ("model", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read (the message says which and why)."""
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """Finished checkpoints as (step, path), oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(directory, name)
+        if m and os.path.isfile(os.path.join(path, "meta.json")):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({e}); delete it to fall back to an older one") from None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_ok(ok: bool, device) -> bool:
+    if not dist.is_initialized():
+        return ok
+    t = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(t)
+    return t.item() == 0.0
+
+
+def _gather_to(obj: Any, group, dst: int) -> list | None:
+    """gather_object onto global rank ``dst`` of ``group`` (a one-rank group: no communication)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def _join_tp(pieces: list[torch.Tensor], shard: dict | None) -> torch.Tensor:
+    if not shard or len(pieces) == 1:
+        return pieces[0]
+    full = torch.cat(pieces, dim=shard["dim"])
+    orig = shard.get("size")
+    if orig is not None and full.shape[shard["dim"]] != orig:
+        full = full.narrow(shard["dim"], 0, orig)
+    return full
+
+
+def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
+    """Full fp32 tensors of this stage by original name, on the (dp 0, tp 0) rank; else None."""
+    gathered = _gather_to(engine.state_dict(), mesh.dp_group, mesh.dp_ranks[0])
+    if mesh.dp_index != 0:
+        return None
+    full = consolidate_shards(gathered)
+    per_attr: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
+    for gi, grp in enumerate(full["groups"]):
+        off = 0
+        for name, shape in zip(grp["names"], grp["shapes"]):
+            n = 1
+            for d in shape:
+                n *= d
+            for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
+                per_attr[kind][name] = full[key][gi][off:off + n].view(shape).clone()
+            off += n
+    pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
+    if mesh.tp_index != 0:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for attr, entry in stage["params"].items():
+        if not entry.get("trainable", True):
+            continue
+        for kind in _KINDS:
+            out[f"{kind}/{entry['fqn']}"] = _join_tp([p[kind][attr] for p in pieces], entry.get("shard"))
+    out["__step__"] = torch.tensor(full["step"])
+    return out
+
+
+def _rng_state(device) -> dict[str, torch.Tensor]:
+    st = {"cpu": torch.get_rng_state()}
+    if device is not None and torch.device(device).type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2) -> str:
+    """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go."""
+    rank, world = _world()
+    stage = man["stages"][mesh.pp_index]
+    final = os.path.join(directory, f"step-{step:06d}")
+    tmp = os.path.join(directory, f".tmp-step-{step:06d}")
+    device = engine.device
+    ok = True
+    err = ""
+    try:
+        if rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            for name in os.listdir(directory):
+                if name.startswith(".tmp-step-"):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            os.makedirs(tmp)
+    except OSError as e:
+        ok, err = False, f"cannot create {tmp}: {e}"
+    if not _all_ok(ok, device):
+        raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
+    logical = _logical_state(engine, stage, mesh)
+    state: dict[str, Any] = {f"rng/{rank}/{k}": v for k, v in _rng_state(device).items()}
+    step_count = None
+    shapes = {}
+    if logical is not None:
+        step_count = int(logical.pop("__step__"))
+        state.update(logical)
+        shapes = {k: list(v.shape) for k, v in logical.items()}
+    try:
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except Exception as e:  # noqa: BLE001 - any writer failure (full disk, permissions) ends the same way
+        ok, err = False, f"rank {rank}: {type(e).__name__}: {e}"
+    # Everyone learns of any failure; only then is the checkpoint published.
+    if not _all_ok(ok, device):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint step {step} failed ({err or 'on another rank'}); "
+                              "the earlier checkpoints are intact")
+    all_shapes = _gather_to((shapes, step_count), None, 0)
+    if rank == 0:
+        merged, counts = {}, set()
+        for s, c in all_shapes:
+            merged.update(s)
+            if c is not None:
+                counts.add(c)
+        meta = {
+            "step": step, "optimizer_step": max(counts) if counts else 0,
+            "plan_hash": man["plan_hash"], "plan": man["plan"], "model": man["model"],
+            "world_size": world, "tensors": merged,
+            "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
+        }
+        try:
+            with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+                json.dump(meta, f)
+            if os.path.exists(final):  # re-saving a step (after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in list_checkpoints(directory)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            ok, err = False, str(e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_ok(ok, device):
+        raise CheckpointError(f"publishing checkpoint step {step} failed ({err}); the earlier checkpoints are intact")
+    return final
+
+
+def _check_same_model(meta: dict, man: dict, path: str) -> None:
+    a, b = meta.get("model", {}), man["model"]
+    if a.get("spec") != b["spec"] or a.get("sizes") != b["sizes"]:
+        raise CheckpointError(
+            f"checkpoint {path} is from model {a.get('spec')!r} {a.get('sizes')}, but this plan trains "
+            f"{b['spec']!r} {b['sizes']}; point --checkpoint-dir at this model's checkpoints")
+
+
+def load_latest(directory: str, engine, man: dict, mesh) -> int:
+    """Restore the newest checkpoint into ``engine``; return its step (0 if there is none)."""
+    found = list_checkpoints(directory)
+    if not found:
+        return 0
+    step, path = found[-1]
+    meta = read_meta(path)
+    _check_same_model(meta, man, path)
+    stage = man["stages"][mesh.pp_index]
+    rank, world = _world()
+    same_plan = meta.get("plan_hash") == man["plan_hash"] and meta.get("world_size") == world
+    want: dict[str, torch.Tensor] = {}
+    for entry in stage["params"].values():
+        if not entry.get("trainable", True):
+            continue
+        for kind in _KINDS:
+            key = f"{kind}/{entry['fqn']}"
+            if key not in meta["tensors"]:
+                raise CheckpointError(f"checkpoint {path} has no tensor {key}; it was saved from another model")
+            want[key] = torch.empty(meta["tensors"][key], dtype=torch.float32)
+    rng = {}
+    if same_plan:
+        rng = {f"rng/{rank}/{k}": v.clone() for k, v in _rng_state(engine.device).items()}
+    try:
+        dcp.load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); delete it to resume from an "
+                              "older one") from None
+    # Build this rank's full (unsharded over dp) engine state from the logical tensors.
+    from runtime.compiled import _shard
+
+    layout = engine.state_dict()
+    full = {k: v for k, v in layout.items() if k not in ("master", "exp_avg", "exp_avg_sq")}
+    full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]),
+                loss_scaler=meta.get("loss_scaler"))
+    by_attr = {attr: e for attr, e in stage["params"].items()}
+    for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
+        flats = []
+        for grp in layout["groups"]:
+            parts = []
+            for name in grp["names"]:
+                e = by_attr[name]
+                parts.append(_shard(want[f"{kind}/{e['fqn']}"], e.get("shard"), mesh.tp_index, mesh.tp).reshape(-1))
+            flats.append(torch.cat(parts) if parts else torch.zeros(0))
+        full[key] = flats
+    full["format"] = FORMAT
+    engine.load_state_dict(full)
+    if same_plan:
+        torch.set_rng_state(rng[f"rng/{rank}/cpu"])
+        if f"rng/{rank}/cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rng/{rank}/cuda"], engine.device)
+    return step
+
+
+def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 weights of a checkpoint by original name (no process group needed)."""
+    meta = read_meta(path)
+    want = {k: torch.empty(s, dtype=torch.float32) for k, s in meta["tensors"].items() if k.startswith("model/")}
+    try:
+        dcp.load(want, checkpoint_id=path, no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e})") from None
+    return {k[len("model/"):]: v for k, v in want.items()}

@@ -1,0 +1,261 @@
+"""planner.ilp: the ILP's optimum equals brute force under the same cost model; search and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cost_models.hardware import load_hardware
+from planner.errors import UserError
+from planner.ilp import (
+    NoFeasiblePlan,
+    build_problem,
+    candidate_entries,
+    least_memory,
+    plan_strategy,
+    search,
+    solve_candidate,
+)
+from planner.plan import Plan
+from planner.request import PlanRequest
+from planner.strategy import Candidate, NumericTable, candidate_costs, enumerate_candidates, evaluate
+from test_strategy import gpt_table
+
+HW = load_hardware("a100-80gb", 8)
+# A slow network makes stage transfers and DP traffic matter in small instances.
+SLOW = dataclasses.replace(HW, inter_node_bandwidth=2e8, intra_node_bandwidth=2e9, memory_bytes=2**30)
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _all_strategies(n: int, p: int, blocks: list[int], mode: str):
+    """Every contiguous partition into p stages x every recompute set the mode allows."""
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        b = [0, *cuts, n]
+        stages = [(b[i], b[i + 1] - 1) for i in range(p)]
+        if mode == "none":
+            sets = [()]
+        elif mode == "all":
+            sets = [tuple(blocks)]
+        else:
+            sets = itertools.chain.from_iterable(itertools.combinations(range(n), r) for r in range(n + 1))
+        for ck in sets:
+            yield stages, ck
+
+
+def _brute(cc, kinds, mode):
+    evs = [evaluate(cc, s, c) for s, c in _all_strategies(cc.num_layers, cc.cand.pp,
+                                                            [i for i, k in enumerate(kinds) if k == "block"], mode)]
+    feas = [e for e in evs if e.feasible]
+    return (min(e.step_time_s for e in feas) if feas else None), min(e.memory["total"] for e in evs), evs
+
+
+@st.composite
+def instances(draw):
+    layers = draw(st.integers(1, 4))
+    uniform = draw(st.booleans())
+    scale = None if uniform else [draw(st.sampled_from([1, 2, 3])) for _ in range(layers)]
+    table = gpt_table(layers=layers, hidden=draw(st.sampled_from([64, 128, 256])), heads=4,
+                      vocab=draw(st.sampled_from([256, 4096])), block_scale=scale)
+    pp = draw(st.integers(1, min(3, layers + 2)))
+    dp = draw(st.sampled_from([1, 2]))
+    tp = draw(st.sampled_from([1, 2]))
+    m = draw(st.integers(pp, pp + 3))
+    cand = Candidate(dp, tp, pp, draw(st.integers(0, 3)) if dp > 1 else 0, draw(st.sampled_from([1, 4])), m)
+    hw = dataclasses.replace(SLOW, gpus_per_node=draw(st.sampled_from([1, 2, 8])))
+    seq = draw(st.sampled_from([64, 512]))
+    cc = candidate_costs(NumericTable(table), hw, draw(st.sampled_from(["bf16", "fp32"])), seq, cand,
+                         hw.gpus_per_node, 1.0)
+    kinds = [l.kind for l in table.layers]
+    mode = draw(st.sampled_from(["auto", "auto", "none", "all"]))
+    return cc, kinds, mode, draw(st.floats(0.0, 1.0)), draw(st.sampled_from(["auto", "general"]))
+
+
+@SETTINGS
+@given(instances())
+def test_ilp_optimum_equals_brute_force(inst):
+    cc, kinds, mode, where, form = inst
+    _, _, evs = _brute(cc, kinds, mode)
+    lo = min(e.memory["total"] for e in evs)
+    hi = max(e.memory["total"] for e in evs)
+    cap = lo * 0.98 + where * (hi * 1.02 - lo * 0.98)  # from infeasible to roomy
+    if any(abs(e.memory["total"] - cap) <= 1e-5 * cap for e in evs):
+        cap *= 1 + 3e-5  # not on a strategy's exact memory: the ILP keeps a 1e-6 margin
+    cc.capacity = cap
+    best_time, least, _ = _brute(cc, kinds, mode)
+    r = solve_candidate(cc, kinds, mode, formulation=form)
+    if best_time is None:
+        assert r.evaluation is None, f"ILP found {r.evaluation.step_time_s} where nothing fits"
+    else:
+        assert r.evaluation is not None, f"ILP says infeasible, brute force found {best_time}"
+        assert r.evaluation.feasible
+        assert r.evaluation.step_time_s == pytest.approx(best_time, rel=1e-6)
+    rm = solve_candidate(cc, kinds, mode, objective="memory", formulation=form)
+    assert rm.evaluation.memory["total"] == pytest.approx(least, rel=1e-6, abs=8)
+
+
+@settings(max_examples=8, deadline=None)
+@given(layers=st.integers(2, 6), pp=st.integers(1, 4), m=st.integers(4, 8), zero=st.integers(0, 3))
+def test_uniform_and_general_formulations_agree(layers, pp, m, zero):
+    table = gpt_table(layers=layers, hidden=256, heads=4, vocab=4096)
+    cc = candidate_costs(NumericTable(table), SLOW, "bf16", 512, Candidate(2, 1, pp, zero, 2, m), 1, 2**30 * 0.4)
+    kinds = [l.kind for l in table.layers]
+    u = solve_candidate(cc, kinds, "auto", formulation="uniform")
+    g = solve_candidate(cc, kinds, "auto", formulation="general")
+    assert u.uniform and not g.uniform
+    assert (u.evaluation is None) == (g.evaluation is None)
+    if u.evaluation is not None:
+        assert u.evaluation.step_time_s == pytest.approx(g.evaluation.step_time_s, rel=1e-6)
+
+
+def _names(prob) -> set[str]:
+    with warnings.catch_warnings():  # dict-style access is deprecated in PuLP 3.3, still works
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return set(prob.constraints)
+
+
+def test_constraints_are_named_by_family_and_stage():
+    table = gpt_table(layers=3, block_scale=[1, 2, 1])
+    cc = candidate_costs(NumericTable(table), HW, "bf16", 128, Candidate(1, 1, 2, 0, 1, 2), 8, 1e9)
+    prob, _ = build_problem(cc, [l.kind for l in table.layers])
+    names = _names(prob)
+    for fam in ("partition_assign_l0", "partition_order_l0", "boundary_end_l1_k0", "checkpoint_l1_k0",
+                "time_microstep_k1", "time_tail_k0", "memory_k0", "memory_k1"):
+        assert fam in names, fam
+    uprob, _ = build_problem(candidate_costs(NumericTable(gpt_table(layers=3)), HW, "bf16", 128,
+                                             Candidate(1, 1, 3, 0, 1, 3), 8, 1e9),
+                             ["pre", "block", "block", "block", "post"])
+    assert {"partition_blocks", "partition_nonempty_k1", "memory_k2", "checkpoint_within_k0"} <= _names(uprob)
+
+
+def _req(**kw):
+    base = dict(spec="gpt", gpus=4, gpus_per_node=2, hardware="a100-80gb", global_batch=8, seq_len=256)
+    base.update(kw)
+    return PlanRequest(**base)
+
+
+def test_search_with_pruning_equals_exhaustive_brute_force():
+    """The pruned search returns the best over every candidate, partition and recompute set."""
+    table = gpt_table(layers=2, hidden=128, heads=2, vocab=1024)
+    hw = dataclasses.replace(SLOW, gpus_per_node=2, memory_bytes=int(6e7))
+    req = _req(hardware="x.json")
+    nt = NumericTable(table)
+    entries = candidate_entries(req, nt, hw, 2, enumerate_candidates(req, nt, 2))
+    kinds = nt.kinds
+    res = search(entries, kinds)
+    best = None
+    for _lb, _mlb, cc in entries:
+        t, _, _ = _brute(cc, kinds, "auto")
+        if t is not None and (best is None or t < best):
+            best = t
+    assert best is not None and res.best.step_time_s == pytest.approx(best, rel=1e-6)
+    assert res.solved < len(entries)  # bounds pruned some candidates
+    assert res.pruned_time + res.pruned_memory + res.solved == len(entries)
+    # exact least memory over everything, through the pruned least-memory search
+    least = least_memory(entries, kinds)
+    brute_least = min(_brute(cc, kinds, "auto")[1] for _, _, cc in entries)
+    assert least.memory["total"] == pytest.approx(brute_least, rel=1e-6, abs=8)
+
+
+def test_plan_strategy_gives_a_valid_plan_with_alternatives():
+    table = gpt_table(layers=8, hidden=1024, heads=16, vocab=32000)
+    req = PlanRequest(spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=1024,
+                      sizes={"layers": 8})
+    plan = plan_strategy(req, table, HW)
+    again = Plan.from_dict(plan.to_dict())
+    assert again == plan
+    assert plan.dp * plan.tp * plan.pp == 32 and len(plan.stages) == plan.pp
+    assert len(plan.alternatives) == 3
+    assert all(a.step_time_s >= plan.predicted.step_time_s for a in plan.alternatives)
+    assert all("slower" in a.reason or "ties" in a.reason for a in plan.alternatives)
+    degs = {(a.dp, a.tp, a.pp) for a in plan.alternatives}
+    assert len(degs) == 3 and (plan.dp, plan.tp, plan.pp) not in degs
+    p = plan.predicted
+    assert sum(p.time.values()) == pytest.approx(p.step_time_s)
+    assert p.memory["total"] == p.peak_memory_bytes <= HW.memory_bytes * 0.9
+    assert 0 < p.mfu < 1 and p.tflops_per_device == pytest.approx(p.mfu * HW.peak("bf16") / 1e12)
+    assert plan.solver.name == "pulp-cbc" and plan.solver.candidates > 0
+    assert plan.model.layer_names[0] == "embed" and plan.model.layers == 8
+
+
+def test_pins_fix_decisions_and_checkpoint_modes():
+    table = gpt_table(layers=6, hidden=512, heads=8, vocab=8192)
+    req = PlanRequest(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=32, seq_len=512,
+                      pp=2, zero_stage=1, micro_batch=2, checkpoint="all")
+    plan = plan_strategy(req, table, HW)
+    assert (plan.pp, plan.zero_stage, plan.micro_batch_size) == (2, 1, 2)
+    assert plan.checkpoint_layers == list(range(1, 7))
+    plan = plan_strategy(dataclasses.replace(req, checkpoint="none"), table, HW)
+    assert plan.checkpoint_layers == []
+
+
+def test_only_pinned_triple_fills_alternatives_with_other_batching():
+    table = gpt_table(layers=4, hidden=256, heads=4)
+    req = PlanRequest(spec="gpt", gpus=4, gpus_per_node=4, hardware="a100-80gb", global_batch=16, seq_len=128,
+                      dp=2, tp=1, pp=2)
+    plan = plan_strategy(req, table, HW)
+    assert len(plan.alternatives) == 3
+    assert all((a.dp, a.tp, a.pp) == (2, 1, 2) for a in plan.alternatives)
+    keys = {(a.zero_stage, a.micro_batch_size) for a in plan.alternatives}
+    assert len(keys) == 3 and (plan.zero_stage, plan.micro_batch_size) not in keys
+
+
+def test_bad_pins_raise_user_errors():
+    table = gpt_table(layers=4, hidden=384, heads=6)
+    with pytest.raises(UserError, match="does not divide the model's 6 attention heads"):
+        plan_strategy(_req(tp=4), table, HW)
+    with pytest.raises(UserError, match="must multiply to the number of devices"):
+        plan_strategy(_req(dp=2, tp=2, pp=2), table, HW)
+    with pytest.raises(UserError, match="fewer than --pp"):
+        plan_strategy(_req(dp=1, tp=1, pp=4, micro_batch=4), table, HW)
+
+
+def test_no_feasible_plan_explains_least_memory_and_fixes():
+    table = gpt_table(layers=8, hidden=4096, heads=32, vocab=50000)  # ~1.8 B parameters
+    small = dataclasses.replace(HW, memory_bytes=2 * 2**30)
+    req = _req(gpus=2, gpus_per_node=2, global_batch=4, seq_len=512)
+    with pytest.raises(NoFeasiblePlan) as ei:
+        plan_strategy(req, table, small)
+    msg = str(ei.value)
+    assert "No strategy fits in 1.80 GiB per device" in msg
+    assert "The least any strategy needs is" in msg and "dominate" in msg and "To make it fit" in msg
+    assert "more devices" in msg
+    least = ei.value.least
+    assert least.memory["total"] > small.memory_bytes * 0.9
+    # pure data parallelism pinned at ZeRO 0 replicates everything: the pins are the problem
+    with pytest.raises(NoFeasiblePlan) as ei:
+        plan_strategy(_req(global_batch=8, seq_len=512, tp=1, pp=1, zero_stage=0), table,
+                      dataclasses.replace(HW, memory_bytes=12 * 2**30))
+    msg = str(ei.value)
+    assert "drop the pins (--tp 1 --pp 1 --zero-stage 0)" in msg and "--zero-stage 3" in msg
+
+
+def test_highs_agrees_with_cbc():
+    from planner.ilp import _highs_available
+
+    if not _highs_available():
+        pytest.skip("highspy not installed")
+    table = gpt_table(layers=5, hidden=512, heads=8, vocab=8192, block_scale=[1, 2, 1, 1, 3])
+    for pp in (1, 2, 3):
+        cc = candidate_costs(NumericTable(table), SLOW, "bf16", 256, Candidate(2, 2, pp, 2, 1, 4), 2, 2**30 * 0.5)
+        kinds = [l.kind for l in table.layers]
+        a = solve_candidate(cc, kinds, solver="cbc").evaluation
+        b = solve_candidate(cc, kinds, solver="highs").evaluation
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-6)
+
+
+def test_solver_choice_from_environment(monkeypatch):
+    from planner.ilp import default_solver
+
+    monkeypatch.setenv("PLANNER_SOLVER", "highs")
+    assert default_solver() == "highs"
+    monkeypatch.delenv("PLANNER_SOLVER")
+    assert default_solver() == "cbc"
+    with pytest.raises(UserError, match="unknown solver"):
+        plan_strategy(_req(), gpt_table(), HW, solver="gurobi")

@@ -1,0 +1,237 @@
+"""planner.strategy: the cost of one strategy, checked formula by formula, and its bounds.
+
+``gpt_table`` builds a closed-form GPT layer table (Megatron / Korthikanti et al. formulas) with
+the same interface as ``passes.layer_table.LayerTable``: the planner's tests and its benchmark
+use it so they exercise the solver, not the tracer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import sympy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_models.comm import axis_placement, collective_time, ring_bytes_sent, zero_dp_collectives
+from cost_models.compute import compute_time, optimizer_step_time
+from cost_models.hardware import load_hardware
+from cost_models.memory import model_state_bytes, shard_elements
+from planner.errors import UserError
+from planner.request import PlanRequest
+from planner.strategy import (
+    Candidate,
+    NumericTable,
+    candidate_costs,
+    check_pins,
+    enumerate_candidates,
+    evaluate,
+    memory_lower_bound,
+    time_lower_bound,
+)
+
+B, S = sympy.symbols("b s", positive=True, integer=True)
+
+
+@dataclass
+class FakeLayer:
+    index: int
+    name: str
+    kind: str
+    fwd_flops: object
+    bwd_flops: object
+    fwd_flops_tp: object
+    bwd_flops_tp: object
+    saved_bytes: object
+    saved_bytes_tp: object
+    input_bytes: object
+    boundary_bytes: object
+    tp_allreduce_bytes: object
+    param_count: int
+    param_count_tp: int
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    signature: str = ""
+
+
+@dataclass
+class FakeTable:
+    layers: list
+    model: dict
+    dtype: str = "bf16"
+    b: object = B
+    s: object = S
+    extra: dict = field(default_factory=dict)
+
+
+def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
+              block_scale=None) -> FakeTable:
+    """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ."""
+    h, a, V, e = hidden, heads, vocab, dtype_bytes
+    bsh = B * S * h
+    rows = [FakeLayer(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
+                      saved_bytes=8 * B * S, saved_bytes_tp=0, input_bytes=8 * B * S, boundary_bytes=e * bsh,
+                      tp_allreduce_bytes=e * bsh, param_count=V * h + max_seq * h, param_count_tp=V * h)]
+    for j in range(layers):
+        k = 1 if block_scale is None else block_scale[j]
+        mm = 24 * bsh * h + 4 * B * S * S * h
+        rows.append(FakeLayer(
+            j + 1, f"blocks.{j}", "block", fwd_flops=k * (mm + 20 * bsh), bwd_flops=k * 2 * (mm + 20 * bsh),
+            fwd_flops_tp=k * mm, bwd_flops_tp=k * 2 * mm,
+            saved_bytes=k * (34 * bsh + 5 * a * B * S * S), saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
+            input_bytes=e * bsh, boundary_bytes=e * bsh, tp_allreduce_bytes=2 * e * bsh,
+            param_count=k * (12 * h * h + 13 * h), param_count_tp=k * (12 * h * h + 7 * h), signature="blk"))
+    rows.append(FakeLayer(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
+                          fwd_flops_tp=2 * bsh * V, bwd_flops_tp=4 * bsh * V,
+                          saved_bytes=4 * B * S * V + 2 * e * bsh, saved_bytes_tp=4 * B * S * V,
+                          input_bytes=e * bsh, boundary_bytes=4, tp_allreduce_bytes=12 * B * S,
+                          param_count=h * V + 2 * h, param_count_tp=h * V))
+    params = sum(r.param_count for r in rows)
+    return FakeTable(rows, dict(spec="gpt", params=params, layers=layers, hidden=h, heads=a,
+                                kv_heads=kv_heads or a, vocab=V))
+
+
+HW = load_hardware("a100-80gb", 8)
+
+
+def _cc(table, cand, seq=128, dtype="bf16", cap=None, hw=HW):
+    return candidate_costs(NumericTable(table), hw, dtype, seq, cand, hw.gpus_per_node,
+                           cap if cap is not None else hw.memory_bytes * 0.9)
+
+
+def test_layer_costs_follow_the_cost_models():
+    t = gpt_table(layers=2, hidden=512, heads=8)
+    cand = Candidate(dp=2, tp=2, pp=2, zero_stage=1, micro_batch_size=2, num_micro_batches=4)
+    cc = _cc(t, cand, seq=256)
+    blk = cc.layers[1]
+    b, s, h = 2, 256, 512
+    mm = 24 * b * s * h * h + 4 * b * s * s * h
+    fwd = 20 * b * s * h + mm / 2
+    assert blk.fwd_s == pytest.approx(compute_time(fwd, 0, HW, "bf16"))
+    assert blk.compute_s == pytest.approx(3 * blk.fwd_s)
+    tp_pl = axis_placement("tp", 2, 2, 2, 8)
+    ar = collective_time("all_reduce", 2 * 2 * b * s * h, tp_pl, HW)
+    assert blk.tp_s == pytest.approx(2 * ar) and blk.rec_s == pytest.approx(blk.fwd_s + ar)
+    P = math.ceil((12 * h * h + 7 * h) / 2) + 6 * h
+    assert blk.num_params == P
+    st_ = model_state_bytes(P, "bf16", 1, 2)
+    assert (blk.params_b, blk.grads_b, blk.optimizer_b) == (st_["params"], st_["grads"], st_["optimizer"])
+    dp_pl = axis_placement("dp", 2, 2, 2, 8)
+    want = sum(collective_time(k, n, dp_pl, HW) for k, n in zero_dp_collectives(P, "bf16", 1, 2))
+    assert blk.dp_step_s == pytest.approx(want) and blk.zero_mb_s == 0
+    assert blk.opt_s == pytest.approx(optimizer_step_time(shard_elements(P, 2), HW, "bf16"))
+    assert blk.saved_b == pytest.approx(10 * b * s * h + (24 * b * s * h + 5 * 8 * b * s * s) / 2)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_pay_per_micro_batch(zero):
+    t = gpt_table(layers=2)
+    cc = _cc(t, Candidate(4, 1, 1, zero, 1, 8))
+    blk = cc.layers[1]
+    P = blk.num_params
+    colls = zero_dp_collectives(P, "bf16", zero, 4)
+    pl = axis_placement("dp", 4, 1, 1, 8)
+    if zero == 2:
+        assert blk.zero_mb_s == pytest.approx(collective_time("reduce_scatter", colls[0][1], pl, HW))
+        assert blk.dp_step_s == pytest.approx(collective_time("all_gather", colls[1][1], pl, HW))
+    else:
+        assert blk.zero_mb_s == pytest.approx(sum(collective_time(k, n, pl, HW) for k, n in colls))
+        assert blk.dp_step_s == 0
+    ev = evaluate(cc, [(0, 3)], [])
+    sent = sum(ring_bytes_sent(k, n, 4) for k, n in zero_dp_collectives(P, "bf16", zero, 4))
+    assert ev.comm_bytes_per_device >= 8 * (sent if zero == 3 else ring_bytes_sent("reduce_scatter", colls[0][1], 4))
+
+
+def test_evaluate_step_time_and_memory_by_hand():
+    t = gpt_table(layers=4)
+    cand = Candidate(dp=1, tp=1, pp=2, zero_stage=0, micro_batch_size=1, num_micro_batches=4)
+    cc = _cc(t, cand)
+    L = cc.layers
+    stages, ck = [(0, 2), (3, 5)], [1]
+    ev = evaluate(cc, stages, ck)
+    send0 = cc.send_s(2, 0)
+    w0 = sum(l.work_s for l in L[0:3]) + L[1].rec_s + send0
+    w1 = sum(l.work_s for l in L[3:6]) + send0
+    T = max(w0, w1)
+    D = max(sum(l.opt_s for l in L[0:3]), sum(l.opt_s for l in L[3:6]))
+    assert ev.step_time_s == pytest.approx((4 + 2 - 1) * T + D)
+    assert sum(ev.time.values()) == pytest.approx(ev.step_time_s)
+    # stage 0 holds min(2, 4) = 2 micro-batches; layer 1 keeps its input and re-materializes once
+    acts0 = 2 * (L[0].saved_b + L[1].input_b + L[2].saved_b) + L[1].saved_b
+    state0 = sum(l.state_b for l in L[0:3])
+    acts1 = 1 * sum(l.saved_b for l in L[3:6])
+    state1 = sum(l.state_b for l in L[3:6])
+    assert ev.stages[0].memory["total"] == pytest.approx(state0 + math.ceil(acts0), abs=1)
+    assert ev.memory["total"] == max(ev.stages[0].memory["total"], ev.stages[1].memory["total"])
+    assert ev.stages[1].memory["activations"] == math.ceil(acts1) and ev.stages[1].memory["params"] + \
+        ev.stages[1].memory["grads"] + ev.stages[1].memory["optimizer"] == state1
+    assert ev.bubble_fraction == pytest.approx(1 / 5)
+
+
+def test_evaluate_rejects_malformed_strategies():
+    cc = _cc(gpt_table(layers=2), Candidate(1, 1, 2, 0, 1, 2))
+    for bad in ([(0, 1), (3, 3)], [(0, 1)], [(0, 3), (3, 3)], [(1, 2), (3, 3)]):
+        with pytest.raises(ValueError):
+            evaluate(cc, bad)
+    with pytest.raises(ValueError):
+        evaluate(cc, [(0, 1), (2, 3)], [7])
+
+
+def test_numeric_table_caches_identical_blocks():
+    nt = NumericTable(gpt_table(layers=48))
+    rows = nt.rows(2, 64)
+    assert len(rows) == 50 and rows[1] == rows[48]
+    assert len(nt._funcs) < 30  # one compiled function per distinct expression, not per layer
+    assert nt.flops_per_sequence(64) == pytest.approx(sum(r["fwd_flops"] + r["bwd_flops"] for r in nt.rows(1, 64)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(pp=st.integers(1, 3), zero=st.integers(0, 3), tp=st.sampled_from([1, 2]), mbs=st.sampled_from([1, 2]),
+       data=st.data())
+def test_lower_bounds_are_sound(pp, zero, tp, mbs, data):
+    """No partition or recompute set beats the time or memory lower bound."""
+    t = gpt_table(layers=3, hidden=128, heads=4, vocab=1024)
+    cc = _cc(t, Candidate(2, tp, pp, zero, mbs, 4))
+    n = 5
+    cuts = data.draw(st.sampled_from(list(itertools.combinations(range(1, n), pp - 1))))
+    bounds = [0, *cuts, n]
+    stages = [(bounds[i], bounds[i + 1] - 1) for i in range(pp)]
+    ck = data.draw(st.sets(st.integers(0, n - 1)))
+    ev = evaluate(cc, stages, sorted(ck))
+    assert time_lower_bound(cc) <= ev.step_time_s * (1 + 1e-12)
+    assert memory_lower_bound(cc) <= ev.memory["total"] + 1
+
+
+def _req(**kw):
+    base = dict(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=16, seq_len=128)
+    base.update(kw)
+    return PlanRequest(**base)
+
+
+def test_enumeration_respects_model_node_and_batch():
+    nt = NumericTable(gpt_table(layers=4, heads=6, kv_heads=2))
+    cands = enumerate_candidates(_req(), nt, 8)
+    assert {c.tp for c in cands} == {1, 2}  # 2 divides 6 heads and 2 kv heads; 4 and 8 do not
+    for c in cands:
+        assert c.dp * c.tp * c.pp == 8 and c.dp * c.micro_batch_size * c.num_micro_batches == 16
+        assert c.pp == 1 or c.num_micro_batches >= c.pp
+        assert c.pp <= 6 and (c.zero_stage == 0 or c.dp > 1)
+    pinned = enumerate_candidates(_req(pp=2, zero_stage=1), nt, 8)
+    assert pinned and all(c.pp == 2 and c.zero_stage == 1 for c in pinned)
+
+
+def test_bad_pins_are_clear_errors():
+    nt = NumericTable(gpt_table(layers=4, heads=6))
+    with pytest.raises(UserError, match=r"--tp 4 does not divide the model's 6 attention heads.*Valid --tp values here: 1, 2"):
+        check_pins(_req(tp=4), nt, 8)
+    with pytest.raises(UserError, match="across nodes"):
+        check_pins(_req(gpus=16, tp=16), NumericTable(gpt_table(heads=16)), 8)
+    with pytest.raises(UserError, match=r"--pp 7 is more stages than the layer table has rows \(6"):
+        check_pins(_req(gpus=7, pp=7, global_batch=14), nt, 8)
+    with pytest.raises(UserError, match="fewer than --pp 4"):
+        check_pins(_req(dp=2, pp=4, tp=1, micro_batch=4), nt, 8)
+    with pytest.raises(UserError, match="must multiply to the number of devices"):
+        _req(dp=2, tp=2, pp=1)
