@@ -33,7 +33,7 @@ Writes per node: ``fwd_flops``, ``bwd_flops`` (sympy), ``saved`` (list of ``Save
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy
@@ -55,8 +55,8 @@ _aten = torch.ops.aten
 class SavedTensor:
     """One tensor a node's backward keeps."""
 
-    key: int
-    """Identity of its storage within the replay (views share it)."""
+    key: Any
+    """Identity of its storage (views share it): hashable, unique within one graph."""
     nbytes: sympy.Expr
     """Bytes of the whole storage."""
     dtype: str
@@ -237,33 +237,41 @@ class CostReplay(fx.Interpreter):
     def annotate(self) -> None:
         """Write the node.meta keys from what the replay recorded."""
         sym = self.symbols
-        counted: set[tuple[int, int]] = set()
         unowned = self.bwd.pop(None, [])
         nodes = list(self.graph.nodes)
         for n in nodes:
-            layer = need(n, "layer", _PASS, "assign_layers")
+            need(n, "layer", _PASS, "assign_layers")
             n.meta["fwd_flops"] = sum((to_expr(f, sym) for f in self.fwd.get(n.name, ())),
                                       sympy.Integer(0))
             n.meta["bwd_flops"] = sum((to_expr(f, sym) for f in self.bwd.get(n.name, ())),
                                       sympy.Integer(0))
-            records, total = [], sympy.Integer(0)
-            for key, nbytes, dtype in self.saved_raw.get(n.name, ()):
-                if key in self.resident:
-                    continue
-                first = (layer, key) not in counted
-                counted.add((layer, key))
-                nb = to_expr(nbytes, sym)
-                records.append(SavedTensor(key, nb, str(dtype).replace("torch.", ""),
-                                           self.storage_owner.get(key, n.name), first))
-                if first:
-                    total = total + nb
-            n.meta["saved"] = records
-            n.meta["saved_bytes"] = total
+            n.meta["saved"] = [
+                SavedTensor(key, to_expr(nbytes, sym), str(dtype).replace("torch.", ""),
+                            self.storage_owner.get(key, n.name), False)
+                for key, nbytes, dtype in self.saved_raw.get(n.name, ())
+                if key not in self.resident]
             val = self.env.get(n)
             n.meta["requires_grad"] = any(t.requires_grad for t in iter_tensors(val))
         if unowned:
             out = nodes[-1]
             out.meta["bwd_flops"] = out.meta["bwd_flops"] + sum(to_expr(f, sym) for f in unowned)
+
+
+def _charge(gm: fx.GraphModule) -> None:
+    """Charge each storage to the first node of each layer that saves it: sets ``counted`` on
+    the records and ``saved_bytes`` on the nodes."""
+    seen: set = set()
+    for n in gm.graph.nodes:
+        layer = n.meta["layer"]
+        recs, total = [], sympy.Integer(0)
+        for rec in n.meta.get("saved", ()):
+            first = (layer, rec.key) not in seen
+            seen.add((layer, rec.key))
+            recs.append(replace(rec, counted=first))
+            if first:
+                total = total + rec.nbytes
+        n.meta["saved"] = recs
+        n.meta["saved_bytes"] = total
 
 
 def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]
@@ -308,86 +316,83 @@ def annotate_costs(gm: fx.GraphModule, roles: dict[str, str], symbols: dict,
         r = CostReplay(gm, roles, symbols)
         r.replay()
         r.annotate()
+        _charge(gm)
         return gm
     small, corr = _reduced_graph(gm, same_as)
     r = CostReplay(small, roles, symbols)
     r.replay()
     r.annotate()
-    _copy_to_dropped(gm, small, corr, r)
+    _copy_results(gm, small, corr, r)
+    _charge(gm)
     return gm
 
 
-def _flat_nodes(args) -> list:
+def _arg_nodes(node: fx.Node) -> list:
+    """The node's arguments flattened in a fixed order (non-nodes kept as placeholders)."""
     out = []
-    for a in args:
+
+    def walk(a):
         if isinstance(a, (list, tuple)):
-            out.extend(_flat_nodes(a))
+            for x in a:
+                walk(x)
         elif isinstance(a, dict):
-            out.extend(_flat_nodes(list(a.values())))
+            for k in sorted(a):
+                walk(a[k])
         else:
             out.append(a)
+
+    walk((node.args, node.kwargs))
     return out
 
 
-def _copy_to_dropped(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str],
-                     r: CostReplay) -> None:
-    """Give every node its replayed results; a dropped node gets its representative's, with
-    the saved tensors renamed to the dropped layer's own producers and storages.
+def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str],
+                  r: CostReplay) -> None:
+    """Give every node of ``gm`` the results of its replayed twin (itself, or for a dropped
+    node its representative), with saved tensors re-identified in ``gm``.
 
-    A saved tensor made inside the representative layer becomes the matching tensor of the
-    dropped layer (a distinct storage). One read from outside (the block's input) becomes what
-    the dropped node reads at the same argument position (the previous block's output), so
-    producers and storage identities, hence de-duplication and tp sharding, stay exact.
+    A saved storage is identified by the node of ``gm`` that created it (``owner``). Storage
+    creation is read off the replay: a replayed node either made a fresh storage or aliases one
+    of its arguments (a view); the same holds for its twin in ``gm``, so owners follow
+    ``gm``'s own wiring (a dropped block's input is the previous block's output, not the
+    representative's input). Kernel internals (attention log-sum-exp, norm statistics) are
+    owned by the saving node.
     """
-    nodes = {n.name: n for n in gm.graph.nodes}
+    twin = {n: corr.get(n.name, n.name) for n in gm.graph.nodes}
     kept = {n.name: n for n in small.graph.nodes}
-    layer_of = {name: n.meta["layer"] for name, n in nodes.items()}
-    rename: dict[int, dict[str, str]] = {}  # dropped layer: representative name -> own name
-    ext: dict[int, dict[str, str]] = {}  # dropped layer: outside input of rep -> own input
-    for name, rep in corr.items():
-        lay = layer_of[name]
-        rename.setdefault(lay, {})[rep] = name
-    for name, rep in corr.items():
-        lay, rep_layer = layer_of[name], layer_of[rep]
-        mine, theirs = _flat_nodes([nodes[name].args, nodes[name].kwargs]), \
-            _flat_nodes([nodes[rep].args, nodes[rep].kwargs])
-        for a_mine, a_rep in zip(mine, theirs):
-            if isinstance(a_rep, fx.Node) and isinstance(a_mine, fx.Node) and \
-                    layer_of[a_rep.name] != rep_layer:
-                ext.setdefault(lay, {})[a_rep.name] = a_mine.name
+    owner: dict[fx.Node, str] = {}
 
-    def key_of(name: str):
-        """Storage identity of a node's output, also for nodes that were not replayed."""
-        if name not in corr:
-            return r.node_key.get(name, ("node", name))
-        return translate_key(r.node_key.get(corr[name]), layer_of[name])
+    def arg_with_storage(src: fx.Node, full: fx.Node, key):
+        for a_small, a_full in zip(_arg_nodes(src), _arg_nodes(full)):
+            if isinstance(a_small, fx.Node) and isinstance(a_full, fx.Node) and \
+                    r.node_key.get(a_small.name) == key:
+                return a_full
+        return None
 
-    def translate_key(key, lay: int):
-        owner = r.storage_owner.get(key)
-        if owner is None or owner in rename[lay]:
-            return ("dup", lay, key)
-        if owner in ext.get(lay, {}):
-            return key_of(ext[lay][owner])
-        return key
-
-    keys = ("fwd_flops", "bwd_flops", "saved_bytes", "requires_grad")
-    for n in gm.graph.nodes:
-        if n.name not in corr:
-            src = kept.get(n.name)
-            if src is not None:
-                n.meta.update({k: src.meta[k] for k in keys + ("saved",)})
+    for n in gm.graph.nodes:  # owner of each node's output storage, in graph order
+        src = kept.get(twin[n])
+        key = r.node_key.get(twin[n]) if src is not None else None
+        if key is None or r.storage_owner.get(key) == twin[n]:
+            owner[n] = n.name
             continue
-        lay = n.meta["layer"]
-        src = kept[corr[n.name]]
+        a = arg_with_storage(src, n, key)
+        owner[n] = owner[a] if a is not None else r.storage_owner.get(key, n.name)
+
+    keys = ("fwd_flops", "bwd_flops", "requires_grad")
+    for n in gm.graph.nodes:
+        src = kept.get(twin[n])
+        if src is None:
+            continue
         n.meta.update({k: src.meta[k] for k in keys})
         recs = []
         for rec in src.meta["saved"]:
-            prod = rename[lay].get(rec.producer) or ext.get(lay, {}).get(rec.producer) \
-                or rec.producer
-            if rec.producer == src.name:
-                prod = n.name
-            recs.append(SavedTensor(translate_key(rec.key, lay), rec.nbytes, rec.dtype, prod,
-                                    rec.counted))
+            if rec.key == r.node_key.get(src.name):
+                who = owner[n]
+            else:
+                a = arg_with_storage(src, n, rec.key)
+                who = owner[a] if a is not None else (
+                    None if rec.producer == src.name else rec.producer)
+            ident = ("node", who) if who is not None else ("internal", n.name, rec.key)
+            recs.append(SavedTensor(ident, rec.nbytes, rec.dtype, who or n.name, False))
         n.meta["saved"] = recs
 
 

@@ -84,6 +84,7 @@ from planner.strategy import (
     check_pins,
     enumerate_candidates,
     evaluate,
+    heuristic_strategy,
     memory_lower_bound,
     predicted_fields,
     time_lower_bound,
@@ -101,6 +102,8 @@ SOLVERS = ("cbc", "highs")
 TIE_BREAK = 1e-6
 #: The objective is scaled to about this value (the step-time bound, or the capacity, maps to it).
 OBJECTIVE_SCALE = 1000.0
+#: Relative slack on a cutoff (the tie-break terms and solver tolerances sit well inside it).
+CUTOFF_SLACK = 1e-5
 #: Relative margin kept below the capacity in the ILP (solver feasibility tolerance).
 MEMORY_MARGIN = 1e-6
 #: Relative tolerance when comparing step times (ties go to the lower memory).
@@ -231,6 +234,29 @@ class _GeneralVars(_Vars):
         return stages, ck
 
 
+def block_capacity(cc: CandidateCosts) -> list[int]:
+    """Most blocks each stage can hold in a uniform table (a valid bound that tightens the ILP).
+
+    Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in))`` plus the state and
+    least activations of the embedding / head rows it holds, whatever it recomputes, so ``n_k <=
+    (capacity - fixed_k) / (st + a_k min(sv, in))``; never more than ``L``.
+    """
+    p, L = cc.cand.pp, cc.num_layers - 2
+    pre, blk, post = cc.layers[0], cc.layers[1], cc.layers[-1]
+    out = []
+    for k in range(p):
+        a = cc.inflight[k]
+        fixed = 0.0
+        for row, here in ((pre, k == 0), (post, k == p - 1)):
+            if here:
+                fixed += row.state_b + a * min(row.saved_b, row.input_b)
+        per = blk.state_b + a * min(blk.saved_b, blk.input_b)
+        room = cc.capacity - fixed
+        n = L if per <= 0 else int(max(-1.0, math.floor(room / per * (1 + 1e-12))))
+        out.append(max(0, min(L, n)) if room >= 0 else -1)
+    return out
+
+
 class _UniformVars(_Vars):
     """Integer block counts per stage: tables whose blocks 1..L cost the same."""
 
@@ -241,9 +267,10 @@ class _UniformVars(_Vars):
         p, L = self.p, self.n - 2
         self.L = L
         self.pre, self.blk, self.post = cc.layers[0], cc.layers[1], cc.layers[-1]
-        self.nb = [self.var(f"n_{k}", 0, L, cat="Integer") for k in range(p)]
+        self.ub = block_capacity(cc)
+        self.nb = [self.var(f"n_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
         if checkpoint == "auto":
-            self.r = [self.var(f"r_{k}", 0, L, cat="Integer") for k in range(p)]
+            self.r = [self.var(f"r_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
             self.v = [self.var(f"v_{k}", cat="Binary") for k in range(p)]
             self.cpre = self.var("c_pre", cat="Binary")
             self.cpost = self.var("c_post", cat="Binary")
@@ -340,9 +367,9 @@ def add_boundary_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
     """Which layer ends each stage (its output is what crosses the boundary)."""
     if v.uniform:
         if v.p > 1:
-            prob += v.nb[0] <= v.L * v.z0, "boundary_first_has_block"
+            prob += v.nb[0] <= v.ub[0] * v.z0, "boundary_first_has_block"
             prob += v.z0 <= v.nb[0], "boundary_first_no_block"
-            prob += v.nb[-1] <= v.L * v.ulast, "boundary_last_has_block"
+            prob += v.nb[-1] <= v.ub[-1] * v.ulast, "boundary_last_has_block"
         return
     for (l, k), e in v.e.items():
         nxt = v.x.get((l + 1, k), 0)
@@ -356,7 +383,7 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
     if v.uniform:
         for k in range(v.p):
             prob += v.r[k] <= v.nb[k], f"checkpoint_within_k{k}"
-            prob += v.r[k] <= v.L * v.v[k], f"checkpoint_any_k{k}"
+            prob += v.r[k] <= v.ub[k] * v.v[k], f"checkpoint_any_k{k}"
         return
     for (l, k), c in v.c.items():
         prob += c <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
@@ -400,12 +427,14 @@ class ILPResult:
 
 
 def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto", objective: str = "time",
-                  formulation: str = "auto") -> tuple[pulp.LpProblem, _Vars]:
+                  formulation: str = "auto", cutoff: float | None = None) -> tuple[pulp.LpProblem, _Vars]:
     """The ILP of one candidate (see the module docstring) and its variables.
 
     ``formulation``: ``"uniform"`` (block counts; needs identical blocks between a ``pre`` and a
     ``post`` row), ``"general"`` (one binary per layer and stage) or ``"auto"`` (uniform when it
     applies). ``objective``: ``"time"`` or ``"memory"`` (see :func:`solve_candidate`).
+    ``cutoff`` (seconds, time objective only) adds the row ``time_cutoff``: step time at most
+    ``cutoff``, so the solver can stop as soon as its bound proves the candidate cannot win.
     """
     if checkpoint not in ("auto", "none", "all"):
         raise ValueError(f"checkpoint must be auto, none or all, got {checkpoint!r}")
@@ -434,19 +463,22 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     add_checkpoint_constraints(prob, v)
     add_time_constraints(prob, v)
     add_memory_constraints(prob, v, bound=bound)
+    if cutoff is not None and objective == "time":
+        prob += (m + p - 1) * v.T + v.D <= v.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
     return prob, v
 
 
 def solve_candidate(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc",
-                    objective: str = "time", formulation: str = "auto",
+                    objective: str = "time", formulation: str = "auto", cutoff: float | None = None,
                     time_limit: float | None = 60.0) -> ILPResult:
     """Optimal partition and recompute set of one candidate.
 
     ``objective="time"`` minimizes the step time under the memory limit; ``"memory"`` minimizes
-    the most loaded stage's memory with no limit (used to explain infeasibility).
+    the most loaded stage's memory with no limit (used to explain infeasibility). With a
+    ``cutoff`` an infeasible answer means "nothing fits, or nothing is faster than the cutoff".
     """
     t0 = time.perf_counter()
-    prob, v = build_problem(cc, kinds, checkpoint, objective, formulation)
+    prob, v = build_problem(cc, kinds, checkpoint, objective, formulation, cutoff)
     ctx = _quiet_stdout() if solver == "highs" else contextlib.nullcontext()
     with ctx:
         prob.solve(_make_solver(solver, time_limit))
@@ -513,15 +545,22 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
     best: dict[tuple, Evaluation] = {}
     solved: set = set()
 
-    def run(cc: CandidateCosts) -> Evaluation | None:
-        r = solve_candidate(cc, kinds, checkpoint, solver)
+    def run(cc: CandidateCosts, cutoff: float) -> Evaluation | None:
+        # a greedy feasible strategy first: its cost tightens the cutoff the ILP must beat
+        h = heuristic_strategy(cc, kinds, checkpoint)
+        if h is not None:
+            cutoff = min(cutoff, h.step_time_s)
+        r = solve_candidate(cc, kinds, checkpoint, solver, cutoff=None if cutoff == float("inf") else cutoff)
         res.solved += 1
         res.solver_seconds += r.seconds
         res.uniform = res.uniform and r.uniform
         solved.add(cc.cand)
-        if r.evaluation is None:
+        ev = r.evaluation
+        if h is not None and (ev is None or _better(h, ev)):
+            ev = h
+        if ev is None:
             res.infeasible += 1
-        return r.evaluation
+        return ev
 
     for i, (lb, mlb, cc) in enumerate(order):
         vals = sorted(e.step_time_s for e in best.values())
@@ -533,10 +572,11 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
             res.pruned_memory += 1
             continue
         t = cc.cand.degrees
-        if t in best and lb > best[t].step_time_s * (1 + TIME_TOL):
+        bound = min(best[t].step_time_s if t in best else float("inf"), thr)
+        if lb > bound * (1 + TIME_TOL):
             res.pruned_time += 1
             continue
-        ev = run(cc)
+        ev = run(cc, bound)
         if ev is not None and _better(ev, best.get(t)):
             best[t] = ev
     res.ranked = sorted(best.values(), key=_rank_key)
@@ -547,9 +587,10 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
         for lb, mlb, cc in order:
             if cc.cand in chosen or cc.cand in solved or mlb > cc.capacity:
                 continue
-            if len(extra) >= need and lb > extra[need - 1].step_time_s * (1 + TIME_TOL):
+            bound = extra[need - 1].step_time_s if len(extra) >= need else float("inf")
+            if lb > bound * (1 + TIME_TOL):
                 break
-            ev = run(cc)
+            ev = run(cc, bound)
             if ev is not None:
                 extra = sorted(extra + [ev], key=_rank_key)[:need]
         res.extra = extra

@@ -98,7 +98,8 @@ __all__ = [
     "SYMBOLIC_FIELDS", "INT_FIELDS", "NumericTable", "Candidate", "Strategy", "LayerCost",
     "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate",
     "time_lower_bound", "memory_lower_bound", "predicted_fields", "boundary_placements", "divisors",
-    "model_heads", "valid_tp", "check_pins", "enumerate_candidates",
+    "model_heads", "valid_tp", "check_pins", "enumerate_candidates", "balanced_partition",
+    "heuristic_strategy",
 ]
 
 #: Layer-table fields that are sympy expressions in (micro-batch size, sequence length).
@@ -617,3 +618,68 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                         f"{gb}{' and ' + pins if pins else ''}: {reasons}. Pick a global batch divisible by "
                         "more data-parallel degrees, or pin fewer decisions.")
     return out
+
+
+# ---------------------------------------------------------------------------------- heuristic
+def balanced_partition(weights: Sequence[float], p: int) -> list[tuple[int, int]]:
+    """Contiguous split of ``weights`` into ``p`` non-empty ranges minimizing the largest sum.
+
+    Bisection on the bound with a greedy packing check (exact up to the bisection tolerance).
+    """
+    n = len(weights)
+    if not 1 <= p <= n:
+        raise ValueError(f"cannot split {n} layers into {p} non-empty stages")
+
+    def pack(bound: float) -> list[int] | None:
+        cuts, acc = [], 0.0
+        for i, w in enumerate(weights):
+            if acc and acc + w > bound:
+                cuts.append(i)
+                acc = 0.0
+            acc += w
+        return cuts if len(cuts) <= p - 1 else None
+
+    lo, hi = max(weights), sum(weights)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if pack(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    cuts = pack(hi) or []
+    bounds = [0, *cuts, n]
+    while len(bounds) - 1 < p:  # split the widest range until there are p (the bound still holds)
+        i = max(range(len(bounds) - 1), key=lambda j: bounds[j + 1] - bounds[j])
+        bounds.insert(i + 1, (bounds[i] + bounds[i + 1]) // 2)
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(p)]
+
+
+def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> Evaluation | None:
+    """A feasible strategy found greedily, or ``None``: the time-balanced partition, then in each
+    stage that overflows, recompute the layers that free the most memory per second of recompute
+    until it fits. The search hands its cost to the ILP as a cutoff, so the solver starts with a
+    good incumbent; the ILP's answer is never worse than this one.
+    """
+    p = cc.cand.pp
+    stages = balanced_partition([l.work_s + l.zero_mb_s for l in cc.layers], p)
+    ck: set[int] = set()
+    if checkpoint == "all":
+        ck = {i for i, k in enumerate(kinds) if k == "block"}
+    elif checkpoint == "auto":
+        for k, (a, b) in enumerate(stages):
+            ls = range(a, b + 1)
+            inflight = cc.inflight[k]
+            L = cc.layers
+            mem = (sum(L[i].state_b + inflight * L[i].saved_b for i in ls) + max(L[i].trans_b for i in ls))
+            order = sorted((i for i in ls if L[i].saved_b > L[i].input_b),
+                           key=lambda i: -inflight * (L[i].saved_b - L[i].input_b) / max(L[i].rec_s, 1e-30))
+            peak = 0.0
+            for i in order:
+                if mem <= cc.capacity:
+                    break
+                new_peak = max(peak, L[i].saved_b)
+                mem += new_peak - peak - inflight * (L[i].saved_b - L[i].input_b)
+                peak = new_peak
+                ck.add(i)
+    ev = evaluate(cc, stages, sorted(ck))
+    return ev if ev.feasible else None

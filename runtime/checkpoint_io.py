@@ -107,7 +107,11 @@ def _join_tp(pieces: list[torch.Tensor], shard: dict | None) -> torch.Tensor:
 
 def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
     """Full fp32 tensors of this stage by original name, on the (dp 0, tp 0) rank; else None."""
-    gathered = _gather_to(engine.state_dict(), mesh.dp_group, mesh.dp_ranks[0])
+    local = engine.state_dict()
+    if local["num_shards"] == 1:  # ZeRO-0: every dp rank holds the full state already
+        gathered = [local]
+    else:
+        gathered = _gather_to(local, mesh.dp_group, mesh.dp_ranks[0])
     if mesh.dp_index != 0:
         return None
     full = consolidate_shards(gathered)

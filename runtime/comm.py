@@ -90,6 +90,10 @@ def group_size(group=None) -> int:
     return dist.get_world_size(group)
 
 
+# torch 2.13 renamed all_gather_into_tensor (kept as a deprecated alias).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
     n = group_size(group)
     if n == 1:
@@ -106,7 +110,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
             output.copy_(shard.view_as(output))
         return None
     STATS.add("all_gather", _nbytes(output), n)
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return _ALL_GATHER(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(

@@ -150,6 +150,7 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         max_grad_norm=opts.max_grad_norm,
         norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
         replicated_param_filter=(lambda name: name in replicated) if tp > 1 else None,
+        micro_batches_per_step=plan["num_micro_batches"],
     )
     m = plan["num_micro_batches"]
     mbs = plan["micro_batch_size"]
