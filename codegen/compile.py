@@ -31,6 +31,7 @@ def trace_for_plan(plan: Plan):
     parameters appear as ``get_attr`` nodes named by their original FQN, shapes are static.
     """
     from passes.layers import assign_layers, layer_names
+    from passes.op_class import classify_ops
     from planner.errors import UserError
     from planner.models import build_model
     from planner.trace import explain_export_error, find_block_container
@@ -47,6 +48,7 @@ def trace_for_plan(plan: Plan):
     _, block_paths = find_block_container(bundle.model)
     roles = {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"}
     assign_layers(gm, block_paths, roles)
+    classify_ops(gm)
     names = layer_names(gm, len(block_paths), block_paths)
     if len(names) != plan.model.layers + 2:
         raise UserError(f"the model traced to {len(names) - 2} blocks but the plan was made for "

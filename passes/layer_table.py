@@ -142,10 +142,12 @@ class LayerTable:
 
     def numeric(self, b: int, s: int) -> list[dict[str, float]]:
         """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``."""
-        if "s" in self.fixed and int(s) != self.fixed["s"]:
-            raise UserError(f"This model's costs were traced at a fixed sequence length "
-                            f"{self.fixed['s']} (its export specialized it); re-plan with "
-                            f"--seq-len {self.fixed['s']} or make the model shape-generic.")
+        for name, v in (("s", s), ("b", b)):
+            if name in self.fixed and int(v) != self.fixed[name]:
+                what = "sequence length" if name == "s" else "micro-batch size"
+                raise UserError(f"This model's costs were traced at a fixed {what} "
+                                f"{self.fixed[name]}; re-trace at {v} (the model or the trace "
+                                f"pinned it), or make the model shape-generic.")
         key = (int(b), int(s))
         if key in self._cache:
             return self._cache[key]
@@ -188,7 +190,7 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
 
     nb = len(traced.block_paths)
     n = nb + 2
-    names = layer_names(gm, nb, traced.block_paths)
+    names = layer_names(gm, nb, traced.block_paths, traced.container)
     sigs = layer_signatures(gm, nb)
     rows = [LayerCosts(index=i, name=names[i],
                        kind="pre" if i == 0 else ("post" if i == n - 1 else "block"),
@@ -263,11 +265,12 @@ def _expand(rows: list[LayerCosts], full_layers: int, container: str) -> list[La
     return out
 
 
-def table_from_traced(traced) -> LayerTable:
-    """Analyze a ``planner.trace.Traced`` and build its layer table."""
+def table_from_traced(traced, analyzed: bool = False) -> LayerTable:
+    """Analyze a ``planner.trace.Traced`` (unless ``analyzed``: passes already ran on
+    ``traced.gm``) and build its layer table."""
     import passes
 
-    gm = passes.analyze(traced)
+    gm = traced.gm if analyzed else passes.analyze(traced)
     rows = _graph_layer_costs(traced, gm)
     if traced.shallow:
         rows = _expand(rows, traced.layers, traced.container)
@@ -275,7 +278,7 @@ def table_from_traced(traced) -> LayerTable:
         rows = _share_identical_blocks(rows)
     fixed = dict(traced.fixed)
     notes = list(traced.notes)
-    if "b" in fixed:
+    if "b" in fixed and traced.dynamic:
         # The model pinned the batch size: scale activation costs linearly from the traced batch.
         b0 = fixed.pop("b")
         notes.append(f"batch size fixed at {b0} by the model; costs scaled linearly in b")

@@ -189,17 +189,29 @@ def layer_io(gm: fx.GraphModule, n_blocks: int) -> list[LayerIO]:
     return ios
 
 
-def layer_names(gm: fx.GraphModule, n_blocks: int, block_paths: list[str]) -> list[str]:
-    """Display names: the blocks' module paths; for pre/post the module their nodes share
-    (``embed``, ``head``, ``inner.cls.predictions``), else their outermost paths joined by '+'.
+_NAMED_CLASSES = ("matmul", "embedding", "norm", "attention")
+
+
+def layer_names(gm: fx.GraphModule, n_blocks: int, block_paths: list[str],
+                container: str = "") -> list[str]:
+    """Display names: the blocks' module paths; for pre/post the module shared by their
+    matmul/embedding/norm nodes (``embed``, ``head``, ``inner.cls.predictions``) unless that is
+    an ancestor of the blocks' ``container`` (uninformative), else those modules joined by '+'
+    (``inner.lm_head+inner.transformer.ln_f``).
     """
     paths: list[set[str]] = [set() for _ in range(n_blocks + 2)]
+    weighted: list[set[str]] = [set() for _ in range(n_blocks + 2)]
     for n in gm.graph.nodes:
         lay = n.meta.get("layer")
         if n.op == "call_function" and lay in (0, n_blocks + 1):
             p = n.meta.get("module_path", "")
             if p:
                 paths[lay].add(p)
+                if need(n, "op_class", "layer_names", "classify_ops") in _NAMED_CLASSES:
+                    weighted[lay].add(p)
+    for i in (0, n_blocks + 1):
+        if weighted[i]:
+            paths[i] = weighted[i]
     names = []
     for i in range(n_blocks + 2):
         if 1 <= i <= n_blocks:
@@ -208,7 +220,7 @@ def layer_names(gm: fx.GraphModule, n_blocks: int, block_paths: list[str]) -> li
         ps = sorted(paths[i])
         minimal = [p for p in ps if not any(q != p and p.startswith(q + ".") for q in ps)]
         common = _common_prefix(minimal)
-        if len(minimal) > 1 and common:
+        if len(minimal) > 1 and common and not (container + ".").startswith(common + "."):
             names.append(common)
         else:
             names.append("+".join(minimal) if minimal else ("pre" if i == 0 else "post"))

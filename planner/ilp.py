@@ -257,19 +257,31 @@ def block_capacity(cc: CandidateCosts) -> list[int]:
     return out
 
 
+def _is_zero(e) -> bool:
+    return isinstance(e, (int, float)) and e == 0
+
+
 class _UniformVars(_Vars):
-    """Integer block counts per stage: tables whose blocks 1..L cost the same."""
+    """Integer block counts per stage: identical blocks between the embedding and head rows.
+
+    When the last block differs from the others (HF models hand the head less than a block
+    hands the next block), it is a separate row ``X``: in the last stage (``q = 1``), or ending
+    stage ``p - 2`` while the last stage holds the head alone (``q = 0``).
+    """
 
     uniform = True
 
-    def __init__(self, prob, cc, kinds, checkpoint):
+    def __init__(self, prob, cc, kinds, checkpoint, bounded=True):
         super().__init__(prob, cc, kinds, checkpoint)
-        p, L = self.p, self.n - 2
-        self.L = L
-        self.pre, self.blk, self.post = cc.layers[0], cc.layers[1], cc.layers[-1]
-        self.ub = block_capacity(cc)
+        p = self.p
+        self.tail = cc.layers[-2] != cc.layers[1]
+        self.L = L = self.n - 2 - self.tail
+        self.pre, self.blk, self.post, self.X = cc.layers[0], cc.layers[1], cc.layers[-1], cc.layers[-2]
+        # the capacity bounds n_k only when memory is a limit (not when it is the objective)
+        self.ub = [min(u, L) for u in block_capacity(cc)] if bounded else [L] * p
         self.nb = [self.var(f"n_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
-        if checkpoint == "auto":
+        auto = checkpoint == "auto"
+        if auto:
             self.r = [self.var(f"r_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
             self.v = [self.var(f"v_{k}", cat="Binary") for k in range(p)]
             self.cpre = self.var("c_pre", cat="Binary")
@@ -277,15 +289,37 @@ class _UniformVars(_Vars):
         else:
             self.r = list(self.nb) if checkpoint == "all" else [0] * p
             self.cpre = self.cpost = 0
+        self.q = self.var("q_tail", cat="Binary") if self.tail and p > 1 else 1
+        if not self.tail:
+            self.cxa = self.cxb = 0
+        elif auto:
+            self.cxa = self.var("c_tail_last", cat="Binary")
+            self.cxb = self.var("c_tail_prev", cat="Binary") if p > 1 else 0
+        elif checkpoint == "all":
+            self.cxa, self.cxb = self.q, 1 - self.q
+        else:
+            self.cxa = self.cxb = 0
         # has-blocks indicators of the end stages (middle stages always hold a block)
         self.z0 = self.var("z_first", cat="Binary") if p > 1 else 1
         self.ulast = self.var("u_last", cat="Binary") if p > 1 else 1
         self.has = [self.z0 if k == 0 else self.ulast if k == p - 1 else 1 for k in range(p)]
         if checkpoint == "all":
             self.v = list(self.has)
+        # stage 0 of two ends with a run block: q and z0 (linearized product)
+        self.w = self.var("w_first_tail", cat="Binary") if self.tail and p == 2 else None
+
+    def _tail_share(self, k):
+        """(in stage k, recomputed in stage k) expressions of the last block row X."""
+        if not self.tail:
+            return 0, 0
+        if k == self.p - 1:
+            return self.q, self.cxa
+        if k == self.p - 2:
+            return 1 - self.q, self.cxb
+        return 0, 0
 
     def stage_sum(self, k, f):
-        e = f(self.blk) * self.nb[k]
+        e = f(self.blk) * self.nb[k] + f(self.X) * self._tail_share(k)[0]
         if k == 0:
             e = e + f(self.pre)
         if k == self.p - 1:
@@ -293,7 +327,7 @@ class _UniformVars(_Vars):
         return e
 
     def stage_rec_sum(self, k, f):
-        e = f(self.blk) * self.r[k]
+        e = f(self.blk) * self.r[k] + f(self.X) * self._tail_share(k)[1]
         if k == 0:
             e = e + f(self.pre) * self.cpre
         if k == self.p - 1:
@@ -301,10 +335,15 @@ class _UniformVars(_Vars):
         return e
 
     def _boundary(self, j):
+        send = self.cc.send_s
+        run, pre, x = send(1, j), send(0, j), send(self.n - 2, j)
+        if self.tail and j == self.p - 2:
+            if j > 0:
+                return x + (run - x) * self.q
+            return x * (1 - self.q) + run * self.w + pre * (self.q - self.w)
         if j > 0:
-            return self.cc.send_s(1, j)
-        pre, blk = self.cc.send_s(0, 0), self.cc.send_s(1, 0)
-        return pre + (blk - pre) * self.z0
+            return run
+        return pre + (run - pre) * self.z0
 
     def p2p(self, k):
         e = 0
@@ -316,34 +355,41 @@ class _UniformVars(_Vars):
 
     def trans_terms(self, k):
         out = [(self.has[k], self.blk.trans_b)] if self.L else []
+        out.append((self._tail_share(k)[0], self.X.trans_b if self.tail else 0))
         if k == 0:
             out.append((1, self.pre.trans_b))
         if k == self.p - 1:
             out.append((1, self.post.trans_b))
-        return [t for t in out if t[1]]
+        return [t for t in out if t[1] and not _is_zero(t[0])]
 
     def peak_terms(self, k):
-        out = [(self.v[k], self.blk.saved_b)] if self.mode != "none" else []
+        out = [(self.v[k], self.blk.saved_b)] if self.mode != "none" and self.L else []
+        out.append((self._tail_share(k)[1], self.X.saved_b if self.tail else 0))
         if self.mode == "auto" and k == 0:
             out.append((self.cpre, self.pre.saved_b))
         if self.mode == "auto" and k == self.p - 1:
             out.append((self.cpost, self.post.saved_b))
-        return [t for t in out if t[1]]
+        return [t for t in out if t[1] and not _is_zero(t[0])]
 
     def decode(self):
-        counts = [int(round(v.value())) for v in self.nb]
-        recs = [int(round(pulp.value(r))) for r in self.r]
+        val = lambda e: int(round(pulp.value(e)))  # noqa: E731
+        counts = [val(v) for v in self.nb]
+        recs = [val(r) for r in self.r]
+        q = val(self.q) if self.tail else 0
         stages, ck, start = [], set(), 0
         for k in range(self.p):
-            first_block = start + (1 if k == 0 else 0)
-            last = start + counts[k] + (k == 0) + (k == self.p - 1) - 1
+            has_x = self.tail and ((k == self.p - 1 and q) or (k == self.p - 2 and not q))
+            last = start + counts[k] + (k == 0) + (k == self.p - 1) + has_x - 1
+            first_block = start + (k == 0)
             stages.append((start, last))
             ck.update(range(first_block, first_block + recs[k]))
             start = last + 1
-        if pulp.value(self.cpre) > 0.5:
+        if val(self.cpre):
             ck.add(0)
-        if pulp.value(self.cpost) > 0.5:
+        if val(self.cpost):
             ck.add(self.n - 1)
+        if self.tail and val(self.cxa + self.cxb):
+            ck.add(self.n - 2)
         return stages, ck
 
 
@@ -353,7 +399,9 @@ def add_partition_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
     if v.uniform:
         prob += pulp.lpSum(v.nb) == v.L, "partition_blocks"
         for k in range(1, v.p - 1):
-            prob += v.nb[k] >= 1, f"partition_nonempty_k{k}"
+            prob += v.nb[k] + v._tail_share(k)[0] >= 1, f"partition_nonempty_k{k}"
+        if v.tail and v.p > 1:  # a last stage without the last block holds the head alone
+            prob += v.nb[-1] <= v.ub[-1] * v.q, "partition_head_alone"
         return
     for l in range(v.n):
         prob += pulp.lpSum(v.x[(l, k)] for k in v.window[l]) == 1, f"partition_assign_l{l}"
@@ -370,6 +418,10 @@ def add_boundary_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
             prob += v.nb[0] <= v.ub[0] * v.z0, "boundary_first_has_block"
             prob += v.z0 <= v.nb[0], "boundary_first_no_block"
             prob += v.nb[-1] <= v.ub[-1] * v.ulast, "boundary_last_has_block"
+        if v.w is not None:
+            prob += v.w <= v.q, "boundary_first_tail_a"
+            prob += v.w <= v.z0, "boundary_first_tail_b"
+            prob += v.w >= v.q + v.z0 - 1, "boundary_first_tail_c"
         return
     for (l, k), e in v.e.items():
         nxt = v.x.get((l + 1, k), 0)
@@ -384,6 +436,10 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
         for k in range(v.p):
             prob += v.r[k] <= v.nb[k], f"checkpoint_within_k{k}"
             prob += v.r[k] <= v.ub[k] * v.v[k], f"checkpoint_any_k{k}"
+        if v.tail:
+            prob += v.cxa <= v.q, "checkpoint_tail_last"
+            if v.p > 1:
+                prob += v.cxb <= 1 - v.q, "checkpoint_tail_prev"
         return
     for (l, k), c in v.c.items():
         prob += c <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
@@ -438,15 +494,18 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     """
     if checkpoint not in ("auto", "none", "all"):
         raise ValueError(f"checkpoint must be auto, none or all, got {checkpoint!r}")
-    can_uniform = (cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post"
-                   and all(k == "block" for k in kinds[1:-1]))
+    can_uniform = cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and \
+        all(k == "block" for k in kinds[1:-1])
     if formulation == "uniform" and not can_uniform:
         raise ValueError("the uniform formulation needs identical blocks between a pre and a post row")
     if formulation not in ("auto", "uniform", "general"):
         raise ValueError(f"formulation must be auto, uniform or general, got {formulation!r}")
     uniform = can_uniform and formulation != "general"
     prob = pulp.LpProblem("plan", pulp.LpMinimize)
-    v = (_UniformVars if uniform else _GeneralVars)(prob, cc, kinds, checkpoint)
+    if uniform:
+        v = _UniformVars(prob, cc, kinds, checkpoint, bounded=objective == "time")
+    else:
+        v = _GeneralVars(prob, cc, kinds, checkpoint)
     p, m = v.p, v.m
     tie = TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
                        + pulp.lpSum(v.p2p(k) for k in range(p)))
@@ -537,7 +596,9 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
     """Best strategies over ``entries`` = ``(time_lb, memory_lb, costs)`` with sound pruning.
 
     Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
-    ``keep`` triples are feasible, fills the runners-up with the best other candidates.
+    ``keep`` triples are feasible, fills the runners-up with the best other candidates. A first
+    pass prices greedy strategies (:func:`planner.strategy.heuristic_strategy`) to seed the
+    incumbents; the second solves the ILPs with the incumbents as cutoffs.
     """
     t0 = time.perf_counter()
     res = SearchResult(ranked=[], enumerated=len(entries))
@@ -545,9 +606,16 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
     best: dict[tuple, Evaluation] = {}
     solved: set = set()
 
+    heur: dict[Candidate, Evaluation | None] = {}
+
+    def greedy(cc: CandidateCosts) -> Evaluation | None:
+        if cc.cand not in heur:
+            heur[cc.cand] = heuristic_strategy(cc, kinds, checkpoint)
+        return heur[cc.cand]
+
     def run(cc: CandidateCosts, cutoff: float) -> Evaluation | None:
-        # a greedy feasible strategy first: its cost tightens the cutoff the ILP must beat
-        h = heuristic_strategy(cc, kinds, checkpoint)
+        # the greedy strategy's cost tightens the cutoff the ILP must beat
+        h = greedy(cc)
         if h is not None:
             cutoff = min(cutoff, h.step_time_s)
         r = solve_candidate(cc, kinds, checkpoint, solver, cutoff=None if cutoff == float("inf") else cutoff)
@@ -562,23 +630,28 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
             res.infeasible += 1
         return ev
 
-    for i, (lb, mlb, cc) in enumerate(order):
-        vals = sorted(e.step_time_s for e in best.values())
-        thr = vals[keep - 1] if len(vals) >= keep else float("inf")
-        if lb > thr * (1 + TIME_TOL):
-            res.pruned_time += len(order) - i
-            break
-        if mlb > cc.capacity:
-            res.pruned_memory += 1
-            continue
-        t = cc.cand.degrees
-        bound = min(best[t].step_time_s if t in best else float("inf"), thr)
-        if lb > bound * (1 + TIME_TOL):
-            res.pruned_time += 1
-            continue
-        ev = run(cc, bound)
-        if ev is not None and _better(ev, best.get(t)):
-            best[t] = ev
+    def sweep(exact: bool) -> None:
+        """One pass in bound order: greedy strategies only (seeding incumbents), then exact ILPs."""
+        for i, (lb, mlb, cc) in enumerate(order):
+            vals = sorted(e.step_time_s for e in best.values())
+            thr = vals[keep - 1] if len(vals) >= keep else float("inf")
+            if lb > thr * (1 + TIME_TOL):
+                res.pruned_time += (len(order) - i) * exact
+                return
+            if mlb > cc.capacity:
+                res.pruned_memory += exact
+                continue
+            t = cc.cand.degrees
+            bound = min(best[t].step_time_s if t in best else float("inf"), thr)
+            if lb > bound * (1 + TIME_TOL):
+                res.pruned_time += exact
+                continue
+            ev = run(cc, bound) if exact else greedy(cc)
+            if ev is not None and _better(ev, best.get(t)):
+                best[t] = ev
+
+    sweep(exact=False)
+    sweep(exact=True)
     res.ranked = sorted(best.values(), key=_rank_key)
     need = keep - len(res.ranked)
     if res.ranked and need > 0:

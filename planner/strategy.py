@@ -129,7 +129,7 @@ class NumericTable:
         self.num_blocks = sum(1 for k in self.kinds if k == "block")
         self._syms = (getattr(table, "b", None), getattr(table, "s", None))
         self._funcs: dict[Any, Any] = {}
-        self._rows: dict[tuple[int, int], list[dict[str, float]]] = {}
+        self._rows: dict[tuple, Any] = {}
 
     def _value(self, expr: Any, b: int, s: int) -> float:
         if isinstance(expr, (int, float)):
@@ -141,6 +141,21 @@ class NumericTable:
             f = sympy.lambdify(self._syms, expr, "math")
             self._funcs[expr] = f
         return float(f(b, s))
+
+    def groups(self, b: int, s: int) -> tuple[list[dict[str, float]], list[int]]:
+        """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
+        key = ("groups", b, s)
+        if key not in self._rows:
+            distinct: dict[tuple, int] = {}
+            reps, index = [], []
+            for row in self.rows(b, s):
+                k = tuple(row[f] for f in SYMBOLIC_FIELDS + INT_FIELDS)
+                if k not in distinct:
+                    distinct[k] = len(reps)
+                    reps.append(row)
+                index.append(distinct[k])
+            self._rows[key] = (reps, index)
+        return self._rows[key]
 
     def rows(self, b: int, s: int) -> list[dict[str, float]]:
         """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached)."""
@@ -261,9 +276,16 @@ class CandidateCosts:
     """Every per-layer number of one candidate, and the per-boundary send times."""
 
     def __init__(self, cand: Candidate, layers: list[LayerCost], hw: HardwareProfile,
-                 gpus_per_node: int, capacity: float):
+                 gpus_per_node: int, capacity: float, distinct: list[tuple[LayerCost, int]] | None = None):
         self.cand = cand
         self.layers = layers
+        if distinct is None:
+            counts: dict[LayerCost, int] = {}
+            for c in layers:
+                counts[c] = counts.get(c, 0) + 1
+            distinct = list(counts.items())
+        self.distinct = distinct
+        """Each distinct layer cost with the number of layers that have it."""
         self.hw = hw
         self.capacity = capacity
         self.placements = boundary_placements(cand.dp, cand.tp, cand.pp, gpus_per_node)
@@ -285,25 +307,20 @@ class CandidateCosts:
         return t
 
     def is_uniform(self) -> bool:
-        """True when rows 1..L (the blocks) cost the same: the ILP can count blocks per stage."""
-        return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-1])
+        """True when the blocks (rows 1..L) cost the same, except possibly the last one: the ILP
+        can then count blocks per stage."""
+        return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-2])
 
 
 def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate,
                     gpus_per_node: int, capacity: float) -> CandidateCosts:
     """Per-layer costs of ``cand`` (identical rows are priced once)."""
-    rows = nt.rows(cand.micro_batch_size, seq_len)
+    reps, index = nt.groups(cand.micro_batch_size, seq_len)
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    memo: dict[tuple, LayerCost] = {}
-    layers = []
-    for row in rows:
-        key = tuple(row[f] for f in SYMBOLIC_FIELDS + INT_FIELDS)
-        lc = memo.get(key)
-        if lc is None:
-            lc = memo[key] = _layer_cost(row, hw, dtype, cand, tp_pl, dp_pl)
-        layers.append(lc)
-    return CandidateCosts(cand, layers, hw, gpus_per_node, capacity)
+    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl) for row in reps]
+    return CandidateCosts(cand, [costs[i] for i in index], hw, gpus_per_node, capacity,
+                          distinct=[(c, index.count(i)) for i, c in enumerate(costs)])
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
@@ -470,15 +487,15 @@ def time_lower_bound(cc: CandidateCosts) -> float:
     sum_l (dp_l + opt_l) / p`` likewise. Recompute only adds time.
     """
     p, m = cc.cand.pp, cc.cand.num_micro_batches
-    ls = cc.layers
-    work = sum(l.work_s + l.zero_mb_s for l in ls)
+    ds = cc.distinct
+    work = sum(n * (c.work_s + c.zero_mb_s) for c, n in ds)
     if p > 1:
         # every boundary carries one activation forward and one gradient back, each at least
-        # the cheapest layer output over that boundary
-        for j in range(p - 1):
-            work += 2 * min(cc.send_s(i, j) for i in range(len(ls) - 1))
-    T = max(work / p, max(l.work_s + l.zero_mb_s for l in ls))
-    D = max(sum(l.dp_step_s + l.opt_s for l in ls) / p, max(l.dp_step_s + l.opt_s for l in ls))
+        # the smallest layer output (sends cost more for more bytes)
+        small = min(range(cc.num_layers - 1), key=lambda i: cc.layers[i].boundary_b)
+        work += 2 * sum(cc.send_s(small, j) for j in range(p - 1))
+    T = max(work / p, max(c.work_s + c.zero_mb_s for c, _ in ds))
+    D = max(sum(n * (c.dp_step_s + c.opt_s) for c, n in ds) / p, max(c.dp_step_s + c.opt_s for c, _ in ds))
     return (m + p - 1) * T + D
 
 
@@ -490,11 +507,11 @@ def memory_lower_bound(cc: CandidateCosts) -> float:
     ``min(p, m)`` micro-batches in flight, and some stage holds each single layer.
     """
     p = cc.cand.pp
-    ls = cc.layers
-    least = [l.state_b + min(l.saved_b, l.input_b) for l in ls]
-    avg = (sum(least) + max(l.trans_b for l in ls)) / p
-    first = ls[0].state_b + ls[0].trans_b + cc.inflight[0] * min(ls[0].saved_b, ls[0].input_b)
-    single = max(x + l.trans_b for x, l in zip(least, ls))
+    ds = cc.distinct
+    avg = (sum(n * (c.state_b + min(c.saved_b, c.input_b)) for c, n in ds) + max(c.trans_b for c, _ in ds)) / p
+    l0 = cc.layers[0]
+    first = l0.state_b + l0.trans_b + cc.inflight[0] * min(l0.saved_b, l0.input_b)
+    single = max(c.state_b + min(c.saved_b, c.input_b) + c.trans_b for c, _ in ds)
     return max(avg, first, single)
 
 
@@ -655,11 +672,16 @@ def balanced_partition(weights: Sequence[float], p: int) -> list[tuple[int, int]
 
 
 def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> Evaluation | None:
-    """A feasible strategy found greedily, or ``None``: the time-balanced partition, then in each
-    stage that overflows, recompute the layers that free the most memory per second of recompute
-    until it fits. The search hands its cost to the ILP as a cutoff, so the solver starts with a
-    good incumbent; the ILP's answer is never worse than this one.
+    """A good feasible strategy found without a solver, or ``None``.
+
+    The search hands its cost to the ILP as a cutoff, so the solver starts with an incumbent
+    (and refutes hopeless candidates at the root); the ILP's answer is never worse than this.
+    Uniform tables (identical blocks between the embedding and head rows) use
+    :func:`_uniform_heuristic`; others the time-balanced partition, then in each stage that
+    overflows, recompute the layers that free the most memory per second of recompute.
     """
+    if cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post":
+        return _uniform_heuristic(cc, checkpoint)
     p = cc.cand.pp
     stages = balanced_partition([l.work_s + l.zero_mb_s for l in cc.layers], p)
     ck: set[int] = set()
@@ -681,5 +703,80 @@ def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str
                 mem += new_peak - peak - inflight * (L[i].saved_b - L[i].input_b)
                 peak = new_peak
                 ck.add(i)
+    ev = evaluate(cc, stages, sorted(ck))
+    return ev if ev.feasible else None
+
+
+def _uniform_heuristic(cc: CandidateCosts, checkpoint: str) -> Evaluation | None:
+    """Bisection on the micro-step bound ``T``: stage ``k`` can take up to ``N_k(T)`` blocks (with
+    the fewest recomputed blocks that fit its memory and ``T``); ``T`` works when the ``N_k``
+    add up to ``L``. Blocks are then dealt out within the ``N_k``."""
+    p = cc.cand.pp
+    pre, blk, post = cc.layers[0], cc.layers[1], cc.layers[-1]
+    tail = [cc.layers[-2]] if cc.layers[-2] != blk else []  # a distinct last block rides with the head
+    L = cc.num_layers - 2 - len(tail)
+    delta = blk.saved_b - blk.input_b
+    cap = cc.capacity
+
+    @functools.lru_cache(maxsize=None)
+    def stage(k: int, n: int) -> tuple[int, float] | None:
+        """(recomputed blocks, micro-step) of stage k holding n blocks, None if it cannot fit."""
+        rows = ([pre] if k == 0 else []) + (tail + [post] if k == p - 1 else [])
+        a = cc.inflight[k]
+        trans = max([r.trans_b for r in rows] + ([blk.trans_b] if n else []) + [0])
+        mem = n * (blk.state_b + a * blk.saved_b) + trans + sum(r.state_b + a * r.saved_b for r in rows)
+        if checkpoint == "all":
+            r = n
+        elif mem <= cap or checkpoint == "none" or n == 0 or delta <= 0:
+            r = 0
+        else:
+            r = max(1, math.ceil((mem + blk.saved_b - cap) / (a * delta)))
+        if r:
+            mem += blk.saved_b - a * r * delta
+        if r > n or mem > cap:
+            return None
+        t = n * (blk.work_s + blk.zero_mb_s) + r * blk.rec_s + sum(x.work_s + x.zero_mb_s for x in rows)
+        t += (cc.send_s(1, k) if k < p - 1 else 0.0) + (cc.send_s(1, k - 1) if k > 0 else 0.0)
+        return r, t
+
+    lows = [1 if 0 < k < p - 1 else 0 for k in range(p)]
+
+    def most(k: int, bound: float) -> int:
+        ok = lambda n: (x := stage(k, n)) is not None and x[1] <= bound  # noqa: E731
+        if not ok(lows[k]):
+            return -1
+        lo, hi = lows[k], L
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+        return lo
+
+    def fits(bound: float) -> list[int] | None:
+        caps = [most(k, bound) for k in range(p)]
+        return caps if min(caps) >= 0 and sum(caps) >= L else None
+
+    hi = time_lower_bound(cc) * 4 + sum(l.work_s + l.rec_s + l.zero_mb_s for l in cc.layers)
+    if sum(lows) > L or fits(hi) is None:
+        return None
+    lo = 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) is not None else (mid, hi)
+    caps = fits(hi)
+    counts = list(lows)
+    left = L - sum(counts)
+    for k in reversed(range(p)):  # later stages hold fewer micro-batches: fill them first
+        add = min(left, caps[k] - counts[k])
+        counts[k] += add
+        left -= add
+    stages, ck, start = [], set(), 0
+    for k in range(p):
+        last = start + counts[k] + (k == 0) + (k == p - 1) * (1 + len(tail)) - 1
+        first_block = start + (k == 0)
+        ck.update(range(first_block, first_block + stage(k, counts[k])[0]))
+        stages.append((start, last))
+        start = last + 1
+    if checkpoint == "all":  # every block, the distinct last one included
+        ck = set(range(1, cc.num_layers - 1))
     ev = evaluate(cc, stages, sorted(ck))
     return ev if ev.feasible else None

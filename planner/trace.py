@@ -30,7 +30,10 @@ raises ``UserError`` naming the user's ``file:line`` and what to change, not tor
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import os
 import time
 import traceback
@@ -134,6 +137,8 @@ class Traced:
     """Example sizes the trace ran at: ``{'b': ..., 's': ...}``."""
     fixed: dict[str, int] = field(default_factory=dict)
     """Dimensions that export kept constant, with their value (``{}`` when fully symbolic)."""
+    dynamic: bool = True
+    """Whether symbolic sizes were requested (False: a trace at fixed sizes on purpose)."""
     model_info: dict[str, Any] = field(default_factory=dict)
     """spec, layers, hidden, heads, kv_heads, vocab, seq_len and the size overrides."""
     notes: list[str] = field(default_factory=list)
@@ -171,33 +176,55 @@ _UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicO
 
 def explain_export_error(exc: BaseException, what: str) -> UserError:
     """Turn a ``torch.export`` failure into a short ``UserError`` with the source line and a fix."""
-    first = str(exc).strip().splitlines()
-    headline = next((ln.strip() for ln in first if ln.strip()), type(exc).__name__)
-    if len(headline) > 200:
-        headline = headline[:200] + "..."
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    headline = lines[0] if lines else type(exc).__name__
+    if len(headline) > 160:
+        headline = headline[:160] + "..."
     frame = _user_frame(exc)
     where = f"{frame[0]}:{frame[1]}" if frame else "an unknown line"
     code = f"  `{frame[2]}`" if frame and frame[2] else ""
     text = f"{type(exc).__name__}: {exc}"
     if any(k in text for k in _DATA_DEPENDENT):
-        advice = ("The model branches on tensor *values* (e.g. `if x.sum() > 0:` or `.item()`), "
-                  "which cannot be traced once for all inputs. Compute both branches and select "
-                  "with `torch.where(cond, a, b)`, or use `torch.cond(pred, true_fn, false_fn, "
-                  "(x,))`; branch only on shapes or Python constants.")
+        problem = "forward() branches on a tensor's value"
+        advice = ("Such a branch cannot be traced once for all inputs (e.g. `if x.sum() > 0:` "
+                  "or `.item()`). Compute both branches and select with `torch.where(cond, a, "
+                  "b)`, or use `torch.cond(pred, true_fn, false_fn, (x,))`; branch only on "
+                  "shapes or Python constants.")
     elif any(k in text for k in _UNSUPPORTED):
-        advice = ("The model uses an operation torch.export cannot capture. Replace it with a "
-                  "standard torch op, or move it out of forward().")
+        problem = "forward() uses an operation torch.export cannot capture"
+        advice = "Replace it with a standard torch op, or move it out of forward()."
     elif "Constraints violated" in text or "specialized" in text:
-        advice = ("A batch or sequence dimension was forced to a constant; avoid code that "
-                  "depends on the exact size (e.g. asserts on x.shape[0]).")
+        problem = "a batch or sequence dimension was forced to a constant"
+        advice = "Avoid code that depends on the exact size (e.g. asserts on x.shape[0])."
     else:
-        advice = "Make forward() traceable by torch.export (no Python side effects on tensor data)."
-    return UserError(f"Cannot trace {what}: {headline}\n  at {where}{code}\n  What to do: {advice}")
+        problem = "torch.export failed"
+        advice = "Make forward() traceable by torch.export (no Python side effects on data)."
+    return UserError(f"Cannot trace {what}: {problem}\n  at {where}{code}\n"
+                     f"  What to do: {advice}\n  (torch: {type(exc).__name__}: {headline})")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Silence torch's warnings and its partial-graph dump on stderr during export (a failure
+    is reported by ``explain_export_error``)."""
+    names = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+             "torch._dynamo", "torch._functorch", "torch.fx.experimental.recording")
+    saved = [(lg, lg.level) for lg in map(logging.getLogger, names)]
+    for lg, _ in saved:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
 
 
 def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
     try:
-        return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+        with _quiet_torch_logs():
+            return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes,
+                                       strict=False)
     except UserError:
         raise
     except Exception as e:  # torch raises many types; all become one readable UserError
@@ -361,7 +388,10 @@ def _trace_bundle(bundle: ModelBundle, kind: str, spec: str, dt: torch.dtype, fu
     container, blocks = find_block_container(bundle.model)
     dyn = None
     if dynamic:
-        bd, sd = Dim("b", min=2), Dim("s", min=2, max=max(bundle.seq_len, s_ex))
+        # An upper bound costs export time (range analysis), so only HF models, which slice
+        # position/token-type buffers, get one: their position table size.
+        smax = max(bundle.seq_len, s_ex) if kind == "hf" else None
+        bd, sd = Dim("b", min=2), Dim("s", min=2, max=smax)
         dyn = ({0: bd, 1: sd}, {0: bd, 1: sd})
     what = f"model {spec!r}"
     try:
@@ -377,7 +407,7 @@ def _trace_bundle(bundle: ModelBundle, kind: str, spec: str, dt: torch.dtype, fu
                   layers=full_layers, block_paths=blocks, container=container,
                   shallow=len(blocks) < full_layers, roles=roles, fqns=fqns, tied=tied,
                   symbols=symbols,
-                  example={"b": b_ex, "s": s_ex}, fixed=fixed, notes=notes)
+                  example={"b": b_ex, "s": s_ex}, fixed=fixed, notes=notes, dynamic=dynamic)
 
 
 def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: float) -> Traced:
@@ -419,7 +449,7 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
     tr = Traced(gm=ep.graph_module, exported=ep, bundle=bundle, spec=bundle.spec, kind="file",
                 dtype=dt, layers=len(blocks), block_paths=blocks, container=container,
                 shallow=False, roles=roles, fqns=fqns, tied=tied, symbols=symbols,
-                example={"b": b0, "s": s0 or 1}, fixed=fixed, notes=notes)
+                example={"b": b0, "s": s0 or 1}, fixed=fixed, notes=notes, dynamic=dynamic)
     nparams = sum(p.numel() for p in params)
     tr.model_info = dict(spec=bundle.spec, layers=len(blocks), hidden=bundle.hidden,
                          heads=bundle.heads, kv_heads=bundle.kv_heads, vocab=bundle.vocab,

@@ -95,6 +95,26 @@ class _Reporter:
         self.progress.stop()
 
 
+def _check_resumable(plan: Plan, directory: str) -> None:
+    """Refuse, before any process starts, a checkpoint that belongs to another model."""
+    from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+
+    found = list_checkpoints(directory)
+    if not found:
+        print(f"planner train: no checkpoint in {directory}; starting from step 0.", file=sys.stderr)
+        return
+    step, path = found[-1]
+    try:
+        meta = read_meta(path)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    model = meta.get("model", {})
+    if model.get("spec") != plan.model.spec or model.get("sizes") != plan.model.sizes:
+        raise UserError(f"checkpoint {path} is from model {model.get('spec')!r} {model.get('sizes')}, but "
+                        f"{plan.model.spec!r} {plan.model.sizes} is being trained; use that model's "
+                        "--checkpoint-dir or start without --resume.")
+
+
 def run_train(args) -> int:
     from runtime.dist import LaunchError, init_distributed, launch_local, shutdown
 
@@ -108,6 +128,8 @@ def run_train(args) -> int:
         from runtime.data import TokenFile
 
         TokenFile(args.data, plan.seq_len)  # fail fast, before any process starts
+    if args.resume:
+        _check_resumable(plan, args.checkpoint_dir)
     compiled = compile_for_training(plan, args.plan, getattr(args, "compiled", None))
     opts = train_options_from_args(args)
     if args.metrics and not args.resume and os.path.exists(args.metrics):

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from runtime.optim import FORMAT, consolidate_shards
 
 __all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
@@ -49,6 +51,19 @@ _KINDS = ("model", "exp_avg", "exp_avg_sq")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read (the message says which and why)."""
+
+
+def _root_cause(e: BaseException) -> str:
+    """One line: the underlying error of a (possibly wrapped, multi-rank) DCP failure."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner) if not isinstance(inner, BaseException) else inner
+        if isinstance(inner, BaseException):
+            return _root_cause(inner)
+        return str(inner).strip().splitlines()[-1]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
@@ -175,8 +190,8 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2)
         shapes = {k: list(v.shape) for k, v in logical.items()}
     try:
         dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001 - any writer failure (full disk, permissions) ends the same way
-        ok, err = False, f"rank {rank}: {type(e).__name__}: {e}"
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - full disk, permissions: same ending
+        ok, err = False, f"rank {rank}: {_root_cause(e)}"
     # Everyone learns of any failure; only then is the checkpoint published.
     if not _all_ok(ok, device):
         if rank == 0:
@@ -245,10 +260,9 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
         rng = {f"rng/{rank}/{k}": v.clone() for k, v in _rng_state(engine.device).items()}
     try:
         dcp.load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); delete it to resume from an "
-                              "older one") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it "
+                              "to resume from an older one") from None
     # Build this rank's full (unsharded over dp) engine state from the logical tensors.
     from runtime.compiled import _shard
 
@@ -281,6 +295,6 @@ def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
     want = {k: torch.empty(s, dtype=torch.float32) for k, s in meta["tensors"].items() if k.startswith("model/")}
     try:
         dcp.load(want, checkpoint_id=path, no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)})") from None
     return {k[len("model/"):]: v for k, v in want.items()}

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -87,10 +90,15 @@ def shutdown() -> None:
 
 
 class LaunchError(RuntimeError):
-    """A local multi-process run failed: which rank, and why."""
+    """A local multi-process run failed: which rank, and why (``details``: the remote traceback)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, args: tuple):
+def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, args: tuple,
+           error_dir: str):
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -98,11 +106,49 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
     os.environ["MASTER_PORT"] = str(port)
     # Two cores shared by every rank: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_distributed(rank, world_size, port, timeout_s=timeout_s)
     try:
-        fn(rank, world_size, *args)
-    finally:
-        shutdown()
+        init_distributed(rank, world_size, port, timeout_s=timeout_s)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            shutdown()
+    except BaseException as e:
+        # Record the error with its time: the launcher reports the first failure (the cause),
+        # not the connection errors it triggers on the other ranks.
+        with open(os.path.join(error_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
+            f.write(f"{time.time():.6f}\n{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        raise
+
+
+def _diagnose(ctx, error_dir: str, nproc: int) -> LaunchError:
+    """Name the rank that failed first and why."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and any(p.is_alive() for p in ctx.processes):
+        time.sleep(0.05)
+    # torch.multiprocessing stops the survivors with SIGTERM once one rank fails, so a rank
+    # killed by any other signal is the one that was lost.
+    for r, p in enumerate(ctx.processes):
+        code = p.exitcode
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = f"signal {-code}"
+            return LaunchError(f"rank {r} was lost: its process was killed by {sig}; "
+                               f"the other ranks were stopped")
+    errors = []
+    for r in range(nproc):
+        path = os.path.join(error_dir, f"rank{r}.err")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                stamp, _, rest = f.read().partition("\n")
+            errors.append((float(stamp), r, rest))
+    if errors:
+        _, r, text = min(errors)
+        head, _, tb = text.partition("\n\n")
+        return LaunchError(f"rank {r} failed: {head.strip()}", details=tb)
+    codes = {r: p.exitcode for r, p in enumerate(ctx.processes)}
+    return LaunchError(f"a rank exited without an error report (exit codes {codes})")
 
 
 def launch_local(
@@ -114,36 +160,33 @@ def launch_local(
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``nproc`` spawned processes with a gloo group.
 
-    Raises ``LaunchError`` naming the failing rank if any process fails, and kills the rest.
-    ``timeout_s`` bounds the whole run; ``collective_timeout_s`` bounds each collective.
+    Raises ``LaunchError`` naming the rank that failed first (a rank killed by a signal is
+    reported as lost) and kills the rest. ``timeout_s`` bounds the whole run;
+    ``collective_timeout_s`` bounds each collective.
     """
     port = free_port()
     coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
-    ctx = mp.start_processes(
-        _entry,
-        args=(fn, nproc, port, coll_timeout, tuple(args)),
-        nprocs=nproc,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                if ctx.join(timeout=0.5):
-                    return
-            except mp.ProcessRaisedException as e:
-                raise LaunchError(f"rank {e.error_index} failed:\n{e}") from None
-            except mp.ProcessExitedException as e:
-                raise LaunchError(
-                    f"rank {e.error_index} exited with code {e.exit_code}"
-                    + (f" (signal {e.signal_name})" if e.signal_name else "")
-                ) from None
-            if time.monotonic() > deadline:
-                raise LaunchError(f"local run of {nproc} processes timed out after {timeout_s:.0f} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        for p in ctx.processes:
-            p.join(5)
+    with tempfile.TemporaryDirectory(prefix="planner-launch-") as error_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, nproc, port, coll_timeout, tuple(args), error_dir),
+            nprocs=nproc,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if ctx.join(timeout=0.5):
+                        return
+                except (mp.ProcessRaisedException, mp.ProcessExitedException):
+                    raise _diagnose(ctx, error_dir, nproc) from None
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"local run of {nproc} processes timed out after {timeout_s:.0f} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping
@@ -118,6 +119,15 @@ def _recv_meta(stage: dict, dtype: torch.dtype) -> list[TensorMeta]:
     return metas
 
 
+def _fault_injection(rank: int) -> int | None:
+    """Test hook: ``PLANNER_FAULT_KILL=RANK:STEP`` SIGKILLs that rank before that step."""
+    spec = os.environ.get("PLANNER_FAULT_KILL")
+    if not spec:
+        return None
+    r, _, s = spec.partition(":")
+    return int(s) if int(r) == rank else None
+
+
 def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
                  state_fn: Callable[[], Mapping[str, torch.Tensor]],
                  on_metrics: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
@@ -174,7 +184,10 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
                                list(engine.module.parameters()))
     history: list[StepMetrics] = []
     names = stage["data_inputs"]
+    kill = _fault_injection(rank)
     for step in range(start_step, opts.steps):
+        if kill is not None and step == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
         ids, labels = data.rows(step, lo, hi, B)
         ids, labels = ids.to(dev), labels.to(dev)
         src = {"input_ids": ids, "labels": labels}

@@ -57,10 +57,11 @@ def _brute(cc, kinds, mode):
 @st.composite
 def instances(draw):
     layers = draw(st.integers(1, 4))
-    uniform = draw(st.booleans())
-    scale = None if uniform else [draw(st.sampled_from([1, 2, 3])) for _ in range(layers)]
+    shape = draw(st.sampled_from(["uniform", "tail", "mixed"]))
+    scale = [draw(st.sampled_from([1, 2, 3])) for _ in range(layers)] if shape == "mixed" else None
+    tail = draw(st.sampled_from([0.5, 3.0])) if shape == "tail" else None
     table = gpt_table(layers=layers, hidden=draw(st.sampled_from([64, 128, 256])), heads=4,
-                      vocab=draw(st.sampled_from([256, 4096])), block_scale=scale)
+                      vocab=draw(st.sampled_from([256, 4096])), block_scale=scale, tail_boundary=tail)
     pp = draw(st.integers(1, min(3, layers + 2)))
     dp = draw(st.sampled_from([1, 2]))
     tp = draw(st.sampled_from([1, 2]))
@@ -98,10 +99,11 @@ def test_ilp_optimum_equals_brute_force(inst):
     assert rm.evaluation.memory["total"] == pytest.approx(least, rel=1e-6, abs=8)
 
 
-@settings(max_examples=8, deadline=None)
-@given(layers=st.integers(2, 6), pp=st.integers(1, 4), m=st.integers(4, 8), zero=st.integers(0, 3))
-def test_uniform_and_general_formulations_agree(layers, pp, m, zero):
-    table = gpt_table(layers=layers, hidden=256, heads=4, vocab=4096)
+@settings(max_examples=10, deadline=None)
+@given(layers=st.integers(2, 6), pp=st.integers(1, 4), m=st.integers(4, 8), zero=st.integers(0, 3),
+       tail=st.sampled_from([None, 0.5, 4.0]))
+def test_uniform_and_general_formulations_agree(layers, pp, m, zero, tail):
+    table = gpt_table(layers=layers, hidden=256, heads=4, vocab=4096, tail_boundary=tail)
     cc = candidate_costs(NumericTable(table), SLOW, "bf16", 512, Candidate(2, 1, pp, zero, 2, m), 1, 2**30 * 0.4)
     kinds = [l.kind for l in table.layers]
     u = solve_candidate(cc, kinds, "auto", formulation="uniform")

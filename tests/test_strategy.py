@@ -68,8 +68,10 @@ class FakeTable:
 
 
 def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
-              block_scale=None) -> FakeTable:
-    """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ."""
+              block_scale=None, tail_boundary=None) -> FakeTable:
+    """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ and
+    ``tail_boundary`` scales what the last block hands the head (as in HF models, where blocks
+    pass masks and positions along but the last block sends only the hidden state)."""
     h, a, V, e = hidden, heads, vocab, dtype_bytes
     bsh = B * S * h
     rows = [FakeLayer(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
@@ -84,6 +86,8 @@ def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_byt
             saved_bytes=k * (34 * bsh + 5 * a * B * S * S), saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
             input_bytes=e * bsh, boundary_bytes=e * bsh, tp_allreduce_bytes=2 * e * bsh,
             param_count=k * (12 * h * h + 13 * h), param_count_tp=k * (12 * h * h + 7 * h), signature="blk"))
+    if tail_boundary is not None and layers:
+        rows[-1].boundary_bytes = tail_boundary * e * bsh
     rows.append(FakeLayer(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
                           fwd_flops_tp=2 * bsh * V, bwd_flops_tp=4 * bsh * V,
                           saved_bytes=4 * B * S * V + 2 * e * bsh, saved_bytes_tp=4 * B * S * V,

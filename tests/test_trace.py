@@ -1,0 +1,242 @@
+"""planner.trace and passes.layer_table: export, repeated-block reuse, symbolic sizes, errors.
+
+Tiny models only (2-4 blocks of width 64, vocabulary 128, sequence 32), all on the meta device.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import sympy
+import torch
+
+from passes.common import B, S
+from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable, build_layer_table
+from planner.errors import UserError
+from planner.trace import find_block_container, trace_model
+
+TINY = dict(hidden=64, heads=4, vocab=128)
+ARCHS = {
+    "gpt": dict(layers=2, **TINY),
+    "hf:gpt2": dict(layers=2, ffn=128, **TINY),
+    "hf:llama": dict(layers=2, ffn=128, kv_heads=2, **TINY),
+    "hf:bert": dict(layers=2, ffn=128, **TINY),
+}
+NAMES = {
+    "gpt": ["embed", "blocks.0", "blocks.1", "head"],
+    "hf:gpt2": ["inner.transformer.wpe+inner.transformer.wte", "inner.transformer.h.0", "inner.transformer.h.1",
+                "inner.lm_head+inner.transformer.ln_f"],
+    "hf:llama": ["inner.model.embed_tokens", "inner.model.layers.0", "inner.model.layers.1",
+                 "inner.lm_head+inner.model.norm"],
+    "hf:bert": ["inner.bert.embeddings", "inner.bert.encoder.layer.0", "inner.bert.encoder.layer.1",
+                "inner.cls.predictions"],
+}
+_TABLES: dict[str, LayerTable] = {}
+
+
+def table(spec: str) -> LayerTable:
+    if spec not in _TABLES:
+        _TABLES[spec] = build_layer_table(spec, batch=2, seq_len=32, **ARCHS[spec])
+    return _TABLES[spec]
+
+
+def assert_rows_equal(a, b):
+    assert len(a.layers) == len(b.layers)
+    for x, y in zip(a.layers, b.layers):
+        assert (x.index, x.name, x.kind) == (y.index, y.name, y.kind)
+        for f in EXPR_FIELDS:
+            assert sympy.expand(getattr(x, f) - getattr(y, f)) == 0, (x.name, f)
+        for f in INT_FIELDS:
+            assert getattr(x, f) == getattr(y, f), (x.name, f)
+        assert x.boundary == y.boundary, x.name
+
+
+@pytest.mark.parametrize("spec", list(ARCHS))
+def test_layer_count_and_names(spec):
+    t = table(spec)
+    assert len(t.layers) == ARCHS[spec]["layers"] + 2
+    assert [lay.name for lay in t.layers] == NAMES[spec]
+    assert [lay.kind for lay in t.layers] == ["pre", "block", "block", "post"]
+    assert t.layers[1].signature == t.layers[2].signature
+    assert t.model["layers"] == 2 and t.model["hidden"] == 64 and t.model["vocab"] == 128
+    assert t.fixed == {}
+    # every cost is a polynomial in b and s only
+    for lay in t.layers:
+        for f in EXPR_FIELDS:
+            assert getattr(lay, f).free_symbols <= {B, S}, (lay.name, f)
+
+
+def test_block_container_is_found_generically():
+    from planner.models import build_model
+
+    for spec, path in [("gpt", "blocks"), ("hf:llama", "inner.model.layers"),
+                       ("hf:bert", "inner.bert.encoder.layer")]:
+        m = build_model(spec, device="meta", **ARCHS[spec]).model
+        container, blocks = find_block_container(m)
+        assert container == path
+        assert blocks == [f"{path}.0", f"{path}.1"]
+
+
+def test_shallow_trace_expands_to_the_full_trace():
+    kw = dict(layers=5, **TINY)
+    tr = trace_model("gpt", batch=2, seq_len=32, **kw)
+    assert tr.shallow and tr.layers == 5 and tr.block_paths == ["blocks.0", "blocks.1"]
+    assert sum(1 for n in tr.gm.graph.nodes if "scaled_dot_product" in str(n.target)) == 2
+    shallow = build_layer_table("gpt", batch=2, seq_len=32, **kw)
+    full = build_layer_table("gpt", batch=2, seq_len=32, shallow=False, **kw)
+    assert [lay.name for lay in full.layers] == ["embed"] + [f"blocks.{j}" for j in range(5)] \
+        + ["head"]
+    assert_rows_equal(shallow, full)
+    assert shallow.model["params"] == full.model["params"]
+    assert len({lay.signature for lay in full.layers[1:-1]}) == 1
+
+
+@pytest.mark.parametrize("spec", ["gpt", "hf:llama"])
+def test_symbolic_costs_equal_a_fresh_static_trace(spec):
+    symbolic = table(spec)
+    b, s = 3, 20
+    static = build_layer_table(spec, batch=b, seq_len=s, dynamic=False, **ARCHS[spec])
+    for lay in static.layers:  # traced at fixed sizes: plain numbers
+        for f in EXPR_FIELDS:
+            assert getattr(lay, f).free_symbols == set()
+    got, want = symbolic.numeric(b, s), static.numeric(b, s)
+    assert got == want
+    assert [lay.boundary for lay in static.layers] == \
+        [[(tuple(sympy.sympify(e).subs({B: b, S: s}) for e in shape), dt)
+          for shape, dt in lay.boundary] for lay in symbolic.layers]
+
+
+def test_table_json_round_trip_and_numeric():
+    t = table("gpt")
+    back = LayerTable.from_json(t.to_json())
+    assert_rows_equal(t, back)
+    assert back.model == t.model and back.dtype == "float32"
+    for b, s in [(1, 1), (4, 17), (8, 2048)]:
+        assert back.numeric(b, s) == t.numeric(b, s)
+        rows = t.numeric(b, s)
+        for lay, row in zip(t.layers, rows):
+            assert row["fwd_flops"] == float(lay.fwd_flops.subs({B: b, S: s}))
+    assert t.total("param_count", 1, 1) == t.model["params"]
+    with pytest.raises(KeyError):
+        t.total("no_such_field", 1, 1)
+
+
+def test_hf_gpt2_tied_embedding_counted_once():
+    from planner.models import build_model
+
+    t = table("hf:gpt2")
+    m = build_model("hf:gpt2", device="meta", **ARCHS["hf:gpt2"]).model
+    unique = {id(p): p for p in m.parameters()}
+    assert t.model["params"] == sum(p.numel() for p in unique.values())
+    # the shared wte/lm_head weight lives with its first user, the embedding (row 0)
+    assert t.layers[0].param_count == (128 + 1024) * 64
+    assert t.layers[-1].param_count == 2 * 64  # ln_f only
+
+
+FACTORY_OK = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+class Net(nn.Module):
+    def __init__(self, vocab=50, d=16, n=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for blk in self.layers:
+            x = blk(x)
+        return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+def make():
+    ids = torch.randint(0, 50, (1, 12))
+    return Net(), (ids, ids.clone())
+'''
+
+FACTORY_BAD = '''
+import torch, torch.nn as nn
+
+class Bad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:
+            y = y * 2
+        return y.mean()
+
+def make():
+    return Bad(), (torch.randn(4, 6, 8),)
+'''
+
+
+def test_file_factory_traced_in_full_with_identical_blocks(tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    path = tmp_path / "net.py"
+    path.write_text(FACTORY_OK)
+    t = build_layer_table(f"{path}:make")
+    assert [lay.name for lay in t.layers] == ["emb", "layers.0", "layers.1", "layers.2", "out"]
+    blocks = t.layers[1:-1]
+    assert len({lay.signature for lay in blocks}) == 1
+    assert all(lay.fwd_flops == blocks[0].fwd_flops for lay in blocks)
+    # traced at batch 1 -> re-traced at 2 so that b stays symbolic; s is the example's 12
+    assert t.fixed == {}
+    fwd = t.total("fwd_flops", 1, 12)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("net_mod", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, (ids, labels) = mod.make()
+    with FlopCounterMode(display=False) as fc:
+        model(ids, labels).backward()
+    total = t.total("fwd_flops", 1, 12) + t.total("bwd_flops", 1, 12)
+    assert total == fc.get_total_flops()
+    assert fwd == 2 * 12 * (3 * (16 * 32 * 2) + 16 * 50)
+    assert t.model["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_unexportable_model_names_the_source_line(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(FACTORY_BAD)
+    with pytest.raises(UserError) as err:
+        trace_model(f"{path}:make")
+    msg = str(err.value)
+    assert f"{path}:11" in msg and "if y.sum() > 0:" in msg
+    assert "torch.where" in msg and "torch.cond" in msg
+    assert "def forward(self" not in msg and len(msg.splitlines()) <= 6
+
+
+def test_bad_sizes_are_user_errors():
+    with pytest.raises(UserError, match="exceeds"):
+        trace_model("gpt", seq_len=4096, layers=1, **TINY)
+    with pytest.raises(UserError, match="dtype"):
+        trace_model("gpt", dtype="int3", layers=1, **TINY)
+
+
+def test_gpt_trace_is_on_meta_and_lifts_parameters():
+    tr = trace_model("gpt", batch=2, seq_len=32, **ARCHS["gpt"])
+    ph = [n for n in tr.gm.graph.nodes if n.op == "placeholder"]
+    roles = [tr.roles[n.name] for n in ph]
+    assert roles.count("input") == 2 and roles.count("param") == len(ph) - 2
+    assert tr.fqns["p_blocks_0_attn_q_weight"] == "blocks.0.attn.q.weight"
+    assert all(n.meta["val"].device.type == "meta" for n in ph)
+    assert set(tr.symbols.values()) == {B, S}
+    ids = next(n for n in ph if n.name == "input_ids").meta["val"]
+    assert [tr.symbols[d.node.expr] for d in ids.shape] == [B, S]
+    assert isinstance(tr.exported.module(), torch.nn.Module)
