@@ -255,7 +255,7 @@ class _Analyzer:
                     org |= e.origins
         raise _Conflict(org, n, why)
 
-    def fail(self, n, why):
+    def fail(self, n, why, hint="Choose a tp that divides these sizes."):
         """A size tp does not divide: an error if this region stays sharded (strict pass).
 
         The first passes only settle which regions fall back to replicated; sizes are checked
@@ -265,7 +265,7 @@ class _Analyzer:
             return
         dims = self.ctx["dims"]
         raise TPRewriteError(f"tensor parallelism (tp={self.tp}) at {_where(n)}: {why} "
-                             f"(model dims: {dims}). Choose a tp that divides these sizes.")
+                             f"(model dims: {dims}). {hint}")
 
     def set(self, n, s):
         self.a.state[n] = s
@@ -569,7 +569,8 @@ class _Analyzer:
         if not self.ctx["fused_ok"]:
             self.fail(n, "this fused projection (e.g. GPT-2's c_attn, split into q, k, v) needs the "
                       "runtime to load 'qkv' shards (runtime.compiled._shard and "
-                      "runtime.checkpoint_io._join_tp with a 'parts' list); this runtime does not")
+                      "runtime.checkpoint_io._join_tp with a 'parts' list); this runtime does not",
+                      hint="Use tp=1 for this model, or a runtime that supports 'qkv' shards.")
         self.tag(s, ("parts", tuple(pieces)))
         if n.target is not aten.chunk.default:
             arg = n.args[1]

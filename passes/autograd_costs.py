@@ -312,6 +312,8 @@ def annotate_costs(gm: fx.GraphModule, roles: dict[str, str], symbols: dict,
     representative's results, position by position. Costs do not depend on which block feeds a
     block, so the result is the same as replaying everything, at the cost of one block.
     """
+    for n in gm.graph.nodes:
+        need(n, "layer", _PASS, "assign_layers")
     if not same_as:
         r = CostReplay(gm, roles, symbols)
         r.replay()

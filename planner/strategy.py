@@ -14,9 +14,9 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
 - compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward; time by the
   roofline ``cost_models.compute.compute_time`` (FLOP-bound: the table carries no byte counts).
 - TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
-  forward (Megatron's row-parallel outputs); the backward all-reduces the same amount (the
-  conjugate at the column-parallel inputs). One all-reduce of that size per pass, timed with
-  ``collective_time`` on the TP group's placement.
+  forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
+  conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
+  all-reduce of that size per pass, timed with ``collective_time`` on the TP group's placement.
 - recompute: a checkpointed layer runs its forward again in backward, TP all-reduces included:
   ``rec_l = t_fwd + t_tp_fwd``.
 - parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
@@ -103,18 +103,23 @@ __all__ = [
 ]
 
 #: Layer-table fields that are sympy expressions in (micro-batch size, sequence length).
+#: ``tp_allreduce_bwd_bytes`` is optional: a table without it all-reduces in backward what it
+#: does in forward.
 SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
-                   "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes")
+                   "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
+                   "tp_allreduce_bwd_bytes")
 #: Layer-table fields that are plain integers.
 INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes")
 
 
 class NumericTable:
-    """A layer table with its symbolic costs turned into fast numeric functions.
+    """A layer table with its symbolic costs turned into numbers, cached per ``(b, s)``.
 
-    Identical blocks share identical expressions, so each distinct expression is compiled once
-    (``sympy.lambdify``) and rows for a given ``(b, s)`` are cached: a 96-block table costs
-    about as much as a 3-layer one.
+    Uses the table's own ``numeric(b, s)`` when it has one (``passes.layer_table.LayerTable``:
+    it also rejects sizes the trace fixed); otherwise each distinct expression is compiled once
+    with ``sympy.lambdify`` (identical blocks share expressions, so a 96-block table costs about
+    as much as a 3-layer one). ``groups`` lists the distinct rows, which is what the per-candidate
+    costs are computed from.
     """
 
     def __init__(self, table: Any):
@@ -161,9 +166,20 @@ class NumericTable:
         """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached)."""
         key = (b, s)
         if key not in self._rows:
+            native = getattr(self.table, "numeric", None)
+            src = native(b, s) if callable(native) else None
             out = []
-            for lay in self.layers:
-                row = {f: self._value(getattr(lay, f), b, s) for f in SYMBOLIC_FIELDS}
+            for i, lay in enumerate(self.layers):
+                if src is not None:
+                    row = {f: float(src[i].get(f, 0.0)) for f in SYMBOLIC_FIELDS}
+                    if "tp_allreduce_bwd_bytes" not in src[i]:
+                        row["tp_allreduce_bwd_bytes"] = row["tp_allreduce_bytes"]
+                else:
+                    row = {f: self._value(getattr(lay, f, 0), b, s) for f in SYMBOLIC_FIELDS
+                           if f != "tp_allreduce_bwd_bytes"}
+                    bwd = getattr(lay, "tp_allreduce_bwd_bytes", None)
+                    row["tp_allreduce_bwd_bytes"] = (row["tp_allreduce_bytes"] if bwd is None
+                                                     else self._value(bwd, b, s))
                 for f in INT_FIELDS:
                     row[f] = int(getattr(lay, f, 0) or 0)
                 out.append(row)
@@ -237,7 +253,9 @@ class LayerCost:
     input_b: float
     boundary_b: float
     tp_sent_b: float
-    """Bytes sent by the TP all-reduce of one pass (forward or backward) of one micro-batch."""
+    """Bytes sent by the TP all-reduces of one forward of one micro-batch (again in recompute)."""
+    tp_bwd_sent_b: float
+    """Bytes sent by the TP all-reduces of one backward of one micro-batch."""
     zero_mb_sent_b: float
     dp_step_sent_b: float
     num_params: int
@@ -330,9 +348,14 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     bwd = row["bwd_flops"] - row["bwd_flops_tp"] + row["bwd_flops_tp"] / tp
     t_f = float(compute_time(fwd, 0.0, hw, dtype))
     t_b = float(compute_time(bwd, 0.0, hw, dtype))
-    arb = row["tp_allreduce_bytes"]
-    t_tp = float(collective_time("all_reduce", arb, tp_pl, hw)) if tp > 1 and arb > 0 else 0.0
-    tp_sent = float(ring_bytes_sent("all_reduce", arb, tp)) if tp > 1 else 0.0
+    def tp_cost(nbytes: float) -> tuple[float, float]:
+        if tp == 1 or nbytes <= 0:
+            return 0.0, 0.0
+        return (float(collective_time("all_reduce", nbytes, tp_pl, hw)),
+                float(ring_bytes_sent("all_reduce", nbytes, tp)))
+
+    t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
+    t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
     n_tp = row["param_count_tp"]
     P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
     base = model_state_bytes(P, dtype, z, dp)
@@ -352,13 +375,13 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
     return LayerCost(
-        compute_s=t_f + t_b, fwd_s=t_f, tp_s=2 * t_tp, tp_fwd_s=t_tp, rec_s=t_f + t_tp,
+        compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=t_f + t_tp,
         zero_mb_s=zmb_t, dp_step_s=step_t,
         opt_s=float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0,
         params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],
         trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
         saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
-        tp_sent_b=tp_sent, zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b, num_params=P,
+        tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b, num_params=P,
     )
 
 
@@ -451,7 +474,7 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
         mem = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
                "activations": int(math.ceil(acts))}
         mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-        tp_passes = sum(l.tp_sent_b * (3 if r else 2) for l, r in zip(ls, rc))
+        tp_passes = sum(l.tp_sent_b * (2 if r else 1) + l.tp_bwd_sent_b for l, r in zip(ls, rc))
         comm = m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
         # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward;
         # transfers are split evenly between the two passes

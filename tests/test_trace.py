@@ -12,19 +12,20 @@ import sympy
 import torch
 
 from passes.common import B, S
-from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable, build_layer_table
+from passes.layer_table import (EXPR_FIELDS, INT_FIELDS, LayerTable, build_layer_table,
+                                 table_from_traced)
 from planner.errors import UserError
 from planner.trace import find_block_container, trace_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)
 ARCHS = {
-    "gpt": dict(layers=2, **TINY),
+    "gpt": dict(layers=3, **TINY),  # 3 blocks: traced shallow (2) and expanded
     "hf:gpt2": dict(layers=2, ffn=128, **TINY),
     "hf:llama": dict(layers=2, ffn=128, kv_heads=2, **TINY),
     "hf:bert": dict(layers=2, ffn=128, **TINY),
 }
 NAMES = {
-    "gpt": ["embed", "blocks.0", "blocks.1", "head"],
+    "gpt": ["embed", "blocks.0", "blocks.1", "blocks.2", "head"],
     "hf:gpt2": ["inner.transformer.wpe+inner.transformer.wte", "inner.transformer.h.0", "inner.transformer.h.1",
                 "inner.lm_head+inner.transformer.ln_f"],
     "hf:llama": ["inner.model.embed_tokens", "inner.model.layers.0", "inner.model.layers.1",
@@ -32,13 +33,19 @@ NAMES = {
     "hf:bert": ["inner.bert.embeddings", "inner.bert.encoder.layer.0", "inner.bert.encoder.layer.1",
                 "inner.cls.predictions"],
 }
-_TABLES: dict[str, LayerTable] = {}
+_CACHE: dict[str, tuple] = {}
+
+
+def traced_table(spec: str):
+    """(Traced, LayerTable) of a tiny model at example size b=2, s=32; cached per module."""
+    if spec not in _CACHE:
+        tr = trace_model(spec, batch=2, seq_len=32, **ARCHS[spec])
+        _CACHE[spec] = (tr, table_from_traced(tr))
+    return _CACHE[spec]
 
 
 def table(spec: str) -> LayerTable:
-    if spec not in _TABLES:
-        _TABLES[spec] = build_layer_table(spec, batch=2, seq_len=32, **ARCHS[spec])
-    return _TABLES[spec]
+    return traced_table(spec)[1]
 
 
 def assert_rows_equal(a, b):
@@ -55,11 +62,12 @@ def assert_rows_equal(a, b):
 @pytest.mark.parametrize("spec", list(ARCHS))
 def test_layer_count_and_names(spec):
     t = table(spec)
-    assert len(t.layers) == ARCHS[spec]["layers"] + 2
+    L = ARCHS[spec]["layers"]
+    assert len(t.layers) == L + 2
     assert [lay.name for lay in t.layers] == NAMES[spec]
-    assert [lay.kind for lay in t.layers] == ["pre", "block", "block", "post"]
-    assert t.layers[1].signature == t.layers[2].signature
-    assert t.model["layers"] == 2 and t.model["hidden"] == 64 and t.model["vocab"] == 128
+    assert [lay.kind for lay in t.layers] == ["pre"] + ["block"] * L + ["post"]
+    assert len({lay.signature for lay in t.layers[1:-1]}) == 1
+    assert t.model["layers"] == L and t.model["hidden"] == 64 and t.model["vocab"] == 128
     assert t.fixed == {}
     # every cost is a polynomial in b and s only
     for lay in t.layers:
@@ -75,21 +83,16 @@ def test_block_container_is_found_generically():
         m = build_model(spec, device="meta", **ARCHS[spec]).model
         container, blocks = find_block_container(m)
         assert container == path
-        assert blocks == [f"{path}.0", f"{path}.1"]
+        assert blocks == [f"{path}.{j}" for j in range(ARCHS[spec]["layers"])]
 
 
 def test_shallow_trace_expands_to_the_full_trace():
-    kw = dict(layers=5, **TINY)
-    tr = trace_model("gpt", batch=2, seq_len=32, **kw)
-    assert tr.shallow and tr.layers == 5 and tr.block_paths == ["blocks.0", "blocks.1"]
+    tr, shallow = traced_table("gpt")
+    assert tr.shallow and tr.layers == 3 and tr.block_paths == ["blocks.0", "blocks.1"]
     assert sum(1 for n in tr.gm.graph.nodes if "scaled_dot_product" in str(n.target)) == 2
-    shallow = build_layer_table("gpt", batch=2, seq_len=32, **kw)
-    full = build_layer_table("gpt", batch=2, seq_len=32, shallow=False, **kw)
-    assert [lay.name for lay in full.layers] == ["embed"] + [f"blocks.{j}" for j in range(5)] \
-        + ["head"]
+    full = build_layer_table("gpt", batch=2, seq_len=32, shallow=False, **ARCHS["gpt"])
     assert_rows_equal(shallow, full)
     assert shallow.model["params"] == full.model["params"]
-    assert len({lay.signature for lay in full.layers[1:-1]}) == 1
 
 
 @pytest.mark.parametrize("spec", ["gpt", "hf:llama"])
@@ -230,7 +233,7 @@ def test_bad_sizes_are_user_errors():
 
 
 def test_gpt_trace_is_on_meta_and_lifts_parameters():
-    tr = trace_model("gpt", batch=2, seq_len=32, **ARCHS["gpt"])
+    tr, _table = traced_table("gpt")
     ph = [n for n in tr.gm.graph.nodes if n.op == "placeholder"]
     roles = [tr.roles[n.name] for n in ph]
     assert roles.count("input") == 2 and roles.count("param") == len(ph) - 2
