@@ -32,7 +32,9 @@ TIME_LABELS = {
 
 
 def format_seconds(x: float) -> str:
-    """``0.0123`` -> ``12.3 ms``; ``2.5`` -> ``2.50 s``."""
+    """``0.0123`` -> ``12.3 ms``; ``2.5`` -> ``2.50 s``; ``0`` -> ``0``."""
+    if x == 0:
+        return "0"
     if x < 1e-3:
         return f"{x * 1e6:.1f} us"
     if x < 1.0:
@@ -61,7 +63,8 @@ def compress_ranges(indices) -> str:
     return ", ".join(out)
 
 
-def _context(part: str, c) -> str:
+def _context(part: str, ev) -> str:
+    c = ev.strategy.candidate
     if part == "pp_bubble":
         return f"pp={c.pp} with {c.num_micro_batches} micro-batches"
     if part == "tp_comm":
@@ -71,13 +74,15 @@ def _context(part: str, c) -> str:
     if part == "optimizer":
         return f"ZeRO-{c.zero_stage} {'shards' if c.zero_stage else 'does not shard'} the AdamW step over dp={c.dp}"
     if part == "compute":
-        return f"tp={c.tp}, pp={c.pp}: more replicated work per device"
+        if c.pp > 1:
+            a, b = ev.stages[ev.bottleneck_stage].first, ev.stages[ev.bottleneck_stage].last
+            return f"its slowest of {c.pp} stages holds rows {a}-{b}"
+        return f"tp={c.tp}: work tensor parallelism does not split runs on every device"
     return ""
 
 
 def alternative_reason(best, alt) -> str:
     """Why ``alt`` (an :class:`~planner.strategy.Evaluation`) lost to ``best``, in one line."""
-    c = alt.strategy.candidate
     d = alt.step_time_s - best.step_time_s
     if d <= best.step_time_s * 1e-9:
         mb, ma = best.memory["total"], alt.memory["total"]
@@ -92,7 +97,7 @@ def alternative_reason(best, alt) -> str:
         n = len(alt.strategy.checkpoint)
         text += f" ({n} layer{'s' if n != 1 else ''} recomputed to fit in memory)"
     else:
-        ctx = _context(part, c)
+        ctx = _context(part, alt)
         text += f" ({ctx})" if ctx else ""
     return text
 
@@ -103,6 +108,9 @@ def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[str
 
     rows = [("mesh", f"rank = (pp_i x {dp} + dp_i) x {tp} + tp_i; node = rank // {gpus_per_node}")]
     for axis, stride, n in (("tp", 1, tp), ("dp", tp, dp), ("pp", dp * tp, pp)):
+        if n == 1:
+            rows.append((f"{axis.upper()} groups", f"none ({axis}=1)"))
+            continue
         pl = axis_placement(axis, dp, tp, pp, gpus_per_node)
         where = "inside one node (NVLink)" if pl.nodes == 1 else f"spans {pl.nodes} nodes ({pl.ranks_per_node} per node)"
         rows.append((f"{axis.upper()} groups", f"{n} ranks, stride {stride}: {where}"))

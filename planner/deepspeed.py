@@ -1,0 +1,103 @@
+"""``planner export deepspeed plan.json``: the equivalent DeepSpeed configuration and launch line.
+
+Mapping (DeepSpeed's names on the left):
+
+- ``train_batch_size`` = ``global_batch`` = ``train_micro_batch_size_per_gpu`` (the plan's
+  micro-batch size) x ``gradient_accumulation_steps`` (the plan's micro-batch count) x the
+  data-parallel degree. DeepSpeed checks this identity, so it holds by construction.
+- ``zero_optimization.stage`` = the plan's ZeRO stage, with communication overlap and contiguous
+  gradients on (what our runtime does with its per-layer buffers).
+- ``bf16`` / ``fp16`` from the dtype; fp16 gets the dynamic loss scaler our runtime uses (initial
+  scale 2^16, window 1000, hysteresis 2, minimum 1).
+- ``activation_checkpointing``: DeepSpeed's settings for ``deepspeed.checkpointing``; which
+  layers to wrap is the model code's choice, so the layer list is given in ``planner``.
+- ``pipeline.stages`` = ``pp``. DeepSpeed's partitioner cannot take explicit boundaries, so
+  ``pipeline.partition`` is ``uniform`` when the plan's stages hold equal numbers of layers (to
+  within one) and ``parameters`` otherwise, and the exact boundaries are listed in
+  ``planner.stage_boundaries`` for a custom ``PipelineModule``. The tensor-parallel degree goes to
+  Megatron-DeepSpeed's ``--tensor-model-parallel-size``.
+
+DeepSpeed's pipeline engine runs only ZeRO stages 0 and 1; a plan with ``pp > 1`` and ZeRO 2 or
+3 is exported with ``planner.warnings`` saying so. The ``planner`` block is provenance for the
+reader (DeepSpeed ignores keys it does not know).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+__all__ = ["to_deepspeed", "launcher_command"]
+
+
+def to_deepspeed(plan) -> dict:
+    """The ds_config dictionary equivalent to ``plan`` (see the module docstring)."""
+    ckpt = list(plan.checkpoint_layers)
+    sizes = [b - a + 1 for a, b in plan.stages]
+    names = plan.model.layer_names or []
+    warnings: list[str] = []
+    if plan.pp > 1 and plan.zero_stage >= 2:
+        warnings.append(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; this plan uses "
+                        f"ZeRO-{plan.zero_stage} with pp={plan.pp}. Use --zero-stage 1 when planning for "
+                        "DeepSpeed, or run it on planner's runtime.")
+    if plan.tp > 1:
+        warnings.append(f"Tensor parallelism (tp={plan.tp}) needs Megatron-DeepSpeed "
+                        f"(--tensor-model-parallel-size {plan.tp}); plain DeepSpeed has no TP for training.")
+    zero: dict = {"stage": plan.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
+    if plan.zero_stage >= 2:
+        zero["reduce_scatter"] = True
+    if plan.zero_stage == 3:
+        zero["stage3_prefetch_bucket_size"] = "auto"
+    cfg = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_micro_batches,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.dtype == "bf16"},
+        "fp16": {"enabled": plan.dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "activation_checkpointing": {"partition_activations": plan.tp > 1 and bool(ckpt),
+                                     "contiguous_memory_optimization": False,
+                                     "number_checkpoints": len(ckpt),
+                                     "synchronize_checkpoint_boundary": False, "profile": False},
+        "pipeline": {"stages": plan.pp, "partition": "uniform" if max(sizes) - min(sizes) <= 1 else "parameters",
+                     "seed_layers": False,
+                     "activation_checkpoint_interval": 1 if ckpt else 0},
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "planner": {
+            "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
+            "stage_boundaries": [list(s) for s in plan.stages],
+            "stage_layers": [[names[a] if a < len(names) else str(a), names[b] if b < len(names) else str(b)]
+                             for a, b in plan.stages],
+            "checkpoint_layers": ckpt,
+            "checkpoint_layer_names": [names[i] for i in ckpt if i < len(names)],
+            "predicted_step_time_s": plan.predicted.step_time_s,
+            "warnings": warnings,
+        },
+    }
+    dp_world = plan.dp
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * \
+        cfg["gradient_accumulation_steps"] * dp_world, "plan invariant broken"
+    return cfg
+
+
+def launcher_command(plan, config_path: str = "ds_config.json", script: str = "train.py") -> str:
+    """The ``deepspeed`` launch line for ``plan`` (``script`` is the user's training script).
+
+    One process per device: ``--num_nodes`` nodes of ``--num_gpus`` devices (a hostfile names
+    the nodes when there are several); Megatron-DeepSpeed's parallel sizes are appended when
+    the plan uses tensor or pipeline parallelism.
+    """
+    gpn = plan.hardware.gpus_per_node
+    nodes = math.ceil(plan.hardware.gpus / gpn)
+    per_node = min(gpn, plan.hardware.gpus)
+    parts = ["deepspeed"]
+    if nodes > 1:
+        parts += ["--hostfile", "hostfile"]
+    parts += ["--num_nodes", str(nodes), "--num_gpus", str(per_node), script, "--deepspeed",
+              "--deepspeed_config", config_path]
+    if plan.tp > 1 or plan.pp > 1:
+        parts += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    return " ".join(shlex.quote(p) for p in parts)

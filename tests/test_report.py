@@ -1,0 +1,149 @@
+"""What the user sees: the rich report, the Gantt/memory plot and the DeepSpeed export."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from cost_models.hardware import load_hardware
+from planner.deepspeed import launcher_command, to_deepspeed
+from planner.ilp import plan_strategy
+from planner.plan import Plan, load_plan, save_plan
+from planner.plot import plot_plan, stage_times
+from planner.report import alternative_reason, compress_ranges, format_bytes, format_seconds, rank_layout, render_plan
+from planner.request import PlanRequest
+from test_strategy import gpt_table
+
+HW = load_hardware("a100-80gb", 8)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    table = gpt_table(layers=12, hidden=2048, heads=16, vocab=32000)
+    req = PlanRequest(spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=128,
+                      seq_len=2048, pp=4, tp=2, sizes={"layers": 12})
+    return plan_strategy(req, table, HW)
+
+
+def _render(plan) -> str:
+    buf = io.StringIO()
+    render_plan(plan, HW, Console(file=buf, width=220, color_system=None))
+    return buf.getvalue()
+
+
+def test_report_shows_every_part(plan):
+    out = _render(plan)
+    for text in ("dp=4  tp=2  pp=4", "ZeRO stage", f"{plan.num_micro_batches} micro-batches of "
+                 f"{plan.micro_batch_size}", "Pipeline stages", "params", "grads", "optimizer", "activations",
+                 "capacity", "80.00 GiB", "compute (forward + backward)", "recompute", "TP all-reduces",
+                 "pipeline bubble", "DP / ZeRO communication", "optimizer step", "tokens / s",
+                 "TFLOP/s per device", "MFU", "Runners-up", "ILPs solved"):
+        assert text in out, text
+    assert format_seconds(plan.predicted.step_time_s) in out
+    for a in plan.alternatives:
+        assert a.reason[:40] in out
+    tokens = plan.global_batch * plan.seq_len / plan.predicted.step_time_s
+    assert f"{tokens:,.0f}" in out
+
+
+def test_report_renders_a_plan_loaded_from_json(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    loaded = load_plan(str(path))
+    out = _render(loaded)
+    assert "Pipeline stages" in out and "micro-step" not in out  # no per-stage costs on disk
+    assert "ILPs solved" not in out and "candidates" in out
+
+
+def test_rank_layout_maps_ranks_to_nodes():
+    rows = dict(rank_layout(dp=4, tp=2, pp=4, gpus_per_node=8))
+    assert rows["TP groups"] == "2 ranks, stride 1: inside one node (NVLink)"
+    assert rows["DP groups"] == "4 ranks, stride 2: inside one node (NVLink)"
+    assert rows["PP groups"].startswith("4 ranks, stride 8: spans 4 nodes")
+    assert rows["stage 1"] == "ranks 8-15 on node 1"
+    rows = dict(rank_layout(dp=16, tp=1, pp=1, gpus_per_node=8))
+    assert rows["TP groups"] == "none (tp=1)" and rows["stage 0"] == "ranks 0-15 on nodes 0-1"
+
+
+def test_alternative_reasons_name_the_part_that_grew(plan):
+    best = plan.evaluation
+    for alt in plan.search.alternatives(3):
+        text = alternative_reason(best, alt)
+        pct = (alt.step_time_s - best.step_time_s) / best.step_time_s
+        assert text.startswith(f"{pct:.1%} slower") or text.startswith("ties")
+    same = alternative_reason(best, best)
+    assert same.startswith("ties on step time")
+
+
+def test_formatting_helpers():
+    assert compress_ranges([3, 1, 2, 7, 9, 8]) == "1-3, 7-9"
+    assert format_seconds(0.0123) == "12.3 ms" and format_seconds(2.5) == "2.50 s" and format_seconds(0) == "0"
+    assert format_bytes(3 * 2**30) == "3.00 GiB" and format_bytes(512) == "512 B"
+
+
+def test_plot_writes_a_png_with_per_stage_times(plan, tmp_path):
+    fwd, bwd, tail, exact = stage_times(plan)
+    assert exact and len(fwd) == plan.pp
+    for k, st in enumerate(plan.evaluation.stages):
+        assert fwd[k] + bwd[k] == pytest.approx(st.micro_step_s)
+    out = plot_plan(plan, str(tmp_path / "sub" / "plan.png"), hw=HW)
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_from_a_loaded_plan_uses_totals(plan, tmp_path):
+    loaded = Plan.from_dict(json.loads(plan.to_json()))
+    fwd, bwd, tail, exact = stage_times(loaded)
+    assert not exact and len(set(fwd)) == 1 and bwd[0] == pytest.approx(2 * fwd[0])
+    m, p = loaded.num_micro_batches, loaded.pp
+    assert (m + p - 1) * (fwd[0] + bwd[0]) + tail[0] == pytest.approx(loaded.predicted.step_time_s)
+    plot_plan(loaded, str(tmp_path / "loaded.png"))
+    assert (tmp_path / "loaded.png").stat().st_size > 1000
+
+
+def test_deepspeed_config_matches_the_plan(plan):
+    cfg = to_deepspeed(plan)
+    assert cfg["train_batch_size"] == plan.global_batch
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * plan.dp == plan.global_batch
+    assert cfg["gradient_accumulation_steps"] == plan.num_micro_batches
+    assert cfg["zero_optimization"]["stage"] == plan.zero_stage
+    assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    assert cfg["pipeline"]["stages"] == plan.pp
+    assert cfg["planner"]["stage_boundaries"] == plan.stages
+    assert cfg["activation_checkpointing"]["number_checkpoints"] == len(plan.checkpoint_layers)
+    assert any("Megatron-DeepSpeed" in w for w in cfg["planner"]["warnings"])  # tp = 2
+    json.dumps(cfg)  # serializable
+
+
+def test_deepspeed_flags_zero_with_pipeline_and_fp16(plan):
+    p = dataclasses.replace(plan, zero_stage=3, dtype="fp16")
+    cfg = to_deepspeed(p)
+    assert cfg["fp16"]["enabled"] and cfg["fp16"]["initial_scale_power"] == 16 and not cfg["bf16"]["enabled"]
+    assert any("ZeRO stage 0 or 1 only" in w for w in cfg["planner"]["warnings"])
+
+
+def test_launcher_command(plan):
+    cmd = launcher_command(plan, "out/ds_config.json")
+    assert cmd == ("deepspeed --hostfile hostfile --num_nodes 4 --num_gpus 8 train.py --deepspeed "
+                   "--deepspeed_config out/ds_config.json --tensor-model-parallel-size 2 "
+                   "--pipeline-model-parallel-size 4")
+    one = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, gpus=4, gpus_per_node=8),
+                              dp=4, tp=1, pp=1, stages=[[0, 13]], num_micro_batches=32, micro_batch_size=1)
+    assert launcher_command(one) == ("deepspeed --num_nodes 1 --num_gpus 4 train.py --deepspeed "
+                                     "--deepspeed_config ds_config.json")
+
+
+def test_export_deepspeed_through_the_cli(plan, tmp_path, capsys):
+    from planner.cli import main
+
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    out = tmp_path / "ds.json"
+    assert main(["export", "deepspeed", str(path), "--out", str(out)]) == 0
+    cfg = json.loads(out.read_text())
+    assert cfg["train_batch_size"] == plan.global_batch
+    assert "deepspeed --hostfile hostfile" in capsys.readouterr().out
