@@ -42,12 +42,13 @@ Rules (the walk is in graph order)
   compile time; a clear error otherwise).
 
 Anything a sharded value meets that is not covered above (a norm or reduction over the sharded
-dim, a residual add with a full tensor, a layer boundary, the graph output) is a *conflict*. The
-column-parallel matmuls and vocab-parallel embeddings that started the conflicting region are then
-made replicated and the analysis restarts (e.g. a BERT MLM transform ``dense -> gelu -> LayerNorm``
-stays replicated), like ``passes.tensor_parallel``. A conflict no such fallback can avoid, and
-every size that ``t`` does not divide (heads, kv heads, ffn, hidden), is an error naming the node,
-its source line and the model's dims: never silently wrong math.
+dim, a residual add with a full tensor, a layer boundary, the graph output) is a *conflict*: the
+column-parallel matmuls and vocab-parallel embeddings that started the region are made replicated
+and the analysis restarts (a BERT MLM transform ``dense -> gelu -> LayerNorm`` stays replicated),
+as in ``passes.tensor_parallel``. Once the regions are settled, a final pass checks that ``t``
+divides every size of the regions that stay sharded (heads, kv heads, ffn, hidden). An unavoidable
+conflict or an indivisible size is an error naming the node, its module, source line and the
+model's dims: never silently wrong math.
 
 Parameter shapes: the sharded parameters of ``gm`` (which lives on meta) are replaced by meta
 parameters of the *shard* shape, so ``codegen.lower`` writes shard shapes into each generated
@@ -71,18 +72,28 @@ import torch.fx as fx
 from passes.common import source_line
 from planner.errors import UserError
 
-__all__ = ["build_tp_rewrite", "TPRewriteError", "TPAnalysis", "analyze_tp"]
+__all__ = ["build_tp_rewrite", "TPRewriteError", "TPAnalysis", "Sharded", "analyze_tp", "reshape_shard",
+           "local_size"]
 
 aten = torch.ops.aten
 
 _IGNORED = {aten._assert_tensor_metadata.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PASSTHROUGH = {"dropout", "to", "_to_copy", "contiguous", "alias", "detach", "clone", "type_as",
                 "lift_fresh_copy"}
-_REDUCE_DIMS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp"}
-_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"}
-_NORMS = {"layer_norm": 1, "rms_norm": 1}  # op -> index of the normalized_shape argument
 _REDUCTIONS = {"mean": 1, "sum": 2, "none": 0}
+# Op (overload, or name) with a sharded input -> _Analyzer method; other ops must be pointwise.
+_HANDLERS = {
+    aten.scaled_dot_product_attention.default: "attention", aten.cross_entropy_loss.default: "loss",
+    aten.view.default: "view", aten._unsafe_view.default: "view", aten.reshape.default: "view",
+    aten.flatten.using_ints: "view", aten.unflatten.int: "view", aten.expand.default: "expand",
+    aten.slice.Tensor: "slice", aten.select.int: "slice", aten.cat.default: "cat",
+    aten.split.Tensor: "split", aten.split_with_sizes.default: "split", aten.chunk.default: "split",
+    aten.matmul.default: "act_matmul", aten.bmm.default: "act_matmul",
+    **{k: "layout" for k in ("transpose", "t", "permute", "unsqueeze", "squeeze")},
+    **{k: "softmax" for k in ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax")},
+    **{k: "reduce" for k in ("mean", "sum", "amax", "amin", "var", "std", "logsumexp")},
+    "layer_norm": "norm", "rms_norm": "norm",
+}
 
 
 class TPRewriteError(UserError):
@@ -121,7 +132,7 @@ class TPAnalysis:
     state: dict = field(default_factory=dict)
     """Node -> ``Sharded`` | None (replicated) | list of those (multi-output ops)."""
     actions: dict = field(default_factory=dict)
-    """Node name -> (kind, payload): col, row, view, expand, unflatten, split, embed, loss."""
+    """Node name -> (kind, payload): col, row, size (a size argument), split, embed, loss."""
     enter: dict = field(default_factory=dict)
     """Node name -> argument positions (flat) of replicated tensors that enter a sharded op."""
     shard_info: dict = field(default_factory=dict)
@@ -241,36 +252,25 @@ class _Analyzer:
         self.data: set[fx.Node] = set()
         self.tags: dict[str, set] = {}  # origin node name -> {"heads", "loss", ("parts", ...)}
         self.param_uses: dict[str, list] = {}  # fqn -> [(user name, spec | None)]
+        self.col_out: dict[str, int] = {}  # column-parallel matmul -> its output features
 
     # ------------------------------------------------------------------ helpers
     def st(self, a):
         return self.a.state.get(a) if isinstance(a, fx.Node) else None
 
     def conflict(self, n, why, *args):
-        org = frozenset()
-        for x in args:
-            s = self.st(x)
-            for e in (s if isinstance(s, list) else [s]):
-                if isinstance(e, Sharded):
-                    org |= e.origins
-        raise _Conflict(org, n, why)
+        states = [e for x in args for e in (self.st(x) if isinstance(self.st(x), list) else [self.st(x)])]
+        raise _Conflict(frozenset().union(*[e.origins for e in states if isinstance(e, Sharded)]), n, why)
 
     def fail(self, n, why, hint="Choose a tp that divides these sizes."):
-        """A size tp does not divide: an error if this region stays sharded (strict pass).
-
-        The first passes only settle which regions fall back to replicated; sizes are checked
-        in the final, strict pass, so a matmul that is replicated anyway does not need them.
-        """
-        if not self.strict:
-            return
-        dims = self.ctx["dims"]
-        raise TPRewriteError(f"tensor parallelism (tp={self.tp}) at {_where(n)}: {why} "
-                             f"(model dims: {dims}). {hint}")
+        """A size tp does not divide: an error in the strict pass (the region stays sharded)."""
+        if self.strict:
+            raise TPRewriteError(f"tensor parallelism (tp={self.tp}) at {_where(n)}: {why} "
+                                 f"(model dims: {self.ctx['dims']}). {hint}")
 
     def set(self, n, s):
         self.a.state[n] = s
-        shards = [e for e in (s if isinstance(s, list) else [s]) if isinstance(e, Sharded)]
-        if not shards:
+        if not any(isinstance(e, Sharded) for e in (s if isinstance(s, list) else [s])):
             return
         for u in n.users:
             if u.op == "output":
@@ -281,6 +281,7 @@ class _Analyzer:
                               f"{self.layer_of(u)}", n)
 
     def tag(self, s: Sharded, t):
+        """Note what the region of ``s`` turned out to be (heads, loss, fused parts)."""
         for o in s.origins:
             self.tags.setdefault(o, set()).add(t)
 
@@ -288,13 +289,10 @@ class _Analyzer:
         self.param_uses.setdefault(self.params[p], []).append((user.name, spec))
 
     def shard_of(self, n, full: int, dim: int, origins=frozenset(), allow_pad=False) -> Sharded:
-        if full % self.tp:
-            if not allow_pad:
-                self.fail(n, f"this column-parallel matmul has {full} output features, which "
-                          f"tp={self.tp} does not divide")
-                return Sharded(dim, math.ceil(full / self.tp), full, origins)
-            return Sharded(dim, math.ceil(full / self.tp), full, origins, True)
-        return Sharded(dim, full // self.tp, full, origins)
+        if full % self.tp and not allow_pad:
+            self.fail(n, f"this column-parallel matmul has {full} output features, which "
+                      f"tp={self.tp} does not divide")
+        return Sharded(dim, math.ceil(full / self.tp), full, origins, bool(full % self.tp and allow_pad))
 
     # ------------------------------------------------------------------ the walk
     def run(self) -> TPAnalysis:
@@ -308,12 +306,12 @@ class _Analyzer:
                 self.rg[n] = False
                 self.set(n, None)
             elif n.op == "call_function":
-                ins = [a for a in n.all_input_nodes]
+                ins = n.all_input_nodes
                 if any(a in self.data for a in ins):
                     self.data.add(n)
-                v = _val(n)
-                self.rg[n] = isinstance(v, torch.Tensor) and v.is_floating_point() and \
-                    any(self.rg.get(a, False) for a in ins)
+                vals = _val(n) if isinstance(_val(n), (list, tuple)) else [_val(n)]
+                floats = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+                self.rg[n] = floats and any(self.rg.get(a, False) for a in ins)
                 if n.target in _IGNORED:
                     self.set(n, None)
                     continue
@@ -343,38 +341,12 @@ class _Analyzer:
         for a in n.all_input_nodes:
             if a in self.params and not isinstance(self.st(a), Sharded):
                 self.use(a, n, None)
-        if t is aten.scaled_dot_product_attention.default:
-            return self.attention(n)
-        if t is aten.cross_entropy_loss.default:
-            return self.loss(n)
-        if t in _VIEWS:
-            return self.view(n, ("view", 1))
-        if t is aten.flatten.using_ints:
-            return self.view(n, None)
-        if t is aten.unflatten.int:
-            return self.unflatten(n)
-        if t in (aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
-                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-            return self.layout(n, name)
-        if t is aten.expand.default:
-            return self.expand(n)
-        if t in (aten.slice.Tensor, aten.select.int):
-            return self.slice(n)
-        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-            return self.split(n)
-        if t is aten.cat.default:
-            return self.cat(n)
-        if t in (aten.matmul.default, aten.bmm.default):
-            return self.act_matmul(n)
-        if name in _SOFTMAX:
-            return self.softmax(n)
-        if name in _REDUCE_DIMS and len(n.args) > 1:
-            return self.reduce(n)
-        if name in _NORMS:
-            return self.norm(n, _NORMS[name])
-        if name in _PASSTHROUGH or torch.Tag.pointwise in getattr(t, "tags", ()):
-            return self.pointwise(n)
-        self.conflict(n, f"{name} is not known to be safe on a tensor-parallel shard", *sharded)
+        handler = _HANDLERS.get(t) or _HANDLERS.get(name)
+        if handler is None and (name in _PASSTHROUGH or torch.Tag.pointwise in getattr(t, "tags", ())):
+            handler = "pointwise"
+        if handler is None or (handler == "reduce" and len(n.args) < 2):
+            self.conflict(n, f"{name} is not known to be safe on a tensor-parallel shard", *sharded)
+        getattr(self, handler)(n)
 
     # ------------------------------------------------------------------ handlers
     def matmul(self, n) -> bool:
@@ -398,24 +370,20 @@ class _Analyzer:
         if b is not None and not (isinstance(b, fx.Node) and b in self.params):
             return False
         s = self.st(x)
-        fqn_w = self.params[w]
         if s is None:
-            if n.name in self.banned:
-                self.use(w, n, None)
-                if b is not None:
-                    self.use(b, n, None)
+            out = _shape(w)[out_dim]
+            col = n.name not in self.banned
+            self.use(w, n, ("col", out_dim, out) if col else None)
+            if b is not None:
+                self.use(b, n, ("col", 0, out) if col else None)
+            if not col:
                 self.set(n, None)
                 return True
-            out = _shape(w)[out_dim]
-            vocab = self.ctx.get("vocab")
-            out_s = self.shard_of(n, out, len(_shape(n)) - 1, frozenset([n.name]),
-                                  allow_pad=(out == vocab))
             self.a.actions[n.name] = ("col", t)
-            self.a.enter[n.name] = [(0, None) if t is not aten.addmm.default else (1, None)]
-            self.use(w, n, ("col", out_dim, out))
-            if b is not None:
-                self.use(b, n, ("col", 0, out))
-            self.set(n, out_s)
+            self.col_out[n.name] = out
+            self.a.enter[n.name] = [(1 if t is aten.addmm.default else 0, None)]
+            self.set(n, self.shard_of(n, out, len(_shape(n)) - 1, frozenset([n.name]),
+                                      allow_pad=(out == self.ctx.get("vocab"))))
             return True
         if not isinstance(s, Sharded):
             return False
@@ -432,21 +400,18 @@ class _Analyzer:
 
     def embedding(self, n):
         w, ids = n.args[0], n.args[1]
-        rest = list(n.args[2:]) + list(n.kwargs.values())
+        opts = dict(zip(("padding_idx", "scale_grad_by_freq", "sparse"), n.args[2:]))
+        opts.update(n.kwargs)
         if isinstance(self.st(ids), Sharded):
             self.conflict(n, "embedding indices are sharded", ids)
         vocab = self.ctx.get("vocab")
         ok = (isinstance(w, fx.Node) and w in self.params and ids in self.data
               and _shape(w) and _shape(w)[0] == vocab and n.name not in self.banned
-              and all(r in (False,) for r in rest[1:]))
-        if not ok:
-            if isinstance(w, fx.Node) and w in self.params:
-                self.use(w, n, None)
-            return self.set(n, None)
-        pad_idx = rest[0] if rest else -1
-        per = math.ceil(vocab / self.tp)
-        self.a.actions[n.name] = ("embed", (per, pad_idx))
-        self.use(w, n, ("vocab", 0, vocab))
+              and not opts.get("scale_grad_by_freq", False) and not opts.get("sparse", False))
+        if isinstance(w, fx.Node) and w in self.params:
+            self.use(w, n, ("vocab", 0, vocab) if ok else None)
+        if ok:
+            self.a.actions[n.name] = ("embed", (math.ceil(vocab / self.tp), opts.get("padding_idx", -1)))
         self.set(n, None)
 
     def attention(self, n):
@@ -464,7 +429,7 @@ class _Analyzer:
         for s in ss:
             self.tag(s, "heads")
         self.a.enter[n.name] = self.entering(n)
-        self.set(n, Sharded(hd, ss[0].local, ss[0].full, ss[0].origins | ss[1].origins | ss[2].origins))
+        self.set(n, Sharded(hd, ss[0].local, ss[0].full, frozenset().union(*[s.origins for s in ss])))
 
     def loss(self, n):
         logits, target = n.args[0], n.args[1]
@@ -482,7 +447,8 @@ class _Analyzer:
         self.a.actions[n.name] = ("loss", (s.local, s.full, red, extra.get("ignore_index", -100)))
         self.set(n, None)
 
-    def view(self, n, where):
+    def view(self, n):
+        """view / reshape / flatten / unflatten: see ``reshape_shard``; rewrite the size list."""
         x = n.args[0]
         s = self.st(x)
         src, dst = _shape(x), _shape(n)
@@ -496,19 +462,16 @@ class _Analyzer:
                           + (" (or reshapes the padded vocabulary)" if s.padded else ""), x)
         d_out, local = m
         out = s.at(d_out) if s.padded else Sharded(d_out, local, dst[d_out], s.origins)
-        if where is not None:
-            self.a.actions[n.name] = (where[0], (where[1], d_out, out.local))
+        if n.target is aten.unflatten.int:
+            dim = n.args[1] % len(src)
+            if dim <= d_out < dim + len(n.args[2]):
+                self.a.actions[n.name] = ("size", (2, d_out - dim, out.local))
+        elif n.target is not aten.flatten.using_ints:
+            self.a.actions[n.name] = ("size", (1, d_out, out.local))
         self.set(n, out)
 
-    def unflatten(self, n):
-        x, dim, sizes = n.args[0], n.args[1], n.args[2]
-        self.view(n, None)
-        out = self.st(n)
-        dim = dim % len(_shape(x))
-        if dim <= out.dim < dim + len(sizes):
-            self.a.actions[n.name] = ("unflatten", (2, out.dim - dim, out.local))
-
-    def layout(self, n, name):
+    def layout(self, n):
+        name = _opname(n)
         x = n.args[0]
         s = self.st(x)
         nd = len(_shape(x))
@@ -523,20 +486,18 @@ class _Analyzer:
         elif name == "unsqueeze":
             k = n.args[1] % (nd + 1)
             d = d + 1 if k <= d else d
-        else:  # squeeze
-            if s.local == 1 and (len(n.args) == 1 or s.dim in
-                                 [k % nd for k in (n.args[1] if isinstance(n.args[1], (list, tuple))
-                                                   else [n.args[1]])]):
+        else:  # squeeze: a shard of one entry (size > 1 when traced) must not be squeezed away
+            dims = n.args[1] if len(n.args) > 1 else range(nd)
+            if s.local == 1 and s.dim in [k % nd for k in (dims if not isinstance(dims, int) else [dims])]:
                 self.conflict(n, "squeeze would drop the sharded dim (one entry per rank)", x)
-            g = _groups(_shape(x), _shape(n), s.dim)
-            d = g[1][0]
+            d = _groups(_shape(x), _shape(n), s.dim)[1][0]
         self.set(n, s.at(d))
 
     def expand(self, n):
         x = n.args[0]
         s = self.st(x)
         d = s.dim + len(_shape(n)) - len(_shape(x))
-        self.a.actions[n.name] = ("expand", (1, d, s.local))
+        self.a.actions[n.name] = ("size", (1, d, s.local))
         self.set(n, s.at(d))
 
     def slice(self, n):
@@ -544,13 +505,9 @@ class _Analyzer:
         s = self.st(x)
         nd = len(_shape(x))
         dim = (n.args[1] if len(n.args) > 1 else 0) % nd
-        if dim == s.dim:
-            whole = n.target is aten.slice.Tensor and _shape(n)[dim] == _shape(x)[dim]
-            if not whole:
-                self.conflict(n, "slicing along the sharded dim", x)
-            return self.set(n, s)
-        d = s.dim - 1 if (n.target is aten.select.int and dim < s.dim) else s.dim
-        self.set(n, s.at(d))
+        if dim == s.dim and not (n.target is aten.slice.Tensor and _shape(n)[dim] == _shape(x)[dim]):
+            self.conflict(n, "slicing along the sharded dim", x)
+        self.set(n, s.at(s.dim - 1 if (n.target is aten.select.int and dim < s.dim) else s.dim))
 
     def split(self, n):
         x = n.args[0]
@@ -564,9 +521,10 @@ class _Analyzer:
         if s.padded or any(p % self.tp for p in pieces):
             self.fail(n, f"the fused projection splits {s.full} features into {pieces}, which "
                       f"tp={self.tp} does not divide")
-        if n.target is aten.split.Tensor and s.full % n.args[1]:
-            self.conflict(n, "uneven split of the sharded dim", x)
-        if not self.ctx["fused_ok"]:
+        if any(self.col_out.get(o) != s.full for o in s.origins):
+            self.conflict(n, "a split of the sharded dim that is not the output features of the "
+                          "projection that produced it", x)
+        if not self.ctx["fused_ok"]():
             self.fail(n, "this fused projection (e.g. GPT-2's c_attn, split into q, k, v) needs the "
                       "runtime to load 'qkv' shards (runtime.compiled._shard and "
                       "runtime.checkpoint_io._join_tp with a 'parts' list); this runtime does not",
@@ -583,13 +541,11 @@ class _Analyzer:
         nd = len(_shape(n))
         dim = (n.args[1] if len(n.args) > 1 else 0) % nd
         ss = [self.st(p) for p in parts]
-        first = ss[0]
-        if not all(isinstance(s, Sharded) and (s.dim, s.local, s.full) == (first.dim, first.local, first.full)
-                   for s in ss) or dim == first.dim:
-            self.conflict(n, "cat of tensors that are not all sharded alike, or along the sharded dim",
-                          *parts)
-        org = frozenset().union(*[s.origins for s in ss])
-        self.set(n, Sharded(first.dim, first.local, first.full, org, first.padded))
+        f = ss[0]
+        if dim == f.dim or not all(isinstance(s, Sharded) and (s.dim, s.local, s.full) == (f.dim, f.local, f.full)
+                                   for s in ss):
+            self.conflict(n, "cat of tensors not all sharded alike, or along the sharded dim", *parts)
+        self.set(n, Sharded(f.dim, f.local, f.full, frozenset().union(*[s.origins for s in ss]), f.padded))
 
     def act_matmul(self, n):
         a, b = n.args[0], n.args[1]
@@ -622,10 +578,10 @@ class _Analyzer:
         d = s.dim if keep else s.dim - sum(1 for k in dims if k < s.dim)
         self.set(n, s.at(d))
 
-    def norm(self, n, k):
+    def norm(self, n):
         x = n.args[0]
         s = self.st(x)
-        normed = len(n.args[k])
+        normed = len(n.args[1])
         if s.dim >= len(_shape(x)) - normed or any(isinstance(self.st(a), Sharded) for a in n.args[1:]):
             self.conflict(n, "normalization over the sharded dim", x)
         self.a.enter[n.name] = self.entering(n)
@@ -685,27 +641,29 @@ def _spec(kind_tag: str, dim: int, size: int, tp: int, tags: set, vocab) -> dict
 
 
 def _fused_supported() -> bool:
-    """Does this runtime cut and join ``qkv`` shards (``[q_r; k_r; v_r]``)?"""
+    """Does this runtime cut and join ``qkv`` shards (``[q_r; k_r; v_r]``)? Probed on 12 rows."""
+    full, spec = torch.arange(12.0).view(12, 1), {"dim": 0, "kind": "qkv", "parts": [4, 4, 4], "size": 12}
     try:
         from runtime.checkpoint_io import _join_tp
         from runtime.compiled import _shard
-    except ImportError:
-        return False
-    full = torch.arange(12.0).view(12, 1)
-    spec = {"dim": 0, "kind": "qkv", "parts": [4, 4, 4], "size": 12}
-    try:
+
         pieces = [_shard(full, spec, r, 2) for r in range(2)]
-        want0 = torch.tensor([0.0, 1, 4, 5, 8, 9]).view(6, 1)
-        return torch.equal(pieces[0], want0) and torch.equal(_join_tp(pieces, spec), full)
-    except Exception:  # an older runtime that does not know the kind
+        return pieces[0].flatten().tolist() == [0, 1, 4, 5, 8, 9] and torch.equal(_join_tp(pieces, spec), full)
+    except Exception:  # a runtime that does not know the kind
         return False
 
 
 def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, dims=None,
                fused_ok: bool | None = None) -> TPAnalysis:
     """Decide the tensor-parallel role of every node (see the module doc); raises on failure."""
-    ctx = {"tp": tp, "vocab": vocab, "dims": dims or {},
-           "fused_ok": _fused_supported() if fused_ok is None else fused_ok}
+    probe: dict = {}
+
+    def fused_supported() -> bool:  # probed only if the graph has a fused projection
+        if "ok" not in probe:
+            probe["ok"] = _fused_supported() if fused_ok is None else bool(fused_ok)
+        return probe["ok"]
+
+    ctx = {"tp": tp, "vocab": vocab, "dims": dims or {}, "fused_ok": fused_supported}
     banned: set[str] = set()
     why: dict[str, str] = {}
     limit = sum(1 for n in gm.graph.nodes if n.op == "call_function") + 1
@@ -729,12 +687,10 @@ def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, d
             continue
         a.replicated = {k: why[k] for k in sorted(banned)}
         for fqn, uses in an.param_uses.items():
-            specs = [s for _, s in uses if s is not None]
-            if not specs:
-                continue
-            kind, dim, size = specs[0]
-            tags = set().union(*[an.tags.get(u, set()) for u, s in uses if s is not None])
-            a.shard_info[fqn] = _spec(kind, dim, size, tp, tags, vocab)
+            specs = [(u, s) for u, s in uses if s is not None]
+            if specs:
+                tags = set().union(*[an.tags.get(u, set()) for u, _ in specs])
+                a.shard_info[fqn] = _spec(*specs[0][1], tp, tags, vocab)
         return a
     raise TPRewriteError("tensor-parallel analysis did not converge")  # pragma: no cover
 
@@ -744,33 +700,19 @@ def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, d
 
 def _get_path(n: fx.Node, path):
     i, j = path
-    if isinstance(i, str):
-        return n.kwargs[i]
-    return n.args[i] if j is None else n.args[i][j]
+    return n.kwargs[i] if isinstance(i, str) else (n.args[i] if j is None else n.args[i][j])
 
 
 def _set_path(n: fx.Node, path, value) -> None:
     i, j = path
     if isinstance(i, str):
-        kw = dict(n.kwargs)
-        kw[i] = value
-        n.kwargs = kw
+        n.kwargs = {**n.kwargs, i: value}
         return
     args = list(n.args)
-    if j is None:
-        args[i] = value
-    else:
-        inner = list(args[i])
-        inner[j] = value
-        args[i] = type(n.args[i])(inner)
+    if j is not None:
+        value = type(args[i])(value if k == j else x for k, x in enumerate(args[i]))
+    args[i] = value
     n.args = tuple(args)
-
-
-def _with_size(lst, pos: int, local: int) -> list:
-    out = list(lst)
-    if out[pos] != -1:
-        out[pos] = local
-    return out
 
 
 class _LayerRewriter:
@@ -810,56 +752,42 @@ class _LayerRewriter:
             if act is None:
                 continue
             kind, p = act
-            if kind in ("view", "expand"):
-                pos, d, local = p
-                _set_path(new, (pos, None), _with_size(new.args[pos], d, local))
-            elif kind == "unflatten":
+            if kind == "size":  # a view/reshape/expand/unflatten size list: the shard's size
                 pos, idx, local = p
-                _set_path(new, (pos, None), _with_size(new.args[pos], idx, local))
+                if new.args[pos][idx] != -1:
+                    _set_path(new, (pos, idx), local)
             elif kind == "split":
                 _set_path(new, (p[0], None), p[1])
-            elif kind == "row":
-                self._row(g, new, p, rtp)
-            elif kind == "embed":
-                per, pad = p
-                ids, w = new.args[1], new.args[0]
+            elif kind in ("row", "embed", "loss"):
                 with g.inserting_before(new):
-                    out = g.call_function(rtp.vocab_parallel_embedding, (ids, w, vocab_start(per, new)))
-                    if isinstance(pad, int) and pad >= 0:
-                        # padding_idx: that row gets no gradient, as in aten.embedding.
-                        is_pad = g.call_function(aten.unsqueeze.default,
-                                                 (g.call_function(aten.eq.Scalar, (ids, pad)), -1))
-                        out = g.call_function(aten.where.self,
-                                              (is_pad, g.call_function(aten.detach.default, (out,)), out))
-                new.replace_all_uses_with(out)
-                g.erase_node(new)
-            elif kind == "loss":
-                local, full, red, ignore = p
-                with g.inserting_before(new):
-                    out = g.call_function(
-                        rtp.vocab_parallel_cross_entropy, (new.args[0], new.args[1]),
-                        {"vocab_start": vocab_start(local, new), "ignore_index": ignore,
-                         "vocab_size": full, "reduction": red})
+                    out = self._replacement(g, new, kind, p, vocab_start, rtp)
                 new.replace_all_uses_with(out)
                 g.erase_node(new)
 
     @staticmethod
-    def _row(g: fx.Graph, new: fx.Node, t, rtp) -> None:
-        with g.inserting_before(new):
-            if t is aten.linear.default:
-                x, w = new.args[0], new.args[1]
-                b = new.args[2] if len(new.args) > 2 else new.kwargs.get("bias")
-                out = g.call_function(rtp.row_parallel_linear, (x, w) if b is None else (x, w, b))
-            else:
-                if t is aten.addmm.default:
-                    b, x, w = new.args[:3]
-                else:
-                    b, (x, w) = None, new.args[:2]
-                out = g.call_function(rtp.reduce_from_tp, (g.call_function(aten.mm.default, (x, w)),))
-                if b is not None:
-                    out = g.call_function(aten.add.Tensor, (out, b))
-        new.replace_all_uses_with(out)
-        g.erase_node(new)
+    def _replacement(g: fx.Graph, new: fx.Node, kind: str, p, vocab_start, rtp) -> fx.Node:
+        """The nodes that replace a row-parallel matmul, the token embedding or the loss."""
+        call = g.call_function
+        if kind == "row" and p is aten.linear.default:
+            x, w = new.args[0], new.args[1]
+            b = new.args[2] if len(new.args) > 2 else new.kwargs.get("bias")
+            return call(rtp.row_parallel_linear, (x, w) if b is None else (x, w, b))
+        if kind == "row":  # addmm(b, x, W) or mm(x, W): Conv1D layout, W is [in, out]
+            b, (x, w) = (new.args[0], new.args[1:3]) if p is aten.addmm.default else (None, new.args[:2])
+            out = call(rtp.reduce_from_tp, (call(aten.mm.default, (x, w)),))
+            return out if b is None else call(aten.add.Tensor, (out, b))
+        if kind == "embed":
+            per, pad = p
+            w, ids = new.args[0], new.args[1]
+            out = call(rtp.vocab_parallel_embedding, (ids, w, vocab_start(per, new)))
+            if isinstance(pad, int) and pad >= 0:  # padding_idx: its row gets no gradient
+                is_pad = call(aten.unsqueeze.default, (call(aten.eq.Scalar, (ids, pad)), -1))
+                out = call(aten.where.self, (is_pad, call(aten.detach.default, (out,)), out))
+            return out
+        local, full, red, ignore = p
+        return call(rtp.vocab_parallel_cross_entropy, tuple(new.args[:2]),
+                    {"vocab_start": vocab_start(local, new), "ignore_index": ignore,
+                     "vocab_size": full, "reduction": red})
 
 
 def local_size(spec: dict, tp: int) -> int:
@@ -877,11 +805,8 @@ def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
         shape[spec["dim"]] = local_size(spec, tp)
         new = torch.empty(shape, dtype=t.dtype, device="meta")
         if isinstance(t, torch.nn.Parameter):
-            mod._parameters[attr] = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-        elif attr in mod._buffers:
-            mod._buffers[attr] = new
-        else:
-            setattr(mod, attr, new)
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        (mod._parameters if attr in mod._parameters else mod._buffers)[attr] = new
 
 
 def _model_dims(plan, bundle) -> dict:
@@ -896,6 +821,7 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], p
     ``rewrite(g, lg)`` rewrites one layer's graph in place (called by ``codegen.lower``);
     ``shard_info`` is ``{original FQN: shard spec}``. As a side effect the sharded parameters of
     ``gm`` (on meta) take their shard shapes, which the generated ``__init__`` and the manifest use.
+    ``rewrite.replicated`` lists the matmuls/embeddings kept replicated, and why.
     """
     tp = int(plan.tp)
     dims = _model_dims(plan, bundle)

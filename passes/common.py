@@ -26,8 +26,8 @@ import torch.utils._sympy.functions as tsf
 from planner.errors import UserError
 
 __all__ = [
-    "B", "S", "PassError", "to_expr", "sanitize", "source_line", "need", "iter_tensors", "has_tensor",
-    "dtype_bytes", "dtype_name", "tensor_nbytes", "META_ONLY", "is_meta_only", "hint",
+    "B", "S", "PassError", "to_expr", "sanitize", "source_line", "need", "iter_tensors",
+    "has_tensor", "dtype_bytes", "dtype_name", "tensor_nbytes", "META_ONLY", "is_meta_only", "hint",
 ]
 
 B = sympy.Symbol("b", positive=True, integer=True)

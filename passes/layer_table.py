@@ -150,7 +150,7 @@ class LayerTable:
                                 f"pinned it), or make the model shape-generic.")
         key = (int(b), int(s))
         if key in self._cache:
-            return self._cache[key]
+            return [dict(row) for row in self._cache[key]]
         if self._fn is None:
             self._compile()
         fn, index = self._fn
@@ -161,13 +161,14 @@ class LayerTable:
             d.update({f: float(getattr(lay, f)) for f in INT_FIELDS})
             out.append(d)
         self._cache[key] = out
-        return out
+        return [dict(row) for row in out]
 
     def total(self, field_name: str, b: int, s: int) -> float:
         """Sum of one field over all layers at (b, s)."""
         if field_name not in EXPR_FIELDS + INT_FIELDS:
             raise KeyError(f"unknown layer-table field {field_name!r}")
-        return sum(row[field_name] for row in self.numeric(b, s))
+        self.numeric(b, s)
+        return sum(row[field_name] for row in self._cache[(int(b), int(s))])
 
     def to_json(self) -> str:
         return json.dumps({"schema_version": 1, "dtype": self.dtype, "model": self.model,

@@ -193,12 +193,14 @@ _NAMED_CLASSES = ("matmul", "embedding", "norm", "attention")
 
 
 def layer_names(gm: fx.GraphModule, n_blocks: int, block_paths: list[str],
-                container: str = "") -> list[str]:
+                container: str | None = None) -> list[str]:
     """Display names: the blocks' module paths; for pre/post the module shared by their
     matmul/embedding/norm nodes (``embed``, ``head``, ``inner.cls.predictions``) unless that is
     an ancestor of the blocks' ``container`` (uninformative), else those modules joined by '+'
-    (``inner.lm_head+inner.transformer.ln_f``).
+    (``inner.lm_head+inner.transformer.ln_f``). ``container`` defaults to the blocks' parent.
     """
+    if container is None:
+        container = block_paths[0].rpartition(".")[0] if block_paths else ""
     paths: list[set[str]] = [set() for _ in range(n_blocks + 2)]
     weighted: list[set[str]] = [set() for _ in range(n_blocks + 2)]
     for n in gm.graph.nodes:

@@ -33,7 +33,6 @@ Writes ``node.meta["tp"]`` (a ``TPInfo``) on every node. Needs ``out_bytes``/``s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +90,8 @@ _LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d",
            "nll_loss2d_forward", "nll_loss_nd"}
 _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"}
 _REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "logsumexp",
-           "argmax", "argmin", "norm", "linalg_vector_norm", "prod", "all", "any", "cumsum"}
+           "argmax", "argmin", "norm", "linalg_vector_norm", "prod", "all", "any"}
+_SCANS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "roll"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten"}
 _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "_unsafe_split"}
 _INDEXING = {"index", "gather", "index_select", "scatter", "scatter_add", "index_put",
@@ -253,6 +253,8 @@ class _Propagator:
             return self._softmax(n, name, sharded)
         if name in _REDUCE:
             return self._reduce(n, sharded)
+        if name in _SCANS:
+            return self._scan(n, sharded)
         if name in _PASSTHROUGH:
             return self.set(n, "sharded", self.st(n.args[0]), self.org(n.args[0]))
         if name in _VIEWS or name in ("transpose", "t", "permute", "movedim", "unsqueeze",
@@ -375,6 +377,18 @@ class _Propagator:
         state = out if isinstance(val, torch.Tensor) else [out] * len(val)
         self.set(n, "sharded", state, self.org(x))
 
+    def _scan(self, n, sharded):
+        """Shape-preserving ops along given dims (cumsum, flip, roll): fine unless along d."""
+        x = n.args[0]
+        d = self.st(x)
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dims", n.kwargs.get("dim"))
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        if sharded != [x] or any(k is None or _norm_dim(int(k), _ndim(x)) == d for k in dims):
+            self.conflict(n, "scan along a sharded dim", *sharded)
+        val = n.meta["val"]
+        state = d if isinstance(val, torch.Tensor) else [d] * len(val)
+        self.set(n, "sharded", state, self.org(x))
+
     def _layout(self, n, name, sharded):
         x = n.args[0]
         if sharded != [x]:
@@ -464,16 +478,17 @@ class _Propagator:
 
 
 def _saved_tp(n: fx.Node, info: dict[fx.Node, TPInfo], by_name: dict[str, fx.Node]) -> sympy.Expr:
-    """Bytes of the node's charged saved tensors that live in tp shards."""
+    """Bytes of the node's charged saved tensors that live in tp shards: those made by a sharded
+    node (kernel internals of a node that divides, e.g. attention's log-sum-exp, count as its
+    shards unless they are scalars)."""
     total = _ZERO
     own = info[n]
-    own_sharded = own.divides
     for rec in need(n, "saved", _PASS, "annotate_costs"):
         if not rec.counted:
             continue
         prod = by_name.get(rec.producer)
         if prod is None or prod is n:
-            sharded = own_sharded
+            sharded = own.divides and not (rec.nbytes.is_Number and rec.nbytes <= 8)
         else:
             st = info[prod].shard_dim
             sharded = any(x is not None for x in st) if isinstance(st, list) else st is not None
@@ -485,18 +500,18 @@ def _saved_tp(n: fx.Node, info: dict[fx.Node, TPInfo], by_name: dict[str, fx.Nod
 def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.GraphModule:
     """Write ``meta['tp']`` on every node (see module doc)."""
     banned: set[str] = set()
-    n_mm = sum(1 for n in gm.graph.nodes if n.op == "call_function") + 1
-    for _ in range(n_mm):
+    candidates = {n.name for n in gm.graph.nodes if op_name(n) in _WEIGHTED_MATMUL}
+    while True:  # each retry bans at least one more column-parallel matmul: terminates
         prop = _Propagator(gm, roles, banned)
         try:
             prop.run()
             break
         except _Conflict as c:
-            if not c.origins - banned:
-                raise PassError(_PASS, c.node, f"cannot place this op under tensor parallelism "
-                                f"({c.why}) and no column-parallel matmul can be undone to "
-                                f"avoid it.") from None
-            banned |= c.origins
+            new = c.origins - banned
+            if not new and banned >= candidates:
+                raise PassError(_PASS, c.node, f"cannot place this op even with every matmul "
+                                f"replicated ({c.why}).") from None
+            banned |= new or candidates
     by_name = {n.name: n for n in gm.graph.nodes}
     sharded_params: set[str] = set()
     for n in gm.graph.nodes:

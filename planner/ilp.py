@@ -1,20 +1,29 @@
 """The planner's search: enumerate degrees and batching, solve partition + recompute as an ILP.
 
-Search
-------
-The small decisions are enumerated (:func:`enumerate_candidates`): ``dp * tp * pp = gpus`` (``tp``
-divides the heads and key/value heads and stays inside a node unless allowed across nodes;
-``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp = 1``, where
-they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)`` micro-batches
-and ``m >= pp`` (1F1B needs it). Pins remove the other values.
+Search (:func:`search`)
+-----------------------
+The small decisions are enumerated (:func:`planner.candidates.enumerate_candidates`): ``dp * tp *
+pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
+across nodes; ``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp =
+1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
+micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
 
 Candidates are visited in increasing order of a sound step-time lower bound
-(:func:`planner.strategy.time_lower_bound`). A candidate is skipped without solving when its
-memory lower bound exceeds the capacity, or when its time bound is no better than what it could
-still change: the best time of its own ``(dp, tp, pp)`` or the 4th best over all triples (the
-winner and three runners-up are kept). The loop stops at the first bound above that 4th best.
-Every pruned candidate provably costs at least what it is compared with, so the result equals
-solving every candidate.
+(:func:`planner.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
+the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
+min(best time of its triple, 4th best time over triples)``. Two passes:
+
+1. greedy: price :func:`planner.candidates.heuristic_strategy` (a feasible strategy found without
+   a solver) for each candidate still under the bound, to seed the incumbents;
+2. exact: skip a candidate whose memory lower bound exceeds the capacity, or whose time bound,
+   or memory-aware bound (:func:`planner.candidates.uniform_time_bound`, which counts the
+   recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
+   ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
+   win is refuted at the root. The loop stops at the first time bound above the 4th best.
+
+Every skipped candidate provably costs at least what it is compared with, and a cut-off ILP
+proves the same, so the result equals solving every candidate to optimality (a test compares
+with exhaustive enumeration).
 
 ILP of one candidate ``(dp, tp, pp = p, zero, b, m)``
 ---------------------------------------------------
@@ -48,9 +57,13 @@ stage holds does not matter, only how many: integer ``n_k`` blocks and ``r_k <= 
 ones per stage (``sum_k n_k = L``, ``n_k >= 1`` for the middle stages), binaries ``c_pre``,
 ``c_post`` for rows 0 and n-1 (always in stages 0 and p-1), ``z_0 = [n_0 >= 1]`` to know
 whether stage 0 ends with a block or the embedding, and ``v_k >= r_k / L`` so that a stage with
-recomputed blocks pays for re-materializing one. The rows above become sums of ``n_k`` and
-``r_k`` times the block's constants: O(p) variables instead of O(n p), which is what makes 96
-layers on 1024 devices fast. Both forms are built by the same ``add_*_constraints`` functions (one
+recomputed blocks pays for re-materializing one (``n_k``, ``r_k`` are also bounded by the most
+blocks stage ``k`` could hold with everything recomputed, :func:`block_capacity`, which tightens
+the relaxation). A last block that differs from the others (HF models: it hands the head less)
+is a row of its own with a binary ``q``: in the last stage, or ending stage ``p - 2`` while the
+last stage holds only the head. The rows above become sums of ``n_k`` and ``r_k`` times the
+block's constants: O(p) variables instead of O(n p), which is what makes 96 layers on 1024
+devices fast. Both forms are built by the same ``add_*_constraints`` functions (one
 per family; every row is named ``family_k{k}...`` so an infeasible model says which stage and
 which family failed).
 
@@ -62,7 +75,6 @@ variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -72,29 +84,13 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from cost_models.hardware import HardwareProfile
-from planner.errors import UserError
-from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
-from planner.strategy import (
-    Candidate,
-    CandidateCosts,
-    Evaluation,
-    NumericTable,
-    candidate_costs,
-    check_pins,
-    enumerate_candidates,
-    evaluate,
-    heuristic_strategy,
-    memory_lower_bound,
-    predicted_fields,
-    time_lower_bound,
-)
+from planner.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
+from planner.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 
 __all__ = [
-    "SOLVERS", "default_solver", "solve_candidate", "build_problem", "ILPResult", "add_partition_constraints",
-    "add_boundary_constraints", "add_checkpoint_constraints", "add_time_constraints",
-    "add_memory_constraints", "search", "SearchResult", "NoFeasiblePlan", "plan_strategy", "build_plan",
-    "least_memory", "candidate_entries",
+    "SOLVERS", "default_solver", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
+    "add_partition_constraints", "add_boundary_constraints", "add_checkpoint_constraints",
+    "add_time_constraints", "add_memory_constraints", "search", "SearchResult",
 ]
 
 SOLVERS = ("cbc", "highs")
@@ -194,6 +190,7 @@ class _GeneralVars(_Vars):
             self.c = {lk: self.var(f"c_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x}
         self.e = {(l, k): self.var(f"e_{l}_{k}", 0, 1) for (l, k) in self.x
                   if k < p - 1 and l + 1 < n and k + 1 in self.window[l + 1]}
+        self.ends = [[(l, e) for (l, kk), e in self.e.items() if kk == k] for k in range(p)]
 
     def rec(self, l, k):
         if self.mode == "auto":
@@ -211,10 +208,10 @@ class _GeneralVars(_Vars):
         return pulp.lpSum(f(L[l]) * r for l in self.members[k] if (r := self.rec(l, k)) is not None and f(L[l]))
 
     def p2p(self, k):
-        cc = self.cc
-        terms = [cc.send_s(l, k) * v for (l, kk), v in self.e.items() if kk == k] if k < self.p - 1 else []
+        send = self.cc.send_s
+        terms = [send(l, k) * e for l, e in self.ends[k]] if k < self.p - 1 else []
         if k > 0:
-            terms += [cc.send_s(l, k - 1) * v for (l, kk), v in self.e.items() if kk == k - 1]
+            terms += [send(l, k - 1) * e for l, e in self.ends[k - 1]]
         return pulp.lpSum(terms)
 
     def trans_terms(self, k):
@@ -494,8 +491,7 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     """
     if checkpoint not in ("auto", "none", "all"):
         raise ValueError(f"checkpoint must be auto, none or all, got {checkpoint!r}")
-    can_uniform = cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and \
-        all(k == "block" for k in kinds[1:-1])
+    can_uniform = is_repeated(cc, kinds)
     if formulation == "uniform" and not can_uniform:
         raise ValueError("the uniform formulation needs identical blocks between a pre and a post row")
     if formulation not in ("auto", "uniform", "general"):
@@ -542,6 +538,8 @@ def solve_candidate(cc: CandidateCosts, kinds: list[str], checkpoint: str = "aut
     with ctx:
         prob.solve(_make_solver(solver, time_limit))
     status = pulp.LpStatus[prob.status]
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit
+        status = "Feasible"
     ev = None
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         stages, ck = v.decode()
@@ -568,6 +566,13 @@ class SearchResult:
     seconds: float = 0.0
     solver_seconds: float = 0.0
     uniform: bool = True
+    time_limited: int = 0
+    """ILPs stopped by their time limit (their answer is feasible, maybe not optimal)."""
+
+    @property
+    def status(self) -> str:
+        """``optimal``, or ``feasible`` when some ILP hit its time limit."""
+        return "optimal" if not self.time_limited else f"feasible ({self.time_limited} ILPs hit the time limit)"
 
     @property
     def best(self) -> Evaluation | None:
@@ -597,14 +602,13 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
 
     Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
     ``keep`` triples are feasible, fills the runners-up with the best other candidates. A first
-    pass prices greedy strategies (:func:`planner.strategy.heuristic_strategy`) to seed the
+    pass prices greedy strategies (:func:`planner.candidates.heuristic_strategy`) to seed the
     incumbents; the second solves the ILPs with the incumbents as cutoffs.
     """
     t0 = time.perf_counter()
     res = SearchResult(ranked=[], enumerated=len(entries))
     order = sorted(entries, key=lambda e: (e[0], e[2].cand))
     best: dict[tuple, Evaluation] = {}
-    solved: set = set()
 
     heur: dict[Candidate, Evaluation | None] = {}
 
@@ -622,7 +626,7 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
         res.solved += 1
         res.solver_seconds += r.seconds
         res.uniform = res.uniform and r.uniform
-        solved.add(cc.cand)
+        res.time_limited += r.status == "Feasible"
         ev = r.evaluation
         if h is not None and (ev is None or _better(h, ev)):
             ev = h
@@ -646,6 +650,9 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
             if lb > bound * (1 + TIME_TOL):
                 res.pruned_time += exact
                 continue
+            if exact and uniform_time_bound(cc, kinds, checkpoint) > bound * (1 + TIME_TOL):
+                res.pruned_time += 1  # forced recompute (or no fit at all) makes it lose
+                continue
             ev = run(cc, bound) if exact else greedy(cc)
             if ev is not None and _better(ev, best.get(t)):
                 best[t] = ev
@@ -657,12 +664,14 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
     if res.ranked and need > 0:
         chosen = {e.strategy.candidate for e in res.ranked}
         extra: list[Evaluation] = []
-        for lb, mlb, cc in order:
-            if cc.cand in chosen or cc.cand in solved or mlb > cc.capacity:
+        for lb, mlb, cc in order:  # candidates solved above against a cutoff are solved again
+            if cc.cand in chosen or mlb > cc.capacity:
                 continue
             bound = extra[need - 1].step_time_s if len(extra) >= need else float("inf")
             if lb > bound * (1 + TIME_TOL):
                 break
+            if uniform_time_bound(cc, kinds, checkpoint) > bound * (1 + TIME_TOL):
+                continue
             ev = run(cc, bound)
             if ev is not None:
                 extra = sorted(extra + [ev], key=_rank_key)[:need]
@@ -671,151 +680,11 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
     return res
 
 
-# ---------------------------------------------------------------------------------- entry point
-class NoFeasiblePlan(UserError):
-    """No strategy fits in memory. The message gives the least memory per device any strategy
-    needs, the part that dominates it, and what would make it fit; ``least`` is that strategy."""
+def __getattr__(name: str):
+    """``plan_strategy`` and ``NoFeasiblePlan`` live in :mod:`planner.optimize` (the entry point);
+    importing them from here keeps working."""
+    if name in ("plan_strategy", "NoFeasiblePlan", "build_plan", "least_memory", "candidate_entries"):
+        from planner import optimize
 
-    def __init__(self, message: str, least: Evaluation | None = None):
-        super().__init__(message)
-        self.least = least
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
-def candidate_entries(req, nt: NumericTable, hw: HardwareProfile, gpus_per_node: int,
-                      cands: list[Candidate]) -> list[tuple[float, float, CandidateCosts]]:
-    """``(time lower bound, memory lower bound, costs)`` of every candidate."""
-    cap = hw.memory_bytes * req.memory_headroom
-    out = []
-    for c in cands:
-        cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpus_per_node, cap)
-        out.append((time_lower_bound(cc), memory_lower_bound(cc), cc))
-    return out
-
-
-def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc") -> Evaluation | None:
-    """The strategy with the least memory on its most loaded device, over all ``entries``.
-
-    Visits candidates by increasing memory lower bound and stops once the bound reaches the best
-    found, so the answer is exact.
-    """
-    best: Evaluation | None = None
-    for _lb, mlb, cc in sorted(entries, key=lambda e: (e[1], e[2].cand)):
-        if best is not None and mlb >= best.memory["total"]:
-            break
-        ev = solve_candidate(cc, kinds, checkpoint, solver, objective="memory").evaluation
-        if ev is not None and (best is None or (ev.memory["total"], ev.step_time_s)
-                               < (best.memory["total"], best.step_time_s)):
-            best = ev
-    return best
-
-
-def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, solver: str) -> NoFeasiblePlan:
-    usable = hw.memory_bytes * req.memory_headroom
-    least = least_memory(entries, nt.kinds, req.checkpoint, solver)
-    head = (f"No strategy fits in {_gib(usable)} per device ({req.memory_headroom:.0%} of "
-            f"{_gib(hw.memory_bytes)} on {hw.name}).")
-    if least is None:  # pragma: no cover - every candidate has some partition
-        return NoFeasiblePlan(head)
-    mem, c = least.memory, least.strategy.candidate
-    parts = {"parameters": mem["params"], "gradients": mem["grads"], "optimizer state": mem["optimizer"],
-             "activations": mem["activations"]}
-    dominant = max(parts, key=parts.get)
-    state = mem["params"] + mem["grads"] + mem["optimizer"]
-    detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-    msg = [head, f"The least any strategy needs is {_gib(mem['total'])} per device ({c.describe()}, "
-           f"{len(least.strategy.checkpoint)} of {len(nt.layers)} layers recomputed; most loaded stage "
-           f"{least.peak_stage}): {detail}; {dominant} dominate{'' if dominant.endswith('s') else 's'}."]
-    fixes: list[str] = []
-    pinned = {k: getattr(req, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch")
-              if getattr(req, k) is not None}
-    if req.checkpoint == "none":
-        pinned["checkpoint"] = "none"
-    if pinned:
-        free = dataclasses.replace(req, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None,
-                                   checkpoint="auto")
-        free_entries = candidate_entries(free, nt, hw, gpn, enumerate_candidates(free, nt, gpn))
-        alt = least_memory(free_entries, nt.kinds, "auto", solver)
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
-        if alt is not None and alt.memory["total"] <= usable:
-            fixes.append(f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only "
-                         f"{_gib(alt.memory['total'])}")
-    if state >= mem["activations"]:
-        if c.zero_stage < 3 and c.dp > 1:
-            fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
-        room = usable - mem["activations"]
-        if room > 0:
-            need = req.gpus * state / room
-            need = int(math.ceil(need / gpn) * gpn)
-            fixes.append(f"more devices (about {need}: model state per device shrinks as they grow)")
-    else:
-        if c.micro_batch_size > 1:
-            fixes.append("--micro-batch 1")
-        if req.checkpoint == "none":
-            fixes.append("--checkpoint auto (recompute activations in backward)")
-        fixes.append("a shorter --seq-len, or more devices for tensor/pipeline parallelism")
-    fixes.append(f"a device with at least {_gib(mem['total'] / req.memory_headroom)} of memory")
-    if req.memory_headroom < 1.0 and mem["total"] <= hw.memory_bytes:
-        fixes.append(f"--memory-headroom {min(1.0, math.ceil(mem['total'] / hw.memory_bytes * 100) / 100):.2f}")
-    msg.append("To make it fit: " + "; or ".join(fixes) + ".")
-    return NoFeasiblePlan(" ".join(msg), least)
-
-
-def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None) -> Plan:
-    """The planner's entry point: the fastest strategy that fits, as a :class:`planner.plan.Plan`.
-
-    ``table`` is a layer table (``passes.layer_table.LayerTable`` or anything with ``layers``,
-    ``b``, ``s``, ``model``) or a :class:`~planner.strategy.NumericTable`. Raises ``UserError`` for
-    pins no strategy can honour and :class:`NoFeasiblePlan` when nothing fits in memory. Besides
-    the plan.json fields, the returned plan carries ``plan.evaluation`` (per-stage costs of the
-    chosen strategy) and ``plan.search`` (a :class:`SearchResult`) for the report and the plot.
-    """
-    t0 = time.perf_counter()
-    solver = (solver or default_solver()).lower()
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}: expected one of {', '.join(SOLVERS)}")
-    gpn = request.gpus_per_node or hw.gpus_per_node
-    if hw.gpus_per_node != gpn:
-        hw = hw.with_gpus_per_node(gpn)
-    nt = table if isinstance(table, NumericTable) else NumericTable(table)
-    check_pins(request, nt, gpn)
-    entries = candidate_entries(request, nt, hw, gpn, enumerate_candidates(request, nt, gpn))
-    res = search(entries, nt.kinds, request.checkpoint, solver)
-    if res.best is None:
-        raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
-    return build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)
-
-
-def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
-               seconds: float) -> Plan:
-    """Assemble plan.json's dataclass from the search's winner and runners-up."""
-    from planner.report import alternative_reason
-
-    ev = res.best
-    c = ev.strategy.candidate
-    flops = nt.flops_per_sequence(req.seq_len) * req.global_batch
-    sizes = {k: v for k, v in (req.sizes or {}).items()
-             if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
-    model = ModelInfo(spec=req.spec, params=int(nt.model.get("params") or nt.total_params()),
-                      layers=len(nt.layers) - 2, flops_per_step=float(flops), sizes=sizes,
-                      layer_names=list(nt.names))
-    alts = [Alternative(dp=a.strategy.candidate.dp, tp=a.strategy.candidate.tp, pp=a.strategy.candidate.pp,
-                        zero_stage=a.strategy.candidate.zero_stage,
-                        micro_batch_size=a.strategy.candidate.micro_batch_size,
-                        step_time_s=float(a.step_time_s), reason=alternative_reason(ev, a))
-            for a in res.alternatives(3)]
-    plan = Plan(
-        model=model, hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
-        global_batch=req.global_batch, seq_len=req.seq_len, dtype=req.dtype, dp=c.dp, tp=c.tp, pp=c.pp,
-        zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
-        stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
-        predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
-        solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status="optimal",
-                          candidates=res.enumerated),
-        alternatives=alts)
-    plan.evaluation = ev
-    plan.search = res
-    return plan
+        return getattr(optimize, name)
+    raise AttributeError(f"module 'planner.ilp' has no attribute {name!r}")

@@ -94,7 +94,7 @@ def plot_plan(plan, path: str, hw: Any = None, max_microbatches: int = MAX_DRAWN
 
     ax.legend(handles=[Patch(color=_COLORS[F], label="forward"), Patch(color=_COLORS[B], label="backward"),
                        Patch(color=_COLORS["tail"], label="DP/ZeRO comm + optimizer")],
-              loc="upper right", fontsize=7)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
     labels, mems, per_stage = _memory_rows(plan)
     gib = 2.0 ** 30
@@ -111,7 +111,7 @@ def plot_plan(plan, path: str, hw: Any = None, max_microbatches: int = MAX_DRAWN
     axm.set_xticklabels(labels, rotation=45 if len(labels) > 12 else 0, fontsize=7)
     axm.set_ylabel("GiB per device")
     axm.set_title("Memory per device" + ("" if per_stage else " (most loaded device)"), fontsize=9)
-    axm.legend(fontsize=7, loc="upper right")
+    axm.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     parent = os.path.dirname(os.path.abspath(path))
     try:

@@ -112,7 +112,8 @@ def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[str
             rows.append((f"{axis.upper()} groups", f"none ({axis}=1)"))
             continue
         pl = axis_placement(axis, dp, tp, pp, gpus_per_node)
-        where = "inside one node (NVLink)" if pl.nodes == 1 else f"spans {pl.nodes} nodes ({pl.ranks_per_node} per node)"
+        where = ("inside one node (NVLink)" if pl.nodes == 1
+                 else f"spans {pl.nodes} nodes ({pl.ranks_per_node} per node)")
         rows.append((f"{axis.upper()} groups", f"{n} ranks, stride {stride}: {where}"))
     width = dp * tp
     for k in range(min(pp, 8)):

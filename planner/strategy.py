@@ -4,7 +4,8 @@ A *candidate* fixes the degrees and the batching: ``(dp, tp, pp, zero_stage, mic
 num_micro_batches)``. A *strategy* adds the stage partition (``pp`` contiguous ranges of the
 layer table) and the set of recomputed (checkpointed) layers. :func:`evaluate` prices a strategy;
 the ILP in :mod:`planner.ilp` optimizes exactly this function (its tests compare the ILP's
-optimum against brute-force enumeration through :func:`evaluate`), and the plan's ``predicted``
+optimum against brute-force enumeration through :func:`evaluate`), the bounds and greedy
+strategies of :mod:`planner.candidates` are stated in its terms, and the plan's ``predicted``
 block is :func:`evaluate`'s output.
 
 Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)
@@ -30,6 +31,8 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
 
 Data-parallel and ZeRO communication (``cost_models.comm.zero_dp_collectives`` per layer)
 ------------------------------------------------------------------------------------------
+The collectives are the ones ``zero_dp_collectives`` lists for each stage, placed in time so:
+
 - ZeRO 0: gradient all-reduce, once per step, after the last backward (not overlapped).
 - ZeRO 1: gradient reduce-scatter + parameter all-gather, once per step (not overlapped).
 - ZeRO 2: gradients are sharded, so each micro-batch's gradients are reduce-scattered as its
@@ -96,10 +99,8 @@ from cost_models.memory import (
 
 __all__ = [
     "SYMBOLIC_FIELDS", "INT_FIELDS", "NumericTable", "Candidate", "Strategy", "LayerCost",
-    "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate",
-    "time_lower_bound", "memory_lower_bound", "predicted_fields", "boundary_placements", "divisors",
-    "model_heads", "valid_tp", "check_pins", "enumerate_candidates", "balanced_partition",
-    "heuristic_strategy",
+    "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields",
+    "boundary_placements",
 ]
 
 #: Layer-table fields that are sympy expressions in (micro-batch size, sequence length).
@@ -502,42 +503,6 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
         capacity=cc.capacity)
 
 
-def time_lower_bound(cc: CandidateCosts) -> float:
-    """A step time no strategy of this candidate can beat (sound: used to prune the search).
-
-    ``T >= max(sum_l (work_l + zero_mb_l) / p + cheapest sends, max_l (work_l + zero_mb_l))``
-    because the slowest stage is at least the average one and holds at least one layer; ``D >=
-    sum_l (dp_l + opt_l) / p`` likewise. Recompute only adds time.
-    """
-    p, m = cc.cand.pp, cc.cand.num_micro_batches
-    ds = cc.distinct
-    work = sum(n * (c.work_s + c.zero_mb_s) for c, n in ds)
-    if p > 1:
-        # every boundary carries one activation forward and one gradient back, each at least
-        # the smallest layer output (sends cost more for more bytes)
-        small = min(range(cc.num_layers - 1), key=lambda i: cc.layers[i].boundary_b)
-        work += 2 * sum(cc.send_s(small, j) for j in range(p - 1))
-    T = max(work / p, max(c.work_s + c.zero_mb_s for c, _ in ds))
-    D = max(sum(n * (c.dp_step_s + c.opt_s) for c, n in ds) / p, max(c.dp_step_s + c.opt_s for c, _ in ds))
-    return (m + p - 1) * T + D
-
-
-def memory_lower_bound(cc: CandidateCosts) -> float:
-    """Bytes per device that every strategy of this candidate needs on its most loaded stage.
-
-    The most loaded stage holds at least the average of all stages (each layer's state once and
-    at least ``min(saved, input)`` of activations once), stage 0 holds the first layer with
-    ``min(p, m)`` micro-batches in flight, and some stage holds each single layer.
-    """
-    p = cc.cand.pp
-    ds = cc.distinct
-    avg = (sum(n * (c.state_b + min(c.saved_b, c.input_b)) for c, n in ds) + max(c.trans_b for c, _ in ds)) / p
-    l0 = cc.layers[0]
-    first = l0.state_b + l0.trans_b + cc.inflight[0] * min(l0.saved_b, l0.input_b)
-    single = max(c.state_b + min(c.saved_b, c.input_b) + c.trans_b for c, _ in ds)
-    return max(avg, first, single)
-
-
 def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:
     """plan.json's ``predicted`` block for an evaluation (model FLOPs: recompute excluded)."""
     tflops = flops_per_step / ev.step_time_s / gpus / 1e12 if ev.step_time_s > 0 else 0.0
@@ -549,257 +514,3 @@ def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flop
         "memory": {k: int(v) for k, v in ev.memory.items()},
         "time": {k: float(v) for k, v in ev.time.items()},
     }
-
-
-# ---------------------------------------------------------------------------------- candidates
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order."""
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def model_heads(nt: NumericTable) -> tuple[int | None, int | None]:
-    """``(heads, kv_heads)`` from the table's model facts (``None`` when unknown)."""
-    heads = nt.model.get("heads") or None
-    kv = nt.model.get("kv_heads") or heads
-    return heads, kv
-
-
-def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_nodes: bool) -> str | None:
-    """Why ``tp`` cannot be used (``None`` when it can)."""
-    heads, kv = model_heads(nt)
-    if gpus % tp:
-        return f"--tp {tp} does not divide --gpus {gpus}"
-    if tp > 1 and heads is None:
-        return ("the model's attention head count is unknown, so tensor parallelism cannot split it; "
-                "use --tp 1")
-    if heads and heads % tp:
-        return f"--tp {tp} does not divide the model's {heads} attention heads"
-    if kv and kv % tp:
-        return f"--tp {tp} does not divide the model's {kv} key/value heads"
-    if not across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
-        return (f"--tp {tp} would split tensor-parallel groups across nodes of {gpus_per_node} devices "
-                f"(allow it with --tp-across-nodes, or use a --tp that divides {gpus_per_node})")
-    return None
-
-
-def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
-    """Reject pins no strategy can honour, with what to use instead (``UserError``)."""
-    from planner.errors import UserError
-
-    rows = len(nt.layers)
-    dp, tp, pp = req.dp, req.tp, req.pp
-    if dp and tp and pp and dp * tp * pp != req.gpus:
-        raise UserError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
-                        "the three degrees must multiply to the number of devices.")
-    if tp:
-        why = valid_tp(tp, nt, req.gpus, gpus_per_node, req.tp_across_nodes)
-        if why:
-            ok = [t for t in divisors(req.gpus)
-                  if valid_tp(t, nt, req.gpus, gpus_per_node, req.tp_across_nodes) is None]
-            raise UserError(f"{why}. Valid --tp values here: {', '.join(map(str, ok))}.")
-    if pp and pp > rows:
-        raise UserError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
-                        f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}.")
-    if pp and pp > 1 and req.micro_batch and dp:
-        m = req.global_batch // (dp * req.micro_batch)
-        if m < pp:
-            raise UserError(f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
-                            f"= {m} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
-                            "micro-batch per stage. Use a smaller --micro-batch or fewer stages.")
-
-
-def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
-    """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.ilp).
-
-    Raises ``UserError`` listing why nothing is left when the pins and the batch admit no
-    candidate at all.
-    """
-    from planner.errors import UserError
-
-    gpus, gb = req.gpus, req.global_batch
-    rows = len(nt.layers)
-    out: list[Candidate] = []
-    why: dict[str, int] = {}
-
-    def skip(reason: str) -> None:
-        why[reason] = why.get(reason, 0) + 1
-
-    for tp in divisors(gpus):
-        if req.tp and tp != req.tp:
-            continue
-        if valid_tp(tp, nt, gpus, gpus_per_node, req.tp_across_nodes):
-            skip("tensor-parallel degree not allowed by the heads or the node size")
-            continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if (req.pp and pp != req.pp) or (req.dp and dp != req.dp):
-                continue
-            if pp > rows:
-                skip(f"more pipeline stages than the {rows} layer-table rows")
-                continue
-            if gb % dp:
-                skip("global batch not divisible by the data-parallel degree")
-                continue
-            for b in divisors(gb // dp):
-                if req.micro_batch and b != req.micro_batch:
-                    continue
-                m = gb // (dp * b)
-                if pp > 1 and m < pp:
-                    skip("fewer micro-batches than pipeline stages")
-                    continue
-                zeros = [req.zero_stage] if req.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                out.extend(Candidate(dp, tp, pp, z, b, m) for z in zeros)
-    if not out:
-        pins = " ".join(f"--{k.replace('_', '-')} {getattr(req, k)}" for k in ("dp", "tp", "pp", "micro_batch")
-                        if getattr(req, k) is not None)
-        reasons = "; ".join(f"{r} ({n}x)" for r, n in why.items()) or "the pins exclude every degree"
-        raise UserError(f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
-                        f"{gb}{' and ' + pins if pins else ''}: {reasons}. Pick a global batch divisible by "
-                        "more data-parallel degrees, or pin fewer decisions.")
-    return out
-
-
-# ---------------------------------------------------------------------------------- heuristic
-def balanced_partition(weights: Sequence[float], p: int) -> list[tuple[int, int]]:
-    """Contiguous split of ``weights`` into ``p`` non-empty ranges minimizing the largest sum.
-
-    Bisection on the bound with a greedy packing check (exact up to the bisection tolerance).
-    """
-    n = len(weights)
-    if not 1 <= p <= n:
-        raise ValueError(f"cannot split {n} layers into {p} non-empty stages")
-
-    def pack(bound: float) -> list[int] | None:
-        cuts, acc = [], 0.0
-        for i, w in enumerate(weights):
-            if acc and acc + w > bound:
-                cuts.append(i)
-                acc = 0.0
-            acc += w
-        return cuts if len(cuts) <= p - 1 else None
-
-    lo, hi = max(weights), sum(weights)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if pack(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    cuts = pack(hi) or []
-    bounds = [0, *cuts, n]
-    while len(bounds) - 1 < p:  # split the widest range until there are p (the bound still holds)
-        i = max(range(len(bounds) - 1), key=lambda j: bounds[j + 1] - bounds[j])
-        bounds.insert(i + 1, (bounds[i] + bounds[i + 1]) // 2)
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(p)]
-
-
-def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> Evaluation | None:
-    """A good feasible strategy found without a solver, or ``None``.
-
-    The search hands its cost to the ILP as a cutoff, so the solver starts with an incumbent
-    (and refutes hopeless candidates at the root); the ILP's answer is never worse than this.
-    Uniform tables (identical blocks between the embedding and head rows) use
-    :func:`_uniform_heuristic`; others the time-balanced partition, then in each stage that
-    overflows, recompute the layers that free the most memory per second of recompute.
-    """
-    if cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post":
-        return _uniform_heuristic(cc, checkpoint)
-    p = cc.cand.pp
-    stages = balanced_partition([l.work_s + l.zero_mb_s for l in cc.layers], p)
-    ck: set[int] = set()
-    if checkpoint == "all":
-        ck = {i for i, k in enumerate(kinds) if k == "block"}
-    elif checkpoint == "auto":
-        for k, (a, b) in enumerate(stages):
-            ls = range(a, b + 1)
-            inflight = cc.inflight[k]
-            L = cc.layers
-            mem = (sum(L[i].state_b + inflight * L[i].saved_b for i in ls) + max(L[i].trans_b for i in ls))
-            order = sorted((i for i in ls if L[i].saved_b > L[i].input_b),
-                           key=lambda i: -inflight * (L[i].saved_b - L[i].input_b) / max(L[i].rec_s, 1e-30))
-            peak = 0.0
-            for i in order:
-                if mem <= cc.capacity:
-                    break
-                new_peak = max(peak, L[i].saved_b)
-                mem += new_peak - peak - inflight * (L[i].saved_b - L[i].input_b)
-                peak = new_peak
-                ck.add(i)
-    ev = evaluate(cc, stages, sorted(ck))
-    return ev if ev.feasible else None
-
-
-def _uniform_heuristic(cc: CandidateCosts, checkpoint: str) -> Evaluation | None:
-    """Bisection on the micro-step bound ``T``: stage ``k`` can take up to ``N_k(T)`` blocks (with
-    the fewest recomputed blocks that fit its memory and ``T``); ``T`` works when the ``N_k``
-    add up to ``L``. Blocks are then dealt out within the ``N_k``."""
-    p = cc.cand.pp
-    pre, blk, post = cc.layers[0], cc.layers[1], cc.layers[-1]
-    tail = [cc.layers[-2]] if cc.layers[-2] != blk else []  # a distinct last block rides with the head
-    L = cc.num_layers - 2 - len(tail)
-    delta = blk.saved_b - blk.input_b
-    cap = cc.capacity
-
-    @functools.lru_cache(maxsize=None)
-    def stage(k: int, n: int) -> tuple[int, float] | None:
-        """(recomputed blocks, micro-step) of stage k holding n blocks, None if it cannot fit."""
-        rows = ([pre] if k == 0 else []) + (tail + [post] if k == p - 1 else [])
-        a = cc.inflight[k]
-        trans = max([r.trans_b for r in rows] + ([blk.trans_b] if n else []) + [0])
-        mem = n * (blk.state_b + a * blk.saved_b) + trans + sum(r.state_b + a * r.saved_b for r in rows)
-        if checkpoint == "all":
-            r = n
-        elif mem <= cap or checkpoint == "none" or n == 0 or delta <= 0:
-            r = 0
-        else:
-            r = max(1, math.ceil((mem + blk.saved_b - cap) / (a * delta)))
-        if r:
-            mem += blk.saved_b - a * r * delta
-        if r > n or mem > cap:
-            return None
-        t = n * (blk.work_s + blk.zero_mb_s) + r * blk.rec_s + sum(x.work_s + x.zero_mb_s for x in rows)
-        t += (cc.send_s(1, k) if k < p - 1 else 0.0) + (cc.send_s(1, k - 1) if k > 0 else 0.0)
-        return r, t
-
-    lows = [1 if 0 < k < p - 1 else 0 for k in range(p)]
-
-    def most(k: int, bound: float) -> int:
-        ok = lambda n: (x := stage(k, n)) is not None and x[1] <= bound  # noqa: E731
-        if not ok(lows[k]):
-            return -1
-        lo, hi = lows[k], L
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-        return lo
-
-    def fits(bound: float) -> list[int] | None:
-        caps = [most(k, bound) for k in range(p)]
-        return caps if min(caps) >= 0 and sum(caps) >= L else None
-
-    hi = time_lower_bound(cc) * 4 + sum(l.work_s + l.rec_s + l.zero_mb_s for l in cc.layers)
-    if sum(lows) > L or fits(hi) is None:
-        return None
-    lo = 0.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) is not None else (mid, hi)
-    caps = fits(hi)
-    counts = list(lows)
-    left = L - sum(counts)
-    for k in reversed(range(p)):  # later stages hold fewer micro-batches: fill them first
-        add = min(left, caps[k] - counts[k])
-        counts[k] += add
-        left -= add
-    stages, ck, start = [], set(), 0
-    for k in range(p):
-        last = start + counts[k] + (k == 0) + (k == p - 1) * (1 + len(tail)) - 1
-        first_block = start + (k == 0)
-        ck.update(range(first_block, first_block + stage(k, counts[k])[0]))
-        stages.append((start, last))
-        start = last + 1
-    if checkpoint == "all":  # every block, the distinct last one included
-        ck = set(range(1, cc.num_layers - 1))
-    ev = evaluate(cc, stages, sorted(ck))
-    return ev if ev.feasible else None

@@ -360,7 +360,10 @@ def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: 
         raise UserError(f"Sequence length {seq_len} exceeds {spec}'s maximum of "
                         f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
                         f"positions with the size flag.")
-    b_ex, s_ex = _example_sizes(batch, seq_len, bundle.seq_len)
+    if dynamic:
+        b_ex, s_ex = _example_sizes(batch, seq_len, bundle.seq_len)
+    else:  # a trace at exactly these sizes
+        b_ex, s_ex = int(batch or 1), int(seq_len or bundle.seq_len)
     bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
     traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic, notes)
     if traced.shallow:
@@ -418,6 +421,7 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
     if dt is not None and any(p.dtype != dt for p in params if p.is_floating_point()):
         model = copy.deepcopy(model).to(dt)
         inputs = tuple(t.to(dt) if t.is_floating_point() else t for t in inputs)
+    given = inputs
     if dt is None:
         dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     first = inputs[0]
@@ -437,8 +441,10 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
         except UserError:
             ep = None
     if ep is None:
-        # Either dynamic shapes were refused or the model is untraceable: a static export
-        # tells which (and its error is the one the user needs to see).
+        # Either dynamic shapes were refused or the model is untraceable: a static export of
+        # the inputs as given tells which (and its error is the one the user needs to see).
+        inputs = given
+        b0 = int(inputs[0].shape[0]) if inputs[0].dim() >= 1 else 1
         ep = _export(model, inputs, None, what)
         if dynamic:
             notes.append("symbolic batch/sequence export failed; traced at fixed sizes")

@@ -113,6 +113,11 @@ def _gather_to(obj: Any, group, dst: int) -> list | None:
 def _join_tp(pieces: list[torch.Tensor], shard: dict | None) -> torch.Tensor:
     if not shard or len(pieces) == 1:
         return pieces[0]
+    if shard.get("kind") == "qkv":  # each piece is [q_r; k_r; v_r]: join per part, then fuse
+        tp, dim = len(pieces), shard["dim"]
+        local = [n // tp for n in shard["parts"]]
+        split = [p.split(local, dim=dim) for p in pieces]
+        return torch.cat([torch.cat([s[i] for s in split], dim=dim) for i in range(len(local))], dim=dim)
     full = torch.cat(pieces, dim=shard["dim"])
     orig = shard.get("size")
     if orig is not None and full.shape[shard["dim"]] != orig:

@@ -35,6 +35,7 @@ __all__ = [
     "isend",
     "irecv",
     "wait",
+    "CollectiveError",
 ]
 
 
@@ -80,6 +81,32 @@ class CommStats:
 STATS = CommStats()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer died or stopped answering."""
+
+
+def _describe_group(group) -> str:
+    if not dist.is_initialized():
+        return "no group"
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    except (RuntimeError, ValueError):
+        return "its group"
+    return f"ranks {ranks}"
+
+
+def _guard(kind: str, size: int, group, fn):
+    """Run one collective; turn a backend failure into a message naming it and its peers."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(
+            f"rank {me}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
+            f"stopped answering within the timeout ({first})") from None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -99,7 +126,8 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
     if n == 1:
         return None
     STATS.add("all_reduce", _nbytes(tensor), n)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _guard("all_reduce", _nbytes(tensor), group,
+                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
@@ -110,7 +138,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
             output.copy_(shard.view_as(output))
         return None
     STATS.add("all_gather", _nbytes(output), n)
-    return _ALL_GATHER(output, shard, group=group, async_op=async_op)
+    return _guard("all_gather", _nbytes(output), group,
+                  lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter_into(
@@ -123,7 +152,8 @@ def reduce_scatter_into(
             shard.copy_(full.view_as(shard))
         return None
     STATS.add("reduce_scatter", _nbytes(full), n)
-    return dist.reduce_scatter_tensor(shard, full, op=op, group=group, async_op=async_op)
+    return _guard("reduce_scatter", _nbytes(full), group,
+                  lambda: dist.reduce_scatter_tensor(shard, full, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -131,17 +161,18 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if n == 1:
         return None
     STATS.add("broadcast", _nbytes(tensor), n)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _guard("broadcast", _nbytes(tensor), group,
+                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     STATS.add("send", _nbytes(tensor), 2)
-    dist.send(tensor, dst=dst, group=group)
+    _guard(f"send to rank {dst}", _nbytes(tensor), group, lambda: dist.send(tensor, dst=dst, group=group))
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     STATS.add("recv", _nbytes(tensor), 2)
-    dist.recv(tensor, src=src, group=group)
+    _guard(f"receive from rank {src}", _nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group))
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None):
@@ -157,4 +188,4 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
 def wait(work) -> None:
     """Wait for an async handle; ``None`` (a skipped collective) is a no-op."""
     if work is not None:
-        work.wait()
+        _guard("asynchronous collective", 0, None, work.wait)

@@ -75,6 +75,12 @@ def _shard(full: torch.Tensor, shard: dict | None, tp_index: int, tp: int) -> to
     if not shard or tp == 1:
         return full
     dim = shard["dim"]
+    if shard.get("kind") == "qkv":
+        # A fused [q; k; v] projection: each part is split by heads, then re-fused as
+        # [q_r; k_r; v_r] (Megatron's layout, what the rewritten split expects).
+        parts = full.split(list(shard["parts"]), dim=dim)
+        return torch.cat([p.narrow(dim, tp_index * (p.shape[dim] // tp), p.shape[dim] // tp) for p in parts],
+                         dim=dim)
     if shard.get("kind") == "heads":
         # Rows grouped by head: [heads * head_dim, ...] -> this rank's contiguous heads.
         n = full.shape[dim]

@@ -23,6 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: Timeout of every collective; sub-groups (runtime.mesh) are created with it too, because
+#: ``new_group`` would otherwise fall back to torch's 30-minute default.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
 __all__ = ["DistContext", "init_distributed", "shutdown", "free_port", "launch_local", "LaunchError"]
 
 
@@ -74,6 +78,8 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    global COLLECTIVE_TIMEOUT
+    COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(
             backend,

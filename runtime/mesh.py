@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from runtime import dist as _dist
+
 __all__ = ["Mesh", "setup_mesh", "get_mesh", "set_mesh", "coords_of", "rank_of"]
 
 
@@ -119,7 +121,7 @@ def setup_mesh(pp: int, dp: int, tp: int) -> Mesh:
                 if others == _others_key(a, axis, pp, dp, tp):
                     members.append(r)
             members_t = tuple(sorted(members))
-            g = dist.new_group(list(members_t))
+            g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
             if rank in members_t:
                 groups[axis] = (g, members_t)
     mesh = Mesh(

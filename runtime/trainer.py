@@ -128,6 +128,15 @@ def _fault_injection(rank: int) -> int | None:
     return int(s) if int(r) == rank else None
 
 
+def _fault_hang(rank: int, step: int) -> None:
+    """Test hook: ``PLANNER_FAULT_HANG=RANK:STEP`` makes that rank stop answering at that step."""
+    spec = os.environ.get("PLANNER_FAULT_HANG")
+    if spec:
+        r, _, s = spec.partition(":")
+        if int(r) == rank and int(s) == step:
+            time.sleep(3600)
+
+
 def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
                  state_fn: Callable[[], Mapping[str, torch.Tensor]],
                  on_metrics: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
@@ -188,6 +197,7 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     for step in range(start_step, opts.steps):
         if kill is not None and step == kill:
             os.kill(os.getpid(), signal.SIGKILL)
+        _fault_hang(rank, step)
         ids, labels = data.rows(step, lo, hi, B)
         ids, labels = ids.to(dev), labels.to(dev)
         src = {"input_ids": ids, "labels": labels}

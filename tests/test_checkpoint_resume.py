@@ -147,3 +147,20 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, capsys):
         assert not any(n.startswith(".tmp-") for n in os.listdir(ck))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path, capsys):
+    plan = make_plan("gpt", dict(TINY_GPT), dp=2)
+    path = write_plan(tmp_path / "plan.json", plan)
+    os.environ["PLANNER_FAULT_HANG"] = "1:2"
+    try:
+        t0 = time.monotonic()
+        rc = main(["train", path, "--nproc", "2", "--steps", "4", "--timeout", "5",
+                   "--compiled", str(tmp_path / "c"), "--no-memory-tracking"])
+        elapsed = time.monotonic() - t0
+    finally:
+        del os.environ["PLANNER_FAULT_HANG"]
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "rank 0" in err and "over ranks [0, 1]" in err and "stopped answering" in err
+    assert elapsed < 45

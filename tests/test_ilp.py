@@ -12,18 +12,12 @@ from hypothesis import strategies as st
 
 from cost_models.hardware import load_hardware
 from planner.errors import UserError
-from planner.ilp import (
-    NoFeasiblePlan,
-    build_problem,
-    candidate_entries,
-    least_memory,
-    plan_strategy,
-    search,
-    solve_candidate,
-)
+from planner.candidates import enumerate_candidates, heuristic_strategy
+from planner.ilp import build_problem, search, solve_candidate
+from planner.optimize import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
 from planner.plan import Plan
 from planner.request import PlanRequest
-from planner.strategy import Candidate, NumericTable, candidate_costs, enumerate_candidates, evaluate
+from planner.strategy import Candidate, NumericTable, candidate_costs, evaluate
 from test_strategy import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -95,6 +89,8 @@ def test_ilp_optimum_equals_brute_force(inst):
         assert r.evaluation is not None, f"ILP says infeasible, brute force found {best_time}"
         assert r.evaluation.feasible
         assert r.evaluation.step_time_s == pytest.approx(best_time, rel=1e-6)
+        h = heuristic_strategy(cc, kinds, mode)  # the search's cutoff: feasible, never better
+        assert h is None or (h.feasible and h.step_time_s >= best_time * (1 - 1e-9))
     rm = solve_candidate(cc, kinds, mode, objective="memory", formulation=form)
     assert rm.evaluation.memory["total"] == pytest.approx(least, rel=1e-6, abs=8)
 
@@ -204,6 +200,13 @@ def test_only_pinned_triple_fills_alternatives_with_other_batching():
     assert all((a.dp, a.tp, a.pp) == (2, 1, 2) for a in plan.alternatives)
     keys = {(a.zero_stage, a.micro_batch_size) for a in plan.alternatives}
     assert len(keys) == 3 and (plan.zero_stage, plan.micro_batch_size) not in keys
+    # they are the true 2nd..4th best candidates: solve every candidate without pruning
+    nt = NumericTable(table)
+    entries = candidate_entries(req, nt, HW, 4, enumerate_candidates(req, nt, 4))
+    times = sorted(r.evaluation.step_time_s for _, _, cc in entries
+                   if (r := solve_candidate(cc, nt.kinds)).evaluation is not None)
+    assert times[0] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert [a.step_time_s for a in plan.alternatives] == pytest.approx(times[1:4], rel=1e-9)
 
 
 def test_bad_pins_raise_user_errors():

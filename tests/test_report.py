@@ -11,7 +11,7 @@ from rich.console import Console
 
 from cost_models.hardware import load_hardware
 from planner.deepspeed import launcher_command, to_deepspeed
-from planner.ilp import plan_strategy
+from planner.optimize import plan_strategy
 from planner.plan import Plan, load_plan, save_plan
 from planner.plot import plot_plan, stage_times
 from planner.report import alternative_reason, compress_ranges, format_bytes, format_seconds, rank_layout, render_plan

@@ -22,16 +22,15 @@ from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
 from planner.errors import UserError
 from planner.request import PlanRequest
-from planner.strategy import (
-    Candidate,
-    NumericTable,
-    candidate_costs,
+from planner.candidates import (
     check_pins,
     enumerate_candidates,
-    evaluate,
+    heuristic_strategy,
     memory_lower_bound,
     time_lower_bound,
+    uniform_time_bound,
 )
+from planner.strategy import Candidate, NumericTable, candidate_costs, evaluate
 
 B, S = sympy.symbols("b s", positive=True, integer=True)
 
@@ -192,13 +191,14 @@ def test_numeric_table_caches_identical_blocks():
     assert nt.flops_per_sequence(64) == pytest.approx(sum(r["fwd_flops"] + r["bwd_flops"] for r in nt.rows(1, 64)))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(pp=st.integers(1, 3), zero=st.integers(0, 3), tp=st.sampled_from([1, 2]), mbs=st.sampled_from([1, 2]),
-       data=st.data())
-def test_lower_bounds_are_sound(pp, zero, tp, mbs, data):
-    """No partition or recompute set beats the time or memory lower bound."""
-    t = gpt_table(layers=3, hidden=128, heads=4, vocab=1024)
-    cc = _cc(t, Candidate(2, tp, pp, zero, mbs, 4))
+       tail=st.sampled_from([None, 0.5, 2.0]), cap=st.floats(0.05, 1.0), data=st.data())
+def test_lower_bounds_are_sound(pp, zero, tp, mbs, tail, cap, data):
+    """No partition or recompute set beats the time or memory lower bounds; no feasible one beats
+    the memory-aware bound of repeated-block tables."""
+    t = gpt_table(layers=3, hidden=128, heads=4, vocab=1024, tail_boundary=tail)
+    cc = _cc(t, Candidate(2, tp, pp, zero, mbs, 4), cap=cap * 2**28)
     n = 5
     cuts = data.draw(st.sampled_from(list(itertools.combinations(range(1, n), pp - 1))))
     bounds = [0, *cuts, n]
@@ -207,6 +207,10 @@ def test_lower_bounds_are_sound(pp, zero, tp, mbs, data):
     ev = evaluate(cc, stages, sorted(ck))
     assert time_lower_bound(cc) <= ev.step_time_s * (1 + 1e-12)
     assert memory_lower_bound(cc) <= ev.memory["total"] + 1
+    if ev.feasible:
+        assert uniform_time_bound(cc, [l.kind for l in t.layers]) <= ev.step_time_s * (1 + 1e-9)
+    h = heuristic_strategy(cc, [l.kind for l in t.layers])
+    assert h is None or h.feasible
 
 
 def _req(**kw):
@@ -229,7 +233,8 @@ def test_enumeration_respects_model_node_and_batch():
 
 def test_bad_pins_are_clear_errors():
     nt = NumericTable(gpt_table(layers=4, heads=6))
-    with pytest.raises(UserError, match=r"--tp 4 does not divide the model's 6 attention heads.*Valid --tp values here: 1, 2"):
+    with pytest.raises(UserError, match=r"--tp 4 does not divide the model's 6 attention heads.*"
+                                        r"Valid --tp values here: 1, 2"):
         check_pins(_req(tp=4), nt, 8)
     with pytest.raises(UserError, match="across nodes"):
         check_pins(_req(gpus=16, tp=16), NumericTable(gpt_table(heads=16)), 8)

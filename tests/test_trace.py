@@ -5,7 +5,6 @@ Tiny models only (2-4 blocks of width 64, vocabulary 128, sequence 32), all on t
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 import sympy
@@ -26,8 +25,8 @@ ARCHS = {
 }
 NAMES = {
     "gpt": ["embed", "blocks.0", "blocks.1", "blocks.2", "head"],
-    "hf:gpt2": ["inner.transformer.wpe+inner.transformer.wte", "inner.transformer.h.0", "inner.transformer.h.1",
-                "inner.lm_head+inner.transformer.ln_f"],
+    "hf:gpt2": ["inner.transformer.wpe+inner.transformer.wte", "inner.transformer.h.0",
+                "inner.transformer.h.1", "inner.lm_head+inner.transformer.ln_f"],
     "hf:llama": ["inner.model.embed_tokens", "inner.model.layers.0", "inner.model.layers.1",
                  "inner.lm_head+inner.model.norm"],
     "hf:bert": ["inner.bert.embeddings", "inner.bert.encoder.layer.0", "inner.bert.encoder.layer.1",

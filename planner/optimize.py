@@ -1,0 +1,177 @@
+"""The planner's entry point: from a request and a layer table to the best :class:`Plan`.
+
+:func:`plan_strategy` validates the pins, enumerates candidates (:mod:`planner.candidates`),
+prices each one's per-layer costs (:mod:`planner.strategy`), runs the pruned ILP search
+(:mod:`planner.ilp`) and assembles plan.json's dataclass with the three best runners-up and why
+each lost (:func:`planner.report.alternative_reason`).
+
+When nothing fits, :class:`NoFeasiblePlan` says how much memory per device the least demanding
+strategy needs (an exact minimum: the same ILPs with memory as the objective), which part
+dominates it, and what would make it fit: dropping pins that forbid a fitting plan, ZeRO-3, more
+devices (estimated from how model state shrinks with them), a smaller micro-batch, recompute, a
+bigger device or more headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from cost_models.hardware import HardwareProfile
+from planner.candidates import check_pins, enumerate_candidates, memory_lower_bound, time_lower_bound
+from planner.errors import UserError
+from planner.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
+from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
+from planner.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, predicted_fields
+
+__all__ = ["NoFeasiblePlan", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
+
+
+class NoFeasiblePlan(UserError):
+    """No strategy fits in memory. The message gives the least memory per device any strategy
+    needs, the part that dominates it, and what would make it fit; ``least`` is that strategy."""
+
+    def __init__(self, message: str, least: Evaluation | None = None):
+        super().__init__(message)
+        self.least = least
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def candidate_entries(req, nt: NumericTable, hw: HardwareProfile, gpus_per_node: int,
+                      cands: list[Candidate]) -> list[tuple[float, float, CandidateCosts]]:
+    """``(time lower bound, memory lower bound, costs)`` of every candidate."""
+    cap = hw.memory_bytes * req.memory_headroom
+    out = []
+    for c in cands:
+        cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpus_per_node, cap)
+        out.append((time_lower_bound(cc), memory_lower_bound(cc), cc))
+    return out
+
+
+def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc") -> Evaluation | None:
+    """The strategy with the least memory on its most loaded device, over all ``entries``.
+
+    Visits candidates by increasing memory lower bound and stops once the bound reaches the best
+    found, so the answer is exact.
+    """
+    best: Evaluation | None = None
+    for _lb, mlb, cc in sorted(entries, key=lambda e: (e[1], e[2].cand)):
+        if best is not None and mlb >= best.memory["total"]:
+            break
+        ev = solve_candidate(cc, kinds, checkpoint, solver, objective="memory").evaluation
+        if ev is not None and (best is None or (ev.memory["total"], ev.step_time_s)
+                               < (best.memory["total"], best.step_time_s)):
+            best = ev
+    return best
+
+
+def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, solver: str) -> NoFeasiblePlan:
+    usable = hw.memory_bytes * req.memory_headroom
+    least = least_memory(entries, nt.kinds, req.checkpoint, solver)
+    head = (f"No strategy fits in {_gib(usable)} per device ({req.memory_headroom:.0%} of "
+            f"{_gib(hw.memory_bytes)} on {hw.name}).")
+    if least is None:  # pragma: no cover - every candidate has some partition
+        return NoFeasiblePlan(head)
+    mem, c = least.memory, least.strategy.candidate
+    parts = {"parameters": mem["params"], "gradients": mem["grads"], "optimizer state": mem["optimizer"],
+             "activations": mem["activations"]}
+    dominant = max(parts, key=parts.get)
+    state = mem["params"] + mem["grads"] + mem["optimizer"]
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
+    msg = [head, f"The least any strategy needs is {_gib(mem['total'])} per device ({c.describe()}, "
+           f"{len(least.strategy.checkpoint)} of {len(nt.layers)} layers recomputed; most loaded stage "
+           f"{least.peak_stage}): {detail}; {dominant} dominate{'' if dominant.endswith('s') else 's'}."]
+    fixes: list[str] = []
+    pinned = {k: getattr(req, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch")
+              if getattr(req, k) is not None}
+    if req.checkpoint == "none":
+        pinned["checkpoint"] = "none"
+    if pinned:
+        free = dataclasses.replace(req, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None,
+                                   checkpoint="auto")
+        free_entries = candidate_entries(free, nt, hw, gpn, enumerate_candidates(free, nt, gpn))
+        alt = least_memory(free_entries, nt.kinds, "auto", solver)
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
+        if alt is not None and alt.memory["total"] <= usable:
+            fixes.append(f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only "
+                         f"{_gib(alt.memory['total'])}")
+    if state >= mem["activations"]:
+        if c.zero_stage < 3 and c.dp > 1:
+            fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
+        room = usable - mem["activations"]
+        if room > 0:
+            need = req.gpus * state / room
+            need = int(math.ceil(need / gpn) * gpn)
+            fixes.append(f"more devices (about {need}: model state per device shrinks as they grow)")
+    else:
+        if c.micro_batch_size > 1:
+            fixes.append("--micro-batch 1")
+        if req.checkpoint == "none":
+            fixes.append("--checkpoint auto (recompute activations in backward)")
+        fixes.append("a shorter --seq-len, or more devices for tensor/pipeline parallelism")
+    fixes.append(f"a device with at least {_gib(mem['total'] / req.memory_headroom)} of memory")
+    if req.memory_headroom < 1.0 and mem["total"] <= hw.memory_bytes:
+        fixes.append(f"--memory-headroom {min(1.0, math.ceil(mem['total'] / hw.memory_bytes * 100) / 100):.2f}")
+    msg.append("To make it fit: " + "; or ".join(fixes) + ".")
+    return NoFeasiblePlan(" ".join(msg), least)
+
+
+def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None) -> Plan:
+    """The planner's entry point: the fastest strategy that fits, as a :class:`planner.plan.Plan`.
+
+    ``table`` is a layer table (``passes.layer_table.LayerTable`` or anything with ``layers``,
+    ``b``, ``s``, ``model``) or a :class:`~planner.strategy.NumericTable`. Raises ``UserError`` for
+    pins no strategy can honour and :class:`NoFeasiblePlan` when nothing fits in memory. Besides
+    the plan.json fields, the returned plan carries ``plan.evaluation`` (per-stage costs of the
+    chosen strategy) and ``plan.search`` (a :class:`SearchResult`) for the report and the plot.
+    """
+    t0 = time.perf_counter()
+    solver = (solver or default_solver()).lower()
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}: expected one of {', '.join(SOLVERS)}")
+    gpn = request.gpus_per_node or hw.gpus_per_node
+    if hw.gpus_per_node != gpn:
+        hw = hw.with_gpus_per_node(gpn)
+    nt = table if isinstance(table, NumericTable) else NumericTable(table)
+    check_pins(request, nt, gpn)
+    entries = candidate_entries(request, nt, hw, gpn, enumerate_candidates(request, nt, gpn))
+    res = search(entries, nt.kinds, request.checkpoint, solver)
+    if res.best is None:
+        raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
+    return build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)
+
+
+def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
+               seconds: float) -> Plan:
+    """Assemble plan.json's dataclass from the search's winner and runners-up."""
+    from planner.report import alternative_reason
+
+    ev = res.best
+    c = ev.strategy.candidate
+    flops = nt.flops_per_sequence(req.seq_len) * req.global_batch
+    sizes = {k: v for k, v in (req.sizes or {}).items()
+             if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+    model = ModelInfo(spec=req.spec, params=int(nt.model.get("params") or nt.total_params()),
+                      layers=len(nt.layers) - 2, flops_per_step=float(flops), sizes=sizes,
+                      layer_names=list(nt.names))
+    alts = [Alternative(dp=a.strategy.candidate.dp, tp=a.strategy.candidate.tp, pp=a.strategy.candidate.pp,
+                        zero_stage=a.strategy.candidate.zero_stage,
+                        micro_batch_size=a.strategy.candidate.micro_batch_size,
+                        step_time_s=float(a.step_time_s), reason=alternative_reason(ev, a))
+            for a in res.alternatives(3)]
+    plan = Plan(
+        model=model, hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
+        global_batch=req.global_batch, seq_len=req.seq_len, dtype=req.dtype, dp=c.dp, tp=c.tp, pp=c.pp,
+        zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
+        stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
+        predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
+        solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status,
+                          candidates=res.enumerated),
+        alternatives=alts)
+    plan.evaluation = ev
+    plan.search = res
+    return plan
