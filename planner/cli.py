@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr", type=float, default=3e-5)
     p.add_argument("--warmup", type=_nonneg_int, default=0, metavar="STEPS")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--adam-eps", type=_positive_float, default=1e-8, help="AdamW epsilon (default 1e-8)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--compiled", default=None, metavar="DIR",
                    help="where to compile the plan (default: a folder beside plan.json)")

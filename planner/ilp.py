@@ -38,8 +38,9 @@ time to send layer ``l``'s output over boundary ``j``, ``a_k = min(p - k, m)`` i
     e[l,k] in [0,1]     layer l is the last of stage k (k < p-1)  e[l,k] >= x[l,k] - x[l+1,k]
     T, D >= 0           slowest micro-step, exposed tail
 
-    minimize   (m + p - 1) T + D  (+ 1e-6 * (recompute + p2p), a tie-break toward less work;
-                                   times are scaled so the step-time lower bound is 1000)
+    minimize   (m + p - 1) T + D  (+ 1e-6 * (recompute + p2p) + 1e-7 * (recomputed layers) / n,
+                                   tie-breaks toward less work; times are scaled so that the
+                                   step-time lower bound is 1000)
     partition  sum_k x[l,k] = 1;  s_l = sum_k k x[l,k];  0 <= s_{l+1} - s_l <= 1
                (x[0,0] = x[n-1,p-1] = 1 by the windows: p contiguous non-empty stages)
     time       T >= sum_l (w_l + z_l) x[l,k] + sum_l rec_l c[l,k] + sum_l snd_{l,k} e[l,k]
@@ -503,8 +504,12 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     else:
         v = _GeneralVars(prob, cc, kinds, checkpoint)
     p, m = v.p, v.m
-    tie = TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
-                       + pulp.lpSum(v.p2p(k) for k in range(p)))
+    # tie-breaks: less recompute and transfer time, then fewer recomputed layers (a layer whose
+    # recompute is free in the FLOP model, such as an embedding, is not recomputed for nothing)
+    tie = (TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
+                                  + pulp.lpSum(v.p2p(k) for k in range(p)))
+           + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / v.n * pulp.lpSum(v.stage_rec_sum(k, lambda c: 1.0)
+                                                                  for k in range(p)))
     bound = None
     if objective == "time":
         prob += (m + p - 1) * v.T + v.D + tie

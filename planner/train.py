@@ -45,7 +45,7 @@ def train_options_from_args(args):
 
     return TrainOptions(
         steps=args.steps, lr=args.lr, min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup,
-        weight_decay=args.weight_decay, max_grad_norm=args.clip if args.clip > 0 else None,
+        weight_decay=args.weight_decay, eps=getattr(args, "adam_eps", 1e-8), max_grad_norm=args.clip if args.clip > 0 else None,
         seed=args.seed, data_path=args.data, metrics_path=args.metrics,
         checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep_last=args.keep_last,
         resume=args.resume, timeout_s=args.timeout, track_memory=not args.no_memory_tracking,

@@ -47,7 +47,7 @@ def run_validate(args) -> int:
         targs = Namespace(
             plan=args.plan, nproc=args.nproc, steps=args.steps, metrics=metrics, data=None, seed=args.seed,
             checkpoint_dir=None, save_every=0, keep_last=1, resume=False, timeout=args.timeout, lr=3e-4,
-            min_lr=3e-5, warmup=0, weight_decay=0.1, clip=1.0, compiled=os.path.join(tmp, "compiled"),
+            min_lr=3e-5, warmup=0, weight_decay=0.1, adam_eps=1e-8, clip=1.0, compiled=os.path.join(tmp, "compiled"),
             no_memory_tracking=False, quiet=True,
         )
         rc = run_train(targs)

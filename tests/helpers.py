@@ -48,7 +48,7 @@ def write_plan(path, plan: Plan) -> str:
 
 
 def reference_run(plan: Plan, steps: int, *, seed=0, lr=3e-4, min_lr=3e-5, weight_decay=0.1, clip=1.0,
-                  data_path=None):
+                  data_path=None, eps=1e-8):
     """Single process, plain torch AdamW on the whole global batch: (losses, final params)."""
     from planner.models import build_model
     from runtime.data import open_data
@@ -56,7 +56,7 @@ def reference_run(plan: Plan, steps: int, *, seed=0, lr=3e-4, min_lr=3e-5, weigh
 
     b = build_model(plan.model.spec, seed=seed, **plan.model.sizes)
     model = b.model
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=eps, weight_decay=weight_decay)
     opts = TrainOptions(steps=steps, lr=lr, min_lr=min_lr)
     data = open_data(data_path, b.vocab, plan.seq_len, seed)
     losses = []
