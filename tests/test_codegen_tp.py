@@ -76,20 +76,6 @@ def _qkv_order(spec: dict, tp: int) -> torch.Tensor:
                       for r in range(tp) for s, p in zip(starts, spec["parts"])])
 
 
-def _qkv_layout(state: dict, stage: dict, tp: int) -> dict:
-    """Reorder fused projections so that contiguous tp shards are Megatron's ``[q_r; k_r; v_r]``.
-
-    This stands in for the runtime's own 'qkv' shard support (not wired yet), so that the
-    compile side of hf:gpt2 can be checked end to end.
-    """
-    state = dict(state)
-    for e in stage["params"].values():
-        sp = e["shard"]
-        if sp and sp["kind"] == "qkv":
-            state[e["fqn"]] = state[e["fqn"]].index_select(sp["dim"], _qkv_order(sp, tp))
-    return state
-
-
 def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
     from planner.train import original_state
     from runtime.compiled import load_stage_module, load_weights, read_manifest
@@ -103,7 +89,7 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
         mesh = setup_mesh(pp, world // (pp * tp), tp)  # spare ranks: dp replicas of the same batch
         stage = man["stages"][mesh.pp_index]
         module = load_stage_module(cdir, stage)
-        state = _qkv_layout(original_state(spec, sizes, sizes["seq_len"], SEED), stage, tp)
+        state = original_state(spec, sizes, sizes["seq_len"], SEED)
         load_weights(module, stage, state, mesh.tp_index, tp)
         ids, labels = _batch(sizes["vocab"], MBS * m, sizes["seq_len"])
         src = {"input_ids": ids, "labels": labels}
@@ -193,10 +179,7 @@ def runs(tmp_path_factory):
     jobs = {}
     for name, spec, sizes, tp, pp, m in cases:
         cdir = str(root / name)
-        with pytest.MonkeyPatch.context() as mp:
-            # hf:gpt2's fused c_attn needs 'qkv' shards; the workers lay them out themselves.
-            mp.setattr(tp_rewrite, "_fused_supported", lambda: True)
-            compile_plan(_plan(spec, sizes, tp=tp, pp=pp, m=m), cdir)
+        compile_plan(_plan(spec, sizes, tp=tp, pp=pp, m=m), cdir)
         jobs[name] = (name, cdir, spec, sizes, m)
     launch_local(_worker, WORLD, (list(jobs.values()), str(root)), timeout_s=150)
     return root, jobs
