@@ -339,8 +339,10 @@ def zero_dp_collectives(num_params: int, dtype: str, zero_stage: int, dp: int) -
     multiple of ``dp`` elements (``ceil(P / dp) * dp``), so their sizes include the padding:
 
     - stage 0: one all-reduce of the gradients, ``P * b``;
-    - stages 1 and 2: reduce-scatter of the gradients and, after the optimizer step on the
-      shard, all-gather of the updated weights, each ``P_pad * b``;
+    - stage 1: all-reduce of the gradients (every rank keeps full gradients anyway, and the
+      runtime reduces the flat buffers in overlapped buckets), then all-gather of the updated
+      weights after the optimizer step on the shard, each ``P_pad * b``;
+    - stage 2: reduce-scatter of the gradients and all-gather of the updated weights;
     - stage 3: all-gather of the weights for the forward and again for the backward (they are
       freed in between), and reduce-scatter of the gradients: ``P_pad * b`` each.
 
@@ -358,7 +360,9 @@ def zero_dp_collectives(num_params: int, dtype: str, zero_stage: int, dp: int) -
     padded = math.ceil(num_params / dp) * dp * b
     if zero_stage == 0:
         return [("all_reduce", num_params * b)]
-    if zero_stage in (1, 2):
+    if zero_stage == 1:
+        return [("all_reduce", padded), ("all_gather", padded)]
+    if zero_stage == 2:
         return [("reduce_scatter", padded), ("all_gather", padded)]
     return [("all_gather", padded), ("all_gather", padded), ("reduce_scatter", padded)]
 

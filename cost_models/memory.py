@@ -24,6 +24,11 @@ state lives in a flat buffer padded to a multiple of ``dp`` elements, so each ra
 - stage 2: optimizer state and gradients sharded.
 - stage 3: optimizer state, gradients and weights sharded.
 
+A sharded gradient is kept as an fp32 accumulator (``FP32_GRAD_SHARD`` = 4 bytes per element,
+whatever the training dtype), because each micro-batch's reduce-scattered gradient is added into
+it: that is what ``runtime.zero`` holds, and accumulating bf16 shards would lose the small
+contributions of later micro-batches.
+
 Sharding leaves transient full-size buffers, which are counted when ``largest_layer_params``
 (the parameters of the biggest layer of this device's stage) is given and ``dp > 1``:
 
@@ -71,6 +76,10 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "bf16": {"weights": 2, "grads": 2, "master": 4, "adam_m": 4, "adam_v": 4},
     "fp16": {"weights": 2, "grads": 2, "master": 4, "adam_m": 4, "adam_v": 4},
 }
+
+
+#: Bytes per element of a sharded (ZeRO-2/3) gradient accumulator: always fp32.
+FP32_GRAD_SHARD = 4
 
 
 def bytes_per_param(dtype: str) -> dict[str, int]:
@@ -122,7 +131,7 @@ def model_state_bytes(
     grad_elems = shard if zero_stage >= 2 else num_params
     weight_elems = shard if zero_stage >= 3 else num_params
     params = weight_elems * t["weights"]
-    grads = grad_elems * t["grads"]
+    grads = grad_elems * (FP32_GRAD_SHARD if zero_stage >= 2 else t["grads"])
     if sharded and zero_stage == 3:
         params += (2 if prefetch else 1) * largest_layer_params * t["weights"]
     if sharded and zero_stage >= 2:

@@ -34,7 +34,7 @@ Data-parallel and ZeRO communication (``cost_models.comm.zero_dp_collectives`` p
 The collectives are the ones ``zero_dp_collectives`` lists for each stage, placed in time so:
 
 - ZeRO 0: gradient all-reduce, once per step, after the last backward (not overlapped).
-- ZeRO 1: gradient reduce-scatter + parameter all-gather, once per step (not overlapped).
+- ZeRO 1: gradient all-reduce + parameter all-gather, once per step (not overlapped).
 - ZeRO 2: gradients are sharded, so each micro-batch's gradients are reduce-scattered as its
   backward produces them (``m`` times per step); the parameter all-gather after the optimizer
   step is once per step.

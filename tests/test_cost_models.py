@@ -327,7 +327,8 @@ def test_axis_placement_typical_layout():
 def test_zero_dp_collectives_bytes():
     P, dp = 1001, 4  # padded to 1004 elements
     assert zero_dp_collectives(P, "bf16", 0, dp) == [("all_reduce", 2002)]
-    assert zero_dp_collectives(P, "fp32", 1, dp) == [("reduce_scatter", 4016), ("all_gather", 4016)]
+    assert zero_dp_collectives(P, "fp32", 1, dp) == [("all_reduce", 4016), ("all_gather", 4016)]
+    assert zero_dp_collectives(P, "fp32", 2, dp) == [("reduce_scatter", 4016), ("all_gather", 4016)]
     z3 = zero_dp_collectives(P, "bf16", 3, dp)
     assert z3 == [("all_gather", 2008), ("all_gather", 2008), ("reduce_scatter", 2008)]
     assert total_bytes_sent(z3, dp) == pytest.approx(3 * 3 / 4 * 2008)
@@ -343,14 +344,17 @@ def test_model_state_bytes_exact(dtype, w, g, opt):
     shard = 125_001  # ceil(1_000_003 / 8): flat buffer padded to 1_000_008
     assert model_state_bytes(P, dtype, 0, dp, L) == {"params": P * w, "grads": P * g, "optimizer": P * opt}
     assert model_state_bytes(P, dtype, 1, dp, L) == {"params": P * w, "grads": P * g, "optimizer": shard * opt}
+    # ZeRO-2/3 keep the gradient shard as an fp32 accumulator (4 bytes) whatever the dtype.
     assert model_state_bytes(P, dtype, 2, dp, L) == {
-        "params": P * w, "grads": shard * g + L * g, "optimizer": shard * opt}
+        "params": P * w, "grads": shard * 4 + L * g, "optimizer": shard * opt}
     assert model_state_bytes(P, dtype, 3, dp, L) == {
-        "params": shard * w + L * w, "grads": shard * g + L * g, "optimizer": shard * opt}
+        "params": shard * w + L * w, "grads": shard * 4 + L * g, "optimizer": shard * opt}
     assert model_state_bytes(P, dtype, 3, dp, L, prefetch=True)["params"] == shard * w + 2 * L * w
-    # dp = 1: nothing is sharded and no gather buffers exist; 16 bytes per parameter in total.
+    # dp = 1: no gather buffers exist; 16 bytes per parameter in total, except that ZeRO-2/3
+    # still accumulate gradients in fp32 (2 more bytes in bf16/fp16).
     for z in range(4):
-        assert sum(model_state_bytes(P, dtype, z, 1, L).values()) == 16 * P
+        extra = (4 - g) * P if z >= 2 else 0
+        assert sum(model_state_bytes(P, dtype, z, 1, L).values()) == 16 * P + extra
 
 
 def test_model_state_bytes_errors():
