@@ -40,7 +40,11 @@ Measurement
   the engines keep privately, e.g. DDP's buckets, are counted as soon as an op touches them);
   the max over ranks. The tracker slows ops down, so this step is not timed.
 - Ratios: ours/DDP time (target <= 1.05), ours/FSDP2 time (<= 0.9) and memory (<= 1.0),
-  ours/Schedule1F1B time (<= 1.0).
+  ours/Schedule1F1B time (<= 1.0), each the ratio of the two medians. Next to it the *paired*
+  ratio: the median over all timed steps of ``ours_t / torch_t``, two steps that ran back to back,
+  which cancels load that drifts over a launch.
+- DDP keeps a flat copy of all gradients in its reducer buckets (``gradient_as_bucket_view=False``
+  by default), allocated in C++ where the tracker cannot see it; its size is added to DDP's peak.
 
 Run ``python benchmarks/bench_runtime.py --help``; importable as ``run_benchmark(BenchConfig())``.
 """
@@ -97,7 +101,7 @@ class BenchConfig:
     steps: int = 8
     """Timed steps per side and launch (the first ``warmup`` are not counted)."""
     warmup: int = 2
-    repeats: int = 1
+    repeats: int = 3
     """Launches of the world; the report gives the median of the per-launch medians."""
     world: int = 2
     pairs: tuple = ("zero0", "zero3", "pp")

@@ -128,7 +128,8 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
     man = {
         "format": 1, "runtime_version": runtime.__version__, "plan_hash": h, "plan": plan.to_dict(),
         "model": {"spec": plan.model.spec, "sizes": plan.model.sizes, "vocab": bundle.vocab,
-                  "layer_names": names},
+                  "layer_names": names,
+                  "inputs": [n.name for n in gm.graph.nodes if n.op == "placeholder"]},
         "stages": stages,
     }
     _write(os.path.join(out_dir, "manifest.json"), json.dumps(man, indent=2, sort_keys=True) + "\n")

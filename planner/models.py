@@ -274,6 +274,27 @@ def build_model(
     return b
 
 
+_NAME_PART = __import__("re").compile(r"^[A-Za-z0-9_]+$")
+
+
+def check_module_names(model: nn.Module, where: str) -> None:
+    """Refuse module, parameter and buffer names that are not plain ``[A-Za-z0-9_]`` words.
+
+    Names end up in code that torch.export and our compiler generate; a name with quotes,
+    newlines or other punctuation could change that code, so it is an error, not rewritten.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    for full in names:
+        for part in full.split("."):
+            if not _NAME_PART.match(part) or __import__("keyword").iskeyword(part):
+                raise UserError(
+                    f"{where}: the model has a submodule or parameter named {part!r} (in {full!r}); "
+                    "names may contain only letters, digits and '_' and may not be Python keywords, so "
+                    "that they are safe in generated code. Rename it (e.g. the key of an nn.ModuleDict).")
+
+
 def load_factory(spec: str, device="cpu") -> ModelBundle:
     """Load ``path/to/file.py:factory``; the factory returns ``(model, example_inputs)``."""
     path, _, fn_name = spec.rpartition(":")
@@ -300,6 +321,7 @@ def load_factory(spec: str, device="cpu") -> ModelBundle:
         raise UserError(f"{path}:{fn_name}() must return (model, example_inputs); got "
                         f"{type(out).__name__}.")
     model, inputs = out
+    check_module_names(model, f"{path}:{fn_name}()")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):

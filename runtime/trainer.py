@@ -193,6 +193,10 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
                                list(engine.module.parameters()))
     history: list[StepMetrics] = []
     names = stage["data_inputs"]
+    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
+    if len(graph_inputs) != 2:
+        raise ValueError(f"the trainer feeds (tokens, targets); this model takes {len(graph_inputs)} inputs "
+                         f"{graph_inputs}")
     kill = _fault_injection(rank)
     for step in range(start_step, opts.steps):
         if kill is not None and step == kill:
@@ -200,7 +204,8 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         _fault_hang(rank, step)
         ids, labels = data.rows(step, lo, hi, B)
         ids, labels = ids.to(dev), labels.to(dev)
-        src = {"input_ids": ids, "labels": labels}
+        # The model's inputs in order are (tokens, targets), whatever the model calls them.
+        src = dict(zip(graph_inputs, (ids, labels)))
         micro = [tuple(src[n][i * mbs:(i + 1) * mbs] for n in names) for i in range(m)]
         lr = lr_at(step, opts)
         comm.STATS.reset()
