@@ -85,6 +85,7 @@ __all__ = [
     "ring_time",
     "hierarchical_time",
     "zero_dp_collectives",
+    "step_control_bytes",
     "total_bytes_sent",
 ]
 
@@ -370,3 +371,28 @@ def zero_dp_collectives(num_params: int, dtype: str, zero_stage: int, dp: int) -
 def total_bytes_sent(collectives: Sequence[tuple[str, Any]], n: int) -> Any:
     """Sum of ``ring_bytes_sent`` over ``(kind, size_bytes)`` pairs issued in a group of ``n``."""
     return sum(ring_bytes_sent(k, s, n) for k, s in collectives)
+
+
+#: Per-step control collectives the runtime issues besides gradients and activations:
+#: the gradient-norm all-reduce (sum of squares + overflow flag, 2 x float64) over dp, tp and pp;
+#: the pipeline's pre-flight check (a ``pp x PREFLIGHT_ROW`` int64 table, all-reduced over pp)
+#: and the loss broadcast (one float64, from the last stage over pp).
+GRAD_NORM_BYTES = 16
+PREFLIGHT_ROW = 77
+LOSS_BROADCAST_BYTES = 8
+
+
+def step_control_bytes(dp: int, tp: int, pp: int) -> float:
+    """Bytes one device sends per step for control collectives (ring convention, tiny).
+
+    ``sum_{n in (dp, tp, pp)} ring(all_reduce, 16, n)`` for the global gradient norm, plus, when
+    ``pp > 1``, ``ring(all_reduce, 8 * 77 * pp, pp)`` for the pipeline's pre-flight table and
+    ``ring(broadcast, 8, pp)`` for the step loss. ``runtime.zero.ZeroEngine.step`` and
+    ``runtime.pipeline.PipelineStage.run`` issue exactly these; counting them makes the
+    predicted bytes equal the runtime's counter rather than a few bytes short.
+    """
+    out = sum(float(ring_bytes_sent("all_reduce", GRAD_NORM_BYTES, n)) for n in (dp, tp, pp))
+    if pp > 1:
+        out += float(ring_bytes_sent("all_reduce", 8 * PREFLIGHT_ROW * pp, pp))
+        out += float(ring_bytes_sent("broadcast", LOSS_BROADCAST_BYTES, pp))
+    return out

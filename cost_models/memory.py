@@ -49,7 +49,19 @@ each micro-batch in flight, and re-materializes its full saved activations for o
 at a time during backward, so the peak is::
 
     inflight * sum_i (boundary_i if recompute_i else saved_i) + max_{i recomputed} saved_i
+
+Loss backward
+-------------
+The layer that computes the loss saves the vocabulary-wide log-probabilities (``b * s * V``
+elements per micro-batch, ``V / tp`` under a vocabulary-parallel head). Its backward then holds
+two more tensors of that size at once, while every saved activation of the micro-batch is still
+alive (backward starts there): the gradient with respect to the log-probabilities (dense, from
+the NLL backward) and the gradient with respect to the logits (the log-softmax backward's
+output). ``loss_backward_bytes`` is that ``2 x logits`` term; for a language model it is the
+largest transient of the step (measured on the built-in GPT: the runtime's live-tensor peak sits
+in ``_log_softmax_backward_data`` and exceeds saved activations + model state by exactly it).
 """
+
 
 from __future__ import annotations
 
@@ -68,6 +80,7 @@ __all__ = [
     "stage_activation_bytes",
     "split_by_tp",
     "memory_breakdown",
+    "loss_backward_bytes",
 ]
 
 #: Bytes per parameter of each state component, by training dtype (the table above).
@@ -229,3 +242,12 @@ def memory_breakdown(
     out["activations"] = activations
     out["total"] = state["params"] + state["grads"] + state["optimizer"] + activations
     return out
+
+
+def loss_backward_bytes(logits_bytes: Any) -> Any:
+    """Transient bytes of the loss backward: the log-probability and logit gradients, ``2 x logits``.
+
+    ``logits_bytes`` is one micro-batch's logits on one device (after the TP split). See the
+    module docstring's "Loss backward"; accepts sympy expressions.
+    """
+    return 2 * logits_bytes

@@ -16,24 +16,23 @@ from planner.errors import UserError
 __all__ = ["main", "build_parser"]
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
-    return v
+def _int_at_least(lo: int, what: str):
+    """An argparse type: an integer >= ``lo``, with a message naming what was expected."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = None
+        if v is None or v < lo:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {s!r}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {s!r}")
-    return v
+_positive_int = _int_at_least(1, "positive")
+_nonneg_int = _int_at_least(0, "non-negative")
 
 
 def _positive_float(s: str) -> float:
