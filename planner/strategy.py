@@ -92,7 +92,6 @@ from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
     inflight_microbatches,
-    loss_backward_bytes,
     model_state_bytes,
     shard_elements,
     split_by_tp,
@@ -263,8 +262,6 @@ class LayerCost:
     dp_step_sent_b: float
     num_params: int
     """Parameters on one device (after the TP split)."""
-    trans_acts_b: float = 0.0
-    """Loss-backward gradient buffers (logit-sized, last layer only) on top of the saved activations."""
 
     @property
     def work_s(self) -> float:
@@ -275,8 +272,8 @@ class LayerCost:
         return self.params_b + self.grads_b + self.optimizer_b
 
     @property
-    def trans_b(self) -> float:
-        return self.trans_params_b + self.trans_grads_b + self.trans_acts_b
+    def trans_b(self) -> int:
+        return self.trans_params_b + self.trans_grads_b
 
 
 @functools.lru_cache(maxsize=1024)
@@ -341,22 +338,13 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     reps, index = nt.groups(cand.micro_batch_size, seq_len)
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    # The last row computes the loss: it alone carries the loss-backward transient (see
-    # ``cost_models.memory.loss_backward_bytes``), so it is priced on its own.
-    last = index[-1] if index else -1
-    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl,
-                         loss_layer=(i == last and index.count(i) == 1)) for i, row in enumerate(reps)]
-    layers = [costs[i] for i in index]
-    distinct = [(c, index.count(i)) for i, c in enumerate(costs)]
-    if index and index.count(last) > 1:  # the loss row looks like another row: split it off
-        tail = _layer_cost(reps[last], hw, dtype, cand, tp_pl, dp_pl, loss_layer=True)
-        layers[-1] = tail
-        distinct = [(c, n - (i == last)) for i, (c, n) in enumerate(distinct)] + [(tail, 1)]
-    return CandidateCosts(cand, layers, hw, gpus_per_node, capacity, distinct=distinct)
+    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl) for row in reps]
+    return CandidateCosts(cand, [costs[i] for i in index], hw, gpus_per_node, capacity,
+                          distinct=[(c, index.count(i)) for i, c in enumerate(costs)])
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
-                tp_pl: GroupPlacement, dp_pl: GroupPlacement, loss_layer: bool = False) -> LayerCost:
+                tp_pl: GroupPlacement, dp_pl: GroupPlacement) -> LayerCost:
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
     fwd = row["fwd_flops"] - row["fwd_flops_tp"] + row["fwd_flops_tp"] / tp
     bwd = row["bwd_flops"] - row["bwd_flops_tp"] + row["bwd_flops_tp"] / tp
@@ -388,10 +376,6 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
     opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
-    trans_acts = 0.0
-    if loss_layer:  # the vocabulary-wide log-probabilities are the TP-sharded part of what it saves
-        logits = row["saved_bytes_tp"] / tp if row["saved_bytes_tp"] > 0 else saved - row["input_bytes"]
-        trans_acts = float(loss_backward_bytes(max(logits, 0.0)))
     return LayerCost(
         compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=t_f + t_tp,
         zero_mb_s=zmb_t, dp_step_s=step_t,
@@ -400,7 +384,6 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
         trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
         saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
         tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b, num_params=P,
-        trans_acts_b=trans_acts,
     )
 
 
@@ -491,7 +474,7 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
         grads = sum(l.grads_b for l in ls) + big.trans_grads_b
         optim = sum(l.optimizer_b for l in ls)
         mem = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
-               "activations": int(math.ceil(acts + big.trans_acts_b))}
+               "activations": int(math.ceil(acts))}
         mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
         tp_passes = sum(l.tp_sent_b * (2 if r else 1) + l.tp_bwd_sent_b for l, r in zip(ls, rc))
         comm = (m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
