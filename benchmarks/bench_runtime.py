@@ -37,8 +37,8 @@ Measurement
   ``runtime.memtrack.MemoryTracker`` (live tensor storage bytes, the tracker behind the
   ``peak_memory_bytes`` metric), with each side's parameters, gradients and optimizer state
   registered first (our side: ``engine.tracked_tensors()``, torch: module + optimizer; buffers
-  the engines keep privately, e.g. DDP's buckets, are counted as soon as an op touches them);
-  the max over ranks. The tracker slows ops down, so this step is not timed.
+  an engine keeps privately are counted once an ATen op reads or writes them); the max over
+  ranks. The tracker slows ops down, so this step is not timed.
 - Ratios: ours/DDP time (target <= 1.05), ours/FSDP2 time (<= 0.9) and memory (<= 1.0),
   ours/Schedule1F1B time (<= 1.0), each the ratio of the two medians. Next to it the *paired*
   ratio: the median over all timed steps of ``ours_t / torch_t``, two steps that ran back to back,

@@ -19,7 +19,11 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
   conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
   all-reduce of that size per pass, timed with ``collective_time`` on the TP group's placement.
 - recompute: a checkpointed layer runs its forward again in backward, TP all-reduces included:
-  ``rec_l = t_fwd + t_tp_fwd``.
+  ``rec_l = t_fwd + t_tp_fwd`` (an upper bound, see the bytes below).
+  The bytes a recompute sends are ``max(tp_allreduce_bytes - boundary_bytes, 0)`` all-reduced:
+  the runtime's checkpoint (PyTorch's non-reentrant one) stops recomputing once the last saved
+  tensor is rebuilt, and the layer's final all-reduce (the row-parallel output added to the
+  residual stream, boundary-sized) feeds nothing the layer saves, so it is not run again.
 - parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
   Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
   flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
@@ -255,9 +259,11 @@ class LayerCost:
     input_b: float
     boundary_b: float
     tp_sent_b: float
-    """Bytes sent by the TP all-reduces of one forward of one micro-batch (again in recompute)."""
+    """Bytes sent by the TP all-reduces of one forward of one micro-batch."""
     tp_bwd_sent_b: float
     """Bytes sent by the TP all-reduces of one backward of one micro-batch."""
+    tp_rec_sent_b: float
+    """Bytes sent by the TP all-reduces a recompute repeats (all but the final, boundary-sized one)."""
     zero_mb_sent_b: float
     dp_step_sent_b: float
     num_params: int
@@ -358,6 +364,10 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
 
     t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
     t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
+    # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
+    # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
+    # residual stream, is not run again.
+    _, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
     n_tp = row["param_count_tp"]
     P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
     base = model_state_bytes(P, dtype, z, dp)
@@ -383,7 +393,8 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
         params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],
         trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
         saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
-        tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b, num_params=P,
+        tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
+        dp_step_sent_b=step_b, num_params=P,
     )
 
 
@@ -476,7 +487,8 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
         mem = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
                "activations": int(math.ceil(acts))}
         mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-        tp_passes = sum(l.tp_sent_b * (2 if r else 1) + l.tp_bwd_sent_b for l, r in zip(ls, rc))
+        tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if r else 0.0) + l.tp_bwd_sent_b
+                        for l, r in zip(ls, rc))
         comm = (m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
                 + step_control_bytes(cand.dp, cand.tp, p))
         # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward;

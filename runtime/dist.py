@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import sys
 import socket
 import tempfile
 import time
@@ -116,8 +117,13 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
         init_distributed(rank, world_size, port, timeout_s=timeout_s)
         try:
             fn(rank, world_size, *args)
+            # Leave together: a rank that tears its connections down while a peer still
+            # talks to it makes gloo abort that peer.
+            if dist.is_initialized() and world_size > 1:
+                dist.barrier()
         finally:
             shutdown()
+        open(os.path.join(error_dir, f"rank{rank}.done"), "w").close()
     except BaseException as e:
         # Record the error with its time: the launcher reports the first failure (the cause),
         # not the connection errors it triggers on the other ranks.
@@ -187,6 +193,11 @@ def launch_local(
                     if ctx.join(timeout=0.5):
                         return
                 except (mp.ProcessRaisedException, mp.ProcessExitedException):
+                    if all(os.path.exists(os.path.join(error_dir, f"rank{r}.done")) for r in range(nproc)):
+                        # Every rank finished its work; the failure happened while exiting.
+                        print("planner: warning: a process failed while exiting after all ranks had "
+                              "finished; the run itself completed", file=sys.stderr)
+                        return
                     raise _diagnose(ctx, error_dir, nproc) from None
                 if time.monotonic() > deadline:
                     raise LaunchError(f"local run of {nproc} processes timed out after {timeout_s:.0f} s")
