@@ -14,8 +14,8 @@ What it does
    (``--dp --tp --pp --zero-stage --micro-batch --checkpoint``) so the plans really differ.
 3. Runs ``planner validate plan.json --nproc 2 --steps K --json`` on each (medians of the steps
    after two warm-up steps; memory and bytes the max over ranks). With ``--repeats R`` each plan
-   is validated R times and the measured step time is the median of the R medians (the memory
-   and byte counts are deterministic).
+   is validated R times, round-robin over the plans, and the measured step time is the median
+   of the R medians (the memory and byte counts are deterministic).
 
 Figures
 -------
@@ -187,15 +187,22 @@ def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: in
         t0 = time.perf_counter()
         profile = calibrate(os.path.join(workdir, "profile.json"), quick)
         log(f"calibrated {profile} in {time.perf_counter() - t0:.0f} s")
+    paths = {name: plan_one(name, PLANS[name], profile, workdir) for name in plans}
+    # Repeats go round-robin over the plans, so a busy spell of the shared machine slows several
+    # plans a little rather than one plan a lot (that would scramble the rank correlation).
+    results: dict[str, list[dict]] = {name: [] for name in plans}
+    for rep in range(repeats):
+        for name in plans:
+            res = validate_one(paths[name], steps, timeout)
+            results[name].append(res)
+            log(f"[{rep + 1}/{repeats}] {name}: predicted {res['predicted']['step_time_s']:.3f} s, "
+                f"measured {res['measured']['step_time_s']:.3f} s")
     rows: list[Row] = []
     for name in plans:
-        path = plan_one(name, PLANS[name], profile, workdir)
-        results = [validate_one(path, steps, timeout) for _ in range(repeats)]
-        times = [r["measured"]["step_time_s"] for r in results]
-        measured = dict(results[0]["measured"], step_time_s=statistics.median(times))
-        row = Row(name, results[0]["predicted"], measured, times)
-        rows.append(row)
-        log(f"{name}: predicted {row.predicted['step_time_s']:.3f} s, measured {times} s")
+        times = [r["measured"]["step_time_s"] for r in results[name]]
+        first = results[name][0]
+        rows.append(Row(name, first["predicted"], dict(first["measured"], step_time_s=statistics.median(times)),
+                        times))
     return rows, summarize(rows)
 
 

@@ -50,7 +50,9 @@ def _storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
         names, _ = t.__tensor_flatten__()
         out: list[torch.UntypedStorage] = []
         for n in names:
-            out.extend(_storages_of(getattr(t, n)))
+            inner = getattr(t, n)
+            if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
+                out.extend(_storages_of(inner))
         return out
     if t.layout != torch.strided:
         # Sparse and other layouts have no single storage; their parts are not tracked.

@@ -120,6 +120,9 @@ from runtime.optim import (
 )
 from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
 
+#: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
+FIRST_BUCKET_BYTES = 2**20
+
 __all__ = ["ZeroEngine", "StepInfo", "DynamicLossScaler", "ZeroError"]
 
 
@@ -299,14 +302,19 @@ class ZeroEngine:
                 g.state = FREE
 
     def _make_buckets(self) -> list[list[int]]:
+        """Consecutive groups in backward order, each bucket at most ``bucket_bytes`` (a group
+        larger than that is a bucket of its own). The first bucket is capped at 1 MiB, as DDP
+        does, so the first reduction starts early in backward and overlaps the rest of it."""
         esize = torch.empty((), dtype=self.dtype).element_size()
         buckets, cur, size = [], [], 0
+        cap = min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         for g in reversed(self.groups):
-            cur.append(g.index)
-            size += g.padded * esize
-            if size >= self.bucket_bytes:
+            gb = g.padded * esize
+            if cur and size + gb > cap:
                 buckets.append(cur)
-                cur, size = [], 0
+                cur, size, cap = [], 0, self.bucket_bytes
+            cur.append(g.index)
+            size += gb
         if cur:
             buckets.append(cur)
         return buckets
