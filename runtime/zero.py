@@ -17,6 +17,8 @@ What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtyp
     2       P b (full)          P/dp shard*             4 P / dp (fp32 shard)      8 P / dp
     3       gathered per layer  4 P / dp (the shard)    4 P / dp (fp32 shard)      8 P / dp
     (* a view of the compute params when they are fp32, separate storage otherwise)
+    The fp32 gradient shards of stages 2/3 exist from a step's first reduce-scatter until
+    ``zero_grad()``, which releases them (so they are absent at the start of each forward).
 
 Gradients
 ---------
@@ -532,7 +534,7 @@ class ZeroEngine:
             with torch.no_grad():
                 for g in bucket:
                     if g.grad_full is not None:
-                        g.grad_shard.add_(g.grad_full)
+                        self._shard_acc(g).add_(g.grad_full)
                     self._drop_grad_full(g)
             return
         if len(bucket) == 1 and bucket[0].grad_full is not None:
@@ -554,6 +556,12 @@ class ZeroEngine:
         self._inflight.append((work, "rs", out, (cols, src)))
         self._poll()
 
+    def _shard_acc(self, g: FlatGroup) -> torch.Tensor:
+        """The fp32 gradient-shard accumulator of ``g`` (stage 2/3), allocated on first use."""
+        if g.grad_shard is None:
+            g.grad_shard = torch.zeros(g.shard, dtype=torch.float32, device=self.device)
+        return g.grad_shard
+
     def _drop_grad_full(self, g: FlatGroup) -> None:
         g.grad_full = None
         for e in g.entries:
@@ -568,7 +576,7 @@ class ZeroEngine:
                 return
             cols, _src = extra
             for g, a in cols:
-                g.grad_shard.add_(out[a : a + g.shard], alpha=1.0 / self.dp)
+                self._shard_acc(g).add_(out[a : a + g.shard], alpha=1.0 / self.dp)
                 if len(cols) == 1 and g.grad_full is _src:
                     self._drop_grad_full(g)
 
@@ -594,7 +602,7 @@ class ZeroEngine:
     def _grad_source(self, g: FlatGroup) -> torch.Tensor:
         """fp32 gradient aligned with ``g.master`` (may alias the gradient buffers)."""
         if self.stage >= 2:
-            return g.grad_shard
+            return self._shard_acc(g)
         src = g.grad_full if self.stage == 0 else g.grad_full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
         return src if src.dtype == torch.float32 else src.float()
 
@@ -674,7 +682,9 @@ class ZeroEngine:
                 for e in g.entries:
                     e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
             else:
-                g.grad_shard.zero_()
+                # Released between steps (as FSDP frees gradients in zero_grad); the next
+                # backward allocates it again on its first reduce-scatter.
+                g.grad_shard = None
                 self._drop_grad_full(g)
         if self._flat_grad is not None:
             self._flat_grad.zero_()
