@@ -117,8 +117,9 @@ def group_size(group=None) -> int:
     return dist.get_world_size(group)
 
 
-# torch 2.13 renamed all_gather_into_tensor (kept as a deprecated alias).
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (deprecated aliases remain).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -153,7 +154,7 @@ def reduce_scatter_into(
         return None
     STATS.add("reduce_scatter", _nbytes(full), n)
     return _guard("reduce_scatter", _nbytes(full), group,
-                  lambda: dist.reduce_scatter_tensor(shard, full, op=op, group=group, async_op=async_op))
+                  lambda: _REDUCE_SCATTER(shard, full, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
