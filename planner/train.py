@@ -49,6 +49,7 @@ def train_options_from_args(args):
         seed=args.seed, data_path=args.data, metrics_path=args.metrics,
         checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep_last=args.keep_last,
         resume=args.resume, timeout_s=args.timeout, track_memory=not args.no_memory_tracking,
+        memory_steps=getattr(args, "memory_steps", None),
     )
 
 

@@ -77,6 +77,9 @@ class TrainOptions:
     """Seconds any collective may wait before the run fails."""
     track_memory: bool = True
     """Measure peak live tensor bytes (slower on CPU)."""
+    memory_steps: int | None = None
+    """Track memory only in the first N steps of this run (later steps report that peak and run
+    at full speed); None tracks every step."""
     progress: bool = True
     """Show a progress bar on rank 0."""
 
@@ -192,6 +195,7 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         tracker.track_existing(engine.tracked_tensors() if hasattr(engine, "tracked_tensors") else
                                list(engine.module.parameters()))
     history: list[StepMetrics] = []
+    last_peak = 0
     names = stage["data_inputs"]
     graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
     if len(graph_inputs) != 2:
@@ -210,7 +214,8 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         lr = lr_at(step, opts)
         comm.STATS.reset()
         t0 = time.perf_counter()
-        if tracker is not None:
+        tracking = tracker is not None and (opts.memory_steps is None or step - start_step < opts.memory_steps)
+        if tracking:
             tracker.reset_peak()
             tracker.__enter__()
         try:
@@ -218,13 +223,15 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
             info = engine.step(lr=lr)
             engine.zero_grad()
         finally:
-            if tracker is not None:
+            if tracking:
                 tracker.__exit__(None, None, None)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         sent = comm.STATS.total
-        peak = tracker.peak_bytes if tracker is not None else 0
+        if tracking:
+            last_peak = max(last_peak, tracker.peak_bytes) if opts.memory_steps is not None else tracker.peak_bytes
+        peak = last_peak
         # Aggregate: loss is a mean over dp ranks; memory and bytes the max over all ranks.
         agg = torch.tensor([loss, 0.0, 0.0], dtype=torch.float64, device=dev)
         mx = torch.tensor([float(peak), sent, dt], dtype=torch.float64, device=dev)
