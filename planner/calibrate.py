@@ -6,7 +6,8 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
 - **Matmul throughput** per dtype (fp32, bf16, fp16; a dtype whose matmul fails is skipped) at a
   few square sizes, all ranks at once so that they share the cores as they do in training.
   ``peak_flops[dtype]`` is the best per-rank rate seen (``2 n^3`` FLOPs per ``n x n`` product),
-  and ``compute_efficiency`` is 1: the profile's peak is already an achieved rate.
+  and ``compute_efficiency`` is the ratio of a real training step's FLOP/s (a small built-in GPT,
+  forward + backward, every rank at once) to that peak.
 - **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time).
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
@@ -89,8 +90,8 @@ class CalibrationSpec:
         return max(2, min(self.max_reps, self.bytes_per_size // max(size, 1)))
 
     def num_ticks(self) -> int:
-        """Progress-bar steps: one per (dtype, size), one copy, one per (kind, size)."""
-        return len(self.dtypes) * len(self.matmul_sizes) + 1 + len(MEASURED_KINDS) * len(self.message_sizes)
+        """Progress-bar steps: one per (dtype, size), one training step, one copy, one per (kind, size)."""
+        return len(self.dtypes) * len(self.matmul_sizes) + 2 + len(MEASURED_KINDS) * len(self.message_sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +130,33 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     b = torch.randn(n, n).to(dt)
     torch.mm(a, b)  # warm-up (and the place an unsupported dtype fails)
     return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
+
+
+def _time_train_step(budget_s: float) -> float:
+    """FLOP/s of a real forward + backward of a small built-in GPT (fp32), all ranks at once.
+
+    Matmuls alone overstate what training achieves (norms, softmax, elementwise ops and the
+    framework's per-op overhead run at a fraction of the matmul rate); the ratio of this rate
+    to the matmul peak becomes the profile's ``compute_efficiency``. FLOPs are counted on the
+    meta device, where ``FlopCounterMode`` sees attention too.
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from planner.models import build_model
+
+    sizes = dict(layers=2, hidden=256, heads=4, vocab=4096, seq_len=128)
+    meta = build_model("gpt", device="meta", batch=4, **sizes)
+    with FlopCounterMode(display=False) as fc:
+        meta.model(*meta.example_inputs).backward()
+    flops = fc.get_total_flops()
+    real = build_model("gpt", batch=4, seed=0, **sizes)
+
+    def step():
+        real.model.zero_grad(set_to_none=True)
+        real.model(*real.example_inputs).backward()
+
+    return flops / _timed_reps(step, budget_s, min_reps=2)
 
 
 def _time_copy(nbytes: int, budget_s: float) -> float:
@@ -235,6 +263,9 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             tick(f"matmul {dt} {n}x{n}")
         result["matmul"][dt] = rates
     dist.barrier()
+    result["train_step_flops"] = _mean_over_ranks(_time_train_step(spec.matmul_budget_s))
+    tick("training step")
+    dist.barrier()
     result["memory_bandwidth"] = _mean_over_ranks(_time_copy(spec.copy_bytes, spec.matmul_budget_s))
     tick("memory copy")
     for kind in MEASURED_KINDS:
@@ -339,6 +370,11 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
             per_kind[kind] = {"alpha_s": float("nan"), "bandwidth_Bps": float("nan")}
     alpha, bw = fit_alpha_beta(samples)
 
+    # What a real training step achieves relative to the matmul peak (see _time_train_step).
+    step_rate = raw.get("train_step_flops")
+    efficiency = 1.0
+    if step_rate and step_rate == step_rate and step_rate > 0:
+        efficiency = max(0.01, min(1.0, step_rate / peaks["fp32"]))
     ram = _physical_memory()
     memory_bytes = ram // nproc if ram else base.memory_bytes
     host = socket.gethostname()
@@ -347,7 +383,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
     source = (
         f"Measured by `planner calibrate` on {host} ({platform.machine()}, {os.cpu_count()} logical "
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
-        f"per-process matmul rate (so compute_efficiency = 1); memory_bandwidth = tensor copy; "
+        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
         f"send/recv times; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
@@ -359,6 +395,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "collectives": raw["collectives"],
         "fit_by_kind": per_kind,
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bw},
+        "train_step_flops": step_rate,
     }
     return HardwareProfile(
         name=name,
@@ -370,7 +407,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         inter_node_bandwidth=bw,
         inter_node_latency=alpha,
         gpus_per_node=nproc,
-        compute_efficiency=1.0,
+        compute_efficiency=efficiency,
         source=source,
         calibration=_finite(calibration),
     )
