@@ -191,8 +191,12 @@ def stage_activation_bytes(
     stage_index: int,
     num_stages: int,
     num_microbatches: int,
+    transient_peak: Any = 0,
 ) -> Any:
     """Peak activation bytes of one stage from its layers (see the module docstring's formula).
+
+    ``transient_peak`` is another short-lived buffer that competes with the recompute peak for
+    the same moment of backward (the loss backward's ``2 x logits`` on the last stage).
 
     For each layer of the stage: ``saved_bytes[i]`` is what autograd keeps for one micro-batch,
     ``boundary_bytes[i]`` the layer's input activation (what a checkpoint keeps), and
@@ -204,7 +208,7 @@ def stage_activation_bytes(
             f"(got {len(saved_bytes)}, {len(boundary_bytes)}, {len(recompute)})"
         )
     per_mb: Any = 0
-    peak: Any = 0
+    peak: Any = transient_peak
     for s, b, r in zip(saved_bytes, boundary_bytes, recompute):
         if r:
             per_mb = per_mb + b

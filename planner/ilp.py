@@ -462,6 +462,8 @@ def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
             prob += tr >= (val / cap) * ind, f"memory_zero_buffer_k{k}_{i}"
         for i, (ind, val) in enumerate(v.peak_terms(k)):
             prob += pk >= (val / cap) * ind, f"memory_recompute_peak_k{k}_{i}"
+        if k == v.p - 1 and v.cc.loss_transient_b:
+            prob += pk >= v.cc.loss_transient_b / cap, f"memory_loss_backward_k{k}"
         a = v.cc.inflight[k]
         mem = (v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
                - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap) + tr + pk)

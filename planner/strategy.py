@@ -96,6 +96,7 @@ from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
     inflight_microbatches,
+    loss_backward_bytes,
     model_state_bytes,
     shard_elements,
     split_by_tp,
@@ -318,6 +319,8 @@ class CandidateCosts:
         p, m = cand.pp, cand.num_micro_batches
         self.inflight = [inflight_microbatches(k, p, m) for k in range(p)]
         self._send: dict[tuple[float, int], float] = {}
+        self.loss_transient_b = 0.0
+        """Bytes the loss backward holds on the last stage at once (``loss_backward_bytes``)."""
 
     @property
     def num_layers(self) -> int:
@@ -345,8 +348,11 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl) for row in reps]
-    return CandidateCosts(cand, [costs[i] for i in index], hw, gpus_per_node, capacity,
-                          distinct=[(c, index.count(i)) for i, c in enumerate(costs)])
+    cc = CandidateCosts(cand, [costs[i] for i in index], hw, gpus_per_node, capacity,
+                        distinct=[(c, index.count(i)) for i, c in enumerate(costs)])
+    # The last row's tp-divided saved bytes are the logits the loss keeps (vocab-parallel).
+    cc.loss_transient_b = float(loss_backward_bytes(reps[index[-1]].get("saved_bytes_tp", 0.0) / cand.tp))
+    return cc
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
@@ -479,7 +485,8 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
             sent += cc.layers[prev].boundary_b
         zmb = sum(l.zero_mb_s for l in ls)
         work = compute + tp + rec + p2p
-        acts = float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m))
+        acts = float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m,
+                                            transient_peak=cc.loss_transient_b if k == p - 1 else 0))
         big = max(ls, key=lambda l: l.trans_b)
         params = sum(l.params_b for l in ls) + big.trans_params_b
         grads = sum(l.grads_b for l in ls) + big.trans_grads_b
