@@ -57,3 +57,19 @@ def test_plan_trains_like_one_process(tmp_path, case):
     assert set(params) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_trains_close_to_fp32(tmp_path, dtype):
+    plan = make_plan("gpt", TINY_GPT, dp=2, zero=1, dtype=dtype)
+    path = write_plan(tmp_path / "plan.json", plan)
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", path, "--nproc", "2", "--steps", "4", "--metrics", str(metrics),
+                 "--compiled", str(tmp_path / "c"), "--no-memory-tracking", "--timeout", "60"]) == 0
+    rows = read_metrics(metrics)
+    ref, _ = reference_run(plan, 4)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(ref), rtol=1e-2, atol=0)
+    assert all(("loss_scale" in r) == (dtype == "fp16") for r in rows)
+    if dtype == "fp16":
+        assert rows[0]["loss_scale"] == 2.0 ** 16
