@@ -89,6 +89,10 @@ class HardwareProfile:
     """Devices per node: consecutive global ranks ``k*G .. k*G+G-1`` share node ``k``."""
     compute_efficiency: float
     """Achievable fraction of peak FLOP/s for large matmuls, in (0, 1]."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds per operator call (dispatch and launch), charged per op of forward and
+    backward on top of the FLOP time; it is what makes many small micro-batches slower than few
+    large ones. ``planner calibrate`` measures it; datasheet profiles use a kernel-launch figure."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""
     calibration: dict[str, Any] | None = None
@@ -141,6 +145,9 @@ class HardwareProfile:
                 f"field 'compute_efficiency' must be a number in (0, 1], the achievable fraction "
                 f"of peak (got {e!r})"
             )
+        o = self.op_overhead_s
+        if not _is_number(o) or not math.isfinite(o) or o < 0:
+            raise ProfileError(f"field 'op_overhead_s' must be a non-negative number of seconds (got {o!r})")
         if not isinstance(self.source, str):
             raise ProfileError(f"field 'source' must be a string (got {self.source!r})")
         if self.calibration is not None and not isinstance(self.calibration, dict):
@@ -153,7 +160,7 @@ class HardwareProfile:
             self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
             self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
-            self.compute_efficiency,
+            self.compute_efficiency, self.op_overhead_s,
         ))
 
     # ----------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ __all__ = ["LayerCosts", "LayerTable", "build_layer_table", "table_from_traced",
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
                "tp_allreduce_bwd_bytes")
-INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes")
+INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops")
 _ZERO = sympy.Integer(0)
 
 
@@ -80,6 +80,8 @@ class LayerCosts:
     """Bytes of those parameters in the traced dtype."""
     buffer_bytes: int = 0
     """Bytes of buffers and lifted constants."""
+    num_ops: int = 0
+    """Operator calls in the layer's forward (each costs a fixed dispatch overhead)."""
     signature: str = ""
     """Digest of the layer's ops, shapes and weights: identical blocks share it."""
 
@@ -214,6 +216,8 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
             elif "buffer_bytes" in m:
                 ints[lay]["buffer_bytes"] += m["buffer_bytes"]
             continue
+        if node.op == "call_function":
+            ints[lay]["num_ops"] += 1
         a["fwd_flops"] += m["fwd_flops"]
         a["bwd_flops"] += m["bwd_flops"]
         if tp.divides:

@@ -132,31 +132,37 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
 
 
-def _time_train_step(budget_s: float) -> float:
-    """FLOP/s of a real forward + backward of a small built-in GPT (fp32), all ranks at once.
+def _time_training(budget_s: float) -> tuple[float, float]:
+    """``(FLOP/s, seconds per operator)`` of real training steps, all ranks at once.
 
-    Matmuls alone overstate what training achieves (norms, softmax, elementwise ops and the
-    framework's per-op overhead run at a fraction of the matmul rate); the ratio of this rate
-    to the matmul peak becomes the profile's ``compute_efficiency``. FLOPs are counted on the
-    meta device, where ``FlopCounterMode`` sees attention too.
+    A forward + backward of a small built-in GPT (fp32) is timed at micro-batch 1 and 8. With the
+    layer table's FLOPs ``F(b)`` and operator count ``N`` (the very numbers the planner prices
+    with), ``T(b) = 3 N c + F(b) / R`` has two unknowns: ``R``, the FLOP rate training reaches
+    (its ratio to the matmul peak is ``compute_efficiency``), and ``c``, the fixed cost of one
+    operator call (``op_overhead_s``; backward makes about two calls per forward op).
     """
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
+    from passes.layer_table import build_layer_table
     from planner.models import build_model
 
-    sizes = dict(layers=2, hidden=256, heads=4, vocab=4096, seq_len=128)
-    meta = build_model("gpt", device="meta", batch=4, **sizes)
-    with FlopCounterMode(display=False) as fc:
-        meta.model(*meta.example_inputs).backward()
-    flops = fc.get_total_flops()
-    real = build_model("gpt", batch=4, seed=0, **sizes)
+    sizes = dict(layers=2, hidden=256, heads=4, vocab=4096)
+    table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **sizes)
+    sizes["seq_len"] = 128
+    n_ops = sum(lay.num_ops for lay in table.layers)
+    times, flops = [], []
+    for b in (1, 8):
+        real = build_model("gpt", batch=b, seed=0, **sizes)
 
-    def step():
-        real.model.zero_grad(set_to_none=True)
-        real.model(*real.example_inputs).backward()
+        def step(model=real.model, inputs=real.example_inputs):
+            model.zero_grad(set_to_none=True)
+            model(*inputs).backward()
 
-    return flops / _timed_reps(step, budget_s, min_reps=2)
+        times.append(_timed_reps(step, budget_s, min_reps=2))
+        flops.append(table.total("fwd_flops", b, 128) + table.total("bwd_flops", b, 128))
+    if times[1] <= times[0]:  # too noisy to separate the two terms: all of it is FLOP time
+        return flops[1] / times[1], 0.0
+    rate = (flops[1] - flops[0]) / (times[1] - times[0])
+    overhead = max(0.0, (times[0] - flops[0] / rate) / (3 * n_ops))
+    return rate, overhead
 
 
 def _time_copy(nbytes: int, budget_s: float) -> float:
@@ -263,7 +269,9 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             tick(f"matmul {dt} {n}x{n}")
         result["matmul"][dt] = rates
     dist.barrier()
-    result["train_step_flops"] = _mean_over_ranks(_time_train_step(spec.matmul_budget_s))
+    rate, overhead = _time_training(spec.matmul_budget_s)
+    result["train_step_flops"] = _mean_over_ranks(rate)
+    result["op_overhead_s"] = _mean_over_ranks(overhead)
     tick("training step")
     dist.barrier()
     result["memory_bandwidth"] = _mean_over_ranks(_time_copy(spec.copy_bytes, spec.matmul_budget_s))
@@ -383,7 +391,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
     source = (
         f"Measured by `planner calibrate` on {host} ({platform.machine()}, {os.cpu_count()} logical "
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
-        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step / that peak; memory_bandwidth = tensor copy; "
+        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
         f"send/recv times; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
@@ -396,6 +404,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "fit_by_kind": per_kind,
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bw},
         "train_step_flops": step_rate,
+        "op_overhead_s": raw.get("op_overhead_s"),
     }
     return HardwareProfile(
         name=name,
@@ -408,6 +417,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         inter_node_latency=alpha,
         gpus_per_node=nproc,
         compute_efficiency=efficiency,
+        op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
         source=source,
         calibration=_finite(calibration),
     )

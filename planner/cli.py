@@ -238,7 +238,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errs: list[type[BaseException]] = [UserError]
     for mod, name in (("cost_models.hardware", "ProfileError"), ("runtime.data", "DataError"),
                       ("runtime.compiled", "CompiledError"), ("codegen.lower", "LoweringError"),
-                      ("codegen.names", "UnsafeNameError")):
+                      ("codegen.names", "UnsafeNameError"), ("planner.calibrate", "CalibrationError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
         except (ImportError, AttributeError):

@@ -13,7 +13,9 @@ Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)
 From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parallelism divides):
 
 - compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward; time by the
-  roofline ``cost_models.compute.compute_time`` (FLOP-bound: the table carries no byte counts).
+  roofline ``cost_models.compute.compute_time`` (FLOP-bound: the table carries no byte counts),
+  plus ``hw.op_overhead_s`` per operator call (``num_ops`` forward, twice that in backward): the
+  fixed dispatch/launch cost that makes many small micro-batches slower than few large ones.
 - TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
   forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
   conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
@@ -116,7 +118,7 @@ SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "sa
                    "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
                    "tp_allreduce_bwd_bytes")
 #: Layer-table fields that are plain integers.
-INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes")
+INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes", "num_ops")
 
 
 class NumericTable:
@@ -360,8 +362,10 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
     fwd = row["fwd_flops"] - row["fwd_flops_tp"] + row["fwd_flops_tp"] / tp
     bwd = row["bwd_flops"] - row["bwd_flops_tp"] + row["bwd_flops_tp"] / tp
-    t_f = float(compute_time(fwd, 0.0, hw, dtype))
-    t_b = float(compute_time(bwd, 0.0, hw, dtype))
+    # FLOP time plus a fixed cost per operator call (backward runs about two per forward op).
+    ops = row.get("num_ops", 0.0) * hw.op_overhead_s
+    t_f = float(compute_time(fwd, 0.0, hw, dtype)) + ops
+    t_b = float(compute_time(bwd, 0.0, hw, dtype)) + 2 * ops
     def tp_cost(nbytes: float) -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
