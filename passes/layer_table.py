@@ -26,7 +26,7 @@ from typing import Any
 import sympy
 import torch.fx as fx
 
-from passes.common import B, S, dtype_name
+from passes.common import B, S, dtype_name, iter_tensors
 from planner.errors import UserError
 
 __all__ = ["LayerCosts", "LayerTable", "build_layer_table", "table_from_traced",
@@ -216,8 +216,8 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
             elif "buffer_bytes" in m:
                 ints[lay]["buffer_bytes"] += m["buffer_bytes"]
             continue
-        if node.op == "call_function":
-            ints[lay]["num_ops"] += 1
+        if node.op == "call_function" and any(True for _ in iter_tensors(m.get("val"))):
+            ints[lay]["num_ops"] += 1  # tensor ops only: shape arithmetic of a dynamic trace is free
         a["fwd_flops"] += m["fwd_flops"]
         a["bwd_flops"] += m["bwd_flops"]
         if tp.divides:

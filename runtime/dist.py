@@ -120,7 +120,10 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
             # Leave together: a rank that tears its connections down while a peer still
             # talks to it makes gloo abort that peer.
             if dist.is_initialized() and world_size > 1:
-                dist.barrier()
+                try:
+                    dist.barrier()
+                except RuntimeError:  # a peer already left (it failed or gave up): nothing to wait for
+                    pass
         finally:
             shutdown()
         open(os.path.join(error_dir, f"rank{rank}.done"), "w").close()
@@ -137,8 +140,11 @@ def _diagnose(ctx, error_dir: str, nproc: int) -> LaunchError:
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline and any(p.is_alive() for p in ctx.processes):
         time.sleep(0.05)
-    # torch.multiprocessing stops the survivors with SIGTERM once one rank fails, so a rank
-    # killed by any other signal is the one that was lost.
+    # A rank killed from outside (SIGKILL: the OOM killer, an operator) is the one that was lost.
+    # torch.multiprocessing stops the survivors with SIGTERM once one rank fails, and gloo aborts
+    # (SIGABRT) a rank whose peer vanished mid-collective: those are consequences, so the
+    # earliest error a rank reported comes before them.
+    signalled = []
     for r, p in enumerate(ctx.processes):
         code = p.exitcode
         if code is not None and code < 0 and -code != signal.SIGTERM:
@@ -146,8 +152,11 @@ def _diagnose(ctx, error_dir: str, nproc: int) -> LaunchError:
                 sig = signal.Signals(-code).name
             except ValueError:
                 sig = f"signal {-code}"
-            return LaunchError(f"rank {r} was lost: its process was killed by {sig}; "
+            lost = LaunchError(f"rank {r} was lost: its process was killed by {sig}; "
                                f"the other ranks were stopped")
+            if -code == signal.SIGKILL:
+                return lost
+            signalled.append(lost)
     errors = []
     for r in range(nproc):
         path = os.path.join(error_dir, f"rank{r}.err")
@@ -159,6 +168,8 @@ def _diagnose(ctx, error_dir: str, nproc: int) -> LaunchError:
         _, r, text = min(errors)
         head, _, tb = text.partition("\n\n")
         return LaunchError(f"rank {r} failed: {head.strip()}", details=tb)
+    if signalled:
+        return signalled[0]
     codes = {r: p.exitcode for r, p in enumerate(ctx.processes)}
     return LaunchError(f"a rank exited without an error report (exit codes {codes})")
 
