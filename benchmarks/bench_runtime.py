@@ -240,6 +240,24 @@ class Side:
         """Bytes the engine holds where the tracker cannot see them (added to its peak)."""
         return 0
 
+    def torch_step(self, step: int, forward, params, no_sync=None) -> float:
+        """Gradient accumulation over ``dp_micro_batches``, clipping and a torch AdamW step
+        (the DDP and FSDP2 sides); ``no_sync`` skips the reduction of all but the last."""
+        ids, labels = self.local_rows(step)
+        m = self.cfg.dp_micro_batches
+        total = 0.0
+        for i, (x, y) in enumerate(zip(ids.chunk(m), labels.chunk(m))):
+            ctx = no_sync() if no_sync is not None and i < m - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = forward(x, y)
+                (loss / m).backward()
+            total += loss.item() / m
+        if self.cfg.clip:
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.clip)
+        self.opt.step()
+        self.opt.zero_grad()
+        return total
+
 
 class DDPSide(Side):
     name = "DDP"
@@ -253,20 +271,7 @@ class DDPSide(Side):
         self.opt = _adamw(cfg, self.model.parameters())
 
     def step(self, step):
-        ids, labels = self.local_rows(step)
-        m = self.cfg.dp_micro_batches
-        total = 0.0
-        for i, (x, y) in enumerate(zip(ids.chunk(m), labels.chunk(m))):
-            ctx = self.ddp.no_sync() if i < m - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = self.ddp(x, y)
-                (loss / m).backward()
-            total += loss.item() / m
-        if self.cfg.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
-        self.opt.step()
-        self.opt.zero_grad()
-        return total
+        return self.torch_step(step, self.ddp, list(self.model.parameters()), no_sync=self.ddp.no_sync)
 
     def tracked(self):
         return [self.model, self.opt]
@@ -294,18 +299,7 @@ class FSDP2Side(Side):
         self.opt = _adamw(cfg, self.model.parameters())
 
     def step(self, step):
-        ids, labels = self.local_rows(step)
-        m = self.cfg.dp_micro_batches
-        total = 0.0
-        for x, y in zip(ids.chunk(m), labels.chunk(m)):
-            loss = self.model(x, y)
-            (loss / m).backward()
-            total += loss.item() / m
-        if self.cfg.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
-        self.opt.step()
-        self.opt.zero_grad()
-        return total
+        return self.torch_step(step, self.model, list(self.model.parameters()))
 
     def tracked(self):
         return [self.model, self.opt]
