@@ -152,16 +152,9 @@ class BenchConfig:
 
 # --------------------------------------------------------------------------- plans (parent)
 
-def stage_cuts(layers: int, pp: int) -> list[list[int]]:
-    """Balanced contiguous ``[first, last]`` layer-table rows per stage (rows 0..layers+1)."""
-    rows = layers + 2
-    cuts = [round(i * rows / pp) for i in range(pp + 1)]
-    return [[cuts[i], cuts[i + 1] - 1] for i in range(pp)]
-
-
 def make_plan(cfg: BenchConfig, pair: str):
     """The plan our side of ``pair`` runs (predictions are placeholders: the runtime ignores them)."""
-    from planner.plan import Plan
+    from planner.plan import manual_plan
 
     w = cfg.world
     if pair == "pp":
@@ -170,22 +163,7 @@ def make_plan(cfg: BenchConfig, pair: str):
     else:
         dp, pp, zero = w, 1, (0 if pair == "zero0" else 3)
         mbs, m = cfg.per_rank // cfg.dp_micro_batches, cfg.dp_micro_batches
-    return Plan.from_dict({
-        "schema_version": 1,
-        "model": {"spec": "gpt", "params": 1, "layers": cfg.layers, "flops_per_step": 1.0,
-                  "sizes": cfg.sizes, "layer_names": []},
-        "hardware": {"name": "cpu", "gpus": w, "gpus_per_node": w},
-        "global_batch": cfg.global_batch, "seq_len": cfg.seq_len, "dtype": "fp32",
-        "dp": dp, "tp": 1, "pp": pp, "zero_stage": zero, "micro_batch_size": mbs, "num_micro_batches": m,
-        "stages": stage_cuts(cfg.layers, pp), "checkpoint_layers": [],
-        "predicted": {"step_time_s": 1.0, "peak_memory_bytes": 1, "tflops_per_device": 0.0, "mfu": 0.0,
-                      "comm_bytes_per_device": 0.0, "bubble_fraction": 0.0,
-                      "memory": {"params": 0, "grads": 0, "optimizer": 0, "activations": 1, "total": 1},
-                      "time": {"compute": 1.0, "recompute": 0.0, "tp_comm": 0.0, "pp_bubble": 0.0,
-                               "dp_comm": 0.0, "optimizer": 0.0}},
-        "solver": {"name": "benchmark", "seconds": 0.0, "status": "Optimal", "candidates": 1},
-        "alternatives": [],
-    })
+    return manual_plan("gpt", cfg.sizes, dp=dp, pp=pp, zero=zero, mbs=mbs, m=m, seq_len=cfg.seq_len)
 
 
 def compile_pairs(cfg: BenchConfig, out_dir: str) -> dict[str, str]:
@@ -351,8 +329,10 @@ class TorchPPSide(Side):
     def __init__(self, cfg, rank, world):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+        from planner.plan import even_stages
+
         super().__init__(cfg, rank, world)
-        first, last = stage_cuts(cfg.layers, world)[rank]
+        first, last = even_stages(cfg.layers, world)[rank]
         self.module = _TorchStage(_build_gpt(cfg), first, last)  # the rest of the model is dropped
         self.group = dist.new_group(list(range(world)))
         stage = PipelineStage(self.module, rank, world, torch.device("cpu"), group=self.group)

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 import runtime
-from codegen.lower import emit_stage_source, partition_graph
+from codegen.lower import emit_stage_source, get_tensor, partition_graph
 from planner.plan import Plan, plan_hash
 
 __all__ = ["compile_plan", "trace_for_plan", "DTYPE_OF"]
@@ -115,7 +115,7 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
         _write(os.path.join(out_dir, fname), src)
         params = {}
         for attr, fqn in pmap.items():
-            t = _get(gm, fqn)
+            t = get_tensor(gm, fqn)
             params[attr] = {"fqn": fqn, "shape": [int(d) for d in t.shape],
                             "trainable": isinstance(t, torch.nn.Parameter),
                             "shard": shard_info.get(fqn)}
@@ -135,8 +135,3 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
     _write(os.path.join(out_dir, "manifest.json"), json.dumps(man, indent=2, sort_keys=True) + "\n")
     return man
 
-
-def _get(gm, fqn):
-    mod_path, _, attr = fqn.rpartition(".")
-    mod = gm.get_submodule(mod_path) if mod_path else gm
-    return getattr(mod, attr)

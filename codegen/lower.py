@@ -18,7 +18,6 @@ Nothing is executed: lowering works on the meta device, so a 175B model compiles
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,9 +25,9 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from codegen.names import safe_ident, UnsafeNameError
+from codegen.names import safe_ident
 
-__all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "LoweringError"]
+__all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "LoweringError", "get_tensor"]
 
 _DROP_TARGETS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -180,7 +179,7 @@ def partition_graph(
     return layers, specs, loss
 
 
-def _layer_graph_code(lg: LayerGraph, shared_names: dict[str, str], rewrite=None):
+def _layer_graph_code(lg: LayerGraph, rewrite=None):
     """Build the layer's own fx.Graph and return (python source of forward, globals, in names)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -269,7 +268,7 @@ def emit_stage_source(
     rewrite=None,
 ) -> tuple[str, dict]:
     """Return (source of ``stage_<k>.py``, {module attribute path: original FQN})."""
-    get = param_shape or (lambda fqn: _get_tensor(gm, fqn))
+    get = param_shape or (lambda fqn: get_tensor(gm, fqn))
     classes: dict[str, str] = {}  # class body (normalized) -> class name
     class_src: list[str] = []
     all_globals: dict = {}
@@ -295,7 +294,7 @@ def emit_stage_source(
     shared_by_fqn = {fqn: attr for attr, fqn in spec.shared.items()}
     for li in spec.layers:
         lg = layers[li]
-        src, glb, in_names = _layer_graph_code(lg, spec.shared, rewrite)
+        src, glb, in_names = _layer_graph_code(lg, rewrite)
         for k, v in glb.items():
             if k in all_globals and all_globals[k] is not v:
                 raise LoweringError(f"conflicting generated global {k!r}")
@@ -389,10 +388,9 @@ def _doc_safe(s: str) -> str:
     return s.replace("\\", "/").replace('"""', "'''").replace("\n", " ")
 
 
-def _get_tensor(gm: fx.GraphModule, fqn: str) -> torch.Tensor:
+def get_tensor(gm: fx.GraphModule, fqn: str) -> torch.Tensor:
+    """The parameter or buffer ``fqn`` of ``gm``."""
     mod_path, _, attr = fqn.rpartition(".")
     mod = gm.get_submodule(mod_path) if mod_path else gm
     return getattr(mod, attr)
 
-
-_ = operator  # generated code may reference operator.getitem through fx globals

@@ -22,7 +22,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Mapping
 
 import torch
@@ -32,7 +32,7 @@ import runtime
 from runtime import comm
 from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
 from runtime.data import open_data, rank_slice
-from runtime.mesh import get_mesh, setup_mesh
+from runtime.mesh import setup_mesh
 from runtime.pipeline import PipelineStage, TensorMeta
 from runtime.schedule import one_f_one_b
 
@@ -114,7 +114,8 @@ class StepMetrics:
         return json.dumps(d)
 
 
-def _recv_meta(stage: dict, dtype: torch.dtype) -> list[TensorMeta]:
+def _recv_meta(stage: dict) -> list[TensorMeta]:
+    """What this stage receives, from the manifest."""
     metas = []
     for r in stage["recv"]:
         dt = getattr(torch, r["dtype"])
@@ -179,7 +180,7 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     B = plan["global_batch"]
     seq = plan["seq_len"]
     actions = one_f_one_b(pp, m)[mesh.pp_index]
-    pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage, dtype), mesh=mesh, device=dev)
+    pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage), mesh=mesh, device=dev)
     data = open_data(opts.data_path, man["model"]["vocab"], seq, opts.seed)
     lo, hi = rank_slice(B, dp, mesh.dp_index)
     start_step = 0

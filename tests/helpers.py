@@ -6,40 +6,15 @@ import json
 
 import torch
 
-from planner.plan import Plan, save_plan
+from planner.plan import Plan, manual_plan, save_plan
 
 TINY_GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 TINY_LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64, "seq_len": 16}
 
 
-def make_plan(spec: str = "gpt", sizes: dict | None = None, *, dp=1, tp=1, pp=1, zero=0, mbs=2, m=2,
-              dtype="fp32", checkpoint=(), stages=None) -> Plan:
-    """A valid plan with placeholder predictions (the runtime ignores them)."""
-    sizes = dict(sizes or TINY_GPT)
-    L = sizes["layers"]
-    if stages is None:
-        if pp == 1:
-            stages = [[0, L + 1]]
-        else:
-            cuts = [round(i * (L + 2) / pp) for i in range(pp + 1)]
-            stages = [[cuts[i], cuts[i + 1] - 1] for i in range(pp)]
-    d = {
-        "schema_version": 1,
-        "model": {"spec": spec, "params": 1, "layers": L, "flops_per_step": 1.0, "sizes": sizes,
-                  "layer_names": []},
-        "hardware": {"name": "cpu", "gpus": dp * tp * pp, "gpus_per_node": dp * tp * pp},
-        "global_batch": mbs * m * dp, "seq_len": sizes.get("seq_len", 16), "dtype": dtype,
-        "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero, "micro_batch_size": mbs, "num_micro_batches": m,
-        "stages": stages, "checkpoint_layers": list(checkpoint),
-        "predicted": {"step_time_s": 0.5, "peak_memory_bytes": 100, "tflops_per_device": 0.1, "mfu": 0.2,
-                      "comm_bytes_per_device": 10.0, "bubble_fraction": 0.0,
-                      "memory": {"params": 10, "grads": 10, "optimizer": 30, "activations": 50, "total": 100},
-                      "time": {"compute": 0.3, "recompute": 0.0, "tp_comm": 0.0, "pp_bubble": 0.0,
-                               "dp_comm": 0.0, "optimizer": 0.0}},
-        "solver": {"name": "hand", "seconds": 0.0, "status": "Optimal", "candidates": 1},
-        "alternatives": [],
-    }
-    return Plan.from_dict(d)
+def make_plan(spec: str = "gpt", sizes: dict | None = None, *, mbs=2, m=2, **decisions) -> Plan:
+    """A hand-made plan (``planner.plan.manual_plan``) of a tiny model, 2 micro-batches of 2."""
+    return manual_plan(spec, sizes or TINY_GPT, mbs=mbs, m=m, **decisions)
 
 
 def write_plan(path, plan: Plan) -> str:

@@ -25,7 +25,7 @@ from torch.testing import assert_close
 from codegen import tp_rewrite
 from codegen.compile import compile_plan
 from codegen.tp_rewrite import TPRewriteError, analyze_tp, reshape_shard
-from planner.plan import Plan
+from planner.plan import Plan, manual_plan
 
 GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 51, "seq_len": 8}
 LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 48, "vocab": 64, "seq_len": 8}
@@ -37,23 +37,7 @@ MBS, SEED, WORLD = 2, 7, 4
 def _plan(spec: str, sizes: dict, tp: int, pp: int = 1, m: int = 1) -> Plan:
     L = sizes["layers"]
     stages = [[0, L + 1]] if pp == 1 else [[0, L // 2], [L // 2 + 1, L + 1]]
-    return Plan.from_dict({
-        "schema_version": 1,
-        "model": {"spec": spec, "params": 1, "layers": L, "flops_per_step": 1.0, "sizes": sizes,
-                  "layer_names": []},
-        "hardware": {"name": "cpu", "gpus": tp * pp, "gpus_per_node": tp * pp},
-        "global_batch": MBS * m, "seq_len": sizes["seq_len"], "dtype": "fp32", "dp": 1, "tp": tp,
-        "pp": pp, "zero_stage": 0, "micro_batch_size": MBS, "num_micro_batches": m,
-        "stages": stages, "checkpoint_layers": [],
-        "predicted": {"step_time_s": 0.5, "peak_memory_bytes": 100, "tflops_per_device": 0.1,
-                      "mfu": 0.2, "comm_bytes_per_device": 10.0, "bubble_fraction": 0.0,
-                      "memory": {"params": 10, "grads": 10, "optimizer": 30, "activations": 50,
-                                 "total": 100},
-                      "time": {"compute": 0.3, "recompute": 0.0, "tp_comm": 0.0, "pp_bubble": 0.0,
-                               "dp_comm": 0.0, "optimizer": 0.0}},
-        "solver": {"name": "hand", "seconds": 0.0, "status": "Optimal", "candidates": 1},
-        "alternatives": [],
-    })
+    return manual_plan(spec, sizes, tp=tp, pp=pp, mbs=MBS, m=m, stages=stages)
 
 
 def _batch(vocab: int, rows: int, seq: int):
