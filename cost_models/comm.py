@@ -24,7 +24,11 @@ send (p2p)          1            S                       one message between two
 Which link? The profile gives an intra-node link (NVLink: ``intra_node_bandwidth``,
 ``intra_node_latency``) and an inter-node link (the device's NIC). A group whose ranks all live
 on one node uses NVLink. A flat ring over several nodes is paced by its slowest hop, the network,
-so every step costs the inter-node alpha and chunk time.
+so every step costs the inter-node alpha and chunk time. A profile may also give the intra-node
+link per collective kind (``intra_node_collectives``, which ``planner calibrate`` measures): a
+library's all-gather or reduce-scatter need not reach its all-reduce's bandwidth (gloo's
+reduce-scatter on one host reaches about a third), so each kind, and each intra-node phase of a
+hierarchical algorithm, is priced with its own link when the profile has one.
 
 Hierarchical algorithms (groups over ``m`` nodes with ``p`` ranks on each)
 ----------------------------------------------------------------------------
@@ -236,13 +240,6 @@ def ring_terms(kind: str, size_bytes: Any, n: int) -> tuple[int, Any]:
     return 1, 1.0 * size_bytes  # send / p2p / recv
 
 
-def _links(hw: HardwareProfile) -> tuple[tuple[float, float], tuple[float, float]]:
-    return (
-        (hw.intra_node_latency, hw.intra_node_bandwidth),
-        (hw.inter_node_latency, hw.inter_node_bandwidth),
-    )
-
-
 def _placement(group: GroupPlacement | Sequence[int], hw: HardwareProfile) -> GroupPlacement:
     if isinstance(group, GroupPlacement):
         return group
@@ -269,8 +266,7 @@ def ring_time(kind: str, size_bytes: Any, group: GroupPlacement | Sequence[int],
     if kind in _P2P and pl.size != 2:
         raise ValueError(f"a point-to-point transfer is between 2 ranks (got a group of {pl.size})")
     steps, link_bytes = ring_terms(kind, size_bytes, pl.size)
-    (ai, bi), (ae, be) = _links(hw)
-    alpha, bw = (ai, bi) if pl.intra_node else (ae, be)
+    alpha, bw = hw.link(kind, pl.intra_node)
     return steps * alpha + link_bytes / bw
 
 
@@ -285,18 +281,24 @@ def hierarchical_time(
         return 0.0
     if pl.intra_node or kind in _P2P:
         return ring_time(kind, size_bytes, pl, hw)
-    (ai, bi), (ae, be) = _links(hw)
     n, m, p, p_lo = pl.size, pl.nodes, pl.ranks_per_node, pl.min_ranks_per_node
     S = size_bytes
-    intra_1 = (p - 1) * ai + (p - 1) / p * S / bi  # one reduce-scatter or all-gather in a node
+    ae, be = hw.link(kind, False)
+
+    def intra(phase: str) -> Any:  # one reduce-scatter or all-gather of S inside a node
+        ai, bi = hw.link(phase, True)
+        return (p - 1) * ai + (p - 1) / p * S / bi
+
     shard = S / p_lo  # what each device carries across the network
     if kind == "all_reduce":
-        return 2 * intra_1 + 2 * (m - 1) * ae + 2.0 * (m - 1) / m * shard / be
+        return intra("reduce_scatter") + intra("all_gather") + 2 * (m - 1) * ae + 2.0 * (m - 1) / m * shard / be
     if kind in ("all_gather", "reduce_scatter"):
-        return intra_1 + (m - 1) * ae + (m - 1) / m * shard / be
+        return intra(kind) + (m - 1) * ae + (m - 1) / m * shard / be
     if kind == "broadcast":
+        ai, bi = hw.link("send", True)
         return (m - 1) * ae + S / be + (p - 1) * ai + (S / bi if p > 1 else 0.0)
     # all_to_all: on-node share over NVLink, off-node share over the NIC, concurrently.
+    ai, bi = hw.link(kind, True)
     on_node = (p - 1) * ai + (p - 1) / n * S / bi
     off_node = (n - p_lo) * ae + (n - p_lo) / n * S / be
     return smax(on_node, off_node)

@@ -93,6 +93,12 @@ class HardwareProfile:
     """Fixed seconds per operator call (dispatch and launch), charged per op of forward and
     backward on top of the FLOP time; it is what makes many small micro-batches slower than few
     large ones. ``planner calibrate`` measures it; datasheet profiles use a kernel-launch figure."""
+    intra_node_collectives: dict[str, dict[str, float]] | None = None
+    """Optional per-collective intra-node link, ``{kind: {"latency": s, "bandwidth": B/s}}`` for
+    kinds among ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send``: the alpha and
+    bandwidth that kind was measured to reach (e.g. gloo's reduce-scatter reaches a third of its
+    all-reduce bandwidth). A kind not listed uses ``intra_node_latency``/``intra_node_bandwidth``.
+    ``planner calibrate`` fills it; datasheet profiles leave it out."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""
     calibration: dict[str, Any] | None = None
@@ -148,6 +154,9 @@ class HardwareProfile:
         o = self.op_overhead_s
         if not _is_number(o) or not math.isfinite(o) or o < 0:
             raise ProfileError(f"field 'op_overhead_s' must be a non-negative number of seconds (got {o!r})")
+        if self.intra_node_collectives is not None:
+            object.__setattr__(self, "intra_node_collectives",
+                               _check_collective_links(self.intra_node_collectives))
         if not isinstance(self.source, str):
             raise ProfileError(f"field 'source' must be a string (got {self.source!r})")
         if self.calibration is not None and not isinstance(self.calibration, dict):
@@ -161,6 +170,7 @@ class HardwareProfile:
             self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
             self.compute_efficiency, self.op_overhead_s,
+            tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
         ))
 
     # ----------------------------------------------------------------------------------------
@@ -178,6 +188,15 @@ class HardwareProfile:
         """``peak(dtype) * compute_efficiency``: the rate large matmuls actually reach."""
         return self.peak(dtype) * self.compute_efficiency
 
+    def link(self, kind: str, intra_node: bool) -> tuple[float, float]:
+        """``(latency, bandwidth)`` a collective of ``kind`` sees on the intra- or inter-node link."""
+        if not intra_node:
+            return self.inter_node_latency, self.inter_node_bandwidth
+        own = (self.intra_node_collectives or {}).get("send" if kind in ("p2p", "recv") else kind)
+        if own is not None:
+            return own["latency"], own["bandwidth"]
+        return self.intra_node_latency, self.intra_node_bandwidth
+
     def with_gpus_per_node(self, gpus_per_node: int) -> "HardwareProfile":
         """A copy with another node size (the CLI's ``--gpus-per-node``), validated."""
         return dataclasses.replace(self, gpus_per_node=gpus_per_node)
@@ -186,8 +205,9 @@ class HardwareProfile:
         """The JSON object ``load_hardware`` reads back (``calibration`` only when present)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["peak_flops"] = dict(self.peak_flops)
-        if d["calibration"] is None:
-            del d["calibration"]
+        for opt in ("calibration", "intra_node_collectives"):
+            if d[opt] is None:
+                del d[opt]
         return d
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -223,6 +243,33 @@ class HardwareProfile:
             return cls(**data)
         except ProfileError as e:
             raise ProfileError(f"hardware profile {origin}: {e}") from None
+
+
+#: Collective kinds a profile's ``intra_node_collectives`` may describe.
+LINK_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def _check_collective_links(value: Any) -> dict[str, dict[str, float]]:
+    example = '{"all_reduce": {"latency": 1e-4, "bandwidth": 1.1e9}}'
+    if not isinstance(value, dict):
+        raise ProfileError(f"field 'intra_node_collectives' must be an object like {example} (got {value!r})")
+    out: dict[str, dict[str, float]] = {}
+    for kind, link in value.items():
+        if kind not in LINK_KINDS:
+            raise ProfileError(f"field 'intra_node_collectives' has unknown collective {kind!r} "
+                               f"(allowed: {', '.join(LINK_KINDS)})")
+        if not isinstance(link, dict) or set(link) != {"latency", "bandwidth"}:
+            raise ProfileError(f"field 'intra_node_collectives.{kind}' must be an object with exactly "
+                               f"'latency' (s) and 'bandwidth' (bytes/s) (got {link!r})")
+        lat, bw = link["latency"], link["bandwidth"]
+        if not _is_number(lat) or not math.isfinite(lat) or lat < 0:
+            raise ProfileError(f"field 'intra_node_collectives.{kind}.latency' must be a non-negative "
+                               f"number of seconds (got {lat!r})")
+        if not _is_number(bw) or not math.isfinite(bw) or bw <= 0:
+            raise ProfileError(f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive "
+                               f"number of bytes/s (got {bw!r})")
+        out[kind] = {"latency": float(lat), "bandwidth": float(bw)}
+    return out
 
 
 def profile_path(kind: str) -> Path:

@@ -34,8 +34,14 @@ Sharding leaves transient full-size buffers, which are counted when ``largest_la
 
 - stage 3 all-gathers a layer's full weights just before it runs: one layer's worth of
   training-dtype weights, or two when the next layer is prefetched (``prefetch=True``);
-- stages 2 and 3 produce a layer's full gradient in backward before reduce-scattering it:
-  one layer's worth of gradients.
+- stages 2 and 3 produce a layer's full gradient in backward and reduce-scatter it into a
+  shard-sized buffer, one layer at a time, with at most ``REDUCTIONS_IN_FLIGHT`` reductions in
+  flight; launching the next waits for the oldest, so ``REDUCTIONS_IN_FLIGHT + 1`` consecutive
+  layers' full gradients and reduced shards (training dtype) exist at once at most.
+
+``model_state_bytes`` bounds these with the largest layer standing for every layer involved;
+``zero_transient_bytes`` takes the stage's actual layers in order (the windows of consecutive
+layers that can coexist), which is what the runtime reaches.
 
 ``num_params`` is what one device's model replica holds, i.e. after tensor parallelism and the
 pipeline split (TP divides the sharded matrices, not the replicated norms and biases).
@@ -49,6 +55,23 @@ each micro-batch in flight, and re-materializes its full saved activations for o
 at a time during backward, so the peak is::
 
     inflight * sum_i (boundary_i if recompute_i else saved_i) + max_{i recomputed} saved_i
+
+Backward transients
+-------------------
+While a layer runs backward, autograd holds the gradient arriving at its largest intermediate
+and the gradient it computes from it, each as large as that tensor, on top of the activations
+still saved: ``backward_transient_bytes = 2 x largest activation`` (per device, after the TP
+split). The stage's transient is the largest of its layers'; like a recomputed layer's
+re-materialized activations it exists for one layer at a time, so the two compete
+(``stage_activation_bytes``'s ``transient_peak``).
+
+The stage's peak is the larger of two moments. (a) The backward of its last layer, which runs
+first: every saved activation is alive and nothing has been reduced yet, so under ZeRO-2/3 with a
+single micro-batch per step the gradient shards do not exist yet (they are allocated by the
+step's first reduction and released by ``zero_grad``). (b) The backward of each earlier layer
+``j``, with the ZeRO-2/3 reductions in flight: the full gradients and shards of ``j`` and the
+``REDUCTIONS_IN_FLIGHT`` layers after it, while the activations the layers after ``j`` saved for
+this micro-batch have been released (other micro-batches in flight keep theirs).
 
 Loss backward
 -------------
@@ -81,7 +104,14 @@ __all__ = [
     "split_by_tp",
     "memory_breakdown",
     "loss_backward_bytes",
+    "backward_transient_bytes",
+    "zero_transient_bytes",
+    "REDUCTIONS_IN_FLIGHT",
+    "reduction_bytes",
 ]
+
+#: Gradient reductions the runtime keeps in flight at once (``runtime.zero.MAX_INFLIGHT_REDUCTIONS``).
+REDUCTIONS_IN_FLIGHT = 2
 
 #: Bytes per parameter of each state component, by training dtype (the table above).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
@@ -148,7 +178,8 @@ def model_state_bytes(
     if sharded and zero_stage == 3:
         params += (2 if prefetch else 1) * largest_layer_params * t["weights"]
     if sharded and zero_stage >= 2:
-        grads += largest_layer_params * t["grads"]
+        grads += (REDUCTIONS_IN_FLIGHT + 1) * (largest_layer_params + shard_elements(largest_layer_params, dp)) \
+            * t["grads"]
     optimizer = opt_elems * (t["master"] + t["adam_m"] + t["adam_v"])
     return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
 
@@ -255,3 +286,42 @@ def loss_backward_bytes(logits_bytes: Any) -> Any:
     module docstring's "Loss backward"; accepts sympy expressions.
     """
     return 2 * logits_bytes
+
+
+def backward_transient_bytes(largest_activation: Any) -> Any:
+    """Bytes a layer's backward holds beyond saved activations: ``2 x`` its largest activation
+    (see "Backward transients"); accepts sympy expressions."""
+    return 2 * largest_activation
+
+
+def zero_transient_bytes(layer_params: Sequence[int], dtype: str, zero_stage: int, dp: int) -> dict[str, int]:
+    """Full-size ZeRO buffers that coexist at most, for a stage's layers in forward order.
+
+    ``params``: ZeRO-3's gathered weights of a layer and the next (prefetched) one, the largest
+    over consecutive pairs. ``grads``: ZeRO-2/3's full gradients and reduced shards of
+    ``REDUCTIONS_IN_FLIGHT + 1`` consecutive layers, the largest over such windows. Both 0 when
+    ``dp == 1`` or the stage does not shard them. Exact integers.
+    """
+    _check_int("dp", dp, 1)
+    t = bytes_per_param(dtype)
+    ps = [int(x) for x in layer_params]
+    for x in ps:
+        _check_int("layer params", x, 0)
+
+    def window(n: int, per: Any) -> int:
+        vals = [per(x) for x in ps]
+        if not vals:
+            return 0
+        n = min(n, len(vals))
+        return max(sum(vals[i:i + n]) for i in range(len(vals) - n + 1))
+
+    params = window(2, lambda x: x * t["weights"]) if dp > 1 and zero_stage == 3 else 0
+    grads = (window(REDUCTIONS_IN_FLIGHT + 1, lambda x: reduction_bytes(x, dtype, dp))
+             if dp > 1 and zero_stage >= 2 else 0)
+    return {"params": int(params), "grads": int(grads)}
+
+
+def reduction_bytes(layer_params: int, dtype: str, dp: int) -> int:
+    """One ZeRO-2/3 gradient reduction's buffers: the layer's full gradient and its reduced
+    shard, in the training dtype."""
+    return (int(layer_params) + shard_elements(int(layer_params), dp)) * bytes_per_param(dtype)["grads"]

@@ -24,9 +24,13 @@ recomputation inside flash backward is not model work); this equals what ``FlopC
 counts for the math path on the meta device.
 
 FLOPs count matmul-class work only (mm, addmm, bmm, convolution, attention), the
-``FlopCounterMode`` convention; elementwise work is memory-bound and left to bandwidth terms.
+``FlopCounterMode`` convention. Every other op that computes (adds, activations, softmax, norms,
+casts, copies, the loss, their backward ops) is memory-bound: its cost is the bytes it moves,
+counted as ``fwd_bytes`` / ``bwd_bytes`` = the sizes of its tensor inputs plus its outputs. Ops
+that only re-describe a tensor (views: ``is_view``) or have a FLOP formula move nothing here, so
+a layer's time is ``flops / rate + bytes / memory bandwidth``, the per-op roofline summed.
 
-Writes per node: ``fwd_flops``, ``bwd_flops`` (sympy), ``saved`` (list of ``SavedTensor``),
+Writes per node: ``fwd_flops``, ``bwd_flops``, ``fwd_bytes``, ``bwd_bytes`` (sympy), ``saved`` (list of ``SavedTensor``),
 ``saved_bytes`` (sympy: the node's share after per-layer de-duplication) and
 ``requires_grad`` (bool). Needs ``layer`` (assign_layers) on every node.
 """
@@ -114,15 +118,46 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = FORMULAS.get(func._overloadpacket)
         if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
-            r = self.replay
-            if r.current is not None:
-                r.fwd[r.current].append(flops)
-            else:
-                fn = torch._C._current_autograd_node()
-                owner = r.fn_owner.get(fn) if fn is not None else None
-                r.bwd.setdefault(owner, []).append(flops)
+            self._charge(formula(*args, **kwargs, out_val=out), 0)
+        else:
+            moved = _bytes_moved(func, args, kwargs, out)
+            if moved is not None:
+                self._charge(0, moved)
         return out
+
+    def _charge(self, flops: Any, moved: Any) -> None:
+        r = self.replay
+        if r.current is not None:
+            r.fwd[r.current].append(flops)
+            r.fwd_bytes[r.current].append(moved)
+        else:
+            fn = torch._C._current_autograd_node()
+            owner = r.fn_owner.get(fn) if fn is not None else None
+            r.bwd.setdefault(owner, []).append(flops)
+            r.bwd_bytes.setdefault(owner, []).append(moved)
+
+
+#: Ops that alias their input without the schema saying so: they move nothing.
+_ALIASING = {_aten._unsafe_view, _aten._reshape_alias, _aten.lift_fresh, _aten.detach, _aten.alias}
+
+
+def _bytes_moved(func, args, kwargs, out) -> Any:
+    """Bytes a memory-bound op reads and writes; ``None`` for ops that move nothing (views,
+    aliases, queries such as ``prim.device`` that return no tensor)."""
+    outs = list(iter_tensors(out))
+    if not outs or func.is_view or func._overloadpacket in _ALIASING:
+        return None
+    written = sum(_nbytes(t) for t in outs)
+    if func._overloadpacket is _aten.embedding:  # reads the looked-up rows, not the table
+        return 2 * written + _nbytes(args[1])
+    return sum(_nbytes(t) for t in iter_tensors(list(args) + list(kwargs.values()))) + written
+
+
+def _nbytes(t: torch.Tensor) -> Any:
+    """Bytes an op reads or writes of ``t``: its elements (a broadcast view counts its storage)."""
+    if any(type(st) is int and st == 0 for st in t.stride()):  # expand: reads its storage once
+        return t.untyped_storage().nbytes()
+    return t.numel() * t.element_size()
 
 
 class CostReplay(fx.Interpreter):
@@ -139,6 +174,8 @@ class CostReplay(fx.Interpreter):
         self.current: str | None = None
         self.fwd: dict[str, list] = {}
         self.bwd: dict[str | None, list] = {}
+        self.fwd_bytes: dict[str, list] = {}
+        self.bwd_bytes: dict[str | None, list] = {}
         self.fn_owner: dict[Any, str] = {}
         self.storage_owner: dict[int, str] = {}
         self.node_key: dict[str, int] = {}  # node -> storage of its (first) output
@@ -150,6 +187,7 @@ class CostReplay(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
         self.fwd[n.name] = []
+        self.fwd_bytes[n.name] = []
         try:
             result = super().run_node(n)
         except PassError:
@@ -238,13 +276,18 @@ class CostReplay(fx.Interpreter):
         """Write the node.meta keys from what the replay recorded."""
         sym = self.symbols
         unowned = self.bwd.pop(None, [])
+        unowned_bytes = self.bwd_bytes.pop(None, [])
         nodes = list(self.graph.nodes)
+
+        def total(xs) -> sympy.Expr:
+            return sum((to_expr(x, sym) for x in xs), sympy.Integer(0))
+
         for n in nodes:
             need(n, "layer", _PASS, "assign_layers")
-            n.meta["fwd_flops"] = sum((to_expr(f, sym) for f in self.fwd.get(n.name, ())),
-                                      sympy.Integer(0))
-            n.meta["bwd_flops"] = sum((to_expr(f, sym) for f in self.bwd.get(n.name, ())),
-                                      sympy.Integer(0))
+            n.meta["fwd_flops"] = total(self.fwd.get(n.name, ()))
+            n.meta["bwd_flops"] = total(self.bwd.get(n.name, ()))
+            n.meta["fwd_bytes"] = total(self.fwd_bytes.get(n.name, ()))
+            n.meta["bwd_bytes"] = total(self.bwd_bytes.get(n.name, ()))
             n.meta["saved"] = [
                 SavedTensor(key, to_expr(nbytes, sym), str(dtype).replace("torch.", ""),
                             self.storage_owner.get(key, n.name), False)
@@ -252,9 +295,9 @@ class CostReplay(fx.Interpreter):
                 if key not in self.resident]
             val = self.env.get(n)
             n.meta["requires_grad"] = any(t.requires_grad for t in iter_tensors(val))
-        if unowned:
-            out = nodes[-1]
-            out.meta["bwd_flops"] = out.meta["bwd_flops"] + sum(to_expr(f, sym) for f in unowned)
+        out = nodes[-1]
+        out.meta["bwd_flops"] = out.meta["bwd_flops"] + total(unowned)
+        out.meta["bwd_bytes"] = out.meta["bwd_bytes"] + total(unowned_bytes)
 
 
 def _charge(gm: fx.GraphModule) -> None:
@@ -379,7 +422,7 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
         a = arg_with_storage(src, n, key)
         owner[n] = owner[a] if a is not None else r.storage_owner.get(key, n.name)
 
-    keys = ("fwd_flops", "bwd_flops", "requires_grad")
+    keys = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "requires_grad")
     for n in gm.graph.nodes:
         src = kept.get(twin[n])
         if src is None:

@@ -34,7 +34,8 @@ __all__ = ["LayerCosts", "LayerTable", "build_layer_table", "table_from_traced",
 
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
-               "tp_allreduce_bwd_bytes")
+               "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
+               "peak_act_bytes", "peak_act_bytes_tp")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops")
 _ZERO = sympy.Integer(0)
 
@@ -57,6 +58,21 @@ class LayerCosts:
     """The part of ``fwd_flops`` that divides by tp."""
     bwd_flops_tp: sympy.Expr = _ZERO
     """The part of ``bwd_flops`` that divides by tp."""
+    fwd_bytes: sympy.Expr = _ZERO
+    """Bytes read + written by the forward's memory-bound ops (everything but matmul-class
+    work and views): the bandwidth term of the roofline."""
+    bwd_bytes: sympy.Expr = _ZERO
+    """Bytes read + written by the backward's memory-bound ops."""
+    fwd_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``fwd_bytes`` that divides by tp (ops on sharded activations)."""
+    bwd_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``bwd_bytes`` that divides by tp."""
+    peak_act_bytes: sympy.Expr = _ZERO
+    """Largest single activation the layer's forward makes that tp does not shard (a ``Max``
+    of polynomials): its gradient, and the gradient computed from it, are what the layer's
+    backward holds at once on top of the saved activations (``cost_models.memory``)."""
+    peak_act_bytes_tp: sympy.Expr = _ZERO
+    """Largest single activation held in tp shards (its full size; per device divide by tp)."""
     saved_bytes: sympy.Expr = _ZERO
     """Activations autograd keeps for backward (each storage once per layer; no weights)."""
     saved_bytes_tp: sympy.Expr = _ZERO
@@ -220,9 +236,16 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
             ints[lay]["num_ops"] += 1  # tensor ops only: shape arithmetic of a dynamic trace is free
         a["fwd_flops"] += m["fwd_flops"]
         a["bwd_flops"] += m["bwd_flops"]
+        a["fwd_bytes"] += m["fwd_bytes"]
+        a["bwd_bytes"] += m["bwd_bytes"]
+        if node.op == "call_function" and m.get("out_bytes"):
+            key = "peak_act_bytes_tp" if tp.divides else "peak_act_bytes"
+            a[key] = sympy.Max(a[key], m["out_bytes"])
         if tp.divides:
             a["fwd_flops_tp"] += m["fwd_flops"]
             a["bwd_flops_tp"] += m["bwd_flops"]
+            a["fwd_bytes_tp"] += m["fwd_bytes"]
+            a["bwd_bytes_tp"] += m["bwd_bytes"]
         a["saved_bytes"] += m["saved_bytes"]
         a["saved_bytes_tp"] += tp.saved_bytes_tp
         a["tp_allreduce_bytes"] += tp.allreduce_fwd

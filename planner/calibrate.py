@@ -36,6 +36,7 @@ import platform
 import queue as queue_mod
 import re
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -69,6 +70,10 @@ class CalibrationSpec:
     """Matmul dtypes to time."""
     matmul_budget_s: float = 0.15
     """Seconds of repetitions per (dtype, size), after one warm-up product."""
+    train_batches: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes of the timed training steps (the FLOP-rate and op-overhead fit)."""
+    train_budget_s: float = 1.0
+    """Seconds of repeated training steps per micro-batch size."""
     copy_bytes: int = 32 * MB
     """Size of the tensor copied to measure memory bandwidth."""
     message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
@@ -83,6 +88,7 @@ class CalibrationSpec:
         """A few seconds of measurement (tests, smoke runs)."""
         return cls(
             matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
+            train_batches=(1, 4), train_budget_s=0.1,
             message_sizes=(4 * KB, 64 * KB, 1 * MB), max_reps=5, bytes_per_size=4 * MB,
         )
 
@@ -132,14 +138,17 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
 
 
-def _time_training(budget_s: float) -> tuple[float, float]:
+def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: float) -> tuple[float, float]:
     """``(FLOP/s, seconds per operator)`` of real training steps, all ranks at once.
 
-    A forward + backward of a small built-in GPT (fp32) is timed at micro-batch 1 and 8. With the
-    layer table's FLOPs ``F(b)`` and operator count ``N`` (the very numbers the planner prices
-    with), ``T(b) = 3 N c + F(b) / R`` has two unknowns: ``R``, the FLOP rate training reaches
-    (its ratio to the matmul peak is ``compute_efficiency``), and ``c``, the fixed cost of one
-    operator call (``op_overhead_s``; backward makes about two calls per forward op).
+    A forward + backward of a small built-in GPT (fp32) is timed at each micro-batch size ``b`` of
+    ``batches``. With the layer table's FLOPs ``F(b)``, memory-bound bytes ``Q(b)`` and operator
+    count ``N`` (the very numbers the planner prices with), the planner's time model is
+    ``T(b) = 3 N c + F(b) / R + Q(b) / W``; ``W`` is the measured copy bandwidth, so
+    ``T(b) - Q(b) / W`` is a straight line in ``F(b)`` whose least-squares slope is ``1 / R``
+    (the FLOP rate training reaches: its ratio to the matmul peak is ``compute_efficiency``) and
+    whose intercept is ``3 N c`` (``c``, the fixed cost of one operator call, ``op_overhead_s``;
+    backward makes about two calls per forward op).
     """
     from passes.layer_table import build_layer_table
     from planner.models import build_model
@@ -148,21 +157,26 @@ def _time_training(budget_s: float) -> tuple[float, float]:
     table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **sizes)
     sizes["seq_len"] = 128
     n_ops = sum(lay.num_ops for lay in table.layers)
-    times, flops = [], []
-    for b in (1, 8):
+    xs, ys = [], []
+    for b in batches:
         real = build_model("gpt", batch=b, seed=0, **sizes)
 
         def step(model=real.model, inputs=real.example_inputs):
             model.zero_grad(set_to_none=True)
             model(*inputs).backward()
 
-        times.append(_timed_reps(step, budget_s, min_reps=2))
-        flops.append(table.total("fwd_flops", b, 128) + table.total("bwd_flops", b, 128))
-    if times[1] <= times[0]:  # too noisy to separate the two terms: all of it is FLOP time
-        return flops[1] / times[1], 0.0
-    rate = (flops[1] - flops[0]) / (times[1] - times[0])
-    overhead = max(0.0, (times[0] - flops[0] / rate) / (3 * n_ops))
-    return rate, overhead
+        step()  # warm-up: first-touch allocations and lazy initialization
+        t = _timed_reps(step, budget_s, min_reps=3)
+        moved = table.total("fwd_bytes", b, 128) + table.total("bwd_bytes", b, 128)
+        xs.append(table.total("fwd_flops", b, 128) + table.total("bwd_flops", b, 128))
+        ys.append(t - moved / memory_bandwidth)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    if slope <= 0:  # too noisy to separate the two terms: all of it is FLOP time
+        return xs[-1] / max(ys[-1], 1e-9), 0.0
+    intercept = my - slope * mx
+    return 1.0 / slope, max(0.0, intercept / (3 * n_ops))
 
 
 def _time_copy(nbytes: int, budget_s: float) -> float:
@@ -269,13 +283,13 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             tick(f"matmul {dt} {n}x{n}")
         result["matmul"][dt] = rates
     dist.barrier()
-    rate, overhead = _time_training(spec.matmul_budget_s)
+    result["memory_bandwidth"] = _mean_over_ranks(_time_copy(spec.copy_bytes, spec.matmul_budget_s))
+    tick("memory copy")
+    dist.barrier()
+    rate, overhead = _time_training(spec.train_batches, spec.train_budget_s, result["memory_bandwidth"])
     result["train_step_flops"] = _mean_over_ranks(rate)
     result["op_overhead_s"] = _mean_over_ranks(overhead)
     tick("training step")
-    dist.barrier()
-    result["memory_bandwidth"] = _mean_over_ranks(_time_copy(spec.copy_bytes, spec.matmul_budget_s))
-    tick("memory copy")
     for kind in MEASURED_KINDS:
         for size in spec.message_sizes:
             nbytes, n, secs = _time_collective(kind, size, rank, world, spec.reps(size))
@@ -393,7 +407,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times together, and of each kind alone (intra_node_collectives); inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
     )
     calibration = {
@@ -418,6 +432,8 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         gpus_per_node=nproc,
         compute_efficiency=efficiency,
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
+        intra_node_collectives={k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
+                                for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None,
         source=source,
         calibration=_finite(calibration),
     )

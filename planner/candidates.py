@@ -56,7 +56,8 @@ def time_lower_bound(cc: CandidateCosts) -> float:
 
 
 def memory_lower_bound(cc: CandidateCosts) -> float:
-    """Bytes per device that every strategy of this candidate needs on its most loaded stage.
+    """Bytes per device that every strategy of this candidate needs on its most loaded stage
+    (by the memory bound feasibility is judged with: ``planner.strategy.memory_bound``).
 
     The most loaded stage holds at least the average of all stages (each layer's state once and
     at least ``min(saved, input)`` of activations once), stage 0 holds the first layer with

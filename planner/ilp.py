@@ -48,7 +48,8 @@ time to send layer ``l``'s output over boundary ``j``, ``a_k = min(p - k, m)`` i
                D >= sum_l d_l x[l,k]                                               for all k
     memory     sum_l st_l x[l,k] + TR_k + a_k (sum_l sv_l x[l,k] - sum_l (sv_l - in_l) c[l,k])
                    + PK_k <= capacity * headroom                                   for all k
-               TR_k >= tr_l x[l,k];   PK_k >= sv_l c[l,k]       (largest layer / largest recompute)
+               TR_k >= tr_l x[l,k];   PK_k >= sv_l c[l,k];   PK_k >= bt_l x[l,k]
+                        (largest ZeRO buffers / largest recompute or backward transient)
 
 ``e`` only appears on the cheap side of ``>=`` rows, so at the optimum it equals the indicator.
 Pins: ``--checkpoint none`` fixes ``c = 0``, ``all`` fixes ``c[l,k] = x[l,k]`` for the blocks.
@@ -220,7 +221,8 @@ class _GeneralVars(_Vars):
 
     def peak_terms(self, k):
         L = self.cc.layers
-        return [(r, L[l].saved_b) for l in self.members[k] if (r := self.rec(l, k)) is not None and L[l].saved_b]
+        rec = [(r, L[l].saved_b) for l in self.members[k] if (r := self.rec(l, k)) is not None and L[l].saved_b]
+        return rec + [(self.x[(l, k)], L[l].bt_b) for l in self.members[k] if L[l].bt_b]
 
     def decode(self):
         stage_of = [next(k for k in self.window[l] if self.x[(l, k)].value() > 0.5) for l in range(self.n)]
@@ -367,6 +369,14 @@ class _UniformVars(_Vars):
             out.append((self.cpre, self.pre.saved_b))
         if self.mode == "auto" and k == self.p - 1:
             out.append((self.cpost, self.post.saved_b))
+        # backward transients: of any layer the stage holds
+        if self.L:
+            out.append((self.has[k], self.blk.bt_b))
+        out.append((self._tail_share(k)[0], self.X.bt_b if self.tail else 0))
+        if k == 0:
+            out.append((1, self.pre.bt_b))
+        if k == self.p - 1:
+            out.append((1, self.post.bt_b))
         return [t for t in out if t[1] and not _is_zero(t[0])]
 
     def decode(self):
@@ -462,8 +472,6 @@ def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
             prob += tr >= (val / cap) * ind, f"memory_zero_buffer_k{k}_{i}"
         for i, (ind, val) in enumerate(v.peak_terms(k)):
             prob += pk >= (val / cap) * ind, f"memory_recompute_peak_k{k}_{i}"
-        if k == v.p - 1 and v.cc.loss_transient_b:
-            prob += pk >= v.cc.loss_transient_b / cap, f"memory_loss_backward_k{k}"
         a = v.cc.inflight[k]
         mem = (v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
                - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap) + tr + pk)

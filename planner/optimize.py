@@ -23,7 +23,8 @@ from planner.candidates import check_pins, enumerate_candidates, memory_lower_bo
 from planner.errors import UserError
 from planner.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
-from planner.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, predicted_fields
+from planner.strategy import (Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, memory_bound,
+                              predicted_fields)
 
 __all__ = ["NoFeasiblePlan", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
 
@@ -60,11 +61,11 @@ def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: st
     """
     best: Evaluation | None = None
     for _lb, mlb, cc in sorted(entries, key=lambda e: (e[1], e[2].cand)):
-        if best is not None and mlb >= best.memory["total"]:
+        if best is not None and mlb >= memory_bound(best):
             break
         ev = solve_candidate(cc, kinds, checkpoint, solver, objective="memory").evaluation
-        if ev is not None and (best is None or (ev.memory["total"], ev.step_time_s)
-                               < (best.memory["total"], best.step_time_s)):
+        if ev is not None and (best is None or (memory_bound(ev), ev.step_time_s)
+                               < (memory_bound(best), best.step_time_s)):
             best = ev
     return best
 
@@ -82,7 +83,8 @@ def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entr
     dominant = max(parts, key=parts.get)
     state = mem["params"] + mem["grads"] + mem["optimizer"]
     detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-    msg = [head, f"The least any strategy needs is {_gib(mem['total'])} per device ({c.describe()}, "
+    msg = [head, f"The least any strategy needs is {_gib(memory_bound(least))} per device, peaking at "
+           f"{_gib(mem['total'])} with every transient buffer at its likely moment ({c.describe()}, "
            f"{len(least.strategy.checkpoint)} of {len(nt.layers)} layers recomputed; most loaded stage "
            f"{least.peak_stage}): {detail}; {dominant} dominate{'' if dominant.endswith('s') else 's'}."]
     fixes: list[str] = []
@@ -96,9 +98,9 @@ def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entr
         free_entries = candidate_entries(free, nt, hw, gpn, enumerate_candidates(free, nt, gpn))
         alt = least_memory(free_entries, nt.kinds, "auto", solver)
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
-        if alt is not None and alt.memory["total"] <= usable:
+        if alt is not None and memory_bound(alt) <= usable:
             fixes.append(f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only "
-                         f"{_gib(alt.memory['total'])}")
+                         f"{_gib(memory_bound(alt))}")
     if state >= mem["activations"]:
         if c.zero_stage < 3 and c.dp > 1:
             fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")

@@ -12,10 +12,12 @@ Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)
 --------------------------------------------------------------------------------
 From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parallelism divides):
 
-- compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward; time by the
-  roofline ``cost_models.compute.compute_time`` (FLOP-bound: the table carries no byte counts),
-  plus ``hw.op_overhead_s`` per operator call (``num_ops`` forward, twice that in backward): the
-  fixed dispatch/launch cost that makes many small micro-batches slower than few large ones.
+- compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward, and the
+  memory-bound ops' bytes ``Q_l`` split the same way; time is the per-op roofline summed,
+  ``F_l / (peak * efficiency) + Q_l / memory_bandwidth`` (matmul-class ops carry the FLOPs, every
+  other op the bytes: ``passes.autograd_costs``), plus ``hw.op_overhead_s`` per operator call
+  (``num_ops`` forward, twice that in backward): the fixed dispatch/launch cost that makes many
+  small micro-batches slower than few large ones.
 - TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
   forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
   conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
@@ -97,17 +99,20 @@ from cost_models.comm import (
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
+    REDUCTIONS_IN_FLIGHT,
+    backward_transient_bytes,
     inflight_microbatches,
-    loss_backward_bytes,
     model_state_bytes,
+    reduction_bytes,
     shard_elements,
     split_by_tp,
     stage_activation_bytes,
+    zero_transient_bytes,
 )
 
 __all__ = [
     "SYMBOLIC_FIELDS", "INT_FIELDS", "NumericTable", "Candidate", "Strategy", "LayerCost",
-    "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields",
+    "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields", "memory_bound",
     "boundary_placements",
 ]
 
@@ -116,7 +121,8 @@ __all__ = [
 #: does in forward.
 SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                    "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
-                   "tp_allreduce_bwd_bytes")
+                   "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
+                   "peak_act_bytes", "peak_act_bytes_tp")
 #: Layer-table fields that are plain integers.
 INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes", "num_ops")
 
@@ -257,7 +263,10 @@ class LayerCost:
     trans_params_b: int
     """ZeRO-3 gathered weights while this layer (and the prefetched next) runs."""
     trans_grads_b: int
-    """ZeRO-2/3 full gradient of this layer before its reduce-scatter."""
+    """ZeRO-2/3 full gradients and reduced shards in flight, bounded with this layer standing
+    for every layer of the window (``cost_models.memory.model_state_bytes``)."""
+    bt_b: float
+    """Backward transient: twice the layer's largest activation (``backward_transient_bytes``)."""
     saved_b: float
     input_b: float
     boundary_b: float
@@ -322,7 +331,9 @@ class CandidateCosts:
         self.inflight = [inflight_microbatches(k, p, m) for k in range(p)]
         self._send: dict[tuple[float, int], float] = {}
         self.loss_transient_b = 0.0
-        """Bytes the loss backward holds on the last stage at once (``loss_backward_bytes``)."""
+        """The last layer's backward transient (a language model's loss: ``2 x logits``)."""
+        self.dtype = "fp32"
+        """Training dtype (sizes the ZeRO buffers)."""
 
     @property
     def num_layers(self) -> int:
@@ -352,20 +363,24 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl) for row in reps]
     cc = CandidateCosts(cand, [costs[i] for i in index], hw, gpus_per_node, capacity,
                         distinct=[(c, index.count(i)) for i, c in enumerate(costs)])
-    # The last row's tp-divided saved bytes are the logits the loss keeps (vocab-parallel).
-    cc.loss_transient_b = float(loss_backward_bytes(reps[index[-1]].get("saved_bytes_tp", 0.0) / cand.tp))
+    cc.dtype = dtype
+    # The last row's transient: for a language model the loss backward's 2 x logits.
+    cc.loss_transient_b = cc.layers[-1].bt_b
     return cc
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
                 tp_pl: GroupPlacement, dp_pl: GroupPlacement) -> LayerCost:
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
-    fwd = row["fwd_flops"] - row["fwd_flops_tp"] + row["fwd_flops_tp"] / tp
-    bwd = row["bwd_flops"] - row["bwd_flops_tp"] + row["bwd_flops_tp"] / tp
-    # FLOP time plus a fixed cost per operator call (backward runs about two per forward op).
+    def split(name: str) -> float:  # the part tp divides, divided; the rest whole
+        return row.get(name, 0.0) - row.get(name + "_tp", 0.0) + row.get(name + "_tp", 0.0) / tp
+
+    # Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
+    # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
+    # forward op).
     ops = row.get("num_ops", 0.0) * hw.op_overhead_s
-    t_f = float(compute_time(fwd, 0.0, hw, dtype)) + ops
-    t_b = float(compute_time(bwd, 0.0, hw, dtype)) + 2 * ops
+    t_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype)) + ops
+    t_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("bwd_bytes"), hw, dtype)) + 2 * ops
     def tp_cost(nbytes: float) -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
@@ -396,12 +411,14 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
     opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
+    largest = max(row.get("peak_act_bytes", 0.0), row.get("peak_act_bytes_tp", 0.0) / tp)
     return LayerCost(
         compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=t_f + t_tp,
         zero_mb_s=zmb_t, dp_step_s=step_t,
         opt_s=float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0,
         params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],
         trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
+        bt_b=float(backward_transient_bytes(largest)),
         saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
         tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
         dp_step_sent_b=step_b, num_params=P,
@@ -432,6 +449,9 @@ class StageCost:
     """``params, grads, optimizer, activations, total`` in bytes on one device of this stage."""
     comm_bytes: float
     """Bytes one device of this stage sends per step (ring convention)."""
+    memory_bound: int = 0
+    """The conservative peak feasibility is judged by (what the ILP constrains): every
+    transient at once, each ZeRO window filled with the stage's largest layer."""
 
 
 @dataclass
@@ -489,15 +509,7 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
             sent += cc.layers[prev].boundary_b
         zmb = sum(l.zero_mb_s for l in ls)
         work = compute + tp + rec + p2p
-        acts = float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m,
-                                            transient_peak=cc.loss_transient_b if k == p - 1 else 0))
-        big = max(ls, key=lambda l: l.trans_b)
-        params = sum(l.params_b for l in ls) + big.trans_params_b
-        grads = sum(l.grads_b for l in ls) + big.trans_grads_b
-        optim = sum(l.optimizer_b for l in ls)
-        mem = {"params": int(params), "grads": int(grads), "optimizer": int(optim),
-               "activations": int(math.ceil(acts))}
-        mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+        mem, bound = _stage_memory(cc, ls, rc, k)
         tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if r else 0.0) + l.tp_bwd_sent_b
                         for l, r in zip(ls, rc))
         comm = (m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
@@ -509,7 +521,7 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
             first=a, last=b, compute_s=compute, recompute_s=rec, tp_s=tp, p2p_s=p2p, zero_mb_s=zmb,
             work_s=work, micro_step_s=work + zmb, dp_s=sum(l.dp_step_s for l in ls),
             opt_s=sum(l.opt_s for l in ls), fwd_s=fwd, bwd_s=work + zmb - fwd,
-            memory=mem, comm_bytes=comm))
+            memory=mem, comm_bytes=comm, memory_bound=bound))
     T = max(s.micro_step_s for s in out)
     kb = max(range(p), key=lambda k: out[k].micro_step_s)
     kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
@@ -520,12 +532,57 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
             "pp_bubble": (p - 1) * T + m * sb.p2p_s,
             "dp_comm": m * sb.zero_mb_s + out[kd].dp_s, "optimizer": out[kd].opt_s}
     kp = max(range(p), key=lambda k: out[k].memory["total"])
+    bound = max(st.memory_bound for st in out)
     return Evaluation(
         strategy=Strategy(cand, stages, ck), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
         time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
         comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=(p - 1) / (m + p - 1), feasible=out[kp].memory["total"] <= cc.capacity,
-        capacity=cc.capacity)
+        bubble_fraction=(p - 1) / (m + p - 1), feasible=bound <= cc.capacity,
+        capacity=cc.capacity, extra={"memory_bound": bound})
+
+
+def memory_bound(ev: Evaluation) -> int:
+    """The conservative peak an evaluation's feasibility is judged by (the ILP's memory)."""
+    return int(ev.extra.get("memory_bound", ev.memory["total"]))
+
+
+def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int) -> tuple[dict, int]:
+    """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
+    conservative bound (see ``cost_models.memory``: "Backward transients")."""
+    cand = cc.cand
+    p, m, z, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
+
+    def acts(transient: float) -> float:
+        return float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m,
+                                            transient_peak=transient))
+
+    params = sum(l.params_b for l in ls)
+    grads = sum(l.grads_b for l in ls)
+    optim = sum(l.optimizer_b for l in ls)
+    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp)
+    # (a) the stage's last layer runs backward first: all transients but the ZeRO-2/3 reductions
+    # (none launched yet); with one micro-batch per step the gradient shards do not exist yet.
+    shards_later = z >= 2 and dp > 1 and m == 1
+    a = {"params": params + zt["params"], "grads": 0 if shards_later else grads, "optimizer": optim,
+         "activations": acts(max(l.bt_b for l in ls))}
+    moments = [a]
+    if z >= 2 and dp > 1:
+        # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
+        # flight, while the later layers' activations of this micro-batch are released.
+        inflight = inflight_microbatches(k, p, m)
+        keep = [l.input_b if r else l.saved_b for l, r in zip(ls, rc)]
+        red = [reduction_bytes(l.num_params, cc.dtype, dp) for l in ls]
+        for j in range(len(ls) - 1):
+            running = max(ls[j].bt_b, ls[j].saved_b if rc[j] else 0.0)
+            moments.append({"params": params + zt["params"], "optimizer": optim,
+                            "grads": grads + sum(red[j:j + REDUCTIONS_IN_FLIGHT + 1]),
+                            "activations": (inflight - 1) * sum(keep) + sum(keep[:j + 1]) + running})
+    mem = max(moments, key=lambda d: sum(d.values()))
+    mem = {key: int(math.ceil(v)) for key, v in mem.items()}
+    mem["total"] = sum(mem.values())
+    big = max(ls, key=lambda l: l.trans_b)
+    bound = params + grads + optim + big.trans_b + acts(max(l.bt_b for l in ls))
+    return mem, int(math.ceil(bound))
 
 
 def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:

@@ -15,6 +15,7 @@ Async calls return a ``Work`` handle (``None`` for a skipped call); ``wait(work)
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -60,6 +61,9 @@ class CommStats:
 
     bytes_by_kind: Counter = field(default_factory=Counter)
     calls_by_kind: Counter = field(default_factory=Counter)
+    wait_s: float = 0.0
+    """Seconds this process spent blocked in collectives (a blocking call, or ``wait`` on an
+    asynchronous one): communication the step did not hide behind compute."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, kind: str, size_bytes: int, n: int) -> None:
@@ -75,6 +79,7 @@ class CommStats:
         with self._lock:
             self.bytes_by_kind.clear()
             self.calls_by_kind.clear()
+            self.wait_s = 0.0
 
 
 #: Process-wide counter; the trainer resets it each step.
@@ -97,6 +102,7 @@ def _describe_group(group) -> str:
 
 def _guard(kind: str, size: int, group, fn):
     """Run one collective; turn a backend failure into a message naming it and its peers."""
+    t0 = time.perf_counter()
     try:
         return fn()
     except RuntimeError as e:
@@ -105,6 +111,8 @@ def _guard(kind: str, size: int, group, fn):
         raise CollectiveError(
             f"rank {me}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
             f"stopped answering within the timeout ({first})") from None
+    finally:
+        STATS.wait_s += time.perf_counter() - t0
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -74,6 +74,8 @@ class StorageCounter(TorchDispatchMode):
         self._lock = threading.RLock()
         self.current = 0
         self.peak = 0
+        self.peak_op = ""
+        """Name of the operation after which ``peak`` was reached (``""`` before any)."""
         self._orig_resize = None
 
     # -- table ----------------------------------------------------------------------------
@@ -106,9 +108,11 @@ class StorageCounter(TorchDispatchMode):
     def add_tensor(self, t: torch.Tensor) -> int:
         return sum(self.add_storage(st) for st in _storages_of(t))
 
-    def update_peak(self) -> None:
+    def update_peak(self, op: Any = None) -> None:
         if self.current > self.peak:
             self.peak = self.current
+            if op is not None:
+                self.peak_op = str(op)
 
     @property
     def num_storages(self) -> int:
@@ -145,7 +149,7 @@ class StorageCounter(TorchDispatchMode):
             if kwargs:
                 self._add_inputs(tuple(kwargs.values()))
         self._add_all(out)
-        self.update_peak()
+        self.update_peak(func)
         return out
 
     # -- storage resize ---------------------------------------------------------------------
@@ -159,7 +163,7 @@ class StorageCounter(TorchDispatchMode):
             with counter._lock:
                 if id(st) in counter._live:
                     counter.add_storage(st)
-                    counter.update_peak()
+                    counter.update_peak("UntypedStorage.resize_")
             return r
 
         self._orig_resize = orig
@@ -283,12 +287,20 @@ class MemoryTracker:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self._counter.peak
 
+    @property
+    def peak_op(self) -> str:
+        """The ATen operation after which the peak was reached (``""`` on the cuda backend or
+        when the peak is what existed at ``reset_peak``): where to look when memory is higher than
+        predicted."""
+        return "" if self._counter is None else self._counter.peak_op
+
     def reset_peak(self) -> None:
         """Start a new peak from the current bytes (call at the start of each step)."""
         if self._counter is None:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._counter.peak = self._counter.current
+            self._counter.peak_op = ""
 
     @property
     def num_storages(self) -> int:

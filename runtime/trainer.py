@@ -21,6 +21,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Mapping
@@ -104,6 +105,8 @@ class StepMetrics:
     lr: float
     loss_scale: float | None = None
     grad_norm: float | None = None
+    comm_wait_s: float = 0.0
+    """Seconds the slowest rank spent blocked in collectives this step (unhidden communication)."""
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -232,10 +235,14 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         sent = comm.STATS.total
         if tracking:
             last_peak = max(last_peak, tracker.peak_bytes) if opts.memory_steps is not None else tracker.peak_bytes
+            if os.environ.get("PLANNER_DEBUG_MEMORY"):
+                print(f"[planner] rank {rank} step {step + 1}: peak {tracker.peak_bytes / 2**20:.2f} MiB after "
+                      f"{tracker.peak_op or '(step start)'}; {tracker.current_bytes / 2**20:.2f} MiB live at the end",
+                      file=sys.stderr, flush=True)
         peak = last_peak
         # Aggregate: loss is a mean over dp ranks; memory and bytes the max over all ranks.
         agg = torch.tensor([loss, 0.0, 0.0], dtype=torch.float64, device=dev)
-        mx = torch.tensor([float(peak), sent, dt], dtype=torch.float64, device=dev)
+        mx = torch.tensor([float(peak), sent, dt, comm.STATS.wait_s], dtype=torch.float64, device=dev)
         if dist.is_initialized() and world > 1:
             if mesh.dp_group is not None:
                 dist.all_reduce(agg, group=mesh.dp_group)
@@ -247,7 +254,7 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
             tokens_per_s=B * seq / step_time if step_time > 0 else 0.0,
             peak_memory_bytes=int(mx[0]), comm_bytes=float(mx[1]), lr=lr,
             loss_scale=info.loss_scale if plan["dtype"] == "fp16" else None,
-            grad_norm=info.grad_norm,
+            grad_norm=info.grad_norm, comm_wait_s=float(mx[3]),
         )
         history.append(met)
         if rank == 0:

@@ -125,6 +125,11 @@ from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dt
 #: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
 FIRST_BUCKET_BYTES = 2**20
 
+#: Most gradient reductions in flight at once: launching one more first waits for the oldest.
+#: Under ZeRO-2/3 each holds its group's full gradient and reduced shard until it completes, so
+#: this bounds the transient gradient memory (``cost_models.memory`` prices the same bound).
+MAX_INFLIGHT_REDUCTIONS = 2
+
 __all__ = ["ZeroEngine", "StepInfo", "DynamicLossScaler", "ZeroError"]
 
 
@@ -292,8 +297,9 @@ class ZeroEngine:
                 g.full = torch.empty(g.padded, dtype=dt, device=dev)
             g.exp_avg = torch.zeros_like(g.master)
             g.exp_avg_sq = torch.zeros_like(g.master)
-            if self.stage >= 2:
-                g.grad_shard = torch.zeros(g.shard, dtype=torch.float32, device=dev)
+            # stage 2/3: the fp32 gradient shard is allocated by the first reduction of a step
+            # (``_shard_acc``) and released by ``zero_grad``, so it never exists during the first
+            # backward's loss, where a language model's memory peaks.
             for e in g.entries:
                 e.param.data = g.full[e.offset : e.offset + e.numel].view(e.shape)
                 e.param.grad = None
@@ -306,7 +312,13 @@ class ZeroEngine:
     def _make_buckets(self) -> list[list[int]]:
         """Consecutive groups in backward order, each bucket at most ``bucket_bytes`` (a group
         larger than that is a bucket of its own). The first bucket is capped at 1 MiB, as DDP
-        does, so the first reduction starts early in backward and overlaps the rest of it."""
+        does, so the first reduction starts early in backward and overlaps the rest of it.
+
+        Stages 2 and 3 reduce-scatter each group (layer) on its own, as FSDP does per module:
+        merging would copy the merged groups' gradients into one more staging buffer, and the
+        point of sharding gradients is to hold as few full ones as possible."""
+        if self.stage >= 2:
+            return [[g.index] for g in reversed(self.groups)]
         esize = torch.empty((), dtype=self.dtype).element_size()
         buckets, cur, size = [], [], 0
         cap = min(self.bucket_bytes, FIRST_BUCKET_BYTES)
@@ -580,7 +592,7 @@ class ZeroEngine:
                 if len(cols) == 1 and g.grad_full is _src:
                     self._drop_grad_full(g)
 
-    def _poll(self, max_inflight: int = 2) -> None:
+    def _poll(self, max_inflight: int = MAX_INFLIGHT_REDUCTIONS) -> None:
         """Finish completed reductions in order; bound the ones in flight (and their memory)."""
         while self._inflight and (len(self._inflight) > max_inflight or self._inflight[0][0].is_completed()):
             self._finish(self._inflight.pop(0))

@@ -30,6 +30,9 @@ from cost_models.memory import (
     model_state_bytes,
     split_by_tp,
     stage_activation_bytes,
+    zero_transient_bytes,
+    backward_transient_bytes,
+    shard_elements,
 )
 from runtime import comm as rt_comm
 from runtime.mesh import coords_of, rank_of
@@ -130,6 +133,13 @@ def test_missing_field_named_with_file(tmp_path):
         ("peak_flops", {"fp32": 1e12, "bf16": 2e12}, r"field 'peak_flops' is missing dtype 'fp16' \(required: fp32, bf16, fp16"),
         ("peak_flops", {"fp32": 1, "bf16": 1, "fp16": 1, "int8": 1}, r"field 'peak_flops' has unknown dtype 'int8' \(allowed: fp32, tf32"),
         ("peak_flops", {"fp32": 1, "bf16": -2, "fp16": 1}, r"field 'peak_flops.bf16' must be a positive"),
+        ("intra_node_collectives", [1], r"field 'intra_node_collectives' must be an object like"),
+        ("intra_node_collectives", {"allreduce": {"latency": 0, "bandwidth": 1}},
+         r"field 'intra_node_collectives' has unknown collective 'allreduce' \(allowed: all_reduce, all_gather, reduce_scatter, send\)"),
+        ("intra_node_collectives", {"send": {"bandwidth": 1}},
+         r"field 'intra_node_collectives.send' must be an object with exactly 'latency' \(s\) and 'bandwidth'"),
+        ("intra_node_collectives", {"send": {"latency": 0, "bandwidth": 0}},
+         r"field 'intra_node_collectives.send.bandwidth' must be a positive number of bytes/s \(got 0\)"),
     ],
 )
 def test_bad_field_values_name_field_and_file(tmp_path, field, value, pattern):
@@ -228,6 +238,27 @@ def test_intra_node_ring_exact():
         collective_time("send", S, [0, 1, 2], hw)
     with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
         collective_time("all_reduce", S, [0, 1], hw, algorithm="tree")
+
+
+def test_per_collective_links_price_each_kind(tmp_path):
+    """A profile's intra_node_collectives replaces the intra-node link for the kinds it lists
+    (the rest keep the generic link; inter-node groups keep the network) and round-trips."""
+    d = _valid()
+    d["intra_node_collectives"] = {"reduce_scatter": {"latency": 1e-4, "bandwidth": 1e9},
+                                   "send": {"latency": 2e-6, "bandwidth": 5e11}}
+    hw = load_hardware(_write(tmp_path, d))
+    S = 1e8
+    assert collective_time("reduce_scatter", S, range(8), hw) == pytest.approx(7 * 1e-4 + 7 / 8 * S / 1e9)
+    assert collective_time("all_gather", S, range(8), hw) == pytest.approx(7 * 3e-6 + 7 / 8 * S / 300e9)
+    assert collective_time("recv", S, [0, 1], hw) == pytest.approx(2e-6 + S / 5e11)  # a send's link
+    assert collective_time("send", S, [7, 8], hw) == pytest.approx(10e-6 + S / 25e9)  # crosses nodes
+    # hierarchical all-reduce: its intra-node reduce-scatter phase uses that kind's link
+    pl = group_placement(range(16), 8)
+    expect = (7 * 1e-4 + 7 / 8 * S / 1e9) + (7 * 3e-6 + 7 / 8 * S / 300e9) + 2 * 10e-6 + (S / 8) / 25e9
+    assert hierarchical_time("all_reduce", S, pl, hw) == pytest.approx(expect)
+    again = load_hardware(hw.save(tmp_path / "again.json"))
+    assert again == hw and hash(again) == hash(hw)
+    assert "intra_node_collectives" not in load_hardware("a100-80gb").to_dict()
 
 
 def test_cross_node_ring_uses_network_and_hierarchical_formula():
@@ -344,17 +375,42 @@ def test_model_state_bytes_exact(dtype, w, g, opt):
     shard = 125_001  # ceil(1_000_003 / 8): flat buffer padded to 1_000_008
     assert model_state_bytes(P, dtype, 0, dp, L) == {"params": P * w, "grads": P * g, "optimizer": P * opt}
     assert model_state_bytes(P, dtype, 1, dp, L) == {"params": P * w, "grads": P * g, "optimizer": shard * opt}
-    # ZeRO-2/3 keep the gradient shard as an fp32 accumulator (4 bytes) whatever the dtype.
+    # ZeRO-2/3 keep the gradient shard as an fp32 accumulator (4 bytes) whatever the dtype, and
+    # hold up to 3 layers' full gradients with their reduced shards (125 of 1000) in flight.
+    inflight = 3 * (L + 125) * g
     assert model_state_bytes(P, dtype, 2, dp, L) == {
-        "params": P * w, "grads": shard * 4 + L * g, "optimizer": shard * opt}
+        "params": P * w, "grads": shard * 4 + inflight, "optimizer": shard * opt}
     assert model_state_bytes(P, dtype, 3, dp, L) == {
-        "params": shard * w + L * w, "grads": shard * 4 + L * g, "optimizer": shard * opt}
+        "params": shard * w + L * w, "grads": shard * 4 + inflight, "optimizer": shard * opt}
     assert model_state_bytes(P, dtype, 3, dp, L, prefetch=True)["params"] == shard * w + 2 * L * w
     # dp = 1: no gather buffers exist; 16 bytes per parameter in total, except that ZeRO-2/3
     # still accumulate gradients in fp32 (2 more bytes in bf16/fp16).
     for z in range(4):
         extra = (4 - g) * P if z >= 2 else 0
         assert sum(model_state_bytes(P, dtype, z, 1, L).values()) == 16 * P + extra
+
+
+def test_zero_transient_bytes_windows():
+    # layers of 10, 100, 1, 1, 50 parameters, bf16 (2 bytes), dp 4 (shards of ceil(P / 4))
+    ps = [10, 100, 1, 1, 50]
+    # ZeRO-3 gathers a layer and prefetches the next: the largest consecutive pair is 10 + 100
+    assert zero_transient_bytes(ps, "bf16", 3, 4)["params"] == (10 + 100) * 2
+    # 3 consecutive layers' gradients + shards: [10, 100, 1] -> (10+3 + 100+25 + 1+1) * 2 = 280
+    # beats [100, 1, 1] (258) and [1, 1, 50] (134 bytes)
+    assert zero_transient_bytes(ps, "bf16", 2, 4) == {"params": 0, "grads": 280}
+    assert zero_transient_bytes(ps, "bf16", 3, 4)["grads"] == 280
+    assert zero_transient_bytes(ps, "bf16", 1, 4) == {"params": 0, "grads": 0}
+    assert zero_transient_bytes(ps, "bf16", 3, 1) == {"params": 0, "grads": 0}  # nothing sharded
+    assert zero_transient_bytes([7], "fp32", 3, 2) == {"params": 28, "grads": (7 + 4) * 4}
+    assert zero_transient_bytes([], "fp32", 3, 2) == {"params": 0, "grads": 0}
+    # the bound of model_state_bytes fills every window with the largest layer
+    bound = model_state_bytes(sum(ps), "bf16", 2, 4, max(ps))["grads"] - shard_elements(sum(ps), 4) * 4
+    assert bound == 3 * (100 + 25) * 2 >= 280
+    assert backward_transient_bytes(1000) == 2000
+    # the model's window is the runtime's bound on reductions in flight
+    from cost_models.memory import REDUCTIONS_IN_FLIGHT
+    from runtime.zero import MAX_INFLIGHT_REDUCTIONS
+    assert REDUCTIONS_IN_FLIGHT == MAX_INFLIGHT_REDUCTIONS
 
 
 def test_model_state_bytes_errors():

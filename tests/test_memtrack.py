@@ -35,8 +35,9 @@ def test_known_allocations_and_frees_are_exact():
         assert mt.current_bytes == 1800
         del c
     assert mt.peak_bytes == 4800
+    assert mt.peak_op == "aten.zeros.default"  # the op after which the peak was reached
     mt.reset_peak()
-    assert mt.peak_bytes == 800
+    assert mt.peak_bytes == 800 and mt.peak_op == ""
     del b  # frees are seen after the mode has exited too
     assert mt.current_bytes == 0 and mt.num_storages == 0
 

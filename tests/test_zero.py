@@ -258,13 +258,13 @@ def test_comm_bytes_follow_ring_formula(fp32_runs, stage):
         3: {"all_gather": 2 * MICRO * pb / 2, "reduce_scatter": MICRO * pb / 2, "all_reduce": norm},
         "2ns": {"reduce_scatter": pb / 2, "all_reduce": norm, "all_gather": pb / 2},
     }[stage]
-    buckets = 3
+    buckets, groups = 3, 5  # stages 2/3 reduce-scatter each group (layer) on its own
     calls = {
         0: {"all_reduce": buckets + 1},
-        1: {"all_reduce": buckets + 1, "all_gather": 5},
-        2: {"reduce_scatter": MICRO * buckets, "all_reduce": 1, "all_gather": 5},
-        3: {"all_gather": 2 * MICRO * 5, "reduce_scatter": MICRO * buckets, "all_reduce": 1},
-        "2ns": {"reduce_scatter": buckets, "all_reduce": 1, "all_gather": 5},
+        1: {"all_reduce": buckets + 1, "all_gather": groups},
+        2: {"reduce_scatter": MICRO * groups, "all_reduce": 1, "all_gather": groups},
+        3: {"all_gather": 2 * MICRO * groups, "reduce_scatter": MICRO * groups, "all_reduce": 1},
+        "2ns": {"reduce_scatter": groups, "all_reduce": 1, "all_gather": groups},
     }[stage]
     for run in fp32_runs:
         sent, n = run[stage]["stats"]
@@ -276,12 +276,12 @@ def test_reductions_overlap_backward(fp32_runs):
     """Stage 0 without micro_batches_per_step reduces in step(); the others from gradient hooks."""
     for run in fp32_runs:
         c = {s: r["counters"] for s, r in run.items()}
-        nb = 3  # buckets (see BUCKET)
+        nb, ng = 3, 5  # buckets (see BUCKET) of stages 0/1; groups, each its own bucket, of 2/3
         assert c[0]["reduced_in_step"] == nb * STEPS and c[0]["reduced_in_backward"] == 0
         assert c[1]["reduced_in_backward"] == nb * STEPS and c[1]["reduced_in_step"] == 0
-        assert c["2ns"]["reduced_in_backward"] == nb * STEPS
+        assert c["2ns"]["reduced_in_backward"] == ng * STEPS
         for s in (2, 3):
-            assert c[s]["reduced_in_backward"] == nb * MICRO * STEPS
+            assert c[s]["reduced_in_backward"] == ng * MICRO * STEPS
             assert c[s]["reduced_in_step"] == c[s]["reduced_at_backward_end"] == 0
         # every gather is issued ahead of use but the first of forward and the first of backward
         assert c[3]["prefetches"] == STEPS * MICRO * (2 * 5 - 2)
