@@ -12,10 +12,11 @@ What it does
 2. Plans one small built-in GPT (4 blocks x 256, 4 heads, vocab 8192, sequence 128, global batch
    16, fp32) for 2 local processes under each strategy of :data:`PLANS`, pinning every decision
    (``--dp --tp --pp --zero-stage --micro-batch --checkpoint``) so the plans really differ.
-3. Runs ``planner validate plan.json --nproc 2 --steps K --json`` on each (medians of the steps
-   after two warm-up steps; memory and bytes the max over ranks). With ``--repeats R`` each plan
-   is validated R times, round-robin over the plans, and the measured step time is the median
-   of the R medians (the memory and byte counts are deterministic).
+3. Runs ``planner validate plan.json --nproc 2 --steps K --json`` on each (the steps after two
+   warm-up steps are timed; memory and bytes the max over ranks). With ``--repeats R`` each plan
+   is validated R times, round-robin over the plans, and the measured step time is the median of
+   all R x (K - 2) timed steps pooled (the memory and byte counts are deterministic). Pooling
+   matters on a shared machine: a busy spell lasts seconds and slows every step of one run.
 
 Figures
 -------
@@ -76,7 +77,7 @@ class Row:
     predicted: dict
     measured: dict
     times: list = field(default_factory=list)
-    """Measured median step time of each repeat."""
+    """Every timed step of every repeat."""
 
     def error(self, key: str) -> float:
         """``|predicted - measured| / measured`` (absolute difference when measured is 0)."""
@@ -199,7 +200,7 @@ def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: in
                 f"measured {res['measured']['step_time_s']:.3f} s")
     rows: list[Row] = []
     for name in plans:
-        times = [r["measured"]["step_time_s"] for r in results[name]]
+        times = [t for r in results[name] for t in r["step_times_s"]]
         first = results[name][0]
         rows.append(Row(name, first["predicted"], dict(first["measured"], step_time_s=statistics.median(times)),
                         times))

@@ -93,6 +93,12 @@ class HardwareProfile:
     """Fixed seconds per operator call (dispatch and launch), charged per op of forward and
     backward on top of the FLOP time; it is what makes many small micro-batches slower than few
     large ones. ``planner calibrate`` measures it; datasheet profiles use a kernel-launch figure."""
+    sync_overhead_s: float = 0.0
+    """Seconds a *blocking* collective costs beyond its alpha-beta time inside a training step:
+    the ranks reach it at slightly different moments (compute jitter) and the waiting one must
+    wake up. Charged per tensor-parallel all-reduce and per pipeline transfer. ``planner
+    calibrate`` measures it (a compute + all-reduce loop against its parts); 0 in datasheet
+    profiles, where kernels queue asynchronously and the jitter is small."""
     intra_node_collectives: dict[str, dict[str, float]] | None = None
     """Optional per-collective intra-node link, ``{kind: {"latency": s, "bandwidth": B/s}}`` for
     kinds among ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send``: the alpha and
@@ -151,9 +157,10 @@ class HardwareProfile:
                 f"field 'compute_efficiency' must be a number in (0, 1], the achievable fraction "
                 f"of peak (got {e!r})"
             )
-        o = self.op_overhead_s
-        if not _is_number(o) or not math.isfinite(o) or o < 0:
-            raise ProfileError(f"field 'op_overhead_s' must be a non-negative number of seconds (got {o!r})")
+        for name in ("op_overhead_s", "sync_overhead_s"):
+            o = getattr(self, name)
+            if not _is_number(o) or not math.isfinite(o) or o < 0:
+                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives",
                                _check_collective_links(self.intra_node_collectives))
@@ -169,7 +176,7 @@ class HardwareProfile:
             self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
             self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
-            self.compute_efficiency, self.op_overhead_s,
+            self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s,
             tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
         ))
 

@@ -36,7 +36,8 @@ EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_
                "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
                "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
                "peak_act_bytes", "peak_act_bytes_tp")
-INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops")
+INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
+              "tp_allreduce_calls", "tp_allreduce_bwd_calls")
 _ZERO = sympy.Integer(0)
 
 
@@ -98,6 +99,10 @@ class LayerCosts:
     """Bytes of buffers and lifted constants."""
     num_ops: int = 0
     """Operator calls in the layer's forward (each costs a fixed dispatch overhead)."""
+    tp_allreduce_calls: int = 0
+    """All-reduces over tp in one forward (each a point where the tp ranks wait for each other)."""
+    tp_allreduce_bwd_calls: int = 0
+    """All-reduces over tp in one backward."""
     signature: str = ""
     """Digest of the layer's ops, shapes and weights: identical blocks share it."""
 
@@ -250,6 +255,8 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         a["saved_bytes_tp"] += tp.saved_bytes_tp
         a["tp_allreduce_bytes"] += tp.allreduce_fwd
         a["tp_allreduce_bwd_bytes"] += tp.allreduce_bwd
+        ints[lay]["tp_allreduce_calls"] += int(tp.allreduce_fwd != 0)
+        ints[lay]["tp_allreduce_bwd_calls"] += int(tp.allreduce_bwd != 0)
     for i, io in enumerate(layer_io(gm, nb)):
         acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
         acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)

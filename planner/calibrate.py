@@ -74,6 +74,8 @@ class CalibrationSpec:
     """Micro-batch sizes of the timed training steps (the FLOP-rate and op-overhead fit)."""
     train_budget_s: float = 1.0
     """Seconds of repeated training steps per micro-batch size."""
+    sync_iters: int = 30
+    """Iterations of the compute + all-reduce loop that measures ``sync_overhead_s``."""
     copy_bytes: int = 32 * MB
     """Size of the tensor copied to measure memory bandwidth."""
     message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
@@ -88,7 +90,7 @@ class CalibrationSpec:
         """A few seconds of measurement (tests, smoke runs)."""
         return cls(
             matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
-            train_batches=(1, 4), train_budget_s=0.1,
+            train_batches=(1, 4), train_budget_s=0.1, sync_iters=3,
             message_sizes=(4 * KB, 64 * KB, 1 * MB), max_reps=5, bytes_per_size=4 * MB,
         )
 
@@ -96,8 +98,8 @@ class CalibrationSpec:
         return max(2, min(self.max_reps, self.bytes_per_size // max(size, 1)))
 
     def num_ticks(self) -> int:
-        """Progress-bar steps: one per (dtype, size), one training step, one copy, one per (kind, size)."""
-        return len(self.dtypes) * len(self.matmul_sizes) + 2 + len(MEASURED_KINDS) * len(self.message_sizes)
+        """Progress-bar steps: one per (dtype, size), the copy, the training steps, one per (kind, size), the sync loop."""
+        return len(self.dtypes) * len(self.matmul_sizes) + 3 + len(MEASURED_KINDS) * len(self.message_sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,25 +143,21 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
 def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: float) -> tuple[float, float]:
     """``(FLOP/s, seconds per operator)`` of real training steps, all ranks at once.
 
-    A forward + backward of a small built-in GPT (fp32) is timed at each micro-batch size ``b`` of
-    ``batches``. With the layer table's FLOPs ``F(b)``, memory-bound bytes ``Q(b)`` and operator
-    count ``N`` (the very numbers the planner prices with), the planner's time model is
-    ``T(b) = 3 N c + F(b) / R + Q(b) / W``; ``W`` is the measured copy bandwidth, so
-    ``T(b) - Q(b) / W`` is a straight line in ``F(b)`` whose least-squares slope is ``1 / R``
-    (the FLOP rate training reaches: its ratio to the matmul peak is ``compute_efficiency``) and
-    whose intercept is ``3 N c`` (``c``, the fixed cost of one operator call, ``op_overhead_s``;
-    backward makes about two calls per forward op).
+    The planner prices a forward + backward as ``T = 3 N c + F / R + Q / W``: ``N`` operator
+    calls (backward makes about two per forward op), ``F`` FLOPs, ``Q`` memory-bound bytes, all
+    from the layer table, and ``W`` the measured copy bandwidth. Two measurements of a small
+    built-in GPT (fp32) give the unknowns: the same architecture shrunk until its FLOPs and bytes
+    are negligible (width 16, 8 tokens) costs ``3 N c`` alone, which gives ``c`` (``op_overhead_s``);
+    then each micro-batch size ``b`` of ``batches`` at full size gives ``F(b) / R =
+    T(b) - 3 N c - Q(b) / W``, and ``R`` (its ratio to the matmul peak is ``compute_efficiency``)
+    is the least-squares rate through those points.
     """
     from passes.layer_table import build_layer_table
     from planner.models import build_model
 
-    sizes = dict(layers=2, hidden=256, heads=4, vocab=4096)
-    table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **sizes)
-    sizes["seq_len"] = 128
-    n_ops = sum(lay.num_ops for lay in table.layers)
-    xs, ys = [], []
-    for b in batches:
-        real = build_model("gpt", batch=b, seed=0, **sizes)
+    def timed(sizes: dict, b: int, seq: int) -> tuple[float, float, float, int]:
+        table = build_layer_table("gpt", batch=1, seq_len=seq, dtype="fp32", **sizes)
+        real = build_model("gpt", batch=b, seed=0, seq_len=seq, **sizes)
 
         def step(model=real.model, inputs=real.example_inputs):
             model.zero_grad(set_to_none=True)
@@ -167,16 +165,20 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
 
         step()  # warm-up: first-touch allocations and lazy initialization
         t = _timed_reps(step, budget_s, min_reps=3)
-        moved = table.total("fwd_bytes", b, 128) + table.total("bwd_bytes", b, 128)
-        xs.append(table.total("fwd_flops", b, 128) + table.total("bwd_flops", b, 128))
-        ys.append(t - moved / memory_bandwidth)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    if slope <= 0:  # too noisy to separate the two terms: all of it is FLOP time
-        return xs[-1] / max(ys[-1], 1e-9), 0.0
-    intercept = my - slope * mx
-    return 1.0 / slope, max(0.0, intercept / (3 * n_ops))
+        flops = table.total("fwd_flops", b, seq) + table.total("bwd_flops", b, seq)
+        moved = table.total("fwd_bytes", b, seq) + table.total("bwd_bytes", b, seq)
+        return t, flops, moved, sum(lay.num_ops for lay in table.layers)
+
+    t0, f0, q0, n_ops = timed(dict(layers=2, hidden=16, heads=2, vocab=16), 1, 8)
+    overhead = max(0.0, t0 - q0 / memory_bandwidth) / (3 * n_ops)
+    num = den = 0.0
+    for b in batches:
+        t, f, q, n = timed(dict(layers=2, hidden=256, heads=4, vocab=4096), b, 128)
+        y = t - 3 * n * overhead - q / memory_bandwidth  # the FLOP time
+        num, den = num + f * f, den + f * y
+    if den <= 0:  # too noisy to separate the terms: all of it is FLOP time
+        return num ** 0.5 / max(t, 1e-9), 0.0
+    return num / den, overhead
 
 
 def _time_copy(nbytes: int, budget_s: float) -> float:
@@ -251,11 +253,45 @@ def _time_collective(kind: str, size: int, rank: int, world: int, reps: int) -> 
         raise ValueError(kind)
     op()  # warm-up
     dist.barrier()
-    # Every rank runs the same number of reps (a collective count must match across ranks).
-    secs = _max_over_ranks(_timed_reps(op, 0.0, min_reps=reps, max_reps=reps))
+    # Every rank runs the same number of reps (a collective count must match across ranks). The
+    # mean, not the median: a training step pays for every collective, the slow ones included.
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        op()
+    secs = _max_over_ranks((time.perf_counter() - t0) / reps)
     if kind == "send":
         return nbytes, 2, secs / 2  # one way of a round trip
     return nbytes, world, secs
+
+
+def _time_sync_overhead(iters: int, repeats: int = 3) -> float:
+    """Seconds a blocking all-reduce costs in a compute loop beyond compute and the all-reduce
+    alone (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
+    waits must wake up. Median over ``repeats`` of ``(both - compute - comm) / iters``."""
+    import torch
+    import torch.distributed as dist
+
+    a, x = torch.randn(256, 256), torch.randn(1024, 256)
+    buf = torch.ones(256 * 1024)  # 1 MiB, a tensor-parallel activation of a small model
+
+    def loop(comp: bool, comm: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            if comp:
+                y = x
+                for _ in range(4):  # a few milliseconds of matmuls, like a layer's share of work
+                    y = y @ a
+            if comm:
+                dist.all_reduce(buf)
+        return (time.perf_counter() - t0) / iters
+
+    loop(True, True)  # warm-up
+    out = []
+    for _ in range(repeats):
+        both, comp, comm = loop(True, True), loop(True, False), loop(False, True)
+        out.append(both - comp - comm)
+    return max(0.0, _median(out))
 
 
 def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: str, progress_q) -> None:
@@ -295,6 +331,8 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             nbytes, n, secs = _time_collective(kind, size, rank, world, spec.reps(size))
             result["collectives"].append({"kind": kind, "size_bytes": nbytes, "n": n, "seconds": secs})
             tick(f"{kind} {_fmt_bytes(nbytes)}")
+    result["sync_overhead_s"] = _max_over_ranks(_time_sync_overhead(spec.sync_iters))
+    tick("collective in a compute loop")
     if rank == 0:
         Path(out_file).write_text(json.dumps(result))
 
@@ -407,7 +445,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times together, and of each kind alone (intra_node_collectives); inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
     )
     calibration = {
@@ -419,6 +457,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bw},
         "train_step_flops": step_rate,
         "op_overhead_s": raw.get("op_overhead_s"),
+        "sync_overhead_s": raw.get("sync_overhead_s"),
     }
     return HardwareProfile(
         name=name,
@@ -432,6 +471,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         gpus_per_node=nproc,
         compute_efficiency=efficiency,
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
+        sync_overhead_s=float(raw.get("sync_overhead_s") or 0.0),
         intra_node_collectives={k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
                                 for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None,
         source=source,

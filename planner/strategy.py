@@ -17,7 +17,10 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
   ``F_l / (peak * efficiency) + Q_l / memory_bandwidth`` (matmul-class ops carry the FLOPs, every
   other op the bytes: ``passes.autograd_costs``), plus ``hw.op_overhead_s`` per operator call
   (``num_ops`` forward, twice that in backward): the fixed dispatch/launch cost that makes many
-  small micro-batches slower than few large ones.
+  small micro-batches slower than few large ones. Backward adds the accumulation of each
+  micro-batch's weight gradients into the gradient buffers (``3 x`` the gradient bytes, memory-bound).
+  Every tensor-parallel all-reduce and pipeline transfer also costs ``hw.sync_overhead_s``, the
+  wait of one rank for another at a blocking collective.
 - TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
   forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
   conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
@@ -101,6 +104,7 @@ from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
     REDUCTIONS_IN_FLIGHT,
     backward_transient_bytes,
+    bytes_per_param,
     inflight_microbatches,
     model_state_bytes,
     reduction_bytes,
@@ -124,7 +128,8 @@ SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "sa
                    "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
                    "peak_act_bytes", "peak_act_bytes_tp")
 #: Layer-table fields that are plain integers.
-INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes", "num_ops")
+INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes", "num_ops", "tp_allreduce_calls",
+              "tp_allreduce_bwd_calls")
 
 
 class NumericTable:
@@ -343,8 +348,8 @@ class CandidateCosts:
         """Seconds to send layer ``layer``'s output across pipeline boundary ``boundary``."""
         key = (self.layers[layer].boundary_b, boundary)
         t = self._send.get(key)
-        if t is None:
-            t = float(collective_time("send", key[0], self.placements[boundary], self.hw))
+        if t is None:  # a blocking transfer: the alpha-beta time and one wait for the peer
+            t = float(collective_time("send", key[0], self.placements[boundary], self.hw)) + self.hw.sync_overhead_s
             self._send[key] = t
         return t
 
@@ -378,9 +383,14 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
     # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
     # forward op).
+    # Backward also accumulates each micro-batch's weight gradients into the gradient buffers:
+    # read both, write one, 3 x the layer's gradient bytes (whatever the ZeRO stage).
     ops = row.get("num_ops", 0.0) * hw.op_overhead_s
+    accumulate = 3 * split_by_tp(int(row["param_count_tp"]), int(row["param_count"] - row["param_count_tp"]), tp) \
+        * bytes_per_param(dtype)["grads"]
     t_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype)) + ops
-    t_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("bwd_bytes"), hw, dtype)) + 2 * ops
+    t_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype)
+                + compute_time(0.0, split("bwd_bytes") + accumulate, hw, dtype)) + 2 * ops
     def tp_cost(nbytes: float) -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
@@ -389,6 +399,9 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
 
     t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
     t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
+    if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
+        t_tp += row.get("tp_allreduce_calls", 0) * hw.sync_overhead_s
+        t_tp_bwd += row.get("tp_allreduce_bwd_calls", 0) * hw.sync_overhead_s
     # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
     # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
     # residual stream, is not run again.

@@ -34,7 +34,9 @@ def compare(plan, metrics: list[dict]) -> dict:
     p = plan.predicted
     predicted = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
                  "comm_bytes_per_device": p.comm_bytes_per_device}
-    return {"predicted": predicted, "measured": measured}
+    return {"predicted": predicted, "measured": measured,
+            "step_times_s": [float(r["step_time_s"]) for r in rows],
+            "comm_wait_s": statistics.median(float(r.get("comm_wait_s", 0.0)) for r in rows)}
 
 
 def run_validate(args) -> int:

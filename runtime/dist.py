@@ -111,8 +111,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    # Two cores shared by every rank: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # The machine's cores shared by every local rank (no oversubscription); PLANNER_NUM_THREADS
+    # overrides the intra-op threads per rank.
+    torch.set_num_threads(int(os.environ.get("PLANNER_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // world_size))
     try:
         init_distributed(rank, world_size, port, timeout_s=timeout_s)
         try:
