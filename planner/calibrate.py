@@ -176,8 +176,8 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
         t, f, q, n = timed(dict(layers=2, hidden=256, heads=4, vocab=4096), b, 128)
         y = t - 3 * n * overhead - q / memory_bandwidth  # the FLOP time
         num, den = num + f * f, den + f * y
-    if den <= 0:  # too noisy to separate the terms: all of it is FLOP time
-        return num ** 0.5 / max(t, 1e-9), 0.0
+    if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time
+        return f / max(t, 1e-9), 0.0
     return num / den, overhead
 
 

@@ -377,17 +377,18 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
                 tp_pl: GroupPlacement, dp_pl: GroupPlacement) -> LayerCost:
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
+
     def split(name: str) -> float:  # the part tp divides, divided; the rest whole
         return row.get(name, 0.0) - row.get(name + "_tp", 0.0) + row.get(name + "_tp", 0.0) / tp
 
+    n_tp = row["param_count_tp"]
+    P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
     # Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
     # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
-    # forward op).
-    # Backward also accumulates each micro-batch's weight gradients into the gradient buffers:
-    # read both, write one, 3 x the layer's gradient bytes (whatever the ZeRO stage).
+    # forward op). Backward also accumulates each micro-batch's weight gradients into the
+    # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
     ops = row.get("num_ops", 0.0) * hw.op_overhead_s
-    accumulate = 3 * split_by_tp(int(row["param_count_tp"]), int(row["param_count"] - row["param_count_tp"]), tp) \
-        * bytes_per_param(dtype)["grads"]
+    accumulate = 3 * P * bytes_per_param(dtype)["grads"]
     t_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype)) + ops
     t_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype)
                 + compute_time(0.0, split("bwd_bytes") + accumulate, hw, dtype)) + 2 * ops
@@ -406,8 +407,6 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
     # residual stream, is not run again.
     _, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
-    n_tp = row["param_count_tp"]
-    P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
     base = model_state_bytes(P, dtype, z, dp)
     peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True)
     colls = zero_dp_collectives(P, dtype, z, dp)

@@ -103,3 +103,20 @@ def test_spearman_and_ranks():
     # one swapped pair among 4: rho = 1 - 6 * 2 / (4 * 15) = 0.8
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_quartile_and_summary_of_pooled_steps():
+    from benchmarks.bench_validate import Row, quartile, summarize
+
+    assert quartile([4.0, 1.0, 3.0, 2.0, 5.0]) == 2.0
+    assert quartile([1.0, 2.0]) == 1.25
+    keys = ("step_time_s", "peak_memory_bytes", "comm_bytes_per_device")
+    rows = [Row(f"p{i}", dict(zip(keys, (t, 100, 10))), dict(zip(keys, (1.1 * t, 104, 10))), [t, 2 * t, 3 * t])
+            for i, t in enumerate((1.0, 2.0, 3.0))]
+    s = summarize(rows)
+    assert s["spearman_time"] == pytest.approx(1.0) and s["median_time_error"] == pytest.approx(0.1 / 1.1)
+    assert s["worst_memory_error"] == pytest.approx(4 / 104) and s["worst_comm_error"] == 0
+    assert s["spearman_time_q1"] == pytest.approx(1.0)
+    assert s["median_time_error_q1"] == pytest.approx(0.5 / 1.5)  # lower quartile of [t, 2t, 3t] is 1.5t
+    assert s["median_step_spread"] == pytest.approx(1.0)  # (3t - t) / 2t
+    assert s["targets_met"]
