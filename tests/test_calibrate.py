@@ -67,6 +67,12 @@ def test_build_profile_from_raw_measurements(tmp_path):
     assert p.intra_node_latency == pytest.approx(5e-5) and p.intra_node_bandwidth == pytest.approx(2e9)
     assert (p.inter_node_latency, p.inter_node_bandwidth) == (p.intra_node_latency, p.intra_node_bandwidth)
     assert p.gpus_per_node == 2 and p.compute_efficiency == 1.0 and p.memory_bandwidth == 7e9
+    # every kind's own fit lands in intra_node_collectives (here all kinds share one link)
+    assert set(p.intra_node_collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    for link in p.intra_node_collectives.values():
+        assert link["latency"] == pytest.approx(5e-5) and link["bandwidth"] == pytest.approx(2e9)
+    assert p.sync_overhead_s == 0.0
+    assert build_profile(dict(_raw(), sync_overhead_s=1.5e-3), 2, base, CalibrationSpec.quick()).sync_overhead_s == 1.5e-3
     # A dtype that failed everywhere keeps the base profile's ratio to fp32; NaN is stored as null.
     q = build_profile(_raw(bf16_ok=False), 2, base, CalibrationSpec.quick())
     assert q.peak("bf16") == pytest.approx(5e10 * base.peak("bf16") / base.peak("fp32"))
@@ -89,6 +95,8 @@ def test_quick_calibration_writes_loadable_profile(tmp_path):
     assert all(hw.peak(dt) > 1e8 for dt in ("fp32", "bf16", "fp16"))  # more than 0.1 GFLOP/s
     assert hw.memory_bandwidth > 1e8 and hw.intra_node_bandwidth > 1e6
     assert 0 <= hw.intra_node_latency < 0.05
+    assert 0 <= hw.sync_overhead_s < 0.05 and 0 <= hw.op_overhead_s < 0.01
+    assert set(hw.intra_node_collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
     cal = hw.calibration
     spec = CalibrationSpec.quick()
     assert len(cal["collectives"]) == 4 * len(spec.message_sizes)
