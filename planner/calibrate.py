@@ -36,7 +36,6 @@ import platform
 import queue as queue_mod
 import re
 import socket
-import statistics
 import tempfile
 import threading
 import time
@@ -155,8 +154,7 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
     from passes.layer_table import build_layer_table
     from planner.models import build_model
 
-    def timed(sizes: dict, b: int, seq: int) -> tuple[float, float, float, int]:
-        table = build_layer_table("gpt", batch=1, seq_len=seq, dtype="fp32", **sizes)
+    def timed(sizes: dict, table, b: int, seq: int) -> tuple[float, float, float, int]:
         real = build_model("gpt", batch=b, seed=0, seq_len=seq, **sizes)
 
         def step(model=real.model, inputs=real.example_inputs):
@@ -169,11 +167,13 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
         moved = table.total("fwd_bytes", b, seq) + table.total("bwd_bytes", b, seq)
         return t, flops, moved, sum(lay.num_ops for lay in table.layers)
 
-    t0, f0, q0, n_ops = timed(dict(layers=2, hidden=16, heads=2, vocab=16), 1, 8)
+    tiny, full = dict(layers=2, hidden=16, heads=2, vocab=16), dict(layers=2, hidden=256, heads=4, vocab=4096)
+    t0, f0, q0, n_ops = timed(tiny, build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **tiny), 1, 8)
     overhead = max(0.0, t0 - q0 / memory_bandwidth) / (3 * n_ops)
+    table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **full)  # symbolic in b: one trace
     num = den = 0.0
     for b in batches:
-        t, f, q, n = timed(dict(layers=2, hidden=256, heads=4, vocab=4096), b, 128)
+        t, f, q, n = timed(full, table, b, 128)
         y = t - 3 * n * overhead - q / memory_bandwidth  # the FLOP time
         num, den = num + f * f, den + f * y
     if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time

@@ -216,13 +216,17 @@ class _GeneralVars(_Vars):
             terms += [send(l, k - 1) * e for l, e in self.ends[k - 1]]
         return pulp.lpSum(terms)
 
+    def held_terms(self, k, f):
+        """``(x[l, k], f(layer l))`` for each layer stage ``k`` may hold (nonzero values)."""
+        return [(self.x[(l, k)], v) for l in self.members[k] if (v := f(self.cc.layers[l]))]
+
     def trans_terms(self, k):
-        return [(self.x[(l, k)], self.cc.layers[l].trans_b) for l in self.members[k] if self.cc.layers[l].trans_b]
+        return self.held_terms(k, lambda c: c.trans_b)
 
     def peak_terms(self, k):
         L = self.cc.layers
         rec = [(r, L[l].saved_b) for l in self.members[k] if (r := self.rec(l, k)) is not None and L[l].saved_b]
-        return rec + [(self.x[(l, k)], L[l].bt_b) for l in self.members[k] if L[l].bt_b]
+        return rec + self.held_terms(k, lambda c: c.bt_b)
 
     def decode(self):
         stage_of = [next(k for k in self.window[l] if self.x[(l, k)].value() > 0.5) for l in range(self.n)]
@@ -353,14 +357,18 @@ class _UniformVars(_Vars):
             e = e + self._boundary(k - 1)
         return e
 
-    def trans_terms(self, k):
-        out = [(self.has[k], self.blk.trans_b)] if self.L else []
-        out.append((self._tail_share(k)[0], self.X.trans_b if self.tail else 0))
+    def held_terms(self, k, f):
+        """``(indicator, f(layer))`` for each kind of layer stage ``k`` may hold."""
+        out = [(self.has[k], f(self.blk))] if self.L else []
+        out.append((self._tail_share(k)[0], f(self.X) if self.tail else 0))
         if k == 0:
-            out.append((1, self.pre.trans_b))
+            out.append((1, f(self.pre)))
         if k == self.p - 1:
-            out.append((1, self.post.trans_b))
-        return [t for t in out if t[1] and not _is_zero(t[0])]
+            out.append((1, f(self.post)))
+        return out
+
+    def trans_terms(self, k):
+        return [t for t in self.held_terms(k, lambda c: c.trans_b) if t[1] and not _is_zero(t[0])]
 
     def peak_terms(self, k):
         out = [(self.v[k], self.blk.saved_b)] if self.mode != "none" and self.L else []
@@ -369,14 +377,7 @@ class _UniformVars(_Vars):
             out.append((self.cpre, self.pre.saved_b))
         if self.mode == "auto" and k == self.p - 1:
             out.append((self.cpost, self.post.saved_b))
-        # backward transients: of any layer the stage holds
-        if self.L:
-            out.append((self.has[k], self.blk.bt_b))
-        out.append((self._tail_share(k)[0], self.X.bt_b if self.tail else 0))
-        if k == 0:
-            out.append((1, self.pre.bt_b))
-        if k == self.p - 1:
-            out.append((1, self.post.bt_b))
+        out += self.held_terms(k, lambda c: c.bt_b)  # backward transients of the layers held
         return [t for t in out if t[1] and not _is_zero(t[0])]
 
     def decode(self):

@@ -96,7 +96,8 @@ def test_quick_calibration_writes_loadable_profile(tmp_path):
     assert hw.memory_bandwidth > 1e8 and hw.intra_node_bandwidth > 1e6
     assert 0 <= hw.intra_node_latency < 0.05
     assert 0 <= hw.sync_overhead_s < 0.05 and 0 <= hw.op_overhead_s < 0.01
-    assert set(hw.intra_node_collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    # a kind whose few quick timings do not grow with size gets no fit and keeps the generic link
+    assert set(hw.intra_node_collectives or {}) <= {"all_reduce", "all_gather", "reduce_scatter", "send"}
     cal = hw.calibration
     spec = CalibrationSpec.quick()
     assert len(cal["collectives"]) == 4 * len(spec.message_sizes)
