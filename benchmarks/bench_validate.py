@@ -14,9 +14,15 @@ What it does
    (``--dp --tp --pp --zero-stage --micro-batch --checkpoint``) so the plans really differ.
 3. Runs ``planner validate plan.json --nproc 2 --steps K --json`` on each (the steps after two
    warm-up steps are timed; memory and bytes the max over ranks). With ``--repeats R`` each plan
-   is validated R times, round-robin over the plans, and the measured step time is the median of
-   all R x (K - 2) timed steps pooled (the memory and byte counts are deterministic). Pooling
-   matters on a shared machine: a busy spell lasts seconds and slows every step of one run.
+   is validated R times, round-robin over the plans, and the measured step time is the *lower
+   quartile* of all R x (K - 2) timed steps pooled (the memory and byte counts are deterministic).
+
+Why the lower quartile: on a shared machine another tenant slows every step for seconds at a time
+(a 40-step run of one plan here alternates between spells of ~0.57 s and ~0.80 s steps, with no
+steal time reported), and only ever slows it. The cost model describes the machine undisturbed,
+and ``planner calibrate`` measures it so (the lower quartile of its repetitions, in rounds spread
+over its budget); the benchmark reads the runs the same way. The median of the pooled steps is
+printed beside it, so the effect of the choice is in plain view.
 
 Figures
 -------
@@ -144,11 +150,17 @@ def validate_one(plan: str, steps: int, timeout: float) -> dict:
 
 
 def summarize(rows: list[Row]) -> dict:
-    """Median time error, Spearman of step times, worst memory and comm errors (with plan names)."""
+    """Median time error, Spearman of step times, worst memory and comm errors (with plan names).
+
+    ``measured["step_time_s"]`` of each row is what the figures judge (the benchmark puts the
+    lower quartile of the pooled steps there); the ``*_median`` figures redo the time ones with
+    the median of ``times``, and ``median_step_spread`` is how far a plan's steps scatter.
+    """
     t_err = [r.error("step_time_s") for r in rows]
     mem = max(rows, key=lambda r: r.error("peak_memory_bytes"))
     com = max(rows, key=lambda r: r.error("comm_bytes_per_device"))
-    rho = spearman([r.predicted["step_time_s"] for r in rows], [r.measured["step_time_s"] for r in rows])
+    pred = [r.predicted["step_time_s"] for r in rows]
+    rho = spearman(pred, [r.measured["step_time_s"] for r in rows])
     s = {
         "plans": len(rows),
         "median_time_error": statistics.median(t_err),
@@ -158,11 +170,9 @@ def summarize(rows: list[Row]) -> dict:
     }
     s["targets_met"] = bool(s["worst_memory_error"] <= TARGET_MEMORY and rho >= TARGET_SPEARMAN
                             and s["median_time_error"] <= TARGET_TIME)
-    # Secondary, for reading noise apart from model error: a shared machine only ever slows a
-    # step down, so the lower quartile of each plan's timed steps is the steadier estimate.
-    q1 = [quartile(r.times or [r.measured["step_time_s"]]) for r in rows]
-    s["spearman_time_q1"] = spearman([r.predicted["step_time_s"] for r in rows], q1)
-    s["median_time_error_q1"] = statistics.median(abs(r.predicted["step_time_s"] - q) / q for r, q in zip(rows, q1))
+    med = [statistics.median(r.times or [r.measured["step_time_s"]]) for r in rows]
+    s["spearman_time_median"] = spearman(pred, med)
+    s["median_time_error_median"] = statistics.median(abs(p - m) / m for p, m in zip(pred, med))
     s["median_step_spread"] = statistics.median(
         (max(r.times) - min(r.times)) / statistics.median(r.times) for r in rows if r.times)
     return s
@@ -195,9 +205,9 @@ def print_table(rows: list[Row], summary: dict) -> None:
           f"worst_memory_error={s['worst_memory_error']:.2%} [{s['worst_memory_plan']}] (target <= "
           f"{TARGET_MEMORY:.0%}) worst_comm_error={s['worst_comm_error']:.4%} [{s['worst_comm_plan']}] "
           f"targets_met={s['targets_met']}")
-    print(f"NOISE lower-quartile step times: spearman={s['spearman_time_q1']:.3f} median_time_error="
-          f"{s['median_time_error_q1']:.1%}; median (max - min) / median of a plan's steps: "
-          f"{s['median_step_spread']:.0%}")
+    print(f"MEDIAN of the pooled steps instead of the lower quartile: spearman={s['spearman_time_median']:.3f} "
+          f"median_time_error={s['median_time_error_median']:.1%}; NOISE median (max - min) / median of a "
+          f"plan's steps: {s['median_step_spread']:.0%}")
 
 
 def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: int, quick: bool,
@@ -221,8 +231,7 @@ def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: in
     for name in plans:
         times = [t for r in results[name] for t in r["step_times_s"]]
         first = results[name][0]
-        rows.append(Row(name, first["predicted"], dict(first["measured"], step_time_s=statistics.median(times)),
-                        times))
+        rows.append(Row(name, first["predicted"], dict(first["measured"], step_time_s=quartile(times)), times))
     return rows, summarize(rows)
 
 
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="hardware profile JSON (default: calibrate now)")
     ap.add_argument("--quick-calibrate", action="store_true", help="calibrate with --quick")
     ap.add_argument("--steps", type=int, default=6, help="steps per validate run (first 2 are warm-up)")
-    ap.add_argument("--repeats", type=int, default=1, help="validate runs per plan (median step time)")
+    ap.add_argument("--repeats", type=int, default=1, help="validate runs per plan (steps pooled)")
     ap.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated subset of {', '.join(PLANS)}")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per validate run")
     ap.add_argument("--workdir", default=None, help="keep plans and the profile here (default: a temp dir)")

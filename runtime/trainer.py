@@ -126,6 +126,34 @@ def _recv_meta(stage: dict) -> list[TensorMeta]:
     return metas
 
 
+#: The step (counted from the run's first) that ``PLANNER_PROFILE=DIR`` profiles: the first after
+#: two warm-up steps, as ``planner validate`` times them.
+PROFILE_STEP = 2
+
+
+def _start_profiler(index: int):
+    """A running ``torch.profiler`` for this step when ``PLANNER_PROFILE`` asks for it, else None."""
+    if not os.environ.get("PLANNER_PROFILE") or index != PROFILE_STEP:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof, rank: int, step: int) -> None:
+    """Stop ``prof``; write this rank's operator table (by self time) and a Chrome trace."""
+    prof.__exit__(None, None, None)
+    out = os.environ["PLANNER_PROFILE"]
+    os.makedirs(out, exist_ok=True)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(os.path.join(out, f"rank{rank}-step{step}.txt"), "w", encoding="utf-8") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=50))
+    prof.export_chrome_trace(os.path.join(out, f"rank{rank}-step{step}.json"))
+
+
 def _fault_injection(rank: int) -> int | None:
     """Test hook: ``PLANNER_FAULT_KILL=RANK:STEP`` SIGKILLs that rank before that step."""
     spec = os.environ.get("PLANNER_FAULT_KILL")
@@ -222,11 +250,14 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         if tracking:
             tracker.reset_peak()
             tracker.__enter__()
+        prof = _start_profiler(step - start_step)
         try:
             loss = pstage.run(actions, micro, loss_scale=engine.loss_scale)
             info = engine.step(lr=lr)
             engine.zero_grad()
         finally:
+            if prof is not None:
+                _write_profile(prof, rank, step + 1)
             if tracking:
                 tracker.__exit__(None, None, None)
         if dev.type == "cuda":

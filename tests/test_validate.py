@@ -116,7 +116,7 @@ def test_quartile_and_summary_of_pooled_steps():
     s = summarize(rows)
     assert s["spearman_time"] == pytest.approx(1.0) and s["median_time_error"] == pytest.approx(0.1 / 1.1)
     assert s["worst_memory_error"] == pytest.approx(4 / 104) and s["worst_comm_error"] == 0
-    assert s["spearman_time_q1"] == pytest.approx(1.0)
-    assert s["median_time_error_q1"] == pytest.approx(0.5 / 1.5)  # lower quartile of [t, 2t, 3t] is 1.5t
+    assert s["spearman_time_median"] == pytest.approx(1.0)
+    assert s["median_time_error_median"] == pytest.approx(1.0 / 2.0)  # median of [t, 2t, 3t] is 2t
     assert s["median_step_spread"] == pytest.approx(1.0)  # (3t - t) / 2t
     assert s["targets_met"]
