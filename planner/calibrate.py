@@ -8,10 +8,15 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   ``peak_flops[dtype]`` is the best per-rank rate seen (``2 n^3`` FLOPs per ``n x n`` product),
   and ``compute_efficiency`` is the ratio of a real training step's FLOP/s (a small built-in GPT,
   forward + backward, every rank at once) to that peak.
-- **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time).
+- **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time),
+  timed between the rounds of training steps.
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
   rank's mean over a few repetitions after a warm-up.
+
+Compute and memory figures are the machine *undisturbed*: the lower quartile of repeated calls
+(``_timed_reps``), the training steps and copies in rounds spread over their budget. On a shared
+host another tenant slows every call for seconds at a time and never speeds one up.
 
 Fitting alpha and beta. ``cost_models.comm`` models a collective of ``S`` bytes over ``n`` ranks
 as ``steps(n) * alpha + link_bytes(S, n) / B`` (``cost_models.comm.ring_terms``). Every
@@ -77,6 +82,8 @@ class CalibrationSpec:
     """Iterations of the compute + all-reduce loop that measures ``sync_overhead_s``."""
     copy_bytes: int = 32 * MB
     """Size of the tensor copied to measure memory bandwidth."""
+    copy_budget_s: float = 0.4
+    """Seconds of copies in all, spread over the rounds of training steps."""
     message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
     """Collective sizes in bytes (full size: the reduced tensor or the gathered output)."""
     max_reps: int = 20
@@ -89,7 +96,7 @@ class CalibrationSpec:
         """A few seconds of measurement (tests, smoke runs)."""
         return cls(
             matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
-            train_batches=(1, 4), train_budget_s=0.1, sync_iters=3,
+            train_batches=(1, 4), train_budget_s=0.1, copy_budget_s=0.05, sync_iters=3,
             message_sizes=(4 * KB, 64 * KB, 1 * MB), max_reps=5, bytes_per_size=4 * MB,
         )
 
@@ -97,8 +104,8 @@ class CalibrationSpec:
         return max(2, min(self.max_reps, self.bytes_per_size // max(size, 1)))
 
     def num_ticks(self) -> int:
-        """Progress-bar steps: one per (dtype, size), the copy, the training steps, one per (kind, size), the sync loop."""
-        return len(self.dtypes) * len(self.matmul_sizes) + 3 + len(MEASURED_KINDS) * len(self.message_sizes)
+        """Progress-bar steps: one per (dtype, size), the training steps (and copies), one per (kind, size), the sync loop."""
+        return len(self.dtypes) * len(self.matmul_sizes) + 2 + len(MEASURED_KINDS) * len(self.message_sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,9 +162,9 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
 
 
-def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: float,
-                   rounds: int = 4) -> tuple[float, float]:
-    """``(FLOP/s, seconds per operator)`` of real training steps, all ranks at once.
+def _time_training(batches: Sequence[int], budget_s: float, copy_bytes: int, copy_budget_s: float,
+                   rounds: int = 4) -> tuple[float, float, float]:
+    """``(FLOP/s, seconds per operator, memory bytes/s)`` of real training steps, all ranks at once.
 
     The planner prices a forward + backward as ``T = 3 N c + F / R + Q / W``: ``N`` operator
     calls (backward makes about two per forward op), ``F`` FLOPs, ``Q`` memory-bound bytes, all
@@ -166,9 +173,11 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
     are negligible (width 16, 8 tokens) costs ``3 N c`` alone, which gives ``c`` (``op_overhead_s``);
     then each micro-batch size ``b`` of ``batches`` at full size gives ``F(b) / R =
     T(b) - 3 N c - Q(b) / W``, and ``R`` (its ratio to the matmul peak is ``compute_efficiency``)
-    is the least-squares rate through those points. Every size is timed in ``rounds`` turns
-    spread over the whole budget, and each ``T`` is its lower quartile (see ``_timed_reps``).
+    is the least-squares rate through those points. Every size, and the tensor copy that gives
+    ``W`` (``copy_bytes``, ``copy_budget_s`` in all), is timed in ``rounds`` turns spread over the
+    whole budget, and each time is its lower quartile (see ``_timed_reps``).
     """
+    import torch
     from passes.layer_table import build_layer_table
     from planner.models import build_model
 
@@ -189,12 +198,18 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
     small = timed(tiny, build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **tiny), 1, 8)
     table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **full)  # symbolic in b: one trace
     steps = [small] + [timed(full, table, b, 128) for b in batches]
+    src = torch.ones(copy_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     # Rounds over all sizes, so that a few seconds of a busy machine slow some reps of every size
     # rather than every rep of one (which would bend the fit); each size keeps its lower quartile.
     times: list[list[float]] = [[] for _ in steps]
+    copies: list[float] = []
     for _ in range(rounds):
+        copies += _rep_times(lambda: dst.copy_(src), copy_budget_s / rounds, min_reps=3)
         for i, (step, *_costs) in enumerate(steps):
             times[i] += _rep_times(step, budget_s / rounds, min_reps=2)
+    memory_bandwidth = 2.0 * src.numel() * 4 / _lower_quartile(copies)
     t0 = _lower_quartile(times[0])
     _, f0, q0, n_ops = steps[0]
     overhead = max(0.0, t0 - q0 / memory_bandwidth) / (3 * n_ops)
@@ -204,18 +219,8 @@ def _time_training(batches: Sequence[int], budget_s: float, memory_bandwidth: fl
         y = t - 3 * n * overhead - q / memory_bandwidth  # the FLOP time
         num, den = num + f * f, den + f * y
     if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time
-        return f / max(t, 1e-9), 0.0
-    return num / den, overhead
-
-
-def _time_copy(nbytes: int, budget_s: float) -> float:
-    """Bytes/s of a tensor copy (read + write), median rep."""
-    import torch
-
-    x = torch.ones(nbytes // 4)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    return 2.0 * x.numel() * 4 / _timed_reps(lambda: y.copy_(x), budget_s, min_reps=3)
+        return f / max(t, 1e-9), 0.0, memory_bandwidth
+    return num / den, overhead, memory_bandwidth
 
 
 def _mean_over_ranks(value: float) -> float:
@@ -291,7 +296,7 @@ def _time_collective(kind: str, size: int, rank: int, world: int, reps: int) -> 
     return nbytes, world, secs
 
 
-def _time_sync_overhead(iters: int, repeats: int = 3) -> float:
+def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
     """Seconds a blocking all-reduce costs in a compute loop beyond compute and the all-reduce
     alone (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
     waits must wake up. Median over ``repeats`` of ``(both - compute - comm) / iters``."""
@@ -346,13 +351,12 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             tick(f"matmul {dt} {n}x{n}")
         result["matmul"][dt] = rates
     dist.barrier()
-    result["memory_bandwidth"] = _mean_over_ranks(_time_copy(spec.copy_bytes, spec.matmul_budget_s))
-    tick("memory copy")
-    dist.barrier()
-    rate, overhead = _time_training(spec.train_batches, spec.train_budget_s, result["memory_bandwidth"])
+    rate, overhead, bandwidth = _time_training(spec.train_batches, spec.train_budget_s, spec.copy_bytes,
+                                               spec.copy_budget_s)
+    result["memory_bandwidth"] = _mean_over_ranks(bandwidth)
     result["train_step_flops"] = _mean_over_ranks(rate)
     result["op_overhead_s"] = _mean_over_ranks(overhead)
-    tick("training step")
+    tick("training steps and copies")
     for kind in MEASURED_KINDS:
         for size in spec.message_sizes:
             nbytes, n, secs = _time_collective(kind, size, rank, world, spec.reps(size))

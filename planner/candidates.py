@@ -35,24 +35,36 @@ def is_repeated(cc: CandidateCosts, kinds: Sequence[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------------- bounds
-def time_lower_bound(cc: CandidateCosts) -> float:
-    """A step time no strategy of this candidate can beat (sound: used to prune the search).
-
-    ``T >= max(sum_l (work_l + zero_mb_l) / p + cheapest sends, max_l (work_l + zero_mb_l))``
-    because the slowest stage is at least the average one and holds at least one layer; ``D >=
-    sum_l (dp_l + opt_l) / p`` likewise. Recompute only adds time.
-    """
-    p, m = cc.cand.pp, cc.cand.num_micro_batches
-    ds = cc.distinct
-    work = sum(n * (c.work_s + c.zero_mb_s) for c, n in ds)
+def _total_work(cc: CandidateCosts) -> float:
+    """Every layer's micro-step work once, plus the cheapest transfers over the ``p - 1`` boundaries:
+    a lower bound of ``sum_k T_k`` (recompute only adds time)."""
+    p = cc.cand.pp
+    work = sum(n * (c.work_s + c.zero_mb_s) for c, n in cc.distinct)
     if p > 1:
         # every boundary carries one activation forward and one gradient back, each at least
         # the smallest layer output (sends cost more for more bytes)
         small = min(range(cc.num_layers - 1), key=lambda i: cc.layers[i].boundary_b)
         work += 2 * sum(cc.send_s(small, j) for j in range(p - 1))
-    T = max(work / p, max(c.work_s + c.zero_mb_s for c, _ in ds))
-    D = max(sum(n * (c.dp_step_s + c.opt_s) for c, n in ds) / p, max(c.dp_step_s + c.opt_s for c, _ in ds))
-    return (m + p - 1) * T + D
+    return work
+
+
+def _tail_bound(cc: CandidateCosts) -> float:
+    ds, p = cc.distinct, cc.cand.pp
+    return max(sum(n * (c.dp_step_s + c.opt_s) for c, n in ds) / p, max(c.dp_step_s + c.opt_s for c, _ in ds))
+
+
+def time_lower_bound(cc: CandidateCosts) -> float:
+    """A step time no strategy of this candidate can beat (sound: used to prune the search).
+
+    The step is ``(m - 1) T + sum_k T_k + D`` (:func:`planner.strategy.evaluate`), where ``sum_k
+    T_k >= W`` (:func:`_total_work`) and ``T >= max(W / p, max_l (work_l + zero_mb_l))`` because
+    the slowest stage is at least the average one and holds at least one layer; ``D >= sum_l
+    (dp_l + opt_l) / p`` likewise.
+    """
+    p, m = cc.cand.pp, cc.cand.num_micro_batches
+    work = _total_work(cc)
+    T = max(work / p, max(c.work_s + c.zero_mb_s for c, _ in cc.distinct))
+    return (m - 1) * T + max(work, T) + _tail_bound(cc)
 
 
 def memory_lower_bound(cc: CandidateCosts) -> float:
@@ -355,10 +367,8 @@ def uniform_time_bound(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str
     found = _UniformStages(cc, checkpoint, relaxed=True).allocate()
     if found is None:
         return math.inf
-    p, m = cc.cand.pp, cc.cand.num_micro_batches
-    ds = cc.distinct
-    D = max(sum(n * (c.dp_step_s + c.opt_s) for c, n in ds) / p, max(c.dp_step_s + c.opt_s for c, _ in ds))
-    return max(base, (m + p - 1) * found[0] + D)
+    m = cc.cand.num_micro_batches
+    return max(base, (m - 1) * found[0] + max(found[0], _total_work(cc)) + _tail_bound(cc))
 
 
 def _uniform_heuristic(cc: CandidateCosts, checkpoint: str) -> Evaluation | None:

@@ -38,12 +38,12 @@ time to send layer ``l``'s output over boundary ``j``, ``a_k = min(p - k, m)`` i
     e[l,k] in [0,1]     layer l is the last of stage k (k < p-1)  e[l,k] >= x[l,k] - x[l+1,k]
     T, D >= 0           slowest micro-step, exposed tail
 
-    minimize   (m + p - 1) T + D  (+ 1e-6 * (recompute + p2p) + 1e-7 * (recomputed layers) / n,
+    minimize   (m - 1) T + sum_k T_k + D  (+ 1e-6 * (recompute + p2p) + 1e-7 * (recomputed layers) / n,
                                    tie-breaks toward less work; times are scaled so that the
                                    step-time lower bound is 1000)
     partition  sum_k x[l,k] = 1;  s_l = sum_k k x[l,k];  0 <= s_{l+1} - s_l <= 1
                (x[0,0] = x[n-1,p-1] = 1 by the windows: p contiguous non-empty stages)
-    time       T >= sum_l (w_l + z_l) x[l,k] + sum_l rec_l c[l,k] + sum_l snd_{l,k} e[l,k]
+    time       T >= T_k = sum_l (w_l + z_l) x[l,k] + sum_l rec_l c[l,k] + sum_l snd_{l,k} e[l,k]
                     + sum_l snd_{l,k-1} e[l,k-1]                                   for all k
                D >= sum_l d_l x[l,k]                                               for all k
     memory     sum_l st_l x[l,k] + TR_k + a_k (sum_l sv_l x[l,k] - sum_l (sv_l - in_l) c[l,k])
@@ -454,12 +454,21 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
         prob += c <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
 
 
+def stage_micro_step(v: _Vars, k: int):
+    """Stage ``k``'s micro-step (unscaled): its layers' work, recompute and transfers."""
+    return (v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
+            + v.p2p(k))
+
+
+def step_time_expr(v: _Vars):
+    """The scaled step time ``(m - 1) T + sum_k T_k + D`` (``T`` bounds every ``T_k``)."""
+    return (v.m - 1) * v.T + v.scale * pulp.lpSum(stage_micro_step(v, k) for k in range(v.p)) + v.D
+
+
 def add_time_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
     """``T`` bounds every stage's micro-step, ``D`` every stage's exposed tail."""
     for k in range(v.p):
-        work = (v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
-                + v.p2p(k))
-        prob += v.T >= v.scale * work, f"time_microstep_k{k}"
+        prob += v.T >= v.scale * stage_micro_step(v, k), f"time_microstep_k{k}"
         prob += v.D >= v.stage_sum(k, lambda c: v.scale * (c.dp_step_s + c.opt_s)), f"time_tail_k{k}"
 
 
@@ -523,7 +532,7 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
                                                                   for k in range(p)))
     bound = None
     if objective == "time":
-        prob += (m + p - 1) * v.T + v.D + tie
+        prob += step_time_expr(v) + tie
     elif objective == "memory":
         bound = _var(prob, "M", 0)
         prob += OBJECTIVE_SCALE * bound + tie
@@ -535,7 +544,7 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     add_time_constraints(prob, v)
     add_memory_constraints(prob, v, bound=bound)
     if cutoff is not None and objective == "time":
-        prob += (m + p - 1) * v.T + v.D <= v.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
+        prob += step_time_expr(v) <= v.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
     return prob, v
 
 

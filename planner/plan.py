@@ -111,7 +111,8 @@ class Predicted:
     comm_bytes_per_device: float
     """Bytes one device sends per step (ring convention)."""
     bubble_fraction: float
-    """Idle fraction of the pipeline schedule: (p - 1) / (m + p - 1) for 1F1B."""
+    """Idle fraction of the 1F1B schedule: (sum_k T_k - T) / (m T + sum_k T_k - T) for stage
+    micro-steps T_k, T their maximum; (p - 1) / (m + p - 1) when the stages are equal."""
     memory: dict
     """Bytes by kind: params, grads, optimizer, activations, total."""
     time: dict

@@ -69,7 +69,14 @@ For stage ``k`` holding layers ``S_k`` with recomputed set ``R``::
     T_k     = work_k + sum_{l in S_k} zero_mb_l      one micro-batch through stage k
     T       = max_k T_k                              the slowest stage paces the pipeline
     D       = max_k sum_{l in S_k} (dp_step_l + opt_l)   exposed DP/ZeRO traffic + AdamW step
-    step    = (m + p - 1) * T + D
+    step    = (m - 1) * T + sum_k T_k + D
+
+The first micro-batch crosses every stage (``sum_k T_k``: the pipeline fills and drains), the
+other ``m - 1`` follow at the pace of the slowest. With equal stages this is the textbook
+``(m + p - 1) T``; with unequal ones (a language model's last stage carries the vocabulary
+projection and the loss) the bubble is the *other* stages' micro-steps, not ``p - 1`` copies of
+the slowest (on 2 stages of a 4-block GPT, the old form over-predicted the step by 23% at
+``m = 2``). ``bubble_fraction = (sum_k T_k - T) / (m T + sum_k T_k - T)``.
 
 Memory per device of stage ``k`` (``cost_models.memory``): model state of its layers + the
 transient ZeRO buffers of its largest layer + ``min(p - k, m)`` micro-batches of activations
@@ -79,7 +86,7 @@ recomputed layer re-materialized once). A strategy is feasible when every stage 
 
 Time breakdown (plan.json ``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``)
 and the stage ``d*`` with the largest tail ``D``: ``compute = m * compute_k*``, ``recompute = m *
-rec_k*``, ``tp_comm = m * tp_k*``, ``pp_bubble = (p - 1) * T + m * p2p_k*`` (pipeline overhead:
+rec_k*``, ``tp_comm = m * tp_k*``, ``pp_bubble = sum_k T_k - T + m * p2p_k*`` (pipeline overhead:
 bubble and stage-to-stage transfers), ``dp_comm = m * zero_mb_k* + dp_d*``,
 ``optimizer = opt_d*``. The parts sum to the step time.
 """
@@ -117,6 +124,7 @@ from cost_models.memory import (
 __all__ = [
     "SYMBOLIC_FIELDS", "INT_FIELDS", "NumericTable", "Candidate", "Strategy", "LayerCost",
     "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields", "memory_bound",
+    "pipeline_time",
     "boundary_placements",
 ]
 
@@ -538,10 +546,11 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     kb = max(range(p), key=lambda k: out[k].micro_step_s)
     kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
     D = out[kd].dp_s + out[kd].opt_s
-    step = (m + p - 1) * T + D
+    fill = pipeline_time([s.micro_step_s for s in out], m) - m * T  # the other stages' fill and drain
+    step = m * T + fill + D
     sb = out[kb]
     time = {"compute": m * sb.compute_s, "recompute": m * sb.recompute_s, "tp_comm": m * sb.tp_s,
-            "pp_bubble": (p - 1) * T + m * sb.p2p_s,
+            "pp_bubble": fill + m * sb.p2p_s,
             "dp_comm": m * sb.zero_mb_s + out[kd].dp_s, "optimizer": out[kd].opt_s}
     kp = max(range(p), key=lambda k: out[k].memory["total"])
     bound = max(st.memory_bound for st in out)
@@ -549,8 +558,16 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
         strategy=Strategy(cand, stages, ck), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
         time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
         comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=(p - 1) / (m + p - 1), feasible=bound <= cc.capacity,
+        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0, feasible=bound <= cc.capacity,
         capacity=cc.capacity, extra={"memory_bound": bound})
+
+
+def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
+    """1F1B's time for ``m`` micro-batches over stages of these micro-step times (fwd + bwd):
+    ``(m - 1) max_k T_k + sum_k T_k``: exact for equal stages, never below the schedule simulated
+    with unequal ones, and closer to it than ``(m + p - 1) max_k T_k`` (``tests/test_schedule.py``
+    checks all three against ``runtime.schedule.simulate``)."""
+    return (m - 1) * max(micro_steps) + sum(micro_steps)
 
 
 def memory_bound(ev: Evaluation) -> int:

@@ -199,3 +199,24 @@ def test_p2p_latency(p, m, c):
     res = simulate(one_f_one_b(p, m), forward_time=f, backward_time=b, p2p_time=c)
     assert res.makespan >= res_g.makespan
     assert res.bubble_fraction > one_f_one_b_bubble(p, m)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), extra=st.integers(0, 12), data=st.data())
+def test_planner_pipeline_time_bounds_the_simulated_1f1b(p, extra, data):
+    """The cost model's ``(m - 1) max T + sum T`` against the executor's schedule, simulated with
+    unequal stages (backward about twice forward): never below it, never above the textbook
+    ``(m + p - 1) max T``, and equal to both when the stages are equal."""
+    from planner.strategy import pipeline_time
+
+    m = p + extra
+    fwd = data.draw(st.lists(st.floats(0.1, 5.0), min_size=p, max_size=p))
+    ratio = data.draw(st.lists(st.floats(1.5, 2.5), min_size=p, max_size=p))
+    bwd = [f * r for f, r in zip(fwd, ratio)]
+    micro = [f + b for f, b in zip(fwd, bwd)]
+    sim = simulate(one_f_one_b(p, m), forward_time=fwd, backward_time=bwd).makespan
+    est = pipeline_time(micro, m)
+    assert sim <= est * (1 + 1e-9)
+    assert est <= (m + p - 1) * max(micro) * (1 + 1e-9)
+    same = simulate(one_f_one_b(p, m), forward_time=fwd[0], backward_time=bwd[0]).makespan
+    assert pipeline_time([micro[0]] * p, m) == pytest.approx(same)
