@@ -47,6 +47,9 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a plain script from anywhere
+
+from planner.calibrate import lower_quartile as quartile  # noqa: E402  (the estimator calibrate uses)
 PY = sys.executable
 
 #: The model every plan trains (fp32, 2 local processes).
@@ -176,15 +179,6 @@ def summarize(rows: list[Row]) -> dict:
     s["median_step_spread"] = statistics.median(
         (max(r.times) - min(r.times)) / statistics.median(r.times) for r in rows if r.times)
     return s
-
-
-def quartile(xs: list[float]) -> float:
-    """The lower quartile (linear interpolation between order statistics)."""
-    ys = sorted(xs)
-    pos = 0.25 * (len(ys) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
 
 
 def print_table(rows: list[Row], summary: dict) -> None:

@@ -51,7 +51,8 @@ from typing import Any, Sequence
 from cost_models.comm import ring_terms
 from cost_models.hardware import HardwareProfile, load_hardware
 
-__all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "fit_alpha_beta", "build_profile"]
+__all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "fit_alpha_beta", "build_profile",
+           "lower_quartile"]
 
 KB = 1 << 10
 MB = 1 << 20
@@ -117,7 +118,7 @@ def _median(xs: Sequence[float]) -> float:
     return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
 
 
-def _lower_quartile(xs: Sequence[float]) -> float:
+def lower_quartile(xs: Sequence[float]) -> float:
     """The 25th percentile (linear interpolation between order statistics)."""
     ys = sorted(xs)
     pos = 0.25 * (len(ys) - 1)
@@ -148,7 +149,7 @@ def _timed_reps(fn, budget_s: float, min_reps: int, max_reps: int = 10_000) -> f
     the lower quartile rather than the minimum keeps one lucky call from setting the figure.
     ``planner validate``'s benchmark reads measured step times the same way.
     """
-    return _lower_quartile(_rep_times(fn, budget_s, min_reps, max_reps))
+    return lower_quartile(_rep_times(fn, budget_s, min_reps, max_reps))
 
 
 def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
@@ -218,13 +219,13 @@ def _time_training(batches: Sequence[int], budget_s: float, copy_bytes: int, cop
         for i, (step, *_costs) in enumerate(steps):
             _barrier()
             times[i] += _rep_times(step, budget_s / rounds, min_reps=2)
-    memory_bandwidth = 2.0 * src.numel() * 4 / _lower_quartile(copies)
-    t0 = _lower_quartile(times[0])
+    memory_bandwidth = 2.0 * src.numel() * 4 / lower_quartile(copies)
+    t0 = lower_quartile(times[0])
     _, f0, q0, n_ops = steps[0]
     overhead = max(0.0, t0 - q0 / memory_bandwidth) / (3 * n_ops)
     num = den = 0.0
     for ts, (_, f, q, n) in zip(times[1:], steps[1:]):
-        t = _lower_quartile(ts)
+        t = lower_quartile(ts)
         y = t - 3 * n * overhead - q / memory_bandwidth  # the FLOP time
         num, den = num + f * f, den + f * y
     if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time

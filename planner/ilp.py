@@ -454,21 +454,24 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
         prob += c <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
 
 
-def stage_micro_step(v: _Vars, k: int):
-    """Stage ``k``'s micro-step (unscaled): its layers' work, recompute and transfers."""
-    return (v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
-            + v.p2p(k))
+def stage_micro_steps(v: _Vars) -> list:
+    """Each stage's micro-step (unscaled): its layers' work, recompute and transfers; built once
+    per problem (the objective, the cutoff row and the ``T`` rows share them)."""
+    if getattr(v, "_micro_steps", None) is None:
+        v._micro_steps = [v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
+                          + v.p2p(k) for k in range(v.p)]
+    return v._micro_steps
 
 
 def step_time_expr(v: _Vars):
     """The scaled step time ``(m - 1) T + sum_k T_k + D`` (``T`` bounds every ``T_k``)."""
-    return (v.m - 1) * v.T + v.scale * pulp.lpSum(stage_micro_step(v, k) for k in range(v.p)) + v.D
+    return (v.m - 1) * v.T + v.scale * pulp.lpSum(stage_micro_steps(v)) + v.D
 
 
 def add_time_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
     """``T`` bounds every stage's micro-step, ``D`` every stage's exposed tail."""
-    for k in range(v.p):
-        prob += v.T >= v.scale * stage_micro_step(v, k), f"time_microstep_k{k}"
+    for k, work in enumerate(stage_micro_steps(v)):
+        prob += v.T >= v.scale * work, f"time_microstep_k{k}"
         prob += v.D >= v.stage_sum(k, lambda c: v.scale * (c.dp_step_s + c.opt_s)), f"time_tail_k{k}"
 
 
@@ -531,8 +534,9 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
            + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / v.n * pulp.lpSum(v.stage_rec_sum(k, lambda c: 1.0)
                                                                   for k in range(p)))
     bound = None
+    step = step_time_expr(v)
     if objective == "time":
-        prob += step_time_expr(v) + tie
+        prob += step + tie
     elif objective == "memory":
         bound = _var(prob, "M", 0)
         prob += OBJECTIVE_SCALE * bound + tie
@@ -544,7 +548,7 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     add_time_constraints(prob, v)
     add_memory_constraints(prob, v, bound=bound)
     if cutoff is not None and objective == "time":
-        prob += step_time_expr(v) <= v.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
+        prob += step <= v.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
     return prob, v
 
 
