@@ -99,6 +99,12 @@ class HardwareProfile:
     wake up. Charged per tensor-parallel all-reduce and per pipeline transfer. ``planner
     calibrate`` measures it (a compute + all-reduce loop against its parts); 0 in datasheet
     profiles, where kernels queue asynchronously and the jitter is small."""
+    recompute_ratio: float = 1.0
+    """What re-running a checkpointed layer's forward in backward costs, as a fraction of that
+    forward in the forward pass. 1 on GPUs; on a CPU it is below 1 (about 0.8 measured here):
+    the forward writes each saved activation into memory not touched since the last step, while
+    the recomputation writes into the cache-warm buffers the backward has just freed. ``planner
+    calibrate`` measures it (a checkpointed step against a plain one and a forward alone)."""
     intra_node_collectives: dict[str, dict[str, float]] | None = None
     """Optional per-collective intra-node link, ``{kind: {"latency": s, "bandwidth": B/s}}`` for
     kinds among ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send``: the alpha and
@@ -161,6 +167,12 @@ class HardwareProfile:
             o = getattr(self, name)
             if not _is_number(o) or not math.isfinite(o) or o < 0:
                 raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
+        r = self.recompute_ratio
+        if not _is_number(r) or not (0 < r <= 2):
+            raise ProfileError(
+                f"field 'recompute_ratio' must be a number in (0, 2], the cost of a recomputed "
+                f"forward relative to the first one (got {r!r})"
+            )
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives",
                                _check_collective_links(self.intra_node_collectives))
@@ -176,7 +188,7 @@ class HardwareProfile:
             self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
             self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
-            self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s,
+            self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s, self.recompute_ratio,
             tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
         ))
 

@@ -141,6 +141,12 @@ class _Counter(TorchDispatchMode):
 _ALIASING = {_aten._unsafe_view, _aten._reshape_alias, _aten.lift_fresh, _aten.detach, _aten.alias}
 
 
+#: Ops that read only the indexed elements of their first argument (the table, the source).
+_GATHERS = {_aten.embedding, _aten.gather, _aten.index_select, _aten.index}
+#: In-place indexed writes: they touch the updated elements of their first argument only.
+_SCATTERS = {_aten.index_put_, _aten.scatter_, _aten.scatter_add_, _aten.index_add_}
+
+
 def _bytes_moved(func, args, kwargs, out) -> Any:
     """Bytes a memory-bound op reads and writes; ``None`` for ops that move nothing (views,
     aliases, queries such as ``prim.device`` that return no tensor)."""
@@ -148,8 +154,13 @@ def _bytes_moved(func, args, kwargs, out) -> Any:
     if not outs or func.is_view or func._overloadpacket in _ALIASING:
         return None
     written = sum(_nbytes(t) for t in outs)
-    if func._overloadpacket is _aten.embedding:  # reads the looked-up rows, not the table
-        return 2 * written + _nbytes(args[1])
+    packet = func._overloadpacket
+    if packet in _GATHERS:  # reads the looked-up elements and the indices, not the whole source
+        return 2 * written + sum(_nbytes(t) for t in iter_tensors(list(args[1:]) + list(kwargs.values()))
+                                 if not t.is_floating_point())
+    if packet in _SCATTERS:  # reads and writes the updated elements (the values' size), reads the indices
+        values = [t for t in iter_tensors(list(args[1:]) + list(kwargs.values()))]
+        return sum(_nbytes(t) if not t.is_floating_point() else 2 * _nbytes(t) for t in values)
     return sum(_nbytes(t) for t in iter_tensors(list(args) + list(kwargs.values()))) + written
 
 

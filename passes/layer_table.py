@@ -35,7 +35,7 @@ __all__ = ["LayerCosts", "LayerTable", "build_layer_table", "table_from_traced",
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
                "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
-               "peak_act_bytes", "peak_act_bytes_tp")
+               "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
               "tp_allreduce_calls", "tp_allreduce_bwd_calls")
 _ZERO = sympy.Integer(0)
@@ -74,6 +74,12 @@ class LayerCosts:
     backward holds at once on top of the saved activations (``cost_models.memory``)."""
     peak_act_bytes_tp: sympy.Expr = _ZERO
     """Largest single activation held in tp shards (its full size; per device divide by tp)."""
+    tp_loss_fwd_bytes: sympy.Expr = _ZERO
+    """What the forward's memory-bound bytes change by when tp > 1 and the runtime's
+    vocab-parallel cross-entropy replaces the traced loss (full size: per device divide by tp;
+    may be negative)."""
+    tp_loss_bwd_bytes: sympy.Expr = _ZERO
+    """The same for the backward."""
     saved_bytes: sympy.Expr = _ZERO
     """Activations autograd keeps for backward (each storage once per layer; no weights)."""
     saved_bytes_tp: sympy.Expr = _ZERO
@@ -144,6 +150,10 @@ class LayerTable:
     fixed: dict[str, int] = field(default_factory=dict)
     """Dimensions that are not symbolic (the model forced them): ``{'s': 128}``."""
     notes: list[str] = field(default_factory=list)
+    tied: list[dict[str, Any]] = field(default_factory=list)
+    """Weights read by more than one row, ``{"weight": fqn, "layers": [first, last]}`` (a tied
+    embedding and head: ``[0, L + 1]``). A pipeline cut between those rows would need the weight
+    in two stages, which the runtime does not do; the planner keeps such rows in one stage."""
     """Tracing decisions worth reporting."""
 
     def __post_init__(self):
@@ -195,17 +205,33 @@ class LayerTable:
 
     def to_json(self) -> str:
         return json.dumps({"schema_version": 1, "dtype": self.dtype, "model": self.model,
-                           "fixed": self.fixed, "notes": self.notes,
+                           "fixed": self.fixed, "notes": self.notes, "tied": self.tied,
                            "layers": [lay.to_dict() for lay in self.layers]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "LayerTable":
         d = json.loads(text)
         return cls(layers=[LayerCosts.from_dict(x) for x in d["layers"]], dtype=d["dtype"],
-                   model=d.get("model", {}), fixed=d.get("fixed", {}), notes=d.get("notes", []))
+                   model=d.get("model", {}), fixed=d.get("fixed", {}), notes=d.get("notes", []),
+                   tied=d.get("tied", []))
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def _tied_weights(traced, gm: fx.GraphModule) -> list[dict[str, Any]]:
+    """Weights whose readers lie in more than one row: ``{"weight", "layers": [first, last]}``
+    in traced row numbers (aliases of one tensor count as one weight)."""
+    n = len(traced.block_paths) + 2
+    rows: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or traced.roles.get(node.name) != "param":
+            continue
+        canon = traced.tied.get(node.name, node.name)
+        rows.setdefault(canon, set()).update(
+            u.meta["layer"] for u in node.users if 0 <= u.meta.get("layer", -1) < n)
+    return [{"weight": traced.fqns.get(name, name), "layers": [min(ls), max(ls)]}
+            for name, ls in rows.items() if len(ls) > 1]
 
 
 def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
@@ -255,7 +281,9 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         a["saved_bytes_tp"] += tp.saved_bytes_tp
         a["tp_allreduce_bytes"] += tp.allreduce_fwd
         a["tp_allreduce_bwd_bytes"] += tp.allreduce_bwd
-        ints[lay]["tp_allreduce_calls"] += int(tp.allreduce_fwd != 0)
+        a["tp_loss_fwd_bytes"] += tp.loss_fwd_bytes
+        a["tp_loss_bwd_bytes"] += tp.loss_bwd_bytes
+        ints[lay]["tp_allreduce_calls"] += tp.fwd_calls
         ints[lay]["tp_allreduce_bwd_calls"] += int(tp.allreduce_bwd != 0)
     for i, io in enumerate(layer_io(gm, nb)):
         acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
@@ -307,7 +335,12 @@ def table_from_traced(traced, analyzed: bool = False) -> LayerTable:
 
     gm = traced.gm if analyzed else passes.analyze(traced)
     rows = _graph_layer_costs(traced, gm)
+    tied = _tied_weights(traced, gm)
     if traced.shallow:
+        last = len(rows) - 1  # traced rows -> full rows: the head moves, block 1 stands for 1..L-1
+        full = {0: 0, last: traced.layers + 1, last - 1: traced.layers}
+        for t in tied:
+            t["layers"] = [full.get(i, i) for i in t["layers"]]
         rows = _expand(rows, traced.layers, traced.container)
     else:
         rows = _share_identical_blocks(rows)
@@ -323,19 +356,20 @@ def table_from_traced(traced, analyzed: bool = False) -> LayerTable:
     model = dict(traced.model_info)
     model["params"] = sum(r.param_count for r in rows)
     return LayerTable(layers=rows, dtype=dtype_name(traced.dtype), model=model, fixed=fixed,
-                      notes=notes)
+                      notes=notes, tied=tied)
 
 
 def build_layer_table(model, *, batch: int | None = None, seq_len: int | None = None,
                       dtype=None, shallow: bool = True, dynamic: bool = True,
-                      **sizes) -> LayerTable:
+                      positions: int | None = None, **sizes) -> LayerTable:
     """Trace ``model`` (spec or ``ModelBundle``) and return its layer table (the CLI's entry).
 
-    ``sizes`` are the model size flags (layers, hidden, heads, kv_heads, ffn, vocab).
+    ``sizes`` are the model size flags (layers, hidden, heads, kv_heads, ffn, vocab);
+    ``positions`` the model's position table (the ``seq_len`` size of ``build_model``).
     """
     from planner.trace import trace_model
 
-    traced = trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
+    traced = trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow, positions=positions,
                          dynamic=dynamic, **sizes)
     return table_from_traced(traced)
 

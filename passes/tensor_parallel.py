@@ -43,7 +43,7 @@ import torch.fx as fx
 from passes.common import PassError, has_tensor, hint, is_meta_only, need
 from passes.op_class import op_name
 
-__all__ = ["propagate_tensor_parallel", "TPInfo"]
+__all__ = ["propagate_tensor_parallel", "TPInfo", "vocab_loss_bytes"]
 
 _PASS = "propagate_tensor_parallel"
 _ZERO = sympy.Integer(0)
@@ -66,6 +66,21 @@ class TPInfo:
     """Bytes all-reduced over the tp group in the forward pass."""
     allreduce_bwd: sympy.Expr = _ZERO
     """Bytes all-reduced over the tp group in the backward pass."""
+    allreduce_fwd_calls: int | None = None
+    """All-reduce calls those forward bytes take (``None``: one if there are any)."""
+    loss_fwd_bytes: sympy.Expr = _ZERO
+    """For the vocab-parallel loss: memory-bound bytes the runtime's loss moves in its forward
+    *minus* what the traced loss moves (full size; per device divide by tp). Charged only when
+    tp > 1, where the runtime replaces the traced op (``runtime.tensor_parallel``)."""
+    loss_bwd_bytes: sympy.Expr = _ZERO
+    """The same for the backward."""
+
+    @property
+    def fwd_calls(self) -> int:
+        """All-reduce calls of the forward pass."""
+        if self.allreduce_fwd_calls is not None:
+            return self.allreduce_fwd_calls
+        return int(self.allreduce_fwd != 0)
     sharded_params: list[str] = field(default_factory=list)
     """Names of the parameter placeholders this node shards (matmul weights, biases...)."""
 
@@ -97,6 +112,21 @@ _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "_unsafe_split"
 _INDEXING = {"index", "gather", "index_select", "scatter", "scatter_add", "index_put",
              "embedding_bag", "masked_select", "nonzero", "take"}
 _NON_DATA = {"sym_size", "sym_stride", "sym_numel", "_assert_scalar", "_assert_tensor_metadata"}
+
+
+def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
+    """Memory-bound bytes ``(forward, backward)`` of ``runtime.tensor_parallel``'s vocab-parallel
+    cross-entropy over ``logits`` elements (all shards together) of ``element_size`` bytes.
+
+    Forward, in fp32 ``z``: ``amax`` reads z, ``z - m`` reads and writes, ``exp`` reads and writes,
+    the row sum reads, the in-place division by the sum reads and writes: 8 passes (the target
+    gather is one element per row), after ``logits.float()`` (a read and an fp32 write unless
+    the logits are fp32). Backward: the clone of the saved softmax and the in-place scaling, 2
+    passes each (the one-hot subtraction touches one element per row), then the cast back to the
+    logits' dtype unless fp32. ``tests/test_tensor_parallel.py`` counts the runtime's bytes."""
+    f32 = 4 * logits
+    cast = 0 if element_size == 4 else (element_size + 4) * logits
+    return 8 * f32 + cast, 4 * f32 + cast
 
 
 def _ndim(n) -> int:
@@ -336,8 +366,18 @@ class _Propagator:
         cls_dim = min(1, _ndim(logits) - 1)
         if sharded != [logits] or self.st(logits) != cls_dim:
             self.conflict(n, "loss inputs sharded other than along the classes", *sharded)
-        words = 3 if op_name(n) == "cross_entropy_loss" else 1  # max, sum-exp, target logit
-        self.set(n, "vocab_loss", None, allreduce_fwd=_rows(logits, cls_dim) * 4 * words)
+        ce = op_name(n) == "cross_entropy_loss"
+        words = 3 if ce else 1  # max, sum-exp, target logit: one all-reduce each
+        rows = _rows(logits, cls_dim)
+        extra = {}
+        if ce:  # the runtime's vocab-parallel cross-entropy replaces the traced one
+            size = logits.meta["val"].element_size()
+            full = rows * need(logits, "shape", _PASS, "annotate_shapes")[cls_dim]
+            fwd, bwd = vocab_loss_bytes(full, size)
+            extra = dict(loss_fwd_bytes=sympy.expand(fwd - n.meta.get("fwd_bytes", _ZERO)),
+                         loss_bwd_bytes=sympy.expand(bwd - n.meta.get("bwd_bytes", _ZERO)))
+        self.set(n, "vocab_loss", None, allreduce_fwd=rows * 4 * words,
+                 allreduce_fwd_calls=words, **extra)
 
     def _norm(self, n, sharded):
         x = n.args[0]

@@ -10,6 +10,8 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   forward + backward, every rank at once) to that peak.
 - **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time),
   timed between the rounds of training steps.
+- **Recomputation**: two exported blocks timed plain, checkpointed and forward-only;
+  ``recompute_ratio`` is what checkpointing adds over the forward (``_time_recompute``).
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
   rank's mean over a few repetitions after a warm-up.
@@ -79,6 +81,8 @@ class CalibrationSpec:
     """Micro-batch sizes of the timed training steps (the FLOP-rate and op-overhead fit)."""
     train_budget_s: float = 1.0
     """Seconds of repeated training steps per micro-batch size."""
+    recompute_budget_s: float = 1.5
+    """Seconds of plain, checkpointed and forward-only block steps (``recompute_ratio``)."""
     sync_iters: int = 30
     """Iterations of the compute + all-reduce loop that measures ``sync_overhead_s``."""
     copy_bytes: int = 32 * MB
@@ -97,7 +101,7 @@ class CalibrationSpec:
         """A few seconds of measurement (tests, smoke runs)."""
         return cls(
             matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
-            train_batches=(1, 4), train_budget_s=0.1, copy_budget_s=0.05, sync_iters=3,
+            train_batches=(1, 4), train_budget_s=0.1, copy_budget_s=0.05, recompute_budget_s=0.1, sync_iters=3,
             message_sizes=(4 * KB, 64 * KB, 1 * MB), max_reps=5, bytes_per_size=4 * MB,
         )
 
@@ -105,8 +109,8 @@ class CalibrationSpec:
         return max(2, min(self.max_reps, self.bytes_per_size // max(size, 1)))
 
     def num_ticks(self) -> int:
-        """Progress-bar steps: one per (dtype, size), the training steps (and copies), one per (kind, size), the sync loop."""
-        return len(self.dtypes) * len(self.matmul_sizes) + 2 + len(MEASURED_KINDS) * len(self.message_sizes)
+        """Progress-bar steps: one per (dtype, size), the training steps (and copies), the recomputation, one per (kind, size), the sync loop."""
+        return len(self.dtypes) * len(self.matmul_sizes) + 3 + len(MEASURED_KINDS) * len(self.message_sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +235,52 @@ def _time_training(batches: Sequence[int], budget_s: float, copy_bytes: int, cop
     if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time
         return f / max(t, 1e-9), 0.0, memory_bandwidth
     return num / den, overhead, memory_bandwidth
+
+
+def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
+    """What recomputing a checkpointed layer costs, relative to its first forward.
+
+    Two exported blocks of the full-size calibration GPT at micro-batch ``batch`` are timed three
+    ways, interleaved in ``rounds`` turns (each its lower quartile): a plain forward + backward
+    ``P``, the same with every block under the runtime's checkpoint ``C``, and the forward alone
+    ``F``. The recomputation is what ``C`` adds, so the ratio is ``(C - P) / F``: 1 where a
+    recomputed forward runs like the first one (GPUs), below 1 on a CPU, whose first forward
+    writes the saved activations into cache-cold memory.
+    """
+    import torch
+
+    from planner.models import build_model
+    from runtime import checkpoint
+
+    real = build_model("gpt", batch=batch, seed=0, seq_len=128, layers=2, hidden=256, heads=4, vocab=4096)
+    with torch.no_grad():
+        x0 = real.model.embed(real.example_inputs[0])
+    blocks = [torch.export.export(b, (x0,)).module() for b in real.model.blocks]
+    x = x0.clone().requires_grad_(True)
+
+    def forward(ckpt: bool = False):
+        y = x
+        for b in blocks:
+            y = checkpoint(b, y) if ckpt else b(y)
+        return y
+
+    def step(ckpt: bool):
+        forward(ckpt).sum().backward()
+        x.grad = None
+        for b in blocks:
+            for p in b.parameters():
+                p.grad = None
+
+    fns = [lambda: step(False), lambda: step(True), forward]
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            _barrier()
+            times[i] += _rep_times(fn, budget_s / rounds, min_reps=2)
+    plain, ckpt, fwd = (lower_quartile(t) for t in times)
+    return (ckpt - plain) / max(fwd, 1e-9)
 
 
 def _barrier() -> None:
@@ -374,6 +424,8 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
     result["train_step_flops"] = _mean_over_ranks(rate)
     result["op_overhead_s"] = _mean_over_ranks(overhead)
     tick("training steps and copies")
+    result["recompute_ratio"] = _mean_over_ranks(_time_recompute(max(spec.train_batches), spec.recompute_budget_s))
+    tick("recomputation")
     for kind in MEASURED_KINDS:
         for size in spec.message_sizes:
             nbytes, n, secs = _time_collective(kind, size, rank, world, spec.reps(size))
@@ -447,6 +499,14 @@ def _physical_memory() -> int | None:
         return None
 
 
+def _clamp_ratio(r: Any) -> float:
+    """A measured recompute ratio, kept to (0.25, 1.5]: outside it the timing was disturbed
+    (a difference of two noisy step times); an unmeasured one is 1."""
+    if not isinstance(r, (int, float)) or r != r or r in (float("inf"), float("-inf")):
+        return 1.0
+    return min(1.5, max(0.25, float(r)))
+
+
 def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: CalibrationSpec) -> HardwareProfile:
     """Turn the workers' raw measurements into a validated ``HardwareProfile``."""
     import torch
@@ -493,7 +553,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
     )
     calibration = {
@@ -506,6 +566,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "train_step_flops": step_rate,
         "op_overhead_s": raw.get("op_overhead_s"),
         "sync_overhead_s": raw.get("sync_overhead_s"),
+        "recompute_ratio": raw.get("recompute_ratio"),
     }
     return HardwareProfile(
         name=name,
@@ -520,6 +581,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         compute_efficiency=efficiency,
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
         sync_overhead_s=float(raw.get("sync_overhead_s") or 0.0),
+        recompute_ratio=_clamp_ratio(raw.get("recompute_ratio")),
         intra_node_collectives={k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
                                 for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None,
         source=source,

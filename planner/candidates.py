@@ -23,7 +23,7 @@ from planner.strategy import Candidate, CandidateCosts, Evaluation, NumericTable
 
 __all__ = [
     "is_repeated", "divisors", "model_heads", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
-    "memory_lower_bound", "uniform_time_bound", "balanced_partition", "heuristic_strategy",
+    "memory_lower_bound", "uniform_time_bound", "balanced_partition", "heuristic_strategy", "tied_summary",
 ]
 
 
@@ -116,6 +116,12 @@ def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_no
     return None
 
 
+def tied_summary(nt: NumericTable) -> str:
+    """``weight (rows a-b), ...`` for the tied weights that forbid pipeline cuts."""
+    return ", ".join(f"{t['weight']} read by {nt.names[t['layers'][0]]} and {nt.names[t['layers'][1]]}"
+                     for t in nt.tied)
+
+
 def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
     """Reject pins no strategy can honour, with what to use instead (``UserError``)."""
     from planner.errors import UserError
@@ -134,6 +140,11 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
     if pp and pp > rows:
         raise UserError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
                         f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}.")
+    if pp and pp > 1 and nt.tied:
+        raise UserError(f"--pp {pp} would cut the model between layers that share a weight "
+                        f"({tied_summary(nt)}): every stage would need its own copy, kept in sync, "
+                        "which the runtime does not do. Use --pp 1, or untie the weights in the model "
+                        "(for Hugging Face models, tie_word_embeddings=False in the config).")
     if pp and pp > 1 and req.micro_batch and dp:
         m = req.global_batch // (dp * req.micro_batch)
         if m < pp:
@@ -170,6 +181,9 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                 continue
             if pp > rows:
                 skip(f"more pipeline stages than the {rows} layer-table rows")
+                continue
+            if pp > 1 and nt.tied:
+                skip("pipeline stages would split tied weights")
                 continue
             if gb % dp:
                 skip("global batch not divisible by the data-parallel degree")

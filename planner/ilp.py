@@ -597,6 +597,8 @@ class SearchResult:
     uniform: bool = True
     time_limited: int = 0
     """ILPs stopped by their time limit (their answer is feasible, maybe not optimal)."""
+    notes: list[str] = field(default_factory=list)
+    """What the model ruled out before the search (printed under the plan)."""
 
     @property
     def status(self) -> str:

@@ -19,7 +19,7 @@ import math
 import time
 
 from cost_models.hardware import HardwareProfile
-from planner.candidates import check_pins, enumerate_candidates, memory_lower_bound, time_lower_bound
+from planner.candidates import check_pins, enumerate_candidates, memory_lower_bound, tied_summary, time_lower_bound
 from planner.errors import UserError
 from planner.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
@@ -142,6 +142,9 @@ def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None
     check_pins(request, nt, gpn)
     entries = candidate_entries(request, nt, hw, gpn, enumerate_candidates(request, nt, gpn))
     res = search(entries, nt.kinds, request.checkpoint, solver)
+    if nt.tied and request.gpus > 1:
+        res.notes.append(f"pipeline parallelism ruled out: the model ties weights across layers "
+                         f"({tied_summary(nt)}); untie them to allow pipeline stages")
     if res.best is None:
         raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
     return build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)

@@ -37,6 +37,9 @@ def plan_from_request(req: PlanRequest):
     if not req.gpus_per_node:
         req.gpus_per_node = hw.gpus_per_node
     sizes = model_sizes_for(req)
-    table = build_layer_table(req.spec, batch=1, seq_len=req.seq_len, dtype=req.dtype, **sizes)
+    flags = dict(sizes)
+    positions = flags.pop("seq_len", None)  # the model's position table, not the traced length
+    table = build_layer_table(req.spec, batch=1, seq_len=req.seq_len, dtype=req.dtype,
+                              positions=positions, **flags)
     req.sizes = sizes
     return plan_strategy(req, table, hw), hw

@@ -220,3 +220,5 @@ def render_plan(plan, hw: Any, console: Console | None = None) -> None:
         line += (f" ({search.solved} ILPs solved, {search.pruned_time} pruned by the time bound, "
                  f"{search.pruned_memory} by the memory bound)")
     console.print(line)
+    for note in getattr(search, "notes", []):
+        console.print(f"note: {note}")

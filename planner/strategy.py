@@ -24,13 +24,19 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
 - TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
   forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
   conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
-  all-reduce of that size per pass, timed with ``collective_time`` on the TP group's placement.
+  all-reduce of that size per pass, timed with ``collective_time`` on the TP group's placement,
+  plus a copy of those bytes at the memory bandwidth (the runtime reduces a contiguous copy).
+  At tp > 1 the runtime's vocab-parallel cross-entropy replaces the traced loss: its bytes
+  (``tp_loss_fwd_bytes``, ``tp_loss_bwd_bytes``: the change, per device divided by tp) and its
+  three all-reduce calls (row max, sum of exponentials, target logit) are charged instead.
 - recompute: a checkpointed layer runs its forward again in backward, TP all-reduces included:
-  ``rec_l = t_fwd + t_tp_fwd`` (an upper bound, see the bytes below).
-  The bytes a recompute sends are ``max(tp_allreduce_bytes - boundary_bytes, 0)`` all-reduced:
-  the runtime's checkpoint (PyTorch's non-reentrant one) stops recomputing once the last saved
-  tensor is rebuilt, and the layer's final all-reduce (the row-parallel output added to the
-  residual stream, boundary-sized) feeds nothing the layer saves, so it is not run again.
+  ``rec_l = hw.recompute_ratio x t_fwd + t_tp_rec`` (the ratio is measured by ``planner
+  calibrate``: below 1 on a CPU, where the rerun writes into cache-warm memory; 1 on GPUs).
+  The bytes a recompute sends are ``max(tp_allreduce_bytes - boundary_bytes, 0)`` all-reduced,
+  in one call fewer: the runtime's checkpoint (PyTorch's non-reentrant one) stops recomputing
+  once the last saved tensor is rebuilt, and the layer's final all-reduce (the row-parallel
+  output added to the residual stream, boundary-sized) feeds nothing the layer saves, so it is
+  not run again; ``t_tp_rec`` prices those bytes and calls.
 - parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
   Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
   flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
@@ -160,6 +166,8 @@ class NumericTable:
         model = dict(getattr(table, "model", {}) or {})
         self.model = model
         self.num_blocks = sum(1 for k in self.kinds if k == "block")
+        self.tied = [t for t in getattr(table, "tied", []) or [] if t["layers"][0] < t["layers"][1]]
+        """Weights read by several rows (``LayerTable.tied``): no pipeline cut may fall between."""
         self._syms = (getattr(table, "b", None), getattr(table, "s", None))
         self._funcs: dict[Any, Any] = {}
         self._rows: dict[tuple, Any] = {}
@@ -387,7 +395,10 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
 
     def split(name: str) -> float:  # the part tp divides, divided; the rest whole
-        return row.get(name, 0.0) - row.get(name + "_tp", 0.0) + row.get(name + "_tp", 0.0) / tp
+        v = row.get(name, 0.0) - row.get(name + "_tp", 0.0) + row.get(name + "_tp", 0.0) / tp
+        if tp > 1 and name in ("fwd_bytes", "bwd_bytes"):  # the runtime's vocab-parallel loss
+            v = max(v + row.get("tp_loss_" + name, 0.0) / tp, 0.0)
+        return v
 
     n_tp = row["param_count_tp"]
     P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
@@ -403,7 +414,9 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     def tp_cost(nbytes: float) -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
-        return (float(collective_time("all_reduce", nbytes, tp_pl, hw)),
+        # The runtime all-reduces a contiguous copy of the activation (autograd may share the
+        # original): a read and a write of the bytes on top of the collective.
+        return (float(collective_time("all_reduce", nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
                 float(ring_bytes_sent("all_reduce", nbytes, tp)))
 
     t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
@@ -414,7 +427,10 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
     # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
     # residual stream, is not run again.
-    _, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
+    t_tp_rec, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
+    if tp > 1:
+        skipped = int(row["boundary_bytes"] > 0 and row["tp_allreduce_bytes"] >= row["boundary_bytes"])
+        t_tp_rec += max(row.get("tp_allreduce_calls", 0) - skipped, 0) * hw.sync_overhead_s
     base = model_state_bytes(P, dtype, z, dp)
     peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True)
     colls = zero_dp_collectives(P, dtype, z, dp)
@@ -433,7 +449,7 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
     largest = max(row.get("peak_act_bytes", 0.0), row.get("peak_act_bytes_tp", 0.0) / tp)
     return LayerCost(
-        compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=t_f + t_tp,
+        compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=hw.recompute_ratio * t_f + t_tp_rec,
         zero_mb_s=zmb_t, dp_step_s=step_t,
         opt_s=float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0,
         params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],

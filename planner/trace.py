@@ -323,19 +323,22 @@ def _zoo_bundle(spec: str, sizes: dict, layers: int, dtype) -> ModelBundle:
 
 def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: int | None = None,
                 dtype: str | torch.dtype | None = None, shallow: bool = True,
-                dynamic: bool = True, **sizes) -> Traced:
+                dynamic: bool = True, positions: int | None = None, **sizes) -> Traced:
     """Export one training forward of ``model`` on the meta device.
 
     ``model`` is a spec (``gpt3-175b``, ``hf:llama``, ``path.py:factory``; ``sizes`` are
     ``build_model``'s overrides: layers, hidden, heads, kv_heads, ffn, vocab) or a ``ModelBundle``.
     ``batch``/``seq_len`` set the example sizes (shapes stay symbolic unless ``dynamic=False``).
-    ``shallow=False`` traces every block of a zoo model. File factories are traced as returned,
-    with their own example inputs.
+    ``shallow=False`` traces every block of a zoo model. ``positions`` is the model's position
+    table (``build_model``'s ``seq_len`` size: the longest sequence it accepts), distinct from the
+    traced ``seq_len``. File factories are traced as returned, with their own example inputs.
     """
     t0 = time.perf_counter()
     dt = resolve_dtype(dtype)
     notes: list[str] = []
     sizes = {k: v for k, v in sizes.items() if v is not None}
+    if positions is not None:
+        sizes["seq_len"] = positions
     if isinstance(model, ModelBundle):
         bundle0 = model
         spec, kind = model.spec, model.kind

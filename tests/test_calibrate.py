@@ -72,6 +72,10 @@ def test_build_profile_from_raw_measurements(tmp_path):
     for link in p.intra_node_collectives.values():
         assert link["latency"] == pytest.approx(5e-5) and link["bandwidth"] == pytest.approx(2e9)
     assert p.sync_overhead_s == 0.0
+    # the recompute ratio: 1 when unmeasured, kept to (0.25, 1.5] when a timing went wild
+    assert p.recompute_ratio == 1.0
+    for raw, want in ((0.82, 0.82), (-0.3, 0.25), (7.0, 1.5), (float("nan"), 1.0)):
+        assert build_profile(dict(_raw(), recompute_ratio=raw), 2, base, CalibrationSpec.quick()).recompute_ratio == want
     assert build_profile(dict(_raw(), sync_overhead_s=1.5e-3), 2, base, CalibrationSpec.quick()).sync_overhead_s == 1.5e-3
     # A dtype that failed everywhere keeps the base profile's ratio to fp32; NaN is stored as null.
     q = build_profile(_raw(bf16_ok=False), 2, base, CalibrationSpec.quick())
@@ -96,6 +100,7 @@ def test_quick_calibration_writes_loadable_profile(tmp_path):
     assert hw.memory_bandwidth > 1e8 and hw.intra_node_bandwidth > 1e6
     assert 0 <= hw.intra_node_latency < 0.05
     assert 0 <= hw.sync_overhead_s < 0.05 and 0 <= hw.op_overhead_s < 0.01
+    assert 0.25 <= hw.recompute_ratio <= 1.5
     # a kind whose few quick timings do not grow with size gets no fit and keeps the generic link
     assert set(hw.intra_node_collectives or {}) <= {"all_reduce", "all_gather", "reduce_scatter", "send"}
     cal = hw.calibration

@@ -37,6 +37,37 @@ def test_pins_are_respected(tmp_path, capsys):
     assert (plan.pp, plan.zero_stage, plan.micro_batch_size) == (2, 0, 1)
 
 
+@pytest.mark.parametrize("model, seq", [
+    (["--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"], 16),
+    (SMALL, 256),  # longer than the preset's 128 positions: the table grows
+])
+def test_plan_sizes_the_position_table_from_seq_len(tmp_path, capsys, model, seq):
+    """``--seq-len`` both sets the traced length and, where the model is too short for it, its
+    position table; the two must not collide (this used to be a TypeError at the CLI)."""
+    out = tmp_path / "p.json"
+    argv = ["plan", *model, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu",
+            "--global-batch", "4", "--seq-len", str(seq), "--dtype", "fp32", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    plan = load_plan(str(out))
+    assert plan.seq_len == seq and plan.model.sizes["seq_len"] >= seq
+    assert main(["compile", str(out), "--out", str(tmp_path / "c")]) == 0
+
+
+def test_tied_weights_keep_one_pipeline_stage(tmp_path, capsys):
+    """GPT-2 reads its token embedding again as the LM head: no stage cut may separate them."""
+    gpt2 = ["--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"]
+    out = tmp_path / "p.json"
+    base = ["plan", *gpt2, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu", "--global-batch", "4",
+            "--seq-len", "16", "--dtype", "fp32", "--out", str(out)]
+    assert main(base) == 0
+    printed = capsys.readouterr().out
+    assert load_plan(str(out)).pp == 1 and "pipeline parallelism ruled out" in printed
+    assert main([*base, "--pp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--pp 2 would cut the model between layers that share a weight" in err
+    assert "Use --pp 1, or untie" in err and "Traceback" not in err
+
+
 def test_plan_compile_train_round_trip(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(plan_args(out, "--json", "--dp", "2")) == 0

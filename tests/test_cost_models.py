@@ -128,6 +128,8 @@ def test_missing_field_named_with_file(tmp_path):
         ("gpus_per_node", 2.5, r"field 'gpus_per_node' must be a positive integer \(got 2.5\)"),
         ("memory_bytes", True, r"field 'memory_bytes' must be a positive integer \(got True\)"),
         ("compute_efficiency", 1.5, r"field 'compute_efficiency' must be a number in \(0, 1\]"),
+        ("recompute_ratio", 0, r"field 'recompute_ratio' must be a number in \(0, 2\]"),
+        ("recompute_ratio", "fast", r"field 'recompute_ratio' must be a number in \(0, 2\].*'fast'"),
         ("name", "", r"field 'name' must be a non-empty string"),
         ("peak_flops", 3e14, r"field 'peak_flops' must be an object of FLOP/s by dtype"),
         ("peak_flops", {"fp32": 1e12, "bf16": 2e12}, r"field 'peak_flops' is missing dtype 'fp16' \(required: fp32, bf16, fp16"),

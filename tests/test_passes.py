@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import passes
 from passes.common import B, S, PassError, source_line
-from passes.layer_table import table_from_traced
+from passes.layer_table import LayerTable, build_layer_table, table_from_traced
 from passes.tensor_parallel import _map_reshape
 from planner.models import build_model
 from planner.trace import trace_model
@@ -250,6 +250,23 @@ def test_tensor_parallel_gpt_megatron_roles():
     assert post.param_count_tp == 128 * 64
     assert post.tp_allreduce_bytes == 3 * 4 * B * S  # max, sum-exp, target logit (fp32)
     assert post.tp_allreduce_bwd_bytes == B * S * 64 * nbytes
+    # one all-reduce call each; a block has two (attention and MLP outputs), the embedding one
+    assert (pre.tp_allreduce_calls, table.layers[1].tp_allreduce_calls, post.tp_allreduce_calls) == (1, 2, 3)
+    # at tp > 1 the runtime's loss replaces the traced one: its bytes minus the traced loss's
+    from passes.tensor_parallel import vocab_loss_bytes
+
+    loss = next(n for n in tr.gm.graph.nodes if n.name == "cross_entropy_loss")
+    fwd, bwd = vocab_loss_bytes(B * S * 128, nbytes)
+    assert sympy.expand(post.tp_loss_fwd_bytes - (fwd - loss.meta["fwd_bytes"])) == 0
+    assert sympy.expand(post.tp_loss_bwd_bytes - (bwd - loss.meta["bwd_bytes"])) == 0
+    assert all(lay.tp_loss_fwd_bytes == 0 for lay in table.layers[:-1])
+
+
+def test_tied_weights_are_recorded_with_their_rows():
+    table = build_layer_table("hf:gpt2", batch=1, seq_len=16, dtype="fp32", layers=3)
+    assert [t["layers"] for t in table.tied] == [[0, 4]]  # embedding row and head row (L + 1)
+    assert LayerTable.from_json(table.to_json()).tied == table.tied
+    assert build_layer_table("gpt", batch=1, seq_len=16, dtype="fp32", layers=3).tied == []
 
 
 def test_tensor_parallel_hf_models():

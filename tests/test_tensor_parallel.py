@@ -460,3 +460,41 @@ def test_cross_entropy_bf16_and_errors():
         vocab_parallel_cross_entropy(z, labels, reduction="avg")
     with pytest.raises(ValueError, match="logits have 8 tokens"):
         vocab_parallel_cross_entropy(z, torch.zeros(7, dtype=torch.long))
+
+
+class _ByteCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums the cost model's memory-bound bytes of every op run, split at ``mark()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts = [0]
+
+    def mark(self):
+        self.parts.append(0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from passes.autograd_costs import _bytes_moved
+
+        out = func(*args, **(kwargs or {}))
+        moved = _bytes_moved(func, args, kwargs or {}, out)
+        self.parts[-1] += int(moved or 0)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_loss_bytes_count_the_runtimes_passes(dtype):
+    """The cost model's figure for the vocab-parallel loss is what the runtime's code moves,
+    up to the per-row vectors (max, sum, target, labels: a few words per row)."""
+    from passes.tensor_parallel import vocab_loss_bytes
+
+    rows, cols = 64, 1000
+    z = torch.randn(rows, cols, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, cols, (rows,))
+    with _ByteCounter() as c:
+        loss = vocab_parallel_cross_entropy(z, labels)
+        c.mark()
+        loss.backward()
+    fwd, bwd = vocab_loss_bytes(rows * cols, z.element_size())
+    per_row = 256 * rows  # ~30 ops on per-row vectors of 4- and 8-byte words
+    assert fwd <= c.parts[0] <= fwd + per_row
+    assert bwd <= c.parts[1] <= bwd + per_row
