@@ -91,14 +91,21 @@ class HardwareProfile:
     """Achievable fraction of peak FLOP/s for large matmuls, in (0, 1]."""
     op_overhead_s: float = 0.0
     """Fixed seconds per operator call (dispatch and launch), charged per op of forward and
-    backward on top of the FLOP time; it is what makes many small micro-batches slower than few
-    large ones. ``planner calibrate`` measures it; datasheet profiles use a kernel-launch figure."""
+    backward on top of the FLOP time (or beside it, ``ops_async``); it is what makes many small
+    micro-batches slower than few large ones. ``planner calibrate`` measures it on CPUs. The GPU
+    profiles carry 28 us, what our runtime's eager per-operator dispatch cost on an H200 host
+    (``planner validate``, 4 micro-batches of 4 against 1 of 16 sequences of a 12 x 1024 GPT, bf16:
+    125 ms against 57 ms for the same FLOPs, over 3 x 822 extra operator calls)."""
     sync_overhead_s: float = 0.0
     """Seconds a *blocking* collective costs beyond its alpha-beta time inside a training step:
     the ranks reach it at slightly different moments (compute jitter) and the waiting one must
     wake up. Charged per tensor-parallel all-reduce and per pipeline transfer. ``planner
     calibrate`` measures it (a compute + all-reduce loop against its parts); 0 in datasheet
     profiles, where kernels queue asynchronously and the jitter is small."""
+    ops_async: bool = False
+    """The device runs operators asynchronously from the host that issues them (GPUs): a
+    layer's pass costs ``max(device time, operators x op_overhead_s)``. False for CPU ranks,
+    where issuing and running an operator happen on the same core and add up."""
     recompute_ratio: float = 1.0
     """What re-running a checkpointed layer's forward in backward costs, as a fraction of that
     forward in the forward pass. 1 on GPUs; on a CPU it is below 1 (about 0.8 measured here):
@@ -167,6 +174,8 @@ class HardwareProfile:
             o = getattr(self, name)
             if not _is_number(o) or not math.isfinite(o) or o < 0:
                 raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
+        if not isinstance(self.ops_async, bool):
+            raise ProfileError(f"field 'ops_async' must be true or false (got {self.ops_async!r})")
         r = self.recompute_ratio
         if not _is_number(r) or not (0 < r <= 2):
             raise ProfileError(
@@ -188,7 +197,7 @@ class HardwareProfile:
             self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
             self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
-            self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s, self.recompute_ratio,
+            self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s, self.recompute_ratio, self.ops_async,
             tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
         ))
 

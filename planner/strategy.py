@@ -140,7 +140,7 @@ __all__ = [
 SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                    "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
                    "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
-                   "peak_act_bytes", "peak_act_bytes_tp")
+                   "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes")
 #: Layer-table fields that are plain integers.
 INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes", "num_ops", "tp_allreduce_calls",
               "tp_allreduce_bwd_calls")
@@ -408,9 +408,13 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
     ops = row.get("num_ops", 0.0) * hw.op_overhead_s
     accumulate = 3 * P * bytes_per_param(dtype)["grads"]
-    t_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype)) + ops
-    t_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype)
-                + compute_time(0.0, split("bwd_bytes") + accumulate, hw, dtype)) + 2 * ops
+    dev_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype))
+    dev_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype)
+                  + compute_time(0.0, split("bwd_bytes") + accumulate, hw, dtype))
+    # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
+    # the layer. A CPU rank issues and runs them on the same core: they add up.
+    combine = max if hw.ops_async else (lambda dev, host: dev + host)
+    t_f, t_b = combine(dev_f, ops), combine(dev_b, 2 * ops)
     def tp_cost(nbytes: float) -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0

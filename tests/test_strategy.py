@@ -7,6 +7,7 @@ use it so they exercise the solver, not the tracer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class FakeLayer:
     signature: str = ""
     peak_act_bytes: object = 0
     peak_act_bytes_tp: object = 0
+    num_ops: int = 0
 
 
 @dataclass
@@ -108,6 +110,27 @@ HW = load_hardware("a100-80gb", 8)
 def _cc(table, cand, seq=128, dtype="bf16", cap=None, hw=HW):
     return candidate_costs(NumericTable(table), hw, dtype, seq, cand, hw.gpus_per_node,
                            cap if cap is not None else hw.memory_bytes * 0.9)
+
+
+@pytest.mark.parametrize("ops_async", [False, True])
+def test_operator_overhead_adds_on_cpus_and_overlaps_on_gpus(ops_async):
+    """A CPU rank issues and runs each operator itself (the costs add); a GPU runs operators
+    while the host issues the next, so a layer costs the slower of the two."""
+    t = gpt_table(layers=2, hidden=512, heads=8)
+    for lay in t.layers:
+        lay.num_ops = 30
+    cand = Candidate(dp=1, tp=1, pp=1, zero_stage=0, micro_batch_size=2, num_micro_batches=1)
+    bare = _cc(t, cand, hw=dataclasses.replace(HW, op_overhead_s=0.0)).layers[1]
+    for overhead in (1e-7, 1e-2):  # far below, far above the device time
+        hw = dataclasses.replace(HW, op_overhead_s=overhead, ops_async=ops_async)
+        blk = _cc(t, cand, hw=hw).layers[1]
+        host = 30 * overhead
+        if ops_async:
+            assert blk.fwd_s == pytest.approx(max(bare.fwd_s, host))
+            assert blk.compute_s == pytest.approx(max(bare.fwd_s, host) + max(bare.compute_s - bare.fwd_s, 2 * host))
+        else:
+            assert blk.fwd_s == pytest.approx(bare.fwd_s + host)
+            assert blk.compute_s == pytest.approx(bare.compute_s + 3 * host)
 
 
 def test_layer_costs_follow_the_cost_models():
