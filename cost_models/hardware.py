@@ -322,7 +322,7 @@ def _read_json(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ProfileError(
-            f"hardware profile {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+            f"hardware profile {path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
         ) from None
 
 
@@ -340,7 +340,9 @@ def load_hardware(kind_or_path: str | os.PathLike, gpus_per_node: int | None = N
     elif spec.endswith(".json") or os.sep in spec or "/" in spec or os.path.exists(spec):
         path = Path(spec)
     else:
-        close = difflib.get_close_matches(spec.lower(), KNOWN_KINDS, n=1)
+        key = spec.strip().lower()
+        # A kind that starts with what was typed ("h100" -> "h100-sxm") beats spelling similarity.
+        close = [k for k in KNOWN_KINDS if k.startswith(key)] or difflib.get_close_matches(key, KNOWN_KINDS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ProfileError(
             f"unknown hardware kind {spec!r}: known kinds are {', '.join(KNOWN_KINDS)}, "

@@ -143,8 +143,9 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
     if pp and pp > 1 and nt.tied:
         raise UserError(f"--pp {pp} would cut the model between layers that share a weight "
                         f"({tied_summary(nt)}): every stage would need its own copy, kept in sync, "
-                        "which the runtime does not do. Use --pp 1, or untie the weights in the model "
-                        "(for Hugging Face models, tie_word_embeddings=False in the config).")
+                        "which the runtime does not do. Use --pp 1, or untie the weights: plan a model file "
+                        "(--model path.py:factory) that builds the model untied (for Hugging Face "
+                        "models, tie_word_embeddings=False in the config).")
     if pp and pp > 1 and req.micro_batch and dp:
         m = req.global_batch // (dp * req.micro_batch)
         if m < pp:

@@ -268,7 +268,9 @@ class Plan:
         d = dict(d)
         subs = {"model": ModelInfo, "hardware": HardwareInfo, "predicted": Predicted, "solver": SolverInfo}
         for key, sub in subs.items():
-            d[key] = _build(sub, d.get(key), key)
+            if key not in d:
+                _fail("plan", f"is missing the field {key!r} (a plan.json written by `planner plan` has it).")
+            d[key] = _build(sub, d[key], key)
         alts = d.get("alternatives", [])
         if not isinstance(alts, list):
             _fail("alternatives", "must be a list.")

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 __all__ = ["render_plan", "alternative_reason", "rank_layout", "format_seconds", "format_bytes",
-           "compress_ranges", "TIME_LABELS"]
+           "format_count", "format_rate", "compress_ranges", "TIME_LABELS"]
 
 TIME_LABELS = {
     "compute": "compute (forward + backward)",
@@ -40,6 +40,22 @@ def format_seconds(x: float) -> str:
     if x < 1.0:
         return f"{x * 1e3:.1f} ms"
     return f"{x:.2f} s"
+
+
+def format_count(x: float) -> str:
+    """``1.75e11`` -> ``175 B``; ``1.37e5`` -> ``137 K`` (decimal: parameters, FLOP/s)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f}"
+
+
+def format_rate(flops: float) -> str:
+    """FLOP/s in the largest unit that keeps the figure above 1: ``3.1e14`` -> ``310 TFLOP/s``."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if abs(flops) >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops / 1e6:.3g} MFLOP/s"
 
 
 def format_bytes(x: float) -> str:
@@ -145,7 +161,7 @@ def render_plan(plan, hw: Any, console: Console | None = None) -> None:
     head = Table(title=f"Plan for {plan.model.spec}", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("model", f"{plan.model.params / 1e9:.3g} B parameters, {plan.model.layers} blocks "
+    head.add_row("model", f"{format_count(plan.model.params)} parameters, {plan.model.layers} blocks "
                  f"(+ embedding and head)")
     nodes = -(-plan.hardware.gpus // plan.hardware.gpus_per_node)
     head.add_row("cluster", f"{plan.hardware.gpus} x {plan.hardware.name} ({nodes} node"
@@ -199,9 +215,9 @@ def render_plan(plan, hw: Any, console: Console | None = None) -> None:
     tt.add_row("[bold]step[/bold]", f"[bold]{format_seconds(pred.step_time_s)}[/bold]", "100.0%")
     tokens = plan.global_batch * plan.seq_len / pred.step_time_s if pred.step_time_s else 0.0
     tt.add_row("tokens / s", f"{tokens:,.0f}", "")
-    tt.add_row("TFLOP/s per device", f"{pred.tflops_per_device:.1f}", "")
+    tt.add_row("TFLOP/s per device", f"{pred.tflops_per_device:.3g}", format_rate(pred.tflops_per_device * 1e12))
     peak = _peak(hw, plan.dtype)
-    tt.add_row("MFU", f"{pred.mfu:.1%}", f"of {peak / 1e12:.0f} TFLOP/s" if peak else "")
+    tt.add_row("MFU", f"{pred.mfu:.1%}", f"of {format_rate(peak)}" if peak else "")
     tt.add_row("bytes sent / device / step", format_bytes(pred.comm_bytes_per_device), "")
     console.print(tt)
 

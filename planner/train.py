@@ -9,6 +9,7 @@ so all plans of one model and seed start from the same weights.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -95,24 +96,47 @@ class _Reporter:
         self.progress.stop()
 
 
-def _check_resumable(plan: Plan, directory: str) -> None:
-    """Refuse, before any process starts, a checkpoint that belongs to another model."""
+def _check_resumable(plan: Plan, directory: str, args) -> bool:
+    """Refuse, before any process starts, a checkpoint that belongs to another model; say when
+    the run is already done (returns False: nothing to train) or its schedule changes."""
     from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+    from runtime.trainer import schedule_of
 
     found = list_checkpoints(directory)
     if not found:
         print(f"planner train: no checkpoint in {directory}; starting from step 0.", file=sys.stderr)
-        return
+        return True
     step, path = found[-1]
     try:
         meta = read_meta(path)
     except CheckpointError as e:
         raise UserError(str(e)) from None
     model = meta.get("model", {})
+    old_sizes, new_sizes = model.get("sizes") or {}, plan.model.sizes
+    if (model.get("spec") == plan.model.spec and old_sizes != new_sizes
+            and {k: v for k, v in old_sizes.items() if k != "seq_len"}
+            == {k: v for k, v in new_sizes.items() if k != "seq_len"}):
+        raise UserError(f"checkpoint {path} holds a model with {old_sizes.get('seq_len')} positions "
+                        f"(planned with --seq-len {old_sizes.get('seq_len')}); this plan's has "
+                        f"{new_sizes.get('seq_len')}. Re-plan with --seq-len {old_sizes.get('seq_len')} "
+                        "to resume it, or start without --resume.")
     if model.get("spec") != plan.model.spec or model.get("sizes") != plan.model.sizes:
         raise UserError(f"checkpoint {path} is from model {model.get('spec')!r} {model.get('sizes')}, but "
                         f"{plan.model.spec!r} {plan.model.sizes} is being trained; use that model's "
                         "--checkpoint-dir or start without --resume.")
+    if step >= args.steps:
+        print(f"planner train: the newest checkpoint ({path}) is at step {step}, already at or past "
+              f"--steps {args.steps}; nothing to train (raise --steps to continue).", file=sys.stderr)
+        return False
+    old = meta.get("schedule")
+    new = schedule_of(train_options_from_args(args))
+    if old and old != new:
+        changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in new.items() if old.get(k) != v)
+        print(f"planner train: note: the learning-rate schedule differs from the checkpointed run's "
+              f"({changed}); from step {step + 1} on, losses follow the new schedule, not the old run's.",
+              file=sys.stderr)
+    return True
+
 
 
 def run_train(args) -> int:
@@ -124,13 +148,15 @@ def run_train(args) -> int:
         raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
     if args.save_every and not args.checkpoint_dir:
         raise UserError("--save-every needs --checkpoint-dir DIR.")
-    if args.data is not None:
+    if args.resume and not _check_resumable(plan, args.checkpoint_dir, args):
+        return 0
+    compiled = compile_for_training(plan, args.plan, getattr(args, "compiled", None))
+    if args.data is not None:  # fail fast, before any process starts
         from runtime.data import TokenFile
 
-        TokenFile(args.data, plan.seq_len)  # fail fast, before any process starts
-    if args.resume:
-        _check_resumable(plan, args.checkpoint_dir)
-    compiled = compile_for_training(plan, args.plan, getattr(args, "compiled", None))
+        with open(os.path.join(compiled, "manifest.json"), encoding="utf-8") as f:
+            vocab = json.load(f)["model"]["vocab"]
+        TokenFile(args.data, plan.seq_len, vocab=vocab)
     opts = train_options_from_args(args)
     if args.metrics and not args.resume and os.path.exists(args.metrics):
         os.remove(args.metrics)

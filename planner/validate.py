@@ -21,11 +21,16 @@ __all__ = ["run_validate", "compare"]
 KEYS = ("step_time_s", "peak_memory_bytes", "comm_bytes_per_device")
 
 
+#: Steps ``planner validate`` runs before it starts timing.
+WARMUP_STEPS = 2
+
+
 def compare(plan, metrics: list[dict]) -> dict:
     """The ``validate --json`` object from a plan and its metrics lines."""
-    rows = metrics[2:] if len(metrics) > 2 else metrics
+    rows = metrics[WARMUP_STEPS:]
     if not rows:
-        raise UserError("validate needs at least one measured step.")
+        raise UserError(f"validate needs a measured step after the {WARMUP_STEPS} warm-up steps; "
+                        f"use --steps {WARMUP_STEPS + 1} or more.")
     measured = {
         "step_time_s": statistics.median(r["step_time_s"] for r in rows),
         "peak_memory_bytes": int(max(r["peak_memory_bytes"] for r in metrics)),
@@ -44,6 +49,10 @@ def run_validate(args) -> int:
 
     from planner.train import run_train
 
+    if args.steps <= WARMUP_STEPS:
+        raise UserError(f"validate times the steps after {WARMUP_STEPS} warm-up steps (first-touch "
+                        f"allocations, lazy initialization), so --steps {args.steps} measures nothing; "
+                        f"use --steps {WARMUP_STEPS + 1} or more (10 is a good start).")
     plan = load_plan(args.plan)
     with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")

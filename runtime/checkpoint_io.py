@@ -165,8 +165,10 @@ def _rng_state(device) -> dict[str, torch.Tensor]:
     return st
 
 
-def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2) -> str:
-    """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go."""
+def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
+         schedule: dict | None = None) -> str:
+    """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go.
+    ``schedule`` (the learning-rate schedule's settings) is recorded in the meta for resumes."""
     rank, world = _world()
     stage = man["stages"][mesh.pp_index]
     final = os.path.join(directory, f"step-{step:06d}")
@@ -213,7 +215,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2)
         meta = {
             "step": step, "optimizer_step": max(counts) if counts else 0,
             "plan_hash": man["plan_hash"], "plan": man["plan"], "model": man["model"],
-            "world_size": world, "tensors": merged,
+            "world_size": world, "tensors": merged, "schedule": schedule,
             "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
         }
         try:

@@ -76,11 +76,16 @@ class TokenFile:
         if arr.shape[0] < seq_len + 1:
             raise DataError(f"{path} holds {arr.shape[0]} tokens, fewer than one sample of "
                             f"seq_len + 1 = {seq_len + 1}")
+        if arr.dtype.kind not in "iu":
+            raise DataError(f"{path} holds {arr.dtype} values, not token ids: save an integer array "
+                            "(uint16, uint32, int32 or int64), e.g. np.save(path, ids.astype(np.uint32))")
         self.tokens = arr
         if vocab is not None and arr.shape[0]:
-            hi = int(arr.max())
-            if hi >= vocab:
-                raise DataError(f"{path} contains token id {hi}, outside the model's vocabulary of {vocab}")
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise DataError(f"{path} contains token id {bad}, outside the model's vocabulary "
+                                f"0..{vocab - 1}")
 
     def rows(self, step: int, start: int, stop: int, global_batch: int):
         n = self.tokens.shape[0] - self.seq_len - 1

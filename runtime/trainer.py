@@ -37,7 +37,7 @@ from runtime.mesh import setup_mesh
 from runtime.pipeline import PipelineStage, TensorMeta
 from runtime.schedule import one_f_one_b
 
-__all__ = ["TrainOptions", "lr_at", "train_worker", "StepMetrics", "DTYPE_OF"]
+__all__ = ["TrainOptions", "lr_at", "schedule_of", "train_worker", "StepMetrics", "DTYPE_OF"]
 
 DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,6 +83,12 @@ class TrainOptions:
     at full speed); None tracks every step."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+
+
+def schedule_of(o: TrainOptions) -> dict:
+    """What fixes the learning rate of every step; each checkpoint records it, so a resume under
+    another schedule can say so."""
+    return {"steps": o.steps, "lr": o.lr, "min_lr": o.min_lr, "warmup": o.warmup_steps}
 
 
 def lr_at(step: int, o: TrainOptions) -> float:
@@ -295,5 +301,6 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
             if on_metrics is not None:
                 on_metrics(met)
         if ckpt is not None and opts.save_every and ((step + 1) % opts.save_every == 0 or step + 1 == opts.steps):
-            ckpt.save(opts.checkpoint_dir, step + 1, engine, man, mesh, keep_last=opts.keep_last)
+            ckpt.save(opts.checkpoint_dir, step + 1, engine, man, mesh, keep_last=opts.keep_last,
+                      schedule=schedule_of(opts))
     return history

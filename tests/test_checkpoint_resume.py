@@ -4,6 +4,7 @@ import os
 import subprocess
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,34 @@ def test_missing_data_file(tmp_path, capsys):
     plan = make_plan("gpt", dict(TINY_GPT), dp=2)
     assert train(tmp_path, plan, 2, "--data", str(tmp_path / "nope.bin")) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.random.rand(600).astype(np.float32), "holds float32 values, not token ids"),
+    (-np.ones(600, dtype=np.int64), "contains token id -1, outside the model's vocabulary 0..63"),
+    (np.full(600, 5000, dtype=np.int64), "contains token id 5000, outside the model's vocabulary 0..63"),
+])
+def test_bad_token_file_fails_before_training(tmp_path, capsys, ids, message):
+    """Wrong data is a one-line error (exit 2) before any process starts, not a crash inside one."""
+    path = tmp_path / "tokens.npy"
+    np.save(path, ids)
+    plan = make_plan("gpt", dict(TINY_GPT), dp=2)
+    assert train(tmp_path, plan, 2, "--data", str(path)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "SIGTERM" not in err
+
+
+def test_resume_says_when_done_or_rescheduled(tmp_path, capsys):
+    plan = make_plan("gpt", dict(TINY_GPT), dp=2)
+    ck = str(tmp_path / "ck")
+    assert train(tmp_path, plan, 2, "--checkpoint-dir", ck, "--save-every", "2") == 0
+    capsys.readouterr()
+    # Already there: nothing runs, and it says so.
+    assert train(tmp_path, plan, 2, "--checkpoint-dir", ck, "--resume") == 0
+    assert "already at or past --steps 2; nothing to train" in capsys.readouterr().err
+    # Extending the run stretches the cosine schedule: say that the losses will not be the old run's.
+    assert train(tmp_path, plan, 3, "--checkpoint-dir", ck, "--resume") == 0
+    assert "schedule differs from the checkpointed run's (steps 2 -> 3)" in capsys.readouterr().err
 
 
 def test_text_data_file_trains(tmp_path):

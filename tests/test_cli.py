@@ -150,6 +150,9 @@ def test_malformed_plan_file(tmp_path, capsys):
     p.write_text('{"schema_version": 1, "dp": ')
     assert main(["compile", str(p), "--out", str(tmp_path / "c")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+    p.write_text('{"schema_version": 1, "dp": 1}')
+    assert main(["compile", str(p), "--out", str(tmp_path / "c")]) == 2
+    assert "plan: plan is missing the field 'model'" in capsys.readouterr().err
 
 
 def test_nproc_must_match_plan(tmp_path, capsys):

@@ -93,6 +93,8 @@ def test_unknown_kind_lists_known_kinds():
     assert "unknown hardware kind 'a100'" in msg
     assert all(k in msg for k in KNOWN_KINDS)
     assert "Did you mean 'a100-" in msg
+    with pytest.raises(ProfileError, match="Did you mean 'h100-sxm'"):  # a prefix beats 'h200'
+        load_hardware("h100")
 
 
 def test_missing_file(tmp_path):
@@ -102,7 +104,7 @@ def test_missing_file(tmp_path):
 
 def test_malformed_json_gives_line_and_column(tmp_path):
     path = _write(tmp_path, '{\n  "name": "x",\n  "memory_bytes": 12,,\n}')
-    with pytest.raises(ProfileError, match=r"p\.json is not valid JSON: .* at line 3, column 22"):
+    with pytest.raises(ProfileError, match=r"p\.json is not valid JSON: .* \(line 3, column 22\)"):
         load_hardware(path)
 
 

@@ -120,3 +120,11 @@ def test_quartile_and_summary_of_pooled_steps():
     assert s["median_time_error_median"] == pytest.approx(1.0 / 2.0)  # median of [t, 2t, 3t] is 2t
     assert s["median_step_spread"] == pytest.approx(1.0)  # (3t - t) / 2t
     assert s["targets_met"]
+
+
+def test_validate_needs_a_step_after_the_warm_up(tmp_path, capsys):
+    from planner.cli import main
+
+    assert main(["validate", str(tmp_path / "any.json"), "--nproc", "2", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 2 measures nothing; use --steps 3 or more" in err and "Traceback" not in err
