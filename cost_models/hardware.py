@@ -65,6 +65,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _check_fraction(name: str, value: Any, upper: float, meaning: str) -> None:
+    if not _is_number(value) or not (0 < value <= upper):
+        raise ProfileError(f"field {name!r} must be a number in (0, {upper:g}], {meaning} (got {value!r})")
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """One device type and its interconnect; every number is per device."""
@@ -164,24 +169,15 @@ class HardwareProfile:
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v) or v < 0:
                 raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {v!r})")
-        e = self.compute_efficiency
-        if not _is_number(e) or not (0 < e <= 1):
-            raise ProfileError(
-                f"field 'compute_efficiency' must be a number in (0, 1], the achievable fraction "
-                f"of peak (got {e!r})"
-            )
+        _check_fraction("compute_efficiency", self.compute_efficiency, 1, "the achievable fraction of peak")
         for name in ("op_overhead_s", "sync_overhead_s"):
             o = getattr(self, name)
             if not _is_number(o) or not math.isfinite(o) or o < 0:
                 raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
         if not isinstance(self.ops_async, bool):
             raise ProfileError(f"field 'ops_async' must be true or false (got {self.ops_async!r})")
-        r = self.recompute_ratio
-        if not _is_number(r) or not (0 < r <= 2):
-            raise ProfileError(
-                f"field 'recompute_ratio' must be a number in (0, 2], the cost of a recomputed "
-                f"forward relative to the first one (got {r!r})"
-            )
+        _check_fraction("recompute_ratio", self.recompute_ratio, 2,
+                        "the cost of a recomputed forward relative to the first one")
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives",
                                _check_collective_links(self.intra_node_collectives))

@@ -159,8 +159,8 @@ def _bytes_moved(func, args, kwargs, out) -> Any:
         return 2 * written + sum(_nbytes(t) for t in iter_tensors(list(args[1:]) + list(kwargs.values()))
                                  if not t.is_floating_point())
     if packet in _SCATTERS:  # reads and writes the updated elements (the values' size), reads the indices
-        values = [t for t in iter_tensors(list(args[1:]) + list(kwargs.values()))]
-        return sum(_nbytes(t) if not t.is_floating_point() else 2 * _nbytes(t) for t in values)
+        values = iter_tensors(list(args[1:]) + list(kwargs.values()))
+        return sum(2 * _nbytes(t) if t.is_floating_point() else _nbytes(t) for t in values)
     return sum(_nbytes(t) for t in iter_tensors(list(args) + list(kwargs.values()))) + written
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import queue as queue_mod
@@ -502,7 +503,7 @@ def _physical_memory() -> int | None:
 def _clamp_ratio(r: Any) -> float:
     """A measured recompute ratio, kept to (0.25, 1.5]: outside it the timing was disturbed
     (a difference of two noisy step times); an unmeasured one is 1."""
-    if not isinstance(r, (int, float)) or r != r or r in (float("inf"), float("-inf")):
+    if not isinstance(r, (int, float)) or not math.isfinite(r):
         return 1.0
     return min(1.5, max(0.25, float(r)))
 

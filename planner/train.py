@@ -9,7 +9,6 @@ so all plans of one model and seed start from the same weights.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -152,11 +151,10 @@ def run_train(args) -> int:
         return 0
     compiled = compile_for_training(plan, args.plan, getattr(args, "compiled", None))
     if args.data is not None:  # fail fast, before any process starts
+        from runtime.compiled import read_manifest
         from runtime.data import TokenFile
 
-        with open(os.path.join(compiled, "manifest.json"), encoding="utf-8") as f:
-            vocab = json.load(f)["model"]["vocab"]
-        TokenFile(args.data, plan.seq_len, vocab=vocab)
+        TokenFile(args.data, plan.seq_len, vocab=read_manifest(compiled)["model"]["vocab"])
     opts = train_options_from_args(args)
     if args.metrics and not args.resume and os.path.exists(args.metrics):
         os.remove(args.metrics)

@@ -274,8 +274,9 @@ def adamw_step_(
     if fused:
         # One pass over the four buffers instead of eight (torch's fused kernel, the same update:
         # decoupled decay, bias-corrected moments); on a CPU rank the optimizer step is 6x faster.
-        # The step count lives on the parameters' device: the CUDA kernel rejects a CPU tensor.
-        steps = [torch.tensor(float(step), device=param.device)]
+        # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);
+        # a fill, not a host-to-device copy, so the host does not wait for the queued kernels.
+        steps = [torch.full((), float(step), device=param.device)]
         _FUSED_ADAMW([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                      weight_decay=weight_decay if decay_ranges is None else 0.0, eps=eps,
                      amsgrad=False, maximize=False)
