@@ -103,7 +103,7 @@ class CalibrationSpec:
         return cls(
             matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
             train_batches=(1, 4), train_budget_s=0.1, copy_budget_s=0.05, recompute_budget_s=0.1, sync_iters=3,
-            message_sizes=(4 * KB, 64 * KB, 1 * MB), max_reps=5, bytes_per_size=4 * MB,
+            message_sizes=(4 * KB, 256 * KB, 4 * MB), max_reps=5, bytes_per_size=8 * MB,
         )
 
     def reps(self, size: int) -> int:
