@@ -1,7 +1,7 @@
 """Speed and memory of our runtime against the PyTorch engines users would otherwise pick.
 
 Three pairs run side by side in one gloo world of ``world`` processes (2 by default), on the same
-built-in GPT (``planner.models.build_model("gpt", ...)``, fp32, AdamW, clipping at norm 1.0) and
+built-in GPT (``planner.frontend.zoo.build_model("gpt", ...)``, fp32, AdamW, clipping at norm 1.0) and
 the same data: step ``t`` of every side trains on the same global batch of ``world x per_rank``
 sequences (``runtime.data.SyntheticTokens``), so all six sides must report the same losses.
 
@@ -181,7 +181,7 @@ def compile_pairs(cfg: BenchConfig, out_dir: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- sides (ranks)
 
 def _build_gpt(cfg: BenchConfig) -> nn.Module:
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
 
     return build_model("gpt", seed=cfg.seed, **cfg.sizes).model
 
@@ -304,7 +304,7 @@ class _TorchStage(nn.Module):
 
 
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The built-in GPT's loss (``planner.models.Head``) on the head's logits."""
+    """The built-in GPT's loss (``planner.frontend.gpt.Head``) on the head's logits."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 

@@ -12,7 +12,7 @@ the closed-form one the tests use (``tests/test_strategy.gpt_table``), so the fi
 the search and the ILPs, not tracing; ``--traced`` builds the real table through
 ``passes.layer_table`` instead (only the table differs, and it is not timed).
 
-Columns: ``plan_s`` is the whole of :func:`planner.optimize.plan_strategy` (enumeration, candidate
+Columns: ``plan_s`` is the whole of :func:`planner.search.solve.plan_strategy` (enumeration, candidate
 costs, bounds, greedy seeds, ILPs, plan assembly; for an infeasible cluster, the exact least-
 memory search behind the error message); ``ilp_s`` the part spent building and solving ILPs.
 Target (issue 4): under 5 s for 96 layers on 1024 devices, near-linear growth in layers.
@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from cost_models.hardware import load_hardware  # noqa: E402
-from planner.optimize import NoFeasiblePlan, plan_strategy  # noqa: E402
-from planner.request import PlanRequest  # noqa: E402
+from planner.search.solve import NoFeasiblePlan, plan_strategy
+from planner.search.request import PlanRequest
 
 LAYERS = (24, 48, 96, 128)
 GPUS = (8, 64, 256, 1024, 4096)
@@ -40,7 +40,7 @@ TARGET_S = 5.0
 
 def table_for(layers: int, traced: bool):
     if traced:
-        from passes.layer_table import build_layer_table
+        from planner.frontend.analyze import build_layer_table
 
         return build_layer_table("gpt3-175b", layers=layers, seq_len=2048, dtype="bf16")
     from test_strategy import gpt_table

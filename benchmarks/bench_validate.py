@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a plain script from anywhere
 
-from planner.calibrate import lower_quartile as quartile  # noqa: E402  (the estimator calibrate uses)
+from planner.commands.calibrate import lower_quartile as quartile
 PY = sys.executable
 
 #: The model every plan trains (fp32, 2 local processes).

@@ -33,8 +33,8 @@ def trace_for_plan(plan: Plan):
     from passes.layers import assign_layers, layer_names
     from passes.op_class import classify_ops
     from planner.errors import UserError
-    from planner.models import build_model
-    from planner.trace import explain_export_error, find_block_container
+    from planner.frontend.zoo import build_model
+    from planner.frontend.trace import explain_export_error, find_block_container
 
     bundle = build_model(plan.model.spec, device="meta", batch=plan.micro_batch_size,
                          dtype=DTYPE_OF[plan.dtype], **plan.model.sizes)

@@ -225,7 +225,7 @@ def ring_bytes_sent(kind: str, size_bytes: Any, n: int) -> Any:
 def ring_terms(kind: str, size_bytes: Any, n: int) -> tuple[int, Any]:
     """``(steps, link_bytes)`` of the flat algorithm: time is ``steps * alpha + link_bytes / B``.
 
-    See the module docstring's table. ``planner.calibrate`` fits alpha and B with these same
+    See the module docstring's table. ``planner.commands.calibrate`` fits alpha and B with these same
     terms, so a calibrated profile reproduces the measured times under this model.
     """
     _check_kind(kind)

@@ -271,7 +271,7 @@ class CostReplay(fx.Interpreter):
         fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         if fake_mode is None:
             raise PassError(_PASS, None, "the graph's placeholders carry no fake tensors; trace "
-                            "the model with planner.trace.trace_model (torch.export).")
+                            "the model with planner.frontend.trace.trace_model (torch.export).")
         counter = _Counter(self)
         with fake_mode, torch.enable_grad():
             args = self._inputs()

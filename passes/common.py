@@ -23,8 +23,6 @@ import torch
 import torch.fx as fx
 import torch.utils._sympy.functions as tsf
 
-from planner.errors import UserError
-
 __all__ = [
     "B", "S", "PassError", "to_expr", "sanitize", "source_line", "need", "iter_tensors",
     "has_tensor", "dtype_bytes", "dtype_name", "tensor_nbytes", "META_ONLY", "is_meta_only", "hint",
@@ -36,11 +34,15 @@ S = sympy.Symbol("s", positive=True, integer=True)
 """Sequence length."""
 
 
-class PassError(UserError):
-    """A pass met a graph it cannot analyze; the message names the node and the source line."""
+class PassError(ValueError):
+    """A pass met a graph it cannot analyze, or a layer table was asked for what it cannot give;
+    the message names the node and the source line where there is one."""
 
     def __init__(self, pass_name: str, node: fx.Node | None, message: str):
         where = ""
+        if not pass_name:  # a plain message (no pass, no node)
+            super().__init__(message)
+            return
         if node is not None:
             where = f" at node {node.name!r} ({node.target})"
             src = source_line(node)

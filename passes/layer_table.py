@@ -6,8 +6,8 @@ sequences of length ``s``, the whole layer, tensor-parallel degree 1; the ``*_tp
 parts of the same quantities that divide by tp under Megatron sharding (so per-device cost at
 degree t is ``x - x_tp + x_tp / t``).
 
-``build_layer_table(spec or bundle, batch=, seq_len=, dtype=, sizes...)`` traces the model
-(``planner.trace``), runs every pass (``passes.analyze``) and sums node costs per layer. Zoo
+``table_from_traced(traced)`` runs every pass (``passes.analyze``) over a traced graph
+(``passes.graph.TracedGraph``, from ``planner.frontend.trace``) and sums node costs per layer. Zoo
 models are traced with 2 blocks: the first traced block stands for blocks 1..L-1 and the second
 for block L (only the last block's outgoing boundary differs). Full traces (file factories) group
 blocks by signature and compute each group's costs once.
@@ -26,10 +26,12 @@ from typing import Any
 import sympy
 import torch.fx as fx
 
-from passes.common import B, S, dtype_name, iter_tensors
-from planner.errors import UserError
+from passes.analyze import analyze
+from passes.common import B, S, PassError, dtype_name, iter_tensors
+from passes.graph import TracedGraph
+from passes.layers import layer_io, layer_names, layer_signatures
 
-__all__ = ["LayerCosts", "LayerTable", "build_layer_table", "table_from_traced",
+__all__ = ["LayerCosts", "LayerTable", "table_from_traced",
            "EXPR_FIELDS", "INT_FIELDS"]
 
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
@@ -178,7 +180,7 @@ class LayerTable:
         for name, v in (("s", s), ("b", b)):
             if name in self.fixed and int(v) != self.fixed[name]:
                 what = "sequence length" if name == "s" else "micro-batch size"
-                raise UserError(f"This model's costs were traced at a fixed {what} "
+                raise PassError("", None, f"This model's costs were traced at a fixed {what} "
                                 f"{self.fixed[name]}; re-trace at {v} (the model or the trace "
                                 f"pinned it), or make the model shape-generic.")
         key = (int(b), int(s))
@@ -236,8 +238,6 @@ def _tied_weights(traced, gm: fx.GraphModule) -> list[dict[str, Any]]:
 
 def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
     """Sum the analyzed graph's node costs per traced layer."""
-    from passes.layers import layer_io, layer_names, layer_signatures
-
     nb = len(traced.block_paths)
     n = nb + 2
     names = layer_names(gm, nb, traced.block_paths, traced.container)
@@ -328,12 +328,10 @@ def _expand(rows: list[LayerCosts], full_layers: int, container: str) -> list[La
     return out
 
 
-def table_from_traced(traced, analyzed: bool = False) -> LayerTable:
-    """Analyze a ``planner.trace.Traced`` (unless ``analyzed``: passes already ran on
-    ``traced.gm``) and build its layer table."""
-    import passes
-
-    gm = traced.gm if analyzed else passes.analyze(traced)
+def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable:
+    """Analyze a traced graph (unless ``analyzed``: the passes already ran on ``traced.gm``) and
+    build its layer table."""
+    gm = traced.gm if analyzed else analyze(traced)
     rows = _graph_layer_costs(traced, gm)
     tied = _tied_weights(traced, gm)
     if traced.shallow:
@@ -357,21 +355,6 @@ def table_from_traced(traced, analyzed: bool = False) -> LayerTable:
     model["params"] = sum(r.param_count for r in rows)
     return LayerTable(layers=rows, dtype=dtype_name(traced.dtype), model=model, fixed=fixed,
                       notes=notes, tied=tied)
-
-
-def build_layer_table(model, *, batch: int | None = None, seq_len: int | None = None,
-                      dtype=None, shallow: bool = True, dynamic: bool = True,
-                      positions: int | None = None, **sizes) -> LayerTable:
-    """Trace ``model`` (spec or ``ModelBundle``) and return its layer table (the CLI's entry).
-
-    ``sizes`` are the model size flags (layers, hidden, heads, kv_heads, ffn, vocab);
-    ``positions`` the model's position table (the ``seq_len`` size of ``build_model``).
-    """
-    from planner.trace import trace_model
-
-    traced = trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow, positions=positions,
-                         dynamic=dynamic, **sizes)
-    return table_from_traced(traced)
 
 
 def _check_fields():  # keep EXPR_FIELDS/INT_FIELDS in step with the dataclass

@@ -84,7 +84,7 @@ def assign_layers(gm: fx.GraphModule, block_paths: list[str], roles: dict[str, s
         role = roles.get(n.name)
         if role is None:
             raise PassError(_PASS, n, "placeholder has no role (param/buffer/constant/input); "
-                            "pass Traced.roles from planner.trace.")
+                            "pass Traced.roles from planner.frontend.trace.")
         if role == "input":
             n.meta["layer"] = DATA
             continue

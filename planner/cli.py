@@ -147,8 +147,8 @@ def _sizes(args) -> dict:
 def cmd_plan(args) -> int:
     from rich.console import Console
 
-    from planner.planning import plan_from_request
-    from planner.request import PlanRequest
+    from planner.commands.plan import plan_from_request
+    from planner.search.request import PlanRequest
 
     req = PlanRequest(
         spec=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node or 0, hardware=args.hardware,
@@ -164,13 +164,13 @@ def cmd_plan(args) -> int:
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
-        from planner.report import render_plan
+        from planner.report.render import render_plan
 
         console = Console()
         render_plan(plan, hw, console)
         console.print(f"\nWrote [bold]{args.out}[/bold].")
     if args.plot:
-        from planner.plot import plot_plan
+        from planner.report.plot import plot_plan
 
         plot_plan(plan, args.plot, hw=hw)
         if not args.json:
@@ -190,13 +190,13 @@ def cmd_compile(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from planner.train import run_train
+    from planner.commands.train import run_train
 
     return run_train(args)
 
 
 def cmd_calibrate(args) -> int:
-    from planner.calibrate import run_calibration
+    from planner.commands.calibrate import run_calibration
 
     run_calibration(args.nproc, args.out, quick=args.quick)
     print(f"Wrote {args.out}; use it with --hardware {args.out}.")
@@ -204,14 +204,14 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from planner.validate import run_validate
+    from planner.commands.validate import run_validate
 
     return run_validate(args)
 
 
 def cmd_export(args) -> int:
     if args.format == "deepspeed":
-        from planner.deepspeed import launcher_command, to_deepspeed
+        from planner.report.deepspeed import launcher_command, to_deepspeed
         from planner.plan import load_plan
 
         plan = load_plan(args.plan)
@@ -223,7 +223,7 @@ def cmd_export(args) -> int:
         os.replace(tmp, args.out)
         print(f"Wrote {args.out}. Launch with:\n  {launcher_command(plan, args.out)}")
         return 0
-    from planner.weights import export_weights
+    from planner.commands.export import export_weights
 
     n = export_weights(args.checkpoint, args.out)
     print(f"Wrote {args.out} ({n} tensors, original model names).")
@@ -238,7 +238,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errs: list[type[BaseException]] = [UserError]
     for mod, name in (("cost_models.hardware", "ProfileError"), ("runtime.data", "DataError"),
                       ("runtime.compiled", "CompiledError"), ("codegen.lower", "LoweringError"),
-                      ("codegen.names", "UnsafeNameError"), ("planner.calibrate", "CalibrationError")):
+                      ("codegen.names", "UnsafeNameError"), ("planner.commands.calibrate", "CalibrationError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
         except (ImportError, AttributeError):

@@ -25,7 +25,7 @@ def write_plan(path, plan: Plan) -> str:
 def reference_run(plan: Plan, steps: int, *, seed=0, lr=3e-4, min_lr=3e-5, weight_decay=0.1, clip=1.0,
                   data_path=None, eps=1e-8):
     """Single process, plain torch AdamW on the whole global batch: (losses, final params)."""
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
     from runtime.data import open_data
     from runtime.trainer import TrainOptions, lr_at
 

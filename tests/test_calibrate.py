@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cost_models.comm import collective_time, group_placement, ring_terms
 from cost_models.hardware import load_hardware
-from planner.calibrate import CalibrationError, CalibrationSpec, build_profile, fit_alpha_beta, run_calibration
+from planner.commands.calibrate import CalibrationError, CalibrationSpec, build_profile, fit_alpha_beta, run_calibration
 
 SIZES = (4096, 65536, 1 << 20, 1 << 24)
 

@@ -83,8 +83,8 @@ def test_tampered_stage_file_is_refused(tmp_path):
 ])
 def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
     """Two pipeline stages chained by hand: same loss and gradients as the uncompiled model."""
-    from planner.models import build_model
-    from planner.train import original_state
+    from planner.frontend.zoo import build_model
+    from planner.commands.train import original_state
 
     plan = make_plan(spec, sizes, pp=2, checkpoint=(1,))
     compile_plan(plan, str(tmp_path))

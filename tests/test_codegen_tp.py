@@ -61,7 +61,7 @@ def _qkv_order(spec: dict, tp: int) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
-    from planner.train import original_state
+    from planner.commands.train import original_state
     from runtime.compiled import load_stage_module, load_weights, read_manifest
     from runtime.mesh import setup_mesh
     from runtime.pipeline import PipelineStage, TensorMeta
@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
 
 def _reference(spec: str, sizes: dict, m: int):
     """Mean of the micro-batch losses of the original model and its gradients."""
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
 
     model = build_model(spec, seed=SEED, **sizes).model
     ids, labels = _batch(sizes["vocab"], MBS * m, sizes["seq_len"])
@@ -247,7 +247,7 @@ def test_tp_not_dividing_ffn_names_node_and_dims(tmp_path):
         compile_plan(_plan("gpt", sizes, tp=4), str(tmp_path))
     msg = str(e.value)
     assert "'blocks.0.mlp.fc'" in msg and "30 output features" in msg and "tp=4" in msg, msg
-    assert "'ffn': 30" in msg and "planner/models.py:" in msg, msg
+    assert "'ffn': 30" in msg and "planner/frontend/gpt.py:" in msg, msg
 
 
 class _Toy(nn.Module):

@@ -1,4 +1,4 @@
-"""planner.ilp: the ILP's optimum equals brute force under the same cost model; search and errors."""
+"""planner.search.ilp: the ILP's optimum equals brute force under the same cost model; search and errors."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from cost_models.hardware import load_hardware
 from planner.errors import UserError
-from planner.candidates import enumerate_candidates, heuristic_strategy
-from planner.ilp import build_problem, search, solve_candidate
-from planner.optimize import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
+from planner.search.candidates import enumerate_candidates, heuristic_strategy
+from planner.search.ilp import build_problem, search, solve_candidate
+from planner.search.solve import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
 from planner.plan import Plan
-from planner.request import PlanRequest
-from planner.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
+from planner.search.request import PlanRequest
+from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
 from test_strategy import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -241,7 +241,7 @@ def test_no_feasible_plan_explains_least_memory_and_fixes():
 
 
 def test_highs_agrees_with_cbc():
-    from planner.ilp import _highs_available
+    from planner.search.ilp import _highs_available
 
     if not _highs_available():
         pytest.skip("highspy not installed")
@@ -257,7 +257,7 @@ def test_highs_agrees_with_cbc():
 
 
 def test_solver_choice_from_environment(monkeypatch):
-    from planner.ilp import default_solver
+    from planner.search.ilp import default_solver
 
     monkeypatch.setenv("PLANNER_SOLVER", "highs")
     assert default_solver() == "highs"

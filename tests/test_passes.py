@@ -17,10 +17,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import passes
 from passes.common import B, S, PassError, source_line
-from passes.layer_table import LayerTable, build_layer_table, table_from_traced
+from passes.layer_table import LayerTable, table_from_traced
+from planner.frontend.analyze import build_layer_table
 from passes.tensor_parallel import _map_reshape
-from planner.models import build_model
-from planner.trace import trace_model
+from planner.frontend.zoo import build_model
+from planner.frontend.trace import trace_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)
 ARCHS = {
@@ -311,7 +312,7 @@ def test_reusing_identical_blocks_matches_a_full_replay():
 def test_pass_errors_name_the_node_and_source_line():
     tr, _table = analyzed("gpt")
     lin = next(n for n in tr.gm.graph.nodes if n.name == "linear")
-    assert "planner/models.py:" in source_line(lin) or "nn/modules/linear.py:" in \
+    assert "planner/frontend/gpt.py:" in source_line(lin) or "nn/modules/linear.py:" in \
         source_line(lin)
     layer = lin.meta.pop("layer")
     try:

@@ -3,7 +3,7 @@
 import torch
 
 import runtime
-from planner.models import Block, GPTConfig
+from planner.frontend.gpt import Block, GPTConfig
 
 
 def test_checkpointed_layer_with_dropout_matches_plain_run():

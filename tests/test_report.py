@@ -10,12 +10,12 @@ import pytest
 from rich.console import Console
 
 from cost_models.hardware import load_hardware
-from planner.deepspeed import launcher_command, to_deepspeed
-from planner.optimize import plan_strategy
+from planner.report.deepspeed import launcher_command, to_deepspeed
+from planner.search.solve import plan_strategy
 from planner.plan import Plan, load_plan, save_plan
-from planner.plot import plot_plan, stage_times
-from planner.report import alternative_reason, compress_ranges, format_bytes, format_seconds, rank_layout, render_plan
-from planner.request import PlanRequest
+from planner.report.plot import plot_plan, stage_times
+from planner.report.render import alternative_reason, compress_ranges, format_bytes, format_seconds, rank_layout, render_plan
+from planner.search.request import PlanRequest
 from test_strategy import gpt_table
 
 HW = load_hardware("a100-80gb", 8)

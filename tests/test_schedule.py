@@ -207,7 +207,7 @@ def test_planner_pipeline_time_bounds_the_simulated_1f1b(p, extra, data):
     """The cost model's ``(m - 1) max T + sum T`` against the executor's schedule, simulated with
     unequal stages (backward about twice forward): never below it, never above the textbook
     ``(m + p - 1) max T``, and equal to both when the stages are equal."""
-    from planner.strategy import pipeline_time
+    from cost_models.strategy import pipeline_time
 
     m = p + extra
     fwd = data.draw(st.lists(st.floats(0.1, 5.0), min_size=p, max_size=p))

@@ -1,4 +1,4 @@
-"""planner.strategy: the cost of one strategy, checked formula by formula, and its bounds.
+"""cost_models.strategy: the cost of one strategy, checked formula by formula, and its bounds.
 
 ``gpt_table`` builds a closed-form GPT layer table (Megatron / Korthikanti et al. formulas) with
 the same interface as ``passes.layer_table.LayerTable``: the planner's tests and its benchmark
@@ -22,16 +22,9 @@ from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
 from planner.errors import UserError
-from planner.request import PlanRequest
-from planner.candidates import (
-    check_pins,
-    enumerate_candidates,
-    heuristic_strategy,
-    memory_lower_bound,
-    time_lower_bound,
-    uniform_time_bound,
-)
-from planner.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
+from planner.search.request import PlanRequest
+from planner.search.candidates import check_pins, enumerate_candidates, heuristic_strategy, memory_lower_bound, time_lower_bound, uniform_time_bound
+from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
 
 B, S = sympy.symbols("b s", positive=True, integer=True)
 

@@ -1,4 +1,4 @@
-"""planner.trace and passes.layer_table: export, repeated-block reuse, symbolic sizes, errors.
+"""planner.frontend.trace and passes.layer_table: export, repeated-block reuse, symbolic sizes, errors.
 
 Tiny models only (2-4 blocks of width 64, vocabulary 128, sequence 32), all on the meta device.
 """
@@ -11,10 +11,10 @@ import sympy
 import torch
 
 from passes.common import B, S
-from passes.layer_table import (EXPR_FIELDS, INT_FIELDS, LayerTable, build_layer_table,
-                                 table_from_traced)
+from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable, table_from_traced
+from planner.frontend.analyze import build_layer_table
 from planner.errors import UserError
-from planner.trace import find_block_container, trace_model
+from planner.frontend.trace import find_block_container, trace_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)
 ARCHS = {
@@ -75,7 +75,7 @@ def test_layer_count_and_names(spec):
 
 
 def test_block_container_is_found_generically():
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
 
     for spec, path in [("gpt", "blocks"), ("hf:llama", "inner.model.layers"),
                        ("hf:bert", "inner.bert.encoder.layer")]:
@@ -134,7 +134,7 @@ def test_table_json_round_trip_and_numeric():
 
 
 def test_hf_gpt2_tied_embedding_counted_once():
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
 
     t = table("hf:gpt2")
     m = build_model("hf:gpt2", device="meta", **ARCHS["hf:gpt2"]).model

@@ -122,7 +122,8 @@ def produce_error(name: str, workdir: str) -> str:
 
 def _recorded(folder: str) -> dict[str, str]:
     files = {}
-    for root, _, names in os.walk(folder):
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]  # a compiled stage someone imported
         for fn in names:
             path = os.path.join(root, fn)
             with open(path, encoding="utf-8") as f:

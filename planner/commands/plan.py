@@ -6,7 +6,7 @@ candidate micro-batch size instead of tracing again.
 
 from __future__ import annotations
 
-from planner.request import PlanRequest
+from planner.search.request import PlanRequest
 
 __all__ = ["plan_from_request", "model_sizes_for"]
 
@@ -14,7 +14,8 @@ __all__ = ["plan_from_request", "model_sizes_for"]
 def model_sizes_for(req: PlanRequest) -> dict:
     """Size overrides recorded in the plan: the user's flags, plus a longer position table when
     ``--seq-len`` exceeds what a built-in GPT preset was built for."""
-    from planner.models import PRESETS, parse_spec
+    from planner.frontend.gpt import PRESETS
+    from planner.frontend.bundle import parse_spec
 
     sizes = dict(req.sizes)
     kind, name = parse_spec(req.spec)
@@ -30,8 +31,8 @@ def model_sizes_for(req: PlanRequest) -> dict:
 def plan_from_request(req: PlanRequest):
     """Return ``(Plan, HardwareProfile)`` for a request; every bad input is a ``UserError``."""
     from cost_models.hardware import load_hardware
-    from passes.layer_table import build_layer_table
-    from planner.ilp import plan_strategy
+    from planner.frontend.analyze import build_layer_table
+    from planner.search.solve import plan_strategy
 
     hw = load_hardware(req.hardware, gpus_per_node=req.gpus_per_node or None)
     if not req.gpus_per_node:

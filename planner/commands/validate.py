@@ -47,7 +47,7 @@ def compare(plan, metrics: list[dict]) -> dict:
 def run_validate(args) -> int:
     from argparse import Namespace
 
-    from planner.train import run_train
+    from planner.commands.train import run_train
 
     if args.steps <= WARMUP_STEPS:
         raise UserError(f"validate times the steps after {WARMUP_STEPS} warm-up steps (first-touch "

@@ -25,7 +25,7 @@ generically: the children of the ``ModuleList``/``Sequential`` with the most chi
 table computes each group's costs once.
 
 Errors. A model that cannot be exported (data-dependent Python control flow, an unsupported op)
-raises ``UserError`` naming the user's ``file:line`` and what to change, not torch's traceback.
+raises ``ModelError`` naming the user's ``file:line`` and what to change, not torch's traceback.
 """
 
 from __future__ import annotations
@@ -46,18 +46,17 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
 
-from planner.errors import UserError
-from planner.models import PRESETS, ModelBundle, build_model, parse_spec
+from passes.common import B, S
+from passes.layers import assign_layers, layer_signatures
+from planner.frontend.bundle import ModelBundle, parse_spec
+from planner.frontend.errors import ModelError
+from planner.frontend.gpt import PRESETS
+from planner.frontend.zoo import build_model
+from runtime.dtypes import to_torch
 
-__all__ = ["Traced", "trace_model", "find_block_container", "resolve_dtype", "DTYPES",
-           "SHALLOW_LAYERS"]
-
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-}
+__all__ = ["Traced", "trace_model", "find_block_container", "resolve_dtype", "SHALLOW_LAYERS"]
 
 SHALLOW_LAYERS = 2
 """Blocks in the shallow copy of a zoo model: two, so the traced blocks can be compared."""
@@ -73,9 +72,9 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise UserError(f"Unknown dtype {dtype!r}; use bf16, fp16 or fp32.") from None
+        return to_torch(dtype)
+    except ValueError:
+        raise ModelError(f"Unknown dtype {dtype!r}; use bf16, fp16 or fp32.") from None
 
 
 def find_block_container(model: nn.Module) -> tuple[str, list[str]]:
@@ -170,12 +169,12 @@ def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
 
 
 _DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "DataDependentOutputException",
-                   "UserError: Could not extract specialized integer")
+                   "ModelError: Could not extract specialized integer")
 _UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicOutputShape")
 
 
-def explain_export_error(exc: BaseException, what: str) -> UserError:
-    """Turn a ``torch.export`` failure into a short ``UserError`` with the source line and a fix."""
+def explain_export_error(exc: BaseException, what: str) -> ModelError:
+    """Turn a ``torch.export`` failure into a short ``ModelError`` with the source line and a fix."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     headline = lines[0] if lines else type(exc).__name__
     if len(headline) > 160:
@@ -199,7 +198,7 @@ def explain_export_error(exc: BaseException, what: str) -> UserError:
     else:
         problem = "torch.export failed"
         advice = "Make forward() traceable by torch.export (no Python side effects on data)."
-    return UserError(f"Cannot trace {what}: {problem}\n  at {where}{code}\n"
+    return ModelError(f"Cannot trace {what}: {problem}\n  at {where}{code}\n"
                      f"  What to do: {advice}\n  (torch: {type(exc).__name__}: {headline})")
 
 
@@ -225,9 +224,9 @@ def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> Expo
         with _quiet_torch_logs():
             return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
-    except UserError:
+    except ModelError:
         raise
-    except Exception as e:  # torch raises many types; all become one readable UserError
+    except Exception as e:  # torch raises many types; all become one readable ModelError
         raise explain_export_error(e, what) from e
 
 
@@ -260,8 +259,6 @@ def _example_sizes(batch: int | None, seq_len: int | None, max_seq: int) -> tupl
 def _placeholder_roles(ep: ExportedProgram
                        ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """Role, FQN and tied-weight alias of every placeholder, from the graph signature."""
-    from torch.export.graph_signature import InputKind
-
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
     roles, fqns, tied = {}, {}, {}
@@ -285,8 +282,6 @@ def _placeholder_roles(ep: ExportedProgram
 def _symbol_map(gm: fx.GraphModule, roles: dict[str, str], b_ex: int, s_ex: int
                 ) -> tuple[dict, dict[str, int]]:
     """Map the first user input's dim 0 / dim 1 symbols to B / S; report constant dims."""
-    from passes.common import B, S
-
     first = next(n for n in gm.graph.nodes if n.op == "placeholder" and roles[n.name] == "input")
     shape = first.meta["val"].shape
     symbols, fixed = {}, {}
@@ -360,7 +355,7 @@ def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: 
     n_trace = full_layers if (not shallow or full_layers <= SHALLOW_LAYERS) else SHALLOW_LAYERS
     bundle = _zoo_bundle(spec, sizes, n_trace, dt)
     if seq_len is not None and seq_len > bundle.seq_len:
-        raise UserError(f"Sequence length {seq_len} exceeds {spec}'s maximum of "
+        raise ModelError(f"Sequence length {seq_len} exceeds {spec}'s maximum of "
                         f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
                         f"positions with the size flag.")
     if dynamic:
@@ -370,8 +365,6 @@ def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: 
     bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
     traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic, notes)
     if traced.shallow:
-        from passes.layers import assign_layers, layer_signatures
-
         assign_layers(traced.gm, traced.block_paths, traced.roles)
         sigs = layer_signatures(traced.gm, len(traced.block_paths))
         if len(set(sigs[1:-1])) != 1:
@@ -402,7 +395,7 @@ def _trace_bundle(bundle: ModelBundle, kind: str, spec: str, dt: torch.dtype, fu
     what = f"model {spec!r}"
     try:
         ep = _export(bundle.model, bundle.example_inputs, dyn, what)
-    except UserError:
+    except ModelError:
         if dyn is None:
             raise
         ep = _export(bundle.model, bundle.example_inputs, None, what)
@@ -441,7 +434,7 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
     if dynamic:
         try:
             ep = _export(model, inputs, _dynamic_spec(inputs, b0, s0 if s0 != b0 else None), what)
-        except UserError:
+        except ModelError:
             ep = None
     if ep is None:
         # Either dynamic shapes were refused or the model is untraceable: a static export of

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planner.errors import UserError
+from planner.frontend.bundle import ModelBundle
+from planner.frontend.errors import ModelError
 
 __all__ = ["build_hf", "HF_ARCHS", "HFLossModel"]
 
@@ -48,20 +49,20 @@ class HFLossModel(nn.Module):
 
 
 def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0):
-    from planner.models import ModelBundle
+    from planner.frontend.bundle import ModelBundle
 
     if arch not in HF_ARCHS:
-        raise UserError(f"Unknown HF architecture 'hf:{arch}'. Supported: "
+        raise ModelError(f"Unknown HF architecture 'hf:{arch}'. Supported: "
                         + ", ".join("hf:" + a for a in HF_ARCHS) + ".")
     try:
         import transformers
     except ImportError:
-        raise UserError("hf: models need the transformers package. Install the extra with "
+        raise ModelError("hf: models need the transformers package. Install the extra with "
                         "`pip install -e '.[hf]'` (make test/demo do it for you).") from None
     fields = _FIELDS[arch]
     unknown = set(sizes) - set(fields)
     if unknown:
-        raise UserError(f"hf:{arch} has no size {sorted(unknown)}; it accepts "
+        raise ModelError(f"hf:{arch} has no size {sorted(unknown)}; it accepts "
                         + ", ".join("--" + k.replace("_", "-") for k in fields) + ".")
     kwargs = {fields[k]: v for k, v in sizes.items()}
     if arch == "gpt2":
@@ -88,10 +89,10 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
     heads = cfg.num_attention_heads
     hidden = cfg.hidden_size
     if hidden % heads:
-        raise UserError(f"hf:{arch}: hidden size {hidden} is not divisible by {heads} heads.")
+        raise ModelError(f"hf:{arch}: hidden size {hidden} is not divisible by {heads} heads.")
     kv = getattr(cfg, "num_key_value_heads", heads) or heads
     if heads % kv:
-        raise UserError(f"hf:{arch}: {heads} heads are not divisible by {kv} kv heads.")
+        raise ModelError(f"hf:{arch}: {heads} heads are not divisible by {kv} kv heads.")
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         inner = cls(cfg)

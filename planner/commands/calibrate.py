@@ -184,8 +184,8 @@ def _time_training(batches: Sequence[int], budget_s: float, copy_bytes: int, cop
     whole budget, and each time is its lower quartile (see ``_timed_reps``).
     """
     import torch
-    from passes.layer_table import build_layer_table
-    from planner.models import build_model
+    from planner.frontend.analyze import build_layer_table
+    from planner.frontend.zoo import build_model
 
     def timed(sizes: dict, table, b: int, seq: int) -> tuple[Any, float, float, int]:
         """``(step function, FLOPs, memory-bound bytes, operator count)`` of one model size."""
@@ -250,7 +250,7 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
     """
     import torch
 
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
     from runtime import checkpoint
 
     real = build_model("gpt", batch=batch, seed=0, seq_len=128, layers=2, hidden=256, heads=4, vocab=4096)

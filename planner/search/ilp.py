@@ -2,21 +2,21 @@
 
 Search (:func:`search`)
 -----------------------
-The small decisions are enumerated (:func:`planner.candidates.enumerate_candidates`): ``dp * tp *
+The small decisions are enumerated (:func:`planner.search.candidates.enumerate_candidates`): ``dp * tp *
 pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
 across nodes; ``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp =
 1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
 micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
 
 Candidates are visited in increasing order of a sound step-time lower bound
-(:func:`planner.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
+(:func:`planner.search.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
 the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
 min(best time of its triple, 4th best time over triples)``. Two passes:
 
-1. greedy: price :func:`planner.candidates.heuristic_strategy` (a feasible strategy found without
+1. greedy: price :func:`planner.search.candidates.heuristic_strategy` (a feasible strategy found without
    a solver) for each candidate still under the bound, to seed the incumbents;
 2. exact: skip a candidate whose memory lower bound exceeds the capacity, or whose time bound,
-   or memory-aware bound (:func:`planner.candidates.uniform_time_bound`, which counts the
+   or memory-aware bound (:func:`planner.search.candidates.uniform_time_bound`, which counts the
    recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
    ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
    win is refuted at the root. The loop stops at the first time bound above the 4th best.
@@ -28,7 +28,7 @@ with exhaustive enumeration).
 ILP of one candidate ``(dp, tp, pp = p, zero, b, m)``
 ---------------------------------------------------
 Layers ``l = 0..n-1`` (``n = L + 2``), stages ``k = 0..p-1``; per-layer constants from
-:mod:`planner.strategy` (``w_l`` = forward+backward compute and TP time, ``rec_l``, ``z_l`` =
+:mod:`cost_models.strategy` (``w_l`` = forward+backward compute and TP time, ``rec_l``, ``z_l`` =
 per-micro-batch ZeRO time, ``d_l`` = per-step DP time + optimizer, ``st_l`` model state bytes,
 ``tr_l`` transient ZeRO bytes, ``sv_l`` saved and ``in_l`` input activation bytes, ``snd_{l,j}``
 time to send layer ``l``'s output over boundary ``j``, ``a_k = min(p - k, m)`` in flight)::
@@ -71,7 +71,7 @@ which family failed).
 
 Solvers: pulp's CBC (default) or HiGHS (``solver="highs"``, needs ``highspy``; the environment
 variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
-:func:`planner.strategy.evaluate`, which is what the plan reports.
+:func:`cost_models.strategy.evaluate`, which is what the plan reports.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from planner.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
-from planner.strategy import Candidate, CandidateCosts, Evaluation, evaluate
+from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
+from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 
 __all__ = [
     "SOLVERS", "default_solver", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
@@ -497,7 +497,7 @@ class ILPResult:
     """Outcome of one candidate's ILP."""
 
     evaluation: Evaluation | None
-    """The optimal strategy priced by :func:`planner.strategy.evaluate` (None when infeasible)."""
+    """The optimal strategy priced by :func:`cost_models.strategy.evaluate` (None when infeasible)."""
     status: str
     seconds: float
     uniform: bool
@@ -633,7 +633,7 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
 
     Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
     ``keep`` triples are feasible, fills the runners-up with the best other candidates. A first
-    pass prices greedy strategies (:func:`planner.candidates.heuristic_strategy`) to seed the
+    pass prices greedy strategies (:func:`planner.search.candidates.heuristic_strategy`) to seed the
     incumbents; the second solves the ILPs with the incumbents as cutoffs.
     """
     t0 = time.perf_counter()
@@ -712,10 +712,10 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
 
 
 def __getattr__(name: str):
-    """``plan_strategy`` and ``NoFeasiblePlan`` live in :mod:`planner.optimize` (the entry point);
+    """``plan_strategy`` and ``NoFeasiblePlan`` live in :mod:`planner.search.solve` (the entry point);
     importing them from here keeps working."""
     if name in ("plan_strategy", "NoFeasiblePlan", "build_plan", "least_memory", "candidate_entries"):
         from planner import optimize
 
         return getattr(optimize, name)
-    raise AttributeError(f"module 'planner.ilp' has no attribute {name!r}")
+    raise AttributeError(f"module 'planner.search.ilp' has no attribute {name!r}")

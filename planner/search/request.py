@@ -17,7 +17,7 @@ class PlanRequest:
     """One planning problem. ``None`` pins are searched; set pins are fixed."""
 
     spec: str
-    """Model spec (see ``planner.models.SPEC_HELP``)."""
+    """Model spec (see ``planner.frontend.bundle.SPEC_HELP``)."""
     gpus: int
     """Devices in the cluster."""
     gpus_per_node: int

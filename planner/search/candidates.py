@@ -9,7 +9,7 @@
 - :func:`heuristic_strategy` builds a good feasible strategy without a solver; the search uses its
   cost as the ILP's cutoff.
 
-Everything is priced by :mod:`planner.strategy`; nothing here decides the answer, it only lets
+Everything is priced by :mod:`cost_models.strategy`; nothing here decides the answer, it only lets
 the search skip work that provably cannot change it.
 """
 
@@ -19,7 +19,7 @@ import heapq
 import math
 from typing import Any, Sequence
 
-from planner.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, evaluate
+from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, evaluate
 
 __all__ = [
     "is_repeated", "divisors", "model_heads", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
@@ -56,7 +56,7 @@ def _tail_bound(cc: CandidateCosts) -> float:
 def time_lower_bound(cc: CandidateCosts) -> float:
     """A step time no strategy of this candidate can beat (sound: used to prune the search).
 
-    The step is ``(m - 1) T + sum_k T_k + D`` (:func:`planner.strategy.evaluate`), where ``sum_k
+    The step is ``(m - 1) T + sum_k T_k + D`` (:func:`cost_models.strategy.evaluate`), where ``sum_k
     T_k >= W`` (:func:`_total_work`) and ``T >= max(W / p, max_l (work_l + zero_mb_l))`` because
     the slowest stage is at least the average one and holds at least one layer; ``D >= sum_l
     (dp_l + opt_l) / p`` likewise.
@@ -69,7 +69,7 @@ def time_lower_bound(cc: CandidateCosts) -> float:
 
 def memory_lower_bound(cc: CandidateCosts) -> float:
     """Bytes per device that every strategy of this candidate needs on its most loaded stage
-    (by the memory bound feasibility is judged with: ``planner.strategy.memory_bound``).
+    (by the memory bound feasibility is judged with: ``cost_models.strategy.memory_bound``).
 
     The most loaded stage holds at least the average of all stages (each layer's state once and
     at least ``min(saved, input)`` of activations once), stage 0 holds the first layer with
@@ -155,7 +155,7 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
 
 
 def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
-    """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.ilp).
+    """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.search.ilp).
 
     Raises ``UserError`` listing why nothing is left when the pins and the batch admit no
     candidate at all.

@@ -11,7 +11,7 @@ repeats), and the title says so.
 Bottom panel: memory per device of each stage, stacked by kind (parameters, gradients,
 optimizer state, activations) against the device capacity and the usable limit.
 
-Per-stage numbers come from ``plan.evaluation`` (attached by :func:`planner.ilp.plan_strategy`).
+Per-stage numbers come from ``plan.evaluation`` (attached by :func:`planner.search.ilp.plan_strategy`).
 A plan read back from plan.json only has totals: every stage is then drawn with the bottleneck
 stage's micro-step split 1:2 between forward and backward, and memory shows the most loaded
 device only; the title says which.

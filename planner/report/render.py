@@ -3,7 +3,7 @@
 :func:`render_plan` draws rich tables from a :class:`planner.plan.Plan` (and the hardware
 profile for the capacity and peak FLOP/s). Everything shown comes from plan.json's fields, so a
 plan loaded from disk renders the same way; a plan fresh from
-:func:`planner.ilp.plan_strategy` also carries per-stage costs (``plan.evaluation``) and search
+:func:`planner.search.ilp.plan_strategy` also carries per-stage costs (``plan.evaluation``) and search
 statistics (``plan.search``), which add a per-stage memory/time column and the solver's counts.
 
 :func:`alternative_reason` writes the one-line "why it lost" of each alternative: how much slower
@@ -98,7 +98,7 @@ def _context(part: str, ev) -> str:
 
 
 def alternative_reason(best, alt) -> str:
-    """Why ``alt`` (an :class:`~planner.strategy.Evaluation`) lost to ``best``, in one line."""
+    """Why ``alt`` (an :class:`~cost_models.strategy.Evaluation`) lost to ``best``, in one line."""
     d = alt.step_time_s - best.step_time_s
     if d <= best.step_time_s * 1e-9:
         mb, ma = best.memory["total"], alt.memory["total"]

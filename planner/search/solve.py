@@ -1,9 +1,9 @@
 """The planner's entry point: from a request and a layer table to the best :class:`Plan`.
 
-:func:`plan_strategy` validates the pins, enumerates candidates (:mod:`planner.candidates`),
-prices each one's per-layer costs (:mod:`planner.strategy`), runs the pruned ILP search
-(:mod:`planner.ilp`) and assembles plan.json's dataclass with the three best runners-up and why
-each lost (:func:`planner.report.alternative_reason`).
+:func:`plan_strategy` validates the pins, enumerates candidates (:mod:`planner.search.candidates`),
+prices each one's per-layer costs (:mod:`cost_models.strategy`), runs the pruned ILP search
+(:mod:`planner.search.ilp`) and assembles plan.json's dataclass with the three best runners-up and why
+each lost (:func:`planner.report.render.alternative_reason`).
 
 When nothing fits, :class:`NoFeasiblePlan` says how much memory per device the least demanding
 strategy needs (an exact minimum: the same ILPs with memory as the objective), which part
@@ -19,12 +19,11 @@ import math
 import time
 
 from cost_models.hardware import HardwareProfile
-from planner.candidates import check_pins, enumerate_candidates, memory_lower_bound, tied_summary, time_lower_bound
+from planner.search.candidates import check_pins, enumerate_candidates, memory_lower_bound, tied_summary, time_lower_bound
 from planner.errors import UserError
-from planner.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
+from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
-from planner.strategy import (Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, memory_bound,
-                              predicted_fields)
+from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, memory_bound, predicted_fields
 
 __all__ = ["NoFeasiblePlan", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
 
@@ -126,7 +125,7 @@ def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None
     """The planner's entry point: the fastest strategy that fits, as a :class:`planner.plan.Plan`.
 
     ``table`` is a layer table (``passes.layer_table.LayerTable`` or anything with ``layers``,
-    ``b``, ``s``, ``model``) or a :class:`~planner.strategy.NumericTable`. Raises ``UserError`` for
+    ``b``, ``s``, ``model``) or a :class:`~cost_models.strategy.NumericTable`. Raises ``UserError`` for
     pins no strategy can honour and :class:`NoFeasiblePlan` when nothing fits in memory. Besides
     the plan.json fields, the returned plan carries ``plan.evaluation`` (per-stage costs of the
     chosen strategy) and ``plan.search`` (a :class:`SearchResult`) for the report and the plot.
@@ -153,7 +152,7 @@ def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None
 def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
                seconds: float) -> Plan:
     """Assemble plan.json's dataclass from the search's winner and runners-up."""
-    from planner.report import alternative_reason
+    from planner.report.render import alternative_reason
 
     ev = res.best
     c = ev.strategy.candidate

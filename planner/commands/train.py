@@ -22,7 +22,7 @@ __all__ = ["run_train", "original_state", "compile_for_training", "train_options
 
 def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
     """The original model's parameters and buffers (fp32, CPU) for ``seed``, by original name."""
-    from planner.models import build_model
+    from planner.frontend.zoo import build_model
 
     b = build_model(spec, seed=seed, **sizes)
     # remove_duplicate=False: a tied weight appears under every name the graph may use.

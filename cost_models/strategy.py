@@ -3,9 +3,9 @@
 A *candidate* fixes the degrees and the batching: ``(dp, tp, pp, zero_stage, micro_batch_size,
 num_micro_batches)``. A *strategy* adds the stage partition (``pp`` contiguous ranges of the
 layer table) and the set of recomputed (checkpointed) layers. :func:`evaluate` prices a strategy;
-the ILP in :mod:`planner.ilp` optimizes exactly this function (its tests compare the ILP's
+the ILP in :mod:`planner.search.ilp` optimizes exactly this function (its tests compare the ILP's
 optimum against brute-force enumeration through :func:`evaluate`), the bounds and greedy
-strategies of :mod:`planner.candidates` are stated in its terms, and the plan's ``predicted``
+strategies of :mod:`planner.search.candidates` are stated in its terms, and the plan's ``predicted``
 block is :func:`evaluate`'s output.
 
 Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)

@@ -1,0 +1,35 @@
+"""Run every analysis pass over a traced graph, in order (see ``passes/__init__.py``)."""
+
+from __future__ import annotations
+
+from passes.autograd_costs import annotate_costs
+from passes.graph import TracedGraph
+from passes.layers import assign_layers, layer_signatures
+from passes.op_class import classify_ops
+from passes.shapes import annotate_params, annotate_shapes
+from passes.tensor_parallel import propagate_tensor_parallel
+
+__all__ = ["analyze"]
+
+
+def analyze(traced: TracedGraph):
+    """Run every pass on ``traced.gm`` (a ``passes.graph.TracedGraph``) and return the graph.
+
+    Blocks with identical signatures are replayed once (``annotate_costs``'s ``same_as``).
+    """
+    gm = traced.gm
+    assign_layers(gm, traced.block_paths, traced.roles)
+    annotate_shapes(gm, traced.symbols)
+    annotate_params(gm, traced.roles, traced.fqns, traced.tied)
+    classify_ops(gm)
+    n_blocks = len(traced.block_paths)
+    sigs = layer_signatures(gm, n_blocks)
+    first: dict[str, int] = {}
+    same_as = {}
+    for lay in range(1, n_blocks + 1):
+        rep = first.setdefault(sigs[lay], lay)
+        if rep != lay:
+            same_as[lay] = rep
+    annotate_costs(gm, traced.roles, traced.symbols, same_as)
+    propagate_tensor_parallel(gm, traced.roles)
+    return gm

@@ -1,0 +1,68 @@
+"""What every model builder returns (``ModelBundle``) and how a model spec is read.
+
+A spec names a built-in GPT preset, an HF architecture (``hf:llama``) or a user's
+``path/to/file.py:factory``; ``parse_spec`` splits it, ``planner.frontend.zoo`` builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from planner.frontend.errors import ModelError
+from planner.frontend.gpt import PRESETS
+
+__all__ = ["ModelBundle", "parse_spec", "SPEC_HELP"]
+
+SPEC_HELP = (
+    "Model specs: 'gpt' (built-in GPT; sizes from --layers/--hidden/--heads/--ffn/--vocab), "
+    "presets 'gpt2', 'gpt2-xl', 'gpt3-175b'; 'hf:gpt2', 'hf:llama', 'hf:bert' (needs the 'hf' "
+    "extra: pip install 'planner[hf]'); or 'path/to/file.py:factory' where factory() returns "
+    "(model, example_inputs)."
+)
+
+
+@dataclass
+class ModelBundle:
+    """A model ready to trace or train, and what the planner needs to know about it."""
+
+    spec: str
+    """The spec string the user gave (recorded in plan.json)."""
+    model: nn.Module
+    """``forward(*example_inputs)`` returns the scalar loss."""
+    example_inputs: tuple
+    """Example inputs for one micro-batch of ``batch`` sequences."""
+    vocab: int
+    seq_len: int
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    layers: int = 0
+    kind: str = "gpt"
+    """``gpt``, ``hf`` or ``file``."""
+    sizes: dict[str, Any] = field(default_factory=dict)
+    """The size overrides used to build it (re-building a plan's model uses these)."""
+
+    def make_inputs(self, batch: int, seq_len: int, device="cpu", generator=None) -> tuple:
+        """Random token inputs ``(input_ids, labels)`` of shape (batch, seq_len)."""
+        if self.kind == "file":
+            return self.example_inputs
+        ids = torch.randint(0, self.vocab, (batch, seq_len + 1), generator=generator)
+        return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """Split a spec into (kind, name): ('gpt', preset) | ('hf', arch) | ('file', 'path:fn')."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelError("The model spec is empty. " + SPEC_HELP)
+    spec = spec.strip()
+    if spec in PRESETS:
+        return "gpt", spec
+    if spec.startswith("hf:"):
+        return "hf", spec[3:]
+    if ".py:" in spec:
+        return "file", spec
+    raise ModelError(f"Unknown model spec {spec!r}. " + SPEC_HELP)

@@ -1,0 +1,170 @@
+"""The built-in GPT: a pre-LayerNorm decoder with learned positions, and its size presets.
+
+``forward(input_ids, labels)`` returns the scalar training loss, so a traced graph ends in a
+scalar. ``planner.frontend.zoo.build_model`` builds it from a spec and size flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "PRESETS"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the built-in GPT (a pre-LayerNorm decoder with learned positions)."""
+
+    vocab: int = 50257
+    """Vocabulary size (rows of the embedding and of the untied LM head)."""
+    seq_len: int = 1024
+    """Maximum sequence length (rows of the position embedding)."""
+    layers: int = 12
+    """Number of transformer blocks."""
+    hidden: int = 768
+    """Model width."""
+    heads: int = 12
+    """Attention heads; must divide ``hidden``."""
+    ffn: int = 0
+    """MLP inner width; 0 means 4 x hidden."""
+    dropout: float = 0.0
+    """Dropout probability on attention output and MLP output."""
+
+    def __post_init__(self):
+        for name in ("vocab", "seq_len", "layers", "hidden", "heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise UserError(f"GPT size {name}={v!r} must be a positive integer.")
+        if self.hidden % self.heads:
+            raise UserError(
+                f"GPT hidden size {self.hidden} is not divisible by heads={self.heads}; "
+                f"pick --heads that divides --hidden."
+            )
+        if self.ffn < 0:
+            raise UserError(f"GPT ffn={self.ffn} must be positive (0 means 4 x hidden).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"dropout={self.dropout} must be in [0, 1).")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.head_dim = cfg.hidden // cfg.heads
+        self.q = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v = nn.Linear(cfg.hidden, cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn_size)
+        self.proj = nn.Linear(cfg.ffn_size, cfg.hidden)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.tok(input_ids) + self.pos(positions)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class GPT(nn.Module):
+    """Pre-LN decoder: ``embed`` (layer 0), ``blocks.0 .. blocks.{L-1}``, ``head`` (layer L+1).
+
+    The LM head is untied from the token embedding so that pipeline stages own disjoint weights.
+    ``forward(input_ids, labels)`` returns the mean next-token cross-entropy; labels are the
+    targets already aligned with ``input_ids`` (the data loader shifts them).
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embed(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialization: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            if p.dim() == 1:
+                if name.endswith("weight"):
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
+            elif name.endswith("proj.weight"):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.layers))
+            else:
+                p.normal_(0.0, std)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, labels)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "gpt": GPTConfig(vocab=8192, seq_len=128, layers=4, hidden=256, heads=4),
+    "gpt2": GPTConfig(vocab=50257, seq_len=1024, layers=12, hidden=768, heads=12),
+    "gpt2-xl": GPTConfig(vocab=50257, seq_len=1024, layers=48, hidden=1600, heads=25),
+    "gpt3-175b": GPTConfig(vocab=51200, seq_len=2048, layers=96, hidden=12288, heads=96),
+}

@@ -1,0 +1,56 @@
+"""The one dtype table: the compute dtypes a plan may name, their torch dtypes and sizes.
+
+Plans, manifests and the CLI name dtypes ``fp32``, ``bf16`` and ``fp16``; torch's own names
+(``float32``, ``bfloat16``, ``float16``) are accepted as aliases. Every layer that turns a name
+into a torch dtype or back reads this table (``passes`` and ``cost_models``, which never import
+the runtime, work on torch dtypes and on these names as given).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DTYPES", "TORCH_DTYPES", "ALIASES", "to_torch", "name_of", "itemsize", "canonical"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+"""Compute dtype name -> torch dtype, in the order the CLI lists them."""
+
+DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
+"""The names a plan's ``dtype`` may take."""
+
+ALIASES: dict[str, str] = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+"""torch's names for the same dtypes."""
+
+
+def canonical(name: str) -> str:
+    """``'bfloat16'`` / ``'BF16'`` / ``'bf16'`` -> ``'bf16'``; a ``ValueError`` naming the choices
+    for anything else."""
+    key = str(name).lower()
+    key = ALIASES.get(key, key)
+    if key not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use {', '.join(DTYPES)}")
+    return key
+
+
+def to_torch(name: str | torch.dtype) -> torch.dtype:
+    """A dtype name (or a torch dtype, returned as is) -> the torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    return TORCH_DTYPES[canonical(name)]
+
+
+def name_of(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``'bf16'``; a ``ValueError`` for a dtype no plan can name."""
+    for name, dt in TORCH_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"{dtype} is not a compute dtype; use {', '.join(DTYPES)}")
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a named dtype."""
+    return to_torch(name).itemsize
