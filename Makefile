@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: $(STAMP)
-	$(PY) -m planner.commands.demo
+	$(PY) -m planner.demo
 
 bench: $(STAMP)
 	$(PY) -m pytest -q -m slow benchmarks

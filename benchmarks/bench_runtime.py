@@ -16,7 +16,7 @@ pp     ``pipelining.Schedule1F1B`` (pp=world)   compiled plan pp=world: ``Pipeli
 ====== ======================================== =============================================
 
 Our side uses the compiled path: a ``Plan`` is written for each pair, compiled with
-``codegen.compile.compile_plan`` (``stage_<k>.py`` + manifest) in the parent process, and every
+``planner.commands.compile.compile_plan`` (``stage_<k>.py`` + manifest) in the parent process, and every
 rank loads it with ``runtime.compiled.load_stage_module``/``load_weights`` and wires
 ``ZeroEngine`` and ``PipelineStage`` exactly as ``runtime.trainer.train_worker`` does. The
 PyTorch side wraps the original eager ``nn.Module`` (for ``pp`` it is cut at the same layer-table
@@ -168,7 +168,7 @@ def make_plan(cfg: BenchConfig, pair: str):
 
 def compile_pairs(cfg: BenchConfig, out_dir: str) -> dict[str, str]:
     """Compile the plan of each pair into ``out_dir/<pair>``; returns pair -> directory."""
-    from codegen.compile import compile_plan
+    from planner.commands.compile import compile_plan
 
     dirs = {}
     for pair in cfg.pairs:

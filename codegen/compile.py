@@ -1,9 +1,10 @@
-"""``planner compile``: plan.json -> ``stage_<k>.py`` files + ``manifest.json``.
+"""``planner compile``'s back half: an exported model + plan.json -> ``stage_<k>.py`` + ``manifest.json``.
 
-The model is rebuilt from the plan on the meta device at the plan's micro-batch shape and
-exported; ``passes`` assign nodes to layer-table rows; ``codegen.tensor_parallel`` rewrites the
-graph for the plan's tp degree; ``codegen.lower`` cuts it into stages and prints the source.
-Compiling the same plan twice writes byte-identical files.
+The front end (``planner.frontend.trace.export_training_module``) rebuilds the plan's model on the
+meta device at the plan's micro-batch shape and exports it; codegen receives that graph as an
+``ExportedModel``. ``passes`` assign nodes to layer-table rows; ``codegen.tensor_parallel``
+rewrites the graph for the plan's tp degree; ``codegen.lower`` cuts it into stages and prints the
+source. Compiling the same plan twice writes byte-identical files.
 """
 
 from __future__ import annotations
@@ -11,49 +12,49 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 import runtime
+from codegen.errors import CodegenError
 from codegen.lower import emit_stage_source, get_tensor, partition_graph
+from codegen.tensor_parallel import plan_tp_rewrite
+from passes.layers import assign_layers, layer_names
+from passes.op_class import classify_ops
 from planner.plan import Plan, plan_hash
 
-__all__ = ["compile_plan", "trace_for_plan", "DTYPE_OF"]
-
-DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["ExportedModel", "compile_exported"]
 
 
-def trace_for_plan(plan: Plan):
-    """Export the plan's model on meta at one micro-batch.
+@dataclass
+class ExportedModel:
+    """What codegen receives: the plan's model exported at one micro-batch."""
 
-    Returns ``(GraphModule, layer_of, layer names, bundle)``. The graph is ``ep.module()``:
-    parameters appear as ``get_attr`` nodes named by their original FQN, shapes are static.
-    """
-    from passes.layers import assign_layers, layer_names
-    from passes.op_class import classify_ops
-    from planner.errors import UserError
-    from planner.frontend.zoo import build_model
-    from planner.frontend.trace import explain_export_error, find_block_container
+    module: fx.GraphModule
+    """``ExportedProgram.module()``: parameters are ``get_attr`` nodes named by their original
+    FQN, shapes are static (the plan's micro-batch size and sequence length)."""
+    block_paths: list[str]
+    """Module paths of the repeated blocks, in order (layer-table rows 1..L)."""
+    vocab: int
+    """Vocabulary size (0 when the model has none), recorded in the manifest."""
+    dims: dict[str, int] = field(default_factory=dict)
+    """The model's sizes tensor parallelism must divide: hidden, heads, kv_heads, vocab, ffn."""
 
-    bundle = build_model(plan.model.spec, device="meta", batch=plan.micro_batch_size,
-                         dtype=DTYPE_OF[plan.dtype], **plan.model.sizes)
-    if bundle.kind != "file":
-        bundle.example_inputs = bundle.make_inputs(plan.micro_batch_size, plan.seq_len, device="meta")
-    try:
-        ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
-    except Exception as e:  # every export failure becomes one readable message
-        raise explain_export_error(e, plan.model.spec) from e
-    gm = ep.module()
-    _, block_paths = find_block_container(bundle.model)
+
+def _layered(model: ExportedModel, plan: Plan):
+    """Assign every node of the exported module to its layer-table row; return the graph module,
+    the row of a node and the rows' names."""
+    gm = model.module
     roles = {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"}
-    assign_layers(gm, block_paths, roles)
+    assign_layers(gm, model.block_paths, roles)
     classify_ops(gm)
-    names = layer_names(gm, len(block_paths), block_paths)
+    names = layer_names(gm, len(model.block_paths), model.block_paths)
     if len(names) != plan.model.layers + 2:
-        raise UserError(f"the model traced to {len(names) - 2} blocks but the plan was made for "
-                        f"{plan.model.layers}; re-run `planner plan`.")
-    return gm, (lambda n: n.meta["layer"]), names, bundle
+        raise CodegenError(f"the model traced to {len(names) - 2} blocks but the plan was made for "
+                           f"{plan.model.layers}; re-run `planner plan`.")
+    return gm, (lambda n: n.meta["layer"]), names
 
 
 def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
@@ -91,13 +92,11 @@ def _write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def compile_plan(plan: Plan, out_dir: str) -> dict:
+def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     """Write one module per pipeline stage and the manifest; return the manifest."""
-    from codegen.tensor_parallel import plan_tp_rewrite
-
-    gm, layer_of, names, bundle = trace_for_plan(plan)
+    gm, layer_of, names = _layered(model, plan)
     checkpoint = set(plan.checkpoint_layers)
-    tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, names, plan, bundle)
+    tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, names, plan, model.vocab, model.dims)
     layers, specs, loss = partition_graph(gm, layer_of, names, plan.stages)
     rg = _requires_grad(gm)
     os.makedirs(out_dir, exist_ok=True)
@@ -127,7 +126,7 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
         })
     man = {
         "format": 1, "runtime_version": runtime.__version__, "plan_hash": h, "plan": plan.to_dict(),
-        "model": {"spec": plan.model.spec, "sizes": plan.model.sizes, "vocab": bundle.vocab,
+        "model": {"spec": plan.model.spec, "sizes": plan.model.sizes, "vocab": model.vocab,
                   "layer_names": names,
                   "inputs": [n.name for n in gm.graph.nodes if n.op == "placeholder"]},
         "stages": stages,

@@ -25,17 +25,14 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from codegen.errors import LoweringError
 from codegen.names import safe_ident
 
-__all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "LoweringError", "get_tensor"]
+__all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "get_tensor"]
 
 _DROP_TARGETS = {
     torch.ops.aten._assert_tensor_metadata.default,
 }
-
-
-class LoweringError(ValueError):
-    """The graph cannot be lowered as the plan asks (the message says why and what to do)."""
 
 
 class _Src:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import keyword
 import re
 
-__all__ = ["safe_ident", "check_ident", "UnsafeNameError"]
+from codegen.errors import UnsafeNameError
+
+__all__ = ["safe_ident", "check_ident"]
 
 _BAD = re.compile(r"[^A-Za-z0-9_]")
-
-
-class UnsafeNameError(ValueError):
-    """A name that would not be a plain identifier in generated code."""
 
 
 def safe_ident(name: str, prefix: str = "p_") -> str:

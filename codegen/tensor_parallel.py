@@ -7,12 +7,13 @@ of the original weights. With ``tp == 1`` nothing is rewritten.
 
 from __future__ import annotations
 
+from codegen.tp_rewrite import build_tp_rewrite
+
 __all__ = ["plan_tp_rewrite"]
 
 
-def plan_tp_rewrite(gm, layer_of, names, plan, bundle):
+def plan_tp_rewrite(gm, layer_of, names, plan, vocab: int, dims: dict):
+    """``(rewrite, shard_info)`` for ``plan.tp``; ``(None, {})`` at tp 1."""
     if plan.tp == 1:
         return None, {}
-    from codegen.tp_rewrite import build_tp_rewrite
-
-    return build_tp_rewrite(gm, layer_of, names, plan, bundle)
+    return build_tp_rewrite(gm, layer_of, names, plan, vocab, dims)

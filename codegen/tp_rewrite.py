@@ -53,8 +53,9 @@ model's dims: never silently wrong math.
 Parameter shapes: the sharded parameters of ``gm`` (which lives on meta) are replaced by meta
 parameters of the *shard* shape, so ``codegen.lower`` writes shard shapes into each generated
 ``__init__`` and the manifest records them. ``shard_info`` maps every sharded original FQN to
-``{"dim", "kind", "size"[, "padded"][, "parts"]}`` (``runtime.compiled._shard`` cuts each rank's
-piece of the original weights with it; ``runtime.checkpoint_io._join_tp`` joins them back).
+``{"dim", "kind", "size"[, "padded"][, "parts"]}``, the manifest form of
+``runtime.sharding.TensorShard``, which cuts each rank's piece of the original weights and joins
+the pieces back.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from codegen.errors import TPRewriteError
 from passes.common import source_line
-from planner.errors import UserError
+from runtime import tensor_parallel as rtp
+from runtime.sharding import TensorShard
 
 __all__ = ["build_tp_rewrite", "TPRewriteError", "TPAnalysis", "Sharded", "analyze_tp", "reshape_shard",
            "local_size"]
@@ -94,10 +97,6 @@ _HANDLERS = {
     **{k: "reduce" for k in ("mean", "sum", "amax", "amin", "var", "std", "logsumexp")},
     "layer_norm": "norm", "rms_norm": "norm",
 }
-
-
-class TPRewriteError(UserError):
-    """The graph cannot be made tensor parallel as the plan asks (the message says why)."""
 
 
 class _Conflict(Exception):
@@ -644,11 +643,9 @@ def _fused_supported() -> bool:
     """Does this runtime cut and join ``qkv`` shards (``[q_r; k_r; v_r]``)? Probed on 12 rows."""
     full, spec = torch.arange(12.0).view(12, 1), {"dim": 0, "kind": "qkv", "parts": [4, 4, 4], "size": 12}
     try:
-        from runtime.checkpoint_io import _join_tp
-        from runtime.compiled import _shard
-
-        pieces = [_shard(full, spec, r, 2) for r in range(2)]
-        return pieces[0].flatten().tolist() == [0, 1, 4, 5, 8, 9] and torch.equal(_join_tp(pieces, spec), full)
+        shard = TensorShard.from_dict(spec)
+        pieces = [shard.cut(full, r, 2) for r in range(2)]
+        return pieces[0].flatten().tolist() == [0, 1, 4, 5, 8, 9] and torch.equal(shard.join(pieces), full)
     except Exception:  # a runtime that does not know the kind
         return False
 
@@ -722,8 +719,6 @@ class _LayerRewriter:
         self.an = analysis
 
     def __call__(self, g: fx.Graph, lg) -> None:
-        from runtime import tensor_parallel as rtp
-
         new_nodes = [n for n in g.nodes if n.op == "call_function"]
         if len(new_nodes) != len(lg.nodes) or any(a.target != b.target for a, b in zip(new_nodes, lg.nodes)):
             raise TPRewriteError(f"layer {lg.name!r}: its graph does not match the analyzed one; "
@@ -809,13 +804,7 @@ def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
         (mod._parameters if attr in mod._parameters else mod._buffers)[attr] = new
 
 
-def _model_dims(plan, bundle) -> dict:
-    dims = {k: getattr(bundle, k, 0) for k in ("hidden", "heads", "kv_heads", "vocab")}
-    dims.update({k: v for k, v in (plan.model.sizes or {}).items() if k == "ffn"})
-    return {k: v for k, v in dims.items() if v}
-
-
-def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], plan, bundle):
+def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], plan, vocab: int, dims: dict):
     """Analyze ``gm`` for ``plan.tp`` and return ``(rewrite, shard_info)``.
 
     ``rewrite(g, lg)`` rewrites one layer's graph in place (called by ``codegen.lower``);
@@ -824,13 +813,12 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], p
     ``rewrite.replicated`` lists the matmuls/embeddings kept replicated, and why.
     """
     tp = int(plan.tp)
-    dims = _model_dims(plan, bundle)
     for key, what in (("heads", "attention heads"), ("kv_heads", "key/value heads")):
         v = dims.get(key)
         if v and v % tp:
             raise TPRewriteError(f"tp={tp} does not divide the model's {v} {what} (model dims: "
                                  f"{dims}); choose a tp that divides heads and kv_heads.")
-    analysis = analyze_tp(gm, layer_of, tp, vocab=getattr(bundle, "vocab", None), dims=dims)
+    analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims)
     _reshard_params(gm, analysis.shard_info, tp)
     rewrite = _LayerRewriter(analysis)
     rewrite.replicated = analysis.replicated

@@ -11,9 +11,21 @@ import json
 import os
 import sys
 
+from codegen.errors import CodegenError
+from cost_models.hardware import ProfileError
+from passes.common import PassError
+from planner.commands.calibrate import run_calibrate
+from planner.commands.compile import run_compile
+from planner.commands.export import run_export
+from planner.commands.plan import run_plan
+from planner.commands.train import run_train
+from planner.commands.validate import run_validate
 from planner.errors import UserError
+from runtime.checkpoint_io import CheckpointError
+from runtime.compiled import CompiledError
+from runtime.data import DataError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "USER_ERRORS"]
 
 
 def _int_at_least(lo: int, what: str):
@@ -139,118 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _sizes(args) -> dict:
-    return {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
-            if getattr(args, k, None) is not None}
+_COMMANDS = {"plan": run_plan, "compile": run_compile, "train": run_train, "calibrate": run_calibrate,
+             "validate": run_validate, "export": run_export}
 
-
-def cmd_plan(args) -> int:
-    from rich.console import Console
-
-    from planner.commands.plan import plan_from_request
-    from planner.search.request import PlanRequest
-
-    req = PlanRequest(
-        spec=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node or 0, hardware=args.hardware,
-        global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, sizes=_sizes(args),
-        dp=args.dp, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
-        checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
-        tp_across_nodes=args.tp_across_nodes,
-    )
-    plan, hw = plan_from_request(req)
-    from planner.plan import save_plan
-
-    save_plan(plan, args.out)
-    if args.json:
-        sys.stdout.write(plan.to_json())
-    else:
-        from planner.report.render import render_plan
-
-        console = Console()
-        render_plan(plan, hw, console)
-        console.print(f"\nWrote [bold]{args.out}[/bold].")
-    if args.plot:
-        from planner.report.plot import plot_plan
-
-        plot_plan(plan, args.plot, hw=hw)
-        if not args.json:
-            print(f"Wrote {args.plot}.")
-    return 0
-
-
-def cmd_compile(args) -> int:
-    from codegen.compile import compile_plan
-    from planner.plan import load_plan
-
-    plan = load_plan(args.plan)
-    man = compile_plan(plan, args.out)
-    files = ", ".join(s["file"] for s in man["stages"])
-    print(f"Compiled {args.plan} into {args.out}: {files} + manifest.json (plan {man['plan_hash']}).")
-    return 0
-
-
-def cmd_train(args) -> int:
-    from planner.commands.train import run_train
-
-    return run_train(args)
-
-
-def cmd_calibrate(args) -> int:
-    from planner.commands.calibrate import run_calibration
-
-    run_calibration(args.nproc, args.out, quick=args.quick)
-    print(f"Wrote {args.out}; use it with --hardware {args.out}.")
-    return 0
-
-
-def cmd_validate(args) -> int:
-    from planner.commands.validate import run_validate
-
-    return run_validate(args)
-
-
-def cmd_export(args) -> int:
-    if args.format == "deepspeed":
-        from planner.report.deepspeed import launcher_command, to_deepspeed
-        from planner.plan import load_plan
-
-        plan = load_plan(args.plan)
-        cfg = to_deepspeed(plan)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, args.out)
-        print(f"Wrote {args.out}. Launch with:\n  {launcher_command(plan, args.out)}")
-        return 0
-    from planner.commands.export import export_weights
-
-    n = export_weights(args.checkpoint, args.out)
-    print(f"Wrote {args.out} ({n} tensors, original model names).")
-    return 0
-
-
-_COMMANDS = {"plan": cmd_plan, "compile": cmd_compile, "train": cmd_train, "calibrate": cmd_calibrate,
-             "validate": cmd_validate, "export": cmd_export}
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    errs: list[type[BaseException]] = [UserError]
-    for mod, name in (("cost_models.hardware", "ProfileError"), ("runtime.data", "DataError"),
-                      ("runtime.compiled", "CompiledError"), ("codegen.lower", "LoweringError"),
-                      ("codegen.names", "UnsafeNameError"), ("planner.commands.calibrate", "CalibrationError")):
-        try:
-            errs.append(getattr(__import__(mod, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errs)
+#: Every layer's bad-input error, by name: each becomes one paragraph on stderr and exit status 2.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    UserError,  # planner's own layers: ModelError, PlanError, SearchError, CalibrationError ...
+    PassError, ProfileError, CodegenError, CompiledError, DataError, CheckpointError,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except _user_errors() as e:
+    except USER_ERRORS as e:
         print(f"planner {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from runtime.optim import FORMAT, consolidate_shards
+from runtime.sharding import TensorShard
 
 __all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
 
@@ -110,21 +111,6 @@ def _gather_to(obj: Any, group, dst: int) -> list | None:
     return out
 
 
-def _join_tp(pieces: list[torch.Tensor], shard: dict | None) -> torch.Tensor:
-    if not shard or len(pieces) == 1:
-        return pieces[0]
-    if shard.get("kind") == "qkv":  # each piece is [q_r; k_r; v_r]: join per part, then fuse
-        tp, dim = len(pieces), shard["dim"]
-        local = [n // tp for n in shard["parts"]]
-        split = [p.split(local, dim=dim) for p in pieces]
-        return torch.cat([torch.cat([s[i] for s in split], dim=dim) for i in range(len(local))], dim=dim)
-    full = torch.cat(pieces, dim=shard["dim"])
-    orig = shard.get("size")
-    if orig is not None and full.shape[shard["dim"]] != orig:
-        full = full.narrow(shard["dim"], 0, orig)
-    return full
-
-
 def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
     """Full fp32 tensors of this stage by original name, on the (dp 0, tp 0) rank; else None."""
     local = engine.state_dict()
@@ -153,7 +139,9 @@ def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
         if not entry.get("trainable", True):
             continue
         for kind in _KINDS:
-            out[f"{kind}/{entry['fqn']}"] = _join_tp([p[kind][attr] for p in pieces], entry.get("shard"))
+            shard = TensorShard.from_dict(entry.get("shard"))
+            joined = [p[kind][attr] for p in pieces]
+            out[f"{kind}/{entry['fqn']}"] = joined[0] if shard is None else shard.join(joined)
     out["__step__"] = torch.tensor(full["step"])
     return out
 
@@ -271,8 +259,6 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it "
                               "to resume from an older one") from None
     # Build this rank's full (unsharded over dp) engine state from the logical tensors.
-    from runtime.compiled import _shard
-
     layout = engine.state_dict()
     full = {k: v for k, v in layout.items() if k not in ("master", "exp_avg", "exp_avg_sq")}
     full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]),
@@ -284,7 +270,9 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
             parts = []
             for name in grp["names"]:
                 e = by_attr[name]
-                parts.append(_shard(want[f"{kind}/{e['fqn']}"], e.get("shard"), mesh.tp_index, mesh.tp).reshape(-1))
+                t = want[f"{kind}/{e['fqn']}"]
+                shard = TensorShard.from_dict(e.get("shard"))
+                parts.append((t if shard is None else shard.cut(t, mesh.tp_index, mesh.tp)).reshape(-1))
             flats.append(torch.cat(parts) if parts else torch.zeros(0))
         full[key] = flats
     full["format"] = FORMAT

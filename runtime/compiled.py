@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 
 import runtime
+from runtime.sharding import TensorShard
 
 __all__ = ["CompiledError", "read_manifest", "load_stage_module", "load_weights", "param_groups",
            "MANIFEST", "FORMAT"]
@@ -70,33 +71,6 @@ def load_stage_module(directory: str, stage: dict, device: torch.device | str = 
     return cls(device=torch.device(device))
 
 
-def _shard(full: torch.Tensor, shard: dict | None, tp_index: int, tp: int) -> torch.Tensor:
-    """This tp rank's piece of an original tensor, as described by the manifest."""
-    if not shard or tp == 1:
-        return full
-    dim = shard["dim"]
-    if shard.get("kind") == "qkv":
-        # A fused [q; k; v] projection: each part is split by heads, then re-fused as
-        # [q_r; k_r; v_r] (Megatron's layout, what the rewritten split expects).
-        parts = full.split(list(shard["parts"]), dim=dim)
-        return torch.cat([p.narrow(dim, tp_index * (p.shape[dim] // tp), p.shape[dim] // tp) for p in parts],
-                         dim=dim)
-    if shard.get("kind") == "heads":
-        # Rows grouped by head: [heads * head_dim, ...] -> this rank's contiguous heads.
-        n = full.shape[dim]
-        per = n // tp
-        return full.narrow(dim, tp_index * per, per)
-    n = full.shape[dim]
-    padded = shard.get("padded", n)
-    per = padded // tp
-    start = tp_index * per
-    if padded > n:  # vocabulary padded to a multiple of tp: pad rows are zeros
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - n
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.narrow(dim, start, per)
-
-
 @torch.no_grad()
 def load_weights(module: torch.nn.Module, stage: dict, state: Mapping[str, torch.Tensor],
                  tp_index: int = 0, tp: int = 1) -> None:
@@ -107,7 +81,8 @@ def load_weights(module: torch.nn.Module, stage: dict, state: Mapping[str, torch
     if missing:
         raise CompiledError(f"the state dict lacks {len(missing)} tensor(s) this stage needs, e.g. {missing[:3]}")
     for attr, entry in stage["params"].items():
-        src = _shard(state[entry["fqn"]], entry.get("shard"), tp_index, tp)
+        shard = TensorShard.from_dict(entry.get("shard"))
+        src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)
         dst = own[attr]
         if tuple(src.shape) != tuple(dst.shape):
             raise CompiledError(f"{entry['fqn']}: shape {tuple(src.shape)} does not fit {attr} {tuple(dst.shape)}")

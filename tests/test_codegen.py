@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from codegen.compile import compile_plan
-from codegen.names import UnsafeNameError, check_ident, safe_ident
+from planner.commands.compile import compile_plan
+from codegen.errors import UnsafeNameError
+from codegen.names import check_ident, safe_ident
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from runtime.compiled import CompiledError, load_stage_module, load_weights, read_manifest

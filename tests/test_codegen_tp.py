@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from codegen import tp_rewrite
-from codegen.compile import compile_plan
+from planner.commands.compile import compile_plan
 from codegen.tp_rewrite import TPRewriteError, analyze_tp, reshape_shard
 from planner.plan import Plan, manual_plan
 

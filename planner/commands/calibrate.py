@@ -53,8 +53,9 @@ from typing import Any, Sequence
 
 from cost_models.comm import ring_terms
 from cost_models.hardware import HardwareProfile, load_hardware
+from planner.errors import UserError
 
-__all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "fit_alpha_beta", "build_profile",
+__all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "run_calibrate", "fit_alpha_beta", "build_profile",
            "lower_quartile"]
 
 KB = 1 << 10
@@ -64,7 +65,7 @@ MEASURED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter",
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """Calibration could not run or its measurements could not be fitted."""
 
 
@@ -667,3 +668,10 @@ def run_calibration(
     profile = build_profile(raw, nproc, base, spec)
     profile.save(out_path)
     return profile
+
+
+def run_calibrate(args) -> int:
+    """``planner calibrate [--nproc N] --out profile.json [--quick]``."""
+    run_calibration(args.nproc, args.out, quick=args.quick)
+    print(f"Wrote {args.out}; use it with --hardware {args.out}.")
+    return 0

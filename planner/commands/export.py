@@ -1,23 +1,29 @@
-"""``planner export weights CKPT --out model.safetensors``: one consolidated state dict.
+"""``planner export``: a plan as a DeepSpeed config, or a checkpoint as one safetensors file.
 
-Reads a training checkpoint written by ``planner train --checkpoint-dir`` (a ``step-N`` folder,
-or the checkpoint directory itself, whose newest checkpoint is taken) without any process group,
-and writes the fp32 weights under the original model's parameter names, loadable with
+``export deepspeed plan.json`` writes the equivalent ``ds_config.json`` (``planner.report.deepspeed``).
+``export weights CKPT --out model.safetensors`` reads a training checkpoint written by
+``planner train --checkpoint-dir`` (a ``step-N`` folder, or the checkpoint directory itself, whose
+newest checkpoint is taken) without any process group, and writes the fp32 weights under the
+original model's parameter names, loadable with
 ``model.load_state_dict(safetensors.torch.load_file(...), strict=False)``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
-from planner.errors import UserError
+from safetensors.torch import save_file
 
-__all__ = ["export_weights"]
+from planner.errors import UserError
+from planner.plan import load_plan
+from planner.report.deepspeed import launcher_command, to_deepspeed
+from runtime.checkpoint_io import CheckpointError, list_checkpoints, load_model_tensors
+
+__all__ = ["export_weights", "export_deepspeed", "run_export"]
 
 
 def _resolve(path: str) -> str:
-    from runtime.checkpoint_io import list_checkpoints
-
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = list_checkpoints(path)
@@ -28,8 +34,6 @@ def _resolve(path: str) -> str:
 
 
 def export_weights(checkpoint: str, out: str) -> int:
-    from runtime.checkpoint_io import CheckpointError, load_model_tensors
-
     if not os.path.exists(checkpoint):
         raise UserError(f"checkpoint {checkpoint!r} does not exist.")
     path = _resolve(checkpoint)
@@ -37,10 +41,6 @@ def export_weights(checkpoint: str, out: str) -> int:
         tensors = load_model_tensors(path)
     except CheckpointError as e:
         raise UserError(str(e)) from None
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise UserError("export weights needs the safetensors package: pip install safetensors") from None
     tmp = out + ".tmp"
     try:
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, tmp,
@@ -51,3 +51,26 @@ def export_weights(checkpoint: str, out: str) -> int:
             os.remove(tmp)
         raise UserError(f"cannot write {out}: {e}") from None
     return len(tensors)
+
+
+def export_deepspeed(plan_path: str, out: str) -> str:
+    """Write the DeepSpeed config equivalent to a plan (atomically); return the launch command."""
+    plan = load_plan(plan_path)
+    cfg = to_deepspeed(plan)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, out)
+    return launcher_command(plan, out)
+
+
+def run_export(args) -> int:
+    """``planner export deepspeed|weights ...``."""
+    if args.format == "deepspeed":
+        command = export_deepspeed(args.plan, args.out)
+        print(f"Wrote {args.out}. Launch with:\n  {command}")
+        return 0
+    n = export_weights(args.checkpoint, args.out)
+    print(f"Wrote {args.out} ({n} tensors, original model names).")
+    return 0

@@ -1,4 +1,4 @@
-"""``planner plan`` from request to Plan: hardware, layer table, search.
+"""``planner plan``: from the request to the written plan (hardware, layer table, search, report).
 
 The model is traced at micro-batch 1 with symbolic (b, s) costs, so the search substitutes each
 candidate micro-batch size instead of tracing again.
@@ -6,17 +6,28 @@ candidate micro-batch size instead of tracing again.
 
 from __future__ import annotations
 
-from planner.search.request import PlanRequest
+import sys
 
-__all__ = ["plan_from_request", "model_sizes_for"]
+from rich.console import Console
+
+from cost_models.hardware import HardwareProfile, load_hardware
+from planner.frontend.analyze import build_layer_table
+from planner.frontend.bundle import parse_spec
+from planner.frontend.gpt import PRESETS
+from planner.plan import Plan, save_plan
+from planner.report.render import render_plan
+from planner.search.request import PlanRequest
+from planner.search.solve import plan_strategy
+
+__all__ = ["plan_from_request", "model_sizes_for", "request_from_args", "run_plan", "SIZE_FLAGS"]
+
+SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+"""Model size flags of ``plan`` (``--kv-heads`` is ``kv_heads``)."""
 
 
 def model_sizes_for(req: PlanRequest) -> dict:
     """Size overrides recorded in the plan: the user's flags, plus a longer position table when
     ``--seq-len`` exceeds what a built-in GPT preset was built for."""
-    from planner.frontend.gpt import PRESETS
-    from planner.frontend.bundle import parse_spec
-
     sizes = dict(req.sizes)
     kind, name = parse_spec(req.spec)
     if kind == "gpt":
@@ -28,12 +39,8 @@ def model_sizes_for(req: PlanRequest) -> dict:
     return sizes
 
 
-def plan_from_request(req: PlanRequest):
+def plan_from_request(req: PlanRequest) -> tuple[Plan, HardwareProfile]:
     """Return ``(Plan, HardwareProfile)`` for a request; every bad input is a ``UserError``."""
-    from cost_models.hardware import load_hardware
-    from planner.frontend.analyze import build_layer_table
-    from planner.search.solve import plan_strategy
-
     hw = load_hardware(req.hardware, gpus_per_node=req.gpus_per_node or None)
     if not req.gpus_per_node:
         req.gpus_per_node = hw.gpus_per_node
@@ -44,3 +51,34 @@ def plan_from_request(req: PlanRequest):
                               positions=positions, **flags)
     req.sizes = sizes
     return plan_strategy(req, table, hw), hw
+
+
+def request_from_args(args) -> PlanRequest:
+    """The ``plan`` command's flags as a request."""
+    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k, None) is not None}
+    return PlanRequest(
+        spec=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node or 0, hardware=args.hardware,
+        global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, sizes=sizes,
+        dp=args.dp, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
+        checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
+        tp_across_nodes=args.tp_across_nodes,
+    )
+
+
+def run_plan(args) -> int:
+    """``planner plan ...``: search, write plan.json, print the report (or only the JSON)."""
+    plan, hw = plan_from_request(request_from_args(args))
+    save_plan(plan, args.out)
+    if args.json:
+        sys.stdout.write(plan.to_json())
+    else:
+        console = Console()
+        render_plan(plan, hw, console)
+        console.print(f"\nWrote [bold]{args.out}[/bold].")
+    if args.plot:
+        from planner.report.plot import plot_plan  # matplotlib: only when a plot is asked for
+
+        plot_plan(plan, args.plot, hw=hw)
+        if not args.json:
+            print(f"Wrote {args.plot}.")
+    return 0

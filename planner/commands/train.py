@@ -32,7 +32,7 @@ def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str,
 
 
 def compile_for_training(plan: Plan, plan_path: str, out: str | None) -> str:
-    from codegen.compile import compile_plan
+    from planner.commands.compile import compile_plan
 
     out = out or os.path.splitext(os.path.abspath(plan_path))[0] + ".compiled"
     compile_plan(plan, out)

@@ -56,7 +56,8 @@ from planner.frontend.gpt import PRESETS
 from planner.frontend.zoo import build_model
 from runtime.dtypes import to_torch
 
-__all__ = ["Traced", "trace_model", "find_block_container", "resolve_dtype", "SHALLOW_LAYERS"]
+__all__ = ["Traced", "trace_model", "export_training_module", "find_block_container", "resolve_dtype",
+           "SHALLOW_LAYERS"]
 
 SHALLOW_LAYERS = 2
 """Blocks in the shallow copy of a zoo model: two, so the traced blocks can be compared."""
@@ -458,3 +459,25 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
                          seq_len=bundle.seq_len, params=nparams, sizes={})
     tr.seconds = time.perf_counter() - t0
     return tr
+
+
+# --------------------------------------------------------------------------------------------
+# The trainable export that codegen lowers
+
+
+def export_training_module(spec: str, sizes: dict, *, dtype: str, batch: int, seq_len: int
+                           ) -> tuple[fx.GraphModule, list[str], ModelBundle]:
+    """Export the plan's model on meta at one micro-batch of ``batch`` x ``seq_len``.
+
+    Returns ``(ep.module(), block paths, bundle)``: the trainable form, whose parameters are
+    ``get_attr`` nodes named by their original FQN, with static shapes.
+    """
+    bundle = build_model(spec, device="meta", batch=batch, dtype=to_torch(dtype), **sizes)
+    if bundle.kind != "file":
+        bundle.example_inputs = bundle.make_inputs(batch, seq_len, device="meta")
+    try:
+        ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
+    except Exception as e:  # every export failure becomes one readable message
+        raise explain_export_error(e, spec) from e
+    _, block_paths = find_block_container(bundle.model)
+    return ep.module(), block_paths, bundle

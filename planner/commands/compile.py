@@ -1,0 +1,36 @@
+"""``planner compile``: export the plan's model (front end) and lower it into stage files (codegen)."""
+
+from __future__ import annotations
+
+from codegen.compile import ExportedModel, compile_exported
+from planner.frontend.bundle import ModelBundle
+from planner.frontend.trace import export_training_module
+from planner.plan import Plan, load_plan
+
+__all__ = ["compile_plan", "model_dims", "run_compile"]
+
+
+def model_dims(bundle: ModelBundle, sizes: dict) -> dict[str, int]:
+    """The sizes tensor parallelism must divide: the bundle's hidden, heads, kv_heads, vocab and
+    the ``ffn`` size flag, where known (non-zero)."""
+    dims = {k: getattr(bundle, k, 0) for k in ("hidden", "heads", "kv_heads", "vocab")}
+    dims.update({k: v for k, v in (sizes or {}).items() if k == "ffn"})
+    return {k: v for k, v in dims.items() if v}
+
+
+def compile_plan(plan: Plan, out_dir: str) -> dict:
+    """Write ``stage_<k>.py`` per pipeline stage and ``manifest.json`` into ``out_dir``; return
+    the manifest."""
+    gm, block_paths, bundle = export_training_module(plan.model.spec, plan.model.sizes, dtype=plan.dtype,
+                                                     batch=plan.micro_batch_size, seq_len=plan.seq_len)
+    model = ExportedModel(module=gm, block_paths=block_paths, vocab=bundle.vocab,
+                          dims=model_dims(bundle, plan.model.sizes))
+    return compile_exported(plan, model, out_dir)
+
+
+def run_compile(args) -> int:
+    """``planner compile plan.json --out DIR``."""
+    man = compile_plan(load_plan(args.plan), args.out)
+    files = ", ".join(s["file"] for s in man["stages"])
+    print(f"Compiled {args.plan} into {args.out}: {files} + manifest.json (plan {man['plan_hash']}).")
+    return 0
