@@ -154,7 +154,7 @@ class BenchConfig:
 
 def make_plan(cfg: BenchConfig, pair: str):
     """The plan our side of ``pair`` runs (predictions are placeholders: the runtime ignores them)."""
-    from planner.plan import manual_plan
+    from tests.helpers import manual_plan
 
     w = cfg.world
     if pair == "pp":
@@ -329,7 +329,7 @@ class TorchPPSide(Side):
     def __init__(self, cfg, rank, world):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        from planner.plan import even_stages
+        from tests.helpers import even_stages
 
         super().__init__(cfg, rank, world)
         first, last = even_stages(cfg.layers, world)[rank]

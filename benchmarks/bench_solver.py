@@ -12,7 +12,7 @@ the closed-form one the tests use (``tests/test_strategy.gpt_table``), so the fi
 the search and the ILPs, not tracing; ``--traced`` builds the real table through
 ``passes.layer_table`` instead (only the table differs, and it is not timed).
 
-Columns: ``plan_s`` is the whole of :func:`planner.search.solve.plan_strategy` (enumeration, candidate
+Columns: ``plan_s`` is the whole of :func:`planner.search.solve.solve` (enumeration, candidate
 costs, bounds, greedy seeds, ILPs, plan assembly; for an infeasible cluster, the exact least-
 memory search behind the error message); ``ilp_s`` the part spent building and solving ILPs.
 Target (issue 4): under 5 s for 96 layers on 1024 devices, near-linear growth in layers.
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from cost_models.hardware import load_hardware  # noqa: E402
-from planner.search.solve import NoFeasiblePlan, plan_strategy
+from planner.search.solve import NoFeasiblePlan, solve
 from planner.search.request import PlanRequest
 
 LAYERS = (24, 48, 96, 128)
@@ -55,8 +55,8 @@ def run_one(layers: int, gpus: int, table, solver: str) -> dict:
     t0 = time.perf_counter()
     row = {"layers": layers, "gpus": gpus, "solver": solver}
     try:
-        plan = plan_strategy(req, table, hw, solver=solver)
-        s = plan.search
+        solution = solve(req, table, hw, solver=solver)
+        plan, s = solution.plan, solution.search
         row.update(plan_s=time.perf_counter() - t0, ilp_s=s.solver_seconds, candidates=s.enumerated,
                    ilps=s.solved, pruned=s.pruned_time + s.pruned_memory,
                    result=f"dp={plan.dp} tp={plan.tp} pp={plan.pp} z{plan.zero_stage} "

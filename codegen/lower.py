@@ -264,121 +264,139 @@ def emit_stage_source(
     param_shape: Callable[[str], torch.Tensor] | None = None,
     rewrite=None,
 ) -> tuple[str, dict]:
-    """Return (source of ``stage_<k>.py``, {module attribute path: original FQN})."""
-    get = param_shape or (lambda fqn: get_tensor(gm, fqn))
-    classes: dict[str, str] = {}  # class body (normalized) -> class name
-    class_src: list[str] = []
-    all_globals: dict = {}
-    body_lines = []
-    init_lines = []
-    param_map: dict[str, str] = {}
-    value_name: dict[fx.Node, str] = {}
+    """Return (source of ``stage_<k>.py``, {module attribute path: original FQN}).
 
-    for attr, fqn in spec.shared.items():
-        t = get(fqn)
-        kind = "Parameter" if isinstance(t, torch.nn.Parameter) or t.requires_grad else "buffer"
-        if kind == "Parameter":
-            init_lines.append(f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})")
-        else:
-            init_lines.append(f"self.register_buffer({attr!r}, {_tensor_ctor(t)})")
-        param_map[attr] = fqn
-
-    def vname(n: fx.Node) -> str:
-        if n not in value_name:
-            value_name[n] = safe_ident(n.name, prefix="v_")
-        return value_name[n]
-
-    shared_by_fqn = {fqn: attr for attr, fqn in spec.shared.items()}
+    The file is written in three steps: the weights shared between the stage's layers become
+    attributes of the stage (``_StageSource.add_shared``); each layer becomes a submodule whose
+    class holds its parameters and straight-line forward, identical layers sharing one class
+    (``add_layer``); then the stage class calls them in order, wrapping the recomputed layers in
+    ``runtime.checkpoint`` (``render``).
+    """
+    out = _StageSource(gm, layers, spec, param_shape or (lambda fqn: get_tensor(gm, fqn)), rewrite)
+    out.add_shared()
     for li in spec.layers:
-        lg = layers[li]
-        src, glb, in_names = _layer_graph_code(lg, rewrite)
-        for k, v in glb.items():
-            if k in all_globals and all_globals[k] is not v:
-                raise LoweringError(f"conflicting generated global {k!r}")
-            all_globals[k] = v
-        # Parameters of this layer as constructor lines.
-        pinit = []
-        for local, fqn in lg.params.items():
-            t = get(fqn)
-            if isinstance(t, torch.nn.Parameter):
-                pinit.append(f"        self.{local} = torch.nn.Parameter({_tensor_ctor(t)})")
+        out.add_layer(li, recompute=li in checkpoint_layers)
+    return out.render(header, num_stages), out.param_map
+
+
+def _param_line(attr: str, t: torch.Tensor) -> str:
+    """The constructor line of one parameter (or buffer) of a generated module."""
+    if isinstance(t, torch.nn.Parameter):
+        return f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})"
+    return f"self.register_buffer({attr!r}, {_tensor_ctor(t)})"
+
+
+class _StageSource:
+    """The pieces of one stage file as they are collected, and their final assembly."""
+
+    def __init__(self, gm: fx.GraphModule, layers: list[LayerGraph], spec: StageSpec,
+                 get: Callable[[str], torch.Tensor], rewrite):
+        self.layers, self.spec, self.get, self.rewrite = layers, spec, get, rewrite
+        self.classes: dict[str, str] = {}  # class body -> class name
+        self.class_src: list[tuple[str, str, list[str]]] = []  # (name, body, layer names)
+        self.globals: dict = {}
+        self.init_lines: list[str] = []
+        self.body_lines: list[str] = []
+        self.param_map: dict[str, str] = {}
+        self.value_name: dict[fx.Node, str] = {}
+        self.shared_by_fqn = {fqn: attr for attr, fqn in spec.shared.items()}
+
+    def vname(self, n: fx.Node) -> str:
+        """The variable holding value ``n`` in the stage's forward."""
+        if n not in self.value_name:
+            self.value_name[n] = safe_ident(n.name, prefix="v_")
+        return self.value_name[n]
+
+    def add_shared(self) -> None:
+        """Weights read by several layers of the stage: attributes of the stage itself."""
+        for attr, fqn in self.spec.shared.items():
+            t = self.get(fqn)
+            if isinstance(t, torch.nn.Parameter) or t.requires_grad:
+                self.init_lines.append(f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})")
             else:
-                pinit.append(f"        self.register_buffer({local!r}, {_tensor_ctor(t)})")
-        method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
-        body = ("    def __init__(self, device=None):\n        super().__init__()\n"
-                + ("\n".join(pinit) + "\n" if pinit else "") + "\n" + method + "\n")
-        kind = "Block" if not lg.name.startswith("(") and li not in (0, len(layers) - 1) else \
-            ("Pre" if li == 0 else ("Post" if li == len(layers) - 1 else "Layer"))
-        if body not in classes:
-            base = kind
-            name = base
-            i = 2
-            while name in classes.values():
-                name = f"{base}{i}"
-                i += 1
-            classes[body] = name
-            class_src.append((name, body, [lg.name]))
-        else:
-            for entry in class_src:
-                if entry[0] == classes[body]:
-                    entry[2].append(lg.name)
-        cls = classes[body]
+                self.init_lines.append(f"self.register_buffer({attr!r}, {_tensor_ctor(t)})")
+            self.param_map[attr] = fqn
+
+    def add_layer(self, li: int, recompute: bool) -> None:
+        """Layer-table row ``li``: its class (shared with identical layers), its attribute and
+        its call in the stage's forward."""
+        lg = self.layers[li]
+        cls = self._layer_class(li, lg)
         attr = f"layer_{li}"
-        init_lines.append(f"self.{attr} = {cls}(device)  # {lg.name!r}"[:200])
+        self.init_lines.append(f"self.{attr} = {cls}(device)  # {lg.name!r}"[:200])
         for local, fqn in lg.params.items():
-            param_map[f"{attr}.{local}"] = fqn
-        # Call site in the stage's forward.
+            self.param_map[f"{attr}.{local}"] = fqn
         args = []
         for x in lg.inputs:
             if x.op == "get_attr":
-                args.append(f"self.{shared_by_fqn[x.target]}")
+                args.append(f"self.{self.shared_by_fqn[x.target]}")
             elif x.op == "placeholder":
                 args.append(safe_ident(x.name))
             else:
-                args.append(vname(x))
-        outs = [vname(o) for o in lg.outputs]
+                args.append(self.vname(x))
+        outs = [self.vname(o) for o in lg.outputs]
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
-        if li in checkpoint_layers:
-            body_lines.append(f"{lhs} = runtime.checkpoint(self.{attr}, {', '.join(args)})")
-        else:
-            body_lines.append(f"{lhs} = self.{attr}({', '.join(args)})")
+        call = f"runtime.checkpoint(self.{attr}, {', '.join(args)})" if recompute else \
+            f"self.{attr}({', '.join(args)})"
+        self.body_lines.append(f"{lhs} = {call}")
 
-    recv_names = [vname(n) for n in spec.recv]
-    params = recv_names + [safe_ident(d) for d in spec.data_inputs]
-    sends = [vname(n) for n in spec.send]
-    ret = sends[0] if len(sends) == 1 and spec.index == num_stages - 1 else \
-        "(" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")"
-    out = [header.rstrip(), "", "import torch", "", "import runtime"]
-    used_src = "\n".join(body for _, body, _ in class_src)
-    out += imports_for({k: v for k, v in all_globals.items()
-                        if re.search(rf"\b{re.escape(k)}\b", used_src)})
-    out += ["", ""]
-    for name, body, names in class_src:
-        shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
-        out.append(f"class {name}(torch.nn.Module):")
-        out.append(f'    """Layer(s): {_doc_safe(shown)}."""')
-        out.append("")
-        out.append(body.rstrip())
-        out.append("")
-        out.append("")
-    cls_name = f"Stage{spec.index}"
-    out.append(f"class {cls_name}(torch.nn.Module):")
-    out.append(f'    """Pipeline stage {spec.index} of {num_stages}: layer-table rows '
-               f'{spec.layers[0]}..{spec.layers[-1]}."""')
-    out.append("")
-    out.append(f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}")
-    out.append(f"    RECV = {tuple(recv_names)!r}")
-    out.append(f"    SEND = {tuple(sends)!r}")
-    out.append("")
-    out.append("    def __init__(self, device=None):")
-    out.append("        super().__init__()")
-    out += ["        " + ln for ln in init_lines]
-    out.append("")
-    out.append(f"    def forward(self, {', '.join(params)}):")
-    out += ["        " + ln for ln in body_lines]
-    out.append(f"        return {ret}")
-    out.append("")
-    return "\n".join(out), param_map
+    def _layer_class(self, li: int, lg: LayerGraph) -> str:
+        """The name of the class that runs layer ``li`` (a new one unless an identical exists)."""
+        src, glb, _ = _layer_graph_code(lg, self.rewrite)
+        for k, v in glb.items():
+            if k in self.globals and self.globals[k] is not v:
+                raise LoweringError(f"conflicting generated global {k!r}")
+            self.globals[k] = v
+        pinit = ["        " + _param_line(local, self.get(fqn)) for local, fqn in lg.params.items()]
+        method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
+        body = ("    def __init__(self, device=None):\n        super().__init__()\n"
+                + ("\n".join(pinit) + "\n" if pinit else "") + "\n" + method + "\n")
+        if body in self.classes:
+            name = self.classes[body]
+            next(entry for entry in self.class_src if entry[0] == name)[2].append(lg.name)
+            return name
+        last = len(self.layers) - 1
+        base = "Block" if not lg.name.startswith("(") and li not in (0, last) else \
+            ("Pre" if li == 0 else ("Post" if li == last else "Layer"))
+        name, i = base, 2
+        while name in self.classes.values():
+            name, i = f"{base}{i}", i + 1
+        self.classes[body] = name
+        self.class_src.append((name, body, [lg.name]))
+        return name
+
+    def render(self, header: str, num_stages: int) -> str:
+        """The whole file: header, imports, layer classes, the stage class."""
+        spec = self.spec
+        recv_names = [self.vname(n) for n in spec.recv]
+        params = recv_names + [safe_ident(d) for d in spec.data_inputs]
+        sends = [self.vname(n) for n in spec.send]
+        ret = sends[0] if len(sends) == 1 and spec.index == num_stages - 1 else \
+            "(" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")"
+        out = [header.rstrip(), "", "import torch", "", "import runtime"]
+        used_src = "\n".join(body for _, body, _ in self.class_src)
+        out += imports_for({k: v for k, v in self.globals.items()
+                            if re.search(rf"\b{re.escape(k)}\b", used_src)})
+        out += ["", ""]
+        for name, body, names in self.class_src:
+            shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
+            out += [f"class {name}(torch.nn.Module):", f'    """Layer(s): {_doc_safe(shown)}."""', "",
+                    body.rstrip(), "", ""]
+        out += [f"class Stage{spec.index}(torch.nn.Module):",
+                f'    """Pipeline stage {spec.index} of {num_stages}: layer-table rows '
+                f'{spec.layers[0]}..{spec.layers[-1]}."""',
+                "",
+                f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}",
+                f"    RECV = {tuple(recv_names)!r}",
+                f"    SEND = {tuple(sends)!r}",
+                "",
+                "    def __init__(self, device=None):",
+                "        super().__init__()"]
+        out += ["        " + ln for ln in self.init_lines]
+        out += ["", f"    def forward(self, {', '.join(params)}):"]
+        out += ["        " + ln for ln in self.body_lines]
+        out += [f"        return {ret}", ""]
+        return "\n".join(out)
 
 
 def _doc_safe(s: str) -> str:

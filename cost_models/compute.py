@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
+
 from .hardware import HardwareProfile, ProfileError
 
 __all__ = [
@@ -57,8 +59,6 @@ def _is_symbolic(x: Any) -> bool:
 def smax(a: Any, b: Any) -> Any:
     """``max`` that also works on sympy expressions (``sympy.Max``)."""
     if _is_symbolic(a) or _is_symbolic(b):
-        import sympy
-
         return sympy.Max(a, b)
     return a if a >= b else b
 
@@ -66,8 +66,6 @@ def smax(a: Any, b: Any) -> Any:
 def smin(a: Any, b: Any) -> Any:
     """``min`` that also works on sympy expressions (``sympy.Min``)."""
     if _is_symbolic(a) or _is_symbolic(b):
-        import sympy
-
         return sympy.Min(a, b)
     return a if a <= b else b
 

@@ -104,6 +104,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
 from cost_models.comm import (
     GroupPlacement,
     axis_placement,
@@ -128,60 +129,34 @@ from cost_models.memory import (
 )
 
 __all__ = [
-    "SYMBOLIC_FIELDS", "INT_FIELDS", "NumericTable", "Candidate", "Strategy", "LayerCost",
+    "NumericTable", "Candidate", "Strategy", "LayerCost",
     "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields", "memory_bound",
     "pipeline_time",
     "boundary_placements",
 ]
 
-#: Layer-table fields that are sympy expressions in (micro-batch size, sequence length).
-#: ``tp_allreduce_bwd_bytes`` is optional: a table without it all-reduces in backward what it
-#: does in forward.
-SYMBOLIC_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
-                   "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
-                   "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
-                   "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes")
-#: Layer-table fields that are plain integers.
-INT_FIELDS = ("param_count", "param_count_tp", "buffer_bytes", "num_ops", "tp_allreduce_calls",
-              "tp_allreduce_bwd_calls")
-
-
 class NumericTable:
     """A layer table with its symbolic costs turned into numbers, cached per ``(b, s)``.
 
-    Uses the table's own ``numeric(b, s)`` when it has one (``passes.layer_table.LayerTable``:
-    it also rejects sizes the trace fixed); otherwise each distinct expression is compiled once
-    with ``sympy.lambdify`` (identical blocks share expressions, so a 96-block table costs about
-    as much as a 3-layer one). ``groups`` lists the distinct rows, which is what the per-candidate
-    costs are computed from.
+    Reads the one layer-table schema (``passes.layer_table``: ``EXPR_FIELDS`` and ``INT_FIELDS``);
+    ``LayerTable.numeric`` compiles each distinct expression once (identical blocks share
+    expressions, so a 96-block table costs about as much as a 3-layer one) and rejects sizes the
+    trace fixed. ``groups`` lists the distinct rows, which is what the per-candidate costs are
+    computed from.
     """
 
-    def __init__(self, table: Any):
+    def __init__(self, table: LayerTable):
         self.table = table
         self.layers = list(table.layers)
         if not self.layers:
             raise ValueError("the layer table is empty")
-        self.names = [str(getattr(lay, "name", f"layer{i}")) for i, lay in enumerate(self.layers)]
-        self.kinds = [str(getattr(lay, "kind", "block")) for lay in self.layers]
-        model = dict(getattr(table, "model", {}) or {})
-        self.model = model
+        self.names = [lay.name for lay in self.layers]
+        self.kinds = [lay.kind for lay in self.layers]
+        self.model = dict(table.model)
         self.num_blocks = sum(1 for k in self.kinds if k == "block")
-        self.tied = [t for t in getattr(table, "tied", []) or [] if t["layers"][0] < t["layers"][1]]
+        self.tied = [t for t in table.tied if t["layers"][0] < t["layers"][1]]
         """Weights read by several rows (``LayerTable.tied``): no pipeline cut may fall between."""
-        self._syms = (getattr(table, "b", None), getattr(table, "s", None))
-        self._funcs: dict[Any, Any] = {}
         self._rows: dict[tuple, Any] = {}
-
-    def _value(self, expr: Any, b: int, s: int) -> float:
-        if isinstance(expr, (int, float)):
-            return float(expr)
-        f = self._funcs.get(expr)
-        if f is None:
-            import sympy
-
-            f = sympy.lambdify(self._syms, expr, "math")
-            self._funcs[expr] = f
-        return float(f(b, s))
 
     def groups(self, b: int, s: int) -> tuple[list[dict[str, float]], list[int]]:
         """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
@@ -190,7 +165,7 @@ class NumericTable:
             distinct: dict[tuple, int] = {}
             reps, index = [], []
             for row in self.rows(b, s):
-                k = tuple(row[f] for f in SYMBOLIC_FIELDS + INT_FIELDS)
+                k = tuple(row[f] for f in EXPR_FIELDS + INT_FIELDS)
                 if k not in distinct:
                     distinct[k] = len(reps)
                     reps.append(row)
@@ -199,25 +174,13 @@ class NumericTable:
         return self._rows[key]
 
     def rows(self, b: int, s: int) -> list[dict[str, float]]:
-        """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached)."""
+        """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached): every
+        ``EXPR_FIELDS`` entry as a float, every ``INT_FIELDS`` entry as an int."""
         key = (b, s)
         if key not in self._rows:
-            native = getattr(self.table, "numeric", None)
-            src = native(b, s) if callable(native) else None
             out = []
-            for i, lay in enumerate(self.layers):
-                if src is not None:
-                    row = {f: float(src[i].get(f, 0.0)) for f in SYMBOLIC_FIELDS}
-                    if "tp_allreduce_bwd_bytes" not in src[i]:
-                        row["tp_allreduce_bwd_bytes"] = row["tp_allreduce_bytes"]
-                else:
-                    row = {f: self._value(getattr(lay, f, 0), b, s) for f in SYMBOLIC_FIELDS
-                           if f != "tp_allreduce_bwd_bytes"}
-                    bwd = getattr(lay, "tp_allreduce_bwd_bytes", None)
-                    row["tp_allreduce_bwd_bytes"] = (row["tp_allreduce_bytes"] if bwd is None
-                                                     else self._value(bwd, b, s))
-                for f in INT_FIELDS:
-                    row[f] = int(getattr(lay, f, 0) or 0)
+            for row in self.table.numeric(b, s):
+                row.update({f: int(row[f]) for f in INT_FIELDS})
                 out.append(row)
             self._rows[key] = out
         return self._rows[key]
@@ -227,7 +190,7 @@ class NumericTable:
         return sum(r["fwd_flops"] + r["bwd_flops"] for r in self.rows(1, s))
 
     def total_params(self) -> int:
-        return int(sum(int(getattr(lay, "param_count", 0) or 0) for lay in self.layers))
+        return int(sum(lay.param_count for lay in self.layers))
 
 
 @dataclass(frozen=True, order=True)
@@ -395,9 +358,9 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
 
     def split(name: str) -> float:  # the part tp divides, divided; the rest whole
-        v = row.get(name, 0.0) - row.get(name + "_tp", 0.0) + row.get(name + "_tp", 0.0) / tp
+        v = row[name] - row[name + "_tp"] + row[name + "_tp"] / tp
         if tp > 1 and name in ("fwd_bytes", "bwd_bytes"):  # the runtime's vocab-parallel loss
-            v = max(v + row.get("tp_loss_" + name, 0.0) / tp, 0.0)
+            v = max(v + row["tp_loss_" + name] / tp, 0.0)
         return v
 
     n_tp = row["param_count_tp"]
@@ -406,7 +369,7 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
     # forward op). Backward also accumulates each micro-batch's weight gradients into the
     # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
-    ops = row.get("num_ops", 0.0) * hw.op_overhead_s
+    ops = row["num_ops"] * hw.op_overhead_s
     accumulate = 3 * P * bytes_per_param(dtype)["grads"]
     dev_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype))
     dev_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype)
@@ -426,15 +389,15 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
     t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
     if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
-        t_tp += row.get("tp_allreduce_calls", 0) * hw.sync_overhead_s
-        t_tp_bwd += row.get("tp_allreduce_bwd_calls", 0) * hw.sync_overhead_s
+        t_tp += row["tp_allreduce_calls"] * hw.sync_overhead_s
+        t_tp_bwd += row["tp_allreduce_bwd_calls"] * hw.sync_overhead_s
     # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
     # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
     # residual stream, is not run again.
     t_tp_rec, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
     if tp > 1:
         skipped = int(row["boundary_bytes"] > 0 and row["tp_allreduce_bytes"] >= row["boundary_bytes"])
-        t_tp_rec += max(row.get("tp_allreduce_calls", 0) - skipped, 0) * hw.sync_overhead_s
+        t_tp_rec += max(row["tp_allreduce_calls"] - skipped, 0) * hw.sync_overhead_s
     base = model_state_bytes(P, dtype, z, dp)
     peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True)
     colls = zero_dp_collectives(P, dtype, z, dp)
@@ -451,7 +414,7 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
     opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
-    largest = max(row.get("peak_act_bytes", 0.0), row.get("peak_act_bytes_tp", 0.0) / tp)
+    largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
     return LayerCost(
         compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=hw.recompute_ratio * t_f + t_tp_rec,
         zero_mb_s=zmb_t, dp_step_s=step_t,

@@ -43,6 +43,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
@@ -265,8 +266,6 @@ class CostReplay(fx.Interpreter):
         return args
 
     def replay(self) -> None:
-        from torch._guards import detect_fake_mode
-
         vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
         fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         if fake_mode is None:

@@ -4,7 +4,7 @@ Every field of the contract in ``shared/CONVENTIONS.md`` is here with its meanin
 checks its invariants in ``__post_init__`` (``dp*tp*pp == gpus``, ``global_batch == dp *
 micro_batch_size * num_micro_batches``, contiguous stages covering the layer table, ...), so a
 plan that exists is a plan the runtime can run. ``load_plan`` turns any malformed file into a
-``UserError`` that names the field and what it should be.
+``PlanError`` that names the field and what it should be.
 """
 
 from __future__ import annotations
@@ -17,19 +17,31 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import UserError
+from runtime.dtypes import DTYPES
 
-__all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative",
-           "load_plan", "save_plan", "SCHEMA_VERSION", "DTYPES", "plan_hash", "manual_plan",
-           "even_stages"]
+__all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative", "PlanError",
+           "load_plan", "save_plan", "SCHEMA_VERSION", "MEMORY_KEYS", "TIME_KEYS", "TIME_LABELS", "plan_hash"]
 
 SCHEMA_VERSION = 1
-DTYPES = ("bf16", "fp16", "fp32")
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer")
+TIME_LABELS = {
+    "compute": "compute (forward + backward)",
+    "recompute": "recompute (checkpointed layers)",
+    "tp_comm": "TP all-reduces",
+    "pp_bubble": "pipeline bubble + stage transfers",
+    "dp_comm": "DP / ZeRO communication",
+    "optimizer": "optimizer step",
+}
+"""What each ``predicted.time`` key means, as the report and the runners-up say it."""
+
+
+class PlanError(UserError):
+    """A plan.json that is missing, unreadable or breaks the schema (the message names the field)."""
 
 
 def _fail(where: str, msg: str) -> None:
-    raise UserError(f"plan: {where} {msg}")
+    raise PlanError(f"plan: {where} {msg}")
 
 
 def _check_int(where: str, v: Any, lo: int | None = None) -> None:
@@ -294,22 +306,22 @@ def _build(cls, d: Any, where: str):
 
 
 def load_plan(path: str) -> Plan:
-    """Read and validate a plan.json; every problem becomes a ``UserError``."""
+    """Read and validate a plan.json; every problem becomes a ``PlanError``."""
     if not os.path.exists(path):
-        raise UserError(f"Plan file {path!r} does not exist. Create one with `planner plan ... --out {path}`.")
+        raise PlanError(f"Plan file {path!r} does not exist. Create one with `planner plan ... --out {path}`.")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise UserError(f"Plan file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).") from None
+        raise PlanError(f"Plan file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"Cannot read plan file {path}: {e}.") from None
+        raise PlanError(f"Cannot read plan file {path}: {e}.") from None
     try:
         return Plan.from_dict(data)
-    except UserError as e:
-        raise UserError(f"{path}: {e}") from None
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
     except TypeError as e:  # an unexpected structure that slipped past the field checks
-        raise UserError(f"{path}: malformed plan ({e}).") from None
+        raise PlanError(f"{path}: malformed plan ({e}).") from None
 
 
 def save_plan(plan: Plan, path: str) -> None:
@@ -334,36 +346,3 @@ def plan_hash(plan: Plan) -> str:
                               "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
                               "checkpoint_layers")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def even_stages(layers: int, pp: int) -> list[list[int]]:
-    """``pp`` contiguous ``[first, last]`` ranges of equal size over the L + 2 layer-table rows."""
-    rows = layers + 2
-    cuts = [round(i * rows / pp) for i in range(pp + 1)]
-    return [[cuts[i], cuts[i + 1] - 1] for i in range(pp)]
-
-
-def manual_plan(spec: str, sizes: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-                mbs: int = 1, m: int = 1, dtype: str = "fp32", checkpoint=(), stages=None,
-                hardware: str = "cpu", seq_len: int | None = None) -> Plan:
-    """A plan whose decisions are given by hand and that predicts nothing (every predicted
-    number is 0): a fixed layout for tests and benchmarks, valid for ``compile`` and ``train``.
-    ``sizes`` must contain ``layers``; ``seq_len`` defaults to ``sizes['seq_len']`` (else 16)."""
-    sizes = dict(sizes)
-    n = dp * tp * pp
-    zero_mem = {k: 0 for k in MEMORY_KEYS}
-    return Plan.from_dict({
-        "schema_version": SCHEMA_VERSION,
-        "model": {"spec": spec, "params": 0, "layers": sizes["layers"], "flops_per_step": 0.0,
-                  "sizes": sizes, "layer_names": []},
-        "hardware": {"name": hardware, "gpus": n, "gpus_per_node": n},
-        "global_batch": mbs * m * dp, "seq_len": seq_len or sizes.get("seq_len", 16), "dtype": dtype,
-        "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero, "micro_batch_size": mbs, "num_micro_batches": m,
-        "stages": stages if stages is not None else even_stages(sizes["layers"], pp),
-        "checkpoint_layers": list(checkpoint),
-        "predicted": {"step_time_s": 0.0, "peak_memory_bytes": 0, "tflops_per_device": 0.0, "mfu": 0.0,
-                      "comm_bytes_per_device": 0.0, "bubble_fraction": 0.0, "memory": zero_mem,
-                      "time": {k: 0.0 for k in TIME_KEYS}},
-        "solver": {"name": "manual", "seconds": 0.0, "status": "given", "candidates": 1},
-        "alternatives": [],
-    })

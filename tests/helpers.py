@@ -6,14 +6,47 @@ import json
 
 import torch
 
-from planner.plan import Plan, manual_plan, save_plan
+from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
 
 TINY_GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 TINY_LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64, "seq_len": 16}
 
 
+def even_stages(layers: int, pp: int) -> list[list[int]]:
+    """``pp`` contiguous ``[first, last]`` ranges of equal size over the L + 2 layer-table rows."""
+    rows = layers + 2
+    cuts = [round(i * rows / pp) for i in range(pp + 1)]
+    return [[cuts[i], cuts[i + 1] - 1] for i in range(pp)]
+
+
+def manual_plan(spec: str, sizes: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
+                mbs: int = 1, m: int = 1, dtype: str = "fp32", checkpoint=(), stages=None,
+                hardware: str = "cpu", seq_len: int | None = None) -> Plan:
+    """A plan whose decisions are given by hand and that predicts nothing (every predicted
+    number is 0): a fixed layout for tests and benchmarks, valid for ``compile`` and ``train``.
+    ``sizes`` must contain ``layers``; ``seq_len`` defaults to ``sizes['seq_len']`` (else 16)."""
+    sizes = dict(sizes)
+    n = dp * tp * pp
+    zero_mem = {k: 0 for k in MEMORY_KEYS}
+    return Plan.from_dict({
+        "schema_version": SCHEMA_VERSION,
+        "model": {"spec": spec, "params": 0, "layers": sizes["layers"], "flops_per_step": 0.0,
+                  "sizes": sizes, "layer_names": []},
+        "hardware": {"name": hardware, "gpus": n, "gpus_per_node": n},
+        "global_batch": mbs * m * dp, "seq_len": seq_len or sizes.get("seq_len", 16), "dtype": dtype,
+        "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero, "micro_batch_size": mbs, "num_micro_batches": m,
+        "stages": stages if stages is not None else even_stages(sizes["layers"], pp),
+        "checkpoint_layers": list(checkpoint),
+        "predicted": {"step_time_s": 0.0, "peak_memory_bytes": 0, "tflops_per_device": 0.0, "mfu": 0.0,
+                      "comm_bytes_per_device": 0.0, "bubble_fraction": 0.0, "memory": zero_mem,
+                      "time": {k: 0.0 for k in TIME_KEYS}},
+        "solver": {"name": "manual", "seconds": 0.0, "status": "given", "candidates": 1},
+        "alternatives": [],
+    })
+
+
 def make_plan(spec: str = "gpt", sizes: dict | None = None, *, mbs=2, m=2, **decisions) -> Plan:
-    """A hand-made plan (``planner.plan.manual_plan``) of a tiny model, 2 micro-batches of 2."""
+    """A hand-made plan (``manual_plan``) of a tiny model, 2 micro-batches of 2."""
     return manual_plan(spec, sizes or TINY_GPT, mbs=mbs, m=m, **decisions)
 
 

@@ -25,7 +25,8 @@ from torch.testing import assert_close
 from codegen import tp_rewrite
 from planner.commands.compile import compile_plan
 from codegen.tp_rewrite import TPRewriteError, analyze_tp, reshape_shard
-from planner.plan import Plan, manual_plan
+from planner.plan import Plan
+from tests.helpers import manual_plan
 
 GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 51, "seq_len": 8}
 LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 48, "vocab": 64, "seq_len": 8}

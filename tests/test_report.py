@@ -10,33 +10,41 @@ import pytest
 from rich.console import Console
 
 from cost_models.hardware import load_hardware
-from planner.report.deepspeed import launcher_command, to_deepspeed
-from planner.search.solve import plan_strategy
 from planner.plan import Plan, load_plan, save_plan
+from planner.report.deepspeed import launcher_command, to_deepspeed
 from planner.report.plot import plot_plan, stage_times
-from planner.report.render import alternative_reason, compress_ranges, format_bytes, format_seconds, rank_layout, render_plan
+from planner.report.render import rank_layout, render_plan
+from planner.search.alternatives import alternative_reason
 from planner.search.request import PlanRequest
+from planner.search.solve import solve
+from planner.units import compress_ranges, format_bytes, format_seconds
 from test_strategy import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
 
 
 @pytest.fixture(scope="module")
-def plan():
+def solution():
     table = gpt_table(layers=12, hidden=2048, heads=16, vocab=32000)
     req = PlanRequest(spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=128,
                       seq_len=2048, pp=4, tp=2, sizes={"layers": 12})
-    return plan_strategy(req, table, HW)
+    return solve(req, table, HW)
 
 
-def _render(plan) -> str:
+@pytest.fixture(scope="module")
+def plan(solution):
+    return solution.plan
+
+
+def _render(plan, solution=None) -> str:
     buf = io.StringIO()
-    render_plan(plan, HW, Console(file=buf, width=220, color_system=None))
+    render_plan(plan, HW, Console(file=buf, width=220, color_system=None), solution)
     return buf.getvalue()
 
 
-def test_report_shows_every_part(plan):
-    out = _render(plan)
+def test_report_shows_every_part(solution):
+    plan = solution.plan
+    out = _render(plan, solution)
     for text in ("dp=4  tp=2  pp=4", "ZeRO stage", f"{plan.num_micro_batches} micro-batches of "
                  f"{plan.micro_batch_size}", "Pipeline stages", "params", "grads", "optimizer", "activations",
                  "capacity", "80.00 GiB", "compute (forward + backward)", "recompute", "TP all-reduces",
@@ -69,9 +77,9 @@ def test_rank_layout_maps_ranks_to_nodes():
     assert rows["TP groups"] == "none (tp=1)" and rows["stage 0"] == "ranks 0-15 on nodes 0-1"
 
 
-def test_alternative_reasons_name_the_part_that_grew(plan):
-    best = plan.evaluation
-    for alt in plan.search.alternatives(3):
+def test_alternative_reasons_name_the_part_that_grew(solution):
+    best = solution.evaluation
+    for alt in solution.search.alternatives(3):
         text = alternative_reason(best, alt)
         pct = (alt.step_time_s - best.step_time_s) / best.step_time_s
         assert text.startswith(f"{pct:.1%} slower") or text.startswith("ties")
@@ -85,12 +93,13 @@ def test_formatting_helpers():
     assert format_bytes(3 * 2**30) == "3.00 GiB" and format_bytes(512) == "512 B"
 
 
-def test_plot_writes_a_png_with_per_stage_times(plan, tmp_path):
-    fwd, bwd, tail, exact = stage_times(plan)
+def test_plot_writes_a_png_with_per_stage_times(solution, tmp_path):
+    plan = solution.plan
+    fwd, bwd, tail, exact = stage_times(plan, solution.evaluation)
     assert exact and len(fwd) == plan.pp
-    for k, st in enumerate(plan.evaluation.stages):
+    for k, st in enumerate(solution.evaluation.stages):
         assert fwd[k] + bwd[k] == pytest.approx(st.micro_step_s)
-    out = plot_plan(plan, str(tmp_path / "sub" / "plan.png"), hw=HW)
+    out = plot_plan(plan, str(tmp_path / "sub" / "plan.png"), hw=HW, evaluation=solution.evaluation)
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -1,8 +1,8 @@
 """cost_models.strategy: the cost of one strategy, checked formula by formula, and its bounds.
 
-``gpt_table`` builds a closed-form GPT layer table (Megatron / Korthikanti et al. formulas) with
-the same interface as ``passes.layer_table.LayerTable``: the planner's tests and its benchmark
-use it so they exercise the solver, not the tracer.
+``gpt_table`` builds a closed-form GPT ``passes.layer_table.LayerTable`` (Megatron / Korthikanti
+et al. formulas): the planner's tests and its benchmark use it so they exercise the solver, not
+the tracer.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import sympy
@@ -25,59 +24,32 @@ from planner.errors import UserError
 from planner.search.request import PlanRequest
 from planner.search.candidates import check_pins, enumerate_candidates, heuristic_strategy, memory_lower_bound, time_lower_bound, uniform_time_bound
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
-
-B, S = sympy.symbols("b s", positive=True, integer=True)
-
-
-@dataclass
-class FakeLayer:
-    index: int
-    name: str
-    kind: str
-    fwd_flops: object
-    bwd_flops: object
-    fwd_flops_tp: object
-    bwd_flops_tp: object
-    saved_bytes: object
-    saved_bytes_tp: object
-    input_bytes: object
-    boundary_bytes: object
-    tp_allreduce_bytes: object
-    param_count: int
-    param_count_tp: int
-    param_bytes: int = 0
-    buffer_bytes: int = 0
-    signature: str = ""
-    peak_act_bytes: object = 0
-    peak_act_bytes_tp: object = 0
-    num_ops: int = 0
+from passes.common import B, S
+from passes.layer_table import LayerCosts, LayerTable
 
 
-@dataclass
-class FakeTable:
-    layers: list
-    model: dict
-    dtype: str = "bf16"
-    b: object = B
-    s: object = S
-    extra: dict = field(default_factory=dict)
+
+def _row(index: int, name: str, kind: str, **costs) -> LayerCosts:
+    """One row; the backward all-reduces what the forward does unless given."""
+    costs.setdefault("tp_allreduce_bwd_bytes", costs.get("tp_allreduce_bytes", 0))
+    return LayerCosts(index=index, name=name, kind=kind, **costs)
 
 
 def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
-              block_scale=None, tail_boundary=None) -> FakeTable:
+              block_scale=None, tail_boundary=None) -> LayerTable:
     """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ and
     ``tail_boundary`` scales what the last block hands the head (as in HF models, where blocks
     pass masks and positions along but the last block sends only the hidden state)."""
     h, a, V, e = hidden, heads, vocab, dtype_bytes
     bsh = B * S * h
-    rows = [FakeLayer(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
+    rows = [_row(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
                       saved_bytes=8 * B * S, saved_bytes_tp=0, input_bytes=8 * B * S, boundary_bytes=e * bsh,
                       tp_allreduce_bytes=e * bsh, param_count=V * h + max_seq * h, param_count_tp=V * h,
                       peak_act_bytes=e * bsh)]
     for j in range(layers):
         k = 1 if block_scale is None else block_scale[j]
         mm = 24 * bsh * h + 4 * B * S * S * h
-        rows.append(FakeLayer(
+        rows.append(_row(
             j + 1, f"blocks.{j}", "block", fwd_flops=k * (mm + 20 * bsh), bwd_flops=k * 2 * (mm + 20 * bsh),
             fwd_flops_tp=k * mm, bwd_flops_tp=k * 2 * mm,
             saved_bytes=k * (34 * bsh + 5 * a * B * S * S), saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
@@ -86,15 +58,15 @@ def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_byt
             peak_act_bytes=e * bsh, peak_act_bytes_tp=k * 4 * e * bsh))
     if tail_boundary is not None and layers:
         rows[-1].boundary_bytes = tail_boundary * e * bsh
-    rows.append(FakeLayer(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
+    rows.append(_row(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
                           fwd_flops_tp=2 * bsh * V, bwd_flops_tp=4 * bsh * V,
                           saved_bytes=4 * B * S * V + 2 * e * bsh, saved_bytes_tp=4 * B * S * V,
                           input_bytes=e * bsh, boundary_bytes=4, tp_allreduce_bytes=12 * B * S,
                           param_count=h * V + 2 * h, param_count_tp=h * V,
                           peak_act_bytes=e * bsh, peak_act_bytes_tp=4 * B * S * V))
     params = sum(r.param_count for r in rows)
-    return FakeTable(rows, dict(spec="gpt", params=params, layers=layers, hidden=h, heads=a,
-                                kv_heads=kv_heads or a, vocab=V))
+    return LayerTable(layers=rows, dtype="bfloat16", model=dict(spec="gpt", params=params, layers=layers,
+                                                                hidden=h, heads=a, kv_heads=kv_heads or a, vocab=V))
 
 
 HW = load_hardware("a100-80gb", 8)
@@ -219,7 +191,8 @@ def test_numeric_table_caches_identical_blocks():
     nt = NumericTable(gpt_table(layers=48))
     rows = nt.rows(2, 64)
     assert len(rows) == 50 and rows[1] == rows[48]
-    assert len(nt._funcs) < 30  # one compiled function per distinct expression, not per layer
+    reps, index = nt.groups(2, 64)
+    assert len(reps) == 3 and index == [0] + [1] * 48 + [2]  # identical blocks are priced once
     assert nt.flops_per_sequence(64) == pytest.approx(sum(r["fwd_flops"] + r["bwd_flops"] for r in nt.rows(1, 64)))
 
 

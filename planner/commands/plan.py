@@ -14,10 +14,11 @@ from cost_models.hardware import HardwareProfile, load_hardware
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.bundle import parse_spec
 from planner.frontend.gpt import PRESETS
-from planner.plan import Plan, save_plan
+from planner.plan import save_plan
+from planner.report.plot import plot_plan
 from planner.report.render import render_plan
 from planner.search.request import PlanRequest
-from planner.search.solve import plan_strategy
+from planner.search.solve import Solution, solve
 
 __all__ = ["plan_from_request", "model_sizes_for", "request_from_args", "run_plan", "SIZE_FLAGS"]
 
@@ -39,8 +40,9 @@ def model_sizes_for(req: PlanRequest) -> dict:
     return sizes
 
 
-def plan_from_request(req: PlanRequest) -> tuple[Plan, HardwareProfile]:
-    """Return ``(Plan, HardwareProfile)`` for a request; every bad input is a ``UserError``."""
+def plan_from_request(req: PlanRequest) -> tuple[Solution, HardwareProfile]:
+    """The search's solution for a request and the hardware profile it used; every bad input is
+    an error of the layer that found it (``ModelError``, ``ProfileError``, ``SearchError`` ...)."""
     hw = load_hardware(req.hardware, gpus_per_node=req.gpus_per_node or None)
     if not req.gpus_per_node:
         req.gpus_per_node = hw.gpus_per_node
@@ -50,7 +52,7 @@ def plan_from_request(req: PlanRequest) -> tuple[Plan, HardwareProfile]:
     table = build_layer_table(req.spec, batch=1, seq_len=req.seq_len, dtype=req.dtype,
                               positions=positions, **flags)
     req.sizes = sizes
-    return plan_strategy(req, table, hw), hw
+    return solve(req, table, hw), hw
 
 
 def request_from_args(args) -> PlanRequest:
@@ -67,18 +69,17 @@ def request_from_args(args) -> PlanRequest:
 
 def run_plan(args) -> int:
     """``planner plan ...``: search, write plan.json, print the report (or only the JSON)."""
-    plan, hw = plan_from_request(request_from_args(args))
+    solution, hw = plan_from_request(request_from_args(args))
+    plan = solution.plan
     save_plan(plan, args.out)
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
         console = Console()
-        render_plan(plan, hw, console)
+        render_plan(plan, hw, console, solution)
         console.print(f"\nWrote [bold]{args.out}[/bold].")
     if args.plot:
-        from planner.report.plot import plot_plan  # matplotlib: only when a plot is asked for
-
-        plot_plan(plan, args.plot, hw=hw)
+        plot_plan(plan, args.plot, hw=hw, evaluation=solution.evaluation)
         if not args.json:
             print(f"Wrote {args.plot}.")
     return 0

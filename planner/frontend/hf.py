@@ -49,8 +49,6 @@ class HFLossModel(nn.Module):
 
 
 def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0):
-    from planner.frontend.bundle import ModelBundle
-
     if arch not in HF_ARCHS:
         raise ModelError(f"Unknown HF architecture 'hf:{arch}'. Supported: "
                         + ", ".join("hf:" + a for a in HF_ARCHS) + ".")

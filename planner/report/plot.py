@@ -11,8 +11,8 @@ repeats), and the title says so.
 Bottom panel: memory per device of each stage, stacked by kind (parameters, gradients,
 optimizer state, activations) against the device capacity and the usable limit.
 
-Per-stage numbers come from ``plan.evaluation`` (attached by :func:`planner.search.ilp.plan_strategy`).
-A plan read back from plan.json only has totals: every stage is then drawn with the bottleneck
+Per-stage numbers come from the search's priced strategy (``Solution.evaluation``, passed as
+``evaluation``). A plan read back from plan.json only has totals: every stage is then drawn with the bottleneck
 stage's micro-step split 1:2 between forward and backward, and memory shows the most loaded
 device only; the title says which.
 """
@@ -20,9 +20,11 @@ device only; the title says which.
 from __future__ import annotations
 
 import os
-from typing import Any
 
+from cost_models.hardware import HardwareProfile
+from cost_models.strategy import Evaluation
 from planner.errors import UserError
+from runtime.schedule import B, F, one_f_one_b, simulate
 
 __all__ = ["plot_plan", "stage_times", "MAX_DRAWN_MICROBATCHES"]
 
@@ -32,9 +34,9 @@ _COLORS = {"F": "#4C78A8", "B": "#F58518", "tail": "#9D9D9D", "params": "#4C78A8
            "optimizer": "#F58518", "activations": "#E45756"}
 
 
-def stage_times(plan) -> tuple[list[float], list[float], list[float], bool]:
-    """Per stage: forward and backward seconds of one micro-batch, exposed tail; exact flag."""
-    ev = getattr(plan, "evaluation", None)
+def stage_times(plan, ev: Evaluation | None = None) -> tuple[list[float], list[float], list[float], bool]:
+    """Per stage: forward and backward seconds of one micro-batch, exposed tail; exact flag
+    (``ev``: the search's priced strategy; without it, an even split of the predicted step)."""
     if ev is not None and len(ev.stages) == plan.pp:
         return ([s.fwd_s for s in ev.stages], [s.bwd_s for s in ev.stages],
                 [s.dp_s + s.opt_s for s in ev.stages], True)
@@ -45,24 +47,22 @@ def stage_times(plan) -> tuple[list[float], list[float], list[float], bool]:
     return [micro / 3] * p, [2 * micro / 3] * p, [tail] * p, False
 
 
-def _memory_rows(plan) -> tuple[list[str], list[dict], bool]:
-    ev = getattr(plan, "evaluation", None)
+def _memory_rows(plan, ev: Evaluation | None) -> tuple[list[str], list[dict], bool]:
     if ev is not None and len(ev.stages) == plan.pp:
         return [f"stage {k}" for k in range(plan.pp)], [s.memory for s in ev.stages], True
     return ["most loaded device"], [plan.predicted.memory], False
 
 
-def plot_plan(plan, path: str, hw: Any = None, max_microbatches: int = MAX_DRAWN_MICROBATCHES) -> str:
+def plot_plan(plan, path: str, hw: HardwareProfile | None = None, evaluation: Evaluation | None = None,
+              max_microbatches: int = MAX_DRAWN_MICROBATCHES) -> str:
     """Draw ``plan`` to ``path`` (PNG, or any format matplotlib infers from the suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from runtime.schedule import B, F, one_f_one_b, simulate
-
     p, m = plan.pp, plan.num_micro_batches
-    fwd, bwd, tail, exact = stage_times(plan)
+    fwd, bwd, tail, exact = stage_times(plan, evaluation)
     drawn = min(m, max(max_microbatches, p))
     sim = simulate(one_f_one_b(p, drawn, strict=False), forward_time=fwd, backward_time=bwd)
 
@@ -96,7 +96,7 @@ def plot_plan(plan, path: str, hw: Any = None, max_microbatches: int = MAX_DRAWN
                        Patch(color=_COLORS["tail"], label="DP/ZeRO comm + optimizer")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
-    labels, mems, per_stage = _memory_rows(plan)
+    labels, mems, per_stage = _memory_rows(plan, evaluation)
     gib = 2.0 ** 30
     x = list(range(len(labels)))
     bottom = [0.0] * len(labels)
@@ -104,7 +104,7 @@ def plot_plan(plan, path: str, hw: Any = None, max_microbatches: int = MAX_DRAWN
         vals = [mm[kind] / gib for mm in mems]
         axm.bar(x, vals, bottom=bottom, color=_COLORS[kind], label=kind)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    cap = getattr(hw, "memory_bytes", None)
+    cap = hw.memory_bytes if hw is not None else None
     if cap:
         axm.axhline(cap / gib, color="black", linewidth=1, label=f"capacity {cap / gib:.0f} GiB")
     axm.set_xticks(x)

@@ -2,13 +2,9 @@
 
 :func:`render_plan` draws rich tables from a :class:`planner.plan.Plan` (and the hardware
 profile for the capacity and peak FLOP/s). Everything shown comes from plan.json's fields, so a
-plan loaded from disk renders the same way; a plan fresh from
-:func:`planner.search.ilp.plan_strategy` also carries per-stage costs (``plan.evaluation``) and search
-statistics (``plan.search``), which add a per-stage memory/time column and the solver's counts.
-
-:func:`alternative_reason` writes the one-line "why it lost" of each alternative: how much slower
-it is and the part of the step time (compute, recompute, TP all-reduces, pipeline bubble, DP/ZeRO
-traffic, optimizer) that grew the most, with the decision responsible for it.
+plan loaded from disk renders the same way; given the search's :class:`planner.search.solve.Solution`
+it adds a per-stage memory/time column and the solver's counts. The one-line "why it lost" of each
+runner-up is written by the search (``planner.search.alternatives``) and stored in plan.json.
 """
 
 from __future__ import annotations
@@ -18,110 +14,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["render_plan", "alternative_reason", "rank_layout", "format_seconds", "format_bytes",
-           "format_count", "format_rate", "compress_ranges", "TIME_LABELS"]
+from cost_models.comm import axis_placement
+from planner.plan import TIME_LABELS
+from planner.search.solve import Solution
+from planner.units import compress_ranges, format_bytes, format_count, format_rate, format_seconds
 
-TIME_LABELS = {
-    "compute": "compute (forward + backward)",
-    "recompute": "recompute (checkpointed layers)",
-    "tp_comm": "TP all-reduces",
-    "pp_bubble": "pipeline bubble + stage transfers",
-    "dp_comm": "DP / ZeRO communication",
-    "optimizer": "optimizer step",
-}
-
-
-def format_seconds(x: float) -> str:
-    """``0.0123`` -> ``12.3 ms``; ``2.5`` -> ``2.50 s``; ``0`` -> ``0``."""
-    if x == 0:
-        return "0"
-    if x < 1e-3:
-        return f"{x * 1e6:.1f} us"
-    if x < 1.0:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x:.2f} s"
-
-
-def format_count(x: float) -> str:
-    """``1.75e11`` -> ``175 B``; ``1.37e5`` -> ``137 K`` (decimal: parameters, FLOP/s)."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.0f}"
-
-
-def format_rate(flops: float) -> str:
-    """FLOP/s in the largest unit that keeps the figure above 1: ``3.1e14`` -> ``310 TFLOP/s``."""
-    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
-        if abs(flops) >= scale:
-            return f"{flops / scale:.3g} {unit}"
-    return f"{flops / 1e6:.3g} MFLOP/s"
-
-
-def format_bytes(x: float) -> str:
-    """Binary units: ``GiB`` above 1 GiB, else ``MiB`` / ``KiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
-def compress_ranges(indices) -> str:
-    """``[1, 2, 3, 7]`` -> ``1-3, 7``."""
-    idx = sorted(set(indices))
-    out, i = [], 0
-    while i < len(idx):
-        j = i
-        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
-            j += 1
-        out.append(str(idx[i]) if i == j else f"{idx[i]}-{idx[j]}")
-        i = j + 1
-    return ", ".join(out)
-
-
-def _context(part: str, ev) -> str:
-    c = ev.strategy.candidate
-    if part == "pp_bubble":
-        return f"pp={c.pp} with {c.num_micro_batches} micro-batches"
-    if part == "tp_comm":
-        return f"tp={c.tp}"
-    if part == "dp_comm":
-        return f"dp={c.dp}, ZeRO-{c.zero_stage}"
-    if part == "optimizer":
-        return f"ZeRO-{c.zero_stage} {'shards' if c.zero_stage else 'does not shard'} the AdamW step over dp={c.dp}"
-    if part == "compute":
-        if c.pp > 1:
-            a, b = ev.stages[ev.bottleneck_stage].first, ev.stages[ev.bottleneck_stage].last
-            return f"its slowest of {c.pp} stages holds rows {a}-{b}"
-        return f"tp={c.tp}: work tensor parallelism does not split runs on every device"
-    return ""
-
-
-def alternative_reason(best, alt) -> str:
-    """Why ``alt`` (an :class:`~cost_models.strategy.Evaluation`) lost to ``best``, in one line."""
-    d = alt.step_time_s - best.step_time_s
-    if d <= best.step_time_s * 1e-9:
-        mb, ma = best.memory["total"], alt.memory["total"]
-        more = "more" if ma > mb else "no less"
-        return (f"ties on step time but needs {more} memory ({format_bytes(ma)} vs {format_bytes(mb)} "
-                "per device)")
-    deltas = {k: alt.time[k] - best.time[k] for k in TIME_LABELS}
-    part = max(deltas, key=deltas.get)
-    text = (f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
-            f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}")
-    if part == "recompute":
-        n = len(alt.strategy.checkpoint)
-        text += f" ({n} layer{'s' if n != 1 else ''} recomputed to fit in memory)"
-    else:
-        ctx = _context(part, alt)
-        text += f" ({ctx})" if ctx else ""
-    return text
+__all__ = ["render_plan", "rank_layout"]
 
 
 def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[str, str]]:
     """How the mesh ``rank = (pp_i * dp + dp_i) * tp + tp_i`` sits on nodes of ``gpus_per_node``."""
-    from cost_models.comm import axis_placement
-
     rows = [("mesh", f"rank = (pp_i x {dp} + dp_i) x {tp} + tp_i; node = rank // {gpus_per_node}")]
     for axis, stride, n in (("tp", 1, tp), ("dp", tp, dp), ("pp", dp * tp, pp)):
         if n == 1:
@@ -149,11 +51,12 @@ def _peak(hw, dtype: str) -> float | None:
         return None
 
 
-def render_plan(plan, hw: Any, console: Console | None = None) -> None:
-    """Print the plan as rich tables on ``console`` (a new one on stdout when ``None``)."""
+def render_plan(plan, hw: Any, console: Console | None = None, solution: Solution | None = None) -> None:
+    """Print the plan as rich tables on ``console`` (a new one on stdout when ``None``); with the
+    search's ``solution``, per-stage costs and the solver's counts too."""
     console = console or Console()
-    ev = getattr(plan, "evaluation", None)
-    search = getattr(plan, "search", None)
+    ev = solution.evaluation if solution is not None else None
+    search = solution.search if solution is not None else None
     names = plan.model.layer_names or [str(i) for i in range(plan.model.layers + 2)]
     cap = getattr(hw, "memory_bytes", None)
     pred = plan.predicted
@@ -236,5 +139,5 @@ def render_plan(plan, hw: Any, console: Console | None = None) -> None:
         line += (f" ({search.solved} ILPs solved, {search.pruned_time} pruned by the time bound, "
                  f"{search.pruned_memory} by the memory bound)")
     console.print(line)
-    for note in getattr(search, "notes", []):
+    for note in search.notes if search is not None else []:
         console.print(f"note: {note}")

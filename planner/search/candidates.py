@@ -20,6 +20,7 @@ import math
 from typing import Any, Sequence
 
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, evaluate
+from planner.search.errors import SearchError
 
 __all__ = [
     "is_repeated", "divisors", "model_heads", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
@@ -123,25 +124,23 @@ def tied_summary(nt: NumericTable) -> str:
 
 
 def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
-    """Reject pins no strategy can honour, with what to use instead (``UserError``)."""
-    from planner.errors import UserError
-
+    """Reject pins no strategy can honour, with what to use instead (``SearchError``)."""
     rows = len(nt.layers)
     dp, tp, pp = req.dp, req.tp, req.pp
     if dp and tp and pp and dp * tp * pp != req.gpus:
-        raise UserError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
+        raise SearchError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
                         "the three degrees must multiply to the number of devices.")
     if tp:
         why = valid_tp(tp, nt, req.gpus, gpus_per_node, req.tp_across_nodes)
         if why:
             ok = [t for t in divisors(req.gpus)
                   if valid_tp(t, nt, req.gpus, gpus_per_node, req.tp_across_nodes) is None]
-            raise UserError(f"{why}. Valid --tp values here: {', '.join(map(str, ok))}.")
+            raise SearchError(f"{why}. Valid --tp values here: {', '.join(map(str, ok))}.")
     if pp and pp > rows:
-        raise UserError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
+        raise SearchError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
                         f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}.")
     if pp and pp > 1 and nt.tied:
-        raise UserError(f"--pp {pp} would cut the model between layers that share a weight "
+        raise SearchError(f"--pp {pp} would cut the model between layers that share a weight "
                         f"({tied_summary(nt)}): every stage would need its own copy, kept in sync, "
                         "which the runtime does not do. Use --pp 1, or untie the weights: plan a model file "
                         "(--model path.py:factory) that builds the model untied (for Hugging Face "
@@ -149,7 +148,7 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
     if pp and pp > 1 and req.micro_batch and dp:
         m = req.global_batch // (dp * req.micro_batch)
         if m < pp:
-            raise UserError(f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
+            raise SearchError(f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
                             f"= {m} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
                             "micro-batch per stage. Use a smaller --micro-batch or fewer stages.")
 
@@ -157,11 +156,9 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
 def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
     """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.search.ilp).
 
-    Raises ``UserError`` listing why nothing is left when the pins and the batch admit no
+    Raises ``SearchError`` listing why nothing is left when the pins and the batch admit no
     candidate at all.
     """
-    from planner.errors import UserError
-
     gpus, gb = req.gpus, req.global_batch
     rows = len(nt.layers)
     out: list[Candidate] = []
@@ -202,7 +199,7 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
         pins = " ".join(f"--{k.replace('_', '-')} {getattr(req, k)}" for k in ("dp", "tp", "pp", "micro_batch")
                         if getattr(req, k) is not None)
         reasons = "; ".join(f"{r} ({n}x)" for r, n in why.items()) or "the pins exclude every degree"
-        raise UserError(f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
+        raise SearchError(f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
                         f"{gb}{' and ' + pins if pins else ''}: {reasons}. Pick a global batch divisible by "
                         "more data-parallel degrees, or pin fewer decisions.")
     return out

@@ -709,13 +709,3 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
         res.extra = extra
     res.seconds = time.perf_counter() - t0
     return res
-
-
-def __getattr__(name: str):
-    """``plan_strategy`` and ``NoFeasiblePlan`` live in :mod:`planner.search.solve` (the entry point);
-    importing them from here keeps working."""
-    if name in ("plan_strategy", "NoFeasiblePlan", "build_plan", "least_memory", "candidate_entries"):
-        from planner import optimize
-
-        return getattr(optimize, name)
-    raise AttributeError(f"module 'planner.search.ilp' has no attribute {name!r}")

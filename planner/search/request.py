@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.errors import UserError
-from planner.plan import DTYPES
+from planner.search.errors import SearchError
+from runtime.dtypes import DTYPES
 
 __all__ = ["PlanRequest", "CHECKPOINT_MODES"]
 
@@ -46,36 +46,36 @@ class PlanRequest:
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, int) and self.gpus_per_node < 0:
-            raise UserError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}.")
+            raise SearchError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}.")
         for k in ("gpus", "global_batch", "seq_len"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
+                raise SearchError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
         if self.dtype not in DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+            raise SearchError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         for k in ("dp", "tp", "pp", "micro_batch"):
             v = getattr(self, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise UserError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
+                raise SearchError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise UserError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+            raise SearchError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
         if self.checkpoint not in CHECKPOINT_MODES:
-            raise UserError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
+            raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
         if not 0.1 <= self.memory_headroom <= 1.0:
-            raise UserError(f"--memory-headroom must be in [0.1, 1.0], got {self.memory_headroom}.")
+            raise SearchError(f"--memory-headroom must be in [0.1, 1.0], got {self.memory_headroom}.")
         pins = {k: getattr(self, k) for k in ("dp", "tp", "pp")}
         fixed = 1
         for v in pins.values():
             fixed *= v or 1
         if all(v is not None for v in pins.values()) and fixed != self.gpus:
-            raise UserError(f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
+            raise SearchError(f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
                             f"{self.gpus}; the three degrees must multiply to the number of devices.")
         if self.gpus % fixed:
             got = " x ".join(f"--{k} {v}" for k, v in pins.items() if v is not None)
-            raise UserError(f"{got} = {fixed} does not divide --gpus {self.gpus}.")
+            raise SearchError(f"{got} = {fixed} does not divide --gpus {self.gpus}.")
         if self.dp is not None and self.global_batch % self.dp:
-            raise UserError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp}.")
+            raise SearchError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp}.")
         if self.micro_batch is not None and self.dp is not None and \
                 self.global_batch % (self.dp * self.micro_batch):
-            raise UserError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
+            raise SearchError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
                             f"--micro-batch {self.micro_batch}.")

@@ -3,7 +3,7 @@
 :func:`plan_strategy` validates the pins, enumerates candidates (:mod:`planner.search.candidates`),
 prices each one's per-layer costs (:mod:`cost_models.strategy`), runs the pruned ILP search
 (:mod:`planner.search.ilp`) and assembles plan.json's dataclass with the three best runners-up and why
-each lost (:func:`planner.report.render.alternative_reason`).
+each lost (:func:`planner.search.alternatives.alternative_reason`).
 
 When nothing fits, :class:`NoFeasiblePlan` says how much memory per device the least demanding
 strategy needs (an exact minimum: the same ILPs with memory as the objective), which part
@@ -17,18 +17,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile
+from planner.search.alternatives import alternative_reason
 from planner.search.candidates import check_pins, enumerate_candidates, memory_lower_bound, tied_summary, time_lower_bound
-from planner.errors import UserError
 from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, memory_bound, predicted_fields
+from planner.search.errors import SearchError
 
-__all__ = ["NoFeasiblePlan", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
+__all__ = ["NoFeasiblePlan", "Solution", "solve", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
 
 
-class NoFeasiblePlan(UserError):
+class NoFeasiblePlan(SearchError):
     """No strategy fits in memory. The message gives the least memory per device any strategy
     needs, the part that dominates it, and what would make it fit; ``least`` is that strategy."""
 
@@ -121,19 +123,34 @@ def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entr
     return NoFeasiblePlan(" ".join(msg), least)
 
 
-def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None) -> Plan:
-    """The planner's entry point: the fastest strategy that fits, as a :class:`planner.plan.Plan`.
+@dataclass(frozen=True)
+class Solution:
+    """What the search found: the plan and what only the search knows about it."""
 
-    ``table`` is a layer table (``passes.layer_table.LayerTable`` or anything with ``layers``,
-    ``b``, ``s``, ``model``) or a :class:`~cost_models.strategy.NumericTable`. Raises ``UserError`` for
-    pins no strategy can honour and :class:`NoFeasiblePlan` when nothing fits in memory. Besides
-    the plan.json fields, the returned plan carries ``plan.evaluation`` (per-stage costs of the
-    chosen strategy) and ``plan.search`` (a :class:`SearchResult`) for the report and the plot.
+    plan: Plan
+    """The fastest strategy that fits, as plan.json's dataclass."""
+    evaluation: Evaluation
+    """Its priced strategy: per-stage costs for the report and the plot."""
+    search: SearchResult
+    """Counts of candidates, ILPs and pruning, the runners-up and the search's notes."""
+
+
+def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None) -> Plan:
+    """The fastest strategy that fits, as a :class:`planner.plan.Plan` (``solve(...).plan``)."""
+    return solve(request, table, hw, solver).plan
+
+
+def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:
+    """The planner's entry point: search the strategies of ``request`` on ``hw``.
+
+    ``table`` is a ``passes.layer_table.LayerTable`` or its :class:`~cost_models.strategy.NumericTable`.
+    Raises ``SearchError`` for pins no strategy can honour and :class:`NoFeasiblePlan` when
+    nothing fits in memory.
     """
     t0 = time.perf_counter()
     solver = (solver or default_solver()).lower()
     if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}: expected one of {', '.join(SOLVERS)}")
+        raise SearchError(f"unknown solver {solver!r}: expected one of {', '.join(SOLVERS)}")
     gpn = request.gpus_per_node or hw.gpus_per_node
     if hw.gpus_per_node != gpn:
         hw = hw.with_gpus_per_node(gpn)
@@ -146,14 +163,13 @@ def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None
                          f"({tied_summary(nt)}); untie them to allow pipeline stages")
     if res.best is None:
         raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
-    return build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)
+    plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)
+    return Solution(plan=plan, evaluation=res.best, search=res)
 
 
 def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
                seconds: float) -> Plan:
     """Assemble plan.json's dataclass from the search's winner and runners-up."""
-    from planner.report.render import alternative_reason
-
     ev = res.best
     c = ev.strategy.candidate
     flops = nt.flops_per_sequence(req.seq_len) * req.global_batch
@@ -176,6 +192,4 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
         solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status,
                           candidates=res.enumerated),
         alternatives=alts)
-    plan.evaluation = ev
-    plan.search = res
     return plan

@@ -1,0 +1,53 @@
+"""Why a runner-up lost: the one-line reason stored with each of plan.json's ``alternatives``.
+
+The reason says how much slower the alternative is and which part of the step time (compute,
+recompute, TP all-reduces, pipeline bubble, DP/ZeRO traffic, optimizer) grew the most, with the
+decision responsible for it.
+"""
+
+from __future__ import annotations
+
+from cost_models.strategy import Evaluation
+from planner.plan import TIME_LABELS
+from planner.units import format_bytes, format_seconds
+
+__all__ = ["alternative_reason"]
+
+
+def _context(part: str, ev) -> str:
+    c = ev.strategy.candidate
+    if part == "pp_bubble":
+        return f"pp={c.pp} with {c.num_micro_batches} micro-batches"
+    if part == "tp_comm":
+        return f"tp={c.tp}"
+    if part == "dp_comm":
+        return f"dp={c.dp}, ZeRO-{c.zero_stage}"
+    if part == "optimizer":
+        return f"ZeRO-{c.zero_stage} {'shards' if c.zero_stage else 'does not shard'} the AdamW step over dp={c.dp}"
+    if part == "compute":
+        if c.pp > 1:
+            a, b = ev.stages[ev.bottleneck_stage].first, ev.stages[ev.bottleneck_stage].last
+            return f"its slowest of {c.pp} stages holds rows {a}-{b}"
+        return f"tp={c.tp}: work tensor parallelism does not split runs on every device"
+    return ""
+
+
+def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
+    """Why ``alt`` (an :class:`~cost_models.strategy.Evaluation`) lost to ``best``, in one line."""
+    d = alt.step_time_s - best.step_time_s
+    if d <= best.step_time_s * 1e-9:
+        mb, ma = best.memory["total"], alt.memory["total"]
+        more = "more" if ma > mb else "no less"
+        return (f"ties on step time but needs {more} memory ({format_bytes(ma)} vs {format_bytes(mb)} "
+                "per device)")
+    deltas = {k: alt.time[k] - best.time[k] for k in TIME_LABELS}
+    part = max(deltas, key=deltas.get)
+    text = (f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
+            f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}")
+    if part == "recompute":
+        n = len(alt.strategy.checkpoint)
+        text += f" ({n} layer{'s' if n != 1 else ''} recomputed to fit in memory)"
+    else:
+        ctx = _context(part, alt)
+        text += f" ({ctx})" if ctx else ""
+    return text
