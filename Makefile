@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench venv clean
+.PHONY: test lint demo bench venv clean
 
 venv: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The architecture's import rules (pyproject.toml [tool.importlinter]); part of `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 
 demo: $(STAMP)
 	$(PY) -m planner.demo
