@@ -9,8 +9,10 @@ fail with an error instead of hanging.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import platform
 import signal
 import sys
 import socket
@@ -56,9 +58,6 @@ def reuse_host_memory() -> bool:
         return False
     if any(a in os.environ.get("LD_PRELOAD", "") for a in ("jemalloc", "tcmalloc", "mimalloc")):
         return False
-    import ctypes
-    import platform
-
     if platform.libc_ver()[0] != "glibc":
         return False
     try:

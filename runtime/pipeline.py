@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import comm
+from runtime.mesh import get_mesh
 from runtime.schedule import B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, ScheduleError, validate_rank
 
 __all__ = ["TensorMeta", "PipelineError", "PipelineStage", "run_pipeline"]
@@ -170,8 +171,6 @@ class PipelineStage:
     def from_mesh(cls, module: torch.nn.Module, recv_meta: Sequence[Any] = (), mesh: Any = None, **kw) -> "PipelineStage":
         """Build from :func:`runtime.mesh.get_mesh` (stage = this rank's pp index)."""
         if mesh is None:
-            from runtime.mesh import get_mesh
-
             mesh = get_mesh()
         s, p, ranks = mesh.pp_index, mesh.pp, mesh.pp_ranks
         return cls(

@@ -106,6 +106,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from runtime import comm
+from runtime.mesh import get_mesh
 from runtime.optim import (
     FREE,
     GATHERED,
@@ -227,8 +228,6 @@ class ZeroEngine:
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.norm_groups = [g for g in norm_groups if g is not None and comm.group_size(g) > 1]
         if replicated_param_filter is not None and replicated_group is None:
-            from runtime.mesh import get_mesh
-
             replicated_group = get_mesh().tp_group
         rep_rank = dist.get_rank(replicated_group) if replicated_group is not None else 0
         self.step_count = 0

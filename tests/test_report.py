@@ -68,13 +68,19 @@ def test_report_renders_a_plan_loaded_from_json(plan, tmp_path):
 
 
 def test_rank_layout_maps_ranks_to_nodes():
-    rows = dict(rank_layout(dp=4, tp=2, pp=4, gpus_per_node=8))
+    rows = dict(rank_layout(dp=4, tp=2, pp=4, gpus_per_node=8, link="NVLink"))
     assert rows["TP groups"] == "2 ranks, stride 1: inside one node (NVLink)"
     assert rows["DP groups"] == "4 ranks, stride 2: inside one node (NVLink)"
     assert rows["PP groups"].startswith("4 ranks, stride 8: spans 4 nodes")
     assert rows["stage 1"] == "ranks 8-15 on node 1"
     rows = dict(rank_layout(dp=16, tp=1, pp=1, gpus_per_node=8))
     assert rows["TP groups"] == "none (tp=1)" and rows["stage 0"] == "ranks 0-15 on nodes 0-1"
+
+
+def test_report_names_the_link_of_a_cpu_node_not_nvlink(plan):
+    out = io.StringIO()
+    render_plan(plan, load_hardware("cpu", 8), Console(file=out, width=220, color_system=None))
+    assert "NVLink" not in out.getvalue() and "inside one node (2 GB/s link)" in out.getvalue()
 
 
 def test_alternative_reasons_name_the_part_that_grew(solution):

@@ -9,12 +9,11 @@ runner-up is written by the search (``planner.search.alternatives``) and stored 
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Console
 from rich.table import Table
 
 from cost_models.comm import axis_placement
+from cost_models.hardware import HardwareProfile, ProfileError
 from planner.plan import TIME_LABELS
 from planner.search.solve import Solution
 from planner.units import compress_ranges, format_bytes, format_count, format_rate, format_seconds
@@ -22,15 +21,18 @@ from planner.units import compress_ranges, format_bytes, format_count, format_ra
 __all__ = ["render_plan", "rank_layout"]
 
 
-def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[str, str]]:
-    """How the mesh ``rank = (pp_i * dp + dp_i) * tp + tp_i`` sits on nodes of ``gpus_per_node``."""
+def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the intra-node link"
+                ) -> list[tuple[str, str]]:
+    """How the mesh ``rank = (pp_i * dp + dp_i) * tp + tp_i`` sits on nodes of ``gpus_per_node``;
+    ``link`` names what connects the devices of one node (NVLink on a GPU node, shared memory
+    between the processes of a CPU host)."""
     rows = [("mesh", f"rank = (pp_i x {dp} + dp_i) x {tp} + tp_i; node = rank // {gpus_per_node}")]
     for axis, stride, n in (("tp", 1, tp), ("dp", tp, dp), ("pp", dp * tp, pp)):
         if n == 1:
             rows.append((f"{axis.upper()} groups", f"none ({axis}=1)"))
             continue
         pl = axis_placement(axis, dp, tp, pp, gpus_per_node)
-        where = ("inside one node (NVLink)" if pl.nodes == 1
+        where = (f"inside one node ({link})" if pl.nodes == 1
                  else f"spans {pl.nodes} nodes ({pl.ranks_per_node} per node)")
         rows.append((f"{axis.upper()} groups", f"{n} ranks, stride {stride}: {where}"))
     width = dp * tp
@@ -44,21 +46,21 @@ def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[str
     return rows
 
 
-def _peak(hw, dtype: str) -> float | None:
+def _peak(hw: HardwareProfile | None, dtype: str) -> float | None:
     try:
-        return hw.peak(dtype)
-    except Exception:
+        return hw.peak(dtype) if hw is not None else None
+    except ProfileError:  # a profile without this dtype's peak
         return None
 
 
-def render_plan(plan, hw: Any, console: Console | None = None, solution: Solution | None = None) -> None:
+def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None, solution: Solution | None = None) -> None:
     """Print the plan as rich tables on ``console`` (a new one on stdout when ``None``); with the
     search's ``solution``, per-stage costs and the solver's counts too."""
     console = console or Console()
     ev = solution.evaluation if solution is not None else None
     search = solution.search if solution is not None else None
     names = plan.model.layer_names or [str(i) for i in range(plan.model.layers + 2)]
-    cap = getattr(hw, "memory_bytes", None)
+    cap = hw.memory_bytes if hw is not None else None
     pred = plan.predicted
 
     head = Table(title=f"Plan for {plan.model.spec}", show_header=False, title_justify="left")
@@ -74,9 +76,11 @@ def render_plan(plan, hw: Any, console: Console | None = None, solution: Solutio
     zero_txt = {0: "0 (replicated)", 1: "1 (optimizer state sharded)", 2: "2 (+ gradients sharded)",
                 3: "3 (+ parameters sharded)"}[plan.zero_stage]
     head.add_row("ZeRO stage", zero_txt)
-    head.add_row("micro-batching", f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size} "
+    m = plan.num_micro_batches
+    head.add_row("micro-batching", f"{m} micro-batch{'es' if m != 1 else ''} of {plan.micro_batch_size} "
                  f"per data-parallel rank (1F1B, bubble {pred.bubble_fraction:.1%})")
-    for k, v in rank_layout(plan.dp, plan.tp, plan.pp, plan.hardware.gpus_per_node):
+    link = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s link" if hw is not None else "the intra-node link"
+    for k, v in rank_layout(plan.dp, plan.tp, plan.pp, plan.hardware.gpus_per_node, link):
         head.add_row(k, v)
     console.print(head)
 
