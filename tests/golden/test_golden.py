@@ -5,6 +5,9 @@ under ``tests/golden/corpus/<name>/``. The test plans and compiles again and req
 ``plan.json`` to be identical but for the solver's wall-clock seconds, every compiled file to be
 identical byte for byte, and the infeasible request to fail with the recorded message.
 
+Compiled stage files are recorded as ``stage_<k>.py.golden``: recorded output, not source that
+tools should lint, import or count as duplicated code.
+
 A deliberate change to costs or codegen updates the corpus in the same commit, and the commit
 message says why::
 
@@ -67,6 +70,15 @@ INFEASIBLE: dict[str, list[str]] = {
 }
 
 _TIMING_KEYS = ("seconds",)
+_RECORDED_SUFFIX = ".golden"  # appended to recorded .py files
+
+
+def _recorded_name(rel: str) -> str:
+    return rel + _RECORDED_SUFFIX if rel.endswith(".py") else rel
+
+
+def _produced_name(rel: str) -> str:
+    return rel[: -len(_RECORDED_SUFFIX)] if rel.endswith(".py" + _RECORDED_SUFFIX) else rel
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str, str]:
@@ -127,7 +139,7 @@ def _recorded(folder: str) -> dict[str, str]:
         for fn in names:
             path = os.path.join(root, fn)
             with open(path, encoding="utf-8") as f:
-                files[os.path.relpath(path, folder).replace(os.sep, "/")] = f.read()
+                files[_produced_name(os.path.relpath(path, folder).replace(os.sep, "/"))] = f.read()
     return files
 
 
@@ -158,7 +170,7 @@ def update(names: list[str] | None = None) -> None:
             files = produce(name, tmp) if name in REQUESTS else {"stderr.txt": produce_error(name, tmp)}
         shutil.rmtree(folder, ignore_errors=True)
         for rel, text in files.items():
-            path = os.path.join(folder, rel)
+            path = os.path.join(folder, _recorded_name(rel))
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
