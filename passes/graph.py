@@ -27,9 +27,9 @@ class TracedGraph(Protocol):
     layers: int
     """L: blocks in the full model (the layer table has L + 2 rows)."""
     block_paths: list[str]
-    """Module paths of the blocks present in ``gm``."""
+    """Module paths of the blocks present in ``gm`` (e.g. ``['blocks.0', 'blocks.1']``)."""
     container: str
-    """Path of the module holding the blocks."""
+    """Path of the module holding the blocks (``'blocks'``, ``'inner.transformer.h'``)."""
     shallow: bool
     """True when ``gm`` holds fewer blocks than the model (the table replicates one)."""
     roles: dict[str, str]
@@ -37,14 +37,15 @@ class TracedGraph(Protocol):
     fqns: dict[str, str]
     """Placeholder name -> FQN in the traced module."""
     tied: dict[str, str]
-    """Placeholder name -> the earlier placeholder holding the same tensor."""
+    """Placeholder name -> the earlier placeholder holding the same tensor (tied weights: export
+    lists e.g. GPT-2's ``wte`` and ``lm_head`` weights separately)."""
     symbols: dict[sympy.Symbol, sympy.Symbol]
     """The trace's shape symbols -> ``passes.common.B`` / ``S``."""
     fixed: dict[str, int]
-    """Dimensions the trace kept constant, with their value."""
+    """Dimensions the trace kept constant, with their value (``{}`` when fully symbolic)."""
     dynamic: bool
-    """Whether symbolic sizes were requested."""
+    """Whether symbolic sizes were requested (False: a trace at fixed sizes on purpose)."""
     model_info: dict[str, Any]
     """spec, layers, hidden, heads, kv_heads, vocab, seq_len and the size overrides."""
     notes: list[str]
-    """What the tracer decided, for reports."""
+    """What the tracer decided (fallbacks, specializations), for reports."""

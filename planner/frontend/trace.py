@@ -102,10 +102,15 @@ def find_block_container(model: nn.Module) -> tuple[str, list[str]]:
 
 @dataclass
 class Traced:
-    """One exported training forward and the facts the passes need to analyze it."""
+    """One exported training forward and the facts the passes need to analyze it.
+
+    It is the passes' input (``passes.graph.TracedGraph``, where the shared fields are
+    documented) plus what only the front end knows: the export itself, the traced model and
+    the example sizes. ``gm`` is ``exported.graph_module``; ``symbols`` maps export's shape
+    symbols to ``passes.common.B`` / ``S``.
+    """
 
     gm: fx.GraphModule
-    """``exported.graph_module``: ATen training IR, parameters/buffers lifted to placeholders."""
     exported: ExportedProgram
     """The export itself (``exported.module()`` is the trainable form)."""
     bundle: ModelBundle
@@ -115,34 +120,20 @@ class Traced:
     kind: str
     """``gpt``, ``hf`` or ``file``."""
     dtype: torch.dtype
-    """Parameter/activation dtype the model was traced in."""
     layers: int
-    """L: blocks in the full model (the layer table has L + 2 rows)."""
     block_paths: list[str]
-    """Module paths of the blocks present in ``gm`` (e.g. ``['blocks.0', 'blocks.1']``)."""
     container: str
-    """Path of the module holding the blocks (``'blocks'``, ``'inner.transformer.h'``)."""
     shallow: bool
-    """True when ``gm`` holds fewer blocks than the model (the table replicates one)."""
     roles: dict[str, str]
-    """Placeholder name -> ``param`` | ``buffer`` | ``constant`` | ``input``."""
     fqns: dict[str, str]
-    """Placeholder name -> parameter/buffer/constant FQN in the traced module."""
     tied: dict[str, str]
-    """Placeholder name -> the earlier placeholder holding the same tensor (tied weights:
-    export lists e.g. GPT-2's ``wte`` and ``lm_head`` weights separately)."""
     symbols: dict[sympy.Symbol, sympy.Symbol]
-    """Export's shape symbols -> ``passes.common.B`` / ``S``."""
     example: dict[str, int]
     """Example sizes the trace ran at: ``{'b': ..., 's': ...}``."""
     fixed: dict[str, int] = field(default_factory=dict)
-    """Dimensions that export kept constant, with their value (``{}`` when fully symbolic)."""
     dynamic: bool = True
-    """Whether symbolic sizes were requested (False: a trace at fixed sizes on purpose)."""
     model_info: dict[str, Any] = field(default_factory=dict)
-    """spec, layers, hidden, heads, kv_heads, vocab, seq_len and the size overrides."""
     notes: list[str] = field(default_factory=list)
-    """What the tracer decided (fallbacks, specializations), for reports."""
     seconds: float = 0.0
     """Wall time spent building and exporting."""
 
