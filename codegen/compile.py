@@ -2,7 +2,7 @@
 
 The front end (``planner.frontend.trace.export_training_module``) rebuilds the plan's model on the
 meta device at the plan's micro-batch shape and exports it; codegen receives that graph as an
-``ExportedModel``. ``passes`` assign nodes to layer-table rows; ``codegen.tensor_parallel``
+``ExportedModel``. ``passes`` assign nodes to layer-table rows; ``codegen.tp_rewrite``
 rewrites the graph for the plan's tp degree; ``codegen.lower`` cuts it into stages and prints the
 source. Compiling the same plan twice writes byte-identical files.
 """
@@ -20,7 +20,7 @@ import torch.fx as fx
 import runtime
 from codegen.errors import CodegenError
 from codegen.lower import emit_stage_source, get_tensor, partition_graph
-from codegen.tensor_parallel import plan_tp_rewrite
+from codegen.tp_rewrite import plan_tp_rewrite
 from passes.layers import assign_layers, layer_names
 from passes.op_class import classify_ops
 from planner.plan import Plan, plan_hash

@@ -50,7 +50,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from passes.common import PassError, iter_tensors, need, to_expr
 
-__all__ = ["annotate_costs", "CostReplay", "SavedTensor", "total_saved_bytes"]
+__all__ = ["annotate_costs", "bytes_moved", "CostReplay", "SavedTensor", "total_saved_bytes"]
 
 _PASS = "annotate_costs"
 _aten = torch.ops.aten
@@ -121,7 +121,7 @@ class _Counter(TorchDispatchMode):
         if formula is not None:
             self._charge(formula(*args, **kwargs, out_val=out), 0)
         else:
-            moved = _bytes_moved(func, args, kwargs, out)
+            moved = bytes_moved(func, args, kwargs, out)
             if moved is not None:
                 self._charge(0, moved)
         return out
@@ -148,7 +148,7 @@ _GATHERS = {_aten.embedding, _aten.gather, _aten.index_select, _aten.index}
 _SCATTERS = {_aten.index_put_, _aten.scatter_, _aten.scatter_add_, _aten.index_add_}
 
 
-def _bytes_moved(func, args, kwargs, out) -> Any:
+def bytes_moved(func, args, kwargs, out) -> Any:
     """Bytes a memory-bound op reads and writes; ``None`` for ops that move nothing (views,
     aliases, queries such as ``prim.device`` that return no tensor)."""
     outs = list(iter_tensors(out))

@@ -6,12 +6,16 @@ batch and save the loss and every parameter gradient. The test joins the tp shar
 manifest's shard dim, padding trimmed) and compares them with the single-process original model
 in fp32. One 2-rank launch covers the built-in GPT (vocab 51: padded to 52 over 2 ranks),
 hf:llama with GQA (4 heads, 2 kv heads) and hf:gpt2 (Conv1D, fused c_attn); one 4-rank launch
-covers tp 2 x pp 2 with the 1F1B executor and tp 4. The rest are pure checks: shard specs and shapes, divisibility errors, the reshape rule
-(hypothesis) and the fallback that keeps an unclosable column-parallel matmul replicated.
+covers tp 2 x pp 2 with the 1F1B executor and tp 4. The rest are pure checks: shard specs and
+shapes, divisibility errors, the reshape rule (hypothesis), the fallback that keeps an unclosable
+column-parallel matmul replicated, and that the cost pass (on the lifted, symbolic graph) shards
+the same weights the same way as codegen (on the trainable module): both read
+``passes.tp_analysis``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -23,15 +27,29 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from codegen import tp_rewrite
-from planner.commands.compile import compile_plan
-from codegen.tp_rewrite import TPRewriteError, analyze_tp, reshape_shard
+from codegen.errors import TPRewriteError
+from codegen.tp_rewrite import analyze_tp, reshape_shard
+from passes.analyze import analyze
+from passes.layers import assign_layers
+from passes.tp_analysis import analyze_tensor_parallel
+from planner.commands.compile import compile_plan, model_dims
+from planner.commands.train import original_state
+from planner.frontend.trace import export_training_module, trace_model
+from planner.frontend.zoo import build_model
 from planner.plan import Plan
+from runtime.compiled import load_stage_module, load_weights, read_manifest
+from runtime.dist import launch_local
+from runtime.mesh import setup_mesh
+from runtime.pipeline import PipelineStage, TensorMeta
+from runtime.schedule import one_f_one_b
 from tests.helpers import manual_plan
 
 GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 51, "seq_len": 8}
 LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 48, "vocab": 64, "seq_len": 8}
 GPT2 = {"layers": 1, "hidden": 32, "heads": 4, "vocab": 50, "seq_len": 8}
 GPT_PP = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8}
+BERT = {"layers": 1, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 50, "seq_len": 8}
+FACTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "user_models.py") + ":good"
 MBS, SEED, WORLD = 2, 7, 4
 
 
@@ -62,12 +80,6 @@ def _qkv_order(spec: dict, tp: int) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
-    from planner.commands.train import original_state
-    from runtime.compiled import load_stage_module, load_weights, read_manifest
-    from runtime.mesh import setup_mesh
-    from runtime.pipeline import PipelineStage, TensorMeta
-    from runtime.schedule import one_f_one_b
-
     for name, cdir, spec, sizes, m in jobs:
         man = read_manifest(cdir)
         tp, pp = man["plan"]["tp"], man["plan"]["pp"]
@@ -99,8 +111,6 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
 
 def _reference(spec: str, sizes: dict, m: int):
     """Mean of the micro-batch losses of the original model and its gradients."""
-    from planner.frontend.zoo import build_model
-
     model = build_model(spec, seed=SEED, **sizes).model
     ids, labels = _batch(sizes["vocab"], MBS * m, sizes["seq_len"])
     loss = sum(model(ids[i * MBS:(i + 1) * MBS], labels[i * MBS:(i + 1) * MBS]) for i in range(m)) / m
@@ -121,8 +131,6 @@ def _join(pieces: list[torch.Tensor], spec: dict | None) -> torch.Tensor:
 
 
 def _check(name: str, cdir: str, out_dir: str, spec: str, sizes: dict, m: int) -> None:
-    import json
-
     with open(os.path.join(cdir, "manifest.json")) as f:
         man = json.load(f)
     tp, pp = man["plan"]["tp"], man["plan"]["pp"]
@@ -155,8 +163,6 @@ def _check(name: str, cdir: str, out_dir: str, spec: str, sizes: dict, m: int) -
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Compile every case, then run them all in one 4-rank launch (spawning is the slow part)."""
-    from runtime.dist import launch_local
-
     root = tmp_path_factory.mktemp("tp")
     cases = (("gpt", "gpt", GPT, 2, 1, 1), ("llama", "hf:llama", LLAMA, 2, 1, 1),
              ("gpt2", "hf:gpt2", GPT2, 2, 1, 1), ("pp", "gpt", GPT_PP, 2, 2, 2),
@@ -323,3 +329,67 @@ def test_reshape_shard_rule_matches_slicing(dims, d_pick, tp, rnd):
         local_dst = list(dst)
         local_dst[d_out] = local
         assert torch.equal(shard.reshape(local_dst), full.reshape(dst).narrow(d_out, r * local, local))
+
+
+class _DropoutMLP(nn.Module):
+    """A Megatron MLP with ``aten.native_dropout`` (a two-output op) inside the sharded region."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h, _mask = torch.ops.aten.native_dropout(F.gelu(self.fc(x)), 0.1, True)
+        return x + self.out(h)
+
+
+def test_native_dropout_passes_the_sharding_through():
+    gm = _export(_DropoutMLP())
+    an = analyze_tp(gm, lambda n: 0, 2, fused_ok=False)
+    assert set(an.shard_info) == {"fc.weight", "fc.bias", "out.weight"} and not an.replicated
+    assert an.shard_info["out.weight"] == {"dim": 1, "kind": "row", "size": 16}
+    dec = an.decisions
+    drop = next(n for n in gm.graph.nodes if "native_dropout" in str(n.target))
+    assert [s.dim for s in dec.state[drop]] == [2, 2]  # the output and its mask, by features
+    assert [dec.role[u] for u in drop.users] == ["sharded"] * len(drop.users)
+
+
+def _cost_pass_weights(spec: str, sizes: dict) -> tuple[set, dict]:
+    """FQNs the cost pass marks sharded, and the shared analysis' ``WeightShard`` of each, on the
+    lifted graph the planner prices (symbolic b and s)."""
+    sizes = {k: v for k, v in sizes.items() if k != "seq_len"}
+    tr = trace_model(spec, batch=MBS, seq_len=8, dtype="fp32", **sizes)
+    analyze(tr)
+    sharded = {tr.fqns[n.name] for n in tr.gm.graph.nodes
+               if tr.roles.get(n.name) == "param" and n.meta["tp"].role == "sharded"}
+    weights = analyze_tensor_parallel(tr.gm, roles=tr.roles).weights
+    return sharded, {tr.fqns[k]: w for k, w in weights.items()}
+
+
+def _codegen_shards(spec: str, sizes: dict, tp: int) -> dict:
+    """``shard_info`` codegen derives for ``tp`` on the trainable module (static shapes)."""
+    gm, blocks, bundle = export_training_module(spec, sizes, dtype="fp32", batch=MBS, seq_len=8)
+    assign_layers(gm, blocks, {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"})
+    return analyze_tp(gm, lambda n: n.meta["layer"], tp, vocab=bundle.vocab,
+                      dims=model_dims(bundle, sizes)).shard_info
+
+
+@pytest.mark.parametrize("spec, sizes, kinds", [
+    ("gpt", GPT, {"heads", "column", "row", "vocab"}),
+    ("hf:llama", LLAMA, {"heads", "column", "row", "vocab"}),  # GQA: 4 heads, 2 kv heads
+    ("hf:gpt2", GPT2, {"qkv", "column", "row", "vocab"}),  # fused c_attn, Conv1D (addmm)
+    ("hf:bert", BERT, {"heads", "column", "row", "vocab"}),  # MLM transform stays replicated
+    (FACTORY, {}, {"vocab"}),  # residual tanh(linear) cannot close a region; embedding + head
+], ids=["gpt", "llama", "gpt2", "bert", "factory"])
+def test_cost_pass_and_codegen_shard_the_same_weights(spec, sizes, kinds):
+    sharded, weights = _cost_pass_weights(spec, sizes)
+    shards = _codegen_shards(spec, sizes, tp=2)
+    assert sharded == set(weights) == set(shards)
+    assert {s["kind"] for s in shards.values()} == kinds
+    for fqn, s in shards.items():
+        w = weights[fqn]
+        assert (w.kind, w.dim, w.size, list(w.parts or []) or None) == \
+            (s["kind"], s["dim"], s["size"], s.get("parts")), fqn
+    if spec == "hf:bert":
+        assert not any("predictions.transform" in f for f in shards)

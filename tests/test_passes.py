@@ -19,7 +19,7 @@ import passes
 from passes.common import B, S, PassError, source_line
 from passes.layer_table import LayerTable, table_from_traced
 from planner.frontend.analyze import build_layer_table
-from passes.tensor_parallel import _map_reshape
+from passes.tp_analysis import reshape_dim
 from planner.frontend.zoo import build_model
 from planner.frontend.trace import trace_model
 
@@ -80,7 +80,7 @@ def eager_bytes_moved(spec):
     the exported program: the reference for the replay's per-node attribution and symbolic sizes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from passes.autograd_costs import FORMULAS, _bytes_moved
+    from passes.autograd_costs import FORMULAS, bytes_moved
 
     torch.manual_seed(0)
     m = build_model(spec, batch=2, seq_len=32, device="cpu", **ARCHS[spec])
@@ -91,7 +91,7 @@ def eager_bytes_moved(spec):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if FORMULAS.get(func._overloadpacket) is None:
-                total[0] += _bytes_moved(func, args, kwargs or {}, out) or 0
+                total[0] += bytes_moved(func, args, kwargs or {}, out) or 0
             return out
 
     with Count():
@@ -342,8 +342,8 @@ def test_reshape_dim_mapping(shape, data):
     a = data.draw(st.sampled_from(split))
     dst = shape[:d] + [a, n // a] + shape[d + 1:]
     if n > 1:  # split n -> (a, n/a): the shards follow the leading non-unit factor
-        assert _map_reshape(shape, dst, d) == (d if a > 1 else d + 1)
+        assert reshape_dim(shape, dst, d) == (d if a > 1 else d + 1)
     if d + 1 < len(shape) and shape[d] > 1 and shape[d + 1] > 1:
         merged = shape[:d] + [shape[d] * shape[d + 1]] + shape[d + 2:]
-        assert _map_reshape(shape, merged, d) == d
-        assert _map_reshape(shape, merged, d + 1) is None
+        assert reshape_dim(shape, merged, d) == d
+        assert reshape_dim(shape, merged, d + 1) is None

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from passes.tensor_parallel import vocab_loss_bytes
 from runtime import comm
 from runtime.dist import launch_local
 from runtime.memtrack import MemoryTracker
@@ -473,10 +474,10 @@ class _ByteCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.parts.append(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from passes.autograd_costs import _bytes_moved
+        from passes.autograd_costs import bytes_moved
 
         out = func(*args, **(kwargs or {}))
-        moved = _bytes_moved(func, args, kwargs or {}, out)
+        moved = bytes_moved(func, args, kwargs or {}, out)
         self.parts[-1] += int(moved or 0)
         return out
 
@@ -485,8 +486,6 @@ class _ByteCounter(torch.utils._python_dispatch.TorchDispatchMode):
 def test_vocab_loss_bytes_count_the_runtimes_passes(dtype):
     """The cost model's figure for the vocab-parallel loss is what the runtime's code moves,
     up to the per-row vectors (max, sum, target, labels: a few words per row)."""
-    from passes.tensor_parallel import vocab_loss_bytes
-
     rows, cols = 64, 1000
     z = torch.randn(rows, cols, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, cols, (rows,))
