@@ -17,13 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,hf,highs]"
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(VENV)/bin/lint-imports --no-cache
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# The architecture's import rules (pyproject.toml [tool.importlinter]); part of `make test`.
+# The architecture's import rules (pyproject.toml [tool.importlinter]) and pyflakes; part of `make test`.
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check --quiet .
 
 demo: $(STAMP)
 	$(PY) -m planner.demo

@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from cost_models.hardware import load_hardware  # noqa: E402
-from planner.search.solve import NoFeasiblePlan, solve
 from planner.search.request import PlanRequest
+from planner.search.solve import NoFeasiblePlan, solve
 
 LAYERS = (24, 48, 96, 128)
 GPUS = (8, 64, 256, 1024, 4096)

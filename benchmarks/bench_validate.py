@@ -50,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a plain script from anywhere
 
 from planner.commands.calibrate import lower_quartile as quartile
+
 PY = sys.executable
 
 #: The model every plan trains (fp32, 2 local processes).

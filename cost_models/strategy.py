@@ -104,7 +104,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
 from cost_models.comm import (
     GroupPlacement,
     axis_placement,
@@ -127,6 +126,7 @@ from cost_models.memory import (
     stage_activation_bytes,
     zero_transient_bytes,
 )
+from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
 
 __all__ = [
     "NumericTable", "Candidate", "Strategy", "LayerCost",

@@ -27,7 +27,7 @@ import sympy
 import torch.fx as fx
 
 from passes.analyze import analyze
-from passes.common import B, S, PassError, dtype_name, iter_tensors
+from passes.common import B, PassError, S, dtype_name, iter_tensors
 from passes.graph import TracedGraph
 from passes.layers import layer_io, layer_names, layer_signatures
 

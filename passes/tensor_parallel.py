@@ -36,7 +36,6 @@ from passes.tp_analysis import (
     TPDecisions,
     analyze_tensor_parallel,
     matmul_operands,
-    reshape_dim,
 )
 
 __all__ = ["TPInfo", "propagate_tensor_parallel", "vocab_loss_bytes"]

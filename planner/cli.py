@@ -7,8 +7,6 @@ traceback); a failed training run exits 1 with the reason. See README.md for exa
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 from codegen.errors import CodegenError
@@ -23,6 +21,7 @@ from planner.commands.validate import run_validate
 from planner.errors import UserError
 from runtime.checkpoint_io import CheckpointError
 from runtime.compiled import CompiledError
+from runtime.config import TrainOptions, cli_flags, default_of
 from runtime.data import DataError
 
 __all__ = ["main", "build_parser", "USER_ERRORS"]
@@ -55,6 +54,26 @@ def _positive_float(s: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
     return v
+
+
+#: The argparse type of each kind of settings flag (``runtime.config.CliFlag.kind``; ``switch``
+#: flags take no value).
+_FLAG_TYPES = {"str": None, "float": float, "positive_float": _positive_float, "positive_int": _positive_int,
+               "nonneg_int": _nonneg_int}
+
+
+def _add_setting_flags(p: argparse.ArgumentParser, settings) -> None:
+    """One flag per ``(field, CliFlag)`` of ``settings`` (``runtime.config.cli_flags``): its kind's
+    type, the field's default (a switch is off by default), its help and metavar."""
+    for f, flag in settings:
+        if flag.kind == "switch":
+            p.add_argument(flag.flag, action="store_true", help=flag.help)
+        elif flag.required:
+            p.add_argument(flag.flag, type=_FLAG_TYPES[flag.kind], required=True, metavar=flag.metavar,
+                           help=flag.help)
+        else:
+            p.add_argument(flag.flag, type=_FLAG_TYPES[flag.kind], default=f.default, metavar=flag.metavar,
+                           help=flag.help)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -105,26 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan")
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help="spawn N local processes (gloo on CPU); without it, read torchrun's environment")
-    p.add_argument("--steps", type=_positive_int, required=True, help="total steps of the run")
-    p.add_argument("--metrics", default=None, metavar="FILE.jsonl")
-    p.add_argument("--data", default=None, metavar="PATH", help="token file (uint16 .bin/.u16, uint32 "
-                   ".u32, .npy) or UTF-8 text; default synthetic tokens")
-    p.add_argument("--seed", type=_nonneg_int, default=0)
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR")
-    p.add_argument("--save-every", type=_nonneg_int, default=0, metavar="K")
-    p.add_argument("--keep-last", type=_positive_int, default=2, metavar="K")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
-                   help="fail if any collective waits longer than this")
-    p.add_argument("--lr", type=_positive_float, default=3e-4)
-    p.add_argument("--min-lr", type=float, default=3e-5)
-    p.add_argument("--warmup", type=_nonneg_int, default=0, metavar="STEPS")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--adam-eps", type=_positive_float, default=1e-8, help="AdamW epsilon (default 1e-8)")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    # The training settings' flags (runtime.config.TrainOptions), --no-memory-tracking after
+    # --compiled as --help has always listed them.
+    settings = {f.name: (f, flag) for f, flag in cli_flags(TrainOptions)}
+    last = settings.pop("track_memory")
+    _add_setting_flags(p, settings.values())
     p.add_argument("--compiled", default=None, metavar="DIR",
                    help="where to compile the plan (default: a folder beside plan.json)")
-    p.add_argument("--no-memory-tracking", action="store_true", help="skip live-tensor tracking (faster)")
+    _add_setting_flags(p, [last])
 
     p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
     p.add_argument("--nproc", type=_positive_int, default=2)
@@ -136,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_positive_int, required=True)
     p.add_argument("--steps", type=_positive_int, required=True)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--seed", type=_nonneg_int, default=0)
-    p.add_argument("--timeout", type=_positive_float, default=300.0)
+    p.add_argument("--seed", type=_nonneg_int, default=default_of("seed"))
+    p.add_argument("--timeout", type=_positive_float, default=default_of("timeout_s"))
 
     p = sub.add_parser("export", help="export a plan or checkpoint to another format")
     esub = p.add_subparsers(dest="format", metavar="FORMAT")

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 from runtime.optim import FORMAT, consolidate_shards

@@ -14,8 +14,8 @@ import datetime
 import os
 import platform
 import signal
-import sys
 import socket
+import sys
 import tempfile
 import time
 import traceback

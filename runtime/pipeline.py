@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from runtime import comm
 from runtime.mesh import get_mesh
-from runtime.schedule import B, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, ScheduleError, validate_rank
+from runtime.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, B, F, ScheduleError, validate_rank
 
 __all__ = ["TensorMeta", "PipelineError", "PipelineStage", "run_pipeline"]
 

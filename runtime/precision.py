@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["DynamicLossScaler", "check_compute_dtype", "cast_floating", "dtype_name"]
+from runtime.dtypes import TORCH_DTYPES, name_of
 
-_COMPUTE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+__all__ = ["DynamicLossScaler", "check_compute_dtype", "cast_floating", "dtype_name"]
 
 
 def check_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Return ``dtype`` if the engine can compute in it, else raise a ValueError naming the options."""
-    if dtype not in _COMPUTE_DTYPES:
+    """Return ``dtype`` if the engine can compute in it (``runtime.dtypes``), else raise a
+    ValueError naming the options."""
+    if dtype not in TORCH_DTYPES.values():
         raise ValueError(
             f"param_dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16"
         )
@@ -46,7 +47,7 @@ def check_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``fp32`` / ``bf16`` / ``fp16`` for a compute dtype."""
-    return _COMPUTE_DTYPES[check_compute_dtype(dtype)]
+    return name_of(check_compute_dtype(dtype))
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

@@ -1,88 +1,55 @@
 """The training loop that runs compiled stages on the (pp, dp, tp) mesh.
 
-One process per rank calls ``train_worker``. Each step:
+One process per rank calls ``train_worker``. It builds the rank's ``Run`` (``setup``: mesh,
+device, stage module and its weights, ZeRO engine, pipeline stage, data, ``resume`` from the
+newest checkpoint when asked, the step probes of ``runtime.profiling``), then for each step
+``t`` from the first not yet done up to ``TrainOptions.steps``:
 
-1. reads rows ``[d * B/dp, (d + 1) * B/dp)`` of step ``t``'s global batch (``runtime.data``),
-   split into ``num_micro_batches`` micro-batches;
-2. walks this rank's 1F1B action list (``runtime.schedule``/``runtime.pipeline``; with one stage
-   that is forward, backward per micro-batch) accumulating gradients;
-3. lets the ZeRO engine reduce gradients over dp, clip by the global norm, and step AdamW with
-   the learning rate of the warmup + cosine schedule;
-4. rank 0 appends one metrics line (``step, loss, step_time_s, tokens_per_s, peak_memory_bytes,
-   comm_bytes, lr`` and ``loss_scale`` in fp16), where ``loss`` is the mean over the global batch,
-   ``peak_memory_bytes`` and ``comm_bytes`` the max over ranks.
-
-Checkpoints (``runtime.checkpoint_io``) save and restore everything a bit-identical resume needs.
+1. calls the caller's ``on_step_start(rank, t)`` hook, if any (``t`` counts from 0);
+2. ``run_step``: reads rows ``[d * B/dp, (d + 1) * B/dp)`` of step ``t``'s global batch
+   (``runtime.data``), split into ``num_micro_batches`` micro-batches; walks this rank's 1F1B
+   action list (``runtime.schedule``/``runtime.pipeline``; with one stage that is forward,
+   backward per micro-batch) accumulating gradients; lets the ZeRO engine reduce gradients over
+   dp, clip by the global norm and step AdamW with the learning rate of the warmup + cosine
+   schedule (``lr_at``) -- timed, under the memory tracker and profiler that apply;
+3. ``aggregate_metrics``: ``loss`` is the mean over the dp ranks (so over the global batch),
+   ``peak_memory_bytes``, ``comm_bytes``, the step time and the collective wait time the max
+   over all ranks;
+4. ``write_metrics``: rank 0 appends one metrics line (``step, loss, step_time_s, tokens_per_s,
+   peak_memory_bytes, comm_bytes, lr`` and ``loss_scale`` in fp16) and calls ``on_metrics``;
+5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
+   bit-identical resume needs (``runtime.checkpoint_io``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 import runtime
-from runtime import comm
+from runtime import checkpoint_io, comm
 from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
+from runtime.config import TrainOptions
 from runtime.data import open_data, rank_slice
-from runtime.mesh import setup_mesh
+from runtime.dtypes import to_torch
+from runtime.mesh import Mesh, setup_mesh
 from runtime.pipeline import PipelineStage, TensorMeta
+from runtime.profiling import StepProbes
 from runtime.schedule import one_f_one_b
+from runtime.zero import StepInfo, ZeroEngine
 
-__all__ = ["TrainOptions", "lr_at", "schedule_of", "train_worker", "StepMetrics", "DTYPE_OF"]
+__all__ = ["Run", "StepHook", "StepMetrics", "StepResult", "aggregate_metrics", "lr_at", "maybe_checkpoint",
+           "resume", "run_step", "schedule_of", "setup", "train_worker", "write_metrics"]
 
-DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class TrainOptions:
-    """Everything ``planner train`` passes to each rank."""
-
-    steps: int
-    """Total optimizer steps of the run (a resumed run continues up to this number)."""
-    lr: float = 3e-4
-    """Peak learning rate."""
-    min_lr: float = 3e-5
-    """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 0
-    """Linear warmup steps from 0 to ``lr``."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    """Clip gradients to this global L2 norm (None: no clipping)."""
-    seed: int = 0
-    """Fixes initialization and data."""
-    data_path: str | None = None
-    """Token file or UTF-8 text; None for synthetic tokens."""
-    metrics_path: str | None = None
-    """Rank 0 appends one JSON object per step here."""
-    checkpoint_dir: str | None = None
-    save_every: int = 0
-    """Save a checkpoint every K steps (and at the end) when ``checkpoint_dir`` is set."""
-    keep_last: int = 2
-    """Checkpoints kept on disk."""
-    resume: bool = False
-    """Continue from the newest checkpoint in ``checkpoint_dir``."""
-    timeout_s: float = 300.0
-    """Seconds any collective may wait before the run fails."""
-    track_memory: bool = True
-    """Measure peak live tensor bytes (slower on CPU)."""
-    memory_steps: int | None = None
-    """Track memory only in the first N steps of this run (later steps report that peak and run
-    at full speed); None tracks every step."""
-    progress: bool = True
-    """Show a progress bar on rank 0."""
+StepHook = Callable[[int, int], None]
+"""``on_step_start(rank, step)``: called on every rank before each step (``step`` counts from 0,
+the number of steps done). An extension point for instrumentation and fault-injection tests."""
 
 
 def schedule_of(o: TrainOptions) -> dict:
@@ -102,6 +69,8 @@ def lr_at(step: int, o: TrainOptions) -> float:
 
 @dataclass
 class StepMetrics:
+    """One line of the metrics JSONL (``to_json``), the same on every rank."""
+
     step: int
     loss: float
     step_time_s: float
@@ -123,6 +92,52 @@ class StepMetrics:
         return json.dumps(d)
 
 
+@dataclass
+class Run:
+    """One rank's training run, built by ``setup``; the loop's steps read and update it."""
+
+    rank: int
+    world: int
+    opts: TrainOptions
+    manifest: dict
+    """The compiled plan's ``manifest.json`` (``plan``, ``model``, ``stages``)."""
+    mesh: Mesh
+    device: torch.device
+    engine: ZeroEngine
+    pstage: PipelineStage
+    actions: list
+    """This rank's 1F1B action list."""
+    data: Any
+    """The token source (``runtime.data.open_data``)."""
+    rows: tuple[int, int]
+    """This dp rank's rows ``[lo, hi)`` of every global batch."""
+    stage_inputs: list[str]
+    """The data inputs this stage's module takes, by graph input name."""
+    graph_inputs: list[str]
+    """The model's two inputs, (tokens, targets) in order, by the name the graph gives them."""
+    start_step: int
+    """Steps already done when this run started (``resume``)."""
+    probes: StepProbes
+    """Peak-memory tracking and profiling around each step."""
+
+    @property
+    def plan(self) -> dict:
+        return self.manifest["plan"]
+
+
+@dataclass
+class StepResult:
+    """What one rank measured in one step, before aggregation over ranks."""
+
+    loss: float
+    info: StepInfo
+    lr: float
+    seconds: float
+    comm_bytes: float
+    comm_wait_s: float
+    peak_bytes: int
+
+
 def _recv_meta(stage: dict) -> list[TensorMeta]:
     """What this stage receives, from the manifest."""
     metas = []
@@ -132,58 +147,12 @@ def _recv_meta(stage: dict) -> list[TensorMeta]:
     return metas
 
 
-#: The step (counted from the run's first) that ``PLANNER_PROFILE=DIR`` profiles: the first after
-#: two warm-up steps, as ``planner validate`` times them.
-PROFILE_STEP = 2
-
-
-def _start_profiler(index: int):
-    """A running ``torch.profiler`` for this step when ``PLANNER_PROFILE`` asks for it, else None."""
-    if not os.environ.get("PLANNER_PROFILE") or index != PROFILE_STEP:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities)
-    prof.__enter__()
-    return prof
-
-
-def _write_profile(prof, rank: int, step: int) -> None:
-    """Stop ``prof``; write this rank's operator table (by self time) and a Chrome trace."""
-    prof.__exit__(None, None, None)
-    out = os.environ["PLANNER_PROFILE"]
-    os.makedirs(out, exist_ok=True)
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    with open(os.path.join(out, f"rank{rank}-step{step}.txt"), "w", encoding="utf-8") as f:
-        f.write(prof.key_averages().table(sort_by=key, row_limit=50))
-    prof.export_chrome_trace(os.path.join(out, f"rank{rank}-step{step}.json"))
-
-
-def _fault_injection(rank: int) -> int | None:
-    """Test hook: ``PLANNER_FAULT_KILL=RANK:STEP`` SIGKILLs that rank before that step."""
-    spec = os.environ.get("PLANNER_FAULT_KILL")
-    if not spec:
-        return None
-    r, _, s = spec.partition(":")
-    return int(s) if int(r) == rank else None
-
-
-def _fault_hang(rank: int, step: int) -> None:
-    """Test hook: ``PLANNER_FAULT_HANG=RANK:STEP`` makes that rank stop answering at that step."""
-    spec = os.environ.get("PLANNER_FAULT_HANG")
-    if spec:
-        r, _, s = spec.partition(":")
-        if int(r) == rank and int(s) == step:
-            time.sleep(3600)
-
-
-def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
-                 state_fn: Callable[[], Mapping[str, torch.Tensor]],
-                 on_metrics: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
-    """Train on this rank. ``state_fn`` returns the original model's tensors by name."""
-    from runtime.zero import ZeroEngine  # deferred: heavy and only needed here
-
+def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
+          state_fn: Callable[[], Mapping[str, torch.Tensor]]) -> Run:
+    """Build this rank's run: the mesh and device, the stage module with its shard of the original
+    weights (``state_fn`` returns the original model's tensors by name; the seed is set first),
+    the ZeRO engine, the pipeline stage, the data source; then ``resume`` and the step probes
+    (which count the tensors alive after the resume)."""
     man = read_manifest(compiled_dir)
     plan = man["plan"]
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
@@ -192,7 +161,6 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         dist.get_backend() == "nccl" else torch.device("cpu")
     runtime.set_device(dev)
     stage = man["stages"][mesh.pp_index]
-    dtype = DTYPE_OF[plan["dtype"]]
     torch.manual_seed(opts.seed)
     module = load_stage_module(compiled_dir, stage, dev)
     load_weights(module, stage, state_fn(), mesh.tp_index, tp)
@@ -202,7 +170,7 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         layers=param_groups(module),
         dp_group=mesh.dp_group,
         zero_stage=plan["zero_stage"],
-        param_dtype=dtype,
+        param_dtype=to_torch(plan["dtype"]),
         lr=opts.lr,
         betas=(opts.beta1, opts.beta2),
         eps=opts.eps,
@@ -212,95 +180,124 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         replicated_param_filter=(lambda name: name in replicated) if tp > 1 else None,
         micro_batches_per_step=plan["num_micro_batches"],
     )
-    m = plan["num_micro_batches"]
-    mbs = plan["micro_batch_size"]
-    B = plan["global_batch"]
-    seq = plan["seq_len"]
-    actions = one_f_one_b(pp, m)[mesh.pp_index]
+    actions = one_f_one_b(pp, plan["num_micro_batches"])[mesh.pp_index]
     pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage), mesh=mesh, device=dev)
-    data = open_data(opts.data_path, man["model"]["vocab"], seq, opts.seed)
-    lo, hi = rank_slice(B, dp, mesh.dp_index)
-    start_step = 0
-    ckpt = None
-    if opts.checkpoint_dir:
-        from runtime import checkpoint_io as ckpt
-        if opts.resume:
-            start_step = ckpt.load_latest(opts.checkpoint_dir, engine, man, mesh)
-    tracker = None
-    if opts.track_memory:
-        from runtime.memtrack import MemoryTracker
-        tracker = MemoryTracker(device=dev)
-        tracker.track_existing(engine.tracked_tensors() if hasattr(engine, "tracked_tensors") else
-                               list(engine.module.parameters()))
-    history: list[StepMetrics] = []
-    last_peak = 0
-    names = stage["data_inputs"]
+    data = open_data(opts.data_path, man["model"]["vocab"], plan["seq_len"], opts.seed)
     graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
     if len(graph_inputs) != 2:
         raise ValueError(f"the trainer feeds (tokens, targets); this model takes {len(graph_inputs)} inputs "
                          f"{graph_inputs}")
-    kill = _fault_injection(rank)
-    for step in range(start_step, opts.steps):
-        if kill is not None and step == kill:
-            os.kill(os.getpid(), signal.SIGKILL)
-        _fault_hang(rank, step)
-        ids, labels = data.rows(step, lo, hi, B)
-        ids, labels = ids.to(dev), labels.to(dev)
-        # The model's inputs in order are (tokens, targets), whatever the model calls them.
-        src = dict(zip(graph_inputs, (ids, labels)))
-        micro = [tuple(src[n][i * mbs:(i + 1) * mbs] for n in names) for i in range(m)]
-        lr = lr_at(step, opts)
-        comm.STATS.reset()
-        t0 = time.perf_counter()
-        tracking = tracker is not None and (opts.memory_steps is None or step - start_step < opts.memory_steps)
-        if tracking:
-            tracker.reset_peak()
-            tracker.__enter__()
-        prof = _start_profiler(step - start_step)
-        try:
-            loss = pstage.run(actions, micro, loss_scale=engine.loss_scale)
-            info = engine.step(lr=lr)
-            engine.zero_grad()
-        finally:
-            if prof is not None:
-                _write_profile(prof, rank, step + 1)
-            if tracking:
-                tracker.__exit__(None, None, None)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        sent = comm.STATS.total
-        if tracking:
-            last_peak = max(last_peak, tracker.peak_bytes) if opts.memory_steps is not None else tracker.peak_bytes
-            if os.environ.get("PLANNER_DEBUG_MEMORY"):
-                print(f"[planner] rank {rank} step {step + 1}: peak {tracker.peak_bytes / 2**20:.2f} MiB after "
-                      f"{tracker.peak_op or '(step start)'}; {tracker.current_bytes / 2**20:.2f} MiB live at the end",
-                      file=sys.stderr, flush=True)
-        peak = last_peak
-        # Aggregate: loss is a mean over dp ranks; memory and bytes the max over all ranks.
-        agg = torch.tensor([loss, 0.0, 0.0], dtype=torch.float64, device=dev)
-        mx = torch.tensor([float(peak), sent, dt, comm.STATS.wait_s], dtype=torch.float64, device=dev)
-        if dist.is_initialized() and world > 1:
-            if mesh.dp_group is not None:
-                dist.all_reduce(agg, group=mesh.dp_group)
-                agg /= dp
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        step_time = float(mx[2])
-        met = StepMetrics(
-            step=step + 1, loss=float(agg[0]), step_time_s=step_time,
-            tokens_per_s=B * seq / step_time if step_time > 0 else 0.0,
-            peak_memory_bytes=int(mx[0]), comm_bytes=float(mx[1]), lr=lr,
-            loss_scale=info.loss_scale if plan["dtype"] == "fp16" else None,
-            grad_norm=info.grad_norm, comm_wait_s=float(mx[3]),
-        )
+    start_step = resume(opts, engine, man, mesh)
+    probes = StepProbes(rank, dev, opts.track_memory, opts.memory_steps, resident=engine.tracked_tensors())
+    return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
+               pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
+               stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, start_step=start_step, probes=probes)
+
+
+def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> int:
+    """Load the newest checkpoint of ``opts.checkpoint_dir`` into ``engine`` when ``opts.resume``
+    asks for it; the number of steps already done (0 without one)."""
+    if opts.checkpoint_dir and opts.resume:
+        return checkpoint_io.load_latest(opts.checkpoint_dir, engine, manifest, mesh)
+    return 0
+
+
+def micro_batches(run: Run, step: int) -> list[tuple[torch.Tensor, ...]]:
+    """This rank's rows of step ``step``'s global batch, on the device, split into micro-batches
+    of the stage's data inputs."""
+    plan = run.plan
+    mbs, m = plan["micro_batch_size"], plan["num_micro_batches"]
+    lo, hi = run.rows
+    ids, labels = run.data.rows(step, lo, hi, plan["global_batch"])
+    ids, labels = ids.to(run.device), labels.to(run.device)
+    # The model's inputs in order are (tokens, targets), whatever the model calls them.
+    src = dict(zip(run.graph_inputs, (ids, labels)))
+    return [tuple(src[n][i * mbs:(i + 1) * mbs] for n in run.stage_inputs) for i in range(m)]
+
+
+def run_step(run: Run, step: int) -> StepResult:
+    """Forward and backward of every micro-batch, then the optimizer step; timed from after the
+    data is on the device to the end of the device's work, with this step's probes around it."""
+    micro = micro_batches(run, step)
+    lr = lr_at(step, run.opts)
+    index = step - run.start_step
+    comm.STATS.reset()
+    t0 = time.perf_counter()
+    with run.probes.around(index, step):
+        loss = run.pstage.run(run.actions, micro, loss_scale=run.engine.loss_scale)
+        info = run.engine.step(lr=lr)
+        run.engine.zero_grad()
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    sent = comm.STATS.total
+    peak = run.probes.peak_after(index, step)
+    return StepResult(loss=loss, info=info, lr=lr, seconds=seconds, comm_bytes=sent,
+                      comm_wait_s=comm.STATS.wait_s, peak_bytes=peak)
+
+
+def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
+    """The step's metrics over all ranks: the loss is the mean over dp ranks; peak memory, bytes
+    sent, step time and collective wait time the max over all ranks."""
+    plan, dev = run.plan, run.device
+    agg = torch.tensor([r.loss, 0.0, 0.0], dtype=torch.float64, device=dev)
+    mx = torch.tensor([float(r.peak_bytes), r.comm_bytes, r.seconds, r.comm_wait_s], dtype=torch.float64,
+                      device=dev)
+    if dist.is_initialized() and run.world > 1:
+        if run.mesh.dp_group is not None:
+            dist.all_reduce(agg, group=run.mesh.dp_group)
+            agg /= plan["dp"]
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    step_time = float(mx[2])
+    tokens = plan["global_batch"] * plan["seq_len"]
+    return StepMetrics(
+        step=step + 1, loss=float(agg[0]), step_time_s=step_time,
+        tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
+        peak_memory_bytes=int(mx[0]), comm_bytes=float(mx[1]), lr=r.lr,
+        loss_scale=r.info.loss_scale if plan["dtype"] == "fp16" else None,
+        grad_norm=r.info.grad_norm, comm_wait_s=float(mx[3]),
+    )
+
+
+def write_metrics(run: Run, met: StepMetrics, on_metrics: Callable[[StepMetrics], None] | None) -> None:
+    """On rank 0: append ``met`` to ``opts.metrics_path`` (if set) and pass it to ``on_metrics``."""
+    if run.rank != 0:
+        return
+    if run.opts.metrics_path:
+        with open(run.opts.metrics_path, "a", encoding="utf-8") as f:
+            f.write(met.to_json() + "\n")
+    if on_metrics is not None:
+        on_metrics(met)
+
+
+def maybe_checkpoint(run: Run, step: int) -> None:
+    """After step ``step`` (0-based): save a checkpoint when ``opts.save_every`` divides the steps
+    done, or this was the run's last step, and ``opts.checkpoint_dir`` is set."""
+    o = run.opts
+    done = step + 1
+    if o.checkpoint_dir and o.save_every and (done % o.save_every == 0 or done == o.steps):
+        checkpoint_io.save(o.checkpoint_dir, done, run.engine, run.manifest, run.mesh, keep_last=o.keep_last,
+                           schedule=schedule_of(o))
+
+
+def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
+                 state_fn: Callable[[], Mapping[str, torch.Tensor]],
+                 on_metrics: Callable[[StepMetrics], None] | None = None,
+                 on_step_start: StepHook | None = None) -> list[StepMetrics]:
+    """Train on this rank (see the module docstring); every step's metrics, the same on every rank.
+
+    ``state_fn`` returns the original model's tensors by name; ``on_metrics`` receives each
+    step's metrics on rank 0; ``on_step_start`` (a ``StepHook``) runs before each step on every
+    rank.
+    """
+    run = setup(rank, world, compiled_dir, opts, state_fn)
+    history: list[StepMetrics] = []
+    for step in range(run.start_step, opts.steps):
+        if on_step_start is not None:
+            on_step_start(rank, step)
+        result = run_step(run, step)
+        met = aggregate_metrics(run, step, result)
         history.append(met)
-        if rank == 0:
-            if opts.metrics_path:
-                with open(opts.metrics_path, "a", encoding="utf-8") as f:
-                    f.write(met.to_json() + "\n")
-            if on_metrics is not None:
-                on_metrics(met)
-        if ckpt is not None and opts.save_every and ((step + 1) % opts.save_every == 0 or step + 1 == opts.steps):
-            ckpt.save(opts.checkpoint_dir, step + 1, engine, man, mesh, keep_last=opts.keep_last,
-                      schedule=schedule_of(opts))
+        write_metrics(run, met, on_metrics)
+        maybe_checkpoint(run, step)
     return history

@@ -6,7 +6,11 @@ import json
 
 import torch
 
+from planner.frontend.zoo import build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
+from runtime.config import TrainOptions
+from runtime.data import open_data
+from runtime.trainer import lr_at
 
 TINY_GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 TINY_LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64, "seq_len": 16}
@@ -55,28 +59,28 @@ def write_plan(path, plan: Plan) -> str:
     return str(path)
 
 
-def reference_run(plan: Plan, steps: int, *, seed=0, lr=3e-4, min_lr=3e-5, weight_decay=0.1, clip=1.0,
-                  data_path=None, eps=1e-8):
-    """Single process, plain torch AdamW on the whole global batch: (losses, final params)."""
-    from planner.frontend.zoo import build_model
-    from runtime.data import open_data
-    from runtime.trainer import TrainOptions, lr_at
+def reference_run(plan: Plan, steps: int, **settings):
+    """Single process, plain torch AdamW on the whole global batch: (losses, final params).
 
-    b = build_model(plan.model.spec, seed=seed, **plan.model.sizes)
+    ``settings`` override ``TrainOptions`` fields (``seed``, ``lr``, ``min_lr``, ``warmup_steps``,
+    ``weight_decay``, ``eps``, ``beta1``, ``beta2``, ``max_grad_norm``, ``data_path``); every
+    other value is the trainer's default."""
+    o = TrainOptions(steps=steps, **settings)
+    b = build_model(plan.model.spec, seed=o.seed, **plan.model.sizes)
     model = b.model
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=eps, weight_decay=weight_decay)
-    opts = TrainOptions(steps=steps, lr=lr, min_lr=min_lr)
-    data = open_data(data_path, b.vocab, plan.seq_len, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    data = open_data(o.data_path, b.vocab, plan.seq_len, o.seed)
     losses = []
     for step in range(steps):
         ids, labels = data.rows(step, 0, plan.global_batch, plan.global_batch)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, opts)
+            g["lr"] = lr_at(step, o)
         opt.zero_grad()
         loss = model(ids, labels)
         loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if o.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}

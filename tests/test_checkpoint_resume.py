@@ -10,17 +10,19 @@ import torch
 
 from planner.cli import main
 from runtime.checkpoint_io import list_checkpoints, load_model_tensors
+from tests.fault_hooks import HangAt, KillAt, train_with_hook
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
 
 pytestmark = pytest.mark.dist
 
 
-def train(tmp_path, plan, steps, *extra, name="plan.json", env=None):
+def train(tmp_path, plan, steps, *extra, name="plan.json", hook=None):
+    """``planner train`` of ``plan`` for ``steps``; ``hook``: a step hook of ``tests.fault_hooks``."""
     path = write_plan(tmp_path / name, plan)
-    args = ["train", path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(steps),
+    args = [path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(steps),
             "--compiled", str(tmp_path / (name + ".compiled")), "--no-memory-tracking", "--timeout", "60",
             *extra]
-    return main(args)
+    return main(["train", *args]) if hook is None else train_with_hook(args, hook)
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -32,12 +34,8 @@ def test_resume_is_bit_identical(tmp_path):
     b.mkdir()
     ck = str(b / "ck")
     # The same 6-step run (same LR schedule), killed after step 3 was saved, then resumed.
-    os.environ["PLANNER_FAULT_KILL"] = "0:3"
-    try:
-        assert train(b, plan, 6, "--metrics", str(b / "m.jsonl"), "--checkpoint-dir", ck,
-                     "--save-every", "3") == 1
-    finally:
-        del os.environ["PLANNER_FAULT_KILL"]
+    assert train(b, plan, 6, "--metrics", str(b / "m.jsonl"), "--checkpoint-dir", ck,
+                 "--save-every", "3", hook=KillAt(rank=0, step=3)) == 1
     assert train(b, plan, 6, "--metrics", str(b / "m.jsonl"), "--checkpoint-dir", ck, "--save-every", "3",
                  "--resume") == 0
     full = [m["loss"] for m in read_metrics(a / "m.jsonl")]
@@ -50,11 +48,9 @@ def test_resume_is_bit_identical(tmp_path):
 def test_resume_under_another_plan_reshards(tmp_path):
     first = make_plan("gpt", dict(TINY_GPT), dp=2, zero=3)
     ck = str(tmp_path / "ck")
-    os.environ["PLANNER_FAULT_KILL"] = "1:3"  # stop the 5-step run after step 3 was saved
-    try:
-        assert train(tmp_path, first, 5, "--checkpoint-dir", ck, "--save-every", "3", name="p1.json") == 1
-    finally:
-        del os.environ["PLANNER_FAULT_KILL"]
+    # Stop the 5-step run after step 3 was saved.
+    assert train(tmp_path, first, 5, "--checkpoint-dir", ck, "--save-every", "3", name="p1.json",
+                 hook=KillAt(rank=1, step=3)) == 1
     # Same global batch (8), now two pipeline stages with ZeRO-1 inside each.
     second = make_plan("gpt", dict(TINY_GPT), pp=2, mbs=2, m=4)
     assert second.global_batch == first.global_batch
@@ -71,13 +67,9 @@ def test_resume_under_another_plan_reshards(tmp_path):
 def test_killed_rank_fails_fast_and_checkpoint_survives(tmp_path, capsys):
     plan = make_plan("gpt", dict(TINY_GPT), dp=2, zero=1)
     ck = str(tmp_path / "ck")
-    os.environ["PLANNER_FAULT_KILL"] = "1:4"
-    try:
-        t0 = time.monotonic()
-        rc = train(tmp_path, plan, 8, "--checkpoint-dir", ck, "--save-every", "2")
-        elapsed = time.monotonic() - t0
-    finally:
-        del os.environ["PLANNER_FAULT_KILL"]
+    t0 = time.monotonic()
+    rc = train(tmp_path, plan, 8, "--checkpoint-dir", ck, "--save-every", "2", hook=KillAt(rank=1, step=4))
+    elapsed = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 1
     assert "rank 1" in err and "SIGKILL" in err
@@ -180,14 +172,10 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, capsys):
 def test_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path, capsys):
     plan = make_plan("gpt", dict(TINY_GPT), dp=2)
     path = write_plan(tmp_path / "plan.json", plan)
-    os.environ["PLANNER_FAULT_HANG"] = "1:2"
-    try:
-        t0 = time.monotonic()
-        rc = main(["train", path, "--nproc", "2", "--steps", "4", "--timeout", "5",
-                   "--compiled", str(tmp_path / "c"), "--no-memory-tracking"])
-        elapsed = time.monotonic() - t0
-    finally:
-        del os.environ["PLANNER_FAULT_HANG"]
+    t0 = time.monotonic()
+    rc = train_with_hook([path, "--nproc", "2", "--steps", "4", "--timeout", "5",
+                          "--compiled", str(tmp_path / "c"), "--no-memory-tracking"], HangAt(rank=1, step=2))
+    elapsed = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 1
     assert "rank 0" in err and "over ranks [0, 1]" in err and "stopped answering" in err

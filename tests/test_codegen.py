@@ -5,12 +5,12 @@ import os
 
 import pytest
 import torch
-
-from planner.commands.compile import compile_plan
-from codegen.errors import UnsafeNameError
-from codegen.names import check_ident, safe_ident
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from codegen.errors import UnsafeNameError
+from codegen.names import check_ident, safe_ident
+from planner.commands.compile import compile_plan
 from runtime.compiled import CompiledError, load_stage_module, load_weights, read_manifest
 from tests.helpers import make_plan
 
@@ -84,8 +84,8 @@ def test_tampered_stage_file_is_refused(tmp_path):
 ])
 def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
     """Two pipeline stages chained by hand: same loss and gradients as the uncompiled model."""
-    from planner.frontend.zoo import build_model
     from planner.commands.train import original_state
+    from planner.frontend.zoo import build_model
 
     plan = make_plan(spec, sizes, pp=2, checkpoint=(1,))
     compile_plan(plan, str(tmp_path))

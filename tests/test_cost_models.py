@@ -25,14 +25,14 @@ from cost_models.compute import compute_time, matmul_time, optimizer_step_time, 
 from cost_models.hardware import KNOWN_KINDS, HardwareProfile, ProfileError, load_hardware
 from cost_models.memory import (
     activation_bytes,
+    backward_transient_bytes,
     inflight_microbatches,
     memory_breakdown,
     model_state_bytes,
+    shard_elements,
     split_by_tp,
     stage_activation_bytes,
     zero_transient_bytes,
-    backward_transient_bytes,
-    shard_elements,
 )
 from runtime import comm as rt_comm
 from runtime.mesh import coords_of, rank_of
@@ -231,7 +231,7 @@ def test_ring_bytes_contract_values():
 
 def test_intra_node_ring_exact():
     hw = load_hardware("a100-80gb")
-    S, n = 1e9, 8
+    S = 1e9
     t = collective_time("all_reduce", S, list(range(8)), hw)
     assert t == pytest.approx(2 * 7 * 3e-6 + 2 * 7 / 8 * S / 300e9)
     assert collective_time("all_gather", S, list(range(8)), hw) == pytest.approx(7 * 3e-6 + 7 / 8 * S / 300e9)

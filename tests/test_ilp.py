@@ -9,16 +9,16 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_strategy import gpt_table
 
 from cost_models.hardware import load_hardware
+from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
 from planner.errors import UserError
+from planner.plan import Plan
 from planner.search.candidates import enumerate_candidates, heuristic_strategy
 from planner.search.ilp import build_problem, search, solve_candidate
-from planner.search.solve import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
-from planner.plan import Plan
 from planner.search.request import PlanRequest
-from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
-from test_strategy import gpt_table
+from planner.search.solve import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
 
 HW = load_hardware("a100-80gb", 8)
 # A slow network makes stage transfers and DP traffic matter in small instances.

@@ -16,12 +16,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 import passes
-from passes.common import B, S, PassError, source_line
+from passes.common import B, PassError, S, source_line
 from passes.layer_table import LayerTable, table_from_traced
-from planner.frontend.analyze import build_layer_table
 from passes.tp_analysis import reshape_dim
-from planner.frontend.zoo import build_model
+from planner.frontend.analyze import build_layer_table
 from planner.frontend.trace import trace_model
+from planner.frontend.zoo import build_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)
 ARCHS = {

@@ -12,7 +12,7 @@ import torch.nn as nn
 from runtime import comm
 from runtime.dist import launch_local
 from runtime.mesh import setup_mesh
-from runtime.pipeline import MAX_TENSORS, PipelineError, PipelineStage, TensorMeta, run_pipeline, _ROW
+from runtime.pipeline import _ROW, MAX_TENSORS, PipelineError, PipelineStage, TensorMeta, run_pipeline
 from runtime.schedule import gpipe, one_f_one_b
 
 IN, H, OUT, T, MB = 5, 8, 4, 3, 2  # input, hidden, output widths; tokens; micro-batch size

@@ -7,14 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.schedule import (
-    B,
-    F,
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,
     SEND_GRAD,
     Action,
+    B,
     DeadlockError,
+    F,
     ScheduleError,
     format_schedule,
     gpipe,

@@ -12,7 +12,6 @@ import itertools
 import math
 
 import pytest
-import sympy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,13 +19,19 @@ from cost_models.comm import axis_placement, collective_time, ring_bytes_sent, z
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
-from planner.errors import UserError
-from planner.search.request import PlanRequest
-from planner.search.candidates import check_pins, enumerate_candidates, heuristic_strategy, memory_lower_bound, time_lower_bound, uniform_time_bound
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
 from passes.common import B, S
 from passes.layer_table import LayerCosts, LayerTable
-
+from planner.errors import UserError
+from planner.search.candidates import (
+    check_pins,
+    enumerate_candidates,
+    heuristic_strategy,
+    memory_lower_bound,
+    time_lower_bound,
+    uniform_time_bound,
+)
+from planner.search.request import PlanRequest
 
 
 def _row(index: int, name: str, kind: str, **costs) -> LayerCosts:

@@ -5,15 +5,14 @@ Tiny models only (2-4 blocks of width 64, vocabulary 128, sequence 32), all on t
 
 from __future__ import annotations
 
-
 import pytest
 import sympy
 import torch
 
 from passes.common import B, S
 from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable, table_from_traced
-from planner.frontend.analyze import build_layer_table
 from planner.errors import UserError
+from planner.frontend.analyze import build_layer_table
 from planner.frontend.trace import find_block_container, trace_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)

@@ -47,13 +47,25 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from cost_models.comm import ring_terms
 from cost_models.hardware import HardwareProfile, load_hardware
 from planner.errors import UserError
+from planner.frontend.analyze import build_layer_table
+from planner.frontend.zoo import build_model
+from runtime import checkpoint
+from runtime.dist import LaunchError, launch_local
+from runtime.dtypes import to_torch
 
 __all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "run_calibrate", "fit_alpha_beta", "build_profile",
            "lower_quartile"]
@@ -62,7 +74,6 @@ KB = 1 << 10
 MB = 1 << 20
 #: Collective kinds measured (``send`` = ping-pong between rank pairs).
 MEASURED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class CalibrationError(UserError):
@@ -160,9 +171,7 @@ def _timed_reps(fn, budget_s: float, min_reps: int, max_reps: int = 10_000) -> f
 
 def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     """FLOP/s of an ``n x n`` by ``n x n`` product in ``dtype_name`` (median rep)."""
-    import torch
-
-    dt = getattr(torch, _TORCH_DTYPES[dtype_name])
+    dt = to_torch(dtype_name)
     a = torch.randn(n, n).to(dt)
     b = torch.randn(n, n).to(dt)
     torch.mm(a, b)  # warm-up (and the place an unsupported dtype fails)
@@ -184,9 +193,6 @@ def _time_training(batches: Sequence[int], budget_s: float, copy_bytes: int, cop
     ``W`` (``copy_bytes``, ``copy_budget_s`` in all), is timed in ``rounds`` turns spread over the
     whole budget, and each time is its lower quartile (see ``_timed_reps``).
     """
-    import torch
-    from planner.frontend.analyze import build_layer_table
-    from planner.frontend.zoo import build_model
 
     def timed(sizes: dict, table, b: int, seq: int) -> tuple[Any, float, float, int]:
         """``(step function, FLOPs, memory-bound bytes, operator count)`` of one model size."""
@@ -249,11 +255,6 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
     recomputed forward runs like the first one (GPUs), below 1 on a CPU, whose first forward
     writes the saved activations into cache-cold memory.
     """
-    import torch
-
-    from planner.frontend.zoo import build_model
-    from runtime import checkpoint
-
     real = build_model("gpt", batch=batch, seed=0, seq_len=128, layers=2, hidden=256, heads=4, vocab=4096)
     with torch.no_grad():
         x0 = real.model.embed(real.example_inputs[0])
@@ -286,26 +287,18 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def _mean_over_ranks(value: float) -> float:
     """Mean of a per-rank float; NaN on any rank (a failed measurement) gives NaN."""
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
 
 
 def _max_over_ranks(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
@@ -313,9 +306,6 @@ def _max_over_ranks(value: float) -> float:
 
 def _time_collective(kind: str, size: int, rank: int, world: int, reps: int) -> tuple[int, int, float]:
     """``(actual_size_bytes, n, seconds)`` for one collective: the slowest rank's median of ``reps``."""
-    import torch
-    import torch.distributed as dist
-
     numel = max(world, (size // 4) // world * world)  # fp32, divisible by world
     nbytes = numel * 4
     if kind == "all_reduce":
@@ -369,9 +359,6 @@ def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
     """Seconds a blocking all-reduce costs in a compute loop beyond compute and the all-reduce
     alone (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
     waits must wake up. Median over ``repeats`` of ``(both - compute - comm) / iters``."""
-    import torch
-    import torch.distributed as dist
-
     a, x = torch.randn(256, 256), torch.randn(1024, 256)
     buf = torch.ones(256 * 1024)  # 1 MiB, a tensor-parallel activation of a small model
 
@@ -396,10 +383,6 @@ def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
 
 
 def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: str, progress_q) -> None:
-    import warnings
-
-    import torch.distributed as dist
-
     # Deprecation notices from torch.distributed internals would only clutter the progress bar.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
@@ -511,8 +494,6 @@ def _clamp_ratio(r: Any) -> float:
 
 def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: CalibrationSpec) -> HardwareProfile:
     """Turn the workers' raw measurements into a validated ``HardwareProfile``."""
-    import torch
-
     peaks: dict[str, float] = {}
     for dt, rates in raw["matmul"].items():
         good = [r for r in rates.values() if r == r and r > 0]  # drop NaN (failed dtype)
@@ -602,9 +583,6 @@ def _drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None
             except queue_mod.Empty:
                 pass
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     cols = (TextColumn("[bold]calibrate[/]"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("{task.description}"))
     with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
@@ -634,8 +612,6 @@ def run_calibration(
     trades accuracy for a few seconds of measurement; ``progress`` shows a rich progress bar on
     stderr. Returns the profile (also saved as JSON that ``load_hardware(out_path)`` accepts).
     """
-    from runtime.dist import LaunchError, launch_local
-
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 2:
         raise CalibrationError(
             f"calibrate needs --nproc >= 2 to time collectives between processes (got {nproc!r})"
@@ -648,8 +624,6 @@ def run_calibration(
         )
     base = load_hardware(base_kind)
     spec = spec or (CalibrationSpec.quick() if quick else CalibrationSpec())
-    import torch.multiprocessing as mp
-
     q = mp.get_context("spawn").Queue()
     stop = threading.Event()
     drain = threading.Thread(target=_drain_progress, args=(q, stop, spec.num_ticks(), progress), daemon=True)

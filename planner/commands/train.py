@@ -5,6 +5,12 @@ Local runs (``--nproc N``) spawn N processes with a gloo group on a free port; w
 ``torchrun --nnodes ... -m planner train plan.json`` trains on many nodes. Every rank rebuilds
 the original model from the plan's spec and ``--seed`` (on CPU, fp32) and keeps only its shard,
 so all plans of one model and seed start from the same weights.
+
+The training flags are the fields of ``runtime.config.TrainOptions`` that carry a ``CliFlag``;
+``train_options_from_args`` reads them back into one. ``train_plan`` is the command without the
+command line (``planner validate`` calls it with its own options); its ``on_step_start`` hook
+(``runtime.trainer.StepHook``) runs on every rank before every step, the extension point the
+fault-injection tests use (``tests/fault_hooks.py``).
 """
 
 from __future__ import annotations
@@ -13,17 +19,24 @@ import os
 import sys
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from planner.commands.compile import compile_plan
 from planner.errors import UserError
+from planner.frontend.zoo import build_model
 from planner.plan import Plan, load_plan
+from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+from runtime.compiled import read_manifest
+from runtime.config import ConfigError, TrainOptions, cli_flags
+from runtime.data import TokenFile
+from runtime.dist import LaunchError, free_port, init_distributed, launch_local, shutdown
+from runtime.trainer import StepHook, StepMetrics, schedule_of, train_worker
 
-__all__ = ["run_train", "original_state", "compile_for_training", "train_options_from_args"]
+__all__ = ["run_train", "train_plan", "original_state", "compile_for_training", "train_options_from_args"]
 
 
 def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
     """The original model's parameters and buffers (fp32, CPU) for ``seed``, by original name."""
-    from planner.frontend.zoo import build_model
-
     b = build_model(spec, seed=seed, **sizes)
     # remove_duplicate=False: a tied weight appears under every name the graph may use.
     state = {n: p.detach() for n, p in b.model.named_parameters(remove_duplicate=False)}
@@ -32,39 +45,35 @@ def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str,
 
 
 def compile_for_training(plan: Plan, plan_path: str, out: str | None) -> str:
-    from planner.commands.compile import compile_plan
-
+    """Compile ``plan`` into ``out`` (default: ``plan.compiled`` beside the plan file); the folder."""
     out = out or os.path.splitext(os.path.abspath(plan_path))[0] + ".compiled"
     compile_plan(plan, out)
     return out
 
 
-def train_options_from_args(args):
-    from runtime.trainer import TrainOptions
-
-    return TrainOptions(
-        steps=args.steps, lr=args.lr, min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup,
-        weight_decay=args.weight_decay, eps=getattr(args, "adam_eps", 1e-8), max_grad_norm=args.clip if args.clip > 0 else None,
-        seed=args.seed, data_path=args.data, metrics_path=args.metrics,
-        checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep_last=args.keep_last,
-        resume=args.resume, timeout_s=args.timeout, track_memory=not args.no_memory_tracking,
-        memory_steps=getattr(args, "memory_steps", None),
-    )
+def train_options_from_args(args) -> TrainOptions:
+    """The ``TrainOptions`` of parsed ``planner train`` flags: each flagged field from its flag
+    (``CliFlag.setting``), the others at their defaults. An out-of-range value is a ``UserError``."""
+    values = {f.name: flag.setting(getattr(args, flag.dest)) for f, flag in cli_flags(TrainOptions)}
+    try:
+        return TrainOptions(**values)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
 
 
-def _worker(rank: int, world: int, compiled: str, opts, spec: str, sizes: dict, seq_len: int,
-            show: bool) -> None:
-    from runtime.trainer import train_worker
-
-    reporter = _Reporter(opts.steps) if (rank == 0 and show) else None
+def _worker(rank: int, world: int, compiled: str, opts: TrainOptions, spec: str, sizes: dict, seq_len: int,
+            on_step_start: StepHook | None) -> None:
+    """One rank: train, with a progress bar and a summary on rank 0 when ``opts.progress``."""
+    show = rank == 0 and opts.progress
+    reporter = _Reporter(opts.steps) if show else None
     try:
         hist = train_worker(rank, world, compiled, opts,
                             lambda: original_state(spec, sizes, seq_len, opts.seed),
-                            on_metrics=reporter.update if reporter else None)
+                            on_metrics=reporter.update if reporter else None, on_step_start=on_step_start)
     finally:
         if reporter:
             reporter.close()
-    if rank == 0 and show and hist:
+    if show and hist:
         last = hist[-1]
         print(f"done: {len(hist)} steps, final loss {last.loss:.4f}, "
               f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, "
@@ -75,8 +84,6 @@ class _Reporter:
     """A rich progress bar with step, loss, tokens/s and memory (rank 0)."""
 
     def __init__(self, steps: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                                  transient=False, disable=not sys.stdout.isatty())
@@ -84,7 +91,7 @@ class _Reporter:
         self.progress.start()
         self.tty = sys.stdout.isatty()
 
-    def update(self, m) -> None:
+    def update(self, m: StepMetrics) -> None:
         info = (f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  "
                 f"mem {m.peak_memory_bytes / 2**20:.1f} MiB  lr {m.lr:.2e}")
         self.progress.update(self.task, completed=m.step, info=info)
@@ -95,12 +102,10 @@ class _Reporter:
         self.progress.stop()
 
 
-def _check_resumable(plan: Plan, directory: str, args) -> bool:
+def _check_resumable(plan: Plan, opts: TrainOptions) -> bool:
     """Refuse, before any process starts, a checkpoint that belongs to another model; say when
     the run is already done (returns False: nothing to train) or its schedule changes."""
-    from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
-    from runtime.trainer import schedule_of
-
+    directory = opts.checkpoint_dir
     found = list_checkpoints(directory)
     if not found:
         print(f"planner train: no checkpoint in {directory}; starting from step 0.", file=sys.stderr)
@@ -123,12 +128,12 @@ def _check_resumable(plan: Plan, directory: str, args) -> bool:
         raise UserError(f"checkpoint {path} is from model {model.get('spec')!r} {model.get('sizes')}, but "
                         f"{plan.model.spec!r} {plan.model.sizes} is being trained; use that model's "
                         "--checkpoint-dir or start without --resume.")
-    if step >= args.steps:
+    if step >= opts.steps:
         print(f"planner train: the newest checkpoint ({path}) is at step {step}, already at or past "
-              f"--steps {args.steps}; nothing to train (raise --steps to continue).", file=sys.stderr)
+              f"--steps {opts.steps}; nothing to train (raise --steps to continue).", file=sys.stderr)
         return False
     old = meta.get("schedule")
-    new = schedule_of(train_options_from_args(args))
+    new = schedule_of(opts)
     if old and old != new:
         changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in new.items() if old.get(k) != v)
         print(f"planner train: note: the learning-rate schedule differs from the checkpointed run's "
@@ -137,50 +142,54 @@ def _check_resumable(plan: Plan, directory: str, args) -> bool:
     return True
 
 
-
-def run_train(args) -> int:
-    from runtime.dist import LaunchError, init_distributed, launch_local, shutdown
-
+def run_train(args, *, on_step_start: StepHook | None = None) -> int:
+    """``planner train plan.json --steps K ...``: the flags as ``TrainOptions``, then ``train_plan``."""
     plan = load_plan(args.plan)
-    world = plan.dp * plan.tp * plan.pp
-    if args.resume and not args.checkpoint_dir:
-        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
-    if args.save_every and not args.checkpoint_dir:
-        raise UserError("--save-every needs --checkpoint-dir DIR.")
-    if args.resume and not _check_resumable(plan, args.checkpoint_dir, args):
-        return 0
-    compiled = compile_for_training(plan, args.plan, getattr(args, "compiled", None))
-    if args.data is not None:  # fail fast, before any process starts
-        from runtime.compiled import read_manifest
-        from runtime.data import TokenFile
-
-        TokenFile(args.data, plan.seq_len, vocab=read_manifest(compiled)["model"]["vocab"])
     opts = train_options_from_args(args)
-    if args.metrics and not args.resume and os.path.exists(args.metrics):
-        os.remove(args.metrics)
-    sizes = dict(plan.model.sizes)
-    worker_args = (compiled, opts, plan.model.spec, sizes, plan.seq_len, not getattr(args, "quiet", False))
-    if args.nproc is not None:
-        if args.nproc != world:
-            raise UserError(f"{args.plan} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
-                            f"but --nproc is {args.nproc}. Use --nproc {world} or re-plan with --gpus {args.nproc}.")
+    return train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=args.compiled,
+                      on_step_start=on_step_start)
+
+
+def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | None = None,
+               compiled: str | None = None, on_step_start: StepHook | None = None) -> int:
+    """Compile ``plan`` (read from ``plan_path``) into ``compiled`` and train it with ``opts`` on
+    ``nproc`` local processes, or under torchrun's environment when ``nproc`` is None. Exit status:
+    0 done (or nothing left to train), 1 the run failed (the reason on stderr); bad input raises
+    ``UserError``. ``on_step_start`` must be picklable for local runs (it is sent to every rank)."""
+    world = plan.dp * plan.tp * plan.pp
+    if opts.resume and not opts.checkpoint_dir:
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
+    if opts.save_every and not opts.checkpoint_dir:
+        raise UserError("--save-every needs --checkpoint-dir DIR.")
+    if opts.resume and not _check_resumable(plan, opts):
+        return 0
+    compiled = compile_for_training(plan, plan_path, compiled)
+    if opts.data_path is not None:  # fail fast, before any process starts
+        TokenFile(opts.data_path, plan.seq_len, vocab=read_manifest(compiled)["model"]["vocab"])
+    if opts.metrics_path and not opts.resume and os.path.exists(opts.metrics_path):
+        os.remove(opts.metrics_path)
+    worker_args = (compiled, opts, plan.model.spec, dict(plan.model.sizes), plan.seq_len, on_step_start)
+    if nproc is not None:
+        if nproc != world:
+            raise UserError(f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
+                            f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}.")
         try:
-            launch_local(_worker, args.nproc, worker_args, timeout_s=max(600.0, 60.0 * args.steps),
-                         collective_timeout_s=args.timeout)
+            launch_local(_worker, nproc, worker_args, timeout_s=max(600.0, 60.0 * opts.steps),
+                         collective_timeout_s=opts.timeout_s)
         except LaunchError as e:
             print(f"planner train: training failed: {e}", file=sys.stderr)
             return 1
         return 0
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if world != 1:
-            raise UserError(f"{args.plan} needs {world} processes: pass --nproc {world}, or launch under "
-                            f"torchrun (torchrun --nproc-per-node ... -m planner train {args.plan} ...).")
+            raise UserError(f"{plan_path} needs {world} processes: pass --nproc {world}, or launch under "
+                            f"torchrun (torchrun --nproc-per-node ... -m planner train {plan_path} ...).")
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_PORT", str(__import__("runtime.dist").dist.free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world:
-        raise UserError(f"{args.plan} needs {world} processes (dp*tp*pp), but torchrun started {env_world}.")
-    ctx = init_distributed(timeout_s=args.timeout)
+        raise UserError(f"{plan_path} needs {world} processes (dp*tp*pp), but torchrun started {env_world}.")
+    ctx = init_distributed(timeout_s=opts.timeout_s)
     try:
         _worker(ctx.rank, ctx.world_size, *worker_args)
     finally:

@@ -13,8 +13,13 @@ import statistics
 import sys
 import tempfile
 
+from rich.console import Console
+from rich.table import Table
+
+from planner.commands.train import train_plan
 from planner.errors import UserError
 from planner.plan import load_plan
+from runtime.config import TrainOptions
 
 __all__ = ["run_validate", "compare"]
 
@@ -45,10 +50,9 @@ def compare(plan, metrics: list[dict]) -> dict:
 
 
 def run_validate(args) -> int:
-    from argparse import Namespace
-
-    from planner.commands.train import run_train
-
+    """``planner validate plan.json --nproc N --steps K``: train the plan for K steps (default
+    settings but ``--seed`` and ``--timeout``; memory tracked in the warm-up steps only, no
+    progress bar), then compare (``compare``)."""
     if args.steps <= WARMUP_STEPS:
         raise UserError(f"validate times the steps after {WARMUP_STEPS} warm-up steps (first-touch "
                         f"allocations, lazy initialization), so --steps {args.steps} measures nothing; "
@@ -56,13 +60,9 @@ def run_validate(args) -> int:
     plan = load_plan(args.plan)
     with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        targs = Namespace(
-            plan=args.plan, nproc=args.nproc, steps=args.steps, metrics=metrics, data=None, seed=args.seed,
-            checkpoint_dir=None, save_every=0, keep_last=1, resume=False, timeout=args.timeout, lr=3e-4,
-            min_lr=3e-5, warmup=0, weight_decay=0.1, adam_eps=1e-8, clip=1.0, compiled=os.path.join(tmp, "compiled"),
-            no_memory_tracking=False, quiet=True, memory_steps=min(2, args.steps),
-        )
-        rc = run_train(targs)
+        opts = TrainOptions(steps=args.steps, seed=args.seed, timeout_s=args.timeout, metrics_path=metrics,
+                            memory_steps=WARMUP_STEPS, progress=False)
+        rc = train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=os.path.join(tmp, "compiled"))
         if rc != 0:
             return rc
         with open(metrics, encoding="utf-8") as f:
@@ -71,9 +71,6 @@ def run_validate(args) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"{args.plan}: predicted vs measured ({len(lines)} steps, median after 2 warm-up)")
     t.add_column("quantity")
     t.add_column("predicted", justify="right")

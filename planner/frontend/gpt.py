@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planner.frontend.errors import ModelError
+
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
 
@@ -39,16 +41,16 @@ class GPTConfig:
         for name in ("vocab", "seq_len", "layers", "hidden", "heads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise UserError(f"GPT size {name}={v!r} must be a positive integer.")
+                raise ModelError(f"GPT size {name}={v!r} must be a positive integer.")
         if self.hidden % self.heads:
-            raise UserError(
+            raise ModelError(
                 f"GPT hidden size {self.hidden} is not divisible by heads={self.heads}; "
                 f"pick --heads that divides --hidden."
             )
         if self.ffn < 0:
-            raise UserError(f"GPT ffn={self.ffn} must be positive (0 means 4 x hidden).")
+            raise ModelError(f"GPT ffn={self.ffn} must be positive (0 means 4 x hidden).")
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout={self.dropout} must be in [0, 1).")
+            raise ModelError(f"dropout={self.dropout} must be in [0, 1).")
 
     @property
     def ffn_size(self) -> int:

@@ -86,8 +86,8 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
+from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
 
 __all__ = [
     "SOLVERS", "default_solver", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
@@ -526,7 +526,7 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
         v = _UniformVars(prob, cc, kinds, checkpoint, bounded=objective == "time")
     else:
         v = _GeneralVars(prob, cc, kinds, checkpoint)
-    p, m = v.p, v.m
+    p = v.p
     # tie-breaks: less recompute and transfer time, then fewer recomputed layers (a layer whose
     # recompute is free in the FLOP model, such as an embedding, is not recomputed for nothing)
     tie = (TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))

@@ -20,12 +20,26 @@ import time
 from dataclasses import dataclass
 
 from cost_models.hardware import HardwareProfile
-from planner.search.alternatives import alternative_reason
-from planner.search.candidates import check_pins, enumerate_candidates, memory_lower_bound, tied_summary, time_lower_bound
-from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
+from cost_models.strategy import (
+    Candidate,
+    CandidateCosts,
+    Evaluation,
+    NumericTable,
+    candidate_costs,
+    memory_bound,
+    predicted_fields,
+)
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
-from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, candidate_costs, memory_bound, predicted_fields
+from planner.search.alternatives import alternative_reason
+from planner.search.candidates import (
+    check_pins,
+    enumerate_candidates,
+    memory_lower_bound,
+    tied_summary,
+    time_lower_bound,
+)
 from planner.search.errors import SearchError
+from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
 
 __all__ = ["NoFeasiblePlan", "Solution", "solve", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
 
