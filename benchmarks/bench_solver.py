@@ -8,7 +8,7 @@ Plain script, not part of the test suite (it takes a minute)::
 
 Model: GPT-3's width (hidden 12288, 96 heads, vocab 51200), sequence 2048, global batch 1536,
 bf16 on a100-80gb nodes of 8, with the number of blocks varied. By default the layer table is
-the closed-form one the tests use (``tests/test_strategy.gpt_table``), so the figures measure
+the closed-form one the tests use (``tests.helpers.gpt_table``), so the figures measure
 the search and the ILPs, not tracing; ``--traced`` builds the real table through
 ``passes.layer_table`` instead (only the table differs, and it is not timed).
 
@@ -27,11 +27,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT]
 
 from cost_models.hardware import load_hardware  # noqa: E402
-from planner.search.request import PlanRequest
-from planner.search.solve import NoFeasiblePlan, solve
+from planner.frontend.analyze import build_layer_table  # noqa: E402
+from planner.search.request import PlanRequest  # noqa: E402
+from planner.search.solve import NoFeasiblePlan, solve  # noqa: E402
+from tests.helpers import gpt_table  # noqa: E402
 
 LAYERS = (24, 48, 96, 128)
 GPUS = (8, 64, 256, 1024, 4096)
@@ -40,11 +42,7 @@ TARGET_S = 5.0
 
 def table_for(layers: int, traced: bool):
     if traced:
-        from planner.frontend.analyze import build_layer_table
-
         return build_layer_table("gpt3-175b", layers=layers, seq_len=2048, dtype="bf16")
-    from test_strategy import gpt_table
-
     return gpt_table(layers=layers, hidden=12288, heads=96, vocab=51200)
 
 

@@ -548,7 +548,7 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
 def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
     """1F1B's time for ``m`` micro-batches over stages of these micro-step times (fwd + bwd):
     ``(m - 1) max_k T_k + sum_k T_k``: exact for equal stages, never below the schedule simulated
-    with unequal ones, and closer to it than ``(m + p - 1) max_k T_k`` (``tests/test_schedule.py``
+    with unequal ones, and closer to it than ``(m + p - 1) max_k T_k`` (``tests/runtime/test_schedule.py``
     checks all three against ``runtime.schedule.simulate``)."""
     return (m - 1) * max(micro_steps) + sum(micro_steps)
 

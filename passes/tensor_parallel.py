@@ -89,7 +89,7 @@ def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
     gather is one element per row), after ``logits.float()`` (a read and an fp32 write unless
     the logits are fp32). Backward: the clone of the saved softmax and the in-place scaling, 2
     passes each (the one-hot subtraction touches one element per row), then the cast back to the
-    logits' dtype unless fp32. ``tests/test_tensor_parallel.py`` counts the runtime's bytes."""
+    logits' dtype unless fp32. ``tests/runtime/test_tensor_parallel.py`` counts the runtime's bytes."""
     f32 = 4 * logits
     cast = 0 if element_size == 4 else (element_size + 4) * logits
     return 8 * f32 + cast, 4 * f32 + cast

@@ -1,4 +1,10 @@
-"""The one exception type the CLI turns into a clean message and exit code 2."""
+"""The base of the planner package's input errors.
+
+Each layer of ``planner`` raises its own subclass (``ModelError`` in the front end, ``SearchError``
+in the search, ``PlanError`` for plan.json, ``CalibrationError`` ...); the CLI lists them with the
+other packages' error types (``planner.cli.USER_ERRORS``) and turns each into one paragraph on
+stderr and exit status 2.
+"""
 
 
 class UserError(ValueError):

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -288,7 +289,10 @@ def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
     meta = read_meta(path)
     want = {k: torch.empty(s, dtype=torch.float32) for k, s in meta["tensors"].items() if k.startswith("model/")}
     try:
-        dcp.load(want, checkpoint_id=path, no_dist=True)
+        with warnings.catch_warnings():  # torch warns that it loads in one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable",
+                                    category=UserWarning)
+            dcp.load(want, checkpoint_id=path, no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)})") from None
     return {k[len("model/"):]: v for k, v in want.items()}

@@ -1,19 +1,38 @@
-"""Shared test utilities: hand-built plans and the single-process training reference."""
+"""Shared test utilities: hand-built plans, closed-form layer tables and the single-process
+training reference."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
+from passes.common import B, S
+from passes.layer_table import LayerCosts, LayerTable
 from planner.frontend.zoo import build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
 from runtime.config import TrainOptions
 from runtime.data import open_data
 from runtime.trainer import lr_at
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+"""The repository root."""
+USER_MODELS = os.path.join(TESTS, "fixtures", "user_models.py")
+"""The ``file.py:factory`` models of ``tests/fixtures`` (``USER_MODELS + ":good"``)."""
+
+SMALL_GPT_FLAGS = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"]
+"""``planner plan`` flags of a small built-in GPT."""
+
 TINY_GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}
 TINY_LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64, "seq_len": 16}
+
+
+def plan_args(out, *extra) -> list[str]:
+    """``planner plan`` arguments of the small GPT on 2 CPU processes, written to ``out``."""
+    return ["plan", *SMALL_GPT_FLAGS, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu",
+            "--global-batch", "8", "--seq-len", "16", "--dtype", "fp32", "--out", str(out), *extra]
 
 
 def even_stages(layers: int, pp: int) -> list[list[int]]:
@@ -89,3 +108,46 @@ def reference_run(plan: Plan, steps: int, **settings):
 def read_metrics(path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(ln) for ln in f if ln.strip()]
+
+
+# ------------------------------------------------------------------ closed-form layer tables
+
+
+def _row(index: int, name: str, kind: str, **costs) -> LayerCosts:
+    """One row; the backward all-reduces what the forward does unless given."""
+    costs.setdefault("tp_allreduce_bwd_bytes", costs.get("tp_allreduce_bytes", 0))
+    return LayerCosts(index=index, name=name, kind=kind, **costs)
+
+
+def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
+              block_scale=None, tail_boundary=None) -> LayerTable:
+    """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ and
+    ``tail_boundary`` scales what the last block hands the head (as in HF models, where blocks
+    pass masks and positions along but the last block sends only the hidden state)."""
+    h, a, V, e = hidden, heads, vocab, dtype_bytes
+    bsh = B * S * h
+    rows = [_row(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
+                      saved_bytes=8 * B * S, saved_bytes_tp=0, input_bytes=8 * B * S, boundary_bytes=e * bsh,
+                      tp_allreduce_bytes=e * bsh, param_count=V * h + max_seq * h, param_count_tp=V * h,
+                      peak_act_bytes=e * bsh)]
+    for j in range(layers):
+        k = 1 if block_scale is None else block_scale[j]
+        mm = 24 * bsh * h + 4 * B * S * S * h
+        rows.append(_row(
+            j + 1, f"blocks.{j}", "block", fwd_flops=k * (mm + 20 * bsh), bwd_flops=k * 2 * (mm + 20 * bsh),
+            fwd_flops_tp=k * mm, bwd_flops_tp=k * 2 * mm,
+            saved_bytes=k * (34 * bsh + 5 * a * B * S * S), saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
+            input_bytes=e * bsh, boundary_bytes=e * bsh, tp_allreduce_bytes=2 * e * bsh,
+            param_count=k * (12 * h * h + 13 * h), param_count_tp=k * (12 * h * h + 7 * h), signature="blk",
+            peak_act_bytes=e * bsh, peak_act_bytes_tp=k * 4 * e * bsh))
+    if tail_boundary is not None and layers:
+        rows[-1].boundary_bytes = tail_boundary * e * bsh
+    rows.append(_row(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
+                          fwd_flops_tp=2 * bsh * V, bwd_flops_tp=4 * bsh * V,
+                          saved_bytes=4 * B * S * V + 2 * e * bsh, saved_bytes_tp=4 * B * S * V,
+                          input_bytes=e * bsh, boundary_bytes=4, tp_allreduce_bytes=12 * B * S,
+                          param_count=h * V + 2 * h, param_count_tp=h * V,
+                          peak_act_bytes=e * bsh, peak_act_bytes_tp=4 * B * S * V))
+    params = sum(r.param_count for r in rows)
+    return LayerTable(layers=rows, dtype="bfloat16", model=dict(spec="gpt", params=params, layers=layers,
+                                                                hidden=h, heads=a, kv_heads=kv_heads or a, vocab=V))

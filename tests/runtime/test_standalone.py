@@ -11,9 +11,7 @@ import torch
 
 import runtime.dtypes as dtypes
 from planner.commands.compile import compile_plan
-from tests.helpers import TINY_GPT, make_plan
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import ROOT, TINY_GPT, make_plan
 
 # Importing any of these fails in the child: the runtime and a compiled stage must not need them.
 _BLOCKED = ("planner", "passes", "codegen", "cost_models", "sympy", "networkx", "pulp", "rich",

@@ -10,14 +10,12 @@ import torch
 
 from planner.cli import main
 from runtime.checkpoint_io import list_checkpoints, load_model_tensors
-from tests.fault_hooks import HangAt, KillAt, train_with_hook
+from tests.e2e.fault_hooks import HangAt, KillAt, train_with_hook
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
-
-pytestmark = pytest.mark.dist
 
 
 def train(tmp_path, plan, steps, *extra, name="plan.json", hook=None):
-    """``planner train`` of ``plan`` for ``steps``; ``hook``: a step hook of ``tests.fault_hooks``."""
+    """``planner train`` of ``plan`` for ``steps``; ``hook``: a step hook of ``tests.e2e.fault_hooks``."""
     path = write_plan(tmp_path / name, plan)
     args = [path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(steps),
             "--compiled", str(tmp_path / (name + ".compiled")), "--no-memory-tracking", "--timeout", "60",

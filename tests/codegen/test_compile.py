@@ -12,9 +12,7 @@ from codegen.errors import UnsafeNameError
 from codegen.names import check_ident, safe_ident
 from planner.commands.compile import compile_plan
 from runtime.compiled import CompiledError, load_stage_module, load_weights, read_manifest
-from tests.helpers import make_plan
-
-FIX = os.path.join(os.path.dirname(__file__), "fixtures", "user_models.py")
+from tests.helpers import USER_MODELS, make_plan
 
 
 @given(st.text(max_size=40))
@@ -32,7 +30,7 @@ def test_check_ident_rejects(bad):
 
 
 def _compile_file_model(tmp_path, factory):
-    plan = make_plan(f"{FIX}:{factory}", {"layers": 2}, mbs=2, m=1)
+    plan = make_plan(f"{USER_MODELS}:{factory}", {"layers": 2}, mbs=2, m=1)
     out = tmp_path / "c"
     man = compile_plan(plan, str(out))
     return plan, out, man

@@ -1,8 +1,7 @@
 """cost_models.strategy: the cost of one strategy, checked formula by formula, and its bounds.
 
-``gpt_table`` builds a closed-form GPT ``passes.layer_table.LayerTable`` (Megatron / Korthikanti
-et al. formulas): the planner's tests and its benchmark use it so they exercise the solver, not
-the tracer.
+The layer tables are closed-form GPTs (``tests.helpers.gpt_table``), so these tests exercise the
+cost model and the search, not the tracer.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
-from passes.common import B, S
-from passes.layer_table import LayerCosts, LayerTable
 from planner.errors import UserError
 from planner.search.candidates import (
     check_pins,
@@ -32,47 +29,7 @@ from planner.search.candidates import (
     uniform_time_bound,
 )
 from planner.search.request import PlanRequest
-
-
-def _row(index: int, name: str, kind: str, **costs) -> LayerCosts:
-    """One row; the backward all-reduces what the forward does unless given."""
-    costs.setdefault("tp_allreduce_bwd_bytes", costs.get("tp_allreduce_bytes", 0))
-    return LayerCosts(index=index, name=name, kind=kind, **costs)
-
-
-def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
-              block_scale=None, tail_boundary=None) -> LayerTable:
-    """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ and
-    ``tail_boundary`` scales what the last block hands the head (as in HF models, where blocks
-    pass masks and positions along but the last block sends only the hidden state)."""
-    h, a, V, e = hidden, heads, vocab, dtype_bytes
-    bsh = B * S * h
-    rows = [_row(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
-                      saved_bytes=8 * B * S, saved_bytes_tp=0, input_bytes=8 * B * S, boundary_bytes=e * bsh,
-                      tp_allreduce_bytes=e * bsh, param_count=V * h + max_seq * h, param_count_tp=V * h,
-                      peak_act_bytes=e * bsh)]
-    for j in range(layers):
-        k = 1 if block_scale is None else block_scale[j]
-        mm = 24 * bsh * h + 4 * B * S * S * h
-        rows.append(_row(
-            j + 1, f"blocks.{j}", "block", fwd_flops=k * (mm + 20 * bsh), bwd_flops=k * 2 * (mm + 20 * bsh),
-            fwd_flops_tp=k * mm, bwd_flops_tp=k * 2 * mm,
-            saved_bytes=k * (34 * bsh + 5 * a * B * S * S), saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
-            input_bytes=e * bsh, boundary_bytes=e * bsh, tp_allreduce_bytes=2 * e * bsh,
-            param_count=k * (12 * h * h + 13 * h), param_count_tp=k * (12 * h * h + 7 * h), signature="blk",
-            peak_act_bytes=e * bsh, peak_act_bytes_tp=k * 4 * e * bsh))
-    if tail_boundary is not None and layers:
-        rows[-1].boundary_bytes = tail_boundary * e * bsh
-    rows.append(_row(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
-                          fwd_flops_tp=2 * bsh * V, bwd_flops_tp=4 * bsh * V,
-                          saved_bytes=4 * B * S * V + 2 * e * bsh, saved_bytes_tp=4 * B * S * V,
-                          input_bytes=e * bsh, boundary_bytes=4, tp_allreduce_bytes=12 * B * S,
-                          param_count=h * V + 2 * h, param_count_tp=h * V,
-                          peak_act_bytes=e * bsh, peak_act_bytes_tp=4 * B * S * V))
-    params = sum(r.param_count for r in rows)
-    return LayerTable(layers=rows, dtype="bfloat16", model=dict(spec="gpt", params=params, layers=layers,
-                                                                hidden=h, heads=a, kv_heads=kv_heads or a, vocab=V))
-
+from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
 

@@ -17,7 +17,6 @@ STEPS = 10
 # last-bit difference in a reduction's summation order (tp, dp) into a 1e-6 weight difference.
 # eps = 1e-6 keeps the comparison about the runtime, not about that amplification.
 EPS = 1e-6
-
 CASES = {
     "dp2-zero0": dict(dp=2, zero=0),
     "dp2-zero1": dict(dp=2, zero=1),

@@ -174,7 +174,6 @@ def make():
     ids = torch.randint(0, 50, (1, 12))
     return Net(), (ids, ids.clone())
 '''
-
 FACTORY_BAD = '''
 import torch, torch.nn as nn
 

@@ -8,7 +8,6 @@ import json
 
 import pytest
 from rich.console import Console
-from test_strategy import gpt_table
 
 from cost_models.hardware import load_hardware
 from planner.plan import Plan, load_plan, save_plan
@@ -19,6 +18,7 @@ from planner.search.alternatives import alternative_reason
 from planner.search.request import PlanRequest
 from planner.search.solve import solve
 from planner.units import compress_ranges, format_bytes, format_seconds
+from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
 

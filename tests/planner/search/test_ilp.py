@@ -9,7 +9,6 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_strategy import gpt_table
 
 from cost_models.hardware import load_hardware
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
@@ -19,6 +18,7 @@ from planner.search.candidates import enumerate_candidates, heuristic_strategy
 from planner.search.ilp import build_problem, search, solve_candidate
 from planner.search.request import PlanRequest
 from planner.search.solve import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
+from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
 # A slow network makes stage transfers and DP traffic matter in small instances.

@@ -9,9 +9,7 @@ import sys
 import pytest
 
 from planner.cli import main
-from tests.test_cli import plan_args
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, plan_args
 
 
 def test_profile_env_writes_each_ranks_operator_table_and_trace(tmp_path, monkeypatch):

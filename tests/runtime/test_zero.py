@@ -1,0 +1,271 @@
+"""The ZeRO engine in one process: AdamW against torch, parameter freeing, state shards, loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from runtime.optim import consolidate_shards, padded_numel, slice_shard
+from runtime.precision import DynamicLossScaler
+from runtime.zero import ZeroEngine, ZeroError
+
+IN, H, BLOCKS = 8, 32, 3
+BATCH, MICRO = 16, 2  # global batch; micro-batches per rank per step
+STEPS = 6
+# eps 1e-6, not 1e-8: Adam divides by sqrt(v) + eps, so for an element whose gradient is ~1e-8
+# rounding differences of 1e-7 (summation order of dp-averaged vs full-batch gradients) grow into
+# 1e-5 parameter differences. Plain torch emulating dp 2 shows the same with eps 1e-8.
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+MAX_NORM = 0.5
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, ckpt: bool = False):
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 2 * h)
+        self.fc2 = nn.Linear(2 * h, h)
+        self.ckpt = ckpt
+
+    def _f(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+
+    def forward(self, x):
+        if self.ckpt and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._f, x, use_reentrant=False)
+        return self._f(x)
+
+
+class Net(nn.Module):
+    """A tiny transformer-ish MLP stack: input projection, pre-norm residual blocks, scalar head."""
+
+    def __init__(self, h: int = H, blocks: int = BLOCKS, ckpt: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(IN, h)
+        self.blocks = nn.ModuleList([Block(h, ckpt) for _ in range(blocks)])
+        self.head = nn.Linear(h, 1)
+
+    def forward(self, x, y):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return ((self.head(x).squeeze(-1) - y.to(x.dtype)) ** 2).mean()
+
+
+def make_net(seed: int = 0, **kw) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+def layer_groups(net: Net) -> list[list[str]]:
+    names = [n for n, _ in net.named_parameters()]
+    groups = [[n for n in names if n.startswith("inp.")]]
+    groups += [[n for n in names if n.startswith(f"blocks.{i}.")] for i in range(len(net.blocks))]
+    return groups + [[n for n in names if n.startswith("head.")]]
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, generator=g)
+
+
+def reference(steps: int = STEPS, h: int = H, blocks: int = BLOCKS, max_norm=MAX_NORM):
+    """Plain torch: full batch, AdamW, clip_grad_norm_. Returns (losses, final params by name)."""
+    net = make_net(h=h, blocks=blocks)
+    opt = torch.optim.AdamW(net.parameters(), **HP)
+    losses = []
+    for s in range(steps):
+        x, y = data(s)
+        opt.zero_grad()
+        loss = net(x, y)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def run_engine(engine: ZeroEngine, steps, rank: int, world: int, start: int = 0, no_sync: bool = False):
+    """Train: this rank's slice of each global batch in MICRO micro-batches; rank-mean losses.
+
+    ``no_sync``: all but the last micro-batch's backward run inside ``engine.no_sync()``."""
+    losses, infos = [], []
+    per = BATCH // world
+    for s in range(start, start + steps):
+        x, y = data(s)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        mb = per // MICRO
+        total = 0.0
+        for i in range(MICRO):
+            ctx = engine.no_sync() if no_sync and i < MICRO - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = engine.module(x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb])
+                engine.scale_loss(loss / MICRO).backward()
+            total += loss.item() / MICRO
+        infos.append(engine.step())
+        engine.last_memory = engine.memory_report()  # held during the step, before zero_grad frees
+        engine.zero_grad()
+        losses.append(total)
+    return losses, infos
+
+
+# ---------------------------------------------------------------------------- single process
+@settings(max_examples=8, deadline=None)
+@given(
+    stage=st.integers(0, 3),
+    h=st.sampled_from([4, 6, 12]),
+    blocks=st.integers(1, 3),
+    bucket=st.sampled_from([1, 600, 10**8]),
+    ckpt=st.booleans(),
+    grouped=st.booleans(),
+    prefetch=st.booleans(),
+)
+@example(stage=3, h=6, blocks=2, bucket=600, ckpt=True, grouped=True, prefetch=True)
+@example(stage=3, h=4, blocks=3, bucket=1, ckpt=False, grouped=False, prefetch=False)
+@example(stage=2, h=4, blocks=3, bucket=1, ckpt=True, grouped=False, prefetch=True)
+def test_dp1_matches_torch_for_any_shape(stage, h, blocks, bucket, ckpt, grouped, prefetch):
+    """dp 1, any stage, shapes, buckets, checkpointing, grouping and prefetch: equal to torch."""
+    steps = 3
+    ref_losses, ref_params = reference(steps, h=h, blocks=blocks)
+    net = make_net(h=h, blocks=blocks, ckpt=ckpt)
+    engine = ZeroEngine(net, layer_groups(net) if grouped else None, zero_stage=stage, **HP,
+                        max_grad_norm=MAX_NORM, bucket_bytes=bucket, prefetch=prefetch)
+    losses, _ = run_engine(engine, steps, 0, 1)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
+    for n, p in engine.full_state_dict().items():
+        torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6)
+
+
+def test_zero3_frees_parameters_outside_forward_and_backward():
+    net = make_net()
+    engine = ZeroEngine(net, layer_groups(net), zero_stage=3, **HP)
+    sizes = lambda: [p.untyped_storage().nbytes() for p in net.parameters()]  # noqa: E731
+    assert set(sizes()) == {0}
+    seen = []
+    net.blocks[1].register_forward_hook(lambda m, a, o: seen.append(sorted(set(sizes()))))
+    x, y = data(0)
+    engine.module(x, y).backward()
+    assert set(sizes()) == {0}
+    assert seen and seen[0] != [0]  # the block's own parameters were materialized during forward
+    assert all(p.grad is None for p in net.parameters())  # gradients live in the fp32 shards
+    assert engine.memory_report()["params"] == 4 * sum(p.numel() for p in net.parameters())
+
+
+def test_state_shards_roundtrip():
+    t = {"format": "planner.zero/1", "zero_stage": 2, "num_shards": 1, "shard_index": 0, "step": 3,
+         "groups": [{"names": ["a"], "shapes": [[5]], "numel": 5}, {"names": ["b"], "shapes": [[2]], "numel": 2}]}
+    for k in ("master", "exp_avg", "exp_avg_sq"):
+        t[k] = [torch.arange(5.0) + 1, torch.tensor([7.0, 8.0])]
+    for n in (1, 2, 3, 4, 7):
+        shards = [slice_shard(t, n, i) for i in range(n)]
+        assert all(s["master"][0].numel() == padded_numel(5, n) // n for s in shards)
+        back = consolidate_shards(shards[::-1])
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            for a, b in zip(back[k], t[k]):
+                assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="exactly one state per shard index"):
+        consolidate_shards([slice_shard(t, 3, 0), slice_shard(t, 3, 2)])
+    with pytest.raises(ValueError, match="consolidate_shards first"):
+        slice_shard(slice_shard(t, 2, 0), 2, 1)
+
+
+def test_loss_scaler_rules():
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0)
+    trace = []
+    for overflow in [True, True, True, True, False, False, True, False]:
+        s.update(overflow)
+        trace.append(s.scale)
+    # 1st overflow absorbed; then halve (floor 2); 2 good steps double and refill hysteresis;
+    # the next overflow is absorbed again.
+    assert trace == [8.0, 4.0, 2.0, 2.0, 2.0, 4.0, 4.0, 4.0]
+    d = DynamicLossScaler()
+    assert (d.scale, d.growth_factor, d.backoff_factor, d.growth_interval, d.hysteresis, d.min_scale) == (
+        2.0**16, 2.0, 0.5, 1000, 2, 1.0)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        DynamicLossScaler(backoff_factor=1.5)
+
+
+def test_layer_group_errors():
+    net = make_net()
+    g = layer_groups(net)
+    with pytest.raises(ZeroError, match="not a parameter"):
+        ZeroEngine(make_net(), g[:-1] + [g[-1] + ["head.nope"]])
+    with pytest.raises(ZeroError, match="twice"):
+        ZeroEngine(make_net(), g + [["inp.weight"]])
+    with pytest.raises(ZeroError, match="in no layer group"):
+        ZeroEngine(make_net(), g[1:])
+    with pytest.raises(ValueError, match="zero_stage"):
+        ZeroEngine(make_net(), g, zero_stage=4)
+    with pytest.raises(ValueError, match="only used with fp16"):
+        ZeroEngine(make_net(), g, loss_scaler=DynamicLossScaler())
+    engine = ZeroEngine(make_net(), g, zero_stage=2, **HP)
+    other = ZeroEngine(make_net(blocks=2), None, zero_stage=2, **HP)
+    with pytest.raises(ZeroError, match="layout"):
+        engine.load_state_dict(other.state_dict())
+
+
+def test_reentrant_checkpointing_is_refused():
+    net = make_net()
+    for b in net.blocks:
+        b.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True))(b._f)
+    engine = ZeroEngine(net, layer_groups(net), zero_stage=2, **HP)
+    with pytest.raises(ZeroError, match="use_reentrant=False"):
+        engine.module(*data(0)).backward()
+
+
+def test_weight_decay_filter_matches_torch_param_groups():
+    """No decay on biases and LayerNorm: same as torch AdamW with two parameter groups."""
+    no_decay = lambda n: n.endswith("bias") or ".ln." in n  # noqa: E731
+    ref = make_net()
+    groups = [{"params": [p for n, p in ref.named_parameters() if not no_decay(n)]},
+              {"params": [p for n, p in ref.named_parameters() if no_decay(n)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, **HP)
+    net = make_net()
+    engine = ZeroEngine(net, layer_groups(net), zero_stage=1, **HP, weight_decay_filter=lambda n: not no_decay(n))
+    for s in range(3):
+        x, y = data(s)
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt.step()
+        engine.module(x, y).backward()
+        engine.step()
+        engine.zero_grad()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(net.get_parameter(n), p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranges", [None, [(0, 40), (70, 100)]], ids=["decay-all", "decay-ranges"])
+def test_adamw_step_fused_and_unfused_match_torch(ranges, monkeypatch):
+    """``adamw_step_`` (torch's fused kernel when present, else eight elementwise passes) against
+    ``torch.optim.AdamW`` on the same flat tensor; decay only on ``ranges`` (two optimizers there)."""
+    import runtime.optim as optim
+
+    torch.manual_seed(0)
+    w0, grads = torch.randn(100), [torch.randn(100) for _ in range(4)]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def ours(fused: bool) -> torch.Tensor:
+        monkeypatch.setattr(optim, "_FUSED_ADAMW", getattr(torch, "_fused_adamw_", None) if fused else None)
+        p, m, v = w0.clone(), torch.zeros(100), torch.zeros(100)
+        for i, g in enumerate(grads, start=1):
+            optim.adamw_step_(p, g, m, v, step=i, decay_ranges=ranges, **hp)
+        return p
+
+    decayed = torch.zeros(100, dtype=torch.bool)
+    for a, b in ranges or [(0, 100)]:
+        decayed[a:b] = True
+    ref = w0.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(0.9, 0.95), eps=hp["eps"], weight_decay=0.0)
+    for g in grads:
+        with torch.no_grad():  # decoupled decay of the decayed elements, then Adam (as AdamW does)
+            ref[decayed] *= 1 - hp["lr"] * hp["weight_decay"]
+        ref.grad = g.clone()
+        opt.step()
+    for fused in (True, False):
+        torch.testing.assert_close(ours(fused), ref.detach(), rtol=1e-6, atol=1e-7)
