@@ -13,7 +13,7 @@ __all__ = ["compile_plan", "model_dims", "run_compile"]
 def model_dims(bundle: ModelBundle, sizes: dict) -> dict[str, int]:
     """The sizes tensor parallelism must divide: the bundle's hidden, heads, kv_heads, vocab and
     the ``ffn`` size flag, where known (non-zero)."""
-    dims = {k: getattr(bundle, k, 0) for k in ("hidden", "heads", "kv_heads", "vocab")}
+    dims = {"hidden": bundle.hidden, "heads": bundle.heads, "kv_heads": bundle.kv_heads, "vocab": bundle.vocab}
     dims.update({k: v for k, v in (sizes or {}).items() if k == "ffn"})
     return {k: v for k, v in dims.items() if v}
 

@@ -90,7 +90,7 @@ from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
 
 __all__ = [
-    "SOLVERS", "default_solver", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
+    "SOLVERS", "default_solver", "highs_available", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
     "add_partition_constraints", "add_boundary_constraints", "add_checkpoint_constraints",
     "add_time_constraints", "add_memory_constraints", "search", "SearchResult",
 ]
@@ -109,7 +109,7 @@ TIME_TOL = 1e-9
 
 
 @functools.lru_cache(maxsize=None)
-def _highs_available() -> bool:
+def highs_available() -> bool:
     try:
         return pulp.HiGHS().available()
     except Exception:  # pragma: no cover - depends on the installation
@@ -127,7 +127,7 @@ def _make_solver(name: str, time_limit: float | None):
             warnings.simplefilter("ignore", DeprecationWarning)
             return pulp.PULP_CBC_CMD(msg=False, gapRel=1e-9, timeLimit=time_limit)
     if name == "highs":
-        if not _highs_available():
+        if not highs_available():
             raise ValueError("solver 'highs' needs the highspy package: pip install highspy (or use 'cbc')")
         return pulp.HiGHS(msg=False, gapRel=1e-9, timeLimit=time_limit)
     raise ValueError(f"unknown solver {name!r}: expected one of {', '.join(SOLVERS)}")
@@ -173,6 +173,8 @@ class _Vars:
         self.scale = OBJECTIVE_SCALE / max(time_lower_bound(cc), 1e-30)
         self.T = self.var("T", 0)
         self.D = self.var("D", 0)
+        self.micro_steps: list | None = None
+        """Each stage's micro-step expression (``stage_micro_steps``), built once."""
 
     def var(self, name, low=None, up=None, cat="Continuous"):
         return _var(self.prob, name, low, up, cat)
@@ -457,10 +459,10 @@ def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
 def stage_micro_steps(v: _Vars) -> list:
     """Each stage's micro-step (unscaled): its layers' work, recompute and transfers; built once
     per problem (the objective, the cutoff row and the ``T`` rows share them)."""
-    if getattr(v, "_micro_steps", None) is None:
-        v._micro_steps = [v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
+    if v.micro_steps is None:
+        v.micro_steps = [v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
                           + v.p2p(k) for k in range(v.p)]
-    return v._micro_steps
+    return v.micro_steps
 
 
 def step_time_expr(v: _Vars):

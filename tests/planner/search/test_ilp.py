@@ -15,7 +15,7 @@ from cost_models.strategy import Candidate, NumericTable, candidate_costs, evalu
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.search.candidates import enumerate_candidates, heuristic_strategy
-from planner.search.ilp import build_problem, search, solve_candidate
+from planner.search.ilp import build_problem, highs_available, search, solve_candidate
 from planner.search.request import PlanRequest
 from planner.search.solve import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
 from tests.helpers import gpt_table
@@ -241,9 +241,7 @@ def test_no_feasible_plan_explains_least_memory_and_fixes():
 
 
 def test_highs_agrees_with_cbc():
-    from planner.search.ilp import _highs_available
-
-    if not _highs_available():
+    if not highs_available():
         pytest.skip("highspy not installed")
     table = gpt_table(layers=5, hidden=512, heads=8, vocab=8192, block_scale=[1, 2, 1, 1, 3])
     for pp in (1, 2, 3):
