@@ -96,7 +96,7 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     """Write one module per pipeline stage and the manifest; return the manifest."""
     gm, layer_of, names = _layered(model, plan)
     checkpoint = set(plan.checkpoint_layers)
-    tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, names, plan, model.vocab, model.dims)
+    tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, plan, model.vocab, model.dims)
     layers, specs, loss = partition_graph(gm, layer_of, names, plan.stages)
     rg = _requires_grad(gm)
     os.makedirs(out_dir, exist_ok=True)

@@ -261,7 +261,6 @@ def emit_stage_source(
     num_stages: int,
     checkpoint_layers: set[int],
     header: str,
-    param_shape: Callable[[str], torch.Tensor] | None = None,
     rewrite=None,
 ) -> tuple[str, dict]:
     """Return (source of ``stage_<k>.py``, {module attribute path: original FQN}).
@@ -272,7 +271,7 @@ def emit_stage_source(
     (``add_layer``); then the stage class calls them in order, wrapping the recomputed layers in
     ``runtime.checkpoint`` (``render``).
     """
-    out = _StageSource(gm, layers, spec, param_shape or (lambda fqn: get_tensor(gm, fqn)), rewrite)
+    out = _StageSource(layers, spec, lambda fqn: get_tensor(gm, fqn), rewrite)
     out.add_shared()
     for li in spec.layers:
         out.add_layer(li, recompute=li in checkpoint_layers)
@@ -289,7 +288,7 @@ def _param_line(attr: str, t: torch.Tensor) -> str:
 class _StageSource:
     """The pieces of one stage file as they are collected, and their final assembly."""
 
-    def __init__(self, gm: fx.GraphModule, layers: list[LayerGraph], spec: StageSpec,
+    def __init__(self, layers: list[LayerGraph], spec: StageSpec,
                  get: Callable[[str], torch.Tensor], rewrite):
         self.layers, self.spec, self.get, self.rewrite = layers, spec, get, rewrite
         self.classes: dict[str, str] = {}  # class body -> class name

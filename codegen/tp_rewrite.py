@@ -64,7 +64,7 @@ from passes.tp_analysis import (
 from runtime import tensor_parallel as rtp
 from runtime.sharding import TensorShard
 
-__all__ = ["TPAnalysis", "analyze_tp", "build_tp_rewrite", "local_size", "plan_tp_rewrite", "reshape_shard"]
+__all__ = ["TPAnalysis", "analyze_tp", "build_tp_rewrite", "plan_tp_rewrite", "reshape_shard"]
 
 aten = torch.ops.aten
 
@@ -235,8 +235,8 @@ class _Planner:
             self.fused_ok = _fused_supported()
         if not self.fused_ok:
             self.fail(n, "this fused projection (e.g. GPT-2's c_attn, split into q, k, v) needs the "
-                      "runtime to load 'qkv' shards (runtime.compiled._shard and "
-                      "runtime.checkpoint_io._join_tp with a 'parts' list); this runtime does not",
+                      "runtime to load 'qkv' shards (runtime.sharding.TensorShard with a 'parts' "
+                      "list); this runtime does not",
                       hint="Use tp=1 for this model, or a runtime that supports 'qkv' shards.")
         if op_name(n) != "chunk":
             arg = n.args[1]
@@ -359,11 +359,6 @@ class _LayerRewriter:
                      "vocab_size": full, "reduction": red})
 
 
-def local_size(spec: dict, tp: int) -> int:
-    """Entries of the sharded dim one rank holds."""
-    return spec.get("padded", spec["size"]) // tp
-
-
 def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
     """Replace each sharded meta parameter of ``gm`` by one of its shard's shape."""
     for fqn, spec in shard_info.items():
@@ -371,14 +366,14 @@ def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
         mod = gm.get_submodule(mod_path) if mod_path else gm
         t = getattr(mod, attr)
         shape = list(t.shape)
-        shape[spec["dim"]] = local_size(spec, tp)
+        shape[spec["dim"]] = TensorShard.from_dict(spec).local_size(tp)
         new = torch.empty(shape, dtype=t.dtype, device="meta")
         if isinstance(t, torch.nn.Parameter):
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         (mod._parameters if attr in mod._parameters else mod._buffers)[attr] = new
 
 
-def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], plan, vocab: int, dims: dict):
+def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, dims: dict):
     """Analyze ``gm`` for ``plan.tp`` and return ``(rewrite, shard_info)``.
 
     ``rewrite(g, lg)`` rewrites one layer's graph in place (called by ``codegen.lower``);
@@ -399,8 +394,8 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], p
     return rewrite, analysis.shard_info
 
 
-def plan_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, names: list[str], plan, vocab: int, dims: dict):
+def plan_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, dims: dict):
     """``(rewrite, shard_info)`` for ``plan.tp`` (see ``build_tp_rewrite``); ``(None, {})`` at tp 1."""
     if plan.tp == 1:
         return None, {}
-    return build_tp_rewrite(gm, layer_of, names, plan, vocab, dims)
+    return build_tp_rewrite(gm, layer_of, plan, vocab, dims)

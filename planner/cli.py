@@ -9,20 +9,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from codegen.errors import CodegenError
+from codegen.errors import CodegenError, LoweringError, TPRewriteError, UnsafeNameError
 from cost_models.hardware import ProfileError
 from passes.common import PassError
-from planner.commands.calibrate import run_calibrate
+from planner.commands.calibrate import CalibrationError, run_calibrate
 from planner.commands.compile import run_compile
 from planner.commands.export import run_export
 from planner.commands.plan import run_plan
 from planner.commands.train import run_train
 from planner.commands.validate import run_validate
 from planner.errors import UserError
-from runtime.checkpoint_io import CheckpointError
+from planner.frontend.errors import ModelError
+from planner.plan import PlanError
+from planner.search.errors import NoFeasiblePlan, SearchError
 from runtime.compiled import CompiledError
 from runtime.config import TrainOptions, cli_flags, default_of
 from runtime.data import DataError
+from runtime.dtypes import DTYPES
 
 __all__ = ["main", "build_parser", "USER_ERRORS"]
 
@@ -101,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a100-40gb, a100-80gb, h100-sxm, h200, v100-32gb, cpu, or a profile JSON")
     p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--dp", type=_positive_int, default=None, help="pin the data-parallel degree")
     p.add_argument("--tp", type=_positive_int, default=None, help="pin the tensor-parallel degree")
     p.add_argument("--pp", type=_positive_int, default=None, help="pin the pipeline degree")
@@ -162,9 +165,16 @@ _COMMANDS = {"plan": run_plan, "compile": run_compile, "train": run_train, "cali
              "validate": run_validate, "export": run_export}
 
 #: Every layer's bad-input error, by name: each becomes one paragraph on stderr and exit status 2.
+#: (A checkpoint that fails while training is a failed run, exit 1, not bad input.)
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    UserError,  # planner's own layers: ModelError, PlanError, SearchError, CalibrationError ...
-    PassError, ProfileError, CodegenError, CompiledError, DataError, CheckpointError,
+    ModelError,                                      # planner.frontend
+    PassError,                                       # passes
+    ProfileError,                                    # cost_models
+    SearchError, NoFeasiblePlan,                     # planner.search
+    PlanError,                                       # planner.plan
+    CodegenError, LoweringError, UnsafeNameError, TPRewriteError,  # codegen
+    CompiledError, DataError,                        # runtime
+    CalibrationError, UserError,                     # planner.commands
 )
 
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import UserError
@@ -298,7 +298,7 @@ def _build(cls, d: Any, where: str):
         _fail(where, f"must be a JSON object, got {type(d).__name__}.")
     names = {f.name for f in fields(cls)}
     required = {f.name for f in fields(cls)
-                if f.default is f.default_factory is __import__("dataclasses").MISSING}
+                if f.default is f.default_factory is MISSING}
     missing = sorted(required - set(d))
     if missing:
         _fail(where, f"is missing the field(s) {missing}.")

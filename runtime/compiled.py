@@ -81,7 +81,11 @@ def load_weights(module: torch.nn.Module, stage: dict, state: Mapping[str, torch
     if missing:
         raise CompiledError(f"the state dict lacks {len(missing)} tensor(s) this stage needs, e.g. {missing[:3]}")
     for attr, entry in stage["params"].items():
-        shard = TensorShard.from_dict(entry.get("shard"))
+        try:
+            shard = TensorShard.from_dict(entry.get("shard"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CompiledError(f"{entry['fqn']}: the manifest's shard entry {entry.get('shard')!r} is "
+                                f"malformed ({e}); compile the plan again") from None
         src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)
         dst = own[attr]
         if tuple(src.shape) != tuple(dst.shape):

@@ -20,7 +20,7 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice", "split_micro"]
+__all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice"]
 
 
 class DataError(ValueError):
@@ -102,7 +102,3 @@ def open_data(path: str | None, vocab: int, seq_len: int, seed: int):
 def rank_slice(global_batch: int, dp: int, dp_index: int) -> tuple[int, int]:
     per = global_batch // dp
     return dp_index * per, (dp_index + 1) * per
-
-
-def split_micro(t: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    return list(torch.split(t, micro_batch_size, dim=0))

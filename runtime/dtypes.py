@@ -1,9 +1,10 @@
 """The one dtype table: the compute dtypes a plan may name, their torch dtypes and sizes.
 
 Plans, manifests and the CLI name dtypes ``fp32``, ``bf16`` and ``fp16``; torch's own names
-(``float32``, ``bfloat16``, ``float16``) are accepted as aliases. Every layer that turns a name
-into a torch dtype or back reads this table (``passes`` and ``cost_models``, which never import
-the runtime, work on torch dtypes and on these names as given).
+(``float32``, ``bfloat16``, ``float16``) are accepted as aliases. The front end, the plan, the
+search, codegen, the CLI and the runtime read their names and torch dtypes here. ``passes`` work
+on torch dtypes, and ``cost_models`` (which never import the runtime) key their precision recipe
+by these names; ``tests/cost_models`` checks that their tables agree with this one.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from runtime import comm
 from runtime.mesh import get_mesh
 from runtime.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, B, F, ScheduleError, validate_rank
 
-__all__ = ["TensorMeta", "PipelineError", "PipelineStage", "run_pipeline"]
+__all__ = ["TensorMeta", "PipelineError", "PipelineStage", "run_pipeline", "META_ROW"]
 
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -58,7 +58,7 @@ MAX_TENSORS = 8
 MAX_DIMS = 6
 _HEAD = 5  # code, num_microbatches, bad micro-batch, bad input, number of received tensors
 _SLOT = 3 + MAX_DIMS  # dtype code, requires_grad, ndim, dims
-_ROW = _HEAD + MAX_TENSORS * _SLOT
+META_ROW = _HEAD + MAX_TENSORS * _SLOT
 
 # pre-flight error codes
 _OK, _FEW_MB, _SHAPES, _SCHEDULE, _META, _NO_MB = 0, 1, 2, 3, 4, 5
@@ -251,7 +251,7 @@ class PipelineStage:
             if code != _OK:
                 raise PipelineError(f"pipeline stage 0: {msg}")
             return
-        table = torch.zeros(p, _ROW, dtype=torch.int64, device=self.device)
+        table = torch.zeros(p, META_ROW, dtype=torch.int64, device=self.device)
         table[s] = torch.tensor(self._encode(code, m, bad_mb, bad_in), dtype=torch.int64)
         comm.all_reduce(table, group=self.pp_group)
         rows = table.cpu().tolist()

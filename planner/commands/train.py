@@ -10,7 +10,7 @@ The training flags are the fields of ``runtime.config.TrainOptions`` that carry 
 ``train_options_from_args`` reads them back into one. ``train_plan`` is the command without the
 command line (``planner validate`` calls it with its own options); its ``on_step_start`` hook
 (``runtime.trainer.StepHook``) runs on every rank before every step, the extension point the
-fault-injection tests use (``tests/fault_hooks.py``).
+fault-injection tests use (``tests/e2e/fault_hooks.py``).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from planner.frontend.bundle import ModelBundle, parse_spec
 from planner.frontend.errors import ModelError
 from planner.frontend.gpt import PRESETS
 from planner.frontend.zoo import build_model
-from runtime.dtypes import to_torch
+from runtime.dtypes import DTYPES, to_torch
 
 __all__ = ["Traced", "trace_model", "export_training_module", "find_block_container", "resolve_dtype",
            "SHALLOW_LAYERS"]
@@ -75,7 +75,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     try:
         return to_torch(dtype)
     except ValueError:
-        raise ModelError(f"Unknown dtype {dtype!r}; use bf16, fp16 or fp32.") from None
+        raise ModelError(f"Unknown dtype {dtype!r}; use {', '.join(DTYPES)}.") from None
 
 
 def find_block_container(model: nn.Module) -> tuple[str, list[str]]:

@@ -1,6 +1,6 @@
 """The planner's entry point: from a request and a layer table to the best :class:`Plan`.
 
-:func:`plan_strategy` validates the pins, enumerates candidates (:mod:`planner.search.candidates`),
+:func:`solve` validates the pins, enumerates candidates (:mod:`planner.search.candidates`),
 prices each one's per-layer costs (:mod:`cost_models.strategy`), runs the pruned ILP search
 (:mod:`planner.search.ilp`) and assembles plan.json's dataclass with the three best runners-up and why
 each lost (:func:`planner.search.alternatives.alternative_reason`).
@@ -38,19 +38,10 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
-from planner.search.errors import SearchError
+from planner.search.errors import NoFeasiblePlan, SearchError
 from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
 
-__all__ = ["NoFeasiblePlan", "Solution", "solve", "plan_strategy", "build_plan", "least_memory", "candidate_entries"]
-
-
-class NoFeasiblePlan(SearchError):
-    """No strategy fits in memory. The message gives the least memory per device any strategy
-    needs, the part that dominates it, and what would make it fit; ``least`` is that strategy."""
-
-    def __init__(self, message: str, least: Evaluation | None = None):
-        super().__init__(message)
-        self.least = least
+__all__ = ["Solution", "solve", "build_plan", "least_memory", "candidate_entries"]
 
 
 def _gib(x: float) -> str:
@@ -147,11 +138,6 @@ class Solution:
     """Its priced strategy: per-stage costs for the report and the plot."""
     search: SearchResult
     """Counts of candidates, ILPs and pruning, the runners-up and the search's notes."""
-
-
-def plan_strategy(request, table, hw: HardwareProfile, solver: str | None = None) -> Plan:
-    """The fastest strategy that fits, as a :class:`planner.plan.Plan` (``solve(...).plan``)."""
-    return solve(request, table, hw, solver).plan
 
 
 def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:

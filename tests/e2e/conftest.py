@@ -1,6 +1,7 @@
-"""End-to-end tests: each one spawns gloo processes (``torch.multiprocessing`` or the CLI's local
-launch) and compares them against a single-process reference. All are marked ``dist``:
-``pytest -m dist`` runs only these, ``-m 'not dist'`` everything else."""
+"""End-to-end tests: training runs on gloo processes (``torch.multiprocessing`` or the CLI's local
+launch) compared against a single-process reference, and the launch's own checks (refusals
+before any process starts, fault handling). All are marked ``dist``: ``pytest -m dist`` runs only
+these, ``-m 'not dist'`` everything else."""
 
 from __future__ import annotations
 

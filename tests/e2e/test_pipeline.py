@@ -12,7 +12,7 @@ import torch.nn as nn
 from runtime import comm
 from runtime.dist import launch_local
 from runtime.mesh import setup_mesh
-from runtime.pipeline import _ROW, PipelineError, PipelineStage
+from runtime.pipeline import META_ROW, PipelineError, PipelineStage
 from runtime.schedule import gpipe, one_f_one_b
 
 IN, H, OUT, T, MB = 5, 8, 4, 3, 2  # input, hidden, output widths; tokens; micro-batch size
@@ -153,7 +153,7 @@ def test_pipeline_matches_single_process(tmp_path, pp, num_blocks, m):
         act, mask, grad = MB * T * H * 4, MB * T * 8, MB * T * H * 4
         sends = m * ((act + mask if r < pp - 1 else 0) + (grad if r > 0 else 0))
         assert got["sent_a"].get("send", 0) == sends
-        assert got["sent_a"]["all_reduce"] == pytest.approx(2 * (pp - 1) / pp * pp * _ROW * 8)
+        assert got["sent_a"]["all_reduce"] == pytest.approx(2 * (pp - 1) / pp * pp * META_ROW * 8)
         assert got["sent_a"]["broadcast"] == pytest.approx((pp - 1) / pp * 8)
     assert seen == set(ref_grads)  # every parameter lives on exactly one stage and was checked
 

@@ -15,9 +15,10 @@ from cost_models.strategy import Candidate, NumericTable, candidate_costs, evalu
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.search.candidates import enumerate_candidates, heuristic_strategy
+from planner.search.errors import NoFeasiblePlan
 from planner.search.ilp import build_problem, highs_available, search, solve_candidate
 from planner.search.request import PlanRequest
-from planner.search.solve import NoFeasiblePlan, candidate_entries, least_memory, plan_strategy
+from planner.search.solve import candidate_entries, least_memory, solve
 from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -160,11 +161,11 @@ def test_search_with_pruning_equals_exhaustive_brute_force():
     assert least.memory["total"] == pytest.approx(brute_least, rel=1e-6, abs=8)
 
 
-def test_plan_strategy_gives_a_valid_plan_with_alternatives():
+def test_solve_gives_a_valid_plan_with_alternatives():
     table = gpt_table(layers=8, hidden=1024, heads=16, vocab=32000)
     req = PlanRequest(spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=1024,
                       sizes={"layers": 8})
-    plan = plan_strategy(req, table, HW)
+    plan = solve(req, table, HW).plan
     again = Plan.from_dict(plan.to_dict())
     assert again == plan
     assert plan.dp * plan.tp * plan.pp == 32 and len(plan.stages) == plan.pp
@@ -185,10 +186,10 @@ def test_pins_fix_decisions_and_checkpoint_modes():
     table = gpt_table(layers=6, hidden=512, heads=8, vocab=8192)
     req = PlanRequest(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=32, seq_len=512,
                       pp=2, zero_stage=1, micro_batch=2, checkpoint="all")
-    plan = plan_strategy(req, table, HW)
+    plan = solve(req, table, HW).plan
     assert (plan.pp, plan.zero_stage, plan.micro_batch_size) == (2, 1, 2)
     assert plan.checkpoint_layers == list(range(1, 7))
-    plan = plan_strategy(dataclasses.replace(req, checkpoint="none"), table, HW)
+    plan = solve(dataclasses.replace(req, checkpoint="none"), table, HW).plan
     assert plan.checkpoint_layers == []
 
 
@@ -196,7 +197,7 @@ def test_only_pinned_triple_fills_alternatives_with_other_batching():
     table = gpt_table(layers=4, hidden=256, heads=4)
     req = PlanRequest(spec="gpt", gpus=4, gpus_per_node=4, hardware="a100-80gb", global_batch=16, seq_len=128,
                       dp=2, tp=1, pp=2)
-    plan = plan_strategy(req, table, HW)
+    plan = solve(req, table, HW).plan
     assert len(plan.alternatives) == 3
     assert all((a.dp, a.tp, a.pp) == (2, 1, 2) for a in plan.alternatives)
     keys = {(a.zero_stage, a.micro_batch_size) for a in plan.alternatives}
@@ -213,11 +214,11 @@ def test_only_pinned_triple_fills_alternatives_with_other_batching():
 def test_bad_pins_raise_user_errors():
     table = gpt_table(layers=4, hidden=384, heads=6)
     with pytest.raises(UserError, match="does not divide the model's 6 attention heads"):
-        plan_strategy(_req(tp=4), table, HW)
+        solve(_req(tp=4), table, HW).plan
     with pytest.raises(UserError, match="must multiply to the number of devices"):
-        plan_strategy(_req(dp=2, tp=2, pp=2), table, HW)
+        solve(_req(dp=2, tp=2, pp=2), table, HW).plan
     with pytest.raises(UserError, match="fewer than --pp"):
-        plan_strategy(_req(dp=1, tp=1, pp=4, micro_batch=4), table, HW)
+        solve(_req(dp=1, tp=1, pp=4, micro_batch=4), table, HW).plan
 
 
 def test_no_feasible_plan_explains_least_memory_and_fixes():
@@ -225,7 +226,7 @@ def test_no_feasible_plan_explains_least_memory_and_fixes():
     small = dataclasses.replace(HW, memory_bytes=2 * 2**30)
     req = _req(gpus=2, gpus_per_node=2, global_batch=4, seq_len=512)
     with pytest.raises(NoFeasiblePlan) as ei:
-        plan_strategy(req, table, small)
+        solve(req, table, small).plan
     msg = str(ei.value)
     assert "No strategy fits in 1.80 GiB per device" in msg
     assert "The least any strategy needs is" in msg and "dominate" in msg and "To make it fit" in msg
@@ -234,8 +235,8 @@ def test_no_feasible_plan_explains_least_memory_and_fixes():
     assert least.memory["total"] > small.memory_bytes * 0.9
     # pure data parallelism pinned at ZeRO 0 replicates everything: the pins are the problem
     with pytest.raises(NoFeasiblePlan) as ei:
-        plan_strategy(_req(global_batch=8, seq_len=512, tp=1, pp=1, zero_stage=0), table,
-                      dataclasses.replace(HW, memory_bytes=12 * 2**30))
+        solve(_req(global_batch=8, seq_len=512, tp=1, pp=1, zero_stage=0), table,
+                      dataclasses.replace(HW, memory_bytes=12 * 2**30)).plan
     msg = str(ei.value)
     assert "drop the pins (--tp 1 --pp 1 --zero-stage 0)" in msg and "--zero-stage 3" in msg
 
@@ -262,4 +263,4 @@ def test_solver_choice_from_environment(monkeypatch):
     monkeypatch.delenv("PLANNER_SOLVER")
     assert default_solver() == "cbc"
     with pytest.raises(UserError, match="unknown solver"):
-        plan_strategy(_req(), gpt_table(), HW, solver="gurobi")
+        solve(_req(), gpt_table(), HW, solver="gurobi").plan
