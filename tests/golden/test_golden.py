@@ -20,13 +20,19 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 import pytest
 
+from planner.cli import main
+
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join("tests", "fixtures")
+"""Relative to ``ROOT``, where every request runs: a model file's spec (and so the plan hash) must
+not depend on where the repository is checked out."""
 
 _SMALL_GPT = ["--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "8192",
               "--global-batch", "16", "--seq-len", "128"]
@@ -82,17 +88,15 @@ def _produced_name(rel: str) -> str:
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str, str]:
-    from planner.cli import main
-
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(argv)
+    finally:
+        os.chdir(cwd)
     return rc, out.getvalue(), err.getvalue()
-
-
-def _portable(text: str) -> str:
-    """Recorded text names the fixture folder relative to the repository."""
-    return text.replace(FIXTURES, "<fixtures>")
 
 
 def _strip_timing(doc):
@@ -112,7 +116,7 @@ def produce(name: str, workdir: str) -> dict[str, str]:
     assert rc == 0, f"{name}: plan failed: {err}"
     with open(plan_path, encoding="utf-8") as f:
         plan = _strip_timing(json.load(f))
-    files = {"plan.json": _portable(json.dumps(plan, indent=2, sort_keys=True)) + "\n"}
+    files = {"plan.json": json.dumps(plan, indent=2, sort_keys=True) + "\n"}
     if compile_it:
         out = os.path.join(workdir, "compiled")
         rc, _, err = _run_cli(["compile", plan_path, "--out", out])
@@ -122,14 +126,14 @@ def produce(name: str, workdir: str) -> dict[str, str]:
                 text = f.read()
             if fn.endswith(".json"):  # the manifest embeds the plan, solver seconds included
                 text = json.dumps(_strip_timing(json.loads(text)), indent=2, sort_keys=True) + "\n"
-            files[f"compiled/{fn}"] = _portable(text)
+            files[f"compiled/{fn}"] = text
     return files
 
 
 def produce_error(name: str, workdir: str) -> str:
     rc, _, err = _run_cli(["plan", *INFEASIBLE[name], "--out", os.path.join(workdir, "plan.json")])
     assert rc == 2, f"{name}: expected exit 2, got {rc}"
-    return _portable(err)
+    return err
 
 
 def _recorded(folder: str) -> dict[str, str]:
@@ -162,8 +166,6 @@ def test_infeasible_request_keeps_its_message(name, tmp_path):
 
 def update(names: list[str] | None = None) -> None:
     """Re-record the corpus (all requests, or the named ones)."""
-    import shutil
-
     for name in names or sorted(REQUESTS) + sorted(INFEASIBLE):
         folder = os.path.join(CORPUS, name)
         with tempfile.TemporaryDirectory() as tmp:
