@@ -37,7 +37,6 @@ the pieces back.
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 import re
@@ -170,7 +169,7 @@ class _Planner:
 
     def local(self, s: Shard) -> int:
         """Entries of the sharded dim one rank holds (a vocabulary is padded)."""
-        return math.ceil(s.size / self.tp) if self.padded(s) else s.size // self.tp
+        return rtp.padded_vocab_size(s.size, self.tp) // self.tp if self.padded(s) else s.size // self.tp
 
     def run(self) -> TPAnalysis:
         dec, a = self.dec, self.a
@@ -190,7 +189,8 @@ class _Planner:
                               "does not divide) is the input of a row-parallel matmul")
                 a.actions[n.name] = ("row", n.target)
             elif role == "vocab_embedding":
-                a.actions[n.name] = ("embed", (math.ceil(dec.vocab / self.tp), node_arg(n, "padding_idx", -1)))
+                a.actions[n.name] = ("embed", (rtp.padded_vocab_size(dec.vocab, self.tp) // self.tp,
+                                                node_arg(n, "padding_idx", -1)))
             elif role == "vocab_loss":
                 s = dec.state[n.args[0]]
                 red = {v: k for k, v in _REDUCTIONS.items()}[node_arg(n, "reduction", 1)]
@@ -246,7 +246,7 @@ class _Planner:
 
 def _spec(w, tp: int) -> dict:
     """The manifest form of a parameter's ``WeightShard`` at degree ``tp``."""
-    padded = math.ceil(w.size / tp) * tp if w.kind == "vocab" else None
+    padded = rtp.padded_vocab_size(w.size, tp) if w.kind == "vocab" else None
     return TensorShard(w.dim, w.kind, w.size, padded, w.parts).to_dict()
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from runtime.tensor_parallel import shard_dim, shard_vocab
+
 __all__ = ["TensorShard", "SHARD_KINDS"]
 
 SHARD_KINDS = ("column", "row", "heads", "vocab", "qkv")
@@ -73,22 +75,16 @@ class TensorShard:
         return (self.padded or self.size) // tp
 
     def cut(self, full: torch.Tensor, tp_index: int, tp: int) -> torch.Tensor:
-        """Rank ``tp_index``'s piece of the original tensor ``full``."""
+        """Rank ``tp_index``'s piece of the original tensor ``full`` (``runtime.tensor_parallel``'s
+        ``shard_dim`` per part, ``shard_vocab`` for a padded vocabulary)."""
         if tp == 1:
             return full
-        dim = self.dim
         if self.kind == "qkv":
-            pieces = full.split(list(self.parts), dim=dim)
-            return torch.cat([p.narrow(dim, tp_index * (p.shape[dim] // tp), p.shape[dim] // tp)
-                              for p in pieces], dim=dim)
-        n = full.shape[dim]
-        padded = self.padded or n
-        if padded > n:  # vocabulary padded to a multiple of tp: pad rows are zeros
-            pad_shape = list(full.shape)
-            pad_shape[dim] = padded - n
-            full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-        per = padded // tp
-        return full.narrow(dim, tp_index * per, per)
+            pieces = full.split(list(self.parts), dim=self.dim)
+            return torch.cat([shard_dim(p, self.dim, tp_index, tp) for p in pieces], dim=self.dim)
+        if self.padded is not None and self.padded != full.shape[self.dim]:
+            return shard_vocab(full, tp_index, tp, self.dim)
+        return shard_dim(full, self.dim, tp_index, tp)
 
     def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The original tensor from every rank's piece, in tp-rank order (``cut``'s inverse)."""
