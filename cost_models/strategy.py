@@ -547,9 +547,11 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
 
 def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
     """1F1B's time for ``m`` micro-batches over stages of these micro-step times (fwd + bwd):
-    ``(m - 1) max_k T_k + sum_k T_k``: exact for equal stages, never below the schedule simulated
-    with unequal ones, and closer to it than ``(m + p - 1) max_k T_k`` (``tests/runtime/test_schedule.py``
-    checks all three against ``runtime.schedule.simulate``)."""
+    ``(m - 1) max_k T_k + sum_k T_k``: exact for equal stages; never below the schedule simulated
+    with unequal ones whose backward/forward ratio is the same, a few percent below it when the
+    ratios differ (a stage waits on a slower neighbour's gradient); always at or under the textbook
+    ``(m + p - 1) max_k T_k`` (``tests/runtime/test_schedule.py`` checks these against
+    ``runtime.schedule.simulate``)."""
     return (m - 1) * max(micro_steps) + sum(micro_steps)
 
 

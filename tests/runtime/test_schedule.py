@@ -205,18 +205,26 @@ def test_p2p_latency(p, m, c):
 @given(p=st.integers(1, 6), extra=st.integers(0, 12), data=st.data())
 def test_planner_pipeline_time_bounds_the_simulated_1f1b(p, extra, data):
     """The cost model's ``(m - 1) max T + sum T`` against the executor's schedule, simulated with
-    unequal stages (backward about twice forward): never below it, never above the textbook
-    ``(m + p - 1) max T``, and equal to both when the stages are equal."""
+    unequal stages: an upper bound when every stage has the same backward/forward ratio, within a
+    few percent of it when the ratios differ (backward 1.5-2.5 times forward; the gap is a
+    stage that finishes its forward early and waits on a slower one's gradient), never above the
+    textbook ``(m + p - 1) max T``, and exact when the stages are equal."""
     from cost_models.strategy import pipeline_time
 
     m = p + extra
     fwd = data.draw(st.lists(st.floats(0.1, 5.0), min_size=p, max_size=p))
-    ratio = data.draw(st.lists(st.floats(1.5, 2.5), min_size=p, max_size=p))
-    bwd = [f * r for f, r in zip(fwd, ratio)]
+    ratio = data.draw(st.floats(1.5, 2.5))
+    bwd = [f * ratio for f in fwd]
+    micro = [f + b for f, b in zip(fwd, bwd)]
+    est = pipeline_time(micro, m)
+    assert simulate(one_f_one_b(p, m), forward_time=fwd, backward_time=bwd).makespan <= est * (1 + 1e-9)
+    assert est <= (m + p - 1) * max(micro) * (1 + 1e-9)
+
+    ratios = data.draw(st.lists(st.floats(1.5, 2.5), min_size=p, max_size=p))
+    bwd = [f * r for f, r in zip(fwd, ratios)]
     micro = [f + b for f, b in zip(fwd, bwd)]
     sim = simulate(one_f_one_b(p, m), forward_time=fwd, backward_time=bwd).makespan
-    est = pipeline_time(micro, m)
-    assert sim <= est * (1 + 1e-9)
-    assert est <= (m + p - 1) * max(micro) * (1 + 1e-9)
+    assert sim <= pipeline_time(micro, m) * 1.05
+
     same = simulate(one_f_one_b(p, m), forward_time=fwd[0], backward_time=bwd[0]).makespan
     assert pipeline_time([micro[0]] * p, m) == pytest.approx(same)
