@@ -118,6 +118,8 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
             params[attr] = {"fqn": fqn, "shape": [int(d) for d in t.shape],
                             "trainable": isinstance(t, torch.nn.Parameter),
                             "shard": shard_info.get(fqn)}
+            if attr in spec.tied:  # a copy per stage in this list; gradients summed over them
+                params[attr]["tied"] = spec.tied[attr]
         stages.append({
             "index": spec.index, "file": fname, "class": f"Stage{spec.index}", "layers": spec.layers,
             "layer_names": [names[i] for i in spec.layers], "data_inputs": list(spec.data_inputs),

@@ -4,7 +4,8 @@ The input is the ATen ``GraphModule`` of ``torch.export`` (``ep.module()``) and,
 ``call_function`` node, its layer-table row. Lowering:
 
 1. assigns every node to a layer and every parameter or buffer to the one layer that uses it
-   (a weight used by several layers of one stage becomes a stage-level shared parameter);
+   (a weight used by several layers becomes a stage-level attribute of each stage that reads it:
+   a weight tied across pipeline stages has one copy per stage, recorded in ``StageSpec.tied``);
 2. cuts each layer out as its own ``fx.Graph`` whose inputs are the values it reads from earlier
    layers and whose outputs are the values later layers read, so the generated layer method is a
    straight-line list of ATen calls (identical transformer blocks produce identical source and
@@ -75,7 +76,10 @@ class StageSpec:
     send: list
     """Nodes sent to the next stage, in order (the loss for the last stage)."""
     shared: dict = field(default_factory=dict)
-    """Stage-level attribute -> FQN for weights used by several layers of this stage."""
+    """Stage-level attribute -> FQN for weights used by several layers of this stage, or by
+    layers of several stages."""
+    tied: dict = field(default_factory=dict)
+    """Stage-level attribute -> the stages holding a copy, for weights read in several stages."""
 
 
 def _layer_prefix(name: str) -> str:
@@ -124,7 +128,7 @@ def partition_graph(
     for k, (a, b) in enumerate(stages):
         for i in range(a, b + 1):
             stage_of_layer[i] = k
-    shared_attrs: dict[fx.Node, int] = {}
+    shared_attrs: dict[fx.Node, set[int]] = {}
     for n in graph.nodes:
         if n.op != "get_attr":
             continue
@@ -138,13 +142,9 @@ def partition_graph(
             layers[li].params[safe_ident(local)] = n.target
             layer[n] = li
         else:
-            st = {stage_of_layer[u] for u in users}
-            if len(st) > 1:
-                raise LoweringError(
-                    f"the weight {n.target} is shared by layers {sorted(users)}, which the plan places "
-                    f"in different pipeline stages {sorted(st)}; tied weights must stay in one stage "
-                    "(untie them in the model, or use a plan whose stages keep those layers together)")
-            shared_attrs[n] = st.pop()
+            # Read by several layers: an attribute of every stage that reads it (a weight tied
+            # across stages has one copy per such stage, its gradients summed by the runtime).
+            shared_attrs[n] = {stage_of_layer[u] for u in users}
     # Inputs and outputs of each layer.
     for lg in layers:
         own = set(lg.nodes) | {n for n in graph.nodes if n.op == "get_attr" and layer.get(n) == lg.index}
@@ -171,8 +171,9 @@ def partition_graph(
             if loss not in in_stage:
                 raise LoweringError("the loss is not computed in the last stage")
             send = [loss]
-        shared = {safe_ident(n.target): n.target for n, s in shared_attrs.items() if s == k}
-        specs.append(StageSpec(k, list(range(a, b + 1)), data, recv, send, shared))
+        shared = {safe_ident(n.target): n.target for n, st in shared_attrs.items() if k in st}
+        tied = {safe_ident(n.target): sorted(st) for n, st in shared_attrs.items() if k in st and len(st) > 1}
+        specs.append(StageSpec(k, list(range(a, b + 1)), data, recv, send, shared, tied))
     return layers, specs, loss
 
 
@@ -271,26 +272,59 @@ def emit_stage_source(
     (``add_layer``); then the stage class calls them in order, wrapping the recomputed layers in
     ``runtime.checkpoint`` (``render``).
     """
-    out = _StageSource(layers, spec, lambda fqn: get_tensor(gm, fqn), rewrite)
+    state = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    state |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    out = _StageSource(layers, spec, lambda fqn: get_tensor(gm, fqn), rewrite,
+                       is_constant=lambda fqn: fqn not in state)
     out.add_shared()
     for li in spec.layers:
         out.add_layer(li, recompute=li in checkpoint_layers)
     return out.render(header, num_stages), out.param_map
 
 
-def _param_line(attr: str, t: torch.Tensor) -> str:
-    """The constructor line of one parameter (or buffer) of a generated module."""
+def _param_line(attr: str, t: torch.Tensor, constant: bool = False) -> str:
+    """The constructor line of one parameter, buffer or constant of a generated module."""
+    if constant:
+        return f"self.register_buffer({attr!r}, {_constant_ctor(attr, t)}, persistent=False)"
     if isinstance(t, torch.nn.Parameter):
         return f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})"
     return f"self.register_buffer({attr!r}, {_tensor_ctor(t)})"
+
+
+#: Most elements of a constant written into generated source.
+MAX_CONSTANT_ELEMENTS = 1 << 16
+
+
+def _constant_ctor(attr: str, t: torch.Tensor) -> str:
+    """Source that rebuilds a constant ``torch.export`` lifted (a tensor made in ``forward``, not
+    a parameter or buffer, so no state dict holds it): its values, written out."""
+    if t.is_meta:
+        raise LoweringError(f"the constant {attr} was created on the meta device, so its values are unknown; "
+                            "register it as a buffer of the model instead")
+    if t.numel() > MAX_CONSTANT_ELEMENTS:
+        raise LoweringError(f"the constant {attr} has {t.numel():,} elements (more than "
+                            f"{MAX_CONSTANT_ELEMENTS:,} are not written into source); register it as a "
+                            "buffer of the model instead")
+    vals = ", ".join(_scalar_src(v) for v in t.detach().cpu().reshape(-1).tolist())
+    shape = tuple(int(d) for d in t.shape)
+    return f"torch.tensor([{vals}], dtype={t.dtype}, device=device).reshape({shape!r})"
+
+
+def _scalar_src(v) -> str:
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return f"float({str(v)!r})"
+    return repr(v)
 
 
 class _StageSource:
     """The pieces of one stage file as they are collected, and their final assembly."""
 
     def __init__(self, layers: list[LayerGraph], spec: StageSpec,
-                 get: Callable[[str], torch.Tensor], rewrite):
+                 get: Callable[[str], torch.Tensor], rewrite, is_constant: Callable[[str], bool]):
         self.layers, self.spec, self.get, self.rewrite = layers, spec, get, rewrite
+        self.is_constant = is_constant
+        """True for tensors export lifted that are neither parameters nor buffers: their values
+        are written into the source, and they are not in ``param_map`` (no state dict has them)."""
         self.classes: dict[str, str] = {}  # class body -> class name
         self.class_src: list[tuple[str, str, list[str]]] = []  # (name, body, layer names)
         self.globals: dict = {}
@@ -310,6 +344,9 @@ class _StageSource:
         """Weights read by several layers of the stage: attributes of the stage itself."""
         for attr, fqn in self.spec.shared.items():
             t = self.get(fqn)
+            if self.is_constant(fqn):
+                self.init_lines.append(_param_line(attr, t, constant=True))
+                continue
             if isinstance(t, torch.nn.Parameter) or t.requires_grad:
                 self.init_lines.append(f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})")
             else:
@@ -324,7 +361,8 @@ class _StageSource:
         attr = f"layer_{li}"
         self.init_lines.append(f"self.{attr} = {cls}(device)  # {lg.name!r}"[:200])
         for local, fqn in lg.params.items():
-            self.param_map[f"{attr}.{local}"] = fqn
+            if not self.is_constant(fqn):
+                self.param_map[f"{attr}.{local}"] = fqn
         args = []
         for x in lg.inputs:
             if x.op == "get_attr":
@@ -346,7 +384,8 @@ class _StageSource:
             if k in self.globals and self.globals[k] is not v:
                 raise LoweringError(f"conflicting generated global {k!r}")
             self.globals[k] = v
-        pinit = ["        " + _param_line(local, self.get(fqn)) for local, fqn in lg.params.items()]
+        pinit = ["        " + _param_line(local, self.get(fqn), self.is_constant(fqn))
+                 for local, fqn in lg.params.items()]
         method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
         body = ("    def __init__(self, device=None):\n        super().__init__()\n"
                 + ("\n".join(pinit) + "\n" if pinit else "") + "\n" + method + "\n")

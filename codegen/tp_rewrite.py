@@ -13,6 +13,9 @@ there, and the cost pass prices the same decisions) for the plan's tp degree ``t
 * Views, reshapes, unflattens and expands in a sharded region get their size argument along the
   sharded dim divided by ``t`` (hidden -> hidden/t, heads -> heads/t, kv heads -> kv_heads/t,
   ffn -> ffn/t); the split of a fused projection (GPT-2's ``c_attn``) gets its sizes divided.
+* Replicated k / v holding every query head (grouped-query attention whose key/value heads tp
+  does not divide: their projections stay replicated) pass through ``scatter_to_tp`` along the
+  heads: each rank keeps its query heads' share, and the gradients are gathered back.
 * A row-parallel matmul becomes ``runtime.tensor_parallel.row_parallel_linear`` (or
   ``reduce_from_tp`` of the matmul, then the bias): the replicated bias is added once.
 * The token embedding becomes ``vocab_parallel_embedding(ids, W_r, vocab_start)`` with
@@ -20,7 +23,8 @@ there, and the cost pass prices the same decisions) for the plan's tp degree ``t
   vocab-sharded logits becomes ``vocab_parallel_cross_entropy``. A vocabulary ``t`` does not
   divide is padded to ``ceil(V / t) * t`` rows.
 
-Divisibility is checked here, for the concrete ``t``: the heads and kv heads, the output features
+Divisibility is checked here, for the concrete ``t``: the heads, the kv heads (``t`` divides
+them, or is a multiple of them: each kv head is then replicated on ``t / kv`` ranks), the output features
 of every column-parallel matmul (the vocabulary excepted), every reshape that splits the sharded
 dim (``reshape_shard``) and the parts of a fused projection, which also needs the runtime to load
 ``qkv`` shards (probed once). An indivisible size or a conflict no replicated matmul avoids is a
@@ -81,6 +85,9 @@ class TPAnalysis:
     """Node name -> (kind, payload): col, row, size (a size argument), split, embed, loss."""
     enter: dict = field(default_factory=dict)
     """Node name -> argument paths (flat) of replicated tensors that enter a sharded op."""
+    scatter: dict = field(default_factory=dict)
+    """Node name -> ``[(argument path, dim)]`` of replicated k / v of which each rank keeps its
+    query heads' share (``scatter_to_tp``)."""
     shard_info: dict = field(default_factory=dict)
     """Original FQN -> shard spec for the runtime."""
     replicated: dict = field(default_factory=dict)
@@ -205,6 +212,7 @@ class _Planner:
                         node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.split(n)
         a.enter = {n.name: paths for n, paths in dec.enter.items()}
+        a.scatter = {n.name: sc for n, sc in dec.scatter.items()}
         return a
 
     def view(self, n):
@@ -254,7 +262,12 @@ def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, d
                fused_ok: bool | None = None) -> TPAnalysis:
     """The rewrite of ``gm`` for degree ``tp`` (see the module doc); raises ``TPRewriteError``."""
     try:
-        dec = analyze_tensor_parallel(gm, layer_of=layer_of, vocab=vocab or None)
+        # key/value heads tp is a multiple of: their projections stay replicated (a reshape into
+        # heads tp does not divide is then a conflict of the analysis, not an error here)
+        kv = (dims or {}).get("kv_heads")
+        replicate_kv = bool(kv) and kv % tp != 0 and tp % kv == 0
+        dec = analyze_tensor_parallel(gm, layer_of=layer_of, vocab=vocab or None,
+                                      tp=tp if replicate_kv else None)
     except TPConflict as c:
         where = _where(c.node) if c.node.op != "output" else "the model output"
         raise TPRewriteError(f"tensor parallelism (tp={tp}) at {where}: {c.why}, and no "
@@ -317,6 +330,9 @@ class _LayerRewriter:
             for path in self.an.enter.get(orig.name, ()):
                 x = _get_path(new, path)
                 _set_path(new, path, copy_of(x, new))
+            for path, dim in self.an.scatter.get(orig.name, ()):
+                with g.inserting_before(new):
+                    _set_path(new, path, g.call_function(rtp.scatter_to_tp, (_get_path(new, path), dim)))
             act = self.an.actions.get(orig.name)
             if act is None:
                 continue
@@ -382,11 +398,14 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, d
     ``rewrite.replicated`` lists the matmuls/embeddings kept replicated, and why.
     """
     tp = int(plan.tp)
-    for key, what in (("heads", "attention heads"), ("kv_heads", "key/value heads")):
-        v = dims.get(key)
-        if v and v % tp:
-            raise TPRewriteError(f"tp={tp} does not divide the model's {v} {what} (model dims: "
-                                 f"{dims}); choose a tp that divides heads and kv_heads.")
+    heads, kv = dims.get("heads"), dims.get("kv_heads")
+    if heads and heads % tp:
+        raise TPRewriteError(f"tp={tp} does not divide the model's {heads} attention heads (model "
+                             f"dims: {dims}); choose a tp that divides the heads.")
+    if kv and kv % tp and tp % kv:
+        raise TPRewriteError(f"tp={tp} neither divides the model's {kv} key/value heads nor is a "
+                             f"multiple of them (model dims: {dims}); choose a tp that divides the "
+                             "key/value heads, or a multiple of them that divides the heads.")
     analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims)
     _reshard_params(gm, analysis.shard_info, tp)
     rewrite = _LayerRewriter(analysis)

@@ -58,6 +58,11 @@ The collectives are the ones ``zero_dp_collectives`` lists for each stage, place
 - ZeRO 3: each micro-batch all-gathers every layer's weights for forward and again for backward
   and reduce-scatters its gradients (``m`` times per step).
 
+A weight tied across pipeline stages (``LayerTable.tied``, ``pp > 1``) adds, per
+``cost_models.tied``, a copy's model state to its last reader's row and a gradient all-reduce
+over the tied group to the per-step collectives of both readers' rows (the ILP sees the same
+per-layer numbers).
+
 No DP/ZeRO collective is assumed hidden under compute: the model is deliberately conservative
 (overlap depends on kernels contending for the same links and memory), so ZeRO 2/3 are chosen
 only when the memory they save is needed or their sharded optimizer step pays for them. ZeRO 2/3
@@ -99,6 +104,7 @@ bubble and stage-to-stage transfers), ``dp_comm = m * zero_mb_k* + dp_d*``,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -126,6 +132,7 @@ from cost_models.memory import (
     stage_activation_bytes,
     zero_transient_bytes,
 )
+from cost_models.tied import tied_weight_costs
 from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
 
 __all__ = [
@@ -155,7 +162,8 @@ class NumericTable:
         self.model = dict(table.model)
         self.num_blocks = sum(1 for k in self.kinds if k == "block")
         self.tied = [t for t in table.tied if t["layers"][0] < t["layers"][1]]
-        """Weights read by several rows (``LayerTable.tied``): no pipeline cut may fall between."""
+        """Weights read by several rows (``LayerTable.tied``): with pipeline stages each stage that
+        reads one holds a copy (priced by ``cost_models.tied``)."""
         self._rows: dict[tuple, Any] = {}
 
     def groups(self, b: int, s: int) -> tuple[list[dict[str, float]], list[int]]:
@@ -345,8 +353,18 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl) for row in reps]
-    cc = CandidateCosts(cand, [costs[i] for i in index], hw, gpus_per_node, capacity,
-                        distinct=[(c, index.count(i)) for i, c in enumerate(costs)])
+    layers = [costs[i] for i in index]
+    extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
+    for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
+        layers[t.first] = dataclasses.replace(layers[t.first], dp_step_s=layers[t.first].dp_step_s + t.time_s,
+                                              dp_step_sent_b=layers[t.first].dp_step_sent_b + t.sent_b)
+        lc = layers[t.last]
+        layers[t.last] = dataclasses.replace(
+            lc, dp_step_s=lc.dp_step_s + t.time_s, dp_step_sent_b=lc.dp_step_sent_b + t.sent_b,
+            params_b=lc.params_b + t.params_b, grads_b=lc.grads_b + t.grads_b,
+            optimizer_b=lc.optimizer_b + t.optimizer_b)
+    cc = CandidateCosts(cand, layers, hw, gpus_per_node, capacity,
+                        distinct=None if extra else [(c, index.count(i)) for i, c in enumerate(costs)])
     cc.dtype = dtype
     # The last row's transient: for a language model the loss backward's 2 x logits.
     cc.loss_transient_b = cc.layers[-1].bt_b

@@ -29,7 +29,9 @@ import torch.fx as fx
 from passes.analyze import analyze
 from passes.common import B, PassError, S, dtype_name, iter_tensors
 from passes.graph import TracedGraph
+from passes.inputs import infer_inputs
 from passes.layers import layer_io, layer_names, layer_signatures
+from passes.model_facts import merge_graph_facts
 
 __all__ = ["LayerCosts", "LayerTable", "table_from_traced",
            "EXPR_FIELDS", "INT_FIELDS"]
@@ -222,17 +224,24 @@ class LayerTable:
 
 
 def _tied_weights(traced, gm: fx.GraphModule) -> list[dict[str, Any]]:
-    """Weights whose readers lie in more than one row: ``{"weight", "layers": [first, last]}``
-    in traced row numbers (aliases of one tensor count as one weight)."""
+    """Weights whose readers lie in more than one row: ``{"weight", "layers": [first, last],
+    "params", "params_tp"}`` in traced row numbers (aliases of one tensor count as one weight;
+    ``params`` is its element count, ``params_tp`` the part tensor parallelism shards)."""
     n = len(traced.block_paths) + 2
     rows: dict[str, set[int]] = {}
+    sizes: dict[str, tuple[int, int]] = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder" or traced.roles.get(node.name) != "param":
             continue
         canon = traced.tied.get(node.name, node.name)
         rows.setdefault(canon, set()).update(
             u.meta["layer"] for u in node.users if 0 <= u.meta.get("layer", -1) < n)
-    return [{"weight": traced.fqns.get(name, name), "layers": [min(ls), max(ls)]}
+        if "param_count" in node.meta:
+            count = int(node.meta["param_count"])
+            tp = node.meta.get("tp")
+            sizes[canon] = (count, count if tp is not None and tp.role == "sharded" else 0)
+    return [{"weight": traced.fqns.get(name, name), "layers": [min(ls), max(ls)],
+             "params": sizes.get(name, (0, 0))[0], "params_tp": sizes.get(name, (0, 0))[1]}
             for name, ls in rows.items() if len(ls) > 1]
 
 
@@ -352,7 +361,13 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
             for f in EXPR_FIELDS:
                 setattr(r, f, sympy.expand(getattr(r, f) * B / b0))
     model = dict(traced.model_info)
+    notes += merge_graph_facts(gm, model)  # heads, kv_heads, head_dim, tp_blocked: from the graph
     model["params"] = sum(r.param_count for r in rows)
+    inputs = infer_inputs(gm, [n for n, r in traced.roles.items() if r == "input"], traced.symbols)
+    model["inputs"] = [f.to_dict() for f in inputs]
+    if not model.get("vocab"):  # a user's model: the vocabulary its token inputs index
+        model["vocab"] = min((f.vocab for f in inputs if f.role in ("tokens", "labels", "targets") and f.vocab),
+                             default=0)
     return LayerTable(layers=rows, dtype=dtype_name(traced.dtype), model=model, fixed=fixed,
                       notes=notes, tied=tied)
 

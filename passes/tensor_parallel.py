@@ -16,6 +16,11 @@ decisions per node:
   runtime's loss moves different bytes than the traced one (``vocab_loss_bytes``).
 - every other node on a sharded value: FLOPs and saved tensors divide.
 
+When the analysis cannot split the model at all (a conflict no replicated matmul avoids, or
+every matmul kept replicated), every node is priced replicated and the node that stopped it
+carries the reason (``TPInfo.blocked``, read by ``tp_blocked``): the search then plans without
+tensor parallelism instead of failing.
+
 Writes ``node.meta["tp"]`` (a ``TPInfo``) on every node. Needs ``out_bytes``/``shape``
 (annotate_shapes), ``saved`` (annotate_costs) and ``layer`` (assign_layers: a sharded value never
 crosses a layer boundary).
@@ -23,13 +28,16 @@ crosses a layer boundary).
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
+import torch
 from torch import fx
 
-from passes.common import PassError, need
+from passes.common import need, source_line
 from passes.tp_analysis import (
     Shard,
     TPConflict,
@@ -38,7 +46,7 @@ from passes.tp_analysis import (
     matmul_operands,
 )
 
-__all__ = ["TPInfo", "propagate_tensor_parallel", "vocab_loss_bytes"]
+__all__ = ["TPInfo", "propagate_tensor_parallel", "tp_blocked", "tp_sizes", "vocab_loss_bytes"]
 
 _PASS = "propagate_tensor_parallel"
 _ZERO = sympy.Integer(0)
@@ -78,6 +86,11 @@ class TPInfo:
         return int(self.allreduce_fwd != 0)
     sharded_params: list[str] = field(default_factory=list)
     """Names of the parameter placeholders this node shards (matmul weights, biases...)."""
+    blocked: str = ""
+    """On the node that keeps tensor parallelism from splitting anything: why (else empty)."""
+    must_divide: int = 0
+    """A column-parallel matmul's output features (its vocabulary excepted, which is padded):
+    the size tp must divide (0 elsewhere)."""
 
 
 def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
@@ -130,6 +143,9 @@ def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
     role = dec.role[n]
     kw: dict = {"sharded_params": list(dec.shards_params.get(n, []))}
     if role == "col":
+        keys = dec.shards_params.get(n, [])
+        if keys and dec.weights[keys[0]].kind != "vocab":
+            kw["must_divide"] = dec.state[n].size
         act = matmul_operands(n)[0]
         if act not in reduced:
             reduced.add(act)
@@ -164,13 +180,56 @@ def _saved_tp(n: fx.Node, info: dict[fx.Node, TPInfo], by_name: dict[str, fx.Nod
     return total
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _where(n: fx.Node) -> str:
+    """``node 'x' (op) in module 'a.b' at file:line`` (the innermost frame outside torch)."""
+    frames = [f"{f}:{ln}" for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "")
+              if not f.startswith(_TORCH_DIR)]
+    src = frames[-1] if frames else source_line(n)
+    stack = n.meta.get("nn_module_stack") or {}
+    mod = list(stack.values())[-1][0] if stack else ""
+    return (f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "")
+            + (f" at {src}" if src else ""))
+
+
+def tp_sizes(gm: fx.GraphModule) -> dict[int, str]:
+    """The sizes tp must divide (column-parallel output features) -> the first node with it."""
+    out: dict[int, str] = {}
+    for n in gm.graph.nodes:
+        info = n.meta.get("tp")
+        if isinstance(info, TPInfo) and info.must_divide:
+            out.setdefault(int(info.must_divide), _where(n))
+    return out
+
+
+def tp_blocked(gm: fx.GraphModule) -> str:
+    """Why tensor parallelism splits nothing in ``gm`` (naming the node), or ``''``."""
+    for n in gm.graph.nodes:
+        info = n.meta.get("tp")
+        if isinstance(info, TPInfo) and info.blocked:
+            return info.blocked
+    return ""
+
+
+def _all_replicated(gm: fx.GraphModule, node: fx.Node, why: str) -> fx.GraphModule:
+    for n in gm.graph.nodes:
+        n.meta["tp"] = TPInfo(role="replicated", blocked=why if n is node else "")
+    return gm
+
+
 def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.GraphModule:
     """Write ``meta['tp']`` on every node (see module doc)."""
     try:
         dec = analyze_tensor_parallel(gm, roles=roles)
     except TPConflict as c:
-        raise PassError(_PASS, c.node, f"cannot place this op even with every matmul "
-                        f"replicated ({c.why}).") from None
+        return _all_replicated(gm, c.node, f"{c.why} at {_where(c.node)}, and keeping every matmul "
+                               "replicated does not avoid it")
+    if not dec.weights and dec.replicated:  # every matmul had to stay replicated
+        c = next(iter(dec.replicated.values()))
+        return _all_replicated(gm, c.node, f"no matmul can be split: {c.why} at {_where(c.node)}")
     reduced: set[fx.Node] = set()
     info = {n: _node_info(n, dec, reduced) for n in gm.graph.nodes}
     by_name = {n.name: n for n in gm.graph.nodes}

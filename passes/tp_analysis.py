@@ -6,8 +6,9 @@ of ``analyze_tensor_parallel``, so the cost model prices the program that codege
 analysis works on either form of an exported graph: the lifted ``ExportedProgram.graph_module``
 (parameters are placeholders whose role is ``param``, sizes symbolic, read through their hint) or
 ``ExportedProgram.module()`` (parameters are ``get_attr`` nodes, static sizes). It does not depend
-on the tp degree ``t``; whether ``t`` divides the sizes of the sharded regions (heads, kv heads,
-ffn, the fused parts) is checked by codegen on top of it.
+on the tp degree ``t`` unless given one (then a reshape into heads ``t`` does not divide keeps its
+region replicated); whether ``t`` divides the sizes of the sharded regions (heads, kv heads, ffn,
+the fused parts) is checked by codegen on top of it.
 
 States
 ------
@@ -38,7 +39,12 @@ Rules (the walk is in graph order)
   dim is tracked through each. A reshape that merges or splits the sharded dim is exact only when
   that dim *leads* its group of merged dims (each rank's block of the group is contiguous).
 * SDPA (and its kernel variants) on q, k and v all sharded by heads is per head; GQA keeps its
-  ratio. A mask with a per-head dim cannot be used.
+  ratio. k / v may also be replicated with one head (broadcast) or with every query head (GQA's
+  repeated key/value heads when their projections stayed replicated, e.g. one kv head at tp 2):
+  each rank then keeps its query heads' share (``scatter``). A mask with a per-head dim cannot
+  be used.
+* A weighted matmul may read a transpose of a 2-d parameter (Falcon's ``x @ W.T``): it is column
+  or row parallel on the parameter.
 * A fused projection split along its sharded features (GPT-2's ``c_attn`` -> q, k, v) keeps each
   part sharded; its weight is laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
 * A replicated tensor that requires grad and enters a sharded op (a norm weight, a broadcast
@@ -92,7 +98,10 @@ PASSTHROUGH = {"dropout", "native_dropout", "to", "_to_copy", "contiguous", "ali
 """Ops whose outputs have their first input's sharding (other tensor args give only a dtype)."""
 VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten"}
 """Reshapes: the sharded dim follows ``reshape_dim``; size arguments are per-rank in codegen."""
-LAYOUT = {"t", "transpose", "permute", "unsqueeze", "squeeze"}
+LAYOUT = {"t", "numpy_T", "transpose", "permute", "unsqueeze", "squeeze"}
+WEIGHT_VIEWS = {"t", "numpy_T", "transpose", "permute"}
+"""Transposes of a 2-d parameter that a weighted matmul may read instead of the parameter
+(Falcon's ``x @ W.T``): the matmul is column / row parallel on the parameter itself."""
 SLICES = {"slice", "select", "narrow"}
 SPLITS = {"split", "split_with_sizes", "chunk", "unbind"}
 CATS = {"cat", "stack"}
@@ -160,6 +169,10 @@ class TPDecisions:
     enter: dict = field(default_factory=dict)
     """Node -> argument paths ``(position or kwarg, index in a list or None)`` of the replicated
     tensors requiring grad that enter this sharded op."""
+    scatter: dict = field(default_factory=dict)
+    """Attention node -> ``[(argument path, dim)]``: replicated k / v with every query head
+    (key/value heads repeated for grouped-query attention after their projections were kept
+    replicated) of which each rank keeps its query heads' share (``scatter_to_tp``)."""
     replicated: dict = field(default_factory=dict)
     """Name of a matmul / embedding kept replicated -> the ``TPConflict`` that forced it."""
     vocab: int | None = None
@@ -264,8 +277,9 @@ class _Walk:
     """One walk over the graph with the matmuls / embeddings of ``banned`` kept replicated."""
 
     def __init__(self, gm: fx.GraphModule, params: dict, inputs: set, layer_of: Callable,
-                 vocab: int | None, banned: set[str]):
-        self.gm, self.layer_of, self.vocab, self.banned = gm, layer_of, vocab, banned
+                 vocab: int | None, banned: set[str], tp: int | None = None):
+        self.gm, self.layer_of, self.vocab, self.banned, self.tp = gm, layer_of, vocab, banned, tp
+        self.pviews: dict[fx.Node, fx.Node] = {}  # transpose of a 2-d parameter -> the parameter
         self.params, self.inputs = params, inputs
         self.out = TPDecisions(params=params, vocab=vocab)
         self.rg: dict[fx.Node, bool] = {}
@@ -339,12 +353,17 @@ class _Walk:
         if name == "getitem":
             s = self.st(n.args[0])
             return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+        if name in WEIGHT_VIEWS and n.args[0] in self.params and len(_shape(n.args[0])) == 2 \
+                and all(op_name(u) in WEIGHTED_MATMULS for u in n.users):
+            self.pviews[n] = n.args[0]  # its use is recorded by the matmul that reads it
+            return self.set(n, None)
         if name in WEIGHTED_MATMULS and self.matmul(n, name):
             return
         if name == "embedding":
             return self.embedding(n)
         sharded = [a for a in n.all_input_nodes if isinstance(self.st(a), Shard)]
         for a in n.all_input_nodes:
+            a = self.pviews.get(a, a)
             if a in self.params and not isinstance(self.st(a), Shard):
                 self.use(a, n, None)  # read whole: a replicated use
         if not sharded:
@@ -363,6 +382,8 @@ class _Walk:
         out_dim, in_dim = (0, 1) if name == "linear" else (1, 0)  # linear's W is [out, in]
         if name == "addmm" and any(k in n.kwargs for k in ("beta", "alpha")):
             return False
+        if w in self.pviews:  # x @ W.T: the parameter is [out, in] like linear's
+            w, (out_dim, in_dim) = self.pviews[w], (in_dim, out_dim)
         if not (isinstance(w, fx.Node) and w in self.params) or x in self.params \
                 or len(_shape(w)) != 2 or not _is_tensor(x):
             return False
@@ -440,25 +461,44 @@ class _Walk:
 
     # ------------------------------------------------------------------ handlers
     def attention(self, n, name):
+        """Per-head attention: q sharded by heads; k and v sharded alike, or replicated with one
+        (broadcast) head, or replicated with every query head, of which each rank keeps its share
+        (grouped-query attention whose key/value projections tp cannot split)."""
         q, k, v = n.args[:3]
-        ss = [self.st(x) for x in (q, k, v)]
+        sq = self.st(q)
         hd = len(_shape(q)) - 3
-        if not all(isinstance(s, Shard) and s.dim == hd for s in ss):
-            self.conflict(n, "attention needs q, k and v all sharded by heads", q, k, v)
+        if not (isinstance(sq, Shard) and sq.dim == hd):
+            self.conflict(n, "attention needs q sharded by heads", q, k, v)
+        heads = _shape(q)[hd]
+        scatter, origins = [], set(sq.origins)
+        for i, x in ((1, k), (2, v)):
+            s = self.st(x)
+            if isinstance(s, Shard):
+                if s.dim != hd or s.size not in (sq.size,) and not node_arg(n, "enable_gqa", False):
+                    self.conflict(n, f"attention needs {'kv'[i - 1]} sharded by heads like q", x)
+                origins |= s.origins
+            elif _shape(x)[hd] == sq.size and sq.size > 1:  # every query head, repeated: keep ours
+                scatter.append(((i, None), hd))
+            elif _shape(x)[hd] != 1:
+                self.conflict(n, f"attention with q sharded by heads reads a replicated {'kv'[i - 1]} "
+                              f"of {_shape(x)[hd]} heads (q has {sq.size})", q)
         for _, mask in flat_args(n):
             if not _is_tensor(mask) or mask in (q, k, v):
                 continue
             ms = _shape(mask)
             off = len(_shape(q)) - len(ms)
             if isinstance(self.st(mask), Shard) or (hd - off >= 0 and ms[hd - off] != 1):
-                self.conflict(n, "the attention mask has a per-head dim", q, mask)
-        for s in ss:
-            self.tag(s, "heads")
-        self.out.enter[n] = self.entering(n)
-        out = Shard(hd, ss[0].size, frozenset().union(*[s.origins for s in ss]))
+                self.conflict(n, "the attention mask has a per-head dim", q, k, v, mask)
+        for x in (q, k, v):
+            if isinstance(self.st(x), Shard):
+                self.tag(self.st(x), "heads")
+        if scatter:
+            self.out.scatter[n] = scatter
+        self.out.enter[n] = [p for p in self.entering(n) if p not in [sc[0] for sc in scatter]]
+        out = Shard(hd, sq.size, frozenset(origins))
         if isinstance(_val(n), torch.Tensor):
             return self.set(n, out)
-        heads = _shape(q)[hd]  # the kernels' log-sum-exp [b, heads, s] is per head too
+        # the kernels' log-sum-exp [b, heads, s] is per head too
         self.set(n, [out] + [out if isinstance(o, torch.Tensor) and o.dim() == len(_shape(q)) - 1
                              and hint(o.shape[hd]) == heads else None for o in _val(n)[1:]])
 
@@ -483,6 +523,10 @@ class _Walk:
         if g is None or g[0][0] != s.dim:
             self.conflict(n, "the reshape interleaves the sharded dim with a dim before it", x)
         d_out = g[1][0]
+        if self.tp and len(g[1]) > 1 and dst[d_out] % self.tp:
+            self.conflict(n, f"the reshape splits the sharded size {src[s.dim]} into "
+                          f"{' x '.join(str(dst[k]) for k in g[1])}, and tp={self.tp} does not "
+                          f"divide {dst[d_out]} (e.g. the key/value heads)", x)
         self.set(n, Shard(d_out, dst[d_out], s.origins))
 
     def layout(self, n, name):
@@ -492,6 +536,8 @@ class _Walk:
         d = s.dim
         if name == "t":
             d = 1 - d if nd == 2 else d
+        elif name == "numpy_T":
+            d = nd - 1 - d
         elif name == "transpose":
             i, j = _norm(n.args[1], nd), _norm(n.args[2], nd)
             d = j if d == i else i if d == j else d
@@ -651,14 +697,16 @@ def _token_vocab(gm: fx.GraphModule, params: dict, inputs: set) -> int | None:
 
 
 def analyze_tensor_parallel(gm: fx.GraphModule, *, roles: dict[str, str] | None = None,
-                            layer_of: Callable | None = None, vocab: int | None = None
-                            ) -> TPDecisions:
+                            layer_of: Callable | None = None, vocab: int | None = None,
+                            tp: int | None = None) -> TPDecisions:
     """Decide the tensor-parallel role of every node of ``gm`` (see the module doc).
 
     ``roles`` gives each placeholder's role (``param``, ``buffer``, ``constant``, ``input``) in
     a lifted graph; without it every placeholder is an input and the parameters are the
     ``get_attr`` nodes of ``gm``'s parameters. ``layer_of`` is a node's layer-table row (default
-    ``meta['layer']``); ``vocab`` the vocabulary (default: the token embedding's rows). Raises
+    ``meta['layer']``); ``vocab`` the vocabulary (default: the token embedding's rows). With
+    ``tp``, a reshape that splits the sharded dim into a leading size ``tp`` does not divide (2 key
+    /value heads over 4 ranks) is a conflict too, so that region stays replicated. Raises
     ``TPConflict`` when no choice of replicated matmuls avoids a conflict.
     """
     layer_of = layer_of or (lambda n: n.meta.get("layer"))
@@ -677,7 +725,7 @@ def analyze_tensor_parallel(gm: fx.GraphModule, *, roles: dict[str, str] | None 
     banned: set[str] = set()
     why: dict[str, TPConflict] = {}
     while True:  # each retry bans at least one more matmul or embedding: terminates
-        walk = _Walk(gm, params, inputs, layer_of, vocab, banned)
+        walk = _Walk(gm, params, inputs, layer_of, vocab, banned, tp)
         try:
             out = walk.run()
         except TPConflict as c:

@@ -81,7 +81,8 @@ def _add_setting_flags(p: argparse.ArgumentParser, settings) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="SPEC",
-                   help="gpt | gpt2 | gpt2-xl | gpt3-175b | hf:gpt2 | hf:llama | hf:bert | file.py:factory")
+                   help="gpt | gpt2 | gpt2-xl | gpt3-175b | hf:gpt2 | hf:llama | hf:bert | hf:PATH (a local HF "
+                        "model directory) | file.py:factory")
     for flag, help_ in (("--layers", "transformer blocks"), ("--hidden", "model width"),
                         ("--heads", "attention heads"), ("--kv-heads", "key/value heads (GQA, hf:llama)"),
                         ("--ffn", "MLP inner width"), ("--vocab", "vocabulary size")):
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-headroom", type=float, default=0.9,
                    help="usable fraction of device memory (default 0.9)")
     p.add_argument("--tp-across-nodes", action="store_true", help="allow tensor parallelism across nodes")
+    p.add_argument("--input", action="append", default=None, metavar="NAME=ROLE",
+                   help="what training feeds a model input the planner cannot infer (repeatable): "
+                        "tokens, labels, targets, ones, zeros or positions")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--json", action="store_true", help="print only the plan JSON on stdout")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the schedule and memory")
@@ -158,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = esub.add_parser("weights", help="consolidate a checkpoint into one safetensors file")
     e.add_argument("checkpoint")
     e.add_argument("--out", default="model.safetensors")
+    e = esub.add_parser("hf", help="write a checkpoint of an hf: model as an HF model directory "
+                        "(config.json + model.safetensors, loadable with from_pretrained)")
+    e.add_argument("checkpoint", help="a step-N checkpoint, or a --checkpoint-dir (its newest)")
+    e.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist "
+                   "or be empty)")
     return ap
 
 

@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import UserError
+from runtime.data import INPUT_ROLES
 from runtime.dtypes import DTYPES
 
 __all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative", "PlanError",
@@ -79,6 +80,11 @@ class ModelInfo:
     """Size overrides used to build the model (``layers``, ``hidden``, ``heads`` ...)."""
     layer_names: list = field(default_factory=list)
     """Module path of each layer-table row (index 0 = pre, L + 1 = post)."""
+    inputs: list = field(default_factory=list)
+    """The model's inputs in order, each ``{name, role, dtype, shape, vocab}``: what training feeds
+    it (``role``: tokens, labels, targets, ones, zeros or positions; see ``passes.inputs``), its
+    sizes (``"b"``, ``"s"`` or a number) and the ids it can index. Empty in plans written before
+    it existed: such a model takes ``(tokens, targets)``."""
 
     def __post_init__(self):
         _check_str("model.spec", self.spec)
@@ -91,6 +97,15 @@ class ModelInfo:
             _check_int(f"model.sizes.{k}", v, 1)
         if not isinstance(self.layer_names, list) or not all(isinstance(n, str) for n in self.layer_names):
             _fail("model.layer_names", "must be a list of strings.")
+        if not isinstance(self.inputs, list):
+            _fail("model.inputs", "must be a list of objects.")
+        for i, x in enumerate(self.inputs):
+            if not isinstance(x, dict) or not {"name", "role", "dtype", "shape"} <= set(x):
+                _fail(f"model.inputs[{i}]", "must be an object with name, role, dtype and shape.")
+            _check_str(f"model.inputs[{i}].name", x["name"])
+            if x["role"] not in INPUT_ROLES:
+                _fail(f"model.inputs[{i}].role", f"must be one of {', '.join(INPUT_ROLES)}, got {x['role']!r}.")
+            _check_int(f"model.inputs[{i}].vocab", x.get("vocab", 0), 0)
 
 
 @dataclass

@@ -12,7 +12,8 @@ any plan of the same model can load it:
 
 - ``model/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``: the full fp32 master weight and
   AdamW moments of every parameter (ZeRO shards joined over dp, tensor-parallel pieces joined
-  over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage);
+  over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage; a
+  weight tied across stages by its first holder only, and read back by every holder);
 - ``rng/<rank>``: every rank's CPU (and CUDA) generator state;
 - in ``meta.json``: the step (data position: data is a function of (seed, step)), the optimizer
   step count, the loss-scaler state and the plan hash.
@@ -138,6 +139,8 @@ def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
     for attr, entry in stage["params"].items():
         if not entry.get("trainable", True):
             continue
+        if entry.get("tied") and entry["tied"][0] != stage["index"]:
+            continue  # a tied weight's copy: its first holder writes it (the copies are identical)
         for kind in _KINDS:
             shard = TensorShard.from_dict(entry.get("shard"))
             joined = [p[kind][attr] for p in pieces]

@@ -71,22 +71,77 @@ def load_stage_module(directory: str, stage: dict, device: torch.device | str = 
     return cls(device=torch.device(device))
 
 
+def _shard_ranges(shard: TensorShard, n: int, tp_index: int, tp: int) -> tuple[list[tuple[int, int]], int]:
+    """Where rank ``tp_index``'s piece lies in the original tensor: the ``[start, stop)`` ranges of
+    ``shard.dim`` (of ``n`` entries) to read and concatenate, and the zero rows to append (a padded
+    vocabulary's last rank); the same piece as ``shard.cut``."""
+    if shard.kind == "qkv":
+        ranges, off = [], 0
+        for part in shard.parts:
+            if part % tp:
+                raise CompiledError(f"cannot shard a fused part of {part} entries over {tp} tensor-parallel ranks")
+            k = part // tp
+            ranges.append((off + tp_index * k, off + (tp_index + 1) * k))
+            off += part
+        return ranges, 0
+    if shard.padded is not None and shard.padded != n:
+        k = shard.padded // tp
+        start, stop = min(tp_index * k, n), min((tp_index + 1) * k, n)
+        return [(start, stop)], k - (stop - start)
+    if n % tp:
+        raise CompiledError(f"cannot shard {n} entries over {tp} tensor-parallel ranks: {n} is not divisible by {tp}")
+    k = n // tp
+    return [(tp_index * k, (tp_index + 1) * k)], 0
+
+
+def _read_shard(source, shard: TensorShard, tp_index: int, tp: int) -> torch.Tensor:
+    """This rank's piece read from a lazy ``source`` (``source[idx]`` reads a tuple of slices,
+    ``source.get_shape()`` the full shape: safetensors' slice API) without reading the rest."""
+    shape = list(source.get_shape())
+    dim = shard.dim % len(shape)
+    ranges, pad = _shard_ranges(shard, shape[dim], tp_index, tp)
+    lead = (slice(None),) * dim
+    pieces = [source[lead + (slice(a, b),)] for a, b in ranges if b > a]
+    if pad:
+        pad_shape = list(shape)
+        pad_shape[dim] = pad
+        dt = pieces[0].dtype if pieces else torch.float32
+        pieces.append(torch.zeros(pad_shape, dtype=dt))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
 @torch.no_grad()
 def load_weights(module: torch.nn.Module, stage: dict, state: Mapping[str, torch.Tensor],
                  tp_index: int = 0, tp: int = 1) -> None:
-    """Copy the original model's tensors (by original name) into a stage module, sharding for tp."""
+    """Copy the original model's tensors (by original name) into a stage module, sharding for tp.
+
+    ``state`` maps original names to tensors. When it also has ``get_slice(name)`` (a lazy
+    reader, e.g. of safetensors files), each tensor-parallel shard is read as just the
+    rows/columns of this rank's piece: ``get_slice(name)[idx]`` for a tuple of slices ``idx``,
+    ``get_slice(name).get_shape()`` the full shape (``KeyError``: read it whole instead).
+    """
     own = dict(module.named_parameters())
     own.update(dict(module.named_buffers()))
     missing = [e["fqn"] for e in stage["params"].values() if e["fqn"] not in state]
     if missing:
         raise CompiledError(f"the state dict lacks {len(missing)} tensor(s) this stage needs, e.g. {missing[:3]}")
+    lazy = getattr(state, "get_slice", None)
     for attr, entry in stage["params"].items():
         try:
             shard = TensorShard.from_dict(entry.get("shard"))
         except (ValueError, KeyError, TypeError) as e:
             raise CompiledError(f"{entry['fqn']}: the manifest's shard entry {entry.get('shard')!r} is "
                                 f"malformed ({e}); compile the plan again") from None
-        src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)
+        source = None
+        if shard is not None and tp > 1 and lazy is not None:
+            try:
+                source = lazy(entry["fqn"])
+            except KeyError:
+                source = None
+        if source is not None:
+            src = _read_shard(source, shard, tp_index, tp)
+        else:
+            src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)
         dst = own[attr]
         if tuple(src.shape) != tuple(dst.shape):
             raise CompiledError(f"{entry['fqn']}: shape {tuple(src.shape)} does not fit {attr} {tuple(dst.shape)}")

@@ -15,6 +15,9 @@ Sources:
 - ``TokenFile``: a flat array of uint16/uint32 token ids (``.bin``/``.npy``, read with a numpy
   memmap) or a UTF-8 text file read as bytes (byte-level tokens, vocabulary 256). Each sample is
   a window of ``seq_len + 1`` tokens starting at an offset drawn from (seed, step, row).
+
+Both yield ``(tokens, next tokens)`` rows; ``model_inputs`` turns them into the model's own inputs,
+whatever their number and order, from each input's role (plan.json ``model.inputs``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice"]
+__all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice", "INPUT_ROLES", "LEGACY_INPUTS",
+           "model_inputs", "data_vocab"]
+
+INPUT_ROLES = ("tokens", "labels", "targets", "ones", "zeros", "positions")
+"""What an input can be fed: the token ids; the same ids as ``labels`` (the model shifts them);
+the next tokens as ``targets``; a constant ``ones``/``zeros`` of the input's shape (a mask); the
+``positions`` ``0..S-1`` of each row. ``passes.inputs`` assigns them from the graph."""
+
+LEGACY_INPUTS = [{"name": "input_ids", "role": "tokens", "dtype": "int64", "shape": ["b", "s"]},
+                 {"name": "labels", "role": "targets", "dtype": "int64", "shape": ["b", "s"]}]
+"""The inputs of a plan written before ``model.inputs`` existed: ``(tokens, targets)``."""
 
 
 class DataError(ValueError):
@@ -112,6 +125,36 @@ class TokenFile:
         win = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offs])
         t = torch.from_numpy(win)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def model_inputs(specs: list[dict], tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The model's inputs, in order, for rows ``tokens`` / ``targets`` (``(r, S)`` each) of a data
+    source: each input is filled by its role (``INPUT_ROLES``) with its own dtype; sizes named
+    ``"b"`` / ``"s"`` (or, for a static trace, the first size) follow the rows and the sequence."""
+    r, seq = tokens.shape
+    out = []
+    for x in specs:
+        dtype = getattr(torch, x.get("dtype", "int64"))
+        role = x["role"]
+        if role == "tokens" or role == "labels":
+            t = tokens
+        elif role == "targets":
+            t = targets
+        elif role == "positions":
+            t = torch.arange(seq, device=tokens.device).expand(r, seq)
+        elif role in ("ones", "zeros"):
+            dims = [r if i == 0 or d == "b" else seq if d == "s" else int(d) for i, d in enumerate(x["shape"])]
+            t = (torch.ones if role == "ones" else torch.zeros)(dims, dtype=dtype, device=tokens.device)
+        else:
+            raise DataError(f"input {x['name']!r} has role {role!r}; the data loader knows {', '.join(INPUT_ROLES)}")
+        out.append(t.to(dtype).contiguous())
+    return tuple(out)
+
+
+def data_vocab(specs: list[dict], vocab: int) -> int:
+    """The vocabulary to draw tokens from: the smallest any token-like input can index, else ``vocab``."""
+    known = [x["vocab"] for x in specs if x["role"] in ("tokens", "labels", "targets") and x.get("vocab")]
+    return min(known) if known else vocab
 
 
 def open_data(path: str | None, vocab: int, seq_len: int, seed: int):

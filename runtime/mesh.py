@@ -16,7 +16,8 @@ process group (a single process) is every group ``None``, and then the world is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch.distributed as dist
 
@@ -52,6 +53,9 @@ class Mesh:
     """Global ranks of this rank's pipeline group, by stage index."""
     dp_ranks: tuple[int, ...] = (0,)
     tp_ranks: tuple[int, ...] = (0,)
+    tied_groups: dict = field(default_factory=dict)
+    """Holder stages -> this rank's tied group: the ranks of those stages with this rank's dp and
+    tp coordinates (Megatron's embedding group), for each holder set that includes this stage."""
 
     @property
     def world_size(self) -> int:
@@ -91,8 +95,10 @@ def set_mesh(mesh: Mesh) -> Mesh:
     return mesh
 
 
-def setup_mesh(pp: int, dp: int, tp: int) -> Mesh:
-    """Create the axis groups (collectively: every rank must call this) and set the mesh."""
+def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] = ()) -> Mesh:
+    """Create the axis groups and one group per (holder set, dp, tp) of ``tied_stages`` (the
+    stages holding a copy of a tied weight); collective: every rank calls it with the same
+    arguments. Sets and returns the mesh."""
     for name, v in (("pp", pp), ("dp", dp), ("tp", tp)):
         if v < 1:
             raise ValueError(f"mesh degree {name}={v} must be >= 1")
@@ -124,10 +130,22 @@ def setup_mesh(pp: int, dp: int, tp: int) -> Mesh:
             g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
             if rank in members_t:
                 groups[axis] = (g, members_t)
+    tied = {}
+    for holders in tied_stages:
+        holders = tuple(sorted(int(k) for k in holders))
+        if any(not 0 <= k < pp for k in holders):
+            raise ValueError(f"tied stages {holders} outside 0..{pp - 1}")
+        for d in range(dp):
+            for t in range(tp):
+                members_t = tuple(rank_of(k, d, t, dp, tp) for k in holders)
+                g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
+                if rank in members_t:
+                    tied[holders] = g
     mesh = Mesh(
         pp, dp, tp, rank,
         pp_group=groups["pp"][0], dp_group=groups["dp"][0], tp_group=groups["tp"][0],
         pp_ranks=groups["pp"][1], dp_ranks=groups["dp"][1], tp_ranks=groups["tp"][1],
+        tied_groups=tied,
     )
     assert coords_of(rank, dp, tp) == mine
     return set_mesh(mesh)

@@ -36,12 +36,13 @@ import runtime
 from runtime import checkpoint_io, comm
 from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
 from runtime.config import TrainOptions
-from runtime.data import open_data, rank_slice
+from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data, rank_slice
 from runtime.dtypes import to_torch
 from runtime.mesh import Mesh, setup_mesh
 from runtime.pipeline import PipelineStage, TensorMeta
 from runtime.profiling import StepProbes
 from runtime.schedule import one_f_one_b
+from runtime.tied import isolate_tied, tied_params, tied_stage_sets
 from runtime.zero import StepInfo, ZeroEngine
 
 __all__ = ["Run", "StepHook", "StepMetrics", "StepResult", "aggregate_metrics", "lr_at", "maybe_checkpoint",
@@ -114,7 +115,9 @@ class Run:
     stage_inputs: list[str]
     """The data inputs this stage's module takes, by graph input name."""
     graph_inputs: list[str]
-    """The model's two inputs, (tokens, targets) in order, by the name the graph gives them."""
+    """The model's inputs in order, by the name the graph gives them."""
+    input_specs: list[dict]
+    """What feeds each of them (plan.json ``model.inputs``; ``runtime.data.model_inputs``)."""
     start_step: int
     """Steps already done when this run started (``resume``)."""
     probes: StepProbes
@@ -156,7 +159,7 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     man = read_manifest(compiled_dir)
     plan = man["plan"]
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
-    mesh = setup_mesh(pp, dp, tp)
+    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
         dist.get_backend() == "nccl" else torch.device("cpu")
     runtime.set_device(dev)
@@ -165,9 +168,11 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     module = load_stage_module(compiled_dir, stage, dev)
     load_weights(module, stage, state_fn(), mesh.tp_index, tp)
     replicated = {attr for attr, e in stage["params"].items() if not e.get("shard")}
+    tied = tied_params(stage)  # weights held by several stages: summed over their tied group
     engine = ZeroEngine(
         module,
-        layers=param_groups(module),
+        layers=isolate_tied(param_groups(module), tied),
+        tied={a: (mesh.tied_groups.get(h), mesh.pp_index == h[0]) for a, h in tied.items()},
         dp_group=mesh.dp_group,
         zero_stage=plan["zero_stage"],
         param_dtype=to_torch(plan["dtype"]),
@@ -182,16 +187,17 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     )
     actions = one_f_one_b(pp, plan["num_micro_batches"])[mesh.pp_index]
     pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage), mesh=mesh, device=dev)
-    data = open_data(opts.data_path, man["model"]["vocab"], plan["seq_len"], opts.seed)
     graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
-    if len(graph_inputs) != 2:
-        raise ValueError(f"the trainer feeds (tokens, targets); this model takes {len(graph_inputs)} inputs "
-                         f"{graph_inputs}")
+    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
+    if len(graph_inputs) != len(input_specs):
+        raise ValueError(f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
+                         f"{len(input_specs)}: recompile the plan")
+    data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, man, mesh)
     probes = StepProbes(rank, dev, opts.track_memory, opts.memory_steps, resident=engine.tracked_tensors())
     return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
                pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
-               stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, start_step=start_step, probes=probes)
+               stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, input_specs=input_specs, start_step=start_step, probes=probes)
 
 
 def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> int:
@@ -210,8 +216,7 @@ def micro_batches(run: Run, step: int) -> list[tuple[torch.Tensor, ...]]:
     lo, hi = run.rows
     ids, labels = run.data.rows(step, lo, hi, plan["global_batch"])
     ids, labels = ids.to(run.device), labels.to(run.device)
-    # The model's inputs in order are (tokens, targets), whatever the model calls them.
-    src = dict(zip(run.graph_inputs, (ids, labels)))
+    src = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
     return [tuple(src[n][i * mbs:(i + 1) * mbs] for n in run.stage_inputs) for i in range(m)]
 
 

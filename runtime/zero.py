@@ -41,6 +41,9 @@ is complete its bucket may be reduced *while backward continues* (async collecti
   Inside ``no_sync()`` full gradients accumulate instead and are reduce-scattered later.
   Outside backward ``p.grad`` is then ``None``: the reduced gradient lives in the shards.
 
+A parameter tied across pipeline stages (``runtime.tied``) is a group of its own; ``step()`` sums
+its reduced gradient (stage 0/1 the full buffer, 2/3 the fp32 shard) over its tied group first.
+
 Buckets launch strictly in bucket order (a bucket whose groups finish early waits for the
 earlier buckets), so every rank issues the same collectives in the same order. The end of each
 backward (an autograd engine callback) launches what is left and waits for all of it.
@@ -98,7 +101,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -122,6 +125,7 @@ from runtime.optim import (
     square_sums,
 )
 from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
+from runtime.tied import tied_flat_groups
 
 #: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
 FIRST_BUCKET_BYTES = 2**20
@@ -180,6 +184,10 @@ class ZeroEngine:
         micro_batches_per_step: number of backward passes per step; when set, stage 0/1 reduce
             gradients from the hooks of the last one (overlapped with backward) instead of in
             ``step()``.
+        tied: ``name -> (group, counted)`` for parameters tied across pipeline stages
+            (``runtime.tied``): each must form a group of its own in ``layers``; after the dp
+            reduction its gradient (stage 0/1: the full buffer, 2/3: the fp32 shard) is summed
+            over ``group``, and it counts in the gradient norm only where ``counted``.
     """
 
     def __init__(
@@ -202,6 +210,7 @@ class ZeroEngine:
         loss_scaler: DynamicLossScaler | None = None,
         prefetch: bool = True,
         micro_batches_per_step: int | None = None,
+        tied: Mapping[str, tuple[object, bool]] | None = None,
     ):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -253,6 +262,7 @@ class ZeroEngine:
         self.device = dev.pop()
         set_owned_ranges(self.groups, self.stage, self.dp_rank, replicated_param_filter, rep_rank,
                          weight_decay_filter)
+        self._tied = tied_flat_groups(self.groups, tied or {})
         with torch.no_grad():
             self._allocate()
             if self.dtype != torch.float32:
@@ -307,6 +317,12 @@ class ZeroEngine:
             if self.stage == 3:
                 g.full.untyped_storage().resize_(0)
                 g.state = FREE
+
+    def _sync_tied(self) -> None:
+        """Sum the gradients of tied parameters over the stages that hold a copy."""
+        for g, group in self._tied:
+            grad = self._shard_acc(g) if self.stage >= 2 else g.grad_full
+            comm.all_reduce(grad, group)
 
     def _make_buckets(self) -> list[list[int]]:
         """Consecutive groups in backward order, each bucket at most ``bucket_bytes`` (a group
@@ -631,6 +647,7 @@ class ZeroEngine:
         self._next_bucket = self._backwards = 0
         for g in self.groups:
             self._free(g)
+        self._sync_tied()
         sums = square_sums(self.groups, self._grad_source, self.device)
         sums[1] = (~torch.isfinite(sums[1])).double()  # the overflow flag
         for grp in ([self.dp_group] if self.dp > 1 else []) + self.norm_groups:

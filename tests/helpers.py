@@ -13,7 +13,7 @@ from passes.layer_table import LayerCosts, LayerTable
 from planner.frontend.zoo import build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
 from runtime.config import TrainOptions
-from runtime.data import open_data
+from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data
 from runtime.trainer import lr_at
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -89,14 +89,15 @@ def reference_run(plan: Plan, steps: int, **settings):
     model = b.model
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay)
-    data = open_data(o.data_path, b.vocab, plan.seq_len, o.seed)
+    specs = plan.model.inputs or LEGACY_INPUTS
+    data = open_data(o.data_path, data_vocab(specs, b.vocab), plan.seq_len, o.seed)
     losses = []
     for step in range(steps):
         ids, labels = data.rows(step, 0, plan.global_batch, plan.global_batch)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o)
         opt.zero_grad()
-        loss = model(ids, labels)
+        loss = model(*model_inputs(specs, ids, labels))
         loss.backward()
         if o.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)

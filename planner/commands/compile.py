@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+from torch import fx
+
 from codegen.compile import ExportedModel, compile_exported
+from passes.attention import attention_facts
 from planner.frontend.bundle import ModelBundle
 from planner.frontend.trace import export_training_module
 from planner.plan import Plan, load_plan
+from runtime.data import data_vocab
 
 __all__ = ["compile_plan", "model_dims", "run_compile"]
 
 
-def model_dims(bundle: ModelBundle, sizes: dict) -> dict[str, int]:
+def model_dims(bundle: ModelBundle, sizes: dict, gm: fx.GraphModule | None = None) -> dict[str, int]:
     """The sizes tensor parallelism must divide: the bundle's hidden, heads, kv_heads, vocab and
-    the ``ffn`` size flag, where known (non-zero)."""
+    the ``ffn`` size flag, where known (non-zero); heads, kv_heads and head_dim the bundle does not
+    state are read from the attention of the exported graph ``gm`` (``passes.attention``)."""
     dims = {"hidden": bundle.hidden, "heads": bundle.heads, "kv_heads": bundle.kv_heads, "vocab": bundle.vocab}
     dims.update({k: v for k, v in (sizes or {}).items() if k == "ffn"})
+    if gm is not None:
+        facts = attention_facts(gm)
+        for k in ("heads", "kv_heads", "head_dim"):
+            if facts.get(k) and not dims.get(k):
+                dims[k] = facts[k]
     return {k: v for k, v in dims.items() if v}
 
 
@@ -23,8 +33,9 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
     the manifest."""
     gm, block_paths, bundle = export_training_module(plan.model.spec, plan.model.sizes, dtype=plan.dtype,
                                                      batch=plan.micro_batch_size, seq_len=plan.seq_len)
-    model = ExportedModel(module=gm, block_paths=block_paths, vocab=bundle.vocab,
-                          dims=model_dims(bundle, plan.model.sizes))
+    vocab = bundle.vocab or data_vocab(plan.model.inputs, 0)  # a user's model: what its token inputs index
+    model = ExportedModel(module=gm, block_paths=block_paths, vocab=vocab,
+                          dims=model_dims(bundle, plan.model.sizes, gm))
     return compile_exported(plan, model, out_dir)
 
 

@@ -14,6 +14,7 @@ from cost_models.hardware import HardwareProfile, load_hardware
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.bundle import parse_spec
 from planner.frontend.gpt import PRESETS
+from planner.frontend.inputs import parse_input_pins
 from planner.plan import save_plan
 from planner.report.plot import plot_plan
 from planner.report.render import render_plan
@@ -63,7 +64,7 @@ def request_from_args(args) -> PlanRequest:
         global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, sizes=sizes,
         dp=args.dp, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
         checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
-        tp_across_nodes=args.tp_across_nodes,
+        tp_across_nodes=args.tp_across_nodes, inputs=parse_input_pins(getattr(args, "input", None)),
     )
 
 

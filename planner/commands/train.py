@@ -4,7 +4,8 @@ Local runs (``--nproc N``) spawn N processes with a gloo group on a free port; w
 ``--nproc`` the command expects torchrun's environment (``RANK``, ``WORLD_SIZE`` ...) so that
 ``torchrun --nnodes ... -m planner train plan.json`` trains on many nodes. Every rank rebuilds
 the original model from the plan's spec and ``--seed`` (on CPU, fp32) and keeps only its shard,
-so all plans of one model and seed start from the same weights.
+so all plans of one model and seed start from the same weights; an ``hf:PATH`` directory with
+safetensors weights starts from them instead, each rank reading only its shards' slices.
 
 The training flags are the fields of ``runtime.config.TrainOptions`` that carry a ``CliFlag``;
 ``train_options_from_args`` reads them back into one. ``train_plan`` is the command without the
@@ -17,26 +18,41 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from planner.commands.compile import compile_plan
 from planner.errors import UserError
+from planner.frontend.bundle import parse_spec
+from planner.frontend.checkpoint import check_weights, directory_state
+from planner.frontend.hf import hf_directory
 from planner.frontend.zoo import build_model
 from planner.plan import Plan, load_plan
 from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
 from runtime.compiled import read_manifest
 from runtime.config import ConfigError, TrainOptions, cli_flags
-from runtime.data import TokenFile
+from runtime.data import LEGACY_INPUTS, TokenFile, data_vocab
 from runtime.dist import LaunchError, free_port, init_distributed, launch_local, shutdown
 from runtime.trainer import StepHook, StepMetrics, schedule_of, train_worker
 
 __all__ = ["run_train", "train_plan", "original_state", "compile_for_training", "train_options_from_args"]
 
 
-def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
-    """The original model's parameters and buffers (fp32, CPU) for ``seed``, by original name."""
+def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> Mapping[str, torch.Tensor]:
+    """The original model's parameters and buffers (fp32, CPU) for ``seed``, by original name.
+
+    For an ``hf:PATH`` directory with safetensors weights, a lazy mapping over its files instead
+    (``planner.frontend.checkpoint.DirectoryWeights``): ``runtime.compiled.load_weights`` reads
+    only the tensors of this rank's stage, and of a tensor-parallel shard only its rows/columns.
+    """
+    kind, name = parse_spec(spec)
+    directory = hf_directory(name) if kind == "hf" else None
+    if directory is not None:
+        state = directory_state(directory, sizes)
+        if state is not None:
+            return state
     b = build_model(spec, seed=seed, **sizes)
     # remove_duplicate=False: a tied weight appears under every name the graph may use.
     state = {n: p.detach() for n, p in b.model.named_parameters(remove_duplicate=False)}
@@ -163,9 +179,13 @@ def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | N
         raise UserError("--save-every needs --checkpoint-dir DIR.")
     if opts.resume and not _check_resumable(plan, opts):
         return 0
+    kind, name = parse_spec(plan.model.spec)
+    if kind == "hf" and hf_directory(name) is not None:  # bad weights: exit 2 before any process starts
+        check_weights(name, dict(plan.model.sizes))
     compiled = compile_for_training(plan, plan_path, compiled)
     if opts.data_path is not None:  # fail fast, before any process starts
-        TokenFile(opts.data_path, plan.seq_len, vocab=read_manifest(compiled)["model"]["vocab"])
+        TokenFile(opts.data_path, plan.seq_len,
+                  vocab=data_vocab(plan.model.inputs or LEGACY_INPUTS, read_manifest(compiled)["model"]["vocab"]))
     if opts.metrics_path and not opts.resume and os.path.exists(opts.metrics_path):
         os.remove(opts.metrics_path)
     worker_args = (compiled, opts, plan.model.spec, dict(plan.model.sizes), plan.seq_len, on_step_start)

@@ -1,7 +1,8 @@
 """What every model builder returns (``ModelBundle``) and how a model spec is read.
 
-A spec names a built-in GPT preset, an HF architecture (``hf:llama``) or a user's
-``path/to/file.py:factory``; ``parse_spec`` splits it, ``planner.frontend.zoo`` builds it.
+A spec names a built-in GPT preset, an HF architecture (``hf:llama``) or model directory
+(``hf:PATH``), or a user's ``path/to/file.py:factory``; ``parse_spec`` splits it,
+``planner.frontend.zoo`` builds it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ __all__ = ["ModelBundle", "parse_spec", "SPEC_HELP"]
 SPEC_HELP = (
     "Model specs: 'gpt' (built-in GPT; sizes from --layers/--hidden/--heads/--ffn/--vocab), "
     "presets 'gpt2', 'gpt2-xl', 'gpt3-175b'; 'hf:gpt2', 'hf:llama', 'hf:bert' (needs the 'hf' "
-    "extra: pip install 'planner[hf]'); or 'path/to/file.py:factory' where factory() returns "
-    "(model, example_inputs)."
+    "extra: pip install 'planner[hf]'); 'hf:PATH', a local HF model directory (config.json, and "
+    "*.safetensors weights to start from; nothing is downloaded); or 'path/to/file.py:factory' "
+    "where factory() returns (model, example_inputs)."
 )
 
 
@@ -47,21 +49,37 @@ class ModelBundle:
     """The size overrides used to build it (re-building a plan's model uses these)."""
 
     def make_inputs(self, batch: int, seq_len: int, device="cpu", generator=None) -> tuple:
-        """Random token inputs ``(input_ids, labels)`` of shape (batch, seq_len)."""
+        """Random token inputs ``(input_ids, labels)`` of shape (batch, seq_len); for a user's
+        model, inputs like its examples (same number, dtypes and trailing sizes) with ``batch``
+        rows and, where an example's second size is the examples' sequence length, ``seq_len``
+        of them (zeros: this is for tracing), on the device of the examples (the factory chose it)."""
         if self.kind == "file":
-            return self.example_inputs
+            return tuple(torch.zeros(self._resized(t, batch, seq_len), dtype=t.dtype, device=t.device)
+                         for t in self.example_inputs)
         ids = torch.randint(0, self.vocab, (batch, seq_len + 1), generator=generator)
         return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
+    def _resized(self, t: torch.Tensor, batch: int, seq_len: int) -> list[int]:
+        dims = list(t.shape)
+        if dims:
+            dims[0] = batch
+        if len(dims) >= 2 and dims[1] == self.seq_len:
+            dims[1] = seq_len
+        return dims
+
+
 def parse_spec(spec: str) -> tuple[str, str]:
-    """Split a spec into (kind, name): ('gpt', preset) | ('hf', arch) | ('file', 'path:fn')."""
+    """Split a spec into (kind, name): ('gpt', preset) | ('hf', arch or directory) | ('file', 'path:fn')."""
     if not isinstance(spec, str) or not spec.strip():
         raise ModelError("The model spec is empty. " + SPEC_HELP)
     spec = spec.strip()
     if spec in PRESETS:
         return "gpt", spec
     if spec.startswith("hf:"):
+        if not spec[3:].strip():
+            raise ModelError("'hf:' needs an architecture (hf:gpt2, hf:llama, hf:bert) or the path of "
+                             "a local model directory (hf:PATH).")
         return "hf", spec[3:]
     if ".py:" in spec:
         return "file", spec

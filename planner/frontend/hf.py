@@ -1,4 +1,6 @@
-"""HF transformers models from their config classes (no hub access, fresh initialization).
+"""HF transformers models: built-in config classes (``hf:gpt2|llama|bert``, fresh initialization)
+and local model directories (``hf:PATH``: a ``config.json`` that transformers can build, plus
+optional safetensors weights; never a download).
 
 Each architecture is wrapped so that ``forward(input_ids, labels)`` returns the mean token
 cross-entropy computed from the model's logits, exactly like the built-in GPT: the data loader
@@ -7,14 +9,20 @@ provides labels already aligned with the inputs, so no architecture shifts them 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from planner.frontend.bundle import ModelBundle
 from planner.frontend.errors import ModelError
 
-__all__ = ["build_hf", "HF_ARCHS", "HFLossModel"]
+__all__ = ["build_hf", "build_hf_dir", "dir_config", "hf_directory", "load_hf_config", "weight_files", "HF_ARCHS",
+           "HFLossModel"]
 
 HF_ARCHS = ("gpt2", "llama", "bert")
 
@@ -98,3 +106,193 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
     seq = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
     return ModelBundle(f"hf:{arch}", model, (), cfg.vocab_size, seq, hidden, heads, kv,
                        cfg.num_hidden_layers, "hf", dict(sizes))
+
+
+# --------------------------------------------------------------------------------------------
+# Local model directories (hf:PATH)
+
+#: Our size flag -> the generic config attribute (transformers' ``attribute_map`` covers GPT-2's
+#: ``n_layer``/``n_embd``/``n_head``/``n_positions``).
+_GENERIC = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
+                kv_heads="num_key_value_heads", ffn="intermediate_size", vocab="vocab_size",
+                seq_len="max_position_embeddings")
+
+
+def hf_directory(name: str) -> str | None:
+    """The directory of ``hf:NAME`` when NAME is a path, ``None`` for a built-in architecture.
+
+    A built-in name (``gpt2``, ``llama``, ``bert``) wins; write ``./llama`` for a folder of that name.
+    """
+    if name in HF_ARCHS:
+        return None
+    if not os.path.isdir(name):
+        raise ModelError(f"'hf:{name}' is neither a built-in HF architecture ("
+                         + ", ".join("hf:" + a for a in HF_ARCHS) + ") nor a directory. Give the path "
+                         "of a local model directory holding config.json (and optionally *.safetensors "
+                         "weights, e.g. written by save_pretrained); nothing is downloaded.")
+    return name
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it (empty: the directory has no weights).
+
+    Reads ``model.safetensors`` or the sharded index ``model.safetensors.index.json``; PyTorch
+    pickles (``pytorch_model.bin``) are refused with the fix.
+    """
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelError(f"cannot read {index} ({e}); it must hold the 'weight_map' save_pretrained "
+                             "writes.") from None
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {k: single for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ModelError(f"{single} is not a readable safetensors file ({e}); write it again with "
+                             "save_pretrained(..., safe_serialization=True).") from None
+    if any(n.endswith(".bin") for n in os.listdir(path)):
+        raise ModelError(f"{path} holds PyTorch .bin weights; only safetensors are read. Convert them: "
+                         "AutoModelForCausalLM.from_pretrained(PATH).save_pretrained(PATH, "
+                         "safe_serialization=True).")
+    return {}
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' warnings (e.g. about special-token ids) while loading a config."""
+    from transformers.utils import logging as tf_logging
+
+    level = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(level)
+
+
+def load_hf_config(path: str):
+    """The transformers config of a model directory, or a ``ModelError`` naming the file."""
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError("hf: models need the transformers package. Install the extra with "
+                         "`pip install -e '.[hf]'`.") from None
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelError(f"{cfg_path} does not exist: an hf:PATH model directory needs the config.json "
+                         "that save_pretrained writes (and optionally *.safetensors weights).")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"cannot read {cfg_path} ({e}); it must be a JSON object as save_pretrained "
+                         "writes it.") from None
+    try:
+        with _quiet_transformers():
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        what = (f"its model_type {model_type!r} is unknown to transformers {transformers.__version__}"
+                if model_type else "it has no model_type")
+        raise ModelError(f"cannot build a model from {cfg_path}: {what}. Use a config.json written by "
+                         "save_pretrained of an architecture this transformers version ships, or "
+                         f"upgrade transformers. ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+                         ) from None
+
+
+def _model_class(cfg):
+    """The class named by ``cfg.architectures`` (a causal LM if the config names none)."""
+    import transformers
+
+    for name in getattr(cfg, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+    except (KeyError, AttributeError):
+        raise ModelError(f"transformers has no causal-LM class for model_type {cfg.model_type!r} and the "
+                         "config.json names no known class in 'architectures'; add one (e.g. "
+                         "\"LlamaForCausalLM\").") from None
+
+
+def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
+    """The config of ``hf:PATH`` with the plan's overrides applied.
+
+    ``layers`` may shrink or grow the block count (the shallow trace, or a truncated model);
+    ``seq_len`` raises the position table when it is longer (refused when the directory holds
+    weights); the other size flags are refused with weights (the tensors fix them) and set the
+    generic config attributes otherwise. Every dropout probability is set to ``dropout`` (the
+    planner trains without dropout unless asked), and the KV cache is off.
+    """
+    cfg = load_hf_config(path)
+    cfg_file = os.path.join(path, "config.json")
+    for key, value in sizes.items():
+        attr = _GENERIC.get(key)
+        if attr is None:
+            raise ModelError(f"hf:{path} has no size {key!r}.")
+        current = getattr(cfg, attr, None)
+        if key == "layers":
+            setattr(cfg, attr, int(value))
+        elif key == "seq_len":
+            if current is None or value <= current:
+                continue
+            if weights:
+                raise ModelError(f"sequence length {value} exceeds the {current} positions of {cfg_file} "
+                                 "(max_position_embeddings), and its weights fix that size; lower "
+                                 "--seq-len to at most " + str(current) + ".")
+            setattr(cfg, attr, int(value))
+        elif current != value:
+            flag = "--" + key.replace("_", "-")
+            if weights:
+                raise ModelError(f"{flag} {value} differs from {cfg_file} ({attr} = {current}), whose "
+                                 f"weights fix that size; drop {flag}.")
+            if current is None:
+                raise ModelError(f"{cfg_file} has no {attr}, so {flag} cannot change it; drop {flag}.")
+            setattr(cfg, attr, int(value))
+            if key == "heads" and "kv_heads" not in sizes and hasattr(cfg, "num_key_value_heads"):
+                cfg.num_key_value_heads = int(value)
+    for attr, v in list(cfg.to_dict().items()):
+        if isinstance(v, float) and ("dropout" in attr or attr.endswith("pdrop")):
+            setattr(cfg, attr, dropout)
+    if getattr(cfg, "use_cache", None) is not None:
+        cfg.use_cache = False
+    for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        tid = getattr(cfg, tok, None)
+        if isinstance(tid, int) and tid >= cfg.vocab_size:
+            setattr(cfg, tok, cfg.vocab_size - 1)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_hf_dir(path: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0,
+                 weights: bool | None = None, context=None) -> ModelBundle:
+    """``hf:PATH``: the directory's architecture built from its config (fresh initialization; the
+    runtime loads the directory's weights, see ``planner.frontend.checkpoint``). ``context`` is an
+    optional context manager to build under (e.g. parameters on meta, buffers real)."""
+    has_weights = bool(weight_files(path)) if weights is None else weights
+    cfg = dir_config(path, sizes, weights=has_weights, dropout=dropout)
+    cls = _model_class(cfg)
+    try:
+        with _quiet_transformers(), (context or contextlib.nullcontext()), torch.device(device):
+            inner = cls(cfg)
+    except ModelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a config transformers accepts but cannot build from
+        raise ModelError(f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')}"
+                         f" ({type(e).__name__}: {str(e).splitlines()[0][:200]}).") from None
+    model = HFLossModel(inner).to(dtype)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)
+    seq = int(getattr(cfg, "max_position_embeddings", 0) or 0) or int(sizes.get("seq_len") or 2048)
+    return ModelBundle(f"hf:{path}", model, (), int(cfg.vocab_size), seq, int(getattr(cfg, "hidden_size", 0)),
+                       heads, kv, int(getattr(cfg, "num_hidden_layers", 0)), "hf", dict(sizes))

@@ -15,7 +15,7 @@ shape in the graph is a polynomial in two shape symbols; ``Traced.symbols`` maps
 dimension is recorded in ``Traced.fixed`` and the passes see numbers for it.
 
 Repeated blocks. Transformers are ``pre -> L identical blocks -> post``. For zoo models (``gpt``
-presets and ``hf:``) we export a copy rebuilt with 2 blocks (meta device: nothing is allocated),
+presets and ``hf:``, a model directory too: its config with ``num_hidden_layers`` set) we export a copy rebuilt with 2 blocks (meta device: nothing is allocated),
 check that the two traced blocks have identical signatures (op sequence, shapes, parameter
 shapes, wiring), and let the layer table replicate the block L times. Export cost then does not
 grow with depth (GPT-3 175B exports in the time of a 2-block model). The blocks are found
@@ -46,13 +46,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim, ExportedProgram
+from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 from torch.export.graph_signature import InputKind
 
 from passes.common import B, S
 from passes.layers import assign_layers, layer_signatures
 from planner.frontend.bundle import ModelBundle, parse_spec
+from planner.frontend.checkpoint import check_weights
 from planner.frontend.errors import ModelError
 from planner.frontend.gpt import PRESETS
+from planner.frontend.hf import hf_directory, load_hf_config
 from planner.frontend.zoo import build_model
 from runtime.dtypes import DTYPES, to_torch
 
@@ -232,6 +235,9 @@ def _full_layers(kind: str, name: str, sizes: dict) -> int:
         return int(sizes["layers"])
     if kind == "gpt":
         return PRESETS[name].layers
+    directory = hf_directory(name)
+    if directory is not None:  # a model directory: its config.json (the shallow copy sets this field)
+        return int(load_hf_config(directory).num_hidden_layers)
     import transformers
 
     cls_name, attr = _HF_CONFIGS[name]
@@ -288,10 +294,27 @@ def _symbol_map(gm: fx.GraphModule, roles: dict[str, str], b_ex: int, s_ex: int
     return symbols, fixed
 
 
+def _export_refined(model: nn.Module, inputs: tuple, dyn, what: str) -> ExportedProgram | None:
+    """Export with symbolic sizes, taking export's own suggested fixes once if the ranges were too
+    wide (a position table of 512 rows bounds ``s``); ``None`` when it still fails."""
+    for _ in range(2):
+        try:
+            return _export(model, inputs, dyn, what)
+        except ModelError as e:
+            msg = str(getattr(e.__cause__, "msg", "") or e.__cause__ or "")
+            if "Suggested fixes" not in msg:
+                return None
+            try:
+                dyn = refine_dynamic_shapes_from_suggested_fixes(msg, dyn)
+            except Exception:  # a suggestion torch cannot apply: fall back to a static trace
+                return None
+    return None
+
+
 def _dynamic_spec(inputs: tuple, b0: int, s0: int | None):
     """Mark dim 0 of every input of size b0 as ``b`` and dim 1 of size s0 as ``s``."""
     bd = Dim("b", min=2)
-    sd = Dim("s", min=2)
+    sd = Dim("s", min=3)  # a model that shifts its labels (x[:, 1:]) needs s >= 3 for a symbolic trace
     spec = []
     for t in inputs:
         d = {}
@@ -343,6 +366,8 @@ def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: 
         bundle = bundle0 or build_model(spec)
         return _trace_file(bundle, dt if (dtype is not None) else None, dynamic, t0)
 
+    if kind == "hf" and hf_directory(name) is not None:  # bad weights fail the plan, not the run
+        check_weights(name, {k: v for k, v in sizes.items() if k != "seq_len"})
     full_layers = bundle0.layers if bundle0 is not None else _full_layers(kind, name, sizes)
     n_trace = full_layers if (not shallow or full_layers <= SHALLOW_LAYERS) else SHALLOW_LAYERS
     bundle = _zoo_bundle(spec, sizes, n_trace, dt)
@@ -424,10 +449,7 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
     what = f"model {bundle.spec!r}"
     ep = None
     if dynamic:
-        try:
-            ep = _export(model, inputs, _dynamic_spec(inputs, b0, s0 if s0 != b0 else None), what)
-        except ModelError:
-            ep = None
+        ep = _export_refined(model, inputs, _dynamic_spec(inputs, b0, s0 if s0 != b0 else None), what)
     if ep is None:
         # Either dynamic shapes were refused or the model is untraceable: a static export of
         # the inputs as given tells which (and its error is the one the user needs to see).
@@ -464,8 +486,11 @@ def export_training_module(spec: str, sizes: dict, *, dtype: str, batch: int, se
     ``get_attr`` nodes named by their original FQN, with static shapes.
     """
     bundle = build_model(spec, device="meta", batch=batch, dtype=to_torch(dtype), **sizes)
-    if bundle.kind != "file":
-        bundle.example_inputs = bundle.make_inputs(batch, seq_len, device="meta")
+    bundle.example_inputs = bundle.make_inputs(batch, seq_len, device="meta")
+    if bundle.kind == "file":  # a factory builds in its own dtype: compile in the plan's, as the trace did
+        bundle.model = bundle.model.to(to_torch(dtype))
+        bundle.example_inputs = tuple(t.to(to_torch(dtype)) if t.is_floating_point() else t
+                                      for t in bundle.example_inputs)
     try:
         ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message

@@ -3,7 +3,8 @@
 Every builder returns a ``ModelBundle``: a module whose ``forward(input_ids, labels)`` returns the
 scalar training loss (so a traced graph ends in a scalar), plus the facts the planner needs
 (sizes, vocabulary, sequence length). Nothing downloads weights: HF models are built from their
-config classes with fresh initialization.
+config classes or a local directory's config.json with fresh initialization (``planner train``
+then loads a directory's safetensors weights, ``planner.frontend.checkpoint``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from planner.frontend.bundle import ModelBundle, parse_spec
 from planner.frontend.errors import ModelError
 from planner.frontend.factory import load_factory
 from planner.frontend.gpt import GPT, PRESETS
-from planner.frontend.hf import build_hf
+from planner.frontend.hf import build_hf, build_hf_dir, hf_directory
 
 __all__ = ["build_model"]
 
@@ -55,7 +56,11 @@ def build_model(
         b = ModelBundle(spec, model, (), cfg.vocab, cfg.seq_len, cfg.hidden, cfg.heads, cfg.heads,
                         cfg.layers, "gpt", sizes)
     elif kind == "hf":
-        b = build_hf(name, sizes, device=device, dtype=dtype, dropout=dropout)
+        directory = hf_directory(name)
+        if directory is None:
+            b = build_hf(name, sizes, device=device, dtype=dtype, dropout=dropout)
+        else:  # a local model directory: its config (the runtime loads its weights)
+            b = build_hf_dir(directory, sizes, device=device, dtype=dtype, dropout=dropout)
         b.spec = spec
     else:
         b = load_factory(spec, device=device)

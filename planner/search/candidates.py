@@ -23,7 +23,7 @@ from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericT
 from planner.search.errors import SearchError
 
 __all__ = [
-    "is_repeated", "divisors", "model_heads", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
+    "is_repeated", "divisors", "model_heads", "tp_structure", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
     "memory_lower_bound", "uniform_time_bound", "balanced_partition", "heuristic_strategy", "tied_summary",
 ]
 
@@ -93,24 +93,44 @@ def divisors(n: int) -> list[int]:
 
 
 def model_heads(nt: NumericTable) -> tuple[int | None, int | None]:
-    """``(heads, kv_heads)`` from the table's model facts (``None`` when unknown)."""
+    """``(heads, kv_heads)`` from the table's model facts (``None`` when unknown): stated by the
+    front end or read from the graph's attention (``passes.attention``)."""
     heads = nt.model.get("heads") or None
     kv = nt.model.get("kv_heads") or heads
     return heads, kv
 
 
-def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_nodes: bool) -> str | None:
-    """Why ``tp`` cannot be used (``None`` when it can)."""
+def tp_structure(tp: int, nt: NumericTable) -> str | None:
+    """Why the model's structure rules out ``tp`` > 1 (``None`` when it does not): the graph's
+    tensor-parallel analysis split nothing (the reason names the node), or ``tp`` does not divide
+    the heads, neither divides nor is a multiple of the key/value heads (a multiple replicates
+    each key/value head on ``tp / kv_heads`` ranks), or does not divide a column-parallel
+    matmul's output features (naming the first such node). Heads unknown (no attention core in
+    the graph) leave the split to the graph's matmul analysis."""
+    if tp == 1:
+        return None
+    blocked = nt.model.get("tp_blocked")
+    if blocked:
+        return f"tensor parallelism cannot split this model: {blocked}"
     heads, kv = model_heads(nt)
-    if gpus % tp:
-        return f"--tp {tp} does not divide --gpus {gpus}"
-    if tp > 1 and heads is None:
-        return ("the model's attention head count is unknown, so tensor parallelism cannot split it; "
-                "use --tp 1")
     if heads and heads % tp:
         return f"--tp {tp} does not divide the model's {heads} attention heads"
-    if kv and kv % tp:
-        return f"--tp {tp} does not divide the model's {kv} key/value heads"
+    if kv and kv % tp and tp % kv:
+        return (f"--tp {tp} neither divides the model's {kv} key/value heads nor is a multiple of "
+                "them")
+    for size, where in (nt.model.get("tp_divides") or {}).items():
+        if int(size) % tp:
+            return f"--tp {tp} does not divide the {size} output features of {where}"
+    return None
+
+
+def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_nodes: bool) -> str | None:
+    """Why ``tp`` cannot be used (``None`` when it can)."""
+    if gpus % tp:
+        return f"--tp {tp} does not divide --gpus {gpus}"
+    why = tp_structure(tp, nt)
+    if why:
+        return why
     if not across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
         return (f"--tp {tp} would split tensor-parallel groups across nodes of {gpus_per_node} devices "
                 f"(allow it with --tp-across-nodes, or use a --tp that divides {gpus_per_node})")
@@ -118,7 +138,8 @@ def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_no
 
 
 def tied_summary(nt: NumericTable) -> str:
-    """``weight (rows a-b), ...`` for the tied weights that forbid pipeline cuts."""
+    """``weight read by <row> and <row>, ...``: the tied weights, which pipeline stages hold one
+    copy of per stage that reads them (kept in sync by an all-reduce of their gradients)."""
     return ", ".join(f"{t['weight']} read by {nt.names[t['layers'][0]]} and {nt.names[t['layers'][1]]}"
                      for t in nt.tied)
 
@@ -139,12 +160,6 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
     if pp and pp > rows:
         raise SearchError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
                         f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}.")
-    if pp and pp > 1 and nt.tied:
-        raise SearchError(f"--pp {pp} would cut the model between layers that share a weight "
-                        f"({tied_summary(nt)}): every stage would need its own copy, kept in sync, "
-                        "which the runtime does not do. Use --pp 1, or untie the weights: plan a model file "
-                        "(--model path.py:factory) that builds the model untied (for Hugging Face "
-                        "models, tie_word_embeddings=False in the config).")
     if pp and pp > 1 and req.micro_batch and dp:
         m = req.global_batch // (dp * req.micro_batch)
         if m < pp:
@@ -171,7 +186,8 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
         if req.tp and tp != req.tp:
             continue
         if valid_tp(tp, nt, gpus, gpus_per_node, req.tp_across_nodes):
-            skip("tensor-parallel degree not allowed by the heads or the node size")
+            structural = tp_structure(tp, nt)  # the model's reason, naming its node, is kept
+            skip(structural or "tensor-parallel degree not allowed by the node size")
             continue
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -179,9 +195,6 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                 continue
             if pp > rows:
                 skip(f"more pipeline stages than the {rows} layer-table rows")
-                continue
-            if pp > 1 and nt.tied:
-                skip("pipeline stages would split tied weights")
                 continue
             if gb % dp:
                 skip("global batch not divisible by the data-parallel degree")

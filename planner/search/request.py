@@ -43,6 +43,9 @@ class PlanRequest:
     """Usable fraction of each device's memory."""
     tp_across_nodes: bool = False
     """Allow tensor-parallel groups that span nodes (slow; off by default)."""
+    inputs: dict = field(default_factory=dict)
+    """What training feeds a model input the graph does not explain: ``{name: role}``
+    (``--input NAME=ROLE``; see ``planner.frontend.inputs``)."""
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, int) and self.gpus_per_node < 0:

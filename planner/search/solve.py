@@ -29,6 +29,7 @@ from cost_models.strategy import (
     memory_bound,
     predicted_fields,
 )
+from planner.frontend.inputs import resolve_inputs
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
 from planner.search.alternatives import alternative_reason
 from planner.search.candidates import (
@@ -156,19 +157,22 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         hw = hw.with_gpus_per_node(gpn)
     nt = table if isinstance(table, NumericTable) else NumericTable(table)
     check_pins(request, nt, gpn)
+    inputs = resolve_inputs(nt.model.get("inputs"), request.inputs, request.spec)
     entries = candidate_entries(request, nt, hw, gpn, enumerate_candidates(request, nt, gpn))
     res = search(entries, nt.kinds, request.checkpoint, solver)
-    if nt.tied and request.gpus > 1:
-        res.notes.append(f"pipeline parallelism ruled out: the model ties weights across layers "
-                         f"({tied_summary(nt)}); untie them to allow pipeline stages")
+    if nt.tied and res.best is not None and res.best.strategy.candidate.pp > 1:
+        res.notes.append(f"tied weights ({tied_summary(nt)}): each stage that reads one holds a "
+                         "copy; their gradients are all-reduced over those stages after backward")
+    if nt.model.get("tp_blocked") and request.gpus > 1:
+        res.notes.append(f"planned without tensor parallelism: {nt.model['tp_blocked']}")
     if res.best is None:
         raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
-    plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0)
+    plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0, inputs)
     return Solution(plan=plan, evaluation=res.best, search=res)
 
 
 def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
-               seconds: float) -> Plan:
+               seconds: float, inputs: list[dict] | None = None) -> Plan:
     """Assemble plan.json's dataclass from the search's winner and runners-up."""
     ev = res.best
     c = ev.strategy.candidate
@@ -177,7 +181,7 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
              if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
     model = ModelInfo(spec=req.spec, params=int(nt.model.get("params") or nt.total_params()),
                       layers=len(nt.layers) - 2, flops_per_step=float(flops), sizes=sizes,
-                      layer_names=list(nt.names))
+                      layer_names=list(nt.names), inputs=list(inputs or []))
     alts = [Alternative(dp=a.strategy.candidate.dp, tp=a.strategy.candidate.tp, pp=a.strategy.candidate.pp,
                         zero_stage=a.strategy.candidate.zero_stage,
                         micro_batch_size=a.strategy.candidate.micro_batch_size,

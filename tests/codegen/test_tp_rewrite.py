@@ -68,8 +68,8 @@ def test_tp_not_dividing_heads_is_a_clear_error(tmp_path):
     with pytest.raises(TPRewriteError, match=r"tp=2 does not divide the model's 3 attention heads"):
         compile_plan(_plan("gpt", {"layers": 1, "hidden": 24, "heads": 3, "vocab": 32, "seq_len": 8}, tp=2),
                      str(tmp_path))
-    with pytest.raises(TPRewriteError, match=r"1 key/value heads"):
-        compile_plan(_plan("hf:llama", dict(LLAMA, kv_heads=1), tp=2), str(tmp_path))
+    with pytest.raises(TPRewriteError, match=r"neither divides the model's 3 key/value heads"):
+        compile_plan(_plan("hf:llama", dict(LLAMA, hidden=48, heads=6, kv_heads=3), tp=2), str(tmp_path))
 
 
 def test_tp_not_dividing_ffn_names_node_and_dims(tmp_path):

@@ -43,19 +43,17 @@ def test_plan_sizes_the_position_table_from_seq_len(tmp_path, capsys, model, seq
     assert main(["compile", str(out), "--out", str(tmp_path / "c")]) == 0
 
 
-def test_tied_weights_keep_one_pipeline_stage(tmp_path, capsys):
-    """GPT-2 reads its token embedding again as the LM head: no stage cut may separate them."""
+def test_tied_weights_plan_with_pipeline_stages(tmp_path, capsys):
+    """GPT-2 reads its token embedding again as the LM head: with --pp 2 each end holds a copy."""
     gpt2 = ["--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"]
     out = tmp_path / "p.json"
     base = ["plan", *gpt2, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu", "--global-batch", "4",
             "--seq-len", "16", "--dtype", "fp32", "--out", str(out)]
-    assert main(base) == 0
+    assert main([*base, "--pp", "2"]) == 0
     printed = capsys.readouterr().out
-    assert load_plan(str(out)).pp == 1 and "pipeline parallelism ruled out" in printed
-    assert main([*base, "--pp", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--pp 2 would cut the model between layers that share a weight" in err
-    assert "Use --pp 1, or untie" in err and "Traceback" not in err
+    plan = load_plan(str(out))
+    assert plan.pp == 2 and plan.stages[0][0] == 0 and plan.stages[-1][1] == plan.model.layers + 1
+    assert "tied weights" in printed and "ruled out" not in printed
 
 
 BAD = [

@@ -1,0 +1,169 @@
+"""Attention structure read from the graph: query heads, key/value heads and head size.
+
+Tensor parallelism splits attention by heads, so it must know how many there are; a model given
+as ``file.py:factory`` states none. This pass finds every attention core in an exported graph and
+reads the counts from its operands' shapes:
+
+* **SDPA** (``scaled_dot_product_attention`` and its kernel variants): ``q`` is ``[..., H, s, D]``
+  and ``k`` ``[..., K, s', D]``. With ``enable_gqa`` ``K`` is the key/value head count itself.
+  Otherwise a grouped-query model repeats its key/value heads before the call (HF's
+  ``repeat_kv``: ``k[:, :, None].expand(b, K, H/K, s, D).reshape(b, H, s, D)``); walking back
+  from ``k`` through views, copies and that ``expand`` gives ``K = H / repeats``.
+* **eager attention**, the matmul-softmax-matmul pattern: ``softmax(q @ k^T [* scale, + mask])``
+  (over the last dim) then ``@ v``, with ``q`` ``[b, H, s, D]`` read through the transpose,
+  scales, masks, casts and dropout between them; ``K`` as above from ``k^T``'s source.
+
+Writes ``node.meta["attention"]`` (an ``AttentionInfo``) on each attention core (the SDPA node,
+or the eager pattern's ``softmax``); needs only ``meta["val"]`` (export's fake tensors).
+``attention_facts`` summarizes them for the layer table's model facts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from passes.common import hint
+from passes.op_class import op_name
+
+__all__ = ["AttentionInfo", "annotate_attention", "attention_facts"]
+
+SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu"}
+_SOFTMAX = {"softmax", "_softmax", "_safe_softmax"}
+_ACT_MATMUL = {"matmul", "bmm"}
+_THROUGH = {"view", "_unsafe_view", "reshape", "unsqueeze", "clone", "contiguous", "_to_copy", "to",
+            "alias", "slice", "expand", "type_as", "detach", "lift_fresh_copy"}
+"""Ops that keep a key/value tensor's heads (walked back through to find ``repeat_kv``)."""
+_SCORES = {"mul", "div", "add", "sub", "masked_fill", "where", "_to_copy", "to", "type_as", "clone",
+           "dropout", "native_dropout", "getitem"}
+"""Ops between ``q @ k^T`` and the softmax or between the softmax and ``@ v``."""
+
+
+@dataclass(frozen=True)
+class AttentionInfo:
+    """One attention core of the graph."""
+
+    heads: int
+    """Query heads ``H``."""
+    kv_heads: int
+    """Key/value heads ``K`` (``H`` without grouped-query attention; ``H`` divides by it)."""
+    head_dim: int
+    """Size ``D`` of one head (not always hidden / H: Gemma)."""
+    pattern: str
+    """``sdpa`` or ``eager`` (matmul-softmax-matmul)."""
+
+
+def _shape(n) -> list[int]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return [hint(d) for d in v.shape] if isinstance(v, torch.Tensor) else []
+
+
+def _repeats(k: fx.Node) -> int:
+    """How many times ``k``'s heads were repeated before attention (1 if not): the expansion of
+    the ``expand`` met walking back through ``_THROUGH`` ops."""
+    n, seen = k, 0
+    while isinstance(n, fx.Node) and n.op == "call_function" and seen < 16:
+        name = op_name(n)
+        if name not in _THROUGH:
+            return 1
+        if name == "expand":
+            src, dst = _shape(n.args[0]), _shape(n)
+            src = [1] * (len(dst) - len(src)) + src
+            return math.prod(d for s, d in zip(src, dst) if s == 1 and d > 1)
+        n, seen = n.args[0], seen + 1
+    return 1
+
+
+def _kv_heads(k: fx.Node, heads: int, gqa: bool) -> int:
+    kh = _shape(k)[-3]
+    if gqa or kh != heads:
+        return kh
+    r = _repeats(k)
+    return heads // r if r > 1 and heads % r == 0 else heads
+
+
+def _back(n, allowed: set):
+    """Walk back from ``n`` through ``allowed`` ops (first tensor argument) to the first other node."""
+    seen = 0
+    while isinstance(n, fx.Node) and n.op == "call_function" and op_name(n) in allowed and seen < 16:
+        n, seen = next((a for a in n.args if isinstance(a, fx.Node)), None), seen + 1
+    return n
+
+
+def _forward(n: fx.Node, allowed: set):
+    """The first user of ``n`` (through ``allowed`` single-user ops) that is an activation matmul
+    reading it as its left operand."""
+    for _ in range(16):
+        mm = [u for u in n.users if op_name(u) in _ACT_MATMUL and u.args[0] is n]
+        if mm:
+            return mm[0]
+        nxt = [u for u in n.users if op_name(u) in allowed]
+        if len(nxt) != 1:
+            return None
+        n = nxt[0]
+    return None
+
+
+def _sdpa(n: fx.Node) -> AttentionInfo | None:
+    q, k = n.args[0], n.args[1]
+    sq, sk = _shape(q), _shape(k)
+    if len(sq) < 3 or len(sk) < 3:
+        return None
+    gqa = bool(n.kwargs.get("enable_gqa", False))
+    return AttentionInfo(sq[-3], _kv_heads(k, sq[-3], gqa), sq[-1], "sdpa")
+
+
+def _eager(n: fx.Node) -> AttentionInfo | None:
+    """``n`` is a softmax: is it the middle of ``softmax(q @ k^T ...) @ v`` over 4-d heads?"""
+    x = n.args[0]
+    nd = len(_shape(x))
+    if nd != 4 or int(n.args[1]) % nd != nd - 1:
+        return None
+    scores = _back(x, _SCORES)
+    if not (isinstance(scores, fx.Node) and op_name(scores) in _ACT_MATMUL) or _forward(n, _SCORES) is None:
+        return None
+    q, kt = scores.args[0], scores.args[1]
+    sq = _shape(q)
+    if len(sq) != 4 or len(_shape(kt)) != 4:
+        return None
+    k = kt.args[0] if op_name(kt) in ("transpose", "permute") else kt
+    return AttentionInfo(sq[1], _kv_heads(k, sq[1], False) if len(_shape(k)) == 4 else sq[1], sq[-1], "eager")
+
+
+def annotate_attention(gm: fx.GraphModule) -> fx.GraphModule:
+    """Write ``meta['attention']`` on every attention core of ``gm`` (see the module doc)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = op_name(n)
+        info = _sdpa(n) if name in SDPA else _eager(n) if name in _SOFTMAX else None
+        if info is not None:
+            n.meta["attention"] = info
+    return gm
+
+
+def attention_facts(gm: fx.GraphModule) -> dict:
+    """``{"heads", "kv_heads", "head_dim", "attention_nodes"}`` of the graph's attention cores
+    (annotating them first if needed); ``{}`` when it has none. When the cores disagree (a hybrid
+    model), ``heads`` and ``kv_heads`` are the greatest common divisors (what tp must divide),
+    ``head_dim`` the first core's, and ``mixed`` names the core that differs."""
+    found = [n for n in gm.graph.nodes if "attention" in n.meta]
+    if not found:
+        annotate_attention(gm)
+        found = [n for n in gm.graph.nodes if "attention" in n.meta]
+    if not found:
+        return {}
+    infos = [n.meta["attention"] for n in found]
+    first = infos[0]
+    out = {"heads": math.gcd(*[i.heads for i in infos]), "kv_heads": math.gcd(*[i.kv_heads for i in infos]),
+           "head_dim": first.head_dim, "attention_nodes": len(found)}
+    other = next((n for n, i in zip(found, infos)
+                  if (i.heads, i.kv_heads, i.head_dim) != (first.heads, first.kv_heads, first.head_dim)), None)
+    if other is not None:
+        out["mixed"] = other.name
+    return out
