@@ -14,19 +14,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from anywhere: the tests' fixtures and helpers
+    sys.path.insert(0, ROOT)
 
-from cost_models.hardware import load_hardware
-from planner.frontend.analyze import build_layer_table
-from planner.search.request import PlanRequest
-from planner.search.solve import solve
-from tests.e2e.test_train_matrix import EPS, run_case
-from tests.fixtures.hf_archs import ARCHS
-from tests.helpers import TESTS, reference_run
+import torch  # noqa: E402
+
+from cost_models.hardware import load_hardware  # noqa: E402
+from planner.frontend.analyze import build_layer_table  # noqa: E402
+from planner.search.request import PlanRequest  # noqa: E402
+from planner.search.solve import solve  # noqa: E402
+from tests.e2e.test_train_matrix import EPS, run_case  # noqa: E402
+from tests.fixtures.hf_archs import ARCHS  # noqa: E402
+from tests.helpers import TESTS, reference_run  # noqa: E402
 
 SPEC = str(Path(TESTS) / "fixtures" / "hf_archs.py")
 CASES = {"dp2-zero3": dict(dp=2, zero_stage=3), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2xpp2": dict(tp=2, pp=2)}
