@@ -375,7 +375,9 @@ class _StageSource:
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
         call = f"runtime.checkpoint(self.{attr}, {', '.join(args)})" if recompute else \
             f"self.{attr}({', '.join(args)})"
-        self.body_lines.append(f"{lhs} = {call}")
+        # a layer with no outputs (the empty head of a model whose loss is computed earlier) is
+        # still called, so that the stage runs every row of its range
+        self.body_lines.append(f"{lhs} = {call}" if outs else call)
 
     def _layer_class(self, li: int, lg: LayerGraph) -> str:
         """The name of the class that runs layer ``li`` (a new one unless an identical exists)."""

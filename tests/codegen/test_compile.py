@@ -108,3 +108,24 @@ def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
         for attr, p in m.named_parameters():
             torch.testing.assert_close(p.grad, grads[stage["params"][attr]["fqn"]].grad)
     assert "runtime.checkpoint(self.layer_1" in (tmp_path / "stage_0.py").read_text()
+
+
+def test_model_without_blocks_compiles_and_matches(tmp_path):
+    """The empty head row of a model with no blocks is called, not assigned (no broken source)."""
+    from planner.commands.plan import plan_from_request
+    from planner.search.request import PlanRequest
+
+    req = PlanRequest(spec=f"{USER_MODELS}:no_blocks", gpus=1, gpus_per_node=1, hardware="cpu", global_batch=2,
+                      seq_len=8, dtype="fp32")
+    plan = plan_from_request(req)[0].plan
+    assert plan.model.layers == 0
+    out = tmp_path / "c"
+    man = compile_plan(plan, str(out))
+    module = load_stage_module(str(out), man["stages"][0])
+    from tests.fixtures.user_models import NoBlocks
+
+    torch.manual_seed(0)
+    model = NoBlocks()
+    load_weights(module, man["stages"][0], dict(model.named_parameters()))
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(module(ids, labels), model(ids, labels))
