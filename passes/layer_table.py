@@ -171,6 +171,12 @@ class LayerTable:
             row = []
             for f in EXPR_FIELDS:
                 e = getattr(lay, f)
+                stray = sympy.sympify(e).free_symbols - {self.b, self.s}
+                if stray:  # a size the trace could not name (e.g. data-dependent), not b or s
+                    raise PassError("", None, (
+                        f"Layer {lay.name!r}: its {f} depends on a size the trace could not relate to the batch or "
+                        f"the sequence ({', '.join(sorted(map(str, stray)))}), so the planner cannot price it. "
+                        "Make the model's shapes follow its inputs' sizes (no sizes read from tensor values)."))
                 row.append(uniq.setdefault(e, len(uniq)))
             index.append(row)
         exprs = list(uniq)

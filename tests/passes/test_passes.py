@@ -347,3 +347,12 @@ def test_reshape_dim_mapping(shape, data):
         merged = shape[:d] + [shape[d] * shape[d + 1]] + shape[d + 2:]
         assert reshape_dim(shape, merged, d) == d
         assert reshape_dim(shape, merged, d + 1) is None
+
+
+def test_a_size_the_trace_could_not_name_is_a_clear_error():
+    from tests.helpers import _row
+
+    stray = sympy.Symbol("u0", positive=True, integer=True)
+    table = LayerTable(layers=[_row(0, "pre", "pre", saved_bytes=4 * B * stray), _row(1, "post", "post")])
+    with pytest.raises(PassError, match=r"Layer 'pre': its saved_bytes depends on a size .* \(u0\)"):
+        table.numeric(2, 8)
