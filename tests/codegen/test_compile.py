@@ -36,6 +36,16 @@ def _compile_file_model(tmp_path, factory):
     return plan, out, man
 
 
+def _assert_single_stage_matches(out, man, model_cls):
+    """The one compiled stage, loaded with a fresh ``model_cls``'s weights, gives its loss."""
+    module = load_stage_module(str(out), man["stages"][0])
+    torch.manual_seed(0)
+    model = model_cls()
+    load_weights(module, man["stages"][0], dict(model.named_parameters()))
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(module(ids, labels), model(ids, labels))
+
+
 def test_hostile_module_names_are_refused_before_any_code_is_generated(tmp_path):
     from planner.errors import UserError
 
@@ -57,14 +67,9 @@ def test_awkward_names_compile_to_safe_identifiers(tmp_path):
     for n in ast.walk(tree):
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
             check_ident(n.attr)
-    module = load_stage_module(str(out), man["stages"][0])
     from tests.fixtures.user_models import Awkward
 
-    torch.manual_seed(0)
-    model = Awkward()
-    load_weights(module, man["stages"][0], dict(model.named_parameters()))
-    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
-    torch.testing.assert_close(module(ids, labels), model(ids, labels))
+    _assert_single_stage_matches(out, man, Awkward)
 
 
 def test_tampered_stage_file_is_refused(tmp_path):
@@ -121,11 +126,6 @@ def test_model_without_blocks_compiles_and_matches(tmp_path):
     assert plan.model.layers == 0
     out = tmp_path / "c"
     man = compile_plan(plan, str(out))
-    module = load_stage_module(str(out), man["stages"][0])
     from tests.fixtures.user_models import NoBlocks
 
-    torch.manual_seed(0)
-    model = NoBlocks()
-    load_weights(module, man["stages"][0], dict(model.named_parameters()))
-    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
-    torch.testing.assert_close(module(ids, labels), model(ids, labels))
+    _assert_single_stage_matches(out, man, NoBlocks)
