@@ -21,10 +21,11 @@ from runtime.data import INPUT_ROLES
 from runtime.dtypes import DTYPES
 
 __all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative", "PlanError",
-           "load_plan", "save_plan", "SCHEMA_VERSION", "MEMORY_KEYS", "TIME_KEYS", "TIME_LABELS", "plan_hash"]
+           "load_plan", "save_plan", "SCHEMA_VERSION", "MEMORY_KEYS", "TIME_KEYS", "COST_KEYS", "TIME_LABELS", "plan_hash"]
 
 SCHEMA_VERSION = 1
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
+COST_KEYS = ("tokens", "days", "gpu_hours", "money", "by_part")
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer")
 TIME_LABELS = {
     "compute": "compute (forward + backward)",
@@ -144,6 +145,11 @@ class Predicted:
     """Bytes by kind: params, grads, optimizer, activations, total."""
     time: dict
     """Seconds by part: compute, recompute, tp_comm, pp_bubble, dp_comm, optimizer."""
+    cost: dict | None = None
+    """What the whole training run costs (``plan --tokens N``; absent otherwise): ``tokens``,
+    ``days``, ``gpu_hours``, ``money`` (``None`` without ``--price-per-gpu-hour``) and ``by_part``
+    (the money, or the GPU-hours without a price, of each ``time`` part); see
+    ``cost_models.run_cost``."""
 
     def __post_init__(self):
         for k in ("step_time_s", "tflops_per_device", "mfu", "comm_bytes_per_device", "bubble_fraction"):
@@ -158,9 +164,28 @@ class Predicted:
                 _fail(f"predicted.{name}", f"is missing {missing}.")
             for k, v in d.items():
                 _check_num(f"predicted.{name}.{k}", v)
+        if self.cost is not None:
+            _check_run_cost(self.cost)
         if self.memory["total"] != self.peak_memory_bytes:
             _fail("predicted.memory.total", f"({self.memory['total']}) must equal "
                   f"predicted.peak_memory_bytes ({self.peak_memory_bytes}).")
+
+
+def _check_run_cost(cost: Any) -> None:
+    if not isinstance(cost, dict):
+        _fail("predicted.cost", "must be an object.")
+    missing = [k for k in COST_KEYS if k not in cost]
+    if missing:
+        _fail("predicted.cost", f"is missing {missing}.")
+    for k in ("tokens", "days", "gpu_hours"):
+        _check_num(f"predicted.cost.{k}", cost[k])
+    if cost["money"] is not None:
+        _check_num("predicted.cost.money", cost["money"])
+    parts = cost["by_part"]
+    if not isinstance(parts, dict) or [k for k in TIME_KEYS if k not in parts]:
+        _fail("predicted.cost.by_part", f"must be an object with the keys of predicted.time {list(TIME_KEYS)}.")
+    for k, v in parts.items():
+        _check_num(f"predicted.cost.by_part.{k}", v)
 
 
 @dataclass
@@ -229,6 +254,10 @@ class Plan:
     predicted: Predicted
     solver: SolverInfo
     alternatives: list = field(default_factory=list)
+    measured: dict | None = None
+    """What ``planner tune`` measured running this plan (absent from other plans):
+    ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
+    ``trials``, one object per candidate tune ran (its degrees, what it measured or why it failed)."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -273,6 +302,13 @@ class Plan:
                 _fail("checkpoint_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
             _fail("checkpoint_layers", "has duplicates.")
+        if self.measured is not None:
+            if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(self.measured):
+                _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
+            _check_num("measured.step_time_s", self.measured["step_time_s"])
+            _check_int("measured.peak_memory_bytes", self.measured["peak_memory_bytes"], 0)
+            if not isinstance(self.measured["trials"], list):
+                _fail("measured.trials", "must be a list.")
         if self.pp > 1 and self.num_micro_batches < self.pp:
             _fail("num_micro_batches", f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
                   "pipeline; use more micro-batches or fewer stages.")
@@ -283,7 +319,12 @@ class Plan:
         order = ["schema_version", "model", "hardware", "global_batch", "seq_len", "dtype", "dp",
                  "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
                  "checkpoint_layers", "predicted", "solver", "alternatives"]
-        return {k: d[k] for k in order}
+        out = {k: d[k] for k in order}
+        if out["predicted"].get("cost") is None:
+            out["predicted"].pop("cost", None)
+        if self.measured is not None:
+            out["measured"] = d["measured"]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from cost_models.comm import axis_placement
 from cost_models.hardware import HardwareProfile, ProfileError
+from cost_models.run_cost import scale_cost
 from planner.plan import TIME_LABELS
 from planner.search.solve import Solution
 from planner.units import compress_ranges, format_bytes, format_count, format_rate, format_seconds
@@ -51,6 +52,29 @@ def _peak(hw: HardwareProfile | None, dtype: str) -> float | None:
         return hw.peak(dtype) if hw is not None else None
     except ProfileError:  # a profile without this dtype's peak
         return None
+
+
+def _money_or_hours(cost: dict) -> str:
+    return f"{cost['money']:,.0f}" if cost.get("money") is not None else f"{cost['gpu_hours']:,.0f} GPU-h"
+
+
+def _render_cost(plan, cost: dict, console: Console) -> None:
+    """The run's length and bill (``predicted.cost``), and which part of the step it pays for."""
+    priced = cost.get("money") is not None
+    ct = Table(title=f"Cost of the run ({format_count(cost['tokens'])} tokens)", title_justify="left")
+    ct.add_column("part")
+    ct.add_column("money" if priced else "GPU-hours", justify="right")
+    ct.add_column("share", justify="right")
+    total = cost["money"] if priced else cost["gpu_hours"]
+    for k, label in TIME_LABELS.items():
+        v = cost["by_part"].get(k, 0.0)
+        ct.add_row(label, f"{v:,.0f}" if priced else f"{v:,.1f}", f"{v / total:.1%}" if total else "-")
+    steps = cost.get("steps")
+    ct.add_row("[bold]run[/bold]", f"[bold]{total:,.0f}[/bold]", "100.0%")
+    ct.add_row("steps", f"{steps:,}" if steps is not None else "-", "")
+    ct.add_row("days", f"{cost['days']:,.2f}", f"on {plan.hardware.gpus} devices")
+    ct.add_row("GPU-hours", f"{cost['gpu_hours']:,.0f}", "")
+    console.print(ct)
 
 
 def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None, solution: Solution | None = None) -> None:
@@ -128,13 +152,22 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     tt.add_row("bytes sent / device / step", format_bytes(pred.comm_bytes_per_device), "")
     console.print(tt)
 
+    cost = pred.cost
+    if cost is not None:
+        _render_cost(plan, cost, console)
+
     if plan.alternatives:
         at = Table(title="Runners-up (why each lost)", title_justify="left")
-        for col in ("dp", "tp", "pp", "ZeRO", "micro-batch", "step", "reason"):
+        cols = ["dp", "tp", "pp", "ZeRO", "micro-batch", "step"] + (["run cost"] if cost else []) + ["reason"]
+        for col in cols:
             at.add_column(col)
         for a in plan.alternatives:
-            at.add_row(str(a.dp), str(a.tp), str(a.pp), str(a.zero_stage), str(a.micro_batch_size),
-                       format_seconds(a.step_time_s), a.reason)
+            row = [str(a.dp), str(a.tp), str(a.pp), str(a.zero_stage), str(a.micro_batch_size),
+                   format_seconds(a.step_time_s)]
+            if cost:
+                alt = scale_cost(cost, a.step_time_s, pred.step_time_s)
+                row.append(_money_or_hours(alt))
+            at.add_row(*row, a.reason)
         console.print(at)
 
     line = (f"solver {plan.solver.name}: {plan.solver.status}, {plan.solver.candidates} candidates "

@@ -1,0 +1,61 @@
+"""What a whole training run costs: days, GPU-hours and money, split by where the time goes.
+
+A plan predicts one optimizer step: ``step_time_s`` seconds on ``gpus`` devices, split into the
+parts of ``predicted.time`` (compute, recompute, TP all-reduces, pipeline bubble, DP/ZeRO
+traffic, optimizer; more parts as the time model grows). A run that trains on ``tokens`` tokens
+takes ``steps = ceil(tokens / (global_batch * seq_len))`` such steps, because an optimizer step
+consumes whole global batches. Then::
+
+    seconds   = steps * step_time_s
+    days      = seconds / 86400
+    gpu_hours = seconds / 3600 * gpus          (every device is held for the whole run)
+    money     = gpu_hours * price_per_gpu_hour (None without a price)
+
+``by_part[k]`` is the share of the bill that part ``k`` of the step accounts for: the money when a
+price is given, else the GPU-hours, ``(money or gpu_hours) * time[k] / step_time_s``. The parts of
+``predicted.time`` sum to the step time, so ``by_part`` sums to the total. A part is billed for
+every device because a device waiting on a pipeline bubble or an all-reduce is paid for all the
+same: that is why the bubble is worth buying down.
+
+Pure functions of numbers; nothing here reads a profile or a model.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["run_cost", "scale_cost", "SECONDS_PER_DAY"]
+
+SECONDS_PER_DAY = 86400.0
+
+
+def run_cost(tokens: float, tokens_per_step: int, step_time_s: float, time: dict, gpus: int,
+             price_per_gpu_hour: float | None = None) -> dict:
+    """plan.json's ``predicted.cost`` for a run of ``tokens`` tokens (see the module docstring).
+
+    ``time`` is ``predicted.time`` (seconds by part); the result carries ``steps`` beside the
+    contract's ``tokens, days, gpu_hours, money, by_part``.
+    """
+    if not tokens > 0 or not math.isfinite(tokens):
+        raise ValueError(f"tokens must be a positive number, got {tokens!r}")
+    if tokens_per_step < 1 or gpus < 1:
+        raise ValueError(f"tokens_per_step and gpus must be positive, got {tokens_per_step}, {gpus}")
+    if price_per_gpu_hour is not None and not price_per_gpu_hour > 0:
+        raise ValueError(f"price_per_gpu_hour must be positive, got {price_per_gpu_hour!r}")
+    steps = math.ceil(tokens / tokens_per_step)
+    seconds = steps * step_time_s
+    gpu_hours = seconds / 3600.0 * gpus
+    money = gpu_hours * price_per_gpu_hour if price_per_gpu_hour is not None else None
+    billed = money if money is not None else gpu_hours
+    by_part = {k: (billed * v / step_time_s if step_time_s > 0 else 0.0) for k, v in time.items()}
+    return {"tokens": float(tokens), "steps": int(steps), "days": seconds / SECONDS_PER_DAY,
+            "gpu_hours": gpu_hours, "money": money, "by_part": by_part}
+
+
+def scale_cost(cost: dict, step_time_s: float, best_step_time_s: float) -> dict:
+    """The cost of a runner-up of the same cluster and batch: the same steps on the same devices,
+    each ``step_time_s`` long instead of ``best_step_time_s`` (its parts are not known here, so
+    ``by_part`` is left out)."""
+    r = step_time_s / best_step_time_s if best_step_time_s > 0 else 0.0
+    return {"tokens": cost["tokens"], "steps": cost.get("steps"), "days": cost["days"] * r,
+            "gpu_hours": cost["gpu_hours"] * r, "money": cost["money"] * r if cost["money"] is not None else None}
