@@ -9,7 +9,15 @@ are counted with the project's ring convention (see ``ring_bytes``):
 - point-to-point send: ``size`` (a receive sends nothing)
 
 ``size`` is in bytes. A group of one rank sends nothing and the call is skipped entirely.
-Async calls return a ``Work`` handle (``None`` for a skipped call); ``wait(work)`` accepts both.
+Async calls return a ``Pending`` handle (``None`` for a skipped call); ``wait(work)`` accepts both.
+
+Every blocking call and every ``wait`` is timed twice: in ``STATS.wait_s`` (all communication
+the step did not hide) and, for the step's time breakdown, in the part of ``runtime.timing`` its
+process group belongs to (``timing.part_of``: tensor-parallel groups count in ``tp_comm``,
+data-parallel and tied-weight groups in ``dp_comm``, the pipeline group in ``pp_bubble``). An
+asynchronous launch enters no part: it does not block, and on a GPU entering a part synchronizes
+the device, which would undo the overlap the launch is for. A handle remembers its group's part,
+so its ``wait`` counts there.
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from runtime import timing
+
 __all__ = [
     "CommStats",
+    "Pending",
     "STATS",
     "ring_bytes",
     "group_size",
@@ -100,19 +111,42 @@ def _describe_group(group) -> str:
     return f"ranks {ranks}"
 
 
-def _guard(kind: str, size: int, group, fn):
-    """Run one collective; turn a backend failure into a message naming it and its peers."""
-    t0 = time.perf_counter()
-    try:
-        return fn()
-    except RuntimeError as e:
-        me = dist.get_rank() if dist.is_initialized() else 0
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CollectiveError(
-            f"rank {me}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
-            f"stopped answering within the timeout ({first})") from None
-    finally:
-        STATS.wait_s += time.perf_counter() - t0
+class Pending:
+    """An asynchronous collective in flight: torch's ``Work`` and the part of the step's time
+    breakdown that waiting for it counts in (``runtime.timing``)."""
+
+    __slots__ = ("work", "part")
+
+    def __init__(self, work, part: str | None):
+        self.work = work
+        self.part = part
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        """``runtime.comm.wait(self)``: timed and reported like every wait."""
+        wait(self)
+
+
+def _guard(kind: str, size: int, group, fn, blocking: bool = True, part: str | None = None):
+    """Run one collective; turn a backend failure into a message naming it and its peers.
+
+    A ``blocking`` call's time counts in the breakdown part of ``group`` (or ``part``, when
+    given); an asynchronous launch returns a ``Pending`` handle that remembers that part."""
+    part = part or timing.part_of(group)
+    with timing.part(part if blocking else None):
+        t0 = time.perf_counter()
+        try:
+            return fn() if blocking else Pending(fn(), part)
+        except RuntimeError as e:
+            me = dist.get_rank() if dist.is_initialized() else 0
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CollectiveError(
+                f"rank {me}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
+                f"stopped answering within the timeout ({first})") from None
+        finally:
+            STATS.wait_s += time.perf_counter() - t0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -136,7 +170,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
         return None
     STATS.add("all_reduce", _nbytes(tensor), n)
     return _guard("all_reduce", _nbytes(tensor), group,
-                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), not async_op)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
@@ -148,7 +182,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
         return None
     STATS.add("all_gather", _nbytes(output), n)
     return _guard("all_gather", _nbytes(output), group,
-                  lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op))
+                  lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op), not async_op)
 
 
 def reduce_scatter_into(
@@ -162,7 +196,7 @@ def reduce_scatter_into(
         return None
     STATS.add("reduce_scatter", _nbytes(full), n)
     return _guard("reduce_scatter", _nbytes(full), group,
-                  lambda: _REDUCE_SCATTER(shard, full, op=op, group=group, async_op=async_op))
+                  lambda: _REDUCE_SCATTER(shard, full, op=op, group=group, async_op=async_op), not async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -171,7 +205,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
         return None
     STATS.add("broadcast", _nbytes(tensor), n)
     return _guard("broadcast", _nbytes(tensor), group,
-                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), not async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
@@ -184,17 +218,22 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     _guard(f"receive from rank {src}", _nbytes(tensor), group, lambda: dist.recv(tensor, src=src, group=group))
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None):
+def isend(tensor: torch.Tensor, dst: int, group=None) -> Pending:
     STATS.add("send", _nbytes(tensor), 2)
-    return dist.isend(tensor, dst=dst, group=group)
+    return Pending(dist.isend(tensor, dst=dst, group=group), timing.part_of(group))
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None):
+def irecv(tensor: torch.Tensor, src: int, group=None) -> Pending:
     STATS.add("recv", _nbytes(tensor), 2)
-    return dist.irecv(tensor, src=src, group=group)
+    return Pending(dist.irecv(tensor, src=src, group=group), timing.part_of(group))
 
 
 def wait(work) -> None:
-    """Wait for an async handle; ``None`` (a skipped collective) is a no-op."""
-    if work is not None:
+    """Wait for an async handle (a ``Pending``, or torch's own ``Work``, whose wait counts in no
+    part of its own); ``None`` (a skipped collective) is a no-op."""
+    if work is None:
+        return
+    if isinstance(work, Pending):
+        _guard("asynchronous collective", 0, None, work.work.wait, part=work.part)
+    else:
         _guard("asynchronous collective", 0, None, work.wait)

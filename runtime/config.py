@@ -84,6 +84,12 @@ class TrainOptions:
     """Total optimizer steps of the run (a resumed run continues up to this number)."""
     metrics_path: str | None = field(default=None, metadata=_flag("--metrics", metavar="FILE.jsonl"))
     """Rank 0 appends one JSON object per step here."""
+    tensorboard_dir: str | None = field(default=None, metadata=_flag(
+        "--tensorboard", metavar="DIR",
+        help="also write loss, tokens/s, step time, peak memory and the time breakdown as TensorBoard "
+             "scalars here (needs: pip install tensorboard)"))
+    """Rank 0 writes each step's metrics as TensorBoard scalars in this folder; None: no TensorBoard.
+    Needs the optional ``tensorboard`` package."""
     data_path: str | None = field(default=None, metadata=_flag(
         "--data", metavar="PATH",
         help="token file (uint16 .bin/.u16, uint32 .u32, .npy) or UTF-8 text; default synthetic tokens"))

@@ -12,6 +12,10 @@ compiled stage code can ask ``get_mesh().tp_group`` without threading groups thr
 Every axis gets a real process group, a size-1 group included (``runtime.comm`` skips collectives
 over one rank), because ``None`` means "the whole world" to torch.distributed. Only without a
 process group (a single process) is every group ``None``, and then the world is one rank too.
+
+``setup_mesh`` also tells ``runtime.timing`` what each of this rank's groups is for (tp, dp, pp,
+tied), so that the time blocked in a collective lands in the right part of the step's measured
+breakdown (``tp_comm``, ``dp_comm``, ``pp_bubble``; a tied weight's all-reduce is ``dp_comm``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from runtime import dist as _dist
+from runtime import timing
 
 __all__ = ["Mesh", "setup_mesh", "get_mesh", "set_mesh", "coords_of", "rank_of"]
 
@@ -148,6 +153,11 @@ def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] =
         tied_groups=tied,
     )
     assert coords_of(rank, dp, tp) == mine
+    timing.forget_groups()
+    for axis in ("pp", "dp", "tp"):
+        timing.register_group(groups[axis][0], axis)
+    for g in tied.values():
+        timing.register_group(g, "tied")
     return set_mesh(mesh)
 
 

@@ -15,7 +15,9 @@ get their gradient sent back.
 Semantics (the ones :func:`runtime.schedule.simulate` models): ``SEND_*`` posts ``isend`` and
 moves on; ``RECV_*`` posts ``irecv`` for every tensor of the message and waits. Outstanding sends
 are waited for after the last action. All traffic goes through :mod:`runtime.comm` and is counted
-(a send counts its bytes, a receive nothing).
+(a send counts its bytes, a receive nothing); the time blocked waiting for a neighbour is the
+``pp_bubble`` part of the step's measured breakdown (:mod:`runtime.timing`), as the pipeline group
+is registered for it.
 
 Math. With ``m`` micro-batches and per-micro-batch losses ``l_i`` the step's loss is
 ``L = (1/m) sum_i l_i``. The last stage backpropagates ``loss_scale * l_i / m``; every other stage

@@ -11,12 +11,15 @@ newest checkpoint when asked, the step probes of ``runtime.profiling``), then fo
    action list (``runtime.schedule``/``runtime.pipeline``; with one stage that is forward,
    backward per micro-batch) accumulating gradients; lets the ZeRO engine reduce gradients over
    dp, clip by the global norm and step AdamW with the learning rate of the warmup + cosine
-   schedule (``lr_at``) -- timed, under the memory tracker and profiler that apply;
+   schedule (``lr_at``) -- timed, and split into the parts of ``runtime.timing`` (compute,
+   recompute, tp_comm, pp_bubble, dp_comm, optimizer), under the memory tracker and profiler
+   that apply;
 3. ``aggregate_metrics``: ``loss`` is the mean over the dp ranks (so over the global batch),
    ``peak_memory_bytes``, ``comm_bytes``, the step time and the collective wait time the max
-   over all ranks;
+   over all ranks; ``time``, the breakdown of the slowest rank (so that it sums to the step time);
 4. ``write_metrics``: rank 0 appends one metrics line (``step, loss, step_time_s, tokens_per_s,
-   peak_memory_bytes, comm_bytes, lr`` and ``loss_scale`` in fp16) and calls ``on_metrics``;
+   peak_memory_bytes, comm_bytes, lr, time`` and ``loss_scale`` in fp16) and calls ``on_metrics``;
+   with ``TrainOptions.tensorboard_dir`` it also writes them as TensorBoard scalars;
 5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
    bit-identical resume needs (``runtime.checkpoint_io``).
 """
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from runtime import checkpoint_io, comm
+from runtime import checkpoint_io, comm, timing
 from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
 from runtime.config import TrainOptions
 from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data, rank_slice
@@ -46,7 +48,8 @@ from runtime.tied import isolate_tied, tied_params, tied_stage_sets
 from runtime.zero import StepInfo, ZeroEngine
 
 __all__ = ["Run", "StepHook", "StepMetrics", "StepResult", "aggregate_metrics", "lr_at", "maybe_checkpoint",
-           "resume", "run_step", "schedule_of", "setup", "train_worker", "write_metrics"]
+           "open_tensorboard", "resume", "run_step", "schedule_of", "setup", "train_worker", "write_metrics",
+           "write_tensorboard"]
 
 StepHook = Callable[[int, int], None]
 """``on_step_start(rank, step)``: called on every rank before each step (``step`` counts from 0,
@@ -83,6 +86,9 @@ class StepMetrics:
     grad_norm: float | None = None
     comm_wait_s: float = 0.0
     """Seconds the slowest rank spent blocked in collectives this step (unhidden communication)."""
+    time: dict[str, float] | None = None
+    """Seconds of the step by part (``runtime.timing.PARTS``, the keys of plan.json's
+    ``predicted.time``), measured on the rank with the longest step: they sum to ``step_time_s``."""
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -90,6 +96,8 @@ class StepMetrics:
             d.pop("loss_scale")
         if d["grad_norm"] is None:
             d.pop("grad_norm")
+        if d["time"] is None:
+            d.pop("time")
         return json.dumps(d)
 
 
@@ -122,6 +130,8 @@ class Run:
     """Steps already done when this run started (``resume``)."""
     probes: StepProbes
     """Peak-memory tracking and profiling around each step."""
+    tensorboard: Any = None
+    """Rank 0's ``SummaryWriter`` when ``opts.tensorboard_dir`` is set (``open_tensorboard``)."""
 
     @property
     def plan(self) -> dict:
@@ -139,6 +149,8 @@ class StepResult:
     comm_bytes: float
     comm_wait_s: float
     peak_bytes: int
+    parts: dict[str, float]
+    """``seconds`` split over ``runtime.timing.PARTS``."""
 
 
 def _recv_meta(stage: dict) -> list[TensorMeta]:
@@ -167,6 +179,9 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     torch.manual_seed(opts.seed)
     module = load_stage_module(compiled_dir, stage, dev)
     load_weights(module, stage, state_fn(), mesh.tp_index, tp)
+    timing.time_recomputation(module)
+    # On a GPU, part boundaries wait for the device (runtime.timing explains the cost).
+    timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
     replicated = {attr for attr, e in stage["params"].items() if not e.get("shard")}
     tied = tied_params(stage)  # weights held by several stages: summed over their tied group
     engine = ZeroEngine(
@@ -195,9 +210,23 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, man, mesh)
     probes = StepProbes(rank, dev, opts.track_memory, opts.memory_steps, resident=engine.tracked_tensors())
+    tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
     return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
                pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
-               stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, input_specs=input_specs, start_step=start_step, probes=probes)
+               stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, input_specs=input_specs,
+               start_step=start_step, probes=probes, tensorboard=tensorboard)
+
+
+def open_tensorboard(directory: str):
+    """A TensorBoard ``SummaryWriter`` on ``directory``. tensorboard is an optional package,
+    imported only when a run asks for it (``planner train`` checks it is installed before any
+    process starts)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError("TrainOptions.tensorboard_dir needs the tensorboard package: "
+                          "pip install tensorboard (or the project's `tensorboard` extra)") from None
+    return SummaryWriter(log_dir=directory)
 
 
 def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> int:
@@ -222,57 +251,83 @@ def micro_batches(run: Run, step: int) -> list[tuple[torch.Tensor, ...]]:
 
 def run_step(run: Run, step: int) -> StepResult:
     """Forward and backward of every micro-batch, then the optimizer step; timed from after the
-    data is on the device to the end of the device's work, with this step's probes around it."""
+    data is on the device to the end of the device's work, with this step's probes around it.
+
+    ``runtime.timing.TIMER`` splits the time: the optimizer step (and ``zero_grad``) is the part
+    ``optimizer``; collectives and recomputed layers enter their own parts from ``runtime.comm``
+    and the stage's forward hooks; the rest is ``compute``."""
     micro = micro_batches(run, step)
     lr = lr_at(step, run.opts)
     index = step - run.start_step
     comm.STATS.reset()
-    t0 = time.perf_counter()
-    with run.probes.around(index, step):
-        loss = run.pstage.run(run.actions, micro, loss_scale=run.engine.loss_scale)
-        info = run.engine.step(lr=lr)
-        run.engine.zero_grad()
-    if run.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    timing.TIMER.start()
+    try:
+        with run.probes.around(index, step):
+            loss = run.pstage.run(run.actions, micro, loss_scale=run.engine.loss_scale)
+            with timing.part("optimizer"):
+                info = run.engine.step(lr=lr)
+                run.engine.zero_grad()
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        seconds, parts = timing.TIMER.stop()
     sent = comm.STATS.total
     peak = run.probes.peak_after(index, step)
     return StepResult(loss=loss, info=info, lr=lr, seconds=seconds, comm_bytes=sent,
-                      comm_wait_s=comm.STATS.wait_s, peak_bytes=peak)
+                      comm_wait_s=comm.STATS.wait_s, peak_bytes=peak, parts=parts)
 
 
 def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
     """The step's metrics over all ranks: the loss is the mean over dp ranks; peak memory, bytes
-    sent, step time and collective wait time the max over all ranks."""
+    sent, step time and collective wait time the max over all ranks; the time breakdown that of
+    the rank with the longest step, which is the step time reported (each rank fills its row of a
+    table of every rank's time and parts, which one sum all-reduce gives to all)."""
     plan, dev = run.plan, run.device
     agg = torch.tensor([r.loss, 0.0, 0.0], dtype=torch.float64, device=dev)
-    mx = torch.tensor([float(r.peak_bytes), r.comm_bytes, r.seconds, r.comm_wait_s], dtype=torch.float64,
-                      device=dev)
+    mx = torch.tensor([float(r.peak_bytes), r.comm_bytes, r.comm_wait_s], dtype=torch.float64, device=dev)
+    times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=dev)
+    times[run.rank] = torch.tensor([r.seconds] + [r.parts[k] for k in timing.PARTS], dtype=torch.float64)
     if dist.is_initialized() and run.world > 1:
         if run.mesh.dp_group is not None:
             dist.all_reduce(agg, group=run.mesh.dp_group)
             agg /= plan["dp"]
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    step_time = float(mx[2])
+        dist.all_reduce(times)
+    slowest = times[int(torch.argmax(times[:, 0]))].tolist()
+    step_time = slowest[0]
     tokens = plan["global_batch"] * plan["seq_len"]
     return StepMetrics(
         step=step + 1, loss=float(agg[0]), step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
         peak_memory_bytes=int(mx[0]), comm_bytes=float(mx[1]), lr=r.lr,
         loss_scale=r.info.loss_scale if plan["dtype"] == "fp16" else None,
-        grad_norm=r.info.grad_norm, comm_wait_s=float(mx[3]),
+        grad_norm=r.info.grad_norm, comm_wait_s=float(mx[2]),
+        time=dict(zip(timing.PARTS, slowest[1:])),
     )
 
 
 def write_metrics(run: Run, met: StepMetrics, on_metrics: Callable[[StepMetrics], None] | None) -> None:
-    """On rank 0: append ``met`` to ``opts.metrics_path`` (if set) and pass it to ``on_metrics``."""
+    """On rank 0: append ``met`` to ``opts.metrics_path`` (if set), write it to TensorBoard (if
+    asked) and pass it to ``on_metrics``."""
     if run.rank != 0:
         return
     if run.opts.metrics_path:
         with open(run.opts.metrics_path, "a", encoding="utf-8") as f:
             f.write(met.to_json() + "\n")
+    if run.tensorboard is not None:
+        write_tensorboard(run.tensorboard, met)
     if on_metrics is not None:
         on_metrics(met)
+
+
+def write_tensorboard(writer, met: StepMetrics) -> None:
+    """One step's scalars: ``train/`` loss, tokens/s, step time, peak memory; ``time/<part>``
+    the breakdown."""
+    scalars = {"train/loss": met.loss, "train/tokens_per_s": met.tokens_per_s, "train/step_time_s": met.step_time_s,
+               "train/peak_memory_bytes": met.peak_memory_bytes}
+    scalars.update({f"time/{k}": v for k, v in (met.time or {}).items()})
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, met.step)
 
 
 def maybe_checkpoint(run: Run, step: int) -> None:
@@ -297,12 +352,16 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     """
     run = setup(rank, world, compiled_dir, opts, state_fn)
     history: list[StepMetrics] = []
-    for step in range(run.start_step, opts.steps):
-        if on_step_start is not None:
-            on_step_start(rank, step)
-        result = run_step(run, step)
-        met = aggregate_metrics(run, step, result)
-        history.append(met)
-        write_metrics(run, met, on_metrics)
-        maybe_checkpoint(run, step)
+    try:
+        for step in range(run.start_step, opts.steps):
+            if on_step_start is not None:
+                on_step_start(rank, step)
+            result = run_step(run, step)
+            met = aggregate_metrics(run, step, result)
+            history.append(met)
+            write_metrics(run, met, on_metrics)
+            maybe_checkpoint(run, step)
+    finally:
+        if run.tensorboard is not None:
+            run.tensorboard.close()
     return history

@@ -12,16 +12,25 @@ The training flags are the fields of ``runtime.config.TrainOptions`` that carry 
 command line (``planner validate`` calls it with its own options); its ``on_step_start`` hook
 (``runtime.trainer.StepHook``) runs on every rank before every step, the extension point the
 fault-injection tests use (``tests/e2e/fault_hooks.py``).
+
+At the end rank 0 prints where the step time went: each part of plan.json's ``predicted.time``
+beside the median measured over the steps after the first two (``runtime.timing`` measures them;
+the metrics lines hold every step's). ``--tensorboard DIR`` needs the optional tensorboard
+package, checked before any process starts.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from planner.commands.compile import compile_plan
 from planner.errors import UserError
@@ -29,7 +38,8 @@ from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import check_weights, directory_state
 from planner.frontend.hf import hf_directory
 from planner.frontend.zoo import build_model
-from planner.plan import Plan, load_plan
+from planner.plan import TIME_KEYS, Plan, load_plan
+from planner.units import format_seconds
 from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
 from runtime.compiled import read_manifest
 from runtime.config import ConfigError, TrainOptions, cli_flags
@@ -37,7 +47,11 @@ from runtime.data import LEGACY_INPUTS, TokenFile, data_vocab
 from runtime.dist import LaunchError, free_port, init_distributed, launch_local, shutdown
 from runtime.trainer import StepHook, StepMetrics, schedule_of, train_worker
 
-__all__ = ["run_train", "train_plan", "original_state", "compile_for_training", "train_options_from_args"]
+__all__ = ["run_train", "train_plan", "original_state", "compile_for_training", "train_options_from_args",
+           "WARMUP_STEPS", "median_breakdown", "breakdown_table"]
+
+#: Steps left out of the measured medians (first-touch allocations, lazy initialization).
+WARMUP_STEPS = 2
 
 
 def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> Mapping[str, torch.Tensor]:
@@ -77,9 +91,45 @@ def train_options_from_args(args) -> TrainOptions:
         raise UserError(str(e)) from None
 
 
+def median_breakdown(times: Sequence[Mapping[str, float]]) -> tuple[dict[str, float], int]:
+    """The median seconds of each part over the steps after the first ``WARMUP_STEPS`` (over all
+    of them when there are no more), and how many steps that was. ``times`` are the metrics
+    lines' ``time`` objects, in step order."""
+    rows = list(times[WARMUP_STEPS:]) or list(times)
+    keys = list(rows[0]) if rows else []
+    return {k: statistics.median(float(r[k]) for r in rows) for k in keys}, len(rows)
+
+
+def breakdown_table(predicted: Mapping[str, float], measured: Mapping[str, float], title: str,
+                    caption: str | None = None) -> Table:
+    """Part (the ``time`` key: ``planner.plan.TIME_LABELS`` says what each is), predicted,
+    measured, measured / predicted: one row per ``predicted.time`` key (and any part only
+    measured), then their sums."""
+    t = Table(title=title, caption=caption)
+    for col, just in (("part", "left"), ("predicted", "right"), ("measured", "right"),
+                      ("measured/predicted", "right")):
+        t.add_column(col, justify=just)
+    keys = list(TIME_KEYS) + [k for k in list(predicted) + list(measured) if k not in TIME_KEYS]
+    for k in dict.fromkeys(keys):
+        pv, mv = predicted.get(k), measured.get(k)
+        t.add_row(k, _seconds(pv), _seconds(mv), _ratio(pv, mv))
+    pv, mv = sum(predicted.values()), sum(measured.values())
+    t.add_row("step (sum)", _seconds(pv), _seconds(mv), _ratio(pv, mv), style="bold")
+    return t
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else format_seconds(v)
+
+
+def _ratio(predicted: float | None, measured: float | None) -> str:
+    return f"{measured / predicted:.2f}" if predicted and measured is not None else "-"
+
+
 def _worker(rank: int, world: int, compiled: str, opts: TrainOptions, spec: str, sizes: dict, seq_len: int,
-            on_step_start: StepHook | None) -> None:
-    """One rank: train, with a progress bar and a summary on rank 0 when ``opts.progress``."""
+            on_step_start: StepHook | None, predicted_time: dict[str, float] | None = None) -> None:
+    """One rank: train, with a progress bar and a summary on rank 0 when ``opts.progress``: the
+    last loss, mean throughput, peak memory and the time breakdown beside ``predicted_time``."""
     show = rank == 0 and opts.progress
     reporter = _Reporter(opts.steps) if show else None
     try:
@@ -91,10 +141,17 @@ def _worker(rank: int, world: int, compiled: str, opts: TrainOptions, spec: str,
             reporter.close()
     if show and hist:
         last = hist[-1]
+        peak = (f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device" if opts.track_memory
+                else "memory not tracked (--no-memory-tracking)")
         print(f"done: {len(hist)} steps, final loss {last.loss:.4f}, "
-              f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, "
-              f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device", flush=True)
-
+              f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, {peak}", flush=True)
+        measured, n = median_breakdown([h.time for h in hist if h.time is not None])
+        if measured:
+            caption = f"measured: median of the {'last ' if len(hist) > WARMUP_STEPS else ''}{n} steps"
+            if opts.track_memory and opts.memory_steps is None:
+                caption += (", under live-tensor tracking, which slows every operator "
+                            "(--no-memory-tracking times the run as it is)")
+            Console().print(breakdown_table(predicted_time or {}, measured, "step time by part", caption))
 
 class _Reporter:
     """A rich progress bar with step, loss, tokens/s and memory (rank 0)."""
@@ -108,8 +165,8 @@ class _Reporter:
         self.tty = sys.stdout.isatty()
 
     def update(self, m: StepMetrics) -> None:
-        info = (f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  "
-                f"mem {m.peak_memory_bytes / 2**20:.1f} MiB  lr {m.lr:.2e}")
+        mem = f"mem {m.peak_memory_bytes / 2**20:.1f} MiB  " if m.peak_memory_bytes else ""
+        info = f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {mem}lr {m.lr:.2e}"
         self.progress.update(self.task, completed=m.step, info=info)
         if not self.tty:
             print(f"step {m.step}: {info}", flush=True)
@@ -166,6 +223,11 @@ def run_train(args, *, on_step_start: StepHook | None = None) -> int:
                       on_step_start=on_step_start)
 
 
+def _tensorboard_installed() -> bool:
+    """Whether ``--tensorboard`` can work: the optional tensorboard package is importable."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | None = None,
                compiled: str | None = None, on_step_start: StepHook | None = None) -> int:
     """Compile ``plan`` (read from ``plan_path``) into ``compiled`` and train it with ``opts`` on
@@ -182,13 +244,17 @@ def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | N
     kind, name = parse_spec(plan.model.spec)
     if kind == "hf" and hf_directory(name) is not None:  # bad weights: exit 2 before any process starts
         check_weights(name, dict(plan.model.sizes))
+    if opts.tensorboard_dir and not _tensorboard_installed():
+        raise UserError("--tensorboard needs the tensorboard package, which is not installed: "
+                        "pip install tensorboard (or pip install 'planner[tensorboard]').")
     compiled = compile_for_training(plan, plan_path, compiled)
     if opts.data_path is not None:  # fail fast, before any process starts
         TokenFile(opts.data_path, plan.seq_len,
                   vocab=data_vocab(plan.model.inputs or LEGACY_INPUTS, read_manifest(compiled)["model"]["vocab"]))
     if opts.metrics_path and not opts.resume and os.path.exists(opts.metrics_path):
         os.remove(opts.metrics_path)
-    worker_args = (compiled, opts, plan.model.spec, dict(plan.model.sizes), plan.seq_len, on_step_start)
+    worker_args = (compiled, opts, plan.model.spec, dict(plan.model.sizes), plan.seq_len, on_step_start,
+                   dict(plan.predicted.time))
     if nproc is not None:
         if nproc != world:
             raise UserError(f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "

@@ -3,6 +3,9 @@
 Measured step time and bytes are medians over the steps after the first two (warm-up). Memory is
 measured (live tensor bytes, max over ranks) only during those two warm-up steps, because the
 tracker slows every operation down; the timed steps run untracked.
+
+The time breakdown (``time``: plan.json's ``predicted.time`` beside the measured parts of the
+metrics lines, each part's median over the same steps) says which part of the prediction is off.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from planner.commands.train import train_plan
+from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdown, train_plan
 from planner.errors import UserError
 from planner.plan import load_plan
 from runtime.config import TrainOptions
@@ -26,12 +29,10 @@ __all__ = ["run_validate", "compare"]
 KEYS = ("step_time_s", "peak_memory_bytes", "comm_bytes_per_device")
 
 
-#: Steps ``planner validate`` runs before it starts timing.
-WARMUP_STEPS = 2
-
-
 def compare(plan, metrics: list[dict]) -> dict:
-    """The ``validate --json`` object from a plan and its metrics lines."""
+    """The ``validate --json`` object from a plan and its metrics lines: ``predicted`` and
+    ``measured`` step time, peak memory and bytes; the timed steps' times; the median collective
+    wait; ``time``, the predicted and measured (median) seconds of each part of the step."""
     rows = metrics[WARMUP_STEPS:]
     if not rows:
         raise UserError(f"validate needs a measured step after the {WARMUP_STEPS} warm-up steps; "
@@ -44,9 +45,11 @@ def compare(plan, metrics: list[dict]) -> dict:
     p = plan.predicted
     predicted = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
                  "comm_bytes_per_device": p.comm_bytes_per_device}
+    parts, _ = median_breakdown([r["time"] for r in metrics if "time" in r])
     return {"predicted": predicted, "measured": measured,
             "step_times_s": [float(r["step_time_s"]) for r in rows],
-            "comm_wait_s": statistics.median(float(r.get("comm_wait_s", 0.0)) for r in rows)}
+            "comm_wait_s": statistics.median(float(r.get("comm_wait_s", 0.0)) for r in rows),
+            "time": {"predicted": dict(p.time), "measured": parts}}
 
 
 def run_validate(args) -> int:
@@ -82,5 +85,8 @@ def run_validate(args) -> int:
         pv, mv = result["predicted"][k], result["measured"][k]
         ratio = f"{mv / pv:.2f}" if pv else "-"
         t.add_row(k, fmt[k](pv), fmt[k](mv), ratio)
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    console.print(breakdown_table(result["time"]["predicted"], result["time"]["measured"], "step time by part",
+                                  f"measured: median after {WARMUP_STEPS} warm-up steps"))
     return 0

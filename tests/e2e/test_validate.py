@@ -43,12 +43,23 @@ def _validate(plan, capsys):
 def test_validate_json_bytes_and_memory(validated, capsys):
     res = _validate(validated, capsys)
     keys = {"step_time_s", "peak_memory_bytes", "comm_bytes_per_device"}
-    assert set(res) == {"predicted", "measured", "step_times_s", "comm_wait_s"}
+    assert set(res) == {"predicted", "measured", "step_times_s", "comm_wait_s", "time"}
     assert len(res["step_times_s"]) == 1 and res["step_times_s"][0] == res["measured"]["step_time_s"]
     assert 0 < res["comm_wait_s"] < res["measured"]["step_time_s"]
     for side in ("predicted", "measured"):
         assert set(res[side]) == keys
         assert all(isinstance(v, (int, float)) and v > 0 for v in res[side].values()), res
+
+    # The time breakdown: every part predicted and measured; with one timed step the measured parts
+    # are that step's, which sum to its time. A dp run waits for gradient reductions and steps.
+    from planner.plan import TIME_KEYS
+
+    predicted_t, measured_t = res["time"]["predicted"], res["time"]["measured"]
+    assert list(predicted_t) == list(TIME_KEYS) and list(measured_t) == list(TIME_KEYS)
+    assert all(v >= 0 for v in measured_t.values()), measured_t
+    assert sum(measured_t.values()) == pytest.approx(res["measured"]["step_time_s"], rel=0.02), res
+    assert measured_t["dp_comm"] > 0 and measured_t["optimizer"] > 0 and measured_t["compute"] > 0, measured_t
+    assert measured_t["pp_bubble"] == measured_t["tp_comm"] == measured_t["recompute"] == 0, measured_t
 
     # Bytes: exact. ZeRO-0 all-reduces every fp32 gradient once per step over dp 2, plus the
     # 16-byte gradient-norm all-reduce.
