@@ -16,7 +16,9 @@ from planner.commands.calibrate import CalibrationError, run_calibrate
 from planner.commands.compile import run_compile
 from planner.commands.export import run_export
 from planner.commands.plan import run_plan
+from planner.commands.sweep import run_sweep
 from planner.commands.train import run_train
+from planner.commands.tune import run_tune
 from planner.commands.validate import run_validate
 from planner.errors import UserError
 from planner.frontend.errors import ModelError
@@ -59,6 +61,38 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _gpu_counts(s: str) -> list[int]:
+    """``--gpus``: one device count, or a comma-separated list of them (a sweep)."""
+    parts = [x.strip() for x in s.split(",")]
+    out = []
+    for x in parts:
+        if not x.isdigit() or int(x) < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer or a comma-separated list of them "
+                                             f"(64,128,256), got {s!r}")
+        out.append(int(x))
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"lists a device count twice: {s!r}")
+    return out
+
+
+_TOKEN_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _token_count(s: str) -> float:
+    """``--tokens``: a positive count, in plain or scientific notation or with a K/M/B/T suffix."""
+    t = s.strip().replace("_", "").replace(",", "")
+    scale = _TOKEN_SUFFIXES.get(t[-1:].lower(), 1.0) if t else 1.0
+    if scale != 1.0:
+        t = t[:-1]
+    try:
+        v = float(t) * scale
+    except ValueError:
+        v = float("nan")
+    if not (v >= 1 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a token count such as 300e9, 300B or 2T, got {s!r}")
+    return v
+
+
 #: The argparse type of each kind of settings flag (``runtime.config.CliFlag.kind``; ``switch``
 #: flags take no value).
 _FLAG_TYPES = {"str": None, "float": float, "positive_float": _positive_float, "positive_int": _positive_int,
@@ -89,16 +123,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=_positive_int, default=None, help=help_)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="planner", description="Plan, compile and run parallel training "
-                                 "strategies for PyTorch models.")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    p = sub.add_parser("plan", help="choose DP/TP/PP degrees, ZeRO stage, micro-batching and "
-                       "checkpointing for a cluster")
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """The planning request's flags (model, cluster, batch, pins), shared by ``plan`` and ``tune``."""
     _add_model_args(p)
-    p.add_argument("--gpus", type=_positive_int, required=True, help="devices in the cluster")
+    p.add_argument("--gpus", type=_gpu_counts, required=True, metavar="N[,N...]",
+                   help="devices in the cluster; a comma-separated list (64,128,256) plans each size and "
+                        "compares them")
     p.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node "
                    "(default: the hardware profile's)")
     p.add_argument("--hardware", required=True, metavar="KIND|profile.json",
@@ -119,9 +149,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=None, metavar="NAME=ROLE",
                    help="what training feeds a model input the planner cannot infer (repeatable): "
                         "tokens, labels, targets, ones, zeros or positions")
-    p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
-    p.add_argument("--json", action="store_true", help="print only the plan JSON on stdout")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the schedule and memory")
+    p.add_argument("--tokens", type=_token_count, default=None, metavar="N",
+                   help="tokens the whole run trains on (300e9, 2T, 500B): adds its days, GPU-hours and "
+                        "cost to the plan")
+    p.add_argument("--price-per-gpu-hour", type=_positive_float, default=None, metavar="X",
+                   help="what one device costs per hour (any currency): the cost in money, with --tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="planner", description="Plan, compile and run parallel training "
+                                 "strategies for PyTorch models.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("plan", help="choose DP/TP/PP degrees, ZeRO stage, micro-batching and "
+                       "checkpointing for a cluster")
+    _add_request_args(p)
+    p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json; a sweep "
+                   "writes one per size, plan-64gpus.json ...)")
+    p.add_argument("--json", action="store_true", help="print only the plan JSON on stdout (a sweep: a list)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw the schedule and memory (a sweep: time and cost against the device count)")
 
     p = sub.add_parser("compile", help="lower a plan into per-stage Python modules")
     p.add_argument("plan")
@@ -153,6 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_nonneg_int, default=default_of("seed"))
     p.add_argument("--timeout", type=_positive_float, default=default_of("timeout_s"))
 
+    p = sub.add_parser("tune", help="plan, run the best candidates here and keep the fastest that fits")
+    _add_request_args(p)
+    p.add_argument("--candidates", type=_positive_int, default=3, metavar="K",
+                   help="how many of the search's best strategies to run (default 3)")
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="steps per candidate, the first 2 warm-up (default 5)")
+    p.add_argument("--timeout", type=_positive_float, default=default_of("timeout_s"), metavar="SECONDS",
+                   help="a candidate still running after this long (or a collective waiting this long) "
+                        "is stopped and recorded as timed out")
+    p.add_argument("--profile-out", default=None, metavar="profile.json",
+                   help="write the hardware profile refit from the measured candidates")
+    p.add_argument("--out", default="plan.json", help="where to write the chosen plan (default plan.json)")
+    p.add_argument("--json", action="store_true", help="print only the chosen plan's JSON on stdout")
+
     p = sub.add_parser("export", help="export a plan or checkpoint to another format")
     esub = p.add_subparsers(dest="format", metavar="FORMAT")
     esub.required = True
@@ -170,8 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-_COMMANDS = {"plan": run_plan, "compile": run_compile, "train": run_train, "calibrate": run_calibrate,
-             "validate": run_validate, "export": run_export}
+def _plan(args) -> int:
+    """``planner plan``: one cluster size, or a sweep over several (``--gpus 64,128,256``)."""
+    return run_sweep(args) if len(args.gpus) > 1 else run_plan(args)
+
+
+_COMMANDS = {"plan": _plan, "compile": run_compile, "train": run_train, "calibrate": run_calibrate,
+             "validate": run_validate, "export": run_export, "tune": run_tune}
 
 #: Every layer's bad-input error, by name: each becomes one paragraph on stderr and exit status 2.
 #: (A checkpoint that fails while training is a failed run, exit 1, not bad input.)

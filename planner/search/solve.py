@@ -197,3 +197,32 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
                           candidates=res.enumerated),
         alternatives=alts)
     return plan
+
+
+def candidate_plans(req, table, hw: HardwareProfile, solution: Solution, k: int) -> list[Plan]:
+    """One :class:`Plan` for each of the ``k`` best strategies ``solution``'s search kept: its own
+    plan first, then its runners-up in the order ``plan`` lists them (the best of each other
+    degree triple, then other ZeRO stages and micro-batch sizes). Fewer when the search kept fewer.
+
+    ``req``, ``table`` and ``hw`` are what :func:`solve` was given. A runner-up's plan is the one
+    :func:`build_plan` writes for it as the winner; its ``alternatives`` are the kept strategies
+    predicted slower than it (``planner tune`` runs these plans and keeps the fastest measured).
+    """
+    gpn = req.gpus_per_node or hw.gpus_per_node
+    if hw.gpus_per_node != gpn:
+        hw = hw.with_gpus_per_node(gpn)
+    nt = table if isinstance(table, NumericTable) else NumericTable(table)
+    kept = [solution.search.best] + solution.search.alternatives(max(0, len(solution.search.ranked)
+                                                                      + len(solution.search.extra)))
+    solver = solution.plan.solver.name.removeprefix("pulp-")
+    plans = [solution.plan]
+    for i, ev in enumerate(kept[1:k], start=1):
+        slower = sorted((e for j, e in enumerate(kept) if j != i and e.step_time_s >= ev.step_time_s),
+                        key=lambda e: (e.step_time_s, e.memory["total"], e.strategy.candidate))
+        res = dataclasses.replace(solution.search, ranked=[ev] + slower, extra=[])
+        plans.append(build_plan(req, nt, hw, gpn, res, solver, solution.plan.solver.seconds,
+                                solution.plan.model.inputs))
+    return plans[:max(k, 1)]
+
+
+__all__ += ["candidate_plans"]

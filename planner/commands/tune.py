@@ -1,0 +1,619 @@
+"""``planner tune``: plan, then run the best K candidates here and keep the fastest that fits.
+
+The request is ``planner plan``'s. The search's own plan and its runners-up (in the order ``plan``
+lists them; ``planner.search.solve.candidate_plans``) are trained one after the other for
+``--steps`` steps each, on ``--gpus`` local processes or, under torchrun, on torchrun's ranks
+(every rank runs tune; rank 0 reads the metrics and writes the results). Each trial is measured
+as ``planner validate`` measures a plan: the median step time after the warm-up steps
+(``validate.WARMUP_STEPS``), the peak of live tensor bytes (max over ranks) tracked in the warm-up
+steps, and, when the metrics carry it, the median seconds of each part of the step (``time``).
+
+A trial ends in one of four states (``TRIAL_STATUSES``):
+
+- ``ok``: every step ran and the measured peak fits;
+- ``crashed``: a rank failed or was lost (the reason is the launcher's: the first rank to fail);
+- ``timeout``: the trial did not finish within ``--timeout`` seconds (a local trial is stopped by
+  a watchdog that kills its processes; every collective also gives up after that long, which is
+  what ends a trial under torchrun), or a collective gave up;
+- ``out of memory``: the device reported it (CUDA's out-of-memory error), or the measured peak is
+  above the memory the plan had to fit in, ``memory_bytes x --memory-headroom`` of the hardware
+  profile (the rest of the device is the allocator's fragmentation and the runtime's own state,
+  which the live-tensor peak does not count).
+
+A failed trial is recorded and the next one runs: tune never waits on a dead trial longer than
+its timeout and never stops at one. (Under torchrun that holds for a rank that raises; a rank
+process that dies makes torchrun's agent stop the whole job, as it does for ``train``.) The
+fastest ``ok`` trial becomes plan.json (written once, at the end, atomically) with a ``measured``
+section: its step time and peak, and every trial (``Trial.to_json``). When no trial is ``ok`` the
+command prints the table and one error naming each failure, writes nothing and exits 1.
+
+The measured trials also refit the hardware profile (``refit_profile``: the compute efficiency
+and per-operator cost, the links' speed and the cost of a blocking collective, from measured
+against predicted times); ``--profile-out`` writes it, and re-planning with it predicts the
+trials' step times more closely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch.distributed.distributed_c10d as c10d
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from cost_models.hardware import HardwareProfile, load_hardware
+from cost_models.strategy import NumericTable, candidate_costs, evaluate
+from planner.commands.plan import check_cost_flags, layer_table_for, plan_from_request, request_from_args, with_cost
+from planner.commands.train import train_plan
+from planner.commands.validate import WARMUP_STEPS, compare
+from planner.errors import UserError
+from planner.plan import Plan, save_plan
+from planner.search.solve import candidate_plans
+from planner.units import format_bytes, format_seconds
+from runtime.config import TrainOptions
+from runtime.trainer import StepHook
+
+__all__ = ["run_tune", "Trial", "TRIAL_STATUSES", "trial_status", "Refit", "refit_profile", "scaled_profile",
+           "fit_bounded", "TrialHook", "COMPUTE_PARTS", "LINK_PARTS"]
+
+#: What became of a trial (see the module docstring).
+TRIAL_STATUSES = ("ok", "crashed", "timeout", "out of memory")
+
+#: The hook a test gives ``run_tune``: trial number (1 = the plan's own choice) -> the step hook
+#: its ranks run before every step (``runtime.trainer.StepHook``), or None.
+TrialHook = Callable[[int], "StepHook | None"]
+
+
+@dataclass
+class Trial:
+    """One candidate plan run here, and what became of it."""
+
+    index: int
+    """1 for the plan's own choice, then its runners-up in ``plan``'s order."""
+    plan: Plan
+    status: str = "crashed"
+    """One of ``TRIAL_STATUSES``."""
+    error: str | None = None
+    """Why it failed (None when ``ok``)."""
+    step_time_s: float | None = None
+    """Median step time after the warm-up steps; None when it did not finish."""
+    peak_memory_bytes: int | None = None
+    """Peak live tensor bytes, max over ranks (tracked in the warm-up steps)."""
+    time: dict | None = None
+    """Median measured seconds of each part of the step, when the metrics carry them."""
+    wall_s: float = 0.0
+    """Seconds the whole trial took (compile, start, every step)."""
+
+    @property
+    def measured(self) -> bool:
+        """Every step ran (``ok``, or over the memory limit): its times are measurements."""
+        return self.step_time_s is not None
+
+    def to_json(self, chosen: bool = False) -> dict:
+        """The trial as one entry of plan.json's ``measured.trials``."""
+        p = self.plan
+        return {"candidate": self.index, "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
+                "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
+                "checkpoint_layers": list(p.checkpoint_layers),
+                "predicted_step_time_s": p.predicted.step_time_s,
+                "predicted_peak_memory_bytes": p.predicted.peak_memory_bytes,
+                "status": self.status, "error": self.error, "step_time_s": self.step_time_s,
+                "peak_memory_bytes": self.peak_memory_bytes, "time": self.time,
+                "wall_s": round(self.wall_s, 3), "chosen": chosen}
+
+
+def trial_status(finished: bool, error: str | None, timed_out: bool, peak_bytes: int | None,
+                 capacity: float) -> str:
+    """What became of a trial (one of ``TRIAL_STATUSES``): ``finished`` is whether every step ran,
+    ``error`` the failure's message, ``timed_out`` whether the watchdog stopped it, ``capacity``
+    the bytes per device the plan had to fit in."""
+    text = (error or "").lower()
+    if timed_out or "timed out" in text or "timeout" in text:
+        return "timeout"
+    if "out of memory" in text or "outofmemoryerror" in text:
+        return "out of memory"
+    if not finished:
+        return "crashed"
+    if peak_bytes is not None and peak_bytes > capacity:
+        return "out of memory"
+    return "ok"
+
+
+# --------------------------------------------------------------------------------------------
+# Refitting the profile
+
+
+@dataclass
+class Refit:
+    """A profile refit from measured trials, and how well each profile predicts them."""
+
+    profile: HardwareProfile
+    """The refit profile (same name and node size as the original; ``_write_profile`` renames it)."""
+    flops_scale: float
+    """Measured FLOP time / predicted: the achievable FLOP/s is divided by it."""
+    op_overhead_s: float
+    """The fitted seconds per operator call."""
+    link_scale: float | None
+    """Measured link time / predicted (latencies times it, bandwidths divided by it); None when
+    the metrics did not say how long communication took, or no trial communicated."""
+    sync_overhead_s: float
+    """The fitted cost of a blocking collective beyond its alpha-beta time (the profile's when
+    the trials do not determine it)."""
+    before: list[float]
+    """Each measured trial's predicted step time with the original profile."""
+    after: list[float]
+    """The same with the refit profile."""
+    measured: list[float]
+    """The trials' measured step times."""
+    notes: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+        """Mean relative error of step-time predictions, ``|p - m| / m``."""
+        return sum(abs(p - m) / m for p, m in zip(predicted, measured)) / max(len(measured), 1)
+
+    @property
+    def error_before(self) -> float:
+        return self.error(self.before, self.measured)
+
+    @property
+    def error_after(self) -> float:
+        return self.error(self.after, self.measured)
+
+
+def scaled_profile(hw: HardwareProfile, flops: float = 1.0, op_overhead_s: float | None = None,
+                   links: float = 1.0, sync_overhead_s: float | None = None) -> HardwareProfile:
+    """``hw`` with every FLOP taking ``flops`` times as long, every link ``links`` times as slow
+    (latencies times it, bandwidths divided by it, per-collective links too), and
+    ``op_overhead_s`` per operator call and ``sync_overhead_s`` per blocking collective (each
+    unchanged when None).
+
+    The FLOP rate is ``peak x compute_efficiency``: the efficiency becomes ``e / flops``; one
+    above 1 (the datasheet peak was too low) is 1 with every dtype's peak raised by that factor.
+    """
+    changes: dict = {}
+    if flops != 1.0:
+        e = hw.compute_efficiency / flops
+        if e > 1.0:
+            changes["peak_flops"] = {k: v * e for k, v in hw.peak_flops.items()}
+            e = 1.0
+        changes["compute_efficiency"] = e
+    if op_overhead_s is not None:
+        changes["op_overhead_s"] = max(0.0, float(op_overhead_s))
+    if sync_overhead_s is not None:
+        changes["sync_overhead_s"] = max(0.0, float(sync_overhead_s))
+    if links != 1.0:
+        changes.update(intra_node_latency=hw.intra_node_latency * links,
+                       inter_node_latency=hw.inter_node_latency * links,
+                       intra_node_bandwidth=hw.intra_node_bandwidth / links,
+                       inter_node_bandwidth=hw.inter_node_bandwidth / links)
+        if hw.intra_node_collectives:
+            changes["intra_node_collectives"] = {
+                k: {"latency": v["latency"] * links, "bandwidth": v["bandwidth"] / links}
+                for k, v in hw.intra_node_collectives.items()}
+    return dataclasses.replace(hw, **changes) if changes else hw
+
+
+def fit_bounded(rows: Sequence[tuple[float, float, Sequence[float]]], lower: Sequence[float],
+                keep: Sequence[float]) -> list[float]:
+    """Least squares on relative residuals with lower bounds, for one or two unknowns.
+
+    Each row ``(y, c, a)`` is one measurement ``y ~ c + a . x``; the fit minimises
+    ``sum ((c + a . x - y) / y)^2``. Two unknowns are fit together only when the rows
+    over-determine them (more rows than unknowns: two noisy rows fit exactly, noise and all), tell
+    their columns apart (``|cos| <= 0.999``, neither zero) and put the solution within the bounds
+    (``x >= lower``); otherwise the second keeps ``keep[1]`` and only the first is fit. A fitted
+    unknown below its bound sits on it. No usable row: ``keep``.
+    """
+    n = len(lower)
+    w = [(1.0 / y, y - c, list(a)) for y, c, a in rows if y > 0]
+    if not w or n not in (1, 2):
+        return list(keep)
+
+    def solve1(j: int, fixed: dict[int, float]) -> float:
+        num = den = 0.0
+        for s, r, a in w:
+            rr = r - sum(a[i] * v for i, v in fixed.items())
+            num += s * s * a[j] * rr
+            den += s * s * a[j] * a[j]
+        return max(lower[j], num / den) if den > 0 else keep[j]
+
+    if n == 1:
+        return [solve1(0, {})]
+    s00 = sum((s * a[0]) ** 2 for s, _, a in w)
+    s11 = sum((s * a[1]) ** 2 for s, _, a in w)
+    s01 = sum(s * s * a[0] * a[1] for s, _, a in w)
+    first_only = [solve1(0, {1: keep[1]}), keep[1]]
+    if len(w) <= 2 or s00 <= 0 or s11 <= 0 or abs(s01) / math.sqrt(s00 * s11) > 0.999:
+        return first_only
+    b0 = sum(s * s * a[0] * r for s, r, a in w)
+    b1 = sum(s * s * a[1] * r for s, r, a in w)
+    det = s00 * s11 - s01 * s01
+    x = [(b0 * s11 - b1 * s01) / det, (b1 * s00 - b0 * s01) / det]
+    return x if x[0] >= lower[0] and x[1] >= lower[1] else first_only
+
+
+#: Parts of the step each fit reads (plan.json ``predicted.time`` keys): compute, then the links.
+COMPUTE_PARTS = ("compute", "recompute")
+LINK_PARTS = ("tp_comm", "dp_comm", "pp_bubble")
+
+
+def refit_profile(hw: HardwareProfile, trials: Sequence[dict],
+                  price: Callable[[HardwareProfile], list[dict]]) -> Refit | None:
+    """Refit ``hw``'s calibrated terms to measured trials.
+
+    ``trials`` are what was measured, one dict per trial: ``step_time_s`` and, when the metrics
+    carry it, ``time`` (seconds per part, the keys of plan.json's ``predicted.time``).
+    ``price(profile)`` returns, per trial in the same order, the predicted seconds per part of
+    its strategy on ``profile`` (the parts sum to the step time); it is the cost model, so this
+    function only does arithmetic.
+
+    The terms are refit in two least-squares problems on relative residuals (``fit_bounded``),
+    each a change of the profile the cost model prices again, so that the fit never leaves the
+    model's form:
+
+    1. ``f`` (every FLOP takes f times as long: ``compute_efficiency / f``) and ``o``
+       (``op_overhead_s``), from measured against predicted ``compute + recompute`` when the
+       metrics break the step down, else from the whole step;
+    2. then, on the profile of step 1 and only with a breakdown, ``g`` (latencies x g,
+       bandwidths / g) and ``s`` (``sync_overhead_s``), from measured against predicted
+       ``tp_comm + dp_comm + pp_bubble`` (the bubble holds the pipeline's transfers; its fill,
+       the other stages' compute, is step 1's), over the trials that communicate.
+
+    The predictions are linear in ``f``, ``o``, ``g`` and ``s`` on CPUs (sums of FLOP time,
+    bytes, operator calls and alpha-beta times; a pipeline's slowest stage may change, so nearly)
+    and nearly so on GPUs (a layer's time is the larger of device and host time): each part's
+    slope in a term is the difference of two pricings. Bounds: ``f, g >= 1e-3``, ``o, s >= 0``.
+    ``o`` and ``s`` are fit only from three trials or more that tell them from ``f`` and ``g``
+    (``fit_bounded``), else they keep the profile's values and ``f``, ``g`` absorb them. The optimizer
+    step and the memory bandwidth are not refit. None when no trial was measured.
+    """
+    trials = [t for t in trials if t.get("step_time_s")]
+    if not trials:
+        return None
+    notes: list[str] = []
+    broken_down = all(isinstance(t.get("time"), dict) and "compute" in t["time"] for t in trials)
+
+    def rows_for(base, slopes, u0, keys_of, y_of) -> list[tuple[float, float, list[float]]]:
+        out = []
+        for i, t in enumerate(trials):
+            keys = keys_of(i)
+            a = [sum(sl[i][k] for k in keys) for sl in slopes]
+            c = sum(base[i][k] for k in keys) - sum(ai * ui for ai, ui in zip(a, u0))
+            out.append((y_of(t), c, a))
+        return out
+
+    # 1. compute: f (FLOP time x f) and o (seconds per operator call)
+    o0, d_o = hw.op_overhead_s, max(hw.op_overhead_s, 1e-5)
+    base = price(hw)
+    slopes = [_slopes(base, price(scaled_profile(hw, flops=2.0)), 1.0),
+              _slopes(base, price(scaled_profile(hw, op_overhead_s=o0 + d_o)), d_o)]
+    if broken_down:
+        rows = rows_for(base, slopes, (1.0, o0), lambda i: COMPUTE_PARTS,
+                        lambda t: sum(float(t["time"].get(k, 0.0)) for k in COMPUTE_PARTS))
+    else:
+        notes.append("the metrics have no time breakdown: compute is fit to whole steps, links are kept")
+        rows = rows_for(base, slopes, (1.0, o0), lambda i: tuple(base[i]), lambda t: float(t["step_time_s"]))
+    f, o = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, o0))
+    fitted = scaled_profile(hw, flops=f, op_overhead_s=o)
+
+    # 2. links: g (latency x g, bandwidth / g) and s (seconds per blocking collective)
+    g, sync = None, hw.sync_overhead_s
+    if broken_down:
+        base1 = price(fitted)
+        d_s = max(sync, 1e-5)
+        slopes = [_slopes(base1, price(scaled_profile(fitted, links=2.0)), 1.0),
+                  _slopes(base1, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s)]
+        rows = [r for r in rows_for(base1, slopes, (1.0, sync), lambda i: LINK_PARTS,
+                                    lambda t: sum(float(t["time"].get(k, 0.0)) for k in LINK_PARTS))
+                if r[2][0] > 0 or r[2][1] > 0]
+        if rows:
+            g, sync = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, sync))
+            fitted = scaled_profile(fitted, links=g, sync_overhead_s=sync)
+    return Refit(profile=fitted, flops_scale=f, op_overhead_s=o, link_scale=g, sync_overhead_s=sync,
+                 before=[sum(p.values()) for p in base], after=[sum(p.values()) for p in price(fitted)],
+                 measured=[float(t["step_time_s"]) for t in trials], notes=notes)
+
+
+def _slopes(base: list[dict], moved: list[dict], step: float) -> list[dict]:
+    return [{k: (m.get(k, 0.0) - b[k]) / step for k in b} for b, m in zip(base, moved)]
+
+
+# --------------------------------------------------------------------------------------------
+# Running the trials
+
+
+def _torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class _Watchdog:
+    """After ``seconds``, kills this process's child processes (a local trial's ranks), and any
+    it starts later, until the trial returns."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.fired = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        if self._done.wait(self.seconds):
+            return
+        self.fired = True
+        while not self._done.is_set():
+            for p in multiprocessing.active_children():
+                with contextlib.suppress(Exception):
+                    p.kill()
+            self._done.wait(0.2)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        return False
+
+
+def _read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def _measure(trial: Trial, lines: list[dict]) -> None:
+    """Fill ``trial``'s measurements from its metrics lines (``validate.compare``)."""
+    m = compare(trial.plan, lines)["measured"]
+    trial.step_time_s = float(m["step_time_s"])
+    trial.peak_memory_bytes = int(m["peak_memory_bytes"])
+    timed = lines[WARMUP_STEPS:]
+    if timed and all(isinstance(r.get("time"), dict) for r in timed):
+        keys = sorted(set().union(*(r["time"] for r in timed)))
+        trial.time = {k: statistics.median(float(r["time"].get(k, 0.0)) for r in timed) for k in keys}
+
+
+def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity: float,
+               hook: StepHook | None) -> None:
+    """Train ``trial.plan`` for ``steps`` steps here and record what became of it."""
+    i = trial.index
+    plan_path = os.path.join(workdir, f"candidate-{i}.json")
+    save_plan(trial.plan, plan_path)
+    metrics = os.path.join(workdir, f"metrics-{i}.jsonl")
+    opts = TrainOptions(steps=steps, timeout_s=timeout, metrics_path=metrics, memory_steps=WARMUP_STEPS,
+                        progress=False)
+    local = not _torchrun()
+    nproc = trial.plan.dp * trial.plan.tp * trial.plan.pp if local else None
+    if not local:
+        # Each in-process trial creates its process groups again on torchrun's store, and torch
+        # numbers them from 0 after every teardown: the store would still hold the previous
+        # trial's addresses under the same keys, and a rank could read them. Numbering each
+        # trial's groups from its own base (the same on every rank) keeps the keys apart.
+        c10d._world.group_count = 1000 * i
+    err = io.StringIO()
+    error: str | None = None
+    t0 = time.perf_counter()
+    watchdog = _Watchdog(timeout) if local else contextlib.nullcontext()
+    with watchdog, contextlib.redirect_stderr(err):
+        try:
+            rc = train_plan(trial.plan, plan_path, opts, nproc=nproc,
+                            compiled=os.path.join(workdir, f"compiled-{i}"), on_step_start=hook)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # a rank of an in-process (torchrun) trial raised: this trial failed
+            rc, error = 1, f"{type(e).__name__}: {e}".strip()
+    trial.wall_s = time.perf_counter() - t0
+    timed_out = bool(getattr(watchdog, "fired", False))
+    said = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    for ln in said:
+        if ln.startswith("planner train: training failed: "):
+            error = error or ln.removeprefix("planner train: training failed: ")
+        elif local:
+            print(ln, file=sys.stderr)
+    if rc != 0 and error is None:
+        error = said[-1] if said else f"training exited with status {rc}"
+    if timed_out:
+        error = f"did not finish within --timeout {timeout:g} s (stopped)"
+    lines = _read_metrics(metrics)
+    finished = rc == 0 and len(lines) >= steps
+    if finished:
+        _measure(trial, lines)
+    elif rc == 0 and local:
+        error = f"wrote {len(lines)} of {steps} metrics lines"
+    trial.status = trial_status(finished, error, timed_out, trial.peak_memory_bytes, capacity)
+    if trial.status == "out of memory" and finished:
+        error = (f"measured peak {format_bytes(trial.peak_memory_bytes)} per device is above the "
+                 f"{format_bytes(capacity)} the plan must fit in")
+    trial.error = None if trial.status == "ok" else error
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+
+
+def _describe(p: Plan) -> str:
+    return f"dp={p.dp} tp={p.tp} pp={p.pp} ZeRO-{p.zero_stage} micro-batch {p.micro_batch_size} x {p.num_micro_batches}"
+
+
+def _pricer(req, table, hw: HardwareProfile, strategies: list) -> Callable:
+    """``price(profile)`` for ``refit_profile``: each strategy's time parts priced on ``profile``."""
+    nt = table if isinstance(table, NumericTable) else NumericTable(table)
+    gpn = req.gpus_per_node or hw.gpus_per_node
+
+    def price(profile: HardwareProfile) -> list[dict]:
+        if profile.gpus_per_node != gpn:
+            profile = profile.with_gpus_per_node(gpn)
+        out = []
+        for s in strategies:
+            cc = candidate_costs(nt, profile, req.dtype, req.seq_len, s.candidate, gpn,
+                                 profile.memory_bytes * req.memory_headroom)
+            out.append({k: float(v) for k, v in evaluate(cc, s.stages, s.checkpoint).time.items()})
+        return out
+
+    return price
+
+
+def _table(trials: list[Trial], chosen: Trial | None) -> Table:
+    t = Table(title=f"planner tune: {len(trials)} candidate{'s' if len(trials) != 1 else ''} run here")
+    for name, justify in (("#", "right"), ("dp/tp/pp", "left"), ("ZeRO", "right"), ("micro-batch", "right"),
+                          ("recompute", "right"), ("predicted", "right"), ("measured", "right"),
+                          ("meas/pred", "right"), ("peak memory", "right"), ("status", "left")):
+        t.add_column(name, justify=justify)
+    for tr in trials:
+        p = tr.plan
+        status = "ok, chosen" if tr is chosen else tr.status if tr.status == "ok" else escape(f"{tr.status}: {tr.error}")
+        ratio = f"{tr.step_time_s / p.predicted.step_time_s:.2f}" if tr.step_time_s else "-"
+        t.add_row(str(tr.index), f"{p.dp}/{p.tp}/{p.pp}", str(p.zero_stage),
+                  f"{p.micro_batch_size} x {p.num_micro_batches}", f"{len(p.checkpoint_layers)} layers",
+                  format_seconds(p.predicted.step_time_s),
+                  format_seconds(tr.step_time_s) if tr.step_time_s else "-", ratio,
+                  format_bytes(tr.peak_memory_bytes) if tr.peak_memory_bytes is not None else "-", status,
+                  style="bold" if tr is chosen else None)
+    return t
+
+
+def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
+    """``planner tune <plan's flags> [--candidates K] [--steps N] [--timeout S] [--profile-out F]``:
+    plan, run the K best candidates here, write the fastest that fits (see the module docstring).
+    ``trial_hook(i)`` gives trial ``i``'s ranks a step hook (fault injection in tests; it must
+    pickle for local trials). Exit 0 with a plan; 1 when every trial failed; bad input raises."""
+    if args.steps <= WARMUP_STEPS:
+        raise UserError(f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
+                        f"measures nothing; use --steps {WARMUP_STEPS + 1} or more.")
+    check_cost_flags(args)
+    req = request_from_args(args)
+    local = not _torchrun()
+    if not local and int(os.environ["WORLD_SIZE"]) != req.gpus:
+        raise UserError(f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
+                        f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}.")
+    rank0 = local or int(os.environ["RANK"]) == 0
+
+    def say(*a) -> None:  # progress and results: stdout, or stderr under --json; rank 0 only
+        if rank0:
+            print(*a, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    table = layer_table_for(req)
+    solution, hw = plan_from_request(req, table)
+    plans = candidate_plans(req, table, hw, solution, args.candidates)
+    kept = [solution.search.best] + solution.search.alternatives(len(solution.search.ranked)
+                                                                 + len(solution.search.extra))
+    if len(plans) < args.candidates:
+        say(f"planner tune: the search kept {len(plans)} candidate{'s' if len(plans) != 1 else ''} "
+            f"(asked for {args.candidates}); running {'them' if len(plans) != 1 else 'it'}.")
+    capacity = hw.memory_bytes * req.memory_headroom
+    trials = [Trial(index=i + 1, plan=p) for i, p in enumerate(plans)]
+    where = "torchrun's ranks" if not local else f"{req.gpus} local process{'es' if req.gpus != 1 else ''}"
+    with tempfile.TemporaryDirectory(prefix="planner-tune-") as work:
+        for tr in trials:
+            say(f"trial {tr.index}/{len(trials)}: {_describe(tr.plan)} (predicted "
+                f"{format_seconds(tr.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ...")
+            _run_trial(tr, work, args.steps, args.timeout, capacity, trial_hook(tr.index) if trial_hook else None)
+            if tr.status == "ok":
+                say(f"  measured {format_seconds(tr.step_time_s)} per step, peak "
+                    f"{format_bytes(tr.peak_memory_bytes)} ({tr.wall_s:.0f} s)")
+            else:
+                say(f"  {tr.status}: {tr.error} (recorded; going on)")
+    if not rank0:
+        return 0
+    ok = [t for t in trials if t.status == "ok"]
+    chosen = min(ok, key=lambda t: (t.step_time_s, t.index)) if ok else None
+    out = sys.stderr if args.json else sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 132)  # a log file gets the whole table
+    console.print(_table(trials, chosen))
+    if chosen is None:
+        why = "; ".join(f"trial {t.index} ({_describe(t.plan)}) {t.status}: {t.error}" for t in trials)
+        print(f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
+              f"written; see the table above, or raise --timeout, or re-plan with other pins.", file=sys.stderr)
+        return 1
+    measured = [t for t in trials if t.measured]  # ok, and over the memory limit: their times count
+    refit = refit_profile(hw, [{"step_time_s": t.step_time_s, "time": t.time} for t in measured],
+                          _pricer(req, table, hw, [kept[t.index - 1].strategy for t in measured]))
+    one_node = req.gpus <= (req.gpus_per_node or hw.gpus_per_node)
+    first = trials[0]
+    if chosen is first:
+        say(f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
+            f"{format_seconds(chosen.step_time_s)} per step.")
+    else:
+        vs = (f"{(1 - chosen.step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
+              f"(trial 1, {format_seconds(first.step_time_s)})" if first.step_time_s
+              else f"while the plan's own choice (trial 1) ended in {first.status}")
+        say(f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(chosen.step_time_s)} "
+            f"per step, {vs}.")
+    if refit is not None:
+        say(_refit_line(refit, hw))
+    plan = dataclasses.replace(with_cost(chosen.plan, args.tokens, args.price_per_gpu_hour), measured={
+        "step_time_s": chosen.step_time_s, "peak_memory_bytes": chosen.peak_memory_bytes,
+        "trials": [t.to_json(chosen=t is chosen) for t in trials]})
+    _write_profile(args, refit, len(measured), one_node, say)
+    save_plan(plan, args.out)
+    if args.json:
+        sys.stdout.write(plan.to_json())
+    else:
+        say(f"Wrote {args.out}.")
+    return 0
+
+
+def _refit_line(refit: Refit, hw: HardwareProfile) -> str:
+    p = refit.profile
+    parts = [f"compute efficiency {hw.compute_efficiency:.3g} -> {p.compute_efficiency:.3g}"]
+    if p.peak_flops != hw.peak_flops:
+        parts.append(f"peak FLOP/s x{next(iter(p.peak_flops.values())) / next(iter(hw.peak_flops.values())):.3g}")
+    parts.append(f"op overhead {format_seconds(hw.op_overhead_s)} -> {format_seconds(p.op_overhead_s)}")
+    if refit.link_scale is not None:
+        parts.append(f"links x{refit.link_scale:.3g} slower" if refit.link_scale >= 1
+                     else f"links {1 / refit.link_scale:.3g}x faster")
+        parts.append(f"sync cost {format_seconds(hw.sync_overhead_s)} -> {format_seconds(p.sync_overhead_s)}")
+    line = (f"Refit from {len(refit.measured)} trial{'s' if len(refit.measured) != 1 else ''}: "
+            f"{', '.join(parts)}; step-time error of the predictions {refit.error_before:.0%} -> "
+            f"{refit.error_after:.0%}.")
+    if refit.notes:
+        line += " (" + "; ".join(refit.notes) + ")"
+    return line
+
+
+def _write_profile(args, refit: Refit | None, n: int, one_node: bool, say) -> None:
+    """Write the refit profile to ``--profile-out``: the original (as given, without
+    ``--gpus-per-node``) with the refit terms, renamed ``<name>-tuned``. Trials on one node say
+    nothing about the links between nodes: those keep the original's numbers."""
+    if not args.profile_out:
+        return
+    if refit is None:
+        say(f"planner tune: no trial ran to the end: {args.profile_out} was not written.")
+        return
+    original = load_hardware(args.hardware)
+    p = refit.profile
+    inter = original if one_node else p
+    what = ("compute efficiency and op overhead from measured compute times, links and sync cost from "
+            "measured communication" if refit.link_scale is not None
+            else "compute efficiency and op overhead from measured step times")
+    fitted = dataclasses.replace(
+        original, name=f"{original.name.removesuffix('-tuned')}-tuned", peak_flops=dict(p.peak_flops),
+        compute_efficiency=p.compute_efficiency, op_overhead_s=p.op_overhead_s,
+        intra_node_latency=p.intra_node_latency, intra_node_bandwidth=p.intra_node_bandwidth,
+        inter_node_latency=inter.inter_node_latency, inter_node_bandwidth=inter.inter_node_bandwidth,
+        sync_overhead_s=p.sync_overhead_s, intra_node_collectives=p.intra_node_collectives,
+        source=(f"Refit by planner tune from {n} trial{'s' if n != 1 else ''} of {args.model} "
+                f"({time.strftime('%Y-%m-%d')}): {what}. Based on: {original.source}"),
+        calibration={**(original.calibration or {}), "tune": {
+            "trials": n, "flops_scale": refit.flops_scale, "op_overhead_s": refit.op_overhead_s,
+            "link_scale": refit.link_scale, "sync_overhead_s": refit.sync_overhead_s,
+            "measured_step_s": refit.measured, "predicted_step_s_before": refit.before,
+            "predicted_step_s_after": refit.after}})
+    fitted.save(args.profile_out)
+    say(f"Wrote {args.profile_out} (hardware profile refit from {n} trial{'s' if n != 1 else ''}).")
