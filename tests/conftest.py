@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -9,6 +11,17 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# One layer-table cache per test session (planner.frontend.cache): tests never read or write the
+# user's ~/.cache, and a model planned by several tests is traced once. Set in the environment, so
+# the `planner` subprocesses tests spawn share it. `PLANNER_CACHE=off make test` runs every trace.
+_CACHE_DIR = tempfile.mkdtemp(prefix="planner-test-cache-")
+os.environ["PLANNER_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
 
 # CI (``.ci/run``) replays the same examples every run, so a landing is decided by the code and not
 # by the draw; local runs keep exploring new examples, which is where counterexamples come from.

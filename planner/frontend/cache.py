@@ -1,0 +1,282 @@
+"""The layer-table cache: a model traced and analyzed once is planned again in import time.
+
+Tracing (``torch.export`` on meta) and the passes take seconds, the search a fraction of one,
+and a user re-plans the same model many times (other cluster sizes, batches, pins). So
+``build_layer_table`` stores the analyzed ``LayerTable`` of every model spec it traced and reads
+it back the next time the same table is asked for.
+
+The key is everything the table is a function of; change any part and the entry is not used:
+
+- the spec as given and every argument of ``build_layer_table`` (the size overrides, the traced
+  batch, sequence length, dtype, position table, ``shallow``, ``dynamic``);
+- the planner's own code that computes the table: a digest of the source of ``passes/``,
+  ``planner/frontend/`` and ``runtime/dtypes.py``, so an upgrade (or a local edit) never serves
+  a table an older version computed;
+- the versions of torch, sympy, Python and, but for the built-in GPT, transformers;
+- the model's files: a ``file.py:factory``'s content (only that file: a factory that imports
+  other local modules is re-traced when its own file changes, not theirs); for ``hf:PATH``, the
+  content of ``config.json`` and the name, size and modification time of its weight files (the
+  trace also checks the weights against the config, and that check is skipped on a hit).
+
+A ``ModelBundle`` (a live module, not a spec) is never cached.
+
+Where: ``$PLANNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/planner``, else ``~/.cache/planner``; one
+file per table under ``layer-tables/``, named by the key's SHA-256. Deleting the folder clears
+the cache; ``PLANNER_CACHE=off`` (or ``0``, ``false``, ``no``) turns it off.
+
+Safety. A cache must never make planning fail or lie:
+
+- an entry is written to a temporary file in the same folder and renamed over the old one
+  (``os.replace``), so a reader sees a whole entry or none, even with concurrent plans;
+- reading is all-or-nothing: truncated bytes, garbage, an entry of another format version, a
+  key that does not match (a hash collision) or an object of the wrong shape are all treated
+  as a miss, and the fresh table overwrites the entry;
+- an unwritable or missing cache folder only costs the speed-up (nothing is raised or printed);
+- entries are pickles, and unpickling runs code named in the file, so only files owned by the
+  current user are read and the folder is created private (mode 0700), like ``~/.cache`` itself.
+
+Pickle was chosen over the table's JSON form (``LayerTable.to_json``) because reading JSON back
+re-parses every sympy expression, which costs more than the plan it would save. Even sympy's own
+pickling rebuilds each expression through its constructor, which re-canonicalizes it (and on the
+first ``Add`` imports half of sympy): 80 ms for LLaMA-3-8B's table. ``_TablePickler`` stores
+each expression as its class and arguments instead and ``_rebuild`` reassembles it unevaluated
+(the arguments are canonical already, so the result is the same expression): under 1 ms. Rows
+that share an expression (identical blocks) share it in the file too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import io
+import json
+import logging
+import os
+import pickle
+import platform
+import tempfile
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import sympy
+import torch
+
+from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerCosts, LayerTable
+from planner.frontend.bundle import parse_spec
+from planner.frontend.hf import hf_directory
+from planner.frontend.trace import resolve_dtype
+
+__all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
+
+FORMAT = 1
+"""Version of the entry layout; raise it when the pickled payload changes shape."""
+
+_OFF = {"0", "off", "false", "no", "disable", "disabled"}
+_SUBDIR = "layer-tables"
+_log = logging.getLogger(__name__)
+
+stats: Counter = Counter()
+"""What the cache did in this process: ``hit``, ``miss``, ``stored``, ``rejected`` (an entry
+that could not be used), ``unwritable`` (an entry that could not be stored), ``uncacheable``
+(a request without a key). Tests and benchmarks read it."""
+
+
+def cache_enabled() -> bool:
+    """False when ``PLANNER_CACHE`` is ``off`` (or ``0``, ``false``, ``no``)."""
+    return os.environ.get("PLANNER_CACHE", "on").strip().lower() not in _OFF
+
+
+def cache_dir() -> Path:
+    """The cache folder: ``$PLANNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/planner``, else
+    ``~/.cache/planner``."""
+    explicit = os.environ.get("PLANNER_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "planner"
+
+
+# --------------------------------------------------------------------------------------------
+# The key
+
+
+_SOURCES = ("passes", "planner/frontend")
+"""Folders (relative to the repository root) whose ``*.py`` files compute the table."""
+_SOURCE_FILES = ("runtime/dtypes.py",)
+_code_digest: str | None = None
+
+
+def _root() -> Path:
+    """The folder holding the ``passes`` and ``planner`` packages (the checkout, or site-packages)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def code_digest() -> str:
+    """SHA-256 of the source files that compute a layer table (computed once per process)."""
+    global _code_digest
+    if _code_digest is None:
+        root = _root()
+        paths = sorted(p for d in _SOURCES for p in (root / d).glob("*.py"))
+        paths += [root / f for f in _SOURCE_FILES]
+        h = hashlib.sha256()
+        for p in paths:
+            h.update(p.relative_to(root).as_posix().encode() + b"\0")
+            h.update(p.read_bytes() + b"\0")
+        _code_digest = h.hexdigest()
+    return _code_digest
+
+
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".json", ".bin")
+
+
+def _directory_parts(path: str) -> dict[str, Any]:
+    """What an ``hf:PATH`` table depends on: the config's content, and the weight files' names,
+    sizes and times (their headers are checked against the config while tracing)."""
+    files = {}
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.is_file() and entry.name != "config.json" and entry.name.endswith(_WEIGHT_SUFFIXES):
+            st = entry.stat()
+            files[entry.name] = [st.st_size, st.st_mtime_ns]
+    return {"path": os.path.abspath(path), "config": _file_digest(os.path.join(path, "config.json")),
+            "files": files}
+
+
+def table_key(spec: str, args: dict[str, Any]) -> str | None:
+    """The canonical key text of ``build_layer_table(spec, **args)``, or ``None`` when the request
+    cannot be keyed (a bad spec, a missing file: tracing then reports the error)."""
+    try:
+        kind, name = parse_spec(spec)
+        args = dict(args)
+        sizes = args.pop("sizes", {})
+        dtype = args.pop("dtype", None)
+        parts: dict[str, Any] = {
+            "format": FORMAT, "spec": spec, "kind": kind,
+            "args": {k: args[k] for k in sorted(args)},
+            "sizes": {k: sizes[k] for k in sorted(sizes) if sizes[k] is not None},
+            "dtype": None if dtype is None else str(resolve_dtype(dtype)),
+            "code": code_digest(),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "sympy": sympy.__version__},
+        }
+        if kind != "gpt":  # hf: models are transformers' code; a factory may wrap one too
+            parts["versions"]["transformers"] = _version("transformers")
+        if kind == "hf":
+            directory = hf_directory(name)
+            if directory is not None:
+                parts["directory"] = _directory_parts(directory)
+        elif kind == "file":
+            path = spec.rpartition(":")[0]
+            parts["file"] = {"path": os.path.abspath(path), "sha256": _file_digest(path)}
+        return json.dumps(parts, sort_keys=True, default=repr)
+    except Exception as e:  # noqa: BLE001 - no key means no caching; the trace reports real errors
+        _log.debug("layer-table cache: no key for %r (%s)", spec, e)
+        stats["uncacheable"] += 1
+        return None
+
+
+def _entry_path(key: str) -> Path:
+    return cache_dir() / _SUBDIR / (hashlib.sha256(key.encode()).hexdigest() + ".pkl")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and writing
+
+
+def _rebuild(cls: type, args: tuple) -> sympy.Basic:
+    """An expression from its class and canonical arguments, without evaluating it again."""
+    try:
+        return cls(*args, evaluate=False)
+    except TypeError:  # a class without the keyword: evaluate (same result, just slower)
+        return cls(*args)
+
+
+class _TablePickler(pickle.Pickler):
+    """Pickles compound sympy expressions as ``_rebuild(class, args)`` (see the module doc)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, sympy.Basic) and not obj.is_Atom and obj.args:
+            return _rebuild, (type(obj), obj.args)
+        return NotImplemented
+
+
+def _valid_table(obj: Any) -> bool:
+    """Is ``obj`` the field dict of a ``LayerTable`` (right types all the way down)?"""
+    if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(LayerTable)}:
+        return False
+    rows = obj["layers"]
+    if not isinstance(rows, list) or not rows or not all(type(r) is LayerCosts for r in rows):
+        return False
+    for r in rows:
+        if not all(isinstance(getattr(r, f), sympy.Basic) for f in EXPR_FIELDS):
+            return False
+        if not all(type(getattr(r, f)) is int for f in INT_FIELDS):
+            return False
+    return (isinstance(obj["dtype"], str) and isinstance(obj["model"], dict)
+            and isinstance(obj["fixed"], dict) and isinstance(obj["notes"], list)
+            and isinstance(obj["tied"], list))
+
+
+def load_table(key: str) -> LayerTable | None:
+    """The cached table of ``key``, or ``None`` (a miss, or an entry that cannot be used)."""
+    path = _entry_path(key)
+    try:
+        with open(path, "rb") as f:
+            if hasattr(os, "getuid") and os.fstat(f.fileno()).st_uid != os.getuid():
+                raise ValueError("the entry belongs to another user")
+            payload = pickle.load(f)
+        if not (isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("key") == key
+                and _valid_table(payload.get("table"))):
+            raise ValueError("not an entry of this key and format")
+        table = LayerTable(**payload["table"])
+    except FileNotFoundError:
+        stats["miss"] += 1
+        return None
+    except Exception as e:  # noqa: BLE001 - any unreadable entry is a miss, rebuilt and overwritten
+        _log.debug("layer-table cache: ignoring %s (%s: %s)", path, type(e).__name__, e)
+        stats["rejected"] += 1
+        return None
+    stats["hit"] += 1
+    return table
+
+
+def store_table(key: str, table: LayerTable) -> None:
+    """Write ``table`` under ``key`` atomically; a failure only loses the speed-up."""
+    path = _entry_path(key)
+    tmp = None
+    try:
+        payload = {"format": FORMAT, "key": key,
+                   "table": {f.name: getattr(table, f.name) for f in fields(LayerTable)}}
+        buffer = io.BytesIO()
+        _TablePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+        data = buffer.getvalue()
+        path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem[:16] + ".", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        tmp = None
+        stats["stored"] += 1
+    except Exception as e:  # noqa: BLE001 - read-only home, full disk, an unpicklable note...
+        _log.debug("layer-table cache: cannot write %s (%s: %s)", path, type(e).__name__, e)
+        stats["unwritable"] += 1
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
