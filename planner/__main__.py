@@ -1,5 +1,5 @@
 import sys
 
-from planner.cli import main
+from planner.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

@@ -1,4 +1,4 @@
-"""The ``planner`` command line: plan, compile, train, calibrate, validate, export.
+"""The ``planner`` command line: plan, compile, train, calibrate, validate, export, tune.
 
 Every command turns bad input into one clear paragraph on stderr and exit status 2 (no
 traceback); a failed training run exits 1 with the reason. See README.md for examples.
@@ -7,6 +7,7 @@ traceback); a failed training run exits 1 with the reason. See README.md for exa
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 from codegen.errors import CodegenError, LoweringError, TPRewriteError, UnsafeNameError
@@ -266,5 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> int:
+    """The ``planner`` console script: ``main``, then freeze the heap so that the interpreter's
+    exit does not walk every object torch and sympy created (most of a second of a re-plan)."""
+    rc = main()
+    gc.freeze()
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -39,11 +39,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from runtime.optim import FORMAT, consolidate_shards
 from runtime.sharding import TensorShard
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported when a checkpoint is read or written: it takes
+    half a second to import, which every ``planner`` command would otherwise pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a failed DCP save or load raises: any error, and DCP's own ``CheckpointException``
+    (a ``BaseException``). An ``except`` clause evaluates this only when something was raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 __all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
 
@@ -187,8 +201,8 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         state.update(logical)
         shapes = {k: list(v.shape) for k, v in logical.items()}
     try:
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - full disk, permissions: same ending
+        _dcp().save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
         ok, err = False, f"rank {rank}: {_root_cause(e)}"
     # Everyone learns of any failure; only then is the checkpoint published.
     if not _all_ok(ok, device):
@@ -257,8 +271,8 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     if same_plan:
         rng = {f"rng/{rank}/{k}": v.clone() for k, v in _rng_state(engine.device).items()}
     try:
-        dcp.load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        _dcp().load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except _failures() as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it "
                               "to resume from an older one") from None
     # Build this rank's full (unsharded over dp) engine state from the logical tensors.
@@ -295,7 +309,7 @@ def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():  # torch warns that it loads in one process: that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable",
                                     category=UserWarning)
-            dcp.load(want, checkpoint_id=path, no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
+            _dcp().load(want, checkpoint_id=path, no_dist=True)
+    except _failures() as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)})") from None
     return {k[len("model/"):]: v for k, v in want.items()}
