@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: How many times this process has joined a default process group (``init_distributed``).
+_JOINS = 0
+
 #: Timeout of every collective; sub-groups (runtime.mesh) are created with it too, because
 #: ``new_group`` would otherwise fall back to torch's 30-minute default.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -121,12 +124,17 @@ def init_distributed(
     global COLLECTIVE_TIMEOUT
     COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        global _JOINS
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs: dict[str, Any] = {}
+        if _JOINS:
+            # This process joined a group before (``planner tune`` runs its trials one after
+            # another in torchrun's ranks). torchrun's store still holds the keys the previous
+            # group wrote, and torch numbers a new group's keys from 0 again: prefix them.
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+            kwargs["store"] = dist.PrefixStore(f"planner/join-{_JOINS}", store)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        _JOINS += 1
     return DistContext(rank, world_size, local_rank, device, backend)
 
 

@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import torch.distributed.distributed_c10d as c10d
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -400,12 +399,6 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
                         progress=False)
     local = not _torchrun()
     nproc = trial.plan.dp * trial.plan.tp * trial.plan.pp if local else None
-    if not local:
-        # Each in-process trial creates its process groups again on torchrun's store, and torch
-        # numbers them from 0 after every teardown: the store would still hold the previous
-        # trial's addresses under the same keys, and a rank could read them. Numbering each
-        # trial's groups from its own base (the same on every rank) keeps the keys apart.
-        c10d._world.group_count = 1000 * i
     err = io.StringIO()
     error: str | None = None
     t0 = time.perf_counter()
