@@ -12,11 +12,69 @@ arithmetic intensity ``F / M`` against the device's ridge point ``P * e / W``.
 
 The functions accept plain numbers or sympy expressions (costs symbolic in micro-batch size and
 sequence length): ``max`` then becomes ``sympy.Max`` so a symbolic cost can be substituted later.
+
+GEMM efficiency by shape
+------------------------
+``compute_time`` prices FLOPs at one rate, ``peak * compute_efficiency``: right for the large
+matmuls of a big model, too fast for small ones. ``gemm_efficiency(hw, dtype, m, n, k)`` is the
+fraction of peak an ``m x k`` by ``k x n`` product reaches, and ``matmul_time`` is its FLOPs at
+that fraction. Three cases, in order:
+
+1. The profile has a measured table for the dtype (``hw.gemm_efficiency``, written by ``planner
+   calibrate``): trilinear interpolation in ``(log m, log n, log k)`` between its buckets, each
+   size clamped to the table's range (a batched product looks up ``batch * m``). A product
+   smaller than the table's range on some axis is also kept under the memory roofline
+   ``F W / (P B)``; inside the range the measurement stands (it may beat the copy bandwidth ``W``
+   when the operands sit in L2).
+2. No table, but the profile names its GPU's streaming multiprocessors (``hw.sm_count``; the
+   built-in GPU profiles do): the *default curve*, a roofline with tile and SM-fill quantization
+   (the structure of NVIDIA's "Matrix Multiplication Background User's Guide", sections "Tile
+   Quantization" and "Wave Quantization")::
+
+       T      = batch * ceil(m / 128) * ceil(n / 128)           output tiles of 128 x 128
+       split  = max(1, min(SMs / T, k / 1024))                   split-K while tiles leave SMs idle
+       fill   = min(1, T * split / SMs)                          fraction of SMs with work
+       F_pad  = 2 * batch * 128 ceil(m / 128) * 128 ceil(n / 128) * k   FLOPs the tiles execute
+       B      = batch * (m k + k n + m n) * bytes(dtype) + 2 * (split - 1) * batch * m n * 4
+       t      = max(F_pad / (P e fill),  B / W,  3 us)
+       efficiency = 2 batch m n k / (P t)
+
+   ``P`` the dtype's peak, ``e`` the profile's ``compute_efficiency``, ``W`` its memory
+   bandwidth. A large GEMM (tile-aligned sizes, at least one full wave of tiles) gets exactly
+   ``e``, as before; a small one leaves SMs idle (``fill``), pays for padded tiles, hits the
+   memory roofline, or the 3 us floor. The constants: 128 x 128 is one of the output tiles the
+   guide lists for cuBLAS (its largest, 256 x 128, reuses data best; smaller ones fill the SMs of
+   small problems); split-K (partial sums in fp32, written and read back) is what cuBLAS does when
+   few tiles meet a long ``k``, here only while every split keeps at least 1024 of ``k``, and as a
+   real number (split-K factors and stream-K's fractional work units between them: an integer
+   split would make a longer ``k`` faster at the steps of ``floor(k / 1024)``); 3 us is
+   the order of a null kernel's launch-to-completion time on recent NVIDIA GPUs (NVIDIA developer
+   forum). The floor is a ``max``, not an addend: in a stream of asynchronous kernels the next
+   kernel's launch overlaps the running one, so only a kernel shorter than it pays it. SM counts
+   are the datasheet figures (V100 80, A100 108, H100 SXM and H200 132). Not modelled: the tail of
+   the last partial wave once there are more tiles than SMs (cuBLAS balances it with other tile
+   shapes and stream-K), cuBLAS's smaller tiles for mid-size problems (a 1024^3 product makes 64
+   tiles of 128 x 128 for 132 SMs: the curve halves its efficiency, where 64 x 128 tiles would
+   fill the SMs at some cost per tile, so it can overstate such a product's time up to 2x), L2
+   reuse. The curve is a model from public structure, not a fit to GPU measurements: no GPU
+   figure went into it. ``planner calibrate`` on the GPU replaces it with a measured table.
+3. Neither (CPU profiles): the plain roofline, ``min(e, F W / (P B))``, as ``compute_time``.
+
+Symbolic shapes: in cases 1 and 2 a shape with a sympy symbol gives an unevaluated function of
+``(m, n, k, batch)`` (one per profile and dtype) that evaluates to a number once ``b`` and ``s``
+are substituted, and that ``sympy.lambdify`` compiles to the numeric curve; case 3 stays a plain
+sympy expression. The per-layer costs of ``cost_models.strategy`` sum a layer's FLOPs before
+pricing them and carry no GEMM shapes, so they still use ``compute_time``; only ``matmul_time``
+and ``gemms_time`` (a list of GEMM shapes, for a layer table that lists them) price by shape.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import itertools
+import math
+import re
+from typing import Any, Callable, Iterable, Sequence
 
 import sympy
 
@@ -29,6 +87,11 @@ __all__ = [
     "compute_time",
     "matmul_flops",
     "matmul_time",
+    "gemm_efficiency",
+    "gemms_time",
+    "GEMM_TILE",
+    "GEMM_SPLIT_K_MIN",
+    "GEMM_MIN_TIME_S",
     "ridge_intensity",
     "adam_step_bytes",
     "adam_step_flops",
@@ -53,7 +116,8 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def _is_symbolic(x: Any) -> bool:
-    return type(x).__module__.startswith("sympy")
+    # isinstance also catches the GEMM-efficiency functions this module defines on sympy.Function
+    return isinstance(x, sympy.Basic) or type(x).__module__.startswith("sympy")
 
 
 def smax(a: Any, b: Any) -> Any:
@@ -97,10 +161,156 @@ def matmul_flops(m: Any, n: Any, k: Any, batch: Any = 1) -> Any:
 
 
 def matmul_time(m: Any, n: Any, k: Any, hw: HardwareProfile, dtype: str, batch: Any = 1) -> Any:
-    """Roofline time of a (batched) matmul that reads both operands and writes the result once."""
-    b = dtype_bytes(dtype)
-    moved = batch * (m * k + k * n + m * n) * b
-    return compute_time(matmul_flops(m, n, k, batch), moved, hw, dtype)
+    """Seconds of ``batch`` products of an ``m x k`` by a ``k x n`` matrix: the FLOPs at the
+    shape's efficiency (``gemm_efficiency``). On a profile without a GEMM table or ``sm_count``
+    (CPUs) that is the roofline of a matmul that reads both operands and writes the result once."""
+    moved = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+    flops = matmul_flops(m, n, k, batch)
+    if not _shape_priced(hw, dtype):
+        return compute_time(flops, moved, hw, dtype)
+    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        _check_nonneg(name, v)
+    if not any(_is_symbolic(x) for x in (m, n, k, batch)) and flops == 0:
+        return moved / hw.memory_bandwidth
+    return flops / (_peak(hw, dtype) * gemm_efficiency(hw, dtype, m, n, k, batch))
+
+
+def gemms_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str) -> Any:
+    """Seconds of a list of GEMMs, each ``(m, n, k)``, ``(m, n, k, batch)`` or ``(m, n, k, batch,
+    count)`` (``count`` identical products), each priced by its shape (``matmul_time``): the
+    shape-aware replacement of ``compute_time(flops, 0, ...)`` for a layer that lists its GEMMs."""
+    total: Any = 0.0
+    for g in gemms:
+        m, n, k, batch, count = (tuple(g) + (1, 1))[:5] if len(g) < 5 else tuple(g)
+        total = total + count * matmul_time(m, n, k, hw, dtype, batch)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM efficiency by shape (the module docstring's three cases)
+# ----------------------------------------------------------------------------------------------
+#: Output tile edge of the default curve (cuBLAS's 128 x 128 thread-block tile).
+GEMM_TILE = 128
+#: Split-K divides ``k`` only while every split keeps at least this much of it.
+GEMM_SPLIT_K_MIN = 1024
+#: Shortest time a GEMM kernel occupies the device (order of a null kernel's launch-to-completion).
+GEMM_MIN_TIME_S = 3e-6
+
+
+def _peak(hw: HardwareProfile, dtype: str) -> float:
+    try:
+        return hw.peak(dtype)
+    except ProfileError as e:
+        raise ValueError(str(e)) from None
+
+
+def _shape_priced(hw: HardwareProfile, dtype: str) -> bool:
+    """True when ``hw`` prices a GEMM by its shape (a table for ``dtype``, or an SM count)."""
+    return dtype in (hw.gemm_efficiency or {}) or hw.sm_count is not None
+
+
+def gemm_efficiency(hw: HardwareProfile, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> Any:
+    """Fraction of ``peak_flops[dtype]`` that ``batch`` products of an ``m x k`` by a ``k x n``
+    matrix reach on ``hw``, in (0, 1]: the measured table, else the default curve (GPU profiles
+    with ``sm_count``), else the roofline (module docstring). A symbolic size gives a sympy
+    expression that becomes a number once its symbols are substituted. A product with no FLOPs
+    (a zero size) has no meaningful efficiency and gets ``compute_efficiency``."""
+    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        _check_nonneg(name, v)
+    peak = _peak(hw, dtype)
+    if not _shape_priced(hw, dtype):  # case 3: the roofline, symbolic-friendly
+        flops = matmul_flops(m, n, k, batch)
+        moved = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+        if not any(_is_symbolic(x) for x in (m, n, k, batch)):
+            return _roofline_efficiency(hw, dtype, float(m), float(n), float(k), float(batch))
+        return smin(hw.compute_efficiency, flops * hw.memory_bandwidth / (peak * moved))
+    if any(_is_symbolic(x) for x in (m, n, k, batch)):
+        return _symbolic_efficiency(hw, dtype)(m, n, k, batch)
+    return _numeric_efficiency(hw, dtype, float(m), float(n), float(k), float(batch))
+
+
+def _roofline_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
+    flops = 2.0 * batch * m * n * k
+    moved = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+    if flops <= 0:
+        return hw.compute_efficiency
+    return min(hw.compute_efficiency, flops * hw.memory_bandwidth / (hw.peak(dtype) * moved))
+
+
+def _numeric_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
+    if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+        return hw.compute_efficiency
+    table = (hw.gemm_efficiency or {}).get(dtype)
+    if table is not None:  # case 1: the measured table
+        eff = _interpolate(table, m * batch, n, k)
+        if m * batch < table["m"][0] or n < table["n"][0] or k < table["k"][0]:
+            # extrapolated to a smaller product than any measured: no faster than the memory roofline
+            roof = 2.0 * m * n * k * hw.memory_bandwidth / (hw.peak(dtype) * (m * k + k * n + m * n) * dtype_bytes(dtype))
+            eff = min(eff, roof)
+        return eff
+    return _default_curve(hw, dtype, m, n, k, batch)  # case 2
+
+
+def _default_curve(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
+    """The default curve of the module docstring (case 2), numeric sizes > 0."""
+    sms = hw.sm_count
+    peak = hw.peak(dtype)
+    tm, tn = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
+    tiles = batch * tm * tn
+    split = max(1.0, min(sms / tiles, k / GEMM_SPLIT_K_MIN))  # continuous: split-K and stream-K
+    fill = min(1.0, tiles * split / sms)
+    padded = 2.0 * batch * (tm * GEMM_TILE) * (tn * GEMM_TILE) * k
+    moved = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+    # fp32 partial sums of the extra splits, written and read back by the reduction
+    moved += 2 * (split - 1.0) * batch * m * n * 4
+    t = max(padded / (peak * hw.compute_efficiency * fill), moved / hw.memory_bandwidth, GEMM_MIN_TIME_S)
+    return min(hw.compute_efficiency, 2.0 * batch * m * n * k / (peak * t))
+
+
+def _interpolate(table: dict[str, list], m: float, n: float, k: float) -> float:
+    """Trilinear interpolation of ``table['efficiency']`` in log size, clamped to the axes' range."""
+    corners = []  # per axis: [(index, weight), ...]
+    for ax, x in (("m", m), ("n", n), ("k", k)):
+        sizes = table[ax]
+        if x <= sizes[0] or len(sizes) == 1:
+            corners.append([(0, 1.0)])
+        elif x >= sizes[-1]:
+            corners.append([(len(sizes) - 1, 1.0)])
+        else:
+            hi = next(i for i, v in enumerate(sizes) if v >= x)
+            lo = hi - 1
+            w = (math.log(x) - math.log(sizes[lo])) / (math.log(sizes[hi]) - math.log(sizes[lo]))
+            corners.append([(lo, 1.0 - w), (hi, w)])
+    grid = table["efficiency"]
+    return sum(wi * wj * wk * grid[i][j][k_]
+               for (i, wi), (j, wj), (k_, wk) in itertools.product(*corners))
+
+
+_FUNCTION_IDS = itertools.count()
+
+
+@functools.lru_cache(maxsize=256)
+def _symbolic_efficiency(hw: HardwareProfile, dtype: str) -> Callable[..., Any]:
+    """A sympy function ``f(m, n, k, batch)`` of one profile and dtype: unevaluated while a size
+    is symbolic, ``_numeric_efficiency`` once all are numbers (``subs``), and compiled to it by
+    ``sympy.lambdify`` (its ``_imp_``)."""
+
+    def numeric(m, n, k, batch):
+        return _numeric_efficiency(hw, dtype, float(m), float(n), float(k), float(batch))
+
+    class _GemmEfficiency(sympy.Function):
+        nargs = 4
+
+        @classmethod
+        def eval(cls, m, n, k, batch):
+            if all(a.is_Number for a in (m, n, k, batch)):
+                return sympy.Float(numeric(m, n, k, batch))
+            return None
+
+    # A unique, printable name per (profile, dtype): lambdify puts each in its namespace.
+    name = f"gemm_efficiency_{re.sub(r'[^0-9A-Za-z]+', '_', hw.name)}_{dtype}_{next(_FUNCTION_IDS)}"
+    cls = type(name, (_GemmEfficiency,), {"_imp_": staticmethod(numeric)})
+    return cls
 
 
 def ridge_intensity(hw: HardwareProfile, dtype: str) -> float:

@@ -10,7 +10,8 @@ per direction*: NVLink's "600 GB/s" (A100, bidirectional total) is 300 GB/s here
 InfiniBand NIC per GPU is 25 GB/s. Latencies are the per-message (per ring step) start-up cost
 ``alpha`` of the alpha-beta model in ``cost_models.comm``.
 
-File format (JSON object; ``tf32`` and ``calibration`` optional, every other key required)::
+File format (JSON object; ``tf32``, ``calibration`` and the fields with a default in
+``HardwareProfile`` optional, every other key required)::
 
     {"name": "a100-80gb",
      "peak_flops": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
@@ -18,6 +19,16 @@ File format (JSON object; ``tf32`` and ``calibration`` optional, every other key
      "intra_node_bandwidth": 3e11, "intra_node_latency": 3e-6,
      "inter_node_bandwidth": 2.5e10, "inter_node_latency": 1e-5,
      "gpus_per_node": 8, "compute_efficiency": 0.7, "source": "where the numbers come from"}
+
+Optional GEMM and host-link fields (``planner calibrate`` on CUDA writes all three)::
+
+     "sm_count": 108,                       # streaming multiprocessors: the default GEMM curve
+     "host_device_bandwidth": 2.5e10,       # bytes/s host <-> device (PCIe / C2C), pinned memory
+     "gemm_efficiency": {"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096],
+                                  "efficiency": [[[0.05, 0.2], [0.1, 0.5]], [[0.1, 0.5], [0.5, 0.75]]]}}
+
+``gemm_efficiency[dtype].efficiency[i][j][l]`` is the achieved fraction of ``peak_flops[dtype]``
+of an ``m[i] x k[l]`` by ``k[l] x n[j]`` product (``cost_models.compute.gemm_efficiency`` reads it).
 
 Every problem with a profile raises ``ProfileError`` (a ``ValueError``) whose message names the
 file and the field, and says what a valid value looks like.
@@ -41,6 +52,7 @@ __all__ = [
     "PEAK_DTYPES",
     "REQUIRED_PEAK_DTYPES",
     "PROFILE_DIR",
+    "GEMM_AXES",
     "load_hardware",
     "profile_path",
 ]
@@ -123,6 +135,20 @@ class HardwareProfile:
     bandwidth that kind was measured to reach (e.g. gloo's reduce-scatter reaches a third of its
     all-reduce bandwidth). A kind not listed uses ``intra_node_latency``/``intra_node_bandwidth``.
     ``planner calibrate`` fills it; datasheet profiles leave it out."""
+    sm_count: int | None = None
+    """Streaming multiprocessors of a GPU (datasheet figure, or what ``planner calibrate`` reads
+    from the device). With it, a GEMM the ``gemm_efficiency`` table does not cover is priced by
+    the default curve of ``cost_models.compute`` (output tiles spread over the SMs: small GEMMs
+    leave SMs idle); without it (CPU profiles) a GEMM is priced by the plain roofline."""
+    gemm_efficiency: dict[str, dict[str, list]] | None = None
+    """Optional measured GEMM efficiency by dtype: ``{dtype: {"m": [...], "n": [...], "k": [...],
+    "efficiency": [[[...]]]}}``, the axes strictly increasing sizes and ``efficiency[i][j][l]``
+    the fraction of ``peak_flops[dtype]`` an ``m[i] x k[l]`` by ``k[l] x n[j]`` product reached.
+    ``cost_models.compute.gemm_efficiency`` interpolates it in log space and clamps at its edges.
+    ``planner calibrate`` fills it; datasheet profiles leave it out."""
+    host_device_bandwidth: float | None = None
+    """Bytes/s of a pinned-memory copy between host and device (PCIe or C2C), the slower of the
+    two directions; ``None`` when unknown. ``planner calibrate`` on CUDA measures it."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""
     calibration: dict[str, Any] | None = None
@@ -181,6 +207,21 @@ class HardwareProfile:
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives",
                                _check_collective_links(self.intra_node_collectives))
+        if self.sm_count is not None:
+            v = self.sm_count
+            if isinstance(v, float) and v.is_integer():
+                object.__setattr__(self, "sm_count", int(v))
+            if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:
+                raise ProfileError(f"field 'sm_count' must be a positive integer (streaming multiprocessors) "
+                                   f"or absent (got {v!r})")
+        if self.host_device_bandwidth is not None:
+            v = self.host_device_bandwidth
+            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+                raise ProfileError(f"field 'host_device_bandwidth' must be a positive number of bytes/s "
+                                   f"or absent (got {v!r})")
+            object.__setattr__(self, "host_device_bandwidth", float(v))
+        if self.gemm_efficiency is not None:
+            object.__setattr__(self, "gemm_efficiency", _check_gemm_tables(self.gemm_efficiency, self.peak_flops))
         if not isinstance(self.source, str):
             raise ProfileError(f"field 'source' must be a string (got {self.source!r})")
         if self.calibration is not None and not isinstance(self.calibration, dict):
@@ -195,6 +236,10 @@ class HardwareProfile:
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
             self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s, self.recompute_ratio, self.ops_async,
             tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
+            self.sm_count, self.host_device_bandwidth,
+            tuple(sorted((dt, tuple(t["m"]), tuple(t["n"]), tuple(t["k"]),
+                          tuple(x for plane in t["efficiency"] for row in plane for x in row))
+                         for dt, t in (self.gemm_efficiency or {}).items())),
         ))
 
     # ----------------------------------------------------------------------------------------
@@ -229,7 +274,8 @@ class HardwareProfile:
         """The JSON object ``load_hardware`` reads back (``calibration`` only when present)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["peak_flops"] = dict(self.peak_flops)
-        for opt in ("calibration", "intra_node_collectives"):
+        d["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
+        for opt in ("calibration", "intra_node_collectives", "sm_count", "gemm_efficiency", "host_device_bandwidth"):
             if d[opt] is None:
                 del d[opt]
         return d
@@ -293,6 +339,72 @@ def _check_collective_links(value: Any) -> dict[str, dict[str, float]]:
             raise ProfileError(f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive "
                                f"number of bytes/s (got {bw!r})")
         out[kind] = {"latency": float(lat), "bandwidth": float(bw)}
+    return out
+
+
+#: Keys of one dtype's table in ``gemm_efficiency``: the three size axes and the grid.
+GEMM_AXES: tuple[str, ...] = ("m", "n", "k")
+
+
+def _copy_tables(tables: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    return {dt: {"m": list(t["m"]), "n": list(t["n"]), "k": list(t["k"]),
+                 "efficiency": [[list(row) for row in plane] for plane in t["efficiency"]]}
+            for dt, t in tables.items()}
+
+
+def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, dict[str, list]]:
+    """Validate ``gemm_efficiency`` and return a private copy (ints for sizes, floats for values)."""
+    example = ('{"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096], '
+               '"efficiency": [[[0.05, 0.2], [0.1, 0.5]], [[0.1, 0.5], [0.5, 0.75]]]}}')
+    if not isinstance(value, dict) or not value:
+        raise ProfileError(f"field 'gemm_efficiency' must be a non-empty object of tables by dtype, e.g. "
+                           f"{example} (got {value!r})")
+    out: dict[str, dict[str, list]] = {}
+    for dt, table in value.items():
+        where = f"gemm_efficiency.{dt}"
+        if dt not in PEAK_DTYPES:
+            raise ProfileError(f"field 'gemm_efficiency' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
+        if dt not in peak_flops:
+            raise ProfileError(f"field '{where}' is a fraction of a peak the profile lacks: "
+                               f"'peak_flops' has no {dt!r}")
+        if not isinstance(table, dict) or set(table) != {*GEMM_AXES, "efficiency"}:
+            got = sorted(table) if isinstance(table, dict) else table
+            raise ProfileError(f"field '{where}' must be an object with exactly 'm', 'n', 'k' (sizes) and "
+                               f"'efficiency' (a grid m by n by k), e.g. {example[9:-1]} (got {got!r})")
+        axes = {}
+        for ax in GEMM_AXES:
+            sizes = table[ax]
+            ok = isinstance(sizes, list) and sizes and all(
+                _is_number(x) and math.isfinite(x) and float(x).is_integer() and x >= 1 for x in sizes)
+            if ok:
+                sizes = [int(x) for x in sizes]
+                ok = all(a < b for a, b in zip(sizes, sizes[1:]))
+            if not ok:
+                raise ProfileError(f"field '{where}.{ax}' must be a non-empty list of strictly increasing "
+                                   f"positive integer sizes (got {table[ax]!r})")
+            axes[ax] = sizes
+        shape = tuple(len(axes[ax]) for ax in GEMM_AXES)
+        grid = table["efficiency"]
+        shape_msg = (f"field '{where}.efficiency' must be a {shape[0]} x {shape[1]} x {shape[2]} nested list "
+                     f"(one value per m, then per n, then per k)")
+        if not isinstance(grid, list) or len(grid) != shape[0]:
+            raise ProfileError(f"{shape_msg} (got {grid!r})")
+        clean = []
+        for i, plane in enumerate(grid):
+            if not isinstance(plane, list) or len(plane) != shape[1]:
+                raise ProfileError(f"{shape_msg}: entry [{i}] is {plane!r}")
+            rows = []
+            for j, row in enumerate(plane):
+                if not isinstance(row, list) or len(row) != shape[2]:
+                    raise ProfileError(f"{shape_msg}: entry [{i}][{j}] is {row!r}")
+                for k, x in enumerate(row):
+                    if not _is_number(x) or not math.isfinite(x) or not (0 < x <= 1):
+                        raise ProfileError(
+                            f"field '{where}.efficiency[{i}][{j}][{k}]' must be a number in (0, 1], the "
+                            f"achieved fraction of peak_flops.{dt} (got {x!r})")
+                rows.append([float(x) for x in row])
+            clean.append(rows)
+        out[dt] = {**axes, "efficiency": clean}
     return out
 
 

@@ -190,7 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_flags(p, [last])
 
     p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
-    p.add_argument("--nproc", type=_positive_int, default=2)
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="CPU: processes to time collectives between (default 2); CUDA: local GPUs to run the "
+                        "NCCL collectives over (default all)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="measure local GPUs over NCCL (cuda), CPU processes over gloo (cpu), or cuda when "
+                        "PyTorch sees a GPU (auto)")
     p.add_argument("--out", required=True, metavar="profile.json")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
 

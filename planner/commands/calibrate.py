@@ -15,6 +15,13 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
   rank's mean over a few repetitions after a warm-up.
+- **GEMM table** (small): every ``(m, n, k)`` of ``gemm_sizes ** 3`` per dtype, all ranks at once,
+  the fraction of ``peak_flops`` each reached (``gemm_efficiency``, which ``cost_models.compute``
+  interpolates). The same measurement code as the CUDA path (``calibrate_gpu.measure_gemm_table``),
+  so CI runs it.
+
+``--device cuda`` (the default where ``torch.cuda.is_available()``) measures GPUs instead:
+``planner.commands.calibrate_gpu``, not yet run on a GPU.
 
 Compute and memory figures are the machine *undisturbed*: the lower quartile of repeated calls
 (``_timed_reps``), the training steps and copies in rounds spread over their budget. On a shared
@@ -36,12 +43,12 @@ by ``nproc``. The result is written as JSON that ``cost_models.load_hardware(pat
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import platform
-import queue as queue_mod
 import re
 import socket
 import tempfile
@@ -55,12 +62,23 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cost_models.comm import ring_terms
 from cost_models.hardware import HardwareProfile, load_hardware
-from planner.errors import UserError
+from planner.commands.calibrate_common import (
+    KB,
+    MB,
+    MEASURED_KINDS,
+    CalibrationError,
+    drain_progress,
+    finite,
+    fit_alpha_beta,
+    fit_collectives,
+    fmt_bytes,
+    gemm_tables,
+    lower_quartile,
+    median,
+)
+from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.zoo import build_model
 from runtime import checkpoint
@@ -68,16 +86,7 @@ from runtime.dist import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
 __all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "run_calibrate", "fit_alpha_beta", "build_profile",
-           "lower_quartile"]
-
-KB = 1 << 10
-MB = 1 << 20
-#: Collective kinds measured (``send`` = ping-pong between rank pairs).
-MEASURED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
-
-
-class CalibrationError(UserError):
-    """Calibration could not run or its measurements could not be fitted."""
+           "lower_quartile", "KB", "MB", "MEASURED_KINDS"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,10 @@ class CalibrationSpec:
     """Most repetitions of one collective at one size."""
     bytes_per_size: int = 48 * MB
     """Repetitions at size ``S`` are ``clamp(bytes_per_size // S, 2, max_reps)``."""
+    gemm_sizes: tuple[int, ...] = (32, 128, 512)
+    """Sizes on each axis of the GEMM table (``len ** 3`` products per dtype); empty: no table."""
+    gemm_target_s: float = 0.01
+    """Seconds of repetitions per GEMM shape of the table."""
 
     @classmethod
     def quick(cls) -> "CalibrationSpec":
@@ -115,35 +128,23 @@ class CalibrationSpec:
         return cls(
             matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
             train_batches=(1, 4), train_budget_s=0.1, copy_budget_s=0.05, recompute_budget_s=0.1, sync_iters=3,
-            message_sizes=(4 * KB, 256 * KB, 4 * MB), max_reps=5, bytes_per_size=8 * MB,
+            message_sizes=(4 * KB, 256 * KB, 4 * MB), max_reps=5, bytes_per_size=8 * MB, gemm_sizes=(32, 128),
+            gemm_target_s=0.003,
         )
 
     def reps(self, size: int) -> int:
         return max(2, min(self.max_reps, self.bytes_per_size // max(size, 1)))
 
     def num_ticks(self) -> int:
-        """Progress-bar steps: one per (dtype, size), the training steps (and copies), the recomputation, one per (kind, size), the sync loop."""
-        return len(self.dtypes) * len(self.matmul_sizes) + 3 + len(MEASURED_KINDS) * len(self.message_sizes)
+        """Progress-bar steps: one per (dtype, size), the training steps (and copies), the recomputation,
+        one per (kind, size), the sync loop, one per (dtype, m) of the GEMM table."""
+        return (len(self.dtypes) * (len(self.matmul_sizes) + len(self.gemm_sizes)) + 3
+                + len(MEASURED_KINDS) * len(self.message_sizes))
 
 
 # ----------------------------------------------------------------------------------------------
 # Worker (runs in every spawned rank)
 # ----------------------------------------------------------------------------------------------
-def _median(xs: Sequence[float]) -> float:
-    ys = sorted(xs)
-    k = len(ys) // 2
-    return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
-
-
-def lower_quartile(xs: Sequence[float]) -> float:
-    """The 25th percentile (linear interpolation between order statistics)."""
-    ys = sorted(xs)
-    pos = 0.25 * (len(ys) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
-
-
 def _rep_times(fn, budget_s: float, min_reps: int, max_reps: int = 10_000) -> list[float]:
     """Seconds of each ``fn()`` call, repeating for ``budget_s`` (at least ``min_reps`` calls)."""
     times: list[float] = []
@@ -304,57 +305,6 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def _time_collective(kind: str, size: int, rank: int, world: int, reps: int) -> tuple[int, int, float]:
-    """``(actual_size_bytes, n, seconds)`` for one collective: the slowest rank's median of ``reps``."""
-    numel = max(world, (size // 4) // world * world)  # fp32, divisible by world
-    nbytes = numel * 4
-    if kind == "all_reduce":
-        buf = torch.ones(numel)
-
-        def op():
-            dist.all_reduce(buf)
-    elif kind == "all_gather":
-        out, shard = torch.empty(numel), torch.ones(numel // world)
-        # torch 2.13 renamed the flat-tensor collectives (*_single); older ones have *_tensor.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-        def op():
-            gather(out, shard)
-    elif kind == "reduce_scatter":
-        full, shard = torch.ones(numel), torch.empty(numel // world)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-        def op():
-            scatter(shard, full)
-    elif kind == "send":
-        buf = torch.ones(numel)
-        peer = rank ^ 1  # pairs (0,1), (2,3), ...; with an odd world the last rank sits out
-        active = peer < world
-
-        def op():
-            if not active:
-                return
-            if rank % 2 == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
-    else:  # pragma: no cover - MEASURED_KINDS is closed
-        raise ValueError(kind)
-    op()  # warm-up
-    dist.barrier()
-    # Every rank runs the same number of reps (a collective count must match across ranks). The
-    # mean, not the median: a training step pays for every collective, the slow ones included.
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        op()
-    secs = _max_over_ranks((time.perf_counter() - t0) / reps)
-    if kind == "send":
-        return nbytes, 2, secs / 2  # one way of a round trip
-    return nbytes, world, secs
-
-
 def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
     """Seconds a blocking all-reduce costs in a compute loop beyond compute and the all-reduce
     alone (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
@@ -379,7 +329,7 @@ def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
     for _ in range(repeats):
         both, comp, comm = loop(True, True), loop(True, False), loop(False, True)
         out.append(both - comp - comm)
-    return max(0.0, _median(out))
+    return max(0.0, median(out))
 
 
 def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: str, progress_q) -> None:
@@ -402,6 +352,10 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             rates[str(n)] = _mean_over_ranks(rate)
             tick(f"matmul {dt} {n}x{n}")
         result["matmul"][dt] = rates
+    if spec.gemm_sizes:  # every rank at once, as they share the cores in training
+        dist.barrier()
+        result["gemm"] = measure_gemm_table(spec.gemm_sizes, spec.dtypes, DeviceTimer(torch.device("cpu")),
+                                            spec.gemm_target_s, max_reps=10, tick=tick, reduce=_mean_over_ranks)
     dist.barrier()
     rate, overhead, bandwidth = _time_training(spec.train_batches, spec.train_budget_s, spec.copy_bytes,
                                                spec.copy_budget_s)
@@ -413,9 +367,9 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
     tick("recomputation")
     for kind in MEASURED_KINDS:
         for size in spec.message_sizes:
-            nbytes, n, secs = _time_collective(kind, size, rank, world, spec.reps(size))
+            nbytes, n, secs = time_collective(kind, size, rank, world, spec.reps(size))
             result["collectives"].append({"kind": kind, "size_bytes": nbytes, "n": n, "seconds": secs})
-            tick(f"{kind} {_fmt_bytes(nbytes)}")
+            tick(f"{kind} {fmt_bytes(nbytes)}")
     result["sync_overhead_s"] = _max_over_ranks(_time_sync_overhead(spec.sync_iters))
     tick("collective in a compute loop")
     if rank == 0:
@@ -425,58 +379,6 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
 # ----------------------------------------------------------------------------------------------
 # Fitting and the profile
 # ----------------------------------------------------------------------------------------------
-def fit_alpha_beta(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """Least-squares ``(alpha, bandwidth)`` from ``(steps, link_bytes, seconds)`` samples.
-
-    Minimizes ``sum(((steps * alpha + link_bytes * c) - t) / t)^2`` over ``alpha >= 0`` and
-    ``c = 1 / bandwidth > 0`` by the 2 x 2 normal equations (clamping ``alpha`` to 0 and refitting
-    ``c`` alone if needed). Raises ``CalibrationError`` if no positive bandwidth fits, e.g. when
-    times do not grow with size.
-    """
-    rows = [(s / t, b / t) for s, b, t in samples if t > 0]
-    if len(rows) < 2:
-        raise CalibrationError(f"need at least 2 timed messages to fit alpha and beta (got {len(rows)})")
-    # Residual r_i = x_i . (alpha, c) - 1 with x_i = (steps/t, bytes/t).
-    s11 = sum(x * x for x, _ in rows)
-    s12 = sum(x * y for x, y in rows)
-    s22 = sum(y * y for _, y in rows)
-    r1 = sum(x for x, _ in rows)
-    r2 = sum(y for _, y in rows)
-    det = s11 * s22 - s12 * s12
-    if det > 1e-12 * max(s11 * s22, 1e-300):
-        alpha = (r1 * s22 - r2 * s12) / det
-        c = (s11 * r2 - s12 * r1) / det
-    else:  # every sample has the same steps/bytes ratio: only the bandwidth is identifiable
-        alpha, c = -1.0, 1.0
-    if c > 0 and alpha < 0:
-        alpha = 0.0
-        c = r2 / s22 if s22 > 0 else 0.0
-    if c <= 0:
-        raise CalibrationError(
-            "could not fit a bandwidth: collective times do not grow with message size; "
-            "rerun on a quieter machine or with larger --message sizes"
-        )
-    return alpha, 1.0 / c
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, f in (("MB", MB), ("KB", KB)):
-        if n >= f:
-            return f"{n / f:g} {unit}"
-    return f"{n:g} B"
-
-
-def _finite(obj: Any) -> Any:
-    """A copy with NaN / inf floats replaced by ``None`` (strict JSON has no NaN)."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and not (obj == obj and abs(obj) != float("inf")):
-        return None
-    return obj
-
-
 def _physical_memory() -> int | None:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -505,21 +407,9 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         if dt not in peaks:  # not measurable here: keep the base profile's ratio to fp32
             peaks[dt] = peaks["fp32"] * base.peak(dt) / base.peak("fp32")
 
-    samples = []
-    per_kind: dict[str, dict[str, float]] = {}
-    for kind in MEASURED_KINDS:
-        ks = []
-        for m in raw["collectives"]:
-            if m["kind"] == kind:
-                steps, link_bytes = ring_terms(kind, m["size_bytes"], m["n"])
-                ks.append((steps, link_bytes, m["seconds"]))
-        samples += ks
-        try:
-            a, bw = fit_alpha_beta(ks)
-            per_kind[kind] = {"alpha_s": a, "bandwidth_Bps": bw}
-        except CalibrationError:
-            per_kind[kind] = {"alpha_s": float("nan"), "bandwidth_Bps": float("nan")}
-    alpha, bw = fit_alpha_beta(samples)
+    per_kind, (alpha, bw) = fit_collectives(raw["collectives"])
+    gemm = raw.get("gemm")
+    tables, skipped = gemm_tables(gemm["sizes"], gemm["seconds"], peaks) if gemm else ({}, {})
 
     # What a real training step achieves relative to the matmul peak (see _time_train_step).
     step_rate = raw.get("train_step_flops")
@@ -537,7 +427,8 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
         f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; inter-node numbers copy the intra-node ones (one machine, no network); "
-        f"memory_bytes = physical RAM / nproc. Base for unmeasured values: {base.name}."
+        f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
+        f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
     )
     calibration = {
         "nproc": nproc,
@@ -550,6 +441,8 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "op_overhead_s": raw.get("op_overhead_s"),
         "sync_overhead_s": raw.get("sync_overhead_s"),
         "recompute_ratio": raw.get("recompute_ratio"),
+        "gemm": gemm,
+        "gemm_skipped": skipped,
     }
     return HardwareProfile(
         name=name,
@@ -567,36 +460,15 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         recompute_ratio=_clamp_ratio(raw.get("recompute_ratio")),
         intra_node_collectives={k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
                                 for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None,
+        gemm_efficiency=tables or None,
         source=source,
-        calibration=_finite(calibration),
+        calibration=finite(calibration),
     )
 
 
 # ----------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------
-def _drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
-    if not enabled:
-        while not stop.is_set():
-            try:
-                q.get(timeout=0.1)
-            except queue_mod.Empty:
-                pass
-        return
-    cols = (TextColumn("[bold]calibrate[/]"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("{task.description}"))
-    with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
-        task = bar.add_task("starting processes", total=total)
-        while not stop.is_set() or not q.empty():
-            try:
-                label = q.get(timeout=0.1)
-            except queue_mod.Empty:
-                continue
-            except (EOFError, OSError):
-                break
-            bar.update(task, advance=1, description=label)
-
-
 def run_calibration(
     nproc: int,
     out_path: str | os.PathLike,
@@ -626,13 +498,14 @@ def run_calibration(
     spec = spec or (CalibrationSpec.quick() if quick else CalibrationSpec())
     q = mp.get_context("spawn").Queue()
     stop = threading.Event()
-    drain = threading.Thread(target=_drain_progress, args=(q, stop, spec.num_ticks(), progress), daemon=True)
+    drain = threading.Thread(target=drain_progress, args=(q, stop, spec.num_ticks(), progress), daemon=True)
     drain.start()
     with tempfile.TemporaryDirectory(prefix="planner-calibrate-") as tmp:
         raw_file = os.path.join(tmp, "raw.json")
         try:
-            launch_local(_calibrate_worker, nproc, (spec, raw_file, q), timeout_s=timeout_s,
-                         collective_timeout_s=min(timeout_s, 120.0))
+            with _cuda_hidden():  # CPU processes over gloo, even on a GPU host
+                launch_local(_calibrate_worker, nproc, (spec, raw_file, q), timeout_s=timeout_s,
+                             collective_timeout_s=min(timeout_s, 120.0))
         except LaunchError as e:
             raise CalibrationError(f"calibration processes failed: {e}") from None
         finally:
@@ -644,8 +517,45 @@ def run_calibration(
     return profile
 
 
+@contextlib.contextmanager
+def _cuda_hidden():
+    """Processes spawned inside see no CUDA device (``runtime.dist`` picks NCCL when they do)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def resolve_device(device: str | None) -> str:
+    """``cpu`` or ``cuda`` for the ``--device`` choice (``auto`` or absent: CUDA when available)."""
+    device = (device or "auto").lower()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise CalibrationError(f"--device {device!r}: expected auto, cpu or cuda")
+    return device
+
+
 def run_calibrate(args) -> int:
-    """``planner calibrate [--nproc N] --out profile.json [--quick]``."""
-    run_calibration(args.nproc, args.out, quick=args.quick)
+    """``planner calibrate [--device auto|cpu|cuda] [--nproc N] --out profile.json [--quick]``.
+
+    On CUDA ``--nproc`` is the number of local GPUs the collectives run over (default all); on
+    the CPU the number of processes (default 2).
+    """
+    nproc = getattr(args, "nproc", None)
+    if resolve_device(getattr(args, "device", None)) == "cuda":
+        profile = run_gpu_calibration(args.out, nproc=nproc, quick=args.quick)
+        print(f"Wrote {args.out} ({profile.gpus_per_node} x GPU, measured on CUDA); use it with "
+              f"--hardware {args.out}.")
+        return 0
+    run_calibration(2 if nproc is None else nproc, args.out, quick=args.quick)
     print(f"Wrote {args.out}; use it with --hardware {args.out}.")
     return 0

@@ -1,0 +1,193 @@
+"""What both ``planner calibrate`` paths share: statistics, the alpha-beta fit, GEMM tables, progress.
+
+``planner.commands.calibrate`` (CPU processes over gloo) and ``planner.commands.calibrate_gpu``
+(CUDA devices over NCCL) both turn repeated timings into a profile the same way:
+
+- a figure is the *lower quartile* of its repetitions (``lower_quartile``): a shared machine only
+  ever slows a call down, so the fast end of the distribution is the machine itself;
+- a collective of ``S`` bytes over ``n`` ranks costs ``steps(n) * alpha + link_bytes(S, n) / B``
+  (``cost_models.comm.ring_terms``), and ``fit_alpha_beta`` solves ``alpha`` and ``B`` by least
+  squares on relative residuals, per kind and for all kinds together (``fit_collectives``);
+- a GEMM table is the seconds of each ``(m, n, k)`` of a grid, turned into the fraction of the
+  dtype's peak that ``cost_models.compute.gemm_efficiency`` reads (``gemm_tables``).
+"""
+
+from __future__ import annotations
+
+import math
+import queue as queue_mod
+import threading
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cost_models.comm import ring_terms
+from planner.errors import UserError
+
+__all__ = ["CalibrationError", "KB", "MB", "GB", "MEASURED_KINDS", "lower_quartile", "median", "fit_alpha_beta",
+           "fit_collectives", "gemm_tables", "finite", "fmt_bytes", "drain_progress"]
+
+KB = 1 << 10
+MB = 1 << 20
+GB = 1 << 30
+#: Collective kinds measured (``send`` = ping-pong between rank pairs).
+MEASURED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
+#: Smallest efficiency a GEMM table stores (a profile needs values in (0, 1]).
+MIN_EFFICIENCY = 1e-6
+
+
+class CalibrationError(UserError):
+    """Calibration could not run or its measurements could not be fitted."""
+
+
+def median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    k = len(ys) // 2
+    return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
+
+
+def lower_quartile(xs: Sequence[float]) -> float:
+    """The 25th percentile (linear interpolation between order statistics)."""
+    ys = sorted(xs)
+    pos = 0.25 * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
+def fit_alpha_beta(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least-squares ``(alpha, bandwidth)`` from ``(steps, link_bytes, seconds)`` samples.
+
+    Minimizes ``sum(((steps * alpha + link_bytes * c) - t) / t)^2`` over ``alpha >= 0`` and
+    ``c = 1 / bandwidth > 0`` by the 2 x 2 normal equations (clamping ``alpha`` to 0 and refitting
+    ``c`` alone if needed). Raises ``CalibrationError`` if no positive bandwidth fits, e.g. when
+    times do not grow with size.
+    """
+    rows = [(s / t, b / t) for s, b, t in samples if t > 0]
+    if len(rows) < 2:
+        raise CalibrationError(f"need at least 2 timed messages to fit alpha and beta (got {len(rows)})")
+    # Residual r_i = x_i . (alpha, c) - 1 with x_i = (steps/t, bytes/t).
+    s11 = sum(x * x for x, _ in rows)
+    s12 = sum(x * y for x, y in rows)
+    s22 = sum(y * y for _, y in rows)
+    r1 = sum(x for x, _ in rows)
+    r2 = sum(y for _, y in rows)
+    det = s11 * s22 - s12 * s12
+    if det > 1e-12 * max(s11 * s22, 1e-300):
+        alpha = (r1 * s22 - r2 * s12) / det
+        c = (s11 * r2 - s12 * r1) / det
+    else:  # every sample has the same steps/bytes ratio: only the bandwidth is identifiable
+        alpha, c = -1.0, 1.0
+    if c > 0 and alpha < 0:
+        alpha = 0.0
+        c = r2 / s22 if s22 > 0 else 0.0
+    if c <= 0:
+        raise CalibrationError(
+            "could not fit a bandwidth: collective times do not grow with message size; "
+            "rerun on a quieter machine or with larger --message sizes"
+        )
+    return alpha, 1.0 / c
+
+
+def fit_collectives(measurements: Sequence[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], tuple[float, float]]:
+    """Per-kind and joint alpha-beta fits of ``[{kind, size_bytes, n, seconds}, ...]``.
+
+    Returns ``(per_kind, (alpha, bandwidth))``: ``per_kind[kind] = {"alpha_s", "bandwidth_Bps"}``
+    (NaN for a kind whose times do not grow with size) and the fit of every sample together.
+    Raises ``CalibrationError`` when even the joint fit fails.
+    """
+    samples = []
+    per_kind: dict[str, dict[str, float]] = {}
+    for kind in MEASURED_KINDS:
+        ks = []
+        for m in measurements:
+            if m["kind"] == kind:
+                steps, link_bytes = ring_terms(kind, m["size_bytes"], m["n"])
+                ks.append((steps, link_bytes, m["seconds"]))
+        samples += ks
+        try:
+            a, bw = fit_alpha_beta(ks)
+            per_kind[kind] = {"alpha_s": a, "bandwidth_Bps": bw}
+        except CalibrationError:
+            per_kind[kind] = {"alpha_s": float("nan"), "bandwidth_Bps": float("nan")}
+    return per_kind, fit_alpha_beta(samples)
+
+
+def gemm_tables(sizes: dict[str, list[int]], seconds: dict[str, Any], peaks: dict[str, float]
+                ) -> tuple[dict[str, dict[str, list]], dict[str, str]]:
+    """Turn timed GEMM grids into the profile's ``gemm_efficiency`` tables.
+
+    ``sizes`` holds the axes ``{"m": [...], "n": [...], "k": [...]}``; ``seconds[dtype][i][j][l]``
+    the time of one ``m[i] x k[l]`` by ``k[l] x n[j]`` product (``None`` or NaN where it failed).
+    Each cell becomes ``2 m n k / seconds / peaks[dtype]``, kept to ``(0, 1]`` (a shape faster than
+    the peak, possible only when the peak is itself a measured best, counts as 1). Returns
+    ``(tables, skipped)``: a dtype with a failed cell or no peak has no table, and ``skipped``
+    says why.
+    """
+    tables: dict[str, dict[str, list]] = {}
+    skipped: dict[str, str] = {}
+    for dt, grid in seconds.items():
+        if dt not in peaks:
+            skipped[dt] = "no peak FLOP/s for this dtype"
+            continue
+        eff = []
+        ok = True
+        for i, m in enumerate(sizes["m"]):
+            plane = []
+            for j, n in enumerate(sizes["n"]):
+                row = []
+                for l_, k in enumerate(sizes["k"]):
+                    t = grid[i][j][l_]
+                    if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                        ok = False
+                        break
+                    row.append(min(1.0, max(MIN_EFFICIENCY, 2.0 * m * n * k / t / peaks[dt])))
+                plane.append(row)
+            eff.append(plane)
+        if ok:
+            tables[dt] = {"m": list(sizes["m"]), "n": list(sizes["n"]), "k": list(sizes["k"]), "efficiency": eff}
+        else:
+            skipped[dt] = "a GEMM of the grid could not be timed"
+    return tables, skipped
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, f in (("GB", GB), ("MB", MB), ("KB", KB)):
+        if n >= f:
+            return f"{n / f:g} {unit}"
+    return f"{n:g} B"
+
+
+def finite(obj: Any) -> Any:
+    """A copy with NaN / inf floats replaced by ``None`` (strict JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if isinstance(obj, float) and not (obj == obj and abs(obj) != float("inf")):
+        return None
+    return obj
+
+
+def drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
+    """Show a rich progress bar on stderr, one step per label put on ``q``, until ``stop``."""
+    if not enabled:
+        while not stop.is_set():
+            try:
+                q.get(timeout=0.1)
+            except queue_mod.Empty:
+                pass
+        return
+    cols = (TextColumn("[bold]calibrate[/]"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("starting", total=total)
+        while not stop.is_set() or not q.empty():
+            try:
+                label = q.get(timeout=0.1)
+            except queue_mod.Empty:
+                continue
+            except (EOFError, OSError):
+                break
+            bar.update(task, advance=1, description=label)
