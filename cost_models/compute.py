@@ -63,9 +63,9 @@ that fraction. Three cases, in order:
 Symbolic shapes: in cases 1 and 2 a shape with a sympy symbol gives an unevaluated function of
 ``(m, n, k, batch)`` (one per profile and dtype) that evaluates to a number once ``b`` and ``s``
 are substituted, and that ``sympy.lambdify`` compiles to the numeric curve; case 3 stays a plain
-sympy expression. The per-layer costs of ``cost_models.strategy`` sum a layer's FLOPs before
-pricing them and carry no GEMM shapes, so they still use ``compute_time``; only ``matmul_time``
-and ``gemms_time`` (a list of GEMM shapes, for a layer table that lists them) price by shape.
+sympy expression. The layer table lists each layer's GEMMs (``passes.layer_table.Gemm``), and
+``cost_models.strategy`` prices them by shape through ``cost_models.gemm_cost`` (the layer's other
+FLOPs at the flat rate); ``matmul_time`` and ``gemms_time`` are the shape-aware primitives.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
 - compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward, and the
   memory-bound ops' bytes ``Q_l`` split the same way; time is the per-op roofline summed,
   ``F_l / (peak * efficiency) + Q_l / memory_bandwidth`` (matmul-class ops carry the FLOPs, every
-  other op the bytes: ``passes.autograd_costs``), plus ``hw.op_overhead_s`` per operator call
+  other op the bytes: ``passes.autograd_costs``; on a GPU profile each listed GEMM is priced at its
+  shape's efficiency, ``cost_models.gemm_cost``, small products reaching less of the peak), plus ``hw.op_overhead_s`` per operator call
   (``num_ops`` forward, twice that in backward): the fixed dispatch/launch cost that makes many
   small micro-batches slower than few large ones. Backward adds the accumulation of each
   micro-batch's weight gradients into the gradient buffers (``3 x`` the gradient bytes, memory-bound).
@@ -45,6 +46,35 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
 - activations: ``saved_l = saved - saved_tp + saved_tp / tp`` kept for backward; a checkpointed
   layer keeps only ``input_bytes`` (its input); ``boundary_bytes`` is what leaves the layer, sent
   to the next stage when the layer ends one.
+
+Compiled stages (``Candidate.compile``: each layer class under ``torch.compile``, ``runtime.compile_layers``)
+------------------------------------------------------------------------------------------------------------
+A compiled layer runs as ``r`` compiled regions: one, plus one per graph break, which the runtime
+puts at every tensor-parallel collective (at tp > 1, ``tp_allreduce_calls +
+tp_allreduce_bwd_calls`` per layer). Its costs change in two ways, both applied to the forward,
+the backward and so the recompute:
+
+- host overhead: ``r x COMPILED_REGION_OPS`` operator calls' worth of ``hw.op_overhead_s``
+  instead of ``num_ops`` (forward; twice that in backward, as for eager operators). A region's
+  call (guards, the autograd wrapper, its kernel launches) cost about 10 eager operator calls
+  here: a compiled one-operator function took ~60 us forward against ~6 us for the eager
+  operator, ~120-250 us forward + backward against 11-17 us (CPU, torch 2.13). So graph breaks
+  can make a small compiled layer slower to issue than an eager one, and the search sees it;
+- memory-bound bytes: chains of elementwise and normalization ops fuse into one kernel that
+  reads its inputs and writes its outputs once, so the layer moves ``COMPILED_BYTES_FRACTION``
+  (0.75) of its ``fwd_bytes`` and ``bwd_bytes``: counted on the GPT block's forward, about 19 of
+  its 24 activation-sized reads and writes remain once the residual add joins the next layer
+  norm, the bias the GELU and each dropout its add (matmuls stay library calls); the backward's
+  longer elementwise chains are assumed to fuse at least as well. An estimate, not a
+  measurement. The gradient accumulation after backward is not fused.
+
+Compiling costs ``compile_seconds``, once per run: ``COMPILE_S_PER_CLASS`` per distinct layer
+class (a cold cache; stages compile at the same time, so the stage with the most distinct
+classes counts), recorded as ``Evaluation.extra["compile_s"]``. On a CPU 15 s per class, as
+measured here (a GPT's embedding, block and head compile in 29-47 s with inductor, forward and
+backward, on 2 busy cores); on a GPU 30 s per class, an unmeasured guess (Triton kernels compile
+more slowly than the C++ ones). The step-time prediction excludes it; the search weighs it
+against the per-step saving over the run (``planner.search.solve``).
 
 Data-parallel and ZeRO communication (``cost_models.comm.zero_dp_collectives`` per layer)
 ------------------------------------------------------------------------------------------
@@ -119,6 +149,7 @@ from cost_models.comm import (
     zero_dp_collectives,
 )
 from cost_models.compute import compute_time, optimizer_step_time
+from cost_models.gemm_cost import layer_matmul_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
     REDUCTIONS_IN_FLIGHT,
@@ -133,14 +164,40 @@ from cost_models.memory import (
     zero_transient_bytes,
 )
 from cost_models.tied import tied_weight_costs
-from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
+from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
 
 __all__ = [
-    "NumericTable", "Candidate", "Strategy", "LayerCost",
+    "NumericTable", "Candidate", "Strategy", "LayerCost", "COMPILED_REGION_OPS", "COMPILED_BYTES_FRACTION",
+    "COMPILE_S_PER_CLASS", "compile_seconds", "compiled_regions",
     "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields", "memory_bound",
     "pipeline_time",
     "boundary_placements",
 ]
+
+#: Host cost of one call of a compiled region, in eager operator calls (``hw.op_overhead_s`` each):
+#: forward; backward twice that, like an eager operator (see "Compiled stages" above).
+COMPILED_REGION_OPS = 10
+
+#: Fraction of a layer's memory-bound bytes a compiled layer still moves once its elementwise
+#: chains are fused (an estimate; see "Compiled stages" above).
+COMPILED_BYTES_FRACTION = 0.75
+
+#: Seconds to compile one layer class, forward and backward, with a cold cache: ``cpu`` measured
+#: here (inductor, C++ kernels), ``gpu`` unmeasured (no GPU was available to time Triton's).
+COMPILE_S_PER_CLASS: dict[str, float] = {"cpu": 15.0, "gpu": 30.0}
+
+
+def compile_seconds(hw: HardwareProfile, classes: int) -> float:
+    """Time to compile ``classes`` distinct layer classes on ``hw`` (a GPU when the profile's
+    devices run operators asynchronously from the host, ``ops_async``)."""
+    return COMPILE_S_PER_CLASS["gpu" if hw.ops_async else "cpu"] * classes
+
+
+def compiled_regions(row: dict, tp: int) -> int:
+    """Compiled regions of one layer: one, plus a graph break at each tensor-parallel collective
+    the runtime issues eagerly (``runtime.tensor_parallel.EAGER_ONLY``)."""
+    return 1 + (int(row["tp_allreduce_calls"]) + int(row["tp_allreduce_bwd_calls"]) if tp > 1 else 0)
+
 
 class NumericTable:
     """A layer table with its symbolic costs turned into numbers, cached per ``(b, s)``.
@@ -173,7 +230,7 @@ class NumericTable:
             distinct: dict[tuple, int] = {}
             reps, index = [], []
             for row in self.rows(b, s):
-                k = tuple(row[f] for f in EXPR_FIELDS + INT_FIELDS)
+                k = tuple(row[f] for f in EXPR_FIELDS + INT_FIELDS) + tuple(row.get(f, ()) for f in GEMM_FIELDS)
                 if k not in distinct:
                     distinct[k] = len(reps)
                     reps.append(row)
@@ -211,6 +268,8 @@ class Candidate:
     zero_stage: int
     micro_batch_size: int
     num_micro_batches: int
+    compile: bool = False
+    """Each layer class runs under ``torch.compile`` (priced as in "Compiled stages" above)."""
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -218,7 +277,8 @@ class Candidate:
 
     def describe(self) -> str:
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
-                f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}")
+                f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}"
+                + (", compiled" if self.compile else ""))
 
 
 @dataclass(frozen=True)
@@ -387,11 +447,20 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
     # forward op). Backward also accumulates each micro-batch's weight gradients into the
     # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
-    ops = row["num_ops"] * hw.op_overhead_s
+    # Compiled (Candidate.compile): a few region calls instead of every operator's, and fused
+    # memory-bound chains (module docstring, "Compiled stages").
+    if cand.compile:
+        ops = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
+        fused = COMPILED_BYTES_FRACTION
+    else:
+        ops, fused = row["num_ops"] * hw.op_overhead_s, 1.0
     accumulate = 3 * P * bytes_per_param(dtype)["grads"]
-    dev_f = float(compute_time(split("fwd_flops"), 0.0, hw, dtype) + compute_time(0.0, split("fwd_bytes"), hw, dtype))
-    dev_b = float(compute_time(split("bwd_flops"), 0.0, hw, dtype)
-                  + compute_time(0.0, split("bwd_bytes") + accumulate, hw, dtype))
+    # Matrix products are priced by their shapes on a GPU (small ones reach less of the peak,
+    # cost_models.gemm_cost); on a CPU profile this is the flat rate, as before.
+    dev_f = float(layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
+                  + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype))
+    dev_b = float(layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
+                  + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype))
     # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
     # the layer. A CPU rank issues and runs them on the same core: they add up.
     combine = max if hw.ops_async else (lambda dev, host: dev + host)
@@ -555,12 +624,15 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
             "dp_comm": m * sb.zero_mb_s + out[kd].dp_s, "optimizer": out[kd].opt_s}
     kp = max(range(p), key=lambda k: out[k].memory["total"])
     bound = max(st.memory_bound for st in out)
+    extra: dict = {"memory_bound": bound}
+    if cand.compile:  # once per run: the stage with the most distinct layer classes
+        extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a:b + 1])) for a, b in stages))
     return Evaluation(
         strategy=Strategy(cand, stages, ck), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
         time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
         comm_bytes_per_device=max(s.comm_bytes for s in out),
         bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0, feasible=bound <= cc.capacity,
-        capacity=cc.capacity, extra={"memory_bound": bound})
+        capacity=cc.capacity, extra=extra)
 
 
 def pipeline_time(micro_steps: Sequence[float], m: int) -> float:

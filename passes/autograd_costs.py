@@ -30,9 +30,38 @@ counted as ``fwd_bytes`` / ``bwd_bytes`` = the sizes of its tensor inputs plus i
 that only re-describe a tensor (views: ``is_view``) or have a FLOP formula move nothing here, so
 a layer's time is ``flops / rate + bytes / memory bandwidth``, the per-op roofline summed.
 
+GEMM shapes. The FLOPs of a layer alone price every matrix product at one efficiency; a GPU
+reaches its peak only on large ones (``cost_models.compute.gemm_efficiency``). So each product
+the replay dispatches is also recorded by shape, as a ``GemmCall`` ``(m, n, k, batch)``: ``batch``
+products of an ``m x k`` by a ``k x n`` matrix, ``2 m n k batch`` FLOPs, forward and backward
+(autograd's own backward products, so their layouts are the ones eager runs):
+
+- ``mm``, ``addmm`` (the bias add is not FLOPs, as in ``flop_registry``), ``bmm``, ``baddbmm``.
+  ``matmul`` and ``linear`` never reach the dispatcher undecomposed (they are composite), so
+  they are recorded as the products they become.
+- fused attention (q ``[..., H, s_q, D]``, k ``[..., K, s_k, D]``, v ``[..., K, s_k, D_v]``) as
+  the batched products a flash kernel runs, ``batch = b H`` (heads broadcast under GQA, as the
+  kernel does): forward ``S = Q Kᵀ`` ``(s_q, s_k, D)`` and ``O = P V`` ``(s_q, D_v, s_k)``;
+  backward ``dV = Pᵀ dO`` ``(s_k, D_v, s_q)``, ``dP = dO Vᵀ`` ``(s_q, s_k, D_v)``, ``dQ = dS K``
+  ``(s_q, D, s_k)``, ``dK = dSᵀ Q`` ``(s_k, D, s_q)``. That is 2 + 4 products whose FLOPs are the
+  model FLOPs above; the flash backward's recomputation of ``Q Kᵀ`` (a fifth product) is not
+  model work and is not listed. The other fused-attention kernels ``flop_registry`` knows (the
+  CUDA flash / efficient / cuDNN ones, met only in a graph traced with them) are listed the same
+  way, their backward with the fifth product that their FLOP formula counts.
+- every other op with a FLOP formula (convolutions, ``_scaled_mm``, nested or variable-length
+  attention) has no shape here: its FLOPs stay priced at the flat rate. So the FLOPs of a node's
+  GEMMs are its ``fwd_flops`` / ``bwd_flops`` exactly when it runs nothing else with a formula.
+
+Each ``GemmCall`` also says what its two factors are (``operands``): ``w`` a parameter or buffer
+(or a view of one), ``x`` a tensor the node's forward multiplied (in backward: one it saved),
+``g`` anything else (a gradient). That is what lets tensor parallelism name the dim it divides
+(``passes.tp_analysis.gemm_tp_dim``): a weight's output features are ``n`` of the forward
+product but ``k`` of the input gradient's.
+
 Writes per node: ``fwd_flops``, ``bwd_flops``, ``fwd_bytes``, ``bwd_bytes`` (sympy), ``saved`` (list of ``SavedTensor``),
-``saved_bytes`` (sympy: the node's share after per-layer de-duplication) and
-``requires_grad`` (bool). Needs ``layer`` (assign_layers) on every node.
+``saved_bytes`` (sympy: the node's share after per-layer de-duplication), ``fwd_gemms`` and
+``bwd_gemms`` (lists of ``GemmCall``) and ``requires_grad`` (bool). Needs ``layer``
+(assign_layers) on every node.
 """
 
 from __future__ import annotations
@@ -50,7 +79,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from passes.common import PassError, iter_tensors, need, to_expr
 
-__all__ = ["annotate_costs", "bytes_moved", "CostReplay", "SavedTensor", "total_saved_bytes"]
+__all__ = ["annotate_costs", "bytes_moved", "CostReplay", "GemmCall", "gemm_calls", "SavedTensor",
+           "total_saved_bytes"]
 
 _PASS = "annotate_costs"
 _aten = torch.ops.aten
@@ -72,6 +102,25 @@ class SavedTensor:
     """True for the first saver of this storage in its layer (the one charged its bytes)."""
 
 
+@dataclass(frozen=True)
+class GemmCall:
+    """One matrix product a node's forward or backward runs: ``batch`` products of an ``m x k``
+    by a ``k x n`` matrix (sympy sizes in ``b`` and ``s``)."""
+
+    m: sympy.Expr
+    n: sympy.Expr
+    k: sympy.Expr
+    batch: sympy.Expr
+    operands: tuple[str, str] = ("x", "x")
+    """What the ``m x k`` and the ``k x n`` factor are: ``w`` a parameter or buffer (or a view of
+    one), ``x`` a tensor the node's forward multiplied (in backward: one it saved), ``g``
+    anything else (a gradient). Fused attention's products are ``("x", "x")``."""
+
+    @property
+    def flops(self) -> sympy.Expr:
+        return 2 * self.m * self.n * self.k * self.batch
+
+
 def _shape(x):
     return tuple(x.shape) if isinstance(x, torch.Tensor) else x
 
@@ -88,6 +137,57 @@ def _attention_bwd(grad_out, query, key, value, *args, **kwargs):
 FORMULAS = dict(flop_registry)
 FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = _attention_fwd
 FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = _attention_bwd
+
+
+def _arg(args, kwargs, i: int, name: str):
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _attention_gemms(q, k, v, backward: bool, recompute: bool = False) -> list[tuple]:
+    """The batched products of fused attention (module doc): ``(m, n, k, batch)`` tuples."""
+    *lead, s_q, d = q.shape
+    s_k, d_v = k.shape[-2], v.shape[-1]
+    batch = 1
+    for x in lead:  # b x query heads (key/value heads are broadcast, as the kernel does)
+        batch = batch * x
+    if not backward:
+        return [(s_q, s_k, d, batch), (s_q, d_v, s_k, batch)]
+    out = [(s_k, d_v, s_q, batch), (s_q, s_k, d_v, batch), (s_q, d, s_k, batch), (s_k, d, s_q, batch)]
+    return ([(s_q, s_k, d, batch)] if recompute else []) + out
+
+
+_ATTENTION_FWD = {_aten._scaled_dot_product_flash_attention_for_cpu,
+                  _aten._scaled_dot_product_flash_attention,
+                  _aten._scaled_dot_product_efficient_attention,
+                  _aten._scaled_dot_product_cudnn_attention}
+_ATTENTION_BWD = {_aten._scaled_dot_product_flash_attention_for_cpu_backward: False,
+                  # flop_registry's formulas of these count the recomputation of Q Kᵀ
+                  _aten._scaled_dot_product_flash_attention_backward: True,
+                  _aten._scaled_dot_product_efficient_attention_backward: True,
+                  _aten._scaled_dot_product_cudnn_attention_backward: True}
+
+
+def gemm_calls(packet, args, kwargs) -> list[tuple]:
+    """The matrix products one dispatched op runs (module doc), as ``(m, n, k, batch, a, b)``
+    with ``a`` / ``b`` the ``m x k`` / ``k x n`` factor tensors (``None`` for attention's
+    internal ones); ``[]`` for an op that is not a listed product."""
+    if packet in (_aten.mm, _aten.addmm):
+        off = 1 if packet is _aten.addmm else 0
+        a = _arg(args, kwargs, off, "mat1" if off else "self")
+        b = _arg(args, kwargs, off + 1, "mat2")
+        return [(a.shape[0], b.shape[1], a.shape[1], 1, a, b)]
+    if packet in (_aten.bmm, _aten.baddbmm):
+        off = 1 if packet is _aten.baddbmm else 0
+        a = _arg(args, kwargs, off, "batch1" if off else "self")
+        b = _arg(args, kwargs, off + 1, "batch2" if off else "mat2")
+        return [(a.shape[1], b.shape[2], a.shape[2], a.shape[0], a, b)]
+    if packet in _ATTENTION_FWD:
+        q, k, v = (_arg(args, kwargs, i, nm) for i, nm in enumerate(("query", "key", "value")))
+        return [g + (None, None) for g in _attention_gemms(q, k, v, backward=False)]
+    if packet in _ATTENTION_BWD:
+        q, k, v = (_arg(args, kwargs, i, nm) for i, nm in ((1, "query"), (2, "key"), (3, "value")))
+        return [g + (None, None) for g in _attention_gemms(q, k, v, True, _ATTENTION_BWD[packet])]
+    return []
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -120,6 +220,9 @@ class _Counter(TorchDispatchMode):
         formula = FORMULAS.get(func._overloadpacket)
         if formula is not None:
             self._charge(formula(*args, **kwargs, out_val=out), 0)
+            calls = gemm_calls(func._overloadpacket, args, kwargs)
+            if calls:
+                self.replay.record_gemms(calls)
         else:
             moved = bytes_moved(func, args, kwargs, out)
             if moved is not None:
@@ -132,8 +235,7 @@ class _Counter(TorchDispatchMode):
             r.fwd[r.current].append(flops)
             r.fwd_bytes[r.current].append(moved)
         else:
-            fn = torch._C._current_autograd_node()
-            owner = r.fn_owner.get(fn) if fn is not None else None
+            owner = r.backward_owner()
             r.bwd.setdefault(owner, []).append(flops)
             r.bwd_bytes.setdefault(owner, []).append(moved)
 
@@ -194,6 +296,9 @@ class CostReplay(fx.Interpreter):
         self.resident: set[int] = set()  # parameter/buffer/constant storages
         self.saved_raw: dict[str, list[tuple[int, Any, torch.dtype]]] = {}
         self.keep: list[Any] = []  # keeps storages alive so their identities are never reused
+        self.fwd_gemms: dict[str, list] = {}
+        self.bwd_gemms: dict[str | None, list] = {}
+        self.gemm_inputs: dict[str, set] = {}  # node -> storages its forward products multiplied
 
     # ---- forward bookkeeping
     def run_node(self, n: fx.Node) -> Any:
@@ -224,6 +329,32 @@ class CostReplay(fx.Interpreter):
             if out is not None:
                 return out
         return super().call_function(target, args, kwargs)
+
+    def backward_owner(self) -> str | None:
+        """The node owning the autograd function running now (None if unknown)."""
+        fn = torch._C._current_autograd_node()
+        return self.fn_owner.get(fn) if fn is not None else None
+
+    def record_gemms(self, calls: list[tuple]) -> None:
+        """Charge matrix products (``gemm_calls``) to the running node, forward or backward,
+        with what their factors are (``GemmCall.operands``)."""
+        forward = self.current is not None
+        owner = self.current if forward else self.backward_owner()
+        out = (self.fwd_gemms if forward else self.bwd_gemms).setdefault(owner, [])
+        for m, n, k, batch, a, b in calls:
+            out.append((m, n, k, batch, (self._factor(a, owner, forward), self._factor(b, owner, forward))))
+
+    def _factor(self, t: Any, owner: str | None, forward: bool) -> str:
+        if not isinstance(t, torch.Tensor):
+            return "x"
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if key in self.resident:
+            return "w"
+        if forward:
+            self.gemm_inputs.setdefault(owner, set()).add(key)
+            self.keep.append(t)  # its storage identity must not be reused by a gradient
+            return "x"
+        return "x" if key in self.gemm_inputs.get(owner, ()) else "g"
 
     def _claim(self, result: Any, name: str) -> None:
         """Mark the autograd functions created by this node (new ones reachable from its
@@ -292,12 +423,20 @@ class CostReplay(fx.Interpreter):
         def total(xs) -> sympy.Expr:
             return sum((to_expr(x, sym) for x in xs), sympy.Integer(0))
 
+        def gemms(xs) -> list[GemmCall]:
+            return [GemmCall(*(to_expr(v, sym) for v in (m, n, k, batch)), ops)
+                    for m, n, k, batch, ops in xs]
+
+        unowned_gemms = self.bwd_gemms.pop(None, [])
+
         for n in nodes:
             need(n, "layer", _PASS, "assign_layers")
             n.meta["fwd_flops"] = total(self.fwd.get(n.name, ()))
             n.meta["bwd_flops"] = total(self.bwd.get(n.name, ()))
             n.meta["fwd_bytes"] = total(self.fwd_bytes.get(n.name, ()))
             n.meta["bwd_bytes"] = total(self.bwd_bytes.get(n.name, ()))
+            n.meta["fwd_gemms"] = gemms(self.fwd_gemms.get(n.name, ()))
+            n.meta["bwd_gemms"] = gemms(self.bwd_gemms.get(n.name, ()))
             n.meta["saved"] = [
                 SavedTensor(key, to_expr(nbytes, sym), str(dtype).replace("torch.", ""),
                             self.storage_owner.get(key, n.name), False)
@@ -308,6 +447,7 @@ class CostReplay(fx.Interpreter):
         out = nodes[-1]
         out.meta["bwd_flops"] = out.meta["bwd_flops"] + total(unowned)
         out.meta["bwd_bytes"] = out.meta["bwd_bytes"] + total(unowned_bytes)
+        out.meta["bwd_gemms"] = out.meta["bwd_gemms"] + gemms(unowned_gemms)
 
 
 def _charge(gm: fx.GraphModule) -> None:
@@ -432,7 +572,7 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
         a = arg_with_storage(src, n, key)
         owner[n] = owner[a] if a is not None else r.storage_owner.get(key, n.name)
 
-    keys = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "requires_grad")
+    keys = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "fwd_gemms", "bwd_gemms", "requires_grad")
     for n in gm.graph.nodes:
         src = kept.get(twin[n])
         if src is None:

@@ -15,13 +15,23 @@ blocks by signature and compute each group's costs once.
 ``LayerTable.numeric(b, s)`` substitutes numbers (one ``lambdify`` of the distinct expressions,
 cached), ``to_json``/``from_json`` round-trip the table so a plan can be re-planned for another
 batch or sequence length without tracing.
+
+Besides the summed costs, each row lists the matrix products of its forward and backward by
+shape (``fwd_gemms`` / ``bwd_gemms``, ``GEMM_FIELDS``): ``Gemm(m, n, k, batch, count, tp_dim)``,
+``count`` identical products of ``batch`` ``m x k`` by ``k x n`` matrices, ``tp_dim`` the dim
+tensor parallelism divides (``m``, ``n``, ``k``, ``batch``) or None (see
+``passes.autograd_costs`` for what is listed, ``passes.tp_analysis.gemm_tp_dim`` for the dims).
+Their FLOPs, ``2 m n k batch count`` summed, are the row's ``fwd_flops`` / ``bwd_flops`` but for
+work the replay prices with no shape (convolutions...), and the ones with a ``tp_dim`` are the
+matmul part of ``fwd_flops_tp`` / ``bwd_flops_tp``. ``cost_models.gemm_cost`` prices them by
+shape. ``numeric`` gives them as tuples of ``Gemm`` with float sizes.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch.fx as fx
@@ -33,8 +43,8 @@ from passes.inputs import infer_inputs
 from passes.layers import layer_io, layer_names, layer_signatures
 from passes.model_facts import merge_graph_facts
 
-__all__ = ["LayerCosts", "LayerTable", "table_from_traced",
-           "EXPR_FIELDS", "INT_FIELDS"]
+__all__ = ["Gemm", "LayerCosts", "LayerTable", "table_from_traced",
+           "EXPR_FIELDS", "INT_FIELDS", "GEMM_FIELDS", "GEMM_TP_DIMS"]
 
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
@@ -42,7 +52,36 @@ EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_
                "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
               "tp_allreduce_calls", "tp_allreduce_bwd_calls")
+GEMM_FIELDS = ("fwd_gemms", "bwd_gemms")
+GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
+
+
+class Gemm(NamedTuple):
+    """``count`` identical products of ``batch`` ``m x k`` by ``k x n`` matrices in one pass of a
+    layer (sympy sizes in ``b`` and ``s`` in the table, floats from ``LayerTable.numeric``)."""
+
+    m: Any
+    n: Any
+    k: Any
+    batch: Any
+    count: int = 1
+    tp_dim: str | None = None
+    """The dim tensor parallelism divides (``m``, ``n``, ``k``, ``batch``), or None."""
+
+    @property
+    def flops(self) -> Any:
+        """FLOPs of all ``count`` products at tp = 1: ``2 m n k batch count``."""
+        return 2 * self.m * self.n * self.k * self.batch * self.count
+
+
+def _merge_gemms(calls) -> list[Gemm]:
+    """``(m, n, k, batch, tp_dim)`` tuples -> ``Gemm`` rows, identical ones merged by count (in
+    order of first appearance)."""
+    counts: dict[tuple, int] = {}
+    for c in calls:
+        counts[c] = counts.get(c, 0) + 1
+    return [Gemm(m, n, k, batch, count, tp_dim) for (m, n, k, batch, tp_dim), count in counts.items()]
 
 
 @dataclass
@@ -113,6 +152,10 @@ class LayerCosts:
     """All-reduces over tp in one forward (each a point where the tp ranks wait for each other)."""
     tp_allreduce_bwd_calls: int = 0
     """All-reduces over tp in one backward."""
+    fwd_gemms: list = field(default_factory=list)
+    """The forward's matrix products by shape, ``Gemm`` rows (module doc)."""
+    bwd_gemms: list = field(default_factory=list)
+    """The backward's matrix products by shape, ``Gemm`` rows."""
     signature: str = ""
     """Digest of the layer's ops, shapes and weights: identical blocks share it."""
 
@@ -123,6 +166,9 @@ class LayerCosts:
         for f in INT_FIELDS:
             d[f] = int(getattr(self, f))
         d["boundary"] = [[[str(e) for e in shape], dt] for shape, dt in self.boundary]
+        for f in GEMM_FIELDS:
+            d[f] = [[str(g.m), str(g.n), str(g.k), str(g.batch), int(g.count), g.tp_dim]
+                    for g in getattr(self, f)]
         d["signature"] = self.signature
         return d
 
@@ -133,6 +179,9 @@ class LayerCosts:
         kw.update({f: int(d[f]) for f in INT_FIELDS if f in d})
         boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt)
                     for shape, dt in d.get("boundary", [])]
+        for f in GEMM_FIELDS:  # absent in a table written before they existed: no shapes
+            kw[f] = [Gemm(*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5])
+                     for g in d.get(f, [])]
         return cls(index=int(d["index"]), name=d["name"], kind=d["kind"], boundary=boundary,
                    signature=d.get("signature", ""), **kw)
 
@@ -167,24 +216,28 @@ class LayerTable:
     def _compile(self):
         uniq: dict[sympy.Expr, int] = {}
         index = []
+
+        def slot(lay: LayerCosts, f: str, e: Any) -> int:
+            stray = sympy.sympify(e).free_symbols - {self.b, self.s}
+            if stray:  # a size the trace could not name (e.g. data-dependent), not b or s
+                raise PassError("", None, (
+                    f"Layer {lay.name!r}: its {f} depends on a size the trace could not relate to the batch or "
+                    f"the sequence ({', '.join(sorted(map(str, stray)))}), so the planner cannot price it. "
+                    "Make the model's shapes follow its inputs' sizes (no sizes read from tensor values)."))
+            return uniq.setdefault(e, len(uniq))
+
         for lay in self.layers:
-            row = []
-            for f in EXPR_FIELDS:
-                e = getattr(lay, f)
-                stray = sympy.sympify(e).free_symbols - {self.b, self.s}
-                if stray:  # a size the trace could not name (e.g. data-dependent), not b or s
-                    raise PassError("", None, (
-                        f"Layer {lay.name!r}: its {f} depends on a size the trace could not relate to the batch or "
-                        f"the sequence ({', '.join(sorted(map(str, stray)))}), so the planner cannot price it. "
-                        "Make the model's shapes follow its inputs' sizes (no sizes read from tensor values)."))
-                row.append(uniq.setdefault(e, len(uniq)))
-            index.append(row)
+            row = [slot(lay, f, getattr(lay, f)) for f in EXPR_FIELDS]
+            gemms = {f: [(tuple(slot(lay, f, x) for x in g[:4]), g.count, g.tp_dim) for g in getattr(lay, f)]
+                     for f in GEMM_FIELDS}
+            index.append((row, gemms))
         exprs = list(uniq)
         fn = sympy.lambdify((self.b, self.s), exprs, modules="math")
         self._fn = (fn, index)
 
-    def numeric(self, b: int, s: int) -> list[dict[str, float]]:
-        """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``."""
+    def numeric(self, b: int, s: int) -> list[dict[str, Any]]:
+        """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``
+        (``GEMM_FIELDS``: tuples of ``Gemm`` with float sizes)."""
         for name, v in (("s", s), ("b", b)):
             if name in self.fixed and int(v) != self.fixed[name]:
                 what = "sequence length" if name == "s" else "micro-batch size"
@@ -199,9 +252,11 @@ class LayerTable:
         fn, index = self._fn
         vals = [float(v) for v in fn(*key)]
         out = []
-        for lay, row in zip(self.layers, index):
-            d = {f: vals[i] for f, i in zip(EXPR_FIELDS, row)}
+        for lay, (row, gemms) in zip(self.layers, index):
+            d: dict[str, Any] = {f: vals[i] for f, i in zip(EXPR_FIELDS, row)}
             d.update({f: float(getattr(lay, f)) for f in INT_FIELDS})
+            for f, entries in gemms.items():
+                d[f] = tuple(Gemm(*(vals[i] for i in dims), count, tp_dim) for dims, count, tp_dim in entries)
             out.append(d)
         self._cache[key] = out
         return [dict(row) for row in out]
@@ -262,6 +317,7 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
                        signature=sigs[i]) for i in range(n)]
     acc: list[dict[str, Any]] = [{f: _ZERO for f in EXPR_FIELDS} for _ in range(n)]
     ints: list[dict[str, int]] = [{f: 0 for f in INT_FIELDS} for _ in range(n)]
+    gemms: list[dict[str, list]] = [{f: [] for f in GEMM_FIELDS} for _ in range(n)]
     for node in gm.graph.nodes:
         lay = node.meta["layer"]
         if not 0 <= lay < n:
@@ -284,6 +340,10 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         a["bwd_flops"] += m["bwd_flops"]
         a["fwd_bytes"] += m["fwd_bytes"]
         a["bwd_bytes"] += m["bwd_bytes"]
+        for f in GEMM_FIELDS:
+            dims = getattr(tp, f[:3] + "_gemm_dims", None) or []
+            gemms[lay][f] += [(g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None)
+                              for i, g in enumerate(m.get(f, ()))]
         if node.op == "call_function" and m.get("out_bytes"):
             key = "peak_act_bytes_tp" if tp.divides else "peak_act_bytes"
             a[key] = sympy.Max(a[key], m["out_bytes"])
@@ -310,6 +370,8 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
             setattr(row, f, sympy.expand(v))
         for f, v in ints[i].items():
             setattr(row, f, v)
+        for f, v in gemms[i].items():
+            setattr(row, f, _merge_gemms(v))
     return rows
 
 
@@ -366,6 +428,8 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
         for r in rows:
             for f in EXPR_FIELDS:
                 setattr(r, f, sympy.expand(getattr(r, f) * B / b0))
+            for f in GEMM_FIELDS:  # b / b0 times the traced products
+                setattr(r, f, [g._replace(batch=sympy.expand(g.batch * B / b0)) for g in getattr(r, f)])
     model = dict(traced.model_info)
     notes += merge_graph_facts(gm, model)  # heads, kv_heads, head_dim, tp_blocked: from the graph
     model["params"] = sum(r.param_count for r in rows)
@@ -380,7 +444,7 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
 
 def _check_fields():  # keep EXPR_FIELDS/INT_FIELDS in step with the dataclass
     names = {f.name for f in fields(LayerCosts)}
-    missing = [f for f in EXPR_FIELDS + INT_FIELDS if f not in names]
+    missing = [f for f in EXPR_FIELDS + INT_FIELDS + GEMM_FIELDS if f not in names]
     assert not missing, missing
 
 

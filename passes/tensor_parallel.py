@@ -15,6 +15,10 @@ decisions per node:
   and all-reduces per-row maxima, sum-exps and target logits (3 fp32 numbers per row); the
   runtime's loss moves different bytes than the traced one (``vocab_loss_bytes``).
 - every other node on a sharded value: FLOPs and saved tensors divide.
+- each matrix product a dividing node runs (``meta['fwd_gemms']`` / ``['bwd_gemms']``) gets the
+  dim tp divides (``TPInfo.fwd_gemm_dims`` / ``bwd_gemm_dims``, from
+  ``passes.tp_analysis.gemm_tp_dim``): the out features of a column-parallel product, the in
+  features of a row-parallel one, the batch (b x heads) of attention's.
 
 When the analysis cannot split the model at all (a conflict no replicated matmul avoids, or
 every matmul kept replicated), every node is priced replicated and the node that stopped it
@@ -22,8 +26,8 @@ carries the reason (``TPInfo.blocked``, read by ``tp_blocked``): the search then
 tensor parallelism instead of failing.
 
 Writes ``node.meta["tp"]`` (a ``TPInfo``) on every node. Needs ``out_bytes``/``shape``
-(annotate_shapes), ``saved`` (annotate_costs) and ``layer`` (assign_layers: a sharded value never
-crosses a layer boundary).
+(annotate_shapes), ``saved`` and ``fwd_gemms``/``bwd_gemms`` (annotate_costs) and ``layer``
+(assign_layers: a sharded value never crosses a layer boundary).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from passes.tp_analysis import (
     TPConflict,
     TPDecisions,
     analyze_tensor_parallel,
+    gemm_tp_dim,
     matmul_operands,
 )
 
@@ -91,6 +96,11 @@ class TPInfo:
     must_divide: int = 0
     """A column-parallel matmul's output features (its vocabulary excepted, which is padded):
     the size tp must divide (0 elsewhere)."""
+    fwd_gemm_dims: list = field(default_factory=list)
+    """Per entry of ``meta['fwd_gemms']``: the dim of that product tp divides (``m``, ``n``,
+    ``k``, ``batch``) or None (empty: none divides)."""
+    bwd_gemm_dims: list = field(default_factory=list)
+    """The same for ``meta['bwd_gemms']``."""
 
 
 def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
@@ -157,6 +167,10 @@ def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
     if n in dec.params:
         role = "sharded" if dec.params[n] in dec.weights else "replicated"
     divides = role in ("col", "row", "sharded", "vocab_loss") and n not in dec.params
+    if divides:
+        for key in ("fwd_gemms", "bwd_gemms"):
+            kw[key[:3] + "_gemm_dims"] = [gemm_tp_dim(role, True, g.operands)
+                                          for g in need(n, key, _PASS, "annotate_costs")]
     return TPInfo(role=role, shard_dim=_shard_dims(dec.state[n]), divides=divides, **kw)
 
 

@@ -61,6 +61,25 @@ conflict no ban can avoid is raised.
 
 Each sharded parameter gets a ``WeightShard`` (kind ``column``, ``row``, ``heads``, ``vocab`` or
 ``qkv``, the dim and its full size): the tp-free part of ``runtime.sharding.TensorShard``.
+
+GEMM dims
+---------
+A node whose work divides runs products of smaller shapes, and a GPU's efficiency depends on
+which dim shrank. ``gemm_tp_dim`` names it for each matrix product the cost replay recorded
+(``passes.autograd_costs.GemmCall``, ``batch`` products of ``m x k`` by ``k x n``). A weighted
+matmul's factors are the activation ``x`` (rows x in features), the weight ``w`` (in x out) and
+the output gradient ``g`` (rows x out); a product's ``k`` is the dim its two factors share,
+``m`` and ``n`` the others. Column parallel divides the *out* features, row parallel the *in*
+features, wherever autograd put them::
+
+    product              factors    column parallel    row parallel
+    forward  y = x w     (x, w)     n                  k
+    input grad  g wᵀ     (g, w)     k                  n
+    weight grad  xᵀ g    (x, g)     n                  m
+    (either backward product transposed, gᵀ x or w gᵀ: the same dims read in the other order)
+
+Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
+``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
 """
 
 from __future__ import annotations
@@ -85,6 +104,7 @@ __all__ = [
     "WeightShard",
     "analyze_tensor_parallel",
     "flat_args",
+    "gemm_tp_dim",
     "matmul_operands",
     "node_arg",
     "reshape_dim",
@@ -209,6 +229,30 @@ def matmul_operands(n: fx.Node) -> tuple:
     if name == "addmm":
         return a[1], a[2], a[0]
     return a[0], a[1], None
+
+
+_FACTOR_DIMS = {"x": ("rows", "in"), "w": ("in", "out"), "g": ("rows", "out")}
+"""The two logical dims of a weighted matmul's factors (see "GEMM dims" in the module doc)."""
+
+
+def gemm_tp_dim(role: str, divides: bool, operands: tuple[str, str]) -> str | None:
+    """The dim (``m``, ``n``, ``k`` or ``batch``) of one matrix product of a node whose
+    tensor-parallel role is ``role`` that tp divides, or None (module doc, "GEMM dims").
+    ``operands`` says what the ``m x k`` and ``k x n`` factors are (``GemmCall.operands``:
+    ``x``, ``w``, ``g``). A weighted matmul's product whose factors are not told apart keeps the
+    forward product's dim (``n`` column parallel, ``k`` row parallel): its FLOPs still divide."""
+    if not divides:
+        return None
+    if role not in ("col", "row"):
+        return "batch"  # attention and matmuls of activations: sharded by heads, a batch dim
+    want = "out" if role == "col" else "in"
+    a, b = operands
+    if a != b and a in _FACTOR_DIMS and b in _FACTOR_DIMS:
+        (shared,) = set(_FACTOR_DIMS[a]) & set(_FACTOR_DIMS[b])
+        if want == shared:
+            return "k"
+        return "m" if want in _FACTOR_DIMS[a] else "n"
+    return "n" if role == "col" else "k"
 
 
 def flat_args(n: fx.Node) -> list:

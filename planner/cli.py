@@ -152,7 +152,11 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                         "tokens, labels, targets, ones, zeros or positions")
     p.add_argument("--tokens", type=_token_count, default=None, metavar="N",
                    help="tokens the whole run trains on (300e9, 2T, 500B): adds its days, GPU-hours and "
-                        "cost to the plan")
+                        "cost to the plan, and is what compiling must pay back over")
+    p.add_argument("--compile", choices=("on", "off"), default=None,
+                   help="run each layer class under torch.compile (on) or eagerly (off); default: the "
+                        "planner compiles when the per-step saving repays the compile time over the run "
+                        "(--tokens, else 1,000 steps)")
     p.add_argument("--price-per-gpu-hour", type=_positive_float, default=None, metavar="X",
                    help="what one device costs per hour (any currency): the cost in money, with --tokens")
 

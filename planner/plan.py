@@ -254,6 +254,12 @@ class Plan:
     predicted: Predicted
     solver: SolverInfo
     alternatives: list = field(default_factory=list)
+    compile: bool = False
+    """Run each generated layer class under ``torch.compile`` (``runtime.compile_layers``): chosen
+    by the search when the per-step saving it prices (operator overhead, fused memory-bound ops)
+    repays the compile time over the run, or pinned by ``planner plan --compile on|off``. A plan
+    written before the field existed loads as ``false``. Not part of ``plan_hash``: the compiled
+    source and its math are the same either way, so checkpoints resume across it."""
     measured: dict | None = None
     """What ``planner tune`` measured running this plan (absent from other plans):
     ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
@@ -302,6 +308,8 @@ class Plan:
                 _fail("checkpoint_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
             _fail("checkpoint_layers", "has duplicates.")
+        if not isinstance(self.compile, bool):
+            _fail("compile", f"must be true or false, got {self.compile!r}.")
         if self.measured is not None:
             if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(self.measured):
                 _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
@@ -318,7 +326,7 @@ class Plan:
         d = asdict(self)
         order = ["schema_version", "model", "hardware", "global_batch", "seq_len", "dtype", "dp",
                  "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
-                 "checkpoint_layers", "predicted", "solver", "alternatives"]
+                 "checkpoint_layers", "compile", "predicted", "solver", "alternatives"]
         out = {k: d[k] for k in order}
         if out["predicted"].get("cost") is None:
             out["predicted"].pop("cost", None)

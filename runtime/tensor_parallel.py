@@ -82,7 +82,19 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "ParallelLMHeadLoss",
+    "EAGER_ONLY",
 ]
+
+#: The entry points a ``torch.compile``'d layer calls eagerly (``runtime.compile`` wraps them in
+#: ``torch.compiler.disable`` when a plan compiles its stages): each issues collectives through
+#: ``runtime.comm`` (Python with timers and byte counters) or asks the mesh for the group, so
+#: each call is a clean graph break and the layer compiles into the regions between them. The
+#: parallel linear layers (``column_parallel_linear``, ``row_parallel_linear``) are traced, with
+#: their matmul and bias, up to these calls.
+EAGER_ONLY: tuple[str, ...] = (
+    "resolve_group", "tp_world_size", "tp_rank", "copy_to_tp", "reduce_from_tp", "gather_from_tp",
+    "scatter_to_tp", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
+)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The training loop that runs compiled stages on the (pp, dp, tp) mesh.
 
 One process per rank calls ``train_worker``. It builds the rank's ``Run`` (``setup``: mesh,
-device, stage module and its weights, ZeRO engine, pipeline stage, data, ``resume`` from the
+device, stage module and its weights, its layers compiled when the plan says ``compile``
+(``runtime.compile_layers``: one ``torch.compile`` per layer class, compiled here by a warm-up
+pass rather than in the first step), ZeRO engine, pipeline stage, data, ``resume`` from the
 newest checkpoint when asked, the step probes of ``runtime.profiling``), then for each step
 ``t`` from the first not yet done up to ``TrainOptions.steps``:
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 import runtime
 from runtime import checkpoint_io, comm, timing
+from runtime.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
 from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
 from runtime.config import TrainOptions
 from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data, rank_slice
@@ -132,6 +136,9 @@ class Run:
     """Peak-memory tracking and profiling around each step."""
     tensorboard: Any = None
     """Rank 0's ``SummaryWriter`` when ``opts.tensorboard_dir`` is set (``open_tensorboard``)."""
+    compiled: CompiledLayers | None = None
+    """The stage's compiled layer classes and their set-up time when the plan compiles its stages
+    (plan.json ``compile``); None otherwise."""
 
     @property
     def plan(self) -> dict:
@@ -162,12 +169,24 @@ def _recv_meta(stage: dict) -> list[TensorMeta]:
     return metas
 
 
+def _warm_up_inputs(plan: dict, stage: dict, graph_inputs: list[str], input_specs: list[dict],
+                    dev: torch.device) -> list[torch.Tensor]:
+    """A micro-batch of zeros in the stage's call order: what it receives (as the pipeline hands
+    it over), then its data inputs (token ids 0, and whatever ``model_inputs`` derives from them)."""
+    recv = [torch.zeros(m.shape, dtype=m.dtype, device=dev).requires_grad_(m.requires_grad)
+            for m in _recv_meta(stage)]
+    ids = torch.zeros((plan["micro_batch_size"], plan["seq_len"]), dtype=torch.long, device=dev)
+    src = dict(zip(graph_inputs, model_inputs(input_specs, ids, ids.clone())))
+    return recv + [src[n] for n in stage["data_inputs"]]
+
+
 def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
           state_fn: Callable[[], Mapping[str, torch.Tensor]]) -> Run:
     """Build this rank's run: the mesh and device, the stage module with its shard of the original
     weights (``state_fn`` returns the original model's tensors by name; the seed is set first),
-    the ZeRO engine, the pipeline stage, the data source; then ``resume`` and the step probes
-    (which count the tensors alive after the resume)."""
+    its layers compiled and warmed up when the plan says ``compile``, the ZeRO engine, the
+    pipeline stage, the data source; then ``resume`` and the step probes (which count the tensors
+    alive after the resume)."""
     man = read_manifest(compiled_dir)
     plan = man["plan"]
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
@@ -179,6 +198,21 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     torch.manual_seed(opts.seed)
     module = load_stage_module(compiled_dir, stage, dev)
     load_weights(module, stage, state_fn(), mesh.tp_index, tp)
+    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
+    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
+    if len(graph_inputs) != len(input_specs):
+        raise ValueError(f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
+                         f"{len(input_specs)}: recompile the plan")
+    compiled = None
+    if plan.get("compile"):
+        # Before the ZeRO engine: the warm-up's collectives are tensor-parallel ones only, so the
+        # data-parallel replicas can take turns (runtime.compile_layers.warm_up_in_turn).
+        compiled = compile_stage(module)
+        warm_up_in_turn(module, _warm_up_inputs(plan, stage, graph_inputs, input_specs, dev), compiled,
+                        first=mesh.dp_index == 0)
+        if rank == 0 and opts.progress:
+            print(f"[planner] compiled stage 0: {compiled.describe()} in {compiled.seconds:.1f} s",
+                  file=sys.stderr, flush=True)
     timing.time_recomputation(module)
     # On a GPU, part boundaries wait for the device (runtime.timing explains the cost).
     timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
@@ -202,19 +236,16 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     )
     actions = one_f_one_b(pp, plan["num_micro_batches"])[mesh.pp_index]
     pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage), mesh=mesh, device=dev)
-    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
-    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
-    if len(graph_inputs) != len(input_specs):
-        raise ValueError(f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
-                         f"{len(input_specs)}: recompile the plan")
     data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, man, mesh)
-    probes = StepProbes(rank, dev, opts.track_memory, opts.memory_steps, resident=engine.tracked_tensors())
+    # Tracked steps run eagerly (runtime.compile_layers): a compiled run tracks its first few only.
+    memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
+    probes = StepProbes(rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors())
     tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
     return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
                pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
                stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, input_specs=input_specs,
-               start_step=start_step, probes=probes, tensorboard=tensorboard)
+               start_step=start_step, probes=probes, tensorboard=tensorboard, compiled=compiled)
 
 
 def open_tensorboard(directory: str):

@@ -104,6 +104,7 @@ def request_from_args(args, gpus: int | None = None) -> PlanRequest:
         dp=args.dp, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
         checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
         tp_across_nodes=args.tp_across_nodes, inputs=parse_input_pins(getattr(args, "input", None)),
+        compile=getattr(args, "compile", None) or "auto", tokens=getattr(args, "tokens", None),
     )
 
 

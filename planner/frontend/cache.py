@@ -63,15 +63,16 @@ from typing import Any
 import sympy
 import torch
 
-from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerCosts, LayerTable
+from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm, LayerCosts, LayerTable
 from planner.frontend.bundle import parse_spec
 from planner.frontend.hf import hf_directory
 from planner.frontend.trace import resolve_dtype
 
 __all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
 
-FORMAT = 1
-"""Version of the entry layout; raise it when the pickled payload changes shape."""
+FORMAT = 2
+"""Version of the entry layout; raise it when the pickled payload changes shape (2: the rows'
+GEMM shapes, ``fwd_gemms`` / ``bwd_gemms``)."""
 
 _OFF = {"0", "off", "false", "no", "disable", "disabled"}
 _SUBDIR = "layer-tables"
@@ -225,9 +226,18 @@ def _valid_table(obj: Any) -> bool:
             return False
         if not all(type(getattr(r, f)) is int for f in INT_FIELDS):
             return False
+        if not all(_valid_gemms(getattr(r, f, None)) for f in GEMM_FIELDS):
+            return False
     return (isinstance(obj["dtype"], str) and isinstance(obj["model"], dict)
             and isinstance(obj["fixed"], dict) and isinstance(obj["notes"], list)
             and isinstance(obj["tied"], list))
+
+
+def _valid_gemms(gemms: Any) -> bool:
+    """Is ``gemms`` a row's list of ``Gemm`` (sympy sizes, an int count, a known tp dim)?"""
+    return isinstance(gemms, list) and all(
+        type(g) is Gemm and all(isinstance(x, sympy.Basic) for x in g[:4])
+        and type(g.count) is int and g.tp_dim in GEMM_TP_DIMS for g in gemms)
 
 
 def load_table(key: str) -> LayerTable | None:

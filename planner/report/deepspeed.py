@@ -17,6 +17,9 @@ Mapping (DeepSpeed's names on the left):
   ``planner.stage_boundaries`` for a custom ``PipelineModule``. The tensor-parallel degree goes to
   Megatron-DeepSpeed's ``--tensor-model-parallel-size``.
 
+A plan that compiles its stages (``compile: true``) says so in ``planner.compile``; with DeepSpeed
+that is the training script's choice (``torch.compile`` of its model or layers), not a config key.
+
 DeepSpeed's pipeline engine runs only ZeRO stages 0 and 1; a plan with ``pp > 1`` and ZeRO 2 or
 3 is exported with ``planner.warnings`` saying so. The ``planner`` block is provenance for the
 reader (DeepSpeed ignores keys it does not know).
@@ -73,6 +76,7 @@ def to_deepspeed(plan) -> dict:
                              for a, b in plan.stages],
             "checkpoint_layers": ckpt,
             "checkpoint_layer_names": [names[i] for i in ckpt if i < len(names)],
+            "compile": plan.compile,
             "predicted_step_time_s": plan.predicted.step_time_s,
             "warnings": warnings,
         },

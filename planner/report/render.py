@@ -3,7 +3,7 @@
 :func:`render_plan` draws rich tables from a :class:`planner.plan.Plan` (and the hardware
 profile for the capacity and peak FLOP/s). Everything shown comes from plan.json's fields, so a
 plan loaded from disk renders the same way; given the search's :class:`planner.search.solve.Solution`
-it adds a per-stage memory/time column and the solver's counts. The one-line "why it lost" of each
+it adds a per-stage memory/time column, the solver's counts and why the stages are compiled or not. The one-line "why it lost" of each
 runner-up is written by the search (``planner.search.alternatives``) and stored in plan.json.
 """
 
@@ -103,6 +103,8 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     m = plan.num_micro_batches
     head.add_row("micro-batching", f"{m} micro-batch{'es' if m != 1 else ''} of {plan.micro_batch_size} "
                  f"per data-parallel rank (1F1B, bubble {pred.bubble_fraction:.1%})")
+    choice = solution.compile if solution is not None else None
+    head.add_row("compiled stages", choice.reason() if choice is not None else ("on" if plan.compile else "off"))
     link = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s link" if hw is not None else "the intra-node link"
     for k, v in rank_layout(plan.dp, plan.tp, plan.pp, plan.hardware.gpus_per_node, link):
         head.add_row(k, v)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from planner.search.errors import SearchError
 from runtime.dtypes import DTYPES
 
-__all__ = ["PlanRequest", "CHECKPOINT_MODES"]
+__all__ = ["PlanRequest", "CHECKPOINT_MODES", "COMPILE_MODES", "DEFAULT_HORIZON_STEPS"]
 
 CHECKPOINT_MODES = ("auto", "none", "all")
+COMPILE_MODES = ("auto", "on", "off")
+
+#: Steps a run is assumed to last when the request gives no ``tokens``: what compiling the stages
+#: must pay back over (a short fine-tune; a pretraining run is far longer, and says so with --tokens).
+DEFAULT_HORIZON_STEPS = 1000
 
 
 @dataclass
@@ -46,6 +52,18 @@ class PlanRequest:
     inputs: dict = field(default_factory=dict)
     """What training feeds a model input the graph does not explain: ``{name: role}``
     (``--input NAME=ROLE``; see ``planner.frontend.inputs``)."""
+    compile: str = "auto"
+    """Compiled stages (``torch.compile`` per layer class): ``auto`` (the search compiles when the
+    per-step saving repays the compile time over the run), ``on`` or ``off`` (``--compile``)."""
+    tokens: float | None = None
+    """Tokens the whole run trains on (``--tokens``): the run's length in steps, which compiling
+    must pay back over; ``None``: ``DEFAULT_HORIZON_STEPS``."""
+
+    def horizon_steps(self) -> int:
+        """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""
+        if self.tokens is None:
+            return DEFAULT_HORIZON_STEPS
+        return max(1, math.ceil(self.tokens / (self.global_batch * self.seq_len)))
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, int) and self.gpus_per_node < 0:
@@ -62,6 +80,11 @@ class PlanRequest:
                 raise SearchError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise SearchError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+        if self.compile not in COMPILE_MODES:
+            raise SearchError(f"--compile must be on or off (or omitted: the planner decides), got {self.compile!r}.")
+        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, (int, float))
+                                        or not math.isfinite(self.tokens) or self.tokens <= 0):
+            raise SearchError(f"--tokens must be a positive number of tokens, got {self.tokens!r}.")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
         if not 0.1 <= self.memory_headroom <= 1.0:

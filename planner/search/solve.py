@@ -5,6 +5,17 @@ prices each one's per-layer costs (:mod:`cost_models.strategy`), runs the pruned
 (:mod:`planner.search.ilp`) and assembles plan.json's dataclass with the three best runners-up and why
 each lost (:func:`planner.search.alternatives.alternative_reason`).
 
+Compiled stages are a per-plan decision (:func:`choose_compile`): pinned by ``--compile on|off``,
+or, by default, the search runs once with every candidate eager and, when compiling could pay,
+once more with every candidate compiled (``Candidate.compile``, priced by
+:mod:`cost_models.strategy`), and keeps the compiled winner only if its per-step saving over the
+eager winner, times the run's steps (``--tokens``, else ``DEFAULT_HORIZON_STEPS``), exceeds its
+compile time. "Could pay" is a sound bound checked before the second search: no compiled
+strategy saves more per step than ``m`` times the sum of its layers' per-micro-batch savings, so
+when the largest such bound over the candidates, times the steps, is below the compile time of
+one layer class, the compiled search cannot change the answer and is skipped (the tiny models of
+the tests, on the ``cpu`` profile, never compile).
+
 When nothing fits, :class:`NoFeasiblePlan` says how much memory per device the least demanding
 strategy needs (an exact minimum: the same ILPs with memory as the objective), which part
 dominates it, and what would make it fit: dropping pins that forbid a fitting plan, ZeRO-3, more
@@ -26,6 +37,8 @@ from cost_models.strategy import (
     Evaluation,
     NumericTable,
     candidate_costs,
+    compile_seconds,
+    evaluate,
     memory_bound,
     predicted_fields,
 )
@@ -41,8 +54,9 @@ from planner.search.candidates import (
 )
 from planner.search.errors import NoFeasiblePlan, SearchError
 from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
+from planner.units import format_seconds
 
-__all__ = ["Solution", "solve", "build_plan", "least_memory", "candidate_entries"]
+__all__ = ["Solution", "solve", "build_plan", "least_memory", "candidate_entries", "CompileChoice", "choose_compile"]
 
 
 def _gib(x: float) -> str:
@@ -130,6 +144,43 @@ def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entr
 
 
 @dataclass(frozen=True)
+class CompileChoice:
+    """Whether the plan compiles its stages, and the figures behind it (for the report)."""
+
+    on: bool
+    mode: str
+    """``auto`` (the search decided), ``on`` or ``off`` (pinned by ``--compile``)."""
+    saving_s: float
+    """Seconds per step compiling saves: the eager winner's step minus the compiled winner's
+    (or, where only one was searched, the winner re-priced the other way). Negative: slower."""
+    compile_s: float
+    """Estimated seconds of compilation, once per run (``cost_models.strategy.compile_seconds``)."""
+    steps: int
+    """Steps of the run it must pay back over."""
+    from_tokens: bool
+    """``steps`` comes from ``--tokens`` (else the default horizon)."""
+
+    def reason(self) -> str:
+        """One line: on or off, because ..."""
+        fs, why = format_seconds, "operator overhead and fused memory-bound ops"
+        slower = ("compiled layers would not be faster" + (
+            f" ({fs(-self.saving_s)} per step slower: few operators per compiled region, or graph breaks "
+            "at tensor-parallel collectives)" if self.saving_s < 0 else ""))
+        if self.mode != "auto":
+            tail = (f"compiled layers save {fs(self.saving_s)} per step ({why}) for about {fs(self.compile_s)} "
+                    "of compilation" if self.saving_s > 0 else slower)
+            return f"{self.mode}, pinned by --compile {self.mode}: {tail}"
+        if self.saving_s <= 0:
+            return f"off, because {slower}"
+        run = f"the run's {self.steps:,} steps" + (" (--tokens)" if self.from_tokens else
+                                                  " (the default horizon without --tokens)")
+        head = (f"compiled layers {'save' if self.on else 'would save'} {fs(self.saving_s)} per step ({why}), "
+                f"which repays about {fs(self.compile_s)} of compilation after "
+                f"{math.ceil(self.compile_s / self.saving_s):,} steps")
+        return f"on, because {head}, within {run}" if self.on else f"off, because {head}, more than {run}"
+
+
+@dataclass(frozen=True)
 class Solution:
     """What the search found: the plan and what only the search knows about it."""
 
@@ -139,6 +190,8 @@ class Solution:
     """Its priced strategy: per-stage costs for the report and the plot."""
     search: SearchResult
     """Counts of candidates, ILPs and pruning, the runners-up and the search's notes."""
+    compile: CompileChoice | None = None
+    """Whether the stages are compiled, and why."""
 
 
 def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:
@@ -158,8 +211,13 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     nt = table if isinstance(table, NumericTable) else NumericTable(table)
     check_pins(request, nt, gpn)
     inputs = resolve_inputs(nt.model.get("inputs"), request.inputs, request.spec)
-    entries = candidate_entries(request, nt, hw, gpn, enumerate_candidates(request, nt, gpn))
+    cands = enumerate_candidates(request, nt, gpn)
+    entries = candidate_entries(request, nt, hw, gpn, [dataclasses.replace(c, compile=request.compile == "on")
+                                                       for c in cands])
     res = search(entries, nt.kinds, request.checkpoint, solver)
+    choice = None
+    if res.best is not None:
+        res, choice = choose_compile(request, nt, hw, gpn, entries, res, solver)
     if nt.tied and res.best is not None and res.best.strategy.candidate.pp > 1:
         res.notes.append(f"tied weights ({tied_summary(nt)}): each stage that reads one holds a "
                          "copy; their gradients are all-reduced over those stages after backward")
@@ -168,7 +226,49 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     if res.best is None:
         raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
     plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0, inputs)
-    return Solution(plan=plan, evaluation=res.best, search=res)
+    return Solution(plan=plan, evaluation=res.best, search=res, compile=choice)
+
+
+def _repriced(req, nt: NumericTable, hw: HardwareProfile, gpn: int, ev: Evaluation, compiled: bool) -> Evaluation:
+    """``ev``'s strategy priced with its layers compiled (or not)."""
+    c = dataclasses.replace(ev.strategy.candidate, compile=compiled)
+    cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, hw.memory_bytes * req.memory_headroom)
+    return evaluate(cc, ev.strategy.stages, sorted(ev.strategy.checkpoint))
+
+
+def _saving_bound(eager: CandidateCosts, compiled: CandidateCosts) -> float:
+    """The most any strategy of this candidate saves per step by compiling: ``m`` x the layers'
+    per-micro-batch savings (work and recompute; nothing else changes). Sound: a step is
+    ``(m - 1) T + sum_k T_k + D``, the slowest stage ``T`` shrinks by at most the sum of its
+    layers' savings, ``sum_k T_k`` by exactly all of them, ``D`` not at all."""
+    m = eager.cand.num_micro_batches
+    return m * sum(max(0.0, (a.work_s + a.rec_s) - (b.work_s + b.rec_s)) for a, b in zip(eager.layers, compiled.layers))
+
+
+def choose_compile(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult,
+                   solver: str) -> tuple[SearchResult, CompileChoice]:
+    """The search result to plan from and whether it compiles (see the module docstring).
+
+    ``entries`` and ``res``: the candidates and search of the request's own mode (compiled when
+    ``--compile on``, eager otherwise)."""
+    steps, from_tokens = req.horizon_steps(), req.tokens is not None
+    best = res.best
+    if req.compile != "auto":
+        other = _repriced(req, nt, hw, gpn, best, not best.strategy.candidate.compile)
+        on, off = (best, other) if req.compile == "on" else (other, best)
+        return res, CompileChoice(req.compile == "on", req.compile, off.step_time_s - on.step_time_s,
+                                  on.extra["compile_s"], steps, from_tokens)
+    compiled = candidate_entries(req, nt, hw, gpn, [dataclasses.replace(cc.cand, compile=True) for _, _, cc in entries])
+    bound = max(_saving_bound(a[2], b[2]) for a, b in zip(entries, compiled))
+    if bound * steps <= compile_seconds(hw, 1):  # nothing compiled can pay: keep the eager answer
+        on = _repriced(req, nt, hw, gpn, best, True)
+        return res, CompileChoice(False, "auto", best.step_time_s - on.step_time_s, on.extra["compile_s"],
+                                  steps, from_tokens)
+    res_on = search(compiled, nt.kinds, req.checkpoint, solver)
+    on = res_on.best  # not None: compiling changes no memory
+    saving = best.step_time_s - on.step_time_s
+    use = saving * steps > on.extra["compile_s"]
+    return (res_on if use else res), CompileChoice(use, "auto", saving, on.extra["compile_s"], steps, from_tokens)
 
 
 def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: SearchResult, solver: str,
@@ -192,6 +292,7 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
         global_batch=req.global_batch, seq_len=req.seq_len, dtype=req.dtype, dp=c.dp, tp=c.tp, pp=c.pp,
         zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
         stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
+        compile=c.compile,
         predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
         solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status,
                           candidates=res.enumerated),

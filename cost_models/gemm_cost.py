@@ -1,0 +1,125 @@
+"""The matrix products of one layer priced by their shapes, per device at a tensor-parallel degree.
+
+The layer table lists each row's products by shape (``passes.layer_table``: ``fwd_gemms`` /
+``bwd_gemms``, entries ``Gemm(m, n, k, batch, count, tp_dim)``: ``count`` products of ``batch``
+``m x k`` by ``k x n`` matrices, ``tp_dim`` the dim tensor parallelism divides or None). At degree
+``tp`` a device runs each product with ``tp_dim`` divided by ``tp`` (column parallel: the out
+features; row parallel: the in features; attention: b x heads), the others whole, so its FLOPs
+are those of ``fwd_flops - fwd_flops_tp + fwd_flops_tp / tp`` that the products carry.
+
+``layer_gemm_time`` prices those products:
+
+- on a profile that prices GEMMs by shape (a measured ``gemm_efficiency`` table for the dtype,
+  or an ``sm_count``: the GPU profiles) each product at its shape's efficiency,
+  ``cost_models.compute.gemms_time`` (tile and SM-fill quantization, the memory roofline of
+  small products, the kernel floor);
+- on any other profile (the CPU ones) their FLOPs at ``peak * compute_efficiency``, exactly what
+  ``compute_time(flops, 0, ...)`` charges for them today (no bytes term: the summed model never
+  charged a matmul's operand traffic, and CPU predictions must not move).
+
+Not every matmul-class FLOP has a shape (convolutions, ``_scaled_mm``, nested attention;
+``passes.autograd_costs``), and a table read from an older JSON has none at all, so a layer's
+matmul time is its products' time plus the rest of its FLOPs at the flat rate:
+``layer_matmul_time``. How ``cost_models.strategy`` uses it, replacing
+``compute_time(split("fwd_flops"), 0.0, hw, dtype)`` (and the same for ``bwd``) in
+``_layer_cost``::
+
+    from cost_models.gemm_cost import layer_matmul_time
+
+    dev_f = float(layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
+                  + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype))
+    dev_b = float(layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
+                  + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype))
+
+``split("fwd_flops")`` is the layer's per-device FLOPs at ``tp`` (its matmul-class work); on a
+CPU profile ``layer_matmul_time`` returns ``compute_time(split("fwd_flops"), 0.0, hw, dtype)``
+itself, bit for bit, so CPU predictions and the golden corpus do not change. The memory-bound
+bytes, the operator overhead and everything else of the layer stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import sympy
+
+from .compute import _shape_priced, compute_time, gemms_time
+from .hardware import HardwareProfile
+
+__all__ = ["gemm_flops", "layer_gemm_time", "layer_matmul_time", "per_device_gemms", "prices_by_shape"]
+
+_DIMS = ("m", "n", "k", "batch")
+
+
+def prices_by_shape(hw: HardwareProfile, dtype: str) -> bool:
+    """True when ``hw`` prices a GEMM by its shape for ``dtype`` (a measured table for it, or an
+    ``sm_count``); False for the CPU profiles, which price FLOPs at one rate."""
+    return _shape_priced(hw, dtype)
+
+
+def _number(x: Any, b: Any, s: Any) -> float:
+    """A size as a float; a sympy size is evaluated at micro-batch ``b``, sequence length ``s``."""
+    if isinstance(x, sympy.Basic):
+        if x.free_symbols:
+            env = {"b": b, "s": s}
+            missing = sorted(str(v) for v in x.free_symbols if env.get(str(v)) is None)
+            if missing:
+                raise ValueError(f"GEMM size {x} depends on {', '.join(missing)}: pass b and s "
+                                 "(or the numeric rows of LayerTable.numeric)")
+            x = x.subs({v: env[str(v)] for v in x.free_symbols})
+        return float(x)
+    return float(x)
+
+
+def per_device_gemms(gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None,
+                     s: Any = None) -> list[tuple[float, float, float, float, int]]:
+    """``(m, n, k, batch, count)`` per device at degree ``tp``: numeric sizes, each entry's
+    ``tp_dim`` divided by ``tp``. Entries are ``Gemm`` rows or tuples ``(m, n, k, batch, count[,
+    tp_dim])``; sympy sizes need ``b`` and ``s``."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1 (got {tp!r})")
+    out = []
+    for g in gemms:
+        g = tuple(g)
+        if len(g) not in (5, 6):
+            raise ValueError(f"a GEMM entry is (m, n, k, batch, count[, tp_dim]), got {g!r}")
+        dims = [_number(x, b, s) for x in g[:4]]
+        tp_dim = g[5] if len(g) == 6 else None
+        if tp_dim is not None:
+            if tp_dim not in _DIMS:
+                raise ValueError(f"unknown GEMM tp_dim {tp_dim!r} (expected one of {', '.join(_DIMS)} or None)")
+            dims[_DIMS.index(tp_dim)] /= tp
+        out.append((dims[0], dims[1], dims[2], dims[3], int(g[4])))
+    return out
+
+
+def gemm_flops(gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None, s: Any = None) -> float:
+    """FLOPs of the products on one device at degree ``tp``: ``2 m n k batch count`` summed."""
+    return sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in per_device_gemms(gemms, tp, b, s))
+
+
+def layer_gemm_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str, tp: int = 1,
+                    b: Any = None, s: Any = None) -> float:
+    """Seconds one device spends in a layer pass's products (``fwd_gemms`` or ``bwd_gemms`` of a
+    layer-table row) at tensor-parallel degree ``tp``: each at its shape's efficiency on a
+    profile that prices by shape, else their FLOPs at ``peak * compute_efficiency`` (module doc).
+    Sizes may be numbers (the rows of ``LayerTable.numeric``) or sympy in ``b`` and ``s``, given
+    numerically then."""
+    shapes = per_device_gemms(gemms, tp, b, s)
+    if not prices_by_shape(hw, dtype):
+        flops = sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in shapes)
+        return float(compute_time(flops, 0.0, hw, dtype))
+    return float(gemms_time(shapes, hw, dtype))
+
+
+def layer_matmul_time(flops: float, gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str,
+                      tp: int = 1, b: Any = None, s: Any = None) -> float:
+    """Seconds of a layer pass's matmul-class work on one device: ``flops`` (its FLOPs at degree
+    ``tp``, ``x - x_tp + x_tp / tp``) of which the listed products are priced by shape
+    (``layer_gemm_time``) and the rest, ``flops - gemm_flops(gemms, tp)``, at the flat rate. On a
+    profile that does not price by shape this is ``compute_time(flops, 0.0, hw, dtype)`` exactly."""
+    if not prices_by_shape(hw, dtype):
+        return float(compute_time(flops, 0.0, hw, dtype))
+    gemms = list(gemms)
+    rest = max(float(flops) - gemm_flops(gemms, tp, b, s), 0.0)
+    return layer_gemm_time(gemms, hw, dtype, tp, b, s) + float(compute_time(rest, 0.0, hw, dtype))
