@@ -99,10 +99,11 @@ def sweep_paths(out: str, counts: list[int]) -> dict[int, str]:
 
 
 def _strategy(plan: Plan) -> str:
-    """``dp8 tp4 pp8 Z1 192x1 rc4``: degrees, ZeRO stage, micro-batches x size, layers recomputed."""
+    """``dp8 tp4 pp8 Z1 192x1 rc4 C``: degrees, ZeRO stage, micro-batches x size, layers
+    recomputed, compiled stages."""
     ck = len(plan.checkpoint_layers)
     return (f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
-            f"{plan.micro_batch_size}" + (f" rc{ck}" if ck else ""))
+            f"{plan.micro_batch_size}" + (f" rc{ck}" if ck else "") + (" C" if plan.compile else ""))
 
 
 def _short(v: float) -> str:
@@ -138,7 +139,8 @@ def render_sweep(rows: list[SweepRow], args, console: Console) -> None:
             cells.append(_short(r.cost["money"]))
         t.add_row(*cells)
     console.print(t)
-    console.print("strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, layers recomputed (rc)."
+    console.print("strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, layers recomputed (rc), "
+                  "compiled stages (C)."
                   + ("" if tokens else " days, GPU-hours and money are per billion tokens (--tokens N for a run)."))
     if not ok:
         return
