@@ -51,7 +51,7 @@ EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_
                "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
                "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
-              "tp_allreduce_calls", "tp_allreduce_bwd_calls")
+              "tp_allreduce_calls", "tp_allreduce_bwd_calls", "largest_param", "largest_param_tp")
 GEMM_FIELDS = ("fwd_gemms", "bwd_gemms")
 GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
@@ -152,6 +152,12 @@ class LayerCosts:
     """All-reduces over tp in one forward (each a point where the tp ranks wait for each other)."""
     tp_allreduce_bwd_calls: int = 0
     """All-reduces over tp in one backward."""
+    largest_param: int = 0
+    """Elements of the largest weight tp does not shard that the layer reads (a tied weight
+    counts in every layer that reads it): backward creates its gradient afresh before adding it
+    to the gradient buffer, a transient of that size (``cost_models.memory``)."""
+    largest_param_tp: int = 0
+    """Likewise, of the largest weight tp shards (whole; a device holds ``1 / tp`` of it)."""
     fwd_gemms: list = field(default_factory=list)
     """The forward's matrix products by shape, ``Gemm`` rows (module doc)."""
     bwd_gemms: list = field(default_factory=list)
@@ -360,6 +366,12 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         a["tp_loss_bwd_bytes"] += tp.loss_bwd_bytes
         ints[lay]["tp_allreduce_calls"] += tp.fwd_calls
         ints[lay]["tp_allreduce_bwd_calls"] += int(tp.allreduce_bwd != 0)
+    for node in gm.graph.nodes:  # every layer that reads a weight computes a gradient of it
+        if node.op == "placeholder" and "param_count" in node.meta:
+            key = "largest_param_tp" if node.meta["tp"].role == "sharded" else "largest_param"
+            for lay in {u.meta.get("layer", -1) for u in node.users} | {node.meta["layer"]}:
+                if 0 <= lay < n:
+                    ints[lay][key] = max(ints[lay][key], int(node.meta["param_count"]))
     for i, io in enumerate(layer_io(gm, nb)):
         acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
         acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)

@@ -70,7 +70,7 @@ from planner.frontend.trace import resolve_dtype
 
 __all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
 
-FORMAT = 2
+FORMAT = 3
 """Version of the entry layout; raise it when the pickled payload changes shape (2: the rows'
 GEMM shapes, ``fwd_gemms`` / ``bwd_gemms``)."""
 
