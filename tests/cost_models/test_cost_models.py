@@ -466,3 +466,11 @@ def test_memory_breakdown_total():
     assert mem == {"params": 2000, "grads": 2000, "optimizer": 250 * 12, "activations": 5000,
                    "total": 2000 + 2000 + 3000 + 5000}
     assert math.isclose(mem["total"], sum(v for k, v in mem.items() if k != "total"))
+
+
+def test_backward_transient_counts_the_fresh_weight_gradient():
+    from cost_models.memory import backward_transient_bytes
+
+    assert backward_transient_bytes(100) == 200                      # 2 x the largest activation
+    assert backward_transient_bytes(100, weight_grad=50) == 200      # the activations dominate
+    assert backward_transient_bytes(100, weight_grad=8000) == 8100   # an embedding's dense gradient

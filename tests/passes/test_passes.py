@@ -356,3 +356,15 @@ def test_a_size_the_trace_could_not_name_is_a_clear_error():
     table = LayerTable(layers=[_row(0, "pre", "pre", saved_bytes=4 * B * stray), _row(1, "post", "post")])
     with pytest.raises(PassError, match=r"Layer 'pre': its saved_bytes depends on a size .* \(u0\)"):
         table.numeric(2, 8)
+
+
+def test_largest_weight_of_each_layer_is_recorded():
+    # GPT-2 ties its token embedding (vocab x hidden) to the head: both rows read it, and both
+    # backwards create its gradient afresh (the transient cost_models.memory prices).
+    table = build_layer_table("hf:gpt2", batch=1, seq_len=16, dtype="fp32", layers=2, hidden=64, heads=4,
+                              vocab=512)
+    pre, block, post = table.layers[0], table.layers[1], table.layers[-1]
+    assert pre.largest_param_tp == post.largest_param_tp == 512 * 64  # vocab-parallel under tp
+    assert pre.largest_param == 1024 * 64                               # position table, not sharded
+    assert block.largest_param_tp == 4 * 64 * 64 and block.largest_param == 64  # c_fc; biases, norms
+    assert LayerTable.from_json(table.to_json()).layers[-1].largest_param_tp == 512 * 64
