@@ -33,7 +33,7 @@ import json, resource, sys, time
 t0, c0 = time.perf_counter(), time.process_time()
 import torch
 from planner.frontend.trace import trace_model
-from passes.layer_table import table_from_traced
+from passes.tabulate import table_from_traced
 t1, c1 = time.perf_counter(), time.process_time()
 traced = trace_model("gpt3-175b", batch=1, seq_len=2048, dtype="bf16")
 t2, c2 = time.perf_counter(), time.process_time()

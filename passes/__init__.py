@@ -10,22 +10,48 @@ Order (each pass checks the ``node.meta`` keys it needs):
                                    ``requires_grad``
 6. ``propagate_tensor_parallel`` -> ``tp``
 
-``analyze(traced)`` (``passes.analyze``) runs them all on a ``passes.graph.TracedGraph``;
-``passes.layer_table.table_from_traced`` analyzes and sums per layer. Tracing is the front end's
+``passes.analyze.analyze(traced)`` runs them all on a ``passes.graph.TracedGraph``;
+``passes.tabulate.table_from_traced`` analyzes and sums per layer. Tracing is the front end's
 (``planner.frontend``): the passes receive a graph and never build a model.
+
+The names below are exported lazily (PEP 562): ``import passes.layer_table`` runs this file
+first, and a re-plan from the layer-table cache reads tables without torch (``passes.core``), so
+this file must not import the passes, which need torch, until one of them is asked for.
+(``passes.analyze`` is the module, not its function ``analyze``: a submodule's name wins.)
 """
 
-from passes.analyze import analyze
-from passes.autograd_costs import annotate_costs, total_saved_bytes
-from passes.common import PassError
-from passes.graph import TracedGraph
-from passes.layer_table import LayerCosts, LayerTable, table_from_traced
-from passes.layers import assign_layers, layer_io, layer_names, layer_signatures
-from passes.op_class import classify_ops
-from passes.shapes import annotate_params, annotate_shapes
-from passes.tensor_parallel import propagate_tensor_parallel
+from __future__ import annotations
 
-__all__ = ["analyze", "assign_layers", "annotate_shapes", "annotate_params", "classify_ops",
-           "annotate_costs", "propagate_tensor_parallel", "total_saved_bytes", "layer_io",
-           "layer_names", "layer_signatures", "LayerTable", "LayerCosts", "table_from_traced",
-           "TracedGraph", "PassError"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "annotate_costs": "passes.autograd_costs",
+    "total_saved_bytes": "passes.autograd_costs",
+    "PassError": "passes.core",
+    "TracedGraph": "passes.graph",
+    "LayerCosts": "passes.layer_table",
+    "LayerTable": "passes.layer_table",
+    "table_from_traced": "passes.tabulate",
+    "assign_layers": "passes.layers",
+    "layer_io": "passes.layers",
+    "layer_names": "passes.layers",
+    "layer_signatures": "passes.layers",
+    "classify_ops": "passes.op_class",
+    "annotate_params": "passes.shapes",
+    "annotate_shapes": "passes.shapes",
+    "propagate_tensor_parallel": "passes.tensor_parallel",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'passes' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

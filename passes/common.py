@@ -9,13 +9,13 @@ holds what they share:
   (``FloorDiv``, ``CeilToInt``...); the traced graph carries a map from the former to ours, and the
   latter are rewritten to standard sympy (``floor``, ``ceiling``) so expressions survive JSON and
   ``sympy.lambdify``.
-- ``source_line`` / ``PassError``: errors name the graph node and the user's ``file:line``.
+- ``source_line`` / ``PassError`` (from ``passes.core``, the torch-free part): errors name the
+  graph node and the user's ``file:line``.
 - ``need``: a pass asks for the meta keys it depends on and gets a clear error if a pass is missing.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterable
 
 import sympy
@@ -23,45 +23,12 @@ import torch
 import torch.fx as fx
 import torch.utils._sympy.functions as tsf
 
+from passes.core import B, PassError, S, source_line
+
 __all__ = [
     "B", "S", "PassError", "to_expr", "sanitize", "source_line", "need", "iter_tensors",
     "has_tensor", "dtype_bytes", "dtype_name", "tensor_nbytes", "META_ONLY", "is_meta_only", "hint",
 ]
-
-B = sympy.Symbol("b", positive=True, integer=True)
-"""Micro-batch size (sequences per micro-batch)."""
-S = sympy.Symbol("s", positive=True, integer=True)
-"""Sequence length."""
-
-
-class PassError(ValueError):
-    """A pass met a graph it cannot analyze, or a layer table was asked for what it cannot give;
-    the message names the node and the source line where there is one."""
-
-    def __init__(self, pass_name: str, node: fx.Node | None, message: str):
-        where = ""
-        if not pass_name:  # a plain message (no pass, no node)
-            super().__init__(message)
-            return
-        if node is not None:
-            where = f" at node {node.name!r} ({node.target})"
-            src = source_line(node)
-            if src:
-                where += f", from {src}"
-        super().__init__(f"{pass_name}{where}: {message}")
-
-
-_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def source_line(node: fx.Node) -> str:
-    """``file:line`` of the innermost user frame that created ``node`` ('' if unknown)."""
-    trace = node.meta.get("stack_trace") or ""
-    hits = _FILE_LINE.findall(trace)
-    if not hits:
-        return ""
-    path, line = hits[-1]
-    return f"{path}:{line}"
 
 
 def need(node: fx.Node, key: str, pass_name: str, producer: str) -> Any:

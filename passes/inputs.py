@@ -30,12 +30,10 @@ import torch
 import torch.fx as fx
 
 from passes.common import B, S, hint, to_expr
+from passes.core import ROLES
 from passes.op_class import op_name
 
 __all__ = ["ROLES", "NAMED_ROLES", "InputFacts", "infer_inputs"]
-
-ROLES = ("tokens", "labels", "targets", "ones", "zeros", "positions")
-"""Every role an input can take (``runtime.data.INPUT_ROLES`` is the same tuple)."""
 
 NAMED_ROLES = {"attention_mask": "ones", "mask": "ones", "token_type_ids": "zeros", "position_ids": "positions",
                "input_ids": "tokens", "tokens": "tokens", "ids": "tokens", "targets": "targets"}

@@ -9,30 +9,44 @@ The two helpers generated code calls directly live here:
   position indices, are made there);
 - ``runtime.checkpoint(layer, *args)``: run a layer without keeping its activations and
   recompute them in backward (non-reentrant, RNG state restored so dropout masks match).
+
+This file imports torch only inside those helpers: the planner reads ``runtime.contract`` (the
+dtype and input-role names) while planning, and importing any ``runtime`` module runs this file
+first, so a module-level ``import torch`` here would cost every re-plan torch's import (most of
+its time). Generated code and the trainer have imported torch long before they call these.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.utils.checkpoint
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __version__ = "0.1.0"
 
-_DEVICE = torch.device("cpu")
+_DEVICE: "torch.device | None" = None
 
 
-def device() -> torch.device:
+def device() -> "torch.device":
     """The device of this rank (set by the trainer; CPU by default)."""
-    return _DEVICE
+    import torch
+
+    return _DEVICE if _DEVICE is not None else torch.device("cpu")
 
 
-def set_device(d: torch.device | str) -> None:
+def set_device(d: "torch.device | str") -> None:
+    import torch
+
     global _DEVICE
     _DEVICE = torch.device(d)
 
 
 def checkpoint(layer, *args):
     """Activation checkpointing of one layer: keep its inputs, recompute the rest in backward."""
+    import torch
+    import torch.utils.checkpoint
+
     if not torch.is_grad_enabled():
         return layer(*args)
     return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True)

@@ -27,22 +27,10 @@ import os
 import numpy as np
 import torch
 
+from runtime.contract import INPUT_ROLES, LEGACY_INPUTS, DataError
+
 __all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice", "INPUT_ROLES", "LEGACY_INPUTS",
            "model_inputs", "data_vocab"]
-
-INPUT_ROLES = ("tokens", "labels", "targets", "ones", "zeros", "positions")
-"""What an input can be fed: the token ids; the same ids as ``labels`` (the model shifts them);
-the next tokens as ``targets``; a constant ``ones``/``zeros`` of the input's shape (a mask); the
-``positions`` ``0..S-1`` of each row. ``passes.inputs`` assigns them from the graph."""
-
-LEGACY_INPUTS = [{"name": "input_ids", "role": "tokens", "dtype": "int64", "shape": ["b", "s"]},
-                 {"name": "labels", "role": "targets", "dtype": "int64", "shape": ["b", "s"]}]
-"""The inputs of a plan written before ``model.inputs`` existed: ``(tokens, targets)``."""
-
-
-class DataError(ValueError):
-    """The data source cannot be used (the message names the file and the problem)."""
-
 
 def _rng(seed: int, step: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, step]))

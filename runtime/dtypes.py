@@ -2,7 +2,8 @@
 
 Plans, manifests and the CLI name dtypes ``fp32``, ``bf16`` and ``fp16``; torch's own names
 (``float32``, ``bfloat16``, ``float16``) are accepted as aliases. The front end, the plan, the
-search, codegen, the CLI and the runtime read their names and torch dtypes here. ``passes`` work
+search, codegen, the CLI and the runtime read their torch dtypes here; the names alone live in
+``runtime.contract`` (importable without torch) and are re-exported. ``passes`` work
 on torch dtypes, and ``cost_models`` (which never import the runtime) key their precision recipe
 by these names; ``tests/cost_models`` checks that their tables agree with this one.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.contract import ALIASES, DTYPES, ITEMSIZE, canonical
+
 __all__ = ["DTYPES", "TORCH_DTYPES", "ALIASES", "to_torch", "name_of", "itemsize", "canonical"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -18,23 +21,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-"""Compute dtype name -> torch dtype, in the order the CLI lists them."""
-
-DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
-"""The names a plan's ``dtype`` may take."""
-
-ALIASES: dict[str, str] = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-"""torch's names for the same dtypes."""
-
-
-def canonical(name: str) -> str:
-    """``'bfloat16'`` / ``'BF16'`` / ``'bf16'`` -> ``'bf16'``; a ``ValueError`` naming the choices
-    for anything else."""
-    key = str(name).lower()
-    key = ALIASES.get(key, key)
-    if key not in TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use {', '.join(DTYPES)}")
-    return key
+"""Compute dtype name -> torch dtype, in the order the CLI lists them (``DTYPES``)."""
 
 
 def to_torch(name: str | torch.dtype) -> torch.dtype:
@@ -54,4 +41,4 @@ def name_of(dtype: torch.dtype) -> str:
 
 def itemsize(name: str) -> int:
     """Bytes per element of a named dtype."""
-    return to_torch(name).itemsize
+    return ITEMSIZE[canonical(name)]

@@ -4,18 +4,22 @@
 the meta device (``planner.frontend.trace``), run every pass and sum costs per layer
 (``passes.layer_table``). Tracing costs seconds and a model is planned again and again, so the
 table of a spec is kept in the user's cache folder and read back while nothing it depends on has
-changed (``planner.frontend.cache``, which documents the key and ``PLANNER_CACHE=off``).
+changed (``planner.frontend.cache``, which documents the key and ``PLANNER_CACHE=off``). A hit
+imports no torch: the tracer and the passes are imported on a miss only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
+from typing import TYPE_CHECKING
 
-from passes.layer_table import LayerTable, table_from_traced
+from passes.layer_table import LayerTable
 from planner.frontend import cache
-from planner.frontend.bundle import ModelBundle
-from planner.frontend.trace import trace_model
+
+if TYPE_CHECKING:
+    from planner.frontend.bundle import ModelBundle
 
 __all__ = ["build_layer_table"]
 
@@ -55,6 +59,10 @@ def build_layer_table(model: str | ModelBundle, *, batch: int | None = None, seq
         table = cache.load_table(key) if key is not None else None
         if table is not None:
             return table
+    # Tracing needs torch (and transformers for HF models), whose imports are most of a re-plan's
+    # time: they are imported here, on a miss, and never by a plan the cache answers.
+    trace_model = importlib.import_module("planner.frontend.trace").trace_model
+    table_from_traced = importlib.import_module("passes.tabulate").table_from_traced
     with _cyclic_gc_paused():
         traced = trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
                              positions=positions, dynamic=dynamic, **sizes)

@@ -1,7 +1,8 @@
 """What every model builder returns (``ModelBundle``) and how a model spec is read.
 
 A spec names a built-in GPT preset, an HF architecture (``hf:llama``) or model directory
-(``hf:PATH``), or a user's ``path/to/file.py:factory``; ``parse_spec`` splits it,
+(``hf:PATH``), or a user's ``path/to/file.py:factory``; ``planner.frontend.spec.parse_spec`` splits
+it (re-exported here),
 ``planner.frontend.zoo`` builds it.
 """
 
@@ -13,19 +14,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from planner.frontend.errors import ModelError
-from planner.frontend.gpt import PRESETS
+from planner.frontend.spec import SPEC_HELP, parse_spec
 
 __all__ = ["ModelBundle", "parse_spec", "SPEC_HELP"]
-
-SPEC_HELP = (
-    "Model specs: 'gpt' (built-in GPT; sizes from --layers/--hidden/--heads/--ffn/--vocab), "
-    "presets 'gpt2', 'gpt2-xl', 'gpt3-175b'; 'hf:gpt2', 'hf:llama', 'hf:bert' (needs the 'hf' "
-    "extra: pip install 'planner[hf]'); 'hf:PATH', a local HF model directory (config.json, and "
-    "*.safetensors weights to start from; nothing is downloaded); or 'path/to/file.py:factory' "
-    "where factory() returns (model, example_inputs)."
-)
-
 
 @dataclass
 class ModelBundle:
@@ -67,20 +58,3 @@ class ModelBundle:
         if len(dims) >= 2 and dims[1] == self.seq_len:
             dims[1] = seq_len
         return dims
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """Split a spec into (kind, name): ('gpt', preset) | ('hf', arch or directory) | ('file', 'path:fn')."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ModelError("The model spec is empty. " + SPEC_HELP)
-    spec = spec.strip()
-    if spec in PRESETS:
-        return "gpt", spec
-    if spec.startswith("hf:"):
-        if not spec[3:].strip():
-            raise ModelError("'hf:' needs an architecture (hf:gpt2, hf:llama, hf:bert) or the path of "
-                             "a local model directory (hf:PATH).")
-        return "hf", spec[3:]
-    if ".py:" in spec:
-        return "file", spec
-    raise ModelError(f"Unknown model spec {spec!r}. " + SPEC_HELP)

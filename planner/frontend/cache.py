@@ -10,7 +10,7 @@ The key is everything the table is a function of; change any part and the entry 
 - the spec as given and every argument of ``build_layer_table`` (the size overrides, the traced
   batch, sequence length, dtype, position table, ``shallow``, ``dynamic``);
 - the planner's own code that computes the table: a digest of the source of ``passes/``,
-  ``planner/frontend/`` and ``runtime/dtypes.py``, so an upgrade (or a local edit) never serves
+  ``planner/frontend/``, ``runtime/dtypes.py`` and ``runtime/contract.py``, so an upgrade (or a local edit) never serves
   a table an older version computed;
 - the versions of torch, sympy, Python and, but for the built-in GPT, transformers;
 - the model's files: a ``file.py:factory``'s content (only that file: a factory that imports
@@ -18,7 +18,9 @@ The key is everything the table is a function of; change any part and the entry 
   content of ``config.json`` and the name, size and modification time of its weight files (the
   trace also checks the weights against the config, and that check is skipped on a hit).
 
-A ``ModelBundle`` (a live module, not a spec) is never cached.
+A ``ModelBundle`` (a live module, not a spec) is never cached. The key and the lookup import
+neither torch nor transformers (versions come from the installed packages' metadata), so a hit
+costs no more than reading the file.
 
 Where: ``$PLANNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/planner``, else ``~/.cache/planner``; one
 file per table under ``layer-tables/``, named by the key's SHA-256. Deleting the folder clears
@@ -61,12 +63,11 @@ from pathlib import Path
 from typing import Any
 
 import sympy
-import torch
 
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm, LayerCosts, LayerTable
-from planner.frontend.bundle import parse_spec
-from planner.frontend.hf import hf_directory
-from planner.frontend.trace import resolve_dtype
+from planner.frontend.errors import ModelError
+from planner.frontend.spec import hf_directory, parse_spec
+from runtime.contract import DTYPES, canonical
 
 __all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
 
@@ -106,7 +107,7 @@ def cache_dir() -> Path:
 
 _SOURCES = ("passes", "planner/frontend")
 """Folders (relative to the repository root) whose ``*.py`` files compute the table."""
-_SOURCE_FILES = ("runtime/dtypes.py",)
+_SOURCE_FILES = ("runtime/dtypes.py", "runtime/contract.py")
 _code_digest: str | None = None
 
 
@@ -156,6 +157,16 @@ def _directory_parts(path: str) -> dict[str, Any]:
             "files": files}
 
 
+def _dtype_key(dtype: Any) -> str:
+    """The canonical name of a dtype argument (``'bf16'``, or a torch dtype), without torch."""
+    if dtype is None:
+        return "fp32"
+    try:
+        return canonical(str(dtype))
+    except ValueError:
+        raise ModelError(f"Unknown dtype {dtype!r}; use {', '.join(DTYPES)}.") from None
+
+
 def table_key(spec: str, args: dict[str, Any]) -> str | None:
     """The canonical key text of ``build_layer_table(spec, **args)``, or ``None`` when the request
     cannot be keyed (a bad spec, a missing file: tracing then reports the error)."""
@@ -168,9 +179,9 @@ def table_key(spec: str, args: dict[str, Any]) -> str | None:
             "format": FORMAT, "spec": spec, "kind": kind,
             "args": {k: args[k] for k in sorted(args)},
             "sizes": {k: sizes[k] for k in sorted(sizes) if sizes[k] is not None},
-            "dtype": None if dtype is None else str(resolve_dtype(dtype)),
+            "dtype": _dtype_key(dtype),
             "code": code_digest(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+            "versions": {"python": platform.python_version(), "torch": _version("torch"),
                          "sympy": sympy.__version__},
         }
         if kind != "gpt":  # hf: models are transformers' code; a factory may wrap one too

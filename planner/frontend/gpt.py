@@ -1,4 +1,5 @@
-"""The built-in GPT: a pre-LayerNorm decoder with learned positions, and its size presets.
+"""The built-in GPT: a pre-LayerNorm decoder with learned positions, and its size presets
+(``GPTConfig`` and ``PRESETS`` live in the torch-free ``planner.frontend.spec``).
 
 ``forward(input_ids, labels)`` returns the scalar training loss, so a traced graph ends in a
 scalar. ``planner.frontend.zoo.build_model`` builds it from a spec and size flags.
@@ -7,54 +8,14 @@ scalar. ``planner.frontend.zoo.build_model`` builds it from a spec and size flag
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planner.frontend.errors import ModelError
+from planner.frontend.spec import PRESETS, GPTConfig
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Sizes of the built-in GPT (a pre-LayerNorm decoder with learned positions)."""
-
-    vocab: int = 50257
-    """Vocabulary size (rows of the embedding and of the untied LM head)."""
-    seq_len: int = 1024
-    """Maximum sequence length (rows of the position embedding)."""
-    layers: int = 12
-    """Number of transformer blocks."""
-    hidden: int = 768
-    """Model width."""
-    heads: int = 12
-    """Attention heads; must divide ``hidden``."""
-    ffn: int = 0
-    """MLP inner width; 0 means 4 x hidden."""
-    dropout: float = 0.0
-    """Dropout probability on attention output and MLP output."""
-
-    def __post_init__(self):
-        for name in ("vocab", "seq_len", "layers", "hidden", "heads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ModelError(f"GPT size {name}={v!r} must be a positive integer.")
-        if self.hidden % self.heads:
-            raise ModelError(
-                f"GPT hidden size {self.hidden} is not divisible by heads={self.heads}; "
-                f"pick --heads that divides --hidden."
-            )
-        if self.ffn < 0:
-            raise ModelError(f"GPT ffn={self.ffn} must be positive (0 means 4 x hidden).")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelError(f"dropout={self.dropout} must be in [0, 1).")
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn or 4 * self.hidden
 
 
 class Attention(nn.Module):
@@ -162,11 +123,3 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x, labels)
-
-
-PRESETS: dict[str, GPTConfig] = {
-    "gpt": GPTConfig(vocab=8192, seq_len=128, layers=4, hidden=256, heads=4),
-    "gpt2": GPTConfig(vocab=50257, seq_len=1024, layers=12, hidden=768, heads=12),
-    "gpt2-xl": GPTConfig(vocab=50257, seq_len=1024, layers=48, hidden=1600, heads=25),
-    "gpt3-175b": GPTConfig(vocab=51200, seq_len=2048, layers=96, hidden=12288, heads=96),
-}

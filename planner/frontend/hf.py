@@ -20,11 +20,11 @@ from safetensors import safe_open
 
 from planner.frontend.bundle import ModelBundle
 from planner.frontend.errors import ModelError
+from planner.frontend.spec import HF_ARCHS, hf_directory
 
 __all__ = ["build_hf", "build_hf_dir", "dir_config", "hf_directory", "load_hf_config", "weight_files", "HF_ARCHS",
            "HFLossModel"]
 
-HF_ARCHS = ("gpt2", "llama", "bert")
 
 # Our flag name -> the config attribute of each architecture.
 _FIELDS = {
@@ -116,21 +116,6 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
 _GENERIC = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
                 kv_heads="num_key_value_heads", ffn="intermediate_size", vocab="vocab_size",
                 seq_len="max_position_embeddings")
-
-
-def hf_directory(name: str) -> str | None:
-    """The directory of ``hf:NAME`` when NAME is a path, ``None`` for a built-in architecture.
-
-    A built-in name (``gpt2``, ``llama``, ``bert``) wins; write ``./llama`` for a folder of that name.
-    """
-    if name in HF_ARCHS:
-        return None
-    if not os.path.isdir(name):
-        raise ModelError(f"'hf:{name}' is neither a built-in HF architecture ("
-                         + ", ".join("hf:" + a for a in HF_ARCHS) + ") nor a directory. Give the path "
-                         "of a local model directory holding config.json (and optionally *.safetensors "
-                         "weights, e.g. written by save_pretrained); nothing is downloaded.")
-    return name
 
 
 SINGLE_FILE = "model.safetensors"

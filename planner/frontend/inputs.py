@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from passes.inputs import ROLES
+from passes.core import ROLES
 from planner.frontend.errors import ModelError
 
 __all__ = ["parse_input_pins", "resolve_inputs", "INPUT_HELP"]

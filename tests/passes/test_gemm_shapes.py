@@ -17,11 +17,12 @@ import os
 import pytest
 import sympy
 
-import passes
+from passes.analyze import analyze
 from passes.autograd_costs import GemmCall
 from passes.common import B, S, to_expr
-from passes.layer_table import GEMM_FIELDS, Gemm, LayerTable, table_from_traced
+from passes.layer_table import GEMM_FIELDS, Gemm, LayerTable
 from passes.op_class import op_name
+from passes.tabulate import table_from_traced
 from passes.tp_analysis import gemm_tp_dim, matmul_operands
 from planner.frontend import cache
 from planner.frontend.trace import trace_model
@@ -42,7 +43,7 @@ def analyzed(spec: str):
     """(traced graph with every pass run, its layer table), cached per module."""
     if spec not in _CACHE:
         tr = trace_model(spec, **SPECS[spec])
-        passes.analyze(tr)
+        analyze(tr)
         _CACHE[spec] = (tr, table_from_traced(tr, analyzed=True))
     return _CACHE[spec]
 

@@ -16,8 +16,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 import passes
+from passes.analyze import analyze
 from passes.common import B, PassError, S, source_line
-from passes.layer_table import LayerTable, table_from_traced
+from passes.layer_table import LayerTable
+from passes.tabulate import table_from_traced
 from passes.tp_analysis import reshape_dim
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.trace import trace_model
@@ -39,7 +41,7 @@ def analyzed(spec: str, dtype: str = "fp32"):
     key = (spec, dtype)
     if key not in _CACHE:
         tr = trace_model(spec, batch=2, seq_len=32, dtype=dtype, **ARCHS[spec])
-        passes.analyze(tr)
+        analyze(tr)
         _CACHE[key] = (tr, table_from_traced(tr, analyzed=True))
     return _CACHE[key]
 

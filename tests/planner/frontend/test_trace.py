@@ -10,7 +10,8 @@ import sympy
 import torch
 
 from passes.common import B, S
-from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable, table_from_traced
+from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
+from passes.tabulate import table_from_traced
 from planner.errors import UserError
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.trace import find_block_container, trace_model
