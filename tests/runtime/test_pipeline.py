@@ -1,4 +1,5 @@
-"""The pipeline executor without processes: one stage, argument checks, tensor metadata."""
+"""The pipeline executor without processes: one stage, argument checks, tensor metadata, and the
+split backward (``B`` input gradients, ``W`` weight gradients) of zero-bubble schedules."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from runtime.pipeline import MAX_TENSORS, PipelineError, PipelineStage, TensorMeta, run_pipeline
-from runtime.schedule import one_f_one_b
+from runtime.pipeline import (
+    MAX_TENSORS,
+    PipelineError,
+    PipelineStage,
+    TensorMeta,
+    backward_input,
+    backward_weight,
+    run_pipeline,
+)
+from runtime.schedule import one_f_one_b, zero_bubble_h1
 from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, make_layers, reference
 
 
@@ -46,3 +55,82 @@ def test_tensor_meta_and_stage_arguments():
     with pytest.raises(ValueError, match="receives nothing"):
         PipelineStage(nn.Linear(2, 2), 0, 1, recv_meta=RECV_META)
     assert MAX_TENSORS >= 2
+
+
+# ---------------------------------------------------------------------- split backward (B / W)
+
+
+class _Chain(nn.Module):
+    """Linear/GELU blocks; ``shared`` reuses one linear twice along the path (nested entries),
+    ``ckpt`` recomputes each block (non-reentrant checkpointing)."""
+
+    def __init__(self, shared: bool = False, ckpt: bool = False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6), nn.GELU()) for _ in range(3))
+        self.shared, self.ckpt = shared, ckpt
+
+    def forward(self, x):
+        for k, blk in enumerate(self.blocks):
+            b = self.blocks[0] if self.shared and k == 2 else blk
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return x
+
+
+@pytest.mark.parametrize("shared, ckpt", [(False, False), (True, False), (False, True)])
+def test_backward_input_then_weight_equals_one_backward(shared, ckpt):
+    x0, g = torch.randn(4, 6), torch.randn(4, 6)
+    ref = _Chain(shared)
+    x = x0.clone().requires_grad_(True)
+    ref(x).backward(g)
+    net = _Chain(shared, ckpt)
+    fired = []
+    for prm in net.parameters():
+        prm.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    xb = x0.clone().requires_grad_(True)
+    dx, work = backward_input([net(xb)], [g], [xb])
+    torch.testing.assert_close(dx[0], x.grad)
+    assert not fired and all(p.grad is None for p in net.parameters())  # B touched no weight
+    backward_weight(work)
+    used = [q.grad is not None for q in ref.parameters()]  # shared: block 2 is never called
+    assert len(fired) == sum(used) == (8 if shared else 12)  # each used weight's hook, once, at W
+    for p, q in zip(net.parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_weight_pass_refuses_released_parameters():
+    """ZeRO-3 releases a layer's parameter storage outside its passes; W must say so, not crash."""
+    net = _Chain()
+    x = torch.randn(4, 6, requires_grad=True)
+    _, work = backward_input([net(x)], [torch.ones(4, 6)], [x])
+    net.blocks[0][1].weight.untyped_storage().resize_(0)
+    with pytest.raises(PipelineError, match="use ZeRO stage 0-2 with a zero-bubble schedule"):
+        backward_weight(work)
+
+
+def test_single_stage_zero_bubble_list_matches_reference():
+    data = make_data(3)
+    ref_loss, ref_grads = reference(2, data)
+    module = StageModule(make_layers(2), 0, 4)
+    actions = zero_bubble_h1(1, 3)[0]
+    assert [a.kind for a in actions] == ["F", "B", "W"] * 3
+    loss = run_pipeline(module, actions, data, stage_index=0, num_stages=1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    for name, g in module.named_grads().items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_stage_arguments():
+    with pytest.raises(ValueError, match="pass a sequence of 2 chunk modules"):
+        PipelineStage(nn.Linear(2, 2), 0, 2, virtual_stages=2, prev_rank=1, next_rank=1, last_rank=1)
+    with pytest.raises(ValueError, match="model chunk 2 receives from model chunk 1: give its recv_meta"):
+        PipelineStage([nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), ()], virtual_stages=2, prev_rank=1,
+                      next_rank=1, last_rank=1)
+    with pytest.raises(ValueError, match="stage 0 needs prev_rank"):
+        PipelineStage([nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), RECV_META], virtual_stages=2, next_rank=1,
+                      last_rank=1)
+    with pytest.raises(ValueError, match="need at least 2 pipeline ranks"):
+        PipelineStage([nn.Linear(2, 2)] * 2, 0, 1, virtual_stages=2)
