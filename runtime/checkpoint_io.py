@@ -26,6 +26,11 @@ optimizer state are resharded (RNG streams then differ, which only matters with 
 
 Joining shards costs one full copy of a stage's state on the writing rank: fine for the models this
 runtime trains on CPU; a DTensor-based layout would avoid it at scale.
+
+Offloaded state (``runtime.offload``) is saved and loaded the same way: the engine's
+``state_dict``/``load_state_dict`` reach each group's masters and moments through its store (the
+NVMe tier streams them one group at a time), and the logical format does not record where the
+state lived, so a run saved with offload resumes without it and the reverse.
 """
 
 from __future__ import annotations
@@ -276,8 +281,8 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it "
                               "to resume from an older one") from None
     # Build this rank's full (unsharded over dp) engine state from the logical tensors.
-    layout = engine.state_dict()
-    full = {k: v for k, v in layout.items() if k not in ("master", "exp_avg", "exp_avg_sq")}
+    layout = engine.state_layout()  # no tensors: an offloaded state is not read for its layout
+    full = dict(layout)
     full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]),
                 loss_scaler=meta.get("loss_scaler"))
     by_attr = {attr: e for attr, e in stage["params"].items()}

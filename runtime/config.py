@@ -123,6 +123,23 @@ class TrainOptions:
     max_grad_norm: float | None = field(default=1.0, metadata=_flag(
         "--clip", kind="float", help="global gradient-norm clip (0: off)", to_setting=_none_unless_positive))
     """Clip gradients to this global L2 norm (None: no clipping)."""
+    nvme_path: str | None = field(default=None, metadata=_flag(
+        "--nvme-path", metavar="DIR",
+        help="folder for the NVMe tier of a plan that offloads optimizer state or parameters to nvme "
+             "(each rank writes DIR/rank<r>/, removed at the end)"))
+    """Folder of the NVMe offload tier (``runtime.offload``): each rank keeps its offloaded state in
+    files under ``DIR/rank<r>/`` and deletes them at the end. Needed when the plan's ``offload``
+    puts anything on ``nvme``; None otherwise."""
+    delayed_update: bool = field(default=False, metadata=_flag(
+        "--delayed-update", kind="switch",
+        help="with the optimizer offloaded, overlap each step's CPU update with the next step's forward and "
+             "backward; changes the numerics (parameters lag one step)"))
+    """One-step delayed update (needs the plan's ``offload.optimizer`` on cpu or nvme): the CPU AdamW
+    step of step k runs in the background while step k+1's forward and backward run, and reaches
+    the device at step k+1's optimizer step, so step k+1 computes with the parameters of step k-1.
+    This changes the numerics (as DeepSpeed's ZeRO-Offload delayed parameter update does); off by
+    default. A checkpoint applies the pending update first, so a resumed run continues from the
+    fully updated state (not bit-identical to an uninterrupted delayed run)."""
     track_memory: bool = field(default=True, metadata=_flag(
         "--no-memory-tracking", kind="switch", help="skip live-tensor tracking (faster)",
         to_setting=operator.not_))

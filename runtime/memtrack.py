@@ -17,7 +17,10 @@ On CPU there is no such counter (RSS mixes in the interpreter, libraries and all
   are walked); with ``track_inputs=True`` any further pre-existing tensor is picked up the first
   time an op reads it;
 * ``UntypedStorage.resize_`` (the ZeRO-3 way to free a gathered parameter) is not an ATen op, so
-  it is wrapped while the tracker is active; ``Tensor.resize_``/``set_`` are ops and are seen.
+  it is wrapped while the tracker is active; ``Tensor.resize_``/``set_`` are ops and are seen;
+* storages passed to ``exclude`` are never counted: the host tier of an offloaded run
+  (``runtime.offload``), which on a CPU rank is the same RAM as the "device" but is not device
+  memory (the metrics report it apart, as ``host_memory_bytes``).
 
 Not seen: memory allocated outside ATen ops (gloo's internal buffers, ``torch.frombuffer`` or
 ``from_numpy`` tensors, which the caller can register), kernel workspaces, allocator slack. Meta
@@ -77,6 +80,7 @@ class StorageCounter(TorchDispatchMode):
         self.peak_op = ""
         """Name of the operation after which ``peak`` was reached (``""`` before any)."""
         self._orig_resize = None
+        self._excluded: dict[int, weakref.ref] = {}
 
     # -- table ----------------------------------------------------------------------------
 
@@ -86,9 +90,20 @@ class StorageCounter(TorchDispatchMode):
             if entry is not None:
                 self.current -= entry[0]
 
+    def exclude_storage(self, st: torch.UntypedStorage) -> None:
+        """Never count ``st`` (uncount it if it is counted) while it lives."""
+        key = id(st)
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.current -= entry[0]
+            self._excluded[key] = weakref.ref(st, lambda _r, k=key: self._excluded.pop(k, None))
+
     def add_storage(self, st: torch.UntypedStorage) -> int:
         """Count ``st`` if new (or its new size if it was resized); returns the bytes added."""
         key = id(st)
+        if key in self._excluded:
+            return 0
         n = st.nbytes()
         entry = self._live.get(key)  # lock-free fast path: known storage, same size
         if entry is not None and entry[0] == n:
@@ -266,6 +281,16 @@ class MemoryTracker:
         elif depth < 3 and hasattr(obj, "__dict__") and not callable(obj):
             for v in vars(obj).values():
                 self._walk(v, seen, depth + 1)
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count the storages of ``tensors`` (memory that is not the device's, such as the
+        host tier of an offloaded run); a no-op on the ``cuda`` backend, which sees only device
+        allocations anyway."""
+        if self._counter is None:
+            return
+        for t in tensors:
+            for st in _storages_of(t):
+                self._counter.exclude_storage(st)
 
     def track(self, tensors: Iterable[torch.Tensor]) -> int:
         """Register individual tensors (same as ``track_existing`` on a list)."""

@@ -43,8 +43,9 @@ a checkpoint written at one data-parallel degree loads at another.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -57,6 +58,7 @@ __all__ = [
     "hook_module_names",
     "set_owned_ranges",
     "square_sums",
+    "storage_bytes",
     "FORMAT",
     "adamw_step_",
     "clip_coefficient",
@@ -65,6 +67,9 @@ __all__ = [
     "slice_shard",
     "export_state",
     "import_state",
+    "state_layout",
+    "resident_access",
+    "GroupAccess",
 ]
 
 FORMAT = "planner.zero/1"
@@ -124,6 +129,9 @@ class FlatGroup:
         self.ready = False  # complete in this backward
         self.dirty = False  # local gradients not yet reduced
         self.visited = False  # stage 3: gathered or finished in this backward
+        self.param_shard: torch.Tensor | None = None  # stage 3, optimizer offloaded: the gather source
+        self.gather_src: torch.Tensor | None = None  # stage 3: a fetched shard kept until its gather ends
+        self.flushed = False  # optimizer offload: the reduced gradient is in host memory this step
 
 
 def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: int) -> list[FlatGroup]:
@@ -312,6 +320,22 @@ def square_sums(
     return sums
 
 
+def storage_bytes(tensors: Sequence[torch.Tensor | None], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct non-empty storages behind ``tensors`` (None entries skipped); storages
+    already in ``seen`` are skipped and the counted ones added to it."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen or st.nbytes() == 0:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     """Multiplier that clips gradients of global norm ``total_norm`` to ``max_norm`` (1.0: none)."""
     if max_norm is None:
@@ -404,26 +428,51 @@ def _layout(groups: Sequence[FlatGroup]) -> list[dict]:
     ]
 
 
-def export_state(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int) -> dict:
+GroupAccess = Callable[..., "contextlib.AbstractContextManager[tuple[torch.Tensor, ...]]"]
+"""``access(group, write=False)``: a context manager giving ``(master, exp_avg, exp_avg_sq)`` of the
+group for its body (stored back after it when ``write``); ``runtime.offload`` streams NVMe state
+through one. The default reads the group's own tensors."""
+
+
+@contextlib.contextmanager
+def resident_access(g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The ``GroupAccess`` of state held in the group's own tensors."""
+    yield g.master, g.exp_avg, g.exp_avg_sq
+
+
+def state_layout(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int) -> dict:
+    """A state dict without its tensors: the layout ``export_state`` fills."""
+    return {"format": FORMAT, "num_shards": num_shards, "shard_index": shard_index, "step": step,
+            "groups": _layout(groups)}
+
+
+def export_state(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int,
+                 access: GroupAccess = resident_access) -> dict:
     """CPU copy of the groups' masters and AdamW moments as shard ``shard_index`` of ``num_shards``.
 
     The groups hold the padded full vectors when ``num_shards == 1`` (ZeRO stage 0), their shard
-    otherwise; a full state is stored unpadded.
+    otherwise; a full state is stored unpadded. ``access`` reaches each group's tensors, one group
+    at a time.
     """
 
     def part(t: torch.Tensor, g: FlatGroup) -> torch.Tensor:
         return (t[: g.numel] if num_shards == 1 else t).detach().clone().cpu()
 
-    state: dict = {"format": FORMAT, "num_shards": num_shards, "shard_index": shard_index, "step": step,
-                   "groups": _layout(groups)}
+    state = state_layout(groups, num_shards, shard_index, step)
     for key in _STATE_KEYS:
-        state[key] = [part(getattr(g, key), g) for g in groups]
+        state[key] = []
+    for g in groups:
+        with access(g) as tensors:
+            for key, t in zip(_STATE_KEYS, tensors):
+                state[key].append(part(t, g))
     return state
 
 
 @torch.no_grad()
-def import_state(groups: Sequence[FlatGroup], state: dict, num_shards: int, shard_index: int) -> int:
-    """Copy ``state`` into the groups' masters and moments; returns its step count.
+def import_state(groups: Sequence[FlatGroup], state: dict, num_shards: int, shard_index: int,
+                 access: GroupAccess = resident_access) -> int:
+    """Copy ``state`` into the groups' masters and moments (reached through ``access``, one group at
+    a time); returns its step count.
 
     ``state`` must have the groups' layout and be either shard ``shard_index`` of ``num_shards``
     or a full state (``num_shards == 1``), which is sliced here.
@@ -444,9 +493,13 @@ def import_state(groups: Sequence[FlatGroup], state: dict, num_shards: int, shar
         state = slice_shard(state, num_shards, shard_index)
     for i, g in enumerate(groups):
         for key in _STATE_KEYS:
-            dst, src = getattr(g, key), state[key][i]
-            if src.numel() > dst.numel():
-                raise ZeroError(f"group {i} {key} has {src.numel()} elements, more than {dst.numel()}")
-            dst.zero_()
-            dst[: src.numel()].copy_(src.to(dst.device))
+            if state[key][i].numel() > g.padded:
+                raise ZeroError(f"group {i} {key} has {state[key][i].numel()} elements, more than {g.padded}")
+        with access(g, write=True) as tensors:
+            for key, dst in zip(_STATE_KEYS, tensors):
+                src = state[key][i]
+                if src.numel() > dst.numel():
+                    raise ZeroError(f"group {i} {key} has {src.numel()} elements, more than {dst.numel()}")
+                dst.zero_()
+                dst[: src.numel()].copy_(src.to(dst.device))
     return int(state["step"])

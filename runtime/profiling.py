@@ -60,14 +60,17 @@ class StepProbes:
     """Peak-memory tracking and the ``PLANNER_PROFILE`` profiler around one rank's steps."""
 
     def __init__(self, rank: int, device: torch.device, track_memory: bool, memory_steps: int | None,
-                 resident: Iterable[torch.Tensor]):
+                 resident: Iterable[torch.Tensor], host: Iterable[torch.Tensor] = ()):
         """``resident``: the tensors alive before the first step (parameters, optimizer state),
-        counted in every peak. ``memory_steps``: see ``TrainOptions.memory_steps``."""
+        counted in every peak. ``host``: host-tier tensors of an offloaded run, never counted
+        (``peak_memory_bytes`` is device memory). ``memory_steps``: see
+        ``TrainOptions.memory_steps``."""
         self.rank = rank
         self.memory_steps = memory_steps
         self.tracker: MemoryTracker | None = None
         if track_memory:
             self.tracker = MemoryTracker(device=device)
+            self.tracker.exclude(list(host))
             self.tracker.track_existing(list(resident))
         self.last_peak = 0
         """The peak reported for the latest step (0 until a step is tracked)."""

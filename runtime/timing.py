@@ -13,7 +13,11 @@ second of a step belongs to exactly one part:
   ``part_of(group)``; ``runtime.mesh`` registers the groups). Communication that overlaps compute
   is not blocking and counts where the overlapping work does. A pipeline rank blocked in a receive
   is waiting for its neighbour: the bubble and the transfer, as the prediction's ``pp_bubble``;
-- ``optimizer``: ``ZeroEngine.step`` and ``zero_grad`` (the trainer wraps them).
+- ``optimizer``: ``ZeroEngine.step`` and ``zero_grad`` (the trainer wraps them), wherever the
+  step runs: the CPU AdamW step when the optimizer state is offloaded (``runtime.offload``);
+- ``offload``: time blocked on offload transfers that did not overlap compute: device <-> host
+  copies of gradients, masters and parameter shards, and waits for NVMe reads and writes
+  (``runtime.offload`` enters it around every such wait).
 
 Attribution is exclusive: parts nest on a stack and only the innermost one runs its clock, so a
 data-parallel all-gather inside the optimizer step counts once, in ``dp_comm``, and a
@@ -41,7 +45,7 @@ __all__ = ["PARTS", "AXIS_PARTS", "Breakdown", "PartTimer", "TIMER", "part", "re
            "part_of", "time_recomputation"]
 
 #: The parts of a step, in plan.json ``predicted.time`` order; the one list the runtime measures.
-PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer")
+PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
 
 #: The part whose clock runs when no other part is entered.
 RESIDUAL = "compute"

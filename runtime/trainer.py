@@ -14,13 +14,15 @@ newest checkpoint when asked, the step probes of ``runtime.profiling``), then fo
    backward per micro-batch) accumulating gradients; lets the ZeRO engine reduce gradients over
    dp, clip by the global norm and step AdamW with the learning rate of the warmup + cosine
    schedule (``lr_at``) -- timed, and split into the parts of ``runtime.timing`` (compute,
-   recompute, tp_comm, pp_bubble, dp_comm, optimizer), under the memory tracker and profiler
+   recompute, tp_comm, pp_bubble, dp_comm, optimizer, offload), under the memory tracker and profiler
    that apply;
 3. ``aggregate_metrics``: ``loss`` is the mean over the dp ranks (so over the global batch),
-   ``peak_memory_bytes``, ``comm_bytes``, the step time and the collective wait time the max
+   ``peak_memory_bytes`` (device memory), ``host_memory_bytes`` and ``nvme_bytes`` (the offload
+   tiers, ``runtime.offload``), ``comm_bytes``, the step time and the collective wait time the max
    over all ranks; ``time``, the breakdown of the slowest rank (so that it sums to the step time);
 4. ``write_metrics``: rank 0 appends one metrics line (``step, loss, step_time_s, tokens_per_s,
-   peak_memory_bytes, comm_bytes, lr, time`` and ``loss_scale`` in fp16) and calls ``on_metrics``;
+   peak_memory_bytes, comm_bytes, lr, host_memory_bytes, nvme_bytes, time`` and ``loss_scale`` in
+   fp16) and calls ``on_metrics``;
    with ``TrainOptions.tensorboard_dir`` it also writes them as TensorBoard scalars;
 5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
    bit-identical resume needs (``runtime.checkpoint_io``).
@@ -45,6 +47,7 @@ from runtime.config import TrainOptions
 from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data, rank_slice
 from runtime.dtypes import to_torch
 from runtime.mesh import Mesh, setup_mesh
+from runtime.offload import OffloadConfig
 from runtime.pipeline import PipelineStage, TensorMeta
 from runtime.profiling import StepProbes
 from runtime.schedule import one_f_one_b
@@ -86,6 +89,11 @@ class StepMetrics:
     peak_memory_bytes: int
     comm_bytes: float
     lr: float
+    host_memory_bytes: int = 0
+    """Bytes of state the run holds in the host tier (offloaded masters, moments, gradient shards,
+    transfer buffers; ``runtime.offload``), the max over ranks; 0 without offload."""
+    nvme_bytes: int = 0
+    """Bytes of the NVMe tier's files, the max over ranks; 0 without an nvme tier."""
     loss_scale: float | None = None
     grad_norm: float | None = None
     comm_wait_s: float = 0.0
@@ -157,6 +165,10 @@ class StepResult:
     comm_wait_s: float
     peak_bytes: int
     parts: dict[str, float]
+    host_bytes: int = 0
+    """Host-tier bytes of this rank (``ZeroEngine.host_bytes``)."""
+    nvme_bytes: int = 0
+    """NVMe-tier bytes of this rank (``ZeroEngine.nvme_bytes``)."""
     """``seconds`` split over ``runtime.timing.PARTS``."""
 
 
@@ -189,6 +201,7 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     alive after the resume)."""
     man = read_manifest(compiled_dir)
     plan = man["plan"]
+    offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
     mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
@@ -233,6 +246,9 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
         replicated_param_filter=(lambda name: name in replicated) if tp > 1 else None,
         micro_batches_per_step=plan["num_micro_batches"],
+        offload=offload,
+        rank=rank,
+        delayed_update=opts.delayed_update,
     )
     actions = one_f_one_b(pp, plan["num_micro_batches"])[mesh.pp_index]
     pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage), mesh=mesh, device=dev)
@@ -240,7 +256,8 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     start_step = resume(opts, engine, man, mesh)
     # Tracked steps run eagerly (runtime.compile_layers): a compiled run tracks its first few only.
     memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
-    probes = StepProbes(rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors())
+    probes = StepProbes(rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors(),
+                        host=engine.host_tensors())
     tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
     return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
                pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
@@ -305,7 +322,8 @@ def run_step(run: Run, step: int) -> StepResult:
     sent = comm.STATS.total
     peak = run.probes.peak_after(index, step)
     return StepResult(loss=loss, info=info, lr=lr, seconds=seconds, comm_bytes=sent,
-                      comm_wait_s=comm.STATS.wait_s, peak_bytes=peak, parts=parts)
+                      comm_wait_s=comm.STATS.wait_s, peak_bytes=peak, parts=parts,
+                      host_bytes=run.engine.host_bytes(), nvme_bytes=run.engine.nvme_bytes())
 
 
 def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
@@ -315,7 +333,8 @@ def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
     table of every rank's time and parts, which one sum all-reduce gives to all)."""
     plan, dev = run.plan, run.device
     agg = torch.tensor([r.loss, 0.0, 0.0], dtype=torch.float64, device=dev)
-    mx = torch.tensor([float(r.peak_bytes), r.comm_bytes, r.comm_wait_s], dtype=torch.float64, device=dev)
+    mx = torch.tensor([float(r.peak_bytes), r.comm_bytes, r.comm_wait_s, float(r.host_bytes), float(r.nvme_bytes)],
+                      dtype=torch.float64, device=dev)
     times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=dev)
     times[run.rank] = torch.tensor([r.seconds] + [r.parts[k] for k in timing.PARTS], dtype=torch.float64)
     if dist.is_initialized() and run.world > 1:
@@ -331,6 +350,7 @@ def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
         step=step + 1, loss=float(agg[0]), step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
         peak_memory_bytes=int(mx[0]), comm_bytes=float(mx[1]), lr=r.lr,
+        host_memory_bytes=int(mx[3]), nvme_bytes=int(mx[4]),
         loss_scale=r.info.loss_scale if plan["dtype"] == "fp16" else None,
         grad_norm=r.info.grad_norm, comm_wait_s=float(mx[2]),
         time=dict(zip(timing.PARTS, slowest[1:])),
@@ -395,4 +415,5 @@ def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     finally:
         if run.tensorboard is not None:
             run.tensorboard.close()
+        run.engine.close()  # deletes the NVMe tier's files
     return history

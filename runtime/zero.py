@@ -20,6 +20,16 @@ What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtyp
     The fp32 gradient shards of stages 2/3 exist from a step's first reduce-scatter until
     ``zero_grad()``, which releases them (so they are absent at the start of each forward).
 
+    offloaded (``runtime.offload``, plan.json ``offload``; stages 1-3):
+    optimizer cpu    masters, m, v (12 P / dp) and the reduced fp32 gradient shard (4 P / dp) in
+                     host memory; the device keeps its compute params, at stage 1 the full gradient
+                     buffer, at 2/3 only the gradients of layers in flight, at 3 a compute-dtype
+                     shard (P b / dp) that the gathers start from
+    optimizer nvme   as cpu, with masters, m, v in files; host memory: the gradient shard and two
+                     transfer slots of the largest group's state
+    params cpu/nvme  (stage 3) that compute-dtype shard in host memory / a file instead, copied to
+                     the device just before each gather
+
 Gradients
 ---------
 Each rank's loss is the mean over its local samples; the engine *averages* gradients over dp,
@@ -59,24 +69,14 @@ saw inf/nan, every rank skips the step (and the loss scaler backs off). Otherwis
 multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))`` and AdamW
 (``runtime.optim.adamw_step_``) updates the fp32 masters; stage 0 copies them into the compute
 parameters, stage 1/2 all-gather the updated shards into the full flat buffers (async, overlapped
-with the next group's update), stage 3 keeps only the shard.
+with the next group's update), stage 3 keeps only the shard. With the optimizer offloaded the
+gradients are host shards (flushed as their reduction completes), and the update runs on the CPU
+group by group through the store (``runtime.offload``), each result copied back to the device.
 
 ZeRO-3 parameter lifetime
 -------------------------
-A group's full buffer is materialized by an all-gather just before use and released after by
-resizing its storage to 0 bytes (the parameter views, and any view autograd saved, keep pointing
-at the same storage, which the next gather refills). Each group hooks the deepest module whose
-subtree holds all its parameters (the children, if that is a container such as ``ModuleList``):
-
-- forward pre-hook: gather (waiting for a prefetch), then prefetch the next group in the order
-  the previous forward used; forward post-hook: free, and hook the outputs so that the group is
-  gathered again when backward reaches them (and the group backward reaches next is prefetched);
-- once all its parameters have their gradient the group is freed again.
-
-The contract: a group's parameters are used only inside the forward of its module(s). Groups whose
-parameters share no module below the root are hooked on the root and stay gathered during the
-whole forward or backward. Activation checkpointing must be non-reentrant (the recomputation runs
-inside backward, where nothing is freed).
+Gathered per layer just before use and freed after: ``runtime.zero3`` (``Zero3Params``, a base
+class of ``ZeroEngine``) explains the hooks and their contract.
 
 Mixed precision
 ---------------
@@ -106,14 +106,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from runtime import comm
 from runtime.mesh import get_mesh
+from runtime.offload import Offload, OffloadConfig, copy_part
 from runtime.optim import (
     FREE,
-    GATHERED,
-    GATHERING,
     FlatGroup,
     ZeroError,
     adamw_step_,
@@ -123,9 +121,12 @@ from runtime.optim import (
     import_state,
     set_owned_ranges,
     square_sums,
+    state_layout,
+    storage_bytes,
 )
 from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
 from runtime.tied import tied_flat_groups
+from runtime.zero3 import Zero3Params, in_backward
 
 #: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
 FIRST_BUCKET_BYTES = 2**20
@@ -150,11 +151,7 @@ class StepInfo:
     """Loss scale to use for the next step (1.0 unless fp16)."""
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class ZeroEngine:
+class ZeroEngine(Zero3Params):
     """ZeRO stage 0-3 data parallelism for one pipeline stage's module (see the module docstring).
 
     Args:
@@ -188,6 +185,13 @@ class ZeroEngine:
             (``runtime.tied``): each must form a group of its own in ``layers``; after the dp
             reduction its gradient (stage 0/1: the full buffer, 2/3: the fp32 shard) is summed
             over ``group``, and it counts in the gradient norm only where ``counted``.
+        offload: where the optimizer state and (ZeRO-3) parameter shards live
+            (``runtime.offload.OffloadConfig``; None: on the device).
+        rank: this process's global rank, naming its NVMe folder (default: ``dist.get_rank()``).
+        delayed_update: with the optimizer offloaded, run each step's CPU update in the background
+            and apply it at the next ``step()``: step k+1's forward and backward use the parameters
+            of step k-1 (one step stale; it changes the numerics). ``state_dict`` and friends wait
+            for it and apply it first.
     """
 
     def __init__(
@@ -211,6 +215,9 @@ class ZeroEngine:
         prefetch: bool = True,
         micro_batches_per_step: int | None = None,
         tied: Mapping[str, tuple[object, bool]] | None = None,
+        offload: OffloadConfig | None = None,
+        rank: int | None = None,
+        delayed_update: bool = False,
     ):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -263,6 +270,12 @@ class ZeroEngine:
         set_owned_ranges(self.groups, self.stage, self.dp_rank, replicated_param_filter, rep_rank,
                          weight_decay_filter)
         self._tied = tied_flat_groups(self.groups, tied or {})
+        self._tied_ids = {g.index for g, _ in self._tied}
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        self._off = Offload(offload or OffloadConfig(), self.groups, self.stage, self.dtype, self.device, rank,
+                            delayed_update)
+        self._opt = self._off.opt  # the optimizer state's store when it is offloaded, else None
         with torch.no_grad():
             self._allocate()
             if self.dtype != torch.float32:
@@ -304,8 +317,7 @@ class ZeroEngine:
             else:
                 g.master = f[sl].clone()
                 g.full = torch.empty(g.padded, dtype=dt, device=dev)
-            g.exp_avg = torch.zeros_like(g.master)
-            g.exp_avg_sq = torch.zeros_like(g.master)
+            self._off.place(g, f[sl] if self.stage > 0 else f)
             # stage 2/3: the fp32 gradient shard is allocated by the first reduction of a step
             # (``_shard_acc``) and released by ``zero_grad``, so it never exists during the first
             # backward's loss, where a language model's memory peaks.
@@ -368,102 +380,20 @@ class ZeroEngine:
         self._hooks.append(m.register_forward_hook(self._root_post_forward))
 
     def close(self) -> None:
-        """Remove every hook the engine put on the module and its parameters."""
+        """Remove every hook the engine put on the module and its parameters; delete the offload
+        stores' NVMe files."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._off.close()
 
-    # ------------------------------------------------------------------ forward (stage 3)
+    # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args, kwargs):
-        if not _in_backward():
+        if not in_backward():
             self._fwd_order, self._fwd_seen = [], set()
         if self.dtype != torch.float32:
             return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
         return None
-
-    def _root_post_forward(self, module, args, out):
-        if _in_backward() or self.stage != 3:
-            return
-        if self._fwd_order:
-            self._last_order = list(self._fwd_order)
-        for g in self.groups:  # prefetched but not used in this forward
-            self._free(g)
-
-    def _pre_forward(self, groups: list[FlatGroup]) -> None:
-        in_bwd = _in_backward()
-        for g in groups:
-            self._gather(g)
-            self._wait_gather(g)
-            if not in_bwd and g.index not in self._fwd_seen:
-                self._fwd_seen.add(g.index)
-                self._fwd_order.append(g.index)
-        if self.prefetch and not in_bwd:
-            order = self._last_order or list(range(len(self.groups)))
-            last = groups[-1].index
-            if last in order:
-                pos = order.index(last)
-                if pos + 1 < len(order):
-                    self._prefetch(self.groups[order[pos + 1]])
-
-    def _post_forward(self, groups: list[FlatGroup], out) -> None:
-        if _in_backward():
-            return  # recomputation inside backward: keep the parameters for the backward ops
-        for g in groups:
-            self._free(g)
-        if torch.is_grad_enabled():
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, gs=groups: self._backward_gather(gs))
-
-    def _backward_gather(self, groups: list[FlatGroup]) -> None:
-        self._begin_backward()
-        for g in groups:
-            self._gather(g)
-            self._wait_gather(g)
-            g.visited = True
-        if self.prefetch:
-            for gi in reversed(self._last_order or list(range(len(self.groups)))):
-                g = self.groups[gi]
-                if not g.visited:
-                    self._prefetch(g)
-                    break
-
-    def _prefetch(self, g: FlatGroup) -> None:
-        if g.state == FREE:
-            self.counters["prefetches"] += 1
-            self._gather(g, async_op=True)
-
-    def _gather(self, g: FlatGroup, async_op: bool = False) -> None:
-        """Materialize group ``g``'s full compute-dtype parameters (stage 3)."""
-        if self.stage != 3 or g.state != FREE:
-            return
-        with torch.no_grad():
-            g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-            if self.dp == 1:
-                g.full.copy_(g.master)
-                g.state = GATHERED
-                return
-            if self.dtype == torch.float32:
-                src = g.master
-            else:
-                src = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
-                src.copy_(g.master)
-            g.gather_work = comm.all_gather_into(g.full, src, self.dp_group, async_op=async_op)
-        g.state = GATHERING if async_op else GATHERED
-        if not async_op:
-            g.gather_work = None
-
-    def _wait_gather(self, g: FlatGroup) -> None:
-        if g.state == GATHERING:
-            comm.wait(g.gather_work)
-            g.gather_work, g.state = None, GATHERED
-
-    def _free(self, g: FlatGroup) -> None:
-        if self.stage != 3 or g.state == FREE:
-            return
-        self._wait_gather(g)
-        g.full.untyped_storage().resize_(0)
-        g.state = FREE
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -513,6 +443,7 @@ class ZeroEngine:
                 view.copy_(p.grad.reshape(-1))
             p.grad = view.view(e.shape)
         g.dirty = True
+        g.flushed = False
         g.waiting.discard(id(p))
         if not g.waiting and not g.ready:
             g.ready = True
@@ -549,12 +480,14 @@ class ZeroEngine:
             g.dirty = False
         if self.stage < 2:
             if self.dp == 1:
+                for g in bucket:
+                    self._reduced(g)
                 return
             lo = min(g.base for g in bucket)
             hi = max(g.base + g.padded for g in bucket)
             flat = self._flat_grad[lo:hi]
             work = comm.all_reduce(flat, self.dp_group, async_op=True)
-            self._inflight.append((work, "ar", flat, None))
+            self._inflight.append((work, "ar", flat, bucket))
             self._poll()
             return
         if self.dp == 1:
@@ -563,6 +496,7 @@ class ZeroEngine:
                     if g.grad_full is not None:
                         self._shard_acc(g).add_(g.grad_full)
                     self._drop_grad_full(g)
+                    self._reduced(g)
             return
         if len(bucket) == 1 and bucket[0].grad_full is not None:
             g = bucket[0]
@@ -600,12 +534,23 @@ class ZeroEngine:
         with torch.no_grad():
             if kind == "ar":
                 out.div_(self.dp)
+                for g in extra:
+                    self._reduced(g)
                 return
             cols, _src = extra
             for g, a in cols:
                 self._shard_acc(g).add_(out[a : a + g.shard], alpha=1.0 / self.dp)
                 if len(cols) == 1 and g.grad_full is _src:
                     self._drop_grad_full(g)
+                self._reduced(g)
+
+    def _reduced(self, g: FlatGroup) -> None:
+        """Group ``g``'s reduction completed: with the optimizer offloaded, the reduced gradient of
+        the step's last backward leaves the device now, overlapped with the rest of backward (a
+        tied weight's waits for its sum over stages, in ``step()``)."""
+        last = self.micro_batches_per_step is not None and self._backwards >= self.micro_batches_per_step
+        if self._opt is not None and last and g.index not in self._tied_ids:
+            self._off.flush_grad(g, self.dp_rank)
 
     def _poll(self, max_inflight: int = MAX_INFLIGHT_REDUCTIONS) -> None:
         """Finish completed reductions in order; bound the ones in flight (and their memory)."""
@@ -627,7 +572,10 @@ class ZeroEngine:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     def _grad_source(self, g: FlatGroup) -> torch.Tensor:
-        """fp32 gradient aligned with ``g.master`` (may alias the gradient buffers)."""
+        """fp32 gradient aligned with ``g.master`` (may alias the gradient buffers; in host memory
+        when the optimizer is offloaded)."""
+        if self._opt is not None:
+            return self._opt.grad(g)
         if self.stage >= 2:
             return self._shard_acc(g)
         src = g.grad_full if self.stage == 0 else g.grad_full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
@@ -636,7 +584,7 @@ class ZeroEngine:
     @torch.no_grad()
     def step(self, lr: float | None = None) -> StepInfo:
         """Reduce, unscale, check overflow, clip and apply AdamW; collective over all ranks."""
-        if _in_backward():
+        if in_backward():
             raise ZeroError("step() was called during a backward pass; call it after backward returns")
         self._cb_task = None
         if lr is not None:
@@ -648,11 +596,15 @@ class ZeroEngine:
         for g in self.groups:
             self._free(g)
         self._sync_tied()
-        sums = square_sums(self.groups, self._grad_source, self.device)
+        if self._opt is not None:
+            self._off.flush_all(self.groups, self.dp_rank)
+        grad_device = torch.device("cpu") if self._opt is not None else self.device
+        sums = square_sums(self.groups, self._grad_source, grad_device).to(self.device)
         sums[1] = (~torch.isfinite(sums[1])).double()  # the overflow flag
         for grp in ([self.dp_group] if self.dp > 1 else []) + self.norm_groups:
             comm.all_reduce(sums, grp)
         total_sq, flag = sums.tolist()
+        self._settle()  # a delayed update: the previous step's reaches the device now
         scale = self.loss_scale
         norm = math.sqrt(total_sq) / scale if total_sq >= 0 else float("nan")
         if flag > 0 or not math.isfinite(norm):
@@ -662,34 +614,52 @@ class ZeroEngine:
                             loss_scale=self.loss_scale)
         coef = clip_coefficient(norm, self.max_grad_norm) / scale
         self.step_count += 1
-        works = []
-        for g in self.groups:
-            gr = self._grad_source(g)
+        step, lr = self.step_count, self.lr  # a delayed update reads them after step() returned
+
+        def update(g: FlatGroup, master, exp_avg, exp_avg_sq, grad=None):
+            gr = self._grad_source(g) if grad is None else grad
             if coef != 1.0:
                 gr.mul_(coef)
             adamw_step_(
-                g.master, gr, g.exp_avg, g.exp_avg_sq, step=self.step_count, lr=self.lr,
+                master, gr, exp_avg, exp_avg_sq, step=step, lr=lr,
                 beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
                 decay_ranges=g.decay_ranges,
             )
-            works.append(self._publish(g))
+            return self._publish(g, master) if grad is None else None
+
+        if self._off.delayed:
+            self._opt.start_update(self.groups, update)
+            works = []
+        elif self._opt is not None:
+            works = self._opt.update(self.groups, update)
+        else:
+            works = [update(g, g.master, g.exp_avg, g.exp_avg_sq) for g in self.groups]
         for w in works:
             comm.wait(w)
         if self.scaler is not None:
             self.scaler.update(False)
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
 
-    def _publish(self, g: FlatGroup):
-        """Make the compute parameters reflect the updated master (async handle or None)."""
+    def _settle(self) -> None:
+        """Wait for a delayed update still running on the CPU and bring it to the device."""
+        if self._off.delayed:
+            for w in self._opt.finish_update(self.groups, self._publish):
+                comm.wait(w)
+
+    def _publish(self, g: FlatGroup, master: torch.Tensor):
+        """Make the compute parameters reflect the updated ``master`` (async handle or None); from
+        the host tier that is a cast and a host-to-device copy (asynchronous from pinned memory)."""
         if self.stage == 3:
+            self._off.store_shard(g, master)
             return None
         if self.stage == 0:
-            if g.master is not g.full:
-                g.full.copy_(g.master)
+            if master is not g.full:
+                g.full.copy_(master)
             return None
         shard = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
-        if g.master.data_ptr() != shard.data_ptr():
-            shard.copy_(g.master)
+        if master.data_ptr() != shard.data_ptr():
+            with copy_part(self.device) if self._opt is not None else contextlib.nullcontext():
+                shard.copy_(master, non_blocking=True)
         if self.dp == 1:
             return None
         return comm.all_gather_into(g.full, shard, self.dp_group, async_op=True)
@@ -697,13 +667,14 @@ class ZeroEngine:
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are zeroed and kept; nothing is freed to Python)."""
-        if _in_backward():
+        if in_backward():
             raise ZeroError("zero_grad() was called during a backward pass")
         self._cb_task = None
         self._drain()
         self._backwards = self._next_bucket = 0
+        self._off.new_step()
         for g in self.groups:
-            g.dirty = g.ready = g.visited = False
+            g.dirty = g.ready = g.visited = g.flushed = False
             g.waiting = set(g.by_id)  # also recovers from a backward that raised midway
             self._free(g)
             if self.stage < 2:
@@ -725,11 +696,17 @@ class ZeroEngine:
         ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
         """
         self._drain()
+        self._settle()
         n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
-        state = export_state(self.groups, n, idx, self.step_count)
+        state = export_state(self.groups, n, idx, self.step_count, self._off.access)
         state.update(zero_stage=self.stage, lr=self.lr, param_dtype=dtype_name(self.dtype),
                      loss_scaler=self.scaler.state_dict() if self.scaler is not None else None)
         return state
+
+    def state_layout(self) -> dict:
+        """``state_dict()`` without its tensors (the layout a full state must have), read nothing."""
+        n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
+        return state_layout(self.groups, n, idx, self.step_count)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -737,34 +714,55 @@ class ZeroEngine:
 
         Collective at stages 1 and 2 (the loaded shards are all-gathered into the parameters).
         """
+        self._settle()
         n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
-        self.step_count = import_state(self.groups, state, n, idx)
+        self.step_count = import_state(self.groups, state, n, idx, self._off.access)
         self.lr = float(state.get("lr", self.lr))
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
-        for w in [self._publish(g) for g in self.groups]:
+        works = []
+        for g in self.groups:
+            with self._off.access(g) as (master, _, _):
+                works.append(self._publish(g, master))
+        for w in works:
             comm.wait(w)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters by their original names (collective over dp at stages 1-3)."""
+        self._settle()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            if self.stage == 0 or self.dp == 1:
-                flat = g.master
-            else:
-                flat = torch.empty(g.padded, dtype=torch.float32, device=self.device)
-                comm.all_gather_into(flat, g.master, self.dp_group)
+            with self._off.access(g) as (master, _, _):
+                if self.stage == 0 or self.dp == 1:
+                    flat = master.clone()
+                else:
+                    flat = torch.empty(g.padded, dtype=torch.float32, device=self.device)
+                    comm.all_gather_into(flat, master.to(self.device), self.dp_group)
             for e in g.entries:
                 out[e.name] = flat[e.offset : e.offset + e.numel].view(e.shape).clone().cpu()
         return out
 
     def tracked_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the engine holds (for memory trackers); views share their base's storage."""
-        ts = []
-        for g in self.groups:
-            ts += [t for t in (g.full, g.master, g.exp_avg, g.exp_avg_sq, g.grad_full, g.grad_shard) if t is not None]
+        """Every device tensor the engine holds (for memory trackers); views share their base's
+        storage. Host-tier tensors are ``host_tensors()``."""
+        host = {id(t) for t in self.host_tensors()}
+        ts = [t for g in self.groups for t in (g.full, g.master, g.exp_avg, g.exp_avg_sq, g.grad_full, g.grad_shard,
+                                               g.param_shard) if t is not None and id(t) not in host]
         return ts + [t for t in (self._flat, self._flat_grad) if t is not None]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host tier's tensors (offloaded state, host gradient shards, transfer buffers): not
+        device memory, which a memory tracker on a CPU rank must be told (``runtime.offload``)."""
+        return self._off.host_tensors(self.groups)
+
+    def host_bytes(self) -> int:
+        """Bytes of the host tier (each storage counted once)."""
+        return storage_bytes(self.host_tensors())
+
+    def nvme_bytes(self) -> int:
+        """Bytes of this rank's NVMe-tier files."""
+        return self._off.nvme_bytes
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds right now.
@@ -774,20 +772,7 @@ class ZeroEngine:
         ``exp_avg`` and ``exp_avg_sq``. Each storage is counted once.
         """
         seen: set[int] = set()
-
-        def size(ts) -> int:
-            total = 0
-            for t in ts:
-                if t is None:
-                    continue
-                st = t.untyped_storage()
-                if st.data_ptr() in seen or st.nbytes() == 0:
-                    continue
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-            return total
-
-        params = size([self._flat] + [g.full for g in self.groups] + [g.master for g in self.groups])
-        grads = size([self._flat_grad] + [g.grad_full for g in self.groups] + [g.grad_shard for g in self.groups])
-        optim = size([g.exp_avg for g in self.groups] + [g.exp_avg_sq for g in self.groups])
-        return {"params": params, "grads": grads, "optimizer": optim}
+        gs = self.groups
+        return {"params": storage_bytes([self._flat] + [g.full for g in gs] + [g.master for g in gs], seen),
+                "grads": storage_bytes([self._flat_grad] + [g.grad_full for g in gs] + [g.grad_shard for g in gs], seen),
+                "optimizer": storage_bytes([g.exp_avg for g in gs] + [g.exp_avg_sq for g in gs], seen)}

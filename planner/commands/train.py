@@ -45,6 +45,7 @@ from runtime.compiled import read_manifest
 from runtime.config import ConfigError, TrainOptions, cli_flags
 from runtime.data import LEGACY_INPUTS, TokenFile, data_vocab
 from runtime.dist import LaunchError, free_port, init_distributed, launch_local, shutdown
+from runtime.offload import OffloadConfig, OffloadError
 from runtime.trainer import StepHook, StepMetrics, schedule_of, train_worker
 
 __all__ = ["run_train", "train_plan", "original_state", "compile_for_training", "train_options_from_args",
@@ -228,6 +229,18 @@ def _tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def _check_offload(plan: Plan, opts: TrainOptions) -> None:
+    """Where the plan keeps optimizer state and parameters must work with these flags: bad input
+    (exit 2) before any process starts, not a failed run."""
+    try:
+        OffloadConfig.from_plan({"zero_stage": plan.zero_stage, "offload": plan.offload}, opts.nvme_path)
+    except OffloadError as e:
+        raise UserError(str(e)) from None
+    if opts.delayed_update and plan.offload["optimizer"] == "none":
+        raise UserError("--delayed-update overlaps the optimizer step on the host with the next step, so it "
+                        "needs a plan that offloads the optimizer (plan with --offload-optimizer cpu|nvme).")
+
+
 def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | None = None,
                compiled: str | None = None, on_step_start: StepHook | None = None) -> int:
     """Compile ``plan`` (read from ``plan_path``) into ``compiled`` and train it with ``opts`` on
@@ -244,6 +257,7 @@ def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | N
     kind, name = parse_spec(plan.model.spec)
     if kind == "hf" and hf_directory(name) is not None:  # bad weights: exit 2 before any process starts
         check_weights(name, dict(plan.model.sizes))
+    _check_offload(plan, opts)
     if opts.tensorboard_dir and not _tensorboard_installed():
         raise UserError("--tensorboard needs the tensorboard package, which is not installed: "
                         "pip install tensorboard (or pip install 'planner[tensorboard]').")

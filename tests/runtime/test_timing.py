@@ -48,7 +48,7 @@ def test_nested_parts_count_once_in_the_innermost():
     seconds, parts = t.stop()
     assert seconds == 10.0
     assert parts == {"compute": 3.0, "recompute": 1.5, "tp_comm": 0.5, "pp_bubble": 0.0, "dp_comm": 1.0,
-                     "optimizer": 4.0}
+                     "optimizer": 4.0, "offload": 0.0}
     assert list(parts) == list(PARTS)
     assert sum(parts.values()) == pytest.approx(seconds)
 
@@ -144,7 +144,7 @@ def test_comm_charges_blocking_calls_and_waits_to_their_group(groups, monkeypatc
     comm.wait(None)
     seconds, parts = timing.TIMER.stop()
     assert parts == {"compute": 0.5, "recompute": 0.0, "tp_comm": 1.0, "pp_bubble": 4.0, "dp_comm": 2.0,
-                     "optimizer": 0.25}
+                     "optimizer": 0.25, "offload": 0.0}
     assert seconds == 7.75
 
 
