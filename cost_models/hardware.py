@@ -27,6 +27,21 @@ Optional GEMM and host-link fields (``planner calibrate`` on CUDA writes all thr
      "gemm_efficiency": {"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096],
                                   "efficiency": [[[0.05, 0.2], [0.1, 0.5]], [[0.1, 0.5], [0.5, 0.75]]]}}
 
+Optional offload fields (ZeRO-Offload / ZeRO-Infinity, priced by ``cost_models.offload``; every
+built-in profile carries datasheet figures, ``planner calibrate`` measures the last three)::
+
+     "host_memory_bytes": 2199023255552,    # host DRAM per node, bytes
+     "nvme_bytes": 30720000000000,          # NVMe capacity per node, bytes
+     "nvme_read_bandwidth": 2.5e10,         # bytes/s per node, all drives (RAID 0) read at once
+     "nvme_write_bandwidth": 1.2e10,        # bytes/s per node
+     "cpu_adam_params_per_s": 6.5e9         # AdamW parameters updated per second per node
+
+Every one is *per node* except ``host_device_bandwidth`` (per device): the node's GPUs share the
+host's memory, its drives and its cores, so the cost model divides the last four by the devices of
+the node that use them at once. A profile without one of them cannot offload to the tier that
+needs it (the search says so). On a ``cpu`` profile the host *is* the device: the host-device link
+is the memory copy bandwidth, and host memory is the same RAM the ranks' tensors live in.
+
 ``gemm_efficiency[dtype].efficiency[i][j][l]`` is the achieved fraction of ``peak_flops[dtype]``
 of an ``m[i] x k[l]`` by ``k[l] x n[j]`` product (``cost_models.compute.gemm_efficiency`` reads it).
 
@@ -53,6 +68,7 @@ __all__ = [
     "REQUIRED_PEAK_DTYPES",
     "PROFILE_DIR",
     "GEMM_AXES",
+    "OFFLOAD_FIELDS",
     "load_hardware",
     "profile_path",
 ]
@@ -147,8 +163,25 @@ class HardwareProfile:
     ``cost_models.compute.gemm_efficiency`` interpolates it in log space and clamps at its edges.
     ``planner calibrate`` fills it; datasheet profiles leave it out."""
     host_device_bandwidth: float | None = None
-    """Bytes/s of a pinned-memory copy between host and device (PCIe or C2C), the slower of the
-    two directions; ``None`` when unknown. ``planner calibrate`` on CUDA measures it."""
+    """Bytes/s of a pinned-memory copy between host and device (PCIe or C2C), per device, the slower
+    of the two directions; ``None`` when unknown. What offload's transfers run at
+    (``cost_models.offload``). ``planner calibrate`` measures it: pinned copies on CUDA, a memory
+    copy on a CPU (where the host is the device)."""
+    host_memory_bytes: int | None = None
+    """Host DRAM per node in bytes: what offloaded optimizer state, parameter shards and their pinned
+    buffers must fit in (``cost_models.offload``), for all of the node's devices together."""
+    nvme_bytes: int | None = None
+    """NVMe capacity per node in bytes (the ZeRO-Infinity tier's files, all of the node's devices)."""
+    nvme_read_bandwidth: float | None = None
+    """Bytes/s the node's NVMe drives read together (RAID 0 or one file per drive), shared by the
+    node's devices."""
+    nvme_write_bandwidth: float | None = None
+    """Bytes/s the node's NVMe drives write together (fsync'd), shared by the node's devices."""
+    cpu_adam_params_per_s: float | None = None
+    """Parameters per second the node's CPUs update with a fused, multi-threaded AdamW (all cores of
+    the node, fp32 master, moments and gradient): shared by the node's devices whose optimizer runs
+    on the host at once. ``planner calibrate`` times ``runtime.optim.adamw_step_`` on a large flat
+    buffer."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""
     calibration: dict[str, Any] | None = None
@@ -220,6 +253,23 @@ class HardwareProfile:
                 raise ProfileError(f"field 'host_device_bandwidth' must be a positive number of bytes/s "
                                    f"or absent (got {v!r})")
             object.__setattr__(self, "host_device_bandwidth", float(v))
+        for name in ("host_memory_bytes", "nvme_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, float) and v.is_integer():
+                object.__setattr__(self, name, int(v))
+                v = int(v)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ProfileError(f"field {name!r} must be a positive integer of bytes per node or absent "
+                                   f"(got {v!r})")
+        for name, unit in (("nvme_read_bandwidth", "bytes/s"), ("nvme_write_bandwidth", "bytes/s"),
+                           ("cpu_adam_params_per_s", "parameters/s")):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+                raise ProfileError(f"field {name!r} must be a positive number of {unit} per node or absent "
+                                   f"(got {v!r})")
+            object.__setattr__(self, name, float(v))
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _check_gemm_tables(self.gemm_efficiency, self.peak_flops))
         if not isinstance(self.source, str):
@@ -236,7 +286,8 @@ class HardwareProfile:
             self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
             self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s, self.recompute_ratio, self.ops_async,
             tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
-            self.sm_count, self.host_device_bandwidth,
+            self.sm_count, self.host_device_bandwidth, self.host_memory_bytes, self.nvme_bytes,
+            self.nvme_read_bandwidth, self.nvme_write_bandwidth, self.cpu_adam_params_per_s,
             tuple(sorted((dt, tuple(t["m"]), tuple(t["n"]), tuple(t["k"]),
                           tuple(x for plane in t["efficiency"] for row in plane for x in row))
                          for dt, t in (self.gemm_efficiency or {}).items())),
@@ -275,7 +326,8 @@ class HardwareProfile:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["peak_flops"] = dict(self.peak_flops)
         d["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
-        for opt in ("calibration", "intra_node_collectives", "sm_count", "gemm_efficiency", "host_device_bandwidth"):
+        for opt in ("calibration", "intra_node_collectives", "sm_count", "gemm_efficiency", "host_device_bandwidth",
+                    *OFFLOAD_FIELDS):
             if d[opt] is None:
                 del d[opt]
         return d
@@ -314,6 +366,10 @@ class HardwareProfile:
         except ProfileError as e:
             raise ProfileError(f"hardware profile {origin}: {e}") from None
 
+
+#: The optional offload fields (besides ``host_device_bandwidth``), all per node.
+OFFLOAD_FIELDS: tuple[str, ...] = ("host_memory_bytes", "nvme_bytes", "nvme_read_bandwidth",
+                                   "nvme_write_bandwidth", "cpu_adam_params_per_s")
 
 #: Collective kinds a profile's ``intra_node_collectives`` may describe.
 LINK_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")

@@ -39,6 +39,12 @@ Sharding leaves transient full-size buffers, which are counted when ``largest_la
   flight; launching the next waits for the oldest, so ``REDUCTIONS_IN_FLIGHT + 1`` consecutive
   layers' full gradients and reduced shards (training dtype) exist at once at most.
 
+Offload (``cost_models.offload``) moves state off the device: an offloaded optimizer leaves no
+master copy or moments here and, at ZeRO 2/3, no gradient shard (each layer's gradient bucket
+leaves for the host as it is reduced, so only the buckets in flight remain, even at ``dp = 1``:
+``buckets_leave``); offloaded parameters (ZeRO 3) leave only the gathered layers in flight, even at
+``dp = 1`` (``gathers_params``).
+
 ``model_state_bytes`` bounds these with the largest layer standing for every layer involved;
 ``zero_transient_bytes`` takes the stage's actual layers in order (the windows of consecutive
 layers that can coexist), which is what the runtime reaches.
@@ -122,6 +128,8 @@ __all__ = [
     "zero_transient_bytes",
     "REDUCTIONS_IN_FLIGHT",
     "reduction_bytes",
+    "gathers_params",
+    "buckets_leave",
 ]
 
 #: Gradient reductions the runtime keeps in flight at once (``runtime.zero.MAX_INFLIGHT_REDUCTIONS``).
@@ -166,11 +174,16 @@ def model_state_bytes(
     dp: int,
     largest_layer_params: int = 0,
     prefetch: bool = False,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
 ) -> dict[str, int]:
     """Per-device bytes of ``params``, ``grads`` and ``optimizer`` state (see the module table).
 
     Exact integers: replicated buckets are ``P * bytes``, sharded ones ``ceil(P / dp) * bytes``,
     plus the transient layer buffers of stages 2 and 3 when ``largest_layer_params`` is given.
+    Offload (``cost_models.offload``, "Device memory"): an offloaded optimizer (``cpu`` or
+    ``nvme``) leaves no optimizer state on the device and, at ZeRO 2/3, no gradient shard, only
+    the buckets in flight; offloaded parameters (ZeRO 3) leave only the gathered layers in flight.
     """
     _check_int("num_params", num_params, 0)
     _check_int("dp", dp, 1)
@@ -183,19 +196,30 @@ def model_state_bytes(
         )
     t = bytes_per_param(dtype)
     shard = shard_elements(num_params, dp)
-    sharded = dp > 1
-    opt_elems = shard if zero_stage >= 1 else num_params
-    grad_elems = shard if zero_stage >= 2 else num_params
-    weight_elems = shard if zero_stage >= 3 else num_params
+    opt_off, par_off = offload_optimizer != "none", offload_params != "none"
+    opt_elems = 0 if opt_off else shard if zero_stage >= 1 else num_params
+    grad_elems = 0 if opt_off and zero_stage >= 2 else shard if zero_stage >= 2 else num_params
+    weight_elems = 0 if par_off else shard if zero_stage >= 3 else num_params
     params = weight_elems * t["weights"]
     grads = grad_elems * (FP32_GRAD_SHARD if zero_stage >= 2 else t["grads"])
-    if sharded and zero_stage == 3:
+    if gathers_params(zero_stage, dp, offload_params):
         params += (2 if prefetch else 1) * largest_layer_params * t["weights"]
-    if sharded and zero_stage >= 2:
-        grads += (REDUCTIONS_IN_FLIGHT + 1) * (largest_layer_params + shard_elements(largest_layer_params, dp)) \
-            * t["grads"]
+    if buckets_leave(zero_stage, dp, offload_optimizer):
+        grads += (REDUCTIONS_IN_FLIGHT + 1) * reduction_bytes(largest_layer_params, dtype, dp)
     optimizer = opt_elems * (t["master"] + t["adam_m"] + t["adam_v"])
     return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
+
+
+def gathers_params(zero_stage: int, dp: int, offload_params: str = "none") -> bool:
+    """Whether layers' full weights are materialized just before use: ZeRO-3 all-gathers them over
+    ``dp > 1`` ranks, and offloaded parameters are fetched from the host even at ``dp = 1``."""
+    return (zero_stage == 3 and dp > 1) or offload_params != "none"
+
+
+def buckets_leave(zero_stage: int, dp: int, offload_optimizer: str = "none") -> bool:
+    """Whether each layer's gradient leaves in its own bucket as backward produces it: ZeRO-2/3's
+    reduce-scatter over ``dp > 1`` ranks, and an offloaded optimizer's copy to the host at ZeRO 2/3."""
+    return zero_stage >= 2 and (dp > 1 or offload_optimizer != "none")
 
 
 def inflight_microbatches(stage_index: int, num_stages: int, num_microbatches: int) -> int:
@@ -310,13 +334,15 @@ def backward_transient_bytes(largest_activation: Any, weight_grad: Any = 0) -> A
     return smax(2 * largest_activation, largest_activation + weight_grad)
 
 
-def zero_transient_bytes(layer_params: Sequence[int], dtype: str, zero_stage: int, dp: int) -> dict[str, int]:
+def zero_transient_bytes(layer_params: Sequence[int], dtype: str, zero_stage: int, dp: int,
+                         offload_optimizer: str = "none", offload_params: str = "none") -> dict[str, int]:
     """Full-size ZeRO buffers that coexist at most, for a stage's layers in forward order.
 
     ``params``: ZeRO-3's gathered weights of a layer and the next (prefetched) one, the largest
     over consecutive pairs. ``grads``: ZeRO-2/3's full gradients and reduced shards of
     ``REDUCTIONS_IN_FLIGHT + 1`` consecutive layers, the largest over such windows. Both 0 when
-    ``dp == 1`` or the stage does not shard them. Exact integers.
+    nothing is gathered or reduced (``gathers_params``, ``buckets_leave``: ``dp == 1`` without
+    offload, or a stage that does not shard them). Exact integers.
     """
     _check_int("dp", dp, 1)
     t = bytes_per_param(dtype)
@@ -331,13 +357,15 @@ def zero_transient_bytes(layer_params: Sequence[int], dtype: str, zero_stage: in
         n = min(n, len(vals))
         return max(sum(vals[i:i + n]) for i in range(len(vals) - n + 1))
 
-    params = window(2, lambda x: x * t["weights"]) if dp > 1 and zero_stage == 3 else 0
+    params = window(2, lambda x: x * t["weights"]) if gathers_params(zero_stage, dp, offload_params) else 0
     grads = (window(REDUCTIONS_IN_FLIGHT + 1, lambda x: reduction_bytes(x, dtype, dp))
-             if dp > 1 and zero_stage >= 2 else 0)
+             if buckets_leave(zero_stage, dp, offload_optimizer) else 0)
     return {"params": int(params), "grads": int(grads)}
 
 
 def reduction_bytes(layer_params: int, dtype: str, dp: int) -> int:
     """One ZeRO-2/3 gradient reduction's buffers: the layer's full gradient and its reduced
-    shard, in the training dtype."""
-    return (int(layer_params) + shard_elements(int(layer_params), dp)) * bytes_per_param(dtype)["grads"]
+    shard, in the training dtype (at ``dp = 1``, an offloaded optimizer's bucket: the gradient
+    alone, which is its own shard)."""
+    shard = shard_elements(int(layer_params), dp) if dp > 1 else 0
+    return (int(layer_params) + shard) * bytes_per_param(dtype)["grads"]

@@ -2,7 +2,7 @@
 
 A plan predicts one optimizer step: ``step_time_s`` seconds on ``gpus`` devices, split into the
 parts of ``predicted.time`` (compute, recompute, TP all-reduces, pipeline bubble, DP/ZeRO
-traffic, optimizer; more parts as the time model grows). A run that trains on ``tokens`` tokens
+traffic, optimizer, offload transfers to host memory and NVMe; more parts as the time model grows). A run that trains on ``tokens`` tokens
 takes ``steps = ceil(tokens / (global_batch * seq_len))`` such steps, because an optimizer step
 consumes whole global batches. Then::
 

@@ -125,11 +125,23 @@ transient ZeRO buffers of its largest layer + ``min(p - k, m)`` micro-batches of
 recomputed layer re-materialized once). A strategy is feasible when every stage fits in
 ``memory_bytes * memory_headroom``.
 
+Offload (``Candidate.offload_optimizer``, ``offload_params``; ``cost_models.offload`` prices it)
+--------------------------------------------------------------------------------------------
+Per layer, the exposed transfers of one micro-batch join ``zero_mb`` (``offload_mb``), those of a
+step join ``dp_step`` (``offload_step``), an offloaded optimizer's step is the host's AdamW time
+(``opt``), and the device state loses what moved (``cost_models.memory.model_state_bytes``). Each
+layer's host and NVMe bytes add up per stage (plus the rank's pinned buffers); the node needs
+``ranks per node`` times the most loaded stage's, which must fit ``host_memory_bytes`` and
+``nvme_bytes`` at the request's headroom for the strategy to be feasible (the ILP has the same
+rows). ``Evaluation.extra`` carries ``host_bytes`` and ``nvme_bytes`` per node and, with offload,
+``offload_bytes`` by state kind for the report.
+
 Time breakdown (plan.json ``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``)
 and the stage ``d*`` with the largest tail ``D``: ``compute = m * compute_k*``, ``recompute = m *
 rec_k*``, ``tp_comm = m * tp_k*``, ``pp_bubble = sum_k T_k - T + m * p2p_k*`` (pipeline overhead:
-bubble and stage-to-stage transfers), ``dp_comm = m * zero_mb_k* + dp_d*``,
-``optimizer = opt_d*``. The parts sum to the step time.
+bubble and stage-to-stage transfers), ``dp_comm = m * (zero_mb_k* - offload_mb_k*) + dp_d* -
+offload_step_d*``, ``optimizer = opt_d*`` (wherever AdamW runs), ``offload = m * offload_mb_k* +
+offload_step_d*``. The parts sum to the step time.
 """
 
 from __future__ import annotations
@@ -154,6 +166,7 @@ from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
     REDUCTIONS_IN_FLIGHT,
     backward_transient_bytes,
+    buckets_leave,
     bytes_per_param,
     inflight_microbatches,
     model_state_bytes,
@@ -163,6 +176,7 @@ from cost_models.memory import (
     stage_activation_bytes,
     zero_transient_bytes,
 )
+from cost_models.offload import layer_offload, offload_breakdown, offload_buffer_bytes, ranks_per_node
 from cost_models.tied import tied_weight_costs
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
 
@@ -270,15 +284,27 @@ class Candidate:
     num_micro_batches: int
     compile: bool = False
     """Each layer class runs under ``torch.compile`` (priced as in "Compiled stages" above)."""
+    offload_optimizer: str = "none"
+    """Where the optimizer state lives and AdamW runs: ``none`` (device), ``cpu``, ``nvme``
+    (``cost_models.offload``)."""
+    offload_params: str = "none"
+    """Where the ZeRO-3 parameter shards live: ``none`` (device), ``cpu``, ``nvme``."""
 
     @property
     def degrees(self) -> tuple[int, int, int]:
         return self.dp, self.tp, self.pp
 
+    @property
+    def offloads(self) -> bool:
+        """True when some state lives off the device."""
+        return self.offload_optimizer != "none" or self.offload_params != "none"
+
     def describe(self) -> str:
+        off = [f"{k} on {v}" for k, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
+               if v != "none"]
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
                 f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}"
-                + (", compiled" if self.compile else ""))
+                + (", compiled" if self.compile else "") + (f", offload {' and '.join(off)}" if off else ""))
 
 
 @dataclass(frozen=True)
@@ -332,6 +358,14 @@ class LayerCost:
     dp_step_sent_b: float
     num_params: int
     """Parameters on one device (after the TP split)."""
+    offload_mb_s: float = 0.0
+    """Exposed offload transfers of one micro-batch (included in ``zero_mb_s``)."""
+    offload_step_s: float = 0.0
+    """Exposed offload transfers per step (included in ``dp_step_s``)."""
+    host_b: int = 0
+    """Host bytes of this layer's offloaded state on one rank (``cost_models.offload``)."""
+    nvme_b: int = 0
+    """NVMe bytes of this layer's offloaded state on one rank."""
 
     @property
     def work_s(self) -> float:
@@ -386,6 +420,15 @@ class CandidateCosts:
         """The last layer's backward transient (a language model's loss: ``2 x logits``)."""
         self.dtype = "fp32"
         """Training dtype (sizes the ZeRO buffers)."""
+        self.ranks_per_node = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
+        """Ranks of a node sharing its host memory and drives (``cost_models.offload``)."""
+        self.host_buffers_b = 0
+        """Pinned offload buffers of one rank (``cost_models.offload.offload_buffer_bytes``)."""
+        self.host_room = math.inf
+        """Host bytes per rank left for offloaded layer state: the node's usable host memory over its
+        ranks, less the buffers (``inf`` without offload)."""
+        self.nvme_room = math.inf
+        """NVMe bytes per rank for offloaded layer state (``inf`` without NVMe offload)."""
 
     @property
     def num_layers(self) -> int:
@@ -412,27 +455,38 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     reps, index = nt.groups(cand.micro_batch_size, seq_len)
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl) for row in reps]
+    ranks = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
+    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks) for row in reps]
     layers = [costs[i] for i in index]
     extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
     for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
         layers[t.first] = dataclasses.replace(layers[t.first], dp_step_s=layers[t.first].dp_step_s + t.time_s,
                                               dp_step_sent_b=layers[t.first].dp_step_sent_b + t.sent_b)
         lc = layers[t.last]
+        off = cand.offload_optimizer != "none"  # the copy's optimizer state lives with the others
         layers[t.last] = dataclasses.replace(
             lc, dp_step_s=lc.dp_step_s + t.time_s, dp_step_sent_b=lc.dp_step_sent_b + t.sent_b,
             params_b=lc.params_b + t.params_b, grads_b=lc.grads_b + t.grads_b,
-            optimizer_b=lc.optimizer_b + t.optimizer_b)
+            optimizer_b=lc.optimizer_b + (0 if off else t.optimizer_b),
+            host_b=lc.host_b + (t.optimizer_b if cand.offload_optimizer == "cpu" else 0),
+            nvme_b=lc.nvme_b + (t.optimizer_b if cand.offload_optimizer == "nvme" else 0))
     cc = CandidateCosts(cand, layers, hw, gpus_per_node, capacity,
                         distinct=None if extra else [(c, index.count(i)) for i, c in enumerate(costs)])
     cc.dtype = dtype
+    if cand.offloads:  # host and NVMe capacity per rank, at the request's headroom
+        headroom = capacity / hw.memory_bytes
+        largest = max(shard_elements(c.num_params, cand.dp) for c in costs)
+        cc.host_buffers_b = offload_buffer_bytes(largest, dtype, cand.offload_optimizer, cand.offload_params)
+        cc.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - cc.host_buffers_b
+        if "nvme" in (cand.offload_optimizer, cand.offload_params):
+            cc.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
     # The last row's transient: for a language model the loss backward's 2 x logits.
     cc.loss_transient_b = cc.layers[-1].bt_b
     return cc
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
-                tp_pl: GroupPlacement, dp_pl: GroupPlacement) -> LayerCost:
+                tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1) -> LayerCost:
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
 
     def split(name: str) -> float:  # the part tp divides, divided; the rest whole
@@ -485,8 +539,11 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     if tp > 1:
         skipped = int(row["boundary_bytes"] > 0 and row["tp_allreduce_bytes"] >= row["boundary_bytes"])
         t_tp_rec += max(row["tp_allreduce_calls"] - skipped, 0) * hw.sync_overhead_s
-    base = model_state_bytes(P, dtype, z, dp)
-    peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True)
+    oo, op = cand.offload_optimizer, cand.offload_params
+    base = model_state_bytes(P, dtype, z, dp, offload_optimizer=oo, offload_params=op)
+    peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True,
+                             offload_optimizer=oo, offload_params=op)
+    off = layer_offload(P, dtype, z, dp, oo, op, hw, ranks, t_f, t_b)
     colls = zero_dp_collectives(P, dtype, z, dp)
     if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
         per_mb, per_step = list(colls), []
@@ -502,10 +559,12 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
     largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
+    opt_s = off.optimizer_s if off.optimizer_s is not None else (
+        float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
     return LayerCost(
         compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=hw.recompute_ratio * t_f + t_tp_rec,
-        zero_mb_s=zmb_t, dp_step_s=step_t,
-        opt_s=float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0,
+        zero_mb_s=zmb_t + off.mb_s, dp_step_s=step_t + off.step_s, opt_s=opt_s,
+        offload_mb_s=off.mb_s, offload_step_s=off.step_s, host_b=off.host_b, nvme_b=off.nvme_b,
         params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],
         trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
         bt_b=float(backward_transient_bytes(largest, bytes_per_param(dtype)["grads"] * max(
@@ -543,6 +602,14 @@ class StageCost:
     memory_bound: int = 0
     """The conservative peak feasibility is judged by (what the ILP constrains): every
     transient at once, each ZeRO window filled with the stage's largest layer."""
+    offload_mb_s: float = 0.0
+    """Exposed offload transfers of one micro-batch (part of ``zero_mb_s``)."""
+    offload_step_s: float = 0.0
+    """Exposed offload transfers per step (part of ``dp_s``)."""
+    host_b: int = 0
+    """Host bytes one rank of this stage needs: offloaded state + pinned buffers."""
+    nvme_b: int = 0
+    """NVMe bytes one rank of this stage needs."""
 
 
 @dataclass
@@ -612,7 +679,10 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
             first=a, last=b, compute_s=compute, recompute_s=rec, tp_s=tp, p2p_s=p2p, zero_mb_s=zmb,
             work_s=work, micro_step_s=work + zmb, dp_s=sum(l.dp_step_s for l in ls),
             opt_s=sum(l.opt_s for l in ls), fwd_s=fwd, bwd_s=work + zmb - fwd,
-            memory=mem, comm_bytes=comm, memory_bound=bound))
+            memory=mem, comm_bytes=comm, memory_bound=bound,
+            offload_mb_s=sum(l.offload_mb_s for l in ls), offload_step_s=sum(l.offload_step_s for l in ls),
+            host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
+            nvme_b=sum(l.nvme_b for l in ls)))
     T = max(s.micro_step_s for s in out)
     kb = max(range(p), key=lambda k: out[k].micro_step_s)
     kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
@@ -622,17 +692,28 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     sb = out[kb]
     time = {"compute": m * sb.compute_s, "recompute": m * sb.recompute_s, "tp_comm": m * sb.tp_s,
             "pp_bubble": fill + m * sb.p2p_s,
-            "dp_comm": m * sb.zero_mb_s + out[kd].dp_s, "optimizer": out[kd].opt_s}
+            "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
+            "optimizer": out[kd].opt_s, "offload": m * sb.offload_mb_s + out[kd].offload_step_s}
     kp = max(range(p), key=lambda k: out[k].memory["total"])
     bound = max(st.memory_bound for st in out)
-    extra: dict = {"memory_bound": bound}
+    g = cc.ranks_per_node
+    host_rank, nvme_rank = max(st.host_b for st in out), max(st.nvme_b for st in out)
+    extra: dict = {"memory_bound": bound, "host_bytes": g * host_rank, "nvme_bytes": g * nvme_rank}
+    if cand.offloads:  # by state kind, on the stage with the most host bytes (for the report)
+        kh = max(range(p), key=lambda i: (out[i].host_b, out[i].nvme_b))
+        a, b = stages[kh]
+        extra["offload_bytes"] = offload_breakdown([lay.num_params for lay in cc.layers[a:b + 1]], cand.dp,
+                                                   cand.zero_stage, cc.dtype, cand.offload_optimizer,
+                                                   cand.offload_params, cc.host_buffers_b)
+    fits_off = (max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
+                and nvme_rank <= cc.nvme_room)
     if cand.compile:  # once per run: the stage with the most distinct layer classes
         extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a:b + 1])) for a, b in stages))
     return Evaluation(
         strategy=Strategy(cand, stages, ck), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
         time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
         comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0, feasible=bound <= cc.capacity,
+        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0, feasible=bound <= cc.capacity and fits_off,
         capacity=cc.capacity, extra=extra)
 
 
@@ -656,6 +737,7 @@ def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool
     conservative bound (see ``cost_models.memory``: "Backward transients")."""
     cand = cc.cand
     p, m, z, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
+    leave = buckets_leave(z, dp, cand.offload_optimizer)
 
     def acts(transient: float) -> float:
         return float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m,
@@ -664,14 +746,15 @@ def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool
     params = sum(l.params_b for l in ls)
     grads = sum(l.grads_b for l in ls)
     optim = sum(l.optimizer_b for l in ls)
-    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp)
+    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp,
+                              cand.offload_optimizer, cand.offload_params)
     # (a) the stage's last layer runs backward first: all transients but the ZeRO-2/3 reductions
     # (none launched yet); with one micro-batch per step the gradient shards do not exist yet.
-    shards_later = z >= 2 and dp > 1 and m == 1
+    shards_later = leave and m == 1
     a = {"params": params + zt["params"], "grads": 0 if shards_later else grads, "optimizer": optim,
          "activations": acts(max(l.bt_b for l in ls))}
     moments = [a]
-    if z >= 2 and dp > 1:
+    if leave:
         # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
         # flight, while the later layers' activations of this micro-batch are released.
         inflight = inflight_microbatches(k, p, m)
@@ -698,6 +781,7 @@ def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flop
         "tflops_per_device": float(tflops), "mfu": float(tflops * 1e12 / peak_flops),
         "comm_bytes_per_device": float(ev.comm_bytes_per_device),
         "bubble_fraction": float(ev.bubble_fraction),
-        "memory": {k: int(v) for k, v in ev.memory.items()},
+        "memory": {**{k: int(v) for k, v in ev.memory.items()},
+                   "host": int(ev.extra.get("host_bytes", 0)), "nvme": int(ev.extra.get("nvme_bytes", 0))},
         "time": {k: float(v) for k, v in ev.time.items()},
     }

@@ -8,29 +8,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import sys
+from typing import Any
 
-from codegen.errors import CodegenError, LoweringError, TPRewriteError, UnsafeNameError
-from cost_models.hardware import ProfileError
-from passes.common import PassError
-from planner.commands.calibrate import CalibrationError, run_calibrate
-from planner.commands.compile import run_compile
-from planner.commands.export import run_export
-from planner.commands.plan import run_plan
-from planner.commands.sweep import run_sweep
-from planner.commands.train import run_train
-from planner.commands.tune import run_tune
-from planner.commands.validate import run_validate
-from planner.errors import UserError
-from planner.frontend.errors import ModelError
-from planner.plan import PlanError
-from planner.search.errors import NoFeasiblePlan, SearchError
-from runtime.compiled import CompiledError
 from runtime.config import TrainOptions, cli_flags, default_of
-from runtime.data import DataError
-from runtime.dtypes import DTYPES
+from runtime.contract import DTYPES
 
-__all__ = ["main", "build_parser", "USER_ERRORS"]
+__all__ = ["main", "build_parser", "user_errors"]  # and USER_ERRORS, computed on access (__getattr__)
 
 
 def _int_at_least(lo: int, what: str):
@@ -159,6 +144,14 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                         "(--tokens, else 1,000 steps)")
     p.add_argument("--price-per-gpu-hour", type=_positive_float, default=None, metavar="X",
                    help="what one device costs per hour (any currency): the cost in money, with --tokens")
+    p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default=None,
+                   help="where the optimizer state lives and AdamW runs: the device (none), host memory "
+                        "(cpu, ZeRO-Offload) or NVMe files (nvme, ZeRO-Infinity); default: the planner "
+                        "offloads only where it pays (a plan that does not fit otherwise, or fits only "
+                        "with more recompute or smaller micro-batches)")
+    p.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default=None,
+                   help="where the ZeRO-3 parameter shards live: the device (none), host memory (cpu) or "
+                        "NVMe files (nvme), fetched layer by layer ahead of use; default: searched")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "PyTorch sees a GPU (auto)")
     p.add_argument("--out", required=True, metavar="profile.json")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    p.add_argument("--nvme-path", default=None, metavar="DIR",
+                   help="directory on the drive whose write and read bandwidth to measure for the NVMe "
+                        "offload tier (default: the system's temporary directory)")
 
     p = sub.add_parser("validate", help="run a plan here and compare predicted with measured")
     p.add_argument("plan")
@@ -242,33 +238,73 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _plan(args) -> int:
-    """``planner plan``: one cluster size, or a sweep over several (``--gpus 64,128,256``)."""
-    return run_sweep(args) if len(args.gpus) > 1 else run_plan(args)
+#: Each command's driver as (module, function), imported when the command runs: the drivers of
+#: train, compile or calibrate import torch, and a re-plan that the layer-table cache answers
+#: never needs it (ARCHITECTURE.md, import rules).
+_DRIVERS = {
+    "plan": ("planner.commands.plan", "run_plan"),
+    "sweep": ("planner.commands.sweep", "run_sweep"),
+    "compile": ("planner.commands.compile", "run_compile"),
+    "train": ("planner.commands.train", "run_train"),
+    "calibrate": ("planner.commands.calibrate", "run_calibrate"),
+    "validate": ("planner.commands.validate", "run_validate"),
+    "export": ("planner.commands.export", "run_export"),
+    "tune": ("planner.commands.tune", "run_tune"),
+}
 
 
-_COMMANDS = {"plan": _plan, "compile": run_compile, "train": run_train, "calibrate": run_calibrate,
-             "validate": run_validate, "export": run_export, "tune": run_tune}
+def _driver(name: str):
+    module, function = _DRIVERS[name]
+    return getattr(importlib.import_module(module), function)
 
-#: Every layer's bad-input error, by name: each becomes one paragraph on stderr and exit status 2.
-#: (A checkpoint that fails while training is a failed run, exit 1, not bad input.)
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    ModelError,                                      # planner.frontend
-    PassError,                                       # passes
-    ProfileError,                                    # cost_models
-    SearchError, NoFeasiblePlan,                     # planner.search
-    PlanError,                                       # planner.plan
-    CodegenError, LoweringError, UnsafeNameError, TPRewriteError,  # codegen
-    CompiledError, DataError,                        # runtime
-    CalibrationError, UserError,                     # planner.commands
+
+def _run(args) -> int:
+    """Dispatch: ``planner plan`` is one cluster size, or a sweep over several (``--gpus 64,128``)."""
+    name = args.command
+    if name == "plan" and len(args.gpus) > 1:
+        name = "sweep"
+    return _driver(name)(args)
+
+
+#: Every layer's bad-input error, by module and name: each becomes one paragraph on stderr and exit
+#: status 2. (A checkpoint that fails while training is a failed run, exit 1, not bad input.)
+_USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
+    ("planner.frontend.errors", "ModelError"),                   # planner.frontend
+    ("passes.core", "PassError"),                                # passes
+    ("cost_models.hardware", "ProfileError"),                    # cost_models
+    ("planner.search.errors", "SearchError"), ("planner.search.errors", "NoFeasiblePlan"),
+    ("planner.plan", "PlanError"),                               # planner.plan
+    ("codegen.errors", "CodegenError"), ("codegen.errors", "LoweringError"),
+    ("codegen.errors", "UnsafeNameError"), ("codegen.errors", "TPRewriteError"),
+    ("runtime.compiled", "CompiledError"), ("runtime.contract", "DataError"),  # runtime
+    ("planner.commands.calibrate", "CalibrationError"), ("planner.errors", "UserError"),
 )
+
+
+def user_errors(loaded_only: bool = True) -> tuple[type[BaseException], ...]:
+    """The classes of ``_USER_ERROR_NAMES``. ``loaded_only``: those whose module is imported (a
+    command can only raise an error of a module it imported, so ``main`` imports nothing more)."""
+    out = []
+    for module, name in _USER_ERROR_NAMES:
+        mod = sys.modules.get(module) if loaded_only else importlib.import_module(module)
+        if mod is not None:
+            out.append(getattr(mod, name))
+    return tuple(out)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "USER_ERRORS":  # every error type, importing each layer (tests and tools use it)
+        return user_errors(loaded_only=False)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
-    except USER_ERRORS as e:
+        return _run(args)
+    except Exception as e:
+        if not isinstance(e, user_errors()):
+            raise
         print(f"planner {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,16 +17,24 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import UserError
-from runtime.data import INPUT_ROLES
-from runtime.dtypes import DTYPES
+from runtime.contract import DTYPES, INPUT_ROLES
 
 __all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative", "PlanError",
-           "load_plan", "save_plan", "SCHEMA_VERSION", "MEMORY_KEYS", "TIME_KEYS", "COST_KEYS", "TIME_LABELS", "plan_hash"]
+           "load_plan", "save_plan", "SCHEMA_VERSION", "MEMORY_KEYS", "TIME_KEYS", "OFFLOAD_TIERS",
+           "OFFLOAD_KINDS", "HOST_MEMORY_KEYS", "NO_OFFLOAD", "COST_KEYS", "SCHEDULES", "TIME_LABELS", "plan_hash"]
 
 SCHEMA_VERSION = 1
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
 COST_KEYS = ("tokens", "days", "gpu_hours", "money", "by_part")
-TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer")
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+"""The pipeline schedules a plan may name (plan.json ``schedule``)."""
+
+TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+OFFLOAD_KINDS = ("optimizer", "params")
+HOST_MEMORY_KEYS = ("host", "nvme")
+"""``predicted.memory`` keys beyond the device's: bytes per node in host memory and NVMe files (0
+without offload; a plan written before them loads with 0)."""
 TIME_LABELS = {
     "compute": "compute (forward + backward)",
     "recompute": "recompute (checkpointed layers)",
@@ -34,8 +42,13 @@ TIME_LABELS = {
     "pp_bubble": "pipeline bubble + stage transfers",
     "dp_comm": "DP / ZeRO communication",
     "optimizer": "optimizer step",
+    "offload": "offload transfers (host / NVMe)",
 }
 """What each ``predicted.time`` key means, as the report and the runners-up say it."""
+
+
+NO_OFFLOAD = {"optimizer": "none", "params": "none"}
+"""plan.json's ``offload`` when every state lives on the device (and what a plan without the key loads as)."""
 
 
 class PlanError(UserError):
@@ -142,9 +155,13 @@ class Predicted:
     """Idle fraction of the 1F1B schedule: (sum_k T_k - T) / (m T + sum_k T_k - T) for stage
     micro-steps T_k, T their maximum; (p - 1) / (m + p - 1) when the stages are equal."""
     memory: dict
-    """Bytes by kind: params, grads, optimizer, activations, total."""
+    """Bytes by kind on the most loaded device: params, grads, optimizer, activations, total (the
+    device peak); and per node: host (host memory for offloaded state and its pinned buffers),
+    nvme (bytes in NVMe files)."""
     time: dict
-    """Seconds by part: compute, recompute, tp_comm, pp_bubble, dp_comm, optimizer."""
+    """Seconds by part: compute, recompute, tp_comm, pp_bubble, dp_comm, optimizer (the AdamW step
+    wherever it runs: on the host's cores when the optimizer is offloaded), offload (transfers to
+    and from host memory and NVMe that no compute hides)."""
     cost: dict | None = None
     """What the whole training run costs (``plan --tokens N``; absent otherwise): ``tokens``,
     ``days``, ``gpu_hours``, ``money`` (``None`` without ``--price-per-gpu-hour``) and ``by_part``
@@ -152,6 +169,14 @@ class Predicted:
     ``cost_models.run_cost``."""
 
     def __post_init__(self):
+        # plans written before offload existed: no host / NVMe bytes, no offload time
+        if isinstance(self.memory, dict):
+            self.memory = {**self.memory, **{k: self.memory.get(k, 0) for k in HOST_MEMORY_KEYS}}
+        if isinstance(self.time, dict):
+            self.time = {**self.time, "offload": self.time.get("offload", 0.0)}
+        if isinstance(self.cost, dict) and isinstance(self.cost.get("by_part"), dict):
+            self.cost = {**self.cost, "by_part": {**self.cost["by_part"],
+                                                  "offload": self.cost["by_part"].get("offload", 0.0)}}
         for k in ("step_time_s", "tflops_per_device", "mfu", "comm_bytes_per_device", "bubble_fraction"):
             _check_num(f"predicted.{k}", getattr(self, k))
         _check_int("predicted.peak_memory_bytes", self.peak_memory_bytes, 0)
@@ -215,11 +240,16 @@ class Alternative:
     micro_batch_size: int
     step_time_s: float
     reason: str
+    offload: dict = field(default_factory=lambda: dict(NO_OFFLOAD))
+    """Where the runner-up keeps its state (as the plan's ``offload``); written only when some state
+    is off the device, so absent means none/none."""
 
     def __post_init__(self):
         for k in ("dp", "tp", "pp", "micro_batch_size"):
             _check_int(f"alternatives[].{k}", getattr(self, k), 1)
         _check_int("alternatives[].zero_stage", self.zero_stage, 0)
+        _check_offload(self.offload, self.zero_stage)
+        self.offload = {k: self.offload[k] for k in OFFLOAD_KINDS}
         _check_num("alternatives[].step_time_s", self.step_time_s)
         _check_str("alternatives[].reason", self.reason)
 
@@ -260,6 +290,23 @@ class Plan:
     repays the compile time over the run, or pinned by ``planner plan --compile on|off``. A plan
     written before the field existed loads as ``false``. Not part of ``plan_hash``: the compiled
     source and its math are the same either way, so checkpoints resume across it."""
+    offload: dict = field(default_factory=lambda: dict(NO_OFFLOAD))
+    """Where state lives off the device: ``{"optimizer": tier, "params": tier}``, each tier ``none``
+    (on the device), ``cpu`` (host memory) or ``nvme`` (files under ``train --nvme-path``). An
+    offloaded optimizer keeps the fp32 master weights, the Adam moments and the gradient
+    accumulator of the rank's shard off the device and runs AdamW on the host (needs ZeRO 1, 2 or
+    3); offloaded parameters keep the rank's parameter shard off the device, fetched layer by layer
+    (needs ZeRO 3). Chosen by the search where it pays (``cost_models.offload``), or pinned by
+    ``--offload-optimizer`` / ``--offload-params``. A plan without the key loads as none/none."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (``runtime.schedule``): ``1f1b``; ``interleaved`` (Megatron's
+    interleaved 1F1B over ``virtual_stages`` model chunks per pipeline rank); ``zero-bubble``
+    (ZB-H1: backward split into input- and weight-gradient work, the weight gradients filling the
+    bubble). A plan without the key loads as ``1f1b``."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (``v``): 1 unless ``schedule`` is ``interleaved``. With v > 1,
+    ``stages`` lists the ``pp * v`` chunks in model order and chunk ``c`` runs on pipeline rank
+    ``c % pp``."""
     measured: dict | None = None
     """What ``planner tune`` measured running this plan (absent from other plans):
     ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
@@ -284,8 +331,19 @@ class Plan:
             _fail("global_batch", f"({self.global_batch}) must equal dp * micro_batch_size * "
                   f"num_micro_batches = {self.dp}*{self.micro_batch_size}*{self.num_micro_batches}.")
         n_rows = self.model.layers + 2
-        if not isinstance(self.stages, list) or len(self.stages) != self.pp:
-            _fail("stages", f"must list one [first, last] pair per pipeline stage ({self.pp}).")
+        if self.schedule not in SCHEDULES:
+            _fail("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
+        _check_int("virtual_stages", self.virtual_stages, 1)
+        if self.virtual_stages > 1 and (self.schedule != "interleaved" or self.pp < 2):
+            _fail("virtual_stages", f"is {self.virtual_stages}: more than one model chunk per rank needs "
+                  f"the interleaved schedule and pp >= 2 (schedule {self.schedule!r}, pp {self.pp}).")
+        if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
+            _fail("num_micro_batches", f"({self.num_micro_batches}) must be a multiple of pp ({self.pp}) for "
+                  "the interleaved schedule (its micro-batches go round the ranks in groups of pp).")
+        chunks = self.pp * self.virtual_stages
+        if not isinstance(self.stages, list) or len(self.stages) != chunks:
+            _fail("stages", f"must list one [first, last] pair per pipeline stage ({self.pp})"
+                  + (f" and model chunk: pp * virtual_stages = {chunks}." if self.virtual_stages > 1 else "."))
         expect = 0
         for i, st in enumerate(self.stages):
             if not (isinstance(st, (list, tuple)) and len(st) == 2):
@@ -310,6 +368,8 @@ class Plan:
             _fail("checkpoint_layers", "has duplicates.")
         if not isinstance(self.compile, bool):
             _fail("compile", f"must be true or false, got {self.compile!r}.")
+        _check_offload(self.offload, self.zero_stage)
+        self.offload = {k: self.offload[k] for k in OFFLOAD_KINDS}
         if self.measured is not None:
             if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(self.measured):
                 _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
@@ -325,9 +385,13 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         order = ["schema_version", "model", "hardware", "global_batch", "seq_len", "dtype", "dp",
-                 "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
-                 "checkpoint_layers", "compile", "predicted", "solver", "alternatives"]
+                 "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "schedule",
+                 "virtual_stages", "stages", "checkpoint_layers", "compile", "offload", "predicted", "solver",
+                 "alternatives"]
         out = {k: d[k] for k in order}
+        for alt in out["alternatives"]:  # a runner-up names its offload only when it has one
+            if alt["offload"] == NO_OFFLOAD:
+                del alt["offload"]
         if out["predicted"].get("cost") is None:
             out["predicted"].pop("cost", None)
         if self.measured is not None:
@@ -355,6 +419,20 @@ class Plan:
 
     def describe_degrees(self) -> str:
         return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage}"
+
+
+def _check_offload(offload: Any, zero_stage: int) -> None:
+    if not isinstance(offload, dict) or set(offload) != set(OFFLOAD_KINDS):
+        _fail("offload", f'must be an object with exactly "optimizer" and "params", got {offload!r}.')
+    for kind in OFFLOAD_KINDS:
+        if offload[kind] not in OFFLOAD_TIERS:
+            _fail(f"offload.{kind}", f"must be one of {', '.join(OFFLOAD_TIERS)}, got {offload[kind]!r}.")
+    if offload["params"] != "none" and zero_stage != 3:
+        _fail("offload.params", f"is {offload['params']!r}, but offloading parameters needs zero_stage 3 "
+              f"(got {zero_stage}): only ZeRO-3 shards the parameters it could keep off the device.")
+    if offload["optimizer"] != "none" and zero_stage not in (1, 2, 3):
+        _fail("offload.optimizer", f"is {offload['optimizer']!r}, but offloading the optimizer needs "
+              f"zero_stage 1, 2 or 3 (got {zero_stage}): the runtime offloads each rank's optimizer shard.")
 
 
 def _build(cls, d: Any, where: str):

@@ -15,6 +15,12 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
   rank's mean over a few repetitions after a warm-up.
+- **Offload** (``calibrate_common.measure_offload``, in the parent process once the ranks are
+  done, every core free): NVMe write and read bandwidth of a temporary file in ``--nvme-path``
+  (fsync'd write, page cache dropped before the read), the host's AdamW throughput with
+  ``runtime.optim.adamw_step_`` (``cpu_adam_params_per_s``), and a memory copy as the host-device
+  link (on a CPU the host is the device). ``host_memory_bytes`` is physical RAM, ``nvme_bytes`` the
+  free space of that directory's file system.
 - **GEMM table** (small): every ``(m, n, k)`` of ``gemm_sizes ** 3`` per dtype, all ranks at once,
   the fraction of ``peak_flops`` each reached (``gemm_efficiency``, which ``cost_models.compute``
   interpolates). The same measurement code as the CUDA path (``calibrate_gpu.measure_gemm_table``),
@@ -76,6 +82,7 @@ from planner.commands.calibrate_common import (
     fmt_bytes,
     gemm_tables,
     lower_quartile,
+    measure_offload,
     median,
 )
 from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
@@ -443,7 +450,15 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "recompute_ratio": raw.get("recompute_ratio"),
         "gemm": gemm,
         "gemm_skipped": skipped,
+        "offload": raw.get("offload"),
     }
+    off = raw.get("offload") or {}
+    nvme = off.get("nvme") or {}
+    if off:
+        source += (f" Offload: host_device_bandwidth = a host memory copy (the host is the device); host_memory_bytes "
+                   f"= physical RAM; nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
+                   f"(write to its fsync, read after dropping its page cache), nvme_bytes = that file system's free "
+                   f"space; cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer, all cores.")
     return HardwareProfile(
         name=name,
         peak_flops=peaks,
@@ -461,6 +476,12 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         intra_node_collectives={k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
                                 for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None,
         gemm_efficiency=tables or None,
+        host_device_bandwidth=off.get("host_copy_Bps"),
+        host_memory_bytes=ram if off else None,
+        nvme_bytes=nvme.get("free_bytes") or None,
+        nvme_read_bandwidth=nvme.get("read_Bps"),
+        nvme_write_bandwidth=nvme.get("write_Bps"),
+        cpu_adam_params_per_s=off.get("cpu_adam_params_per_s"),
         source=source,
         calibration=finite(calibration),
     )
@@ -477,12 +498,14 @@ def run_calibration(
     quick: bool = False,
     timeout_s: float = 300.0,
     spec: CalibrationSpec | None = None,
+    nvme_path: str | None = None,
 ) -> HardwareProfile:
     """Measure this machine with ``nproc`` local gloo processes and write a profile to ``out_path``.
 
     ``base_kind`` supplies values that cannot be measured (a dtype whose matmul fails); ``quick``
     trades accuracy for a few seconds of measurement; ``progress`` shows a rich progress bar on
-    stderr. Returns the profile (also saved as JSON that ``load_hardware(out_path)`` accepts).
+    stderr; ``nvme_path`` is the directory whose drive the NVMe figures measure (default: the
+    system's temporary directory). Returns the profile (also saved as JSON that ``load_hardware(out_path)`` accepts).
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 2:
         raise CalibrationError(
@@ -512,6 +535,7 @@ def run_calibration(
             stop.set()
             drain.join(timeout=5)
         raw = json.loads(Path(raw_file).read_text())
+    raw["offload"] = measure_offload(nvme_path, quick or spec.matmul_budget_s < 0.1, host_copy=True)
     profile = build_profile(raw, nproc, base, spec)
     profile.save(out_path)
     return profile
@@ -552,10 +576,12 @@ def run_calibrate(args) -> int:
     """
     nproc = getattr(args, "nproc", None)
     if resolve_device(getattr(args, "device", None)) == "cuda":
-        profile = run_gpu_calibration(args.out, nproc=nproc, quick=args.quick)
+        profile = run_gpu_calibration(args.out, nproc=nproc, quick=args.quick,
+                                      nvme_path=getattr(args, "nvme_path", None))
         print(f"Wrote {args.out} ({profile.gpus_per_node} x GPU, measured on CUDA); use it with "
               f"--hardware {args.out}.")
         return 0
-    run_calibration(2 if nproc is None else nproc, args.out, quick=args.quick)
+    run_calibration(2 if nproc is None else nproc, args.out, quick=args.quick,
+                    nvme_path=getattr(args, "nvme_path", None))
     print(f"Wrote {args.out}; use it with --hardware {args.out}.")
     return 0

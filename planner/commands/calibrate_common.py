@@ -9,14 +9,27 @@
   (``cost_models.comm.ring_terms``), and ``fit_alpha_beta`` solves ``alpha`` and ``B`` by least
   squares on relative residuals, per kind and for all kinds together (``fit_collectives``);
 - a GEMM table is the seconds of each ``(m, n, k)`` of a grid, turned into the fraction of the
-  dtype's peak that ``cost_models.compute.gemm_efficiency`` reads (``gemm_tables``).
+  dtype's peak that ``cost_models.compute.gemm_efficiency`` reads (``gemm_tables``);
+- the offload figures (``measure_offload``, ``cost_models.offload``): NVMe write and read
+  bandwidth of a temporary file in ``--nvme-path`` (default the system's temporary directory), and
+  the host's AdamW throughput with the runtime's kernel (``runtime.optim.adamw_step_``) on a large
+  flat buffer, every core at work; on the CPU path also the host-device "link", a memory copy.
+
+The NVMe write is timed up to its ``fsync`` (the bytes are on the drive, not in the page cache),
+and the page cache is dropped for the file (``os.posix_fadvise(POSIX_FADV_DONTNEED)``) before the
+read, so the read comes from the drive. A directory on a RAM-backed file system (tmpfs) measures
+memory instead: the profile's ``source`` names the directory so the reader can tell.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import queue as queue_mod
+import shutil
+import tempfile
 import threading
+import time
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -26,7 +39,8 @@ from cost_models.comm import ring_terms
 from planner.errors import UserError
 
 __all__ = ["CalibrationError", "KB", "MB", "GB", "MEASURED_KINDS", "lower_quartile", "median", "fit_alpha_beta",
-           "fit_collectives", "gemm_tables", "finite", "fmt_bytes", "drain_progress"]
+           "fit_collectives", "gemm_tables", "finite", "fmt_bytes", "drain_progress", "measure_nvme",
+           "measure_cpu_adam", "measure_host_copy", "measure_offload"]
 
 KB = 1 << 10
 MB = 1 << 20
@@ -191,3 +205,98 @@ def drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
             except (EOFError, OSError):
                 break
             bar.update(task, advance=1, description=label)
+
+
+# ---------------------------------------------------------------------------------------- offload
+def _lq_seconds(fn, reps: int) -> float:
+    """Lower quartile of ``reps`` timed calls of ``fn`` (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return lower_quartile(times)
+
+
+def measure_nvme(directory: str | None, nbytes: int, reps: int = 2) -> dict[str, Any]:
+    """Write then read ``nbytes`` through a temporary file in ``directory`` (default: the system's
+    temporary directory): ``{"dir", "bytes", "write_Bps", "read_Bps"}``, each the best of ``reps``.
+    The write includes its ``fsync``; the read follows ``POSIX_FADV_DONTNEED`` on the file."""
+    directory = directory or tempfile.gettempdir()
+    if not os.path.isdir(directory):
+        raise CalibrationError(f"--nvme-path {directory!r} is not a directory: give a directory on the drive "
+                               "to measure (the NVMe offload tier's files go there in training)")
+    chunk = min(nbytes, 8 * MB)
+    block = os.urandom(chunk)  # incompressible, so a compressing file system cannot cheat
+    writes, reads = [], []
+    try:
+        fd, path = tempfile.mkstemp(prefix="planner-nvme-", suffix=".bin", dir=directory)
+    except OSError as e:
+        raise CalibrationError(f"cannot create a file in --nvme-path {directory!r}: {e}") from None
+    try:
+        for _ in range(max(1, reps)):
+            os.lseek(fd, 0, os.SEEK_SET)
+            t0 = time.perf_counter()
+            done = 0
+            while done < nbytes:
+                done += os.write(fd, block[:min(chunk, nbytes - done)])
+            os.fsync(fd)
+            writes.append(nbytes / (time.perf_counter() - t0))
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.lseek(fd, 0, os.SEEK_SET)
+            t0 = time.perf_counter()
+            got = 0
+            while got < nbytes:
+                data = os.read(fd, min(chunk, nbytes - got))
+                if not data:
+                    break
+                got += len(data)
+            reads.append(got / (time.perf_counter() - t0))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    free = shutil.disk_usage(directory).free
+    return {"dir": os.path.abspath(directory), "bytes": int(nbytes), "write_Bps": max(writes), "read_Bps": max(reads),
+            "free_bytes": int(free)}
+
+
+def measure_cpu_adam(num_params: int, reps: int = 3) -> float:
+    """Parameters per second ``runtime.optim.adamw_step_`` updates on the host (fp32 master,
+    moments and gradient of ``num_params`` elements, torch's intra-op threads: every core)."""
+    import torch  # heavy: only the measurements need it, not the statistics the planner shares
+
+    from runtime.optim import adamw_step_
+
+    param = torch.randn(num_params)
+    grad, m, v = torch.randn(num_params), torch.zeros(num_params), torch.zeros(num_params)
+    step = [0]
+
+    def run():
+        step[0] += 1
+        adamw_step_(param, grad, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    return num_params / _lq_seconds(run, reps)
+
+
+def measure_host_copy(nbytes: int, reps: int = 5) -> float:
+    """Bytes per second of a host memory copy (the ``cpu`` profile's host-device link)."""
+    import torch  # heavy: see measure_cpu_adam
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return nbytes / _lq_seconds(lambda: dst.copy_(src), reps)
+
+
+def measure_offload(nvme_path: str | None, quick: bool, host_copy: bool) -> dict[str, Any]:
+    """The offload figures of this machine (module docstring): ``nvme`` (``measure_nvme``),
+    ``cpu_adam_params_per_s`` and, with ``host_copy``, ``host_copy_Bps``."""
+    out: dict[str, Any] = {
+        "nvme": measure_nvme(nvme_path, (16 if quick else 512) * MB, reps=1 if quick else 2),
+        # buffers well past the last-level cache, or the figures measure the cache
+        "cpu_adam_params_per_s": measure_cpu_adam(1 << (22 if quick else 25), reps=2 if quick else 5),
+    }
+    if host_copy:
+        out["host_copy_Bps"] = measure_host_copy((64 if quick else 256) * MB)
+    return out

@@ -70,6 +70,7 @@ from planner.commands.calibrate_common import (
     fmt_bytes,
     gemm_tables,
     lower_quartile,
+    measure_offload,
 )
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.zoo import build_model
@@ -565,6 +566,13 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
         f"pinned copies, slower direction; {coll_text}; inter-node link, sync_overhead_s and recompute_ratio "
         f"from {base.name} (not measured on one node)."
     )
+    off = raw.get("offload") or {}
+    nvme = off.get("nvme") or {}
+    if off:
+        source += (f" Offload: nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} (write "
+                   f"to its fsync, read after dropping its page cache), nvme_bytes = that file system's free space; "
+                   f"cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer on the host, all cores; "
+                   f"host_memory_bytes = physical RAM.")
     calibration = {
         "device": "cuda",
         "nproc": nproc,
@@ -582,6 +590,7 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
         "fit_by_kind": per_kind,
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bw} if colls else None,
         "base": base.name,
+        "offload": off or None,
     }
     return HardwareProfile(
         name=name,
@@ -602,9 +611,22 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
         sm_count=int(dev["sm_count"]),
         gemm_efficiency=tables or None,
         host_device_bandwidth=host_bw,
+        host_memory_bytes=_host_ram() if off else base.host_memory_bytes,
+        nvme_bytes=nvme.get("free_bytes") or base.nvme_bytes,
+        nvme_read_bandwidth=nvme.get("read_Bps") or base.nvme_read_bandwidth,
+        nvme_write_bandwidth=nvme.get("write_Bps") or base.nvme_write_bandwidth,
+        cpu_adam_params_per_s=off.get("cpu_adam_params_per_s") or base.cpu_adam_params_per_s,
         source=source,
         calibration=finite(calibration),
     )
+
+
+def _host_ram() -> int | None:
+    """Physical RAM of this host (the offload tier's host memory), ``None`` when unknown."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,6 +640,7 @@ def run_gpu_calibration(
     timeout_s: float = 600.0,
     spec: GpuCalibrationSpec | None = None,
     base_kind: str | None = None,
+    nvme_path: str | None = None,
 ) -> HardwareProfile:
     """Measure this node's GPUs and write a profile to ``out_path`` (see the module docstring).
 
@@ -662,6 +685,7 @@ def run_gpu_calibration(
     finally:
         stop.set()
         drain.join(timeout=5)
+    raw["offload"] = measure_offload(nvme_path, quick, host_copy=False)  # the link: pinned copies above
     profile = build_gpu_profile(raw, base, spec, datasheet=kind is not None, nproc=nproc)
     profile.save(out_path)
     return profile

@@ -15,9 +15,8 @@ from cost_models.hardware import HardwareProfile, load_hardware
 from cost_models.run_cost import run_cost
 from planner.errors import UserError
 from planner.frontend.analyze import build_layer_table
-from planner.frontend.bundle import parse_spec
-from planner.frontend.gpt import PRESETS
 from planner.frontend.inputs import parse_input_pins
+from planner.frontend.spec import PRESETS, parse_spec
 from planner.plan import Plan, save_plan
 from planner.report.plot import plot_plan
 from planner.report.render import render_plan
@@ -105,6 +104,7 @@ def request_from_args(args, gpus: int | None = None) -> PlanRequest:
         checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
         tp_across_nodes=args.tp_across_nodes, inputs=parse_input_pins(getattr(args, "input", None)),
         compile=getattr(args, "compile", None) or "auto", tokens=getattr(args, "tokens", None),
+        offload_optimizer=getattr(args, "offload_optimizer", None), offload_params=getattr(args, "offload_params", None),
     )
 
 

@@ -99,11 +99,13 @@ def sweep_paths(out: str, counts: list[int]) -> dict[int, str]:
 
 
 def _strategy(plan: Plan) -> str:
-    """``dp8 tp4 pp8 Z1 192x1 rc4 C``: degrees, ZeRO stage, micro-batches x size, layers
-    recomputed, compiled stages."""
+    """``dp8 tp4 pp8 Z1 192x1 rc4 C off:cpu/nvme``: degrees, ZeRO stage, micro-batches x size,
+    layers recomputed, compiled stages, offload (optimizer/parameters) when any."""
     ck = len(plan.checkpoint_layers)
+    off = plan.offload
     return (f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
-            f"{plan.micro_batch_size}" + (f" rc{ck}" if ck else "") + (" C" if plan.compile else ""))
+            f"{plan.micro_batch_size}" + (f" rc{ck}" if ck else "") + (" C" if plan.compile else "")
+            + (f" off:{off['optimizer']}/{off['params']}" if off != {"optimizer": "none", "params": "none"} else ""))
 
 
 def _short(v: float) -> str:
@@ -140,7 +142,7 @@ def render_sweep(rows: list[SweepRow], args, console: Console) -> None:
         t.add_row(*cells)
     console.print(t)
     console.print("strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, layers recomputed (rc), "
-                  "compiled stages (C)."
+                  "compiled stages (C), offload of optimizer/parameters (off:)."
                   + ("" if tokens else " days, GPU-hours and money are per billion tokens (--tokens N for a run)."))
     if not ok:
         return

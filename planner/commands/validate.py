@@ -4,6 +4,11 @@ Measured step time and bytes are medians over the steps after the first two (war
 measured (live tensor bytes, max over ranks) only during those two warm-up steps, because the
 tracker slows every operation down; the timed steps run untracked.
 
+With offload (plan.json ``offload``), the metrics lines carry ``host_memory_bytes`` (the bytes of
+host memory the rank's offloaded state and its transfer buffers hold, max over ranks) and the
+comparison adds it, against the prediction's per-node ``predicted.memory.host`` divided by the
+node's ranks (``min(gpus_per_node, gpus)``): both per rank.
+
 The time breakdown (``time``: plan.json's ``predicted.time`` beside the measured parts of the
 metrics lines, each part's median over the same steps) says which part of the prediction is off.
 """
@@ -45,6 +50,11 @@ def compare(plan, metrics: list[dict]) -> dict:
     p = plan.predicted
     predicted = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
                  "comm_bytes_per_device": p.comm_bytes_per_device}
+    host = [r["host_memory_bytes"] for r in metrics if "host_memory_bytes" in r]
+    if host:
+        ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
+        predicted["host_memory_bytes"] = int(p.memory.get("host", 0) // ranks)
+        measured["host_memory_bytes"] = int(max(host))
     parts, _ = median_breakdown([r["time"] for r in metrics if "time" in r])
     return {"predicted": predicted, "measured": measured,
             "step_times_s": [float(r["step_time_s"]) for r in rows],
@@ -80,8 +90,9 @@ def run_validate(args) -> int:
     t.add_column("measured", justify="right")
     t.add_column("measured / predicted", justify="right")
     fmt = {"step_time_s": lambda v: f"{v:.4f} s", "peak_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
-           "comm_bytes_per_device": lambda v: f"{v / 2**20:,.2f} MiB"}
-    for k in KEYS:
+           "comm_bytes_per_device": lambda v: f"{v / 2**20:,.2f} MiB",
+           "host_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB"}
+    for k in KEYS + (("host_memory_bytes",) if "host_memory_bytes" in result["measured"] else ()):
         pv, mv = result["predicted"][k], result["measured"][k]
         ratio = f"{mv / pv:.2f}" if pv else "-"
         t.add_row(k, fmt[k](pv), fmt[k](mv), ratio)

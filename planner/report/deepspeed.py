@@ -17,6 +17,12 @@ Mapping (DeepSpeed's names on the left):
   ``planner.stage_boundaries`` for a custom ``PipelineModule``. The tensor-parallel degree goes to
   Megatron-DeepSpeed's ``--tensor-model-parallel-size``.
 
+Offload (plan.json ``offload``) maps to ``zero_optimization.offload_optimizer`` (the optimizer
+state and the AdamW step; DeepSpeed's CPU Adam runs it) and ``offload_param`` (ZeRO-3 parameter
+shards), each ``{"device": "cpu"|"nvme", "pin_memory": true}`` plus ``"nvme_path"`` for the NVMe
+tier: the mount of the node-local drive (``DEFAULT_NVME_PATH`` unless given; a warning says to set
+it). A state kind the plan keeps on the device has no section.
+
 A plan that compiles its stages (``compile: true``) says so in ``planner.compile``; with DeepSpeed
 that is the training script's choice (``torch.compile`` of its model or layers), not a config key.
 
@@ -30,11 +36,30 @@ from __future__ import annotations
 import math
 import shlex
 
-__all__ = ["to_deepspeed", "launcher_command"]
+__all__ = ["to_deepspeed", "launcher_command", "offload_sections", "DEFAULT_NVME_PATH"]
+
+#: Where the NVMe tier's files go when the export is not told: DeepSpeed's documentation's example mount.
+DEFAULT_NVME_PATH = "/local_nvme"
 
 
-def to_deepspeed(plan) -> dict:
-    """The ds_config dictionary equivalent to ``plan`` (see the module docstring)."""
+def offload_sections(offload: dict, nvme_path: str | None = None) -> dict:
+    """``{"offload_optimizer": {...}, "offload_param": {...}}`` for plan.json's ``offload`` (only
+    the state kinds it moves off the device)."""
+    out = {}
+    for kind, key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
+        tier = (offload or {}).get(kind, "none")
+        if tier == "none":
+            continue
+        sec = {"device": tier, "pin_memory": True}
+        if tier == "nvme":
+            sec["nvme_path"] = nvme_path or DEFAULT_NVME_PATH
+        out[key] = sec
+    return out
+
+
+def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
+    """The ds_config dictionary equivalent to ``plan`` (see the module docstring); ``nvme_path``:
+    the NVMe tier's directory when the plan offloads to NVMe."""
     ckpt = list(plan.checkpoint_layers)
     sizes = [b - a + 1 for a, b in plan.stages]
     names = plan.model.layer_names or []
@@ -51,6 +76,11 @@ def to_deepspeed(plan) -> dict:
         zero["reduce_scatter"] = True
     if plan.zero_stage == 3:
         zero["stage3_prefetch_bucket_size"] = "auto"
+    offload = getattr(plan, "offload", None) or {}
+    zero.update(offload_sections(offload, nvme_path))
+    if "nvme" in offload.values() and nvme_path is None:
+        warnings.append(f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
+                        "to a directory on each node's local NVMe drive.")
     cfg = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -77,6 +107,7 @@ def to_deepspeed(plan) -> dict:
             "checkpoint_layers": ckpt,
             "checkpoint_layer_names": [names[i] for i in ckpt if i < len(names)],
             "compile": plan.compile,
+            "offload": dict(offload) if offload else {"optimizer": "none", "params": "none"},
             "predicted_step_time_s": plan.predicted.step_time_s,
             "warnings": warnings,
         },

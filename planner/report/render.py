@@ -77,6 +77,53 @@ def _render_cost(plan, cost: dict, console: Console) -> None:
     console.print(ct)
 
 
+_TIER = {"none": "device", "cpu": "host memory", "nvme": "NVMe"}
+
+
+def _offload_text(plan) -> str:
+    """One line: where the optimizer state and the parameters live."""
+    o, q = plan.offload["optimizer"], plan.offload["params"]
+    if o == q == "none":
+        return "none (every state on the device)"
+    parts = [f"optimizer state in {_TIER[o]}" + (" (AdamW on the host's cores)" if o != "none" else ""),
+             f"parameters in {_TIER[q]}" + (" (fetched layer by layer ahead of use)" if q != "none" else "")]
+    return "; ".join(parts)
+
+
+def _render_placement(plan, hw: HardwareProfile | None, ev, console: Console) -> None:
+    """Where each state lives (device / host / NVMe), per device and per node, and the host's and
+    drives' capacity; per state kind when the search's evaluation is at hand."""
+    ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
+    pred = plan.predicted
+    t = Table(title=f"Where the state lives ({ranks} device{'s' if ranks > 1 else ''} per node share the host)",
+              title_justify="left")
+    for col in ("state", "tier", "per device", "per node"):
+        t.add_column(col, justify="left" if col in ("state", "tier") else "right")
+    gathered = plan.offload["params"] != "none"
+    t.add_row("parameters" + (" (gathered layers in flight)" if gathered else ""), "device",
+              format_bytes(pred.memory["params"]), "")
+    if plan.offload["optimizer"] == "none":
+        t.add_row("optimizer state", "device", format_bytes(pred.memory["optimizer"]), "")
+    off = ev.extra.get("offload_bytes") if ev is not None else None
+    if off is not None:
+        labels = {"optimizer": "optimizer (fp32 master, m, v; gradient accumulator)", "params": "parameter shards",
+                  "buffers": "pinned transfer buffers"}
+        for tier in ("host", "nvme"):
+            for kind, v in off[tier].items():
+                if v:
+                    t.add_row(labels[kind], "host memory" if tier == "host" else "NVMe", format_bytes(v),
+                              format_bytes(v * ranks))
+    for tier, key, cap_field in (("host memory", "host", "host_memory_bytes"), ("NVMe", "nvme", "nvme_bytes")):
+        v = pred.memory.get(key, 0)
+        if not v:
+            continue
+        cap = getattr(hw, cap_field, None) if hw is not None else None
+        t.add_row(f"[bold]total in {tier}[/bold]", tier, format_bytes(v / ranks),
+                  format_bytes(v) + (f" of {format_bytes(cap)} ({v / cap:.0%})" if cap else ""))
+    t.add_row("device peak (most loaded device)", "device", format_bytes(pred.memory["total"]), "")
+    console.print(t)
+
+
 def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None, solution: Solution | None = None) -> None:
     """Print the plan as rich tables on ``console`` (a new one on stdout when ``None``); with the
     search's ``solution``, per-stage costs and the solver's counts too."""
@@ -100,6 +147,7 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     zero_txt = {0: "0 (replicated)", 1: "1 (optimizer state sharded)", 2: "2 (+ gradients sharded)",
                 3: "3 (+ parameters sharded)"}[plan.zero_stage]
     head.add_row("ZeRO stage", zero_txt)
+    head.add_row("offload", _offload_text(plan))
     m = plan.num_micro_batches
     head.add_row("micro-batching", f"{m} micro-batch{'es' if m != 1 else ''} of {plan.micro_batch_size} "
                  f"per data-parallel rank (1F1B, bubble {pred.bubble_fraction:.1%})")
@@ -137,6 +185,8 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     if cap:
         mem.add_row("capacity", format_bytes(cap), "100.0%")
     console.print(mem)
+    if any(v != "none" for v in plan.offload.values()):
+        _render_placement(plan, hw, ev, console)
 
     tt = Table(title="Predicted step time", title_justify="left")
     tt.add_column("part")
@@ -160,12 +210,15 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
 
     if plan.alternatives:
         at = Table(title="Runners-up (why each lost)", title_justify="left")
-        cols = ["dp", "tp", "pp", "ZeRO", "micro-batch", "step"] + (["run cost"] if cost else []) + ["reason"]
+        offloads = any(v != "none" for a in plan.alternatives + [plan] for v in a.offload.values())
+        cols = (["dp", "tp", "pp", "ZeRO", "micro-batch"] + (["offload opt/params"] if offloads else []) + ["step"]
+                + (["run cost"] if cost else []) + ["reason"])
         for col in cols:
             at.add_column(col)
         for a in plan.alternatives:
-            row = [str(a.dp), str(a.tp), str(a.pp), str(a.zero_stage), str(a.micro_batch_size),
-                   format_seconds(a.step_time_s)]
+            row = ([str(a.dp), str(a.tp), str(a.pp), str(a.zero_stage), str(a.micro_batch_size)]
+                   + ([f"{a.offload['optimizer']}/{a.offload['params']}"] if offloads else [])
+                   + [format_seconds(a.step_time_s)])
             if cost:
                 alt = scale_cost(cost, a.step_time_s, pred.step_time_s)
                 row.append(_money_or_hours(alt))

@@ -15,16 +15,20 @@ the search skip work that provably cannot change it.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from typing import Any, Sequence
 
+from cost_models.hardware import HardwareProfile
+from cost_models.offload import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, evaluate
 from planner.search.errors import SearchError
 
 __all__ = [
     "is_repeated", "divisors", "model_heads", "tp_structure", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
     "memory_lower_bound", "uniform_time_bound", "balanced_partition", "heuristic_strategy", "tied_summary",
+    "offload_pinned", "offload_variants", "check_offload_pins", "memory_may_bind",
 ]
 
 
@@ -216,6 +220,80 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                         f"{gb}{' and ' + pins if pins else ''}: {reasons}. Pick a global batch divisible by "
                         "more data-parallel degrees, or pin fewer decisions.")
     return out
+
+
+# ---------------------------------------------------------------------------------- offload
+def offload_pinned(req: Any) -> bool:
+    """True when the request pins some state off the device (``--offload-* cpu|nvme``): only
+    offloaded candidates are then searched."""
+    return any(getattr(req, f"offload_{k}", None) not in (None, "none") for k in ("optimizer", "params"))
+
+
+def _tiers(req: Any, kind: str, hw: HardwareProfile) -> list[str]:
+    pin = getattr(req, f"offload_{kind}", None)
+    if pin is not None:
+        return [pin]
+    return [t for t in TIERS if t == "none" or not offload_missing(hw, *((t, "none") if kind == "optimizer"
+                                                                        else ("cpu", t)))]
+
+
+def offload_variants(req: Any, cands: Sequence[Candidate], hw: HardwareProfile) -> list[Candidate]:
+    """The offloaded versions of ``cands`` (offload none) that the pins and ``hw`` allow.
+
+    Each keeps its degrees and batching; at ``dp = 1``, where every ZeRO stage is the same and the
+    enumeration keeps only stage 0, the variants take stages 1, 2 and 3 (the runtime offloads a
+    ZeRO shard, here the whole model), stage 3 only with the parameters offloaded (on one rank
+    ZeRO 3 otherwise costs what ZeRO 2 does).
+    """
+    out: list[Candidate] = []
+    seen: set[Candidate] = set()
+    opt_tiers, par_tiers = _tiers(req, "optimizer", hw), _tiers(req, "params", hw)
+    for c in cands:
+        zeros = [c.zero_stage] if c.dp > 1 or req.zero_stage is not None else [1, 2, 3]
+        for z in zeros:
+            for o in opt_tiers:
+                for q in par_tiers:
+                    if o == q == "none" or check_offload(o, q, z):
+                        continue
+                    if c.dp == 1 and z == 3 and q == "none" and req.zero_stage is None:
+                        continue  # ZeRO 3 on one rank without offloaded parameters is ZeRO 2
+                    v = dataclasses.replace(c, zero_stage=z, offload_optimizer=o, offload_params=q)
+                    if v not in seen:
+                        seen.add(v)
+                        out.append(v)
+    return out
+
+
+def memory_may_bind(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> bool:
+    """False when every strategy of this (plain) candidate fits without recompute (or, under
+    ``--checkpoint all``, with its forced recompute), so that memory cannot be what keeps it from
+    its fastest strategy: then no offloaded version of it can be faster (same work, more time).
+
+    One stage (``pp = 1``): the one partition is priced exactly. Several: every stage is bounded
+    by all the layers' state, their saved activations times the first stage's micro-batches in
+    flight (the most) and the largest ZeRO buffer and backward transient; when that fits, every
+    partition does. ``True`` whenever neither test proves the slack."""
+    n = cc.num_layers
+    if cc.cand.pp == 1:
+        ck = [i for i, k in enumerate(kinds) if k == "block"] if checkpoint == "all" else []
+        return not evaluate(cc, [(0, n - 1)], ck).feasible
+    if checkpoint == "all":
+        return True
+    ls = cc.layers
+    upper = (sum(l.state_b for l in ls) + max(l.trans_b for l in ls) + cc.inflight[0] * sum(l.saved_b for l in ls)
+             + max(l.bt_b for l in ls))
+    return upper > cc.capacity
+
+
+def check_offload_pins(req: Any, hw: HardwareProfile) -> None:
+    """Reject offload pins the hardware profile cannot price, naming the missing fields."""
+    o, q = req.offload_optimizer or "none", req.offload_params or "none"
+    missing = offload_missing(hw, o, q)
+    if missing:
+        flags = " ".join(f"--offload-{k} {v}" for k, v in (("optimizer", o), ("params", q)) if v != "none")
+        raise SearchError(f"{flags}: hardware profile {hw.name!r} lacks {', '.join(missing)}, which pricing "
+                          "that offload needs. Add them to the profile (see cost_models/hardware.py), or run "
+                          "`planner calibrate` on the machine to measure them.")
 
 
 # ---------------------------------------------------------------------------------- heuristic

@@ -51,6 +51,14 @@ time to send layer ``l``'s output over boundary ``j``, ``a_k = min(p - k, m)`` i
                TR_k >= tr_l x[l,k];   PK_k >= sv_l c[l,k];   PK_k >= bt_l x[l,k]
                         (largest ZeRO buffers / largest recompute or backward transient)
 
+Offload (``Candidate.offload_optimizer``, ``offload_params``) changes only the constants: the
+exposed transfers join ``z_l`` (per micro-batch) and ``d_l`` (per step), the CPU AdamW step is
+``d_l``'s optimizer, ``st_l`` and ``tr_l`` lose what left the device, and two more rows per stage
+keep the offloaded state ``h_l`` (host) and ``v_l`` (NVMe) within the rank's share of the node::
+
+    sum_l h_l x[l,k] <= host_memory * headroom / ranks_per_node - pinned buffers     (memory_host_k)
+    sum_l v_l x[l,k] <= nvme_bytes * headroom / ranks_per_node                        (memory_nvme_k)
+
 ``e`` only appears on the cheap side of ``>=`` rows, so at the optimum it equals the indicator.
 Pins: ``--checkpoint none`` fixes ``c = 0``, ``all`` fixes ``c[l,k] = x[l,k]`` for the blocks.
 
@@ -92,7 +100,7 @@ from planner.search.candidates import heuristic_strategy, is_repeated, time_lowe
 __all__ = [
     "SOLVERS", "default_solver", "highs_available", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
     "add_partition_constraints", "add_boundary_constraints", "add_checkpoint_constraints",
-    "add_time_constraints", "add_memory_constraints", "search", "SearchResult",
+    "add_time_constraints", "add_memory_constraints", "add_offload_capacity_constraints", "search", "SearchResult",
 ]
 
 SOLVERS = ("cbc", "highs")
@@ -491,6 +499,20 @@ def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
         mem = (v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
                - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap) + tr + pk)
         prob += mem <= (1 - MEMORY_MARGIN if bound is None else bound), f"memory_k{k}"
+    add_offload_capacity_constraints(prob, v)
+
+
+def add_offload_capacity_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+    """Each stage's offloaded state fits its rank's share of the node's host memory (after the
+    pinned buffers) and NVMe (``cost_models.offload``): rows ``memory_host_k{k}``,
+    ``memory_nvme_k{k}``; none without offload."""
+    cc = v.cc
+    for name, room, f in (("host", cc.host_room, lambda c: c.host_b), ("nvme", cc.nvme_room, lambda c: c.nvme_b)):
+        total = sum(n * f(c) for c, n in cc.distinct)
+        if not math.isfinite(room) or total <= 0:
+            continue
+        for k in range(v.p):
+            prob += v.stage_sum(k, lambda c: f(c) / total) <= room / total * (1 - MEMORY_MARGIN), f"memory_{name}_k{k}"
 
 
 # ---------------------------------------------------------------------------------- solve
@@ -621,27 +643,37 @@ def _better(a: Evaluation, b: Evaluation | None) -> bool:
     if a.step_time_s < b.step_time_s * (1 - TIME_TOL):
         return True
     if a.step_time_s <= b.step_time_s * (1 + TIME_TOL):
-        return (a.memory["total"], a.strategy.candidate) < (b.memory["total"], b.strategy.candidate)
+        return _tie_key(a) < _tie_key(b)
     return False
 
 
+def _tie_key(e: Evaluation):
+    """Among equally fast strategies: state on the device first (offload then only costs host
+    memory and drives, and its transfers rarely hide as fully as priced), then less memory."""
+    return (e.strategy.candidate.offloads, e.memory["total"], e.strategy.candidate)
+
+
 def _rank_key(e: Evaluation):
-    return (e.step_time_s, e.memory["total"], e.strategy.candidate)
+    return (e.step_time_s, *_tie_key(e))
 
 
 def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str], checkpoint: str = "auto",
-           solver: str = "cbc", keep: int = 4) -> SearchResult:
+           solver: str = "cbc", keep: int = 4, seed: SearchResult | None = None) -> SearchResult:
     """Best strategies over ``entries`` = ``(time_lb, memory_lb, costs)`` with sound pruning.
 
     Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
     ``keep`` triples are feasible, fills the runners-up with the best other candidates. A first
     pass prices greedy strategies (:func:`planner.search.candidates.heuristic_strategy`) to seed the
     incumbents; the second solves the ILPs with the incumbents as cutoffs.
+
+    ``seed``: an earlier search over other candidates (the offload variants' search continues the
+    plain one): its strategies are the starting incumbents, its counts carry over, and a strategy
+    it ranked that loses its place to a new one stays a runner-up.
     """
     t0 = time.perf_counter()
     res = SearchResult(ranked=[], enumerated=len(entries))
     order = sorted(entries, key=lambda e: (e[0], e[2].cand))
-    best: dict[tuple, Evaluation] = {}
+    best: dict[tuple, Evaluation] = {e.strategy.candidate.degrees: e for e in (seed.ranked if seed else [])}
 
     heur: dict[Candidate, Evaluation | None] = {}
 
@@ -709,5 +741,32 @@ def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str],
             if ev is not None:
                 extra = sorted(extra + [ev], key=_rank_key)[:need]
         res.extra = extra
+    if seed is not None:
+        _merge_seed(res, seed, keep)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _dominated(e: Evaluation, plain: list[Evaluation]) -> bool:
+    """An offloaded strategy whose degrees and batching run at least as fast with every state on
+    the device: the same plan plus transfers, which says nothing a runner-up should."""
+    c = e.strategy.candidate
+    key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.compile)
+    return c.offloads and any((p.strategy.candidate.dp, p.strategy.candidate.tp, p.strategy.candidate.pp,
+                               p.strategy.candidate.micro_batch_size, p.strategy.candidate.compile) == key
+                              and p.step_time_s <= e.step_time_s for p in plain)
+
+
+def _merge_seed(res: SearchResult, seed: SearchResult, keep: int) -> None:
+    """Fold an earlier search into ``res``: its counts, and its runners-up (with its ranked
+    strategies that lost their triple to a new one) among ``res``'s."""
+    chosen = {e.strategy.candidate for e in res.ranked}
+    pool = {e.strategy.candidate: e for e in seed.ranked + seed.extra + res.extra if e.strategy.candidate not in chosen}
+    plain = [e for e in res.ranked + list(pool.values()) if not e.strategy.candidate.offloads]
+    pool = {c: e for c, e in pool.items() if not _dominated(e, plain)}
+    res.extra = sorted(pool.values(), key=_rank_key)[:max(keep - len(res.ranked), 0)]
+    for f in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
+        setattr(res, f, getattr(res, f) + getattr(seed, f))
+    res.solver_seconds += seed.solver_seconds
+    res.uniform = res.uniform and seed.uniform
+    res.notes = seed.notes + res.notes

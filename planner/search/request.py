@@ -6,9 +6,12 @@ import math
 from dataclasses import dataclass, field
 
 from planner.search.errors import SearchError
-from runtime.dtypes import DTYPES
+from runtime.contract import DTYPES
 
-__all__ = ["PlanRequest", "CHECKPOINT_MODES", "COMPILE_MODES", "DEFAULT_HORIZON_STEPS"]
+__all__ = ["PlanRequest", "CHECKPOINT_MODES", "COMPILE_MODES", "DEFAULT_HORIZON_STEPS", "OFFLOAD_TIERS"]
+
+#: Where ``--offload-optimizer`` / ``--offload-params`` may put a state kind (``cost_models.offload``).
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
 
 CHECKPOINT_MODES = ("auto", "none", "all")
 COMPILE_MODES = ("auto", "on", "off")
@@ -59,6 +62,11 @@ class PlanRequest:
     """Tokens the whole run trains on (``--tokens``): the run's length in steps, which compiling
     must pay back over; ``None``: ``DEFAULT_HORIZON_STEPS``."""
 
+    offload_optimizer: str | None = None
+    """Where the optimizer state lives (``--offload-optimizer none|cpu|nvme``); ``None``: searched."""
+    offload_params: str | None = None
+    """Where the ZeRO-3 parameter shards live (``--offload-params none|cpu|nvme``); ``None``: searched."""
+
     def horizon_steps(self) -> int:
         """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""
         if self.tokens is None:
@@ -85,6 +93,19 @@ class PlanRequest:
         if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, (int, float))
                                         or not math.isfinite(self.tokens) or self.tokens <= 0):
             raise SearchError(f"--tokens must be a positive number of tokens, got {self.tokens!r}.")
+        for kind in ("optimizer", "params"):
+            v = getattr(self, f"offload_{kind}")
+            if v is not None and v not in OFFLOAD_TIERS:
+                raise SearchError(f"--offload-{kind} must be one of {', '.join(OFFLOAD_TIERS)} (or omitted: the "
+                                  f"planner decides), got {v!r}.")
+        if self.offload_params not in (None, "none") and self.zero_stage not in (None, 3):
+            raise SearchError(f"--offload-params {self.offload_params} needs ZeRO stage 3 (only ZeRO-3 shards the "
+                              f"parameters it keeps off the device), but --zero-stage is {self.zero_stage}. Use "
+                              "--zero-stage 3, or drop one of the two flags.")
+        if self.offload_optimizer not in (None, "none") and self.zero_stage == 0:
+            raise SearchError(f"--offload-optimizer {self.offload_optimizer} needs ZeRO stage 1, 2 or 3 (each rank "
+                              "offloads its optimizer shard), but --zero-stage is 0. Use --zero-stage 1, 2 or 3, "
+                              "or drop one of the two flags.")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
         if not 0.1 <= self.memory_headroom <= 1.0:

@@ -16,11 +16,17 @@ when the largest such bound over the candidates, times the steps, is below the c
 one layer class, the compiled search cannot change the answer and is skipped (the tiny models of
 the tests, on the ``cpu`` profile, never compile).
 
+Offload (``search_offload``): after the plain search, the offloaded versions of the candidates
+that could still win (sound filters in its docstring) are searched with the plain result as the
+incumbents; a pin (``--offload-optimizer``, ``--offload-params`` to cpu or nvme) searches only
+offloaded candidates, a pin to none only plain ones.
+
 When nothing fits, :class:`NoFeasiblePlan` says how much memory per device the least demanding
 strategy needs (an exact minimum: the same ILPs with memory as the objective), which part
-dominates it, and what would make it fit: dropping pins that forbid a fitting plan, ZeRO-3, more
-devices (estimated from how model state shrinks with them), a smaller micro-batch, recompute, a
-bigger device or more headroom.
+dominates it, and what would make it fit: dropping pins that forbid a fitting plan, offload
+(when pins kept it out and it fits on these devices: the tier and its predicted speed, instead of
+more devices), ZeRO-3, more devices (estimated from how model state shrinks with them), a smaller
+micro-batch, recompute, a bigger device or more headroom.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import math
 import time
 from dataclasses import dataclass
 
+from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
+from cost_models.offload import adam_rate_per_rank, offload_missing, ranks_per_node
 from cost_models.strategy import (
     Candidate,
     CandidateCosts,
@@ -46,17 +54,22 @@ from planner.frontend.inputs import resolve_inputs
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
 from planner.search.alternatives import alternative_reason
 from planner.search.candidates import (
+    check_offload_pins,
     check_pins,
     enumerate_candidates,
     memory_lower_bound,
+    memory_may_bind,
+    offload_pinned,
+    offload_variants,
     tied_summary,
     time_lower_bound,
 )
 from planner.search.errors import NoFeasiblePlan, SearchError
-from planner.search.ilp import SOLVERS, SearchResult, default_solver, search, solve_candidate
+from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.units import format_seconds
 
-__all__ = ["Solution", "solve", "build_plan", "least_memory", "candidate_entries", "CompileChoice", "choose_compile"]
+__all__ = ["Solution", "solve", "build_plan", "least_memory", "candidate_entries", "CompileChoice", "choose_compile",
+           "search_offload"]
 
 
 def _gib(x: float) -> str:
@@ -122,11 +135,17 @@ def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entr
         if alt is not None and memory_bound(alt) <= usable:
             fixes.append(f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only "
                          f"{_gib(memory_bound(alt))}")
+    offload = _offload_fix(req, nt, hw, gpn, solver) if state >= mem["activations"] else None
+    if offload is not None:
+        fixes.append(offload)
+    elif req.offload_optimizer is None and req.offload_params is None and not offload_missing(hw, "cpu", "none"):
+        msg.append(f"Offloading optimizer state and parameters to host memory or NVMe does not fit either "
+                   f"({_gib(hw.host_memory_bytes or 0)} of host memory per node of {gpn}).")
     if state >= mem["activations"]:
         if c.zero_stage < 3 and c.dp > 1:
             fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
         room = usable - mem["activations"]
-        if room > 0:
+        if room > 0 and offload is None:  # more devices only when offload cannot fit on these
             need = req.gpus * state / room
             need = int(math.ceil(need / gpn) * gpn)
             fixes.append(f"more devices (about {need}: model state per device shrinks as they grow)")
@@ -141,6 +160,33 @@ def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entr
         fixes.append(f"--memory-headroom {min(1.0, math.ceil(mem['total'] / hw.memory_bytes * 100) / 100):.2f}")
     msg.append("To make it fit: " + "; or ".join(fixes) + ".")
     return NoFeasiblePlan(" ".join(msg), least)
+
+
+def _offload_fix(req, nt: NumericTable, hw: HardwareProfile, gpn: int, solver: str) -> str | None:
+    """The offload that would make the request fit on its devices (the pins that forbade it
+    lifted), with its predicted speed; ``None`` when offload was searched already or fits nowhere."""
+    if req.offload_optimizer is None and req.offload_params is None and req.zero_stage != 0:
+        return None  # searched: nothing offloaded fits either
+    free = dataclasses.replace(req, offload_optimizer=None, offload_params=None,
+                               zero_stage=None if req.zero_stage == 0 else req.zero_stage)
+    cands = offload_variants(free, enumerate_candidates(free, nt, gpn), hw)
+    if not cands:
+        return None
+    best = search(candidate_entries(free, nt, hw, gpn, cands), nt.kinds, free.checkpoint, solver).best
+    if best is None:
+        return None
+    c = best.strategy.candidate
+    flags = " ".join(f"--offload-{k} {v}" for k, v in (("optimizer", c.offload_optimizer),
+                                                        ("params", c.offload_params)) if v != "none")
+    if req.zero_stage == 0:
+        flags += f" --zero-stage {c.zero_stage}"
+    tokens = req.global_batch * req.seq_len / best.step_time_s
+    where = " and ".join(f"{'optimizer state' if k == 'optimizer' else 'parameters'} in "
+                         f"{'host memory' if v == 'cpu' else 'NVMe files'}"
+                         for k, v in (("optimizer", c.offload_optimizer), ("params", c.offload_params)) if v != "none")
+    here = f"these {req.gpus} devices" if req.gpus > 1 else "this device"
+    return (f"offload ({flags}: {where}) fits on {here}, "
+            f"{c.describe()}, predicted {format_seconds(best.step_time_s)} per step, {tokens:,.0f} tokens/s")
 
 
 @dataclass(frozen=True)
@@ -210,11 +256,18 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         hw = hw.with_gpus_per_node(gpn)
     nt = table if isinstance(table, NumericTable) else NumericTable(table)
     check_pins(request, nt, gpn)
+    check_offload_pins(request, hw)
     inputs = resolve_inputs(nt.model.get("inputs"), request.inputs, request.spec)
-    cands = enumerate_candidates(request, nt, gpn)
-    entries = candidate_entries(request, nt, hw, gpn, [dataclasses.replace(c, compile=request.compile == "on")
-                                                       for c in cands])
+    cands = [dataclasses.replace(c, compile=request.compile == "on") for c in enumerate_candidates(request, nt, gpn)]
+    if offload_pinned(request):
+        cands = offload_variants(request, cands, hw)
+        if not cands:
+            raise SearchError("no candidate can offload as pinned: offloading needs ZeRO 1-3 (parameters: ZeRO 3) "
+                              "and the pins leave none; drop --zero-stage 0 or the offload pin.")
+    entries = candidate_entries(request, nt, hw, gpn, cands)
     res = search(entries, nt.kinds, request.checkpoint, solver)
+    if not offload_pinned(request) and None in (request.offload_optimizer, request.offload_params):
+        res, entries = search_offload(request, nt, hw, gpn, entries, res, solver)
     choice = None
     if res.best is not None:
         res, choice = choose_compile(request, nt, hw, gpn, entries, res, solver)
@@ -227,6 +280,46 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
     plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0, inputs)
     return Solution(plan=plan, evaluation=res.best, search=res, compile=choice)
+
+
+def search_offload(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult,
+                   solver: str) -> tuple[SearchResult, list]:
+    """Continue the plain search ``res`` with the offloaded candidates that could beat it.
+
+    Offload leaves a strategy's work unchanged and only adds time: exposed transfers (never
+    negative) and an AdamW step on the host's cores, which on every built-in profile are slower at
+    it than the device. What it gives is memory, and memory buys time only where the plain
+    candidate could not run its fastest strategy: where nothing fits, or the fit forces recompute
+    or rules out a larger micro-batch. Two sound filters keep this cheap:
+
+    - an offloaded candidate is searched only when its own step-time lower bound
+      (``time_lower_bound``: memory ignored, so it holds whatever the memory) is below the best
+      plain plan, and its memory lower bound fits;
+    - when the host's AdamW is no faster per rank than the device's, every layer cost of an
+      offloaded candidate is at least its plain one's (same work, transfers added, a slower step),
+      so its bound is at least the plain candidate's bound (the bound only grows with the layer
+      costs): candidates whose plain bound already fails the first test are not even priced;
+    - nor are those whose plain version provably runs its fastest strategy within memory
+      (``memory_may_bind``: every partition fits without recompute), which no offloaded version
+      can beat, by the same argument.
+
+    When memory suffices, the plain winner is close to its bound and the extra work is a few cost
+    tables and rarely an ILP. Returns the search result and the entries searched (the plain ones
+    and the kept offloaded ones)."""
+    best = res.best.step_time_s if res.best is not None else math.inf
+    ranks = ranks_per_node(req.gpus, gpn)
+    host_slower = (hw.cpu_adam_params_per_s is None
+                   or adam_rate_per_rank(hw, ranks, req.dtype) * optimizer_step_time(1, hw, req.dtype) <= 1.0 + 1e-12)
+    base = [cc.cand for lb, _mlb, cc in entries
+            if not host_slower or (lb < best * (1 + TIME_TOL) and memory_may_bind(cc, nt.kinds, req.checkpoint))]
+    variants = offload_variants(req, base, hw)
+    if not variants:
+        return res, entries
+    kept = [e for e in candidate_entries(req, nt, hw, gpn, variants)
+            if e[0] < best * (1 + TIME_TOL) and e[1] <= e[2].capacity]
+    if not kept:
+        return res, entries
+    return search(kept, nt.kinds, req.checkpoint, solver, seed=res), entries + kept
 
 
 def _repriced(req, nt: NumericTable, hw: HardwareProfile, gpn: int, ev: Evaluation, compiled: bool) -> Evaluation:
@@ -285,14 +378,16 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
     alts = [Alternative(dp=a.strategy.candidate.dp, tp=a.strategy.candidate.tp, pp=a.strategy.candidate.pp,
                         zero_stage=a.strategy.candidate.zero_stage,
                         micro_batch_size=a.strategy.candidate.micro_batch_size,
-                        step_time_s=float(a.step_time_s), reason=alternative_reason(ev, a))
+                        step_time_s=float(a.step_time_s), reason=alternative_reason(ev, a),
+                        offload={"optimizer": a.strategy.candidate.offload_optimizer,
+                                 "params": a.strategy.candidate.offload_params})
             for a in res.alternatives(3)]
     plan = Plan(
         model=model, hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
         global_batch=req.global_batch, seq_len=req.seq_len, dtype=req.dtype, dp=c.dp, tp=c.tp, pp=c.pp,
         zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
         stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
-        compile=c.compile,
+        compile=c.compile, offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
         predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
         solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status,
                           candidates=res.enumerated),

@@ -12,7 +12,9 @@ from planner.commands.calibrate import CalibrationSpec, run_calibration
 @pytest.mark.dist
 def test_quick_calibration_writes_loadable_profile(tmp_path):
     out = tmp_path / "profile.json"
-    prof = run_calibration(2, out, quick=True, progress=False, timeout_s=120)
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    prof = run_calibration(2, out, quick=True, progress=False, timeout_s=120, nvme_path=str(drive))
     hw = load_hardware(str(out))
     assert hw == prof
     assert hw.name.startswith("calibrated-") and hw.gpus_per_node == 2
@@ -23,6 +25,12 @@ def test_quick_calibration_writes_loadable_profile(tmp_path):
     assert 0.25 <= hw.recompute_ratio <= 1.5
     # a kind whose few quick timings do not grow with size gets no fit and keeps the generic link
     assert set(hw.intra_node_collectives or {}) <= {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    # offload figures of this machine (cost_models.offload): the drive under --nvme-path, AdamW, a copy
+    assert hw.nvme_read_bandwidth > 1e6 and hw.nvme_write_bandwidth > 1e6 and hw.nvme_bytes > 0
+    assert hw.cpu_adam_params_per_s > 1e6 and hw.host_device_bandwidth > 1e7
+    assert hw.host_memory_bytes >= hw.memory_bytes
+    assert hw.calibration["offload"]["nvme"]["dir"] == str(drive) and list(drive.iterdir()) == []
+    assert str(drive) in hw.source
     cal = hw.calibration
     spec = CalibrationSpec.quick()
     assert len(cal["collectives"]) == 4 * len(spec.message_sizes)

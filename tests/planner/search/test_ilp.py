@@ -224,13 +224,21 @@ def test_bad_pins_raise_user_errors():
 def test_no_feasible_plan_explains_least_memory_and_fixes():
     table = gpt_table(layers=8, hidden=4096, heads=32, vocab=50000)  # ~1.8 B parameters
     small = dataclasses.replace(HW, memory_bytes=2 * 2**30)
+    # no host to offload to (a few MiB of host memory): only more devices or a bigger one help
+    no_host = dataclasses.replace(small, host_memory_bytes=2**20)
     req = _req(gpus=2, gpus_per_node=2, global_batch=4, seq_len=512)
     with pytest.raises(NoFeasiblePlan) as ei:
-        solve(req, table, small).plan
+        solve(req, table, no_host).plan
     msg = str(ei.value)
     assert "No strategy fits in 1.80 GiB per device" in msg
     assert "The least any strategy needs is" in msg and "dominate" in msg and "To make it fit" in msg
-    assert "more devices" in msg
+    assert "more devices" in msg and "offload" not in msg
+    # offload pinned off where it would fit: the message offers it, with its speed, not more devices
+    with pytest.raises(NoFeasiblePlan) as ei:
+        solve(dataclasses.replace(req, offload_optimizer="none", offload_params="none"), table, small).plan
+    msg = str(ei.value)
+    assert "offload (--offload-optimizer cpu" in msg and "fits on these 2 devices" in msg and "tokens/s" in msg
+    assert "more devices" not in msg
     least = ei.value.least
     assert least.memory["total"] > small.memory_bytes * 0.9
     # pure data parallelism pinned at ZeRO 0 replicates everything: the pins are the problem
