@@ -78,6 +78,7 @@ def _render_cost(plan, cost: dict, console: Console) -> None:
 
 
 _TIER = {"none": "device", "cpu": "host memory", "nvme": "NVMe"}
+_ON_TIER = {"none": "on the device", "cpu": "in host memory", "nvme": "on NVMe"}
 
 
 def _offload_text(plan) -> str:
@@ -85,8 +86,8 @@ def _offload_text(plan) -> str:
     o, q = plan.offload["optimizer"], plan.offload["params"]
     if o == q == "none":
         return "none (every state on the device)"
-    parts = [f"optimizer state in {_TIER[o]}" + (" (AdamW on the host's cores)" if o != "none" else ""),
-             f"parameters in {_TIER[q]}" + (" (fetched layer by layer ahead of use)" if q != "none" else "")]
+    parts = [f"optimizer state {_ON_TIER[o]}" + (" (AdamW on the host's cores)" if o != "none" else ""),
+             f"parameters {_ON_TIER[q]}" + (" (fetched layer by layer ahead of use)" if q != "none" else "")]
     return "; ".join(parts)
 
 
@@ -95,7 +96,7 @@ def _render_placement(plan, hw: HardwareProfile | None, ev, console: Console) ->
     drives' capacity; per state kind when the search's evaluation is at hand."""
     ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
     pred = plan.predicted
-    t = Table(title=f"Where the state lives ({ranks} device{'s' if ranks > 1 else ''} per node share the host)",
+    t = Table(title=f"Where the state lives ({ranks} device{'s share' if ranks > 1 else ' uses'} each node's host)",
               title_justify="left")
     for col in ("state", "tier", "per device", "per node"):
         t.add_column(col, justify="left" if col in ("state", "tier") else "right")

@@ -76,8 +76,8 @@ def test_report_shows_where_each_state_lives():
     buf = io.StringIO()
     render_plan(sol.plan, hw, Console(file=buf, width=200), sol)
     out = buf.getvalue()
-    assert "optimizer state in NVMe (AdamW on the host's cores); parameters in host memory" in out
-    assert "Where the state lives (2 devices per node share the host)" in out
+    assert "optimizer state on NVMe (AdamW on the host's cores); parameters in host memory" in out
+    assert "Where the state lives (2 devices share each node's host)" in out
     assert "total in host memory" in out and "total in NVMe" in out and "parameter shards" in out
     assert "offload transfers (host / NVMe)" in out and "offload opt/params" in out
 
