@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--seed", type=_nonneg_int, default=default_of("seed"))
     p.add_argument("--timeout", type=_positive_float, default=default_of("timeout_s"))
+    p.add_argument("--nvme-path", default=None, metavar="DIR",
+                   help="folder for the NVMe tier's files of a plan that offloads to nvme (default: a "
+                        "temporary folder, removed afterwards)")
 
     p = sub.add_parser("tune", help="plan, run the best candidates here and keep the fastest that fits")
     _add_request_args(p)

@@ -64,8 +64,9 @@ def compare(plan, metrics: list[dict]) -> dict:
 
 def run_validate(args) -> int:
     """``planner validate plan.json --nproc N --steps K``: train the plan for K steps (default
-    settings but ``--seed`` and ``--timeout``; memory tracked in the warm-up steps only, no
-    progress bar), then compare (``compare``)."""
+    settings but ``--seed``, ``--timeout`` and ``--nvme-path``, by default a temporary folder for a
+    plan with an NVMe tier; memory tracked in the warm-up steps only, no progress bar), then compare
+    (``compare``)."""
     if args.steps <= WARMUP_STEPS:
         raise UserError(f"validate times the steps after {WARMUP_STEPS} warm-up steps (first-touch "
                         f"allocations, lazy initialization), so --steps {args.steps} measures nothing; "
@@ -73,8 +74,9 @@ def run_validate(args) -> int:
     plan = load_plan(args.plan)
     with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
+        nvme = getattr(args, "nvme_path", None) or os.path.join(tmp, "nvme")
         opts = TrainOptions(steps=args.steps, seed=args.seed, timeout_s=args.timeout, metrics_path=metrics,
-                            memory_steps=WARMUP_STEPS, progress=False)
+                            memory_steps=WARMUP_STEPS, progress=False, nvme_path=nvme)
         rc = train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=os.path.join(tmp, "compiled"))
         if rc != 0:
             return rc
