@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planner.cli import build_parser
+from planner.cli import build_parser, main
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state, train_options_from_args
 from runtime.checkpoint_io import list_checkpoints
 from runtime.config import TrainOptions
 from runtime.dist import launch_local
 from runtime.trainer import train_worker
-from tests.helpers import TINY_GPT, make_plan
+from tests.helpers import TINY_GPT, make_plan, write_plan
 
 STEPS = 4
 
@@ -118,3 +118,17 @@ def test_offload_flags_reach_the_options():
     assert (opts.nvme_path, opts.delayed_update) == ("/fast/disk", True)
     plain = train_options_from_args(build_parser().parse_args(["train", "plan.json", "--steps", "1"]))
     assert (plain.nvme_path, plain.delayed_update) == (None, False)
+
+
+@pytest.mark.parametrize("offload, flags, message", [
+    ({"optimizer": "nvme", "params": "none"}, [], "--nvme-path DIR"),
+    ({"optimizer": "none", "params": "none"}, ["--delayed-update"], "--offload-optimizer cpu|nvme"),
+])
+def test_train_refuses_offload_settings_it_cannot_run_before_any_process_starts(tmp_path, capsys, offload,
+                                                                                flags, message):
+    plan = dataclasses.replace(make_plan(zero=1), offload=offload)
+    path = write_plan(tmp_path / "plan.json", plan)
+    rc = main(["train", path, "--nproc", "1", "--steps", "1", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "plan.compiled").exists()  # refused before compiling
