@@ -41,7 +41,8 @@ accumulator, fp32; in fp32 training the master is the host's copy of the weights
 in files. Pinned buffers per rank, sized by the largest layer shard ``S*`` of the model:
 ``(REDUCTIONS_IN_FLIGHT + 1) b S*`` for gradients on their way out, ``2 b S*`` for parameters
 being fetched (double buffering), and ``2 x 12 S*`` for the optimizer state being swapped at the
-NVMe tier (one group read while the previous is written). Per node: ``g`` times the rank's figure
+NVMe tier (one group read while the previous is written); on a CPU profile, whose host is the
+device, only the NVMe slots (``offload_buffer_bytes(staged=False)``). Per node: ``g`` times the rank's figure
 (the most loaded stage), checked against ``host_memory_bytes`` and ``nvme_bytes`` times the
 request's headroom.
 
@@ -189,13 +190,20 @@ def offload_breakdown(layer_params: list[int], dp: int, zero_stage: int, dtype: 
     return res
 
 
-def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params: str) -> int:
-    """Pinned host buffers of one rank (see "Host and NVMe bytes"), for its largest layer shard."""
+def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params: str,
+                         staged: bool = True) -> int:
+    """Pinned host buffers of one rank (see "Host and NVMe bytes"), for its largest layer shard.
+
+    ``staged``: the device is a GPU, whose gradients and parameter shards cross the link through
+    pinned staging buffers; on a CPU profile (``not hw.ops_async``) the host is the device, the
+    runtime copies straight into (and gathers straight from) the host tier, and only the NVMe
+    tier's read/write slots exist (measured: the host bytes of a 2-rank CPU run are exactly the
+    state, ``16 S`` per rank, with the optimizer offloaded to cpu)."""
     t = bytes_per_param(dtype)
     out = 0
-    if optimizer != "none":
+    if optimizer != "none" and staged:
         out += (REDUCTIONS_IN_FLIGHT + 1) * largest_shard * t["grads"]
-    if params != "none":
+    if params == "nvme" or (params == "cpu" and staged):
         out += 2 * largest_shard * t["weights"]
     if optimizer == "nvme":
         out += 2 * largest_shard * STATE_BYTES

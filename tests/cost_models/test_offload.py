@@ -59,6 +59,9 @@ def test_host_and_nvme_bytes_per_tier_by_hand():
     # pinned buffers: 3 gradient buckets, 2 parameter fetches, 2 NVMe swap slots of the state
     assert offload_buffer_bytes(500, "bf16", "nvme", "nvme") == 3 * 1000 + 2 * 1000 + 2 * 6000
     assert offload_buffer_bytes(500, "bf16", "cpu", "none") == 3 * 1000
+    # a CPU rank copies into the host tier directly: only the NVMe slots remain
+    assert offload_buffer_bytes(500, "bf16", "cpu", "cpu", staged=False) == 0
+    assert offload_buffer_bytes(500, "bf16", "nvme", "nvme", staged=False) == 2 * 1000 + 2 * 6000
 
 
 def test_time_parts_by_hand():
