@@ -366,7 +366,7 @@ class OursSide(Side):
 
     def __init__(self, cfg, rank, world, compiled_dir: str, name: str):
         import runtime
-        from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
+        from runtime.compiled import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
         from runtime.data import rank_slice
         from runtime.pipeline import PipelineStage, TensorMeta
         from runtime.schedule import one_f_one_b
@@ -380,7 +380,10 @@ class OursSide(Side):
         dp, pp = plan["dp"], plan["pp"]
         group = dist.new_group(list(range(world)))
         pp_index = rank if pp > 1 else 0
-        stage = man["stages"][pp_index]
+        chunks = rank_chunks(man, pp_index)
+        if len(chunks) != 1:
+            raise ValueError("bench_runtime compares one stage per rank; plan it without --virtual-stages")
+        stage = chunks[0]
         self.module = load_stage_module(compiled_dir, stage, "cpu")
         load_weights(self.module, stage, _build_gpt(cfg).state_dict())
         self.m, self.mbs = plan["num_micro_batches"], plan["micro_batch_size"]

@@ -263,6 +263,7 @@ def emit_stage_source(
     checkpoint_layers: set[int],
     header: str,
     rewrite=None,
+    doc: str | None = None,
 ) -> tuple[str, dict]:
     """Return (source of ``stage_<k>.py``, {module attribute path: original FQN}).
 
@@ -270,7 +271,9 @@ def emit_stage_source(
     attributes of the stage (``_StageSource.add_shared``); each layer becomes a submodule whose
     class holds its parameters and straight-line forward, identical layers sharing one class
     (``add_layer``); then the stage class calls them in order, wrapping the recomputed layers in
-    ``runtime.checkpoint`` (``render``).
+    ``runtime.checkpoint`` (``render``). ``num_stages`` counts the entries of the plan's
+    ``stages`` (model chunks when there are several per pipeline rank; the last returns the loss);
+    ``doc`` replaces the stage class's docstring (which says where the stage runs).
     """
     state = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     state |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
@@ -279,7 +282,7 @@ def emit_stage_source(
     out.add_shared()
     for li in spec.layers:
         out.add_layer(li, recompute=li in checkpoint_layers)
-    return out.render(header, num_stages), out.param_map
+    return out.render(header, num_stages, doc), out.param_map
 
 
 def _param_line(attr: str, t: torch.Tensor, constant: bool = False) -> str:
@@ -405,7 +408,7 @@ class _StageSource:
         self.class_src.append((name, body, [lg.name]))
         return name
 
-    def render(self, header: str, num_stages: int) -> str:
+    def render(self, header: str, num_stages: int, doc: str | None = None) -> str:
         """The whole file: header, imports, layer classes, the stage class."""
         spec = self.spec
         recv_names = [self.vname(n) for n in spec.recv]
@@ -422,9 +425,9 @@ class _StageSource:
             shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
             out += [f"class {name}(torch.nn.Module):", f'    """Layer(s): {_doc_safe(shown)}."""', "",
                     body.rstrip(), "", ""]
+        doc = doc or f"Pipeline stage {spec.index} of {num_stages}"
         out += [f"class Stage{spec.index}(torch.nn.Module):",
-                f'    """Pipeline stage {spec.index} of {num_stages}: layer-table rows '
-                f'{spec.layers[0]}..{spec.layers[-1]}."""',
+                f'    """{_doc_safe(doc)}: layer-table rows {spec.layers[0]}..{spec.layers[-1]}."""',
                 "",
                 f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}",
                 f"    RECV = {tuple(recv_names)!r}",

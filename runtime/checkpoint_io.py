@@ -15,6 +15,9 @@ any plan of the same model can load it:
   over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage; a
   weight tied across stages by its first holder only, and read back by every holder);
 - ``rng/<rank>``: every rank's CPU (and CUDA) generator state;
+- with model chunks (``virtual_stages > 1``) a rank writes the tensors of all its chunks, each by
+  its original name, so a checkpoint of an interleaved plan loads under any other plan of the
+  model (and the reverse) like any reshard;
 - in ``meta.json``: the step (data position: data is a function of (seed, step)), the optimizer
   step count, the loss-scaler state and the plan hash.
 
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.compiled import rank_params
 from runtime.optim import FORMAT, consolidate_shards
 from runtime.sharding import TensorShard
 
@@ -131,8 +135,9 @@ def _gather_to(obj: Any, group, dst: int) -> list | None:
     return out
 
 
-def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
-    """Full fp32 tensors of this stage by original name, on the (dp 0, tp 0) rank; else None."""
+def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None:
+    """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
+    tp 0) rank; else None. ``params``: ``runtime.compiled.rank_params``."""
     local = engine.state_dict()
     if local["num_shards"] == 1:  # ZeRO-0: every dp rank holds the full state already
         gathered = [local]
@@ -155,10 +160,10 @@ def _logical_state(engine, stage: dict, mesh) -> dict[str, torch.Tensor] | None:
     if mesh.tp_index != 0:
         return None
     out: dict[str, torch.Tensor] = {}
-    for attr, entry in stage["params"].items():
+    for attr, (index, entry) in params.items():
         if not entry.get("trainable", True):
             continue
-        if entry.get("tied") and entry["tied"][0] != stage["index"]:
+        if entry.get("tied") and entry["tied"][0] != index:
             continue  # a tied weight's copy: its first holder writes it (the copies are identical)
         for kind in _KINDS:
             shard = TensorShard.from_dict(entry.get("shard"))
@@ -180,7 +185,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go.
     ``schedule`` (the learning-rate schedule's settings) is recorded in the meta for resumes."""
     rank, world = _world()
-    stage = man["stages"][mesh.pp_index]
+    params = rank_params(man, mesh.pp_index)
     final = os.path.join(directory, f"step-{step:06d}")
     tmp = os.path.join(directory, f".tmp-step-{step:06d}")
     device = engine.device
@@ -197,7 +202,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         ok, err = False, f"cannot create {tmp}: {e}"
     if not _all_ok(ok, device):
         raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
-    logical = _logical_state(engine, stage, mesh)
+    logical = _logical_state(engine, params, mesh)
     state: dict[str, Any] = {f"rng/{rank}/{k}": v for k, v in _rng_state(device).items()}
     step_count = None
     shapes = {}
@@ -260,11 +265,11 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     step, path = found[-1]
     meta = read_meta(path)
     _check_same_model(meta, man, path)
-    stage = man["stages"][mesh.pp_index]
+    params = rank_params(man, mesh.pp_index)
     rank, world = _world()
     same_plan = meta.get("plan_hash") == man["plan_hash"] and meta.get("world_size") == world
     want: dict[str, torch.Tensor] = {}
-    for entry in stage["params"].values():
+    for _, entry in params.values():
         if not entry.get("trainable", True):
             continue
         for kind in _KINDS:
@@ -285,7 +290,7 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     full = dict(layout)
     full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]),
                 loss_scaler=meta.get("loss_scaler"))
-    by_attr = {attr: e for attr, e in stage["params"].items()}
+    by_attr = {name: e for name, (_, e) in params.items()}
     for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
         flats = []
         for grp in layout["groups"]:

@@ -4,6 +4,12 @@ A compiled directory holds ``manifest.json`` and ``stage_<k>.py`` files. The man
 the plan (degrees, micro-batching, ZeRO stage, dtype), which layer-table rows each stage runs,
 what it receives and sends, and for every parameter of a stage module the original model's name
 and how tensor parallelism shards it. Nothing here imports the planner.
+
+Model chunks. A plan with ``virtual_stages = v > 1`` compiles one file per model chunk (the
+manifest's ``stages`` are then the ``p * v`` chunks in model order, chunk ``k`` on pipeline rank
+``k % p``, recorded as its ``pp_rank``). A rank runs its chunks ``r, r + p, ...`` (``rank_chunks``)
+under one ZeRO engine whose module is an ``nn.ModuleList`` of them: a parameter's engine name is
+then ``"<j>.<attr>"`` for local chunk ``j`` (``rank_params``), its bare ``attr`` when ``v = 1``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import runtime
 from runtime.sharding import TensorShard
 
 __all__ = ["CompiledError", "read_manifest", "load_stage_module", "load_weights", "param_groups",
-           "MANIFEST", "FORMAT"]
+           "rank_chunks", "rank_params", "MANIFEST", "FORMAT"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -155,3 +161,27 @@ def param_groups(module: torch.nn.Module) -> list[list[str]]:
         head = name.split(".", 1)[0] if "." in name else "__stage__"
         groups.setdefault(head, []).append(name)
     return list(groups.values())
+
+
+def virtual_stages(man: dict) -> int:
+    """Model chunks per pipeline rank of a compiled plan (1 for manifests without chunks)."""
+    return int(man["plan"].get("virtual_stages", 1))
+
+
+def rank_chunks(man: dict, pp_index: int) -> list[dict]:
+    """The manifest entries pipeline rank ``pp_index`` runs, in model order: its stage, or with
+    ``v > 1`` model chunks its chunks ``pp_index, pp_index + p, ...``."""
+    pp, v = man["plan"]["pp"], virtual_stages(man)
+    if len(man["stages"]) != pp * v:
+        raise CompiledError(f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={v}; "
+                            "re-run `planner compile`.")
+    return [man["stages"][c] for c in range(pp_index, pp * v, pp)]
+
+
+def rank_params(man: dict, pp_index: int) -> dict[str, tuple[int, dict]]:
+    """Every parameter of rank ``pp_index``'s module by its engine name (module docstring), with the
+    index of the manifest entry (stage or model chunk) that holds it and its manifest entry."""
+    chunks = rank_chunks(man, pp_index)
+    if len(chunks) == 1:
+        return {attr: (chunks[0]["index"], e) for attr, e in chunks[0]["params"].items()}
+    return {f"{j}.{attr}": (st["index"], e) for j, st in enumerate(chunks) for attr, e in st["params"].items()}

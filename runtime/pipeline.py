@@ -59,7 +59,11 @@ twice, so ``W`` makes one call per group of weights that share frontier nodes (a
 weight and bias, a LayerNorm's); a weight used twice along one path (its group's frontier nodes
 nested) gets its gradient computed in ``B`` and only accumulated at ``W``. ``W``'s calls are
 ordinary ``torch.autograd.backward`` s: gradients *accumulate* into ``.grad`` and
-post-accumulate hooks (the ZeRO engine's) fire at ``W``. A chunk without inputs that need
+post-accumulate hooks (the ZeRO engine's) fire at ``W``. With a ``backward_scope`` (the ZeRO
+engine, :class:`BackwardScope`) each ``B`` and each ``W`` runs inside one of its backward passes,
+so that one ``W``'s per-group calls are one pass that reduces each gradient once (as 1F1B's
+backward does), and before each ``W`` call the scope's ``prepare_weights`` gathers ZeRO-3's
+released weights. A chunk without inputs that need
 gradients (the first) has nothing for ``B``: its whole backward runs at ``W``. Memory: ``B``
 keeps the chunk's graph, so a micro-batch holds its activations until its ``W``. Non-reentrant
 activation checkpointing works: each backward call is its own graph task, so a checkpointed
@@ -69,8 +73,9 @@ backward needs).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,7 +87,7 @@ from runtime.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, B
 
 __all__ = [
     "TensorMeta", "PipelineError", "PipelineStage", "run_pipeline", "META_ROW", "WeightWork", "backward_input",
-    "backward_weight",
+    "backward_weight", "BackwardScope",
 ]
 
 _DTYPES = (
@@ -282,16 +287,31 @@ def backward_input(
     return dx, WeightWork(calls)
 
 
-def backward_weight(work: WeightWork) -> None:
-    """``W``: accumulate the weight gradients ``B`` left (ordinary backward calls, hooks fire)."""
+def backward_weight(work: WeightWork, prepare: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+    """``W``: accumulate the weight gradients ``B`` left (ordinary backward calls, hooks fire).
+    ``prepare(weights)`` runs before each call (a ZeRO-3 engine gathers those weights there)."""
     for roots, grads, weights in work.calls:
+        if prepare is not None:
+            prepare(weights)
         if any(w.numel() and not w.untyped_storage().nbytes() for w in weights):
             raise PipelineError(
                 "a W action found a weight whose storage is released (ZeRO-3 keeps a layer's "
                 "parameters only inside its forward and one backward pass, and B and W are separate "
-                "passes): use ZeRO stage 0-2 with a zero-bubble schedule, or a schedule without W"
+                "passes): give the PipelineStage the ZeRO engine as its backward_scope, which gathers "
+                "them before each W call"
             )
         torch.autograd.backward(roots, grads, inputs=weights)
+
+
+class BackwardScope(Protocol):
+    """What a pipeline stage tells about its backward work (``runtime.zero.ZeroEngine`` is one)."""
+
+    def backward_pass(self, accumulates: bool = True) -> contextlib.AbstractContextManager:
+        """A context in which every autograd call is one backward pass of the caller's;
+        ``accumulates=False`` for a ``B`` that leaves the weight gradients to ``W``."""
+
+    def prepare_weights(self, weights: list[torch.Tensor]) -> None:
+        """Called before each of ``W``'s autograd calls with the weights it computes."""
 
 
 class PipelineStage:
@@ -302,7 +322,10 @@ class PipelineStage:
     default group, allowed only when the whole world is this one pipeline). With
     ``virtual_stages = v > 1``, ``module`` is the sequence of the rank's ``v`` chunk modules in
     model order and ``recv_meta`` the sequence of their ``v`` receive metadata (``()`` for model
-    chunk 0); ``self.module`` is then an ``nn.ModuleList`` of them.
+    chunk 0); ``self.module`` is then an ``nn.ModuleList`` of them. ``backward_scope`` (e.g. the
+    ZeRO engine over these modules, :class:`BackwardScope`) wraps each ``B`` and each ``W``: a
+    ``W`` and its per-group autograd calls are one backward pass of the engine, a split ``B`` one
+    that accumulates nothing.
     """
 
     def __init__(
@@ -318,6 +341,7 @@ class PipelineStage:
         last_rank: int | None = None,
         device: torch.device | str | None = None,
         virtual_stages: int = 1,
+        backward_scope: BackwardScope | None = None,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1}")
@@ -366,6 +390,7 @@ class PipelineStage:
             prm = next(iter(module.parameters()), None)
             device = prm.device if prm is not None else torch.device("cpu")
         self.device = torch.device(device)
+        self.backward_scope = backward_scope
         self.send_metas: list[tuple[TensorMeta, ...] | None] = [None] * v
         """Each chunk's successor's ``recv_meta``, learned in the pre-flight exchange."""
         self._pending: list = []
@@ -621,15 +646,25 @@ class PipelineStage:
             elif a.kind == RECV_GRAD:
                 out_grads[key] = self._recv([t for t in self.send_metas[j] if t.requires_grad], self.next_rank)
             elif a.kind == B:
-                self._backward(key, split, inputs, outputs, out_grads, in_grads, weight_work)
+                with self._scope(accumulates=not split):
+                    self._backward(key, split, inputs, outputs, out_grads, in_grads, weight_work)
             elif a.kind == W:
-                backward_weight(weight_work.pop(key))
+                with self._scope(accumulates=True):
+                    backward_weight(weight_work.pop(key), self._prepare)
             elif a.kind == SEND_GRAD:
                 self._isend(in_grads.pop(key), self.prev_rank)
         for w, _ in self._pending:
             comm.wait(w)
         self._pending = []
         return self._mean_loss(losses, m)
+
+    def _scope(self, accumulates: bool) -> contextlib.AbstractContextManager:
+        bs = self.backward_scope
+        return bs.backward_pass(accumulates=accumulates) if bs is not None else contextlib.nullcontext()
+
+    @property
+    def _prepare(self) -> Callable[[list[torch.Tensor]], None] | None:
+        return self.backward_scope.prepare_weights if self.backward_scope is not None else None
 
     def _backward(self, key, split: bool, inputs, outputs, out_grads, in_grads, weight_work) -> None:
         """``B`` of one (chunk, micro-batch): the full backward, or with ``split`` the input
@@ -679,6 +714,7 @@ def run_pipeline(
     loss_scale: float = 1.0,
     device: torch.device | str | None = None,
     virtual_stages: int = 1,
+    backward_scope: BackwardScope | None = None,
 ) -> float:
     """Run one step of the pipeline on this rank; see :meth:`PipelineStage.run`.
 
@@ -687,6 +723,6 @@ def run_pipeline(
     stage = PipelineStage(
         stage_module, stage_index, num_stages, recv_meta=recv_meta, prev_rank=prev_rank,
         next_rank=next_rank, pp_group=pp_group, last_rank=last_rank, device=device,
-        virtual_stages=virtual_stages,
+        virtual_stages=virtual_stages, backward_scope=backward_scope,
     )
     return stage.run(actions, microbatches, loss_scale=loss_scale)

@@ -6,8 +6,9 @@ All copies start from the same original tensor. After backward every copy holds 
 stage's gradient; the ZeRO engine sums them over the *tied group* (the ranks of those stages with
 the same dp and tp coordinates, ``runtime.mesh``) before clipping and the optimizer step, so the
 copies receive the same update and stay identical. At tp > 1 each rank holds the same vocabulary
-shard on every stage and sums only that shard. The gradient norm counts the weight on the first
-holder only, and a checkpoint stores it once (the first holder writes it, ``runtime.checkpoint_io``).
+shard on every stage and sums only that shard. With model chunks (``virtual_stages > 1``) the
+holders are chunks and the group is made of the ranks that run them (``holder_ranks``). The
+gradient norm counts the weight on the first holder only, and a checkpoint stores it once (the first holder writes it, ``runtime.checkpoint_io``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Mapping, Sequence
 from runtime import comm
 from runtime.optim import FlatGroup, ZeroError
 
-__all__ = ["tied_params", "tied_stage_sets", "isolate_tied", "tied_flat_groups"]
+__all__ = ["tied_params", "tied_stage_sets", "holder_ranks", "isolate_tied", "tied_flat_groups"]
 
 
 def tied_params(stage: dict) -> dict[str, tuple[int, ...]]:
@@ -27,10 +28,21 @@ def tied_params(stage: dict) -> dict[str, tuple[int, ...]]:
             if len(e.get("tied") or ()) > 1 and e.get("trainable", True)}
 
 
+def holder_ranks(manifest: dict, holders: Sequence[int]) -> tuple[int, ...]:
+    """The pipeline ranks of a tied weight's holders (manifest entries: stages, or model chunks whose
+    ``pp_rank`` says where they run). Two holders on one rank would be two copies in one engine,
+    which the tied group cannot sum: refused."""
+    ranks = [int(manifest["stages"][k].get("pp_rank", k)) for k in holders]
+    if len(set(ranks)) != len(ranks):
+        raise ZeroError(f"a weight tied across model chunks {list(holders)} has two copies on one pipeline rank "
+                        f"(ranks {ranks}); choose a chunk split that puts each reader on its own rank")
+    return tuple(ranks)
+
+
 def tied_stage_sets(manifest: dict) -> list[tuple[int, ...]]:
-    """The distinct holder sets of all tied weights, in a fixed order (every rank computes the same
-    list, so every rank creates the same process groups in the same order)."""
-    sets = {s for st in manifest["stages"] for s in tied_params(st).values()}
+    """The distinct holder sets (pipeline ranks) of all tied weights, in a fixed order (every rank
+    computes the same list, so every rank creates the same process groups in the same order)."""
+    sets = {holder_ranks(manifest, s) for st in manifest["stages"] for s in tied_params(st).values()}
     return sorted(sets)
 
 

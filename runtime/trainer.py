@@ -9,13 +9,17 @@ newest checkpoint when asked, the step probes of ``runtime.profiling``), then fo
 
 1. calls the caller's ``on_step_start(rank, t)`` hook, if any (``t`` counts from 0);
 2. ``run_step``: reads rows ``[d * B/dp, (d + 1) * B/dp)`` of step ``t``'s global batch
-   (``runtime.data``), split into ``num_micro_batches`` micro-batches; walks this rank's 1F1B
-   action list (``runtime.schedule``/``runtime.pipeline``; with one stage that is forward,
-   backward per micro-batch) accumulating gradients; lets the ZeRO engine reduce gradients over
-   dp, clip by the global norm and step AdamW with the learning rate of the warmup + cosine
-   schedule (``lr_at``) -- timed, and split into the parts of ``runtime.timing`` (compute,
-   recompute, tp_comm, pp_bubble, dp_comm, optimizer, offload), under the memory tracker and profiler
-   that apply;
+   (``runtime.data``), split into ``num_micro_batches`` micro-batches; walks this rank's action
+   list for the plan's schedule (``runtime.schedule``/``runtime.pipeline``: 1F1B, interleaved
+   1F1B over the rank's ``virtual_stages`` model chunks, or ZB-H1 whose ``B`` computes input
+   gradients and ``W`` weight gradients later; with one stage 1F1B is forward, backward per
+   micro-batch) accumulating gradients (under ZB-H1 a checkpointed layer, plan.json
+   ``checkpoint_layers``, recomputes its forward in ``B`` and again in ``W``, each its own
+   autograd pass: one forward more than under 1F1B, counted in ``recompute``); lets the ZeRO
+   engine (one per rank, over all its chunks) reduce gradients over dp, clip by the global norm
+   and step AdamW with the learning rate of the warmup + cosine schedule (``lr_at``) -- timed,
+   and split into the parts of ``runtime.timing`` (compute, recompute, tp_comm, pp_bubble,
+   dp_comm, optimizer, offload), under the memory tracker and profiler that apply;
 3. ``aggregate_metrics``: ``loss`` is the mean over the dp ranks (so over the global batch),
    ``peak_memory_bytes`` (device memory), ``host_memory_bytes`` and ``nvme_bytes`` (the offload
    tiers, ``runtime.offload``), ``comm_bytes``, the step time and the collective wait time the max
@@ -42,7 +46,7 @@ import torch.distributed as dist
 import runtime
 from runtime import checkpoint_io, comm, timing
 from runtime.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
-from runtime.compiled import load_stage_module, load_weights, param_groups, read_manifest
+from runtime.compiled import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
 from runtime.config import TrainOptions
 from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data, rank_slice
 from runtime.dtypes import to_torch
@@ -50,13 +54,13 @@ from runtime.mesh import Mesh, setup_mesh
 from runtime.offload import OffloadConfig
 from runtime.pipeline import PipelineStage, TensorMeta
 from runtime.profiling import StepProbes
-from runtime.schedule import one_f_one_b
-from runtime.tied import isolate_tied, tied_params, tied_stage_sets
+from runtime.schedule import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
+from runtime.tied import holder_ranks, isolate_tied, tied_params, tied_stage_sets
 from runtime.zero import StepInfo, ZeroEngine
 
 __all__ = ["Run", "StepHook", "StepMetrics", "StepResult", "aggregate_metrics", "lr_at", "maybe_checkpoint",
-           "open_tensorboard", "resume", "run_step", "schedule_of", "setup", "train_worker", "write_metrics",
-           "write_tensorboard"]
+           "open_tensorboard", "resume", "run_step", "schedule_actions", "schedule_of", "setup", "train_worker",
+           "write_metrics", "write_tensorboard"]
 
 StepHook = Callable[[int, int], None]
 """``on_step_start(rank, step)``: called on every rank before each step (``step`` counts from 0,
@@ -127,13 +131,13 @@ class Run:
     engine: ZeroEngine
     pstage: PipelineStage
     actions: list
-    """This rank's 1F1B action list."""
+    """This rank's action list for the plan's schedule (``schedule_actions``)."""
     data: Any
     """The token source (``runtime.data.open_data``)."""
     rows: tuple[int, int]
     """This dp rank's rows ``[lo, hi)`` of every global batch."""
-    stage_inputs: list[str]
-    """The data inputs this stage's module takes, by graph input name."""
+    stage_inputs: list[list[str]]
+    """The data inputs each of this rank's chunks takes (one list: its stage), by graph input name."""
     graph_inputs: list[str]
     """The model's inputs in order, by the name the graph gives them."""
     input_specs: list[dict]
@@ -192,49 +196,70 @@ def _warm_up_inputs(plan: dict, stage: dict, graph_inputs: list[str], input_spec
     return recv + [src[n] for n in stage["data_inputs"]]
 
 
-def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
-          state_fn: Callable[[], Mapping[str, torch.Tensor]]) -> Run:
-    """Build this rank's run: the mesh and device, the stage module with its shard of the original
-    weights (``state_fn`` returns the original model's tensors by name; the seed is set first),
-    its layers compiled and warmed up when the plan says ``compile``, the ZeRO engine, the
-    pipeline stage, the data source; then ``resume`` and the step probes (which count the tensors
-    alive after the resume)."""
-    man = read_manifest(compiled_dir)
-    plan = man["plan"]
-    offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
-    pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
-    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
-        dist.get_backend() == "nccl" else torch.device("cpu")
-    runtime.set_device(dev)
-    stage = man["stages"][mesh.pp_index]
-    torch.manual_seed(opts.seed)
-    module = load_stage_module(compiled_dir, stage, dev)
-    load_weights(module, stage, state_fn(), mesh.tp_index, tp)
-    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
-    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
-    if len(graph_inputs) != len(input_specs):
-        raise ValueError(f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
-                         f"{len(input_specs)}: recompile the plan")
+def schedule_actions(plan: dict, pp_index: int) -> list:
+    """This rank's action list for the plan's pipeline schedule (plan.json ``schedule``): 1F1B,
+    Megatron's interleaved 1F1B over ``virtual_stages`` chunks, or ZB-H1 (split ``B``/``W``)."""
+    pp, m, v = plan["pp"], plan["num_micro_batches"], plan.get("virtual_stages", 1)
+    kind = plan.get("schedule", "1f1b")
+    if kind == "1f1b":
+        return one_f_one_b(pp, m)[pp_index]
+    if kind == "interleaved":
+        return interleaved_one_f_one_b(pp, m, v)[pp_index]
+    if kind == "zero-bubble":
+        return zero_bubble_h1(pp, m)[pp_index]
+    raise ValueError(f"the plan names the pipeline schedule {kind!r}; this runtime runs 1f1b, interleaved and "
+                     "zero-bubble: re-plan, or update the runtime")
+
+
+def _load_chunks(compiled_dir: str, chunks: list[dict], state: Mapping[str, torch.Tensor], mesh: Mesh,
+                 dev: torch.device) -> list[torch.nn.Module]:
+    """This rank's stage module(s) with their shard of the original weights (read once)."""
+    modules = []
+    for st in chunks:
+        module = load_stage_module(compiled_dir, st, dev)
+        load_weights(module, st, state, mesh.tp_index, mesh.tp)
+        modules.append(module)
+    return modules
+
+
+def _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts):
+    """Compile each chunk's layers (one ``torch.compile`` per layer class) and warm them up."""
     compiled = None
-    if plan.get("compile"):
+    for j, (module, st) in enumerate(zip(modules, chunks)):
         # Before the ZeRO engine: the warm-up's collectives are tensor-parallel ones only, so the
         # data-parallel replicas can take turns (runtime.compile_layers.warm_up_in_turn).
-        compiled = compile_stage(module)
-        warm_up_in_turn(module, _warm_up_inputs(plan, stage, graph_inputs, input_specs, dev), compiled,
+        info = compile_stage(module)
+        warm_up_in_turn(module, _warm_up_inputs(plan, st, graph_inputs, input_specs, dev), info,
                         first=mesh.dp_index == 0)
-        if rank == 0 and opts.progress:
-            print(f"[planner] compiled stage 0: {compiled.describe()} in {compiled.seconds:.1f} s",
-                  file=sys.stderr, flush=True)
-    timing.time_recomputation(module)
-    # On a GPU, part boundaries wait for the device (runtime.timing explains the cost).
-    timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    replicated = {attr for attr, e in stage["params"].items() if not e.get("shard")}
-    tied = tied_params(stage)  # weights held by several stages: summed over their tied group
-    engine = ZeroEngine(
+        if compiled is None:
+            compiled = info
+        else:  # one record for the rank: every chunk's classes and layers, the total time
+            compiled.functions.update(info.functions)
+            compiled.layers.update({f"{j}.{k}": c for k, c in info.layers.items()})
+            compiled.seconds += info.seconds
+    if rank == 0 and opts.progress and compiled is not None:
+        print(f"[planner] compiled stage 0: {compiled.describe()} in {compiled.seconds:.1f} s",
+              file=sys.stderr, flush=True)
+    return compiled
+
+
+def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> ZeroEngine:
+    """One ZeRO engine over the rank's chunks (``module`` is the one stage module, or the
+    ``ModuleList`` of the chunks, each a root of its own): one gradient norm, clip and step."""
+    plan = man["plan"]
+    v = len(chunks)
+    prefix = [""] if v == 1 else [f"{j}." for j in range(v)]
+    layers, tied, replicated = [], {}, set()
+    for pre, sub, st in zip(prefix, modules, chunks):
+        own_tied = tied_params(st)  # weights held by several stages: summed over their tied group
+        layers += [[pre + n for n in grp] for grp in isolate_tied(param_groups(sub), own_tied)]
+        tied.update({pre + a: (mesh.tied_groups.get(holder_ranks(man, h)), st["index"] == h[0])
+                     for a, h in own_tied.items()})
+        replicated |= {pre + attr for attr, e in st["params"].items() if not e.get("shard")}
+    return ZeroEngine(
         module,
-        layers=isolate_tied(param_groups(module), tied),
-        tied={a: (mesh.tied_groups.get(h), mesh.pp_index == h[0]) for a, h in tied.items()},
+        layers=layers,
+        tied=tied,
         dp_group=mesh.dp_group,
         zero_stage=plan["zero_stage"],
         param_dtype=to_torch(plan["dtype"]),
@@ -244,14 +269,55 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
         weight_decay=opts.weight_decay,
         max_grad_norm=opts.max_grad_norm,
         norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
-        replicated_param_filter=(lambda name: name in replicated) if tp > 1 else None,
-        micro_batches_per_step=plan["num_micro_batches"],
+        replicated_param_filter=(lambda name: name in replicated) if plan["tp"] > 1 else None,
+        # one backward pass per (chunk, micro-batch): a split B/W pair counts once
+        micro_batches_per_step=plan["num_micro_batches"] * v,
         offload=offload,
         rank=rank,
         delayed_update=opts.delayed_update,
+        roots=None if v == 1 else [str(j) for j in range(v)],
     )
-    actions = one_f_one_b(pp, plan["num_micro_batches"])[mesh.pp_index]
-    pstage = PipelineStage.from_mesh(engine.module, recv_meta=_recv_meta(stage), mesh=mesh, device=dev)
+
+
+def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
+          state_fn: Callable[[], Mapping[str, torch.Tensor]]) -> Run:
+    """Build this rank's run: the mesh and device, the stage module (or, with ``virtual_stages``
+    v > 1, its v model chunks, ``runtime.compiled.rank_chunks``) with its shard of the original
+    weights (``state_fn`` returns the original model's tensors by name; the seed is set first),
+    its layers compiled and warmed up when the plan says ``compile``, one ZeRO engine over the
+    chunks, the pipeline stage walking the plan's schedule (``schedule_actions``; the engine is its
+    backward scope, so a ``B``/``W`` pair is one backward pass), the data source; then ``resume``
+    and the step probes (which count the tensors alive after the resume)."""
+    man = read_manifest(compiled_dir)
+    plan = man["plan"]
+    offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
+    pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
+    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
+        dist.get_backend() == "nccl" else torch.device("cpu")
+    runtime.set_device(dev)
+    chunks = rank_chunks(man, mesh.pp_index)
+    v = len(chunks)
+    actions = schedule_actions(plan, mesh.pp_index)
+    torch.manual_seed(opts.seed)
+    modules = _load_chunks(compiled_dir, chunks, state_fn(), mesh, dev)
+    module = modules[0] if v == 1 else torch.nn.ModuleList(modules)
+    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
+    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
+    if len(graph_inputs) != len(input_specs):
+        raise ValueError(f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
+                         f"{len(input_specs)}: recompile the plan")
+    compiled = None
+    if plan.get("compile"):
+        compiled = _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts)
+    for sub in modules:
+        timing.time_recomputation(sub)
+    # On a GPU, part boundaries wait for the device (runtime.timing explains the cost).
+    timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    engine = _make_engine(module, modules, chunks, man, mesh, opts, offload, rank)
+    recv = [_recv_meta(st) for st in chunks]
+    pstage = PipelineStage.from_mesh(modules[0] if v == 1 else modules, recv_meta=recv[0] if v == 1 else recv,
+                                     mesh=mesh, device=dev, virtual_stages=v, backward_scope=engine)
     data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, man, mesh)
     # Tracked steps run eagerly (runtime.compile_layers): a compiled run tracks its first few only.
@@ -261,8 +327,9 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
     return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
                pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
-               stage_inputs=stage["data_inputs"], graph_inputs=graph_inputs, input_specs=input_specs,
-               start_step=start_step, probes=probes, tensorboard=tensorboard, compiled=compiled)
+               stage_inputs=[st["data_inputs"] for st in chunks], graph_inputs=graph_inputs,
+               input_specs=input_specs, start_step=start_step, probes=probes, tensorboard=tensorboard,
+               compiled=compiled)
 
 
 def open_tensorboard(directory: str):
@@ -285,16 +352,18 @@ def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -
     return 0
 
 
-def micro_batches(run: Run, step: int) -> list[tuple[torch.Tensor, ...]]:
+def micro_batches(run: Run, step: int) -> list:
     """This rank's rows of step ``step``'s global batch, on the device, split into micro-batches
-    of the stage's data inputs."""
+    of the stage's data inputs (with model chunks, a tuple of inputs per chunk)."""
     plan = run.plan
     mbs, m = plan["micro_batch_size"], plan["num_micro_batches"]
     lo, hi = run.rows
     ids, labels = run.data.rows(step, lo, hi, plan["global_batch"])
     ids, labels = ids.to(run.device), labels.to(run.device)
     src = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
-    return [tuple(src[n][i * mbs:(i + 1) * mbs] for n in run.stage_inputs) for i in range(m)]
+    per_chunk = [[tuple(src[n][i * mbs:(i + 1) * mbs] for n in names) for names in run.stage_inputs]
+                 for i in range(m)]
+    return [mb[0] for mb in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
 
 
 def run_step(run: Run, step: int) -> StepResult:

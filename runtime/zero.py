@@ -58,6 +58,18 @@ Buckets launch strictly in bucket order (a bucket whose groups finish early wait
 earlier buckets), so every rank issues the same collectives in the same order. The end of each
 backward (an autograd engine callback) launches what is left and waits for all of it.
 
+Backward passes
+---------------
+A backward pass is one autograd graph task, or everything inside ``with
+engine.backward_pass():`` (begun on entry, its end-of-backward work on exit). A split schedule
+(``runtime.pipeline``: ``B`` input gradients, ``W`` weight gradients in one autograd call per
+group of weights) wraps each ``W`` so that a group completes and is reduced once per micro-batch,
+as under 1F1B (unwrapped, each ``W`` call was a pass: at pp2 x dp2 ZeRO-1 reduced mid-``W`` and
+again in ``step()``, ZeRO-2 issued 20 reduce-scatters per step instead of 8), and each ``B`` in
+``backward_pass(accumulates=False)``, which neither counts nor reduces. Over ``v`` model chunks
+(``roots``) a step is ``v * m`` passes, each completing one chunk's groups; buckets never span two
+roots and a pass launches its root's buckets as they complete. One norm, clip and step cover all.
+
 Step
 ----
 ``step()``: finish reductions; sum of squared gradients over the elements this rank *owns*
@@ -126,7 +138,7 @@ from runtime.optim import (
 )
 from runtime.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
 from runtime.tied import tied_flat_groups
-from runtime.zero3 import Zero3Params, in_backward
+from runtime.zero3 import Zero3Params, group_roots, in_backward
 
 #: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
 FIRST_BUCKET_BYTES = 2**20
@@ -178,9 +190,10 @@ class ZeroEngine(Zero3Params):
         loss_scaler: loss scaler for fp16 (default for fp16: ``DynamicLossScaler()``); must be
             ``None`` for other dtypes.
         prefetch: stage 3 only: gather the next layer asynchronously while this one computes.
-        micro_batches_per_step: number of backward passes per step; when set, stage 0/1 reduce
-            gradients from the hooks of the last one (overlapped with backward) instead of in
-            ``step()``.
+        micro_batches_per_step: number of backward passes per step (with ``roots``, the passes of
+            all roots together: ``v * m`` for ``v`` model chunks and ``m`` micro-batches); when
+            set, stage 0/1 reduce gradients from the hooks of the last one (overlapped with
+            backward) instead of in ``step()``.
         tied: ``name -> (group, counted)`` for parameters tied across pipeline stages
             (``runtime.tied``): each must form a group of its own in ``layers``; after the dp
             reduction its gradient (stage 0/1: the full buffer, 2/3: the fp32 shard) is summed
@@ -192,6 +205,9 @@ class ZeroEngine(Zero3Params):
             and apply it at the next ``step()``: step k+1's forward and backward use the parameters
             of step k-1 (one step stale; it changes the numerics). ``state_dict`` and friends wait
             for it and apply it first.
+        roots: names of the submodules called on their own (a rank's model chunks, ``"0"``,
+            ``"1"`` ... of an ``nn.ModuleList``; ``None``: the module). Each group lies in one root;
+            each root gets the root hooks and its own gradient buckets ("Backward passes").
     """
 
     def __init__(
@@ -218,6 +234,7 @@ class ZeroEngine(Zero3Params):
         offload: OffloadConfig | None = None,
         rank: int | None = None,
         delayed_update: bool = False,
+        roots: Sequence[str] | None = None,
     ):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -250,19 +267,22 @@ class ZeroEngine(Zero3Params):
         self._no_sync = False
         self._backwards = 0  # backward passes since the last step / zero_grad
         self._cb_task: int | None = None  # graph task whose end callback is queued
+        self._scope = False  # inside backward_pass(): autograd calls join the scope's pass
         self._sync_this_backward = False
         self._inflight: list[tuple] = []
-        self._next_bucket = 0
+        self._launched: set[int] = set()  # buckets launched in this backward pass
         self._hooks: list = []
         self._fwd_order: list[int] = []
         self._fwd_seen: set[int] = set()
-        self._last_order: list[int] = []
+        self._orders: dict[int, list[int]] = {}  # root -> its groups in the last forward's order
         self.counters = {"reduced_in_backward": 0, "reduced_at_backward_end": 0, "reduced_in_step": 0,
                          "prefetches": 0}
         """Bucket reductions launched from gradient hooks while backward runs (overlapped), by the
         end-of-backward callback, or by ``step()``; stage-3 gathers launched ahead of use."""
 
         self.groups: list[FlatGroup] = build_groups(module, layers, self.dp)
+        self._roots = list(roots) if roots else [""]
+        self._group_root = group_roots(self.groups, self._roots)
         dev = {e.param.device for g in self.groups for e in g.entries}
         if len(dev) != 1:
             raise ZeroError(f"all parameters of a stage must be on one device, found {sorted(map(str, dev))}")
@@ -351,7 +371,7 @@ class ZeroEngine(Zero3Params):
         cap = min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         for g in reversed(self.groups):
             gb = g.padded * esize
-            if cur and size + gb > cap:
+            if cur and (size + gb > cap or self._group_root[g.index] != self._group_root[cur[0]]):
                 buckets.append(cur)
                 cur, size, cap = [], 0, self.bucket_bytes
             cur.append(g.index)
@@ -362,7 +382,11 @@ class ZeroEngine(Zero3Params):
 
     def _register_hooks(self) -> None:
         m = self.module
-        self._hooks.append(m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        for k, name in enumerate(self._roots):
+            sub = m.get_submodule(name)
+            self._hooks.append(sub.register_forward_pre_hook(
+                lambda mod, args, kwargs, k=k: self._root_pre_forward(k, args, kwargs), with_kwargs=True))
+            self._hooks.append(sub.register_forward_hook(lambda mod, args, out, k=k: self._root_post_forward(k)))
         for g in self.groups:
             for e in g.entries:
                 self._hooks.append(
@@ -377,7 +401,6 @@ class ZeroEngine(Zero3Params):
                 sub = m.get_submodule(name)
                 self._hooks.append(sub.register_forward_pre_hook(lambda mod, args, gs=groups: self._pre_forward(gs)))
                 self._hooks.append(sub.register_forward_hook(lambda mod, args, out, gs=groups: self._post_forward(gs, out)))
-        self._hooks.append(m.register_forward_hook(self._root_post_forward))
 
     def close(self) -> None:
         """Remove every hook the engine put on the module and its parameters; delete the offload
@@ -388,7 +411,7 @@ class ZeroEngine(Zero3Params):
         self._off.close()
 
     # ------------------------------------------------------------------ forward
-    def _root_pre_forward(self, module, args, kwargs):
+    def _root_pre_forward(self, root: int, args, kwargs):
         if not in_backward():
             self._fwd_order, self._fwd_seen = [], set()
         if self.dtype != torch.float32:
@@ -405,10 +428,41 @@ class ZeroEngine(Zero3Params):
         finally:
             self._no_sync = prev
 
+    @contextlib.contextmanager
+    def backward_pass(self, accumulates: bool = True):
+        """Every autograd call inside is part of ONE backward pass (see "Backward passes").
+
+        ``accumulates=False``: a pass that accumulates no weight gradient (a split schedule's
+        ``B``): it does not count towards ``micro_batches_per_step`` and reduces nothing; at
+        ZeRO-3 the groups it gathers are freed when it ends. Not reentrant; call it outside
+        autograd, around the ``backward``/``grad`` calls."""
+        if in_backward() or self._scope or self._cb_task is not None:
+            raise ZeroError("backward_pass() must be entered outside any backward pass and does not nest; "
+                            "if an earlier backward failed, call engine.zero_grad() first")
+        self._start_pass(counted=accumulates)
+        self._scope = True
+        try:
+            yield self
+        finally:
+            self._scope = False
+        self._end_backward()
+
+    def _start_pass(self, counted: bool) -> None:
+        """A backward pass begins: count it and decide whether it reduces."""
+        self._launched = set()
+        self._backwards += counted
+        if not counted or self._no_sync or self.dp == 1 and self.stage < 2:
+            self._sync_this_backward = False
+        elif self.stage < 2:
+            self._sync_this_backward = self._backwards == self.micro_batches_per_step
+        else:
+            self._sync_this_backward = True
+
     def _begin_backward(self) -> None:
-        """First hook of a backward pass: decide whether it reduces, queue the end callback."""
+        """First hook of a backward pass: decide whether it reduces, queue the end callback (inside
+        ``backward_pass()`` the scope did both)."""
         task = torch._C._current_graph_task_id()
-        if task == self._cb_task:
+        if self._scope or task == self._cb_task:
             return
         if self._cb_task is not None:
             raise ZeroError(
@@ -417,14 +471,7 @@ class ZeroEngine(Zero3Params):
                 "earlier backward failed instead, call engine.zero_grad() before the next one"
             )
         self._cb_task = task
-        self._next_bucket = 0
-        self._backwards += 1
-        if self._no_sync or self.dp == 1 and self.stage < 2:
-            self._sync_this_backward = False
-        elif self.stage < 2:
-            self._sync_this_backward = self._backwards == self.micro_batches_per_step
-        else:
-            self._sync_this_backward = True
+        self._start_pass(counted=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, g: FlatGroup, p: nn.Parameter) -> None:
@@ -450,7 +497,7 @@ class ZeroEngine(Zero3Params):
             g.visited = True
             self._free(g)
             if self._sync_this_backward:
-                self._launch_buckets(only_ready=True, where="reduced_in_backward")
+                self._launch_buckets(only_ready=True, where="reduced_in_backward", root=self._group_root[g.index])
 
     def _end_backward(self) -> None:
         sync = self._sync_this_backward
@@ -461,14 +508,18 @@ class ZeroEngine(Zero3Params):
         for g in self.groups:
             g.waiting, g.ready, g.visited = set(g.by_id), False, False
             self._free(g)
-        self._next_bucket = 0
+        self._launched = set()
 
-    def _launch_buckets(self, only_ready: bool, where: str = "reduced_in_step") -> None:
-        while self._next_bucket < len(self._buckets):
-            bucket = [self.groups[i] for i in self._buckets[self._next_bucket]]
+    def _launch_buckets(self, only_ready: bool, where: str = "reduced_in_step", root: int | None = None) -> None:
+        """Launch the buckets not yet launched in this pass, in bucket order (``root``: only that
+        root's; ``only_ready``: up to the first whose groups are not all complete)."""
+        for k, ids in enumerate(self._buckets):
+            if k in self._launched or root is not None and self._group_root[ids[0]] != root:
+                continue
+            bucket = [self.groups[i] for i in ids]
             if only_ready and not all(g.ready for g in bucket):
-                return
-            self._next_bucket += 1
+                break
+            self._launched.add(k)
             if any(g.dirty for g in bucket):
                 self.counters[where] += 1
                 self._reduce_bucket(bucket)
@@ -589,10 +640,10 @@ class ZeroEngine(Zero3Params):
         self._cb_task = None
         if lr is not None:
             self.lr = float(lr)
-        self._next_bucket = 0
+        self._launched = set()
         self._launch_buckets(only_ready=False)
         self._drain()
-        self._next_bucket = self._backwards = 0
+        self._launched, self._backwards = set(), 0
         for g in self.groups:
             self._free(g)
         self._sync_tied()
@@ -671,7 +722,7 @@ class ZeroEngine(Zero3Params):
             raise ZeroError("zero_grad() was called during a backward pass")
         self._cb_task = None
         self._drain()
-        self._backwards = self._next_bucket = 0
+        self._backwards, self._launched = 0, set()
         self._off.new_step()
         for g in self.groups:
             g.dirty = g.ready = g.visited = g.flushed = False

@@ -15,12 +15,27 @@ parameters share no module below the root are hooked on the root and stay gather
 whole forward or backward. Activation checkpointing must be non-reentrant (the recomputation runs
 inside backward, where nothing is freed).
 
+Roots. An engine over a pipeline rank's model chunks has one root per chunk (``ZeroEngine``'s
+``roots``): each root's forward records its own order of groups, and prefetches stay inside the
+root being run (the next chunk to run is the schedule's business, not the engine's).
+
+Split backward (``runtime.pipeline``: ``B`` computes input gradients, ``W`` weight gradients
+later, each inside ``ZeroEngine.backward_pass``). ``B`` gathers each group through the output
+hooks as an ordinary backward does, but no gradient completes a group there, so its groups stay
+gathered until ``B``'s pass ends (at most the chunk's parameters, for the length of one ``B``) and
+are then freed: a group whose ``W`` is pending is *not* held gathered between ``B`` and ``W``
+(between passes a ZeRO-3 rank holds only shards, whatever the schedule keeps pending). Before each
+of ``W``'s autograd calls ``prepare_weights`` gathers the groups of that call's weights (autograd's
+weight-side kernels may read them, and a checkpointed layer recomputes its forward); each is freed
+as soon as its last gradient of the pass arrives (``_on_grad``), as in an ordinary backward. So
+``W`` holds at most the groups whose weights it is between, typically one layer's.
+
 ``Zero3Params`` holds these hooks and the gather/free of one group; ``runtime.zero.ZeroEngine``
 derives from it and owns everything else (groups, buckets, the step). Its attributes used here:
 ``stage``, ``dtype``, ``dp``, ``dp_rank``, ``dp_group``, ``groups``, ``prefetch``, ``counters``,
 ``_off`` (the offload stores, which give each group's shard: ``runtime.offload``),
-``_begin_backward`` (the engine's start of a backward pass) and the forward-order bookkeeping
-``_fwd_order``, ``_fwd_seen``, ``_last_order``.
+``_begin_backward`` (the engine's start of a backward pass), ``_group_root`` (each group's root)
+and the forward-order bookkeeping ``_fwd_order``, ``_fwd_seen``, ``_orders``.
 """
 
 from __future__ import annotations
@@ -29,9 +44,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from runtime import comm
-from runtime.optim import FREE, GATHERED, GATHERING, FlatGroup
+from runtime.optim import FREE, GATHERED, GATHERING, FlatGroup, ZeroError
 
-__all__ = ["Zero3Params", "in_backward"]
+__all__ = ["Zero3Params", "in_backward", "group_roots"]
 
 
 def in_backward() -> bool:
@@ -39,17 +54,48 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def group_roots(groups: list[FlatGroup], roots: list[str]) -> list[int]:
+    """The root (index into ``roots``, module names; ``""`` is the whole module) of each group:
+    the one whose subtree holds all its parameters."""
+    out = []
+    for g in groups:
+        inside = [k for k, r in enumerate(roots)
+                  if not r or all(e.name.startswith(r + ".") for e in g.entries)]
+        if not inside:
+            raise ZeroError(f"parameter group {g.index} ({', '.join(g.names[:3])}) lies in none of the roots "
+                            f"{roots} (or spans several): group each root's parameters separately")
+        out.append(inside[0])
+    return out
+
+
 class Zero3Params:
     """The ZeRO-3 half of ``runtime.zero.ZeroEngine``: forward/backward hooks that gather each
     layer's parameters ahead of use (with prefetch) and free them after."""
 
-    def _root_post_forward(self, module, args, out):
+    def _order(self, root: int) -> list[int]:
+        """Root ``root``'s groups in its last forward's order (index order before any)."""
+        return self._orders.get(root) or [g.index for g in self.groups if self._group_root[g.index] == root]
+
+    def _root_post_forward(self, root: int):
         if in_backward() or self.stage != 3:
             return
         if self._fwd_order:
-            self._last_order = list(self._fwd_order)
+            self._orders[root] = list(self._fwd_order)
         for g in self.groups:  # prefetched but not used in this forward
-            self._free(g)
+            if self._group_root[g.index] == root:
+                self._free(g)
+
+    def prepare_weights(self, weights) -> None:
+        """Before an autograd call that computes the gradients of ``weights`` outside the
+        backward that gathered them (a split schedule's ``W``): gather their groups (stage 3;
+        module docstring). They are freed as their gradients complete, or when the pass ends."""
+        if self.stage != 3:
+            return
+        ids = {id(w) for w in weights}
+        for g in self.groups:
+            if ids.intersection(g.by_id):
+                self._gather(g)
+                self._wait_gather(g)
 
     def _pre_forward(self, groups: list[FlatGroup]) -> None:
         in_bwd = in_backward()
@@ -60,8 +106,8 @@ class Zero3Params:
                 self._fwd_seen.add(g.index)
                 self._fwd_order.append(g.index)
         if self.prefetch and not in_bwd:
-            order = self._last_order or list(range(len(self.groups)))
             last = groups[-1].index
+            order = self._order(self._group_root[last])
             if last in order:
                 pos = order.index(last)
                 if pos + 1 < len(order):
@@ -84,7 +130,7 @@ class Zero3Params:
             self._wait_gather(g)
             g.visited = True
         if self.prefetch:
-            for gi in reversed(self._last_order or list(range(len(self.groups)))):
+            for gi in reversed(self._order(self._group_root[groups[-1].index])):
                 g = self.groups[gi]
                 if not g.visited:
                     self._prefetch(g)

@@ -1,5 +1,7 @@
 """Interleaved 1F1B and ZB-H1 over gloo against a single-process reference (losses, gradients),
-and ZB-H1 under the ZeRO engine, whose gradient hooks must fire when ``W`` runs, not at ``B``."""
+ZB-H1 under the ZeRO engine, whose gradient hooks must fire when ``W`` runs, not at ``B``, and
+the engine's reductions per step at dp2: with the engine as the stage's backward scope a split
+``B``/``W`` schedule reduces exactly as often as 1F1B (without it, every ``W`` call was a pass)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import pytest
 import torch
 
 import runtime.pipeline as pipeline
+from runtime import comm
 from runtime.dist import launch_local
-from runtime.mesh import setup_mesh
+from runtime.mesh import get_mesh, setup_mesh
 from runtime.pipeline import PipelineStage
-from runtime.schedule import interleaved_one_f_one_b, zero_bubble_h1
+from runtime.schedule import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from runtime.zero import ZeroEngine
 from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, make_layers, reference
 
@@ -62,10 +65,10 @@ def _zero_bubble_with_zero(rank: int, p: int, blocks: int) -> dict:
     in_w, fired = [False], []
     real_w = pipeline.backward_weight
 
-    def traced_w(work):
+    def traced_w(work, prepare=None):
         in_w[0] = True
         try:
-            real_w(work)
+            real_w(work, prepare)
         finally:
             in_w[0] = False
 
@@ -85,6 +88,38 @@ def _zero_bubble_with_zero(rank: int, p: int, blocks: int) -> dict:
     return dict(loss=loss, grads=grads, fired=fired, flat=flat, params=params)
 
 
+#: (schedule, engine as the backward scope) of the reduction counts
+VARIANTS = {"1f1b": (one_f_one_b, True), "zb": (zero_bubble_h1, True), "zb-unscoped": (zero_bubble_h1, False)}
+
+
+def _reductions(zero_stage: int) -> dict:
+    """One step of this rank's stage of a pp2 x dp2 mesh per variant: the collectives it issued (by
+    kind) and its parameters after the step."""
+    out = {}
+    for name, (sched, scoped) in VARIANTS.items():
+        if zero_stage == 3 and not scoped:
+            continue  # ZeRO-3's W needs the scope, which gathers its weights (else PipelineError)
+        torch.manual_seed(0)
+        mesh = get_mesh()
+        s = mesh.pp_index
+        module = StageModule(make_layers(2), *chunk_bounds(4, 2)[s])
+        engine = ZeroEngine(module, dp_group=mesh.dp_group, zero_stage=zero_stage, micro_batches_per_step=M, **HP)
+        stage = PipelineStage.from_mesh(module, recv_meta=RECV_META if s > 0 else (),
+                                        backward_scope=engine if scoped else None)
+        comm.STATS.reset()
+        stage.run(sched(2, M)[s], [chunk_inputs(s, 2, d) for d in make_data(M)])
+        engine.step()
+        out[name] = dict(calls=dict(comm.STATS.calls_by_kind), params=engine.full_state_dict(),
+                         regathers=M * len(engine.groups) if s > 0 else 0)
+        engine.close()
+    return out
+
+
+def _reduction_worker(rank: int, world: int, out_dir: str) -> None:
+    setup_mesh(2, 2, 1)
+    torch.save({z: _reductions(z) for z in (1, 2, 3)}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.manual_seed(0)
     setup_mesh(world, 1, 1)
@@ -93,6 +128,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         "zb": _zero_bubble(rank, world, 2),
         "zb_zero": _zero_bubble_with_zero(rank, world, 2),
     }
+
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -142,3 +178,30 @@ def test_zero_bubble_under_zero_engine_hooks_fire_at_w(runs):
     for got in runs:
         for name, prm in got["zb_zero"]["params"].items():
             torch.testing.assert_close(prm, want[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reductions(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reductions")
+    launch_local(_reduction_worker, 4, (str(out),), timeout_s=120, collective_timeout_s=30)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_split_backward_reduces_as_often_as_one_f_one_b(reductions, zero_stage):
+    """ZeRO-1: one all-reduce per bucket per step (+ the norm's); ZeRO-2/3: one reduce-scatter per
+    group per micro-batch. ZB-H1 with the engine as backward scope issues exactly 1F1B's
+    collectives and reaches the same parameters; without the scope each W call was a pass (ZeRO-1
+    reduced mid-W and again in step(), ZeRO-2 issued 20 reduce-scatters instead of 8). ZeRO-3
+    gathers each group once more per micro-batch where B and W are apart (runtime.zero3)."""
+    for got in reductions:
+        red = got[zero_stage]
+        calls = {name: dict(r["calls"]) for name, r in red.items()}
+        calls["zb"]["all_gather"] -= red["zb"]["regathers"] if zero_stage == 3 else 0
+        assert calls["zb"] == calls["1f1b"], calls
+        if zero_stage < 3 and red["zb"]["regathers"]:  # a stage whose B and W are apart (not the first)
+            kind = "all_reduce" if zero_stage == 1 else "reduce_scatter"
+            assert calls["zb-unscoped"][kind] > calls["1f1b"][kind], calls
+        for name, p in red["1f1b"]["params"].items():
+            torch.testing.assert_close(red["zb"]["params"][name], p, rtol=1e-6, atol=1e-7)

@@ -107,7 +107,7 @@ def test_weight_pass_refuses_released_parameters():
     x = torch.randn(4, 6, requires_grad=True)
     _, work = backward_input([net(x)], [torch.ones(4, 6)], [x])
     net.blocks[0][1].weight.untyped_storage().resize_(0)
-    with pytest.raises(PipelineError, match="use ZeRO stage 0-2 with a zero-bubble schedule"):
+    with pytest.raises(PipelineError, match="give the PipelineStage the ZeRO engine as its backward_scope"):
         backward_weight(work)
 
 

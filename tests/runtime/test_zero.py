@@ -7,7 +7,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.optim import consolidate_shards, padded_numel, slice_shard
+from runtime.optim import FREE, consolidate_shards, padded_numel, slice_shard
+from runtime.pipeline import backward_input, backward_weight
 from runtime.precision import DynamicLossScaler
 from runtime.zero import ZeroEngine, ZeroError
 from tests.runtime.zero_harness import HP, MAX_NORM, data, layer_groups, make_net, reference, run_engine
@@ -167,3 +168,74 @@ def test_adamw_step_fused_and_unfused_match_torch(ranges, monkeypatch):
         opt.step()
     for fused in (True, False):
         torch.testing.assert_close(ours(fused), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- split backward
+def _split_run(engine: ZeroEngine, steps: int, split: bool) -> tuple[list[float], dict]:
+    """``run_engine``'s loop, each micro-batch's backward split as a zero-bubble schedule does:
+    ``B`` (input gradients, a pass that accumulates nothing) then ``W`` (one autograd call per
+    group of weights), each in ``engine.backward_pass()``. Returns the losses and the counters."""
+    from tests.runtime.zero_harness import BATCH, MICRO
+
+    losses, mb = [], BATCH // MICRO
+    for s in range(steps):
+        x, y = data(s)
+        total = 0.0
+        for i in range(MICRO):
+            xi = x[i * mb:(i + 1) * mb].clone().requires_grad_(True)
+            loss = engine.module(xi, y[i * mb:(i + 1) * mb])
+            if split:
+                with engine.backward_pass(accumulates=False):
+                    _, work = backward_input([loss / MICRO], [None], [xi])
+                assert all(g.state == FREE for g in engine.groups) or engine.stage < 3  # nothing held to W
+                with engine.backward_pass():
+                    backward_weight(work, engine.prepare_weights)
+            else:
+                with engine.backward_pass():
+                    (loss / MICRO).backward()
+            assert engine.stage < 3 or all(g.state == FREE for g in engine.groups)
+            total += loss.item() / MICRO
+        engine.step()
+        engine.zero_grad()
+        losses.append(total)
+    return losses, {k: v for k, v in engine.counters.items() if k.startswith("reduced")}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_split_backward_in_scopes_matches_torch_with_one_reduction_per_pass(stage):
+    """B and W in ``backward_pass`` scopes: the same training as torch (ZeRO-3 re-gathers each
+    group before W, a checkpointed block recomputes in both), and exactly the reductions of an
+    unsplit backward per micro-batch (one per bucket and pass at stages 2/3)."""
+    ref_losses, ref_params = reference(2)
+    counts = {}
+    for split in (False, True):
+        net = make_net(ckpt=True)
+        engine = ZeroEngine(net, layer_groups(net), zero_stage=stage, **HP, max_grad_norm=MAX_NORM,
+                            micro_batches_per_step=2)
+        losses, counts[split] = _split_run(engine, 2, split)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
+        for n, p in engine.full_state_dict().items():
+            torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6)
+    assert counts[True] == counts[False]
+    if stage >= 2:
+        assert counts[True]["reduced_in_backward"] + counts[True]["reduced_at_backward_end"] == 2 * 2 * 5
+
+
+def test_backward_pass_scopes_do_not_nest():
+    net = make_net()
+    engine = ZeroEngine(net, zero_stage=1, **HP)
+    with engine.backward_pass():
+        with pytest.raises(ZeroError, match="does not nest"):
+            with engine.backward_pass():
+                pass
+
+
+def test_roots_must_hold_whole_groups():
+    """An engine over model chunks: each group inside one root (chunk), else a clear error."""
+    chunks = torch.nn.ModuleList([make_net(blocks=1), make_net(blocks=1)])
+    names = [n for n, _ in chunks.named_parameters()]
+    with pytest.raises(ZeroError, match="lies in none of the roots"):
+        ZeroEngine(chunks, [names], zero_stage=1, roots=["0", "1"], **HP)
+    engine = ZeroEngine(chunks, [[n for n in names if n.startswith(f"{k}.")] for k in "01"], zero_stage=1,
+                        roots=["0", "1"], **HP)
+    assert engine._group_root == [0, 1]

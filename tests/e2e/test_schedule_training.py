@@ -1,0 +1,137 @@
+"""A plan's pipeline schedule, trained end to end, against one process (fp32, gloo).
+
+Interleaved 1F1B over model chunks (pp2 v2: 4 blocks = 6 layer-table rows in 4 chunks; hf:gpt2,
+whose tied embedding and LM head sit in chunk 0 on rank 0 and chunk 3 on rank 1, and the built-in
+GPT at dp2 with ZeRO-1 and ZeRO-3) and ZB-H1 with its split B/W (pp2 with recompute, pp2 x tp2, pp2 x dp2
+with ZeRO-3) are compiled as `planner train` compiles them and run by the trainer
+(``runtime.trainer.train_worker``); their per-step losses and final parameters (the consolidated
+checkpoint) must match plain torch AdamW on the whole global batch. To stay cheap, one spawn per
+world size runs all its plans in turn. The 2-process spawn also resumes the interleaved run's
+checkpoint (saved per chunk) under a 1F1B plan with one chunk per rank, which must continue the
+same trajectory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from planner.commands.compile import compile_plan
+from planner.commands.train import original_state
+from planner.plan import Plan
+from runtime.checkpoint_io import list_checkpoints, load_model_tensors
+from runtime.compiled import read_manifest
+from runtime.config import TrainOptions
+from runtime.dist import launch_local
+from runtime.tied import tied_stage_sets
+from runtime.trainer import train_worker
+from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run
+
+STEPS = 3
+RESUMED = 5  # the resumed run continues to this step
+GPT4 = dict(TINY_GPT, layers=4)  # 6 layer-table rows
+HF4 = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 96, "seq_len": 16}  # hf:gpt2, tied LM head
+SIZES = {"gpt": GPT4, "hf:gpt2": HF4}
+ALIASES = {"inner.transformer.wte.weight"}  # hf:gpt2's tied weight, stored once as inner.lm_head.weight
+CHUNKS = [[0, 1], [2, 2], [3, 3], [4, 5]]  # pp2 x v2, in model order: chunk c on rank c % 2
+# Constant learning rate (min_lr = lr): a resumed run with more steps follows the same schedule.
+# Adam's eps 1e-6 as in tests/e2e/test_train_matrix.py (rounding is not what is compared).
+SETTINGS = dict(lr=1e-3, min_lr=1e-3, eps=1e-6)
+
+CASES = {  # name -> (world, plan decisions)
+    "interleaved-pp2-v2": (2, dict(spec="hf:gpt2", pp=2, schedule="interleaved", v=2)),
+    "zb-pp2-ckpt": (2, dict(pp=2, schedule="zero-bubble", checkpoint=(1, 3))),
+    "interleaved-pp2-v2-dp2-zero1": (4, dict(pp=2, dp=2, zero=1, schedule="interleaved", v=2)),
+    "zb-pp2-tp2": (4, dict(pp=2, tp=2, schedule="zero-bubble")),
+    "zb-pp2-dp2-zero3": (4, dict(pp=2, dp=2, zero=3, schedule="zero-bubble")),
+    "interleaved-pp2-v2-dp2-zero3": (4, dict(pp=2, dp=2, zero=3, schedule="interleaved", v=2)),
+}
+
+
+def schedule_plan(spec: str = "gpt", schedule: str = "1f1b", v: int = 1, **decisions) -> Plan:
+    """A hand-made plan of a 4-block model (4 micro-batches of 1 per dp rank) with a schedule."""
+    d = make_plan(spec, SIZES[spec], mbs=1, m=4, **decisions).to_dict()
+    d.update(schedule=schedule, virtual_stages=v)
+    if v > 1:
+        d["stages"] = CHUNKS
+    return Plan.from_dict(d)
+
+
+def _options(folder: str, steps: int, resume: bool = False) -> TrainOptions:
+    return TrainOptions(steps=steps, metrics_path=os.path.join(folder, "m.jsonl"),
+                        checkpoint_dir=os.path.join(folder, "ck"), save_every=steps, resume=resume,
+                        track_memory=False, progress=False, timeout_s=60, **SETTINGS)
+
+
+def _worker(rank: int, world: int, runs: list[tuple[str, str, TrainOptions]]) -> None:
+    """Train each compiled plan in turn (each builds its own mesh)."""
+    for spec, compiled, opts in runs:
+        train_worker(rank, world, compiled, opts,
+                     lambda: original_state(spec, SIZES[spec], SIZES[spec]["seq_len"], opts.seed))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Compile every case, train them (one spawn per world size); per case its folder and plan."""
+    root = tmp_path_factory.mktemp("schedule_training")
+    plans, runs = {}, {2: [], 4: []}
+    for name, (world, kw) in CASES.items():
+        plans[name] = schedule_plan(**kw)
+        folder = str(root / name)
+        compile_plan(plans[name], os.path.join(folder, "compiled"))
+        runs[world].append((kw.get("spec", "gpt"), os.path.join(folder, "compiled"), _options(folder, STEPS)))
+    # the interleaved run's checkpoint, resumed under 1F1B with one chunk per rank
+    plans["resume-1f1b"] = schedule_plan("hf:gpt2", pp=2)
+    folder = str(root / "resume-1f1b")
+    compile_plan(plans["resume-1f1b"], os.path.join(folder, "compiled"))
+    opts = _options(str(root / "interleaved-pp2-v2"), RESUMED, resume=True)
+    runs[2].append(("hf:gpt2", os.path.join(folder, "compiled"), opts))
+    for world, todo in runs.items():
+        launch_local(_worker, world, (todo,), timeout_s=240, collective_timeout_s=60)
+    return root, plans
+
+
+def _check(losses, params, plan: Plan, steps: int, first: int = 0) -> None:
+    ref_losses, ref_params = reference_run(plan, steps, **SETTINGS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[first:]), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params) - ALIASES
+    for name, p in params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _result(folder, step: int):
+    """The run's losses (every step in its metrics file) and its parameters after ``step``."""
+    path = dict(list_checkpoints(str(folder / "ck")))[step]
+    return [m["loss"] for m in read_metrics(folder / "m.jsonl")], load_model_tensors(path)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(CASES))
+def test_schedule_trains_like_one_process(trained, case):
+    root, plans = trained
+    losses, params = _result(root / case, STEPS)
+    _check(losses[:STEPS], params, plans[case], STEPS)
+
+
+@pytest.mark.dist
+def test_interleaved_checkpoint_resumes_under_one_chunk_per_rank(trained):
+    """Steps STEPS+1..RESUMED, run by a 1F1B plan from the checkpoint of the pp2 v2 run."""
+    root, plans = trained
+    losses, params = _result(root / "interleaved-pp2-v2", RESUMED)
+    assert len(losses) == RESUMED  # the resumed run appended its steps to the same metrics file
+    _check(losses[STEPS:], params, plans["resume-1f1b"], RESUMED, first=STEPS)
+
+
+@pytest.mark.dist
+def test_interleaved_plan_compiles_to_one_file_per_chunk(trained):
+    """p * v = 4 chunk files in model order; the manifest says which rank runs which; the tied
+    weight's holders are chunks 0 and 3 (ranks 0 and 1)."""
+    root, _ = trained
+    man = read_manifest(str(root / "interleaved-pp2-v2" / "compiled"))
+    assert [st["file"] for st in man["stages"]] == [f"stage_{k}.py" for k in range(4)]
+    assert [st["layers"] for st in man["stages"]] == [list(range(a, b + 1)) for a, b in CHUNKS]
+    assert man["chunks_of_rank"] == [[0, 2], [1, 3]] and [st["pp_rank"] for st in man["stages"]] == [0, 1, 0, 1]
+    assert tied_stage_sets(man) == [(0, 1)]
+    assert {tuple(e["tied"]) for st in man["stages"] for e in st["params"].values() if e.get("tied")} == {(0, 3)}
