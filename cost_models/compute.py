@@ -89,6 +89,7 @@ __all__ = [
     "matmul_time",
     "gemm_efficiency",
     "gemms_time",
+    "numeric_gemms_time",
     "GEMM_TILE",
     "GEMM_SPLIT_K_MIN",
     "GEMM_MIN_TIME_S",
@@ -183,6 +184,28 @@ def gemms_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str) 
     for g in gemms:
         m, n, k, batch, count = (tuple(g) + (1, 1))[:5] if len(g) < 5 else tuple(g)
         total = total + count * matmul_time(m, n, k, hw, dtype, batch)
+    return total
+
+
+def numeric_gemms_time(gemms: Iterable[tuple[float, float, float, float, int]], hw: HardwareProfile,
+                       dtype: str) -> float:
+    """``gemms_time`` of numeric ``(m, n, k, batch, count)`` entries on a profile that prices by
+    shape, without the symbolic dispatch of ``matmul_time`` (the same arithmetic, so the same
+    result): the search prices every layer of every candidate through here."""
+    if not _shape_priced(hw, dtype):
+        return float(gemms_time(gemms, hw, dtype))
+    peak = _peak(hw, dtype)
+    esize = dtype_bytes(dtype)
+    total = 0.0
+    for m, n, k, batch, count in gemms:
+        if m < 0 or n < 0 or k < 0 or batch < 0:
+            raise ValueError(f"GEMM sizes must be >= 0 (got m={m}, n={n}, k={k}, batch={batch})")
+        flops = 2 * batch * m * n * k
+        if flops == 0:
+            t = batch * (m * k + k * n + m * n) * esize / hw.memory_bandwidth
+        else:
+            t = flops / (peak * _numeric_efficiency(hw, dtype, float(m), float(n), float(k), float(batch)))
+        total = total + count * t
     return total
 
 

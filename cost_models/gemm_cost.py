@@ -43,7 +43,7 @@ from typing import Any, Iterable, Sequence
 
 import sympy
 
-from .compute import _shape_priced, compute_time, gemms_time
+from .compute import _shape_priced, compute_time, numeric_gemms_time
 from .hardware import HardwareProfile
 
 __all__ = ["gemm_flops", "layer_gemm_time", "layer_matmul_time", "per_device_gemms", "prices_by_shape"]
@@ -59,6 +59,8 @@ def prices_by_shape(hw: HardwareProfile, dtype: str) -> bool:
 
 def _number(x: Any, b: Any, s: Any) -> float:
     """A size as a float; a sympy size is evaluated at micro-batch ``b``, sequence length ``s``."""
+    if type(x) is float or type(x) is int:  # the numeric rows the search prices: the hot path
+        return float(x)
     if isinstance(x, sympy.Basic):
         if x.free_symbols:
             env = {"b": b, "s": s}
@@ -105,11 +107,15 @@ def layer_gemm_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: 
     profile that prices by shape, else their FLOPs at ``peak * compute_efficiency`` (module doc).
     Sizes may be numbers (the rows of ``LayerTable.numeric``) or sympy in ``b`` and ``s``, given
     numerically then."""
-    shapes = per_device_gemms(gemms, tp, b, s)
+    return _shapes_time(per_device_gemms(gemms, tp, b, s), hw, dtype)
+
+
+def _shapes_time(shapes: list[tuple[float, float, float, float, int]], hw: HardwareProfile, dtype: str) -> float:
+    """``layer_gemm_time`` of per-device shapes (``per_device_gemms``, all numbers)."""
     if not prices_by_shape(hw, dtype):
         flops = sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in shapes)
         return float(compute_time(flops, 0.0, hw, dtype))
-    return float(gemms_time(shapes, hw, dtype))
+    return float(numeric_gemms_time(shapes, hw, dtype))
 
 
 def layer_matmul_time(flops: float, gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str,
@@ -120,6 +126,7 @@ def layer_matmul_time(flops: float, gemms: Iterable[Sequence[Any]], hw: Hardware
     profile that does not price by shape this is ``compute_time(flops, 0.0, hw, dtype)`` exactly."""
     if not prices_by_shape(hw, dtype):
         return float(compute_time(flops, 0.0, hw, dtype))
-    gemms = list(gemms)
-    rest = max(float(flops) - gemm_flops(gemms, tp, b, s), 0.0)
-    return layer_gemm_time(gemms, hw, dtype, tp, b, s) + float(compute_time(rest, 0.0, hw, dtype))
+    shapes = per_device_gemms(gemms, tp, b, s)  # once: the search calls this for every candidate
+    listed = sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in shapes)
+    rest = max(float(flops) - listed, 0.0)
+    return _shapes_time(shapes, hw, dtype) + float(compute_time(rest, 0.0, hw, dtype))
