@@ -261,8 +261,13 @@ def stage_activation_bytes(
     num_stages: int,
     num_microbatches: int,
     transient_peak: Any = 0,
+    inflight: Any = None,
 ) -> Any:
     """Peak activation bytes of one stage from its layers (see the module docstring's formula).
+
+    ``inflight`` overrides 1F1B's ``min(p - k, m)`` micro-batches held at once, in units of the
+    stage's activations of one micro-batch: another pipeline schedule holds more
+    (``cost_models.schedules``: interleaved ranks, zero-bubble ``W`` pending).
 
     ``transient_peak`` is another short-lived buffer that competes with the recompute peak for
     the same moment of backward (the loss backward's ``2 x logits`` on the last stage).
@@ -284,6 +289,8 @@ def stage_activation_bytes(
             peak = smax(peak, s)
         else:
             per_mb = per_mb + s
+    if inflight is not None:
+        return inflight * per_mb + peak
     return activation_bytes(per_mb, stage_index, num_stages, num_microbatches, peak)
 
 

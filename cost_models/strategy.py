@@ -178,6 +178,7 @@ from cost_models.memory import (
 )
 from cost_models.offload import layer_offload, offload_breakdown, offload_buffer_bytes, ranks_per_node
 from cost_models.tied import tied_weight_costs
+from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
 
 __all__ = [
@@ -316,6 +317,11 @@ class Strategy:
     """Inclusive layer-table ranges, one per pipeline stage, contiguous and covering the table."""
     checkpoint: frozenset = frozenset()
     """Layer-table indices whose activations are recomputed in backward."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (``cost_models.schedules``): ``1f1b``, ``interleaved``, ``zero-bubble``."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; with ``v > 1`` ``stages`` lists the ``pp * v`` chunks in
+    model order (chunk ``c`` on rank ``c % pp``)."""
 
 
 @dataclass(frozen=True)
@@ -358,6 +364,15 @@ class LayerCost:
     dp_step_sent_b: float
     num_params: int
     """Parameters on one device (after the TP split)."""
+    wgrad_s: float = 0.0
+    """The weight-gradient part of the backward (``W`` of a zero-bubble schedule): the products
+    that contract over the micro-batch's tokens, priced by shape, with the gradient accumulation
+    and their share of the host overhead; without listed products, half of the backward's matmul
+    work (``cost_models.schedules``, "The W split")."""
+    wgrad_keep_b: float = 0.0
+    """Bytes a split backward keeps from ``B`` to ``W`` beyond the activations: the gradient of
+    each weight product's output (the runtime restarts ``W`` at those autograd edges), from the
+    forward products that multiply the micro-batch's tokens by a weight (0 without listed products)."""
     offload_mb_s: float = 0.0
     """Exposed offload transfers of one micro-batch (included in ``zero_mb_s``)."""
     offload_step_s: float = 0.0
@@ -456,7 +471,7 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     ranks = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
-    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks) for row in reps]
+    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len) for row in reps]
     layers = [costs[i] for i in index]
     extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
     for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
@@ -476,7 +491,8 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     if cand.offloads:  # host and NVMe capacity per rank, at the request's headroom
         headroom = capacity / hw.memory_bytes
         largest = max(shard_elements(c.num_params, cand.dp) for c in costs)
-        cc.host_buffers_b = offload_buffer_bytes(largest, dtype, cand.offload_optimizer, cand.offload_params)
+        cc.host_buffers_b = offload_buffer_bytes(largest, dtype, cand.offload_optimizer, cand.offload_params,
+                                                  staged=hw.ops_async)
         cc.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - cc.host_buffers_b
         if "nvme" in (cand.offload_optimizer, cand.offload_params):
             cc.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
@@ -486,7 +502,7 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
-                tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1) -> LayerCost:
+                tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1, tokens: float = 0.0) -> LayerCost:
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
 
     def split(name: str) -> float:  # the part tp divides, divided; the rest whole
@@ -519,6 +535,9 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # the layer. A CPU rank issues and runs them on the same core: they add up.
     combine = max if hw.ops_async else (lambda dev, host: dev + host)
     t_f, t_b = combine(dev_f, ops), combine(dev_b, 2 * ops)
+    dev_w = wgrad_device_time(row, split("bwd_flops"), hw, dtype, tp, tokens) + float(
+        compute_time(0.0, accumulate, hw, dtype))
+    t_w = t_b * min(dev_w / dev_b, 1.0) if dev_b > 0 else 0.0
     def tp_cost(nbytes: float) -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
@@ -571,8 +590,10 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
             row["largest_param"], math.ceil(row["largest_param_tp"] / tp)))),
         saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
         tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
-        dp_step_sent_b=step_b, num_params=P,
+        dp_step_sent_b=step_b, num_params=P, wgrad_s=t_w,
+        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens),
     )
+
 
 
 @dataclass
@@ -732,16 +753,19 @@ def memory_bound(ev: Evaluation) -> int:
     return int(ev.extra.get("memory_bound", ev.memory["total"]))
 
 
-def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int) -> tuple[dict, int]:
+def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int,
+                  inflight: float | None = None) -> tuple[dict, int]:
     """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
-    conservative bound (see ``cost_models.memory``: "Backward transients")."""
+    conservative bound (see ``cost_models.memory``: "Backward transients"). ``inflight``: the
+    micro-batches of the stage's activations held at once when the schedule is not 1F1B
+    (``cost_models.schedules``)."""
     cand = cc.cand
     p, m, z, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
     leave = buckets_leave(z, dp, cand.offload_optimizer)
 
     def acts(transient: float) -> float:
         return float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m,
-                                            transient_peak=transient))
+                                            transient_peak=transient, inflight=inflight))
 
     params = sum(l.params_b for l in ls)
     grads = sum(l.grads_b for l in ls)
@@ -757,14 +781,14 @@ def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool
     if leave:
         # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
         # flight, while the later layers' activations of this micro-batch are released.
-        inflight = inflight_microbatches(k, p, m)
+        held = inflight_microbatches(k, p, m) if inflight is None else inflight
         keep = [l.input_b if r else l.saved_b for l, r in zip(ls, rc)]
         red = [reduction_bytes(l.num_params, cc.dtype, dp) for l in ls]
         for j in range(len(ls) - 1):
             running = max(ls[j].bt_b, ls[j].saved_b if rc[j] else 0.0)
             moments.append({"params": params + zt["params"], "optimizer": optim,
                             "grads": grads + sum(red[j:j + REDUCTIONS_IN_FLIGHT + 1]),
-                            "activations": (inflight - 1) * sum(keep) + sum(keep[:j + 1]) + running})
+                            "activations": (held - 1) * sum(keep) + sum(keep[:j + 1]) + running})
     mem = max(moments, key=lambda d: sum(d.values()))
     mem = {key: int(math.ceil(v)) for key, v in mem.items()}
     mem["total"] = sum(mem.values())

@@ -152,6 +152,12 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default=None,
                    help="where the ZeRO-3 parameter shards live: the device (none), host memory (cpu) or "
                         "NVMe files (nvme), fetched layer by layer ahead of use; default: searched")
+    p.add_argument("--schedule", choices=("1f1b", "interleaved", "zero-bubble"), default=None,
+                   help="pin the pipeline schedule: 1f1b, interleaved (v model chunks per pipeline rank: a "
+                        "v-fold smaller bubble for v times the sends) or zero-bubble (ZB-H1: weight gradients "
+                        "fill the bubble); default: the planner prices each and keeps the fastest that fits")
+    p.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+                   help="pin the model chunks per pipeline rank of --schedule interleaved (default: searched)")
 
 
 def build_parser() -> argparse.ArgumentParser:

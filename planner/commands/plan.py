@@ -105,6 +105,7 @@ def request_from_args(args, gpus: int | None = None) -> PlanRequest:
         tp_across_nodes=args.tp_across_nodes, inputs=parse_input_pins(getattr(args, "input", None)),
         compile=getattr(args, "compile", None) or "auto", tokens=getattr(args, "tokens", None),
         offload_optimizer=getattr(args, "offload_optimizer", None), offload_params=getattr(args, "offload_params", None),
+        schedule=getattr(args, "schedule", None), virtual_stages=getattr(args, "virtual_stages", None),
     )
 
 

@@ -55,12 +55,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from cost_models.hardware import HardwareProfile, load_hardware
-from cost_models.strategy import NumericTable, candidate_costs, evaluate
+from cost_models.strategy import NumericTable, candidate_costs
 from planner.commands.plan import check_cost_flags, layer_table_for, plan_from_request, request_from_args, with_cost
 from planner.commands.train import train_plan
 from planner.commands.validate import WARMUP_STEPS, compare
 from planner.errors import UserError
 from planner.plan import Plan, save_plan
+from planner.search.schedules import evaluate_strategy
 from planner.search.solve import candidate_plans
 from planner.units import format_bytes, format_seconds
 from runtime.config import TrainOptions
@@ -456,7 +457,7 @@ def _pricer(req, table, hw: HardwareProfile, strategies: list) -> Callable:
         for s in strategies:
             cc = candidate_costs(nt, profile, req.dtype, req.seq_len, s.candidate, gpn,
                                  profile.memory_bytes * req.memory_headroom)
-            out.append({k: float(v) for k, v in evaluate(cc, s.stages, s.checkpoint).time.items()})
+            out.append({k: float(v) for k, v in evaluate_strategy(cc, s).time.items()})
         return out
 
     return price

@@ -51,7 +51,7 @@ def compare(plan, metrics: list[dict]) -> dict:
     predicted = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
                  "comm_bytes_per_device": p.comm_bytes_per_device}
     host = [r["host_memory_bytes"] for r in metrics if "host_memory_bytes" in r]
-    if host:
+    if host and set(plan.offload.values()) != {"none"}:  # only a plan that keeps state on the host
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
         predicted["host_memory_bytes"] = int(p.memory.get("host", 0) // ranks)
         measured["host_memory_bytes"] = int(max(host))

@@ -125,6 +125,30 @@ def _render_placement(plan, hw: HardwareProfile | None, ev, console: Console) ->
     console.print(t)
 
 
+_SCHEDULE_NAMES = {"1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zero-bubble": "zero bubble (ZB-H1)"}
+
+
+def schedule_text(plan, ev=None) -> str:
+    """The pipeline schedule, its bubble and, with the search's evaluation, why: the predicted
+    gain over the best plain 1F1B plan (``Evaluation.extra["plain_step_s"]``)."""
+    name = _SCHEDULE_NAMES.get(plan.schedule, plan.schedule)
+    if plan.virtual_stages > 1:
+        name += f", v={plan.virtual_stages} model chunks per rank"
+    text = f"{name}, bubble {plan.predicted.bubble_fraction:.1%}"
+    plain = ev.extra.get("plain_step_s") if ev is not None else None
+    step = plan.predicted.step_time_s
+    if plain and plan.schedule != "1f1b":
+        gain = plain - step
+        how = "faster" if gain >= 0 else "slower"
+        text += (f": predicted {format_seconds(abs(gain))} ({abs(gain) / plain:.1%}) per step {how} than the best "
+                 f"plain 1F1B plan ({format_seconds(plain)})")
+        if plan.schedule == "interleaved":
+            text += f", for {plan.virtual_stages} times the pipeline sends"
+        elif plan.schedule == "zero-bubble":
+            text += ", weight gradients filling the bubble"
+    return text
+
+
 def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None, solution: Solution | None = None) -> None:
     """Print the plan as rich tables on ``console`` (a new one on stdout when ``None``); with the
     search's ``solution``, per-stage costs and the solver's counts too."""
@@ -151,7 +175,9 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     head.add_row("offload", _offload_text(plan))
     m = plan.num_micro_batches
     head.add_row("micro-batching", f"{m} micro-batch{'es' if m != 1 else ''} of {plan.micro_batch_size} "
-                 f"per data-parallel rank (1F1B, bubble {pred.bubble_fraction:.1%})")
+                 f"per data-parallel rank")
+    if plan.pp > 1:
+        head.add_row("schedule", schedule_text(plan, ev))
     choice = solution.compile if solution is not None else None
     head.add_row("compiled stages", choice.reason() if choice is not None else ("on" if plan.compile else "off"))
     link = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s link" if hw is not None else "the intra-node link"
@@ -166,13 +192,18 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
         st.add_column("micro-step", justify="right")
         st.add_column("memory / device", justify="right")
     ck = set(plan.checkpoint_layers)
+    chunked = plan.virtual_stages > 1
     for k, (a, b) in enumerate(plan.stages):
         rec = [i for i in range(a, b + 1) if i in ck]
-        row = [str(k), f"{names[a]} .. {names[b]}" if b > a else names[a], f"{a}-{b} ({b - a + 1})",
+        label = f"{k % plan.pp} (chunk {k})" if chunked else str(k)
+        row = [label, f"{names[a]} .. {names[b]}" if b > a else names[a], f"{a}-{b} ({b - a + 1})",
                f"{len(rec)}: {compress_ranges(rec)}" if rec else "-"]
-        if ev is not None:
-            sc = ev.stages[k]
-            row += [format_seconds(sc.micro_step_s), format_bytes(sc.memory["total"])]
+        if ev is not None and len(ev.stages) == plan.pp:
+            if k < plan.pp:  # per pipeline rank: all its chunks (the rank's first chunk's row)
+                sc = ev.stages[k]
+                row += [format_seconds(sc.micro_step_s), format_bytes(sc.memory["total"])]
+            else:
+                row += ["", ""]
         st.add_row(*row)
     console.print(st)
 

@@ -31,6 +31,10 @@ def _context(part: str, ev) -> str:
     if part == "offload":
         return _offload_context(c)
     if part == "compute":
+        if c.pp > 1 and ev.strategy.virtual_stages > 1:
+            k, chunks = ev.bottleneck_stage, ev.strategy.stages
+            rows = ", ".join(f"{a}-{b}" for a, b in chunks[k::c.pp])
+            return f"its slowest of {c.pp} ranks runs {ev.strategy.virtual_stages} chunks, rows {rows}"
         if c.pp > 1:
             a, b = ev.stages[ev.bottleneck_stage].first, ev.stages[ev.bottleneck_stage].last
             return f"its slowest of {c.pp} stages holds rows {a}-{b}"
@@ -61,6 +65,14 @@ def _offload_change(best: Evaluation, alt: Evaluation) -> str:
                                                             ("params", a.offload_params)) if v != "none")
 
 
+def _schedule_change(best: Evaluation, alt: Evaluation) -> str:
+    """``; <schedule>`` when the alternative runs another pipeline schedule than ``best``."""
+    a, b = alt.strategy, best.strategy
+    if alt.strategy.candidate.pp < 2 or (a.schedule, a.virtual_stages) == (b.schedule, b.virtual_stages):
+        return ""
+    return f"; {a.schedule}" + (f" v={a.virtual_stages}" if a.virtual_stages > 1 else "") + " schedule"
+
+
 def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
     """Why ``alt`` (an :class:`~cost_models.strategy.Evaluation`) lost to ``best``, in one line."""
     d = alt.step_time_s - best.step_time_s
@@ -68,16 +80,17 @@ def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
         mb, ma = best.memory["total"], alt.memory["total"]
         more = "more" if ma > mb else "no less"
         return (f"ties on step time but needs {more} memory ({format_bytes(ma)} vs {format_bytes(mb)} "
-                f"per device{_offload_change(best, alt)})")
+                f"per device{_offload_change(best, alt)}{_schedule_change(best, alt)})")
     deltas = {k: alt.time[k] - best.time[k] for k in TIME_LABELS}
     part = max(deltas, key=deltas.get)
     text = (f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
             f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}")
     if part == "recompute":
         n = len(alt.strategy.checkpoint)
-        text += f" ({n} layer{'s' if n != 1 else ''} recomputed to fit in memory{_offload_change(best, alt)})"
+        text += (f" ({n} layer{'s' if n != 1 else ''} recomputed to fit in memory{_offload_change(best, alt)}"
+                 f"{_schedule_change(best, alt)})")
     else:
         ctx = _context(part, alt)
-        change = _offload_change(best, alt) if part != "offload" else ""
+        change = (_offload_change(best, alt) if part != "offload" else "") + _schedule_change(best, alt)
         text += f" ({ctx}{change})" if ctx else (f" ({change[2:]})" if change else "")
     return text

@@ -77,6 +77,12 @@ devices fast. Both forms are built by the same ``add_*_constraints`` functions (
 per family; every row is named ``family_k{k}...`` so an infeasible model says which stage and
 which family failed).
 
+Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above);
+interleaved 1F1B and zero bubble (ZB-H1) are priced after the search on the strategies it kept,
+from the runtime's simulated schedule with the same per-layer constants
+(:mod:`planner.search.schedules`, :mod:`cost_models.schedules`): same work, another bubble,
+``v`` times the sends, more activations in flight.
+
 Solvers: pulp's CBC (default) or HiGHS (``solver="highs"``, needs ``highspy``; the environment
 variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
 :func:`cost_models.strategy.evaluate`, which is what the plan reports.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cost_models.schedules import SCHEDULES
 from planner.search.errors import SearchError
 from runtime.contract import DTYPES
 
@@ -66,6 +67,11 @@ class PlanRequest:
     """Where the optimizer state lives (``--offload-optimizer none|cpu|nvme``); ``None``: searched."""
     offload_params: str | None = None
     """Where the ZeRO-3 parameter shards live (``--offload-params none|cpu|nvme``); ``None``: searched."""
+    schedule: str | None = None
+    """The pipeline schedule (``--schedule 1f1b|interleaved|zero-bubble``); ``None``: searched
+    (``planner.search.schedules.SEARCHED_SCHEDULES``)."""
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank of the interleaved schedule (``--virtual-stages``); ``None``: searched."""
 
     def horizon_steps(self) -> int:
         """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""
@@ -106,6 +112,12 @@ class PlanRequest:
             raise SearchError(f"--offload-optimizer {self.offload_optimizer} needs ZeRO stage 1, 2 or 3 (each rank "
                               "offloads its optimizer shard), but --zero-stage is 0. Use --zero-stage 1, 2 or 3, "
                               "or drop one of the two flags.")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise SearchError(f"--schedule must be one of {', '.join(SCHEDULES)} (or omitted: the planner decides), "
+                              f"got {self.schedule!r}.")
+        v = self.virtual_stages
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SearchError(f"--virtual-stages must be a positive integer, got {v!r}.")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
         if not 0.1 <= self.memory_headroom <= 1.0:

@@ -66,6 +66,7 @@ from planner.search.candidates import (
 )
 from planner.search.errors import NoFeasiblePlan, SearchError
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
+from planner.search.schedules import apply_schedules, check_schedule_pins, schedule_allows
 from planner.units import format_seconds
 
 __all__ = ["Solution", "solve", "build_plan", "least_memory", "candidate_entries", "CompileChoice", "choose_compile",
@@ -257,8 +258,15 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     nt = table if isinstance(table, NumericTable) else NumericTable(table)
     check_pins(request, nt, gpn)
     check_offload_pins(request, hw)
+    sched, vs = getattr(request, "schedule", None), getattr(request, "virtual_stages", None)
+    check_schedule_pins(request, len(nt.layers))
     inputs = resolve_inputs(nt.model.get("inputs"), request.inputs, request.spec)
-    cands = [dataclasses.replace(c, compile=request.compile == "on") for c in enumerate_candidates(request, nt, gpn)]
+    cands = [dataclasses.replace(c, compile=request.compile == "on") for c in enumerate_candidates(request, nt, gpn)
+             if schedule_allows(c, len(nt.layers), sched, vs)]
+    if not cands:
+        raise SearchError(f"--schedule {sched}" + (f" --virtual-stages {vs}" if vs else "") + ": no candidate "
+                          "can run it (it needs pp >= 2, at least pp micro-batches, for interleaved a multiple of "
+                          "pp and pp x v chunks within the layer table's rows); relax the pins or drop it.")
     if offload_pinned(request):
         cands = offload_variants(request, cands, hw)
         if not cands:
@@ -278,8 +286,21 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         res.notes.append(f"planned without tensor parallelism: {nt.model['tp_blocked']}")
     if res.best is None:
         raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
+    res = apply_schedules(res, _costs_for(request, nt, hw, gpn, entries, res), len(nt.layers), sched, vs)
     plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0, inputs)
     return Solution(plan=plan, evaluation=res.best, search=res, compile=choice)
+
+
+def _costs_for(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult) -> dict:
+    """``CandidateCosts`` of every strategy ``res`` kept (from ``entries``, else priced again:
+    the compiled search's candidates)."""
+    known = {cc.cand: cc for _lb, _mlb, cc in entries}
+    cap = hw.memory_bytes * req.memory_headroom
+    for ev in res.ranked + res.extra:
+        c = ev.strategy.candidate
+        if c not in known:
+            known[c] = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, cap)
+    return known
 
 
 def search_offload(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult,
@@ -386,6 +407,7 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
         model=model, hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
         global_batch=req.global_batch, seq_len=req.seq_len, dtype=req.dtype, dp=c.dp, tp=c.tp, pp=c.pp,
         zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
+        schedule=ev.strategy.schedule, virtual_stages=ev.strategy.virtual_stages,
         stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
         compile=c.compile, offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
         predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),

@@ -195,8 +195,9 @@ def test_pins_fix_decisions_and_checkpoint_modes():
 
 def test_only_pinned_triple_fills_alternatives_with_other_batching():
     table = gpt_table(layers=4, hidden=256, heads=4)
+    # 1F1B pinned: the exhaustive check below solves the 1F1B ILPs (other schedules are a post-pass)
     req = PlanRequest(spec="gpt", gpus=4, gpus_per_node=4, hardware="a100-80gb", global_batch=16, seq_len=128,
-                      dp=2, tp=1, pp=2)
+                      dp=2, tp=1, pp=2, schedule="1f1b")
     plan = solve(req, table, HW).plan
     assert len(plan.alternatives) == 3
     assert all((a.dp, a.tp, a.pp) == (2, 1, 2) for a in plan.alternatives)

@@ -1,0 +1,41 @@
+"""The weight-gradient half of a layer's backward (``W`` of the zero-bubble schedules).
+
+A split backward (``runtime.pipeline``) runs the input gradients (``B``) first and the weight
+gradients (``W``) when the schedule says; ``cost_models.schedules`` prices the schedule with
+``W``'s time and what a micro-batch keeps from ``B`` to ``W``, both per layer from the layer
+table's listed products (``fwd_gemms`` / ``bwd_gemms``):
+
+- a *weight-gradient product* contracts over the micro-batch's tokens (``dW = X^T dY``: batch 1,
+  ``k = b s``, ``m != b s``); an input-gradient product has the tokens as ``m`` and attention's
+  core products are batched. A table without listed products takes half of the backward's
+  matmul FLOPs (a linear layer's backward is one input-gradient and one weight-gradient product
+  of equal size). The test is by value, so a weight dimension equal to ``b s`` is misread;
+- what ``W`` needs from ``B`` beyond the activations is the gradient of each weight product's
+  output (the runtime restarts autograd at those edges): per forward product that multiplies the
+  tokens by a weight (batch 1, ``m = b s``), its ``m x n`` output, per device.
+"""
+
+from __future__ import annotations
+
+from cost_models.gemm_cost import gemm_flops, layer_matmul_time, per_device_gemms
+from cost_models.hardware import HardwareProfile
+from cost_models.memory import bytes_per_param
+
+__all__ = ["wgrad_device_time", "wgrad_kept_bytes"]
+
+
+def wgrad_device_time(row: dict, bwd_flops: float, hw: HardwareProfile, dtype: str, tp: int, tokens: float) -> float:
+    """Device seconds of a layer's weight-gradient products at degree ``tp`` (``bwd_flops``: the
+    backward's FLOPs at that degree, for the fallback without listed products)."""
+    gemms = row.get("bwd_gemms", ())
+    if not gemms:
+        return float(layer_matmul_time(bwd_flops / 2, (), hw, dtype, tp))
+    wg = [g for g in gemms if g[3] == 1 and abs(g[2] - tokens) < 0.5 and abs(g[0] - tokens) >= 0.5]
+    return float(layer_matmul_time(gemm_flops(wg, tp), wg, hw, dtype, tp)) if wg else 0.0
+
+
+def wgrad_kept_bytes(row: dict, dtype: str, tp: int, tokens: float) -> float:
+    """Bytes per device of the output gradients ``W`` needs, for one micro-batch of the layer."""
+    fwd = [g for g in row.get("fwd_gemms", ()) if g[3] == 1 and abs(g[0] - tokens) < 0.5]
+    return float(sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(fwd, tp))
+                 * bytes_per_param(dtype)["weights"])

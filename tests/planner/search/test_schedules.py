@@ -1,0 +1,151 @@
+"""planner.search.schedules: the schedule pins and their errors, the simulated pricing and the
+choice between 1F1B, interleaved and zero bubble."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from cost_models.hardware import load_hardware
+from cost_models.schedules import ChunkTimes
+from planner.cli import main
+from planner.plan import Plan
+from planner.search.errors import SearchError
+from planner.search.request import PlanRequest
+from planner.search.schedules import schedule_options, simulate_pipeline, step_bound
+from planner.search.solve import solve
+from runtime.schedule import analyze, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
+from tests.helpers import SMALL_GPT_FLAGS, gpt_table
+
+HW = load_hardware("a100-80gb", 8)
+TABLE = gpt_table(layers=16, hidden=1024, heads=16, vocab=8192)
+
+
+def _req(**kw) -> PlanRequest:
+    base = dict(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=8, seq_len=1024,
+                dtype="bf16", compile="off")
+    return PlanRequest(**{**base, **kw})
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2), ("interleaved", 3),
+                                     ("interleaved", 4)])
+def test_extrapolated_makespan_equals_the_full_simulation(name, v):
+    """Long schedules are simulated at two short lengths and extended at the steady state's pace:
+    never below the full simulation, within 1% of it (unequal chunks, sends included)."""
+    rng = random.Random(v)
+    p, m = 4, 32
+    n = p * v
+    f = tuple(rng.uniform(1, 2) for _ in range(n))
+    b = tuple(2 * x * rng.uniform(0.9, 1.3) for x in f)
+    w = tuple(x * 0.4 for x in b) if name == "zero-bubble" else None
+    times = ChunkTimes(f, tuple(x * 0.6 for x in b) if w else b, w, 0.05)
+    full = {"1f1b": lambda: one_f_one_b(p, m), "zero-bubble": lambda: zero_bubble_h1(p, m),
+            "interleaved": lambda: interleaved_one_f_one_b(p, m, v)}[name]()
+    exact = analyze(full, forward_time=times.forward_s, backward_time=times.backward_s, weight_time=w,
+                    send_time=0.05).makespan
+    got = simulate_pipeline(name, p, m, v, times).makespan_s
+    assert exact * (1 - 1e-12) <= got <= exact * 1.01
+
+
+def test_options_follow_the_micro_batch_rules():
+    from cost_models.strategy import Candidate
+    c = Candidate(dp=1, tp=1, pp=4, zero_stage=0, micro_batch_size=1, num_micro_batches=8)
+    opts = schedule_options(c, rows=10)
+    assert ("1f1b", 1) in opts and ("zero-bubble", 1) in opts and ("interleaved", 2) in opts
+    assert ("interleaved", 3) not in opts  # 4 x 3 chunks > 10 rows
+    odd = dataclasses.replace(c, num_micro_batches=6)
+    assert not [o for o in schedule_options(odd, rows=10) if o[0] == "interleaved"]  # 6 % 4 != 0
+    assert schedule_options(dataclasses.replace(c, pp=1), rows=10) == [("1f1b", 1)]
+
+
+def test_bubble_bound_picks_interleaved_or_zero_bubble_where_the_bubble_dominates():
+    """pp 8 with 8 micro-batches: 1F1B idles (p - 1) / (m + p - 1) = 47% of the step, so another
+    schedule wins; the plan records it with the gain over the best plain 1F1B plan."""
+    sol = solve(_req(pp=8, dp=1, tp=1, micro_batch=1), TABLE, HW)
+    pinned = solve(_req(pp=8, dp=1, tp=1, micro_batch=1, schedule="1f1b"), TABLE, HW)
+    plan = sol.plan
+    assert plan.schedule in ("interleaved", "zero-bubble")
+    assert plan.predicted.step_time_s < 0.9 * pinned.plan.predicted.step_time_s
+    assert sol.evaluation.extra["plain_step_s"] == pytest.approx(pinned.plan.predicted.step_time_s)
+    assert len(plan.stages) == plan.pp * plan.virtual_stages
+    back = Plan.from_dict(json.loads(plan.to_json()))  # plan.json round trip with the schedule
+    assert (back.schedule, back.virtual_stages, back.stages) == (plan.schedule, plan.virtual_stages, plan.stages)
+    for sched in ("interleaved", "zero-bubble"):
+        got = solve(_req(pp=8, dp=1, tp=1, micro_batch=1, schedule=sched), TABLE, HW).plan
+        assert got.schedule == sched and got.predicted.step_time_s < pinned.plan.predicted.step_time_s
+        assert sum(got.predicted.time.values()) == pytest.approx(got.predicted.step_time_s)
+
+
+def test_one_f_one_b_where_the_schedule_does_not_matter():
+    """Without a pipeline there is nothing to schedule; pinned v is honoured."""
+    sol = solve(_req(gpus=1, global_batch=4), TABLE, HW)
+    assert (sol.plan.schedule, sol.plan.virtual_stages) == ("1f1b", 1)
+    pinned = solve(_req(pp=4, dp=1, tp=2, micro_batch=1, schedule="interleaved", virtual_stages=2), TABLE, HW)
+    assert (pinned.plan.schedule, pinned.plan.virtual_stages, len(pinned.plan.stages)) == ("interleaved", 2, 8)
+
+
+def test_step_bound_is_below_the_simulation():
+    rng = random.Random(3)
+    from cost_models.strategy import Candidate, NumericTable, candidate_costs
+    nt = NumericTable(TABLE)
+    for p, v, name in ((4, 2, "interleaved"), (4, 1, "zero-bubble"), (2, 3, "interleaved")):
+        cand = Candidate(dp=1, tp=1, pp=p, zero_stage=0, micro_batch_size=1, num_micro_batches=2 * p)
+        cc = candidate_costs(nt, HW, "bf16", 1024, cand, 8, HW.memory_bytes)
+        n = p * v
+        f = tuple(rng.uniform(1, 2) for _ in range(n))
+        w = tuple(rng.uniform(0.5, 1) for _ in range(n)) if name == "zero-bubble" else None
+        times = ChunkTimes(f, tuple(rng.uniform(1, 3) for _ in range(n)), w, 0.1)
+        chunks = tuple((i, i) for i in range(n))
+        tail = max(sum(l.dp_step_s + l.opt_s for c in range(r, n, p) for l in cc.layers[c:c + 1]) for r in range(p))
+        assert step_bound(cc, chunks, times) <= simulate_pipeline(name, p, 2 * p, v, times).makespan_s + tail
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(virtual_stages=2), "--virtual-stages 2 needs --schedule interleaved"),
+    (dict(virtual_stages=2, schedule="zero-bubble"), "not zero-bubble. Add --schedule interleaved"),
+    (dict(schedule="zero-bubble", pp=1), "needs a pipeline (pp >= 2), but --pp is 1"),
+    (dict(schedule="interleaved", gpus=1, global_batch=4), "there is one device"),
+    (dict(schedule="interleaved", pp=4, dp=1, tp=2, micro_batch=1, global_batch=6),
+     "6 micro-batches is not a multiple of 4"),
+    (dict(schedule="interleaved", pp=8, virtual_stages=3), "24 model chunks, more than the layer table's 18 rows"),
+])
+def test_contradicting_pins_are_clear_errors(kw, message):
+    with pytest.raises(SearchError) as err:
+        solve(_req(**kw), TABLE, HW)
+    assert message in str(err.value)
+
+
+def test_interleaved_error_lists_micro_batch_sizes_that_work():
+    with pytest.raises(SearchError) as err:
+        solve(_req(schedule="interleaved", pp=4, dp=1, tp=2, global_batch=12, micro_batch=2), TABLE, HW)
+    assert "Micro-batch counts that work: multiples of 4 (--micro-batch 1, 3)" in str(err.value)
+
+
+def test_cli_pins_and_exit_2(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    common = ["plan", *SMALL_GPT_FLAGS, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu",
+              "--global-batch", "8", "--seq-len", "16", "--dtype", "fp32", "--out", str(out)]
+    assert main(common + ["--json", "--pp", "2", "--schedule", "zero-bubble"]) == 0
+    assert '"schedule": "zero-bubble"' in capsys.readouterr().out
+    assert main(common + ["--schedule", "zero-bubble", "--pp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--schedule zero-bubble needs a pipeline" in err and "Traceback" not in err
+
+
+def test_report_and_plot_show_the_chosen_schedule(tmp_path):
+    from rich.console import Console
+
+    from planner.report.plot import plot_plan
+    from planner.report.render import render_plan
+
+    sol = solve(_req(pp=4, dp=1, tp=2, micro_batch=1, schedule="interleaved", virtual_stages=2), TABLE, HW)
+    console = Console(record=True, width=200)
+    render_plan(sol.plan, HW, console, sol)
+    text = console.export_text()
+    assert "interleaved 1F1B, v=2 model chunks per rank" in text
+    assert "than the best plain 1F1B plan" in text and "(chunk 7)" in text
+    assert plot_plan(sol.plan, str(tmp_path / "s.png"), hw=HW, evaluation=sol.evaluation)
+    assert (tmp_path / "s.png").stat().st_size > 0
