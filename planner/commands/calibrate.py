@@ -84,6 +84,7 @@ from planner.commands.calibrate_common import (
     lower_quartile,
     measure_offload,
     median,
+    offload_source,
 )
 from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
 from planner.frontend.analyze import build_layer_table
@@ -455,10 +456,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
     off = raw.get("offload") or {}
     nvme = off.get("nvme") or {}
     if off:
-        source += (f" Offload: host_device_bandwidth = a host memory copy (the host is the device); host_memory_bytes "
-                   f"= physical RAM; nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
-                   f"(write to its fsync, read after dropping its page cache), nvme_bytes = that file system's free "
-                   f"space; cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer, all cores.")
+        source += offload_source(off, host_is_device=True)
     return HardwareProfile(
         name=name,
         peak_flops=peaks,

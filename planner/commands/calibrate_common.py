@@ -39,7 +39,7 @@ from cost_models.comm import ring_terms
 from planner.errors import UserError
 
 __all__ = ["CalibrationError", "KB", "MB", "GB", "MEASURED_KINDS", "lower_quartile", "median", "fit_alpha_beta",
-           "fit_collectives", "gemm_tables", "finite", "fmt_bytes", "drain_progress", "measure_nvme",
+           "fit_collectives", "gemm_tables", "finite", "fmt_bytes", "drain_progress", "measure_nvme", "offload_source",
            "measure_cpu_adam", "measure_host_copy", "measure_offload"]
 
 KB = 1 << 10
@@ -164,6 +164,17 @@ def gemm_tables(sizes: dict[str, list[int]], seconds: dict[str, Any], peaks: dic
         else:
             skipped[dt] = "a GEMM of the grid could not be timed"
     return tables, skipped
+
+
+def offload_source(off: dict, host_is_device: bool) -> str:
+    """The profile's ``source`` sentence on how the offload fields were measured (``off``: the
+    ``offload`` measurements; CPU runs copy host memory for the host-device link)."""
+    nvme = off.get("nvme") or {}
+    link = ("host_device_bandwidth = a host memory copy (the host is the device); " if host_is_device else "")
+    return (f" Offload: {link}nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
+            f"(write to its fsync, read after dropping its page cache), nvme_bytes = that file system's free "
+            f"space; cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer on the host, all "
+            f"cores; host_memory_bytes = physical RAM.")
 
 
 def fmt_bytes(n: float) -> str:

@@ -71,6 +71,7 @@ from planner.commands.calibrate_common import (
     gemm_tables,
     lower_quartile,
     measure_offload,
+    offload_source,
 )
 from planner.frontend.analyze import build_layer_table
 from planner.frontend.zoo import build_model
@@ -569,10 +570,7 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
     off = raw.get("offload") or {}
     nvme = off.get("nvme") or {}
     if off:
-        source += (f" Offload: nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} (write "
-                   f"to its fsync, read after dropping its page cache), nvme_bytes = that file system's free space; "
-                   f"cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer on the host, all cores; "
-                   f"host_memory_bytes = physical RAM.")
+        source += offload_source(off, host_is_device=False)
     calibration = {
         "device": "cuda",
         "nproc": nproc,
