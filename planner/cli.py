@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = esub.add_parser("deepspeed", help="write the equivalent DeepSpeed ds_config.json")
     e.add_argument("plan")
     e.add_argument("--out", default="ds_config.json")
+    e.add_argument("--nvme-path", default=None, metavar="DIR",
+                   help="the node-local NVMe drive's folder for a plan that offloads to nvme "
+                        "(zero_optimization's nvme_path)")
     e = esub.add_parser("weights", help="consolidate a checkpoint into one safetensors file")
     e.add_argument("checkpoint")
     e.add_argument("--out", default="model.safetensors")

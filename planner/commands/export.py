@@ -149,10 +149,11 @@ def export_hf(checkpoint: str, out: str) -> str:
     return type(inner).__name__
 
 
-def export_deepspeed(plan_path: str, out: str) -> str:
-    """Write the DeepSpeed config equivalent to a plan (atomically); return the launch command."""
+def export_deepspeed(plan_path: str, out: str, nvme_path: str | None = None) -> str:
+    """Write the DeepSpeed config equivalent to a plan (atomically); return the launch command.
+    ``nvme_path``: the node-local drive of a plan that offloads to NVMe."""
     plan = load_plan(plan_path)
-    cfg = to_deepspeed(plan)
+    cfg = to_deepspeed(plan, nvme_path)
     tmp = out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
@@ -164,7 +165,7 @@ def export_deepspeed(plan_path: str, out: str) -> str:
 def run_export(args) -> int:
     """``planner export deepspeed|weights|hf ...``."""
     if args.format == "deepspeed":
-        command = export_deepspeed(args.plan, args.out)
+        command = export_deepspeed(args.plan, args.out, getattr(args, "nvme_path", None))
         print(f"Wrote {args.out}. Launch with:\n  {command}")
         return 0
     if args.format == "hf":

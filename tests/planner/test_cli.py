@@ -133,3 +133,16 @@ def test_export_deepspeed(tmp_path, capsys):
     assert cfg["train_micro_batch_size_per_gpu"] == plan.micro_batch_size
     assert cfg["zero_optimization"]["stage"] == plan.zero_stage
     assert "deepspeed" in capsys.readouterr().out
+
+
+def test_export_deepspeed_writes_the_nvme_path_of_an_offloaded_plan(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(plan_args(out, "--json", "--zero-stage", "3", "--offload-optimizer", "nvme",
+                          "--offload-params", "cpu")) == 0
+    capsys.readouterr()
+    ds = tmp_path / "ds.json"
+    assert main(["export", "deepspeed", str(out), "--out", str(ds), "--nvme-path", "/mnt/nvme0"]) == 0
+    zero = json.loads(ds.read_text())["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/mnt/nvme0", "pin_memory": True}
+    assert zero["offload_param"]["device"] == "cpu"
+    assert not any("nvme_path" in w for w in json.loads(ds.read_text())["planner"]["warnings"])
