@@ -307,6 +307,18 @@ class Plan:
     """Model chunks per pipeline rank (``v``): 1 unless ``schedule`` is ``interleaved``. With v > 1,
     ``stages`` lists the ``pp * v`` chunks in model order and chunk ``c`` runs on pipeline rank
     ``c % pp``."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the tensor-parallel regions (needs tp >= 2): the work outside
+    the column/row-parallel matmuls (norms, residual adds, dropout, the embedding's output) runs on
+    ``seq_len / tp`` of the sequence on each tp rank; the all-reduce that ends a row-parallel matmul
+    becomes a reduce-scatter along the sequence and the input of a column-parallel matmul is
+    all-gathered (the same bytes), so those activations shrink by tp. A plan without the key loads
+    as ``false``."""
+    selective_layers: list = field(default_factory=list)
+    """Layer-table indices whose attention core (``q k^T``, softmax, dropout, ``@ v``) is
+    recomputed in backward while the rest of the layer keeps its activations (selective recompute);
+    disjoint from ``checkpoint_layers``, the layers recomputed whole. A plan without the key loads
+    as ``[]``."""
     measured: dict | None = None
     """What ``planner tune`` measured running this plan (absent from other plans):
     ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
@@ -366,6 +378,26 @@ class Plan:
                 _fail("checkpoint_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
             _fail("checkpoint_layers", "has duplicates.")
+        if not isinstance(self.sequence_parallel, bool):
+            _fail("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}.")
+        if self.sequence_parallel and self.tp < 2:
+            _fail("sequence_parallel", f"is true but tp is {self.tp}: sequence parallelism splits the "
+                  "tensor-parallel regions' sequence over tp >= 2 ranks.")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            _fail("sequence_parallel", f"is true but seq_len {self.seq_len} is not a multiple of tp "
+                  f"({self.tp}): every tp rank holds seq_len / tp positions.")
+        if not isinstance(self.selective_layers, list):
+            _fail("selective_layers", "must be a list of layer indices.")
+        for i in self.selective_layers:
+            _check_int("selective_layers[]", i, 0)
+            if i >= n_rows:
+                _fail("selective_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
+        if len(set(self.selective_layers)) != len(self.selective_layers):
+            _fail("selective_layers", "has duplicates.")
+        both = sorted(set(self.selective_layers) & set(self.checkpoint_layers))
+        if both:
+            _fail("selective_layers", f"and checkpoint_layers both hold {both}: a layer is recomputed "
+                  "whole (checkpoint_layers) or only its attention core (selective_layers), not both.")
         if not isinstance(self.compile, bool):
             _fail("compile", f"must be true or false, got {self.compile!r}.")
         _check_offload(self.offload, self.zero_stage)
@@ -386,8 +418,8 @@ class Plan:
         d = asdict(self)
         order = ["schema_version", "model", "hardware", "global_batch", "seq_len", "dtype", "dp",
                  "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "schedule",
-                 "virtual_stages", "stages", "checkpoint_layers", "compile", "offload", "predicted", "solver",
-                 "alternatives"]
+                 "virtual_stages", "stages", "checkpoint_layers", "selective_layers", "sequence_parallel",
+                 "compile", "offload", "predicted", "solver", "alternatives"]
         out = {k: d[k] for k in order}
         for alt in out["alternatives"]:  # a runner-up names its offload only when it has one
             if alt["offload"] == NO_OFFLOAD:
@@ -487,4 +519,8 @@ def plan_hash(plan: Plan) -> str:
     keep = {k: d[k] for k in ("model", "hardware", "global_batch", "seq_len", "dtype", "dp", "tp", "pp",
                               "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
                               "checkpoint_layers")}
+    # added by the second milestone: part of the hash only when used, so older plans keep theirs
+    for k in ("selective_layers", "sequence_parallel"):
+        if d[k]:
+            keep[k] = d[k]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
