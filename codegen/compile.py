@@ -131,6 +131,7 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
                   f"zero={plan.zero_stage} micro-batch={plan.micro_batch_size} dtype={plan.dtype}.")
         header = "\n".join("# " + ln.lstrip("# ").replace("\r", " ") for ln in header.splitlines())
         src, pmap = emit_stage_source(gm, layers, spec, num_stages=chunks, checkpoint_layers=checkpoint,
+                                      selective_layers=frozenset(plan.selective_layers),
                                       header=header, rewrite=tp_rewrite,
                                       doc=None if v == 1 else where[0].upper() + where[1:])
         fname = f"stage_{spec.index}.py"

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from codegen.errors import LoweringError
 from codegen.names import safe_ident
+from codegen.selective import extract_attention_cores
 
 __all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "get_tensor"]
 
@@ -177,8 +178,9 @@ def partition_graph(
     return layers, specs, loss
 
 
-def _layer_graph_code(lg: LayerGraph, rewrite=None):
-    """Build the layer's own fx.Graph and return (python source of forward, globals, in names)."""
+def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
+    """Build the layer's own fx.Graph and return (python source of forward, globals, in names,
+    the sources of its attention cores' forwards when ``selective``: ``[(attr, source)]``)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     in_names = []
@@ -209,8 +211,16 @@ def _layer_graph_code(lg: LayerGraph, rewrite=None):
     if rewrite is not None:
         rewrite(g, lg)
     g.eliminate_dead_code()
+    cores = []
+    globals_ = {}
+    if selective:  # each attention core: a checkpointed submodule (codegen.selective)
+        for core in extract_attention_cores(g, f"layer {lg.index} ({lg.name})"):
+            cpc = core.graph.python_code(root_module="self")
+            cores.append((core.attr, cpc.src))
+            globals_.update(cpc.globals)
     pc = g.python_code(root_module="self")
-    return pc.src, pc.globals, in_names
+    globals_.update(pc.globals)
+    return pc.src, globals_, in_names, cores
 
 
 def _retarget_devices(x):
@@ -262,6 +272,7 @@ def emit_stage_source(
     num_stages: int,
     checkpoint_layers: set[int],
     header: str,
+    selective_layers: frozenset = frozenset(),
     rewrite=None,
     doc: str | None = None,
 ) -> tuple[str, dict]:
@@ -271,7 +282,8 @@ def emit_stage_source(
     attributes of the stage (``_StageSource.add_shared``); each layer becomes a submodule whose
     class holds its parameters and straight-line forward, identical layers sharing one class
     (``add_layer``); then the stage class calls them in order, wrapping the recomputed layers in
-    ``runtime.checkpoint`` (``render``). ``num_stages`` counts the entries of the plan's
+    ``runtime.checkpoint`` (``render``). A layer of ``selective_layers`` holds its attention cores
+    as checkpointed submodules (``codegen.selective``). ``num_stages`` counts the entries of the plan's
     ``stages`` (model chunks when there are several per pipeline rank; the last returns the loss);
     ``doc`` replaces the stage class's docstring (which says where the stage runs).
     """
@@ -281,7 +293,7 @@ def emit_stage_source(
                        is_constant=lambda fqn: fqn not in state)
     out.add_shared()
     for li in spec.layers:
-        out.add_layer(li, recompute=li in checkpoint_layers)
+        out.add_layer(li, recompute=li in checkpoint_layers, selective=li in selective_layers)
     return out.render(header, num_stages, doc), out.param_map
 
 
@@ -356,11 +368,11 @@ class _StageSource:
                 self.init_lines.append(f"self.register_buffer({attr!r}, {_tensor_ctor(t)})")
             self.param_map[attr] = fqn
 
-    def add_layer(self, li: int, recompute: bool) -> None:
+    def add_layer(self, li: int, recompute: bool, selective: bool = False) -> None:
         """Layer-table row ``li``: its class (shared with identical layers), its attribute and
         its call in the stage's forward."""
         lg = self.layers[li]
-        cls = self._layer_class(li, lg)
+        cls = self._layer_class(li, lg, selective)
         attr = f"layer_{li}"
         self.init_lines.append(f"self.{attr} = {cls}(device)  # {lg.name!r}"[:200])
         for local, fqn in lg.params.items():
@@ -382,15 +394,17 @@ class _StageSource:
         # still called, so that the stage runs every row of its range
         self.body_lines.append(f"{lhs} = {call}" if outs else call)
 
-    def _layer_class(self, li: int, lg: LayerGraph) -> str:
+    def _layer_class(self, li: int, lg: LayerGraph, selective: bool = False) -> str:
         """The name of the class that runs layer ``li`` (a new one unless an identical exists)."""
-        src, glb, _ = _layer_graph_code(lg, self.rewrite)
+        src, glb, _, cores = _layer_graph_code(lg, self.rewrite, selective)
         for k, v in glb.items():
             if k in self.globals and self.globals[k] is not v:
                 raise LoweringError(f"conflicting generated global {k!r}")
             self.globals[k] = v
         pinit = ["        " + _param_line(local, self.get(fqn), self.is_constant(fqn))
                  for local, fqn in lg.params.items()]
+        pinit += [f"        self.{attr} = {self._core_class(core_src)}()  # recomputed in backward"
+                  for attr, core_src in cores]
         method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
         body = ("    def __init__(self, device=None):\n        super().__init__()\n"
                 + ("\n".join(pinit) + "\n" if pinit else "") + "\n" + method + "\n")
@@ -399,13 +413,27 @@ class _StageSource:
             next(entry for entry in self.class_src if entry[0] == name)[2].append(lg.name)
             return name
         last = len(self.layers) - 1
-        base = "Block" if not lg.name.startswith("(") and li not in (0, last) else \
+        base = "SelectiveBlock" if cores else "Block" if not lg.name.startswith("(") and li not in (0, last) else \
             ("Pre" if li == 0 else ("Post" if li == last else "Layer"))
         name, i = base, 2
         while name in self.classes.values():
             name, i = f"{base}{i}", i + 1
         self.classes[body] = name
         self.class_src.append((name, body, [lg.name]))
+        return name
+
+    def _core_class(self, src: str) -> str:
+        """The class of an attention core (selective recompute): its forward, no weights."""
+        method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
+        body = ("    SELECTIVE_RECOMPUTE = True  # runtime.timing counts its forward in backward as recompute\n\n"
+                + method + "\n")
+        if body in self.classes:
+            return self.classes[body]
+        name, i = "AttentionCore", 2
+        while name in self.classes.values():
+            name, i = f"AttentionCore{i}", i + 1
+        self.classes[body] = name
+        self.class_src.append((name, body, ["the attention core of a selectively recomputed layer"]))
         return name
 
     def render(self, header: str, num_stages: int, doc: str | None = None) -> str:

@@ -94,7 +94,9 @@ from cost_models.strategy import (
     StageCost,
     Strategy,
     _stage_memory,
+    check_selective,
     compile_seconds,
+    selective_view,
 )
 
 __all__ = ["SCHEDULES", "ChunkTimes", "SimulatedPipeline", "split_chunks", "chunk_times", "interleaved_inflight",
@@ -174,9 +176,9 @@ def _chunk_forward(cc: CandidateCosts, a: int, b: int) -> float:
     return sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cc.cand.zero_stage == 3 else 0.0)
 
 
-def _chunk_step(cc: CandidateCosts, a: int, b: int, ck: frozenset) -> float:
+def _chunk_step(cc: CandidateCosts, a: int, b: int, ck: frozenset, sel: frozenset = frozenset()) -> float:
     """One micro-batch through chunk ``[a, b]`` without its sends."""
-    return sum(l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0)
+    return sum(l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
                for i, l in zip(range(a, b + 1), cc.layers[a:b + 1]))
 
 
@@ -191,11 +193,13 @@ def send_seconds(cc: CandidateCosts, chunks: Sequence[tuple[int, int]]) -> float
 
 
 def chunk_times(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], checkpoint: Sequence[int],
-                schedule: str) -> ChunkTimes:
-    """Per-chunk ``F``, ``B`` (and ``W`` under zero bubble) of one micro-batch (module docstring)."""
+                schedule: str, selective: Sequence[int] = ()) -> ChunkTimes:
+    """Per-chunk ``F``, ``B`` (and ``W`` under zero bubble) of one micro-batch (module docstring).
+    A selectively recomputed core runs again in ``B`` only (``W`` restarts autograd at the weight
+    products, outside the cores)."""
     ck = frozenset(checkpoint)
     fwd = [_chunk_forward(cc, a, b) for a, b in chunks]
-    full = [_chunk_step(cc, a, b, ck) - f for (a, b), f in zip(chunks, fwd)]
+    full = [_chunk_step(cc, a, b, ck, frozenset(selective)) - f for (a, b), f in zip(chunks, fwd)]
     weight = None
     if schedule == "zero-bubble":
         weight = tuple(min(sum(l.wgrad_s for l in cc.layers[a:b + 1]), bw) for (a, b), bw in zip(chunks, full))
@@ -218,7 +222,8 @@ def chunk_ranges_of_rank(chunks: Sequence[tuple[int, int]], p: int, rank: int) -
 
 
 def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], checkpoint: Sequence[int],
-                      schedule: str, virtual_stages: int, sim: SimulatedPipeline, times: ChunkTimes) -> Evaluation:
+                      schedule: str, virtual_stages: int, sim: SimulatedPipeline, times: ChunkTimes,
+                      selective: Sequence[int] = ()) -> Evaluation:
     """Price a strategy run under ``schedule`` from its simulation (see the module docstring)."""
     cand = cc.cand
     p, m, v = cand.pp, cand.num_micro_batches, virtual_stages
@@ -227,16 +232,19 @@ def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], che
     if len(chunks) != p * v or len(sim.held) != p:
         raise ValueError(f"{len(chunks)} chunks and {len(sim.held)} ranks for pp={p}, v={v}")
     ck = frozenset(int(i) for i in checkpoint)
+    sel = frozenset(int(i) for i in selective)
+    check_selective(cc, ck, sel)
     nchunks = len(chunks)
     out: list[StageCost] = []
     for r in range(p):
         mine = chunk_ranges_of_rank(chunks, p, r)
         idx = [i for a, b in mine for i in range(a, b + 1)]
-        ls = [cc.layers[i] for i in idx]
+        ls = selective_view([cc.layers[i] for i in idx], idx, sel)
         rc = [i in ck for i in idx]
         compute = sum(l.compute_s for l in ls)
         tp = sum(l.tp_s for l in ls)
-        rec = sum(l.rec_s for l, x in zip(ls, rc) if x) * (2 if schedule == "zero-bubble" else 1)
+        rec = (sum(l.rec_s for l, x in zip(ls, rc) if x) * (2 if schedule == "zero-bubble" else 1)
+               + sum(l.sel_rec_s for i, l in zip(idx, ls) if i in sel))
         zmb = sum(l.zero_mb_s for l in ls)
         sends, sent = 0, 0.0
         for c in range(r, nchunks, p):
@@ -292,7 +300,7 @@ def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], che
             len({cc.layers[i] for a, b in chunk_ranges_of_rank(chunks, p, r) for i in range(a, b + 1)})
             for r in range(p)))
     return Evaluation(
-        strategy=Strategy(cand, tuple((int(a), int(b)) for a, b in chunks), ck, schedule, v), stages=out,
+        strategy=Strategy(cand, tuple((int(a), int(b)) for a, b in chunks), ck, schedule, v, sel), stages=out,
         step_time_s=span + D, micro_step_s=T, tail_s=D, time=time, memory=dict(out[kp].memory), peak_stage=kp,
         bottleneck_stage=kb, comm_bytes_per_device=max(s.comm_bytes for s in out),
         bubble_fraction=max(span - m * T, 0.0) / span if span > 0 else 0.0,

@@ -38,6 +38,11 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
   once the last saved tensor is rebuilt, and the layer's final all-reduce (the row-parallel
   output added to the residual stream, boundary-sized) feeds nothing the layer saves, so it is
   not run again; ``t_tp_rec`` prices those bytes and calls.
+- selective recompute: a layer in the selective set keeps all its activations but those only its
+  attention cores hold (``core_saved_bytes``, split by tp like ``saved_bytes``) and runs the cores'
+  forward again in backward: ``sel_rec_l = hw.recompute_ratio x t_core`` (``t_core`` priced as a
+  forward from the ``core_*`` fields; the cores hold no tensor-parallel collective). During its
+  backward the core's tensors exist again, a transient like a recomputed layer's.
 - parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
   Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
   flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
@@ -322,6 +327,8 @@ class Strategy:
     virtual_stages: int = 1
     """Model chunks per pipeline rank; with ``v > 1`` ``stages`` lists the ``pp * v`` chunks in
     model order (chunk ``c`` on rank ``c % pp``)."""
+    selective: frozenset = frozenset()
+    """Layer-table indices whose attention cores are recomputed (disjoint from ``checkpoint``)."""
 
 
 @dataclass(frozen=True)
@@ -381,6 +388,11 @@ class LayerCost:
     """Host bytes of this layer's offloaded state on one rank (``cost_models.offload``)."""
     nvme_b: int = 0
     """NVMe bytes of this layer's offloaded state on one rank."""
+    sel_rec_s: float = 0.0
+    """Extra time under selective recompute: the attention cores' forward run again."""
+    sel_saved_b: float = 0.0
+    """Activation bytes selective recompute frees (what only the attention cores keep); 0 for a
+    layer without attention, which cannot recompute selectively."""
 
     @property
     def work_s(self) -> float:
@@ -578,6 +590,12 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
     largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
+    # selective recompute: the attention cores' forward, priced like a forward of its own
+    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if cand.compile else row["core_num_ops"]) \
+        * hw.op_overhead_s
+    dev_core = float(layer_matmul_time(split("core_fwd_flops"), row.get("core_gemms", ()), hw, dtype, tp)
+                     + compute_time(0.0, fused * split("core_fwd_bytes"), hw, dtype))
+    sel_saved = split("core_saved_bytes")
     opt_s = off.optimizer_s if off.optimizer_s is not None else (
         float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
     return LayerCost(
@@ -592,7 +610,31 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
         tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
         dp_step_sent_b=step_b, num_params=P, wgrad_s=t_w,
         wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens),
+        sel_rec_s=hw.recompute_ratio * combine(dev_core, core_ops) if sel_saved > 0 else 0.0,
+        sel_saved_b=sel_saved,
     )
+
+
+def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selective: frozenset) -> list[LayerCost]:
+    """``layers`` (rows ``indices``) as the memory model sees them under selective recompute: a
+    selective layer keeps ``saved - sel_saved`` and re-materializes its cores in backward, a
+    transient at least ``sel_saved`` (its recompute time is added by the callers)."""
+    if not selective:
+        return list(layers)
+    return [dataclasses.replace(l, saved_b=l.saved_b - l.sel_saved_b, bt_b=max(l.bt_b, l.sel_saved_b))
+            if i in selective else l for l, i in zip(layers, indices)]
+
+
+def check_selective(cc: CandidateCosts, checkpoint: frozenset, selective: frozenset) -> None:
+    """Selective layers exist, have attention cores and are not also recomputed whole."""
+    n = cc.num_layers
+    if any(not 0 <= i < n for i in selective):
+        raise ValueError(f"selective layers {sorted(selective)} outside 0..{n - 1}")
+    if checkpoint & selective:
+        raise ValueError(f"layers {sorted(checkpoint & selective)} are both recomputed whole and selectively")
+    bad = sorted(i for i in selective if cc.layers[i].sel_saved_b <= 0)
+    if bad:
+        raise ValueError(f"layers {bad} have no attention core to recompute selectively")
 
 
 
@@ -653,7 +695,8 @@ class Evaluation:
     extra: dict = field(default_factory=dict)
 
 
-def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = ()) -> Evaluation:
+def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = (),
+             selective: Sequence[int] = ()) -> Evaluation:
     """Price a strategy of candidate ``cc.cand`` (see the module docstring for every formula)."""
     cand = cc.cand
     p, m = cand.pp, cand.num_micro_batches
@@ -671,13 +714,16 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     ck = frozenset(int(i) for i in checkpoint)
     if any(not 0 <= i < n for i in ck):
         raise ValueError(f"checkpoint layers {sorted(ck)} outside 0..{n - 1}")
+    sel = frozenset(int(i) for i in selective)
+    check_selective(cc, ck, sel)
     out: list[StageCost] = []
     for k, (a, b) in enumerate(stages):
-        ls = cc.layers[a:b + 1]
+        ls = selective_view(cc.layers[a:b + 1], range(a, b + 1), sel)
         rc = [i in ck for i in range(a, b + 1)]
         compute = sum(l.compute_s for l in ls)
         tp = sum(l.tp_s for l in ls)
-        rec = sum(l.rec_s for l, r in zip(ls, rc) if r)
+        rec = sum(l.rec_s for l, r in zip(ls, rc) if r) + sum(l.sel_rec_s for i, l in zip(range(a, b + 1), ls)
+                                                            if i in sel)
         p2p, sent = 0.0, 0.0
         if k < p - 1:
             p2p += cc.send_s(b, k)
@@ -731,7 +777,7 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     if cand.compile:  # once per run: the stage with the most distinct layer classes
         extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a:b + 1])) for a, b in stages))
     return Evaluation(
-        strategy=Strategy(cand, stages, ck), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
+        strategy=Strategy(cand, stages, ck, selective=sel), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
         time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
         comm_bytes_per_device=max(s.comm_bytes for s in out),
         bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0, feasible=bound <= cc.capacity and fits_off,

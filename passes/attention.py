@@ -16,6 +16,12 @@ reads the counts from its operands' shapes:
 Writes ``node.meta["attention"]`` (an ``AttentionInfo``) on each attention core (the SDPA node,
 or the eager pattern's ``softmax``); needs only ``meta["val"]`` (export's fake tensors).
 ``attention_facts`` summarizes them for the layer table's model facts.
+
+``attention_core`` lists the nodes of one core, what selective recompute re-runs in backward
+(Korthikanti et al. 2022): the SDPA node (and its tuple items), or every node on a path from
+``q @ k^T`` to ``@ v`` (scale, mask, softmax, casts, dropout). Its inputs (q, k^T, v, the mask)
+stay saved; what the core alone kept (scores, probabilities, dropout masks, a flash kernel's
+output and log-sum-exp) is freed. The cost tables and code generation read the same list.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import fx
 from passes.common import hint
 from passes.op_class import op_name
 
-__all__ = ["AttentionInfo", "annotate_attention", "attention_facts"]
+__all__ = ["AttentionInfo", "annotate_attention", "attention_facts", "attention_core"]
 
 SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -135,9 +141,42 @@ def _eager(n: fx.Node) -> AttentionInfo | None:
     return AttentionInfo(sq[1], _kv_heads(k, sq[1], False) if len(_shape(k)) == 4 else sq[1], sq[-1], "eager")
 
 
-def annotate_attention(gm: fx.GraphModule) -> fx.GraphModule:
-    """Write ``meta['attention']`` on every attention core of ``gm`` (see the module doc)."""
-    for n in gm.graph.nodes:
+def attention_core(n: fx.Node) -> list[fx.Node]:
+    """The nodes of the attention core annotated on ``n`` (``meta['attention']``), in graph
+    order; ``[]`` when ``n`` is not one. See the module doc."""
+    info = n.meta.get("attention")
+    if info is None:
+        return []
+    if info.pattern == "sdpa":
+        return [n] + [u for u in n.users if op_name(u) == "getitem"]
+    start, end = _back(n.args[0], _SCORES), _forward(n, _SCORES)
+    if not (isinstance(start, fx.Node) and isinstance(end, fx.Node)):
+        return []
+    after: set[fx.Node] = set()
+    todo = [start]
+    while todo:  # everything computed from the scores, up to the @ v
+        x = todo.pop()
+        if x in after:
+            continue
+        after.add(x)
+        if x is not end:
+            todo.extend(x.users)
+    core: set[fx.Node] = set()
+    todo = [end]
+    while todo:  # ... that the @ v reads (a path from the scores to it)
+        x = todo.pop()
+        if x in core or x not in after:
+            continue
+        core.add(x)
+        todo.extend(a for a in x.all_input_nodes)
+    order = {x: i for i, x in enumerate(n.graph.nodes)}
+    return sorted(core, key=order.__getitem__)
+
+
+def annotate_attention(gm: fx.GraphModule | fx.Graph) -> fx.GraphModule | fx.Graph:
+    """Write ``meta['attention']`` on every attention core of ``gm`` (a graph module or a bare
+    graph; see the module doc)."""
+    for n in (gm.nodes if isinstance(gm, fx.Graph) else gm.graph.nodes):
         if n.op != "call_function":
             continue
         name = op_name(n)

@@ -41,10 +41,13 @@ __all__ = ["Gemm", "LayerCosts", "LayerTable",
 EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
                "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
                "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
-               "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes")
+               "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes",
+               "core_fwd_flops", "core_fwd_flops_tp", "core_fwd_bytes", "core_fwd_bytes_tp",
+               "core_saved_bytes", "core_saved_bytes_tp")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
-              "tp_allreduce_calls", "tp_allreduce_bwd_calls", "largest_param", "largest_param_tp")
-GEMM_FIELDS = ("fwd_gemms", "bwd_gemms")
+              "tp_allreduce_calls", "tp_allreduce_bwd_calls", "largest_param", "largest_param_tp",
+              "core_num_ops")
+GEMM_FIELDS = ("fwd_gemms", "bwd_gemms", "core_gemms")
 GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
 
@@ -145,6 +148,25 @@ class LayerCosts:
     """The forward's matrix products by shape, ``Gemm`` rows (module doc)."""
     bwd_gemms: list = field(default_factory=list)
     """The backward's matrix products by shape, ``Gemm`` rows."""
+    core_fwd_flops: sympy.Expr = _ZERO
+    """Forward FLOPs of the layer's attention cores (``passes.attention.attention_core``: what
+    selective recompute runs again in backward); 0 for a layer without attention."""
+    core_fwd_flops_tp: sympy.Expr = _ZERO
+    """The part of ``core_fwd_flops`` that divides by tp."""
+    core_fwd_bytes: sympy.Expr = _ZERO
+    """Memory-bound bytes of the attention cores' forward."""
+    core_fwd_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``core_fwd_bytes`` that divides by tp."""
+    core_saved_bytes: sympy.Expr = _ZERO
+    """Of ``saved_bytes``, what only the attention cores keep (scores, probabilities, dropout
+    masks, a fused kernel's output and log-sum-exp): what selective recompute frees. The cores'
+    inputs (q, k, v, masks) stay saved."""
+    core_saved_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``core_saved_bytes`` held in tp shards."""
+    core_num_ops: int = 0
+    """Operator calls of the attention cores' forward."""
+    core_gemms: list = field(default_factory=list)
+    """The attention cores' forward matrix products by shape, ``Gemm`` rows."""
     signature: str = ""
     """Digest of the layer's ops, shapes and weights: identical blocks share it."""
 

@@ -17,7 +17,9 @@ import sympy
 import torch.fx as fx
 
 from passes.analyze import analyze
+from passes.attention import SDPA, annotate_attention, attention_core
 from passes.common import B, dtype_name, iter_tensors
+from passes.op_class import op_name
 from passes.graph import TracedGraph
 from passes.inputs import infer_inputs
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerCosts, LayerTable
@@ -72,6 +74,7 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
     acc: list[dict[str, Any]] = [{f: _ZERO for f in EXPR_FIELDS} for _ in range(n)]
     ints: list[dict[str, int]] = [{f: 0 for f in INT_FIELDS} for _ in range(n)]
     gemms: list[dict[str, list]] = [{f: [] for f in GEMM_FIELDS} for _ in range(n)]
+    core = _attention_cores(gm)
     for node in gm.graph.nodes:
         lay = node.meta["layer"]
         if not 0 <= lay < n:
@@ -94,10 +97,21 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         a["bwd_flops"] += m["bwd_flops"]
         a["fwd_bytes"] += m["fwd_bytes"]
         a["bwd_bytes"] += m["bwd_bytes"]
-        for f in GEMM_FIELDS:
+        mine = {}
+        for f in ("fwd_gemms", "bwd_gemms"):
             dims = getattr(tp, f[:3] + "_gemm_dims", None) or []
-            gemms[lay][f] += [(g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None)
-                              for i, g in enumerate(m.get(f, ()))]
+            mine[f] = [(g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None)
+                       for i, g in enumerate(m.get(f, ()))]
+            gemms[lay][f] += mine[f]
+        if node in core:  # what selective recompute runs again
+            a["core_fwd_flops"] += m["fwd_flops"]
+            a["core_fwd_bytes"] += m["fwd_bytes"]
+            if tp.divides:
+                a["core_fwd_flops_tp"] += m["fwd_flops"]
+                a["core_fwd_bytes_tp"] += m["fwd_bytes"]
+            if any(True for _ in iter_tensors(m.get("val"))):
+                ints[lay]["core_num_ops"] += 1
+            gemms[lay]["core_gemms"] += mine["fwd_gemms"]
         if node.op == "call_function" and m.get("out_bytes"):
             key = "peak_act_bytes_tp" if tp.divides else "peak_act_bytes"
             a[key] = sympy.Max(a[key], m["out_bytes"])
@@ -120,6 +134,9 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
             for lay in {u.meta.get("layer", -1) for u in node.users} | {node.meta["layer"]}:
                 if 0 <= lay < n:
                     ints[lay][key] = max(ints[lay][key], int(node.meta["param_count"]))
+    for lay, (freed, freed_tp) in _core_saved(gm, core, n).items():
+        acc[lay]["core_saved_bytes"] += freed
+        acc[lay]["core_saved_bytes_tp"] += freed_tp
     for i, io in enumerate(layer_io(gm, nb)):
         acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
         acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)
@@ -133,6 +150,68 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         for f, v in gemms[i].items():
             setattr(row, f, _merge_gemms(v))
     return rows
+
+
+def _attention_cores(gm: fx.GraphModule) -> set[fx.Node]:
+    """Every node of every attention core of ``gm`` (``passes.attention.attention_core``)."""
+    annotate_attention(gm)
+    return {x for n in gm.graph.nodes for x in attention_core(n)}
+
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "slice",
+          "select", "alias", "t", "unflatten", "flatten", "split", "getitem", "contiguous", "detach"}
+"""Ops whose output may share its input's storage (walked back to find what holds the bytes)."""
+_SAVES_OPERANDS = {"matmul", "bmm", "mm", "baddbmm"} | SDPA
+
+
+def _core_saved(gm: fx.GraphModule, core: set[fx.Node], n: int) -> dict[int, tuple[Any, Any]]:
+    """Per layer, the activation bytes (all, and the tp-sharded part) recomputing the attention
+    cores frees: what only core nodes save and a core node made (its output; for a fused SDPA
+    kernel also its internals, the log-sum-exp), less the cores' inputs no node saves, which the
+    checkpoint then keeps (an attention mask shared by the layers counts in each: an estimate
+    that errs toward less freed). Internals of a decomposed product (a copy made to reshape an
+    operand) are left out: the runtime's kernels make them only for operands that need it."""
+    names = {x.name: x for x in core}
+    savers: dict[tuple[int, Any], list] = {}
+    saved_storages: set = set()
+    for node in gm.graph.nodes:
+        lay = node.meta.get("layer", -1)
+        for rec in node.meta.get("saved", ()):
+            savers.setdefault((lay, rec.key), []).append((node, rec))
+            saved_storages.add(rec.producer)
+    out: dict[int, list] = {}
+
+    def charge(lay, nbytes, node, sign):
+        acc = out.setdefault(lay, [_ZERO, _ZERO])
+        tp = node.meta.get("tp")
+        acc[0] += sign * nbytes
+        if tp is not None and tp.divides:
+            acc[1] += sign * nbytes
+
+    for (lay, _), recs in savers.items():
+        rec = recs[0][1]
+        producer = names.get(rec.producer)
+        if not 0 <= lay < n or producer is None or any(x not in core for x, _ in recs):
+            continue
+        fused = "attention" in producer.meta and producer.meta["attention"].pattern == "sdpa"
+        # the producer's output (another node saves it too, or it has the output's size), not
+        # an internal copy the producer made for itself
+        output = any(x is not producer for x, _ in recs) or sympy.simplify(
+            rec.nbytes - producer.meta.get("out_bytes", _ZERO)) == 0
+        if fused or output:
+            charge(lay, rec.nbytes, producer, 1)
+    for x in core:  # inputs nobody saves: the checkpoint keeps them
+        lay = x.meta.get("layer", -1)
+        if not 0 <= lay < n or op_name(x) in _SAVES_OPERANDS:
+            continue  # a product's operands are saved by it without recompute too
+        for a in x.all_input_nodes:
+            chain = [a]
+            while chain[-1].op == "call_function" and op_name(chain[-1]) in _VIEWS and chain[-1].all_input_nodes:
+                chain.append(chain[-1].all_input_nodes[0])  # a view keeps its base's storage
+            if a not in core and a.op == "call_function" and not any(c.name in saved_storages for c in chain):
+                charge(lay, a.meta.get("out_bytes", _ZERO), x, -1)
+                saved_storages.add(a.name)  # once per input
+    return {lay: (v[0], v[1]) for lay, v in out.items()}
 
 
 _POSITIONAL = ("index", "name", "boundary", "boundary_bytes", "input_bytes")

@@ -127,8 +127,9 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=_positive_int, default=None, help="pin the pipeline degree")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
     p.add_argument("--micro-batch", type=_positive_int, default=None, help="pin the micro-batch size")
-    p.add_argument("--checkpoint", choices=("auto", "none", "all"), default="auto",
-                   help="activation recompute: chosen per layer (auto), never, or every layer")
+    p.add_argument("--checkpoint", choices=("auto", "none", "selective", "all"), default="auto",
+                   help="activation recompute: chosen per layer, whole or only its attention core (auto); "
+                        "never; the attention core of every block (selective); every block whole (all)")
     p.add_argument("--memory-headroom", type=float, default=0.9,
                    help="usable fraction of device memory (default 0.9)")
     p.add_argument("--tp-across-nodes", action="store_true", help="allow tensor parallelism across nodes")

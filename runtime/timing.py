@@ -198,9 +198,13 @@ def time_recomputation(module: torch.nn.Module) -> list:
     (``runtime.checkpoint``), the only way a layer's forward runs while autograd computes
     gradients. The hooks need nothing from the generated code. The post-hook runs even when the
     forward raises, because non-reentrant checkpointing stops a recomputation early by raising
-    once it has what backward needs. Returns the hook handles."""
+    once it has what backward needs. The attention cores of a selectively recomputed layer
+    (submodules marked ``SELECTIVE_RECOMPUTE``, ``codegen.selective``) are counted the same way.
+    Returns the hook handles."""
     handles = []
-    for child in module.children():
+    children = list(module.children())
+    cores = [sub for child in children for sub in child.children() if getattr(sub, "SELECTIVE_RECOMPUTE", False)]
+    for child in children + cores:
         entered: list[bool] = []
 
         def pre(_mod, _args, entered=entered) -> None:

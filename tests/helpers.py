@@ -3,6 +3,8 @@ training reference."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -44,7 +46,8 @@ def even_stages(layers: int, pp: int) -> list[list[int]]:
 
 def manual_plan(spec: str, sizes: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
                 mbs: int = 1, m: int = 1, dtype: str = "fp32", checkpoint=(), stages=None,
-                hardware: str = "cpu", seq_len: int | None = None) -> Plan:
+                hardware: str = "cpu", seq_len: int | None = None, selective=(),
+                sequence_parallel: bool = False) -> Plan:
     """A plan whose decisions are given by hand and that predicts nothing (every predicted
     number is 0): a fixed layout for tests and benchmarks, valid for ``compile`` and ``train``.
     ``sizes`` must contain ``layers``; ``seq_len`` defaults to ``sizes['seq_len']`` (else 16)."""
@@ -59,7 +62,8 @@ def manual_plan(spec: str, sizes: dict, *, dp: int = 1, tp: int = 1, pp: int = 1
         "global_batch": mbs * m * dp, "seq_len": seq_len or sizes.get("seq_len", 16), "dtype": dtype,
         "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero, "micro_batch_size": mbs, "num_micro_batches": m,
         "stages": stages if stages is not None else even_stages(sizes["layers"], pp),
-        "checkpoint_layers": list(checkpoint),
+        "checkpoint_layers": list(checkpoint), "selective_layers": list(selective),
+        "sequence_parallel": sequence_parallel,
         "predicted": {"step_time_s": 0.0, "peak_memory_bytes": 0, "tflops_per_device": 0.0, "mfu": 0.0,
                       "comm_bytes_per_device": 0.0, "bubble_fraction": 0.0, "memory": zero_mem,
                       "time": {k: 0.0 for k in TIME_KEYS}},
@@ -121,10 +125,13 @@ def _row(index: int, name: str, kind: str, **costs) -> LayerCosts:
 
 
 def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
-              block_scale=None, tail_boundary=None) -> LayerTable:
+              block_scale=None, tail_boundary=None, attention_core=False) -> LayerTable:
     """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ and
     ``tail_boundary`` scales what the last block hands the head (as in HF models, where blocks
-    pass masks and positions along but the last block sends only the hidden state)."""
+    pass masks and positions along but the last block sends only the hidden state).
+    ``attention_core`` gives the blocks a materialized attention core (Korthikanti et al.: the
+    scores, softmax and dropout mask, ``5 a s^2 b`` bytes, and the ``4 b s^2 h`` FLOPs of its two
+    products), which selective recompute can drop."""
     h, a, V, e = hidden, heads, vocab, dtype_bytes
     bsh = B * S * h
     rows = [_row(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
@@ -141,6 +148,12 @@ def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_byt
             input_bytes=e * bsh, boundary_bytes=e * bsh, tp_allreduce_bytes=2 * e * bsh,
             param_count=k * (12 * h * h + 13 * h), param_count_tp=k * (12 * h * h + 7 * h), signature="blk",
             peak_act_bytes=e * bsh, peak_act_bytes_tp=k * 4 * e * bsh))
+        if attention_core:
+            core = dict(core_fwd_flops=k * 4 * B * S * S * h, core_fwd_flops_tp=k * 4 * B * S * S * h,
+                        core_fwd_bytes=0, core_fwd_bytes_tp=0,
+                        core_saved_bytes=k * 5 * a * B * S * S, core_saved_bytes_tp=k * 5 * a * B * S * S,
+                        core_num_ops=5)
+            rows[-1] = dataclasses.replace(rows[-1], **core)
     if tail_boundary is not None and layers:
         rows[-1].boundary_bytes = tail_boundary * e * bsh
     rows.append(_row(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,

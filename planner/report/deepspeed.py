@@ -64,6 +64,14 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
     sizes = [b - a + 1 for a, b in plan.stages]
     names = plan.model.layer_names or []
     warnings: list[str] = []
+    if plan.selective_layers:
+        warnings.append(f"{len(plan.selective_layers)} layers recompute only their attention core (selective "
+                        "recompute), which DeepSpeed's activation checkpointing does not express: it checkpoints "
+                        "whole layers. Use --checkpoint all or none when planning for DeepSpeed, or run it on "
+                        "planner's runtime.")
+    if plan.sequence_parallel:
+        warnings.append("the plan uses sequence parallelism in its tensor-parallel regions, which DeepSpeed's "
+                        "engine does not provide (Megatron-DeepSpeed does); run it on planner's runtime.")
     if plan.pp > 1 and plan.zero_stage >= 2:
         warnings.append(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; this plan uses "
                         f"ZeRO-{plan.zero_stage} with pp={plan.pp}. Use --zero-stage 1 when planning for "
@@ -106,6 +114,8 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
                              for a, b in plan.stages],
             "checkpoint_layers": ckpt,
             "checkpoint_layer_names": [names[i] for i in ckpt if i < len(names)],
+            "selective_layers": list(plan.selective_layers),
+            "sequence_parallel": plan.sequence_parallel,
             "compile": plan.compile,
             "offload": dict(offload) if offload else {"optimizer": "none", "params": "none"},
             "predicted_step_time_s": plan.predicted.step_time_s,

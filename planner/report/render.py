@@ -191,13 +191,16 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     if ev is not None:
         st.add_column("micro-step", justify="right")
         st.add_column("memory / device", justify="right")
-    ck = set(plan.checkpoint_layers)
+    ck, sel = set(plan.checkpoint_layers), set(plan.selective_layers)
     chunked = plan.virtual_stages > 1
     for k, (a, b) in enumerate(plan.stages):
         rec = [i for i in range(a, b + 1) if i in ck]
+        part = [i for i in range(a, b + 1) if i in sel]
         label = f"{k % plan.pp} (chunk {k})" if chunked else str(k)
+        recomputed = "; ".join(([f"{len(rec)}: {compress_ranges(rec)}"] if rec else [])
+                               + ([f"attention core of {len(part)}: {compress_ranges(part)}"] if part else []))
         row = [label, f"{names[a]} .. {names[b]}" if b > a else names[a], f"{a}-{b} ({b - a + 1})",
-               f"{len(rec)}: {compress_ranges(rec)}" if rec else "-"]
+               recomputed or "-"]
         if ev is not None and len(ev.stages) == plan.pp:
             if k < plan.pp:  # per pipeline rank: all its chunks (the rank's first chunk's row)
                 sc = ev.stages[k]

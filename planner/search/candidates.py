@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from cost_models.hardware import HardwareProfile
 from cost_models.offload import TIERS, check_offload, offload_missing
-from cost_models.strategy import Candidate, CandidateCosts, Evaluation, NumericTable, evaluate
+from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
 from planner.search.errors import SearchError
 
 __all__ = [
@@ -276,13 +276,21 @@ def memory_may_bind(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = 
     n = cc.num_layers
     if cc.cand.pp == 1:
         ck = [i for i, k in enumerate(kinds) if k == "block"] if checkpoint == "all" else []
-        return not evaluate(cc, [(0, n - 1)], ck).feasible
-    if checkpoint == "all":
+        return not evaluate(cc, [(0, n - 1)], ck, pinned_selective(cc, kinds, checkpoint)).feasible
+    if checkpoint in ("all", "selective"):
         return True
     ls = cc.layers
     upper = (sum(l.state_b for l in ls) + max(l.trans_b for l in ls) + cc.inflight[0] * sum(l.saved_b for l in ls)
              + max(l.bt_b for l in ls))
     return upper > cc.capacity
+
+
+def pinned_selective(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str) -> list[int]:
+    """The layers ``--checkpoint selective`` recomputes selectively: every block with attention
+    cores (none under the other modes)."""
+    if checkpoint != "selective":
+        return []
+    return [i for i, k in enumerate(kinds) if k == "block" and cc.layers[i].sel_saved_b > 0]
 
 
 def check_offload_pins(req: Any, hw: HardwareProfile) -> None:
@@ -362,8 +370,16 @@ def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str
                 mem += new_peak - peak - inflight * (L[i].saved_b - L[i].input_b)
                 peak = new_peak
                 ck.add(i)
-    ev = evaluate(cc, stages, sorted(ck))
+    ev = evaluate(cc, stages, sorted(ck), pinned_selective(cc, kinds, checkpoint))
     return ev if ev.feasible else None
+
+
+def _as_selective(c: LayerCost) -> LayerCost:
+    """A block that recomputes its attention cores, seen as a block that does not recompute:
+    fewer activations kept, the cores' forward added to its work, their re-materialization a
+    transient (what ``cost_models.strategy.selective_view`` and ``evaluate`` price)."""
+    return dataclasses.replace(c, saved_b=c.saved_b - c.sel_saved_b, compute_s=c.compute_s + c.sel_rec_s,
+                               bt_b=max(c.bt_b, c.sel_saved_b))
 
 
 class _UniformStages:
@@ -386,6 +402,15 @@ class _UniformStages:
         self.p = p = cc.cand.pp
         self.pre, self.blk, self.post = cc.layers[0], cc.layers[1], cc.layers[-1]
         self.tail = [cc.layers[-2]] if cc.layers[-2] != self.blk else []
+        if checkpoint == "selective":  # every block recomputes its cores, none recomputes whole
+            self.blk = _as_selective(self.blk) if self.blk.sel_saved_b > 0 else self.blk
+            self.tail = [_as_selective(x) if x.sel_saved_b > 0 else x for x in self.tail]
+            self.mode = "none"
+        # auto may also free a block's core bytes at their (maybe cheaper) price: the relaxed
+        # model charges forced freeing at the cheapest rate per byte of the two (sound)
+        blk = self.blk
+        self.sel_rate = (blk.sel_rec_s / blk.sel_saved_b if checkpoint == "auto" and relaxed and blk.sel_saved_b > 0
+                         else math.inf)
         self.L = cc.num_layers - 2 - len(self.tail)
         self.lows = [0 if relaxed or not 0 < k < p - 1 else 1 for k in range(p)]
         self._memo: dict[tuple[int, int], tuple[int, float] | None] = {}
@@ -403,6 +428,19 @@ class _UniformStages:
         act = (lambda r: min(r.saved_b, r.input_b)) if self.relaxed else (lambda r: r.saved_b)
         mem = n * (blk.state_b + a * blk.saved_b) + trans + sum(r.state_b + a * act(r) for r in rows)
         delta = blk.saved_b - blk.input_b
+        if self.mode == "auto" and math.isfinite(self.sel_rate) and mem > cc.capacity and n:
+            # relaxed with selective: free the excess fractionally at the cheaper rate per byte,
+            # re-materializing the smaller of the two transients (a lower bound of either choice)
+            rates = [self.sel_rate] + ([blk.rec_s / delta] if delta > 0 else [])
+            most = n * a * max(delta, blk.sel_saved_b)
+            excess = mem + min(blk.saved_b, blk.sel_saved_b) - cc.capacity
+            out = None
+            if excess <= most:
+                t = n * (blk.work_s + blk.zero_mb_s) + max(excess, 0.0) / a * min(rates) + sum(
+                    x.work_s + x.zero_mb_s for x in rows)
+                out = (0, t)
+            self._memo[key] = out
+            return out
         if self.mode == "all":
             r = n
         elif mem <= cc.capacity or self.mode == "none" or n == 0 or delta <= 0:
@@ -490,5 +528,6 @@ def _uniform_heuristic(cc: CandidateCosts, checkpoint: str) -> Evaluation | None
         start = last + 1
     if checkpoint == "all":  # every block, the distinct last one included
         ck = set(range(1, cc.num_layers - 1))
-    ev = evaluate(cc, stages, sorted(ck))
+    kinds = ["pre"] + ["block"] * (cc.num_layers - 2) + ["post"]
+    ev = evaluate(cc, stages, sorted(ck), pinned_selective(cc, kinds, checkpoint))
     return ev if ev.feasible else None

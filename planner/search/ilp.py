@@ -60,7 +60,14 @@ keep the offloaded state ``h_l`` (host) and ``v_l`` (NVMe) within the rank's sha
     sum_l v_l x[l,k] <= nvme_bytes * headroom / ranks_per_node                        (memory_nvme_k)
 
 ``e`` only appears on the cheap side of ``>=`` rows, so at the optimum it equals the indicator.
-Pins: ``--checkpoint none`` fixes ``c = 0``, ``all`` fixes ``c[l,k] = x[l,k]`` for the blocks.
+
+Selective recompute. A layer with attention cores (``sel_l > 0``: the bytes only its cores keep)
+may instead recompute just those: ``y[l,k] in {0,1}``, ``c[l,k] + y[l,k] <= x[l,k]``; it adds
+``selrec_l y[l,k]`` to ``T_k``, takes ``a_k sel_l y[l,k]`` off the stage's memory and re-creates
+``sel_l`` during its backward (``PK_k >= sel_l y[l,k]``).
+
+Pins: ``--checkpoint none`` fixes ``c = y = 0``, ``all`` fixes ``c[l,k] = x[l,k]`` for the blocks,
+``selective`` fixes ``c = 0`` and ``y[l,k] = x[l,k]`` for the blocks with attention cores.
 
 Repeated blocks. When the blocks 1..L cost the same (the usual transformer), which blocks a
 stage holds does not matter, only how many: integer ``n_k`` blocks and ``r_k <= n_k`` recomputed
@@ -73,7 +80,8 @@ the relaxation). A last block that differs from the others (HF models: it hands 
 is a row of its own with a binary ``q``: in the last stage, or ending stage ``p - 2`` while the
 last stage holds only the head. The rows above become sums of ``n_k`` and ``r_k`` times the
 block's constants: O(p) variables instead of O(n p), which is what makes 96 layers on 1024
-devices fast. Both forms are built by the same ``add_*_constraints`` functions (one
+devices fast. Selective recompute adds integer ``s_k`` (``r_k + s_k <= n_k``) with a binary
+``u_k >= s_k / L`` for its re-materialization, and binaries for the last block row. Both forms are built by the same ``add_*_constraints`` functions (one
 per family; every row is named ``family_k{k}...`` so an infeasible model says which stage and
 which family failed).
 
@@ -193,6 +201,13 @@ class _Vars:
     def var(self, name, low=None, up=None, cat="Continuous"):
         return _var(self.prob, name, low, up, cat)
 
+    def can_select(self, l: int) -> bool:
+        """Layer ``l`` may recompute selectively under this mode (it has attention cores; the
+        ``selective`` pin covers the blocks)."""
+        if self.cc.layers[l].sel_saved_b <= 0 or self.mode in ("none", "all"):
+            return False
+        return self.mode == "auto" or self.kinds[l] == "block"
+
 
 class _GeneralVars(_Vars):
     """One binary per (layer, stage): any layer table."""
@@ -206,6 +221,11 @@ class _GeneralVars(_Vars):
         self.c = {}
         if checkpoint == "auto":
             self.c = {lk: self.var(f"c_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x}
+        self.y = {}
+        if checkpoint == "auto":
+            self.y = {lk: self.var(f"y_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x if self.can_select(lk[0])}
+        elif checkpoint == "selective":
+            self.y = {lk: self.x[lk] for lk in self.x if self.can_select(lk[0])}
         self.e = {(l, k): self.var(f"e_{l}_{k}", 0, 1) for (l, k) in self.x
                   if k < p - 1 and l + 1 < n and k + 1 in self.window[l + 1]}
         self.ends = [[(l, e) for (l, kk), e in self.e.items() if kk == k] for k in range(p)]
@@ -225,6 +245,10 @@ class _GeneralVars(_Vars):
         L = self.cc.layers
         return pulp.lpSum(f(L[l]) * r for l in self.members[k] if (r := self.rec(l, k)) is not None and f(L[l]))
 
+    def stage_sel_sum(self, k, f):
+        L = self.cc.layers
+        return pulp.lpSum(f(L[l]) * y for l in self.members[k] if (y := self.y.get((l, k))) is not None and f(L[l]))
+
     def p2p(self, k):
         send = self.cc.send_s
         terms = [send(l, k) * e for l, e in self.ends[k]] if k < self.p - 1 else []
@@ -242,6 +266,7 @@ class _GeneralVars(_Vars):
     def peak_terms(self, k):
         L = self.cc.layers
         rec = [(r, L[l].saved_b) for l in self.members[k] if (r := self.rec(l, k)) is not None and L[l].saved_b]
+        rec += [(y, L[l].sel_saved_b) for l in self.members[k] if (y := self.y.get((l, k))) is not None]
         return rec + self.held_terms(k, lambda c: c.bt_b)
 
     def decode(self):
@@ -251,13 +276,14 @@ class _GeneralVars(_Vars):
             ls = [l for l in range(self.n) if stage_of[l] == k]
             stages.append((ls[0], ls[-1]))
         ck = {l for l in range(self.n) if (r := self.rec(l, stage_of[l])) is not None and pulp.value(r) > 0.5}
-        return stages, ck
+        sel = {l for l in range(self.n) if (y := self.y.get((l, stage_of[l]))) is not None and pulp.value(y) > 0.5}
+        return stages, ck, sel
 
 
 def block_capacity(cc: CandidateCosts) -> list[int]:
     """Most blocks each stage can hold in a uniform table (a valid bound that tightens the ILP).
 
-    Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in))`` plus the state and
+    Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in, sv - sel))`` plus the state and
     least activations of the embedding / head rows it holds, whatever it recomputes, so ``n_k <=
     (capacity - fixed_k) / (st + a_k min(sv, in))``; never more than ``L``.
     """
@@ -270,7 +296,7 @@ def block_capacity(cc: CandidateCosts) -> list[int]:
         for row, here in ((pre, k == 0), (post, k == p - 1)):
             if here:
                 fixed += row.state_b + a * min(row.saved_b, row.input_b)
-        per = blk.state_b + a * min(blk.saved_b, blk.input_b)
+        per = blk.state_b + a * min(blk.saved_b, blk.input_b, blk.saved_b - blk.sel_saved_b)
         room = cc.capacity - fixed
         n = L if per <= 0 else int(max(-1.0, math.floor(room / per * (1 + 1e-12))))
         out.append(max(0, min(L, n)) if room >= 0 else -1)
@@ -325,6 +351,24 @@ class _UniformVars(_Vars):
         self.has = [self.z0 if k == 0 else self.ulast if k == p - 1 else 1 for k in range(p)]
         if checkpoint == "all":
             self.v = list(self.has)
+        # selective recompute of the blocks' attention cores: s_k blocks, u_k "stage has one";
+        # the last block row X: sxa (in the last stage) / sxb (ending stage p - 2)
+        self.sel_blk = self.L > 0 and self.can_select(1)
+        sel_x = self.tail and self.can_select(self.n - 2)
+        self.s, self.u = [0] * p, [0] * p
+        self.sxa = self.sxb = 0
+        if checkpoint == "auto":
+            if self.sel_blk:
+                self.s = [self.var(f"s_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
+                self.u = [self.var(f"u_{k}", cat="Binary") for k in range(p)]
+            if sel_x:
+                self.sxa = self.var("s_tail_last", cat="Binary")
+                self.sxb = self.var("s_tail_prev", cat="Binary") if p > 1 else 0
+        elif checkpoint == "selective":
+            if self.sel_blk:
+                self.s, self.u = list(self.nb), list(self.has)
+            if sel_x:
+                self.sxa, self.sxb = self.q, 1 - self.q
         # stage 0 of two ends with a run block: q and z0 (linearized product)
         self.w = self.var("w_first_tail", cat="Binary") if self.tail and p == 2 else None
 
@@ -344,6 +388,18 @@ class _UniformVars(_Vars):
             e = e + f(self.pre)
         if k == self.p - 1:
             e = e + f(self.post)
+        return e
+
+    def _tail_sel(self, k):
+        """The last block row X recomputing selectively in stage k."""
+        return self.sxa if k == self.p - 1 else self.sxb if k == self.p - 2 else 0
+
+    def stage_sel_sum(self, k, f):
+        e = 0
+        if self.sel_blk:
+            e = f(self.blk) * self.s[k]
+        if not _is_zero(self._tail_sel(k)):
+            e = e + f(self.X) * self._tail_sel(k)
         return e
 
     def stage_rec_sum(self, k, f):
@@ -387,12 +443,15 @@ class _UniformVars(_Vars):
         return [t for t in self.held_terms(k, lambda c: c.trans_b) if t[1] and not _is_zero(t[0])]
 
     def peak_terms(self, k):
-        out = [(self.v[k], self.blk.saved_b)] if self.mode != "none" and self.L else []
+        out = [(self.v[k], self.blk.saved_b)] if self.mode in ("auto", "all") and self.L else []
         out.append((self._tail_share(k)[1], self.X.saved_b if self.tail else 0))
         if self.mode == "auto" and k == 0:
             out.append((self.cpre, self.pre.saved_b))
         if self.mode == "auto" and k == self.p - 1:
             out.append((self.cpost, self.post.saved_b))
+        if self.sel_blk:
+            out.append((self.u[k], self.blk.sel_saved_b))
+        out.append((self._tail_sel(k), self.X.sel_saved_b if self.tail else 0))
         out += self.held_terms(k, lambda c: c.bt_b)  # backward transients of the layers held
         return [t for t in out if t[1] and not _is_zero(t[0])]
 
@@ -400,14 +459,16 @@ class _UniformVars(_Vars):
         val = lambda e: int(round(pulp.value(e)))  # noqa: E731
         counts = [val(v) for v in self.nb]
         recs = [val(r) for r in self.r]
+        sels = [val(x) for x in self.s]
         q = val(self.q) if self.tail else 0
-        stages, ck, start = [], set(), 0
+        stages, ck, sel, start = [], set(), set(), 0
         for k in range(self.p):
             has_x = self.tail and ((k == self.p - 1 and q) or (k == self.p - 2 and not q))
             last = start + counts[k] + (k == 0) + (k == self.p - 1) + has_x - 1
             first_block = start + (k == 0)
             stages.append((start, last))
             ck.update(range(first_block, first_block + recs[k]))
+            sel.update(range(first_block + recs[k], first_block + recs[k] + sels[k]))
             start = last + 1
         if val(self.cpre):
             ck.add(0)
@@ -415,7 +476,9 @@ class _UniformVars(_Vars):
             ck.add(self.n - 1)
         if self.tail and val(self.cxa + self.cxb):
             ck.add(self.n - 2)
-        return stages, ck
+        if self.tail and val(self.sxa + self.sxb):
+            sel.add(self.n - 2)
+        return stages, ck, sel
 
 
 # ---------------------------------------------------------------------------------- families
@@ -454,20 +517,23 @@ def add_boundary_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
 
 
 def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
-    """A layer recomputes only where it is; a stage that recomputes pays one re-materialization."""
+    """A layer recomputes (whole or its attention cores, not both) only where it is; a stage that
+    recomputes pays one re-materialization."""
     if v.mode != "auto":
         return
     if v.uniform:
         for k in range(v.p):
-            prob += v.r[k] <= v.nb[k], f"checkpoint_within_k{k}"
+            prob += v.r[k] + v.s[k] <= v.nb[k], f"checkpoint_within_k{k}"
             prob += v.r[k] <= v.ub[k] * v.v[k], f"checkpoint_any_k{k}"
+            if v.sel_blk:
+                prob += v.s[k] <= v.ub[k] * v.u[k], f"checkpoint_selective_any_k{k}"
         if v.tail:
-            prob += v.cxa <= v.q, "checkpoint_tail_last"
+            prob += v.cxa + v.sxa <= v.q, "checkpoint_tail_last"
             if v.p > 1:
-                prob += v.cxb <= 1 - v.q, "checkpoint_tail_prev"
+                prob += v.cxb + v.sxb <= 1 - v.q, "checkpoint_tail_prev"
         return
     for (l, k), c in v.c.items():
-        prob += c <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
+        prob += c + v.y.get((l, k), 0) <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
 
 
 def stage_micro_steps(v: _Vars) -> list:
@@ -475,7 +541,7 @@ def stage_micro_steps(v: _Vars) -> list:
     per problem (the objective, the cutoff row and the ``T`` rows share them)."""
     if v.micro_steps is None:
         v.micro_steps = [v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
-                          + v.p2p(k) for k in range(v.p)]
+                          + v.stage_sel_sum(k, lambda c: c.sel_rec_s) + v.p2p(k) for k in range(v.p)]
     return v.micro_steps
 
 
@@ -503,7 +569,8 @@ def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
             prob += pk >= (val / cap) * ind, f"memory_recompute_peak_k{k}_{i}"
         a = v.cc.inflight[k]
         mem = (v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
-               - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap) + tr + pk)
+               - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap)
+               - v.stage_sel_sum(k, lambda c: a * c.sel_saved_b / cap) + tr + pk)
         prob += mem <= (1 - MEMORY_MARGIN if bound is None else bound), f"memory_k{k}"
     add_offload_capacity_constraints(prob, v)
 
@@ -543,8 +610,8 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     ``cutoff`` (seconds, time objective only) adds the row ``time_cutoff``: step time at most
     ``cutoff``, so the solver can stop as soon as its bound proves the candidate cannot win.
     """
-    if checkpoint not in ("auto", "none", "all"):
-        raise ValueError(f"checkpoint must be auto, none or all, got {checkpoint!r}")
+    if checkpoint not in ("auto", "none", "all", "selective"):
+        raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
     can_uniform = is_repeated(cc, kinds)
     if formulation == "uniform" and not can_uniform:
         raise ValueError("the uniform formulation needs identical blocks between a pre and a post row")
@@ -560,8 +627,10 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     # tie-breaks: less recompute and transfer time, then fewer recomputed layers (a layer whose
     # recompute is free in the FLOP model, such as an embedding, is not recomputed for nothing)
     tie = (TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
+                                  + pulp.lpSum(v.stage_sel_sum(k, lambda c: c.sel_rec_s) for k in range(p))
                                   + pulp.lpSum(v.p2p(k) for k in range(p)))
            + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / v.n * pulp.lpSum(v.stage_rec_sum(k, lambda c: 1.0)
+                                                                  + v.stage_sel_sum(k, lambda c: 0.5)
                                                                   for k in range(p)))
     bound = None
     step = step_time_expr(v)
@@ -601,8 +670,8 @@ def solve_candidate(cc: CandidateCosts, kinds: list[str], checkpoint: str = "aut
         status = "Feasible"
     ev = None
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        stages, ck = v.decode()
-        ev = evaluate(cc, stages, sorted(ck))
+        stages, ck, sel = v.decode()
+        ev = evaluate(cc, stages, sorted(ck), sorted(sel))
         if objective == "time" and not ev.feasible:  # within the solver's tolerance of the limit
             ev, status = None, "Infeasible"
     return ILPResult(ev, status, time.perf_counter() - t0, v.uniform)

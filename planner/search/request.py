@@ -14,7 +14,7 @@ __all__ = ["PlanRequest", "CHECKPOINT_MODES", "COMPILE_MODES", "DEFAULT_HORIZON_
 #: Where ``--offload-optimizer`` / ``--offload-params`` may put a state kind (``cost_models.offload``).
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 
-CHECKPOINT_MODES = ("auto", "none", "all")
+CHECKPOINT_MODES = ("auto", "none", "selective", "all")
 COMPILE_MODES = ("auto", "on", "off")
 
 #: Steps a run is assumed to last when the request gives no ``tokens``: what compiling the stages

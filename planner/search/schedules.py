@@ -168,12 +168,12 @@ def schedule_allows(cand: Candidate, rows: int, schedule: str | None, virtual_st
 def evaluate_strategy(cc: CandidateCosts, strategy) -> Evaluation:
     """Price a :class:`~cost_models.strategy.Strategy` under its own schedule (1F1B in closed form,
     the others simulated on its chunks): what re-pricing a plan on another profile needs."""
-    ck = sorted(strategy.checkpoint)
+    ck, sel = sorted(strategy.checkpoint), sorted(strategy.selective)
     if strategy.schedule == "1f1b":
-        return evaluate(cc, strategy.stages, ck)
-    times = chunk_times(cc, strategy.stages, ck, strategy.schedule)
+        return evaluate(cc, strategy.stages, ck, sel)
+    times = chunk_times(cc, strategy.stages, ck, strategy.schedule, sel)
     sim = simulate_pipeline(strategy.schedule, cc.cand.pp, cc.cand.num_micro_batches, strategy.virtual_stages, times)
-    return evaluate_schedule(cc, strategy.stages, ck, strategy.schedule, strategy.virtual_stages, sim, times)
+    return evaluate_schedule(cc, strategy.stages, ck, strategy.schedule, strategy.virtual_stages, sim, times, sel)
 
 
 def step_bound(cc: CandidateCosts, chunks, times: ChunkTimes) -> float:
@@ -199,8 +199,9 @@ def step_bound(cc: CandidateCosts, chunks, times: ChunkTimes) -> float:
 def _chunks_for(cc: CandidateCosts, base: Evaluation, name: str, v: int):
     if name != "interleaved":
         return base.strategy.stages
-    ck = base.strategy.checkpoint
-    costs = [l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) for i, l in enumerate(cc.layers)]
+    ck, sel = base.strategy.checkpoint, base.strategy.selective
+    costs = [l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
+             for i, l in enumerate(cc.layers)]
     try:
         return split_chunks(costs, cc.cand.pp * v)
     except ValueError:
@@ -220,7 +221,7 @@ def _prepared(cc: CandidateCosts, base: Evaluation, name: str, v: int):
     chunks = _chunks_for(cc, base, name, v)
     if chunks is None:
         return None
-    return chunks, chunk_times(cc, chunks, sorted(base.strategy.checkpoint), name)
+    return chunks, chunk_times(cc, chunks, sorted(base.strategy.checkpoint), name, sorted(base.strategy.selective))
 
 
 def _simulated(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, times: ChunkTimes):
@@ -228,7 +229,8 @@ def _simulated(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, 
         sim = simulate_pipeline(name, cc.cand.pp, cc.cand.num_micro_batches, v, times)
     except ScheduleError:
         return None
-    return evaluate_schedule(cc, chunks, sorted(base.strategy.checkpoint), name, v, sim, times)
+    return evaluate_schedule(cc, chunks, sorted(base.strategy.checkpoint), name, v, sim, times,
+                             sorted(base.strategy.selective))
 
 
 def best_schedule(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]]) -> Evaluation | None:

@@ -347,7 +347,7 @@ def _repriced(req, nt: NumericTable, hw: HardwareProfile, gpn: int, ev: Evaluati
     """``ev``'s strategy priced with its layers compiled (or not)."""
     c = dataclasses.replace(ev.strategy.candidate, compile=compiled)
     cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, hw.memory_bytes * req.memory_headroom)
-    return evaluate(cc, ev.strategy.stages, sorted(ev.strategy.checkpoint))
+    return evaluate(cc, ev.strategy.stages, sorted(ev.strategy.checkpoint), sorted(ev.strategy.selective))
 
 
 def _saving_bound(eager: CandidateCosts, compiled: CandidateCosts) -> float:
@@ -409,7 +409,7 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
         zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
         schedule=ev.strategy.schedule, virtual_stages=ev.strategy.virtual_stages,
         stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
-        compile=c.compile, offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
+        selective_layers=sorted(ev.strategy.selective), compile=c.compile, offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
         predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
         solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status,
                           candidates=res.enumerated),

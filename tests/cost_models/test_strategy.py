@@ -164,14 +164,17 @@ def test_numeric_table_caches_identical_blocks():
 def test_lower_bounds_are_sound(pp, zero, tp, mbs, tail, cap, data):
     """No partition or recompute set beats the time or memory lower bounds; no feasible one beats
     the memory-aware bound of repeated-block tables."""
-    t = gpt_table(layers=3, hidden=128, heads=4, vocab=1024, tail_boundary=tail)
+    t = gpt_table(layers=3, hidden=128, heads=4, vocab=1024, tail_boundary=tail,
+                  attention_core=data.draw(st.booleans()))
     cc = _cc(t, Candidate(2, tp, pp, zero, mbs, 4), cap=cap * 2**28)
     n = 5
     cuts = data.draw(st.sampled_from(list(itertools.combinations(range(1, n), pp - 1))))
     bounds = [0, *cuts, n]
     stages = [(bounds[i], bounds[i + 1] - 1) for i in range(pp)]
     ck = data.draw(st.sets(st.integers(0, n - 1)))
-    ev = evaluate(cc, stages, sorted(ck))
+    cores = [i for i in range(n) if cc.layers[i].sel_saved_b > 0 and i not in ck]
+    sel = data.draw(st.sets(st.sampled_from(cores))) if cores else set()
+    ev = evaluate(cc, stages, sorted(ck), sorted(sel))
     assert time_lower_bound(cc) <= ev.step_time_s * (1 + 1e-12)
     assert memory_lower_bound(cc) <= memory_bound(ev) + 1
     if ev.feasible:

@@ -27,24 +27,29 @@ SLOW = dataclasses.replace(HW, inter_node_bandwidth=2e8, intra_node_bandwidth=2e
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _all_strategies(n: int, p: int, blocks: list[int], mode: str):
-    """Every contiguous partition into p stages x every recompute set the mode allows."""
+def _all_strategies(n: int, p: int, blocks: list[int], mode: str, cores: list[int]):
+    """Every contiguous partition into p stages x every (full, selective) recompute the mode
+    allows: each layer none, whole, or (with attention cores) its cores only."""
     for cuts in itertools.combinations(range(1, n), p - 1):
         b = [0, *cuts, n]
         stages = [(b[i], b[i + 1] - 1) for i in range(p)]
         if mode == "none":
-            sets = [()]
+            sets = [((), ())]
         elif mode == "all":
-            sets = [tuple(blocks)]
+            sets = [(tuple(blocks), ())]
+        elif mode == "selective":
+            sets = [((), tuple(i for i in blocks if i in cores))]
         else:
-            sets = itertools.chain.from_iterable(itertools.combinations(range(n), r) for r in range(n + 1))
-        for ck in sets:
-            yield stages, ck
+            sets = [(tuple(i for i, c in enumerate(ch) if c == 1), tuple(i for i, c in enumerate(ch) if c == 2))
+                    for ch in itertools.product(*[(0, 1, 2) if i in cores else (0, 1) for i in range(n)])]
+        for ck, sel in sets:
+            yield stages, ck, sel
 
 
 def _brute(cc, kinds, mode):
-    evs = [evaluate(cc, s, c) for s, c in _all_strategies(cc.num_layers, cc.cand.pp,
-                                                            [i for i, k in enumerate(kinds) if k == "block"], mode)]
+    cores = [i for i, l in enumerate(cc.layers) if l.sel_saved_b > 0]
+    evs = [evaluate(cc, s, c, sel) for s, c, sel in _all_strategies(
+        cc.num_layers, cc.cand.pp, [i for i, k in enumerate(kinds) if k == "block"], mode, cores)]
     feas = [e for e in evs if e.feasible]
     return (min(e.step_time_s for e in feas) if feas else None), min(memory_bound(e) for e in evs), evs
 
@@ -56,7 +61,8 @@ def instances(draw):
     scale = [draw(st.sampled_from([1, 2, 3])) for _ in range(layers)] if shape == "mixed" else None
     tail = draw(st.sampled_from([0.5, 3.0])) if shape == "tail" else None
     table = gpt_table(layers=layers, hidden=draw(st.sampled_from([64, 128, 256])), heads=4,
-                      vocab=draw(st.sampled_from([256, 4096])), block_scale=scale, tail_boundary=tail)
+                      vocab=draw(st.sampled_from([256, 4096])), block_scale=scale, tail_boundary=tail,
+                      attention_core=draw(st.booleans()))
     pp = draw(st.integers(1, min(3, layers + 2)))
     dp = draw(st.sampled_from([1, 2]))
     tp = draw(st.sampled_from([1, 2]))
@@ -67,7 +73,7 @@ def instances(draw):
     cc = candidate_costs(NumericTable(table), hw, draw(st.sampled_from(["bf16", "fp32"])), seq, cand,
                          hw.gpus_per_node, 1.0)
     kinds = [l.kind for l in table.layers]
-    mode = draw(st.sampled_from(["auto", "auto", "none", "all"]))
+    mode = draw(st.sampled_from(["auto", "auto", "none", "all", "selective"]))
     return cc, kinds, mode, draw(st.floats(0.0, 1.0)), draw(st.sampled_from(["auto", "general"]))
 
 
@@ -138,9 +144,11 @@ def _req(**kw):
     return PlanRequest(**base)
 
 
-def test_search_with_pruning_equals_exhaustive_brute_force():
-    """The pruned search returns the best over every candidate, partition and recompute set."""
-    table = gpt_table(layers=2, hidden=128, heads=2, vocab=1024)
+@pytest.mark.parametrize("cores", [False, True])
+def test_search_with_pruning_equals_exhaustive_brute_force(cores):
+    """The pruned search returns the best over every candidate, partition and recompute set
+    (with attention cores: selective recompute too, which the memory-aware bound must allow for)."""
+    table = gpt_table(layers=2, hidden=128, heads=2, vocab=1024, attention_core=cores)
     hw = dataclasses.replace(SLOW, gpus_per_node=2, memory_bytes=int(6e7))
     req = _req(hardware="x.json")
     nt = NumericTable(table)
@@ -190,7 +198,27 @@ def test_pins_fix_decisions_and_checkpoint_modes():
     assert (plan.pp, plan.zero_stage, plan.micro_batch_size) == (2, 1, 2)
     assert plan.checkpoint_layers == list(range(1, 7))
     plan = solve(dataclasses.replace(req, checkpoint="none"), table, HW).plan
-    assert plan.checkpoint_layers == []
+    assert plan.checkpoint_layers == [] and plan.selective_layers == []
+    cored = gpt_table(layers=6, hidden=512, heads=8, vocab=8192, attention_core=True)
+    plan = solve(dataclasses.replace(req, checkpoint="selective"), cored, HW).plan
+    assert plan.checkpoint_layers == [] and plan.selective_layers == list(range(1, 7))
+    assert plan.predicted.time["recompute"] > 0
+
+
+def test_selective_recompute_is_chosen_where_it_beats_full_recompute():
+    """A long sequence's attention scores dominate a block's activations (5 a s^2 b bytes against
+    34 s b h): dropping only them fits memory for a fraction of a full recompute's time."""
+    table = gpt_table(layers=24, hidden=1024, heads=16, vocab=32000, attention_core=True)
+    req = PlanRequest(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=8192,
+                      dp=8, tp=1, pp=1, zero_stage=1, micro_batch=1, schedule="1f1b")
+    auto = solve(req, table, HW).plan
+    full = solve(dataclasses.replace(req, checkpoint="all"), table, HW).plan
+    assert auto.selective_layers and not set(auto.selective_layers) & set(auto.checkpoint_layers)
+    assert auto.predicted.time["recompute"] < full.predicted.time["recompute"]
+    assert auto.predicted.step_time_s < full.predicted.step_time_s
+    assert auto.predicted.peak_memory_bytes <= HW.memory_bytes * 0.9
+    with pytest.raises(NoFeasiblePlan):  # memory is what forces the recompute
+        solve(dataclasses.replace(req, checkpoint="none"), table, HW).plan
 
 
 def test_only_pinned_triple_fills_alternatives_with_other_batching():
