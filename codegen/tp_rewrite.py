@@ -23,6 +23,22 @@ there, and the cost pass prices the same decisions) for the plan's tp degree ``t
   vocab-sharded logits becomes ``vocab_parallel_cross_entropy``. A vocabulary ``t`` does not
   divide is padded to ``ceil(V / t) * t`` rows.
 
+Sequence parallelism (plan.json ``sequence_parallel``; the analysis' ``sp_*`` decisions, explained
+in ``passes.tp_analysis``, "Sequence parallelism") rewrites on top of that:
+
+* The input of a column-parallel matmul that is sequence-sharded passes through
+  ``all_gather_seq`` instead of ``copy_to_tp`` (one gather per value, shared by q, k and v).
+* A row-parallel matmul becomes the matmul, ``reduce_scatter_seq`` along the sequence and the bias
+  (through ``copy_to_tp``: each rank adds it to its positions only); the token embedding gets
+  ``sequence_dim`` (a reduce-scatter instead of the all-reduce).
+* Replicated tensors requiring grad used on sequence shards (norm weights and biases) pass through
+  ``copy_to_tp``; replicated full-length ones (a position embedding) through ``scatter_to_tp``
+  along their sequence dim; size arguments along the sequence of views and expands become ``S/t``.
+* What a pipeline stage sends or receives is ``S/t`` positions long (``sequence_sharded``).
+
+A model SP cannot split (``sp_blocked``) or a sequence ``t`` does not divide is a ``TPRewriteError``.
+With ``sequence_parallel`` false none of this happens: the code is that of plain tp.
+
 Divisibility is checked here, for the concrete ``t``: the heads, the kv heads (``t`` divides
 them, or is a multiple of them: each kv head is then replicated on ``t / kv`` ranks), the output features
 of every column-parallel matmul (the vocabulary excepted), every reshape that splits the sharded
@@ -92,6 +108,14 @@ class TPAnalysis:
     """Original FQN -> shard spec for the runtime."""
     replicated: dict = field(default_factory=dict)
     """Node name of a matmul/embedding made replicated -> why (the conflict that forced it)."""
+    sequence_parallel: bool = False
+    """Whether the rewrite applies sequence parallelism (the fields below are empty if not)."""
+    sp_args: dict = field(default_factory=dict)
+    """Node name -> ``[(argument path, gather | split | copy, dim)]`` (``TPDecisions.sp_args``)."""
+    sp_reduce: dict = field(default_factory=dict)
+    """Row-parallel matmul / token embedding name -> the sequence dim it reduce-scatters along."""
+    sequence_sharded: dict = field(default_factory=dict)
+    """Node name -> sequence dim of the values each rank holds ``S/t`` positions of."""
 
 
 def _shape(n) -> list[int]:
@@ -159,9 +183,10 @@ def _fused_supported() -> bool:
 class _Planner:
     """Turn the shared decisions into this tp degree's rewrite actions, checking divisibility."""
 
-    def __init__(self, gm: fx.GraphModule, dec: TPDecisions, tp: int, dims: dict, fused_ok: bool | None):
+    def __init__(self, gm: fx.GraphModule, dec: TPDecisions, tp: int, dims: dict, fused_ok: bool | None,
+                 sequence_parallel: bool = False):
         self.gm, self.dec, self.tp, self.dims, self.fused_ok = gm, dec, tp, dims, fused_ok
-        self.a = TPAnalysis(tp, dec)
+        self.a = TPAnalysis(tp, dec, sequence_parallel=sequence_parallel)
         # the LM heads whose logits feed the vocab-parallel loss: tp need not divide them
         self.vocab_heads = {n.name for n, keys in dec.shards_params.items()
                             if dec.role[n] == "col" and dec.weights[keys[0]].kind == "vocab"}
@@ -213,7 +238,28 @@ class _Planner:
                     self.split(n)
         a.enter = {n.name: paths for n, paths in dec.enter.items()}
         a.scatter = {n.name: sc for n, sc in dec.scatter.items()}
+        if a.sequence_parallel:
+            self.sequence_parallel()
         return a
+
+    def sequence_parallel(self):
+        """The SP decisions for this ``t``: divisibility, and the views' sizes along the sequence."""
+        dec, a, t = self.dec, self.a, self.tp
+        if dec.sp_blocked:
+            raise TPRewriteError(f"sequence parallelism (tp={t}) cannot split this model: {dec.sp_blocked}. "
+                                 "Set sequence_parallel to false in the plan (planner plan "
+                                 "--sequence-parallel off).")
+        if dec.sp_seq_len % t:
+            raise TPRewriteError(f"sequence parallelism (tp={t}): the sequence length {dec.sp_seq_len} is not "
+                                 f"a multiple of tp={t}; choose a sequence length tp divides.")
+        local = dec.sp_seq_len // t
+        for n in self.gm.graph.nodes:
+            d = dec.sp_sharded.get(n.name)
+            if isinstance(d, int) and op_name(n) in ("view", "_unsafe_view", "reshape", "expand"):
+                a.actions[n.name] = ("size", (1, d, local))
+        a.sp_args = dict(dec.sp_args)
+        a.sp_reduce = {c.value: c.dim for c in dec.sp_comms if c.kind == "reduce_scatter"}
+        a.sequence_sharded = dict(dec.sp_sharded)
 
     def view(self, n):
         """view / reshape / flatten / unflatten: rewrite the size list along the sharded dim."""
@@ -259,8 +305,9 @@ def _spec(w, tp: int) -> dict:
 
 
 def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, dims=None,
-               fused_ok: bool | None = None) -> TPAnalysis:
-    """The rewrite of ``gm`` for degree ``tp`` (see the module doc); raises ``TPRewriteError``."""
+               fused_ok: bool | None = None, sequence_parallel: bool = False) -> TPAnalysis:
+    """The rewrite of ``gm`` for degree ``tp`` (see the module doc), with sequence parallelism if
+    ``sequence_parallel``; raises ``TPRewriteError``."""
     try:
         # key/value heads tp is a multiple of: their projections stay replicated (a reshape into
         # heads tp does not divide is then a conflict of the analysis, not an error here)
@@ -273,7 +320,7 @@ def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, d
         raise TPRewriteError(f"tensor parallelism (tp={tp}) at {where}: {c.why}, and no "
                              "column-parallel matmul can be kept replicated to avoid it. "
                              "Use tp=1 for this model or restructure this op.") from None
-    a = _Planner(gm, dec, tp, dims or {}, fused_ok).run()
+    a = _Planner(gm, dec, tp, dims or {}, fused_ok, sequence_parallel).run()
     a.replicated = {k: f"{c.why} at {_where(c.node)}" for k, c in dec.replicated.items()}
     a.shard_info = {key: _spec(w, tp) for key, w in dec.weights.items()}
     return a
@@ -312,12 +359,23 @@ class _LayerRewriter:
                                  "the tensor-parallel rewrite must run before other rewrites")
         copies: dict[fx.Node, fx.Node] = {}
         starts: dict[int, fx.Node] = {}
+        sp_made: dict[tuple, fx.Node] = {}  # (action, value) -> its all_gather_seq / scatter_to_tp
 
         def copy_of(x: fx.Node, before: fx.Node) -> fx.Node:
             if x not in copies:
                 with g.inserting_before(before):
                     copies[x] = g.call_function(rtp.copy_to_tp, (x,))
             return copies[x]
+
+        def sp_of(kind: str, x: fx.Node, dim, before: fx.Node) -> fx.Node:
+            """``x`` gathered (``all_gather_seq``), split (``scatter_to_tp``) or copied for SP."""
+            if kind == "copy":
+                return copy_of(x, before)
+            if (kind, x) not in sp_made:
+                fn = rtp.all_gather_seq if kind == "gather" else rtp.scatter_to_tp
+                with g.inserting_before(before):
+                    sp_made[kind, x] = g.call_function(fn, (x, dim))
+            return sp_made[kind, x]
 
         def vocab_start(per: int, before: fx.Node) -> fx.Node:
             if per not in starts:
@@ -327,9 +385,15 @@ class _LayerRewriter:
             return starts[per]
 
         for new, orig in zip(new_nodes, lg.nodes):
+            sp = self.an.sp_args.get(orig.name, ())
+            gathered = {path for path, kind, _ in sp if kind == "gather"}
             for path in self.an.enter.get(orig.name, ()):
+                if path in gathered:  # SP: the all-gather replaces copy_to_tp
+                    continue
                 x = _get_path(new, path)
                 _set_path(new, path, copy_of(x, new))
+            for path, kind, dim in sp:
+                _set_path(new, path, sp_of(kind, _get_path(new, path), dim, new))
             for path, dim in self.an.scatter.get(orig.name, ()):
                 with g.inserting_before(new):
                     _set_path(new, path, g.call_function(rtp.scatter_to_tp, (_get_path(new, path), dim)))
@@ -345,14 +409,20 @@ class _LayerRewriter:
                 _set_path(new, (p[0], None), p[1])
             elif kind in ("row", "embed", "loss"):
                 with g.inserting_before(new):
-                    out = self._replacement(g, new, kind, p, vocab_start, rtp)
+                    out = self._replacement(g, new, kind, p, vocab_start, rtp, self.an.sp_reduce.get(orig.name))
                 new.replace_all_uses_with(out)
                 g.erase_node(new)
 
     @staticmethod
-    def _replacement(g: fx.Graph, new: fx.Node, kind: str, p, vocab_start, rtp) -> fx.Node:
-        """The nodes that replace a row-parallel matmul, the token embedding or the loss."""
+    def _replacement(g: fx.Graph, new: fx.Node, kind: str, p, vocab_start, rtp, seq=None) -> fx.Node:
+        """The nodes that replace a row-parallel matmul, the token embedding or the loss (``seq``:
+        the sequence dim a row-parallel matmul or the embedding reduce-scatters along under SP)."""
         call = g.call_function
+        if kind == "row" and seq is not None:  # SP: the bias (through copy_to_tp) after the scatter
+            x, w, b = matmul_operands(new)
+            mm = aten.mm.default if p is aten.addmm.default else p
+            out = call(rtp.reduce_scatter_seq, (call(mm, (x, w)), seq))
+            return out if b is None else call(aten.add.Tensor, (out, b))
         if kind == "row":
             x, w, b = matmul_operands(new)
             if p is aten.linear.default:
@@ -364,9 +434,12 @@ class _LayerRewriter:
         if kind == "embed":
             per, pad = p
             w, ids = new.args[0], new.args[1]
-            out = call(rtp.vocab_parallel_embedding, (ids, w, vocab_start(per, new)))
+            out = call(rtp.vocab_parallel_embedding, (ids, w, vocab_start(per, new)),
+                       {} if seq is None else {"sequence_dim": seq})
             if isinstance(pad, int) and pad >= 0:  # padding_idx: its row gets no gradient
                 is_pad = call(aten.unsqueeze.default, (call(aten.eq.Scalar, (ids, pad)), -1))
+                if seq is not None:  # SP: this rank's positions
+                    is_pad = call(rtp.scatter_to_tp, (is_pad, seq))
                 out = call(aten.where.self, (is_pad, call(aten.detach.default, (out,)), out))
             return out
         local, full, red, ignore = p
@@ -395,7 +468,10 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, d
     ``rewrite(g, lg)`` rewrites one layer's graph in place (called by ``codegen.lower``);
     ``shard_info`` is ``{original FQN: shard spec}``. As a side effect the sharded parameters of
     ``gm`` (on meta) take their shard shapes, which the generated ``__init__`` and the manifest use.
-    ``rewrite.replicated`` lists the matmuls/embeddings kept replicated, and why.
+    ``rewrite.replicated`` lists the matmuls/embeddings kept replicated, and why. With the plan's
+    ``sequence_parallel``, ``rewrite.sequence_sharded`` maps the values each rank holds ``S/t``
+    positions of to their sequence dim, and ``rewrite.sp_replicated`` lists the row-parallel
+    matmuls / embedding that keep their all-reduce, and why.
     """
     tp = int(plan.tp)
     heads, kv = dims.get("heads"), dims.get("kv_heads")
@@ -406,10 +482,14 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, d
         raise TPRewriteError(f"tp={tp} neither divides the model's {kv} key/value heads nor is a "
                              f"multiple of them (model dims: {dims}); choose a tp that divides the "
                              "key/value heads, or a multiple of them that divides the heads.")
-    analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims)
+    sp = bool(getattr(plan, "sequence_parallel", False))
+    analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims, sequence_parallel=sp)
     _reshard_params(gm, analysis.shard_info, tp)
     rewrite = _LayerRewriter(analysis)
     rewrite.replicated = analysis.replicated
+    rewrite.sequence_sharded = analysis.sequence_sharded
+    kept = analysis.decisions.sp_replicated if sp else {}
+    rewrite.sp_replicated = {k: f"{c.why} at {_where(c.node)}" for k, c in kept.items()}
     return rewrite, analysis.shard_info
 
 

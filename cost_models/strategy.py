@@ -43,6 +43,14 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
   forward again in backward: ``sel_rec_l = hw.recompute_ratio x t_core`` (``t_core`` priced as a
   forward from the ``core_*`` fields; the cores hold no tensor-parallel collective). During its
   backward the core's tensors exist again, a transient like a recomputed layer's.
+- sequence parallelism (``Candidate.sequence_parallel``, tp > 1): the activations between the
+  tensor-parallel regions are split along the sequence, so ``saved_bytes_sp``, the memory-bound
+  bytes of those ops (``fwd_bytes_sp``, ``bwd_bytes_sp``) and the sequence-sharded inputs and
+  pipeline sends (``input_bytes_sp``, ``boundary_bytes_sp``) divide by tp. Each all-reduce that
+  ends a region becomes a reduce-scatter (``sp_reduce_scatter_bytes``) and each region's input is
+  all-gathered (``sp_all_gather_bytes``): the same bytes as the ring all-reduce, in twice the
+  calls; backward mirrors them, and the replicated weights used on sequence shards (norms)
+  all-reduce their gradients (``sp_grad_all_reduce_bytes``).
 - parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
   Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
   flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
@@ -295,6 +303,9 @@ class Candidate:
     (``cost_models.offload``)."""
     offload_params: str = "none"
     """Where the ZeRO-3 parameter shards live: ``none`` (device), ``cpu``, ``nvme``."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the tensor-parallel regions (tp > 1; "Sequence
+    parallelism" above)."""
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -310,6 +321,7 @@ class Candidate:
                if v != "none"]
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
                 f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}"
+                + (", sequence-parallel" if self.sequence_parallel else "")
                 + (", compiled" if self.compile else "") + (f", offload {' and '.join(off)}" if off else ""))
 
 
@@ -516,9 +528,13 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
                 tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1, tokens: float = 0.0) -> LayerCost:
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
+    sp = cand.sequence_parallel and tp > 1
+
+    def seq(name: str) -> float:  # what sequence parallelism removes from a per-device amount
+        return row.get(name + "_sp", 0.0) * (1 - 1 / tp) if sp else 0.0
 
     def split(name: str) -> float:  # the part tp divides, divided; the rest whole
-        v = row[name] - row[name + "_tp"] + row[name + "_tp"] / tp
+        v = row[name] - row[name + "_tp"] + row[name + "_tp"] / tp - seq(name)
         if tp > 1 and name in ("fwd_bytes", "bwd_bytes"):  # the runtime's vocab-parallel loss
             v = max(v + row["tp_loss_" + name] / tp, 0.0)
         return v
@@ -550,19 +566,33 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     dev_w = wgrad_device_time(row, split("bwd_flops"), hw, dtype, tp, tokens) + float(
         compute_time(0.0, accumulate, hw, dtype))
     t_w = t_b * min(dev_w / dev_b, 1.0) if dev_b > 0 else 0.0
-    def tp_cost(nbytes: float) -> tuple[float, float]:
+    def tp_cost(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
         # The runtime all-reduces a contiguous copy of the activation (autograd may share the
         # original): a read and a write of the bytes on top of the collective.
-        return (float(collective_time("all_reduce", nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
-                float(ring_bytes_sent("all_reduce", nbytes, tp)))
+        return (float(collective_time(kind, nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
+                float(ring_bytes_sent(kind, nbytes, tp)))
 
-    t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
-    t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
-    if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
-        t_tp += row["tp_allreduce_calls"] * hw.sync_overhead_s
-        t_tp_bwd += row["tp_allreduce_bwd_calls"] * hw.sync_overhead_s
+    def add(*parts: tuple[float, float]) -> tuple[float, float]:
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+    if sp:  # the all-reduces at the regions' ends become reduce-scatters + all-gathers (same bytes)
+        rs, ag = row["sp_reduce_scatter_bytes"], row["sp_all_gather_bytes"]
+        t_tp, tp_sent = add(tp_cost(max(row["tp_allreduce_bytes"] - rs, 0.0)), tp_cost(rs, "reduce_scatter"),
+                            tp_cost(ag, "all_gather"))
+        t_tp_bwd, tp_sent_bwd = add(
+            tp_cost(max(row["tp_allreduce_bwd_bytes"] - ag, 0.0) + row["sp_grad_all_reduce_bytes"]),
+            tp_cost(rs + row["sp_split_bytes"], "all_gather"), tp_cost(ag, "reduce_scatter"))
+        t_tp += (row["tp_allreduce_calls"] + row["sp_all_gather_calls"]) * hw.sync_overhead_s
+        t_tp_bwd += (row["tp_allreduce_bwd_calls"] + row["sp_reduce_scatter_calls"]
+                     + (row["sp_grad_all_reduce_bytes"] > 0) + (row["sp_split_bytes"] > 0)) * hw.sync_overhead_s
+    else:
+        t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
+        t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
+        if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
+            t_tp += row["tp_allreduce_calls"] * hw.sync_overhead_s
+            t_tp_bwd += row["tp_allreduce_bwd_calls"] * hw.sync_overhead_s
     # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
     # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
     # residual stream, is not run again.
@@ -588,7 +618,7 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     zmb_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_mb)
     step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
     opt_params = shard_elements(P, dp) if z >= 1 else P
-    saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
+    saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp - seq("saved_bytes")
     largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
     # selective recompute: the attention cores' forward, priced like a forward of its own
     core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if cand.compile else row["core_num_ops"]) \
@@ -606,7 +636,8 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
         trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
         bt_b=float(backward_transient_bytes(largest, bytes_per_param(dtype)["grads"] * max(
             row["largest_param"], math.ceil(row["largest_param_tp"] / tp)))),
-        saved_b=saved, input_b=row["input_bytes"], boundary_b=row["boundary_bytes"],
+        saved_b=saved, input_b=row["input_bytes"] - seq("input_bytes"),
+        boundary_b=row["boundary_bytes"] - seq("boundary_bytes"),
         tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
         dp_step_sent_b=step_b, num_params=P, wgrad_s=t_w,
         wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens),

@@ -43,10 +43,12 @@ EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_
                "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
                "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes",
                "core_fwd_flops", "core_fwd_flops_tp", "core_fwd_bytes", "core_fwd_bytes_tp",
-               "core_saved_bytes", "core_saved_bytes_tp")
+               "core_saved_bytes", "core_saved_bytes_tp",
+               "saved_bytes_sp", "fwd_bytes_sp", "bwd_bytes_sp", "input_bytes_sp", "boundary_bytes_sp",
+               "sp_reduce_scatter_bytes", "sp_all_gather_bytes", "sp_grad_all_reduce_bytes", "sp_split_bytes")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
               "tp_allreduce_calls", "tp_allreduce_bwd_calls", "largest_param", "largest_param_tp",
-              "core_num_ops")
+              "core_num_ops", "sp_reduce_scatter_calls", "sp_all_gather_calls")
 GEMM_FIELDS = ("fwd_gemms", "bwd_gemms", "core_gemms")
 GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
@@ -167,6 +169,34 @@ class LayerCosts:
     """Operator calls of the attention cores' forward."""
     core_gemms: list = field(default_factory=list)
     """The attention cores' forward matrix products by shape, ``Gemm`` rows."""
+    saved_bytes_sp: sympy.Expr = _ZERO
+    """Of ``saved_bytes``, what sequence parallelism shards along the sequence (the replicated
+    activations between the tensor-parallel regions: norms, residual adds, dropout); 0 when SP
+    cannot apply to the model (``passes.tp_analysis``: ``sp_blocked``)."""
+    fwd_bytes_sp: sympy.Expr = _ZERO
+    """Of ``fwd_bytes``, what the ops on sequence shards move (divided by tp under SP)."""
+    bwd_bytes_sp: sympy.Expr = _ZERO
+    """The same for ``bwd_bytes``."""
+    input_bytes_sp: sympy.Expr = _ZERO
+    """Of ``input_bytes``, the sequence-sharded inputs."""
+    boundary_bytes_sp: sympy.Expr = _ZERO
+    """Of ``boundary_bytes``, the sequence-sharded values (a pipeline send of ``s / tp`` positions)."""
+    sp_reduce_scatter_bytes: sympy.Expr = _ZERO
+    """Bytes (whole tensors) SP reduce-scatters in one forward in place of all-reducing them
+    (row-parallel outputs, the embedding); the backward all-gathers their gradients."""
+    sp_all_gather_bytes: sympy.Expr = _ZERO
+    """Bytes (whole tensors) SP all-gathers in one forward before column-parallel matmuls; the
+    backward reduce-scatters their gradients in place of all-reducing them."""
+    sp_grad_all_reduce_bytes: sympy.Expr = _ZERO
+    """Gradient bytes of replicated weights used on sequence shards (norm weights, row-parallel
+    biases), all-reduced over tp in each backward under SP."""
+    sp_split_bytes: sympy.Expr = _ZERO
+    """Bytes (whole tensors) of replicated full-length values each rank keeps its positions of under
+    SP (a position embedding): their gradients are all-gathered in the backward."""
+    sp_reduce_scatter_calls: int = 0
+    """Reduce-scatters of one forward under SP."""
+    sp_all_gather_calls: int = 0
+    """All-gathers of one forward under SP."""
     signature: str = ""
     """Digest of the layer's ops, shapes and weights: identical blocks share it."""
 

@@ -90,6 +90,7 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
                     ints[lay]["param_count_tp"] += m["param_count"]
             elif "buffer_bytes" in m:
                 ints[lay]["buffer_bytes"] += m["buffer_bytes"]
+            a["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
             continue
         if node.op == "call_function" and any(True for _ in iter_tensors(m.get("val"))):
             ints[lay]["num_ops"] += 1  # tensor ops only: shape arithmetic of a dynamic trace is free
@@ -122,6 +123,16 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
             a["bwd_bytes_tp"] += m["bwd_bytes"]
         a["saved_bytes"] += m["saved_bytes"]
         a["saved_bytes_tp"] += tp.saved_bytes_tp
+        a["saved_bytes_sp"] += tp.saved_bytes_sp
+        if tp.sp:
+            a["fwd_bytes_sp"] += m["fwd_bytes"]
+            a["bwd_bytes_sp"] += m["bwd_bytes"]
+        a["sp_reduce_scatter_bytes"] += tp.sp_reduce_scatter
+        a["sp_all_gather_bytes"] += tp.sp_all_gather
+        a["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
+        a["sp_split_bytes"] += tp.sp_split
+        ints[lay]["sp_reduce_scatter_calls"] += int(tp.sp_reduce_scatter != 0)
+        ints[lay]["sp_all_gather_calls"] += int(tp.sp_all_gather != 0)
         a["tp_allreduce_bytes"] += tp.allreduce_fwd
         a["tp_allreduce_bwd_bytes"] += tp.allreduce_bwd
         a["tp_loss_fwd_bytes"] += tp.loss_fwd_bytes
@@ -140,6 +151,8 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
     for i, io in enumerate(layer_io(gm, nb)):
         acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
         acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)
+        acc[i]["input_bytes_sp"] = sum((x.meta["out_bytes"] for x in io.inputs if _seq(x)), _ZERO)
+        acc[i]["boundary_bytes_sp"] = sum((x.meta["out_bytes"] for x in io.boundary if _seq(x)), _ZERO)
         rows[i].boundary = [(tuple(x.meta["shape"]), dtype_name(x.meta["dtype"]))
                             for x in io.boundary]
     for i, row in enumerate(rows):
@@ -150,6 +163,12 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         for f, v in gemms[i].items():
             setattr(row, f, _merge_gemms(v))
     return rows
+
+
+def _seq(x: fx.Node) -> bool:
+    """``x`` is sequence-sharded under sequence parallelism."""
+    tp = x.meta.get("tp")
+    return bool(tp is not None and tp.sp)
 
 
 def _attention_cores(gm: fx.GraphModule) -> set[fx.Node]:

@@ -101,6 +101,22 @@ class TPInfo:
     ``k``, ``batch``) or None (empty: none divides)."""
     bwd_gemm_dims: list = field(default_factory=list)
     """The same for ``meta['bwd_gemms']``."""
+    # ---- under sequence parallelism (``passes.tp_analysis``, "Sequence parallelism")
+    sp: bool = False
+    """The node's output is sequence-sharded under SP (each tp rank holds ``s / tp`` positions)."""
+    saved_bytes_sp: sympy.Expr = _ZERO
+    """The part of ``meta['saved_bytes']`` SP shards along the sequence (beyond ``saved_bytes_tp``)."""
+    sp_reduce_scatter: sympy.Expr = _ZERO
+    """Bytes (whole tensor) SP reduce-scatters here in the forward instead of all-reducing them
+    (all-gathered in the backward)."""
+    sp_all_gather: sympy.Expr = _ZERO
+    """Bytes (whole tensor) SP all-gathers here in the forward before column-parallel matmuls
+    (reduce-scattered in the backward instead of all-reduced)."""
+    sp_grad_all_reduce: sympy.Expr = _ZERO
+    """Gradient bytes of replicated weights used on sequence shards, all-reduced in the backward."""
+    sp_split: sympy.Expr = _ZERO
+    """Bytes (whole tensor) of a replicated full-length value each rank takes its positions of (a
+    position embedding): nothing in the forward, its gradient all-gathered in the backward."""
 
 
 def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
@@ -234,6 +250,44 @@ def _all_replicated(gm: fx.GraphModule, node: fx.Node, why: str) -> fx.GraphModu
     return gm
 
 
+def _sequence_parallel(gm: fx.GraphModule, dec: TPDecisions, info: dict[fx.Node, TPInfo]) -> None:
+    """Price sequence parallelism's decisions on each node (``TPInfo.sp*``): which outputs and
+    saved tensors it shards along the sequence and the collectives it adds or changes, charged to
+    the node whose value they move. The cost model applies them only to plans that use SP."""
+    if dec.sp_blocked is not None or not dec.sp_sharded:
+        return
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seq = set(dec.sp_sharded)
+    # a column-parallel matmul reads the all-gathered (whole-sequence) copy of its input and saves
+    # that copy for its weight gradient: those saved bytes do not shrink
+    gathered = {(getattr(u, "name", u), c.value) for c in dec.sp_comms if c.kind == "all_gather" for u in c.users}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        own = info[n]
+        own.sp = n.name in seq and not own.divides
+        extra = _ZERO
+        for rec in n.meta.get("saved", ()):
+            prod = by_name.get(rec.producer)
+            if (rec.counted and prod is not None and rec.producer in seq and not info[prod].divides
+                    and (n.name, rec.producer) not in gathered):
+                extra = extra + rec.nbytes
+        own.saved_bytes_sp = extra
+    for c in dec.sp_comms:
+        node = by_name.get(c.value)
+        if node is None:
+            continue
+        nbytes = sympy.sympify(c.nbytes)
+        if c.kind == "reduce_scatter":
+            info[node].sp_reduce_scatter += nbytes
+        elif c.kind == "all_gather":
+            info[node].sp_all_gather += nbytes
+        elif c.kind == "grad_all_reduce" and c.grad:
+            info[node].sp_grad_all_reduce += nbytes
+        elif c.kind == "split" and c.grad:
+            info[node].sp_split += nbytes
+
+
 def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.GraphModule:
     """Write ``meta['tp']`` on every node (see module doc)."""
     try:
@@ -250,5 +304,7 @@ def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.G
     for n in gm.graph.nodes:
         if n.op != "placeholder" and n.op != "output":
             info[n].saved_bytes_tp = _saved_tp(n, info, by_name)
+    _sequence_parallel(gm, dec, info)
+    for n in gm.graph.nodes:
         n.meta["tp"] = info[n]
     return gm

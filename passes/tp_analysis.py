@@ -80,12 +80,44 @@ features, wherever autograd put them::
 
 Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
 ``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
+
+Sequence parallelism
+--------------------
+Megatron's sequence parallelism (SP, Korthikanti et al. 2022) also splits the *replicated*
+activations between the parallel regions (norms, residual adds, dropout) along the sequence: rank
+``r`` holds positions ``[r * S/t, (r + 1) * S/t)`` (a ``SeqShard``). The walk (``_SeqWalk``) runs
+on the tp decisions, which it does not change, and fills the ``sp_*`` fields of ``TPDecisions``:
+
+* The sequence is the last dim of the token ids the vocabulary embedding reads (``[b, s]``: dim 1);
+  a value whose leading dims are the ids' shape (``[b, s, h]``) is laid out by token.
+* *Sources*: a row-parallel matmul or the vocabulary-parallel embedding with such an output
+  reduce-scatters along the sequence instead of all-reducing (``reduce_scatter``); a row-parallel
+  bias is then added to this rank's positions only.
+* *Sinks*: the activation of a column-parallel matmul (the LM head too) is all-gathered along the
+  sequence, replacing ``copy_to_tp`` (``all_gather``; its backward reduce-scatters the gradient).
+* In between, a sequence shard passes token-wise ops: elementwise ops, dropout and casts, norms,
+  softmax and reductions over other dims, views that keep the sequence dim whole (their size
+  argument along it becomes ``S/t``), transposes, slices, splits and cats along other dims, and
+  matmuls with a replicated 2-d weight (kept replicated by tp: each rank multiplies its tokens).
+* A replicated tensor that meets a sequence shard in such an op is either full along the aligned
+  sequence dim (a position embedding ``[s, h]``): each rank keeps its positions (``split``,
+  ``scatter_to_tp``; no forward communication, its gradient all-gathered) -- or broadcast along it
+  (a norm weight, a bias): if it requires grad, each rank's gradient covers only its tokens and is
+  all-reduced (``grad_all_reduce``, ``copy_to_tp``).
+
+Anything else a sequence shard meets (attention, an op over the sequence dim, a reshape merging
+the sequence with the batch, a tp-sharded op other than a column-parallel matmul, an op not in
+the tables, the graph output) is a conflict: the sources that started that shard go back to
+all-reducing (``sp_replicated``) and the walk restarts, as the tp walk does with its matmuls. When
+no source is left, ``sp_blocked`` says why (naming the node). Sequence shards may cross layers and
+pipeline stages (what a stage sends is then ``S/t`` positions long).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx
@@ -96,6 +128,8 @@ from passes.op_class import op_name
 __all__ = [
     "PASSTHROUGH",
     "SPLITS",
+    "SeqComm",
+    "SeqShard",
     "VIEWS",
     "WEIGHTED_MATMULS",
     "Shard",
@@ -164,6 +198,45 @@ class WeightShard:
     """``qkv`` only: the sizes of the fused parts along ``dim``."""
 
 
+@dataclass(frozen=True)
+class SeqShard:
+    """Under sequence parallelism, a value of which each rank holds its positions: the block
+    ``[r * S/t, (r + 1) * S/t)`` of dim ``dim`` (``S``: ``TPDecisions.sp_seq_len``)."""
+
+    dim: int
+    origins: frozenset = frozenset()
+    """Names of the sources (row-parallel matmuls, the token embedding) that started it."""
+
+    def at(self, dim: int) -> SeqShard:
+        return SeqShard(dim, self.origins)
+
+
+@dataclass(frozen=True)
+class SeqComm:
+    """One collective sequence parallelism adds or changes; sizes are of the full tensor."""
+
+    kind: str
+    """``reduce_scatter``: a source's output, in place of the forward all-reduce (backward: an
+    all-gather of the gradient). ``all_gather``: a sequence shard entering column-parallel
+    matmuls, in place of ``copy_to_tp`` (backward: a reduce-scatter of the gradient, in place of
+    the all-reduce). ``split``: a replicated full-length tensor meeting sequence shards (a position
+    embedding): no forward communication, its gradient all-gathered backward if ``grad``.
+    ``grad_all_reduce``: a replicated tensor requiring grad (a norm weight, a row-parallel bias)
+    used on sequence shards: its gradient is all-reduced backward (``copy_to_tp``)."""
+    value: str
+    """The node whose tensor is communicated (the gathered, scattered, split or reduced value)."""
+    dim: int | None
+    """Its sequence dim (None for ``grad_all_reduce``)."""
+    nbytes: Any
+    """Bytes of the whole tensor: ``meta['out_bytes']`` (symbolic in ``b``, ``s``) where the
+    shapes pass wrote it, else the bytes of ``meta['val']``."""
+    users: tuple = ()
+    """The nodes that read it through this collective (``all_gather``: the column-parallel
+    matmuls, one gather for all of them)."""
+    grad: bool = True
+    """Whether the value carries a gradient (the backward collective happens)."""
+
+
 class TPConflict(Exception):
     """A sharded region reached an op it cannot pass; ``origins`` started that region."""
 
@@ -197,6 +270,22 @@ class TPDecisions:
     """Name of a matmul / embedding kept replicated -> the ``TPConflict`` that forced it."""
     vocab: int | None = None
     """The vocabulary the analysis used (given, or the rows of the token embedding)."""
+    # ---- sequence parallelism (module doc, "Sequence parallelism"); never changes the fields above
+    sp_seq_len: int | None = None
+    """``S``, the sequence length SP splits (the last dim of the token ids); None if unknown."""
+    sp_sharded: dict = field(default_factory=dict)
+    """Node name -> its sequence dim (a list with None entries for multi-output ops) for every
+    value sequence-sharded under SP: each rank holds ``S/t`` positions of it."""
+    sp_comms: list = field(default_factory=list)
+    """Every ``SeqComm`` of SP, in graph order: what the cost pass prices."""
+    sp_args: dict = field(default_factory=dict)
+    """Node name -> ``[(argument path, action, dim)]``, what codegen does to an argument:
+    ``gather`` (``all_gather_seq``), ``split`` (``scatter_to_tp``) or ``copy`` (``copy_to_tp``)."""
+    sp_replicated: dict = field(default_factory=dict)
+    """Name of a row-parallel matmul / vocabulary embedding that keeps its all-reduce under SP ->
+    the ``TPConflict`` that forced it (or why its output is not laid out by token)."""
+    sp_blocked: str | None = None
+    """Why SP cannot apply to this graph (it would shard nothing), naming the node; None if it can."""
 
 
 def _val(n):
@@ -315,6 +404,29 @@ def _dims(dims, nd: int) -> list[int] | None:
     if dims is None:
         return None
     return [_norm(k, nd) for k in (dims if isinstance(dims, (list, tuple)) else [dims])]
+
+
+def _moved_dim(n: fx.Node, name: str, d: int) -> int | None:
+    """Where dim ``d`` of a ``LAYOUT`` op's input is in its output; None for a squeeze that could
+    drop it (a rank's shard may hold a single entry, which must not be squeezed away)."""
+    x = n.args[0]
+    nd = len(_shape(x))
+    if name == "t":
+        return 1 - d if nd == 2 else d
+    if name == "numpy_T":
+        return nd - 1 - d
+    if name == "transpose":
+        i, j = _norm(n.args[1], nd), _norm(n.args[2], nd)
+        return j if d == i else i if d == j else d
+    if name == "permute":
+        return [_norm(p, nd) for p in n.args[1]].index(d)
+    if name == "unsqueeze":
+        k = _norm(n.args[1], nd + 1)
+        return d + 1 if k <= d else d
+    dims = _dims(node_arg(n, "dim"), nd)  # squeeze
+    if dims is None or d in dims:
+        return None
+    return reshape_groups(_shape(x), _shape(n), d)[1][0]
 
 
 class _Walk:
@@ -576,25 +688,9 @@ class _Walk:
     def layout(self, n, name):
         x = n.args[0]
         s = self.st(x)
-        nd = len(_shape(x))
-        d = s.dim
-        if name == "t":
-            d = 1 - d if nd == 2 else d
-        elif name == "numpy_T":
-            d = nd - 1 - d
-        elif name == "transpose":
-            i, j = _norm(n.args[1], nd), _norm(n.args[2], nd)
-            d = j if d == i else i if d == j else d
-        elif name == "permute":
-            d = [_norm(p, nd) for p in n.args[1]].index(d)
-        elif name == "unsqueeze":
-            k = _norm(n.args[1], nd + 1)
-            d = d + 1 if k <= d else d
-        else:  # squeeze: a rank's shard may hold one entry, which must not be squeezed away
-            dims = _dims(node_arg(n, "dim"), nd)
-            if dims is None or s.dim in dims:
-                self.conflict(n, "squeeze could drop the sharded dim (one entry per rank)", x)
-            d = reshape_groups(_shape(x), _shape(n), s.dim)[1][0]
+        d = _moved_dim(n, name, s.dim)
+        if d is None:
+            self.conflict(n, "squeeze could drop the sharded dim (one entry per rank)", x)
         self.set(n, s.at(d))
 
     def expand(self, n, name):
@@ -727,6 +823,338 @@ _HANDLERS = {
 }
 
 
+# ============================================================================ sequence parallelism
+
+
+def _describe(n: fx.Node) -> str:
+    """``node 'x' (op) in module 'a.b'`` for SP's messages."""
+    stack = n.meta.get("nn_module_stack") or {}
+    mod = list(stack.values())[-1][0] if stack else ""
+    return f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "")
+
+
+def _nbytes(n: fx.Node):
+    """The bytes of ``n``'s value: ``meta['out_bytes']`` if the shapes pass ran, else concrete."""
+    if "out_bytes" in n.meta:
+        return n.meta["out_bytes"]
+    v = _val(n)
+    return hint(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _path_of(n: fx.Node, value) -> tuple | None:
+    """The first argument path of ``n`` that holds ``value``."""
+    return next((p for p, a in flat_args(n) if a is value), None)
+
+
+class _SeqWalk:
+    """One SP walk over the tp decisions ``dec``, with the sources in ``banned`` kept all-reducing."""
+
+    def __init__(self, gm: fx.GraphModule, dec: TPDecisions, params: dict, tokens: list[int],
+                 banned: set[str]):
+        self.gm, self.dec, self.params, self.banned = gm, dec, params, banned
+        self.tokens, self.S = tokens, tokens[-1]
+        self.st: dict[fx.Node, Any] = {}
+        self.rg: dict[fx.Node, bool] = {}
+        self.args: dict[str, list] = {}
+        self.uses: dict[tuple, list] = {}  # (kind, value node, dim) -> names of the users
+        self.sources: list[fx.Node] = []
+        self.not_token: dict[str, TPConflict] = {}  # sources whose output is not laid out by token
+
+    # ------------------------------------------------------------------ helpers
+    def sp(self, a):
+        return self.st.get(a) if isinstance(a, fx.Node) else None
+
+    def conflict(self, n, why, *args):
+        shards = [e for a in args for e in _states(self.sp(a)) if isinstance(e, SeqShard)]
+        raise TPConflict(frozenset().union(*[e.origins for e in shards]), n, why)
+
+    def set(self, n, s):
+        self.st[n] = s
+        if any(isinstance(e, SeqShard) for e in _states(s)):
+            for u in n.users:
+                if u.op == "output":
+                    self.conflict(u, "a sequence-sharded tensor is an output of the model", n)
+
+    def act(self, n, path, kind, value, dim):
+        """Argument ``path`` of ``n`` (holding ``value``) is gathered, split or copied."""
+        self.args.setdefault(n.name, []).append((path, kind, dim))
+        self.uses.setdefault((kind, value, dim), []).append(n.name)
+
+    def partial(self, n, path, a):
+        """A replicated tensor used on this rank's tokens: its gradient is partial if it has one."""
+        if self.rg.get(a, False):
+            self.act(n, path, "copy", a, None)
+
+    def others(self, n, x):
+        """Tensor inputs of ``n`` besides ``x`` must not be sequence-sharded; the replicated ones
+        that require grad get partial gradients."""
+        for path, a in flat_args(n):
+            if a is x or not _is_tensor(a):
+                continue
+            if isinstance(self.sp(a), SeqShard):
+                self.conflict(n, f"{op_name(n)} reads a second sequence-sharded input", x, a)
+            self.partial(n, path, a)
+
+    def out(self, n, s):
+        """Set ``s`` on every tensor output of ``n`` (the statistics of native norms too)."""
+        self.set(n, s if not isinstance(_val(n), (list, tuple)) else [s for _ in _val(n)])
+
+    # ------------------------------------------------------------------ the walk
+    def run(self) -> _SeqWalk:
+        for n in self.gm.graph.nodes:
+            if n.op in ("placeholder", "get_attr"):
+                self.rg[n] = n in self.params
+            elif n.op == "call_function":
+                vals = _val(n) if isinstance(_val(n), (list, tuple)) else [_val(n)]
+                floats = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+                self.rg[n] = floats and any(self.rg.get(a, False) for a in n.all_input_nodes)
+                if not is_meta_only(n):
+                    self.visit(n, op_name(n))
+        return self
+
+    def visit(self, n: fx.Node, name: str):
+        if name == "getitem":
+            s = self.sp(n.args[0])
+            return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+        role = self.dec.role.get(n)
+        if role == "col":  # the sink: all-gather the activation's positions
+            x = matmul_operands(n)[0]
+            if isinstance(self.sp(x), SeqShard):
+                self.act(n, (1 if name == "addmm" else 0, None), "gather", x, self.sp(x).dim)
+            return self.set(n, None)
+        if role in ("row", "vocab_embedding"):
+            return self.source(n, role)
+        sharded = [a for a in n.all_input_nodes if isinstance(self.sp(a), SeqShard)]
+        if not sharded:
+            return self.set(n, None)
+        if role != "replicated":
+            self.conflict(n, "a sequence-sharded value enters a tensor-parallel op that is not a "
+                          "column-parallel matmul (it needs every position)", *sharded)
+        if name in WEIGHTED_MATMULS and self.tokenwise(n, name):
+            return
+        handler = _SP_HANDLERS.get(name)
+        if handler is None and torch.Tag.pointwise in getattr(n.target, "tags", ()):
+            handler = "pointwise"
+        if handler is None:
+            self.conflict(n, f"{name} is not known to be safe on a sequence shard", *sharded)
+        getattr(self, handler)(n, name)
+
+    def source(self, n: fx.Node, role: str):
+        """A row-parallel matmul or the vocabulary embedding: reduce-scatter if laid out by token."""
+        shape, k = _shape(n), len(self.tokens)
+        if n.name in self.banned:
+            return self.set(n, None)
+        if shape[:k] != self.tokens or len(shape) <= k:
+            self.not_token[n.name] = TPConflict(frozenset(), n, f"its output {shape} is not laid out "
+                                                f"by token (the ids are {self.tokens})")
+            return self.set(n, None)
+        if role == "row":
+            b = matmul_operands(n)[2]
+            if isinstance(b, fx.Node):
+                self.partial(n, _path_of(n, b), b)
+        self.sources.append(n)
+        self.set(n, SeqShard(k - 1, frozenset([n.name])))
+
+    # ------------------------------------------------------------------ handlers
+    def tokenwise(self, n, name) -> bool:
+        """A weighted matmul tp keeps replicated, on sequence shards: each rank multiplies its
+        tokens; the weight's (and bias') gradient is partial."""
+        x, w, b = matmul_operands(n)
+        s = self.sp(x)
+        if not isinstance(s, SeqShard) or not _is_tensor(w) or len(_shape(w)) != 2:
+            return False
+        if s.dim == len(_shape(x)) - 1:
+            self.conflict(n, "a matmul contracts over the sequence dim", x)
+        self.others(n, x)
+        self.set(n, s.at(s.dim + len(_shape(n)) - len(_shape(x))))
+        return True
+
+    def pointwise(self, n, name):
+        nd = len(_shape(n))
+        d, origins = None, frozenset()
+        for _, a in flat_args(n):
+            s = self.sp(a)
+            if isinstance(s, SeqShard):
+                k = s.dim + nd - len(_shape(a))
+                if d is not None and k != d:
+                    self.conflict(n, "elementwise op mixes tensors sharded along different sequence dims",
+                                  *n.all_input_nodes)
+                d, origins = k, origins | s.origins
+        for path, a in flat_args(n):
+            if not _is_tensor(a) or isinstance(self.sp(a), SeqShard):
+                continue
+            k = d - (nd - len(_shape(a)))
+            if k < 0 or _shape(a)[k] == 1:
+                self.partial(n, path, a)  # broadcast along the sequence
+            elif _shape(a)[k] == self.S:
+                self.act(n, path, "split", a, k)  # full length: keep this rank's positions
+            else:
+                self.conflict(n, f"elementwise op combines a sequence shard with {a.name} of shape "
+                              f"{_shape(a)}", *n.all_input_nodes)
+        self.out(n, SeqShard(d, origins))
+
+    def passthrough(self, n, name):
+        s = self.sp(n.args[0])
+        if not isinstance(s, SeqShard):  # type_as(full, shard) reads only the shard's dtype
+            return self.set(n, None)
+        self.out(n, s)
+
+    def norm(self, n, name):
+        x = n.args[0]
+        s = self.sp(x)
+        if not isinstance(s, SeqShard) or s.dim >= len(_shape(x)) - len(n.args[1]):
+            self.conflict(n, "normalization over the sequence dim", x)
+        self.others(n, x)
+        self.out(n, s)
+
+    def reduce(self, n, name):
+        x = n.args[0]
+        s = self.sp(x)
+        dims = _dims(node_arg(n, "dim"), len(_shape(x)))
+        if not isinstance(s, SeqShard) or not dims or s.dim in dims:
+            self.conflict(n, "reduction over the sequence dim", *n.all_input_nodes)
+        self.others(n, x)
+        keep = node_arg(n, "keepdim", False)
+        self.out(n, s.at(s.dim if keep else s.dim - sum(1 for k in dims if k < s.dim)))
+
+    def softmax(self, n, name):
+        s = self.sp(n.args[0])
+        if _norm(n.args[1], len(_shape(n.args[0]))) == s.dim:
+            self.conflict(n, "softmax over the sequence dim", n.args[0])
+        self.set(n, s)
+
+    def scan(self, n, name):
+        x = n.args[0]
+        s = self.sp(x)
+        dims = _dims(node_arg(n, "dims" if name in ("flip", "roll") else "dim"), len(_shape(x)))
+        if not isinstance(s, SeqShard) or not dims or s.dim in dims:
+            self.conflict(n, "scan along the sequence dim", *n.all_input_nodes)
+        self.others(n, x)
+        self.out(n, s)
+
+    def view(self, n, name):
+        """A reshape must keep the sequence dim whole: its size argument there becomes ``S/t``."""
+        x = n.args[0]
+        s = self.sp(x)
+        g = reshape_groups(_shape(x), _shape(n), s.dim)
+        if g is None or g[0] != [s.dim] or len(g[1]) != 1:
+            self.conflict(n, "the reshape merges or splits the sequence dim (e.g. flattens the tokens "
+                          "of the batch into one dim)", x)
+        self.set(n, s.at(g[1][0]))
+
+    def layout(self, n, name):
+        s = self.sp(n.args[0])
+        d = _moved_dim(n, name, s.dim)
+        if d is None:
+            self.conflict(n, "squeeze could drop the sequence dim", n.args[0])
+        self.set(n, s.at(d))
+
+    def expand(self, n, name):
+        s = self.sp(n.args[0])
+        self.set(n, s.at(s.dim + len(_shape(n)) - len(_shape(n.args[0]))))
+
+    def slice(self, n, name):
+        x = n.args[0]
+        s = self.sp(x)
+        dim = _norm(node_arg(n, "dim", 0), len(_shape(x)))
+        if dim == s.dim and not (name != "select" and _shape(n)[dim] == _shape(x)[dim]):
+            self.conflict(n, "slicing along the sequence dim", x)
+        self.set(n, s.at(s.dim - 1 if (name == "select" and dim < s.dim) else s.dim))
+
+    def split(self, n, name):
+        x = n.args[0]
+        s = self.sp(x)
+        dim = _norm(node_arg(n, "dim", 0), len(_shape(x)))
+        if dim == s.dim:
+            self.conflict(n, "a split along the sequence dim", x)
+        self.set(n, [s.at(s.dim - 1 if (name == "unbind" and dim < s.dim) else s.dim) for _ in _val(n)])
+
+    def cat(self, n, name):
+        parts = n.args[0]
+        dim = _norm(node_arg(n, "dim", 0), len(_shape(n)))
+        ss = [self.sp(p) for p in parts]
+        f = ss[0]
+        if not all(isinstance(x, SeqShard) and x.dim == f.dim for x in ss) or \
+                (name == "cat" and dim == f.dim):
+            self.conflict(n, f"{name} of tensors not all sequence-sharded alike, or along the sequence",
+                          *parts)
+        d = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
+        self.set(n, SeqShard(d, frozenset().union(*[x.origins for x in ss])))
+
+    def finish(self, out: TPDecisions) -> None:
+        """Write this (successful) walk into ``out``'s ``sp_*`` fields."""
+        out.sp_sharded = {n.name: (s.dim if isinstance(s, SeqShard) else
+                                   [e.dim if isinstance(e, SeqShard) else None for e in s])
+                          for n, s in self.st.items()
+                          if any(isinstance(e, SeqShard) for e in _states(s))}
+        out.sp_args = self.args
+        comms = [(n, SeqComm("reduce_scatter", n.name, len(self.tokens) - 1, _nbytes(n),
+                             tuple(u.name for u in n.users), self.rg.get(n, False)))
+                 for n in self.sources]
+        for (kind, a, dim), users in self.uses.items():
+            kind = {"gather": "all_gather", "copy": "grad_all_reduce"}.get(kind, kind)
+            comms.append((a, SeqComm(kind, a.name, dim, _nbytes(a), tuple(dict.fromkeys(users)),
+                                     self.rg.get(a, False))))
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        out.sp_comms = [c for _, c in sorted(comms, key=lambda e: (order[e[0]], e[1].kind))]
+
+
+_SP_HANDLERS = {
+    **{k: "view" for k in VIEWS}, **{k: "layout" for k in LAYOUT}, "expand": "expand",
+    **{k: "slice" for k in SLICES}, **{k: "split" for k in SPLITS}, **{k: "cat" for k in CATS},
+    **{k: "softmax" for k in SOFTMAX}, **{k: "reduce" for k in REDUCTIONS},
+    **{k: "scan" for k in SCANS}, **{k: "norm" for k in NORMS},
+    **{k: "passthrough" for k in PASSTHROUGH},
+}
+"""What a sequence shard may pass (attention, losses and matmuls of activations may not)."""
+
+
+def _token_layout(gm: fx.GraphModule, params: dict, inputs: set, vocab: int | None) -> list[int] | None:
+    """The shape of the token ids the vocabulary embedding reads (``[b, s]``), if any."""
+    data = set(inputs)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if _reads_data(n, data):
+            data.add(n)
+        if op_name(n) == "embedding" and n.args[0] in params and n.args[1] in data \
+                and _shape(n.args[0])[:1] == [vocab]:
+            return _shape(n.args[1]) or None
+    return None
+
+
+def _sequence_parallel(gm: fx.GraphModule, out: TPDecisions, params: dict, inputs: set) -> None:
+    """Fill the ``sp_*`` fields of ``out`` (module doc, "Sequence parallelism"). Never raises: a
+    model SP cannot split gets ``sp_blocked``."""
+    tokens = _token_layout(gm, params, inputs, out.vocab)
+    if tokens is None:
+        out.sp_blocked = ("sequence parallelism takes the sequence dim from the token ids a "
+                          "vocabulary embedding reads, and this model has no such embedding")
+        return
+    banned: set[str] = set()
+    why: dict[str, TPConflict] = {}
+    while True:  # each retry bans at least one more source: terminates
+        walk = _SeqWalk(gm, out, params, tokens, banned)
+        try:
+            walk.run()
+            break
+        except TPConflict as c:
+            new = c.origins - banned
+            if not new:  # not expected: a conflict always involves a shard of a live source
+                out.sp_blocked = f"{c.why} at {_describe(c.node)}"
+                return
+            why.update({o: c for o in new})
+            banned |= new
+    out.sp_seq_len = tokens[-1]
+    out.sp_replicated = {**walk.not_token, **{k: why[k] for k in sorted(banned)}}
+    if not walk.sources:
+        first = next(iter(why.values()), None) or next(iter(walk.not_token.values()), None)
+        out.sp_blocked = ("no row-parallel matmul or vocabulary embedding can reduce-scatter along the "
+                          "sequence" + (f": {first.why} at {_describe(first.node)}" if first else ""))
+        return
+    walk.finish(out)
+
+
 def _token_vocab(gm: fx.GraphModule, params: dict, inputs: set) -> int | None:
     """Rows of the first parameter table indexed by data (the token embedding), if any."""
     data = set(inputs)
@@ -781,4 +1209,5 @@ def analyze_tensor_parallel(gm: fx.GraphModule, *, roles: dict[str, str] | None 
             continue
         out.weights = walk.weight_shards()
         out.replicated = {k: why[k] for k in sorted(banned)}
+        _sequence_parallel(gm, out, params, inputs)
         return out

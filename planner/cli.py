@@ -153,6 +153,9 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default=None,
                    help="where the ZeRO-3 parameter shards live: the device (none), host memory (cpu) or "
                         "NVMe files (nvme), fetched layer by layer ahead of use; default: searched")
+    p.add_argument("--sequence-parallel", choices=("on", "off"), default=None,
+                   help="pin sequence parallelism in the tensor-parallel regions (norms, residuals and dropout on "
+                        "seq_len / tp positions per rank; default: searched where tp > 1)")
     p.add_argument("--schedule", choices=("1f1b", "interleaved", "zero-bubble"), default=None,
                    help="pin the pipeline schedule: 1f1b, interleaved (v model chunks per pipeline rank: a "
                         "v-fold smaller bubble for v times the sends) or zero-bubble (ZB-H1: weight gradients "

@@ -38,7 +38,7 @@ without offload; a plan written before them loads with 0)."""
 TIME_LABELS = {
     "compute": "compute (forward + backward)",
     "recompute": "recompute (checkpointed layers)",
-    "tp_comm": "TP all-reduces",
+    "tp_comm": "TP collectives",
     "pp_bubble": "pipeline bubble + stage transfers",
     "dp_comm": "DP / ZeRO communication",
     "optimizer": "optimizer step",
@@ -243,6 +243,8 @@ class Alternative:
     offload: dict = field(default_factory=lambda: dict(NO_OFFLOAD))
     """Where the runner-up keeps its state (as the plan's ``offload``); written only when some state
     is off the device, so absent means none/none."""
+    sequence_parallel: bool = False
+    """The runner-up uses sequence parallelism; written only when true."""
 
     def __post_init__(self):
         for k in ("dp", "tp", "pp", "micro_batch_size"):
@@ -424,6 +426,8 @@ class Plan:
         for alt in out["alternatives"]:  # a runner-up names its offload only when it has one
             if alt["offload"] == NO_OFFLOAD:
                 del alt["offload"]
+            if not alt["sequence_parallel"]:
+                del alt["sequence_parallel"]
         if out["predicted"].get("cost") is None:
             out["predicted"].pop("cost", None)
         if self.measured is not None:

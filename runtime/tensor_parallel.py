@@ -16,7 +16,8 @@ The four conjugate autograd functions
 ``gather_from_tp``      forward ``y = cat_r x_r`` along dim,     backward ``dx_r = chunk_r(dy)``
 ``scatter_to_tp``       forward ``y = chunk_r(x)`` along dim,    backward ``dx = cat_r dy_r``
 
-Each pair is the other's adjoint, which is what makes the gradients exact.
+Each pair is the other's adjoint, which is what makes the gradients exact. Sequence parallelism
+adds a fifth pair (below): ``all_gather_seq`` / ``reduce_scatter_seq``.
 
 Layers
 ------
@@ -38,6 +39,25 @@ Layers
   that owns it), the loss of a token is ``log S - (z_y - m)``. Its gradient with respect to the
   local logits is ``softmax_rj - [j == y]``, computed locally from the saved shard softmax, so the
   full ``[tokens, vocab]`` logits never exist on one rank.
+
+Sequence parallelism (Megatron, Korthikanti et al. 2022)
+--------------------------------------------------------
+Outside the parallel matmuls (norms, residual adds, dropout) plain tp computes the same
+``[b, s, h]`` activations on every rank. Sequence parallelism keeps only this rank's positions
+``chunk_r`` along the sequence dim ``d`` there (``s / t`` of them), and swaps the conjugate pair at
+the region's edges for one whose collectives move the same bytes as the all-reduce they replace::
+
+    all_gather_seq      forward ``y = cat_r x_r`` along d,        backward ``dx_r = chunk_r(sum_r' dy_r')``
+    reduce_scatter_seq  forward ``y_r = chunk_r(sum_r' x_r')``,    backward ``dx = cat_r dy_r``
+
+(an all-reduce is a reduce-scatter followed by an all-gather). Column parallel: ``y_r =
+all_gather_seq(x_r) W_r^T + b_r`` (the backward reduce-scatters the partial input gradients of all
+ranks: each keeps the sum for its positions). Row parallel: ``y_r = reduce_scatter_seq(x_r W_r^T) +
+b``. The vocabulary-parallel embedding reduce-scatters instead of all-reducing. A replicated
+parameter used on sequence shards (a norm's weight and bias, the row-parallel bias) sees only this
+rank's tokens, so its gradient passes through ``copy_to_tp`` (all-reduced over the group); a
+replicated full-length tensor that meets a sequence shard (a position embedding) passes through
+``scatter_to_tp`` along its sequence dim (each rank keeps its positions, the gradient is gathered).
 
 Vocabulary padding
 ------------------
@@ -68,6 +88,8 @@ __all__ = [
     "reduce_from_tp",
     "gather_from_tp",
     "scatter_to_tp",
+    "all_gather_seq",
+    "reduce_scatter_seq",
     "column_parallel_linear",
     "row_parallel_linear",
     "vocab_parallel_embedding",
@@ -93,7 +115,8 @@ __all__ = [
 #: their matmul and bias, up to these calls.
 EAGER_ONLY: tuple[str, ...] = (
     "resolve_group", "tp_world_size", "tp_rank", "copy_to_tp", "reduce_from_tp", "gather_from_tp",
-    "scatter_to_tp", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
+    "scatter_to_tp", "all_gather_seq", "reduce_scatter_seq", "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
 )
 
 
@@ -148,6 +171,23 @@ def _all_gather(x: torch.Tensor, dim: int, g) -> torch.Tensor:
     if dim == 0:
         return out
     return torch.cat(out.chunk(n, dim=0), dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, g) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's contiguous chunk along ``dim``."""
+    n = 1 if g is None else dist.get_world_size(g)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {n} tensor-parallel "
+            f"ranks: {x.shape[dim]} is not divisible by {n}"
+        )
+    full = x.movedim(dim, 0).contiguous()  # the collective splits the leading dim
+    out = torch.empty((full.shape[0] // n,) + tuple(full.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_into(out, full, group=g)
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def _split(x: torch.Tensor, dim: int, g) -> torch.Tensor:
@@ -221,6 +261,32 @@ class _ScatterToTP(torch.autograd.Function):
         return _all_gather(dy, ctx.dim, ctx.g), None, None
 
 
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather the sequence shards forward; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return _all_gather(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter(dy, ctx.dim, ctx.g), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return _reduce_scatter(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather(dy, ctx.dim, ctx.g), None, None
+
+
 def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, gradient all-reduced backward."""
     g = resolve_group(group)
@@ -245,6 +311,20 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     return x if g is None else _ScatterToTP.apply(x, dim, g)
 
 
+def all_gather_seq(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """Enter a tensor-parallel region from a sequence-parallel one: concatenate every rank's
+    positions along ``dim`` (forward); reduce-scatter the partial gradients (backward)."""
+    g = resolve_group(group)
+    return x if g is None else _AllGatherSeq.apply(x, dim, g)
+
+
+def reduce_scatter_seq(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """Leave a tensor-parallel region into a sequence-parallel one: sum the partial results and
+    keep this rank's positions along ``dim`` (forward); all-gather the gradient (backward)."""
+    g = resolve_group(group)
+    return x if g is None else _ReduceScatterSeq.apply(x, dim, g)
+
+
 # --------------------------------------------------------------------------------------------
 # Parallel layers as functions
 # --------------------------------------------------------------------------------------------
@@ -256,13 +336,16 @@ def column_parallel_linear(
     bias_shard: torch.Tensor | None = None,
     group=None,
     gather_output: bool = False,
+    sequence_dim: int | None = None,
 ) -> torch.Tensor:
     """``y_r = x W_r^T + b_r`` with ``W_r`` this rank's rows of ``W`` (output features).
 
-    ``x`` is replicated over the group; the result holds this rank's output features, or all
-    of them (gathered along the last dim) with ``gather_output=True``.
+    ``x`` is replicated over the group, or with ``sequence_dim`` this rank's positions along that
+    dim (sequence parallelism: gathered first); the result holds this rank's output features for
+    every position, or all of them (gathered along the last dim) with ``gather_output=True``.
     """
-    y = F.linear(copy_to_tp(x, group), weight_shard, bias_shard)
+    x = copy_to_tp(x, group) if sequence_dim is None else all_gather_seq(x, sequence_dim, group)
+    y = F.linear(x, weight_shard, bias_shard)
     return gather_from_tp(y, -1, group) if gather_output else y
 
 
@@ -272,26 +355,37 @@ def row_parallel_linear(
     bias: torch.Tensor | None = None,
     group=None,
     input_is_parallel: bool = True,
+    sequence_dim: int | None = None,
 ) -> torch.Tensor:
     """``y = sum_r x_r W_r^T + b`` with ``W_r`` this rank's columns of ``W`` (input features).
 
     ``x`` is this rank's slice of the input features (``input_is_parallel=True``, the output of a
     column-parallel layer) or the full input, which is then split here. The replicated ``bias``
-    is added once, after the all-reduce, so it is not counted ``t`` times.
+    is added once, after the all-reduce, so it is not counted ``t`` times. With ``sequence_dim``
+    (sequence parallelism) the sum is reduce-scattered along that dim instead, so the result holds
+    this rank's positions only; the bias, added to them, then passes through ``copy_to_tp`` (each
+    rank's gradient covers its positions: the backward sums them).
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, -1, group)
-    y = reduce_from_tp(F.linear(x, weight_shard), group)
-    return y if bias is None else y + bias
+    y = F.linear(x, weight_shard)
+    if sequence_dim is None:
+        y = reduce_from_tp(y, group)
+        return y if bias is None else y + bias
+    y = reduce_scatter_seq(y, sequence_dim, group)
+    return y if bias is None else y + copy_to_tp(bias, group)
 
 
 def vocab_parallel_embedding(
-    ids: torch.Tensor, weight_shard: torch.Tensor, vocab_start: int, group=None
+    ids: torch.Tensor, weight_shard: torch.Tensor, vocab_start: int, group=None,
+    sequence_dim: int | None = None,
 ) -> torch.Tensor:
     """Embedding lookup with the table split by rows (vocabulary) over the group.
 
     This rank owns ids ``[vocab_start, vocab_start + weight_shard.shape[0])``. Other ids read row
-    0 and are zeroed; the all-reduce then adds the single owner's row to every rank.
+    0 and are zeroed; the all-reduce then adds the single owner's row to every rank. With
+    ``sequence_dim`` (sequence parallelism, a dim of ``ids``) a reduce-scatter along it replaces
+    the all-reduce: each rank keeps the embeddings of its positions.
     """
     g = resolve_group(group)
     if g is None:
@@ -300,7 +394,7 @@ def vocab_parallel_embedding(
     outside = (ids < vocab_start) | (ids >= vocab_start + rows)
     local = (ids - vocab_start).masked_fill(outside, 0)
     out = F.embedding(local, weight_shard).masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_tp(out, g)
+    return reduce_from_tp(out, g) if sequence_dim is None else reduce_scatter_seq(out, sequence_dim, g)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

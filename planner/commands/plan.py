@@ -106,6 +106,7 @@ def request_from_args(args, gpus: int | None = None) -> PlanRequest:
         compile=getattr(args, "compile", None) or "auto", tokens=getattr(args, "tokens", None),
         offload_optimizer=getattr(args, "offload_optimizer", None), offload_params=getattr(args, "offload_params", None),
         schedule=getattr(args, "schedule", None), virtual_stages=getattr(args, "virtual_stages", None),
+        sequence_parallel=getattr(args, "sequence_parallel", None),
     )
 
 

@@ -178,6 +178,10 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
                  f"per data-parallel rank")
     if plan.pp > 1:
         head.add_row("schedule", schedule_text(plan, ev))
+    if plan.tp > 1:
+        head.add_row("sequence parallel", "on: norms, residuals and dropout on seq_len / tp positions per rank, "
+                     "reduce-scatter + all-gather at the tensor-parallel regions' ends" if plan.sequence_parallel
+                     else "off")
     choice = solution.compile if solution is not None else None
     head.add_row("compiled stages", choice.reason() if choice is not None else ("on" if plan.compile else "off"))
     link = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s link" if hw is not None else "the intra-node link"

@@ -1,7 +1,7 @@
 """Why a runner-up lost: the one-line reason stored with each of plan.json's ``alternatives``.
 
 The reason says how much slower the alternative is and which part of the step time (compute,
-recompute, TP all-reduces, pipeline bubble, DP/ZeRO traffic, optimizer, offload transfers) grew
+recompute, TP collectives, pipeline bubble, DP/ZeRO traffic, optimizer, offload transfers) grew
 the most, with the decision responsible for it, and where the runner-up keeps its state when that
 differs from the winner (offload).
 """
@@ -20,7 +20,7 @@ def _context(part: str, ev) -> str:
     if part == "pp_bubble":
         return f"pp={c.pp} with {c.num_micro_batches} micro-batches"
     if part == "tp_comm":
-        return f"tp={c.tp}"
+        return f"tp={c.tp}" + (", sequence-parallel: twice the collectives" if c.sequence_parallel else "")
     if part == "dp_comm":
         return f"dp={c.dp}, ZeRO-{c.zero_stage}"
     if part == "optimizer":
@@ -65,6 +65,14 @@ def _offload_change(best: Evaluation, alt: Evaluation) -> str:
                                                             ("params", a.offload_params)) if v != "none")
 
 
+def _sp_change(best: Evaluation, alt: Evaluation) -> str:
+    """``; sequence-parallel`` (or ``; no sequence parallelism``) when only that differs in kind."""
+    a, b = alt.strategy.candidate, best.strategy.candidate
+    if a.sequence_parallel == b.sequence_parallel or a.tp < 2:
+        return ""
+    return "; sequence-parallel" if a.sequence_parallel else "; no sequence parallelism"
+
+
 def _schedule_change(best: Evaluation, alt: Evaluation) -> str:
     """``; <schedule>`` when the alternative runs another pipeline schedule than ``best``."""
     a, b = alt.strategy, best.strategy
@@ -80,17 +88,19 @@ def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
         mb, ma = best.memory["total"], alt.memory["total"]
         more = "more" if ma > mb else "no less"
         return (f"ties on step time but needs {more} memory ({format_bytes(ma)} vs {format_bytes(mb)} "
-                f"per device{_offload_change(best, alt)}{_schedule_change(best, alt)})")
+                f"per device{_offload_change(best, alt)}{_sp_change(best, alt)}{_schedule_change(best, alt)})")
     deltas = {k: alt.time[k] - best.time[k] for k in TIME_LABELS}
     part = max(deltas, key=deltas.get)
     text = (f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
             f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}")
     if part == "recompute":
-        n = len(alt.strategy.checkpoint)
-        text += (f" ({n} layer{'s' if n != 1 else ''} recomputed to fit in memory{_offload_change(best, alt)}"
+        n, k = len(alt.strategy.checkpoint), len(alt.strategy.selective)
+        what = f"{n} layer{'s' if n != 1 else ''}" + (f" and the attention core of {k}" if k else "")
+        text += (f" ({what} recomputed to fit in memory{_offload_change(best, alt)}{_sp_change(best, alt)}"
                  f"{_schedule_change(best, alt)})")
     else:
         ctx = _context(part, alt)
-        change = (_offload_change(best, alt) if part != "offload" else "") + _schedule_change(best, alt)
+        change = ((_offload_change(best, alt) if part != "offload" else "") + _sp_change(best, alt)
+                  + _schedule_change(best, alt))
         text += f" ({ctx}{change})" if ctx else (f" ({change[2:]})" if change else "")
     return text

@@ -172,6 +172,22 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
                             "micro-batch per stage. Use a smaller --micro-batch or fewer stages.")
 
 
+def sequence_parallel_options(req: Any, nt: NumericTable, tp: int) -> list[bool]:
+    """Whether to plan degree ``tp`` without and with sequence parallelism: both where tp > 1,
+    the model's analysis found sequence-shardable activations (``saved_bytes_sp``) and tp divides
+    the sequence; the pin (``--sequence-parallel on|off``) keeps one."""
+    pin = getattr(req, "sequence_parallel", None)
+    kv = int(nt.model.get("kv_heads") or 0)
+    # key/value projections tp does not split stay replicated, and attention cannot read sequence
+    # shards there: code generation keeps those regions all-reducing, which the table's (full)
+    # sequence-parallel savings would overstate, so such degrees plan without it
+    able = (tp > 1 and req.seq_len % tp == 0 and (not kv or kv % tp == 0)
+            and any(lay.saved_bytes_sp != 0 for lay in nt.layers))
+    if pin == "on":
+        return [True] if able else []
+    return [False, True] if able and pin is None else [False]
+
+
 def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
     """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.search.ilp).
 
@@ -211,7 +227,12 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                     skip("fewer micro-batches than pipeline stages")
                     continue
                 zeros = [req.zero_stage] if req.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                out.extend(Candidate(dp, tp, pp, z, b, m) for z in zeros)
+                options = sequence_parallel_options(req, nt, tp)
+                if not options:
+                    skip(f"sequence parallelism does not apply at tp={tp} (tp must divide the sequence, "
+                         "and the model needs activations between its tensor-parallel regions)")
+                for sp in options:
+                    out.extend(Candidate(dp, tp, pp, z, b, m, sequence_parallel=sp) for z in zeros)
     if not out:
         pins = " ".join(f"--{k.replace('_', '-')} {getattr(req, k)}" for k in ("dp", "tp", "pp", "micro_batch")
                         if getattr(req, k) is not None)

@@ -48,7 +48,8 @@ class PlanRequest:
     zero_stage: int | None = None
     micro_batch: int | None = None
     checkpoint: str = "auto"
-    """``auto`` (the solver chooses per layer), ``none`` or ``all``."""
+    """``auto`` (the solver chooses per layer: nothing, the attention core, or all of it), ``none``,
+    ``selective`` (every block's attention core) or ``all`` (every block whole)."""
     memory_headroom: float = 0.9
     """Usable fraction of each device's memory."""
     tp_across_nodes: bool = False
@@ -72,6 +73,9 @@ class PlanRequest:
     (``planner.search.schedules.SEARCHED_SCHEDULES``)."""
     virtual_stages: int | None = None
     """Model chunks per pipeline rank of the interleaved schedule (``--virtual-stages``); ``None``: searched."""
+    sequence_parallel: str | None = None
+    """Sequence parallelism in the tensor-parallel regions (``--sequence-parallel on|off``);
+    ``None``: searched wherever tp > 1 and the model allows it."""
 
     def horizon_steps(self) -> int:
         """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""
@@ -118,6 +122,12 @@ class PlanRequest:
         v = self.virtual_stages
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SearchError(f"--virtual-stages must be a positive integer, got {v!r}.")
+        if self.sequence_parallel not in (None, "on", "off"):
+            raise SearchError(f"--sequence-parallel must be on or off, got {self.sequence_parallel!r}.")
+        if self.sequence_parallel == "on" and self.tp == 1:
+            raise SearchError("--sequence-parallel on needs tensor parallelism, but --tp is 1: sequence "
+                              "parallelism splits the tensor-parallel regions' sequence over the tp ranks. Drop "
+                              "--tp 1 or --sequence-parallel on.")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
         if not 0.1 <= self.memory_headroom <= 1.0:

@@ -401,7 +401,8 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
                         micro_batch_size=a.strategy.candidate.micro_batch_size,
                         step_time_s=float(a.step_time_s), reason=alternative_reason(ev, a),
                         offload={"optimizer": a.strategy.candidate.offload_optimizer,
-                                 "params": a.strategy.candidate.offload_params})
+                                 "params": a.strategy.candidate.offload_params},
+                        sequence_parallel=a.strategy.candidate.sequence_parallel)
             for a in res.alternatives(3)]
     plan = Plan(
         model=model, hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
@@ -409,7 +410,7 @@ def build_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, res: Search
         zero_stage=c.zero_stage, micro_batch_size=c.micro_batch_size, num_micro_batches=c.num_micro_batches,
         schedule=ev.strategy.schedule, virtual_stages=ev.strategy.virtual_stages,
         stages=[list(s) for s in ev.strategy.stages], checkpoint_layers=sorted(ev.strategy.checkpoint),
-        selective_layers=sorted(ev.strategy.selective), compile=c.compile, offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
+        selective_layers=sorted(ev.strategy.selective), sequence_parallel=c.sequence_parallel, compile=c.compile, offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
         predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
         solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status,
                           candidates=res.enumerated),

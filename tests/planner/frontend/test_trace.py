@@ -109,7 +109,7 @@ def test_symbolic_costs_equal_a_fresh_static_trace(spec):
     for g, w in zip(got, want):
         g_ops, w_ops = g.pop("num_ops"), w.pop("num_ops")
         assert abs(g_ops - w_ops) <= 2 and w_ops > 0
-        for f in ("bwd_bytes", "bwd_bytes_tp"):
+        for f in ("bwd_bytes", "bwd_bytes_tp", "bwd_bytes_sp"):
             gb, wb = g.pop(f), w.pop(f)
             assert wb <= gb <= 1.1 * wb, (f, gb, wb)
     assert got == want

@@ -47,7 +47,7 @@ def test_report_shows_every_part(solution):
     out = _render(plan, solution)
     for text in ("dp=4  tp=2  pp=4", "ZeRO stage", f"{plan.num_micro_batches} micro-batches of "
                  f"{plan.micro_batch_size}", "Pipeline stages", "params", "grads", "optimizer", "activations",
-                 "capacity", "80.00 GiB", "compute (forward + backward)", "recompute", "TP all-reduces",
+                 "capacity", "80.00 GiB", "compute (forward + backward)", "recompute", "TP collectives",
                  "pipeline bubble", "DP / ZeRO communication", "optimizer step", "tokens / s",
                  "TFLOP/s per device", "MFU", "Runners-up", "ILPs solved"):
         assert text in out, text
