@@ -397,6 +397,14 @@ class _LayerRewriter:
             for path, dim in self.an.scatter.get(orig.name, ()):
                 with g.inserting_before(new):
                     _set_path(new, path, g.call_function(rtp.scatter_to_tp, (_get_path(new, path), dim)))
+            if new.target is aten.dropout.default:  # on a shard: each rank its block of one mask
+                dim = self._shard_dim(orig)
+                if dim is not None:
+                    with g.inserting_before(new):
+                        out = g.call_function(rtp.sharded_dropout, (*new.args, dim))
+                    new.replace_all_uses_with(out)
+                    g.erase_node(new)
+                    continue
             act = self.an.actions.get(orig.name)
             if act is None:
                 continue
@@ -412,6 +420,16 @@ class _LayerRewriter:
                     out = self._replacement(g, new, kind, p, vocab_start, rtp, self.an.sp_reduce.get(orig.name))
                 new.replace_all_uses_with(out)
                 g.erase_node(new)
+
+    def _shard_dim(self, orig: fx.Node) -> int | None:
+        """The dim along which this rank holds a block of ``orig``'s input: its tp shard, or its
+        sequence under sequence parallelism; None when the input is whole on every rank."""
+        x = orig.args[0]
+        st = self.an.decisions.state.get(x) if self.an.decisions is not None else None
+        if isinstance(st, Shard):
+            return st.dim
+        d = (self.an.sequence_sharded or {}).get(x.name)
+        return d if isinstance(d, int) else None
 
     @staticmethod
     def _replacement(g: fx.Graph, new: fx.Node, kind: str, p, vocab_start, rtp, seq=None) -> fx.Node:

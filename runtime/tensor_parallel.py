@@ -59,6 +59,13 @@ rank's tokens, so its gradient passes through ``copy_to_tp`` (all-reduced over t
 replicated full-length tensor that meets a sequence shard (a position embedding) passes through
 ``scatter_to_tp`` along its sequence dim (each rank keeps its positions, the gradient is gathered).
 
+Dropout on a shard
+------------------
+``sharded_dropout`` replaces dropout on a tensor each rank holds a block of (heads, or the sequence
+under sequence parallelism): the mask of the whole tensor is drawn from the random stream the tp
+ranks share and each rank applies its block, so the ranks' masks are independent, as one
+process's would be, and the streams stay in step.
+
 Vocabulary padding
 ------------------
 ``vocab_range`` splits a vocabulary that ``t`` does not divide by padding it up to
@@ -105,6 +112,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHeadLoss",
     "EAGER_ONLY",
+    "sharded_dropout",
 ]
 
 #: The entry points a ``torch.compile``'d layer calls eagerly (``runtime.compile`` wraps them in
@@ -116,7 +124,7 @@ __all__ = [
 EAGER_ONLY: tuple[str, ...] = (
     "resolve_group", "tp_world_size", "tp_rank", "copy_to_tp", "reduce_from_tp", "gather_from_tp",
     "scatter_to_tp", "all_gather_seq", "reduce_scatter_seq", "vocab_parallel_embedding",
-    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy", "sharded_dropout",
 )
 
 
@@ -323,6 +331,28 @@ def reduce_scatter_seq(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tenso
     keep this rank's positions along ``dim`` (forward); all-gather the gradient (backward)."""
     g = resolve_group(group)
     return x if g is None else _ReduceScatterSeq.apply(x, dim, g)
+
+
+def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, group=None) -> torch.Tensor:
+    """Dropout of this rank's shard along ``dim`` of a tensor split over the tp ranks (heads, or
+    the sequence under sequence parallelism): the keep-mask of the *whole* tensor is drawn from
+    the random stream every tp rank shares, and each rank uses its block of it. The ranks' masks
+    are then independent of each other (plain dropout on a shard would repeat one mask on every
+    rank), a checkpoint's recompute draws the same mask again (it restores that stream), and the
+    streams of the tp ranks stay in step for the replicated dropouts that follow."""
+    g = resolve_group(group)
+    if not train or p == 0.0:
+        return x
+    if g is None or dist.get_world_size(g) == 1:
+        return F.dropout(x, p, True)
+    n = dist.get_world_size(g)
+    dim = dim % x.dim()
+    shape = list(x.shape)
+    shape[dim] *= n
+    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p)
+    # a bool copy of this rank's block: what backward keeps (as plain dropout's mask), not the whole draw
+    mask = keep.narrow(dim, dist.get_rank(g) * x.shape[dim], x.shape[dim]).to(torch.bool)
+    return x * mask / (1.0 - p)
 
 
 # --------------------------------------------------------------------------------------------

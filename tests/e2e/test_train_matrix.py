@@ -29,6 +29,7 @@ CASES = {
     "tp2": dict(tp=2),
     "tp2-ckpt": dict(tp=2, checkpoint=(0, 1, 2, 3)),
     "tp2-selective": dict(tp=2, selective=(1, 2)),
+    "tp2-sp-selective": dict(tp=2, sequence_parallel=True, selective=(1, 2)),
     "pp2-selective-ckpt": dict(pp=2, checkpoint=(1,), selective=(2,)),
     "tp2xpp2": dict(tp=2, pp=2),
     "dp2xtp2-zero3": dict(dp=2, tp=2, zero=3),

@@ -25,6 +25,7 @@ from runtime.tensor_parallel import (
     row_parallel_linear,
     shard_dim,
     shard_vocab,
+    sharded_dropout,
     vocab_parallel_embedding,
     vocab_range,
 )
@@ -126,7 +127,32 @@ def _check_sp_embedding(rank, world):
     assert_close(torch.cat(_all(w.grad), 0)[:vocab], ref.grad)
 
 
-CHECKS = {"adjoint_pair": _check_adjoint_pair, "sp_mlp": _check_sp_mlp, "sp_embedding": _check_sp_embedding}
+def _check_sharded_dropout(rank, world):
+    """Each rank's mask is its block of the one mask drawn for the whole tensor: the ranks' masks
+    differ (plain dropout would repeat one), a re-draw under the same stream state repeats it (a
+    checkpoint's recompute), and the gradient is the mask's."""
+    p = 0.5
+    for dim in (1, 2):
+        torch.manual_seed(7)  # the stream every tp rank shares
+        state = torch.get_rng_state()
+        x = _leaf(torch.ones(2, 8, 6))
+        y = sharded_dropout(x, p, True, dim)
+        torch.set_rng_state(state)
+        full_shape = [2, 8, 6]
+        full_shape[dim] *= world
+        want = torch.empty(full_shape).bernoulli_(1 - p).narrow(dim, rank * x.shape[dim], x.shape[dim]) / (1 - p)
+        assert_close(y, want)
+        torch.set_rng_state(state)
+        assert_close(sharded_dropout(x, p, True, dim), y)  # recompute draws it again
+        masks = _all((y != 0).to(torch.float32))
+        assert not torch.equal(masks[0], masks[1])
+        y.backward(torch.ones_like(y))
+        assert_close(x.grad, want)
+    assert sharded_dropout(x, p, False, 1) is x and sharded_dropout(x, 0.0, True, 1) is x
+
+
+CHECKS = {"adjoint_pair": _check_adjoint_pair, "sp_mlp": _check_sp_mlp, "sp_embedding": _check_sp_embedding,
+          "sharded_dropout": _check_sharded_dropout}
 
 
 def _worker(rank, world, out_dir):
