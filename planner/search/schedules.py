@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from cost_models.schedules import (
@@ -58,6 +59,7 @@ from planner.search.errors import SearchError
 from planner.search.ilp import _rank_key
 from runtime.schedule import (
     B,
+    F,
     Schedule,
     ScheduleError,
     W,
@@ -113,7 +115,46 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, times: ChunkTimes) -> S
     peaks = st.peak_weight_inputs if name == "zero-bubble" else st.peak_activations
     held = tuple(min(k, m * v) / v for k in peaks)
     pending = tuple(min(k, 1) / v for k in _peak_b_to_w(build_schedule(name, p, min(m, (warm + 1) * p), v)))
+    if times.act_bytes is not None:  # chunks of unequal size: which ones are in flight matters
+        sched = build_schedule(name, p, min(m, (warm + 1) * p), v)
+        at_b, anywhere = _weighted_held(sched, p, v, times.act_bytes, W if name == "zero-bubble" else B,
+                                        times.keep_bytes)
+        held = tuple(w if math.isfinite(w) else h for h, w in zip(held, at_b))
+        if times.keep_bytes is not None:  # the kept gradients are in the followed bytes
+            pending = tuple(0.0 for _ in pending)
+            return SimulatedPipeline(makespan_s=span, held=held, messages=msgs, w_pending=pending,
+                                     held_between=tuple(x if math.isfinite(x) else 0.0 for x in anywhere))
     return SimulatedPipeline(makespan_s=span, held=held, messages=msgs, w_pending=pending)
+
+
+def _weighted_held(sched: Schedule, p: int, v: int, act_bytes, release: str,
+                   keep_bytes=None) -> tuple[list[float], list[float]]:
+    """Per rank, the bytes its in-flight (chunk, micro-batch) pairs hold (a chunk's ``F`` adds its
+    activations, its ``release`` action frees them; with ``keep_bytes``, the end of a ``B`` adds the
+    gradients kept for its ``W``, which frees them), in units of the rank's activations of one
+    micro-batch (what the memory model multiplies): ``(most held when a backward starts, most held
+    at any moment)``. A backward's transients come on top of the first; the second matters when
+    kept gradients outlast them. The order of a rank's actions fixes both: no timing needed."""
+    at_b, anywhere = [], []
+    for r, acts in enumerate(sched):
+        per_mb = sum(act_bytes[c * p + r] for c in range(v))
+        live = peak = peak_b = 0.0
+        for a in acts:
+            c = a.chunk * p + r
+            if a.kind == F:
+                live += act_bytes[c]
+            if a.kind == B:
+                peak_b = max(peak_b, live)
+                if keep_bytes is not None:
+                    live += keep_bytes[c]
+            if a.kind == W and keep_bytes is not None:
+                live -= keep_bytes[c]
+            if a.kind == release:
+                live -= act_bytes[c]
+            peak = max(peak, live)
+        at_b.append(peak_b / per_mb if per_mb > 0 else math.inf)
+        anywhere.append(peak / per_mb if per_mb > 0 else math.inf)
+    return at_b, anywhere
 
 
 def _busiest(p: int, times: ChunkTimes) -> float:

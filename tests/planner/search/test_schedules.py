@@ -15,7 +15,7 @@ from planner.cli import main
 from planner.plan import Plan
 from planner.search.errors import SearchError
 from planner.search.request import PlanRequest
-from planner.search.schedules import schedule_options, simulate_pipeline, step_bound
+from planner.search.schedules import build_schedule, schedule_options, simulate_pipeline, step_bound
 from planner.search.solve import solve
 from runtime.schedule import analyze, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from tests.helpers import SMALL_GPT_FLAGS, gpt_table
@@ -149,3 +149,36 @@ def test_report_and_plot_show_the_chosen_schedule(tmp_path):
     assert "than the best plain 1F1B plan" in text and "(chunk 7)" in text
     assert plot_plan(sol.plan, str(tmp_path / "s.png"), hw=HW, evaluation=sol.evaluation)
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero-bubble", 1)])
+def test_activations_held_follow_each_chunks_size(name, v):
+    """Equal chunks: the followed bytes are the counted chunks. Unequal ones: a rank whose bigger
+    chunk is in flight more often holds more than the average says (interleaved), and gradients
+    kept for W count only while their W is pending (zero bubble)."""
+    p, m = 4, 8
+    n = p * v
+    base = ChunkTimes(tuple([1.0] * n), tuple([2.0] * n), (1.0,) * n if name == "zero-bubble" else None, 0.0)
+    counted = simulate_pipeline(name, p, m, v, base)
+    even = simulate_pipeline(name, p, m, v, dataclasses.replace(base, act_bytes=(5.0,) * n,
+                                                                keep_bytes=(0.0,) * n if name == "zero-bubble" else None))
+    if name != "zero-bubble":
+        assert even.held == pytest.approx(counted.held)
+    sizes = tuple(float(1 + 3 * (c < p)) for c in range(n))  # the first p chunks 4x the others
+    uneven = simulate_pipeline(name, p, m, v, dataclasses.replace(base, act_bytes=sizes))
+    sched = build_schedule(name, p, m, v)
+    release = "W" if name == "zero-bubble" else "B"
+    for r, acts in enumerate(sched):  # the bytes held when each backward starts, walked by hand
+        live = at_backward = 0.0
+        for a in acts:
+            c = a.chunk * p + r
+            if a.kind == "B":
+                at_backward = max(at_backward, live)
+            if a.kind == "F":
+                live += sizes[c]
+            elif a.kind == release:
+                live -= sizes[c]
+        per_mb = sum(sizes[c * p + r] for c in range(v))
+        assert uneven.held[r] * per_mb == pytest.approx(at_backward)
+    if name == "interleaved":  # rank 0 runs its big chunk's warm-up forwards first
+        assert uneven.held[0] > counted.held[0]
