@@ -126,7 +126,24 @@ def layer_matmul_time(flops: float, gemms: Iterable[Sequence[Any]], hw: Hardware
     profile that does not price by shape this is ``compute_time(flops, 0.0, hw, dtype)`` exactly."""
     if not prices_by_shape(hw, dtype):
         return float(compute_time(flops, 0.0, hw, dtype))
+    key = None
+    if b is None and s is None:  # numbers: candidates sharing a row's shapes and tp share the price
+        key = (id(hw), dtype, tp, float(flops), tuple(tuple(g) for g in gemms))
+        hit = _PRICED.get(key)
+        if hit is not None and hit[0] is hw:
+            return hit[1]
     shapes = per_device_gemms(gemms, tp, b, s)  # once: the search calls this for every candidate
     listed = sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in shapes)
     rest = max(float(flops) - listed, 0.0)
-    return _shapes_time(shapes, hw, dtype) + float(compute_time(rest, 0.0, hw, dtype))
+    t = _shapes_time(shapes, hw, dtype) + float(compute_time(rest, 0.0, hw, dtype))
+    if key is not None:
+        if len(_PRICED) > _PRICED_MAX:
+            _PRICED.clear()
+        _PRICED[key] = (hw, t)  # holding the profile: its id cannot be reused while cached
+    return t
+
+
+#: ``layer_matmul_time`` of numeric rows, by profile (identity), dtype, tp, FLOPs and products:
+#: the search prices the same row at the same tp for many candidates (dp, ZeRO, pp, compile...).
+_PRICED: dict[tuple, tuple[HardwareProfile, float]] = {}
+_PRICED_MAX = 200_000

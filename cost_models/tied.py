@@ -14,9 +14,11 @@ stages (rows 0 and L+1 always are). The layer table counts the weight in row ``a
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
-from cost_models.comm import collective_time, group_placement, ring_bytes_sent
+from cost_models.comm import GroupPlacement, collective_time, group_placement, ring_bytes_sent
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import FP32_GRAD_SHARD, bytes_per_param, model_state_bytes, shard_elements
 
@@ -42,17 +44,20 @@ class TiedCost:
     time_s: float
 
 
+@functools.lru_cache(maxsize=1024)
+def _worst_tied_group(width: int, pp: int, gpus_per_node: int) -> GroupPlacement:
+    """The slowest tied group: stage 0 and stage pp-1 at the same (dp, tp) coordinates."""
+    placements = [group_placement([i, (pp - 1) * width + i], gpus_per_node) for i in range(width)]
+    return max(placements, key=lambda g: (g.nodes, -(g.min_ranks_per_node or g.ranks_per_node), g.ranks_per_node))
+
+
 def tied_weight_costs(tied: list[dict], dp: int, tp: int, pp: int, zero_stage: int, dtype: str,
                       hw: HardwareProfile, gpus_per_node: int) -> list[TiedCost]:
     """The extra cost of each tied weight (``LayerTable.tied`` entries with ``params``) at this
     candidate; empty at ``pp == 1``, where one stage holds the weight."""
-    if pp == 1:
+    if pp == 1 or not tied:
         return []
-    # The worst tied group: stage 0 and stage pp-1 at the same (dp, tp) coordinates.
-    width = dp * tp
-    placements = [group_placement([i, (pp - 1) * width + i], gpus_per_node) for i in range(width)]
-    pl = max(placements, key=lambda g: (g.nodes, -(g.min_ranks_per_node or g.ranks_per_node),
-                                              g.ranks_per_node))
+    pl = _worst_tied_group(dp * tp, pp, gpus_per_node)
     out = []
     for t in tied:
         count, count_tp = int(t.get("params", 0)), int(t.get("params_tp", 0))

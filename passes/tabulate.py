@@ -215,7 +215,7 @@ def _core_saved(gm: fx.GraphModule, core: set[fx.Node], n: int) -> dict[int, tup
         fused = "attention" in producer.meta and producer.meta["attention"].pattern == "sdpa"
         # the producer's output (another node saves it too, or it has the output's size), not
         # an internal copy the producer made for itself
-        output = any(x is not producer for x, _ in recs) or sympy.simplify(
+        output = any(x is not producer for x, _ in recs) or sympy.expand(
             rec.nbytes - producer.meta.get("out_bytes", _ZERO)) == 0
         if fused or output:
             charge(lay, rec.nbytes, producer, 1)

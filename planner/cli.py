@@ -279,6 +279,8 @@ def _run(args) -> int:
     name = args.command
     if name == "plan" and len(args.gpus) > 1:
         name = "sweep"
+    if name in ("plan", "sweep", "tune"):  # one process per command: freezing imports is safe
+        importlib.import_module("planner.frontend.analyze").FREEZE_IMPORTS = True
     return _driver(name)(args)
 
 

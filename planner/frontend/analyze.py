@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 from passes.layer_table import LayerTable
@@ -26,13 +27,14 @@ __all__ = ["build_layer_table"]
 
 @contextlib.contextmanager
 def _cyclic_gc_paused():
-    """Pause Python's cyclic garbage collector while tracing and analyzing.
+    """Pause Python's cyclic garbage collector while importing the tracer, tracing and analyzing.
 
-    Both allocate millions of small objects (fake tensors, symbolic sizes, sympy terms), which
-    trigger a hundred collections, and each full one walks every object torch, sympy and
-    transformers hold: a tenth of the trace's time. Cycles made meanwhile are few (the peak memory
-    grows by a few percent at most: 388 -> 391 MB for LLaMA-3-8B, 361 -> 396 MB for a full trace
-    of all 48 blocks of gpt2-xl) and the first collection after this frees them.
+    They allocate millions of small objects (the imports' modules and functions; the trace's fake
+    tensors, symbolic sizes, sympy terms), which trigger a hundred collections, and each full one
+    walks every object torch, sympy and transformers hold: a tenth of the trace's time. Cycles
+    made meanwhile are few (the peak memory grows by a few percent at most: 388 -> 391 MB for
+    LLaMA-3-8B, 361 -> 396 MB for a full trace of all 48 blocks of gpt2-xl) and the first
+    collection after this frees them.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -41,6 +43,32 @@ def _cyclic_gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+#: Whether a cache miss freezes the objects its imports left (``_freeze_imports``). Off by
+#: default: freezing keeps every object alive then, garbage in the older generations included,
+#: which a long-lived process (a test run, a notebook) would pay for in memory. The command line,
+#: one plan per process, turns it on (``planner.cli._run``).
+FREEZE_IMPORTS = False
+
+
+def _freeze_imports() -> None:
+    """Collect the young generation once, then move every object the collector tracks into its
+    permanent generation (``gc.freeze``), where no later collection walks it.
+
+    Called right after the tracing stack was imported: torch's export machinery, sympy and
+    transformers leave about 500,000 objects (modules, classes, functions) that live as long as
+    the process. Left in the young generations, the first collection after the pause walks them
+    all and moves them on to be walked again by the older generations' collections (0.6-0.9 s of
+    a LLaMA-3-8B plan on a 2-core machine; the collection here costs 0.2 s). Frozen, collections
+    see only the trace's own objects, whose cycles they still free. Collecting first is what keeps
+    that true: the imports leave some garbage cycles, and one of them holds a frame object
+    (``torch.fx.wrap`` looks at its caller's frame) whose chain of callers reaches up to
+    ``build_layer_table``; frozen alive, those frames would keep whatever the trace leaves in
+    their variables for good (``tests/planner/frontend/test_import_freeze.py``).
+    """
+    gc.collect(0)  # the paused imports' objects are all young
+    gc.freeze()
 
 
 def build_layer_table(model: str | ModelBundle, *, batch: int | None = None, seq_len: int | None = None,
@@ -59,13 +87,17 @@ def build_layer_table(model: str | ModelBundle, *, batch: int | None = None, seq
         table = cache.load_table(key) if key is not None else None
         if table is not None:
             return table
-    # Tracing needs torch (and transformers for HF models), whose imports are most of a re-plan's
-    # time: they are imported here, on a miss, and never by a plan the cache answers.
-    trace_model = importlib.import_module("planner.frontend.trace").trace_model
-    table_from_traced = importlib.import_module("passes.tabulate").table_from_traced
     with _cyclic_gc_paused():
-        traced = trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
-                             positions=positions, dynamic=dynamic, **sizes)
+        # Tracing needs torch (and transformers for HF models), whose imports are most of a
+        # re-plan's time: they are imported here, on a miss, and never by a plan the cache answers.
+        modules = len(sys.modules)
+        trace = importlib.import_module("planner.frontend.trace")
+        table_from_traced = importlib.import_module("passes.tabulate").table_from_traced
+        trace.import_tracer(model)
+        if FREEZE_IMPORTS and len(sys.modules) > modules:
+            _freeze_imports()
+        traced = trace.trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
+                                   positions=positions, dynamic=dynamic, **sizes)
         table = table_from_traced(traced)
     if key is not None:
         cache.store_table(key, table)

@@ -22,8 +22,8 @@ from planner.frontend.bundle import ModelBundle
 from planner.frontend.errors import ModelError
 from planner.frontend.spec import HF_ARCHS, hf_directory
 
-__all__ = ["build_hf", "build_hf_dir", "dir_config", "hf_directory", "load_hf_config", "weight_files", "HF_ARCHS",
-           "HFLossModel"]
+__all__ = ["build_hf", "build_hf_dir", "dir_config", "hf_classes", "hf_directory", "load_hf_config", "weight_files",
+           "HF_ARCHS", "HFLossModel"]
 
 
 # Our flag name -> the config attribute of each architecture.
@@ -56,7 +56,14 @@ class HFLossModel(nn.Module):
             self.inner.config.model_type != "bert"
 
 
-def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0):
+#: The transformers classes of each built-in architecture: (config, model).
+_CLASSES = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+            "bert": ("BertConfig", "BertForMaskedLM")}
+
+
+def hf_classes(arch: str) -> tuple[type, type]:
+    """``(config class, model class)`` of a built-in architecture (importing transformers and the
+    architecture's modules)."""
     if arch not in HF_ARCHS:
         raise ModelError(f"Unknown HF architecture 'hf:{arch}'. Supported: "
                         + ", ".join("hf:" + a for a in HF_ARCHS) + ".")
@@ -65,6 +72,12 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
     except ImportError:
         raise ModelError("hf: models need the transformers package. Install the extra with "
                         "`pip install -e '.[hf]'` (make test/demo do it for you).") from None
+    config_name, model_name = _CLASSES[arch]
+    return getattr(transformers, config_name), getattr(transformers, model_name)
+
+
+def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0):
+    config_cls, cls = hf_classes(arch)
     fields = _FIELDS[arch]
     unknown = set(sizes) - set(fields)
     if unknown:
@@ -74,18 +87,13 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
     if arch == "gpt2":
         if "vocab" in sizes:  # the default special-token id 50256 must lie inside the vocabulary
             kwargs["bos_token_id"] = kwargs["eos_token_id"] = min(50256, sizes["vocab"] - 1)
-        cfg = transformers.GPT2Config(**kwargs, resid_pdrop=dropout, embd_pdrop=dropout,
-                                      attn_pdrop=dropout)
-        cls = transformers.GPT2LMHeadModel
+        cfg = config_cls(**kwargs, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     elif arch == "llama":
         if "kv_heads" not in sizes and "heads" in sizes:
             kwargs["num_key_value_heads"] = sizes["heads"]
-        cfg = transformers.LlamaConfig(**kwargs, attention_dropout=dropout)
-        cls = transformers.LlamaForCausalLM
+        cfg = config_cls(**kwargs, attention_dropout=dropout)
     else:
-        cfg = transformers.BertConfig(**kwargs, hidden_dropout_prob=dropout,
-                                      attention_probs_dropout_prob=dropout)
-        cls = transformers.BertForMaskedLM
+        cfg = config_cls(**kwargs, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     cfg.use_cache = False if arch != "bert" else cfg.use_cache
     # Special-token ids of the default configs can fall outside a small vocabulary.
     for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import io
 import logging
 import os
@@ -55,12 +56,12 @@ from planner.frontend.bundle import ModelBundle, parse_spec
 from planner.frontend.checkpoint import check_weights
 from planner.frontend.errors import ModelError
 from planner.frontend.gpt import PRESETS
-from planner.frontend.hf import hf_directory, load_hf_config
+from planner.frontend.hf import hf_classes, hf_directory, load_hf_config
 from planner.frontend.zoo import build_model
 from runtime.dtypes import DTYPES, to_torch
 
-__all__ = ["Traced", "trace_model", "export_training_module", "find_block_container", "resolve_dtype",
-           "SHALLOW_LAYERS"]
+__all__ = ["Traced", "trace_model", "import_tracer", "export_training_module", "find_block_container",
+           "resolve_dtype", "SHALLOW_LAYERS"]
 
 SHALLOW_LAYERS = 2
 """Blocks in the shallow copy of a zoo model: two, so the traced blocks can be compared."""
@@ -226,6 +227,29 @@ def _uncached_fake_tensors():
 
     with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
         yield
+
+
+_EXPORT_MODULES = ("torch._dynamo", "torch.export._trace")
+"""What the first ``torch.export.export`` imports (private modules: one a torch version lacks is
+skipped, the export then imports what it needs itself)."""
+
+
+def import_tracer(model: str | ModelBundle) -> None:
+    """Import now what tracing ``model`` would import on the way: torch.export's tracer (with
+    torch._dynamo) and, for a built-in HF architecture, transformers and its modules.
+
+    The trace is the same either way; ``build_layer_table`` imports first so that it can hand
+    every object the imports made to ``gc.freeze`` before tracing.
+    """
+    for name in _EXPORT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if isinstance(model, str):
+        kind, name = parse_spec(model)
+        if kind == "hf" and hf_directory(name) is None:
+            hf_classes(name)
 
 
 def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
