@@ -98,13 +98,19 @@ def sweep_paths(out: str, counts: list[int]) -> dict[int, str]:
     return {n: f"{stem}-{n}gpus{ext or '.json'}" for n in counts}
 
 
+_SCHEDULE_MARKS = {"1f1b": "", "interleaved": " iv{v}", "zero-bubble": " zb"}
+
+
 def _strategy(plan: Plan) -> str:
-    """``dp8 tp4 pp8 Z1 192x1 rc4 C off:cpu/nvme``: degrees, ZeRO stage, micro-batches x size,
-    layers recomputed, compiled stages, offload (optimizer/parameters) when any."""
-    ck = len(plan.checkpoint_layers)
+    """``dp8 tp4 pp8 Z1 192x1 iv6 sp rc4 sel8 C off:cpu/nvme``: degrees, ZeRO stage, micro-batches x
+    size, the pipeline schedule (interleaved v, zero bubble), sequence parallelism, layers
+    recomputed whole and selectively, compiled stages, offload (optimizer/parameters) when any."""
+    ck, sel = len(plan.checkpoint_layers), len(plan.selective_layers)
     off = plan.offload
     return (f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
-            f"{plan.micro_batch_size}" + (f" rc{ck}" if ck else "") + (" C" if plan.compile else "")
+            f"{plan.micro_batch_size}" + _SCHEDULE_MARKS[plan.schedule].format(v=plan.virtual_stages)
+            + (" sp" if plan.sequence_parallel else "") + (f" rc{ck}" if ck else "") + (f" sel{sel}" if sel else "")
+            + (" C" if plan.compile else "")
             + (f" off:{off['optimizer']}/{off['params']}" if off != {"optimizer": "none", "params": "none"} else ""))
 
 
@@ -141,8 +147,9 @@ def render_sweep(rows: list[SweepRow], args, console: Console) -> None:
             cells.append(_short(r.cost["money"]))
         t.add_row(*cells)
     console.print(t)
-    console.print("strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, layers recomputed (rc), "
-                  "compiled stages (C), offload of optimizer/parameters (off:)."
+    console.print("strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, interleaved schedule with v "
+                  "chunks (ivV) or zero bubble (zb), sequence parallelism (sp), layers recomputed (rc) or their "
+                  "attention core only (sel), compiled stages (C), offload of optimizer/parameters (off:)."
                   + ("" if tokens else " days, GPU-hours and money are per billion tokens (--tokens N for a run)."))
     if not ok:
         return
