@@ -15,7 +15,6 @@ stages (rows 0 and L+1 always are). The layer table counts the weight in row ``a
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 from cost_models.comm import GroupPlacement, collective_time, group_placement, ring_bytes_sent

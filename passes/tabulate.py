@@ -19,12 +19,12 @@ import torch.fx as fx
 from passes.analyze import analyze
 from passes.attention import SDPA, annotate_attention, attention_core
 from passes.common import B, dtype_name, iter_tensors
-from passes.op_class import op_name
 from passes.graph import TracedGraph
 from passes.inputs import infer_inputs
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerCosts, LayerTable
 from passes.layers import layer_io, layer_names, layer_signatures
 from passes.model_facts import merge_graph_facts
+from passes.op_class import op_name
 
 __all__ = ["table_from_traced"]
 

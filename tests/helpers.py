@@ -4,7 +4,6 @@ training reference."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 
