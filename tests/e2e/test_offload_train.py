@@ -67,6 +67,7 @@ def _worker(rank: int, world: int, root: str, dirs: dict[str, str], model: tuple
     dist.barrier()
     nvme = os.path.join(root, "nvme_tier")
     out["resident_resumed_nvme"] = train("nvme", STEPS, checkpoint_dir=ck["nvme"], resume=True, nvme_path=nvme)
+    dist.barrier()  # every rank has closed its tier (each deletes its own folder) before we look
     out["nvme_left"] = os.listdir(nvme)
     if rank == 0:
         torch.save(out, os.path.join(root, "runs.pt"))
