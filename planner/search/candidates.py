@@ -188,6 +188,19 @@ def sequence_parallel_options(req: Any, nt: NumericTable, tp: int) -> list[bool]
     return [False, True] if able and pin is None else [False]
 
 
+def sequence_parallel_obstacle(req: Any, nt: NumericTable, tp: int) -> str:
+    """Why ``--sequence-parallel on`` cannot apply at degree ``tp`` (for the infeasibility message)."""
+    kv = int(nt.model.get("kv_heads") or 0)
+    if req.seq_len % tp:
+        return f"--sequence-parallel on: tp={tp} does not divide --seq-len {req.seq_len}"
+    if kv and kv % tp:
+        return (f"--sequence-parallel on: tp={tp} does not divide the model's {kv} key/value heads, whose "
+                "projections then stay replicated and cannot read sequence shards")
+    return ("--sequence-parallel on: this model keeps no activations between its tensor-parallel regions "
+            "that can be split along the sequence (e.g. it flattens batch and sequence into one dim, as "
+            "GPT-2's Conv1D does); use --sequence-parallel off")
+
+
 def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
     """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.search.ilp).
 
@@ -229,17 +242,18 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                 zeros = [req.zero_stage] if req.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                 options = sequence_parallel_options(req, nt, tp)
                 if not options:
-                    skip(f"sequence parallelism does not apply at tp={tp} (tp must divide the sequence, "
-                         "and the model needs activations between its tensor-parallel regions)")
+                    skip(sequence_parallel_obstacle(req, nt, tp))
                 for sp in options:
                     out.extend(Candidate(dp, tp, pp, z, b, m, sequence_parallel=sp) for z in zeros)
     if not out:
         pins = " ".join(f"--{k.replace('_', '-')} {getattr(req, k)}" for k in ("dp", "tp", "pp", "micro_batch")
                         if getattr(req, k) is not None)
         reasons = "; ".join(f"{r} ({n}x)" for r, n in why.items()) or "the pins exclude every degree"
+        advice = ("Drop --sequence-parallel on, or pin a --tp it applies to." if why and all(
+            r.startswith("--sequence-parallel") for r in why) else
+            "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions.")
         raise SearchError(f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
-                        f"{gb}{' and ' + pins if pins else ''}: {reasons}. Pick a global batch divisible by "
-                        "more data-parallel degrees, or pin fewer decisions.")
+                          f"{gb}{' and ' + pins if pins else ''}: {reasons}. {advice}")
     return out
 
 
