@@ -372,14 +372,7 @@ class Plan:
         if expect != n_rows:
             _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{n_rows - 1}.")
         self.stages = [list(s) for s in self.stages]
-        if not isinstance(self.checkpoint_layers, list):
-            _fail("checkpoint_layers", "must be a list of layer indices.")
-        for i in self.checkpoint_layers:
-            _check_int("checkpoint_layers[]", i, 0)
-            if i >= n_rows:
-                _fail("checkpoint_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
-        if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
-            _fail("checkpoint_layers", "has duplicates.")
+        _check_layer_list("checkpoint_layers", self.checkpoint_layers, n_rows)
         if not isinstance(self.sequence_parallel, bool):
             _fail("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}.")
         if self.sequence_parallel and self.tp < 2:
@@ -388,14 +381,7 @@ class Plan:
         if self.sequence_parallel and self.seq_len % self.tp:
             _fail("sequence_parallel", f"is true but seq_len {self.seq_len} is not a multiple of tp "
                   f"({self.tp}): every tp rank holds seq_len / tp positions.")
-        if not isinstance(self.selective_layers, list):
-            _fail("selective_layers", "must be a list of layer indices.")
-        for i in self.selective_layers:
-            _check_int("selective_layers[]", i, 0)
-            if i >= n_rows:
-                _fail("selective_layers[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
-        if len(set(self.selective_layers)) != len(self.selective_layers):
-            _fail("selective_layers", "has duplicates.")
+        _check_layer_list("selective_layers", self.selective_layers, n_rows)
         both = sorted(set(self.selective_layers) & set(self.checkpoint_layers))
         if both:
             _fail("selective_layers", f"and checkpoint_layers both hold {both}: a layer is recomputed "
@@ -455,6 +441,18 @@ class Plan:
 
     def describe_degrees(self) -> str:
         return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage}"
+
+
+def _check_layer_list(name: str, layers: Any, n_rows: int) -> None:
+    """``layers`` is a list of distinct layer-table indices (``checkpoint_layers``, ``selective_layers``)."""
+    if not isinstance(layers, list):
+        _fail(name, "must be a list of layer indices.")
+    for i in layers:
+        _check_int(f"{name}[]", i, 0)
+        if i >= n_rows:
+            _fail(f"{name}[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
+    if len(set(layers)) != len(layers):
+        _fail(name, "has duplicates.")
 
 
 def _check_offload(offload: Any, zero_stage: int) -> None:

@@ -222,6 +222,7 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
             structural = tp_structure(tp, nt)  # the model's reason, naming its node, is kept
             skip(structural or "tensor-parallel degree not allowed by the node size")
             continue
+        options = sequence_parallel_options(req, nt, tp)  # per degree, not per batching
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
             if (req.pp and pp != req.pp) or (req.dp and dp != req.dp):
@@ -240,7 +241,6 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                     skip("fewer micro-batches than pipeline stages")
                     continue
                 zeros = [req.zero_stage] if req.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                options = sequence_parallel_options(req, nt, tp)
                 if not options:
                     skip(sequence_parallel_obstacle(req, nt, tp))
                 for sp in options:
