@@ -64,22 +64,33 @@ chunks together), replace 1F1B's ``min(p - k, m)`` in ``cost_models.memory``:
   holds one full micro-batch of activations per ``F`` whose ``W`` has not run
   (``runtime.schedule.peak_weight_pending``): 1F1B's ``min(p - r, m)`` plus rank ``r``'s ``W``
   delay, ``min(p, m)`` on every rank. The last stage (the head, the largest activations) goes
-  from 1 to ``min(p, m)``. A split backward also keeps the gradients recorded at the frontier
-  of the weight products (``runtime.pipeline``: ``W`` restarts autograd there): the output
-  gradient of every forward product that multiplies the tokens by a weight
-  (``LayerCost.wgrad_keep_b``; for the head, the logits' gradient), counted for one micro-batch
-  (``SimulatedPipeline.w_pending``: 1 on every rank that has ``W`` actions). With the chunks'
-  sizes known (``ChunkTimes.act_bytes``, ``keep_bytes``) both are followed through the rank's
-  action order instead (``F`` adds a chunk's activations, ``B`` its kept gradients, ``W`` frees
-  both), so the gradients count only while their ``W`` is pending; ``w_pending`` is then 0.
-  The first measurement's stage 0 peaks in the warm-up, before any ``W`` is pending: adding
-  the two peaks over-predicted it by 11% (107.7 against 97.0 MiB). Measured with
+  from 1 to ``min(p, m)``. Two corrections, both from ``passes.split_backward``:
+
+  * ``B`` keeps the gradient recorded at each node that reads a weight (``runtime.pipeline``:
+    ``W`` restarts autograd there): products with a weight and norms, their outputs' size
+    (``LayerCost.wgrad_keep_b``; for the head, the logits' gradient). The first chunk has no
+    ``B`` (nothing before it needs a gradient) and keeps none.
+  * ``B`` frees what only the chunk's outputs hold: the saved tensors downstream of every weight
+    product of its last layer (``LayerCost.tail_b``; for the head, the loss's log-probabilities,
+    as large as the logits), kept by every other schedule until the backward too.
+
+  With the chunks' sizes known (``ChunkTimes.act_bytes``, ``keep_bytes``, ``free_bytes``) both
+  are followed through the rank's action order (``F`` adds a chunk's activations; the end of a
+  ``B`` adds its kept gradients, then frees the tail; ``W`` frees the rest), so the gradients
+  count only while their ``W`` is pending; ``SimulatedPipeline.w_pending`` (the same gradients
+  counted for one micro-batch, when the sizes are not known) is then 0. Measured with
   ``planner validate`` (2 CPU processes, GPT 4 x 256, vocab 8192, seq 128, fp32, micro-batch 4,
-  2 micro-batches): stages embed+3 blocks | block+head, 1F1B 121.3 MiB, ZB-H1 132.6 MiB
-  measured, 125.3 and 146.6 MiB predicted; stages embed+1 block | 3 blocks+head, 1F1B 141.7 and
-  ZB-H1 209.3 MiB measured, 141.2 and 211.8 MiB predicted. Without the frontier term ZB-H1 was
-  under-predicted by 5% and 13%; counting it for every micro-batch whose ``W`` is pending
-  over-predicts by 26% and 15%.
+  4 micro-batches), predicted / measured, the peak on the head's rank:
+
+  | stages | 1F1B | ZB-H1 |
+  |---|---|---|
+  | embed+3 blocks, block+head | 125.3 / 122.3 MiB | 132.1 / 133.6 MiB (-1.1%) |
+  | embed+1 block, 3 blocks+head | 141.2 / 142.7 MiB | 200.3 / 202.8 MiB (-1.2%) |
+
+  Before the two corrections (gradients of the weight products only, charged to the first chunk
+  too, and no early tail) ZB-H1 predicted 146.6 and 211.8 MiB; the runtime also kept the log-
+  probabilities of the micro-batch that last ran ``F`` until the next ``F`` (a loop variable),
+  which the second layout measured as 210.3 MiB.
 
 Parameters, gradients and optimizer state are those of the rank's layers (all its chunks); the
 ZeRO transients of its largest layer. Bytes sent grow with the sends.
@@ -127,6 +138,9 @@ class ChunkTimes:
     layer its input): weights the schedule's in-flight chunks by their size (``None``: equal)."""
     keep_bytes: tuple[float, ...] | None = None
     """Under zero bubble, the gradients each chunk keeps from ``B`` to ``W`` (``wgrad_keep_b``)."""
+    free_bytes: tuple[float, ...] | None = None
+    """Under zero bubble, the activations each chunk frees at ``B`` already, not at ``W``: its last
+    layer's tail (``LayerCost.tail_b``; the first chunk, whose backward all runs at ``W``, none)."""
 
 
 @dataclass(frozen=True)
@@ -225,8 +239,13 @@ def chunk_times(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], checkpoin
     acts = tuple(sum(l.input_b if i in ck else l.saved_b
                      for i, l in zip(range(a, b + 1), selective_view(cc.layers[a:b + 1], range(a, b + 1), sel)))
                  for a, b in chunks)
-    keep = None if weight is None else tuple(sum(l.wgrad_keep_b for l in cc.layers[a:b + 1]) for a, b in chunks)
-    return ChunkTimes(tuple(fwd), tuple(full), weight, send_seconds(cc, chunks), acts, keep)
+    keep = free = None
+    if weight is not None:
+        # the first chunk has no B (nothing before it needs a gradient): W runs its whole backward
+        keep = tuple(0.0 if c == 0 else sum(l.wgrad_keep_b for l in cc.layers[a:b + 1])
+                     for c, (a, b) in enumerate(chunks))
+        free = tuple(0.0 if c == 0 or b in ck or b in sel else cc.layers[b].tail_b for c, (_a, b) in enumerate(chunks))
+    return ChunkTimes(tuple(fwd), tuple(full), weight, send_seconds(cc, chunks), acts, keep, free)
 
 
 def interleaved_inflight(rank: int, p: int, m: int, v: int) -> float:

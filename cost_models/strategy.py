@@ -392,6 +392,10 @@ class LayerCost:
     """Bytes a split backward keeps from ``B`` to ``W`` beyond the activations: the gradient of
     each weight product's output (the runtime restarts ``W`` at those autograd edges), from the
     forward products that multiply the micro-batch's tokens by a weight (0 without listed products)."""
+    tail_b: float = 0.0
+    """Of ``saved_b``, what a split backward frees at ``B`` when this layer ends its chunk: the
+    saved activations downstream of every weight product (the loss's log-probabilities), which
+    only the chunk's outputs hold (``passes.split_backward``)."""
     offload_mb_s: float = 0.0
     """Exposed offload transfers of one micro-batch (included in ``zero_mb_s``)."""
     offload_step_s: float = 0.0
@@ -640,9 +644,11 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
         boundary_b=row["boundary_bytes"] - seq("boundary_bytes"),
         tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
         dp_step_sent_b=step_b, num_params=P, wgrad_s=t_w,
-        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens),
+        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens, sp),
         sel_rec_s=hw.recompute_ratio * combine(dev_core, core_ops) if sel_saved > 0 else 0.0,
         sel_saved_b=sel_saved,
+        tail_b=min(max(row["tail_saved_bytes"] - row["tail_saved_bytes_tp"] + row["tail_saved_bytes_tp"] / tp
+                       - seq("tail_saved_bytes"), 0.0), saved),
     )
 
 

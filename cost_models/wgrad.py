@@ -34,8 +34,14 @@ def wgrad_device_time(row: dict, bwd_flops: float, hw: HardwareProfile, dtype: s
     return float(layer_matmul_time(gemm_flops(wg, tp), wg, hw, dtype, tp)) if wg else 0.0
 
 
-def wgrad_kept_bytes(row: dict, dtype: str, tp: int, tokens: float) -> float:
-    """Bytes per device of the output gradients ``W`` needs, for one micro-batch of the layer."""
+def wgrad_kept_bytes(row: dict, dtype: str, tp: int, tokens: float, sp: bool = False) -> float:
+    """Bytes per device of the output gradients ``W`` needs, for one micro-batch of the layer:
+    those of every node that reads a weight (``frontier_out_bytes``: products and norms), else
+    (a table without that field) of the listed products that multiply the tokens by a weight."""
+    whole = row.get("frontier_out_bytes", 0.0)
+    if whole > 0:
+        part = row["frontier_out_bytes_tp"]
+        return float(whole - part + part / tp - (row["frontier_out_bytes_sp"] * (1 - 1 / tp) if sp else 0.0))
     fwd = [g for g in row.get("fwd_gemms", ()) if g[3] == 1 and abs(g[0] - tokens) < 0.5]
     return float(sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(fwd, tp))
                  * bytes_per_param(dtype)["weights"])

@@ -45,6 +45,8 @@ EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_
                "core_fwd_flops", "core_fwd_flops_tp", "core_fwd_bytes", "core_fwd_bytes_tp",
                "core_saved_bytes", "core_saved_bytes_tp",
                "saved_bytes_sp", "fwd_bytes_sp", "bwd_bytes_sp", "input_bytes_sp", "boundary_bytes_sp",
+               "tail_saved_bytes", "tail_saved_bytes_tp", "tail_saved_bytes_sp",
+               "frontier_out_bytes", "frontier_out_bytes_tp", "frontier_out_bytes_sp",
                "sp_reduce_scatter_bytes", "sp_all_gather_bytes", "sp_grad_all_reduce_bytes", "sp_split_bytes")
 INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
               "tp_allreduce_calls", "tp_allreduce_bwd_calls", "largest_param", "largest_param_tp",
@@ -193,6 +195,21 @@ class LayerCosts:
     sp_split_bytes: sympy.Expr = _ZERO
     """Bytes (whole tensors) of replicated full-length values each rank keeps its positions of under
     SP (a position embedding): their gradients are all-gathered in the backward."""
+    tail_saved_bytes: sympy.Expr = _ZERO
+    """Of ``saved_bytes``, what the nodes downstream of all the layer's weight products keep (a
+    language model's loss: the log-probabilities): a split backward (zero bubble) frees it at
+    ``B`` when the layer ends its chunk (``passes.split_backward``)."""
+    tail_saved_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``tail_saved_bytes`` held in tp shards."""
+    tail_saved_bytes_sp: sympy.Expr = _ZERO
+    """The part of ``tail_saved_bytes`` sequence parallelism shards."""
+    frontier_out_bytes: sympy.Expr = _ZERO
+    """Outputs of the layer's nodes that read a weight and an activation (products with a weight,
+    norms): a split backward keeps their gradients from ``B`` to ``W`` (``passes.split_backward``)."""
+    frontier_out_bytes_tp: sympy.Expr = _ZERO
+    """The part of ``frontier_out_bytes`` held in tp shards (column-parallel outputs)."""
+    frontier_out_bytes_sp: sympy.Expr = _ZERO
+    """The part of ``frontier_out_bytes`` sequence parallelism shards."""
     sp_reduce_scatter_calls: int = 0
     """Reduce-scatters of one forward under SP."""
     sp_all_gather_calls: int = 0

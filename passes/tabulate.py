@@ -25,6 +25,7 @@ from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, Layer
 from passes.layers import layer_io, layer_names, layer_signatures
 from passes.model_facts import merge_graph_facts
 from passes.op_class import op_name
+from passes.split_backward import frontier_outputs, tail_saved
 
 __all__ = ["table_from_traced"]
 
@@ -148,6 +149,10 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
     for lay, (freed, freed_tp) in _core_saved(gm, core, n).items():
         acc[lay]["core_saved_bytes"] += freed
         acc[lay]["core_saved_bytes_tp"] += freed_tp
+    for prefix, per_layer in (("tail_saved_bytes", tail_saved(gm, n)), ("frontier_out_bytes", frontier_outputs(gm, n))):
+        for lay, parts in per_layer.items():
+            for f, v in zip((prefix, prefix + "_tp", prefix + "_sp"), parts):
+                acc[lay][f] += v
     for i, io in enumerate(layer_io(gm, nb)):
         acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
         acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)

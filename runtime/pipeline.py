@@ -65,7 +65,9 @@ so that one ``W``'s per-group calls are one pass that reduces each gradient once
 backward does), and before each ``W`` call the scope's ``prepare_weights`` gathers ZeRO-3's
 released weights. A chunk without inputs that need
 gradients (the first) has nothing for ``B``: its whole backward runs at ``W``. Memory: ``B``
-keeps the chunk's graph, so a micro-batch holds its activations until its ``W``. Non-reentrant
+keeps the chunk's graph, so a micro-batch holds its activations until its ``W``, all but
+what only the chunk's outputs reach (a loss's log-probabilities): ``B`` drops the outputs, and
+no local of the executor may outlive its action (``_forward``). Non-reentrant
 activation checkpointing works: each backward call is its own graph task, so a checkpointed
 region is recomputed in ``B`` and again in ``W`` (one more forward of those layers than a full
 backward needs).
@@ -628,19 +630,7 @@ class PipelineStage:
                 bufs = self._recv(metas, self.prev_rank)
                 inputs[key] = tuple(b.requires_grad_(True) if t.requires_grad else b for b, t in zip(bufs, metas))
             elif a.kind == F:
-                out = self.modules[j](*inputs.get(key, ()), *extras[i][j])
-                if self._last(j):
-                    if not isinstance(out, torch.Tensor) or out.numel() != 1:
-                        raise PipelineError(
-                            f"the last stage must return a scalar loss, got "
-                            f"{_describe(out) if isinstance(out, torch.Tensor) else type(out).__name__}"
-                        )
-                    losses[i] = out.detach().reshape(())
-                    outputs[key] = (out.reshape(()) * (loss_scale / m),)
-                else:
-                    outs = _tupled(out)
-                    self._check_outputs(outs, i, j)
-                    outputs[key] = outs
+                self._forward(key, inputs.get(key, ()), extras[i][j], outputs, losses, loss_scale / m)
             elif a.kind == SEND_ACT:
                 self._isend(outputs[key], self.next_rank)
             elif a.kind == RECV_GRAD:
@@ -657,6 +647,26 @@ class PipelineStage:
             comm.wait(w)
         self._pending = []
         return self._mean_loss(losses, m)
+
+    def _forward(self, key, received: tuple, extra: tuple, outputs: dict, losses: dict, scale: float) -> None:
+        """``F`` of one (chunk, micro-batch): its outputs go to ``outputs`` (the last chunk's loss,
+        scaled, with its value in ``losses``). A method so that no local outlives the action: under
+        a split backward the loss's graph above the weight products (the log-probabilities) is
+        freed when ``B`` drops the outputs, and a loop variable would keep it until the next ``F``."""
+        j, i = key
+        out = self.modules[j](*received, *extra)
+        if self._last(j):
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise PipelineError(
+                    f"the last stage must return a scalar loss, got "
+                    f"{_describe(out) if isinstance(out, torch.Tensor) else type(out).__name__}"
+                )
+            losses[i] = out.detach().reshape(())
+            outputs[key] = (out.reshape(()) * scale,)
+        else:
+            outs = _tupled(out)
+            self._check_outputs(outs, i, j)
+            outputs[key] = outs
 
     def _scope(self, accumulates: bool) -> contextlib.AbstractContextManager:
         bs = self.backward_scope

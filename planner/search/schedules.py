@@ -118,7 +118,7 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, times: ChunkTimes) -> S
     if times.act_bytes is not None:  # chunks of unequal size: which ones are in flight matters
         sched = build_schedule(name, p, min(m, (warm + 1) * p), v)
         at_b, anywhere = _weighted_held(sched, p, v, times.act_bytes, W if name == "zero-bubble" else B,
-                                        times.keep_bytes)
+                                        times.keep_bytes, times.free_bytes)
         held = tuple(w if math.isfinite(w) else h for h, w in zip(held, at_b))
         if times.keep_bytes is not None:  # the kept gradients are in the followed bytes
             pending = tuple(0.0 for _ in pending)
@@ -128,10 +128,11 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, times: ChunkTimes) -> S
 
 
 def _weighted_held(sched: Schedule, p: int, v: int, act_bytes, release: str,
-                   keep_bytes=None) -> tuple[list[float], list[float]]:
+                   keep_bytes=None, free_bytes=None) -> tuple[list[float], list[float]]:
     """Per rank, the bytes its in-flight (chunk, micro-batch) pairs hold (a chunk's ``F`` adds its
     activations, its ``release`` action frees them; with ``keep_bytes``, the end of a ``B`` adds the
-    gradients kept for its ``W``, which frees them), in units of the rank's activations of one
+    gradients kept for its ``W``, which frees them; with ``free_bytes``, the end of a ``B`` already
+    frees that much of the activations, the rest goes at ``release``), in units of the rank's activations of one
     micro-batch (what the memory model multiplies): ``(most held when a backward starts, most held
     at any moment)``. A backward's transients come on top of the first; the second matters when
     kept gradients outlast them. The order of a rank's actions fixes both: no timing needed."""
@@ -143,14 +144,17 @@ def _weighted_held(sched: Schedule, p: int, v: int, act_bytes, release: str,
             c = a.chunk * p + r
             if a.kind == F:
                 live += act_bytes[c]
+            early = free_bytes[c] if free_bytes is not None and release != B else 0.0
             if a.kind == B:
                 peak_b = max(peak_b, live)
                 if keep_bytes is not None:
                     live += keep_bytes[c]
+                peak = max(peak, live)  # the kept gradients are all made before B drops its outputs
+                live -= early
             if a.kind == W and keep_bytes is not None:
                 live -= keep_bytes[c]
             if a.kind == release:
-                live -= act_bytes[c]
+                live -= act_bytes[c] - early
             peak = max(peak, live)
         at_b.append(peak_b / per_mb if per_mb > 0 else math.inf)
         anywhere.append(peak / per_mb if per_mb > 0 else math.inf)

@@ -370,3 +370,26 @@ def test_largest_weight_of_each_layer_is_recorded():
     assert pre.largest_param == 1024 * 64                               # position table, not sharded
     assert block.largest_param_tp == 4 * 64 * 64 and block.largest_param == 64  # c_fc; biases, norms
     assert LayerTable.from_json(table.to_json()).layers[-1].largest_param_tp == 512 * 64
+
+
+@pytest.mark.parametrize("spec", ["gpt", "hf:llama"])
+def test_split_backward_tail_and_frontier_bytes(spec):
+    """What a zero-bubble B frees and keeps (``passes.split_backward``), exact at b=2, s=32, fp32:
+    the head's tail is the loss (log-probabilities, b s V, and its few scalars); a block ends in a
+    residual add and has none. The frontier is every node reading a weight: gpt's block has two
+    norms (h each), qkv (3h), the attention and MLP outputs (h each) and fc1 (4h), of which qkv
+    and fc1 are column shards; llama's has two RMS norms, q (h), k and v (h/2 each at 2 of 4 heads
+    for key/value), o (h), gate and up (ffn each), down (h)."""
+    _, table = analyzed(spec)
+    h, v, ffn, tokens = 64, 128, 128, 2 * 32
+    head, block = table.layers[-1], table.layers[1]
+    assert int(block.tail_saved_bytes.subs(BS)) == 0
+    tail = int(head.tail_saved_bytes.subs(BS))
+    assert 4 * tokens * v <= tail <= 4 * tokens * v + 16 * tokens + 8
+    assert int(head.tail_saved_bytes_tp.subs(BS)) == 4 * tokens * v
+    norms_and_products = {"gpt": 2 * h + 3 * h + h + h + 4 * h, "hf:llama": 2 * h + h + h + h + 2 * ffn + h}[spec]
+    column = {"gpt": 3 * h + 4 * h, "hf:llama": h + h + 2 * ffn}[spec]
+    assert int(block.frontier_out_bytes.subs(BS)) == 4 * tokens * norms_and_products
+    assert int(block.frontier_out_bytes_tp.subs(BS)) == 4 * tokens * column
+    assert int(block.frontier_out_bytes_sp.subs(BS)) == 4 * tokens * 2 * h  # the norms
+    assert int(head.frontier_out_bytes.subs(BS)) == 4 * tokens * (h + v)  # final norm, logits

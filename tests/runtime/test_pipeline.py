@@ -3,6 +3,8 @@ split backward (``B`` input gradients, ``W`` weight gradients) of zero-bubble sc
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -134,3 +136,50 @@ def test_chunked_stage_arguments():
                       last_rank=1)
     with pytest.raises(ValueError, match="need at least 2 pipeline ranks"):
         PipelineStage([nn.Linear(2, 2)] * 2, 0, 1, virtual_stages=2)
+
+
+class _LossHead(nn.Module):
+    """A language-model head whose loss keeps log-probabilities for backward; records them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.out = nn.Linear(6, 64)
+        self.log_probs: list = []
+
+    def forward(self, h, labels):
+        logp = torch.log_softmax(self.out(h), -1)
+        self.log_probs.append(weakref.ref(logp.untyped_storage()))
+        return nn.functional.nll_loss(logp, labels)
+
+
+def test_split_backward_frees_the_loss_tail_at_b():
+    """Under a split backward the last stage's B drops the loss's graph above the head's product
+    (log-probabilities as large as the logits): nothing of the executor may keep it until W (a
+    loop variable did, for the last micro-batch that ran F). Checked at every W of ZB-H1's last
+    stage, with the pipeline's sends and receives stubbed out."""
+    m = 3
+    head = _LossHead()
+    stage = PipelineStage(head, 1, 2, recv_meta=[TensorMeta((4, 6), torch.float32)], prev_rank=0, last_rank=1)
+    stage._preflight = lambda actions, extras: None
+    stage._recv = lambda metas, src: [torch.randn(4, 6)]
+    stage._isend = lambda tensors, dst: None
+    stage._mean_loss = lambda losses, m: 0.0
+    actions = zero_bubble_h1(2, m)[1]
+    done_b: list[int] = []
+    alive_at_w: list[list[int]] = []
+    order = iter([a.microbatch for a in actions if a.kind == "B"])
+
+    def at_w(_p):  # the head weight's gradient is accumulated at W
+        alive_at_w.append([i for i in done_b if head.log_probs[i]() is not None])
+
+    real_backward = stage._backward
+
+    def backward(key, *args):
+        real_backward(key, *args)
+        done_b.append(next(order))
+
+    stage._backward = backward
+    head.out.weight.register_post_accumulate_grad_hook(at_w)
+    stage.run(actions, [(torch.randint(0, 64, (4,)),) for _ in range(m)])
+    assert len(alive_at_w) == m and all(not alive for alive in alive_at_w), alive_at_w

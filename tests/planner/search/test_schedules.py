@@ -182,3 +182,18 @@ def test_activations_held_follow_each_chunks_size(name, v):
         assert uneven.held[r] * per_mb == pytest.approx(at_backward)
     if name == "interleaved":  # rank 0 runs its big chunk's warm-up forwards first
         assert uneven.held[0] > counted.held[0]
+
+
+def test_zero_bubble_frees_the_loss_tail_at_b_and_keeps_gradients_until_w():
+    """ZB-H1's last rank, p=2, m=4 (F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3), activations A of which
+    the loss tail T goes at B, kept gradients K from B to W. When B3 starts the rank holds
+    mb 2's A - T + K and mb 3's A; at the end of any B (before its outputs drop), 2A + 2K - T.
+    The first chunk has no B: nothing of it is freed early (``free_bytes`` 0 there)."""
+    A, T, K = 25.0, 16.0, 20.0
+    times = ChunkTimes((1.0, 1.0), (2.0, 2.0), (1.0, 1.0), 0.0, act_bytes=(10.0, A), keep_bytes=(0.0, K),
+                       free_bytes=(0.0, T))
+    sim = simulate_pipeline("zero-bubble", 2, 4, 1, times)
+    assert sim.held[1] * A == pytest.approx(2 * A - T + K)
+    assert sim.held_between[1] * A == pytest.approx(2 * A + 2 * K - T)
+    without = simulate_pipeline("zero-bubble", 2, 4, 1, dataclasses.replace(times, free_bytes=None))
+    assert without.held[1] * A == pytest.approx(2 * A + K)
