@@ -43,8 +43,12 @@ def test_host_memory_reuse_applies_once_and_can_be_turned_off():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="heap tuning is glibc's mallopt")
 def test_steady_state_steps_fault_in_no_fresh_pages():
     """A training-like loop (a 32 MiB logits tensor, its log-softmax and their gradients) faults in
-    every large tensor afresh each iteration under glibc's defaults; with the heap kept, the pages
-    of one iteration serve the next, and once the heap has settled an iteration faults in none."""
+    every large tensor afresh each iteration under glibc's defaults (about 4 x 8,192 pages, every
+    iteration); with the heap kept, the pages of one iteration serve the next, and once the heap
+    has settled a typical iteration faults in none. Not every one: now and then an iteration still
+    faults in one or two tensors' worth (seen in 2 of 6 runs on a loaded 2-core machine, and in CI
+    as a sum of 25,344 pages over the last 3 iterations), so the settled iterations' median is
+    what is compared."""
     code = r'''
 import resource, torch
 from runtime.dist import reuse_host_memory
@@ -57,7 +61,8 @@ for _ in range(12):
     torch.log_softmax(x @ w, -1).sum().backward()
     del x
     counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-print(tuned, sum(counts[-3:]))
+settled = sorted(counts[4:])
+print(tuned, settled[len(settled) // 2])
 '''
     logits_pages = 1024 * 8192 * 4 // 4096
     for setting, tuned in (("", True), ("system", False)):
@@ -66,6 +71,6 @@ print(tuned, sum(counts[-3:]))
                              timeout=120, check=True).stdout.split()
         assert out[0] == str(tuned)
         if tuned:
-            assert int(out[1]) <= logits_pages, out  # at most one tensor settling in
+            assert int(out[1]) <= logits_pages // 8, out  # a settled iteration faults in (almost) nothing
         else:
-            assert int(out[1]) > 3 * logits_pages, out
+            assert int(out[1]) > 3 * logits_pages, out  # every tensor afresh
