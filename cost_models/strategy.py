@@ -250,6 +250,8 @@ class NumericTable:
         """Weights read by several rows (``LayerTable.tied``): with pipeline stages each stage that
         reads one holds a copy (priced by ``cost_models.tied``)."""
         self._rows: dict[tuple, Any] = {}
+        self.work_memo: dict[tuple, Any] = {}
+        """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
 
     def groups(self, b: int, s: int) -> tuple[list[dict[str, float]], list[int]]:
         """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
@@ -499,7 +501,8 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     ranks = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
-    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len) for row in reps]
+    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len, nt.work_memo)
+             for row in reps]
     layers = [costs[i] for i in index]
     extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
     for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
@@ -530,9 +533,51 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
 
 
 def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
-                tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1, tokens: float = 0.0) -> LayerCost:
+                tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1, tokens: float = 0.0,
+                memo: dict | None = None) -> LayerCost:
+    """One row's costs under ``cand``: its work (compute, tp collectives, activations; a function
+    of the row, tp, SP, compiling and the micro-batch only, so shared through ``memo`` by every
+    candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
     tp, dp, z = cand.tp, cand.dp, cand.zero_stage
     sp = cand.sequence_parallel and tp > 1
+    key = (id(row), id(hw), dtype, tp, sp, cand.compile, tp_pl, tokens)
+    got = memo.get(key) if memo is not None else None
+    if got is None:
+        got = _row_work(row, hw, dtype, tp, sp, cand.compile, tp_pl, tokens), row, hw
+        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
+            memo[key] = got
+    (work, t_b), P = got[0], got[0][0].num_params
+    oo, op = cand.offload_optimizer, cand.offload_params
+    base = model_state_bytes(P, dtype, z, dp, offload_optimizer=oo, offload_params=op)
+    peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True,
+                             offload_optimizer=oo, offload_params=op)
+    off = layer_offload(P, dtype, z, dp, oo, op, hw, ranks, work.fwd_s, t_b)
+    colls = zero_dp_collectives(P, dtype, z, dp)
+    if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
+        per_mb, per_step = list(colls), []
+    elif z == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
+        per_mb = [c for c in colls if c[0] == "reduce_scatter"]
+        per_step = [c for c in colls if c[0] != "reduce_scatter"]
+    else:
+        per_mb, per_step = [], list(colls)
+    zmb_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_mb)
+    step_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_step)
+    zmb_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_mb)
+    step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
+    opt_params = shard_elements(P, dp) if z >= 1 else P
+    opt_s = off.optimizer_s if off.optimizer_s is not None else (
+        float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
+    return dataclasses.replace(
+        work, zero_mb_s=zmb_t + off.mb_s, dp_step_s=step_t + off.step_s, opt_s=opt_s,
+        offload_mb_s=off.mb_s, offload_step_s=off.step_s, host_b=off.host_b, nvme_b=off.nvme_b,
+        params_b=base["params"] + work.params_b, grads_b=base["grads"], optimizer_b=base["optimizer"],
+        trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
+        zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b)
+
+
+def _row_work(row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, compiled: bool,
+              tp_pl: GroupPlacement, tokens: float) -> tuple[LayerCost, float]:
+    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
 
     def seq(name: str) -> float:  # what sequence parallelism removes from a per-device amount
         return row.get(name + "_sp", 0.0) * (1 - 1 / tp) if sp else 0.0
@@ -551,7 +596,7 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
     # Compiled (Candidate.compile): a few region calls instead of every operator's, and fused
     # memory-bound chains (module docstring, "Compiled stages").
-    if cand.compile:
+    if compiled:
         ops = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
         fused = COMPILED_BYTES_FRACTION
     else:
@@ -604,52 +649,30 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     if tp > 1:
         skipped = int(row["boundary_bytes"] > 0 and row["tp_allreduce_bytes"] >= row["boundary_bytes"])
         t_tp_rec += max(row["tp_allreduce_calls"] - skipped, 0) * hw.sync_overhead_s
-    oo, op = cand.offload_optimizer, cand.offload_params
-    base = model_state_bytes(P, dtype, z, dp, offload_optimizer=oo, offload_params=op)
-    peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True,
-                             offload_optimizer=oo, offload_params=op)
-    off = layer_offload(P, dtype, z, dp, oo, op, hw, ranks, t_f, t_b)
-    colls = zero_dp_collectives(P, dtype, z, dp)
-    if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
-        per_mb, per_step = list(colls), []
-    elif z == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
-        per_mb = [c for c in colls if c[0] == "reduce_scatter"]
-        per_step = [c for c in colls if c[0] != "reduce_scatter"]
-    else:
-        per_mb, per_step = [], list(colls)
-    zmb_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_mb)
-    step_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_step)
-    zmb_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_mb)
-    step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
-    opt_params = shard_elements(P, dp) if z >= 1 else P
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp - seq("saved_bytes")
     largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
     # selective recompute: the attention cores' forward, priced like a forward of its own
-    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if cand.compile else row["core_num_ops"]) \
+    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if compiled else row["core_num_ops"]) \
         * hw.op_overhead_s
     dev_core = float(layer_matmul_time(split("core_fwd_flops"), row.get("core_gemms", ()), hw, dtype, tp)
                      + compute_time(0.0, fused * split("core_fwd_bytes"), hw, dtype))
     sel_saved = split("core_saved_bytes")
-    opt_s = off.optimizer_s if off.optimizer_s is not None else (
-        float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
     return LayerCost(
         compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=hw.recompute_ratio * t_f + t_tp_rec,
-        zero_mb_s=zmb_t + off.mb_s, dp_step_s=step_t + off.step_s, opt_s=opt_s,
-        offload_mb_s=off.mb_s, offload_step_s=off.step_s, host_b=off.host_b, nvme_b=off.nvme_b,
-        params_b=base["params"] + row["buffer_bytes"], grads_b=base["grads"], optimizer_b=base["optimizer"],
-        trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
+        zero_mb_s=0.0, dp_step_s=0.0, opt_s=0.0, params_b=row["buffer_bytes"], grads_b=0, optimizer_b=0,
+        trans_params_b=0, trans_grads_b=0,
         bt_b=float(backward_transient_bytes(largest, bytes_per_param(dtype)["grads"] * max(
             row["largest_param"], math.ceil(row["largest_param_tp"] / tp)))),
         saved_b=saved, input_b=row["input_bytes"] - seq("input_bytes"),
         boundary_b=row["boundary_bytes"] - seq("boundary_bytes"),
-        tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=zmb_b,
-        dp_step_sent_b=step_b, num_params=P, wgrad_s=t_w,
+        tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=0.0,
+        dp_step_sent_b=0.0, num_params=P, wgrad_s=t_w,
         wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens, sp),
         sel_rec_s=hw.recompute_ratio * combine(dev_core, core_ops) if sel_saved > 0 else 0.0,
         sel_saved_b=sel_saved,
         tail_b=min(max(row["tail_saved_bytes"] - row["tail_saved_bytes_tp"] + row["tail_saved_bytes_tp"] / tp
                        - seq("tail_saved_bytes"), 0.0), saved),
-    )
+    ), t_b
 
 
 def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selective: frozenset) -> list[LayerCost]:
