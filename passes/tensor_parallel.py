@@ -101,7 +101,7 @@ class TPInfo:
     ``k``, ``batch``) or None (empty: none divides)."""
     bwd_gemm_dims: list = field(default_factory=list)
     """The same for ``meta['bwd_gemms']``."""
-    # ---- under sequence parallelism (``passes.tp_analysis``, "Sequence parallelism")
+    # ---- under sequence parallelism (``passes.sp_analysis``)
     sp: bool = False
     """The node's output is sequence-sharded under SP (each tp rank holds ``s / tp`` positions)."""
     saved_bytes_sp: sympy.Expr = _ZERO
