@@ -1,9 +1,7 @@
 """Choosing the pipeline schedule: 1F1B, interleaved 1F1B with ``v`` chunks, or zero bubble.
 
 The partition ILP (:mod:`planner.search.ilp`) optimizes 1F1B's closed form. Other schedules are
-priced afterwards, on the strategies the plan shows (the best of the four fastest degree triples,
-or other batchings while fewer triples fit; with a ``--schedule`` pin, every strategy the search
-kept), by :func:`apply_schedules`:
+priced afterwards, on the strategies the search kept, by :func:`apply_schedules`:
 
 - for each such strategy with ``pp >= 2``, every schedule of :data:`SEARCHED_SCHEDULES` the
   candidate allows (:func:`schedule_options`: zero bubble needs ``m >= p``; interleaved ``m`` a
@@ -16,16 +14,43 @@ kept), by :func:`apply_schedules`:
   memory), and the kept strategies are ranked again. The winner records the best plain 1F1B
   plan's step (``extra["plain_step_s"]``) so the report can say what the schedule gains.
 
+Which strategies. The search keeps the best strategy of each degree triple it solved
+(``res.ranked``), fastest under 1F1B first. The four fastest (what the plan shows as runners-up),
+and the other batchings while fewer triples fit (``res.extra``), are always priced. The others are
+visited by a sound lower bound of their best schedule (:func:`schedule_bounds`: the least of the
+1F1B price and each option's :func:`step_bound`, milliseconds per strategy) and priced only while
+that bound does not exceed the best step found: a triple further down the 1F1B ranking that wins
+under zero bubble or interleaved (a deep pipeline with a large bubble) is found, and the winner is
+the fastest of every kept strategy under its best schedule; those left unpriced keep their 1F1B
+price (only ``planner tune`` reaches them). With a ``--schedule`` pin, every kept strategy is
+priced under it.
+
+Room for the schedule. The search keeps one strategy per triple, its fastest under 1F1B, which
+often has ZeRO 0 and no recompute: the zero-bubble schedule's extra activations and kept
+gradients may not fit beside it although the same stages at a higher ZeRO stage would (530B GPT
+on 2240 A100-80GB: dp5 tp8 pp56 ZeRO 0 needs 78 GiB under zero bubble, 67 GiB at ZeRO 1). So
+where a schedule whose bound beat a visited strategy's answer did not fit, its partition and
+recompute priced on the candidates that differ only by a higher ZeRO stage
+(:func:`_sharded_siblings`, among those the search enumerated: pins hold) join the walk under the
+same rule, and the faster stays the triple's strategy. No ILP is solved: the partition is the
+one the search found (ZeRO changes no layer's cost but the data-parallel traffic and the
+optimizer step, so it stays a good one).
+
 Why a post-pass is sound enough and cheap: a schedule changes the bubble and the sends, not the
 work, so the candidates the 1F1B search ruled out on memory stay out (the schedules hold at least
 1F1B's activations) and those it ruled out on time lose by more than the bubble they could
 recover except at the margin; pricing a schedule is a few simulations, where re-solving the
 ILPs per schedule would multiply the search's cost. What it can miss: a candidate that loses
 under 1F1B by less than its bubble (typically a larger micro-batch with fewer micro-batches) and
-was cut off before its ILP was solved, or a fifth-best triple under 1F1B whose bubble is larger
-than its distance to the fourth. ``--schedule`` pins are honoured on the same strategies. Cost:
-on GPT-3 175B on 1024 A100s the post-pass takes 0.06-0.09 s of a 1.5-2 s plan (4 strategies,
-8 simulations).
+was cut off before its ILP was solved, or one the search solved but dropped because another
+candidate of its triple was faster under 1F1B (the search keeps one per triple); and it prices each
+strategy's own recompute choice, which a schedule holding more activations than 1F1B (zero bubble
+keeps the weight-gradient inputs) may not fit without more recompute. ``--schedule`` pins are
+honoured on the same strategies. A schedule that does not fit in memory is never simulated: its
+memory follows from the order of each rank's actions (:func:`pipeline_memory`), not their times.
+Cost: on GPT-3 175B on 1024 A100s the post-pass takes about 0.4-0.5 s of a 2 s plan (10 kept
+triples, 4 priced, the ZeRO 1-3 versions of two bounded out); on the 530B GPT about 1.6 s
+(6 kept triples, 5 priced, and the winner, zero bubble at ZeRO 1).
 
 Simulation cost. The action lists grow as ``p m v``; for large ``m`` the makespan is simulated at
 ``w p`` and ``(w + 1) p`` micro-batches (``w = 1`` for 1F1B and zero bubble, 2 for interleaved,
@@ -44,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from typing import Any
 
@@ -66,11 +92,13 @@ from runtime.schedule import (
     analyze,
     interleaved_one_f_one_b,
     one_f_one_b,
+    peak_inflight,
+    peak_weight_pending,
     zero_bubble_h1,
 )
 
 __all__ = ["SEARCHED_SCHEDULES", "MAX_VIRTUAL_STAGES", "schedule_options", "build_schedule", "simulate_pipeline",
-           "price_schedule", "best_schedule", "step_bound", "evaluate_strategy", "apply_schedules", "check_schedule_pins", "schedule_allows"]
+           "price_schedule", "best_schedule", "schedule_bounds", "pipeline_memory", "step_bound", "evaluate_strategy", "apply_schedules", "check_schedule_pins", "schedule_allows"]
 
 #: Schedules the search tries by default (pins always work): narrow it to ``("1f1b",)`` to plan
 #: only what a runtime without the other executors runs.
@@ -102,29 +130,45 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, times: ChunkTimes) -> S
     """Makespan and per-rank activations held (in units of the rank's own activations of one
     micro-batch) of schedule ``name`` with these chunk times; extrapolated from two shorter
     simulations when ``m`` is large (module docstring)."""
-    warm = 2 if name == "interleaved" else 1  # groups of p micro-batches before the steady state
+    span, msgs = _makespan(name, p, m, v, times)
+    return dataclasses.replace(pipeline_memory(name, p, m, v, times), makespan_s=span, messages=msgs)
+
+
+def _makespan(name: str, p: int, m: int, v: int, times: ChunkTimes) -> tuple[float, int]:
+    """:func:`simulate_pipeline`'s makespan and messages."""
+    warm = _warm(name)
     if m <= (warm + 2) * p:
         st = _run(name, p, m, v, times)
-        span, msgs = st.makespan, st.messages
-    else:
-        a, b = _run(name, p, warm * p, v, times), _run(name, p, (warm + 1) * p, v, times)
-        slope = max(b.makespan - a.makespan, p * _busiest(p, times)) / p
-        span = b.makespan + slope * (m - (warm + 1) * p)
-        msgs = b.messages // ((warm + 1) * p) * m
-        st = b
-    peaks = st.peak_weight_inputs if name == "zero-bubble" else st.peak_activations
+        return st.makespan, st.messages
+    a, b = _run(name, p, warm * p, v, times), _run(name, p, (warm + 1) * p, v, times)
+    slope = max(b.makespan - a.makespan, p * _busiest(p, times)) / p
+    return b.makespan + slope * (m - (warm + 1) * p), b.messages // ((warm + 1) * p) * m
+
+
+def _warm(name: str) -> int:
+    """Groups of ``p`` micro-batches before the steady state."""
+    return 2 if name == "interleaved" else 1
+
+
+def pipeline_memory(name: str, p: int, m: int, v: int, times: ChunkTimes) -> SimulatedPipeline:
+    """What :func:`simulate_pipeline` says of memory (``held``, ``w_pending``, ``held_between``),
+    without simulating: the order of each rank's actions fixes it, not their times (makespan and
+    messages 0). What lets :func:`best_schedule` skip simulating a schedule that does not fit."""
+    warm = _warm(name)
+    sched = build_schedule(name, p, m if m <= (warm + 2) * p else (warm + 1) * p, v)
+    peaks = peak_weight_pending(sched) if name == "zero-bubble" else peak_inflight(sched)
     held = tuple(min(k, m * v) / v for k in peaks)
-    pending = tuple(min(k, 1) / v for k in _peak_b_to_w(build_schedule(name, p, min(m, (warm + 1) * p), v)))
+    short = build_schedule(name, p, min(m, (warm + 1) * p), v)
+    pending = tuple(min(k, 1) / v for k in _peak_b_to_w(short))
     if times.act_bytes is not None:  # chunks of unequal size: which ones are in flight matters
-        sched = build_schedule(name, p, min(m, (warm + 1) * p), v)
-        at_b, anywhere = _weighted_held(sched, p, v, times.act_bytes, W if name == "zero-bubble" else B,
+        at_b, anywhere = _weighted_held(short, p, v, times.act_bytes, W if name == "zero-bubble" else B,
                                         times.keep_bytes, times.free_bytes)
         held = tuple(w if math.isfinite(w) else h for h, w in zip(held, at_b))
         if times.keep_bytes is not None:  # the kept gradients are in the followed bytes
             pending = tuple(0.0 for _ in pending)
-            return SimulatedPipeline(makespan_s=span, held=held, messages=msgs, w_pending=pending,
+            return SimulatedPipeline(makespan_s=0.0, held=held, messages=0, w_pending=pending,
                                      held_between=tuple(x if math.isfinite(x) else 0.0 for x in anywhere))
-    return SimulatedPipeline(makespan_s=span, held=held, messages=msgs, w_pending=pending)
+    return SimulatedPipeline(makespan_s=0.0, held=held, messages=0, w_pending=pending)
 
 
 def _weighted_held(sched: Schedule, p: int, v: int, act_bytes, release: str,
@@ -269,35 +313,82 @@ def _prepared(cc: CandidateCosts, base: Evaluation, name: str, v: int):
     return chunks, chunk_times(cc, chunks, sorted(base.strategy.checkpoint), name, sorted(base.strategy.selective))
 
 
-def _simulated(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, times: ChunkTimes):
+def _simulated(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, times: ChunkTimes,
+               memory: SimulatedPipeline | None = None):
+    """``base`` under ``name`` priced from its simulation (``memory``: its :func:`pipeline_memory`,
+    when known), ``None`` when the schedule cannot run."""
+    p, m = cc.cand.pp, cc.cand.num_micro_batches
     try:
-        sim = simulate_pipeline(name, cc.cand.pp, cc.cand.num_micro_batches, v, times)
+        if memory is None:
+            sim = simulate_pipeline(name, p, m, v, times)
+        else:
+            span, msgs = _makespan(name, p, m, v, times)
+            sim = dataclasses.replace(memory, makespan_s=span, messages=msgs)
     except ScheduleError:
         return None
     return evaluate_schedule(cc, chunks, sorted(base.strategy.checkpoint), name, v, sim, times,
                              sorted(base.strategy.selective))
 
 
-def best_schedule(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]]) -> Evaluation | None:
-    """The fastest feasible pricing of ``base`` over ``options`` (ties: 1F1B, then the earlier
-    option), or ``None`` when none fits. Options are simulated in order of :func:`step_bound` and
-    not at all once the bound reaches the best found: the answer is the same, for a few
-    simulations instead of one per option."""
-    best = base if ("1f1b", 1) in options and base.feasible else None
-    todo = []
+def schedule_bounds(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]]) -> list[tuple]:
+    """``(bound, index, name, v, prepared)`` of each option of ``options`` that can run ``base``:
+    1F1B's bound is its price, another schedule's :func:`step_bound` on its chunks and times
+    (``prepared``, what simulating it needs). Their least is a sound lower bound of
+    :func:`best_schedule`'s answer, for a few milliseconds instead of simulations."""
+    out = []
     for i, (name, v) in enumerate(options):
         if name == "1f1b":
+            out.append((base.step_time_s, i, name, v, None))
             continue
         got = _prepared(cc, base, name, v)
         if got is not None:
-            todo.append((step_bound(cc, got[0], got[1]), i, name, v, got))
-    for bound, _i, name, v, (chunks, times) in sorted(todo):
+            out.append((step_bound(cc, got[0], got[1]), i, name, v, got))
+    return out
+
+
+def _fitting(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks,
+             times: ChunkTimes) -> SimulatedPipeline | None:
+    """``base`` under ``name``'s :func:`pipeline_memory` when it fits in memory (and host / NVMe
+    room), else ``None``: the memory of a schedule follows from its action order alone, so a
+    schedule that does not fit is rejected before it is simulated, with the same answer."""
+    try:
+        mem = pipeline_memory(name, cc.cand.pp, cc.cand.num_micro_batches, v, times)
+    except ScheduleError:
+        return None
+    ev = evaluate_schedule(cc, chunks, sorted(base.strategy.checkpoint), name, v, mem, times,
+                           sorted(base.strategy.selective))
+    return mem if ev.feasible else None
+
+
+def best_schedule(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]],
+                  bounds: list[tuple] | None = None) -> Evaluation | None:
+    """The fastest feasible pricing of ``base`` over ``options`` (ties: 1F1B, then the earlier
+    option), or ``None`` when none fits. Options are simulated in order of :func:`step_bound` and
+    not at all once the bound reaches the best found, nor when they do not fit in memory: the
+    answer is the same, for a few simulations instead of one per option. ``bounds``:
+    :func:`schedule_bounds` of these options, when the caller has them."""
+    return _best(cc, base, options, bounds)[0]
+
+
+def _best(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]],
+          bounds: list[tuple] | None = None) -> tuple[Evaluation | None, bool]:
+    """:func:`best_schedule`, and whether a schedule whose bound beat the answer did not fit."""
+    best = base if ("1f1b", 1) in options and base.feasible else None
+    todo = schedule_bounds(cc, base, options) if bounds is None else bounds
+    unfit = math.inf  # the least bound of a schedule that did not fit
+    for bound, _i, name, v, got in sorted(todo, key=lambda t: t[:2]):
+        if name == "1f1b":
+            continue
         if best is not None and bound >= best.step_time_s * (1 - 1e-9):
             break
-        ev = _simulated(cc, base, name, v, chunks, times)
+        mem = _fitting(cc, base, name, v, *got)
+        if mem is None:
+            unfit = min(unfit, bound)
+            continue
+        ev = _simulated(cc, base, name, v, *got, mem)
         if ev is not None and ev.feasible and (best is None or ev.step_time_s < best.step_time_s * (1 - 1e-9)):
             best = ev
-    return best
+    return best, unfit < (best.step_time_s if best is not None else math.inf)
 
 
 def check_schedule_pins(req: Any, rows: int) -> None:
@@ -334,12 +425,14 @@ def check_schedule_pins(req: Any, rows: int) -> None:
 
 def apply_schedules(res, cc_of: dict, rows: int, schedule: str | None = None, virtual_stages: int | None = None,
                     searched: tuple[str, ...] = SEARCHED_SCHEDULES, keep: int = 4):
-    """The search result ``res`` with each strategy the plan can show (the best of each degree
-    triple, and other batchings while there are fewer than ``keep`` triples) run under its best
-    schedule (module docstring); the search's further runners-up (which only ``planner tune``
-    reaches) stay 1F1B, unless a schedule is pinned. ``cc_of`` maps a candidate to its
-    ``CandidateCosts``. With a schedule pin, strategies that cannot run it are dropped;
-    ``SearchError`` when none is left."""
+    """The search result ``res`` with its strategies under their best schedule (module docstring,
+    "Which strategies"): the ``keep`` fastest under 1F1B (what the plan shows), the other
+    batchings while there are fewer than ``keep`` triples, and every other triple, or the same
+    stages at a higher ZeRO stage, whose lower bound does not exceed the best found; the rest
+    keep their 1F1B price (only ``planner tune`` reaches them). With a schedule pin every kept
+    strategy is priced under it, and those that cannot run it are dropped; ``SearchError`` when
+    none is left. ``cc_of`` maps a candidate to its ``CandidateCosts`` (a ``KeyError`` for one
+    the search did not enumerate)."""
     if res.best is None:
         return res
     plain = res.best
@@ -356,11 +449,13 @@ def apply_schedules(res, cc_of: dict, rows: int, schedule: str | None = None, vi
                 out.append(got)
         return out
 
-    # the runners-up the plan can show: the other triples, then as many other batchings as it needs
-    top = len(res.ranked) if schedule else keep
-    shown = len(res.extra) if schedule else max(0, keep - len(res.ranked))
-    ranked = sorted(reprice(res.ranked[:top]) + res.ranked[top:], key=_rank_key)
-    extra = sorted(reprice(res.extra[:shown]), key=_rank_key) + res.extra[shown:]
+    if schedule:  # pinned: every strategy the search kept
+        ranked = sorted(reprice(res.ranked), key=_rank_key)
+        extra = sorted(reprice(res.extra), key=_rank_key)
+    else:  # the triples that can rank among the `keep` best, then as many other batchings as the plan needs
+        ranked = sorted(_bound_walk(res.ranked, cc_of, rows, searched, keep), key=_rank_key)
+        shown = max(0, keep - len(res.ranked))
+        extra = sorted(reprice(res.extra[:shown]), key=_rank_key) + res.extra[shown:]
     if not ranked and not extra:
         what = f"--schedule {schedule}" + (f" --virtual-stages {virtual_stages}" if virtual_stages else "")
         raise SearchError(f"{what}: no strategy the search found can run it within memory (its schedule holds "
@@ -372,4 +467,69 @@ def apply_schedules(res, cc_of: dict, rows: int, schedule: str | None = None, vi
     if ranked[0].strategy.schedule != "1f1b" or schedule:
         ranked[0].extra["plain_step_s"] = plain.step_time_s
         ranked[0].extra["plain_schedule"] = plain.strategy.schedule
+    return out
+
+
+def _bound_walk(evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...],
+                keep: int) -> list[Evaluation]:
+    """``evs`` (1F1B strategies, one per degree triple, fastest first) with the ``keep`` first, and
+    every other that could beat the best found, priced under their best schedule
+    (:func:`best_schedule`); the rest unchanged, and a strategy that can run none of ``searched``
+    dropped. Visits them by increasing lower bound (:func:`schedule_bounds`) and, past the ``keep``
+    first, skips those whose bound exceeds the best upper bound (a re-priced step, else a 1F1B
+    price when 1F1B is searched): they cannot beat it, so the winner is the fastest of them all.
+    Where a schedule that could beat a strategy's answer did not fit in memory, the same stages
+    and recompute on the candidates of a higher ZeRO stage (:func:`_sharded_siblings`) join the
+    walk, and the faster of each triple's strategies stays (module docstring)."""
+    items: list[tuple] = []  # (lower, order, ev, opts, bounds, triple's 1F1B rank, a sibling?)
+    heap: list[tuple[float, int]] = []
+    best = math.inf
+
+    def add(ev: Evaluation, owner: int, sibling: bool) -> None:
+        nonlocal best
+        cand = ev.strategy.candidate
+        opts = schedule_options(cand, rows, None, None, searched)
+        bounds = schedule_bounds(cc_of[cand], ev, opts)
+        if bounds:
+            items.append((min(b[0] for b in bounds), len(items), ev, opts, bounds, owner, sibling))
+            heapq.heappush(heap, (items[-1][0], items[-1][1]))
+            if ("1f1b", 1) in opts and ev.feasible:
+                best = min(best, ev.step_time_s)
+
+    for k, ev in enumerate(evs):
+        add(ev, k, False)
+    per_triple: dict[int, Evaluation] = {}
+    while heap:
+        lower, n = heapq.heappop(heap)
+        _lower, _n, ev, opts, bounds, owner, sibling = items[n]
+        if (sibling or owner >= keep) and lower > best:  # cannot win: keeps its 1F1B price (a sibling: dropped)
+            if not sibling:
+                per_triple[owner] = ev
+            continue
+        got, unfit = _best(cc_of[ev.strategy.candidate], ev, opts, bounds)
+        if got is not None:
+            best = min(best, got.step_time_s)
+            if owner not in per_triple or _rank_key(got) < _rank_key(per_triple[owner]):
+                per_triple[owner] = got
+        if unfit and not sibling:
+            for sib in _sharded_siblings(ev, cc_of):
+                add(sib, owner, True)
+    return list(per_triple.values())
+
+
+def _sharded_siblings(ev: Evaluation, cc_of: dict) -> list[Evaluation]:
+    """``ev``'s stages and recompute (1F1B-priced) on each candidate the search enumerated
+    (``cc_of``: the pins hold) that differs from ``ev``'s only by a higher ZeRO stage: less
+    model state per device, for a little more data-parallel traffic. The search keeps one
+    strategy per degree triple, its fastest under 1F1B; where another schedule's extra
+    activations do not fit beside it, sharding more often makes room (no ILP: the same
+    partition, priced again)."""
+    c = ev.strategy.candidate
+    out = []
+    for z in range(c.zero_stage + 1, 4) if c.dp > 1 else ():
+        try:
+            cc = cc_of[dataclasses.replace(c, zero_stage=z)]
+        except KeyError:  # not enumerated: pinned out, or not a stage this candidate can use
+            continue
+        out.append(evaluate(cc, ev.strategy.stages, sorted(ev.strategy.checkpoint), sorted(ev.strategy.selective)))
     return out

@@ -293,14 +293,32 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
 
 def _costs_for(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult) -> dict:
     """``CandidateCosts`` of every strategy ``res`` kept (from ``entries``, else priced again:
-    the compiled search's candidates)."""
-    known = {cc.cand: cc for _lb, _mlb, cc in entries}
-    cap = hw.memory_bytes * req.memory_headroom
+    the compiled search's candidates), and, on demand, of any other candidate the search
+    enumerated, compiled or not (the schedule post-pass asks for a kept strategy's other ZeRO
+    stages); a candidate it did not enumerate (one the pins rule out) is a ``KeyError``."""
+    known = _Costs({cc.cand: cc for _lb, _mlb, cc in entries},
+                   lambda c: candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, hw.memory_bytes * req.memory_headroom))
     for ev in res.ranked + res.extra:
         c = ev.strategy.candidate
         if c not in known:
-            known[c] = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, cap)
+            known[c] = known.price(c)
     return known
+
+
+class _Costs(dict):
+    """Candidate -> ``CandidateCosts``: the ones given, else priced when first asked for, for a
+    candidate whose eager version is among them."""
+
+    def __init__(self, known: dict, price):
+        super().__init__(known)
+        self.price = price
+        self._enumerated = {dataclasses.replace(c, compile=False) for c in known}
+
+    def __missing__(self, cand: Candidate) -> CandidateCosts:
+        if dataclasses.replace(cand, compile=False) not in self._enumerated:
+            raise KeyError(cand)
+        cc = self[cand] = self.price(cand)
+        return cc
 
 
 def search_offload(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult,

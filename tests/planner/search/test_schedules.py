@@ -3,6 +3,7 @@ choice between 1F1B, interleaved and zero bubble."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -197,3 +198,117 @@ def test_zero_bubble_frees_the_loss_tail_at_b_and_keeps_gradients_until_w():
     assert sim.held_between[1] * A == pytest.approx(2 * A + 2 * K - T)
     without = simulate_pipeline("zero-bubble", 2, 4, 1, dataclasses.replace(times, free_bytes=None))
     assert without.held[1] * A == pytest.approx(2 * A + K)
+
+
+def _kept_strategies(fillers):
+    """A deep pipeline (pp 8, 8 micro-batches: a 47% bubble under 1F1B) and a pp-1 strategy
+    re-labelled at the step times ``fillers(deep 1F1B step, deep's lower bound, deep's best)``: a
+    search result whose fifth strategy under 1F1B is the only one another schedule speeds up."""
+    from cost_models.strategy import NumericTable, candidate_costs
+    from planner.search.schedules import best_schedule, schedule_bounds
+    nt = NumericTable(TABLE)
+    deep = solve(_req(pp=8, dp=1, tp=1, micro_batch=1, schedule="1f1b"), TABLE, HW).evaluation
+    flat = solve(_req(pp=1, dp=8, tp=1, micro_batch=1), TABLE, HW).evaluation
+    cc_of = {ev.strategy.candidate: candidate_costs(nt, HW, "bf16", 1024, ev.strategy.candidate, 8,
+                                                    HW.memory_bytes * 0.9) for ev in (deep, flat)}
+    rows = len(nt.layers)
+    opts = schedule_options(deep.strategy.candidate, rows)
+    lower = min(b[0] for b in schedule_bounds(cc_of[deep.strategy.candidate], deep, opts))
+    best = best_schedule(cc_of[deep.strategy.candidate], deep, opts)
+    assert best.strategy.schedule != "1f1b" and lower <= best.step_time_s < deep.step_time_s
+    others = [dataclasses.replace(flat, step_time_s=t) for t in fillers(deep.step_time_s, lower, best.step_time_s)]
+    from planner.search.ilp import SearchResult
+    return SearchResult(ranked=others + [deep]), cc_of, rows, deep, best
+
+
+def test_a_strategy_below_the_fourth_under_1f1b_wins_under_its_best_schedule():
+    """Four strategies faster than the deep pipeline under 1F1B, slower than it under its best
+    schedule: the bound walk prices the fifth and it wins (re-pricing only the first four kept
+    1F1B's fastest of them); the four still rank behind it, as the plan's runners-up."""
+    from planner.search.schedules import apply_schedules
+    res, cc_of, rows, deep, best = _kept_strategies(
+        lambda one, lower, best: [best + (one - best) * k / 5 for k in (1, 2, 3, 4)])
+    out = apply_schedules(res, cc_of, rows)
+    assert out.best.strategy.candidate == deep.strategy.candidate
+    assert out.best.strategy.schedule == best.strategy.schedule
+    assert out.best.step_time_s == pytest.approx(best.step_time_s)
+    assert out.best.extra["plain_step_s"] == res.ranked[0].step_time_s
+    assert [e.step_time_s for e in out.ranked[1:]] == [e.step_time_s for e in res.ranked[:4]]
+    assert apply_schedules(res, cc_of, rows, keep=5).best.step_time_s == out.best.step_time_s
+
+
+def test_the_bound_walk_stops_where_no_schedule_can_win(monkeypatch):
+    """When the four fastest under 1F1B beat even the deep pipeline's lower bound, it is not
+    priced (one pricing per shown strategy, none for it) and keeps its 1F1B price."""
+    import planner.search.schedules as schedules
+    res, cc_of, rows, deep, _best = _kept_strategies(
+        lambda one, lower, best: [lower * k / 10 for k in (6, 7, 8, 9)])
+    calls = []
+    real = schedules._best
+    monkeypatch.setattr(schedules, "_best", lambda cc, ev, *a: calls.append(ev) or real(cc, ev, *a))
+    out = schedules.apply_schedules(res, cc_of, rows)
+    assert len(calls) == 4 and deep not in calls
+    assert out.ranked[-1] is deep and out.best is res.ranked[0]
+
+
+def test_schedules_that_do_not_fit_are_not_simulated(monkeypatch):
+    """A schedule's memory follows from its action order: with room for little more than 1F1B's
+    activations, best_schedule simulates only schedules that fit, and picks what pricing every
+    option in full picks."""
+    import planner.search.schedules as schedules
+    from cost_models.strategy import memory_bound
+    res, cc_of, rows, deep, _best = _kept_strategies(lambda *a: [])
+    cc = copy.copy(cc_of[deep.strategy.candidate])
+    cc.capacity = memory_bound(deep)
+    opts = schedule_options(deep.strategy.candidate, rows)
+    priced = [ev for o in opts if (ev := schedules.price_schedule(cc, deep, *o)) is not None and ev.feasible]
+    assert 1 < len(priced) < len(opts)  # some fit, some do not
+    sims = []
+    real = schedules._makespan
+    monkeypatch.setattr(schedules, "_makespan", lambda *a: sims.append(a) or real(*a))
+    got = schedules.best_schedule(cc, deep, opts)
+    fitting = {(ev.strategy.schedule, ev.strategy.virtual_stages) for ev in priced}
+    assert sims and {(a[0], a[3]) for a in sims} <= fitting
+    want = min(priced, key=lambda ev: ev.step_time_s)
+    assert (got.strategy.schedule, got.strategy.virtual_stages) == (want.strategy.schedule, want.strategy.virtual_stages)
+    assert got.step_time_s == pytest.approx(want.step_time_s)
+
+
+def test_a_higher_zero_stage_makes_room_for_the_schedule():
+    """The search keeps a triple's fastest strategy under 1F1B (ZeRO 0 here). Where zero bubble or
+    interleaved does not fit beside its model state, the same stages at ZeRO 1 (a candidate the
+    search enumerated) are priced too, and win if they fit; the triple keeps one strategy."""
+    from cost_models.strategy import NumericTable, candidate_costs, evaluate, memory_bound
+    from planner.search.ilp import SearchResult
+    from planner.search.schedules import apply_schedules, price_schedule
+    nt = NumericTable(TABLE)
+    rows = len(nt.layers)
+    base = solve(_req(gpus=16, global_batch=16, pp=8, dp=2, tp=1, micro_batch=1, zero_stage=0, schedule="1f1b"),
+                 TABLE, HW).evaluation
+    c0 = base.strategy.candidate
+    c1 = dataclasses.replace(c0, zero_stage=1)
+
+    def costs(c, cap):
+        return candidate_costs(nt, HW, "bf16", 1024, c, 8, cap)
+
+    def fastest(cc, ev):  # the best schedule but 1F1B, priced in full
+        got = [e for o in schedule_options(cc.cand, rows) if o[0] != "1f1b"
+               and (e := price_schedule(cc, ev, *o)) is not None]
+        return min(got, key=lambda e: e.step_time_s)
+
+    roomy = HW.memory_bytes * 0.9
+    same_stages = evaluate(costs(c1, roomy), base.strategy.stages, sorted(base.strategy.checkpoint),
+                           sorted(base.strategy.selective))
+    sharded = fastest(costs(c1, roomy), same_stages)
+    plain = fastest(costs(c0, roomy), base)
+    assert memory_bound(sharded) < memory_bound(plain) and memory_bound(base) <= memory_bound(sharded)
+    cap = memory_bound(sharded)  # room for ZeRO 1's schedule, not ZeRO 0's
+    cc_of = {c0: costs(c0, cap), c1: costs(c1, cap)}
+    out = apply_schedules(SearchResult(ranked=[base]), cc_of, rows)
+    assert len(out.ranked) == 1 and out.best.strategy.candidate == c1
+    assert out.best.strategy.schedule == sharded.strategy.schedule
+    assert out.best.step_time_s == pytest.approx(sharded.step_time_s)
+    assert out.best.step_time_s < base.step_time_s and out.best.strategy.stages == base.strategy.stages
+    # without the ZeRO 1 candidate (a --zero-stage 0 pin), the triple stays 1F1B at ZeRO 0
+    pinned = apply_schedules(SearchResult(ranked=[base]), {c0: cc_of[c0]}, rows)
+    assert pinned.best.strategy.candidate == c0 and pinned.best.step_time_s <= base.step_time_s
