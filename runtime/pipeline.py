@@ -587,9 +587,18 @@ class PipelineStage:
                     f"gradient would be lost; mark it requires_grad=True"
                 )
 
-    def _recv(self, metas: Sequence[TensorMeta], src: int) -> list[torch.Tensor]:
+    def _post_recv(self, a: Action) -> tuple[list[torch.Tensor], list]:
+        """Post the receive of ``RECV_ACT`` / ``RECV_GRAD`` action ``a``: its buffers and works."""
+        if a.kind == RECV_ACT:
+            metas, src = self.recv_metas[a.chunk], self.prev_rank
+        else:
+            metas, src = [t for t in self.send_metas[a.chunk] if t.requires_grad], self.next_rank
         bufs = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in metas]
-        works = [comm.irecv(b, src, group=self.pp_group) for b in bufs]
+        return bufs, [comm.irecv(b, src, group=self.pp_group) for b in bufs]
+
+    @staticmethod
+    def _wait_recv(posted: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
+        bufs, works = posted
         for w in works:
             comm.wait(w)
         return bufs
@@ -622,19 +631,31 @@ class PipelineStage:
         weight_work: dict[tuple[int, int], WeightWork] = {}
         losses: dict[int, torch.Tensor] = {}
         self._pending = []
-        for a in actions:
+        # Each receive is posted one compute action early: the message arrives while this rank
+        # computes instead of after it (a peer's send of a large tensor completes only once the
+        # receive is posted). Receives are still posted in list order, so each pair's messages
+        # match as without it.
+        recvs = [k for k, a in enumerate(actions) if a.kind in (RECV_ACT, RECV_GRAD)]
+        posted: dict[int, tuple[list[torch.Tensor], list]] = {}
+        ahead = 0  # recvs[ahead] is the first receive not yet reached
+        for k, a in enumerate(actions):
             j, i = a.chunk, a.microbatch
             key = (j, i)
-            if a.kind == RECV_ACT:
-                metas = self.recv_metas[j]
-                bufs = self._recv(metas, self.prev_rank)
-                inputs[key] = tuple(b.requires_grad_(True) if t.requires_grad else b for b, t in zip(bufs, metas))
+            while ahead < len(recvs) and recvs[ahead] <= k:
+                ahead += 1
+            if a.kind in (F, B, W) and ahead < len(recvs) and recvs[ahead] not in posted:
+                posted[recvs[ahead]] = self._post_recv(actions[recvs[ahead]])
+            if a.kind in (RECV_ACT, RECV_GRAD):
+                bufs = self._wait_recv(posted.pop(k, None) or self._post_recv(a))
+                if a.kind == RECV_ACT:
+                    inputs[key] = tuple(b.requires_grad_(True) if t.requires_grad else b
+                                        for b, t in zip(bufs, self.recv_metas[j]))
+                else:
+                    out_grads[key] = bufs
             elif a.kind == F:
                 self._forward(key, inputs.get(key, ()), extras[i][j], outputs, losses, loss_scale / m)
             elif a.kind == SEND_ACT:
                 self._isend(outputs[key], self.next_rank)
-            elif a.kind == RECV_GRAD:
-                out_grads[key] = self._recv([t for t in self.send_metas[j] if t.requires_grad], self.next_rank)
             elif a.kind == B:
                 with self._scope(accumulates=not split):
                     self._backward(key, split, inputs, outputs, out_grads, in_grads, weight_work)

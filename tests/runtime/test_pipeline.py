@@ -162,7 +162,7 @@ def test_split_backward_frees_the_loss_tail_at_b():
     head = _LossHead()
     stage = PipelineStage(head, 1, 2, recv_meta=[TensorMeta((4, 6), torch.float32)], prev_rank=0, last_rank=1)
     stage._preflight = lambda actions, extras: None
-    stage._recv = lambda metas, src: [torch.randn(4, 6)]
+    stage._post_recv = lambda a: ([torch.randn(4, 6)], [])
     stage._isend = lambda tensors, dst: None
     stage._mean_loss = lambda losses, m: 0.0
     actions = zero_bubble_h1(2, m)[1]
