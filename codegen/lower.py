@@ -29,6 +29,7 @@ import torch.fx as fx
 from codegen.errors import LoweringError
 from codegen.names import safe_ident
 from codegen.selective import extract_attention_cores
+from runtime import portable
 
 __all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "get_tensor"]
 
@@ -203,7 +204,7 @@ def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
         args = fx.node.map_arg(n.args, lambda a: env[a])
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
         args, kwargs = _retarget_devices(args), _retarget_devices(kwargs)
-        new = g.create_node("call_function", n.target, args, kwargs)
+        new = g.create_node("call_function", _portable(n), args, kwargs)
         new.meta = dict(n.meta)
         env[n] = new
     outs = [env[o] for o in lg.outputs]
@@ -221,6 +222,18 @@ def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
     pc = g.python_code(root_module="self")
     globals_.update(pc.globals)
     return pc.src, globals_, in_names, cores
+
+
+def _portable(n: fx.Node):
+    """``n``'s target, or the ``runtime.portable`` function generated code calls instead (an
+    integer ``histc``, transformers' grouped product of experts)."""
+    t = n.target
+    if t is torch.ops.aten.histc.default:
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        return portable.histc if isinstance(val, torch.Tensor) and not val.is_floating_point() else t
+    if isinstance(t, torch._ops.OpOverload) and t.name() == "transformers::grouped_mm_fallback":
+        return portable.grouped_mm
+    return t
 
 
 def _retarget_devices(x):

@@ -134,9 +134,30 @@ def _attention_bwd(grad_out, query, key, value, *args, **kwargs):
     return 2 * sdpa_flop_count(_shape(query), _shape(key), _shape(value))
 
 
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs):
+    """``_grouped_mm`` (a mixture of experts' expert products): each row of a 2-d ``mat_a`` times
+    its group's ``mat_b[g]`` (``[S, K] x [E, K, N]``), or in backward the contraction split by
+    groups (``[K, S] x [S, N] -> [E, K, N]``, the weights' gradients); 3-d ``mat_a`` batched."""
+    a, b = _shape(mat_a), _shape(mat_b)
+    if len(a) == 2:
+        return 2 * a[0] * a[1] * b[-1]
+    if len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
 FORMULAS = dict(flop_registry)
 FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = _attention_fwd
 FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = _attention_bwd
+FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
+
+#: Products of libraries' own operators, by qualified name (their packets exist only while the
+#: library is imported): transformers' grouped product of experts and its backward (both factors).
+NAMED_FORMULAS = {
+    "transformers::grouped_mm_fallback": _grouped_mm_flops,
+    "transformers::grouped_mm_fallback_backward": lambda input, weight, *a, out_val=None, **k:  # noqa: A002
+        2 * _grouped_mm_flops(input, weight),
+}
 
 
 def _arg(args, kwargs, i: int, name: str):
@@ -181,6 +202,23 @@ def gemm_calls(packet, args, kwargs) -> list[tuple]:
         a = _arg(args, kwargs, off, "batch1" if off else "self")
         b = _arg(args, kwargs, off + 1, "batch2" if off else "mat2")
         return [(a.shape[1], b.shape[2], a.shape[2], a.shape[0], a, b)]
+    name = getattr(packet, "_qualified_op_name", "")
+    if name == "transformers::grouped_mm_fallback_backward":  # both factors' gradients
+        x, w, offs, g = (_arg(args, kwargs, i, nm) for i, nm in enumerate(("input", "weight", "offs", "grad_output")))
+        e = w.shape[0]
+        return [(g.shape[0] // e, w.shape[1], w.shape[2], e, g, w), (x.shape[1], w.shape[2], x.shape[0] // e, e, x, g)]
+    if packet is _aten._grouped_mm or name == "transformers::grouped_mm_fallback":
+        # E groups of the average size (the experts share the tokens evenly)
+        a, b = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "mat2")
+        if a is None:
+            a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        if a.dim() == 2 and b.dim() == 3:
+            e = b.shape[0]
+            return [(a.shape[0] // e, b.shape[2], a.shape[1], e, a, b)]
+        if a.dim() == 2 and b.dim() == 2 and _arg(args, kwargs, 2, "offs") is not None:
+            e = _arg(args, kwargs, 2, "offs").shape[0]
+            return [(a.shape[0], b.shape[1], a.shape[1] // e, e, a, b)]
+        return []
     if packet in _ATTENTION_FWD:
         q, k, v = (_arg(args, kwargs, i, nm) for i, nm in enumerate(("query", "key", "value")))
         return [g + (None, None) for g in _attention_gemms(q, k, v, backward=False)]
@@ -217,7 +255,7 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = FORMULAS.get(func._overloadpacket)
+        formula = FORMULAS.get(func._overloadpacket) or NAMED_FORMULAS.get(func.name())
         if formula is not None:
             self._charge(formula(*args, **kwargs, out_val=out), 0)
             calls = gemm_calls(func._overloadpacket, args, kwargs)

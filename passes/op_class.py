@@ -26,7 +26,7 @@ OP_CLASSES = ("matmul", "attention", "norm", "embedding", "loss", "view", "eleme
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "conv1d",
            "conv2d", "conv3d", "_convolution", "addbmm", "einsum", "_scaled_mm", "addmv", "mv",
-           "dot"}
+           "dot", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",

@@ -206,6 +206,11 @@ def _model_class(cfg):
     """The class named by ``cfg.architectures`` (a causal LM if the config names none)."""
     import transformers
 
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ModelError(f"{cfg.model_type!r} is an encoder-decoder model (its config sets is_encoder_decoder), "
+                         "and the planner plans and trains decoder-only and encoder-only models, which take "
+                         "one token sequence: use a causal LM or an encoder architecture.")
+
     for name in getattr(cfg, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -263,7 +268,7 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
         tid = getattr(cfg, tok, None)
         if isinstance(tid, int) and tid >= cfg.vocab_size:
             setattr(cfg, tok, cfg.vocab_size - 1)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "sdpa"  # build_hf_dir falls back to eager for a class without SDPA
     return cfg
 
 
@@ -275,6 +280,8 @@ def build_hf_dir(path: str, sizes: dict, *, device="cpu", dtype=torch.float32, d
     has_weights = bool(weight_files(path)) if weights is None else weights
     cfg = dir_config(path, sizes, weights=has_weights, dropout=dropout)
     cls = _model_class(cfg)
+    if not getattr(cls, "_supports_sdpa", True):  # e.g. Gemma2 (soft-capped scores), Bloom (ALiBi)
+        cfg._attn_implementation = "eager"
     try:
         with _quiet_transformers(), (context or contextlib.nullcontext()), torch.device(device):
             inner = cls(cfg)

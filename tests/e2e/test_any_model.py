@@ -84,3 +84,29 @@ def test_hf_architecture_trains_in_bf16(tmp_path):
     losses, _ = run_case(tmp_path, plan, steps=STEPS)
     ref, _ = reference_run(plan, STEPS, eps=EPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0)
+
+
+def _hf_dir(tmp_path, arch: str) -> str:
+    """A model directory (``hf:PATH``) holding only a tiny ``config.json`` of ``arch``."""
+    import transformers as tf
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    cfg = {"mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
+           "gemma2": lambda: tf.Gemma2Config(head_dim=8, **common)}[arch]()
+    path = tmp_path / arch
+    cfg.save_pretrained(path)
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2"])
+def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, arch):
+    """A mixture of experts traced on meta (transformers' integer ``histc`` and its own grouped
+    product, which compiled code runs as ``runtime.portable``) and an architecture without SDPA
+    (Gemma2: soft-capped scores, built with eager attention) train under a 2-stage pipeline like
+    one process with the HF model."""
+    spec = _hf_dir(tmp_path, arch)
+    req = PlanRequest(spec=spec, gpus=2, gpus_per_node=2, hardware="cpu", global_batch=BATCH, seq_len=SEQ,
+                      dtype="fp32", micro_batch=1, dp=1, tp=1, pp=2)
+    plan = solve(req, build_layer_table(spec, batch=1, seq_len=SEQ, dtype="fp32"), load_hardware("cpu", gpus_per_node=2)).plan
+    _check(tmp_path, plan)
