@@ -66,11 +66,14 @@ Writes per node: ``fwd_flops``, ``bwd_flops``, ``fwd_bytes``, ``bwd_bytes`` (sym
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy
 import torch
+import torch._decomp
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -244,6 +247,19 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return None
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors():
+    """Keep fake tensors' log of a meta kernel that failed off stderr: the replay handles the
+    failure (``CostReplay.call_function``) or reports it as a ``PassError``."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class _Counter(TorchDispatchMode):
     """Charges each dispatched op's FLOPs to the node running it (forward) or owning the
     executing autograd function (backward)."""
@@ -366,7 +382,15 @@ class CostReplay(fx.Interpreter):
             out = _fused_attention(*args, **kwargs)
             if out is not None:
                 return out
-        return super().call_function(target, args, kwargs)
+        try:
+            return super().call_function(target, args, kwargs)
+        except RuntimeError:
+            # Some meta kernels take only concrete sizes (baddbmm broadcasting Bloom's ALiBi bias
+            # over symbolic ones): replay the op's decomposition, whose ops are priced as usual.
+            decomp = torch._decomp.decomposition_table.get(target)
+            if decomp is None:
+                raise
+            return decomp(*args, **kwargs)
 
     def backward_owner(self) -> str | None:
         """The node owning the autograd function running now (None if unknown)."""
@@ -441,7 +465,7 @@ class CostReplay(fx.Interpreter):
             raise PassError(_PASS, None, "the graph's placeholders carry no fake tensors; trace "
                             "the model with planner.frontend.trace.trace_model (torch.export).")
         counter = _Counter(self)
-        with fake_mode, torch.enable_grad():
+        with fake_mode, torch.enable_grad(), _quiet_fake_tensor_errors():
             args = self._inputs()
             self.keep.extend(args)
             with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):

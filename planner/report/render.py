@@ -165,8 +165,8 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     head.add_row("model", f"{format_count(plan.model.params)} parameters, {plan.model.layers} blocks "
                  f"(+ embedding and head)")
     nodes = -(-plan.hardware.gpus // plan.hardware.gpus_per_node)
-    head.add_row("cluster", f"{plan.hardware.gpus} x {plan.hardware.name} ({nodes} node"
-                 f"{'s' if nodes > 1 else ''} of {plan.hardware.gpus_per_node})")
+    head.add_row("cluster", f"{plan.hardware.gpus} x {plan.hardware.name} (" + (
+        f"{nodes} nodes of {plan.hardware.gpus_per_node})" if nodes > 1 else "1 node)"))
     head.add_row("batch", f"{plan.global_batch} sequences x {plan.seq_len} tokens, {plan.dtype}")
     head.add_row("degrees", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}")
     zero_txt = {0: "0 (replicated)", 1: "1 (optimizer state sharded)", 2: "2 (+ gradients sharded)",

@@ -100,7 +100,8 @@ def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
                  f"{_schedule_change(best, alt)})")
     else:
         ctx = _context(part, alt)
-        change = ((_offload_change(best, alt) if part != "offload" else "") + _sp_change(best, alt)
+        said = part == "tp_comm" and alt.strategy.candidate.sequence_parallel  # the context names it
+        change = ((_offload_change(best, alt) if part != "offload" else "") + ("" if said else _sp_change(best, alt))
                   + _schedule_change(best, alt))
         text += f" ({ctx}{change})" if ctx else (f" ({change[2:]})" if change else "")
     return text
