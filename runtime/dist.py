@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import multiprocessing
 import multiprocessing.reduction
 import os
@@ -309,6 +310,10 @@ def launch_local(
             start_method=method,
         )
         deadline = time.monotonic() + timeout_s
+        # torch logs each peer it terminates after a failure; the failure is reported by _diagnose
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        spawn_level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)
         try:
             while True:
                 try:
@@ -324,6 +329,7 @@ def launch_local(
                 if time.monotonic() > deadline:
                     raise LaunchError(f"local run of {nproc} processes timed out after {timeout_s:.0f} s")
         finally:
+            spawn_log.setLevel(spawn_level)
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from planner.frontend.bundle import ModelBundle
-from planner.frontend.errors import ModelError
+from planner.frontend.errors import ModelError, first_sentence
 from planner.frontend.spec import HF_ARCHS, hf_directory
 
 __all__ = ["build_hf", "build_hf_dir", "dir_config", "hf_classes", "hf_directory", "load_hf_config", "weight_files",
@@ -198,7 +198,7 @@ def load_hf_config(path: str):
                 if model_type else "it has no model_type")
         raise ModelError(f"cannot build a model from {cfg_path}: {what}. Use a config.json written by "
                          "save_pretrained of an architecture this transformers version ships, or "
-                         f"upgrade transformers. ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+                         f"upgrade transformers. ({type(e).__name__}: {first_sentence(str(e))})"
                          ) from None
 
 
@@ -289,7 +289,7 @@ def build_hf_dir(path: str, sizes: dict, *, device="cpu", dtype=torch.float32, d
         raise
     except Exception as e:  # noqa: BLE001 - a config transformers accepts but cannot build from
         raise ModelError(f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')}"
-                         f" ({type(e).__name__}: {str(e).splitlines()[0][:200]}).") from None
+                         f" ({type(e).__name__}: {first_sentence(str(e))}).") from None
     model = HFLossModel(inner).to(dtype)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)

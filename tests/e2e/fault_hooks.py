@@ -19,7 +19,7 @@ from planner.cli import USER_ERRORS, build_parser
 from planner.commands.train import run_train
 from runtime.trainer import StepHook
 
-__all__ = ["KillAt", "HangAt", "train_with_hook"]
+__all__ = ["KillAt", "HangAt", "RaiseAt", "train_with_hook"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,18 @@ class HangAt:
     def __call__(self, rank: int, step: int) -> None:
         if rank == self.rank and step == self.step:
             time.sleep(3600)
+
+
+@dataclass(frozen=True)
+class RaiseAt:
+    """Rank ``rank`` raises at step index ``step``: a model or data error inside one rank."""
+
+    rank: int
+    step: int
+
+    def __call__(self, rank: int, step: int) -> None:
+        if rank == self.rank and step == self.step:
+            raise RuntimeError(f"injected failure on rank {rank}")
 
 
 def train_with_hook(argv: list[str], hook: StepHook) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from planner.cli import main
 from runtime.checkpoint_io import list_checkpoints, load_model_tensors
-from tests.e2e.fault_hooks import HangAt, KillAt, train_with_hook
+from tests.e2e.fault_hooks import HangAt, KillAt, RaiseAt, train_with_hook
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
 
 
@@ -71,10 +71,21 @@ def test_killed_rank_fails_fast_and_checkpoint_survives(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1
     assert "rank 1" in err and "SIGKILL" in err
+    assert "Terminating process" not in err  # torch's log of the peers it stops: the error says enough
     assert elapsed < 60
     assert [s for s, _ in list_checkpoints(ck)] == [2, 4]
     assert train(tmp_path, plan, 6, "--checkpoint-dir", ck, "--save-every", "2", "--resume") == 0
     assert [s for s, _ in list_checkpoints(ck)] == [4, 6]
+
+
+def test_rank_that_raises_is_one_clear_error(tmp_path, capfd):
+    """The failing rank's exception, once, without torch's log of the peers it stops (written by
+    a logging handler bound to the process's stderr: captured at the file descriptor)."""
+    plan = make_plan("gpt", dict(TINY_GPT), dp=2)
+    assert train(tmp_path, plan, 4, hook=RaiseAt(rank=0, step=1)) == 1
+    err = capfd.readouterr().err
+    assert "rank 0 failed: RuntimeError: injected failure on rank 0" in err
+    assert "Terminating process" not in err and "Traceback" not in err
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path, capsys):
