@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.export import Dim, ExportedProgram
 from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 from torch.export.graph_signature import InputKind
+from torch.overrides import TorchFunctionMode
 
 from passes.common import B, S
 from passes.layers import assign_layers, layer_signatures
@@ -229,6 +230,26 @@ def _uncached_fake_tensors():
         yield
 
 
+class _HostListIndices(TorchFunctionMode):
+    """Index lists become CPU tensors before a tensor is indexed (``qkv[..., [-2]]``, Falcon's
+    attention): torch would make the index tensor on the indexed tensor's device, meta here, and
+    export would lift a constant without values that no generated code can rebuild. On CPU the
+    values are kept; indexing a meta (or CUDA) tensor with CPU indices is the same operation."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            idx = args[1]
+            parts = idx if isinstance(idx, tuple) else (idx,)
+            if any(_int_list(p) for p in parts):
+                fixed = tuple(torch.tensor(p, dtype=torch.int64) if _int_list(p) else p for p in parts)
+                args = (args[0], fixed if isinstance(idx, tuple) else fixed[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _int_list(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(v) is int for v in x)
+
+
 _EXPORT_MODULES = ("torch._dynamo", "torch.export._trace")
 """What the first ``torch.export.export`` imports (private modules: one a torch version lacks is
 skipped, the export then imports what it needs itself)."""
@@ -254,7 +275,7 @@ def import_tracer(model: str | ModelBundle) -> None:
 
 def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
     try:
-        with _quiet_torch_logs(), _uncached_fake_tensors():
+        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices():
             return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except ModelError:
@@ -530,7 +551,7 @@ def export_training_module(spec: str, sizes: dict, *, dtype: str, batch: int, se
         bundle.example_inputs = tuple(t.to(to_torch(dtype)) if t.is_floating_point() else t
                                       for t in bundle.example_inputs)
     try:
-        with _uncached_fake_tensors():
+        with _uncached_fake_tensors(), _HostListIndices():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message
         raise explain_export_error(e, spec) from e

@@ -94,18 +94,22 @@ def _hf_dir(tmp_path, arch: str) -> str:
                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     cfg = {"mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
            "gemma2": lambda: tf.Gemma2Config(head_dim=8, **common),
-           "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96)}[arch]()
+           "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96),
+           "falcon": lambda: tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                             new_decoder_architecture=True, vocab_size=96)}[arch]()
     path = tmp_path / arch
     cfg.save_pretrained(path)
     return f"hf:{path}"
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "bloom"])
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "bloom", "falcon"])
 def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, arch):
     """A mixture of experts traced on meta (transformers' integer ``histc`` and its own grouped
     product, which compiled code runs as ``runtime.portable``) and architectures without SDPA
     (Gemma2: soft-capped scores; Bloom: ALiBi, whose ``baddbmm`` the cost replay decomposes), built
-    with eager attention, train under a 2-stage pipeline like one process with the HF model."""
+    with eager attention, and Falcon (its attention indexes with a list, ``qkv[..., [-2]]``, whose
+    index tensor the trace keeps on the CPU so that compiled code can rebuild it), train under a
+    2-stage pipeline like one process with the HF model."""
     spec = _hf_dir(tmp_path, arch)
     req = PlanRequest(spec=spec, gpus=2, gpus_per_node=2, hardware="cpu", global_batch=BATCH, seq_len=SEQ,
                       dtype="fp32", micro_batch=1, dp=1, tp=1, pp=2)
