@@ -197,6 +197,7 @@ def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
         env[x] = g.placeholder(nm)
         in_names.append(nm)
     attr_nodes = {fqn: name for name, fqn in lg.params.items()}
+    portable_targets: dict[fx.Node, Callable] = {}
     for n in lg.nodes:
         for a in n.all_input_nodes:
             if a.op == "get_attr" and a not in env:
@@ -204,13 +205,18 @@ def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
         args = fx.node.map_arg(n.args, lambda a: env[a])
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
         args, kwargs = _retarget_devices(args), _retarget_devices(kwargs)
-        new = g.create_node("call_function", _portable(n), args, kwargs)
+        new = g.create_node("call_function", n.target, args, kwargs)
         new.meta = dict(n.meta)
         env[n] = new
+        if _portable(n) is not n.target:
+            portable_targets[new] = _portable(n)
     outs = [env[o] for o in lg.outputs]
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     if rewrite is not None:
         rewrite(g, lg)
+    for node in g.nodes:  # after the tp rewrite, which matches nodes by their traced targets
+        if node in portable_targets and node.target is not portable_targets[node]:
+            node.target = portable_targets[node]
     g.eliminate_dead_code()
     cores = []
     globals_ = {}

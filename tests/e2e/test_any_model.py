@@ -102,16 +102,18 @@ def _hf_dir(tmp_path, arch: str) -> str:
     return f"hf:{path}"
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "bloom", "falcon"])
-def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, arch):
+@pytest.mark.parametrize("arch, pins", [("mixtral", dict(pp=2)), ("mixtral", dict(tp=2)), ("gemma2", dict(pp=2)),
+                                        ("bloom", dict(pp=2)), ("falcon", dict(pp=2))])
+def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, arch, pins):
     """A mixture of experts traced on meta (transformers' integer ``histc`` and its own grouped
     product, which compiled code runs as ``runtime.portable``) and architectures without SDPA
     (Gemma2: soft-capped scores; Bloom: ALiBi, whose ``baddbmm`` the cost replay decomposes), built
     with eager attention, and Falcon (its attention indexes with a list, ``qkv[..., [-2]]``, whose
     index tensor the trace keeps on the CPU so that compiled code can rebuild it), train under a
-    2-stage pipeline like one process with the HF model."""
+    2-stage pipeline like one process with the HF model; the experts under tp2 too (they stay
+    replicated, the attention splits)."""
     spec = _hf_dir(tmp_path, arch)
     req = PlanRequest(spec=spec, gpus=2, gpus_per_node=2, hardware="cpu", global_batch=BATCH, seq_len=SEQ,
-                      dtype="fp32", micro_batch=1, dp=1, tp=1, pp=2)
+                      dtype="fp32", micro_batch=1, **{"dp": 1, "tp": 1, "pp": 1, **pins})
     plan = solve(req, build_layer_table(spec, batch=1, seq_len=SEQ, dtype="fp32"), load_hardware("cpu", gpus_per_node=2)).plan
     _check(tmp_path, plan)
