@@ -196,7 +196,7 @@ class LayerCosts:
     """Bytes (whole tensors) of replicated full-length values each rank keeps its positions of under
     SP (a position embedding): their gradients are all-gathered in the backward."""
     tail_saved_bytes: sympy.Expr = _ZERO
-    """Of ``saved_bytes``, what the nodes downstream of all the layer's weight products keep (a
+    """Of ``saved_bytes``, what the nodes upstream of none of the layer's weight products keep (a
     language model's loss: the log-probabilities): a split backward (zero bubble) frees it at
     ``B`` when the layer ends its chunk (``passes.split_backward``)."""
     tail_saved_bytes_tp: sympy.Expr = _ZERO

@@ -3,7 +3,7 @@
 Zero-bubble schedules split a chunk's backward into ``B`` (input gradients) and ``W`` (weight
 gradients, later). ``runtime.pipeline`` keeps, from ``B`` to ``W``, the autograd nodes that
 compute a weight's gradient (the *frontier*: a linear layer's ``mm``, a norm) and, through their
-edges, every node upstream of them. A node downstream of all of them is held only by the chunk's
+edges, every node upstream of them. A node upstream of none of them is held only by the chunk's
 outputs, which ``B`` drops: its saved tensors are freed at ``B``. In a language model's head that
 is the loss (cross-entropy's log-probabilities, as large as the logits); in a block ending in a
 residual add it is nothing.

@@ -40,8 +40,8 @@ def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the 
     for k in range(min(pp, 8)):
         a, b = k * width, (k + 1) * width - 1
         na, nb = a // gpus_per_node, b // gpus_per_node
-        rows.append((f"stage {k}", f"ranks {a}-{b} on node{'s' if nb > na else ''} "
-                     f"{na if na == nb else f'{na}-{nb}'}"))
+        ranks = f"rank {a}" if a == b else f"ranks {a}-{b}"
+        rows.append((f"stage {k}", f"{ranks} on node{'s' if nb > na else ''} {na if na == nb else f'{na}-{nb}'}"))
     if pp > 8:
         rows.append(("...", f"{pp - 8} more stages, {width} ranks each"))
     return rows
