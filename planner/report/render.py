@@ -9,6 +9,8 @@ runner-up is written by the search (``planner.search.alternatives``) and stored 
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console
 from rich.table import Table
 
@@ -165,7 +167,10 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     head.add_row("model", f"{format_count(plan.model.params)} parameters, {plan.model.layers} blocks "
                  f"(+ embedding and head)")
     nodes = -(-plan.hardware.gpus // plan.hardware.gpus_per_node)
-    head.add_row("cluster", f"{plan.hardware.gpus} x {plan.hardware.name} (" + (
+    kind = plan.hardware.name
+    if hw is not None and kind.endswith(".json") and hw.name:  # a profile file: its own name, and where
+        kind = f"{hw.name} from {os.path.basename(kind)}"
+    head.add_row("cluster", f"{plan.hardware.gpus} x {kind} (" + (
         f"{nodes} nodes of {plan.hardware.gpus_per_node})" if nodes > 1 else "1 node)"))
     head.add_row("batch", f"{plan.global_batch} sequences x {plan.seq_len} tokens, {plan.dtype}")
     head.add_row("degrees", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}")
