@@ -208,8 +208,9 @@ def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
         new = g.create_node("call_function", n.target, args, kwargs)
         new.meta = dict(n.meta)
         env[n] = new
-        if _portable(n) is not n.target:
-            portable_targets[new] = _portable(n)
+        target = _portable(n)
+        if target is not n.target:
+            portable_targets[new] = target
     outs = [env[o] for o in lg.outputs]
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     if rewrite is not None:
