@@ -43,9 +43,17 @@ def _first_line(e: BaseException) -> str:
 
 def run_cell(table, arch: str, pins: dict, steps: int = 3, seq: int = 8) -> str:
     n = pins.get("dp", 1) * pins.get("tp", 1) * pins.get("pp", 1)
-    req = PlanRequest(spec=f"{SPEC}:{arch}", gpus=n, gpus_per_node=n, hardware="cpu", global_batch=4, seq_len=seq,
-                      dtype="fp32", micro_batch=1 if pins.get("pp", 1) > 1 else None,
-                      **{"dp": 1, "tp": 1, "pp": 1, **pins})
+    req = PlanRequest(
+        spec=f"{SPEC}:{arch}",
+        gpus=n,
+        gpus_per_node=n,
+        hardware="cpu",
+        global_batch=4,
+        seq_len=seq,
+        dtype="fp32",
+        micro_batch=1 if pins.get("pp", 1) > 1 else None,
+        **{"dp": 1, "tp": 1, "pp": 1, **pins},
+    )
     try:
         plan = solve(req, table, load_hardware("cpu", gpus_per_node=n)).plan
     except Exception as e:

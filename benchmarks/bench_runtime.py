@@ -130,13 +130,17 @@ class BenchConfig:
         if self.steps <= self.warmup:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         if self.per_rank % self.dp_micro_batches:
-            raise ValueError(f"per_rank ({self.per_rank}) must be divisible by dp_micro_batches ({self.dp_micro_batches})")
+            raise ValueError(
+                f"per_rank ({self.per_rank}) must be divisible by dp_micro_batches ({self.dp_micro_batches})"
+            )
         if "pp" in self.pairs:
             if self.pp_micro_batches < self.world:
                 raise ValueError(f"pp_micro_batches ({self.pp_micro_batches}) must be >= world ({self.world})")
             if (self.world * self.per_rank) % self.pp_micro_batches:
-                raise ValueError(f"the global batch {self.world * self.per_rank} is not divisible by "
-                                 f"pp_micro_batches ({self.pp_micro_batches})")
+                raise ValueError(
+                    f"the global batch {self.world * self.per_rank} is not divisible by "
+                    f"pp_micro_batches ({self.pp_micro_batches})"
+                )
             if self.layers + 2 < self.world:
                 raise ValueError(f"{self.layers} blocks cannot be cut into {self.world} pipeline stages")
 
@@ -146,11 +150,11 @@ class BenchConfig:
 
     @property
     def sizes(self) -> dict:
-        return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
-                    seq_len=self.seq_len)
+        return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab, seq_len=self.seq_len)
 
 
 # --------------------------------------------------------------------------- plans (parent)
+
 
 def make_plan(cfg: BenchConfig, pair: str):
     """The plan our side of ``pair`` runs (predictions are placeholders: the runtime ignores them)."""
@@ -179,6 +183,7 @@ def compile_pairs(cfg: BenchConfig, out_dir: str) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- sides (ranks)
+
 
 def _build_gpt(cfg: BenchConfig) -> nn.Module:
     from planner.frontend.zoo import build_model
@@ -388,19 +393,32 @@ class OursSide(Side):
         load_weights(self.module, stage, _build_gpt(cfg).state_dict())
         self.m, self.mbs = plan["num_micro_batches"], plan["micro_batch_size"]
         self.engine = ZeroEngine(
-            self.module, layers=param_groups(self.module), dp_group=group if dp > 1 else None,
-            zero_stage=plan["zero_stage"], param_dtype=torch.float32, lr=cfg.lr, betas=(0.9, 0.95),
-            eps=1e-8, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip or None,
-            norm_groups=[group] if pp > 1 else [], micro_batches_per_step=self.m,
+            self.module,
+            layers=param_groups(self.module),
+            dp_group=group if dp > 1 else None,
+            zero_stage=plan["zero_stage"],
+            param_dtype=torch.float32,
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.clip or None,
+            norm_groups=[group] if pp > 1 else [],
+            micro_batches_per_step=self.m,
             **({"bucket_bytes": int(cfg.bucket_mb * 2**20)} if cfg.bucket_mb else {}),
         )
-        recv = [TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), bool(r["requires_grad"]))
-                for r in stage["recv"]]
+        recv = [
+            TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), bool(r["requires_grad"])) for r in stage["recv"]
+        ]
         self.pstage = PipelineStage(
-            self.module, pp_index, pp, recv_meta=recv,
+            self.module,
+            pp_index,
+            pp,
+            recv_meta=recv,
             prev_rank=pp_index - 1 if pp_index > 0 else None,
             next_rank=pp_index + 1 if pp_index < pp - 1 else None,
-            pp_group=group if pp > 1 else None, last_rank=pp - 1 if pp > 1 else None,
+            pp_group=group if pp > 1 else None,
+            last_rank=pp - 1 if pp > 1 else None,
         )
         self.actions = one_f_one_b(pp, self.m)[pp_index]
         self.names = stage["data_inputs"]
@@ -410,7 +428,7 @@ class OursSide(Side):
     def step(self, step):
         ids, labels = self.data.rows(step, self.lo, self.hi, self.B)
         src = {"input_ids": ids, "labels": labels}
-        micro = [tuple(src[n][i * self.mbs:(i + 1) * self.mbs] for n in self.names) for i in range(self.m)]
+        micro = [tuple(src[n][i * self.mbs : (i + 1) * self.mbs] for n in self.names) for i in range(self.m)]
         loss = self.pstage.run(self.actions, micro, loss_scale=self.engine.loss_scale)
         self.engine.step(lr=self.cfg.lr)
         self.engine.zero_grad()
@@ -421,6 +439,7 @@ class OursSide(Side):
 
 
 # --------------------------------------------------------------------------- the rank worker
+
 
 def _tolerate_non_tensor_inner_attrs() -> None:
     """Work around ``runtime.memtrack._storages_of`` failing on DTensor (FSDP2's parameters).
@@ -464,7 +483,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, dirs: dict[str, str], out_p
     peaks = torch.zeros(len(sides), dtype=torch.float64)
     for t in range(n_steps):
         for k, (pair, a, b) in enumerate(pairs):
-            for side in ((a, b) if (t + k) % 2 == 0 else (b, a)):
+            for side in (a, b) if (t + k) % 2 == 0 else (b, a):
                 i = sides.index(side)
                 dist.barrier()
                 if t < cfg.steps:
@@ -502,6 +521,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, dirs: dict[str, str], out_p
 
 # --------------------------------------------------------------------------- driver
 
+
 def run_benchmark(cfg: BenchConfig, log=print) -> dict:
     """Compile, launch ``cfg.repeats`` worlds, aggregate; returns the result dict (see ``format_report``).
 
@@ -528,17 +548,20 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
 def aggregate(cfg: BenchConfig, runs: list[dict]) -> dict:
     sides = {}
     for name in runs[0]:
-        meds = [statistics.median(run[name]["times"][cfg.warmup:]) for run in runs]
-        sides[name] = {"median_s": statistics.median(meds), "medians_s": meds,
-                       "peak_bytes": runs[0][name]["peak_bytes"], "losses": runs[0][name]["losses"]}
+        meds = [statistics.median(run[name]["times"][cfg.warmup :]) for run in runs]
+        sides[name] = {
+            "median_s": statistics.median(meds),
+            "medians_s": meds,
+            "peak_bytes": runs[0][name]["peak_bytes"],
+            "losses": runs[0][name]["losses"],
+        }
     pairs = {}
     for pair in cfg.pairs:
         tname, oname, targets = PAIRS[pair]
         ts, os_ = sides[tname], sides[oname]
         ratios = []
         # Paired: step t of both sides ran back to back, so their ratio cancels slow drifts.
-        paired = [run[oname]["times"][t] / run[tname]["times"][t]
-                  for run in runs for t in range(cfg.warmup, cfg.steps)]
+        paired = [run[oname]["times"][t] / run[tname]["times"][t] for run in runs for t in range(cfg.warmup, cfg.steps)]
         for rname, metric, target in targets:
             if metric == "time":
                 v, pv = os_["median_s"] / ts["median_s"], statistics.median(paired)
@@ -548,18 +571,26 @@ def aggregate(cfg: BenchConfig, runs: list[dict]) -> dict:
                 continue
             ratios.append({"name": rname, "value": v, "paired": pv, "target": target, "ok": v <= target})
         rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(os_["losses"], ts["losses"]))
-        pairs[pair] = {"torch": tname, "ours": oname, "ratios": ratios, "loss_max_rel_diff": rel,
-                       "losses_match": rel <= cfg.loss_rtol}
+        pairs[pair] = {
+            "torch": tname,
+            "ours": oname,
+            "ratios": ratios,
+            "loss_max_rel_diff": rel,
+            "losses_match": rel <= cfg.loss_rtol,
+        }
     return {"config": asdict(cfg), "sides": sides, "pairs": pairs}
 
 
 def format_report(res: dict) -> str:
     """Losses per step, the table of medians and peaks, and the ratios against their targets."""
     cfg = res["config"]
-    lines = [f"GPT {cfg['layers']} x {cfg['hidden']} (heads {cfg['heads']}, vocab {cfg['vocab']}, seq "
-             f"{cfg['seq_len']}), fp32 AdamW, {cfg['per_rank']} sequences per rank, world {cfg['world']}, "
-             f"{cfg['steps']} steps ({cfg['warmup']} warm-up), {cfg['repeats']} launch(es)", "",
-             "losses per step (the last one is the tracked memory step):"]
+    lines = [
+        f"GPT {cfg['layers']} x {cfg['hidden']} (heads {cfg['heads']}, vocab {cfg['vocab']}, seq "
+        f"{cfg['seq_len']}), fp32 AdamW, {cfg['per_rank']} sequences per rank, world {cfg['world']}, "
+        f"{cfg['steps']} steps ({cfg['warmup']} warm-up), {cfg['repeats']} launch(es)",
+        "",
+        "losses per step (the last one is the tracked memory step):",
+    ]
     for name, s in res["sides"].items():
         lines.append(f"  {name:<14} " + " ".join(f"{x:.5f}" for x in s["losses"]))
     lines += ["", f"{'pair':<6} {'side':<14} {'median step s':>13} {'per launch':>24} {'peak MiB':>9}"]
@@ -573,23 +604,44 @@ def format_report(res: dict) -> str:
     for pair, p in res["pairs"].items():
         for r in p["ratios"]:
             pv = f"{r['paired']:7.3f}" if r.get("paired") is not None else f"{'':>7}"
-            lines.append(f"{r['name']:<24} {r['value']:7.3f} {pv} {'<= ' + format(r['target'], '.2f'):>8}  "
-                         f"{'ok' if r['ok'] else 'MISSED'}")
-        lines.append(f"{pair + ' losses max rel diff':<24} {p['loss_max_rel_diff']:7.1e} {'':>7} "
-                     f"{'':>8}  {'same' if p['losses_match'] else 'MISMATCH'}")
-    lines += ["", "value: ratio of the medians; paired: median over steps of the two sides' step-time "
-              "ratio (adjacent steps); result judges value.",
-              "DDP's peak includes its gradient buckets (the size of all gradients), which the tracker "
-              "cannot see."]
+            lines.append(
+                f"{r['name']:<24} {r['value']:7.3f} {pv} {'<= ' + format(r['target'], '.2f'):>8}  "
+                f"{'ok' if r['ok'] else 'MISSED'}"
+            )
+        lines.append(
+            f"{pair + ' losses max rel diff':<24} {p['loss_max_rel_diff']:7.1e} {'':>7} "
+            f"{'':>8}  {'same' if p['losses_match'] else 'MISMATCH'}"
+        )
+    lines += [
+        "",
+        "value: ratio of the medians; paired: median over steps of the two sides' step-time "
+        "ratio (adjacent steps); result judges value.",
+        "DDP's peak includes its gradient buckets (the size of all gradients), which the tracker cannot see.",
+    ]
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     d = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f_name in ("layers", "hidden", "heads", "vocab", "seq_len", "per_rank", "dp_micro_batches",
-                   "pp_micro_batches", "steps", "warmup", "repeats", "world", "seed", "threads"):
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for f_name in (
+        "layers",
+        "hidden",
+        "heads",
+        "vocab",
+        "seq_len",
+        "per_rank",
+        "dp_micro_batches",
+        "pp_micro_batches",
+        "steps",
+        "warmup",
+        "repeats",
+        "world",
+        "seed",
+        "threads",
+    ):
         ap.add_argument("--" + f_name.replace("_", "-"), type=int, default=getattr(d, f_name))
     for f_name in ("lr", "weight_decay", "clip", "timeout_s", "loss_rtol", "bucket_mb"):
         ap.add_argument("--" + f_name.replace("_", "-"), type=float, default=getattr(d, f_name))
@@ -597,10 +649,31 @@ def parse_args(argv=None) -> tuple[BenchConfig, argparse.Namespace]:
     ap.add_argument("--no-memory", action="store_true", help="skip the tracked memory step")
     ap.add_argument("--json", metavar="FILE", help="also write the result dict as JSON")
     a = ap.parse_args(argv)
-    kw = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq_len", "per_rank",
-                                     "dp_micro_batches", "pp_micro_batches", "steps", "warmup", "repeats",
-                                     "world", "seed", "threads", "lr", "weight_decay", "clip", "timeout_s",
-                                     "loss_rtol", "bucket_mb")}
+    kw = {
+        k: getattr(a, k)
+        for k in (
+            "layers",
+            "hidden",
+            "heads",
+            "vocab",
+            "seq_len",
+            "per_rank",
+            "dp_micro_batches",
+            "pp_micro_batches",
+            "steps",
+            "warmup",
+            "repeats",
+            "world",
+            "seed",
+            "threads",
+            "lr",
+            "weight_decay",
+            "clip",
+            "timeout_s",
+            "loss_rtol",
+            "bucket_mb",
+        )
+    }
     try:
         cfg = BenchConfig(pairs=tuple(p for p in a.pairs.split(",") if p), memory=not a.no_memory, **kw)
     except ValueError as e:
@@ -626,12 +699,23 @@ except ImportError:  # the script itself does not need pytest
     pytest = None
 
 if pytest is not None:
+
     @pytest.mark.slow
     @pytest.mark.dist
     def test_benchmark_runs_and_sides_agree():
         """A small run of all three pairs: every pair reports times, ratios and equal losses."""
-        cfg = BenchConfig(layers=2, hidden=64, heads=4, vocab=256, seq_len=32, per_rank=4,
-                          pp_micro_batches=2, steps=4, warmup=2, timeout_s=300)
+        cfg = BenchConfig(
+            layers=2,
+            hidden=64,
+            heads=4,
+            vocab=256,
+            seq_len=32,
+            per_rank=4,
+            pp_micro_batches=2,
+            steps=4,
+            warmup=2,
+            timeout_s=300,
+        )
         res = run_benchmark(cfg, log=lambda s: None)
         print(format_report(res))
         for pair, p in res["pairs"].items():

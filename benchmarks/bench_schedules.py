@@ -117,7 +117,7 @@ def make_chunks(cfg: BenchConfig, n: int) -> list[Chunk]:
     torch.manual_seed(0)
     blocks = [Block(cfg.hidden) for _ in range(cfg.blocks)]
     per = cfg.blocks // n
-    return [Chunk(blocks[c * per:(c + 1) * per]) for c in range(n)]
+    return [Chunk(blocks[c * per : (c + 1) * per]) for c in range(n)]
 
 
 def batch(cfg: BenchConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +137,10 @@ class TorchSide:
         self.cfg, self.rank = cfg, rank
         chunks = make_chunks(cfg, p * v)
         self.modules = [chunks[rank + j * p] for j in range(v)]
-        stages = [PipelineStage(mod, rank + j * p, p * v, torch.device("cpu"), group=group)
-                  for j, mod in enumerate(self.modules)]
+        stages = [
+            PipelineStage(mod, rank + j * p, p * v, torch.device("cpu"), group=group)
+            for j, mod in enumerate(self.modules)
+        ]
         cls = ScheduleInterleaved1F1B if kind == "Interleaved1F1B" else ScheduleInterleavedZeroBubble
         self.sched = cls(stages, cfg.micro_batches, loss_fn=F.mse_loss)
 
@@ -168,9 +170,17 @@ class OursSide:
         self.modules = [chunks[rank + j * p] for j in range(v)]
         meta = TensorMeta((cfg.mb, cfg.seq, cfg.hidden), torch.float32)
         recv = [[meta] if rank + j * p > 0 else [] for j in range(v)]
-        self.stage = PipelineStage(self.modules if v > 1 else self.modules[0], rank, p,
-                                   recv_meta=recv if v > 1 else recv[0], prev_rank=(rank - 1) % p,
-                                   next_rank=(rank + 1) % p, pp_group=group, last_rank=p - 1, virtual_stages=v)
+        self.stage = PipelineStage(
+            self.modules if v > 1 else self.modules[0],
+            rank,
+            p,
+            recv_meta=recv if v > 1 else recv[0],
+            prev_rank=(rank - 1) % p,
+            next_rank=(rank + 1) % p,
+            pp_group=group,
+            last_rank=p - 1,
+            virtual_stages=v,
+        )
         self.actions = schedule[rank]
 
     def step(self, step: int) -> float | None:
@@ -179,8 +189,10 @@ class OursSide:
         xs, ys = x.split(c.mb), y.split(c.mb)
         micro = []
         for i in range(c.micro_batches):
-            own = [((xs[i],) if self.rank + j * p == 0 else (ys[i],) if self.rank + j * p == p * self.v - 1 else ())
-                   for j in range(self.v)]
+            own = [
+                ((xs[i],) if self.rank + j * p == 0 else (ys[i],) if self.rank + j * p == p * self.v - 1 else ())
+                for j in range(self.v)
+            ]
             micro.append(own if self.v > 1 else own[0])
         loss = self.stage.run(self.actions, micro)
         for mod in self.modules:
@@ -214,7 +226,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, out_path: str) -> None:
     peaks = torch.zeros(len(sides), dtype=torch.float64)
     for t in range(n):
         order = list(range(len(sides)))
-        for i in (order if t % 2 == 0 else order[::-1]):
+        for i in order if t % 2 == 0 else order[::-1]:
             side = sides[i]
             dist.barrier()
             if t < cfg.steps:
@@ -234,8 +246,14 @@ def _worker(rank: int, world: int, cfg: BenchConfig, out_path: str) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     dist.all_reduce(losses)  # only the last rank reports a loss
     if rank == 0:
-        out = {s.name: {"times": times[i].tolist(), "losses": losses[i].tolist(),
-                        "peak_bytes": int(peaks[i]) if cfg.memory else None} for i, s in enumerate(sides)}
+        out = {
+            s.name: {
+                "times": times[i].tolist(),
+                "losses": losses[i].tolist(),
+                "peak_bytes": int(peaks[i]) if cfg.memory else None,
+            }
+            for i, s in enumerate(sides)
+        }
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(out, f)
 
@@ -251,32 +269,50 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
         launch_local(_worker, cfg.world, (cfg, path), timeout_s=cfg.timeout_s, collective_timeout_s=cfg.timeout_s)
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    sides = {name: {"median_s": statistics.median(r["times"][cfg.warmup:]), "peak_bytes": r["peak_bytes"],
-                    "losses": r["losses"][:cfg.steps]} for name, r in raw.items()}
+    sides = {
+        name: {
+            "median_s": statistics.median(r["times"][cfg.warmup :]),
+            "peak_bytes": r["peak_bytes"],
+            "losses": r["losses"][: cfg.steps],
+        }
+        for name, r in raw.items()
+    }
     ref = next(iter(sides.values()))["losses"]
     diff = max(abs(a - b) / max(abs(b), 1e-12) for s in sides.values() for a, b in zip(s["losses"], ref))
     ratios = []
     for torch_name, ours in PAIRS:
         t, o = sides[torch_name], sides[ours]
         mem = o["peak_bytes"] / t["peak_bytes"] if cfg.memory and t["peak_bytes"] else math.nan
-        paired = statistics.median(a / b for a, b in zip(raw[ours]["times"][cfg.warmup:], raw[torch_name]["times"][cfg.warmup:]))
-        ratios.append({"pair": f"{ours} / {torch_name}", "time": o["median_s"] / t["median_s"], "paired": paired,
-                       "memory": mem})
-    return {"config": asdict(cfg), "sides": sides, "ratios": ratios, "loss_max_rel_diff": diff,
-            "losses_match": diff < 1e-5}
+        paired = statistics.median(
+            a / b for a, b in zip(raw[ours]["times"][cfg.warmup :], raw[torch_name]["times"][cfg.warmup :])
+        )
+        ratios.append(
+            {"pair": f"{ours} / {torch_name}", "time": o["median_s"] / t["median_s"], "paired": paired, "memory": mem}
+        )
+    return {
+        "config": asdict(cfg),
+        "sides": sides,
+        "ratios": ratios,
+        "loss_max_rel_diff": diff,
+        "losses_match": diff < 1e-5,
+    }
 
 
 def format_report(res: dict) -> str:
     c = res["config"]
-    lines = [f"model: {c['blocks']} blocks of width {c['hidden']}, m={c['micro_batches']} micro-batches of "
-             f"{c['mb']} x {c['seq']}, p={c['world']}, v={c['virtual']}; gloo, 1 thread per rank",
-             f"{'side':32s} {'median step s':>14s} {'peak MiB':>10s}"]
+    lines = [
+        f"model: {c['blocks']} blocks of width {c['hidden']}, m={c['micro_batches']} micro-batches of "
+        f"{c['mb']} x {c['seq']}, p={c['world']}, v={c['virtual']}; gloo, 1 thread per rank",
+        f"{'side':32s} {'median step s':>14s} {'peak MiB':>10s}",
+    ]
     for name, s in res["sides"].items():
         mem = f"{s['peak_bytes'] / 2**20:10.1f}" if s["peak_bytes"] is not None else f"{'-':>10s}"
         lines.append(f"{name:32s} {s['median_s']:14.4f} {mem}")
     for r in res["ratios"]:
-        lines.append(f"{r['pair']:58s} time {r['time']:.3f} (paired {r['paired']:.3f})  memory {r['memory']:.3f}"
-                     "  (target <= 1.0)")
+        lines.append(
+            f"{r['pair']:58s} time {r['time']:.3f} (paired {r['paired']:.3f})  memory {r['memory']:.3f}"
+            "  (target <= 1.0)"
+        )
     lines.append(f"losses agree across sides: {res['losses_match']} (max rel diff {res['loss_max_rel_diff']:.1e})")
     return "\n".join(lines)
 
@@ -305,12 +341,14 @@ except ImportError:  # the script itself does not need pytest
     pytest = None
 
 if pytest is not None:
+
     @pytest.mark.slow
     @pytest.mark.dist
     def test_benchmark_runs_and_sides_agree():
         """A small run: every side reports a time and memory, and the same losses."""
-        res = run_benchmark(BenchConfig(hidden=64, blocks=4, micro_batches=4, mb=2, seq=8, steps=3, warmup=1),
-                            log=lambda s: None)
+        res = run_benchmark(
+            BenchConfig(hidden=64, blocks=4, micro_batches=4, mb=2, seq=8, steps=3, warmup=1), log=lambda s: None
+        )
         print(format_report(res))
         assert res["losses_match"], res["loss_max_rel_diff"]
         assert all(r["time"] > 0 and r["memory"] > 0 for r in res["ratios"])

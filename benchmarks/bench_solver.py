@@ -49,21 +49,39 @@ def table_for(layers: int, traced: bool):
 
 def run_one(layers: int, gpus: int, table, solver: str) -> dict:
     hw = load_hardware("a100-80gb", 8)
-    req = PlanRequest(spec="gpt3-175b", gpus=gpus, gpus_per_node=8, hardware="a100-80gb",
-                      global_batch=1536, seq_len=2048, sizes={"layers": layers})
+    req = PlanRequest(
+        spec="gpt3-175b",
+        gpus=gpus,
+        gpus_per_node=8,
+        hardware="a100-80gb",
+        global_batch=1536,
+        seq_len=2048,
+        sizes={"layers": layers},
+    )
     t0 = time.perf_counter()
     row = {"layers": layers, "gpus": gpus, "solver": solver}
     try:
         solution = solve(req, table, hw, solver=solver)
         plan, s = solution.plan, solution.search
-        row.update(plan_s=time.perf_counter() - t0, ilp_s=s.solver_seconds, candidates=s.enumerated,
-                   ilps=s.solved, pruned=s.pruned_time + s.pruned_memory,
-                   result=f"dp={plan.dp} tp={plan.tp} pp={plan.pp} z{plan.zero_stage} "
-                          f"mb={plan.micro_batch_size} step={plan.predicted.step_time_s:.2f}s")
+        row.update(
+            plan_s=time.perf_counter() - t0,
+            ilp_s=s.solver_seconds,
+            candidates=s.enumerated,
+            ilps=s.solved,
+            pruned=s.pruned_time + s.pruned_memory,
+            result=f"dp={plan.dp} tp={plan.tp} pp={plan.pp} z{plan.zero_stage} "
+            f"mb={plan.micro_batch_size} step={plan.predicted.step_time_s:.2f}s",
+        )
     except NoFeasiblePlan as e:
         least = e.least.memory["total"] / 2**30 if e.least else float("nan")
-        row.update(plan_s=time.perf_counter() - t0, ilp_s=float("nan"), candidates=0, ilps=0, pruned=0,
-                   result=f"no feasible plan (needs {least:.0f} GiB/device)")
+        row.update(
+            plan_s=time.perf_counter() - t0,
+            ilp_s=float("nan"),
+            candidates=0,
+            ilps=0,
+            pruned=0,
+            result=f"no feasible plan (needs {least:.0f} GiB/device)",
+        )
     return row
 
 
@@ -81,12 +99,17 @@ def main(argv=None) -> int:
     else:
         print(f"{'layers':>6} {'gpus':>5} {'plan_s':>7} {'ilp_s':>6} {'cands':>5} {'ILPs':>4} {'pruned':>6}  result")
         for r in rows:
-            print(f"{r['layers']:>6} {r['gpus']:>5} {r['plan_s']:>7.2f} {r['ilp_s']:>6.2f} {r['candidates']:>5} "
-                  f"{r['ilps']:>4} {r['pruned']:>6}  {r['result']}")
+            print(
+                f"{r['layers']:>6} {r['gpus']:>5} {r['plan_s']:>7.2f} {r['ilp_s']:>6.2f} {r['candidates']:>5} "
+                f"{r['ilps']:>4} {r['pruned']:>6}  {r['result']}"
+            )
     target = next(r for r in rows if r["layers"] == 96 and r["gpus"] == 1024)
     ok = target["plan_s"] < TARGET_S
-    print(f"96 layers on 1024 devices: {target['plan_s']:.2f} s ({'meets' if ok else 'MISSES'} the "
-          f"{TARGET_S:.0f} s target)", file=sys.stderr)
+    print(
+        f"96 layers on 1024 devices: {target['plan_s']:.2f} s ({'meets' if ok else 'MISSES'} the "
+        f"{TARGET_S:.0f} s target)",
+        file=sys.stderr,
+    )
     return 0 if ok else 1
 
 

@@ -26,7 +26,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 10.0
-BUDGET_RSS = 4 * 2 ** 30
+BUDGET_RSS = 4 * 2**30
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -51,8 +51,22 @@ print(json.dumps({
 }))
 """
 
-PLAN_ARGS = ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpus-per-node", "8",
-             "--hardware", "a100-80gb", "--global-batch", "1536", "--seq-len", "2048", "--json"]
+PLAN_ARGS = [
+    "plan",
+    "--model",
+    "gpt3-175b",
+    "--gpus",
+    "1024",
+    "--gpus-per-node",
+    "8",
+    "--hardware",
+    "a100-80gb",
+    "--global-batch",
+    "1536",
+    "--seq-len",
+    "2048",
+    "--json",
+]
 
 
 def _env() -> dict:
@@ -63,8 +77,9 @@ def _env() -> dict:
 
 def measure_table() -> dict:
     """Trace + analyze GPT-3 175B in a fresh interpreter; timings, RSS and table facts."""
-    out = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -75,14 +90,23 @@ def measure_plan() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "planner", *PLAN_ARGS, "--out",
-                              os.path.join(tmp, "plan.json")], cwd=tmp, env=_env(),
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "planner", *PLAN_ARGS, "--out", os.path.join(tmp, "plan.json")],
+            cwd=tmp,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = {"returncode": out.returncode, "wall_s": wall,
-           "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-           "rss_bytes": after.ru_maxrss * 1024, "stderr": out.stderr[-1500:]}
+    res = {
+        "returncode": out.returncode,
+        "wall_s": wall,
+        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "rss_bytes": after.ru_maxrss * 1024,
+        "stderr": out.stderr[-1500:],
+    }
     if out.returncode == 0:
         plan = json.loads(out.stdout)
         res.update(dp=plan["dp"], tp=plan["tp"], pp=plan["pp"], params=plan["model"]["params"])
@@ -117,23 +141,31 @@ def test_planner_plan_gpt3_175b_end_to_end_budget():
 
 
 def main() -> None:
-    gib = 2 ** 30
+    gib = 2**30
     r = measure_table()
-    print(f"gpt3-175b layer table: {r['layers']} rows, {r['params'] / 1e9:.1f} B params, "
-          f"{r['fwd_tflops_per_seq']:.1f} TFLOP forward per 2048-token sequence, "
-          f"{r['graph_nodes']} nodes traced ({r['traced_blocks']} blocks)")
-    print(f"  wall: import {r['import_s']:.2f} s + trace {r['trace_s']:.2f} s + analysis "
-          f"{r['analyze_s']:.2f} s + 15 numeric tables {r['numeric_s']:.3f} s = "
-          f"{r['total_s']:.2f} s")
-    print(f"  cpu: {r['cpu_s']:.2f} s (trace {r['trace_cpu_s']:.2f} s, analysis "
-          f"{r['analyze_cpu_s']:.2f} s); peak RSS {r['rss_bytes'] / gib:.2f} GiB")
+    print(
+        f"gpt3-175b layer table: {r['layers']} rows, {r['params'] / 1e9:.1f} B params, "
+        f"{r['fwd_tflops_per_seq']:.1f} TFLOP forward per 2048-token sequence, "
+        f"{r['graph_nodes']} nodes traced ({r['traced_blocks']} blocks)"
+    )
+    print(
+        f"  wall: import {r['import_s']:.2f} s + trace {r['trace_s']:.2f} s + analysis "
+        f"{r['analyze_s']:.2f} s + 15 numeric tables {r['numeric_s']:.3f} s = "
+        f"{r['total_s']:.2f} s"
+    )
+    print(
+        f"  cpu: {r['cpu_s']:.2f} s (trace {r['trace_cpu_s']:.2f} s, analysis "
+        f"{r['analyze_cpu_s']:.2f} s); peak RSS {r['rss_bytes'] / gib:.2f} GiB"
+    )
     p = measure_plan()
     if p["returncode"]:
         print(f"planner plan failed (exit {p['returncode']}):\n{p['stderr']}")
     else:
-        print(f"planner plan gpt3-175b on 1024 x a100-80gb: dp={p['dp']} tp={p['tp']} "
-              f"pp={p['pp']}; wall {p['wall_s']:.2f} s, cpu {p['cpu_s']:.2f} s, peak RSS "
-              f"{p['rss_bytes'] / gib:.2f} GiB")
+        print(
+            f"planner plan gpt3-175b on 1024 x a100-80gb: dp={p['dp']} tp={p['tp']} "
+            f"pp={p['pp']}; wall {p['wall_s']:.2f} s, cpu {p['cpu_s']:.2f} s, peak RSS "
+            f"{p['rss_bytes'] / gib:.2f} GiB"
+        )
     print(f"  load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 

@@ -54,23 +54,42 @@ from planner.commands.calibrate import lower_quartile as quartile
 PY = sys.executable
 
 #: The model every plan trains (fp32, 2 local processes).
-MODEL_ARGS = ["--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "8192",
-              "--seq-len", "128", "--global-batch", "16", "--dtype", "fp32", "--gpus", "2",
-              "--gpus-per-node", "2"]
+MODEL_ARGS = [
+    "--model",
+    "gpt",
+    "--layers",
+    "4",
+    "--hidden",
+    "256",
+    "--heads",
+    "4",
+    "--vocab",
+    "8192",
+    "--seq-len",
+    "128",
+    "--global-batch",
+    "16",
+    "--dtype",
+    "fp32",
+    "--gpus",
+    "2",
+    "--gpus-per-node",
+    "2",
+]
 
 #: name -> pinned decisions. Global batch 16 over dp ranks: micro-batch x micro-batches = 16 / dp.
 PLANS: dict[str, dict] = {
-    "dp2-z0":        dict(dp=2, tp=1, pp=1, zero=0, mb=8, ckpt="none"),
-    "dp2-z1":        dict(dp=2, tp=1, pp=1, zero=1, mb=8, ckpt="none"),
-    "dp2-z2":        dict(dp=2, tp=1, pp=1, zero=2, mb=8, ckpt="none"),
-    "dp2-z3":        dict(dp=2, tp=1, pp=1, zero=3, mb=8, ckpt="none"),
-    "dp2-z0-mb1":    dict(dp=2, tp=1, pp=1, zero=0, mb=1, ckpt="none"),
-    "dp2-z0-ckpt":   dict(dp=2, tp=1, pp=1, zero=0, mb=8, ckpt="all"),
-    "dp2-z2-mb2":    dict(dp=2, tp=1, pp=1, zero=2, mb=2, ckpt="none"),
-    "tp2":           dict(dp=1, tp=2, pp=1, zero=0, mb=8, ckpt="none"),
-    "tp2-ckpt":      dict(dp=1, tp=2, pp=1, zero=0, mb=16, ckpt="all"),
-    "pp2-m2":        dict(dp=1, tp=1, pp=2, zero=0, mb=8, ckpt="none"),
-    "pp2-m4":        dict(dp=1, tp=1, pp=2, zero=0, mb=4, ckpt="none"),
+    "dp2-z0": dict(dp=2, tp=1, pp=1, zero=0, mb=8, ckpt="none"),
+    "dp2-z1": dict(dp=2, tp=1, pp=1, zero=1, mb=8, ckpt="none"),
+    "dp2-z2": dict(dp=2, tp=1, pp=1, zero=2, mb=8, ckpt="none"),
+    "dp2-z3": dict(dp=2, tp=1, pp=1, zero=3, mb=8, ckpt="none"),
+    "dp2-z0-mb1": dict(dp=2, tp=1, pp=1, zero=0, mb=1, ckpt="none"),
+    "dp2-z0-ckpt": dict(dp=2, tp=1, pp=1, zero=0, mb=8, ckpt="all"),
+    "dp2-z2-mb2": dict(dp=2, tp=1, pp=1, zero=2, mb=2, ckpt="none"),
+    "tp2": dict(dp=1, tp=2, pp=1, zero=0, mb=8, ckpt="none"),
+    "tp2-ckpt": dict(dp=1, tp=2, pp=1, zero=0, mb=16, ckpt="all"),
+    "pp2-m2": dict(dp=1, tp=1, pp=2, zero=0, mb=8, ckpt="none"),
+    "pp2-m4": dict(dp=1, tp=1, pp=2, zero=0, mb=4, ckpt="none"),
 }
 
 TARGET_MEMORY = 0.05
@@ -138,18 +157,53 @@ def calibrate(out: str, quick: bool) -> str:
 def plan_one(name: str, spec: dict, profile: str, workdir: str) -> str:
     """Write ``workdir/<name>.json`` for the pinned strategy ``spec``; returns its path."""
     out = os.path.join(workdir, f"{name}.json")
-    cmd = [PY, "-m", "planner", "plan", *MODEL_ARGS, "--hardware", profile,
-           "--dp", str(spec["dp"]), "--tp", str(spec["tp"]), "--pp", str(spec["pp"]),
-           "--zero-stage", str(spec["zero"]), "--micro-batch", str(spec["mb"]),
-           "--checkpoint", spec["ckpt"], "--out", out, "--json"]
+    cmd = [
+        PY,
+        "-m",
+        "planner",
+        "plan",
+        *MODEL_ARGS,
+        "--hardware",
+        profile,
+        "--dp",
+        str(spec["dp"]),
+        "--tp",
+        str(spec["tp"]),
+        "--pp",
+        str(spec["pp"]),
+        "--zero-stage",
+        str(spec["zero"]),
+        "--micro-batch",
+        str(spec["mb"]),
+        "--checkpoint",
+        spec["ckpt"],
+        "--out",
+        out,
+        "--json",
+    ]
     _run(cmd, timeout=300)
     return out
 
 
 def validate_one(plan: str, steps: int, timeout: float) -> dict:
     """``planner validate plan --nproc 2 --steps K --json``'s object."""
-    out = _run([PY, "-m", "planner", "validate", plan, "--nproc", "2", "--steps", str(steps), "--json",
-                "--timeout", str(timeout)], timeout=timeout + 60)
+    out = _run(
+        [
+            PY,
+            "-m",
+            "planner",
+            "validate",
+            plan,
+            "--nproc",
+            "2",
+            "--steps",
+            str(steps),
+            "--json",
+            "--timeout",
+            str(timeout),
+        ],
+        timeout=timeout + 60,
+    )
     return json.loads(out)
 
 
@@ -169,44 +223,64 @@ def summarize(rows: list[Row]) -> dict:
         "plans": len(rows),
         "median_time_error": statistics.median(t_err),
         "spearman_time": rho,
-        "worst_memory_error": mem.error("peak_memory_bytes"), "worst_memory_plan": mem.name,
-        "worst_comm_error": com.error("comm_bytes_per_device"), "worst_comm_plan": com.name,
+        "worst_memory_error": mem.error("peak_memory_bytes"),
+        "worst_memory_plan": mem.name,
+        "worst_comm_error": com.error("comm_bytes_per_device"),
+        "worst_comm_plan": com.name,
     }
-    s["targets_met"] = bool(s["worst_memory_error"] <= TARGET_MEMORY and rho >= TARGET_SPEARMAN
-                            and s["median_time_error"] <= TARGET_TIME)
+    s["targets_met"] = bool(
+        s["worst_memory_error"] <= TARGET_MEMORY and rho >= TARGET_SPEARMAN and s["median_time_error"] <= TARGET_TIME
+    )
     med = [statistics.median(r.times or [r.measured["step_time_s"]]) for r in rows]
     s["spearman_time_median"] = spearman(pred, med)
     s["median_time_error_median"] = statistics.median(abs(p - m) / m for p, m in zip(pred, med))
     s["median_step_spread"] = statistics.median(
-        (max(r.times) - min(r.times)) / statistics.median(r.times) for r in rows if r.times)
+        (max(r.times) - min(r.times)) / statistics.median(r.times) for r in rows if r.times
+    )
     return s
 
 
 def print_table(rows: list[Row], summary: dict) -> None:
-    mib = 2.0 ** 20
-    head = (f"{'plan':<13} {'time pred':>9} {'meas':>8} {'err':>6}  {'mem pred MiB':>12} {'meas':>8} {'err':>6}"
-            f"  {'comm pred MiB':>13} {'meas':>9} {'err':>7}")
+    mib = 2.0**20
+    head = (
+        f"{'plan':<13} {'time pred':>9} {'meas':>8} {'err':>6}  {'mem pred MiB':>12} {'meas':>8} {'err':>6}"
+        f"  {'comm pred MiB':>13} {'meas':>9} {'err':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         p, m = r.predicted, r.measured
-        print(f"{r.name:<13} {p['step_time_s']:9.3f} {m['step_time_s']:8.3f} {r.error('step_time_s'):6.1%}  "
-              f"{p['peak_memory_bytes'] / mib:12.2f} {m['peak_memory_bytes'] / mib:8.2f} "
-              f"{r.error('peak_memory_bytes'):6.2%}  {p['comm_bytes_per_device'] / mib:13.4f} "
-              f"{m['comm_bytes_per_device'] / mib:9.4f} {r.error('comm_bytes_per_device'):7.4%}")
+        print(
+            f"{r.name:<13} {p['step_time_s']:9.3f} {m['step_time_s']:8.3f} {r.error('step_time_s'):6.1%}  "
+            f"{p['peak_memory_bytes'] / mib:12.2f} {m['peak_memory_bytes'] / mib:8.2f} "
+            f"{r.error('peak_memory_bytes'):6.2%}  {p['comm_bytes_per_device'] / mib:13.4f} "
+            f"{m['comm_bytes_per_device'] / mib:9.4f} {r.error('comm_bytes_per_device'):7.4%}"
+        )
     s = summary
-    print(f"\nSUMMARY plans={s['plans']} median_time_error={s['median_time_error']:.1%} (target <= "
-          f"{TARGET_TIME:.0%}) spearman={s['spearman_time']:.3f} (target >= {TARGET_SPEARMAN}) "
-          f"worst_memory_error={s['worst_memory_error']:.2%} [{s['worst_memory_plan']}] (target <= "
-          f"{TARGET_MEMORY:.0%}) worst_comm_error={s['worst_comm_error']:.4%} [{s['worst_comm_plan']}] "
-          f"targets_met={s['targets_met']}")
-    print(f"MEDIAN of the pooled steps instead of the lower quartile: spearman={s['spearman_time_median']:.3f} "
-          f"median_time_error={s['median_time_error_median']:.1%}; NOISE median (max - min) / median of a "
-          f"plan's steps: {s['median_step_spread']:.0%}")
+    print(
+        f"\nSUMMARY plans={s['plans']} median_time_error={s['median_time_error']:.1%} (target <= "
+        f"{TARGET_TIME:.0%}) spearman={s['spearman_time']:.3f} (target >= {TARGET_SPEARMAN}) "
+        f"worst_memory_error={s['worst_memory_error']:.2%} [{s['worst_memory_plan']}] (target <= "
+        f"{TARGET_MEMORY:.0%}) worst_comm_error={s['worst_comm_error']:.4%} [{s['worst_comm_plan']}] "
+        f"targets_met={s['targets_met']}"
+    )
+    print(
+        f"MEDIAN of the pooled steps instead of the lower quartile: spearman={s['spearman_time_median']:.3f} "
+        f"median_time_error={s['median_time_error_median']:.1%}; NOISE median (max - min) / median of a "
+        f"plan's steps: {s['median_step_spread']:.0%}"
+    )
 
 
-def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: int, quick: bool,
-                  timeout: float, workdir: str, log=print) -> tuple[list[Row], dict]:
+def run_benchmark(
+    profile: str | None,
+    plans: list[str],
+    steps: int,
+    repeats: int,
+    quick: bool,
+    timeout: float,
+    workdir: str,
+    log=print,
+) -> tuple[list[Row], dict]:
     """Calibrate (unless ``profile``), plan, validate; returns the rows and the summary."""
     if profile is None:
         t0 = time.perf_counter()
@@ -220,8 +294,10 @@ def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: in
         for name in plans:
             res = validate_one(paths[name], steps, timeout)
             results[name].append(res)
-            log(f"[{rep + 1}/{repeats}] {name}: predicted {res['predicted']['step_time_s']:.3f} s, "
-                f"measured {res['measured']['step_time_s']:.3f} s")
+            log(
+                f"[{rep + 1}/{repeats}] {name}: predicted {res['predicted']['step_time_s']:.3f} s, "
+                f"measured {res['measured']['step_time_s']:.3f} s"
+            )
     rows: list[Row] = []
     for name in plans:
         times = [t for r in results[name] for t in r["step_times_s"]]
@@ -231,8 +307,9 @@ def run_benchmark(profile: str | None, plans: list[str], steps: int, repeats: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--profile", default=None, help="hardware profile JSON (default: calibrate now)")
     ap.add_argument("--quick-calibrate", action="store_true", help="calibrate with --quick")
     ap.add_argument("--steps", type=int, default=6, help="steps per validate run (first 2 are warm-up)")
@@ -253,8 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         workdir = a.workdir or tmp
         os.makedirs(workdir, exist_ok=True)
         try:
-            rows, summary = run_benchmark(a.profile, names, a.steps, a.repeats, a.quick_calibrate, a.timeout,
-                                          workdir, log=lambda s: print(s, file=sys.stderr, flush=True))
+            rows, summary = run_benchmark(
+                a.profile,
+                names,
+                a.steps,
+                a.repeats,
+                a.quick_calibrate,
+                a.timeout,
+                workdir,
+                log=lambda s: print(s, file=sys.stderr, flush=True),
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"bench_validate: {e}", file=sys.stderr)
             return 2
@@ -271,6 +356,7 @@ except ImportError:  # pragma: no cover - the script runs without pytest
     pytest = None
 
 if pytest is not None:
+
     @pytest.mark.slow
     def test_bench_validate_targets(tmp_path):
         """The whole benchmark (minutes): memory within 5% and bytes exact on every plan."""

@@ -117,7 +117,8 @@ def partition_graph(
                 if a in layer and layer[a] > li:
                     raise LoweringError(
                         f"node {n.name} (layer {li}, {layer_names[li]}) reads {a.name} from the later "
-                        f"layer {layer[a]} ({layer_names[layer[a]]}); layers must form a chain")
+                        f"layer {layer[a]} ({layer_names[layer[a]]}); layers must form a chain"
+                    )
             layer[n] = li
             layers[li].nodes.append(n)
         elif n.op == "call_module":
@@ -140,7 +141,7 @@ def partition_graph(
         if len(users) == 1:
             li = users.pop()
             prefix = _layer_prefix(layer_names[li])
-            local = n.target[len(prefix) + 1:] if prefix and n.target.startswith(prefix + ".") else n.target
+            local = n.target[len(prefix) + 1 :] if prefix and n.target.startswith(prefix + ".") else n.target
             layers[li].params[safe_ident(local)] = n.target
             layer[n] = li
         else:
@@ -156,8 +157,9 @@ def partition_graph(
                 if a not in own and a not in seen:
                     seen.append(a)
         lg.inputs = seen
-        lg.outputs = [n for n in lg.nodes
-                      if n is loss or any(u.op != "output" and layer.get(u, -1) > lg.index for u in n.users)]
+        lg.outputs = [
+            n for n in lg.nodes if n is loss or any(u.op != "output" and layer.get(u, -1) > lg.index for u in n.users)
+        ]
     # Stages.
     specs = []
     for k, (a, b) in enumerate(stages):
@@ -309,8 +311,7 @@ def emit_stage_source(
     """
     state = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     state |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
-    out = _StageSource(layers, spec, lambda fqn: get_tensor(gm, fqn), rewrite,
-                       is_constant=lambda fqn: fqn not in state)
+    out = _StageSource(layers, spec, lambda fqn: get_tensor(gm, fqn), rewrite, is_constant=lambda fqn: fqn not in state)
     out.add_shared()
     for li in spec.layers:
         out.add_layer(li, recompute=li in checkpoint_layers, selective=li in selective_layers)
@@ -334,12 +335,16 @@ def _constant_ctor(attr: str, t: torch.Tensor) -> str:
     """Source that rebuilds a constant ``torch.export`` lifted (a tensor made in ``forward``, not
     a parameter or buffer, so no state dict holds it): its values, written out."""
     if t.is_meta:
-        raise LoweringError(f"the constant {attr} was created on the meta device, so its values are unknown; "
-                            "register it as a buffer of the model instead")
+        raise LoweringError(
+            f"the constant {attr} was created on the meta device, so its values are unknown; "
+            "register it as a buffer of the model instead"
+        )
     if t.numel() > MAX_CONSTANT_ELEMENTS:
-        raise LoweringError(f"the constant {attr} has {t.numel():,} elements (more than "
-                            f"{MAX_CONSTANT_ELEMENTS:,} are not written into source); register it as a "
-                            "buffer of the model instead")
+        raise LoweringError(
+            f"the constant {attr} has {t.numel():,} elements (more than "
+            f"{MAX_CONSTANT_ELEMENTS:,} are not written into source); register it as a "
+            "buffer of the model instead"
+        )
     vals = ", ".join(_scalar_src(v) for v in t.detach().cpu().reshape(-1).tolist())
     shape = tuple(int(d) for d in t.shape)
     return f"torch.tensor([{vals}], dtype={t.dtype}, device=device).reshape({shape!r})"
@@ -354,8 +359,14 @@ def _scalar_src(v) -> str:
 class _StageSource:
     """The pieces of one stage file as they are collected, and their final assembly."""
 
-    def __init__(self, layers: list[LayerGraph], spec: StageSpec,
-                 get: Callable[[str], torch.Tensor], rewrite, is_constant: Callable[[str], bool]):
+    def __init__(
+        self,
+        layers: list[LayerGraph],
+        spec: StageSpec,
+        get: Callable[[str], torch.Tensor],
+        rewrite,
+        is_constant: Callable[[str], bool],
+    ):
         self.layers, self.spec, self.get, self.rewrite = layers, spec, get, rewrite
         self.is_constant = is_constant
         """True for tensors export lifted that are neither parameters nor buffers: their values
@@ -408,8 +419,7 @@ class _StageSource:
                 args.append(self.vname(x))
         outs = [self.vname(o) for o in lg.outputs]
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
-        call = f"runtime.checkpoint(self.{attr}, {', '.join(args)})" if recompute else \
-            f"self.{attr}({', '.join(args)})"
+        call = f"runtime.checkpoint(self.{attr}, {', '.join(args)})" if recompute else f"self.{attr}({', '.join(args)})"
         # a layer with no outputs (the empty head of a model whose loss is computed earlier) is
         # still called, so that the stage runs every row of its range
         self.body_lines.append(f"{lhs} = {call}" if outs else call)
@@ -421,20 +431,33 @@ class _StageSource:
             if k in self.globals and self.globals[k] is not v:
                 raise LoweringError(f"conflicting generated global {k!r}")
             self.globals[k] = v
-        pinit = ["        " + _param_line(local, self.get(fqn), self.is_constant(fqn))
-                 for local, fqn in lg.params.items()]
-        pinit += [f"        self.{attr} = {self._core_class(core_src)}()  # recomputed in backward"
-                  for attr, core_src in cores]
+        pinit = [
+            "        " + _param_line(local, self.get(fqn), self.is_constant(fqn)) for local, fqn in lg.params.items()
+        ]
+        pinit += [
+            f"        self.{attr} = {self._core_class(core_src)}()  # recomputed in backward"
+            for attr, core_src in cores
+        ]
         method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
-        body = ("    def __init__(self, device=None):\n        super().__init__()\n"
-                + ("\n".join(pinit) + "\n" if pinit else "") + "\n" + method + "\n")
+        body = (
+            "    def __init__(self, device=None):\n        super().__init__()\n"
+            + ("\n".join(pinit) + "\n" if pinit else "")
+            + "\n"
+            + method
+            + "\n"
+        )
         if body in self.classes:
             name = self.classes[body]
             next(entry for entry in self.class_src if entry[0] == name)[2].append(lg.name)
             return name
         last = len(self.layers) - 1
-        base = "SelectiveBlock" if cores else "Block" if not lg.name.startswith("(") and li not in (0, last) else \
-            ("Pre" if li == 0 else ("Post" if li == last else "Layer"))
+        base = (
+            "SelectiveBlock"
+            if cores
+            else "Block"
+            if not lg.name.startswith("(") and li not in (0, last)
+            else ("Pre" if li == 0 else ("Post" if li == last else "Layer"))
+        )
         name, i = base, 2
         while name in self.classes.values():
             name, i = f"{base}{i}", i + 1
@@ -445,8 +468,11 @@ class _StageSource:
     def _core_class(self, src: str) -> str:
         """The class of an attention core (selective recompute): its forward, no weights."""
         method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
-        body = ("    SELECTIVE_RECOMPUTE = True  # runtime.timing counts its forward in backward as recompute\n\n"
-                + method + "\n")
+        body = (
+            "    SELECTIVE_RECOMPUTE = True  # runtime.timing counts its forward in backward as recompute\n\n"
+            + method
+            + "\n"
+        )
         if body in self.classes:
             return self.classes[body]
         name, i = "AttentionCore", 2
@@ -462,27 +488,37 @@ class _StageSource:
         recv_names = [self.vname(n) for n in spec.recv]
         params = recv_names + [safe_ident(d) for d in spec.data_inputs]
         sends = [self.vname(n) for n in spec.send]
-        ret = sends[0] if len(sends) == 1 and spec.index == num_stages - 1 else \
-            "(" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")"
+        ret = (
+            sends[0]
+            if len(sends) == 1 and spec.index == num_stages - 1
+            else "(" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")"
+        )
         out = [header.rstrip(), "", "import torch", "", "import runtime"]
         used_src = "\n".join(body for _, body, _ in self.class_src)
-        out += imports_for({k: v for k, v in self.globals.items()
-                            if re.search(rf"\b{re.escape(k)}\b", used_src)})
+        out += imports_for({k: v for k, v in self.globals.items() if re.search(rf"\b{re.escape(k)}\b", used_src)})
         out += ["", ""]
         for name, body, names in self.class_src:
             shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
-            out += [f"class {name}(torch.nn.Module):", f'    """Layer(s): {_doc_safe(shown)}."""', "",
-                    body.rstrip(), "", ""]
+            out += [
+                f"class {name}(torch.nn.Module):",
+                f'    """Layer(s): {_doc_safe(shown)}."""',
+                "",
+                body.rstrip(),
+                "",
+                "",
+            ]
         doc = doc or f"Pipeline stage {spec.index} of {num_stages}"
-        out += [f"class Stage{spec.index}(torch.nn.Module):",
-                f'    """{_doc_safe(doc)}: layer-table rows {spec.layers[0]}..{spec.layers[-1]}."""',
-                "",
-                f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}",
-                f"    RECV = {tuple(recv_names)!r}",
-                f"    SEND = {tuple(sends)!r}",
-                "",
-                "    def __init__(self, device=None):",
-                "        super().__init__()"]
+        out += [
+            f"class Stage{spec.index}(torch.nn.Module):",
+            f'    """{_doc_safe(doc)}: layer-table rows {spec.layers[0]}..{spec.layers[-1]}."""',
+            "",
+            f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}",
+            f"    RECV = {tuple(recv_names)!r}",
+            f"    SEND = {tuple(sends)!r}",
+            "",
+            "    def __init__(self, device=None):",
+            "        super().__init__()",
+        ]
         out += ["        " + ln for ln in self.init_lines]
         out += ["", f"    def forward(self, {', '.join(params)}):"]
         out += ["        " + ln for ln in self.body_lines]
@@ -499,4 +535,3 @@ def get_tensor(gm: fx.GraphModule, fqn: str) -> torch.Tensor:
     mod_path, _, attr = fqn.rpartition(".")
     mod = gm.get_submodule(mod_path) if mod_path else gm
     return getattr(mod, attr)
-

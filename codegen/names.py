@@ -30,7 +30,13 @@ def safe_ident(name: str, prefix: str = "p_") -> str:
 
 def check_ident(s: str) -> str:
     """Raise ``UnsafeNameError`` unless ``s`` is a plain identifier safe to emit."""
-    if not (isinstance(s, str) and s.isidentifier() and s.isascii() and not keyword.iskeyword(s)
-            and not s.startswith("__") and _BAD.search(s) is None):
+    if not (
+        isinstance(s, str)
+        and s.isidentifier()
+        and s.isascii()
+        and not keyword.iskeyword(s)
+        and not s.startswith("__")
+        and _BAD.search(s) is None
+    ):
         raise UnsafeNameError(f"{s!r} is not a safe identifier for generated code")
     return s

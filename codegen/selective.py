@@ -56,9 +56,11 @@ def extract_attention_cores(g: fx.Graph, where: str) -> list[CoreGraph]:
     the cores' graphs. ``where`` names the layer in the error raised when it has no core."""
     cores = _core_sets(g)
     if not cores:
-        raise LoweringError(f"{where} is listed in selective_layers but has no attention core "
-                            "(q k^T -> softmax -> @ v, or scaled_dot_product_attention) to recompute; "
-                            "recompute it whole (checkpoint_layers) or not at all")
+        raise LoweringError(
+            f"{where} is listed in selective_layers but has no attention core "
+            "(q k^T -> softmax -> @ v, or scaled_dot_product_attention) to recompute; "
+            "recompute it whole (checkpoint_layers) or not at all"
+        )
     out = []
     for j, nodes in enumerate(cores):
         inside = set(nodes)
@@ -78,15 +80,20 @@ def extract_attention_cores(g: fx.Graph, where: str) -> list[CoreGraph]:
         users = [u for r in results for u in r.users if u not in inside]
         after = max((order[a] for a in inputs), default=-1)
         if users and after >= min(order[u] for u in users):
-            raise LoweringError(f"{where}: an input of its attention core is computed after the core's "
-                                "output is used, so the core cannot be recomputed as one call; "
-                                "recompute the layer whole (checkpoint_layers) instead")
+            raise LoweringError(
+                f"{where}: an input of its attention core is computed after the core's "
+                "output is used, so the core cannot be recomputed as one call; "
+                "recompute the layer whole (checkpoint_layers) instead"
+            )
         first = next(x for x in g.nodes if order[x] > after and (x in inside or x in users or x.op == "output"))
         with g.inserting_before(first):
             fn = g.get_attr(attr)
             call = g.call_function(runtime.checkpoint, (fn, *inputs))
-            outs = [call] if len(results) == 1 else [g.call_function(operator.getitem, (call, i))
-                                                     for i in range(len(results))]
+            outs = (
+                [call]
+                if len(results) == 1
+                else [g.call_function(operator.getitem, (call, i)) for i in range(len(results))]
+            )
         for r, o in zip(results, outs):
             r.replace_all_uses_with(o, delete_user_cb=lambda u: u not in inside)
         for x in reversed(nodes):

@@ -129,8 +129,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 def _user_line(n: fx.Node) -> str:
     """``file:line`` of the innermost frame outside torch itself ('' if unknown)."""
-    hits = [(f, ln) for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "")
-            if not f.startswith(_TORCH_DIR)]
+    hits = [(f, ln) for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "") if not f.startswith(_TORCH_DIR)]
     return f"{hits[-1][0]}:{hits[-1][1]}" if hits else source_line(n)
 
 
@@ -139,12 +138,10 @@ def _where(n: fx.Node) -> str:
     stack = n.meta.get("nn_module_stack") or {}
     mod = list(stack.values())[-1][0] if stack else ""
     src = _user_line(n)
-    return (f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "")
-            + (f", from {src}" if src else ""))
+    return f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "") + (f", from {src}" if src else "")
 
 
-def reshape_shard(src: list[int], dst: list[int], d: int, tp: int, padded: bool = False,
-                  strict: bool = True):
+def reshape_shard(src: list[int], dst: list[int], d: int, tp: int, padded: bool = False, strict: bool = True):
     """Where a tensor sharded along ``d`` is sharded after ``reshape(src -> dst)``.
 
     Returns ``(d_out, local_out)``: each rank's block of the reshaped tensor is its block of
@@ -163,9 +160,11 @@ def reshape_shard(src: list[int], dst: list[int], d: int, tp: int, padded: bool 
     if padded:
         return (d_out, None) if len(gi) == 1 and len(gj) == 1 else None
     if dst[d_out] % tp and strict:
-        raise ValueError(f"reshaping {src} -> {dst} splits the sharded size {src[d]} into "
-                         f"{' x '.join(str(dst[k]) for k in gj)}, and tp={tp} does not divide "
-                         f"{dst[d_out]} (e.g. the number of attention heads)")
+        raise ValueError(
+            f"reshaping {src} -> {dst} splits the sharded size {src[d]} into "
+            f"{' x '.join(str(dst[k]) for k in gj)}, and tp={tp} does not divide "
+            f"{dst[d_out]} (e.g. the number of attention heads)"
+        )
     return d_out, dst[d_out] // tp
 
 
@@ -183,17 +182,28 @@ def _fused_supported() -> bool:
 class _Planner:
     """Turn the shared decisions into this tp degree's rewrite actions, checking divisibility."""
 
-    def __init__(self, gm: fx.GraphModule, dec: TPDecisions, tp: int, dims: dict, fused_ok: bool | None,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        dec: TPDecisions,
+        tp: int,
+        dims: dict,
+        fused_ok: bool | None,
+        sequence_parallel: bool = False,
+    ):
         self.gm, self.dec, self.tp, self.dims, self.fused_ok = gm, dec, tp, dims, fused_ok
         self.a = TPAnalysis(tp, dec, sequence_parallel=sequence_parallel)
         # the LM heads whose logits feed the vocab-parallel loss: tp need not divide them
-        self.vocab_heads = {n.name for n, keys in dec.shards_params.items()
-                            if dec.role[n] == "col" and dec.weights[keys[0]].kind == "vocab"}
+        self.vocab_heads = {
+            n.name
+            for n, keys in dec.shards_params.items()
+            if dec.role[n] == "col" and dec.weights[keys[0]].kind == "vocab"
+        }
 
     def fail(self, n, why, hint="Choose a tp that divides these sizes."):
-        raise TPRewriteError(f"tensor parallelism (tp={self.tp}) at {_where(n)}: {why} "
-                             f"(model dims: {self.dims}). {hint}")
+        raise TPRewriteError(
+            f"tensor parallelism (tp={self.tp}) at {_where(n)}: {why} (model dims: {self.dims}). {hint}"
+        )
 
     def padded(self, s: Shard) -> bool:
         """Is ``s`` a vocabulary (of LM-head logits) that tp does not divide, padded per rank?"""
@@ -212,17 +222,24 @@ class _Planner:
             if role == "col":
                 s = dec.state[n]
                 if s.size % self.tp and not self.padded(s):
-                    self.fail(n, f"this column-parallel matmul has {s.size} output features, which "
-                              f"tp={self.tp} does not divide")
+                    self.fail(
+                        n,
+                        f"this column-parallel matmul has {s.size} output features, which tp={self.tp} does not divide",
+                    )
                 a.actions[n.name] = ("col", n.target)
             elif role == "row":
                 if self.padded(dec.state[matmul_operands(n)[0]]):
-                    self.fail(n, f"the padded vocabulary ({dec.vocab} entries, which tp={self.tp} "
-                              "does not divide) is the input of a row-parallel matmul")
+                    self.fail(
+                        n,
+                        f"the padded vocabulary ({dec.vocab} entries, which tp={self.tp} "
+                        "does not divide) is the input of a row-parallel matmul",
+                    )
                 a.actions[n.name] = ("row", n.target)
             elif role == "vocab_embedding":
-                a.actions[n.name] = ("embed", (rtp.padded_vocab_size(dec.vocab, self.tp) // self.tp,
-                                                node_arg(n, "padding_idx", -1)))
+                a.actions[n.name] = (
+                    "embed",
+                    (rtp.padded_vocab_size(dec.vocab, self.tp) // self.tp, node_arg(n, "padding_idx", -1)),
+                )
             elif role == "vocab_loss":
                 s = dec.state[n.args[0]]
                 red = {v: k for k, v in _REDUCTIONS.items()}[node_arg(n, "reduction", 1)]
@@ -233,8 +250,7 @@ class _Planner:
                 elif name == "expand":
                     s = dec.state[n]
                     a.actions[n.name] = ("size", (1, s.dim, self.local(s)))
-                elif name in SPLITS and \
-                        node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
+                elif name in SPLITS and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.split(n)
         a.enter = {n.name: paths for n, paths in dec.enter.items()}
         a.scatter = {n.name: sc for n, sc in dec.scatter.items()}
@@ -246,12 +262,16 @@ class _Planner:
         """The SP decisions for this ``t``: divisibility, and the views' sizes along the sequence."""
         dec, a, t = self.dec, self.a, self.tp
         if dec.sp_blocked:
-            raise TPRewriteError(f"sequence parallelism (tp={t}) cannot split this model: {dec.sp_blocked}. "
-                                 "Set sequence_parallel to false in the plan (planner plan "
-                                 "--sequence-parallel off).")
+            raise TPRewriteError(
+                f"sequence parallelism (tp={t}) cannot split this model: {dec.sp_blocked}. "
+                "Set sequence_parallel to false in the plan (planner plan "
+                "--sequence-parallel off)."
+            )
         if dec.sp_seq_len % t:
-            raise TPRewriteError(f"sequence parallelism (tp={t}): the sequence length {dec.sp_seq_len} is not "
-                                 f"a multiple of tp={t}; choose a sequence length tp divides.")
+            raise TPRewriteError(
+                f"sequence parallelism (tp={t}): the sequence length {dec.sp_seq_len} is not "
+                f"a multiple of tp={t}; choose a sequence length tp divides."
+            )
         local = dec.sp_seq_len // t
         for n in self.gm.graph.nodes:
             d = dec.sp_sharded.get(n.name)
@@ -267,8 +287,11 @@ class _Planner:
         s, out = self.dec.state[x], self.dec.state[n]
         try:
             if reshape_shard(_shape(x), _shape(n), s.dim, self.tp, self.padded(s)) is None:
-                self.fail(n, f"the reshape merges the padded vocabulary ({s.size} entries, which "
-                          f"tp={self.tp} does not divide) with other dims")
+                self.fail(
+                    n,
+                    f"the reshape merges the padded vocabulary ({s.size} entries, which "
+                    f"tp={self.tp} does not divide) with other dims",
+                )
         except ValueError as e:
             self.fail(n, str(e))
         if op_name(n) == "unflatten":
@@ -283,15 +306,19 @@ class _Planner:
         s = self.dec.state[n.args[0]]
         pieces = [p.size for p in self.dec.state[n]]
         if any(p % self.tp for p in pieces):
-            self.fail(n, f"the fused projection splits {s.size} features into {pieces}, which "
-                      f"tp={self.tp} does not divide")
+            self.fail(
+                n, f"the fused projection splits {s.size} features into {pieces}, which tp={self.tp} does not divide"
+            )
         if self.fused_ok is None:  # probed only if the graph has a fused projection
             self.fused_ok = _fused_supported()
         if not self.fused_ok:
-            self.fail(n, "this fused projection (e.g. GPT-2's c_attn, split into q, k, v) needs the "
-                      "runtime to load 'qkv' shards (runtime.sharding.TensorShard with a 'parts' "
-                      "list); this runtime does not",
-                      hint="Use tp=1 for this model, or a runtime that supports 'qkv' shards.")
+            self.fail(
+                n,
+                "this fused projection (e.g. GPT-2's c_attn, split into q, k, v) needs the "
+                "runtime to load 'qkv' shards (runtime.sharding.TensorShard with a 'parts' "
+                "list); this runtime does not",
+                hint="Use tp=1 for this model, or a runtime that supports 'qkv' shards.",
+            )
         if op_name(n) != "chunk":
             arg = n.args[1]
             new = arg // self.tp if isinstance(arg, int) else [p // self.tp for p in arg]
@@ -304,8 +331,16 @@ def _spec(w, tp: int) -> dict:
     return TensorShard(w.dim, w.kind, w.size, padded, w.parts).to_dict()
 
 
-def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, dims=None,
-               fused_ok: bool | None = None, sequence_parallel: bool = False) -> TPAnalysis:
+def analyze_tp(
+    gm: fx.GraphModule,
+    layer_of: Callable,
+    tp: int,
+    *,
+    vocab=None,
+    dims=None,
+    fused_ok: bool | None = None,
+    sequence_parallel: bool = False,
+) -> TPAnalysis:
     """The rewrite of ``gm`` for degree ``tp`` (see the module doc), with sequence parallelism if
     ``sequence_parallel``; raises ``TPRewriteError``."""
     try:
@@ -313,13 +348,14 @@ def analyze_tp(gm: fx.GraphModule, layer_of: Callable, tp: int, *, vocab=None, d
         # heads tp does not divide is then a conflict of the analysis, not an error here)
         kv = (dims or {}).get("kv_heads")
         replicate_kv = bool(kv) and kv % tp != 0 and tp % kv == 0
-        dec = analyze_tensor_parallel(gm, layer_of=layer_of, vocab=vocab or None,
-                                      tp=tp if replicate_kv else None)
+        dec = analyze_tensor_parallel(gm, layer_of=layer_of, vocab=vocab or None, tp=tp if replicate_kv else None)
     except TPConflict as c:
         where = _where(c.node) if c.node.op != "output" else "the model output"
-        raise TPRewriteError(f"tensor parallelism (tp={tp}) at {where}: {c.why}, and no "
-                             "column-parallel matmul can be kept replicated to avoid it. "
-                             "Use tp=1 for this model or restructure this op.") from None
+        raise TPRewriteError(
+            f"tensor parallelism (tp={tp}) at {where}: {c.why}, and no "
+            "column-parallel matmul can be kept replicated to avoid it. "
+            "Use tp=1 for this model or restructure this op."
+        ) from None
     a = _Planner(gm, dec, tp, dims or {}, fused_ok, sequence_parallel).run()
     a.replicated = {k: f"{c.why} at {_where(c.node)}" for k, c in dec.replicated.items()}
     a.shard_info = {key: _spec(w, tp) for key, w in dec.weights.items()}
@@ -355,8 +391,10 @@ class _LayerRewriter:
     def __call__(self, g: fx.Graph, lg) -> None:
         new_nodes = [n for n in g.nodes if n.op == "call_function"]
         if len(new_nodes) != len(lg.nodes) or any(a.target != b.target for a, b in zip(new_nodes, lg.nodes)):
-            raise TPRewriteError(f"layer {lg.name!r}: its graph does not match the analyzed one; "
-                                 "the tensor-parallel rewrite must run before other rewrites")
+            raise TPRewriteError(
+                f"layer {lg.name!r}: its graph does not match the analyzed one; "
+                "the tensor-parallel rewrite must run before other rewrites"
+            )
         copies: dict[fx.Node, fx.Node] = {}
         starts: dict[int, fx.Node] = {}
         sp_made: dict[tuple, fx.Node] = {}  # (action, value) -> its all_gather_seq / scatter_to_tp
@@ -452,8 +490,11 @@ class _LayerRewriter:
         if kind == "embed":
             per, pad = p
             w, ids = new.args[0], new.args[1]
-            out = call(rtp.vocab_parallel_embedding, (ids, w, vocab_start(per, new)),
-                       {} if seq is None else {"sequence_dim": seq})
+            out = call(
+                rtp.vocab_parallel_embedding,
+                (ids, w, vocab_start(per, new)),
+                {} if seq is None else {"sequence_dim": seq},
+            )
             if isinstance(pad, int) and pad >= 0:  # padding_idx: its row gets no gradient
                 is_pad = call(aten.unsqueeze.default, (call(aten.eq.Scalar, (ids, pad)), -1))
                 if seq is not None:  # SP: this rank's positions
@@ -461,9 +502,11 @@ class _LayerRewriter:
                 out = call(aten.where.self, (is_pad, call(aten.detach.default, (out,)), out))
             return out
         local, full, red, ignore = p
-        return call(rtp.vocab_parallel_cross_entropy, tuple(new.args[:2]),
-                    {"vocab_start": vocab_start(local, new), "ignore_index": ignore,
-                     "vocab_size": full, "reduction": red})
+        return call(
+            rtp.vocab_parallel_cross_entropy,
+            tuple(new.args[:2]),
+            {"vocab_start": vocab_start(local, new), "ignore_index": ignore, "vocab_size": full, "reduction": red},
+        )
 
 
 def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
@@ -494,12 +537,16 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, d
     tp = int(plan.tp)
     heads, kv = dims.get("heads"), dims.get("kv_heads")
     if heads and heads % tp:
-        raise TPRewriteError(f"tp={tp} does not divide the model's {heads} attention heads (model "
-                             f"dims: {dims}); choose a tp that divides the heads.")
+        raise TPRewriteError(
+            f"tp={tp} does not divide the model's {heads} attention heads (model "
+            f"dims: {dims}); choose a tp that divides the heads."
+        )
     if kv and kv % tp and tp % kv:
-        raise TPRewriteError(f"tp={tp} neither divides the model's {kv} key/value heads nor is a "
-                             f"multiple of them (model dims: {dims}); choose a tp that divides the "
-                             "key/value heads, or a multiple of them that divides the heads.")
+        raise TPRewriteError(
+            f"tp={tp} neither divides the model's {kv} key/value heads nor is a "
+            f"multiple of them (model dims: {dims}); choose a tp that divides the "
+            "key/value heads, or a multiple of them that divides the heads."
+        )
     sp = bool(getattr(plan, "sequence_parallel", False))
     analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims, sequence_parallel=sp)
     _reshard_params(gm, analysis.shard_info, tp)

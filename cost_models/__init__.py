@@ -19,8 +19,22 @@ from .memory import (
 )
 
 __all__ = [
-    "GroupPlacement", "axis_placement", "collective_time", "group_placement", "ring_bytes_sent",
-    "zero_dp_collectives", "compute_time", "dtype_bytes", "optimizer_step_time", "KNOWN_KINDS",
-    "HardwareProfile", "ProfileError", "load_hardware", "activation_bytes", "inflight_microbatches",
-    "memory_breakdown", "model_state_bytes", "stage_activation_bytes",
+    "GroupPlacement",
+    "axis_placement",
+    "collective_time",
+    "group_placement",
+    "ring_bytes_sent",
+    "zero_dp_collectives",
+    "compute_time",
+    "dtype_bytes",
+    "optimizer_step_time",
+    "KNOWN_KINDS",
+    "HardwareProfile",
+    "ProfileError",
+    "load_hardware",
+    "activation_bytes",
+    "inflight_microbatches",
+    "memory_breakdown",
+    "model_state_bytes",
+    "stage_activation_bytes",
 ]

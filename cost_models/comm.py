@@ -95,7 +95,14 @@ __all__ = [
 
 #: Collective kinds the time model knows (``p2p`` and ``recv`` are aliases of a send's time).
 COLLECTIVES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "p2p", "recv",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "send",
+    "p2p",
+    "recv",
 )
 ALGORITHMS: tuple[str, ...] = ("auto", "ring", "hierarchical")
 _P2P = ("send", "p2p", "recv")
@@ -134,8 +141,7 @@ class GroupPlacement:
             raise ValueError(f"GroupPlacement: min_ranks_per_node {lo} > ranks_per_node {hi}")
         if not (hi + (self.nodes - 1) * lo <= self.size <= lo + (self.nodes - 1) * hi):
             raise ValueError(
-                f"GroupPlacement: {self.size} ranks cannot sit on {self.nodes} nodes with "
-                f"{lo}..{hi} ranks per node"
+                f"GroupPlacement: {self.size} ranks cannot sit on {self.nodes} nodes with {lo}..{hi} ranks per node"
             )
 
     @property
@@ -270,9 +276,7 @@ def ring_time(kind: str, size_bytes: Any, group: GroupPlacement | Sequence[int],
     return steps * alpha + link_bytes / bw
 
 
-def hierarchical_time(
-    kind: str, size_bytes: Any, group: GroupPlacement | Sequence[int], hw: HardwareProfile
-) -> Any:
+def hierarchical_time(kind: str, size_bytes: Any, group: GroupPlacement | Sequence[int], hw: HardwareProfile) -> Any:
     """Two-level time (intra-node then inter-node); equal to ``ring_time`` inside one node."""
     _check_kind(kind)
     _check_size(size_bytes)

@@ -187,8 +187,9 @@ def gemms_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str) 
     return total
 
 
-def numeric_gemms_time(gemms: Iterable[tuple[float, float, float, float, int]], hw: HardwareProfile,
-                       dtype: str) -> float:
+def numeric_gemms_time(
+    gemms: Iterable[tuple[float, float, float, float, int]], hw: HardwareProfile, dtype: str
+) -> float:
     """``gemms_time`` of numeric ``(m, n, k, batch, count)`` entries on a profile that prices by
     shape, without the symbolic dispatch of ``matmul_time`` (the same arithmetic, so the same
     result): the search prices every layer of every candidate through here."""
@@ -268,7 +269,9 @@ def _numeric_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: 
         eff = _interpolate(table, m * batch, n, k)
         if m * batch < table["m"][0] or n < table["n"][0] or k < table["k"][0]:
             # extrapolated to a smaller product than any measured: no faster than the memory roofline
-            roof = 2.0 * m * n * k * hw.memory_bandwidth / (hw.peak(dtype) * (m * k + k * n + m * n) * dtype_bytes(dtype))
+            roof = (
+                2.0 * m * n * k * hw.memory_bandwidth / (hw.peak(dtype) * (m * k + k * n + m * n) * dtype_bytes(dtype))
+            )
             eff = min(eff, roof)
         return eff
     return _default_curve(hw, dtype, m, n, k, batch)  # case 2
@@ -305,8 +308,7 @@ def _interpolate(table: dict[str, list], m: float, n: float, k: float) -> float:
             w = (math.log(x) - math.log(sizes[lo])) / (math.log(sizes[hi]) - math.log(sizes[lo]))
             corners.append([(lo, 1.0 - w), (hi, w)])
     grid = table["efficiency"]
-    return sum(wi * wj * wk * grid[i][j][k_]
-               for (i, wi), (j, wj), (k_, wk) in itertools.product(*corners))
+    return sum(wi * wj * wk * grid[i][j][k_] for (i, wi), (j, wj), (k_, wk) in itertools.product(*corners))
 
 
 _FUNCTION_IDS = itertools.count()

@@ -66,15 +66,18 @@ def _number(x: Any, b: Any, s: Any) -> float:
             env = {"b": b, "s": s}
             missing = sorted(str(v) for v in x.free_symbols if env.get(str(v)) is None)
             if missing:
-                raise ValueError(f"GEMM size {x} depends on {', '.join(missing)}: pass b and s "
-                                 "(or the numeric rows of LayerTable.numeric)")
+                raise ValueError(
+                    f"GEMM size {x} depends on {', '.join(missing)}: pass b and s "
+                    "(or the numeric rows of LayerTable.numeric)"
+                )
             x = x.subs({v: env[str(v)] for v in x.free_symbols})
         return float(x)
     return float(x)
 
 
-def per_device_gemms(gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None,
-                     s: Any = None) -> list[tuple[float, float, float, float, int]]:
+def per_device_gemms(
+    gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None, s: Any = None
+) -> list[tuple[float, float, float, float, int]]:
     """``(m, n, k, batch, count)`` per device at degree ``tp``: numeric sizes, each entry's
     ``tp_dim`` divided by ``tp``. Entries are ``Gemm`` rows or tuples ``(m, n, k, batch, count[,
     tp_dim])``; sympy sizes need ``b`` and ``s``."""
@@ -100,8 +103,9 @@ def gemm_flops(gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None, s: An
     return sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in per_device_gemms(gemms, tp, b, s))
 
 
-def layer_gemm_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str, tp: int = 1,
-                    b: Any = None, s: Any = None) -> float:
+def layer_gemm_time(
+    gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str, tp: int = 1, b: Any = None, s: Any = None
+) -> float:
     """Seconds one device spends in a layer pass's products (``fwd_gemms`` or ``bwd_gemms`` of a
     layer-table row) at tensor-parallel degree ``tp``: each at its shape's efficiency on a
     profile that prices by shape, else their FLOPs at ``peak * compute_efficiency`` (module doc).
@@ -118,8 +122,15 @@ def _shapes_time(shapes: list[tuple[float, float, float, float, int]], hw: Hardw
     return float(numeric_gemms_time(shapes, hw, dtype))
 
 
-def layer_matmul_time(flops: float, gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str,
-                      tp: int = 1, b: Any = None, s: Any = None) -> float:
+def layer_matmul_time(
+    flops: float,
+    gemms: Iterable[Sequence[Any]],
+    hw: HardwareProfile,
+    dtype: str,
+    tp: int = 1,
+    b: Any = None,
+    s: Any = None,
+) -> float:
     """Seconds of a layer pass's matmul-class work on one device: ``flops`` (its FLOPs at degree
     ``tp``, ``x - x_tp + x_tp / tp``) of which the listed products are priced by shape
     (``layer_gemm_time``) and the rest, ``flops - gemm_flops(gemms, tp)``, at the flat rate. On a

@@ -203,13 +203,9 @@ class HardwareProfile:
                 )
         for dt, v in self.peak_flops.items():
             if dt not in PEAK_DTYPES:
-                raise ProfileError(
-                    f"field 'peak_flops' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})"
-                )
+                raise ProfileError(f"field 'peak_flops' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
             if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(
-                    f"field 'peak_flops.{dt}' must be a positive number of FLOP/s (got {v!r})"
-                )
+                raise ProfileError(f"field 'peak_flops.{dt}' must be a positive number of FLOP/s (got {v!r})")
         # A private float copy: the caller's dict can change without changing the profile.
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
         # JSON has one number type: accept an integral float for the integer fields.
@@ -235,23 +231,25 @@ class HardwareProfile:
                 raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
         if not isinstance(self.ops_async, bool):
             raise ProfileError(f"field 'ops_async' must be true or false (got {self.ops_async!r})")
-        _check_fraction("recompute_ratio", self.recompute_ratio, 2,
-                        "the cost of a recomputed forward relative to the first one")
+        _check_fraction(
+            "recompute_ratio", self.recompute_ratio, 2, "the cost of a recomputed forward relative to the first one"
+        )
         if self.intra_node_collectives is not None:
-            object.__setattr__(self, "intra_node_collectives",
-                               _check_collective_links(self.intra_node_collectives))
+            object.__setattr__(self, "intra_node_collectives", _check_collective_links(self.intra_node_collectives))
         if self.sm_count is not None:
             v = self.sm_count
             if isinstance(v, float) and v.is_integer():
                 object.__setattr__(self, "sm_count", int(v))
             if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:
-                raise ProfileError(f"field 'sm_count' must be a positive integer (streaming multiprocessors) "
-                                   f"or absent (got {v!r})")
+                raise ProfileError(
+                    f"field 'sm_count' must be a positive integer (streaming multiprocessors) or absent (got {v!r})"
+                )
         if self.host_device_bandwidth is not None:
             v = self.host_device_bandwidth
             if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field 'host_device_bandwidth' must be a positive number of bytes/s "
-                                   f"or absent (got {v!r})")
+                raise ProfileError(
+                    f"field 'host_device_bandwidth' must be a positive number of bytes/s or absent (got {v!r})"
+                )
             object.__setattr__(self, "host_device_bandwidth", float(v))
         for name in ("host_memory_bytes", "nvme_bytes"):
             v = getattr(self, name)
@@ -259,16 +257,17 @@ class HardwareProfile:
                 object.__setattr__(self, name, int(v))
                 v = int(v)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ProfileError(f"field {name!r} must be a positive integer of bytes per node or absent "
-                                   f"(got {v!r})")
-        for name, unit in (("nvme_read_bandwidth", "bytes/s"), ("nvme_write_bandwidth", "bytes/s"),
-                           ("cpu_adam_params_per_s", "parameters/s")):
+                raise ProfileError(f"field {name!r} must be a positive integer of bytes per node or absent (got {v!r})")
+        for name, unit in (
+            ("nvme_read_bandwidth", "bytes/s"),
+            ("nvme_write_bandwidth", "bytes/s"),
+            ("cpu_adam_params_per_s", "parameters/s"),
+        ):
             v = getattr(self, name)
             if v is None:
                 continue
             if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field {name!r} must be a positive number of {unit} per node or absent "
-                                   f"(got {v!r})")
+                raise ProfileError(f"field {name!r} must be a positive number of {unit} per node or absent (got {v!r})")
             object.__setattr__(self, name, float(v))
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _check_gemm_tables(self.gemm_efficiency, self.peak_flops))
@@ -280,18 +279,46 @@ class HardwareProfile:
     def __hash__(self) -> int:
         # Frozen but holds a dict: hash the numbers (equal profiles hash equal), so a profile
         # can key an lru_cache in the planner.
-        return hash((
-            self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-            self.memory_bandwidth, self.intra_node_bandwidth, self.intra_node_latency,
-            self.inter_node_bandwidth, self.inter_node_latency, self.gpus_per_node,
-            self.compute_efficiency, self.op_overhead_s, self.sync_overhead_s, self.recompute_ratio, self.ops_async,
-            tuple(sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())),
-            self.sm_count, self.host_device_bandwidth, self.host_memory_bytes, self.nvme_bytes,
-            self.nvme_read_bandwidth, self.nvme_write_bandwidth, self.cpu_adam_params_per_s,
-            tuple(sorted((dt, tuple(t["m"]), tuple(t["n"]), tuple(t["k"]),
-                          tuple(x for plane in t["efficiency"] for row in plane for x in row))
-                         for dt, t in (self.gemm_efficiency or {}).items())),
-        ))
+        return hash(
+            (
+                self.name,
+                tuple(sorted(self.peak_flops.items())),
+                self.memory_bytes,
+                self.memory_bandwidth,
+                self.intra_node_bandwidth,
+                self.intra_node_latency,
+                self.inter_node_bandwidth,
+                self.inter_node_latency,
+                self.gpus_per_node,
+                self.compute_efficiency,
+                self.op_overhead_s,
+                self.sync_overhead_s,
+                self.recompute_ratio,
+                self.ops_async,
+                tuple(
+                    sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())
+                ),
+                self.sm_count,
+                self.host_device_bandwidth,
+                self.host_memory_bytes,
+                self.nvme_bytes,
+                self.nvme_read_bandwidth,
+                self.nvme_write_bandwidth,
+                self.cpu_adam_params_per_s,
+                tuple(
+                    sorted(
+                        (
+                            dt,
+                            tuple(t["m"]),
+                            tuple(t["n"]),
+                            tuple(t["k"]),
+                            tuple(x for plane in t["efficiency"] for row in plane for x in row),
+                        )
+                        for dt, t in (self.gemm_efficiency or {}).items()
+                    )
+                ),
+            )
+        )
 
     # ----------------------------------------------------------------------------------------
     def peak(self, dtype: str) -> float:
@@ -326,8 +353,14 @@ class HardwareProfile:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["peak_flops"] = dict(self.peak_flops)
         d["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
-        for opt in ("calibration", "intra_node_collectives", "sm_count", "gemm_efficiency", "host_device_bandwidth",
-                    *OFFLOAD_FIELDS):
+        for opt in (
+            "calibration",
+            "intra_node_collectives",
+            "sm_count",
+            "gemm_efficiency",
+            "host_device_bandwidth",
+            *OFFLOAD_FIELDS,
+        ):
             if d[opt] is None:
                 del d[opt]
         return d
@@ -345,8 +378,7 @@ class HardwareProfile:
         """Validate a parsed JSON object; errors are prefixed with ``origin`` (the file)."""
         if not isinstance(data, dict):
             raise ProfileError(
-                f"hardware profile {origin}: the top level must be a JSON object, got "
-                f"{type(data).__name__}"
+                f"hardware profile {origin}: the top level must be a JSON object, got {type(data).__name__}"
             )
         names = [f.name for f in dataclasses.fields(cls)]
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
@@ -368,8 +400,13 @@ class HardwareProfile:
 
 
 #: The optional offload fields (besides ``host_device_bandwidth``), all per node.
-OFFLOAD_FIELDS: tuple[str, ...] = ("host_memory_bytes", "nvme_bytes", "nvme_read_bandwidth",
-                                   "nvme_write_bandwidth", "cpu_adam_params_per_s")
+OFFLOAD_FIELDS: tuple[str, ...] = (
+    "host_memory_bytes",
+    "nvme_bytes",
+    "nvme_read_bandwidth",
+    "nvme_write_bandwidth",
+    "cpu_adam_params_per_s",
+)
 
 #: Collective kinds a profile's ``intra_node_collectives`` may describe.
 LINK_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
@@ -382,18 +419,23 @@ def _check_collective_links(value: Any) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for kind, link in value.items():
         if kind not in LINK_KINDS:
-            raise ProfileError(f"field 'intra_node_collectives' has unknown collective {kind!r} "
-                               f"(allowed: {', '.join(LINK_KINDS)})")
+            raise ProfileError(
+                f"field 'intra_node_collectives' has unknown collective {kind!r} (allowed: {', '.join(LINK_KINDS)})"
+            )
         if not isinstance(link, dict) or set(link) != {"latency", "bandwidth"}:
-            raise ProfileError(f"field 'intra_node_collectives.{kind}' must be an object with exactly "
-                               f"'latency' (s) and 'bandwidth' (bytes/s) (got {link!r})")
+            raise ProfileError(
+                f"field 'intra_node_collectives.{kind}' must be an object with exactly "
+                f"'latency' (s) and 'bandwidth' (bytes/s) (got {link!r})"
+            )
         lat, bw = link["latency"], link["bandwidth"]
         if not _is_number(lat) or not math.isfinite(lat) or lat < 0:
-            raise ProfileError(f"field 'intra_node_collectives.{kind}.latency' must be a non-negative "
-                               f"number of seconds (got {lat!r})")
+            raise ProfileError(
+                f"field 'intra_node_collectives.{kind}.latency' must be a non-negative number of seconds (got {lat!r})"
+            )
         if not _is_number(bw) or not math.isfinite(bw) or bw <= 0:
-            raise ProfileError(f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive "
-                               f"number of bytes/s (got {bw!r})")
+            raise ProfileError(
+                f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive number of bytes/s (got {bw!r})"
+            )
         out[kind] = {"latency": float(lat), "bandwidth": float(bw)}
     return out
 
@@ -403,46 +445,63 @@ GEMM_AXES: tuple[str, ...] = ("m", "n", "k")
 
 
 def _copy_tables(tables: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
-    return {dt: {"m": list(t["m"]), "n": list(t["n"]), "k": list(t["k"]),
-                 "efficiency": [[list(row) for row in plane] for plane in t["efficiency"]]}
-            for dt, t in tables.items()}
+    return {
+        dt: {
+            "m": list(t["m"]),
+            "n": list(t["n"]),
+            "k": list(t["k"]),
+            "efficiency": [[list(row) for row in plane] for plane in t["efficiency"]],
+        }
+        for dt, t in tables.items()
+    }
 
 
 def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, dict[str, list]]:
     """Validate ``gemm_efficiency`` and return a private copy (ints for sizes, floats for values)."""
-    example = ('{"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096], '
-               '"efficiency": [[[0.05, 0.2], [0.1, 0.5]], [[0.1, 0.5], [0.5, 0.75]]]}}')
+    example = (
+        '{"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096], '
+        '"efficiency": [[[0.05, 0.2], [0.1, 0.5]], [[0.1, 0.5], [0.5, 0.75]]]}}'
+    )
     if not isinstance(value, dict) or not value:
-        raise ProfileError(f"field 'gemm_efficiency' must be a non-empty object of tables by dtype, e.g. "
-                           f"{example} (got {value!r})")
+        raise ProfileError(
+            f"field 'gemm_efficiency' must be a non-empty object of tables by dtype, e.g. {example} (got {value!r})"
+        )
     out: dict[str, dict[str, list]] = {}
     for dt, table in value.items():
         where = f"gemm_efficiency.{dt}"
         if dt not in PEAK_DTYPES:
             raise ProfileError(f"field 'gemm_efficiency' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
         if dt not in peak_flops:
-            raise ProfileError(f"field '{where}' is a fraction of a peak the profile lacks: "
-                               f"'peak_flops' has no {dt!r}")
+            raise ProfileError(f"field '{where}' is a fraction of a peak the profile lacks: 'peak_flops' has no {dt!r}")
         if not isinstance(table, dict) or set(table) != {*GEMM_AXES, "efficiency"}:
             got = sorted(table) if isinstance(table, dict) else table
-            raise ProfileError(f"field '{where}' must be an object with exactly 'm', 'n', 'k' (sizes) and "
-                               f"'efficiency' (a grid m by n by k), e.g. {example[9:-1]} (got {got!r})")
+            raise ProfileError(
+                f"field '{where}' must be an object with exactly 'm', 'n', 'k' (sizes) and "
+                f"'efficiency' (a grid m by n by k), e.g. {example[9:-1]} (got {got!r})"
+            )
         axes = {}
         for ax in GEMM_AXES:
             sizes = table[ax]
-            ok = isinstance(sizes, list) and sizes and all(
-                _is_number(x) and math.isfinite(x) and float(x).is_integer() and x >= 1 for x in sizes)
+            ok = (
+                isinstance(sizes, list)
+                and sizes
+                and all(_is_number(x) and math.isfinite(x) and float(x).is_integer() and x >= 1 for x in sizes)
+            )
             if ok:
                 sizes = [int(x) for x in sizes]
                 ok = all(a < b for a, b in zip(sizes, sizes[1:]))
             if not ok:
-                raise ProfileError(f"field '{where}.{ax}' must be a non-empty list of strictly increasing "
-                                   f"positive integer sizes (got {table[ax]!r})")
+                raise ProfileError(
+                    f"field '{where}.{ax}' must be a non-empty list of strictly increasing "
+                    f"positive integer sizes (got {table[ax]!r})"
+                )
             axes[ax] = sizes
         shape = tuple(len(axes[ax]) for ax in GEMM_AXES)
         grid = table["efficiency"]
-        shape_msg = (f"field '{where}.efficiency' must be a {shape[0]} x {shape[1]} x {shape[2]} nested list "
-                     f"(one value per m, then per n, then per k)")
+        shape_msg = (
+            f"field '{where}.efficiency' must be a {shape[0]} x {shape[1]} x {shape[2]} nested list "
+            f"(one value per m, then per n, then per k)"
+        )
         if not isinstance(grid, list) or len(grid) != shape[0]:
             raise ProfileError(f"{shape_msg} (got {grid!r})")
         clean = []
@@ -457,7 +516,8 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
                     if not _is_number(x) or not math.isfinite(x) or not (0 < x <= 1):
                         raise ProfileError(
                             f"field '{where}.efficiency[{i}][{j}][{k}]' must be a number in (0, 1], the "
-                            f"achieved fraction of peak_flops.{dt} (got {x!r})")
+                            f"achieved fraction of peak_flops.{dt} (got {x!r})"
+                        )
                 rows.append([float(x) for x in row])
             clean.append(rows)
         out[dt] = {**axes, "efficiency": clean}

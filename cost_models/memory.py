@@ -105,7 +105,6 @@ micro-batches, +2.5%) count the embedding's fresh gradient at the moment every a
 alive, which the runtime never reaches at once.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -191,9 +190,7 @@ def model_state_bytes(
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (got {zero_stage!r})")
     if largest_layer_params > num_params:
-        raise ValueError(
-            f"largest_layer_params ({largest_layer_params}) cannot exceed num_params ({num_params})"
-        )
+        raise ValueError(f"largest_layer_params ({largest_layer_params}) cannot exceed num_params ({num_params})")
     t = bytes_per_param(dtype)
     shard = shard_elements(num_params, dp)
     opt_off, par_off = offload_optimizer != "none", offload_params != "none"
@@ -341,8 +338,14 @@ def backward_transient_bytes(largest_activation: Any, weight_grad: Any = 0) -> A
     return smax(2 * largest_activation, largest_activation + weight_grad)
 
 
-def zero_transient_bytes(layer_params: Sequence[int], dtype: str, zero_stage: int, dp: int,
-                         offload_optimizer: str = "none", offload_params: str = "none") -> dict[str, int]:
+def zero_transient_bytes(
+    layer_params: Sequence[int],
+    dtype: str,
+    zero_stage: int,
+    dp: int,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
+) -> dict[str, int]:
     """Full-size ZeRO buffers that coexist at most, for a stage's layers in forward order.
 
     ``params``: ZeRO-3's gathered weights of a layer and the next (prefetched) one, the largest
@@ -362,11 +365,14 @@ def zero_transient_bytes(layer_params: Sequence[int], dtype: str, zero_stage: in
         if not vals:
             return 0
         n = min(n, len(vals))
-        return max(sum(vals[i:i + n]) for i in range(len(vals) - n + 1))
+        return max(sum(vals[i : i + n]) for i in range(len(vals) - n + 1))
 
     params = window(2, lambda x: x * t["weights"]) if gathers_params(zero_stage, dp, offload_params) else 0
-    grads = (window(REDUCTIONS_IN_FLIGHT + 1, lambda x: reduction_bytes(x, dtype, dp))
-             if buckets_leave(zero_stage, dp, offload_optimizer) else 0)
+    grads = (
+        window(REDUCTIONS_IN_FLIGHT + 1, lambda x: reduction_bytes(x, dtype, dp))
+        if buckets_leave(zero_stage, dp, offload_optimizer)
+        else 0
+    )
     return {"params": int(params), "grads": int(grads)}
 
 

@@ -88,8 +88,18 @@ from cost_models.hardware import HardwareProfile
 from cost_models.memory import REDUCTIONS_IN_FLIGHT, bytes_per_param
 
 __all__ = [
-    "TIERS", "STATE_BYTES", "GRAD_ACCUMULATOR_BYTES", "LayerOffload", "check_offload", "offload_missing",
-    "ranks_per_node", "adam_rate_per_rank", "layer_offload", "offload_breakdown", "host_state_bytes", "offload_buffer_bytes",
+    "TIERS",
+    "STATE_BYTES",
+    "GRAD_ACCUMULATOR_BYTES",
+    "LayerOffload",
+    "check_offload",
+    "offload_missing",
+    "ranks_per_node",
+    "adam_rate_per_rank",
+    "layer_offload",
+    "offload_breakdown",
+    "host_state_bytes",
+    "offload_buffer_bytes",
 ]
 
 #: Where a state kind may live: on the device, in host memory, in NVMe files.
@@ -108,11 +118,15 @@ def check_offload(optimizer: str, params: str, zero_stage: int) -> str | None:
         if tier not in TIERS:
             return f"offload of {kind} must be one of {', '.join(TIERS)} (got {tier!r})"
     if params != "none" and zero_stage != 3:
-        return (f"offloading parameters ({params}) needs ZeRO stage 3, which shards them (got ZeRO "
-                f"{zero_stage}); use --zero-stage 3 or --offload-params none")
+        return (
+            f"offloading parameters ({params}) needs ZeRO stage 3, which shards them (got ZeRO "
+            f"{zero_stage}); use --zero-stage 3 or --offload-params none"
+        )
     if optimizer != "none" and zero_stage not in (1, 2, 3):
-        return (f"offloading the optimizer ({optimizer}) needs ZeRO stage 1, 2 or 3 (got ZeRO {zero_stage}); "
-                "use --zero-stage 1, 2 or 3 or --offload-optimizer none")
+        return (
+            f"offloading the optimizer ({optimizer}) needs ZeRO stage 1, 2 or 3 (got ZeRO {zero_stage}); "
+            "use --zero-stage 1, 2 or 3 or --offload-optimizer none"
+        )
     return None
 
 
@@ -176,8 +190,9 @@ def host_state_bytes(shard: int, dtype: str, optimizer: str, params: str) -> tup
     return int(host), int(nvme)
 
 
-def offload_breakdown(layer_params: list[int], dp: int, zero_stage: int, dtype: str, optimizer: str,
-                      params: str, buffers: int) -> dict:
+def offload_breakdown(
+    layer_params: list[int], dp: int, zero_stage: int, dtype: str, optimizer: str, params: str, buffers: int
+) -> dict:
     """Bytes one rank keeps off the device, by state kind, for a stage's layers (``layer_params``
     per device): ``{"host": {"optimizer", "params", "buffers"}, "nvme": {"optimizer", "params"}}``."""
     res = {"host": {"optimizer": 0, "params": 0, "buffers": int(buffers)}, "nvme": {"optimizer": 0, "params": 0}}
@@ -190,8 +205,7 @@ def offload_breakdown(layer_params: list[int], dp: int, zero_stage: int, dtype: 
     return res
 
 
-def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params: str,
-                         staged: bool = True) -> int:
+def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params: str, staged: bool = True) -> int:
     """Pinned host buffers of one rank (see "Host and NVMe bytes"), for its largest layer shard.
 
     ``staged``: the device is a GPU, whose gradients and parameter shards cross the link through
@@ -210,8 +224,18 @@ def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params:
     return int(out)
 
 
-def layer_offload(num_params: int, dtype: str, zero_stage: int, dp: int, optimizer: str, params: str,
-                  hw: HardwareProfile, ranks: int, fwd_s: float, bwd_s: float) -> LayerOffload:
+def layer_offload(
+    num_params: int,
+    dtype: str,
+    zero_stage: int,
+    dp: int,
+    optimizer: str,
+    params: str,
+    hw: HardwareProfile,
+    ranks: int,
+    fwd_s: float,
+    bwd_s: float,
+) -> LayerOffload:
     """Offload costs of one layer of ``num_params`` parameters per device (module docstring, "Time").
 
     ``ranks``: the node's ranks sharing its host (:func:`ranks_per_node`); ``fwd_s``, ``bwd_s``:
@@ -221,8 +245,10 @@ def layer_offload(num_params: int, dtype: str, zero_stage: int, dp: int, optimiz
         return LayerOffload()
     missing = offload_missing(hw, optimizer, params)
     if missing:
-        raise ValueError(f"hardware {hw.name!r} lacks {', '.join(missing)}: cannot price offload "
-                         f"(optimizer {optimizer}, params {params})")
+        raise ValueError(
+            f"hardware {hw.name!r} lacks {', '.join(missing)}: cannot price offload "
+            f"(optimizer {optimizer}, params {params})"
+        )
     shard = math.ceil(num_params / dp) if zero_stage >= 1 and num_params else int(num_params)
     t = bytes_per_param(dtype)
     link = float(hw.host_device_bandwidth)

@@ -29,8 +29,14 @@ __all__ = ["run_cost", "scale_cost", "SECONDS_PER_DAY"]
 SECONDS_PER_DAY = 86400.0
 
 
-def run_cost(tokens: float, tokens_per_step: int, step_time_s: float, time: dict, gpus: int,
-             price_per_gpu_hour: float | None = None) -> dict:
+def run_cost(
+    tokens: float,
+    tokens_per_step: int,
+    step_time_s: float,
+    time: dict,
+    gpus: int,
+    price_per_gpu_hour: float | None = None,
+) -> dict:
     """plan.json's ``predicted.cost`` for a run of ``tokens`` tokens (see the module docstring).
 
     ``time`` is ``predicted.time`` (seconds by part); the result carries ``steps`` beside the
@@ -48,8 +54,14 @@ def run_cost(tokens: float, tokens_per_step: int, step_time_s: float, time: dict
     money = gpu_hours * price_per_gpu_hour if price_per_gpu_hour is not None else None
     billed = money if money is not None else gpu_hours
     by_part = {k: (billed * v / step_time_s if step_time_s > 0 else 0.0) for k, v in time.items()}
-    return {"tokens": float(tokens), "steps": int(steps), "days": seconds / SECONDS_PER_DAY,
-            "gpu_hours": gpu_hours, "money": money, "by_part": by_part}
+    return {
+        "tokens": float(tokens),
+        "steps": int(steps),
+        "days": seconds / SECONDS_PER_DAY,
+        "gpu_hours": gpu_hours,
+        "money": money,
+        "by_part": by_part,
+    }
 
 
 def scale_cost(cost: dict, step_time_s: float, best_step_time_s: float) -> dict:
@@ -57,5 +69,10 @@ def scale_cost(cost: dict, step_time_s: float, best_step_time_s: float) -> dict:
     each ``step_time_s`` long instead of ``best_step_time_s`` (its parts are not known here, so
     ``by_part`` is left out)."""
     r = step_time_s / best_step_time_s if best_step_time_s > 0 else 0.0
-    return {"tokens": cost["tokens"], "steps": cost.get("steps"), "days": cost["days"] * r,
-            "gpu_hours": cost["gpu_hours"] * r, "money": cost["money"] * r if cost["money"] is not None else None}
+    return {
+        "tokens": cost["tokens"],
+        "steps": cost.get("steps"),
+        "days": cost["days"] * r,
+        "gpu_hours": cost["gpu_hours"] * r,
+        "money": cost["money"] * r if cost["money"] is not None else None,
+    }

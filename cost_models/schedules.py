@@ -115,8 +115,16 @@ from cost_models.strategy import (
     selective_view,
 )
 
-__all__ = ["SCHEDULES", "ChunkTimes", "SimulatedPipeline", "split_chunks", "chunk_times", "interleaved_inflight",
-           "chunk_ranges_of_rank", "evaluate_schedule"]
+__all__ = [
+    "SCHEDULES",
+    "ChunkTimes",
+    "SimulatedPipeline",
+    "split_chunks",
+    "chunk_times",
+    "interleaved_inflight",
+    "chunk_ranges_of_rank",
+    "evaluate_schedule",
+]
 
 #: Pipeline schedules a strategy may run (plan.json ``schedule``).
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
@@ -180,7 +188,7 @@ def split_chunks(costs: Sequence[float], num_chunks: int) -> tuple[tuple[int, in
                 a, acc = i, 0.0
             acc += c
         out.append((a, n - 1))
-        return out if len(out) == num_chunks and max(sum(costs[x:y + 1]) for x, y in out) <= limit else None
+        return out if len(out) == num_chunks and max(sum(costs[x : y + 1]) for x, y in out) <= limit else None
 
     lo, hi = max(costs), sum(costs)
     best = cut(hi * (1 + 1e-12))
@@ -199,15 +207,17 @@ def split_chunks(costs: Sequence[float], num_chunks: int) -> tuple[tuple[int, in
 
 
 def _chunk_forward(cc: CandidateCosts, a: int, b: int) -> float:
-    ls = cc.layers[a:b + 1]
+    ls = cc.layers[a : b + 1]
     zmb = sum(l.zero_mb_s for l in ls)
     return sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cc.cand.zero_stage == 3 else 0.0)
 
 
 def _chunk_step(cc: CandidateCosts, a: int, b: int, ck: frozenset, sel: frozenset = frozenset()) -> float:
     """One micro-batch through chunk ``[a, b]`` without its sends."""
-    return sum(l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
-               for i, l in zip(range(a, b + 1), cc.layers[a:b + 1]))
+    return sum(
+        l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
+        for i, l in zip(range(a, b + 1), cc.layers[a : b + 1])
+    )
 
 
 def send_seconds(cc: CandidateCosts, chunks: Sequence[tuple[int, int]]) -> float:
@@ -220,8 +230,13 @@ def send_seconds(cc: CandidateCosts, chunks: Sequence[tuple[int, int]]) -> float
     return max(cc.send_s(b, min(c % p, p - 2)) for c, (_a, b) in enumerate(chunks[:-1]))
 
 
-def chunk_times(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], checkpoint: Sequence[int],
-                schedule: str, selective: Sequence[int] = ()) -> ChunkTimes:
+def chunk_times(
+    cc: CandidateCosts,
+    chunks: Sequence[tuple[int, int]],
+    checkpoint: Sequence[int],
+    schedule: str,
+    selective: Sequence[int] = (),
+) -> ChunkTimes:
     """Per-chunk ``F``, ``B`` (and ``W`` under zero bubble) of one micro-batch (module docstring).
     A selectively recomputed core runs again in ``B`` only (``W`` restarts autograd at the weight
     products, outside the cores)."""
@@ -230,20 +245,26 @@ def chunk_times(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], checkpoin
     full = [_chunk_step(cc, a, b, ck, frozenset(selective)) - f for (a, b), f in zip(chunks, fwd)]
     weight = None
     if schedule == "zero-bubble":
-        weight = tuple(min(sum(l.wgrad_s for l in cc.layers[a:b + 1]), bw) for (a, b), bw in zip(chunks, full))
+        weight = tuple(min(sum(l.wgrad_s for l in cc.layers[a : b + 1]), bw) for (a, b), bw in zip(chunks, full))
         full = [bw - w for bw, w in zip(full, weight)]
         # a recomputed layer's forward runs again at W (the runtime's W is its own autograd task)
-        weight = tuple(w + sum(cc.layers[i].rec_s for i in range(a, b + 1) if i in ck)
-                       for (a, b), w in zip(chunks, weight))
+        weight = tuple(
+            w + sum(cc.layers[i].rec_s for i in range(a, b + 1) if i in ck) for (a, b), w in zip(chunks, weight)
+        )
     sel = frozenset(selective)
-    acts = tuple(sum(l.input_b if i in ck else l.saved_b
-                     for i, l in zip(range(a, b + 1), selective_view(cc.layers[a:b + 1], range(a, b + 1), sel)))
-                 for a, b in chunks)
+    acts = tuple(
+        sum(
+            l.input_b if i in ck else l.saved_b
+            for i, l in zip(range(a, b + 1), selective_view(cc.layers[a : b + 1], range(a, b + 1), sel))
+        )
+        for a, b in chunks
+    )
     keep = free = None
     if weight is not None:
         # the first chunk has no B (nothing before it needs a gradient): W runs its whole backward
-        keep = tuple(0.0 if c == 0 else sum(l.wgrad_keep_b for l in cc.layers[a:b + 1])
-                     for c, (a, b) in enumerate(chunks))
+        keep = tuple(
+            0.0 if c == 0 else sum(l.wgrad_keep_b for l in cc.layers[a : b + 1]) for c, (a, b) in enumerate(chunks)
+        )
         free = tuple(0.0 if c == 0 or b in ck or b in sel else cc.layers[b].tail_b for c, (_a, b) in enumerate(chunks))
     return ChunkTimes(tuple(fwd), tuple(full), weight, send_seconds(cc, chunks), acts, keep, free)
 
@@ -259,9 +280,16 @@ def chunk_ranges_of_rank(chunks: Sequence[tuple[int, int]], p: int, rank: int) -
     return [ch for c, ch in enumerate(chunks) if c % p == rank]
 
 
-def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], checkpoint: Sequence[int],
-                      schedule: str, virtual_stages: int, sim: SimulatedPipeline, times: ChunkTimes,
-                      selective: Sequence[int] = ()) -> Evaluation:
+def evaluate_schedule(
+    cc: CandidateCosts,
+    chunks: Sequence[tuple[int, int]],
+    checkpoint: Sequence[int],
+    schedule: str,
+    virtual_stages: int,
+    sim: SimulatedPipeline,
+    times: ChunkTimes,
+    selective: Sequence[int] = (),
+) -> Evaluation:
     """Price a strategy run under ``schedule`` from its simulation (see the module docstring)."""
     cand = cc.cand
     p, m, v = cand.pp, cand.num_micro_batches, virtual_stages
@@ -281,8 +309,9 @@ def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], che
         rc = [i in ck for i in idx]
         compute = sum(l.compute_s for l in ls)
         tp = sum(l.tp_s for l in ls)
-        rec = (sum(l.rec_s for l, x in zip(ls, rc) if x) * (2 if schedule == "zero-bubble" else 1)
-               + sum(l.sel_rec_s for i, l in zip(idx, ls) if i in sel))
+        rec = sum(l.rec_s for l, x in zip(ls, rc) if x) * (2 if schedule == "zero-bubble" else 1) + sum(
+            l.sel_rec_s for i, l in zip(idx, ls) if i in sel
+        )
         zmb = sum(l.zero_mb_s for l in ls)
         sends, sent = 0, 0.0
         for c in range(r, nchunks, p):
@@ -303,17 +332,36 @@ def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], che
             mem = {**mem, "activations": mem["activations"] + keep, "total": mem["total"] + keep}
             bound += keep
         tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if x else 0.0) + l.tp_bwd_sent_b for l, x in zip(ls, rc))
-        comm = (m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
-                + step_control_bytes(cand.dp, cand.tp, p))
+        comm = (
+            m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls))
+            + sum(l.dp_step_sent_b for l in ls)
+            + step_control_bytes(cand.dp, cand.tp, p)
+        )
         fwd = sum(times.forward_s[c] for c in range(r, nchunks, p)) + p2p / 2
-        out.append(StageCost(
-            first=mine[0][0], last=mine[-1][1], compute_s=compute, recompute_s=rec, tp_s=tp, p2p_s=p2p,
-            zero_mb_s=zmb, work_s=work, micro_step_s=work + zmb, dp_s=sum(l.dp_step_s for l in ls),
-            opt_s=sum(l.opt_s for l in ls), fwd_s=fwd, bwd_s=work + zmb - fwd, memory=mem, comm_bytes=comm,
-            memory_bound=bound, offload_mb_s=sum(l.offload_mb_s for l in ls),
-            offload_step_s=sum(l.offload_step_s for l in ls),
-            host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
-            nvme_b=sum(l.nvme_b for l in ls)))
+        out.append(
+            StageCost(
+                first=mine[0][0],
+                last=mine[-1][1],
+                compute_s=compute,
+                recompute_s=rec,
+                tp_s=tp,
+                p2p_s=p2p,
+                zero_mb_s=zmb,
+                work_s=work,
+                micro_step_s=work + zmb,
+                dp_s=sum(l.dp_step_s for l in ls),
+                opt_s=sum(l.opt_s for l in ls),
+                fwd_s=fwd,
+                bwd_s=work + zmb - fwd,
+                memory=mem,
+                comm_bytes=comm,
+                memory_bound=bound,
+                offload_mb_s=sum(l.offload_mb_s for l in ls),
+                offload_step_s=sum(l.offload_step_s for l in ls),
+                host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
+                nvme_b=sum(l.nvme_b for l in ls),
+            )
+        )
     kb = max(range(p), key=lambda k: out[k].micro_step_s)
     kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
     D = out[kd].dp_s + out[kd].opt_s
@@ -321,30 +369,62 @@ def evaluate_schedule(cc: CandidateCosts, chunks: Sequence[tuple[int, int]], che
     T = sb.micro_step_s
     span = sim.makespan_s
     busy = m * (sb.compute_s + sb.recompute_s + sb.tp_s + sb.zero_mb_s)
-    time = {"compute": m * sb.compute_s, "recompute": m * sb.recompute_s, "tp_comm": m * sb.tp_s,
-            "pp_bubble": span - busy,
-            "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
-            "optimizer": out[kd].opt_s, "offload": m * sb.offload_mb_s + out[kd].offload_step_s}
+    time = {
+        "compute": m * sb.compute_s,
+        "recompute": m * sb.recompute_s,
+        "tp_comm": m * sb.tp_s,
+        "pp_bubble": span - busy,
+        "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
+        "optimizer": out[kd].opt_s,
+        "offload": m * sb.offload_mb_s + out[kd].offload_step_s,
+    }
     kp = max(range(p), key=lambda k: out[k].memory["total"])
     bound = max(st.memory_bound for st in out)
     g = cc.ranks_per_node
     nvme_rank = max(st.nvme_b for st in out)
-    extra: dict = {"memory_bound": bound, "host_bytes": g * max(st.host_b for st in out),
-                   "nvme_bytes": g * nvme_rank, "messages": sim.messages, "chunk_times": times}
+    extra: dict = {
+        "memory_bound": bound,
+        "host_bytes": g * max(st.host_b for st in out),
+        "nvme_bytes": g * nvme_rank,
+        "messages": sim.messages,
+        "chunk_times": times,
+    }
     if cand.offloads:
         kh = max(range(p), key=lambda i: (out[i].host_b, out[i].nvme_b))
         extra["offload_bytes"] = offload_breakdown(
             [cc.layers[i].num_params for a, b in chunk_ranges_of_rank(chunks, p, kh) for i in range(a, b + 1)],
-            cand.dp, cand.zero_stage, cc.dtype, cand.offload_optimizer, cand.offload_params, cc.host_buffers_b)
-    fits_off = (max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
-                and nvme_rank <= cc.nvme_room)
+            cand.dp,
+            cand.zero_stage,
+            cc.dtype,
+            cand.offload_optimizer,
+            cand.offload_params,
+            cc.host_buffers_b,
+        )
+    fits_off = (
+        max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
+        and nvme_rank <= cc.nvme_room
+    )
     if cand.compile:
-        extra["compile_s"] = compile_seconds(cc.hw, max(
-            len({cc.layers[i] for a, b in chunk_ranges_of_rank(chunks, p, r) for i in range(a, b + 1)})
-            for r in range(p)))
+        extra["compile_s"] = compile_seconds(
+            cc.hw,
+            max(
+                len({cc.layers[i] for a, b in chunk_ranges_of_rank(chunks, p, r) for i in range(a, b + 1)})
+                for r in range(p)
+            ),
+        )
     return Evaluation(
-        strategy=Strategy(cand, tuple((int(a), int(b)) for a, b in chunks), ck, schedule, v, sel), stages=out,
-        step_time_s=span + D, micro_step_s=T, tail_s=D, time=time, memory=dict(out[kp].memory), peak_stage=kp,
-        bottleneck_stage=kb, comm_bytes_per_device=max(s.comm_bytes for s in out),
+        strategy=Strategy(cand, tuple((int(a), int(b)) for a, b in chunks), ck, schedule, v, sel),
+        stages=out,
+        step_time_s=span + D,
+        micro_step_s=T,
+        tail_s=D,
+        time=time,
+        memory=dict(out[kp].memory),
+        peak_stage=kp,
+        bottleneck_stage=kb,
+        comm_bytes_per_device=max(s.comm_bytes for s in out),
         bubble_fraction=max(span - m * T, 0.0) / span if span > 0 else 0.0,
-        feasible=bound <= cc.capacity and fits_off and math.isfinite(span), capacity=cc.capacity, extra=extra)
+        feasible=bound <= cc.capacity and fits_off and math.isfinite(span),
+        capacity=cc.capacity,
+        extra=extra,
+    )

@@ -195,9 +195,22 @@ from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
 
 __all__ = [
-    "NumericTable", "Candidate", "Strategy", "LayerCost", "COMPILED_REGION_OPS", "COMPILED_BYTES_FRACTION",
-    "COMPILE_S_PER_CLASS", "compile_seconds", "compiled_regions",
-    "CandidateCosts", "StageCost", "Evaluation", "candidate_costs", "evaluate", "predicted_fields", "memory_bound",
+    "NumericTable",
+    "Candidate",
+    "Strategy",
+    "LayerCost",
+    "COMPILED_REGION_OPS",
+    "COMPILED_BYTES_FRACTION",
+    "COMPILE_S_PER_CLASS",
+    "compile_seconds",
+    "compiled_regions",
+    "CandidateCosts",
+    "StageCost",
+    "Evaluation",
+    "candidate_costs",
+    "evaluate",
+    "predicted_fields",
+    "memory_bound",
     "pipeline_time",
     "boundary_placements",
 ]
@@ -319,12 +332,18 @@ class Candidate:
         return self.offload_optimizer != "none" or self.offload_params != "none"
 
     def describe(self) -> str:
-        off = [f"{k} on {v}" for k, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
-               if v != "none"]
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
-                f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}"
-                + (", sequence-parallel" if self.sequence_parallel else "")
-                + (", compiled" if self.compile else "") + (f", offload {' and '.join(off)}" if off else ""))
+        off = [
+            f"{k} on {v}"
+            for k, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
+            if v != "none"
+        ]
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
+            f"micro-batch={self.micro_batch_size} x {self.num_micro_batches}"
+            + (", sequence-parallel" if self.sequence_parallel else "")
+            + (", compiled" if self.compile else "")
+            + (f", offload {' and '.join(off)}" if off else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -436,7 +455,8 @@ def boundary_placements(dp: int, tp: int, pp: int, gpus_per_node: int) -> tuple[
     out = []
     for j in range(pp - 1):
         cross = width >= gpus_per_node or any(
-            (j * width + i) // gpus_per_node != ((j + 1) * width + i) // gpus_per_node for i in range(width))
+            (j * width + i) // gpus_per_node != ((j + 1) * width + i) // gpus_per_node for i in range(width)
+        )
         out.append(GroupPlacement(2, 2, 1) if cross else GroupPlacement(2, 1, 2))
     return tuple(out)
 
@@ -444,8 +464,15 @@ def boundary_placements(dp: int, tp: int, pp: int, gpus_per_node: int) -> tuple[
 class CandidateCosts:
     """Every per-layer number of one candidate, and the per-boundary send times."""
 
-    def __init__(self, cand: Candidate, layers: list[LayerCost], hw: HardwareProfile,
-                 gpus_per_node: int, capacity: float, distinct: list[tuple[LayerCost, int]] | None = None):
+    def __init__(
+        self,
+        cand: Candidate,
+        layers: list[LayerCost],
+        hw: HardwareProfile,
+        gpus_per_node: int,
+        capacity: float,
+        distinct: list[tuple[LayerCost, int]] | None = None,
+    ):
         self.cand = cand
         self.layers = layers
         if distinct is None:
@@ -494,36 +521,59 @@ class CandidateCosts:
         return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-2])
 
 
-def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate,
-                    gpus_per_node: int, capacity: float) -> CandidateCosts:
+def candidate_costs(
+    nt: NumericTable,
+    hw: HardwareProfile,
+    dtype: str,
+    seq_len: int,
+    cand: Candidate,
+    gpus_per_node: int,
+    capacity: float,
+) -> CandidateCosts:
     """Per-layer costs of ``cand`` (identical rows are priced once)."""
     reps, index = nt.groups(cand.micro_batch_size, seq_len)
     tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
     ranks = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
-    costs = [_layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len, nt.work_memo)
-             for row in reps]
+    costs = [
+        _layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len, nt.work_memo)
+        for row in reps
+    ]
     layers = [costs[i] for i in index]
     extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
     for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
-        layers[t.first] = dataclasses.replace(layers[t.first], dp_step_s=layers[t.first].dp_step_s + t.time_s,
-                                              dp_step_sent_b=layers[t.first].dp_step_sent_b + t.sent_b)
+        layers[t.first] = dataclasses.replace(
+            layers[t.first],
+            dp_step_s=layers[t.first].dp_step_s + t.time_s,
+            dp_step_sent_b=layers[t.first].dp_step_sent_b + t.sent_b,
+        )
         lc = layers[t.last]
         off = cand.offload_optimizer != "none"  # the copy's optimizer state lives with the others
         layers[t.last] = dataclasses.replace(
-            lc, dp_step_s=lc.dp_step_s + t.time_s, dp_step_sent_b=lc.dp_step_sent_b + t.sent_b,
-            params_b=lc.params_b + t.params_b, grads_b=lc.grads_b + t.grads_b,
+            lc,
+            dp_step_s=lc.dp_step_s + t.time_s,
+            dp_step_sent_b=lc.dp_step_sent_b + t.sent_b,
+            params_b=lc.params_b + t.params_b,
+            grads_b=lc.grads_b + t.grads_b,
             optimizer_b=lc.optimizer_b + (0 if off else t.optimizer_b),
             host_b=lc.host_b + (t.optimizer_b if cand.offload_optimizer == "cpu" else 0),
-            nvme_b=lc.nvme_b + (t.optimizer_b if cand.offload_optimizer == "nvme" else 0))
-    cc = CandidateCosts(cand, layers, hw, gpus_per_node, capacity,
-                        distinct=None if extra else [(c, index.count(i)) for i, c in enumerate(costs)])
+            nvme_b=lc.nvme_b + (t.optimizer_b if cand.offload_optimizer == "nvme" else 0),
+        )
+    cc = CandidateCosts(
+        cand,
+        layers,
+        hw,
+        gpus_per_node,
+        capacity,
+        distinct=None if extra else [(c, index.count(i)) for i, c in enumerate(costs)],
+    )
     cc.dtype = dtype
     if cand.offloads:  # host and NVMe capacity per rank, at the request's headroom
         headroom = capacity / hw.memory_bytes
         largest = max(shard_elements(c.num_params, cand.dp) for c in costs)
-        cc.host_buffers_b = offload_buffer_bytes(largest, dtype, cand.offload_optimizer, cand.offload_params,
-                                                  staged=hw.ops_async)
+        cc.host_buffers_b = offload_buffer_bytes(
+            largest, dtype, cand.offload_optimizer, cand.offload_params, staged=hw.ops_async
+        )
         cc.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - cc.host_buffers_b
         if "nvme" in (cand.offload_optimizer, cand.offload_params):
             cc.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
@@ -532,9 +582,17 @@ def candidate_costs(nt: NumericTable, hw: HardwareProfile, dtype: str, seq_len: 
     return cc
 
 
-def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
-                tp_pl: GroupPlacement, dp_pl: GroupPlacement, ranks: int = 1, tokens: float = 0.0,
-                memo: dict | None = None) -> LayerCost:
+def _layer_cost(
+    row: dict,
+    hw: HardwareProfile,
+    dtype: str,
+    cand: Candidate,
+    tp_pl: GroupPlacement,
+    dp_pl: GroupPlacement,
+    ranks: int = 1,
+    tokens: float = 0.0,
+    memo: dict | None = None,
+) -> LayerCost:
     """One row's costs under ``cand``: its work (compute, tp collectives, activations; a function
     of the row, tp, SP, compiling and the micro-batch only, so shared through ``memo`` by every
     candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
@@ -549,8 +607,9 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     (work, t_b), P = got[0], got[0][0].num_params
     oo, op = cand.offload_optimizer, cand.offload_params
     base = model_state_bytes(P, dtype, z, dp, offload_optimizer=oo, offload_params=op)
-    peak = model_state_bytes(P, dtype, z, dp, largest_layer_params=P, prefetch=True,
-                             offload_optimizer=oo, offload_params=op)
+    peak = model_state_bytes(
+        P, dtype, z, dp, largest_layer_params=P, prefetch=True, offload_optimizer=oo, offload_params=op
+    )
     off = layer_offload(P, dtype, z, dp, oo, op, hw, ranks, work.fwd_s, t_b)
     colls = zero_dp_collectives(P, dtype, z, dp)
     if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
@@ -565,18 +624,33 @@ def _layer_cost(row: dict, hw: HardwareProfile, dtype: str, cand: Candidate,
     zmb_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_mb)
     step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
     opt_params = shard_elements(P, dp) if z >= 1 else P
-    opt_s = off.optimizer_s if off.optimizer_s is not None else (
-        float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
+    opt_s = (
+        off.optimizer_s
+        if off.optimizer_s is not None
+        else (float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
+    )
     return dataclasses.replace(
-        work, zero_mb_s=zmb_t + off.mb_s, dp_step_s=step_t + off.step_s, opt_s=opt_s,
-        offload_mb_s=off.mb_s, offload_step_s=off.step_s, host_b=off.host_b, nvme_b=off.nvme_b,
-        params_b=base["params"] + work.params_b, grads_b=base["grads"], optimizer_b=base["optimizer"],
-        trans_params_b=peak["params"] - base["params"], trans_grads_b=peak["grads"] - base["grads"],
-        zero_mb_sent_b=zmb_b, dp_step_sent_b=step_b)
+        work,
+        zero_mb_s=zmb_t + off.mb_s,
+        dp_step_s=step_t + off.step_s,
+        opt_s=opt_s,
+        offload_mb_s=off.mb_s,
+        offload_step_s=off.step_s,
+        host_b=off.host_b,
+        nvme_b=off.nvme_b,
+        params_b=base["params"] + work.params_b,
+        grads_b=base["grads"],
+        optimizer_b=base["optimizer"],
+        trans_params_b=peak["params"] - base["params"],
+        trans_grads_b=peak["grads"] - base["grads"],
+        zero_mb_sent_b=zmb_b,
+        dp_step_sent_b=step_b,
+    )
 
 
-def _row_work(row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, compiled: bool,
-              tp_pl: GroupPlacement, tokens: float) -> tuple[LayerCost, float]:
+def _row_work(
+    row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, compiled: bool, tp_pl: GroupPlacement, tokens: float
+) -> tuple[LayerCost, float]:
     """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
 
     def seq(name: str) -> float:  # what sequence parallelism removes from a per-device amount
@@ -604,38 +678,53 @@ def _row_work(row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, com
     accumulate = 3 * P * bytes_per_param(dtype)["grads"]
     # Matrix products are priced by their shapes on a GPU (small ones reach less of the peak,
     # cost_models.gemm_cost); on a CPU profile this is the flat rate, as before.
-    dev_f = float(layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
-                  + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype))
-    dev_b = float(layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
-                  + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype))
+    dev_f = float(
+        layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
+        + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype)
+    )
+    dev_b = float(
+        layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
+        + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype)
+    )
     # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
     # the layer. A CPU rank issues and runs them on the same core: they add up.
     combine = max if hw.ops_async else (lambda dev, host: dev + host)
     t_f, t_b = combine(dev_f, ops), combine(dev_b, 2 * ops)
     dev_w = wgrad_device_time(row, split("bwd_flops"), hw, dtype, tp, tokens) + float(
-        compute_time(0.0, accumulate, hw, dtype))
+        compute_time(0.0, accumulate, hw, dtype)
+    )
     t_w = t_b * min(dev_w / dev_b, 1.0) if dev_b > 0 else 0.0
+
     def tp_cost(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
         # The runtime all-reduces a contiguous copy of the activation (autograd may share the
         # original): a read and a write of the bytes on top of the collective.
-        return (float(collective_time(kind, nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
-                float(ring_bytes_sent(kind, nbytes, tp)))
+        return (
+            float(collective_time(kind, nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
+            float(ring_bytes_sent(kind, nbytes, tp)),
+        )
 
     def add(*parts: tuple[float, float]) -> tuple[float, float]:
         return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     if sp:  # the all-reduces at the regions' ends become reduce-scatters + all-gathers (same bytes)
         rs, ag = row["sp_reduce_scatter_bytes"], row["sp_all_gather_bytes"]
-        t_tp, tp_sent = add(tp_cost(max(row["tp_allreduce_bytes"] - rs, 0.0)), tp_cost(rs, "reduce_scatter"),
-                            tp_cost(ag, "all_gather"))
+        t_tp, tp_sent = add(
+            tp_cost(max(row["tp_allreduce_bytes"] - rs, 0.0)), tp_cost(rs, "reduce_scatter"), tp_cost(ag, "all_gather")
+        )
         t_tp_bwd, tp_sent_bwd = add(
             tp_cost(max(row["tp_allreduce_bwd_bytes"] - ag, 0.0) + row["sp_grad_all_reduce_bytes"]),
-            tp_cost(rs + row["sp_split_bytes"], "all_gather"), tp_cost(ag, "reduce_scatter"))
+            tp_cost(rs + row["sp_split_bytes"], "all_gather"),
+            tp_cost(ag, "reduce_scatter"),
+        )
         t_tp += (row["tp_allreduce_calls"] + row["sp_all_gather_calls"]) * hw.sync_overhead_s
-        t_tp_bwd += (row["tp_allreduce_bwd_calls"] + row["sp_reduce_scatter_calls"]
-                     + (row["sp_grad_all_reduce_bytes"] > 0) + (row["sp_split_bytes"] > 0)) * hw.sync_overhead_s
+        t_tp_bwd += (
+            row["tp_allreduce_bwd_calls"]
+            + row["sp_reduce_scatter_calls"]
+            + (row["sp_grad_all_reduce_bytes"] > 0)
+            + (row["sp_split_bytes"] > 0)
+        ) * hw.sync_overhead_s
     else:
         t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
         t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
@@ -652,26 +741,55 @@ def _row_work(row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, com
     saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp - seq("saved_bytes")
     largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
     # selective recompute: the attention cores' forward, priced like a forward of its own
-    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if compiled else row["core_num_ops"]) \
-        * hw.op_overhead_s
-    dev_core = float(layer_matmul_time(split("core_fwd_flops"), row.get("core_gemms", ()), hw, dtype, tp)
-                     + compute_time(0.0, fused * split("core_fwd_bytes"), hw, dtype))
+    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if compiled else row["core_num_ops"]) * hw.op_overhead_s
+    dev_core = float(
+        layer_matmul_time(split("core_fwd_flops"), row.get("core_gemms", ()), hw, dtype, tp)
+        + compute_time(0.0, fused * split("core_fwd_bytes"), hw, dtype)
+    )
     sel_saved = split("core_saved_bytes")
     return LayerCost(
-        compute_s=t_f + t_b, fwd_s=t_f, tp_s=t_tp + t_tp_bwd, tp_fwd_s=t_tp, rec_s=hw.recompute_ratio * t_f + t_tp_rec,
-        zero_mb_s=0.0, dp_step_s=0.0, opt_s=0.0, params_b=row["buffer_bytes"], grads_b=0, optimizer_b=0,
-        trans_params_b=0, trans_grads_b=0,
-        bt_b=float(backward_transient_bytes(largest, bytes_per_param(dtype)["grads"] * max(
-            row["largest_param"], math.ceil(row["largest_param_tp"] / tp)))),
-        saved_b=saved, input_b=row["input_bytes"] - seq("input_bytes"),
+        compute_s=t_f + t_b,
+        fwd_s=t_f,
+        tp_s=t_tp + t_tp_bwd,
+        tp_fwd_s=t_tp,
+        rec_s=hw.recompute_ratio * t_f + t_tp_rec,
+        zero_mb_s=0.0,
+        dp_step_s=0.0,
+        opt_s=0.0,
+        params_b=row["buffer_bytes"],
+        grads_b=0,
+        optimizer_b=0,
+        trans_params_b=0,
+        trans_grads_b=0,
+        bt_b=float(
+            backward_transient_bytes(
+                largest,
+                bytes_per_param(dtype)["grads"] * max(row["largest_param"], math.ceil(row["largest_param_tp"] / tp)),
+            )
+        ),
+        saved_b=saved,
+        input_b=row["input_bytes"] - seq("input_bytes"),
         boundary_b=row["boundary_bytes"] - seq("boundary_bytes"),
-        tp_sent_b=tp_sent, tp_bwd_sent_b=tp_sent_bwd, tp_rec_sent_b=tp_sent_rec, zero_mb_sent_b=0.0,
-        dp_step_sent_b=0.0, num_params=P, wgrad_s=t_w,
+        tp_sent_b=tp_sent,
+        tp_bwd_sent_b=tp_sent_bwd,
+        tp_rec_sent_b=tp_sent_rec,
+        zero_mb_sent_b=0.0,
+        dp_step_sent_b=0.0,
+        num_params=P,
+        wgrad_s=t_w,
         wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens, sp),
         sel_rec_s=hw.recompute_ratio * combine(dev_core, core_ops) if sel_saved > 0 else 0.0,
         sel_saved_b=sel_saved,
-        tail_b=min(max(row["tail_saved_bytes"] - row["tail_saved_bytes_tp"] + row["tail_saved_bytes_tp"] / tp
-                       - seq("tail_saved_bytes"), 0.0), saved),
+        tail_b=min(
+            max(
+                row["tail_saved_bytes"]
+                - row["tail_saved_bytes_tp"]
+                + row["tail_saved_bytes_tp"] / tp
+                - seq("tail_saved_bytes"),
+                0.0,
+            ),
+            saved,
+        ),
     ), t_b
 
 
@@ -681,8 +799,12 @@ def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selectiv
     transient at least ``sel_saved`` (its recompute time is added by the callers)."""
     if not selective:
         return list(layers)
-    return [dataclasses.replace(l, saved_b=l.saved_b - l.sel_saved_b, bt_b=max(l.bt_b, l.sel_saved_b))
-            if i in selective else l for l, i in zip(layers, indices)]
+    return [
+        dataclasses.replace(l, saved_b=l.saved_b - l.sel_saved_b, bt_b=max(l.bt_b, l.sel_saved_b))
+        if i in selective
+        else l
+        for l, i in zip(layers, indices)
+    ]
 
 
 def check_selective(cc: CandidateCosts, checkpoint: frozenset, selective: frozenset) -> None:
@@ -695,7 +817,6 @@ def check_selective(cc: CandidateCosts, checkpoint: frozenset, selective: frozen
     bad = sorted(i for i in selective if cc.layers[i].sel_saved_b <= 0)
     if bad:
         raise ValueError(f"layers {bad} have no attention core to recompute selectively")
-
 
 
 @dataclass
@@ -755,8 +876,9 @@ class Evaluation:
     extra: dict = field(default_factory=dict)
 
 
-def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = (),
-             selective: Sequence[int] = ()) -> Evaluation:
+def evaluate(
+    cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = (), selective: Sequence[int] = ()
+) -> Evaluation:
     """Price a strategy of candidate ``cc.cand`` (see the module docstring for every formula)."""
     cand = cc.cand
     p, m = cand.pp, cand.num_micro_batches
@@ -778,12 +900,13 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     check_selective(cc, ck, sel)
     out: list[StageCost] = []
     for k, (a, b) in enumerate(stages):
-        ls = selective_view(cc.layers[a:b + 1], range(a, b + 1), sel)
+        ls = selective_view(cc.layers[a : b + 1], range(a, b + 1), sel)
         rc = [i in ck for i in range(a, b + 1)]
         compute = sum(l.compute_s for l in ls)
         tp = sum(l.tp_s for l in ls)
-        rec = sum(l.rec_s for l, r in zip(ls, rc) if r) + sum(l.sel_rec_s for i, l in zip(range(a, b + 1), ls)
-                                                            if i in sel)
+        rec = sum(l.rec_s for l, r in zip(ls, rc) if r) + sum(
+            l.sel_rec_s for i, l in zip(range(a, b + 1), ls) if i in sel
+        )
         p2p, sent = 0.0, 0.0
         if k < p - 1:
             p2p += cc.send_s(b, k)
@@ -795,21 +918,39 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
         zmb = sum(l.zero_mb_s for l in ls)
         work = compute + tp + rec + p2p
         mem, bound = _stage_memory(cc, ls, rc, k)
-        tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if r else 0.0) + l.tp_bwd_sent_b
-                        for l, r in zip(ls, rc))
-        comm = (m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls)) + sum(l.dp_step_sent_b for l in ls)
-                + step_control_bytes(cand.dp, cand.tp, p))
+        tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if r else 0.0) + l.tp_bwd_sent_b for l, r in zip(ls, rc))
+        comm = (
+            m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls))
+            + sum(l.dp_step_sent_b for l in ls)
+            + step_control_bytes(cand.dp, cand.tp, p)
+        )
         # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward;
         # transfers are split evenly between the two passes
         fwd = sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cand.zero_stage == 3 else 0.0) + p2p / 2
-        out.append(StageCost(
-            first=a, last=b, compute_s=compute, recompute_s=rec, tp_s=tp, p2p_s=p2p, zero_mb_s=zmb,
-            work_s=work, micro_step_s=work + zmb, dp_s=sum(l.dp_step_s for l in ls),
-            opt_s=sum(l.opt_s for l in ls), fwd_s=fwd, bwd_s=work + zmb - fwd,
-            memory=mem, comm_bytes=comm, memory_bound=bound,
-            offload_mb_s=sum(l.offload_mb_s for l in ls), offload_step_s=sum(l.offload_step_s for l in ls),
-            host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
-            nvme_b=sum(l.nvme_b for l in ls)))
+        out.append(
+            StageCost(
+                first=a,
+                last=b,
+                compute_s=compute,
+                recompute_s=rec,
+                tp_s=tp,
+                p2p_s=p2p,
+                zero_mb_s=zmb,
+                work_s=work,
+                micro_step_s=work + zmb,
+                dp_s=sum(l.dp_step_s for l in ls),
+                opt_s=sum(l.opt_s for l in ls),
+                fwd_s=fwd,
+                bwd_s=work + zmb - fwd,
+                memory=mem,
+                comm_bytes=comm,
+                memory_bound=bound,
+                offload_mb_s=sum(l.offload_mb_s for l in ls),
+                offload_step_s=sum(l.offload_step_s for l in ls),
+                host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
+                nvme_b=sum(l.nvme_b for l in ls),
+            )
+        )
     T = max(s.micro_step_s for s in out)
     kb = max(range(p), key=lambda k: out[k].micro_step_s)
     kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
@@ -817,10 +958,15 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     fill = pipeline_time([s.micro_step_s for s in out], m) - m * T  # the other stages' fill and drain
     step = m * T + fill + D
     sb = out[kb]
-    time = {"compute": m * sb.compute_s, "recompute": m * sb.recompute_s, "tp_comm": m * sb.tp_s,
-            "pp_bubble": fill + m * sb.p2p_s,
-            "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
-            "optimizer": out[kd].opt_s, "offload": m * sb.offload_mb_s + out[kd].offload_step_s}
+    time = {
+        "compute": m * sb.compute_s,
+        "recompute": m * sb.recompute_s,
+        "tp_comm": m * sb.tp_s,
+        "pp_bubble": fill + m * sb.p2p_s,
+        "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
+        "optimizer": out[kd].opt_s,
+        "offload": m * sb.offload_mb_s + out[kd].offload_step_s,
+    }
     kp = max(range(p), key=lambda k: out[k].memory["total"])
     bound = max(st.memory_bound for st in out)
     g = cc.ranks_per_node
@@ -829,19 +975,37 @@ def evaluate(cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Se
     if cand.offloads:  # by state kind, on the stage with the most host bytes (for the report)
         kh = max(range(p), key=lambda i: (out[i].host_b, out[i].nvme_b))
         a, b = stages[kh]
-        extra["offload_bytes"] = offload_breakdown([lay.num_params for lay in cc.layers[a:b + 1]], cand.dp,
-                                                   cand.zero_stage, cc.dtype, cand.offload_optimizer,
-                                                   cand.offload_params, cc.host_buffers_b)
-    fits_off = (max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
-                and nvme_rank <= cc.nvme_room)
+        extra["offload_bytes"] = offload_breakdown(
+            [lay.num_params for lay in cc.layers[a : b + 1]],
+            cand.dp,
+            cand.zero_stage,
+            cc.dtype,
+            cand.offload_optimizer,
+            cand.offload_params,
+            cc.host_buffers_b,
+        )
+    fits_off = (
+        max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
+        and nvme_rank <= cc.nvme_room
+    )
     if cand.compile:  # once per run: the stage with the most distinct layer classes
-        extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a:b + 1])) for a, b in stages))
+        extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a : b + 1])) for a, b in stages))
     return Evaluation(
-        strategy=Strategy(cand, stages, ck, selective=sel), stages=out, step_time_s=step, micro_step_s=T, tail_s=D,
-        time=time, memory=dict(out[kp].memory), peak_stage=kp, bottleneck_stage=kb,
+        strategy=Strategy(cand, stages, ck, selective=sel),
+        stages=out,
+        step_time_s=step,
+        micro_step_s=T,
+        tail_s=D,
+        time=time,
+        memory=dict(out[kp].memory),
+        peak_stage=kp,
+        bottleneck_stage=kb,
         comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0, feasible=bound <= cc.capacity and fits_off,
-        capacity=cc.capacity, extra=extra)
+        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0,
+        feasible=bound <= cc.capacity and fits_off,
+        capacity=cc.capacity,
+        extra=extra,
+    )
 
 
 def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
@@ -859,8 +1023,9 @@ def memory_bound(ev: Evaluation) -> int:
     return int(ev.extra.get("memory_bound", ev.memory["total"]))
 
 
-def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int,
-                  inflight: float | None = None) -> tuple[dict, int]:
+def _stage_memory(
+    cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int, inflight: float | None = None
+) -> tuple[dict, int]:
     """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
     conservative bound (see ``cost_models.memory``: "Backward transients"). ``inflight``: the
     micro-batches of the stage's activations held at once when the schedule is not 1F1B
@@ -870,19 +1035,32 @@ def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool
     leave = buckets_leave(z, dp, cand.offload_optimizer)
 
     def acts(transient: float) -> float:
-        return float(stage_activation_bytes([l.saved_b for l in ls], [l.input_b for l in ls], rc, k, p, m,
-                                            transient_peak=transient, inflight=inflight))
+        return float(
+            stage_activation_bytes(
+                [l.saved_b for l in ls],
+                [l.input_b for l in ls],
+                rc,
+                k,
+                p,
+                m,
+                transient_peak=transient,
+                inflight=inflight,
+            )
+        )
 
     params = sum(l.params_b for l in ls)
     grads = sum(l.grads_b for l in ls)
     optim = sum(l.optimizer_b for l in ls)
-    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp,
-                              cand.offload_optimizer, cand.offload_params)
+    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp, cand.offload_optimizer, cand.offload_params)
     # (a) the stage's last layer runs backward first: all transients but the ZeRO-2/3 reductions
     # (none launched yet); with one micro-batch per step the gradient shards do not exist yet.
     shards_later = leave and m == 1
-    a = {"params": params + zt["params"], "grads": 0 if shards_later else grads, "optimizer": optim,
-         "activations": acts(max(l.bt_b for l in ls))}
+    a = {
+        "params": params + zt["params"],
+        "grads": 0 if shards_later else grads,
+        "optimizer": optim,
+        "activations": acts(max(l.bt_b for l in ls)),
+    }
     moments = [a]
     if leave:
         # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
@@ -892,9 +1070,14 @@ def _stage_memory(cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool
         red = [reduction_bytes(l.num_params, cc.dtype, dp) for l in ls]
         for j in range(len(ls) - 1):
             running = max(ls[j].bt_b, ls[j].saved_b if rc[j] else 0.0)
-            moments.append({"params": params + zt["params"], "optimizer": optim,
-                            "grads": grads + sum(red[j:j + REDUCTIONS_IN_FLIGHT + 1]),
-                            "activations": (held - 1) * sum(keep) + sum(keep[:j + 1]) + running})
+            moments.append(
+                {
+                    "params": params + zt["params"],
+                    "optimizer": optim,
+                    "grads": grads + sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1]),
+                    "activations": (held - 1) * sum(keep) + sum(keep[: j + 1]) + running,
+                }
+            )
     mem = max(moments, key=lambda d: sum(d.values()))
     mem = {key: int(math.ceil(v)) for key, v in mem.items()}
     mem["total"] = sum(mem.values())
@@ -907,11 +1090,16 @@ def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flop
     """plan.json's ``predicted`` block for an evaluation (model FLOPs: recompute excluded)."""
     tflops = flops_per_step / ev.step_time_s / gpus / 1e12 if ev.step_time_s > 0 else 0.0
     return {
-        "step_time_s": float(ev.step_time_s), "peak_memory_bytes": int(ev.memory["total"]),
-        "tflops_per_device": float(tflops), "mfu": float(tflops * 1e12 / peak_flops),
+        "step_time_s": float(ev.step_time_s),
+        "peak_memory_bytes": int(ev.memory["total"]),
+        "tflops_per_device": float(tflops),
+        "mfu": float(tflops * 1e12 / peak_flops),
         "comm_bytes_per_device": float(ev.comm_bytes_per_device),
         "bubble_fraction": float(ev.bubble_fraction),
-        "memory": {**{k: int(v) for k, v in ev.memory.items()},
-                   "host": int(ev.extra.get("host_bytes", 0)), "nvme": int(ev.extra.get("nvme_bytes", 0))},
+        "memory": {
+            **{k: int(v) for k, v in ev.memory.items()},
+            "host": int(ev.extra.get("host_bytes", 0)),
+            "nvme": int(ev.extra.get("nvme_bytes", 0)),
+        },
         "time": {k: float(v) for k, v in ev.time.items()},
     }

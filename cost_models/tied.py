@@ -50,8 +50,9 @@ def _worst_tied_group(width: int, pp: int, gpus_per_node: int) -> GroupPlacement
     return max(placements, key=lambda g: (g.nodes, -(g.min_ranks_per_node or g.ranks_per_node), g.ranks_per_node))
 
 
-def tied_weight_costs(tied: list[dict], dp: int, tp: int, pp: int, zero_stage: int, dtype: str,
-                      hw: HardwareProfile, gpus_per_node: int) -> list[TiedCost]:
+def tied_weight_costs(
+    tied: list[dict], dp: int, tp: int, pp: int, zero_stage: int, dtype: str, hw: HardwareProfile, gpus_per_node: int
+) -> list[TiedCost]:
     """The extra cost of each tied weight (``LayerTable.tied`` entries with ``params``) at this
     candidate; empty at ``pp == 1``, where one stage holds the weight."""
     if pp == 1 or not tied:
@@ -66,8 +67,16 @@ def tied_weight_costs(tied: list[dict], dp: int, tp: int, pp: int, zero_stage: i
         state = model_state_bytes(per_dev, dtype, zero_stage, dp)
         shard = shard_elements(per_dev, dp)
         size = shard * FP32_GRAD_SHARD if zero_stage >= 2 else shard * dp * bytes_per_param(dtype)["grads"]
-        out.append(TiedCost(first=int(t["layers"][0]), last=int(t["layers"][1]), params_b=state["params"],
-                            grads_b=state["grads"], optimizer_b=state["optimizer"], allreduce_bytes=size,
-                            sent_b=float(ring_bytes_sent("all_reduce", size, 2)),
-                            time_s=float(collective_time("all_reduce", size, pl, hw))))
+        out.append(
+            TiedCost(
+                first=int(t["layers"][0]),
+                last=int(t["layers"][1]),
+                params_b=state["params"],
+                grads_b=state["grads"],
+                optimizer_b=state["optimizer"],
+                allreduce_bytes=size,
+                sent_b=float(ring_bytes_sent("all_reduce", size, 2)),
+                time_s=float(collective_time("all_reduce", size, pl, hw)),
+            )
+        )
     return out

@@ -43,5 +43,7 @@ def wgrad_kept_bytes(row: dict, dtype: str, tp: int, tokens: float, sp: bool = F
         part = row["frontier_out_bytes_tp"]
         return float(whole - part + part / tp - (row["frontier_out_bytes_sp"] * (1 - 1 / tp) if sp else 0.0))
     fwd = [g for g in row.get("fwd_gemms", ()) if g[3] == 1 and abs(g[0] - tokens) < 0.5]
-    return float(sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(fwd, tp))
-                 * bytes_per_param(dtype)["weights"])
+    return float(
+        sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(fwd, tp))
+        * bytes_per_param(dtype)["weights"]
+    )

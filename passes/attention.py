@@ -37,16 +37,47 @@ from passes.op_class import op_name
 
 __all__ = ["AttentionInfo", "annotate_attention", "attention_facts", "attention_core"]
 
-SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu"}
+SDPA = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+}
 _SOFTMAX = {"softmax", "_softmax", "_safe_softmax"}
 _ACT_MATMUL = {"matmul", "bmm"}
-_THROUGH = {"view", "_unsafe_view", "reshape", "unsqueeze", "clone", "contiguous", "_to_copy", "to",
-            "alias", "slice", "expand", "type_as", "detach", "lift_fresh_copy"}
+_THROUGH = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "unsqueeze",
+    "clone",
+    "contiguous",
+    "_to_copy",
+    "to",
+    "alias",
+    "slice",
+    "expand",
+    "type_as",
+    "detach",
+    "lift_fresh_copy",
+}
 """Ops that keep a key/value tensor's heads (walked back through to find ``repeat_kv``)."""
-_SCORES = {"mul", "div", "add", "sub", "masked_fill", "where", "_to_copy", "to", "type_as", "clone",
-           "dropout", "native_dropout", "getitem"}
+_SCORES = {
+    "mul",
+    "div",
+    "add",
+    "sub",
+    "masked_fill",
+    "where",
+    "_to_copy",
+    "to",
+    "type_as",
+    "clone",
+    "dropout",
+    "native_dropout",
+    "getitem",
+}
 """Ops between ``q @ k^T`` and the softmax or between the softmax and ``@ v``."""
 
 
@@ -176,7 +207,7 @@ def attention_core(n: fx.Node) -> list[fx.Node]:
 def annotate_attention(gm: fx.GraphModule | fx.Graph) -> fx.GraphModule | fx.Graph:
     """Write ``meta['attention']`` on every attention core of ``gm`` (a graph module or a bare
     graph; see the module doc)."""
-    for n in (gm.nodes if isinstance(gm, fx.Graph) else gm.graph.nodes):
+    for n in gm.nodes if isinstance(gm, fx.Graph) else gm.graph.nodes:
         if n.op != "call_function":
             continue
         name = op_name(n)
@@ -199,10 +230,20 @@ def attention_facts(gm: fx.GraphModule) -> dict:
         return {}
     infos = [n.meta["attention"] for n in found]
     first = infos[0]
-    out = {"heads": math.gcd(*[i.heads for i in infos]), "kv_heads": math.gcd(*[i.kv_heads for i in infos]),
-           "head_dim": first.head_dim, "attention_nodes": len(found)}
-    other = next((n for n, i in zip(found, infos)
-                  if (i.heads, i.kv_heads, i.head_dim) != (first.heads, first.kv_heads, first.head_dim)), None)
+    out = {
+        "heads": math.gcd(*[i.heads for i in infos]),
+        "kv_heads": math.gcd(*[i.kv_heads for i in infos]),
+        "head_dim": first.head_dim,
+        "attention_nodes": len(found),
+    }
+    other = next(
+        (
+            n
+            for n, i in zip(found, infos)
+            if (i.heads, i.kv_heads, i.head_dim) != (first.heads, first.kv_heads, first.head_dim)
+        ),
+        None,
+    )
     if other is not None:
         out["mixed"] = other.name
     return out

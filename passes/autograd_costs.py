@@ -82,8 +82,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from passes.common import PassError, iter_tensors, need, to_expr
 
-__all__ = ["annotate_costs", "bytes_moved", "CostReplay", "GemmCall", "gemm_calls", "SavedTensor",
-           "total_saved_bytes"]
+__all__ = ["annotate_costs", "bytes_moved", "CostReplay", "GemmCall", "gemm_calls", "SavedTensor", "total_saved_bytes"]
 
 _PASS = "annotate_costs"
 _aten = torch.ops.aten
@@ -158,8 +157,9 @@ FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
 #: library is imported): transformers' grouped product of experts and its backward (both factors).
 NAMED_FORMULAS = {
     "transformers::grouped_mm_fallback": _grouped_mm_flops,
-    "transformers::grouped_mm_fallback_backward": lambda input, weight, *a, out_val=None, **k:  # noqa: A002
-        2 * _grouped_mm_flops(input, weight),
+    "transformers::grouped_mm_fallback_backward": lambda input, weight, *a, out_val=None, **k: (  # noqa: A002
+        2 * _grouped_mm_flops(input, weight)
+    ),
 }
 
 
@@ -180,15 +180,19 @@ def _attention_gemms(q, k, v, backward: bool, recompute: bool = False) -> list[t
     return ([(s_q, s_k, d, batch)] if recompute else []) + out
 
 
-_ATTENTION_FWD = {_aten._scaled_dot_product_flash_attention_for_cpu,
-                  _aten._scaled_dot_product_flash_attention,
-                  _aten._scaled_dot_product_efficient_attention,
-                  _aten._scaled_dot_product_cudnn_attention}
-_ATTENTION_BWD = {_aten._scaled_dot_product_flash_attention_for_cpu_backward: False,
-                  # flop_registry's formulas of these count the recomputation of Q Kᵀ
-                  _aten._scaled_dot_product_flash_attention_backward: True,
-                  _aten._scaled_dot_product_efficient_attention_backward: True,
-                  _aten._scaled_dot_product_cudnn_attention_backward: True}
+_ATTENTION_FWD = {
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention,
+}
+_ATTENTION_BWD = {
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: False,
+    # flop_registry's formulas of these count the recomputation of Q Kᵀ
+    _aten._scaled_dot_product_flash_attention_backward: True,
+    _aten._scaled_dot_product_efficient_attention_backward: True,
+    _aten._scaled_dot_product_cudnn_attention_backward: True,
+}
 
 
 def gemm_calls(packet, args, kwargs) -> list[tuple]:
@@ -231,8 +235,7 @@ def gemm_calls(packet, args, kwargs) -> list[tuple]:
     return []
 
 
-def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                     scale=None, enable_gqa=False):
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA as a fused flash kernel (see module doc); None if the kernel refuses the inputs."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return None
@@ -242,7 +245,8 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         value = value.repeat_interleave(rep, dim=-3)
     try:
         return _aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
     except Exception:  # unsupported mask dtype/layout: replay the composite instead
         return None
 
@@ -313,8 +317,9 @@ def bytes_moved(func, args, kwargs, out) -> Any:
     written = sum(_nbytes(t) for t in outs)
     packet = func._overloadpacket
     if packet in _GATHERS:  # reads the looked-up elements and the indices, not the whole source
-        return 2 * written + sum(_nbytes(t) for t in iter_tensors(list(args[1:]) + list(kwargs.values()))
-                                 if not t.is_floating_point())
+        return 2 * written + sum(
+            _nbytes(t) for t in iter_tensors(list(args[1:]) + list(kwargs.values())) if not t.is_floating_point()
+        )
     if packet in _SCATTERS:  # reads and writes the updated elements (the values' size), reads the indices
         values = iter_tensors(list(args[1:]) + list(kwargs.values()))
         return sum(2 * _nbytes(t) if t.is_floating_point() else _nbytes(t) for t in values)
@@ -364,9 +369,12 @@ class CostReplay(fx.Interpreter):
         except PassError:
             raise
         except Exception as e:
-            raise PassError(_PASS, n, f"replaying the op under autograd failed: "
-                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                            ) from e
+            raise PassError(
+                _PASS,
+                n,
+                f"replaying the op under autograd failed: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            ) from e
         finally:
             self.current = None
         self.keep.append(result)
@@ -434,8 +442,7 @@ class CostReplay(fx.Interpreter):
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.current is not None:
             st = t.untyped_storage()
-            self.saved_raw.setdefault(self.current, []).append(
-                (StorageWeakRef(st).cdata, st.nbytes(), t.dtype))
+            self.saved_raw.setdefault(self.current, []).append((StorageWeakRef(st).cdata, st.nbytes(), t.dtype))
             self.keep.append(t)
         return t
 
@@ -448,8 +455,7 @@ class CostReplay(fx.Interpreter):
             val = n.meta.get("val")
             role = self.roles.get(n.name, "input")
             if role == "param" and isinstance(val, torch.Tensor):
-                t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
-                                        device=val.device)
+                t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
                 if t.is_floating_point() or t.is_complex():
                     t.requires_grad_(True)
                 val = t
@@ -462,8 +468,12 @@ class CostReplay(fx.Interpreter):
         vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
         fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         if fake_mode is None:
-            raise PassError(_PASS, None, "the graph's placeholders carry no fake tensors; trace "
-                            "the model with planner.frontend.trace.trace_model (torch.export).")
+            raise PassError(
+                _PASS,
+                None,
+                "the graph's placeholders carry no fake tensors; trace "
+                "the model with planner.frontend.trace.trace_model (torch.export).",
+            )
         counter = _Counter(self)
         with fake_mode, torch.enable_grad(), _quiet_fake_tensor_errors():
             args = self._inputs()
@@ -486,8 +496,7 @@ class CostReplay(fx.Interpreter):
             return sum((to_expr(x, sym) for x in xs), sympy.Integer(0))
 
         def gemms(xs) -> list[GemmCall]:
-            return [GemmCall(*(to_expr(v, sym) for v in (m, n, k, batch)), ops)
-                    for m, n, k, batch, ops in xs]
+            return [GemmCall(*(to_expr(v, sym) for v in (m, n, k, batch)), ops) for m, n, k, batch, ops in xs]
 
         unowned_gemms = self.bwd_gemms.pop(None, [])
 
@@ -500,10 +509,16 @@ class CostReplay(fx.Interpreter):
             n.meta["fwd_gemms"] = gemms(self.fwd_gemms.get(n.name, ()))
             n.meta["bwd_gemms"] = gemms(self.bwd_gemms.get(n.name, ()))
             n.meta["saved"] = [
-                SavedTensor(key, to_expr(nbytes, sym), str(dtype).replace("torch.", ""),
-                            self.storage_owner.get(key, n.name), False)
+                SavedTensor(
+                    key,
+                    to_expr(nbytes, sym),
+                    str(dtype).replace("torch.", ""),
+                    self.storage_owner.get(key, n.name),
+                    False,
+                )
                 for key, nbytes, dtype in self.saved_raw.get(n.name, ())
-                if key not in self.resident]
+                if key not in self.resident
+            ]
             val = self.env.get(n)
             n.meta["requires_grad"] = any(t.requires_grad for t in iter_tensors(val))
         out = nodes[-1]
@@ -529,8 +544,7 @@ def _charge(gm: fx.GraphModule) -> None:
         n.meta["saved_bytes"] = total
 
 
-def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]
-                   ) -> tuple[fx.GraphModule, dict[str, str]]:
+def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]) -> tuple[fx.GraphModule, dict[str, str]]:
     """A copy of ``gm`` without the layers in ``same_as`` (layer -> earlier identical layer).
 
     Uses of a dropped node are redirected to the node at the same position in its
@@ -545,8 +559,11 @@ def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]
     for lay, rep in same_as.items():
         mine, theirs = by_layer.get(lay, []), by_layer.get(rep, [])
         if len(mine) != len(theirs):
-            raise PassError(_PASS, mine[0] if mine else None, f"layer {lay} was declared "
-                            f"identical to layer {rep} but has a different number of ops.")
+            raise PassError(
+                _PASS,
+                mine[0] if mine else None,
+                f"layer {lay} was declared identical to layer {rep} but has a different number of ops.",
+            )
         corr.update(zip(mine, theirs))
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -558,8 +575,9 @@ def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]
     return fx.GraphModule(gm, g), {n.name: r.name for n, r in corr.items()}
 
 
-def annotate_costs(gm: fx.GraphModule, roles: dict[str, str], symbols: dict,
-                   same_as: dict[int, int] | None = None) -> fx.GraphModule:
+def annotate_costs(
+    gm: fx.GraphModule, roles: dict[str, str], symbols: dict, same_as: dict[int, int] | None = None
+) -> fx.GraphModule:
     """Replay ``gm`` under autograd and write FLOPs and saved bytes per node (see module doc).
 
     ``same_as`` (layer -> an earlier layer with an identical signature) lets the replay skip
@@ -602,8 +620,7 @@ def _arg_nodes(node: fx.Node) -> list:
     return out
 
 
-def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str],
-                  r: CostReplay) -> None:
+def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str], r: CostReplay) -> None:
     """Give every node of ``gm`` the results of its replayed twin (itself, or for a dropped
     node its representative), with saved tensors re-identified in ``gm``.
 
@@ -620,8 +637,7 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
 
     def arg_with_storage(src: fx.Node, full: fx.Node, key):
         for a_small, a_full in zip(_arg_nodes(src), _arg_nodes(full)):
-            if isinstance(a_small, fx.Node) and isinstance(a_full, fx.Node) and \
-                    r.node_key.get(a_small.name) == key:
+            if isinstance(a_small, fx.Node) and isinstance(a_full, fx.Node) and r.node_key.get(a_small.name) == key:
                 return a_full
         return None
 
@@ -646,8 +662,7 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
                 who = owner[n]
             else:
                 a = arg_with_storage(src, n, rec.key)
-                who = owner[a] if a is not None else (
-                    None if rec.producer == src.name else rec.producer)
+                who = owner[a] if a is not None else (None if rec.producer == src.name else rec.producer)
             ident = ("node", who) if who is not None else ("internal", n.name, rec.key)
             recs.append(SavedTensor(ident, rec.nbytes, rec.dtype, who or n.name, False))
         n.meta["saved"] = recs

@@ -26,8 +26,21 @@ import torch.utils._sympy.functions as tsf
 from passes.core import B, PassError, S, source_line
 
 __all__ = [
-    "B", "S", "PassError", "to_expr", "sanitize", "source_line", "need", "iter_tensors",
-    "has_tensor", "dtype_bytes", "dtype_name", "tensor_nbytes", "META_ONLY", "is_meta_only", "hint",
+    "B",
+    "S",
+    "PassError",
+    "to_expr",
+    "sanitize",
+    "source_line",
+    "need",
+    "iter_tensors",
+    "has_tensor",
+    "dtype_bytes",
+    "dtype_name",
+    "tensor_nbytes",
+    "META_ONLY",
+    "is_meta_only",
+    "hint",
 ]
 
 
@@ -36,8 +49,11 @@ def need(node: fx.Node, key: str, pass_name: str, producer: str) -> Any:
     try:
         return node.meta[key]
     except KeyError:
-        raise PassError(pass_name, node, f"node.meta[{key!r}] is missing; run {producer} first "
-                        f"(passes.analyze runs every pass in order).") from None
+        raise PassError(
+            pass_name,
+            node,
+            f"node.meta[{key!r}] is missing; run {producer} first (passes.analyze runs every pass in order).",
+        ) from None
 
 
 def sanitize(expr: sympy.Expr) -> sympy.Expr:
@@ -61,7 +77,7 @@ def sanitize(expr: sympy.Expr) -> sympy.Expr:
         tsf.Mod: lambda a, b: sympy.Mod(a, b),
         tsf.Max: lambda *a: sympy.Max(*a),
         tsf.Min: lambda *a: sympy.Min(*a),
-        tsf.PowByNatural: lambda a, b: a ** b,
+        tsf.PowByNatural: lambda a, b: a**b,
         tsf.ToFloat: lambda a: a,
         tsf.TruncToInt: lambda a: sympy.floor(a),
     }
@@ -139,9 +155,13 @@ def tensor_nbytes(t: torch.Tensor, symbols: dict) -> sympy.Expr:
 # Ops that only read metadata (sizes, asserts): they neither move data nor make a consumer
 # depend on a tensor's contents, so boundary and liveness analyses ignore them as users.
 META_ONLY = {
-    "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default",
-    "aten.sym_storage_offset.default", "aten._assert_tensor_metadata.default",
-    "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
+    "aten.sym_size.int",
+    "aten.sym_stride.int",
+    "aten.sym_numel.default",
+    "aten.sym_storage_offset.default",
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
     "aten._assert_async.msg",
 }
 

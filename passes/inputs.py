@@ -35,17 +35,53 @@ from passes.op_class import op_name
 
 __all__ = ["ROLES", "NAMED_ROLES", "InputFacts", "infer_inputs"]
 
-NAMED_ROLES = {"attention_mask": "ones", "mask": "ones", "token_type_ids": "zeros", "position_ids": "positions",
-               "input_ids": "tokens", "tokens": "tokens", "ids": "tokens", "targets": "targets"}
+NAMED_ROLES = {
+    "attention_mask": "ones",
+    "mask": "ones",
+    "token_type_ids": "zeros",
+    "position_ids": "positions",
+    "input_ids": "tokens",
+    "tokens": "tokens",
+    "ids": "tokens",
+    "targets": "targets",
+}
 """Roles read from an input's name when the graph does not settle it."""
 
 # Ops that carry an integer tensor's values to their output unchanged (maybe re-arranged).
-_MOVES = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "slice", "select", "contiguous", "clone",
-          "to", "_to_copy", "pad", "constant_pad_nd", "squeeze", "unsqueeze", "expand", "transpose", "permute",
-          "t", "alias", "detach", "narrow", "lift_fresh_copy", "index_select", "cat", "split", "chunk",
-          "getitem", "repeat", "masked_fill", "where"}
-_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
-           "nll_loss_nd"}
+_MOVES = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "slice",
+    "select",
+    "contiguous",
+    "clone",
+    "to",
+    "_to_copy",
+    "pad",
+    "constant_pad_nd",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "transpose",
+    "permute",
+    "t",
+    "alias",
+    "detach",
+    "narrow",
+    "lift_fresh_copy",
+    "index_select",
+    "cat",
+    "split",
+    "chunk",
+    "getitem",
+    "repeat",
+    "masked_fill",
+    "where",
+}
+_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward", "nll_loss_nd"}
 
 
 @dataclass
@@ -123,8 +159,7 @@ def _size(x, symbols: dict | None):
     return hint(x)
 
 
-def infer_inputs(gm: fx.GraphModule, names: list[str] | None = None, symbols: dict | None = None
-                 ) -> list[InputFacts]:
+def infer_inputs(gm: fx.GraphModule, names: list[str] | None = None, symbols: dict | None = None) -> list[InputFacts]:
     """Facts for the model's inputs: the placeholders named in ``names`` (the user inputs of a
     lifted export), or every placeholder of ``ExportedProgram.module()``'s graph when ``None``.
     ``symbols`` maps the trace's shape symbols to ``B``/``S`` (``TracedGraph.symbols``)."""
@@ -146,10 +181,12 @@ def infer_inputs(gm: fx.GraphModule, names: list[str] | None = None, symbols: di
                     why += " and is the target of the loss"
             elif classes:
                 role, vocab = ("labels" if shifted else "targets"), min(classes)
-                why = f"is the target of a loss over {vocab} classes" + (
-                    ", shifted by the model" if shifted else "")
-        if role is None and n.name in NAMED_ROLES and (v is None or NAMED_ROLES[n.name] in ("ones", "zeros")
-                                                       or _is_int(n)):
+                why = f"is the target of a loss over {vocab} classes" + (", shifted by the model" if shifted else "")
+        if (
+            role is None
+            and n.name in NAMED_ROLES
+            and (v is None or NAMED_ROLES[n.name] in ("ones", "zeros") or _is_int(n))
+        ):
             role, why = NAMED_ROLES[n.name], f"named {n.name!r}"
         out.append(InputFacts(n.name, dtype, shape, role, vocab, why))
     return out

@@ -35,22 +35,63 @@ import sympy
 
 from passes.core import B, PassError, S
 
-__all__ = ["Gemm", "LayerCosts", "LayerTable",
-           "EXPR_FIELDS", "INT_FIELDS", "GEMM_FIELDS", "GEMM_TP_DIMS"]
+__all__ = ["Gemm", "LayerCosts", "LayerTable", "EXPR_FIELDS", "INT_FIELDS", "GEMM_FIELDS", "GEMM_TP_DIMS"]
 
-EXPR_FIELDS = ("fwd_flops", "bwd_flops", "fwd_flops_tp", "bwd_flops_tp", "saved_bytes",
-               "saved_bytes_tp", "input_bytes", "boundary_bytes", "tp_allreduce_bytes",
-               "tp_allreduce_bwd_bytes", "fwd_bytes", "bwd_bytes", "fwd_bytes_tp", "bwd_bytes_tp",
-               "peak_act_bytes", "peak_act_bytes_tp", "tp_loss_fwd_bytes", "tp_loss_bwd_bytes",
-               "core_fwd_flops", "core_fwd_flops_tp", "core_fwd_bytes", "core_fwd_bytes_tp",
-               "core_saved_bytes", "core_saved_bytes_tp",
-               "saved_bytes_sp", "fwd_bytes_sp", "bwd_bytes_sp", "input_bytes_sp", "boundary_bytes_sp",
-               "tail_saved_bytes", "tail_saved_bytes_tp", "tail_saved_bytes_sp",
-               "frontier_out_bytes", "frontier_out_bytes_tp", "frontier_out_bytes_sp",
-               "sp_reduce_scatter_bytes", "sp_all_gather_bytes", "sp_grad_all_reduce_bytes", "sp_split_bytes")
-INT_FIELDS = ("param_count", "param_count_tp", "param_bytes", "buffer_bytes", "num_ops",
-              "tp_allreduce_calls", "tp_allreduce_bwd_calls", "largest_param", "largest_param_tp",
-              "core_num_ops", "sp_reduce_scatter_calls", "sp_all_gather_calls")
+EXPR_FIELDS = (
+    "fwd_flops",
+    "bwd_flops",
+    "fwd_flops_tp",
+    "bwd_flops_tp",
+    "saved_bytes",
+    "saved_bytes_tp",
+    "input_bytes",
+    "boundary_bytes",
+    "tp_allreduce_bytes",
+    "tp_allreduce_bwd_bytes",
+    "fwd_bytes",
+    "bwd_bytes",
+    "fwd_bytes_tp",
+    "bwd_bytes_tp",
+    "peak_act_bytes",
+    "peak_act_bytes_tp",
+    "tp_loss_fwd_bytes",
+    "tp_loss_bwd_bytes",
+    "core_fwd_flops",
+    "core_fwd_flops_tp",
+    "core_fwd_bytes",
+    "core_fwd_bytes_tp",
+    "core_saved_bytes",
+    "core_saved_bytes_tp",
+    "saved_bytes_sp",
+    "fwd_bytes_sp",
+    "bwd_bytes_sp",
+    "input_bytes_sp",
+    "boundary_bytes_sp",
+    "tail_saved_bytes",
+    "tail_saved_bytes_tp",
+    "tail_saved_bytes_sp",
+    "frontier_out_bytes",
+    "frontier_out_bytes_tp",
+    "frontier_out_bytes_sp",
+    "sp_reduce_scatter_bytes",
+    "sp_all_gather_bytes",
+    "sp_grad_all_reduce_bytes",
+    "sp_split_bytes",
+)
+INT_FIELDS = (
+    "param_count",
+    "param_count_tp",
+    "param_bytes",
+    "buffer_bytes",
+    "num_ops",
+    "tp_allreduce_calls",
+    "tp_allreduce_bwd_calls",
+    "largest_param",
+    "largest_param_tp",
+    "core_num_ops",
+    "sp_reduce_scatter_calls",
+    "sp_all_gather_calls",
+)
 GEMM_FIELDS = ("fwd_gemms", "bwd_gemms", "core_gemms")
 GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
@@ -225,8 +266,7 @@ class LayerCosts:
             d[f] = int(getattr(self, f))
         d["boundary"] = [[[str(e) for e in shape], dt] for shape, dt in self.boundary]
         for f in GEMM_FIELDS:
-            d[f] = [[str(g.m), str(g.n), str(g.k), str(g.batch), int(g.count), g.tp_dim]
-                    for g in getattr(self, f)]
+            d[f] = [[str(g.m), str(g.n), str(g.k), str(g.batch), int(g.count), g.tp_dim] for g in getattr(self, f)]
         d["signature"] = self.signature
         return d
 
@@ -235,13 +275,17 @@ class LayerCosts:
         loc = {"b": B, "s": S}
         kw = {f: sympy.sympify(d[f], locals=loc) for f in EXPR_FIELDS if f in d}
         kw.update({f: int(d[f]) for f in INT_FIELDS if f in d})
-        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt)
-                    for shape, dt in d.get("boundary", [])]
+        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt) for shape, dt in d.get("boundary", [])]
         for f in GEMM_FIELDS:  # absent in a table written before they existed: no shapes
-            kw[f] = [Gemm(*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5])
-                     for g in d.get(f, [])]
-        return cls(index=int(d["index"]), name=d["name"], kind=d["kind"], boundary=boundary,
-                   signature=d.get("signature", ""), **kw)
+            kw[f] = [Gemm(*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]) for g in d.get(f, [])]
+        return cls(
+            index=int(d["index"]),
+            name=d["name"],
+            kind=d["kind"],
+            boundary=boundary,
+            signature=d.get("signature", ""),
+            **kw,
+        )
 
 
 @dataclass
@@ -278,16 +322,23 @@ class LayerTable:
         def slot(lay: LayerCosts, f: str, e: Any) -> int:
             stray = sympy.sympify(e).free_symbols - {self.b, self.s}
             if stray:  # a size the trace could not name (e.g. data-dependent), not b or s
-                raise PassError("", None, (
-                    f"Layer {lay.name!r}: its {f} depends on a size the trace could not relate to the batch or "
-                    f"the sequence ({', '.join(sorted(map(str, stray)))}), so the planner cannot price it. "
-                    "Make the model's shapes follow its inputs' sizes (no sizes read from tensor values)."))
+                raise PassError(
+                    "",
+                    None,
+                    (
+                        f"Layer {lay.name!r}: its {f} depends on a size the trace could not relate to the batch or "
+                        f"the sequence ({', '.join(sorted(map(str, stray)))}), so the planner cannot price it. "
+                        "Make the model's shapes follow its inputs' sizes (no sizes read from tensor values)."
+                    ),
+                )
             return uniq.setdefault(e, len(uniq))
 
         for lay in self.layers:
             row = [slot(lay, f, getattr(lay, f)) for f in EXPR_FIELDS]
-            gemms = {f: [(tuple(slot(lay, f, x) for x in g[:4]), g.count, g.tp_dim) for g in getattr(lay, f)]
-                     for f in GEMM_FIELDS}
+            gemms = {
+                f: [(tuple(slot(lay, f, x) for x in g[:4]), g.count, g.tp_dim) for g in getattr(lay, f)]
+                for f in GEMM_FIELDS
+            }
             index.append((row, gemms))
         exprs = list(uniq)
         fn = sympy.lambdify((self.b, self.s), exprs, modules="math")
@@ -299,9 +350,13 @@ class LayerTable:
         for name, v in (("s", s), ("b", b)):
             if name in self.fixed and int(v) != self.fixed[name]:
                 what = "sequence length" if name == "s" else "micro-batch size"
-                raise PassError("", None, f"This model's costs were traced at a fixed {what} "
-                                f"{self.fixed[name]}; re-trace at {v} (the model or the trace "
-                                f"pinned it), or make the model shape-generic.")
+                raise PassError(
+                    "",
+                    None,
+                    f"This model's costs were traced at a fixed {what} "
+                    f"{self.fixed[name]}; re-trace at {v} (the model or the trace "
+                    f"pinned it), or make the model shape-generic.",
+                )
         key = (int(b), int(s))
         if key in self._cache:
             return [dict(row) for row in self._cache[key]]
@@ -327,16 +382,30 @@ class LayerTable:
         return sum(row[field_name] for row in self._cache[(int(b), int(s))])
 
     def to_json(self) -> str:
-        return json.dumps({"schema_version": 1, "dtype": self.dtype, "model": self.model,
-                           "fixed": self.fixed, "notes": self.notes, "tied": self.tied,
-                           "layers": [lay.to_dict() for lay in self.layers]}, indent=1)
+        return json.dumps(
+            {
+                "schema_version": 1,
+                "dtype": self.dtype,
+                "model": self.model,
+                "fixed": self.fixed,
+                "notes": self.notes,
+                "tied": self.tied,
+                "layers": [lay.to_dict() for lay in self.layers],
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "LayerTable":
         d = json.loads(text)
-        return cls(layers=[LayerCosts.from_dict(x) for x in d["layers"]], dtype=d["dtype"],
-                   model=d.get("model", {}), fixed=d.get("fixed", {}), notes=d.get("notes", []),
-                   tied=d.get("tied", []))
+        return cls(
+            layers=[LayerCosts.from_dict(x) for x in d["layers"]],
+            dtype=d["dtype"],
+            model=d.get("model", {}),
+            fixed=d.get("fixed", {}),
+            notes=d.get("notes", []),
+            tied=d.get("tied", []),
+        )
 
 
 def _check_fields():  # keep EXPR_FIELDS/INT_FIELDS in step with the dataclass

@@ -52,16 +52,14 @@ def _module_path(node: fx.Node) -> str:
     return paths[-1] if paths else ""
 
 
-def assign_layers(gm: fx.GraphModule, block_paths: list[str], roles: dict[str, str]
-                  ) -> fx.GraphModule:
+def assign_layers(gm: fx.GraphModule, block_paths: list[str], roles: dict[str, str]) -> fx.GraphModule:
     """Write ``meta['layer']`` and ``meta['module_path']`` on every node (see module doc)."""
     block_index = {p: j for j, p in enumerate(block_paths)}
     n_blocks = len(block_paths)
     post = n_blocks + 1
     nodes = list(gm.graph.nodes)
     in_block = {n: _block_of(n, block_index) for n in nodes if n.op == "call_function"}
-    last_block_pos = max((i for i, n in enumerate(nodes) if in_block.get(n) is not None),
-                         default=-1)
+    last_block_pos = max((i for i, n in enumerate(nodes) if in_block.get(n) is not None), default=-1)
     current = 0
     for i, n in enumerate(nodes):
         n.meta["module_path"] = _module_path(n)
@@ -83,8 +81,11 @@ def assign_layers(gm: fx.GraphModule, block_paths: list[str], roles: dict[str, s
             continue
         role = roles.get(n.name)
         if role is None:
-            raise PassError(_PASS, n, "placeholder has no role (param/buffer/constant/input); "
-                            "pass Traced.roles from planner.frontend.trace.")
+            raise PassError(
+                _PASS,
+                n,
+                "placeholder has no role (param/buffer/constant/input); pass Traced.roles from planner.frontend.trace.",
+            )
         if role == "input":
             n.meta["layer"] = DATA
             continue
@@ -139,8 +140,7 @@ def layer_signatures(gm: fx.GraphModule, n_blocks: int) -> list[str]:
             return _fmt(a)
 
         for n in nodes:
-            h.update(f"{n.target}({arg(n.args)};{arg(n.kwargs)})->{_val_sig(n.meta.get('val'))}\n"
-                     .encode())
+            h.update(f"{n.target}({arg(n.args)};{arg(n.kwargs)})->{_val_sig(n.meta.get('val'))}\n".encode())
         out.append(h.hexdigest()[:16])
     return out
 
@@ -174,8 +174,9 @@ def layer_io(gm: fx.GraphModule, n_blocks: int) -> list[LayerIO]:
         if not _is_activation(n):
             continue
         src = need(n, "layer", "layer_io", "assign_layers")
-        user_layers = sorted({need(u, "layer", "layer_io", "assign_layers") for u in n.users
-                              if not is_meta_only(u) and u.op != "output"})
+        user_layers = sorted(
+            {need(u, "layer", "layer_io", "assign_layers") for u in n.users if not is_meta_only(u) and u.op != "output"}
+        )
         if not user_layers:
             continue
         for lay in user_layers:
@@ -192,8 +193,7 @@ def layer_io(gm: fx.GraphModule, n_blocks: int) -> list[LayerIO]:
 _NAMED_CLASSES = ("matmul", "embedding", "norm", "attention")
 
 
-def layer_names(gm: fx.GraphModule, n_blocks: int, block_paths: list[str],
-                container: str | None = None) -> list[str]:
+def layer_names(gm: fx.GraphModule, n_blocks: int, block_paths: list[str], container: str | None = None) -> list[str]:
     """Display names: the blocks' module paths; for pre/post the module shared by their
     matmul/embedding/norm nodes (``embed``, ``head``, ``inner.cls.predictions``) unless that is
     an ancestor of the blocks' ``container`` (uninformative), else those modules joined by '+'

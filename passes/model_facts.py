@@ -27,15 +27,16 @@ def merge_graph_facts(gm: fx.GraphModule, model: dict) -> list[str]:
     notes: list[str] = []
     facts = attention_facts(gm)
     if facts.get("mixed"):
-        notes.append(f"attention cores differ (e.g. {facts['mixed']!r}); tensor parallelism must "
-                     f"divide {facts['heads']} heads and {facts['kv_heads']} key/value heads")
+        notes.append(
+            f"attention cores differ (e.g. {facts['mixed']!r}); tensor parallelism must "
+            f"divide {facts['heads']} heads and {facts['kv_heads']} key/value heads"
+        )
     for key, what in _KEYS:
         found, given = facts.get(key), model.get(key)
         if not found:
             continue
         if given and given != found:
-            notes.append(f"the model states {given} {what}, its graph's attention has {found}; "
-                         f"using {found}")
+            notes.append(f"the model states {given} {what}, its graph's attention has {found}; using {found}")
         model[key] = found
     sizes = tp_sizes(gm)
     if sizes:

@@ -33,8 +33,11 @@ def annotate_shapes(gm: fx.GraphModule, symbols: dict) -> fx.GraphModule:
             continue
         if "val" not in n.meta:
             if n.op in ("placeholder", "call_function"):
-                raise PassError("annotate_shapes", n, "export recorded no fake value "
-                                "(node.meta['val']); re-export the model with torch.export.")
+                raise PassError(
+                    "annotate_shapes",
+                    n,
+                    "export recorded no fake value (node.meta['val']); re-export the model with torch.export.",
+                )
             continue
         val = n.meta["val"]
         tensors = list(iter_tensors(val))
@@ -48,8 +51,9 @@ def annotate_shapes(gm: fx.GraphModule, symbols: dict) -> fx.GraphModule:
     return gm
 
 
-def annotate_params(gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, str],
-                    tied: dict[str, str] | None = None) -> fx.GraphModule:
+def annotate_params(
+    gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, str], tied: dict[str, str] | None = None
+) -> fx.GraphModule:
     """Write parameter/buffer sizes on placeholders (see module doc).
 
     ``tied`` maps a placeholder to an earlier one holding the same tensor; such an alias gets
@@ -66,9 +70,13 @@ def annotate_params(gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, s
         if not isinstance(val, torch.Tensor):
             continue  # opaque objects (custom classes) carry no bytes
         if any(isinstance(d, torch.SymInt) for d in val.shape):
-            raise PassError("annotate_params", n, f"{role} {fqns.get(n.name, n.name)} has a "
-                            f"symbolic shape {tuple(val.shape)}; weights must not depend on the "
-                            f"batch or sequence length.")
+            raise PassError(
+                "annotate_params",
+                n,
+                f"{role} {fqns.get(n.name, n.name)} has a "
+                f"symbolic shape {tuple(val.shape)}; weights must not depend on the "
+                f"batch or sequence length.",
+            )
         n.meta["fqn"] = fqns.get(n.name, n.name)
         if n.name in tied:
             n.meta["tied_to"] = tied[n.name]

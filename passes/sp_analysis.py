@@ -74,6 +74,7 @@ from passes.tp_common import (
 
 __all__ = ["sequence_parallel"]
 
+
 def _describe(n: fx.Node) -> str:
     """``node 'x' (op) in module 'a.b'`` for SP's messages."""
     stack = n.meta.get("nn_module_stack") or {}
@@ -97,8 +98,7 @@ def _path_of(n: fx.Node, value) -> tuple | None:
 class _SeqWalk:
     """One SP walk over the tp decisions ``dec``, with the sources in ``banned`` kept all-reducing."""
 
-    def __init__(self, gm: fx.GraphModule, dec: TPDecisions, params: dict, tokens: list[int],
-                 banned: set[str]):
+    def __init__(self, gm: fx.GraphModule, dec: TPDecisions, params: dict, tokens: list[int], banned: set[str]):
         self.gm, self.dec, self.params, self.banned = gm, dec, params, banned
         self.tokens, self.S = tokens, tokens[-1]
         self.st: dict[fx.Node, Any] = {}
@@ -176,8 +176,12 @@ class _SeqWalk:
         if not sharded:
             return self.set(n, None)
         if role != "replicated":
-            self.conflict(n, "a sequence-sharded value enters a tensor-parallel op that is not a "
-                          "column-parallel matmul (it needs every position)", *sharded)
+            self.conflict(
+                n,
+                "a sequence-sharded value enters a tensor-parallel op that is not a "
+                "column-parallel matmul (it needs every position)",
+                *sharded,
+            )
         if name in WEIGHTED_MATMULS and self.tokenwise(n, name):
             return
         handler = _SP_HANDLERS.get(name)
@@ -193,8 +197,9 @@ class _SeqWalk:
         if n.name in self.banned:
             return self.set(n, None)
         if shape[:k] != self.tokens or len(shape) <= k:
-            self.not_token[n.name] = TPConflict(frozenset(), n, f"its output {shape} is not laid out "
-                                                f"by token (the ids are {self.tokens})")
+            self.not_token[n.name] = TPConflict(
+                frozenset(), n, f"its output {shape} is not laid out by token (the ids are {self.tokens})"
+            )
             return self.set(n, None)
         if role == "row":
             b = matmul_operands(n)[2]
@@ -225,8 +230,9 @@ class _SeqWalk:
             if isinstance(s, SeqShard):
                 k = s.dim + nd - len(shape_of(a))
                 if d is not None and k != d:
-                    self.conflict(n, "elementwise op mixes tensors sharded along different sequence dims",
-                                  *n.all_input_nodes)
+                    self.conflict(
+                        n, "elementwise op mixes tensors sharded along different sequence dims", *n.all_input_nodes
+                    )
                 d, origins = k, origins | s.origins
         for path, a in flat_args(n):
             if not is_tensor_node(a) or isinstance(self.sp(a), SeqShard):
@@ -237,8 +243,11 @@ class _SeqWalk:
             elif shape_of(a)[k] == self.S:
                 self.act(n, path, "split", a, k)  # full length: keep this rank's positions
             else:
-                self.conflict(n, f"elementwise op combines a sequence shard with {a.name} of shape "
-                              f"{shape_of(a)}", *n.all_input_nodes)
+                self.conflict(
+                    n,
+                    f"elementwise op combines a sequence shard with {a.name} of shape {shape_of(a)}",
+                    *n.all_input_nodes,
+                )
         self.out(n, SeqShard(d, origins))
 
     def passthrough(self, n, name):
@@ -286,8 +295,11 @@ class _SeqWalk:
         s = self.sp(x)
         g = reshape_groups(shape_of(x), shape_of(n), s.dim)
         if g is None or g[0] != [s.dim] or len(g[1]) != 1:
-            self.conflict(n, "the reshape merges or splits the sequence dim (e.g. flattens the tokens "
-                          "of the batch into one dim)", x)
+            self.conflict(
+                n,
+                "the reshape merges or splits the sequence dim (e.g. flattens the tokens of the batch into one dim)",
+                x,
+            )
         self.set(n, s.at(g[1][0]))
 
     def layout(self, n, name):
@@ -322,36 +334,53 @@ class _SeqWalk:
         dim = norm_dim(node_arg(n, "dim", 0), len(shape_of(n)))
         ss = [self.sp(p) for p in parts]
         f = ss[0]
-        if not all(isinstance(x, SeqShard) and x.dim == f.dim for x in ss) or \
-                (name == "cat" and dim == f.dim):
-            self.conflict(n, f"{name} of tensors not all sequence-sharded alike, or along the sequence",
-                          *parts)
+        if not all(isinstance(x, SeqShard) and x.dim == f.dim for x in ss) or (name == "cat" and dim == f.dim):
+            self.conflict(n, f"{name} of tensors not all sequence-sharded alike, or along the sequence", *parts)
         d = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
         self.set(n, SeqShard(d, frozenset().union(*[x.origins for x in ss])))
 
     def finish(self, out: TPDecisions) -> None:
         """Write this (successful) walk into ``out``'s ``sp_*`` fields."""
-        out.sp_sharded = {n.name: (s.dim if isinstance(s, SeqShard) else
-                                   [e.dim if isinstance(e, SeqShard) else None for e in s])
-                          for n, s in self.st.items()
-                          if any(isinstance(e, SeqShard) for e in states_of(s))}
+        out.sp_sharded = {
+            n.name: (s.dim if isinstance(s, SeqShard) else [e.dim if isinstance(e, SeqShard) else None for e in s])
+            for n, s in self.st.items()
+            if any(isinstance(e, SeqShard) for e in states_of(s))
+        }
         out.sp_args = self.args
-        comms = [(n, SeqComm("reduce_scatter", n.name, len(self.tokens) - 1, _nbytes(n),
-                             tuple(u.name for u in n.users), self.rg.get(n, False)))
-                 for n in self.sources]
+        comms = [
+            (
+                n,
+                SeqComm(
+                    "reduce_scatter",
+                    n.name,
+                    len(self.tokens) - 1,
+                    _nbytes(n),
+                    tuple(u.name for u in n.users),
+                    self.rg.get(n, False),
+                ),
+            )
+            for n in self.sources
+        ]
         for (kind, a, dim), users in self.uses.items():
             kind = {"gather": "all_gather", "copy": "grad_all_reduce"}.get(kind, kind)
-            comms.append((a, SeqComm(kind, a.name, dim, _nbytes(a), tuple(dict.fromkeys(users)),
-                                     self.rg.get(a, False))))
+            comms.append(
+                (a, SeqComm(kind, a.name, dim, _nbytes(a), tuple(dict.fromkeys(users)), self.rg.get(a, False)))
+            )
         order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
         out.sp_comms = [c for _, c in sorted(comms, key=lambda e: (order[e[0]], e[1].kind))]
 
 
 _SP_HANDLERS = {
-    **{k: "view" for k in VIEWS}, **{k: "layout" for k in LAYOUT}, "expand": "expand",
-    **{k: "slice" for k in SLICES}, **{k: "split" for k in SPLITS}, **{k: "cat" for k in CATS},
-    **{k: "softmax" for k in SOFTMAX}, **{k: "reduce" for k in REDUCTIONS},
-    **{k: "scan" for k in SCANS}, **{k: "norm" for k in NORMS},
+    **{k: "view" for k in VIEWS},
+    **{k: "layout" for k in LAYOUT},
+    "expand": "expand",
+    **{k: "slice" for k in SLICES},
+    **{k: "split" for k in SPLITS},
+    **{k: "cat" for k in CATS},
+    **{k: "softmax" for k in SOFTMAX},
+    **{k: "reduce" for k in REDUCTIONS},
+    **{k: "scan" for k in SCANS},
+    **{k: "norm" for k in NORMS},
     **{k: "passthrough" for k in PASSTHROUGH},
 }
 """What a sequence shard may pass (attention, losses and matmuls of activations may not)."""
@@ -365,8 +394,12 @@ def _token_layout(gm: fx.GraphModule, params: dict, inputs: set, vocab: int | No
             continue
         if reads_data(n, data):
             data.add(n)
-        if op_name(n) == "embedding" and n.args[0] in params and n.args[1] in data \
-                and shape_of(n.args[0])[:1] == [vocab]:
+        if (
+            op_name(n) == "embedding"
+            and n.args[0] in params
+            and n.args[1] in data
+            and shape_of(n.args[0])[:1] == [vocab]
+        ):
             return shape_of(n.args[1]) or None
     return None
 
@@ -376,8 +409,10 @@ def sequence_parallel(gm: fx.GraphModule, out: TPDecisions, params: dict, inputs
     model SP cannot split gets ``sp_blocked``."""
     tokens = _token_layout(gm, params, inputs, out.vocab)
     if tokens is None:
-        out.sp_blocked = ("sequence parallelism takes the sequence dim from the token ids a "
-                          "vocabulary embedding reads, and this model has no such embedding")
+        out.sp_blocked = (
+            "sequence parallelism takes the sequence dim from the token ids a "
+            "vocabulary embedding reads, and this model has no such embedding"
+        )
         return
     banned: set[str] = set()
     why: dict[str, TPConflict] = {}
@@ -397,7 +432,8 @@ def sequence_parallel(gm: fx.GraphModule, out: TPDecisions, params: dict, inputs
     out.sp_replicated = {**walk.not_token, **{k: why[k] for k in sorted(banned)}}
     if not walk.sources:
         first = next(iter(why.values()), None) or next(iter(walk.not_token.values()), None)
-        out.sp_blocked = ("no row-parallel matmul or vocabulary embedding can reduce-scatter along the "
-                          "sequence" + (f": {first.why} at {_describe(first.node)}" if first else ""))
+        out.sp_blocked = "no row-parallel matmul or vocabulary embedding can reduce-scatter along the sequence" + (
+            f": {first.why} at {_describe(first.node)}" if first else ""
+        )
         return
     walk.finish(out)

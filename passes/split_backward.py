@@ -41,8 +41,11 @@ def _weight_only(gm: fx.GraphModule) -> set[fx.Node]:
 
 def _frontier(gm: fx.GraphModule, weights: set[fx.Node]) -> list[fx.Node]:
     """The nodes that read a weight and something else (a product with a weight, a norm)."""
-    return [x for x in gm.graph.nodes if x.op == "call_function" and x not in weights
-            and any(a in weights for a in x.all_input_nodes)]
+    return [
+        x
+        for x in gm.graph.nodes
+        if x.op == "call_function" and x not in weights and any(a in weights for a in x.all_input_nodes)
+    ]
 
 
 def frontier_outputs(gm: fx.GraphModule, n: int) -> dict[int, tuple[Any, Any, Any]]:

@@ -52,15 +52,21 @@ def _tied_weights(traced, gm: fx.GraphModule) -> list[dict[str, Any]]:
         if node.op != "placeholder" or traced.roles.get(node.name) != "param":
             continue
         canon = traced.tied.get(node.name, node.name)
-        rows.setdefault(canon, set()).update(
-            u.meta["layer"] for u in node.users if 0 <= u.meta.get("layer", -1) < n)
+        rows.setdefault(canon, set()).update(u.meta["layer"] for u in node.users if 0 <= u.meta.get("layer", -1) < n)
         if "param_count" in node.meta:
             count = int(node.meta["param_count"])
             tp = node.meta.get("tp")
             sizes[canon] = (count, count if tp is not None and tp.role == "sharded" else 0)
-    return [{"weight": traced.fqns.get(name, name), "layers": [min(ls), max(ls)],
-             "params": sizes.get(name, (0, 0))[0], "params_tp": sizes.get(name, (0, 0))[1]}
-            for name, ls in rows.items() if len(ls) > 1]
+    return [
+        {
+            "weight": traced.fqns.get(name, name),
+            "layers": [min(ls), max(ls)],
+            "params": sizes.get(name, (0, 0))[0],
+            "params_tp": sizes.get(name, (0, 0))[1],
+        }
+        for name, ls in rows.items()
+        if len(ls) > 1
+    ]
 
 
 def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
@@ -69,9 +75,12 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
     n = nb + 2
     names = layer_names(gm, nb, traced.block_paths, traced.container)
     sigs = layer_signatures(gm, nb)
-    rows = [LayerCosts(index=i, name=names[i],
-                       kind="pre" if i == 0 else ("post" if i == n - 1 else "block"),
-                       signature=sigs[i]) for i in range(n)]
+    rows = [
+        LayerCosts(
+            index=i, name=names[i], kind="pre" if i == 0 else ("post" if i == n - 1 else "block"), signature=sigs[i]
+        )
+        for i in range(n)
+    ]
     acc: list[dict[str, Any]] = [{f: _ZERO for f in EXPR_FIELDS} for _ in range(n)]
     ints: list[dict[str, int]] = [{f: 0 for f in INT_FIELDS} for _ in range(n)]
     gemms: list[dict[str, list]] = [{f: [] for f in GEMM_FIELDS} for _ in range(n)]
@@ -102,8 +111,7 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         mine = {}
         for f in ("fwd_gemms", "bwd_gemms"):
             dims = getattr(tp, f[:3] + "_gemm_dims", None) or []
-            mine[f] = [(g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None)
-                       for i, g in enumerate(m.get(f, ()))]
+            mine[f] = [(g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None) for i, g in enumerate(m.get(f, ()))]
             gemms[lay][f] += mine[f]
         if node in core:  # what selective recompute runs again
             a["core_fwd_flops"] += m["fwd_flops"]
@@ -158,8 +166,7 @@ def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
         acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)
         acc[i]["input_bytes_sp"] = sum((x.meta["out_bytes"] for x in io.inputs if _seq(x)), _ZERO)
         acc[i]["boundary_bytes_sp"] = sum((x.meta["out_bytes"] for x in io.boundary if _seq(x)), _ZERO)
-        rows[i].boundary = [(tuple(x.meta["shape"]), dtype_name(x.meta["dtype"]))
-                            for x in io.boundary]
+        rows[i].boundary = [(tuple(x.meta["shape"]), dtype_name(x.meta["dtype"])) for x in io.boundary]
     for i, row in enumerate(rows):
         for f, v in acc[i].items():
             setattr(row, f, sympy.expand(v))
@@ -182,8 +189,26 @@ def _attention_cores(gm: fx.GraphModule) -> set[fx.Node]:
     return {x for n in gm.graph.nodes for x in attention_core(n)}
 
 
-_VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "slice",
-          "select", "alias", "t", "unflatten", "flatten", "split", "getitem", "contiguous", "detach"}
+_VIEWS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "slice",
+    "select",
+    "alias",
+    "t",
+    "unflatten",
+    "flatten",
+    "split",
+    "getitem",
+    "contiguous",
+    "detach",
+}
 """Ops whose output may share its input's storage (walked back to find what holds the bytes)."""
 _SAVES_OPERANDS = {"matmul", "bmm", "mm", "baddbmm"} | SDPA
 
@@ -220,8 +245,10 @@ def _core_saved(gm: fx.GraphModule, core: set[fx.Node], n: int) -> dict[int, tup
         fused = "attention" in producer.meta and producer.meta["attention"].pattern == "sdpa"
         # the producer's output (another node saves it too, or it has the output's size), not
         # an internal copy the producer made for itself
-        output = any(x is not producer for x, _ in recs) or sympy.expand(
-            rec.nbytes - producer.meta.get("out_bytes", _ZERO)) == 0
+        output = (
+            any(x is not producer for x, _ in recs)
+            or sympy.expand(rec.nbytes - producer.meta.get("out_bytes", _ZERO)) == 0
+        )
         if fused or output:
             charge(lay, rec.nbytes, producer, 1)
     for x in core:  # inputs nobody saves: the checkpoint keeps them
@@ -299,7 +326,7 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
     inputs = infer_inputs(gm, [n for n, r in traced.roles.items() if r == "input"], traced.symbols)
     model["inputs"] = [f.to_dict() for f in inputs]
     if not model.get("vocab"):  # a user's model: the vocabulary its token inputs index
-        model["vocab"] = min((f.vocab for f in inputs if f.role in ("tokens", "labels", "targets") and f.vocab),
-                             default=0)
-    return LayerTable(layers=rows, dtype=dtype_name(traced.dtype), model=model, fixed=fixed,
-                      notes=notes, tied=tied)
+        model["vocab"] = min(
+            (f.vocab for f in inputs if f.role in ("tokens", "labels", "targets") and f.vocab), default=0
+        )
+    return LayerTable(layers=rows, dtype=dtype_name(traced.dtype), model=model, fixed=fixed, notes=notes, tied=tied)

@@ -89,6 +89,7 @@ class TPInfo:
         if self.allreduce_fwd_calls is not None:
             return self.allreduce_fwd_calls
         return int(self.allreduce_fwd != 0)
+
     sharded_params: list[str] = field(default_factory=list)
     """Names of the parameter placeholders this node shards (matmul weights, biases...)."""
     blocked: str = ""
@@ -134,8 +135,6 @@ def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
     return 8 * f32 + cast, 4 * f32 + cast
 
 
-
-
 def _rows(x: fx.Node, d: int) -> sympy.Expr:
     """Number of rows of ``x`` when dim ``d`` is the row length (product of the other dims)."""
     shape = need(x, "shape", _PASS, "annotate_shapes")
@@ -158,9 +157,12 @@ def _loss_info(n: fx.Node) -> dict:
     full = rows * need(logits, "shape", _PASS, "annotate_shapes")[1]
     fwd, bwd = vocab_loss_bytes(full, size)
     # the runtime's vocab-parallel cross-entropy replaces the traced one
-    return {"allreduce_fwd": rows * 4 * words, "allreduce_fwd_calls": words,
-            "loss_fwd_bytes": sympy.expand(fwd - n.meta.get("fwd_bytes", _ZERO)),
-            "loss_bwd_bytes": sympy.expand(bwd - n.meta.get("bwd_bytes", _ZERO))}
+    return {
+        "allreduce_fwd": rows * 4 * words,
+        "allreduce_fwd_calls": words,
+        "loss_fwd_bytes": sympy.expand(fwd - n.meta.get("fwd_bytes", _ZERO)),
+        "loss_bwd_bytes": sympy.expand(bwd - n.meta.get("bwd_bytes", _ZERO)),
+    }
 
 
 def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
@@ -185,8 +187,9 @@ def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
     divides = role in ("col", "row", "sharded", "vocab_loss") and n not in dec.params
     if divides:
         for key in ("fwd_gemms", "bwd_gemms"):
-            kw[key[:3] + "_gemm_dims"] = [gemm_tp_dim(role, True, g.operands)
-                                          for g in need(n, key, _PASS, "annotate_costs")]
+            kw[key[:3] + "_gemm_dims"] = [
+                gemm_tp_dim(role, True, g.operands) for g in need(n, key, _PASS, "annotate_costs")
+            ]
     return TPInfo(role=role, shard_dim=_shard_dims(dec.state[n]), divides=divides, **kw)
 
 
@@ -216,13 +219,11 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 def _where(n: fx.Node) -> str:
     """``node 'x' (op) in module 'a.b' at file:line`` (the innermost frame outside torch)."""
-    frames = [f"{f}:{ln}" for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "")
-              if not f.startswith(_TORCH_DIR)]
+    frames = [f"{f}:{ln}" for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "") if not f.startswith(_TORCH_DIR)]
     src = frames[-1] if frames else source_line(n)
     stack = n.meta.get("nn_module_stack") or {}
     mod = list(stack.values())[-1][0] if stack else ""
-    return (f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "")
-            + (f" at {src}" if src else ""))
+    return f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "") + (f" at {src}" if src else "")
 
 
 def tp_sizes(gm: fx.GraphModule) -> dict[int, str]:
@@ -269,8 +270,13 @@ def _sequence_parallel(gm: fx.GraphModule, dec: TPDecisions, info: dict[fx.Node,
         extra = _ZERO
         for rec in n.meta.get("saved", ()):
             prod = by_name.get(rec.producer)
-            if (rec.counted and prod is not None and rec.producer in seq and not info[prod].divides
-                    and (n.name, rec.producer) not in gathered):
+            if (
+                rec.counted
+                and prod is not None
+                and rec.producer in seq
+                and not info[prod].divides
+                and (n.name, rec.producer) not in gathered
+            ):
                 extra = extra + rec.nbytes
         own.saved_bytes_sp = extra
     for c in dec.sp_comms:
@@ -293,8 +299,9 @@ def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.G
     try:
         dec = analyze_tensor_parallel(gm, roles=roles)
     except TPConflict as c:
-        return _all_replicated(gm, c.node, f"{c.why} at {_where(c.node)}, and keeping every matmul "
-                               "replicated does not avoid it")
+        return _all_replicated(
+            gm, c.node, f"{c.why} at {_where(c.node)}, and keeping every matmul replicated does not avoid it"
+        )
     if not dec.weights and dec.replicated:  # every matmul had to stay replicated
         c = next(iter(dec.replicated.values()))
         return _all_replicated(gm, c.node, f"no matmul can be split: {c.why} at {_where(c.node)}")

@@ -157,8 +157,16 @@ __all__ = [
 class _Walk:
     """One walk over the graph with the matmuls / embeddings of ``banned`` kept replicated."""
 
-    def __init__(self, gm: fx.GraphModule, params: dict, inputs: set, layer_of: Callable,
-                 vocab: int | None, banned: set[str], tp: int | None = None):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        params: dict,
+        inputs: set,
+        layer_of: Callable,
+        vocab: int | None,
+        banned: set[str],
+        tp: int | None = None,
+    ):
         self.gm, self.layer_of, self.vocab, self.banned, self.tp = gm, layer_of, vocab, banned, tp
         self.pviews: dict[fx.Node, fx.Node] = {}  # transpose of a 2-d parameter -> the parameter
         self.params, self.inputs = params, inputs
@@ -186,10 +194,10 @@ class _Walk:
         for u in n.users:
             if u.op == "output":
                 self.conflict(u, "a sharded tensor is an output of the model", n)
-            if u.op == "call_function" and not is_meta_only(u) and \
-                    self.layer_of(u) != self.layer_of(n):
-                self.conflict(u, f"a sharded tensor crosses from layer {self.layer_of(n)} into layer "
-                              f"{self.layer_of(u)}", n)
+            if u.op == "call_function" and not is_meta_only(u) and self.layer_of(u) != self.layer_of(n):
+                self.conflict(
+                    u, f"a sharded tensor crosses from layer {self.layer_of(n)} into layer {self.layer_of(u)}", n
+                )
 
     def tag(self, s: Shard, t):
         """Note what the region of ``s`` turned out to be (heads, loss, fused parts)."""
@@ -203,8 +211,7 @@ class _Walk:
 
     def entering(self, n) -> list:
         """Argument paths of replicated tensors needing grad that enter this sharded op."""
-        return [p for p, a in flat_args(n)
-                if is_tensor_node(a) and self.st(a) is None and self.rg.get(a, False)]
+        return [p for p, a in flat_args(n) if is_tensor_node(a) and self.st(a) is None and self.rg.get(a, False)]
 
     # ------------------------------------------------------------------ the walk
     def run(self) -> TPDecisions:
@@ -234,8 +241,12 @@ class _Walk:
         if name == "getitem":
             s = self.st(n.args[0])
             return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
-        if name in WEIGHT_VIEWS and n.args[0] in self.params and len(shape_of(n.args[0])) == 2 \
-                and all(op_name(u) in WEIGHTED_MATMULS for u in n.users):
+        if (
+            name in WEIGHT_VIEWS
+            and n.args[0] in self.params
+            and len(shape_of(n.args[0])) == 2
+            and all(op_name(u) in WEIGHTED_MATMULS for u in n.users)
+        ):
             self.pviews[n] = n.args[0]  # its use is recorded by the matmul that reads it
             return self.set(n, None)
         if name in WEIGHTED_MATMULS and self.matmul(n, name):
@@ -265,8 +276,12 @@ class _Walk:
             return False
         if w in self.pviews:  # x @ W.T: the parameter is [out, in] like linear's
             w, (out_dim, in_dim) = self.pviews[w], (in_dim, out_dim)
-        if not (isinstance(w, fx.Node) and w in self.params) or x in self.params \
-                or len(shape_of(w)) != 2 or not is_tensor_node(x):
+        if (
+            not (isinstance(w, fx.Node) and w in self.params)
+            or x in self.params
+            or len(shape_of(w)) != 2
+            or not is_tensor_node(x)
+        ):
             return False
         if b is not None and not (isinstance(b, fx.Node) and b in self.params):
             return False
@@ -301,9 +316,15 @@ class _Walk:
         if isinstance(self.st(ids), Shard):
             self.conflict(n, "embedding indices are sharded", ids)
         is_param = isinstance(w, fx.Node) and w in self.params
-        ok = (is_param and ids in self.data and shape_of(w) and shape_of(w)[0] == self.vocab
-              and n.name not in self.banned and not node_arg(n, "scale_grad_by_freq", False)
-              and not node_arg(n, "sparse", False))
+        ok = (
+            is_param
+            and ids in self.data
+            and shape_of(w)
+            and shape_of(w)[0] == self.vocab
+            and n.name not in self.banned
+            and not node_arg(n, "scale_grad_by_freq", False)
+            and not node_arg(n, "sparse", False)
+        )
         if is_param:
             self.use(w, n, ("vocab", 0, self.vocab) if ok else None)
         self.set(n, None, "vocab_embedding" if ok else None)
@@ -316,9 +337,11 @@ class _Walk:
                 continue
             kinds = {(s[1], s[2]) if s is not None else None for _, s in uses}
             if len(kinds) > 1:
-                raise TPConflict(frozenset(u.name for u in sharding), sharding[0],
-                                 f"the weight {key} is used both sharded and replicated (or sharded "
-                                 "two ways)")
+                raise TPConflict(
+                    frozenset(u.name for u in sharding),
+                    sharding[0],
+                    f"the weight {key} is used both sharded and replicated (or sharded two ways)",
+                )
 
     def weight_shards(self) -> dict:
         """Parameter key -> ``WeightShard`` (call after a successful walk)."""
@@ -361,8 +384,12 @@ class _Walk:
             elif shape_of(x)[hd] == sq.size and sq.size > 1:  # every query head, repeated: keep ours
                 scatter.append(((i, None), hd))
             elif shape_of(x)[hd] != 1:
-                self.conflict(n, f"attention with q sharded by heads reads a replicated {'kv'[i - 1]} "
-                              f"of {shape_of(x)[hd]} heads (q has {sq.size})", q)
+                self.conflict(
+                    n,
+                    f"attention with q sharded by heads reads a replicated {'kv'[i - 1]} "
+                    f"of {shape_of(x)[hd]} heads (q has {sq.size})",
+                    q,
+                )
         for _, mask in flat_args(n):
             if not is_tensor_node(mask) or mask in (q, k, v):
                 continue
@@ -380,18 +407,26 @@ class _Walk:
         if isinstance(value_of(n), torch.Tensor):
             return self.set(n, out)
         # the kernels' log-sum-exp [b, heads, s] is per head too
-        self.set(n, [out] + [out if isinstance(o, torch.Tensor) and o.dim() == len(shape_of(q)) - 1
-                             and hint(o.shape[hd]) == heads else None for o in value_of(n)[1:]])
+        self.set(
+            n,
+            [out]
+            + [
+                out
+                if isinstance(o, torch.Tensor) and o.dim() == len(shape_of(q)) - 1 and hint(o.shape[hd]) == heads
+                else None
+                for o in value_of(n)[1:]
+            ],
+        )
 
     def loss(self, n, name):
         logits, target = n.args[0], n.args[1]
         s = self.st(logits)
-        if not isinstance(s, Shard) or isinstance(self.st(target), Shard) or \
-                len(shape_of(logits)) != 2 or s.dim != 1:
+        if not isinstance(s, Shard) or isinstance(self.st(target), Shard) or len(shape_of(logits)) != 2 or s.dim != 1:
             self.conflict(n, "cross-entropy needs 2-d logits sharded along the classes", logits)
         if node_arg(n, "weight") is not None or node_arg(n, "label_smoothing", 0.0) != 0.0:
-            self.conflict(n, "class weights / label smoothing are not supported by the vocab-parallel "
-                          "cross-entropy", logits)
+            self.conflict(
+                n, "class weights / label smoothing are not supported by the vocab-parallel cross-entropy", logits
+            )
         self.tag(s, "loss")
         self.set(n, None, "vocab_loss")
 
@@ -405,9 +440,13 @@ class _Walk:
             self.conflict(n, "the reshape interleaves the sharded dim with a dim before it", x)
         d_out = g[1][0]
         if self.tp and len(g[1]) > 1 and dst[d_out] % self.tp:
-            self.conflict(n, f"the reshape splits the sharded size {src[s.dim]} into "
-                          f"{' x '.join(str(dst[k]) for k in g[1])}, and tp={self.tp} does not "
-                          f"divide {dst[d_out]} (e.g. the key/value heads)", x)
+            self.conflict(
+                n,
+                f"the reshape splits the sharded size {src[s.dim]} into "
+                f"{' x '.join(str(dst[k]) for k in g[1])}, and tp={self.tp} does not "
+                f"divide {dst[d_out]} (e.g. the key/value heads)",
+                x,
+            )
         self.set(n, Shard(d_out, dst[d_out], s.origins))
 
     def layout(self, n, name):
@@ -443,8 +482,9 @@ class _Walk:
             return self.set(n, [out for _ in vals])
         # A fused projection split along its features: Megatron layout [q_r; k_r; v_r].
         if name == "unbind" or any(self.col_out.get(o) != s.size for o in s.origins):
-            self.conflict(n, "a split of the sharded dim that is not the output features of the "
-                          "projection that produced it", x)
+            self.conflict(
+                n, "a split of the sharded dim that is not the output features of the projection that produced it", x
+            )
         pieces = tuple(hint(v.shape[dim]) for v in vals)
         self.tag(s, ("parts", pieces))
         self.set(n, [Shard(dim, p, s.origins) for p in pieces])
@@ -457,8 +497,7 @@ class _Walk:
         f = ss[0]
         alike = all(isinstance(s, Shard) and (s.dim, s.size) == (f.dim, f.size) for s in ss)
         if not alike or (name == "cat" and dim == f.dim):
-            self.conflict(n, f"{name} of tensors not all sharded alike, or along the sharded dim",
-                          *parts)
+            self.conflict(n, f"{name} of tensors not all sharded alike, or along the sharded dim", *parts)
         d = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
         self.set(n, Shard(d, f.size, frozenset().union(*[s.origins for s in ss])))
 
@@ -466,8 +505,14 @@ class _Walk:
         a, b = n.args[0], n.args[1]
         sa, sb = self.st(a), self.st(b)
         nd = len(shape_of(n))
-        ok = isinstance(sa, Shard) and isinstance(sb, Shard) and len(shape_of(a)) == nd == len(shape_of(b)) \
-            and sa.dim == sb.dim and sa.dim < nd - 2 and sa.size == sb.size
+        ok = (
+            isinstance(sa, Shard)
+            and isinstance(sb, Shard)
+            and len(shape_of(a)) == nd == len(shape_of(b))
+            and sa.dim == sb.dim
+            and sa.dim < nd - 2
+            and sa.size == sb.size
+        )
         if not ok:
             self.conflict(n, "matmul of activations needs both operands sharded on one batch dim", a, b)
         self.set(n, Shard(sa.dim, sa.size, sa.origins | sb.origins))
@@ -505,8 +550,9 @@ class _Walk:
         x = n.args[0]
         s = self.st(x)
         normed = len(n.args[1])
-        if s.dim >= len(shape_of(x)) - normed or any(isinstance(self.st(a), Shard)
-                                                   for a in n.all_input_nodes if a is not x):
+        if s.dim >= len(shape_of(x)) - normed or any(
+            isinstance(self.st(a), Shard) for a in n.all_input_nodes if a is not x
+        ):
             self.conflict(n, "normalization over the sharded dim", x)
         self.out.enter[n] = self.entering(n)
         # native kernels' per-row statistics are sharded along the same rows
@@ -531,21 +577,33 @@ class _Walk:
             if is_tensor_node(a) and not isinstance(self.st(a), Shard):
                 k = d - (nd - len(shape_of(a)))
                 if k >= 0 and shape_of(a)[k] != 1:
-                    self.conflict(n, "elementwise op combines a sharded tensor with a full one "
-                                  f"({a.name}, shape {shape_of(a)})", *n.all_input_nodes)
+                    self.conflict(
+                        n,
+                        f"elementwise op combines a sharded tensor with a full one ({a.name}, shape {shape_of(a)})",
+                        *n.all_input_nodes,
+                    )
         self.out.enter[n] = self.entering(n)
         out = Shard(d, size, origins)
         self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])
 
 
 _HANDLERS = {
-    **{k: "attention" for k in ATTENTION}, **{k: "loss" for k in LOSSES},
-    **{k: "view" for k in VIEWS}, **{k: "layout" for k in LAYOUT}, "expand": "expand",
-    **{k: "slice" for k in SLICES}, **{k: "split" for k in SPLITS}, **{k: "cat" for k in CATS},
-    **{k: "act_matmul" for k in ACT_MATMULS}, **{k: "softmax" for k in SOFTMAX},
-    **{k: "reduce" for k in REDUCTIONS}, **{k: "scan" for k in SCANS},
-    **{k: "norm" for k in NORMS}, **{k: "passthrough" for k in PASSTHROUGH},
+    **{k: "attention" for k in ATTENTION},
+    **{k: "loss" for k in LOSSES},
+    **{k: "view" for k in VIEWS},
+    **{k: "layout" for k in LAYOUT},
+    "expand": "expand",
+    **{k: "slice" for k in SLICES},
+    **{k: "split" for k in SPLITS},
+    **{k: "cat" for k in CATS},
+    **{k: "act_matmul" for k in ACT_MATMULS},
+    **{k: "softmax" for k in SOFTMAX},
+    **{k: "reduce" for k in REDUCTIONS},
+    **{k: "scan" for k in SCANS},
+    **{k: "norm" for k in NORMS},
+    **{k: "passthrough" for k in PASSTHROUGH},
 }
+
 
 def _token_vocab(gm: fx.GraphModule, params: dict, inputs: set) -> int | None:
     """Rows of the first parameter table indexed by data (the token embedding), if any."""
@@ -560,9 +618,14 @@ def _token_vocab(gm: fx.GraphModule, params: dict, inputs: set) -> int | None:
     return None
 
 
-def analyze_tensor_parallel(gm: fx.GraphModule, *, roles: dict[str, str] | None = None,
-                            layer_of: Callable | None = None, vocab: int | None = None,
-                            tp: int | None = None) -> TPDecisions:
+def analyze_tensor_parallel(
+    gm: fx.GraphModule,
+    *,
+    roles: dict[str, str] | None = None,
+    layer_of: Callable | None = None,
+    vocab: int | None = None,
+    tp: int | None = None,
+) -> TPDecisions:
     """Decide the tensor-parallel role of every node of ``gm`` (see the module doc).
 
     ``roles`` gives each placeholder's role (``param``, ``buffer``, ``constant``, ``input``) in

@@ -55,8 +55,18 @@ __all__ = [
 
 WEIGHTED_MATMULS = {"linear", "addmm", "mm", "matmul"}
 """Ops that may multiply by a parameter weight (column / row parallel)."""
-PASSTHROUGH = {"dropout", "native_dropout", "to", "_to_copy", "contiguous", "alias", "detach",
-               "clone", "type_as", "lift_fresh_copy"}
+PASSTHROUGH = {
+    "dropout",
+    "native_dropout",
+    "to",
+    "_to_copy",
+    "contiguous",
+    "alias",
+    "detach",
+    "clone",
+    "type_as",
+    "lift_fresh_copy",
+}
 """Ops whose outputs have their first input's sharding (other tensor args give only a dtype)."""
 VIEWS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten"}
 """Reshapes: the sharded dim follows ``reshape_dim``; size arguments are per-rank in codegen."""
@@ -68,14 +78,35 @@ SLICES = {"slice", "select", "narrow"}
 SPLITS = {"split", "split_with_sizes", "chunk", "unbind"}
 CATS = {"cat", "stack"}
 ACT_MATMULS = {"matmul", "bmm"}
-ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu"}
+ATTENTION = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+}
 NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "std",
-              "var_mean", "std_mean", "logsumexp", "prod", "all", "any", "norm",
-              "linalg_vector_norm"}
+REDUCTIONS = {
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "logsumexp",
+    "prod",
+    "all",
+    "any",
+    "norm",
+    "linalg_vector_norm",
+}
 SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "flip", "roll"}
 LOSSES = {"cross_entropy_loss"}
 
@@ -277,9 +308,13 @@ def reshape_groups(src: list[int], dst: list[int], d: int):
         i, j = i + 1, j + 1
         while pi != pj:
             if pi < pj and i < len(si):
-                gi.append(si[i]); pi *= src[si[i]]; i += 1
+                gi.append(si[i])
+                pi *= src[si[i]]
+                i += 1
             elif pj < pi and j < len(di):
-                gj.append(di[j]); pj *= dst[di[j]]; j += 1
+                gj.append(di[j])
+                pj *= dst[di[j]]
+                j += 1
             else:
                 return None
         if d in gi:

@@ -26,23 +26,85 @@ def run(argv: list[str]) -> None:
 def demo(out: str = "demo_out") -> None:
     t0 = time.time()
     os.makedirs(out, exist_ok=True)
-    run(["plan", "--model", "gpt2", "--gpus", "64", "--gpus-per-node", "8", "--hardware", "a100-80gb",
-         "--global-batch", "512", "--seq-len", "1024", "--out", f"{out}/gpt2_plan.json"])
+    run(
+        [
+            "plan",
+            "--model",
+            "gpt2",
+            "--gpus",
+            "64",
+            "--gpus-per-node",
+            "8",
+            "--hardware",
+            "a100-80gb",
+            "--global-batch",
+            "512",
+            "--seq-len",
+            "1024",
+            "--out",
+            f"{out}/gpt2_plan.json",
+        ]
+    )
     print()
     small = f"{out}/small_plan.json"
-    run(["plan", "--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "8192",
-         "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu", "--global-batch", "16",
-         "--seq-len", "128", "--dtype", "fp32", "--out", small])
+    run(
+        [
+            "plan",
+            "--model",
+            "gpt",
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+            "--vocab",
+            "8192",
+            "--gpus",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "16",
+            "--seq-len",
+            "128",
+            "--dtype",
+            "fp32",
+            "--out",
+            small,
+        ]
+    )
     print()
     run(["compile", small, "--out", f"{out}/compiled"])
     metrics = f"{out}/metrics.jsonl"
-    run(["train", small, "--nproc", "2", "--steps", "30", "--lr", "1e-3", "--warmup", "3",
-         "--metrics", metrics, "--compiled", f"{out}/compiled"])
+    run(
+        [
+            "train",
+            small,
+            "--nproc",
+            "2",
+            "--steps",
+            "30",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "3",
+            "--metrics",
+            metrics,
+            "--compiled",
+            f"{out}/compiled",
+        ]
+    )
     with open(metrics, encoding="utf-8") as f:
         losses = [json.loads(ln)["loss"] for ln in f]
-    print("loss every 5 steps: " + ", ".join(f"{v:.3f}" for v in losses[::5] + losses[-1:])
-          + f" (the synthetic tokens follow a learnable chain; uniform tokens would stay at "
-          f"ln 8192 = {math.log(8192):.3f})")
+    print(
+        "loss every 5 steps: "
+        + ", ".join(f"{v:.3f}" for v in losses[::5] + losses[-1:])
+        + f" (the synthetic tokens follow a learnable chain; uniform tokens would stay at "
+        f"ln 8192 = {math.log(8192):.3f})"
+    )
     print(f"demo finished in {time.time() - t0:.1f} s")
 
 

@@ -19,9 +19,28 @@ from typing import Any
 from planner.errors import UserError
 from runtime.contract import DTYPES, INPUT_ROLES
 
-__all__ = ["Plan", "ModelInfo", "HardwareInfo", "Predicted", "SolverInfo", "Alternative", "PlanError",
-           "load_plan", "save_plan", "SCHEMA_VERSION", "MEMORY_KEYS", "TIME_KEYS", "OFFLOAD_TIERS",
-           "OFFLOAD_KINDS", "HOST_MEMORY_KEYS", "NO_OFFLOAD", "COST_KEYS", "SCHEDULES", "TIME_LABELS", "plan_hash"]
+__all__ = [
+    "Plan",
+    "ModelInfo",
+    "HardwareInfo",
+    "Predicted",
+    "SolverInfo",
+    "Alternative",
+    "PlanError",
+    "load_plan",
+    "save_plan",
+    "SCHEMA_VERSION",
+    "MEMORY_KEYS",
+    "TIME_KEYS",
+    "OFFLOAD_TIERS",
+    "OFFLOAD_KINDS",
+    "HOST_MEMORY_KEYS",
+    "NO_OFFLOAD",
+    "COST_KEYS",
+    "SCHEDULES",
+    "TIME_LABELS",
+    "plan_hash",
+]
 
 SCHEMA_VERSION = 1
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
@@ -175,8 +194,10 @@ class Predicted:
         if isinstance(self.time, dict):
             self.time = {**self.time, "offload": self.time.get("offload", 0.0)}
         if isinstance(self.cost, dict) and isinstance(self.cost.get("by_part"), dict):
-            self.cost = {**self.cost, "by_part": {**self.cost["by_part"],
-                                                  "offload": self.cost["by_part"].get("offload", 0.0)}}
+            self.cost = {
+                **self.cost,
+                "by_part": {**self.cost["by_part"], "offload": self.cost["by_part"].get("offload", 0.0)},
+            }
         for k in ("step_time_s", "tflops_per_device", "mfu", "comm_bytes_per_device", "bubble_fraction"):
             _check_num(f"predicted.{k}", getattr(self, k))
         _check_int("predicted.peak_memory_bytes", self.peak_memory_bytes, 0)
@@ -192,8 +213,10 @@ class Predicted:
         if self.cost is not None:
             _check_run_cost(self.cost)
         if self.memory["total"] != self.peak_memory_bytes:
-            _fail("predicted.memory.total", f"({self.memory['total']}) must equal "
-                  f"predicted.peak_memory_bytes ({self.peak_memory_bytes}).")
+            _fail(
+                "predicted.memory.total",
+                f"({self.memory['total']}) must equal predicted.peak_memory_bytes ({self.peak_memory_bytes}).",
+            )
 
 
 def _check_run_cost(cost: Any) -> None:
@@ -329,8 +352,11 @@ class Plan:
 
     def __post_init__(self):
         if self.schema_version != SCHEMA_VERSION:
-            _fail("schema_version", f"is {self.schema_version!r}; this planner reads {SCHEMA_VERSION}. "
-                  "Re-run `planner plan` to produce a current plan.")
+            _fail(
+                "schema_version",
+                f"is {self.schema_version!r}; this planner reads {SCHEMA_VERSION}. "
+                "Re-run `planner plan` to produce a current plan.",
+            )
         for k in ("global_batch", "seq_len", "dp", "tp", "pp", "micro_batch_size", "num_micro_batches"):
             _check_int(k, getattr(self, k), 1)
         _check_int("zero_stage", self.zero_stage, 0)
@@ -339,25 +365,40 @@ class Plan:
         if self.dtype not in DTYPES:
             _fail("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         if self.dp * self.tp * self.pp != self.hardware.gpus:
-            _fail("dp*tp*pp", f"= {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
-                  f"must equal hardware.gpus = {self.hardware.gpus}.")
+            _fail(
+                "dp*tp*pp",
+                f"= {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
+                f"must equal hardware.gpus = {self.hardware.gpus}.",
+            )
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch:
-            _fail("global_batch", f"({self.global_batch}) must equal dp * micro_batch_size * "
-                  f"num_micro_batches = {self.dp}*{self.micro_batch_size}*{self.num_micro_batches}.")
+            _fail(
+                "global_batch",
+                f"({self.global_batch}) must equal dp * micro_batch_size * "
+                f"num_micro_batches = {self.dp}*{self.micro_batch_size}*{self.num_micro_batches}.",
+            )
         n_rows = self.model.layers + 2
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
         _check_int("virtual_stages", self.virtual_stages, 1)
         if self.virtual_stages > 1 and (self.schedule != "interleaved" or self.pp < 2):
-            _fail("virtual_stages", f"is {self.virtual_stages}: more than one model chunk per rank needs "
-                  f"the interleaved schedule and pp >= 2 (schedule {self.schedule!r}, pp {self.pp}).")
+            _fail(
+                "virtual_stages",
+                f"is {self.virtual_stages}: more than one model chunk per rank needs "
+                f"the interleaved schedule and pp >= 2 (schedule {self.schedule!r}, pp {self.pp}).",
+            )
         if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
-            _fail("num_micro_batches", f"({self.num_micro_batches}) must be a multiple of pp ({self.pp}) for "
-                  "the interleaved schedule (its micro-batches go round the ranks in groups of pp).")
+            _fail(
+                "num_micro_batches",
+                f"({self.num_micro_batches}) must be a multiple of pp ({self.pp}) for "
+                "the interleaved schedule (its micro-batches go round the ranks in groups of pp).",
+            )
         chunks = self.pp * self.virtual_stages
         if not isinstance(self.stages, list) or len(self.stages) != chunks:
-            _fail("stages", f"must list one [first, last] pair per pipeline stage ({self.pp})"
-                  + (f" and model chunk: pp * virtual_stages = {chunks}." if self.virtual_stages > 1 else "."))
+            _fail(
+                "stages",
+                f"must list one [first, last] pair per pipeline stage ({self.pp})"
+                + (f" and model chunk: pp * virtual_stages = {chunks}." if self.virtual_stages > 1 else "."),
+            )
         expect = 0
         for i, st in enumerate(self.stages):
             if not (isinstance(st, (list, tuple)) and len(st) == 2):
@@ -366,8 +407,11 @@ class Plan:
             _check_int(f"stages[{i}][0]", a, 0)
             _check_int(f"stages[{i}][1]", b, 0)
             if a != expect or b < a:
-                _fail(f"stages[{i}]", f"= {list(st)} must start at layer {expect} and not end before it "
-                      "(stages are contiguous and cover the layer table).")
+                _fail(
+                    f"stages[{i}]",
+                    f"= {list(st)} must start at layer {expect} and not end before it "
+                    "(stages are contiguous and cover the layer table).",
+                )
             expect = b + 1
         if expect != n_rows:
             _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{n_rows - 1}.")
@@ -376,38 +420,73 @@ class Plan:
         if not isinstance(self.sequence_parallel, bool):
             _fail("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}.")
         if self.sequence_parallel and self.tp < 2:
-            _fail("sequence_parallel", f"is true but tp is {self.tp}: sequence parallelism splits the "
-                  "tensor-parallel regions' sequence over tp >= 2 ranks.")
+            _fail(
+                "sequence_parallel",
+                f"is true but tp is {self.tp}: sequence parallelism splits the "
+                "tensor-parallel regions' sequence over tp >= 2 ranks.",
+            )
         if self.sequence_parallel and self.seq_len % self.tp:
-            _fail("sequence_parallel", f"is true but seq_len {self.seq_len} is not a multiple of tp "
-                  f"({self.tp}): every tp rank holds seq_len / tp positions.")
+            _fail(
+                "sequence_parallel",
+                f"is true but seq_len {self.seq_len} is not a multiple of tp "
+                f"({self.tp}): every tp rank holds seq_len / tp positions.",
+            )
         _check_layer_list("selective_layers", self.selective_layers, n_rows)
         both = sorted(set(self.selective_layers) & set(self.checkpoint_layers))
         if both:
-            _fail("selective_layers", f"and checkpoint_layers both hold {both}: a layer is recomputed "
-                  "whole (checkpoint_layers) or only its attention core (selective_layers), not both.")
+            _fail(
+                "selective_layers",
+                f"and checkpoint_layers both hold {both}: a layer is recomputed "
+                "whole (checkpoint_layers) or only its attention core (selective_layers), not both.",
+            )
         if not isinstance(self.compile, bool):
             _fail("compile", f"must be true or false, got {self.compile!r}.")
         _check_offload(self.offload, self.zero_stage)
         self.offload = {k: self.offload[k] for k in OFFLOAD_KINDS}
         if self.measured is not None:
-            if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(self.measured):
+            if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(
+                self.measured
+            ):
                 _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
             _check_num("measured.step_time_s", self.measured["step_time_s"])
             _check_int("measured.peak_memory_bytes", self.measured["peak_memory_bytes"], 0)
             if not isinstance(self.measured["trials"], list):
                 _fail("measured.trials", "must be a list.")
         if self.pp > 1 and self.num_micro_batches < self.pp:
-            _fail("num_micro_batches", f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
-                  "pipeline; use more micro-batches or fewer stages.")
+            _fail(
+                "num_micro_batches",
+                f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
+                "pipeline; use more micro-batches or fewer stages.",
+            )
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
-        order = ["schema_version", "model", "hardware", "global_batch", "seq_len", "dtype", "dp",
-                 "tp", "pp", "zero_stage", "micro_batch_size", "num_micro_batches", "schedule",
-                 "virtual_stages", "stages", "checkpoint_layers", "selective_layers", "sequence_parallel",
-                 "compile", "offload", "predicted", "solver", "alternatives"]
+        order = [
+            "schema_version",
+            "model",
+            "hardware",
+            "global_batch",
+            "seq_len",
+            "dtype",
+            "dp",
+            "tp",
+            "pp",
+            "zero_stage",
+            "micro_batch_size",
+            "num_micro_batches",
+            "schedule",
+            "virtual_stages",
+            "stages",
+            "checkpoint_layers",
+            "selective_layers",
+            "sequence_parallel",
+            "compile",
+            "offload",
+            "predicted",
+            "solver",
+            "alternatives",
+        ]
         out = {k: d[k] for k in order}
         for alt in out["alternatives"]:  # a runner-up names its offload only when it has one
             if alt["offload"] == NO_OFFLOAD:
@@ -462,19 +541,24 @@ def _check_offload(offload: Any, zero_stage: int) -> None:
         if offload[kind] not in OFFLOAD_TIERS:
             _fail(f"offload.{kind}", f"must be one of {', '.join(OFFLOAD_TIERS)}, got {offload[kind]!r}.")
     if offload["params"] != "none" and zero_stage != 3:
-        _fail("offload.params", f"is {offload['params']!r}, but offloading parameters needs zero_stage 3 "
-              f"(got {zero_stage}): only ZeRO-3 shards the parameters it could keep off the device.")
+        _fail(
+            "offload.params",
+            f"is {offload['params']!r}, but offloading parameters needs zero_stage 3 "
+            f"(got {zero_stage}): only ZeRO-3 shards the parameters it could keep off the device.",
+        )
     if offload["optimizer"] != "none" and zero_stage not in (1, 2, 3):
-        _fail("offload.optimizer", f"is {offload['optimizer']!r}, but offloading the optimizer needs "
-              f"zero_stage 1, 2 or 3 (got {zero_stage}): the runtime offloads each rank's optimizer shard.")
+        _fail(
+            "offload.optimizer",
+            f"is {offload['optimizer']!r}, but offloading the optimizer needs "
+            f"zero_stage 1, 2 or 3 (got {zero_stage}): the runtime offloads each rank's optimizer shard.",
+        )
 
 
 def _build(cls, d: Any, where: str):
     if not isinstance(d, dict):
         _fail(where, f"must be a JSON object, got {type(d).__name__}.")
     names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls)
-                if f.default is f.default_factory is MISSING}
+    required = {f.name for f in fields(cls) if f.default is f.default_factory is MISSING}
     missing = sorted(required - set(d))
     if missing:
         _fail(where, f"is missing the field(s) {missing}.")
@@ -518,9 +602,24 @@ def save_plan(plan: Plan, path: str) -> None:
 def plan_hash(plan: Plan) -> str:
     """Stable hash of the decisions (not the predictions) of a plan."""
     d = plan.to_dict()
-    keep = {k: d[k] for k in ("model", "hardware", "global_batch", "seq_len", "dtype", "dp", "tp", "pp",
-                              "zero_stage", "micro_batch_size", "num_micro_batches", "stages",
-                              "checkpoint_layers")}
+    keep = {
+        k: d[k]
+        for k in (
+            "model",
+            "hardware",
+            "global_batch",
+            "seq_len",
+            "dtype",
+            "dp",
+            "tp",
+            "pp",
+            "zero_stage",
+            "micro_batch_size",
+            "num_micro_batches",
+            "stages",
+            "checkpoint_layers",
+        )
+    }
     # added by the second milestone: part of the hash only when used, so older plans keep theirs
     for k in ("selective_layers", "sequence_parallel"):
         if d[k]:

@@ -68,6 +68,7 @@ def _failures() -> tuple[type[BaseException], ...]:
 
     return (Exception, CheckpointException)
 
+
 __all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -109,7 +110,9 @@ def read_meta(path: str) -> dict:
         with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({e}); delete it to fall back to an older one") from None
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable ({e}); delete it to fall back to an older one"
+        ) from None
 
 
 def _world() -> tuple[int, int]:
@@ -154,7 +157,7 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
             for d in shape:
                 n *= d
             for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
-                per_attr[kind][name] = full[key][gi][off:off + n].view(shape).clone()
+                per_attr[kind][name] = full[key][gi][off : off + n].view(shape).clone()
             off += n
     pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
     if mesh.tp_index != 0:
@@ -180,8 +183,7 @@ def _rng_state(device) -> dict[str, torch.Tensor]:
     return st
 
 
-def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
-         schedule: dict | None = None) -> str:
+def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
     """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go.
     ``schedule`` (the learning-rate schedule's settings) is recorded in the meta for resumes."""
     rank, world = _world()
@@ -218,8 +220,9 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     if not _all_ok(ok, device):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint step {step} failed ({err or 'on another rank'}); "
-                              "the earlier checkpoints are intact")
+        raise CheckpointError(
+            f"saving checkpoint step {step} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
+        )
     all_shapes = _gather_to((shapes, step_count), None, 0)
     if rank == 0:
         merged, counts = {}, set()
@@ -228,9 +231,14 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
             if c is not None:
                 counts.add(c)
         meta = {
-            "step": step, "optimizer_step": max(counts) if counts else 0,
-            "plan_hash": man["plan_hash"], "plan": man["plan"], "model": man["model"],
-            "world_size": world, "tensors": merged, "schedule": schedule,
+            "step": step,
+            "optimizer_step": max(counts) if counts else 0,
+            "plan_hash": man["plan_hash"],
+            "plan": man["plan"],
+            "model": man["model"],
+            "world_size": world,
+            "tensors": merged,
+            "schedule": schedule,
             "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
         }
         try:
@@ -254,7 +262,8 @@ def _check_same_model(meta: dict, man: dict, path: str) -> None:
     if a.get("spec") != b["spec"] or a.get("sizes") != b["sizes"]:
         raise CheckpointError(
             f"checkpoint {path} is from model {a.get('spec')!r} {a.get('sizes')}, but this plan trains "
-            f"{b['spec']!r} {b['sizes']}; point --checkpoint-dir at this model's checkpoints")
+            f"{b['spec']!r} {b['sizes']}; point --checkpoint-dir at this model's checkpoints"
+        )
 
 
 def load_latest(directory: str, engine, man: dict, mesh) -> int:
@@ -283,13 +292,13 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     try:
         _dcp().load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
     except _failures() as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it "
-                              "to resume from an older one") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it to resume from an older one"
+        ) from None
     # Build this rank's full (unsharded over dp) engine state from the logical tensors.
     layout = engine.state_layout()  # no tensors: an offloaded state is not read for its layout
     full = dict(layout)
-    full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]),
-                loss_scaler=meta.get("loss_scaler"))
+    full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]), loss_scaler=meta.get("loss_scaler"))
     by_attr = {name: e for name, (_, e) in params.items()}
     for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
         flats = []
@@ -317,9 +326,10 @@ def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
     want = {k: torch.empty(s, dtype=torch.float32) for k, s in meta["tensors"].items() if k.startswith("model/")}
     try:
         with warnings.catch_warnings():  # torch warns that it loads in one process: that is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable",
-                                    category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is (disabled, )?unavailable", category=UserWarning
+            )
             _dcp().load(want, checkpoint_id=path, no_dist=True)
     except _failures() as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)})") from None
-    return {k[len("model/"):]: v for k, v in want.items()}
+    return {k[len("model/") :]: v for k, v in want.items()}

@@ -144,7 +144,8 @@ def _guard(kind: str, size: int, group, fn, blocking: bool = True, part: str | N
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CollectiveError(
                 f"rank {me}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
-                f"stopped answering within the timeout ({first})") from None
+                f"stopped answering within the timeout ({first})"
+            ) from None
         finally:
             STATS.wait_s += time.perf_counter() - t0
 
@@ -169,8 +170,13 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
     if n == 1:
         return None
     STATS.add("all_reduce", _nbytes(tensor), n)
-    return _guard("all_reduce", _nbytes(tensor), group,
-                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), not async_op)
+    return _guard(
+        "all_reduce",
+        _nbytes(tensor),
+        group,
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        not async_op,
+    )
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
@@ -181,8 +187,13 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
             output.copy_(shard.view_as(output))
         return None
     STATS.add("all_gather", _nbytes(output), n)
-    return _guard("all_gather", _nbytes(output), group,
-                  lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op), not async_op)
+    return _guard(
+        "all_gather",
+        _nbytes(output),
+        group,
+        lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op),
+        not async_op,
+    )
 
 
 def reduce_scatter_into(
@@ -195,8 +206,13 @@ def reduce_scatter_into(
             shard.copy_(full.view_as(shard))
         return None
     STATS.add("reduce_scatter", _nbytes(full), n)
-    return _guard("reduce_scatter", _nbytes(full), group,
-                  lambda: _REDUCE_SCATTER(shard, full, op=op, group=group, async_op=async_op), not async_op)
+    return _guard(
+        "reduce_scatter",
+        _nbytes(full),
+        group,
+        lambda: _REDUCE_SCATTER(shard, full, op=op, group=group, async_op=async_op),
+        not async_op,
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -204,8 +220,13 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if n == 1:
         return None
     STATS.add("broadcast", _nbytes(tensor), n)
-    return _guard("broadcast", _nbytes(tensor), group,
-                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), not async_op)
+    return _guard(
+        "broadcast",
+        _nbytes(tensor),
+        group,
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+        not async_op,
+    )
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:

@@ -64,8 +64,18 @@ from torch.utils._pytree import tree_flatten
 
 from runtime import tensor_parallel
 
-__all__ = ["BACKEND_ENV", "DEFAULT_BACKEND", "TRACKED_STEPS", "backend", "prepare", "compile_stage", "warm_up",
-           "warm_up_in_turn", "compile_counts", "CompiledLayers"]
+__all__ = [
+    "BACKEND_ENV",
+    "DEFAULT_BACKEND",
+    "TRACKED_STEPS",
+    "backend",
+    "prepare",
+    "compile_stage",
+    "warm_up",
+    "warm_up_in_turn",
+    "compile_counts",
+    "CompiledLayers",
+]
 
 BACKEND_ENV = "PLANNER_COMPILE_BACKEND"
 """Environment variable naming the ``torch.compile`` backend (default :data:`DEFAULT_BACKEND`)."""
@@ -129,8 +139,10 @@ class CompiledLayers:
         return [c.__name__ for c in self.functions]
 
     def describe(self) -> str:
-        return (f"{len(self.layers)} layers, {len(self.functions)} compiled class"
-                f"{'es' if len(self.functions) != 1 else ''} ({', '.join(self.classes)}; {self.backend})")
+        return (
+            f"{len(self.layers)} layers, {len(self.functions)} compiled class"
+            f"{'es' if len(self.functions) != 1 else ''} ({', '.join(self.classes)}; {self.backend})"
+        )
 
 
 def compile_stage(module: torch.nn.Module, backend_name: str | None = None) -> CompiledLayers:
@@ -200,8 +212,9 @@ def warm_up(module: torch.nn.Module, inputs: Sequence[torch.Tensor], info: Compi
     return seconds
 
 
-def warm_up_in_turn(module: torch.nn.Module, inputs: Sequence[torch.Tensor], info: CompiledLayers | None,
-                    first: bool) -> float:
+def warm_up_in_turn(
+    module: torch.nn.Module, inputs: Sequence[torch.Tensor], info: CompiledLayers | None, first: bool
+) -> float:
     """:func:`warm_up` on every rank; on gloo the ranks with ``first`` (data-parallel index 0: one
     rank per distinct graph, whose tensor-parallel peers are ``first`` too) compile before the
     others, which then load the graphs from the shared cache. The wait is a gloo monitored
@@ -227,6 +240,8 @@ def compile_counts() -> dict[str, int]:
     graphs captured) and ``graph_breaks``."""
     from torch._dynamo.utils import counters
 
-    return {"frames": int(counters["frames"].get("ok", 0)),
-            "graphs": int(counters["stats"].get("unique_graphs", 0)),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "frames": int(counters["frames"].get("ok", 0)),
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }

@@ -26,8 +26,17 @@ import torch
 import runtime
 from runtime.sharding import TensorShard
 
-__all__ = ["CompiledError", "read_manifest", "load_stage_module", "load_weights", "param_groups",
-           "rank_chunks", "rank_params", "MANIFEST", "FORMAT"]
+__all__ = [
+    "CompiledError",
+    "read_manifest",
+    "load_stage_module",
+    "load_weights",
+    "param_groups",
+    "rank_chunks",
+    "rank_params",
+    "MANIFEST",
+    "FORMAT",
+]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -47,12 +56,14 @@ def read_manifest(directory: str) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise CompiledError(f"cannot read {path}: {e}") from None
     if man.get("format") != FORMAT:
-        raise CompiledError(f"{path} has format {man.get('format')!r}; this runtime reads format {FORMAT}. "
-                            "Re-run `planner compile`.")
+        raise CompiledError(
+            f"{path} has format {man.get('format')!r}; this runtime reads format {FORMAT}. Re-run `planner compile`."
+        )
     need = man.get("runtime_version")
     if need != runtime.__version__:
-        raise CompiledError(f"{directory} was compiled for runtime {need}, this is {runtime.__version__}; "
-                            "re-run `planner compile`.")
+        raise CompiledError(
+            f"{directory} was compiled for runtime {need}, this is {runtime.__version__}; re-run `planner compile`."
+        )
     for st in man["stages"]:
         src = os.path.join(directory, st["file"])
         if not os.path.isfile(src):
@@ -60,8 +71,9 @@ def read_manifest(directory: str) -> dict:
         with open(src, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
         if digest != st["sha256"]:
-            raise CompiledError(f"{src} was modified after compilation (hash mismatch); re-run `planner compile` "
-                                "or restore the file.")
+            raise CompiledError(
+                f"{src} was modified after compilation (hash mismatch); re-run `planner compile` or restore the file."
+            )
     return man
 
 
@@ -117,8 +129,9 @@ def _read_shard(source, shard: TensorShard, tp_index: int, tp: int) -> torch.Ten
 
 
 @torch.no_grad()
-def load_weights(module: torch.nn.Module, stage: dict, state: Mapping[str, torch.Tensor],
-                 tp_index: int = 0, tp: int = 1) -> None:
+def load_weights(
+    module: torch.nn.Module, stage: dict, state: Mapping[str, torch.Tensor], tp_index: int = 0, tp: int = 1
+) -> None:
     """Copy the original model's tensors (by original name) into a stage module, sharding for tp.
 
     ``state`` maps original names to tensors. When it also has ``get_slice(name)`` (a lazy
@@ -136,8 +149,10 @@ def load_weights(module: torch.nn.Module, stage: dict, state: Mapping[str, torch
         try:
             shard = TensorShard.from_dict(entry.get("shard"))
         except (ValueError, KeyError, TypeError) as e:
-            raise CompiledError(f"{entry['fqn']}: the manifest's shard entry {entry.get('shard')!r} is "
-                                f"malformed ({e}); compile the plan again") from None
+            raise CompiledError(
+                f"{entry['fqn']}: the manifest's shard entry {entry.get('shard')!r} is "
+                f"malformed ({e}); compile the plan again"
+            ) from None
         source = None
         if shard is not None and tp > 1 and lazy is not None:
             try:
@@ -173,8 +188,10 @@ def rank_chunks(man: dict, pp_index: int) -> list[dict]:
     ``v > 1`` model chunks its chunks ``pp_index, pp_index + p, ...``."""
     pp, v = man["plan"]["pp"], virtual_stages(man)
     if len(man["stages"]) != pp * v:
-        raise CompiledError(f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={v}; "
-                            "re-run `planner compile`.")
+        raise CompiledError(
+            f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={v}; "
+            "re-run `planner compile`."
+        )
     return [man["stages"][c] for c in range(pp_index, pp * v, pp)]
 
 

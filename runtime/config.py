@@ -79,20 +79,29 @@ class TrainOptions:
     """Every setting of a training run; ``planner train``'s flags are the fields with a ``CliFlag``
     (in this order), the others are set by code."""
 
-    steps: int = field(metadata=_flag("--steps", kind="positive_int", required=True,
-                                      help="total steps of the run"))
+    steps: int = field(metadata=_flag("--steps", kind="positive_int", required=True, help="total steps of the run"))
     """Total optimizer steps of the run (a resumed run continues up to this number)."""
     metrics_path: str | None = field(default=None, metadata=_flag("--metrics", metavar="FILE.jsonl"))
     """Rank 0 appends one JSON object per step here."""
-    tensorboard_dir: str | None = field(default=None, metadata=_flag(
-        "--tensorboard", metavar="DIR",
-        help="also write loss, tokens/s, step time, peak memory and the time breakdown as TensorBoard "
-             "scalars here (needs: pip install tensorboard)"))
+    tensorboard_dir: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--tensorboard",
+            metavar="DIR",
+            help="also write loss, tokens/s, step time, peak memory and the time breakdown as TensorBoard "
+            "scalars here (needs: pip install tensorboard)",
+        ),
+    )
     """Rank 0 writes each step's metrics as TensorBoard scalars in this folder; None: no TensorBoard.
     Needs the optional ``tensorboard`` package."""
-    data_path: str | None = field(default=None, metadata=_flag(
-        "--data", metavar="PATH",
-        help="token file (uint16 .bin/.u16, uint32 .u32, .npy) or UTF-8 text; default synthetic tokens"))
+    data_path: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--data",
+            metavar="PATH",
+            help="token file (uint16 .bin/.u16, uint32 .u32, .npy) or UTF-8 text; default synthetic tokens",
+        ),
+    )
     """Token file or UTF-8 text; None for synthetic tokens."""
     seed: int = field(default=0, metadata=_flag("--seed", kind="nonneg_int"))
     """Fixes initialization and data."""
@@ -104,9 +113,12 @@ class TrainOptions:
     """Checkpoints kept on disk."""
     resume: bool = field(default=False, metadata=_flag("--resume", kind="switch"))
     """Continue from the newest checkpoint in ``checkpoint_dir``."""
-    timeout_s: float = field(default=300.0, metadata=_flag(
-        "--timeout", kind="positive_float", metavar="SECONDS",
-        help="fail if any collective waits longer than this"))
+    timeout_s: float = field(
+        default=300.0,
+        metadata=_flag(
+            "--timeout", kind="positive_float", metavar="SECONDS", help="fail if any collective waits longer than this"
+        ),
+    )
     """Seconds any collective may wait before the run fails."""
     lr: float = field(default=3e-4, metadata=_flag("--lr", kind="positive_float"))
     """Peak learning rate."""
@@ -117,32 +129,50 @@ class TrainOptions:
     """Linear warmup steps from 0 to ``lr``."""
     weight_decay: float = field(default=0.1, metadata=_flag("--weight-decay", kind="float"))
     """AdamW decoupled weight decay."""
-    eps: float = field(default=1e-8, metadata=_flag("--adam-eps", kind="positive_float",
-                                                    help="AdamW epsilon (default 1e-8)"))
+    eps: float = field(
+        default=1e-8, metadata=_flag("--adam-eps", kind="positive_float", help="AdamW epsilon (default 1e-8)")
+    )
     """AdamW epsilon."""
-    max_grad_norm: float | None = field(default=1.0, metadata=_flag(
-        "--clip", kind="float", help="global gradient-norm clip (0: off)", to_setting=_none_unless_positive))
+    max_grad_norm: float | None = field(
+        default=1.0,
+        metadata=_flag(
+            "--clip", kind="float", help="global gradient-norm clip (0: off)", to_setting=_none_unless_positive
+        ),
+    )
     """Clip gradients to this global L2 norm (None: no clipping)."""
-    nvme_path: str | None = field(default=None, metadata=_flag(
-        "--nvme-path", metavar="DIR",
-        help="folder for the NVMe tier of a plan that offloads optimizer state or parameters to nvme "
-             "(each rank writes DIR/rank<r>/, removed at the end)"))
+    nvme_path: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--nvme-path",
+            metavar="DIR",
+            help="folder for the NVMe tier of a plan that offloads optimizer state or parameters to nvme "
+            "(each rank writes DIR/rank<r>/, removed at the end)",
+        ),
+    )
     """Folder of the NVMe offload tier (``runtime.offload``): each rank keeps its offloaded state in
     files under ``DIR/rank<r>/`` and deletes them at the end. Needed when the plan's ``offload``
     puts anything on ``nvme``; None otherwise."""
-    delayed_update: bool = field(default=False, metadata=_flag(
-        "--delayed-update", kind="switch",
-        help="with the optimizer offloaded, overlap each step's CPU update with the next step's forward and "
-             "backward; changes the numerics (parameters lag one step)"))
+    delayed_update: bool = field(
+        default=False,
+        metadata=_flag(
+            "--delayed-update",
+            kind="switch",
+            help="with the optimizer offloaded, overlap each step's CPU update with the next step's forward and "
+            "backward; changes the numerics (parameters lag one step)",
+        ),
+    )
     """One-step delayed update (needs the plan's ``offload.optimizer`` on cpu or nvme): the CPU AdamW
     step of step k runs in the background while step k+1's forward and backward run, and reaches
     the device at step k+1's optimizer step, so step k+1 computes with the parameters of step k-1.
     This changes the numerics (as DeepSpeed's ZeRO-Offload delayed parameter update does); off by
     default. A checkpoint applies the pending update first, so a resumed run continues from the
     fully updated state (not bit-identical to an uninterrupted delayed run)."""
-    track_memory: bool = field(default=True, metadata=_flag(
-        "--no-memory-tracking", kind="switch", help="skip live-tensor tracking (faster)",
-        to_setting=operator.not_))
+    track_memory: bool = field(
+        default=True,
+        metadata=_flag(
+            "--no-memory-tracking", kind="switch", help="skip live-tensor tracking (faster)", to_setting=operator.not_
+        ),
+    )
     """Measure peak live tensor bytes (slower on CPU)."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
@@ -169,10 +199,16 @@ class TrainOptions:
             ("eps", _finite(self.eps) and self.eps > 0, "a positive number"),
             ("beta1", _finite(self.beta1) and 0 <= self.beta1 < 1, "in [0, 1)"),
             ("beta2", _finite(self.beta2) and 0 <= self.beta2 < 1, "in [0, 1)"),
-            ("max_grad_norm", self.max_grad_norm is None or (_finite(self.max_grad_norm) and self.max_grad_norm > 0),
-             "a positive number or None (no clipping)"),
-            ("memory_steps", self.memory_steps is None or (_is_int(self.memory_steps) and self.memory_steps >= 1),
-             "a positive integer or None (every step)"),
+            (
+                "max_grad_norm",
+                self.max_grad_norm is None or (_finite(self.max_grad_norm) and self.max_grad_norm > 0),
+                "a positive number or None (no clipping)",
+            ),
+            (
+                "memory_steps",
+                self.memory_steps is None or (_is_int(self.memory_steps) and self.memory_steps >= 1),
+                "a positive integer or None (every step)",
+            ),
         )
         for name, ok, what in checks:
             if not ok:

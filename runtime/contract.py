@@ -35,8 +35,10 @@ INPUT_ROLES = ("tokens", "labels", "targets", "ones", "zeros", "positions")
 the next tokens as ``targets``; a constant ``ones``/``zeros`` of the input's shape (a mask); the
 ``positions`` ``0..S-1`` of each row. ``passes.inputs`` assigns them from the graph."""
 
-LEGACY_INPUTS = [{"name": "input_ids", "role": "tokens", "dtype": "int64", "shape": ["b", "s"]},
-                 {"name": "labels", "role": "targets", "dtype": "int64", "shape": ["b", "s"]}]
+LEGACY_INPUTS = [
+    {"name": "input_ids", "role": "tokens", "dtype": "int64", "shape": ["b", "s"]},
+    {"name": "labels", "role": "targets", "dtype": "int64", "shape": ["b", "s"]},
+]
 """The inputs of a plan written before ``model.inputs`` existed: ``(tokens, targets)``."""
 
 

@@ -29,8 +29,18 @@ import torch
 
 from runtime.contract import INPUT_ROLES, LEGACY_INPUTS, DataError
 
-__all__ = ["SyntheticTokens", "TokenFile", "DataError", "open_data", "rank_slice", "INPUT_ROLES", "LEGACY_INPUTS",
-           "model_inputs", "data_vocab"]
+__all__ = [
+    "SyntheticTokens",
+    "TokenFile",
+    "DataError",
+    "open_data",
+    "rank_slice",
+    "INPUT_ROLES",
+    "LEGACY_INPUTS",
+    "model_inputs",
+    "data_vocab",
+]
+
 
 def _rng(seed: int, step: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, step]))
@@ -85,7 +95,8 @@ class TokenFile:
                 except UnicodeDecodeError as e:
                     raise DataError(
                         f"{path} is neither a token array (.bin/.u16 uint16, .u32 uint32, .npy) nor UTF-8 "
-                        f"text (invalid byte at offset {e.start})") from None
+                        f"text (invalid byte at offset {e.start})"
+                    ) from None
                 arr = np.frombuffer(raw, dtype=np.uint8)
         except (OSError, ValueError) as e:
             if isinstance(e, DataError):
@@ -94,23 +105,23 @@ class TokenFile:
         if arr.ndim != 1:
             raise DataError(f"{path}: token arrays must be flat (1-D), got shape {arr.shape}")
         if arr.shape[0] < seq_len + 1:
-            raise DataError(f"{path} holds {arr.shape[0]} tokens, fewer than one sample of "
-                            f"seq_len + 1 = {seq_len + 1}")
+            raise DataError(f"{path} holds {arr.shape[0]} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
         if arr.dtype.kind not in "iu":
-            raise DataError(f"{path} holds {arr.dtype} values, not token ids: save an integer array "
-                            "(uint16, uint32, int32 or int64), e.g. np.save(path, ids.astype(np.uint32))")
+            raise DataError(
+                f"{path} holds {arr.dtype} values, not token ids: save an integer array "
+                "(uint16, uint32, int32 or int64), e.g. np.save(path, ids.astype(np.uint32))"
+            )
         self.tokens = arr
         if vocab is not None and arr.shape[0]:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
-                raise DataError(f"{path} contains token id {bad}, outside the model's vocabulary "
-                                f"0..{vocab - 1}")
+                raise DataError(f"{path} contains token id {bad}, outside the model's vocabulary 0..{vocab - 1}")
 
     def rows(self, step: int, start: int, stop: int, global_batch: int):
         n = self.tokens.shape[0] - self.seq_len - 1
         offs = _rng(self.seed, step).integers(0, n + 1, size=global_batch)[start:stop]
-        win = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offs])
+        win = np.stack([np.asarray(self.tokens[o : o + self.seq_len + 1], dtype=np.int64) for o in offs])
         t = torch.from_numpy(win)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 

@@ -45,8 +45,16 @@ _JOINS = 0
 #: ``new_group`` would otherwise fall back to torch's 30-minute default.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
-__all__ = ["DistContext", "init_distributed", "shutdown", "free_port", "launch_local", "LaunchError",
-           "reuse_host_memory", "start_method"]
+__all__ = [
+    "DistContext",
+    "init_distributed",
+    "shutdown",
+    "free_port",
+    "launch_local",
+    "LaunchError",
+    "reuse_host_memory",
+    "start_method",
+]
 
 #: What the fork server imports once, before it forks any rank (module docstring).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "runtime.trainer"]
@@ -58,10 +66,13 @@ def start_method() -> str:
     chosen = os.environ.get("PLANNER_START_METHOD", "").strip()
     if chosen:
         if chosen not in multiprocessing.get_all_start_methods():
-            raise ValueError(f"PLANNER_START_METHOD={chosen!r} is not one of this platform's start methods "
-                             f"({', '.join(multiprocessing.get_all_start_methods())})")
+            raise ValueError(
+                f"PLANNER_START_METHOD={chosen!r} is not one of this platform's start methods "
+                f"({', '.join(multiprocessing.get_all_start_methods())})"
+            )
         return chosen
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
 
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
@@ -203,8 +214,17 @@ def _launcher_stdio() -> tuple[_InheritedFd, _InheritedFd] | None:
     return _InheritedFd(1), _InheritedFd(2)
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, args: tuple,
-           error_dir: str, env: dict[str, str], stdio: tuple[int, int] | None = None):
+def _entry(
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    args: tuple,
+    error_dir: str,
+    env: dict[str, str],
+    stdio: tuple[int, int] | None = None,
+):
     os.environ.clear()  # the launcher's environment, not the fork server's (module docstring)
     os.environ.update(env)
     if stdio is not None:  # print where the launcher prints now
@@ -219,7 +239,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
     os.environ["MASTER_PORT"] = str(port)
     # The machine's cores shared by every local rank (no oversubscription); PLANNER_NUM_THREADS
     # overrides the intra-op threads per rank.
-    torch.set_num_threads(int(os.environ.get("PLANNER_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(
+        int(os.environ.get("PLANNER_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // world_size)
+    )
     try:
         init_distributed(rank, world_size, port, timeout_s=timeout_s)
         try:
@@ -259,8 +281,7 @@ def _diagnose(ctx, error_dir: str, nproc: int) -> LaunchError:
                 sig = signal.Signals(-code).name
             except ValueError:
                 sig = f"signal {-code}"
-            lost = LaunchError(f"rank {r} was lost: its process was killed by {sig}; "
-                               f"the other ranks were stopped")
+            lost = LaunchError(f"rank {r} was lost: its process was killed by {sig}; the other ranks were stopped")
             if -code == signal.SIGKILL:
                 return lost
             signalled.append(lost)
@@ -303,8 +324,16 @@ def launch_local(
     with tempfile.TemporaryDirectory(prefix="planner-launch-") as error_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, nproc, port, coll_timeout, tuple(args), error_dir, dict(os.environ),
-                  _launcher_stdio() if method == "forkserver" else None),
+            args=(
+                fn,
+                nproc,
+                port,
+                coll_timeout,
+                tuple(args),
+                error_dir,
+                dict(os.environ),
+                _launcher_stdio() if method == "forkserver" else None,
+            ),
             nprocs=nproc,
             join=False,
             start_method=method,
@@ -322,8 +351,11 @@ def launch_local(
                 except (mp.ProcessRaisedException, mp.ProcessExitedException):
                     if all(os.path.exists(os.path.join(error_dir, f"rank{r}.done")) for r in range(nproc)):
                         # Every rank finished its work; the failure happened while exiting.
-                        print("planner: warning: a process failed while exiting after all ranks had "
-                              "finished; the run itself completed", file=sys.stderr)
+                        print(
+                            "planner: warning: a process failed while exiting after all ranks had "
+                            "finished; the run itself completed",
+                            file=sys.stderr,
+                        )
                         return
                     raise _diagnose(ctx, error_dir, nproc) from None
                 if time.monotonic() > deadline:

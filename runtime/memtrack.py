@@ -222,8 +222,9 @@ class MemoryTracker:
     ``current_bytes``, storages allocated outside are not seen (register them).
     """
 
-    def __init__(self, device: str | torch.device | None = None, backend: str = "auto",
-                 track_inputs: bool = True) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, backend: str = "auto", track_inputs: bool = True
+    ) -> None:
         if backend not in ("auto", "storage", "cuda"):
             raise ValueError(f"backend must be 'auto', 'storage' or 'cuda', got {backend!r}")
         if device is None:
@@ -336,9 +337,7 @@ class MemoryTracker:
 
     def __enter__(self) -> "MemoryTracker":
         if self._active:
-            raise RuntimeError(
-                "this MemoryTracker is already active; it cannot be nested in itself"
-            )
+            raise RuntimeError("this MemoryTracker is already active; it cannot be nested in itself")
         self._active = True
         if self._counter is None:
             torch.cuda.synchronize(self.device)
@@ -356,5 +355,7 @@ class MemoryTracker:
             torch.cuda.synchronize(self.device)
 
     def __repr__(self) -> str:
-        return (f"MemoryTracker(backend={self.backend!r}, current={self.current_bytes}, "
-                f"peak={self.peak_bytes}, storages={self.num_storages})")
+        return (
+            f"MemoryTracker(backend={self.backend!r}, current={self.current_bytes}, "
+            f"peak={self.peak_bytes}, storages={self.num_storages})"
+        )

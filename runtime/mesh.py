@@ -114,8 +114,7 @@ def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] =
         return set_mesh(Mesh(1, 1, 1))
     if dist.get_world_size() != world:
         raise ValueError(
-            f"the plan needs pp*dp*tp = {pp}*{dp}*{tp} = {world} processes, "
-            f"but the job has {dist.get_world_size()}"
+            f"the plan needs pp*dp*tp = {pp}*{dp}*{tp} = {world} processes, but the job has {dist.get_world_size()}"
         )
     rank = dist.get_rank()
     mine = coords_of(rank, dp, tp)
@@ -147,9 +146,16 @@ def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] =
                 if rank in members_t:
                     tied[holders] = g
     mesh = Mesh(
-        pp, dp, tp, rank,
-        pp_group=groups["pp"][0], dp_group=groups["dp"][0], tp_group=groups["tp"][0],
-        pp_ranks=groups["pp"][1], dp_ranks=groups["dp"][1], tp_ranks=groups["tp"][1],
+        pp,
+        dp,
+        tp,
+        rank,
+        pp_group=groups["pp"][0],
+        dp_group=groups["dp"][0],
+        tp_group=groups["tp"][0],
+        pp_ranks=groups["pp"][1],
+        dp_ranks=groups["dp"][1],
+        tp_ranks=groups["tp"][1],
         tied_groups=tied,
     )
     assert coords_of(rank, dp, tp) == mine

@@ -99,7 +99,17 @@ from runtime import timing
 from runtime.config import ConfigError
 from runtime.optim import FlatGroup, resident_access
 
-__all__ = ["TIERS", "copy_part", "Offload", "OffloadConfig", "OffloadError", "NvmeFile", "OptimizerStore", "ParamStore", "host_empty"]
+__all__ = [
+    "TIERS",
+    "copy_part",
+    "Offload",
+    "OffloadConfig",
+    "OffloadError",
+    "NvmeFile",
+    "OptimizerStore",
+    "ParamStore",
+    "host_empty",
+]
 
 TIERS: tuple[str, ...] = ("none", "cpu", "nvme")
 
@@ -138,19 +148,22 @@ class OffloadConfig:
         if self.params != "none" and zero_stage != 3:
             raise OffloadError(
                 f"offload.params={self.params!r} needs ZeRO stage 3 (only ZeRO-3 shards the parameters), "
-                f"but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 3 or --offload-params none")
+                f"but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 3 or --offload-params none"
+            )
         if self.optimizer != "none" and zero_stage not in (1, 2, 3):
             raise OffloadError(
                 f"offload.optimizer={self.optimizer!r} needs ZeRO stage 1, 2 or 3 (a sharded optimizer "
                 f"state), but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 1 or higher "
-                "or --offload-optimizer none")
+                "or --offload-optimizer none"
+            )
         if self.uses_nvme:
             if not self.nvme_path:
                 which = [k for k in ("optimizer", "params") if getattr(self, k) == "nvme"]
                 raise OffloadError(
                     f"the plan puts the {' and '.join(which)} state on NVMe (offload "
                     f"{', '.join(f'{k}=nvme' for k in which)}) but no folder was given: pass "
-                    "--nvme-path DIR (a folder on a fast local disk)")
+                    "--nvme-path DIR (a folder on a fast local disk)"
+                )
             if os.path.exists(self.nvme_path) and not os.path.isdir(self.nvme_path):
                 raise OffloadError(f"--nvme-path {self.nvme_path} exists and is not a folder")
 
@@ -161,8 +174,7 @@ class OffloadConfig:
         spec = plan.get("offload") or {}
         if not isinstance(spec, dict) or set(spec) - {"optimizer", "params"}:
             raise OffloadError(f"plan offload must be {{'optimizer': tier, 'params': tier}}, got {spec!r}")
-        cfg = cls(optimizer=spec.get("optimizer", "none"), params=spec.get("params", "none"),
-                  nvme_path=nvme_path)
+        cfg = cls(optimizer=spec.get("optimizer", "none"), params=spec.get("params", "none"), nvme_path=nvme_path)
         cfg.check(int(plan["zero_stage"]))
         return cfg
 
@@ -222,14 +234,17 @@ class NvmeFile:
                 _CREATED.add(folder)
             fd, self.path = tempfile.mkstemp(prefix=f"{kind}-", suffix=".bin", dir=folder)
         except OSError as e:
-            raise OffloadError(f"cannot create the NVMe tier's {kind} file in {folder} ({e}); check "
-                               "--nvme-path (a writable folder)") from None
+            raise OffloadError(
+                f"cannot create the NVMe tier's {kind} file in {folder} ({e}); check --nvme-path (a writable folder)"
+            ) from None
         try:
             _reserve(fd, nbytes)
         except OSError as e:
             _remove(fd, self.path)
-            raise OffloadError(f"cannot reserve {nbytes / 2**20:.1f} MiB for the NVMe tier's {kind} file in "
-                               f"{folder} ({e}); free space there or point --nvme-path at a larger disk") from None
+            raise OffloadError(
+                f"cannot reserve {nbytes / 2**20:.1f} MiB for the NVMe tier's {kind} file in "
+                f"{folder} ({e}); free space there or point --nvme-path at a larger disk"
+            ) from None
         self.fd, self.nbytes = fd, nbytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvme-{kind}")
         self._cleanup = weakref.finalize(self, _remove, fd, self.path)
@@ -300,9 +315,16 @@ class OptimizerStore:
     they are None between uses (the file holds them).
     """
 
-    def __init__(self, tier: str, groups: Sequence[FlatGroup], device: torch.device,
-                 nvme_path: str | None = None, rank: int = 0, delayed: bool = False,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        tier: str,
+        groups: Sequence[FlatGroup],
+        device: torch.device,
+        nvme_path: str | None = None,
+        rank: int = 0,
+        delayed: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
         if tier not in ("cpu", "nvme"):
             raise OffloadError(f"optimizer store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.device = tier, device
@@ -345,7 +367,7 @@ class OptimizerStore:
 
     def _views(self, slot: torch.Tensor, g: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = g.shard
-        return slot[:s], slot[s: 2 * s], slot[2 * s: 3 * s]
+        return slot[:s], slot[s : 2 * s], slot[2 * s : 3 * s]
 
     @contextlib.contextmanager
     def open_group(self, g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -400,8 +422,12 @@ class OptimizerStore:
             self._fresh[k] = True
 
     # -- the step ---------------------------------------------------------------------------------
-    def update(self, groups: Sequence[FlatGroup], fn: Callable[[FlatGroup, torch.Tensor, torch.Tensor, torch.Tensor], object],
-               timed: bool = True) -> list:
+    def update(
+        self,
+        groups: Sequence[FlatGroup],
+        fn: Callable[[FlatGroup, torch.Tensor, torch.Tensor, torch.Tensor], object],
+        timed: bool = True,
+    ) -> list:
         """Call ``fn(g, master, exp_avg, exp_avg_sq)`` for every group in order (the CPU AdamW step
         and the copy of the result to the device); their results. With ``nvme`` the groups stream
         through the two slots (module docstring): read ``i + 1`` while ``i`` updates, write ``i``
@@ -491,8 +517,15 @@ class ParamStore:
     ahead in the previous step's fetch order.
     """
 
-    def __init__(self, tier: str, groups: Sequence[FlatGroup], dtype: torch.dtype, device: torch.device,
-                 nvme_path: str | None = None, rank: int = 0):
+    def __init__(
+        self,
+        tier: str,
+        groups: Sequence[FlatGroup],
+        dtype: torch.dtype,
+        device: torch.device,
+        nvme_path: str | None = None,
+        rank: int = 0,
+    ):
         if tier not in ("cpu", "nvme"):
             raise OffloadError(f"parameter store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.dtype, self.device = tier, dtype, device
@@ -559,7 +592,7 @@ class ParamStore:
         self._seen.append(g.index)
         k = len(self._seen)
         if self._order[:k] == self._seen:
-            for nxt in self._order[k: k + len(self._slots)]:
+            for nxt in self._order[k : k + len(self._slots)]:
                 self._read_ahead(nxt)
         return out
 
@@ -593,19 +626,35 @@ class Offload:
     update, the start of a step, accounting and ``close``). With nothing offloaded every call does
     what the engine did before: the state stays in the group's own device tensors."""
 
-    def __init__(self, config: OffloadConfig, groups: Sequence[FlatGroup], stage: int, dtype: torch.dtype,
-                 device: torch.device, rank: int, delayed: bool = False):
+    def __init__(
+        self,
+        config: OffloadConfig,
+        groups: Sequence[FlatGroup],
+        stage: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+        delayed: bool = False,
+    ):
         config.check(stage)
         if delayed and config.optimizer == "none":
-            raise OffloadError("the delayed update (--delayed-update) overlaps the CPU optimizer step with the next "
-                               "step's forward and backward: it needs a plan that offloads the optimizer state "
-                               "(offload.optimizer cpu or nvme)")
+            raise OffloadError(
+                "the delayed update (--delayed-update) overlaps the CPU optimizer step with the next "
+                "step's forward and backward: it needs a plan that offloads the optimizer state "
+                "(offload.optimizer cpu or nvme)"
+            )
         self.config, self.stage, self.dtype, self.delayed = config, stage, dtype, delayed
-        self.opt = OptimizerStore(config.optimizer, groups, device, config.nvme_path, rank, delayed, dtype) \
-            if config.optimizer != "none" else None
+        self.opt = (
+            OptimizerStore(config.optimizer, groups, device, config.nvme_path, rank, delayed, dtype)
+            if config.optimizer != "none"
+            else None
+        )
         """The optimizer state's store (None: on the device)."""
-        self.params = ParamStore(config.params, groups, dtype, device, config.nvme_path, rank) \
-            if config.params != "none" else None
+        self.params = (
+            ParamStore(config.params, groups, dtype, device, config.nvme_path, rank)
+            if config.params != "none"
+            else None
+        )
         """The ZeRO-3 parameter shards' store (None: gathered from the device)."""
 
     @torch.no_grad()
@@ -637,7 +686,7 @@ class Offload:
             self.opt.flush_grad(g, acc, overwrite=False)
             g.grad_shard = None
         else:
-            self.opt.flush_grad(g, g.grad_full[dp_rank * g.shard: (dp_rank + 1) * g.shard], overwrite=True)
+            self.opt.flush_grad(g, g.grad_full[dp_rank * g.shard : (dp_rank + 1) * g.shard], overwrite=True)
         g.flushed = True
 
     def flush_all(self, groups: Sequence[FlatGroup], dp_rank: int) -> None:

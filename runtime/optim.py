@@ -156,8 +156,11 @@ def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: 
         layers = [root] if root else []
         for child, sub in module.named_children():
             # A container is not a layer: a ModuleList of blocks gives one group per block.
-            heads = [f"{child}.{k}" for k, _ in sub.named_children()] if isinstance(
-                sub, (nn.ModuleList, nn.ModuleDict)) else [child]
+            heads = (
+                [f"{child}.{k}" for k, _ in sub.named_children()]
+                if isinstance(sub, (nn.ModuleList, nn.ModuleDict))
+                else [child]
+            )
             for head in heads:
                 names = [n for n in canon_name.values() if n.startswith(head + ".")]
                 if names:
@@ -285,9 +288,21 @@ def adamw_step_(
         # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);
         # a fill, not a host-to-device copy, so the host does not wait for the queued kernels.
         steps = [torch.full((), float(step), device=param.device)]
-        _FUSED_ADAMW([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                     weight_decay=weight_decay if decay_ranges is None else 0.0, eps=eps,
-                     amsgrad=False, maximize=False)
+        _FUSED_ADAMW(
+            [param],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay if decay_ranges is None else 0.0,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
         return
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -353,8 +368,7 @@ def padded_numel(numel: int, num_shards: int) -> int:
 def _check_format(state: dict, what: str) -> None:
     if state.get("format") != FORMAT:
         raise ValueError(
-            f"{what} is not a ZeRO engine state dict (format {state.get('format')!r}, "
-            f"expected {FORMAT!r})"
+            f"{what} is not a ZeRO engine state dict (format {state.get('format')!r}, expected {FORMAT!r})"
         )
 
 
@@ -442,12 +456,18 @@ def resident_access(g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.T
 
 def state_layout(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int) -> dict:
     """A state dict without its tensors: the layout ``export_state`` fills."""
-    return {"format": FORMAT, "num_shards": num_shards, "shard_index": shard_index, "step": step,
-            "groups": _layout(groups)}
+    return {
+        "format": FORMAT,
+        "num_shards": num_shards,
+        "shard_index": shard_index,
+        "step": step,
+        "groups": _layout(groups),
+    }
 
 
-def export_state(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int,
-                 access: GroupAccess = resident_access) -> dict:
+def export_state(
+    groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int, access: GroupAccess = resident_access
+) -> dict:
     """CPU copy of the groups' masters and AdamW moments as shard ``shard_index`` of ``num_shards``.
 
     The groups hold the padded full vectors when ``num_shards == 1`` (ZeRO stage 0), their shard
@@ -469,8 +489,9 @@ def export_state(groups: Sequence[FlatGroup], num_shards: int, shard_index: int,
 
 
 @torch.no_grad()
-def import_state(groups: Sequence[FlatGroup], state: dict, num_shards: int, shard_index: int,
-                 access: GroupAccess = resident_access) -> int:
+def import_state(
+    groups: Sequence[FlatGroup], state: dict, num_shards: int, shard_index: int, access: GroupAccess = resident_access
+) -> int:
     """Copy ``state`` into the groups' masters and moments (reached through ``access``, one group at
     a time); returns its step count.
 

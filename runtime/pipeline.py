@@ -88,13 +88,28 @@ from runtime.mesh import get_mesh
 from runtime.schedule import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, B, F, ScheduleError, W, validate_rank
 
 __all__ = [
-    "TensorMeta", "PipelineError", "PipelineStage", "run_pipeline", "META_ROW", "WeightWork", "backward_input",
-    "backward_weight", "BackwardScope",
+    "TensorMeta",
+    "PipelineError",
+    "PipelineStage",
+    "run_pipeline",
+    "META_ROW",
+    "WeightWork",
+    "backward_input",
+    "backward_weight",
+    "BackwardScope",
 ]
 
 _DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 #: Width limits of the pre-flight encoding of a ``recv_meta``.
 MAX_TENSORS = 8
@@ -132,7 +147,9 @@ class TensorMeta:
         return cls(tuple(t.shape), t.dtype, bool(t.requires_grad and t.dtype.is_floating_point))
 
     def __str__(self) -> str:
-        return f"{tuple(self.shape)} {str(self.dtype).replace('torch.', '')}" + (" (grad)" if self.requires_grad else "")
+        return f"{tuple(self.shape)} {str(self.dtype).replace('torch.', '')}" + (
+            " (grad)" if self.requires_grad else ""
+        )
 
 
 def _as_meta(m: Any) -> TensorMeta:
@@ -259,6 +276,7 @@ def backward_input(
     def keep(node):
         def hook(grad_outputs):
             captured[node] = grad_outputs
+
         return hook
 
     b_pairs = [(o, g) for o, g, n in zip(outputs, grads, roots) if reach[n]]
@@ -268,21 +286,31 @@ def backward_input(
     if b_pairs:
         handles = [n.register_prehook(keep(n)) for n in frontier]
         try:
-            got = torch.autograd.grad([o for o, _ in b_pairs], list(inputs) + eager_w, [g for _, g in b_pairs],
-                                      retain_graph=True, allow_unused=True)
+            got = torch.autograd.grad(
+                [o for o, _ in b_pairs],
+                list(inputs) + eager_w,
+                [g for _, g in b_pairs],
+                retain_graph=True,
+                allow_unused=True,
+            )
         finally:
             for h in handles:
                 h.remove()
-        dx, dw = list(got[:len(inputs)]), got[len(inputs):]
+        dx, dw = list(got[: len(inputs)]), got[len(inputs) :]
     calls = []
     for entries, leaves in groups:
         if (entries, leaves) in eager:
-            pairs = [(GradientEdge(n, 0), d) for n, d in zip(leaves, dw[:len(leaves)]) if d is not None]
-            dw = dw[len(leaves):]
+            pairs = [(GradientEdge(n, 0), d) for n, d in zip(leaves, dw[: len(leaves)]) if d is not None]
+            dw = dw[len(leaves) :]
         else:
             pairs = [root_edge[e] for e in entries if e in root_edge]
-            pairs += [(GradientEdge(e, k), g) for e in entries if e in captured
-                      for k, g in enumerate(captured[e]) if g is not None]
+            pairs += [
+                (GradientEdge(e, k), g)
+                for e in entries
+                if e in captured
+                for k, g in enumerate(captured[e])
+                if g is not None
+            ]
         if pairs:
             calls.append(([e for e, _ in pairs], [g for _, g in pairs], [n.variable for n in leaves]))
     dx = [d if d is not None else torch.zeros_like(x) for d, x in zip(dx, inputs)]
@@ -405,10 +433,15 @@ class PipelineStage:
         s, p, ranks = mesh.pp_index, mesh.pp, mesh.pp_ranks
         wrap = kw.get("virtual_stages", 1) > 1
         return cls(
-            module, s, p, recv_meta=recv_meta,
+            module,
+            s,
+            p,
+            recv_meta=recv_meta,
             prev_rank=ranks[(s - 1) % p] if s > 0 or wrap else None,
             next_rank=ranks[(s + 1) % p] if s < p - 1 or wrap else None,
-            pp_group=mesh.pp_group, last_rank=ranks[-1], **kw,
+            pp_group=mesh.pp_group,
+            last_rank=ranks[-1],
+            **kw,
         )
 
     @property
@@ -459,17 +492,20 @@ class PipelineStage:
         if m == 0:
             return _NO_MB, -1, -1, "no micro-batches were given"
         if m < p:
-            return _FEW_MB, -1, -1, (
-                f"{m} micro-batch{'es' if m != 1 else ''} for {p} pipeline stages: a pipeline needs at least as many "
-                f"micro-batches as stages (use a smaller micro-batch size or fewer stages)"
+            return (
+                _FEW_MB,
+                -1,
+                -1,
+                (
+                    f"{m} micro-batch{'es' if m != 1 else ''} for {p} pipeline stages: a pipeline needs at least as many "
+                    f"micro-batches as stages (use a smaller micro-batch size or fewer stages)"
+                ),
             )
         flat = [tuple(t for chunk in e for t in chunk) for e in extras]
         ref = flat[0]
         for i, e in enumerate(flat[1:], start=1):
             if len(e) != len(ref) or [len(c) for c in extras[i]] != [len(c) for c in extras[0]]:
-                return _SHAPES, i, -1, (
-                    f"micro-batch {i} has {len(e)} inputs but micro-batch 0 has {len(ref)}"
-                )
+                return _SHAPES, i, -1, (f"micro-batch {i} has {len(e)} inputs but micro-batch 0 has {len(ref)}")
             for j, (a, b) in enumerate(zip(e, ref)):
                 same = (
                     a.shape == b.shape and a.dtype == b.dtype
@@ -477,10 +513,15 @@ class PipelineStage:
                     else type(a) is type(b)
                 )
                 if not same:
-                    return _SHAPES, i, j, (
-                        f"input {j} of micro-batch {i} is {_describe(a)} but micro-batch 0's is "
-                        f"{_describe(b)}: every micro-batch must have the same shapes and dtypes "
-                        f"(pad, or drop the last partial batch)"
+                    return (
+                        _SHAPES,
+                        i,
+                        j,
+                        (
+                            f"input {j} of micro-batch {i} is {_describe(a)} but micro-batch 0's is "
+                            f"{_describe(b)}: every micro-batch must have the same shapes and dtypes "
+                            f"(pad, or drop the last partial batch)"
+                        ),
                     )
         if any(len(ms) > MAX_TENSORS or any(len(t.shape) > MAX_DIMS for t in ms) for ms in self.recv_metas):
             return _META, -1, -1, f"recv_meta has more than {MAX_TENSORS} tensors or {MAX_DIMS} dims"
@@ -495,8 +536,8 @@ class PipelineStage:
         if code != _META:
             for k, t in enumerate(metas):
                 o = _HEAD + k * _SLOT
-                row[o:o + 3] = [_DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape)]
-                row[o + 3:o + 3 + len(t.shape)] = list(t.shape)
+                row[o : o + 3] = [_DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape)]
+                row[o + 3 : o + 3 + len(t.shape)] = list(t.shape)
         return row
 
     @staticmethod
@@ -504,8 +545,8 @@ class PipelineStage:
         out = []
         for k in range(row[4]):
             o = _HEAD + k * _SLOT
-            dt, rg, nd = row[o:o + 3]
-            out.append(TensorMeta(tuple(row[o + 3:o + 3 + nd]), _DTYPES[dt], bool(rg)))
+            dt, rg, nd = row[o : o + 3]
+            out.append(TensorMeta(tuple(row[o + 3 : o + 3 + nd]), _DTYPES[dt], bool(rg)))
         return tuple(out)
 
     def _preflight(self, actions: Sequence[Action], extras: list[list[tuple]]) -> None:
@@ -536,11 +577,14 @@ class PipelineStage:
                     f"stage {t}: input {row[3]} of micro-batch {row[2]} differs in shape or dtype from micro-batch 0"
                 )
             elif row[0] != _OK:
-                problems.append(f"stage {t}: " + {
-                    _SCHEDULE: "its action list is invalid",
-                    _META: "its recv_meta is too large to exchange",
-                    _NO_MB: "no micro-batches were given",
-                }[row[0]])
+                problems.append(
+                    f"stage {t}: "
+                    + {
+                        _SCHEDULE: "its action list is invalid",
+                        _META: "its recv_meta is too large to exchange",
+                        _NO_MB: "no micro-batches were given",
+                    }[row[0]]
+                )
         counts = {row[1] for row in rows[:p] if row[0] not in (_NO_MB,)}
         if not problems and len(counts) > 1:
             problems.append(
@@ -548,9 +592,7 @@ class PipelineStage:
                 + ", ".join(f"stage {t} has {row[1]}" for t, row in enumerate(rows[:p]))
             )
         if problems:
-            raise PipelineError(
-                "pipeline refused to start (nothing was sent):\n  " + "\n  ".join(problems)
-            )
+            raise PipelineError("pipeline refused to start (nothing was sent):\n  " + "\n  ".join(problems))
         for j in range(v):
             if not self._last(j):
                 self.send_metas[j] = self._decode_meta(rows[self._chunk(j) + 1])
@@ -648,8 +690,9 @@ class PipelineStage:
             if a.kind in (RECV_ACT, RECV_GRAD):
                 bufs = self._wait_recv(posted.pop(k, None) or self._post_recv(a))
                 if a.kind == RECV_ACT:
-                    inputs[key] = tuple(b.requires_grad_(True) if t.requires_grad else b
-                                        for b, t in zip(bufs, self.recv_metas[j]))
+                    inputs[key] = tuple(
+                        b.requires_grad_(True) if t.requires_grad else b for b, t in zip(bufs, self.recv_metas[j])
+                    )
                 else:
                     out_grads[key] = bufs
             elif a.kind == F:
@@ -752,8 +795,16 @@ def run_pipeline(
     Returns the mean loss over micro-batches on every stage (broadcast from the last stage).
     """
     stage = PipelineStage(
-        stage_module, stage_index, num_stages, recv_meta=recv_meta, prev_rank=prev_rank,
-        next_rank=next_rank, pp_group=pp_group, last_rank=last_rank, device=device,
-        virtual_stages=virtual_stages, backward_scope=backward_scope,
+        stage_module,
+        stage_index,
+        num_stages,
+        recv_meta=recv_meta,
+        prev_rank=prev_rank,
+        next_rank=next_rank,
+        pp_group=pp_group,
+        last_rank=last_rank,
+        device=device,
+        virtual_stages=virtual_stages,
+        backward_scope=backward_scope,
     )
     return stage.run(actions, microbatches, loss_scale=loss_scale)

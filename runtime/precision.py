@@ -39,9 +39,7 @@ def check_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Return ``dtype`` if the engine can compute in it (``runtime.dtypes``), else raise a
     ValueError naming the options."""
     if dtype not in TORCH_DTYPES.values():
-        raise ValueError(
-            f"param_dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16"
-        )
+        raise ValueError(f"param_dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
     return dtype
 
 
@@ -100,9 +98,7 @@ class DynamicLossScaler:
         if self.hysteresis < 1:
             raise ValueError(f"hysteresis must be >= 1, got {self.hysteresis}")
         if not 0 < self.min_scale <= self.init_scale:
-            raise ValueError(
-                f"min_scale must be in (0, init_scale={self.init_scale}], got {self.min_scale}"
-            )
+            raise ValueError(f"min_scale must be in (0, init_scale={self.init_scale}], got {self.min_scale}")
         self.scale: float = float(self.init_scale)
         self.good_steps: int = 0
         """Consecutive steps without overflow since the last overflow or growth."""

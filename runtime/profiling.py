@@ -59,8 +59,15 @@ def write_profile(prof, rank: int, step: int) -> None:
 class StepProbes:
     """Peak-memory tracking and the ``PLANNER_PROFILE`` profiler around one rank's steps."""
 
-    def __init__(self, rank: int, device: torch.device, track_memory: bool, memory_steps: int | None,
-                 resident: Iterable[torch.Tensor], host: Iterable[torch.Tensor] = ()):
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        track_memory: bool,
+        memory_steps: int | None,
+        resident: Iterable[torch.Tensor],
+        host: Iterable[torch.Tensor] = (),
+    ):
         """``resident``: the tensors alive before the first step (parameters, optimizer state),
         counted in every peak. ``host``: host-tier tensors of an offloaded run, never counted
         (``peak_memory_bytes`` is device memory). ``memory_steps``: see
@@ -103,7 +110,10 @@ class StepProbes:
         t = self.tracker
         self.last_peak = max(self.last_peak, t.peak_bytes) if self.memory_steps is not None else t.peak_bytes
         if os.environ.get("PLANNER_DEBUG_MEMORY"):
-            print(f"[planner] rank {self.rank} step {step + 1}: peak {t.peak_bytes / 2**20:.2f} MiB after "
-                  f"{t.peak_op or '(step start)'}; {t.current_bytes / 2**20:.2f} MiB live at the end",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[planner] rank {self.rank} step {step + 1}: peak {t.peak_bytes / 2**20:.2f} MiB after "
+                f"{t.peak_op or '(step start)'}; {t.current_bytes / 2**20:.2f} MiB live at the end",
+                file=sys.stderr,
+                flush=True,
+            )
         return self.last_peak

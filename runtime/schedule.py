@@ -151,7 +151,7 @@ class Action:
         other than 0 follows the stage: ``"W2@s0c1"`` -> ``Action(0, "W", 2, 1)``."""
         head, sep, where = text.strip().partition("@s")
         kind = head.rstrip("0123456789")
-        mb = head[len(kind):]
+        mb = head[len(kind) :]
         stage, csep, chunk = where.partition("c")
         if not sep or not mb or not stage.isdigit() or (csep and not chunk.isdigit()):
             raise ValueError(f"cannot parse action {text!r}; expected e.g. 'F3@s1' or 'F3@s1c1'")
@@ -268,8 +268,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     return [
-        [a for i in range(m) for a in _fwd(s, p, i)] + [a for i in range(m) for a in _bwd(s, p, i)]
-        for s in range(p)
+        [a for i in range(m) for a in _fwd(s, p, i)] + [a for i in range(m) for a in _bwd(s, p, i)] for s in range(p)
     ]
 
 
@@ -329,7 +328,7 @@ def with_communication(compute: Sequence[Sequence[Action]], num_stages: int, vir
                 t += 1
             out.append(a)
         for q in sorted(queues):  # messages no compute action uses (a malformed input): at the end
-            out += [recv for _, recv in queues[q][heads[q]:]]
+            out += [recv for _, recv in queues[q][heads[q] :]]
         sched.append(out)
     return sched
 
@@ -393,9 +392,7 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, virtual_stag
     _check_interleaved(p, m, v, "interleaved 1F1B")
     if v == 1:
         return one_f_one_b(p, m)
-    compute = [
-        _interleaved_order(p, m, v, r, min(2 * (p - r - 1) + (v - 1) * p, m * v), False, 0) for r in range(p)
-    ]
+    compute = [_interleaved_order(p, m, v, r, min(2 * (p - r - 1) + (v - 1) * p, m * v), False, 0) for r in range(p)]
     return with_communication(compute, p, v)
 
 
@@ -544,7 +541,9 @@ def validate_schedule(sched: Schedule, num_stages: int, num_microbatches: int, v
                         f"matched in order, so {snd}'s data would arrive as {rcv}'s"
                     )
             if len(sends) != len(recvs):  # cannot happen after validate_rank, kept as a guard
-                raise ScheduleError(f"stage {src} posts {len(sends)} messages to stage {dst}, which receives {len(recvs)}")
+                raise ScheduleError(
+                    f"stage {src} posts {len(sends)} messages to stage {dst}, which receives {len(recvs)}"
+                )
 
 
 # --------------------------------------------------------------------------- simulation
@@ -722,7 +721,7 @@ def _find_cycle(waits_on: dict[int, int]) -> list[int]:
             seen.append(r)
             r = waits_on[r]
         if r in seen:
-            return seen[seen.index(r):]
+            return seen[seen.index(r) :]
     return []
 
 
@@ -793,8 +792,14 @@ def analyze(
     send_time: float = 0.0,
 ) -> ScheduleStats:
     """Simulate ``sched`` (see :func:`simulate` for the times) and summarize its cost."""
-    res = simulate(sched, forward_time=forward_time, backward_time=backward_time, weight_time=weight_time,
-                   p2p_time=p2p_time, send_time=send_time)
+    res = simulate(
+        sched,
+        forward_time=forward_time,
+        backward_time=backward_time,
+        weight_time=weight_time,
+        p2p_time=p2p_time,
+        send_time=send_time,
+    )
     return ScheduleStats(
         makespan=res.makespan,
         bubble_fraction=res.bubble_fraction,

@@ -57,8 +57,13 @@ class TensorShard:
         if not d:
             return None
         parts = d.get("parts")
-        return cls(dim=int(d["dim"]), kind=str(d.get("kind", "column")), size=int(d["size"]),
-                   padded=d.get("padded"), parts=tuple(parts) if parts is not None else None)
+        return cls(
+            dim=int(d["dim"]),
+            kind=str(d.get("kind", "column")),
+            size=int(d["size"]),
+            padded=d.get("padded"),
+            parts=tuple(parts) if parts is not None else None,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's form: ``{"dim", "kind", "size"[, "padded"][, "parts"]}``."""

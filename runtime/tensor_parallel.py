@@ -122,9 +122,18 @@ __all__ = [
 #: parallel linear layers (``column_parallel_linear``, ``row_parallel_linear``) are traced, with
 #: their matmul and bias, up to these calls.
 EAGER_ONLY: tuple[str, ...] = (
-    "resolve_group", "tp_world_size", "tp_rank", "copy_to_tp", "reduce_from_tp", "gather_from_tp",
-    "scatter_to_tp", "all_gather_seq", "reduce_scatter_seq", "vocab_parallel_embedding",
-    "vocab_parallel_cross_entropy", "sharded_dropout",
+    "resolve_group",
+    "tp_world_size",
+    "tp_rank",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+    "scatter_to_tp",
+    "all_gather_seq",
+    "reduce_scatter_seq",
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+    "sharded_dropout",
 )
 
 
@@ -206,8 +215,7 @@ def _split(x: torch.Tensor, dim: int, g) -> torch.Tensor:
     size = x.shape[dim]
     if size % n:
         raise ValueError(
-            f"cannot split dim {dim} of size {size} over {n} tensor-parallel ranks: "
-            f"{size} is not divisible by {n}"
+            f"cannot split dim {dim} of size {size} over {n} tensor-parallel ranks: {size} is not divisible by {n}"
         )
     return x.chunk(n, dim=dim)[dist.get_rank(g)].contiguous()
 
@@ -407,7 +415,10 @@ def row_parallel_linear(
 
 
 def vocab_parallel_embedding(
-    ids: torch.Tensor, weight_shard: torch.Tensor, vocab_start: int, group=None,
+    ids: torch.Tensor,
+    weight_shard: torch.Tensor,
+    vocab_start: int,
+    group=None,
     sequence_dim: int | None = None,
 ) -> torch.Tensor:
     """Embedding lookup with the table split by rows (vocabulary) over the group.
@@ -659,8 +670,7 @@ class ColumnParallelLinear(nn.Module):
     single-device model) and keeps this rank's rows. ``from_linear`` shards an existing layer.
     """
 
-    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None,
-                 dtype=None, device=None):
+    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None, dtype=None, device=None):
         super().__init__()
         w, b = _linear_init(out_features, in_features, bias, dtype, device)
         self._setup(w, b, gather_output, group)
@@ -684,15 +694,18 @@ class ColumnParallelLinear(nn.Module):
         return column_parallel_linear(x, self.weight, self.bias, self.group, self.gather_output)
 
     def extra_repr(self):
-        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
-                f"gather_output={self.gather_output}")
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+            f"gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(nn.Module):
     """``nn.Linear`` with the input features split over the tensor-parallel group."""
 
-    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None,
-                 dtype=None, device=None):
+    def __init__(
+        self, in_features, out_features, bias=True, input_is_parallel=True, group=None, dtype=None, device=None
+    ):
         super().__init__()
         w, b = _linear_init(out_features, in_features, bias, dtype, device)
         self._setup(w, b, input_is_parallel, group)
@@ -716,8 +729,10 @@ class RowParallelLinear(nn.Module):
         return row_parallel_linear(x, self.weight, self.bias, self.group, self.input_is_parallel)
 
     def extra_repr(self):
-        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}")
+        return (
+            f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -746,8 +761,7 @@ class VocabParallelEmbedding(nn.Module):
         return vocab_parallel_embedding(ids, self.weight, self.vocab_start, self.group)
 
     def extra_repr(self):
-        return (f"{self.num_embeddings}, {self.embedding_dim}, "
-                f"rows [{self.vocab_start}, {self.vocab_end})")
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
 
 
 class ParallelLMHeadLoss(nn.Module):
@@ -758,13 +772,21 @@ class ParallelLMHeadLoss(nn.Module):
     ``tied_embedding`` (a ``VocabParallelEmbedding``) to share its weight (GPT-2 style tying).
     """
 
-    def __init__(self, hidden_size, vocab_size, bias=False, group=None, ignore_index=-100,
-                 reduction="mean", tied_embedding: VocabParallelEmbedding | None = None,
-                 dtype=None, device=None):
+    def __init__(
+        self,
+        hidden_size,
+        vocab_size,
+        bias=False,
+        group=None,
+        ignore_index=-100,
+        reduction="mean",
+        tied_embedding: VocabParallelEmbedding | None = None,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         if tied_embedding is not None:
-            if tied_embedding.embedding_dim != hidden_size or \
-                    tied_embedding.num_embeddings != vocab_size:
+            if tied_embedding.embedding_dim != hidden_size or tied_embedding.num_embeddings != vocab_size:
                 raise ValueError(
                     f"tied embedding is {tied_embedding.num_embeddings} x "
                     f"{tied_embedding.embedding_dim}, the head needs {vocab_size} x {hidden_size}"
@@ -781,8 +803,7 @@ class ParallelLMHeadLoss(nn.Module):
     def _setup(self, hidden_size, vocab_size, weight, bias, group, ignore_index, reduction):
         self.group, self.ignore_index, self.reduction = group, ignore_index, reduction
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.vocab_start, self.vocab_end = vocab_range(vocab_size, tp_rank(group),
-                                                       tp_world_size(group))
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, tp_rank(group), tp_world_size(group))
         self.weight, self.bias = weight, bias
 
     @classmethod
@@ -801,6 +822,11 @@ class ParallelLMHeadLoss(nn.Module):
     def forward(self, hidden, labels):
         logits = column_parallel_linear(hidden, self.weight, self.bias, self.group)
         return vocab_parallel_cross_entropy(
-            logits, labels, self.vocab_start, self.group, self.ignore_index,
-            vocab_size=self.vocab_size, reduction=self.reduction,
+            logits,
+            labels,
+            self.vocab_start,
+            self.group,
+            self.ignore_index,
+            vocab_size=self.vocab_size,
+            reduction=self.reduction,
         )

@@ -24,8 +24,11 @@ __all__ = ["tied_params", "tied_stage_sets", "holder_ranks", "isolate_tied", "ti
 def tied_params(stage: dict) -> dict[str, tuple[int, ...]]:
     """``attr -> holder stages`` for the trainable tied weights of one manifest stage entry (a
     buffer read in several stages is only copied: it has no gradient to sum)."""
-    return {attr: tuple(int(k) for k in e["tied"]) for attr, e in stage["params"].items()
-            if len(e.get("tied") or ()) > 1 and e.get("trainable", True)}
+    return {
+        attr: tuple(int(k) for k in e["tied"])
+        for attr, e in stage["params"].items()
+        if len(e.get("tied") or ()) > 1 and e.get("trainable", True)
+    }
 
 
 def holder_ranks(manifest: dict, holders: Sequence[int]) -> tuple[int, ...]:
@@ -34,8 +37,10 @@ def holder_ranks(manifest: dict, holders: Sequence[int]) -> tuple[int, ...]:
     which the tied group cannot sum: refused."""
     ranks = [int(manifest["stages"][k].get("pp_rank", k)) for k in holders]
     if len(set(ranks)) != len(ranks):
-        raise ZeroError(f"a weight tied across model chunks {list(holders)} has two copies on one pipeline rank "
-                        f"(ranks {ranks}); choose a chunk split that puts each reader on its own rank")
+        raise ZeroError(
+            f"a weight tied across model chunks {list(holders)} has two copies on one pipeline rank "
+            f"(ranks {ranks}); choose a chunk split that puts each reader on its own rank"
+        )
     return tuple(ranks)
 
 
@@ -54,8 +59,9 @@ def isolate_tied(groups: Sequence[Sequence[str]], tied: Mapping[str, object]) ->
     return [g for g in out if g]
 
 
-def tied_flat_groups(groups: Sequence[FlatGroup], tied: Mapping[str, tuple[object, bool]]
-                     ) -> list[tuple[FlatGroup, object]]:
+def tied_flat_groups(
+    groups: Sequence[FlatGroup], tied: Mapping[str, tuple[object, bool]]
+) -> list[tuple[FlatGroup, object]]:
     """The ZeRO groups of the tied parameters ``name -> (tied group, counted in the norm)``, each
     paired with its process group (none when the group has one rank); a copy that another stage
     counts gets empty ``norm_ranges``, so the gradient norm counts the weight once."""

@@ -41,8 +41,18 @@ from typing import Callable, Iterator, NamedTuple
 
 import torch
 
-__all__ = ["PARTS", "AXIS_PARTS", "Breakdown", "PartTimer", "TIMER", "part", "register_group", "forget_groups",
-           "part_of", "time_recomputation"]
+__all__ = [
+    "PARTS",
+    "AXIS_PARTS",
+    "Breakdown",
+    "PartTimer",
+    "TIMER",
+    "part",
+    "register_group",
+    "forget_groups",
+    "part_of",
+    "time_recomputation",
+]
 
 #: The parts of a step, in plan.json ``predicted.time`` order; the one list the runtime measures.
 PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
@@ -187,6 +197,7 @@ def part_of(group) -> str | None:
 
 
 # ---------------------------------------------------------------------- recomputation
+
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1

@@ -58,9 +58,24 @@ from runtime.schedule import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h
 from runtime.tied import holder_ranks, isolate_tied, tied_params, tied_stage_sets
 from runtime.zero import StepInfo, ZeroEngine
 
-__all__ = ["Run", "StepHook", "StepMetrics", "StepResult", "aggregate_metrics", "lr_at", "maybe_checkpoint",
-           "open_tensorboard", "resume", "run_step", "schedule_actions", "schedule_of", "setup", "train_worker",
-           "write_metrics", "write_tensorboard"]
+__all__ = [
+    "Run",
+    "StepHook",
+    "StepMetrics",
+    "StepResult",
+    "aggregate_metrics",
+    "lr_at",
+    "maybe_checkpoint",
+    "open_tensorboard",
+    "resume",
+    "run_step",
+    "schedule_actions",
+    "schedule_of",
+    "setup",
+    "train_worker",
+    "write_metrics",
+    "write_tensorboard",
+]
 
 StepHook = Callable[[int, int], None]
 """``on_step_start(rank, step)``: called on every rank before each step (``step`` counts from 0,
@@ -185,12 +200,12 @@ def _recv_meta(stage: dict) -> list[TensorMeta]:
     return metas
 
 
-def _warm_up_inputs(plan: dict, stage: dict, graph_inputs: list[str], input_specs: list[dict],
-                    dev: torch.device) -> list[torch.Tensor]:
+def _warm_up_inputs(
+    plan: dict, stage: dict, graph_inputs: list[str], input_specs: list[dict], dev: torch.device
+) -> list[torch.Tensor]:
     """A micro-batch of zeros in the stage's call order: what it receives (as the pipeline hands
     it over), then its data inputs (token ids 0, and whatever ``model_inputs`` derives from them)."""
-    recv = [torch.zeros(m.shape, dtype=m.dtype, device=dev).requires_grad_(m.requires_grad)
-            for m in _recv_meta(stage)]
+    recv = [torch.zeros(m.shape, dtype=m.dtype, device=dev).requires_grad_(m.requires_grad) for m in _recv_meta(stage)]
     ids = torch.zeros((plan["micro_batch_size"], plan["seq_len"]), dtype=torch.long, device=dev)
     src = dict(zip(graph_inputs, model_inputs(input_specs, ids, ids.clone())))
     return recv + [src[n] for n in stage["data_inputs"]]
@@ -207,12 +222,15 @@ def schedule_actions(plan: dict, pp_index: int) -> list:
         return interleaved_one_f_one_b(pp, m, v)[pp_index]
     if kind == "zero-bubble":
         return zero_bubble_h1(pp, m)[pp_index]
-    raise ValueError(f"the plan names the pipeline schedule {kind!r}; this runtime runs 1f1b, interleaved and "
-                     "zero-bubble: re-plan, or update the runtime")
+    raise ValueError(
+        f"the plan names the pipeline schedule {kind!r}; this runtime runs 1f1b, interleaved and "
+        "zero-bubble: re-plan, or update the runtime"
+    )
 
 
-def _load_chunks(compiled_dir: str, chunks: list[dict], state: Mapping[str, torch.Tensor], mesh: Mesh,
-                 dev: torch.device) -> list[torch.nn.Module]:
+def _load_chunks(
+    compiled_dir: str, chunks: list[dict], state: Mapping[str, torch.Tensor], mesh: Mesh, dev: torch.device
+) -> list[torch.nn.Module]:
     """This rank's stage module(s) with their shard of the original weights (read once)."""
     modules = []
     for st in chunks:
@@ -229,8 +247,9 @@ def _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev,
         # Before the ZeRO engine: the warm-up's collectives are tensor-parallel ones only, so the
         # data-parallel replicas can take turns (runtime.compile_layers.warm_up_in_turn).
         info = compile_stage(module)
-        warm_up_in_turn(module, _warm_up_inputs(plan, st, graph_inputs, input_specs, dev), info,
-                        first=mesh.dp_index == 0)
+        warm_up_in_turn(
+            module, _warm_up_inputs(plan, st, graph_inputs, input_specs, dev), info, first=mesh.dp_index == 0
+        )
         if compiled is None:
             compiled = info
         else:  # one record for the rank: every chunk's classes and layers, the total time
@@ -238,8 +257,11 @@ def _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev,
             compiled.layers.update({f"{j}.{k}": c for k, c in info.layers.items()})
             compiled.seconds += info.seconds
     if rank == 0 and opts.progress and compiled is not None:
-        print(f"[planner] compiled stage 0: {compiled.describe()} in {compiled.seconds:.1f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[planner] compiled stage 0: {compiled.describe()} in {compiled.seconds:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return compiled
 
 
@@ -253,8 +275,9 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     for pre, sub, st in zip(prefix, modules, chunks):
         own_tied = tied_params(st)  # weights held by several stages: summed over their tied group
         layers += [[pre + n for n in grp] for grp in isolate_tied(param_groups(sub), own_tied)]
-        tied.update({pre + a: (mesh.tied_groups.get(holder_ranks(man, h)), st["index"] == h[0])
-                     for a, h in own_tied.items()})
+        tied.update(
+            {pre + a: (mesh.tied_groups.get(holder_ranks(man, h)), st["index"] == h[0]) for a, h in own_tied.items()}
+        )
         replicated |= {pre + attr for attr, e in st["params"].items() if not e.get("shard")}
     return ZeroEngine(
         module,
@@ -279,8 +302,9 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     )
 
 
-def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
-          state_fn: Callable[[], Mapping[str, torch.Tensor]]) -> Run:
+def setup(
+    rank: int, world: int, compiled_dir: str, opts: TrainOptions, state_fn: Callable[[], Mapping[str, torch.Tensor]]
+) -> Run:
     """Build this rank's run: the mesh and device, the stage module (or, with ``virtual_stages``
     v > 1, its v model chunks, ``runtime.compiled.rank_chunks``) with its shard of the original
     weights (``state_fn`` returns the original model's tensors by name; the seed is set first),
@@ -293,8 +317,11 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
     mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.is_initialized() and \
-        dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.is_initialized() and dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     runtime.set_device(dev)
     chunks = rank_chunks(man, mesh.pp_index)
     v = len(chunks)
@@ -305,8 +332,10 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
     input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
     if len(graph_inputs) != len(input_specs):
-        raise ValueError(f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
-                         f"{len(input_specs)}: recompile the plan")
+        raise ValueError(
+            f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
+            f"{len(input_specs)}: recompile the plan"
+        )
     compiled = None
     if plan.get("compile"):
         compiled = _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts)
@@ -316,20 +345,42 @@ def setup(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
     timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
     engine = _make_engine(module, modules, chunks, man, mesh, opts, offload, rank)
     recv = [_recv_meta(st) for st in chunks]
-    pstage = PipelineStage.from_mesh(modules[0] if v == 1 else modules, recv_meta=recv[0] if v == 1 else recv,
-                                     mesh=mesh, device=dev, virtual_stages=v, backward_scope=engine)
+    pstage = PipelineStage.from_mesh(
+        modules[0] if v == 1 else modules,
+        recv_meta=recv[0] if v == 1 else recv,
+        mesh=mesh,
+        device=dev,
+        virtual_stages=v,
+        backward_scope=engine,
+    )
     data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, man, mesh)
     # Tracked steps run eagerly (runtime.compile_layers): a compiled run tracks its first few only.
     memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
-    probes = StepProbes(rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors(),
-                        host=engine.host_tensors())
+    probes = StepProbes(
+        rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors(), host=engine.host_tensors()
+    )
     tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
-    return Run(rank=rank, world=world, opts=opts, manifest=man, mesh=mesh, device=dev, engine=engine,
-               pstage=pstage, actions=actions, data=data, rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
-               stage_inputs=[st["data_inputs"] for st in chunks], graph_inputs=graph_inputs,
-               input_specs=input_specs, start_step=start_step, probes=probes, tensorboard=tensorboard,
-               compiled=compiled)
+    return Run(
+        rank=rank,
+        world=world,
+        opts=opts,
+        manifest=man,
+        mesh=mesh,
+        device=dev,
+        engine=engine,
+        pstage=pstage,
+        actions=actions,
+        data=data,
+        rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
+        stage_inputs=[st["data_inputs"] for st in chunks],
+        graph_inputs=graph_inputs,
+        input_specs=input_specs,
+        start_step=start_step,
+        probes=probes,
+        tensorboard=tensorboard,
+        compiled=compiled,
+    )
 
 
 def open_tensorboard(directory: str):
@@ -339,8 +390,10 @@ def open_tensorboard(directory: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError("TrainOptions.tensorboard_dir needs the tensorboard package: "
-                          "pip install tensorboard (or the project's `tensorboard` extra)") from None
+        raise ImportError(
+            "TrainOptions.tensorboard_dir needs the tensorboard package: "
+            "pip install tensorboard (or the project's `tensorboard` extra)"
+        ) from None
     return SummaryWriter(log_dir=directory)
 
 
@@ -361,8 +414,9 @@ def micro_batches(run: Run, step: int) -> list:
     ids, labels = run.data.rows(step, lo, hi, plan["global_batch"])
     ids, labels = ids.to(run.device), labels.to(run.device)
     src = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
-    per_chunk = [[tuple(src[n][i * mbs:(i + 1) * mbs] for n in names) for names in run.stage_inputs]
-                 for i in range(m)]
+    per_chunk = [
+        [tuple(src[n][i * mbs : (i + 1) * mbs] for n in names) for names in run.stage_inputs] for i in range(m)
+    ]
     return [mb[0] for mb in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
 
 
@@ -390,9 +444,18 @@ def run_step(run: Run, step: int) -> StepResult:
         seconds, parts = timing.TIMER.stop()
     sent = comm.STATS.total
     peak = run.probes.peak_after(index, step)
-    return StepResult(loss=loss, info=info, lr=lr, seconds=seconds, comm_bytes=sent,
-                      comm_wait_s=comm.STATS.wait_s, peak_bytes=peak, parts=parts,
-                      host_bytes=run.engine.host_bytes(), nvme_bytes=run.engine.nvme_bytes())
+    return StepResult(
+        loss=loss,
+        info=info,
+        lr=lr,
+        seconds=seconds,
+        comm_bytes=sent,
+        comm_wait_s=comm.STATS.wait_s,
+        peak_bytes=peak,
+        parts=parts,
+        host_bytes=run.engine.host_bytes(),
+        nvme_bytes=run.engine.nvme_bytes(),
+    )
 
 
 def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
@@ -402,8 +465,11 @@ def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
     table of every rank's time and parts, which one sum all-reduce gives to all)."""
     plan, dev = run.plan, run.device
     agg = torch.tensor([r.loss, 0.0, 0.0], dtype=torch.float64, device=dev)
-    mx = torch.tensor([float(r.peak_bytes), r.comm_bytes, r.comm_wait_s, float(r.host_bytes), float(r.nvme_bytes)],
-                      dtype=torch.float64, device=dev)
+    mx = torch.tensor(
+        [float(r.peak_bytes), r.comm_bytes, r.comm_wait_s, float(r.host_bytes), float(r.nvme_bytes)],
+        dtype=torch.float64,
+        device=dev,
+    )
     times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=dev)
     times[run.rank] = torch.tensor([r.seconds] + [r.parts[k] for k in timing.PARTS], dtype=torch.float64)
     if dist.is_initialized() and run.world > 1:
@@ -416,12 +482,18 @@ def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
     step_time = slowest[0]
     tokens = plan["global_batch"] * plan["seq_len"]
     return StepMetrics(
-        step=step + 1, loss=float(agg[0]), step_time_s=step_time,
+        step=step + 1,
+        loss=float(agg[0]),
+        step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-        peak_memory_bytes=int(mx[0]), comm_bytes=float(mx[1]), lr=r.lr,
-        host_memory_bytes=int(mx[3]), nvme_bytes=int(mx[4]),
+        peak_memory_bytes=int(mx[0]),
+        comm_bytes=float(mx[1]),
+        lr=r.lr,
+        host_memory_bytes=int(mx[3]),
+        nvme_bytes=int(mx[4]),
         loss_scale=r.info.loss_scale if plan["dtype"] == "fp16" else None,
-        grad_norm=r.info.grad_norm, comm_wait_s=float(mx[2]),
+        grad_norm=r.info.grad_norm,
+        comm_wait_s=float(mx[2]),
         time=dict(zip(timing.PARTS, slowest[1:])),
     )
 
@@ -443,8 +515,12 @@ def write_metrics(run: Run, met: StepMetrics, on_metrics: Callable[[StepMetrics]
 def write_tensorboard(writer, met: StepMetrics) -> None:
     """One step's scalars: ``train/`` loss, tokens/s, step time, peak memory; ``time/<part>``
     the breakdown."""
-    scalars = {"train/loss": met.loss, "train/tokens_per_s": met.tokens_per_s, "train/step_time_s": met.step_time_s,
-               "train/peak_memory_bytes": met.peak_memory_bytes}
+    scalars = {
+        "train/loss": met.loss,
+        "train/tokens_per_s": met.tokens_per_s,
+        "train/step_time_s": met.step_time_s,
+        "train/peak_memory_bytes": met.peak_memory_bytes,
+    }
     scalars.update({f"time/{k}": v for k, v in (met.time or {}).items()})
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, met.step)
@@ -456,14 +532,20 @@ def maybe_checkpoint(run: Run, step: int) -> None:
     o = run.opts
     done = step + 1
     if o.checkpoint_dir and o.save_every and (done % o.save_every == 0 or done == o.steps):
-        checkpoint_io.save(o.checkpoint_dir, done, run.engine, run.manifest, run.mesh, keep_last=o.keep_last,
-                           schedule=schedule_of(o))
+        checkpoint_io.save(
+            o.checkpoint_dir, done, run.engine, run.manifest, run.mesh, keep_last=o.keep_last, schedule=schedule_of(o)
+        )
 
 
-def train_worker(rank: int, world: int, compiled_dir: str, opts: TrainOptions,
-                 state_fn: Callable[[], Mapping[str, torch.Tensor]],
-                 on_metrics: Callable[[StepMetrics], None] | None = None,
-                 on_step_start: StepHook | None = None) -> list[StepMetrics]:
+def train_worker(
+    rank: int,
+    world: int,
+    compiled_dir: str,
+    opts: TrainOptions,
+    state_fn: Callable[[], Mapping[str, torch.Tensor]],
+    on_metrics: Callable[[StepMetrics], None] | None = None,
+    on_step_start: StepHook | None = None,
+) -> list[StepMetrics]:
     """Train on this rank (see the module docstring); every step's metrics, the same on every rank.
 
     ``state_fn`` returns the original model's tensors by name; ``on_metrics`` receives each

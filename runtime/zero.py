@@ -275,8 +275,7 @@ class ZeroEngine(Zero3Params):
         self._fwd_order: list[int] = []
         self._fwd_seen: set[int] = set()
         self._orders: dict[int, list[int]] = {}  # root -> its groups in the last forward's order
-        self.counters = {"reduced_in_backward": 0, "reduced_at_backward_end": 0, "reduced_in_step": 0,
-                         "prefetches": 0}
+        self.counters = {"reduced_in_backward": 0, "reduced_at_backward_end": 0, "reduced_in_step": 0, "prefetches": 0}
         """Bucket reductions launched from gradient hooks while backward runs (overlapped), by the
         end-of-backward callback, or by ``step()``; stage-3 gathers launched ahead of use."""
 
@@ -287,14 +286,14 @@ class ZeroEngine(Zero3Params):
         if len(dev) != 1:
             raise ZeroError(f"all parameters of a stage must be on one device, found {sorted(map(str, dev))}")
         self.device = dev.pop()
-        set_owned_ranges(self.groups, self.stage, self.dp_rank, replicated_param_filter, rep_rank,
-                         weight_decay_filter)
+        set_owned_ranges(self.groups, self.stage, self.dp_rank, replicated_param_filter, rep_rank, weight_decay_filter)
         self._tied = tied_flat_groups(self.groups, tied or {})
         self._tied_ids = {g.index for g, _ in self._tied}
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
-        self._off = Offload(offload or OffloadConfig(), self.groups, self.stage, self.dtype, self.device, rank,
-                            delayed_update)
+        self._off = Offload(
+            offload or OffloadConfig(), self.groups, self.stage, self.dtype, self.device, rank, delayed_update
+        )
         self._opt = self._off.opt  # the optimizer state's store when it is offloaded, else None
         with torch.no_grad():
             self._allocate()
@@ -384,14 +383,15 @@ class ZeroEngine(Zero3Params):
         m = self.module
         for k, name in enumerate(self._roots):
             sub = m.get_submodule(name)
-            self._hooks.append(sub.register_forward_pre_hook(
-                lambda mod, args, kwargs, k=k: self._root_pre_forward(k, args, kwargs), with_kwargs=True))
+            self._hooks.append(
+                sub.register_forward_pre_hook(
+                    lambda mod, args, kwargs, k=k: self._root_pre_forward(k, args, kwargs), with_kwargs=True
+                )
+            )
             self._hooks.append(sub.register_forward_hook(lambda mod, args, out, k=k: self._root_post_forward(k)))
         for g in self.groups:
             for e in g.entries:
-                self._hooks.append(
-                    e.param.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g, p))
-                )
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g, p)))
         if self.stage == 3:
             by_module: dict[str, list[FlatGroup]] = {}
             for g in self.groups:
@@ -400,7 +400,9 @@ class ZeroEngine(Zero3Params):
             for name, groups in by_module.items():
                 sub = m.get_submodule(name)
                 self._hooks.append(sub.register_forward_pre_hook(lambda mod, args, gs=groups: self._pre_forward(gs)))
-                self._hooks.append(sub.register_forward_hook(lambda mod, args, out, gs=groups: self._post_forward(gs, out)))
+                self._hooks.append(
+                    sub.register_forward_hook(lambda mod, args, out, gs=groups: self._post_forward(gs, out))
+                )
 
     def close(self) -> None:
         """Remove every hook the engine put on the module and its parameters; delete the offload
@@ -437,8 +439,10 @@ class ZeroEngine(Zero3Params):
         ZeRO-3 the groups it gathers are freed when it ends. Not reentrant; call it outside
         autograd, around the ``backward``/``grad`` calls."""
         if in_backward() or self._scope or self._cb_task is not None:
-            raise ZeroError("backward_pass() must be entered outside any backward pass and does not nest; "
-                            "if an earlier backward failed, call engine.zero_grad() first")
+            raise ZeroError(
+                "backward_pass() must be entered outside any backward pass and does not nest; "
+                "if an earlier backward failed, call engine.zero_grad() first"
+            )
         self._start_pass(counted=accumulates)
         self._scope = True
         try:
@@ -661,8 +665,9 @@ class ZeroEngine(Zero3Params):
         if flag > 0 or not math.isfinite(norm):
             if self.scaler is not None:
                 self.scaler.update(True)
-            return StepInfo(grad_norm=norm if not math.isfinite(norm) else float("inf"), skipped=True,
-                            loss_scale=self.loss_scale)
+            return StepInfo(
+                grad_norm=norm if not math.isfinite(norm) else float("inf"), skipped=True, loss_scale=self.loss_scale
+            )
         coef = clip_coefficient(norm, self.max_grad_norm) / scale
         self.step_count += 1
         step, lr = self.step_count, self.lr  # a delayed update reads them after step() returned
@@ -672,8 +677,16 @@ class ZeroEngine(Zero3Params):
             if coef != 1.0:
                 gr.mul_(coef)
             adamw_step_(
-                master, gr, exp_avg, exp_avg_sq, step=step, lr=lr,
-                beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
+                master,
+                gr,
+                exp_avg,
+                exp_avg_sq,
+                step=step,
+                lr=lr,
+                beta1=self.beta1,
+                beta2=self.beta2,
+                eps=self.eps,
+                weight_decay=self.weight_decay,
                 decay_ranges=g.decay_ranges,
             )
             return self._publish(g, master) if grad is None else None
@@ -750,8 +763,12 @@ class ZeroEngine(Zero3Params):
         self._settle()
         n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
         state = export_state(self.groups, n, idx, self.step_count, self._off.access)
-        state.update(zero_stage=self.stage, lr=self.lr, param_dtype=dtype_name(self.dtype),
-                     loss_scaler=self.scaler.state_dict() if self.scaler is not None else None)
+        state.update(
+            zero_stage=self.stage,
+            lr=self.lr,
+            param_dtype=dtype_name(self.dtype),
+            loss_scaler=self.scaler.state_dict() if self.scaler is not None else None,
+        )
         return state
 
     def state_layout(self) -> dict:
@@ -798,8 +815,12 @@ class ZeroEngine(Zero3Params):
         """Every device tensor the engine holds (for memory trackers); views share their base's
         storage. Host-tier tensors are ``host_tensors()``."""
         host = {id(t) for t in self.host_tensors()}
-        ts = [t for g in self.groups for t in (g.full, g.master, g.exp_avg, g.exp_avg_sq, g.grad_full, g.grad_shard,
-                                               g.param_shard) if t is not None and id(t) not in host]
+        ts = [
+            t
+            for g in self.groups
+            for t in (g.full, g.master, g.exp_avg, g.exp_avg_sq, g.grad_full, g.grad_shard, g.param_shard)
+            if t is not None and id(t) not in host
+        ]
         return ts + [t for t in (self._flat, self._flat_grad) if t is not None]
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -824,6 +845,8 @@ class ZeroEngine(Zero3Params):
         """
         seen: set[int] = set()
         gs = self.groups
-        return {"params": storage_bytes([self._flat] + [g.full for g in gs] + [g.master for g in gs], seen),
-                "grads": storage_bytes([self._flat_grad] + [g.grad_full for g in gs] + [g.grad_shard for g in gs], seen),
-                "optimizer": storage_bytes([g.exp_avg for g in gs] + [g.exp_avg_sq for g in gs], seen)}
+        return {
+            "params": storage_bytes([self._flat] + [g.full for g in gs] + [g.master for g in gs], seen),
+            "grads": storage_bytes([self._flat_grad] + [g.grad_full for g in gs] + [g.grad_shard for g in gs], seen),
+            "optimizer": storage_bytes([g.exp_avg for g in gs] + [g.exp_avg_sq for g in gs], seen),
+        }

@@ -59,11 +59,12 @@ def group_roots(groups: list[FlatGroup], roots: list[str]) -> list[int]:
     the one whose subtree holds all its parameters."""
     out = []
     for g in groups:
-        inside = [k for k, r in enumerate(roots)
-                  if not r or all(e.name.startswith(r + ".") for e in g.entries)]
+        inside = [k for k, r in enumerate(roots) if not r or all(e.name.startswith(r + ".") for e in g.entries)]
         if not inside:
-            raise ZeroError(f"parameter group {g.index} ({', '.join(g.names[:3])}) lies in none of the roots "
-                            f"{roots} (or spans several): group each root's parameters separately")
+            raise ZeroError(
+                f"parameter group {g.index} ({', '.join(g.names[:3])}) lies in none of the roots "
+                f"{roots} (or spans several): group each root's parameters separately"
+            )
         out.append(inside[0])
     return out
 

@@ -32,8 +32,25 @@ TINY_LLAMA = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "
 
 def plan_args(out, *extra) -> list[str]:
     """``planner plan`` arguments of the small GPT on 2 CPU processes, written to ``out``."""
-    return ["plan", *SMALL_GPT_FLAGS, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu",
-            "--global-batch", "8", "--seq-len", "16", "--dtype", "fp32", "--out", str(out), *extra]
+    return [
+        "plan",
+        *SMALL_GPT_FLAGS,
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--hardware",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "16",
+        "--dtype",
+        "fp32",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def even_stages(layers: int, pp: int) -> list[list[int]]:
@@ -43,32 +60,69 @@ def even_stages(layers: int, pp: int) -> list[list[int]]:
     return [[cuts[i], cuts[i + 1] - 1] for i in range(pp)]
 
 
-def manual_plan(spec: str, sizes: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-                mbs: int = 1, m: int = 1, dtype: str = "fp32", checkpoint=(), stages=None,
-                hardware: str = "cpu", seq_len: int | None = None, selective=(),
-                sequence_parallel: bool = False) -> Plan:
+def manual_plan(
+    spec: str,
+    sizes: dict,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero: int = 0,
+    mbs: int = 1,
+    m: int = 1,
+    dtype: str = "fp32",
+    checkpoint=(),
+    stages=None,
+    hardware: str = "cpu",
+    seq_len: int | None = None,
+    selective=(),
+    sequence_parallel: bool = False,
+) -> Plan:
     """A plan whose decisions are given by hand and that predicts nothing (every predicted
     number is 0): a fixed layout for tests and benchmarks, valid for ``compile`` and ``train``.
     ``sizes`` must contain ``layers``; ``seq_len`` defaults to ``sizes['seq_len']`` (else 16)."""
     sizes = dict(sizes)
     n = dp * tp * pp
     zero_mem = {k: 0 for k in MEMORY_KEYS}
-    return Plan.from_dict({
-        "schema_version": SCHEMA_VERSION,
-        "model": {"spec": spec, "params": 0, "layers": sizes["layers"], "flops_per_step": 0.0,
-                  "sizes": sizes, "layer_names": []},
-        "hardware": {"name": hardware, "gpus": n, "gpus_per_node": n},
-        "global_batch": mbs * m * dp, "seq_len": seq_len or sizes.get("seq_len", 16), "dtype": dtype,
-        "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero, "micro_batch_size": mbs, "num_micro_batches": m,
-        "stages": stages if stages is not None else even_stages(sizes["layers"], pp),
-        "checkpoint_layers": list(checkpoint), "selective_layers": list(selective),
-        "sequence_parallel": sequence_parallel,
-        "predicted": {"step_time_s": 0.0, "peak_memory_bytes": 0, "tflops_per_device": 0.0, "mfu": 0.0,
-                      "comm_bytes_per_device": 0.0, "bubble_fraction": 0.0, "memory": zero_mem,
-                      "time": {k: 0.0 for k in TIME_KEYS}},
-        "solver": {"name": "manual", "seconds": 0.0, "status": "given", "candidates": 1},
-        "alternatives": [],
-    })
+    return Plan.from_dict(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "model": {
+                "spec": spec,
+                "params": 0,
+                "layers": sizes["layers"],
+                "flops_per_step": 0.0,
+                "sizes": sizes,
+                "layer_names": [],
+            },
+            "hardware": {"name": hardware, "gpus": n, "gpus_per_node": n},
+            "global_batch": mbs * m * dp,
+            "seq_len": seq_len or sizes.get("seq_len", 16),
+            "dtype": dtype,
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "zero_stage": zero,
+            "micro_batch_size": mbs,
+            "num_micro_batches": m,
+            "stages": stages if stages is not None else even_stages(sizes["layers"], pp),
+            "checkpoint_layers": list(checkpoint),
+            "selective_layers": list(selective),
+            "sequence_parallel": sequence_parallel,
+            "predicted": {
+                "step_time_s": 0.0,
+                "peak_memory_bytes": 0,
+                "tflops_per_device": 0.0,
+                "mfu": 0.0,
+                "comm_bytes_per_device": 0.0,
+                "bubble_fraction": 0.0,
+                "memory": zero_mem,
+                "time": {k: 0.0 for k in TIME_KEYS},
+            },
+            "solver": {"name": "manual", "seconds": 0.0, "status": "given", "candidates": 1},
+            "alternatives": [],
+        }
+    )
 
 
 def make_plan(spec: str = "gpt", sizes: dict | None = None, *, mbs=2, m=2, **decisions) -> Plan:
@@ -90,8 +144,9 @@ def reference_run(plan: Plan, steps: int, **settings):
     o = TrainOptions(steps=steps, **settings)
     b = build_model(plan.model.spec, seed=o.seed, **plan.model.sizes)
     model = b.model
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
     specs = plan.model.inputs or LEGACY_INPUTS
     data = open_data(o.data_path, data_vocab(specs, b.vocab), plan.seq_len, o.seed)
     losses = []
@@ -123,8 +178,18 @@ def _row(index: int, name: str, kind: str, **costs) -> LayerCosts:
     return LayerCosts(index=index, name=name, kind=kind, **costs)
 
 
-def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_bytes=2, kv_heads=None,
-              block_scale=None, tail_boundary=None, attention_core=False) -> LayerTable:
+def gpt_table(
+    layers=4,
+    hidden=256,
+    heads=4,
+    vocab=8192,
+    max_seq=2048,
+    dtype_bytes=2,
+    kv_heads=None,
+    block_scale=None,
+    tail_boundary=None,
+    attention_core=False,
+) -> LayerTable:
     """A GPT layer table in closed form; ``block_scale`` (list) makes blocks differ and
     ``tail_boundary`` scales what the last block hands the head (as in HF models, where blocks
     pass masks and positions along but the last block sends only the hidden state).
@@ -133,34 +198,85 @@ def gpt_table(layers=4, hidden=256, heads=4, vocab=8192, max_seq=2048, dtype_byt
     products), which selective recompute can drop."""
     h, a, V, e = hidden, heads, vocab, dtype_bytes
     bsh = B * S * h
-    rows = [_row(0, "embed", "pre", fwd_flops=2 * bsh, bwd_flops=2 * bsh, fwd_flops_tp=0, bwd_flops_tp=0,
-                      saved_bytes=8 * B * S, saved_bytes_tp=0, input_bytes=8 * B * S, boundary_bytes=e * bsh,
-                      tp_allreduce_bytes=e * bsh, param_count=V * h + max_seq * h, param_count_tp=V * h,
-                      peak_act_bytes=e * bsh)]
+    rows = [
+        _row(
+            0,
+            "embed",
+            "pre",
+            fwd_flops=2 * bsh,
+            bwd_flops=2 * bsh,
+            fwd_flops_tp=0,
+            bwd_flops_tp=0,
+            saved_bytes=8 * B * S,
+            saved_bytes_tp=0,
+            input_bytes=8 * B * S,
+            boundary_bytes=e * bsh,
+            tp_allreduce_bytes=e * bsh,
+            param_count=V * h + max_seq * h,
+            param_count_tp=V * h,
+            peak_act_bytes=e * bsh,
+        )
+    ]
     for j in range(layers):
         k = 1 if block_scale is None else block_scale[j]
         mm = 24 * bsh * h + 4 * B * S * S * h
-        rows.append(_row(
-            j + 1, f"blocks.{j}", "block", fwd_flops=k * (mm + 20 * bsh), bwd_flops=k * 2 * (mm + 20 * bsh),
-            fwd_flops_tp=k * mm, bwd_flops_tp=k * 2 * mm,
-            saved_bytes=k * (34 * bsh + 5 * a * B * S * S), saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
-            input_bytes=e * bsh, boundary_bytes=e * bsh, tp_allreduce_bytes=2 * e * bsh,
-            param_count=k * (12 * h * h + 13 * h), param_count_tp=k * (12 * h * h + 7 * h), signature="blk",
-            peak_act_bytes=e * bsh, peak_act_bytes_tp=k * 4 * e * bsh))
+        rows.append(
+            _row(
+                j + 1,
+                f"blocks.{j}",
+                "block",
+                fwd_flops=k * (mm + 20 * bsh),
+                bwd_flops=k * 2 * (mm + 20 * bsh),
+                fwd_flops_tp=k * mm,
+                bwd_flops_tp=k * 2 * mm,
+                saved_bytes=k * (34 * bsh + 5 * a * B * S * S),
+                saved_bytes_tp=k * (24 * bsh + 5 * a * B * S * S),
+                input_bytes=e * bsh,
+                boundary_bytes=e * bsh,
+                tp_allreduce_bytes=2 * e * bsh,
+                param_count=k * (12 * h * h + 13 * h),
+                param_count_tp=k * (12 * h * h + 7 * h),
+                signature="blk",
+                peak_act_bytes=e * bsh,
+                peak_act_bytes_tp=k * 4 * e * bsh,
+            )
+        )
         if attention_core:
-            core = dict(core_fwd_flops=k * 4 * B * S * S * h, core_fwd_flops_tp=k * 4 * B * S * S * h,
-                        core_fwd_bytes=0, core_fwd_bytes_tp=0,
-                        core_saved_bytes=k * 5 * a * B * S * S, core_saved_bytes_tp=k * 5 * a * B * S * S,
-                        core_num_ops=5)
+            core = dict(
+                core_fwd_flops=k * 4 * B * S * S * h,
+                core_fwd_flops_tp=k * 4 * B * S * S * h,
+                core_fwd_bytes=0,
+                core_fwd_bytes_tp=0,
+                core_saved_bytes=k * 5 * a * B * S * S,
+                core_saved_bytes_tp=k * 5 * a * B * S * S,
+                core_num_ops=5,
+            )
             rows[-1] = dataclasses.replace(rows[-1], **core)
     if tail_boundary is not None and layers:
         rows[-1].boundary_bytes = tail_boundary * e * bsh
-    rows.append(_row(layers + 1, "head", "post", fwd_flops=2 * bsh * V, bwd_flops=4 * bsh * V,
-                          fwd_flops_tp=2 * bsh * V, bwd_flops_tp=4 * bsh * V,
-                          saved_bytes=4 * B * S * V + 2 * e * bsh, saved_bytes_tp=4 * B * S * V,
-                          input_bytes=e * bsh, boundary_bytes=4, tp_allreduce_bytes=12 * B * S,
-                          param_count=h * V + 2 * h, param_count_tp=h * V,
-                          peak_act_bytes=e * bsh, peak_act_bytes_tp=4 * B * S * V))
+    rows.append(
+        _row(
+            layers + 1,
+            "head",
+            "post",
+            fwd_flops=2 * bsh * V,
+            bwd_flops=4 * bsh * V,
+            fwd_flops_tp=2 * bsh * V,
+            bwd_flops_tp=4 * bsh * V,
+            saved_bytes=4 * B * S * V + 2 * e * bsh,
+            saved_bytes_tp=4 * B * S * V,
+            input_bytes=e * bsh,
+            boundary_bytes=4,
+            tp_allreduce_bytes=12 * B * S,
+            param_count=h * V + 2 * h,
+            param_count_tp=h * V,
+            peak_act_bytes=e * bsh,
+            peak_act_bytes_tp=4 * B * S * V,
+        )
+    )
     params = sum(r.param_count for r in rows)
-    return LayerTable(layers=rows, dtype="bfloat16", model=dict(spec="gpt", params=params, layers=layers,
-                                                                hidden=h, heads=a, kv_heads=kv_heads or a, vocab=V))
+    return LayerTable(
+        layers=rows,
+        dtype="bfloat16",
+        model=dict(spec="gpt", params=params, layers=layers, hidden=h, heads=a, kv_heads=kv_heads or a, vocab=V),
+    )

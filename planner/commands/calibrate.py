@@ -93,8 +93,18 @@ from runtime import checkpoint
 from runtime.dist import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
-__all__ = ["CalibrationError", "CalibrationSpec", "run_calibration", "run_calibrate", "fit_alpha_beta", "build_profile",
-           "lower_quartile", "KB", "MB", "MEASURED_KINDS"]
+__all__ = [
+    "CalibrationError",
+    "CalibrationSpec",
+    "run_calibration",
+    "run_calibrate",
+    "fit_alpha_beta",
+    "build_profile",
+    "lower_quartile",
+    "KB",
+    "MB",
+    "MEASURED_KINDS",
+]
 
 
 @dataclass(frozen=True)
@@ -134,9 +144,18 @@ class CalibrationSpec:
     def quick(cls) -> "CalibrationSpec":
         """A few seconds of measurement (tests, smoke runs)."""
         return cls(
-            matmul_sizes=(128, 256), matmul_budget_s=0.05, copy_bytes=8 * MB,
-            train_batches=(1, 4), train_budget_s=0.1, copy_budget_s=0.05, recompute_budget_s=0.1, sync_iters=3,
-            message_sizes=(4 * KB, 256 * KB, 4 * MB), max_reps=5, bytes_per_size=8 * MB, gemm_sizes=(32, 128),
+            matmul_sizes=(128, 256),
+            matmul_budget_s=0.05,
+            copy_bytes=8 * MB,
+            train_batches=(1, 4),
+            train_budget_s=0.1,
+            copy_budget_s=0.05,
+            recompute_budget_s=0.1,
+            sync_iters=3,
+            message_sizes=(4 * KB, 256 * KB, 4 * MB),
+            max_reps=5,
+            bytes_per_size=8 * MB,
+            gemm_sizes=(32, 128),
             gemm_target_s=0.003,
         )
 
@@ -146,8 +165,11 @@ class CalibrationSpec:
     def num_ticks(self) -> int:
         """Progress-bar steps: one per (dtype, size), the training steps (and copies), the recomputation,
         one per (kind, size), the sync loop, one per (dtype, m) of the GEMM table."""
-        return (len(self.dtypes) * (len(self.matmul_sizes) + len(self.gemm_sizes)) + 3
-                + len(MEASURED_KINDS) * len(self.message_sizes))
+        return (
+            len(self.dtypes) * (len(self.matmul_sizes) + len(self.gemm_sizes))
+            + 3
+            + len(MEASURED_KINDS) * len(self.message_sizes)
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,8 +209,9 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
 
 
-def _time_training(batches: Sequence[int], budget_s: float, copy_bytes: int, copy_budget_s: float,
-                   rounds: int = 4) -> tuple[float, float, float]:
+def _time_training(
+    batches: Sequence[int], budget_s: float, copy_bytes: int, copy_budget_s: float, rounds: int = 4
+) -> tuple[float, float, float]:
     """``(FLOP/s, seconds per operator, memory bytes/s)`` of real training steps, all ranks at once.
 
     The planner prices a forward + backward as ``T = 3 N c + F / R + Q / W``: ``N`` operator
@@ -362,11 +385,19 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
         result["matmul"][dt] = rates
     if spec.gemm_sizes:  # every rank at once, as they share the cores in training
         dist.barrier()
-        result["gemm"] = measure_gemm_table(spec.gemm_sizes, spec.dtypes, DeviceTimer(torch.device("cpu")),
-                                            spec.gemm_target_s, max_reps=10, tick=tick, reduce=_mean_over_ranks)
+        result["gemm"] = measure_gemm_table(
+            spec.gemm_sizes,
+            spec.dtypes,
+            DeviceTimer(torch.device("cpu")),
+            spec.gemm_target_s,
+            max_reps=10,
+            tick=tick,
+            reduce=_mean_over_ranks,
+        )
     dist.barrier()
-    rate, overhead, bandwidth = _time_training(spec.train_batches, spec.train_budget_s, spec.copy_bytes,
-                                               spec.copy_budget_s)
+    rate, overhead, bandwidth = _time_training(
+        spec.train_batches, spec.train_budget_s, spec.copy_bytes, spec.copy_budget_s
+    )
     result["memory_bandwidth"] = _mean_over_ranks(bandwidth)
     result["train_step_flops"] = _mean_over_ranks(rate)
     result["op_overhead_s"] = _mean_over_ranks(overhead)
@@ -471,8 +502,12 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
         sync_overhead_s=float(raw.get("sync_overhead_s") or 0.0),
         recompute_ratio=_clamp_ratio(raw.get("recompute_ratio")),
-        intra_node_collectives={k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
-                                for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None,
+        intra_node_collectives={
+            k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
+            for k, v in per_kind.items()
+            if v["bandwidth_Bps"] == v["bandwidth_Bps"]
+        }
+        or None,
         gemm_efficiency=tables or None,
         host_device_bandwidth=off.get("host_copy_Bps"),
         host_memory_bytes=ram if off else None,
@@ -506,9 +541,7 @@ def run_calibration(
     system's temporary directory). Returns the profile (also saved as JSON that ``load_hardware(out_path)`` accepts).
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 2:
-        raise CalibrationError(
-            f"calibrate needs --nproc >= 2 to time collectives between processes (got {nproc!r})"
-        )
+        raise CalibrationError(f"calibrate needs --nproc >= 2 to time collectives between processes (got {nproc!r})")
     cores = os.cpu_count() or 1
     if nproc > 4 * cores:
         raise CalibrationError(
@@ -525,8 +558,13 @@ def run_calibration(
         raw_file = os.path.join(tmp, "raw.json")
         try:
             with _cuda_hidden():  # CPU processes over gloo, even on a GPU host
-                launch_local(_calibrate_worker, nproc, (spec, raw_file, q), timeout_s=timeout_s,
-                             collective_timeout_s=min(timeout_s, 120.0))
+                launch_local(
+                    _calibrate_worker,
+                    nproc,
+                    (spec, raw_file, q),
+                    timeout_s=timeout_s,
+                    collective_timeout_s=min(timeout_s, 120.0),
+                )
         except LaunchError as e:
             raise CalibrationError(f"calibration processes failed: {e}") from None
         finally:
@@ -574,12 +612,13 @@ def run_calibrate(args) -> int:
     """
     nproc = getattr(args, "nproc", None)
     if resolve_device(getattr(args, "device", None)) == "cuda":
-        profile = run_gpu_calibration(args.out, nproc=nproc, quick=args.quick,
-                                      nvme_path=getattr(args, "nvme_path", None))
-        print(f"Wrote {args.out} ({profile.gpus_per_node} x GPU, measured on CUDA); use it with "
-              f"--hardware {args.out}.")
+        profile = run_gpu_calibration(
+            args.out, nproc=nproc, quick=args.quick, nvme_path=getattr(args, "nvme_path", None)
+        )
+        print(f"Wrote {args.out} ({profile.gpus_per_node} x GPU, measured on CUDA); use it with --hardware {args.out}.")
         return 0
-    run_calibration(2 if nproc is None else nproc, args.out, quick=args.quick,
-                    nvme_path=getattr(args, "nvme_path", None))
+    run_calibration(
+        2 if nproc is None else nproc, args.out, quick=args.quick, nvme_path=getattr(args, "nvme_path", None)
+    )
     print(f"Wrote {args.out}; use it with --hardware {args.out}.")
     return 0

@@ -38,9 +38,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cost_models.comm import ring_terms
 from planner.errors import UserError
 
-__all__ = ["CalibrationError", "KB", "MB", "GB", "MEASURED_KINDS", "lower_quartile", "median", "fit_alpha_beta",
-           "fit_collectives", "gemm_tables", "finite", "fmt_bytes", "drain_progress", "measure_nvme", "offload_source",
-           "measure_cpu_adam", "measure_host_copy", "measure_offload"]
+__all__ = [
+    "CalibrationError",
+    "KB",
+    "MB",
+    "GB",
+    "MEASURED_KINDS",
+    "lower_quartile",
+    "median",
+    "fit_alpha_beta",
+    "fit_collectives",
+    "gemm_tables",
+    "finite",
+    "fmt_bytes",
+    "drain_progress",
+    "measure_nvme",
+    "offload_source",
+    "measure_cpu_adam",
+    "measure_host_copy",
+    "measure_offload",
+]
 
 KB = 1 << 10
 MB = 1 << 20
@@ -128,8 +145,9 @@ def fit_collectives(measurements: Sequence[dict[str, Any]]) -> tuple[dict[str, d
     return per_kind, fit_alpha_beta(samples)
 
 
-def gemm_tables(sizes: dict[str, list[int]], seconds: dict[str, Any], peaks: dict[str, float]
-                ) -> tuple[dict[str, dict[str, list]], dict[str, str]]:
+def gemm_tables(
+    sizes: dict[str, list[int]], seconds: dict[str, Any], peaks: dict[str, float]
+) -> tuple[dict[str, dict[str, list]], dict[str, str]]:
     """Turn timed GEMM grids into the profile's ``gemm_efficiency`` tables.
 
     ``sizes`` holds the axes ``{"m": [...], "n": [...], "k": [...]}``; ``seconds[dtype][i][j][l]``
@@ -170,11 +188,13 @@ def offload_source(off: dict, host_is_device: bool) -> str:
     """The profile's ``source`` sentence on how the offload fields were measured (``off``: the
     ``offload`` measurements; CPU runs copy host memory for the host-device link)."""
     nvme = off.get("nvme") or {}
-    link = ("host_device_bandwidth = a host memory copy (the host is the device); " if host_is_device else "")
-    return (f" Offload: {link}nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
-            f"(write to its fsync, read after dropping its page cache), nvme_bytes = that file system's free "
-            f"space; cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer on the host, all "
-            f"cores; host_memory_bytes = physical RAM.")
+    link = "host_device_bandwidth = a host memory copy (the host is the device); " if host_is_device else ""
+    return (
+        f" Offload: {link}nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
+        f"(write to its fsync, read after dropping its page cache), nvme_bytes = that file system's free "
+        f"space; cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer on the host, all "
+        f"cores; host_memory_bytes = physical RAM."
+    )
 
 
 def fmt_bytes(n: float) -> str:
@@ -204,8 +224,13 @@ def drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
             except queue_mod.Empty:
                 pass
         return
-    cols = (TextColumn("[bold]calibrate[/]"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("{task.description}"))
+    cols = (
+        TextColumn("[bold]calibrate[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
     with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task("starting", total=total)
         while not stop.is_set() or not q.empty():
@@ -236,8 +261,10 @@ def measure_nvme(directory: str | None, nbytes: int, reps: int = 2) -> dict[str,
     The write includes its ``fsync``; the read follows ``POSIX_FADV_DONTNEED`` on the file."""
     directory = directory or tempfile.gettempdir()
     if not os.path.isdir(directory):
-        raise CalibrationError(f"--nvme-path {directory!r} is not a directory: give a directory on the drive "
-                               "to measure (the NVMe offload tier's files go there in training)")
+        raise CalibrationError(
+            f"--nvme-path {directory!r} is not a directory: give a directory on the drive "
+            "to measure (the NVMe offload tier's files go there in training)"
+        )
     chunk = min(nbytes, 8 * MB)
     block = os.urandom(chunk)  # incompressible, so a compressing file system cannot cheat
     writes, reads = [], []
@@ -251,7 +278,7 @@ def measure_nvme(directory: str | None, nbytes: int, reps: int = 2) -> dict[str,
             t0 = time.perf_counter()
             done = 0
             while done < nbytes:
-                done += os.write(fd, block[:min(chunk, nbytes - done)])
+                done += os.write(fd, block[: min(chunk, nbytes - done)])
             os.fsync(fd)
             writes.append(nbytes / (time.perf_counter() - t0))
             if hasattr(os, "posix_fadvise"):
@@ -269,8 +296,13 @@ def measure_nvme(directory: str | None, nbytes: int, reps: int = 2) -> dict[str,
         os.close(fd)
         os.unlink(path)
     free = shutil.disk_usage(directory).free
-    return {"dir": os.path.abspath(directory), "bytes": int(nbytes), "write_Bps": max(writes), "read_Bps": max(reads),
-            "free_bytes": int(free)}
+    return {
+        "dir": os.path.abspath(directory),
+        "bytes": int(nbytes),
+        "write_Bps": max(writes),
+        "read_Bps": max(reads),
+        "free_bytes": int(free),
+    }
 
 
 def measure_cpu_adam(num_params: int, reps: int = 3) -> float:

@@ -78,9 +78,21 @@ from planner.frontend.zoo import build_model
 from runtime.dist import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
-__all__ = ["GpuCalibrationSpec", "DeviceTimer", "time_gemm", "measure_gemm_table", "measure_copy_bandwidth",
-           "measure_op_chain", "measure_model_op_overhead", "measure_host_copies", "time_collective",
-           "collect_single_device", "build_gpu_profile", "datasheet_kind", "run_gpu_calibration"]
+__all__ = [
+    "GpuCalibrationSpec",
+    "DeviceTimer",
+    "time_gemm",
+    "measure_gemm_table",
+    "measure_copy_bandwidth",
+    "measure_op_chain",
+    "measure_model_op_overhead",
+    "measure_host_copies",
+    "time_collective",
+    "collect_single_device",
+    "build_gpu_profile",
+    "datasheet_kind",
+    "run_gpu_calibration",
+]
 
 #: GEMM dtypes of the table: ``fp32`` is TF32 off, ``tf32`` fp32 with TF32 on.
 GEMM_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "tf32")
@@ -124,10 +136,22 @@ class GpuCalibrationSpec:
     @classmethod
     def quick(cls) -> "GpuCalibrationSpec":
         """A short run (``--quick``): three sizes per GEMM axis, fewer messages and repetitions."""
-        return cls(gemm_sizes=(128, 1024, 8192), gemm_target_s=0.01, gemm_max_reps=20, warmup_s=1.0,
-                   copy_bytes=256 * MB, copy_reps=10, op_chain=500, op_rounds=3, model_budget_s=0.5,
-                   host_copy_sizes=(1 * MB, 64 * MB), host_copy_reps=5,
-                   message_sizes=(256 * KB, 4 * MB, 64 * MB), max_reps=20, bytes_per_size=1 * GB)
+        return cls(
+            gemm_sizes=(128, 1024, 8192),
+            gemm_target_s=0.01,
+            gemm_max_reps=20,
+            warmup_s=1.0,
+            copy_bytes=256 * MB,
+            copy_reps=10,
+            op_chain=500,
+            op_rounds=3,
+            model_budget_s=0.5,
+            host_copy_sizes=(1 * MB, 64 * MB),
+            host_copy_reps=5,
+            message_sizes=(256 * KB, 4 * MB, 64 * MB),
+            max_reps=20,
+            bytes_per_size=1 * GB,
+        )
 
     def reps(self, size: int) -> int:
         return max(5, min(self.max_reps, self.bytes_per_size // max(size, 1)))
@@ -221,9 +245,15 @@ def time_gemm(m: int, n: int, k: int, dtype: str, timer: DeviceTimer, target_s: 
         return lower_quartile(timer.per_call(fn, reps))
 
 
-def measure_gemm_table(sizes: Sequence[int], dtypes: Sequence[str], timer: DeviceTimer, target_s: float,
-                       max_reps: int, tick: Callable[[str], None] = lambda _: None,
-                       reduce: Callable[[float], float] = lambda x: x) -> dict[str, Any]:
+def measure_gemm_table(
+    sizes: Sequence[int],
+    dtypes: Sequence[str],
+    timer: DeviceTimer,
+    target_s: float,
+    max_reps: int,
+    tick: Callable[[str], None] = lambda _: None,
+    reduce: Callable[[float], float] = lambda x: x,
+) -> dict[str, Any]:
     """Seconds of every ``(m, n, k)`` of ``sizes ** 3`` per dtype, as ``gemm_tables`` reads them:
     ``{"sizes": {"m": [...], "n": [...], "k": [...]}, "seconds": {dtype: [[[s]]]}}``; a dtype the
     device cannot multiply gets ``NaN`` cells. ``reduce`` combines ranks (CPU calibration)."""
@@ -332,8 +362,10 @@ def measure_host_copies(timer: DeviceTimer, sizes: Sequence[int], reps: int) -> 
         host = torch.empty(size, dtype=torch.uint8, pin_memory=timer.cuda)
         host.fill_(1)
         dev = torch.empty(size, dtype=torch.uint8, device=timer.device)
-        for direction, fn in (("h2d", lambda d=dev, h=host: d.copy_(h, non_blocking=True)),
-                              ("d2h", lambda d=dev, h=host: h.copy_(d, non_blocking=True))):
+        for direction, fn in (
+            ("h2d", lambda d=dev, h=host: d.copy_(h, non_blocking=True)),
+            ("d2h", lambda d=dev, h=host: h.copy_(d, non_blocking=True)),
+        ):
             fn()
             timer.sync()
             secs = lower_quartile(timer.per_call(fn, reps))
@@ -341,8 +373,9 @@ def measure_host_copies(timer: DeviceTimer, sizes: Sequence[int], reps: int) -> 
     return out
 
 
-def time_collective(kind: str, size: int, rank: int, world: int, reps: int,
-                    device: torch.device | None = None) -> tuple[int, int, float]:
+def time_collective(
+    kind: str, size: int, rank: int, world: int, reps: int, device: torch.device | None = None
+) -> tuple[int, int, float]:
     """``(actual_size_bytes, n, seconds)`` of one collective over the default group on ``device``
     (CPU tensors over gloo, CUDA tensors over NCCL): the slowest rank's mean of ``reps`` calls,
     the device synchronized before and after. ``send`` is a ping-pong between rank pairs and
@@ -418,14 +451,18 @@ def _warm_up(timer: DeviceTimer, seconds: float) -> None:
         timer.sync()
 
 
-def collect_single_device(spec: GpuCalibrationSpec, device: torch.device,
-                          tick: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def collect_single_device(
+    spec: GpuCalibrationSpec, device: torch.device, tick: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
     """Every single-device measurement of the spec on ``device`` (raw, JSON-able)."""
     timer = DeviceTimer(device)
     _warm_up(timer, spec.warmup_s)
     tick("warm-up")
-    raw: dict[str, Any] = {"gemm": measure_gemm_table(spec.gemm_sizes, spec.gemm_dtypes, timer, spec.gemm_target_s,
-                                                      spec.gemm_max_reps, tick)}
+    raw: dict[str, Any] = {
+        "gemm": measure_gemm_table(
+            spec.gemm_sizes, spec.gemm_dtypes, timer, spec.gemm_target_s, spec.gemm_max_reps, tick
+        )
+    }
     raw["memory_bandwidth"] = measure_copy_bandwidth(timer, spec.copy_bytes, spec.copy_reps)
     tick("device copy")
     raw["op_chain"] = measure_op_chain(timer, spec.op_chain, spec.op_rounds)
@@ -457,9 +494,16 @@ def _collectives_worker(rank: int, world: int, spec: GpuCalibrationSpec, out_fil
 
 def _device_info(device: torch.device) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(device)
-    return {"name": props.name, "count": torch.cuda.device_count(), "sm_count": int(props.multi_processor_count),
-            "memory_bytes": int(props.total_memory), "capability": f"{props.major}.{props.minor}",
-            "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": _nccl_version()}
+    return {
+        "name": props.name,
+        "count": torch.cuda.device_count(),
+        "sm_count": int(props.multi_processor_count),
+        "memory_bytes": int(props.total_memory),
+        "capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": _nccl_version(),
+    }
 
 
 def _nccl_version() -> str | None:
@@ -488,8 +532,9 @@ def datasheet_kind(name: str, memory_bytes: int) -> str | None:
     return None
 
 
-def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalibrationSpec,
-                      datasheet: bool, nproc: int) -> HardwareProfile:
+def build_gpu_profile(
+    raw: dict[str, Any], base: HardwareProfile, spec: GpuCalibrationSpec, datasheet: bool, nproc: int
+) -> HardwareProfile:
     """Turn the raw CUDA measurements into a validated ``HardwareProfile``.
 
     ``raw`` holds ``device`` (``_device_info``), ``gemm`` (``measure_gemm_table``),
@@ -502,11 +547,13 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
     gemm = raw["gemm"]
     best: dict[str, float] = {}
     for dt, grid in gemm["seconds"].items():
-        rates = [2.0 * m * n * k / t
-                 for m, plane in zip(gemm["sizes"]["m"], grid)
-                 for n, row in zip(gemm["sizes"]["n"], plane)
-                 for k, t in zip(gemm["sizes"]["k"], row)
-                 if isinstance(t, (int, float)) and math.isfinite(t) and t > 0]
+        rates = [
+            2.0 * m * n * k / t
+            for m, plane in zip(gemm["sizes"]["m"], grid)
+            for n, row in zip(gemm["sizes"]["n"], plane)
+            for k, t in zip(gemm["sizes"]["k"], row)
+            if isinstance(t, (int, float)) and math.isfinite(t) and t > 0
+        ]
         if rates:
             best[dt] = max(rates)
     peaks = dict(base.peak_flops) if datasheet else {}
@@ -514,8 +561,10 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
         peaks[dt] = max(peaks.get(dt, 0.0), rate)
     missing = [dt for dt in ("fp32", "bf16", "fp16") if dt not in peaks]
     if missing:
-        raise CalibrationError(f"could not time a {', '.join(missing)} GEMM on {dev['name']} and it is not a "
-                               f"GPU with a datasheet profile ({', '.join(KNOWN_KINDS)})")
+        raise CalibrationError(
+            f"could not time a {', '.join(missing)} GEMM on {dev['name']} and it is not a "
+            f"GPU with a datasheet profile ({', '.join(KNOWN_KINDS)})"
+        )
     tables, skipped = gemm_tables(gemm["sizes"], gemm["seconds"], peaks)
     efficiency = base.compute_efficiency
     for dt in ("bf16", "fp16", "fp32"):  # the largest GEMM of the training dtypes' tables
@@ -531,8 +580,9 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
 
     host_fits: dict[str, dict[str, float]] = {}
     for direction in ("h2d", "d2h"):
-        samples = [(1, m["size_bytes"], m["seconds"]) for m in raw.get("host_device", ())
-                   if m["direction"] == direction]
+        samples = [
+            (1, m["size_bytes"], m["seconds"]) for m in raw.get("host_device", ()) if m["direction"] == direction
+        ]
         try:
             lat, bw = fit_alpha_beta(samples)
             host_fits[direction] = {"latency_s": lat, "bandwidth_Bps": bw}
@@ -543,8 +593,11 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
     colls = raw.get("collectives") or []
     if colls:
         per_kind, (alpha, bw) = fit_collectives(colls)
-        links = {k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
-                 for k, v in per_kind.items() if v["bandwidth_Bps"] == v["bandwidth_Bps"]} or None
+        links = {
+            k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
+            for k, v in per_kind.items()
+            if v["bandwidth_Bps"] == v["bandwidth_Bps"]
+        } or None
     else:
         per_kind, (alpha, bw), links = {}, (base.intra_node_latency, base.intra_node_bandwidth), None
 
@@ -552,10 +605,13 @@ def build_gpu_profile(raw: dict[str, Any], base: HardwareProfile, spec: GpuCalib
     gpu = re.sub(r"[^A-Za-z0-9_.-]+", "-", dev["name"]).strip("-").lower() or "gpu"
     name = f"calibrated-{gpu}-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", host).strip("-") or "host")
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    coll_text = (f"intra-node alpha/beta = least-squares fit of NCCL all-reduce, all-gather, reduce-scatter and "
-                 f"send/recv over {nproc} GPUs (mean of back-to-back reps), each kind alone in "
-                 f"intra_node_collectives" if colls else
-                 f"intra-node link from {base.name} (collectives not measured: {raw.get('collectives_skipped')})")
+    coll_text = (
+        f"intra-node alpha/beta = least-squares fit of NCCL all-reduce, all-gather, reduce-scatter and "
+        f"send/recv over {nproc} GPUs (mean of back-to-back reps), each kind alone in "
+        f"intra_node_collectives"
+        if colls
+        else f"intra-node link from {base.name} (collectives not measured: {raw.get('collectives_skipped')})"
+    )
     source = (
         f"Measured by `planner calibrate --device cuda` on {host} ({dev['count']} x {dev['name']}, "
         f"{dev['sm_count']} SMs, compute capability {dev.get('capability')}, torch {dev.get('torch')}, "
@@ -650,7 +706,8 @@ def run_gpu_calibration(
         raise CalibrationError(
             f"calibrate --device cuda: no CUDA device is visible (torch {torch.__version__}, "
             f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'a CPU-only build'}); "
-            f"use --device cpu to measure CPU processes")
+            f"use --device cpu to measure CPU processes"
+        )
     count = torch.cuda.device_count()
     nproc = count if nproc is None else nproc
     if not isinstance(nproc, int) or isinstance(nproc, bool) or not 1 <= nproc <= count:
@@ -671,15 +728,21 @@ def run_gpu_calibration(
             with tempfile.TemporaryDirectory(prefix="planner-calibrate-gpu-") as tmp:
                 out_file = os.path.join(tmp, "collectives.json")
                 try:
-                    launch_local(_collectives_worker, nproc, (spec, out_file, q), timeout_s=timeout_s,
-                                 collective_timeout_s=min(timeout_s, 120.0))
+                    launch_local(
+                        _collectives_worker,
+                        nproc,
+                        (spec, out_file, q),
+                        timeout_s=timeout_s,
+                        collective_timeout_s=min(timeout_s, 120.0),
+                    )
                 except LaunchError as e:
                     raise CalibrationError(f"NCCL collective processes failed: {e}") from None
                 raw["collectives"] = json.loads(Path(out_file).read_text())
         else:
             raw["collectives"] = []
-            raw["collectives_skipped"] = ("one GPU: no collective inside the node to time; the intra-node "
-                                          "link keeps the datasheet figures")
+            raw["collectives_skipped"] = (
+                "one GPU: no collective inside the node to time; the intra-node link keeps the datasheet figures"
+            )
     finally:
         stop.set()
         drain.join(timeout=5)

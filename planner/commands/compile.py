@@ -31,11 +31,13 @@ def model_dims(bundle: ModelBundle, sizes: dict, gm: fx.GraphModule | None = Non
 def compile_plan(plan: Plan, out_dir: str) -> dict:
     """Write ``stage_<k>.py`` per pipeline stage and ``manifest.json`` into ``out_dir``; return
     the manifest."""
-    gm, block_paths, bundle = export_training_module(plan.model.spec, plan.model.sizes, dtype=plan.dtype,
-                                                     batch=plan.micro_batch_size, seq_len=plan.seq_len)
+    gm, block_paths, bundle = export_training_module(
+        plan.model.spec, plan.model.sizes, dtype=plan.dtype, batch=plan.micro_batch_size, seq_len=plan.seq_len
+    )
     vocab = bundle.vocab or data_vocab(plan.model.inputs, 0)  # a user's model: what its token inputs index
-    model = ExportedModel(module=gm, block_paths=block_paths, vocab=vocab,
-                          dims=model_dims(bundle, plan.model.sizes, gm))
+    model = ExportedModel(
+        module=gm, block_paths=block_paths, vocab=vocab, dims=model_dims(bundle, plan.model.sizes, gm)
+    )
     return compile_exported(plan, model, out_dir)
 
 

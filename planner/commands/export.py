@@ -39,8 +39,10 @@ def _resolve(path: str) -> str:
         return path
     found = list_checkpoints(path)
     if not found:
-        raise UserError(f"{path} is neither a checkpoint (step-N folder with meta.json) nor a directory "
-                        "holding finished checkpoints.")
+        raise UserError(
+            f"{path} is neither a checkpoint (step-N folder with meta.json) nor a directory "
+            "holding finished checkpoints."
+        )
     return found[-1][1]
 
 
@@ -54,8 +56,11 @@ def export_weights(checkpoint: str, out: str) -> int:
         raise UserError(str(e)) from None
     tmp = out + ".tmp"
     try:
-        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, tmp,
-                  metadata={"source": os.path.abspath(path), "format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in sorted(tensors.items())},
+            tmp,
+            metadata={"source": os.path.abspath(path), "format": "pt"},
+        )
         os.replace(tmp, out)
     except OSError as e:
         if os.path.exists(tmp):
@@ -65,8 +70,17 @@ def export_weights(checkpoint: str, out: str) -> int:
 
 
 #: Files of a source model directory copied into an export (the tokenizer travels with the model).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def _read_checkpoint(checkpoint: str) -> tuple[str, dict]:
@@ -93,19 +107,23 @@ def export_hf(checkpoint: str, out: str) -> str:
     except ModelError:
         kind, name = "", ""
     if kind != "hf":
-        raise UserError(f"checkpoint {path} is of model {spec!r}; `export hf` writes hf: models only "
-                        "(use `planner export weights` for a safetensors file of any model).")
+        raise UserError(
+            f"checkpoint {path} is of model {spec!r}; `export hf` writes hf: models only "
+            "(use `planner export weights` for a safetensors file of any model)."
+        )
     try:
         directory = hf_directory(name)
     except ModelError:
-        raise UserError(f"checkpoint {path} was trained from the model directory {name!r}, which does not "
-                        "exist here; its config.json is needed to export. Restore it, or run from the "
-                        "directory the plan was made in.") from None
+        raise UserError(
+            f"checkpoint {path} was trained from the model directory {name!r}, which does not "
+            "exist here; its config.json is needed to export. Restore it, or run from the "
+            "directory the plan was made in."
+        ) from None
     try:
         tensors = load_model_tensors(path)
     except CheckpointError as e:
         raise UserError(str(e)) from None
-    state = {k[len(PREFIX):]: v for k, v in tensors.items() if k.startswith(PREFIX)}
+    state = {k[len(PREFIX) :]: v for k, v in tensors.items() if k.startswith(PREFIX)}
     inner = build_model(spec, **sizes).model.inner  # fresh, then overwritten; real buffers (inv_freq)
     groups: dict[int, list[str]] = {}
     for n, p in inner.named_parameters(remove_duplicate=False):
@@ -114,8 +132,9 @@ def export_hf(checkpoint: str, out: str) -> str:
     for aliases in groups.values():  # a tied weight was saved under one of its names
         found = next((a for a in aliases if a in state), None)
         if found is None:
-            raise UserError(f"checkpoint {path} has no tensor {PREFIX + aliases[0]!r}; it was not saved from "
-                            f"{spec!r} {sizes}.")
+            raise UserError(
+                f"checkpoint {path} has no tensor {PREFIX + aliases[0]!r}; it was not saved from {spec!r} {sizes}."
+            )
         weights[aliases[0]] = state[found]
     try:
         inner.load_state_dict(weights, strict=False)
@@ -127,7 +146,8 @@ def export_hf(checkpoint: str, out: str) -> str:
             if ("dropout" in attr or attr.endswith("pdrop") or attr == "use_cache") and hasattr(inner.config, attr):
                 setattr(inner.config, attr, value)
             elif attr in ("bos_token_id", "eos_token_id", "pad_token_id") and (
-                    not isinstance(value, int) or value < inner.config.vocab_size):
+                not isinstance(value, int) or value < inner.config.vocab_size
+            ):
                 setattr(inner.config, attr, value)
     else:
         inner.config.use_cache = True
@@ -170,8 +190,10 @@ def run_export(args) -> int:
         return 0
     if args.format == "hf":
         cls = export_hf(args.checkpoint, args.out)
-        print(f"Wrote {args.out} ({cls}: config.json + model.safetensors); load it with "
-              f"transformers' from_pretrained({args.out!r}).")
+        print(
+            f"Wrote {args.out} ({cls}: config.json + model.safetensors); load it with "
+            f"transformers' from_pretrained({args.out!r})."
+        )
         return 0
     n = export_weights(args.checkpoint, args.out)
     print(f"Wrote {args.out} ({n} tensors, original model names).")

@@ -23,8 +23,16 @@ from planner.report.render import render_plan
 from planner.search.request import PlanRequest
 from planner.search.solve import Solution, solve
 
-__all__ = ["plan_from_request", "layer_table_for", "model_sizes_for", "request_from_args", "run_plan",
-           "with_cost", "check_cost_flags", "SIZE_FLAGS"]
+__all__ = [
+    "plan_from_request",
+    "layer_table_for",
+    "model_sizes_for",
+    "request_from_args",
+    "run_plan",
+    "with_cost",
+    "check_cost_flags",
+    "SIZE_FLAGS",
+]
 
 SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 """Model size flags of ``plan`` (``--kv-heads`` is ``kv_heads``)."""
@@ -51,8 +59,7 @@ def layer_table_for(req: PlanRequest):
     sizes = model_sizes_for(req)
     flags = dict(sizes)
     positions = flags.pop("seq_len", None)  # the model's position table, not the traced length
-    table = build_layer_table(req.spec, batch=1, seq_len=req.seq_len, dtype=req.dtype,
-                              positions=positions, **flags)
+    table = build_layer_table(req.spec, batch=1, seq_len=req.seq_len, dtype=req.dtype, positions=positions, **flags)
     req.sizes = sizes
     return table
 
@@ -83,8 +90,10 @@ def with_cost(plan: Plan, tokens: float | None, price: float | None) -> Plan:
 def check_cost_flags(args) -> None:
     """A price without a token count prices nothing: say so instead of ignoring it."""
     if getattr(args, "price_per_gpu_hour", None) is not None and getattr(args, "tokens", None) is None:
-        raise UserError("--price-per-gpu-hour prices a run, and a run needs its length: add --tokens N "
-                        "(the tokens it trains on, e.g. --tokens 300e9).")
+        raise UserError(
+            "--price-per-gpu-hour prices a run, and a run needs its length: add --tokens N "
+            "(the tokens it trains on, e.g. --tokens 300e9)."
+        )
 
 
 def request_from_args(args, gpus: int | None = None) -> PlanRequest:
@@ -94,18 +103,35 @@ def request_from_args(args, gpus: int | None = None) -> PlanRequest:
     if gpus is None:
         counts = args.gpus if isinstance(args.gpus, list) else [args.gpus]
         if len(counts) != 1:
-            raise UserError(f"--gpus {','.join(map(str, counts))} lists several cluster sizes; this "
-                            "command plans one: give one count.")
+            raise UserError(
+                f"--gpus {','.join(map(str, counts))} lists several cluster sizes; this "
+                "command plans one: give one count."
+            )
         gpus = counts[0]
     return PlanRequest(
-        spec=args.model, gpus=gpus, gpus_per_node=args.gpus_per_node or 0, hardware=args.hardware,
-        global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, sizes=sizes,
-        dp=args.dp, tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
-        checkpoint=args.checkpoint, memory_headroom=args.memory_headroom,
-        tp_across_nodes=args.tp_across_nodes, inputs=parse_input_pins(getattr(args, "input", None)),
-        compile=getattr(args, "compile", None) or "auto", tokens=getattr(args, "tokens", None),
-        offload_optimizer=getattr(args, "offload_optimizer", None), offload_params=getattr(args, "offload_params", None),
-        schedule=getattr(args, "schedule", None), virtual_stages=getattr(args, "virtual_stages", None),
+        spec=args.model,
+        gpus=gpus,
+        gpus_per_node=args.gpus_per_node or 0,
+        hardware=args.hardware,
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        sizes=sizes,
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        zero_stage=args.zero_stage,
+        micro_batch=args.micro_batch,
+        checkpoint=args.checkpoint,
+        memory_headroom=args.memory_headroom,
+        tp_across_nodes=args.tp_across_nodes,
+        inputs=parse_input_pins(getattr(args, "input", None)),
+        compile=getattr(args, "compile", None) or "auto",
+        tokens=getattr(args, "tokens", None),
+        offload_optimizer=getattr(args, "offload_optimizer", None),
+        offload_params=getattr(args, "offload_params", None),
+        schedule=getattr(args, "schedule", None),
+        virtual_stages=getattr(args, "virtual_stages", None),
         sequence_parallel=getattr(args, "sequence_parallel", None),
     )
 

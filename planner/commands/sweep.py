@@ -57,7 +57,7 @@ def _reason(e: Exception) -> str:
     """The first sentence of a search error: what a table cell has room for."""
     text = str(e).strip()
     cut = text.find(". ")
-    return text if cut < 0 else text[:cut + 1]
+    return text if cut < 0 else text[: cut + 1]
 
 
 def sweep(args, counts: list[int]) -> list[SweepRow]:
@@ -69,8 +69,9 @@ def sweep(args, counts: list[int]) -> list[SweepRow]:
         except SearchError as e:  # pins this size cannot honour
             errors[n] = _reason(e)
     if not requests:
-        raise UserError("no cluster size of the sweep can be planned: " +
-                        " ".join(f"{n} GPUs: {e}" for n, e in errors.items()))
+        raise UserError(
+            "no cluster size of the sweep can be planned: " + " ".join(f"{n} GPUs: {e}" for n, e in errors.items())
+        )
     table = layer_table_for(next(iter(requests.values())))
     tokens = getattr(args, "tokens", None)
     price = getattr(args, "price_per_gpu_hour", None)
@@ -86,8 +87,7 @@ def sweep(args, counts: list[int]) -> list[SweepRow]:
             continue
         plan = with_cost(solution.plan, tokens, price)
         p = plan.predicted
-        cost = p.cost or run_cost(COST_BASIS_TOKENS, plan.global_batch * plan.seq_len, p.step_time_s, p.time,
-                                  n, price)
+        cost = p.cost or run_cost(COST_BASIS_TOKENS, plan.global_batch * plan.seq_len, p.step_time_s, p.time, n, price)
         rows.append(SweepRow(gpus=n, plan=plan, cost=cost))
     return rows
 
@@ -107,11 +107,16 @@ def _strategy(plan: Plan) -> str:
     recomputed whole and selectively, compiled stages, offload (optimizer/parameters) when any."""
     ck, sel = len(plan.checkpoint_layers), len(plan.selective_layers)
     off = plan.offload
-    return (f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
-            f"{plan.micro_batch_size}" + _SCHEDULE_MARKS[plan.schedule].format(v=plan.virtual_stages)
-            + (" sp" if plan.sequence_parallel else "") + (f" rc{ck}" if ck else "") + (f" sel{sel}" if sel else "")
-            + (" C" if plan.compile else "")
-            + (f" off:{off['optimizer']}/{off['params']}" if off != {"optimizer": "none", "params": "none"} else ""))
+    return (
+        f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
+        f"{plan.micro_batch_size}"
+        + _SCHEDULE_MARKS[plan.schedule].format(v=plan.virtual_stages)
+        + (" sp" if plan.sequence_parallel else "")
+        + (f" rc{ck}" if ck else "")
+        + (f" sel{sel}" if sel else "")
+        + (" C" if plan.compile else "")
+        + (f" off:{off['optimizer']}/{off['params']}" if off != {"optimizer": "none", "params": "none"} else "")
+    )
 
 
 def _short(v: float) -> str:
@@ -126,11 +131,19 @@ def render_sweep(rows: list[SweepRow], args, console: Console) -> None:
     tokens = getattr(args, "tokens", None)
     price = getattr(args, "price_per_gpu_hour", None)
     per = "" if tokens else " / 1B tok"
-    title = (f"Cluster sizes for {args.model} ({args.hardware}, batch {args.global_batch} x {args.seq_len}"
-             + (f", {format_count(tokens)} tokens)" if tokens else "; costs per billion tokens)"))
+    title = f"Cluster sizes for {args.model} ({args.hardware}, batch {args.global_batch} x {args.seq_len}" + (
+        f", {format_count(tokens)} tokens)" if tokens else "; costs per billion tokens)"
+    )
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for col, just in (("GPUs", "right"), ("strategy", "left"), ("tok/s", "right"),
-                      ("MFU", "right"), ("scaling", "right"), ("days", "right"), ("GPU-h", "right")):
+    for col, just in (
+        ("GPUs", "right"),
+        ("strategy", "left"),
+        ("tok/s", "right"),
+        ("MFU", "right"),
+        ("scaling", "right"),
+        ("days", "right"),
+        ("GPU-h", "right"),
+    ):
         t.add_column(col, justify=just, no_wrap=col != "strategy", min_width=18 if col == "strategy" else None)
     if price is not None:
         t.add_column("money", justify="right", no_wrap=True)
@@ -141,23 +154,34 @@ def render_sweep(rows: list[SweepRow], args, console: Console) -> None:
             t.add_row(str(r.gpus), f"[red]no plan[/red]: {r.error}", *[""] * (len(t.columns) - 2))
             continue
         eff = (r.tokens_per_s / r.gpus) / (base.tokens_per_s / base.gpus) if base and base.tokens_per_s else 0.0
-        cells = [str(r.gpus), _strategy(r.plan), _short(r.tokens_per_s), f"{r.plan.predicted.mfu:.1%}", f"{eff:.0%}",
-                 _short(r.cost["days"]), _short(r.cost["gpu_hours"])]
+        cells = [
+            str(r.gpus),
+            _strategy(r.plan),
+            _short(r.tokens_per_s),
+            f"{r.plan.predicted.mfu:.1%}",
+            f"{eff:.0%}",
+            _short(r.cost["days"]),
+            _short(r.cost["gpu_hours"]),
+        ]
         if price is not None:
             cells.append(_short(r.cost["money"]))
         t.add_row(*cells)
     console.print(t)
-    console.print("strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, interleaved schedule with v "
-                  "chunks (ivV) or zero bubble (zb), sequence parallelism (sp), layers recomputed (rc) or their "
-                  "attention core only (sel), compiled stages (C), offload of optimizer/parameters (off:)."
-                  + ("" if tokens else " days, GPU-hours and money are per billion tokens (--tokens N for a run)."))
+    console.print(
+        "strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, interleaved schedule with v "
+        "chunks (ivV) or zero bubble (zb), sequence parallelism (sp), layers recomputed (rc) or their "
+        "attention core only (sel), compiled stages (C), offload of optimizer/parameters (off:)."
+        + ("" if tokens else " days, GPU-hours and money are per billion tokens (--tokens N for a run).")
+    )
     if not ok:
         return
     fastest = min(ok, key=lambda r: r.cost["days"])
     cheapest = min(ok, key=lambda r: r.cost["gpu_hours"])
-    console.print(f"fastest: {fastest.gpus} GPUs ({fastest.cost['days']:,.2f} days{per}); cheapest: "
-                  f"{cheapest.gpus} GPUs ({cheapest.cost['gpu_hours']:,.0f} GPU-hours{per}). Scaling is tokens/s "
-                  f"per device against {base.gpus} GPUs: below 100% each added device buys less than its share.")
+    console.print(
+        f"fastest: {fastest.gpus} GPUs ({fastest.cost['days']:,.2f} days{per}); cheapest: "
+        f"{cheapest.gpus} GPUs ({cheapest.cost['gpu_hours']:,.0f} GPU-hours{per}). Scaling is tokens/s "
+        f"per device against {base.gpus} GPUs: below 100% each added device buys less than its share."
+    )
 
 
 def plot_sweep(rows: list[SweepRow], path: str, args) -> str:
@@ -185,8 +209,13 @@ def plot_sweep(rows: list[SweepRow], path: str, args) -> str:
         ax.set_xlabel("GPUs")
         ax.grid(alpha=0.3)
     for r in ok:
-        ax1.annotate(f"dp{r.plan.dp} tp{r.plan.tp} pp{r.plan.pp}", (r.gpus, r.cost["days"]), fontsize=7,
-                     textcoords="offset points", xytext=(4, 4))
+        ax1.annotate(
+            f"dp{r.plan.dp} tp{r.plan.tp} pp{r.plan.pp}",
+            (r.gpus, r.cost["days"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, 4),
+        )
     fig.suptitle(f"{args.model} on {args.hardware}: time and cost against cluster size")
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
@@ -202,8 +231,9 @@ def run_sweep(args) -> int:
     counts = sorted(args.gpus)
     rows = sweep(args, counts)
     if all(r.plan is None for r in rows):
-        raise UserError("no cluster size of the sweep has a plan: " +
-                        " ".join(f"{r.gpus} GPUs: {r.error}" for r in rows))
+        raise UserError(
+            "no cluster size of the sweep has a plan: " + " ".join(f"{r.gpus} GPUs: {r.error}" for r in rows)
+        )
     paths = sweep_paths(args.out, counts)
     for r in rows:
         if r.plan is not None:

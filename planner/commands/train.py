@@ -48,8 +48,16 @@ from runtime.dist import LaunchError, free_port, init_distributed, launch_local,
 from runtime.offload import OffloadConfig, OffloadError
 from runtime.trainer import StepHook, StepMetrics, schedule_of, train_worker
 
-__all__ = ["run_train", "train_plan", "original_state", "compile_for_training", "train_options_from_args",
-           "WARMUP_STEPS", "median_breakdown", "breakdown_table"]
+__all__ = [
+    "run_train",
+    "train_plan",
+    "original_state",
+    "compile_for_training",
+    "train_options_from_args",
+    "WARMUP_STEPS",
+    "median_breakdown",
+    "breakdown_table",
+]
 
 #: Steps left out of the measured medians (first-touch allocations, lazy initialization).
 WARMUP_STEPS = 2
@@ -101,14 +109,14 @@ def median_breakdown(times: Sequence[Mapping[str, float]]) -> tuple[dict[str, fl
     return {k: statistics.median(float(r[k]) for r in rows) for k in keys}, len(rows)
 
 
-def breakdown_table(predicted: Mapping[str, float], measured: Mapping[str, float], title: str,
-                    caption: str | None = None) -> Table:
+def breakdown_table(
+    predicted: Mapping[str, float], measured: Mapping[str, float], title: str, caption: str | None = None
+) -> Table:
     """Part (the ``time`` key: ``planner.plan.TIME_LABELS`` says what each is), predicted,
     measured, measured / predicted: one row per ``predicted.time`` key (and any part only
     measured), then their sums."""
     t = Table(title=title, caption=caption)
-    for col, just in (("part", "left"), ("predicted", "right"), ("measured", "right"),
-                      ("measured/predicted", "right")):
+    for col, just in (("part", "left"), ("predicted", "right"), ("measured", "right"), ("measured/predicted", "right")):
         t.add_column(col, justify=just)
     keys = list(TIME_KEYS) + [k for k in list(predicted) + list(measured) if k not in TIME_KEYS]
     for k in dict.fromkeys(keys):
@@ -127,40 +135,70 @@ def _ratio(predicted: float | None, measured: float | None) -> str:
     return f"{measured / predicted:.2f}" if predicted and measured is not None else "-"
 
 
-def _worker(rank: int, world: int, compiled: str, opts: TrainOptions, spec: str, sizes: dict, seq_len: int,
-            on_step_start: StepHook | None, predicted_time: dict[str, float] | None = None) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    compiled: str,
+    opts: TrainOptions,
+    spec: str,
+    sizes: dict,
+    seq_len: int,
+    on_step_start: StepHook | None,
+    predicted_time: dict[str, float] | None = None,
+) -> None:
     """One rank: train, with a progress bar and a summary on rank 0 when ``opts.progress``: the
     last loss, mean throughput, peak memory and the time breakdown beside ``predicted_time``."""
     show = rank == 0 and opts.progress
     reporter = _Reporter(opts.steps) if show else None
     try:
-        hist = train_worker(rank, world, compiled, opts,
-                            lambda: original_state(spec, sizes, seq_len, opts.seed),
-                            on_metrics=reporter.update if reporter else None, on_step_start=on_step_start)
+        hist = train_worker(
+            rank,
+            world,
+            compiled,
+            opts,
+            lambda: original_state(spec, sizes, seq_len, opts.seed),
+            on_metrics=reporter.update if reporter else None,
+            on_step_start=on_step_start,
+        )
     finally:
         if reporter:
             reporter.close()
     if show and hist:
         last = hist[-1]
-        peak = (f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device" if opts.track_memory
-                else "memory not tracked (--no-memory-tracking)")
-        print(f"done: {len(hist)} steps, final loss {last.loss:.4f}, "
-              f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, {peak}", flush=True)
+        peak = (
+            f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device"
+            if opts.track_memory
+            else "memory not tracked (--no-memory-tracking)"
+        )
+        print(
+            f"done: {len(hist)} steps, final loss {last.loss:.4f}, "
+            f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, {peak}",
+            flush=True,
+        )
         measured, n = median_breakdown([h.time for h in hist if h.time is not None])
         if measured:
             caption = f"measured: median of the {'last ' if len(hist) > WARMUP_STEPS else ''}{n} steps"
             if opts.track_memory and opts.memory_steps is None:
-                caption += (", under live-tensor tracking, which slows every operator "
-                            "(--no-memory-tracking times the run as it is)")
+                caption += (
+                    ", under live-tensor tracking, which slows every operator "
+                    "(--no-memory-tracking times the run as it is)"
+                )
             Console().print(breakdown_table(predicted_time or {}, measured, "step time by part", caption))
+
 
 class _Reporter:
     """A rich progress bar with step, loss, tokens/s and memory (rank 0)."""
 
     def __init__(self, steps: int):
-        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                 transient=False, disable=not sys.stdout.isatty())
+        self.progress = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            transient=False,
+            disable=not sys.stdout.isatty(),
+        )
         self.task = self.progress.add_task("train", total=steps, info="")
         self.progress.start()
         self.tty = sys.stdout.isatty()
@@ -191,28 +229,40 @@ def _check_resumable(plan: Plan, opts: TrainOptions) -> bool:
         raise UserError(str(e)) from None
     model = meta.get("model", {})
     old_sizes, new_sizes = model.get("sizes") or {}, plan.model.sizes
-    if (model.get("spec") == plan.model.spec and old_sizes != new_sizes
-            and {k: v for k, v in old_sizes.items() if k != "seq_len"}
-            == {k: v for k, v in new_sizes.items() if k != "seq_len"}):
-        raise UserError(f"checkpoint {path} holds a model with {old_sizes.get('seq_len')} positions "
-                        f"(planned with --seq-len {old_sizes.get('seq_len')}); this plan's has "
-                        f"{new_sizes.get('seq_len')}. Re-plan with --seq-len {old_sizes.get('seq_len')} "
-                        "to resume it, or start without --resume.")
+    if (
+        model.get("spec") == plan.model.spec
+        and old_sizes != new_sizes
+        and {k: v for k, v in old_sizes.items() if k != "seq_len"}
+        == {k: v for k, v in new_sizes.items() if k != "seq_len"}
+    ):
+        raise UserError(
+            f"checkpoint {path} holds a model with {old_sizes.get('seq_len')} positions "
+            f"(planned with --seq-len {old_sizes.get('seq_len')}); this plan's has "
+            f"{new_sizes.get('seq_len')}. Re-plan with --seq-len {old_sizes.get('seq_len')} "
+            "to resume it, or start without --resume."
+        )
     if model.get("spec") != plan.model.spec or model.get("sizes") != plan.model.sizes:
-        raise UserError(f"checkpoint {path} is from model {model.get('spec')!r} {model.get('sizes')}, but "
-                        f"{plan.model.spec!r} {plan.model.sizes} is being trained; use that model's "
-                        "--checkpoint-dir or start without --resume.")
+        raise UserError(
+            f"checkpoint {path} is from model {model.get('spec')!r} {model.get('sizes')}, but "
+            f"{plan.model.spec!r} {plan.model.sizes} is being trained; use that model's "
+            "--checkpoint-dir or start without --resume."
+        )
     if step >= opts.steps:
-        print(f"planner train: the newest checkpoint ({path}) is at step {step}, already at or past "
-              f"--steps {opts.steps}; nothing to train (raise --steps to continue).", file=sys.stderr)
+        print(
+            f"planner train: the newest checkpoint ({path}) is at step {step}, already at or past "
+            f"--steps {opts.steps}; nothing to train (raise --steps to continue).",
+            file=sys.stderr,
+        )
         return False
     old = meta.get("schedule")
     new = schedule_of(opts)
     if old and old != new:
         changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in new.items() if old.get(k) != v)
-        print(f"planner train: note: the learning-rate schedule differs from the checkpointed run's "
-              f"({changed}); from step {step + 1} on, losses follow the new schedule, not the old run's.",
-              file=sys.stderr)
+        print(
+            f"planner train: note: the learning-rate schedule differs from the checkpointed run's "
+            f"({changed}); from step {step + 1} on, losses follow the new schedule, not the old run's.",
+            file=sys.stderr,
+        )
     return True
 
 
@@ -220,8 +270,7 @@ def run_train(args, *, on_step_start: StepHook | None = None) -> int:
     """``planner train plan.json --steps K ...``: the flags as ``TrainOptions``, then ``train_plan``."""
     plan = load_plan(args.plan)
     opts = train_options_from_args(args)
-    return train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=args.compiled,
-                      on_step_start=on_step_start)
+    return train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=args.compiled, on_step_start=on_step_start)
 
 
 def _tensorboard_installed() -> bool:
@@ -237,12 +286,21 @@ def _check_offload(plan: Plan, opts: TrainOptions) -> None:
     except OffloadError as e:
         raise UserError(str(e)) from None
     if opts.delayed_update and plan.offload["optimizer"] == "none":
-        raise UserError("--delayed-update overlaps the optimizer step on the host with the next step, so it "
-                        "needs a plan that offloads the optimizer (plan with --offload-optimizer cpu|nvme).")
+        raise UserError(
+            "--delayed-update overlaps the optimizer step on the host with the next step, so it "
+            "needs a plan that offloads the optimizer (plan with --offload-optimizer cpu|nvme)."
+        )
 
 
-def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | None = None,
-               compiled: str | None = None, on_step_start: StepHook | None = None) -> int:
+def train_plan(
+    plan: Plan,
+    plan_path: str,
+    opts: TrainOptions,
+    *,
+    nproc: int | None = None,
+    compiled: str | None = None,
+    on_step_start: StepHook | None = None,
+) -> int:
     """Compile ``plan`` (read from ``plan_path``) into ``compiled`` and train it with ``opts`` on
     ``nproc`` local processes, or under torchrun's environment when ``nproc`` is None. Exit status:
     0 done (or nothing left to train), 1 the run failed (the reason on stderr); bad input raises
@@ -259,31 +317,52 @@ def train_plan(plan: Plan, plan_path: str, opts: TrainOptions, *, nproc: int | N
         check_weights(name, dict(plan.model.sizes))
     _check_offload(plan, opts)
     if opts.tensorboard_dir and not _tensorboard_installed():
-        raise UserError("--tensorboard needs the tensorboard package, which is not installed: "
-                        "pip install tensorboard (or pip install 'planner[tensorboard]').")
+        raise UserError(
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or pip install 'planner[tensorboard]')."
+        )
     compiled = compile_for_training(plan, plan_path, compiled)
     if opts.data_path is not None:  # fail fast, before any process starts
-        TokenFile(opts.data_path, plan.seq_len,
-                  vocab=data_vocab(plan.model.inputs or LEGACY_INPUTS, read_manifest(compiled)["model"]["vocab"]))
+        TokenFile(
+            opts.data_path,
+            plan.seq_len,
+            vocab=data_vocab(plan.model.inputs or LEGACY_INPUTS, read_manifest(compiled)["model"]["vocab"]),
+        )
     if opts.metrics_path and not opts.resume and os.path.exists(opts.metrics_path):
         os.remove(opts.metrics_path)
-    worker_args = (compiled, opts, plan.model.spec, dict(plan.model.sizes), plan.seq_len, on_step_start,
-                   dict(plan.predicted.time))
+    worker_args = (
+        compiled,
+        opts,
+        plan.model.spec,
+        dict(plan.model.sizes),
+        plan.seq_len,
+        on_step_start,
+        dict(plan.predicted.time),
+    )
     if nproc is not None:
         if nproc != world:
-            raise UserError(f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
-                            f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}.")
+            raise UserError(
+                f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
+                f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}."
+            )
         try:
-            launch_local(_worker, nproc, worker_args, timeout_s=max(600.0, 60.0 * opts.steps),
-                         collective_timeout_s=opts.timeout_s)
+            launch_local(
+                _worker,
+                nproc,
+                worker_args,
+                timeout_s=max(600.0, 60.0 * opts.steps),
+                collective_timeout_s=opts.timeout_s,
+            )
         except LaunchError as e:
             print(f"planner train: training failed: {e}", file=sys.stderr)
             return 1
         return 0
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if world != 1:
-            raise UserError(f"{plan_path} needs {world} processes: pass --nproc {world}, or launch under "
-                            f"torchrun (torchrun --nproc-per-node ... -m planner train {plan_path} ...).")
+            raise UserError(
+                f"{plan_path} needs {world} processes: pass --nproc {world}, or launch under "
+                f"torchrun (torchrun --nproc-per-node ... -m planner train {plan_path} ...)."
+            )
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     env_world = int(os.environ["WORLD_SIZE"])

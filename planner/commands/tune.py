@@ -67,8 +67,19 @@ from planner.units import format_bytes, format_seconds
 from runtime.config import TrainOptions
 from runtime.trainer import StepHook
 
-__all__ = ["run_tune", "Trial", "TRIAL_STATUSES", "trial_status", "Refit", "refit_profile", "scaled_profile",
-           "fit_bounded", "TrialHook", "COMPUTE_PARTS", "LINK_PARTS"]
+__all__ = [
+    "run_tune",
+    "Trial",
+    "TRIAL_STATUSES",
+    "trial_status",
+    "Refit",
+    "refit_profile",
+    "scaled_profile",
+    "fit_bounded",
+    "TrialHook",
+    "COMPUTE_PARTS",
+    "LINK_PARTS",
+]
 
 #: What became of a trial (see the module docstring).
 TRIAL_STATUSES = ("ok", "crashed", "timeout", "out of memory")
@@ -106,18 +117,28 @@ class Trial:
     def to_json(self, chosen: bool = False) -> dict:
         """The trial as one entry of plan.json's ``measured.trials``."""
         p = self.plan
-        return {"candidate": self.index, "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
-                "micro_batch_size": p.micro_batch_size, "num_micro_batches": p.num_micro_batches,
-                "checkpoint_layers": list(p.checkpoint_layers),
-                "predicted_step_time_s": p.predicted.step_time_s,
-                "predicted_peak_memory_bytes": p.predicted.peak_memory_bytes,
-                "status": self.status, "error": self.error, "step_time_s": self.step_time_s,
-                "peak_memory_bytes": self.peak_memory_bytes, "time": self.time,
-                "wall_s": round(self.wall_s, 3), "chosen": chosen}
+        return {
+            "candidate": self.index,
+            "dp": p.dp,
+            "tp": p.tp,
+            "pp": p.pp,
+            "zero_stage": p.zero_stage,
+            "micro_batch_size": p.micro_batch_size,
+            "num_micro_batches": p.num_micro_batches,
+            "checkpoint_layers": list(p.checkpoint_layers),
+            "predicted_step_time_s": p.predicted.step_time_s,
+            "predicted_peak_memory_bytes": p.predicted.peak_memory_bytes,
+            "status": self.status,
+            "error": self.error,
+            "step_time_s": self.step_time_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "time": self.time,
+            "wall_s": round(self.wall_s, 3),
+            "chosen": chosen,
+        }
 
 
-def trial_status(finished: bool, error: str | None, timed_out: bool, peak_bytes: int | None,
-                 capacity: float) -> str:
+def trial_status(finished: bool, error: str | None, timed_out: bool, peak_bytes: int | None, capacity: float) -> str:
     """What became of a trial (one of ``TRIAL_STATUSES``): ``finished`` is whether every step ran,
     ``error`` the failure's message, ``timed_out`` whether the watchdog stopped it, ``capacity``
     the bytes per device the plan had to fit in."""
@@ -175,8 +196,13 @@ class Refit:
         return self.error(self.after, self.measured)
 
 
-def scaled_profile(hw: HardwareProfile, flops: float = 1.0, op_overhead_s: float | None = None,
-                   links: float = 1.0, sync_overhead_s: float | None = None) -> HardwareProfile:
+def scaled_profile(
+    hw: HardwareProfile,
+    flops: float = 1.0,
+    op_overhead_s: float | None = None,
+    links: float = 1.0,
+    sync_overhead_s: float | None = None,
+) -> HardwareProfile:
     """``hw`` with every FLOP taking ``flops`` times as long, every link ``links`` times as slow
     (latencies times it, bandwidths divided by it, per-collective links too), and
     ``op_overhead_s`` per operator call and ``sync_overhead_s`` per blocking collective (each
@@ -197,19 +223,23 @@ def scaled_profile(hw: HardwareProfile, flops: float = 1.0, op_overhead_s: float
     if sync_overhead_s is not None:
         changes["sync_overhead_s"] = max(0.0, float(sync_overhead_s))
     if links != 1.0:
-        changes.update(intra_node_latency=hw.intra_node_latency * links,
-                       inter_node_latency=hw.inter_node_latency * links,
-                       intra_node_bandwidth=hw.intra_node_bandwidth / links,
-                       inter_node_bandwidth=hw.inter_node_bandwidth / links)
+        changes.update(
+            intra_node_latency=hw.intra_node_latency * links,
+            inter_node_latency=hw.inter_node_latency * links,
+            intra_node_bandwidth=hw.intra_node_bandwidth / links,
+            inter_node_bandwidth=hw.inter_node_bandwidth / links,
+        )
         if hw.intra_node_collectives:
             changes["intra_node_collectives"] = {
                 k: {"latency": v["latency"] * links, "bandwidth": v["bandwidth"] / links}
-                for k, v in hw.intra_node_collectives.items()}
+                for k, v in hw.intra_node_collectives.items()
+            }
     return dataclasses.replace(hw, **changes) if changes else hw
 
 
-def fit_bounded(rows: Sequence[tuple[float, float, Sequence[float]]], lower: Sequence[float],
-                keep: Sequence[float]) -> list[float]:
+def fit_bounded(
+    rows: Sequence[tuple[float, float, Sequence[float]]], lower: Sequence[float], keep: Sequence[float]
+) -> list[float]:
     """Least squares on relative residuals with lower bounds, for one or two unknowns.
 
     Each row ``(y, c, a)`` is one measurement ``y ~ c + a . x``; the fit minimises
@@ -252,8 +282,9 @@ COMPUTE_PARTS = ("compute", "recompute")
 LINK_PARTS = ("tp_comm", "dp_comm", "pp_bubble")
 
 
-def refit_profile(hw: HardwareProfile, trials: Sequence[dict],
-                  price: Callable[[HardwareProfile], list[dict]]) -> Refit | None:
+def refit_profile(
+    hw: HardwareProfile, trials: Sequence[dict], price: Callable[[HardwareProfile], list[dict]]
+) -> Refit | None:
     """Refit ``hw``'s calibrated terms to measured trials.
 
     ``trials`` are what was measured, one dict per trial: ``step_time_s`` and, when the metrics
@@ -300,11 +331,18 @@ def refit_profile(hw: HardwareProfile, trials: Sequence[dict],
     # 1. compute: f (FLOP time x f) and o (seconds per operator call)
     o0, d_o = hw.op_overhead_s, max(hw.op_overhead_s, 1e-5)
     base = price(hw)
-    slopes = [_slopes(base, price(scaled_profile(hw, flops=2.0)), 1.0),
-              _slopes(base, price(scaled_profile(hw, op_overhead_s=o0 + d_o)), d_o)]
+    slopes = [
+        _slopes(base, price(scaled_profile(hw, flops=2.0)), 1.0),
+        _slopes(base, price(scaled_profile(hw, op_overhead_s=o0 + d_o)), d_o),
+    ]
     if broken_down:
-        rows = rows_for(base, slopes, (1.0, o0), lambda i: COMPUTE_PARTS,
-                        lambda t: sum(float(t["time"].get(k, 0.0)) for k in COMPUTE_PARTS))
+        rows = rows_for(
+            base,
+            slopes,
+            (1.0, o0),
+            lambda i: COMPUTE_PARTS,
+            lambda t: sum(float(t["time"].get(k, 0.0)) for k in COMPUTE_PARTS),
+        )
     else:
         notes.append("the metrics have no time breakdown: compute is fit to whole steps, links are kept")
         rows = rows_for(base, slopes, (1.0, o0), lambda i: tuple(base[i]), lambda t: float(t["step_time_s"]))
@@ -316,17 +354,35 @@ def refit_profile(hw: HardwareProfile, trials: Sequence[dict],
     if broken_down:
         base1 = price(fitted)
         d_s = max(sync, 1e-5)
-        slopes = [_slopes(base1, price(scaled_profile(fitted, links=2.0)), 1.0),
-                  _slopes(base1, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s)]
-        rows = [r for r in rows_for(base1, slopes, (1.0, sync), lambda i: LINK_PARTS,
-                                    lambda t: sum(float(t["time"].get(k, 0.0)) for k in LINK_PARTS))
-                if r[2][0] > 0 or r[2][1] > 0]
+        slopes = [
+            _slopes(base1, price(scaled_profile(fitted, links=2.0)), 1.0),
+            _slopes(base1, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s),
+        ]
+        rows = [
+            r
+            for r in rows_for(
+                base1,
+                slopes,
+                (1.0, sync),
+                lambda i: LINK_PARTS,
+                lambda t: sum(float(t["time"].get(k, 0.0)) for k in LINK_PARTS),
+            )
+            if r[2][0] > 0 or r[2][1] > 0
+        ]
         if rows:
             g, sync = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, sync))
             fitted = scaled_profile(fitted, links=g, sync_overhead_s=sync)
-    return Refit(profile=fitted, flops_scale=f, op_overhead_s=o, link_scale=g, sync_overhead_s=sync,
-                 before=[sum(p.values()) for p in base], after=[sum(p.values()) for p in price(fitted)],
-                 measured=[float(t["step_time_s"]) for t in trials], notes=notes)
+    return Refit(
+        profile=fitted,
+        flops_scale=f,
+        op_overhead_s=o,
+        link_scale=g,
+        sync_overhead_s=sync,
+        before=[sum(p.values()) for p in base],
+        after=[sum(p.values()) for p in price(fitted)],
+        measured=[float(t["step_time_s"]) for t in trials],
+        notes=notes,
+    )
 
 
 def _slopes(base: list[dict], moved: list[dict], step: float) -> list[dict]:
@@ -389,15 +445,13 @@ def _measure(trial: Trial, lines: list[dict]) -> None:
         trial.time = {k: statistics.median(float(r["time"].get(k, 0.0)) for r in timed) for k in keys}
 
 
-def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity: float,
-               hook: StepHook | None) -> None:
+def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity: float, hook: StepHook | None) -> None:
     """Train ``trial.plan`` for ``steps`` steps here and record what became of it."""
     i = trial.index
     plan_path = os.path.join(workdir, f"candidate-{i}.json")
     save_plan(trial.plan, plan_path)
     metrics = os.path.join(workdir, f"metrics-{i}.jsonl")
-    opts = TrainOptions(steps=steps, timeout_s=timeout, metrics_path=metrics, memory_steps=WARMUP_STEPS,
-                        progress=False)
+    opts = TrainOptions(steps=steps, timeout_s=timeout, metrics_path=metrics, memory_steps=WARMUP_STEPS, progress=False)
     local = not _torchrun()
     nproc = trial.plan.dp * trial.plan.tp * trial.plan.pp if local else None
     err = io.StringIO()
@@ -406,8 +460,14 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
     watchdog = _Watchdog(timeout) if local else contextlib.nullcontext()
     with watchdog, contextlib.redirect_stderr(err):
         try:
-            rc = train_plan(trial.plan, plan_path, opts, nproc=nproc,
-                            compiled=os.path.join(workdir, f"compiled-{i}"), on_step_start=hook)
+            rc = train_plan(
+                trial.plan,
+                plan_path,
+                opts,
+                nproc=nproc,
+                compiled=os.path.join(workdir, f"compiled-{i}"),
+                on_step_start=hook,
+            )
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # a rank of an in-process (torchrun) trial raised: this trial failed
@@ -432,8 +492,10 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
         error = f"wrote {len(lines)} of {steps} metrics lines"
     trial.status = trial_status(finished, error, timed_out, trial.peak_memory_bytes, capacity)
     if trial.status == "out of memory" and finished:
-        error = (f"measured peak {format_bytes(trial.peak_memory_bytes)} per device is above the "
-                 f"{format_bytes(capacity)} the plan must fit in")
+        error = (
+            f"measured peak {format_bytes(trial.peak_memory_bytes)} per device is above the "
+            f"{format_bytes(capacity)} the plan must fit in"
+        )
     trial.error = None if trial.status == "ok" else error
 
 
@@ -455,8 +517,9 @@ def _pricer(req, table, hw: HardwareProfile, strategies: list) -> Callable:
             profile = profile.with_gpus_per_node(gpn)
         out = []
         for s in strategies:
-            cc = candidate_costs(nt, profile, req.dtype, req.seq_len, s.candidate, gpn,
-                                 profile.memory_bytes * req.memory_headroom)
+            cc = candidate_costs(
+                nt, profile, req.dtype, req.seq_len, s.candidate, gpn, profile.memory_bytes * req.memory_headroom
+            )
             out.append({k: float(v) for k, v in evaluate_strategy(cc, s).time.items()})
         return out
 
@@ -465,20 +528,38 @@ def _pricer(req, table, hw: HardwareProfile, strategies: list) -> Callable:
 
 def _table(trials: list[Trial], chosen: Trial | None) -> Table:
     t = Table(title=f"planner tune: {len(trials)} candidate{'s' if len(trials) != 1 else ''} run here")
-    for name, justify in (("#", "right"), ("dp/tp/pp", "left"), ("ZeRO", "right"), ("micro-batch", "right"),
-                          ("recompute", "right"), ("predicted", "right"), ("measured", "right"),
-                          ("meas/pred", "right"), ("peak memory", "right"), ("status", "left")):
+    for name, justify in (
+        ("#", "right"),
+        ("dp/tp/pp", "left"),
+        ("ZeRO", "right"),
+        ("micro-batch", "right"),
+        ("recompute", "right"),
+        ("predicted", "right"),
+        ("measured", "right"),
+        ("meas/pred", "right"),
+        ("peak memory", "right"),
+        ("status", "left"),
+    ):
         t.add_column(name, justify=justify)
     for tr in trials:
         p = tr.plan
-        status = "ok, chosen" if tr is chosen else tr.status if tr.status == "ok" else escape(f"{tr.status}: {tr.error}")
+        status = (
+            "ok, chosen" if tr is chosen else tr.status if tr.status == "ok" else escape(f"{tr.status}: {tr.error}")
+        )
         ratio = f"{tr.step_time_s / p.predicted.step_time_s:.2f}" if tr.step_time_s else "-"
-        t.add_row(str(tr.index), f"{p.dp}/{p.tp}/{p.pp}", str(p.zero_stage),
-                  f"{p.micro_batch_size} x {p.num_micro_batches}", f"{len(p.checkpoint_layers)} layers",
-                  format_seconds(p.predicted.step_time_s),
-                  format_seconds(tr.step_time_s) if tr.step_time_s else "-", ratio,
-                  format_bytes(tr.peak_memory_bytes) if tr.peak_memory_bytes is not None else "-", status,
-                  style="bold" if tr is chosen else None)
+        t.add_row(
+            str(tr.index),
+            f"{p.dp}/{p.tp}/{p.pp}",
+            str(p.zero_stage),
+            f"{p.micro_batch_size} x {p.num_micro_batches}",
+            f"{len(p.checkpoint_layers)} layers",
+            format_seconds(p.predicted.step_time_s),
+            format_seconds(tr.step_time_s) if tr.step_time_s else "-",
+            ratio,
+            format_bytes(tr.peak_memory_bytes) if tr.peak_memory_bytes is not None else "-",
+            status,
+            style="bold" if tr is chosen else None,
+        )
     return t
 
 
@@ -488,14 +569,18 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
     ``trial_hook(i)`` gives trial ``i``'s ranks a step hook (fault injection in tests; it must
     pickle for local trials). Exit 0 with a plan; 1 when every trial failed; bad input raises."""
     if args.steps <= WARMUP_STEPS:
-        raise UserError(f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
-                        f"measures nothing; use --steps {WARMUP_STEPS + 1} or more.")
+        raise UserError(
+            f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
+            f"measures nothing; use --steps {WARMUP_STEPS + 1} or more."
+        )
     check_cost_flags(args)
     req = request_from_args(args)
     local = not _torchrun()
     if not local and int(os.environ["WORLD_SIZE"]) != req.gpus:
-        raise UserError(f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
-                        f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}.")
+        raise UserError(
+            f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
+            f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}."
+        )
     rank0 = local or int(os.environ["RANK"]) == 0
 
     def say(*a) -> None:  # progress and results: stdout, or stderr under --json; rank 0 only
@@ -505,22 +590,29 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
     table = layer_table_for(req)
     solution, hw = plan_from_request(req, table)
     plans = candidate_plans(req, table, hw, solution, args.candidates)
-    kept = [solution.search.best] + solution.search.alternatives(len(solution.search.ranked)
-                                                                 + len(solution.search.extra))
+    kept = [solution.search.best] + solution.search.alternatives(
+        len(solution.search.ranked) + len(solution.search.extra)
+    )
     if len(plans) < args.candidates:
-        say(f"planner tune: the search kept {len(plans)} candidate{'s' if len(plans) != 1 else ''} "
-            f"(asked for {args.candidates}); running {'them' if len(plans) != 1 else 'it'}.")
+        say(
+            f"planner tune: the search kept {len(plans)} candidate{'s' if len(plans) != 1 else ''} "
+            f"(asked for {args.candidates}); running {'them' if len(plans) != 1 else 'it'}."
+        )
     capacity = hw.memory_bytes * req.memory_headroom
     trials = [Trial(index=i + 1, plan=p) for i, p in enumerate(plans)]
     where = "torchrun's ranks" if not local else f"{req.gpus} local process{'es' if req.gpus != 1 else ''}"
     with tempfile.TemporaryDirectory(prefix="planner-tune-") as work:
         for tr in trials:
-            say(f"trial {tr.index}/{len(trials)}: {_describe(tr.plan)} (predicted "
-                f"{format_seconds(tr.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ...")
+            say(
+                f"trial {tr.index}/{len(trials)}: {_describe(tr.plan)} (predicted "
+                f"{format_seconds(tr.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ..."
+            )
             _run_trial(tr, work, args.steps, args.timeout, capacity, trial_hook(tr.index) if trial_hook else None)
             if tr.status == "ok":
-                say(f"  measured {format_seconds(tr.step_time_s)} per step, peak "
-                    f"{format_bytes(tr.peak_memory_bytes)} ({tr.wall_s:.0f} s)")
+                say(
+                    f"  measured {format_seconds(tr.step_time_s)} per step, peak "
+                    f"{format_bytes(tr.peak_memory_bytes)} ({tr.wall_s:.0f} s)"
+                )
             else:
                 say(f"  {tr.status}: {tr.error} (recorded; going on)")
     if not rank0:
@@ -532,28 +624,46 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
     console.print(_table(trials, chosen))
     if chosen is None:
         why = "; ".join(f"trial {t.index} ({_describe(t.plan)}) {t.status}: {t.error}" for t in trials)
-        print(f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
-              f"written; see the table above, or raise --timeout, or re-plan with other pins.", file=sys.stderr)
+        print(
+            f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
+            f"written; see the table above, or raise --timeout, or re-plan with other pins.",
+            file=sys.stderr,
+        )
         return 1
     measured = [t for t in trials if t.measured]  # ok, and over the memory limit: their times count
-    refit = refit_profile(hw, [{"step_time_s": t.step_time_s, "time": t.time} for t in measured],
-                          _pricer(req, table, hw, [kept[t.index - 1].strategy for t in measured]))
+    refit = refit_profile(
+        hw,
+        [{"step_time_s": t.step_time_s, "time": t.time} for t in measured],
+        _pricer(req, table, hw, [kept[t.index - 1].strategy for t in measured]),
+    )
     one_node = req.gpus <= (req.gpus_per_node or hw.gpus_per_node)
     first = trials[0]
     if chosen is first:
-        say(f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
-            f"{format_seconds(chosen.step_time_s)} per step.")
+        say(
+            f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
+            f"{format_seconds(chosen.step_time_s)} per step."
+        )
     else:
-        vs = (f"{(1 - chosen.step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
-              f"(trial 1, {format_seconds(first.step_time_s)})" if first.step_time_s
-              else f"while the plan's own choice (trial 1) ended in {first.status}")
-        say(f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(chosen.step_time_s)} "
-            f"per step, {vs}.")
+        vs = (
+            f"{(1 - chosen.step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
+            f"(trial 1, {format_seconds(first.step_time_s)})"
+            if first.step_time_s
+            else f"while the plan's own choice (trial 1) ended in {first.status}"
+        )
+        say(
+            f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(chosen.step_time_s)} "
+            f"per step, {vs}."
+        )
     if refit is not None:
         say(_refit_line(refit, hw))
-    plan = dataclasses.replace(with_cost(chosen.plan, args.tokens, args.price_per_gpu_hour), measured={
-        "step_time_s": chosen.step_time_s, "peak_memory_bytes": chosen.peak_memory_bytes,
-        "trials": [t.to_json(chosen=t is chosen) for t in trials]})
+    plan = dataclasses.replace(
+        with_cost(chosen.plan, args.tokens, args.price_per_gpu_hour),
+        measured={
+            "step_time_s": chosen.step_time_s,
+            "peak_memory_bytes": chosen.peak_memory_bytes,
+            "trials": [t.to_json(chosen=t is chosen) for t in trials],
+        },
+    )
     _write_profile(args, refit, len(measured), one_node, say)
     save_plan(plan, args.out)
     if args.json:
@@ -570,12 +680,17 @@ def _refit_line(refit: Refit, hw: HardwareProfile) -> str:
         parts.append(f"peak FLOP/s x{next(iter(p.peak_flops.values())) / next(iter(hw.peak_flops.values())):.3g}")
     parts.append(f"op overhead {format_seconds(hw.op_overhead_s)} -> {format_seconds(p.op_overhead_s)}")
     if refit.link_scale is not None:
-        parts.append(f"links x{refit.link_scale:.3g} slower" if refit.link_scale >= 1
-                     else f"links {1 / refit.link_scale:.3g}x faster")
+        parts.append(
+            f"links x{refit.link_scale:.3g} slower"
+            if refit.link_scale >= 1
+            else f"links {1 / refit.link_scale:.3g}x faster"
+        )
         parts.append(f"sync cost {format_seconds(hw.sync_overhead_s)} -> {format_seconds(p.sync_overhead_s)}")
-    line = (f"Refit from {len(refit.measured)} trial{'s' if len(refit.measured) != 1 else ''}: "
-            f"{', '.join(parts)}; step-time error of the predictions {refit.error_before:.0%} -> "
-            f"{refit.error_after:.0%}.")
+    line = (
+        f"Refit from {len(refit.measured)} trial{'s' if len(refit.measured) != 1 else ''}: "
+        f"{', '.join(parts)}; step-time error of the predictions {refit.error_before:.0%} -> "
+        f"{refit.error_after:.0%}."
+    )
     if refit.notes:
         line += " (" + "; ".join(refit.notes) + ")"
     return line
@@ -593,21 +708,41 @@ def _write_profile(args, refit: Refit | None, n: int, one_node: bool, say) -> No
     original = load_hardware(args.hardware)
     p = refit.profile
     inter = original if one_node else p
-    what = ("compute efficiency and op overhead from measured compute times, links and sync cost from "
-            "measured communication" if refit.link_scale is not None
-            else "compute efficiency and op overhead from measured step times")
+    what = (
+        "compute efficiency and op overhead from measured compute times, links and sync cost from "
+        "measured communication"
+        if refit.link_scale is not None
+        else "compute efficiency and op overhead from measured step times"
+    )
     fitted = dataclasses.replace(
-        original, name=f"{original.name.removesuffix('-tuned')}-tuned", peak_flops=dict(p.peak_flops),
-        compute_efficiency=p.compute_efficiency, op_overhead_s=p.op_overhead_s,
-        intra_node_latency=p.intra_node_latency, intra_node_bandwidth=p.intra_node_bandwidth,
-        inter_node_latency=inter.inter_node_latency, inter_node_bandwidth=inter.inter_node_bandwidth,
-        sync_overhead_s=p.sync_overhead_s, intra_node_collectives=p.intra_node_collectives,
-        source=(f"Refit by planner tune from {n} trial{'s' if n != 1 else ''} of {args.model} "
-                f"({time.strftime('%Y-%m-%d')}): {what}. Based on: {original.source}"),
-        calibration={**(original.calibration or {}), "tune": {
-            "trials": n, "flops_scale": refit.flops_scale, "op_overhead_s": refit.op_overhead_s,
-            "link_scale": refit.link_scale, "sync_overhead_s": refit.sync_overhead_s,
-            "measured_step_s": refit.measured, "predicted_step_s_before": refit.before,
-            "predicted_step_s_after": refit.after}})
+        original,
+        name=f"{original.name.removesuffix('-tuned')}-tuned",
+        peak_flops=dict(p.peak_flops),
+        compute_efficiency=p.compute_efficiency,
+        op_overhead_s=p.op_overhead_s,
+        intra_node_latency=p.intra_node_latency,
+        intra_node_bandwidth=p.intra_node_bandwidth,
+        inter_node_latency=inter.inter_node_latency,
+        inter_node_bandwidth=inter.inter_node_bandwidth,
+        sync_overhead_s=p.sync_overhead_s,
+        intra_node_collectives=p.intra_node_collectives,
+        source=(
+            f"Refit by planner tune from {n} trial{'s' if n != 1 else ''} of {args.model} "
+            f"({time.strftime('%Y-%m-%d')}): {what}. Based on: {original.source}"
+        ),
+        calibration={
+            **(original.calibration or {}),
+            "tune": {
+                "trials": n,
+                "flops_scale": refit.flops_scale,
+                "op_overhead_s": refit.op_overhead_s,
+                "link_scale": refit.link_scale,
+                "sync_overhead_s": refit.sync_overhead_s,
+                "measured_step_s": refit.measured,
+                "predicted_step_s_before": refit.before,
+                "predicted_step_s_after": refit.after,
+            },
+        },
+    )
     fitted.save(args.profile_out)
     say(f"Wrote {args.profile_out} (hardware profile refit from {n} trial{'s' if n != 1 else ''}).")

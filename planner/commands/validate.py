@@ -40,26 +40,34 @@ def compare(plan, metrics: list[dict]) -> dict:
     wait; ``time``, the predicted and measured (median) seconds of each part of the step."""
     rows = metrics[WARMUP_STEPS:]
     if not rows:
-        raise UserError(f"validate needs a measured step after the {WARMUP_STEPS} warm-up steps; "
-                        f"use --steps {WARMUP_STEPS + 1} or more.")
+        raise UserError(
+            f"validate needs a measured step after the {WARMUP_STEPS} warm-up steps; "
+            f"use --steps {WARMUP_STEPS + 1} or more."
+        )
     measured = {
         "step_time_s": statistics.median(r["step_time_s"] for r in rows),
         "peak_memory_bytes": int(max(r["peak_memory_bytes"] for r in metrics)),
         "comm_bytes_per_device": statistics.median(r["comm_bytes"] for r in rows),
     }
     p = plan.predicted
-    predicted = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
-                 "comm_bytes_per_device": p.comm_bytes_per_device}
+    predicted = {
+        "step_time_s": p.step_time_s,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "comm_bytes_per_device": p.comm_bytes_per_device,
+    }
     host = [r["host_memory_bytes"] for r in metrics if "host_memory_bytes" in r]
     if host and set(plan.offload.values()) != {"none"}:  # only a plan that keeps state on the host
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
         predicted["host_memory_bytes"] = int(p.memory.get("host", 0) // ranks)
         measured["host_memory_bytes"] = int(max(host))
     parts, _ = median_breakdown([r["time"] for r in metrics if "time" in r])
-    return {"predicted": predicted, "measured": measured,
-            "step_times_s": [float(r["step_time_s"]) for r in rows],
-            "comm_wait_s": statistics.median(float(r.get("comm_wait_s", 0.0)) for r in rows),
-            "time": {"predicted": dict(p.time), "measured": parts}}
+    return {
+        "predicted": predicted,
+        "measured": measured,
+        "step_times_s": [float(r["step_time_s"]) for r in rows],
+        "comm_wait_s": statistics.median(float(r.get("comm_wait_s", 0.0)) for r in rows),
+        "time": {"predicted": dict(p.time), "measured": parts},
+    }
 
 
 def run_validate(args) -> int:
@@ -68,15 +76,24 @@ def run_validate(args) -> int:
     plan with an NVMe tier; memory tracked in the warm-up steps only, no progress bar), then compare
     (``compare``)."""
     if args.steps <= WARMUP_STEPS:
-        raise UserError(f"validate times the steps after {WARMUP_STEPS} warm-up steps (first-touch "
-                        f"allocations, lazy initialization), so --steps {args.steps} measures nothing; "
-                        f"use --steps {WARMUP_STEPS + 1} or more (10 is a good start).")
+        raise UserError(
+            f"validate times the steps after {WARMUP_STEPS} warm-up steps (first-touch "
+            f"allocations, lazy initialization), so --steps {args.steps} measures nothing; "
+            f"use --steps {WARMUP_STEPS + 1} or more (10 is a good start)."
+        )
     plan = load_plan(args.plan)
     with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         nvme = getattr(args, "nvme_path", None) or os.path.join(tmp, "nvme")
-        opts = TrainOptions(steps=args.steps, seed=args.seed, timeout_s=args.timeout, metrics_path=metrics,
-                            memory_steps=WARMUP_STEPS, progress=False, nvme_path=nvme)
+        opts = TrainOptions(
+            steps=args.steps,
+            seed=args.seed,
+            timeout_s=args.timeout,
+            metrics_path=metrics,
+            memory_steps=WARMUP_STEPS,
+            progress=False,
+            nvme_path=nvme,
+        )
         rc = train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=os.path.join(tmp, "compiled"))
         if rc != 0:
             return rc
@@ -91,15 +108,24 @@ def run_validate(args) -> int:
     t.add_column("predicted", justify="right")
     t.add_column("measured", justify="right")
     t.add_column("measured / predicted", justify="right")
-    fmt = {"step_time_s": lambda v: f"{v:.4f} s", "peak_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
-           "comm_bytes_per_device": lambda v: f"{v / 2**20:,.2f} MiB",
-           "host_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB"}
+    fmt = {
+        "step_time_s": lambda v: f"{v:.4f} s",
+        "peak_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
+        "comm_bytes_per_device": lambda v: f"{v / 2**20:,.2f} MiB",
+        "host_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
+    }
     for k in KEYS + (("host_memory_bytes",) if "host_memory_bytes" in result["measured"] else ()):
         pv, mv = result["predicted"][k], result["measured"][k]
         ratio = f"{mv / pv:.2f}" if pv else "-"
         t.add_row(k, fmt[k](pv), fmt[k](mv), ratio)
     console = Console()
     console.print(t)
-    console.print(breakdown_table(result["time"]["predicted"], result["time"]["measured"], "step time by part",
-                                  f"measured: median after {WARMUP_STEPS} warm-up steps"))
+    console.print(
+        breakdown_table(
+            result["time"]["predicted"],
+            result["time"]["measured"],
+            "step time by part",
+            f"measured: median after {WARMUP_STEPS} warm-up steps",
+        )
+    )
     return 0

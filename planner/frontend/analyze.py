@@ -71,9 +71,17 @@ def _freeze_imports() -> None:
     gc.freeze()
 
 
-def build_layer_table(model: str | ModelBundle, *, batch: int | None = None, seq_len: int | None = None,
-                      dtype=None, shallow: bool = True, dynamic: bool = True,
-                      positions: int | None = None, **sizes) -> LayerTable:
+def build_layer_table(
+    model: str | ModelBundle,
+    *,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    dtype=None,
+    shallow: bool = True,
+    dynamic: bool = True,
+    positions: int | None = None,
+    **sizes,
+) -> LayerTable:
     """Trace ``model`` (spec or ``ModelBundle``) and return its layer table, from the cache when
     this spec was analyzed before with the same arguments and code.
 
@@ -82,8 +90,18 @@ def build_layer_table(model: str | ModelBundle, *, batch: int | None = None, seq
     """
     key = None
     if isinstance(model, str) and cache.cache_enabled():
-        key = cache.table_key(model, dict(batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
-                                          dynamic=dynamic, positions=positions, sizes=sizes))
+        key = cache.table_key(
+            model,
+            dict(
+                batch=batch,
+                seq_len=seq_len,
+                dtype=dtype,
+                shallow=shallow,
+                dynamic=dynamic,
+                positions=positions,
+                sizes=sizes,
+            ),
+        )
         table = cache.load_table(key) if key is not None else None
         if table is not None:
             return table
@@ -96,8 +114,16 @@ def build_layer_table(model: str | ModelBundle, *, batch: int | None = None, seq
         trace.import_tracer(model)
         if FREEZE_IMPORTS and len(sys.modules) > modules:
             _freeze_imports()
-        traced = trace.trace_model(model, batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow,
-                                   positions=positions, dynamic=dynamic, **sizes)
+        traced = trace.trace_model(
+            model,
+            batch=batch,
+            seq_len=seq_len,
+            dtype=dtype,
+            shallow=shallow,
+            positions=positions,
+            dynamic=dynamic,
+            **sizes,
+        )
         table = table_from_traced(traced)
     if key is not None:
         cache.store_table(key, table)

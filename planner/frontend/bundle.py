@@ -18,6 +18,7 @@ from planner.frontend.spec import SPEC_HELP, parse_spec
 
 __all__ = ["ModelBundle", "parse_spec", "SPEC_HELP"]
 
+
 @dataclass
 class ModelBundle:
     """A model ready to trace or train, and what the planner needs to know about it."""
@@ -45,11 +46,12 @@ class ModelBundle:
         rows and, where an example's second size is the examples' sequence length, ``seq_len``
         of them (zeros: this is for tracing), on the device of the examples (the factory chose it)."""
         if self.kind == "file":
-            return tuple(torch.zeros(self._resized(t, batch, seq_len), dtype=t.dtype, device=t.device)
-                         for t in self.example_inputs)
+            return tuple(
+                torch.zeros(self._resized(t, batch, seq_len), dtype=t.dtype, device=t.device)
+                for t in self.example_inputs
+            )
         ids = torch.randint(0, self.vocab, (batch, seq_len + 1), generator=generator)
         return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
-
 
     def _resized(self, t: torch.Tensor, batch: int, seq_len: int) -> list[int]:
         dims = list(t.shape)

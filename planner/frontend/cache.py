@@ -153,8 +153,7 @@ def _directory_parts(path: str) -> dict[str, Any]:
         if entry.is_file() and entry.name != "config.json" and entry.name.endswith(_WEIGHT_SUFFIXES):
             st = entry.stat()
             files[entry.name] = [st.st_size, st.st_mtime_ns]
-    return {"path": os.path.abspath(path), "config": _file_digest(os.path.join(path, "config.json")),
-            "files": files}
+    return {"path": os.path.abspath(path), "config": _file_digest(os.path.join(path, "config.json")), "files": files}
 
 
 def _dtype_key(dtype: Any) -> str:
@@ -176,13 +175,14 @@ def table_key(spec: str, args: dict[str, Any]) -> str | None:
         sizes = args.pop("sizes", {})
         dtype = args.pop("dtype", None)
         parts: dict[str, Any] = {
-            "format": FORMAT, "spec": spec, "kind": kind,
+            "format": FORMAT,
+            "spec": spec,
+            "kind": kind,
             "args": {k: args[k] for k in sorted(args)},
             "sizes": {k: sizes[k] for k in sorted(sizes) if sizes[k] is not None},
             "dtype": _dtype_key(dtype),
             "code": code_digest(),
-            "versions": {"python": platform.python_version(), "torch": _version("torch"),
-                         "sympy": sympy.__version__},
+            "versions": {"python": platform.python_version(), "torch": _version("torch"), "sympy": sympy.__version__},
         }
         if kind != "gpt":  # hf: models are transformers' code; a factory may wrap one too
             parts["versions"]["transformers"] = _version("transformers")
@@ -239,16 +239,24 @@ def _valid_table(obj: Any) -> bool:
             return False
         if not all(_valid_gemms(getattr(r, f, None)) for f in GEMM_FIELDS):
             return False
-    return (isinstance(obj["dtype"], str) and isinstance(obj["model"], dict)
-            and isinstance(obj["fixed"], dict) and isinstance(obj["notes"], list)
-            and isinstance(obj["tied"], list))
+    return (
+        isinstance(obj["dtype"], str)
+        and isinstance(obj["model"], dict)
+        and isinstance(obj["fixed"], dict)
+        and isinstance(obj["notes"], list)
+        and isinstance(obj["tied"], list)
+    )
 
 
 def _valid_gemms(gemms: Any) -> bool:
     """Is ``gemms`` a row's list of ``Gemm`` (sympy sizes, an int count, a known tp dim)?"""
     return isinstance(gemms, list) and all(
-        type(g) is Gemm and all(isinstance(x, sympy.Basic) for x in g[:4])
-        and type(g.count) is int and g.tp_dim in GEMM_TP_DIMS for g in gemms)
+        type(g) is Gemm
+        and all(isinstance(x, sympy.Basic) for x in g[:4])
+        and type(g.count) is int
+        and g.tp_dim in GEMM_TP_DIMS
+        for g in gemms
+    )
 
 
 def load_table(key: str) -> LayerTable | None:
@@ -259,8 +267,12 @@ def load_table(key: str) -> LayerTable | None:
             if hasattr(os, "getuid") and os.fstat(f.fileno()).st_uid != os.getuid():
                 raise ValueError("the entry belongs to another user")
             payload = pickle.load(f)
-        if not (isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("key") == key
-                and _valid_table(payload.get("table"))):
+        if not (
+            isinstance(payload, dict)
+            and payload.get("format") == FORMAT
+            and payload.get("key") == key
+            and _valid_table(payload.get("table"))
+        ):
             raise ValueError("not an entry of this key and format")
         table = LayerTable(**payload["table"])
     except FileNotFoundError:
@@ -279,8 +291,7 @@ def store_table(key: str, table: LayerTable) -> None:
     path = _entry_path(key)
     tmp = None
     try:
-        payload = {"format": FORMAT, "key": key,
-                   "table": {f.name: getattr(table, f.name) for f in fields(LayerTable)}}
+        payload = {"format": FORMAT, "key": key, "table": {f.name: getattr(table, f.name) for f in fields(LayerTable)}}
         buffer = io.BytesIO()
         _TablePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
         data = buffer.getvalue()

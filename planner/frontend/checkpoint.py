@@ -28,11 +28,11 @@ from safetensors import safe_open
 from planner.frontend.errors import ModelError
 from planner.frontend.hf import INDEX_FILE, SINGLE_FILE, build_hf_dir, weight_files
 
-__all__ = ["params_on_meta", "DirectoryWeights", "directory_state", "check_weights",
-           "PREFIX"]
+__all__ = ["params_on_meta", "DirectoryWeights", "directory_state", "check_weights", "PREFIX"]
 
 PREFIX = "inner."
 """Names in compiled stages are the wrapped model's: ``HFLossModel.inner`` + the HF name."""
+
 
 @contextlib.contextmanager
 def params_on_meta():
@@ -73,13 +73,12 @@ class DirectoryWeights(Mapping):
     served from ``buffers`` (the skeleton's computed buffers).
     """
 
-    def __init__(self, files: dict[str, str], aliases: dict[str, list[str]],
-                 buffers: dict[str, torch.Tensor]):
+    def __init__(self, files: dict[str, str], aliases: dict[str, list[str]], buffers: dict[str, torch.Tensor]):
         self._files = files
         self._buffers = buffers
         self._key: dict[str, str] = {}
         for name, names in aliases.items():
-            found = next((n[len(PREFIX):] for n in names if n[len(PREFIX):] in files), None)
+            found = next((n[len(PREFIX) :] for n in names if n[len(PREFIX) :] in files), None)
             if found is not None:
                 self._key[name] = found
         self._handles: dict[str, object] = {}
@@ -125,28 +124,36 @@ def check_weights(path: str, sizes: dict, model: nn.Module | None = None) -> dic
         if id(p) in seen:
             continue
         seen.add(id(p))
-        hf_names = [n[len(PREFIX):] for n in names]
+        hf_names = [n[len(PREFIX) :] for n in names]
         key = next((n for n in hf_names if n in files), None)
         if key is None:
-            where = os.path.join(path, INDEX_FILE) if os.path.isfile(os.path.join(path, INDEX_FILE)) \
+            where = (
+                os.path.join(path, INDEX_FILE)
+                if os.path.isfile(os.path.join(path, INDEX_FILE))
                 else os.path.join(path, SINGLE_FILE)
-            raise ModelError(f"{where} has no tensor {hf_names[0]!r} (shape {tuple(p.shape)}), which the "
-                             f"model of {os.path.join(path, 'config.json')} needs. Save the weights and the "
-                             "config together (save_pretrained), or remove the weight files to train from "
-                             "a fresh initialization.")
+            )
+            raise ModelError(
+                f"{where} has no tensor {hf_names[0]!r} (shape {tuple(p.shape)}), which the "
+                f"model of {os.path.join(path, 'config.json')} needs. Save the weights and the "
+                "config together (save_pretrained), or remove the weight files to train from "
+                "a fresh initialization."
+            )
         file = files[key]
         try:
             if file not in handles:
                 handles[file] = safe_open(file, framework="pt")
             shape = tuple(handles[file].get_slice(key).get_shape())
         except Exception as e:  # noqa: BLE001 - a missing shard file, a corrupt header
-            raise ModelError(f"cannot read tensor {key!r} from {file} ({e}); save the model again "
-                             "with save_pretrained.") from None
+            raise ModelError(
+                f"cannot read tensor {key!r} from {file} ({e}); save the model again with save_pretrained."
+            ) from None
         if shape != tuple(p.shape):
-            raise ModelError(f"{file}: tensor {key!r} has shape {shape}, but the model of "
-                             f"{os.path.join(path, 'config.json')} needs {tuple(p.shape)}. The weights "
-                             "and the config disagree: save them together (save_pretrained), and do not "
-                             "override sizes of a model with weights.")
+            raise ModelError(
+                f"{file}: tensor {key!r} has shape {shape}, but the model of "
+                f"{os.path.join(path, 'config.json')} needs {tuple(p.shape)}. The weights "
+                "and the config disagree: save them together (save_pretrained), and do not "
+                "override sizes of a model with weights."
+            )
     return files
 
 

@@ -21,6 +21,6 @@ def first_sentence(text: str, limit: int = 240) -> str:
     for stop in (". ", "; "):
         k = line.find(stop)
         if 0 < k < limit:
-            return line[:k + 1]
+            return line[: k + 1]
     cut = line[:limit].rsplit(" ", 1)[0]
     return cut + " ..."

@@ -35,7 +35,8 @@ def check_module_names(model: nn.Module, where: str) -> None:
                 raise ModelError(
                     f"{where}: the model has a submodule or parameter named {part!r} (in {full!r}); "
                     "names may contain only letters, digits and '_' and may not be Python keywords, so "
-                    "that they are safe in generated code. Rename it (e.g. the key of an nn.ModuleDict).")
+                    "that they are safe in generated code. Rename it (e.g. the key of an nn.ModuleDict)."
+                )
 
 
 def load_factory(spec: str, device="cpu") -> ModelBundle:
@@ -61,8 +62,7 @@ def load_factory(spec: str, device="cpu") -> ModelBundle:
     except Exception as e:
         raise ModelError(f"{path}:{fn_name}() raised {type(e).__name__}: {e}") from e
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
-        raise ModelError(f"{path}:{fn_name}() must return (model, example_inputs); got "
-                        f"{type(out).__name__}.")
+        raise ModelError(f"{path}:{fn_name}() must return (model, example_inputs); got {type(out).__name__}.")
     model, inputs = out
     check_module_names(model, f"{path}:{fn_name}()")
     if isinstance(inputs, torch.Tensor):

@@ -22,19 +22,41 @@ from planner.frontend.bundle import ModelBundle
 from planner.frontend.errors import ModelError, first_sentence
 from planner.frontend.spec import HF_ARCHS, hf_directory
 
-__all__ = ["build_hf", "build_hf_dir", "dir_config", "hf_classes", "hf_directory", "load_hf_config", "weight_files",
-           "HF_ARCHS", "HFLossModel"]
+__all__ = [
+    "build_hf",
+    "build_hf_dir",
+    "dir_config",
+    "hf_classes",
+    "hf_directory",
+    "load_hf_config",
+    "weight_files",
+    "HF_ARCHS",
+    "HFLossModel",
+]
 
 
 # Our flag name -> the config attribute of each architecture.
 _FIELDS = {
-    "gpt2": dict(layers="n_layer", hidden="n_embd", heads="n_head", vocab="vocab_size",
-                 seq_len="n_positions", ffn="n_inner"),
-    "llama": dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
-                  kv_heads="num_key_value_heads", ffn="intermediate_size", vocab="vocab_size",
-                  seq_len="max_position_embeddings"),
-    "bert": dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
-                 ffn="intermediate_size", vocab="vocab_size", seq_len="max_position_embeddings"),
+    "gpt2": dict(
+        layers="n_layer", hidden="n_embd", heads="n_head", vocab="vocab_size", seq_len="n_positions", ffn="n_inner"
+    ),
+    "llama": dict(
+        layers="num_hidden_layers",
+        hidden="hidden_size",
+        heads="num_attention_heads",
+        kv_heads="num_key_value_heads",
+        ffn="intermediate_size",
+        vocab="vocab_size",
+        seq_len="max_position_embeddings",
+    ),
+    "bert": dict(
+        layers="num_hidden_layers",
+        hidden="hidden_size",
+        heads="num_attention_heads",
+        ffn="intermediate_size",
+        vocab="vocab_size",
+        seq_len="max_position_embeddings",
+    ),
 }
 
 
@@ -46,32 +68,40 @@ class HFLossModel(nn.Module):
         self.inner = inner
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.inner(input_ids=input_ids, use_cache=False).logits \
-            if self._takes_cache else self.inner(input_ids=input_ids).logits
+        logits = (
+            self.inner(input_ids=input_ids, use_cache=False).logits
+            if self._takes_cache
+            else self.inner(input_ids=input_ids).logits
+        )
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     @property
     def _takes_cache(self) -> bool:
-        return getattr(self.inner.config, "use_cache", None) is not None and \
-            self.inner.config.model_type != "bert"
+        return getattr(self.inner.config, "use_cache", None) is not None and self.inner.config.model_type != "bert"
 
 
 #: The transformers classes of each built-in architecture: (config, model).
-_CLASSES = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-            "bert": ("BertConfig", "BertForMaskedLM")}
+_CLASSES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
+}
 
 
 def hf_classes(arch: str) -> tuple[type, type]:
     """``(config class, model class)`` of a built-in architecture (importing transformers and the
     architecture's modules)."""
     if arch not in HF_ARCHS:
-        raise ModelError(f"Unknown HF architecture 'hf:{arch}'. Supported: "
-                        + ", ".join("hf:" + a for a in HF_ARCHS) + ".")
+        raise ModelError(
+            f"Unknown HF architecture 'hf:{arch}'. Supported: " + ", ".join("hf:" + a for a in HF_ARCHS) + "."
+        )
     try:
         import transformers
     except ImportError:
-        raise ModelError("hf: models need the transformers package. Install the extra with "
-                        "`pip install -e '.[hf]'` (make test/demo do it for you).") from None
+        raise ModelError(
+            "hf: models need the transformers package. Install the extra with "
+            "`pip install -e '.[hf]'` (make test/demo do it for you)."
+        ) from None
     config_name, model_name = _CLASSES[arch]
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
@@ -81,8 +111,11 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
     fields = _FIELDS[arch]
     unknown = set(sizes) - set(fields)
     if unknown:
-        raise ModelError(f"hf:{arch} has no size {sorted(unknown)}; it accepts "
-                        + ", ".join("--" + k.replace("_", "-") for k in fields) + ".")
+        raise ModelError(
+            f"hf:{arch} has no size {sorted(unknown)}; it accepts "
+            + ", ".join("--" + k.replace("_", "-") for k in fields)
+            + "."
+        )
     kwargs = {fields[k]: v for k, v in sizes.items()}
     if arch == "gpt2":
         if "vocab" in sizes:  # the default special-token id 50256 must lie inside the vocabulary
@@ -112,8 +145,9 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
         inner = cls(cfg)
     model = HFLossModel(inner).to(dtype)
     seq = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
-    return ModelBundle(f"hf:{arch}", model, (), cfg.vocab_size, seq, hidden, heads, kv,
-                       cfg.num_hidden_layers, "hf", dict(sizes))
+    return ModelBundle(
+        f"hf:{arch}", model, (), cfg.vocab_size, seq, hidden, heads, kv, cfg.num_hidden_layers, "hf", dict(sizes)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,9 +155,15 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
 
 #: Our size flag -> the generic config attribute (transformers' ``attribute_map`` covers GPT-2's
 #: ``n_layer``/``n_embd``/``n_head``/``n_positions``).
-_GENERIC = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
-                kv_heads="num_key_value_heads", ffn="intermediate_size", vocab="vocab_size",
-                seq_len="max_position_embeddings")
+_GENERIC = dict(
+    layers="num_hidden_layers",
+    hidden="hidden_size",
+    heads="num_attention_heads",
+    kv_heads="num_key_value_heads",
+    ffn="intermediate_size",
+    vocab="vocab_size",
+    seq_len="max_position_embeddings",
+)
 
 
 SINGLE_FILE = "model.safetensors"
@@ -142,8 +182,9 @@ def weight_files(path: str) -> dict[str, str]:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelError(f"cannot read {index} ({e}); it must hold the 'weight_map' save_pretrained "
-                             "writes.") from None
+            raise ModelError(
+                f"cannot read {index} ({e}); it must hold the 'weight_map' save_pretrained writes."
+            ) from None
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
@@ -151,12 +192,16 @@ def weight_files(path: str) -> dict[str, str]:
             with safe_open(single, framework="pt") as f:
                 return {k: single for k in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise ModelError(f"{single} is not a readable safetensors file ({e}); write it again with "
-                             "save_pretrained(..., safe_serialization=True).") from None
+            raise ModelError(
+                f"{single} is not a readable safetensors file ({e}); write it again with "
+                "save_pretrained(..., safe_serialization=True)."
+            ) from None
     if any(n.endswith(".bin") for n in os.listdir(path)):
-        raise ModelError(f"{path} holds PyTorch .bin weights; only safetensors are read. Convert them: "
-                         "AutoModelForCausalLM.from_pretrained(PATH).save_pretrained(PATH, "
-                         "safe_serialization=True).")
+        raise ModelError(
+            f"{path} holds PyTorch .bin weights; only safetensors are read. Convert them: "
+            "AutoModelForCausalLM.from_pretrained(PATH).save_pretrained(PATH, "
+            "safe_serialization=True)."
+        )
     return {}
 
 
@@ -178,28 +223,36 @@ def load_hf_config(path: str):
     try:
         import transformers
     except ImportError:
-        raise ModelError("hf: models need the transformers package. Install the extra with "
-                         "`pip install -e '.[hf]'`.") from None
+        raise ModelError(
+            "hf: models need the transformers package. Install the extra with `pip install -e '.[hf]'`."
+        ) from None
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ModelError(f"{cfg_path} does not exist: an hf:PATH model directory needs the config.json "
-                         "that save_pretrained writes (and optionally *.safetensors weights).")
+        raise ModelError(
+            f"{cfg_path} does not exist: an hf:PATH model directory needs the config.json "
+            "that save_pretrained writes (and optionally *.safetensors weights)."
+        )
     try:
         with open(cfg_path, encoding="utf-8") as f:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError) as e:
-        raise ModelError(f"cannot read {cfg_path} ({e}); it must be a JSON object as save_pretrained "
-                         "writes it.") from None
+        raise ModelError(
+            f"cannot read {cfg_path} ({e}); it must be a JSON object as save_pretrained writes it."
+        ) from None
     try:
         with _quiet_transformers():
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError, TypeError) as e:
-        what = (f"its model_type {model_type!r} is unknown to transformers {transformers.__version__}"
-                if model_type else "it has no model_type")
-        raise ModelError(f"cannot build a model from {cfg_path}: {what}. Use a config.json written by "
-                         "save_pretrained of an architecture this transformers version ships, or "
-                         f"upgrade transformers. ({type(e).__name__}: {first_sentence(str(e))})"
-                         ) from None
+        what = (
+            f"its model_type {model_type!r} is unknown to transformers {transformers.__version__}"
+            if model_type
+            else "it has no model_type"
+        )
+        raise ModelError(
+            f"cannot build a model from {cfg_path}: {what}. Use a config.json written by "
+            "save_pretrained of an architecture this transformers version ships, or "
+            f"upgrade transformers. ({type(e).__name__}: {first_sentence(str(e))})"
+        ) from None
 
 
 def _model_class(cfg):
@@ -207,9 +260,11 @@ def _model_class(cfg):
     import transformers
 
     if getattr(cfg, "is_encoder_decoder", False):
-        raise ModelError(f"{cfg.model_type!r} is an encoder-decoder model (its config sets is_encoder_decoder), "
-                         "and the planner plans and trains decoder-only and encoder-only models, which take "
-                         "one token sequence: use a causal LM or an encoder architecture.")
+        raise ModelError(
+            f"{cfg.model_type!r} is an encoder-decoder model (its config sets is_encoder_decoder), "
+            "and the planner plans and trains decoder-only and encoder-only models, which take "
+            "one token sequence: use a causal LM or an encoder architecture."
+        )
 
     for name in getattr(cfg, "architectures", None) or ():
         cls = getattr(transformers, name, None)
@@ -218,9 +273,11 @@ def _model_class(cfg):
     try:
         return transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
     except (KeyError, AttributeError):
-        raise ModelError(f"transformers has no causal-LM class for model_type {cfg.model_type!r} and the "
-                         "config.json names no known class in 'architectures'; add one (e.g. "
-                         "\"LlamaForCausalLM\").") from None
+        raise ModelError(
+            f"transformers has no causal-LM class for model_type {cfg.model_type!r} and the "
+            "config.json names no known class in 'architectures'; add one (e.g. "
+            '"LlamaForCausalLM").'
+        ) from None
 
 
 def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
@@ -245,15 +302,19 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
             if current is None or value <= current:
                 continue
             if weights:
-                raise ModelError(f"sequence length {value} exceeds the {current} positions of {cfg_file} "
-                                 "(max_position_embeddings), and its weights fix that size; lower "
-                                 "--seq-len to at most " + str(current) + ".")
+                raise ModelError(
+                    f"sequence length {value} exceeds the {current} positions of {cfg_file} "
+                    "(max_position_embeddings), and its weights fix that size; lower "
+                    "--seq-len to at most " + str(current) + "."
+                )
             setattr(cfg, attr, int(value))
         elif current != value:
             flag = "--" + key.replace("_", "-")
             if weights:
-                raise ModelError(f"{flag} {value} differs from {cfg_file} ({attr} = {current}), whose "
-                                 f"weights fix that size; drop {flag}.")
+                raise ModelError(
+                    f"{flag} {value} differs from {cfg_file} ({attr} = {current}), whose "
+                    f"weights fix that size; drop {flag}."
+                )
             if current is None:
                 raise ModelError(f"{cfg_file} has no {attr}, so {flag} cannot change it; drop {flag}.")
             setattr(cfg, attr, int(value))
@@ -272,8 +333,16 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
     return cfg
 
 
-def build_hf_dir(path: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0,
-                 weights: bool | None = None, context=None) -> ModelBundle:
+def build_hf_dir(
+    path: str,
+    sizes: dict,
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    dropout: float = 0.0,
+    weights: bool | None = None,
+    context=None,
+) -> ModelBundle:
     """``hf:PATH``: the directory's architecture built from its config (fresh initialization; the
     runtime loads the directory's weights, see ``planner.frontend.checkpoint``). ``context`` is an
     optional context manager to build under (e.g. parameters on meta, buffers real)."""
@@ -283,16 +352,29 @@ def build_hf_dir(path: str, sizes: dict, *, device="cpu", dtype=torch.float32, d
     if not getattr(cls, "_supports_sdpa", True):  # e.g. Gemma2 (soft-capped scores), Bloom (ALiBi)
         cfg._attn_implementation = "eager"
     try:
-        with _quiet_transformers(), (context or contextlib.nullcontext()), torch.device(device):
+        with _quiet_transformers(), context or contextlib.nullcontext(), torch.device(device):
             inner = cls(cfg)
     except ModelError:
         raise
     except Exception as e:  # noqa: BLE001 - a config transformers accepts but cannot build from
-        raise ModelError(f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')}"
-                         f" ({type(e).__name__}: {first_sentence(str(e))}).") from None
+        raise ModelError(
+            f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')}"
+            f" ({type(e).__name__}: {first_sentence(str(e))})."
+        ) from None
     model = HFLossModel(inner).to(dtype)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)
     seq = int(getattr(cfg, "max_position_embeddings", 0) or 0) or int(sizes.get("seq_len") or 2048)
-    return ModelBundle(f"hf:{path}", model, (), int(cfg.vocab_size), seq, int(getattr(cfg, "hidden_size", 0)),
-                       heads, kv, int(getattr(cfg, "num_hidden_layers", 0)), "hf", dict(sizes))
+    return ModelBundle(
+        f"hf:{path}",
+        model,
+        (),
+        int(cfg.vocab_size),
+        seq,
+        int(getattr(cfg, "hidden_size", 0)),
+        heads,
+        kv,
+        int(getattr(cfg, "num_hidden_layers", 0)),
+        "hf",
+        dict(sizes),
+    )

@@ -85,8 +85,10 @@ def parse_spec(spec: str) -> tuple[str, str]:
         return "gpt", spec
     if spec.startswith("hf:"):
         if not spec[3:].strip():
-            raise ModelError("'hf:' needs an architecture (hf:gpt2, hf:llama, hf:bert) or the path of "
-                             "a local model directory (hf:PATH).")
+            raise ModelError(
+                "'hf:' needs an architecture (hf:gpt2, hf:llama, hf:bert) or the path of "
+                "a local model directory (hf:PATH)."
+            )
         return "hf", spec[3:]
     if ".py:" in spec:
         return "file", spec
@@ -101,8 +103,11 @@ def hf_directory(name: str) -> str | None:
     if name in HF_ARCHS:
         return None
     if not os.path.isdir(name):
-        raise ModelError(f"'hf:{name}' is neither a built-in HF architecture ("
-                         + ", ".join("hf:" + a for a in HF_ARCHS) + ") nor a directory. Give the path "
-                         "of a local model directory holding config.json (and optionally *.safetensors "
-                         "weights, e.g. written by save_pretrained); nothing is downloaded.")
+        raise ModelError(
+            f"'hf:{name}' is neither a built-in HF architecture ("
+            + ", ".join("hf:" + a for a in HF_ARCHS)
+            + ") nor a directory. Give the path "
+            "of a local model directory holding config.json (and optionally *.safetensors "
+            "weights, e.g. written by save_pretrained); nothing is downloaded."
+        )
     return name

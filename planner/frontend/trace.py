@@ -61,14 +61,24 @@ from planner.frontend.hf import hf_classes, hf_directory, load_hf_config
 from planner.frontend.zoo import build_model
 from runtime.dtypes import DTYPES, to_torch
 
-__all__ = ["Traced", "trace_model", "import_tracer", "export_training_module", "find_block_container",
-           "resolve_dtype", "SHALLOW_LAYERS"]
+__all__ = [
+    "Traced",
+    "trace_model",
+    "import_tracer",
+    "export_training_module",
+    "find_block_container",
+    "resolve_dtype",
+    "SHALLOW_LAYERS",
+]
 
 SHALLOW_LAYERS = 2
 """Blocks in the shallow copy of a zoo model: two, so the traced blocks can be compared."""
 
-_HF_CONFIGS = {"gpt2": ("GPT2Config", "n_layer"), "llama": ("LlamaConfig", "num_hidden_layers"),
-               "bert": ("BertConfig", "num_hidden_layers")}
+_HF_CONFIGS = {
+    "gpt2": ("GPT2Config", "n_layer"),
+    "llama": ("LlamaConfig", "num_hidden_layers"),
+    "bert": ("BertConfig", "num_hidden_layers"),
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -165,8 +175,12 @@ def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
     return best
 
 
-_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent", "DataDependentOutputException",
-                   "ModelError: Could not extract specialized integer")
+_DATA_DEPENDENT = (
+    "GuardOnDataDependentSymNode",
+    "data-dependent",
+    "DataDependentOutputException",
+    "ModelError: Could not extract specialized integer",
+)
 _UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicOutputShape")
 
 
@@ -182,10 +196,12 @@ def explain_export_error(exc: BaseException, what: str) -> ModelError:
     text = f"{type(exc).__name__}: {exc}"
     if any(k in text for k in _DATA_DEPENDENT):
         problem = "forward() branches on a tensor's value"
-        advice = ("Such a branch cannot be traced once for all inputs (e.g. `if x.sum() > 0:` "
-                  "or `.item()`). Compute both branches and select with `torch.where(cond, a, "
-                  "b)`, or use `torch.cond(pred, true_fn, false_fn, (x,))`; branch only on "
-                  "shapes or Python constants.")
+        advice = (
+            "Such a branch cannot be traced once for all inputs (e.g. `if x.sum() > 0:` "
+            "or `.item()`). Compute both branches and select with `torch.where(cond, a, "
+            "b)`, or use `torch.cond(pred, true_fn, false_fn, (x,))`; branch only on "
+            "shapes or Python constants."
+        )
     elif any(k in text for k in _UNSUPPORTED):
         problem = "forward() uses an operation torch.export cannot capture"
         advice = "Replace it with a standard torch op, or move it out of forward()."
@@ -195,16 +211,24 @@ def explain_export_error(exc: BaseException, what: str) -> ModelError:
     else:
         problem = "torch.export failed"
         advice = "Make forward() traceable by torch.export (no Python side effects on data)."
-    return ModelError(f"Cannot trace {what}: {problem}\n  at {where}{code}\n"
-                     f"  What to do: {advice}\n  (torch: {type(exc).__name__}: {headline})")
+    return ModelError(
+        f"Cannot trace {what}: {problem}\n  at {where}{code}\n"
+        f"  What to do: {advice}\n  (torch: {type(exc).__name__}: {headline})"
+    )
 
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
     """Silence torch's warnings and its partial-graph dump on stderr during export (a failure
     is reported by ``explain_export_error``)."""
-    names = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
-             "torch._dynamo", "torch._functorch", "torch.fx.experimental.recording")
+    names = (
+        "torch.fx.experimental.symbolic_shapes",
+        "torch._export",
+        "torch.export",
+        "torch._dynamo",
+        "torch._functorch",
+        "torch.fx.experimental.recording",
+    )
     saved = [(lg, lg.level) for lg in map(logging.getLogger, names)]
     for lg, _ in saved:
         lg.setLevel(logging.CRITICAL)
@@ -276,8 +300,7 @@ def import_tracer(model: str | ModelBundle) -> None:
 def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
     try:
         with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices():
-            return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes,
-                                       strict=False)
+            return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except ModelError:
         raise
     except Exception as e:  # torch raises many types; all become one readable ModelError
@@ -313,11 +336,14 @@ def _example_sizes(batch: int | None, seq_len: int | None, max_seq: int) -> tupl
     return b, s
 
 
-def _placeholder_roles(ep: ExportedProgram
-                       ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+def _placeholder_roles(ep: ExportedProgram) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """Role, FQN and tied-weight alias of every placeholder, from the graph signature."""
-    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
-             InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
+    kinds = {
+        InputKind.PARAMETER: "param",
+        InputKind.BUFFER: "buffer",
+        InputKind.CONSTANT_TENSOR: "constant",
+        InputKind.USER_INPUT: "input",
+    }
     roles, fqns, tied = {}, {}, {}
     groups: dict[int, list[str]] = {}
     tensors = {**ep.state_dict, **ep.constants}
@@ -336,8 +362,7 @@ def _placeholder_roles(ep: ExportedProgram
     return roles, fqns, tied
 
 
-def _symbol_map(gm: fx.GraphModule, roles: dict[str, str], b_ex: int, s_ex: int
-                ) -> tuple[dict, dict[str, int]]:
+def _symbol_map(gm: fx.GraphModule, roles: dict[str, str], b_ex: int, s_ex: int) -> tuple[dict, dict[str, int]]:
     """Map the first user input's dim 0 / dim 1 symbols to B / S; report constant dims."""
     first = next(n for n in gm.graph.nodes if n.op == "placeholder" and roles[n.name] == "input")
     shape = first.meta["val"].shape
@@ -390,9 +415,17 @@ def _zoo_bundle(spec: str, sizes: dict, layers: int, dtype) -> ModelBundle:
     return build_model(spec, **{**sizes, "layers": layers}, device="meta", dtype=dtype)
 
 
-def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: int | None = None,
-                dtype: str | torch.dtype | None = None, shallow: bool = True,
-                dynamic: bool = True, positions: int | None = None, **sizes) -> Traced:
+def trace_model(
+    model: str | ModelBundle,
+    *,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    shallow: bool = True,
+    dynamic: bool = True,
+    positions: int | None = None,
+    **sizes,
+) -> Traced:
     """Export one training forward of ``model`` on the meta device.
 
     ``model`` is a spec (``gpt3-175b``, ``hf:llama``, ``path.py:factory``; ``sizes`` are
@@ -431,9 +464,11 @@ def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: 
     n_trace = full_layers if (not shallow or full_layers <= SHALLOW_LAYERS) else SHALLOW_LAYERS
     bundle = _zoo_bundle(spec, sizes, n_trace, dt)
     if seq_len is not None and seq_len > bundle.seq_len:
-        raise ModelError(f"Sequence length {seq_len} exceeds {spec}'s maximum of "
-                        f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
-                        f"positions with the size flag.")
+        raise ModelError(
+            f"Sequence length {seq_len} exceeds {spec}'s maximum of "
+            f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
+            f"positions with the size flag."
+        )
     if dynamic:
         b_ex, s_ex = _example_sizes(batch, seq_len, bundle.seq_len)
     else:  # a trace at exactly these sizes
@@ -447,18 +482,32 @@ def trace_model(model: str | ModelBundle, *, batch: int | None = None, seq_len: 
             notes.append("shallow trace: traced blocks differ; traced every block instead")
             bundle = _zoo_bundle(spec, sizes, full_layers, dt)
             bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
-            traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic,
-                                   notes)
-    traced.model_info = dict(spec=spec, layers=full_layers, hidden=bundle.hidden,
-                             heads=bundle.heads, kv_heads=bundle.kv_heads, vocab=bundle.vocab,
-                             seq_len=bundle.seq_len, sizes={k: v for k, v in sizes.items()
-                                                            if k != "layers"})
+            traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic, notes)
+    traced.model_info = dict(
+        spec=spec,
+        layers=full_layers,
+        hidden=bundle.hidden,
+        heads=bundle.heads,
+        kv_heads=bundle.kv_heads,
+        vocab=bundle.vocab,
+        seq_len=bundle.seq_len,
+        sizes={k: v for k, v in sizes.items() if k != "layers"},
+    )
     traced.seconds = time.perf_counter() - t0
     return traced
 
 
-def _trace_bundle(bundle: ModelBundle, kind: str, spec: str, dt: torch.dtype, full_layers: int,
-                  b_ex: int, s_ex: int, dynamic: bool, notes: list[str]) -> Traced:
+def _trace_bundle(
+    bundle: ModelBundle,
+    kind: str,
+    spec: str,
+    dt: torch.dtype,
+    full_layers: int,
+    b_ex: int,
+    s_ex: int,
+    dynamic: bool,
+    notes: list[str],
+) -> Traced:
     """Export a zoo bundle whose inputs are ``(input_ids, labels)`` of shape (b_ex, s_ex)."""
     container, blocks = find_block_container(bundle.model)
     dyn = None
@@ -478,11 +527,26 @@ def _trace_bundle(bundle: ModelBundle, kind: str, spec: str, dt: torch.dtype, fu
         notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
     roles, fqns, tied = _placeholder_roles(ep)
     symbols, fixed = _symbol_map(ep.graph_module, roles, b_ex, s_ex)
-    return Traced(gm=ep.graph_module, exported=ep, bundle=bundle, spec=spec, kind=kind, dtype=dt,
-                  layers=full_layers, block_paths=blocks, container=container,
-                  shallow=len(blocks) < full_layers, roles=roles, fqns=fqns, tied=tied,
-                  symbols=symbols,
-                  example={"b": b_ex, "s": s_ex}, fixed=fixed, notes=notes, dynamic=dynamic)
+    return Traced(
+        gm=ep.graph_module,
+        exported=ep,
+        bundle=bundle,
+        spec=spec,
+        kind=kind,
+        dtype=dt,
+        layers=full_layers,
+        block_paths=blocks,
+        container=container,
+        shallow=len(blocks) < full_layers,
+        roles=roles,
+        fqns=fqns,
+        tied=tied,
+        symbols=symbols,
+        example={"b": b_ex, "s": s_ex},
+        fixed=fixed,
+        notes=notes,
+        dynamic=dynamic,
+    )
 
 
 def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: float) -> Traced:
@@ -501,8 +565,9 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
     s0 = int(first.shape[1]) if first.dim() >= 2 else None
     if b0 == 1 and dynamic:
         # Export pins size-1 dims; the model is traced at batch 2 (shapes stay symbolic in b).
-        inputs = tuple(t.expand(2, *t.shape[1:]).contiguous()
-                       if t.dim() >= 1 and t.shape[0] == 1 else t for t in inputs)
+        inputs = tuple(
+            t.expand(2, *t.shape[1:]).contiguous() if t.dim() >= 1 and t.shape[0] == 1 else t for t in inputs
+        )
         b0 = 2
     container, blocks = find_block_container(model)
     what = f"model {bundle.spec!r}"
@@ -521,14 +586,38 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
     symbols, fixed = _symbol_map(ep.graph_module, roles, b0, s0 or 1)
     if s0 is None:
         fixed.pop("s", None)
-    tr = Traced(gm=ep.graph_module, exported=ep, bundle=bundle, spec=bundle.spec, kind="file",
-                dtype=dt, layers=len(blocks), block_paths=blocks, container=container,
-                shallow=False, roles=roles, fqns=fqns, tied=tied, symbols=symbols,
-                example={"b": b0, "s": s0 or 1}, fixed=fixed, notes=notes, dynamic=dynamic)
+    tr = Traced(
+        gm=ep.graph_module,
+        exported=ep,
+        bundle=bundle,
+        spec=bundle.spec,
+        kind="file",
+        dtype=dt,
+        layers=len(blocks),
+        block_paths=blocks,
+        container=container,
+        shallow=False,
+        roles=roles,
+        fqns=fqns,
+        tied=tied,
+        symbols=symbols,
+        example={"b": b0, "s": s0 or 1},
+        fixed=fixed,
+        notes=notes,
+        dynamic=dynamic,
+    )
     nparams = sum(p.numel() for p in params)
-    tr.model_info = dict(spec=bundle.spec, layers=len(blocks), hidden=bundle.hidden,
-                         heads=bundle.heads, kv_heads=bundle.kv_heads, vocab=bundle.vocab,
-                         seq_len=bundle.seq_len, params=nparams, sizes={})
+    tr.model_info = dict(
+        spec=bundle.spec,
+        layers=len(blocks),
+        hidden=bundle.hidden,
+        heads=bundle.heads,
+        kv_heads=bundle.kv_heads,
+        vocab=bundle.vocab,
+        seq_len=bundle.seq_len,
+        params=nparams,
+        sizes={},
+    )
     tr.seconds = time.perf_counter() - t0
     return tr
 
@@ -537,8 +626,9 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
 # The trainable export that codegen lowers
 
 
-def export_training_module(spec: str, sizes: dict, *, dtype: str, batch: int, seq_len: int
-                           ) -> tuple[fx.GraphModule, list[str], ModelBundle]:
+def export_training_module(
+    spec: str, sizes: dict, *, dtype: str, batch: int, seq_len: int
+) -> tuple[fx.GraphModule, list[str], ModelBundle]:
     """Export the plan's model on meta at one micro-batch of ``batch`` x ``seq_len``.
 
     Returns ``(ep.module(), block paths, bundle)``: the trainable form, whose parameters are
@@ -548,8 +638,9 @@ def export_training_module(spec: str, sizes: dict, *, dtype: str, batch: int, se
     bundle.example_inputs = bundle.make_inputs(batch, seq_len, device="meta")
     if bundle.kind == "file":  # a factory builds in its own dtype: compile in the plan's, as the trace did
         bundle.model = bundle.model.to(to_torch(dtype))
-        bundle.example_inputs = tuple(t.to(to_torch(dtype)) if t.is_floating_point() else t
-                                      for t in bundle.example_inputs)
+        bundle.example_inputs = tuple(
+            t.to(to_torch(dtype)) if t.is_floating_point() else t for t in bundle.example_inputs
+        )
     try:
         with _uncached_fake_tensors(), _HostListIndices():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)

@@ -40,21 +40,25 @@ def build_model(
 ) -> ModelBundle:
     """Build the model named by ``spec`` on ``device`` (``"meta"`` allocates nothing)."""
     kind, name = parse_spec(spec)
-    sizes = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                                    ffn=ffn, vocab=vocab, seq_len=seq_len).items() if v is not None}
+    sizes = {
+        k: v
+        for k, v in dict(
+            layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq_len=seq_len
+        ).items()
+        if v is not None
+    }
     if seed is not None:
         torch.manual_seed(seed)
     if kind == "gpt":
         if "kv_heads" in sizes and sizes["kv_heads"] != sizes.get("heads", PRESETS[name].heads):
-            raise ModelError("The built-in GPT has no grouped-query attention; drop --kv-heads "
-                            "or use hf:llama.")
-        cfg = replace(PRESETS[name], dropout=dropout,
-                      **{k: v for k, v in sizes.items() if k != "kv_heads"})
+            raise ModelError("The built-in GPT has no grouped-query attention; drop --kv-heads or use hf:llama.")
+        cfg = replace(PRESETS[name], dropout=dropout, **{k: v for k, v in sizes.items() if k != "kv_heads"})
         with torch.device(device):
             model = GPT(cfg)
         model = model.to(dtype)
-        b = ModelBundle(spec, model, (), cfg.vocab, cfg.seq_len, cfg.hidden, cfg.heads, cfg.heads,
-                        cfg.layers, "gpt", sizes)
+        b = ModelBundle(
+            spec, model, (), cfg.vocab, cfg.seq_len, cfg.hidden, cfg.heads, cfg.heads, cfg.layers, "gpt", sizes
+        )
     elif kind == "hf":
         directory = hf_directory(name)
         if directory is None:

@@ -65,20 +65,28 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
     names = plan.model.layer_names or []
     warnings: list[str] = []
     if plan.selective_layers:
-        warnings.append(f"{len(plan.selective_layers)} layers recompute only their attention core (selective "
-                        "recompute), which DeepSpeed's activation checkpointing does not express: it checkpoints "
-                        "whole layers. Use --checkpoint all or none when planning for DeepSpeed, or run it on "
-                        "planner's runtime.")
+        warnings.append(
+            f"{len(plan.selective_layers)} layers recompute only their attention core (selective "
+            "recompute), which DeepSpeed's activation checkpointing does not express: it checkpoints "
+            "whole layers. Use --checkpoint all or none when planning for DeepSpeed, or run it on "
+            "planner's runtime."
+        )
     if plan.sequence_parallel:
-        warnings.append("the plan uses sequence parallelism in its tensor-parallel regions, which DeepSpeed's "
-                        "engine does not provide (Megatron-DeepSpeed does); run it on planner's runtime.")
+        warnings.append(
+            "the plan uses sequence parallelism in its tensor-parallel regions, which DeepSpeed's "
+            "engine does not provide (Megatron-DeepSpeed does); run it on planner's runtime."
+        )
     if plan.pp > 1 and plan.zero_stage >= 2:
-        warnings.append(f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; this plan uses "
-                        f"ZeRO-{plan.zero_stage} with pp={plan.pp}. Use --zero-stage 1 when planning for "
-                        "DeepSpeed, or run it on planner's runtime.")
+        warnings.append(
+            f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; this plan uses "
+            f"ZeRO-{plan.zero_stage} with pp={plan.pp}. Use --zero-stage 1 when planning for "
+            "DeepSpeed, or run it on planner's runtime."
+        )
     if plan.tp > 1:
-        warnings.append(f"Tensor parallelism (tp={plan.tp}) needs Megatron-DeepSpeed "
-                        f"(--tensor-model-parallel-size {plan.tp}); plain DeepSpeed has no TP for training.")
+        warnings.append(
+            f"Tensor parallelism (tp={plan.tp}) needs Megatron-DeepSpeed "
+            f"(--tensor-model-parallel-size {plan.tp}); plain DeepSpeed has no TP for training."
+        )
     zero: dict = {"stage": plan.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
     if plan.zero_stage >= 2:
         zero["reduce_scatter"] = True
@@ -87,8 +95,10 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
     offload = getattr(plan, "offload", None) or {}
     zero.update(offload_sections(offload, nvme_path))
     if "nvme" in offload.values() and nvme_path is None:
-        warnings.append(f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
-                        "to a directory on each node's local NVMe drive.")
+        warnings.append(
+            f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
+            "to a directory on each node's local NVMe drive."
+        )
     cfg = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -96,22 +106,37 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
         "bf16": {"enabled": plan.dtype == "bf16"},
-        "fp16": {"enabled": plan.dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
-        "activation_checkpointing": {"partition_activations": plan.tp > 1 and bool(ckpt),
-                                     "contiguous_memory_optimization": False,
-                                     "number_checkpoints": len(ckpt),
-                                     "synchronize_checkpoint_boundary": False, "profile": False},
-        "pipeline": {"stages": plan.pp, "partition": "uniform" if max(sizes) - min(sizes) <= 1 else "parameters",
-                     "seed_layers": False,
-                     "activation_checkpoint_interval": 1 if ckpt else 0},
+        "fp16": {
+            "enabled": plan.dtype == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "activation_checkpointing": {
+            "partition_activations": plan.tp > 1 and bool(ckpt),
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": len(ckpt),
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        },
+        "pipeline": {
+            "stages": plan.pp,
+            "partition": "uniform" if max(sizes) - min(sizes) <= 1 else "parameters",
+            "seed_layers": False,
+            "activation_checkpoint_interval": 1 if ckpt else 0,
+        },
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
         "planner": {
-            "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
+            "dp": plan.dp,
+            "tp": plan.tp,
+            "pp": plan.pp,
             "stage_boundaries": [list(s) for s in plan.stages],
-            "stage_layers": [[names[a] if a < len(names) else str(a), names[b] if b < len(names) else str(b)]
-                             for a, b in plan.stages],
+            "stage_layers": [
+                [names[a] if a < len(names) else str(a), names[b] if b < len(names) else str(b)] for a, b in plan.stages
+            ],
             "checkpoint_layers": ckpt,
             "checkpoint_layer_names": [names[i] for i in ckpt if i < len(names)],
             "selective_layers": list(plan.selective_layers),
@@ -123,8 +148,9 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
         },
     }
     dp_world = plan.dp
-    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * \
-        cfg["gradient_accumulation_steps"] * dp_world, "plan invariant broken"
+    assert (
+        cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp_world
+    ), "plan invariant broken"
     return cfg
 
 
@@ -141,8 +167,16 @@ def launcher_command(plan, config_path: str = "ds_config.json", script: str = "t
     parts = ["deepspeed"]
     if nodes > 1:
         parts += ["--hostfile", "hostfile"]
-    parts += ["--num_nodes", str(nodes), "--num_gpus", str(per_node), script, "--deepspeed",
-              "--deepspeed_config", config_path]
+    parts += [
+        "--num_nodes",
+        str(nodes),
+        "--num_gpus",
+        str(per_node),
+        script,
+        "--deepspeed",
+        "--deepspeed_config",
+        config_path,
+    ]
     if plan.tp > 1 or plan.pp > 1:
         parts += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
     return " ".join(shlex.quote(p) for p in parts)

@@ -37,16 +37,23 @@ __all__ = ["plot_plan", "stage_times", "chunk_times", "MAX_DRAWN_MICROBATCHES"]
 
 #: Micro-batches drawn at most (the 1F1B steady state repeats after the warm-up).
 MAX_DRAWN_MICROBATCHES = 48
-_COLORS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B", "tail": "#9D9D9D", "params": "#4C78A8", "grads": "#72B7B2",
-           "optimizer": "#F58518", "activations": "#E45756"}
+_COLORS = {
+    "F": "#4C78A8",
+    "B": "#F58518",
+    "W": "#54A24B",
+    "tail": "#9D9D9D",
+    "params": "#4C78A8",
+    "grads": "#72B7B2",
+    "optimizer": "#F58518",
+    "activations": "#E45756",
+}
 
 
 def stage_times(plan, ev: Evaluation | None = None) -> tuple[list[float], list[float], list[float], bool]:
     """Per stage: forward and backward seconds of one micro-batch, exposed tail; exact flag
     (``ev``: the search's priced strategy; without it, an even split of the predicted step)."""
     if ev is not None and len(ev.stages) == plan.pp:
-        return ([s.fwd_s for s in ev.stages], [s.bwd_s for s in ev.stages],
-                [s.dp_s + s.opt_s for s in ev.stages], True)
+        return ([s.fwd_s for s in ev.stages], [s.bwd_s for s in ev.stages], [s.dp_s + s.opt_s for s in ev.stages], True)
     pred = plan.predicted
     m, p = plan.num_micro_batches, plan.pp
     tail = pred.time.get("optimizer", 0.0) + pred.time.get("dp_comm", 0.0)
@@ -78,8 +85,13 @@ def _memory_rows(plan, ev: Evaluation | None) -> tuple[list[str], list[dict], bo
     return ["most loaded device"], [plan.predicted.memory], False
 
 
-def plot_plan(plan, path: str, hw: HardwareProfile | None = None, evaluation: Evaluation | None = None,
-              max_microbatches: int = MAX_DRAWN_MICROBATCHES) -> str:
+def plot_plan(
+    plan,
+    path: str,
+    hw: HardwareProfile | None = None,
+    evaluation: Evaluation | None = None,
+    max_microbatches: int = MAX_DRAWN_MICROBATCHES,
+) -> str:
     """Draw ``plan`` to ``path`` (PNG, or any format matplotlib infers from the suffix)."""
     import matplotlib
 
@@ -94,11 +106,17 @@ def plot_plan(plan, path: str, hw: HardwareProfile | None = None, evaluation: Ev
     else:  # the same action list the runtime walks (interleaved: whole groups of p micro-batches)
         drawn -= drawn % p
         sched = build_schedule(plan.schedule, p, drawn, v)
-    sim = simulate(sched, forward_time=times.forward_s, backward_time=times.backward_s,
-                   weight_time=times.weight_s, send_time=times.send_s)
+    sim = simulate(
+        sched,
+        forward_time=times.forward_s,
+        backward_time=times.backward_s,
+        weight_time=times.weight_s,
+        send_time=times.send_s,
+    )
 
-    fig, (ax, axm) = plt.subplots(2, 1, figsize=(12, 3.2 + 0.35 * p + 3.5),
-                                  gridspec_kw={"height_ratios": [1.2 + 0.3 * p, 3.0]})
+    fig, (ax, axm) = plt.subplots(
+        2, 1, figsize=(12, 3.2 + 0.35 * p + 3.5), gridspec_kw={"height_ratios": [1.2 + 0.3 * p, 3.0]}
+    )
     span = sim.makespan + max(tail)
     for s in range(p):
         y = p - 1 - s
@@ -106,8 +124,14 @@ def plot_plan(plan, path: str, hw: HardwareProfile | None = None, evaluation: Ev
             for chunk in range(v):  # later chunks of a rank drawn lighter
                 bars = [(t0, t1 - t0) for a, t0, t1 in sim.timeline[s] if a.kind == kind and a.chunk == chunk]
                 if bars:
-                    ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=_COLORS[kind], edgecolor="white",
-                                   linewidth=0.3, alpha=1.0 - 0.45 * chunk / max(v - 1, 1))
+                    ax.broken_barh(
+                        bars,
+                        (y - 0.4, 0.8),
+                        facecolors=_COLORS[kind],
+                        edgecolor="white",
+                        linewidth=0.3,
+                        alpha=1.0 - 0.45 * chunk / max(v - 1, 1),
+                    )
         if drawn <= 24:
             for a, t0, t1 in sim.timeline[s]:
                 if a.kind in (F, B, W) and (t1 - t0) > span / 150:
@@ -123,21 +147,30 @@ def plot_plan(plan, path: str, hw: HardwareProfile | None = None, evaluation: Ev
     shown = f"first {drawn} of {m} micro-batches" if drawn < m else f"{m} micro-batches"
     how = "per-stage predicted times" if exact else "bottleneck stage's time for every stage (plan totals)"
     title = {"1f1b": "1F1B", "interleaved": f"Interleaved 1F1B (v={v})", "zero-bubble": "Zero-bubble (ZB-H1)"}
-    ax.set_title(f"{title.get(plan.schedule, plan.schedule)} schedule: dp={plan.dp} tp={plan.tp} pp={p}, ZeRO-{plan.zero_stage}, {shown} "
-                 f"of {plan.micro_batch_size}; bubble {sim.bubble_fraction:.1%} ({how})", fontsize=9)
+    ax.set_title(
+        f"{title.get(plan.schedule, plan.schedule)} schedule: dp={plan.dp} tp={plan.tp} pp={p}, ZeRO-{plan.zero_stage}, {shown} "
+        f"of {plan.micro_batch_size}; bubble {sim.bubble_fraction:.1%} ({how})",
+        fontsize=9,
+    )
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=_COLORS[F], label="forward"),
-               Patch(color=_COLORS[B], label="backward (input gradients)" if times.weight_s else "backward")]
+    handles = [
+        Patch(color=_COLORS[F], label="forward"),
+        Patch(color=_COLORS[B], label="backward (input gradients)" if times.weight_s else "backward"),
+    ]
     if times.weight_s:
         handles.append(Patch(color=_COLORS[W], label="weight gradients (W)"))
     if v > 1:
         handles.append(Patch(color="#BBBBBB", label="lighter: later model chunks (label mb.chunk)"))
-    ax.legend(handles=handles + [Patch(color=_COLORS["tail"], label="DP/ZeRO comm + optimizer")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.legend(
+        handles=handles + [Patch(color=_COLORS["tail"], label="DP/ZeRO comm + optimizer")],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+    )
 
     labels, mems, per_stage = _memory_rows(plan, evaluation)
-    gib = 2.0 ** 30
+    gib = 2.0**30
     x = list(range(len(labels)))
     bottom = [0.0] * len(labels)
     for kind in ("params", "grads", "optimizer", "activations"):

@@ -24,8 +24,9 @@ from planner.units import compress_ranges, format_bytes, format_count, format_ra
 __all__ = ["render_plan", "rank_layout"]
 
 
-def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the intra-node link"
-                ) -> list[tuple[str, str]]:
+def rank_layout(
+    dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the intra-node link"
+) -> list[tuple[str, str]]:
     """How the mesh ``rank = (pp_i * dp + dp_i) * tp + tp_i`` sits on nodes of ``gpus_per_node``;
     ``link`` names what connects the devices of one node (NVLink on a GPU node, shared memory
     between the processes of a CPU host)."""
@@ -35,8 +36,9 @@ def rank_layout(dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the 
             rows.append((f"{axis.upper()} groups", f"none ({axis}=1)"))
             continue
         pl = axis_placement(axis, dp, tp, pp, gpus_per_node)
-        where = (f"inside one node ({link})" if pl.nodes == 1
-                 else f"spans {pl.nodes} nodes ({pl.ranks_per_node} per node)")
+        where = (
+            f"inside one node ({link})" if pl.nodes == 1 else f"spans {pl.nodes} nodes ({pl.ranks_per_node} per node)"
+        )
         rows.append((f"{axis.upper()} groups", f"{n} ranks, stride {stride}: {where}"))
     width = dp * tp
     for k in range(min(pp, 8)):
@@ -88,8 +90,10 @@ def _offload_text(plan) -> str:
     o, q = plan.offload["optimizer"], plan.offload["params"]
     if o == q == "none":
         return "none (every state on the device)"
-    parts = [f"optimizer state {_ON_TIER[o]}" + (" (AdamW on the host's cores)" if o != "none" else ""),
-             f"parameters {_ON_TIER[q]}" + (" (fetched layer by layer ahead of use)" if q != "none" else "")]
+    parts = [
+        f"optimizer state {_ON_TIER[o]}" + (" (AdamW on the host's cores)" if o != "none" else ""),
+        f"parameters {_ON_TIER[q]}" + (" (fetched layer by layer ahead of use)" if q != "none" else ""),
+    ]
     return "; ".join(parts)
 
 
@@ -98,31 +102,48 @@ def _render_placement(plan, hw: HardwareProfile | None, ev, console: Console) ->
     drives' capacity; per state kind when the search's evaluation is at hand."""
     ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
     pred = plan.predicted
-    t = Table(title=f"Where the state lives ({ranks} device{'s share' if ranks > 1 else ' uses'} each node's host)",
-              title_justify="left")
+    t = Table(
+        title=f"Where the state lives ({ranks} device{'s share' if ranks > 1 else ' uses'} each node's host)",
+        title_justify="left",
+    )
     for col in ("state", "tier", "per device", "per node"):
         t.add_column(col, justify="left" if col in ("state", "tier") else "right")
     gathered = plan.offload["params"] != "none"
-    t.add_row("parameters" + (" (gathered layers in flight)" if gathered else ""), "device",
-              format_bytes(pred.memory["params"]), "")
+    t.add_row(
+        "parameters" + (" (gathered layers in flight)" if gathered else ""),
+        "device",
+        format_bytes(pred.memory["params"]),
+        "",
+    )
     if plan.offload["optimizer"] == "none":
         t.add_row("optimizer state", "device", format_bytes(pred.memory["optimizer"]), "")
     off = ev.extra.get("offload_bytes") if ev is not None else None
     if off is not None:
-        labels = {"optimizer": "optimizer (fp32 master, m, v; gradient accumulator)", "params": "parameter shards",
-                  "buffers": "pinned transfer buffers"}
+        labels = {
+            "optimizer": "optimizer (fp32 master, m, v; gradient accumulator)",
+            "params": "parameter shards",
+            "buffers": "pinned transfer buffers",
+        }
         for tier in ("host", "nvme"):
             for kind, v in off[tier].items():
                 if v:
-                    t.add_row(labels[kind], "host memory" if tier == "host" else "NVMe", format_bytes(v),
-                              format_bytes(v * ranks))
+                    t.add_row(
+                        labels[kind],
+                        "host memory" if tier == "host" else "NVMe",
+                        format_bytes(v),
+                        format_bytes(v * ranks),
+                    )
     for tier, key, cap_field in (("host memory", "host", "host_memory_bytes"), ("NVMe", "nvme", "nvme_bytes")):
         v = pred.memory.get(key, 0)
         if not v:
             continue
         cap = getattr(hw, cap_field, None) if hw is not None else None
-        t.add_row(f"[bold]total in {tier}[/bold]", tier, format_bytes(v / ranks),
-                  format_bytes(v) + (f" of {format_bytes(cap)} ({v / cap:.0%})" if cap else ""))
+        t.add_row(
+            f"[bold]total in {tier}[/bold]",
+            tier,
+            format_bytes(v / ranks),
+            format_bytes(v) + (f" of {format_bytes(cap)} ({v / cap:.0%})" if cap else ""),
+        )
     t.add_row("device peak (most loaded device)", "device", format_bytes(pred.memory["total"]), "")
     console.print(t)
 
@@ -142,8 +163,10 @@ def schedule_text(plan, ev=None) -> str:
     if plain and plan.schedule != "1f1b":
         gain = plain - step
         how = "faster" if gain >= 0 else "slower"
-        text += (f": predicted {format_seconds(abs(gain))} ({abs(gain) / plain:.1%}) per step {how} than the best "
-                 f"plain 1F1B plan ({format_seconds(plain)})")
+        text += (
+            f": predicted {format_seconds(abs(gain))} ({abs(gain) / plain:.1%}) per step {how} than the best "
+            f"plain 1F1B plan ({format_seconds(plain)})"
+        )
         if plan.schedule == "interleaved":
             text += f", for {plan.virtual_stages} times the pipeline sends"
         elif plan.schedule == "zero-bubble":
@@ -151,7 +174,9 @@ def schedule_text(plan, ev=None) -> str:
     return text
 
 
-def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None, solution: Solution | None = None) -> None:
+def render_plan(
+    plan, hw: HardwareProfile | None, console: Console | None = None, solution: Solution | None = None
+) -> None:
     """Print the plan as rich tables on ``console`` (a new one on stdout when ``None``); with the
     search's ``solution``, per-stage costs and the solver's counts too."""
     console = console or Console()
@@ -164,29 +189,42 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     head = Table(title=f"Plan for {plan.model.spec}", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("model", f"{format_count(plan.model.params)} parameters, {plan.model.layers} blocks "
-                 f"(+ embedding and head)")
+    head.add_row(
+        "model", f"{format_count(plan.model.params)} parameters, {plan.model.layers} blocks (+ embedding and head)"
+    )
     nodes = -(-plan.hardware.gpus // plan.hardware.gpus_per_node)
     kind = plan.hardware.name
     if hw is not None and kind.endswith(".json") and hw.name:  # a profile file: its own name, and where
         kind = f"{hw.name} from {os.path.basename(kind)}"
-    head.add_row("cluster", f"{plan.hardware.gpus} x {kind} (" + (
-        f"{nodes} nodes of {plan.hardware.gpus_per_node})" if nodes > 1 else "1 node)"))
+    head.add_row(
+        "cluster",
+        f"{plan.hardware.gpus} x {kind} ("
+        + (f"{nodes} nodes of {plan.hardware.gpus_per_node})" if nodes > 1 else "1 node)"),
+    )
     head.add_row("batch", f"{plan.global_batch} sequences x {plan.seq_len} tokens, {plan.dtype}")
     head.add_row("degrees", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}")
-    zero_txt = {0: "0 (replicated)", 1: "1 (optimizer state sharded)", 2: "2 (+ gradients sharded)",
-                3: "3 (+ parameters sharded)"}[plan.zero_stage]
+    zero_txt = {
+        0: "0 (replicated)",
+        1: "1 (optimizer state sharded)",
+        2: "2 (+ gradients sharded)",
+        3: "3 (+ parameters sharded)",
+    }[plan.zero_stage]
     head.add_row("ZeRO stage", zero_txt)
     head.add_row("offload", _offload_text(plan))
     m = plan.num_micro_batches
-    head.add_row("micro-batching", f"{m} micro-batch{'es' if m != 1 else ''} of {plan.micro_batch_size} "
-                 f"per data-parallel rank")
+    head.add_row(
+        "micro-batching", f"{m} micro-batch{'es' if m != 1 else ''} of {plan.micro_batch_size} per data-parallel rank"
+    )
     if plan.pp > 1:
         head.add_row("schedule", schedule_text(plan, ev))
     if plan.tp > 1:
-        head.add_row("sequence parallel", "on: norms, residuals and dropout on seq_len / tp positions per rank, "
-                     "reduce-scatter + all-gather at the tensor-parallel regions' ends" if plan.sequence_parallel
-                     else "off")
+        head.add_row(
+            "sequence parallel",
+            "on: norms, residuals and dropout on seq_len / tp positions per rank, "
+            "reduce-scatter + all-gather at the tensor-parallel regions' ends"
+            if plan.sequence_parallel
+            else "off",
+        )
     choice = solution.compile if solution is not None else None
     head.add_row("compiled stages", choice.reason() if choice is not None else ("on" if plan.compile else "off"))
     link = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s link" if hw is not None else "the intra-node link"
@@ -206,10 +244,11 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
         rec = [i for i in range(a, b + 1) if i in ck]
         part = [i for i in range(a, b + 1) if i in sel]
         label = f"{k % plan.pp} (chunk {k})" if chunked else str(k)
-        recomputed = "; ".join(([f"{len(rec)}: {compress_ranges(rec)}"] if rec else [])
-                               + ([f"attention core of {len(part)}: {compress_ranges(part)}"] if part else []))
-        row = [label, f"{names[a]} .. {names[b]}" if b > a else names[a], f"{a}-{b} ({b - a + 1})",
-               recomputed or "-"]
+        recomputed = "; ".join(
+            ([f"{len(rec)}: {compress_ranges(rec)}"] if rec else [])
+            + ([f"attention core of {len(part)}: {compress_ranges(part)}"] if part else [])
+        )
+        row = [label, f"{names[a]} .. {names[b]}" if b > a else names[a], f"{a}-{b} ({b - a + 1})", recomputed or "-"]
         if ev is not None and len(ev.stages) == plan.pp:
             if k < plan.pp:  # per pipeline rank: all its chunks (the rank's first chunk's row)
                 sc = ev.stages[k]
@@ -255,25 +294,36 @@ def render_plan(plan, hw: HardwareProfile | None, console: Console | None = None
     if plan.alternatives:
         at = Table(title="Runners-up (why each lost)", title_justify="left")
         offloads = any(v != "none" for a in plan.alternatives + [plan] for v in a.offload.values())
-        cols = (["dp", "tp", "pp", "ZeRO", "micro-batch"] + (["offload opt/params"] if offloads else []) + ["step"]
-                + (["run cost"] if cost else []) + ["reason"])
+        cols = (
+            ["dp", "tp", "pp", "ZeRO", "micro-batch"]
+            + (["offload opt/params"] if offloads else [])
+            + ["step"]
+            + (["run cost"] if cost else [])
+            + ["reason"]
+        )
         for col in cols:
             at.add_column(col)
         for a in plan.alternatives:
-            row = ([str(a.dp), str(a.tp), str(a.pp), str(a.zero_stage), str(a.micro_batch_size)]
-                   + ([f"{a.offload['optimizer']}/{a.offload['params']}"] if offloads else [])
-                   + [format_seconds(a.step_time_s)])
+            row = (
+                [str(a.dp), str(a.tp), str(a.pp), str(a.zero_stage), str(a.micro_batch_size)]
+                + ([f"{a.offload['optimizer']}/{a.offload['params']}"] if offloads else [])
+                + [format_seconds(a.step_time_s)]
+            )
             if cost:
                 alt = scale_cost(cost, a.step_time_s, pred.step_time_s)
                 row.append(_money_or_hours(alt))
             at.add_row(*row, a.reason)
         console.print(at)
 
-    line = (f"solver {plan.solver.name}: {plan.solver.status}, {plan.solver.candidates} candidates "
-            f"in {plan.solver.seconds:.2f} s")
+    line = (
+        f"solver {plan.solver.name}: {plan.solver.status}, {plan.solver.candidates} candidates "
+        f"in {plan.solver.seconds:.2f} s"
+    )
     if search is not None:
-        line += (f" ({search.solved} ILPs solved, {search.pruned_time} pruned by the time bound, "
-                 f"{search.pruned_memory} by the memory bound)")
+        line += (
+            f" ({search.solved} ILPs solved, {search.pruned_time} pruned by the time bound, "
+            f"{search.pruned_memory} by the memory bound)"
+        )
     console.print(line)
     for note in search.notes if search is not None else []:
         console.print(f"note: {note}")

@@ -25,15 +25,17 @@ def _context(part: str, ev) -> str:
         return f"dp={c.dp}, ZeRO-{c.zero_stage}"
     if part == "optimizer":
         if c.offload_optimizer != "none":
-            return (f"optimizer offloaded to {c.offload_optimizer}: AdamW runs on the host's cores, "
-                    f"{'sharded' if c.dp > 1 else 'unsharded'} over dp={c.dp}")
+            return (
+                f"optimizer offloaded to {c.offload_optimizer}: AdamW runs on the host's cores, "
+                f"{'sharded' if c.dp > 1 else 'unsharded'} over dp={c.dp}"
+            )
         return f"ZeRO-{c.zero_stage} {'shards' if c.zero_stage else 'does not shard'} the AdamW step over dp={c.dp}"
     if part == "offload":
         return _offload_context(c)
     if part == "compute":
         if c.pp > 1 and ev.strategy.virtual_stages > 1:
             k, chunks = ev.bottleneck_stage, ev.strategy.stages
-            rows = ", ".join(f"{a}-{b}" for a, b in chunks[k::c.pp])
+            rows = ", ".join(f"{a}-{b}" for a, b in chunks[k :: c.pp])
             return f"its slowest of {c.pp} ranks runs {ev.strategy.virtual_stages} chunks, rows {rows}"
         if c.pp > 1:
             a, b = ev.stages[ev.bottleneck_stage].first, ev.stages[ev.bottleneck_stage].last
@@ -46,11 +48,15 @@ def _offload_context(c) -> str:
     """What the alternative offloads and which transfer costs it time."""
     moved = []
     if c.offload_params != "none":
-        moved.append(f"parameters on {c.offload_params}: fetched for every layer's forward and backward, "
-                     f"{c.num_micro_batches} micro-batch{'es' if c.num_micro_batches != 1 else ''}")
+        moved.append(
+            f"parameters on {c.offload_params}: fetched for every layer's forward and backward, "
+            f"{c.num_micro_batches} micro-batch{'es' if c.num_micro_batches != 1 else ''}"
+        )
     if c.offload_optimizer != "none":
-        moved.append(f"optimizer on {c.offload_optimizer}: gradients out and parameters back every step"
-                     + (", state read and written on NVMe" if c.offload_optimizer == "nvme" else ""))
+        moved.append(
+            f"optimizer on {c.offload_optimizer}: gradients out and parameters back every step"
+            + (", state read and written on NVMe" if c.offload_optimizer == "nvme" else "")
+        )
     return "; ".join(moved) or "no offload"
 
 
@@ -61,8 +67,9 @@ def _offload_change(best: Evaluation, alt: Evaluation) -> str:
         return ""
     if not a.offloads:
         return "; every state on the device"
-    return "; offload " + ", ".join(f"{k} {v}" for k, v in (("optimizer", a.offload_optimizer),
-                                                            ("params", a.offload_params)) if v != "none")
+    return "; offload " + ", ".join(
+        f"{k} {v}" for k, v in (("optimizer", a.offload_optimizer), ("params", a.offload_params)) if v != "none"
+    )
 
 
 def _sp_change(best: Evaluation, alt: Evaluation) -> str:
@@ -87,21 +94,30 @@ def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
     if d <= best.step_time_s * 1e-9:
         mb, ma = best.memory["total"], alt.memory["total"]
         more = "more" if ma > mb else "no less"
-        return (f"ties on step time but needs {more} memory ({format_bytes(ma)} vs {format_bytes(mb)} "
-                f"per device{_offload_change(best, alt)}{_sp_change(best, alt)}{_schedule_change(best, alt)})")
+        return (
+            f"ties on step time but needs {more} memory ({format_bytes(ma)} vs {format_bytes(mb)} "
+            f"per device{_offload_change(best, alt)}{_sp_change(best, alt)}{_schedule_change(best, alt)})"
+        )
     deltas = {k: alt.time[k] - best.time[k] for k in TIME_LABELS}
     part = max(deltas, key=deltas.get)
-    text = (f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
-            f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}")
+    text = (
+        f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
+        f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}"
+    )
     if part == "recompute":
         n, k = len(alt.strategy.checkpoint), len(alt.strategy.selective)
         what = f"{n} layer{'s' if n != 1 else ''}" + (f" and the attention core of {k}" if k else "")
-        text += (f" ({what} recomputed to fit in memory{_offload_change(best, alt)}{_sp_change(best, alt)}"
-                 f"{_schedule_change(best, alt)})")
+        text += (
+            f" ({what} recomputed to fit in memory{_offload_change(best, alt)}{_sp_change(best, alt)}"
+            f"{_schedule_change(best, alt)})"
+        )
     else:
         ctx = _context(part, alt)
         said = part == "tp_comm" and alt.strategy.candidate.sequence_parallel  # the context names it
-        change = ((_offload_change(best, alt) if part != "offload" else "") + ("" if said else _sp_change(best, alt))
-                  + _schedule_change(best, alt))
+        change = (
+            (_offload_change(best, alt) if part != "offload" else "")
+            + ("" if said else _sp_change(best, alt))
+            + _schedule_change(best, alt)
+        )
         text += f" ({ctx}{change})" if ctx else (f" ({change[2:]})" if change else "")
     return text

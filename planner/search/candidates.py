@@ -26,17 +26,30 @@ from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCos
 from planner.search.errors import SearchError
 
 __all__ = [
-    "is_repeated", "divisors", "model_heads", "tp_structure", "valid_tp", "check_pins", "enumerate_candidates", "time_lower_bound",
-    "memory_lower_bound", "uniform_time_bound", "balanced_partition", "heuristic_strategy", "tied_summary",
-    "offload_pinned", "offload_variants", "check_offload_pins", "memory_may_bind",
+    "is_repeated",
+    "divisors",
+    "model_heads",
+    "tp_structure",
+    "valid_tp",
+    "check_pins",
+    "enumerate_candidates",
+    "time_lower_bound",
+    "memory_lower_bound",
+    "uniform_time_bound",
+    "balanced_partition",
+    "heuristic_strategy",
+    "tied_summary",
+    "offload_pinned",
+    "offload_variants",
+    "check_offload_pins",
+    "memory_may_bind",
 ]
 
 
 def is_repeated(cc: CandidateCosts, kinds: Sequence[str]) -> bool:
     """True for ``pre``, identical ``block`` rows (the last may differ), ``post``: the tables the
     block-count ILP, the repeated-block bound and the min-max greedy handle."""
-    return (cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post"
-            and all(k == "block" for k in kinds[1:-1]))
+    return cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and all(k == "block" for k in kinds[1:-1])
 
 
 # ---------------------------------------------------------------------------------- bounds
@@ -120,8 +133,7 @@ def tp_structure(tp: int, nt: NumericTable) -> str | None:
     if heads and heads % tp:
         return f"--tp {tp} does not divide the model's {heads} attention heads"
     if kv and kv % tp and tp % kv:
-        return (f"--tp {tp} neither divides the model's {kv} key/value heads nor is a multiple of "
-                "them")
+        return f"--tp {tp} neither divides the model's {kv} key/value heads nor is a multiple of them"
     for size, where in (nt.model.get("tp_divides") or {}).items():
         if int(size) % tp:
             return f"--tp {tp} does not divide the {size} output features of {where}"
@@ -136,16 +148,19 @@ def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_no
     if why:
         return why
     if not across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
-        return (f"--tp {tp} would split tensor-parallel groups across nodes of {gpus_per_node} devices "
-                f"(allow it with --tp-across-nodes, or use a --tp that divides {gpus_per_node})")
+        return (
+            f"--tp {tp} would split tensor-parallel groups across nodes of {gpus_per_node} devices "
+            f"(allow it with --tp-across-nodes, or use a --tp that divides {gpus_per_node})"
+        )
     return None
 
 
 def tied_summary(nt: NumericTable) -> str:
     """``weight read by <row> and <row>, ...``: the tied weights, which pipeline stages hold one
     copy of per stage that reads them (kept in sync by an all-reduce of their gradients)."""
-    return ", ".join(f"{t['weight']} read by {nt.names[t['layers'][0]]} and {nt.names[t['layers'][1]]}"
-                     for t in nt.tied)
+    return ", ".join(
+        f"{t['weight']} read by {nt.names[t['layers'][0]]} and {nt.names[t['layers'][1]]}" for t in nt.tied
+    )
 
 
 def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
@@ -153,23 +168,30 @@ def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
     rows = len(nt.layers)
     dp, tp, pp = req.dp, req.tp, req.pp
     if dp and tp and pp and dp * tp * pp != req.gpus:
-        raise SearchError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
-                        "the three degrees must multiply to the number of devices.")
+        raise SearchError(
+            f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
+            "the three degrees must multiply to the number of devices."
+        )
     if tp:
         why = valid_tp(tp, nt, req.gpus, gpus_per_node, req.tp_across_nodes)
         if why:
-            ok = [t for t in divisors(req.gpus)
-                  if valid_tp(t, nt, req.gpus, gpus_per_node, req.tp_across_nodes) is None]
+            ok = [
+                t for t in divisors(req.gpus) if valid_tp(t, nt, req.gpus, gpus_per_node, req.tp_across_nodes) is None
+            ]
             raise SearchError(f"{why}. Valid --tp values here: {', '.join(map(str, ok))}.")
     if pp and pp > rows:
-        raise SearchError(f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
-                        f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}.")
+        raise SearchError(
+            f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
+            f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}."
+        )
     if pp and pp > 1 and req.micro_batch and dp:
         m = req.global_batch // (dp * req.micro_batch)
         if m < pp:
-            raise SearchError(f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
-                            f"= {m} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
-                            "micro-batch per stage. Use a smaller --micro-batch or fewer stages.")
+            raise SearchError(
+                f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
+                f"= {m} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
+                "micro-batch per stage. Use a smaller --micro-batch or fewer stages."
+            )
 
 
 def sequence_parallel_options(req: Any, nt: NumericTable, tp: int) -> list[bool]:
@@ -181,8 +203,12 @@ def sequence_parallel_options(req: Any, nt: NumericTable, tp: int) -> list[bool]
     # key/value projections tp does not split stay replicated, and attention cannot read sequence
     # shards there: code generation keeps those regions all-reducing, which the table's (full)
     # sequence-parallel savings would overstate, so such degrees plan without it
-    able = (tp > 1 and req.seq_len % tp == 0 and (not kv or kv % tp == 0)
-            and any(lay.saved_bytes_sp != 0 for lay in nt.layers))
+    able = (
+        tp > 1
+        and req.seq_len % tp == 0
+        and (not kv or kv % tp == 0)
+        and any(lay.saved_bytes_sp != 0 for lay in nt.layers)
+    )
     if pin == "on":
         return [True] if able else []
     return [False, True] if able and pin is None else [False]
@@ -194,11 +220,15 @@ def sequence_parallel_obstacle(req: Any, nt: NumericTable, tp: int) -> str:
     if req.seq_len % tp:
         return f"--sequence-parallel on: tp={tp} does not divide --seq-len {req.seq_len}"
     if kv and kv % tp:
-        return (f"--sequence-parallel on: tp={tp} does not divide the model's {kv} key/value heads, whose "
-                "projections then stay replicated and cannot read sequence shards")
-    return ("--sequence-parallel on: this model keeps no activations between its tensor-parallel regions "
-            "that can be split along the sequence (e.g. it flattens batch and sequence into one dim, as "
-            "GPT-2's Conv1D does); use --sequence-parallel off")
+        return (
+            f"--sequence-parallel on: tp={tp} does not divide the model's {kv} key/value heads, whose "
+            "projections then stay replicated and cannot read sequence shards"
+        )
+    return (
+        "--sequence-parallel on: this model keeps no activations between its tensor-parallel regions "
+        "that can be split along the sequence (e.g. it flattens batch and sequence into one dim, as "
+        "GPT-2's Conv1D does); use --sequence-parallel off"
+    )
 
 
 def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
@@ -246,14 +276,21 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
                 for sp in options:
                     out.extend(Candidate(dp, tp, pp, z, b, m, sequence_parallel=sp) for z in zeros)
     if not out:
-        pins = " ".join(f"--{k.replace('_', '-')} {getattr(req, k)}" for k in ("dp", "tp", "pp", "micro_batch")
-                        if getattr(req, k) is not None)
+        pins = " ".join(
+            f"--{k.replace('_', '-')} {getattr(req, k)}"
+            for k in ("dp", "tp", "pp", "micro_batch")
+            if getattr(req, k) is not None
+        )
         reasons = "; ".join(f"{r} ({n}x)" for r, n in why.items()) or "the pins exclude every degree"
-        advice = ("Drop --sequence-parallel on, or pin a --tp it applies to." if why and all(
-            r.startswith("--sequence-parallel") for r in why) else
-            "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions.")
-        raise SearchError(f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
-                          f"{gb}{' and ' + pins if pins else ''}: {reasons}. {advice}")
+        advice = (
+            "Drop --sequence-parallel on, or pin a --tp it applies to."
+            if why and all(r.startswith("--sequence-parallel") for r in why)
+            else "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions."
+        )
+        raise SearchError(
+            f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
+            f"{gb}{' and ' + pins if pins else ''}: {reasons}. {advice}"
+        )
     return out
 
 
@@ -268,8 +305,11 @@ def _tiers(req: Any, kind: str, hw: HardwareProfile) -> list[str]:
     pin = getattr(req, f"offload_{kind}", None)
     if pin is not None:
         return [pin]
-    return [t for t in TIERS if t == "none" or not offload_missing(hw, *((t, "none") if kind == "optimizer"
-                                                                        else ("cpu", t)))]
+    return [
+        t
+        for t in TIERS
+        if t == "none" or not offload_missing(hw, *((t, "none") if kind == "optimizer" else ("cpu", t)))
+    ]
 
 
 def offload_variants(req: Any, cands: Sequence[Candidate], hw: HardwareProfile) -> list[Candidate]:
@@ -315,8 +355,12 @@ def memory_may_bind(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = 
     if checkpoint in ("all", "selective"):
         return True
     ls = cc.layers
-    upper = (sum(l.state_b for l in ls) + max(l.trans_b for l in ls) + cc.inflight[0] * sum(l.saved_b for l in ls)
-             + max(l.bt_b for l in ls))
+    upper = (
+        sum(l.state_b for l in ls)
+        + max(l.trans_b for l in ls)
+        + cc.inflight[0] * sum(l.saved_b for l in ls)
+        + max(l.bt_b for l in ls)
+    )
     return upper > cc.capacity
 
 
@@ -334,9 +378,11 @@ def check_offload_pins(req: Any, hw: HardwareProfile) -> None:
     missing = offload_missing(hw, o, q)
     if missing:
         flags = " ".join(f"--offload-{k} {v}" for k, v in (("optimizer", o), ("params", q)) if v != "none")
-        raise SearchError(f"{flags}: hardware profile {hw.name!r} lacks {', '.join(missing)}, which pricing "
-                          "that offload needs. Add them to the profile (see cost_models/hardware.py), or run "
-                          "`planner calibrate` on the machine to measure them.")
+        raise SearchError(
+            f"{flags}: hardware profile {hw.name!r} lacks {', '.join(missing)}, which pricing "
+            "that offload needs. Add them to the profile (see cost_models/hardware.py), or run "
+            "`planner calibrate` on the machine to measure them."
+        )
 
 
 # ---------------------------------------------------------------------------------- heuristic
@@ -394,9 +440,11 @@ def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str
             ls = range(a, b + 1)
             inflight = cc.inflight[k]
             L = cc.layers
-            mem = (sum(L[i].state_b + inflight * L[i].saved_b for i in ls) + max(L[i].trans_b for i in ls))
-            order = sorted((i for i in ls if L[i].saved_b > L[i].input_b),
-                           key=lambda i: -inflight * (L[i].saved_b - L[i].input_b) / max(L[i].rec_s, 1e-30))
+            mem = sum(L[i].state_b + inflight * L[i].saved_b for i in ls) + max(L[i].trans_b for i in ls)
+            order = sorted(
+                (i for i in ls if L[i].saved_b > L[i].input_b),
+                key=lambda i: -inflight * (L[i].saved_b - L[i].input_b) / max(L[i].rec_s, 1e-30),
+            )
             peak = 0.0
             for i in order:
                 if mem <= cc.capacity:
@@ -413,8 +461,9 @@ def _as_selective(c: LayerCost) -> LayerCost:
     """A block that recomputes its attention cores, seen as a block that does not recompute:
     fewer activations kept, the cores' forward added to its work, their re-materialization a
     transient (what ``cost_models.strategy.selective_view`` and ``evaluate`` price)."""
-    return dataclasses.replace(c, saved_b=c.saved_b - c.sel_saved_b, compute_s=c.compute_s + c.sel_rec_s,
-                               bt_b=max(c.bt_b, c.sel_saved_b))
+    return dataclasses.replace(
+        c, saved_b=c.saved_b - c.sel_saved_b, compute_s=c.compute_s + c.sel_rec_s, bt_b=max(c.bt_b, c.sel_saved_b)
+    )
 
 
 class _UniformStages:
@@ -444,8 +493,9 @@ class _UniformStages:
         # auto may also free a block's core bytes at their (maybe cheaper) price: the relaxed
         # model charges forced freeing at the cheapest rate per byte of the two (sound)
         blk = self.blk
-        self.sel_rate = (blk.sel_rec_s / blk.sel_saved_b if checkpoint == "auto" and relaxed and blk.sel_saved_b > 0
-                         else math.inf)
+        self.sel_rate = (
+            blk.sel_rec_s / blk.sel_saved_b if checkpoint == "auto" and relaxed and blk.sel_saved_b > 0 else math.inf
+        )
         self.L = cc.num_layers - 2 - len(self.tail)
         self.lows = [0 if relaxed or not 0 < k < p - 1 else 1 for k in range(p)]
         self._memo: dict[tuple[int, int], tuple[int, float] | None] = {}
@@ -471,8 +521,11 @@ class _UniformStages:
             excess = mem + min(blk.saved_b, blk.sel_saved_b) - cc.capacity
             out = None
             if excess <= most:
-                t = n * (blk.work_s + blk.zero_mb_s) + max(excess, 0.0) / a * min(rates) + sum(
-                    x.work_s + x.zero_mb_s for x in rows)
+                t = (
+                    n * (blk.work_s + blk.zero_mb_s)
+                    + max(excess, 0.0) / a * min(rates)
+                    + sum(x.work_s + x.zero_mb_s for x in rows)
+                )
                 out = (0, t)
             self._memo[key] = out
             return out

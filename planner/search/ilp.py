@@ -112,9 +112,21 @@ from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
 
 __all__ = [
-    "SOLVERS", "default_solver", "highs_available", "solve_candidate", "build_problem", "ILPResult", "block_capacity",
-    "add_partition_constraints", "add_boundary_constraints", "add_checkpoint_constraints",
-    "add_time_constraints", "add_memory_constraints", "add_offload_capacity_constraints", "search", "SearchResult",
+    "SOLVERS",
+    "default_solver",
+    "highs_available",
+    "solve_candidate",
+    "build_problem",
+    "ILPResult",
+    "block_capacity",
+    "add_partition_constraints",
+    "add_boundary_constraints",
+    "add_checkpoint_constraints",
+    "add_time_constraints",
+    "add_memory_constraints",
+    "add_offload_capacity_constraints",
+    "search",
+    "SearchResult",
 ]
 
 SOLVERS = ("cbc", "highs")
@@ -226,8 +238,11 @@ class _GeneralVars(_Vars):
             self.y = {lk: self.var(f"y_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x if self.can_select(lk[0])}
         elif checkpoint == "selective":
             self.y = {lk: self.x[lk] for lk in self.x if self.can_select(lk[0])}
-        self.e = {(l, k): self.var(f"e_{l}_{k}", 0, 1) for (l, k) in self.x
-                  if k < p - 1 and l + 1 < n and k + 1 in self.window[l + 1]}
+        self.e = {
+            (l, k): self.var(f"e_{l}_{k}", 0, 1)
+            for (l, k) in self.x
+            if k < p - 1 and l + 1 < n and k + 1 in self.window[l + 1]
+        }
         self.ends = [[(l, e) for (l, kk), e in self.e.items() if kk == k] for k in range(p)]
 
     def rec(self, l, k):
@@ -540,8 +555,13 @@ def stage_micro_steps(v: _Vars) -> list:
     """Each stage's micro-step (unscaled): its layers' work, recompute and transfers; built once
     per problem (the objective, the cutoff row and the ``T`` rows share them)."""
     if v.micro_steps is None:
-        v.micro_steps = [v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s) + v.stage_rec_sum(k, lambda c: c.rec_s)
-                          + v.stage_sel_sum(k, lambda c: c.sel_rec_s) + v.p2p(k) for k in range(v.p)]
+        v.micro_steps = [
+            v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s)
+            + v.stage_rec_sum(k, lambda c: c.rec_s)
+            + v.stage_sel_sum(k, lambda c: c.sel_rec_s)
+            + v.p2p(k)
+            for k in range(v.p)
+        ]
     return v.micro_steps
 
 
@@ -568,9 +588,13 @@ def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
         for i, (ind, val) in enumerate(v.peak_terms(k)):
             prob += pk >= (val / cap) * ind, f"memory_recompute_peak_k{k}_{i}"
         a = v.cc.inflight[k]
-        mem = (v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
-               - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap)
-               - v.stage_sel_sum(k, lambda c: a * c.sel_saved_b / cap) + tr + pk)
+        mem = (
+            v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
+            - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap)
+            - v.stage_sel_sum(k, lambda c: a * c.sel_saved_b / cap)
+            + tr
+            + pk
+        )
         prob += mem <= (1 - MEMORY_MARGIN if bound is None else bound), f"memory_k{k}"
     add_offload_capacity_constraints(prob, v)
 
@@ -600,8 +624,14 @@ class ILPResult:
     uniform: bool
 
 
-def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto", objective: str = "time",
-                  formulation: str = "auto", cutoff: float | None = None) -> tuple[pulp.LpProblem, _Vars]:
+def build_problem(
+    cc: CandidateCosts,
+    kinds: list[str],
+    checkpoint: str = "auto",
+    objective: str = "time",
+    formulation: str = "auto",
+    cutoff: float | None = None,
+) -> tuple[pulp.LpProblem, _Vars]:
     """The ILP of one candidate (see the module docstring) and its variables.
 
     ``formulation``: ``"uniform"`` (block counts; needs identical blocks between a ``pre`` and a
@@ -626,12 +656,13 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     p = v.p
     # tie-breaks: less recompute and transfer time, then fewer recomputed layers (a layer whose
     # recompute is free in the FLOP model, such as an embedding, is not recomputed for nothing)
-    tie = (TIE_BREAK * v.scale * (pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
-                                  + pulp.lpSum(v.stage_sel_sum(k, lambda c: c.sel_rec_s) for k in range(p))
-                                  + pulp.lpSum(v.p2p(k) for k in range(p)))
-           + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / v.n * pulp.lpSum(v.stage_rec_sum(k, lambda c: 1.0)
-                                                                  + v.stage_sel_sum(k, lambda c: 0.5)
-                                                                  for k in range(p)))
+    tie = TIE_BREAK * v.scale * (
+        pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
+        + pulp.lpSum(v.stage_sel_sum(k, lambda c: c.sel_rec_s) for k in range(p))
+        + pulp.lpSum(v.p2p(k) for k in range(p))
+    ) + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / v.n * pulp.lpSum(
+        v.stage_rec_sum(k, lambda c: 1.0) + v.stage_sel_sum(k, lambda c: 0.5) for k in range(p)
+    )
     bound = None
     step = step_time_expr(v)
     if objective == "time":
@@ -651,9 +682,16 @@ def build_problem(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto"
     return prob, v
 
 
-def solve_candidate(cc: CandidateCosts, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc",
-                    objective: str = "time", formulation: str = "auto", cutoff: float | None = None,
-                    time_limit: float | None = 60.0) -> ILPResult:
+def solve_candidate(
+    cc: CandidateCosts,
+    kinds: list[str],
+    checkpoint: str = "auto",
+    solver: str = "cbc",
+    objective: str = "time",
+    formulation: str = "auto",
+    cutoff: float | None = None,
+    time_limit: float | None = 60.0,
+) -> ILPResult:
     """Optimal partition and recompute set of one candidate.
 
     ``objective="time"`` minimizes the step time under the memory limit; ``"memory"`` minimizes
@@ -732,8 +770,14 @@ def _rank_key(e: Evaluation):
     return (e.step_time_s, *_tie_key(e))
 
 
-def search(entries: list[tuple[float, float, CandidateCosts]], kinds: list[str], checkpoint: str = "auto",
-           solver: str = "cbc", keep: int = 4, seed: SearchResult | None = None) -> SearchResult:
+def search(
+    entries: list[tuple[float, float, CandidateCosts]],
+    kinds: list[str],
+    checkpoint: str = "auto",
+    solver: str = "cbc",
+    keep: int = 4,
+    seed: SearchResult | None = None,
+) -> SearchResult:
     """Best strategies over ``entries`` = ``(time_lb, memory_lb, costs)`` with sound pruning.
 
     Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
@@ -827,9 +871,18 @@ def _dominated(e: Evaluation, plain: list[Evaluation]) -> bool:
     the device: the same plan plus transfers, which says nothing a runner-up should."""
     c = e.strategy.candidate
     key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.compile)
-    return c.offloads and any((p.strategy.candidate.dp, p.strategy.candidate.tp, p.strategy.candidate.pp,
-                               p.strategy.candidate.micro_batch_size, p.strategy.candidate.compile) == key
-                              and p.step_time_s <= e.step_time_s for p in plain)
+    return c.offloads and any(
+        (
+            p.strategy.candidate.dp,
+            p.strategy.candidate.tp,
+            p.strategy.candidate.pp,
+            p.strategy.candidate.micro_batch_size,
+            p.strategy.candidate.compile,
+        )
+        == key
+        and p.step_time_s <= e.step_time_s
+        for p in plain
+    )
 
 
 def _merge_seed(res: SearchResult, seed: SearchResult, keep: int) -> None:
@@ -839,7 +892,7 @@ def _merge_seed(res: SearchResult, seed: SearchResult, keep: int) -> None:
     pool = {e.strategy.candidate: e for e in seed.ranked + seed.extra + res.extra if e.strategy.candidate not in chosen}
     plain = [e for e in res.ranked + list(pool.values()) if not e.strategy.candidate.offloads]
     pool = {c: e for c, e in pool.items() if not _dominated(e, plain)}
-    res.extra = sorted(pool.values(), key=_rank_key)[:max(keep - len(res.ranked), 0)]
+    res.extra = sorted(pool.values(), key=_rank_key)[: max(keep - len(res.ranked), 0)]
     for f in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
         setattr(res, f, getattr(res, f) + getattr(seed, f))
     res.solver_seconds += seed.solver_seconds

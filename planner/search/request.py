@@ -100,34 +100,48 @@ class PlanRequest:
             raise SearchError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
         if self.compile not in COMPILE_MODES:
             raise SearchError(f"--compile must be on or off (or omitted: the planner decides), got {self.compile!r}.")
-        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, (int, float))
-                                        or not math.isfinite(self.tokens) or self.tokens <= 0):
+        if self.tokens is not None and (
+            isinstance(self.tokens, bool)
+            or not isinstance(self.tokens, (int, float))
+            or not math.isfinite(self.tokens)
+            or self.tokens <= 0
+        ):
             raise SearchError(f"--tokens must be a positive number of tokens, got {self.tokens!r}.")
         for kind in ("optimizer", "params"):
             v = getattr(self, f"offload_{kind}")
             if v is not None and v not in OFFLOAD_TIERS:
-                raise SearchError(f"--offload-{kind} must be one of {', '.join(OFFLOAD_TIERS)} (or omitted: the "
-                                  f"planner decides), got {v!r}.")
+                raise SearchError(
+                    f"--offload-{kind} must be one of {', '.join(OFFLOAD_TIERS)} (or omitted: the "
+                    f"planner decides), got {v!r}."
+                )
         if self.offload_params not in (None, "none") and self.zero_stage not in (None, 3):
-            raise SearchError(f"--offload-params {self.offload_params} needs ZeRO stage 3 (only ZeRO-3 shards the "
-                              f"parameters it keeps off the device), but --zero-stage is {self.zero_stage}. Use "
-                              "--zero-stage 3, or drop one of the two flags.")
+            raise SearchError(
+                f"--offload-params {self.offload_params} needs ZeRO stage 3 (only ZeRO-3 shards the "
+                f"parameters it keeps off the device), but --zero-stage is {self.zero_stage}. Use "
+                "--zero-stage 3, or drop one of the two flags."
+            )
         if self.offload_optimizer not in (None, "none") and self.zero_stage == 0:
-            raise SearchError(f"--offload-optimizer {self.offload_optimizer} needs ZeRO stage 1, 2 or 3 (each rank "
-                              "offloads its optimizer shard), but --zero-stage is 0. Use --zero-stage 1, 2 or 3, "
-                              "or drop one of the two flags.")
+            raise SearchError(
+                f"--offload-optimizer {self.offload_optimizer} needs ZeRO stage 1, 2 or 3 (each rank "
+                "offloads its optimizer shard), but --zero-stage is 0. Use --zero-stage 1, 2 or 3, "
+                "or drop one of the two flags."
+            )
         if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise SearchError(f"--schedule must be one of {', '.join(SCHEDULES)} (or omitted: the planner decides), "
-                              f"got {self.schedule!r}.")
+            raise SearchError(
+                f"--schedule must be one of {', '.join(SCHEDULES)} (or omitted: the planner decides), "
+                f"got {self.schedule!r}."
+            )
         v = self.virtual_stages
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SearchError(f"--virtual-stages must be a positive integer, got {v!r}.")
         if self.sequence_parallel not in (None, "on", "off"):
             raise SearchError(f"--sequence-parallel must be on or off, got {self.sequence_parallel!r}.")
         if self.sequence_parallel == "on" and self.tp == 1:
-            raise SearchError("--sequence-parallel on needs tensor parallelism, but --tp is 1: sequence "
-                              "parallelism splits the tensor-parallel regions' sequence over the tp ranks. Drop "
-                              "--tp 1 or --sequence-parallel on.")
+            raise SearchError(
+                "--sequence-parallel on needs tensor parallelism, but --tp is 1: sequence "
+                "parallelism splits the tensor-parallel regions' sequence over the tp ranks. Drop "
+                "--tp 1 or --sequence-parallel on."
+            )
         if self.checkpoint not in CHECKPOINT_MODES:
             raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
         if not 0.1 <= self.memory_headroom <= 1.0:
@@ -137,14 +151,17 @@ class PlanRequest:
         for v in pins.values():
             fixed *= v or 1
         if all(v is not None for v in pins.values()) and fixed != self.gpus:
-            raise SearchError(f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
-                            f"{self.gpus}; the three degrees must multiply to the number of devices.")
+            raise SearchError(
+                f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
+                f"{self.gpus}; the three degrees must multiply to the number of devices."
+            )
         if self.gpus % fixed:
             got = " x ".join(f"--{k} {v}" for k, v in pins.items() if v is not None)
             raise SearchError(f"{got} = {fixed} does not divide --gpus {self.gpus}.")
         if self.dp is not None and self.global_batch % self.dp:
             raise SearchError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp}.")
-        if self.micro_batch is not None and self.dp is not None and \
-                self.global_batch % (self.dp * self.micro_batch):
-            raise SearchError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
-                            f"--micro-batch {self.micro_batch}.")
+        if self.micro_batch is not None and self.dp is not None and self.global_batch % (self.dp * self.micro_batch):
+            raise SearchError(
+                f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
+                f"--micro-batch {self.micro_batch}."
+            )

@@ -97,8 +97,22 @@ from runtime.schedule import (
     zero_bubble_h1,
 )
 
-__all__ = ["SEARCHED_SCHEDULES", "MAX_VIRTUAL_STAGES", "schedule_options", "build_schedule", "simulate_pipeline",
-           "price_schedule", "best_schedule", "schedule_bounds", "pipeline_memory", "step_bound", "evaluate_strategy", "apply_schedules", "check_schedule_pins", "schedule_allows"]
+__all__ = [
+    "SEARCHED_SCHEDULES",
+    "MAX_VIRTUAL_STAGES",
+    "schedule_options",
+    "build_schedule",
+    "simulate_pipeline",
+    "price_schedule",
+    "best_schedule",
+    "schedule_bounds",
+    "pipeline_memory",
+    "step_bound",
+    "evaluate_strategy",
+    "apply_schedules",
+    "check_schedule_pins",
+    "schedule_allows",
+]
 
 #: Schedules the search tries by default (pins always work): narrow it to ``("1f1b",)`` to plan
 #: only what a runtime without the other executors runs.
@@ -122,8 +136,13 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 
 def _run(name: str, p: int, m: int, v: int, times: ChunkTimes):
-    return analyze(build_schedule(name, p, m, v), forward_time=times.forward_s, backward_time=times.backward_s,
-                   weight_time=times.weight_s, send_time=times.send_s)
+    return analyze(
+        build_schedule(name, p, m, v),
+        forward_time=times.forward_s,
+        backward_time=times.backward_s,
+        weight_time=times.weight_s,
+        send_time=times.send_s,
+    )
 
 
 def simulate_pipeline(name: str, p: int, m: int, v: int, times: ChunkTimes) -> SimulatedPipeline:
@@ -161,18 +180,25 @@ def pipeline_memory(name: str, p: int, m: int, v: int, times: ChunkTimes) -> Sim
     short = build_schedule(name, p, min(m, (warm + 1) * p), v)
     pending = tuple(min(k, 1) / v for k in _peak_b_to_w(short))
     if times.act_bytes is not None:  # chunks of unequal size: which ones are in flight matters
-        at_b, anywhere = _weighted_held(short, p, v, times.act_bytes, W if name == "zero-bubble" else B,
-                                        times.keep_bytes, times.free_bytes)
+        at_b, anywhere = _weighted_held(
+            short, p, v, times.act_bytes, W if name == "zero-bubble" else B, times.keep_bytes, times.free_bytes
+        )
         held = tuple(w if math.isfinite(w) else h for h, w in zip(held, at_b))
         if times.keep_bytes is not None:  # the kept gradients are in the followed bytes
             pending = tuple(0.0 for _ in pending)
-            return SimulatedPipeline(makespan_s=0.0, held=held, messages=0, w_pending=pending,
-                                     held_between=tuple(x if math.isfinite(x) else 0.0 for x in anywhere))
+            return SimulatedPipeline(
+                makespan_s=0.0,
+                held=held,
+                messages=0,
+                w_pending=pending,
+                held_between=tuple(x if math.isfinite(x) else 0.0 for x in anywhere),
+            )
     return SimulatedPipeline(makespan_s=0.0, held=held, messages=0, w_pending=pending)
 
 
-def _weighted_held(sched: Schedule, p: int, v: int, act_bytes, release: str,
-                   keep_bytes=None, free_bytes=None) -> tuple[list[float], list[float]]:
+def _weighted_held(
+    sched: Schedule, p: int, v: int, act_bytes, release: str, keep_bytes=None, free_bytes=None
+) -> tuple[list[float], list[float]]:
     """Per rank, the bytes its in-flight (chunk, micro-batch) pairs hold (a chunk's ``F`` adds its
     activations, its ``release`` action frees them; with ``keep_bytes``, the end of a ``B`` adds the
     gradients kept for its ``W``, which frees them; with ``free_bytes``, the end of a ``B`` already
@@ -209,8 +235,13 @@ def _busiest(p: int, times: ChunkTimes) -> float:
     """The busiest rank's compute and sends for one micro-batch (all its chunks)."""
     n = len(times.forward_s)
     w = times.weight_s
-    return max(sum(times.forward_s[c] + times.backward_s[c] + (w[c] if w else 0.0)
-                   + times.send_s * ((c < n - 1) + (c > 0)) for c in range(r, n, p)) for r in range(p))
+    return max(
+        sum(
+            times.forward_s[c] + times.backward_s[c] + (w[c] if w else 0.0) + times.send_s * ((c < n - 1) + (c > 0))
+            for c in range(r, n, p)
+        )
+        for r in range(p)
+    )
 
 
 def _peak_b_to_w(sched: Schedule) -> list[int]:
@@ -229,9 +260,13 @@ def _peak_b_to_w(sched: Schedule) -> list[int]:
     return out
 
 
-def schedule_options(cand: Candidate, rows: int, schedule: str | None = None,
-                     virtual_stages: int | None = None,
-                     searched: tuple[str, ...] = SEARCHED_SCHEDULES) -> list[tuple[str, int]]:
+def schedule_options(
+    cand: Candidate,
+    rows: int,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
+    searched: tuple[str, ...] = SEARCHED_SCHEDULES,
+) -> list[tuple[str, int]]:
     """``(schedule, v)`` pairs candidate ``cand`` may run, by the pins or the searched set."""
     p, m = cand.pp, cand.num_micro_batches
     names = (schedule,) if schedule else searched
@@ -280,7 +315,7 @@ def step_bound(cc: CandidateCosts, chunks, times: ChunkTimes) -> float:
         busy = sum(f[c] + b[c] + (w[c] if w else 0.0) for c in mine) + sends * snd
         fill = sum(f[c] + snd for c in range(r))
         drain = 0.0 if w else sum(b[c] + snd for c in range(r))
-        tail = sum(l.dp_step_s + l.opt_s for c in mine for l in cc.layers[chunks[c][0]:chunks[c][1] + 1])
+        tail = sum(l.dp_step_s + l.opt_s for c in mine for l in cc.layers[chunks[c][0] : chunks[c][1] + 1])
         best = max(best, fill + m * busy + drain + tail)
     return best
 
@@ -289,8 +324,10 @@ def _chunks_for(cc: CandidateCosts, base: Evaluation, name: str, v: int):
     if name != "interleaved":
         return base.strategy.stages
     ck, sel = base.strategy.checkpoint, base.strategy.selective
-    costs = [l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
-             for i, l in enumerate(cc.layers)]
+    costs = [
+        l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
+        for i, l in enumerate(cc.layers)
+    ]
     try:
         return split_chunks(costs, cc.cand.pp * v)
     except ValueError:
@@ -313,8 +350,15 @@ def _prepared(cc: CandidateCosts, base: Evaluation, name: str, v: int):
     return chunks, chunk_times(cc, chunks, sorted(base.strategy.checkpoint), name, sorted(base.strategy.selective))
 
 
-def _simulated(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, times: ChunkTimes,
-               memory: SimulatedPipeline | None = None):
+def _simulated(
+    cc: CandidateCosts,
+    base: Evaluation,
+    name: str,
+    v: int,
+    chunks,
+    times: ChunkTimes,
+    memory: SimulatedPipeline | None = None,
+):
     """``base`` under ``name`` priced from its simulation (``memory``: its :func:`pipeline_memory`,
     when known), ``None`` when the schedule cannot run."""
     p, m = cc.cand.pp, cc.cand.num_micro_batches
@@ -326,8 +370,9 @@ def _simulated(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, 
             sim = dataclasses.replace(memory, makespan_s=span, messages=msgs)
     except ScheduleError:
         return None
-    return evaluate_schedule(cc, chunks, sorted(base.strategy.checkpoint), name, v, sim, times,
-                             sorted(base.strategy.selective))
+    return evaluate_schedule(
+        cc, chunks, sorted(base.strategy.checkpoint), name, v, sim, times, sorted(base.strategy.selective)
+    )
 
 
 def schedule_bounds(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]]) -> list[tuple]:
@@ -346,8 +391,9 @@ def schedule_bounds(cc: CandidateCosts, base: Evaluation, options: list[tuple[st
     return out
 
 
-def _fitting(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks,
-             times: ChunkTimes) -> SimulatedPipeline | None:
+def _fitting(
+    cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks, times: ChunkTimes
+) -> SimulatedPipeline | None:
     """``base`` under ``name``'s :func:`pipeline_memory` when it fits in memory (and host / NVMe
     room), else ``None``: the memory of a schedule follows from its action order alone, so a
     schedule that does not fit is rejected before it is simulated, with the same answer."""
@@ -355,13 +401,15 @@ def _fitting(cc: CandidateCosts, base: Evaluation, name: str, v: int, chunks,
         mem = pipeline_memory(name, cc.cand.pp, cc.cand.num_micro_batches, v, times)
     except ScheduleError:
         return None
-    ev = evaluate_schedule(cc, chunks, sorted(base.strategy.checkpoint), name, v, mem, times,
-                           sorted(base.strategy.selective))
+    ev = evaluate_schedule(
+        cc, chunks, sorted(base.strategy.checkpoint), name, v, mem, times, sorted(base.strategy.selective)
+    )
     return mem if ev.feasible else None
 
 
-def best_schedule(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]],
-                  bounds: list[tuple] | None = None) -> Evaluation | None:
+def best_schedule(
+    cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[tuple] | None = None
+) -> Evaluation | None:
     """The fastest feasible pricing of ``base`` over ``options`` (ties: 1F1B, then the earlier
     option), or ``None`` when none fits. Options are simulated in order of :func:`step_bound` and
     not at all once the bound reaches the best found, nor when they do not fit in memory: the
@@ -370,8 +418,9 @@ def best_schedule(cc: CandidateCosts, base: Evaluation, options: list[tuple[str,
     return _best(cc, base, options, bounds)[0]
 
 
-def _best(cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]],
-          bounds: list[tuple] | None = None) -> tuple[Evaluation | None, bool]:
+def _best(
+    cc: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[tuple] | None = None
+) -> tuple[Evaluation | None, bool]:
     """:func:`best_schedule`, and whether a schedule whose bound beat the answer did not fit."""
     best = base if ("1f1b", 1) in options and base.feasible else None
     todo = schedule_bounds(cc, base, options) if bounds is None else bounds
@@ -396,35 +445,53 @@ def check_schedule_pins(req: Any, rows: int) -> None:
     other pins (``SearchError``, exit 2), saying what would work."""
     sched, v = req.schedule, req.virtual_stages
     if v is not None and v > 1 and sched != "interleaved":
-        raise SearchError(f"--virtual-stages {v} needs --schedule interleaved (only the interleaved schedule runs "
-                          f"several model chunks per pipeline rank){'' if sched is None else f', not {sched}'}. "
-                          "Add --schedule interleaved, or drop --virtual-stages.")
+        raise SearchError(
+            f"--virtual-stages {v} needs --schedule interleaved (only the interleaved schedule runs "
+            f"several model chunks per pipeline rank){'' if sched is None else f', not {sched}'}. "
+            "Add --schedule interleaved, or drop --virtual-stages."
+        )
     if not sched or sched == "1f1b":
         return
     if req.pp == 1 or req.gpus == 1:
-        raise SearchError(f"--schedule {sched} needs a pipeline (pp >= 2), but "
-                          + ("--pp is 1" if req.pp == 1 else "there is one device")
-                          + ". Use --schedule 1f1b, or a --pp of 2 or more.")
+        raise SearchError(
+            f"--schedule {sched} needs a pipeline (pp >= 2), but "
+            + ("--pp is 1" if req.pp == 1 else "there is one device")
+            + ". Use --schedule 1f1b, or a --pp of 2 or more."
+        )
     if sched == "interleaved":
         p = req.pp
         if p and v and p * v > rows:
-            raise SearchError(f"--pp {p} x --virtual-stages {v} = {p * v} model chunks, more than the layer table's "
-                              f"{rows} rows (embedding, {rows - 2} blocks, head): every chunk needs a layer. "
-                              f"Use --virtual-stages <= {rows // p}.")
+            raise SearchError(
+                f"--pp {p} x --virtual-stages {v} = {p * v} model chunks, more than the layer table's "
+                f"{rows} rows (embedding, {rows - 2} blocks, head): every chunk needs a layer. "
+                f"Use --virtual-stages <= {rows // p}."
+            )
         if p and req.dp and req.micro_batch:
             m = req.global_batch // (req.dp * req.micro_batch)
             if m % p:
-                ok = [b for b in range(1, req.global_batch // req.dp + 1)
-                      if (req.global_batch // req.dp) % b == 0 and (req.global_batch // (req.dp * b)) % p == 0]
+                ok = [
+                    b
+                    for b in range(1, req.global_batch // req.dp + 1)
+                    if (req.global_batch // req.dp) % b == 0 and (req.global_batch // (req.dp * b)) % p == 0
+                ]
                 raise SearchError(
                     f"--schedule interleaved runs micro-batches in groups of --pp {p}, but --global-batch "
                     f"{req.global_batch} / (--dp {req.dp} x --micro-batch {req.micro_batch}) = {m} micro-batches "
                     f"is not a multiple of {p}. Micro-batch counts that work: multiples of {p} (--micro-batch "
-                    + (", ".join(map(str, ok)) if ok else "none at this --dp") + ").")
+                    + (", ".join(map(str, ok)) if ok else "none at this --dp")
+                    + ")."
+                )
 
 
-def apply_schedules(res, cc_of: dict, rows: int, schedule: str | None = None, virtual_stages: int | None = None,
-                    searched: tuple[str, ...] = SEARCHED_SCHEDULES, keep: int = 4):
+def apply_schedules(
+    res,
+    cc_of: dict,
+    rows: int,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
+    searched: tuple[str, ...] = SEARCHED_SCHEDULES,
+    keep: int = 4,
+):
     """The search result ``res`` with its strategies under their best schedule (module docstring,
     "Which strategies"): the ``keep`` fastest under 1F1B (what the plan shows), the other
     batchings while there are fewer than ``keep`` triples, and every other triple, or the same
@@ -458,9 +525,11 @@ def apply_schedules(res, cc_of: dict, rows: int, schedule: str | None = None, vi
         extra = sorted(reprice(res.extra[:shown]), key=_rank_key) + res.extra[shown:]
     if not ranked and not extra:
         what = f"--schedule {schedule}" + (f" --virtual-stages {virtual_stages}" if virtual_stages else "")
-        raise SearchError(f"{what}: no strategy the search found can run it within memory (its schedule holds "
-                          "more activations than 1F1B, or the micro-batch counts do not allow it). Pin a larger "
-                          "--pp, a smaller --micro-batch or --checkpoint all, or drop the schedule pin.")
+        raise SearchError(
+            f"{what}: no strategy the search found can run it within memory (its schedule holds "
+            "more activations than 1F1B, or the micro-batch counts do not allow it). Pin a larger "
+            "--pp, a smaller --micro-batch or --checkpoint all, or drop the schedule pin."
+        )
     if not ranked:
         ranked, extra = extra[:1], extra[1:]
     out = dataclasses.replace(res, ranked=ranked, extra=extra)
@@ -470,8 +539,9 @@ def apply_schedules(res, cc_of: dict, rows: int, schedule: str | None = None, vi
     return out
 
 
-def _bound_walk(evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...],
-                keep: int) -> list[Evaluation]:
+def _bound_walk(
+    evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int
+) -> list[Evaluation]:
     """``evs`` (1F1B strategies, one per degree triple, fastest first) with the ``keep`` first, and
     every other that could beat the best found, priced under their best schedule
     (:func:`best_schedule`); the rest unchanged, and a strategy that can run none of ``searched``

@@ -81,10 +81,13 @@ def test_tampered_stage_file_is_refused(tmp_path):
         read_manifest(str(tmp_path))
 
 
-@pytest.mark.parametrize("spec, sizes", [
-    ("gpt", {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}),
-    ("hf:llama", {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64, "seq_len": 16}),
-])
+@pytest.mark.parametrize(
+    "spec, sizes",
+    [
+        ("gpt", {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}),
+        ("hf:llama", {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 64, "seq_len": 16}),
+    ],
+)
 def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
     """Two pipeline stages chained by hand: same loss and gradients as the uncompiled model."""
     from planner.commands.train import original_state
@@ -120,8 +123,15 @@ def test_model_without_blocks_compiles_and_matches(tmp_path):
     from planner.commands.plan import plan_from_request
     from planner.search.request import PlanRequest
 
-    req = PlanRequest(spec=f"{USER_MODELS}:no_blocks", gpus=1, gpus_per_node=1, hardware="cpu", global_batch=2,
-                      seq_len=8, dtype="fp32")
+    req = PlanRequest(
+        spec=f"{USER_MODELS}:no_blocks",
+        gpus=1,
+        gpus_per_node=1,
+        hardware="cpu",
+        global_batch=2,
+        seq_len=8,
+        dtype="fp32",
+    )
     plan = plan_from_request(req)[0].plan
     assert plan.model.layers == 0
     out = tmp_path / "c"

@@ -60,7 +60,7 @@ def _kept_after_forward(module, args) -> tuple[torch.Tensor, int]:
 def test_selective_stage_matches_original_and_frees_the_core(tmp_path):
     cdir, stage, module, args = _stage(tmp_path, "selective", selective=(1, 2))
     src = open(os.path.join(cdir, stage["file"])).read()
-    core_src = src[src.index("class AttentionCore"):src.index("class SelectiveBlock")]
+    core_src = src[src.index("class AttentionCore") : src.index("class SelectiveBlock")]
     assert "softmax" in core_src and ("matmul" in core_src or "bmm" in core_src)
     assert src.count("runtime_checkpoint(attention_core_0") == 1  # one class for both blocks
 

@@ -29,8 +29,11 @@ def test_kv_heads_tp_neither_divides_nor_multiplies_is_a_clear_error(tmp_path):
 
 def test_one_kv_head_at_tp2_keeps_k_v_replicated(tmp_path):
     man = _compile("hf:llama", dict(LLAMA, kv_heads=1), 2, tmp_path)
-    shards = {e["fqn"].rsplit(".", 2)[-2]: e["shard"] for e in man["stages"][0]["params"].values()
-              if ".layers.0.self_attn." in e["fqn"]}
+    shards = {
+        e["fqn"].rsplit(".", 2)[-2]: e["shard"]
+        for e in man["stages"][0]["params"].values()
+        if ".layers.0.self_attn." in e["fqn"]
+    }
     assert shards["k_proj"] is None and shards["v_proj"] is None
     assert shards["q_proj"]["kind"] == "heads" and shards["o_proj"]["kind"] == "row"
     src = open(os.path.join(tmp_path, "stage_0.py")).read()
@@ -55,6 +58,7 @@ def test_model_dims_fill_heads_from_the_graph():
     gm = torch.export.export(_Sdpa(), (torch.randn(2, 5, 12),)).module()
     bundle = ModelBundle(spec="x.py:f", model=_Sdpa(), example_inputs=(), vocab=0, seq_len=5, kind="file")
     assert model_dims(bundle, {}, gm) == {"heads": 3, "kv_heads": 1, "head_dim": 4}
-    stated = ModelBundle(spec="x.py:f", model=_Sdpa(), example_inputs=(), vocab=0, seq_len=5, heads=3,
-                         kv_heads=1, hidden=12)
+    stated = ModelBundle(
+        spec="x.py:f", model=_Sdpa(), example_inputs=(), vocab=0, seq_len=5, heads=3, kv_heads=1, hidden=12
+    )
     assert model_dims(stated, {"ffn": 0}, gm) == {"hidden": 12, "heads": 3, "kv_heads": 1, "head_dim": 4}

@@ -54,8 +54,13 @@ def test_generated_code_and_shard_specs(tmp_path):
     assert params[layer + "input_layernorm.weight"]["shard"] is None
     assert params["inner.lm_head.weight"]["shard"] == {"dim": 0, "kind": "vocab", "padded": 64, "size": 64}
     src = (tmp_path / "stage_0.py").read_text()
-    for needle in ("copy_to_tp", "row_parallel_linear", "vocab_parallel_embedding",
-                   "vocab_parallel_cross_entropy", "[2, 1, 2, 8, 8]"):  # repeat_kv: 1 kv head, 2 reps
+    for needle in (
+        "copy_to_tp",
+        "row_parallel_linear",
+        "vocab_parallel_embedding",
+        "vocab_parallel_cross_entropy",
+        "[2, 1, 2, 8, 8]",
+    ):  # repeat_kv: 1 kv head, 2 reps
         assert needle in src, needle
     assert "cross_entropy_loss.default" not in src
     # Compiling again gives byte-identical files.
@@ -66,8 +71,9 @@ def test_generated_code_and_shard_specs(tmp_path):
 
 def test_tp_not_dividing_heads_is_a_clear_error(tmp_path):
     with pytest.raises(TPRewriteError, match=r"tp=2 does not divide the model's 3 attention heads"):
-        compile_plan(_plan("gpt", {"layers": 1, "hidden": 24, "heads": 3, "vocab": 32, "seq_len": 8}, tp=2),
-                     str(tmp_path))
+        compile_plan(
+            _plan("gpt", {"layers": 1, "hidden": 24, "heads": 3, "vocab": 32, "seq_len": 8}, tp=2), str(tmp_path)
+        )
     with pytest.raises(TPRewriteError, match=r"neither divides the model's 3 key/value heads"):
         compile_plan(_plan("hf:llama", dict(LLAMA, hidden=48, heads=6, kv_heads=3), tp=2), str(tmp_path))
 
@@ -122,8 +128,12 @@ def test_indivisible_reshape_names_the_node():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=1, max_size=4), st.integers(0, 3),
-       st.sampled_from([2, 3]), st.randoms(use_true_random=False))
+@given(
+    st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=1, max_size=4),
+    st.integers(0, 3),
+    st.sampled_from([2, 3]),
+    st.randoms(use_true_random=False),
+)
 def test_reshape_shard_rule_matches_slicing(dims, d_pick, tp, rnd):
     """Reshaping each rank's shard equals sharding the reshaped tensor, whenever the rule allows."""
     src = list(dims)
@@ -133,12 +143,12 @@ def test_reshape_shard_rule_matches_slicing(dims, d_pick, tp, rnd):
     dst = list(src)
     if len(dst) > 1 and rnd.random() < 0.5:
         i = rnd.randrange(len(dst) - 1)
-        dst[i:i + 2] = [dst[i] * dst[i + 1]]
+        dst[i : i + 2] = [dst[i] * dst[i + 1]]
     else:
         i = rnd.randrange(len(dst))
         f = [k for k in range(1, dst[i] + 1) if dst[i] % k == 0]
         a = rnd.choice(f)
-        dst[i:i + 1] = [a, dst[i] // a]
+        dst[i : i + 1] = [a, dst[i] // a]
     full = torch.arange(torch.Size(src).numel()).view(src)
     try:
         m = reshape_shard(src, dst, d, tp)
@@ -185,8 +195,9 @@ def _cost_pass_weights(spec: str, sizes: dict) -> tuple[set, dict]:
     sizes = {k: v for k, v in sizes.items() if k != "seq_len"}
     tr = trace_model(spec, batch=MBS, seq_len=8, dtype="fp32", **sizes)
     analyze(tr)
-    sharded = {tr.fqns[n.name] for n in tr.gm.graph.nodes
-               if tr.roles.get(n.name) == "param" and n.meta["tp"].role == "sharded"}
+    sharded = {
+        tr.fqns[n.name] for n in tr.gm.graph.nodes if tr.roles.get(n.name) == "param" and n.meta["tp"].role == "sharded"
+    }
     weights = analyze_tensor_parallel(tr.gm, roles=tr.roles).weights
     return sharded, {tr.fqns[k]: w for k, w in weights.items()}
 
@@ -195,17 +206,20 @@ def _codegen_shards(spec: str, sizes: dict, tp: int) -> dict:
     """``shard_info`` codegen derives for ``tp`` on the trainable module (static shapes)."""
     gm, blocks, bundle = export_training_module(spec, sizes, dtype="fp32", batch=MBS, seq_len=8)
     assign_layers(gm, blocks, {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"})
-    return analyze_tp(gm, lambda n: n.meta["layer"], tp, vocab=bundle.vocab,
-                      dims=model_dims(bundle, sizes)).shard_info
+    return analyze_tp(gm, lambda n: n.meta["layer"], tp, vocab=bundle.vocab, dims=model_dims(bundle, sizes)).shard_info
 
 
-@pytest.mark.parametrize("spec, sizes, kinds", [
-    ("gpt", GPT, {"heads", "column", "row", "vocab"}),
-    ("hf:llama", LLAMA, {"heads", "column", "row", "vocab"}),  # GQA: 4 heads, 2 kv heads
-    ("hf:gpt2", GPT2, {"qkv", "column", "row", "vocab"}),  # fused c_attn, Conv1D (addmm)
-    ("hf:bert", BERT, {"heads", "column", "row", "vocab"}),  # MLM transform stays replicated
-    (FACTORY, {}, {"vocab"}),  # residual tanh(linear) cannot close a region; embedding + head
-], ids=["gpt", "llama", "gpt2", "bert", "factory"])
+@pytest.mark.parametrize(
+    "spec, sizes, kinds",
+    [
+        ("gpt", GPT, {"heads", "column", "row", "vocab"}),
+        ("hf:llama", LLAMA, {"heads", "column", "row", "vocab"}),  # GQA: 4 heads, 2 kv heads
+        ("hf:gpt2", GPT2, {"qkv", "column", "row", "vocab"}),  # fused c_attn, Conv1D (addmm)
+        ("hf:bert", BERT, {"heads", "column", "row", "vocab"}),  # MLM transform stays replicated
+        (FACTORY, {}, {"vocab"}),  # residual tanh(linear) cannot close a region; embedding + head
+    ],
+    ids=["gpt", "llama", "gpt2", "bert", "factory"],
+)
 def test_cost_pass_and_codegen_shard_the_same_weights(spec, sizes, kinds):
     sharded, weights = _cost_pass_weights(spec, sizes)
     shards = _codegen_shards(spec, sizes, tp=2)
@@ -213,7 +227,11 @@ def test_cost_pass_and_codegen_shard_the_same_weights(spec, sizes, kinds):
     assert {s["kind"] for s in shards.values()} == kinds
     for fqn, s in shards.items():
         w = weights[fqn]
-        assert (w.kind, w.dim, w.size, list(w.parts or []) or None) == \
-            (s["kind"], s["dim"], s["size"], s.get("parts")), fqn
+        assert (w.kind, w.dim, w.size, list(w.parts or []) or None) == (
+            s["kind"],
+            s["dim"],
+            s["size"],
+            s.get("parts"),
+        ), fqn
     if spec == "hf:bert":
         assert not any("predictions.transform" in f for f in shards)

@@ -97,8 +97,16 @@ def test_saving_bound_holds_for_every_strategy_of_a_candidate():
 
 
 def _request(**kw):
-    return PlanRequest(spec="gpt", gpus=1, gpus_per_node=1, hardware="synthetic", global_batch=8, seq_len=SEQ,
-                       sizes={"layers": 2}, **kw)
+    return PlanRequest(
+        spec="gpt",
+        gpus=1,
+        gpus_per_node=1,
+        hardware="synthetic",
+        global_batch=8,
+        seq_len=SEQ,
+        sizes={"layers": 2},
+        **kw,
+    )
 
 
 def test_compiles_only_when_the_run_repays_the_compile_time():

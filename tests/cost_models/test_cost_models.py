@@ -134,16 +134,33 @@ def test_missing_field_named_with_file(tmp_path):
         ("recompute_ratio", "fast", r"field 'recompute_ratio' must be a number in \(0, 2\].*'fast'"),
         ("name", "", r"field 'name' must be a non-empty string"),
         ("peak_flops", 3e14, r"field 'peak_flops' must be an object of FLOP/s by dtype"),
-        ("peak_flops", {"fp32": 1e12, "bf16": 2e12}, r"field 'peak_flops' is missing dtype 'fp16' \(required: fp32, bf16, fp16"),
-        ("peak_flops", {"fp32": 1, "bf16": 1, "fp16": 1, "int8": 1}, r"field 'peak_flops' has unknown dtype 'int8' \(allowed: fp32, tf32"),
+        (
+            "peak_flops",
+            {"fp32": 1e12, "bf16": 2e12},
+            r"field 'peak_flops' is missing dtype 'fp16' \(required: fp32, bf16, fp16",
+        ),
+        (
+            "peak_flops",
+            {"fp32": 1, "bf16": 1, "fp16": 1, "int8": 1},
+            r"field 'peak_flops' has unknown dtype 'int8' \(allowed: fp32, tf32",
+        ),
         ("peak_flops", {"fp32": 1, "bf16": -2, "fp16": 1}, r"field 'peak_flops.bf16' must be a positive"),
         ("intra_node_collectives", [1], r"field 'intra_node_collectives' must be an object like"),
-        ("intra_node_collectives", {"allreduce": {"latency": 0, "bandwidth": 1}},
-         r"field 'intra_node_collectives' has unknown collective 'allreduce' \(allowed: all_reduce, all_gather, reduce_scatter, send\)"),
-        ("intra_node_collectives", {"send": {"bandwidth": 1}},
-         r"field 'intra_node_collectives.send' must be an object with exactly 'latency' \(s\) and 'bandwidth'"),
-        ("intra_node_collectives", {"send": {"latency": 0, "bandwidth": 0}},
-         r"field 'intra_node_collectives.send.bandwidth' must be a positive number of bytes/s \(got 0\)"),
+        (
+            "intra_node_collectives",
+            {"allreduce": {"latency": 0, "bandwidth": 1}},
+            r"field 'intra_node_collectives' has unknown collective 'allreduce' \(allowed: all_reduce, all_gather, reduce_scatter, send\)",
+        ),
+        (
+            "intra_node_collectives",
+            {"send": {"bandwidth": 1}},
+            r"field 'intra_node_collectives.send' must be an object with exactly 'latency' \(s\) and 'bandwidth'",
+        ),
+        (
+            "intra_node_collectives",
+            {"send": {"latency": 0, "bandwidth": 0}},
+            r"field 'intra_node_collectives.send.bandwidth' must be a positive number of bytes/s \(got 0\)",
+        ),
     ],
 )
 def test_bad_field_values_name_field_and_file(tmp_path, field, value, pattern):
@@ -248,8 +265,10 @@ def test_per_collective_links_price_each_kind(tmp_path):
     """A profile's intra_node_collectives replaces the intra-node link for the kinds it lists
     (the rest keep the generic link; inter-node groups keep the network) and round-trips."""
     d = _valid()
-    d["intra_node_collectives"] = {"reduce_scatter": {"latency": 1e-4, "bandwidth": 1e9},
-                                   "send": {"latency": 2e-6, "bandwidth": 5e11}}
+    d["intra_node_collectives"] = {
+        "reduce_scatter": {"latency": 1e-4, "bandwidth": 1e9},
+        "send": {"latency": 2e-6, "bandwidth": 5e11},
+    }
     hw = load_hardware(_write(tmp_path, d))
     S = 1e8
     assert collective_time("reduce_scatter", S, range(8), hw) == pytest.approx(7 * 1e-4 + 7 / 8 * S / 1e9)
@@ -328,8 +347,11 @@ def test_group_placement_and_validation():
 
 @FAST
 @given(
-    dp=st.integers(1, 6), tp=st.integers(1, 6), pp=st.integers(1, 5),
-    gpn=st.sampled_from([1, 2, 3, 4, 8]), axis=st.sampled_from(["tp", "dp", "pp"]),
+    dp=st.integers(1, 6),
+    tp=st.integers(1, 6),
+    pp=st.integers(1, 5),
+    gpn=st.sampled_from([1, 2, 3, 4, 8]),
+    axis=st.sampled_from(["tp", "dp", "pp"]),
 )
 def test_axis_placement_matches_mesh_layout(dp, tp, pp, gpn, axis):
     world = dp * tp * pp
@@ -383,9 +405,15 @@ def test_model_state_bytes_exact(dtype, w, g, opt):
     # hold up to 3 layers' full gradients with their reduced shards (125 of 1000) in flight.
     inflight = 3 * (L + 125) * g
     assert model_state_bytes(P, dtype, 2, dp, L) == {
-        "params": P * w, "grads": shard * 4 + inflight, "optimizer": shard * opt}
+        "params": P * w,
+        "grads": shard * 4 + inflight,
+        "optimizer": shard * opt,
+    }
     assert model_state_bytes(P, dtype, 3, dp, L) == {
-        "params": shard * w + L * w, "grads": shard * 4 + inflight, "optimizer": shard * opt}
+        "params": shard * w + L * w,
+        "grads": shard * 4 + inflight,
+        "optimizer": shard * opt,
+    }
     assert model_state_bytes(P, dtype, 3, dp, L, prefetch=True)["params"] == shard * w + 2 * L * w
     # dp = 1: no gather buffers exist; 16 bytes per parameter in total, except that ZeRO-2/3
     # still accumulate gradients in fp32 (2 more bytes in bf16/fp16).
@@ -414,6 +442,7 @@ def test_zero_transient_bytes_windows():
     # the model's window is the runtime's bound on reductions in flight
     from cost_models.memory import REDUCTIONS_IN_FLIGHT
     from runtime.zero import MAX_INFLIGHT_REDUCTIONS
+
     assert REDUCTIONS_IN_FLIGHT == MAX_INFLIGHT_REDUCTIONS
 
 
@@ -463,14 +492,19 @@ def test_activation_bytes_with_recompute():
 
 def test_memory_breakdown_total():
     mem = memory_breakdown(1000, "bf16", 1, 4, activations=5000)
-    assert mem == {"params": 2000, "grads": 2000, "optimizer": 250 * 12, "activations": 5000,
-                   "total": 2000 + 2000 + 3000 + 5000}
+    assert mem == {
+        "params": 2000,
+        "grads": 2000,
+        "optimizer": 250 * 12,
+        "activations": 5000,
+        "total": 2000 + 2000 + 3000 + 5000,
+    }
     assert math.isclose(mem["total"], sum(v for k, v in mem.items() if k != "total"))
 
 
 def test_backward_transient_counts_the_fresh_weight_gradient():
     from cost_models.memory import backward_transient_bytes
 
-    assert backward_transient_bytes(100) == 200                      # 2 x the largest activation
-    assert backward_transient_bytes(100, weight_grad=50) == 200      # the activations dominate
-    assert backward_transient_bytes(100, weight_grad=8000) == 8100   # an embedding's dense gradient
+    assert backward_transient_bytes(100) == 200  # 2 x the largest activation
+    assert backward_transient_bytes(100, weight_grad=50) == 200  # the activations dominate
+    assert backward_transient_bytes(100, weight_grad=8000) == 8100  # an embedding's dense gradient

@@ -41,8 +41,14 @@ def _split(row: dict, name: str, tp: int) -> float:
 
 def test_profiles_that_price_by_shape():
     assert not prices_by_shape(CPU, "fp32") and prices_by_shape(H100, "bf16")
-    table = {"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096],
-                      "efficiency": [[[0.5, 0.6], [0.6, 0.7]], [[0.6, 0.7], [0.7, 0.8]]]}}
+    table = {
+        "bf16": {
+            "m": [256, 4096],
+            "n": [256, 4096],
+            "k": [256, 4096],
+            "efficiency": [[[0.5, 0.6], [0.6, 0.7]], [[0.6, 0.7], [0.7, 0.8]]],
+        }
+    }
     calibrated = dataclasses.replace(CPU, gemm_efficiency=table)
     assert prices_by_shape(calibrated, "bf16") and not prices_by_shape(calibrated, "fp32")
 
@@ -65,8 +71,9 @@ def test_symbolic_shapes_take_b_and_s(gpt_table):
     row = gpt_table.numeric(3, 20)[1]
     for hw, dt in ((CPU, "fp32"), (H100, "bf16")):
         for tp in (1, 2):
-            assert layer_gemm_time(lay.bwd_gemms, hw, dt, tp, b=3, s=20) == \
-                pytest.approx(layer_gemm_time(row["bwd_gemms"], hw, dt, tp), rel=1e-12)
+            assert layer_gemm_time(lay.bwd_gemms, hw, dt, tp, b=3, s=20) == pytest.approx(
+                layer_gemm_time(row["bwd_gemms"], hw, dt, tp), rel=1e-12
+            )
     with pytest.raises(ValueError, match="pass b and s"):
         layer_gemm_time(lay.fwd_gemms, CPU, "fp32")
 
@@ -86,12 +93,23 @@ def test_gpu_small_products_cost_more_than_the_flat_efficiency(gpt_table):
 
 
 def test_tp_divides_the_marked_dim():
-    g = [Gemm(4096, 1024, 512, 1, 3, "n"), Gemm(4096, 1024, 512, 8, 1, "batch"), Gemm(64, 64, 64, 1, 2, None),
-         Gemm(4096, 1024, 512, 1, 1, "k"), Gemm(4096, 1024, 512, 1, 1, "m")]
-    assert per_device_gemms(g, tp=4) == [(4096, 256, 512, 1, 3), (4096, 1024, 512, 2, 1), (64, 64, 64, 1, 2),
-                                         (4096, 1024, 128, 1, 1), (1024, 1024, 512, 1, 1)]
+    g = [
+        Gemm(4096, 1024, 512, 1, 3, "n"),
+        Gemm(4096, 1024, 512, 8, 1, "batch"),
+        Gemm(64, 64, 64, 1, 2, None),
+        Gemm(4096, 1024, 512, 1, 1, "k"),
+        Gemm(4096, 1024, 512, 1, 1, "m"),
+    ]
+    assert per_device_gemms(g, tp=4) == [
+        (4096, 256, 512, 1, 3),
+        (4096, 1024, 512, 2, 1),
+        (64, 64, 64, 1, 2),
+        (4096, 1024, 128, 1, 1),
+        (1024, 1024, 512, 1, 1),
+    ]
     assert gemm_flops(g, tp=4) == pytest.approx(
-        (gemm_flops(g) - gemm_flops(g[2:3])) / 4 + gemm_flops(g[2:3]), rel=1e-15)
+        (gemm_flops(g) - gemm_flops(g[2:3])) / 4 + gemm_flops(g[2:3]), rel=1e-15
+    )
     # on a GPU each product is priced at its per-device shape
     want = sum(c * float(matmul_time(m, n, k, H100, "bf16", bt)) for m, n, k, bt, c in per_device_gemms(g, 4))
     assert layer_gemm_time(g, H100, "bf16", tp=4) == pytest.approx(want, rel=1e-12)
@@ -109,8 +127,9 @@ def test_matmul_time_prices_the_unlisted_flops_at_the_flat_rate():
     extra = 1e9  # e.g. a convolution's FLOPs, which carry no shape
     flops = gemm_flops(g) + extra
     got = layer_matmul_time(flops, g, H100, "bf16")
-    assert got == pytest.approx(layer_gemm_time(g, H100, "bf16") + float(compute_time(extra, 0.0, H100, "bf16")),
-                                rel=1e-12)
+    assert got == pytest.approx(
+        layer_gemm_time(g, H100, "bf16") + float(compute_time(extra, 0.0, H100, "bf16")), rel=1e-12
+    )
     # a table without shapes (an older JSON): everything at the flat rate, as before
     assert layer_matmul_time(flops, (), H100, "bf16") == float(compute_time(flops, 0.0, H100, "bf16"))
     # rounding never makes the rest negative
@@ -118,14 +137,26 @@ def test_matmul_time_prices_the_unlisted_flops_at_the_flat_rate():
 
 
 @FAST
-@given(st.lists(st.tuples(st.integers(1, 1 << 14), st.integers(1, 1 << 14), st.integers(1, 1 << 14),
-                          st.integers(1, 64), st.integers(1, 4), st.sampled_from([None, "m", "n", "k", "batch"])),
-                min_size=1, max_size=6),
-       st.sampled_from([1, 2, 4, 8]))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 1 << 14),
+            st.integers(1, 1 << 14),
+            st.integers(1, 1 << 14),
+            st.integers(1, 64),
+            st.integers(1, 4),
+            st.sampled_from([None, "m", "n", "k", "batch"]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([1, 2, 4, 8]),
+)
 def test_cpu_equivalence_and_gpu_lower_bound_for_any_shapes(gemms, tp):
     flops = gemm_flops(gemms, tp)
     assert layer_gemm_time(gemms, CPU, "fp32", tp) == pytest.approx(
-        float(compute_time(flops, 0.0, CPU, "fp32")), rel=1e-12)
+        float(compute_time(flops, 0.0, CPU, "fp32")), rel=1e-12
+    )
     # shape pricing never beats the flat achievable rate
     assert layer_gemm_time(gemms, H100, "bf16", tp) >= float(compute_time(flops, 0.0, H100, "bf16")) * (1 - 1e-12)
 

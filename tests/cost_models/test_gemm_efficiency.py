@@ -81,7 +81,8 @@ def test_table_is_per_dtype_and_batched_products_look_up_batch_times_m():
     # no fp32 table: the default curve prices fp32 (H200 has sm_count)
     assert gemm_efficiency(hw, "fp32", 16384, 16384, 16384) == pytest.approx(hw.compute_efficiency)
     assert gemm_efficiency(hw, "bf16", 256, 4096, 4096, batch=16) == pytest.approx(
-        gemm_efficiency(hw, "bf16", 4096, 4096, 4096))
+        gemm_efficiency(hw, "bf16", 4096, 4096, 4096)
+    )
 
 
 def test_one_point_axes():
@@ -102,7 +103,8 @@ def test_default_curve_reaches_compute_efficiency_for_large_gemms(kind):
         for n in (8192, 16384):
             assert gemm_efficiency(hw, dt, n, n, n) == pytest.approx(hw.compute_efficiency)
         assert matmul_time(16384, 16384, 16384, hw, dt) == pytest.approx(
-            compute_time(matmul_flops(16384, 16384, 16384), 0, hw, dt))
+            compute_time(matmul_flops(16384, 16384, 16384), 0, hw, dt)
+        )
     # a transformer-sized product (tokens x hidden by hidden x 4 hidden) is at full efficiency too
     assert gemm_efficiency(hw, "bf16", 8192, 16384, 4096) == pytest.approx(hw.compute_efficiency)
 
@@ -117,7 +119,8 @@ def test_default_curve_prices_small_gemms_below_large_ones(kind):
     tiles = (1024 // GEMM_TILE) ** 2
     if tiles < hw.sm_count:
         assert gemm_efficiency(hw, "bf16", 1024, 1024, 1024) == pytest.approx(
-            hw.compute_efficiency * tiles / hw.sm_count)
+            hw.compute_efficiency * tiles / hw.sm_count
+        )
     # a tiny product is held by the kernel floor (fp16: V100 has no bf16 tensor cores)
     assert matmul_time(16, 16, 16, hw, "fp16") == pytest.approx(GEMM_MIN_TIME_S)
 
@@ -135,9 +138,15 @@ def test_default_curve_pays_for_padded_tiles_and_uses_split_k_for_long_k():
 
 
 @FAST
-@given(m=st.integers(1, 20000), n=st.integers(1, 20000), k=st.integers(1, 20000),
-       axis=st.sampled_from("mnk"), factor=st.integers(2, 8), kind=st.sampled_from(GPU_KINDS),
-       dtype=st.sampled_from(["bf16", "fp32"]))
+@given(
+    m=st.integers(1, 20000),
+    n=st.integers(1, 20000),
+    k=st.integers(1, 20000),
+    axis=st.sampled_from("mnk"),
+    factor=st.integers(2, 8),
+    kind=st.sampled_from(GPU_KINDS),
+    dtype=st.sampled_from(["bf16", "fp32"]),
+)
 def test_default_curve_never_drops_when_a_size_grows_by_an_integer_factor(m, n, k, axis, factor, kind, dtype):
     hw = load_hardware(kind)
     before = gemm_efficiency(hw, dtype, m, n, k)
@@ -161,15 +170,19 @@ def test_cpu_profile_keeps_the_roofline():
 
 def test_a_list_of_gemms_is_priced_shape_by_shape():
     gemms = [(4096, 768, 768), (1024, 1024, 64, 12), (8, 8, 8, 1, 3)]
-    want = (matmul_time(4096, 768, 768, H200, "bf16") + matmul_time(1024, 1024, 64, H200, "bf16", batch=12)
-            + 3 * matmul_time(8, 8, 8, H200, "bf16"))
+    want = (
+        matmul_time(4096, 768, 768, H200, "bf16")
+        + matmul_time(1024, 1024, 64, H200, "bf16", batch=12)
+        + 3 * matmul_time(8, 8, 8, H200, "bf16")
+    )
     assert gemms_time(gemms, H200, "bf16") == pytest.approx(want)
     # small GEMMs cost more than their FLOPs at compute_efficiency; on a CPU profile they do not
     flops = sum(matmul_flops(*g[:3], *(g[3:4] or (1,))) * (g[4] if len(g) > 4 else 1) for g in gemms)
     assert gemms_time(gemms, H200, "bf16") > compute_time(flops, 0, H200, "bf16")
     b = sympy.Symbol("b", positive=True, integer=True)
     assert float(gemms_time([(1024 * b, 768, 768)], H200, "bf16").subs(b, 4)) == pytest.approx(
-        matmul_time(4096, 768, 768, H200, "bf16"))
+        matmul_time(4096, 768, 768, H200, "bf16")
+    )
 
 
 def test_degenerate_sizes():
@@ -239,29 +252,57 @@ def _bad(field, value):
 @pytest.mark.parametrize(
     "field,value,pattern",
     [
-        ("sm_count", 0, r"field 'sm_count' must be a positive integer \(streaming multiprocessors\) or absent \(got 0\)"),
+        (
+            "sm_count",
+            0,
+            r"field 'sm_count' must be a positive integer \(streaming multiprocessors\) or absent \(got 0\)",
+        ),
         ("sm_count", 1.5, r"field 'sm_count' must be a positive integer"),
         ("host_device_bandwidth", -1, r"field 'host_device_bandwidth' must be a positive number of bytes/s or absent"),
         ("host_device_bandwidth", "pcie", r"field 'host_device_bandwidth' must be a positive number .*'pcie'"),
         ("gemm_efficiency", [], r"field 'gemm_efficiency' must be a non-empty object of tables by dtype"),
         ("gemm_efficiency", {"int8": {}}, r"field 'gemm_efficiency' has unknown dtype 'int8' \(allowed: fp32, tf32"),
-        ("gemm_efficiency", {"bf16": {"m": [1]}},
-         r"field 'gemm_efficiency.bf16' must be an object with exactly 'm', 'n', 'k' \(sizes\) and 'efficiency'"),
-        ("gemm_efficiency", {"bf16": {**_table()["bf16"], "m": [4096, 256]}},
-         r"field 'gemm_efficiency.bf16.m' must be a non-empty list of strictly increasing positive integer sizes"),
-        ("gemm_efficiency", {"bf16": {**_table()["bf16"], "k": [0, 16]}},
-         r"field 'gemm_efficiency.bf16.k' must be a non-empty list of strictly increasing positive"),
-        ("gemm_efficiency", {"bf16": {**_table()["bf16"], "n": [256.5, 4096]}},
-         r"field 'gemm_efficiency.bf16.n' must be a non-empty list"),
-        ("gemm_efficiency", {"bf16": {**_table()["bf16"], "efficiency": [[[0.5, 0.5]]]}},
-         r"field 'gemm_efficiency.bf16.efficiency' must be a 2 x 2 x 2 nested list"),
-        ("gemm_efficiency", {"bf16": {**_table()["bf16"], "efficiency": [[[0.5, 0.5], [0.5]], [[0.5, 0.5]] * 2]}},
-         r"must be a 2 x 2 x 2 nested list \(one value per m, then per n, then per k\): entry \[0\]\[1\] is \[0.5\]"),
-        ("gemm_efficiency", _table(values=[[[0.5, 0.5], [0.5, 1.2]], [[0.5, 0.5], [0.5, 0.5]]]),
-         r"field 'gemm_efficiency.bf16.efficiency\[0\]\[1\]\[1\]' must be a number in \(0, 1\], the achieved "
-         r"fraction of peak_flops.bf16 \(got 1.2\)"),
-        ("gemm_efficiency", _table(values=[[[0.5, 0.5], [0.5, 0.0]], [[0.5, 0.5], [0.5, 0.5]]]),
-         r"efficiency\[0\]\[1\]\[1\]' must be a number in \(0, 1\]"),
+        (
+            "gemm_efficiency",
+            {"bf16": {"m": [1]}},
+            r"field 'gemm_efficiency.bf16' must be an object with exactly 'm', 'n', 'k' \(sizes\) and 'efficiency'",
+        ),
+        (
+            "gemm_efficiency",
+            {"bf16": {**_table()["bf16"], "m": [4096, 256]}},
+            r"field 'gemm_efficiency.bf16.m' must be a non-empty list of strictly increasing positive integer sizes",
+        ),
+        (
+            "gemm_efficiency",
+            {"bf16": {**_table()["bf16"], "k": [0, 16]}},
+            r"field 'gemm_efficiency.bf16.k' must be a non-empty list of strictly increasing positive",
+        ),
+        (
+            "gemm_efficiency",
+            {"bf16": {**_table()["bf16"], "n": [256.5, 4096]}},
+            r"field 'gemm_efficiency.bf16.n' must be a non-empty list",
+        ),
+        (
+            "gemm_efficiency",
+            {"bf16": {**_table()["bf16"], "efficiency": [[[0.5, 0.5]]]}},
+            r"field 'gemm_efficiency.bf16.efficiency' must be a 2 x 2 x 2 nested list",
+        ),
+        (
+            "gemm_efficiency",
+            {"bf16": {**_table()["bf16"], "efficiency": [[[0.5, 0.5], [0.5]], [[0.5, 0.5]] * 2]}},
+            r"must be a 2 x 2 x 2 nested list \(one value per m, then per n, then per k\): entry \[0\]\[1\] is \[0.5\]",
+        ),
+        (
+            "gemm_efficiency",
+            _table(values=[[[0.5, 0.5], [0.5, 1.2]], [[0.5, 0.5], [0.5, 0.5]]]),
+            r"field 'gemm_efficiency.bf16.efficiency\[0\]\[1\]\[1\]' must be a number in \(0, 1\], the achieved "
+            r"fraction of peak_flops.bf16 \(got 1.2\)",
+        ),
+        (
+            "gemm_efficiency",
+            _table(values=[[[0.5, 0.5], [0.5, 0.0]], [[0.5, 0.5], [0.5, 0.5]]]),
+            r"efficiency\[0\]\[1\]\[1\]' must be a number in \(0, 1\]",
+        ),
     ],
 )
 def test_invalid_new_fields_name_the_file_and_field(tmp_path, field, value, pattern):
@@ -274,7 +315,10 @@ def test_invalid_new_fields_name_the_file_and_field(tmp_path, field, value, patt
 
 def test_a_table_needs_the_peak_it_is_a_fraction_of():
     tab = {"tf32": _table()["bf16"]}
-    with pytest.raises(ProfileError, match=r"field 'gemm_efficiency.tf32' is a fraction of a peak the profile "
-                                           r"lacks: 'peak_flops' has no 'tf32'"):
+    with pytest.raises(
+        ProfileError,
+        match=r"field 'gemm_efficiency.tf32' is a fraction of a peak the profile "
+        r"lacks: 'peak_flops' has no 'tf32'",
+    ):
         dataclasses.replace(CPU, gemm_efficiency=tab)
     assert math.isclose(dataclasses.replace(H200, gemm_efficiency=tab).gemm_efficiency["tf32"]["m"][1], 4096)

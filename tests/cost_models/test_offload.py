@@ -22,9 +22,16 @@ from tests.helpers import gpt_table
 
 # A node of two ranks with round numbers: 1 GB/s link per device, NVMe 4 GB/s read and 2 GB/s
 # write per node, AdamW 1 G parameters/s per node.
-HW = dataclasses.replace(load_hardware("a100-80gb"), gpus_per_node=2, host_device_bandwidth=1e9,
-                         nvme_read_bandwidth=4e9, nvme_write_bandwidth=2e9, cpu_adam_params_per_s=1e9,
-                         host_memory_bytes=2**40, nvme_bytes=2**42)
+HW = dataclasses.replace(
+    load_hardware("a100-80gb"),
+    gpus_per_node=2,
+    host_device_bandwidth=1e9,
+    nvme_read_bandwidth=4e9,
+    nvme_write_bandwidth=2e9,
+    cpu_adam_params_per_s=1e9,
+    host_memory_bytes=2**40,
+    nvme_bytes=2**42,
+)
 
 
 def test_device_bytes_per_tier_by_hand():
@@ -32,21 +39,26 @@ def test_device_bytes_per_tier_by_hand():
     plain = model_state_bytes(1000, "bf16", 2, 2, largest_layer_params=1000)
     assert plain == {"params": 2000, "grads": 500 * 4 + 3 * (1000 + 500) * 2, "optimizer": 500 * 12}
     # optimizer offloaded at ZeRO 2: no optimizer state, no gradient shard, the buckets in flight only
-    assert model_state_bytes(1000, "bf16", 2, 2, largest_layer_params=1000, offload_optimizer="cpu") == \
-        {"params": 2000, "grads": 3 * 1500 * 2, "optimizer": 0}
+    assert model_state_bytes(1000, "bf16", 2, 2, largest_layer_params=1000, offload_optimizer="cpu") == {
+        "params": 2000,
+        "grads": 3 * 1500 * 2,
+        "optimizer": 0,
+    }
     # at ZeRO 1 the full gradient buffer stays on the device (all-reduced once, then copied)
-    assert model_state_bytes(1000, "bf16", 1, 2, offload_optimizer="nvme") == \
-        {"params": 2000, "grads": 2000, "optimizer": 0}
+    assert model_state_bytes(1000, "bf16", 1, 2, offload_optimizer="nvme") == {
+        "params": 2000,
+        "grads": 2000,
+        "optimizer": 0,
+    }
     # parameters offloaded at ZeRO 3: the running and the prefetched layer, gathered
-    assert model_state_bytes(1000, "bf16", 3, 2, largest_layer_params=1000, prefetch=True,
-                             offload_optimizer="cpu", offload_params="cpu") == \
-        {"params": 2 * 1000 * 2, "grads": 3 * 1500 * 2, "optimizer": 0}
+    assert model_state_bytes(
+        1000, "bf16", 3, 2, largest_layer_params=1000, prefetch=True, offload_optimizer="cpu", offload_params="cpu"
+    ) == {"params": 2 * 1000 * 2, "grads": 3 * 1500 * 2, "optimizer": 0}
     # on one rank the parameters still come from the host, and each bucket is the gradient alone
-    assert model_state_bytes(1000, "bf16", 3, 1, largest_layer_params=1000, prefetch=True,
-                             offload_optimizer="cpu", offload_params="nvme") == \
-        {"params": 4000, "grads": 3 * 1000 * 2, "optimizer": 0}
-    assert zero_transient_bytes([1000, 10, 1000], "bf16", 3, 1, "cpu", "cpu") == \
-        {"params": 1010 * 2, "grads": 2010 * 2}
+    assert model_state_bytes(
+        1000, "bf16", 3, 1, largest_layer_params=1000, prefetch=True, offload_optimizer="cpu", offload_params="nvme"
+    ) == {"params": 4000, "grads": 3 * 1000 * 2, "optimizer": 0}
+    assert zero_transient_bytes([1000, 10, 1000], "bf16", 3, 1, "cpu", "cpu") == {"params": 1010 * 2, "grads": 2010 * 2}
     assert zero_transient_bytes([1000, 10, 1000], "bf16", 3, 1) == {"params": 0, "grads": 0}
 
 
@@ -92,8 +104,9 @@ def test_strategy_parts_sum_to_the_step_and_state_leaves_the_device():
     cc = candidate_costs(nt, HW, "bf16", 256, cand, 2, cap)
     ev = evaluate(cc, [(0, 5)])
     assert sum(ev.time.values()) == pytest.approx(ev.step_time_s)
-    assert ev.time["offload"] == pytest.approx(2 * sum(l.offload_mb_s for l in cc.layers)
-                                               + sum(l.offload_step_s for l in cc.layers))
+    assert ev.time["offload"] == pytest.approx(
+        2 * sum(l.offload_mb_s for l in cc.layers) + sum(l.offload_step_s for l in cc.layers)
+    )
     assert ev.time["optimizer"] == pytest.approx(sum(l.opt_s for l in cc.layers))
     assert ev.memory["optimizer"] == 0 and ev.memory["params"] < plain.memory["params"]
     assert plain.time["offload"] == 0 and plain.extra["host_bytes"] == plain.extra["nvme_bytes"] == 0

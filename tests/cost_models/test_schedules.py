@@ -38,9 +38,11 @@ def test_split_chunks_is_the_min_max_contiguous_partition(costs, k):
     got = split_chunks(costs, k)
     n = len(costs)
     assert got[0][0] == 0 and got[-1][1] == n - 1 and all(b + 1 == c for (_, b), (c, _) in zip(got, got[1:]))
-    best = min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
-               for cuts in itertools.combinations(range(1, n), k - 1))
-    assert max(sum(costs[a:b + 1]) for a, b in got) == pytest.approx(best)
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        for cuts in itertools.combinations(range(1, n), k - 1)
+    )
+    assert max(sum(costs[a : b + 1]) for a, b in got) == pytest.approx(best)
     with pytest.raises(ValueError, match="non-empty"):
         split_chunks(costs, n + 1)
 
@@ -133,8 +135,9 @@ def test_schedule_evaluation_parts_sum_and_memory_factors():
     assert all(w > 0 for w in zb_times.weight_s)
     full = chunk_times(cc, base.strategy.stages, [], "1f1b")
     assert [b + w for b, w in zip(zb_times.backward_s, zb_times.weight_s)] == pytest.approx(list(full.backward_s))
-    zb = evaluate_schedule(cc, base.strategy.stages, [], "zero-bubble", 1,
-                           SimulatedPipeline(10.0, (2.0, 2.0), 0), zb_times)
+    zb = evaluate_schedule(
+        cc, base.strategy.stages, [], "zero-bubble", 1, SimulatedPipeline(10.0, (2.0, 2.0), 0), zb_times
+    )
     # the last stage holds 2 micro-batches instead of 1F1B's 1
     assert zb.stages[1].memory["activations"] > base.stages[1].memory["activations"]
     assert zb.stages[0].memory == base.stages[0].memory

@@ -52,7 +52,9 @@ def test_search_offers_sp_only_where_it_applies(nt):
     cands = enumerate_candidates(req, nt, 4)
     assert {c.sequence_parallel for c in cands if c.tp > 1} == {False, True}
     assert not any(c.sequence_parallel for c in cands if c.tp == 1)
-    assert sequence_parallel_options(dataclasses.replace(req, seq_len=SEQ + 1), nt, 2) == [False]  # 2 does not divide it
+    assert sequence_parallel_options(dataclasses.replace(req, seq_len=SEQ + 1), nt, 2) == [
+        False
+    ]  # 2 does not divide it
     assert sequence_parallel_options(dataclasses.replace(req, sequence_parallel="off"), nt, 2) == [False]
     assert sequence_parallel_options(dataclasses.replace(req, sequence_parallel="on"), nt, 2) == [True]
     plan = solve(dataclasses.replace(req, tp=2, sequence_parallel="on"), nt.table, HW).plan
@@ -60,5 +62,13 @@ def test_search_offers_sp_only_where_it_applies(nt):
     with pytest.raises(SearchError, match="--sequence-parallel on: tp=2 does not divide --seq-len 127"):
         enumerate_candidates(dataclasses.replace(req, seq_len=127, tp=2, sequence_parallel="on"), nt, 4)
     with pytest.raises(SearchError, match="needs tensor parallelism"):
-        PlanRequest(spec="gpt", gpus=4, gpus_per_node=4, hardware="a100-80gb", global_batch=8, seq_len=SEQ, tp=1,
-                    sequence_parallel="on")
+        PlanRequest(
+            spec="gpt",
+            gpus=4,
+            gpus_per_node=4,
+            hardware="a100-80gb",
+            global_batch=8,
+            seq_len=SEQ,
+            tp=1,
+            sequence_parallel="on",
+        )

@@ -35,8 +35,9 @@ HW = load_hardware("a100-80gb", 8)
 
 
 def _cc(table, cand, seq=128, dtype="bf16", cap=None, hw=HW):
-    return candidate_costs(NumericTable(table), hw, dtype, seq, cand, hw.gpus_per_node,
-                           cap if cap is not None else hw.memory_bytes * 0.9)
+    return candidate_costs(
+        NumericTable(table), hw, dtype, seq, cand, hw.gpus_per_node, cap if cap is not None else hw.memory_bytes * 0.9
+    )
 
 
 @pytest.mark.parametrize("ops_async", [False, True])
@@ -73,6 +74,7 @@ def test_layer_costs_follow_the_cost_models():
     accumulate = compute_time(0, 3 * blk.num_params * 2, HW, "bf16")
     assert blk.compute_s == pytest.approx(3 * blk.fwd_s + accumulate)
     tp_pl = axis_placement("tp", 2, 2, 2, 8)
+
     # each all-reduce also copies its bytes once (read + write at the memory bandwidth)
     def ar(nbytes):
         return collective_time("all_reduce", nbytes, tp_pl, HW) + 2 * nbytes / HW.memory_bandwidth
@@ -135,8 +137,10 @@ def test_evaluate_step_time_and_memory_by_hand():
     state1 = sum(l.state_b for l in L[3:6])
     assert ev.stages[0].memory["total"] == pytest.approx(state0 + math.ceil(acts0), abs=1)
     assert ev.memory["total"] == max(ev.stages[0].memory["total"], ev.stages[1].memory["total"])
-    assert ev.stages[1].memory["activations"] == math.ceil(acts1) and ev.stages[1].memory["params"] + \
-        ev.stages[1].memory["grads"] + ev.stages[1].memory["optimizer"] == state1
+    assert (
+        ev.stages[1].memory["activations"] == math.ceil(acts1)
+        and ev.stages[1].memory["params"] + ev.stages[1].memory["grads"] + ev.stages[1].memory["optimizer"] == state1
+    )
     assert ev.bubble_fraction == pytest.approx(min(w0, w1) / (4 * T + min(w0, w1)))
 
 
@@ -159,13 +163,21 @@ def test_numeric_table_caches_identical_blocks():
 
 
 @settings(max_examples=40, deadline=None)
-@given(pp=st.integers(1, 3), zero=st.integers(0, 3), tp=st.sampled_from([1, 2]), mbs=st.sampled_from([1, 2]),
-       tail=st.sampled_from([None, 0.5, 2.0]), cap=st.floats(0.05, 1.0), data=st.data())
+@given(
+    pp=st.integers(1, 3),
+    zero=st.integers(0, 3),
+    tp=st.sampled_from([1, 2]),
+    mbs=st.sampled_from([1, 2]),
+    tail=st.sampled_from([None, 0.5, 2.0]),
+    cap=st.floats(0.05, 1.0),
+    data=st.data(),
+)
 def test_lower_bounds_are_sound(pp, zero, tp, mbs, tail, cap, data):
     """No partition or recompute set beats the time or memory lower bounds; no feasible one beats
     the memory-aware bound of repeated-block tables."""
-    t = gpt_table(layers=3, hidden=128, heads=4, vocab=1024, tail_boundary=tail,
-                  attention_core=data.draw(st.booleans()))
+    t = gpt_table(
+        layers=3, hidden=128, heads=4, vocab=1024, tail_boundary=tail, attention_core=data.draw(st.booleans())
+    )
     cc = _cc(t, Candidate(2, tp, pp, zero, mbs, 4), cap=cap * 2**28)
     n = 5
     cuts = data.draw(st.sampled_from(list(itertools.combinations(range(1, n), pp - 1))))
@@ -203,8 +215,11 @@ def test_enumeration_respects_model_node_and_batch():
 
 def test_bad_pins_are_clear_errors():
     nt = NumericTable(gpt_table(layers=4, heads=6))
-    with pytest.raises(UserError, match=r"--tp 4 does not divide the model's 6 attention heads.*"
-                                        r"Valid --tp values here: 1, 2"):
+    with pytest.raises(
+        UserError,
+        match=r"--tp 4 does not divide the model's 6 attention heads.*"
+        r"Valid --tp values here: 1, 2",
+    ):
         check_pins(_req(tp=4), nt, 8)
     with pytest.raises(UserError, match="across nodes"):
         check_pins(_req(gpus=16, tp=16), NumericTable(gpt_table(heads=16)), 8)

@@ -46,8 +46,11 @@ def test_tied_copy_and_allreduce_are_priced_exactly(zero, dtype):
     first, last = b.layers[0], b.layers[-1]
     assert first.dp_step_sent_b - a.layers[0].dp_step_sent_b == size  # ring all-reduce over 2 ranks
     assert last.dp_step_sent_b - a.layers[-1].dp_step_sent_b == size
-    assert (last.params_b - a.layers[-1].params_b, last.grads_b - a.layers[-1].grads_b,
-            last.optimizer_b - a.layers[-1].optimizer_b) == (state["params"], state["grads"], state["optimizer"])
+    assert (
+        last.params_b - a.layers[-1].params_b,
+        last.grads_b - a.layers[-1].grads_b,
+        last.optimizer_b - a.layers[-1].optimizer_b,
+    ) == (state["params"], state["grads"], state["optimizer"])
     assert first.state_b == a.layers[0].state_b  # the first reader already counts the weight
     t = collective_time("all_reduce", size, group_placement([0, 4], 8), HW)
     assert last.dp_step_s - a.layers[-1].dp_step_s == pytest.approx(t)
@@ -72,9 +75,40 @@ def test_tied_models_plan_with_pipeline_stages():
 def test_hf_gpt2_plans_and_compiles_with_pp2(tmp_path, capsys):
     """hf:gpt2 ties its embedding and LM head: ``--pp 2`` plans, each stage gets a marked copy."""
     out = tmp_path / "p.json"
-    assert main(["plan", "--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64",
-                 "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu", "--global-batch", "4",
-                 "--seq-len", "16", "--dtype", "fp32", "--pp", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "hf:gpt2",
+                "--layers",
+                "2",
+                "--hidden",
+                "32",
+                "--heads",
+                "4",
+                "--vocab",
+                "64",
+                "--gpus",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--hardware",
+                "cpu",
+                "--global-batch",
+                "4",
+                "--seq-len",
+                "16",
+                "--dtype",
+                "fp32",
+                "--pp",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "all-reduced over those stages" in capsys.readouterr().out
     assert load_plan(str(out)).pp == 2
     assert main(["compile", str(out), "--out", str(tmp_path / "c")]) == 0

@@ -41,9 +41,17 @@ def _table(spec: str):
 def _plan(arch: str, spec: str | None = None, **pins):
     n = pins.get("dp", 1) * pins.get("tp", 1) * pins.get("pp", 1)
     spec = spec or f"{HF_ARCHS}:{arch}"
-    req = PlanRequest(spec=spec, gpus=n, gpus_per_node=n, hardware="cpu", global_batch=BATCH,
-                      seq_len=SEQ, dtype="fp32", micro_batch=1 if pins.get("pp", 1) > 1 else None,
-                      **{"dp": 1, "tp": 1, "pp": 1, **pins})
+    req = PlanRequest(
+        spec=spec,
+        gpus=n,
+        gpus_per_node=n,
+        hardware="cpu",
+        global_batch=BATCH,
+        seq_len=SEQ,
+        dtype="fp32",
+        micro_batch=1 if pins.get("pp", 1) > 1 else None,
+        **{"dp": 1, "tp": 1, "pp": 1, **pins},
+    )
     return solve(req, _table(spec), load_hardware("cpu", gpus_per_node=n)).plan
 
 
@@ -78,8 +86,19 @@ def test_hf_architecture_trains_in_bf16(tmp_path):
     """The default dtype: a factory builds its model in fp32, the plan compiles and trains it in bf16
     (the compiled stages, the data and the weights all follow the plan's dtype)."""
     n = 2
-    req = PlanRequest(spec=f"{HF_ARCHS}:llama", gpus=n, gpus_per_node=n, hardware="cpu", global_batch=BATCH,
-                      seq_len=SEQ, dtype="bf16", dp=1, tp=1, pp=2, micro_batch=1)
+    req = PlanRequest(
+        spec=f"{HF_ARCHS}:llama",
+        gpus=n,
+        gpus_per_node=n,
+        hardware="cpu",
+        global_batch=BATCH,
+        seq_len=SEQ,
+        dtype="bf16",
+        dp=1,
+        tp=1,
+        pp=2,
+        micro_batch=1,
+    )
     plan = solve(req, _table(f"{HF_ARCHS}:llama"), load_hardware("cpu", gpus_per_node=n)).plan
     losses, _ = run_case(tmp_path, plan, steps=STEPS)
     ref, _ = reference_run(plan, STEPS, eps=EPS)
@@ -90,20 +109,43 @@ def _hf_dir(tmp_path, arch: str) -> str:
     """A model directory (``hf:PATH``) holding only a tiny ``config.json`` of ``arch``."""
     import transformers as tf
 
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
-    cfg = {"mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
-           "gemma2": lambda: tf.Gemma2Config(head_dim=8, **common),
-           "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96),
-           "falcon": lambda: tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-                                             new_decoder_architecture=True, vocab_size=96)}[arch]()
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
+    )
+    cfg = {
+        "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
+        "gemma2": lambda: tf.Gemma2Config(head_dim=8, **common),
+        "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96),
+        "falcon": lambda: tf.FalconConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            vocab_size=96,
+        ),
+    }[arch]()
     path = tmp_path / arch
     cfg.save_pretrained(path)
     return f"hf:{path}"
 
 
-@pytest.mark.parametrize("arch, pins", [("mixtral", dict(pp=2)), ("mixtral", dict(tp=2)), ("gemma2", dict(pp=2)),
-                                        ("bloom", dict(pp=2)), ("falcon", dict(pp=2))])
+@pytest.mark.parametrize(
+    "arch, pins",
+    [
+        ("mixtral", dict(pp=2)),
+        ("mixtral", dict(tp=2)),
+        ("gemma2", dict(pp=2)),
+        ("bloom", dict(pp=2)),
+        ("falcon", dict(pp=2)),
+    ],
+)
 def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, arch, pins):
     """A mixture of experts traced on meta (transformers' integer ``histc`` and its own grouped
     product, which compiled code runs as ``runtime.portable``) and architectures without SDPA
@@ -113,7 +155,18 @@ def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, a
     2-stage pipeline like one process with the HF model; the experts under tp2 too (they stay
     replicated, the attention splits)."""
     spec = _hf_dir(tmp_path, arch)
-    req = PlanRequest(spec=spec, gpus=2, gpus_per_node=2, hardware="cpu", global_batch=BATCH, seq_len=SEQ,
-                      dtype="fp32", micro_batch=1, **{"dp": 1, "tp": 1, "pp": 1, **pins})
-    plan = solve(req, build_layer_table(spec, batch=1, seq_len=SEQ, dtype="fp32"), load_hardware("cpu", gpus_per_node=2)).plan
+    req = PlanRequest(
+        spec=spec,
+        gpus=2,
+        gpus_per_node=2,
+        hardware="cpu",
+        global_batch=BATCH,
+        seq_len=SEQ,
+        dtype="fp32",
+        micro_batch=1,
+        **{"dp": 1, "tp": 1, "pp": 1, **pins},
+    )
+    plan = solve(
+        req, build_layer_table(spec, batch=1, seq_len=SEQ, dtype="fp32"), load_hardware("cpu", gpus_per_node=2)
+    ).plan
     _check(tmp_path, plan)

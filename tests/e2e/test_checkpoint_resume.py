@@ -17,9 +17,19 @@ from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, writ
 def train(tmp_path, plan, steps, *extra, name="plan.json", hook=None):
     """``planner train`` of ``plan`` for ``steps``; ``hook``: a step hook of ``tests.e2e.fault_hooks``."""
     path = write_plan(tmp_path / name, plan)
-    args = [path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(steps),
-            "--compiled", str(tmp_path / (name + ".compiled")), "--no-memory-tracking", "--timeout", "60",
-            *extra]
+    args = [
+        path,
+        "--nproc",
+        str(plan.dp * plan.tp * plan.pp),
+        "--steps",
+        str(steps),
+        "--compiled",
+        str(tmp_path / (name + ".compiled")),
+        "--no-memory-tracking",
+        "--timeout",
+        "60",
+        *extra,
+    ]
     return main(["train", *args]) if hook is None else train_with_hook(args, hook)
 
 
@@ -32,10 +42,24 @@ def test_resume_is_bit_identical(tmp_path):
     b.mkdir()
     ck = str(b / "ck")
     # The same 6-step run (same LR schedule), killed after step 3 was saved, then resumed.
-    assert train(b, plan, 6, "--metrics", str(b / "m.jsonl"), "--checkpoint-dir", ck,
-                 "--save-every", "3", hook=KillAt(rank=0, step=3)) == 1
-    assert train(b, plan, 6, "--metrics", str(b / "m.jsonl"), "--checkpoint-dir", ck, "--save-every", "3",
-                 "--resume") == 0
+    assert (
+        train(
+            b,
+            plan,
+            6,
+            "--metrics",
+            str(b / "m.jsonl"),
+            "--checkpoint-dir",
+            ck,
+            "--save-every",
+            "3",
+            hook=KillAt(rank=0, step=3),
+        )
+        == 1
+    )
+    assert (
+        train(b, plan, 6, "--metrics", str(b / "m.jsonl"), "--checkpoint-dir", ck, "--save-every", "3", "--resume") == 0
+    )
     full = [m["loss"] for m in read_metrics(a / "m.jsonl")]
     resumed = read_metrics(b / "m.jsonl")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
@@ -47,13 +71,31 @@ def test_resume_under_another_plan_reshards(tmp_path):
     first = make_plan("gpt", dict(TINY_GPT), dp=2, zero=3)
     ck = str(tmp_path / "ck")
     # Stop the 5-step run after step 3 was saved.
-    assert train(tmp_path, first, 5, "--checkpoint-dir", ck, "--save-every", "3", name="p1.json",
-                 hook=KillAt(rank=1, step=3)) == 1
+    assert (
+        train(
+            tmp_path, first, 5, "--checkpoint-dir", ck, "--save-every", "3", name="p1.json", hook=KillAt(rank=1, step=3)
+        )
+        == 1
+    )
     # Same global batch (8), now two pipeline stages with ZeRO-1 inside each.
     second = make_plan("gpt", dict(TINY_GPT), pp=2, mbs=2, m=4)
     assert second.global_batch == first.global_batch
-    assert train(tmp_path, second, 5, "--checkpoint-dir", ck, "--save-every", "5", "--resume",
-                 "--metrics", str(tmp_path / "m.jsonl"), name="p2.json") == 0
+    assert (
+        train(
+            tmp_path,
+            second,
+            5,
+            "--checkpoint-dir",
+            ck,
+            "--save-every",
+            "5",
+            "--resume",
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+            name="p2.json",
+        )
+        == 0
+    )
     losses = [m["loss"] for m in read_metrics(tmp_path / "m.jsonl")]
     ref_losses, ref_params = reference_run(first, 5)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
@@ -90,8 +132,7 @@ def test_rank_that_raises_is_one_clear_error(tmp_path, capfd):
 
 def test_checkpoint_from_another_model_is_refused(tmp_path, capsys):
     ck = str(tmp_path / "ck")
-    assert train(tmp_path, make_plan("gpt", dict(TINY_GPT), dp=2), 2, "--checkpoint-dir", ck,
-                 "--save-every", "2") == 0
+    assert train(tmp_path, make_plan("gpt", dict(TINY_GPT), dp=2), 2, "--checkpoint-dir", ck, "--save-every", "2") == 0
     other = make_plan("gpt", dict(TINY_GPT, hidden=64), dp=2)
     assert train(tmp_path, other, 4, "--checkpoint-dir", ck, "--resume", name="other.json") == 2
     err = capsys.readouterr().err
@@ -102,7 +143,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
     plan = make_plan("gpt", dict(TINY_GPT), dp=2)
     ck = str(tmp_path / "ck")
     assert train(tmp_path, plan, 2, "--checkpoint-dir", ck, "--save-every", "2") == 0
-    (_, path), = list_checkpoints(ck)
+    ((_, path),) = list_checkpoints(ck)
     shard = next(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
     with open(shard, "r+b") as f:
         f.truncate(16)
@@ -118,11 +159,14 @@ def test_missing_data_file(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("ids, message", [
-    (np.random.rand(600).astype(np.float32), "holds float32 values, not token ids"),
-    (-np.ones(600, dtype=np.int64), "contains token id -1, outside the model's vocabulary 0..63"),
-    (np.full(600, 5000, dtype=np.int64), "contains token id 5000, outside the model's vocabulary 0..63"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (np.random.rand(600).astype(np.float32), "holds float32 values, not token ids"),
+        (-np.ones(600, dtype=np.int64), "contains token id -1, outside the model's vocabulary 0..63"),
+        (np.full(600, 5000, dtype=np.int64), "contains token id 5000, outside the model's vocabulary 0..63"),
+    ],
+)
 def test_bad_token_file_fails_before_training(tmp_path, capsys, ids, message):
     """Wrong data is a one-line error (exit 2) before any process starts, not a crash inside one."""
     path = tmp_path / "tokens.npy"
@@ -182,8 +226,21 @@ def test_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path, ca
     plan = make_plan("gpt", dict(TINY_GPT), dp=2)
     path = write_plan(tmp_path / "plan.json", plan)
     t0 = time.monotonic()
-    rc = train_with_hook([path, "--nproc", "2", "--steps", "4", "--timeout", "5",
-                          "--compiled", str(tmp_path / "c"), "--no-memory-tracking"], HangAt(rank=1, step=2))
+    rc = train_with_hook(
+        [
+            path,
+            "--nproc",
+            "2",
+            "--steps",
+            "4",
+            "--timeout",
+            "5",
+            "--compiled",
+            str(tmp_path / "c"),
+            "--no-memory-tracking",
+        ],
+        HangAt(rank=1, step=2),
+    )
     elapsed = time.monotonic() - t0
     err = capsys.readouterr().err
     assert rc == 1

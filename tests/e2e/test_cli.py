@@ -24,18 +24,44 @@ def test_plan_compile_train_round_trip(tmp_path, capfd):
     assert first == second  # byte-identical
     src = first["stage_0.py"].decode()
     assert "import torch" in src and "import runtime" in src
-    assert not any(ln.startswith(("import planner", "from planner", "from passes", "from codegen"))
-                   for ln in src.splitlines())
+    assert not any(
+        ln.startswith(("import planner", "from planner", "from passes", "from codegen")) for ln in src.splitlines()
+    )
     m = tmp_path / "m.jsonl"
     tb = tmp_path / "tb"
     capfd.readouterr()
-    assert main(["train", str(out), "--nproc", "2", "--steps", "2", "--metrics", str(m),
-                 "--compiled", str(tmp_path / "c"), "--tensorboard", str(tb)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(out),
+                "--nproc",
+                "2",
+                "--steps",
+                "2",
+                "--metrics",
+                str(m),
+                "--compiled",
+                str(tmp_path / "c"),
+                "--tensorboard",
+                str(tb),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(ln) for ln in m.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert set(r) >= {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "comm_bytes", "lr",
-                          "time"}
+        assert set(r) >= {
+            "step",
+            "loss",
+            "step_time_s",
+            "tokens_per_s",
+            "peak_memory_bytes",
+            "comm_bytes",
+            "lr",
+            "time",
+        }
         assert r["peak_memory_bytes"] > 0 and r["comm_bytes"] > 0
         # The measured breakdown: every part of predicted.time, summing to the step time.
         t = r["time"]

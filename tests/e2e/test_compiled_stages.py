@@ -42,12 +42,31 @@ def inductor_cache(tmp_path_factory):
 def _train(d, plan, track_memory=False):
     path = write_plan(d / "plan.json", plan)
     metrics, ck = d / "m.jsonl", d / "ck"
-    rc = main(["train", path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(STEPS),
-               "--metrics", str(metrics), "--checkpoint-dir", str(ck), "--save-every", str(STEPS),
-               "--compiled", str(d / "compiled"), "--timeout", "120", "--adam-eps", str(EPS)]
-              + ([] if track_memory else ["--no-memory-tracking"]))
+    rc = main(
+        [
+            "train",
+            path,
+            "--nproc",
+            str(plan.dp * plan.tp * plan.pp),
+            "--steps",
+            str(STEPS),
+            "--metrics",
+            str(metrics),
+            "--checkpoint-dir",
+            str(ck),
+            "--save-every",
+            str(STEPS),
+            "--compiled",
+            str(d / "compiled"),
+            "--timeout",
+            "120",
+            "--adam-eps",
+            str(EPS),
+        ]
+        + ([] if track_memory else ["--no-memory-tracking"])
+    )
     assert rc == 0
-    (_, last), = list_checkpoints(str(ck))
+    ((_, last),) = list_checkpoints(str(ck))
     return [m["loss"] for m in read_metrics(metrics)], load_model_tensors(last)
 
 

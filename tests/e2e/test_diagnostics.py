@@ -28,10 +28,11 @@ def test_profile_env_writes_each_ranks_operator_table_and_trace(tmp_path, monkey
 
 
 def _probe(env_extra: dict) -> str:
-    code = ("from runtime.dist import reuse_host_memory as r; a = r(); b = r(); print(a, b)")
+    code = "from runtime.dist import reuse_host_memory as r; a = r(); b = r(); print(a, b)"
     env = dict(os.environ, **env_extra)
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout.strip()
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="heap tuning is glibc's mallopt")
@@ -49,7 +50,7 @@ def test_steady_state_steps_fault_in_no_fresh_pages():
     faults in one or two tensors' worth (seen in 2 of 6 runs on a loaded 2-core machine, and in CI
     as a sum of 25,344 pages over the last 3 iterations), so the settled iterations' median is
     what is compared."""
-    code = r'''
+    code = r"""
 import resource, torch
 from runtime.dist import reuse_host_memory
 tuned = reuse_host_memory()
@@ -63,12 +64,13 @@ for _ in range(12):
     counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 settled = sorted(counts[4:])
 print(tuned, settled[len(settled) // 2])
-'''
+"""
     logits_pages = 1024 * 8192 * 4 // 4096
     for setting, tuned in (("", True), ("system", False)):
         env = dict(os.environ, PLANNER_HOST_ALLOCATOR=setting)
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=120, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+        ).stdout.split()
         assert out[0] == str(tuned)
         if tuned:
             assert int(out[1]) <= logits_pages // 8, out  # a settled iteration faults in (almost) nothing

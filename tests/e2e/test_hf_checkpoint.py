@@ -26,13 +26,21 @@ VOCAB, SEQ, BATCH, STEPS = 64, 16, 4, 2
 def _save_tiny(path, arch: str) -> str:
     torch.manual_seed(1)
     if arch == "llama":  # untied, grouped-query attention
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                       max_position_embeddings=32, tie_word_embeddings=False)
+        cfg = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:  # GPT-2: tied LM head, learned positions, dropout 0.1 in its config
-        cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, vocab_size=VOCAB,
-                                      bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=32, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     model.save_pretrained(str(path))
     return str(path)
@@ -47,8 +55,9 @@ def _reference(directory: str, steps: int):
     for m in model.modules():  # the planner trains without dropout
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
     data = open_data(None, VOCAB, SEQ, o.seed)
     losses = []
     for step in range(steps):
@@ -75,13 +84,56 @@ def _hf_own_loss(directory: str) -> float:
 
 def _finetune(tmp_path, directory: str, pins: list[str]):
     plan_path, ck, out = str(tmp_path / "plan.json"), str(tmp_path / "ck"), str(tmp_path / "export")
-    assert main(["plan", "--model", f"hf:{directory}", "--gpus", "2", "--hardware", "cpu", "--global-batch",
-                 str(BATCH), "--seq-len", str(SEQ), "--dtype", "fp32", *pins, "--out", plan_path, "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                f"hf:{directory}",
+                "--gpus",
+                "2",
+                "--hardware",
+                "cpu",
+                "--global-batch",
+                str(BATCH),
+                "--seq-len",
+                str(SEQ),
+                "--dtype",
+                "fp32",
+                *pins,
+                "--out",
+                plan_path,
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = load_plan(plan_path)
     assert plan.model.spec == f"hf:{directory}"
-    assert main(["train", plan_path, "--nproc", "2", "--steps", str(STEPS), "--compiled", str(tmp_path / "c"),
-                 "--no-memory-tracking", "--timeout", "60", "--metrics", str(tmp_path / "m.jsonl"),
-                 "--checkpoint-dir", ck, "--save-every", str(STEPS)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                plan_path,
+                "--nproc",
+                "2",
+                "--steps",
+                str(STEPS),
+                "--compiled",
+                str(tmp_path / "c"),
+                "--no-memory-tracking",
+                "--timeout",
+                "60",
+                "--metrics",
+                str(tmp_path / "m.jsonl"),
+                "--checkpoint-dir",
+                ck,
+                "--save-every",
+                str(STEPS),
+            ]
+        )
+        == 0
+    )
     assert main(["export", "hf", ck, "--out", out]) == 0
     return plan, [m["loss"] for m in read_metrics(tmp_path / "m.jsonl")], out
 

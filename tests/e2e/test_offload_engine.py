@@ -19,26 +19,51 @@ from tests.runtime.zero_harness import HP, MAX_NORM, MICRO, layer_groups, make_n
 STEPS = 3
 
 #: (ZeRO stage, optimizer tier, params tier); each is compared with (stage, none, none).
-CASES = [(1, "cpu", "none"), (1, "nvme", "none"), (2, "cpu", "none"), (2, "nvme", "none"),
-         (3, "cpu", "none"), (3, "nvme", "none"), (3, "none", "cpu"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+CASES = [
+    (1, "cpu", "none"),
+    (1, "nvme", "none"),
+    (2, "cpu", "none"),
+    (2, "nvme", "none"),
+    (3, "cpu", "none"),
+    (3, "nvme", "none"),
+    (3, "none", "cpu"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "nvme"),
+]
 
 
-def _run(stage: int, opt: str, params: str, rank: int, world: int, nvme: str, dtype=torch.float32,
-         tied: bool = False) -> dict:
+def _run(
+    stage: int, opt: str, params: str, rank: int, world: int, nvme: str, dtype=torch.float32, tied: bool = False
+) -> dict:
     """``tied``: dp 1 on each rank, ``head.weight`` tied across the two ranks (as a weight two
     pipeline stages hold), its gradient summed over them and counted in the norm on rank 0."""
     net = make_net()
     kw = dict(dp_group=dist.group.WORLD)
     if tied:
         kw = dict(tied={"head.weight": (dist.group.WORLD, rank == 0)}, norm_groups=[dist.group.WORLD])
-    engine = ZeroEngine(net, isolate_tied(layer_groups(net), {"head.weight": 0}) if tied else layer_groups(net),
-                        zero_stage=stage, param_dtype=dtype, **HP, max_grad_norm=MAX_NORM,
-                        micro_batches_per_step=MICRO, offload=OffloadConfig(opt, params, nvme), **kw)
+    engine = ZeroEngine(
+        net,
+        isolate_tied(layer_groups(net), {"head.weight": 0}) if tied else layer_groups(net),
+        zero_stage=stage,
+        param_dtype=dtype,
+        **HP,
+        max_grad_norm=MAX_NORM,
+        micro_batches_per_step=MICRO,
+        offload=OffloadConfig(opt, params, nvme),
+        **kw,
+    )
     losses, infos = run_engine(engine, STEPS, rank, world)
-    out = dict(losses=losses, norms=[i.grad_norm for i in infos], params=engine.full_state_dict(),
-               state=engine.state_dict(), host_bytes=engine.host_bytes(), nvme_bytes=engine.nvme_bytes(),
-               files=sorted(os.listdir(os.path.join(nvme, f"rank{rank}"))) if os.path.isdir(
-                   os.path.join(nvme, f"rank{rank}")) else [])
+    out = dict(
+        losses=losses,
+        norms=[i.grad_norm for i in infos],
+        params=engine.full_state_dict(),
+        state=engine.state_dict(),
+        host_bytes=engine.host_bytes(),
+        nvme_bytes=engine.nvme_bytes(),
+        files=sorted(os.listdir(os.path.join(nvme, f"rank{rank}")))
+        if os.path.isdir(os.path.join(nvme, f"rank{rank}"))
+        else [],
+    )
     engine.close()
     out["left"] = os.listdir(nvme)
     return out
@@ -120,5 +145,9 @@ def test_tied_weight_with_offload(runs, tier):
     for rank in range(2):
         _same(runs[rank][("tied", tier)], runs[rank][("tied", "none")])
     # The tied copies stay equal across the ranks that hold them.
-    torch.testing.assert_close(runs[0][("tied", tier)]["params"]["head.weight"],
-                               runs[1][("tied", tier)]["params"]["head.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        runs[0][("tied", tier)]["params"]["head.weight"],
+        runs[1][("tied", tier)]["params"]["head.weight"],
+        rtol=0,
+        atol=0,
+    )

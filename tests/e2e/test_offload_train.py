@@ -53,8 +53,16 @@ def _worker(rank: int, world: int, root: str, dirs: dict[str, str], model: tuple
     def train(tier: str, steps: int, track_memory: bool = False, **kw) -> list[dict]:
         # A constant learning rate (a floor above the peak is lowered to it): a run of 2 steps and
         # its resumption to 4 follow the schedule of one run of 4.
-        opts = TrainOptions(steps=steps, lr=1e-3, min_lr=1.0, timeout_s=60, progress=False, track_memory=track_memory,
-                            memory_steps=1, **kw)
+        opts = TrainOptions(
+            steps=steps,
+            lr=1e-3,
+            min_lr=1.0,
+            timeout_s=60,
+            progress=False,
+            track_memory=track_memory,
+            memory_steps=1,
+            **kw,
+        )
         return [dataclasses.asdict(m) for m in train_worker(rank, world, dirs[tier], opts, state)]
 
     ck = {k: os.path.join(root, f"ck_{k}") for k in ("resident", "cpu", "nvme")}
@@ -78,8 +86,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("offload_train")
     plan = make_plan("gpt", dict(TINY_GPT), pp=2, zero=1, mbs=2, m=2)
     dirs = _compiled_variants(plan, str(root))
-    launch_local(_worker, 2, args=(str(root), dirs, (plan.model.spec, dict(plan.model.sizes), plan.seq_len)),
-                 timeout_s=240)
+    launch_local(
+        _worker, 2, args=(str(root), dirs, (plan.model.spec, dict(plan.model.sizes), plan.seq_len)), timeout_s=240
+    )
     return torch.load(root / "runs.pt", weights_only=False)
 
 
@@ -113,20 +122,25 @@ def test_resident_checkpoint_resumes_on_the_nvme_tier(runs):
 
 
 def test_offload_flags_reach_the_options():
-    args = build_parser().parse_args(["train", "plan.json", "--steps", "1", "--nvme-path", "/fast/disk",
-                                      "--delayed-update"])
+    args = build_parser().parse_args(
+        ["train", "plan.json", "--steps", "1", "--nvme-path", "/fast/disk", "--delayed-update"]
+    )
     opts = train_options_from_args(args)
     assert (opts.nvme_path, opts.delayed_update) == ("/fast/disk", True)
     plain = train_options_from_args(build_parser().parse_args(["train", "plan.json", "--steps", "1"]))
     assert (plain.nvme_path, plain.delayed_update) == (None, False)
 
 
-@pytest.mark.parametrize("offload, flags, message", [
-    ({"optimizer": "nvme", "params": "none"}, [], "--nvme-path DIR"),
-    ({"optimizer": "none", "params": "none"}, ["--delayed-update"], "--offload-optimizer cpu|nvme"),
-])
-def test_train_refuses_offload_settings_it_cannot_run_before_any_process_starts(tmp_path, capsys, offload,
-                                                                                flags, message):
+@pytest.mark.parametrize(
+    "offload, flags, message",
+    [
+        ({"optimizer": "nvme", "params": "none"}, [], "--nvme-path DIR"),
+        ({"optimizer": "none", "params": "none"}, ["--delayed-update"], "--offload-optimizer cpu|nvme"),
+    ],
+)
+def test_train_refuses_offload_settings_it_cannot_run_before_any_process_starts(
+    tmp_path, capsys, offload, flags, message
+):
     plan = dataclasses.replace(make_plan(zero=1), offload=offload)
     path = write_plan(tmp_path / "plan.json", plan)
     rc = main(["train", path, "--nproc", "1", "--steps", "1", *flags])

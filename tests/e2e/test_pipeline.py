@@ -82,8 +82,9 @@ def _error_worker(rank, world, out_dir):
     msgs = {}
     cases = {
         # Micro-batch 2 holds 3 samples instead of 2: stage 0's inputs and stage 1's labels differ.
-        "shapes": [d if i != 2 else tuple(t.repeat(2, *[1] * (t.dim() - 1))[:3] for t in d)
-                   for i, d in enumerate(make_data(4))],
+        "shapes": [
+            d if i != 2 else tuple(t.repeat(2, *[1] * (t.dim() - 1))[:3] for t in d) for i, d in enumerate(make_data(4))
+        ],
         "few": make_data(1),
     }
     for name, data in cases.items():
@@ -125,5 +126,8 @@ def test_pipeline_refuses_bad_input_on_every_rank(tmp_path):
     assert "input 0 of micro-batch 2 is (3, 3, 5) float32 but micro-batch 0's is (2, 3, 5) float32" in r0["shapes"]
     assert "stage 0: input 0 of micro-batch 2 differs in shape or dtype" in r1["shapes"]
     assert r0["ok_loss"] == r1["ok_loss"] == pytest.approx(reference(2, make_data(4))[0], rel=1e-6)
-    assert "stage 0 output 0 for micro-batch 0 is (2, 3, 8) float32 but stage 1's recv_meta expects (2, 3, 9) float32" in r0["meta"]
+    assert (
+        "stage 0 output 0 for micro-batch 0 is (2, 3, 8) float32 but stage 1's recv_meta expects (2, 3, 9) float32"
+        in r0["meta"]
+    )
     assert r1["meta"] != "no error"

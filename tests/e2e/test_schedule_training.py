@@ -60,16 +60,25 @@ def schedule_plan(spec: str = "gpt", schedule: str = "1f1b", v: int = 1, **decis
 
 
 def _options(folder: str, steps: int, resume: bool = False) -> TrainOptions:
-    return TrainOptions(steps=steps, metrics_path=os.path.join(folder, "m.jsonl"),
-                        checkpoint_dir=os.path.join(folder, "ck"), save_every=steps, resume=resume,
-                        track_memory=False, progress=False, timeout_s=60, **SETTINGS)
+    return TrainOptions(
+        steps=steps,
+        metrics_path=os.path.join(folder, "m.jsonl"),
+        checkpoint_dir=os.path.join(folder, "ck"),
+        save_every=steps,
+        resume=resume,
+        track_memory=False,
+        progress=False,
+        timeout_s=60,
+        **SETTINGS,
+    )
 
 
 def _worker(rank: int, world: int, runs: list[tuple[str, str, TrainOptions]]) -> None:
     """Train each compiled plan in turn (each builds its own mesh)."""
     for spec, compiled, opts in runs:
-        train_worker(rank, world, compiled, opts,
-                     lambda: original_state(spec, SIZES[spec], SIZES[spec]["seq_len"], opts.seed))
+        train_worker(
+            rank, world, compiled, opts, lambda: original_state(spec, SIZES[spec], SIZES[spec]["seq_len"], opts.seed)
+        )
 
 
 @pytest.fixture(scope="module")

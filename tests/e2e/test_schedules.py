@@ -80,11 +80,17 @@ def _zero_bubble_with_zero(rank: int, p: int, blocks: int) -> dict:
     finally:
         pipeline.backward_weight = real_w
     grads = module.named_grads()
-    flat = all(prm.grad.untyped_storage().data_ptr() == g.grad_full.untyped_storage().data_ptr()
-               for g in engine.groups for prm in (e.param for e in g.entries))
+    flat = all(
+        prm.grad.untyped_storage().data_ptr() == g.grad_full.untyped_storage().data_ptr()
+        for g in engine.groups
+        for prm in (e.param for e in g.entries)
+    )
     engine.step()
-    params = {f"{module.lo + k}.{n}": prm.detach().clone() for k, lay in enumerate(module.layers)
-              for n, prm in lay.named_parameters()}
+    params = {
+        f"{module.lo + k}.{n}": prm.detach().clone()
+        for k, lay in enumerate(module.layers)
+        for n, prm in lay.named_parameters()
+    }
     return dict(loss=loss, grads=grads, fired=fired, flat=flat, params=params)
 
 
@@ -104,13 +110,17 @@ def _reductions(zero_stage: int) -> dict:
         s = mesh.pp_index
         module = StageModule(make_layers(2), *chunk_bounds(4, 2)[s])
         engine = ZeroEngine(module, dp_group=mesh.dp_group, zero_stage=zero_stage, micro_batches_per_step=M, **HP)
-        stage = PipelineStage.from_mesh(module, recv_meta=RECV_META if s > 0 else (),
-                                        backward_scope=engine if scoped else None)
+        stage = PipelineStage.from_mesh(
+            module, recv_meta=RECV_META if s > 0 else (), backward_scope=engine if scoped else None
+        )
         comm.STATS.reset()
         stage.run(sched(2, M)[s], [chunk_inputs(s, 2, d) for d in make_data(M)])
         engine.step()
-        out[name] = dict(calls=dict(comm.STATS.calls_by_kind), params=engine.full_state_dict(),
-                         regathers=M * len(engine.groups) if s > 0 else 0)
+        out[name] = dict(
+            calls=dict(comm.STATS.calls_by_kind),
+            params=engine.full_state_dict(),
+            regathers=M * len(engine.groups) if s > 0 else 0,
+        )
         engine.close()
     return out
 

@@ -101,10 +101,14 @@ def _check_attention(rank, world, kv_heads):
     torch.manual_seed(1 + kv_heads)
     x = torch.randn(2, 5, hidden)
     full = {
-        "wq": torch.randn(heads * hd, hidden), "bq": torch.randn(heads * hd),
-        "wk": torch.randn(kv_heads * hd, hidden), "bk": torch.randn(kv_heads * hd),
-        "wv": torch.randn(kv_heads * hd, hidden), "bv": torch.randn(kv_heads * hd),
-        "wo": torch.randn(hidden, heads * hd), "bo": torch.randn(hidden),
+        "wq": torch.randn(heads * hd, hidden),
+        "bq": torch.randn(heads * hd),
+        "wk": torch.randn(kv_heads * hd, hidden),
+        "bk": torch.randn(kv_heads * hd),
+        "wv": torch.randn(kv_heads * hd, hidden),
+        "bv": torch.randn(kv_heads * hd),
+        "wo": torch.randn(hidden, heads * hd),
+        "bo": torch.randn(hidden),
     }
     full = {k: v * hidden**-0.5 for k, v in full.items()}  # unit-scale activations
     c = torch.randn(2, 5, hidden)
@@ -114,11 +118,15 @@ def _check_attention(rank, world, kv_heads):
     (y_ref * c).sum().backward()
 
     shard_spec = {  # name -> (head count, dim)
-        "wq": (heads, 0), "bq": (heads, 0), "wk": (kv_heads, 0), "bk": (kv_heads, 0),
-        "wv": (kv_heads, 0), "bv": (kv_heads, 0), "wo": (heads, 1),
+        "wq": (heads, 0),
+        "bq": (heads, 0),
+        "wk": (kv_heads, 0),
+        "bk": (kv_heads, 0),
+        "wv": (kv_heads, 0),
+        "bv": (kv_heads, 0),
+        "wo": (heads, 1),
     }
-    loc = {k: _leaf(shard_heads(full[k], n, hd, rank, world, d))
-           for k, (n, d) in shard_spec.items()}
+    loc = {k: _leaf(shard_heads(full[k], n, hd, rank, world, d)) for k, (n, d) in shard_spec.items()}
     loc["bo"] = _leaf(full["bo"])
     xs = _leaf(x)
     group = dist.group.WORLD
@@ -200,8 +208,7 @@ def _check_cross_entropy(rank, world):
     zr = _leaf(z)
     for red in ("sum", "none"):
         zs.grad = zr.grad = None
-        a = vocab_parallel_cross_entropy(zs, labels.view(-1), start, vocab_size=vocab,
-                                         reduction=red)
+        a = vocab_parallel_cross_entropy(zs, labels.view(-1), start, vocab_size=vocab, reduction=red)
         b = F.cross_entropy(zr, labels.view(-1), reduction=red)
         assert_close(a, b)
         (a * torch.arange(1.0, a.numel() + 1).view_as(a)).sum().backward()
@@ -213,8 +220,7 @@ def _check_tied_model(rank, world):
     """Embedding -> column/row MLP -> tied LM head loss, built from the module wrappers."""
     vocab, hidden, ffn = 10, 8, 12
     torch.manual_seed(4)
-    emb, fc1, fc2 = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, ffn), \
-        torch.nn.Linear(ffn, hidden)
+    emb, fc1, fc2 = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden)
     ids, labels = torch.randint(0, vocab, (2, 6)), torch.randint(0, vocab, (2, 6))
 
     def ref_loss():
@@ -304,8 +310,16 @@ def _tp_worker(rank, world, out_dir):
         json.dump(verdicts, f)
 
 
-CHECKS = ["mlp", "attention_mha", "attention_gqa", "embedding", "cross_entropy", "tied_model",
-          "gather_scatter", "memtrack_with_collectives"]
+CHECKS = [
+    "mlp",
+    "attention_mha",
+    "attention_gqa",
+    "embedding",
+    "cross_entropy",
+    "tied_model",
+    "gather_scatter",
+    "memtrack_with_collectives",
+]
 
 
 @pytest.fixture(scope="module")

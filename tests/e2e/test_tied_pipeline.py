@@ -27,10 +27,28 @@ def train(tmp_path, plan, steps, name="run", ck=None, resume=False, extra=()):
     path = write_plan(tmp_path / f"{name}.json", plan)
     metrics = tmp_path / f"{name}.jsonl"
     ck = ck or (tmp_path / f"{name}-ck")
-    args = ["train", path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(steps),
-            "--metrics", str(metrics), "--checkpoint-dir", str(ck), "--save-every", str(steps),
-            "--compiled", str(tmp_path / f"{name}-compiled"), "--no-memory-tracking", "--timeout", "60",
-            "--adam-eps", str(EPS), *extra]
+    args = [
+        "train",
+        path,
+        "--nproc",
+        str(plan.dp * plan.tp * plan.pp),
+        "--steps",
+        str(steps),
+        "--metrics",
+        str(metrics),
+        "--checkpoint-dir",
+        str(ck),
+        "--save-every",
+        str(steps),
+        "--compiled",
+        str(tmp_path / f"{name}-compiled"),
+        "--no-memory-tracking",
+        "--timeout",
+        "60",
+        "--adam-eps",
+        str(EPS),
+        *extra,
+    ]
     assert main(args + (["--resume"] if resume else [])) == 0
     return [m["loss"] for m in read_metrics(metrics)], str(ck)
 

@@ -44,8 +44,13 @@ def _batch(vocab: int, rows: int, seq: int):
 def _qkv_order(spec: dict, tp: int) -> torch.Tensor:
     """Index of the fused ``[q; k; v]`` rows in rank-major order ``[q_0; k_0; v_0; q_1; ...]``."""
     starts = [sum(spec["parts"][:i]) for i in range(len(spec["parts"]))]
-    return torch.cat([torch.arange(s + r * (p // tp), s + (r + 1) * (p // tp))
-                      for r in range(tp) for s, p in zip(starts, spec["parts"])])
+    return torch.cat(
+        [
+            torch.arange(s + r * (p // tp), s + (r + 1) * (p // tp))
+            for r in range(tp)
+            for s, p in zip(starts, spec["parts"])
+        ]
+    )
 
 
 def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
@@ -64,10 +69,11 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
             loss.backward()
             loss = loss.item()
         else:
-            recv = [TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), r["requires_grad"])
-                    for r in stage["recv"]]
+            recv = [
+                TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), r["requires_grad"]) for r in stage["recv"]
+            ]
             ps = PipelineStage.from_mesh(module, recv_meta=recv, mesh=mesh)
-            micro = [tuple(src[n][i * MBS:(i + 1) * MBS] for n in stage["data_inputs"]) for i in range(m)]
+            micro = [tuple(src[n][i * MBS : (i + 1) * MBS] for n in stage["data_inputs"]) for i in range(m)]
             loss = ps.run(one_f_one_b(pp, m)[mesh.pp_index], micro)
         grads = {k: p.grad.detach().clone() for k, p in module.named_parameters()}
         torch.save({"loss": loss, "grads": grads}, os.path.join(out_dir, f"{name}_{rank}.pt"))
@@ -77,7 +83,7 @@ def _reference(spec: str, sizes: dict, m: int):
     """Mean of the micro-batch losses of the original model and its gradients."""
     model = build_model(spec, seed=SEED, **sizes).model
     ids, labels = _batch(sizes["vocab"], MBS * m, sizes["seq_len"])
-    loss = sum(model(ids[i * MBS:(i + 1) * MBS], labels[i * MBS:(i + 1) * MBS]) for i in range(m)) / m
+    loss = sum(model(ids[i * MBS : (i + 1) * MBS], labels[i * MBS : (i + 1) * MBS]) for i in range(m)) / m
     loss.backward()
     named = dict(model.named_parameters(remove_duplicate=False))
     return loss.item(), {n: p.grad for n, p in named.items()}, {n: id(p) for n, p in named.items()}
@@ -128,9 +134,13 @@ def _check(name: str, cdir: str, out_dir: str, spec: str, sizes: dict, m: int) -
 def runs(tmp_path_factory):
     """Compile every case, then run them all in one 4-rank launch (spawning is the slow part)."""
     root = tmp_path_factory.mktemp("tp")
-    cases = (("gpt", "gpt", GPT, 2, 1, 1), ("llama", "hf:llama", LLAMA, 2, 1, 1),
-             ("gpt2", "hf:gpt2", GPT2, 2, 1, 1), ("pp", "gpt", GPT_PP, 2, 2, 2),
-             ("tp4", "gpt", GPT, 4, 1, 1))
+    cases = (
+        ("gpt", "gpt", GPT, 2, 1, 1),
+        ("llama", "hf:llama", LLAMA, 2, 1, 1),
+        ("gpt2", "hf:gpt2", GPT2, 2, 1, 1),
+        ("pp", "gpt", GPT_PP, 2, 2, 2),
+        ("tp4", "gpt", GPT, 4, 1, 1),
+    )
     jobs = {}
     for name, spec, sizes, tp, pp, m in cases:
         cdir = str(root / name)

@@ -40,12 +40,31 @@ def run_case(tmp_path, plan, steps=STEPS):
     path = write_plan(tmp_path / "plan.json", plan)
     metrics = tmp_path / "m.jsonl"
     ck = tmp_path / "ck"
-    rc = main(["train", path, "--nproc", str(plan.dp * plan.tp * plan.pp), "--steps", str(steps),
-               "--metrics", str(metrics), "--checkpoint-dir", str(ck), "--save-every", str(steps),
-               "--compiled", str(tmp_path / "compiled"), "--no-memory-tracking", "--timeout", "60",
-               "--adam-eps", str(EPS)])
+    rc = main(
+        [
+            "train",
+            path,
+            "--nproc",
+            str(plan.dp * plan.tp * plan.pp),
+            "--steps",
+            str(steps),
+            "--metrics",
+            str(metrics),
+            "--checkpoint-dir",
+            str(ck),
+            "--save-every",
+            str(steps),
+            "--compiled",
+            str(tmp_path / "compiled"),
+            "--no-memory-tracking",
+            "--timeout",
+            "60",
+            "--adam-eps",
+            str(EPS),
+        ]
+    )
     assert rc == 0
-    (_, last), = list_checkpoints(str(ck))
+    ((_, last),) = list_checkpoints(str(ck))
     return [m["loss"] for m in read_metrics(metrics)], load_model_tensors(last)
 
 
@@ -67,8 +86,26 @@ def test_mixed_precision_trains_close_to_fp32(tmp_path, dtype):
     plan = make_plan("gpt", TINY_GPT, dp=2, zero=1, dtype=dtype)
     path = write_plan(tmp_path / "plan.json", plan)
     metrics = tmp_path / "m.jsonl"
-    assert main(["train", path, "--nproc", "2", "--steps", "4", "--metrics", str(metrics),
-                 "--compiled", str(tmp_path / "c"), "--no-memory-tracking", "--timeout", "60"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                path,
+                "--nproc",
+                "2",
+                "--steps",
+                "4",
+                "--metrics",
+                str(metrics),
+                "--compiled",
+                str(tmp_path / "c"),
+                "--no-memory-tracking",
+                "--timeout",
+                "60",
+            ]
+        )
+        == 0
+    )
     rows = read_metrics(metrics)
     ref, _ = reference_run(plan, 4)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(ref), rtol=1e-2, atol=0)
@@ -76,4 +113,4 @@ def test_mixed_precision_trains_close_to_fp32(tmp_path, dtype):
     # time blocked in collectives (at least the gradient-norm all-reduce), part of the step
     assert all(0 < r["comm_wait_s"] < r["step_time_s"] for r in rows), rows
     if dtype == "fp16":
-        assert rows[0]["loss_scale"] == 2.0 ** 16
+        assert rows[0]["loss_scale"] == 2.0**16

@@ -9,8 +9,30 @@ import os
 
 import pytest
 
-TINY = ["--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "256", "--seq-len", "32",
-        "--global-batch", "4", "--dtype", "fp32", "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu"]
+TINY = [
+    "--model",
+    "gpt",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--vocab",
+    "256",
+    "--seq-len",
+    "32",
+    "--global-batch",
+    "4",
+    "--dtype",
+    "fp32",
+    "--gpus",
+    "2",
+    "--gpus-per-node",
+    "2",
+    "--hardware",
+    "cpu",
+]
 
 
 def _kill_a_rank_of_trial_2(trial: int):
@@ -27,8 +49,9 @@ def test_tune_survives_a_crashed_candidate_and_writes_the_fastest(tmp_path, caps
     from planner.plan import load_plan
 
     out, prof = str(tmp_path / "plan.json"), str(tmp_path / "tuned.json")
-    args = build_parser().parse_args(["tune", *TINY, "--candidates", "3", "--steps", "3", "--timeout", "120",
-                                      "--out", out, "--profile-out", prof])
+    args = build_parser().parse_args(
+        ["tune", *TINY, "--candidates", "3", "--steps", "3", "--timeout", "120", "--out", out, "--profile-out", prof]
+    )
     rc = run_tune(args, trial_hook=_kill_a_rank_of_trial_2)
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -46,7 +69,12 @@ def test_tune_survives_a_crashed_candidate_and_writes_the_fastest(tmp_path, caps
     chosen = min(ok, key=lambda t: t["step_time_s"])
     assert [t["candidate"] for t in trials if t["chosen"]] == [chosen["candidate"]]
     assert (plan.dp, plan.tp, plan.pp, plan.zero_stage, plan.micro_batch_size) == (
-        chosen["dp"], chosen["tp"], chosen["pp"], chosen["zero_stage"], chosen["micro_batch_size"])
+        chosen["dp"],
+        chosen["tp"],
+        chosen["pp"],
+        chosen["zero_stage"],
+        chosen["micro_batch_size"],
+    )
     assert m["step_time_s"] == chosen["step_time_s"] and m["peak_memory_bytes"] == chosen["peak_memory_bytes"]
     assert plan.predicted.step_time_s == chosen["predicted_step_time_s"]
     # Three different strategies were tried (the plan's choice and two runners-up).
@@ -58,13 +86,27 @@ def test_tune_survives_a_crashed_candidate_and_writes_the_fastest(tmp_path, caps
     hw = load_hardware(prof)
     assert hw.name == "cpu-tuned" and "planner tune from 2 trials" in hw.source
     fit = hw.calibration["tune"]
-    err = [sum(abs(p - x) / x for p, x in zip(fit[k], fit["measured_step_s"])) for k in
-           ("predicted_step_s_before", "predicted_step_s_after")]
+    err = [
+        sum(abs(p - x) / x for p, x in zip(fit[k], fit["measured_step_s"]))
+        for k in ("predicted_step_s_before", "predicted_step_s_after")
+    ]
     assert err[1] < err[0], fit
     # Re-planning the chosen strategy on the refit profile predicts its measured time more closely.
     replan = str(tmp_path / "replan.json")
-    pins = ["--dp", str(plan.dp), "--tp", str(plan.tp), "--pp", str(plan.pp), "--zero-stage", str(plan.zero_stage),
-            "--micro-batch", str(plan.micro_batch_size), "--checkpoint", "none"]
+    pins = [
+        "--dp",
+        str(plan.dp),
+        "--tp",
+        str(plan.tp),
+        "--pp",
+        str(plan.pp),
+        "--zero-stage",
+        str(plan.zero_stage),
+        "--micro-batch",
+        str(plan.micro_batch_size),
+        "--checkpoint",
+        "none",
+    ]
     argv = ["plan", *[prof if a == "cpu" else a for a in TINY], *pins, "--out", replan, "--json"]
     assert main(argv) == 0
     capsys.readouterr()
@@ -77,13 +119,17 @@ def test_tune_when_every_candidate_fails_says_why_and_writes_nothing(tmp_path, c
     from planner.commands import tune
 
     def fail(trial, workdir, steps, timeout, capacity, hook):
-        trial.status, trial.error = ("crashed", "rank 0 failed: boom") if trial.index == 1 else \
-            ("timeout", "did not finish within --timeout 5 s (stopped)")
+        trial.status, trial.error = (
+            ("crashed", "rank 0 failed: boom")
+            if trial.index == 1
+            else ("timeout", "did not finish within --timeout 5 s (stopped)")
+        )
 
     monkeypatch.setattr(tune, "_run_trial", fail)
     out = str(tmp_path / "plan.json")
-    rc = main(["tune", *TINY, "--candidates", "2", "--steps", "3", "--out", out,
-               "--profile-out", str(tmp_path / "p.json")])
+    rc = main(
+        ["tune", *TINY, "--candidates", "2", "--steps", "3", "--out", out, "--profile-out", str(tmp_path / "p.json")]
+    )
     cap = capsys.readouterr()
     assert rc == 1
     assert "Traceback" not in cap.err

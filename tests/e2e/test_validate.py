@@ -21,10 +21,46 @@ def validated(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("validate")
     plan = str(d / "tiny.json")
-    argv = ["plan", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "512",
-            "--seq-len", str(SEQ), "--global-batch", "4", "--dtype", "fp32", "--gpus", "2", "--gpus-per-node",
-            "2", "--hardware", "cpu", "--dp", "2", "--tp", "1", "--pp", "1", "--zero-stage", "0",
-            "--micro-batch", str(MICRO), "--checkpoint", "none", "--out", plan, "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--vocab",
+        "512",
+        "--seq-len",
+        str(SEQ),
+        "--global-batch",
+        "4",
+        "--dtype",
+        "fp32",
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--hardware",
+        "cpu",
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero-stage",
+        "0",
+        "--micro-batch",
+        str(MICRO),
+        "--checkpoint",
+        "none",
+        "--out",
+        plan,
+        "--json",
+    ]
     assert main(argv) == 0
     return plan
 

@@ -36,8 +36,13 @@ def _fp32_worker(rank: int, world: int, out: str) -> None:
     for stage in (0, 1, 2, 3, "2ns"):  # "2ns": stage 2 with no_sync on the first micro-batch
         net = make_net()
         engine = ZeroEngine(
-            net, layer_groups(net), dp_group=dist.group.WORLD, zero_stage=2 if stage == "2ns" else stage,
-            **HP, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET,
+            net,
+            layer_groups(net),
+            dp_group=dist.group.WORLD,
+            zero_stage=2 if stage == "2ns" else stage,
+            **HP,
+            max_grad_norm=MAX_NORM,
+            bucket_bytes=BUCKET,
             micro_batches_per_step=MICRO if stage == 1 else None,  # stage 1: reduce from hooks
         )
         comm.STATS.reset()
@@ -45,8 +50,14 @@ def _fp32_worker(rank: int, world: int, out: str) -> None:
         stats = (dict(comm.STATS.bytes_by_kind), dict(comm.STATS.calls_by_kind))
         sd = engine.state_dict()
         results[stage] = dict(
-            losses=losses, norms=[i.grad_norm for i in infos], params=engine.full_state_dict(),
-            memory=engine.last_memory, memory_after_zero_grad=engine.memory_report(), stats=stats, state=sd, counters=dict(engine.counters),
+            losses=losses,
+            norms=[i.grad_norm for i in infos],
+            params=engine.full_state_dict(),
+            memory=engine.last_memory,
+            memory_after_zero_grad=engine.memory_report(),
+            stats=stats,
+            state=sd,
+            counters=dict(engine.counters),
         )
     torch.save(results, f"{out}/fp32_{rank}.pt")
 
@@ -58,8 +69,16 @@ def _mixed_worker(rank: int, world: int, out: str) -> None:
     # good steps.
     net = make_net()
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
-    engine = ZeroEngine(net, layer_groups(net), dp_group=dist.group.WORLD, zero_stage=2,
-                        param_dtype=torch.float16, **HP, max_grad_norm=MAX_NORM, loss_scaler=scaler)
+    engine = ZeroEngine(
+        net,
+        layer_groups(net),
+        dp_group=dist.group.WORLD,
+        zero_stage=2,
+        param_dtype=torch.float16,
+        **HP,
+        max_grad_norm=MAX_NORM,
+        loss_scaler=scaler,
+    )
     inject = {"on": False}
     net.head.bias.register_hook(lambda g: g + float("inf") if inject["on"] else g)
     snaps, infos, local_bad = [], [], []
@@ -75,12 +94,21 @@ def _mixed_worker(rank: int, world: int, out: str) -> None:
         infos.append(engine.step())
         engine.zero_grad()
         snaps.append(engine.full_state_dict())
-    results["fp16"] = dict(infos=[(i.skipped, i.loss_scale, i.grad_norm) for i in infos], snaps=snaps,
-                           local_bad=local_bad)
+    results["fp16"] = dict(
+        infos=[(i.skipped, i.loss_scale, i.grad_norm) for i in infos], snaps=snaps, local_bad=local_bad
+    )
     for stage in (0, 3):
         net = make_net()
-        engine = ZeroEngine(net, layer_groups(net), dp_group=dist.group.WORLD, zero_stage=stage,
-                            param_dtype=torch.bfloat16, **HP, max_grad_norm=MAX_NORM, bucket_bytes=BUCKET)
+        engine = ZeroEngine(
+            net,
+            layer_groups(net),
+            dp_group=dist.group.WORLD,
+            zero_stage=stage,
+            param_dtype=torch.bfloat16,
+            **HP,
+            max_grad_norm=MAX_NORM,
+            bucket_bytes=BUCKET,
+        )
         losses, _ = run_engine(engine, STEPS, rank, world)
         results[f"bf16_{stage}"] = dict(losses=losses, params=engine.full_state_dict())
     results["norm"] = _norm_group_case(rank)
@@ -102,9 +130,18 @@ class _TpShard(nn.Module):
 def _norm_group_case(rank: int) -> dict:
     """dp 1, the world as a tp group: the norm sums both ranks' slices and counts ``ln`` once."""
     mod = _TpShard(rank)
-    engine = ZeroEngine(mod, None, zero_stage=0, lr=0.1, betas=(0.0, 0.0), eps=1e-12, max_grad_norm=1.0,
-                        norm_groups=[dist.group.WORLD], replicated_param_filter=lambda n: n == "ln",
-                        replicated_group=dist.group.WORLD)
+    engine = ZeroEngine(
+        mod,
+        None,
+        zero_stage=0,
+        lr=0.1,
+        betas=(0.0, 0.0),
+        eps=1e-12,
+        max_grad_norm=1.0,
+        norm_groups=[dist.group.WORLD],
+        replicated_param_filter=lambda n: n == "ln",
+        replicated_group=dist.group.WORLD,
+    )
     c_w = torch.tensor([3.0, 0.0, 4.0]) * (rank + 1)  # |c_w| = 5 and 10
     engine.module(c_w, torch.tensor([2.0, 0.0])).backward()  # the same ln gradient on both ranks
     info = engine.step()

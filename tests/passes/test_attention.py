@@ -44,16 +44,19 @@ def _facts(name):
     return f["heads"], f["kv_heads"], f["head_dim"]
 
 
-@pytest.mark.parametrize("arch,want", [
-    ("llama", (4, 2, 8)),      # GQA: k repeated by repeat_kv's expand before SDPA
-    ("mistral", (4, 2, 8)),
-    ("qwen2", (4, 2, 8)),
-    ("gemma", (4, 1, 16)),     # head size 16, not hidden / heads = 8; one kv head
-    ("gpt_neox", (4, 4, 8)),   # fused qkv, head-major
-    ("falcon", (4, 4, 8)),     # fused qkv through x @ W.T
-    ("opt", (4, 4, 8)),
-    ("bert", (4, 4, 8)),
-])
+@pytest.mark.parametrize(
+    "arch,want",
+    [
+        ("llama", (4, 2, 8)),  # GQA: k repeated by repeat_kv's expand before SDPA
+        ("mistral", (4, 2, 8)),
+        ("qwen2", (4, 2, 8)),
+        ("gemma", (4, 1, 16)),  # head size 16, not hidden / heads = 8; one kv head
+        ("gpt_neox", (4, 4, 8)),  # fused qkv, head-major
+        ("falcon", (4, 4, 8)),  # fused qkv through x @ W.T
+        ("opt", (4, 4, 8)),
+        ("bert", (4, 4, 8)),
+    ],
+)
 def test_heads_from_sdpa(arch, want):
     assert _facts(arch) == want
 
@@ -82,8 +85,7 @@ class _HandAttention(nn.Module):
 def test_hand_written_attention_and_no_attention():
     gm = torch.export.export(_HandAttention(), (torch.randn(2, 5, 12),)).module()
     annotate_attention(gm)
-    assert [n.meta["attention"] for n in gm.graph.nodes if "attention" in n.meta] == [
-        AttentionInfo(3, 3, 4, "eager")]
+    assert [n.meta["attention"] for n in gm.graph.nodes if "attention" in n.meta] == [AttentionInfo(3, 3, 4, "eager")]
     mlp = torch.export.export(nn.Sequential(nn.Linear(4, 8), nn.Softmax(-1)), (torch.randn(2, 4),)).module()
     assert attention_facts(mlp) == {}
 
@@ -95,16 +97,25 @@ def _analysis(name: str, tp=None):
 def test_falcon_transposed_weight_is_column_and_row_parallel():
     dec = _analysis("falcon")
     kinds = {k.split(".h.0.")[-1]: w.kind for k, w in dec.weights.items() if ".h.0." in k}
-    assert kinds == {"self_attention.query_key_value.weight": "heads", "self_attention.dense.weight": "row",
-                     "mlp.dense_h_to_4h.weight": "column", "mlp.dense_4h_to_h.weight": "row"}
+    assert kinds == {
+        "self_attention.query_key_value.weight": "heads",
+        "self_attention.dense.weight": "row",
+        "mlp.dense_h_to_4h.weight": "column",
+        "mlp.dense_4h_to_h.weight": "row",
+    }
     assert dec.weights["inner.transformer.h.0.self_attention.query_key_value.weight"].dim == 0
 
 
 def test_one_kv_head_is_replicated_and_scattered_by_query_heads():
     dec = _analysis("gemma")
     sharded = {k.split(".", 4)[-1] for k in dec.weights if ".layers.0." in k}
-    assert sharded == {"self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-                       "mlp.up_proj.weight", "mlp.down_proj.weight"}
+    assert sharded == {
+        "self_attn.q_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    }
     (sdpa, paths), *_ = dec.scatter.items()
     assert "attention" in op_name(sdpa) and paths == [((1, None), 1), ((2, None), 1)]
 

@@ -32,8 +32,7 @@ LLAMA = os.path.join(TESTS, "fixtures", "hf_archs.py") + ":llama"
 SPECS = {
     "gpt": dict(batch=2, seq_len=32, dtype="fp32", layers=2, hidden=64, heads=4, vocab=128),
     LLAMA: dict(),
-    "hf:llama": dict(batch=2, seq_len=32, dtype="fp32", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
-                     vocab=128),
+    "hf:llama": dict(batch=2, seq_len=32, dtype="fp32", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128),
 }
 IDS = ["gpt", "llama-factory", "hf-llama"]
 _CACHE: dict = {}
@@ -116,10 +115,20 @@ def test_column_and_row_parallel_products_divide_the_sharded_features(spec):
 
 def test_the_rule_for_each_product_by_hand():
     # column parallel: y = x w -> n; g wᵀ -> k; xᵀ g or gᵀ x -> the out features
-    assert [gemm_tp_dim("col", True, ops) for ops in [("x", "w"), ("g", "w"), ("w", "g"), ("x", "g"), ("g", "x")]] \
-        == ["n", "k", "k", "n", "m"]
-    assert [gemm_tp_dim("row", True, ops) for ops in [("x", "w"), ("g", "w"), ("w", "g"), ("x", "g"), ("g", "x")]] \
-        == ["k", "n", "m", "m", "n"]
+    assert [gemm_tp_dim("col", True, ops) for ops in [("x", "w"), ("g", "w"), ("w", "g"), ("x", "g"), ("g", "x")]] == [
+        "n",
+        "k",
+        "k",
+        "n",
+        "m",
+    ]
+    assert [gemm_tp_dim("row", True, ops) for ops in [("x", "w"), ("g", "w"), ("w", "g"), ("x", "g"), ("g", "x")]] == [
+        "k",
+        "n",
+        "m",
+        "m",
+        "n",
+    ]
     assert gemm_tp_dim("sharded", True, ("x", "x")) == "batch"
     assert gemm_tp_dim("col", False, ("x", "w")) is None
     assert gemm_tp_dim("col", True, ("x", "x")) == "n"  # factors not told apart: the forward's dim
@@ -130,12 +139,12 @@ def test_gpt_block_by_hand():
     blk = table.layers[1]
     bs = B * S
     assert blk.fwd_gemms == [
-        Gemm(bs, 64, 64, 1, 3, "n"),            # q, k, v: column parallel
-        Gemm(S, S, 16, 4 * B, 1, "batch"),      # Q Kᵀ, per head
-        Gemm(S, 16, S, 4 * B, 1, "batch"),      # P V
-        Gemm(bs, 64, 64, 1, 1, "k"),            # out projection: row parallel
-        Gemm(bs, 256, 64, 1, 1, "n"),           # fc1
-        Gemm(bs, 64, 256, 1, 1, "k"),           # fc2
+        Gemm(bs, 64, 64, 1, 3, "n"),  # q, k, v: column parallel
+        Gemm(S, S, 16, 4 * B, 1, "batch"),  # Q Kᵀ, per head
+        Gemm(S, 16, S, 4 * B, 1, "batch"),  # P V
+        Gemm(bs, 64, 64, 1, 1, "k"),  # out projection: row parallel
+        Gemm(bs, 256, 64, 1, 1, "n"),  # fc1
+        Gemm(bs, 64, 256, 1, 1, "k"),  # fc2
     ]
     assert Gemm(256, 64, bs, 1, 1, "m") in blk.bwd_gemms  # fc1's weight gradient gᵀ x: out x in
     assert Gemm(64, 256, bs, 1, 1, "n") in blk.bwd_gemms  # fc2's: in (256) is n
@@ -146,8 +155,7 @@ def test_gpt_block_by_hand():
 @pytest.mark.parametrize("spec", list(SPECS), ids=IDS)
 def test_fused_attention_is_its_batched_products(spec):
     tr, _ = analyzed(spec)
-    [sdpa, *_] = [n for n in tr.gm.graph.nodes
-                  if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+    [sdpa, *_] = [n for n in tr.gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
     q, k, v = ([to_expr(x, tr.symbols) for x in a.meta["val"].shape] for a in sdpa.args[:3])
     b, heads, s_q, d = q
     s_k, d_v = k[-2], v[-1]
@@ -156,8 +164,12 @@ def test_fused_attention_is_its_batched_products(spec):
     fwd, bwd = sdpa.meta["fwd_gemms"], sdpa.meta["bwd_gemms"]
     # S = Q Kᵀ, O = P V; backward dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q (no Q Kᵀ recompute)
     assert [shape(g) for g in fwd] == [(s_q, s_k, d, batch), (s_q, d_v, s_k, batch)]
-    assert [shape(g) for g in bwd] == [(s_k, d_v, s_q, batch), (s_q, s_k, d_v, batch),
-                                       (s_q, d, s_k, batch), (s_k, d, s_q, batch)]
+    assert [shape(g) for g in bwd] == [
+        (s_k, d_v, s_q, batch),
+        (s_q, s_k, d_v, batch),
+        (s_q, d, s_k, batch),
+        (s_k, d, s_q, batch),
+    ]
     assert all(g.operands == ("x", "x") for g in fwd + bwd)
     assert _total_calls(fwd) == sympy.expand(sdpa.meta["fwd_flops"])
     assert _total_calls(bwd) == sympy.expand(sdpa.meta["bwd_flops"]) == sympy.expand(2 * sdpa.meta["fwd_flops"])

@@ -47,10 +47,17 @@ def test_unexplained_float_input_has_no_role():
 def test_model_inputs_fill_each_role():
     tokens = torch.tensor([[3, 4, 5], [6, 7, 8]])
     targets = tokens + 1
-    specs = [{"name": n, "role": r, "dtype": d, "shape": s} for n, r, d, s in [
-        ("a", "tokens", "int64", ["b", "s"]), ("b", "labels", "int32", ["b", "s"]),
-        ("c", "targets", "int64", ["b", "s"]), ("d", "ones", "float32", ["b", 1, "s"]),
-        ("e", "zeros", "int64", [4, 7]), ("f", "positions", "int64", ["b", "s"])]]
+    specs = [
+        {"name": n, "role": r, "dtype": d, "shape": s}
+        for n, r, d, s in [
+            ("a", "tokens", "int64", ["b", "s"]),
+            ("b", "labels", "int32", ["b", "s"]),
+            ("c", "targets", "int64", ["b", "s"]),
+            ("d", "ones", "float32", ["b", 1, "s"]),
+            ("e", "zeros", "int64", [4, 7]),
+            ("f", "positions", "int64", ["b", "s"]),
+        ]
+    ]
     a, b, c, d, e, f = model_inputs(specs, tokens, targets)
     assert torch.equal(a, tokens) and torch.equal(b, tokens.int()) and b.dtype == torch.int32
     assert torch.equal(c, targets)

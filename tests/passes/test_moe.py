@@ -10,8 +10,15 @@ from planner.frontend.errors import ModelError
 
 tf = pytest.importorskip("transformers")
 
-SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=256, max_position_embeddings=128)
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 
 
 def test_expert_products_count_top_k_mlps_and_the_router(tmp_path):
@@ -20,8 +27,9 @@ def test_expert_products_count_top_k_mlps_and_the_router(tmp_path):
     exactly, forward and backward (twice the forward)."""
     tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SIZES).save_pretrained(tmp_path / "moe")
     tf.MistralConfig(**SIZES).save_pretrained(tmp_path / "dense")
-    moe, dense = (build_layer_table(f"hf:{tmp_path / d}", batch=1, seq_len=32, dtype="fp32").layers[1]
-                  for d in ("moe", "dense"))
+    moe, dense = (
+        build_layer_table(f"hf:{tmp_path / d}", batch=1, seq_len=32, dtype="fp32").layers[1] for d in ("moe", "dense")
+    )
     at = {B: 2, S: 32}
     tokens = 2 * 32
     assert int((moe.fwd_flops - dense.fwd_flops).subs(at)) == tokens * (2 * 3 * 64 * 128 + 2 * 64 * 4)

@@ -55,8 +55,7 @@ def reference_flops(spec):
     decoders (their meta forward calls .item() while building masks)."""
     on_cpu = spec in ("hf:gpt2", "hf:llama")
     torch.manual_seed(0)
-    m = build_model(spec, batch=2, seq_len=32, device="cpu" if on_cpu else "meta",
-                    **ARCHS[spec])
+    m = build_model(spec, batch=2, seq_len=32, device="cpu" if on_cpu else "meta", **ARCHS[spec])
     if on_cpu:
         m.model.inner.config._attn_implementation = "eager"
     with FlopCounterMode(display=False) as fwd:
@@ -128,8 +127,7 @@ def test_gpt_bytes_and_largest_activations_by_hand():
 
 def real_saved_bytes(module, inputs):
     """Bytes autograd keeps in a real CPU forward: distinct storages, no parameters/buffers."""
-    resident = {StorageWeakRef(t.untyped_storage()).cdata
-                for t in list(module.parameters()) + list(module.buffers())}
+    resident = {StorageWeakRef(t.untyped_storage()).cdata for t in list(module.parameters()) + list(module.buffers())}
     seen: dict = {}
 
     def pack(t):
@@ -171,8 +169,7 @@ def test_param_and_buffer_bytes_exact(spec):
     rows = table.numeric(1, 1)
     assert sum(r["param_bytes"] for r in rows) == sum(p.numel() * 4 for p in params.values())
     assert sum(r["param_count"] for r in rows) == sum(p.numel() for p in params.values())
-    assert sum(r["buffer_bytes"] for r in rows) == sum(b.numel() * b.element_size()
-                                                      for b in buffers.values())
+    assert sum(r["buffer_bytes"] for r in rows) == sum(b.numel() * b.element_size() for b in buffers.values())
 
 
 def test_gpt_layers_op_classes_and_shapes():
@@ -182,21 +179,19 @@ def test_gpt_layers_op_classes_and_shapes():
     for n in tr.gm.graph.nodes:
         classes.setdefault(n.meta["op_class"], set()).add(n.name)
     assert {"linear", "linear_3", "linear_12"} <= classes["matmul"]
-    assert classes["attention"] == {"scaled_dot_product_attention",
-                                    "scaled_dot_product_attention_1"}
+    assert classes["attention"] == {"scaled_dot_product_attention", "scaled_dot_product_attention_1"}
     assert {"layer_norm", "layer_norm_4"} <= classes["norm"]
     assert classes["embedding"] == {"embedding", "embedding_1"}
     assert classes["loss"] == {"cross_entropy_loss"}
     assert {"view", "transpose", "reshape"} <= classes["view"]
     assert "gelu" in classes["elementwise"]
-    assert [nodes[k].meta["layer"] for k in ("embedding", "linear", "linear_6", "linear_12")] \
-        == [0, 1, 2, 3]
+    assert [nodes[k].meta["layer"] for k in ("embedding", "linear", "linear_6", "linear_12")] == [0, 1, 2, 3]
     assert nodes["p_blocks_1_attn_q_weight"].meta["layer"] == 2
     assert nodes["linear_4"].meta["shape"] == (B, S, 256)
     assert nodes["linear_4"].meta["dtype"] == torch.float32
     assert nodes["linear_4"].meta["out_bytes"] == 1024 * B * S
     assert nodes["linear_4"].meta["fwd_flops"] == 2 * 64 * 256 * B * S
-    assert nodes["scaled_dot_product_attention"].meta["fwd_flops"] == 4 * 64 * B * S ** 2
+    assert nodes["scaled_dot_product_attention"].meta["fwd_flops"] == 4 * 64 * B * S**2
     for lay in table.layers[:-1]:
         assert lay.boundary == [((B, S, 64), "float32")]
         assert lay.boundary_bytes == 256 * B * S
@@ -210,7 +205,7 @@ def test_llama_boundary_carries_mask_and_rotary_tables():
     assert set(pre.boundary) == want and len(pre.boundary) == 4
     assert set(first.boundary) == want
     assert last.boundary == [((B, S, 64), "float32")]
-    assert pre.boundary_bytes == 256 * B * S + B * S ** 2 + 2 * 64 * S
+    assert pre.boundary_bytes == 256 * B * S + B * S**2 + 2 * 64 * S
 
 
 @settings(max_examples=25, deadline=None)
@@ -231,16 +226,17 @@ def test_gpt_block_costs_match_closed_form(b, s):
 def test_tensor_parallel_gpt_megatron_roles():
     tr, table = analyzed("gpt")
     role = {n.name: n.meta["tp"].role for n in tr.gm.graph.nodes}
-    assert [role[f"linear_{i}" if i else "linear"] for i in range(6)] == \
-        ["col", "col", "col", "row", "col", "row"]
+    assert [role[f"linear_{i}" if i else "linear"] for i in range(6)] == ["col", "col", "col", "row", "col", "row"]
     assert role["embedding"] == "vocab_embedding" and role["embedding_1"] == "replicated"
     assert role["cross_entropy_loss"] == "vocab_loss" and role["linear_12"] == "col"
     assert role["layer_norm"] == role["add_1"] == "replicated"
     assert role["scaled_dot_product_attention"] == role["gelu"] == "sharded"
     blk = build_model("gpt", device="meta", **ARCHS["gpt"]).model.blocks[0]
-    expect = sum(p.numel() for name, p in blk.named_parameters()
-                 if name.startswith(("attn.", "mlp.")) and name not in ("attn.proj.bias",
-                                                                         "mlp.proj.bias"))
+    expect = sum(
+        p.numel()
+        for name, p in blk.named_parameters()
+        if name.startswith(("attn.", "mlp.")) and name not in ("attn.proj.bias", "mlp.proj.bias")
+    )
     nbytes = 4  # fp32
     for lay in table.layers[1:-1]:
         assert lay.param_count_tp == expect
@@ -278,17 +274,23 @@ def test_tensor_parallel_hf_models():
     lay0 = m.inner.model.layers[0]
     norms = sum(p.numel() for n, p in lay0.named_parameters() if "norm" in n)
     assert table.layers[1].param_count_tp == table.layers[1].param_count - norms
-    roles = {n.meta.get("module_path"): n.meta["tp"].role for n in tr.gm.graph.nodes
-             if n.meta["op_class"] == "matmul"}
+    roles = {n.meta.get("module_path"): n.meta["tp"].role for n in tr.gm.graph.nodes if n.meta["op_class"] == "matmul"}
     base = "inner.model.layers.0."
-    assert [roles[base + k] for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                      "mlp.down_proj")] == ["col"] * 3 + ["row"] + ["col"] * 2 \
-        + ["row"]
+    assert [
+        roles[base + k]
+        for k in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ] == ["col"] * 3 + ["row"] + ["col"] * 2 + ["row"]
     # BERT: the MLM transform (dense -> gelu -> LayerNorm) cannot shard; the decoder can
     tr, table = analyzed("hf:bert")
-    roles = {n.meta.get("module_path"): n.meta["tp"].role for n in tr.gm.graph.nodes
-             if n.meta["op_class"] == "matmul"}
+    roles = {n.meta.get("module_path"): n.meta["tp"].role for n in tr.gm.graph.nodes if n.meta["op_class"] == "matmul"}
     assert roles["inner.cls.predictions.transform.dense"] == "replicated"
     assert roles["inner.cls.predictions.decoder"] == "col"
     assert table.layers[-1].tp_allreduce_bytes == 3 * 4 * B * S
@@ -296,9 +298,17 @@ def test_tensor_parallel_hf_models():
 
 
 def _cost_meta(gm):
-    out = {n.name: (n.meta["fwd_flops"], n.meta["bwd_flops"], n.meta["saved_bytes"],
-                    sorted(r.producer for r in n.meta["saved"]), n.meta["tp"].saved_bytes_tp)
-           for n in gm.graph.nodes if n.op != "placeholder"}
+    out = {
+        n.name: (
+            n.meta["fwd_flops"],
+            n.meta["bwd_flops"],
+            n.meta["saved_bytes"],
+            sorted(r.producer for r in n.meta["saved"]),
+            n.meta["tp"].saved_bytes_tp,
+        )
+        for n in gm.graph.nodes
+        if n.op != "placeholder"
+    }
     out["total"] = passes.total_saved_bytes(gm)
     return out
 
@@ -314,8 +324,7 @@ def test_reusing_identical_blocks_matches_a_full_replay():
 def test_pass_errors_name_the_node_and_source_line():
     tr, _table = analyzed("gpt")
     lin = next(n for n in tr.gm.graph.nodes if n.name == "linear")
-    assert "planner/frontend/gpt.py:" in source_line(lin) or "nn/modules/linear.py:" in \
-        source_line(lin)
+    assert "planner/frontend/gpt.py:" in source_line(lin) or "nn/modules/linear.py:" in source_line(lin)
     layer = lin.meta.pop("layer")
     try:
         with pytest.raises(PassError) as err:
@@ -342,11 +351,11 @@ def test_reshape_dim_mapping(shape, data):
     n = shape[d]
     split = [k for k in range(1, n + 1) if n % k == 0]
     a = data.draw(st.sampled_from(split))
-    dst = shape[:d] + [a, n // a] + shape[d + 1:]
+    dst = shape[:d] + [a, n // a] + shape[d + 1 :]
     if n > 1:  # split n -> (a, n/a): the shards follow the leading non-unit factor
         assert reshape_dim(shape, dst, d) == (d if a > 1 else d + 1)
     if d + 1 < len(shape) and shape[d] > 1 and shape[d + 1] > 1:
-        merged = shape[:d] + [shape[d] * shape[d + 1]] + shape[d + 2:]
+        merged = shape[:d] + [shape[d] * shape[d + 1]] + shape[d + 2 :]
         assert reshape_dim(shape, merged, d) == d
         assert reshape_dim(shape, merged, d + 1) is None
 
@@ -363,11 +372,10 @@ def test_a_size_the_trace_could_not_name_is_a_clear_error():
 def test_largest_weight_of_each_layer_is_recorded():
     # GPT-2 ties its token embedding (vocab x hidden) to the head: both rows read it, and both
     # backwards create its gradient afresh (the transient cost_models.memory prices).
-    table = build_layer_table("hf:gpt2", batch=1, seq_len=16, dtype="fp32", layers=2, hidden=64, heads=4,
-                              vocab=512)
+    table = build_layer_table("hf:gpt2", batch=1, seq_len=16, dtype="fp32", layers=2, hidden=64, heads=4, vocab=512)
     pre, block, post = table.layers[0], table.layers[1], table.layers[-1]
     assert pre.largest_param_tp == post.largest_param_tp == 512 * 64  # vocab-parallel under tp
-    assert pre.largest_param == 1024 * 64                               # position table, not sharded
+    assert pre.largest_param == 1024 * 64  # position table, not sharded
     assert block.largest_param_tp == 4 * 64 * 64 and block.largest_param == 64  # c_fc; biases, norms
     assert LayerTable.from_json(table.to_json()).layers[-1].largest_param_tp == 512 * 64
 

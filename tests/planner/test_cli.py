@@ -27,16 +27,36 @@ def test_pins_are_respected(tmp_path, capsys):
     assert (plan.pp, plan.zero_stage, plan.micro_batch_size) == (2, 0, 1)
 
 
-@pytest.mark.parametrize("model, seq", [
-    (["--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"], 16),
-    (SMALL_GPT_FLAGS, 256),  # longer than the preset's 128 positions: the table grows
-])
+@pytest.mark.parametrize(
+    "model, seq",
+    [
+        (["--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"], 16),
+        (SMALL_GPT_FLAGS, 256),  # longer than the preset's 128 positions: the table grows
+    ],
+)
 def test_plan_sizes_the_position_table_from_seq_len(tmp_path, capsys, model, seq):
     """``--seq-len`` both sets the traced length and, where the model is too short for it, its
     position table; the two must not collide (this used to be a TypeError at the CLI)."""
     out = tmp_path / "p.json"
-    argv = ["plan", *model, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu",
-            "--global-batch", "4", "--seq-len", str(seq), "--dtype", "fp32", "--out", str(out), "--json"]
+    argv = [
+        "plan",
+        *model,
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--hardware",
+        "cpu",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        str(seq),
+        "--dtype",
+        "fp32",
+        "--out",
+        str(out),
+        "--json",
+    ]
     assert main(argv) == 0
     plan = load_plan(str(out))
     assert plan.seq_len == seq and plan.model.sizes["seq_len"] >= seq
@@ -47,8 +67,24 @@ def test_tied_weights_plan_with_pipeline_stages(tmp_path, capsys):
     """GPT-2 reads its token embedding again as the LM head: with --pp 2 each end holds a copy."""
     gpt2 = ["--model", "hf:gpt2", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "64"]
     out = tmp_path / "p.json"
-    base = ["plan", *gpt2, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu", "--global-batch", "4",
-            "--seq-len", "16", "--dtype", "fp32", "--out", str(out)]
+    base = [
+        "plan",
+        *gpt2,
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--hardware",
+        "cpu",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--dtype",
+        "fp32",
+        "--out",
+        str(out),
+    ]
     assert main([*base, "--pp", "2"]) == 0
     printed = capsys.readouterr().out
     plan = load_plan(str(out))
@@ -57,28 +93,141 @@ def test_tied_weights_plan_with_pipeline_stages(tmp_path, capsys):
 
 
 BAD = [
-    (["plan", "--model", "gpt5", "--gpus", "8", "--hardware", "h100-sxm", "--global-batch", "8",
-      "--seq-len", "128"], "Unknown model spec 'gpt5'"),
-    (["plan", *SMALL_GPT_FLAGS, "--gpus", "8", "--hardware", "tpu-v9", "--global-batch", "8", "--seq-len", "16"],
-     "tpu-v9"),
-    (["plan", *SMALL_GPT_FLAGS, "--gpus", "0", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "16"],
-     "--gpus: must be a positive integer"),
-    (["plan", *SMALL_GPT_FLAGS, "--gpus", "two", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "16"],
-     "--gpus: must be a positive integer"),
-    (["plan", *SMALL_GPT_FLAGS, "--gpus", "4", "--hardware", "cpu", "--global-batch", "6", "--seq-len", "16",
-      "--dp", "4"], "--global-batch 6 is not divisible by --dp 4"),
-    (["plan", *SMALL_GPT_FLAGS, "--gpus", "4", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "16",
-      "--dp", "2", "--tp", "1", "--pp", "1"], "must multiply to the number of devices"),
-    (["plan", *SMALL_GPT_FLAGS, "--gpus", "8", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "16",
-      "--tp", "8"], "tp"),
-    (["plan", "--model", f"{USER_MODELS}:raises", "--gpus", "2", "--hardware", "cpu", "--global-batch", "2",
-      "--seq-len", "8"], "raised RuntimeError: weights not found"),
-    (["plan", "--model", f"{USER_MODELS}:not_a_tuple", "--gpus", "2", "--hardware", "cpu", "--global-batch", "2",
-      "--seq-len", "8"], "must return (model, example_inputs)"),
-    (["plan", "--model", f"{USER_MODELS}:missing", "--gpus", "2", "--hardware", "cpu", "--global-batch", "2",
-      "--seq-len", "8"], "defines no function 'missing'"),
-    (["plan", "--model", "nope/model.py:make", "--gpus", "2", "--hardware", "cpu", "--global-batch", "2",
-      "--seq-len", "8"], "does not exist"),
+    (
+        ["plan", "--model", "gpt5", "--gpus", "8", "--hardware", "h100-sxm", "--global-batch", "8", "--seq-len", "128"],
+        "Unknown model spec 'gpt5'",
+    ),
+    (
+        ["plan", *SMALL_GPT_FLAGS, "--gpus", "8", "--hardware", "tpu-v9", "--global-batch", "8", "--seq-len", "16"],
+        "tpu-v9",
+    ),
+    (
+        ["plan", *SMALL_GPT_FLAGS, "--gpus", "0", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "16"],
+        "--gpus: must be a positive integer",
+    ),
+    (
+        ["plan", *SMALL_GPT_FLAGS, "--gpus", "two", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "16"],
+        "--gpus: must be a positive integer",
+    ),
+    (
+        [
+            "plan",
+            *SMALL_GPT_FLAGS,
+            "--gpus",
+            "4",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "6",
+            "--seq-len",
+            "16",
+            "--dp",
+            "4",
+        ],
+        "--global-batch 6 is not divisible by --dp 4",
+    ),
+    (
+        [
+            "plan",
+            *SMALL_GPT_FLAGS,
+            "--gpus",
+            "4",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "16",
+            "--dp",
+            "2",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+        ],
+        "must multiply to the number of devices",
+    ),
+    (
+        [
+            "plan",
+            *SMALL_GPT_FLAGS,
+            "--gpus",
+            "8",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "16",
+            "--tp",
+            "8",
+        ],
+        "tp",
+    ),
+    (
+        [
+            "plan",
+            "--model",
+            f"{USER_MODELS}:raises",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "2",
+            "--seq-len",
+            "8",
+        ],
+        "raised RuntimeError: weights not found",
+    ),
+    (
+        [
+            "plan",
+            "--model",
+            f"{USER_MODELS}:not_a_tuple",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "2",
+            "--seq-len",
+            "8",
+        ],
+        "must return (model, example_inputs)",
+    ),
+    (
+        [
+            "plan",
+            "--model",
+            f"{USER_MODELS}:missing",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "2",
+            "--seq-len",
+            "8",
+        ],
+        "defines no function 'missing'",
+    ),
+    (
+        [
+            "plan",
+            "--model",
+            "nope/model.py:make",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "2",
+            "--seq-len",
+            "8",
+        ],
+        "does not exist",
+    ),
     (["compile", "/nonexistent/plan.json", "--out", "/tmp/x"], "does not exist"),
     (["train", "/nonexistent/plan.json", "--steps", "2"], "does not exist"),
 ]
@@ -103,8 +252,21 @@ class _nothing:
 
 
 def test_unexportable_model_names_the_source_line(capsys):
-    rc = main(["plan", "--model", f"{USER_MODELS}:unexportable", "--gpus", "1", "--hardware", "cpu",
-               "--global-batch", "2", "--seq-len", "8"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            f"{USER_MODELS}:unexportable",
+            "--gpus",
+            "1",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "2",
+            "--seq-len",
+            "8",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "user_models.py:" in err and "if x.sum() > 0" in err
@@ -137,8 +299,10 @@ def test_export_deepspeed(tmp_path, capsys):
 
 def test_export_deepspeed_writes_the_nvme_path_of_an_offloaded_plan(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(plan_args(out, "--json", "--zero-stage", "3", "--offload-optimizer", "nvme",
-                          "--offload-params", "cpu")) == 0
+    assert (
+        main(plan_args(out, "--json", "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-params", "cpu"))
+        == 0
+    )
     capsys.readouterr()
     ds = tmp_path / "ds.json"
     assert main(["export", "deepspeed", str(out), "--out", str(ds), "--nvme-path", "/mnt/nvme0"]) == 0

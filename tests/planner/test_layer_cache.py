@@ -26,7 +26,7 @@ from planner.frontend.zoo import build_model
 ROOT = Path(__file__).resolve().parents[2]
 GPT = dict(batch=1, seq_len=16, dtype="fp32", layers=2, hidden=64, heads=2, vocab=128)
 
-FACTORY = '''
+FACTORY = """
 import torch
 import torch.nn as nn
 
@@ -51,7 +51,7 @@ def make():
 
 def make_wide():
     return Net(2 * WIDTH), (torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long))
-'''
+"""
 
 
 class Traces:
@@ -149,10 +149,22 @@ def test_a_factory_file_is_keyed_by_its_content(real_traces, tmp_path):
     assert traces.calls == 3 and other.model["params"] > wide.model["params"]
 
 
-@pytest.mark.parametrize("change", [
-    dict(layers=3), dict(hidden=32), dict(heads=4), dict(vocab=96), dict(seq_len=8), dict(batch=2),
-    dict(dtype="bf16"), dict(positions=64), dict(dynamic=False), dict(shallow=False),
-], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(layers=3),
+        dict(hidden=32),
+        dict(heads=4),
+        dict(vocab=96),
+        dict(seq_len=8),
+        dict(batch=2),
+        dict(dtype="bf16"),
+        dict(positions=64),
+        dict(dynamic=False),
+        dict(shallow=False),
+    ],
+    ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
+)
 def test_any_change_of_an_argument_misses(change, traces):
     build_layer_table("gpt", **GPT)
     build_layer_table("gpt", **{**GPT, **change})
@@ -266,9 +278,21 @@ def _missing_class(path: Path, key: str):
     path.write_bytes(b"cplanner.frontend.cache\nNoSuchClass\n.")  # a global that does not exist
 
 
-@pytest.mark.parametrize("damage", [_corrupt_truncated, _corrupt_garbage, _corrupt_empty, _wrong_type,
-                                    _wrong_table, _wrong_field_type, _other_key, _old_format, _missing_class],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _corrupt_truncated,
+        _corrupt_garbage,
+        _corrupt_empty,
+        _wrong_type,
+        _wrong_table,
+        _wrong_field_type,
+        _other_key,
+        _old_format,
+        _missing_class,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_a_bad_entry_is_ignored_rebuilt_and_overwritten(damage, traces, tmp_path):
     first = build_layer_table("gpt", **GPT)
     [path] = entries(tmp_path)
@@ -294,8 +318,31 @@ def test_an_unwritable_cache_dir_still_plans(traces, monkeypatch, tmp_path, caps
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(blocker / "cache"))  # under a file: nobody can create it
     unwritable = cache.stats["unwritable"]
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128",
-               "--seq-len", "16", "--gpus", "2", "--hardware", "cpu", "--global-batch", "4", "--out", str(out)])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "gpt",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--vocab",
+            "128",
+            "--seq-len",
+            "16",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0 and out.is_file() and traces.calls == 1
     assert cache.stats["unwritable"] == unwritable + 1
     assert "Traceback" not in capsys.readouterr().err
@@ -338,13 +385,21 @@ def test_a_hit_imports_neither_transformers_nor_the_tracer(traces):
     (seconds) or ``torch._dynamo`` (what export needs)."""
     args = dict(batch=1, seq_len=16, dtype="fp32", layers=2, hidden=64, heads=2, kv_heads=1, ffn=96, vocab=128)
     table = build_layer_table("hf:llama", **args)  # stored under hf:llama's key (the stand-in's rows)
-    code = ("import sys\n"
-            "from planner.frontend import cache\n"
-            "from planner.frontend.analyze import build_layer_table\n"
-            f"t = build_layer_table('hf:llama', **{args!r})\n"
-            "assert cache.stats['hit'] == 1, dict(cache.stats)\n"
-            "print(len(t.layers), sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys\n"
+        "from planner.frontend import cache\n"
+        "from planner.frontend.analyze import build_layer_table\n"
+        f"t = build_layer_table('hf:llama', **{args!r})\n"
+        "assert cache.stats['hit'] == 1, dict(cache.stats)\n"
+        "print(len(t.layers), sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split(maxsplit=1) == [str(len(table.layers)), "[]\n"]

@@ -25,8 +25,17 @@ TABLE = gpt_table(layers=3, hidden=128, heads=2, vocab=4096)
 
 
 def _offloaded_solution(optimizer="nvme", params="cpu"):
-    req = PlanRequest(spec="gpt", gpus=2, gpus_per_node=2, hardware="cpu", global_batch=4, seq_len=64,
-                      compile="off", offload_optimizer=optimizer, offload_params=params)
+    req = PlanRequest(
+        spec="gpt",
+        gpus=2,
+        gpus_per_node=2,
+        hardware="cpu",
+        global_batch=4,
+        seq_len=64,
+        compile="off",
+        offload_optimizer=optimizer,
+        offload_params=params,
+    )
     hw = load_hardware("cpu", 2)
     return solve(req, TABLE, hw), hw
 
@@ -58,12 +67,19 @@ def test_a_plan_written_before_offload_loads_as_none(tmp_path):
     assert plan.to_dict()["offload"] == NO_OFFLOAD
 
 
-@pytest.mark.parametrize("zero, offload, message", [
-    (2, {"optimizer": "cpu", "params": "cpu"}, "offload.params is 'cpu', but offloading parameters needs zero_stage 3"),
-    (0, {"optimizer": "nvme", "params": "none"}, "offloading the optimizer needs zero_stage 1, 2 or 3"),
-    (1, {"optimizer": "disk", "params": "none"}, "offload.optimizer must be one of none, cpu, nvme"),
-    (1, {"optimizer": "cpu"}, 'offload must be an object with exactly "optimizer" and "params"'),
-])
+@pytest.mark.parametrize(
+    "zero, offload, message",
+    [
+        (
+            2,
+            {"optimizer": "cpu", "params": "cpu"},
+            "offload.params is 'cpu', but offloading parameters needs zero_stage 3",
+        ),
+        (0, {"optimizer": "nvme", "params": "none"}, "offloading the optimizer needs zero_stage 1, 2 or 3"),
+        (1, {"optimizer": "disk", "params": "none"}, "offload.optimizer must be one of none, cpu, nvme"),
+        (1, {"optimizer": "cpu"}, 'offload must be an object with exactly "optimizer" and "params"'),
+    ],
+)
 def test_invalid_offload_is_a_clear_plan_error(zero, offload, message):
     d = make_plan(dp=2, zero=zero).to_dict()
     d["offload"] = offload
@@ -112,11 +128,21 @@ def test_cli_pins_and_contradictions(tmp_path, capsys):
 def test_validate_compares_host_memory():
     sol, _ = _offloaded_solution(optimizer="cpu", params="none")
     plan = sol.plan
-    lines = [{"step": i, "step_time_s": 0.1, "peak_memory_bytes": 10, "comm_bytes": 0, "host_memory_bytes": 1000 + i,
-              "time": {k: 0.0 for k in TIME_KEYS}} for i in range(4)]
+    lines = [
+        {
+            "step": i,
+            "step_time_s": 0.1,
+            "peak_memory_bytes": 10,
+            "comm_bytes": 0,
+            "host_memory_bytes": 1000 + i,
+            "time": {k: 0.0 for k in TIME_KEYS},
+        }
+        for i in range(4)
+    ]
     res = compare(plan, lines)
     assert res["measured"]["host_memory_bytes"] == 1003
     assert res["predicted"]["host_memory_bytes"] == plan.predicted.memory["host"] // 2  # per rank, 2 per node
-    no_host = compare(dataclasses.replace(plan), [{k: v for k, v in ln.items() if k != "host_memory_bytes"}
-                                                  for ln in lines])
+    no_host = compare(
+        dataclasses.replace(plan), [{k: v for k, v in ln.items() if k != "host_memory_bytes"} for ln in lines]
+    )
     assert "host_memory_bytes" not in no_host["measured"]

@@ -20,24 +20,27 @@ def test_round_trip(tmp_path, sample_plan_dict):
     assert plan_hash(again) == plan_hash(plan)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(dp="2"), "dp must be an integer"),
-    (lambda d: d.update(dp=4), "dp*tp*pp"),
-    (lambda d: d.update(num_micro_batches=3), "global_batch (8) must equal"),
-    (lambda d: d.update(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
-    (lambda d: d.update(dtype="int8"), "dtype must be one of"),
-    (lambda d: d.update(stages=[[0, 2], [4, 5]]), "stages[1]"),
-    (lambda d: d.update(stages=[[0, 2], [3, 4]]), "layer table has rows 0..5"),
-    (lambda d: d.update(stages=[[0, 5]]), "one [first, last] pair per pipeline stage"),
-    (lambda d: d.update(checkpoint_layers=[9]), "outside the layer table"),
-    (lambda d: d.update(schema_version=2), "this planner reads 1"),
-    (lambda d: d["predicted"]["memory"].update(total=5), "must equal predicted.peak_memory_bytes"),
-    (lambda d: d["predicted"]["time"].pop("dp_comm"), "predicted.time is missing ['dp_comm']"),
-    (lambda d: d.pop("hardware"), "plan is missing the field 'hardware'"),
-    (lambda d: d["model"].pop("params"), "model is missing the field(s) ['params']"),
-    (lambda d: d.update(alternatives={}), "alternatives must be a list"),
-    (lambda d: d.update(num_micro_batches=1, micro_batch_size=4), "must be >= pp"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(dp="2"), "dp must be an integer"),
+        (lambda d: d.update(dp=4), "dp*tp*pp"),
+        (lambda d: d.update(num_micro_batches=3), "global_batch (8) must equal"),
+        (lambda d: d.update(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
+        (lambda d: d.update(dtype="int8"), "dtype must be one of"),
+        (lambda d: d.update(stages=[[0, 2], [4, 5]]), "stages[1]"),
+        (lambda d: d.update(stages=[[0, 2], [3, 4]]), "layer table has rows 0..5"),
+        (lambda d: d.update(stages=[[0, 5]]), "one [first, last] pair per pipeline stage"),
+        (lambda d: d.update(checkpoint_layers=[9]), "outside the layer table"),
+        (lambda d: d.update(schema_version=2), "this planner reads 1"),
+        (lambda d: d["predicted"]["memory"].update(total=5), "must equal predicted.peak_memory_bytes"),
+        (lambda d: d["predicted"]["time"].pop("dp_comm"), "predicted.time is missing ['dp_comm']"),
+        (lambda d: d.pop("hardware"), "plan is missing the field 'hardware'"),
+        (lambda d: d["model"].pop("params"), "model is missing the field(s) ['params']"),
+        (lambda d: d.update(alternatives={}), "alternatives must be a list"),
+        (lambda d: d.update(num_micro_batches=1, micro_batch_size=4), "must be >= pp"),
+    ],
+)
 def test_invalid_plans_name_the_field(tmp_path, sample_plan_dict, mutate, message):
     d = copy.deepcopy(sample_plan_dict)
     mutate(d)

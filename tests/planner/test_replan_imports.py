@@ -27,19 +27,52 @@ print(json.dumps({"rc": rc, "heavy": heavy}), file=sys.stderr)
 
 
 def _plan(args: list[str], env: dict, out) -> tuple[dict, dict]:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, "plan", *args, "--json", "--out", str(out)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, "plan", *args, "--json", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
     probe = json.loads(proc.stderr.strip().splitlines()[-1])
     assert probe["rc"] == 0, proc.stderr
     return json.loads(proc.stdout), probe
 
 
-@pytest.mark.parametrize("args", [
-    ["--model", "gpt", "--gpus", "4", "--hardware", "a100-80gb", "--global-batch", "16", "--seq-len", "128"],
-    ["--model", "hf:llama", "--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
-     "--vocab", "1024", "--seq-len", "128", "--gpus", "8", "--hardware", "h100-sxm", "--global-batch", "32",
-     "--tokens", "1e9", "--price-per-gpu-hour", "2"],
-], ids=["gpt", "hf-llama"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "gpt", "--gpus", "4", "--hardware", "a100-80gb", "--global-batch", "16", "--seq-len", "128"],
+        [
+            "--model",
+            "hf:llama",
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "1024",
+            "--seq-len",
+            "128",
+            "--gpus",
+            "8",
+            "--hardware",
+            "h100-sxm",
+            "--global-batch",
+            "32",
+            "--tokens",
+            "1e9",
+            "--price-per-gpu-hour",
+            "2",
+        ],
+    ],
+    ids=["gpt", "hf-llama"],
+)
 def test_a_cached_replan_imports_no_torch(args, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     first, _ = _plan(args, env, tmp_path / "first.json")

@@ -11,10 +11,12 @@ from planner.commands.tune import Refit, fit_bounded, refit_profile, scaled_prof
 CPU = load_hardware("cpu")
 
 #: Three strategies of a toy model: FLOPs, operator calls, all-reduce calls and bytes per step.
-STRATEGIES = [dict(flops=4e9, ops=900, calls=0, nbytes=0.0),
-              dict(flops=3e9, ops=2400, calls=40, nbytes=8e6),
-              dict(flops=5e9, ops=1300, calls=12, nbytes=2e7),
-              dict(flops=2e9, ops=1800, calls=90, nbytes=1e6)]
+STRATEGIES = [
+    dict(flops=4e9, ops=900, calls=0, nbytes=0.0),
+    dict(flops=3e9, ops=2400, calls=40, nbytes=8e6),
+    dict(flops=5e9, ops=1300, calls=12, nbytes=2e7),
+    dict(flops=2e9, ops=1800, calls=90, nbytes=1e6),
+]
 
 
 def toy_price(hw):
@@ -24,8 +26,9 @@ def toy_price(hw):
     for s in STRATEGIES:
         compute = s["flops"] / hw.achievable_flops("fp32") + s["ops"] * hw.op_overhead_s
         comm = s["calls"] * (hw.intra_node_latency + hw.sync_overhead_s) + s["nbytes"] / hw.intra_node_bandwidth
-        out.append({"compute": compute, "recompute": 0.0, "tp_comm": comm, "pp_bubble": 0.0, "dp_comm": 0.0,
-                    "optimizer": 1e-3})
+        out.append(
+            {"compute": compute, "recompute": 0.0, "tp_comm": comm, "pp_bubble": 0.0, "dp_comm": 0.0, "optimizer": 1e-3}
+        )
     return out
 
 
@@ -103,14 +106,17 @@ def test_refit_error():
     assert Refit.error([1.0, 3.0], [2.0, 2.0]) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("finished, error, timed_out, peak, status", [
-    (True, None, False, 100, "ok"),
-    (True, None, False, 1000, "out of memory"),
-    (False, "rank 1 was lost: its process was killed by SIGKILL", False, None, "crashed"),
-    (False, "did not finish within --timeout 5 s (stopped)", True, None, "timeout"),
-    (False, "rank 0 failed: RuntimeError: Timed out waiting 5000ms for recv operation", False, None, "timeout"),
-    (False, "rank 0 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate", False, None, "out of memory"),
-])
+@pytest.mark.parametrize(
+    "finished, error, timed_out, peak, status",
+    [
+        (True, None, False, 100, "ok"),
+        (True, None, False, 1000, "out of memory"),
+        (False, "rank 1 was lost: its process was killed by SIGKILL", False, None, "crashed"),
+        (False, "did not finish within --timeout 5 s (stopped)", True, None, "timeout"),
+        (False, "rank 0 failed: RuntimeError: Timed out waiting 5000ms for recv operation", False, None, "timeout"),
+        (False, "rank 0 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate", False, None, "out of memory"),
+    ],
+)
 def test_trial_status(finished, error, timed_out, peak, status):
     assert trial_status(finished, error, timed_out, peak, capacity=500) == status
 
@@ -122,8 +128,30 @@ def test_candidate_plans_and_the_refits_price_are_the_plans_predictions():
     from planner.search.solve import candidate_plans
 
     args = build_parser().parse_args(
-        ["plan", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "256",
-         "--seq-len", "32", "--global-batch", "4", "--dtype", "fp32", "--gpus", "2", "--hardware", "cpu"])
+        [
+            "plan",
+            "--model",
+            "gpt",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--vocab",
+            "256",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--dtype",
+            "fp32",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+        ]
+    )
     req = request_from_args(args)
     table = layer_table_for(req)
     solution, hw = plan_from_request(req, table)
@@ -132,8 +160,13 @@ def test_candidate_plans_and_the_refits_price_are_the_plans_predictions():
     kept = [solution.search.best] + solution.search.alternatives(3)
     for p, ev in zip(plans, kept):
         c = ev.strategy.candidate
-        assert (p.dp, p.tp, p.pp, p.zero_stage, p.micro_batch_size) == (c.dp, c.tp, c.pp, c.zero_stage,
-                                                                        c.micro_batch_size)
+        assert (p.dp, p.tp, p.pp, p.zero_stage, p.micro_batch_size) == (
+            c.dp,
+            c.tp,
+            c.pp,
+            c.zero_stage,
+            c.micro_batch_size,
+        )
         assert p.predicted.step_time_s == pytest.approx(ev.step_time_s)
         assert all(a.step_time_s >= p.predicted.step_time_s for a in p.alternatives)
     priced = _pricer(req, table, hw, [ev.strategy for ev in kept[:3]])(hw)

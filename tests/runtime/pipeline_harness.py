@@ -68,7 +68,9 @@ class StageModule(nn.Module):
         return self.layers[-1](h, mask, y) if self.has_head else (h, mask)
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        return {f"{self.lo + k}.{n}": p.grad.clone() for k, l in enumerate(self.layers) for n, p in l.named_parameters()}
+        return {
+            f"{self.lo + k}.{n}": p.grad.clone() for k, l in enumerate(self.layers) for n, p in l.named_parameters()
+        }
 
 
 def make_data(m: int, seed: int = 7, mb: int = MB):

@@ -76,7 +76,10 @@ def test_hooks_run_outside_the_compiled_region(stage_dir):
     mod(ids, ids).backward()
     mod(ids, ids).backward()
     # every call of every layer, and the recomputed block once more inside each backward
-    per_step = [(k, f"layer_{i}") for i in range(5) for k in ("pre", "post")] + [("pre", "layer_2"), ("post", "layer_2")]
+    per_step = [(k, f"layer_{i}") for i in range(5) for k in ("pre", "post")] + [
+        ("pre", "layer_2"),
+        ("post", "layer_2"),
+    ]
     assert sorted(calls) == sorted(per_step * 2)
 
 

@@ -13,8 +13,14 @@ from runtime.data import FOLLOW, SyntheticTokens
 
 
 @settings(max_examples=25, deadline=None)
-@given(vocab=st.integers(2, 300), seq=st.integers(1, 40), batch=st.sampled_from([2, 4, 8]),
-       dp=st.sampled_from([1, 2]), step=st.integers(0, 10**6), seed=st.integers(0, 2**40))
+@given(
+    vocab=st.integers(2, 300),
+    seq=st.integers(1, 40),
+    batch=st.sampled_from([2, 4, 8]),
+    dp=st.sampled_from([1, 2]),
+    step=st.integers(0, 10**6),
+    seed=st.integers(0, 2**40),
+)
 def test_every_dp_slice_sees_the_rows_of_the_whole_batch(vocab, seq, batch, dp, step, seed):
     data = SyntheticTokens(vocab, seq, seed)
     ids, labels = data.rows(step, 0, batch, batch)
@@ -24,7 +30,9 @@ def test_every_dp_slice_sees_the_rows_of_the_whole_batch(vocab, seq, batch, dp, 
     per = batch // dp
     for d in range(dp):
         part = SyntheticTokens(vocab, seq, seed).rows(step, d * per, (d + 1) * per, batch)
-        assert torch.equal(part[0], ids[d * per:(d + 1) * per]) and torch.equal(part[1], labels[d * per:(d + 1) * per])
+        assert torch.equal(part[0], ids[d * per : (d + 1) * per]) and torch.equal(
+            part[1], labels[d * per : (d + 1) * per]
+        )
 
 
 def test_tokens_follow_their_successor_so_a_model_can_learn_them():

@@ -122,8 +122,7 @@ def test_linear_forward_backward_peak_matches_hand_count_and_torch_memtracker():
 
 
 def _mlp():
-    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
-                           for _ in range(4)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(4)])
 
 
 def test_training_steps_peak_is_stable_and_accounting_returns_to_baseline():
@@ -187,8 +186,7 @@ def test_overhead_on_small_mlp_training_step():
     with mt:
         tracked = min(timed() for _ in range(3))
     factor = tracked / base
-    print(f"\nmemtrack overhead: {base * 1e3:.2f} ms -> {tracked * 1e3:.2f} ms per step "
-          f"({factor:.2f}x)")
+    print(f"\nmemtrack overhead: {base * 1e3:.2f} ms -> {tracked * 1e3:.2f} ms per step ({factor:.2f}x)")
     assert factor < 8.0  # loose: the CI machines are shared; typical is 1.3-3.5x
 
 

@@ -120,7 +120,7 @@ def _delayed_reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]
         total = 0.0
         for i in range(MICRO):
             mb = BATCH // MICRO
-            loss = net(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb])
+            loss = net(x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb])
             (loss / MICRO).backward()
             total += loss.item() / MICRO
         losses.append(total)
@@ -139,9 +139,16 @@ def test_delayed_update_lags_one_step(tmp_path, tier):
     steps = 4
     ref_losses, ref_masters = _delayed_reference(steps)
     net = make_net()
-    engine = ZeroEngine(net, layer_groups(net), zero_stage=1, **HP, max_grad_norm=MAX_NORM,
-                        micro_batches_per_step=MICRO, offload=OffloadConfig(tier, nvme_path=str(tmp_path)),
-                        delayed_update=True)
+    engine = ZeroEngine(
+        net,
+        layer_groups(net),
+        zero_stage=1,
+        **HP,
+        max_grad_norm=MAX_NORM,
+        micro_batches_per_step=MICRO,
+        offload=OffloadConfig(tier, nvme_path=str(tmp_path)),
+        delayed_update=True,
+    )
     losses, _ = run_engine(engine, steps, 0, 1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
     masters = engine.full_state_dict()  # waits for the last step's update

@@ -47,8 +47,14 @@ def measure(tier: str, nvme_path: str | None) -> dict:
     """Train ``STEPS`` steps with the optimizer state on ``tier``; what the engine and the OS say."""
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-    engine = ZeroEngine(net, None, zero_stage=2, lr=1e-3, micro_batches_per_step=1,
-                        offload=OffloadConfig(optimizer=tier, nvme_path=nvme_path))
+    engine = ZeroEngine(
+        net,
+        None,
+        zero_stage=2,
+        lr=1e-3,
+        micro_batches_per_step=1,
+        offload=OffloadConfig(optimizer=tier, nvme_path=nvme_path),
+    )
     x = torch.randn(4, WIDTH)
     reset_hwm()  # measure training, not the set-up (where the module's own weights meet the flat buffer)
     seconds = 0.0
@@ -59,8 +65,13 @@ def measure(tier: str, nvme_path: str | None) -> dict:
         engine.zero_grad()
         seconds = time.perf_counter() - t
     slots = sum(t.untyped_storage().nbytes() for t in engine.host_tensors()) - 4 * sum(g.shard for g in engine.groups)
-    out = {"vm_hwm": vm_hwm(), "nvme_bytes": engine.nvme_bytes(), "slot_bytes": slots if tier == "nvme" else 0,
-           "params": sum(p.numel() for p in net.parameters()), "step_s": seconds}
+    out = {
+        "vm_hwm": vm_hwm(),
+        "nvme_bytes": engine.nvme_bytes(),
+        "slot_bytes": slots if tier == "nvme" else 0,
+        "params": sum(p.numel() for p in net.parameters()),
+        "step_s": seconds,
+    }
     engine.close()
     return out
 
@@ -69,8 +80,14 @@ def _start(*args: str) -> subprocess.Popen:
     # Every allocation of 64 KiB or more gets its own mapping, returned to the system when freed, so
     # the resident size follows the live tensors (glibc's heap would keep freed blocks resident).
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    return subprocess.Popen([sys.executable, "-m", "tests.runtime.test_offload_memory", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.test_offload_memory", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(p: subprocess.Popen) -> dict:
@@ -86,8 +103,10 @@ def test_nvme_tier_frees_the_optimizer_state(tmp_path):
     assert nvme["nvme_bytes"] >= 12 * params  # masters and both moments are in the file
     expected = 8 * params - nvme["slot_bytes"]
     saved = resident["vm_hwm"] - nvme["vm_hwm"]
-    print(f"VmHWM resident {resident['vm_hwm'] / 2**20:.1f} MiB, nvme {nvme['vm_hwm'] / 2**20:.1f} MiB: "
-          f"saved {saved / 2**20:.1f} MiB, expected {expected / 2**20:.1f} MiB")
+    print(
+        f"VmHWM resident {resident['vm_hwm'] / 2**20:.1f} MiB, nvme {nvme['vm_hwm'] / 2**20:.1f} MiB: "
+        f"saved {saved / 2**20:.1f} MiB, expected {expected / 2**20:.1f} MiB"
+    )
     assert abs(saved - expected) <= 0.1 * expected
     assert os.listdir(tmp_path) == []  # the files and the rank folder are gone
 

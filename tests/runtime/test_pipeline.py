@@ -36,7 +36,9 @@ def test_single_stage_errors_before_running():
     module = StageModule(make_layers(1), 0, 3)
     data = make_data(2)
     data[1] = (data[1][0], data[1][1].int(), data[1][2])
-    with pytest.raises(PipelineError, match=r"input 1 of micro-batch 1 is \(2, 3\) int32 but micro-batch 0's is \(2, 3\) int64"):
+    with pytest.raises(
+        PipelineError, match=r"input 1 of micro-batch 1 is \(2, 3\) int32 but micro-batch 0's is \(2, 3\) int64"
+    ):
         run_pipeline(module, one_f_one_b(1, 2)[0], data, stage_index=0, num_stages=1)
     with pytest.raises(PipelineError, match="no micro-batches"):
         run_pipeline(module, [], [], stage_index=0, num_stages=1)
@@ -129,11 +131,13 @@ def test_chunked_stage_arguments():
     with pytest.raises(ValueError, match="pass a sequence of 2 chunk modules"):
         PipelineStage(nn.Linear(2, 2), 0, 2, virtual_stages=2, prev_rank=1, next_rank=1, last_rank=1)
     with pytest.raises(ValueError, match="model chunk 2 receives from model chunk 1: give its recv_meta"):
-        PipelineStage([nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), ()], virtual_stages=2, prev_rank=1,
-                      next_rank=1, last_rank=1)
+        PipelineStage(
+            [nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), ()], virtual_stages=2, prev_rank=1, next_rank=1, last_rank=1
+        )
     with pytest.raises(ValueError, match="stage 0 needs prev_rank"):
-        PipelineStage([nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), RECV_META], virtual_stages=2, next_rank=1,
-                      last_rank=1)
+        PipelineStage(
+            [nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), RECV_META], virtual_stages=2, next_rank=1, last_rank=1
+        )
     with pytest.raises(ValueError, match="need at least 2 pipeline ranks"):
         PipelineStage([nn.Linear(2, 2)] * 2, 0, 1, virtual_stages=2)
 

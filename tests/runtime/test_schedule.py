@@ -137,7 +137,9 @@ def test_deadlock_in_a_longer_1f1b_when_stage_skips_warmup():
 
 def test_missing_send_is_reported_as_never_sent():
     sched = [acts("F0@s0 B0@s0"), acts("RECV_ACT0@s1 F0@s1 B0@s1")]
-    with pytest.raises(DeadlockError, match="RECV_ACT0@s1 waits for SEND_ACT0@s0, but rank 0 finished without sending it"):
+    with pytest.raises(
+        DeadlockError, match="RECV_ACT0@s1 waits for SEND_ACT0@s0, but rank 0 finished without sending it"
+    ):
         simulate(sched)
     with pytest.raises(ScheduleError, match="rank 0's list has no SEND_ACT0@s0"):
         validate_schedule(sched, 2, 1)
@@ -146,22 +148,42 @@ def test_missing_send_is_reported_as_never_sent():
 @pytest.mark.parametrize(
     "rank0, rank1, message",
     [
-        ("F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0", "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
-         "rank 0's list has no B0@s0"),
-        ("F0@s0 F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0", "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
-         "F0@s0 appears more than once"),
-        ("B0@s0 F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0", "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
-         "B0@s0 comes before F0@s0"),
-        ("SEND_ACT0@s0 F0@s0 RECV_GRAD0@s0 B0@s0", "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
-         "SEND_ACT0@s0 comes before F0@s0"),
-        ("RECV_ACT0@s0 F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0", "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
-         "RECV_ACT0@s0 cannot run on the first stage"),
-        ("F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0", "RECV_ACT0@s1 F0@s1 SEND_ACT0@s1 B0@s1 SEND_GRAD0@s1",
-         "SEND_ACT0@s1 cannot run on the last stage"),
-        ("F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0", "RECV_ACT0@s0 F0@s1 B0@s1 SEND_GRAD0@s1",
-         "RECV_ACT0@s0 is in rank 1's list but names stage 0"),
-        ("F1@s0 SEND_ACT1@s0 RECV_GRAD1@s0 B1@s0", "RECV_ACT1@s1 F1@s1 B1@s1 SEND_GRAD1@s1",
-         "F1@s0 names micro-batch 1, but there are only 1"),
+        ("F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0", "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1", "rank 0's list has no B0@s0"),
+        (
+            "F0@s0 F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0",
+            "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
+            "F0@s0 appears more than once",
+        ),
+        (
+            "B0@s0 F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0",
+            "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
+            "B0@s0 comes before F0@s0",
+        ),
+        (
+            "SEND_ACT0@s0 F0@s0 RECV_GRAD0@s0 B0@s0",
+            "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
+            "SEND_ACT0@s0 comes before F0@s0",
+        ),
+        (
+            "RECV_ACT0@s0 F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0",
+            "RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1",
+            "RECV_ACT0@s0 cannot run on the first stage",
+        ),
+        (
+            "F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0",
+            "RECV_ACT0@s1 F0@s1 SEND_ACT0@s1 B0@s1 SEND_GRAD0@s1",
+            "SEND_ACT0@s1 cannot run on the last stage",
+        ),
+        (
+            "F0@s0 SEND_ACT0@s0 RECV_GRAD0@s0 B0@s0",
+            "RECV_ACT0@s0 F0@s1 B0@s1 SEND_GRAD0@s1",
+            "RECV_ACT0@s0 is in rank 1's list but names stage 0",
+        ),
+        (
+            "F1@s0 SEND_ACT1@s0 RECV_GRAD1@s0 B1@s0",
+            "RECV_ACT1@s1 F1@s1 B1@s1 SEND_GRAD1@s1",
+            "F1@s0 names micro-batch 1, but there are only 1",
+        ),
     ],
 )
 def test_validator_messages(rank0, rank1, message):
@@ -173,7 +195,9 @@ def test_validator_fifo_mismatch_names_both_actions():
     good = one_f_one_b(2, 2)
     # Stage 1 receives micro-batch 1's activations first: they would be taken for micro-batch 0's.
     r1 = acts("RECV_ACT1@s1 F1@s1 RECV_ACT0@s1 F0@s1 B0@s1 SEND_GRAD0@s1 B1@s1 SEND_GRAD1@s1")
-    with pytest.raises(ScheduleError, match=r"SEND_ACT0@s0 is stage 0's 1st SEND_ACT but stage 1's 1st RECV_ACT is RECV_ACT1@s1"):
+    with pytest.raises(
+        ScheduleError, match=r"SEND_ACT0@s0 is stage 0's 1st SEND_ACT but stage 1's 1st RECV_ACT is RECV_ACT1@s1"
+    ):
         validate_schedule([good[0], r1], 2, 2)
     with pytest.raises(ScheduleError, match="RECV_ACT1@s1 would receive SEND_ACT0@s0's message"):
         simulate([good[0], r1])

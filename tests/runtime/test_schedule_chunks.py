@@ -35,7 +35,8 @@ from runtime.schedule import (
 def sizes(v_min: int = 1):
     """(p, m, v) with m a multiple of p (what interleaving needs)."""
     return st.tuples(st.integers(2, 6), st.integers(1, 4), st.integers(v_min, 4)).map(
-        lambda t: (t[0], t[0] * t[1], t[2]))
+        lambda t: (t[0], t[0] * t[1], t[2])
+    )
 
 
 def test_chunk_actions_print_parse_and_peers():
@@ -127,11 +128,14 @@ def test_v1_and_communication_placement_agree_with_one_f_one_b():
     assert with_communication(compute, 4) == one_f_one_b(4, 6)
 
 
-@pytest.mark.parametrize("p, m, v, match", [
-    (4, 6, 2, "6 micro-batches is not a multiple of 4.*use 4 or 8"),
-    (4, 2, 2, "at least as many micro-batches as pipeline ranks: got 2 for 4"),
-    (1, 4, 2, "interleaving needs at least 2 pipeline ranks"),
-])
+@pytest.mark.parametrize(
+    "p, m, v, match",
+    [
+        (4, 6, 2, "6 micro-batches is not a multiple of 4.*use 4 or 8"),
+        (4, 2, 2, "at least as many micro-batches as pipeline ranks: got 2 for 4"),
+        (1, 4, 2, "interleaving needs at least 2 pipeline ranks"),
+    ],
+)
 def test_interleaved_refuses_sizes_the_order_cannot_run(p, m, v, match):
     with pytest.raises(ScheduleError, match=match):
         interleaved_one_f_one_b(p, m, v)
@@ -152,7 +156,9 @@ def test_validator_chunks_and_w():
         validate_schedule(il, 2, 2)
     bad = [list(acts) for acts in il]
     bad[1].append(Action(1, SEND_ACT, 0, 1))
-    with pytest.raises(ScheduleError, match=r"SEND_ACT0@s1c1 cannot run on the last model chunk \(model chunk 3 of 4\)"):
+    with pytest.raises(
+        ScheduleError, match=r"SEND_ACT0@s1c1 cannot run on the last model chunk \(model chunk 3 of 4\)"
+    ):
         validate_schedule(bad, 2, 2, 2)
 
 
@@ -169,10 +175,14 @@ def test_fifo_per_pair_mixes_kinds_and_deadlock_is_found():
     with pytest.raises(ScheduleError, match=f"message to stage 1 but stage 1's .* receive from stage 0 is {r1[i]}"):
         validate_schedule([il[0], r1], 2, 4, 2)
     # Rank 0 waits for its second chunk's gradient before running that chunk's forwards.
-    r0 = [Action.parse(t) for t in (
-        "F0@s0 SEND_ACT0@s0 F1@s0 SEND_ACT1@s0 RECV_ACT0@s0c1 RECV_ACT1@s0c1 RECV_GRAD0@s0c1 F0@s0c1 "
-        "SEND_ACT0@s0c1 F1@s0c1 SEND_ACT1@s0c1 B0@s0c1 SEND_GRAD0@s0c1 RECV_GRAD1@s0c1 B1@s0c1 SEND_GRAD1@s0c1 "
-        "RECV_GRAD0@s0 B0@s0 RECV_GRAD1@s0 B1@s0").split()]
+    r0 = [
+        Action.parse(t)
+        for t in (
+            "F0@s0 SEND_ACT0@s0 F1@s0 SEND_ACT1@s0 RECV_ACT0@s0c1 RECV_ACT1@s0c1 RECV_GRAD0@s0c1 F0@s0c1 "
+            "SEND_ACT0@s0c1 F1@s0c1 SEND_ACT1@s0c1 B0@s0c1 SEND_GRAD0@s0c1 RECV_GRAD1@s0c1 B1@s0c1 SEND_GRAD1@s0c1 "
+            "RECV_GRAD0@s0 B0@s0 RECV_GRAD1@s0 B1@s0"
+        ).split()
+    ]
     small = interleaved_one_f_one_b(2, 2, 2)
     validate_schedule([r0, small[1]], 2, 2, 2)
     with pytest.raises(DeadlockError, match="rank 0 -> rank 1 -> rank 0") as ei:

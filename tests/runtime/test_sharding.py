@@ -11,8 +11,13 @@ from runtime.sharding import TensorShard
 
 
 @settings(max_examples=60, deadline=None)
-@given(tp=st.sampled_from([1, 2, 3, 4]), per=st.integers(1, 5), other=st.integers(1, 4), dim=st.integers(0, 1),
-       kind=st.sampled_from(["column", "row", "heads"]))
+@given(
+    tp=st.sampled_from([1, 2, 3, 4]),
+    per=st.integers(1, 5),
+    other=st.integers(1, 4),
+    dim=st.integers(0, 1),
+    kind=st.sampled_from(["column", "row", "heads"]),
+)
 def test_cut_then_join_is_the_identity(tp, per, other, dim, kind):
     shape = [other, other]
     shape[dim] = per * tp

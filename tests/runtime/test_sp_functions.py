@@ -95,8 +95,7 @@ def _check_sp_mlp(rank, world):
     w2s, b2s = _leaf(shard_dim(w2, 1, rank, world)), _leaf(b2)
     comm.STATS.reset()
     hid = F.layer_norm(xs, (h,), copy_to_tp(lw))
-    y = row_parallel_linear(F.gelu(column_parallel_linear(hid, w1s, b1s, sequence_dim=1)), w2s, b2s,
-                            sequence_dim=1)
+    y = row_parallel_linear(F.gelu(column_parallel_linear(hid, w1s, b1s, sequence_dim=1)), w2s, b2s, sequence_dim=1)
     (y * c.chunk(world, 1)[rank]).sum().backward()
     assert_close(y, y_ref.chunk(world, 1)[rank])
     assert_close(xs.grad, ref[0].grad.chunk(world, 1)[rank])
@@ -151,8 +150,12 @@ def _check_sharded_dropout(rank, world):
     assert sharded_dropout(x, p, False, 1) is x and sharded_dropout(x, 0.0, True, 1) is x
 
 
-CHECKS = {"adjoint_pair": _check_adjoint_pair, "sp_mlp": _check_sp_mlp, "sp_embedding": _check_sp_embedding,
-          "sharded_dropout": _check_sharded_dropout}
+CHECKS = {
+    "adjoint_pair": _check_adjoint_pair,
+    "sp_mlp": _check_sp_mlp,
+    "sp_embedding": _check_sp_embedding,
+    "sharded_dropout": _check_sharded_dropout,
+}
 
 
 def _worker(rank, world, out_dir):

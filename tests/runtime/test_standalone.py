@@ -14,8 +14,20 @@ from planner.commands.compile import compile_plan
 from tests.helpers import ROOT, TINY_GPT, make_plan
 
 # Importing any of these fails in the child: the runtime and a compiled stage must not need them.
-_BLOCKED = ("planner", "passes", "codegen", "cost_models", "sympy", "networkx", "pulp", "rich",
-            "matplotlib", "transformers", "safetensors", "numpy")
+_BLOCKED = (
+    "planner",
+    "passes",
+    "codegen",
+    "cost_models",
+    "sympy",
+    "networkx",
+    "pulp",
+    "rich",
+    "matplotlib",
+    "transformers",
+    "safetensors",
+    "numpy",
+)
 
 _CHILD = """
 import sys
@@ -34,8 +46,14 @@ def test_runtime_and_a_compiled_stage_import_without_the_compiler(tmp_path):
     out = str(tmp_path / "compiled")
     compile_plan(make_plan("gpt", TINY_GPT, tp=2), out)
     code = _CHILD.format(blocked=_BLOCKED, out=out)
-    res = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert res.returncode == 0, res.stderr
     name, params = res.stdout.split()
     assert name == "Stage0" and int(params) > 0

@@ -31,8 +31,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), world=st.integers(1, 4),
-       data=st.data())
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), world=st.integers(1, 4), data=st.data())
 def test_shard_dim_reassembles(shape, world, data):
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
     shape[dim] *= world
@@ -52,8 +51,13 @@ def test_shard_dim_errors():
 
 
 @settings(max_examples=40, deadline=None)
-@given(world=st.sampled_from([1, 2, 4]), q_per=st.integers(1, 3), group=st.integers(1, 3),
-       hd=st.integers(1, 3), hidden=st.integers(1, 3))
+@given(
+    world=st.sampled_from([1, 2, 4]),
+    q_per=st.integers(1, 3),
+    group=st.integers(1, 3),
+    hd=st.integers(1, 3),
+    hidden=st.integers(1, 3),
+)
 def test_shard_heads_gqa_mapping(world, q_per, group, hd, hidden):
     kv_heads = world * q_per
     heads = kv_heads * group  # group = query heads per kv head

@@ -8,11 +8,13 @@ from runtime.optim import ZeroError
 from runtime.tied import isolate_tied, tied_params, tied_stage_sets
 from runtime.zero import ZeroEngine
 
-MAN = {"stages": [
-    {"index": 0, "params": {"w": {"fqn": "lm_head.weight", "tied": [0, 2]}, "a": {"fqn": "a"}}},
-    {"index": 1, "params": {"b": {"fqn": "b"}}},
-    {"index": 2, "params": {"w": {"fqn": "lm_head.weight", "tied": [0, 2]}, "c": {"fqn": "c"}}},
-]}
+MAN = {
+    "stages": [
+        {"index": 0, "params": {"w": {"fqn": "lm_head.weight", "tied": [0, 2]}, "a": {"fqn": "a"}}},
+        {"index": 1, "params": {"b": {"fqn": "b"}}},
+        {"index": 2, "params": {"w": {"fqn": "lm_head.weight", "tied": [0, 2]}, "c": {"fqn": "c"}}},
+    ]
+}
 
 
 def test_holders_and_groups():
@@ -31,8 +33,12 @@ class Two(nn.Module):
 
 def test_a_copy_counted_elsewhere_leaves_the_norm():
     m = Two()
-    eng = ZeroEngine(m, layers=isolate_tied([["w", "lin.weight", "lin.bias"]], {"w": ()}),
-                     tied={"w": (None, False)}, max_grad_norm=1.0)
+    eng = ZeroEngine(
+        m,
+        layers=isolate_tied([["w", "lin.weight", "lin.bias"]], {"w": ()}),
+        tied={"w": (None, False)},
+        max_grad_norm=1.0,
+    )
     (m.w.sum() * 3 + m.lin.weight.sum()).backward()
     info = eng.step(lr=0.0)
     assert info.grad_norm == pytest.approx(3.0)  # only lin.weight's 9 ones: the copy is not counted

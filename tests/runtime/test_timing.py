@@ -47,8 +47,15 @@ def test_nested_parts_count_once_in_the_innermost():
     clk.now = 10.0
     seconds, parts = t.stop()
     assert seconds == 10.0
-    assert parts == {"compute": 3.0, "recompute": 1.5, "tp_comm": 0.5, "pp_bubble": 0.0, "dp_comm": 1.0,
-                     "optimizer": 4.0, "offload": 0.0}
+    assert parts == {
+        "compute": 3.0,
+        "recompute": 1.5,
+        "tp_comm": 0.5,
+        "pp_bubble": 0.0,
+        "dp_comm": 1.0,
+        "optimizer": 4.0,
+        "offload": 0.0,
+    }
     assert list(parts) == list(PARTS)
     assert sum(parts.values()) == pytest.approx(seconds)
 
@@ -104,7 +111,11 @@ def groups():
 
 def test_group_to_part(groups):
     assert {a: timing.part_of(g) for a, g in groups.items()} == {
-        "tp": "tp_comm", "dp": "dp_comm", "pp": "pp_bubble", "tied": "dp_comm"}
+        "tp": "tp_comm",
+        "dp": "dp_comm",
+        "pp": "pp_bubble",
+        "tied": "dp_comm",
+    }
     assert timing.part_of(None) is None and timing.part_of(object()) is None
     with pytest.raises(ValueError, match="unknown axis"):
         timing.register_group(object(), "ep")
@@ -131,6 +142,7 @@ def test_comm_charges_blocking_calls_and_waits_to_their_group(groups, monkeypatc
     def blocking(seconds):
         def fn():
             clk.now += seconds
+
         return fn
 
     comm._guard("all_reduce", 8, groups["tp"], blocking(1.0))
@@ -143,8 +155,15 @@ def test_comm_charges_blocking_calls_and_waits_to_their_group(groups, monkeypatc
     comm.wait(comm.Pending(FakeWork(clk, 4.0), timing.part_of(groups["pp"])))
     comm.wait(None)
     seconds, parts = timing.TIMER.stop()
-    assert parts == {"compute": 0.5, "recompute": 0.0, "tp_comm": 1.0, "pp_bubble": 4.0, "dp_comm": 2.0,
-                     "optimizer": 0.25, "offload": 0.0}
+    assert parts == {
+        "compute": 0.5,
+        "recompute": 0.0,
+        "tp_comm": 1.0,
+        "pp_bubble": 4.0,
+        "dp_comm": 2.0,
+        "optimizer": 0.25,
+        "offload": 0.0,
+    }
     assert seconds == 7.75
 
 

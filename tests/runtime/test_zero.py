@@ -33,8 +33,15 @@ def test_dp1_matches_torch_for_any_shape(stage, h, blocks, bucket, ckpt, grouped
     steps = 3
     ref_losses, ref_params = reference(steps, h=h, blocks=blocks)
     net = make_net(h=h, blocks=blocks, ckpt=ckpt)
-    engine = ZeroEngine(net, layer_groups(net) if grouped else None, zero_stage=stage, **HP,
-                        max_grad_norm=MAX_NORM, bucket_bytes=bucket, prefetch=prefetch)
+    engine = ZeroEngine(
+        net,
+        layer_groups(net) if grouped else None,
+        zero_stage=stage,
+        **HP,
+        max_grad_norm=MAX_NORM,
+        bucket_bytes=bucket,
+        prefetch=prefetch,
+    )
     losses, _ = run_engine(engine, steps, 0, 1)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
     for n, p in engine.full_state_dict().items():
@@ -57,8 +64,14 @@ def test_zero3_frees_parameters_outside_forward_and_backward():
 
 
 def test_state_shards_roundtrip():
-    t = {"format": "planner.zero/1", "zero_stage": 2, "num_shards": 1, "shard_index": 0, "step": 3,
-         "groups": [{"names": ["a"], "shapes": [[5]], "numel": 5}, {"names": ["b"], "shapes": [[2]], "numel": 2}]}
+    t = {
+        "format": "planner.zero/1",
+        "zero_stage": 2,
+        "num_shards": 1,
+        "shard_index": 0,
+        "step": 3,
+        "groups": [{"names": ["a"], "shapes": [[5]], "numel": 5}, {"names": ["b"], "shapes": [[2]], "numel": 2}],
+    }
     for k in ("master", "exp_avg", "exp_avg_sq"):
         t[k] = [torch.arange(5.0) + 1, torch.tensor([7.0, 8.0])]
     for n in (1, 2, 3, 4, 7):
@@ -85,7 +98,13 @@ def test_loss_scaler_rules():
     assert trace == [8.0, 4.0, 2.0, 2.0, 2.0, 4.0, 4.0, 4.0]
     d = DynamicLossScaler()
     assert (d.scale, d.growth_factor, d.backoff_factor, d.growth_interval, d.hysteresis, d.min_scale) == (
-        2.0**16, 2.0, 0.5, 1000, 2, 1.0)
+        2.0**16,
+        2.0,
+        0.5,
+        1000,
+        2,
+        1.0,
+    )
     with pytest.raises(ValueError, match="backoff_factor"):
         DynamicLossScaler(backoff_factor=1.5)
 
@@ -122,8 +141,10 @@ def test_weight_decay_filter_matches_torch_param_groups():
     """No decay on biases and LayerNorm: same as torch AdamW with two parameter groups."""
     no_decay = lambda n: n.endswith("bias") or ".ln." in n  # noqa: E731
     ref = make_net()
-    groups = [{"params": [p for n, p in ref.named_parameters() if not no_decay(n)]},
-              {"params": [p for n, p in ref.named_parameters() if no_decay(n)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in ref.named_parameters() if not no_decay(n)]},
+        {"params": [p for n, p in ref.named_parameters() if no_decay(n)], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, **HP)
     net = make_net()
     engine = ZeroEngine(net, layer_groups(net), zero_stage=1, **HP, weight_decay_filter=lambda n: not no_decay(n))
@@ -182,8 +203,8 @@ def _split_run(engine: ZeroEngine, steps: int, split: bool) -> tuple[list[float]
         x, y = data(s)
         total = 0.0
         for i in range(MICRO):
-            xi = x[i * mb:(i + 1) * mb].clone().requires_grad_(True)
-            loss = engine.module(xi, y[i * mb:(i + 1) * mb])
+            xi = x[i * mb : (i + 1) * mb].clone().requires_grad_(True)
+            loss = engine.module(xi, y[i * mb : (i + 1) * mb])
             if split:
                 with engine.backward_pass(accumulates=False):
                     _, work = backward_input([loss / MICRO], [None], [xi])
@@ -210,8 +231,9 @@ def test_split_backward_in_scopes_matches_torch_with_one_reduction_per_pass(stag
     counts = {}
     for split in (False, True):
         net = make_net(ckpt=True)
-        engine = ZeroEngine(net, layer_groups(net), zero_stage=stage, **HP, max_grad_norm=MAX_NORM,
-                            micro_batches_per_step=2)
+        engine = ZeroEngine(
+            net, layer_groups(net), zero_stage=stage, **HP, max_grad_norm=MAX_NORM, micro_batches_per_step=2
+        )
         losses, counts[split] = _split_run(engine, 2, split)
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
         for n, p in engine.full_state_dict().items():
@@ -236,6 +258,7 @@ def test_roots_must_hold_whole_groups():
     names = [n for n, _ in chunks.named_parameters()]
     with pytest.raises(ZeroError, match="lies in none of the roots"):
         ZeroEngine(chunks, [names], zero_stage=1, roots=["0", "1"], **HP)
-    engine = ZeroEngine(chunks, [[n for n in names if n.startswith(f"{k}.")] for k in "01"], zero_stage=1,
-                        roots=["0", "1"], **HP)
+    engine = ZeroEngine(
+        chunks, [[n for n in names if n.startswith(f"{k}.")] for k in "01"], zero_stage=1, roots=["0", "1"], **HP
+    )
     assert engine._group_root == [0, 1]

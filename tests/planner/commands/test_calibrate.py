@@ -52,9 +52,11 @@ def _raw(alpha=5e-5, bw=2e9, bf16_ok=True):
             colls.append({"kind": kind, "size_bytes": s, "n": 2, "seconds": steps * alpha + link / bw})
     nan = float("nan")
     return {
-        "matmul": {"fp32": {"128": 4e10, "256": 5e10},
-                   "bf16": {"128": 8e10 if bf16_ok else nan, "256": 9e10 if bf16_ok else nan},
-                   "fp16": {"128": 3e10, "256": 2e10}},
+        "matmul": {
+            "fp32": {"128": 4e10, "256": 5e10},
+            "bf16": {"128": 8e10 if bf16_ok else nan, "256": 9e10 if bf16_ok else nan},
+            "fp16": {"128": 3e10, "256": 2e10},
+        },
         "memory_bandwidth": 7e9,
         "collectives": colls,
     }
@@ -75,8 +77,12 @@ def test_build_profile_from_raw_measurements(tmp_path):
     # the recompute ratio: 1 when unmeasured, kept to (0.25, 1.5] when a timing went wild
     assert p.recompute_ratio == 1.0
     for raw, want in ((0.82, 0.82), (-0.3, 0.25), (7.0, 1.5), (float("nan"), 1.0)):
-        assert build_profile(dict(_raw(), recompute_ratio=raw), 2, base, CalibrationSpec.quick()).recompute_ratio == want
-    assert build_profile(dict(_raw(), sync_overhead_s=1.5e-3), 2, base, CalibrationSpec.quick()).sync_overhead_s == 1.5e-3
+        assert (
+            build_profile(dict(_raw(), recompute_ratio=raw), 2, base, CalibrationSpec.quick()).recompute_ratio == want
+        )
+    assert (
+        build_profile(dict(_raw(), sync_overhead_s=1.5e-3), 2, base, CalibrationSpec.quick()).sync_overhead_s == 1.5e-3
+    )
     # A dtype that failed everywhere keeps the base profile's ratio to fp32; NaN is stored as null.
     q = build_profile(_raw(bf16_ok=False), 2, base, CalibrationSpec.quick())
     assert q.peak("bf16") == pytest.approx(5e10 * base.peak("bf16") / base.peak("fp32"))

@@ -46,9 +46,18 @@ def _raw(count=8, alpha=None, bw=None, failed_dtype=None, speedup=1.0, name="NVI
     bw = bw or {"all_reduce": 3.6e11, "all_gather": 3.7e11, "reduce_scatter": 3.7e11, "send": 3.9e11}
     seconds = {}
     for dt in ("bf16", "fp16", "fp32", "tf32"):
-        seconds[dt] = [[[float("nan") if dt == failed_dtype else
-                         2.0 * m * n * k / (H200.peak(dt) * _true_efficiency(dt, m, n, k) * speedup)
-                         for k in SIZES] for n in SIZES] for m in SIZES]
+        seconds[dt] = [
+            [
+                [
+                    float("nan")
+                    if dt == failed_dtype
+                    else 2.0 * m * n * k / (H200.peak(dt) * _true_efficiency(dt, m, n, k) * speedup)
+                    for k in SIZES
+                ]
+                for n in SIZES
+            ]
+            for m in SIZES
+        ]
     colls = []
     n_ranks = count
     for kind in MEASURED_KINDS:
@@ -56,11 +65,22 @@ def _raw(count=8, alpha=None, bw=None, failed_dtype=None, speedup=1.0, name="NVI
             n = 2 if kind == "send" else n_ranks
             steps, link = ring_terms(kind, size, n)
             colls.append({"kind": kind, "size_bytes": size, "n": n, "seconds": steps * alpha[kind] + link / bw[kind]})
-    host = [{"direction": d, "size_bytes": s, "seconds": 1e-5 + s / b}
-            for d, b in (("h2d", 5.0e10), ("d2h", 4.5e10)) for s in (MB, 64 * MB)]
+    host = [
+        {"direction": d, "size_bytes": s, "seconds": 1e-5 + s / b}
+        for d, b in (("h2d", 5.0e10), ("d2h", 4.5e10))
+        for s in (MB, 64 * MB)
+    ]
     raw = {
-        "device": {"name": name, "count": count, "sm_count": 132, "memory_bytes": 141 * 2**30,
-                   "capability": "9.0", "torch": "test", "cuda": "test", "nccl": "test"},
+        "device": {
+            "name": name,
+            "count": count,
+            "sm_count": 132,
+            "memory_bytes": 141 * 2**30,
+            "capability": "9.0",
+            "torch": "test",
+            "cuda": "test",
+            "nccl": "test",
+        },
         "gemm": {"sizes": {"m": SIZES, "n": SIZES, "k": SIZES}, "seconds": seconds},
         "memory_bandwidth": 4.1e12,
         "op_chain": {"host_s": 9e-6, "device_s": 2e-6, "wall_s": 9e-6},
@@ -128,7 +148,9 @@ def test_unknown_gpu_uses_its_best_measured_rates_as_peaks():
     for dt in ("bf16", "fp32", "tf32"):
         best = H200.peak(dt) * max(_true_efficiency(dt, m, n, k) for m in SIZES for n in SIZES for k in SIZES)
         assert p.peak(dt) == pytest.approx(best)
-        assert max(x for plane in p.gemm_efficiency[dt]["efficiency"] for row in plane for x in row) == pytest.approx(1.0)
+        assert max(x for plane in p.gemm_efficiency[dt]["efficiency"] for row in plane for x in row) == pytest.approx(
+            1.0
+        )
     assert "best measured GEMM rate" in p.source
 
 
@@ -143,8 +165,11 @@ def test_a_dtype_that_failed_has_no_table():
     assert set(p.gemm_efficiency) == {"bf16", "fp16", "fp32"}
     assert p.calibration["gemm_skipped"] == {"tf32": "a GEMM of the grid could not be timed"}
     assert p.peak("tf32") == H200.peak("tf32")  # the datasheet's, untouched
-    with pytest.raises(CalibrationError, match=r"could not time a fp16 GEMM on Some GPU and it is not a GPU with "
-                                               r"a datasheet profile"):
+    with pytest.raises(
+        CalibrationError,
+        match=r"could not time a fp16 GEMM on Some GPU and it is not a GPU with "
+        r"a datasheet profile",
+    ):
         _build(_raw(failed_dtype="fp16", name="Some GPU"), datasheet=False)
 
 
@@ -157,22 +182,26 @@ def test_op_overhead_falls_back_to_the_operator_chain():
 
 def test_gemm_tables_clamp_and_skip():
     sizes = {"m": [2], "n": [2], "k": [2]}
-    tabs, skipped = gemm_tables(sizes, {"fp32": [[[8.0 / 1e9]]], "bf16": [[[None]]], "tf32": [[[1.0]]]},
-                                {"fp32": 1e9, "bf16": 1e9})
+    tabs, skipped = gemm_tables(
+        sizes, {"fp32": [[[8.0 / 1e9]]], "bf16": [[[None]]], "tf32": [[[1.0]]]}, {"fp32": 1e9, "bf16": 1e9}
+    )
     assert tabs["fp32"]["efficiency"] == [[[1.0]]]  # 2 GFLOP/s on a 1 GFLOP/s peak: kept to 1
     assert set(skipped) == {"bf16", "tf32"}
 
 
-@pytest.mark.parametrize("name,mem,kind", [
-    ("NVIDIA H200", 141 * 2**30, "h200"),
-    ("NVIDIA H100 80GB HBM3", 80 * 2**30, "h100-sxm"),
-    ("NVIDIA H100 PCIe", 80 * 2**30, None),
-    ("NVIDIA A100-SXM4-80GB", 80 * 2**30, "a100-80gb"),
-    ("NVIDIA A100-SXM4-40GB", 40 * 2**30, "a100-40gb"),
-    ("NVIDIA A100-PCIE-40GB", 40 * 2**30, None),
-    ("Tesla V100-SXM2-32GB", 32 * 2**30, "v100-32gb"),
-    ("NVIDIA GeForce RTX 4090", 24 * 2**30, None),
-])
+@pytest.mark.parametrize(
+    "name,mem,kind",
+    [
+        ("NVIDIA H200", 141 * 2**30, "h200"),
+        ("NVIDIA H100 80GB HBM3", 80 * 2**30, "h100-sxm"),
+        ("NVIDIA H100 PCIe", 80 * 2**30, None),
+        ("NVIDIA A100-SXM4-80GB", 80 * 2**30, "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", 40 * 2**30, "a100-40gb"),
+        ("NVIDIA A100-PCIE-40GB", 40 * 2**30, None),
+        ("Tesla V100-SXM2-32GB", 32 * 2**30, "v100-32gb"),
+        ("NVIDIA GeForce RTX 4090", 24 * 2**30, None),
+    ],
+)
 def test_datasheet_kind(name, mem, kind):
     assert datasheet_kind(name, mem) == kind
 
@@ -209,7 +238,12 @@ def test_measurements_run_on_the_cpu():
     chain = measure_op_chain(timer, 50, 2)
     assert 0 < chain["host_s"] < 1e-2 and chain["device_s"] == chain["wall_s"]
     copies = measure_host_copies(timer, (4096, MB), 3)
-    assert [(c["direction"], c["size_bytes"]) for c in copies] == [("h2d", 4096), ("d2h", 4096), ("h2d", MB), ("d2h", MB)]
+    assert [(c["direction"], c["size_bytes"]) for c in copies] == [
+        ("h2d", 4096),
+        ("d2h", 4096),
+        ("h2d", MB),
+        ("d2h", MB),
+    ]
     # the fp32 matmul precision setting is left as it was
     before = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
     measure_gemm_table((8,), ("tf32",), timer, 1e-4, 3)
@@ -217,9 +251,20 @@ def test_measurements_run_on_the_cpu():
 
 
 def test_single_device_collection_on_the_cpu_builds_a_profile():
-    spec = GpuCalibrationSpec(gemm_sizes=(16, 64), gemm_dtypes=("bf16", "fp16", "fp32"), gemm_target_s=1e-4,
-                              gemm_max_reps=3, warmup_s=0, copy_bytes=MB, copy_reps=3, op_chain=20, op_rounds=2,
-                              model_budget_s=0.05, host_copy_sizes=(4096, MB), host_copy_reps=3)
+    spec = GpuCalibrationSpec(
+        gemm_sizes=(16, 64),
+        gemm_dtypes=("bf16", "fp16", "fp32"),
+        gemm_target_s=1e-4,
+        gemm_max_reps=3,
+        warmup_s=0,
+        copy_bytes=MB,
+        copy_reps=3,
+        op_chain=20,
+        op_rounds=2,
+        model_budget_s=0.05,
+        host_copy_sizes=(4096, MB),
+        host_copy_reps=3,
+    )
     ticks = []
     raw = collect_single_device(spec, CPU, tick=ticks.append)
     assert len(ticks) == 1 + 3 * 2 + 3

@@ -8,8 +8,20 @@ from planner.cli import main
 from planner.plan import COST_KEYS, TIME_KEYS, load_plan
 from tests.helpers import SMALL_GPT_FLAGS, plan_args
 
-SWEEP = ["plan", *SMALL_GPT_FLAGS, "--hardware", "cpu", "--gpus-per-node", "8", "--global-batch", "8",
-         "--seq-len", "16", "--dtype", "fp32"]
+SWEEP = [
+    "plan",
+    *SMALL_GPT_FLAGS,
+    "--hardware",
+    "cpu",
+    "--gpus-per-node",
+    "8",
+    "--global-batch",
+    "8",
+    "--seq-len",
+    "16",
+    "--dtype",
+    "fp32",
+]
 
 
 def test_plan_with_tokens_carries_a_consistent_cost(tmp_path, capsys):
@@ -57,13 +69,16 @@ def test_sweep_table_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--gpus", "2,x"], "comma-separated list"),
-    (["--gpus", "2,2"], "lists a device count twice"),
-    (["--gpus", "2", "--tokens", "many"], "token count"),
-    (["--gpus", "2", "--price-per-gpu-hour", "2"], "add --tokens N"),
-    (["--gpus", "2,4", "--dp", "3"], "no cluster size of the sweep can be planned"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gpus", "2,x"], "comma-separated list"),
+        (["--gpus", "2,2"], "lists a device count twice"),
+        (["--gpus", "2", "--tokens", "many"], "token count"),
+        (["--gpus", "2", "--price-per-gpu-hour", "2"], "add --tokens N"),
+        (["--gpus", "2,4", "--dp", "3"], "no cluster size of the sweep can be planned"),
+    ],
+)
 def test_bad_cost_and_sweep_input_is_one_clear_message(extra, message, capsys):
     try:
         rc = main([*SWEEP, *extra])

@@ -36,8 +36,10 @@ def test_quartile_and_summary_of_pooled_steps():
     assert quartile([4.0, 1.0, 3.0, 2.0, 5.0]) == 2.0
     assert quartile([1.0, 2.0]) == 1.25
     keys = ("step_time_s", "peak_memory_bytes", "comm_bytes_per_device")
-    rows = [Row(f"p{i}", dict(zip(keys, (t, 100, 10))), dict(zip(keys, (1.1 * t, 104, 10))), [t, 2 * t, 3 * t])
-            for i, t in enumerate((1.0, 2.0, 3.0))]
+    rows = [
+        Row(f"p{i}", dict(zip(keys, (t, 100, 10))), dict(zip(keys, (1.1 * t, 104, 10))), [t, 2 * t, 3 * t])
+        for i, t in enumerate((1.0, 2.0, 3.0))
+    ]
     s = summarize(rows)
     assert s["spearman_time"] == pytest.approx(1.0) and s["median_time_error"] == pytest.approx(0.1 / 1.1)
     assert s["worst_memory_error"] == pytest.approx(4 / 104) and s["worst_comm_error"] == 0

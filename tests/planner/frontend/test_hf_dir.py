@@ -23,8 +23,9 @@ def gpt2_dir(tmp_path_factory):
     """A tiny GPT-2 (tied LM head) saved with save_pretrained."""
     path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, vocab_size=40,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_embd=16, n_layer=2, n_head=2, n_positions=32, vocab_size=40, bos_token_id=0, eos_token_id=0
+    )
     transformers.GPT2LMHeadModel(cfg).save_pretrained(str(path))
     return str(path)
 
@@ -53,7 +54,9 @@ def test_lazy_state_resolves_ties_and_buffers(tmp_path, gpt2_dir):
     assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
     state = directory_state(sharded, {})
     torch.testing.assert_close(state.get_slice("inner.lm_head.weight")[3:5], ref.lm_head.weight[3:5].detach())
-    torch.testing.assert_close(state["inner.transformer.h.1.mlp.c_fc.weight"], ref.transformer.h[1].mlp.c_fc.weight.detach())
+    torch.testing.assert_close(
+        state["inner.transformer.h.1.mlp.c_fc.weight"], ref.transformer.h[1].mlp.c_fc.weight.detach()
+    )
     (tmp_path / "config.json").write_text(open(os.path.join(gpt2_dir, "config.json")).read())
     assert directory_state(str(tmp_path), {}) is None  # no weights: fresh initialization
 
@@ -61,18 +64,28 @@ def test_lazy_state_resolves_ties_and_buffers(tmp_path, gpt2_dir):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_lazy_shards_equal_cut(tmp_path, tp):
     torch.manual_seed(0)
-    full = {"col": torch.randn(8, 6), "row": torch.randn(6, 8), "vocab": torch.randn(10, 4),
-            "qkv": torch.randn(16, 4), "bias": torch.randn(8)}
-    shards = {"col": TensorShard(0, "column", 8), "row": TensorShard(1, "row", 8),
-              "vocab": TensorShard(0, "vocab", 10, padded=-(-10 // tp) * tp),  # tp 4 pads 2 rows
-              "qkv": TensorShard(0, "qkv", 16, parts=(8, 4, 4)), "bias": TensorShard(0, "column", 8)}
+    full = {
+        "col": torch.randn(8, 6),
+        "row": torch.randn(6, 8),
+        "vocab": torch.randn(10, 4),
+        "qkv": torch.randn(16, 4),
+        "bias": torch.randn(8),
+    }
+    shards = {
+        "col": TensorShard(0, "column", 8),
+        "row": TensorShard(1, "row", 8),
+        "vocab": TensorShard(0, "vocab", 10, padded=-(-10 // tp) * tp),  # tp 4 pads 2 rows
+        "qkv": TensorShard(0, "qkv", 16, parts=(8, 4, 4)),
+        "bias": TensorShard(0, "column", 8),
+    }
     file = str(tmp_path / "model.safetensors")
     save_file(full, file)
     state = DirectoryWeights({k: file for k in full}, {"inner." + k: ["inner." + k] for k in full}, {})
     for name, shard in shards.items():
         for r in range(tp):
-            torch.testing.assert_close(_read_shard(state.get_slice("inner." + name), shard, r, tp),
-                                       shard.cut(full[name], r, tp))
+            torch.testing.assert_close(
+                _read_shard(state.get_slice("inner." + name), shard, r, tp), shard.cut(full[name], r, tp)
+            )
 
 
 class _Counting(DirectoryWeights):
@@ -108,8 +121,12 @@ def test_load_weights_reads_only_this_ranks_slice(tmp_path):
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.empty(4, 4))
     module.b = torch.nn.Parameter(torch.empty(4))
-    stage = {"params": {"w": {"fqn": "inner.w", "shard": {"dim": 0, "kind": "column", "size": 8}},
-                        "b": {"fqn": "inner.b", "shard": None}}}
+    stage = {
+        "params": {
+            "w": {"fqn": "inner.w", "shard": {"dim": 0, "kind": "column", "size": 8}},
+            "b": {"fqn": "inner.b", "shard": None},
+        }
+    }
     load_weights(module, stage, state, tp_index=1, tp=2)
     torch.testing.assert_close(module.w.detach(), full["w"][4:])
     assert state.reads == [("inner.w", (slice(4, 8),))] and state.whole == ["inner.b"]
@@ -120,8 +137,27 @@ def test_load_weights_reads_only_this_ranks_slice(tmp_path):
 
 
 def _plan(spec, capsys, *extra):
-    rc = main(["plan", "--model", spec, "--gpus", "1", "--hardware", "cpu", "--global-batch", "2",
-               "--seq-len", "8", "--dtype", "fp32", "--out", os.devnull, "--json", *extra])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            spec,
+            "--gpus",
+            "1",
+            "--hardware",
+            "cpu",
+            "--global-batch",
+            "2",
+            "--seq-len",
+            "8",
+            "--dtype",
+            "fp32",
+            "--out",
+            os.devnull,
+            "--json",
+            *extra,
+        ]
+    )
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return rc, err
@@ -149,8 +185,9 @@ def test_bad_weights_exit_2(tmp_path, capsys, gpt2_dir):
     tensors = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).state_dict()
     tensors = {k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
     missing = _copy(gpt2_dir, tmp_path / "missing")
-    save_file({k: v for k, v in tensors.items() if k != "transformer.ln_f.weight"},
-              os.path.join(missing, "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if k != "transformer.ln_f.weight"}, os.path.join(missing, "model.safetensors")
+    )
     rc, err = _plan(f"hf:{missing}", capsys)
     assert rc == 2 and "model.safetensors has no tensor 'transformer.ln_f.weight'" in err
     shaped = _copy(gpt2_dir, tmp_path / "shaped")

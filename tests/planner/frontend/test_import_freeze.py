@@ -49,8 +49,7 @@ print(json.dumps({"gpt": gpt, "llama": "transformers.models.llama.modeling_llama
 
 def _run(code: str) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT, "PLANNER_CACHE": "off"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -25,8 +25,12 @@ def test_plan_records_each_inputs_role(tmp_path, capsys):
     rc, plan = _plan(tmp_path, "masked")
     assert rc == 0
     roles = {x["name"]: (x["role"], x["vocab"]) for x in plan["model"]["inputs"]}
-    assert roles == {"input_ids": ("tokens", 40), "attention_mask": ("ones", 0), "position_ids": ("positions", 0),
-                     "labels": ("labels", 30)}
+    assert roles == {
+        "input_ids": ("tokens", 40),
+        "attention_mask": ("ones", 0),
+        "position_ids": ("positions", 0),
+        "labels": ("labels", 30),
+    }
     assert [x["shape"] for x in plan["model"]["inputs"]] == [["b", "s"]] * 4
 
 
@@ -41,14 +45,22 @@ def test_unexplained_input_is_one_clear_error(tmp_path, capsys):
 def test_a_pin_settles_it(tmp_path, capsys):
     rc, plan = _plan(tmp_path, "mystery_input", "--input", "temperature=ones")
     assert rc == 0
-    assert plan["model"]["inputs"][2] == {"name": "temperature", "role": "ones", "dtype": "float32",
-                                          "shape": ["b", "s", 1], "vocab": 0}
+    assert plan["model"]["inputs"][2] == {
+        "name": "temperature",
+        "role": "ones",
+        "dtype": "float32",
+        "shape": ["b", "s", 1],
+        "vocab": 0,
+    }
 
 
-@pytest.mark.parametrize("items, msg", [
-    (["temperature"], "expected NAME=ROLE"),
-    (["temperature=hot"], "unknown role 'hot'"),
-])
+@pytest.mark.parametrize(
+    "items, msg",
+    [
+        (["temperature"], "expected NAME=ROLE"),
+        (["temperature=hot"], "unknown role 'hot'"),
+    ],
+)
 def test_bad_pins(items, msg):
     with pytest.raises(ModelError, match=msg):
         parse_input_pins(items)

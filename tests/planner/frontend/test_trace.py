@@ -25,12 +25,24 @@ ARCHS = {
 }
 NAMES = {
     "gpt": ["embed", "blocks.0", "blocks.1", "blocks.2", "head"],
-    "hf:gpt2": ["inner.transformer.wpe+inner.transformer.wte", "inner.transformer.h.0",
-                "inner.transformer.h.1", "inner.lm_head+inner.transformer.ln_f"],
-    "hf:llama": ["inner.model.embed_tokens", "inner.model.layers.0", "inner.model.layers.1",
-                 "inner.lm_head+inner.model.norm"],
-    "hf:bert": ["inner.bert.embeddings", "inner.bert.encoder.layer.0", "inner.bert.encoder.layer.1",
-                "inner.cls.predictions"],
+    "hf:gpt2": [
+        "inner.transformer.wpe+inner.transformer.wte",
+        "inner.transformer.h.0",
+        "inner.transformer.h.1",
+        "inner.lm_head+inner.transformer.ln_f",
+    ],
+    "hf:llama": [
+        "inner.model.embed_tokens",
+        "inner.model.layers.0",
+        "inner.model.layers.1",
+        "inner.lm_head+inner.model.norm",
+    ],
+    "hf:bert": [
+        "inner.bert.embeddings",
+        "inner.bert.encoder.layer.0",
+        "inner.bert.encoder.layer.1",
+        "inner.cls.predictions",
+    ],
 }
 _CACHE: dict[str, tuple] = {}
 
@@ -77,8 +89,7 @@ def test_layer_count_and_names(spec):
 def test_block_container_is_found_generically():
     from planner.frontend.zoo import build_model
 
-    for spec, path in [("gpt", "blocks"), ("hf:llama", "inner.model.layers"),
-                       ("hf:bert", "inner.bert.encoder.layer")]:
+    for spec, path in [("gpt", "blocks"), ("hf:llama", "inner.model.layers"), ("hf:bert", "inner.bert.encoder.layer")]:
         m = build_model(spec, device="meta", **ARCHS[spec]).model
         container, blocks = find_block_container(m)
         assert container == path
@@ -113,9 +124,10 @@ def test_symbolic_costs_equal_a_fresh_static_trace(spec):
             gb, wb = g.pop(f), w.pop(f)
             assert wb <= gb <= 1.1 * wb, (f, gb, wb)
     assert got == want
-    assert [lay.boundary for lay in static.layers] == \
-        [[(tuple(sympy.sympify(e).subs({B: b, S: s}) for e in shape), dt)
-          for shape, dt in lay.boundary] for lay in symbolic.layers]
+    assert [lay.boundary for lay in static.layers] == [
+        [(tuple(sympy.sympify(e).subs({B: b, S: s}) for e in shape), dt) for shape, dt in lay.boundary]
+        for lay in symbolic.layers
+    ]
 
 
 def test_table_json_round_trip_and_numeric():
@@ -145,7 +157,7 @@ def test_hf_gpt2_tied_embedding_counted_once():
     assert t.layers[-1].param_count == 2 * 64  # ln_f only
 
 
-FACTORY_OK = '''
+FACTORY_OK = """
 import torch, torch.nn as nn, torch.nn.functional as F
 
 class Block(nn.Module):
@@ -174,8 +186,8 @@ class Net(nn.Module):
 def make():
     ids = torch.randint(0, 50, (1, 12))
     return Net(), (ids, ids.clone())
-'''
-FACTORY_BAD = '''
+"""
+FACTORY_BAD = """
 import torch, torch.nn as nn
 
 class Bad(nn.Module):
@@ -191,7 +203,7 @@ class Bad(nn.Module):
 
 def make():
     return Bad(), (torch.randn(4, 6, 8),)
-'''
+"""
 
 
 def test_file_factory_traced_in_full_with_identical_blocks(tmp_path):

@@ -26,8 +26,17 @@ HW = load_hardware("a100-80gb", 8)
 @pytest.fixture(scope="module")
 def solution():
     table = gpt_table(layers=12, hidden=2048, heads=16, vocab=32000)
-    req = PlanRequest(spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=128,
-                      seq_len=2048, pp=4, tp=2, sizes={"layers": 12})
+    req = PlanRequest(
+        spec="gpt",
+        gpus=32,
+        gpus_per_node=8,
+        hardware="a100-80gb",
+        global_batch=128,
+        seq_len=2048,
+        pp=4,
+        tp=2,
+        sizes={"layers": 12},
+    )
     return solve(req, table, HW)
 
 
@@ -45,11 +54,29 @@ def _render(plan, solution=None) -> str:
 def test_report_shows_every_part(solution):
     plan = solution.plan
     out = _render(plan, solution)
-    for text in ("dp=4  tp=2  pp=4", "ZeRO stage", f"{plan.num_micro_batches} micro-batches of "
-                 f"{plan.micro_batch_size}", "Pipeline stages", "params", "grads", "optimizer", "activations",
-                 "capacity", "80.00 GiB", "compute (forward + backward)", "recompute", "TP collectives",
-                 "pipeline bubble", "DP / ZeRO communication", "optimizer step", "tokens / s",
-                 "TFLOP/s per device", "MFU", "Runners-up", "ILPs solved"):
+    for text in (
+        "dp=4  tp=2  pp=4",
+        "ZeRO stage",
+        f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}",
+        "Pipeline stages",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "capacity",
+        "80.00 GiB",
+        "compute (forward + backward)",
+        "recompute",
+        "TP collectives",
+        "pipeline bubble",
+        "DP / ZeRO communication",
+        "optimizer step",
+        "tokens / s",
+        "TFLOP/s per device",
+        "MFU",
+        "Runners-up",
+        "ILPs solved",
+    ):
         assert text in out, text
     assert format_seconds(plan.predicted.step_time_s) in out
     for a in plan.alternatives:
@@ -143,13 +170,24 @@ def test_deepspeed_flags_zero_with_pipeline_and_fp16(plan):
 
 def test_launcher_command(plan):
     cmd = launcher_command(plan, "out/ds_config.json")
-    assert cmd == ("deepspeed --hostfile hostfile --num_nodes 4 --num_gpus 8 train.py --deepspeed "
-                   "--deepspeed_config out/ds_config.json --tensor-model-parallel-size 2 "
-                   "--pipeline-model-parallel-size 4")
-    one = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, gpus=4, gpus_per_node=8),
-                              dp=4, tp=1, pp=1, stages=[[0, 13]], num_micro_batches=32, micro_batch_size=1)
-    assert launcher_command(one) == ("deepspeed --num_nodes 1 --num_gpus 4 train.py --deepspeed "
-                                     "--deepspeed_config ds_config.json")
+    assert cmd == (
+        "deepspeed --hostfile hostfile --num_nodes 4 --num_gpus 8 train.py --deepspeed "
+        "--deepspeed_config out/ds_config.json --tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 4"
+    )
+    one = dataclasses.replace(
+        plan,
+        hardware=dataclasses.replace(plan.hardware, gpus=4, gpus_per_node=8),
+        dp=4,
+        tp=1,
+        pp=1,
+        stages=[[0, 13]],
+        num_micro_batches=32,
+        micro_batch_size=1,
+    )
+    assert launcher_command(one) == (
+        "deepspeed --num_nodes 1 --num_gpus 4 train.py --deepspeed --deepspeed_config ds_config.json"
+    )
 
 
 def test_export_deepspeed_through_the_cli(plan, tmp_path, capsys):

@@ -40,16 +40,22 @@ def _all_strategies(n: int, p: int, blocks: list[int], mode: str, cores: list[in
         elif mode == "selective":
             sets = [((), tuple(i for i in blocks if i in cores))]
         else:
-            sets = [(tuple(i for i, c in enumerate(ch) if c == 1), tuple(i for i, c in enumerate(ch) if c == 2))
-                    for ch in itertools.product(*[(0, 1, 2) if i in cores else (0, 1) for i in range(n)])]
+            sets = [
+                (tuple(i for i, c in enumerate(ch) if c == 1), tuple(i for i, c in enumerate(ch) if c == 2))
+                for ch in itertools.product(*[(0, 1, 2) if i in cores else (0, 1) for i in range(n)])
+            ]
         for ck, sel in sets:
             yield stages, ck, sel
 
 
 def _brute(cc, kinds, mode):
     cores = [i for i, l in enumerate(cc.layers) if l.sel_saved_b > 0]
-    evs = [evaluate(cc, s, c, sel) for s, c, sel in _all_strategies(
-        cc.num_layers, cc.cand.pp, [i for i, k in enumerate(kinds) if k == "block"], mode, cores)]
+    evs = [
+        evaluate(cc, s, c, sel)
+        for s, c, sel in _all_strategies(
+            cc.num_layers, cc.cand.pp, [i for i, k in enumerate(kinds) if k == "block"], mode, cores
+        )
+    ]
     feas = [e for e in evs if e.feasible]
     return (min(e.step_time_s for e in feas) if feas else None), min(memory_bound(e) for e in evs), evs
 
@@ -60,9 +66,15 @@ def instances(draw):
     shape = draw(st.sampled_from(["uniform", "tail", "mixed"]))
     scale = [draw(st.sampled_from([1, 2, 3])) for _ in range(layers)] if shape == "mixed" else None
     tail = draw(st.sampled_from([0.5, 3.0])) if shape == "tail" else None
-    table = gpt_table(layers=layers, hidden=draw(st.sampled_from([64, 128, 256])), heads=4,
-                      vocab=draw(st.sampled_from([256, 4096])), block_scale=scale, tail_boundary=tail,
-                      attention_core=draw(st.booleans()))
+    table = gpt_table(
+        layers=layers,
+        hidden=draw(st.sampled_from([64, 128, 256])),
+        heads=4,
+        vocab=draw(st.sampled_from([256, 4096])),
+        block_scale=scale,
+        tail_boundary=tail,
+        attention_core=draw(st.booleans()),
+    )
     pp = draw(st.integers(1, min(3, layers + 2)))
     dp = draw(st.sampled_from([1, 2]))
     tp = draw(st.sampled_from([1, 2]))
@@ -70,8 +82,9 @@ def instances(draw):
     cand = Candidate(dp, tp, pp, draw(st.integers(0, 3)) if dp > 1 else 0, draw(st.sampled_from([1, 4])), m)
     hw = dataclasses.replace(SLOW, gpus_per_node=draw(st.sampled_from([1, 2, 8])))
     seq = draw(st.sampled_from([64, 512]))
-    cc = candidate_costs(NumericTable(table), hw, draw(st.sampled_from(["bf16", "fp32"])), seq, cand,
-                         hw.gpus_per_node, 1.0)
+    cc = candidate_costs(
+        NumericTable(table), hw, draw(st.sampled_from(["bf16", "fp32"])), seq, cand, hw.gpus_per_node, 1.0
+    )
     kinds = [l.kind for l in table.layers]
     mode = draw(st.sampled_from(["auto", "auto", "none", "all", "selective"]))
     return cc, kinds, mode, draw(st.floats(0.0, 1.0)), draw(st.sampled_from(["auto", "general"]))
@@ -104,8 +117,13 @@ def test_ilp_optimum_equals_brute_force(inst):
 
 
 @settings(max_examples=10, deadline=None)
-@given(layers=st.integers(2, 6), pp=st.integers(1, 4), m=st.integers(4, 8), zero=st.integers(0, 3),
-       tail=st.sampled_from([None, 0.5, 4.0]))
+@given(
+    layers=st.integers(2, 6),
+    pp=st.integers(1, 4),
+    m=st.integers(4, 8),
+    zero=st.integers(0, 3),
+    tail=st.sampled_from([None, 0.5, 4.0]),
+)
 def test_uniform_and_general_formulations_agree(layers, pp, m, zero, tail):
     table = gpt_table(layers=layers, hidden=256, heads=4, vocab=4096, tail_boundary=tail)
     cc = candidate_costs(NumericTable(table), SLOW, "bf16", 512, Candidate(2, 1, pp, zero, 2, m), 1, 2**30 * 0.4)
@@ -129,12 +147,21 @@ def test_constraints_are_named_by_family_and_stage():
     cc = candidate_costs(NumericTable(table), HW, "bf16", 128, Candidate(1, 1, 2, 0, 1, 2), 8, 1e9)
     prob, _ = build_problem(cc, [l.kind for l in table.layers])
     names = _names(prob)
-    for fam in ("partition_assign_l0", "partition_order_l0", "boundary_end_l1_k0", "checkpoint_l1_k0",
-                "time_microstep_k1", "time_tail_k0", "memory_k0", "memory_k1"):
+    for fam in (
+        "partition_assign_l0",
+        "partition_order_l0",
+        "boundary_end_l1_k0",
+        "checkpoint_l1_k0",
+        "time_microstep_k1",
+        "time_tail_k0",
+        "memory_k0",
+        "memory_k1",
+    ):
         assert fam in names, fam
-    uprob, _ = build_problem(candidate_costs(NumericTable(gpt_table(layers=3)), HW, "bf16", 128,
-                                             Candidate(1, 1, 3, 0, 1, 3), 8, 1e9),
-                             ["pre", "block", "block", "block", "post"])
+    uprob, _ = build_problem(
+        candidate_costs(NumericTable(gpt_table(layers=3)), HW, "bf16", 128, Candidate(1, 1, 3, 0, 1, 3), 8, 1e9),
+        ["pre", "block", "block", "block", "post"],
+    )
     assert {"partition_blocks", "partition_nonempty_k1", "memory_k2", "checkpoint_within_k0"} <= _names(uprob)
 
 
@@ -171,8 +198,9 @@ def test_search_with_pruning_equals_exhaustive_brute_force(cores):
 
 def test_solve_gives_a_valid_plan_with_alternatives():
     table = gpt_table(layers=8, hidden=1024, heads=16, vocab=32000)
-    req = PlanRequest(spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=1024,
-                      sizes={"layers": 8})
+    req = PlanRequest(
+        spec="gpt", gpus=32, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=1024, sizes={"layers": 8}
+    )
     plan = solve(req, table, HW).plan
     again = Plan.from_dict(plan.to_dict())
     assert again == plan
@@ -192,8 +220,18 @@ def test_solve_gives_a_valid_plan_with_alternatives():
 
 def test_pins_fix_decisions_and_checkpoint_modes():
     table = gpt_table(layers=6, hidden=512, heads=8, vocab=8192)
-    req = PlanRequest(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=32, seq_len=512,
-                      pp=2, zero_stage=1, micro_batch=2, checkpoint="all")
+    req = PlanRequest(
+        spec="gpt",
+        gpus=8,
+        gpus_per_node=8,
+        hardware="a100-80gb",
+        global_batch=32,
+        seq_len=512,
+        pp=2,
+        zero_stage=1,
+        micro_batch=2,
+        checkpoint="all",
+    )
     plan = solve(req, table, HW).plan
     assert (plan.pp, plan.zero_stage, plan.micro_batch_size) == (2, 1, 2)
     assert plan.checkpoint_layers == list(range(1, 7))
@@ -209,8 +247,20 @@ def test_selective_recompute_is_chosen_where_it_beats_full_recompute():
     """A long sequence's attention scores dominate a block's activations (5 a s^2 b bytes against
     34 s b h): dropping only them fits memory for a fraction of a full recompute's time."""
     table = gpt_table(layers=24, hidden=1024, heads=16, vocab=32000, attention_core=True)
-    req = PlanRequest(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=64, seq_len=8192,
-                      dp=8, tp=1, pp=1, zero_stage=1, micro_batch=1, schedule="1f1b")
+    req = PlanRequest(
+        spec="gpt",
+        gpus=8,
+        gpus_per_node=8,
+        hardware="a100-80gb",
+        global_batch=64,
+        seq_len=8192,
+        dp=8,
+        tp=1,
+        pp=1,
+        zero_stage=1,
+        micro_batch=1,
+        schedule="1f1b",
+    )
     auto = solve(req, table, HW).plan
     full = solve(dataclasses.replace(req, checkpoint="all"), table, HW).plan
     assert auto.selective_layers and not set(auto.selective_layers) & set(auto.checkpoint_layers)
@@ -224,8 +274,18 @@ def test_selective_recompute_is_chosen_where_it_beats_full_recompute():
 def test_only_pinned_triple_fills_alternatives_with_other_batching():
     table = gpt_table(layers=4, hidden=256, heads=4)
     # 1F1B pinned: the exhaustive check below solves the 1F1B ILPs (other schedules are a post-pass)
-    req = PlanRequest(spec="gpt", gpus=4, gpus_per_node=4, hardware="a100-80gb", global_batch=16, seq_len=128,
-                      dp=2, tp=1, pp=2, schedule="1f1b")
+    req = PlanRequest(
+        spec="gpt",
+        gpus=4,
+        gpus_per_node=4,
+        hardware="a100-80gb",
+        global_batch=16,
+        seq_len=128,
+        dp=2,
+        tp=1,
+        pp=2,
+        schedule="1f1b",
+    )
     plan = solve(req, table, HW).plan
     assert len(plan.alternatives) == 3
     assert all((a.dp, a.tp, a.pp) == (2, 1, 2) for a in plan.alternatives)
@@ -234,8 +294,9 @@ def test_only_pinned_triple_fills_alternatives_with_other_batching():
     # they are the true 2nd..4th best candidates: solve every candidate without pruning
     nt = NumericTable(table)
     entries = candidate_entries(req, nt, HW, 4, enumerate_candidates(req, nt, 4))
-    times = sorted(r.evaluation.step_time_s for _, _, cc in entries
-                   if (r := solve_candidate(cc, nt.kinds)).evaluation is not None)
+    times = sorted(
+        r.evaluation.step_time_s for _, _, cc in entries if (r := solve_candidate(cc, nt.kinds)).evaluation is not None
+    )
     assert times[0] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert [a.step_time_s for a in plan.alternatives] == pytest.approx(times[1:4], rel=1e-9)
 
@@ -272,8 +333,11 @@ def test_no_feasible_plan_explains_least_memory_and_fixes():
     assert least.memory["total"] > small.memory_bytes * 0.9
     # pure data parallelism pinned at ZeRO 0 replicates everything: the pins are the problem
     with pytest.raises(NoFeasiblePlan) as ei:
-        solve(_req(global_batch=8, seq_len=512, tp=1, pp=1, zero_stage=0), table,
-                      dataclasses.replace(HW, memory_bytes=12 * 2**30)).plan
+        solve(
+            _req(global_batch=8, seq_len=512, tp=1, pp=1, zero_stage=0),
+            table,
+            dataclasses.replace(HW, memory_bytes=12 * 2**30),
+        ).plan
     msg = str(ei.value)
     assert "drop the pins (--tp 1 --pp 1 --zero-stage 0)" in msg and "--zero-stage 3" in msg
 

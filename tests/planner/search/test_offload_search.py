@@ -61,8 +61,9 @@ def test_search_equals_exhaustive_over_offload_settings(memory_mb, gpus, batch):
 
 
 def _one_gpu(table, hardware: str, dtype: str = "bf16"):
-    req = PlanRequest(spec="gpt", gpus=1, gpus_per_node=0, hardware=hardware, global_batch=16, seq_len=2048,
-                      dtype=dtype)
+    req = PlanRequest(
+        spec="gpt", gpus=1, gpus_per_node=0, hardware=hardware, global_batch=16, seq_len=2048, dtype=dtype
+    )
     return solve(req, table, load_hardware(hardware)).plan
 
 

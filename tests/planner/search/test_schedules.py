@@ -26,13 +26,22 @@ TABLE = gpt_table(layers=16, hidden=1024, heads=16, vocab=8192)
 
 
 def _req(**kw) -> PlanRequest:
-    base = dict(spec="gpt", gpus=8, gpus_per_node=8, hardware="a100-80gb", global_batch=8, seq_len=1024,
-                dtype="bf16", compile="off")
+    base = dict(
+        spec="gpt",
+        gpus=8,
+        gpus_per_node=8,
+        hardware="a100-80gb",
+        global_batch=8,
+        seq_len=1024,
+        dtype="bf16",
+        compile="off",
+    )
     return PlanRequest(**{**base, **kw})
 
 
-@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2), ("interleaved", 3),
-                                     ("interleaved", 4)])
+@pytest.mark.parametrize(
+    "name, v", [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4)]
+)
 def test_extrapolated_makespan_equals_the_full_simulation(name, v):
     """Long schedules are simulated at two short lengths and extended at the steady state's pace:
     never below the full simulation, within 1% of it (unequal chunks, sends included)."""
@@ -43,16 +52,21 @@ def test_extrapolated_makespan_equals_the_full_simulation(name, v):
     b = tuple(2 * x * rng.uniform(0.9, 1.3) for x in f)
     w = tuple(x * 0.4 for x in b) if name == "zero-bubble" else None
     times = ChunkTimes(f, tuple(x * 0.6 for x in b) if w else b, w, 0.05)
-    full = {"1f1b": lambda: one_f_one_b(p, m), "zero-bubble": lambda: zero_bubble_h1(p, m),
-            "interleaved": lambda: interleaved_one_f_one_b(p, m, v)}[name]()
-    exact = analyze(full, forward_time=times.forward_s, backward_time=times.backward_s, weight_time=w,
-                    send_time=0.05).makespan
+    full = {
+        "1f1b": lambda: one_f_one_b(p, m),
+        "zero-bubble": lambda: zero_bubble_h1(p, m),
+        "interleaved": lambda: interleaved_one_f_one_b(p, m, v),
+    }[name]()
+    exact = analyze(
+        full, forward_time=times.forward_s, backward_time=times.backward_s, weight_time=w, send_time=0.05
+    ).makespan
     got = simulate_pipeline(name, p, m, v, times).makespan_s
     assert exact * (1 - 1e-12) <= got <= exact * 1.01
 
 
 def test_options_follow_the_micro_batch_rules():
     from cost_models.strategy import Candidate
+
     c = Candidate(dp=1, tp=1, pp=4, zero_stage=0, micro_batch_size=1, num_micro_batches=8)
     opts = schedule_options(c, rows=10)
     assert ("1f1b", 1) in opts and ("zero-bubble", 1) in opts and ("interleaved", 2) in opts
@@ -91,6 +105,7 @@ def test_one_f_one_b_where_the_schedule_does_not_matter():
 def test_step_bound_is_below_the_simulation():
     rng = random.Random(3)
     from cost_models.strategy import Candidate, NumericTable, candidate_costs
+
     nt = NumericTable(TABLE)
     for p, v, name in ((4, 2, "interleaved"), (4, 1, "zero-bubble"), (2, 3, "interleaved")):
         cand = Candidate(dp=1, tp=1, pp=p, zero_stage=0, micro_batch_size=1, num_micro_batches=2 * p)
@@ -100,19 +115,24 @@ def test_step_bound_is_below_the_simulation():
         w = tuple(rng.uniform(0.5, 1) for _ in range(n)) if name == "zero-bubble" else None
         times = ChunkTimes(f, tuple(rng.uniform(1, 3) for _ in range(n)), w, 0.1)
         chunks = tuple((i, i) for i in range(n))
-        tail = max(sum(l.dp_step_s + l.opt_s for c in range(r, n, p) for l in cc.layers[c:c + 1]) for r in range(p))
+        tail = max(sum(l.dp_step_s + l.opt_s for c in range(r, n, p) for l in cc.layers[c : c + 1]) for r in range(p))
         assert step_bound(cc, chunks, times) <= simulate_pipeline(name, p, 2 * p, v, times).makespan_s + tail
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(virtual_stages=2), "--virtual-stages 2 needs --schedule interleaved"),
-    (dict(virtual_stages=2, schedule="zero-bubble"), "not zero-bubble. Add --schedule interleaved"),
-    (dict(schedule="zero-bubble", pp=1), "needs a pipeline (pp >= 2), but --pp is 1"),
-    (dict(schedule="interleaved", gpus=1, global_batch=4), "there is one device"),
-    (dict(schedule="interleaved", pp=4, dp=1, tp=2, micro_batch=1, global_batch=6),
-     "6 micro-batches is not a multiple of 4"),
-    (dict(schedule="interleaved", pp=8, virtual_stages=3), "24 model chunks, more than the layer table's 18 rows"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(virtual_stages=2), "--virtual-stages 2 needs --schedule interleaved"),
+        (dict(virtual_stages=2, schedule="zero-bubble"), "not zero-bubble. Add --schedule interleaved"),
+        (dict(schedule="zero-bubble", pp=1), "needs a pipeline (pp >= 2), but --pp is 1"),
+        (dict(schedule="interleaved", gpus=1, global_batch=4), "there is one device"),
+        (
+            dict(schedule="interleaved", pp=4, dp=1, tp=2, micro_batch=1, global_batch=6),
+            "6 micro-batches is not a multiple of 4",
+        ),
+        (dict(schedule="interleaved", pp=8, virtual_stages=3), "24 model chunks, more than the layer table's 18 rows"),
+    ],
+)
 def test_contradicting_pins_are_clear_errors(kw, message):
     with pytest.raises(SearchError) as err:
         solve(_req(**kw), TABLE, HW)
@@ -127,8 +147,24 @@ def test_interleaved_error_lists_micro_batch_sizes_that_work():
 
 def test_cli_pins_and_exit_2(tmp_path, capsys):
     out = tmp_path / "p.json"
-    common = ["plan", *SMALL_GPT_FLAGS, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "cpu",
-              "--global-batch", "8", "--seq-len", "16", "--dtype", "fp32", "--out", str(out)]
+    common = [
+        "plan",
+        *SMALL_GPT_FLAGS,
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--hardware",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "16",
+        "--dtype",
+        "fp32",
+        "--out",
+        str(out),
+    ]
     assert main(common + ["--json", "--pp", "2", "--schedule", "zero-bubble"]) == 0
     assert '"schedule": "zero-bubble"' in capsys.readouterr().out
     assert main(common + ["--schedule", "zero-bubble", "--pp", "1"]) == 2
@@ -161,8 +197,13 @@ def test_activations_held_follow_each_chunks_size(name, v):
     n = p * v
     base = ChunkTimes(tuple([1.0] * n), tuple([2.0] * n), (1.0,) * n if name == "zero-bubble" else None, 0.0)
     counted = simulate_pipeline(name, p, m, v, base)
-    even = simulate_pipeline(name, p, m, v, dataclasses.replace(base, act_bytes=(5.0,) * n,
-                                                                keep_bytes=(0.0,) * n if name == "zero-bubble" else None))
+    even = simulate_pipeline(
+        name,
+        p,
+        m,
+        v,
+        dataclasses.replace(base, act_bytes=(5.0,) * n, keep_bytes=(0.0,) * n if name == "zero-bubble" else None),
+    )
     if name != "zero-bubble":
         assert even.held == pytest.approx(counted.held)
     sizes = tuple(float(1 + 3 * (c < p)) for c in range(n))  # the first p chunks 4x the others
@@ -191,8 +232,9 @@ def test_zero_bubble_frees_the_loss_tail_at_b_and_keeps_gradients_until_w():
     mb 2's A - T + K and mb 3's A; at the end of any B (before its outputs drop), 2A + 2K - T.
     The first chunk has no B: nothing of it is freed early (``free_bytes`` 0 there)."""
     A, T, K = 25.0, 16.0, 20.0
-    times = ChunkTimes((1.0, 1.0), (2.0, 2.0), (1.0, 1.0), 0.0, act_bytes=(10.0, A), keep_bytes=(0.0, K),
-                       free_bytes=(0.0, T))
+    times = ChunkTimes(
+        (1.0, 1.0), (2.0, 2.0), (1.0, 1.0), 0.0, act_bytes=(10.0, A), keep_bytes=(0.0, K), free_bytes=(0.0, T)
+    )
     sim = simulate_pipeline("zero-bubble", 2, 4, 1, times)
     assert sim.held[1] * A == pytest.approx(2 * A - T + K)
     assert sim.held_between[1] * A == pytest.approx(2 * A + 2 * K - T)
@@ -206,11 +248,14 @@ def _kept_strategies(fillers):
     search result whose fifth strategy under 1F1B is the only one another schedule speeds up."""
     from cost_models.strategy import NumericTable, candidate_costs
     from planner.search.schedules import best_schedule, schedule_bounds
+
     nt = NumericTable(TABLE)
     deep = solve(_req(pp=8, dp=1, tp=1, micro_batch=1, schedule="1f1b"), TABLE, HW).evaluation
     flat = solve(_req(pp=1, dp=8, tp=1, micro_batch=1), TABLE, HW).evaluation
-    cc_of = {ev.strategy.candidate: candidate_costs(nt, HW, "bf16", 1024, ev.strategy.candidate, 8,
-                                                    HW.memory_bytes * 0.9) for ev in (deep, flat)}
+    cc_of = {
+        ev.strategy.candidate: candidate_costs(nt, HW, "bf16", 1024, ev.strategy.candidate, 8, HW.memory_bytes * 0.9)
+        for ev in (deep, flat)
+    }
     rows = len(nt.layers)
     opts = schedule_options(deep.strategy.candidate, rows)
     lower = min(b[0] for b in schedule_bounds(cc_of[deep.strategy.candidate], deep, opts))
@@ -218,6 +263,7 @@ def _kept_strategies(fillers):
     assert best.strategy.schedule != "1f1b" and lower <= best.step_time_s < deep.step_time_s
     others = [dataclasses.replace(flat, step_time_s=t) for t in fillers(deep.step_time_s, lower, best.step_time_s)]
     from planner.search.ilp import SearchResult
+
     return SearchResult(ranked=others + [deep]), cc_of, rows, deep, best
 
 
@@ -226,8 +272,10 @@ def test_a_strategy_below_the_fourth_under_1f1b_wins_under_its_best_schedule():
     schedule: the bound walk prices the fifth and it wins (re-pricing only the first four kept
     1F1B's fastest of them); the four still rank behind it, as the plan's runners-up."""
     from planner.search.schedules import apply_schedules
+
     res, cc_of, rows, deep, best = _kept_strategies(
-        lambda one, lower, best: [best + (one - best) * k / 5 for k in (1, 2, 3, 4)])
+        lambda one, lower, best: [best + (one - best) * k / 5 for k in (1, 2, 3, 4)]
+    )
     out = apply_schedules(res, cc_of, rows)
     assert out.best.strategy.candidate == deep.strategy.candidate
     assert out.best.strategy.schedule == best.strategy.schedule
@@ -241,8 +289,8 @@ def test_the_bound_walk_stops_where_no_schedule_can_win(monkeypatch):
     """When the four fastest under 1F1B beat even the deep pipeline's lower bound, it is not
     priced (one pricing per shown strategy, none for it) and keeps its 1F1B price."""
     import planner.search.schedules as schedules
-    res, cc_of, rows, deep, _best = _kept_strategies(
-        lambda one, lower, best: [lower * k / 10 for k in (6, 7, 8, 9)])
+
+    res, cc_of, rows, deep, _best = _kept_strategies(lambda one, lower, best: [lower * k / 10 for k in (6, 7, 8, 9)])
     calls = []
     real = schedules._best
     monkeypatch.setattr(schedules, "_best", lambda cc, ev, *a: calls.append(ev) or real(cc, ev, *a))
@@ -257,6 +305,7 @@ def test_schedules_that_do_not_fit_are_not_simulated(monkeypatch):
     option in full picks."""
     import planner.search.schedules as schedules
     from cost_models.strategy import memory_bound
+
     res, cc_of, rows, deep, _best = _kept_strategies(lambda *a: [])
     cc = copy.copy(cc_of[deep.strategy.candidate])
     cc.capacity = memory_bound(deep)
@@ -270,7 +319,10 @@ def test_schedules_that_do_not_fit_are_not_simulated(monkeypatch):
     fitting = {(ev.strategy.schedule, ev.strategy.virtual_stages) for ev in priced}
     assert sims and {(a[0], a[3]) for a in sims} <= fitting
     want = min(priced, key=lambda ev: ev.step_time_s)
-    assert (got.strategy.schedule, got.strategy.virtual_stages) == (want.strategy.schedule, want.strategy.virtual_stages)
+    assert (got.strategy.schedule, got.strategy.virtual_stages) == (
+        want.strategy.schedule,
+        want.strategy.virtual_stages,
+    )
     assert got.step_time_s == pytest.approx(want.step_time_s)
 
 
@@ -281,10 +333,12 @@ def test_a_higher_zero_stage_makes_room_for_the_schedule():
     from cost_models.strategy import NumericTable, candidate_costs, evaluate, memory_bound
     from planner.search.ilp import SearchResult
     from planner.search.schedules import apply_schedules, price_schedule
+
     nt = NumericTable(TABLE)
     rows = len(nt.layers)
-    base = solve(_req(gpus=16, global_batch=16, pp=8, dp=2, tp=1, micro_batch=1, zero_stage=0, schedule="1f1b"),
-                 TABLE, HW).evaluation
+    base = solve(
+        _req(gpus=16, global_batch=16, pp=8, dp=2, tp=1, micro_batch=1, zero_stage=0, schedule="1f1b"), TABLE, HW
+    ).evaluation
     c0 = base.strategy.candidate
     c1 = dataclasses.replace(c0, zero_stage=1)
 
@@ -292,13 +346,17 @@ def test_a_higher_zero_stage_makes_room_for_the_schedule():
         return candidate_costs(nt, HW, "bf16", 1024, c, 8, cap)
 
     def fastest(cc, ev):  # the best schedule but 1F1B, priced in full
-        got = [e for o in schedule_options(cc.cand, rows) if o[0] != "1f1b"
-               and (e := price_schedule(cc, ev, *o)) is not None]
+        got = [
+            e
+            for o in schedule_options(cc.cand, rows)
+            if o[0] != "1f1b" and (e := price_schedule(cc, ev, *o)) is not None
+        ]
         return min(got, key=lambda e: e.step_time_s)
 
     roomy = HW.memory_bytes * 0.9
-    same_stages = evaluate(costs(c1, roomy), base.strategy.stages, sorted(base.strategy.checkpoint),
-                           sorted(base.strategy.selective))
+    same_stages = evaluate(
+        costs(c1, roomy), base.strategy.stages, sorted(base.strategy.checkpoint), sorted(base.strategy.selective)
+    )
     sharded = fastest(costs(c1, roomy), same_stages)
     plain = fastest(costs(c0, roomy), base)
     assert memory_bound(sharded) < memory_bound(plain) and memory_bound(base) <= memory_bound(sharded)

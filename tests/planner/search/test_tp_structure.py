@@ -22,18 +22,24 @@ def _nt(**model):
     return SimpleNamespace(model=model)
 
 
-@pytest.mark.parametrize("model,tp,why", [
-    ({"heads": 4, "kv_heads": 2}, 2, None),
-    ({"heads": 4, "kv_heads": 2}, 4, None),           # each kv head on 2 ranks
-    ({"heads": 4, "kv_heads": 1}, 2, None),           # Gemma's one kv head, replicated
-    ({"heads": 6, "kv_heads": 4}, 3, "neither divides the model's 4 key/value heads"),
-    ({"heads": 3}, 2, "does not divide the model's 3 attention heads"),
-    ({}, 2, None),                                    # no attention: the matmul analysis decides
-    ({"heads": 4, "tp_divides": {"64": "node 'linear_3'", "30": "node 'linear_7' (aten.linear.default)"}}, 4,
-     "does not divide the 30 output features of node 'linear_7'"),
-    ({"heads": 4, "tp_blocked": "no matmul can be split: x at node 'ln'"}, 2, "cannot split this model: no matmul"),
-    ({"heads": 4, "tp_blocked": "anything"}, 1, None),
-])
+@pytest.mark.parametrize(
+    "model,tp,why",
+    [
+        ({"heads": 4, "kv_heads": 2}, 2, None),
+        ({"heads": 4, "kv_heads": 2}, 4, None),  # each kv head on 2 ranks
+        ({"heads": 4, "kv_heads": 1}, 2, None),  # Gemma's one kv head, replicated
+        ({"heads": 6, "kv_heads": 4}, 3, "neither divides the model's 4 key/value heads"),
+        ({"heads": 3}, 2, "does not divide the model's 3 attention heads"),
+        ({}, 2, None),  # no attention: the matmul analysis decides
+        (
+            {"heads": 4, "tp_divides": {"64": "node 'linear_3'", "30": "node 'linear_7' (aten.linear.default)"}},
+            4,
+            "does not divide the 30 output features of node 'linear_7'",
+        ),
+        ({"heads": 4, "tp_blocked": "no matmul can be split: x at node 'ln'"}, 2, "cannot split this model: no matmul"),
+        ({"heads": 4, "tp_blocked": "anything"}, 1, None),
+    ],
+)
 def test_tp_structure(model, tp, why):
     got = tp_structure(tp, _nt(**model))
     assert got is None if why is None else why in got
@@ -41,8 +47,26 @@ def test_tp_structure(model, tp, why):
 
 def _plan(tmp_path, spec, *extra):
     out = tmp_path / "p.json"
-    rc = main(["plan", "--model", spec, "--seq-len", "16", "--gpus", "2", "--global-batch", "4",
-               "--hardware", "cpu", "--dtype", "fp32", "--out", str(out), *extra])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            spec,
+            "--seq-len",
+            "16",
+            "--gpus",
+            "2",
+            "--global-batch",
+            "4",
+            "--hardware",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
     return rc, (json.loads(out.read_text()) if rc == 0 else None)
 
 
