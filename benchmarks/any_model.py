@@ -26,7 +26,7 @@ if ROOT not in sys.path:  # run as a script from anywhere: the tests' fixtures a
 import torch  # noqa: E402
 
 from cost_models.hardware import load_hardware  # noqa: E402
-from planner.frontend.analyze import build_layer_table  # noqa: E402
+from planner.frontend.model_analysis import build_layer_table  # noqa: E402
 from planner.search.request import PlanRequest  # noqa: E402
 from planner.search.solve import solve  # noqa: E402
 from tests.e2e.test_train_matrix import EPS, run_case  # noqa: E402

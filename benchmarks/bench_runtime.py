@@ -3,7 +3,7 @@
 Three pairs run side by side in one gloo world of ``world`` processes (2 by default), on the same
 built-in GPT (``planner.frontend.zoo.build_model("gpt", ...)``, fp32, AdamW, clipping at norm 1.0) and
 the same data: step ``t`` of every side trains on the same global batch of ``world x per_rank``
-sequences (``runtime.data.SyntheticTokens``), so all six sides must report the same losses.
+sequences (``runtime.training.data.SyntheticTokens``), so all six sides must report the same losses.
 
 ====== ======================================== =============================================
 pair   PyTorch side                             our side (what ``planner train`` runs)
@@ -17,8 +17,8 @@ pp     ``pipelining.Schedule1F1B`` (pp=world)   compiled plan pp=world: ``Pipeli
 
 Our side uses the compiled path: a ``Plan`` is written for each pair, compiled with
 ``planner.commands.compile.compile_plan`` (``stage_<k>.py`` + manifest) in the parent process, and every
-rank loads it with ``runtime.compiled.load_stage_module``/``load_weights`` and wires
-``ZeroEngine`` and ``PipelineStage`` exactly as ``runtime.trainer.train_worker`` does. The
+rank loads it with ``runtime.stages.compiled_stages.load_stage_module``/``load_weights`` and wires
+``ZeroEngine`` and ``PipelineStage`` exactly as ``runtime.training.trainer.train_worker`` does. The
 PyTorch side wraps the original eager ``nn.Module`` (for ``pp`` it is cut at the same layer-table
 rows as the plan: stage 0 = embedding + first blocks, the last stage ends with the head, whose
 loss is ``Schedule1F1B``'s ``loss_fn``). Both optimizers are fp32 AdamW with the same
@@ -34,7 +34,7 @@ Measurement
   after ``warmup``. ``--repeats R`` launches the world ``R`` times and reports the median of the
   per-launch medians.
 - Peak memory is measured in one extra step per side (the first launch only) under
-  ``runtime.memtrack.MemoryTracker`` (live tensor storage bytes, the tracker behind the
+  ``runtime.training.memtrack.MemoryTracker`` (live tensor storage bytes, the tracker behind the
   ``peak_memory_bytes`` metric), with each side's parameters, gradients and optimizer state
   registered first (our side: ``engine.tracked_tensors()``, torch: module + optimizer; buffers
   an engine keeps privately are counted once an ATen op reads or writes them); the max over
@@ -203,7 +203,7 @@ class Side:
     name = ""
 
     def __init__(self, cfg: BenchConfig, rank: int, world: int):
-        from runtime.data import SyntheticTokens
+        from runtime.training.data import SyntheticTokens
 
         self.cfg, self.rank, self.world = cfg, rank, world
         self.data = SyntheticTokens(cfg.vocab, cfg.seq_len, cfg.seed)
@@ -367,15 +367,21 @@ class TorchPPSide(Side):
 
 
 class OursSide(Side):
-    """A compiled plan run the way ``runtime.trainer.train_worker`` runs it."""
+    """A compiled plan run the way ``runtime.training.trainer.train_worker`` runs it."""
 
     def __init__(self, cfg, rank, world, compiled_dir: str, name: str):
         import runtime
-        from runtime.compiled import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
-        from runtime.data import rank_slice
-        from runtime.pipeline import PipelineStage, TensorMeta
-        from runtime.schedule import one_f_one_b
-        from runtime.zero import ZeroEngine
+        from runtime.contract.schedule_ir import one_f_one_b
+        from runtime.data_parallel.zero_engine import ZeroEngine
+        from runtime.pipeline.executor import PipelineStage, TensorMeta
+        from runtime.stages.compiled_stages import (
+            load_stage_module,
+            load_weights,
+            param_groups,
+            rank_chunks,
+            read_manifest,
+        )
+        from runtime.training.data import rank_slice
 
         super().__init__(cfg, rank, world)
         self.name = name
@@ -442,13 +448,13 @@ class OursSide(Side):
 
 
 def _tolerate_non_tensor_inner_attrs() -> None:
-    """Work around ``runtime.memtrack._storages_of`` failing on DTensor (FSDP2's parameters).
+    """Work around ``runtime.training.memtrack._storages_of`` failing on DTensor (FSDP2's parameters).
 
     torch 2.13's ``DTensor.__tensor_flatten__`` names ``["_local_tensor", "device_mesh"]``; the
     tracker recurses into every name and calls ``.layout`` on the ``DeviceMesh``. In this process
     only, inner attributes that are not tensors are skipped (harmless once memtrack does so).
     """
-    import runtime.memtrack as mt
+    import runtime.training.memtrack as mt
 
     orig = getattr(mt._storages_of, "__wrapped__", mt._storages_of)
 
@@ -466,7 +472,7 @@ def _tolerate_non_tensor_inner_attrs() -> None:
 
 def _worker(rank: int, world: int, cfg: BenchConfig, dirs: dict[str, str], out_path: str, memory: bool):
     """Build every side, run the interleaved timed steps and the tracked steps, write results."""
-    from runtime.memtrack import MemoryTracker
+    from runtime.training.memtrack import MemoryTracker
 
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
     if memory:
@@ -528,7 +534,7 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
     Result: ``{"config": ..., "sides": {name: {"median_s", "medians_s", "peak_bytes", "losses"}},
     "pairs": {pair: {"torch", "ours", "ratios": [{name, value, target, ok}], "loss_max_rel_diff"}}}``.
     """
-    from runtime.dist import launch_local
+    from runtime.distributed.launch import launch_local
 
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp:
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@ squared error against a target. A step is one forward and backward of all ``m`` 
 (no optimizer: both sides would add the same AdamW), then ``.grad = None``.
 
 ======================================  =================================================
-PyTorch side                            our side (``runtime.pipeline.PipelineStage``)
+PyTorch side                            our side (``runtime.pipeline.executor.PipelineStage``)
 ======================================  =================================================
 ``ScheduleInterleaved1F1B`` (v chunks)  ``interleaved_one_f_one_b(p, m, v)``
 ``ScheduleInterleavedZeroBubble``       ``interleaved_zero_bubble(p, m, v)``
@@ -17,7 +17,7 @@ and, for context, ours ``one_f_one_b`` and ``zero_bubble_h1`` with one chunk per
 rank's chunks run as one stage). Sides run interleaved step by step, the order alternating, a
 barrier before every step; a step's time is the max over ranks, a side's time the median over
 the steps after the warm-up. Peak memory: one extra untimed step per side under
-``runtime.memtrack.MemoryTracker`` (live tensor storage, parameters registered first), max over
+``runtime.training.memtrack.MemoryTracker`` (live tensor storage, parameters registered first), max over
 ranks. Every side must give the same mean loss (exit 1 otherwise); the ratios ours / torch of
 time and memory are printed with the issue's target (<= 1.0), and beside the time ratio the
 *paired* ratio, the median over steps of ``ours_t / torch_t`` (two steps that ran back to back),
@@ -159,10 +159,10 @@ class TorchSide:
 
 
 class OursSide:
-    """``runtime.pipeline.PipelineStage`` walking one of our schedules."""
+    """``runtime.pipeline.executor.PipelineStage`` walking one of our schedules."""
 
     def __init__(self, cfg: BenchConfig, rank: int, name: str, schedule, v: int, group):
-        from runtime.pipeline import PipelineStage, TensorMeta
+        from runtime.pipeline.executor import PipelineStage, TensorMeta
 
         p = cfg.world
         self.name, self.cfg, self.rank, self.v = name, cfg, rank, v
@@ -201,7 +201,12 @@ class OursSide:
 
 
 def _sides(cfg: BenchConfig, rank: int, group) -> list:
-    from runtime.schedule import interleaved_one_f_one_b, interleaved_zero_bubble, one_f_one_b, zero_bubble_h1
+    from runtime.contract.schedule_ir import (
+        interleaved_one_f_one_b,
+        interleaved_zero_bubble,
+        one_f_one_b,
+        zero_bubble_h1,
+    )
 
     p, m, v = cfg.world, cfg.micro_batches, cfg.virtual
     return [
@@ -215,7 +220,7 @@ def _sides(cfg: BenchConfig, rank: int, group) -> list:
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig, out_path: str) -> None:
-    from runtime.memtrack import MemoryTracker
+    from runtime.training.memtrack import MemoryTracker
 
     torch.set_num_threads(1)
     group = dist.new_group(list(range(world)))
@@ -261,7 +266,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, out_path: str) -> None:
 def run_benchmark(cfg: BenchConfig, log=print) -> dict:
     """Launch the world, aggregate. Result: ``{"config", "sides": {name: {median_s, peak_bytes,
     losses}}, "ratios": [{pair, time, memory}], "losses_match"}``."""
-    from runtime.dist import launch_local
+    from runtime.distributed.launch import launch_local
 
     with tempfile.TemporaryDirectory(prefix="bench-schedules-") as tmp:
         path = os.path.join(tmp, "out.json")

@@ -10,7 +10,7 @@ Model: GPT-3's width (hidden 12288, 96 heads, vocab 51200), sequence 2048, globa
 bf16 on a100-80gb nodes of 8, with the number of blocks varied. By default the layer table is
 the closed-form one the tests use (``tests.helpers.gpt_table``), so the figures measure
 the search and the ILPs, not tracing; ``--traced`` builds the real table through
-``planner.frontend.analyze`` instead (only the table differs, and it is not timed).
+``planner.frontend.model_analysis`` instead (only the table differs, and it is not timed).
 
 Columns: ``plan_s`` is the whole of :func:`planner.search.solve.solve` (enumeration, candidate
 costs, bounds, greedy seeds, ILPs, plan assembly; for an infeasible cluster, the exact least-
@@ -30,9 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 from cost_models.hardware import load_hardware  # noqa: E402
-from planner.frontend.analyze import build_layer_table  # noqa: E402
-from planner.search.errors import NoFeasiblePlan  # noqa: E402
+from planner.frontend.model_analysis import build_layer_table  # noqa: E402
 from planner.search.request import PlanRequest  # noqa: E402
+from planner.search.search_errors import NoFeasiblePlan  # noqa: E402
 from planner.search.solve import solve  # noqa: E402
 from tests.helpers import gpt_table  # noqa: E402
 

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from codegen.errors import LoweringError
+from codegen.codegen_errors import LoweringError
 from codegen.names import safe_ident
 from codegen.selective import extract_attention_cores
 from runtime import portable

@@ -11,7 +11,7 @@ from __future__ import annotations
 import keyword
 import re
 
-from codegen.errors import UnsafeNameError
+from codegen.codegen_errors import UnsafeNameError
 
 __all__ = ["safe_ident", "check_ident"]
 

@@ -24,7 +24,7 @@ import operator
 import torch.fx as fx
 
 import runtime
-from codegen.errors import LoweringError
+from codegen.codegen_errors import LoweringError
 from passes.attention import annotate_attention, attention_core
 
 __all__ = ["CoreGraph", "extract_attention_cores", "CORE_ATTR"]

@@ -1,7 +1,7 @@
 """Megatron tensor parallelism as a rewrite of the exported ATen graph.
 
 Every tp rank runs the same generated code on its own weight shards. ``build_tp_rewrite`` takes
-the decisions of ``passes.tp_analysis`` (which values are sharded, which matmuls are column or row
+the decisions of ``passes.tensor_parallel.tp_analysis`` (which values are sharded, which matmuls are column or row
 parallel, where replicated values enter a sharded region: the states and rules are explained
 there, and the cost pass prices the same decisions) for the plan's tp degree ``t`` and returns
 ``rewrite(g, lg)``, which applies them to each layer's freshly built ``fx.Graph`` before
@@ -24,7 +24,7 @@ there, and the cost pass prices the same decisions) for the plan's tp degree ``t
   divide is padded to ``ceil(V / t) * t`` rows.
 
 Sequence parallelism (plan.json ``sequence_parallel``; the analysis' ``sp_*`` decisions, explained
-in ``passes.tp_analysis``, "Sequence parallelism") rewrites on top of that:
+in ``passes.tensor_parallel.tp_analysis``, "Sequence parallelism") rewrites on top of that:
 
 * The input of a column-parallel matmul that is sequence-sharded passes through
   ``all_gather_seq`` instead of ``copy_to_tp`` (one gather per value, shared by q, k and v).
@@ -51,7 +51,7 @@ Parameter shapes: the sharded parameters of ``gm`` (which lives on meta) are rep
 parameters of the *shard* shape, so ``codegen.lower`` writes shard shapes into each generated
 ``__init__`` and the manifest records them. ``shard_info`` maps every sharded original FQN to
 ``{"dim", "kind", "size"[, "padded"][, "parts"]}``, the manifest form of
-``runtime.sharding.TensorShard``, which cuts each rank's piece of the original weights and joins
+``runtime.tensor_parallel.sharding.TensorShard``, which cuts each rank's piece of the original weights and joins
 the pieces back.
 """
 
@@ -66,10 +66,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from codegen.errors import TPRewriteError
+from codegen.codegen_errors import TPRewriteError
 from passes.common import source_line
 from passes.op_class import op_name
-from passes.tp_analysis import (
+from passes.tensor_parallel.tp_analysis import (
     SPLITS,
     VIEWS,
     Shard,
@@ -81,7 +81,7 @@ from passes.tp_analysis import (
     reshape_groups,
 )
 from runtime import tensor_parallel as rtp
-from runtime.sharding import TensorShard
+from runtime.tensor_parallel.sharding import TensorShard
 
 __all__ = ["TPAnalysis", "analyze_tp", "build_tp_rewrite", "plan_tp_rewrite", "reshape_shard"]
 
@@ -96,7 +96,7 @@ class TPAnalysis:
 
     tp: int
     decisions: TPDecisions | None = None
-    """The shared analysis (``passes.tp_analysis``) this rewrite follows."""
+    """The shared analysis (``passes.tensor_parallel.tp_analysis``) this rewrite follows."""
     actions: dict = field(default_factory=dict)
     """Node name -> (kind, payload): col, row, size (a size argument), split, embed, loss."""
     enter: dict = field(default_factory=dict)
@@ -315,7 +315,7 @@ class _Planner:
             self.fail(
                 n,
                 "this fused projection (e.g. GPT-2's c_attn, split into q, k, v) needs the "
-                "runtime to load 'qkv' shards (runtime.sharding.TensorShard with a 'parts' "
+                "runtime to load 'qkv' shards (runtime.tensor_parallel.sharding.TensorShard with a 'parts' "
                 "list); this runtime does not",
                 hint="Use tp=1 for this model, or a runtime that supports 'qkv' shards.",
             )

@@ -1,16 +1,15 @@
 """cost_models"""
 
-from .comm import (
+from cost_models.comm_cost import (
     GroupPlacement,
     axis_placement,
     collective_time,
     group_placement,
-    ring_bytes_sent,
     zero_dp_collectives,
 )
-from .compute import compute_time, dtype_bytes, optimizer_step_time
-from .hardware import KNOWN_KINDS, HardwareProfile, ProfileError, load_hardware
-from .memory import (
+from cost_models.compute import compute_time, dtype_bytes, optimizer_step_time
+from cost_models.hardware import KNOWN_KINDS, HardwareProfile, ProfileError, load_hardware
+from cost_models.memory import (
     activation_bytes,
     inflight_microbatches,
     memory_breakdown,
@@ -23,7 +22,6 @@ __all__ = [
     "axis_placement",
     "collective_time",
     "group_placement",
-    "ring_bytes_sent",
     "zero_dp_collectives",
     "compute_time",
     "dtype_bytes",

@@ -78,10 +78,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import sympy
 
-from .hardware import HardwareProfile, ProfileError
+from cost_models.hardware import HardwareProfile, ProfileError
+from runtime.contract.dtype_table import DTYPES, ITEMSIZE
 
 __all__ = [
-    "DTYPES",
     "DTYPE_BYTES",
     "dtype_bytes",
     "compute_time",
@@ -101,11 +101,9 @@ __all__ = [
     "smin",
 ]
 
-#: The training dtypes of the CLI contract (``--dtype``); ``tf32`` is an fp32 matmul mode.
-DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
-
-#: Bytes per element of each dtype name (``tf32`` is stored as fp32).
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+#: Bytes per element of each dtype name: the training dtypes (``runtime.contract.dtype_table``) and
+#: ``tf32``, an fp32 matmul mode stored as fp32.
+DTYPE_BYTES: dict[str, int] = {**ITEMSIZE, "tf32": 4}
 
 
 def dtype_bytes(dtype: str) -> int:

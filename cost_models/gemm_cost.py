@@ -43,8 +43,8 @@ from typing import Any, Iterable, Sequence
 
 import sympy
 
-from .compute import _shape_priced, compute_time, numeric_gemms_time
-from .hardware import HardwareProfile
+from cost_models.compute import _shape_priced, compute_time, numeric_gemms_time
+from cost_models.hardware import HardwareProfile
 
 __all__ = ["gemm_flops", "layer_gemm_time", "layer_matmul_time", "per_device_gemms", "prices_by_shape"]
 

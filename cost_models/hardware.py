@@ -8,7 +8,7 @@ name or a path to such a file.
 Units are SI throughout: FLOP/s, bytes, bytes per second, seconds. Bandwidths are *per device and
 per direction*: NVLink's "600 GB/s" (A100, bidirectional total) is 300 GB/s here, and a 200 Gb/s
 InfiniBand NIC per GPU is 25 GB/s. Latencies are the per-message (per ring step) start-up cost
-``alpha`` of the alpha-beta model in ``cost_models.comm``.
+``alpha`` of the alpha-beta model in ``cost_models.comm_cost``.
 
 File format (JSON object; ``tf32``, ``calibration`` and the fields with a default in
 ``HardwareProfile`` optional, every other key required)::
@@ -27,7 +27,7 @@ Optional GEMM and host-link fields (``planner calibrate`` on CUDA writes all thr
      "gemm_efficiency": {"bf16": {"m": [256, 4096], "n": [256, 4096], "k": [256, 4096],
                                   "efficiency": [[[0.05, 0.2], [0.1, 0.5]], [[0.1, 0.5], [0.5, 0.75]]]}}
 
-Optional offload fields (ZeRO-Offload / ZeRO-Infinity, priced by ``cost_models.offload``; every
+Optional offload fields (ZeRO-Offload / ZeRO-Infinity, priced by ``cost_models.offload_cost``; every
 built-in profile carries datasheet figures, ``planner calibrate`` measures the last three)::
 
      "host_memory_bytes": 2199023255552,    # host DRAM per node, bytes
@@ -165,11 +165,11 @@ class HardwareProfile:
     host_device_bandwidth: float | None = None
     """Bytes/s of a pinned-memory copy between host and device (PCIe or C2C), per device, the slower
     of the two directions; ``None`` when unknown. What offload's transfers run at
-    (``cost_models.offload``). ``planner calibrate`` measures it: pinned copies on CUDA, a memory
+    (``cost_models.offload_cost``). ``planner calibrate`` measures it: pinned copies on CUDA, a memory
     copy on a CPU (where the host is the device)."""
     host_memory_bytes: int | None = None
     """Host DRAM per node in bytes: what offloaded optimizer state, parameter shards and their pinned
-    buffers must fit in (``cost_models.offload``), for all of the node's devices together."""
+    buffers must fit in (``cost_models.offload_cost``), for all of the node's devices together."""
     nvme_bytes: int | None = None
     """NVMe capacity per node in bytes (the ZeRO-Infinity tier's files, all of the node's devices)."""
     nvme_read_bandwidth: float | None = None
@@ -180,7 +180,7 @@ class HardwareProfile:
     cpu_adam_params_per_s: float | None = None
     """Parameters per second the node's CPUs update with a fused, multi-threaded AdamW (all cores of
     the node, fp32 master, moments and gradient): shared by the node's devices whose optimizer runs
-    on the host at once. ``planner calibrate`` times ``runtime.optim.adamw_step_`` on a large flat
+    on the host at once. ``planner calibrate`` times ``runtime.data_parallel.flat_shards.adamw_step_`` on a large flat
     buffer."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""

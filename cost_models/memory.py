@@ -26,7 +26,7 @@ state lives in a flat buffer padded to a multiple of ``dp`` elements, so each ra
 
 A sharded gradient is kept as an fp32 accumulator (``FP32_GRAD_SHARD`` = 4 bytes per element,
 whatever the training dtype), because each micro-batch's reduce-scattered gradient is added into
-it: that is what ``runtime.zero`` holds, and accumulating bf16 shards would lose the small
+it: that is what ``runtime.data_parallel.zero_engine`` holds, and accumulating bf16 shards would lose the small
 contributions of later micro-batches.
 
 Sharding leaves transient full-size buffers, which are counted when ``largest_layer_params``
@@ -39,7 +39,7 @@ Sharding leaves transient full-size buffers, which are counted when ``largest_la
   flight; launching the next waits for the oldest, so ``REDUCTIONS_IN_FLIGHT + 1`` consecutive
   layers' full gradients and reduced shards (training dtype) exist at once at most.
 
-Offload (``cost_models.offload``) moves state off the device: an offloaded optimizer leaves no
+Offload (``cost_models.offload_cost``) moves state off the device: an offloaded optimizer leaves no
 master copy or moments here and, at ZeRO 2/3, no gradient shard (each layer's gradient bucket
 leaves for the host as it is reduced, so only the buckets in flight remain, even at ``dp = 1``:
 ``buckets_leave``); offloaded parameters (ZeRO 3) leave only the gathered layers in flight, even at
@@ -110,7 +110,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .compute import DTYPES, smax
+from cost_models.compute import smax
+from runtime.contract.dtype_table import DTYPES
+from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
 __all__ = [
     "BYTES_PER_PARAM",
@@ -125,14 +127,11 @@ __all__ = [
     "loss_backward_bytes",
     "backward_transient_bytes",
     "zero_transient_bytes",
-    "REDUCTIONS_IN_FLIGHT",
     "reduction_bytes",
     "gathers_params",
     "buckets_leave",
 ]
 
-#: Gradient reductions the runtime keeps in flight at once (``runtime.zero.MAX_INFLIGHT_REDUCTIONS``).
-REDUCTIONS_IN_FLIGHT = 2
 
 #: Bytes per parameter of each state component, by training dtype (the table above).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
@@ -180,7 +179,7 @@ def model_state_bytes(
 
     Exact integers: replicated buckets are ``P * bytes``, sharded ones ``ceil(P / dp) * bytes``,
     plus the transient layer buffers of stages 2 and 3 when ``largest_layer_params`` is given.
-    Offload (``cost_models.offload``, "Device memory"): an offloaded optimizer (``cpu`` or
+    Offload (``cost_models.offload_cost``, "Device memory"): an offloaded optimizer (``cpu`` or
     ``nvme``) leaves no optimizer state on the device and, at ZeRO 2/3, no gradient shard, only
     the buckets in flight; offloaded parameters (ZeRO 3) leave only the gathered layers in flight.
     """
@@ -264,7 +263,7 @@ def stage_activation_bytes(
 
     ``inflight`` overrides 1F1B's ``min(p - k, m)`` micro-batches held at once, in units of the
     stage's activations of one micro-batch: another pipeline schedule holds more
-    (``cost_models.schedules``: interleaved ranks, zero-bubble ``W`` pending).
+    (``cost_models.schedule_cost``: interleaved ranks, zero-bubble ``W`` pending).
 
     ``transient_peak`` is another short-lived buffer that competes with the recompute peak for
     the same moment of backward (the loss backward's ``2 x logits`` on the last stage).

@@ -60,7 +60,7 @@ From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parall
   layer keeps only ``input_bytes`` (its input); ``boundary_bytes`` is what leaves the layer, sent
   to the next stage when the layer ends one.
 
-Compiled stages (``Candidate.compile``: each layer class under ``torch.compile``, ``runtime.compile_layers``)
+Compiled stages (``Candidate.compile``: each layer class under ``torch.compile``, ``runtime.stages.compile_layers``)
 ------------------------------------------------------------------------------------------------------------
 A compiled layer runs as ``r`` compiled regions: one, plus one per graph break, which the runtime
 puts at every tensor-parallel collective (at tp > 1, ``tp_allreduce_calls +
@@ -89,7 +89,7 @@ backward, on 2 busy cores); on a GPU 30 s per class, an unmeasured guess (Triton
 more slowly than the C++ ones). The step-time prediction excludes it; the search weighs it
 against the per-step saving over the run (``planner.search.solve``).
 
-Data-parallel and ZeRO communication (``cost_models.comm.zero_dp_collectives`` per layer)
+Data-parallel and ZeRO communication (``cost_models.comm_cost.zero_dp_collectives`` per layer)
 ------------------------------------------------------------------------------------------
 The collectives are the ones ``zero_dp_collectives`` lists for each stage, placed in time so:
 
@@ -102,7 +102,7 @@ The collectives are the ones ``zero_dp_collectives`` lists for each stage, place
   and reduce-scatters its gradients (``m`` times per step).
 
 A weight tied across pipeline stages (``LayerTable.tied``, ``pp > 1``) adds, per
-``cost_models.tied``, a copy's model state to its last reader's row and a gradient all-reduce
+``cost_models.tied_cost``, a copy's model state to its last reader's row and a gradient all-reduce
 over the tied group to the per-step collectives of both readers' rows (the ILP sees the same
 per-layer numbers).
 
@@ -138,7 +138,7 @@ transient ZeRO buffers of its largest layer + ``min(p - k, m)`` micro-batches of
 recomputed layer re-materialized once). A strategy is feasible when every stage fits in
 ``memory_bytes * memory_headroom``.
 
-Offload (``Candidate.offload_optimizer``, ``offload_params``; ``cost_models.offload`` prices it)
+Offload (``Candidate.offload_optimizer``, ``offload_params``; ``cost_models.offload_cost`` prices it)
 --------------------------------------------------------------------------------------------
 Per layer, the exposed transfers of one micro-batch join ``zero_mb`` (``offload_mb``), those of a
 step join ``dp_step`` (``offload_step``), an offloaded optimizer's step is the host's AdamW time
@@ -165,11 +165,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from cost_models.comm import (
+from cost_models.comm_cost import (
     GroupPlacement,
     axis_placement,
     collective_time,
-    ring_bytes_sent,
     step_control_bytes,
     zero_dp_collectives,
 )
@@ -177,7 +176,6 @@ from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.gemm_cost import layer_matmul_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import (
-    REDUCTIONS_IN_FLIGHT,
     backward_transient_bytes,
     buckets_leave,
     bytes_per_param,
@@ -189,10 +187,12 @@ from cost_models.memory import (
     stage_activation_bytes,
     zero_transient_bytes,
 )
-from cost_models.offload import layer_offload, offload_breakdown, offload_buffer_bytes, ranks_per_node
-from cost_models.tied import tied_weight_costs
+from cost_models.offload_cost import layer_offload, offload_breakdown, offload_buffer_bytes, ranks_per_node
+from cost_models.tied_cost import tied_weight_costs
 from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
+from runtime.contract.collective_bytes import ring_bytes
+from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
 __all__ = [
     "NumericTable",
@@ -261,7 +261,7 @@ class NumericTable:
         self.num_blocks = sum(1 for k in self.kinds if k == "block")
         self.tied = [t for t in table.tied if t["layers"][0] < t["layers"][1]]
         """Weights read by several rows (``LayerTable.tied``): with pipeline stages each stage that
-        reads one holds a copy (priced by ``cost_models.tied``)."""
+        reads one holds a copy (priced by ``cost_models.tied_cost``)."""
         self._rows: dict[tuple, Any] = {}
         self.work_memo: dict[tuple, Any] = {}
         """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
@@ -315,7 +315,7 @@ class Candidate:
     """Each layer class runs under ``torch.compile`` (priced as in "Compiled stages" above)."""
     offload_optimizer: str = "none"
     """Where the optimizer state lives and AdamW runs: ``none`` (device), ``cpu``, ``nvme``
-    (``cost_models.offload``)."""
+    (``cost_models.offload_cost``)."""
     offload_params: str = "none"
     """Where the ZeRO-3 parameter shards live: ``none`` (device), ``cpu``, ``nvme``."""
     sequence_parallel: bool = False
@@ -356,7 +356,7 @@ class Strategy:
     checkpoint: frozenset = frozenset()
     """Layer-table indices whose activations are recomputed in backward."""
     schedule: str = "1f1b"
-    """The pipeline schedule (``cost_models.schedules``): ``1f1b``, ``interleaved``, ``zero-bubble``."""
+    """The pipeline schedule (``cost_models.schedule_cost``): ``1f1b``, ``interleaved``, ``zero-bubble``."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank; with ``v > 1`` ``stages`` lists the ``pp * v`` chunks in
     model order (chunk ``c`` on rank ``c % pp``)."""
@@ -408,7 +408,7 @@ class LayerCost:
     """The weight-gradient part of the backward (``W`` of a zero-bubble schedule): the products
     that contract over the micro-batch's tokens, priced by shape, with the gradient accumulation
     and their share of the host overhead; without listed products, half of the backward's matmul
-    work (``cost_models.schedules``, "The W split")."""
+    work (``cost_models.schedule_cost``, "The W split")."""
     wgrad_keep_b: float = 0.0
     """Bytes a split backward keeps from ``B`` to ``W`` beyond the activations: the gradient of
     each weight product's output (the runtime restarts ``W`` at those autograd edges), from the
@@ -422,7 +422,7 @@ class LayerCost:
     offload_step_s: float = 0.0
     """Exposed offload transfers per step (included in ``dp_step_s``)."""
     host_b: int = 0
-    """Host bytes of this layer's offloaded state on one rank (``cost_models.offload``)."""
+    """Host bytes of this layer's offloaded state on one rank (``cost_models.offload_cost``)."""
     nvme_b: int = 0
     """NVMe bytes of this layer's offloaded state on one rank."""
     sel_rec_s: float = 0.0
@@ -493,9 +493,9 @@ class CandidateCosts:
         self.dtype = "fp32"
         """Training dtype (sizes the ZeRO buffers)."""
         self.ranks_per_node = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
-        """Ranks of a node sharing its host memory and drives (``cost_models.offload``)."""
+        """Ranks of a node sharing its host memory and drives (``cost_models.offload_cost``)."""
         self.host_buffers_b = 0
-        """Pinned offload buffers of one rank (``cost_models.offload.offload_buffer_bytes``)."""
+        """Pinned offload buffers of one rank (``cost_models.offload_cost.offload_buffer_bytes``)."""
         self.host_room = math.inf
         """Host bytes per rank left for offloaded layer state: the node's usable host memory over its
         ranks, less the buffers (``inf`` without offload)."""
@@ -621,8 +621,8 @@ def _layer_cost(
         per_mb, per_step = [], list(colls)
     zmb_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_mb)
     step_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_step)
-    zmb_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_mb)
-    step_b = sum(float(ring_bytes_sent(k, sz, dp)) for k, sz in per_step)
+    zmb_b = sum(float(ring_bytes(k, sz, dp)) for k, sz in per_mb)
+    step_b = sum(float(ring_bytes(k, sz, dp)) for k, sz in per_step)
     opt_params = shard_elements(P, dp) if z >= 1 else P
     opt_s = (
         off.optimizer_s
@@ -702,7 +702,7 @@ def _row_work(
         # original): a read and a write of the bytes on top of the collective.
         return (
             float(collective_time(kind, nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
-            float(ring_bytes_sent(kind, nbytes, tp)),
+            float(ring_bytes(kind, nbytes, tp)),
         )
 
     def add(*parts: tuple[float, float]) -> tuple[float, float]:
@@ -1014,7 +1014,7 @@ def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
     with unequal ones whose backward/forward ratio is the same, a few percent below it when the
     ratios differ (a stage waits on a slower neighbour's gradient); always at or under the textbook
     ``(m + p - 1) max_k T_k`` (``tests/runtime/test_schedule.py`` checks these against
-    ``runtime.schedule.simulate``)."""
+    ``runtime.contract.schedule_ir.simulate``)."""
     return (m - 1) * max(micro_steps) + sum(micro_steps)
 
 
@@ -1029,7 +1029,7 @@ def _stage_memory(
     """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
     conservative bound (see ``cost_models.memory``: "Backward transients"). ``inflight``: the
     micro-batches of the stage's activations held at once when the schedule is not 1F1B
-    (``cost_models.schedules``)."""
+    (``cost_models.schedule_cost``)."""
     cand = cc.cand
     p, m, z, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
     leave = buckets_leave(z, dp, cand.offload_optimizer)

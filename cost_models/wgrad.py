@@ -1,7 +1,7 @@
 """The weight-gradient half of a layer's backward (``W`` of the zero-bubble schedules).
 
-A split backward (``runtime.pipeline``) runs the input gradients (``B``) first and the weight
-gradients (``W``) when the schedule says; ``cost_models.schedules`` prices the schedule with
+A split backward (``runtime.pipeline.executor``) runs the input gradients (``B``) first and the weight
+gradients (``W``) when the schedule says; ``cost_models.schedule_cost`` prices the schedule with
 ``W``'s time and what a micro-batch keeps from ``B`` to ``W``, both per layer from the layer
 table's listed products (``fwd_gemms`` / ``bwd_gemms``):
 

@@ -40,7 +40,7 @@ _EXPORTS = {
     "classify_ops": "passes.op_class",
     "annotate_params": "passes.shapes",
     "annotate_shapes": "passes.shapes",
-    "propagate_tensor_parallel": "passes.tensor_parallel",
+    "propagate_tensor_parallel": "passes.tensor_parallel.tp_costs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@ from passes.graph import TracedGraph
 from passes.layers import assign_layers, layer_signatures
 from passes.op_class import classify_ops
 from passes.shapes import annotate_params, annotate_shapes
-from passes.tensor_parallel import propagate_tensor_parallel
+from passes.tensor_parallel.tp_costs import propagate_tensor_parallel
 
 __all__ = ["analyze"]
 

@@ -9,8 +9,6 @@ alone costs about 1.7 s of a plan's 2-3 s. Everything those readers touch lives 
   expression is a polynomial in;
 - ``PassError`` and ``source_line``: a pass's error names the node and the user's ``file:line``
   (read from ``node.meta``; no torch type is needed to do so);
-- ``ROLES``: what a model input can be fed (``passes.inputs`` assigns them from the graph,
-  ``runtime.contract.INPUT_ROLES`` is the runtime's copy of the same tuple).
 """
 
 from __future__ import annotations
@@ -20,15 +18,12 @@ from typing import Any
 
 import sympy
 
-__all__ = ["B", "S", "PassError", "source_line", "ROLES"]
+__all__ = ["B", "S", "PassError", "source_line"]
 
 B = sympy.Symbol("b", positive=True, integer=True)
 """Micro-batch size (sequences per micro-batch)."""
 S = sympy.Symbol("s", positive=True, integer=True)
 """Sequence length."""
-
-ROLES = ("tokens", "labels", "targets", "ones", "zeros", "positions")
-"""Every role an input can take (``runtime.contract.INPUT_ROLES`` is the same tuple)."""
 
 
 class PassError(ValueError):

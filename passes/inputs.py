@@ -16,7 +16,7 @@ Inputs the graph does not explain fall back on the names the HF ecosystem uses
 (``attention_mask`` -> ``ones``, ``token_type_ids`` -> ``zeros``, ``position_ids`` ->
 ``positions``); anything else gets role ``None`` and the planner asks the user (``--input``).
 
-Roles (``ROLES``) and how ``runtime.data.model_inputs`` fills them, for ``r`` rows of ``S`` tokens:
+Roles (``INPUT_ROLES``) and how ``runtime.training.data.model_inputs`` fills them, for ``r`` rows of ``S`` tokens:
 ``tokens`` the token ids; ``labels`` the same ids (the model shifts them); ``targets`` the next
 tokens; ``ones`` / ``zeros`` a constant of the input's shape; ``positions`` ``0..S-1`` per row.
 """
@@ -30,10 +30,9 @@ import torch
 import torch.fx as fx
 
 from passes.common import B, S, hint, to_expr
-from passes.core import ROLES
 from passes.op_class import op_name
 
-__all__ = ["ROLES", "NAMED_ROLES", "InputFacts", "infer_inputs"]
+__all__ = ["NAMED_ROLES", "InputFacts", "infer_inputs"]
 
 NAMED_ROLES = {
     "attention_mask": "ones",
@@ -96,7 +95,7 @@ class InputFacts:
     """Sizes: ``"b"`` (the batch), ``"s"`` (the sequence) or a number (symbolic traces name their
     sizes; a static one gives numbers, the first being the batch)."""
     role: str | None
-    """One of ``ROLES``, or ``None`` when neither the graph nor the name tells."""
+    """One of ``INPUT_ROLES``, or ``None`` when neither the graph nor the name tells."""
     vocab: int = 0
     """For tokens/labels/targets: how many ids the graph can index (0 when unknown)."""
     why: str = ""

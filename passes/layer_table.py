@@ -18,7 +18,7 @@ Besides the summed costs, each row lists the matrix products of its forward and 
 shape (``fwd_gemms`` / ``bwd_gemms``, ``GEMM_FIELDS``): ``Gemm(m, n, k, batch, count, tp_dim)``,
 ``count`` identical products of ``batch`` ``m x k`` by ``k x n`` matrices, ``tp_dim`` the dim
 tensor parallelism divides (``m``, ``n``, ``k``, ``batch``) or None (see
-``passes.autograd_costs`` for what is listed, ``passes.tp_analysis.gemm_tp_dim`` for the dims).
+``passes.autograd_costs`` for what is listed, ``passes.tensor_parallel.tp_analysis.gemm_tp_dim`` for the dims).
 Their FLOPs, ``2 m n k batch count`` summed, are the row's ``fwd_flops`` / ``bwd_flops`` but for
 work the replay prices with no shape (convolutions...), and the ones with a ``tp_dim`` are the
 matmul part of ``fwd_flops_tp`` / ``bwd_flops_tp``. ``cost_models.gemm_cost`` prices them by
@@ -215,7 +215,7 @@ class LayerCosts:
     saved_bytes_sp: sympy.Expr = _ZERO
     """Of ``saved_bytes``, what sequence parallelism shards along the sequence (the replicated
     activations between the tensor-parallel regions: norms, residual adds, dropout); 0 when SP
-    cannot apply to the model (``passes.tp_analysis``: ``sp_blocked``)."""
+    cannot apply to the model (``passes.tensor_parallel.tp_analysis``: ``sp_blocked``)."""
     fwd_bytes_sp: sympy.Expr = _ZERO
     """Of ``fwd_bytes``, what the ops on sequence shards move (divided by tp under SP)."""
     bwd_bytes_sp: sympy.Expr = _ZERO

@@ -5,7 +5,7 @@ The front end states ``heads`` / ``kv_heads`` for the models it builds (from fla
 config); a ``file.py:factory`` model states none. ``merge_graph_facts`` fills them from the
 attention cores found by ``passes.attention`` (and adds ``head_dim``), cross-checks them where
 both exist (the graph is what will run, so it wins, with a note), and records ``tp_blocked``: why
-tensor parallelism cannot split the model, naming the node (``passes.tensor_parallel``), so the
+tensor parallelism cannot split the model, naming the node (``passes.tensor_parallel.tp_costs``), so the
 search plans without it, and ``tp_divides``: each column-parallel output size tp must divide ->
 the first node with it.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import fx
 
 from passes.attention import attention_facts
-from passes.tensor_parallel import tp_blocked, tp_sizes
+from passes.tensor_parallel.tp_costs import tp_blocked, tp_sizes
 
 __all__ = ["merge_graph_facts"]
 

@@ -1,7 +1,7 @@
 """What a split backward frees early: the saved activations of a layer's *tail*.
 
 Zero-bubble schedules split a chunk's backward into ``B`` (input gradients) and ``W`` (weight
-gradients, later). ``runtime.pipeline`` keeps, from ``B`` to ``W``, the autograd nodes that
+gradients, later). ``runtime.pipeline.executor`` keeps, from ``B`` to ``W``, the autograd nodes that
 compute a weight's gradient (the *frontier*: a linear layer's ``mm``, a norm) and, through their
 edges, every node upstream of them. A node upstream of none of them is held only by the chunk's
 outputs, which ``B`` drops: its saved tensors are freed at ``B``. In a language model's head that

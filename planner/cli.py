@@ -12,8 +12,8 @@ import importlib
 import sys
 from typing import Any
 
-from runtime.config import TrainOptions, cli_flags, default_of
-from runtime.contract import DTYPES
+from runtime.contract.dtype_table import DTYPES
+from runtime.training.train_config import TrainOptions, cli_flags, default_of
 
 __all__ = ["main", "build_parser", "user_errors"]  # and USER_ERRORS, computed on access (__getattr__)
 
@@ -80,7 +80,7 @@ def _token_count(s: str) -> float:
     return v
 
 
-#: The argparse type of each kind of settings flag (``runtime.config.CliFlag.kind``; ``switch``
+#: The argparse type of each kind of settings flag (``runtime.training.train_config.CliFlag.kind``; ``switch``
 #: flags take no value).
 _FLAG_TYPES = {
     "str": None,
@@ -92,7 +92,7 @@ _FLAG_TYPES = {
 
 
 def _add_setting_flags(p: argparse.ArgumentParser, settings) -> None:
-    """One flag per ``(field, CliFlag)`` of ``settings`` (``runtime.config.cli_flags``): its kind's
+    """One flag per ``(field, CliFlag)`` of ``settings`` (``runtime.training.train_config.cli_flags``): its kind's
     type, the field's default (a switch is off by default), its help and metavar."""
     for f, flag in settings:
         if flag.kind == "switch":
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="spawn N local processes (gloo on CPU); without it, read torchrun's environment",
     )
-    # The training settings' flags (runtime.config.TrainOptions), --no-memory-tracking after
+    # The training settings' flags (runtime.training.train_config.TrainOptions), --no-memory-tracking after
     # --compiled as --help has always listed them.
     settings = {f.name: (f, flag) for f, flag in cli_flags(TrainOptions)}
     last = settings.pop("track_memory")
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: train, compile or calibrate import torch, and a re-plan that the layer-table cache answers
 #: never needs it (ARCHITECTURE.md, import rules).
 _DRIVERS = {
-    "plan": ("planner.commands.plan", "run_plan"),
+    "plan": ("planner.commands.plan_command", "run_plan"),
     "sweep": ("planner.commands.sweep", "run_sweep"),
     "compile": ("planner.commands.compile", "run_compile"),
     "train": ("planner.commands.train", "run_train"),
@@ -397,25 +397,25 @@ def _run(args) -> int:
     if name == "plan" and len(args.gpus) > 1:
         name = "sweep"
     if name in ("plan", "sweep", "tune"):  # one process per command: freezing imports is safe
-        importlib.import_module("planner.frontend.analyze").FREEZE_IMPORTS = True
+        importlib.import_module("planner.frontend.model_analysis").FREEZE_IMPORTS = True
     return _driver(name)(args)
 
 
 #: Every layer's bad-input error, by module and name: each becomes one paragraph on stderr and exit
 #: status 2. (A checkpoint that fails while training is a failed run, exit 1, not bad input.)
 _USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
-    ("planner.frontend.errors", "ModelError"),  # planner.frontend
+    ("planner.frontend.frontend_errors", "ModelError"),  # planner.frontend
     ("passes.core", "PassError"),  # passes
     ("cost_models.hardware", "ProfileError"),  # cost_models
-    ("planner.search.errors", "SearchError"),
-    ("planner.search.errors", "NoFeasiblePlan"),
+    ("planner.search.search_errors", "SearchError"),
+    ("planner.search.search_errors", "NoFeasiblePlan"),
     ("planner.plan", "PlanError"),  # planner.plan
-    ("codegen.errors", "CodegenError"),
-    ("codegen.errors", "LoweringError"),
-    ("codegen.errors", "UnsafeNameError"),
-    ("codegen.errors", "TPRewriteError"),
-    ("runtime.compiled", "CompiledError"),
-    ("runtime.contract", "DataError"),  # runtime
+    ("codegen.codegen_errors", "CodegenError"),
+    ("codegen.codegen_errors", "LoweringError"),
+    ("codegen.codegen_errors", "UnsafeNameError"),
+    ("codegen.codegen_errors", "TPRewriteError"),
+    ("runtime.stages.compiled_stages", "CompiledError"),
+    ("runtime.contract.input_errors", "DataError"),  # runtime
     ("planner.commands.calibrate", "CalibrationError"),
     ("planner.errors", "UserError"),
 )

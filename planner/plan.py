@@ -17,7 +17,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from planner.errors import UserError
-from runtime.contract import DTYPES, INPUT_ROLES
+from runtime.contract.data_roles import INPUT_ROLES
+from runtime.contract.dtype_table import DTYPES
 
 __all__ = [
     "Plan",
@@ -310,7 +311,7 @@ class Plan:
     solver: SolverInfo
     alternatives: list = field(default_factory=list)
     compile: bool = False
-    """Run each generated layer class under ``torch.compile`` (``runtime.compile_layers``): chosen
+    """Run each generated layer class under ``torch.compile`` (``runtime.stages.compile_layers``): chosen
     by the search when the per-step saving it prices (operator overhead, fused memory-bound ops)
     repays the compile time over the run, or pinned by ``planner plan --compile on|off``. A plan
     written before the field existed loads as ``false``. Not part of ``plan_hash``: the compiled
@@ -321,10 +322,10 @@ class Plan:
     offloaded optimizer keeps the fp32 master weights, the Adam moments and the gradient
     accumulator of the rank's shard off the device and runs AdamW on the host (needs ZeRO 1, 2 or
     3); offloaded parameters keep the rank's parameter shard off the device, fetched layer by layer
-    (needs ZeRO 3). Chosen by the search where it pays (``cost_models.offload``), or pinned by
+    (needs ZeRO 3). Chosen by the search where it pays (``cost_models.offload_cost``), or pinned by
     ``--offload-optimizer`` / ``--offload-params``. A plan without the key loads as none/none."""
     schedule: str = "1f1b"
-    """The pipeline schedule (``runtime.schedule``): ``1f1b``; ``interleaved`` (Megatron's
+    """The pipeline schedule (``runtime.contract.schedule_ir``): ``1f1b``; ``interleaved`` (Megatron's
     interleaved 1F1B over ``virtual_stages`` model chunks per pipeline rank); ``zero-bubble``
     (ZB-H1: backward split into input- and weight-gradient work, the weight gradients filling the
     bubble). A plan without the key loads as ``1f1b``."""

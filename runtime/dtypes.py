@@ -1,20 +1,13 @@
-"""The one dtype table: the compute dtypes a plan may name, their torch dtypes and sizes.
-
-Plans, manifests and the CLI name dtypes ``fp32``, ``bf16`` and ``fp16``; torch's own names
-(``float32``, ``bfloat16``, ``float16``) are accepted as aliases. The front end, the plan, the
-search, codegen, the CLI and the runtime read their torch dtypes here; the names alone live in
-``runtime.contract`` (importable without torch) and are re-exported. ``passes`` work
-on torch dtypes, and ``cost_models`` (which never import the runtime) key their precision recipe
-by these names; ``tests/cost_models`` checks that their tables agree with this one.
-"""
+"""The torch side of the dtype table: each compute dtype's torch dtype (the names and sizes live in
+``runtime.contract.dtype_table``, importable without torch)."""
 
 from __future__ import annotations
 
 import torch
 
-from runtime.contract import ALIASES, DTYPES, ITEMSIZE, canonical
+from runtime.contract.dtype_table import DTYPES, ITEMSIZE, canonical
 
-__all__ = ["DTYPES", "TORCH_DTYPES", "ALIASES", "to_torch", "name_of", "itemsize", "canonical"]
+__all__ = ["TORCH_DTYPES", "to_torch", "name_of", "itemsize"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,

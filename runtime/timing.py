@@ -9,15 +9,15 @@ second of a step belongs to exactly one part:
 - ``recompute``: a layer's forward run again inside backward (activation checkpointing), timed by
   the forward hooks ``time_recomputation`` puts on the stage's layers;
 - ``tp_comm``, ``dp_comm``, ``pp_bubble``: the time this rank was *blocked* in a collective of
-  the tensor-parallel, data-parallel (and tied-weight) or pipeline group (``runtime.comm`` asks
-  ``part_of(group)``; ``runtime.mesh`` registers the groups). Communication that overlaps compute
+  the tensor-parallel, data-parallel (and tied-weight) or pipeline group (``runtime.distributed.comm`` asks
+  ``part_of(group)``; ``runtime.distributed.mesh`` registers the groups). Communication that overlaps compute
   is not blocking and counts where the overlapping work does. A pipeline rank blocked in a receive
   is waiting for its neighbour: the bubble and the transfer, as the prediction's ``pp_bubble``;
 - ``optimizer``: ``ZeroEngine.step`` and ``zero_grad`` (the trainer wraps them), wherever the
-  step runs: the CPU AdamW step when the optimizer state is offloaded (``runtime.offload``);
+  step runs: the CPU AdamW step when the optimizer state is offloaded (``runtime.data_parallel.offload_engine``);
 - ``offload``: time blocked on offload transfers that did not overlap compute: device <-> host
   copies of gradients, masters and parameter shards, and waits for NVMe reads and writes
-  (``runtime.offload`` enters it around every such wait).
+  (``runtime.data_parallel.offload_engine`` enters it around every such wait).
 
 Attribution is exclusive: parts nest on a stack and only the innermost one runs its clock, so a
 data-parallel all-gather inside the optimizer step counts once, in ``dp_comm``, and a
@@ -161,7 +161,7 @@ class PartTimer:
             return Breakdown(now - self._start, dict(self._totals))
 
 
-#: The process's timer; ``runtime.trainer.run_step`` starts and stops it around each step.
+#: The process's timer; ``runtime.training.trainer.run_step`` starts and stops it around each step.
 TIMER = PartTimer()
 
 

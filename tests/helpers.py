@@ -13,9 +13,10 @@ from passes.common import B, S
 from passes.layer_table import LayerCosts, LayerTable
 from planner.frontend.zoo import build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
-from runtime.config import TrainOptions
-from runtime.data import LEGACY_INPUTS, data_vocab, model_inputs, open_data
-from runtime.trainer import lr_at
+from runtime.contract.data_roles import LEGACY_INPUTS
+from runtime.training.data import data_vocab, model_inputs, open_data
+from runtime.training.train_config import TrainOptions
+from runtime.training.trainer import lr_at
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

@@ -1,7 +1,7 @@
 """``planner calibrate``: measure this machine and write a hardware profile for it.
 
 What is measured, with ``nproc`` local gloo processes each standing for one device (each gets
-``cpu_count // nproc`` intra-op threads, as ``runtime.dist.launch_local`` sets for training):
+``cpu_count // nproc`` intra-op threads, as ``runtime.distributed.launch.launch_local`` sets for training):
 
 - **Matmul throughput** per dtype (fp32, bf16, fp16; a dtype whose matmul fails is skipped) at a
   few square sizes, all ranks at once so that they share the cores as they do in training.
@@ -18,7 +18,7 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
 - **Offload** (``calibrate_common.measure_offload``, in the parent process once the ranks are
   done, every core free): NVMe write and read bandwidth of a temporary file in ``--nvme-path``
   (fsync'd write, page cache dropped before the read), the host's AdamW throughput with
-  ``runtime.optim.adamw_step_`` (``cpu_adam_params_per_s``), and a memory copy as the host-device
+  ``runtime.data_parallel.flat_shards.adamw_step_`` (``cpu_adam_params_per_s``), and a memory copy as the host-device
   link (on a CPU the host is the device). ``host_memory_bytes`` is physical RAM, ``nvme_bytes`` the
   free space of that directory's file system.
 - **GEMM table** (small): every ``(m, n, k)`` of ``gemm_sizes ** 3`` per dtype, all ranks at once,
@@ -33,8 +33,8 @@ Compute and memory figures are the machine *undisturbed*: the lower quartile of 
 (``_timed_reps``), the training steps and copies in rounds spread over their budget. On a shared
 host another tenant slows every call for seconds at a time and never speeds one up.
 
-Fitting alpha and beta. ``cost_models.comm`` models a collective of ``S`` bytes over ``n`` ranks
-as ``steps(n) * alpha + link_bytes(S, n) / B`` (``cost_models.comm.ring_terms``). Every
+Fitting alpha and beta. ``cost_models.comm_cost`` models a collective of ``S`` bytes over ``n`` ranks
+as ``steps(n) * alpha + link_bytes(S, n) / B`` (``cost_models.comm_cost.ring_terms``). Every
 measurement is one equation in the unknowns ``alpha`` and ``c = 1 / B``; we solve them jointly by
 least squares on *relative* residuals ``(steps*alpha + bytes*c - t) / t`` so that 4 KB latencies
 weigh as much as 16 MB transfers. If the fit makes ``alpha`` negative it is clamped to 0 and
@@ -87,10 +87,10 @@ from planner.commands.calibrate_common import (
     offload_source,
 )
 from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
-from planner.frontend.analyze import build_layer_table
+from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.zoo import build_model
 from runtime import checkpoint
-from runtime.dist import LaunchError, launch_local
+from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
 __all__ = [
@@ -579,7 +579,7 @@ def run_calibration(
 
 @contextlib.contextmanager
 def _cuda_hidden():
-    """Processes spawned inside see no CUDA device (``runtime.dist`` picks NCCL when they do)."""
+    """Processes spawned inside see no CUDA device (``runtime.distributed.launch`` picks NCCL when they do)."""
     if not torch.cuda.is_available():
         yield
         return

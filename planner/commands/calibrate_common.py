@@ -6,13 +6,13 @@
 - a figure is the *lower quartile* of its repetitions (``lower_quartile``): a shared machine only
   ever slows a call down, so the fast end of the distribution is the machine itself;
 - a collective of ``S`` bytes over ``n`` ranks costs ``steps(n) * alpha + link_bytes(S, n) / B``
-  (``cost_models.comm.ring_terms``), and ``fit_alpha_beta`` solves ``alpha`` and ``B`` by least
+  (``cost_models.comm_cost.ring_terms``), and ``fit_alpha_beta`` solves ``alpha`` and ``B`` by least
   squares on relative residuals, per kind and for all kinds together (``fit_collectives``);
 - a GEMM table is the seconds of each ``(m, n, k)`` of a grid, turned into the fraction of the
   dtype's peak that ``cost_models.compute.gemm_efficiency`` reads (``gemm_tables``);
-- the offload figures (``measure_offload``, ``cost_models.offload``): NVMe write and read
+- the offload figures (``measure_offload``, ``cost_models.offload_cost``): NVMe write and read
   bandwidth of a temporary file in ``--nvme-path`` (default the system's temporary directory), and
-  the host's AdamW throughput with the runtime's kernel (``runtime.optim.adamw_step_``) on a large
+  the host's AdamW throughput with the runtime's kernel (``runtime.data_parallel.flat_shards.adamw_step_``) on a large
   flat buffer, every core at work; on the CPU path also the host-device "link", a memory copy.
 
 The NVMe write is timed up to its ``fsync`` (the bytes are on the drive, not in the page cache),
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cost_models.comm import ring_terms
+from cost_models.comm_cost import ring_terms
 from planner.errors import UserError
 
 __all__ = [
@@ -192,7 +192,7 @@ def offload_source(off: dict, host_is_device: bool) -> str:
     return (
         f" Offload: {link}nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
         f"(write to its fsync, read after dropping its page cache), nvme_bytes = that file system's free "
-        f"space; cpu_adam_params_per_s = runtime.optim.adamw_step_ on a flat fp32 buffer on the host, all "
+        f"space; cpu_adam_params_per_s = runtime.data_parallel.flat_shards.adamw_step_ on a flat fp32 buffer on the host, all "
         f"cores; host_memory_bytes = physical RAM."
     )
 
@@ -306,11 +306,11 @@ def measure_nvme(directory: str | None, nbytes: int, reps: int = 2) -> dict[str,
 
 
 def measure_cpu_adam(num_params: int, reps: int = 3) -> float:
-    """Parameters per second ``runtime.optim.adamw_step_`` updates on the host (fp32 master,
+    """Parameters per second ``runtime.data_parallel.flat_shards.adamw_step_`` updates on the host (fp32 master,
     moments and gradient of ``num_params`` elements, torch's intra-op threads: every core)."""
     import torch  # heavy: only the measurements need it, not the statistics the planner shares
 
-    from runtime.optim import adamw_step_
+    from runtime.data_parallel.flat_shards import adamw_step_
 
     param = torch.randn(num_params)
     grad, m, v = torch.randn(num_params), torch.zeros(num_params), torch.zeros(num_params)

@@ -73,9 +73,9 @@ from planner.commands.calibrate_common import (
     measure_offload,
     offload_source,
 )
-from planner.frontend.analyze import build_layer_table
+from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.zoo import build_model
-from runtime.dist import LaunchError, launch_local
+from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
 __all__ = [

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch import fx
 
-from codegen.compile import ExportedModel, compile_exported
+from codegen.stage_files import ExportedModel, compile_exported
 from passes.attention import attention_facts
 from planner.frontend.bundle import ModelBundle
 from planner.frontend.trace import export_training_module
 from planner.plan import Plan, load_plan
-from runtime.data import data_vocab
+from runtime.training.data import data_vocab
 
 __all__ = ["compile_plan", "model_dims", "run_compile"]
 

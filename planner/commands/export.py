@@ -24,12 +24,12 @@ from safetensors.torch import save_file
 from planner.errors import UserError
 from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import PREFIX
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.hf import hf_directory, load_hf_config
 from planner.frontend.zoo import build_model
 from planner.plan import load_plan
 from planner.report.deepspeed import launcher_command, to_deepspeed
-from runtime.checkpoint_io import CheckpointError, list_checkpoints, load_model_tensors, read_meta
+from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, load_model_tensors, read_meta
 
 __all__ = ["export_weights", "export_deepspeed", "export_hf", "run_export"]
 

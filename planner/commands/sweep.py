@@ -25,10 +25,16 @@ from rich.console import Console
 from rich.table import Table
 
 from cost_models.run_cost import run_cost
-from planner.commands.plan import check_cost_flags, layer_table_for, plan_from_request, request_from_args, with_cost
+from planner.commands.plan_command import (
+    check_cost_flags,
+    layer_table_for,
+    plan_from_request,
+    request_from_args,
+    with_cost,
+)
 from planner.errors import UserError
 from planner.plan import Plan, save_plan
-from planner.search.errors import NoFeasiblePlan, SearchError
+from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_count
 
 __all__ = ["SweepRow", "sweep", "run_sweep", "sweep_paths", "plot_sweep", "COST_BASIS_TOKENS"]

@@ -7,10 +7,10 @@ the original model from the plan's spec and ``--seed`` (on CPU, fp32) and keeps 
 so all plans of one model and seed start from the same weights; an ``hf:PATH`` directory with
 safetensors weights starts from them instead, each rank reading only its shards' slices.
 
-The training flags are the fields of ``runtime.config.TrainOptions`` that carry a ``CliFlag``;
+The training flags are the fields of ``runtime.training.train_config.TrainOptions`` that carry a ``CliFlag``;
 ``train_options_from_args`` reads them back into one. ``train_plan`` is the command without the
 command line (``planner validate`` calls it with its own options); its ``on_step_start`` hook
-(``runtime.trainer.StepHook``) runs on every rank before every step, the extension point the
+(``runtime.training.trainer.StepHook``) runs on every rank before every step, the extension point the
 fault-injection tests use (``tests/e2e/fault_hooks.py``).
 
 At the end rank 0 prints where the step time went: each part of plan.json's ``predicted.time``
@@ -40,13 +40,15 @@ from planner.frontend.hf import hf_directory
 from planner.frontend.zoo import build_model
 from planner.plan import TIME_KEYS, Plan, load_plan
 from planner.units import format_seconds
-from runtime.checkpoint_io import CheckpointError, list_checkpoints, read_meta
-from runtime.compiled import read_manifest
-from runtime.config import ConfigError, TrainOptions, cli_flags
-from runtime.data import LEGACY_INPUTS, TokenFile, data_vocab
-from runtime.dist import LaunchError, free_port, init_distributed, launch_local, shutdown
-from runtime.offload import OffloadConfig, OffloadError
-from runtime.trainer import StepHook, StepMetrics, schedule_of, train_worker
+from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+from runtime.contract.data_roles import LEGACY_INPUTS
+from runtime.contract.input_errors import ConfigError
+from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
+from runtime.distributed.launch import LaunchError, free_port, init_distributed, launch_local, shutdown
+from runtime.stages.compiled_stages import read_manifest
+from runtime.training.data import TokenFile, data_vocab
+from runtime.training.train_config import TrainOptions, cli_flags
+from runtime.training.trainer import StepHook, StepMetrics, schedule_of, train_worker
 
 __all__ = [
     "run_train",
@@ -67,7 +69,7 @@ def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> Mapping[s
     """The original model's parameters and buffers (fp32, CPU) for ``seed``, by original name.
 
     For an ``hf:PATH`` directory with safetensors weights, a lazy mapping over its files instead
-    (``planner.frontend.checkpoint.DirectoryWeights``): ``runtime.compiled.load_weights`` reads
+    (``planner.frontend.checkpoint.DirectoryWeights``): ``runtime.stages.compiled_stages.load_weights`` reads
     only the tensors of this rank's stage, and of a tensor-parallel shard only its rows/columns.
     """
     kind, name = parse_spec(spec)

@@ -56,16 +56,22 @@ from rich.table import Table
 
 from cost_models.hardware import HardwareProfile, load_hardware
 from cost_models.strategy import NumericTable, candidate_costs
-from planner.commands.plan import check_cost_flags, layer_table_for, plan_from_request, request_from_args, with_cost
+from planner.commands.plan_command import (
+    check_cost_flags,
+    layer_table_for,
+    plan_from_request,
+    request_from_args,
+    with_cost,
+)
 from planner.commands.train import train_plan
 from planner.commands.validate import WARMUP_STEPS, compare
 from planner.errors import UserError
 from planner.plan import Plan, save_plan
-from planner.search.schedules import evaluate_strategy
+from planner.search.schedule_search import evaluate_strategy
 from planner.search.solve import candidate_plans
 from planner.units import format_bytes, format_seconds
-from runtime.config import TrainOptions
-from runtime.trainer import StepHook
+from runtime.training.train_config import TrainOptions
+from runtime.training.trainer import StepHook
 
 __all__ = [
     "run_tune",
@@ -85,7 +91,7 @@ __all__ = [
 TRIAL_STATUSES = ("ok", "crashed", "timeout", "out of memory")
 
 #: The hook a test gives ``run_tune``: trial number (1 = the plan's own choice) -> the step hook
-#: its ranks run before every step (``runtime.trainer.StepHook``), or None.
+#: its ranks run before every step (``runtime.training.trainer.StepHook``), or None.
 TrialHook = Callable[[int], "StepHook | None"]
 
 

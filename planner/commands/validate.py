@@ -27,7 +27,7 @@ from rich.table import Table
 from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdown, train_plan
 from planner.errors import UserError
 from planner.plan import load_plan
-from runtime.config import TrainOptions
+from runtime.training.train_config import TrainOptions
 
 __all__ = ["run_validate", "compare"]
 

@@ -10,7 +10,7 @@ The key is everything the table is a function of; change any part and the entry 
 - the spec as given and every argument of ``build_layer_table`` (the size overrides, the traced
   batch, sequence length, dtype, position table, ``shallow``, ``dynamic``);
 - the planner's own code that computes the table: a digest of the source of ``passes/``,
-  ``planner/frontend/``, ``runtime/dtypes.py`` and ``runtime/contract.py``, so an upgrade (or a local edit) never serves
+  ``planner/frontend/``, ``runtime/dtypes.py`` and ``runtime/contract/``, so an upgrade (or a local edit) never serves
   a table an older version computed;
 - the versions of torch, sympy, Python and, but for the built-in GPT, transformers;
 - the model's files: a ``file.py:factory``'s content (only that file: a factory that imports
@@ -65,9 +65,9 @@ from typing import Any
 import sympy
 
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm, LayerCosts, LayerTable
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.spec import hf_directory, parse_spec
-from runtime.contract import DTYPES, canonical
+from runtime.contract.dtype_table import DTYPES, canonical
 
 __all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
 
@@ -105,9 +105,9 @@ def cache_dir() -> Path:
 # The key
 
 
-_SOURCES = ("passes", "planner/frontend")
-"""Folders (relative to the repository root) whose ``*.py`` files compute the table."""
-_SOURCE_FILES = ("runtime/dtypes.py", "runtime/contract.py")
+_SOURCES = ("passes", "planner/frontend", "runtime/contract")
+"""Folders (relative to the repository root) whose ``*.py`` files, sub-packages included, compute the table."""
+_SOURCE_FILES = ("runtime/dtypes.py",)
 _code_digest: str | None = None
 
 
@@ -116,13 +116,18 @@ def _root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def source_paths() -> list[Path]:
+    """The files whose code computes a layer table: the key's code part."""
+    root = _root()
+    return sorted(p for d in _SOURCES for p in (root / d).rglob("*.py")) + [root / f for f in _SOURCE_FILES]
+
+
 def code_digest() -> str:
     """SHA-256 of the source files that compute a layer table (computed once per process)."""
     global _code_digest
     if _code_digest is None:
         root = _root()
-        paths = sorted(p for d in _SOURCES for p in (root / d).glob("*.py"))
-        paths += [root / f for f in _SOURCE_FILES]
+        paths = source_paths()
         h = hashlib.sha256()
         for p in paths:
             h.update(p.relative_to(root).as_posix().encode() + b"\0")

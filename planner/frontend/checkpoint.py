@@ -2,7 +2,7 @@
 
 ``planner train`` gives every rank ``directory_state(path, sizes)`` as the original model's state:
 a read-only mapping from the wrapped model's names (``inner.<HF name>``) to tensors that opens the
-directory's safetensors files but reads nothing until asked. ``runtime.compiled.load_weights``
+directory's safetensors files but reads nothing until asked. ``runtime.stages.compiled_stages.load_weights``
 asks it for whole tensors (``state[name]``) or, for a tensor-parallel shard, for the rows/columns
 of that shard only (``state.get_slice(name)[...]``, safetensors' slice API), so no rank reads the
 weights of another stage or another tp rank's piece. The runtime never imports this module (nor
@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.hf import INDEX_FILE, SINGLE_FILE, build_hf_dir, weight_files
 
 __all__ = ["params_on_meta", "DirectoryWeights", "directory_state", "check_weights", "PREFIX"]

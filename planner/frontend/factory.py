@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from planner.frontend.bundle import ModelBundle
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 
 __all__ = ["load_factory", "check_module_names"]
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from planner.frontend.bundle import ModelBundle
-from planner.frontend.errors import ModelError, first_sentence
+from planner.frontend.frontend_errors import ModelError, first_sentence
 from planner.frontend.spec import HF_ARCHS, hf_directory
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 
 __all__ = ["GPTConfig", "PRESETS", "HF_ARCHS", "SPEC_HELP", "parse_spec", "hf_directory"]
 

@@ -55,11 +55,12 @@ from passes.common import B, S
 from passes.layers import assign_layers, layer_signatures
 from planner.frontend.bundle import ModelBundle, parse_spec
 from planner.frontend.checkpoint import check_weights
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import PRESETS
 from planner.frontend.hf import hf_classes, hf_directory, load_hf_config
 from planner.frontend.zoo import build_model
-from runtime.dtypes import DTYPES, to_torch
+from runtime.contract.dtype_table import DTYPES
+from runtime.dtypes import to_torch
 
 __all__ = [
     "Traced",

@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 
 from planner.frontend.bundle import ModelBundle, parse_spec
-from planner.frontend.errors import ModelError
 from planner.frontend.factory import load_factory
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import GPT, PRESETS
 from planner.frontend.hf import build_hf, build_hf_dir, hf_directory
 

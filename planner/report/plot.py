@@ -1,12 +1,12 @@
 """``planner plan --plot FILE.png``: the chosen pipeline schedule as a Gantt chart, and memory.
 
 Top panel: one row per pipeline stage, time on the x axis. The schedule is the runtime's own
-action list for the plan's schedule (:func:`runtime.schedule.one_f_one_b`, or the interleaved and
-zero-bubble lists through :func:`planner.search.schedules.build_schedule`), timed by
-:func:`runtime.schedule.simulate`: under 1F1B with each stage's forward and backward micro-step
+action list for the plan's schedule (:func:`runtime.contract.schedule_ir.one_f_one_b`, or the interleaved and
+zero-bubble lists through :func:`planner.search.schedule_search.build_schedule`), timed by
+:func:`runtime.contract.schedule_ir.simulate`: under 1F1B with each stage's forward and backward micro-step
 (forward/backward compute, TP all-reduces, recompute in the backward, ZeRO traffic and half the
 stage transfers on each side); under the other schedules with the per-chunk ``F``, ``B`` and
-``W`` times and the send time the search priced them with (``cost_models.schedules``). ``W``
+``W`` times and the send time the search priced them with (``cost_models.schedule_cost``). ``W``
 bars (weight gradients) have their own colour; with ``v`` chunks per rank, later chunks are drawn
 lighter and labelled ``micro-batch.chunk``. Each row ends with the stage's
 exposed DP/ZeRO communication and optimizer step. Bars are labelled with the micro-batch when
@@ -27,11 +27,11 @@ from __future__ import annotations
 import os
 
 from cost_models.hardware import HardwareProfile
-from cost_models.schedules import ChunkTimes
+from cost_models.schedule_cost import ChunkTimes
 from cost_models.strategy import Evaluation
 from planner.errors import UserError
-from planner.search.schedules import build_schedule
-from runtime.schedule import B, F, W, one_f_one_b, simulate
+from planner.search.schedule_search import build_schedule
+from runtime.contract.schedule_ir import B, F, W, one_f_one_b, simulate
 
 __all__ = ["plot_plan", "stage_times", "chunk_times", "MAX_DRAWN_MICROBATCHES"]
 

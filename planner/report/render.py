@@ -14,7 +14,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from cost_models.comm import axis_placement
+from cost_models.comm_cost import axis_placement
 from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.run_cost import scale_cost
 from planner.plan import TIME_LABELS

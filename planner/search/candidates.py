@@ -21,9 +21,9 @@ import math
 from typing import Any, Sequence
 
 from cost_models.hardware import HardwareProfile
-from cost_models.offload import TIERS, check_offload, offload_missing
+from cost_models.offload_cost import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
-from planner.search.errors import SearchError
+from planner.search.search_errors import SearchError
 
 __all__ = [
     "is_repeated",

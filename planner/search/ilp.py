@@ -88,7 +88,7 @@ which family failed).
 Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above);
 interleaved 1F1B and zero bubble (ZB-H1) are priced after the search on the strategies it kept,
 from the runtime's simulated schedule with the same per-layer constants
-(:mod:`planner.search.schedules`, :mod:`cost_models.schedules`): same work, another bubble,
+(:mod:`planner.search.schedule_search`, :mod:`cost_models.schedule_cost`): same work, another bubble,
 ``v`` times the sends, more activations in flight.
 
 Solvers: pulp's CBC (default) or HiGHS (``solver="highs"``, needs ``highspy``; the environment
@@ -601,7 +601,7 @@ def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
 
 def add_offload_capacity_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
     """Each stage's offloaded state fits its rank's share of the node's host memory (after the
-    pinned buffers) and NVMe (``cost_models.offload``): rows ``memory_host_k{k}``,
+    pinned buffers) and NVMe (``cost_models.offload_cost``): rows ``memory_host_k{k}``,
     ``memory_nvme_k{k}``; none without offload."""
     cc = v.cc
     for name, room, f in (("host", cc.host_room, lambda c: c.host_b), ("nvme", cc.nvme_room, lambda c: c.nvme_b)):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cost_models.schedules import SCHEDULES
-from planner.search.errors import SearchError
-from runtime.contract import DTYPES
+from cost_models.schedule_cost import SCHEDULES
+from planner.search.search_errors import SearchError
+from runtime.contract.dtype_table import DTYPES
 
 __all__ = ["PlanRequest", "CHECKPOINT_MODES", "COMPILE_MODES", "DEFAULT_HORIZON_STEPS", "OFFLOAD_TIERS"]
 
-#: Where ``--offload-optimizer`` / ``--offload-params`` may put a state kind (``cost_models.offload``).
+#: Where ``--offload-optimizer`` / ``--offload-params`` may put a state kind (``cost_models.offload_cost``).
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 
 CHECKPOINT_MODES = ("auto", "none", "selective", "all")
@@ -56,7 +56,7 @@ class PlanRequest:
     """Allow tensor-parallel groups that span nodes (slow; off by default)."""
     inputs: dict = field(default_factory=dict)
     """What training feeds a model input the graph does not explain: ``{name: role}``
-    (``--input NAME=ROLE``; see ``planner.frontend.inputs``)."""
+    (``--input NAME=ROLE``; see ``planner.frontend.input_pins``)."""
     compile: str = "auto"
     """Compiled stages (``torch.compile`` per layer class): ``auto`` (the search compiles when the
     per-step saving repays the compile time over the run), ``on`` or ``off`` (``--compile``)."""
@@ -70,7 +70,7 @@ class PlanRequest:
     """Where the ZeRO-3 parameter shards live (``--offload-params none|cpu|nvme``); ``None``: searched."""
     schedule: str | None = None
     """The pipeline schedule (``--schedule 1f1b|interleaved|zero-bubble``); ``None``: searched
-    (``planner.search.schedules.SEARCHED_SCHEDULES``)."""
+    (``planner.search.schedule_search.SEARCHED_SCHEDULES``)."""
     virtual_stages: int | None = None
     """Model chunks per pipeline rank of the interleaved schedule (``--virtual-stages``); ``None``: searched."""
     sequence_parallel: str | None = None

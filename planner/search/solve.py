@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
-from cost_models.offload import adam_rate_per_rank, offload_missing, ranks_per_node
+from cost_models.offload_cost import adam_rate_per_rank, offload_missing, ranks_per_node
 from cost_models.strategy import (
     Candidate,
     CandidateCosts,
@@ -50,7 +50,7 @@ from cost_models.strategy import (
     memory_bound,
     predicted_fields,
 )
-from planner.frontend.inputs import resolve_inputs
+from planner.frontend.input_pins import resolve_inputs
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
 from planner.search.alternatives import alternative_reason
 from planner.search.candidates import (
@@ -64,9 +64,9 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
-from planner.search.errors import NoFeasiblePlan, SearchError
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
-from planner.search.schedules import apply_schedules, check_schedule_pins, schedule_allows
+from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows
+from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_seconds
 
 __all__ = [

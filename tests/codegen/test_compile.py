@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codegen.errors import UnsafeNameError
+from codegen.codegen_errors import UnsafeNameError
 from codegen.names import check_ident, safe_ident
 from planner.commands.compile import compile_plan
-from runtime.compiled import CompiledError, load_stage_module, load_weights, read_manifest
+from runtime.stages.compiled_stages import CompiledError, load_stage_module, load_weights, read_manifest
 from tests.helpers import USER_MODELS, make_plan
 
 
@@ -120,7 +120,7 @@ def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
 
 def test_model_without_blocks_compiles_and_matches(tmp_path):
     """The empty head row of a model with no blocks is called, not assigned (no broken source)."""
-    from planner.commands.plan import plan_from_request
+    from planner.commands.plan_command import plan_from_request
     from planner.search.request import PlanRequest
 
     req = PlanRequest(

@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-from codegen.errors import LoweringError
+from codegen.codegen_errors import LoweringError
 from codegen.lower import _constant_ctor
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
 from planner.frontend.zoo import build_model
-from runtime.compiled import load_stage_module, load_weights, read_manifest
+from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
 from tests.helpers import TESTS, manual_plan
 
 SPEC = os.path.join(TESTS, "fixtures", "const_models.py") + ":const_model"

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from codegen.errors import LoweringError
+from codegen.codegen_errors import LoweringError
 from planner.commands.compile import compile_plan
-from planner.frontend.analyze import build_layer_table
-from runtime.compiled import load_stage_module, load_weights, read_manifest
-from runtime.memtrack import StorageCounter
+from planner.frontend.model_analysis import build_layer_table
+from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
+from runtime.training.memtrack import StorageCounter
 from tests.helpers import TESTS, manual_plan
 
 EAGER = os.path.join(TESTS, "fixtures", "tp_models.py")

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import sympy
 
-from codegen.errors import TPRewriteError
+from codegen.codegen_errors import TPRewriteError
 from passes.analyze import analyze
 from passes.common import B, S
-from passes.tp_analysis import analyze_tensor_parallel
+from passes.tensor_parallel.tp_analysis import analyze_tensor_parallel
 from planner.commands.compile import compile_plan
 from planner.frontend.trace import trace_model
 from tests.helpers import manual_plan

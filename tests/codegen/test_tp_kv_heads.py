@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codegen.errors import TPRewriteError
+from codegen.codegen_errors import TPRewriteError
 from planner.commands.compile import compile_plan, model_dims
 from planner.frontend.bundle import ModelBundle
 from tests.helpers import manual_plan

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codegen import tp_rewrite
-from codegen.errors import TPRewriteError
+from codegen.codegen_errors import TPRewriteError
 from codegen.tp_rewrite import analyze_tp, reshape_shard
 from passes.analyze import analyze
 from passes.layers import assign_layers
-from passes.tp_analysis import analyze_tensor_parallel
+from passes.tensor_parallel.tp_analysis import analyze_tensor_parallel
 from planner.commands.compile import compile_plan, model_dims
 from planner.frontend.trace import export_training_module, trace_model
 from planner.plan import Plan

@@ -22,7 +22,7 @@ from cost_models.gemm_cost import (
 from cost_models.hardware import load_hardware
 from passes.common import B, S
 from passes.layer_table import Gemm
-from planner.frontend.analyze import build_layer_table
+from planner.frontend.model_analysis import build_layer_table
 
 CPU = load_hardware("cpu")
 H100 = load_hardware("h100-sxm")

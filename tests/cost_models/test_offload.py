@@ -1,4 +1,4 @@
-"""The price of offload (``cost_models.offload``): bytes on each tier by hand, the time parts by
+"""The price of offload (``cost_models.offload_cost``): bytes on each tier by hand, the time parts by
 hand, and the parts of a whole strategy's step (``cost_models.strategy.evaluate``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from cost_models.hardware import HardwareProfile, ProfileError, load_hardware
 from cost_models.memory import model_state_bytes, zero_transient_bytes
-from cost_models.offload import (
+from cost_models.offload_cost import (
     check_offload,
     host_state_bytes,
     layer_offload,

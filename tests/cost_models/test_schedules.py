@@ -1,4 +1,4 @@
-"""cost_models.schedules: chunking, the W split, the memory factors and the schedule's price
+"""cost_models.schedule_cost: chunking, the W split, the memory factors and the schedule's price
 against hand-computed values (closed forms with equal stages)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from cost_models.compute import compute_time
 from cost_models.hardware import load_hardware
-from cost_models.schedules import (
+from cost_models.schedule_cost import (
     ChunkTimes,
     SimulatedPipeline,
     chunk_times,
@@ -20,7 +20,7 @@ from cost_models.schedules import (
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate
 from passes.core import B, S
 from passes.layer_table import Gemm, LayerTable
-from runtime.schedule import interleaved_one_f_one_b, peak_inflight, peak_weight_pending, zero_bubble_h1
+from runtime.contract.schedule_ir import interleaved_one_f_one_b, peak_inflight, peak_weight_pending, zero_bubble_h1
 from tests.helpers import gpt_table
 
 CPU = load_hardware("cpu", 8)
@@ -99,7 +99,7 @@ def test_w_counts_only_products_that_contract_over_tokens():
 def test_equal_chunks_price_the_closed_form_bubbles():
     """With equal stages and free sends the simulated schedules give the textbook bubbles: 1F1B
     (p - 1) / m idle per unit of compute, interleaved (p - 1) / (v m), ZB-H1 (p - 1) / (3 m)."""
-    from planner.search.schedules import simulate_pipeline
+    from planner.search.schedule_search import simulate_pipeline
 
     p, m, f = 4, 8, 1.0
     one = simulate_pipeline("1f1b", p, m, 1, ChunkTimes((f,) * p, (2 * f,) * p, None, 0.0)).makespan_s

@@ -9,10 +9,10 @@ import pytest
 
 from cost_models.hardware import load_hardware
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate
-from planner.frontend.analyze import build_layer_table
+from planner.frontend.model_analysis import build_layer_table
 from planner.search.candidates import enumerate_candidates, sequence_parallel_options
-from planner.search.errors import SearchError
 from planner.search.request import PlanRequest
+from planner.search.search_errors import SearchError
 from planner.search.solve import solve
 
 HW = load_hardware("a100-80gb", 8)

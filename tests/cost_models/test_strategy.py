@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.comm import axis_placement, collective_time, ring_bytes_sent, zero_dp_collectives
+from cost_models.comm_cost import axis_placement, collective_time, zero_dp_collectives
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
@@ -29,6 +29,7 @@ from planner.search.candidates import (
     uniform_time_bound,
 )
 from planner.search.request import PlanRequest
+from runtime.contract.collective_bytes import ring_bytes
 from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -108,8 +109,8 @@ def test_zero_2_and_3_pay_per_micro_batch(zero):
         assert blk.zero_mb_s == pytest.approx(sum(collective_time(k, n, pl, HW) for k, n in colls))
         assert blk.dp_step_s == 0
     ev = evaluate(cc, [(0, 3)], [])
-    sent = sum(ring_bytes_sent(k, n, 4) for k, n in zero_dp_collectives(P, "bf16", zero, 4))
-    assert ev.comm_bytes_per_device >= 8 * (sent if zero == 3 else ring_bytes_sent("reduce_scatter", colls[0][1], 4))
+    sent = sum(ring_bytes(k, n, 4) for k, n in zero_dp_collectives(P, "bf16", zero, 4))
+    assert ev.comm_bytes_per_device >= 8 * (sent if zero == 3 else ring_bytes("reduce_scatter", colls[0][1], 4))
 
 
 def test_evaluate_step_time_and_memory_by_hand():

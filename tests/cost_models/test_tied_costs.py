@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cost_models.comm import collective_time, group_placement
+from cost_models.comm_cost import collective_time, group_placement
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate

@@ -1,7 +1,7 @@
 """Fault injection for the training tests: step hooks that kill or hang one rank, and
 ``train_with_hook``, which runs ``planner train`` with one.
 
-``runtime.trainer.train_worker`` calls its ``on_step_start(rank, step)`` hook on every rank before
+``runtime.training.trainer.train_worker`` calls its ``on_step_start(rank, step)`` hook on every rank before
 each step (``step`` counts from 0: the steps already done); ``planner.commands.train.run_train``
 passes one through to every rank. The hooks here are frozen dataclasses, so they pickle into the
 spawned ranks (which import this module to unpickle them).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from planner.cli import USER_ERRORS, build_parser
 from planner.commands.train import run_train
-from runtime.trainer import StepHook
+from runtime.training.trainer import StepHook
 
 __all__ = ["KillAt", "HangAt", "RaiseAt", "train_with_hook"]
 

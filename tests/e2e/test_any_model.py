@@ -4,7 +4,7 @@ model computing its own loss) plan, compile and train under each strategy like o
 Each architecture is traced once (its layer table); each case pins the strategy, plans it with
 the real search, trains it with ``planner train --nproc N`` on gloo and compares the per-step
 losses and the final parameters with a single process running plain torch AdamW on the same
-global batch, fed by the same roles (``runtime.data.model_inputs``).
+global batch, fed by the same roles (``runtime.training.data.model_inputs``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cost_models.hardware import load_hardware
-from planner.frontend.analyze import build_layer_table
+from planner.frontend.model_analysis import build_layer_table
 from planner.search.request import PlanRequest
 from planner.search.solve import solve
 from tests.e2e.test_train_matrix import EPS, run_case

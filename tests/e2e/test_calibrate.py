@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.comm import collective_time, group_placement
+from cost_models.comm_cost import collective_time, group_placement
 from cost_models.hardware import load_hardware
 from planner.commands.calibrate import CalibrationSpec, run_calibration
 
@@ -25,7 +25,7 @@ def test_quick_calibration_writes_loadable_profile(tmp_path):
     assert 0.25 <= hw.recompute_ratio <= 1.5
     # a kind whose few quick timings do not grow with size gets no fit and keeps the generic link
     assert set(hw.intra_node_collectives or {}) <= {"all_reduce", "all_gather", "reduce_scatter", "send"}
-    # offload figures of this machine (cost_models.offload): the drive under --nvme-path, AdamW, a copy
+    # offload figures of this machine (cost_models.offload_cost): the drive under --nvme-path, AdamW, a copy
     assert hw.nvme_read_bandwidth > 1e6 and hw.nvme_write_bandwidth > 1e6 and hw.nvme_bytes > 0
     assert hw.cpu_adam_params_per_s > 1e6 and hw.host_device_bandwidth > 1e7
     assert hw.host_memory_bytes >= hw.memory_bytes

@@ -28,7 +28,7 @@ def test_profile_env_writes_each_ranks_operator_table_and_trace(tmp_path, monkey
 
 
 def _probe(env_extra: dict) -> str:
-    code = "from runtime.dist import reuse_host_memory as r; a = r(); b = r(); print(a, b)"
+    code = "from runtime.distributed.launch import reuse_host_memory as r; a = r(); b = r(); print(a, b)"
     env = dict(os.environ, **env_extra)
     return subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
@@ -52,7 +52,7 @@ def test_steady_state_steps_fault_in_no_fresh_pages():
     what is compared."""
     code = r"""
 import resource, torch
-from runtime.dist import reuse_host_memory
+from runtime.distributed.launch import reuse_host_memory
 tuned = reuse_host_memory()
 w = torch.randn(256, 8192)
 counts = []

@@ -13,9 +13,9 @@ import torch
 from planner.cli import main
 from planner.frontend.hf import HFLossModel
 from planner.plan import load_plan
-from runtime.config import TrainOptions
-from runtime.data import open_data
-from runtime.trainer import lr_at
+from runtime.training.data import open_data
+from runtime.training.train_config import TrainOptions
+from runtime.training.trainer import lr_at
 from tests.helpers import read_metrics
 
 transformers = pytest.importorskip("transformers")

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.dist import launch_local
-from runtime.offload import OffloadConfig
-from runtime.tied import isolate_tied
-from runtime.zero import ZeroEngine
+from runtime.data_parallel.offload_engine import OffloadConfig
+from runtime.data_parallel.tied_weights import isolate_tied
+from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.distributed.launch import launch_local
 from tests.runtime.zero_harness import HP, MAX_NORM, MICRO, layer_groups, make_net, run_engine
 
 STEPS = 3

@@ -2,7 +2,7 @@
 optimizer on the host equals the same plan without offload, and checkpoints resume across offload
 settings (saved offloaded and resumed resident; saved resident and resumed on the NVMe tier) with
 the losses of the uninterrupted resident run. One launch of 2 gloo ranks runs every configuration
-through ``runtime.trainer.train_worker`` (what ``planner train`` runs on each rank), from one
+through ``runtime.training.trainer.train_worker`` (what ``planner train`` runs on each rank), from one
 compiled plan whose manifest is copied with each ``offload`` setting."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch.distributed as dist
 from planner.cli import build_parser, main
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state, train_options_from_args
-from runtime.checkpoint_io import list_checkpoints
-from runtime.config import TrainOptions
-from runtime.dist import launch_local
-from runtime.trainer import train_worker
+from runtime.checkpointing.checkpoint_io import list_checkpoints
+from runtime.distributed.launch import launch_local
+from runtime.training.train_config import TrainOptions
+from runtime.training.trainer import train_worker
 from tests.helpers import TINY_GPT, make_plan, write_plan
 
 STEPS = 4

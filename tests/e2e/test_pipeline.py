@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from runtime import comm
-from runtime.dist import launch_local
-from runtime.mesh import setup_mesh
-from runtime.pipeline import META_ROW, PipelineError, PipelineStage
-from runtime.schedule import gpipe, one_f_one_b
+from runtime.contract.schedule_ir import gpipe, one_f_one_b
+from runtime.distributed import comm
+from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import setup_mesh
+from runtime.pipeline.executor import META_ROW, PipelineError, PipelineStage
 from tests.runtime.pipeline_harness import MB, RECV_META, H, StageModule, T, make_data, make_layers, reference
 
 

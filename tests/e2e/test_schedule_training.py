@@ -4,7 +4,7 @@ Interleaved 1F1B over model chunks (pp2 v2: 4 blocks = 6 layer-table rows in 4 c
 whose tied embedding and LM head sit in chunk 0 on rank 0 and chunk 3 on rank 1, and the built-in
 GPT at dp2 with ZeRO-1 and ZeRO-3) and ZB-H1 with its split B/W (pp2 with recompute, pp2 x tp2, pp2 x dp2
 with ZeRO-3) are compiled as `planner train` compiles them and run by the trainer
-(``runtime.trainer.train_worker``); their per-step losses and final parameters (the consolidated
+(``runtime.training.trainer.train_worker``); their per-step losses and final parameters (the consolidated
 checkpoint) must match plain torch AdamW on the whole global batch. To stay cheap, one spawn per
 world size runs all its plans in turn. The 2-process spawn also resumes the interleaved run's
 checkpoint (saved per chunk) under a 1F1B plan with one chunk per rank, which must continue the
@@ -21,12 +21,12 @@ import torch
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
 from planner.plan import Plan
-from runtime.checkpoint_io import list_checkpoints, load_model_tensors
-from runtime.compiled import read_manifest
-from runtime.config import TrainOptions
-from runtime.dist import launch_local
-from runtime.tied import tied_stage_sets
-from runtime.trainer import train_worker
+from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors
+from runtime.data_parallel.tied_weights import tied_stage_sets
+from runtime.distributed.launch import launch_local
+from runtime.stages.compiled_stages import read_manifest
+from runtime.training.train_config import TrainOptions
+from runtime.training.trainer import train_worker
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run
 
 STEPS = 3

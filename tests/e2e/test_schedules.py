@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-import runtime.pipeline as pipeline
-from runtime import comm
-from runtime.dist import launch_local
-from runtime.mesh import get_mesh, setup_mesh
-from runtime.pipeline import PipelineStage
-from runtime.schedule import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
-from runtime.zero import ZeroEngine
+import runtime.pipeline.executor as pipeline
+from runtime.contract.schedule_ir import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
+from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.distributed import comm
+from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import get_mesh, setup_mesh
+from runtime.pipeline.executor import PipelineStage
 from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, make_layers, reference
 
 M = 4  # micro-batches
@@ -204,7 +204,7 @@ def test_split_backward_reduces_as_often_as_one_f_one_b(reductions, zero_stage):
     group per micro-batch. ZB-H1 with the engine as backward scope issues exactly 1F1B's
     collectives and reaches the same parameters; without the scope each W call was a pass (ZeRO-1
     reduced mid-W and again in step(), ZeRO-2 issued 20 reduce-scatters instead of 8). ZeRO-3
-    gathers each group once more per micro-batch where B and W are apart (runtime.zero3)."""
+    gathers each group once more per micro-batch where B and W are apart (runtime.data_parallel.zero3_lifetime)."""
     for got in reductions:
         red = got[zero_stage]
         calls = {name: dict(r["calls"]) for name, r in red.items()}

@@ -13,10 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from runtime import comm
-from runtime.dist import launch_local
-from runtime.memtrack import MemoryTracker
-from runtime.mesh import setup_mesh
+from runtime.distributed import comm
+from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import setup_mesh
 from runtime.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHeadLoss,
@@ -33,13 +32,14 @@ from runtime.tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_range,
 )
+from runtime.training.memtrack import MemoryTracker
 
 TP = 2
 F32 = 4
 
 
 def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Re-assemble shards for checking, outside runtime.comm so the byte counter is untouched."""
+    """Re-assemble shards for checking, outside runtime.distributed.comm so the byte counter is untouched."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts, dim=dim)

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from planner.cli import main
-from runtime.checkpoint_io import list_checkpoints, load_model_tensors, read_meta
+from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors, read_meta
 from tests.helpers import make_plan, read_metrics, reference_run, write_plan
 
 TINY_HF_GPT2 = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 96, "seq_len": 16}

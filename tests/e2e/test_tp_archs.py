@@ -15,10 +15,10 @@ import torch
 from torch.testing import assert_close
 
 from planner.commands.compile import compile_plan
-from runtime.compiled import load_stage_module, load_weights, read_manifest
-from runtime.dist import launch_local
-from runtime.mesh import setup_mesh
-from runtime.sharding import TensorShard
+from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import setup_mesh
+from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
+from runtime.tensor_parallel.sharding import TensorShard
 from tests.helpers import TESTS, manual_plan
 
 ARCHS_FILE = os.path.join(TESTS, "fixtures", "hf_archs.py")

@@ -13,11 +13,11 @@ from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
 from planner.frontend.zoo import build_model
 from planner.plan import Plan
-from runtime.compiled import load_stage_module, load_weights, read_manifest
-from runtime.dist import launch_local
-from runtime.mesh import setup_mesh
-from runtime.pipeline import PipelineStage, TensorMeta
-from runtime.schedule import one_f_one_b
+from runtime.contract.schedule_ir import one_f_one_b
+from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import setup_mesh
+from runtime.pipeline.executor import PipelineStage, TensorMeta
+from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
 from tests.helpers import manual_plan
 
 GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 51, "seq_len": 8}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from planner.cli import main
-from runtime.checkpoint_io import list_checkpoints, load_model_tensors
+from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
 
 STEPS = 10

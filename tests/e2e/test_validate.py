@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from cost_models.comm import ring_bytes_sent, step_control_bytes
+from cost_models.comm_cost import step_control_bytes
 from cost_models.memory import loss_backward_bytes
+from runtime.contract.collective_bytes import ring_bytes
 
 SIZES = dict(layers=2, hidden=64, heads=2, vocab=512)
 SEQ, MICRO = 32, 2
@@ -103,7 +104,7 @@ def test_validate_json_bytes_and_memory(validated, capsys):
 
     plan = load_plan(validated)
     grads = plan.model.params * 4
-    expect = ring_bytes_sent("all_reduce", grads, 2) + step_control_bytes(2, 1, 1)
+    expect = ring_bytes("all_reduce", grads, 2) + step_control_bytes(2, 1, 1)
     assert res["predicted"]["comm_bytes_per_device"] == pytest.approx(expect, abs=0.5)
     assert res["measured"]["comm_bytes_per_device"] == res["predicted"]["comm_bytes_per_device"]
 

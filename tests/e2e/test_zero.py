@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from runtime import comm
-from runtime.dist import launch_local
-from runtime.optim import consolidate_shards, padded_numel
-from runtime.precision import DynamicLossScaler
-from runtime.zero import ZeroEngine
+from runtime.data_parallel.flat_shards import consolidate_shards, padded_numel
+from runtime.data_parallel.precision import DynamicLossScaler
+from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.distributed import comm
+from runtime.distributed.launch import launch_local
 from tests.runtime.zero_harness import (
     BATCH,
     HP,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from passes.attention import AttentionInfo, annotate_attention, attention_facts
 from passes.op_class import op_name
-from passes.tp_analysis import analyze_tensor_parallel
+from passes.tensor_parallel.tp_analysis import analyze_tensor_parallel
 from tests.helpers import TESTS
 
 

@@ -1,4 +1,4 @@
-"""GEMM shapes in the layer table (``passes.autograd_costs`` records them, ``passes.tensor_parallel``
+"""GEMM shapes in the layer table (``passes.autograd_costs`` records them, ``passes.tensor_parallel.tp_costs``
 marks the dim tp divides, ``passes.layer_table`` merges them per layer): present for every block,
 their FLOPs are the layer's FLOPs, the column/row-parallel products divide the right dim, fused
 attention is its 2 + 4 batched products, and the shapes survive JSON, ``numeric`` and the cache.
@@ -23,7 +23,7 @@ from passes.common import B, S, to_expr
 from passes.layer_table import GEMM_FIELDS, Gemm, LayerTable
 from passes.op_class import op_name
 from passes.tabulate import table_from_traced
-from passes.tp_analysis import gemm_tp_dim, matmul_operands
+from passes.tensor_parallel.tp_analysis import gemm_tp_dim, matmul_operands
 from planner.frontend import cache
 from planner.frontend.trace import trace_model
 from tests.helpers import TESTS

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes.inputs import ROLES, infer_inputs
-from runtime.data import INPUT_ROLES, model_inputs
+from passes.inputs import infer_inputs
+from runtime.training.data import model_inputs
 from tests.fixtures import user_models
 
 
@@ -16,10 +16,6 @@ def _facts(factory, lifted=True):
     if lifted:
         return {f.name: f for f in infer_inputs(ep.graph_module, ep.graph_signature.user_inputs)}
     return {f.name: f for f in infer_inputs(ep.module())}
-
-
-def test_roles_are_the_runtimes():
-    assert ROLES == INPUT_ROLES
 
 
 @pytest.mark.parametrize("lifted", [True, False])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from passes.core import B, S
-from planner.frontend.analyze import build_layer_table
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
+from planner.frontend.model_analysis import build_layer_table
 
 tf = pytest.importorskip("transformers")
 

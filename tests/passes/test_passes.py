@@ -20,8 +20,8 @@ from passes.analyze import analyze
 from passes.common import B, PassError, S, source_line
 from passes.layer_table import LayerTable
 from passes.tabulate import table_from_traced
-from passes.tp_analysis import reshape_dim
-from planner.frontend.analyze import build_layer_table
+from passes.tensor_parallel.tp_analysis import reshape_dim
+from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.trace import trace_model
 from planner.frontend.zoo import build_model
 
@@ -252,7 +252,7 @@ def test_tensor_parallel_gpt_megatron_roles():
     # one all-reduce call each; a block has two (attention and MLP outputs), the embedding one
     assert (pre.tp_allreduce_calls, table.layers[1].tp_allreduce_calls, post.tp_allreduce_calls) == (1, 2, 3)
     # at tp > 1 the runtime's loss replaces the traced one: its bytes minus the traced loss's
-    from passes.tensor_parallel import vocab_loss_bytes
+    from passes.tensor_parallel.tp_costs import vocab_loss_bytes
 
     loss = next(n for n in tr.gm.graph.nodes if n.name == "cross_entropy_loss")
     fwd, bwd = vocab_loss_bytes(B * S * 128, nbytes)

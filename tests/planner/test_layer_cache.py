@@ -19,8 +19,8 @@ from passes import tabulate
 from passes.layer_table import EXPR_FIELDS
 from planner.cli import main
 from planner.frontend import cache, trace
-from planner.frontend.analyze import build_layer_table
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
+from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.zoo import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,10 +189,18 @@ def test_code_digest_covers_the_passes_and_the_front_end():
     import passes.autograd_costs
     import planner.frontend.trace
 
-    root = ROOT
-    assert set(cache._SOURCES) == {"passes", "planner/frontend"}
-    assert Path(passes.autograd_costs.__file__).parent == root / "passes"
-    assert Path(planner.frontend.trace.__file__).parent == root / "planner" / "frontend"
+    import passes.tensor_parallel.tp_costs
+    import runtime.contract.dtype_table
+
+    hashed = set(cache.source_paths())
+    for module in (
+        passes.autograd_costs,
+        planner.frontend.trace,
+        passes.tensor_parallel.tp_costs,
+        runtime.contract.dtype_table,
+    ):
+        assert Path(module.__file__) in hashed  # sub-packages included
+    assert Path(ROOT / "runtime" / "dtypes.py") in hashed
     assert len(cache.code_digest()) == 64
 
 
@@ -388,7 +396,7 @@ def test_a_hit_imports_neither_transformers_nor_the_tracer(traces):
     code = (
         "import sys\n"
         "from planner.frontend import cache\n"
-        "from planner.frontend.analyze import build_layer_table\n"
+        "from planner.frontend.model_analysis import build_layer_table\n"
         f"t = build_layer_table('hf:llama', **{args!r})\n"
         "assert cache.stats['hit'] == 1, dict(cache.stats)\n"
         "print(len(t.layers), sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))\n"

@@ -123,7 +123,7 @@ def test_trial_status(finished, error, timed_out, peak, status):
 
 def test_candidate_plans_and_the_refits_price_are_the_plans_predictions():
     from planner.cli import build_parser
-    from planner.commands.plan import layer_table_for, plan_from_request, request_from_args
+    from planner.commands.plan_command import layer_table_for, plan_from_request, request_from_args
     from planner.commands.tune import _pricer
     from planner.search.solve import candidate_plans
 

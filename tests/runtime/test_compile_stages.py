@@ -1,4 +1,4 @@
-"""runtime.compile_layers: one torch.compile per layer class, hooks outside, warm-up without traces.
+"""runtime.stages.compile_layers: one torch.compile per layer class, hooks outside, warm-up without traces.
 
 These run the ``aot_eager`` backend (the same Dynamo capture and autograd split as inductor,
 without code generation: seconds instead of a minute); ``tests/e2e/test_compiled_stages.py``
@@ -10,9 +10,9 @@ import torch._dynamo
 
 import runtime.tensor_parallel as tp
 from planner.commands.compile import compile_plan
-from runtime.compile_layers import compile_counts, compile_stage, prepare, warm_up
-from runtime.compiled import load_stage_module, read_manifest
-from runtime.memtrack import MemoryTracker
+from runtime.stages.compile_layers import compile_counts, compile_stage, prepare, warm_up
+from runtime.stages.compiled_stages import load_stage_module, read_manifest
+from runtime.training.memtrack import MemoryTracker
 from tests.helpers import make_plan
 
 SIZES = {"layers": 3, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 16}

@@ -1,4 +1,4 @@
-"""runtime.data: synthetic tokens are a learnable function of (seed, step), the same rows for every
+"""runtime.training.data: synthetic tokens are a learnable function of (seed, step), the same rows for every
 dp slicing."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.data import FOLLOW, SyntheticTokens
+from runtime.training.data import FOLLOW, SyntheticTokens
 
 
 @settings(max_examples=25, deadline=None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.memtrack import MemoryTracker
+from runtime.training.memtrack import MemoryTracker
 
 F32 = 4
 

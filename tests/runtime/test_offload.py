@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from runtime.config import ConfigError
-from runtime.memtrack import MemoryTracker
-from runtime.offload import NvmeFile, OffloadConfig, OffloadError, ParamStore
-from runtime.optim import build_groups
-from runtime.zero import ZeroEngine
+from runtime.contract.input_errors import ConfigError
+from runtime.data_parallel.flat_shards import build_groups
+from runtime.data_parallel.offload_engine import NvmeFile, OffloadConfig, OffloadError, ParamStore
+from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.training.memtrack import MemoryTracker
 from tests.runtime.zero_harness import BATCH, HP, MAX_NORM, MICRO, data, layer_groups, make_net, reference, run_engine
 
 

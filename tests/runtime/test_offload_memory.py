@@ -21,8 +21,8 @@ import time
 import torch
 from torch import nn
 
-from runtime.offload import OffloadConfig
-from runtime.zero import ZeroEngine
+from runtime.data_parallel.offload_engine import OffloadConfig
+from runtime.data_parallel.zero_engine import ZeroEngine
 from tests.helpers import ROOT
 
 WIDTH, DEPTH, STEPS = 1024, 16, 1

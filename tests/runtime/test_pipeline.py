@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from runtime.pipeline import (
+from runtime.contract.schedule_ir import one_f_one_b, zero_bubble_h1
+from runtime.pipeline.executor import (
     MAX_TENSORS,
     PipelineError,
     PipelineStage,
@@ -18,7 +19,6 @@ from runtime.pipeline import (
     backward_weight,
     run_pipeline,
 )
-from runtime.schedule import one_f_one_b, zero_bubble_h1
 from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, make_layers, reference
 
 

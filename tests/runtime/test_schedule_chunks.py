@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.schedule import (
+from runtime.contract.schedule_ir import (
     RECV_ACT,
     RECV_GRAD,
     SEND_ACT,

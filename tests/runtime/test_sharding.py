@@ -1,4 +1,4 @@
-"""runtime.sharding.TensorShard: every rank's piece, joined back, is the original tensor."""
+"""runtime.tensor_parallel.sharding.TensorShard: every rank's piece, joined back, is the original tensor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.sharding import TensorShard
+from runtime.tensor_parallel.sharding import TensorShard
 
 
 @settings(max_examples=60, deadline=None)

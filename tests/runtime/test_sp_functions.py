@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from runtime import comm
-from runtime.dist import launch_local
-from runtime.mesh import setup_mesh
+from runtime.distributed import comm
+from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import setup_mesh
 from runtime.tensor_parallel import (
     EAGER_ONLY,
     all_gather_seq,
@@ -38,7 +38,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def _all(t: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``t``, outside runtime.comm so the byte counter is untouched."""
+    """Every rank's ``t``, outside runtime.distributed.comm so the byte counter is untouched."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return parts

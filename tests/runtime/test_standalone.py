@@ -11,6 +11,7 @@ import torch
 
 import runtime.dtypes as dtypes
 from planner.commands.compile import compile_plan
+from runtime.contract.dtype_table import canonical
 from tests.helpers import ROOT, TINY_GPT, make_plan
 
 # Importing any of these fails in the child: the runtime and a compiled stage must not need them.
@@ -34,8 +35,8 @@ import sys
 for name in {blocked!r}:
     sys.modules[name] = None  # `import name` now raises ImportError
 import torch
-import runtime, runtime.compiled, runtime.tensor_parallel, runtime.pipeline, runtime.zero, runtime.mesh
-from runtime.compiled import load_stage_module, read_manifest
+import runtime, runtime.stages.compiled_stages, runtime.tensor_parallel, runtime.pipeline.executor, runtime.data_parallel.zero_engine, runtime.distributed.mesh
+from runtime.stages.compiled_stages import load_stage_module, read_manifest
 man = read_manifest({out!r})
 module = load_stage_module({out!r}, man["stages"][0], torch.device("cpu"))
 print(type(module).__name__, sum(p.numel() for p in module.parameters()))
@@ -63,7 +64,7 @@ def test_runtime_and_a_compiled_stage_import_without_the_compiler(tmp_path):
 def test_the_dtype_table_maps_names_both_ways(name, torch_name):
     dt = getattr(torch, torch_name)
     assert dtypes.to_torch(name) is dt and dtypes.to_torch(torch_name) is dt and dtypes.to_torch(dt) is dt
-    assert dtypes.name_of(dt) == name and dtypes.canonical(name.upper()) == name
+    assert dtypes.name_of(dt) == name and canonical(name.upper()) == name
     assert dtypes.itemsize(name) == dt.itemsize
 
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from passes.tensor_parallel import vocab_loss_bytes
-from runtime import comm
+from passes.tensor_parallel.tp_costs import vocab_loss_bytes
+from runtime.distributed import comm
 from runtime.tensor_parallel import (
     column_parallel_linear,
     padded_vocab_size,

@@ -1,12 +1,12 @@
-"""The bookkeeping of weights tied across pipeline stages (``runtime.tied``), without processes."""
+"""The bookkeeping of weights tied across pipeline stages (``runtime.data_parallel.tied_weights``), without processes."""
 
 import pytest
 import torch
 from torch import nn
 
-from runtime.optim import ZeroError
-from runtime.tied import isolate_tied, tied_params, tied_stage_sets
-from runtime.zero import ZeroEngine
+from runtime.data_parallel.flat_shards import ZeroError
+from runtime.data_parallel.tied_weights import isolate_tied, tied_params, tied_stage_sets
+from runtime.data_parallel.zero_engine import ZeroEngine
 
 MAN = {
     "stages": [

@@ -1,5 +1,5 @@
 """runtime.timing: exclusive attribution of a step's time to its parts, group -> part mapping, the
-recomputation hooks, and how runtime.comm charges blocking collectives and waits."""
+recomputation hooks, and how runtime.distributed.comm charges blocking collectives and waits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 import runtime
 from planner.plan import TIME_KEYS
-from runtime import comm, timing
+from runtime import timing
+from runtime.distributed import comm
 from runtime.timing import PARTS, PartTimer
 
 

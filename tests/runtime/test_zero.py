@@ -7,10 +7,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from runtime.optim import FREE, consolidate_shards, padded_numel, slice_shard
-from runtime.pipeline import backward_input, backward_weight
-from runtime.precision import DynamicLossScaler
-from runtime.zero import ZeroEngine, ZeroError
+from runtime.data_parallel.flat_shards import FREE, consolidate_shards, padded_numel, slice_shard
+from runtime.data_parallel.precision import DynamicLossScaler
+from runtime.data_parallel.zero_engine import ZeroEngine, ZeroError
+from runtime.pipeline.executor import backward_input, backward_weight
 from tests.runtime.zero_harness import HP, MAX_NORM, data, layer_groups, make_net, reference, run_engine
 
 
@@ -164,7 +164,7 @@ def test_weight_decay_filter_matches_torch_param_groups():
 def test_adamw_step_fused_and_unfused_match_torch(ranges, monkeypatch):
     """``adamw_step_`` (torch's fused kernel when present, else eight elementwise passes) against
     ``torch.optim.AdamW`` on the same flat tensor; decay only on ``ranges`` (two optimizers there)."""
-    import runtime.optim as optim
+    import runtime.data_parallel.flat_shards as optim
 
     torch.manual_seed(0)
     w0, grads = torch.randn(100), [torch.randn(100) for _ in range(4)]

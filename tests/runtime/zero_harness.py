@@ -9,7 +9,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from runtime.zero import ZeroEngine
+from runtime.data_parallel.zero_engine import ZeroEngine
 
 IN, H, BLOCKS = 8, 32, 3
 BATCH, MICRO = 16, 2  # global batch; micro-batches per rank per step

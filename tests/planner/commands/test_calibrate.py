@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.comm import ring_terms
+from cost_models.comm_cost import ring_terms
 from cost_models.hardware import load_hardware
 from planner.commands.calibrate import CalibrationError, CalibrationSpec, build_profile, fit_alpha_beta, run_calibration
 

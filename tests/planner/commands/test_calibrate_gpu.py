@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cost_models.comm import ring_terms
+from cost_models.comm_cost import ring_terms
 from cost_models.compute import gemm_efficiency, matmul_time
 from cost_models.hardware import load_hardware
 from planner.commands.calibrate import resolve_device, run_calibrate

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cost_models.comm import step_control_bytes
+from cost_models.comm_cost import step_control_bytes
 
 
 def test_step_control_bytes_by_hand():

@@ -1,5 +1,5 @@
 """``hf:PATH`` model directories: building from config.json, bad input at the CLI, and the lazy
-weights that ``runtime.compiled.load_weights`` reads shard by shard."""
+weights that ``runtime.stages.compiled_stages.load_weights`` reads shard by shard."""
 
 import json
 import os
@@ -10,10 +10,10 @@ from safetensors.torch import save_file
 
 from planner.cli import main
 from planner.frontend.checkpoint import DirectoryWeights, directory_state
-from planner.frontend.errors import ModelError
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.zoo import build_model
-from runtime.compiled import _read_shard, load_weights
-from runtime.sharding import TensorShard
+from runtime.stages.compiled_stages import _read_shard, load_weights
+from runtime.tensor_parallel.sharding import TensorShard
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,8 +18,8 @@ from tests.helpers import ROOT
 _MISS = """
 import gc, json, sys, weakref
 import planner.frontend.trace as trace
-import planner.frontend.analyze as analyze
-from planner.frontend.analyze import build_layer_table
+import planner.frontend.model_analysis as analyze
+from planner.frontend.model_analysis import build_layer_table
 analyze.FREEZE_IMPORTS = True  # as the command line sets it
 
 traces = []

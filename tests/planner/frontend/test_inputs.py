@@ -8,8 +8,8 @@ import json
 import pytest
 
 from planner.cli import main
-from planner.frontend.errors import ModelError
-from planner.frontend.inputs import parse_input_pins, resolve_inputs
+from planner.frontend.frontend_errors import ModelError
+from planner.frontend.input_pins import parse_input_pins, resolve_inputs
 from tests.helpers import USER_MODELS
 
 PLAN = ["--gpus", "1", "--hardware", "cpu", "--global-batch", "2", "--seq-len", "8", "--dtype", "fp32"]

@@ -13,7 +13,7 @@ from passes.common import B, S
 from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
 from passes.tabulate import table_from_traced
 from planner.errors import UserError
-from planner.frontend.analyze import build_layer_table
+from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.trace import find_block_container, trace_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)

@@ -15,9 +15,9 @@ from cost_models.strategy import Candidate, NumericTable, candidate_costs, evalu
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.search.candidates import enumerate_candidates, heuristic_strategy
-from planner.search.errors import NoFeasiblePlan
 from planner.search.ilp import build_problem, highs_available, search, solve_candidate
 from planner.search.request import PlanRequest
+from planner.search.search_errors import NoFeasiblePlan
 from planner.search.solve import candidate_entries, least_memory, solve
 from tests.helpers import gpt_table
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from cost_models.hardware import load_hardware
 from cost_models.strategy import NumericTable, candidate_costs
 from planner.search.candidates import enumerate_candidates, offload_variants
-from planner.search.errors import NoFeasiblePlan, SearchError
 from planner.search.ilp import solve_candidate
 from planner.search.request import PlanRequest
+from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.search.solve import solve
 from tests.helpers import gpt_table
 

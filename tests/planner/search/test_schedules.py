@@ -1,4 +1,4 @@
-"""planner.search.schedules: the schedule pins and their errors, the simulated pricing and the
+"""planner.search.schedule_search: the schedule pins and their errors, the simulated pricing and the
 choice between 1F1B, interleaved and zero bubble."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import random
 import pytest
 
 from cost_models.hardware import load_hardware
-from cost_models.schedules import ChunkTimes
+from cost_models.schedule_cost import ChunkTimes
 from planner.cli import main
 from planner.plan import Plan
-from planner.search.errors import SearchError
 from planner.search.request import PlanRequest
-from planner.search.schedules import build_schedule, schedule_options, simulate_pipeline, step_bound
+from planner.search.schedule_search import build_schedule, schedule_options, simulate_pipeline, step_bound
+from planner.search.search_errors import SearchError
 from planner.search.solve import solve
-from runtime.schedule import analyze, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
+from runtime.contract.schedule_ir import analyze, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from tests.helpers import SMALL_GPT_FLAGS, gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -247,7 +247,7 @@ def _kept_strategies(fillers):
     re-labelled at the step times ``fillers(deep 1F1B step, deep's lower bound, deep's best)``: a
     search result whose fifth strategy under 1F1B is the only one another schedule speeds up."""
     from cost_models.strategy import NumericTable, candidate_costs
-    from planner.search.schedules import best_schedule, schedule_bounds
+    from planner.search.schedule_search import best_schedule, schedule_bounds
 
     nt = NumericTable(TABLE)
     deep = solve(_req(pp=8, dp=1, tp=1, micro_batch=1, schedule="1f1b"), TABLE, HW).evaluation
@@ -271,7 +271,7 @@ def test_a_strategy_below_the_fourth_under_1f1b_wins_under_its_best_schedule():
     """Four strategies faster than the deep pipeline under 1F1B, slower than it under its best
     schedule: the bound walk prices the fifth and it wins (re-pricing only the first four kept
     1F1B's fastest of them); the four still rank behind it, as the plan's runners-up."""
-    from planner.search.schedules import apply_schedules
+    from planner.search.schedule_search import apply_schedules
 
     res, cc_of, rows, deep, best = _kept_strategies(
         lambda one, lower, best: [best + (one - best) * k / 5 for k in (1, 2, 3, 4)]
@@ -288,7 +288,7 @@ def test_a_strategy_below_the_fourth_under_1f1b_wins_under_its_best_schedule():
 def test_the_bound_walk_stops_where_no_schedule_can_win(monkeypatch):
     """When the four fastest under 1F1B beat even the deep pipeline's lower bound, it is not
     priced (one pricing per shown strategy, none for it) and keeps its 1F1B price."""
-    import planner.search.schedules as schedules
+    import planner.search.schedule_search as schedules
 
     res, cc_of, rows, deep, _best = _kept_strategies(lambda one, lower, best: [lower * k / 10 for k in (6, 7, 8, 9)])
     calls = []
@@ -303,7 +303,7 @@ def test_schedules_that_do_not_fit_are_not_simulated(monkeypatch):
     """A schedule's memory follows from its action order: with room for little more than 1F1B's
     activations, best_schedule simulates only schedules that fit, and picks what pricing every
     option in full picks."""
-    import planner.search.schedules as schedules
+    import planner.search.schedule_search as schedules
     from cost_models.strategy import memory_bound
 
     res, cc_of, rows, deep, _best = _kept_strategies(lambda *a: [])
@@ -332,7 +332,7 @@ def test_a_higher_zero_stage_makes_room_for_the_schedule():
     search enumerated) are priced too, and win if they fit; the triple keeps one strategy."""
     from cost_models.strategy import NumericTable, candidate_costs, evaluate, memory_bound
     from planner.search.ilp import SearchResult
-    from planner.search.schedules import apply_schedules, price_schedule
+    from planner.search.schedule_search import apply_schedules, price_schedule
 
     nt = NumericTable(TABLE)
     rows = len(nt.layers)

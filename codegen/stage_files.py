@@ -1,0 +1,206 @@
+"""``planner compile``'s back half: an exported model + plan.json -> ``stage_<k>.py`` + ``manifest.json``.
+
+One file per entry of the plan's ``stages``: a pipeline stage, or with ``virtual_stages = v > 1``
+a model chunk (``p * v`` of them in model order, chunk ``k`` run by pipeline rank ``k % p``; the
+manifest's ``chunks_of_rank`` lists each rank's chunks and each chunk entry its ``pp_rank``). A
+plan with one chunk per rank compiles exactly as before (no new manifest keys).
+
+The front end (``planner.frontend.trace.export_training_module``) rebuilds the plan's model on the
+meta device at the plan's micro-batch shape and exports it; codegen receives that graph as an
+``ExportedModel``. ``passes`` assign nodes to layer-table rows; ``codegen.tp_rewrite``
+rewrites the graph for the plan's tp degree; ``codegen.lower`` cuts it into stages and prints the
+source. Compiling the same plan twice writes byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+import runtime
+from codegen.codegen_errors import CodegenError
+from codegen.lower import emit_stage_source, get_tensor, partition_graph
+from codegen.tp_rewrite import plan_tp_rewrite
+from passes.layers import assign_layers, layer_names
+from passes.op_class import classify_ops
+from planner.plan import Plan, plan_hash
+
+__all__ = ["ExportedModel", "compile_exported"]
+
+
+@dataclass
+class ExportedModel:
+    """What codegen receives: the plan's model exported at one micro-batch."""
+
+    module: fx.GraphModule
+    """``ExportedProgram.module()``: parameters are ``get_attr`` nodes named by their original
+    FQN, shapes are static (the plan's micro-batch size and sequence length)."""
+    block_paths: list[str]
+    """Module paths of the repeated blocks, in order (layer-table rows 1..L)."""
+    vocab: int
+    """Vocabulary size (0 when the model has none), recorded in the manifest."""
+    dims: dict[str, int] = field(default_factory=dict)
+    """The model's sizes tensor parallelism must divide: hidden, heads, kv_heads, vocab, ffn."""
+
+
+def _layered(model: ExportedModel, plan: Plan):
+    """Assign every node of the exported module to its layer-table row; return the graph module,
+    the row of a node and the rows' names."""
+    gm = model.module
+    roles = {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"}
+    assign_layers(gm, model.block_paths, roles)
+    classify_ops(gm)
+    names = layer_names(gm, len(model.block_paths), model.block_paths)
+    if len(names) != plan.model.layers + 2:
+        raise CodegenError(
+            f"the model traced to {len(names) - 2} blocks but the plan was made for "
+            f"{plan.model.layers}; re-run `planner plan`."
+        )
+    return gm, (lambda n: n.meta["layer"]), names
+
+
+def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """Which values carry gradients: float outputs of ops that read a trainable parameter."""
+    params = {n for n, _ in gm.named_parameters()}
+    rg: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        is_float = isinstance(val, torch.Tensor) and val.is_floating_point()
+        if n.op == "get_attr":
+            rg[n] = n.target in params
+        elif n.op == "placeholder":
+            rg[n] = False
+        else:
+            rg[n] = is_float and any(rg.get(a, False) for a in n.all_input_nodes)
+    return rg
+
+
+def _meta(n: fx.Node, rg: dict, seq: dict | None = None, tp: int = 1) -> dict:
+    """What a stage sends or receives; ``seq`` maps the sequence-sharded values to their sequence
+    dim (each tp rank holds ``1/tp`` of it: sequence parallelism)."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"value {n.name} crossing a stage boundary is not a tensor")
+    shape = [int(d) for d in val.shape]
+    d = (seq or {}).get(n.name)
+    if isinstance(d, int):
+        shape[d] //= tp
+    return {"name": n.name, "shape": shape, "dtype": str(val.dtype).replace("torch.", ""), "requires_grad": bool(rg[n])}
+
+
+def _write(path: str, text: str) -> None:
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _check_tied_ranks(specs, pp: int) -> None:
+    """A weight read by several model chunks must have its copies on distinct pipeline ranks (one
+    engine per rank holds each parameter once; ``runtime.data_parallel.tied_weights`` sums the copies over ranks)."""
+    for spec in specs:
+        for attr, holders in spec.tied.items():
+            ranks = [k % pp for k in holders]
+            if len(set(ranks)) != len(ranks):
+                raise CodegenError(
+                    f"the weight {attr} is read by model chunks {holders}, of which two run on "
+                    f"the same pipeline rank (ranks {ranks}); choose a chunk split (plan.json "
+                    "stages) that puts each of its readers on another rank"
+                )
+
+
+def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
+    """Write one module per pipeline stage and the manifest; return the manifest."""
+    gm, layer_of, names = _layered(model, plan)
+    checkpoint = set(plan.checkpoint_layers)
+    tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, plan, model.vocab, model.dims)
+    seq = getattr(tp_rewrite, "sequence_sharded", None)  # sequence parallelism: S/tp positions
+    layers, specs, loss = partition_graph(gm, layer_of, names, plan.stages)
+    rg = _requires_grad(gm)
+    os.makedirs(out_dir, exist_ok=True)
+    h = plan_hash(plan)
+    stages = []
+    v, chunks = plan.virtual_stages, len(plan.stages)
+    _check_tied_ranks(specs, plan.pp)
+    for spec in specs:
+        # v > 1: one file per model chunk (plan.stages in model order), chunk k on pp rank k % pp
+        where = (
+            f"stage {spec.index} of {plan.pp}"
+            if v == 1
+            else f"model chunk {spec.index} of {chunks} (pipeline rank {spec.index % plan.pp})"
+        )
+        header = (
+            f"# Generated by `planner compile` from plan {h} -- do not edit.\n"
+            f"# Model {plan.model.spec!r}: {where}, layer-table rows "
+            f"{spec.layers[0]}..{spec.layers[-1]}; dp={plan.dp} tp={plan.tp} pp={plan.pp} "
+            f"zero={plan.zero_stage} micro-batch={plan.micro_batch_size} dtype={plan.dtype}"
+            + (" sequence-parallel." if plan.sequence_parallel else ".")
+        )
+        header = "\n".join("# " + ln.lstrip("# ").replace("\r", " ") for ln in header.splitlines())
+        src, pmap = emit_stage_source(
+            gm,
+            layers,
+            spec,
+            num_stages=chunks,
+            checkpoint_layers=checkpoint,
+            selective_layers=frozenset(plan.selective_layers),
+            header=header,
+            rewrite=tp_rewrite,
+            doc=None if v == 1 else where[0].upper() + where[1:],
+        )
+        fname = f"stage_{spec.index}.py"
+        _write(os.path.join(out_dir, fname), src)
+        params = {}
+        for attr, fqn in pmap.items():
+            t = get_tensor(gm, fqn)
+            params[attr] = {
+                "fqn": fqn,
+                "shape": [int(d) for d in t.shape],
+                "trainable": isinstance(t, torch.nn.Parameter),
+                "shard": shard_info.get(fqn),
+            }
+            if attr in spec.tied:  # a copy per stage in this list; gradients summed over them
+                params[attr]["tied"] = spec.tied[attr]
+        stages.append(
+            {
+                "index": spec.index,
+                "file": fname,
+                "class": f"Stage{spec.index}",
+                "layers": spec.layers,
+                "layer_names": [names[i] for i in spec.layers],
+                "data_inputs": list(spec.data_inputs),
+                "recv": [_meta(n, rg, seq, plan.tp) for n in spec.recv],
+                "send": [_meta(n, rg, seq, plan.tp) for n in spec.send],
+                "params": params,
+                "sha256": hashlib.sha256(src.encode()).hexdigest(),
+            }
+        )
+        if v > 1:
+            stages[-1]["pp_rank"] = spec.index % plan.pp
+    man = {
+        "format": 1,
+        "runtime_version": runtime.__version__,
+        "plan_hash": h,
+        "plan": plan.to_dict(),
+        "model": {
+            "spec": plan.model.spec,
+            "sizes": plan.model.sizes,
+            "vocab": model.vocab,
+            "layer_names": names,
+            "inputs": [n.name for n in gm.graph.nodes if n.op == "placeholder"],
+        },
+        "stages": stages,
+    }
+    if v > 1:  # which rank runs which chunks (runtime.stages.compiled_stages.rank_chunks reads it)
+        man["chunks_of_rank"] = [list(range(r, chunks, plan.pp)) for r in range(plan.pp)]
+    _write(os.path.join(out_dir, "manifest.json"), json.dumps(man, indent=2, sort_keys=True) + "\n")
+    return man

@@ -1,0 +1,668 @@
+"""Megatron tensor parallelism: the one analysis of which values, matmuls and weights shard.
+
+Both the cost pass (``passes.tensor_parallel.tp_costs``: what divides by tp, what is all-reduced) and code
+generation (``codegen.tp_rewrite``: what the generated code does on each rank) read the decisions
+of ``analyze_tensor_parallel``, so the cost model prices the program that codegen writes. The
+analysis works on either form of an exported graph: the lifted ``ExportedProgram.graph_module``
+(parameters are placeholders whose role is ``param``, sizes symbolic, read through their hint) or
+``ExportedProgram.module()`` (parameters are ``get_attr`` nodes, static sizes). It does not depend
+on the tp degree ``t`` unless given one (then a reshape into heads ``t`` does not divide keeps its
+region replicated); whether ``t`` divides the sizes of the sharded regions (heads, kv heads, ffn,
+the fused parts) is checked by codegen on top of it.
+
+States
+------
+Each tensor value is *replicated* (every rank holds all of it) or *sharded* along one dim ``d``
+(a ``Shard``): rank ``r`` holds the contiguous block ``[r * n/t, (r + 1) * n/t)`` of the ``n``
+entries of ``d``. The state records the full size of ``d`` and the column-parallel matmuls that
+started the region (its *origins*).
+
+Rules (the walk is in graph order)
+----------------------------------
+* ``linear(x, W, b)`` / ``addmm(b, x, W)`` / ``mm`` / ``matmul`` with a 2-d parameter weight and a
+  replicated activation is **column parallel**: ``W`` (and ``b``) keep this rank's output
+  features, the output is sharded along its last dim, FLOPs divide. Its input *enters* the
+  sharded region (``copy_to_tp``: identity forward, all-reduce of the input gradient backward,
+  once per input tensor).
+* A weighted matmul whose activation is sharded along the contraction dim is **row parallel**:
+  ``W`` keeps this rank's input features, the partial outputs are all-reduced, the result is
+  replicated and a bias is added once, after the all-reduce.
+* The token embedding (a parameter table of ``V`` rows indexed by data) is **vocab parallel**:
+  each rank looks up its rows and the output is all-reduced (replicated). Other tables
+  (positions, token types) stay replicated. ``V`` is the model's vocabulary, or else the rows of
+  the first data-indexed table.
+* ``cross_entropy_loss`` over 2-d logits sharded along the classes is the **vocab-parallel loss**
+  (per-row maxima, sum-exps and target logits all-reduced; the full logits never exist).
+* Views, reshapes, flatten/unflatten, expands, transposes, permutes, (un)squeezes, slices, splits,
+  cat/stack, dropout, casts, elementwise ops, softmax and reductions over other dims, norms over
+  other dims and matmuls of activations sharded on one batch dim keep the sharding; the sharded
+  dim is tracked through each. A reshape that merges or splits the sharded dim is exact only when
+  that dim *leads* its group of merged dims (each rank's block of the group is contiguous).
+* SDPA (and its kernel variants) on q, k and v all sharded by heads is per head; GQA keeps its
+  ratio. k / v may also be replicated with one head (broadcast) or with every query head (GQA's
+  repeated key/value heads when their projections stayed replicated, e.g. one kv head at tp 2):
+  each rank then keeps its query heads' share (``scatter``). A mask with a per-head dim cannot
+  be used.
+* A weighted matmul may read a transpose of a 2-d parameter (Falcon's ``x @ W.T``): it is column
+  or row parallel on the parameter.
+* A fused projection split along its sharded features (GPT-2's ``c_attn`` -> q, k, v) keeps each
+  part sharded; its weight is laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
+* A replicated tensor that requires grad and enters a sharded op (a norm weight, a broadcast
+  scale, a learnable mask, a column-parallel input) is recorded in ``enter``: each rank's
+  gradient for it covers only its shard.
+
+Anything else a sharded value meets (a norm, softmax or reduction over the sharded dim, an
+elementwise op with a full tensor, an op not in the tables, a layer boundary, the graph output,
+a weight read both sharded and replicated) is a *conflict* (``TPConflict``): the column-parallel
+matmuls and vocab-parallel embeddings that started the region are made replicated and the walk
+restarts. That is how BERT's MLM transform (``dense -> gelu -> LayerNorm``) stays replicated while
+its decoder is vocab parallel. Each restart bans at least one more matmul, so this terminates; a
+conflict no ban can avoid is raised.
+
+Each sharded parameter gets a ``WeightShard`` (kind ``column``, ``row``, ``heads``, ``vocab`` or
+``qkv``, the dim and its full size): the tp-free part of ``runtime.tensor_parallel.sharding.TensorShard``.
+
+GEMM dims
+---------
+A node whose work divides runs products of smaller shapes, and a GPU's efficiency depends on
+which dim shrank. ``gemm_tp_dim`` names it for each matrix product the cost replay recorded
+(``passes.autograd_costs.GemmCall``, ``batch`` products of ``m x k`` by ``k x n``). A weighted
+matmul's factors are the activation ``x`` (rows x in features), the weight ``w`` (in x out) and
+the output gradient ``g`` (rows x out); a product's ``k`` is the dim its two factors share,
+``m`` and ``n`` the others. Column parallel divides the *out* features, row parallel the *in*
+features, wherever autograd put them::
+
+    product              factors    column parallel    row parallel
+    forward  y = x w     (x, w)     n                  k
+    input grad  g wᵀ     (g, w)     k                  n
+    weight grad  xᵀ g    (x, g)     n                  m
+    (either backward product transposed, gᵀ x or w gᵀ: the same dims read in the other order)
+
+Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
+``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
+
+Sequence parallelism (``passes.tensor_parallel.sp_analysis``) runs on these decisions and fills the ``sp_*``
+fields; the op tables, states and shape helpers both walks use are in ``passes.tensor_parallel.tp_common``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from passes.common import hint, is_meta_only
+from passes.op_class import op_name
+from passes.tensor_parallel.sp_analysis import sequence_parallel
+from passes.tensor_parallel.tp_common import (
+    ACT_MATMULS,
+    ATTENTION,
+    CATS,
+    LAYOUT,
+    LOSSES,
+    NORMS,
+    PASSTHROUGH,
+    REDUCTIONS,
+    SCANS,
+    SLICES,
+    SOFTMAX,
+    SPLITS,
+    VIEWS,
+    WEIGHT_VIEWS,
+    WEIGHTED_MATMULS,
+    SeqComm,
+    SeqShard,
+    Shard,
+    TPConflict,
+    TPDecisions,
+    WeightShard,
+    dims_of,
+    flat_args,
+    gemm_tp_dim,
+    is_tensor_node,
+    matmul_operands,
+    moved_dim,
+    node_arg,
+    norm_dim,
+    reads_data,
+    reshape_dim,
+    reshape_groups,
+    shape_of,
+    states_of,
+    value_of,
+)
+
+__all__ = [
+    "analyze_tensor_parallel",
+    "flat_args",
+    "gemm_tp_dim",
+    "matmul_operands",
+    "node_arg",
+    "PASSTHROUGH",
+    "reshape_dim",
+    "reshape_groups",
+    "SeqComm",
+    "SeqShard",
+    "Shard",
+    "SPLITS",
+    "TPConflict",
+    "TPDecisions",
+    "VIEWS",
+    "WEIGHTED_MATMULS",
+    "WeightShard",
+]
+
+
+class _Walk:
+    """One walk over the graph with the matmuls / embeddings of ``banned`` kept replicated."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        params: dict,
+        inputs: set,
+        layer_of: Callable,
+        vocab: int | None,
+        banned: set[str],
+        tp: int | None = None,
+    ):
+        self.gm, self.layer_of, self.vocab, self.banned, self.tp = gm, layer_of, vocab, banned, tp
+        self.pviews: dict[fx.Node, fx.Node] = {}  # transpose of a 2-d parameter -> the parameter
+        self.params, self.inputs = params, inputs
+        self.out = TPDecisions(params=params, vocab=vocab)
+        self.rg: dict[fx.Node, bool] = {}
+        self.data: set[fx.Node] = set()
+        self.tags: dict[str, set] = {}  # origin name -> {"heads", "loss", ("parts", sizes)}
+        self.uses: dict[str, list] = {}  # param key -> [(user, (kind, dim, size) | None)]
+        self.col_out: dict[str, int] = {}  # column-parallel matmul -> its output features
+
+    # ------------------------------------------------------------------ helpers
+    def st(self, a):
+        return self.out.state.get(a) if isinstance(a, fx.Node) else None
+
+    def conflict(self, n, why, *args):
+        shards = [e for a in args for e in states_of(self.st(a)) if isinstance(e, Shard)]
+        raise TPConflict(frozenset().union(*[e.origins for e in shards]), n, why)
+
+    def set(self, n, s, role=None):
+        self.out.state[n] = s
+        sharded = any(isinstance(e, Shard) for e in states_of(s))
+        self.out.role[n] = role or ("sharded" if sharded else "replicated")
+        if not sharded:
+            return
+        for u in n.users:
+            if u.op == "output":
+                self.conflict(u, "a sharded tensor is an output of the model", n)
+            if u.op == "call_function" and not is_meta_only(u) and self.layer_of(u) != self.layer_of(n):
+                self.conflict(
+                    u, f"a sharded tensor crosses from layer {self.layer_of(n)} into layer {self.layer_of(u)}", n
+                )
+
+    def tag(self, s: Shard, t):
+        """Note what the region of ``s`` turned out to be (heads, loss, fused parts)."""
+        for o in s.origins:
+            self.tags.setdefault(o, set()).add(t)
+
+    def use(self, p: fx.Node, user: fx.Node, spec):
+        self.uses.setdefault(self.params[p], []).append((user, spec))
+        if spec is not None:
+            self.out.shards_params.setdefault(user, []).append(self.params[p])
+
+    def entering(self, n) -> list:
+        """Argument paths of replicated tensors needing grad that enter this sharded op."""
+        return [p for p, a in flat_args(n) if is_tensor_node(a) and self.st(a) is None and self.rg.get(a, False)]
+
+    # ------------------------------------------------------------------ the walk
+    def run(self) -> TPDecisions:
+        for n in self.gm.graph.nodes:
+            if n.op in ("placeholder", "get_attr"):
+                if n in self.inputs:
+                    self.data.add(n)
+                self.rg[n] = n in self.params
+                self.set(n, None)
+            elif n.op == "call_function":
+                ins = n.all_input_nodes
+                if reads_data(n, self.data):
+                    self.data.add(n)
+                vals = value_of(n) if isinstance(value_of(n), (list, tuple)) else [value_of(n)]
+                floats = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+                self.rg[n] = floats and any(self.rg.get(a, False) for a in ins)
+                if is_meta_only(n):
+                    self.set(n, None)
+                else:
+                    self.visit(n, op_name(n))
+            else:
+                self.set(n, None)
+        self.check_params()
+        return self.out
+
+    def visit(self, n: fx.Node, name: str):
+        if name == "getitem":
+            s = self.st(n.args[0])
+            return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+        if (
+            name in WEIGHT_VIEWS
+            and n.args[0] in self.params
+            and len(shape_of(n.args[0])) == 2
+            and all(op_name(u) in WEIGHTED_MATMULS for u in n.users)
+        ):
+            self.pviews[n] = n.args[0]  # its use is recorded by the matmul that reads it
+            return self.set(n, None)
+        if name in WEIGHTED_MATMULS and self.matmul(n, name):
+            return
+        if name == "embedding":
+            return self.embedding(n)
+        sharded = [a for a in n.all_input_nodes if isinstance(self.st(a), Shard)]
+        for a in n.all_input_nodes:
+            a = self.pviews.get(a, a)
+            if a in self.params and not isinstance(self.st(a), Shard):
+                self.use(a, n, None)  # read whole: a replicated use
+        if not sharded:
+            return self.set(n, None)
+        handler = _HANDLERS.get(name)
+        if handler is None and torch.Tag.pointwise in getattr(n.target, "tags", ()):
+            handler = "pointwise"
+        if handler is None:
+            self.conflict(n, f"{name} is not known to be safe on a tensor-parallel shard", *sharded)
+        getattr(self, handler)(n, name)
+
+    # ------------------------------------------------------------------ weights
+    def matmul(self, n, name) -> bool:
+        """Column- or row-parallel weighted matmul; False if the weight is not a parameter."""
+        x, w, b = matmul_operands(n)
+        out_dim, in_dim = (0, 1) if name == "linear" else (1, 0)  # linear's W is [out, in]
+        if name == "addmm" and any(k in n.kwargs for k in ("beta", "alpha")):
+            return False
+        if w in self.pviews:  # x @ W.T: the parameter is [out, in] like linear's
+            w, (out_dim, in_dim) = self.pviews[w], (in_dim, out_dim)
+        if (
+            not (isinstance(w, fx.Node) and w in self.params)
+            or x in self.params
+            or len(shape_of(w)) != 2
+            or not is_tensor_node(x)
+        ):
+            return False
+        if b is not None and not (isinstance(b, fx.Node) and b in self.params):
+            return False
+        s = self.st(x)
+        if s is None:
+            out = shape_of(w)[out_dim]
+            col = n.name not in self.banned
+            self.use(w, n, ("col", out_dim, out) if col else None)
+            if b is not None:
+                self.use(b, n, ("col", 0, out) if col else None)
+            if not col:
+                self.set(n, None)
+                return True
+            self.col_out[n.name] = out
+            self.out.enter[n] = [(1 if name == "addmm" else 0, None)]
+            self.set(n, Shard(len(shape_of(n)) - 1, out, frozenset([n.name])), "col")
+            return True
+        if not isinstance(s, Shard):
+            return False
+        if s.dim != len(shape_of(x)) - 1:
+            self.conflict(n, "matmul input sharded along a non-contraction dim", x)
+        if s.size != shape_of(w)[in_dim]:
+            self.conflict(n, "matmul contraction does not match the sharded features", x)
+        self.use(w, n, ("row", in_dim, s.size))
+        if b is not None:
+            self.use(b, n, None)
+        self.set(n, None, "row")
+        return True
+
+    def embedding(self, n):
+        w, ids = n.args[0], n.args[1]
+        if isinstance(self.st(ids), Shard):
+            self.conflict(n, "embedding indices are sharded", ids)
+        is_param = isinstance(w, fx.Node) and w in self.params
+        ok = (
+            is_param
+            and ids in self.data
+            and shape_of(w)
+            and shape_of(w)[0] == self.vocab
+            and n.name not in self.banned
+            and not node_arg(n, "scale_grad_by_freq", False)
+            and not node_arg(n, "sparse", False)
+        )
+        if is_param:
+            self.use(w, n, ("vocab", 0, self.vocab) if ok else None)
+        self.set(n, None, "vocab_embedding" if ok else None)
+
+    def check_params(self):
+        """Every use of a sharded parameter must read the same shard; else undo its users."""
+        for key, uses in self.uses.items():
+            sharding = [u for u, spec in uses if spec is not None]
+            if not sharding:
+                continue
+            kinds = {(s[1], s[2]) if s is not None else None for _, s in uses}
+            if len(kinds) > 1:
+                raise TPConflict(
+                    frozenset(u.name for u in sharding),
+                    sharding[0],
+                    f"the weight {key} is used both sharded and replicated (or sharded two ways)",
+                )
+
+    def weight_shards(self) -> dict:
+        """Parameter key -> ``WeightShard`` (call after a successful walk)."""
+        out = {}
+        for key, uses in self.uses.items():
+            specs = [(u, s) for u, s in uses if s is not None]
+            if not specs:
+                continue
+            tags = set().union(*[self.tags.get(u.name, set()) for u, _ in specs])
+            kind, dim, size = specs[0][1]
+            parts = [t[1] for t in tags if isinstance(t, tuple) and t[0] == "parts"]
+            if kind == "row":
+                out[key] = WeightShard("row", dim, size)
+            elif kind == "vocab" or (size == self.vocab and "loss" in tags):
+                out[key] = WeightShard("vocab", dim, size)
+            elif parts:
+                out[key] = WeightShard("qkv", dim, size, tuple(min(parts)))
+            else:
+                out[key] = WeightShard("heads" if "heads" in tags else "column", dim, size)
+        return out
+
+    # ------------------------------------------------------------------ handlers
+    def attention(self, n, name):
+        """Per-head attention: q sharded by heads; k and v sharded alike, or replicated with one
+        (broadcast) head, or replicated with every query head, of which each rank keeps its share
+        (grouped-query attention whose key/value projections tp cannot split)."""
+        q, k, v = n.args[:3]
+        sq = self.st(q)
+        hd = len(shape_of(q)) - 3
+        if not (isinstance(sq, Shard) and sq.dim == hd):
+            self.conflict(n, "attention needs q sharded by heads", q, k, v)
+        heads = shape_of(q)[hd]
+        scatter, origins = [], set(sq.origins)
+        for i, x in ((1, k), (2, v)):
+            s = self.st(x)
+            if isinstance(s, Shard):
+                if s.dim != hd or s.size not in (sq.size,) and not node_arg(n, "enable_gqa", False):
+                    self.conflict(n, f"attention needs {'kv'[i - 1]} sharded by heads like q", x)
+                origins |= s.origins
+            elif shape_of(x)[hd] == sq.size and sq.size > 1:  # every query head, repeated: keep ours
+                scatter.append(((i, None), hd))
+            elif shape_of(x)[hd] != 1:
+                self.conflict(
+                    n,
+                    f"attention with q sharded by heads reads a replicated {'kv'[i - 1]} "
+                    f"of {shape_of(x)[hd]} heads (q has {sq.size})",
+                    q,
+                )
+        for _, mask in flat_args(n):
+            if not is_tensor_node(mask) or mask in (q, k, v):
+                continue
+            ms = shape_of(mask)
+            off = len(shape_of(q)) - len(ms)
+            if isinstance(self.st(mask), Shard) or (hd - off >= 0 and ms[hd - off] != 1):
+                self.conflict(n, "the attention mask has a per-head dim", q, k, v, mask)
+        for x in (q, k, v):
+            if isinstance(self.st(x), Shard):
+                self.tag(self.st(x), "heads")
+        if scatter:
+            self.out.scatter[n] = scatter
+        self.out.enter[n] = [p for p in self.entering(n) if p not in [sc[0] for sc in scatter]]
+        out = Shard(hd, sq.size, frozenset(origins))
+        if isinstance(value_of(n), torch.Tensor):
+            return self.set(n, out)
+        # the kernels' log-sum-exp [b, heads, s] is per head too
+        self.set(
+            n,
+            [out]
+            + [
+                out
+                if isinstance(o, torch.Tensor) and o.dim() == len(shape_of(q)) - 1 and hint(o.shape[hd]) == heads
+                else None
+                for o in value_of(n)[1:]
+            ],
+        )
+
+    def loss(self, n, name):
+        logits, target = n.args[0], n.args[1]
+        s = self.st(logits)
+        if not isinstance(s, Shard) or isinstance(self.st(target), Shard) or len(shape_of(logits)) != 2 or s.dim != 1:
+            self.conflict(n, "cross-entropy needs 2-d logits sharded along the classes", logits)
+        if node_arg(n, "weight") is not None or node_arg(n, "label_smoothing", 0.0) != 0.0:
+            self.conflict(
+                n, "class weights / label smoothing are not supported by the vocab-parallel cross-entropy", logits
+            )
+        self.tag(s, "loss")
+        self.set(n, None, "vocab_loss")
+
+    def view(self, n, name):
+        """view / reshape / flatten / unflatten: see ``reshape_dim``."""
+        x = n.args[0]
+        s = self.st(x)
+        src, dst = shape_of(x), shape_of(n)
+        g = reshape_groups(src, dst, s.dim)
+        if g is None or g[0][0] != s.dim:
+            self.conflict(n, "the reshape interleaves the sharded dim with a dim before it", x)
+        d_out = g[1][0]
+        if self.tp and len(g[1]) > 1 and dst[d_out] % self.tp:
+            self.conflict(
+                n,
+                f"the reshape splits the sharded size {src[s.dim]} into "
+                f"{' x '.join(str(dst[k]) for k in g[1])}, and tp={self.tp} does not "
+                f"divide {dst[d_out]} (e.g. the key/value heads)",
+                x,
+            )
+        self.set(n, Shard(d_out, dst[d_out], s.origins))
+
+    def layout(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        d = moved_dim(n, name, s.dim)
+        if d is None:
+            self.conflict(n, "squeeze could drop the sharded dim (one entry per rank)", x)
+        self.set(n, s.at(d))
+
+    def expand(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        self.set(n, s.at(s.dim + len(shape_of(n)) - len(shape_of(x))))
+
+    def slice(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        nd = len(shape_of(x))
+        dim = norm_dim(node_arg(n, "dim", 0), nd)
+        if dim == s.dim and not (name != "select" and shape_of(n)[dim] == shape_of(x)[dim]):
+            self.conflict(n, "slicing along the sharded dim", x)
+        self.set(n, s.at(s.dim - 1 if (name == "select" and dim < s.dim) else s.dim))
+
+    def split(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        nd = len(shape_of(x))
+        dim = norm_dim(node_arg(n, "dim", 0), nd)
+        vals = value_of(n)
+        if dim != s.dim:
+            out = s.at(s.dim - 1 if (name == "unbind" and dim < s.dim) else s.dim)
+            return self.set(n, [out for _ in vals])
+        # A fused projection split along its features: Megatron layout [q_r; k_r; v_r].
+        if name == "unbind" or any(self.col_out.get(o) != s.size for o in s.origins):
+            self.conflict(
+                n, "a split of the sharded dim that is not the output features of the projection that produced it", x
+            )
+        pieces = tuple(hint(v.shape[dim]) for v in vals)
+        self.tag(s, ("parts", pieces))
+        self.set(n, [Shard(dim, p, s.origins) for p in pieces])
+
+    def cat(self, n, name):
+        parts = n.args[0]
+        nd = len(shape_of(n))
+        dim = norm_dim(node_arg(n, "dim", 0), nd)
+        ss = [self.st(p) for p in parts]
+        f = ss[0]
+        alike = all(isinstance(s, Shard) and (s.dim, s.size) == (f.dim, f.size) for s in ss)
+        if not alike or (name == "cat" and dim == f.dim):
+            self.conflict(n, f"{name} of tensors not all sharded alike, or along the sharded dim", *parts)
+        d = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
+        self.set(n, Shard(d, f.size, frozenset().union(*[s.origins for s in ss])))
+
+    def act_matmul(self, n, name):
+        a, b = n.args[0], n.args[1]
+        sa, sb = self.st(a), self.st(b)
+        nd = len(shape_of(n))
+        ok = (
+            isinstance(sa, Shard)
+            and isinstance(sb, Shard)
+            and len(shape_of(a)) == nd == len(shape_of(b))
+            and sa.dim == sb.dim
+            and sa.dim < nd - 2
+            and sa.size == sb.size
+        )
+        if not ok:
+            self.conflict(n, "matmul of activations needs both operands sharded on one batch dim", a, b)
+        self.set(n, Shard(sa.dim, sa.size, sa.origins | sb.origins))
+
+    def softmax(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        if norm_dim(n.args[1], len(shape_of(x))) == s.dim:
+            self.conflict(n, "softmax over the sharded dim", x)
+        self.set(n, s)
+
+    def reduce(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        nd = len(shape_of(x))
+        dims = dims_of(node_arg(n, "dim"), nd)
+        if not dims:
+            self.conflict(n, "reduction over every dim of a sharded tensor", x)
+        if s.dim in dims or any(isinstance(self.st(a), Shard) for a in n.all_input_nodes if a is not x):
+            self.conflict(n, "reduction over the sharded dim", x)
+        keep = node_arg(n, "keepdim", False)
+        out = s.at(s.dim if keep else s.dim - sum(1 for k in dims if k < s.dim))
+        self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])
+
+    def scan(self, n, name):
+        """Shape-preserving ops along given dims (cumsum, flip, roll): fine unless along d."""
+        x = n.args[0]
+        s = self.st(x)
+        dims = dims_of(node_arg(n, "dims" if name in ("flip", "roll") else "dim"), len(shape_of(x)))
+        if not dims or s.dim in dims:
+            self.conflict(n, "scan along the sharded dim", x)
+        self.set(n, s if isinstance(value_of(n), torch.Tensor) else [s for _ in value_of(n)])
+
+    def norm(self, n, name):
+        x = n.args[0]
+        s = self.st(x)
+        normed = len(n.args[1])
+        if s.dim >= len(shape_of(x)) - normed or any(
+            isinstance(self.st(a), Shard) for a in n.all_input_nodes if a is not x
+        ):
+            self.conflict(n, "normalization over the sharded dim", x)
+        self.out.enter[n] = self.entering(n)
+        # native kernels' per-row statistics are sharded along the same rows
+        self.set(n, s if isinstance(value_of(n), torch.Tensor) else [s for _ in value_of(n)])
+
+    def passthrough(self, n, name):
+        s = self.st(n.args[0])  # type_as(x, other) reads only other's dtype
+        self.set(n, s if isinstance(value_of(n), torch.Tensor) or s is None else [s for _ in value_of(n)])
+
+    def pointwise(self, n, name):
+        nd = len(shape_of(n))
+        found = None
+        for _, a in flat_args(n):
+            s = self.st(a)
+            if isinstance(s, Shard):
+                key = (s.dim + nd - len(shape_of(a)), s.size)
+                if found is not None and found[0] != key:
+                    self.conflict(n, "elementwise op mixes differently sharded tensors", *n.all_input_nodes)
+                found = (key, (found[1] if found else frozenset()) | s.origins)
+        (d, size), origins = found
+        for _, a in flat_args(n):
+            if is_tensor_node(a) and not isinstance(self.st(a), Shard):
+                k = d - (nd - len(shape_of(a)))
+                if k >= 0 and shape_of(a)[k] != 1:
+                    self.conflict(
+                        n,
+                        f"elementwise op combines a sharded tensor with a full one ({a.name}, shape {shape_of(a)})",
+                        *n.all_input_nodes,
+                    )
+        self.out.enter[n] = self.entering(n)
+        out = Shard(d, size, origins)
+        self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])
+
+
+_HANDLERS = {
+    **{k: "attention" for k in ATTENTION},
+    **{k: "loss" for k in LOSSES},
+    **{k: "view" for k in VIEWS},
+    **{k: "layout" for k in LAYOUT},
+    "expand": "expand",
+    **{k: "slice" for k in SLICES},
+    **{k: "split" for k in SPLITS},
+    **{k: "cat" for k in CATS},
+    **{k: "act_matmul" for k in ACT_MATMULS},
+    **{k: "softmax" for k in SOFTMAX},
+    **{k: "reduce" for k in REDUCTIONS},
+    **{k: "scan" for k in SCANS},
+    **{k: "norm" for k in NORMS},
+    **{k: "passthrough" for k in PASSTHROUGH},
+}
+
+
+def _token_vocab(gm: fx.GraphModule, params: dict, inputs: set) -> int | None:
+    """Rows of the first parameter table indexed by data (the token embedding), if any."""
+    data = set(inputs)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if reads_data(n, data):
+            data.add(n)
+        if op_name(n) == "embedding" and n.args[0] in params and n.args[1] in data:
+            return shape_of(n.args[0])[0]
+    return None
+
+
+def analyze_tensor_parallel(
+    gm: fx.GraphModule,
+    *,
+    roles: dict[str, str] | None = None,
+    layer_of: Callable | None = None,
+    vocab: int | None = None,
+    tp: int | None = None,
+) -> TPDecisions:
+    """Decide the tensor-parallel role of every node of ``gm`` (see the module doc).
+
+    ``roles`` gives each placeholder's role (``param``, ``buffer``, ``constant``, ``input``) in
+    a lifted graph; without it every placeholder is an input and the parameters are the
+    ``get_attr`` nodes of ``gm``'s parameters. ``layer_of`` is a node's layer-table row (default
+    ``meta['layer']``); ``vocab`` the vocabulary (default: the token embedding's rows). With
+    ``tp``, a reshape that splits the sharded dim into a leading size ``tp`` does not divide (2 key
+    /value heads over 4 ranks) is a conflict too, so that region stays replicated. Raises
+    ``TPConflict`` when no choice of replicated matmuls avoids a conflict.
+    """
+    layer_of = layer_of or (lambda n: n.meta.get("layer"))
+    trainable = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    params, inputs = {}, set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            role = (roles or {}).get(n.name, "input")
+            if role == "param":
+                params[n] = n.name
+            elif role == "input":
+                inputs.add(n)
+        elif n.op == "get_attr" and n.target in trainable:
+            params[n] = n.target
+    vocab = vocab or _token_vocab(gm, params, inputs)
+    banned: set[str] = set()
+    why: dict[str, TPConflict] = {}
+    while True:  # each retry bans at least one more matmul or embedding: terminates
+        walk = _Walk(gm, params, inputs, layer_of, vocab, banned, tp)
+        try:
+            out = walk.run()
+        except TPConflict as c:
+            new = c.origins - banned
+            if not new:
+                raise
+            why.update({o: c for o in new})
+            banned |= new
+            continue
+        out.weights = walk.weight_shards()
+        out.replicated = {k: why[k] for k in sorted(banned)}
+        sequence_parallel(gm, out, params, inputs)
+        return out

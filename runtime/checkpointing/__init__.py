@@ -1,0 +1,1 @@
+"""Training checkpoints: atomic saves, bit-for-bit resume, and loading under another plan."""

@@ -1,0 +1,335 @@
+"""Training checkpoints: atomic, resumable bit-for-bit, and loadable under another plan.
+
+Layout of ``DIR``::
+
+    DIR/step-000120/            one finished checkpoint (torch.distributed.checkpoint format)
+        meta.json               step, plan, model, tensor shapes, loss scaler; written last
+        *.distcp, .metadata     DCP shards
+    DIR/.tmp-step-000130/       a save in progress (ignored; removed by the next save)
+
+What is saved is the *logical* training state, keyed by the original model's parameter names, so
+any plan of the same model can load it:
+
+- ``model/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``: the full fp32 master weight and
+  AdamW moments of every parameter (ZeRO shards joined over dp, tensor-parallel pieces joined
+  over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage; a
+  weight tied across stages by its first holder only, and read back by every holder);
+- ``rng/<rank>``: every rank's CPU (and CUDA) generator state;
+- with model chunks (``virtual_stages > 1``) a rank writes the tensors of all its chunks, each by
+  its original name, so a checkpoint of an interleaved plan loads under any other plan of the
+  model (and the reverse) like any reshard;
+- in ``meta.json``: the step (data position: data is a function of (seed, step)), the optimizer
+  step count, the loss-scaler state and the plan hash.
+
+Atomicity: all ranks write into ``.tmp-step-N``; only after every rank reports success does rank 0
+write ``meta.json`` and rename the folder to ``step-N``. A crash or a full disk mid-save leaves the
+earlier checkpoints untouched. Loading under the same plan restores RNG states too, so the losses
+after a resume are bit-identical to an uninterrupted run; under another plan the weights and
+optimizer state are resharded (RNG streams then differ, which only matters with dropout).
+
+Joining shards costs one full copy of a stage's state on the writing rank: fine for the models this
+runtime trains on CPU; a DTensor-based layout would avoid it at scale.
+
+Offloaded state (``runtime.data_parallel.offload_engine``) is saved and loaded the same way: the engine's
+``state_dict``/``load_state_dict`` reach each group's masters and moments through its store (the
+NVMe tier streams them one group at a time), and the logical format does not record where the
+state lived, so a run saved with offload resumes without it and the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.data_parallel.flat_shards import FORMAT, consolidate_shards
+from runtime.stages.compiled_stages import rank_params
+from runtime.tensor_parallel.sharding import TensorShard
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported when a checkpoint is read or written: it takes
+    half a second to import, which every ``planner`` command would otherwise pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a failed DCP save or load raises: any error, and DCP's own ``CheckpointException``
+    (a ``BaseException``). An ``except`` clause evaluates this only when something was raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+__all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
+
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_KINDS = ("model", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read (the message says which and why)."""
+
+
+def _root_cause(e: BaseException) -> str:
+    """One line: the underlying error of a (possibly wrapped, multi-rank) DCP failure."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner) if not isinstance(inner, BaseException) else inner
+        if isinstance(inner, BaseException):
+            return _root_cause(inner)
+        return str(inner).strip().splitlines()[-1]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """Finished checkpoints as (step, path), oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(directory, name)
+        if m and os.path.isfile(os.path.join(path, "meta.json")):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable ({e}); delete it to fall back to an older one"
+        ) from None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_ok(ok: bool, device) -> bool:
+    if not dist.is_initialized():
+        return ok
+    t = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(t)
+    return t.item() == 0.0
+
+
+def _gather_to(obj: Any, group, dst: int) -> list | None:
+    """gather_object onto global rank ``dst`` of ``group`` (a one-rank group: no communication)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None:
+    """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
+    tp 0) rank; else None. ``params``: ``runtime.stages.compiled_stages.rank_params``."""
+    local = engine.state_dict()
+    if local["num_shards"] == 1:  # ZeRO-0: every dp rank holds the full state already
+        gathered = [local]
+    else:
+        gathered = _gather_to(local, mesh.dp_group, mesh.dp_ranks[0])
+    if mesh.dp_index != 0:
+        return None
+    full = consolidate_shards(gathered)
+    per_attr: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
+    for gi, grp in enumerate(full["groups"]):
+        off = 0
+        for name, shape in zip(grp["names"], grp["shapes"]):
+            n = 1
+            for d in shape:
+                n *= d
+            for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
+                per_attr[kind][name] = full[key][gi][off : off + n].view(shape).clone()
+            off += n
+    pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
+    if mesh.tp_index != 0:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for attr, (index, entry) in params.items():
+        if not entry.get("trainable", True):
+            continue
+        if entry.get("tied") and entry["tied"][0] != index:
+            continue  # a tied weight's copy: its first holder writes it (the copies are identical)
+        for kind in _KINDS:
+            shard = TensorShard.from_dict(entry.get("shard"))
+            joined = [p[kind][attr] for p in pieces]
+            out[f"{kind}/{entry['fqn']}"] = joined[0] if shard is None else shard.join(joined)
+    out["__step__"] = torch.tensor(full["step"])
+    return out
+
+
+def _rng_state(device) -> dict[str, torch.Tensor]:
+    st = {"cpu": torch.get_rng_state()}
+    if device is not None and torch.device(device).type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
+    """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go.
+    ``schedule`` (the learning-rate schedule's settings) is recorded in the meta for resumes."""
+    rank, world = _world()
+    params = rank_params(man, mesh.pp_index)
+    final = os.path.join(directory, f"step-{step:06d}")
+    tmp = os.path.join(directory, f".tmp-step-{step:06d}")
+    device = engine.device
+    ok = True
+    err = ""
+    try:
+        if rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            for name in os.listdir(directory):
+                if name.startswith(".tmp-step-"):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            os.makedirs(tmp)
+    except OSError as e:
+        ok, err = False, f"cannot create {tmp}: {e}"
+    if not _all_ok(ok, device):
+        raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
+    logical = _logical_state(engine, params, mesh)
+    state: dict[str, Any] = {f"rng/{rank}/{k}": v for k, v in _rng_state(device).items()}
+    step_count = None
+    shapes = {}
+    if logical is not None:
+        step_count = int(logical.pop("__step__"))
+        state.update(logical)
+        shapes = {k: list(v.shape) for k, v in logical.items()}
+    try:
+        _dcp().save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
+        ok, err = False, f"rank {rank}: {_root_cause(e)}"
+    # Everyone learns of any failure; only then is the checkpoint published.
+    if not _all_ok(ok, device):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint step {step} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
+        )
+    all_shapes = _gather_to((shapes, step_count), None, 0)
+    if rank == 0:
+        merged, counts = {}, set()
+        for s, c in all_shapes:
+            merged.update(s)
+            if c is not None:
+                counts.add(c)
+        meta = {
+            "step": step,
+            "optimizer_step": max(counts) if counts else 0,
+            "plan_hash": man["plan_hash"],
+            "plan": man["plan"],
+            "model": man["model"],
+            "world_size": world,
+            "tensors": merged,
+            "schedule": schedule,
+            "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
+        }
+        try:
+            with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+                json.dump(meta, f)
+            if os.path.exists(final):  # re-saving a step (after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in list_checkpoints(directory)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            ok, err = False, str(e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_ok(ok, device):
+        raise CheckpointError(f"publishing checkpoint step {step} failed ({err}); the earlier checkpoints are intact")
+    return final
+
+
+def _check_same_model(meta: dict, man: dict, path: str) -> None:
+    a, b = meta.get("model", {}), man["model"]
+    if a.get("spec") != b["spec"] or a.get("sizes") != b["sizes"]:
+        raise CheckpointError(
+            f"checkpoint {path} is from model {a.get('spec')!r} {a.get('sizes')}, but this plan trains "
+            f"{b['spec']!r} {b['sizes']}; point --checkpoint-dir at this model's checkpoints"
+        )
+
+
+def load_latest(directory: str, engine, man: dict, mesh) -> int:
+    """Restore the newest checkpoint into ``engine``; return its step (0 if there is none)."""
+    found = list_checkpoints(directory)
+    if not found:
+        return 0
+    step, path = found[-1]
+    meta = read_meta(path)
+    _check_same_model(meta, man, path)
+    params = rank_params(man, mesh.pp_index)
+    rank, world = _world()
+    same_plan = meta.get("plan_hash") == man["plan_hash"] and meta.get("world_size") == world
+    want: dict[str, torch.Tensor] = {}
+    for _, entry in params.values():
+        if not entry.get("trainable", True):
+            continue
+        for kind in _KINDS:
+            key = f"{kind}/{entry['fqn']}"
+            if key not in meta["tensors"]:
+                raise CheckpointError(f"checkpoint {path} has no tensor {key}; it was saved from another model")
+            want[key] = torch.empty(meta["tensors"][key], dtype=torch.float32)
+    rng = {}
+    if same_plan:
+        rng = {f"rng/{rank}/{k}": v.clone() for k, v in _rng_state(engine.device).items()}
+    try:
+        _dcp().load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except _failures() as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)}); delete it to resume from an older one"
+        ) from None
+    # Build this rank's full (unsharded over dp) engine state from the logical tensors.
+    layout = engine.state_layout()  # no tensors: an offloaded state is not read for its layout
+    full = dict(layout)
+    full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]), loss_scaler=meta.get("loss_scaler"))
+    by_attr = {name: e for name, (_, e) in params.items()}
+    for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
+        flats = []
+        for grp in layout["groups"]:
+            parts = []
+            for name in grp["names"]:
+                e = by_attr[name]
+                t = want[f"{kind}/{e['fqn']}"]
+                shard = TensorShard.from_dict(e.get("shard"))
+                parts.append((t if shard is None else shard.cut(t, mesh.tp_index, mesh.tp)).reshape(-1))
+            flats.append(torch.cat(parts) if parts else torch.zeros(0))
+        full[key] = flats
+    full["format"] = FORMAT
+    engine.load_state_dict(full)
+    if same_plan:
+        torch.set_rng_state(rng[f"rng/{rank}/cpu"])
+        if f"rng/{rank}/cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rng/{rank}/cuda"], engine.device)
+    return step
+
+
+def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 weights of a checkpoint by original name (no process group needed)."""
+    meta = read_meta(path)
+    want = {k: torch.empty(s, dtype=torch.float32) for k, s in meta["tensors"].items() if k.startswith("model/")}
+    try:
+        with warnings.catch_warnings():  # torch warns that it loads in one process: that is the intent
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is (disabled, )?unavailable", category=UserWarning
+            )
+            _dcp().load(want, checkpoint_id=path, no_dist=True)
+    except _failures() as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)})") from None
+    return {k[len("model/") :]: v for k, v in want.items()}

@@ -1,0 +1,39 @@
+"""The names a plan, the command line and the runtime share for each closed choice: one
+enumeration each. The members are strings (``StrEnum``), so they compare equal to, print as and
+serialize as plan.json's values (``ScheduleName.ZERO_BUBBLE == "zero-bubble"``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "names"]
+
+
+class ScheduleName(StrEnum):
+    """A pipeline schedule (plan.json ``schedule``)."""
+
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZERO_BUBBLE = "zero-bubble"
+
+
+class RecomputeMode(StrEnum):
+    """How the search may recompute activations (``planner plan --checkpoint``)."""
+
+    AUTO = "auto"
+    NONE = "none"
+    SELECTIVE = "selective"
+    ALL = "all"
+
+
+class OffloadTier(StrEnum):
+    """Where optimizer state or parameter shards live between uses (plan.json ``offload``)."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+def names(choice: type[StrEnum]) -> tuple[str, ...]:
+    """The values of an enumeration, in declaration order (for argparse ``choices`` and messages)."""
+    return tuple(member.value for member in choice)

@@ -1,0 +1,77 @@
+"""Weights tied across pipeline stages (Megatron's embedding group).
+
+A weight read by layers of several stages (a tied token embedding and LM head) is compiled as a
+parameter of every stage that reads it; the manifest marks each copy with ``"tied": [stages]``.
+All copies start from the same original tensor. After backward every copy holds only its own
+stage's gradient; the ZeRO engine sums them over the *tied group* (the ranks of those stages with
+the same dp and tp coordinates, ``runtime.distributed.mesh``) before clipping and the optimizer step, so the
+copies receive the same update and stay identical. At tp > 1 each rank holds the same vocabulary
+shard on every stage and sums only that shard. With model chunks (``virtual_stages > 1``) the
+holders are chunks and the group is made of the ranks that run them (``holder_ranks``). The
+gradient norm counts the weight on the first holder only, and a checkpoint stores it once (the first holder writes it, ``runtime.checkpointing.checkpoint_io``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from runtime.data_parallel.flat_shards import FlatGroup, ZeroError
+from runtime.distributed import comm
+
+__all__ = ["tied_params", "tied_stage_sets", "holder_ranks", "isolate_tied", "tied_flat_groups"]
+
+
+def tied_params(stage: dict) -> dict[str, tuple[int, ...]]:
+    """``attr -> holder stages`` for the trainable tied weights of one manifest stage entry (a
+    buffer read in several stages is only copied: it has no gradient to sum)."""
+    return {
+        attr: tuple(int(k) for k in e["tied"])
+        for attr, e in stage["params"].items()
+        if len(e.get("tied") or ()) > 1 and e.get("trainable", True)
+    }
+
+
+def holder_ranks(manifest: dict, holders: Sequence[int]) -> tuple[int, ...]:
+    """The pipeline ranks of a tied weight's holders (manifest entries: stages, or model chunks whose
+    ``pp_rank`` says where they run). Two holders on one rank would be two copies in one engine,
+    which the tied group cannot sum: refused."""
+    ranks = [int(manifest["stages"][k].get("pp_rank", k)) for k in holders]
+    if len(set(ranks)) != len(ranks):
+        raise ZeroError(
+            f"a weight tied across model chunks {list(holders)} has two copies on one pipeline rank "
+            f"(ranks {ranks}); choose a chunk split that puts each reader on its own rank"
+        )
+    return tuple(ranks)
+
+
+def tied_stage_sets(manifest: dict) -> list[tuple[int, ...]]:
+    """The distinct holder sets (pipeline ranks) of all tied weights, in a fixed order (every rank
+    computes the same list, so every rank creates the same process groups in the same order)."""
+    sets = {holder_ranks(manifest, s) for st in manifest["stages"] for s in tied_params(st).values()}
+    return sorted(sets)
+
+
+def isolate_tied(groups: Sequence[Sequence[str]], tied: Mapping[str, object]) -> list[list[str]]:
+    """``groups`` with each tied parameter moved into a group of its own (placed first), so that its
+    flat buffer, padding and dp shards are the same on every stage that holds it."""
+    out = [[name] for name in tied]
+    out += [[n for n in g if n not in tied] for g in groups]
+    return [g for g in out if g]
+
+
+def tied_flat_groups(
+    groups: Sequence[FlatGroup], tied: Mapping[str, tuple[object, bool]]
+) -> list[tuple[FlatGroup, object]]:
+    """The ZeRO groups of the tied parameters ``name -> (tied group, counted in the norm)``, each
+    paired with its process group (none when the group has one rank); a copy that another stage
+    counts gets empty ``norm_ranges``, so the gradient norm counts the weight once."""
+    out = []
+    for name, (group, counted) in tied.items():
+        g = next((g for g in groups if any(e.name == name for e in g.entries)), None)
+        if g is None or len(g.entries) != 1:
+            raise ZeroError(f"tied parameter {name!r} must form a parameter group of its own")
+        if not counted:
+            g.norm_ranges = []
+        if group is not None and comm.group_size(group) > 1:
+            out.append((g, group))
+    return out

@@ -1,0 +1,166 @@
+"""The (pp, dp, tp) device mesh.
+
+Ranks are laid out with tp innermost, then dp, then pp::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+so a tensor-parallel group is a run of consecutive ranks (inside one node when tp divides the
+devices per node) and pipeline stages are the outermost blocks of ranks.
+
+``setup_mesh`` builds one process group per axis for this rank and remembers the mesh, so that
+compiled stage code can ask ``get_mesh().tp_group`` without threading groups through every call.
+Every axis gets a real process group, a size-1 group included (``runtime.distributed.comm`` skips collectives
+over one rank), because ``None`` means "the whole world" to torch.distributed. Only without a
+process group (a single process) is every group ``None``, and then the world is one rank too.
+
+``setup_mesh`` also tells ``runtime.timing`` what each of this rank's groups is for (tp, dp, pp,
+tied), so that the time blocked in a collective lands in the right part of the step's measured
+breakdown (``tp_comm``, ``dp_comm``, ``pp_bubble``; a tied weight's all-reduce is ``dp_comm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch.distributed as dist
+
+from runtime import timing
+from runtime.contract.rank_layout import coords_of, rank_of
+from runtime.distributed import launch as _dist
+
+__all__ = ["Mesh", "setup_mesh", "get_mesh", "set_mesh"]
+
+
+@dataclass
+class Mesh:
+    """Degrees, this rank's coordinates and the process group of each axis.
+
+    Groups are never ``None`` in a distributed job (a size-1 axis has a one-rank group).
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    rank: int = 0
+    pp_group: object | None = None
+    dp_group: object | None = None
+    tp_group: object | None = None
+    pp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's pipeline group, by stage index."""
+    dp_ranks: tuple[int, ...] = (0,)
+    tp_ranks: tuple[int, ...] = (0,)
+    tied_groups: dict = field(default_factory=dict)
+    """Holder stages -> this rank's tied group: the ranks of those stages with this rank's dp and
+    tp coordinates (Megatron's embedding group), for each holder set that includes this stage."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pp_index(self) -> int:
+        return coords_of(self.rank, self.dp, self.tp)[0]
+
+    @property
+    def dp_index(self) -> int:
+        return coords_of(self.rank, self.dp, self.tp)[1]
+
+    @property
+    def tp_index(self) -> int:
+        return coords_of(self.rank, self.dp, self.tp)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_index == self.pp - 1
+
+
+_MESH: Mesh = Mesh(1, 1, 1)
+
+
+def get_mesh() -> Mesh:
+    return _MESH
+
+
+def set_mesh(mesh: Mesh) -> Mesh:
+    global _MESH
+    _MESH = mesh
+    return mesh
+
+
+def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] = ()) -> Mesh:
+    """Create the axis groups and one group per (holder set, dp, tp) of ``tied_stages`` (the
+    stages holding a copy of a tied weight); collective: every rank calls it with the same
+    arguments. Sets and returns the mesh."""
+    for name, v in (("pp", pp), ("dp", dp), ("tp", tp)):
+        if v < 1:
+            raise ValueError(f"mesh degree {name}={v} must be >= 1")
+    world = pp * dp * tp
+    if not dist.is_initialized():
+        if world != 1:
+            raise RuntimeError(f"a mesh of {world} ranks needs an initialized process group")
+        return set_mesh(Mesh(1, 1, 1))
+    if dist.get_world_size() != world:
+        raise ValueError(
+            f"the plan needs pp*dp*tp = {pp}*{dp}*{tp} = {world} processes, but the job has {dist.get_world_size()}"
+        )
+    rank = dist.get_rank()
+    mine = coords_of(rank, dp, tp)
+    groups: dict[str, tuple[object | None, tuple[int, ...]]] = {}
+    # new_group is collective over the world: every rank creates every group in the same order.
+    for axis in ("pp", "dp", "tp"):
+        size = {"pp": pp, "dp": dp, "tp": tp}[axis]
+        for a in range(world // size):
+            # Enumerate the groups of this axis: fix the other two coordinates.
+            members = []
+            for r in range(world):
+                c = coords_of(r, dp, tp)
+                others = tuple(x for i, x in enumerate(c) if i != "pp dp tp".split().index(axis))
+                if others == _others_key(a, axis, pp, dp, tp):
+                    members.append(r)
+            members_t = tuple(sorted(members))
+            g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
+            if rank in members_t:
+                groups[axis] = (g, members_t)
+    tied = {}
+    for holders in tied_stages:
+        holders = tuple(sorted(int(k) for k in holders))
+        if any(not 0 <= k < pp for k in holders):
+            raise ValueError(f"tied stages {holders} outside 0..{pp - 1}")
+        for d in range(dp):
+            for t in range(tp):
+                members_t = tuple(rank_of(k, d, t, dp, tp) for k in holders)
+                g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
+                if rank in members_t:
+                    tied[holders] = g
+    mesh = Mesh(
+        pp,
+        dp,
+        tp,
+        rank,
+        pp_group=groups["pp"][0],
+        dp_group=groups["dp"][0],
+        tp_group=groups["tp"][0],
+        pp_ranks=groups["pp"][1],
+        dp_ranks=groups["dp"][1],
+        tp_ranks=groups["tp"][1],
+        tied_groups=tied,
+    )
+    assert coords_of(rank, dp, tp) == mine
+    timing.forget_groups()
+    for axis in ("pp", "dp", "tp"):
+        timing.register_group(groups[axis][0], axis)
+    for g in tied.values():
+        timing.register_group(g, "tied")
+    return set_mesh(mesh)
+
+
+def _others_key(a: int, axis: str, pp: int, dp: int, tp: int) -> tuple[int, int]:
+    """The a-th combination of the two coordinates other than ``axis``, in row-major order."""
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    other = [x for x in ("pp", "dp", "tp") if x != axis]
+    return a // sizes[other[1]], a % sizes[other[1]]

@@ -1,0 +1,163 @@
+"""Training data as a pure function of (seed, step).
+
+The global batch of step ``t`` is the same for every plan of a model: rank ``d`` of ``dp``
+data-parallel ranks takes rows ``[d * B/dp, (d + 1) * B/dp)`` and splits them into micro-batches.
+So plans that differ in dp, tp, pp or micro-batching see the same samples and, in fp32, produce
+the same losses.
+
+Sources:
+
+- ``SyntheticTokens``: a seeded Markov chain over the vocabulary, drawn with a counter-based
+  generator: each token is followed by its fixed successor (a random permutation of the
+  vocabulary, fixed by the seed) with probability ``FOLLOW``, else by a uniform random token. A
+  model can learn it, so the loss of a demo or a smoke test falls (uniform tokens would hold it at
+  ``ln V``); the best achievable loss is about ``0.25 * ln(4 V) + 0.22`` nats;
+- ``TokenFile``: a flat array of uint16/uint32 token ids (``.bin``/``.npy``, read with a numpy
+  memmap) or a UTF-8 text file read as bytes (byte-level tokens, vocabulary 256). Each sample is
+  a window of ``seq_len + 1`` tokens starting at an offset drawn from (seed, step, row).
+
+Both yield ``(tokens, next tokens)`` rows; ``model_inputs`` turns them into the model's own inputs,
+whatever their number and order, from each input's role (plan.json ``model.inputs``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from runtime.contract.data_roles import INPUT_ROLES
+from runtime.contract.input_errors import DataError
+
+__all__ = [
+    "SyntheticTokens",
+    "TokenFile",
+    "open_data",
+    "rank_slice",
+    "model_inputs",
+    "data_vocab",
+]
+
+
+def _rng(seed: int, step: int) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, step]))
+
+
+#: Probability that a synthetic token is its predecessor's fixed successor.
+FOLLOW = 0.75
+
+
+class SyntheticTokens:
+    """Learnable synthetic text: a Markov chain with one likely successor per token (module doc)."""
+
+    def __init__(self, vocab: int, seq_len: int, seed: int = 0):
+        if vocab < 2:
+            raise DataError(f"synthetic data needs a vocabulary of at least 2 tokens, got {vocab}")
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        # The chain's successor table comes from a stream no step uses (step numbers are >= 0).
+        self.successor = _rng(seed, 2**63).permutation(vocab)
+
+    def rows(self, step: int, start: int, stop: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start:stop`` of step ``step``'s global batch as (input_ids, labels)."""
+        rng = _rng(self.seed, step)
+        shape = (global_batch, self.seq_len + 1)
+        fresh = rng.integers(0, self.vocab, size=shape)
+        follow = rng.random(size=shape) < FOLLOW
+        tok = fresh[start:stop].copy()
+        follow = follow[start:stop]
+        for i in range(1, shape[1]):
+            tok[:, i] = np.where(follow[:, i], self.successor[tok[:, i - 1]], tok[:, i])
+        t = torch.from_numpy(tok.astype(np.int64))
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class TokenFile:
+    def __init__(self, path: str, seq_len: int, seed: int = 0, vocab: int | None = None):
+        self.path, self.seq_len, self.seed = path, seq_len, seed
+        if not os.path.exists(path):
+            raise DataError(f"data file {path!r} does not exist")
+        if not os.access(path, os.R_OK):
+            raise DataError(f"data file {path!r} is not readable (check its permissions)")
+        try:
+            if path.endswith(".npy"):
+                arr = np.load(path, mmap_mode="r")
+            elif path.endswith((".bin", ".u16", ".u32")):
+                dt = np.uint32 if path.endswith(".u32") else np.uint16
+                arr = np.memmap(path, dtype=dt, mode="r")
+            else:
+                with open(path, "rb") as f:
+                    raw = f.read()
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path} is neither a token array (.bin/.u16 uint16, .u32 uint32, .npy) nor UTF-8 "
+                        f"text (invalid byte at offset {e.start})"
+                    ) from None
+                arr = np.frombuffer(raw, dtype=np.uint8)
+        except (OSError, ValueError) as e:
+            if isinstance(e, DataError):
+                raise
+            raise DataError(f"cannot read data file {path}: {e}") from None
+        if arr.ndim != 1:
+            raise DataError(f"{path}: token arrays must be flat (1-D), got shape {arr.shape}")
+        if arr.shape[0] < seq_len + 1:
+            raise DataError(f"{path} holds {arr.shape[0]} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
+        if arr.dtype.kind not in "iu":
+            raise DataError(
+                f"{path} holds {arr.dtype} values, not token ids: save an integer array "
+                "(uint16, uint32, int32 or int64), e.g. np.save(path, ids.astype(np.uint32))"
+            )
+        self.tokens = arr
+        if vocab is not None and arr.shape[0]:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise DataError(f"{path} contains token id {bad}, outside the model's vocabulary 0..{vocab - 1}")
+
+    def rows(self, step: int, start: int, stop: int, global_batch: int):
+        n = self.tokens.shape[0] - self.seq_len - 1
+        offs = _rng(self.seed, step).integers(0, n + 1, size=global_batch)[start:stop]
+        win = np.stack([np.asarray(self.tokens[o : o + self.seq_len + 1], dtype=np.int64) for o in offs])
+        t = torch.from_numpy(win)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def model_inputs(specs: list[dict], tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The model's inputs, in order, for rows ``tokens`` / ``targets`` (``(r, S)`` each) of a data
+    source: each input is filled by its role (``INPUT_ROLES``) with its own dtype; sizes named
+    ``"b"`` / ``"s"`` (or, for a static trace, the first size) follow the rows and the sequence."""
+    r, seq = tokens.shape
+    out = []
+    for x in specs:
+        dtype = getattr(torch, x.get("dtype", "int64"))
+        role = x["role"]
+        if role == "tokens" or role == "labels":
+            t = tokens
+        elif role == "targets":
+            t = targets
+        elif role == "positions":
+            t = torch.arange(seq, device=tokens.device).expand(r, seq)
+        elif role in ("ones", "zeros"):
+            dims = [r if i == 0 or d == "b" else seq if d == "s" else int(d) for i, d in enumerate(x["shape"])]
+            t = (torch.ones if role == "ones" else torch.zeros)(dims, dtype=dtype, device=tokens.device)
+        else:
+            raise DataError(f"input {x['name']!r} has role {role!r}; the data loader knows {', '.join(INPUT_ROLES)}")
+        out.append(t.to(dtype).contiguous())
+    return tuple(out)
+
+
+def data_vocab(specs: list[dict], vocab: int) -> int:
+    """The vocabulary to draw tokens from: the smallest any token-like input can index, else ``vocab``."""
+    known = [x["vocab"] for x in specs if x["role"] in ("tokens", "labels", "targets") and x.get("vocab")]
+    return min(known) if known else vocab
+
+
+def open_data(path: str | None, vocab: int, seq_len: int, seed: int):
+    return SyntheticTokens(vocab, seq_len, seed) if path is None else TokenFile(path, seq_len, seed, vocab)
+
+
+def rank_slice(global_batch: int, dp: int, dp_index: int) -> tuple[int, int]:
+    per = global_batch // dp
+    return dp_index * per, (dp_index + 1) * per

@@ -1,0 +1,573 @@
+"""The training loop that runs compiled stages on the (pp, dp, tp) mesh.
+
+One process per rank calls ``train_worker``. It builds the rank's ``Run`` (``setup``: mesh,
+device, stage module and its weights, its layers compiled when the plan says ``compile``
+(``runtime.stages.compile_layers``: one ``torch.compile`` per layer class, compiled here by a warm-up
+pass rather than in the first step), ZeRO engine, pipeline stage, data, ``resume`` from the
+newest checkpoint when asked, the step probes of ``runtime.training.profiling``), then for each step
+``t`` from the first not yet done up to ``TrainOptions.steps``:
+
+1. calls the caller's ``on_step_start(rank, t)`` hook, if any (``t`` counts from 0);
+2. ``run_step``: reads rows ``[d * B/dp, (d + 1) * B/dp)`` of step ``t``'s global batch
+   (``runtime.training.data``), split into ``num_micro_batches`` micro-batches; walks this rank's action
+   list for the plan's schedule (``runtime.contract.schedule_ir``/``runtime.pipeline.executor``: 1F1B, interleaved
+   1F1B over the rank's ``virtual_stages`` model chunks, or ZB-H1 whose ``B`` computes input
+   gradients and ``W`` weight gradients later; with one stage 1F1B is forward, backward per
+   micro-batch) accumulating gradients (under ZB-H1 a checkpointed layer, plan.json
+   ``checkpoint_layers``, recomputes its forward in ``B`` and again in ``W``, each its own
+   autograd pass: one forward more than under 1F1B, counted in ``recompute``); lets the ZeRO
+   engine (one per rank, over all its chunks) reduce gradients over dp, clip by the global norm
+   and step AdamW with the learning rate of the warmup + cosine schedule (``lr_at``) -- timed,
+   and split into the parts of ``runtime.timing`` (compute, recompute, tp_comm, pp_bubble,
+   dp_comm, optimizer, offload), under the memory tracker and profiler that apply;
+3. ``aggregate_metrics``: ``loss`` is the mean over the dp ranks (so over the global batch),
+   ``peak_memory_bytes`` (device memory), ``host_memory_bytes`` and ``nvme_bytes`` (the offload
+   tiers, ``runtime.data_parallel.offload_engine``), ``comm_bytes``, the step time and the collective wait time the max
+   over all ranks; ``time``, the breakdown of the slowest rank (so that it sums to the step time);
+4. ``write_metrics``: rank 0 appends one metrics line (``step, loss, step_time_s, tokens_per_s,
+   peak_memory_bytes, comm_bytes, lr, host_memory_bytes, nvme_bytes, time`` and ``loss_scale`` in
+   fp16) and calls ``on_metrics``;
+   with ``TrainOptions.tensorboard_dir`` it also writes them as TensorBoard scalars;
+5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
+   bit-identical resume needs (``runtime.checkpointing.checkpoint_io``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+import runtime
+from runtime import timing
+from runtime.checkpointing import checkpoint_io
+from runtime.contract.data_roles import LEGACY_INPUTS
+from runtime.contract.schedule_ir import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
+from runtime.data_parallel.offload_engine import OffloadConfig
+from runtime.data_parallel.tied_weights import holder_ranks, isolate_tied, tied_params, tied_stage_sets
+from runtime.data_parallel.zero_engine import StepInfo, ZeroEngine
+from runtime.distributed import comm
+from runtime.distributed.mesh import Mesh, setup_mesh
+from runtime.dtypes import to_torch
+from runtime.pipeline.executor import PipelineStage, TensorMeta
+from runtime.stages.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
+from runtime.stages.compiled_stages import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
+from runtime.training.data import data_vocab, model_inputs, open_data, rank_slice
+from runtime.training.profiling import StepProbes
+from runtime.training.train_config import TrainOptions
+
+__all__ = [
+    "Run",
+    "StepHook",
+    "StepMetrics",
+    "StepResult",
+    "aggregate_metrics",
+    "lr_at",
+    "maybe_checkpoint",
+    "open_tensorboard",
+    "resume",
+    "run_step",
+    "schedule_actions",
+    "schedule_of",
+    "setup",
+    "train_worker",
+    "write_metrics",
+    "write_tensorboard",
+]
+
+StepHook = Callable[[int, int], None]
+"""``on_step_start(rank, step)``: called on every rank before each step (``step`` counts from 0,
+the number of steps done). An extension point for instrumentation and fault-injection tests."""
+
+
+def schedule_of(o: TrainOptions) -> dict:
+    """What fixes the learning rate of every step; each checkpoint records it, so a resume under
+    another schedule can say so."""
+    return {"steps": o.steps, "lr": o.lr, "min_lr": o.min_lr, "warmup": o.warmup_steps}
+
+
+def lr_at(step: int, o: TrainOptions) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
+    if o.warmup_steps > 0 and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(1, o.steps - o.warmup_steps)
+    t = min(1.0, (step - o.warmup_steps) / span)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
+
+
+@dataclass
+class StepMetrics:
+    """One line of the metrics JSONL (``to_json``), the same on every rank."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int
+    comm_bytes: float
+    lr: float
+    host_memory_bytes: int = 0
+    """Bytes of state the run holds in the host tier (offloaded masters, moments, gradient shards,
+    transfer buffers; ``runtime.data_parallel.offload_engine``), the max over ranks; 0 without offload."""
+    nvme_bytes: int = 0
+    """Bytes of the NVMe tier's files, the max over ranks; 0 without an nvme tier."""
+    loss_scale: float | None = None
+    grad_norm: float | None = None
+    comm_wait_s: float = 0.0
+    """Seconds the slowest rank spent blocked in collectives this step (unhidden communication)."""
+    time: dict[str, float] | None = None
+    """Seconds of the step by part (``runtime.timing.PARTS``, the keys of plan.json's
+    ``predicted.time``), measured on the rank with the longest step: they sum to ``step_time_s``."""
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        if d["loss_scale"] is None:
+            d.pop("loss_scale")
+        if d["grad_norm"] is None:
+            d.pop("grad_norm")
+        if d["time"] is None:
+            d.pop("time")
+        return json.dumps(d)
+
+
+@dataclass
+class Run:
+    """One rank's training run, built by ``setup``; the loop's steps read and update it."""
+
+    rank: int
+    world: int
+    opts: TrainOptions
+    manifest: dict
+    """The compiled plan's ``manifest.json`` (``plan``, ``model``, ``stages``)."""
+    mesh: Mesh
+    device: torch.device
+    engine: ZeroEngine
+    pstage: PipelineStage
+    actions: list
+    """This rank's action list for the plan's schedule (``schedule_actions``)."""
+    data: Any
+    """The token source (``runtime.training.data.open_data``)."""
+    rows: tuple[int, int]
+    """This dp rank's rows ``[lo, hi)`` of every global batch."""
+    stage_inputs: list[list[str]]
+    """The data inputs each of this rank's chunks takes (one list: its stage), by graph input name."""
+    graph_inputs: list[str]
+    """The model's inputs in order, by the name the graph gives them."""
+    input_specs: list[dict]
+    """What feeds each of them (plan.json ``model.inputs``; ``runtime.training.data.model_inputs``)."""
+    start_step: int
+    """Steps already done when this run started (``resume``)."""
+    probes: StepProbes
+    """Peak-memory tracking and profiling around each step."""
+    tensorboard: Any = None
+    """Rank 0's ``SummaryWriter`` when ``opts.tensorboard_dir`` is set (``open_tensorboard``)."""
+    compiled: CompiledLayers | None = None
+    """The stage's compiled layer classes and their set-up time when the plan compiles its stages
+    (plan.json ``compile``); None otherwise."""
+
+    @property
+    def plan(self) -> dict:
+        return self.manifest["plan"]
+
+
+@dataclass
+class StepResult:
+    """What one rank measured in one step, before aggregation over ranks."""
+
+    loss: float
+    info: StepInfo
+    lr: float
+    seconds: float
+    comm_bytes: float
+    comm_wait_s: float
+    peak_bytes: int
+    parts: dict[str, float]
+    host_bytes: int = 0
+    """Host-tier bytes of this rank (``ZeroEngine.host_bytes``)."""
+    nvme_bytes: int = 0
+    """NVMe-tier bytes of this rank (``ZeroEngine.nvme_bytes``)."""
+    """``seconds`` split over ``runtime.timing.PARTS``."""
+
+
+def _recv_meta(stage: dict) -> list[TensorMeta]:
+    """What this stage receives, from the manifest."""
+    metas = []
+    for r in stage["recv"]:
+        dt = getattr(torch, r["dtype"])
+        metas.append(TensorMeta(tuple(r["shape"]), dt, bool(r["requires_grad"])))
+    return metas
+
+
+def _warm_up_inputs(
+    plan: dict, stage: dict, graph_inputs: list[str], input_specs: list[dict], dev: torch.device
+) -> list[torch.Tensor]:
+    """A micro-batch of zeros in the stage's call order: what it receives (as the pipeline hands
+    it over), then its data inputs (token ids 0, and whatever ``model_inputs`` derives from them)."""
+    recv = [torch.zeros(m.shape, dtype=m.dtype, device=dev).requires_grad_(m.requires_grad) for m in _recv_meta(stage)]
+    ids = torch.zeros((plan["micro_batch_size"], plan["seq_len"]), dtype=torch.long, device=dev)
+    src = dict(zip(graph_inputs, model_inputs(input_specs, ids, ids.clone())))
+    return recv + [src[n] for n in stage["data_inputs"]]
+
+
+def schedule_actions(plan: dict, pp_index: int) -> list:
+    """This rank's action list for the plan's pipeline schedule (plan.json ``schedule``): 1F1B,
+    Megatron's interleaved 1F1B over ``virtual_stages`` chunks, or ZB-H1 (split ``B``/``W``)."""
+    pp, m, v = plan["pp"], plan["num_micro_batches"], plan.get("virtual_stages", 1)
+    kind = plan.get("schedule", "1f1b")
+    if kind == "1f1b":
+        return one_f_one_b(pp, m)[pp_index]
+    if kind == "interleaved":
+        return interleaved_one_f_one_b(pp, m, v)[pp_index]
+    if kind == "zero-bubble":
+        return zero_bubble_h1(pp, m)[pp_index]
+    raise ValueError(
+        f"the plan names the pipeline schedule {kind!r}; this runtime runs 1f1b, interleaved and "
+        "zero-bubble: re-plan, or update the runtime"
+    )
+
+
+def _load_chunks(
+    compiled_dir: str, chunks: list[dict], state: Mapping[str, torch.Tensor], mesh: Mesh, dev: torch.device
+) -> list[torch.nn.Module]:
+    """This rank's stage module(s) with their shard of the original weights (read once)."""
+    modules = []
+    for st in chunks:
+        module = load_stage_module(compiled_dir, st, dev)
+        load_weights(module, st, state, mesh.tp_index, mesh.tp)
+        modules.append(module)
+    return modules
+
+
+def _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts):
+    """Compile each chunk's layers (one ``torch.compile`` per layer class) and warm them up."""
+    compiled = None
+    for j, (module, st) in enumerate(zip(modules, chunks)):
+        # Before the ZeRO engine: the warm-up's collectives are tensor-parallel ones only, so the
+        # data-parallel replicas can take turns (runtime.stages.compile_layers.warm_up_in_turn).
+        info = compile_stage(module)
+        warm_up_in_turn(
+            module, _warm_up_inputs(plan, st, graph_inputs, input_specs, dev), info, first=mesh.dp_index == 0
+        )
+        if compiled is None:
+            compiled = info
+        else:  # one record for the rank: every chunk's classes and layers, the total time
+            compiled.functions.update(info.functions)
+            compiled.layers.update({f"{j}.{k}": c for k, c in info.layers.items()})
+            compiled.seconds += info.seconds
+    if rank == 0 and opts.progress and compiled is not None:
+        print(
+            f"[planner] compiled stage 0: {compiled.describe()} in {compiled.seconds:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return compiled
+
+
+def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> ZeroEngine:
+    """One ZeRO engine over the rank's chunks (``module`` is the one stage module, or the
+    ``ModuleList`` of the chunks, each a root of its own): one gradient norm, clip and step."""
+    plan = man["plan"]
+    v = len(chunks)
+    prefix = [""] if v == 1 else [f"{j}." for j in range(v)]
+    layers, tied, replicated = [], {}, set()
+    for pre, sub, st in zip(prefix, modules, chunks):
+        own_tied = tied_params(st)  # weights held by several stages: summed over their tied group
+        layers += [[pre + n for n in grp] for grp in isolate_tied(param_groups(sub), own_tied)]
+        tied.update(
+            {pre + a: (mesh.tied_groups.get(holder_ranks(man, h)), st["index"] == h[0]) for a, h in own_tied.items()}
+        )
+        replicated |= {pre + attr for attr, e in st["params"].items() if not e.get("shard")}
+    return ZeroEngine(
+        module,
+        layers=layers,
+        tied=tied,
+        dp_group=mesh.dp_group,
+        zero_stage=plan["zero_stage"],
+        param_dtype=to_torch(plan["dtype"]),
+        lr=opts.lr,
+        betas=(opts.beta1, opts.beta2),
+        eps=opts.eps,
+        weight_decay=opts.weight_decay,
+        max_grad_norm=opts.max_grad_norm,
+        norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
+        replicated_param_filter=(lambda name: name in replicated) if plan["tp"] > 1 else None,
+        # one backward pass per (chunk, micro-batch): a split B/W pair counts once
+        micro_batches_per_step=plan["num_micro_batches"] * v,
+        offload=offload,
+        rank=rank,
+        delayed_update=opts.delayed_update,
+        roots=None if v == 1 else [str(j) for j in range(v)],
+    )
+
+
+def setup(
+    rank: int, world: int, compiled_dir: str, opts: TrainOptions, state_fn: Callable[[], Mapping[str, torch.Tensor]]
+) -> Run:
+    """Build this rank's run: the mesh and device, the stage module (or, with ``virtual_stages``
+    v > 1, its v model chunks, ``runtime.stages.compiled_stages.rank_chunks``) with its shard of the original
+    weights (``state_fn`` returns the original model's tensors by name; the seed is set first),
+    its layers compiled and warmed up when the plan says ``compile``, one ZeRO engine over the
+    chunks, the pipeline stage walking the plan's schedule (``schedule_actions``; the engine is its
+    backward scope, so a ``B``/``W`` pair is one backward pass), the data source; then ``resume``
+    and the step probes (which count the tensors alive after the resume)."""
+    man = read_manifest(compiled_dir)
+    plan = man["plan"]
+    offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
+    pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
+    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.is_initialized() and dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    runtime.set_device(dev)
+    chunks = rank_chunks(man, mesh.pp_index)
+    v = len(chunks)
+    actions = schedule_actions(plan, mesh.pp_index)
+    torch.manual_seed(opts.seed)
+    modules = _load_chunks(compiled_dir, chunks, state_fn(), mesh, dev)
+    module = modules[0] if v == 1 else torch.nn.ModuleList(modules)
+    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
+    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
+    if len(graph_inputs) != len(input_specs):
+        raise ValueError(
+            f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
+            f"{len(input_specs)}: recompile the plan"
+        )
+    compiled = None
+    if plan.get("compile"):
+        compiled = _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts)
+    for sub in modules:
+        timing.time_recomputation(sub)
+    # On a GPU, part boundaries wait for the device (runtime.timing explains the cost).
+    timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    engine = _make_engine(module, modules, chunks, man, mesh, opts, offload, rank)
+    recv = [_recv_meta(st) for st in chunks]
+    pstage = PipelineStage.from_mesh(
+        modules[0] if v == 1 else modules,
+        recv_meta=recv[0] if v == 1 else recv,
+        mesh=mesh,
+        device=dev,
+        virtual_stages=v,
+        backward_scope=engine,
+    )
+    data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
+    start_step = resume(opts, engine, man, mesh)
+    # Tracked steps run eagerly (runtime.stages.compile_layers): a compiled run tracks its first few only.
+    memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
+    probes = StepProbes(
+        rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors(), host=engine.host_tensors()
+    )
+    tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
+    return Run(
+        rank=rank,
+        world=world,
+        opts=opts,
+        manifest=man,
+        mesh=mesh,
+        device=dev,
+        engine=engine,
+        pstage=pstage,
+        actions=actions,
+        data=data,
+        rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
+        stage_inputs=[st["data_inputs"] for st in chunks],
+        graph_inputs=graph_inputs,
+        input_specs=input_specs,
+        start_step=start_step,
+        probes=probes,
+        tensorboard=tensorboard,
+        compiled=compiled,
+    )
+
+
+def open_tensorboard(directory: str):
+    """A TensorBoard ``SummaryWriter`` on ``directory``. tensorboard is an optional package,
+    imported only when a run asks for it (``planner train`` checks it is installed before any
+    process starts)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "TrainOptions.tensorboard_dir needs the tensorboard package: "
+            "pip install tensorboard (or the project's `tensorboard` extra)"
+        ) from None
+    return SummaryWriter(log_dir=directory)
+
+
+def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> int:
+    """Load the newest checkpoint of ``opts.checkpoint_dir`` into ``engine`` when ``opts.resume``
+    asks for it; the number of steps already done (0 without one)."""
+    if opts.checkpoint_dir and opts.resume:
+        return checkpoint_io.load_latest(opts.checkpoint_dir, engine, manifest, mesh)
+    return 0
+
+
+def micro_batches(run: Run, step: int) -> list:
+    """This rank's rows of step ``step``'s global batch, on the device, split into micro-batches
+    of the stage's data inputs (with model chunks, a tuple of inputs per chunk)."""
+    plan = run.plan
+    mbs, m = plan["micro_batch_size"], plan["num_micro_batches"]
+    lo, hi = run.rows
+    ids, labels = run.data.rows(step, lo, hi, plan["global_batch"])
+    ids, labels = ids.to(run.device), labels.to(run.device)
+    src = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
+    per_chunk = [
+        [tuple(src[n][i * mbs : (i + 1) * mbs] for n in names) for names in run.stage_inputs] for i in range(m)
+    ]
+    return [mb[0] for mb in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
+
+
+def run_step(run: Run, step: int) -> StepResult:
+    """Forward and backward of every micro-batch, then the optimizer step; timed from after the
+    data is on the device to the end of the device's work, with this step's probes around it.
+
+    ``runtime.timing.TIMER`` splits the time: the optimizer step (and ``zero_grad``) is the part
+    ``optimizer``; collectives and recomputed layers enter their own parts from ``runtime.distributed.comm``
+    and the stage's forward hooks; the rest is ``compute``."""
+    micro = micro_batches(run, step)
+    lr = lr_at(step, run.opts)
+    index = step - run.start_step
+    comm.STATS.reset()
+    timing.TIMER.start()
+    try:
+        with run.probes.around(index, step):
+            loss = run.pstage.run(run.actions, micro, loss_scale=run.engine.loss_scale)
+            with timing.part("optimizer"):
+                info = run.engine.step(lr=lr)
+                run.engine.zero_grad()
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        seconds, parts = timing.TIMER.stop()
+    sent = comm.STATS.total
+    peak = run.probes.peak_after(index, step)
+    return StepResult(
+        loss=loss,
+        info=info,
+        lr=lr,
+        seconds=seconds,
+        comm_bytes=sent,
+        comm_wait_s=comm.STATS.wait_s,
+        peak_bytes=peak,
+        parts=parts,
+        host_bytes=run.engine.host_bytes(),
+        nvme_bytes=run.engine.nvme_bytes(),
+    )
+
+
+def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
+    """The step's metrics over all ranks: the loss is the mean over dp ranks; peak memory, bytes
+    sent, step time and collective wait time the max over all ranks; the time breakdown that of
+    the rank with the longest step, which is the step time reported (each rank fills its row of a
+    table of every rank's time and parts, which one sum all-reduce gives to all)."""
+    plan, dev = run.plan, run.device
+    agg = torch.tensor([r.loss, 0.0, 0.0], dtype=torch.float64, device=dev)
+    mx = torch.tensor(
+        [float(r.peak_bytes), r.comm_bytes, r.comm_wait_s, float(r.host_bytes), float(r.nvme_bytes)],
+        dtype=torch.float64,
+        device=dev,
+    )
+    times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=dev)
+    times[run.rank] = torch.tensor([r.seconds] + [r.parts[k] for k in timing.PARTS], dtype=torch.float64)
+    if dist.is_initialized() and run.world > 1:
+        if run.mesh.dp_group is not None:
+            dist.all_reduce(agg, group=run.mesh.dp_group)
+            agg /= plan["dp"]
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        dist.all_reduce(times)
+    slowest = times[int(torch.argmax(times[:, 0]))].tolist()
+    step_time = slowest[0]
+    tokens = plan["global_batch"] * plan["seq_len"]
+    return StepMetrics(
+        step=step + 1,
+        loss=float(agg[0]),
+        step_time_s=step_time,
+        tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
+        peak_memory_bytes=int(mx[0]),
+        comm_bytes=float(mx[1]),
+        lr=r.lr,
+        host_memory_bytes=int(mx[3]),
+        nvme_bytes=int(mx[4]),
+        loss_scale=r.info.loss_scale if plan["dtype"] == "fp16" else None,
+        grad_norm=r.info.grad_norm,
+        comm_wait_s=float(mx[2]),
+        time=dict(zip(timing.PARTS, slowest[1:])),
+    )
+
+
+def write_metrics(run: Run, met: StepMetrics, on_metrics: Callable[[StepMetrics], None] | None) -> None:
+    """On rank 0: append ``met`` to ``opts.metrics_path`` (if set), write it to TensorBoard (if
+    asked) and pass it to ``on_metrics``."""
+    if run.rank != 0:
+        return
+    if run.opts.metrics_path:
+        with open(run.opts.metrics_path, "a", encoding="utf-8") as f:
+            f.write(met.to_json() + "\n")
+    if run.tensorboard is not None:
+        write_tensorboard(run.tensorboard, met)
+    if on_metrics is not None:
+        on_metrics(met)
+
+
+def write_tensorboard(writer, met: StepMetrics) -> None:
+    """One step's scalars: ``train/`` loss, tokens/s, step time, peak memory; ``time/<part>``
+    the breakdown."""
+    scalars = {
+        "train/loss": met.loss,
+        "train/tokens_per_s": met.tokens_per_s,
+        "train/step_time_s": met.step_time_s,
+        "train/peak_memory_bytes": met.peak_memory_bytes,
+    }
+    scalars.update({f"time/{k}": v for k, v in (met.time or {}).items()})
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, met.step)
+
+
+def maybe_checkpoint(run: Run, step: int) -> None:
+    """After step ``step`` (0-based): save a checkpoint when ``opts.save_every`` divides the steps
+    done, or this was the run's last step, and ``opts.checkpoint_dir`` is set."""
+    o = run.opts
+    done = step + 1
+    if o.checkpoint_dir and o.save_every and (done % o.save_every == 0 or done == o.steps):
+        checkpoint_io.save(
+            o.checkpoint_dir, done, run.engine, run.manifest, run.mesh, keep_last=o.keep_last, schedule=schedule_of(o)
+        )
+
+
+def train_worker(
+    rank: int,
+    world: int,
+    compiled_dir: str,
+    opts: TrainOptions,
+    state_fn: Callable[[], Mapping[str, torch.Tensor]],
+    on_metrics: Callable[[StepMetrics], None] | None = None,
+    on_step_start: StepHook | None = None,
+) -> list[StepMetrics]:
+    """Train on this rank (see the module docstring); every step's metrics, the same on every rank.
+
+    ``state_fn`` returns the original model's tensors by name; ``on_metrics`` receives each
+    step's metrics on rank 0; ``on_step_start`` (a ``StepHook``) runs before each step on every
+    rank.
+    """
+    run = setup(rank, world, compiled_dir, opts, state_fn)
+    history: list[StepMetrics] = []
+    try:
+        for step in range(run.start_step, opts.steps):
+            if on_step_start is not None:
+                on_step_start(rank, step)
+            result = run_step(run, step)
+            met = aggregate_metrics(run, step, result)
+            history.append(met)
+            write_metrics(run, met, on_metrics)
+            maybe_checkpoint(run, step)
+    finally:
+        if run.tensorboard is not None:
+            run.tensorboard.close()
+        run.engine.close()  # deletes the NVMe tier's files
+    return history
