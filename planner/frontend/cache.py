@@ -67,6 +67,7 @@ import sympy
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm, LayerCosts, LayerTable
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.spec import hf_directory, parse_spec
+from runtime.contract import environment
 from runtime.contract.dtype_table import DTYPES, canonical
 
 __all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
@@ -75,7 +76,6 @@ FORMAT = 3
 """Version of the entry layout; raise it when the pickled payload changes shape (2: the rows'
 GEMM shapes, ``fwd_gemms`` / ``bwd_gemms``)."""
 
-_OFF = {"0", "off", "false", "no", "disable", "disabled"}
 _SUBDIR = "layer-tables"
 _log = logging.getLogger(__name__)
 
@@ -87,13 +87,13 @@ that could not be used), ``unwritable`` (an entry that could not be stored), ``u
 
 def cache_enabled() -> bool:
     """False when ``PLANNER_CACHE`` is ``off`` (or ``0``, ``false``, ``no``)."""
-    return os.environ.get("PLANNER_CACHE", "on").strip().lower() not in _OFF
+    return not environment.is_off(environment.CACHE)
 
 
 def cache_dir() -> Path:
     """The cache folder: ``$PLANNER_CACHE_DIR``, else ``$XDG_CACHE_HOME/planner``, else
     ``~/.cache/planner``."""
-    explicit = os.environ.get("PLANNER_CACHE_DIR")
+    explicit = environment.read(environment.CACHE_DIR)
     if explicit:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

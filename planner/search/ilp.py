@@ -110,6 +110,7 @@ import pulp
 
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
+from runtime.contract import environment
 
 __all__ = [
     "SOLVERS",
@@ -152,7 +153,7 @@ def highs_available() -> bool:
 
 def default_solver() -> str:
     """``PLANNER_SOLVER`` if set (``cbc`` or ``highs``), else CBC."""
-    return os.environ.get("PLANNER_SOLVER", "cbc").strip().lower() or "cbc"
+    return environment.read(environment.SOLVER).lower()
 
 
 def _make_solver(name: str, time_limit: float | None):

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runtime.contract import environment
+
 #: How many times this process has joined a default process group (``init_distributed``).
 _JOINS = 0
 
@@ -63,7 +65,7 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "runtime.training.trainer"]
 def start_method() -> str:
     """How ``launch_local`` starts ranks: ``forkserver`` where the platform has one, else
     ``spawn``; ``PLANNER_START_METHOD`` overrides."""
-    chosen = os.environ.get("PLANNER_START_METHOD", "").strip()
+    chosen = environment.read(environment.START_METHOD)
     if chosen:
         if chosen not in multiprocessing.get_all_start_methods():
             raise ValueError(
@@ -95,7 +97,7 @@ def reuse_host_memory() -> bool:
     global _host_memory_tuned
     if _host_memory_tuned:
         return True
-    if os.environ.get("PLANNER_HOST_ALLOCATOR", "").lower() == "system":
+    if environment.read(environment.HOST_ALLOCATOR).lower() == "system":
         return False
     if any(a in os.environ.get("LD_PRELOAD", "") for a in ("jemalloc", "tcmalloc", "mimalloc")):
         return False
@@ -240,7 +242,7 @@ def _entry(
     # The machine's cores shared by every local rank (no oversubscription); PLANNER_NUM_THREADS
     # overrides the intra-op threads per rank.
     torch.set_num_threads(
-        int(os.environ.get("PLANNER_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // world_size)
+        int(environment.read(environment.NUM_THREADS) or 0) or max(1, (os.cpu_count() or 1) // world_size)
     )
     try:
         init_distributed(rank, world_size, port, timeout_s=timeout_s)

@@ -53,7 +53,6 @@ parallelism breaks layers into several regions, both of which defeat static grap
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -63,10 +62,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from runtime import tensor_parallel
+from runtime.contract import environment
 
 __all__ = [
-    "BACKEND_ENV",
-    "DEFAULT_BACKEND",
     "TRACKED_STEPS",
     "backend",
     "prepare",
@@ -77,9 +75,6 @@ __all__ = [
     "CompiledLayers",
 ]
 
-BACKEND_ENV = "PLANNER_COMPILE_BACKEND"
-"""Environment variable naming the ``torch.compile`` backend (default :data:`DEFAULT_BACKEND`)."""
-DEFAULT_BACKEND = "inductor"
 
 #: How long the ranks that load compiled graphs from the cache wait for the ranks compiling them.
 COMPILE_WAIT_S = 3600.0
@@ -95,7 +90,7 @@ wrapper (filled by :func:`prepare`)."""
 
 def backend() -> str:
     """The ``torch.compile`` backend: ``PLANNER_COMPILE_BACKEND`` or ``inductor``."""
-    return os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
+    return environment.read(environment.COMPILE_BACKEND)
 
 
 def prepare() -> None:

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from runtime.contract import environment
 from runtime.training.memtrack import MemoryTracker
 
 __all__ = ["PROFILE_STEP", "StepProbes", "start_profiler", "write_profile"]
@@ -35,7 +36,7 @@ PROFILE_STEP = 2
 def start_profiler(index: int):
     """A running ``torch.profiler`` for the run's step ``index`` when ``PLANNER_PROFILE`` asks for
     it, else None."""
-    if not os.environ.get("PLANNER_PROFILE") or index != PROFILE_STEP:
+    if not environment.read(environment.PROFILE) or index != PROFILE_STEP:
         return None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -48,7 +49,7 @@ def start_profiler(index: int):
 def write_profile(prof, rank: int, step: int) -> None:
     """Stop ``prof``; write this rank's operator table (by self time) and a Chrome trace."""
     prof.__exit__(None, None, None)
-    out = os.environ["PLANNER_PROFILE"]
+    out = environment.read(environment.PROFILE)
     os.makedirs(out, exist_ok=True)
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     with open(os.path.join(out, f"rank{rank}-step{step}.txt"), "w", encoding="utf-8") as f:
@@ -109,7 +110,7 @@ class StepProbes:
             return self.last_peak
         t = self.tracker
         self.last_peak = max(self.last_peak, t.peak_bytes) if self.memory_steps is not None else t.peak_bytes
-        if os.environ.get("PLANNER_DEBUG_MEMORY"):
+        if environment.read(environment.DEBUG_MEMORY):
             print(
                 f"[planner] rank {self.rank} step {step + 1}: peak {t.peak_bytes / 2**20:.2f} MiB after "
                 f"{t.peak_op or '(step start)'}; {t.current_bytes / 2**20:.2f} MiB live at the end",

@@ -23,7 +23,7 @@ import torch
 
 from planner.cli import main
 from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors
-from runtime.stages.compile_layers import BACKEND_ENV
+from runtime.contract.environment import COMPILE_BACKEND
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
 
 STEPS = 4
@@ -90,7 +90,7 @@ def test_inductor_zero3_recompute_matches_uncompiled(tmp_path, inductor_cache, c
 
 @pytest.mark.dist
 def test_compiled_tp_pp_recompute_matches_uncompiled(tmp_path, inductor_cache, monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv(COMPILE_BACKEND.name, "aot_eager")
     plan = make_plan("gpt", TINY_GPT, tp=2, pp=2, checkpoint=(1, 2))
     # memory tracked in the first steps, which run eagerly; the rest compiled
     run = _train(tmp_path, dataclasses.replace(plan, compile=True), track_memory=True)

@@ -187,9 +187,8 @@ def test_new_planner_code_or_torch_misses(traces, monkeypatch):
 
 def test_code_digest_covers_the_passes_and_the_front_end():
     import passes.autograd_costs
-    import planner.frontend.trace
-
     import passes.tensor_parallel.tp_costs
+    import planner.frontend.trace
     import runtime.contract.dtype_table
 
     hashed = set(cache.source_paths())
