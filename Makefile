@@ -20,10 +20,13 @@ $(STAMP): pyproject.toml
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# The architecture's import rules (pyproject.toml [tool.importlinter]) and pyflakes; part of `make test`.
+# The architecture's import rules (pyproject.toml [tool.importlinter]), pyflakes and import order,
+# the formatter's check and the type checker (pyproject.toml [tool.mypy]); part of `make test`.
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/mypy
 
 demo: $(STAMP)
 	$(PY) -m planner.demo
