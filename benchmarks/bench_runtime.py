@@ -372,7 +372,7 @@ class OursSide(Side):
     def __init__(self, cfg, rank, world, compiled_dir: str, name: str):
         import runtime
         from runtime.contract.schedule_ir import one_f_one_b
-        from runtime.data_parallel.zero_engine import ZeroEngine
+        from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
         from runtime.pipeline.executor import PipelineStage, TensorMeta
         from runtime.stages.compiled_stages import (
             load_stage_module,
@@ -402,16 +402,16 @@ class OursSide(Side):
             self.module,
             layers=param_groups(self.module),
             dp_group=group if dp > 1 else None,
-            zero_stage=plan["zero_stage"],
-            param_dtype=torch.float32,
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=cfg.clip or None,
-            norm_groups=[group] if pp > 1 else [],
-            micro_batches_per_step=self.m,
-            **({"bucket_bytes": int(cfg.bucket_mb * 2**20)} if cfg.bucket_mb else {}),
+            sharding=ShardingConfig(
+                zero_stage=plan["zero_stage"],
+                param_dtype=torch.float32,
+                micro_batches_per_step=self.m,
+                **({"bucket_bytes": int(cfg.bucket_mb * 2**20)} if cfg.bucket_mb else {}),
+            ),
+            optimizer=OptimizerConfig(
+                lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip or None
+            ),
+            parallel=ParallelContext(norm_groups=[group] if pp > 1 else []),
         )
         recv = [
             TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), bool(r["requires_grad"])) for r in stage["recv"]

@@ -50,6 +50,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from runtime.data_parallel.engine_config import OptimizerConfig
+
 __all__ = [
     "ZeroError",
     "FlatParam",
@@ -261,28 +263,26 @@ def adamw_step_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    config: OptimizerConfig,
     decay_ranges: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """One AdamW update of the flat fp32 ``param`` in place (see the module docstring).
 
-    ``step`` is the 1-based count including this update. ``decay_ranges`` lists the
-    ``[start, end)`` element ranges that receive weight decay; ``None`` decays everything.
+    ``step`` is the 1-based count including this update; ``config`` gives ``lr``, ``betas``, ``eps``
+    and ``weight_decay``. ``decay_ranges`` lists the ``[start, end)`` element ranges that receive
+    weight decay; ``None`` decays everything.
     """
     if param.dtype != torch.float32 or exp_avg.dtype != torch.float32:
         raise TypeError(f"AdamW runs on fp32 masters and state, got {param.dtype}/{exp_avg.dtype}")
     if step < 1:
         raise ValueError(f"AdamW step count must be >= 1, got {step}")
+    lr, (beta1, beta2), eps, weight_decay = config.lr, config.betas, config.eps, config.weight_decay
     fused = _FUSED_ADAMW is not None and param.device.type in ("cpu", "cuda") and grad.dtype == torch.float32
     if weight_decay != 0.0 and not (fused and decay_ranges is None):
         factor = 1.0 - lr * weight_decay
-        for a, b in [(0, param.numel())] if decay_ranges is None else decay_ranges:
-            param[a:b].mul_(factor)
-    if fused:
+        for start, end in [(0, param.numel())] if decay_ranges is None else decay_ranges:
+            param[start:end].mul_(factor)
+    if _FUSED_ADAMW is not None and fused:
         # One pass over the four buffers instead of eight (torch's fused kernel, the same update:
         # decoupled decay, bias-corrected moments); on a CPU rank the optimizer step is 6x faster.
         # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);

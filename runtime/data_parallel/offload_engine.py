@@ -96,7 +96,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from runtime import timing
+from runtime.contract.choices import OffloadTier, names
 from runtime.contract.input_errors import ConfigError
+from runtime.data_parallel.engine_config import ShardingConfig
 from runtime.data_parallel.flat_shards import FlatGroup, resident_access
 
 __all__ = [
@@ -111,7 +113,7 @@ __all__ = [
     "host_empty",
 ]
 
-TIERS: tuple[str, ...] = ("none", "cpu", "nvme")
+TIERS: tuple[str, ...] = names(OffloadTier)
 
 
 class OffloadError(ConfigError):
@@ -122,12 +124,16 @@ class OffloadError(ConfigError):
 class OffloadConfig:
     """Where a rank keeps its optimizer state and parameter shards (see the module docstring)."""
 
-    optimizer: str = "none"
+    optimizer: str = OffloadTier.NONE.value
     """Tier of the fp32 masters and AdamW moments: ``none`` (device), ``cpu`` or ``nvme``."""
-    params: str = "none"
+    params: str = OffloadTier.NONE.value
     """Tier of the ZeRO-3 compute-dtype parameter shards: ``none``, ``cpu`` or ``nvme``."""
     nvme_path: str | None = None
     """Folder of the NVMe tier's files (``planner train --nvme-path``); needed by an ``nvme`` tier."""
+    delayed_update: bool = False
+    """With the optimizer offloaded, run each step's CPU update in the background and apply it at
+    the next ``step()`` (module docstring, "Delayed update"; one step stale, it changes the
+    numerics). Needs ``optimizer`` cpu or nvme."""
 
     def __post_init__(self) -> None:
         for kind in ("optimizer", "params"):
@@ -137,20 +143,20 @@ class OffloadConfig:
 
     @property
     def active(self) -> bool:
-        return self.optimizer != "none" or self.params != "none"
+        return self.optimizer != OffloadTier.NONE or self.params != OffloadTier.NONE
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.optimizer, self.params)
+        return OffloadTier.NVME in (self.optimizer, self.params)
 
     def check(self, zero_stage: int) -> None:
         """Raise ``OffloadError`` unless this placement can run at ``zero_stage``."""
-        if self.params != "none" and zero_stage != 3:
+        if self.params != OffloadTier.NONE and zero_stage != 3:
             raise OffloadError(
                 f"offload.params={self.params!r} needs ZeRO stage 3 (only ZeRO-3 shards the parameters), "
                 f"but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 3 or --offload-params none"
             )
-        if self.optimizer != "none" and zero_stage not in (1, 2, 3):
+        if self.optimizer != OffloadTier.NONE and zero_stage not in (1, 2, 3):
             raise OffloadError(
                 f"offload.optimizer={self.optimizer!r} needs ZeRO stage 1, 2 or 3 (a sharded optimizer "
                 f"state), but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 1 or higher "
@@ -158,7 +164,7 @@ class OffloadConfig:
             )
         if self.uses_nvme:
             if not self.nvme_path:
-                which = [k for k in ("optimizer", "params") if getattr(self, k) == "nvme"]
+                which = [k for k in ("optimizer", "params") if getattr(self, k) == OffloadTier.NVME]
                 raise OffloadError(
                     f"the plan puts the {' and '.join(which)} state on NVMe (offload "
                     f"{', '.join(f'{k}=nvme' for k in which)}) but no folder was given: pass "
@@ -166,6 +172,12 @@ class OffloadConfig:
                 )
             if os.path.exists(self.nvme_path) and not os.path.isdir(self.nvme_path):
                 raise OffloadError(f"--nvme-path {self.nvme_path} exists and is not a folder")
+        if self.delayed_update and self.optimizer == OffloadTier.NONE:
+            raise OffloadError(
+                "the delayed update (--delayed-update) overlaps the CPU optimizer step with the next "
+                "step's forward and backward: it needs a plan that offloads the optimizer state "
+                "(offload.optimizer cpu or nvme)"
+            )
 
     @classmethod
     def from_plan(cls, plan: dict, nvme_path: str | None = None) -> "OffloadConfig":
@@ -174,9 +186,20 @@ class OffloadConfig:
         spec = plan.get("offload") or {}
         if not isinstance(spec, dict) or set(spec) - {"optimizer", "params"}:
             raise OffloadError(f"plan offload must be {{'optimizer': tier, 'params': tier}}, got {spec!r}")
-        cfg = cls(optimizer=spec.get("optimizer", "none"), params=spec.get("params", "none"), nvme_path=nvme_path)
+        cfg = cls(
+            optimizer=spec.get("optimizer", OffloadTier.NONE.value),
+            params=spec.get("params", OffloadTier.NONE.value),
+            nvme_path=nvme_path,
+        )
         cfg.check(int(plan["zero_stage"]))
         return cfg
+
+
+def _folder(config: OffloadConfig) -> str:
+    """The NVMe tier's folder (``OffloadConfig.check`` made sure an ``nvme`` tier has one)."""
+    if not config.nvme_path:
+        raise OffloadError("the NVMe tier needs a folder: pass --nvme-path DIR")
+    return config.nvme_path
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -317,15 +340,14 @@ class OptimizerStore:
 
     def __init__(
         self,
-        tier: str,
+        config: OffloadConfig,
         groups: Sequence[FlatGroup],
         device: torch.device,
-        nvme_path: str | None = None,
-        rank: int = 0,
-        delayed: bool = False,
         dtype: torch.dtype = torch.float32,
+        rank: int = 0,
     ):
-        if tier not in ("cpu", "nvme"):
+        tier, delayed = config.optimizer, config.delayed_update
+        if tier not in (OffloadTier.CPU, OffloadTier.NVME):
             raise OffloadError(f"optimizer store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.device = tier, device
         self._grads = {g.index: host_empty(g.shard, torch.float32, device).zero_() for g in groups}
@@ -341,12 +363,12 @@ class OptimizerStore:
         self._file: NvmeFile | None = None
         self._slots: list[torch.Tensor] = []
         self._offset: dict[int, int] = {}
-        if tier == "nvme":
+        if tier == OffloadTier.NVME:
             off = 0
             for g in groups:
                 self._offset[g.index] = off
                 off += 3 * g.shard * 4
-            self._file = NvmeFile(nvme_path, rank, "optimizer", off)
+            self._file = NvmeFile(_folder(config), rank, "optimizer", off)
             biggest = max(g.shard for g in groups)
             self._slots = [host_empty(3 * biggest, torch.float32, device) for _ in range(2)]
 
@@ -354,7 +376,7 @@ class OptimizerStore:
     @torch.no_grad()
     def adopt(self, g: FlatGroup, master: torch.Tensor) -> None:
         """Take group ``g``'s initial fp32 master shard; its moments start at 0."""
-        if self.tier == "cpu":
+        if self.tier == OffloadTier.CPU:
             g.master = host_empty(g.shard, torch.float32, self.device).copy_(master)
             g.exp_avg = torch.zeros_like(g.master)
             g.exp_avg_sq = torch.zeros_like(g.master)
@@ -373,7 +395,7 @@ class OptimizerStore:
     def open_group(self, g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
         """``(master, exp_avg, exp_avg_sq)`` of group ``g`` for the body (checkpoints, reads of the
         masters); with ``write=True`` what the body changed is stored back. Blocking."""
-        if self.tier == "cpu":
+        if self.tier == OffloadTier.CPU:
             yield g.master, g.exp_avg, g.exp_avg_sq
             return
         slot, off = self._slots[0][: 3 * g.shard], self._offset[g.index]
@@ -432,7 +454,7 @@ class OptimizerStore:
         and the copy of the result to the device); their results. With ``nvme`` the groups stream
         through the two slots (module docstring): read ``i + 1`` while ``i`` updates, write ``i``
         back while ``i + 1`` updates. ``timed=False``: waits are not timed (a background thread)."""
-        if self.tier == "cpu":
+        if self.tier == OffloadTier.CPU:
             return [fn(g, g.master, g.exp_avg, g.exp_avg_sq) for g in groups]
         reads: dict[int, Future] = {}
         writes: list[Future] = []
@@ -491,7 +513,7 @@ class OptimizerStore:
 
     def host_state(self, groups: Sequence[FlatGroup]) -> list[torch.Tensor]:
         """The cpu tier's resident masters and moments (empty for nvme)."""
-        if self.tier != "cpu":
+        if self.tier != OffloadTier.CPU:
             return []
         return [t for g in groups for t in (g.master, g.exp_avg, g.exp_avg_sq)]
 
@@ -519,14 +541,14 @@ class ParamStore:
 
     def __init__(
         self,
-        tier: str,
+        config: OffloadConfig,
         groups: Sequence[FlatGroup],
         dtype: torch.dtype,
         device: torch.device,
-        nvme_path: str | None = None,
         rank: int = 0,
     ):
-        if tier not in ("cpu", "nvme"):
+        tier = config.params
+        if tier not in (OffloadTier.CPU, OffloadTier.NVME):
             raise OffloadError(f"parameter store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.dtype, self.device = tier, dtype, device
         self._esize = torch.empty((), dtype=dtype).element_size()
@@ -537,12 +559,12 @@ class ParamStore:
         self._held: dict[int, tuple[int, Future]] = {}  # group -> (slot, its read)
         self._order: list[int] = []  # fetches of the previous step
         self._seen: list[int] = []  # fetches of this step
-        if tier == "nvme":
+        if tier == OffloadTier.NVME:
             off = 0
             for g in groups:
                 self._offset[g.index] = off
                 off += g.shard * self._esize
-            self._file = NvmeFile(nvme_path, rank, "params", off)
+            self._file = NvmeFile(_folder(config), rank, "params", off)
             biggest = max(g.shard for g in groups)
             self._slots = [host_empty(biggest, dtype, device) for _ in range(2)]
         self._numel = {g.index: g.shard for g in groups}
@@ -550,7 +572,7 @@ class ParamStore:
     @torch.no_grad()
     def store(self, g: FlatGroup, master: torch.Tensor) -> None:
         """Keep group ``g``'s shard: ``master`` (fp32, any device) cast to the compute dtype."""
-        if self.tier == "cpu":
+        if self.tier == OffloadTier.CPU:
             if g.index not in self._shards:
                 self._shards[g.index] = host_empty(g.shard, self.dtype, self.device)
             self._shards[g.index].copy_(master)
@@ -578,7 +600,7 @@ class ParamStore:
     @torch.no_grad()
     def fetch(self, g: FlatGroup) -> torch.Tensor:
         """A device tensor holding group ``g``'s compute-dtype shard (a copy the caller owns)."""
-        if self.tier == "cpu":
+        if self.tier == OffloadTier.CPU:
             with copy_part(self.device):
                 return self._shards[g.index].to(self.device, copy=True, non_blocking=True)
         if g.index not in self._held:  # not predicted: make room and read it now
@@ -630,30 +652,19 @@ class Offload:
         self,
         config: OffloadConfig,
         groups: Sequence[FlatGroup],
-        stage: int,
-        dtype: torch.dtype,
+        sharding: ShardingConfig,
         device: torch.device,
         rank: int,
-        delayed: bool = False,
     ):
-        config.check(stage)
-        if delayed and config.optimizer == "none":
-            raise OffloadError(
-                "the delayed update (--delayed-update) overlaps the CPU optimizer step with the next "
-                "step's forward and backward: it needs a plan that offloads the optimizer state "
-                "(offload.optimizer cpu or nvme)"
-            )
-        self.config, self.stage, self.dtype, self.delayed = config, stage, dtype, delayed
+        config.check(sharding.zero_stage)
+        self.config, self.stage, self.dtype = config, sharding.zero_stage, sharding.param_dtype
+        self.delayed = config.delayed_update
         self.opt = (
-            OptimizerStore(config.optimizer, groups, device, config.nvme_path, rank, delayed, dtype)
-            if config.optimizer != "none"
-            else None
+            OptimizerStore(config, groups, device, self.dtype, rank) if config.optimizer != OffloadTier.NONE else None
         )
         """The optimizer state's store (None: on the device)."""
         self.params = (
-            ParamStore(config.params, groups, dtype, device, config.nvme_path, rank)
-            if config.params != "none"
-            else None
+            ParamStore(config, groups, self.dtype, device, rank) if config.params != OffloadTier.NONE else None
         )
         """The ZeRO-3 parameter shards' store (None: gathered from the device)."""
 
