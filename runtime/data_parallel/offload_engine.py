@@ -207,34 +207,34 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous host tensor's memory (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("NVMe transfers need contiguous host tensors")
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    n = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * n).from_address(tensor.data_ptr())).cast("B")
 
 
 #: ``rank<r>`` folders this process created: removed when their last store file goes.
 _CREATED: set[str] = set()
 
 
-def _reserve(fd: int, nbytes: int) -> None:
+def _reserve(descriptor: int, nbytes: int) -> None:
     """Allocate the file's blocks now, so that a disk too small fails at set-up, not mid-run
     (a sparse file where the file system cannot preallocate)."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(descriptor, 0, nbytes)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        os.ftruncate(fd, nbytes)
+        os.ftruncate(descriptor, nbytes)
 
 
-def _remove(fd: int, path: str) -> None:
+def _remove(descriptor: int, path: str) -> None:
     """Close and delete one store file, and its rank folder when this process made it and it is
     now empty."""
     with contextlib.suppress(OSError):
-        os.close(fd)
+        os.close(descriptor)
     with contextlib.suppress(OSError):
         os.unlink(path)
     folder = os.path.dirname(path)
@@ -255,48 +255,48 @@ class NvmeFile:
             if not os.path.isdir(folder):
                 os.makedirs(folder)
                 _CREATED.add(folder)
-            fd, self.path = tempfile.mkstemp(prefix=f"{kind}-", suffix=".bin", dir=folder)
+            descriptor, self.path = tempfile.mkstemp(prefix=f"{kind}-", suffix=".bin", dir=folder)
         except OSError as e:
             raise OffloadError(
                 f"cannot create the NVMe tier's {kind} file in {folder} ({e}); check --nvme-path (a writable folder)"
             ) from None
         try:
-            _reserve(fd, nbytes)
+            _reserve(descriptor, nbytes)
         except OSError as e:
-            _remove(fd, self.path)
+            _remove(descriptor, self.path)
             raise OffloadError(
                 f"cannot reserve {nbytes / 2**20:.1f} MiB for the NVMe tier's {kind} file in "
                 f"{folder} ({e}); free space there or point --nvme-path at a larger disk"
             ) from None
-        self.fd, self.nbytes = fd, nbytes
+        self.fd, self.nbytes = descriptor, nbytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvme-{kind}")
-        self._cleanup = weakref.finalize(self, _remove, fd, self.path)
+        self._cleanup = weakref.finalize(self, _remove, descriptor, self.path)
 
-    def _pread(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
+    def _pread(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
         if before is not None:
             before()
-        view, done = _bytes_view(t), 0
+        view, done = _bytes_view(tensor), 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
             if n <= 0:
                 raise OSError(f"short read of {self.path} at byte {offset + done}")
             done += n
 
-    def _pwrite(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
+    def _pwrite(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
         if before is not None:
             before()
-        view, done = _bytes_view(t), 0
+        view, done = _bytes_view(tensor), 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
 
-    def read(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
-        """Queue: fill host tensor ``t`` from byte ``offset`` (after ``before()``, e.g. waiting for a
-        device copy that still reads ``t``)."""
-        return self._pool.submit(self._pread, t, offset, before)
+    def read(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
+        """Queue: fill host tensor ``tensor`` from byte ``offset`` (after ``before()``, e.g. waiting for a
+        device copy that still reads ``tensor``)."""
+        return self._pool.submit(self._pread, tensor, offset, before)
 
-    def write(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
-        """Queue: store host tensor ``t`` at byte ``offset``."""
-        return self._pool.submit(self._pwrite, t, offset, before)
+    def write(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
+        """Queue: store host tensor ``tensor`` at byte ``offset``."""
+        return self._pool.submit(self._pwrite, tensor, offset, before)
 
     def close(self) -> None:
         """Finish queued transfers, then delete the file."""
@@ -324,9 +324,9 @@ def _device_event(device: torch.device):
     """An event recorded on the current CUDA stream (None on a CPU rank)."""
     if device.type != "cuda":
         return None
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class OptimizerStore:
@@ -350,11 +350,15 @@ class OptimizerStore:
         if tier not in (OffloadTier.CPU, OffloadTier.NVME):
             raise OffloadError(f"optimizer store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.device = tier, device
-        self._grads = {g.index: host_empty(g.shard, torch.float32, device).zero_() for g in groups}
+        self._grads = {group.index: host_empty(group.shard, torch.float32, device).zero_() for group in groups}
         # Delayed update: a second set of gradient shards (the next backward fills one while the
         # CPU steps with the other), the updated shards in the compute dtype, the CPU step's thread.
-        self._spare = {g.index: torch.zeros_like(t) for g, t in zip(groups, self._grads.values())} if delayed else {}
-        self._staged = {g.index: host_empty(g.shard, dtype, device) for g in groups} if delayed else {}
+        self._spare = (
+            {group.index: torch.zeros_like(tensor) for group, tensor in zip(groups, self._grads.values())}
+            if delayed
+            else {}
+        )
+        self._staged = {group.index: host_empty(group.shard, dtype, device) for group in groups} if delayed else {}
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-adamw") if delayed else None
         self._pending: Future | None = None
         self._fresh = dict.fromkeys(self._grads, True)  # no flush yet this step: the next one copies
@@ -365,61 +369,61 @@ class OptimizerStore:
         self._offset: dict[int, int] = {}
         if tier == OffloadTier.NVME:
             off = 0
-            for g in groups:
-                self._offset[g.index] = off
-                off += 3 * g.shard * 4
+            for group in groups:
+                self._offset[group.index] = off
+                off += 3 * group.shard * 4
             self._file = NvmeFile(_folder(config), rank, "optimizer", off)
-            biggest = max(g.shard for g in groups)
+            biggest = max(group.shard for group in groups)
             self._slots = [host_empty(3 * biggest, torch.float32, device) for _ in range(2)]
 
     # -- set-up and access ------------------------------------------------------------------
     @torch.no_grad()
-    def adopt(self, g: FlatGroup, master: torch.Tensor) -> None:
-        """Take group ``g``'s initial fp32 master shard; its moments start at 0."""
+    def adopt(self, group: FlatGroup, master: torch.Tensor) -> None:
+        """Take ``group``'s initial fp32 master shard; its moments start at 0."""
         if self.tier == OffloadTier.CPU:
-            g.master = host_empty(g.shard, torch.float32, self.device).copy_(master)
-            g.exp_avg = torch.zeros_like(g.master)
-            g.exp_avg_sq = torch.zeros_like(g.master)
+            group.master = host_empty(group.shard, torch.float32, self.device).copy_(master)
+            group.exp_avg = torch.zeros_like(group.master)
+            group.exp_avg_sq = torch.zeros_like(group.master)
             return
-        slot = self._slots[0][: 3 * g.shard]
+        slot = self._slots[0][: 3 * group.shard]
         slot.zero_()
-        slot[: g.shard].copy_(master)
-        self._file.write(slot, self._offset[g.index]).result()
-        g.master = g.exp_avg = g.exp_avg_sq = None
+        slot[: group.shard].copy_(master)
+        self._file.write(slot, self._offset[group.index]).result()
+        group.master = group.exp_avg = group.exp_avg_sq = None
 
-    def _views(self, slot: torch.Tensor, g: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = g.shard
-        return slot[:s], slot[s : 2 * s], slot[2 * s : 3 * s]
+    def _views(self, slot: torch.Tensor, group: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size = group.shard
+        return slot[:size], slot[size : 2 * size], slot[2 * size : 3 * size]
 
     @contextlib.contextmanager
-    def open_group(self, g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
-        """``(master, exp_avg, exp_avg_sq)`` of group ``g`` for the body (checkpoints, reads of the
+    def open_group(self, group: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+        """``(master, exp_avg, exp_avg_sq)`` of ``group`` for the body (checkpoints, reads of the
         masters); with ``write=True`` what the body changed is stored back. Blocking."""
         if self.tier == OffloadTier.CPU:
-            yield g.master, g.exp_avg, g.exp_avg_sq
+            yield group.master, group.exp_avg, group.exp_avg_sq
             return
-        slot, off = self._slots[0][: 3 * g.shard], self._offset[g.index]
+        slot, off = self._slots[0][: 3 * group.shard], self._offset[group.index]
         _wait(self._file.read(slot, off))
-        yield self._views(slot, g)
+        yield self._views(slot, group)
         if write:
             _wait(self._file.write(slot, off))
 
     # -- gradients ------------------------------------------------------------------------------
-    def grad(self, g: FlatGroup) -> torch.Tensor:
-        """Group ``g``'s reduced fp32 gradient shard in host memory (after ``wait_grads``)."""
-        return self._grads[g.index]
+    def grad(self, group: FlatGroup) -> torch.Tensor:
+        """``group``'s reduced fp32 gradient shard in host memory (after ``wait_grads``)."""
+        return self._grads[group.index]
 
     @torch.no_grad()
-    def flush_grad(self, g: FlatGroup, src: torch.Tensor, overwrite: bool) -> None:
-        """Move the reduced gradient shard ``src`` (on the device) into the host buffer of ``g``:
-        a copy (asynchronous on CUDA) when it is the step's first flush of ``g`` or ``overwrite``
+    def flush_grad(self, group: FlatGroup, src: torch.Tensor, overwrite: bool) -> None:
+        """Move the reduced gradient shard ``src`` (on the device) into the host buffer of ``group``:
+        a copy (asynchronous on CUDA) when it is the step's first flush of ``group`` or ``overwrite``
         (``src`` holds the whole gradient), else added to what is there."""
-        host = self._grads[g.index]
-        if not (overwrite or self._fresh[g.index]):
+        host = self._grads[group.index]
+        if not (overwrite or self._fresh[group.index]):
             with timing.part("offload"):
                 host.add_(src.to("cpu", torch.float32))
             return
-        self._fresh[g.index] = False
+        self._fresh[group.index] = False
         if self._copy_stream is None:
             with timing.part("offload"):
                 host.copy_(src)
@@ -450,45 +454,45 @@ class OptimizerStore:
         fn: Callable[[FlatGroup, torch.Tensor, torch.Tensor, torch.Tensor], object],
         timed: bool = True,
     ) -> list:
-        """Call ``fn(g, master, exp_avg, exp_avg_sq)`` for every group in order (the CPU AdamW step
+        """Call ``fn(group, master, exp_avg, exp_avg_sq)`` for every group in order (the CPU AdamW step
         and the copy of the result to the device); their results. With ``nvme`` the groups stream
         through the two slots (module docstring): read ``i + 1`` while ``i`` updates, write ``i``
         back while ``i + 1`` updates. ``timed=False``: waits are not timed (a background thread)."""
         if self.tier == OffloadTier.CPU:
-            return [fn(g, g.master, g.exp_avg, g.exp_avg_sq) for g in groups]
+            return [fn(group, group.master, group.exp_avg, group.exp_avg_sq) for group in groups]
         reads: dict[int, Future] = {}
         writes: list[Future] = []
 
         def fetch(i: int, before=None) -> None:
             if i < len(groups):
-                g = groups[i]
-                reads[i] = self._file.read(self._slots[i % 2][: 3 * g.shard], self._offset[g.index], before)
+                group = groups[i]
+                reads[i] = self._file.read(self._slots[i % 2][: 3 * group.shard], self._offset[group.index], before)
 
         fetch(0)
         fetch(1)
         out = []
-        for i, g in enumerate(groups):
+        for i, group in enumerate(groups):
             _wait(reads.pop(i), timed)
-            slot = self._slots[i % 2][: 3 * g.shard]
-            out.append(fn(g, *self._views(slot, g)))
-            ev = _device_event(self.device)  # the device copy of the master still reads the slot
-            writes.append(self._file.write(slot, self._offset[g.index]))
-            fetch(i + 2, before=ev.synchronize if ev is not None else None)
-        for w in writes:
-            _wait(w, timed)
+            slot = self._slots[i % 2][: 3 * group.shard]
+            out.append(fn(group, *self._views(slot, group)))
+            event = _device_event(self.device)  # the device copy of the master still reads the slot
+            writes.append(self._file.write(slot, self._offset[group.index]))
+            fetch(i + 2, before=event.synchronize if event is not None else None)
+        for pending in writes:
+            _wait(pending, timed)
         return out
 
     # -- the delayed update ---------------------------------------------------------------------------
     def start_update(self, groups: Sequence[FlatGroup], fn: Callable[..., None]) -> None:
-        """Run the step in the background: ``fn(g, master, exp_avg, exp_avg_sq, grad)`` per group on
+        """Run the step in the background: ``fn(group, master, exp_avg, exp_avg_sq, grad)`` per group on
         this step's gradient shards, each updated master kept in the compute dtype for
         ``finish_update``. The next backward flushes into the other set of gradient shards."""
         grads = self._grads
         self._grads, self._spare = self._spare, self._grads
 
-        def one(g: FlatGroup, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-            fn(g, master, exp_avg, exp_avg_sq, grads[g.index])
-            self._staged[g.index].copy_(master)
+        def one(group: FlatGroup, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+            fn(group, master, exp_avg, exp_avg_sq, grads[group.index])
+            self._staged[group.index].copy_(master)
 
         def work() -> None:
             with torch.no_grad():  # grad mode is per thread
@@ -497,13 +501,13 @@ class OptimizerStore:
         self._pending = self._cpu.submit(work)
 
     def finish_update(self, groups: Sequence[FlatGroup], publish: Callable[[FlatGroup, torch.Tensor], object]) -> list:
-        """Wait for the background step, if one runs, and ``publish(g, updated shard)`` each group;
+        """Wait for the background step, if one runs, and ``publish(group, updated shard)`` each group;
         the results (collective handles). Nothing to do: an empty list."""
         if self._pending is None:
             return []
         fut, self._pending = self._pending, None
         fut.result()
-        return [publish(g, self._staged[g.index]) for g in groups]
+        return [publish(group, self._staged[group.index]) for group in groups]
 
     # -- accounting ---------------------------------------------------------------------------------
     def host_tensors(self) -> list[torch.Tensor]:
@@ -515,7 +519,7 @@ class OptimizerStore:
         """The cpu tier's resident masters and moments (empty for nvme)."""
         if self.tier != OffloadTier.CPU:
             return []
-        return [t for g in groups for t in (g.master, g.exp_avg, g.exp_avg_sq)]
+        return [tensor for group in groups for tensor in (group.master, group.exp_avg, group.exp_avg_sq)]
 
     @property
     def nvme_bytes(self) -> int:
@@ -533,8 +537,8 @@ class OptimizerStore:
 class ParamStore:
     """ZeRO-3 compute-dtype parameter shards off the device (parameter offload).
 
-    ``fetch(g)`` returns a fresh device tensor with group ``g``'s shard, the source of its
-    all-gather (freed with the gather); ``store(g, master)`` writes the updated shard back after
+    ``fetch(group)`` returns a fresh device tensor with ``group``'s shard, the source of its
+    all-gather (freed with the gather); ``store(group, master)`` writes the updated shard back after
     the optimizer step. ``cpu``: one host shard per group; ``nvme``: a file and two slots read
     ahead in the previous step's fetch order.
     """
@@ -561,27 +565,27 @@ class ParamStore:
         self._seen: list[int] = []  # fetches of this step
         if tier == OffloadTier.NVME:
             off = 0
-            for g in groups:
-                self._offset[g.index] = off
-                off += g.shard * self._esize
+            for group in groups:
+                self._offset[group.index] = off
+                off += group.shard * self._esize
             self._file = NvmeFile(_folder(config), rank, "params", off)
-            biggest = max(g.shard for g in groups)
+            biggest = max(group.shard for group in groups)
             self._slots = [host_empty(biggest, dtype, device) for _ in range(2)]
-        self._numel = {g.index: g.shard for g in groups}
+        self._numel = {group.index: group.shard for group in groups}
 
     @torch.no_grad()
-    def store(self, g: FlatGroup, master: torch.Tensor) -> None:
-        """Keep group ``g``'s shard: ``master`` (fp32, any device) cast to the compute dtype."""
+    def store(self, group: FlatGroup, master: torch.Tensor) -> None:
+        """Keep ``group``'s shard: ``master`` (fp32, any device) cast to the compute dtype."""
         if self.tier == OffloadTier.CPU:
-            if g.index not in self._shards:
-                self._shards[g.index] = host_empty(g.shard, self.dtype, self.device)
-            self._shards[g.index].copy_(master)
+            if group.index not in self._shards:
+                self._shards[group.index] = host_empty(group.shard, self.dtype, self.device)
+            self._shards[group.index].copy_(master)
             return
         for index in list(self._held):  # slot 0 stages the write: no read may be filling it
             self._drop(index)
-        slot = self._slots[0][: g.shard]
+        slot = self._slots[0][: group.shard]
         slot.copy_(master)
-        _wait(self._file.write(slot, self._offset[g.index]))
+        _wait(self._file.write(slot, self._offset[group.index]))
 
     def _drop(self, index: int) -> None:
         held = self._held.pop(index, None)
@@ -592,26 +596,26 @@ class ParamStore:
         """Start reading group ``index`` into a slot not held by another group's pending use."""
         if index in self._held or len(self._held) >= len(self._slots):
             return
-        busy = {s for s, _ in self._held.values()}
-        slot = next(s for s in range(len(self._slots)) if s not in busy)
+        busy = {slot for slot, _ in self._held.values()}
+        slot = next(candidate for candidate in range(len(self._slots)) if candidate not in busy)
         buf = self._slots[slot][: self._numel[index]]
         self._held[index] = (slot, self._file.read(buf, self._offset[index]))
 
     @torch.no_grad()
-    def fetch(self, g: FlatGroup) -> torch.Tensor:
-        """A device tensor holding group ``g``'s compute-dtype shard (a copy the caller owns)."""
+    def fetch(self, group: FlatGroup) -> torch.Tensor:
+        """A device tensor holding ``group``'s compute-dtype shard (a copy the caller owns)."""
         if self.tier == OffloadTier.CPU:
             with copy_part(self.device):
-                return self._shards[g.index].to(self.device, copy=True, non_blocking=True)
-        if g.index not in self._held:  # not predicted: make room and read it now
+                return self._shards[group.index].to(self.device, copy=True, non_blocking=True)
+        if group.index not in self._held:  # not predicted: make room and read it now
             for index in list(self._held):
                 self._drop(index)
-            self._read_ahead(g.index)
-        slot, fut = self._held.pop(g.index)
+            self._read_ahead(group.index)
+        slot, fut = self._held.pop(group.index)
         _wait(fut)
         with timing.part("offload"):
-            out = self._slots[slot][: g.shard].to(self.device, copy=True)
-        self._seen.append(g.index)
+            out = self._slots[slot][: group.shard].to(self.device, copy=True)
+        self._seen.append(group.index)
         k = len(self._seen)
         if self._order[:k] == self._seen:
             for nxt in self._order[k : k + len(self._slots)]:
@@ -669,61 +673,63 @@ class Offload:
         """The ZeRO-3 parameter shards' store (None: gathered from the device)."""
 
     @torch.no_grad()
-    def place(self, g: FlatGroup, master: torch.Tensor) -> None:
-        """Put group ``g``'s master (initially ``master``, fp32) and AdamW moments on their tier; at
+    def place(self, group: FlatGroup, master: torch.Tensor) -> None:
+        """Put ``group``'s master (initially ``master``, fp32) and AdamW moments on their tier; at
         ZeRO-3 also the compute-dtype shard gathers start from when that is not the device master:
         in the parameter store, or a device copy when only the optimizer state left the device."""
         if self.opt is None:
-            g.exp_avg = torch.zeros_like(g.master)
-            g.exp_avg_sq = torch.zeros_like(g.master)
+            group.exp_avg = torch.zeros_like(group.master)
+            group.exp_avg_sq = torch.zeros_like(group.master)
         else:
-            self.opt.adopt(g, master)
+            self.opt.adopt(group, master)
         if self.stage == 3 and self.params is not None:
-            self.params.store(g, master)
+            self.params.store(group, master)
         elif self.stage == 3 and self.opt is not None:
-            g.param_shard = master.to(self.dtype, copy=True)
+            group.param_shard = master.to(self.dtype, copy=True)
 
-    def access(self, g: FlatGroup, write: bool = False):
-        """``(master, exp_avg, exp_avg_sq)`` of ``g`` for a ``with`` body, wherever they live
+    def access(self, group: FlatGroup, write: bool = False):
+        """``(master, exp_avg, exp_avg_sq)`` of ``group`` for a ``with`` body, wherever they live
         (a ``runtime.data_parallel.flat_shards.GroupAccess``)."""
-        return self.opt.open_group(g, write) if self.opt is not None else resident_access(g, write)
+        return self.opt.open_group(group, write) if self.opt is not None else resident_access(group, write)
 
-    def flush_grad(self, g: FlatGroup, dp_rank: int) -> None:
-        """Group ``g``'s reduction is complete: copy (ZeRO-1: this rank's shard of the all-reduced
+    def flush_grad(self, group: FlatGroup, dp_rank: int) -> None:
+        """``group``'s reduction is complete: copy (ZeRO-1: this rank's shard of the all-reduced
         buffer) or move (ZeRO-2/3: the fp32 accumulator, released here) its reduced gradient into
         the host tier."""
         if self.stage >= 2:
-            acc = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard, device=self.opt.device)
-            self.opt.flush_grad(g, acc, overwrite=False)
-            g.grad_shard = None
+            acc = group.grad_shard if group.grad_shard is not None else torch.zeros(group.shard, device=self.opt.device)
+            self.opt.flush_grad(group, acc, overwrite=False)
+            group.grad_shard = None
         else:
-            self.opt.flush_grad(g, g.grad_full[dp_rank * g.shard : (dp_rank + 1) * g.shard], overwrite=True)
-        g.flushed = True
+            self.opt.flush_grad(
+                group, group.grad_full[dp_rank * group.shard : (dp_rank + 1) * group.shard], overwrite=True
+            )
+        group.flushed = True
 
     def flush_all(self, groups: Sequence[FlatGroup], dp_rank: int) -> None:
         """In ``step()``: flush what backward did not (tied weights after their sum over stages, the
         last reductions) and wait until every gradient is in host memory."""
-        for g in groups:
-            if not g.flushed:
-                self.flush_grad(g, dp_rank)
+        for group in groups:
+            if not group.flushed:
+                self.flush_grad(group, dp_rank)
         self.opt.wait_grads()
 
-    def shard_source(self, g: FlatGroup) -> torch.Tensor:
-        """This rank's shard of ``g`` that a ZeRO-3 gather starts from: a device copy fetched from
+    def shard_source(self, group: FlatGroup) -> torch.Tensor:
+        """This rank's shard of ``group`` that a ZeRO-3 gather starts from: a device copy fetched from
         the parameter store, the device shard kept when only the optimizer state is offloaded, or
         the fp32 master."""
         if self.params is not None:
-            return self.params.fetch(g)
-        return g.param_shard if g.param_shard is not None else g.master
+            return self.params.fetch(group)
+        return group.param_shard if group.param_shard is not None else group.master
 
     @torch.no_grad()
-    def store_shard(self, g: FlatGroup, master: torch.Tensor) -> None:
+    def store_shard(self, group: FlatGroup, master: torch.Tensor) -> None:
         """After the step (ZeRO-3): the updated ``master`` becomes the shard the next gathers read."""
         if self.params is not None:
-            self.params.store(g, master)
-        elif g.param_shard is not None:
-            with copy_part(g.param_shard.device):
-                g.param_shard.copy_(master, non_blocking=True)
+            self.params.store(group, master)
+        elif group.param_shard is not None:
+            with copy_part(group.param_shard.device):
+                group.param_shard.copy_(master, non_blocking=True)
 
     def new_step(self) -> None:
         """``zero_grad``: host gradients start over; the next step's first parameter reads start."""
@@ -733,16 +739,16 @@ class Offload:
             self.params.end_step()
 
     def host_tensors(self, groups: Sequence[FlatGroup]) -> list[torch.Tensor]:
-        ts: list[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
         if self.opt is not None:
-            ts += self.opt.host_tensors() + self.opt.host_state(groups)
+            tensors += self.opt.host_tensors() + self.opt.host_state(groups)
         if self.params is not None:
-            ts += self.params.host_tensors()
-        return ts
+            tensors += self.params.host_tensors()
+        return tensors
 
     @property
     def nvme_bytes(self) -> int:
-        return sum(s.nvme_bytes for s in (self.opt, self.params) if s is not None)
+        return sum(store.nvme_bytes for store in (self.opt, self.params) if store is not None)
 
     def close(self) -> None:
         """Delete the NVMe files (idempotent)."""
