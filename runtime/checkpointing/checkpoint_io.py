@@ -142,12 +142,12 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
     """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
     tp 0) rank; else None. ``params``: ``runtime.stages.compiled_stages.rank_params``."""
     local = engine.state_dict()
-    if local["num_shards"] == 1:  # ZeRO-0: every dp rank holds the full state already
-        gathered = [local]
-    else:
+    gathered: list | None = [local]  # ZeRO-0: every dp rank holds the full state already
+    if local["num_shards"] != 1:
         gathered = _gather_to(local, mesh.dp_group, mesh.dp_ranks[0])
     if mesh.dp_index != 0:
         return None
+    assert gathered is not None  # dp index 0 is the gather's destination
     full = consolidate_shards(gathered)
     per_attr: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
     for group_index, grp in enumerate(full["groups"]):
@@ -162,6 +162,7 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
     pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
     if mesh.tp_index != 0:
         return None
+    assert pieces is not None  # tp index 0 is the gather's destination
     out: dict[str, torch.Tensor] = {}
     for attr, (index, entry) in params.items():
         if not entry.get("trainable", True):
@@ -225,6 +226,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         )
     all_shapes = _gather_to((shapes, step_count), None, 0)
     if rank == 0:
+        assert all_shapes is not None  # rank 0 is the gather's destination
         merged, counts = {}, set()
         for shapes_of_rank, count in all_shapes:
             merged.update(shapes_of_rank)
@@ -299,15 +301,15 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     layout = engine.state_layout()  # no tensors: an offloaded state is not read for its layout
     full = dict(layout)
     full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]), loss_scaler=meta.get("loss_scaler"))
-    by_attr = {name: e for name, (_, e) in params.items()}
+    by_attr = {name: entry for name, (_, entry) in params.items()}
     for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
         flats = []
         for grp in layout["groups"]:
             parts = []
             for name in grp["names"]:
-                e = by_attr[name]
-                tensor = want[f"{kind}/{e['fqn']}"]
-                shard = TensorShard.from_dict(e.get("shard"))
+                entry = by_attr[name]
+                tensor = want[f"{kind}/{entry['fqn']}"]
+                shard = TensorShard.from_dict(entry.get("shard"))
                 parts.append((tensor if shard is None else shard.cut(tensor, mesh.tp_index, mesh.tp)).reshape(-1))
             flats.append(torch.cat(parts) if parts else torch.zeros(0))
         full[key] = flats

@@ -7,7 +7,7 @@ the optimizer state and parameter shards live is ``offload_engine.OffloadConfig`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -91,17 +91,17 @@ class ParallelContext:
     """The engine's stage among the ranks beyond its data-parallel group (tensor and pipeline
     parallel), which share one gradient norm, one overflow decision and tied weights."""
 
-    norm_groups: Sequence[object] = ()
+    norm_groups: Sequence[Any] = ()
     """Process groups whose ranks hold other parts of the model; squared norms and the overflow
     flag are summed over them (``None`` entries and groups of one rank are skipped)."""
     replicated_param_filter: Callable[[str], bool] | None = None
     """``name -> bool``; True for parameters duplicated on every rank of ``replicated_group`` (e.g.
     LayerNorm weights under tensor parallelism): they count once in the gradient norm, on rank 0
     of that group only."""
-    replicated_group: object = None
+    replicated_group: Any = None
     """The group those parameters are duplicated across (default: the tensor-parallel group of
     ``runtime.distributed.mesh.get_mesh()``)."""
-    tied: Mapping[str, tuple[object, bool]] = field(default_factory=dict)
+    tied: Mapping[str, tuple[Any, bool]] = field(default_factory=dict)
     """``name -> (group, counted)`` for parameters tied across pipeline stages
     (``runtime.data_parallel.tied_weights``): each forms a group of its own in ``layers``; after the
     dp reduction its gradient is summed over ``group``, and it counts in the norm only where ``counted``."""

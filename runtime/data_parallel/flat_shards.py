@@ -71,6 +71,7 @@ __all__ = [
     "import_state",
     "state_layout",
     "resident_access",
+    "resident_state",
     "GroupAccess",
 ]
 
@@ -169,8 +170,8 @@ def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: 
                     layers.append(names)
     seen: dict[int, str] = {}
     groups = []
-    for group_index, names in enumerate(layers):
-        names = list(names)
+    for group_index, layer in enumerate(layers):
+        names = list(layer)
         if not names:
             raise ZeroError(f"layer group {group_index} is empty; drop it or give it parameter names")
         entries, offset = [], 0
@@ -454,10 +455,18 @@ group for its body (stored back after it when ``write``); ``runtime.data_paralle
 through one. The default reads the group's own tensors."""
 
 
+def resident_state(group: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(master, exp_avg, exp_avg_sq)`` held in the group's own tensors (device or cpu tier)."""
+    master, exp_avg, exp_avg_sq = group.master, group.exp_avg, group.exp_avg_sq
+    if master is None or exp_avg is None or exp_avg_sq is None:
+        raise ZeroError(f"parameter group {group.index} holds no optimizer state in its own tensors")
+    return master, exp_avg, exp_avg_sq
+
+
 @contextlib.contextmanager
 def resident_access(group: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
     """The ``GroupAccess`` of state held in the group's own tensors."""
-    yield group.master, group.exp_avg, group.exp_avg_sq
+    yield resident_state(group)
 
 
 def state_layout(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int) -> dict:

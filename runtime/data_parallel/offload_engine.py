@@ -99,7 +99,7 @@ from runtime import timing
 from runtime.contract.choices import OffloadTier, names
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import ShardingConfig
-from runtime.data_parallel.flat_shards import FlatGroup, resident_access
+from runtime.data_parallel.flat_shards import FlatGroup, resident_access, resident_state
 
 __all__ = [
     "TIERS",
@@ -200,6 +200,13 @@ def _folder(config: OffloadConfig) -> str:
     if not config.nvme_path:
         raise OffloadError("the NVMe tier needs a folder: pass --nvme-path DIR")
     return config.nvme_path
+
+
+def _nvme(file: NvmeFile | None) -> NvmeFile:
+    """A store's NVMe file (its tier is ``nvme``)."""
+    if file is None:
+        raise OffloadError("this store keeps its state in host memory, not in an NVMe file")
+    return file
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -363,7 +370,7 @@ class OptimizerStore:
         self._pending: Future | None = None
         self._fresh = dict.fromkeys(self._grads, True)  # no flush yet this step: the next one copies
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._grad_event = None
+        self._grad_event: torch.cuda.Event | None = None
         self._file: NvmeFile | None = None
         self._slots: list[torch.Tensor] = []
         self._offset: dict[int, int] = {}
@@ -388,7 +395,7 @@ class OptimizerStore:
         slot = self._slots[0][: 3 * group.shard]
         slot.zero_()
         slot[: group.shard].copy_(master)
-        self._file.write(slot, self._offset[group.index]).result()
+        _nvme(self._file).write(slot, self._offset[group.index]).result()
         group.master = group.exp_avg = group.exp_avg_sq = None
 
     def _views(self, slot: torch.Tensor, group: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -400,13 +407,13 @@ class OptimizerStore:
         """``(master, exp_avg, exp_avg_sq)`` of ``group`` for the body (checkpoints, reads of the
         masters); with ``write=True`` what the body changed is stored back. Blocking."""
         if self.tier == OffloadTier.CPU:
-            yield group.master, group.exp_avg, group.exp_avg_sq
+            yield resident_state(group)
             return
         slot, off = self._slots[0][: 3 * group.shard], self._offset[group.index]
-        _wait(self._file.read(slot, off))
+        _wait(_nvme(self._file).read(slot, off))
         yield self._views(slot, group)
         if write:
-            _wait(self._file.write(slot, off))
+            _wait(_nvme(self._file).write(slot, off))
 
     # -- gradients ------------------------------------------------------------------------------
     def grad(self, group: FlatGroup) -> torch.Tensor:
@@ -459,14 +466,16 @@ class OptimizerStore:
         through the two slots (module docstring): read ``i + 1`` while ``i`` updates, write ``i``
         back while ``i + 1`` updates. ``timed=False``: waits are not timed (a background thread)."""
         if self.tier == OffloadTier.CPU:
-            return [fn(group, group.master, group.exp_avg, group.exp_avg_sq) for group in groups]
+            return [fn(group, *resident_state(group)) for group in groups]
         reads: dict[int, Future] = {}
         writes: list[Future] = []
 
         def fetch(i: int, before=None) -> None:
             if i < len(groups):
                 group = groups[i]
-                reads[i] = self._file.read(self._slots[i % 2][: 3 * group.shard], self._offset[group.index], before)
+                reads[i] = _nvme(self._file).read(
+                    self._slots[i % 2][: 3 * group.shard], self._offset[group.index], before
+                )
 
         fetch(0)
         fetch(1)
@@ -476,7 +485,7 @@ class OptimizerStore:
             slot = self._slots[i % 2][: 3 * group.shard]
             out.append(fn(group, *self._views(slot, group)))
             event = _device_event(self.device)  # the device copy of the master still reads the slot
-            writes.append(self._file.write(slot, self._offset[group.index]))
+            writes.append(_nvme(self._file).write(slot, self._offset[group.index]))
             fetch(i + 2, before=event.synchronize if event is not None else None)
         for pending in writes:
             _wait(pending, timed)
@@ -498,6 +507,7 @@ class OptimizerStore:
             with torch.no_grad():  # grad mode is per thread
                 self.update(groups, one, timed=False)
 
+        assert self._cpu is not None, "start_update needs a store made for the delayed update"
         self._pending = self._cpu.submit(work)
 
     def finish_update(self, groups: Sequence[FlatGroup], publish: Callable[[FlatGroup, torch.Tensor], object]) -> list:
@@ -519,7 +529,7 @@ class OptimizerStore:
         """The cpu tier's resident masters and moments (empty for nvme)."""
         if self.tier != OffloadTier.CPU:
             return []
-        return [tensor for group in groups for tensor in (group.master, group.exp_avg, group.exp_avg_sq)]
+        return [tensor for group in groups for tensor in resident_state(group)]
 
     @property
     def nvme_bytes(self) -> int:
@@ -585,7 +595,7 @@ class ParamStore:
             self._drop(index)
         slot = self._slots[0][: group.shard]
         slot.copy_(master)
-        _wait(self._file.write(slot, self._offset[group.index]))
+        _wait(_nvme(self._file).write(slot, self._offset[group.index]))
 
     def _drop(self, index: int) -> None:
         held = self._held.pop(index, None)
@@ -599,7 +609,7 @@ class ParamStore:
         busy = {slot for slot, _ in self._held.values()}
         slot = next(candidate for candidate in range(len(self._slots)) if candidate not in busy)
         buf = self._slots[slot][: self._numel[index]]
-        self._held[index] = (slot, self._file.read(buf, self._offset[index]))
+        self._held[index] = (slot, _nvme(self._file).read(buf, self._offset[index]))
 
     @torch.no_grad()
     def fetch(self, group: FlatGroup) -> torch.Tensor:
@@ -678,8 +688,10 @@ class Offload:
         ZeRO-3 also the compute-dtype shard gathers start from when that is not the device master:
         in the parameter store, or a device copy when only the optimizer state left the device."""
         if self.opt is None:
-            group.exp_avg = torch.zeros_like(group.master)
-            group.exp_avg_sq = torch.zeros_like(group.master)
+            resident = group.master
+            assert resident is not None  # the engine placed it
+            group.exp_avg = torch.zeros_like(resident)
+            group.exp_avg_sq = torch.zeros_like(resident)
         else:
             self.opt.adopt(group, master)
         if self.stage == 3 and self.params is not None:
@@ -692,16 +704,24 @@ class Offload:
         (a ``runtime.data_parallel.flat_shards.GroupAccess``)."""
         return self.opt.open_group(group, write) if self.opt is not None else resident_access(group, write)
 
+    def _store(self) -> OptimizerStore:
+        """The optimizer state's store (the optimizer is offloaded)."""
+        if self.opt is None:
+            raise OffloadError("the optimizer state is on the device: there is no host gradient to flush")
+        return self.opt
+
     def flush_grad(self, group: FlatGroup, dp_rank: int) -> None:
         """``group``'s reduction is complete: copy (ZeRO-1: this rank's shard of the all-reduced
         buffer) or move (ZeRO-2/3: the fp32 accumulator, released here) its reduced gradient into
         the host tier."""
         if self.stage >= 2:
-            acc = group.grad_shard if group.grad_shard is not None else torch.zeros(group.shard, device=self.opt.device)
-            self.opt.flush_grad(group, acc, overwrite=False)
+            store = self._store()
+            acc = group.grad_shard if group.grad_shard is not None else torch.zeros(group.shard, device=store.device)
+            store.flush_grad(group, acc, overwrite=False)
             group.grad_shard = None
         else:
-            self.opt.flush_grad(
+            assert group.grad_full is not None  # ZeRO-1 keeps the full gradient buffer
+            self._store().flush_grad(
                 group, group.grad_full[dp_rank * group.shard : (dp_rank + 1) * group.shard], overwrite=True
             )
         group.flushed = True
@@ -712,7 +732,7 @@ class Offload:
         for group in groups:
             if not group.flushed:
                 self.flush_grad(group, dp_rank)
-        self.opt.wait_grads()
+        self._store().wait_grads()
 
     def shard_source(self, group: FlatGroup) -> torch.Tensor:
         """This rank's shard of ``group`` that a ZeRO-3 gather starts from: a device copy fetched from
@@ -720,7 +740,9 @@ class Offload:
         the fp32 master."""
         if self.params is not None:
             return self.params.fetch(group)
-        return group.param_shard if group.param_shard is not None else group.master
+        source = group.param_shard if group.param_shard is not None else group.master
+        assert source is not None  # the fp32 master is on the device when no shard was kept
+        return source
 
     @torch.no_grad()
     def store_shard(self, group: FlatGroup, master: torch.Tensor) -> None:

@@ -316,8 +316,14 @@ class ZeroEngine(Zero3Params):
             # first backward's loss, where a language model's memory peaks.
             self._point_params(group)
             if self.stage == 3:
-                group.full.untyped_storage().resize_(0)
+                self._release_full(group)
                 group.state = FREE
+
+    @staticmethod
+    def _release_full(group: FlatGroup) -> None:
+        """Stage 3: free the storage of ``group``'s full buffer (its views stay, the gathers refill it)."""
+        assert group.full is not None
+        group.full.untyped_storage().resize_(0)
 
     def _place_flat(self, group: FlatGroup, fp32: torch.Tensor, own: slice, base: int) -> None:
         """Stages 0-2: ``group``'s views of the stage-wide buffers, filled from ``fp32``, and its master."""
@@ -346,6 +352,7 @@ class ZeroEngine(Zero3Params):
         """Sum the gradients of tied parameters over the stages that hold a copy."""
         for group, tied_group in self._tied:
             grad = shard_accumulator(group, self.device) if self.stage >= 2 else group.grad_full
+            assert grad is not None  # stages 0/1 keep the full gradient buffers
             comm.all_reduce(grad, tied_group)
 
     def _register_hooks(self) -> None:
