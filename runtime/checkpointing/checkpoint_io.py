@@ -27,9 +27,6 @@ earlier checkpoints untouched. Loading under the same plan restores RNG states t
 after a resume are bit-identical to an uninterrupted run; under another plan the weights and
 optimizer state are resharded (RNG streams then differ, which only matters with dropout).
 
-Joining shards costs one full copy of a stage's state on the writing rank: fine for the models this
-runtime trains on CPU; a DTensor-based layout would avoid it at scale.
-
 Offloaded state (``runtime.data_parallel.offload_engine``) is saved and loaded the same way: the engine's
 ``state_dict``/``load_state_dict`` reach each group's masters and moments through its store (the
 NVMe tier streams them one group at a time), and the logical format does not record where the

@@ -27,7 +27,8 @@ class ShardingConfig:
     """0, 1, 2 or 3 (the table in ``runtime.data_parallel.zero_engine``)."""
     param_dtype: torch.dtype = torch.float32
     """Compute dtype of parameters, gradients and collectives (``torch.float32``, ``torch.bfloat16``,
-    ``torch.float16``); masters and AdamW state stay fp32."""
+    ``torch.float16``); floating-point module buffers and forward inputs are cast to it; masters,
+    AdamW state and stage-2/3 gradient shards stay fp32."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Target size of one gradient reduction (consecutive groups are merged up to it, stages 0/1)."""
     prefetch: bool = True

@@ -287,7 +287,7 @@ def adamw_step_(
             param[start:end].mul_(factor)
     if _FUSED_ADAMW is not None and fused:
         # One pass over the four buffers instead of eight (torch's fused kernel, the same update:
-        # decoupled decay, bias-corrected moments); on a CPU rank the optimizer step is 6x faster.
+        # decoupled decay, bias-corrected moments).
         # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);
         # a fill, not a host-to-device copy, so the host does not wait for the queued kernels.
         steps = [torch.full((), float(step), device=param.device)]

@@ -6,6 +6,11 @@ it, each group's full gradient buffer then freed and this rank's shard added (di
 the group's fp32 accumulator. A bucket of several groups is laid out rank-major in a staging
 buffer (``[g1 shard r | g2 shard r]`` for each ``r``), one collective for all.
 
+Stages 0/1 reduce once per step; a backward after that reduction (more backwards than announced)
+is still right: the buffer then holds ``avg + g_r`` and its reduction gives ``(dp avg + sum g_r) / dp``.
+Stages 2/3 reduce-scatter on every backward outside ``no_sync()`` (inside it full gradients
+accumulate and are reduce-scattered later), so gradients cost ``4 P / dp`` plus the layers in flight.
+
 Buckets launch strictly in bucket order, so every rank issues the same collectives in the same
 order; at most ``runtime.contract.limits.REDUCTIONS_IN_FLIGHT`` reductions are pending at once
 (launching another first finishes the oldest), which bounds the gradient buffers alive together.

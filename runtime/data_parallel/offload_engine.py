@@ -3,82 +3,57 @@
 Tiers
 -----
 plan.json ``offload: {"optimizer": T, "params": T}`` places two kinds of state of each rank's ZeRO
-shard on a tier ``T`` (a plan without the key means ``none``/``none``):
+shard on a tier ``T`` (``runtime.contract.choices.OffloadTier``; no key means ``none``/``none``):
+``none`` on the device; ``cpu`` in host memory (pinned when the device is CUDA, so copies are
+asynchronous); ``nvme`` in files under ``planner train --nvme-path DIR``, host memory then holding
+only the buffers of the transfers in flight.
 
-- ``none``: on the device, as ``runtime.data_parallel.zero_engine`` always did;
-- ``cpu``: in host memory (pinned when the device is CUDA, so copies are asynchronous DMA);
-- ``nvme``: in files under ``TrainOptions.nvme_path`` (``planner train --nvme-path DIR``); host
-  memory then holds only the buffers of the transfers in flight.
-
-``optimizer`` moves the fp32 master weights and the AdamW moments of the rank's shard (``12 P /
-dp`` bytes) plus an fp32 host copy of the reduced gradient shard (``4 P / dp``, always in host
-memory, whatever the tier); the AdamW step then runs on the CPU with the same kernel
-(``runtime.data_parallel.flat_shards.adamw_step_``, torch's fused CPU AdamW), so offloaded and resident runs agree to
-rounding. It needs ZeRO 1, 2 or 3 (a sharded optimizer state). ``params`` moves the
-compute-dtype parameter shards that ZeRO-3 gathers from (``2 P / dp`` in bf16); it needs ZeRO-3.
+``optimizer`` (ZeRO 1-3) moves the fp32 masters and AdamW moments of the rank's shard (``12 P /
+dp`` bytes) plus an fp32 host copy of the reduced gradient shard (``4 P / dp``, in host memory
+whatever the tier); the device keeps its compute parameters, at ZeRO-1 the full gradient buffer,
+at 2/3 only the gradients of layers in flight. AdamW then runs on the CPU with the same kernel
+(``runtime.data_parallel.flat_shards.adamw_step_``), so offloaded and resident runs agree to
+rounding. ``params`` (ZeRO-3) moves the compute-dtype shards the gathers start from (``P b / dp``).
 ``OffloadConfig`` checks both rules and the NVMe path before any work starts.
 
 Data path of one step (optimizer offloaded)
 -------------------------------------------
-1. Backward: when a group's gradient reduction of the step's last backward completes (the
-   all-reduce of its bucket at ZeRO-1, its reduce-scatter at ZeRO-2/3), the engine hands the
+1. Backward: when a group's reduction of the step's last backward completes, the engine hands the
    reduced shard to ``OptimizerStore.flush_grad``: on CUDA a ``non_blocking`` copy on a side
-   stream into the group's pinned host buffer, overlapped with the rest of backward; on a CPU
-   rank a copy into the host-tier buffer. At ZeRO-2/3 the device accumulator is released there.
-   Tied weights flush in ``step()``, after their gradient is summed over the stages holding them.
-2. ``step()``: waits for the copies, computes the gradient norm and the overflow flag from the
-   host shards (one fp64 all-reduce as before), scales the host gradients in place.
-3. ``OptimizerStore.update`` walks the groups: AdamW on the CPU for group ``i``, then its updated
-   master is cast to the compute dtype and copied to the device (the shard the stage-1/2
-   all-gather reads, or ZeRO-3's gather source): on CUDA asynchronously from pinned memory, while
-   group ``i + 1`` updates; on a CPU rank a plain copy.
+   stream into pinned memory, overlapped with the rest of backward. Tied weights flush in
+   ``step()``, after their sum over the stages holding them.
+2. ``step()`` waits for the copies and computes the norm and overflow flag from the host shards.
+3. ``OptimizerStore.update`` walks the groups: AdamW on the CPU for group ``i``, then its master,
+   cast to the compute dtype, is copied to the device (asynchronously on CUDA) while ``i + 1``
+   updates.
 
-Delayed update (``TrainOptions.delayed_update``, off by default)
-----------------------------------------------------------------
-Step 3 runs on a background thread instead (``OptimizerStore.start_update``), on this step's
-gradient shards, while the next backward flushes into a second set; the updated masters are kept
-in the compute dtype. The next ``step()`` waits for it after its norm all-reduce and copies the
-result to the device (``finish_update``). So the CPU step of step k overlaps step k+1's forward
-and backward, and step k+1 computes with the parameters of step k-1: it changes the numerics.
-Extra host memory: ``(4 + b) P / dp`` (the second gradient set, the compute-dtype copy).
+Delayed update (``OffloadConfig.delayed_update``, off by default): step 3 runs on a background
+thread (``start_update``) on this step's gradient shards while the next backward flushes into a
+second set; the next ``step()`` waits for it after its norm all-reduce and copies the result to the
+device (``finish_update``). Step k+1 then computes with the parameters of step k-1 (it changes the
+numerics); extra host memory ``(4 + b) P / dp``.
 
 Double buffering (NVMe)
 -----------------------
-The optimizer file holds, per group, ``[master | exp_avg | exp_avg_sq]`` of its shard (fp32).
-Two host *slots*, each big enough for the largest group's three tensors, stream the step: one
-background IO thread executes reads and writes strictly in submission order, so
+The optimizer file holds, per group, ``[master | exp_avg | exp_avg_sq]`` of its shard (fp32). Two
+host *slots*, each big enough for the largest group's three tensors, stream the step through one
+IO thread that executes reads and writes strictly in submission order::
 
     read g0 -> slot A; read g1 -> slot B
     update g0 in A | IO: (g1 arriving in B)
     write g0 from A, then read g2 into A   (queued)
     update g1 in B | IO: writing g0, reading g2
-    ...
 
-group ``i`` is written back while ``i + 1`` updates, and ``i + 2`` is read into the slot ``i``
-leaves, after its write (the queue's order makes that safe without locks). Parameter shards
-(ZeRO-3, ``params: nvme``) use the same thread design: a file with each group's compute-dtype
-shard, and two slots read ahead in the order of the previous step's fetches (forward order,
-then backward's reverse), so the read of the next group overlaps the current group's gather.
-The file IO is ``os.preadv``/``os.pwrite`` on a ``ctypes`` view of the slot's memory: the
-standard library only, and the GIL is released during the transfer.
+so group ``i`` is written back while ``i + 1`` updates and ``i + 2`` is read into the slot ``i``
+leaves (the queue's order makes that safe without locks). Parameter shards (``params: nvme``) use
+the same design, two slots read ahead in the previous step's fetch order. The IO is
+``os.preadv``/``os.pwrite`` on a ``ctypes`` view of the slot (the GIL is released). Files live in
+``DIR/rank<r>/``; ``close()`` (or interpreter exit) removes them, and the folder only when this run
+created it and it is empty.
 
-Files live in ``DIR/rank<r>/`` (``r`` the global rank), created with unique names
-(``optimizer-*.bin``, ``params-*.bin``); ``close()`` (and, failing that, interpreter exit)
-removes them, and the ``rank<r>`` folder only when this run created it and it is empty: nothing
-the user had in ``DIR`` is touched.
-
-Host tier and memory metrics
-----------------------------
-The stores list their host tensors (``host_tensors``): the trainer tells the memory tracker to
-ignore those storages, so ``peak_memory_bytes`` stays device memory even on a CPU rank (where
-device and host are the same RAM), and reports ``host_bytes`` and ``nvme_bytes`` as the metrics'
-``host_memory_bytes`` and ``nvme_bytes``.
-
-Timing: every wait for a transfer (IO futures, device <-> host copies that block the host) runs
-in the ``offload`` part of ``runtime.timing``; the CPU AdamW step is ``optimizer``.
-
-CUDA: pinned buffers, the side stream and the events are written for GPUs but untested (this
-project's tests run CPU processes); the CPU path is the same code with plain host tensors.
+Accounting: the stores list their host tensors (``host_tensors``), which the memory tracker
+ignores (``peak_memory_bytes`` stays device memory) and reports as ``host_memory_bytes`` and
+``nvme_bytes``; every wait for a transfer runs in the ``offload`` part of ``runtime.timing``.
 """
 
 from __future__ import annotations

@@ -17,92 +17,43 @@ What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtyp
     2       P b (full)          P/dp shard*             4 P / dp (fp32 shard)      8 P / dp
     3       gathered per layer  4 P / dp (the shard)    4 P / dp (fp32 shard)      8 P / dp
     (* a view of the compute params when they are fp32, separate storage otherwise)
-    The fp32 gradient shards of stages 2/3 exist from a step's first reduce-scatter until
-    ``zero_grad()``, which releases them (so they are absent at the start of each forward).
 
-    offloaded (``runtime.data_parallel.offload_engine``, plan.json ``offload``; stages 1-3):
-    optimizer cpu    masters, m, v (12 P / dp) and the reduced fp32 gradient shard (4 P / dp) in
-                     host memory; the device keeps its compute params, at stage 1 the full gradient
-                     buffer, at 2/3 only the gradients of layers in flight, at 3 a compute-dtype
-                     shard (P b / dp) that the gathers start from
-    optimizer nvme   as cpu, with masters, m, v in files; host memory: the gradient shard and two
-                     transfer slots of the largest group's state
-    params cpu/nvme  (stage 3) that compute-dtype shard in host memory / a file instead, copied to
-                     the device just before each gather
+The fp32 gradient shards of stages 2/3 exist from a step's first reduce-scatter until
+``zero_grad()``. Offloaded state (stages 1-3, plan.json ``offload``) lives in host memory or NVMe
+files instead: ``runtime.data_parallel.offload_engine``.
 
 Gradients
 ---------
-Each rank's loss is the mean over its local samples; the engine *averages* gradients over dp,
-so dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward passes
-accumulate into the flat gradient buffers (``p.grad`` are views of them). A post-accumulate hook
-on every parameter counts the parameters of a group that received their gradient; when a group
-is complete its bucket may be reduced *while backward continues* (async collectives):
-
-- stage 0/1: all-reduce (sum, then divide by dp) of a *bucket* -- consecutive groups, contiguous
-  in one big gradient buffer, in backward order, about ``bucket_bytes`` each. Reduced once per
-  step: from the hooks of the last backward when ``micro_batches_per_step`` is set, else in
-  ``step()``. A backward after a reduction (more backwards than announced) is still right: the
-  buffer then holds ``avg + g_r`` and its reduction gives ``(dp avg + sum g_r) / dp``.
-- stage 2/3: reduce-scatter of each bucket on *every* backward that is not inside ``no_sync()``
-  (a per-micro-batch reduce-scatter, as FSDP does): the result is added (divided by dp) to fp32
-  shard accumulators and the full gradient buffer of the group is freed, so gradients cost
-  ``4 P / dp`` plus the layers in flight. A bucket of several groups is laid out rank-major
-  (``[g1 shard r | g2 shard r]`` for each r) in a staging buffer, one collective for all.
-  Inside ``no_sync()`` full gradients accumulate instead and are reduce-scattered later.
-  Outside backward ``p.grad`` is then ``None``: the reduced gradient lives in the shards.
-
-A parameter tied across pipeline stages (``runtime.data_parallel.tied_weights``) is a group of its own; ``step()`` sums
-its reduced gradient (stage 0/1 the full buffer, 2/3 the fp32 shard) over its tied group first.
-
-Buckets launch strictly in bucket order (a bucket whose groups finish early waits for the
-earlier buckets), so every rank issues the same collectives in the same order. The end of each
-backward (an autograd engine callback) launches what is left and waits for all of it.
+Each rank's loss is the mean over its local samples; the engine *averages* gradients over dp, so
+dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward accumulates
+into the flat gradient buffers (``p.grad`` are views of them); a post-accumulate hook per parameter
+marks a group complete, and its bucket is reduced *while backward continues*
+(``runtime.data_parallel.grad_reduction``): stage 0/1 all-reduce once per step (from the last
+backward's hooks when ``micro_batches_per_step`` is set, else in ``step()``); stage 2/3
+reduce-scatter on every backward outside ``no_sync()`` into fp32 shard accumulators, freeing the
+full gradient. A parameter tied across pipeline stages (``runtime.data_parallel.tied_weights``)
+is a group of its own, its reduced gradient summed over its tied group in ``step()``.
 
 Backward passes
 ---------------
-A backward pass is one autograd graph task, or everything inside ``with
-engine.backward_pass():`` (begun on entry, its end-of-backward work on exit). A split schedule
-(``runtime.pipeline.executor``: ``B`` input gradients, ``W`` weight gradients in one autograd call per
-group of weights) wraps each ``W`` so that a group completes and is reduced once per micro-batch,
-as under 1F1B (unwrapped, each ``W`` call was a pass: at pp2 x dp2 ZeRO-1 reduced mid-``W`` and
-again in ``step()``, ZeRO-2 issued 20 reduce-scatters per step instead of 8), and each ``B`` in
-``backward_pass(accumulates=False)``, which neither counts nor reduces. Over ``v`` model chunks
-(``roots``) a step is ``v * m`` passes, each completing one chunk's groups; buckets never span two
-roots and a pass launches its root's buckets as they complete. One norm, clip and step cover all.
+A backward pass is one autograd graph task, or everything inside ``with engine.backward_pass():``.
+A split schedule (``runtime.pipeline.executor``) wraps each ``W`` so that a group completes and is
+reduced once per micro-batch, and each ``B`` in ``backward_pass(accumulates=False)``, which neither
+counts nor reduces. Over ``v`` model chunks (``roots``) a step is ``v * m`` passes; buckets never
+span two roots. One norm, clip and step cover all.
 
 Step
 ----
-``step()``: finish reductions; sum of squared gradients over the elements this rank *owns*
-(its shard; at stage 0 only dp rank 0 counts, the gradients being replicated; parameters that
-``replicated_param_filter`` marks as duplicated across tensor-parallel ranks count only on rank 0
-of ``replicated_group``) and a non-finite flag, both in one fp64 all-reduce over dp and then over
-each of ``norm_groups``. ``N = sqrt(sum) / loss_scale`` is the global gradient norm. If any rank
-saw inf/nan, every rank skips the step (and the loss scaler backs off). Otherwise gradients are
-multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))`` and AdamW
-(``runtime.data_parallel.flat_shards.adamw_step_``) updates the fp32 masters; stage 0 copies them into the compute
-parameters, stage 1/2 all-gather the updated shards into the full flat buffers (async, overlapped
-with the next group's update), stage 3 keeps only the shard. With the optimizer offloaded the
-gradients are host shards (flushed as their reduction completes), and the update runs on the CPU
-group by group through the store (``runtime.data_parallel.offload_engine``), each result copied back to the device.
-
-ZeRO-3 parameter lifetime
--------------------------
-Gathered per layer just before use and freed after: ``runtime.data_parallel.zero3_lifetime`` (``Zero3Params``, a base
-class of ``ZeroEngine``) explains the hooks and their contract.
-
-Mixed precision
----------------
-``param_dtype`` (fp32, bf16, fp16) is the compute dtype of parameters, gradients and
-collectives; masters, AdamW state and stage-2/3 gradient shards are fp32. Floating-point module
-buffers and forward inputs are cast to ``param_dtype``. fp16 uses ``DynamicLossScaler``: call
-``scale_loss(loss).backward()`` (or multiply by ``engine.loss_scale``).
-
-State
------
-``state_dict()`` returns this rank's shards (masters, AdamW moments, step, loss scaler) with the
-layout needed to reshard them (``runtime.data_parallel.flat_shards``: ``consolidate_shards`` / ``slice_shard``);
-``load_state_dict`` takes the same layout or a consolidated one, at any dp or stage.
-``full_state_dict()`` gathers the fp32 parameters by their original names.
+``step()``: finish reductions; sum of squared gradients over the elements this rank *owns* (at
+stage 0 only dp rank 0 counts; parameters replicated across tensor-parallel ranks count on rank 0
+of their group) and a non-finite flag, in one fp64 all-reduce over dp and ``norm_groups``.
+``N = sqrt(sum) / loss_scale`` is the global norm; if any rank saw inf/nan every rank skips the
+step. Otherwise gradients are multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))``
+and AdamW (``runtime.data_parallel.flat_shards.adamw_step_``) updates the fp32 masters; stage 0
+copies them into the parameters, 1/2 all-gather the updated shards, 3 keeps only the shard (its
+per-layer gathers: ``runtime.data_parallel.zero3_lifetime``). fp16 uses ``DynamicLossScaler``:
+``scale_loss(loss).backward()``. ``state_dict()`` returns this rank's shards with the layout to
+reshard them (``runtime.data_parallel.flat_shards``), loadable at any dp or stage.
 
 Assumption: every data-parallel rank runs the same graph (same modules, same parameters receive
 gradients), as with DDP; module weights must be identical on all dp ranks at construction.
