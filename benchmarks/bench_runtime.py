@@ -12,7 +12,7 @@ zero0  ``DistributedDataParallel`` (dp=world)   compiled plan dp=world, ZeRO 0
 zero3  FSDP2: ``fully_shard`` per block + root  compiled plan dp=world, ZeRO 3
 pp     ``pipelining.Schedule1F1B`` (pp=world)   compiled plan pp=world: ``PipelineStage`` +
                                                 ``one_f_one_b``, each stage stepped by its own
-                                                ``ZeroEngine(zero_stage=0)`` with dp=1
+                                                ZeRO-0 ``ZeroEngine`` with dp=1
 ====== ======================================== =============================================
 
 Our side uses the compiled path: a ``Plan`` is written for each pair, compiled with
@@ -113,7 +113,7 @@ class BenchConfig:
     threads: int = 0
     """torch intra-op threads per process; 0: cores / world (at least 1)."""
     bucket_mb: float = 0.0
-    """Our ``ZeroEngine(bucket_bytes=...)`` in MiB; 0 keeps the engine default (what ``planner train``
+    """Our ``ShardingConfig.bucket_bytes`` in MiB; 0 keeps the engine default (what ``planner train``
     uses)."""
     memory: bool = True
     """Measure peak memory (one extra, untimed, tracked step per side in the first launch)."""
