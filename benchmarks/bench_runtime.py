@@ -12,7 +12,7 @@ zero0  ``DistributedDataParallel`` (dp=world)   compiled plan dp=world, ZeRO 0
 zero3  FSDP2: ``fully_shard`` per block + root  compiled plan dp=world, ZeRO 3
 pp     ``pipelining.Schedule1F1B`` (pp=world)   compiled plan pp=world: ``PipelineStage`` +
                                                 ``one_f_one_b``, each stage stepped by its own
-                                                ``ZeroEngine(zero_stage=0)`` with dp=1
+                                                ZeRO-0 ``ZeroEngine`` with dp=1
 ====== ======================================== =============================================
 
 Our side uses the compiled path: a ``Plan`` is written for each pair, compiled with
@@ -113,7 +113,7 @@ class BenchConfig:
     threads: int = 0
     """torch intra-op threads per process; 0: cores / world (at least 1)."""
     bucket_mb: float = 0.0
-    """Our ``ZeroEngine(bucket_bytes=...)`` in MiB; 0 keeps the engine default (what ``planner train``
+    """Our ``ShardingConfig.bucket_bytes`` in MiB; 0 keeps the engine default (what ``planner train``
     uses)."""
     memory: bool = True
     """Measure peak memory (one extra, untimed, tracked step per side in the first launch)."""
@@ -372,7 +372,7 @@ class OursSide(Side):
     def __init__(self, cfg, rank, world, compiled_dir: str, name: str):
         import runtime
         from runtime.contract.schedule_ir import one_f_one_b
-        from runtime.data_parallel.zero_engine import ZeroEngine
+        from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
         from runtime.pipeline.executor import PipelineStage, TensorMeta
         from runtime.stages.compiled_stages import (
             load_stage_module,
@@ -402,16 +402,16 @@ class OursSide(Side):
             self.module,
             layers=param_groups(self.module),
             dp_group=group if dp > 1 else None,
-            zero_stage=plan["zero_stage"],
-            param_dtype=torch.float32,
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=cfg.clip or None,
-            norm_groups=[group] if pp > 1 else [],
-            micro_batches_per_step=self.m,
-            **({"bucket_bytes": int(cfg.bucket_mb * 2**20)} if cfg.bucket_mb else {}),
+            sharding=ShardingConfig(
+                zero_stage=plan["zero_stage"],
+                param_dtype=torch.float32,
+                micro_batches_per_step=self.m,
+                **({"bucket_bytes": int(cfg.bucket_mb * 2**20)} if cfg.bucket_mb else {}),
+            ),
+            optimizer=OptimizerConfig(
+                lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip or None
+            ),
+            parallel=ParallelContext(norm_groups=[group] if pp > 1 else []),
         )
         recv = [
             TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), bool(r["requires_grad"])) for r in stage["recv"]

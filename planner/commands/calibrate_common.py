@@ -310,15 +310,17 @@ def measure_cpu_adam(num_params: int, reps: int = 3) -> float:
     moments and gradient of ``num_params`` elements, torch's intra-op threads: every core)."""
     import torch  # heavy: only the measurements need it, not the statistics the planner shares
 
+    from runtime.data_parallel.engine_config import OptimizerConfig
     from runtime.data_parallel.flat_shards import adamw_step_
 
     param = torch.randn(num_params)
     grad, m, v = torch.randn(num_params), torch.zeros(num_params), torch.zeros(num_params)
     step = [0]
+    config = OptimizerConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def run():
         step[0] += 1
-        adamw_step_(param, grad, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        adamw_step_(param, grad, m, v, step=step[0], config=config)
 
     return num_params / _lq_seconds(run, reps)
 

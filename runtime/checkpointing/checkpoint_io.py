@@ -27,9 +27,6 @@ earlier checkpoints untouched. Loading under the same plan restores RNG states t
 after a resume are bit-identical to an uninterrupted run; under another plan the weights and
 optimizer state are resharded (RNG streams then differ, which only matters with dropout).
 
-Joining shards costs one full copy of a stage's state on the writing rank: fine for the models this
-runtime trains on CPU; a DTensor-based layout would avoid it at scale.
-
 Offloaded state (``runtime.data_parallel.offload_engine``) is saved and loaded the same way: the engine's
 ``state_dict``/``load_state_dict`` reach each group's masters and moments through its store (the
 NVMe tier streams them one group at a time), and the logical format does not record where the
@@ -98,10 +95,10 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
         return []
     out = []
     for name in os.listdir(directory):
-        m = _STEP_DIR.match(name)
+        match = _STEP_DIR.match(name)
         path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, "meta.json")):
-            out.append((int(m.group(1)), path))
+        if match and os.path.isfile(os.path.join(path, "meta.json")):
+            out.append((int(match.group(1)), path))
     return sorted(out)
 
 
@@ -121,12 +118,12 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_ok(ok: bool, device) -> bool:
+def _all_ok(succeeded: bool, device) -> bool:
     if not dist.is_initialized():
-        return ok
-    t = torch.tensor([0.0 if ok else 1.0], device=device)
-    dist.all_reduce(t)
-    return t.item() == 0.0
+        return succeeded
+    tensor = torch.tensor([0.0 if succeeded else 1.0], device=device)
+    dist.all_reduce(tensor)
+    return tensor.item() == 0.0
 
 
 def _gather_to(obj: Any, group, dst: int) -> list | None:
@@ -142,26 +139,27 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
     """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
     tp 0) rank; else None. ``params``: ``runtime.stages.compiled_stages.rank_params``."""
     local = engine.state_dict()
-    if local["num_shards"] == 1:  # ZeRO-0: every dp rank holds the full state already
-        gathered = [local]
-    else:
+    gathered: list | None = [local]  # ZeRO-0: every dp rank holds the full state already
+    if local["num_shards"] != 1:
         gathered = _gather_to(local, mesh.dp_group, mesh.dp_ranks[0])
     if mesh.dp_index != 0:
         return None
+    assert gathered is not None  # dp index 0 is the gather's destination
     full = consolidate_shards(gathered)
     per_attr: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
-    for gi, grp in enumerate(full["groups"]):
+    for group_index, grp in enumerate(full["groups"]):
         off = 0
         for name, shape in zip(grp["names"], grp["shapes"]):
             n = 1
-            for d in shape:
-                n *= d
+            for dim in shape:
+                n *= dim
             for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
-                per_attr[kind][name] = full[key][gi][off : off + n].view(shape).clone()
+                per_attr[kind][name] = full[key][group_index][off : off + n].view(shape).clone()
             off += n
     pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
     if mesh.tp_index != 0:
         return None
+    assert pieces is not None  # tp index 0 is the gather's destination
     out: dict[str, torch.Tensor] = {}
     for attr, (index, entry) in params.items():
         if not entry.get("trainable", True):
@@ -170,17 +168,17 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
             continue  # a tied weight's copy: its first holder writes it (the copies are identical)
         for kind in _KINDS:
             shard = TensorShard.from_dict(entry.get("shard"))
-            joined = [p[kind][attr] for p in pieces]
+            joined = [piece[kind][attr] for piece in pieces]
             out[f"{kind}/{entry['fqn']}"] = joined[0] if shard is None else shard.join(joined)
     out["__step__"] = torch.tensor(full["step"])
     return out
 
 
 def _rng_state(device) -> dict[str, torch.Tensor]:
-    st = {"cpu": torch.get_rng_state()}
+    states = {"cpu": torch.get_rng_state()}
     if device is not None and torch.device(device).type == "cuda":
-        st["cuda"] = torch.cuda.get_rng_state(device)
-    return st
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
 
 
 def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
@@ -191,7 +189,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     final = os.path.join(directory, f"step-{step:06d}")
     tmp = os.path.join(directory, f".tmp-step-{step:06d}")
     device = engine.device
-    ok = True
+    succeeded = True
     err = ""
     try:
         if rank == 0:
@@ -201,23 +199,23 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             os.makedirs(tmp)
     except OSError as e:
-        ok, err = False, f"cannot create {tmp}: {e}"
-    if not _all_ok(ok, device):
+        succeeded, err = False, f"cannot create {tmp}: {e}"
+    if not _all_ok(succeeded, device):
         raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
     logical = _logical_state(engine, params, mesh)
-    state: dict[str, Any] = {f"rng/{rank}/{k}": v for k, v in _rng_state(device).items()}
+    state: dict[str, Any] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(device).items()}
     step_count = None
     shapes = {}
     if logical is not None:
         step_count = int(logical.pop("__step__"))
         state.update(logical)
-        shapes = {k: list(v.shape) for k, v in logical.items()}
+        shapes = {k: list(tensor.shape) for k, tensor in logical.items()}
     try:
         _dcp().save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
-        ok, err = False, f"rank {rank}: {_root_cause(e)}"
+        succeeded, err = False, f"rank {rank}: {_root_cause(e)}"
     # Everyone learns of any failure; only then is the checkpoint published.
-    if not _all_ok(ok, device):
+    if not _all_ok(succeeded, device):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
@@ -225,11 +223,12 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         )
     all_shapes = _gather_to((shapes, step_count), None, 0)
     if rank == 0:
+        assert all_shapes is not None  # rank 0 is the gather's destination
         merged, counts = {}, set()
-        for s, c in all_shapes:
-            merged.update(s)
-            if c is not None:
-                counts.add(c)
+        for shapes_of_rank, count in all_shapes:
+            merged.update(shapes_of_rank)
+            if count is not None:
+                counts.add(count)
         meta = {
             "step": step,
             "optimizer_step": max(counts) if counts else 0,
@@ -250,19 +249,19 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
             for _, old in list_checkpoints(directory)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
-            ok, err = False, str(e)
+            succeeded, err = False, str(e)
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _all_ok(ok, device):
+    if not _all_ok(succeeded, device):
         raise CheckpointError(f"publishing checkpoint step {step} failed ({err}); the earlier checkpoints are intact")
     return final
 
 
 def _check_same_model(meta: dict, man: dict, path: str) -> None:
-    a, b = meta.get("model", {}), man["model"]
-    if a.get("spec") != b["spec"] or a.get("sizes") != b["sizes"]:
+    saved, planned = meta.get("model", {}), man["model"]
+    if saved.get("spec") != planned["spec"] or saved.get("sizes") != planned["sizes"]:
         raise CheckpointError(
-            f"checkpoint {path} is from model {a.get('spec')!r} {a.get('sizes')}, but this plan trains "
-            f"{b['spec']!r} {b['sizes']}; point --checkpoint-dir at this model's checkpoints"
+            f"checkpoint {path} is from model {saved.get('spec')!r} {saved.get('sizes')}, but this plan trains "
+            f"{planned['spec']!r} {planned['sizes']}; point --checkpoint-dir at this model's checkpoints"
         )
 
 
@@ -288,7 +287,7 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
             want[key] = torch.empty(meta["tensors"][key], dtype=torch.float32)
     rng = {}
     if same_plan:
-        rng = {f"rng/{rank}/{k}": v.clone() for k, v in _rng_state(engine.device).items()}
+        rng = {f"rng/{rank}/{k}": tensor.clone() for k, tensor in _rng_state(engine.device).items()}
     try:
         _dcp().load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
     except _failures() as e:  # noqa: BLE001
@@ -299,16 +298,16 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     layout = engine.state_layout()  # no tensors: an offloaded state is not read for its layout
     full = dict(layout)
     full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]), loss_scaler=meta.get("loss_scaler"))
-    by_attr = {name: e for name, (_, e) in params.items()}
+    by_attr = {name: entry for name, (_, entry) in params.items()}
     for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
         flats = []
         for grp in layout["groups"]:
             parts = []
             for name in grp["names"]:
-                e = by_attr[name]
-                t = want[f"{kind}/{e['fqn']}"]
-                shard = TensorShard.from_dict(e.get("shard"))
-                parts.append((t if shard is None else shard.cut(t, mesh.tp_index, mesh.tp)).reshape(-1))
+                entry = by_attr[name]
+                tensor = want[f"{kind}/{entry['fqn']}"]
+                shard = TensorShard.from_dict(entry.get("shard"))
+                parts.append((tensor if shard is None else shard.cut(tensor, mesh.tp_index, mesh.tp)).reshape(-1))
             flats.append(torch.cat(parts) if parts else torch.zeros(0))
         full[key] = flats
     full["format"] = FORMAT
@@ -323,7 +322,9 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
 def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights of a checkpoint by original name (no process group needed)."""
     meta = read_meta(path)
-    want = {k: torch.empty(s, dtype=torch.float32) for k, s in meta["tensors"].items() if k.startswith("model/")}
+    want = {
+        k: torch.empty(shape, dtype=torch.float32) for k, shape in meta["tensors"].items() if k.startswith("model/")
+    }
     try:
         with warnings.catch_warnings():  # torch warns that it loads in one process: that is the intent
             warnings.filterwarnings(
@@ -332,4 +333,4 @@ def load_model_tensors(path: str) -> dict[str, torch.Tensor]:
             _dcp().load(want, checkpoint_id=path, no_dist=True)
     except _failures() as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({_root_cause(e)})") from None
-    return {k[len("model/") :]: v for k, v in want.items()}
+    return {k[len("model/") :]: tensor for k, tensor in want.items()}

@@ -50,6 +50,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from runtime.data_parallel.engine_config import OptimizerConfig
+
 __all__ = [
     "ZeroError",
     "FlatParam",
@@ -69,6 +71,7 @@ __all__ = [
     "import_state",
     "state_layout",
     "resident_access",
+    "resident_state",
     "GroupAccess",
 ]
 
@@ -86,11 +89,11 @@ class ZeroError(RuntimeError):
 def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Join sorted ``[a, b)`` ranges that touch."""
     out: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
+    for start, end in ranges:
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
         else:
-            out.append((a, b))
+            out.append((start, end))
     return out
 
 
@@ -147,8 +150,8 @@ def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: 
     if not canonical:
         raise ZeroError("the module has no parameters; a ZeRO engine has nothing to manage")
     by_alias: dict[str, nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
-    canon_name = {id(p): n for n, p in canonical}
-    frozen = [n for n, p in canonical if not p.requires_grad]
+    canon_name = {id(param): n for n, param in canonical}
+    frozen = [n for n, param in canonical if not param.requires_grad]
     if frozen:
         raise ZeroError(f"frozen parameters are not supported (requires_grad=False): {frozen[:5]}")
     if layers is None:
@@ -167,27 +170,27 @@ def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: 
                     layers.append(names)
     seen: dict[int, str] = {}
     groups = []
-    for gi, names in enumerate(layers):
-        names = list(names)
+    for group_index, layer in enumerate(layers):
+        names = list(layer)
         if not names:
-            raise ZeroError(f"layer group {gi} is empty; drop it or give it parameter names")
+            raise ZeroError(f"layer group {group_index} is empty; drop it or give it parameter names")
         entries, offset = [], 0
         for n in names:
             if n not in by_alias:
                 raise ZeroError(
-                    f"layer group {gi} names {n!r}, which is not a parameter of the module "
+                    f"layer group {group_index} names {n!r}, which is not a parameter of the module "
                     f"(parameters are e.g. {list(canon_name.values())[:4]})"
                 )
-            p = by_alias[n]
-            if id(p) in seen:
-                raise ZeroError(f"parameter {n!r} appears in layer groups twice (also as {seen[id(p)]!r})")
-            seen[id(p)] = n
-            entries.append(FlatParam(canon_name[id(p)], p, offset))
-            offset += p.numel()
-        g = FlatGroup(gi, names, entries, dp)
-        g.hook_modules = hook_module_names(module, names)
-        groups.append(g)
-    missing = [n for n, p in canonical if id(p) not in seen]
+            param = by_alias[n]
+            if id(param) in seen:
+                raise ZeroError(f"parameter {n!r} appears in layer groups twice (also as {seen[id(param)]!r})")
+            seen[id(param)] = n
+            entries.append(FlatParam(canon_name[id(param)], param, offset))
+            offset += param.numel()
+        group = FlatGroup(group_index, names, entries, dp)
+        group.hook_modules = hook_module_names(module, names)
+        groups.append(group)
+    missing = [n for n, param in canonical if id(param) not in seen]
     if missing:
         raise ZeroError(f"parameters in no layer group: {missing[:8]} ({len(missing)} in all)")
     return groups
@@ -198,17 +201,17 @@ def hook_module_names(module: nn.Module, names: list[str]) -> list[str]:
     itself) is replaced by those of its children that hold some of them, recursively."""
     paths = [n.split(".")[:-1] for n in names]
     prefix = paths[0]
-    for p in paths[1:]:
+    for path in paths[1:]:
         k = 0
-        while k < min(len(prefix), len(p)) and prefix[k] == p[k]:
+        while k < min(len(prefix), len(path)) and prefix[k] == path[k]:
             k += 1
         prefix = prefix[:k]
     mod = module.get_submodule(".".join(prefix))
     if prefix and isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
-        heads = sorted({tuple(p[: len(prefix) + 1]) for p in paths})
+        heads = sorted({tuple(path[: len(prefix) + 1]) for path in paths})
         out: list[str] = []
-        for h in heads:
-            sub = [n for n, p in zip(names, paths) if tuple(p[: len(prefix) + 1]) == h]
+        for head in heads:
+            sub = [n for n, path in zip(names, paths) if tuple(path[: len(prefix) + 1]) == head]
             out.extend(x for x in hook_module_names(module, sub) if x not in out)
         return out
     return [".".join(prefix)]
@@ -229,24 +232,26 @@ def set_owned_ranges(
     0 counts (gradients are replicated over dp), and parameters for which ``replicated(name)``
     holds count only where ``replicated_rank == 0``. ``None`` means the whole tensor.
     """
-    for g in groups:
-        lo, hi = (0, g.padded) if stage == 0 else (dp_rank * g.shard, (dp_rank + 1) * g.shard)
+    for group in groups:
+        shard_start, shard_end = (
+            (0, group.padded) if stage == 0 else (dp_rank * group.shard, (dp_rank + 1) * group.shard)
+        )
         owner = stage > 0 or dp_rank == 0
         norm, decay, all_norm, all_decay = [], [], owner, True
-        for e in g.entries:
-            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
-            if a >= b:
+        for e in group.entries:
+            start, end = max(e.offset, shard_start), min(e.offset + e.numel, shard_end)
+            if start >= end:
                 continue
             counted = owner and not (replicated is not None and replicated_rank != 0 and replicated(e.name))
             if counted:
-                norm.append((a - lo, b - lo))
+                norm.append((start - shard_start, end - shard_start))
             all_norm &= counted
             if decays is None or decays(e.name):
-                decay.append((a - lo, b - lo))
+                decay.append((start - shard_start, end - shard_start))
             else:
                 all_decay = False
-        g.norm_ranges = None if all_norm else merge_ranges(norm)
-        g.decay_ranges = None if all_decay else merge_ranges(decay)
+        group.norm_ranges = None if all_norm else merge_ranges(norm)
+        group.decay_ranges = None if all_decay else merge_ranges(decay)
 
 
 #: torch's fused AdamW kernel (CPU and CUDA), when this torch has it.
@@ -261,30 +266,28 @@ def adamw_step_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    config: OptimizerConfig,
     decay_ranges: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """One AdamW update of the flat fp32 ``param`` in place (see the module docstring).
 
-    ``step`` is the 1-based count including this update. ``decay_ranges`` lists the
-    ``[start, end)`` element ranges that receive weight decay; ``None`` decays everything.
+    ``step`` is the 1-based count including this update; ``config`` gives ``lr``, ``betas``, ``eps``
+    and ``weight_decay``. ``decay_ranges`` lists the ``[start, end)`` element ranges that receive
+    weight decay; ``None`` decays everything.
     """
     if param.dtype != torch.float32 or exp_avg.dtype != torch.float32:
         raise TypeError(f"AdamW runs on fp32 masters and state, got {param.dtype}/{exp_avg.dtype}")
     if step < 1:
         raise ValueError(f"AdamW step count must be >= 1, got {step}")
+    lr, (beta1, beta2), eps, weight_decay = config.lr, config.betas, config.eps, config.weight_decay
     fused = _FUSED_ADAMW is not None and param.device.type in ("cpu", "cuda") and grad.dtype == torch.float32
     if weight_decay != 0.0 and not (fused and decay_ranges is None):
         factor = 1.0 - lr * weight_decay
-        for a, b in [(0, param.numel())] if decay_ranges is None else decay_ranges:
-            param[a:b].mul_(factor)
-    if fused:
+        for start, end in [(0, param.numel())] if decay_ranges is None else decay_ranges:
+            param[start:end].mul_(factor)
+    if _FUSED_ADAMW is not None and fused:
         # One pass over the four buffers instead of eight (torch's fused kernel, the same update:
-        # decoupled decay, bias-corrected moments); on a CPU rank the optimizer step is 6x faster.
+        # decoupled decay, bias-corrected moments).
         # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);
         # a fill, not a host-to-device copy, so the host does not wait for the queued kernels.
         steps = [torch.full((), float(step), device=param.device)]
@@ -323,14 +326,14 @@ def square_sums(
     the second is only used to detect inf/nan anywhere in this rank's gradients.
     """
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for g in groups:
-        gr = grad_of(g)
-        full_sq = torch.dot(gr, gr).double()
-        if g.norm_ranges is None:
+    for group in groups:
+        grad = grad_of(group)
+        full_sq = torch.dot(grad, grad).double()
+        if group.norm_ranges is None:
             sums[0] += full_sq
         else:
-            for a, b in g.norm_ranges:
-                sums[0] += torch.dot(gr[a:b], gr[a:b]).double()
+            for start, end in group.norm_ranges:
+                sums[0] += torch.dot(grad[start:end], grad[start:end]).double()
         sums[1] += full_sq
     return sums
 
@@ -340,14 +343,14 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None], seen: set[int] | None 
     already in ``seen`` are skipped and the counted ones added to it."""
     seen = set() if seen is None else seen
     total = 0
-    for t in tensors:
-        if t is None:
+    for tensor in tensors:
+        if tensor is None:
             continue
-        st = t.untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
             continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
     return total
 
 
@@ -380,25 +383,25 @@ def consolidate_shards(states: Sequence[dict]) -> dict:
     """
     if not states:
         raise ValueError("consolidate_shards needs at least one state dict")
-    for s in states:
-        _check_format(s, "a shard")
+    for shard in states:
+        _check_format(shard, "a shard")
     n = states[0]["num_shards"]
-    by_index = {s["shard_index"]: s for s in states}
+    by_index = {shard["shard_index"]: shard for shard in states}
     if sorted(by_index) != list(range(n)) or len(states) != n:
         raise ValueError(
             f"consolidate_shards needs exactly one state per shard index 0..{n - 1}, "
             f"got indices {sorted(s['shard_index'] for s in states)}"
         )
     first = by_index[0]
-    for s in states:
-        if s["groups"] != first["groups"] or s["step"] != first["step"]:
+    for shard in states:
+        if shard["groups"] != first["groups"] or shard["step"] != first["step"]:
             raise ValueError("shards come from different models or steps; they cannot be joined")
-    out = {k: v for k, v in first.items() if k not in _STATE_KEYS}
+    out = {k: value for k, value in first.items() if k not in _STATE_KEYS}
     out["num_shards"], out["shard_index"] = 1, 0
     for key in _STATE_KEYS:
         out[key] = [
-            torch.cat([by_index[k][key][g] for k in range(n)])[: grp["numel"]].clone()
-            for g, grp in enumerate(first["groups"])
+            torch.cat([by_index[k][key][group_index] for k in range(n)])[: grp["numel"]].clone()
+            for group_index, grp in enumerate(first["groups"])
         ]
     return out
 
@@ -413,23 +416,23 @@ def slice_shard(full: dict, num_shards: int, index: int) -> dict:
         )
     if not 0 <= index < num_shards:
         raise ValueError(f"shard index {index} is outside 0..{num_shards - 1}")
-    out = {k: v for k, v in full.items() if k not in _STATE_KEYS}
+    out = {k: value for k, value in full.items() if k not in _STATE_KEYS}
     out["num_shards"], out["shard_index"] = num_shards, index
     for key in _STATE_KEYS:
         tensors = []
-        for g, grp in enumerate(full["groups"]):
-            flat = full[key][g]
+        for group_index, grp in enumerate(full["groups"]):
+            flat = full[key][group_index]
             n = grp["numel"]
             if flat.numel() != n:
-                raise ValueError(f"group {g} {key} has {flat.numel()} elements, expected {n}")
+                raise ValueError(f"group {group_index} {key} has {flat.numel()} elements, expected {n}")
             if num_shards == 1:
                 tensors.append(flat.clone())
                 continue
             size = padded_numel(n, num_shards) // num_shards
             piece = torch.zeros(size, dtype=flat.dtype)
-            lo, hi = index * size, min((index + 1) * size, n)
-            if hi > lo:
-                piece[: hi - lo] = flat[lo:hi]
+            start, end = index * size, min((index + 1) * size, n)
+            if end > start:
+                piece[: end - start] = flat[start:end]
             tensors.append(piece)
         out[key] = tensors
     return out
@@ -437,8 +440,12 @@ def slice_shard(full: dict, num_shards: int, index: int) -> dict:
 
 def _layout(groups: Sequence[FlatGroup]) -> list[dict]:
     return [
-        {"names": [e.name for e in g.entries], "shapes": [list(e.shape) for e in g.entries], "numel": g.numel}
-        for g in groups
+        {
+            "names": [e.name for e in group.entries],
+            "shapes": [list(e.shape) for e in group.entries],
+            "numel": group.numel,
+        }
+        for group in groups
     ]
 
 
@@ -448,10 +455,18 @@ group for its body (stored back after it when ``write``); ``runtime.data_paralle
 through one. The default reads the group's own tensors."""
 
 
+def resident_state(group: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(master, exp_avg, exp_avg_sq)`` held in the group's own tensors (device or cpu tier)."""
+    master, exp_avg, exp_avg_sq = group.master, group.exp_avg, group.exp_avg_sq
+    if master is None or exp_avg is None or exp_avg_sq is None:
+        raise ZeroError(f"parameter group {group.index} holds no optimizer state in its own tensors")
+    return master, exp_avg, exp_avg_sq
+
+
 @contextlib.contextmanager
-def resident_access(g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+def resident_access(group: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
     """The ``GroupAccess`` of state held in the group's own tensors."""
-    yield g.master, g.exp_avg, g.exp_avg_sq
+    yield resident_state(group)
 
 
 def state_layout(groups: Sequence[FlatGroup], num_shards: int, shard_index: int, step: int) -> dict:
@@ -475,16 +490,16 @@ def export_state(
     at a time.
     """
 
-    def part(t: torch.Tensor, g: FlatGroup) -> torch.Tensor:
-        return (t[: g.numel] if num_shards == 1 else t).detach().clone().cpu()
+    def part(tensor: torch.Tensor, group: FlatGroup) -> torch.Tensor:
+        return (tensor[: group.numel] if num_shards == 1 else tensor).detach().clone().cpu()
 
     state = state_layout(groups, num_shards, shard_index, step)
     for key in _STATE_KEYS:
         state[key] = []
-    for g in groups:
-        with access(g) as tensors:
-            for key, t in zip(_STATE_KEYS, tensors):
-                state[key].append(part(t, g))
+    for group in groups:
+        with access(group) as tensors:
+            for key, tensor in zip(_STATE_KEYS, tensors):
+                state[key].append(part(tensor, group))
     return state
 
 
@@ -512,11 +527,11 @@ def import_state(
                 "runtime.data_parallel.flat_shards.consolidate_shards and load the full state"
             )
         state = slice_shard(state, num_shards, shard_index)
-    for i, g in enumerate(groups):
+    for i, group in enumerate(groups):
         for key in _STATE_KEYS:
-            if state[key][i].numel() > g.padded:
-                raise ZeroError(f"group {i} {key} has {state[key][i].numel()} elements, more than {g.padded}")
-        with access(g, write=True) as tensors:
+            if state[key][i].numel() > group.padded:
+                raise ZeroError(f"group {i} {key} has {state[key][i].numel()} elements, more than {group.padded}")
+        with access(group, write=True) as tensors:
             for key, dst in zip(_STATE_KEYS, tensors):
                 src = state[key][i]
                 if src.numel() > dst.numel():

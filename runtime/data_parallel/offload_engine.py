@@ -3,82 +3,57 @@
 Tiers
 -----
 plan.json ``offload: {"optimizer": T, "params": T}`` places two kinds of state of each rank's ZeRO
-shard on a tier ``T`` (a plan without the key means ``none``/``none``):
+shard on a tier ``T`` (``runtime.contract.choices.OffloadTier``; no key means ``none``/``none``):
+``none`` on the device; ``cpu`` in host memory (pinned when the device is CUDA, so copies are
+asynchronous); ``nvme`` in files under ``planner train --nvme-path DIR``, host memory then holding
+only the buffers of the transfers in flight.
 
-- ``none``: on the device, as ``runtime.data_parallel.zero_engine`` always did;
-- ``cpu``: in host memory (pinned when the device is CUDA, so copies are asynchronous DMA);
-- ``nvme``: in files under ``TrainOptions.nvme_path`` (``planner train --nvme-path DIR``); host
-  memory then holds only the buffers of the transfers in flight.
-
-``optimizer`` moves the fp32 master weights and the AdamW moments of the rank's shard (``12 P /
-dp`` bytes) plus an fp32 host copy of the reduced gradient shard (``4 P / dp``, always in host
-memory, whatever the tier); the AdamW step then runs on the CPU with the same kernel
-(``runtime.data_parallel.flat_shards.adamw_step_``, torch's fused CPU AdamW), so offloaded and resident runs agree to
-rounding. It needs ZeRO 1, 2 or 3 (a sharded optimizer state). ``params`` moves the
-compute-dtype parameter shards that ZeRO-3 gathers from (``2 P / dp`` in bf16); it needs ZeRO-3.
+``optimizer`` (ZeRO 1-3) moves the fp32 masters and AdamW moments of the rank's shard (``12 P /
+dp`` bytes) plus an fp32 host copy of the reduced gradient shard (``4 P / dp``, in host memory
+whatever the tier); the device keeps its compute parameters, at ZeRO-1 the full gradient buffer,
+at 2/3 only the gradients of layers in flight. AdamW then runs on the CPU with the same kernel
+(``runtime.data_parallel.flat_shards.adamw_step_``), so offloaded and resident runs agree to
+rounding. ``params`` (ZeRO-3) moves the compute-dtype shards the gathers start from (``P b / dp``).
 ``OffloadConfig`` checks both rules and the NVMe path before any work starts.
 
 Data path of one step (optimizer offloaded)
 -------------------------------------------
-1. Backward: when a group's gradient reduction of the step's last backward completes (the
-   all-reduce of its bucket at ZeRO-1, its reduce-scatter at ZeRO-2/3), the engine hands the
+1. Backward: when a group's reduction of the step's last backward completes, the engine hands the
    reduced shard to ``OptimizerStore.flush_grad``: on CUDA a ``non_blocking`` copy on a side
-   stream into the group's pinned host buffer, overlapped with the rest of backward; on a CPU
-   rank a copy into the host-tier buffer. At ZeRO-2/3 the device accumulator is released there.
-   Tied weights flush in ``step()``, after their gradient is summed over the stages holding them.
-2. ``step()``: waits for the copies, computes the gradient norm and the overflow flag from the
-   host shards (one fp64 all-reduce as before), scales the host gradients in place.
-3. ``OptimizerStore.update`` walks the groups: AdamW on the CPU for group ``i``, then its updated
-   master is cast to the compute dtype and copied to the device (the shard the stage-1/2
-   all-gather reads, or ZeRO-3's gather source): on CUDA asynchronously from pinned memory, while
-   group ``i + 1`` updates; on a CPU rank a plain copy.
+   stream into pinned memory, overlapped with the rest of backward. Tied weights flush in
+   ``step()``, after their sum over the stages holding them.
+2. ``step()`` waits for the copies and computes the norm and overflow flag from the host shards.
+3. ``OptimizerStore.update`` walks the groups: AdamW on the CPU for group ``i``, then its master,
+   cast to the compute dtype, is copied to the device (asynchronously on CUDA) while ``i + 1``
+   updates.
 
-Delayed update (``TrainOptions.delayed_update``, off by default)
-----------------------------------------------------------------
-Step 3 runs on a background thread instead (``OptimizerStore.start_update``), on this step's
-gradient shards, while the next backward flushes into a second set; the updated masters are kept
-in the compute dtype. The next ``step()`` waits for it after its norm all-reduce and copies the
-result to the device (``finish_update``). So the CPU step of step k overlaps step k+1's forward
-and backward, and step k+1 computes with the parameters of step k-1: it changes the numerics.
-Extra host memory: ``(4 + b) P / dp`` (the second gradient set, the compute-dtype copy).
+Delayed update (``OffloadConfig.delayed_update``, off by default): step 3 runs on a background
+thread (``start_update``) on this step's gradient shards while the next backward flushes into a
+second set; the next ``step()`` waits for it after its norm all-reduce and copies the result to the
+device (``finish_update``). Step k+1 then computes with the parameters of step k-1 (it changes the
+numerics); extra host memory ``(4 + b) P / dp``.
 
 Double buffering (NVMe)
 -----------------------
-The optimizer file holds, per group, ``[master | exp_avg | exp_avg_sq]`` of its shard (fp32).
-Two host *slots*, each big enough for the largest group's three tensors, stream the step: one
-background IO thread executes reads and writes strictly in submission order, so
+The optimizer file holds, per group, ``[master | exp_avg | exp_avg_sq]`` of its shard (fp32). Two
+host *slots*, each big enough for the largest group's three tensors, stream the step through one
+IO thread that executes reads and writes strictly in submission order::
 
     read g0 -> slot A; read g1 -> slot B
     update g0 in A | IO: (g1 arriving in B)
     write g0 from A, then read g2 into A   (queued)
     update g1 in B | IO: writing g0, reading g2
-    ...
 
-group ``i`` is written back while ``i + 1`` updates, and ``i + 2`` is read into the slot ``i``
-leaves, after its write (the queue's order makes that safe without locks). Parameter shards
-(ZeRO-3, ``params: nvme``) use the same thread design: a file with each group's compute-dtype
-shard, and two slots read ahead in the order of the previous step's fetches (forward order,
-then backward's reverse), so the read of the next group overlaps the current group's gather.
-The file IO is ``os.preadv``/``os.pwrite`` on a ``ctypes`` view of the slot's memory: the
-standard library only, and the GIL is released during the transfer.
+so group ``i`` is written back while ``i + 1`` updates and ``i + 2`` is read into the slot ``i``
+leaves (the queue's order makes that safe without locks). Parameter shards (``params: nvme``) use
+the same design, two slots read ahead in the previous step's fetch order. The IO is
+``os.preadv``/``os.pwrite`` on a ``ctypes`` view of the slot (the GIL is released). Files live in
+``DIR/rank<r>/``; ``close()`` (or interpreter exit) removes them, and the folder only when this run
+created it and it is empty.
 
-Files live in ``DIR/rank<r>/`` (``r`` the global rank), created with unique names
-(``optimizer-*.bin``, ``params-*.bin``); ``close()`` (and, failing that, interpreter exit)
-removes them, and the ``rank<r>`` folder only when this run created it and it is empty: nothing
-the user had in ``DIR`` is touched.
-
-Host tier and memory metrics
-----------------------------
-The stores list their host tensors (``host_tensors``): the trainer tells the memory tracker to
-ignore those storages, so ``peak_memory_bytes`` stays device memory even on a CPU rank (where
-device and host are the same RAM), and reports ``host_bytes`` and ``nvme_bytes`` as the metrics'
-``host_memory_bytes`` and ``nvme_bytes``.
-
-Timing: every wait for a transfer (IO futures, device <-> host copies that block the host) runs
-in the ``offload`` part of ``runtime.timing``; the CPU AdamW step is ``optimizer``.
-
-CUDA: pinned buffers, the side stream and the events are written for GPUs but untested (this
-project's tests run CPU processes); the CPU path is the same code with plain host tensors.
+Accounting: the stores list their host tensors (``host_tensors``), which the memory tracker
+ignores (``peak_memory_bytes`` stays device memory) and reports as ``host_memory_bytes`` and
+``nvme_bytes``; every wait for a transfer runs in the ``offload`` part of ``runtime.timing``.
 """
 
 from __future__ import annotations
@@ -96,8 +71,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from runtime import timing
+from runtime.contract.choices import OffloadTier, names
 from runtime.contract.input_errors import ConfigError
-from runtime.data_parallel.flat_shards import FlatGroup, resident_access
+from runtime.data_parallel.engine_config import ShardingConfig
+from runtime.data_parallel.flat_shards import FlatGroup, resident_access, resident_state
 
 __all__ = [
     "TIERS",
@@ -111,7 +88,7 @@ __all__ = [
     "host_empty",
 ]
 
-TIERS: tuple[str, ...] = ("none", "cpu", "nvme")
+TIERS: tuple[str, ...] = names(OffloadTier)
 
 
 class OffloadError(ConfigError):
@@ -122,12 +99,16 @@ class OffloadError(ConfigError):
 class OffloadConfig:
     """Where a rank keeps its optimizer state and parameter shards (see the module docstring)."""
 
-    optimizer: str = "none"
+    optimizer: str = OffloadTier.NONE.value
     """Tier of the fp32 masters and AdamW moments: ``none`` (device), ``cpu`` or ``nvme``."""
-    params: str = "none"
+    params: str = OffloadTier.NONE.value
     """Tier of the ZeRO-3 compute-dtype parameter shards: ``none``, ``cpu`` or ``nvme``."""
     nvme_path: str | None = None
     """Folder of the NVMe tier's files (``planner train --nvme-path``); needed by an ``nvme`` tier."""
+    delayed_update: bool = False
+    """With the optimizer offloaded, run each step's CPU update in the background and apply it at
+    the next ``step()`` (module docstring, "Delayed update"; one step stale, it changes the
+    numerics). Needs ``optimizer`` cpu or nvme."""
 
     def __post_init__(self) -> None:
         for kind in ("optimizer", "params"):
@@ -137,20 +118,20 @@ class OffloadConfig:
 
     @property
     def active(self) -> bool:
-        return self.optimizer != "none" or self.params != "none"
+        return self.optimizer != OffloadTier.NONE or self.params != OffloadTier.NONE
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.optimizer, self.params)
+        return OffloadTier.NVME in (self.optimizer, self.params)
 
     def check(self, zero_stage: int) -> None:
         """Raise ``OffloadError`` unless this placement can run at ``zero_stage``."""
-        if self.params != "none" and zero_stage != 3:
+        if self.params != OffloadTier.NONE and zero_stage != 3:
             raise OffloadError(
                 f"offload.params={self.params!r} needs ZeRO stage 3 (only ZeRO-3 shards the parameters), "
                 f"but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 3 or --offload-params none"
             )
-        if self.optimizer != "none" and zero_stage not in (1, 2, 3):
+        if self.optimizer != OffloadTier.NONE and zero_stage not in (1, 2, 3):
             raise OffloadError(
                 f"offload.optimizer={self.optimizer!r} needs ZeRO stage 1, 2 or 3 (a sharded optimizer "
                 f"state), but the plan has zero_stage {zero_stage}; re-plan with --zero-stage 1 or higher "
@@ -158,7 +139,7 @@ class OffloadConfig:
             )
         if self.uses_nvme:
             if not self.nvme_path:
-                which = [k for k in ("optimizer", "params") if getattr(self, k) == "nvme"]
+                which = [k for k in ("optimizer", "params") if getattr(self, k) == OffloadTier.NVME]
                 raise OffloadError(
                     f"the plan puts the {' and '.join(which)} state on NVMe (offload "
                     f"{', '.join(f'{k}=nvme' for k in which)}) but no folder was given: pass "
@@ -166,6 +147,12 @@ class OffloadConfig:
                 )
             if os.path.exists(self.nvme_path) and not os.path.isdir(self.nvme_path):
                 raise OffloadError(f"--nvme-path {self.nvme_path} exists and is not a folder")
+        if self.delayed_update and self.optimizer == OffloadTier.NONE:
+            raise OffloadError(
+                "the delayed update (--delayed-update) overlaps the CPU optimizer step with the next "
+                "step's forward and backward: it needs a plan that offloads the optimizer state "
+                "(offload.optimizer cpu or nvme)"
+            )
 
     @classmethod
     def from_plan(cls, plan: dict, nvme_path: str | None = None) -> "OffloadConfig":
@@ -174,9 +161,27 @@ class OffloadConfig:
         spec = plan.get("offload") or {}
         if not isinstance(spec, dict) or set(spec) - {"optimizer", "params"}:
             raise OffloadError(f"plan offload must be {{'optimizer': tier, 'params': tier}}, got {spec!r}")
-        cfg = cls(optimizer=spec.get("optimizer", "none"), params=spec.get("params", "none"), nvme_path=nvme_path)
+        cfg = cls(
+            optimizer=spec.get("optimizer", OffloadTier.NONE.value),
+            params=spec.get("params", OffloadTier.NONE.value),
+            nvme_path=nvme_path,
+        )
         cfg.check(int(plan["zero_stage"]))
         return cfg
+
+
+def _folder(config: OffloadConfig) -> str:
+    """The NVMe tier's folder (``OffloadConfig.check`` made sure an ``nvme`` tier has one)."""
+    if not config.nvme_path:
+        raise OffloadError("the NVMe tier needs a folder: pass --nvme-path DIR")
+    return config.nvme_path
+
+
+def _nvme(file: NvmeFile | None) -> NvmeFile:
+    """A store's NVMe file (its tier is ``nvme``)."""
+    if file is None:
+        raise OffloadError("this store keeps its state in host memory, not in an NVMe file")
+    return file
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -184,34 +189,34 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous host tensor's memory (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("NVMe transfers need contiguous host tensors")
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    n = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * n).from_address(tensor.data_ptr())).cast("B")
 
 
 #: ``rank<r>`` folders this process created: removed when their last store file goes.
 _CREATED: set[str] = set()
 
 
-def _reserve(fd: int, nbytes: int) -> None:
+def _reserve(descriptor: int, nbytes: int) -> None:
     """Allocate the file's blocks now, so that a disk too small fails at set-up, not mid-run
     (a sparse file where the file system cannot preallocate)."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(descriptor, 0, nbytes)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        os.ftruncate(fd, nbytes)
+        os.ftruncate(descriptor, nbytes)
 
 
-def _remove(fd: int, path: str) -> None:
+def _remove(descriptor: int, path: str) -> None:
     """Close and delete one store file, and its rank folder when this process made it and it is
     now empty."""
     with contextlib.suppress(OSError):
-        os.close(fd)
+        os.close(descriptor)
     with contextlib.suppress(OSError):
         os.unlink(path)
     folder = os.path.dirname(path)
@@ -232,48 +237,48 @@ class NvmeFile:
             if not os.path.isdir(folder):
                 os.makedirs(folder)
                 _CREATED.add(folder)
-            fd, self.path = tempfile.mkstemp(prefix=f"{kind}-", suffix=".bin", dir=folder)
+            descriptor, self.path = tempfile.mkstemp(prefix=f"{kind}-", suffix=".bin", dir=folder)
         except OSError as e:
             raise OffloadError(
                 f"cannot create the NVMe tier's {kind} file in {folder} ({e}); check --nvme-path (a writable folder)"
             ) from None
         try:
-            _reserve(fd, nbytes)
+            _reserve(descriptor, nbytes)
         except OSError as e:
-            _remove(fd, self.path)
+            _remove(descriptor, self.path)
             raise OffloadError(
                 f"cannot reserve {nbytes / 2**20:.1f} MiB for the NVMe tier's {kind} file in "
                 f"{folder} ({e}); free space there or point --nvme-path at a larger disk"
             ) from None
-        self.fd, self.nbytes = fd, nbytes
+        self.fd, self.nbytes = descriptor, nbytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nvme-{kind}")
-        self._cleanup = weakref.finalize(self, _remove, fd, self.path)
+        self._cleanup = weakref.finalize(self, _remove, descriptor, self.path)
 
-    def _pread(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
+    def _pread(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
         if before is not None:
             before()
-        view, done = _bytes_view(t), 0
+        view, done = _bytes_view(tensor), 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
             if n <= 0:
                 raise OSError(f"short read of {self.path} at byte {offset + done}")
             done += n
 
-    def _pwrite(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
+    def _pwrite(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None) -> None:
         if before is not None:
             before()
-        view, done = _bytes_view(t), 0
+        view, done = _bytes_view(tensor), 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
 
-    def read(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
-        """Queue: fill host tensor ``t`` from byte ``offset`` (after ``before()``, e.g. waiting for a
-        device copy that still reads ``t``)."""
-        return self._pool.submit(self._pread, t, offset, before)
+    def read(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
+        """Queue: fill host tensor ``tensor`` from byte ``offset`` (after ``before()``, e.g. waiting for a
+        device copy that still reads ``tensor``)."""
+        return self._pool.submit(self._pread, tensor, offset, before)
 
-    def write(self, t: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
-        """Queue: store host tensor ``t`` at byte ``offset``."""
-        return self._pool.submit(self._pwrite, t, offset, before)
+    def write(self, tensor: torch.Tensor, offset: int, before: Callable[[], None] | None = None) -> Future:
+        """Queue: store host tensor ``tensor`` at byte ``offset``."""
+        return self._pool.submit(self._pwrite, tensor, offset, before)
 
     def close(self) -> None:
         """Finish queued transfers, then delete the file."""
@@ -301,9 +306,9 @@ def _device_event(device: torch.device):
     """An event recorded on the current CUDA stream (None on a CPU rank)."""
     if device.type != "cuda":
         return None
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class OptimizerStore:
@@ -317,87 +322,90 @@ class OptimizerStore:
 
     def __init__(
         self,
-        tier: str,
+        config: OffloadConfig,
         groups: Sequence[FlatGroup],
         device: torch.device,
-        nvme_path: str | None = None,
-        rank: int = 0,
-        delayed: bool = False,
         dtype: torch.dtype = torch.float32,
+        rank: int = 0,
     ):
-        if tier not in ("cpu", "nvme"):
+        tier, delayed = config.optimizer, config.delayed_update
+        if tier not in (OffloadTier.CPU, OffloadTier.NVME):
             raise OffloadError(f"optimizer store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.device = tier, device
-        self._grads = {g.index: host_empty(g.shard, torch.float32, device).zero_() for g in groups}
+        self._grads = {group.index: host_empty(group.shard, torch.float32, device).zero_() for group in groups}
         # Delayed update: a second set of gradient shards (the next backward fills one while the
         # CPU steps with the other), the updated shards in the compute dtype, the CPU step's thread.
-        self._spare = {g.index: torch.zeros_like(t) for g, t in zip(groups, self._grads.values())} if delayed else {}
-        self._staged = {g.index: host_empty(g.shard, dtype, device) for g in groups} if delayed else {}
+        self._spare = (
+            {group.index: torch.zeros_like(tensor) for group, tensor in zip(groups, self._grads.values())}
+            if delayed
+            else {}
+        )
+        self._staged = {group.index: host_empty(group.shard, dtype, device) for group in groups} if delayed else {}
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-adamw") if delayed else None
         self._pending: Future | None = None
         self._fresh = dict.fromkeys(self._grads, True)  # no flush yet this step: the next one copies
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._grad_event = None
+        self._grad_event: torch.cuda.Event | None = None
         self._file: NvmeFile | None = None
         self._slots: list[torch.Tensor] = []
         self._offset: dict[int, int] = {}
-        if tier == "nvme":
+        if tier == OffloadTier.NVME:
             off = 0
-            for g in groups:
-                self._offset[g.index] = off
-                off += 3 * g.shard * 4
-            self._file = NvmeFile(nvme_path, rank, "optimizer", off)
-            biggest = max(g.shard for g in groups)
+            for group in groups:
+                self._offset[group.index] = off
+                off += 3 * group.shard * 4
+            self._file = NvmeFile(_folder(config), rank, "optimizer", off)
+            biggest = max(group.shard for group in groups)
             self._slots = [host_empty(3 * biggest, torch.float32, device) for _ in range(2)]
 
     # -- set-up and access ------------------------------------------------------------------
     @torch.no_grad()
-    def adopt(self, g: FlatGroup, master: torch.Tensor) -> None:
-        """Take group ``g``'s initial fp32 master shard; its moments start at 0."""
-        if self.tier == "cpu":
-            g.master = host_empty(g.shard, torch.float32, self.device).copy_(master)
-            g.exp_avg = torch.zeros_like(g.master)
-            g.exp_avg_sq = torch.zeros_like(g.master)
+    def adopt(self, group: FlatGroup, master: torch.Tensor) -> None:
+        """Take ``group``'s initial fp32 master shard; its moments start at 0."""
+        if self.tier == OffloadTier.CPU:
+            group.master = host_empty(group.shard, torch.float32, self.device).copy_(master)
+            group.exp_avg = torch.zeros_like(group.master)
+            group.exp_avg_sq = torch.zeros_like(group.master)
             return
-        slot = self._slots[0][: 3 * g.shard]
+        slot = self._slots[0][: 3 * group.shard]
         slot.zero_()
-        slot[: g.shard].copy_(master)
-        self._file.write(slot, self._offset[g.index]).result()
-        g.master = g.exp_avg = g.exp_avg_sq = None
+        slot[: group.shard].copy_(master)
+        _nvme(self._file).write(slot, self._offset[group.index]).result()
+        group.master = group.exp_avg = group.exp_avg_sq = None
 
-    def _views(self, slot: torch.Tensor, g: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = g.shard
-        return slot[:s], slot[s : 2 * s], slot[2 * s : 3 * s]
+    def _views(self, slot: torch.Tensor, group: FlatGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size = group.shard
+        return slot[:size], slot[size : 2 * size], slot[2 * size : 3 * size]
 
     @contextlib.contextmanager
-    def open_group(self, g: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
-        """``(master, exp_avg, exp_avg_sq)`` of group ``g`` for the body (checkpoints, reads of the
+    def open_group(self, group: FlatGroup, write: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
+        """``(master, exp_avg, exp_avg_sq)`` of ``group`` for the body (checkpoints, reads of the
         masters); with ``write=True`` what the body changed is stored back. Blocking."""
-        if self.tier == "cpu":
-            yield g.master, g.exp_avg, g.exp_avg_sq
+        if self.tier == OffloadTier.CPU:
+            yield resident_state(group)
             return
-        slot, off = self._slots[0][: 3 * g.shard], self._offset[g.index]
-        _wait(self._file.read(slot, off))
-        yield self._views(slot, g)
+        slot, off = self._slots[0][: 3 * group.shard], self._offset[group.index]
+        _wait(_nvme(self._file).read(slot, off))
+        yield self._views(slot, group)
         if write:
-            _wait(self._file.write(slot, off))
+            _wait(_nvme(self._file).write(slot, off))
 
     # -- gradients ------------------------------------------------------------------------------
-    def grad(self, g: FlatGroup) -> torch.Tensor:
-        """Group ``g``'s reduced fp32 gradient shard in host memory (after ``wait_grads``)."""
-        return self._grads[g.index]
+    def grad(self, group: FlatGroup) -> torch.Tensor:
+        """``group``'s reduced fp32 gradient shard in host memory (after ``wait_grads``)."""
+        return self._grads[group.index]
 
     @torch.no_grad()
-    def flush_grad(self, g: FlatGroup, src: torch.Tensor, overwrite: bool) -> None:
-        """Move the reduced gradient shard ``src`` (on the device) into the host buffer of ``g``:
-        a copy (asynchronous on CUDA) when it is the step's first flush of ``g`` or ``overwrite``
+    def flush_grad(self, group: FlatGroup, src: torch.Tensor, overwrite: bool) -> None:
+        """Move the reduced gradient shard ``src`` (on the device) into the host buffer of ``group``:
+        a copy (asynchronous on CUDA) when it is the step's first flush of ``group`` or ``overwrite``
         (``src`` holds the whole gradient), else added to what is there."""
-        host = self._grads[g.index]
-        if not (overwrite or self._fresh[g.index]):
+        host = self._grads[group.index]
+        if not (overwrite or self._fresh[group.index]):
             with timing.part("offload"):
                 host.add_(src.to("cpu", torch.float32))
             return
-        self._fresh[g.index] = False
+        self._fresh[group.index] = False
         if self._copy_stream is None:
             with timing.part("offload"):
                 host.copy_(src)
@@ -428,60 +436,63 @@ class OptimizerStore:
         fn: Callable[[FlatGroup, torch.Tensor, torch.Tensor, torch.Tensor], object],
         timed: bool = True,
     ) -> list:
-        """Call ``fn(g, master, exp_avg, exp_avg_sq)`` for every group in order (the CPU AdamW step
+        """Call ``fn(group, master, exp_avg, exp_avg_sq)`` for every group in order (the CPU AdamW step
         and the copy of the result to the device); their results. With ``nvme`` the groups stream
         through the two slots (module docstring): read ``i + 1`` while ``i`` updates, write ``i``
         back while ``i + 1`` updates. ``timed=False``: waits are not timed (a background thread)."""
-        if self.tier == "cpu":
-            return [fn(g, g.master, g.exp_avg, g.exp_avg_sq) for g in groups]
+        if self.tier == OffloadTier.CPU:
+            return [fn(group, *resident_state(group)) for group in groups]
         reads: dict[int, Future] = {}
         writes: list[Future] = []
 
         def fetch(i: int, before=None) -> None:
             if i < len(groups):
-                g = groups[i]
-                reads[i] = self._file.read(self._slots[i % 2][: 3 * g.shard], self._offset[g.index], before)
+                group = groups[i]
+                reads[i] = _nvme(self._file).read(
+                    self._slots[i % 2][: 3 * group.shard], self._offset[group.index], before
+                )
 
         fetch(0)
         fetch(1)
         out = []
-        for i, g in enumerate(groups):
+        for i, group in enumerate(groups):
             _wait(reads.pop(i), timed)
-            slot = self._slots[i % 2][: 3 * g.shard]
-            out.append(fn(g, *self._views(slot, g)))
-            ev = _device_event(self.device)  # the device copy of the master still reads the slot
-            writes.append(self._file.write(slot, self._offset[g.index]))
-            fetch(i + 2, before=ev.synchronize if ev is not None else None)
-        for w in writes:
-            _wait(w, timed)
+            slot = self._slots[i % 2][: 3 * group.shard]
+            out.append(fn(group, *self._views(slot, group)))
+            event = _device_event(self.device)  # the device copy of the master still reads the slot
+            writes.append(_nvme(self._file).write(slot, self._offset[group.index]))
+            fetch(i + 2, before=event.synchronize if event is not None else None)
+        for pending in writes:
+            _wait(pending, timed)
         return out
 
     # -- the delayed update ---------------------------------------------------------------------------
     def start_update(self, groups: Sequence[FlatGroup], fn: Callable[..., None]) -> None:
-        """Run the step in the background: ``fn(g, master, exp_avg, exp_avg_sq, grad)`` per group on
+        """Run the step in the background: ``fn(group, master, exp_avg, exp_avg_sq, grad)`` per group on
         this step's gradient shards, each updated master kept in the compute dtype for
         ``finish_update``. The next backward flushes into the other set of gradient shards."""
         grads = self._grads
         self._grads, self._spare = self._spare, self._grads
 
-        def one(g: FlatGroup, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-            fn(g, master, exp_avg, exp_avg_sq, grads[g.index])
-            self._staged[g.index].copy_(master)
+        def one(group: FlatGroup, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+            fn(group, master, exp_avg, exp_avg_sq, grads[group.index])
+            self._staged[group.index].copy_(master)
 
         def work() -> None:
             with torch.no_grad():  # grad mode is per thread
                 self.update(groups, one, timed=False)
 
+        assert self._cpu is not None, "start_update needs a store made for the delayed update"
         self._pending = self._cpu.submit(work)
 
     def finish_update(self, groups: Sequence[FlatGroup], publish: Callable[[FlatGroup, torch.Tensor], object]) -> list:
-        """Wait for the background step, if one runs, and ``publish(g, updated shard)`` each group;
+        """Wait for the background step, if one runs, and ``publish(group, updated shard)`` each group;
         the results (collective handles). Nothing to do: an empty list."""
         if self._pending is None:
             return []
         fut, self._pending = self._pending, None
         fut.result()
-        return [publish(g, self._staged[g.index]) for g in groups]
+        return [publish(group, self._staged[group.index]) for group in groups]
 
     # -- accounting ---------------------------------------------------------------------------------
     def host_tensors(self) -> list[torch.Tensor]:
@@ -491,9 +502,9 @@ class OptimizerStore:
 
     def host_state(self, groups: Sequence[FlatGroup]) -> list[torch.Tensor]:
         """The cpu tier's resident masters and moments (empty for nvme)."""
-        if self.tier != "cpu":
+        if self.tier != OffloadTier.CPU:
             return []
-        return [t for g in groups for t in (g.master, g.exp_avg, g.exp_avg_sq)]
+        return [tensor for group in groups for tensor in resident_state(group)]
 
     @property
     def nvme_bytes(self) -> int:
@@ -511,22 +522,22 @@ class OptimizerStore:
 class ParamStore:
     """ZeRO-3 compute-dtype parameter shards off the device (parameter offload).
 
-    ``fetch(g)`` returns a fresh device tensor with group ``g``'s shard, the source of its
-    all-gather (freed with the gather); ``store(g, master)`` writes the updated shard back after
+    ``fetch(group)`` returns a fresh device tensor with ``group``'s shard, the source of its
+    all-gather (freed with the gather); ``store(group, master)`` writes the updated shard back after
     the optimizer step. ``cpu``: one host shard per group; ``nvme``: a file and two slots read
     ahead in the previous step's fetch order.
     """
 
     def __init__(
         self,
-        tier: str,
+        config: OffloadConfig,
         groups: Sequence[FlatGroup],
         dtype: torch.dtype,
         device: torch.device,
-        nvme_path: str | None = None,
         rank: int = 0,
     ):
-        if tier not in ("cpu", "nvme"):
+        tier = config.params
+        if tier not in (OffloadTier.CPU, OffloadTier.NVME):
             raise OffloadError(f"parameter store tier must be cpu or nvme, got {tier!r}")
         self.tier, self.dtype, self.device = tier, dtype, device
         self._esize = torch.empty((), dtype=dtype).element_size()
@@ -537,29 +548,29 @@ class ParamStore:
         self._held: dict[int, tuple[int, Future]] = {}  # group -> (slot, its read)
         self._order: list[int] = []  # fetches of the previous step
         self._seen: list[int] = []  # fetches of this step
-        if tier == "nvme":
+        if tier == OffloadTier.NVME:
             off = 0
-            for g in groups:
-                self._offset[g.index] = off
-                off += g.shard * self._esize
-            self._file = NvmeFile(nvme_path, rank, "params", off)
-            biggest = max(g.shard for g in groups)
+            for group in groups:
+                self._offset[group.index] = off
+                off += group.shard * self._esize
+            self._file = NvmeFile(_folder(config), rank, "params", off)
+            biggest = max(group.shard for group in groups)
             self._slots = [host_empty(biggest, dtype, device) for _ in range(2)]
-        self._numel = {g.index: g.shard for g in groups}
+        self._numel = {group.index: group.shard for group in groups}
 
     @torch.no_grad()
-    def store(self, g: FlatGroup, master: torch.Tensor) -> None:
-        """Keep group ``g``'s shard: ``master`` (fp32, any device) cast to the compute dtype."""
-        if self.tier == "cpu":
-            if g.index not in self._shards:
-                self._shards[g.index] = host_empty(g.shard, self.dtype, self.device)
-            self._shards[g.index].copy_(master)
+    def store(self, group: FlatGroup, master: torch.Tensor) -> None:
+        """Keep ``group``'s shard: ``master`` (fp32, any device) cast to the compute dtype."""
+        if self.tier == OffloadTier.CPU:
+            if group.index not in self._shards:
+                self._shards[group.index] = host_empty(group.shard, self.dtype, self.device)
+            self._shards[group.index].copy_(master)
             return
         for index in list(self._held):  # slot 0 stages the write: no read may be filling it
             self._drop(index)
-        slot = self._slots[0][: g.shard]
+        slot = self._slots[0][: group.shard]
         slot.copy_(master)
-        _wait(self._file.write(slot, self._offset[g.index]))
+        _wait(_nvme(self._file).write(slot, self._offset[group.index]))
 
     def _drop(self, index: int) -> None:
         held = self._held.pop(index, None)
@@ -570,26 +581,26 @@ class ParamStore:
         """Start reading group ``index`` into a slot not held by another group's pending use."""
         if index in self._held or len(self._held) >= len(self._slots):
             return
-        busy = {s for s, _ in self._held.values()}
-        slot = next(s for s in range(len(self._slots)) if s not in busy)
+        busy = {slot for slot, _ in self._held.values()}
+        slot = next(candidate for candidate in range(len(self._slots)) if candidate not in busy)
         buf = self._slots[slot][: self._numel[index]]
-        self._held[index] = (slot, self._file.read(buf, self._offset[index]))
+        self._held[index] = (slot, _nvme(self._file).read(buf, self._offset[index]))
 
     @torch.no_grad()
-    def fetch(self, g: FlatGroup) -> torch.Tensor:
-        """A device tensor holding group ``g``'s compute-dtype shard (a copy the caller owns)."""
-        if self.tier == "cpu":
+    def fetch(self, group: FlatGroup) -> torch.Tensor:
+        """A device tensor holding ``group``'s compute-dtype shard (a copy the caller owns)."""
+        if self.tier == OffloadTier.CPU:
             with copy_part(self.device):
-                return self._shards[g.index].to(self.device, copy=True, non_blocking=True)
-        if g.index not in self._held:  # not predicted: make room and read it now
+                return self._shards[group.index].to(self.device, copy=True, non_blocking=True)
+        if group.index not in self._held:  # not predicted: make room and read it now
             for index in list(self._held):
                 self._drop(index)
-            self._read_ahead(g.index)
-        slot, fut = self._held.pop(g.index)
+            self._read_ahead(group.index)
+        slot, fut = self._held.pop(group.index)
         _wait(fut)
         with timing.part("offload"):
-            out = self._slots[slot][: g.shard].to(self.device, copy=True)
-        self._seen.append(g.index)
+            out = self._slots[slot][: group.shard].to(self.device, copy=True)
+        self._seen.append(group.index)
         k = len(self._seen)
         if self._order[:k] == self._seen:
             for nxt in self._order[k : k + len(self._slots)]:
@@ -630,89 +641,92 @@ class Offload:
         self,
         config: OffloadConfig,
         groups: Sequence[FlatGroup],
-        stage: int,
-        dtype: torch.dtype,
+        sharding: ShardingConfig,
         device: torch.device,
         rank: int,
-        delayed: bool = False,
     ):
-        config.check(stage)
-        if delayed and config.optimizer == "none":
-            raise OffloadError(
-                "the delayed update (--delayed-update) overlaps the CPU optimizer step with the next "
-                "step's forward and backward: it needs a plan that offloads the optimizer state "
-                "(offload.optimizer cpu or nvme)"
-            )
-        self.config, self.stage, self.dtype, self.delayed = config, stage, dtype, delayed
+        config.check(sharding.zero_stage)
+        self.config, self.stage, self.dtype = config, sharding.zero_stage, sharding.param_dtype
+        self.delayed = config.delayed_update
         self.opt = (
-            OptimizerStore(config.optimizer, groups, device, config.nvme_path, rank, delayed, dtype)
-            if config.optimizer != "none"
-            else None
+            OptimizerStore(config, groups, device, self.dtype, rank) if config.optimizer != OffloadTier.NONE else None
         )
         """The optimizer state's store (None: on the device)."""
         self.params = (
-            ParamStore(config.params, groups, dtype, device, config.nvme_path, rank)
-            if config.params != "none"
-            else None
+            ParamStore(config, groups, self.dtype, device, rank) if config.params != OffloadTier.NONE else None
         )
         """The ZeRO-3 parameter shards' store (None: gathered from the device)."""
 
     @torch.no_grad()
-    def place(self, g: FlatGroup, master: torch.Tensor) -> None:
-        """Put group ``g``'s master (initially ``master``, fp32) and AdamW moments on their tier; at
+    def place(self, group: FlatGroup, master: torch.Tensor) -> None:
+        """Put ``group``'s master (initially ``master``, fp32) and AdamW moments on their tier; at
         ZeRO-3 also the compute-dtype shard gathers start from when that is not the device master:
         in the parameter store, or a device copy when only the optimizer state left the device."""
         if self.opt is None:
-            g.exp_avg = torch.zeros_like(g.master)
-            g.exp_avg_sq = torch.zeros_like(g.master)
+            resident = group.master
+            assert resident is not None  # the engine placed it
+            group.exp_avg = torch.zeros_like(resident)
+            group.exp_avg_sq = torch.zeros_like(resident)
         else:
-            self.opt.adopt(g, master)
+            self.opt.adopt(group, master)
         if self.stage == 3 and self.params is not None:
-            self.params.store(g, master)
+            self.params.store(group, master)
         elif self.stage == 3 and self.opt is not None:
-            g.param_shard = master.to(self.dtype, copy=True)
+            group.param_shard = master.to(self.dtype, copy=True)
 
-    def access(self, g: FlatGroup, write: bool = False):
-        """``(master, exp_avg, exp_avg_sq)`` of ``g`` for a ``with`` body, wherever they live
+    def access(self, group: FlatGroup, write: bool = False):
+        """``(master, exp_avg, exp_avg_sq)`` of ``group`` for a ``with`` body, wherever they live
         (a ``runtime.data_parallel.flat_shards.GroupAccess``)."""
-        return self.opt.open_group(g, write) if self.opt is not None else resident_access(g, write)
+        return self.opt.open_group(group, write) if self.opt is not None else resident_access(group, write)
 
-    def flush_grad(self, g: FlatGroup, dp_rank: int) -> None:
-        """Group ``g``'s reduction is complete: copy (ZeRO-1: this rank's shard of the all-reduced
+    def _store(self) -> OptimizerStore:
+        """The optimizer state's store (the optimizer is offloaded)."""
+        if self.opt is None:
+            raise OffloadError("the optimizer state is on the device: there is no host gradient to flush")
+        return self.opt
+
+    def flush_grad(self, group: FlatGroup, dp_rank: int) -> None:
+        """``group``'s reduction is complete: copy (ZeRO-1: this rank's shard of the all-reduced
         buffer) or move (ZeRO-2/3: the fp32 accumulator, released here) its reduced gradient into
         the host tier."""
         if self.stage >= 2:
-            acc = g.grad_shard if g.grad_shard is not None else torch.zeros(g.shard, device=self.opt.device)
-            self.opt.flush_grad(g, acc, overwrite=False)
-            g.grad_shard = None
+            store = self._store()
+            acc = group.grad_shard if group.grad_shard is not None else torch.zeros(group.shard, device=store.device)
+            store.flush_grad(group, acc, overwrite=False)
+            group.grad_shard = None
         else:
-            self.opt.flush_grad(g, g.grad_full[dp_rank * g.shard : (dp_rank + 1) * g.shard], overwrite=True)
-        g.flushed = True
+            assert group.grad_full is not None  # ZeRO-1 keeps the full gradient buffer
+            self._store().flush_grad(
+                group, group.grad_full[dp_rank * group.shard : (dp_rank + 1) * group.shard], overwrite=True
+            )
+        group.flushed = True
 
     def flush_all(self, groups: Sequence[FlatGroup], dp_rank: int) -> None:
         """In ``step()``: flush what backward did not (tied weights after their sum over stages, the
         last reductions) and wait until every gradient is in host memory."""
-        for g in groups:
-            if not g.flushed:
-                self.flush_grad(g, dp_rank)
-        self.opt.wait_grads()
+        for group in groups:
+            if not group.flushed:
+                self.flush_grad(group, dp_rank)
+        self._store().wait_grads()
 
-    def shard_source(self, g: FlatGroup) -> torch.Tensor:
-        """This rank's shard of ``g`` that a ZeRO-3 gather starts from: a device copy fetched from
+    def shard_source(self, group: FlatGroup) -> torch.Tensor:
+        """This rank's shard of ``group`` that a ZeRO-3 gather starts from: a device copy fetched from
         the parameter store, the device shard kept when only the optimizer state is offloaded, or
         the fp32 master."""
         if self.params is not None:
-            return self.params.fetch(g)
-        return g.param_shard if g.param_shard is not None else g.master
+            return self.params.fetch(group)
+        source = group.param_shard if group.param_shard is not None else group.master
+        assert source is not None  # the fp32 master is on the device when no shard was kept
+        return source
 
     @torch.no_grad()
-    def store_shard(self, g: FlatGroup, master: torch.Tensor) -> None:
+    def store_shard(self, group: FlatGroup, master: torch.Tensor) -> None:
         """After the step (ZeRO-3): the updated ``master`` becomes the shard the next gathers read."""
         if self.params is not None:
-            self.params.store(g, master)
-        elif g.param_shard is not None:
-            with copy_part(g.param_shard.device):
-                g.param_shard.copy_(master, non_blocking=True)
+            self.params.store(group, master)
+        elif group.param_shard is not None:
+            with copy_part(group.param_shard.device):
+                group.param_shard.copy_(master, non_blocking=True)
 
     def new_step(self) -> None:
         """``zero_grad``: host gradients start over; the next step's first parameter reads start."""
@@ -722,16 +736,16 @@ class Offload:
             self.params.end_step()
 
     def host_tensors(self, groups: Sequence[FlatGroup]) -> list[torch.Tensor]:
-        ts: list[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
         if self.opt is not None:
-            ts += self.opt.host_tensors() + self.opt.host_state(groups)
+            tensors += self.opt.host_tensors() + self.opt.host_state(groups)
         if self.params is not None:
-            ts += self.params.host_tensors()
-        return ts
+            tensors += self.params.host_tensors()
+        return tensors
 
     @property
     def nvme_bytes(self) -> int:
-        return sum(s.nvme_bytes for s in (self.opt, self.params) if s is not None)
+        return sum(store.nvme_bytes for store in (self.opt, self.params) if store is not None)
 
     def close(self) -> None:
         """Delete the NVMe files (idempotent)."""

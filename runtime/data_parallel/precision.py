@@ -56,11 +56,11 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, tuple):
-        return tuple(cast_floating(o, dtype) for o in obj)
+        return tuple(cast_floating(item, dtype) for item in obj)
     if isinstance(obj, list):
-        return [cast_floating(o, dtype) for o in obj]
+        return [cast_floating(item, dtype) for item in obj]
     if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+        return {k: cast_floating(value, dtype) for k, value in obj.items()}
     return obj
 
 

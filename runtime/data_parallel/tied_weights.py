@@ -47,7 +47,7 @@ def holder_ranks(manifest: dict, holders: Sequence[int]) -> tuple[int, ...]:
 def tied_stage_sets(manifest: dict) -> list[tuple[int, ...]]:
     """The distinct holder sets (pipeline ranks) of all tied weights, in a fixed order (every rank
     computes the same list, so every rank creates the same process groups in the same order)."""
-    sets = {holder_ranks(manifest, s) for st in manifest["stages"] for s in tied_params(st).values()}
+    sets = {holder_ranks(manifest, holders) for stage in manifest["stages"] for holders in tied_params(stage).values()}
     return sorted(sets)
 
 
@@ -55,8 +55,8 @@ def isolate_tied(groups: Sequence[Sequence[str]], tied: Mapping[str, object]) ->
     """``groups`` with each tied parameter moved into a group of its own (placed first), so that its
     flat buffer, padding and dp shards are the same on every stage that holds it."""
     out = [[name] for name in tied]
-    out += [[n for n in g if n not in tied] for g in groups]
-    return [g for g in out if g]
+    out += [[n for n in group if n not in tied] for group in groups]
+    return [group for group in out if group]
 
 
 def tied_flat_groups(
@@ -66,12 +66,12 @@ def tied_flat_groups(
     paired with its process group (none when the group has one rank); a copy that another stage
     counts gets empty ``norm_ranges``, so the gradient norm counts the weight once."""
     out = []
-    for name, (group, counted) in tied.items():
-        g = next((g for g in groups if any(e.name == name for e in g.entries)), None)
-        if g is None or len(g.entries) != 1:
+    for name, (process_group, counted) in tied.items():
+        group = next((group for group in groups if any(e.name == name for e in group.entries)), None)
+        if group is None or len(group.entries) != 1:
             raise ZeroError(f"tied parameter {name!r} must form a parameter group of its own")
         if not counted:
-            g.norm_ranges = []
-        if group is not None and comm.group_size(group) > 1:
-            out.append((g, group))
+            group.norm_ranges = []
+        if process_group is not None and comm.group_size(process_group) > 1:
+            out.append((group, process_group))
     return out

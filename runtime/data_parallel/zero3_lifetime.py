@@ -40,11 +40,16 @@ and the forward-order bookkeeping ``_fwd_order``, ``_fwd_seen``, ``_orders``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch.utils._pytree import tree_flatten
 
 from runtime.data_parallel.flat_shards import FREE, GATHERED, GATHERING, FlatGroup, ZeroError
 from runtime.distributed import comm
+
+if TYPE_CHECKING:
+    from runtime.data_parallel.offload_engine import Offload
 
 __all__ = ["Zero3Params", "in_backward", "group_roots"]
 
@@ -58,11 +63,13 @@ def group_roots(groups: list[FlatGroup], roots: list[str]) -> list[int]:
     """The root (index into ``roots``, module names; ``""`` is the whole module) of each group:
     the one whose subtree holds all its parameters."""
     out = []
-    for g in groups:
-        inside = [k for k, r in enumerate(roots) if not r or all(e.name.startswith(r + ".") for e in g.entries)]
+    for group in groups:
+        inside = [
+            k for k, root in enumerate(roots) if not root or all(e.name.startswith(root + ".") for e in group.entries)
+        ]
         if not inside:
             raise ZeroError(
-                f"parameter group {g.index} ({', '.join(g.names[:3])}) lies in none of the roots "
+                f"parameter group {group.index} ({', '.join(group.names[:3])}) lies in none of the roots "
                 f"{roots} (or spans several): group each root's parameters separately"
             )
         out.append(inside[0])
@@ -73,18 +80,37 @@ class Zero3Params:
     """The ZeRO-3 half of ``runtime.data_parallel.zero_engine.ZeroEngine``: forward/backward hooks that gather each
     layer's parameters ahead of use (with prefetch) and free them after."""
 
+    # Set by ``ZeroEngine`` (the module docstring lists them).
+    stage: int
+    dtype: torch.dtype
+    dp: int
+    dp_rank: int
+    dp_group: Any
+    groups: list[FlatGroup]
+    prefetch: bool
+    counters: dict[str, int]
+    _off: Offload
+    _group_root: list[int]
+    _fwd_order: list[int]
+    _fwd_seen: set[int]
+    _orders: dict[int, list[int]]
+
+    def _begin_backward(self) -> None:
+        """The engine's start of a backward pass."""
+        raise NotImplementedError
+
     def _order(self, root: int) -> list[int]:
         """Root ``root``'s groups in its last forward's order (index order before any)."""
-        return self._orders.get(root) or [g.index for g in self.groups if self._group_root[g.index] == root]
+        return self._orders.get(root) or [group.index for group in self.groups if self._group_root[group.index] == root]
 
     def _root_post_forward(self, root: int):
         if in_backward() or self.stage != 3:
             return
         if self._fwd_order:
             self._orders[root] = list(self._fwd_order)
-        for g in self.groups:  # prefetched but not used in this forward
-            if self._group_root[g.index] == root:
-                self._free(g)
+        for group in self.groups:  # prefetched but not used in this forward
+            if self._group_root[group.index] == root:
+                self._free(group)
 
     def prepare_weights(self, weights) -> None:
         """Before an autograd call that computes the gradients of ``weights`` outside the
@@ -92,20 +118,20 @@ class Zero3Params:
         module docstring). They are freed as their gradients complete, or when the pass ends."""
         if self.stage != 3:
             return
-        ids = {id(w) for w in weights}
-        for g in self.groups:
-            if ids.intersection(g.by_id):
-                self._gather(g)
-                self._wait_gather(g)
+        ids = {id(weight) for weight in weights}
+        for group in self.groups:
+            if ids.intersection(group.by_id):
+                self._gather(group)
+                self._wait_gather(group)
 
     def _pre_forward(self, groups: list[FlatGroup]) -> None:
         in_bwd = in_backward()
-        for g in groups:
-            self._gather(g)
-            self._wait_gather(g)
-            if not in_bwd and g.index not in self._fwd_seen:
-                self._fwd_seen.add(g.index)
-                self._fwd_order.append(g.index)
+        for group in groups:
+            self._gather(group)
+            self._wait_gather(group)
+            if not in_bwd and group.index not in self._fwd_seen:
+                self._fwd_seen.add(group.index)
+                self._fwd_order.append(group.index)
         if self.prefetch and not in_bwd:
             last = groups[-1].index
             order = self._order(self._group_root[last])
@@ -117,60 +143,62 @@ class Zero3Params:
     def _post_forward(self, groups: list[FlatGroup], out) -> None:
         if in_backward():
             return  # recomputation inside backward: keep the parameters for the backward ops
-        for g in groups:
-            self._free(g)
+        for group in groups:
+            self._free(group)
         if torch.is_grad_enabled():
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, gs=groups: self._backward_gather(gs))
+            for output in tree_flatten(out)[0]:
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(lambda grad, groups=groups: self._backward_gather(groups))
 
     def _backward_gather(self, groups: list[FlatGroup]) -> None:
         self._begin_backward()
-        for g in groups:
-            self._gather(g)
-            self._wait_gather(g)
-            g.visited = True
+        for group in groups:
+            self._gather(group)
+            self._wait_gather(group)
+            group.visited = True
         if self.prefetch:
-            for gi in reversed(self._order(self._group_root[groups[-1].index])):
-                g = self.groups[gi]
-                if not g.visited:
-                    self._prefetch(g)
+            for group_index in reversed(self._order(self._group_root[groups[-1].index])):
+                group = self.groups[group_index]
+                if not group.visited:
+                    self._prefetch(group)
                     break
 
-    def _prefetch(self, g: FlatGroup) -> None:
-        if g.state == FREE:
+    def _prefetch(self, group: FlatGroup) -> None:
+        if group.state == FREE:
             self.counters["prefetches"] += 1
-            self._gather(g, async_op=True)
+            self._gather(group, async_op=True)
 
-    def _gather(self, g: FlatGroup, async_op: bool = False) -> None:
-        """Materialize group ``g``'s full compute-dtype parameters (stage 3)."""
-        if self.stage != 3 or g.state != FREE:
+    def _gather(self, group: FlatGroup, async_op: bool = False) -> None:
+        """Materialize ``group``'s full compute-dtype parameters (stage 3)."""
+        full = group.full
+        if self.stage != 3 or group.state != FREE or full is None:
             return
         with torch.no_grad():
-            g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-            shard = self._off.shard_source(g)
+            full.untyped_storage().resize_(group.padded * full.element_size())
+            shard = self._off.shard_source(group)
             if self.dp == 1:
-                g.full.copy_(shard)
-                g.state = GATHERED
+                full.copy_(shard)
+                group.state = GATHERED
                 return
             if shard.dtype == self.dtype:
-                src = g.gather_src = shard  # kept alive until the gather ends
+                source = group.gather_src = shard  # kept alive until the gather ends
             else:
-                src = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
-                src.copy_(shard)
-            g.gather_work = comm.all_gather_into(g.full, src, self.dp_group, async_op=async_op)
-        g.state = GATHERING if async_op else GATHERED
+                source = full[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+                source.copy_(shard)
+            group.gather_work = comm.all_gather_into(full, source, self.dp_group, async_op=async_op)
+        group.state = GATHERING if async_op else GATHERED
         if not async_op:
-            g.gather_work = g.gather_src = None
+            group.gather_work = group.gather_src = None
 
-    def _wait_gather(self, g: FlatGroup) -> None:
-        if g.state == GATHERING:
-            comm.wait(g.gather_work)
-            g.gather_work, g.gather_src, g.state = None, None, GATHERED
+    def _wait_gather(self, group: FlatGroup) -> None:
+        if group.state == GATHERING:
+            comm.wait(group.gather_work)
+            group.gather_work, group.gather_src, group.state = None, None, GATHERED
 
-    def _free(self, g: FlatGroup) -> None:
-        if self.stage != 3 or g.state == FREE:
+    def _free(self, group: FlatGroup) -> None:
+        if self.stage != 3 or group.state == FREE:
             return
-        self._wait_gather(g)
-        g.full.untyped_storage().resize_(0)
-        g.state = FREE
+        self._wait_gather(group)
+        if group.full is not None:
+            group.full.untyped_storage().resize_(0)
+        group.state = FREE

@@ -17,92 +17,43 @@ What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtyp
     2       P b (full)          P/dp shard*             4 P / dp (fp32 shard)      8 P / dp
     3       gathered per layer  4 P / dp (the shard)    4 P / dp (fp32 shard)      8 P / dp
     (* a view of the compute params when they are fp32, separate storage otherwise)
-    The fp32 gradient shards of stages 2/3 exist from a step's first reduce-scatter until
-    ``zero_grad()``, which releases them (so they are absent at the start of each forward).
 
-    offloaded (``runtime.data_parallel.offload_engine``, plan.json ``offload``; stages 1-3):
-    optimizer cpu    masters, m, v (12 P / dp) and the reduced fp32 gradient shard (4 P / dp) in
-                     host memory; the device keeps its compute params, at stage 1 the full gradient
-                     buffer, at 2/3 only the gradients of layers in flight, at 3 a compute-dtype
-                     shard (P b / dp) that the gathers start from
-    optimizer nvme   as cpu, with masters, m, v in files; host memory: the gradient shard and two
-                     transfer slots of the largest group's state
-    params cpu/nvme  (stage 3) that compute-dtype shard in host memory / a file instead, copied to
-                     the device just before each gather
+The fp32 gradient shards of stages 2/3 exist from a step's first reduce-scatter until
+``zero_grad()``. Offloaded state (stages 1-3, plan.json ``offload``) lives in host memory or NVMe
+files instead: ``runtime.data_parallel.offload_engine``.
 
 Gradients
 ---------
-Each rank's loss is the mean over its local samples; the engine *averages* gradients over dp,
-so dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward passes
-accumulate into the flat gradient buffers (``p.grad`` are views of them). A post-accumulate hook
-on every parameter counts the parameters of a group that received their gradient; when a group
-is complete its bucket may be reduced *while backward continues* (async collectives):
-
-- stage 0/1: all-reduce (sum, then divide by dp) of a *bucket* -- consecutive groups, contiguous
-  in one big gradient buffer, in backward order, about ``bucket_bytes`` each. Reduced once per
-  step: from the hooks of the last backward when ``micro_batches_per_step`` is set, else in
-  ``step()``. A backward after a reduction (more backwards than announced) is still right: the
-  buffer then holds ``avg + g_r`` and its reduction gives ``(dp avg + sum g_r) / dp``.
-- stage 2/3: reduce-scatter of each bucket on *every* backward that is not inside ``no_sync()``
-  (a per-micro-batch reduce-scatter, as FSDP does): the result is added (divided by dp) to fp32
-  shard accumulators and the full gradient buffer of the group is freed, so gradients cost
-  ``4 P / dp`` plus the layers in flight. A bucket of several groups is laid out rank-major
-  (``[g1 shard r | g2 shard r]`` for each r) in a staging buffer, one collective for all.
-  Inside ``no_sync()`` full gradients accumulate instead and are reduce-scattered later.
-  Outside backward ``p.grad`` is then ``None``: the reduced gradient lives in the shards.
-
-A parameter tied across pipeline stages (``runtime.data_parallel.tied_weights``) is a group of its own; ``step()`` sums
-its reduced gradient (stage 0/1 the full buffer, 2/3 the fp32 shard) over its tied group first.
-
-Buckets launch strictly in bucket order (a bucket whose groups finish early waits for the
-earlier buckets), so every rank issues the same collectives in the same order. The end of each
-backward (an autograd engine callback) launches what is left and waits for all of it.
+Each rank's loss is the mean over its local samples; the engine *averages* gradients over dp, so
+dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward accumulates
+into the flat gradient buffers (``p.grad`` are views of them); a post-accumulate hook per parameter
+marks a group complete, and its bucket is reduced *while backward continues*
+(``runtime.data_parallel.grad_reduction``): stage 0/1 all-reduce once per step (from the last
+backward's hooks when ``micro_batches_per_step`` is set, else in ``step()``); stage 2/3
+reduce-scatter on every backward outside ``no_sync()`` into fp32 shard accumulators, freeing the
+full gradient. A parameter tied across pipeline stages (``runtime.data_parallel.tied_weights``)
+is a group of its own, its reduced gradient summed over its tied group in ``step()``.
 
 Backward passes
 ---------------
-A backward pass is one autograd graph task, or everything inside ``with
-engine.backward_pass():`` (begun on entry, its end-of-backward work on exit). A split schedule
-(``runtime.pipeline.executor``: ``B`` input gradients, ``W`` weight gradients in one autograd call per
-group of weights) wraps each ``W`` so that a group completes and is reduced once per micro-batch,
-as under 1F1B (unwrapped, each ``W`` call was a pass: at pp2 x dp2 ZeRO-1 reduced mid-``W`` and
-again in ``step()``, ZeRO-2 issued 20 reduce-scatters per step instead of 8), and each ``B`` in
-``backward_pass(accumulates=False)``, which neither counts nor reduces. Over ``v`` model chunks
-(``roots``) a step is ``v * m`` passes, each completing one chunk's groups; buckets never span two
-roots and a pass launches its root's buckets as they complete. One norm, clip and step cover all.
+A backward pass is one autograd graph task, or everything inside ``with engine.backward_pass():``.
+A split schedule (``runtime.pipeline.executor``) wraps each ``W`` so that a group completes and is
+reduced once per micro-batch, and each ``B`` in ``backward_pass(accumulates=False)``, which neither
+counts nor reduces. Over ``v`` model chunks (``roots``) a step is ``v * m`` passes; buckets never
+span two roots. One norm, clip and step cover all.
 
 Step
 ----
-``step()``: finish reductions; sum of squared gradients over the elements this rank *owns*
-(its shard; at stage 0 only dp rank 0 counts, the gradients being replicated; parameters that
-``replicated_param_filter`` marks as duplicated across tensor-parallel ranks count only on rank 0
-of ``replicated_group``) and a non-finite flag, both in one fp64 all-reduce over dp and then over
-each of ``norm_groups``. ``N = sqrt(sum) / loss_scale`` is the global gradient norm. If any rank
-saw inf/nan, every rank skips the step (and the loss scaler backs off). Otherwise gradients are
-multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))`` and AdamW
-(``runtime.data_parallel.flat_shards.adamw_step_``) updates the fp32 masters; stage 0 copies them into the compute
-parameters, stage 1/2 all-gather the updated shards into the full flat buffers (async, overlapped
-with the next group's update), stage 3 keeps only the shard. With the optimizer offloaded the
-gradients are host shards (flushed as their reduction completes), and the update runs on the CPU
-group by group through the store (``runtime.data_parallel.offload_engine``), each result copied back to the device.
-
-ZeRO-3 parameter lifetime
--------------------------
-Gathered per layer just before use and freed after: ``runtime.data_parallel.zero3_lifetime`` (``Zero3Params``, a base
-class of ``ZeroEngine``) explains the hooks and their contract.
-
-Mixed precision
----------------
-``param_dtype`` (fp32, bf16, fp16) is the compute dtype of parameters, gradients and
-collectives; masters, AdamW state and stage-2/3 gradient shards are fp32. Floating-point module
-buffers and forward inputs are cast to ``param_dtype``. fp16 uses ``DynamicLossScaler``: call
-``scale_loss(loss).backward()`` (or multiply by ``engine.loss_scale``).
-
-State
------
-``state_dict()`` returns this rank's shards (masters, AdamW moments, step, loss scaler) with the
-layout needed to reshard them (``runtime.data_parallel.flat_shards``: ``consolidate_shards`` / ``slice_shard``);
-``load_state_dict`` takes the same layout or a consolidated one, at any dp or stage.
-``full_state_dict()`` gathers the fp32 parameters by their original names.
+``step()``: finish reductions; sum of squared gradients over the elements this rank *owns* (at
+stage 0 only dp rank 0 counts; parameters replicated across tensor-parallel ranks count on rank 0
+of their group) and a non-finite flag, in one fp64 all-reduce over dp and ``norm_groups``.
+``N = sqrt(sum) / loss_scale`` is the global norm; if any rank saw inf/nan every rank skips the
+step. Otherwise gradients are multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))``
+and AdamW (``runtime.data_parallel.flat_shards.adamw_step_``) updates the fp32 masters; stage 0
+copies them into the parameters, 1/2 all-gather the updated shards, 3 keeps only the shard (its
+per-layer gathers: ``runtime.data_parallel.zero3_lifetime``). fp16 uses ``DynamicLossScaler``:
+``scale_loss(loss).backward()``. ``state_dict()`` returns this rank's shards with the layout to
+reshard them (``runtime.data_parallel.flat_shards``), loadable at any dp or stage.
 
 Assumption: every data-parallel rank runs the same graph (same modules, same parameters receive
 gradients), as with DDP; module weights must be identical on all dp ranks at construction.
@@ -112,14 +63,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
+from runtime.data_parallel.engine_config import OptimizerConfig, ParallelContext, ShardingConfig
 from runtime.data_parallel.flat_shards import (
     FREE,
     FlatGroup,
@@ -134,18 +85,24 @@ from runtime.data_parallel.flat_shards import (
     state_layout,
     storage_bytes,
 )
-from runtime.data_parallel.offload_engine import Offload, OffloadConfig, copy_part
-from runtime.data_parallel.precision import DynamicLossScaler, cast_floating, check_compute_dtype, dtype_name
+from runtime.data_parallel.grad_reduction import GradientReducer, drop_full_grad, shard_accumulator
+from runtime.data_parallel.offload_engine import Offload, OffloadConfig, OptimizerStore, copy_part
+from runtime.data_parallel.precision import DynamicLossScaler, cast_floating, dtype_name
 from runtime.data_parallel.tied_weights import tied_flat_groups
 from runtime.data_parallel.zero3_lifetime import Zero3Params, group_roots, in_backward
 from runtime.distributed import comm
 from runtime.distributed.mesh import get_mesh
 
-#: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
-FIRST_BUCKET_BYTES = 2**20
-
-
-__all__ = ["ZeroEngine", "StepInfo", "DynamicLossScaler", "ZeroError"]
+__all__ = [
+    "ZeroEngine",
+    "StepInfo",
+    "DynamicLossScaler",
+    "ZeroError",
+    "ShardingConfig",
+    "OptimizerConfig",
+    "ParallelContext",
+    "OffloadConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -170,38 +127,14 @@ class ZeroEngine(Zero3Params):
             ``module`` form a first group, then one group per top-level child (per element
             for a ``ModuleList``/``ModuleDict`` child).
         dp_group: data-parallel process group (``None``: dp = 1, no communication).
-        zero_stage: 0, 1, 2 or 3.
-        param_dtype: compute dtype (``torch.float32``, ``torch.bfloat16``, ``torch.float16``).
-        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
-        max_grad_norm: clip the global gradient norm to this (``None``: no clipping).
-        norm_groups: further process groups whose ranks hold other parts of the model (tensor
-            and pipeline parallel); squared norms and the overflow flag are summed over them.
-        replicated_param_filter: ``name -> bool``; True for parameters duplicated on every rank
-            of ``replicated_group`` (e.g. LayerNorm weights under tensor parallelism). They count
-            once in the gradient norm, on rank 0 of that group only.
-        replicated_group: the group those parameters are duplicated across (default: the tensor
-            parallel group of ``runtime.distributed.mesh.get_mesh()``).
-        weight_decay_filter: ``name -> bool``; False exempts a parameter from weight decay
-            (default: every parameter decays).
-        bucket_bytes: target size of one gradient reduction (groups are merged up to it).
-        loss_scaler: loss scaler for fp16 (default for fp16: ``DynamicLossScaler()``); must be
-            ``None`` for other dtypes.
-        prefetch: stage 3 only: gather the next layer asynchronously while this one computes.
-        micro_batches_per_step: number of backward passes per step (with ``roots``, the passes of
-            all roots together: ``v * m`` for ``v`` model chunks and ``m`` micro-batches); when
-            set, stage 0/1 reduce gradients from the hooks of the last one (overlapped with
-            backward) instead of in ``step()``.
-        tied: ``name -> (group, counted)`` for parameters tied across pipeline stages
-            (``runtime.data_parallel.tied_weights``): each must form a group of its own in ``layers``; after the dp
-            reduction its gradient (stage 0/1: the full buffer, 2/3: the fp32 shard) is summed
-            over ``group``, and it counts in the gradient norm only where ``counted``.
-        offload: where the optimizer state and (ZeRO-3) parameter shards live
-            (``runtime.data_parallel.offload_engine.OffloadConfig``; None: on the device).
-        rank: this process's global rank, naming its NVMe folder (default: ``dist.get_rank()``).
-        delayed_update: with the optimizer offloaded, run each step's CPU update in the background
-            and apply it at the next ``step()``: step k+1's forward and backward use the parameters
-            of step k-1 (one step stale; it changes the numerics). ``state_dict`` and friends wait
-            for it and apply it first.
+        sharding: ZeRO stage, compute dtype, gradient buckets, prefetch, backward passes per step
+            (``runtime.data_parallel.engine_config.ShardingConfig``; default: stage 0 in fp32).
+        optimizer: AdamW hyper-parameters, clipping, weight-decay filter and fp16 loss scaler
+            (``runtime.data_parallel.engine_config.OptimizerConfig``).
+        parallel: the tensor/pipeline-parallel groups that share the gradient norm, replicated and
+            tied parameters, this process's rank (``runtime.data_parallel.engine_config.ParallelContext``).
+        offload: where the optimizer state and (ZeRO-3) parameter shards live, and the delayed
+            update (``runtime.data_parallel.offload_engine.OffloadConfig``; None: on the device).
         roots: names of the submodules called on their own (a rank's model chunks, ``"0"``,
             ``"1"`` ... of an ``nn.ModuleList``; ``None``: the module). Each group lies in one root;
             each root gets the root hooks and its own gradient buckets ("Backward passes").
@@ -211,63 +144,64 @@ class ZeroEngine(Zero3Params):
         self,
         module: nn.Module,
         layers: Sequence[Sequence[str]] | None = None,
-        dp_group=None,
-        zero_stage: int = 0,
-        param_dtype: torch.dtype = torch.float32,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = None,
-        norm_groups: Iterable = (),
-        replicated_param_filter: Callable[[str], bool] | None = None,
-        replicated_group=None,
-        weight_decay_filter: Callable[[str], bool] | None = None,
-        bucket_bytes: int = 25 * 2**20,
-        loss_scaler: DynamicLossScaler | None = None,
-        prefetch: bool = True,
-        micro_batches_per_step: int | None = None,
-        tied: Mapping[str, tuple[object, bool]] | None = None,
+        dp_group: Any = None,
+        sharding: ShardingConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        parallel: ParallelContext | None = None,
         offload: OffloadConfig | None = None,
-        rank: int | None = None,
-        delayed_update: bool = False,
         roots: Sequence[str] | None = None,
     ):
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        if micro_batches_per_step is not None and micro_batches_per_step < 1:
-            raise ValueError(f"micro_batches_per_step must be >= 1, got {micro_batches_per_step}")
         self.module = module
-        self.stage = zero_stage
-        self.dtype = check_compute_dtype(param_dtype)
-        self.lr, self.beta1, self.beta2 = float(lr), float(betas[0]), float(betas[1])
-        self.eps, self.weight_decay, self.max_grad_norm = float(eps), float(weight_decay), max_grad_norm
-        self.bucket_bytes, self.prefetch = int(bucket_bytes), bool(prefetch)
-        self.micro_batches_per_step = micro_batches_per_step
+        self.sharding = sharding = sharding or ShardingConfig()
+        self.optimizer = optimizer = optimizer or OptimizerConfig()
+        parallel = parallel or ParallelContext()
+        self.stage, self.dtype, self.prefetch = sharding.zero_stage, sharding.param_dtype, sharding.prefetch
+        self.micro_batches_per_step = sharding.micro_batches_per_step
+        self.lr = optimizer.lr
+        self.scaler = self._loss_scaler(optimizer.loss_scaler)
+        self.dp_group = dp_group
+        self.dp = comm.group_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
+        self.norm_groups = [group for group in parallel.norm_groups if group is not None and comm.group_size(group) > 1]
+        self._init_bookkeeping()
+        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp)
+        self._roots = list(roots) if roots else [""]
+        self._group_root = group_roots(self.groups, self._roots)
+        self.device = self._common_device()
+        self._set_ranges(parallel)
+        self._tied = tied_flat_groups(self.groups, parallel.tied)
+        self._tied_ids = {group.index for group, _ in self._tied}
+        rank = parallel.rank
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        self._off = Offload(offload or OffloadConfig(), self.groups, sharding, self.device, rank)
+        self._opt: OptimizerStore | None = self._off.opt  # the optimizer state's store when offloaded
+        with torch.no_grad():
+            self._allocate()
+            if self.dtype != torch.float32:
+                self._cast_buffers()
+        self._reducer = GradientReducer(
+            self.groups, self._group_root, dp_group, sharding, self.device, self._flat_grad, self._reduced
+        )
+        self._register_hooks()
+
+    # ------------------------------------------------------------------ construction
+    def _loss_scaler(self, loss_scaler: DynamicLossScaler | None) -> DynamicLossScaler | None:
+        """The loss scaler of the compute dtype: the given one or a default one for fp16, none else."""
         if loss_scaler is None and self.dtype == torch.float16:
             loss_scaler = DynamicLossScaler()
         if loss_scaler is not None and self.dtype != torch.float16:
             raise ValueError(f"a loss scaler is only used with fp16, not {dtype_name(self.dtype)}")
-        self.scaler = loss_scaler
-        self.dp_group = dp_group
-        self.dp = comm.group_size(dp_group) if dp_group is not None else 1
-        self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
-        self.norm_groups = [g for g in norm_groups if g is not None and comm.group_size(g) > 1]
-        if replicated_param_filter is not None and replicated_group is None:
-            replicated_group = get_mesh().tp_group
-        rep_rank = dist.get_rank(replicated_group) if replicated_group is not None else 0
+        return loss_scaler
+
+    def _init_bookkeeping(self) -> None:
+        """The state of backward passes and steps before the first one."""
         self.step_count = 0
         self._no_sync = False
         self._backwards = 0  # backward passes since the last step / zero_grad
-        self._cb_task: int | None = None  # graph task whose end callback is queued
+        self._graph_task: int | None = None  # graph task whose end callback is queued
         self._scope = False  # inside backward_pass(): autograd calls join the scope's pass
         self._sync_this_backward = False
-        self._inflight: list[tuple] = []
-        self._launched: set[int] = set()  # buckets launched in this backward pass
         self._hooks: list = []
         self._fwd_order: list[int] = []
         self._fwd_seen: set[int] = set()
@@ -276,136 +210,139 @@ class ZeroEngine(Zero3Params):
         """Bucket reductions launched from gradient hooks while backward runs (overlapped), by the
         end-of-backward callback, or by ``step()``; stage-3 gathers launched ahead of use."""
 
-        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp)
-        self._roots = list(roots) if roots else [""]
-        self._group_root = group_roots(self.groups, self._roots)
-        dev = {e.param.device for g in self.groups for e in g.entries}
-        if len(dev) != 1:
-            raise ZeroError(f"all parameters of a stage must be on one device, found {sorted(map(str, dev))}")
-        self.device = dev.pop()
-        set_owned_ranges(self.groups, self.stage, self.dp_rank, replicated_param_filter, rep_rank, weight_decay_filter)
-        self._tied = tied_flat_groups(self.groups, tied or {})
-        self._tied_ids = {g.index for g, _ in self._tied}
-        if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-        self._off = Offload(
-            offload or OffloadConfig(), self.groups, self.stage, self.dtype, self.device, rank, delayed_update
-        )
-        self._opt = self._off.opt  # the optimizer state's store when it is offloaded, else None
-        with torch.no_grad():
-            self._allocate()
-            if self.dtype != torch.float32:
-                for m in module.modules():
-                    for k, b in m._buffers.items():
-                        if b is not None and b.is_floating_point():
-                            m._buffers[k] = b.to(self.dtype)
-        self._buckets = self._make_buckets()
-        self._register_hooks()
+    def _common_device(self) -> torch.device:
+        """The one device of every parameter."""
+        devices = {entry.param.device for group in self.groups for entry in group.entries}
+        if len(devices) != 1:
+            raise ZeroError(f"all parameters of a stage must be on one device, found {sorted(map(str, devices))}")
+        return devices.pop()
 
-    # ------------------------------------------------------------------ construction
+    def _set_ranges(self, parallel: ParallelContext) -> None:
+        """Each group's element ranges that count in the gradient norm and that decay."""
+        replicated_group = parallel.replicated_group
+        if parallel.replicated_param_filter is not None and replicated_group is None:
+            replicated_group = get_mesh().tp_group
+        replicated_rank = dist.get_rank(replicated_group) if replicated_group is not None else 0
+        set_owned_ranges(
+            self.groups,
+            self.stage,
+            self.dp_rank,
+            parallel.replicated_param_filter,
+            replicated_rank,
+            self.optimizer.weight_decay_filter,
+        )
+
+    def _cast_buffers(self) -> None:
+        """Floating-point module buffers to the compute dtype."""
+        for submodule in self.module.modules():
+            for key, buffer in submodule._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    submodule._buffers[key] = buffer.to(self.dtype)
+
     def _allocate(self) -> None:
         """Move the parameters into flat buffers, one group at a time (so that the original
         storage of a group can be released before the next one is copied)."""
-        dt, dev, r = self.dtype, self.device, self.dp_rank
+        self._flat: torch.Tensor | None = None
+        self._flat_grad: torch.Tensor | None = None
         if self.stage < 3:
-            total = sum(g.padded for g in self.groups)
-            self._flat = torch.zeros(total, dtype=dt, device=dev)
-            self._flat_grad = torch.zeros(total, dtype=dt, device=dev) if self.stage < 2 else None
-        else:
-            self._flat = self._flat_grad = None
+            total = sum(group.padded for group in self.groups)
+            self._flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+            if self.stage < 2:
+                self._flat_grad = torch.zeros(total, dtype=self.dtype, device=self.device)
         base = 0
-        for g in self.groups:
-            f = torch.zeros(g.padded, dtype=torch.float32, device=dev)
-            for e in g.entries:
-                f[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            sl = slice(r * g.shard, (r + 1) * g.shard)
-            if self.stage < 3:
-                g.base = base
-                g.full = self._flat[base : base + g.padded]
-                g.full.copy_(f)
-                if self.stage == 0:
-                    g.master = g.full if dt == torch.float32 else f
-                else:
-                    g.master = g.full[sl] if dt == torch.float32 else f[sl].clone()
-                if self._flat_grad is not None:
-                    g.grad_full = self._flat_grad[base : base + g.padded]
-                base += g.padded
+        for group in self.groups:
+            fp32 = torch.zeros(group.padded, dtype=torch.float32, device=self.device)
+            for entry in group.entries:
+                fp32[entry.offset : entry.offset + entry.numel].copy_(entry.param.detach().reshape(-1))
+            own = slice(self.dp_rank * group.shard, (self.dp_rank + 1) * group.shard)
+            if self._flat is not None:
+                self._place_flat(group, fp32, own, base)
+                base += group.padded
             else:
-                g.master = f[sl].clone()
-                g.full = torch.empty(g.padded, dtype=dt, device=dev)
-            self._off.place(g, f[sl] if self.stage > 0 else f)
+                group.master = fp32[own].clone()
+                group.full = torch.empty(group.padded, dtype=self.dtype, device=self.device)
+            self._off.place(group, fp32[own] if self.stage > 0 else fp32)
             # stage 2/3: the fp32 gradient shard is allocated by the first reduction of a step
-            # (``_shard_acc``) and released by ``zero_grad``, so it never exists during the first
-            # backward's loss, where a language model's memory peaks.
-            for e in g.entries:
-                e.param.data = g.full[e.offset : e.offset + e.numel].view(e.shape)
-                e.param.grad = None
-                if g.grad_full is not None:
-                    e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
+            # (``shard_accumulator``) and released by ``zero_grad``, so it never exists during the
+            # first backward's loss, where a language model's memory peaks.
+            self._point_params(group)
             if self.stage == 3:
-                g.full.untyped_storage().resize_(0)
-                g.state = FREE
+                self._release_full(group)
+                group.state = FREE
+
+    @staticmethod
+    def _release_full(group: FlatGroup) -> None:
+        """Stage 3: free the storage of ``group``'s full buffer (its views stay, the gathers refill it)."""
+        assert group.full is not None
+        group.full.untyped_storage().resize_(0)
+
+    def _place_flat(self, group: FlatGroup, fp32: torch.Tensor, own: slice, base: int) -> None:
+        """Stages 0-2: ``group``'s views of the stage-wide buffers, filled from ``fp32``, and its master."""
+        assert self._flat is not None
+        group.base = base
+        group.full = self._flat[base : base + group.padded]
+        group.full.copy_(fp32)
+        if self.stage == 0:
+            group.master = group.full if self.dtype == torch.float32 else fp32
+        else:
+            group.master = group.full[own] if self.dtype == torch.float32 else fp32[own].clone()
+        if self._flat_grad is not None:
+            group.grad_full = self._flat_grad[base : base + group.padded]
+
+    @staticmethod
+    def _point_params(group: FlatGroup) -> None:
+        """Every parameter of ``group`` becomes a view of its flat buffer (``.grad`` too, when kept)."""
+        assert group.full is not None
+        for entry in group.entries:
+            entry.param.data = group.full[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            entry.param.grad = None
+            if group.grad_full is not None:
+                entry.param.grad = group.grad_full[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     def _sync_tied(self) -> None:
         """Sum the gradients of tied parameters over the stages that hold a copy."""
-        for g, group in self._tied:
-            grad = self._shard_acc(g) if self.stage >= 2 else g.grad_full
-            comm.all_reduce(grad, group)
-
-    def _make_buckets(self) -> list[list[int]]:
-        """Consecutive groups in backward order, each bucket at most ``bucket_bytes`` (a group
-        larger than that is a bucket of its own). The first bucket is capped at 1 MiB, as DDP
-        does, so the first reduction starts early in backward and overlaps the rest of it.
-
-        Stages 2 and 3 reduce-scatter each group (layer) on its own, as FSDP does per module:
-        merging would copy the merged groups' gradients into one more staging buffer, and the
-        point of sharding gradients is to hold as few full ones as possible."""
-        if self.stage >= 2:
-            return [[g.index] for g in reversed(self.groups)]
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        buckets, cur, size = [], [], 0
-        cap = min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        for g in reversed(self.groups):
-            gb = g.padded * esize
-            if cur and (size + gb > cap or self._group_root[g.index] != self._group_root[cur[0]]):
-                buckets.append(cur)
-                cur, size, cap = [], 0, self.bucket_bytes
-            cur.append(g.index)
-            size += gb
-        if cur:
-            buckets.append(cur)
-        return buckets
+        for group, tied_group in self._tied:
+            grad = shard_accumulator(group, self.device) if self.stage >= 2 else group.grad_full
+            assert grad is not None  # stages 0/1 keep the full gradient buffers
+            comm.all_reduce(grad, tied_group)
 
     def _register_hooks(self) -> None:
-        m = self.module
         for k, name in enumerate(self._roots):
-            sub = m.get_submodule(name)
+            root = self.module.get_submodule(name)
             self._hooks.append(
-                sub.register_forward_pre_hook(
+                root.register_forward_pre_hook(
                     lambda mod, args, kwargs, k=k: self._root_pre_forward(k, args, kwargs), with_kwargs=True
                 )
             )
-            self._hooks.append(sub.register_forward_hook(lambda mod, args, out, k=k: self._root_post_forward(k)))
-        for g in self.groups:
-            for e in g.entries:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g, p)))
-        if self.stage == 3:
-            by_module: dict[str, list[FlatGroup]] = {}
-            for g in self.groups:
-                for name in g.hook_modules:
-                    by_module.setdefault(name, []).append(g)
-            for name, groups in by_module.items():
-                sub = m.get_submodule(name)
-                self._hooks.append(sub.register_forward_pre_hook(lambda mod, args, gs=groups: self._pre_forward(gs)))
+            self._hooks.append(root.register_forward_hook(lambda mod, args, out, k=k: self._root_post_forward(k)))
+        for group in self.groups:
+            for entry in group.entries:
                 self._hooks.append(
-                    sub.register_forward_hook(lambda mod, args, out, gs=groups: self._post_forward(gs, out))
+                    entry.param.register_post_accumulate_grad_hook(lambda p, group=group: self._on_grad(group, p))
                 )
+        if self.stage == 3:
+            self._register_gather_hooks()
+
+    def _register_gather_hooks(self) -> None:
+        """Stage 3: gather each group around the forward of the modules that hold it."""
+        by_module: dict[str, list[FlatGroup]] = {}
+        for group in self.groups:
+            for name in group.hook_modules:
+                by_module.setdefault(name, []).append(group)
+        for name, groups in by_module.items():
+            submodule = self.module.get_submodule(name)
+            self._hooks.append(
+                submodule.register_forward_pre_hook(lambda mod, args, groups=groups: self._pre_forward(groups))
+            )
+            self._hooks.append(
+                submodule.register_forward_hook(lambda mod, args, out, groups=groups: self._post_forward(groups, out))
+            )
 
     def close(self) -> None:
         """Remove every hook the engine put on the module and its parameters; delete the offload
         stores' NVMe files."""
-        for h in self._hooks:
-            h.remove()
+        for hook in self._hooks:
+            hook.remove()
         self._hooks = []
         self._off.close()
 
@@ -419,23 +356,23 @@ class ZeroEngine(Zero3Params):
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes run inside only accumulate gradients locally (no communication)."""
-        prev, self._no_sync = self._no_sync, True
+        previous, self._no_sync = self._no_sync, True
         try:
             yield
         finally:
-            self._no_sync = prev
+            self._no_sync = previous
 
     @contextlib.contextmanager
-    def backward_pass(self, accumulates: bool = True):
+    def backward_pass(self, accumulates: bool = True) -> Iterator[ZeroEngine]:
         """Every autograd call inside is part of ONE backward pass (see "Backward passes").
 
         ``accumulates=False``: a pass that accumulates no weight gradient (a split schedule's
         ``B``): it does not count towards ``micro_batches_per_step`` and reduces nothing; at
         ZeRO-3 the groups it gathers are freed when it ends. Not reentrant; call it outside
         autograd, around the ``backward``/``grad`` calls."""
-        if in_backward() or self._scope or self._cb_task is not None:
+        if in_backward() or self._scope or self._graph_task is not None:
             raise ZeroError(
                 "backward_pass() must be entered outside any backward pass and does not nest; "
                 "if an earlier backward failed, call engine.zero_grad() first"
@@ -450,7 +387,7 @@ class ZeroEngine(Zero3Params):
 
     def _start_pass(self, counted: bool) -> None:
         """A backward pass begins: count it and decide whether it reduces."""
-        self._launched = set()
+        self._reducer.launched = set()
         self._backwards += counted
         if not counted or self._no_sync or self.dp == 1 and self.stage < 2:
             self._sync_this_backward = False
@@ -463,155 +400,65 @@ class ZeroEngine(Zero3Params):
         """First hook of a backward pass: decide whether it reduces, queue the end callback (inside
         ``backward_pass()`` the scope did both)."""
         task = torch._C._current_graph_task_id()
-        if self._scope or task == self._cb_task:
+        if self._scope or task == self._graph_task:
             return
-        if self._cb_task is not None:
+        if self._graph_task is not None:
             raise ZeroError(
                 "a backward pass started inside another one (reentrant activation checkpointing?); "
                 "the ZeRO engine needs non-reentrant checkpointing (use_reentrant=False). If an "
                 "earlier backward failed instead, call engine.zero_grad() before the next one"
             )
-        self._cb_task = task
+        self._graph_task = task
         self._start_pass(counted=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _on_grad(self, g: FlatGroup, p: nn.Parameter) -> None:
+    def _on_grad(self, group: FlatGroup, param: nn.Parameter) -> None:
         self._begin_backward()
-        e = g.by_id[id(p)]
-        if g.grad_full is None:  # stage 2/3: the group's first gradient since its last reduction
-            g.grad_full = torch.zeros(g.padded, dtype=self.dtype, device=self.device)
-            for x in g.entries:
-                if x is not e:
-                    x.param.grad = g.grad_full[x.offset : x.offset + x.numel].view(x.shape)
-        view = g.grad_full[e.offset : e.offset + e.numel]
-        if p.grad is None:
-            raise ZeroError(f"parameter {e.name!r} has no gradient in its post-accumulate hook")
-        if p.grad.data_ptr() != view.data_ptr():  # created by autograd (or the user reset .grad)
+        entry = group.by_id[id(param)]
+        if group.grad_full is None:  # stage 2/3: the group's first gradient since its last reduction
+            group.grad_full = torch.zeros(group.padded, dtype=self.dtype, device=self.device)
+            for other in group.entries:
+                if other is not entry:
+                    other.param.grad = group.grad_full[other.offset : other.offset + other.numel].view(other.shape)
+        view = group.grad_full[entry.offset : entry.offset + entry.numel]
+        if param.grad is None:
+            raise ZeroError(f"parameter {entry.name!r} has no gradient in its post-accumulate hook")
+        if param.grad.data_ptr() != view.data_ptr():  # created by autograd (or the user reset .grad)
             with torch.no_grad():
-                view.copy_(p.grad.reshape(-1))
-            p.grad = view.view(e.shape)
-        g.dirty = True
-        g.flushed = False
-        g.waiting.discard(id(p))
-        if not g.waiting and not g.ready:
-            g.ready = True
-            g.visited = True
-            self._free(g)
+                view.copy_(param.grad.reshape(-1))
+            param.grad = view.view(entry.shape)
+        group.dirty = True
+        group.flushed = False
+        group.waiting.discard(id(param))
+        if not group.waiting and not group.ready:
+            group.ready = True
+            group.visited = True
+            self._free(group)
             if self._sync_this_backward:
-                self._launch_buckets(only_ready=True, where="reduced_in_backward", root=self._group_root[g.index])
+                self._launch("reduced_in_backward", only_ready=True, root=self._group_root[group.index])
 
     def _end_backward(self) -> None:
         sync = self._sync_this_backward
-        self._cb_task = None
+        self._graph_task = None
         if sync:
-            self._launch_buckets(only_ready=False, where="reduced_at_backward_end")
-            self._drain()
-        for g in self.groups:
-            g.waiting, g.ready, g.visited = set(g.by_id), False, False
-            self._free(g)
-        self._launched = set()
+            self._launch("reduced_at_backward_end", only_ready=False)
+            self._reducer.drain()
+        for group in self.groups:
+            group.waiting, group.ready, group.visited = set(group.by_id), False, False
+            self._free(group)
+        self._reducer.launched = set()
 
-    def _launch_buckets(self, only_ready: bool, where: str = "reduced_in_step", root: int | None = None) -> None:
-        """Launch the buckets not yet launched in this pass, in bucket order (``root``: only that
-        root's; ``only_ready``: up to the first whose groups are not all complete)."""
-        for k, ids in enumerate(self._buckets):
-            if k in self._launched or root is not None and self._group_root[ids[0]] != root:
-                continue
-            bucket = [self.groups[i] for i in ids]
-            if only_ready and not all(g.ready for g in bucket):
-                break
-            self._launched.add(k)
-            if any(g.dirty for g in bucket):
-                self.counters[where] += 1
-                self._reduce_bucket(bucket)
-        self._poll()
+    def _launch(self, where: str, only_ready: bool, root: int | None = None) -> None:
+        """Launch the ready buckets (``GradientReducer.launch``), counted in ``counters[where]``."""
+        self.counters[where] += self._reducer.launch(only_ready, root)
 
-    def _reduce_bucket(self, bucket: list[FlatGroup]) -> None:
-        """Launch the reduction of one bucket (async); its completion is handled by ``_finish``."""
-        for g in bucket:
-            g.dirty = False
-        if self.stage < 2:
-            if self.dp == 1:
-                for g in bucket:
-                    self._reduced(g)
-                return
-            lo = min(g.base for g in bucket)
-            hi = max(g.base + g.padded for g in bucket)
-            flat = self._flat_grad[lo:hi]
-            work = comm.all_reduce(flat, self.dp_group, async_op=True)
-            self._inflight.append((work, "ar", flat, bucket))
-            self._poll()
-            return
-        if self.dp == 1:
-            with torch.no_grad():
-                for g in bucket:
-                    if g.grad_full is not None:
-                        self._shard_acc(g).add_(g.grad_full)
-                    self._drop_grad_full(g)
-                    self._reduced(g)
-            return
-        if len(bucket) == 1 and bucket[0].grad_full is not None:
-            g = bucket[0]
-            src, cols = g.grad_full, [(g, 0)]
-        else:
-            total = sum(g.shard for g in bucket)
-            staging = torch.zeros(self.dp, total, dtype=self.dtype, device=self.device)
-            cols, a = [], 0
-            for g in bucket:
-                if g.grad_full is not None:
-                    staging[:, a : a + g.shard].copy_(g.grad_full.view(self.dp, g.shard))
-                self._drop_grad_full(g)
-                cols.append((g, a))
-                a += g.shard
-            src = staging.view(-1)
-        out = torch.empty(src.numel() // self.dp, dtype=self.dtype, device=self.device)
-        work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=True)
-        self._inflight.append((work, "rs", out, (cols, src)))
-        self._poll()
-
-    def _shard_acc(self, g: FlatGroup) -> torch.Tensor:
-        """The fp32 gradient-shard accumulator of ``g`` (stage 2/3), allocated on first use."""
-        if g.grad_shard is None:
-            g.grad_shard = torch.zeros(g.shard, dtype=torch.float32, device=self.device)
-        return g.grad_shard
-
-    def _drop_grad_full(self, g: FlatGroup) -> None:
-        g.grad_full = None
-        for e in g.entries:
-            e.param.grad = None
-
-    def _finish(self, item) -> None:
-        work, kind, out, extra = item
-        comm.wait(work)
-        with torch.no_grad():
-            if kind == "ar":
-                out.div_(self.dp)
-                for g in extra:
-                    self._reduced(g)
-                return
-            cols, _src = extra
-            for g, a in cols:
-                self._shard_acc(g).add_(out[a : a + g.shard], alpha=1.0 / self.dp)
-                if len(cols) == 1 and g.grad_full is _src:
-                    self._drop_grad_full(g)
-                self._reduced(g)
-
-    def _reduced(self, g: FlatGroup) -> None:
-        """Group ``g``'s reduction completed: with the optimizer offloaded, the reduced gradient of
+    def _reduced(self, group: FlatGroup) -> None:
+        """``group``'s reduction completed: with the optimizer offloaded, the reduced gradient of
         the step's last backward leaves the device now, overlapped with the rest of backward (a
         tied weight's waits for its sum over stages, in ``step()``)."""
         last = self.micro_batches_per_step is not None and self._backwards >= self.micro_batches_per_step
-        if self._opt is not None and last and g.index not in self._tied_ids:
-            self._off.flush_grad(g, self.dp_rank)
-
-    def _poll(self, max_inflight: int = REDUCTIONS_IN_FLIGHT) -> None:
-        """Finish completed reductions in order; bound the ones in flight (and their memory)."""
-        while self._inflight and (len(self._inflight) > max_inflight or self._inflight[0][0].is_completed()):
-            self._finish(self._inflight.pop(0))
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._finish(self._inflight.pop(0))
+        if self._opt is not None and last and group.index not in self._tied_ids:
+            self._off.flush_grad(group, self.dp_rank)
 
     # ------------------------------------------------------------------ step
     @property
@@ -623,143 +470,151 @@ class ZeroEngine(Zero3Params):
         """``loss * loss_scale`` (the identity unless fp16)."""
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def _grad_source(self, g: FlatGroup) -> torch.Tensor:
-        """fp32 gradient aligned with ``g.master`` (may alias the gradient buffers; in host memory
+    def _grad_source(self, group: FlatGroup) -> torch.Tensor:
+        """fp32 gradient aligned with ``group.master`` (may alias the gradient buffers; in host memory
         when the optimizer is offloaded)."""
         if self._opt is not None:
-            return self._opt.grad(g)
+            return self._opt.grad(group)
         if self.stage >= 2:
-            return self._shard_acc(g)
-        src = g.grad_full if self.stage == 0 else g.grad_full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
-        return src if src.dtype == torch.float32 else src.float()
+            return shard_accumulator(group, self.device)
+        grad = group.grad_full
+        assert grad is not None  # stages 0/1 keep the full gradient buffers
+        if self.stage == 1:
+            grad = grad[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+        return grad if grad.dtype == torch.float32 else grad.float()
+
+    def _finish_reductions(self) -> None:
+        """``step()``'s first part: every reduction done, tied gradients summed over their stages,
+        offloaded gradients in host memory."""
+        self._graph_task = None
+        self._reducer.launched = set()
+        self._launch("reduced_in_step", only_ready=False)
+        self._reducer.drain()
+        self._reducer.launched, self._backwards = set(), 0
+        for group in self.groups:
+            self._free(group)
+        self._sync_tied()
+        if self._opt is not None:
+            self._off.flush_all(self.groups, self.dp_rank)
+
+    def _global_norm(self) -> tuple[float, bool]:
+        """The unscaled global gradient norm and whether any rank saw inf/nan (one fp64 all-reduce
+        over dp, then over each of ``norm_groups``)."""
+        grad_device = torch.device("cpu") if self._opt is not None else self.device
+        sums = square_sums(self.groups, self._grad_source, grad_device).to(self.device)
+        sums[1] = (~torch.isfinite(sums[1])).double()  # the overflow flag
+        for process_group in ([self.dp_group] if self.dp > 1 else []) + self.norm_groups:
+            comm.all_reduce(sums, process_group)
+        total_sq, overflow = sums.tolist()
+        self._settle()  # a delayed update: the previous step's reaches the device now
+        norm = math.sqrt(total_sq) / self.loss_scale if total_sq >= 0 else float("nan")
+        return norm, overflow > 0
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> StepInfo:
         """Reduce, unscale, check overflow, clip and apply AdamW; collective over all ranks."""
         if in_backward():
             raise ZeroError("step() was called during a backward pass; call it after backward returns")
-        self._cb_task = None
         if lr is not None:
             self.lr = float(lr)
-        self._launched = set()
-        self._launch_buckets(only_ready=False)
-        self._drain()
-        self._launched, self._backwards = set(), 0
-        for g in self.groups:
-            self._free(g)
-        self._sync_tied()
-        if self._opt is not None:
-            self._off.flush_all(self.groups, self.dp_rank)
-        grad_device = torch.device("cpu") if self._opt is not None else self.device
-        sums = square_sums(self.groups, self._grad_source, grad_device).to(self.device)
-        sums[1] = (~torch.isfinite(sums[1])).double()  # the overflow flag
-        for grp in ([self.dp_group] if self.dp > 1 else []) + self.norm_groups:
-            comm.all_reduce(sums, grp)
-        total_sq, flag = sums.tolist()
-        self._settle()  # a delayed update: the previous step's reaches the device now
-        scale = self.loss_scale
-        norm = math.sqrt(total_sq) / scale if total_sq >= 0 else float("nan")
-        if flag > 0 or not math.isfinite(norm):
+        self._finish_reductions()
+        norm, overflow = self._global_norm()
+        if overflow or not math.isfinite(norm):
             if self.scaler is not None:
                 self.scaler.update(True)
             return StepInfo(
                 grad_norm=norm if not math.isfinite(norm) else float("inf"), skipped=True, loss_scale=self.loss_scale
             )
-        coef = clip_coefficient(norm, self.max_grad_norm) / scale
+        coefficient = clip_coefficient(norm, self.optimizer.max_grad_norm) / self.loss_scale
         self.step_count += 1
-        step, lr = self.step_count, self.lr  # a delayed update reads them after step() returned
+        # a delayed update reads the step count and the learning rate after step() returned
+        step, hyper = self.step_count, replace(self.optimizer, lr=self.lr)
 
-        def update(g: FlatGroup, master, exp_avg, exp_avg_sq, grad=None):
-            gr = self._grad_source(g) if grad is None else grad
-            if coef != 1.0:
-                gr.mul_(coef)
-            adamw_step_(
-                master,
-                gr,
-                exp_avg,
-                exp_avg_sq,
-                step=step,
-                lr=lr,
-                beta1=self.beta1,
-                beta2=self.beta2,
-                eps=self.eps,
-                weight_decay=self.weight_decay,
-                decay_ranges=g.decay_ranges,
-            )
-            return self._publish(g, master) if grad is None else None
+        def update(group: FlatGroup, master, exp_avg, exp_avg_sq, grad=None):
+            gradient = self._grad_source(group) if grad is None else grad
+            if coefficient != 1.0:
+                gradient.mul_(coefficient)
+            adamw_step_(master, gradient, exp_avg, exp_avg_sq, step=step, config=hyper, decay_ranges=group.decay_ranges)
+            return self._publish(group, master) if grad is None else None
 
-        if self._off.delayed:
+        if self._opt is not None and self._off.delayed:
             self._opt.start_update(self.groups, update)
             works = []
         elif self._opt is not None:
             works = self._opt.update(self.groups, update)
         else:
-            works = [update(g, g.master, g.exp_avg, g.exp_avg_sq) for g in self.groups]
-        for w in works:
-            comm.wait(w)
+            works = [update(group, group.master, group.exp_avg, group.exp_avg_sq) for group in self.groups]
+        for work in works:
+            comm.wait(work)
         if self.scaler is not None:
             self.scaler.update(False)
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
 
     def _settle(self) -> None:
         """Wait for a delayed update still running on the CPU and bring it to the device."""
-        if self._off.delayed:
-            for w in self._opt.finish_update(self.groups, self._publish):
-                comm.wait(w)
+        if self._opt is not None and self._off.delayed:
+            for work in self._opt.finish_update(self.groups, self._publish):
+                comm.wait(work)
 
-    def _publish(self, g: FlatGroup, master: torch.Tensor):
+    def _publish(self, group: FlatGroup, master: torch.Tensor):
         """Make the compute parameters reflect the updated ``master`` (async handle or None); from
         the host tier that is a cast and a host-to-device copy (asynchronous from pinned memory)."""
         if self.stage == 3:
-            self._off.store_shard(g, master)
+            self._off.store_shard(group, master)
             return None
+        assert group.full is not None
         if self.stage == 0:
-            if master is not g.full:
-                g.full.copy_(master)
+            if master is not group.full:
+                group.full.copy_(master)
             return None
-        shard = g.full[self.dp_rank * g.shard : (self.dp_rank + 1) * g.shard]
+        shard = group.full[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
         if master.data_ptr() != shard.data_ptr():
             with copy_part(self.device) if self._opt is not None else contextlib.nullcontext():
                 shard.copy_(master, non_blocking=True)
         if self.dp == 1:
             return None
-        return comm.all_gather_into(g.full, shard, self.dp_group, async_op=True)
+        return comm.all_gather_into(group.full, shard, self.dp_group, async_op=True)
 
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Clear accumulated gradients (buffers are zeroed and kept; nothing is freed to Python)."""
         if in_backward():
             raise ZeroError("zero_grad() was called during a backward pass")
-        self._cb_task = None
-        self._drain()
-        self._backwards, self._launched = 0, set()
+        self._graph_task = None
+        self._reducer.drain()
+        self._backwards, self._reducer.launched = 0, set()
         self._off.new_step()
-        for g in self.groups:
-            g.dirty = g.ready = g.visited = g.flushed = False
-            g.waiting = set(g.by_id)  # also recovers from a backward that raised midway
-            self._free(g)
+        for group in self.groups:
+            group.dirty = group.ready = group.visited = group.flushed = False
+            group.waiting = set(group.by_id)  # also recovers from a backward that raised midway
+            self._free(group)
             if self.stage < 2:
-                for e in g.entries:
-                    e.param.grad = g.grad_full[e.offset : e.offset + e.numel].view(e.shape)
+                assert group.grad_full is not None
+                for entry in group.entries:
+                    entry.param.grad = group.grad_full[entry.offset : entry.offset + entry.numel].view(entry.shape)
             else:
                 # Released between steps (as FSDP frees gradients in zero_grad); the next
                 # backward allocates it again on its first reduce-scatter.
-                g.grad_shard = None
-                self._drop_grad_full(g)
+                group.grad_shard = None
+                drop_full_grad(group)
         if self._flat_grad is not None:
             self._flat_grad.zero_()
 
     # ------------------------------------------------------------------ state and memory
+    def _shard_position(self) -> tuple[int, int]:
+        """``(num_shards, shard_index)`` of this rank's state (stage 0: the one full state)."""
+        return (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
+
     def state_dict(self) -> dict:
         """This rank's shards of masters and AdamW state, with the layout needed to reshard.
 
         Format: see ``runtime.data_parallel.flat_shards``. Stage 0 returns the full (unpadded) state with
         ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
         """
-        self._drain()
+        self._reducer.drain()
         self._settle()
-        n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
-        state = export_state(self.groups, n, idx, self.step_count, self._off.access)
+        num_shards, shard_index = self._shard_position()
+        state = export_state(self.groups, num_shards, shard_index, self.step_count, self._off.access)
         state.update(
             zero_stage=self.stage,
             lr=self.lr,
@@ -770,8 +625,8 @@ class ZeroEngine(Zero3Params):
 
     def state_layout(self) -> dict:
         """``state_dict()`` without its tensors (the layout a full state must have), read nothing."""
-        n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
-        return state_layout(self.groups, n, idx, self.step_count)
+        num_shards, shard_index = self._shard_position()
+        return state_layout(self.groups, num_shards, shard_index, self.step_count)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -780,45 +635,53 @@ class ZeroEngine(Zero3Params):
         Collective at stages 1 and 2 (the loaded shards are all-gathered into the parameters).
         """
         self._settle()
-        n, idx = (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
-        self.step_count = import_state(self.groups, state, n, idx, self._off.access)
+        num_shards, shard_index = self._shard_position()
+        self.step_count = import_state(self.groups, state, num_shards, shard_index, self._off.access)
         self.lr = float(state.get("lr", self.lr))
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
         works = []
-        for g in self.groups:
-            with self._off.access(g) as (master, _, _):
-                works.append(self._publish(g, master))
-        for w in works:
-            comm.wait(w)
+        for group in self.groups:
+            with self._off.access(group) as (master, _, _):
+                works.append(self._publish(group, master))
+        for work in works:
+            comm.wait(work)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters by their original names (collective over dp at stages 1-3)."""
         self._settle()
         out: dict[str, torch.Tensor] = {}
-        for g in self.groups:
-            with self._off.access(g) as (master, _, _):
+        for group in self.groups:
+            with self._off.access(group) as (master, _, _):
                 if self.stage == 0 or self.dp == 1:
                     flat = master.clone()
                 else:
-                    flat = torch.empty(g.padded, dtype=torch.float32, device=self.device)
+                    flat = torch.empty(group.padded, dtype=torch.float32, device=self.device)
                     comm.all_gather_into(flat, master.to(self.device), self.dp_group)
-            for e in g.entries:
-                out[e.name] = flat[e.offset : e.offset + e.numel].view(e.shape).clone().cpu()
+            for entry in group.entries:
+                out[entry.name] = flat[entry.offset : entry.offset + entry.numel].view(entry.shape).clone().cpu()
         return out
 
     def tracked_tensors(self) -> list[torch.Tensor]:
         """Every device tensor the engine holds (for memory trackers); views share their base's
         storage. Host-tier tensors are ``host_tensors()``."""
         host = {id(t) for t in self.host_tensors()}
-        ts = [
+        tensors = [
             t
-            for g in self.groups
-            for t in (g.full, g.master, g.exp_avg, g.exp_avg_sq, g.grad_full, g.grad_shard, g.param_shard)
+            for group in self.groups
+            for t in (
+                group.full,
+                group.master,
+                group.exp_avg,
+                group.exp_avg_sq,
+                group.grad_full,
+                group.grad_shard,
+                group.param_shard,
+            )
             if t is not None and id(t) not in host
         ]
-        return ts + [t for t in (self._flat, self._flat_grad) if t is not None]
+        return tensors + [t for t in (self._flat, self._flat_grad) if t is not None]
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host tier's tensors (offloaded state, host gradient shards, transfer buffers): not
@@ -841,9 +704,13 @@ class ZeroEngine(Zero3Params):
         ``exp_avg`` and ``exp_avg_sq``. Each storage is counted once.
         """
         seen: set[int] = set()
-        gs = self.groups
+        groups = self.groups
+        params = [self._flat] + [group.full for group in groups] + [group.master for group in groups]
+        grads = [self._flat_grad] + [group.grad_full for group in groups] + [group.grad_shard for group in groups]
         return {
-            "params": storage_bytes([self._flat] + [g.full for g in gs] + [g.master for g in gs], seen),
-            "grads": storage_bytes([self._flat_grad] + [g.grad_full for g in gs] + [g.grad_shard for g in gs], seen),
-            "optimizer": storage_bytes([g.exp_avg for g in gs] + [g.exp_avg_sq for g in gs], seen),
+            "params": storage_bytes(params, seen),
+            "grads": storage_bytes(grads, seen),
+            "optimizer": storage_bytes(
+                [group.exp_avg for group in groups] + [group.exp_avg_sq for group in groups], seen
+            ),
         }

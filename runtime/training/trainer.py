@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -50,7 +50,7 @@ from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.schedule_ir import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.data_parallel.tied_weights import holder_ranks, isolate_tied, tied_params, tied_stage_sets
-from runtime.data_parallel.zero_engine import StepInfo, ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, StepInfo, ZeroEngine
 from runtime.distributed import comm
 from runtime.distributed.mesh import Mesh, setup_mesh
 from runtime.dtypes import to_torch
@@ -285,22 +285,27 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     return ZeroEngine(
         module,
         layers=layers,
-        tied=tied,
         dp_group=mesh.dp_group,
-        zero_stage=plan["zero_stage"],
-        param_dtype=to_torch(plan["dtype"]),
-        lr=opts.lr,
-        betas=(opts.beta1, opts.beta2),
-        eps=opts.eps,
-        weight_decay=opts.weight_decay,
-        max_grad_norm=opts.max_grad_norm,
-        norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
-        replicated_param_filter=(lambda name: name in replicated) if plan["tp"] > 1 else None,
-        # one backward pass per (chunk, micro-batch): a split B/W pair counts once
-        micro_batches_per_step=plan["num_micro_batches"] * v,
-        offload=offload,
-        rank=rank,
-        delayed_update=opts.delayed_update,
+        sharding=ShardingConfig(
+            zero_stage=plan["zero_stage"],
+            param_dtype=to_torch(plan["dtype"]),
+            # one backward pass per (chunk, micro-batch): a split B/W pair counts once
+            micro_batches_per_step=plan["num_micro_batches"] * v,
+        ),
+        optimizer=OptimizerConfig(
+            lr=opts.lr,
+            betas=(opts.beta1, opts.beta2),
+            eps=opts.eps,
+            weight_decay=opts.weight_decay,
+            max_grad_norm=opts.max_grad_norm,
+        ),
+        parallel=ParallelContext(
+            norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
+            replicated_param_filter=(lambda name: name in replicated) if plan["tp"] > 1 else None,
+            tied=tied,
+            rank=rank,
+        ),
+        offload=replace(offload, delayed_update=opts.delayed_update),
         roots=None if v == 1 else [str(j) for j in range(v)],
     )
 

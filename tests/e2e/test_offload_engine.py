@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.data_parallel.tied_weights import isolate_tied
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import ParallelContext, ShardingConfig, ZeroEngine
 from runtime.distributed.launch import launch_local
-from tests.runtime.zero_harness import HP, MAX_NORM, MICRO, layer_groups, make_net, run_engine
+from tests.runtime.zero_harness import MAX_NORM, MICRO, OPT_CLIPPED, layer_groups, make_net, run_engine
 
 STEPS = 3
 
@@ -38,19 +38,18 @@ def _run(
     """``tied``: dp 1 on each rank, ``head.weight`` tied across the two ranks (as a weight two
     pipeline stages hold), its gradient summed over them and counted in the norm on rank 0."""
     net = make_net()
-    kw = dict(dp_group=dist.group.WORLD)
+    dp_group, parallel = dist.group.WORLD, ParallelContext()
     if tied:
-        kw = dict(tied={"head.weight": (dist.group.WORLD, rank == 0)}, norm_groups=[dist.group.WORLD])
+        dp_group = None
+        parallel = ParallelContext(tied={"head.weight": (dist.group.WORLD, rank == 0)}, norm_groups=[dist.group.WORLD])
     engine = ZeroEngine(
         net,
         isolate_tied(layer_groups(net), {"head.weight": 0}) if tied else layer_groups(net),
-        zero_stage=stage,
-        param_dtype=dtype,
-        **HP,
-        max_grad_norm=MAX_NORM,
-        micro_batches_per_step=MICRO,
+        dp_group,
+        sharding=ShardingConfig(zero_stage=stage, param_dtype=dtype, micro_batches_per_step=MICRO),
+        optimizer=OPT_CLIPPED,
+        parallel=parallel,
         offload=OffloadConfig(opt, params, nvme),
-        **kw,
     )
     losses, infos = run_engine(engine, STEPS, rank, world)
     out = dict(

@@ -12,7 +12,7 @@ import torch
 
 import runtime.pipeline.executor as pipeline
 from runtime.contract.schedule_ir import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ShardingConfig, ZeroEngine
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
 from runtime.distributed.mesh import get_mesh, setup_mesh
@@ -21,6 +21,7 @@ from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, ma
 
 M = 4  # micro-batches
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+OPT = OptimizerConfig(**HP)
 
 
 def chunk_bounds(num_layers: int, chunks: int) -> list[tuple[int, int]]:
@@ -61,7 +62,7 @@ def _zero_bubble_with_zero(rank: int, p: int, blocks: int) -> dict:
     """ZB-H1 with a ZeRO-1 engine (dp 1) around each stage: record whether every gradient hook
     fired inside a ``W``; then one optimizer step."""
     module, stage, inputs = _zb_stage(rank, p, blocks)
-    engine = ZeroEngine(module, zero_stage=1, micro_batches_per_step=M, **HP)
+    engine = ZeroEngine(module, sharding=ShardingConfig(zero_stage=1, micro_batches_per_step=M), optimizer=OPT)
     in_w, fired = [False], []
     real_w = pipeline.backward_weight
 
@@ -109,7 +110,12 @@ def _reductions(zero_stage: int) -> dict:
         mesh = get_mesh()
         s = mesh.pp_index
         module = StageModule(make_layers(2), *chunk_bounds(4, 2)[s])
-        engine = ZeroEngine(module, dp_group=mesh.dp_group, zero_stage=zero_stage, micro_batches_per_step=M, **HP)
+        engine = ZeroEngine(
+            module,
+            dp_group=mesh.dp_group,
+            sharding=ShardingConfig(zero_stage=zero_stage, micro_batches_per_step=M),
+            optimizer=OPT,
+        )
         stage = PipelineStage.from_mesh(
             module, recv_meta=RECV_META if s > 0 else (), backward_scope=engine if scoped else None
         )

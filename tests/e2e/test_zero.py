@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,14 +12,14 @@ import torch.nn as nn
 
 from runtime.data_parallel.flat_shards import consolidate_shards, padded_numel
 from runtime.data_parallel.precision import DynamicLossScaler
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
 from tests.runtime.zero_harness import (
     BATCH,
-    HP,
     MAX_NORM,
     MICRO,
+    OPT_CLIPPED,
     STEPS,
     data,
     layer_groups,
@@ -39,11 +40,12 @@ def _fp32_worker(rank: int, world: int, out: str) -> None:
             net,
             layer_groups(net),
             dp_group=dist.group.WORLD,
-            zero_stage=2 if stage == "2ns" else stage,
-            **HP,
-            max_grad_norm=MAX_NORM,
-            bucket_bytes=BUCKET,
-            micro_batches_per_step=MICRO if stage == 1 else None,  # stage 1: reduce from hooks
+            sharding=ShardingConfig(
+                zero_stage=2 if stage == "2ns" else stage,
+                bucket_bytes=BUCKET,
+                micro_batches_per_step=MICRO if stage == 1 else None,  # stage 1: reduce from hooks
+            ),
+            optimizer=OPT_CLIPPED,
         )
         comm.STATS.reset()
         losses, infos = run_engine(engine, STEPS, rank, world, no_sync=stage == "2ns")
@@ -73,11 +75,8 @@ def _mixed_worker(rank: int, world: int, out: str) -> None:
         net,
         layer_groups(net),
         dp_group=dist.group.WORLD,
-        zero_stage=2,
-        param_dtype=torch.float16,
-        **HP,
-        max_grad_norm=MAX_NORM,
-        loss_scaler=scaler,
+        sharding=ShardingConfig(zero_stage=2, param_dtype=torch.float16),
+        optimizer=replace(OPT_CLIPPED, loss_scaler=scaler),
     )
     inject = {"on": False}
     net.head.bias.register_hook(lambda g: g + float("inf") if inject["on"] else g)
@@ -103,11 +102,8 @@ def _mixed_worker(rank: int, world: int, out: str) -> None:
             net,
             layer_groups(net),
             dp_group=dist.group.WORLD,
-            zero_stage=stage,
-            param_dtype=torch.bfloat16,
-            **HP,
-            max_grad_norm=MAX_NORM,
-            bucket_bytes=BUCKET,
+            sharding=ShardingConfig(zero_stage=stage, param_dtype=torch.bfloat16, bucket_bytes=BUCKET),
+            optimizer=OPT_CLIPPED,
         )
         losses, _ = run_engine(engine, STEPS, rank, world)
         results[f"bf16_{stage}"] = dict(losses=losses, params=engine.full_state_dict())
@@ -133,14 +129,13 @@ def _norm_group_case(rank: int) -> dict:
     engine = ZeroEngine(
         mod,
         None,
-        zero_stage=0,
-        lr=0.1,
-        betas=(0.0, 0.0),
-        eps=1e-12,
-        max_grad_norm=1.0,
-        norm_groups=[dist.group.WORLD],
-        replicated_param_filter=lambda n: n == "ln",
-        replicated_group=dist.group.WORLD,
+        sharding=ShardingConfig(zero_stage=0),
+        optimizer=OptimizerConfig(lr=0.1, betas=(0.0, 0.0), eps=1e-12, max_grad_norm=1.0),
+        parallel=ParallelContext(
+            norm_groups=[dist.group.WORLD],
+            replicated_param_filter=lambda n: n == "ln",
+            replicated_group=dist.group.WORLD,
+        ),
     )
     c_w = torch.tensor([3.0, 0.0, 4.0]) * (rank + 1)  # |c_w| = 5 and 10
     engine.module(c_w, torch.tensor([2.0, 0.0])).backward()  # the same ln gradient on both ranks
@@ -250,7 +245,7 @@ def test_reshard_dp2_zero3_to_dp1_and_continue(fp32_runs):
     full = consolidate_shards([run[3]["state"] for run in fp32_runs])
     assert full["step"] == STEPS and full["num_shards"] == 1
     net = make_net()
-    engine = ZeroEngine(net, layer_groups(net), zero_stage=1, **HP, max_grad_norm=MAX_NORM)
+    engine = ZeroEngine(net, layer_groups(net), sharding=ShardingConfig(zero_stage=1), optimizer=OPT_CLIPPED)
     engine.load_state_dict(full)
     losses, _ = run_engine(engine, 2, 0, 1, start=STEPS)
     ref_losses, ref_params = reference(STEPS + 2)

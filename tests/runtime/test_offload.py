@@ -11,9 +11,20 @@ import torch
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.flat_shards import build_groups
 from runtime.data_parallel.offload_engine import NvmeFile, OffloadConfig, OffloadError, ParamStore
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import ShardingConfig, ZeroEngine
 from runtime.training.memtrack import MemoryTracker
-from tests.runtime.zero_harness import BATCH, HP, MAX_NORM, MICRO, data, layer_groups, make_net, reference, run_engine
+from tests.runtime.zero_harness import (
+    BATCH,
+    HP,
+    MAX_NORM,
+    MICRO,
+    OPT_CLIPPED,
+    data,
+    layer_groups,
+    make_net,
+    reference,
+    run_engine,
+)
 
 
 def test_plan_without_offload_is_none_none():
@@ -49,7 +60,7 @@ def test_bad_tier_and_bad_key():
 def test_engine_refuses_params_offload_below_zero3():
     net = make_net()
     with pytest.raises(OffloadError, match="needs ZeRO stage 3"):
-        ZeroEngine(net, layer_groups(net), zero_stage=1, offload=OffloadConfig(params="cpu"))
+        ZeroEngine(net, layer_groups(net), sharding=ShardingConfig(zero_stage=1), offload=OffloadConfig(params="cpu"))
 
 
 def test_nvme_path_that_is_a_file(tmp_path):
@@ -80,7 +91,9 @@ def test_nvme_file_round_trip_and_cleanup(tmp_path):
 def test_param_store_reads_ahead_in_the_last_steps_order(tmp_path):
     net = make_net()
     groups = build_groups(net, layer_groups(net), 1)
-    store = ParamStore("nvme", groups, torch.float32, torch.device("cpu"), str(tmp_path))
+    store = ParamStore(
+        OffloadConfig(params="nvme", nvme_path=str(tmp_path)), groups, torch.float32, torch.device("cpu")
+    )
     for g in groups:
         store.store(g, torch.full((g.shard,), float(g.index)))
     order = [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]  # a forward, then backward's reverse
@@ -142,12 +155,9 @@ def test_delayed_update_lags_one_step(tmp_path, tier):
     engine = ZeroEngine(
         net,
         layer_groups(net),
-        zero_stage=1,
-        **HP,
-        max_grad_norm=MAX_NORM,
-        micro_batches_per_step=MICRO,
-        offload=OffloadConfig(tier, nvme_path=str(tmp_path)),
-        delayed_update=True,
+        sharding=ShardingConfig(zero_stage=1, micro_batches_per_step=MICRO),
+        optimizer=OPT_CLIPPED,
+        offload=OffloadConfig(tier, nvme_path=str(tmp_path), delayed_update=True),
     )
     losses, _ = run_engine(engine, steps, 0, 1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
@@ -162,4 +172,6 @@ def test_delayed_update_lags_one_step(tmp_path, tier):
 def test_delayed_update_needs_optimizer_offload():
     net = make_net()
     with pytest.raises(OffloadError, match="delayed update .* needs a plan that offloads the optimizer"):
-        ZeroEngine(net, layer_groups(net), zero_stage=1, delayed_update=True)
+        ZeroEngine(
+            net, layer_groups(net), sharding=ShardingConfig(zero_stage=1), offload=OffloadConfig(delayed_update=True)
+        )

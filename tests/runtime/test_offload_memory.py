@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from runtime.data_parallel.offload_engine import OffloadConfig
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ShardingConfig, ZeroEngine
 from tests.helpers import ROOT
 
 WIDTH, DEPTH, STEPS = 1024, 16, 1
@@ -50,9 +50,8 @@ def measure(tier: str, nvme_path: str | None) -> dict:
     engine = ZeroEngine(
         net,
         None,
-        zero_stage=2,
-        lr=1e-3,
-        micro_batches_per_step=1,
+        sharding=ShardingConfig(zero_stage=2, micro_batches_per_step=1),
+        optimizer=OptimizerConfig(lr=1e-3),
         offload=OffloadConfig(optimizer=tier, nvme_path=nvme_path),
     )
     x = torch.randn(4, WIDTH)

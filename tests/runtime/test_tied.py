@@ -6,7 +6,7 @@ from torch import nn
 
 from runtime.data_parallel.flat_shards import ZeroError
 from runtime.data_parallel.tied_weights import isolate_tied, tied_params, tied_stage_sets
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ZeroEngine
 
 MAN = {
     "stages": [
@@ -36,11 +36,11 @@ def test_a_copy_counted_elsewhere_leaves_the_norm():
     eng = ZeroEngine(
         m,
         layers=isolate_tied([["w", "lin.weight", "lin.bias"]], {"w": ()}),
-        tied={"w": (None, False)},
-        max_grad_norm=1.0,
+        optimizer=OptimizerConfig(max_grad_norm=1.0),
+        parallel=ParallelContext(tied={"w": (None, False)}),
     )
     (m.w.sum() * 3 + m.lin.weight.sum()).backward()
     info = eng.step(lr=0.0)
     assert info.grad_norm == pytest.approx(3.0)  # only lin.weight's 9 ones: the copy is not counted
     with pytest.raises(ZeroError, match="group of its own"):
-        ZeroEngine(Two(), layers=[["w", "lin.weight", "lin.bias"]], tied={"w": (None, True)})
+        ZeroEngine(Two(), layers=[["w", "lin.weight", "lin.bias"]], parallel=ParallelContext(tied={"w": (None, True)}))

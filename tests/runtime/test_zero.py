@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -9,9 +11,9 @@ from hypothesis import strategies as st
 
 from runtime.data_parallel.flat_shards import FREE, consolidate_shards, padded_numel, slice_shard
 from runtime.data_parallel.precision import DynamicLossScaler
-from runtime.data_parallel.zero_engine import ZeroEngine, ZeroError
+from runtime.data_parallel.zero_engine import OptimizerConfig, ShardingConfig, ZeroEngine, ZeroError
 from runtime.pipeline.executor import backward_input, backward_weight
-from tests.runtime.zero_harness import HP, MAX_NORM, data, layer_groups, make_net, reference, run_engine
+from tests.runtime.zero_harness import OPT, OPT_CLIPPED, data, layer_groups, make_net, reference, run_engine
 
 
 # ---------------------------------------------------------------------------- single process
@@ -36,11 +38,8 @@ def test_dp1_matches_torch_for_any_shape(stage, h, blocks, bucket, ckpt, grouped
     engine = ZeroEngine(
         net,
         layer_groups(net) if grouped else None,
-        zero_stage=stage,
-        **HP,
-        max_grad_norm=MAX_NORM,
-        bucket_bytes=bucket,
-        prefetch=prefetch,
+        sharding=ShardingConfig(zero_stage=stage, bucket_bytes=bucket, prefetch=prefetch),
+        optimizer=OPT_CLIPPED,
     )
     losses, _ = run_engine(engine, steps, 0, 1)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
@@ -50,7 +49,7 @@ def test_dp1_matches_torch_for_any_shape(stage, h, blocks, bucket, ckpt, grouped
 
 def test_zero3_frees_parameters_outside_forward_and_backward():
     net = make_net()
-    engine = ZeroEngine(net, layer_groups(net), zero_stage=3, **HP)
+    engine = ZeroEngine(net, layer_groups(net), sharding=ShardingConfig(zero_stage=3), optimizer=OPT)
     sizes = lambda: [p.untyped_storage().nbytes() for p in net.parameters()]  # noqa: E731
     assert set(sizes()) == {0}
     seen = []
@@ -119,11 +118,11 @@ def test_layer_group_errors():
     with pytest.raises(ZeroError, match="in no layer group"):
         ZeroEngine(make_net(), g[1:])
     with pytest.raises(ValueError, match="zero_stage"):
-        ZeroEngine(make_net(), g, zero_stage=4)
+        ZeroEngine(make_net(), g, sharding=ShardingConfig(zero_stage=4))
     with pytest.raises(ValueError, match="only used with fp16"):
-        ZeroEngine(make_net(), g, loss_scaler=DynamicLossScaler())
-    engine = ZeroEngine(make_net(), g, zero_stage=2, **HP)
-    other = ZeroEngine(make_net(blocks=2), None, zero_stage=2, **HP)
+        ZeroEngine(make_net(), g, optimizer=OptimizerConfig(loss_scaler=DynamicLossScaler()))
+    engine = ZeroEngine(make_net(), g, sharding=ShardingConfig(zero_stage=2), optimizer=OPT)
+    other = ZeroEngine(make_net(blocks=2), None, sharding=ShardingConfig(zero_stage=2), optimizer=OPT)
     with pytest.raises(ZeroError, match="layout"):
         engine.load_state_dict(other.state_dict())
 
@@ -132,7 +131,7 @@ def test_reentrant_checkpointing_is_refused():
     net = make_net()
     for b in net.blocks:
         b.forward = (lambda f: lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True))(b._f)
-    engine = ZeroEngine(net, layer_groups(net), zero_stage=2, **HP)
+    engine = ZeroEngine(net, layer_groups(net), sharding=ShardingConfig(zero_stage=2), optimizer=OPT)
     with pytest.raises(ZeroError, match="use_reentrant=False"):
         engine.module(*data(0)).backward()
 
@@ -145,9 +144,14 @@ def test_weight_decay_filter_matches_torch_param_groups():
         {"params": [p for n, p in ref.named_parameters() if not no_decay(n)]},
         {"params": [p for n, p in ref.named_parameters() if no_decay(n)], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, **HP)
+    opt = torch.optim.AdamW(groups, lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay)
     net = make_net()
-    engine = ZeroEngine(net, layer_groups(net), zero_stage=1, **HP, weight_decay_filter=lambda n: not no_decay(n))
+    engine = ZeroEngine(
+        net,
+        layer_groups(net),
+        sharding=ShardingConfig(zero_stage=1),
+        optimizer=replace(OPT, weight_decay_filter=lambda n: not no_decay(n)),
+    )
     for s in range(3):
         x, y = data(s)
         opt.zero_grad()
@@ -168,23 +172,23 @@ def test_adamw_step_fused_and_unfused_match_torch(ranges, monkeypatch):
 
     torch.manual_seed(0)
     w0, grads = torch.randn(100), [torch.randn(100) for _ in range(4)]
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    hp = OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def ours(fused: bool) -> torch.Tensor:
         monkeypatch.setattr(optim, "_FUSED_ADAMW", getattr(torch, "_fused_adamw_", None) if fused else None)
         p, m, v = w0.clone(), torch.zeros(100), torch.zeros(100)
         for i, g in enumerate(grads, start=1):
-            optim.adamw_step_(p, g, m, v, step=i, decay_ranges=ranges, **hp)
+            optim.adamw_step_(p, g, m, v, step=i, config=hp, decay_ranges=ranges)
         return p
 
     decayed = torch.zeros(100, dtype=torch.bool)
     for a, b in ranges or [(0, 100)]:
         decayed[a:b] = True
     ref = w0.clone().requires_grad_()
-    opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(0.9, 0.95), eps=hp["eps"], weight_decay=0.0)
+    opt = torch.optim.AdamW([ref], lr=hp.lr, betas=(0.9, 0.95), eps=hp.eps, weight_decay=0.0)
     for g in grads:
         with torch.no_grad():  # decoupled decay of the decayed elements, then Adam (as AdamW does)
-            ref[decayed] *= 1 - hp["lr"] * hp["weight_decay"]
+            ref[decayed] *= 1 - hp.lr * hp.weight_decay
         ref.grad = g.clone()
         opt.step()
     for fused in (True, False):
@@ -232,7 +236,10 @@ def test_split_backward_in_scopes_matches_torch_with_one_reduction_per_pass(stag
     for split in (False, True):
         net = make_net(ckpt=True)
         engine = ZeroEngine(
-            net, layer_groups(net), zero_stage=stage, **HP, max_grad_norm=MAX_NORM, micro_batches_per_step=2
+            net,
+            layer_groups(net),
+            sharding=ShardingConfig(zero_stage=stage, micro_batches_per_step=2),
+            optimizer=OPT_CLIPPED,
         )
         losses, counts[split] = _split_run(engine, 2, split)
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
@@ -245,7 +252,7 @@ def test_split_backward_in_scopes_matches_torch_with_one_reduction_per_pass(stag
 
 def test_backward_pass_scopes_do_not_nest():
     net = make_net()
-    engine = ZeroEngine(net, zero_stage=1, **HP)
+    engine = ZeroEngine(net, sharding=ShardingConfig(zero_stage=1), optimizer=OPT)
     with engine.backward_pass():
         with pytest.raises(ZeroError, match="does not nest"):
             with engine.backward_pass():
@@ -257,8 +264,12 @@ def test_roots_must_hold_whole_groups():
     chunks = torch.nn.ModuleList([make_net(blocks=1), make_net(blocks=1)])
     names = [n for n, _ in chunks.named_parameters()]
     with pytest.raises(ZeroError, match="lies in none of the roots"):
-        ZeroEngine(chunks, [names], zero_stage=1, roots=["0", "1"], **HP)
+        ZeroEngine(chunks, [names], sharding=ShardingConfig(zero_stage=1), optimizer=OPT, roots=["0", "1"])
     engine = ZeroEngine(
-        chunks, [[n for n in names if n.startswith(f"{k}.")] for k in "01"], zero_stage=1, roots=["0", "1"], **HP
+        chunks,
+        [[n for n in names if n.startswith(f"{k}.")] for k in "01"],
+        sharding=ShardingConfig(zero_stage=1),
+        optimizer=OPT,
+        roots=["0", "1"],
     )
     assert engine._group_root == [0, 1]

@@ -9,7 +9,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from runtime.data_parallel.zero_engine import ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ZeroEngine
 
 IN, H, BLOCKS = 8, 32, 3
 BATCH, MICRO = 16, 2  # global batch; micro-batches per rank per step
@@ -19,6 +19,10 @@ STEPS = 6
 # 1e-5 parameter differences. Plain torch emulating dp 2 shows the same with eps 1e-8.
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 MAX_NORM = 0.5
+OPT = OptimizerConfig(**HP)
+"""The engine's form of ``HP``."""
+OPT_CLIPPED = OptimizerConfig(**HP, max_grad_norm=MAX_NORM)
+"""``OPT`` clipping the gradient norm to ``MAX_NORM``."""
 
 
 class Block(nn.Module):
