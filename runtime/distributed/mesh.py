@@ -70,14 +70,6 @@ class Mesh:
     def tp_index(self) -> int:
         return coords_of(self.rank, self.dp, self.tp)[2]
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_index == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_index == self.pp - 1
-
 
 _MESH: Mesh = Mesh(1, 1, 1)
 
