@@ -305,8 +305,8 @@ def with_communication(compute: Sequence[Sequence[Action]], num_stages: int, vir
         queues: dict[int, list[tuple[int, Action]]] = {}
         for q in range(p):
             for a in sends[q]:
-                if a.kind in _SENDS and a.peer_of(p)[0] == r:
-                    rank, chunk = a.peer_of(p)
+                if a.kind in _SENDS and _peer(a, p)[0] == r:
+                    rank, chunk = _peer(a, p)
                     recv = Action(r, _SENDS[a.kind], a.microbatch, chunk)
                     need = use.get((F if a.kind == SEND_ACT else B, chunk, a.microbatch), len(compute[r]))
                     queues.setdefault(q, []).append((need, recv))
@@ -510,8 +510,8 @@ def validate_rank(
 def _messages(sched: Schedule, src: int, dst: int) -> tuple[list[Action], list[Action]]:
     """The sends of ``src`` to ``dst`` and the receives of ``dst`` from ``src``, each in list order."""
     p = len(sched)
-    sends = [a for a in sched[src] if a.kind in _SENDS and a.peer_of(p)[0] == dst]
-    recvs = [a for a in sched[dst] if a.kind in _RECVS and a.peer_of(p)[0] == src]
+    sends = [a for a in sched[src] if a.kind in _SENDS and _peer(a, p)[0] == dst]
+    recvs = [a for a in sched[dst] if a.kind in _RECVS and _peer(a, p)[0] == src]
     return sends, recvs
 
 
@@ -534,7 +534,7 @@ def validate_schedule(sched: Schedule, num_stages: int, num_microbatches: int, v
             what = next(iter(kinds)) if len(kinds) == 1 else f"message to stage {dst}"
             rwhat = _SENDS[what] if len(kinds) == 1 else f"receive from stage {src}"
             for k, (snd, rcv) in enumerate(zip(sends, recvs)):
-                rank, chunk = snd.peer_of(p)
+                rank, chunk = _peer(snd, p)
                 if (_SENDS[snd.kind], chunk, snd.microbatch) != (rcv.kind, rcv.chunk, rcv.microbatch):
                     raise ScheduleError(
                         f"{snd} is stage {src}'s {_ordinal(k + 1)} {what} but stage {dst}'s "
@@ -577,16 +577,128 @@ class SimResult:
 TimeSpec = float | Sequence[float] | Callable[[int], float]
 
 
-def _per_stage(spec: TimeSpec, s: int, name: str) -> float:
+def _per_stage(spec: TimeSpec, chunk: int, name: str) -> float:
     if callable(spec):
-        v = spec(s)
+        value = spec(chunk)
     elif isinstance(spec, (int, float)):
-        v = spec
+        value = spec
     else:
-        v = spec[s]
-    if v < 0:
-        raise ValueError(f"{name} for stage {s} is negative ({v})")
-    return float(v)
+        value = spec[chunk]
+    if value < 0:
+        raise ValueError(f"{name} for stage {chunk} is negative ({value})")
+    return float(value)
+
+
+def _peer(action: Action, num_stages: int) -> tuple[int, int]:
+    """``(rank, local chunk)`` at the other end of a communication action."""
+    peer = action.peer_of(num_stages)
+    assert peer is not None, f"{action} is not a communication action"
+    return peer
+
+
+def _durations(
+    sched: Schedule, forward_time: TimeSpec, backward_time: TimeSpec, weight_time: TimeSpec | None
+) -> dict[str, TimeSpec]:
+    """Each compute kind's time; with ``W`` actions and no ``weight_time``, ``B`` and ``W`` each
+    take half of ``backward_time``."""
+    split = any(a.kind == W for acts in sched for a in acts)
+    if split and weight_time is None:
+        full_backward = backward_time
+
+        def half_backward(chunk: int) -> float:
+            return _per_stage(full_backward, chunk, "B time") / 2
+
+        backward_time = weight_time = half_backward
+    durations: dict[str, TimeSpec] = {F: forward_time, B: backward_time}
+    if weight_time is not None:
+        durations[W] = weight_time
+    return durations
+
+
+class _Simulation:
+    """The state of :func:`simulate`: each rank's clock and next action, and the messages in flight."""
+
+    def __init__(self, sched: Schedule, durations: dict[str, TimeSpec], p2p_time: float, send_time: float):
+        ranks = len(sched)
+        self.sched, self.durations = sched, durations
+        self.p2p_time, self.send_time = p2p_time, send_time
+        self.chunks = num_chunks(sched)
+        self.next_index = [0] * ranks
+        self.clock = [0.0] * ranks
+        self.timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(ranks)]
+        self.compute = [0.0] * ranks
+        self.queues: dict[tuple[int, int], deque] = {}
+        """(sender, receiver) -> FIFO of (arrival time, send action)."""
+        self.start: dict[Action, float] = {}
+        self.end: dict[Action, float] = {}
+
+    def _record(self, rank: int, action: Action, began: float, ended: float) -> None:
+        self.timeline[rank].append((action, began, ended))
+        self.start[action], self.end[action] = began, ended
+        self.clock[rank] = ended
+        self.next_index[rank] += 1
+
+    def _step(self, rank: int, action: Action) -> bool:
+        """Run ``action`` on ``rank``; False when it is a receive whose message is not there yet."""
+        ranks = len(self.sched)
+        began = self.clock[rank]
+        if action.kind in COMPUTE:
+            duration = _per_stage(self.durations[action.kind], action.model_chunk(ranks), f"{action.kind} time")
+            self.compute[rank] += duration
+            self._record(rank, action, began, began + duration)
+        elif action.kind in _SENDS:
+            receiver, _ = _peer(action, ranks)
+            if not 0 <= action.model_chunk(ranks) + _DIRECTION[action.kind] < ranks * self.chunks:
+                raise ScheduleError(f"{action} sends to {_target(action, ranks, self.chunks)}, which does not exist")
+            arrival = began + self.send_time + self.p2p_time
+            self.queues.setdefault((rank, receiver), deque()).append((arrival, action))
+            self._record(rank, action, began, began + self.send_time)
+        else:
+            sender, _ = _peer(action, ranks)
+            queue = self.queues.get((sender, rank))
+            if not queue:
+                return False  # blocked
+            arrival, send = queue[0]
+            if (_SENDS[send.kind], _peer(send, ranks)[1], send.microbatch) != (
+                action.kind,
+                action.chunk,
+                action.microbatch,
+            ):
+                raise ScheduleError(
+                    f"{action} would receive {send}'s message: messages between two ranks are "
+                    f"matched in order, so the schedules disagree on the order"
+                )
+            queue.popleft()
+            self._record(rank, action, began, max(began, arrival))
+        return True
+
+    def _advance(self, rank: int) -> bool:
+        """Run ``rank``'s actions until it blocks or finishes; whether it ran any."""
+        progressed = False
+        actions = self.sched[rank]
+        while self.next_index[rank] < len(actions):
+            action = actions[self.next_index[rank]]
+            if action.stage != rank:
+                raise ScheduleError(f"{action} is in rank {rank}'s list but names stage {action.stage}")
+            if not self._step(rank, action):
+                break
+            progressed = True
+        return progressed
+
+    def run(self) -> SimResult:
+        ranks = len(self.sched)
+        progress = True
+        while progress:
+            progress = False
+            for rank in range(ranks):
+                progress |= self._advance(rank)
+        unfinished = [rank for rank in range(ranks) if self.next_index[rank] < len(self.sched[rank])]
+        if unfinished:
+            raise _deadlock(self.sched, self.next_index, unfinished)
+        makespan = max(self.clock) if ranks else 0.0
+        busy = sum(self.compute)
+        bubble = 1.0 - busy / (ranks * makespan) if makespan > 0 else 0.0
+        return SimResult(self.timeline, makespan, self.compute, bubble, self.start, self.end)
 
 
 def simulate(
@@ -615,114 +727,51 @@ def simulate(
     cycle of ranks waiting on one another. A receive whose queue head is another message raises
     :class:`ScheduleError` (the FIFO mismatch :func:`validate_schedule` reports).
     """
-    p = len(sched)
-    if p == 0:
+    if not sched:
         raise ValueError("empty schedule")
-    split = any(a.kind == W for acts in sched for a in acts)
-    if split and weight_time is None:
-        halve = backward_time
-
-        def backward_time(c: int) -> float:
-            return _per_stage(halve, c, "B time") / 2
-
-        weight_time = backward_time
-    durations = {F: forward_time, B: backward_time, W: weight_time}
-    v = num_chunks(sched)
-    ptr = [0] * p
-    clock = [0.0] * p
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    compute = [0.0] * p
-    # (src, dst) -> FIFO of (arrival time, send action)
-    queues: dict[tuple[int, int], deque] = {}
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-
-    def record(s: int, a: Action, t0: float, t1: float) -> None:
-        timeline[s].append((a, t0, t1))
-        start[a], end[a] = t0, t1
-        clock[s] = t1
-        ptr[s] += 1
-
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while ptr[s] < len(sched[s]):
-                a = sched[s][ptr[s]]
-                if a.stage != s:
-                    raise ScheduleError(f"{a} is in rank {s}'s list but names stage {a.stage}")
-                t0 = clock[s]
-                if a.kind in COMPUTE:
-                    d = _per_stage(durations[a.kind], a.model_chunk(p), f"{a.kind} time")
-                    compute[s] += d
-                    record(s, a, t0, t0 + d)
-                elif a.kind in _SENDS:
-                    dst, _ = a.peer_of(p)
-                    if not 0 <= a.model_chunk(p) + _DIRECTION[a.kind] < p * v:
-                        raise ScheduleError(f"{a} sends to {_target(a, p, v)}, which does not exist")
-                    queues.setdefault((s, dst), deque()).append((t0 + send_time + p2p_time, a))
-                    record(s, a, t0, t0 + send_time)
-                else:
-                    src, chunk = a.peer_of(p)
-                    q = queues.get((src, s))
-                    if not q:
-                        break  # blocked
-                    arrival, snd = q[0]
-                    if (_SENDS[snd.kind], snd.peer_of(p)[1], snd.microbatch) != (a.kind, a.chunk, a.microbatch):
-                        raise ScheduleError(
-                            f"{a} would receive {snd}'s message: messages between two ranks are "
-                            f"matched in order, so the schedules disagree on the order"
-                        )
-                    q.popleft()
-                    record(s, a, t0, max(t0, arrival))
-                progress = True
-
-    unfinished = [s for s in range(p) if ptr[s] < len(sched[s])]
-    if unfinished:
-        raise _deadlock(sched, ptr, unfinished)
-    makespan = max(clock) if p else 0.0
-    busy = sum(compute)
-    bubble = 1.0 - busy / (p * makespan) if makespan > 0 else 0.0
-    return SimResult(timeline, makespan, compute, bubble, start, end)
+    durations = _durations(sched, forward_time, backward_time, weight_time)
+    return _Simulation(sched, durations, p2p_time, send_time).run()
 
 
-def _deadlock(sched: Schedule, ptr: list[int], unfinished: list[int]) -> DeadlockError:
-    p, v = len(sched), num_chunks(sched)
-    stuck = [sched[s][ptr[s]] for s in unfinished]
+def _deadlock(sched: Schedule, next_index: list[int], unfinished: list[int]) -> DeadlockError:
+    ranks, chunks = len(sched), num_chunks(sched)
+    stuck = [sched[rank][next_index[rank]] for rank in unfinished]
     lines = []
     waits_on: dict[int, int] = {}
-    for a in stuck:
-        src, chunk = a.peer_of(p)
-        if not 0 <= a.model_chunk(p) + _DIRECTION[a.kind] < p * v:
-            lines.append(f"  {a} waits for a message from {_target(a, p, v)}, which does not exist")
+    for action in stuck:
+        sender, chunk = _peer(action, ranks)
+        if not 0 <= action.model_chunk(ranks) + _DIRECTION[action.kind] < ranks * chunks:
+            lines.append(f"  {action} waits for a message from {_target(action, ranks, chunks)}, which does not exist")
             continue
-        want = Action(src, _RECVS[a.kind], a.microbatch, chunk)
-        if ptr[src] >= len(sched[src]):
-            lines.append(f"  {a} waits for {want}, but rank {src} finished without sending it")
+        want = Action(sender, _RECVS[action.kind], action.microbatch, chunk)
+        if next_index[sender] >= len(sched[sender]):
+            lines.append(f"  {action} waits for {want}, but rank {sender} finished without sending it")
         else:
-            waits_on[a.stage] = src
-            lines.append(f"  {a} waits for {want}; rank {src} is blocked at {sched[src][ptr[src]]}")
+            waits_on[action.stage] = sender
+            lines.append(
+                f"  {action} waits for {want}; rank {sender} is blocked at {sched[sender][next_index[sender]]}"
+            )
     cycle = _find_cycle(waits_on)
     head = "deadlock: no rank can make progress"
     if cycle:
-        head += "; ranks wait on each other in a cycle " + " -> ".join(f"rank {r}" for r in cycle + cycle[:1])
+        head += "; ranks wait on each other in a cycle " + " -> ".join(f"rank {rank}" for rank in cycle + cycle[:1])
     return DeadlockError(head + "\n" + "\n".join(lines), stuck)
 
 
-def _target(a: Action, p: int, v: int) -> str:
-    c = a.model_chunk(p) + _DIRECTION[a.kind]
-    return f"stage {c}" if v == 1 else f"model chunk {c}"
+def _target(action: Action, num_stages: int, chunks: int) -> str:
+    target = action.model_chunk(num_stages) + _DIRECTION[action.kind]
+    return f"stage {target}" if chunks == 1 else f"model chunk {target}"
 
 
 def _find_cycle(waits_on: dict[int, int]) -> list[int]:
-    for start in sorted(waits_on):
+    for first in sorted(waits_on):
         seen: list[int] = []
-        r = start
-        while r in waits_on and r not in seen:
-            seen.append(r)
-            r = waits_on[r]
-        if r in seen:
-            return seen[seen.index(r) :]
+        rank = first
+        while rank in waits_on and rank not in seen:
+            seen.append(rank)
+            rank = waits_on[rank]
+        if rank in seen:
+            return seen[seen.index(rank) :]
     return []
 
 
