@@ -172,8 +172,8 @@ class Action:
         """``(rank, local chunk)`` of the chunk at the other end of a communication action."""
         if self.kind not in _DIRECTION:
             return None
-        c = self.model_chunk(num_stages) + _DIRECTION[self.kind]
-        return c % num_stages, c // num_stages if c >= 0 else -1
+        chunk = self.model_chunk(num_stages) + _DIRECTION[self.kind]
+        return chunk % num_stages, chunk // num_stages if chunk >= 0 else -1
 
 
 Schedule = list[list[Action]]
@@ -193,7 +193,7 @@ class DeadlockError(ScheduleError):
 
 def num_chunks(sched: Schedule) -> int:
     """``v``: model chunks per rank that a schedule uses (1 + its largest local chunk index)."""
-    return 1 + max((a.chunk for acts in sched for a in acts), default=0)
+    return 1 + max((action.chunk for acts in sched for action in acts), default=0)
 
 
 # --------------------------------------------------------------------------- generators
@@ -213,19 +213,19 @@ def _check_sizes(num_stages: int, num_microbatches: int, virtual_stages: int = 1
         )
 
 
-def _fwd(s: int, p: int, i: int) -> list[Action]:
-    out = [Action(s, RECV_ACT, i)] if s > 0 else []
-    out.append(Action(s, F, i))
-    if s < p - 1:
-        out.append(Action(s, SEND_ACT, i))
+def _fwd(stage: int, p: int, i: int) -> list[Action]:
+    out = [Action(stage, RECV_ACT, i)] if stage > 0 else []
+    out.append(Action(stage, F, i))
+    if stage < p - 1:
+        out.append(Action(stage, SEND_ACT, i))
     return out
 
 
-def _bwd(s: int, p: int, i: int) -> list[Action]:
-    out = [Action(s, RECV_GRAD, i)] if s < p - 1 else []
-    out.append(Action(s, B, i))
-    if s > 0:
-        out.append(Action(s, SEND_GRAD, i))
+def _bwd(stage: int, p: int, i: int) -> list[Action]:
+    out = [Action(stage, RECV_GRAD, i)] if stage < p - 1 else []
+    out.append(Action(stage, B, i))
+    if stage > 0:
+        out.append(Action(stage, SEND_GRAD, i))
     return out
 
 
@@ -246,16 +246,16 @@ def one_f_one_b(num_stages: int, num_microbatches: int, *, strict: bool = True) 
             f"{p} stages; raise the number of micro-batches (smaller micro-batch size) or use fewer stages"
         )
     sched: Schedule = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
+    for stage in range(p):
+        warm = min(p - stage - 1, m)
         acts: list[Action] = []
         for i in range(warm):
-            acts += _fwd(s, p, i)
+            acts += _fwd(stage, p, i)
         for k in range(m - warm):
-            acts += _fwd(s, p, warm + k)
-            acts += _bwd(s, p, k)
+            acts += _fwd(stage, p, warm + k)
+            acts += _bwd(stage, p, k)
         for k in range(m - warm, m):
-            acts += _bwd(s, p, k)
+            acts += _bwd(stage, p, k)
         sched.append(acts)
     return sched
 
@@ -269,7 +269,9 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     return [
-        [a for i in range(m) for a in _fwd(s, p, i)] + [a for i in range(m) for a in _bwd(s, p, i)] for s in range(p)
+        [action for i in range(m) for action in _fwd(stage, p, i)]
+        + [action for i in range(m) for action in _bwd(stage, p, i)]
+        for stage in range(p)
     ]
 
 
@@ -286,55 +288,61 @@ def with_communication(compute: Sequence[Sequence[Action]], num_stages: int, vir
     p, v = num_stages, virtual_stages
     last = p * v - 1
     sends: list[list[Action]] = []
-    for r, acts in enumerate(compute):
+    for rank, acts in enumerate(compute):
         out: list[Action] = []
-        for a in acts:
-            if a.kind not in COMPUTE:
-                raise ScheduleError(f"{a} is not a compute action; give only F, B and W")
-            out.append(a)
-            c = a.model_chunk(p)
-            if a.kind == F and c < last:
-                out.append(Action(r, SEND_ACT, a.microbatch, a.chunk))
-            elif a.kind == B and c > 0:
-                out.append(Action(r, SEND_GRAD, a.microbatch, a.chunk))
+        for action in acts:
+            if action.kind not in COMPUTE:
+                raise ScheduleError(f"{action} is not a compute action; give only F, B and W")
+            out.append(action)
+            chunk = action.model_chunk(p)
+            if action.kind == F and chunk < last:
+                out.append(Action(rank, SEND_ACT, action.microbatch, action.chunk))
+            elif action.kind == B and chunk > 0:
+                out.append(Action(rank, SEND_GRAD, action.microbatch, action.chunk))
         sends.append(out)
-    # For each receiver, per sender: the receives in send order and the position that needs each.
-    sched: Schedule = []
-    for r in range(p):
-        use = {(a.kind, a.chunk, a.microbatch): t for t, a in enumerate(compute[r])}
-        queues: dict[int, list[tuple[int, Action]]] = {}
-        for q in range(p):
-            for a in sends[q]:
-                if a.kind in _SENDS and _peer(a, p)[0] == r:
-                    rank, chunk = _peer(a, p)
-                    recv = Action(r, _SENDS[a.kind], a.microbatch, chunk)
-                    need = use.get((F if a.kind == SEND_ACT else B, chunk, a.microbatch), len(compute[r]))
-                    queues.setdefault(q, []).append((need, recv))
-        # Latest position each queue's k-th receive may take: the minimum need over its suffix.
-        for q, items in queues.items():
-            latest = len(compute[r])
-            for k in range(len(items) - 1, -1, -1):
-                latest = min(latest, items[k][0])
-                items[k] = (latest, items[k][1])
-        heads = {q: 0 for q in queues}
-        out = []
-        t = 0
-        for a in sends[r]:
-            if a.kind in COMPUTE:
-                for q in sorted(queues):
-                    items = queues[q]
-                    while heads[q] < len(items) and items[heads[q]][0] <= t:
-                        out.append(items[heads[q]][1])
-                        heads[q] += 1
-                t += 1
-            out.append(a)
-        for q in sorted(queues):  # messages no compute action uses (a malformed input): at the end
-            out += [recv for _, recv in queues[q][heads[q] :]]
-        sched.append(out)
-    return sched
+    return [_place_receives(compute, sends, receiver, p) for receiver in range(p)]
 
 
-def _interleaved_order(p: int, m: int, v: int, r: int, warmup: int, split: bool, w_delay: int) -> list[Action]:
+def _place_receives(
+    compute: Sequence[Sequence[Action]], sends: list[list[Action]], receiver: int, num_stages: int
+) -> list[Action]:
+    """Rank ``receiver``'s list with sends (``sends[receiver]``) and its receives, each as late as
+    the order of its sender's messages allows (:func:`with_communication`)."""
+    own = compute[receiver]
+    # Per sender: the receives in send order and the position that needs each.
+    use = {(action.kind, action.chunk, action.microbatch): position for position, action in enumerate(own)}
+    queues: dict[int, list[tuple[int, Action]]] = {}
+    for sender in range(num_stages):
+        for action in sends[sender]:
+            if action.kind in _SENDS and _peer(action, num_stages)[0] == receiver:
+                _, chunk = _peer(action, num_stages)
+                recv = Action(receiver, _SENDS[action.kind], action.microbatch, chunk)
+                need = use.get((F if action.kind == SEND_ACT else B, chunk, action.microbatch), len(own))
+                queues.setdefault(sender, []).append((need, recv))
+    # Latest position each queue's k-th receive may take: the minimum need over its suffix.
+    for items in queues.values():
+        latest = len(own)
+        for k in range(len(items) - 1, -1, -1):
+            latest = min(latest, items[k][0])
+            items[k] = (latest, items[k][1])
+    heads = {sender: 0 for sender in queues}
+    out = []
+    position = 0
+    for action in sends[receiver]:
+        if action.kind in COMPUTE:
+            for sender in sorted(queues):
+                items = queues[sender]
+                while heads[sender] < len(items) and items[heads[sender]][0] <= position:
+                    out.append(items[heads[sender]][1])
+                    heads[sender] += 1
+            position += 1
+        out.append(action)
+    for sender in sorted(queues):  # messages no compute action uses (a malformed input): at the end
+        out += [recv for _, recv in queues[sender][heads[sender] :]]
+    return out
+
+
+def _interleaved_order(p: int, m: int, v: int, rank: int, warmup: int, split: bool, w_delay: int) -> list[Action]:
     """Rank ``r``'s compute actions in Megatron's interleaved order (see the module docstring).
 
     ``warmup`` forwards first, then one forward and one backward at a time, then the remaining
@@ -344,10 +352,10 @@ def _interleaved_order(p: int, m: int, v: int, r: int, warmup: int, split: bool,
     total = m * v
 
     def fwd(k: int) -> Action:
-        return Action(r, F, (k // (p * v)) * p + k % p, (k // p) % v)
+        return Action(rank, F, (k // (p * v)) * p + k % p, (k // p) % v)
 
     def bwd(k: int, kind: str) -> Action:
-        return Action(r, kind, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+        return Action(rank, kind, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
     out = [fwd(k) for k in range(warmup)]
     done_w = 0
@@ -393,7 +401,9 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, virtual_stag
     _check_interleaved(p, m, v, "interleaved 1F1B")
     if v == 1:
         return one_f_one_b(p, m)
-    compute = [_interleaved_order(p, m, v, r, min(2 * (p - r - 1) + (v - 1) * p, m * v), False, 0) for r in range(p)]
+    compute = [
+        _interleaved_order(p, m, v, rank, min(2 * (p - rank - 1) + (v - 1) * p, m * v), False, 0) for rank in range(p)
+    ]
     return with_communication(compute, p, v)
 
 
@@ -408,7 +418,9 @@ def interleaved_zero_bubble(num_stages: int, num_microbatches: int, virtual_stag
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
     _check_interleaved(p, m, v, "the zero-bubble schedule")
-    compute = [_interleaved_order(p, m, v, r, min((v - 1) * p + p - r - 1, m * v), True, r) for r in range(p)]
+    compute = [
+        _interleaved_order(p, m, v, rank, min((v - 1) * p + p - rank - 1, m * v), True, rank) for rank in range(p)
+    ]
     return with_communication(compute, p, v)
 
 
@@ -426,7 +438,7 @@ def one_f_one_b_bubble(num_stages: int, num_microbatches: int) -> float:
 
 def format_schedule(sched: Schedule) -> str:
     """One line per rank, e.g. ``rank 1: RECV_ACT0@s1 F0@s1 ...``."""
-    return "\n".join(f"rank {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(sched))
+    return "\n".join(f"rank {stage}: " + " ".join(map(str, acts)) for stage, acts in enumerate(sched))
 
 
 # --------------------------------------------------------------------------- validation
@@ -449,45 +461,45 @@ def validate_rank(
     ``B``. Raises :class:`ScheduleError` naming the offending action.
     """
     _check_sizes(num_stages, num_microbatches, virtual_stages)
-    p, m, v, s = num_stages, num_microbatches, virtual_stages, stage
-    if not 0 <= s < p:
-        raise ScheduleError(f"stage {s} is outside 0..{p - 1}")
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if not 0 <= stage < p:
+        raise ScheduleError(f"stage {stage} is outside 0..{p - 1}")
     noun = "stage" if v == 1 else "model chunk"
 
     def allowed(chunk: int) -> set[str]:
-        c = chunk * p + s
+        model_chunk = chunk * p + stage
         kinds = {F, B, W}
-        if c > 0:
+        if model_chunk > 0:
             kinds |= {RECV_ACT, SEND_GRAD}
-        if c < p * v - 1:
+        if model_chunk < p * v - 1:
             kinds |= {SEND_ACT, RECV_GRAD}
         return kinds
 
     pos: dict[tuple[str, int, int], int] = {}
     counts: Counter = Counter()
-    for idx, a in enumerate(actions):
-        if not isinstance(a, Action):
-            raise ScheduleError(f"rank {s}'s list holds {a!r} at position {idx}, not an Action")
-        if a.stage != s:
-            raise ScheduleError(f"{a} is in rank {s}'s list but names stage {a.stage}")
-        if a.microbatch >= m:
-            raise ScheduleError(f"{a} names micro-batch {a.microbatch}, but there are only {m} (0..{m - 1})")
-        if a.chunk >= v:
+    for idx, action in enumerate(actions):
+        if not isinstance(action, Action):
+            raise ScheduleError(f"rank {stage}'s list holds {action!r} at position {idx}, not an Action")
+        if action.stage != stage:
+            raise ScheduleError(f"{action} is in rank {stage}'s list but names stage {action.stage}")
+        if action.microbatch >= m:
+            raise ScheduleError(f"{action} names micro-batch {action.microbatch}, but there are only {m} (0..{m - 1})")
+        if action.chunk >= v:
             raise ScheduleError(
-                f"{a} names local chunk {a.chunk}, but there are {v} model chunk{'s' if v > 1 else ''} per rank "
+                f"{action} names local chunk {action.chunk}, but there are {v} model chunk{'s' if v > 1 else ''} per rank "
                 f"(pass virtual_stages)"
             )
-        if a.kind not in allowed(a.chunk):
-            where = "the first" if a.kind in (RECV_ACT, SEND_GRAD) else "the last"
+        if action.kind not in allowed(action.chunk):
+            where = "the first" if action.kind in (RECV_ACT, SEND_GRAD) else "the last"
             raise ScheduleError(
-                f"{a} cannot run on {where} {noun} ({noun} {a.model_chunk(p)} of {p * v}): there is no neighbour"
+                f"{action} cannot run on {where} {noun} ({noun} {action.model_chunk(p)} of {p * v}): there is no neighbour"
             )
-        key = (a.kind, a.chunk, a.microbatch)
+        key = (action.kind, action.chunk, action.microbatch)
         counts[key] += 1
         if counts[key] > 1:
-            raise ScheduleError(f"{a} appears more than once in rank {s}'s list (position {idx} repeats it)")
+            raise ScheduleError(f"{action} appears more than once in rank {stage}'s list (position {idx} repeats it)")
         pos[key] = idx
-    split = any(a.kind == W for a in actions)
+    split = any(action.kind == W for action in actions)
     # Each required action exists, and dependencies come first.
     required = ((F, RECV_ACT), (SEND_ACT, F), (B, F), (B, RECV_GRAD), (SEND_GRAD, B), (W, B))
     for j in range(v):
@@ -497,12 +509,12 @@ def validate_rank(
                 if (kind, j, i) not in pos:
                     why = " (the list has W actions, so every B needs its W)" if kind == W else ""
                     raise ScheduleError(
-                        f"rank {s}'s list has no {Action(s, kind, i, j)} (every micro-batch needs one){why}"
+                        f"rank {stage}'s list has no {Action(stage, kind, i, j)} (every micro-batch needs one){why}"
                     )
             for later, earlier in required:
                 if later in kinds and earlier in kinds and pos[(later, j, i)] < pos[(earlier, j, i)]:
                     raise ScheduleError(
-                        f"{Action(s, later, i, j)} comes before {Action(s, earlier, i, j)} in rank {s}'s list, "
+                        f"{Action(stage, later, i, j)} comes before {Action(stage, earlier, i, j)} in rank {stage}'s list, "
                         f"but it needs that one's result"
                     )
 
@@ -510,8 +522,8 @@ def validate_rank(
 def _messages(sched: Schedule, src: int, dst: int) -> tuple[list[Action], list[Action]]:
     """The sends of ``src`` to ``dst`` and the receives of ``dst`` from ``src``, each in list order."""
     p = len(sched)
-    sends = [a for a in sched[src] if a.kind in _SENDS and _peer(a, p)[0] == dst]
-    recvs = [a for a in sched[dst] if a.kind in _RECVS and _peer(a, p)[0] == src]
+    sends = [action for action in sched[src] if action.kind in _SENDS and _peer(action, p)[0] == dst]
+    recvs = [action for action in sched[dst] if action.kind in _RECVS and _peer(action, p)[0] == src]
     return sends, recvs
 
 
@@ -525,12 +537,12 @@ def validate_schedule(sched: Schedule, num_stages: int, num_microbatches: int, v
     p = num_stages
     if len(sched) != p:
         raise ScheduleError(f"the schedule has {len(sched)} rank lists but there are {p} stages")
-    for s, acts in enumerate(sched):
-        validate_rank(acts, s, p, num_microbatches, virtual_stages)
+    for stage, acts in enumerate(sched):
+        validate_rank(acts, stage, p, num_microbatches, virtual_stages)
     for src in range(p):
         for dst in range(p):
             sends, recvs = _messages(sched, src, dst)
-            kinds = {a.kind for a in sends}
+            kinds = {action.kind for action in sends}
             what = next(iter(kinds)) if len(kinds) == 1 else f"message to stage {dst}"
             rwhat = _SENDS[what] if len(kinds) == 1 else f"receive from stage {src}"
             for k, (snd, rcv) in enumerate(zip(sends, recvs)):
@@ -601,7 +613,7 @@ def _durations(
 ) -> dict[str, TimeSpec]:
     """Each compute kind's time; with ``W`` actions and no ``weight_time``, ``B`` and ``W`` each
     take half of ``backward_time``."""
-    split = any(a.kind == W for acts in sched for a in acts)
+    split = any(action.kind == W for acts in sched for action in acts)
     if split and weight_time is None:
         full_backward = backward_time
 
@@ -794,7 +806,7 @@ def peak_weight_pending(sched: Schedule) -> list[int]:
     counts only the inputs of the weight-gradient products as held between ``B`` and ``W``; the
     executor (:mod:`runtime.pipeline.executor`) keeps the chunk's whole graph until ``W``, so for it this
     is the count of full activations."""
-    split = any(a.kind == W for acts in sched for a in acts)
+    split = any(action.kind == W for acts in sched for action in acts)
     return peak_open(sched, F, W if split else B)
 
 
@@ -858,5 +870,5 @@ def analyze(
         bubble_ratio=res.bubble_ratio,
         peak_activations=tuple(peak_inflight(sched)),
         peak_weight_inputs=tuple(peak_weight_pending(sched)),
-        messages=sum(a.kind in _SENDS for acts in sched for a in acts),
+        messages=sum(action.kind in _SENDS for acts in sched for action in acts),
     )
