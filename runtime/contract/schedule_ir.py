@@ -34,11 +34,10 @@ Communication semantics (shared by :func:`simulate` and the executor):
   carries activations and gradients both ways, so the generators place each receive where the
   sender's order puts it (:func:`with_communication`).
 
-Under these semantics a schedule deadlocks exactly when, at some point, every unfinished rank is
-blocked in a receive whose message will never be posted; :func:`simulate` executes the lists
-without processes and raises :class:`DeadlockError` naming the blocked actions and the cycle of
-ranks waiting on each other. :func:`analyze` prices any schedule from the simulation: bubble and
-per-rank peak activations (what the planner uses, beside the closed forms below).
+A schedule deadlocks exactly when every unfinished rank is blocked in a receive whose message
+will never be posted; :func:`simulate` executes the lists without processes and raises
+:class:`DeadlockError` naming the blocked actions and the cycle of ranks waiting on each other.
+:func:`analyze` prices any schedule from the simulation (bubble, per-rank peak activations).
 
 1F1B (one forward, one backward). Stage ``s`` first runs ``w_s = min(p - s - 1, m)`` warm-up
 forwards, then alternates one forward and one backward ``m - w_s`` times, then drains the
@@ -54,10 +53,9 @@ k-th forward is chunk ``(k // p) % v`` of micro-batch ``(k // (p v)) p + k % p``
 the same order with the chunks reversed. Rank ``r`` warms up with ``2 (p - r - 1) + (v - 1) p``
 forwards, then alternates, then drains. The bubble ratio shrinks to ``(p - 1) / (v m)`` for
 ``v`` times the pipeline messages; rank 0 holds ``(1 + (p - 1) / (p v))`` times 1F1B's
-activations. The order needs ``m >= p`` and ``m`` a multiple of ``p``: Megatron-LM's later
-"schedule table" lets the last group be partial, but simulated under these semantics that order
-deadlocks for some sizes (p=4, m=5, v=3; p=5, m=7, v=2) and exceeds the memory bound for others,
-so :func:`interleaved_one_f_one_b` refuses such ``m`` with a :class:`ScheduleError` that says so.
+activations. The order needs ``m >= p`` and ``m`` a multiple of ``p`` (a partial last group
+deadlocks for some sizes under these semantics, e.g. p=4, m=5, v=3): :func:`interleaved_one_f_one_b`
+refuses other ``m`` with a :class:`ScheduleError` that says so.
 
 Zero bubble (Qi et al. 2023, ZB-H1). 1F1B's order with backward split in ``B`` and ``W``: rank
 ``r`` delays its ``W`` s by ``r`` micro-batches, so the ``W`` s fill the cool-down that 1F1B

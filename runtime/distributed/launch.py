@@ -285,7 +285,7 @@ def _entry(rank: int, job: _RankJob) -> None:
 def _diagnose(ctx: Any, error_dir: str, nproc: int) -> LaunchError:
     """Name the rank that failed first and why."""
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and any(p.is_alive() for p in ctx.processes):
+    while time.monotonic() < deadline and any(process.is_alive() for process in ctx.processes):
         time.sleep(0.05)
     # A rank killed from outside (SIGKILL: the OOM killer, an operator) is the one that was lost.
     # torch.multiprocessing stops the survivors with SIGTERM once one rank fails, and gloo aborts

@@ -223,7 +223,7 @@ class PipelineStage:
         gradients and ``W`` weight gradients (module docstring).
         """
         extras = self._split_inputs(microbatches)
-        m = len(extras)
+        micro_batch_count = len(extras)
         self._preflight(actions, extras)
         split = any(action.kind == W for action in actions)
         state = StepState()
@@ -234,9 +234,9 @@ class PipelineStage:
             if action.kind in (RECV_ACT, RECV_GRAD):
                 self._store_received(action, StageTransport.wait_recv(receives.take(index)), state)
             else:
-                self._act(action, split, extras, state, loss_scale / m)
+                self._act(action, split, extras, state, loss_scale / micro_batch_count)
         self.transport.finish()
-        return self._mean_loss(state.losses, m)
+        return self._mean_loss(state.losses, micro_batch_count)
 
     def _store_received(self, action: Action, buffers: list[torch.Tensor], state: StepState) -> None:
         key = (action.chunk, action.microbatch)
@@ -319,10 +319,12 @@ class PipelineStage:
         if not self.placement.holds_first(chunk):
             state.in_grads[key] = [x.grad if x.grad is not None else torch.zeros_like(x) for x in wanted]
 
-    def _mean_loss(self, losses: dict[int, torch.Tensor], m: int) -> float:
+    def _mean_loss(self, losses: dict[int, torch.Tensor], micro_batch_count: int) -> float:
         """Mean of the micro-batch losses, computed on the last stage and broadcast to all."""
         if self.is_last:
-            value = torch.stack([losses[i].to(torch.float64) for i in range(m)]).sum() / m
+            value = (
+                torch.stack([losses[i].to(torch.float64) for i in range(micro_batch_count)]).sum() / micro_batch_count
+            )
         else:
             value = torch.zeros((), dtype=torch.float64)
         if self.num_stages > 1:

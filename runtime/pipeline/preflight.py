@@ -63,7 +63,7 @@ def _compare_micro_batches(extras: Extras) -> LocalCheck:
     flat = [tuple(tensor for chunk in inputs for tensor in chunk) for inputs in extras]
     reference = flat[0]
     for i, inputs in enumerate(flat[1:], start=1):
-        if len(inputs) != len(reference) or [len(c) for c in extras[i]] != [len(c) for c in extras[0]]:
+        if len(inputs) != len(reference) or [len(chunk) for chunk in extras[i]] != [len(chunk) for chunk in extras[0]]:
             return LocalCheck(
                 _SHAPES, i, -1, f"micro-batch {i} has {len(inputs)} inputs but micro-batch 0 has {len(reference)}"
             )
@@ -89,31 +89,33 @@ def local_check(
     placement: StagePlacement, recv_metas: list[tuple[TensorMeta, ...]], actions: Sequence[Action], extras: Extras
 ) -> LocalCheck:
     """This rank's own checks, before anything is exchanged."""
-    m, stages = len(extras), placement.num_stages
-    if m == 0:
+    micro_batch_count, stages = len(extras), placement.num_stages
+    if micro_batch_count == 0:
         return LocalCheck(_NO_MB, message="no micro-batches were given")
-    if m < stages:
+    if micro_batch_count < stages:
         return LocalCheck(
             _FEW_MB,
             message=(
-                f"{m} micro-batch{'es' if m != 1 else ''} for {stages} pipeline stages: a pipeline needs at least "
+                f"{micro_batch_count} micro-batch{'es' if micro_batch_count != 1 else ''} for {stages} pipeline stages: a pipeline needs at least "
                 f"as many micro-batches as stages (use a smaller micro-batch size or fewer stages)"
             ),
         )
     compared = _compare_micro_batches(extras)
     if compared.code != _OK:
         return compared
-    if any(len(metas) > MAX_TENSORS or any(len(t.shape) > MAX_DIMS for t in metas) for metas in recv_metas):
+    if any(len(metas) > MAX_TENSORS or any(len(meta.shape) > MAX_DIMS for meta in metas) for metas in recv_metas):
         return LocalCheck(_META, message=f"recv_meta has more than {MAX_TENSORS} tensors or {MAX_DIMS} dims")
     try:
-        validate_rank(actions, placement.stage_index, stages, m, placement.virtual_stages)
+        validate_rank(actions, placement.stage_index, stages, micro_batch_count, placement.virtual_stages)
     except ScheduleError as error:
         return LocalCheck(_SCHEDULE, message=f"invalid action list: {error}")
     return LocalCheck()
 
 
-def _encode(check: LocalCheck, m: int, metas: tuple[TensorMeta, ...]) -> list[int]:
-    row = [check.code, m, check.bad_micro_batch, check.bad_input, len(metas)] + [0] * (MAX_TENSORS * _SLOT)
+def _encode(check: LocalCheck, micro_batch_count: int, metas: tuple[TensorMeta, ...]) -> list[int]:
+    row = [check.code, micro_batch_count, check.bad_micro_batch, check.bad_input, len(metas)] + [0] * (
+        MAX_TENSORS * _SLOT
+    )
     if check.code != _META:
         for k, meta in enumerate(metas):
             start = _HEAD + k * _SLOT

@@ -172,12 +172,12 @@ def backward_input(
     roots = [_node(output) for output in outputs]
     input_nodes = {_node(x) for x in inputs}
     reach, parents = _graph(roots, input_nodes)
-    root_edge = {n: (get_gradient_edge(o), grad) for o, grad, n in zip(outputs, grads, roots) if not reach[n]}
+    root_edge = {n: (get_gradient_edge(output), grad) for output, grad, n in zip(outputs, grads, roots) if not reach[n]}
     groups = _weight_groups(reach, parents, input_nodes, set(root_edge))
     eager = [group for group in groups if _nested(group[0], reach)]
     frontier = {entry for group in groups if group not in eager for entry in group[0] if entry not in root_edge}
     captured: dict = {}
-    input_pairs = [(o, grad) for o, grad, n in zip(outputs, grads, roots) if reach[n]]
+    input_pairs = [(output, grad) for output, grad, n in zip(outputs, grads, roots) if reach[n]]
     eager_weights = [n.variable for group in eager for n in group[1]]
     input_grads: list = [None] * len(inputs)
     eager_grads: Sequence = ()

@@ -64,13 +64,13 @@ def read_manifest(directory: str) -> dict:
         raise CompiledError(
             f"{directory} was compiled for runtime {need}, this is {runtime.__version__}; re-run `planner compile`."
         )
-    for st in man["stages"]:
-        src = os.path.join(directory, st["file"])
+    for stage in man["stages"]:
+        src = os.path.join(directory, stage["file"])
         if not os.path.isfile(src):
             raise CompiledError(f"{src} is missing; re-run `planner compile`.")
         with open(src, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-        if digest != st["sha256"]:
+        if digest != stage["sha256"]:
             raise CompiledError(
                 f"{src} was modified after compilation (hash mismatch); re-run `planner compile` or restore the file."
             )
@@ -119,12 +119,12 @@ def _read_shard(source, shard: TensorShard, tp_index: int, tp: int) -> torch.Ten
     dim = shard.dim % len(shape)
     ranges, pad = _shard_ranges(shard, shape[dim], tp_index, tp)
     lead = (slice(None),) * dim
-    pieces = [source[lead + (slice(a, b),)] for a, b in ranges if b > a]
+    pieces = [source[lead + (slice(begin, stop),)] for begin, stop in ranges if stop > begin]
     if pad:
         pad_shape = list(shape)
         pad_shape[dim] = pad
-        dt = pieces[0].dtype if pieces else torch.float32
-        pieces.append(torch.zeros(pad_shape, dtype=dt))
+        dtype = pieces[0].dtype if pieces else torch.float32
+        pieces.append(torch.zeros(pad_shape, dtype=dtype))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
@@ -172,7 +172,7 @@ def load_weights(
 def param_groups(module: torch.nn.Module) -> list[list[str]]:
     """Parameter names grouped per layer (each ``layer_<i>`` child), in forward order."""
     groups: dict[str, list[str]] = {}
-    for name, p in module.named_parameters():
+    for name, _param in module.named_parameters():
         head = name.split(".", 1)[0] if "." in name else "__stage__"
         groups.setdefault(head, []).append(name)
     return list(groups.values())
@@ -186,13 +186,13 @@ def virtual_stages(man: dict) -> int:
 def rank_chunks(man: dict, pp_index: int) -> list[dict]:
     """The manifest entries pipeline rank ``pp_index`` runs, in model order: its stage, or with
     ``v > 1`` model chunks its chunks ``pp_index, pp_index + p, ...``."""
-    pp, v = man["plan"]["pp"], virtual_stages(man)
-    if len(man["stages"]) != pp * v:
+    pp, chunk_count = man["plan"]["pp"], virtual_stages(man)
+    if len(man["stages"]) != pp * chunk_count:
         raise CompiledError(
-            f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={v}; "
+            f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={chunk_count}; "
             "re-run `planner compile`."
         )
-    return [man["stages"][c] for c in range(pp_index, pp * v, pp)]
+    return [man["stages"][chunk] for chunk in range(pp_index, pp * chunk_count, pp)]
 
 
 def rank_params(man: dict, pp_index: int) -> dict[str, tuple[int, dict]]:
@@ -201,4 +201,4 @@ def rank_params(man: dict, pp_index: int) -> dict[str, tuple[int, dict]]:
     chunks = rank_chunks(man, pp_index)
     if len(chunks) == 1:
         return {attr: (chunks[0]["index"], e) for attr, e in chunks[0]["params"].items()}
-    return {f"{j}.{attr}": (st["index"], e) for j, st in enumerate(chunks) for attr, e in st["params"].items()}
+    return {f"{j}.{attr}": (stage["index"], e) for j, stage in enumerate(chunks) for attr, e in stage["params"].items()}

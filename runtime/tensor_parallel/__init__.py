@@ -59,14 +59,10 @@ rank's tokens, so its gradient passes through ``copy_to_tp`` (all-reduced over t
 replicated full-length tensor that meets a sequence shard (a position embedding) passes through
 ``scatter_to_tp`` along its sequence dim (each rank keeps its positions, the gradient is gathered).
 
-Dropout on a shard
-------------------
-``sharded_dropout`` replaces dropout on a tensor each rank holds a block of (heads, or the sequence
-under sequence parallelism): the mask of the whole tensor is drawn from the random stream the tp
-ranks share and each rank applies its block, so the ranks' masks are independent, as one
-process's would be, and the streams stay in step.
-
-Vocabulary padding: :mod:`runtime.tensor_parallel.shards` (``vocab_range``, ``shard_vocab``).
+``sharded_dropout`` replaces dropout on a tensor each rank holds a block of (heads, or the
+sequence under sequence parallelism). Vocabulary padding and the shard functions:
+:mod:`runtime.tensor_parallel.shards`; the collectives and autograd functions:
+:mod:`runtime.tensor_parallel.collectives`.
 """
 
 from __future__ import annotations

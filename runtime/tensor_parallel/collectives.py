@@ -175,7 +175,8 @@ class ReduceScatterSeq(torch.autograd.Function):
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocabulary-split logits; see :mod:`runtime.tensor_parallel` for the math
-    (``m`` the global max logit, ``S`` the global sum of ``exp(z - m)``, ``z_y`` the target logit)."""
+    (``m`` the global max logit, ``S`` the global sum of ``exp(z - m)``, ``z_y`` the target logit; ``scores`` holds
+    ``z``)."""
 
     @staticmethod
     def forward(
@@ -189,28 +190,28 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         group: Any,
     ) -> torch.Tensor:
         shard = logits.shape[-1]
-        z = logits.float().reshape(-1, shard)
+        scores = logits.float().reshape(-1, shard)
         targets = labels.reshape(-1)
-        if z.shape[0] != targets.shape[0]:
+        if scores.shape[0] != targets.shape[0]:
             raise ValueError(
-                f"logits have {z.shape[0]} tokens (shape {tuple(logits.shape)}) but labels have "
+                f"logits have {scores.shape[0]} tokens (shape {tuple(logits.shape)}) but labels have "
                 f"{targets.shape[0]} (shape {tuple(labels.shape)}); they must match except the vocab dim"
             )
         if vocab_size is not None and vocab_start + shard > vocab_size:
             # Padded columns (global index >= vocab_size) take no part in the softmax.
             pad_from = max(0, vocab_size - vocab_start)
-            z = z.clone()
-            z[:, pad_from:] = float("-inf")
-        max_logit = z.amax(dim=-1)  # amax, not max: no indices to compute
+            scores = scores.clone()
+            scores[:, pad_from:] = float("-inf")
+        max_logit = scores.amax(dim=-1)  # amax, not max: no indices to compute
         all_reduce_(max_logit, group, dist.ReduceOp.MAX)
-        z = z - max_logit.unsqueeze(-1)
-        exp_z = z.exp()
-        exp_sum = exp_z.sum(dim=-1)
+        scores = scores - max_logit.unsqueeze(-1)
+        exp_scores = scores.exp()
+        exp_sum = exp_scores.sum(dim=-1)
         all_reduce_(exp_sum, group)
         valid = targets != ignore_index
         mine = valid & (targets >= vocab_start) & (targets < vocab_start + shard)
         local = (targets - vocab_start).masked_fill(~mine, 0)
-        target_logit = z.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        target_logit = scores.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
         all_reduce_(target_logit, group)
         per_token = (exp_sum.log() - target_logit).masked_fill(~valid, 0.0)
         count = valid.sum()  # a tensor: no host-device synchronisation
@@ -220,8 +221,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             loss = per_token.sum()
         else:
             loss = per_token.reshape(labels.shape)
-        exp_z.div_(exp_sum.unsqueeze(-1))  # softmax of the shard, reused as the gradient buffer
-        ctx.save_for_backward(exp_z, local, mine, valid, count)
+        exp_scores.div_(exp_sum.unsqueeze(-1))  # softmax of the shard, reused as the gradient buffer
+        ctx.save_for_backward(exp_scores, local, mine, valid, count)
         ctx.reduction, ctx.dtype, ctx.shape = reduction, logits.dtype, logits.shape
         return loss.to(logits.dtype)
 

@@ -108,12 +108,14 @@ class StepProbes:
         """The peak live bytes to report for the step just run (see the module docstring)."""
         if not self.tracks(index):
             return self.last_peak
-        t = self.tracker
-        self.last_peak = max(self.last_peak, t.peak_bytes) if self.memory_steps is not None else t.peak_bytes
+        tracked = self.tracker
+        self.last_peak = (
+            max(self.last_peak, tracked.peak_bytes) if self.memory_steps is not None else tracked.peak_bytes
+        )
         if environment.read(environment.DEBUG_MEMORY):
             print(
-                f"[planner] rank {self.rank} step {step + 1}: peak {t.peak_bytes / 2**20:.2f} MiB after "
-                f"{t.peak_op or '(step start)'}; {t.current_bytes / 2**20:.2f} MiB live at the end",
+                f"[planner] rank {self.rank} step {step + 1}: peak {tracked.peak_bytes / 2**20:.2f} MiB after "
+                f"{tracked.peak_op or '(step start)'}; {tracked.current_bytes / 2**20:.2f} MiB live at the end",
                 file=sys.stderr,
                 flush=True,
             )

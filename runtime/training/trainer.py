@@ -230,14 +230,14 @@ class _ModelInputs:
 def schedule_actions(plan: dict, pp_index: int) -> list:
     """This rank's action list for the plan's pipeline schedule (plan.json ``schedule``): 1F1B,
     Megatron's interleaved 1F1B over ``virtual_stages`` chunks, or ZB-H1 (split ``B``/``W``)."""
-    pp, m, chunks = plan["pp"], plan["num_micro_batches"], plan.get("virtual_stages", 1)
+    pp, micro_batch_count, chunks = plan["pp"], plan["num_micro_batches"], plan.get("virtual_stages", 1)
     kind = plan.get("schedule", ScheduleName.ONE_F_ONE_B)
     if kind == ScheduleName.ONE_F_ONE_B:
-        return one_f_one_b(pp, m)[pp_index]
+        return one_f_one_b(pp, micro_batch_count)[pp_index]
     if kind == ScheduleName.INTERLEAVED:
-        return interleaved_one_f_one_b(pp, m, chunks)[pp_index]
+        return interleaved_one_f_one_b(pp, micro_batch_count, chunks)[pp_index]
     if kind == ScheduleName.ZERO_BUBBLE:
-        return zero_bubble_h1(pp, m)[pp_index]
+        return zero_bubble_h1(pp, micro_batch_count)[pp_index]
     raise ValueError(
         f"the plan names the pipeline schedule {kind!r}; this runtime runs 1f1b, interleaved and "
         "zero-bubble: re-plan, or update the runtime"
@@ -323,6 +323,17 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     )
 
 
+def _rank_device() -> torch.device:
+    """This rank's device (its CUDA device under nccl, else the CPU), made the runtime's."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.is_initialized() and dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    runtime.set_device(device)
+    return device
+
+
 def setup(
     rank: int, world: int, compiled_dir: str, opts: TrainOptions, state_fn: Callable[[], Mapping[str, torch.Tensor]]
 ) -> Run:
@@ -338,12 +349,7 @@ def setup(
     offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
     mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest))
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.is_initialized() and dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    runtime.set_device(device)
+    device = _rank_device()
     chunks = rank_chunks(manifest, mesh.pp_index)
     chunk_count = len(chunks)
     actions = schedule_actions(plan, mesh.pp_index)
@@ -432,14 +438,14 @@ def micro_batches(run: Run, step: int) -> list:
     """This rank's rows of step ``step``'s global batch, on the device, split into micro-batches
     of the stage's data inputs (with model chunks, a tuple of inputs per chunk)."""
     plan = run.plan
-    micro_size, m = plan["micro_batch_size"], plan["num_micro_batches"]
+    micro_size, micro_batch_count = plan["micro_batch_size"], plan["num_micro_batches"]
     row_start, row_end = run.rows
     ids, labels = run.data.rows(step, row_start, row_end, plan["global_batch"])
     ids, labels = ids.to(run.device), labels.to(run.device)
     by_name = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
     per_chunk = [
         [tuple(by_name[name][i * micro_size : (i + 1) * micro_size] for name in names) for names in run.stage_inputs]
-        for i in range(m)
+        for i in range(micro_batch_count)
     ]
     return [micro_batch[0] for micro_batch in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
 
@@ -551,7 +557,7 @@ def write_tensorboard(writer, metrics: StepMetrics) -> None:
         "train/step_time_s": metrics.step_time_s,
         "train/peak_memory_bytes": metrics.peak_memory_bytes,
     }
-    scalars.update({f"time/{k}": v for k, v in (metrics.time or {}).items()})
+    scalars.update({f"time/{part}": seconds for part, seconds in (metrics.time or {}).items()})
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, metrics.step)
 
