@@ -203,12 +203,14 @@ class PipelineStage:
     def _post_recv(self, action: Action) -> PostedRecv:
         """Post the receive of ``RECV_ACT`` / ``RECV_GRAD`` ``action``: its buffers and works."""
         if action.kind == RECV_ACT:
-            return self.transport.post_recv(self.recv_metas[action.chunk], self.placement.prev_rank)
+            return self.transport.post_recv(self.recv_metas[action.chunk], _neighbour(self.placement.prev_rank))
         sent = self.send_metas[action.chunk] or ()
-        return self.transport.post_recv([meta for meta in sent if meta.requires_grad], self.placement.next_rank)
+        return self.transport.post_recv(
+            [meta for meta in sent if meta.requires_grad], _neighbour(self.placement.next_rank)
+        )
 
     def _isend(self, tensors: Sequence[torch.Tensor], destination: int | None) -> None:
-        self.transport.isend(tensors, destination)
+        self.transport.isend(tensors, _neighbour(destination))
 
     # ------------------------------------------------------------------ execution
 
@@ -302,7 +304,8 @@ class PipelineStage:
         gradients only (the rest is left in ``state.weight_work`` for ``W``)."""
         chunk = key[0]
         if self.placement.holds_last(chunk):
-            outs, grads = list(state.outputs.pop(key)), [None]
+            outs: list[torch.Tensor] = list(state.outputs.pop(key))
+            grads: list[torch.Tensor | None] = [None]
         else:
             sent = self.send_metas[chunk] or ()
             outs = [output for output, meta in zip(state.outputs.pop(key), sent) if meta.requires_grad]
@@ -329,8 +332,17 @@ class PipelineStage:
             value = torch.zeros((), dtype=torch.float64)
         if self.num_stages > 1:
             value = value.to(self.device)
-            comm.broadcast(value, src=self.placement.last_rank, group=self.placement.pp_group)
+            last_rank = self.placement.last_rank
+            assert last_rank is not None  # required with more than one stage (StagePlacement.check_neighbours)
+            comm.broadcast(value, src=last_rank, group=self.placement.pp_group)
         return float(value.item())
+
+
+def _neighbour(rank: int | None) -> int:
+    """A neighbour's global rank, which :meth:`StagePlacement.check_neighbours` made sure is given
+    wherever the schedule talks to it."""
+    assert rank is not None, "a pipeline message to or from a stage without that neighbour"
+    return rank
 
 
 def _check_recv_metas(placement: StagePlacement, recv_metas: list[tuple[TensorMeta, ...]]) -> None:

@@ -33,7 +33,7 @@ class StageTransport:
         """Where receive buffers are allocated."""
         self._pending: list = []
 
-    def post_recv(self, metas: Sequence[TensorMeta], source: int | None) -> PostedRecv:
+    def post_recv(self, metas: Sequence[TensorMeta], source: int) -> PostedRecv:
         """Post one ``irecv`` per tensor of a message from global rank ``source``."""
         buffers = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for meta in metas]
         return buffers, [comm.irecv(buffer, source, group=self.pp_group) for buffer in buffers]
@@ -46,7 +46,7 @@ class StageTransport:
             comm.wait(work)
         return buffers
 
-    def isend(self, tensors: Sequence[torch.Tensor], destination: int | None) -> None:
+    def isend(self, tensors: Sequence[torch.Tensor], destination: int) -> None:
         """Post one ``isend`` per tensor to global rank ``destination`` and move on."""
         for tensor in tensors:
             buffer = tensor.detach().contiguous()

@@ -194,7 +194,7 @@ def warm_up(module: torch.nn.Module, inputs: Sequence[torch.Tensor], info: Compi
     with torch.random.fork_rng(devices=devices):
         out = module(*inputs)
         outs = [tensor for tensor in _flat_tensors(out) if tensor.requires_grad]
-        leaves = [param for param in module.parameters() if param.requires_grad]
+        leaves: list[torch.Tensor] = [param for param in module.parameters() if param.requires_grad]
         leaves += [tensor for tensor in inputs if tensor.requires_grad and tensor.is_leaf]
         if outs and leaves:
             torch.autograd.grad(

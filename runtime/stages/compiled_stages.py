@@ -82,6 +82,8 @@ def load_stage_module(directory: str, stage: dict, device: torch.device | str = 
     path = os.path.join(directory, stage["file"])
     name = f"planner_compiled_{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]}_{stage['index']}"
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CompiledError(f"cannot import the stage file {path}")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -95,7 +97,7 @@ def _shard_ranges(shard: TensorShard, n: int, tp_index: int, tp: int) -> tuple[l
     vocabulary's last rank); the same piece as ``shard.cut``."""
     if shard.kind == "qkv":
         ranges, off = [], 0
-        for part in shard.parts:
+        for part in shard.part_sizes:
             if part % tp:
                 raise CompiledError(f"cannot shard a fused part of {part} entries over {tp} tensor-parallel ranks")
             k = part // tp
@@ -139,7 +141,7 @@ def load_weights(
     rows/columns of this rank's piece: ``get_slice(name)[idx]`` for a tuple of slices ``idx``,
     ``get_slice(name).get_shape()`` the full shape (``KeyError``: read it whole instead).
     """
-    own = dict(module.named_parameters())
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())
     own.update(dict(module.named_buffers()))
     missing = [e["fqn"] for e in stage["params"].values() if e["fqn"] not in state]
     if missing:
@@ -159,7 +161,7 @@ def load_weights(
                 source = lazy(entry["fqn"])
             except KeyError:
                 source = None
-        if source is not None:
+        if source is not None and shard is not None:
             src = _read_shard(source, shard, tp_index, tp)
         else:
             src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)

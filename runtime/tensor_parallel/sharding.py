@@ -75,6 +75,11 @@ class TensorShard:
         entry["size"] = self.size
         return entry
 
+    @property
+    def part_sizes(self) -> tuple[int, ...]:
+        """The fused parts' sizes (``qkv``; empty for the other kinds)."""
+        return self.parts or ()
+
     def local_size(self, tp: int) -> int:
         """Entries of ``dim`` one rank holds."""
         return (self.padded or self.size) // tp
@@ -85,7 +90,7 @@ class TensorShard:
         if tp == 1:
             return full
         if self.kind == "qkv":
-            pieces = full.split(list(self.parts), dim=self.dim)
+            pieces = full.split(list(self.part_sizes), dim=self.dim)
             return torch.cat([shard_dim(part, self.dim, tp_index, tp) for part in pieces], dim=self.dim)
         if self.padded is not None and self.padded != full.shape[self.dim]:
             return shard_vocab(full, tp_index, tp, self.dim)
@@ -98,7 +103,7 @@ class TensorShard:
         dim = self.dim
         if self.kind == "qkv":  # each piece is [q_r; k_r; v_r]: join per part, then fuse
             tp = len(pieces)
-            local = [n // tp for n in self.parts]
+            local = [n // tp for n in self.part_sizes]
             split = [piece.split(local, dim=dim) for piece in pieces]
             return torch.cat(
                 [torch.cat([parts_of[i] for parts_of in split], dim=dim) for i in range(len(local))], dim=dim

@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ class StorageCounter(TorchDispatchMode):
         self.peak = 0
         self.peak_op = ""
         """Name of the operation after which ``peak`` was reached (``""`` before any)."""
-        self._orig_resize = None
+        self._orig_resize: Callable[..., Any] | None = None
         self._excluded: dict[int, weakref.ref] = {}
 
     # -- table ----------------------------------------------------------------------------
@@ -97,7 +97,10 @@ class StorageCounter(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self.current -= entry[0]
-            self._excluded[key] = weakref.ref(storage, lambda _dead, k=key: self._excluded.pop(k, None))
+            self._excluded[key] = weakref.ref(storage, partial(self._forget_excluded, key))
+
+    def _forget_excluded(self, key: int, _dead: weakref.ref) -> None:
+        self._excluded.pop(key, None)
 
     def add_storage(self, storage: torch.UntypedStorage) -> int:
         """Count ``st`` if new (or its new size if it was resized); returns the bytes added."""
@@ -182,11 +185,11 @@ class StorageCounter(TorchDispatchMode):
             return resized
 
         self._orig_resize = orig
-        torch.UntypedStorage.resize_ = resize_
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]  # patched while the mode is active
 
     def _unpatch_resize(self) -> None:
         if self._orig_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_resize
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]  # restore
             self._orig_resize = None
 
     def __enter__(self):
@@ -262,14 +265,15 @@ class MemoryTracker:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            assert self._counter is not None  # callers return early without a counter
             self._counter.add_tensor(obj)
             if obj.is_leaf and obj.grad is not None:
                 self._walk(obj.grad, seen, depth)
         elif isinstance(obj, nn.Module):
-            for tensor in obj.parameters():
-                self._walk(tensor, seen, depth)
-            for tensor in obj.buffers():
-                self._walk(tensor, seen, depth)
+            for param in obj.parameters():
+                self._walk(param, seen, depth)
+            for buffer in obj.buffers():
+                self._walk(buffer, seen, depth)
         elif isinstance(obj, torch.optim.Optimizer):
             self._walk(obj.state, seen, depth)
             self._walk([group["params"] for group in obj.param_groups], seen, depth)
