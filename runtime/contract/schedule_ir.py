@@ -13,10 +13,8 @@ pipeline wraps round to rank 0 between rounds of chunks.
 
 Action kinds (``i`` is the micro-batch, all on one model chunk):
 
-- ``F``: forward; ``B``: backward. In a schedule with ``W`` actions, ``B`` computes only the
-  gradient of the chunk's inputs (what the previous chunk waits for) and ``W`` the weight
-  gradients later (zero-bubble schedules fill the pipeline's idle time with ``W``). In a schedule
-  without ``W``, ``B`` is the full backward.
+- ``F``: forward; ``B``: backward, the full one, or with ``W`` actions only the gradient of the
+  chunk's inputs, ``W`` computing the weight gradients later (zero-bubble schedules).
 - ``SEND_ACT`` / ``RECV_ACT``: activations of ``i`` from chunk ``c`` to ``c + 1``.
 - ``SEND_GRAD`` / ``RECV_GRAD``: gradients of ``i`` from chunk ``c + 1`` back to ``c``.
   A receive names the chunk that *uses* the message.
