@@ -155,21 +155,12 @@ class PipelineStage:
         return cls(module, placement, recv_meta=recv_meta, device=device, backward_scope=backward_scope)
 
     @property
-    def stage_index(self) -> int:
-        return self.placement.stage_index
-
-    @property
     def num_stages(self) -> int:
         return self.placement.num_stages
 
     @property
     def virtual_stages(self) -> int:
         return self.placement.virtual_stages
-
-    @property
-    def recv_meta(self) -> tuple[TensorMeta, ...]:
-        """Local chunk 0's ``recv_meta`` (the only chunk when ``v = 1``)."""
-        return self.recv_metas[0]
 
     @property
     def is_last(self) -> bool:
