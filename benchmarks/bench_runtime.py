@@ -373,7 +373,7 @@ class OursSide(Side):
         import runtime
         from runtime.contract.schedule_ir import one_f_one_b
         from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
-        from runtime.pipeline.executor import PipelineStage, TensorMeta
+        from runtime.pipeline.executor import PipelineStage, StagePlacement, TensorMeta
         from runtime.stages.compiled_stages import (
             load_stage_module,
             load_weights,
@@ -416,16 +416,15 @@ class OursSide(Side):
         recv = [
             TensorMeta(tuple(r["shape"]), getattr(torch, r["dtype"]), bool(r["requires_grad"])) for r in stage["recv"]
         ]
-        self.pstage = PipelineStage(
-            self.module,
+        placement = StagePlacement(
             pp_index,
             pp,
-            recv_meta=recv,
             prev_rank=pp_index - 1 if pp_index > 0 else None,
             next_rank=pp_index + 1 if pp_index < pp - 1 else None,
             pp_group=group if pp > 1 else None,
             last_rank=pp - 1 if pp > 1 else None,
         )
+        self.pstage = PipelineStage(self.module, placement, recv_meta=recv)
         self.actions = one_f_one_b(pp, self.m)[pp_index]
         self.names = stage["data_inputs"]
         self.lo, self.hi = rank_slice(plan["global_batch"], dp, rank if dp > 1 else 0)

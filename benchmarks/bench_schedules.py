@@ -162,7 +162,7 @@ class OursSide:
     """``runtime.pipeline.executor.PipelineStage`` walking one of our schedules."""
 
     def __init__(self, cfg: BenchConfig, rank: int, name: str, schedule, v: int, group):
-        from runtime.pipeline.executor import PipelineStage, TensorMeta
+        from runtime.pipeline.executor import PipelineStage, StagePlacement, TensorMeta
 
         p = cfg.world
         self.name, self.cfg, self.rank, self.v = name, cfg, rank, v
@@ -172,14 +172,10 @@ class OursSide:
         recv = [[meta] if rank + j * p > 0 else [] for j in range(v)]
         self.stage = PipelineStage(
             self.modules if v > 1 else self.modules[0],
-            rank,
-            p,
+            StagePlacement(
+                rank, p, v, prev_rank=(rank - 1) % p, next_rank=(rank + 1) % p, last_rank=p - 1, pp_group=group
+            ),
             recv_meta=recv if v > 1 else recv[0],
-            prev_rank=(rank - 1) % p,
-            next_rank=(rank + 1) % p,
-            pp_group=group,
-            last_rank=p - 1,
-            virtual_stages=v,
         )
         self.actions = schedule[rank]
 

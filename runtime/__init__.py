@@ -35,11 +35,11 @@ def device() -> "torch.device":
     return _DEVICE if _DEVICE is not None else torch.device("cpu")
 
 
-def set_device(d: "torch.device | str") -> None:
+def set_device(new_device: "torch.device | str") -> None:
     import torch
 
     global _DEVICE
-    _DEVICE = torch.device(d)
+    _DEVICE = torch.device(new_device)
 
 
 def checkpoint(layer, *args):

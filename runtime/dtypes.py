@@ -26,8 +26,8 @@ def to_torch(name: str | torch.dtype) -> torch.dtype:
 
 def name_of(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``'bf16'``; a ``ValueError`` for a dtype no plan can name."""
-    for name, dt in TORCH_DTYPES.items():
-        if dt == dtype:
+    for name, candidate in TORCH_DTYPES.items():
+        if candidate == dtype:
             return name
     raise ValueError(f"{dtype} is not a compute dtype; use {', '.join(DTYPES)}")
 

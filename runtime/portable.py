@@ -31,8 +31,8 @@ def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> t
 def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
     """Row block ``g`` of ``input`` (up to ``offs[g]``) times ``weight[g]``."""
     parts, start = [], 0
-    for g, end in enumerate(offs.tolist()):
-        parts.append(input[start:end] @ weight[g])
+    for group_index, end in enumerate(offs.tolist()):
+        parts.append(input[start:end] @ weight[group_index])
         start = end
     if start < input.shape[0]:
         parts.append(input.new_zeros(input.shape[0] - start, weight.shape[2]))

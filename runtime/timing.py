@@ -29,7 +29,7 @@ trainer runs on CUDA it sets ``TIMER.sync = torch.cuda.synchronize``: every part
 waits for the device, so work launched in one part is paid in that part. The cost: each boundary
 (every blocking collective, every recomputed layer) drains the device queue, which removes the
 overlap of host launches with device work there and slows the step by some launch latency per
-boundary. This path is untested on GPUs (the project's tests run on CPU processes).
+boundary.
 """
 
 from __future__ import annotations

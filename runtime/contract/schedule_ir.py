@@ -13,10 +13,8 @@ pipeline wraps round to rank 0 between rounds of chunks.
 
 Action kinds (``i`` is the micro-batch, all on one model chunk):
 
-- ``F``: forward; ``B``: backward. In a schedule with ``W`` actions, ``B`` computes only the
-  gradient of the chunk's inputs (what the previous chunk waits for) and ``W`` the weight
-  gradients later (zero-bubble schedules fill the pipeline's idle time with ``W``). In a schedule
-  without ``W``, ``B`` is the full backward.
+- ``F``: forward; ``B``: backward, the full one, or with ``W`` actions only the gradient of the
+  chunk's inputs, ``W`` computing the weight gradients later (zero-bubble schedules).
 - ``SEND_ACT`` / ``RECV_ACT``: activations of ``i`` from chunk ``c`` to ``c + 1``.
 - ``SEND_GRAD`` / ``RECV_GRAD``: gradients of ``i`` from chunk ``c + 1`` back to ``c``.
   A receive names the chunk that *uses* the message.
@@ -34,11 +32,10 @@ Communication semantics (shared by :func:`simulate` and the executor):
   carries activations and gradients both ways, so the generators place each receive where the
   sender's order puts it (:func:`with_communication`).
 
-Under these semantics a schedule deadlocks exactly when, at some point, every unfinished rank is
-blocked in a receive whose message will never be posted; :func:`simulate` executes the lists
-without processes and raises :class:`DeadlockError` naming the blocked actions and the cycle of
-ranks waiting on each other. :func:`analyze` prices any schedule from the simulation: bubble and
-per-rank peak activations (what the planner uses, beside the closed forms below).
+A schedule deadlocks exactly when every unfinished rank is blocked in a receive whose message
+will never be posted; :func:`simulate` executes the lists without processes and raises
+:class:`DeadlockError` naming the blocked actions and the cycle of ranks waiting on each other.
+:func:`analyze` prices any schedule from the simulation (bubble, per-rank peak activations).
 
 1F1B (one forward, one backward). Stage ``s`` first runs ``w_s = min(p - s - 1, m)`` warm-up
 forwards, then alternates one forward and one backward ``m - w_s`` times, then drains the
@@ -54,10 +51,9 @@ k-th forward is chunk ``(k // p) % v`` of micro-batch ``(k // (p v)) p + k % p``
 the same order with the chunks reversed. Rank ``r`` warms up with ``2 (p - r - 1) + (v - 1) p``
 forwards, then alternates, then drains. The bubble ratio shrinks to ``(p - 1) / (v m)`` for
 ``v`` times the pipeline messages; rank 0 holds ``(1 + (p - 1) / (p v))`` times 1F1B's
-activations. The order needs ``m >= p`` and ``m`` a multiple of ``p``: Megatron-LM's later
-"schedule table" lets the last group be partial, but simulated under these semantics that order
-deadlocks for some sizes (p=4, m=5, v=3; p=5, m=7, v=2) and exceeds the memory bound for others,
-so :func:`interleaved_one_f_one_b` refuses such ``m`` with a :class:`ScheduleError` that says so.
+activations. The order needs ``m >= p`` and ``m`` a multiple of ``p`` (a partial last group
+deadlocks for some sizes under these semantics, e.g. p=4, m=5, v=3): :func:`interleaved_one_f_one_b`
+refuses other ``m`` with a :class:`ScheduleError` that says so.
 
 Zero bubble (Qi et al. 2023, ZB-H1). 1F1B's order with backward split in ``B`` and ``W``: rank
 ``r`` delays its ``W`` s by ``r`` micro-batches, so the ``W`` s fill the cool-down that 1F1B
@@ -172,8 +168,8 @@ class Action:
         """``(rank, local chunk)`` of the chunk at the other end of a communication action."""
         if self.kind not in _DIRECTION:
             return None
-        c = self.model_chunk(num_stages) + _DIRECTION[self.kind]
-        return c % num_stages, c // num_stages if c >= 0 else -1
+        chunk = self.model_chunk(num_stages) + _DIRECTION[self.kind]
+        return chunk % num_stages, chunk // num_stages if chunk >= 0 else -1
 
 
 Schedule = list[list[Action]]
@@ -193,7 +189,7 @@ class DeadlockError(ScheduleError):
 
 def num_chunks(sched: Schedule) -> int:
     """``v``: model chunks per rank that a schedule uses (1 + its largest local chunk index)."""
-    return 1 + max((a.chunk for acts in sched for a in acts), default=0)
+    return 1 + max((action.chunk for acts in sched for action in acts), default=0)
 
 
 # --------------------------------------------------------------------------- generators
@@ -213,19 +209,19 @@ def _check_sizes(num_stages: int, num_microbatches: int, virtual_stages: int = 1
         )
 
 
-def _fwd(s: int, p: int, i: int) -> list[Action]:
-    out = [Action(s, RECV_ACT, i)] if s > 0 else []
-    out.append(Action(s, F, i))
-    if s < p - 1:
-        out.append(Action(s, SEND_ACT, i))
+def _fwd(stage: int, p: int, i: int) -> list[Action]:
+    out = [Action(stage, RECV_ACT, i)] if stage > 0 else []
+    out.append(Action(stage, F, i))
+    if stage < p - 1:
+        out.append(Action(stage, SEND_ACT, i))
     return out
 
 
-def _bwd(s: int, p: int, i: int) -> list[Action]:
-    out = [Action(s, RECV_GRAD, i)] if s < p - 1 else []
-    out.append(Action(s, B, i))
-    if s > 0:
-        out.append(Action(s, SEND_GRAD, i))
+def _bwd(stage: int, p: int, i: int) -> list[Action]:
+    out = [Action(stage, RECV_GRAD, i)] if stage < p - 1 else []
+    out.append(Action(stage, B, i))
+    if stage > 0:
+        out.append(Action(stage, SEND_GRAD, i))
     return out
 
 
@@ -246,16 +242,16 @@ def one_f_one_b(num_stages: int, num_microbatches: int, *, strict: bool = True) 
             f"{p} stages; raise the number of micro-batches (smaller micro-batch size) or use fewer stages"
         )
     sched: Schedule = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
+    for stage in range(p):
+        warm = min(p - stage - 1, m)
         acts: list[Action] = []
         for i in range(warm):
-            acts += _fwd(s, p, i)
+            acts += _fwd(stage, p, i)
         for k in range(m - warm):
-            acts += _fwd(s, p, warm + k)
-            acts += _bwd(s, p, k)
+            acts += _fwd(stage, p, warm + k)
+            acts += _bwd(stage, p, k)
         for k in range(m - warm, m):
-            acts += _bwd(s, p, k)
+            acts += _bwd(stage, p, k)
         sched.append(acts)
     return sched
 
@@ -269,7 +265,9 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     return [
-        [a for i in range(m) for a in _fwd(s, p, i)] + [a for i in range(m) for a in _bwd(s, p, i)] for s in range(p)
+        [action for i in range(m) for action in _fwd(stage, p, i)]
+        + [action for i in range(m) for action in _bwd(stage, p, i)]
+        for stage in range(p)
     ]
 
 
@@ -286,55 +284,61 @@ def with_communication(compute: Sequence[Sequence[Action]], num_stages: int, vir
     p, v = num_stages, virtual_stages
     last = p * v - 1
     sends: list[list[Action]] = []
-    for r, acts in enumerate(compute):
+    for rank, acts in enumerate(compute):
         out: list[Action] = []
-        for a in acts:
-            if a.kind not in COMPUTE:
-                raise ScheduleError(f"{a} is not a compute action; give only F, B and W")
-            out.append(a)
-            c = a.model_chunk(p)
-            if a.kind == F and c < last:
-                out.append(Action(r, SEND_ACT, a.microbatch, a.chunk))
-            elif a.kind == B and c > 0:
-                out.append(Action(r, SEND_GRAD, a.microbatch, a.chunk))
+        for action in acts:
+            if action.kind not in COMPUTE:
+                raise ScheduleError(f"{action} is not a compute action; give only F, B and W")
+            out.append(action)
+            chunk = action.model_chunk(p)
+            if action.kind == F and chunk < last:
+                out.append(Action(rank, SEND_ACT, action.microbatch, action.chunk))
+            elif action.kind == B and chunk > 0:
+                out.append(Action(rank, SEND_GRAD, action.microbatch, action.chunk))
         sends.append(out)
-    # For each receiver, per sender: the receives in send order and the position that needs each.
-    sched: Schedule = []
-    for r in range(p):
-        use = {(a.kind, a.chunk, a.microbatch): t for t, a in enumerate(compute[r])}
-        queues: dict[int, list[tuple[int, Action]]] = {}
-        for q in range(p):
-            for a in sends[q]:
-                if a.kind in _SENDS and a.peer_of(p)[0] == r:
-                    rank, chunk = a.peer_of(p)
-                    recv = Action(r, _SENDS[a.kind], a.microbatch, chunk)
-                    need = use.get((F if a.kind == SEND_ACT else B, chunk, a.microbatch), len(compute[r]))
-                    queues.setdefault(q, []).append((need, recv))
-        # Latest position each queue's k-th receive may take: the minimum need over its suffix.
-        for q, items in queues.items():
-            latest = len(compute[r])
-            for k in range(len(items) - 1, -1, -1):
-                latest = min(latest, items[k][0])
-                items[k] = (latest, items[k][1])
-        heads = {q: 0 for q in queues}
-        out = []
-        t = 0
-        for a in sends[r]:
-            if a.kind in COMPUTE:
-                for q in sorted(queues):
-                    items = queues[q]
-                    while heads[q] < len(items) and items[heads[q]][0] <= t:
-                        out.append(items[heads[q]][1])
-                        heads[q] += 1
-                t += 1
-            out.append(a)
-        for q in sorted(queues):  # messages no compute action uses (a malformed input): at the end
-            out += [recv for _, recv in queues[q][heads[q] :]]
-        sched.append(out)
-    return sched
+    return [_place_receives(compute, sends, receiver, p) for receiver in range(p)]
 
 
-def _interleaved_order(p: int, m: int, v: int, r: int, warmup: int, split: bool, w_delay: int) -> list[Action]:
+def _place_receives(
+    compute: Sequence[Sequence[Action]], sends: list[list[Action]], receiver: int, num_stages: int
+) -> list[Action]:
+    """Rank ``receiver``'s list with sends (``sends[receiver]``) and its receives, each as late as
+    the order of its sender's messages allows (:func:`with_communication`)."""
+    own = compute[receiver]
+    # Per sender: the receives in send order and the position that needs each.
+    use = {(action.kind, action.chunk, action.microbatch): position for position, action in enumerate(own)}
+    queues: dict[int, list[tuple[int, Action]]] = {}
+    for sender in range(num_stages):
+        for action in sends[sender]:
+            if action.kind in _SENDS and _peer(action, num_stages)[0] == receiver:
+                _, chunk = _peer(action, num_stages)
+                recv = Action(receiver, _SENDS[action.kind], action.microbatch, chunk)
+                need = use.get((F if action.kind == SEND_ACT else B, chunk, action.microbatch), len(own))
+                queues.setdefault(sender, []).append((need, recv))
+    # Latest position each queue's k-th receive may take: the minimum need over its suffix.
+    for items in queues.values():
+        latest = len(own)
+        for k in range(len(items) - 1, -1, -1):
+            latest = min(latest, items[k][0])
+            items[k] = (latest, items[k][1])
+    heads = {sender: 0 for sender in queues}
+    out = []
+    position = 0
+    for action in sends[receiver]:
+        if action.kind in COMPUTE:
+            for sender in sorted(queues):
+                items = queues[sender]
+                while heads[sender] < len(items) and items[heads[sender]][0] <= position:
+                    out.append(items[heads[sender]][1])
+                    heads[sender] += 1
+            position += 1
+        out.append(action)
+    for sender in sorted(queues):  # messages no compute action uses (a malformed input): at the end
+        out += [recv for _, recv in queues[sender][heads[sender] :]]
+    return out
+
+
+def _interleaved_order(p: int, m: int, v: int, rank: int, warmup: int, split: bool, w_delay: int) -> list[Action]:
     """Rank ``r``'s compute actions in Megatron's interleaved order (see the module docstring).
 
     ``warmup`` forwards first, then one forward and one backward at a time, then the remaining
@@ -344,10 +348,10 @@ def _interleaved_order(p: int, m: int, v: int, r: int, warmup: int, split: bool,
     total = m * v
 
     def fwd(k: int) -> Action:
-        return Action(r, F, (k // (p * v)) * p + k % p, (k // p) % v)
+        return Action(rank, F, (k // (p * v)) * p + k % p, (k // p) % v)
 
     def bwd(k: int, kind: str) -> Action:
-        return Action(r, kind, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+        return Action(rank, kind, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
     out = [fwd(k) for k in range(warmup)]
     done_w = 0
@@ -393,7 +397,9 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, virtual_stag
     _check_interleaved(p, m, v, "interleaved 1F1B")
     if v == 1:
         return one_f_one_b(p, m)
-    compute = [_interleaved_order(p, m, v, r, min(2 * (p - r - 1) + (v - 1) * p, m * v), False, 0) for r in range(p)]
+    compute = [
+        _interleaved_order(p, m, v, rank, min(2 * (p - rank - 1) + (v - 1) * p, m * v), False, 0) for rank in range(p)
+    ]
     return with_communication(compute, p, v)
 
 
@@ -408,7 +414,9 @@ def interleaved_zero_bubble(num_stages: int, num_microbatches: int, virtual_stag
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
     _check_interleaved(p, m, v, "the zero-bubble schedule")
-    compute = [_interleaved_order(p, m, v, r, min((v - 1) * p + p - r - 1, m * v), True, r) for r in range(p)]
+    compute = [
+        _interleaved_order(p, m, v, rank, min((v - 1) * p + p - rank - 1, m * v), True, rank) for rank in range(p)
+    ]
     return with_communication(compute, p, v)
 
 
@@ -426,7 +434,7 @@ def one_f_one_b_bubble(num_stages: int, num_microbatches: int) -> float:
 
 def format_schedule(sched: Schedule) -> str:
     """One line per rank, e.g. ``rank 1: RECV_ACT0@s1 F0@s1 ...``."""
-    return "\n".join(f"rank {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(sched))
+    return "\n".join(f"rank {stage}: " + " ".join(map(str, acts)) for stage, acts in enumerate(sched))
 
 
 # --------------------------------------------------------------------------- validation
@@ -449,45 +457,45 @@ def validate_rank(
     ``B``. Raises :class:`ScheduleError` naming the offending action.
     """
     _check_sizes(num_stages, num_microbatches, virtual_stages)
-    p, m, v, s = num_stages, num_microbatches, virtual_stages, stage
-    if not 0 <= s < p:
-        raise ScheduleError(f"stage {s} is outside 0..{p - 1}")
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if not 0 <= stage < p:
+        raise ScheduleError(f"stage {stage} is outside 0..{p - 1}")
     noun = "stage" if v == 1 else "model chunk"
 
     def allowed(chunk: int) -> set[str]:
-        c = chunk * p + s
+        model_chunk = chunk * p + stage
         kinds = {F, B, W}
-        if c > 0:
+        if model_chunk > 0:
             kinds |= {RECV_ACT, SEND_GRAD}
-        if c < p * v - 1:
+        if model_chunk < p * v - 1:
             kinds |= {SEND_ACT, RECV_GRAD}
         return kinds
 
     pos: dict[tuple[str, int, int], int] = {}
     counts: Counter = Counter()
-    for idx, a in enumerate(actions):
-        if not isinstance(a, Action):
-            raise ScheduleError(f"rank {s}'s list holds {a!r} at position {idx}, not an Action")
-        if a.stage != s:
-            raise ScheduleError(f"{a} is in rank {s}'s list but names stage {a.stage}")
-        if a.microbatch >= m:
-            raise ScheduleError(f"{a} names micro-batch {a.microbatch}, but there are only {m} (0..{m - 1})")
-        if a.chunk >= v:
+    for idx, action in enumerate(actions):
+        if not isinstance(action, Action):
+            raise ScheduleError(f"rank {stage}'s list holds {action!r} at position {idx}, not an Action")
+        if action.stage != stage:
+            raise ScheduleError(f"{action} is in rank {stage}'s list but names stage {action.stage}")
+        if action.microbatch >= m:
+            raise ScheduleError(f"{action} names micro-batch {action.microbatch}, but there are only {m} (0..{m - 1})")
+        if action.chunk >= v:
             raise ScheduleError(
-                f"{a} names local chunk {a.chunk}, but there are {v} model chunk{'s' if v > 1 else ''} per rank "
+                f"{action} names local chunk {action.chunk}, but there are {v} model chunk{'s' if v > 1 else ''} per rank "
                 f"(pass virtual_stages)"
             )
-        if a.kind not in allowed(a.chunk):
-            where = "the first" if a.kind in (RECV_ACT, SEND_GRAD) else "the last"
+        if action.kind not in allowed(action.chunk):
+            where = "the first" if action.kind in (RECV_ACT, SEND_GRAD) else "the last"
             raise ScheduleError(
-                f"{a} cannot run on {where} {noun} ({noun} {a.model_chunk(p)} of {p * v}): there is no neighbour"
+                f"{action} cannot run on {where} {noun} ({noun} {action.model_chunk(p)} of {p * v}): there is no neighbour"
             )
-        key = (a.kind, a.chunk, a.microbatch)
+        key = (action.kind, action.chunk, action.microbatch)
         counts[key] += 1
         if counts[key] > 1:
-            raise ScheduleError(f"{a} appears more than once in rank {s}'s list (position {idx} repeats it)")
+            raise ScheduleError(f"{action} appears more than once in rank {stage}'s list (position {idx} repeats it)")
         pos[key] = idx
-    split = any(a.kind == W for a in actions)
+    split = any(action.kind == W for action in actions)
     # Each required action exists, and dependencies come first.
     required = ((F, RECV_ACT), (SEND_ACT, F), (B, F), (B, RECV_GRAD), (SEND_GRAD, B), (W, B))
     for j in range(v):
@@ -497,12 +505,12 @@ def validate_rank(
                 if (kind, j, i) not in pos:
                     why = " (the list has W actions, so every B needs its W)" if kind == W else ""
                     raise ScheduleError(
-                        f"rank {s}'s list has no {Action(s, kind, i, j)} (every micro-batch needs one){why}"
+                        f"rank {stage}'s list has no {Action(stage, kind, i, j)} (every micro-batch needs one){why}"
                     )
             for later, earlier in required:
                 if later in kinds and earlier in kinds and pos[(later, j, i)] < pos[(earlier, j, i)]:
                     raise ScheduleError(
-                        f"{Action(s, later, i, j)} comes before {Action(s, earlier, i, j)} in rank {s}'s list, "
+                        f"{Action(stage, later, i, j)} comes before {Action(stage, earlier, i, j)} in rank {stage}'s list, "
                         f"but it needs that one's result"
                     )
 
@@ -510,8 +518,8 @@ def validate_rank(
 def _messages(sched: Schedule, src: int, dst: int) -> tuple[list[Action], list[Action]]:
     """The sends of ``src`` to ``dst`` and the receives of ``dst`` from ``src``, each in list order."""
     p = len(sched)
-    sends = [a for a in sched[src] if a.kind in _SENDS and a.peer_of(p)[0] == dst]
-    recvs = [a for a in sched[dst] if a.kind in _RECVS and a.peer_of(p)[0] == src]
+    sends = [action for action in sched[src] if action.kind in _SENDS and _peer(action, p)[0] == dst]
+    recvs = [action for action in sched[dst] if action.kind in _RECVS and _peer(action, p)[0] == src]
     return sends, recvs
 
 
@@ -525,16 +533,16 @@ def validate_schedule(sched: Schedule, num_stages: int, num_microbatches: int, v
     p = num_stages
     if len(sched) != p:
         raise ScheduleError(f"the schedule has {len(sched)} rank lists but there are {p} stages")
-    for s, acts in enumerate(sched):
-        validate_rank(acts, s, p, num_microbatches, virtual_stages)
+    for stage, acts in enumerate(sched):
+        validate_rank(acts, stage, p, num_microbatches, virtual_stages)
     for src in range(p):
         for dst in range(p):
             sends, recvs = _messages(sched, src, dst)
-            kinds = {a.kind for a in sends}
+            kinds = {action.kind for action in sends}
             what = next(iter(kinds)) if len(kinds) == 1 else f"message to stage {dst}"
             rwhat = _SENDS[what] if len(kinds) == 1 else f"receive from stage {src}"
             for k, (snd, rcv) in enumerate(zip(sends, recvs)):
-                rank, chunk = snd.peer_of(p)
+                rank, chunk = _peer(snd, p)
                 if (_SENDS[snd.kind], chunk, snd.microbatch) != (rcv.kind, rcv.chunk, rcv.microbatch):
                     raise ScheduleError(
                         f"{snd} is stage {src}'s {_ordinal(k + 1)} {what} but stage {dst}'s "
@@ -577,16 +585,128 @@ class SimResult:
 TimeSpec = float | Sequence[float] | Callable[[int], float]
 
 
-def _per_stage(spec: TimeSpec, s: int, name: str) -> float:
+def _per_stage(spec: TimeSpec, chunk: int, name: str) -> float:
     if callable(spec):
-        v = spec(s)
+        value = spec(chunk)
     elif isinstance(spec, (int, float)):
-        v = spec
+        value = spec
     else:
-        v = spec[s]
-    if v < 0:
-        raise ValueError(f"{name} for stage {s} is negative ({v})")
-    return float(v)
+        value = spec[chunk]
+    if value < 0:
+        raise ValueError(f"{name} for stage {chunk} is negative ({value})")
+    return float(value)
+
+
+def _peer(action: Action, num_stages: int) -> tuple[int, int]:
+    """``(rank, local chunk)`` at the other end of a communication action."""
+    peer = action.peer_of(num_stages)
+    assert peer is not None, f"{action} is not a communication action"
+    return peer
+
+
+def _durations(
+    sched: Schedule, forward_time: TimeSpec, backward_time: TimeSpec, weight_time: TimeSpec | None
+) -> dict[str, TimeSpec]:
+    """Each compute kind's time; with ``W`` actions and no ``weight_time``, ``B`` and ``W`` each
+    take half of ``backward_time``."""
+    split = any(action.kind == W for acts in sched for action in acts)
+    if split and weight_time is None:
+        full_backward = backward_time
+
+        def half_backward(chunk: int) -> float:
+            return _per_stage(full_backward, chunk, "B time") / 2
+
+        backward_time = weight_time = half_backward
+    durations: dict[str, TimeSpec] = {F: forward_time, B: backward_time}
+    if weight_time is not None:
+        durations[W] = weight_time
+    return durations
+
+
+class _Simulation:
+    """The state of :func:`simulate`: each rank's clock and next action, and the messages in flight."""
+
+    def __init__(self, sched: Schedule, durations: dict[str, TimeSpec], p2p_time: float, send_time: float):
+        ranks = len(sched)
+        self.sched, self.durations = sched, durations
+        self.p2p_time, self.send_time = p2p_time, send_time
+        self.chunks = num_chunks(sched)
+        self.next_index = [0] * ranks
+        self.clock = [0.0] * ranks
+        self.timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(ranks)]
+        self.compute = [0.0] * ranks
+        self.queues: dict[tuple[int, int], deque] = {}
+        """(sender, receiver) -> FIFO of (arrival time, send action)."""
+        self.start: dict[Action, float] = {}
+        self.end: dict[Action, float] = {}
+
+    def _record(self, rank: int, action: Action, began: float, ended: float) -> None:
+        self.timeline[rank].append((action, began, ended))
+        self.start[action], self.end[action] = began, ended
+        self.clock[rank] = ended
+        self.next_index[rank] += 1
+
+    def _step(self, rank: int, action: Action) -> bool:
+        """Run ``action`` on ``rank``; False when it is a receive whose message is not there yet."""
+        ranks = len(self.sched)
+        began = self.clock[rank]
+        if action.kind in COMPUTE:
+            duration = _per_stage(self.durations[action.kind], action.model_chunk(ranks), f"{action.kind} time")
+            self.compute[rank] += duration
+            self._record(rank, action, began, began + duration)
+        elif action.kind in _SENDS:
+            receiver, _ = _peer(action, ranks)
+            if not 0 <= action.model_chunk(ranks) + _DIRECTION[action.kind] < ranks * self.chunks:
+                raise ScheduleError(f"{action} sends to {_target(action, ranks, self.chunks)}, which does not exist")
+            arrival = began + self.send_time + self.p2p_time
+            self.queues.setdefault((rank, receiver), deque()).append((arrival, action))
+            self._record(rank, action, began, began + self.send_time)
+        else:
+            sender, _ = _peer(action, ranks)
+            queue = self.queues.get((sender, rank))
+            if not queue:
+                return False  # blocked
+            arrival, send = queue[0]
+            if (_SENDS[send.kind], _peer(send, ranks)[1], send.microbatch) != (
+                action.kind,
+                action.chunk,
+                action.microbatch,
+            ):
+                raise ScheduleError(
+                    f"{action} would receive {send}'s message: messages between two ranks are "
+                    f"matched in order, so the schedules disagree on the order"
+                )
+            queue.popleft()
+            self._record(rank, action, began, max(began, arrival))
+        return True
+
+    def _advance(self, rank: int) -> bool:
+        """Run ``rank``'s actions until it blocks or finishes; whether it ran any."""
+        progressed = False
+        actions = self.sched[rank]
+        while self.next_index[rank] < len(actions):
+            action = actions[self.next_index[rank]]
+            if action.stage != rank:
+                raise ScheduleError(f"{action} is in rank {rank}'s list but names stage {action.stage}")
+            if not self._step(rank, action):
+                break
+            progressed = True
+        return progressed
+
+    def run(self) -> SimResult:
+        ranks = len(self.sched)
+        progress = True
+        while progress:
+            progress = False
+            for rank in range(ranks):
+                progress |= self._advance(rank)
+        unfinished = [rank for rank in range(ranks) if self.next_index[rank] < len(self.sched[rank])]
+        if unfinished:
+            raise _deadlock(self.sched, self.next_index, unfinished)
+        makespan = max(self.clock) if ranks else 0.0
+        busy = sum(self.compute)
+        bubble = 1.0 - busy / (ranks * makespan) if makespan > 0 else 0.0
+        return SimResult(self.timeline, makespan, self.compute, bubble, self.start, self.end)
 
 
 def simulate(
@@ -615,114 +735,51 @@ def simulate(
     cycle of ranks waiting on one another. A receive whose queue head is another message raises
     :class:`ScheduleError` (the FIFO mismatch :func:`validate_schedule` reports).
     """
-    p = len(sched)
-    if p == 0:
+    if not sched:
         raise ValueError("empty schedule")
-    split = any(a.kind == W for acts in sched for a in acts)
-    if split and weight_time is None:
-        halve = backward_time
-
-        def backward_time(c: int) -> float:
-            return _per_stage(halve, c, "B time") / 2
-
-        weight_time = backward_time
-    durations = {F: forward_time, B: backward_time, W: weight_time}
-    v = num_chunks(sched)
-    ptr = [0] * p
-    clock = [0.0] * p
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    compute = [0.0] * p
-    # (src, dst) -> FIFO of (arrival time, send action)
-    queues: dict[tuple[int, int], deque] = {}
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-
-    def record(s: int, a: Action, t0: float, t1: float) -> None:
-        timeline[s].append((a, t0, t1))
-        start[a], end[a] = t0, t1
-        clock[s] = t1
-        ptr[s] += 1
-
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while ptr[s] < len(sched[s]):
-                a = sched[s][ptr[s]]
-                if a.stage != s:
-                    raise ScheduleError(f"{a} is in rank {s}'s list but names stage {a.stage}")
-                t0 = clock[s]
-                if a.kind in COMPUTE:
-                    d = _per_stage(durations[a.kind], a.model_chunk(p), f"{a.kind} time")
-                    compute[s] += d
-                    record(s, a, t0, t0 + d)
-                elif a.kind in _SENDS:
-                    dst, _ = a.peer_of(p)
-                    if not 0 <= a.model_chunk(p) + _DIRECTION[a.kind] < p * v:
-                        raise ScheduleError(f"{a} sends to {_target(a, p, v)}, which does not exist")
-                    queues.setdefault((s, dst), deque()).append((t0 + send_time + p2p_time, a))
-                    record(s, a, t0, t0 + send_time)
-                else:
-                    src, chunk = a.peer_of(p)
-                    q = queues.get((src, s))
-                    if not q:
-                        break  # blocked
-                    arrival, snd = q[0]
-                    if (_SENDS[snd.kind], snd.peer_of(p)[1], snd.microbatch) != (a.kind, a.chunk, a.microbatch):
-                        raise ScheduleError(
-                            f"{a} would receive {snd}'s message: messages between two ranks are "
-                            f"matched in order, so the schedules disagree on the order"
-                        )
-                    q.popleft()
-                    record(s, a, t0, max(t0, arrival))
-                progress = True
-
-    unfinished = [s for s in range(p) if ptr[s] < len(sched[s])]
-    if unfinished:
-        raise _deadlock(sched, ptr, unfinished)
-    makespan = max(clock) if p else 0.0
-    busy = sum(compute)
-    bubble = 1.0 - busy / (p * makespan) if makespan > 0 else 0.0
-    return SimResult(timeline, makespan, compute, bubble, start, end)
+    durations = _durations(sched, forward_time, backward_time, weight_time)
+    return _Simulation(sched, durations, p2p_time, send_time).run()
 
 
-def _deadlock(sched: Schedule, ptr: list[int], unfinished: list[int]) -> DeadlockError:
-    p, v = len(sched), num_chunks(sched)
-    stuck = [sched[s][ptr[s]] for s in unfinished]
+def _deadlock(sched: Schedule, next_index: list[int], unfinished: list[int]) -> DeadlockError:
+    ranks, chunks = len(sched), num_chunks(sched)
+    stuck = [sched[rank][next_index[rank]] for rank in unfinished]
     lines = []
     waits_on: dict[int, int] = {}
-    for a in stuck:
-        src, chunk = a.peer_of(p)
-        if not 0 <= a.model_chunk(p) + _DIRECTION[a.kind] < p * v:
-            lines.append(f"  {a} waits for a message from {_target(a, p, v)}, which does not exist")
+    for action in stuck:
+        sender, chunk = _peer(action, ranks)
+        if not 0 <= action.model_chunk(ranks) + _DIRECTION[action.kind] < ranks * chunks:
+            lines.append(f"  {action} waits for a message from {_target(action, ranks, chunks)}, which does not exist")
             continue
-        want = Action(src, _RECVS[a.kind], a.microbatch, chunk)
-        if ptr[src] >= len(sched[src]):
-            lines.append(f"  {a} waits for {want}, but rank {src} finished without sending it")
+        want = Action(sender, _RECVS[action.kind], action.microbatch, chunk)
+        if next_index[sender] >= len(sched[sender]):
+            lines.append(f"  {action} waits for {want}, but rank {sender} finished without sending it")
         else:
-            waits_on[a.stage] = src
-            lines.append(f"  {a} waits for {want}; rank {src} is blocked at {sched[src][ptr[src]]}")
+            waits_on[action.stage] = sender
+            lines.append(
+                f"  {action} waits for {want}; rank {sender} is blocked at {sched[sender][next_index[sender]]}"
+            )
     cycle = _find_cycle(waits_on)
     head = "deadlock: no rank can make progress"
     if cycle:
-        head += "; ranks wait on each other in a cycle " + " -> ".join(f"rank {r}" for r in cycle + cycle[:1])
+        head += "; ranks wait on each other in a cycle " + " -> ".join(f"rank {rank}" for rank in cycle + cycle[:1])
     return DeadlockError(head + "\n" + "\n".join(lines), stuck)
 
 
-def _target(a: Action, p: int, v: int) -> str:
-    c = a.model_chunk(p) + _DIRECTION[a.kind]
-    return f"stage {c}" if v == 1 else f"model chunk {c}"
+def _target(action: Action, num_stages: int, chunks: int) -> str:
+    target = action.model_chunk(num_stages) + _DIRECTION[action.kind]
+    return f"stage {target}" if chunks == 1 else f"model chunk {target}"
 
 
 def _find_cycle(waits_on: dict[int, int]) -> list[int]:
-    for start in sorted(waits_on):
+    for first in sorted(waits_on):
         seen: list[int] = []
-        r = start
-        while r in waits_on and r not in seen:
-            seen.append(r)
-            r = waits_on[r]
-        if r in seen:
-            return seen[seen.index(r) :]
+        rank = first
+        while rank in waits_on and rank not in seen:
+            seen.append(rank)
+            rank = waits_on[rank]
+        if rank in seen:
+            return seen[seen.index(rank) :]
     return []
 
 
@@ -745,7 +802,7 @@ def peak_weight_pending(sched: Schedule) -> list[int]:
     counts only the inputs of the weight-gradient products as held between ``B`` and ``W``; the
     executor (:mod:`runtime.pipeline.executor`) keeps the chunk's whole graph until ``W``, so for it this
     is the count of full activations."""
-    split = any(a.kind == W for acts in sched for a in acts)
+    split = any(action.kind == W for acts in sched for action in acts)
     return peak_open(sched, F, W if split else B)
 
 
@@ -809,5 +866,5 @@ def analyze(
         bubble_ratio=res.bubble_ratio,
         peak_activations=tuple(peak_inflight(sched)),
         peak_weight_inputs=tuple(peak_weight_pending(sched)),
-        messages=sum(a.kind in _SENDS for acts in sched for a in acts),
+        messages=sum(action.kind in _SENDS for acts in sched for action in acts),
     )

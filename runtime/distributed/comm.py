@@ -121,22 +121,22 @@ def _guard(kind: str, size: int, group, fn, blocking: bool = True, part: str | N
     given); an asynchronous launch returns a ``Pending`` handle that remembers that part."""
     part = part or timing.part_of(group)
     with timing.part(part if blocking else None):
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         try:
             return fn() if blocking else Pending(fn(), part)
         except RuntimeError as e:
-            me = dist.get_rank() if dist.is_initialized() else 0
+            this_rank = dist.get_rank() if dist.is_initialized() else 0
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CollectiveError(
-                f"rank {me}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
+                f"rank {this_rank}: {kind} of {size} bytes over {_describe_group(group)} failed -- a peer died or "
                 f"stopped answering within the timeout ({first})"
             ) from None
         finally:
-            STATS.wait_s += time.perf_counter() - t0
+            STATS.wait_s += time.perf_counter() - started
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def group_size(group=None) -> int:

@@ -8,12 +8,11 @@ fail with an error instead of hanging.
 
 Local ranks start from a fork server (multiprocessing's ``forkserver``) that imported torch and
 the trainer once, the first time this process launched ranks: each later launch forks ready
-processes in milliseconds, where spawning made every rank import torch again (measured on this
-machine's 2 cores: 4.0-4.5 s per 2-rank launch with ``spawn``, 0.03 s from the warm fork server,
-1.7 s for the first). The ranks run in the launcher's environment at the time of the launch (the
-fork server's own is the one it started with, so ``launch_local`` hands each rank its
-environment and its current standard output and error, which a caller may have redirected since). ``PLANNER_START_METHOD=spawn`` restores spawning; platforms without a fork server
-(Windows) spawn.
+processes, where spawning made every rank import torch again. The ranks run in the launcher's
+environment at the time of the launch (the fork server's own is the one it started with, so
+``launch_local`` hands each rank its environment and its current standard output and error, which
+a caller may have redirected since). ``PLANNER_START_METHOD=spawn`` restores spawning; platforms
+without a fork server (Windows) spawn.
 """
 
 from __future__ import annotations
@@ -87,8 +86,7 @@ def reuse_host_memory() -> bool:
     glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh
     ``mmap`` and returns it on free, so each training step faults in, page by page, memory the
     kernel must zero first: a language model's logits, a matmul's output, its gradient. On a CPU
-    rank that costs as much as the arithmetic on those tensors (measured on a 4 x 256 GPT:
-    ``log_softmax`` 29 -> 14 ms, the step's matmuls 394 -> 318 ms). Allocating from the heap
+    rank that costs as much as the arithmetic on those tensors. Allocating from the heap
     only (``M_MMAP_MAX = 0``) and never trimming it below 2 GiB (``M_TRIM_THRESHOLD``) makes
     steady-state steps fault-free, as a caching allocator does on a GPU; the process keeps its
     peak heap. Applied once per process, on glibc only, unless ``PLANNER_HOST_ALLOCATOR=system``
@@ -99,17 +97,17 @@ def reuse_host_memory() -> bool:
         return True
     if environment.read(environment.HOST_ALLOCATOR).lower() == "system":
         return False
-    if any(a in os.environ.get("LD_PRELOAD", "") for a in ("jemalloc", "tcmalloc", "mimalloc")):
+    if any(allocator in os.environ.get("LD_PRELOAD", "") for allocator in ("jemalloc", "tcmalloc", "mimalloc")):
         return False
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+        applied = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     except (OSError, AttributeError):
         return False
-    _host_memory_tuned = ok
-    return ok
+    _host_memory_tuned = applied
+    return applied
 
 
 @dataclass(frozen=True)
@@ -130,9 +128,9 @@ class DistContext:
 
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def init_distributed(
@@ -195,15 +193,15 @@ class _InheritedFd:
     """A file descriptor of the launcher, sent to a rank as it starts (multiprocessing duplicates
     it into the new process while pickling the rank's arguments); the rank receives its own fd."""
 
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, descriptor: int):
+        self.descriptor = descriptor
 
-    def __reduce__(self):
-        return _received_fd, (multiprocessing.reduction.DupFd(self.fd),)
+    def __reduce__(self) -> tuple:
+        return _received_fd, (multiprocessing.reduction.DupFd(self.descriptor),)
 
 
-def _received_fd(dup) -> int:
-    return dup.detach()
+def _received_fd(duplicate: Any) -> int:
+    return duplicate.detach()
 
 
 def _launcher_stdio() -> tuple[_InheritedFd, _InheritedFd] | None:
@@ -216,38 +214,56 @@ def _launcher_stdio() -> tuple[_InheritedFd, _InheritedFd] | None:
     return _InheritedFd(1), _InheritedFd(2)
 
 
-def _entry(
-    rank: int,
-    fn: Callable,
-    world_size: int,
-    port: int,
-    timeout_s: float,
-    args: tuple,
-    error_dir: str,
-    env: dict[str, str],
-    stdio: tuple[int, int] | None = None,
-):
+@dataclass(frozen=True)
+class _RankJob:
+    """What every local rank of one ``launch_local`` runs, and where (pickled to each rank)."""
+
+    fn: Callable
+    """Called as ``fn(rank, world_size, *args)``."""
+    world_size: int
+    """Number of local ranks."""
+    port: int
+    """The rendezvous port on the loopback interface."""
+    timeout_s: float
+    """Timeout of each collective, in seconds."""
+    args: tuple
+    """Further arguments of ``fn``."""
+    error_dir: str
+    """Where each rank writes ``rank{r}.err`` (its failure) or ``rank{r}.done``."""
+    env: dict[str, str]
+    """The launcher's environment at the time of the launch."""
+    stdio: tuple[Any, Any] | None = None
+    """The launcher's standard output and error (forked ranks), or None."""
+
+
+def _enter_launcher_context(rank: int, job: _RankJob) -> None:
+    """The rank's environment, standard streams and threads: the launcher's, not the fork server's."""
     os.environ.clear()  # the launcher's environment, not the fork server's (module docstring)
-    os.environ.update(env)
-    if stdio is not None:  # print where the launcher prints now
+    os.environ.update(job.env)
+    if job.stdio is not None:  # print where the launcher prints now
         sys.stdout.flush(), sys.stderr.flush()
-        for fd, target in zip(stdio, (1, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        for descriptor, target in zip(job.stdio, (1, 2)):
+            os.dup2(descriptor, target)
+            os.close(descriptor)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["WORLD_SIZE"] = str(job.world_size)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["MASTER_PORT"] = str(job.port)
     # The machine's cores shared by every local rank (no oversubscription); PLANNER_NUM_THREADS
     # overrides the intra-op threads per rank.
     torch.set_num_threads(
-        int(environment.read(environment.NUM_THREADS) or 0) or max(1, (os.cpu_count() or 1) // world_size)
+        int(environment.read(environment.NUM_THREADS) or 0) or max(1, (os.cpu_count() or 1) // job.world_size)
     )
+
+
+def _entry(rank: int, job: _RankJob) -> None:
+    _enter_launcher_context(rank, job)
+    world_size = job.world_size
     try:
-        init_distributed(rank, world_size, port, timeout_s=timeout_s)
+        init_distributed(rank, world_size, job.port, timeout_s=job.timeout_s)
         try:
-            fn(rank, world_size, *args)
+            job.fn(rank, world_size, *job.args)
             # Leave together: a rank that tears its connections down while a peer still
             # talks to it makes gloo abort that peer.
             if dist.is_initialized() and world_size > 1:
@@ -257,50 +273,52 @@ def _entry(
                     pass
         finally:
             shutdown()
-        open(os.path.join(error_dir, f"rank{rank}.done"), "w").close()
+        open(os.path.join(job.error_dir, f"rank{rank}.done"), "w").close()
     except BaseException as e:
         # Record the error with its time: the launcher reports the first failure (the cause),
         # not the connection errors it triggers on the other ranks.
-        with open(os.path.join(error_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
+        with open(os.path.join(job.error_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
             f.write(f"{time.time():.6f}\n{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         raise
 
 
-def _diagnose(ctx, error_dir: str, nproc: int) -> LaunchError:
+def _diagnose(ctx: Any, error_dir: str, nproc: int) -> LaunchError:
     """Name the rank that failed first and why."""
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and any(p.is_alive() for p in ctx.processes):
+    while time.monotonic() < deadline and any(process.is_alive() for process in ctx.processes):
         time.sleep(0.05)
     # A rank killed from outside (SIGKILL: the OOM killer, an operator) is the one that was lost.
     # torch.multiprocessing stops the survivors with SIGTERM once one rank fails, and gloo aborts
     # (SIGABRT) a rank whose peer vanished mid-collective: those are consequences, so the
     # earliest error a rank reported comes before them.
     signalled = []
-    for r, p in enumerate(ctx.processes):
-        code = p.exitcode
+    for rank, process in enumerate(ctx.processes):
+        code = process.exitcode
         if code is not None and code < 0 and -code != signal.SIGTERM:
             try:
-                sig = signal.Signals(-code).name
+                signal_name = signal.Signals(-code).name
             except ValueError:
-                sig = f"signal {-code}"
-            lost = LaunchError(f"rank {r} was lost: its process was killed by {sig}; the other ranks were stopped")
+                signal_name = f"signal {-code}"
+            lost = LaunchError(
+                f"rank {rank} was lost: its process was killed by {signal_name}; the other ranks were stopped"
+            )
             if -code == signal.SIGKILL:
                 return lost
             signalled.append(lost)
     errors = []
-    for r in range(nproc):
-        path = os.path.join(error_dir, f"rank{r}.err")
+    for rank in range(nproc):
+        path = os.path.join(error_dir, f"rank{rank}.err")
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 stamp, _, rest = f.read().partition("\n")
-            errors.append((float(stamp), r, rest))
+            errors.append((float(stamp), rank, rest))
     if errors:
-        _, r, text = min(errors)
-        head, _, tb = text.partition("\n\n")
-        return LaunchError(f"rank {r} failed: {head.strip()}", details=tb)
+        _, first, text = min(errors)
+        head, _, remote_traceback = text.partition("\n\n")
+        return LaunchError(f"rank {first} failed: {head.strip()}", details=remote_traceback)
     if signalled:
         return signalled[0]
-    codes = {r: p.exitcode for r, p in enumerate(ctx.processes)}
+    codes = {rank: process.exitcode for rank, process in enumerate(ctx.processes)}
     return LaunchError(f"a rank exited without an error report (exit codes {codes})")
 
 
@@ -324,18 +342,19 @@ def launch_local(
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
     with tempfile.TemporaryDirectory(prefix="planner-launch-") as error_dir:
+        job = _RankJob(
+            fn,
+            nproc,
+            port,
+            coll_timeout,
+            tuple(args),
+            error_dir,
+            dict(os.environ),
+            _launcher_stdio() if method == "forkserver" else None,
+        )
         ctx = mp.start_processes(
             _entry,
-            args=(
-                fn,
-                nproc,
-                port,
-                coll_timeout,
-                tuple(args),
-                error_dir,
-                dict(os.environ),
-                _launcher_stdio() if method == "forkserver" else None,
-            ),
+            args=(job,),
             nprocs=nproc,
             join=False,
             start_method=method,
@@ -351,7 +370,7 @@ def launch_local(
                     if ctx.join(timeout=0.5):
                         return
                 except (mp.ProcessRaisedException, mp.ProcessExitedException):
-                    if all(os.path.exists(os.path.join(error_dir, f"rank{r}.done")) for r in range(nproc)):
+                    if all(os.path.exists(os.path.join(error_dir, f"rank{rank}.done")) for rank in range(nproc)):
                         # Every rank finished its work; the failure happened while exiting.
                         print(
                             "planner: warning: a process failed while exiting after all ranks had "
@@ -364,8 +383,8 @@ def launch_local(
                     raise LaunchError(f"local run of {nproc} processes timed out after {timeout_s:.0f} s")
         finally:
             spawn_log.setLevel(spawn_level)
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(5)
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in ctx.processes:
+                process.join(5)

@@ -70,14 +70,6 @@ class Mesh:
     def tp_index(self) -> int:
         return coords_of(self.rank, self.dp, self.tp)[2]
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_index == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_index == self.pp - 1
-
 
 _MESH: Mesh = Mesh(1, 1, 1)
 
@@ -96,9 +88,9 @@ def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] =
     """Create the axis groups and one group per (holder set, dp, tp) of ``tied_stages`` (the
     stages holding a copy of a tied weight); collective: every rank calls it with the same
     arguments. Sets and returns the mesh."""
-    for name, v in (("pp", pp), ("dp", dp), ("tp", tp)):
-        if v < 1:
-            raise ValueError(f"mesh degree {name}={v} must be >= 1")
+    for name, degree in (("pp", pp), ("dp", dp), ("tp", tp)):
+        if degree < 1:
+            raise ValueError(f"mesh degree {name}={degree} must be >= 1")
     world = pp * dp * tp
     if not dist.is_initialized():
         if world != 1:
@@ -114,29 +106,29 @@ def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] =
     # new_group is collective over the world: every rank creates every group in the same order.
     for axis in ("pp", "dp", "tp"):
         size = {"pp": pp, "dp": dp, "tp": tp}[axis]
-        for a in range(world // size):
+        for group_index in range(world // size):
             # Enumerate the groups of this axis: fix the other two coordinates.
             members = []
-            for r in range(world):
-                c = coords_of(r, dp, tp)
-                others = tuple(x for i, x in enumerate(c) if i != "pp dp tp".split().index(axis))
-                if others == _others_key(a, axis, pp, dp, tp):
-                    members.append(r)
+            for other in range(world):
+                coords = coords_of(other, dp, tp)
+                others = tuple(x for i, x in enumerate(coords) if i != "pp dp tp".split().index(axis))
+                if others == _others_key(group_index, axis, pp, dp, tp):
+                    members.append(other)
             members_t = tuple(sorted(members))
-            g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
+            group = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
             if rank in members_t:
-                groups[axis] = (g, members_t)
+                groups[axis] = (group, members_t)
     tied = {}
     for holders in tied_stages:
         holders = tuple(sorted(int(k) for k in holders))
         if any(not 0 <= k < pp for k in holders):
             raise ValueError(f"tied stages {holders} outside 0..{pp - 1}")
-        for d in range(dp):
-            for t in range(tp):
-                members_t = tuple(rank_of(k, d, t, dp, tp) for k in holders)
-                g = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
+        for dp_coord in range(dp):
+            for tp_coord in range(tp):
+                members_t = tuple(rank_of(k, dp_coord, tp_coord, dp, tp) for k in holders)
+                group = dist.new_group(list(members_t), timeout=_dist.COLLECTIVE_TIMEOUT)
                 if rank in members_t:
-                    tied[holders] = g
+                    tied[holders] = group
     mesh = Mesh(
         pp,
         dp,
@@ -154,13 +146,13 @@ def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] =
     timing.forget_groups()
     for axis in ("pp", "dp", "tp"):
         timing.register_group(groups[axis][0], axis)
-    for g in tied.values():
-        timing.register_group(g, "tied")
+    for group in tied.values():
+        timing.register_group(group, "tied")
     return set_mesh(mesh)
 
 
-def _others_key(a: int, axis: str, pp: int, dp: int, tp: int) -> tuple[int, int]:
-    """The a-th combination of the two coordinates other than ``axis``, in row-major order."""
+def _others_key(index: int, axis: str, pp: int, dp: int, tp: int) -> tuple[int, int]:
+    """The ``index``-th combination of the two coordinates other than ``axis``, in row-major order."""
     sizes = {"pp": pp, "dp": dp, "tp": tp}
     other = [x for x in ("pp", "dp", "tp") if x != axis]
-    return a // sizes[other[1]], a % sizes[other[1]]
+    return index // sizes[other[1]], index % sizes[other[1]]

@@ -64,13 +64,13 @@ def read_manifest(directory: str) -> dict:
         raise CompiledError(
             f"{directory} was compiled for runtime {need}, this is {runtime.__version__}; re-run `planner compile`."
         )
-    for st in man["stages"]:
-        src = os.path.join(directory, st["file"])
+    for stage in man["stages"]:
+        src = os.path.join(directory, stage["file"])
         if not os.path.isfile(src):
             raise CompiledError(f"{src} is missing; re-run `planner compile`.")
         with open(src, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-        if digest != st["sha256"]:
+        if digest != stage["sha256"]:
             raise CompiledError(
                 f"{src} was modified after compilation (hash mismatch); re-run `planner compile` or restore the file."
             )
@@ -82,6 +82,8 @@ def load_stage_module(directory: str, stage: dict, device: torch.device | str = 
     path = os.path.join(directory, stage["file"])
     name = f"planner_compiled_{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]}_{stage['index']}"
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CompiledError(f"cannot import the stage file {path}")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -95,7 +97,7 @@ def _shard_ranges(shard: TensorShard, n: int, tp_index: int, tp: int) -> tuple[l
     vocabulary's last rank); the same piece as ``shard.cut``."""
     if shard.kind == "qkv":
         ranges, off = [], 0
-        for part in shard.parts:
+        for part in shard.part_sizes:
             if part % tp:
                 raise CompiledError(f"cannot shard a fused part of {part} entries over {tp} tensor-parallel ranks")
             k = part // tp
@@ -119,12 +121,12 @@ def _read_shard(source, shard: TensorShard, tp_index: int, tp: int) -> torch.Ten
     dim = shard.dim % len(shape)
     ranges, pad = _shard_ranges(shard, shape[dim], tp_index, tp)
     lead = (slice(None),) * dim
-    pieces = [source[lead + (slice(a, b),)] for a, b in ranges if b > a]
+    pieces = [source[lead + (slice(begin, stop),)] for begin, stop in ranges if stop > begin]
     if pad:
         pad_shape = list(shape)
         pad_shape[dim] = pad
-        dt = pieces[0].dtype if pieces else torch.float32
-        pieces.append(torch.zeros(pad_shape, dtype=dt))
+        dtype = pieces[0].dtype if pieces else torch.float32
+        pieces.append(torch.zeros(pad_shape, dtype=dtype))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
@@ -139,7 +141,7 @@ def load_weights(
     rows/columns of this rank's piece: ``get_slice(name)[idx]`` for a tuple of slices ``idx``,
     ``get_slice(name).get_shape()`` the full shape (``KeyError``: read it whole instead).
     """
-    own = dict(module.named_parameters())
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())
     own.update(dict(module.named_buffers()))
     missing = [e["fqn"] for e in stage["params"].values() if e["fqn"] not in state]
     if missing:
@@ -159,7 +161,7 @@ def load_weights(
                 source = lazy(entry["fqn"])
             except KeyError:
                 source = None
-        if source is not None:
+        if source is not None and shard is not None:
             src = _read_shard(source, shard, tp_index, tp)
         else:
             src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)
@@ -172,7 +174,7 @@ def load_weights(
 def param_groups(module: torch.nn.Module) -> list[list[str]]:
     """Parameter names grouped per layer (each ``layer_<i>`` child), in forward order."""
     groups: dict[str, list[str]] = {}
-    for name, p in module.named_parameters():
+    for name, _param in module.named_parameters():
         head = name.split(".", 1)[0] if "." in name else "__stage__"
         groups.setdefault(head, []).append(name)
     return list(groups.values())
@@ -186,13 +188,13 @@ def virtual_stages(man: dict) -> int:
 def rank_chunks(man: dict, pp_index: int) -> list[dict]:
     """The manifest entries pipeline rank ``pp_index`` runs, in model order: its stage, or with
     ``v > 1`` model chunks its chunks ``pp_index, pp_index + p, ...``."""
-    pp, v = man["plan"]["pp"], virtual_stages(man)
-    if len(man["stages"]) != pp * v:
+    pp, chunk_count = man["plan"]["pp"], virtual_stages(man)
+    if len(man["stages"]) != pp * chunk_count:
         raise CompiledError(
-            f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={v}; "
+            f"the manifest lists {len(man['stages'])} stage files for pp={pp} x virtual_stages={chunk_count}; "
             "re-run `planner compile`."
         )
-    return [man["stages"][c] for c in range(pp_index, pp * v, pp)]
+    return [man["stages"][chunk] for chunk in range(pp_index, pp * chunk_count, pp)]
 
 
 def rank_params(man: dict, pp_index: int) -> dict[str, tuple[int, dict]]:
@@ -201,4 +203,4 @@ def rank_params(man: dict, pp_index: int) -> dict[str, tuple[int, dict]]:
     chunks = rank_chunks(man, pp_index)
     if len(chunks) == 1:
         return {attr: (chunks[0]["index"], e) for attr, e in chunks[0]["params"].items()}
-    return {f"{j}.{attr}": (st["index"], e) for j, st in enumerate(chunks) for attr, e in st["params"].items()}
+    return {f"{j}.{attr}": (stage["index"], e) for j, stage in enumerate(chunks) for attr, e in stage["params"].items()}

@@ -52,28 +52,33 @@ class TensorShard:
             raise ValueError("a qkv shard needs the sizes of its parts")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> TensorShard | None:
+    def from_dict(cls, entry: dict[str, Any] | None) -> TensorShard | None:
         """The manifest's ``"shard"`` entry (``None``: the tensor is not sharded)."""
-        if not d:
+        if not entry:
             return None
-        parts = d.get("parts")
+        parts = entry.get("parts")
         return cls(
-            dim=int(d["dim"]),
-            kind=str(d.get("kind", "column")),
-            size=int(d["size"]),
-            padded=d.get("padded"),
+            dim=int(entry["dim"]),
+            kind=str(entry.get("kind", "column")),
+            size=int(entry["size"]),
+            padded=entry.get("padded"),
             parts=tuple(parts) if parts is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's form: ``{"dim", "kind", "size"[, "padded"][, "parts"]}``."""
-        d: dict[str, Any] = {"dim": self.dim, "kind": self.kind}
+        entry: dict[str, Any] = {"dim": self.dim, "kind": self.kind}
         if self.padded is not None:
-            d["padded"] = self.padded
+            entry["padded"] = self.padded
         if self.parts is not None:
-            d["parts"] = list(self.parts)
-        d["size"] = self.size
-        return d
+            entry["parts"] = list(self.parts)
+        entry["size"] = self.size
+        return entry
+
+    @property
+    def part_sizes(self) -> tuple[int, ...]:
+        """The fused parts' sizes (``qkv``; empty for the other kinds)."""
+        return self.parts or ()
 
     def local_size(self, tp: int) -> int:
         """Entries of ``dim`` one rank holds."""
@@ -85,8 +90,8 @@ class TensorShard:
         if tp == 1:
             return full
         if self.kind == "qkv":
-            pieces = full.split(list(self.parts), dim=self.dim)
-            return torch.cat([shard_dim(p, self.dim, tp_index, tp) for p in pieces], dim=self.dim)
+            pieces = full.split(list(self.part_sizes), dim=self.dim)
+            return torch.cat([shard_dim(part, self.dim, tp_index, tp) for part in pieces], dim=self.dim)
         if self.padded is not None and self.padded != full.shape[self.dim]:
             return shard_vocab(full, tp_index, tp, self.dim)
         return shard_dim(full, self.dim, tp_index, tp)
@@ -98,9 +103,11 @@ class TensorShard:
         dim = self.dim
         if self.kind == "qkv":  # each piece is [q_r; k_r; v_r]: join per part, then fuse
             tp = len(pieces)
-            local = [n // tp for n in self.parts]
-            split = [p.split(local, dim=dim) for p in pieces]
-            return torch.cat([torch.cat([s[i] for s in split], dim=dim) for i in range(len(local))], dim=dim)
+            local = [n // tp for n in self.part_sizes]
+            split = [piece.split(local, dim=dim) for piece in pieces]
+            return torch.cat(
+                [torch.cat([parts_of[i] for parts_of in split], dim=dim) for i in range(len(local))], dim=dim
+            )
         full = torch.cat(pieces, dim=dim)
         if full.shape[dim] != self.size:
             full = full.narrow(dim, 0, self.size)

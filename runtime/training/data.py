@@ -64,12 +64,12 @@ class SyntheticTokens:
         shape = (global_batch, self.seq_len + 1)
         fresh = rng.integers(0, self.vocab, size=shape)
         follow = rng.random(size=shape) < FOLLOW
-        tok = fresh[start:stop].copy()
+        tokens = fresh[start:stop].copy()
         follow = follow[start:stop]
         for i in range(1, shape[1]):
-            tok[:, i] = np.where(follow[:, i], self.successor[tok[:, i - 1]], tok[:, i])
-        t = torch.from_numpy(tok.astype(np.int64))
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            tokens[:, i] = np.where(follow[:, i], self.successor[tokens[:, i - 1]], tokens[:, i])
+        table = torch.from_numpy(tokens.astype(np.int64))
+        return table[:, :-1].contiguous(), table[:, 1:].contiguous()
 
 
 class TokenFile:
@@ -81,10 +81,10 @@ class TokenFile:
             raise DataError(f"data file {path!r} is not readable (check its permissions)")
         try:
             if path.endswith(".npy"):
-                arr = np.load(path, mmap_mode="r")
+                array = np.load(path, mmap_mode="r")
             elif path.endswith((".bin", ".u16", ".u32")):
-                dt = np.uint32 if path.endswith(".u32") else np.uint16
-                arr = np.memmap(path, dtype=dt, mode="r")
+                dtype = np.uint32 if path.endswith(".u32") else np.uint16
+                array = np.memmap(path, dtype=dtype, mode="r")
             else:
                 with open(path, "rb") as f:
                     raw = f.read()
@@ -95,56 +95,63 @@ class TokenFile:
                         f"{path} is neither a token array (.bin/.u16 uint16, .u32 uint32, .npy) nor UTF-8 "
                         f"text (invalid byte at offset {e.start})"
                     ) from None
-                arr = np.frombuffer(raw, dtype=np.uint8)
+                array = np.frombuffer(raw, dtype=np.uint8)
         except (OSError, ValueError) as e:
             if isinstance(e, DataError):
                 raise
             raise DataError(f"cannot read data file {path}: {e}") from None
-        if arr.ndim != 1:
-            raise DataError(f"{path}: token arrays must be flat (1-D), got shape {arr.shape}")
-        if arr.shape[0] < seq_len + 1:
-            raise DataError(f"{path} holds {arr.shape[0]} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}")
-        if arr.dtype.kind not in "iu":
+        if array.ndim != 1:
+            raise DataError(f"{path}: token arrays must be flat (1-D), got shape {array.shape}")
+        if array.shape[0] < seq_len + 1:
             raise DataError(
-                f"{path} holds {arr.dtype} values, not token ids: save an integer array "
+                f"{path} holds {array.shape[0]} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"
+            )
+        if array.dtype.kind not in "iu":
+            raise DataError(
+                f"{path} holds {array.dtype} values, not token ids: save an integer array "
                 "(uint16, uint32, int32 or int64), e.g. np.save(path, ids.astype(np.uint32))"
             )
-        self.tokens = arr
-        if vocab is not None and arr.shape[0]:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
+        self.tokens = array
+        if vocab is not None and array.shape[0]:
+            lowest, highest = int(array.min()), int(array.max())
+            if lowest < 0 or highest >= vocab:
+                bad = lowest if lowest < 0 else highest
                 raise DataError(f"{path} contains token id {bad}, outside the model's vocabulary 0..{vocab - 1}")
 
     def rows(self, step: int, start: int, stop: int, global_batch: int):
-        n = self.tokens.shape[0] - self.seq_len - 1
-        offs = _rng(self.seed, step).integers(0, n + 1, size=global_batch)[start:stop]
-        win = np.stack([np.asarray(self.tokens[o : o + self.seq_len + 1], dtype=np.int64) for o in offs])
-        t = torch.from_numpy(win)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        last_start = self.tokens.shape[0] - self.seq_len - 1
+        offsets = _rng(self.seed, step).integers(0, last_start + 1, size=global_batch)[start:stop]
+        windows = np.stack(
+            [np.asarray(self.tokens[offset : offset + self.seq_len + 1], dtype=np.int64) for offset in offsets]
+        )
+        table = torch.from_numpy(windows)
+        return table[:, :-1].contiguous(), table[:, 1:].contiguous()
 
 
 def model_inputs(specs: list[dict], tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The model's inputs, in order, for rows ``tokens`` / ``targets`` (``(r, S)`` each) of a data
     source: each input is filled by its role (``INPUT_ROLES``) with its own dtype; sizes named
     ``"b"`` / ``"s"`` (or, for a static trace, the first size) follow the rows and the sequence."""
-    r, seq = tokens.shape
+    rows, seq = tokens.shape
     out = []
     for x in specs:
         dtype = getattr(torch, x.get("dtype", "int64"))
         role = x["role"]
         if role == "tokens" or role == "labels":
-            t = tokens
+            value = tokens
         elif role == "targets":
-            t = targets
+            value = targets
         elif role == "positions":
-            t = torch.arange(seq, device=tokens.device).expand(r, seq)
+            value = torch.arange(seq, device=tokens.device).expand(rows, seq)
         elif role in ("ones", "zeros"):
-            dims = [r if i == 0 or d == "b" else seq if d == "s" else int(d) for i, d in enumerate(x["shape"])]
-            t = (torch.ones if role == "ones" else torch.zeros)(dims, dtype=dtype, device=tokens.device)
+            dims = [
+                rows if i == 0 or size == "b" else seq if size == "s" else int(size)
+                for i, size in enumerate(x["shape"])
+            ]
+            value = (torch.ones if role == "ones" else torch.zeros)(dims, dtype=dtype, device=tokens.device)
         else:
             raise DataError(f"input {x['name']!r} has role {role!r}; the data loader knows {', '.join(INPUT_ROLES)}")
-        out.append(t.to(dtype).contiguous())
+        out.append(value.to(dtype).contiguous())
     return tuple(out)
 
 
@@ -159,5 +166,5 @@ def open_data(path: str | None, vocab: int, seq_len: int, seed: int):
 
 
 def rank_slice(global_batch: int, dp: int, dp_index: int) -> tuple[int, int]:
-    per = global_batch // dp
-    return dp_index * per, (dp_index + 1) * per
+    per_rank = global_batch // dp
+    return dp_index * per_rank, (dp_index + 1) * per_rank

@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -47,21 +47,21 @@ __all__ = ["MemoryTracker", "StorageCounter"]
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-def _storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+def _storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The real (non-meta) storages behind ``t``, looking inside wrapper subclasses."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
         out: list[torch.UntypedStorage] = []
         for n in names:
-            inner = getattr(t, n)
+            inner = getattr(tensor, n)
             if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh
                 out.extend(_storages_of(inner))
         return out
-    if t.layout != torch.strided:
+    if tensor.layout != torch.strided:
         # Sparse and other layouts have no single storage; their parts are not tracked.
         return []
-    st = t.untyped_storage()
-    return [] if st.device.type == "meta" else [st]
+    storage = tensor.untyped_storage()
+    return [] if storage.device.type == "meta" else [storage]
 
 
 class StorageCounter(TorchDispatchMode):
@@ -79,7 +79,7 @@ class StorageCounter(TorchDispatchMode):
         self.peak = 0
         self.peak_op = ""
         """Name of the operation after which ``peak`` was reached (``""`` before any)."""
-        self._orig_resize = None
+        self._orig_resize: Callable[..., Any] | None = None
         self._excluded: dict[int, weakref.ref] = {}
 
     # -- table ----------------------------------------------------------------------------
@@ -90,38 +90,41 @@ class StorageCounter(TorchDispatchMode):
             if entry is not None:
                 self.current -= entry[0]
 
-    def exclude_storage(self, st: torch.UntypedStorage) -> None:
+    def exclude_storage(self, storage: torch.UntypedStorage) -> None:
         """Never count ``st`` (uncount it if it is counted) while it lives."""
-        key = id(st)
+        key = id(storage)
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:
                 self.current -= entry[0]
-            self._excluded[key] = weakref.ref(st, lambda _r, k=key: self._excluded.pop(k, None))
+            self._excluded[key] = weakref.ref(storage, partial(self._forget_excluded, key))
 
-    def add_storage(self, st: torch.UntypedStorage) -> int:
+    def _forget_excluded(self, key: int, _dead: weakref.ref) -> None:
+        self._excluded.pop(key, None)
+
+    def add_storage(self, storage: torch.UntypedStorage) -> int:
         """Count ``st`` if new (or its new size if it was resized); returns the bytes added."""
-        key = id(st)
+        key = id(storage)
         if key in self._excluded:
             return 0
-        n = st.nbytes()
+        size = storage.nbytes()
         entry = self._live.get(key)  # lock-free fast path: known storage, same size
-        if entry is not None and entry[0] == n:
+        if entry is not None and entry[0] == size:
             return 0
         with self._lock:
             entry = self._live.get(key)
             if entry is None:
-                self._live[key] = (n, weakref.ref(st, partial(self._freed, key)))
-                self.current += n
-                return n
-            if entry[0] != n:
-                self._live[key] = (n, entry[1])
-                self.current += n - entry[0]
-                return n - entry[0]
+                self._live[key] = (size, weakref.ref(storage, partial(self._freed, key)))
+                self.current += size
+                return size
+            if entry[0] != size:
+                self._live[key] = (size, entry[1])
+                self.current += size - entry[0]
+                return size - entry[0]
             return 0
 
-    def add_tensor(self, t: torch.Tensor) -> int:
-        return sum(self.add_storage(st) for st in _storages_of(t))
+    def add_tensor(self, tensor: torch.Tensor) -> int:
+        return sum(self.add_storage(storage) for storage in _storages_of(tensor))
 
     def update_peak(self, op: Any = None) -> None:
         if self.current > self.peak:
@@ -139,8 +142,8 @@ class StorageCounter(TorchDispatchMode):
         if isinstance(obj, torch.Tensor):
             self.add_tensor(obj)
         elif isinstance(obj, (list, tuple)):
-            for o in obj:
-                self._add_all(o)
+            for item in obj:
+                self._add_all(item)
 
     def _add_inputs(self, obj: Any) -> None:
         """Like ``_add_all`` with a fast exit for plain tensors whose storage is known.
@@ -154,8 +157,8 @@ class StorageCounter(TorchDispatchMode):
                     return
             self.add_tensor(obj)
         elif isinstance(obj, (list, tuple)):
-            for o in obj:
-                self._add_inputs(o)
+            for item in obj:
+                self._add_inputs(item)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -173,20 +176,20 @@ class StorageCounter(TorchDispatchMode):
         orig = torch.UntypedStorage.resize_
         counter = self
 
-        def resize_(st, size):
-            r = orig(st, size)
+        def resize_(storage, size):
+            resized = orig(storage, size)
             with counter._lock:
-                if id(st) in counter._live:
-                    counter.add_storage(st)
+                if id(storage) in counter._live:
+                    counter.add_storage(storage)
                     counter.update_peak("UntypedStorage.resize_")
-            return r
+            return resized
 
         self._orig_resize = orig
-        torch.UntypedStorage.resize_ = resize_
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]  # patched while the mode is active
 
     def _unpatch_resize(self) -> None:
         if self._orig_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_resize
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]  # restore
             self._orig_resize = None
 
     def __enter__(self):
@@ -262,26 +265,27 @@ class MemoryTracker:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            assert self._counter is not None  # callers return early without a counter
             self._counter.add_tensor(obj)
             if obj.is_leaf and obj.grad is not None:
                 self._walk(obj.grad, seen, depth)
         elif isinstance(obj, nn.Module):
-            for t in obj.parameters():
-                self._walk(t, seen, depth)
-            for t in obj.buffers():
-                self._walk(t, seen, depth)
+            for param in obj.parameters():
+                self._walk(param, seen, depth)
+            for buffer in obj.buffers():
+                self._walk(buffer, seen, depth)
         elif isinstance(obj, torch.optim.Optimizer):
             self._walk(obj.state, seen, depth)
-            self._walk([g["params"] for g in obj.param_groups], seen, depth)
+            self._walk([group["params"] for group in obj.param_groups], seen, depth)
         elif isinstance(obj, dict):
-            for v in obj.values():
-                self._walk(v, seen, depth)
+            for value in obj.values():
+                self._walk(value, seen, depth)
         elif isinstance(obj, (list, tuple, set, frozenset)):
-            for v in obj:
-                self._walk(v, seen, depth)
+            for value in obj:
+                self._walk(value, seen, depth)
         elif depth < 3 and hasattr(obj, "__dict__") and not callable(obj):
-            for v in vars(obj).values():
-                self._walk(v, seen, depth + 1)
+            for value in vars(obj).values():
+                self._walk(value, seen, depth + 1)
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never count the storages of ``tensors`` (memory that is not the device's, such as the
@@ -289,9 +293,9 @@ class MemoryTracker:
         allocations anyway."""
         if self._counter is None:
             return
-        for t in tensors:
-            for st in _storages_of(t):
-                self._counter.exclude_storage(st)
+        for tensor in tensors:
+            for storage in _storages_of(tensor):
+                self._counter.exclude_storage(storage)
 
     def track(self, tensors: Iterable[torch.Tensor]) -> int:
         """Register individual tensors (same as ``track_existing`` on a list)."""

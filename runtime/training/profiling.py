@@ -91,29 +91,31 @@ class StepProbes:
     def around(self, index: int, step: int) -> Iterator[None]:
         """Run the body (the run's step ``index``, global step ``step``, 0-based) under the tracker
         and the profiler that apply to it."""
-        tracking = self.tracks(index)
-        if tracking:
-            self.tracker.reset_peak()
-            self.tracker.__enter__()
+        tracker = self.tracker if self.tracks(index) else None
+        if tracker is not None:
+            tracker.reset_peak()
+            tracker.__enter__()
         prof = start_profiler(index)
         try:
             yield
         finally:
             if prof is not None:
                 write_profile(prof, self.rank, step + 1)
-            if tracking:
-                self.tracker.__exit__(None, None, None)
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
 
     def peak_after(self, index: int, step: int) -> int:
         """The peak live bytes to report for the step just run (see the module docstring)."""
-        if not self.tracks(index):
+        tracked = self.tracker
+        if tracked is None or not self.tracks(index):
             return self.last_peak
-        t = self.tracker
-        self.last_peak = max(self.last_peak, t.peak_bytes) if self.memory_steps is not None else t.peak_bytes
+        self.last_peak = (
+            max(self.last_peak, tracked.peak_bytes) if self.memory_steps is not None else tracked.peak_bytes
+        )
         if environment.read(environment.DEBUG_MEMORY):
             print(
-                f"[planner] rank {self.rank} step {step + 1}: peak {t.peak_bytes / 2**20:.2f} MiB after "
-                f"{t.peak_op or '(step start)'}; {t.current_bytes / 2**20:.2f} MiB live at the end",
+                f"[planner] rank {self.rank} step {step + 1}: peak {tracked.peak_bytes / 2**20:.2f} MiB after "
+                f"{tracked.peak_op or '(step start)'}; {tracked.current_bytes / 2**20:.2f} MiB live at the end",
                 file=sys.stderr,
                 flush=True,
             )

@@ -67,9 +67,9 @@ def _flag(flag: str, **kw) -> dict:
     return {"cli": CliFlag(flag, **kw)}
 
 
-def _none_unless_positive(v: float) -> float | None:
+def _none_unless_positive(value: float) -> float | None:
     """``--clip 0`` (or below) turns clipping off."""
-    return v if v > 0 else None
+    return value if value > 0 else None
 
 
 @dataclass
@@ -208,17 +208,17 @@ class TrainOptions:
                 "a positive integer or None (every step)",
             ),
         )
-        for name, ok, what in checks:
-            if not ok:
+        for name, valid, what in checks:
+            if not valid:
                 raise ConfigError(f"{_label(name)} must be {what}, got {getattr(self, name)!r}")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _label(name: str) -> str:

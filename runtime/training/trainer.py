@@ -46,6 +46,7 @@ import torch.distributed as dist
 import runtime
 from runtime import timing
 from runtime.checkpointing import checkpoint_io
+from runtime.contract.choices import ScheduleName
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.schedule_ir import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from runtime.data_parallel.offload_engine import OffloadConfig
@@ -85,19 +86,19 @@ StepHook = Callable[[int, int], None]
 the number of steps done). An extension point for instrumentation and fault-injection tests."""
 
 
-def schedule_of(o: TrainOptions) -> dict:
+def schedule_of(options: TrainOptions) -> dict:
     """What fixes the learning rate of every step; each checkpoint records it, so a resume under
     another schedule can say so."""
-    return {"steps": o.steps, "lr": o.lr, "min_lr": o.min_lr, "warmup": o.warmup_steps}
+    return {"steps": options.steps, "lr": options.lr, "min_lr": options.min_lr, "warmup": options.warmup_steps}
 
 
-def lr_at(step: int, o: TrainOptions) -> float:
+def lr_at(step: int, options: TrainOptions) -> float:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
-    if o.warmup_steps > 0 and step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    span = max(1, o.steps - o.warmup_steps)
-    t = min(1.0, (step - o.warmup_steps) / span)
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
+    if options.warmup_steps > 0 and step < options.warmup_steps:
+        return options.lr * (step + 1) / options.warmup_steps
+    span = max(1, options.steps - options.warmup_steps)
+    progress = min(1.0, (step - options.warmup_steps) / span)
+    return options.min_lr + 0.5 * (options.lr - options.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -125,14 +126,11 @@ class StepMetrics:
     ``predicted.time``), measured on the rank with the longest step: they sum to ``step_time_s``."""
 
     def to_json(self) -> str:
-        d = asdict(self)
-        if d["loss_scale"] is None:
-            d.pop("loss_scale")
-        if d["grad_norm"] is None:
-            d.pop("grad_norm")
-        if d["time"] is None:
-            d.pop("time")
-        return json.dumps(d)
+        fields = asdict(self)
+        for optional in ("loss_scale", "grad_norm", "time"):
+            if fields[optional] is None:
+                fields.pop(optional)
+        return json.dumps(fields)
 
 
 @dataclass
@@ -187,44 +185,59 @@ class StepResult:
     comm_wait_s: float
     peak_bytes: int
     parts: dict[str, float]
+    """``seconds`` split over ``runtime.timing.PARTS``."""
     host_bytes: int = 0
     """Host-tier bytes of this rank (``ZeroEngine.host_bytes``)."""
     nvme_bytes: int = 0
     """NVMe-tier bytes of this rank (``ZeroEngine.nvme_bytes``)."""
-    """``seconds`` split over ``runtime.timing.PARTS``."""
 
 
 def _recv_meta(stage: dict) -> list[TensorMeta]:
     """What this stage receives, from the manifest."""
     metas = []
-    for r in stage["recv"]:
-        dt = getattr(torch, r["dtype"])
-        metas.append(TensorMeta(tuple(r["shape"]), dt, bool(r["requires_grad"])))
+    for received in stage["recv"]:
+        dtype = getattr(torch, received["dtype"])
+        metas.append(TensorMeta(tuple(received["shape"]), dtype, bool(received["requires_grad"])))
     return metas
 
 
-def _warm_up_inputs(
-    plan: dict, stage: dict, graph_inputs: list[str], input_specs: list[dict], dev: torch.device
-) -> list[torch.Tensor]:
-    """A micro-batch of zeros in the stage's call order: what it receives (as the pipeline hands
-    it over), then its data inputs (token ids 0, and whatever ``model_inputs`` derives from them)."""
-    recv = [torch.zeros(m.shape, dtype=m.dtype, device=dev).requires_grad_(m.requires_grad) for m in _recv_meta(stage)]
-    ids = torch.zeros((plan["micro_batch_size"], plan["seq_len"]), dtype=torch.long, device=dev)
-    src = dict(zip(graph_inputs, model_inputs(input_specs, ids, ids.clone())))
-    return recv + [src[n] for n in stage["data_inputs"]]
+@dataclass(frozen=True)
+class _ModelInputs:
+    """How the plan's data feeds the model: enough to build a stage's warm-up micro-batch."""
+
+    plan: dict
+    """The compiled plan (``micro_batch_size``, ``seq_len``)."""
+    graph_inputs: list[str]
+    """The model's inputs in order, by the name the graph gives them."""
+    input_specs: list[dict]
+    """What feeds each of them (``runtime.training.data.model_inputs``)."""
+    device: torch.device
+    """Where the stage runs."""
+
+    def warm_up(self, stage: dict) -> list[torch.Tensor]:
+        """A micro-batch of zeros in the stage's call order: what it receives (as the pipeline hands
+        it over), then its data inputs (token ids 0, and whatever ``model_inputs`` derives from them)."""
+        device = self.device
+        received = [
+            torch.zeros(meta.shape, dtype=meta.dtype, device=device).requires_grad_(bool(meta.requires_grad))
+            for meta in _recv_meta(stage)
+        ]
+        ids = torch.zeros((self.plan["micro_batch_size"], self.plan["seq_len"]), dtype=torch.long, device=device)
+        by_name = dict(zip(self.graph_inputs, model_inputs(self.input_specs, ids, ids.clone())))
+        return received + [by_name[name] for name in stage["data_inputs"]]
 
 
 def schedule_actions(plan: dict, pp_index: int) -> list:
     """This rank's action list for the plan's pipeline schedule (plan.json ``schedule``): 1F1B,
     Megatron's interleaved 1F1B over ``virtual_stages`` chunks, or ZB-H1 (split ``B``/``W``)."""
-    pp, m, v = plan["pp"], plan["num_micro_batches"], plan.get("virtual_stages", 1)
-    kind = plan.get("schedule", "1f1b")
-    if kind == "1f1b":
-        return one_f_one_b(pp, m)[pp_index]
-    if kind == "interleaved":
-        return interleaved_one_f_one_b(pp, m, v)[pp_index]
-    if kind == "zero-bubble":
-        return zero_bubble_h1(pp, m)[pp_index]
+    pp, micro_batch_count, chunks = plan["pp"], plan["num_micro_batches"], plan.get("virtual_stages", 1)
+    kind = plan.get("schedule", ScheduleName.ONE_F_ONE_B)
+    if kind == ScheduleName.ONE_F_ONE_B:
+        return one_f_one_b(pp, micro_batch_count)[pp_index]
+    if kind == ScheduleName.INTERLEAVED:
+        return interleaved_one_f_one_b(pp, micro_batch_count, chunks)[pp_index]
+    if kind == ScheduleName.ZERO_BUBBLE:
+        return zero_bubble_h1(pp, micro_batch_count)[pp_index]
     raise ValueError(
         f"the plan names the pipeline schedule {kind!r}; this runtime runs 1f1b, interleaved and "
         "zero-bubble: re-plan, or update the runtime"
@@ -232,32 +245,37 @@ def schedule_actions(plan: dict, pp_index: int) -> list:
 
 
 def _load_chunks(
-    compiled_dir: str, chunks: list[dict], state: Mapping[str, torch.Tensor], mesh: Mesh, dev: torch.device
+    compiled_dir: str, chunks: list[dict], state: Mapping[str, torch.Tensor], mesh: Mesh, device: torch.device
 ) -> list[torch.nn.Module]:
     """This rank's stage module(s) with their shard of the original weights (read once)."""
     modules = []
-    for st in chunks:
-        module = load_stage_module(compiled_dir, st, dev)
-        load_weights(module, st, state, mesh.tp_index, mesh.tp)
+    for stage in chunks:
+        module = load_stage_module(compiled_dir, stage, device)
+        load_weights(module, stage, state, mesh.tp_index, mesh.tp)
         modules.append(module)
     return modules
 
 
-def _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts):
+def _compile_chunks(
+    modules: list[torch.nn.Module],
+    chunks: list[dict],
+    inputs: _ModelInputs,
+    mesh: Mesh,
+    rank: int,
+    opts: TrainOptions,
+) -> CompiledLayers | None:
     """Compile each chunk's layers (one ``torch.compile`` per layer class) and warm them up."""
     compiled = None
-    for j, (module, st) in enumerate(zip(modules, chunks)):
+    for j, (module, stage) in enumerate(zip(modules, chunks)):
         # Before the ZeRO engine: the warm-up's collectives are tensor-parallel ones only, so the
         # data-parallel replicas can take turns (runtime.stages.compile_layers.warm_up_in_turn).
         info = compile_stage(module)
-        warm_up_in_turn(
-            module, _warm_up_inputs(plan, st, graph_inputs, input_specs, dev), info, first=mesh.dp_index == 0
-        )
+        warm_up_in_turn(module, inputs.warm_up(stage), info, first=mesh.dp_index == 0)
         if compiled is None:
             compiled = info
         else:  # one record for the rank: every chunk's classes and layers, the total time
             compiled.functions.update(info.functions)
-            compiled.layers.update({f"{j}.{k}": c for k, c in info.layers.items()})
+            compiled.layers.update({f"{j}.{k}": layer for k, layer in info.layers.items()})
             compiled.seconds += info.seconds
     if rank == 0 and opts.progress and compiled is not None:
         print(
@@ -310,6 +328,17 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     )
 
 
+def _rank_device() -> torch.device:
+    """This rank's device (its CUDA device under nccl, else the CPU), made the runtime's."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.is_initialized() and dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    runtime.set_device(device)
+    return device
+
+
 def setup(
     rank: int, world: int, compiled_dir: str, opts: TrainOptions, state_fn: Callable[[], Mapping[str, torch.Tensor]]
 ) -> Run:
@@ -320,24 +349,19 @@ def setup(
     chunks, the pipeline stage walking the plan's schedule (``schedule_actions``; the engine is its
     backward scope, so a ``B``/``W`` pair is one backward pass), the data source; then ``resume``
     and the step probes (which count the tensors alive after the resume)."""
-    man = read_manifest(compiled_dir)
-    plan = man["plan"]
+    manifest = read_manifest(compiled_dir)
+    plan = manifest["plan"]
     offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
-    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(man))
-    dev = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.is_initialized() and dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    runtime.set_device(dev)
-    chunks = rank_chunks(man, mesh.pp_index)
-    v = len(chunks)
+    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest))
+    device = _rank_device()
+    chunks = rank_chunks(manifest, mesh.pp_index)
+    chunk_count = len(chunks)
     actions = schedule_actions(plan, mesh.pp_index)
     torch.manual_seed(opts.seed)
-    modules = _load_chunks(compiled_dir, chunks, state_fn(), mesh, dev)
-    module = modules[0] if v == 1 else torch.nn.ModuleList(modules)
-    graph_inputs = man["model"].get("inputs", ["input_ids", "labels"])
+    modules = _load_chunks(compiled_dir, chunks, state_fn(), mesh, device)
+    module = modules[0] if chunk_count == 1 else torch.nn.ModuleList(modules)
+    graph_inputs = manifest["model"].get("inputs", ["input_ids", "labels"])
     input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
     if len(graph_inputs) != len(input_specs):
         raise ValueError(
@@ -346,42 +370,44 @@ def setup(
         )
     compiled = None
     if plan.get("compile"):
-        compiled = _compile_chunks(modules, chunks, plan, graph_inputs, input_specs, mesh, dev, rank, opts)
+        compiled = _compile_chunks(
+            modules, chunks, _ModelInputs(plan, graph_inputs, input_specs, device), mesh, rank, opts
+        )
     for sub in modules:
         timing.time_recomputation(sub)
     # On a GPU, part boundaries wait for the device (runtime.timing explains the cost).
-    timing.TIMER.sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    engine = _make_engine(module, modules, chunks, man, mesh, opts, offload, rank)
-    recv = [_recv_meta(st) for st in chunks]
+    timing.TIMER.sync = torch.cuda.synchronize if device.type == "cuda" else None
+    engine = _make_engine(module, modules, chunks, manifest, mesh, opts, offload, rank)
+    received = [_recv_meta(stage) for stage in chunks]
     pstage = PipelineStage.from_mesh(
-        modules[0] if v == 1 else modules,
-        recv_meta=recv[0] if v == 1 else recv,
+        modules[0] if chunk_count == 1 else modules,
+        recv_meta=received[0] if chunk_count == 1 else received,
         mesh=mesh,
-        device=dev,
-        virtual_stages=v,
+        device=device,
+        virtual_stages=chunk_count,
         backward_scope=engine,
     )
-    data = open_data(opts.data_path, data_vocab(input_specs, man["model"]["vocab"]), plan["seq_len"], opts.seed)
-    start_step = resume(opts, engine, man, mesh)
+    data = open_data(opts.data_path, data_vocab(input_specs, manifest["model"]["vocab"]), plan["seq_len"], opts.seed)
+    start_step = resume(opts, engine, manifest, mesh)
     # Tracked steps run eagerly (runtime.stages.compile_layers): a compiled run tracks its first few only.
     memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
     probes = StepProbes(
-        rank, dev, opts.track_memory, memory_steps, resident=engine.tracked_tensors(), host=engine.host_tensors()
+        rank, device, opts.track_memory, memory_steps, resident=engine.tracked_tensors(), host=engine.host_tensors()
     )
     tensorboard = open_tensorboard(opts.tensorboard_dir) if rank == 0 and opts.tensorboard_dir else None
     return Run(
         rank=rank,
         world=world,
         opts=opts,
-        manifest=man,
+        manifest=manifest,
         mesh=mesh,
-        device=dev,
+        device=device,
         engine=engine,
         pstage=pstage,
         actions=actions,
         data=data,
         rows=rank_slice(plan["global_batch"], dp, mesh.dp_index),
-        stage_inputs=[st["data_inputs"] for st in chunks],
+        stage_inputs=[stage["data_inputs"] for stage in chunks],
         graph_inputs=graph_inputs,
         input_specs=input_specs,
         start_step=start_step,
@@ -417,15 +443,16 @@ def micro_batches(run: Run, step: int) -> list:
     """This rank's rows of step ``step``'s global batch, on the device, split into micro-batches
     of the stage's data inputs (with model chunks, a tuple of inputs per chunk)."""
     plan = run.plan
-    mbs, m = plan["micro_batch_size"], plan["num_micro_batches"]
-    lo, hi = run.rows
-    ids, labels = run.data.rows(step, lo, hi, plan["global_batch"])
+    micro_size, micro_batch_count = plan["micro_batch_size"], plan["num_micro_batches"]
+    row_start, row_end = run.rows
+    ids, labels = run.data.rows(step, row_start, row_end, plan["global_batch"])
     ids, labels = ids.to(run.device), labels.to(run.device)
-    src = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
+    by_name = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
     per_chunk = [
-        [tuple(src[n][i * mbs : (i + 1) * mbs] for n in names) for names in run.stage_inputs] for i in range(m)
+        [tuple(by_name[name][i * micro_size : (i + 1) * micro_size] for name in names) for names in run.stage_inputs]
+        for i in range(micro_batch_count)
     ]
-    return [mb[0] for mb in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
+    return [micro_batch[0] for micro_batch in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
 
 
 def run_step(run: Run, step: int) -> StepResult:
@@ -466,82 +493,94 @@ def run_step(run: Run, step: int) -> StepResult:
     )
 
 
-def aggregate_metrics(run: Run, step: int, r: StepResult) -> StepMetrics:
+def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
     """The step's metrics over all ranks: the loss is the mean over dp ranks; peak memory, bytes
     sent, step time and collective wait time the max over all ranks; the time breakdown that of
     the rank with the longest step, which is the step time reported (each rank fills its row of a
     table of every rank's time and parts, which one sum all-reduce gives to all)."""
-    plan, dev = run.plan, run.device
-    agg = torch.tensor([r.loss, 0.0, 0.0], dtype=torch.float64, device=dev)
-    mx = torch.tensor(
-        [float(r.peak_bytes), r.comm_bytes, r.comm_wait_s, float(r.host_bytes), float(r.nvme_bytes)],
+    plan, device = run.plan, run.device
+    mean_loss = torch.tensor([result.loss, 0.0, 0.0], dtype=torch.float64, device=device)
+    maxima = torch.tensor(
+        [
+            float(result.peak_bytes),
+            result.comm_bytes,
+            result.comm_wait_s,
+            float(result.host_bytes),
+            float(result.nvme_bytes),
+        ],
         dtype=torch.float64,
-        device=dev,
+        device=device,
     )
-    times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=dev)
-    times[run.rank] = torch.tensor([r.seconds] + [r.parts[k] for k in timing.PARTS], dtype=torch.float64)
+    times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=device)
+    times[run.rank] = torch.tensor([result.seconds] + [result.parts[k] for k in timing.PARTS], dtype=torch.float64)
     if dist.is_initialized() and run.world > 1:
         if run.mesh.dp_group is not None:
-            dist.all_reduce(agg, group=run.mesh.dp_group)
-            agg /= plan["dp"]
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            dist.all_reduce(mean_loss, group=run.mesh.dp_group)
+            mean_loss /= plan["dp"]
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         dist.all_reduce(times)
     slowest = times[int(torch.argmax(times[:, 0]))].tolist()
     step_time = slowest[0]
     tokens = plan["global_batch"] * plan["seq_len"]
     return StepMetrics(
         step=step + 1,
-        loss=float(agg[0]),
+        loss=float(mean_loss[0]),
         step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-        peak_memory_bytes=int(mx[0]),
-        comm_bytes=float(mx[1]),
-        lr=r.lr,
-        host_memory_bytes=int(mx[3]),
-        nvme_bytes=int(mx[4]),
-        loss_scale=r.info.loss_scale if plan["dtype"] == "fp16" else None,
-        grad_norm=r.info.grad_norm,
-        comm_wait_s=float(mx[2]),
+        peak_memory_bytes=int(maxima[0]),
+        comm_bytes=float(maxima[1]),
+        lr=result.lr,
+        host_memory_bytes=int(maxima[3]),
+        nvme_bytes=int(maxima[4]),
+        loss_scale=result.info.loss_scale if plan["dtype"] == "fp16" else None,
+        grad_norm=result.info.grad_norm,
+        comm_wait_s=float(maxima[2]),
         time=dict(zip(timing.PARTS, slowest[1:])),
     )
 
 
-def write_metrics(run: Run, met: StepMetrics, on_metrics: Callable[[StepMetrics], None] | None) -> None:
-    """On rank 0: append ``met`` to ``opts.metrics_path`` (if set), write it to TensorBoard (if
+def write_metrics(run: Run, metrics: StepMetrics, on_metrics: Callable[[StepMetrics], None] | None) -> None:
+    """On rank 0: append ``metrics`` to ``opts.metrics_path`` (if set), write it to TensorBoard (if
     asked) and pass it to ``on_metrics``."""
     if run.rank != 0:
         return
     if run.opts.metrics_path:
-        with open(run.opts.metrics_path, "a", encoding="utf-8") as f:
-            f.write(met.to_json() + "\n")
+        with open(run.opts.metrics_path, "a", encoding="utf-8") as out:
+            out.write(metrics.to_json() + "\n")
     if run.tensorboard is not None:
-        write_tensorboard(run.tensorboard, met)
+        write_tensorboard(run.tensorboard, metrics)
     if on_metrics is not None:
-        on_metrics(met)
+        on_metrics(metrics)
 
 
-def write_tensorboard(writer, met: StepMetrics) -> None:
+def write_tensorboard(writer, metrics: StepMetrics) -> None:
     """One step's scalars: ``train/`` loss, tokens/s, step time, peak memory; ``time/<part>``
     the breakdown."""
     scalars = {
-        "train/loss": met.loss,
-        "train/tokens_per_s": met.tokens_per_s,
-        "train/step_time_s": met.step_time_s,
-        "train/peak_memory_bytes": met.peak_memory_bytes,
+        "train/loss": metrics.loss,
+        "train/tokens_per_s": metrics.tokens_per_s,
+        "train/step_time_s": metrics.step_time_s,
+        "train/peak_memory_bytes": metrics.peak_memory_bytes,
     }
-    scalars.update({f"time/{k}": v for k, v in (met.time or {}).items()})
+    scalars.update({f"time/{part}": seconds for part, seconds in (metrics.time or {}).items()})
     for tag, value in scalars.items():
-        writer.add_scalar(tag, value, met.step)
+        writer.add_scalar(tag, value, metrics.step)
 
 
 def maybe_checkpoint(run: Run, step: int) -> None:
     """After step ``step`` (0-based): save a checkpoint when ``opts.save_every`` divides the steps
     done, or this was the run's last step, and ``opts.checkpoint_dir`` is set."""
-    o = run.opts
+    options = run.opts
     done = step + 1
-    if o.checkpoint_dir and o.save_every and (done % o.save_every == 0 or done == o.steps):
+    if options.checkpoint_dir and options.save_every and (done % options.save_every == 0 or done == options.steps):
         checkpoint_io.save(
-            o.checkpoint_dir, done, run.engine, run.manifest, run.mesh, keep_last=o.keep_last, schedule=schedule_of(o)
+            options.checkpoint_dir,
+            done,
+            run.engine,
+            run.manifest,
+            run.mesh,
+            keep_last=options.keep_last,
+            schedule=schedule_of(options),
         )
 
 
@@ -567,9 +606,9 @@ def train_worker(
             if on_step_start is not None:
                 on_step_start(rank, step)
             result = run_step(run, step)
-            met = aggregate_metrics(run, step, result)
-            history.append(met)
-            write_metrics(run, met, on_metrics)
+            metrics = aggregate_metrics(run, step, result)
+            history.append(metrics)
+            write_metrics(run, metrics, on_metrics)
             maybe_checkpoint(run, step)
     finally:
         if run.tensorboard is not None:

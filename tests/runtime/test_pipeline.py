@@ -14,6 +14,7 @@ from runtime.pipeline.executor import (
     MAX_TENSORS,
     PipelineError,
     PipelineStage,
+    StagePlacement,
     TensorMeta,
     backward_input,
     backward_weight,
@@ -26,7 +27,7 @@ def test_single_stage_runs_without_processes():
     data = make_data(3)
     ref_loss, ref_grads = reference(2, data)
     module = StageModule(make_layers(2), 0, 4)
-    loss = run_pipeline(module, one_f_one_b(1, 3)[0], data, stage_index=0, num_stages=1)
+    loss = run_pipeline(module, one_f_one_b(1, 3)[0], data, StagePlacement(0, 1))
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
     for name, g in module.named_grads().items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
@@ -39,11 +40,11 @@ def test_single_stage_errors_before_running():
     with pytest.raises(
         PipelineError, match=r"input 1 of micro-batch 1 is \(2, 3\) int32 but micro-batch 0's is \(2, 3\) int64"
     ):
-        run_pipeline(module, one_f_one_b(1, 2)[0], data, stage_index=0, num_stages=1)
+        run_pipeline(module, one_f_one_b(1, 2)[0], data, StagePlacement(0, 1))
     with pytest.raises(PipelineError, match="no micro-batches"):
-        run_pipeline(module, [], [], stage_index=0, num_stages=1)
+        run_pipeline(module, [], [], StagePlacement(0, 1))
     with pytest.raises(PipelineError, match="rank 0's list has no B1@s0"):
-        run_pipeline(module, one_f_one_b(1, 2)[0][:-1], make_data(2), stage_index=0, num_stages=1)
+        run_pipeline(module, one_f_one_b(1, 2)[0][:-1], make_data(2), StagePlacement(0, 1))
     assert all(p.grad is None for p in module.parameters())  # nothing ran
 
 
@@ -53,11 +54,11 @@ def test_tensor_meta_and_stage_arguments():
     with pytest.raises(ValueError, match="cannot require grad"):
         TensorMeta((2,), torch.int64, True)
     with pytest.raises(ValueError, match="give its recv_meta"):
-        PipelineStage(nn.Linear(2, 2), 1, 2, prev_rank=0, last_rank=1)
+        PipelineStage(nn.Linear(2, 2), StagePlacement(1, 2, prev_rank=0, last_rank=1))
     with pytest.raises(ValueError, match="needs next_rank"):
-        PipelineStage(nn.Linear(2, 2), 0, 2, last_rank=1)
+        PipelineStage(nn.Linear(2, 2), StagePlacement(0, 2, last_rank=1))
     with pytest.raises(ValueError, match="receives nothing"):
-        PipelineStage(nn.Linear(2, 2), 0, 1, recv_meta=RECV_META)
+        PipelineStage(nn.Linear(2, 2), StagePlacement(0, 1), recv_meta=RECV_META)
     assert MAX_TENSORS >= 2
 
 
@@ -121,7 +122,7 @@ def test_single_stage_zero_bubble_list_matches_reference():
     module = StageModule(make_layers(2), 0, 4)
     actions = zero_bubble_h1(1, 3)[0]
     assert [a.kind for a in actions] == ["F", "B", "W"] * 3
-    loss = run_pipeline(module, actions, data, stage_index=0, num_stages=1)
+    loss = run_pipeline(module, actions, data, StagePlacement(0, 1))
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
     for name, g in module.named_grads().items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
@@ -129,17 +130,17 @@ def test_single_stage_zero_bubble_list_matches_reference():
 
 def test_chunked_stage_arguments():
     with pytest.raises(ValueError, match="pass a sequence of 2 chunk modules"):
-        PipelineStage(nn.Linear(2, 2), 0, 2, virtual_stages=2, prev_rank=1, next_rank=1, last_rank=1)
+        PipelineStage(nn.Linear(2, 2), StagePlacement(0, 2, 2, prev_rank=1, next_rank=1, last_rank=1))
     with pytest.raises(ValueError, match="model chunk 2 receives from model chunk 1: give its recv_meta"):
         PipelineStage(
-            [nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), ()], virtual_stages=2, prev_rank=1, next_rank=1, last_rank=1
+            [nn.Linear(2, 2)] * 2, StagePlacement(0, 2, 2, prev_rank=1, next_rank=1, last_rank=1), recv_meta=[(), ()]
         )
     with pytest.raises(ValueError, match="stage 0 needs prev_rank"):
         PipelineStage(
-            [nn.Linear(2, 2)] * 2, 0, 2, recv_meta=[(), RECV_META], virtual_stages=2, next_rank=1, last_rank=1
+            [nn.Linear(2, 2)] * 2, StagePlacement(0, 2, 2, next_rank=1, last_rank=1), recv_meta=[(), RECV_META]
         )
     with pytest.raises(ValueError, match="need at least 2 pipeline ranks"):
-        PipelineStage([nn.Linear(2, 2)] * 2, 0, 1, virtual_stages=2)
+        PipelineStage([nn.Linear(2, 2)] * 2, StagePlacement(0, 1, 2))
 
 
 class _LossHead(nn.Module):
@@ -164,7 +165,9 @@ def test_split_backward_frees_the_loss_tail_at_b():
     stage, with the pipeline's sends and receives stubbed out."""
     m = 3
     head = _LossHead()
-    stage = PipelineStage(head, 1, 2, recv_meta=[TensorMeta((4, 6), torch.float32)], prev_rank=0, last_rank=1)
+    stage = PipelineStage(
+        head, StagePlacement(1, 2, prev_rank=0, last_rank=1), recv_meta=[TensorMeta((4, 6), torch.float32)]
+    )
     stage._preflight = lambda actions, extras: None
     stage._post_recv = lambda a: ([torch.randn(4, 6)], [])
     stage._isend = lambda tensors, dst: None
