@@ -49,6 +49,8 @@ def load_factory(spec: str, device="cpu") -> ModelBundle:
     mod_name = "planner_user_model_" + str(abs(hash(os.path.abspath(path))))
     try:
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"no module loader for {path}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module
         module_spec.loader.exec_module(module)
