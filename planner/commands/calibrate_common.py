@@ -323,7 +323,9 @@ def measure_cpu_adam(num_params: int, reps: int = 3) -> float:
 
     def run():
         step[0] += 1
-        adamw_step_(param, grad, exp_avg, exp_avg_sq, step=step[0], lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        adamw_step_(
+            param, grad, exp_avg, exp_avg_sq, step=step[0], lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
+        )
 
     return num_params / _lq_seconds(run, reps)
 

@@ -131,7 +131,9 @@ def breakdown_table(
         predicted_s, measured_s = predicted.get(k), measured.get(k)
         table.add_row(k, _seconds(predicted_s), _seconds(measured_s), _ratio(predicted_s, measured_s))
     predicted_s, measured_s = sum(predicted.values()), sum(measured.values())
-    table.add_row("step (sum)", _seconds(predicted_s), _seconds(measured_s), _ratio(predicted_s, measured_s), style="bold")
+    table.add_row(
+        "step (sum)", _seconds(predicted_s), _seconds(measured_s), _ratio(predicted_s, measured_s), style="bold"
+    )
     return table
 
 
@@ -204,8 +206,7 @@ def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted
         caption = f"measured: median of the {'last ' if len(history) > WARMUP_STEPS else ''}{n} steps"
         if opts.track_memory and opts.memory_steps is None:
             caption += (
-                ", under live-tensor tracking, which slows every operator "
-                "(--no-memory-tracking times the run as it is)"
+                ", under live-tensor tracking, which slows every operator (--no-memory-tracking times the run as it is)"
             )
         Console().print(breakdown_table(predicted_time or {}, measured, "step time by part", caption))
 
