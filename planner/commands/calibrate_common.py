@@ -48,6 +48,7 @@ __all__ = [
     "median",
     "fit_alpha_beta",
     "fit_collectives",
+    "collective_links",
     "gemm_tables",
     "finite",
     "fmt_bytes",
@@ -143,6 +144,17 @@ def fit_collectives(measurements: Sequence[dict[str, Any]]) -> tuple[dict[str, d
         except CalibrationError:
             per_kind[kind] = {"alpha_s": float("nan"), "bandwidth_Bps": float("nan")}
     return per_kind, fit_alpha_beta(samples)
+
+
+def collective_links(per_kind: dict[str, dict[str, float]]) -> dict[str, dict[str, float]] | None:
+    """The profile's ``intra_node_collectives`` from ``fit_collectives``'s per-kind fits: each
+    kind's ``{latency, bandwidth}``, the kinds that could not be fitted (NaN) left out; ``None``
+    when none could."""
+    return {
+        kind: {"latency": fit["alpha_s"], "bandwidth": fit["bandwidth_Bps"]}
+        for kind, fit in per_kind.items()
+        if fit["bandwidth_Bps"] == fit["bandwidth_Bps"]
+    } or None
 
 
 def gemm_tables(

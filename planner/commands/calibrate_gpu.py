@@ -59,6 +59,7 @@ from planner.commands.calibrate_common import (
     MB,
     MEASURED_KINDS,
     CalibrationError,
+    collective_links,
     drain_progress,
     finite,
     fit_alpha_beta,
@@ -660,12 +661,7 @@ def _intra_node_fit(
     if not collectives:
         return {}, (base.intra_node_latency, base.intra_node_bandwidth), None
     per_kind, (alpha, bandwidth) = fit_collectives(collectives)
-    links = {
-        kind: {"latency": fit["alpha_s"], "bandwidth": fit["bandwidth_Bps"]}
-        for kind, fit in per_kind.items()
-        if fit["bandwidth_Bps"] == fit["bandwidth_Bps"]
-    } or None
-    return per_kind, (alpha, bandwidth), links
+    return per_kind, (alpha, bandwidth), collective_links(per_kind)
 
 
 def _profile_name(device_name: str) -> str:
