@@ -89,7 +89,7 @@ from planner.commands.calibrate_common import (
 )
 from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
 from planner.frontend.model_analysis import build_layer_table
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime import checkpoint
 from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
@@ -229,7 +229,7 @@ def _time_training(
 
     def timed(sizes: dict, table, batch: int, seq_len: int) -> tuple[Any, float, float, int]:
         """``(step function, FLOPs, memory-bound bytes, operator count)`` of one model size."""
-        real = build_model("gpt", batch=batch, seed=0, seq_len=seq_len, **sizes)
+        real = build_model("gpt", ModelSizes(seq_len=seq_len, **sizes), batch=batch, seed=0)
         # Timed as the runtime runs it: the exported ATen graph, one Python call per operator
         # (what `planner compile` emits), not the eager module, whose fused calls cost less per op.
         module = torch.export.export(real.model, tuple(real.example_inputs)).module()
@@ -287,7 +287,7 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
     recomputed forward runs like the first one (GPUs), below 1 on a CPU, whose first forward
     writes the saved activations into cache-cold memory.
     """
-    real = build_model("gpt", batch=batch, seed=0, seq_len=128, layers=2, hidden=256, heads=4, vocab=4096)
+    real = build_model("gpt", ModelSizes(seq_len=128, layers=2, hidden=256, heads=4, vocab=4096), batch=batch, seed=0)
     with torch.no_grad():
         embedded = real.model.embed(real.example_inputs[0])
     blocks = [torch.export.export(block, (embedded,)).module() for block in real.model.blocks]

@@ -71,7 +71,7 @@ from planner.commands.calibrate_common import (
     offload_source,
 )
 from planner.frontend.model_analysis import build_layer_table
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
@@ -330,7 +330,7 @@ def measure_model_op_overhead(timer: DeviceTimer, budget_s: float) -> dict[str, 
     sizes = dict(layers=2, hidden=16, heads=2, vocab=16)
     table = build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **sizes)
     n_ops = sum(lay.num_ops for lay in table.layers)
-    real = build_model("gpt", batch=1, seed=0, seq_len=8, **sizes)
+    real = build_model("gpt", ModelSizes(seq_len=8, **sizes), batch=1, seed=0)
     model = real.model.to(timer.device)
     inputs = tuple(t.to(timer.device) for t in real.example_inputs)
     module = torch.export.export(model, inputs).module()

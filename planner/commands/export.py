@@ -26,7 +26,7 @@ from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import PREFIX
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.hf import hf_directory, load_hf_config
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import load_plan
 from planner.report.deepspeed import launcher_command, to_deepspeed
 from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, load_model_tensors, read_meta
@@ -124,7 +124,7 @@ def export_hf(checkpoint: str, out: str) -> str:
     except CheckpointError as e:
         raise UserError(str(e)) from None
     state = {k[len(PREFIX) :]: tensor for k, tensor in tensors.items() if k.startswith(PREFIX)}
-    inner = build_model(spec, **sizes).model.inner  # fresh, then overwritten; real buffers (inv_freq)
+    inner = build_model(spec, ModelSizes(**sizes)).model.inner  # fresh, then overwritten; real buffers (inv_freq)
     groups: dict[int, list[str]] = {}
     for param_name, param in inner.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(param_name)

@@ -38,7 +38,7 @@ from planner.errors import UserError
 from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import check_weights, directory_state
 from planner.frontend.hf import hf_directory
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import TIME_KEYS, Plan, load_plan
 from planner.units import format_seconds
 from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, read_meta
@@ -79,7 +79,7 @@ def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> Mapping[s
         state = directory_state(directory, sizes)
         if state is not None:
             return state
-    model = build_model(spec, seed=seed, **sizes).model
+    model = build_model(spec, ModelSizes(**sizes), seed=seed).model
     # remove_duplicate=False: a tied weight appears under every name the graph may use.
     state = {n: param.detach() for n, param in model.named_parameters(remove_duplicate=False)}
     state.update({n: buffer for n, buffer in model.named_buffers(remove_duplicate=False)})

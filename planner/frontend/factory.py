@@ -69,7 +69,7 @@ def load_factory(spec: str, device="cpu") -> ModelBundle:
     check_module_names(model, f"{path}:{fn_name}()")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(tensor, torch.Tensor) for tensor in inputs):
         raise ModelError(f"{path}:{fn_name}(): example_inputs must be a tensor or a tuple of tensors.")
     inputs = tuple(inputs)
     seq = inputs[0].shape[1] if inputs[0].dim() >= 2 else 1
