@@ -63,7 +63,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,7 @@ from planner.commands.calibrate_common import (
     offload_source,
 )
 from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
+from planner.frontend.gpt import GPT
 from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.zoo import ModelSizes, build_model
 from runtime import checkpoint
@@ -243,7 +244,8 @@ def _time_training(
         moved = table.total("fwd_bytes", batch, seq_len) + table.total("bwd_bytes", batch, seq_len)
         return step, flops, moved, sum(lay.num_ops for lay in table.layers)
 
-    tiny, full = dict(layers=2, hidden=16, heads=2, vocab=16), dict(layers=2, hidden=256, heads=4, vocab=4096)
+    tiny: dict[str, Any] = dict(layers=2, hidden=16, heads=2, vocab=16)
+    full: dict[str, Any] = dict(layers=2, hidden=256, heads=4, vocab=4096)
     small = timed(tiny, build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **tiny), 1, 8)
     table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **full)  # symbolic in b: one trace
     steps = [small] + [timed(full, table, batch, 128) for batch in batches]
@@ -288,9 +290,10 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
     writes the saved activations into cache-cold memory.
     """
     real = build_model("gpt", ModelSizes(seq_len=128, layers=2, hidden=256, heads=4, vocab=4096), batch=batch, seed=0)
+    gpt = cast(GPT, real.model)
     with torch.no_grad():
-        embedded = real.model.embed(real.example_inputs[0])
-    blocks = [torch.export.export(block, (embedded,)).module() for block in real.model.blocks]
+        embedded = gpt.embed(real.example_inputs[0])
+    blocks = [torch.export.export(block, (embedded,)).module() for block in gpt.blocks]
     x = embedded.clone().requires_grad_(True)
 
     def forward(ckpt: bool = False):

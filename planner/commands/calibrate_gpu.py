@@ -327,7 +327,7 @@ def measure_model_op_overhead(timer: DeviceTimer, budget_s: float) -> dict[str, 
     operators is a few microseconds of device work, so the wall time is the host's issue rate: the
     bound that ``ops_async`` compares a layer's device time against.
     """
-    sizes = dict(layers=2, hidden=16, heads=2, vocab=16)
+    sizes: dict[str, Any] = dict(layers=2, hidden=16, heads=2, vocab=16)
     table = build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **sizes)
     n_ops = sum(lay.num_ops for lay in table.layers)
     real = build_model("gpt", ModelSizes(seq_len=8, **sizes), batch=1, seed=0)

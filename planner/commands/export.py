@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 from safetensors.torch import save_file
 
@@ -124,7 +125,9 @@ def export_hf(checkpoint: str, out: str) -> str:
     except CheckpointError as e:
         raise UserError(str(e)) from None
     state = {k[len(PREFIX) :]: tensor for k, tensor in tensors.items() if k.startswith(PREFIX)}
-    inner = build_model(spec, ModelSizes(**sizes)).model.inner  # fresh, then overwritten; real buffers (inv_freq)
+    inner: Any = build_model(
+        spec, ModelSizes(**sizes)
+    ).model.inner  # an HF PreTrainedModel; fresh, then overwritten; real buffers (inv_freq)
     groups: dict[int, list[str]] = {}
     for param_name, param in inner.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(param_name)

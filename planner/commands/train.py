@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -42,6 +42,7 @@ from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import TIME_KEYS, Plan, load_plan
 from planner.units import format_seconds
 from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+from runtime.contract.choices import OffloadTier
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
@@ -119,12 +120,13 @@ def breakdown_table(
     measured, measured / predicted: one row per ``predicted.time`` key (and any part only
     measured), then their sums."""
     table = Table(title=title, caption=caption)
-    for column, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("part", "left"),
         ("predicted", "right"),
         ("measured", "right"),
         ("measured/predicted", "right"),
-    ):
+    )
+    for column, justify in columns:
         table.add_column(column, justify=justify)
     keys = list(TIME_KEYS) + [k for k in list(predicted) + list(measured) if k not in TIME_KEYS]
     for k in dict.fromkeys(keys):
@@ -243,6 +245,8 @@ def _check_resumable(plan: Plan, opts: TrainOptions) -> bool:
     """Refuse, before any process starts, a checkpoint that belongs to another model; say when
     the run is already done (returns False: nothing to train) or its schedule changes."""
     directory = opts.checkpoint_dir
+    if directory is None:
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
     found = list_checkpoints(directory)
     if not found:
         print(f"planner train: no checkpoint in {directory}; starting from step 0.", file=sys.stderr)
@@ -310,7 +314,7 @@ def _check_offload(plan: Plan, opts: TrainOptions) -> None:
         OffloadConfig.from_plan({"zero_stage": plan.zero_stage, "offload": plan.offload}, opts.nvme_path)
     except OffloadError as e:
         raise UserError(str(e)) from None
-    if opts.delayed_update and plan.offload["optimizer"] == "none":
+    if opts.delayed_update and plan.offload["optimizer"] == OffloadTier.NONE:
         raise UserError(
             "--delayed-update overlaps the optimizer step on the host with the next step, so it "
             "needs a plan that offloads the optimizer (plan with --offload-optimizer cpu|nvme)."

@@ -27,6 +27,7 @@ from rich.table import Table
 from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdown, train_plan
 from planner.errors import UserError
 from planner.plan import load_plan
+from runtime.contract.choices import OffloadTier
 from runtime.training.train_config import TrainOptions
 
 __all__ = ["run_validate", "compare"]
@@ -64,7 +65,7 @@ def compare(plan, metrics: list[dict]) -> dict:
         "comm_bytes_per_device": prediction.comm_bytes_per_device,
     }
     host = [row["host_memory_bytes"] for row in metrics if "host_memory_bytes" in row]
-    if host and set(plan.offload.values()) != {"none"}:  # only a plan that keeps state on the host
+    if host and set(plan.offload.values()) != {OffloadTier.NONE}:  # only a plan that keeps state on the host
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
         predicted["host_memory_bytes"] = int(prediction.memory.get("host", 0) // ranks)
         measured["host_memory_bytes"] = int(max(host))

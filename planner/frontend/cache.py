@@ -40,10 +40,10 @@ Safety. A cache must never make planning fail or lie:
 Pickle was chosen over the table's JSON form (``LayerTable.to_json``) because reading JSON back
 re-parses every sympy expression, which costs more than the plan it would save. Even sympy's own
 pickling rebuilds each expression through its constructor, which re-canonicalizes it (and on the
-first ``Add`` imports half of sympy): 80 ms for LLaMA-3-8B's table. ``_TablePickler`` stores
-each expression as its class and arguments instead and ``_rebuild`` reassembles it unevaluated
-(the arguments are canonical already, so the result is the same expression): under 1 ms. Rows
-that share an expression (identical blocks) share it in the file too.
+first ``Add`` imports half of sympy). ``_TablePickler`` stores each expression as its class and
+arguments instead and ``_rebuild`` reassembles it unevaluated (the arguments are canonical
+already, so the result is the same expression). Rows that share an expression (identical
+blocks) share it in the file too.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -118,7 +119,7 @@ def check_weights(path: str, sizes: dict, model: nn.Module | None = None) -> dic
         return files
     model = model if model is not None else build_hf_dir(path, sizes, weights=True, device="meta").model
     seen: set[int] = set()
-    handles: dict[str, object] = {}
+    handles: dict[str, Any] = {}  # safetensors' open files
     for name, names in _aliases(model).items():
         param = model.get_parameter(name)
         if id(param) in seen:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -65,7 +66,7 @@ class HFLossModel(nn.Module):
 
     def __init__(self, inner: nn.Module):
         super().__init__()
-        self.inner = inner
+        self.inner: Any = inner  # a transformers PreTrainedModel (its config, its output's logits)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = (
