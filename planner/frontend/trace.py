@@ -462,16 +462,7 @@ def trace_model(
     full_layers = given_bundle.layers if given_bundle is not None else _full_layers(kind, name, sizes)
     n_trace = full_layers if (not shallow or full_layers <= SHALLOW_LAYERS) else SHALLOW_LAYERS
     bundle = _zoo_bundle(spec, sizes, n_trace, torch_dtype)
-    if seq_len is not None and seq_len > bundle.seq_len:
-        raise ModelError(
-            f"Sequence length {seq_len} exceeds {spec}'s maximum of "
-            f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
-            f"positions with the size flag."
-        )
-    if dynamic:
-        b_ex, s_ex = _example_sizes(batch, seq_len, bundle.seq_len)
-    else:  # a trace at exactly these sizes
-        b_ex, s_ex = int(batch or 1), int(seq_len or bundle.seq_len)
+    b_ex, s_ex = _zoo_example_sizes(bundle, batch, seq_len, dynamic)
     request = _ZooTrace(kind, spec, torch_dtype, full_layers, b_ex, s_ex, dynamic)
     bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
     traced = _trace_bundle(bundle, request)
@@ -495,6 +486,19 @@ def trace_model(
     )
     traced.seconds = time.perf_counter() - start
     return traced
+
+
+def _zoo_example_sizes(bundle: ModelBundle, batch: int | None, seq_len: int | None, dynamic: bool) -> tuple[int, int]:
+    """The example (b, s) a zoo model is traced at; ``ModelError`` when ``seq_len`` exceeds its positions."""
+    if seq_len is not None and seq_len > bundle.seq_len:
+        raise ModelError(
+            f"Sequence length {seq_len} exceeds {bundle.spec}'s maximum of "
+            f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
+            f"positions with the size flag."
+        )
+    if dynamic:
+        return _example_sizes(batch, seq_len, bundle.seq_len)
+    return int(batch or 1), int(seq_len or bundle.seq_len)  # a trace at exactly these sizes
 
 
 @dataclass
