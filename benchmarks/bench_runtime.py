@@ -186,9 +186,9 @@ def compile_pairs(cfg: BenchConfig, out_dir: str) -> dict[str, str]:
 
 
 def _build_gpt(cfg: BenchConfig) -> nn.Module:
-    from planner.frontend.zoo import build_model
+    from planner.frontend.zoo import ModelSizes, build_model
 
-    return build_model("gpt", seed=cfg.seed, **cfg.sizes).model
+    return build_model("gpt", ModelSizes(**cfg.sizes), seed=cfg.seed).model
 
 
 def _adamw(cfg: BenchConfig, params) -> torch.optim.Optimizer:

@@ -18,14 +18,35 @@ from planner.cli import main as cli
 
 def run(argv: list[str]) -> None:
     print("$ planner " + " ".join(argv), flush=True)
-    rc = cli(argv)
-    if rc != 0:
-        sys.exit(rc)
+    status = cli(argv)
+    if status != 0:
+        sys.exit(status)
 
 
 def demo(out: str = "demo_out") -> None:
-    t0 = time.time()
+    start = time.time()
     os.makedirs(out, exist_ok=True)
+    _plan_gpt2(out)
+    print()
+    small = f"{out}/small_plan.json"
+    _plan_small(small)
+    print()
+    run(["compile", small, "--out", f"{out}/compiled"])
+    metrics = f"{out}/metrics.jsonl"
+    _train_small(small, f"{out}/compiled", metrics)
+    with open(metrics, encoding="utf-8") as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    print(
+        "loss every 5 steps: "
+        + ", ".join(f"{loss:.3f}" for loss in losses[::5] + losses[-1:])
+        + f" (the synthetic tokens follow a learnable chain; uniform tokens would stay at "
+        f"ln 8192 = {math.log(8192):.3f})"
+    )
+    print(f"demo finished in {time.time() - start:.1f} s")
+
+
+def _plan_gpt2(out: str) -> None:
+    """Step 1: GPT-2 (124M) on a simulated cluster of 64 A100-80GB, 8 per node."""
     run(
         [
             "plan",
@@ -45,8 +66,10 @@ def demo(out: str = "demo_out") -> None:
             f"{out}/gpt2_plan.json",
         ]
     )
-    print()
-    small = f"{out}/small_plan.json"
+
+
+def _plan_small(plan_path: str) -> None:
+    """Step 2: a small built-in GPT on 2 local CPU processes."""
     run(
         [
             "plan",
@@ -73,16 +96,17 @@ def demo(out: str = "demo_out") -> None:
             "--dtype",
             "fp32",
             "--out",
-            small,
+            plan_path,
         ]
     )
-    print()
-    run(["compile", small, "--out", f"{out}/compiled"])
-    metrics = f"{out}/metrics.jsonl"
+
+
+def _train_small(plan_path: str, compiled: str, metrics: str) -> None:
+    """Train the small plan for 30 steps with gloo, writing the metrics lines."""
     run(
         [
             "train",
-            small,
+            plan_path,
             "--nproc",
             "2",
             "--steps",
@@ -94,18 +118,9 @@ def demo(out: str = "demo_out") -> None:
             "--metrics",
             metrics,
             "--compiled",
-            f"{out}/compiled",
+            compiled,
         ]
     )
-    with open(metrics, encoding="utf-8") as f:
-        losses = [json.loads(ln)["loss"] for ln in f]
-    print(
-        "loss every 5 steps: "
-        + ", ".join(f"{v:.3f}" for v in losses[::5] + losses[-1:])
-        + f" (the synthetic tokens follow a learnable chain; uniform tokens would stay at "
-        f"ln 8192 = {math.log(8192):.3f})"
-    )
-    print(f"demo finished in {time.time() - t0:.1f} s")
 
 
 if __name__ == "__main__":

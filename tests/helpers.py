@@ -11,7 +11,7 @@ import torch
 
 from passes.common import B, S
 from passes.layer_table import LayerCosts, LayerTable
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.training.data import data_vocab, model_inputs, open_data
@@ -143,7 +143,7 @@ def reference_run(plan: Plan, steps: int, **settings):
     ``weight_decay``, ``eps``, ``beta1``, ``beta2``, ``max_grad_norm``, ``data_path``); every
     other value is the trainer's default."""
     o = TrainOptions(steps=steps, **settings)
-    b = build_model(plan.model.spec, seed=o.seed, **plan.model.sizes)
+    b = build_model(plan.model.spec, ModelSizes(**plan.model.sizes), seed=o.seed)
     model = b.model
     opt = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay

@@ -27,7 +27,7 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   so CI runs it.
 
 ``--device cuda`` (the default where ``torch.cuda.is_available()``) measures GPUs instead:
-``planner.commands.calibrate_gpu``, not yet run on a GPU.
+``planner.commands.calibrate_gpu``.
 
 Compute and memory figures are the machine *undisturbed*: the lower quartile of repeated calls
 (``_timed_reps``), the training steps and copies in rounds spread over their budget. On a shared
@@ -63,7 +63,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,7 @@ from planner.commands.calibrate_common import (
     MB,
     MEASURED_KINDS,
     CalibrationError,
+    collective_links,
     drain_progress,
     finite,
     fit_alpha_beta,
@@ -87,8 +88,9 @@ from planner.commands.calibrate_common import (
     offload_source,
 )
 from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
+from planner.frontend.gpt import GPT
 from planner.frontend.model_analysis import build_layer_table
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime import checkpoint
 from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
@@ -180,11 +182,11 @@ def _rep_times(fn, budget_s: float, min_reps: int, max_reps: int = 10_000) -> li
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < max_reps:
-        t0 = time.perf_counter()
+        call_start = time.perf_counter()
         fn()
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        if len(times) >= min_reps and t1 - start >= budget_s:
+        call_end = time.perf_counter()
+        times.append(call_end - call_start)
+        if len(times) >= min_reps and call_end - start >= budget_s:
             break
     return times
 
@@ -202,11 +204,11 @@ def _timed_reps(fn, budget_s: float, min_reps: int, max_reps: int = 10_000) -> f
 
 def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
     """FLOP/s of an ``n x n`` by ``n x n`` product in ``dtype_name`` (median rep)."""
-    dt = to_torch(dtype_name)
-    a = torch.randn(n, n).to(dt)
-    b = torch.randn(n, n).to(dt)
-    torch.mm(a, b)  # warm-up (and the place an unsupported dtype fails)
-    return 2.0 * n**3 / _timed_reps(lambda: torch.mm(a, b), budget_s, min_reps=3)
+    dtype = to_torch(dtype_name)
+    left = torch.randn(n, n).to(dtype)
+    right = torch.randn(n, n).to(dtype)
+    torch.mm(left, right)  # warm-up (and the place an unsupported dtype fails)
+    return 2.0 * n**3 / _timed_reps(lambda: torch.mm(left, right), budget_s, min_reps=3)
 
 
 def _time_training(
@@ -226,12 +228,11 @@ def _time_training(
     whole budget, and each time is its lower quartile (see ``_timed_reps``).
     """
 
-    def timed(sizes: dict, table, b: int, seq: int) -> tuple[Any, float, float, int]:
+    def timed(sizes: dict, table, batch: int, seq_len: int) -> tuple[Any, float, float, int]:
         """``(step function, FLOPs, memory-bound bytes, operator count)`` of one model size."""
-        real = build_model("gpt", batch=b, seed=0, seq_len=seq, **sizes)
+        real = build_model("gpt", ModelSizes(seq_len=seq_len, **sizes), batch=batch, seed=0)
         # Timed as the runtime runs it: the exported ATen graph, one Python call per operator
-        # (what `planner compile` emits), not the eager module, whose fused calls cost less per op
-        # (on the width-16 GPT here the eager step took 2.1 ms, the exported one 3.4 ms).
+        # (what `planner compile` emits), not the eager module, whose fused calls cost less per op.
         module = torch.export.export(real.model, tuple(real.example_inputs)).module()
 
         def step(model=module, inputs=real.example_inputs):
@@ -239,14 +240,15 @@ def _time_training(
             model(*inputs).backward()
 
         step()  # warm-up: first-touch allocations and lazy initialization
-        flops = table.total("fwd_flops", b, seq) + table.total("bwd_flops", b, seq)
-        moved = table.total("fwd_bytes", b, seq) + table.total("bwd_bytes", b, seq)
+        flops = table.total("fwd_flops", batch, seq_len) + table.total("bwd_flops", batch, seq_len)
+        moved = table.total("fwd_bytes", batch, seq_len) + table.total("bwd_bytes", batch, seq_len)
         return step, flops, moved, sum(lay.num_ops for lay in table.layers)
 
-    tiny, full = dict(layers=2, hidden=16, heads=2, vocab=16), dict(layers=2, hidden=256, heads=4, vocab=4096)
+    tiny: dict[str, Any] = dict(layers=2, hidden=16, heads=2, vocab=16)
+    full: dict[str, Any] = dict(layers=2, hidden=256, heads=4, vocab=4096)
     small = timed(tiny, build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **tiny), 1, 8)
     table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **full)  # symbolic in b: one trace
-    steps = [small] + [timed(full, table, b, 128) for b in batches]
+    steps = [small] + [timed(full, table, batch, 128) for batch in batches]
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -264,16 +266,16 @@ def _time_training(
             _barrier()
             times[i] += _rep_times(step, budget_s / rounds, min_reps=2)
     memory_bandwidth = 2.0 * src.numel() * 4 / lower_quartile(copies)
-    t0 = lower_quartile(times[0])
-    _, f0, q0, n_ops = steps[0]
-    overhead = max(0.0, t0 - q0 / memory_bandwidth) / (3 * n_ops)
+    tiny_s = lower_quartile(times[0])
+    _, _, tiny_bytes, n_ops = steps[0]
+    overhead = max(0.0, tiny_s - tiny_bytes / memory_bandwidth) / (3 * n_ops)
     num = den = 0.0
-    for ts, (_, f, q, n) in zip(times[1:], steps[1:]):
-        t = lower_quartile(ts)
-        y = t - 3 * n * overhead - q / memory_bandwidth  # the FLOP time
-        num, den = num + f * f, den + f * y
+    for step_times, (_, flops, moved, n) in zip(times[1:], steps[1:]):
+        step_s = lower_quartile(step_times)
+        flop_s = step_s - 3 * n * overhead - moved / memory_bandwidth  # the FLOP time
+        num, den = num + flops * flops, den + flops * flop_s
     if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time
-        return f / max(t, 1e-9), 0.0, memory_bandwidth
+        return flops / max(step_s, 1e-9), 0.0, memory_bandwidth
     return num / den, overhead, memory_bandwidth
 
 
@@ -287,24 +289,25 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
     recomputed forward runs like the first one (GPUs), below 1 on a CPU, whose first forward
     writes the saved activations into cache-cold memory.
     """
-    real = build_model("gpt", batch=batch, seed=0, seq_len=128, layers=2, hidden=256, heads=4, vocab=4096)
+    real = build_model("gpt", ModelSizes(seq_len=128, layers=2, hidden=256, heads=4, vocab=4096), batch=batch, seed=0)
+    gpt = cast(GPT, real.model)
     with torch.no_grad():
-        x0 = real.model.embed(real.example_inputs[0])
-    blocks = [torch.export.export(b, (x0,)).module() for b in real.model.blocks]
-    x = x0.clone().requires_grad_(True)
+        embedded = gpt.embed(real.example_inputs[0])
+    blocks = [torch.export.export(block, (embedded,)).module() for block in gpt.blocks]
+    x = embedded.clone().requires_grad_(True)
 
     def forward(ckpt: bool = False):
-        y = x
-        for b in blocks:
-            y = checkpoint(b, y) if ckpt else b(y)
-        return y
+        hidden = x
+        for block in blocks:
+            hidden = checkpoint(block, hidden) if ckpt else block(hidden)
+        return hidden
 
     def step(ckpt: bool):
         forward(ckpt).sum().backward()
         x.grad = None
-        for b in blocks:
-            for p in b.parameters():
-                p.grad = None
+        for block in blocks:
+            for param in block.parameters():
+                param.grad = None
 
     fns = [lambda: step(False), lambda: step(True), forward]
     for fn in fns:
@@ -314,7 +317,7 @@ def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
         for i, fn in enumerate(fns):
             _barrier()
             times[i] += _rep_times(fn, budget_s / rounds, min_reps=2)
-    plain, ckpt, fwd = (lower_quartile(t) for t in times)
+    plain, ckpt, fwd = (lower_quartile(fn_times) for fn_times in times)
     return (ckpt - plain) / max(fwd, 1e-9)
 
 
@@ -325,35 +328,35 @@ def _barrier() -> None:
 
 def _mean_over_ranks(value: float) -> float:
     """Mean of a per-rank float; NaN on any rank (a failed measurement) gives NaN."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total.item()) / dist.get_world_size()
 
 
 def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    largest = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return float(largest.item())
 
 
 def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
     """Seconds a blocking all-reduce costs in a compute loop beyond compute and the all-reduce
     alone (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
     waits must wake up. Median over ``repeats`` of ``(both - compute - comm) / iters``."""
-    a, x = torch.randn(256, 256), torch.randn(1024, 256)
+    weight, x = torch.randn(256, 256), torch.randn(1024, 256)
     buf = torch.ones(256 * 1024)  # 1 MiB, a tensor-parallel activation of a small model
 
     def loop(comp: bool, comm: bool) -> float:
         dist.barrier()
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         for _ in range(iters):
             if comp:
-                y = x
+                hidden = x
                 for _ in range(4):  # a few milliseconds of matmuls, like a layer's share of work
-                    y = y @ a
+                    hidden = hidden @ weight
             if comm:
                 dist.all_reduce(buf)
-        return (time.perf_counter() - t0) / iters
+        return (time.perf_counter() - start) / iters
 
     loop(True, True)  # warm-up
     out = []
@@ -372,17 +375,17 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             progress_q.put(label)
 
     result: dict[str, Any] = {"matmul": {}, "memory_bandwidth": None, "collectives": []}
-    for dt in spec.dtypes:
+    for dtype in spec.dtypes:
         rates = {}
         for n in spec.matmul_sizes:
             dist.barrier()
             try:
-                rate = _time_matmul(n, dt, spec.matmul_budget_s)
+                rate = _time_matmul(n, dtype, spec.matmul_budget_s)
             except (RuntimeError, TypeError, NotImplementedError):
                 rate = float("nan")
             rates[str(n)] = _mean_over_ranks(rate)
-            tick(f"matmul {dt} {n}x{n}")
-        result["matmul"][dt] = rates
+            tick(f"matmul {dtype} {n}x{n}")
+        result["matmul"][dtype] = rates
     if spec.gemm_sizes:  # every rank at once, as they share the cores in training
         dist.barrier()
         result["gemm"] = measure_gemm_table(
@@ -406,8 +409,8 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
     tick("recomputation")
     for kind in MEASURED_KINDS:
         for size in spec.message_sizes:
-            nbytes, n, secs = time_collective(kind, size, rank, world, spec.reps(size))
-            result["collectives"].append({"kind": kind, "size_bytes": nbytes, "n": n, "seconds": secs})
+            nbytes, ranks, secs = time_collective(kind, size, rank, world, spec.reps(size))
+            result["collectives"].append({"kind": kind, "size_bytes": nbytes, "n": ranks, "seconds": secs})
             tick(f"{kind} {fmt_bytes(nbytes)}")
     result["sync_overhead_s"] = _max_over_ranks(_time_sync_overhead(spec.sync_iters))
     tick("collective in a compute loop")
@@ -425,28 +428,18 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _clamp_ratio(r: Any) -> float:
+def _clamp_ratio(ratio: Any) -> float:
     """A measured recompute ratio, kept to (0.25, 1.5]: outside it the timing was disturbed
     (a difference of two noisy step times); an unmeasured one is 1."""
-    if not isinstance(r, (int, float)) or not math.isfinite(r):
+    if not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
         return 1.0
-    return min(1.5, max(0.25, float(r)))
+    return min(1.5, max(0.25, float(ratio)))
 
 
 def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: CalibrationSpec) -> HardwareProfile:
     """Turn the workers' raw measurements into a validated ``HardwareProfile``."""
-    peaks: dict[str, float] = {}
-    for dt, rates in raw["matmul"].items():
-        good = [r for r in rates.values() if r == r and r > 0]  # drop NaN (failed dtype)
-        if good:
-            peaks[dt] = max(good)
-    if "fp32" not in peaks:
-        raise CalibrationError("fp32 matmul could not be timed on this machine")
-    for dt in ("bf16", "fp16"):
-        if dt not in peaks:  # not measurable here: keep the base profile's ratio to fp32
-            peaks[dt] = peaks["fp32"] * base.peak(dt) / base.peak("fp32")
-
-    per_kind, (alpha, bw) = fit_collectives(raw["collectives"])
+    peaks = _matmul_peaks(raw["matmul"], base)
+    per_kind, (alpha, bandwidth) = fit_collectives(raw["collectives"])
     gemm = raw.get("gemm")
     tables, skipped = gemm_tables(gemm["sizes"], gemm["seconds"], peaks) if gemm else ({}, {})
 
@@ -457,25 +450,13 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         efficiency = max(0.01, min(1.0, step_rate / peaks["fp32"]))
     ram = _physical_memory()
     memory_bytes = ram // nproc if ram else base.memory_bytes
-    host = socket.gethostname()
-    name = "calibrated-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", host).strip("-") or "host")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    source = (
-        f"Measured by `planner calibrate` on {host} ({platform.machine()}, {os.cpu_count()} logical "
-        f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
-        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
-        f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; inter-node numbers copy the intra-node ones (one machine, no network); "
-        f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
-        f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
-    )
     calibration = {
         "nproc": nproc,
         "spec": asdict(spec),
         "matmul_flops": raw["matmul"],
         "collectives": raw["collectives"],
         "fit_by_kind": per_kind,
-        "fit": {"alpha_s": alpha, "bandwidth_Bps": bw},
+        "fit": {"alpha_s": alpha, "bandwidth_Bps": bandwidth},
         "train_step_flops": step_rate,
         "op_overhead_s": raw.get("op_overhead_s"),
         "sync_overhead_s": raw.get("sync_overhead_s"),
@@ -484,40 +465,66 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "gemm_skipped": skipped,
         "offload": raw.get("offload"),
     }
-    off = raw.get("offload") or {}
-    nvme = off.get("nvme") or {}
-    if off:
-        source += offload_source(off, host_is_device=True)
+    offload = raw.get("offload") or {}
+    nvme = offload.get("nvme") or {}
     return HardwareProfile(
-        name=name,
+        name="calibrated-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", socket.gethostname()).strip("-") or "host"),
         peak_flops=peaks,
         memory_bytes=int(memory_bytes),
         memory_bandwidth=float(raw["memory_bandwidth"]),
-        intra_node_bandwidth=bw,
+        intra_node_bandwidth=bandwidth,
         intra_node_latency=alpha,
-        inter_node_bandwidth=bw,
+        inter_node_bandwidth=bandwidth,
         inter_node_latency=alpha,
         gpus_per_node=nproc,
         compute_efficiency=efficiency,
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
         sync_overhead_s=float(raw.get("sync_overhead_s") or 0.0),
         recompute_ratio=_clamp_ratio(raw.get("recompute_ratio")),
-        intra_node_collectives={
-            k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
-            for k, v in per_kind.items()
-            if v["bandwidth_Bps"] == v["bandwidth_Bps"]
-        }
-        or None,
+        intra_node_collectives=collective_links(per_kind),
         gemm_efficiency=tables or None,
-        host_device_bandwidth=off.get("host_copy_Bps"),
-        host_memory_bytes=ram if off else None,
+        host_device_bandwidth=offload.get("host_copy_Bps"),
+        host_memory_bytes=ram if offload else None,
         nvme_bytes=nvme.get("free_bytes") or None,
         nvme_read_bandwidth=nvme.get("read_Bps"),
         nvme_write_bandwidth=nvme.get("write_Bps"),
-        cpu_adam_params_per_s=off.get("cpu_adam_params_per_s"),
-        source=source,
+        cpu_adam_params_per_s=offload.get("cpu_adam_params_per_s"),
+        source=_cpu_source(nproc, base, offload),
         calibration=finite(calibration),
     )
+
+
+def _matmul_peaks(matmul: dict[str, dict[str, float]], base: HardwareProfile) -> dict[str, float]:
+    """Best per-process matmul rate per dtype; a dtype not measurable here keeps ``base``'s ratio
+    to fp32. ``CalibrationError`` when fp32 could not be timed."""
+    peaks: dict[str, float] = {}
+    for dtype, rates in matmul.items():
+        good = [rate for rate in rates.values() if rate == rate and rate > 0]  # drop NaN (failed dtype)
+        if good:
+            peaks[dtype] = max(good)
+    if "fp32" not in peaks:
+        raise CalibrationError("fp32 matmul could not be timed on this machine")
+    for dtype in ("bf16", "fp16"):
+        if dtype not in peaks:  # not measurable here: keep the base profile's ratio to fp32
+            peaks[dtype] = peaks["fp32"] * base.peak(dtype) / base.peak("fp32")
+    return peaks
+
+
+def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> str:
+    """The profile's ``source``: where each figure came from, on which machine and software."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = (
+        f"Measured by `planner calibrate` on {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} logical "
+        f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
+        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
+        f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
+        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
+        f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
+    )
+    if offload:
+        source += offload_source(offload, host_is_device=True)
+    return source
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,9 +557,9 @@ def run_calibration(
         )
     base = load_hardware(base_kind)
     spec = spec or (CalibrationSpec.quick() if quick else CalibrationSpec())
-    q = mp.get_context("spawn").Queue()
+    labels = mp.get_context("spawn").Queue()
     stop = threading.Event()
-    drain = threading.Thread(target=drain_progress, args=(q, stop, spec.num_ticks(), progress), daemon=True)
+    drain = threading.Thread(target=drain_progress, args=(labels, stop, spec.num_ticks(), progress), daemon=True)
     drain.start()
     with tempfile.TemporaryDirectory(prefix="planner-calibrate-") as tmp:
         raw_file = os.path.join(tmp, "raw.json")
@@ -561,7 +568,7 @@ def run_calibration(
                 launch_local(
                     _calibrate_worker,
                     nproc,
-                    (spec, raw_file, q),
+                    (spec, raw_file, labels),
                     timeout_s=timeout_s,
                     collective_timeout_s=min(timeout_s, 120.0),
                 )

@@ -48,6 +48,7 @@ __all__ = [
     "median",
     "fit_alpha_beta",
     "fit_collectives",
+    "collective_links",
     "gemm_tables",
     "finite",
     "fmt_bytes",
@@ -72,19 +73,19 @@ class CalibrationError(UserError):
     """Calibration could not run or its measurements could not be fitted."""
 
 
-def median(xs: Sequence[float]) -> float:
-    ys = sorted(xs)
-    k = len(ys) // 2
-    return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    k = len(ordered) // 2
+    return ordered[k] if len(ordered) % 2 else 0.5 * (ordered[k - 1] + ordered[k])
 
 
-def lower_quartile(xs: Sequence[float]) -> float:
+def lower_quartile(values: Sequence[float]) -> float:
     """The 25th percentile (linear interpolation between order statistics)."""
-    ys = sorted(xs)
-    pos = 0.25 * (len(ys) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+    ordered = sorted(values)
+    pos = 0.25 * (len(ordered) - 1)
+    below = int(pos)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (pos - below)
 
 
 def fit_alpha_beta(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -95,30 +96,30 @@ def fit_alpha_beta(samples: Sequence[tuple[float, float, float]]) -> tuple[float
     ``c`` alone if needed). Raises ``CalibrationError`` if no positive bandwidth fits, e.g. when
     times do not grow with size.
     """
-    rows = [(s / t, b / t) for s, b, t in samples if t > 0]
+    rows = [(steps / seconds, link_bytes / seconds) for steps, link_bytes, seconds in samples if seconds > 0]
     if len(rows) < 2:
         raise CalibrationError(f"need at least 2 timed messages to fit alpha and beta (got {len(rows)})")
-    # Residual r_i = x_i . (alpha, c) - 1 with x_i = (steps/t, bytes/t).
-    s11 = sum(x * x for x, _ in rows)
-    s12 = sum(x * y for x, y in rows)
-    s22 = sum(y * y for _, y in rows)
-    r1 = sum(x for x, _ in rows)
-    r2 = sum(y for _, y in rows)
+    # Residual r_i = x_i . (alpha, c) - 1 with x_i = (steps/t, bytes/t) = (per_step, per_byte).
+    s11 = sum(per_step * per_step for per_step, _ in rows)
+    s12 = sum(per_step * per_byte for per_step, per_byte in rows)
+    s22 = sum(per_byte * per_byte for _, per_byte in rows)
+    sum_step = sum(per_step for per_step, _ in rows)
+    sum_byte = sum(per_byte for _, per_byte in rows)
     det = s11 * s22 - s12 * s12
     if det > 1e-12 * max(s11 * s22, 1e-300):
-        alpha = (r1 * s22 - r2 * s12) / det
-        c = (s11 * r2 - s12 * r1) / det
+        alpha = (sum_step * s22 - sum_byte * s12) / det
+        seconds_per_byte = (s11 * sum_byte - s12 * sum_step) / det  # c
     else:  # every sample has the same steps/bytes ratio: only the bandwidth is identifiable
-        alpha, c = -1.0, 1.0
-    if c > 0 and alpha < 0:
+        alpha, seconds_per_byte = -1.0, 1.0
+    if seconds_per_byte > 0 and alpha < 0:
         alpha = 0.0
-        c = r2 / s22 if s22 > 0 else 0.0
-    if c <= 0:
+        seconds_per_byte = sum_byte / s22 if s22 > 0 else 0.0
+    if seconds_per_byte <= 0:
         raise CalibrationError(
             "could not fit a bandwidth: collective times do not grow with message size; "
             "rerun on a quieter machine or with larger --message sizes"
         )
-    return alpha, 1.0 / c
+    return alpha, 1.0 / seconds_per_byte
 
 
 def fit_collectives(measurements: Sequence[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], tuple[float, float]]:
@@ -131,18 +132,29 @@ def fit_collectives(measurements: Sequence[dict[str, Any]]) -> tuple[dict[str, d
     samples = []
     per_kind: dict[str, dict[str, float]] = {}
     for kind in MEASURED_KINDS:
-        ks = []
-        for m in measurements:
-            if m["kind"] == kind:
-                steps, link_bytes = ring_terms(kind, m["size_bytes"], m["n"])
-                ks.append((steps, link_bytes, m["seconds"]))
-        samples += ks
+        kind_samples = []
+        for measurement in measurements:
+            if measurement["kind"] == kind:
+                steps, link_bytes = ring_terms(kind, measurement["size_bytes"], measurement["n"])
+                kind_samples.append((steps, link_bytes, measurement["seconds"]))
+        samples += kind_samples
         try:
-            a, bw = fit_alpha_beta(ks)
-            per_kind[kind] = {"alpha_s": a, "bandwidth_Bps": bw}
+            alpha, bandwidth = fit_alpha_beta(kind_samples)
+            per_kind[kind] = {"alpha_s": alpha, "bandwidth_Bps": bandwidth}
         except CalibrationError:
             per_kind[kind] = {"alpha_s": float("nan"), "bandwidth_Bps": float("nan")}
     return per_kind, fit_alpha_beta(samples)
+
+
+def collective_links(per_kind: dict[str, dict[str, float]]) -> dict[str, dict[str, float]] | None:
+    """The profile's ``intra_node_collectives`` from ``fit_collectives``'s per-kind fits: each
+    kind's ``{latency, bandwidth}``, the kinds that could not be fitted (NaN) left out; ``None``
+    when none could."""
+    return {
+        kind: {"latency": fit["alpha_s"], "bandwidth": fit["bandwidth_Bps"]}
+        for kind, fit in per_kind.items()
+        if fit["bandwidth_Bps"] == fit["bandwidth_Bps"]
+    } or None
 
 
 def gemm_tables(
@@ -159,35 +171,40 @@ def gemm_tables(
     """
     tables: dict[str, dict[str, list]] = {}
     skipped: dict[str, str] = {}
-    for dt, grid in seconds.items():
-        if dt not in peaks:
-            skipped[dt] = "no peak FLOP/s for this dtype"
+    for dtype, grid in seconds.items():
+        if dtype not in peaks:
+            skipped[dtype] = "no peak FLOP/s for this dtype"
             continue
-        eff = []
-        ok = True
-        for i, m in enumerate(sizes["m"]):
+        efficiency = []
+        complete = True
+        for i, m_rows in enumerate(sizes["m"]):
             plane = []
             for j, n in enumerate(sizes["n"]):
                 row = []
-                for l_, k in enumerate(sizes["k"]):
-                    t = grid[i][j][l_]
-                    if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-                        ok = False
+                for k_index, k in enumerate(sizes["k"]):
+                    cell_s = grid[i][j][k_index]
+                    if not isinstance(cell_s, (int, float)) or not math.isfinite(cell_s) or cell_s <= 0:
+                        complete = False
                         break
-                    row.append(min(1.0, max(MIN_EFFICIENCY, 2.0 * m * n * k / t / peaks[dt])))
+                    row.append(min(1.0, max(MIN_EFFICIENCY, 2.0 * m_rows * n * k / cell_s / peaks[dtype])))
                 plane.append(row)
-            eff.append(plane)
-        if ok:
-            tables[dt] = {"m": list(sizes["m"]), "n": list(sizes["n"]), "k": list(sizes["k"]), "efficiency": eff}
+            efficiency.append(plane)
+        if complete:
+            tables[dtype] = {
+                "m": list(sizes["m"]),
+                "n": list(sizes["n"]),
+                "k": list(sizes["k"]),
+                "efficiency": efficiency,
+            }
         else:
-            skipped[dt] = "a GEMM of the grid could not be timed"
+            skipped[dtype] = "a GEMM of the grid could not be timed"
     return tables, skipped
 
 
-def offload_source(off: dict, host_is_device: bool) -> str:
-    """The profile's ``source`` sentence on how the offload fields were measured (``off``: the
+def offload_source(offload: dict, host_is_device: bool) -> str:
+    """The profile's ``source`` sentence on how the offload fields were measured (``offload``: the
     ``offload`` measurements; CPU runs copy host memory for the host-device link)."""
-    nvme = off.get("nvme") or {}
+    nvme = offload.get("nvme") or {}
     link = "host_device_bandwidth = a host memory copy (the host is the device); " if host_is_device else ""
     return (
         f" Offload: {link}nvme_* = a {fmt_bytes(nvme.get('bytes', 0))} temporary file in {nvme.get('dir')} "
@@ -207,20 +224,20 @@ def fmt_bytes(n: float) -> str:
 def finite(obj: Any) -> Any:
     """A copy with NaN / inf floats replaced by ``None`` (strict JSON has no NaN)."""
     if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
+        return {k: finite(item) for k, item in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
+        return [finite(item) for item in obj]
     if isinstance(obj, float) and not (obj == obj and abs(obj) != float("inf")):
         return None
     return obj
 
 
-def drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
-    """Show a rich progress bar on stderr, one step per label put on ``q``, until ``stop``."""
+def drain_progress(labels, stop: threading.Event, total: int, enabled: bool) -> None:
+    """Show a rich progress bar on stderr, one step per label put on the queue ``labels``, until ``stop``."""
     if not enabled:
         while not stop.is_set():
             try:
-                q.get(timeout=0.1)
+                labels.get(timeout=0.1)
             except queue_mod.Empty:
                 pass
         return
@@ -233,9 +250,9 @@ def drain_progress(q, stop: threading.Event, total: int, enabled: bool) -> None:
     )
     with Progress(*cols, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task("starting", total=total)
-        while not stop.is_set() or not q.empty():
+        while not stop.is_set() or not labels.empty():
             try:
-                label = q.get(timeout=0.1)
+                label = labels.get(timeout=0.1)
             except queue_mod.Empty:
                 continue
             except (EOFError, OSError):
@@ -249,9 +266,9 @@ def _lq_seconds(fn, reps: int) -> float:
     fn()
     times = []
     for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - start)
     return lower_quartile(times)
 
 
@@ -269,31 +286,31 @@ def measure_nvme(directory: str | None, nbytes: int, reps: int = 2) -> dict[str,
     block = os.urandom(chunk)  # incompressible, so a compressing file system cannot cheat
     writes, reads = [], []
     try:
-        fd, path = tempfile.mkstemp(prefix="planner-nvme-", suffix=".bin", dir=directory)
+        descriptor, path = tempfile.mkstemp(prefix="planner-nvme-", suffix=".bin", dir=directory)
     except OSError as e:
         raise CalibrationError(f"cannot create a file in --nvme-path {directory!r}: {e}") from None
     try:
         for _ in range(max(1, reps)):
-            os.lseek(fd, 0, os.SEEK_SET)
-            t0 = time.perf_counter()
+            os.lseek(descriptor, 0, os.SEEK_SET)
+            start = time.perf_counter()
             done = 0
             while done < nbytes:
-                done += os.write(fd, block[: min(chunk, nbytes - done)])
-            os.fsync(fd)
-            writes.append(nbytes / (time.perf_counter() - t0))
+                done += os.write(descriptor, block[: min(chunk, nbytes - done)])
+            os.fsync(descriptor)
+            writes.append(nbytes / (time.perf_counter() - start))
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.lseek(fd, 0, os.SEEK_SET)
-            t0 = time.perf_counter()
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.lseek(descriptor, 0, os.SEEK_SET)
+            start = time.perf_counter()
             got = 0
             while got < nbytes:
-                data = os.read(fd, min(chunk, nbytes - got))
+                data = os.read(descriptor, min(chunk, nbytes - got))
                 if not data:
                     break
                 got += len(data)
-            reads.append(got / (time.perf_counter() - t0))
+            reads.append(got / (time.perf_counter() - start))
     finally:
-        os.close(fd)
+        os.close(descriptor)
         os.unlink(path)
     free = shutil.disk_usage(directory).free
     return {
@@ -314,13 +331,13 @@ def measure_cpu_adam(num_params: int, reps: int = 3) -> float:
     from runtime.data_parallel.flat_shards import adamw_step_
 
     param = torch.randn(num_params)
-    grad, m, v = torch.randn(num_params), torch.zeros(num_params), torch.zeros(num_params)
+    grad, exp_avg, exp_avg_sq = torch.randn(num_params), torch.zeros(num_params), torch.zeros(num_params)
     step = [0]
     config = OptimizerConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def run():
         step[0] += 1
-        adamw_step_(param, grad, m, v, step=step[0], config=config)
+        adamw_step_(param, grad, exp_avg, exp_avg_sq, step=step[0], config=config)
 
     return num_params / _lq_seconds(run, reps)
 

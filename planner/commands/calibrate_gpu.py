@@ -1,8 +1,7 @@
 """``planner calibrate`` on CUDA: measure one node's GPUs and write a hardware profile for them.
 
-NOT YET RUN ON A GPU. This path was written without a GPU: its logic is unit-tested with injected
-timings (``tests/planner/commands/test_calibrate_gpu.py``) and every measurement function runs on
-the CPU in those tests (``torch.device("cpu")``), but no figure here has been measured on CUDA yet.
+Its logic is unit-tested with injected timings (``tests/planner/commands/test_calibrate_gpu.py``),
+every measurement function running on the CPU there (``torch.device("cpu")``).
 
 What is measured, on ``cuda:0`` unless said otherwise (``collect_single_device``):
 
@@ -30,9 +29,6 @@ Not measured (kept from the datasheet profile of the same GPU, ``base``): the in
 (one node has no network), ``sync_overhead_s`` and ``recompute_ratio`` (1 on GPUs). ``peak_flops``
 are the datasheet's when the GPU is a known kind (so MFU stays relative to the vendor's peak) and
 the best measured rate where that is higher or the GPU is unknown. ``ops_async`` is true.
-Budget (estimated from the work each part does, not timed on a GPU): one to three minutes on an
-8-GPU H200 node, ``--quick`` under a minute; the GEMM table (500 shapes) and starting the NCCL
-processes take most of it.
 """
 
 from __future__ import annotations
@@ -63,6 +59,7 @@ from planner.commands.calibrate_common import (
     MB,
     MEASURED_KINDS,
     CalibrationError,
+    collective_links,
     drain_progress,
     finite,
     fit_alpha_beta,
@@ -74,7 +71,7 @@ from planner.commands.calibrate_common import (
     offload_source,
 )
 from planner.frontend.model_analysis import build_layer_table
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
@@ -188,54 +185,54 @@ class DeviceTimer:
         if not self.cuda:
             times = []
             for _ in range(reps):
-                t0 = time.perf_counter()
+                start = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - start)
             return times
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         self.sync()
         if queue_ahead:  # about 30 us of host work per call queued, with margin
             self.hold(1e-3 + 60e-6 * reps)
-        for s, e in zip(starts, ends):
-            s.record()
+        for start_event, end_event in zip(starts, ends):
+            start_event.record()
             fn()
-            e.record()
+            end_event.record()
         ends[-1].synchronize()
-        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+        return [start_event.elapsed_time(end_event) / 1e3 for start_event, end_event in zip(starts, ends)]
 
 
 @contextlib.contextmanager
 def _tf32(enabled: bool):
     """fp32 matmuls with (``tf32``) or without TF32 on CUDA; restores the previous setting."""
-    mm = torch.backends.cuda.matmul
-    if hasattr(mm, "fp32_precision"):  # torch >= 2.9: the legacy flag must not be mixed in
-        before = mm.fp32_precision
-        mm.fp32_precision = "tf32" if enabled else "ieee"
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9: the legacy flag must not be mixed in
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
         try:
             yield
         finally:
-            mm.fp32_precision = before
+            matmul.fp32_precision = before
     else:  # pragma: no cover - older torch
-        before = mm.allow_tf32
-        mm.allow_tf32 = enabled
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = enabled
         try:
             yield
         finally:
-            mm.allow_tf32 = before
+            matmul.allow_tf32 = before
 
 
 def time_gemm(m: int, n: int, k: int, dtype: str, timer: DeviceTimer, target_s: float, max_reps: int) -> float:
     """Device seconds of one ``m x k`` by ``k x n`` product in ``dtype`` (lower quartile of as many
     repetitions as fit ``target_s``, 3 to ``max_reps``, after a warm-up call)."""
-    dt = to_torch("fp32" if dtype == "tf32" else dtype)
-    dev = timer.device
-    a = torch.randn(m, k, device=dev).to(dt)
-    b = torch.randn(k, n, device=dev).to(dt)
-    out = torch.empty(m, n, device=dev, dtype=dt)
+    torch_dtype = to_torch("fp32" if dtype == "tf32" else dtype)
+    device = timer.device
+    left = torch.randn(m, k, device=device).to(torch_dtype)
+    right = torch.randn(k, n, device=device).to(torch_dtype)
+    out = torch.empty(m, n, device=device, dtype=torch_dtype)
 
     def fn():
-        torch.mm(a, b, out=out)
+        torch.mm(left, right, out=out)
 
     with _tf32(dtype == "tf32"):
         fn()  # warm-up: library heuristics, workspace (and the place an unsupported dtype fails)
@@ -257,9 +254,9 @@ def measure_gemm_table(
     """Seconds of every ``(m, n, k)`` of ``sizes ** 3`` per dtype, as ``gemm_tables`` reads them:
     ``{"sizes": {"m": [...], "n": [...], "k": [...]}, "seconds": {dtype: [[[s]]]}}``; a dtype the
     device cannot multiply gets ``NaN`` cells. ``reduce`` combines ranks (CPU calibration)."""
-    axes = [int(s) for s in sizes]
+    axes = [int(size) for size in sizes]
     seconds: dict[str, list] = {}
-    for dt in dtypes:
+    for dtype in dtypes:
         grid = []
         for m in axes:
             plane = []
@@ -267,14 +264,14 @@ def measure_gemm_table(
                 row = []
                 for k in axes:
                     try:
-                        t = time_gemm(m, n, k, dt, timer, target_s, max_reps)
+                        cell_s = time_gemm(m, n, k, dtype, timer, target_s, max_reps)
                     except (RuntimeError, TypeError, NotImplementedError):
-                        t = float("nan")
-                    row.append(reduce(t))
+                        cell_s = float("nan")
+                    row.append(reduce(cell_s))
                 plane.append(row)
             grid.append(plane)
-            tick(f"gemm {dt} m={m}")
-        seconds[dt] = grid
+            tick(f"gemm {dtype} m={m}")
+        seconds[dtype] = grid
     return {"sizes": {"m": axes, "n": list(axes), "k": list(axes)}, "seconds": seconds}
 
 
@@ -301,22 +298,22 @@ def measure_op_chain(timer: DeviceTimer, length: int, rounds: int) -> dict[str, 
     host, wall = [], []
     for _ in range(rounds):
         timer.sync()
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         chain()
-        t1 = time.perf_counter()
+        issued = time.perf_counter()
         timer.sync()
-        host.append((t1 - t0) / length)
-        wall.append((time.perf_counter() - t0) / length)
+        host.append((issued - start) / length)
+        wall.append((time.perf_counter() - start) / length)
     device = wall  # a CPU issues and runs each operator on the same core
     if timer.cuda:  # queue the whole chain behind a spin kernel: the events then time the device
         timer.sync()
         timer.hold(1.5 * lower_quartile(host) * length + 1e-3)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
         chain()
-        end.record()
-        end.synchronize()
-        device = [start.elapsed_time(end) / 1e3 / length]
+        end_event.record()
+        end_event.synchronize()
+        device = [start_event.elapsed_time(end_event) / 1e3 / length]
     return {"host_s": lower_quartile(host), "device_s": lower_quartile(device), "wall_s": lower_quartile(wall)}
 
 
@@ -330,10 +327,10 @@ def measure_model_op_overhead(timer: DeviceTimer, budget_s: float) -> dict[str, 
     operators is a few microseconds of device work, so the wall time is the host's issue rate: the
     bound that ``ops_async`` compares a layer's device time against.
     """
-    sizes = dict(layers=2, hidden=16, heads=2, vocab=16)
+    sizes: dict[str, Any] = dict(layers=2, hidden=16, heads=2, vocab=16)
     table = build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **sizes)
     n_ops = sum(lay.num_ops for lay in table.layers)
-    real = build_model("gpt", batch=1, seed=0, seq_len=8, **sizes)
+    real = build_model("gpt", ModelSizes(seq_len=8, **sizes), batch=1, seed=0)
     model = real.model.to(timer.device)
     inputs = tuple(t.to(timer.device) for t in real.example_inputs)
     module = torch.export.export(model, inputs).module()
@@ -347,9 +344,9 @@ def measure_model_op_overhead(timer: DeviceTimer, budget_s: float) -> dict[str, 
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 1000):
-        t0 = time.perf_counter()
+        step_start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - step_start)
     step_s = lower_quartile(times)
     return {"step_s": step_s, "num_ops": n_ops, "per_op_s": step_s / (3 * n_ops)}
 
@@ -361,10 +358,10 @@ def measure_host_copies(timer: DeviceTimer, sizes: Sequence[int], reps: int) -> 
     for size in sizes:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=timer.cuda)
         host.fill_(1)
-        dev = torch.empty(size, dtype=torch.uint8, device=timer.device)
+        on_device = torch.empty(size, dtype=torch.uint8, device=timer.device)
         for direction, fn in (
-            ("h2d", lambda d=dev, h=host: d.copy_(h, non_blocking=True)),
-            ("d2h", lambda d=dev, h=host: h.copy_(d, non_blocking=True)),
+            ("h2d", lambda dst=on_device, src=host: dst.copy_(src, non_blocking=True)),
+            ("d2h", lambda src=on_device, dst=host: dst.copy_(src, non_blocking=True)),
         ):
             fn()
             timer.sync()
@@ -423,14 +420,14 @@ def time_collective(
     dist.barrier()
     # Every rank runs the same number of reps (a collective count must match across ranks). The
     # mean, not the median: a training step pays for every collective, the slow ones included.
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     for _ in range(reps):
         op()
     timer.sync()
-    secs = (time.perf_counter() - t0) / reps
-    t = torch.tensor([secs], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    secs = float(t.item())
+    secs = (time.perf_counter() - start) / reps
+    slowest = torch.tensor([secs], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    secs = float(slowest.item())
     if kind == "send":
         return nbytes, 2, secs / 2  # one way of a round trip
     return nbytes, world, secs
@@ -443,11 +440,11 @@ def _warm_up(timer: DeviceTimer, seconds: float) -> None:
     """Large bf16 GEMMs for ``seconds``: GPU clocks and power state reach their working level."""
     if not timer.cuda or seconds <= 0:
         return
-    a = torch.randn(8192, 8192, device=timer.device, dtype=torch.bfloat16)
+    square = torch.randn(8192, 8192, device=timer.device, dtype=torch.bfloat16)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for _ in range(10):
-            a @ a
+            square @ square
         timer.sync()
 
 
@@ -484,8 +481,8 @@ def _collectives_worker(rank: int, world: int, spec: GpuCalibrationSpec, out_fil
     out = []
     for kind in MEASURED_KINDS:
         for size in spec.message_sizes:
-            nbytes, n, secs = time_collective(kind, size, rank, world, spec.reps(size), device)
-            out.append({"kind": kind, "size_bytes": nbytes, "n": n, "seconds": secs})
+            nbytes, ranks, secs = time_collective(kind, size, rank, world, spec.reps(size), device)
+            out.append({"kind": kind, "size_bytes": nbytes, "n": ranks, "seconds": secs})
             if rank == 0 and progress_q is not None:
                 progress_q.put(f"{kind} {fmt_bytes(nbytes)}")
     if rank == 0:
@@ -508,10 +505,10 @@ def _device_info(device: torch.device) -> dict[str, Any]:
 
 def _nccl_version() -> str | None:
     try:
-        v = torch.cuda.nccl.version()
+        version = torch.cuda.nccl.version()
     except Exception:
         return None
-    return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+    return ".".join(str(x) for x in version) if isinstance(version, tuple) else str(version)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,14 +517,14 @@ def _nccl_version() -> str | None:
 def datasheet_kind(name: str, memory_bytes: int) -> str | None:
     """The built-in kind of a CUDA device name (``torch.cuda.get_device_properties().name``), or
     ``None``: only the SXM parts the datasheet profiles describe (a PCIe H100 has other peaks)."""
-    s = name.upper()
-    if "H200" in s:
+    upper = name.upper()
+    if "H200" in upper:
         return "h200"
-    if "H100" in s and ("SXM" in s or "HBM3" in s):
+    if "H100" in upper and ("SXM" in upper or "HBM3" in upper):
         return "h100-sxm"
-    if "A100" in s and "PCIE" not in s:
+    if "A100" in upper and "PCIE" not in upper:
         return "a100-80gb" if memory_bytes > 60 * 2**30 else "a100-40gb"
-    if "V100" in s and "PCIE" not in s and memory_bytes > 24 * 2**30:
+    if "V100" in upper and "PCIE" not in upper and memory_bytes > 24 * 2**30:
         return "v100-32gb"
     return None
 
@@ -543,95 +540,28 @@ def build_gpu_profile(
     ``base`` supplies what one node cannot measure; ``datasheet`` says it is this GPU's own
     datasheet profile (its peaks are used), not a stand-in for an unknown GPU.
     """
-    dev = raw["device"]
+    device_info = raw["device"]
     gemm = raw["gemm"]
-    best: dict[str, float] = {}
-    for dt, grid in gemm["seconds"].items():
-        rates = [
-            2.0 * m * n * k / t
-            for m, plane in zip(gemm["sizes"]["m"], grid)
-            for n, row in zip(gemm["sizes"]["n"], plane)
-            for k, t in zip(gemm["sizes"]["k"], row)
-            if isinstance(t, (int, float)) and math.isfinite(t) and t > 0
-        ]
-        if rates:
-            best[dt] = max(rates)
-    peaks = dict(base.peak_flops) if datasheet else {}
-    for dt, rate in best.items():  # a measured rate above the datasheet's means the peak is higher
-        peaks[dt] = max(peaks.get(dt, 0.0), rate)
-    missing = [dt for dt in ("fp32", "bf16", "fp16") if dt not in peaks]
-    if missing:
-        raise CalibrationError(
-            f"could not time a {', '.join(missing)} GEMM on {dev['name']} and it is not a "
-            f"GPU with a datasheet profile ({', '.join(KNOWN_KINDS)})"
-        )
+    peaks = _gemm_peaks(gemm, base, datasheet, device_info["name"])
     tables, skipped = gemm_tables(gemm["sizes"], gemm["seconds"], peaks)
     efficiency = base.compute_efficiency
-    for dt in ("bf16", "fp16", "fp32"):  # the largest GEMM of the training dtypes' tables
-        if dt in tables:
-            efficiency = tables[dt]["efficiency"][-1][-1][-1]
+    for dtype in ("bf16", "fp16", "fp32"):  # the largest GEMM of the training dtypes' tables
+        if dtype in tables:
+            efficiency = tables[dtype]["efficiency"][-1][-1][-1]
             break
-
     chain = raw.get("op_chain") or {}
     model = raw.get("model_op_overhead") or {}
-    op_overhead = model.get("per_op_s") if isinstance(model.get("per_op_s"), (int, float)) else chain.get("host_s")
-    if not isinstance(op_overhead, (int, float)) or not math.isfinite(op_overhead) or op_overhead < 0:
-        op_overhead = base.op_overhead_s
-
-    host_fits: dict[str, dict[str, float]] = {}
-    for direction in ("h2d", "d2h"):
-        samples = [
-            (1, m["size_bytes"], m["seconds"]) for m in raw.get("host_device", ()) if m["direction"] == direction
-        ]
-        try:
-            lat, bw = fit_alpha_beta(samples)
-            host_fits[direction] = {"latency_s": lat, "bandwidth_Bps": bw}
-        except CalibrationError:
-            pass
-    host_bw = min((f["bandwidth_Bps"] for f in host_fits.values()), default=None)
-
-    colls = raw.get("collectives") or []
-    if colls:
-        per_kind, (alpha, bw) = fit_collectives(colls)
-        links = {
-            k: {"latency": v["alpha_s"], "bandwidth": v["bandwidth_Bps"]}
-            for k, v in per_kind.items()
-            if v["bandwidth_Bps"] == v["bandwidth_Bps"]
-        } or None
-    else:
-        per_kind, (alpha, bw), links = {}, (base.intra_node_latency, base.intra_node_bandwidth), None
-
-    host = socket.gethostname()
-    gpu = re.sub(r"[^A-Za-z0-9_.-]+", "-", dev["name"]).strip("-").lower() or "gpu"
-    name = f"calibrated-{gpu}-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", host).strip("-") or "host")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    coll_text = (
-        f"intra-node alpha/beta = least-squares fit of NCCL all-reduce, all-gather, reduce-scatter and "
-        f"send/recv over {nproc} GPUs (mean of back-to-back reps), each kind alone in "
-        f"intra_node_collectives"
-        if colls
-        else f"intra-node link from {base.name} (collectives not measured: {raw.get('collectives_skipped')})"
-    )
-    source = (
-        f"Measured by `planner calibrate --device cuda` on {host} ({dev['count']} x {dev['name']}, "
-        f"{dev['sm_count']} SMs, compute capability {dev.get('capability')}, torch {dev.get('torch')}, "
-        f"CUDA {dev.get('cuda')}, NCCL {dev.get('nccl')}), {now}. gemm_efficiency = device time of each "
-        f"(m, n, k) product per dtype (CUDA events, lower quartile) over peak_flops; peak_flops = "
-        f"{'the ' + base.name + ' datasheet, raised to the best measured rate where that is higher' if datasheet else 'best measured GEMM rate (no datasheet profile for this GPU)'}; "
-        f"compute_efficiency = the largest GEMM of the table; memory_bandwidth = device tensor copy; "
-        f"op_overhead_s = a tiny exported GPT's training step per operator call; host_device_bandwidth = "
-        f"pinned copies, slower direction; {coll_text}; inter-node link, sync_overhead_s and recompute_ratio "
-        f"from {base.name} (not measured on one node)."
-    )
-    off = raw.get("offload") or {}
-    nvme = off.get("nvme") or {}
-    if off:
-        source += offload_source(off, host_is_device=False)
+    host_fits = _host_device_fits(raw.get("host_device", ()))
+    host_bandwidth = min((fit["bandwidth_Bps"] for fit in host_fits.values()), default=None)
+    collectives = raw.get("collectives") or []
+    per_kind, (alpha, bandwidth), links = _intra_node_fit(collectives, base)
+    offload = raw.get("offload") or {}
+    nvme = offload.get("nvme") or {}
     calibration = {
         "device": "cuda",
         "nproc": nproc,
         "spec": asdict(spec),
-        "gpu": dev,
+        "gpu": device_info,
         "gemm": gemm,
         "gemm_skipped": skipped,
         "memory_bandwidth": raw.get("memory_bandwidth"),
@@ -639,40 +569,140 @@ def build_gpu_profile(
         "model_op_overhead": model,
         "host_device": raw.get("host_device"),
         "host_device_fit": host_fits,
-        "collectives": colls,
+        "collectives": collectives,
         "collectives_skipped": raw.get("collectives_skipped"),
         "fit_by_kind": per_kind,
-        "fit": {"alpha_s": alpha, "bandwidth_Bps": bw} if colls else None,
+        "fit": {"alpha_s": alpha, "bandwidth_Bps": bandwidth} if collectives else None,
         "base": base.name,
-        "offload": off or None,
+        "offload": offload or None,
     }
     return HardwareProfile(
-        name=name,
+        name=_profile_name(device_info["name"]),
         peak_flops=peaks,
-        memory_bytes=int(dev["memory_bytes"]),
+        memory_bytes=int(device_info["memory_bytes"]),
         memory_bandwidth=float(raw["memory_bandwidth"]),
-        intra_node_bandwidth=bw,
+        intra_node_bandwidth=bandwidth,
         intra_node_latency=alpha,
         inter_node_bandwidth=base.inter_node_bandwidth,
         inter_node_latency=base.inter_node_latency,
-        gpus_per_node=int(dev["count"]),
+        gpus_per_node=int(device_info["count"]),
         compute_efficiency=efficiency,
-        op_overhead_s=float(op_overhead),
+        op_overhead_s=_op_overhead(chain, model, base),
         sync_overhead_s=base.sync_overhead_s,
         ops_async=True,
         recompute_ratio=1.0,
         intra_node_collectives=links,
-        sm_count=int(dev["sm_count"]),
+        sm_count=int(device_info["sm_count"]),
         gemm_efficiency=tables or None,
-        host_device_bandwidth=host_bw,
-        host_memory_bytes=_host_ram() if off else base.host_memory_bytes,
+        host_device_bandwidth=host_bandwidth,
+        host_memory_bytes=_host_ram() if offload else base.host_memory_bytes,
         nvme_bytes=nvme.get("free_bytes") or base.nvme_bytes,
         nvme_read_bandwidth=nvme.get("read_Bps") or base.nvme_read_bandwidth,
         nvme_write_bandwidth=nvme.get("write_Bps") or base.nvme_write_bandwidth,
-        cpu_adam_params_per_s=off.get("cpu_adam_params_per_s") or base.cpu_adam_params_per_s,
-        source=source,
+        cpu_adam_params_per_s=offload.get("cpu_adam_params_per_s") or base.cpu_adam_params_per_s,
+        source=_gpu_source(raw, base, datasheet, nproc),
         calibration=finite(calibration),
     )
+
+
+def _gemm_peaks(gemm: dict[str, Any], base: HardwareProfile, datasheet: bool, device_name: str) -> dict[str, float]:
+    """Peak FLOP/s per dtype: the datasheet's (when it is this GPU's), raised to the best measured
+    GEMM rate where that is higher. ``CalibrationError`` when a training dtype has neither."""
+    best: dict[str, float] = {}
+    for dtype, grid in gemm["seconds"].items():
+        rates = [
+            2.0 * m * n * k / cell_s
+            for m, plane in zip(gemm["sizes"]["m"], grid)
+            for n, row in zip(gemm["sizes"]["n"], plane)
+            for k, cell_s in zip(gemm["sizes"]["k"], row)
+            if isinstance(cell_s, (int, float)) and math.isfinite(cell_s) and cell_s > 0
+        ]
+        if rates:
+            best[dtype] = max(rates)
+    peaks = dict(base.peak_flops) if datasheet else {}
+    for dtype, rate in best.items():  # a measured rate above the datasheet's means the peak is higher
+        peaks[dtype] = max(peaks.get(dtype, 0.0), rate)
+    missing = [dtype for dtype in ("fp32", "bf16", "fp16") if dtype not in peaks]
+    if missing:
+        raise CalibrationError(
+            f"could not time a {', '.join(missing)} GEMM on {device_name} and it is not a "
+            f"GPU with a datasheet profile ({', '.join(KNOWN_KINDS)})"
+        )
+    return peaks
+
+
+def _op_overhead(chain: dict[str, Any], model: dict[str, Any], base: HardwareProfile) -> float:
+    """Seconds per operator call: the tiny GPT's step, else the op chain's host cost, else ``base``'s."""
+    per_op = model.get("per_op_s") if isinstance(model.get("per_op_s"), (int, float)) else chain.get("host_s")
+    if not isinstance(per_op, (int, float)) or not math.isfinite(per_op) or per_op < 0:
+        per_op = base.op_overhead_s
+    return float(per_op)
+
+
+def _host_device_fits(copies: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Alpha-beta fit of the pinned host <-> device copies per direction (``h2d``, ``d2h``);
+    a direction that cannot be fitted is left out."""
+    host_fits: dict[str, dict[str, float]] = {}
+    for direction in ("h2d", "d2h"):
+        samples = [(1, copy["size_bytes"], copy["seconds"]) for copy in copies if copy["direction"] == direction]
+        try:
+            latency, bandwidth = fit_alpha_beta(samples)
+            host_fits[direction] = {"latency_s": latency, "bandwidth_Bps": bandwidth}
+        except CalibrationError:
+            pass
+    return host_fits
+
+
+def _intra_node_fit(
+    collectives: Sequence[dict[str, Any]], base: HardwareProfile
+) -> tuple[dict[str, dict[str, float]], tuple[float, float], dict[str, dict[str, float]] | None]:
+    """``(per_kind, (alpha, bandwidth), intra_node_collectives)`` of the NCCL timings, or
+    ``base``'s intra-node link when none were measured."""
+    if not collectives:
+        return {}, (base.intra_node_latency, base.intra_node_bandwidth), None
+    per_kind, (alpha, bandwidth) = fit_collectives(collectives)
+    return per_kind, (alpha, bandwidth), collective_links(per_kind)
+
+
+def _profile_name(device_name: str) -> str:
+    """``calibrated-<gpu>-<host>``, both reduced to file-name characters."""
+    gpu = re.sub(r"[^A-Za-z0-9_.-]+", "-", device_name).strip("-").lower() or "gpu"
+    return f"calibrated-{gpu}-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", socket.gethostname()).strip("-") or "host")
+
+
+def _gpu_source(raw: dict[str, Any], base: HardwareProfile, datasheet: bool, nproc: int) -> str:
+    """The profile's ``source``: where each figure came from, on which machine and software."""
+    device_info = raw["device"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    collectives_text = (
+        f"intra-node alpha/beta = least-squares fit of NCCL all-reduce, all-gather, reduce-scatter and "
+        f"send/recv over {nproc} GPUs (mean of back-to-back reps), each kind alone in "
+        f"intra_node_collectives"
+        if raw.get("collectives")
+        else f"intra-node link from {base.name} (collectives not measured: {raw.get('collectives_skipped')})"
+    )
+    peaks_text = (
+        "the " + base.name + " datasheet, raised to the best measured rate where that is higher"
+        if datasheet
+        else "best measured GEMM rate (no datasheet profile for this GPU)"
+    )
+    source = (
+        f"Measured by `planner calibrate --device cuda` on {socket.gethostname()} "
+        f"({device_info['count']} x {device_info['name']}, "
+        f"{device_info['sm_count']} SMs, compute capability {device_info.get('capability')}, "
+        f"torch {device_info.get('torch')}, CUDA {device_info.get('cuda')}, NCCL {device_info.get('nccl')}), "
+        f"{now}. gemm_efficiency = device time of each "
+        f"(m, n, k) product per dtype (CUDA events, lower quartile) over peak_flops; peak_flops = "
+        f"{peaks_text}; "
+        f"compute_efficiency = the largest GEMM of the table; memory_bandwidth = device tensor copy; "
+        f"op_overhead_s = a tiny exported GPT's training step per operator call; host_device_bandwidth = "
+        f"pinned copies, slower direction; {collectives_text}; inter-node link, sync_overhead_s and recompute_ratio "
+        f"from {base.name} (not measured on one node)."
+    )
+    offload = raw.get("offload") or {}
+    if offload:
+        source += offload_source(offload, host_is_device=False)
+    return source
 
 
 def _host_ram() -> int | None:
@@ -717,12 +747,12 @@ def run_gpu_calibration(
     info = _device_info(device)
     kind = base_kind or datasheet_kind(info["name"], info["memory_bytes"])
     base = load_hardware(kind or "h100-sxm")
-    q = mp.get_context("spawn").Queue()
+    labels = mp.get_context("spawn").Queue()
     stop = threading.Event()
-    drain = threading.Thread(target=drain_progress, args=(q, stop, spec.num_ticks(nproc), progress), daemon=True)
+    drain = threading.Thread(target=drain_progress, args=(labels, stop, spec.num_ticks(nproc), progress), daemon=True)
     drain.start()
     try:
-        raw = collect_single_device(spec, device, tick=q.put)
+        raw = collect_single_device(spec, device, tick=labels.put)
         raw["device"] = info
         if nproc >= 2:
             with tempfile.TemporaryDirectory(prefix="planner-calibrate-gpu-") as tmp:
@@ -731,7 +761,7 @@ def run_gpu_calibration(
                     launch_local(
                         _collectives_worker,
                         nproc,
-                        (spec, out_file, q),
+                        (spec, out_file, labels),
                         timeout_s=timeout_s,
                         collective_timeout_s=min(timeout_s, 120.0),
                     )

@@ -19,13 +19,13 @@ def model_dims(bundle: ModelBundle, sizes: dict, gm: fx.GraphModule | None = Non
     the ``ffn`` size flag, where known (non-zero); heads, kv_heads and head_dim the bundle does not
     state are read from the attention of the exported graph ``gm`` (``passes.attention``)."""
     dims = {"hidden": bundle.hidden, "heads": bundle.heads, "kv_heads": bundle.kv_heads, "vocab": bundle.vocab}
-    dims.update({k: v for k, v in (sizes or {}).items() if k == "ffn"})
+    dims.update({k: size for k, size in (sizes or {}).items() if k == "ffn"})
     if gm is not None:
         facts = attention_facts(gm)
         for k in ("heads", "kv_heads", "head_dim"):
             if facts.get(k) and not dims.get(k):
                 dims[k] = facts[k]
-    return {k: v for k, v in dims.items() if v}
+    return {k: size for k, size in dims.items() if size}
 
 
 def compile_plan(plan: Plan, out_dir: str) -> dict:
@@ -43,7 +43,7 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
 
 def run_compile(args) -> int:
     """``planner compile plan.json --out DIR``."""
-    man = compile_plan(load_plan(args.plan), args.out)
-    files = ", ".join(s["file"] for s in man["stages"])
-    print(f"Compiled {args.plan} into {args.out}: {files} + manifest.json (plan {man['plan_hash']}).")
+    manifest = compile_plan(load_plan(args.plan), args.out)
+    files = ", ".join(stage["file"] for stage in manifest["stages"])
+    print(f"Compiled {args.plan} into {args.out}: {files} + manifest.json (plan {manifest['plan_hash']}).")
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 from safetensors.torch import save_file
 
@@ -26,7 +27,7 @@ from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import PREFIX
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.hf import hf_directory, load_hf_config
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import load_plan
 from planner.report.deepspeed import launcher_command, to_deepspeed
 from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, load_model_tensors, read_meta
@@ -57,7 +58,7 @@ def export_weights(checkpoint: str, out: str) -> int:
     tmp = out + ".tmp"
     try:
         save_file(
-            {k: v.contiguous() for k, v in sorted(tensors.items())},
+            {k: tensor.contiguous() for k, tensor in sorted(tensors.items())},
             tmp,
             metadata={"source": os.path.abspath(path), "format": "pt"},
         )
@@ -123,14 +124,16 @@ def export_hf(checkpoint: str, out: str) -> str:
         tensors = load_model_tensors(path)
     except CheckpointError as e:
         raise UserError(str(e)) from None
-    state = {k[len(PREFIX) :]: v for k, v in tensors.items() if k.startswith(PREFIX)}
-    inner = build_model(spec, **sizes).model.inner  # fresh, then overwritten; real buffers (inv_freq)
+    state = {k[len(PREFIX) :]: tensor for k, tensor in tensors.items() if k.startswith(PREFIX)}
+    inner: Any = build_model(
+        spec, ModelSizes(**sizes)
+    ).model.inner  # an HF PreTrainedModel; fresh, then overwritten; real buffers (inv_freq)
     groups: dict[int, list[str]] = {}
-    for n, p in inner.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(n)
+    for param_name, param in inner.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(param_name)
     weights = {}
     for aliases in groups.values():  # a tied weight was saved under one of its names
-        found = next((a for a in aliases if a in state), None)
+        found = next((alias for alias in aliases if alias in state), None)
         if found is None:
             raise UserError(
                 f"checkpoint {path} has no tensor {PREFIX + aliases[0]!r}; it was not saved from {spec!r} {sizes}."
@@ -195,6 +198,6 @@ def run_export(args) -> int:
             f"transformers' from_pretrained({args.out!r})."
         )
         return 0
-    n = export_weights(args.checkpoint, args.out)
-    print(f"Wrote {args.out} ({n} tensors, original model names).")
+    count = export_weights(args.checkpoint, args.out)
+    print(f"Wrote {args.out} ({count} tensors, original model names).")
     return 0

@@ -26,9 +26,10 @@ import os
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -37,10 +38,11 @@ from planner.errors import UserError
 from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import check_weights, directory_state
 from planner.frontend.hf import hf_directory
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import TIME_KEYS, Plan, load_plan
 from planner.units import format_seconds
 from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+from runtime.contract.choices import OffloadTier
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
@@ -78,10 +80,10 @@ def original_state(spec: str, sizes: dict, seq_len: int, seed: int) -> Mapping[s
         state = directory_state(directory, sizes)
         if state is not None:
             return state
-    b = build_model(spec, seed=seed, **sizes)
+    model = build_model(spec, ModelSizes(**sizes), seed=seed).model
     # remove_duplicate=False: a tied weight appears under every name the graph may use.
-    state = {n: p.detach() for n, p in b.model.named_parameters(remove_duplicate=False)}
-    state.update({n: t for n, t in b.model.named_buffers(remove_duplicate=False)})
+    state = {n: param.detach() for n, param in model.named_parameters(remove_duplicate=False)}
+    state.update({n: buffer for n, buffer in model.named_buffers(remove_duplicate=False)})
     return state
 
 
@@ -108,7 +110,7 @@ def median_breakdown(times: Sequence[Mapping[str, float]]) -> tuple[dict[str, fl
     lines' ``time`` objects, in step order."""
     rows = list(times[WARMUP_STEPS:]) or list(times)
     keys = list(rows[0]) if rows else []
-    return {k: statistics.median(float(r[k]) for r in rows) for k in keys}, len(rows)
+    return {k: statistics.median(float(row[k]) for row in rows) for k in keys}, len(rows)
 
 
 def breakdown_table(
@@ -117,75 +119,98 @@ def breakdown_table(
     """Part (the ``time`` key: ``planner.plan.TIME_LABELS`` says what each is), predicted,
     measured, measured / predicted: one row per ``predicted.time`` key (and any part only
     measured), then their sums."""
-    t = Table(title=title, caption=caption)
-    for col, just in (("part", "left"), ("predicted", "right"), ("measured", "right"), ("measured/predicted", "right")):
-        t.add_column(col, justify=just)
+    table = Table(title=title, caption=caption)
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("part", "left"),
+        ("predicted", "right"),
+        ("measured", "right"),
+        ("measured/predicted", "right"),
+    )
+    for column, justify in columns:
+        table.add_column(column, justify=justify)
     keys = list(TIME_KEYS) + [k for k in list(predicted) + list(measured) if k not in TIME_KEYS]
     for k in dict.fromkeys(keys):
-        pv, mv = predicted.get(k), measured.get(k)
-        t.add_row(k, _seconds(pv), _seconds(mv), _ratio(pv, mv))
-    pv, mv = sum(predicted.values()), sum(measured.values())
-    t.add_row("step (sum)", _seconds(pv), _seconds(mv), _ratio(pv, mv), style="bold")
-    return t
+        predicted_s, measured_s = predicted.get(k), measured.get(k)
+        table.add_row(k, _seconds(predicted_s), _seconds(measured_s), _ratio(predicted_s, measured_s))
+    predicted_s, measured_s = sum(predicted.values()), sum(measured.values())
+    table.add_row(
+        "step (sum)", _seconds(predicted_s), _seconds(measured_s), _ratio(predicted_s, measured_s), style="bold"
+    )
+    return table
 
 
-def _seconds(v: float | None) -> str:
-    return "-" if v is None else format_seconds(v)
+def _seconds(seconds: float | None) -> str:
+    return "-" if seconds is None else format_seconds(seconds)
 
 
 def _ratio(predicted: float | None, measured: float | None) -> str:
     return f"{measured / predicted:.2f}" if predicted and measured is not None else "-"
 
 
-def _worker(
-    rank: int,
-    world: int,
-    compiled: str,
-    opts: TrainOptions,
-    spec: str,
-    sizes: dict,
-    seq_len: int,
-    on_step_start: StepHook | None,
-    predicted_time: dict[str, float] | None = None,
-) -> None:
+@dataclass(frozen=True)
+class _WorkerJob:
+    """What every rank needs to train a plan (picklable: sent to each spawned process)."""
+
+    compiled: str
+    """The compiled plan's folder."""
+    opts: TrainOptions
+    """The training options."""
+    spec: str
+    """The model spec (each rank rebuilds the original model from it)."""
+    sizes: dict
+    """The plan's model size overrides."""
+    seq_len: int
+    """The plan's sequence length."""
+    on_step_start: StepHook | None
+    """Runs on every rank before every step (``runtime.training.trainer.StepHook``)."""
+    predicted_time: dict[str, float] | None = None
+    """plan.json's ``predicted.time``, printed beside the measured breakdown."""
+
+
+def _worker(rank: int, world: int, job: _WorkerJob) -> None:
     """One rank: train, with a progress bar and a summary on rank 0 when ``opts.progress``: the
     last loss, mean throughput, peak memory and the time breakdown beside ``predicted_time``."""
+    opts = job.opts
     show = rank == 0 and opts.progress
     reporter = _Reporter(opts.steps) if show else None
     try:
-        hist = train_worker(
+        history = train_worker(
             rank,
             world,
-            compiled,
+            job.compiled,
             opts,
-            lambda: original_state(spec, sizes, seq_len, opts.seed),
+            lambda: original_state(job.spec, job.sizes, job.seq_len, opts.seed),
             on_metrics=reporter.update if reporter else None,
-            on_step_start=on_step_start,
+            on_step_start=job.on_step_start,
         )
     finally:
         if reporter:
             reporter.close()
-    if show and hist:
-        last = hist[-1]
-        peak = (
-            f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device"
-            if opts.track_memory
-            else "memory not tracked (--no-memory-tracking)"
-        )
-        print(
-            f"done: {len(hist)} steps, final loss {last.loss:.4f}, "
-            f"{sum(h.tokens_per_s for h in hist) / len(hist):,.0f} tokens/s, {peak}",
-            flush=True,
-        )
-        measured, n = median_breakdown([h.time for h in hist if h.time is not None])
-        if measured:
-            caption = f"measured: median of the {'last ' if len(hist) > WARMUP_STEPS else ''}{n} steps"
-            if opts.track_memory and opts.memory_steps is None:
-                caption += (
-                    ", under live-tensor tracking, which slows every operator "
-                    "(--no-memory-tracking times the run as it is)"
-                )
-            Console().print(breakdown_table(predicted_time or {}, measured, "step time by part", caption))
+    if show and history:
+        _print_summary(history, opts, job.predicted_time)
+
+
+def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted_time: dict[str, float] | None) -> None:
+    """Rank 0's closing lines: last loss, mean throughput, peak memory and the time breakdown."""
+    last = history[-1]
+    peak = (
+        f"peak {last.peak_memory_bytes / 2**20:.1f} MiB per device"
+        if opts.track_memory
+        else "memory not tracked (--no-memory-tracking)"
+    )
+    print(
+        f"done: {len(history)} steps, final loss {last.loss:.4f}, "
+        f"{sum(h.tokens_per_s for h in history) / len(history):,.0f} tokens/s, {peak}",
+        flush=True,
+    )
+    measured, n = median_breakdown([h.time for h in history if h.time is not None])
+    if measured:
+        caption = f"measured: median of the {'last ' if len(history) > WARMUP_STEPS else ''}{n} steps"
+        if opts.track_memory and opts.memory_steps is None:
+            caption += (
+                ", under live-tensor tracking, which slows every operator (--no-memory-tracking times the run as it is)"
+            )
+        Console().print(breakdown_table(predicted_time or {}, measured, "step time by part", caption))
 
 
 class _Reporter:
@@ -205,12 +230,12 @@ class _Reporter:
         self.progress.start()
         self.tty = sys.stdout.isatty()
 
-    def update(self, m: StepMetrics) -> None:
-        mem = f"mem {m.peak_memory_bytes / 2**20:.1f} MiB  " if m.peak_memory_bytes else ""
-        info = f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {mem}lr {m.lr:.2e}"
-        self.progress.update(self.task, completed=m.step, info=info)
+    def update(self, metrics: StepMetrics) -> None:
+        mem = f"mem {metrics.peak_memory_bytes / 2**20:.1f} MiB  " if metrics.peak_memory_bytes else ""
+        info = f"loss {metrics.loss:.4f}  {metrics.tokens_per_s:,.0f} tok/s  {mem}lr {metrics.lr:.2e}"
+        self.progress.update(self.task, completed=metrics.step, info=info)
         if not self.tty:
-            print(f"step {m.step}: {info}", flush=True)
+            print(f"step {metrics.step}: {info}", flush=True)
 
     def close(self) -> None:
         self.progress.stop()
@@ -220,6 +245,8 @@ def _check_resumable(plan: Plan, opts: TrainOptions) -> bool:
     """Refuse, before any process starts, a checkpoint that belongs to another model; say when
     the run is already done (returns False: nothing to train) or its schedule changes."""
     directory = opts.checkpoint_dir
+    if directory is None:
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
     found = list_checkpoints(directory)
     if not found:
         print(f"planner train: no checkpoint in {directory}; starting from step 0.", file=sys.stderr)
@@ -287,7 +314,7 @@ def _check_offload(plan: Plan, opts: TrainOptions) -> None:
         OffloadConfig.from_plan({"zero_stage": plan.zero_stage, "offload": plan.offload}, opts.nvme_path)
     except OffloadError as e:
         raise UserError(str(e)) from None
-    if opts.delayed_update and plan.offload["optimizer"] == "none":
+    if opts.delayed_update and plan.offload["optimizer"] == OffloadTier.NONE:
         raise UserError(
             "--delayed-update overlaps the optimizer step on the host with the next step, so it "
             "needs a plan that offloads the optimizer (plan with --offload-optimizer cpu|nvme)."
@@ -308,31 +335,13 @@ def train_plan(
     0 done (or nothing left to train), 1 the run failed (the reason on stderr); bad input raises
     ``UserError``. ``on_step_start`` must be picklable for local runs (it is sent to every rank)."""
     world = plan.dp * plan.tp * plan.pp
-    if opts.resume and not opts.checkpoint_dir:
-        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
-    if opts.save_every and not opts.checkpoint_dir:
-        raise UserError("--save-every needs --checkpoint-dir DIR.")
-    if opts.resume and not _check_resumable(plan, opts):
+    if not _check_before_start(plan, opts):
         return 0
-    kind, name = parse_spec(plan.model.spec)
-    if kind == "hf" and hf_directory(name) is not None:  # bad weights: exit 2 before any process starts
-        check_weights(name, dict(plan.model.sizes))
-    _check_offload(plan, opts)
-    if opts.tensorboard_dir and not _tensorboard_installed():
-        raise UserError(
-            "--tensorboard needs the tensorboard package, which is not installed: "
-            "pip install tensorboard (or pip install 'planner[tensorboard]')."
-        )
     compiled = compile_for_training(plan, plan_path, compiled)
-    if opts.data_path is not None:  # fail fast, before any process starts
-        TokenFile(
-            opts.data_path,
-            plan.seq_len,
-            vocab=data_vocab(plan.model.inputs or LEGACY_INPUTS, read_manifest(compiled)["model"]["vocab"]),
-        )
+    _check_data(plan, opts, compiled)
     if opts.metrics_path and not opts.resume and os.path.exists(opts.metrics_path):
         os.remove(opts.metrics_path)
-    worker_args = (
+    job = _WorkerJob(
         compiled,
         opts,
         plan.model.spec,
@@ -342,23 +351,64 @@ def train_plan(
         dict(plan.predicted.time),
     )
     if nproc is not None:
-        if nproc != world:
-            raise UserError(
-                f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
-                f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}."
-            )
-        try:
-            launch_local(
-                _worker,
-                nproc,
-                worker_args,
-                timeout_s=max(600.0, 60.0 * opts.steps),
-                collective_timeout_s=opts.timeout_s,
-            )
-        except LaunchError as e:
-            print(f"planner train: training failed: {e}", file=sys.stderr)
-            return 1
-        return 0
+        return _train_local(plan, plan_path, job, nproc, world)
+    _train_under_torchrun(plan_path, job, world)
+    return 0
+
+
+def _check_before_start(plan: Plan, opts: TrainOptions) -> bool:
+    """Bad input (exit 2) before any process starts; False when a resumed run has nothing left."""
+    if opts.resume and not opts.checkpoint_dir:
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
+    if opts.save_every and not opts.checkpoint_dir:
+        raise UserError("--save-every needs --checkpoint-dir DIR.")
+    if opts.resume and not _check_resumable(plan, opts):
+        return False
+    kind, name = parse_spec(plan.model.spec)
+    if kind == "hf" and hf_directory(name) is not None:  # bad weights: exit 2 before any process starts
+        check_weights(name, dict(plan.model.sizes))
+    _check_offload(plan, opts)
+    if opts.tensorboard_dir and not _tensorboard_installed():
+        raise UserError(
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or pip install 'planner[tensorboard]')."
+        )
+    return True
+
+
+def _check_data(plan: Plan, opts: TrainOptions, compiled: str) -> None:
+    """A ``--data`` token file must fit the model's vocabulary: fail fast, before any process starts."""
+    if opts.data_path is not None:
+        TokenFile(
+            opts.data_path,
+            plan.seq_len,
+            vocab=data_vocab(plan.model.inputs or LEGACY_INPUTS, read_manifest(compiled)["model"]["vocab"]),
+        )
+
+
+def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world: int) -> int:
+    """Spawn ``nproc`` local processes (one per rank) and train; 1 when the run failed."""
+    if nproc != world:
+        raise UserError(
+            f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
+            f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}."
+        )
+    try:
+        launch_local(
+            _worker,
+            nproc,
+            (job,),
+            timeout_s=max(600.0, 60.0 * job.opts.steps),
+            collective_timeout_s=job.opts.timeout_s,
+        )
+    except LaunchError as e:
+        print(f"planner train: training failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train_under_torchrun(plan_path: str, job: _WorkerJob, world: int) -> None:
+    """Train this process's rank under torchrun's environment (a single process sets up its own)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if world != 1:
             raise UserError(
@@ -370,9 +420,8 @@ def train_plan(
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world:
         raise UserError(f"{plan_path} needs {world} processes (dp*tp*pp), but torchrun started {env_world}.")
-    ctx = init_distributed(timeout_s=opts.timeout_s)
+    ctx = init_distributed(timeout_s=job.opts.timeout_s)
     try:
-        _worker(ctx.rank, ctx.world_size, *worker_args)
+        _worker(ctx.rank, ctx.world_size, job)
     finally:
         shutdown()
-    return 0

@@ -27,11 +27,20 @@ from rich.table import Table
 from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdown, train_plan
 from planner.errors import UserError
 from planner.plan import load_plan
+from runtime.contract.choices import OffloadTier
 from runtime.training.train_config import TrainOptions
 
 __all__ = ["run_validate", "compare"]
 
 KEYS = ("step_time_s", "peak_memory_bytes", "comm_bytes_per_device")
+
+#: How the table prints each compared quantity.
+_FORMATS = {
+    "step_time_s": lambda seconds: f"{seconds:.4f} s",
+    "peak_memory_bytes": lambda nbytes: f"{nbytes / 2**20:,.1f} MiB",
+    "comm_bytes_per_device": lambda nbytes: f"{nbytes / 2**20:,.2f} MiB",
+    "host_memory_bytes": lambda nbytes: f"{nbytes / 2**20:,.1f} MiB",
+}
 
 
 def compare(plan, metrics: list[dict]) -> dict:
@@ -45,28 +54,28 @@ def compare(plan, metrics: list[dict]) -> dict:
             f"use --steps {WARMUP_STEPS + 1} or more."
         )
     measured = {
-        "step_time_s": statistics.median(r["step_time_s"] for r in rows),
-        "peak_memory_bytes": int(max(r["peak_memory_bytes"] for r in metrics)),
-        "comm_bytes_per_device": statistics.median(r["comm_bytes"] for r in rows),
+        "step_time_s": statistics.median(row["step_time_s"] for row in rows),
+        "peak_memory_bytes": int(max(row["peak_memory_bytes"] for row in metrics)),
+        "comm_bytes_per_device": statistics.median(row["comm_bytes"] for row in rows),
     }
-    p = plan.predicted
+    prediction = plan.predicted
     predicted = {
-        "step_time_s": p.step_time_s,
-        "peak_memory_bytes": p.peak_memory_bytes,
-        "comm_bytes_per_device": p.comm_bytes_per_device,
+        "step_time_s": prediction.step_time_s,
+        "peak_memory_bytes": prediction.peak_memory_bytes,
+        "comm_bytes_per_device": prediction.comm_bytes_per_device,
     }
-    host = [r["host_memory_bytes"] for r in metrics if "host_memory_bytes" in r]
-    if host and set(plan.offload.values()) != {"none"}:  # only a plan that keeps state on the host
+    host = [row["host_memory_bytes"] for row in metrics if "host_memory_bytes" in row]
+    if host and set(plan.offload.values()) != {OffloadTier.NONE}:  # only a plan that keeps state on the host
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
-        predicted["host_memory_bytes"] = int(p.memory.get("host", 0) // ranks)
+        predicted["host_memory_bytes"] = int(prediction.memory.get("host", 0) // ranks)
         measured["host_memory_bytes"] = int(max(host))
-    parts, _ = median_breakdown([r["time"] for r in metrics if "time" in r])
+    parts, _ = median_breakdown([row["time"] for row in metrics if "time" in row])
     return {
         "predicted": predicted,
         "measured": measured,
-        "step_times_s": [float(r["step_time_s"]) for r in rows],
-        "comm_wait_s": statistics.median(float(r.get("comm_wait_s", 0.0)) for r in rows),
-        "time": {"predicted": dict(p.time), "measured": parts},
+        "step_times_s": [float(row["step_time_s"]) for row in rows],
+        "comm_wait_s": statistics.median(float(row.get("comm_wait_s", 0.0)) for row in rows),
+        "time": {"predicted": dict(prediction.time), "measured": parts},
     }
 
 
@@ -94,32 +103,26 @@ def run_validate(args) -> int:
             progress=False,
             nvme_path=nvme,
         )
-        rc = train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=os.path.join(tmp, "compiled"))
-        if rc != 0:
-            return rc
+        status = train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=os.path.join(tmp, "compiled"))
+        if status != 0:
+            return status
         with open(metrics, encoding="utf-8") as f:
-            lines = [json.loads(ln) for ln in f if ln.strip()]
+            lines = [json.loads(line) for line in f if line.strip()]
     result = compare(plan, lines)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return 0
-    t = Table(title=f"{args.plan}: predicted vs measured ({len(lines)} steps, median after 2 warm-up)")
-    t.add_column("quantity")
-    t.add_column("predicted", justify="right")
-    t.add_column("measured", justify="right")
-    t.add_column("measured / predicted", justify="right")
-    fmt = {
-        "step_time_s": lambda v: f"{v:.4f} s",
-        "peak_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
-        "comm_bytes_per_device": lambda v: f"{v / 2**20:,.2f} MiB",
-        "host_memory_bytes": lambda v: f"{v / 2**20:,.1f} MiB",
-    }
+    table = Table(title=f"{args.plan}: predicted vs measured ({len(lines)} steps, median after 2 warm-up)")
+    table.add_column("quantity")
+    table.add_column("predicted", justify="right")
+    table.add_column("measured", justify="right")
+    table.add_column("measured / predicted", justify="right")
     for k in KEYS + (("host_memory_bytes",) if "host_memory_bytes" in result["measured"] else ()):
-        pv, mv = result["predicted"][k], result["measured"][k]
-        ratio = f"{mv / pv:.2f}" if pv else "-"
-        t.add_row(k, fmt[k](pv), fmt[k](mv), ratio)
+        predicted, measured = result["predicted"][k], result["measured"][k]
+        ratio = f"{measured / predicted:.2f}" if predicted else "-"
+        table.add_row(k, _FORMATS[k](predicted), _FORMATS[k](measured), ratio)
     console = Console()
-    console.print(t)
+    console.print(table)
     console.print(
         breakdown_table(
             result["time"]["predicted"],

@@ -47,14 +47,14 @@ class ModelBundle:
         of them (zeros: this is for tracing), on the device of the examples (the factory chose it)."""
         if self.kind == "file":
             return tuple(
-                torch.zeros(self._resized(t, batch, seq_len), dtype=t.dtype, device=t.device)
-                for t in self.example_inputs
+                torch.zeros(self._resized(example, batch, seq_len), dtype=example.dtype, device=example.device)
+                for example in self.example_inputs
             )
         ids = torch.randint(0, self.vocab, (batch, seq_len + 1), generator=generator)
         return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
-    def _resized(self, t: torch.Tensor, batch: int, seq_len: int) -> list[int]:
-        dims = list(t.shape)
+    def _resized(self, example: torch.Tensor, batch: int, seq_len: int) -> list[int]:
+        dims = list(example.shape)
         if dims:
             dims[0] = batch
         if len(dims) >= 2 and dims[1] == self.seq_len:

@@ -40,10 +40,10 @@ Safety. A cache must never make planning fail or lie:
 Pickle was chosen over the table's JSON form (``LayerTable.to_json``) because reading JSON back
 re-parses every sympy expression, which costs more than the plan it would save. Even sympy's own
 pickling rebuilds each expression through its constructor, which re-canonicalizes it (and on the
-first ``Add`` imports half of sympy): 80 ms for LLaMA-3-8B's table. ``_TablePickler`` stores
-each expression as its class and arguments instead and ``_rebuild`` reassembles it unevaluated
-(the arguments are canonical already, so the result is the same expression): under 1 ms. Rows
-that share an expression (identical blocks) share it in the file too.
+first ``Add`` imports half of sympy). ``_TablePickler`` stores each expression as its class and
+arguments instead and ``_rebuild`` reassembles it unevaluated (the arguments are canonical
+already, so the result is the same expression). Rows that share an expression (identical
+blocks) share it in the file too.
 """
 
 from __future__ import annotations
@@ -119,7 +119,9 @@ def _root() -> Path:
 def source_paths() -> list[Path]:
     """The files whose code computes a layer table: the key's code part."""
     root = _root()
-    return sorted(p for d in _SOURCES for p in (root / d).rglob("*.py")) + [root / f for f in _SOURCE_FILES]
+    return sorted(path for folder in _SOURCES for path in (root / folder).rglob("*.py")) + [
+        root / f for f in _SOURCE_FILES
+    ]
 
 
 def code_digest() -> str:
@@ -128,11 +130,11 @@ def code_digest() -> str:
     if _code_digest is None:
         root = _root()
         paths = source_paths()
-        h = hashlib.sha256()
-        for p in paths:
-            h.update(p.relative_to(root).as_posix().encode() + b"\0")
-            h.update(p.read_bytes() + b"\0")
-        _code_digest = h.hexdigest()
+        digest = hashlib.sha256()
+        for path in paths:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+        _code_digest = digest.hexdigest()
     return _code_digest
 
 
@@ -156,8 +158,8 @@ def _directory_parts(path: str) -> dict[str, Any]:
     files = {}
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
         if entry.is_file() and entry.name != "config.json" and entry.name.endswith(_WEIGHT_SUFFIXES):
-            st = entry.stat()
-            files[entry.name] = [st.st_size, st.st_mtime_ns]
+            stat = entry.stat()
+            files[entry.name] = [stat.st_size, stat.st_mtime_ns]
     return {"path": os.path.abspath(path), "config": _file_digest(os.path.join(path, "config.json")), "files": files}
 
 
@@ -235,14 +237,14 @@ def _valid_table(obj: Any) -> bool:
     if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(LayerTable)}:
         return False
     rows = obj["layers"]
-    if not isinstance(rows, list) or not rows or not all(type(r) is LayerCosts for r in rows):
+    if not isinstance(rows, list) or not rows or not all(type(row) is LayerCosts for row in rows):
         return False
-    for r in rows:
-        if not all(isinstance(getattr(r, f), sympy.Basic) for f in EXPR_FIELDS):
+    for row in rows:
+        if not all(isinstance(getattr(row, f), sympy.Basic) for f in EXPR_FIELDS):
             return False
-        if not all(type(getattr(r, f)) is int for f in INT_FIELDS):
+        if not all(type(getattr(row, f)) is int for f in INT_FIELDS):
             return False
-        if not all(_valid_gemms(getattr(r, f, None)) for f in GEMM_FIELDS):
+        if not all(_valid_gemms(getattr(row, f, None)) for f in GEMM_FIELDS):
             return False
     return (
         isinstance(obj["dtype"], str)
@@ -256,11 +258,11 @@ def _valid_table(obj: Any) -> bool:
 def _valid_gemms(gemms: Any) -> bool:
     """Is ``gemms`` a row's list of ``Gemm`` (sympy sizes, an int count, a known tp dim)?"""
     return isinstance(gemms, list) and all(
-        type(g) is Gemm
-        and all(isinstance(x, sympy.Basic) for x in g[:4])
-        and type(g.count) is int
-        and g.tp_dim in GEMM_TP_DIMS
-        for g in gemms
+        type(gemm) is Gemm
+        and all(isinstance(x, sympy.Basic) for x in gemm[:4])
+        and type(gemm.count) is int
+        and gemm.tp_dim in GEMM_TP_DIMS
+        for gemm in gemms
     )
 
 
@@ -302,8 +304,8 @@ def store_table(key: str, table: LayerTable) -> None:
         data = buffer.getvalue()
         path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem[:16] + ".", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem[:16] + ".", suffix=".tmp")
+        with os.fdopen(descriptor, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
         tmp = None

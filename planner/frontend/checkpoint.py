@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -60,8 +61,8 @@ def _skeleton(path: str, sizes: dict) -> nn.Module:
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
     """Every parameter name -> all names of that parameter (tied weights share one list)."""
     groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
     return {n: names for names in groups.values() for n in names}
 
 
@@ -104,7 +105,7 @@ class DirectoryWeights(Mapping):
 
     def __iter__(self) -> Iterator[str]:
         yield from self._key
-        yield from (b for b in self._buffers if b not in self._key)
+        yield from (buffer for buffer in self._buffers if buffer not in self._key)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -118,12 +119,12 @@ def check_weights(path: str, sizes: dict, model: nn.Module | None = None) -> dic
         return files
     model = model if model is not None else build_hf_dir(path, sizes, weights=True, device="meta").model
     seen: set[int] = set()
-    handles: dict[str, object] = {}
+    handles: dict[str, Any] = {}  # safetensors' open files
     for name, names in _aliases(model).items():
-        p = model.get_parameter(name)
-        if id(p) in seen:
+        param = model.get_parameter(name)
+        if id(param) in seen:
             continue
-        seen.add(id(p))
+        seen.add(id(param))
         hf_names = [n[len(PREFIX) :] for n in names]
         key = next((n for n in hf_names if n in files), None)
         if key is None:
@@ -133,7 +134,7 @@ def check_weights(path: str, sizes: dict, model: nn.Module | None = None) -> dic
                 else os.path.join(path, SINGLE_FILE)
             )
             raise ModelError(
-                f"{where} has no tensor {hf_names[0]!r} (shape {tuple(p.shape)}), which the "
+                f"{where} has no tensor {hf_names[0]!r} (shape {tuple(param.shape)}), which the "
                 f"model of {os.path.join(path, 'config.json')} needs. Save the weights and the "
                 "config together (save_pretrained), or remove the weight files to train from "
                 "a fresh initialization."
@@ -147,10 +148,10 @@ def check_weights(path: str, sizes: dict, model: nn.Module | None = None) -> dic
             raise ModelError(
                 f"cannot read tensor {key!r} from {file} ({e}); save the model again with save_pretrained."
             ) from None
-        if shape != tuple(p.shape):
+        if shape != tuple(param.shape):
             raise ModelError(
                 f"{file}: tensor {key!r} has shape {shape}, but the model of "
-                f"{os.path.join(path, 'config.json')} needs {tuple(p.shape)}. The weights "
+                f"{os.path.join(path, 'config.json')} needs {tuple(param.shape)}. The weights "
                 "and the config disagree: save them together (save_pretrained), and do not "
                 "override sizes of a model with weights."
             )
@@ -163,5 +164,5 @@ def directory_state(path: str, sizes: dict) -> Mapping[str, torch.Tensor] | None
         return None
     model = _skeleton(path, sizes)
     files = check_weights(path, sizes, model)
-    buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
+    buffers = {n: buffer for n, buffer in model.named_buffers(remove_duplicate=False)}
     return DirectoryWeights(files, _aliases(model), buffers)

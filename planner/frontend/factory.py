@@ -49,6 +49,8 @@ def load_factory(spec: str, device="cpu") -> ModelBundle:
     mod_name = "planner_user_model_" + str(abs(hash(os.path.abspath(path))))
     try:
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"no module loader for {path}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module
         module_spec.loader.exec_module(module)
@@ -67,7 +69,7 @@ def load_factory(spec: str, device="cpu") -> ModelBundle:
     check_module_names(model, f"{path}:{fn_name}()")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(tensor, torch.Tensor) for tensor in inputs):
         raise ModelError(f"{path}:{fn_name}(): example_inputs must be a tensor or a tuple of tensors.")
     inputs = tuple(inputs)
     seq = inputs[0].shape[1] if inputs[0].dim() >= 2 else 1

@@ -30,13 +30,13 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return F.dropout(self.proj(y), self.dropout, self.training)
+        batch, seq, _ = x.shape
+        query = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        key = self.k(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        value = self.v(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        attended = attended.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+        return F.dropout(self.proj(attended), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -105,18 +105,18 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 initialization: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
         std = 0.02
-        for name, p in self.named_parameters():
-            if p.device.type == "meta":
+        for name, param in self.named_parameters():
+            if param.device.type == "meta":
                 continue
-            if p.dim() == 1:
+            if param.dim() == 1:
                 if name.endswith("weight"):
-                    p.fill_(1.0)
+                    param.fill_(1.0)
                 else:
-                    p.zero_()
+                    param.zero_()
             elif name.endswith("proj.weight"):
-                p.normal_(0.0, std / math.sqrt(2 * self.cfg.layers))
+                param.normal_(0.0, std / math.sqrt(2 * self.cfg.layers))
             else:
-                p.normal_(0.0, std)
+                param.normal_(0.0, std)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -65,7 +66,7 @@ class HFLossModel(nn.Module):
 
     def __init__(self, inner: nn.Module):
         super().__init__()
-        self.inner = inner
+        self.inner: Any = inner  # a transformers PreTrainedModel (its config, its output's logits)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = (
@@ -93,7 +94,7 @@ def hf_classes(arch: str) -> tuple[type, type]:
     architecture's modules)."""
     if arch not in HF_ARCHS:
         raise ModelError(
-            f"Unknown HF architecture 'hf:{arch}'. Supported: " + ", ".join("hf:" + a for a in HF_ARCHS) + "."
+            f"Unknown HF architecture 'hf:{arch}'. Supported: " + ", ".join("hf:" + name for name in HF_ARCHS) + "."
         )
     try:
         import transformers
@@ -116,7 +117,7 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
             + ", ".join("--" + k.replace("_", "-") for k in fields)
             + "."
         )
-    kwargs = {fields[k]: v for k, v in sizes.items()}
+    kwargs = {fields[k]: size for k, size in sizes.items()}
     if arch == "gpt2":
         if "vocab" in sizes:  # the default special-token id 50256 must lie inside the vocabulary
             kwargs["bos_token_id"] = kwargs["eos_token_id"] = min(50256, sizes["vocab"] - 1)
@@ -137,16 +138,16 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
     hidden = cfg.hidden_size
     if hidden % heads:
         raise ModelError(f"hf:{arch}: hidden size {hidden} is not divisible by {heads} heads.")
-    kv = getattr(cfg, "num_key_value_heads", heads) or heads
-    if heads % kv:
-        raise ModelError(f"hf:{arch}: {heads} heads are not divisible by {kv} kv heads.")
+    kv_heads = getattr(cfg, "num_key_value_heads", heads) or heads
+    if heads % kv_heads:
+        raise ModelError(f"hf:{arch}: {heads} heads are not divisible by {kv_heads} kv heads.")
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         inner = cls(cfg)
     model = HFLossModel(inner).to(dtype)
     seq = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
     return ModelBundle(
-        f"hf:{arch}", model, (), cfg.vocab_size, seq, hidden, heads, kv, cfg.num_hidden_layers, "hf", dict(sizes)
+        f"hf:{arch}", model, (), cfg.vocab_size, seq, hidden, heads, kv_heads, cfg.num_hidden_layers, "hf", dict(sizes)
     )
 
 
@@ -320,8 +321,8 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
             setattr(cfg, attr, int(value))
             if key == "heads" and "kv_heads" not in sizes and hasattr(cfg, "num_key_value_heads"):
                 cfg.num_key_value_heads = int(value)
-    for attr, v in list(cfg.to_dict().items()):
-        if isinstance(v, float) and ("dropout" in attr or attr.endswith("pdrop")):
+    for attr, value in list(cfg.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in attr or attr.endswith("pdrop")):
             setattr(cfg, attr, dropout)
     if getattr(cfg, "use_cache", None) is not None:
         cfg.use_cache = False
@@ -363,7 +364,7 @@ def build_hf_dir(
         ) from None
     model = HFLossModel(inner).to(dtype)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
-    kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", heads) or heads)
     seq = int(getattr(cfg, "max_position_embeddings", 0) or 0) or int(sizes.get("seq_len") or 2048)
     return ModelBundle(
         f"hf:{path}",
@@ -373,7 +374,7 @@ def build_hf_dir(
         seq,
         int(getattr(cfg, "hidden_size", 0)),
         heads,
-        kv,
+        kv_heads,
         int(getattr(cfg, "num_hidden_layers", 0)),
         "hf",
         dict(sizes),

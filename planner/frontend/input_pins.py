@@ -39,7 +39,7 @@ def resolve_inputs(facts: list[dict] | None, pins: dict[str, str] | None, spec: 
     unknown = sorted(set(pins) - set(names))
     if unknown:
         raise ModelError(
-            f"--input names {', '.join(repr(u) for u in unknown)}, but the model {spec!r} takes "
+            f"--input names {', '.join(repr(name) for name in unknown)}, but the model {spec!r} takes "
             f"{', '.join(repr(n) for n in names) or 'no inputs'}."
         )
     for f in facts:
@@ -47,7 +47,7 @@ def resolve_inputs(facts: list[dict] | None, pins: dict[str, str] | None, spec: 
             f["role"], f["why"] = pins[f["name"]], "set by --input"
     for f in facts:
         if f["role"] is None:
-            shape = "x".join(str(d) for d in f["shape"])
+            shape = "x".join(str(size) for size in f["shape"])
             raise ModelError(
                 f"The model {spec!r} takes an input {f['name']!r} ({f['dtype']}, shape {shape}) whose meaning "
                 f"the planner cannot infer: it neither indexes an embedding nor is the target of a loss, and its "

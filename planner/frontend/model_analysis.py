@@ -59,8 +59,7 @@ def _freeze_imports() -> None:
     Called right after the tracing stack was imported: torch's export machinery, sympy and
     transformers leave about 500,000 objects (modules, classes, functions) that live as long as
     the process. Left in the young generations, the first collection after the pause walks them
-    all and moves them on to be walked again by the older generations' collections (0.6-0.9 s of
-    a LLaMA-3-8B plan on a 2-core machine; the collection here costs 0.2 s). Frozen, collections
+    all and moves them on to be walked again by the older generations' collections. Frozen, collections
     see only the trace's own objects, whose cycles they still free. Collecting first is what keeps
     that true: the imports leave some garbage cycles, and one of them holds a frame object
     (``torch.fx.wrap`` looks at its caller's frame) whose chain of callers reaches up to

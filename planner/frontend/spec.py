@@ -11,11 +11,12 @@ with these alone, so that planning a model traced before imports neither torch n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from planner.frontend.frontend_errors import ModelError
 
-__all__ = ["GPTConfig", "PRESETS", "HF_ARCHS", "SPEC_HELP", "parse_spec", "hf_directory"]
+__all__ = ["GPTConfig", "ModelSizes", "PRESETS", "HF_ARCHS", "SPEC_HELP", "parse_spec", "hf_directory"]
 
 HF_ARCHS = ("gpt2", "llama", "bert")
 """The HF architectures built from their config classes (``hf:NAME``)."""
@@ -50,9 +51,9 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab", "seq_len", "layers", "hidden", "heads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ModelError(f"GPT size {name}={v!r} must be a positive integer.")
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelError(f"GPT size {name}={value!r} must be a positive integer.")
         if self.hidden % self.heads:
             raise ModelError(
                 f"GPT hidden size {self.hidden} is not divisible by heads={self.heads}; "
@@ -66,6 +67,38 @@ class GPTConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn or 4 * self.hidden
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The size flags of a model spec (``--layers``, ``--hidden`` ...): each overrides the spec's
+    own size when given, ``None`` keeps it. The builders check that a size fits their model (a
+    positive integer, heads dividing hidden ...); this checks only that each is an integer."""
+
+    layers: int | None = None
+    """Transformer blocks."""
+    hidden: int | None = None
+    """Model width."""
+    heads: int | None = None
+    """Attention heads."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention; HF models that have it)."""
+    ffn: int | None = None
+    """MLP inner width."""
+    vocab: int | None = None
+    """Vocabulary size."""
+    seq_len: int | None = None
+    """Maximum sequence length (the model's position table)."""
+
+    def __post_init__(self) -> None:
+        for size in fields(self):
+            value = getattr(self, size.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelError(f"model size {size.name}={value!r} must be an integer.")
+
+    def given(self) -> dict[str, Any]:
+        """The sizes that were given, by name (what ``ModelBundle.sizes`` and plan.json record)."""
+        return {size.name: getattr(self, size.name) for size in fields(self) if getattr(self, size.name) is not None}
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -105,7 +138,7 @@ def hf_directory(name: str) -> str | None:
     if not os.path.isdir(name):
         raise ModelError(
             f"'hf:{name}' is neither a built-in HF architecture ("
-            + ", ".join("hf:" + a for a in HF_ARCHS)
+            + ", ".join("hf:" + arch for arch in HF_ARCHS)
             + ") nor a directory. Give the path "
             "of a local model directory holding config.json (and optionally *.safetensors "
             "weights, e.g. written by save_pretrained); nothing is downloaded."

@@ -58,7 +58,7 @@ from planner.frontend.checkpoint import check_weights
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import PRESETS
 from planner.frontend.hf import hf_classes, hf_directory, load_hf_config
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime.contract.dtype_table import DTYPES
 from runtime.dtypes import to_torch
 
@@ -108,10 +108,10 @@ def find_block_container(model: nn.Module) -> tuple[str, list[str]]:
         kids = list(mod.named_children())
         if not kids:
             continue
-        counts = Counter(type(m) for _, m in kids)
+        counts = Counter(type(child) for _, child in kids)
         typ, n = counts.most_common(1)[0]
         if n > best[0]:
-            names = [f"{path}.{name}" if path else name for name, m in kids if type(m) is typ]
+            names = [f"{path}.{name}" if path else name for name, child in kids if type(child) is typ]
             best = (n, path, names)
     return best[1], best[2]
 
@@ -163,16 +163,16 @@ def _user_frame(exc: BaseException) -> tuple[str, int, str] | None:
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     here = os.path.abspath(__file__)
     best = None
-    e: BaseException | None = exc
+    current: BaseException | None = exc
     seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        for fr in traceback.extract_tb(e.__traceback__):
-            fn = os.path.abspath(fr.filename) if not fr.filename.startswith("<") else fr.filename
-            if fn.startswith(torch_dir) or fn.startswith("<") or fn == here:
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame in traceback.extract_tb(current.__traceback__):
+            filename = os.path.abspath(frame.filename) if not frame.filename.startswith("<") else frame.filename
+            if filename.startswith(torch_dir) or filename.startswith("<") or filename == here:
                 continue
-            best = (fr.filename, fr.lineno or 0, (fr.line or "").strip())
-        e = e.__cause__ or e.__context__
+            best = (frame.filename, frame.lineno or 0, (frame.line or "").strip())
+        current = current.__cause__ or current.__context__
     return best
 
 
@@ -187,7 +187,7 @@ _UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicO
 
 def explain_export_error(exc: BaseException, what: str) -> ModelError:
     """Turn a ``torch.export`` failure into a short ``ModelError`` with the source line and a fix."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     headline = lines[0] if lines else type(exc).__name__
     if len(headline) > 160:
         headline = headline[:160] + "..."
@@ -230,15 +230,15 @@ def _quiet_torch_logs():
         "torch._functorch",
         "torch.fx.experimental.recording",
     )
-    saved = [(lg, lg.level) for lg in map(logging.getLogger, names)]
-    for lg, _ in saved:
-        lg.setLevel(logging.CRITICAL)
+    saved = [(logger, logger.level) for logger in map(logging.getLogger, names)]
+    for logger, _ in saved:
+        logger.setLevel(logging.CRITICAL)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
-        for lg, level in saved:
-            lg.setLevel(level)
+        for logger, level in saved:
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -246,8 +246,7 @@ def _uncached_fake_tensors():
     """Export (and the cost replay, which reuses the export's fake mode) without torch's fake
     tensor dispatch cache: that cache pays off when one op sees the same shapes again, but in a
     trace with symbolic sizes nearly every dispatch is new, and a miss costs twice (the output is
-    synthesized again from the entry to validate it). Off, the trace and the replay of a
-    LLaMA-3-8B-shaped model take half the time, with the same graph. ``torch._dynamo`` is
+    synthesized again from the entry to validate it); the graph is the same. ``torch._dynamo`` is
     imported here, not at the top: a plan served by the layer-table cache never needs it."""
     import torch._dynamo.config
 
@@ -265,14 +264,14 @@ class _HostListIndices(TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and len(args) == 2:
             idx = args[1]
             parts = idx if isinstance(idx, tuple) else (idx,)
-            if any(_int_list(p) for p in parts):
-                fixed = tuple(torch.tensor(p, dtype=torch.int64) if _int_list(p) else p for p in parts)
+            if any(_int_list(part) for part in parts):
+                fixed = tuple(torch.tensor(part, dtype=torch.int64) if _int_list(part) else part for part in parts)
                 args = (args[0], fixed if isinstance(idx, tuple) else fixed[0])
         return func(*args, **(kwargs or {}))
 
 
 def _int_list(x) -> bool:
-    return isinstance(x, list) and bool(x) and all(type(v) is int for v in x)
+    return isinstance(x, list) and bool(x) and all(type(item) is int for item in x)
 
 
 _EXPORT_MODULES = ("torch._dynamo", "torch.export._trace")
@@ -329,12 +328,12 @@ def _full_layers(kind: str, name: str, sizes: dict) -> int:
 
 def _example_sizes(batch: int | None, seq_len: int | None, max_seq: int) -> tuple[int, int]:
     """Example (b, s) for export: >= 2 (export pins sizes 0/1) and distinct (no aliasing)."""
-    s = max(int(seq_len or max_seq), 3)
-    s = min(s, max(max_seq, 3))
-    b = max(int(batch or 2), 2)
-    if b == s:
-        b += 1
-    return b, s
+    example_seq = max(int(seq_len or max_seq), 3)
+    example_seq = min(example_seq, max(max_seq, 3))
+    example_batch = max(int(batch or 2), 2)
+    if example_batch == example_seq:
+        example_batch += 1
+    return example_batch, example_seq
 
 
 def _placeholder_roles(ep: ExportedProgram) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
@@ -353,9 +352,9 @@ def _placeholder_roles(ep: ExportedProgram) -> tuple[dict[str, str], dict[str, s
         roles[name] = kinds.get(spec.kind, "input")
         if spec.target is not None:
             fqns[name] = spec.target
-            t = tensors.get(spec.target)
-            if t is not None:
-                groups.setdefault(id(t), []).append(name)
+            tensor = tensors.get(spec.target)
+            if tensor is not None:
+                groups.setdefault(id(tensor), []).append(name)
     used = {n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder" and n.users}
     for names in groups.values():
         canon = next((x for x in names if x in used), names[0])
@@ -368,14 +367,14 @@ def _symbol_map(gm: fx.GraphModule, roles: dict[str, str], b_ex: int, s_ex: int)
     first = next(n for n in gm.graph.nodes if n.op == "placeholder" and roles[n.name] == "input")
     shape = first.meta["val"].shape
     symbols, fixed = {}, {}
-    for dim, ours, ex in ((0, B, b_ex), (1, S, s_ex)):
+    for dim, ours, example in ((0, B, b_ex), (1, S, s_ex)):
         if dim >= len(shape):
             continue
         size = shape[dim]
         if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
             symbols[size.node.expr] = ours
         else:
-            fixed[str(ours)] = int(size) if not isinstance(size, torch.SymInt) else ex
+            fixed[str(ours)] = int(size) if not isinstance(size, torch.SymInt) else example
     return symbols, fixed
 
 
@@ -396,24 +395,24 @@ def _export_refined(model: nn.Module, inputs: tuple, dyn, what: str) -> Exported
     return None
 
 
-def _dynamic_spec(inputs: tuple, b0: int, s0: int | None):
-    """Mark dim 0 of every input of size b0 as ``b`` and dim 1 of size s0 as ``s``."""
-    bd = Dim("b", min=2)
-    sd = Dim("s", min=3)  # a model that shifts its labels (x[:, 1:]) needs s >= 3 for a symbolic trace
+def _dynamic_spec(inputs: tuple, batch: int, seq: int | None):
+    """Mark dim 0 of every input of size ``batch`` as ``b`` and dim 1 of size ``seq`` as ``s``."""
+    batch_dim = Dim("b", min=2)
+    seq_dim = Dim("s", min=3)  # a model that shifts its labels (x[:, 1:]) needs s >= 3 for a symbolic trace
     spec = []
-    for t in inputs:
-        d = {}
-        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == b0:
-            d[0] = bd
-        if s0 is not None and isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == s0:
-            d[1] = sd
-        spec.append(d or None)
+    for tensor in inputs:
+        dims = {}
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[0] == batch:
+            dims[0] = batch_dim
+        if seq is not None and isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[1] == seq:
+            dims[1] = seq_dim
+        spec.append(dims or None)
     return tuple(spec)
 
 
 def _zoo_bundle(spec: str, sizes: dict, layers: int, dtype) -> ModelBundle:
     """Build a zoo model on the meta device with ``layers`` blocks (sizes as given)."""
-    return build_model(spec, **{**sizes, "layers": layers}, device="meta", dtype=dtype)
+    return build_model(spec, ModelSizes(**{**sizes, "layers": layers}), device="meta", dtype=dtype)
 
 
 def trace_model(
@@ -436,54 +435,45 @@ def trace_model(
     table (``build_model``'s ``seq_len`` size: the longest sequence it accepts), distinct from the
     traced ``seq_len``. File factories are traced as returned, with their own example inputs.
     """
-    t0 = time.perf_counter()
-    dt = resolve_dtype(dtype)
-    notes: list[str] = []
-    sizes = {k: v for k, v in sizes.items() if v is not None}
+    start = time.perf_counter()
+    torch_dtype = resolve_dtype(dtype)
+    sizes = {k: size for k, size in sizes.items() if size is not None}
     if positions is not None:
         sizes["seq_len"] = positions
     if isinstance(model, ModelBundle):
-        bundle0 = model
+        given_bundle: ModelBundle | None = model
         spec, kind = model.spec, model.kind
         sizes = {**model.sizes, **sizes}
         name = parse_spec(spec)[1] if kind != "file" else spec
         if dtype is None:
-            p = next(model.model.parameters(), None)
-            dt = p.dtype if p is not None else dt
+            param = next(model.model.parameters(), None)
+            torch_dtype = param.dtype if param is not None else torch_dtype
     else:
         spec = model
         kind, name = parse_spec(spec)
-        bundle0 = None
+        given_bundle = None
 
     if kind == "file":
-        bundle = bundle0 or build_model(spec)
-        return _trace_file(bundle, dt if (dtype is not None) else None, dynamic, t0)
+        bundle = given_bundle or build_model(spec)
+        return _trace_file(bundle, torch_dtype if (dtype is not None) else None, dynamic, start)
 
     if kind == "hf" and hf_directory(name) is not None:  # bad weights fail the plan, not the run
-        check_weights(name, {k: v for k, v in sizes.items() if k != "seq_len"})
-    full_layers = bundle0.layers if bundle0 is not None else _full_layers(kind, name, sizes)
+        check_weights(name, {k: size for k, size in sizes.items() if k != "seq_len"})
+    full_layers = given_bundle.layers if given_bundle is not None else _full_layers(kind, name, sizes)
     n_trace = full_layers if (not shallow or full_layers <= SHALLOW_LAYERS) else SHALLOW_LAYERS
-    bundle = _zoo_bundle(spec, sizes, n_trace, dt)
-    if seq_len is not None and seq_len > bundle.seq_len:
-        raise ModelError(
-            f"Sequence length {seq_len} exceeds {spec}'s maximum of "
-            f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
-            f"positions with the size flag."
-        )
-    if dynamic:
-        b_ex, s_ex = _example_sizes(batch, seq_len, bundle.seq_len)
-    else:  # a trace at exactly these sizes
-        b_ex, s_ex = int(batch or 1), int(seq_len or bundle.seq_len)
+    bundle = _zoo_bundle(spec, sizes, n_trace, torch_dtype)
+    b_ex, s_ex = _zoo_example_sizes(bundle, batch, seq_len, dynamic)
+    request = _ZooTrace(kind, spec, torch_dtype, full_layers, b_ex, s_ex, dynamic)
     bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
-    traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic, notes)
+    traced = _trace_bundle(bundle, request)
     if traced.shallow:
         assign_layers(traced.gm, traced.block_paths, traced.roles)
-        sigs = layer_signatures(traced.gm, len(traced.block_paths))
-        if len(set(sigs[1:-1])) != 1:
-            notes.append("shallow trace: traced blocks differ; traced every block instead")
-            bundle = _zoo_bundle(spec, sizes, full_layers, dt)
+        signatures = layer_signatures(traced.gm, len(traced.block_paths))
+        if len(set(signatures[1:-1])) != 1:
+            request.notes.append("shallow trace: traced blocks differ; traced every block instead")
+            bundle = _zoo_bundle(spec, sizes, full_layers, torch_dtype)
             bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
-            traced = _trace_bundle(bundle, kind, spec, dt, full_layers, b_ex, s_ex, dynamic, notes)
+            traced = _trace_bundle(bundle, request)
     traced.model_info = dict(
         spec=spec,
         layers=full_layers,
@@ -492,108 +482,134 @@ def trace_model(
         kv_heads=bundle.kv_heads,
         vocab=bundle.vocab,
         seq_len=bundle.seq_len,
-        sizes={k: v for k, v in sizes.items() if k != "layers"},
+        sizes={k: size for k, size in sizes.items() if k != "layers"},
     )
-    traced.seconds = time.perf_counter() - t0
+    traced.seconds = time.perf_counter() - start
     return traced
 
 
-def _trace_bundle(
-    bundle: ModelBundle,
-    kind: str,
-    spec: str,
-    dt: torch.dtype,
-    full_layers: int,
-    b_ex: int,
-    s_ex: int,
-    dynamic: bool,
-    notes: list[str],
-) -> Traced:
+def _zoo_example_sizes(bundle: ModelBundle, batch: int | None, seq_len: int | None, dynamic: bool) -> tuple[int, int]:
+    """The example (b, s) a zoo model is traced at; ``ModelError`` when ``seq_len`` exceeds its positions."""
+    if seq_len is not None and seq_len > bundle.seq_len:
+        raise ModelError(
+            f"Sequence length {seq_len} exceeds {bundle.spec}'s maximum of "
+            f"{bundle.seq_len} positions; lower --seq-len or raise the model's "
+            f"positions with the size flag."
+        )
+    if dynamic:
+        return _example_sizes(batch, seq_len, bundle.seq_len)
+    return int(batch or 1), int(seq_len or bundle.seq_len)  # a trace at exactly these sizes
+
+
+@dataclass
+class _ZooTrace:
+    """What the export of a zoo model's bundle records beside the graph."""
+
+    kind: str
+    """``gpt`` or ``hf``."""
+    spec: str
+    """The model spec as given."""
+    dtype: torch.dtype
+    """The traced dtype."""
+    full_layers: int
+    """L of the full model (the bundle may be its shallow copy)."""
+    b_ex: int
+    """Example batch size of the inputs."""
+    s_ex: int
+    """Example sequence length of the inputs."""
+    dynamic: bool
+    """Export with symbolic batch and sequence sizes."""
+    notes: list[str] = field(default_factory=list)
+    """What the trace had to give up, in order (shared by every export of one ``trace_model``)."""
+
+
+def _trace_bundle(bundle: ModelBundle, request: _ZooTrace) -> Traced:
     """Export a zoo bundle whose inputs are ``(input_ids, labels)`` of shape (b_ex, s_ex)."""
     container, blocks = find_block_container(bundle.model)
     dyn = None
-    if dynamic:
+    if request.dynamic:
         # An upper bound costs export time (range analysis), so only HF models, which slice
         # position/token-type buffers, get one: their position table size.
-        smax = max(bundle.seq_len, s_ex) if kind == "hf" else None
-        bd, sd = Dim("b", min=2), Dim("s", min=2, max=smax)
-        dyn = ({0: bd, 1: sd}, {0: bd, 1: sd})
-    what = f"model {spec!r}"
+        smax = max(bundle.seq_len, request.s_ex) if request.kind == "hf" else None
+        batch_dim, seq_dim = Dim("b", min=2), Dim("s", min=2, max=smax)
+        dyn = ({0: batch_dim, 1: seq_dim}, {0: batch_dim, 1: seq_dim})
+    what = f"model {request.spec!r}"
     try:
         ep = _export(bundle.model, bundle.example_inputs, dyn, what)
     except ModelError:
         if dyn is None:
             raise
         ep = _export(bundle.model, bundle.example_inputs, None, what)
-        notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
+        request.notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
     roles, fqns, tied = _placeholder_roles(ep)
-    symbols, fixed = _symbol_map(ep.graph_module, roles, b_ex, s_ex)
+    symbols, fixed = _symbol_map(ep.graph_module, roles, request.b_ex, request.s_ex)
     return Traced(
         gm=ep.graph_module,
         exported=ep,
         bundle=bundle,
-        spec=spec,
-        kind=kind,
-        dtype=dt,
-        layers=full_layers,
+        spec=request.spec,
+        kind=request.kind,
+        dtype=request.dtype,
+        layers=request.full_layers,
         block_paths=blocks,
         container=container,
-        shallow=len(blocks) < full_layers,
+        shallow=len(blocks) < request.full_layers,
         roles=roles,
         fqns=fqns,
         tied=tied,
         symbols=symbols,
-        example={"b": b_ex, "s": s_ex},
+        example={"b": request.b_ex, "s": request.s_ex},
         fixed=fixed,
-        notes=notes,
-        dynamic=dynamic,
+        notes=request.notes,
+        dynamic=request.dynamic,
     )
 
 
-def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: float) -> Traced:
+def _trace_file(bundle: ModelBundle, dtype: torch.dtype | None, dynamic: bool, start: float) -> Traced:
     """Export a user's factory model in full with its own example inputs."""
     notes: list[str] = []
     model, inputs = bundle.model, tuple(bundle.example_inputs)
     params = list(model.parameters())
-    if dt is not None and any(p.dtype != dt for p in params if p.is_floating_point()):
-        model = copy.deepcopy(model).to(dt)
-        inputs = tuple(t.to(dt) if t.is_floating_point() else t for t in inputs)
+    if dtype is not None and any(param.dtype != dtype for param in params if param.is_floating_point()):
+        model = copy.deepcopy(model).to(dtype)
+        inputs = tuple(tensor.to(dtype) if tensor.is_floating_point() else tensor for tensor in inputs)
     given = inputs
-    if dt is None:
-        dt = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    if dtype is None:
+        dtype = next((param.dtype for param in params if param.is_floating_point()), torch.float32)
     first = inputs[0]
-    b0 = int(first.shape[0]) if first.dim() >= 1 else 1
-    s0 = int(first.shape[1]) if first.dim() >= 2 else None
-    if b0 == 1 and dynamic:
+    batch = int(first.shape[0]) if first.dim() >= 1 else 1
+    seq = int(first.shape[1]) if first.dim() >= 2 else None
+    if batch == 1 and dynamic:
         # Export pins size-1 dims; the model is traced at batch 2 (shapes stay symbolic in b).
         inputs = tuple(
-            t.expand(2, *t.shape[1:]).contiguous() if t.dim() >= 1 and t.shape[0] == 1 else t for t in inputs
+            tensor.expand(2, *tensor.shape[1:]).contiguous() if tensor.dim() >= 1 and tensor.shape[0] == 1 else tensor
+            for tensor in inputs
         )
-        b0 = 2
+        batch = 2
     container, blocks = find_block_container(model)
     what = f"model {bundle.spec!r}"
     ep = None
     if dynamic:
-        ep = _export_refined(model, inputs, _dynamic_spec(inputs, b0, s0 if s0 != b0 else None), what)
+        ep = _export_refined(model, inputs, _dynamic_spec(inputs, batch, seq if seq != batch else None), what)
     if ep is None:
         # Either dynamic shapes were refused or the model is untraceable: a static export of
         # the inputs as given tells which (and its error is the one the user needs to see).
         inputs = given
-        b0 = int(inputs[0].shape[0]) if inputs[0].dim() >= 1 else 1
+        batch = int(inputs[0].shape[0]) if inputs[0].dim() >= 1 else 1
         ep = _export(model, inputs, None, what)
         if dynamic:
             notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
     roles, fqns, tied = _placeholder_roles(ep)
-    symbols, fixed = _symbol_map(ep.graph_module, roles, b0, s0 or 1)
-    if s0 is None:
+    symbols, fixed = _symbol_map(ep.graph_module, roles, batch, seq or 1)
+    if seq is None:
         fixed.pop("s", None)
-    tr = Traced(
+    traced = Traced(
         gm=ep.graph_module,
         exported=ep,
         bundle=bundle,
         spec=bundle.spec,
         kind="file",
-        dtype=dt,
+        dtype=dtype,
         layers=len(blocks),
         block_paths=blocks,
         container=container,
@@ -602,13 +618,12 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
         fqns=fqns,
         tied=tied,
         symbols=symbols,
-        example={"b": b0, "s": s0 or 1},
+        example={"b": batch, "s": seq or 1},
         fixed=fixed,
         notes=notes,
         dynamic=dynamic,
     )
-    nparams = sum(p.numel() for p in params)
-    tr.model_info = dict(
+    traced.model_info = dict(
         spec=bundle.spec,
         layers=len(blocks),
         hidden=bundle.hidden,
@@ -616,11 +631,11 @@ def _trace_file(bundle: ModelBundle, dt: torch.dtype | None, dynamic: bool, t0: 
         kv_heads=bundle.kv_heads,
         vocab=bundle.vocab,
         seq_len=bundle.seq_len,
-        params=nparams,
+        params=sum(param.numel() for param in params),
         sizes={},
     )
-    tr.seconds = time.perf_counter() - t0
-    return tr
+    traced.seconds = time.perf_counter() - start
+    return traced
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,12 +650,12 @@ def export_training_module(
     Returns ``(ep.module(), block paths, bundle)``: the trainable form, whose parameters are
     ``get_attr`` nodes named by their original FQN, with static shapes.
     """
-    bundle = build_model(spec, device="meta", batch=batch, dtype=to_torch(dtype), **sizes)
+    bundle = build_model(spec, ModelSizes(**sizes), device="meta", batch=batch, dtype=to_torch(dtype))
     bundle.example_inputs = bundle.make_inputs(batch, seq_len, device="meta")
     if bundle.kind == "file":  # a factory builds in its own dtype: compile in the plan's, as the trace did
         bundle.model = bundle.model.to(to_torch(dtype))
         bundle.example_inputs = tuple(
-            t.to(to_torch(dtype)) if t.is_floating_point() else t for t in bundle.example_inputs
+            tensor.to(to_torch(dtype)) if tensor.is_floating_point() else tensor for tensor in bundle.example_inputs
         )
     try:
         with _uncached_fake_tensors(), _HostListIndices():

@@ -18,57 +18,47 @@ from planner.frontend.factory import load_factory
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import GPT, PRESETS
 from planner.frontend.hf import build_hf, build_hf_dir, hf_directory
+from planner.frontend.spec import ModelSizes
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "ModelSizes"]
 
 
 def build_model(
     spec: str,
+    sizes: ModelSizes | None = None,
     *,
-    layers: int | None = None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    ffn: int | None = None,
-    vocab: int | None = None,
-    seq_len: int | None = None,
     batch: int = 1,
     dropout: float = 0.0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
 ) -> ModelBundle:
-    """Build the model named by ``spec`` on ``device`` (``"meta"`` allocates nothing)."""
+    """Build the model named by ``spec`` with the ``sizes`` flags on ``device`` (``"meta"``
+    allocates nothing); ``batch`` rows of example inputs."""
     kind, name = parse_spec(spec)
-    sizes = {
-        k: v
-        for k, v in dict(
-            layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq_len=seq_len
-        ).items()
-        if v is not None
-    }
+    given = (sizes or ModelSizes()).given()
     if seed is not None:
         torch.manual_seed(seed)
     if kind == "gpt":
-        if "kv_heads" in sizes and sizes["kv_heads"] != sizes.get("heads", PRESETS[name].heads):
+        if "kv_heads" in given and given["kv_heads"] != given.get("heads", PRESETS[name].heads):
             raise ModelError("The built-in GPT has no grouped-query attention; drop --kv-heads or use hf:llama.")
-        cfg = replace(PRESETS[name], dropout=dropout, **{k: v for k, v in sizes.items() if k != "kv_heads"})
+        cfg = replace(PRESETS[name], dropout=dropout, **{k: size for k, size in given.items() if k != "kv_heads"})
         with torch.device(device):
             model = GPT(cfg)
         model = model.to(dtype)
-        b = ModelBundle(
-            spec, model, (), cfg.vocab, cfg.seq_len, cfg.hidden, cfg.heads, cfg.heads, cfg.layers, "gpt", sizes
+        bundle = ModelBundle(
+            spec, model, (), cfg.vocab, cfg.seq_len, cfg.hidden, cfg.heads, cfg.heads, cfg.layers, "gpt", given
         )
     elif kind == "hf":
         directory = hf_directory(name)
         if directory is None:
-            b = build_hf(name, sizes, device=device, dtype=dtype, dropout=dropout)
+            bundle = build_hf(name, given, device=device, dtype=dtype, dropout=dropout)
         else:  # a local model directory: its config (the runtime loads its weights)
-            b = build_hf_dir(directory, sizes, device=device, dtype=dtype, dropout=dropout)
-        b.spec = spec
+            bundle = build_hf_dir(directory, given, device=device, dtype=dtype, dropout=dropout)
+        bundle.spec = spec
     else:
-        b = load_factory(spec, device=device)
+        bundle = load_factory(spec, device=device)
     if kind != "file":
-        s = b.seq_len if seq_len is None else seq_len
-        b.example_inputs = b.make_inputs(batch, s, device=device)
-    return b
+        seq_len = bundle.seq_len if given.get("seq_len") is None else given["seq_len"]
+        bundle.example_inputs = bundle.make_inputs(batch, seq_len, device=device)
+    return bundle

@@ -91,12 +91,12 @@ def test_tampered_stage_file_is_refused(tmp_path):
 def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
     """Two pipeline stages chained by hand: same loss and gradients as the uncompiled model."""
     from planner.commands.train import original_state
-    from planner.frontend.zoo import build_model
+    from planner.frontend.zoo import ModelSizes, build_model
 
     plan = make_plan(spec, sizes, pp=2, checkpoint=(1,))
     compile_plan(plan, str(tmp_path))
     man = read_manifest(str(tmp_path))
-    model = build_model(spec, seed=0, **sizes).model
+    model = build_model(spec, ModelSizes(**sizes), seed=0).model
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
     x, y = ids[:, :-1], ids[:, 1:]
     ref = model(x, y)

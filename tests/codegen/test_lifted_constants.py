@@ -13,7 +13,7 @@ from codegen.codegen_errors import LoweringError
 from codegen.lower import _constant_ctor
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
 from tests.helpers import TESTS, manual_plan
 
@@ -26,7 +26,7 @@ def test_lifted_constants_reach_the_compiled_stages(tmp_path, pp):
     compile_plan(plan, str(tmp_path))
     man = read_manifest(str(tmp_path))
     state = original_state(SPEC, {"layers": 2}, 8, 0)
-    eager = build_model(SPEC, seed=0, layers=2).model
+    eager = build_model(SPEC, ModelSizes(layers=2), seed=0).model
     ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
     ref = eager(ids, labels)
     ref.backward()

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import Plan
 from runtime.contract.schedule_ir import one_f_one_b
 from runtime.distributed.launch import launch_local
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
 
 def _reference(spec: str, sizes: dict, m: int):
     """Mean of the micro-batch losses of the original model and its gradients."""
-    model = build_model(spec, seed=SEED, **sizes).model
+    model = build_model(spec, ModelSizes(**sizes), seed=SEED).model
     ids, labels = _batch(sizes["vocab"], MBS * m, sizes["seq_len"])
     loss = sum(model(ids[i * MBS : (i + 1) * MBS], labels[i * MBS : (i + 1) * MBS]) for i in range(m)) / m
     loss.backward()

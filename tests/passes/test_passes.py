@@ -23,7 +23,7 @@ from passes.tabulate import table_from_traced
 from passes.tensor_parallel.tp_analysis import reshape_dim
 from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.trace import trace_model
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 
 TINY = dict(hidden=64, heads=4, vocab=128)
 ARCHS = {
@@ -55,7 +55,7 @@ def reference_flops(spec):
     decoders (their meta forward calls .item() while building masks)."""
     on_cpu = spec in ("hf:gpt2", "hf:llama")
     torch.manual_seed(0)
-    m = build_model(spec, batch=2, seq_len=32, device="cpu" if on_cpu else "meta", **ARCHS[spec])
+    m = build_model(spec, ModelSizes(seq_len=32, **ARCHS[spec]), batch=2, device="cpu" if on_cpu else "meta")
     if on_cpu:
         m.model.inner.config._attn_implementation = "eager"
     with FlopCounterMode(display=False) as fwd:
@@ -84,7 +84,7 @@ def eager_bytes_moved(spec):
     from passes.autograd_costs import FORMULAS, bytes_moved
 
     torch.manual_seed(0)
-    m = build_model(spec, batch=2, seq_len=32, device="cpu", **ARCHS[spec])
+    m = build_model(spec, ModelSizes(seq_len=32, **ARCHS[spec]), batch=2, device="cpu")
     program = torch.export.export(m.model, m.example_inputs).module()
     total = [0]
 
@@ -146,7 +146,7 @@ def test_saved_bytes_match_saved_tensors_hooks(spec):
     tr, table = analyzed(spec)
     ours = int(passes.total_saved_bytes(tr.gm).subs(BS))
     torch.manual_seed(0)
-    m = build_model(spec, batch=2, seq_len=32, device="cpu", **ARCHS[spec])
+    m = build_model(spec, ModelSizes(seq_len=32, **ARCHS[spec]), batch=2, device="cpu")
     if spec == "gpt":
         real = real_saved_bytes(m.model, m.example_inputs)
         assert ours == real  # same kernels (CPU flash attention), same storages
@@ -163,7 +163,7 @@ def test_saved_bytes_match_saved_tensors_hooks(spec):
 @pytest.mark.parametrize("spec", list(ARCHS))
 def test_param_and_buffer_bytes_exact(spec):
     tr, table = analyzed(spec)
-    m = build_model(spec, device="meta", **ARCHS[spec]).model
+    m = build_model(spec, ModelSizes(**ARCHS[spec]), device="meta").model
     params = {id(p): p for p in m.parameters()}
     buffers = {id(b): b for b in m.buffers()}
     rows = table.numeric(1, 1)
@@ -231,7 +231,7 @@ def test_tensor_parallel_gpt_megatron_roles():
     assert role["cross_entropy_loss"] == "vocab_loss" and role["linear_12"] == "col"
     assert role["layer_norm"] == role["add_1"] == "replicated"
     assert role["scaled_dot_product_attention"] == role["gelu"] == "sharded"
-    blk = build_model("gpt", device="meta", **ARCHS["gpt"]).model.blocks[0]
+    blk = build_model("gpt", ModelSizes(**ARCHS["gpt"]), device="meta").model.blocks[0]
     expect = sum(
         p.numel()
         for name, p in blk.named_parameters()
@@ -270,7 +270,7 @@ def test_tied_weights_are_recorded_with_their_rows():
 
 def test_tensor_parallel_hf_models():
     tr, table = analyzed("hf:llama")
-    m = build_model("hf:llama", device="meta", **ARCHS["hf:llama"]).model
+    m = build_model("hf:llama", ModelSizes(**ARCHS["hf:llama"]), device="meta").model
     lay0 = m.inner.model.layers[0]
     norms = sum(p.numel() for n, p in lay0.named_parameters() if "norm" in n)
     assert table.layers[1].param_count_tp == table.layers[1].param_count - norms

@@ -21,7 +21,7 @@ from planner.cli import main
 from planner.frontend import cache, trace
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.model_analysis import build_layer_table
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = dict(batch=1, seq_len=16, dtype="fp32", layers=2, hidden=64, heads=2, vocab=128)
@@ -223,7 +223,7 @@ def test_an_hf_directory_is_keyed_by_its_config_and_weight_files(tmp_path):
 
 
 def test_a_bundle_is_not_cached(traces, tmp_path):
-    bundle = build_model("gpt", device="meta", layers=2, hidden=64, heads=2, vocab=128)
+    bundle = build_model("gpt", ModelSizes(layers=2, hidden=64, heads=2, vocab=128), device="meta")
     build_layer_table(bundle, batch=1, seq_len=16)
     build_layer_table(bundle, batch=1, seq_len=16)
     assert traces.calls == 2 and entries(tmp_path) == []

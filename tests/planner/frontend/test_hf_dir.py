@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from planner.cli import main
 from planner.frontend.checkpoint import DirectoryWeights, directory_state
 from planner.frontend.frontend_errors import ModelError
-from planner.frontend.zoo import build_model
+from planner.frontend.zoo import ModelSizes, build_model
 from runtime.stages.compiled_stages import _read_shard, load_weights
 from runtime.tensor_parallel.sharding import TensorShard
 
@@ -35,9 +35,9 @@ def test_directory_builds_from_its_config(gpt2_dir):
     assert (b.kind, b.layers, b.hidden, b.heads, b.vocab, b.seq_len) == ("hf", 2, 16, 2, 40, 32)
     assert type(b.model.inner).__name__ == "GPT2LMHeadModel"
     assert b.model.inner.config.resid_pdrop == 0.0  # trained without dropout, like the built-ins
-    shallow = build_model(f"hf:{gpt2_dir}", device="meta", layers=1)  # the trace's shallow copy
+    shallow = build_model(f"hf:{gpt2_dir}", ModelSizes(layers=1), device="meta")  # the trace's shallow copy
     assert len(shallow.model.inner.transformer.h) == 1
-    assert build_model("hf:gpt2", device="meta", layers=1, hidden=8, heads=2).hidden == 8  # still built-in
+    assert build_model("hf:gpt2", ModelSizes(layers=1, hidden=8, heads=2), device="meta").hidden == 8  # still built-in
     with pytest.raises(ModelError, match="hf:PATH"):
         build_model("hf: ")
 

@@ -87,10 +87,10 @@ def test_layer_count_and_names(spec):
 
 
 def test_block_container_is_found_generically():
-    from planner.frontend.zoo import build_model
+    from planner.frontend.zoo import ModelSizes, build_model
 
     for spec, path in [("gpt", "blocks"), ("hf:llama", "inner.model.layers"), ("hf:bert", "inner.bert.encoder.layer")]:
-        m = build_model(spec, device="meta", **ARCHS[spec]).model
+        m = build_model(spec, ModelSizes(**ARCHS[spec]), device="meta").model
         container, blocks = find_block_container(m)
         assert container == path
         assert blocks == [f"{path}.{j}" for j in range(ARCHS[spec]["layers"])]
@@ -146,10 +146,10 @@ def test_table_json_round_trip_and_numeric():
 
 
 def test_hf_gpt2_tied_embedding_counted_once():
-    from planner.frontend.zoo import build_model
+    from planner.frontend.zoo import ModelSizes, build_model
 
     t = table("hf:gpt2")
-    m = build_model("hf:gpt2", device="meta", **ARCHS["hf:gpt2"]).model
+    m = build_model("hf:gpt2", ModelSizes(**ARCHS["hf:gpt2"]), device="meta").model
     unique = {id(p): p for p in m.parameters()}
     assert t.model["params"] == sum(p.numel() for p in unique.values())
     # the shared wte/lm_head weight lives with its first user, the embedding (row 0)
