@@ -31,7 +31,7 @@ from codegen.names import safe_ident
 from codegen.selective import extract_attention_cores
 from runtime import portable
 
-__all__ = ["LayerGraph", "StageSpec", "partition_graph", "emit_stage_source", "get_tensor"]
+__all__ = ["LayerGraph", "StageOptions", "StageSpec", "partition_graph", "emit_stage_source", "get_tensor"]
 
 _DROP_TARGETS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -84,10 +84,6 @@ class StageSpec:
     """Stage-level attribute -> the stages holding a copy, for weights read in several stages."""
 
 
-def _layer_prefix(name: str) -> str:
-    return name
-
-
 def partition_graph(
     gm: fx.GraphModule,
     layer_of: Callable[[fx.Node], int],
@@ -96,89 +92,131 @@ def partition_graph(
 ) -> tuple[list[LayerGraph], list[StageSpec], fx.Node]:
     """Assign nodes to layers and stages; return layer graphs, stage specs and the loss node."""
     graph = gm.graph
-    n_layers = len(layer_names)
-    layer: dict[fx.Node, int] = {}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    loss = _loss_node(graph)
+    layers = [LayerGraph(i, name) for i, name in enumerate(layer_names)]
+    layer = _assign_nodes(graph, layer_of, layers)
+    shared_attrs = _assign_weights(graph, layer, layers, stages)
+    _connect_layers(graph, layer, layers, loss)
+    specs = [_stage_spec(graph, layers, stages, stage, shared_attrs, loss) for stage in range(len(stages))]
+    return layers, specs, loss
+
+
+def _loss_node(graph: fx.Graph) -> fx.Node:
+    """The graph's first output, which must be the loss."""
     output = next(n for n in graph.nodes if n.op == "output")
     outs = output.args[0]
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     loss = outs[0]
     if not isinstance(loss, fx.Node):
         raise LoweringError("the model's forward must return the loss tensor as its first output")
-    layers = [LayerGraph(i, layer_names[i]) for i in range(n_layers)]
+    return loss
+
+
+def _assign_nodes(graph: fx.Graph, layer_of: Callable[[fx.Node], int], layers: list[LayerGraph]) -> dict[fx.Node, int]:
+    """Put every ``call_function`` node in its layer (checking that the layers form a chain);
+    return the layer of each node placed."""
+    layer_count = len(layers)
+    layer: dict[fx.Node, int] = {}
     for n in graph.nodes:
         if n.op == "call_function":
             if n.target in _DROP_TARGETS and not n.users:
                 continue
-            li = layer_of(n)
-            if not 0 <= li < n_layers:
-                raise LoweringError(f"node {n.name} was assigned to layer {li}, outside 0..{n_layers - 1}")
-            for a in n.all_input_nodes:
-                if a in layer and layer[a] > li:
+            layer_index = layer_of(n)
+            if not 0 <= layer_index < layer_count:
+                raise LoweringError(f"node {n.name} was assigned to layer {layer_index}, outside 0..{layer_count - 1}")
+            for arg in n.all_input_nodes:
+                if arg in layer and layer[arg] > layer_index:
                     raise LoweringError(
-                        f"node {n.name} (layer {li}, {layer_names[li]}) reads {a.name} from the later "
-                        f"layer {layer[a]} ({layer_names[layer[a]]}); layers must form a chain"
+                        f"node {n.name} (layer {layer_index}, {layers[layer_index].name}) reads {arg.name} from the "
+                        f"later layer {layer[arg]} ({layers[layer[arg]].name}); layers must form a chain"
                     )
-            layer[n] = li
-            layers[li].nodes.append(n)
+            layer[n] = layer_index
+            layers[layer_index].nodes.append(n)
         elif n.op == "call_module":
             if n.users:
                 raise LoweringError(f"unexpected submodule call {n.target} in the exported graph")
         elif n.op not in ("placeholder", "get_attr", "output"):
             raise LoweringError(f"unsupported node kind {n.op} ({n.name})")
-    # Weights: owned by the single layer that reads them, else shared within a stage.
+    return layer
+
+
+def _assign_weights(
+    graph: fx.Graph, layer: dict[fx.Node, int], layers: list[LayerGraph], stages: list[list[int]]
+) -> dict[fx.Node, set[int]]:
+    """A weight read by a single layer becomes that layer's (recorded in ``layer``); return the
+    others, each with the stages that read it."""
     stage_of_layer = {}
-    for k, (a, b) in enumerate(stages):
-        for i in range(a, b + 1):
-            stage_of_layer[i] = k
+    for stage, (first, last) in enumerate(stages):
+        for i in range(first, last + 1):
+            stage_of_layer[i] = stage
     shared_attrs: dict[fx.Node, set[int]] = {}
     for n in graph.nodes:
         if n.op != "get_attr":
             continue
+        target = str(n.target)
         users = {layer[u] for u in n.users if u in layer}
         if not users:
             continue
         if len(users) == 1:
-            li = users.pop()
-            prefix = _layer_prefix(layer_names[li])
-            local = n.target[len(prefix) + 1 :] if prefix and n.target.startswith(prefix + ".") else n.target
-            layers[li].params[safe_ident(local)] = n.target
-            layer[n] = li
+            layer_index = users.pop()
+            prefix = layers[layer_index].name
+            local = target[len(prefix) + 1 :] if prefix and target.startswith(prefix + ".") else target
+            layers[layer_index].params[safe_ident(local)] = target
+            layer[n] = layer_index
         else:
             # Read by several layers: an attribute of every stage that reads it (a weight tied
             # across stages has one copy per such stage, its gradients summed by the runtime).
             shared_attrs[n] = {stage_of_layer[u] for u in users}
-    # Inputs and outputs of each layer.
-    for lg in layers:
-        own = set(lg.nodes) | {n for n in graph.nodes if n.op == "get_attr" and layer.get(n) == lg.index}
+    return shared_attrs
+
+
+def _connect_layers(graph: fx.Graph, layer: dict[fx.Node, int], layers: list[LayerGraph], loss: fx.Node) -> None:
+    """Set each layer's inputs (what it reads from outside) and outputs (what later layers read)."""
+    for layer_graph in layers:
+        own = set(layer_graph.nodes) | {
+            n for n in graph.nodes if n.op == "get_attr" and layer.get(n) == layer_graph.index
+        }
         seen = []
-        for n in lg.nodes:
-            for a in n.all_input_nodes:
-                if a not in own and a not in seen:
-                    seen.append(a)
-        lg.inputs = seen
-        lg.outputs = [
-            n for n in lg.nodes if n is loss or any(u.op != "output" and layer.get(u, -1) > lg.index for u in n.users)
+        for n in layer_graph.nodes:
+            for arg in n.all_input_nodes:
+                if arg not in own and arg not in seen:
+                    seen.append(arg)
+        layer_graph.inputs = seen
+        layer_graph.outputs = [
+            n
+            for n in layer_graph.nodes
+            if n is loss or any(u.op != "output" and layer.get(u, -1) > layer_graph.index for u in n.users)
         ]
-    # Stages.
-    specs = []
-    for k, (a, b) in enumerate(stages):
-        in_stage = {n for i in range(a, b + 1) for n in layers[i].nodes}
-        earlier = {n for i in range(0, a) for n in layers[i].nodes}
-        later_layers = range(b + 1, n_layers)
-        needed_later = {x for i in later_layers for x in layers[i].inputs}
-        used_here = {x for i in range(a, b + 1) for x in layers[i].inputs}
-        data = [p.name for p in placeholders if p in used_here]
-        recv = [n for n in graph.nodes if n in earlier and (n in used_here or n in needed_later)]
-        send = [n for n in graph.nodes if (n in earlier or n in in_stage) and n in needed_later]
-        if k == len(stages) - 1:
-            if loss not in in_stage:
-                raise LoweringError("the loss is not computed in the last stage")
-            send = [loss]
-        shared = {safe_ident(n.target): n.target for n, st in shared_attrs.items() if k in st}
-        tied = {safe_ident(n.target): sorted(st) for n, st in shared_attrs.items() if k in st and len(st) > 1}
-        specs.append(StageSpec(k, list(range(a, b + 1)), data, recv, send, shared, tied))
-    return layers, specs, loss
+
+
+def _stage_spec(
+    graph: fx.Graph,
+    layers: list[LayerGraph],
+    stages: list[list[int]],
+    stage: int,
+    shared_attrs: dict[fx.Node, set[int]],
+    loss: fx.Node,
+) -> StageSpec:
+    """What stage ``stage`` reads, receives and sends, and the shared weights it holds."""
+    first, last = stages[stage]
+    in_stage = {n for i in range(first, last + 1) for n in layers[i].nodes}
+    earlier = {n for i in range(0, first) for n in layers[i].nodes}
+    needed_later = {x for i in range(last + 1, len(layers)) for x in layers[i].inputs}
+    used_here = {x for i in range(first, last + 1) for x in layers[i].inputs}
+    data = [n.name for n in graph.nodes if n.op == "placeholder" and n in used_here]
+    recv = [n for n in graph.nodes if n in earlier and (n in used_here or n in needed_later)]
+    send = [n for n in graph.nodes if (n in earlier or n in in_stage) and n in needed_later]
+    if stage == len(stages) - 1:
+        if loss not in in_stage:
+            raise LoweringError("the loss is not computed in the last stage")
+        send = [loss]
+    shared = {safe_ident(str(n.target)): str(n.target) for n, readers in shared_attrs.items() if stage in readers}
+    tied = {
+        safe_ident(str(n.target)): sorted(readers)
+        for n, readers in shared_attrs.items()
+        if stage in readers and len(readers) > 1
+    }
+    return StageSpec(stage, list(range(first, last + 1)), data, recv, send, shared, tied)
 
 
 def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
@@ -286,17 +324,33 @@ def _tensor_ctor(t: torch.Tensor) -> str:
     return f"torch.empty({shape!r}, dtype={t.dtype}, device=device)"
 
 
+@dataclass(frozen=True)
+class StageOptions:
+    """How one stage file is written, beyond the graph and the stage's layers."""
+
+    num_stages: int
+    """Entries of the plan's ``stages`` (model chunks when there are several per pipeline rank);
+    the last one returns the loss."""
+    header: str
+    """Comment lines at the top of the file."""
+    checkpoint_layers: frozenset[int] = frozenset()
+    """Layer-table rows whose activations are recomputed (wrapped in ``runtime.checkpoint``)."""
+    selective_layers: frozenset[int] = frozenset()
+    """Rows whose attention cores are recomputed (checkpointed submodules, ``codegen.selective``)."""
+    doc: str | None = None
+    """The stage class's docstring (which says where the stage runs); None for the default."""
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
 def emit_stage_source(
     gm: fx.GraphModule,
     layers: list[LayerGraph],
     spec: StageSpec,
-    *,
-    num_stages: int,
-    checkpoint_layers: set[int],
-    header: str,
-    selective_layers: frozenset = frozenset(),
+    options: StageOptions,
     rewrite=None,
-    doc: str | None = None,
 ) -> tuple[str, dict]:
     """Return (source of ``stage_<k>.py``, {module attribute path: original FQN}).
 
@@ -304,18 +358,20 @@ def emit_stage_source(
     attributes of the stage (``_StageSource.add_shared``); each layer becomes a submodule whose
     class holds its parameters and straight-line forward, identical layers sharing one class
     (``add_layer``); then the stage class calls them in order, wrapping the recomputed layers in
-    ``runtime.checkpoint`` (``render``). A layer of ``selective_layers`` holds its attention cores
-    as checkpointed submodules (``codegen.selective``). ``num_stages`` counts the entries of the plan's
-    ``stages`` (model chunks when there are several per pipeline rank; the last returns the loss);
-    ``doc`` replaces the stage class's docstring (which says where the stage runs).
+    ``runtime.checkpoint`` (``render``). ``rewrite`` (``codegen.tp_rewrite``) rewrites each
+    layer's graph for tensor parallelism.
     """
     state = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     state |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
     out = _StageSource(layers, spec, lambda fqn: get_tensor(gm, fqn), rewrite, is_constant=lambda fqn: fqn not in state)
     out.add_shared()
-    for li in spec.layers:
-        out.add_layer(li, recompute=li in checkpoint_layers, selective=li in selective_layers)
-    return out.render(header, num_stages, doc), out.param_map
+    for layer_index in spec.layers:
+        out.add_layer(
+            layer_index,
+            recompute=layer_index in options.checkpoint_layers,
+            selective=layer_index in options.selective_layers,
+        )
+    return out.render(options.header, options.num_stages, options.doc), out.param_map
 
 
 def _param_line(attr: str, t: torch.Tensor, constant: bool = False) -> str:

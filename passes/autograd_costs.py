@@ -69,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -155,9 +155,9 @@ FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
 
 #: Products of libraries' own operators, by qualified name (their packets exist only while the
 #: library is imported): transformers' grouped product of experts and its backward (both factors).
-NAMED_FORMULAS = {
+NAMED_FORMULAS: dict[str, Callable[..., Any]] = {
     "transformers::grouped_mm_fallback": _grouped_mm_flops,
-    "transformers::grouped_mm_fallback_backward": lambda input, weight, *a, out_val=None, **k: (  # noqa: A002
+    "transformers::grouped_mm_fallback_backward": lambda input, weight, *args, out_val=None, **kwargs: (  # noqa: A002
         2 * _grouped_mm_flops(input, weight)
     ),
 }
@@ -355,9 +355,9 @@ class CostReplay(fx.Interpreter):
         self.resident: set[int] = set()  # parameter/buffer/constant storages
         self.saved_raw: dict[str, list[tuple[int, Any, torch.dtype]]] = {}
         self.keep: list[Any] = []  # keeps storages alive so their identities are never reused
-        self.fwd_gemms: dict[str, list] = {}
+        self.fwd_gemms: dict[str | None, list] = {}
         self.bwd_gemms: dict[str | None, list] = {}
-        self.gemm_inputs: dict[str, set] = {}  # node -> storages its forward products multiplied
+        self.gemm_inputs: dict[str | None, set] = {}  # node -> storages its forward products multiplied
 
     # ---- forward bookkeeping
     def run_node(self, n: fx.Node) -> Any:
@@ -492,11 +492,14 @@ class CostReplay(fx.Interpreter):
         unowned_bytes = self.bwd_bytes.pop(None, [])
         nodes = list(self.graph.nodes)
 
-        def total(xs) -> sympy.Expr:
-            return sum((to_expr(x, sym) for x in xs), sympy.Integer(0))
+        def total(sizes) -> sympy.Expr:
+            return sum((to_expr(x, sym) for x in sizes), sympy.Integer(0))
 
-        def gemms(xs) -> list[GemmCall]:
-            return [GemmCall(*(to_expr(v, sym) for v in (m, n, k, batch)), ops) for m, n, k, batch, ops in xs]
+        def gemms(calls) -> list[GemmCall]:
+            return [
+                GemmCall(to_expr(m, sym), to_expr(n, sym), to_expr(k, sym), to_expr(batch, sym), operands)
+                for m, n, k, batch, operands in calls
+            ]
 
         unowned_gemms = self.bwd_gemms.pop(None, [])
 
@@ -644,7 +647,7 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
     for n in gm.graph.nodes:  # owner of each node's output storage, in graph order
         src = kept.get(twin[n])
         key = r.node_key.get(twin[n]) if src is not None else None
-        if key is None or r.storage_owner.get(key) == twin[n]:
+        if src is None or key is None or r.storage_owner.get(key) == twin[n]:
             owner[n] = n.name
             continue
         a = arg_with_storage(src, n, key)
@@ -658,6 +661,7 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
         n.meta.update({k: src.meta[k] for k in keys})
         recs = []
         for rec in src.meta["saved"]:
+            who: str | None
             if rec.key == r.node_key.get(src.name):
                 who = owner[n]
             else:

@@ -16,7 +16,7 @@ holds what they share:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import sympy
 import torch
@@ -41,7 +41,14 @@ __all__ = [
     "META_ONLY",
     "is_meta_only",
     "hint",
+    "arg_node",
 ]
+
+
+def arg_node(node: fx.Node, index: int) -> fx.Node:
+    """``node.args[index]`` where the op's schema makes it a tensor, so a graph value (fx types
+    every argument as any ``Argument``; this names the assumption once)."""
+    return cast(fx.Node, node.args[index])
 
 
 def need(node: fx.Node, key: str, pass_name: str, producer: str) -> Any:

@@ -105,7 +105,7 @@ class Gemm(NamedTuple):
     n: Any
     k: Any
     batch: Any
-    count: int = 1
+    count: int = 1  # type: ignore[assignment]  # the schema's field shadows tuple.count, which no reader calls
     tp_dim: str | None = None
     """The dim tensor parallelism divides (``m``, ``n``, ``k``, ``batch``), or None."""
 
@@ -277,7 +277,9 @@ class LayerCosts:
         kw.update({f: int(d[f]) for f in INT_FIELDS if f in d})
         boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt) for shape, dt in d.get("boundary", [])]
         for f in GEMM_FIELDS:  # absent in a table written before they existed: no shapes
-            kw[f] = [Gemm(*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]) for g in d.get(f, [])]
+            kw[f] = [
+                Gemm._make([*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]]) for g in d.get(f, [])
+            ]
         return cls(
             index=int(d["index"]),
             name=d["name"],
@@ -305,11 +307,11 @@ class LayerTable:
     fixed: dict[str, int] = field(default_factory=dict)
     """Dimensions that are not symbolic (the model forced them): ``{'s': 128}``."""
     notes: list[str] = field(default_factory=list)
+    """Tracing decisions worth reporting."""
     tied: list[dict[str, Any]] = field(default_factory=list)
     """Weights read by more than one row, ``{"weight": fqn, "layers": [first, last]}`` (a tied
     embedding and head: ``[0, L + 1]``). A pipeline cut between those rows would need the weight
     in two stages, which the runtime does not do; the planner keeps such rows in one stage."""
-    """Tracing decisions worth reporting."""
 
     def __post_init__(self):
         self._fn = None
@@ -369,7 +371,7 @@ class LayerTable:
             d: dict[str, Any] = {f: vals[i] for f, i in zip(EXPR_FIELDS, row)}
             d.update({f: float(getattr(lay, f)) for f in INT_FIELDS})
             for f, entries in gemms.items():
-                d[f] = tuple(Gemm(*(vals[i] for i in dims), count, tp_dim) for dims, count, tp_dim in entries)
+                d[f] = tuple(Gemm._make([*(vals[i] for i in dims), count, tp_dim]) for dims, count, tp_dim in entries)
             out.append(d)
         self._cache[key] = out
         return [dict(row) for row in out]

@@ -186,10 +186,8 @@ def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
         role = "sharded" if dec.params[n] in dec.weights else "replicated"
     divides = role in ("col", "row", "sharded", "vocab_loss") and n not in dec.params
     if divides:
-        for key in ("fwd_gemms", "bwd_gemms"):
-            kw[key[:3] + "_gemm_dims"] = [
-                gemm_tp_dim(role, True, g.operands) for g in need(n, key, _PASS, "annotate_costs")
-            ]
+        for gemms_key, dims_key in (("fwd_gemms", "fwd_gemm_dims"), ("bwd_gemms", "bwd_gemm_dims")):
+            kw[dims_key] = [gemm_tp_dim(role, True, g.operands) for g in need(n, gemms_key, _PASS, "annotate_costs")]
     return TPInfo(role=role, shard_dim=_shard_dims(dec.state[n]), divides=divides, **kw)
 
 
