@@ -62,6 +62,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -173,6 +174,7 @@ def _fused_supported() -> bool:
     full, spec = torch.arange(12.0).view(12, 1), {"dim": 0, "kind": "qkv", "parts": [4, 4, 4], "size": 12}
     try:
         shard = TensorShard.from_dict(spec)
+        assert shard is not None  # a non-empty spec always gives one
         pieces = [shard.cut(full, r, 2) for r in range(2)]
         return pieces[0].flatten().tolist() == [0, 1, 4, 5, 8, 9] and torch.equal(shard.join(pieces), full)
     except Exception:  # a runtime that does not know the kind
@@ -238,7 +240,7 @@ class _Planner:
             elif role == "vocab_embedding":
                 a.actions[n.name] = (
                     "embed",
-                    (rtp.padded_vocab_size(dec.vocab, self.tp) // self.tp, node_arg(n, "padding_idx", -1)),
+                    (rtp.padded_vocab_size(cast(int, dec.vocab), self.tp) // self.tp, node_arg(n, "padding_idx", -1)),
                 )
             elif role == "vocab_loss":
                 s = dec.state[n.args[0]]
@@ -347,7 +349,7 @@ def analyze_tp(
         # key/value heads tp is a multiple of: their projections stay replicated (a reshape into
         # heads tp does not divide is then a conflict of the analysis, not an error here)
         kv = (dims or {}).get("kv_heads")
-        replicate_kv = bool(kv) and kv % tp != 0 and tp % kv == 0
+        replicate_kv = bool(kv and kv % tp != 0 and tp % kv == 0)
         dec = analyze_tensor_parallel(gm, layer_of=layer_of, vocab=vocab or None, tp=tp if replicate_kv else None)
     except TPConflict as c:
         where = _where(c.node) if c.node.op != "output" else "the model output"
@@ -387,6 +389,12 @@ class _LayerRewriter:
 
     def __init__(self, analysis: TPAnalysis):
         self.an = analysis
+        self.replicated: dict[str, str] = analysis.replicated
+        """Matmuls/embeddings kept replicated -> why (``build_tp_rewrite``)."""
+        self.sequence_sharded: dict = analysis.sequence_sharded
+        """Values each rank holds ``S/t`` positions of -> their sequence dim."""
+        self.sp_replicated: dict[str, str] = {}
+        """Row-parallel matmuls / embedding that keep their all-reduce under sequence parallelism -> why."""
 
     def __call__(self, g: fx.Graph, lg) -> None:
         new_nodes = [n for n in g.nodes if n.op == "call_function"]
@@ -462,7 +470,7 @@ class _LayerRewriter:
     def _shard_dim(self, orig: fx.Node) -> int | None:
         """The dim along which this rank holds a block of ``orig``'s input: its tp shard, or its
         sequence under sequence parallelism; None when the input is whole on every rank."""
-        x = orig.args[0]
+        x = cast(fx.Node, orig.args[0])
         st = self.an.decisions.state.get(x) if self.an.decisions is not None else None
         if isinstance(st, Shard):
             return st.dim
@@ -516,11 +524,14 @@ def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
         mod = gm.get_submodule(mod_path) if mod_path else gm
         t = getattr(mod, attr)
         shape = list(t.shape)
-        shape[spec["dim"]] = TensorShard.from_dict(spec).local_size(tp)
+        shard = TensorShard.from_dict(spec)
+        assert shard is not None  # shard_info holds only sharded tensors
+        shape[spec["dim"]] = shard.local_size(tp)
         new = torch.empty(shape, dtype=t.dtype, device="meta")
         if isinstance(t, torch.nn.Parameter):
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-        (mod._parameters if attr in mod._parameters else mod._buffers)[attr] = new
+        store: dict[str, Any] = mod._parameters if attr in mod._parameters else mod._buffers
+        store[attr] = new
 
 
 def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, dims: dict):
@@ -551,9 +562,7 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, d
     analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims, sequence_parallel=sp)
     _reshard_params(gm, analysis.shard_info, tp)
     rewrite = _LayerRewriter(analysis)
-    rewrite.replicated = analysis.replicated
-    rewrite.sequence_sharded = analysis.sequence_sharded
-    kept = analysis.decisions.sp_replicated if sp else {}
+    kept = analysis.decisions.sp_replicated if sp and analysis.decisions is not None else {}
     rewrite.sp_replicated = {k: f"{c.why} at {_where(c.node)}" for k, c in kept.items()}
     return rewrite, analysis.shard_info
 

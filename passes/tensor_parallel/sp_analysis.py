@@ -35,7 +35,7 @@ calls it, so its readers (the cost pass, codegen) get both analyses at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import fx
@@ -112,7 +112,7 @@ class _SeqWalk:
     def sp(self, a):
         return self.st.get(a) if isinstance(a, fx.Node) else None
 
-    def conflict(self, n, why, *args):
+    def conflict(self, n: fx.Node, why: str, *args: Any) -> NoReturn:
         shards = [e for a in args for e in states_of(self.sp(a)) if isinstance(e, SeqShard)]
         raise TPConflict(frozenset().union(*[e.origins for e in shards]), n, why)
 
@@ -163,7 +163,7 @@ class _SeqWalk:
     def visit(self, n: fx.Node, name: str):
         if name == "getitem":
             s = self.sp(n.args[0])
-            return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+            return self.set(n, s[cast(int, n.args[1])] if isinstance(s, list) else None)
         role = self.dec.role.get(n)
         if role == "col":  # the sink: all-gather the activation's positions
             x = matmul_operands(n)[0]

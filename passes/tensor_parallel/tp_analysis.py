@@ -88,11 +88,12 @@ fields; the op tables, states and shape helpers both walks use are in ``passes.t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import fx
 
-from passes.common import hint, is_meta_only
+from passes.common import arg_node, hint, is_meta_only
 from passes.op_class import op_name
 from passes.tensor_parallel.sp_analysis import sequence_parallel
 from passes.tensor_parallel.tp_common import (
@@ -181,7 +182,7 @@ class _Walk:
     def st(self, a):
         return self.out.state.get(a) if isinstance(a, fx.Node) else None
 
-    def conflict(self, n, why, *args):
+    def conflict(self, n: fx.Node, why: str, *args: Any) -> NoReturn:
         shards = [e for a in args for e in states_of(self.st(a)) if isinstance(e, Shard)]
         raise TPConflict(frozenset().union(*[e.origins for e in shards]), n, why)
 
@@ -240,14 +241,14 @@ class _Walk:
     def visit(self, n: fx.Node, name: str):
         if name == "getitem":
             s = self.st(n.args[0])
-            return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+            return self.set(n, s[cast(int, n.args[1])] if isinstance(s, list) else None)
         if (
             name in WEIGHT_VIEWS
             and n.args[0] in self.params
             and len(shape_of(n.args[0])) == 2
             and all(op_name(u) in WEIGHTED_MATMULS for u in n.users)
         ):
-            self.pviews[n] = n.args[0]  # its use is recorded by the matmul that reads it
+            self.pviews[n] = arg_node(n, 0)  # its use is recorded by the matmul that reads it
             return self.set(n, None)
         if name in WEIGHTED_MATMULS and self.matmul(n, name):
             return

@@ -7,7 +7,7 @@ parallelism) and ``passes.tensor_parallel.sp_analysis`` (sequence parallelism)."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -285,7 +285,7 @@ def gemm_tp_dim(role: str, divides: bool, operands: tuple[str, str]) -> str | No
 
 def flat_args(n: fx.Node) -> list:
     """Positional then keyword arguments, lists flattened, as ``(path, value)`` pairs."""
-    out = []
+    out: list[tuple[tuple[Any, Any], Any]] = []
     for i, a in enumerate(n.args):
         if isinstance(a, (list, tuple)):
             out += [((i, j), x) for j, x in enumerate(a)]
@@ -362,7 +362,7 @@ def moved_dim(n: fx.Node, name: str, d: int) -> int | None:
         i, j = norm_dim(n.args[1], nd), norm_dim(n.args[2], nd)
         return j if d == i else i if d == j else d
     if name == "permute":
-        return [norm_dim(p, nd) for p in n.args[1]].index(d)
+        return [norm_dim(p, nd) for p in cast(list, n.args[1])].index(d)
     if name == "unsqueeze":
         k = norm_dim(n.args[1], nd + 1)
         return d + 1 if k <= d else d
