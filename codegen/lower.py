@@ -154,7 +154,7 @@ def _assign_weights(
         if n.op != "get_attr":
             continue
         target = str(n.target)
-        users = {layer[u] for u in n.users if u in layer}
+        users = {layer[user] for user in n.users if user in layer}
         if not users:
             continue
         if len(users) == 1:
@@ -166,7 +166,7 @@ def _assign_weights(
         else:
             # Read by several layers: an attribute of every stage that reads it (a weight tied
             # across stages has one copy per such stage, its gradients summed by the runtime).
-            shared_attrs[n] = {stage_of_layer[u] for u in users}
+            shared_attrs[n] = {stage_of_layer[user] for user in users}
     return shared_attrs
 
 
@@ -185,7 +185,7 @@ def _connect_layers(graph: fx.Graph, layer: dict[fx.Node, int], layers: list[Lay
         layer_graph.outputs = [
             n
             for n in layer_graph.nodes
-            if n is loss or any(u.op != "output" and layer.get(u, -1) > layer_graph.index for u in n.users)
+            if n is loss or any(user.op != "output" and layer.get(user, -1) > layer_graph.index for user in n.users)
         ]
 
 
@@ -219,68 +219,68 @@ def _stage_spec(
     return StageSpec(stage, list(range(first, last + 1)), data, recv, send, shared, tied)
 
 
-def _layer_graph_code(lg: LayerGraph, rewrite=None, selective: bool = False):
+def _layer_graph_code(layer: LayerGraph, rewrite=None, selective: bool = False):
     """Build the layer's own fx.Graph and return (python source of forward, globals, in names,
     the sources of its attention cores' forwards when ``selective``: ``[(attr, source)]``)."""
-    g = fx.Graph()
+    graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     in_names = []
     counter = 0
-    for x in lg.inputs:
+    for x in layer.inputs:
         if x.op == "placeholder":
-            nm = safe_ident(x.name)
+            input_name = safe_ident(x.name)
         elif x.op == "get_attr":
-            nm = safe_ident(x.target)
+            input_name = safe_ident(x.target)
         else:
-            nm = "x" if counter == 0 else f"x{counter}"
+            input_name = "x" if counter == 0 else f"x{counter}"
             counter += 1
-        env[x] = g.placeholder(nm)
-        in_names.append(nm)
-    attr_nodes = {fqn: name for name, fqn in lg.params.items()}
+        env[x] = graph.placeholder(input_name)
+        in_names.append(input_name)
+    attr_nodes = {fqn: name for name, fqn in layer.params.items()}
     portable_targets: dict[fx.Node, Callable] = {}
-    for n in lg.nodes:
-        for a in n.all_input_nodes:
-            if a.op == "get_attr" and a not in env:
-                env[a] = g.get_attr(attr_nodes[a.target])
-        args = fx.node.map_arg(n.args, lambda a: env[a])
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+    for n in layer.nodes:
+        for arg in n.all_input_nodes:
+            if arg.op == "get_attr" and arg not in env:
+                env[arg] = graph.get_attr(attr_nodes[arg.target])
+        args = fx.node.map_arg(n.args, lambda arg: env[arg])
+        kwargs = fx.node.map_arg(n.kwargs, lambda arg: env[arg])
         args, kwargs = _retarget_devices(args), _retarget_devices(kwargs)
-        new = g.create_node("call_function", n.target, args, kwargs)
+        new = graph.create_node("call_function", n.target, args, kwargs)
         new.meta = dict(n.meta)
         env[n] = new
         target = _portable(n)
         if target is not n.target:
             portable_targets[new] = target
-    outs = [env[o] for o in lg.outputs]
-    g.output(outs[0] if len(outs) == 1 else tuple(outs))
+    outs = [env[output] for output in layer.outputs]
+    graph.output(outs[0] if len(outs) == 1 else tuple(outs))
     if rewrite is not None:
-        rewrite(g, lg)
-    for node in g.nodes:  # after the tp rewrite, which matches nodes by their traced targets
+        rewrite(graph, layer)
+    for node in graph.nodes:  # after the tp rewrite, which matches nodes by their traced targets
         if node in portable_targets and node.target is not portable_targets[node]:
             node.target = portable_targets[node]
-    g.eliminate_dead_code()
+    graph.eliminate_dead_code()
     cores = []
     globals_ = {}
     if selective:  # each attention core: a checkpointed submodule (codegen.selective)
-        for core in extract_attention_cores(g, f"layer {lg.index} ({lg.name})"):
+        for core in extract_attention_cores(graph, f"layer {layer.index} ({layer.name})"):
             cpc = core.graph.python_code(root_module="self")
             cores.append((core.attr, cpc.src))
             globals_.update(cpc.globals)
-    pc = g.python_code(root_module="self")
-    globals_.update(pc.globals)
-    return pc.src, globals_, in_names, cores
+    code = graph.python_code(root_module="self")
+    globals_.update(code.globals)
+    return code.src, globals_, in_names, cores
 
 
 def _portable(n: fx.Node):
     """``n``'s target, or the ``runtime.portable`` function generated code calls instead (an
     integer ``histc``, transformers' grouped product of experts)."""
-    t = n.target
-    if t is torch.ops.aten.histc.default:
+    target = n.target
+    if target is torch.ops.aten.histc.default:
         val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
-        return portable.histc if isinstance(val, torch.Tensor) and not val.is_floating_point() else t
-    if isinstance(t, torch._ops.OpOverload) and t.name() == "transformers::grouped_mm_fallback":
+        return portable.histc if isinstance(val, torch.Tensor) and not val.is_floating_point() else target
+    if isinstance(target, torch._ops.OpOverload) and target.name() == "transformers::grouped_mm_fallback":
         return portable.grouped_mm
-    return t
+    return target
 
 
 def _retarget_devices(x):
@@ -288,9 +288,9 @@ def _retarget_devices(x):
     if isinstance(x, torch.device):
         return _DEVICE
     if isinstance(x, (list, tuple)):
-        return type(x)(_retarget_devices(v) for v in x)
+        return type(x)(_retarget_devices(item) for item in x)
     if isinstance(x, dict):
-        return {k: _retarget_devices(v) for k, v in x.items()}
+        return {k: _retarget_devices(item) for k, item in x.items()}
     return x
 
 
@@ -319,9 +319,9 @@ def imports_for(globals_: dict) -> list[str]:
     return sorted(set(lines))
 
 
-def _tensor_ctor(t: torch.Tensor) -> str:
-    shape = tuple(int(d) for d in t.shape)
-    return f"torch.empty({shape!r}, dtype={t.dtype}, device=device)"
+def _tensor_ctor(tensor: torch.Tensor) -> str:
+    shape = tuple(int(size) for size in tensor.shape)
+    return f"torch.empty({shape!r}, dtype={tensor.dtype}, device=device)"
 
 
 @dataclass(frozen=True)
@@ -374,42 +374,42 @@ def emit_stage_source(
     return out.render(options.header, options.num_stages, options.doc), out.param_map
 
 
-def _param_line(attr: str, t: torch.Tensor, constant: bool = False) -> str:
+def _param_line(attr: str, tensor: torch.Tensor, constant: bool = False) -> str:
     """The constructor line of one parameter, buffer or constant of a generated module."""
     if constant:
-        return f"self.register_buffer({attr!r}, {_constant_ctor(attr, t)}, persistent=False)"
-    if isinstance(t, torch.nn.Parameter):
-        return f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})"
-    return f"self.register_buffer({attr!r}, {_tensor_ctor(t)})"
+        return f"self.register_buffer({attr!r}, {_constant_ctor(attr, tensor)}, persistent=False)"
+    if isinstance(tensor, torch.nn.Parameter):
+        return f"self.{attr} = torch.nn.Parameter({_tensor_ctor(tensor)})"
+    return f"self.register_buffer({attr!r}, {_tensor_ctor(tensor)})"
 
 
 #: Most elements of a constant written into generated source.
 MAX_CONSTANT_ELEMENTS = 1 << 16
 
 
-def _constant_ctor(attr: str, t: torch.Tensor) -> str:
+def _constant_ctor(attr: str, tensor: torch.Tensor) -> str:
     """Source that rebuilds a constant ``torch.export`` lifted (a tensor made in ``forward``, not
     a parameter or buffer, so no state dict holds it): its values, written out."""
-    if t.is_meta:
+    if tensor.is_meta:
         raise LoweringError(
             f"the constant {attr} was created on the meta device, so its values are unknown; "
             "register it as a buffer of the model instead"
         )
-    if t.numel() > MAX_CONSTANT_ELEMENTS:
+    if tensor.numel() > MAX_CONSTANT_ELEMENTS:
         raise LoweringError(
-            f"the constant {attr} has {t.numel():,} elements (more than "
+            f"the constant {attr} has {tensor.numel():,} elements (more than "
             f"{MAX_CONSTANT_ELEMENTS:,} are not written into source); register it as a "
             "buffer of the model instead"
         )
-    vals = ", ".join(_scalar_src(v) for v in t.detach().cpu().reshape(-1).tolist())
-    shape = tuple(int(d) for d in t.shape)
-    return f"torch.tensor([{vals}], dtype={t.dtype}, device=device).reshape({shape!r})"
+    vals = ", ".join(_scalar_src(value) for value in tensor.detach().cpu().reshape(-1).tolist())
+    shape = tuple(int(size) for size in tensor.shape)
+    return f"torch.tensor([{vals}], dtype={tensor.dtype}, device=device).reshape({shape!r})"
 
 
-def _scalar_src(v) -> str:
-    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
-        return f"float({str(v)!r})"
-    return repr(v)
+def _scalar_src(value) -> str:
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return f"float({str(value)!r})"
+    return repr(value)
 
 
 class _StageSource:
@@ -445,56 +445,56 @@ class _StageSource:
     def add_shared(self) -> None:
         """Weights read by several layers of the stage: attributes of the stage itself."""
         for attr, fqn in self.spec.shared.items():
-            t = self.get(fqn)
+            tensor = self.get(fqn)
             if self.is_constant(fqn):
-                self.init_lines.append(_param_line(attr, t, constant=True))
+                self.init_lines.append(_param_line(attr, tensor, constant=True))
                 continue
-            if isinstance(t, torch.nn.Parameter) or t.requires_grad:
-                self.init_lines.append(f"self.{attr} = torch.nn.Parameter({_tensor_ctor(t)})")
+            if isinstance(tensor, torch.nn.Parameter) or tensor.requires_grad:
+                self.init_lines.append(f"self.{attr} = torch.nn.Parameter({_tensor_ctor(tensor)})")
             else:
-                self.init_lines.append(f"self.register_buffer({attr!r}, {_tensor_ctor(t)})")
+                self.init_lines.append(f"self.register_buffer({attr!r}, {_tensor_ctor(tensor)})")
             self.param_map[attr] = fqn
 
-    def add_layer(self, li: int, recompute: bool, selective: bool = False) -> None:
+    def add_layer(self, layer_index: int, recompute: bool, selective: bool = False) -> None:
         """Layer-table row ``li``: its class (shared with identical layers), its attribute and
         its call in the stage's forward."""
-        lg = self.layers[li]
-        cls = self._layer_class(li, lg, selective)
-        attr = f"layer_{li}"
-        self.init_lines.append(f"self.{attr} = {cls}(device)  # {lg.name!r}"[:200])
-        for local, fqn in lg.params.items():
+        layer = self.layers[layer_index]
+        cls = self._layer_class(layer_index, layer, selective)
+        attr = f"layer_{layer_index}"
+        self.init_lines.append(f"self.{attr} = {cls}(device)  # {layer.name!r}"[:200])
+        for local, fqn in layer.params.items():
             if not self.is_constant(fqn):
                 self.param_map[f"{attr}.{local}"] = fqn
         args = []
-        for x in lg.inputs:
+        for x in layer.inputs:
             if x.op == "get_attr":
                 args.append(f"self.{self.shared_by_fqn[x.target]}")
             elif x.op == "placeholder":
                 args.append(safe_ident(x.name))
             else:
                 args.append(self.vname(x))
-        outs = [self.vname(o) for o in lg.outputs]
+        outs = [self.vname(output) for output in layer.outputs]
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
         call = f"runtime.checkpoint(self.{attr}, {', '.join(args)})" if recompute else f"self.{attr}({', '.join(args)})"
         # a layer with no outputs (the empty head of a model whose loss is computed earlier) is
         # still called, so that the stage runs every row of its range
         self.body_lines.append(f"{lhs} = {call}" if outs else call)
 
-    def _layer_class(self, li: int, lg: LayerGraph, selective: bool = False) -> str:
+    def _layer_class(self, layer_index: int, layer: LayerGraph, selective: bool = False) -> str:
         """The name of the class that runs layer ``li`` (a new one unless an identical exists)."""
-        src, glb, _, cores = _layer_graph_code(lg, self.rewrite, selective)
-        for k, v in glb.items():
-            if k in self.globals and self.globals[k] is not v:
+        src, glb, _, cores = _layer_graph_code(layer, self.rewrite, selective)
+        for k, value in glb.items():
+            if k in self.globals and self.globals[k] is not value:
                 raise LoweringError(f"conflicting generated global {k!r}")
-            self.globals[k] = v
+            self.globals[k] = value
         pinit = [
-            "        " + _param_line(local, self.get(fqn), self.is_constant(fqn)) for local, fqn in lg.params.items()
+            "        " + _param_line(local, self.get(fqn), self.is_constant(fqn)) for local, fqn in layer.params.items()
         ]
         pinit += [
             f"        self.{attr} = {self._core_class(core_src)}()  # recomputed in backward"
             for attr, core_src in cores
         ]
-        method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
+        method = "\n".join("    " + line if line.strip() else "" for line in src.strip("\n").splitlines())
         body = (
             "    def __init__(self, device=None):\n        super().__init__()\n"
             + ("\n".join(pinit) + "\n" if pinit else "")
@@ -504,26 +504,26 @@ class _StageSource:
         )
         if body in self.classes:
             name = self.classes[body]
-            next(entry for entry in self.class_src if entry[0] == name)[2].append(lg.name)
+            next(entry for entry in self.class_src if entry[0] == name)[2].append(layer.name)
             return name
         last = len(self.layers) - 1
         base = (
             "SelectiveBlock"
             if cores
             else "Block"
-            if not lg.name.startswith("(") and li not in (0, last)
-            else ("Pre" if li == 0 else ("Post" if li == last else "Layer"))
+            if not layer.name.startswith("(") and layer_index not in (0, last)
+            else ("Pre" if layer_index == 0 else ("Post" if layer_index == last else "Layer"))
         )
         name, i = base, 2
         while name in self.classes.values():
             name, i = f"{base}{i}", i + 1
         self.classes[body] = name
-        self.class_src.append((name, body, [lg.name]))
+        self.class_src.append((name, body, [layer.name]))
         return name
 
     def _core_class(self, src: str) -> str:
         """The class of an attention core (selective recompute): its forward, no weights."""
-        method = "\n".join("    " + ln if ln.strip() else "" for ln in src.strip("\n").splitlines())
+        method = "\n".join("    " + line if line.strip() else "" for line in src.strip("\n").splitlines())
         body = (
             "    SELECTIVE_RECOMPUTE = True  # runtime.timing counts its forward in backward as recompute\n\n"
             + method
@@ -542,7 +542,7 @@ class _StageSource:
         """The whole file: header, imports, layer classes, the stage class."""
         spec = self.spec
         recv_names = [self.vname(n) for n in spec.recv]
-        params = recv_names + [safe_ident(d) for d in spec.data_inputs]
+        params = recv_names + [safe_ident(data_input) for data_input in spec.data_inputs]
         sends = [self.vname(n) for n in spec.send]
         ret = (
             sends[0]
@@ -551,7 +551,9 @@ class _StageSource:
         )
         out = [header.rstrip(), "", "import torch", "", "import runtime"]
         used_src = "\n".join(body for _, body, _ in self.class_src)
-        out += imports_for({k: v for k, v in self.globals.items() if re.search(rf"\b{re.escape(k)}\b", used_src)})
+        out += imports_for(
+            {k: value for k, value in self.globals.items() if re.search(rf"\b{re.escape(k)}\b", used_src)}
+        )
         out += ["", ""]
         for name, body, names in self.class_src:
             shown = ", ".join(names[:3]) + (f" ... ({len(names)} layers)" if len(names) > 3 else "")
@@ -568,22 +570,22 @@ class _StageSource:
             f"class Stage{spec.index}(torch.nn.Module):",
             f'    """{_doc_safe(doc)}: layer-table rows {spec.layers[0]}..{spec.layers[-1]}."""',
             "",
-            f"    DATA_INPUTS = {tuple(safe_ident(d) for d in spec.data_inputs)!r}",
+            f"    DATA_INPUTS = {tuple(safe_ident(data_input) for data_input in spec.data_inputs)!r}",
             f"    RECV = {tuple(recv_names)!r}",
             f"    SEND = {tuple(sends)!r}",
             "",
             "    def __init__(self, device=None):",
             "        super().__init__()",
         ]
-        out += ["        " + ln for ln in self.init_lines]
+        out += ["        " + line for line in self.init_lines]
         out += ["", f"    def forward(self, {', '.join(params)}):"]
-        out += ["        " + ln for ln in self.body_lines]
+        out += ["        " + line for line in self.body_lines]
         out += [f"        return {ret}", ""]
         return "\n".join(out)
 
 
-def _doc_safe(s: str) -> str:
-    return s.replace("\\", "/").replace('"""', "'''").replace("\n", " ")
+def _doc_safe(text: str) -> str:
+    return text.replace("\\", "/").replace('"""', "'''").replace("\n", " ")
 
 
 def get_tensor(gm: fx.GraphModule, fqn: str) -> torch.Tensor:

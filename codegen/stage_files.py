@@ -68,30 +68,35 @@ def _layered(model: ExportedModel, plan: Plan):
 def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     """Which values carry gradients: float outputs of ops that read a trainable parameter."""
     params = {n for n, _ in gm.named_parameters()}
-    rg: dict[fx.Node, bool] = {}
+    carries_grad: dict[fx.Node, bool] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         is_float = isinstance(val, torch.Tensor) and val.is_floating_point()
         if n.op == "get_attr":
-            rg[n] = n.target in params
+            carries_grad[n] = n.target in params
         elif n.op == "placeholder":
-            rg[n] = False
+            carries_grad[n] = False
         else:
-            rg[n] = is_float and any(rg.get(a, False) for a in n.all_input_nodes)
-    return rg
+            carries_grad[n] = is_float and any(carries_grad.get(arg, False) for arg in n.all_input_nodes)
+    return carries_grad
 
 
-def _meta(n: fx.Node, rg: dict, seq: dict | None = None, tp: int = 1) -> dict:
+def _meta(n: fx.Node, requires_grad: dict, seq: dict | None = None, tp: int = 1) -> dict:
     """What a stage sends or receives; ``seq`` maps the sequence-sharded values to their sequence
     dim (each tp rank holds ``1/tp`` of it: sequence parallelism)."""
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ValueError(f"value {n.name} crossing a stage boundary is not a tensor")
-    shape = [int(d) for d in val.shape]
-    d = (seq or {}).get(n.name)
-    if isinstance(d, int):
-        shape[d] //= tp
-    return {"name": n.name, "shape": shape, "dtype": str(val.dtype).replace("torch.", ""), "requires_grad": bool(rg[n])}
+    shape = [int(seq_dim) for seq_dim in val.shape]
+    seq_dim = (seq or {}).get(n.name)
+    if isinstance(seq_dim, int):
+        shape[seq_dim] //= tp
+    return {
+        "name": n.name,
+        "shape": shape,
+        "dtype": str(val.dtype).replace("torch.", ""),
+        "requires_grad": bool(requires_grad[n]),
+    }
 
 
 def _write(path: str, text: str) -> None:
@@ -147,7 +152,7 @@ def _stage_params(gm: fx.GraphModule, spec: StageSpec, param_map: dict[str, str]
         tensor = get_tensor(gm, fqn)
         params[attr] = {
             "fqn": fqn,
-            "shape": [int(d) for d in tensor.shape],
+            "shape": [int(size) for size in tensor.shape],
             "trainable": isinstance(tensor, torch.nn.Parameter),
             "shard": shard_info.get(fqn),
         }
@@ -231,6 +236,6 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
         "stages": stages,
     }
     if plan.virtual_stages > 1:  # which rank runs which chunks (runtime.stages.compiled_stages.rank_chunks reads it)
-        manifest["chunks_of_rank"] = [list(range(r, chunks, plan.pp)) for r in range(plan.pp)]
+        manifest["chunks_of_rank"] = [list(range(rank, chunks, plan.pp)) for rank in range(plan.pp)]
     _write(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

@@ -271,21 +271,21 @@ class LayerCosts:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LayerCosts":
+    def from_dict(cls, data: dict[str, Any]) -> "LayerCosts":
         loc = {"b": B, "s": S}
-        kw = {f: sympy.sympify(d[f], locals=loc) for f in EXPR_FIELDS if f in d}
-        kw.update({f: int(d[f]) for f in INT_FIELDS if f in d})
-        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt) for shape, dt in d.get("boundary", [])]
+        kw = {f: sympy.sympify(data[f], locals=loc) for f in EXPR_FIELDS if f in data}
+        kw.update({f: int(data[f]) for f in INT_FIELDS if f in data})
+        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt) for shape, dt in data.get("boundary", [])]
         for f in GEMM_FIELDS:  # absent in a table written before they existed: no shapes
             kw[f] = [
-                Gemm._make([*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]]) for g in d.get(f, [])
+                Gemm._make([*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]]) for g in data.get(f, [])
             ]
         return cls(
-            index=int(d["index"]),
-            name=d["name"],
-            kind=d["kind"],
+            index=int(data["index"]),
+            name=data["name"],
+            kind=data["kind"],
             boundary=boundary,
-            signature=d.get("signature", ""),
+            signature=data.get("signature", ""),
             **kw,
         )
 

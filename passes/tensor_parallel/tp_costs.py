@@ -135,10 +135,10 @@ def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
     return 8 * f32 + cast, 4 * f32 + cast
 
 
-def _rows(x: fx.Node, d: int) -> sympy.Expr:
+def _rows(x: fx.Node, row_dim: int) -> sympy.Expr:
     """Number of rows of ``x`` when dim ``d`` is the row length (product of the other dims)."""
     shape = need(x, "shape", _PASS, "annotate_shapes")
-    return sympy.expand(sympy.Mul(*[e for k, e in enumerate(shape) if k != d]))
+    return sympy.expand(sympy.Mul(*[e for k, e in enumerate(shape) if k != row_dim]))
 
 
 def _shard_dims(state) -> Any:
