@@ -55,7 +55,7 @@ products of an ``m x k`` by a ``k x n`` matrix, ``2 m n k batch`` FLOPs, forward
 Each ``GemmCall`` also says what its two factors are (``operands``): ``w`` a parameter or buffer
 (or a view of one), ``x`` a tensor the node's forward multiplied (in backward: one it saved),
 ``g`` anything else (a gradient). That is what lets tensor parallelism name the dim it divides
-(``passes.tensor_parallel.tp_analysis.gemm_tp_dim``): a weight's output features are ``n`` of the forward
+(``passes.tensor_parallel.tp_common.gemm_tp_dim``): a weight's output features are ``n`` of the forward
 product but ``k`` of the input gradient's.
 
 Writes per node: ``fwd_flops``, ``bwd_flops``, ``fwd_bytes``, ``bwd_bytes`` (sympy), ``saved`` (list of ``SavedTensor``),

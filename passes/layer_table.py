@@ -310,8 +310,8 @@ class LayerTable:
     """Tracing decisions worth reporting."""
     tied: list[dict[str, Any]] = field(default_factory=list)
     """Weights read by more than one row, ``{"weight": fqn, "layers": [first, last]}`` (a tied
-    embedding and head: ``[0, L + 1]``). A pipeline cut between those rows would need the weight
-    in two stages, which the runtime does not do; the planner keeps such rows in one stage."""
+    embedding and head: ``[0, L + 1]``). A pipeline cut between those rows puts a copy of the
+    weight in each stage that reads it, their gradients summed (``cost_models.tied_cost``)."""
 
     def __post_init__(self):
         self._fn = None

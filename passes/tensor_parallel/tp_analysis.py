@@ -23,7 +23,7 @@ Rules (the walk is in graph order)
   replicated activation is **column parallel**: ``W`` (and ``b``) keep this rank's output
   features, the output is sharded along its last dim, FLOPs divide. Its input *enters* the
   sharded region (``copy_to_tp``: identity forward, all-reduce of the input gradient backward,
-  once per input tensor).
+  once per input tensor). The weight may be a transpose of a 2-d parameter (Falcon's ``x @ W.T``).
 * A weighted matmul whose activation is sharded along the contraction dim is **row parallel**:
   ``W`` keeps this rank's input features, the partial outputs are all-reduced, the result is
   replicated and a bias is added once, after the all-reduce.
@@ -41,10 +41,7 @@ Rules (the walk is in graph order)
 * SDPA (and its kernel variants) on q, k and v all sharded by heads is per head; GQA keeps its
   ratio. k / v may also be replicated with one head (broadcast) or with every query head (GQA's
   repeated key/value heads when their projections stayed replicated, e.g. one kv head at tp 2):
-  each rank then keeps its query heads' share (``scatter``). A mask with a per-head dim cannot
-  be used.
-* A weighted matmul may read a transpose of a 2-d parameter (Falcon's ``x @ W.T``): it is column
-  or row parallel on the parameter.
+  each rank then keeps its query heads' share (``scatter``). A per-head mask is a conflict.
 * A fused projection split along its sharded features (GPT-2's ``c_attn`` -> q, k, v) keeps each
   part sharded; its weight is laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
 * A replicated tensor that requires grad and enters a sharded op (a norm weight, a broadcast
@@ -61,28 +58,9 @@ conflict no ban can avoid is raised.
 
 Each sharded parameter gets a ``WeightShard`` (kind ``column``, ``row``, ``heads``, ``vocab`` or
 ``qkv``, the dim and its full size): the tp-free part of ``runtime.tensor_parallel.sharding.TensorShard``.
-
-GEMM dims
----------
-A node whose work divides runs products of smaller shapes, and a GPU's efficiency depends on
-which dim shrank. ``gemm_tp_dim`` names it for each matrix product the cost replay recorded
-(``passes.autograd_costs.GemmCall``, ``batch`` products of ``m x k`` by ``k x n``). A weighted
-matmul's factors are the activation ``x`` (rows x in features), the weight ``w`` (in x out) and
-the output gradient ``g`` (rows x out); a product's ``k`` is the dim its two factors share,
-``m`` and ``n`` the others. Column parallel divides the *out* features, row parallel the *in*
-features, wherever autograd put them::
-
-    product              factors    column parallel    row parallel
-    forward  y = x w     (x, w)     n                  k
-    input grad  g wᵀ     (g, w)     k                  n
-    weight grad  xᵀ g    (x, g)     n                  m
-    (either backward product transposed, gᵀ x or w gᵀ: the same dims read in the other order)
-
-Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
-``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
-
 Sequence parallelism (``passes.tensor_parallel.sp_analysis``) runs on these decisions and fills the ``sp_*``
-fields; the op tables, states and shape helpers both walks use are in ``passes.tensor_parallel.tp_common``.
+fields; the op tables, states and shape helpers both walks use are in ``passes.tensor_parallel.tp_common``,
+and so is the dim each divided matrix product shrinks (``gemm_tp_dim``, "GEMM dims").
 """
 
 from __future__ import annotations

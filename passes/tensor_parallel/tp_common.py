@@ -2,7 +2,27 @@
 tables, the states of a value (``Shard``, ``SeqShard``), the decisions (``TPDecisions``, with
 ``WeightShard`` and ``SeqComm``), ``TPConflict``, and the shape helpers that follow a sharded dim
 through views, transposes and reshapes. The rules are in ``passes.tensor_parallel.tp_analysis`` (tensor
-parallelism) and ``passes.tensor_parallel.sp_analysis`` (sequence parallelism)."""
+parallelism) and ``passes.tensor_parallel.sp_analysis`` (sequence parallelism).
+
+GEMM dims
+---------
+A node whose work divides runs products of smaller shapes, and a GPU's efficiency depends on
+which dim shrank. ``gemm_tp_dim`` names it for each matrix product the cost replay recorded
+(``passes.autograd_costs.GemmCall``, ``batch`` products of ``m x k`` by ``k x n``). A weighted
+matmul's factors are the activation ``x`` (rows x in features), the weight ``w`` (in x out) and
+the output gradient ``g`` (rows x out); a product's ``k`` is the dim its two factors share,
+``m`` and ``n`` the others. Column parallel divides the *out* features, row parallel the *in*
+features, wherever autograd put them::
+
+    product              factors    column parallel    row parallel
+    forward  y = x w     (x, w)     n                  k
+    input grad  g wᵀ     (g, w)     k                  n
+    weight grad  xᵀ g    (x, g)     n                  m
+    (either backward product transposed, gᵀ x or w gᵀ: the same dims read in the other order)
+
+Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
+``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
+"""
 
 from __future__ import annotations
 
