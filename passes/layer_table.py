@@ -313,13 +313,14 @@ class LayerTable:
     embedding and head: ``[0, L + 1]``). A pipeline cut between those rows puts a copy of the
     weight in each stage that reads it, their gradients summed (``cost_models.tied_cost``)."""
 
-    def __post_init__(self):
-        self._fn = None
+    def __post_init__(self) -> None:
+        self._fn: tuple[Any, list] | None = None
         self._cache: dict[tuple[int, int], list[dict[str, float]]] = {}
 
-    def _compile(self):
+    def _compile(self) -> tuple[Any, list]:
+        """One ``lambdify`` of the table's distinct expressions, and where each field reads them."""
         uniq: dict[sympy.Expr, int] = {}
-        index = []
+        index: list[tuple[list[int], dict[str, list]]] = []
 
         def slot(lay: LayerCosts, f: str, e: Any) -> int:
             stray = sympy.sympify(e).free_symbols - {self.b, self.s}
@@ -345,6 +346,7 @@ class LayerTable:
         exprs = list(uniq)
         fn = sympy.lambdify((self.b, self.s), exprs, modules="math")
         self._fn = (fn, index)
+        return self._fn
 
     def numeric(self, b: int, s: int) -> list[dict[str, Any]]:
         """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``
@@ -362,9 +364,7 @@ class LayerTable:
         key = (int(b), int(s))
         if key in self._cache:
             return [dict(row) for row in self._cache[key]]
-        if self._fn is None:
-            self._compile()
-        fn, index = self._fn
+        fn, index = self._fn if self._fn is not None else self._compile()
         vals = [float(v) for v in fn(*key)]
         out = []
         for lay, (row, gemms) in zip(self.layers, index):
