@@ -20,23 +20,23 @@ _BAD = re.compile(r"[^A-Za-z0-9_]")
 
 def safe_ident(name: str, prefix: str = "p_") -> str:
     """Map any string to a plain, non-keyword, non-dunder Python identifier."""
-    s = _BAD.sub("_", str(name)).strip("_") or "x"
-    if s[0].isdigit() or keyword.iskeyword(s) or s in ("self", "torch", "runtime"):
-        s = prefix + s
-    s = re.sub(r"_{2,}", "_", s)
-    check_ident(s)
-    return s
+    ident = _BAD.sub("_", str(name)).strip("_") or "x"
+    if ident[0].isdigit() or keyword.iskeyword(ident) or ident in ("self", "torch", "runtime"):
+        ident = prefix + ident
+    ident = re.sub(r"_{2,}", "_", ident)
+    check_ident(ident)
+    return ident
 
 
-def check_ident(s: str) -> str:
+def check_ident(name: str) -> str:
     """Raise ``UnsafeNameError`` unless ``s`` is a plain identifier safe to emit."""
     if not (
-        isinstance(s, str)
-        and s.isidentifier()
-        and s.isascii()
-        and not keyword.iskeyword(s)
-        and not s.startswith("__")
-        and _BAD.search(s) is None
+        isinstance(name, str)
+        and name.isidentifier()
+        and name.isascii()
+        and not keyword.iskeyword(name)
+        and not name.startswith("__")
+        and _BAD.search(name) is None
     ):
-        raise UnsafeNameError(f"{s!r} is not a safe identifier for generated code")
-    return s
+        raise UnsafeNameError(f"{name!r} is not a safe identifier for generated code")
+    return name

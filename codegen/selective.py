@@ -40,10 +40,10 @@ class CoreGraph:
         self.attr, self.graph = attr, graph
 
 
-def _core_sets(g: fx.Graph) -> list[list[fx.Node]]:
-    annotate_attention(g)
+def _core_sets(graph: fx.Graph) -> list[list[fx.Node]]:
+    annotate_attention(graph)
     cores, taken = [], set()
-    for n in g.nodes:
+    for n in graph.nodes:
         nodes = [x for x in attention_core(n) if x not in taken]
         if nodes:
             cores.append(nodes)
@@ -51,10 +51,10 @@ def _core_sets(g: fx.Graph) -> list[list[fx.Node]]:
     return cores
 
 
-def extract_attention_cores(g: fx.Graph, where: str) -> list[CoreGraph]:
+def extract_attention_cores(graph: fx.Graph, where: str) -> list[CoreGraph]:
     """Replace each attention core of ``g`` by a ``runtime.checkpoint`` call of a submodule; return
     the cores' graphs. ``where`` names the layer in the error raised when it has no core."""
-    cores = _core_sets(g)
+    cores = _core_sets(graph)
     if not cores:
         raise LoweringError(
             f"{where} is listed in selective_layers but has no attention core "
@@ -66,37 +66,37 @@ def extract_attention_cores(g: fx.Graph, where: str) -> list[CoreGraph]:
         inside = set(nodes)
         inputs: list[fx.Node] = []
         for x in nodes:
-            for a in x.all_input_nodes:
-                if a not in inside and a not in inputs:
-                    inputs.append(a)
-        results = [x for x in nodes if any(u not in inside for u in x.users)]
-        cg = fx.Graph()
-        env = {a: cg.placeholder(a.name) for a in inputs}
+            for arg in x.all_input_nodes:
+                if arg not in inside and arg not in inputs:
+                    inputs.append(arg)
+        results = [x for x in nodes if any(user not in inside for user in x.users)]
+        core_graph = fx.Graph()
+        env = {arg: core_graph.placeholder(arg.name) for arg in inputs}
         for x in nodes:
-            env[x] = cg.node_copy(x, lambda a: env[a])
-        cg.output(tuple(env[r] for r in results) if len(results) != 1 else env[results[0]])
+            env[x] = core_graph.node_copy(x, lambda arg: env[arg])
+        core_graph.output(tuple(env[result] for result in results) if len(results) != 1 else env[results[0]])
         attr = CORE_ATTR.format(j)
-        order = {x: i for i, x in enumerate(g.nodes)}
-        users = [u for r in results for u in r.users if u not in inside]
-        after = max((order[a] for a in inputs), default=-1)
-        if users and after >= min(order[u] for u in users):
+        order = {x: i for i, x in enumerate(graph.nodes)}
+        users = [user for result in results for user in result.users if user not in inside]
+        after = max((order[arg] for arg in inputs), default=-1)
+        if users and after >= min(order[user] for user in users):
             raise LoweringError(
                 f"{where}: an input of its attention core is computed after the core's "
                 "output is used, so the core cannot be recomputed as one call; "
                 "recompute the layer whole (checkpoint_layers) instead"
             )
-        first = next(x for x in g.nodes if order[x] > after and (x in inside or x in users or x.op == "output"))
-        with g.inserting_before(first):
-            fn = g.get_attr(attr)
-            call = g.call_function(runtime.checkpoint, (fn, *inputs))
+        first = next(x for x in graph.nodes if order[x] > after and (x in inside or x in users or x.op == "output"))
+        with graph.inserting_before(first):
+            fn = graph.get_attr(attr)
+            call = graph.call_function(runtime.checkpoint, (fn, *inputs))
             outs = (
                 [call]
                 if len(results) == 1
-                else [g.call_function(operator.getitem, (call, i)) for i in range(len(results))]
+                else [graph.call_function(operator.getitem, (call, i)) for i in range(len(results))]
             )
-        for r, o in zip(results, outs):
-            r.replace_all_uses_with(o, delete_user_cb=lambda u: u not in inside)
+        for result, replacement in zip(results, outs):
+            result.replace_all_uses_with(replacement, delete_user_cb=lambda user: user not in inside)
         for x in reversed(nodes):
-            g.erase_node(x)
-        out.append(CoreGraph(attr, cg))
+            graph.erase_node(x)
+        out.append(CoreGraph(attr, core_graph))
     return out

@@ -62,6 +62,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -119,8 +120,8 @@ class TPAnalysis:
 
 
 def _shape(n) -> list[int]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return [int(d) for d in v.shape] if isinstance(v, torch.Tensor) else []
+    val = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return [int(size) for size in val.shape] if isinstance(val, torch.Tensor) else []
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -129,7 +130,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 def _user_line(n: fx.Node) -> str:
     """``file:line`` of the innermost frame outside torch itself ('' if unknown)."""
-    hits = [(f, ln) for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "") if not f.startswith(_TORCH_DIR)]
+    hits = [(f, line) for f, line in _FRAME.findall(n.meta.get("stack_trace") or "") if not f.startswith(_TORCH_DIR)]
     return f"{hits[-1][0]}:{hits[-1][1]}" if hits else source_line(n)
 
 
@@ -141,7 +142,7 @@ def _where(n: fx.Node) -> str:
     return f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "") + (f", from {src}" if src else "")
 
 
-def reshape_shard(src: list[int], dst: list[int], d: int, tp: int, padded: bool = False, strict: bool = True):
+def reshape_shard(src: list[int], dst: list[int], dim: int, tp: int, padded: bool = False, strict: bool = True):
     """Where a tensor sharded along ``d`` is sharded after ``reshape(src -> dst)``.
 
     Returns ``(d_out, local_out)``: each rank's block of the reshaped tensor is its block of
@@ -152,17 +153,17 @@ def reshape_shard(src: list[int], dst: list[int], d: int, tp: int, padded: bool 
     its group (the shards would interleave) or a padded dim would be merged; raises ValueError when
     ``tp`` does not divide the new leading dim (e.g. 3 heads over 2 ranks) unless not ``strict``.
     """
-    g = reshape_groups(src, dst, d)
-    if g is None or g[0][0] != d:
+    groups = reshape_groups(src, dst, dim)
+    if groups is None or groups[0][0] != dim:
         return None
-    gi, gj = g
-    d_out = gj[0]
+    src_group, dst_group = groups
+    d_out = dst_group[0]
     if padded:
-        return (d_out, None) if len(gi) == 1 and len(gj) == 1 else None
+        return (d_out, None) if len(src_group) == 1 and len(dst_group) == 1 else None
     if dst[d_out] % tp and strict:
         raise ValueError(
-            f"reshaping {src} -> {dst} splits the sharded size {src[d]} into "
-            f"{' x '.join(str(dst[k]) for k in gj)}, and tp={tp} does not divide "
+            f"reshaping {src} -> {dst} splits the sharded size {src[dim]} into "
+            f"{' x '.join(str(dst[k]) for k in dst_group)}, and tp={tp} does not divide "
             f"{dst[d_out]} (e.g. the number of attention heads)"
         )
     return d_out, dst[d_out] // tp
@@ -173,7 +174,8 @@ def _fused_supported() -> bool:
     full, spec = torch.arange(12.0).view(12, 1), {"dim": 0, "kind": "qkv", "parts": [4, 4, 4], "size": 12}
     try:
         shard = TensorShard.from_dict(spec)
-        pieces = [shard.cut(full, r, 2) for r in range(2)]
+        assert shard is not None  # a non-empty spec always gives one
+        pieces = [shard.cut(full, rank, 2) for rank in range(2)]
         return pieces[0].flatten().tolist() == [0, 1, 4, 5, 8, 9] and torch.equal(shard.join(pieces), full)
     except Exception:  # a runtime that does not know the kind
         return False
@@ -205,28 +207,28 @@ class _Planner:
             f"tensor parallelism (tp={self.tp}) at {_where(n)}: {why} (model dims: {self.dims}). {hint}"
         )
 
-    def padded(self, s: Shard) -> bool:
+    def padded(self, shard: Shard) -> bool:
         """Is ``s`` a vocabulary (of LM-head logits) that tp does not divide, padded per rank?"""
-        return s.size % self.tp != 0 and s.size == self.dec.vocab and s.origins <= self.vocab_heads
+        return shard.size % self.tp != 0 and shard.size == self.dec.vocab and shard.origins <= self.vocab_heads
 
-    def local(self, s: Shard) -> int:
+    def local(self, shard: Shard) -> int:
         """Entries of the sharded dim one rank holds (a vocabulary is padded)."""
-        return rtp.padded_vocab_size(s.size, self.tp) // self.tp if self.padded(s) else s.size // self.tp
+        return rtp.padded_vocab_size(shard.size, self.tp) // self.tp if self.padded(shard) else shard.size // self.tp
 
     def run(self) -> TPAnalysis:
-        dec, a = self.dec, self.a
+        dec, analysis = self.dec, self.a
         for n in self.gm.graph.nodes:
             if n.op != "call_function":
                 continue
             role, name = dec.role[n], op_name(n)
             if role == "col":
-                s = dec.state[n]
-                if s.size % self.tp and not self.padded(s):
+                state = dec.state[n]
+                if state.size % self.tp and not self.padded(state):
                     self.fail(
                         n,
-                        f"this column-parallel matmul has {s.size} output features, which tp={self.tp} does not divide",
+                        f"this column-parallel matmul has {state.size} output features, which tp={self.tp} does not divide",
                     )
-                a.actions[n.name] = ("col", n.target)
+                analysis.actions[n.name] = ("col", n.target)
             elif role == "row":
                 if self.padded(dec.state[matmul_operands(n)[0]]):
                     self.fail(
@@ -234,62 +236,65 @@ class _Planner:
                         f"the padded vocabulary ({dec.vocab} entries, which tp={self.tp} "
                         "does not divide) is the input of a row-parallel matmul",
                     )
-                a.actions[n.name] = ("row", n.target)
+                analysis.actions[n.name] = ("row", n.target)
             elif role == "vocab_embedding":
-                a.actions[n.name] = (
+                analysis.actions[n.name] = (
                     "embed",
-                    (rtp.padded_vocab_size(dec.vocab, self.tp) // self.tp, node_arg(n, "padding_idx", -1)),
+                    (rtp.padded_vocab_size(cast(int, dec.vocab), self.tp) // self.tp, node_arg(n, "padding_idx", -1)),
                 )
             elif role == "vocab_loss":
-                s = dec.state[n.args[0]]
-                red = {v: k for k, v in _REDUCTIONS.items()}[node_arg(n, "reduction", 1)]
-                a.actions[n.name] = ("loss", (self.local(s), s.size, red, node_arg(n, "ignore_index", -100)))
+                state = dec.state[n.args[0]]
+                red = {code: k for k, code in _REDUCTIONS.items()}[node_arg(n, "reduction", 1)]
+                analysis.actions[n.name] = (
+                    "loss",
+                    (self.local(state), state.size, red, node_arg(n, "ignore_index", -100)),
+                )
             elif n.args and isinstance(dec.state.get(n.args[0]), Shard):
                 if name in VIEWS:
                     self.view(n)
                 elif name == "expand":
-                    s = dec.state[n]
-                    a.actions[n.name] = ("size", (1, s.dim, self.local(s)))
+                    state = dec.state[n]
+                    analysis.actions[n.name] = ("size", (1, state.dim, self.local(state)))
                 elif name in SPLITS and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.split(n)
-        a.enter = {n.name: paths for n, paths in dec.enter.items()}
-        a.scatter = {n.name: sc for n, sc in dec.scatter.items()}
-        if a.sequence_parallel:
+        analysis.enter = {n.name: paths for n, paths in dec.enter.items()}
+        analysis.scatter = {n.name: scatter for n, scatter in dec.scatter.items()}
+        if analysis.sequence_parallel:
             self.sequence_parallel()
-        return a
+        return analysis
 
     def sequence_parallel(self):
         """The SP decisions for this ``t``: divisibility, and the views' sizes along the sequence."""
-        dec, a, t = self.dec, self.a, self.tp
+        dec, analysis, degree = self.dec, self.a, self.tp
         if dec.sp_blocked:
             raise TPRewriteError(
-                f"sequence parallelism (tp={t}) cannot split this model: {dec.sp_blocked}. "
+                f"sequence parallelism (tp={degree}) cannot split this model: {dec.sp_blocked}. "
                 "Set sequence_parallel to false in the plan (planner plan "
                 "--sequence-parallel off)."
             )
-        if dec.sp_seq_len % t:
+        if dec.sp_seq_len % degree:
             raise TPRewriteError(
-                f"sequence parallelism (tp={t}): the sequence length {dec.sp_seq_len} is not "
-                f"a multiple of tp={t}; choose a sequence length tp divides."
+                f"sequence parallelism (tp={degree}): the sequence length {dec.sp_seq_len} is not "
+                f"a multiple of tp={degree}; choose a sequence length tp divides."
             )
-        local = dec.sp_seq_len // t
+        local = dec.sp_seq_len // degree
         for n in self.gm.graph.nodes:
-            d = dec.sp_sharded.get(n.name)
-            if isinstance(d, int) and op_name(n) in ("view", "_unsafe_view", "reshape", "expand"):
-                a.actions[n.name] = ("size", (1, d, local))
-        a.sp_args = dict(dec.sp_args)
-        a.sp_reduce = {c.value: c.dim for c in dec.sp_comms if c.kind == "reduce_scatter"}
-        a.sequence_sharded = dict(dec.sp_sharded)
+            seq_dim = dec.sp_sharded.get(n.name)
+            if isinstance(seq_dim, int) and op_name(n) in ("view", "_unsafe_view", "reshape", "expand"):
+                analysis.actions[n.name] = ("size", (1, seq_dim, local))
+        analysis.sp_args = dict(dec.sp_args)
+        analysis.sp_reduce = {comm.value: comm.dim for comm in dec.sp_comms if comm.kind == "reduce_scatter"}
+        analysis.sequence_sharded = dict(dec.sp_sharded)
 
     def view(self, n):
         """view / reshape / flatten / unflatten: rewrite the size list along the sharded dim."""
         x = n.args[0]
-        s, out = self.dec.state[x], self.dec.state[n]
+        state, out = self.dec.state[x], self.dec.state[n]
         try:
-            if reshape_shard(_shape(x), _shape(n), s.dim, self.tp, self.padded(s)) is None:
+            if reshape_shard(_shape(x), _shape(n), state.dim, self.tp, self.padded(state)) is None:
                 self.fail(
                     n,
-                    f"the reshape merges the padded vocabulary ({s.size} entries, which "
+                    f"the reshape merges the padded vocabulary ({state.size} entries, which "
                     f"tp={self.tp} does not divide) with other dims",
                 )
         except ValueError as e:
@@ -303,11 +308,12 @@ class _Planner:
 
     def split(self, n):
         """A fused projection split along its sharded features: Megatron layout [q_r; k_r; v_r]."""
-        s = self.dec.state[n.args[0]]
-        pieces = [p.size for p in self.dec.state[n]]
-        if any(p % self.tp for p in pieces):
+        state = self.dec.state[n.args[0]]
+        pieces = [piece.size for piece in self.dec.state[n]]
+        if any(piece % self.tp for piece in pieces):
             self.fail(
-                n, f"the fused projection splits {s.size} features into {pieces}, which tp={self.tp} does not divide"
+                n,
+                f"the fused projection splits {state.size} features into {pieces}, which tp={self.tp} does not divide",
             )
         if self.fused_ok is None:  # probed only if the graph has a fused projection
             self.fused_ok = _fused_supported()
@@ -321,14 +327,14 @@ class _Planner:
             )
         if op_name(n) != "chunk":
             arg = n.args[1]
-            new = arg // self.tp if isinstance(arg, int) else [p // self.tp for p in arg]
+            new = arg // self.tp if isinstance(arg, int) else [piece // self.tp for piece in arg]
             self.a.actions[n.name] = ("split", (1, new))
 
 
-def _spec(w, tp: int) -> dict:
+def _spec(weight, tp: int) -> dict:
     """The manifest form of a parameter's ``WeightShard`` at degree ``tp``."""
-    padded = rtp.padded_vocab_size(w.size, tp) if w.kind == "vocab" else None
-    return TensorShard(w.dim, w.kind, w.size, padded, w.parts).to_dict()
+    padded = rtp.padded_vocab_size(weight.size, tp) if weight.kind == "vocab" else None
+    return TensorShard(weight.dim, weight.kind, weight.size, padded, weight.parts).to_dict()
 
 
 def analyze_tp(
@@ -346,20 +352,20 @@ def analyze_tp(
     try:
         # key/value heads tp is a multiple of: their projections stay replicated (a reshape into
         # heads tp does not divide is then a conflict of the analysis, not an error here)
-        kv = (dims or {}).get("kv_heads")
-        replicate_kv = bool(kv) and kv % tp != 0 and tp % kv == 0
+        kv_heads = (dims or {}).get("kv_heads")
+        replicate_kv = bool(kv_heads and kv_heads % tp != 0 and tp % kv_heads == 0)
         dec = analyze_tensor_parallel(gm, layer_of=layer_of, vocab=vocab or None, tp=tp if replicate_kv else None)
-    except TPConflict as c:
-        where = _where(c.node) if c.node.op != "output" else "the model output"
+    except TPConflict as conflict:
+        where = _where(conflict.node) if conflict.node.op != "output" else "the model output"
         raise TPRewriteError(
-            f"tensor parallelism (tp={tp}) at {where}: {c.why}, and no "
+            f"tensor parallelism (tp={tp}) at {where}: {conflict.why}, and no "
             "column-parallel matmul can be kept replicated to avoid it. "
             "Use tp=1 for this model or restructure this op."
         ) from None
-    a = _Planner(gm, dec, tp, dims or {}, fused_ok, sequence_parallel).run()
-    a.replicated = {k: f"{c.why} at {_where(c.node)}" for k, c in dec.replicated.items()}
-    a.shard_info = {key: _spec(w, tp) for key, w in dec.weights.items()}
-    return a
+    analysis = _Planner(gm, dec, tp, dims or {}, fused_ok, sequence_parallel).run()
+    analysis.replicated = {k: f"{conflict.why} at {_where(conflict.node)}" for k, conflict in dec.replicated.items()}
+    analysis.shard_info = {key: _spec(weight, tp) for key, weight in dec.weights.items()}
+    return analysis
 
 
 # ---------------------------------------------------------------------- applying the decisions
@@ -387,12 +393,20 @@ class _LayerRewriter:
 
     def __init__(self, analysis: TPAnalysis):
         self.an = analysis
+        self.replicated: dict[str, str] = analysis.replicated
+        """Matmuls/embeddings kept replicated -> why (``build_tp_rewrite``)."""
+        self.sequence_sharded: dict = analysis.sequence_sharded
+        """Values each rank holds ``S/t`` positions of -> their sequence dim."""
+        self.sp_replicated: dict[str, str] = {}
+        """Row-parallel matmuls / embedding that keep their all-reduce under sequence parallelism -> why."""
 
-    def __call__(self, g: fx.Graph, lg) -> None:
-        new_nodes = [n for n in g.nodes if n.op == "call_function"]
-        if len(new_nodes) != len(lg.nodes) or any(a.target != b.target for a, b in zip(new_nodes, lg.nodes)):
+    def __call__(self, graph: fx.Graph, layer) -> None:
+        new_nodes = [n for n in graph.nodes if n.op == "call_function"]
+        if len(new_nodes) != len(layer.nodes) or any(
+            new_node.target != orig_node.target for new_node, orig_node in zip(new_nodes, layer.nodes)
+        ):
             raise TPRewriteError(
-                f"layer {lg.name!r}: its graph does not match the analyzed one; "
+                f"layer {layer.name!r}: its graph does not match the analyzed one; "
                 "the tensor-parallel rewrite must run before other rewrites"
             )
         copies: dict[fx.Node, fx.Node] = {}
@@ -401,8 +415,8 @@ class _LayerRewriter:
 
         def copy_of(x: fx.Node, before: fx.Node) -> fx.Node:
             if x not in copies:
-                with g.inserting_before(before):
-                    copies[x] = g.call_function(rtp.copy_to_tp, (x,))
+                with graph.inserting_before(before):
+                    copies[x] = graph.call_function(rtp.copy_to_tp, (x,))
             return copies[x]
 
         def sp_of(kind: str, x: fx.Node, dim, before: fx.Node) -> fx.Node:
@@ -411,88 +425,90 @@ class _LayerRewriter:
                 return copy_of(x, before)
             if (kind, x) not in sp_made:
                 fn = rtp.all_gather_seq if kind == "gather" else rtp.scatter_to_tp
-                with g.inserting_before(before):
-                    sp_made[kind, x] = g.call_function(fn, (x, dim))
+                with graph.inserting_before(before):
+                    sp_made[kind, x] = graph.call_function(fn, (x, dim))
             return sp_made[kind, x]
 
         def vocab_start(per: int, before: fx.Node) -> fx.Node:
             if per not in starts:
-                with g.inserting_before(before):
-                    r = g.call_function(rtp.tp_rank, ())
-                    starts[per] = g.create_node("call_function", operator.mul, (r, per), name="vocab_start")
+                with graph.inserting_before(before):
+                    rank = graph.call_function(rtp.tp_rank, ())
+                    starts[per] = graph.create_node("call_function", operator.mul, (rank, per), name="vocab_start")
             return starts[per]
 
-        for new, orig in zip(new_nodes, lg.nodes):
-            sp = self.an.sp_args.get(orig.name, ())
-            gathered = {path for path, kind, _ in sp if kind == "gather"}
+        for new, orig in zip(new_nodes, layer.nodes):
+            sp_actions = self.an.sp_args.get(orig.name, ())
+            gathered = {path for path, kind, _ in sp_actions if kind == "gather"}
             for path in self.an.enter.get(orig.name, ()):
                 if path in gathered:  # SP: the all-gather replaces copy_to_tp
                     continue
                 x = _get_path(new, path)
                 _set_path(new, path, copy_of(x, new))
-            for path, kind, dim in sp:
+            for path, kind, dim in sp_actions:
                 _set_path(new, path, sp_of(kind, _get_path(new, path), dim, new))
             for path, dim in self.an.scatter.get(orig.name, ()):
-                with g.inserting_before(new):
-                    _set_path(new, path, g.call_function(rtp.scatter_to_tp, (_get_path(new, path), dim)))
+                with graph.inserting_before(new):
+                    _set_path(new, path, graph.call_function(rtp.scatter_to_tp, (_get_path(new, path), dim)))
             if new.target is aten.dropout.default:  # on a shard: each rank its block of one mask
                 dim = self._shard_dim(orig)
                 if dim is not None:
-                    with g.inserting_before(new):
-                        out = g.call_function(rtp.sharded_dropout, (*new.args, dim))
+                    with graph.inserting_before(new):
+                        out = graph.call_function(rtp.sharded_dropout, (*new.args, dim))
                     new.replace_all_uses_with(out)
-                    g.erase_node(new)
+                    graph.erase_node(new)
                     continue
             act = self.an.actions.get(orig.name)
             if act is None:
                 continue
-            kind, p = act
+            kind, payload = act
             if kind == "size":  # a view/reshape/expand/unflatten size list: the shard's size
-                pos, idx, local = p
+                pos, idx, local = payload
                 if new.args[pos][idx] != -1:
                     _set_path(new, (pos, idx), local)
             elif kind == "split":
-                _set_path(new, (p[0], None), p[1])
+                _set_path(new, (payload[0], None), payload[1])
             elif kind in ("row", "embed", "loss"):
-                with g.inserting_before(new):
-                    out = self._replacement(g, new, kind, p, vocab_start, rtp, self.an.sp_reduce.get(orig.name))
+                with graph.inserting_before(new):
+                    out = self._replacement(
+                        graph, new, kind, payload, vocab_start, rtp, self.an.sp_reduce.get(orig.name)
+                    )
                 new.replace_all_uses_with(out)
-                g.erase_node(new)
+                graph.erase_node(new)
 
     def _shard_dim(self, orig: fx.Node) -> int | None:
         """The dim along which this rank holds a block of ``orig``'s input: its tp shard, or its
         sequence under sequence parallelism; None when the input is whole on every rank."""
-        x = orig.args[0]
-        st = self.an.decisions.state.get(x) if self.an.decisions is not None else None
-        if isinstance(st, Shard):
-            return st.dim
-        d = (self.an.sequence_sharded or {}).get(x.name)
-        return d if isinstance(d, int) else None
+        x = cast(fx.Node, orig.args[0])
+        state = self.an.decisions.state.get(x) if self.an.decisions is not None else None
+        if isinstance(state, Shard):
+            return state.dim
+        seq_dim = (self.an.sequence_sharded or {}).get(x.name)
+        return seq_dim if isinstance(seq_dim, int) else None
 
     @staticmethod
-    def _replacement(g: fx.Graph, new: fx.Node, kind: str, p, vocab_start, rtp, seq=None) -> fx.Node:
+    def _replacement(graph: fx.Graph, new: fx.Node, kind: str, payload, vocab_start, rtp, seq=None) -> fx.Node:
         """The nodes that replace a row-parallel matmul, the token embedding or the loss (``seq``:
         the sequence dim a row-parallel matmul or the embedding reduce-scatters along under SP)."""
-        call = g.call_function
+        call = graph.call_function
         if kind == "row" and seq is not None:  # SP: the bias (through copy_to_tp) after the scatter
-            x, w, b = matmul_operands(new)
-            mm = aten.mm.default if p is aten.addmm.default else p
-            out = call(rtp.reduce_scatter_seq, (call(mm, (x, w)), seq))
-            return out if b is None else call(aten.add.Tensor, (out, b))
+            x, weight, bias = matmul_operands(new)
+            product = aten.mm.default if payload is aten.addmm.default else payload
+            out = call(rtp.reduce_scatter_seq, (call(product, (x, weight)), seq))
+            return out if bias is None else call(aten.add.Tensor, (out, bias))
         if kind == "row":
-            x, w, b = matmul_operands(new)
-            if p is aten.linear.default:
-                return call(rtp.row_parallel_linear, (x, w) if b is None else (x, w, b))
+            x, weight, bias = matmul_operands(new)
+            if payload is aten.linear.default:
+                return call(rtp.row_parallel_linear, (x, weight) if bias is None else (x, weight, bias))
             # addmm(b, x, W), mm(x, W) or matmul(x, W): Conv1D layout, W is [in, out]
-            mm = aten.mm.default if p is aten.addmm.default else p
-            out = call(rtp.reduce_from_tp, (call(mm, (x, w)),))
-            return out if b is None else call(aten.add.Tensor, (out, b))
+            product = aten.mm.default if payload is aten.addmm.default else payload
+            out = call(rtp.reduce_from_tp, (call(product, (x, weight)),))
+            return out if bias is None else call(aten.add.Tensor, (out, bias))
         if kind == "embed":
-            per, pad = p
-            w, ids = new.args[0], new.args[1]
+            per, pad = payload
+            weight, ids = new.args[0], new.args[1]
             out = call(
                 rtp.vocab_parallel_embedding,
-                (ids, w, vocab_start(per, new)),
+                (ids, weight, vocab_start(per, new)),
                 {} if seq is None else {"sequence_dim": seq},
             )
             if isinstance(pad, int) and pad >= 0:  # padding_idx: its row gets no gradient
@@ -501,7 +517,7 @@ class _LayerRewriter:
                     is_pad = call(rtp.scatter_to_tp, (is_pad, seq))
                 out = call(aten.where.self, (is_pad, call(aten.detach.default, (out,)), out))
             return out
-        local, full, red, ignore = p
+        local, full, red, ignore = payload
         return call(
             rtp.vocab_parallel_cross_entropy,
             tuple(new.args[:2]),
@@ -514,13 +530,16 @@ def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:
     for fqn, spec in shard_info.items():
         mod_path, _, attr = fqn.rpartition(".")
         mod = gm.get_submodule(mod_path) if mod_path else gm
-        t = getattr(mod, attr)
-        shape = list(t.shape)
-        shape[spec["dim"]] = TensorShard.from_dict(spec).local_size(tp)
-        new = torch.empty(shape, dtype=t.dtype, device="meta")
-        if isinstance(t, torch.nn.Parameter):
-            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-        (mod._parameters if attr in mod._parameters else mod._buffers)[attr] = new
+        tensor = getattr(mod, attr)
+        shape = list(tensor.shape)
+        shard = TensorShard.from_dict(spec)
+        assert shard is not None  # shard_info holds only sharded tensors
+        shape[spec["dim"]] = shard.local_size(tp)
+        new = torch.empty(shape, dtype=tensor.dtype, device="meta")
+        if isinstance(tensor, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+        store: dict[str, Any] = mod._parameters if attr in mod._parameters else mod._buffers
+        store[attr] = new
 
 
 def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, dims: dict):
@@ -535,26 +554,24 @@ def build_tp_rewrite(gm: fx.GraphModule, layer_of: Callable, plan, vocab: int, d
     matmuls / embedding that keep their all-reduce, and why.
     """
     tp = int(plan.tp)
-    heads, kv = dims.get("heads"), dims.get("kv_heads")
+    heads, kv_heads = dims.get("heads"), dims.get("kv_heads")
     if heads and heads % tp:
         raise TPRewriteError(
             f"tp={tp} does not divide the model's {heads} attention heads (model "
             f"dims: {dims}); choose a tp that divides the heads."
         )
-    if kv and kv % tp and tp % kv:
+    if kv_heads and kv_heads % tp and tp % kv_heads:
         raise TPRewriteError(
-            f"tp={tp} neither divides the model's {kv} key/value heads nor is a "
+            f"tp={tp} neither divides the model's {kv_heads} key/value heads nor is a "
             f"multiple of them (model dims: {dims}); choose a tp that divides the "
             "key/value heads, or a multiple of them that divides the heads."
         )
-    sp = bool(getattr(plan, "sequence_parallel", False))
-    analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims, sequence_parallel=sp)
+    sequence_parallel = bool(getattr(plan, "sequence_parallel", False))
+    analysis = analyze_tp(gm, layer_of, tp, vocab=vocab, dims=dims, sequence_parallel=sequence_parallel)
     _reshard_params(gm, analysis.shard_info, tp)
     rewrite = _LayerRewriter(analysis)
-    rewrite.replicated = analysis.replicated
-    rewrite.sequence_sharded = analysis.sequence_sharded
-    kept = analysis.decisions.sp_replicated if sp else {}
-    rewrite.sp_replicated = {k: f"{c.why} at {_where(c.node)}" for k, c in kept.items()}
+    kept = analysis.decisions.sp_replicated if sequence_parallel and analysis.decisions is not None else {}
+    rewrite.sp_replicated = {k: f"{conflict.why} at {_where(conflict.node)}" for k, conflict in kept.items()}
     return rewrite, analysis.shard_info
 
 

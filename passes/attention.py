@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import fx
 
-from passes.common import hint
+from passes.common import arg_node, hint
 from passes.op_class import op_name
 
 __all__ = ["AttentionInfo", "annotate_attention", "attention_facts", "attention_core"]
@@ -112,7 +113,7 @@ def _repeats(k: fx.Node) -> int:
             src, dst = _shape(n.args[0]), _shape(n)
             src = [1] * (len(dst) - len(src)) + src
             return math.prod(d for s, d in zip(src, dst) if s == 1 and d > 1)
-        n, seen = n.args[0], seen + 1
+        n, seen = arg_node(n, 0), seen + 1
     return 1
 
 
@@ -147,7 +148,7 @@ def _forward(n: fx.Node, allowed: set):
 
 
 def _sdpa(n: fx.Node) -> AttentionInfo | None:
-    q, k = n.args[0], n.args[1]
+    q, k = arg_node(n, 0), arg_node(n, 1)
     sq, sk = _shape(q), _shape(k)
     if len(sq) < 3 or len(sk) < 3:
         return None
@@ -157,18 +158,18 @@ def _sdpa(n: fx.Node) -> AttentionInfo | None:
 
 def _eager(n: fx.Node) -> AttentionInfo | None:
     """``n`` is a softmax: is it the middle of ``softmax(q @ k^T ...) @ v`` over 4-d heads?"""
-    x = n.args[0]
+    x = arg_node(n, 0)
     nd = len(_shape(x))
-    if nd != 4 or int(n.args[1]) % nd != nd - 1:
+    if nd != 4 or int(cast(int, n.args[1])) % nd != nd - 1:
         return None
     scores = _back(x, _SCORES)
     if not (isinstance(scores, fx.Node) and op_name(scores) in _ACT_MATMUL) or _forward(n, _SCORES) is None:
         return None
-    q, kt = scores.args[0], scores.args[1]
+    q, kt = arg_node(scores, 0), arg_node(scores, 1)
     sq = _shape(q)
     if len(sq) != 4 or len(_shape(kt)) != 4:
         return None
-    k = kt.args[0] if op_name(kt) in ("transpose", "permute") else kt
+    k = arg_node(kt, 0) if op_name(kt) in ("transpose", "permute") else kt
     return AttentionInfo(sq[1], _kv_heads(k, sq[1], False) if len(_shape(k)) == 4 else sq[1], sq[-1], "eager")
 
 

@@ -55,7 +55,7 @@ products of an ``m x k`` by a ``k x n`` matrix, ``2 m n k batch`` FLOPs, forward
 Each ``GemmCall`` also says what its two factors are (``operands``): ``w`` a parameter or buffer
 (or a view of one), ``x`` a tensor the node's forward multiplied (in backward: one it saved),
 ``g`` anything else (a gradient). That is what lets tensor parallelism name the dim it divides
-(``passes.tensor_parallel.tp_analysis.gemm_tp_dim``): a weight's output features are ``n`` of the forward
+(``passes.tensor_parallel.tp_common.gemm_tp_dim``): a weight's output features are ``n`` of the forward
 product but ``k`` of the input gradient's.
 
 Writes per node: ``fwd_flops``, ``bwd_flops``, ``fwd_bytes``, ``bwd_bytes`` (sympy), ``saved`` (list of ``SavedTensor``),
@@ -69,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -140,12 +140,12 @@ def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs):
     """``_grouped_mm`` (a mixture of experts' expert products): each row of a 2-d ``mat_a`` times
     its group's ``mat_b[g]`` (``[S, K] x [E, K, N]``), or in backward the contraction split by
     groups (``[K, S] x [S, N] -> [E, K, N]``, the weights' gradients); 3-d ``mat_a`` batched."""
-    a, b = _shape(mat_a), _shape(mat_b)
-    if len(a) == 2:
-        return 2 * a[0] * a[1] * b[-1]
-    if len(b) == 2:
-        return 2 * a[1] * a[2] * b[1]
-    return 2 * a[0] * a[1] * a[2] * b[2]
+    lhs, rhs = _shape(mat_a), _shape(mat_b)
+    if len(lhs) == 2:
+        return 2 * lhs[0] * lhs[1] * rhs[-1]
+    if len(rhs) == 2:
+        return 2 * lhs[1] * lhs[2] * rhs[1]
+    return 2 * lhs[0] * lhs[1] * lhs[2] * rhs[2]
 
 
 FORMULAS = dict(flop_registry)
@@ -155,9 +155,9 @@ FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
 
 #: Products of libraries' own operators, by qualified name (their packets exist only while the
 #: library is imported): transformers' grouped product of experts and its backward (both factors).
-NAMED_FORMULAS = {
+NAMED_FORMULAS: dict[str, Callable[..., Any]] = {
     "transformers::grouped_mm_fallback": _grouped_mm_flops,
-    "transformers::grouped_mm_fallback_backward": lambda input, weight, *a, out_val=None, **k: (  # noqa: A002
+    "transformers::grouped_mm_fallback_backward": lambda input, weight, *args, out_val=None, **kwargs: (  # noqa: A002
         2 * _grouped_mm_flops(input, weight)
     ),
 }
@@ -167,17 +167,17 @@ def _arg(args, kwargs, i: int, name: str):
     return args[i] if len(args) > i else kwargs.get(name)
 
 
-def _attention_gemms(q, k, v, backward: bool, recompute: bool = False) -> list[tuple]:
+def _attention_gemms(query, k, value, backward: bool, recompute: bool = False) -> list[tuple]:
     """The batched products of fused attention (module doc): ``(m, n, k, batch)`` tuples."""
-    *lead, s_q, d = q.shape
-    s_k, d_v = k.shape[-2], v.shape[-1]
+    *lead, s_q, head_dim = query.shape
+    s_k, d_v = k.shape[-2], value.shape[-1]
     batch = 1
     for x in lead:  # b x query heads (key/value heads are broadcast, as the kernel does)
         batch = batch * x
     if not backward:
-        return [(s_q, s_k, d, batch), (s_q, d_v, s_k, batch)]
-    out = [(s_k, d_v, s_q, batch), (s_q, s_k, d_v, batch), (s_q, d, s_k, batch), (s_k, d, s_q, batch)]
-    return ([(s_q, s_k, d, batch)] if recompute else []) + out
+        return [(s_q, s_k, head_dim, batch), (s_q, d_v, s_k, batch)]
+    out = [(s_k, d_v, s_q, batch), (s_q, s_k, d_v, batch), (s_q, head_dim, s_k, batch), (s_k, head_dim, s_q, batch)]
+    return ([(s_q, s_k, head_dim, batch)] if recompute else []) + out
 
 
 _ATTENTION_FWD = {
@@ -196,42 +196,47 @@ _ATTENTION_BWD = {
 
 
 def gemm_calls(packet, args, kwargs) -> list[tuple]:
-    """The matrix products one dispatched op runs (module doc), as ``(m, n, k, batch, a, b)``
-    with ``a`` / ``b`` the ``m x k`` / ``k x n`` factor tensors (``None`` for attention's
+    """The matrix products one dispatched op runs (module doc), as ``(m, n, k, batch, lhs, rhs)``
+    with ``lhs`` / ``rhs`` the ``m x k`` / ``k x n`` factor tensors (``None`` for attention's
     internal ones); ``[]`` for an op that is not a listed product."""
     if packet in (_aten.mm, _aten.addmm):
         off = 1 if packet is _aten.addmm else 0
-        a = _arg(args, kwargs, off, "mat1" if off else "self")
-        b = _arg(args, kwargs, off + 1, "mat2")
-        return [(a.shape[0], b.shape[1], a.shape[1], 1, a, b)]
+        lhs = _arg(args, kwargs, off, "mat1" if off else "self")
+        rhs = _arg(args, kwargs, off + 1, "mat2")
+        return [(lhs.shape[0], rhs.shape[1], lhs.shape[1], 1, lhs, rhs)]
     if packet in (_aten.bmm, _aten.baddbmm):
         off = 1 if packet is _aten.baddbmm else 0
-        a = _arg(args, kwargs, off, "batch1" if off else "self")
-        b = _arg(args, kwargs, off + 1, "batch2" if off else "mat2")
-        return [(a.shape[1], b.shape[2], a.shape[2], a.shape[0], a, b)]
+        lhs = _arg(args, kwargs, off, "batch1" if off else "self")
+        rhs = _arg(args, kwargs, off + 1, "batch2" if off else "mat2")
+        return [(lhs.shape[1], rhs.shape[2], lhs.shape[2], lhs.shape[0], lhs, rhs)]
     name = getattr(packet, "_qualified_op_name", "")
     if name == "transformers::grouped_mm_fallback_backward":  # both factors' gradients
-        x, w, offs, g = (_arg(args, kwargs, i, nm) for i, nm in enumerate(("input", "weight", "offs", "grad_output")))
-        e = w.shape[0]
-        return [(g.shape[0] // e, w.shape[1], w.shape[2], e, g, w), (x.shape[1], w.shape[2], x.shape[0] // e, e, x, g)]
+        x, weight, offs, grad_out = (
+            _arg(args, kwargs, i, arg_name) for i, arg_name in enumerate(("input", "weight", "offs", "grad_output"))
+        )
+        e = weight.shape[0]
+        return [
+            (grad_out.shape[0] // e, weight.shape[1], weight.shape[2], e, grad_out, weight),
+            (x.shape[1], weight.shape[2], x.shape[0] // e, e, x, grad_out),
+        ]
     if packet is _aten._grouped_mm or name == "transformers::grouped_mm_fallback":
         # E groups of the average size (the experts share the tokens evenly)
-        a, b = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "mat2")
-        if a is None:
-            a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
-        if a.dim() == 2 and b.dim() == 3:
-            e = b.shape[0]
-            return [(a.shape[0] // e, b.shape[2], a.shape[1], e, a, b)]
-        if a.dim() == 2 and b.dim() == 2 and _arg(args, kwargs, 2, "offs") is not None:
+        lhs, rhs = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "mat2")
+        if lhs is None:
+            lhs, rhs = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        if lhs.dim() == 2 and rhs.dim() == 3:
+            e = rhs.shape[0]
+            return [(lhs.shape[0] // e, rhs.shape[2], lhs.shape[1], e, lhs, rhs)]
+        if lhs.dim() == 2 and rhs.dim() == 2 and _arg(args, kwargs, 2, "offs") is not None:
             e = _arg(args, kwargs, 2, "offs").shape[0]
-            return [(a.shape[0], b.shape[1], a.shape[1] // e, e, a, b)]
+            return [(lhs.shape[0], rhs.shape[1], lhs.shape[1] // e, e, lhs, rhs)]
         return []
     if packet in _ATTENTION_FWD:
-        q, k, v = (_arg(args, kwargs, i, nm) for i, nm in enumerate(("query", "key", "value")))
-        return [g + (None, None) for g in _attention_gemms(q, k, v, backward=False)]
+        query, k, value = (_arg(args, kwargs, i, arg_name) for i, arg_name in enumerate(("query", "key", "value")))
+        return [gemm + (None, None) for gemm in _attention_gemms(query, k, value, backward=False)]
     if packet in _ATTENTION_BWD:
-        q, k, v = (_arg(args, kwargs, i, nm) for i, nm in ((1, "query"), (2, "key"), (3, "value")))
-        return [g + (None, None) for g in _attention_gemms(q, k, v, True, _ATTENTION_BWD[packet])]
+        query, k, value = (_arg(args, kwargs, i, arg_name) for i, arg_name in ((1, "query"), (2, "key"), (3, "value")))
+        return [gemm + (None, None) for gemm in _attention_gemms(query, k, value, True, _ATTENTION_BWD[packet])]
     return []
 
 
@@ -288,14 +293,14 @@ class _Counter(TorchDispatchMode):
         return out
 
     def _charge(self, flops: Any, moved: Any) -> None:
-        r = self.replay
-        if r.current is not None:
-            r.fwd[r.current].append(flops)
-            r.fwd_bytes[r.current].append(moved)
+        replay = self.replay
+        if replay.current is not None:
+            replay.fwd[replay.current].append(flops)
+            replay.fwd_bytes[replay.current].append(moved)
         else:
-            owner = r.backward_owner()
-            r.bwd.setdefault(owner, []).append(flops)
-            r.bwd_bytes.setdefault(owner, []).append(moved)
+            owner = replay.backward_owner()
+            replay.bwd.setdefault(owner, []).append(flops)
+            replay.bwd_bytes.setdefault(owner, []).append(moved)
 
 
 #: Ops that alias their input without the schema saying so: they move nothing.
@@ -314,23 +319,25 @@ def bytes_moved(func, args, kwargs, out) -> Any:
     outs = list(iter_tensors(out))
     if not outs or func.is_view or func._overloadpacket in _ALIASING:
         return None
-    written = sum(_nbytes(t) for t in outs)
+    written = sum(_nbytes(tensor) for tensor in outs)
     packet = func._overloadpacket
     if packet in _GATHERS:  # reads the looked-up elements and the indices, not the whole source
         return 2 * written + sum(
-            _nbytes(t) for t in iter_tensors(list(args[1:]) + list(kwargs.values())) if not t.is_floating_point()
+            _nbytes(tensor)
+            for tensor in iter_tensors(list(args[1:]) + list(kwargs.values()))
+            if not tensor.is_floating_point()
         )
     if packet in _SCATTERS:  # reads and writes the updated elements (the values' size), reads the indices
         values = iter_tensors(list(args[1:]) + list(kwargs.values()))
-        return sum(2 * _nbytes(t) if t.is_floating_point() else _nbytes(t) for t in values)
-    return sum(_nbytes(t) for t in iter_tensors(list(args) + list(kwargs.values()))) + written
+        return sum(2 * _nbytes(tensor) if tensor.is_floating_point() else _nbytes(tensor) for tensor in values)
+    return sum(_nbytes(tensor) for tensor in iter_tensors(list(args) + list(kwargs.values()))) + written
 
 
-def _nbytes(t: torch.Tensor) -> Any:
+def _nbytes(tensor: torch.Tensor) -> Any:
     """Bytes an op reads or writes of ``t``: its elements (a broadcast view counts its storage)."""
-    if any(type(st) is int and st == 0 for st in t.stride()):  # expand: reads its storage once
-        return t.untyped_storage().nbytes()
-    return t.numel() * t.element_size()
+    if any(type(stride) is int and stride == 0 for stride in tensor.stride()):  # expand: reads its storage once
+        return tensor.untyped_storage().nbytes()
+    return tensor.numel() * tensor.element_size()
 
 
 class CostReplay(fx.Interpreter):
@@ -355,9 +362,9 @@ class CostReplay(fx.Interpreter):
         self.resident: set[int] = set()  # parameter/buffer/constant storages
         self.saved_raw: dict[str, list[tuple[int, Any, torch.dtype]]] = {}
         self.keep: list[Any] = []  # keeps storages alive so their identities are never reused
-        self.fwd_gemms: dict[str, list] = {}
+        self.fwd_gemms: dict[str | None, list] = {}
         self.bwd_gemms: dict[str | None, list] = {}
-        self.gemm_inputs: dict[str, set] = {}  # node -> storages its forward products multiplied
+        self.gemm_inputs: dict[str | None, set] = {}  # node -> storages its forward products multiplied
 
     # ---- forward bookkeeping
     def run_node(self, n: fx.Node) -> Any:
@@ -378,8 +385,8 @@ class CostReplay(fx.Interpreter):
         finally:
             self.current = None
         self.keep.append(result)
-        for t in iter_tensors(result):
-            key = StorageWeakRef(t.untyped_storage()).cdata
+        for tensor in iter_tensors(result):
+            key = StorageWeakRef(tensor.untyped_storage()).cdata
             self.storage_owner.setdefault(key, n.name)
             self.node_key.setdefault(n.name, key)
         self._claim(result, n.name)
@@ -411,25 +418,25 @@ class CostReplay(fx.Interpreter):
         forward = self.current is not None
         owner = self.current if forward else self.backward_owner()
         out = (self.fwd_gemms if forward else self.bwd_gemms).setdefault(owner, [])
-        for m, n, k, batch, a, b in calls:
-            out.append((m, n, k, batch, (self._factor(a, owner, forward), self._factor(b, owner, forward))))
+        for m, n, k, batch, lhs, rhs in calls:
+            out.append((m, n, k, batch, (self._factor(lhs, owner, forward), self._factor(rhs, owner, forward))))
 
-    def _factor(self, t: Any, owner: str | None, forward: bool) -> str:
-        if not isinstance(t, torch.Tensor):
+    def _factor(self, tensor: Any, owner: str | None, forward: bool) -> str:
+        if not isinstance(tensor, torch.Tensor):
             return "x"
-        key = StorageWeakRef(t.untyped_storage()).cdata
+        key = StorageWeakRef(tensor.untyped_storage()).cdata
         if key in self.resident:
             return "w"
         if forward:
             self.gemm_inputs.setdefault(owner, set()).add(key)
-            self.keep.append(t)  # its storage identity must not be reused by a gradient
+            self.keep.append(tensor)  # its storage identity must not be reused by a gradient
             return "x"
         return "x" if key in self.gemm_inputs.get(owner, ()) else "g"
 
     def _claim(self, result: Any, name: str) -> None:
         """Mark the autograd functions created by this node (new ones reachable from its
         outputs; older ones were claimed by earlier nodes)."""
-        stack = [t.grad_fn for t in iter_tensors(result) if t.grad_fn is not None]
+        stack = [tensor.grad_fn for tensor in iter_tensors(result) if tensor.grad_fn is not None]
         while stack:
             fn = stack.pop()
             if fn in self.fn_owner:
@@ -439,12 +446,14 @@ class CostReplay(fx.Interpreter):
                 if nxt is not None and nxt not in self.fn_owner:
                     stack.append(nxt)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.current is not None:
-            st = t.untyped_storage()
-            self.saved_raw.setdefault(self.current, []).append((StorageWeakRef(st).cdata, st.nbytes(), t.dtype))
-            self.keep.append(t)
-        return t
+            storage = tensor.untyped_storage()
+            self.saved_raw.setdefault(self.current, []).append(
+                (StorageWeakRef(storage).cdata, storage.nbytes(), tensor.dtype)
+            )
+            self.keep.append(tensor)
+        return tensor
 
     # ---- the replay
     def _inputs(self) -> list[Any]:
@@ -455,10 +464,10 @@ class CostReplay(fx.Interpreter):
             val = n.meta.get("val")
             role = self.roles.get(n.name, "input")
             if role == "param" and isinstance(val, torch.Tensor):
-                t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-                if t.is_floating_point() or t.is_complex():
-                    t.requires_grad_(True)
-                val = t
+                leaf = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+                if leaf.is_floating_point() or leaf.is_complex():
+                    leaf.requires_grad_(True)
+                val = leaf
             if role != "input" and isinstance(val, torch.Tensor):
                 self.resident.add(StorageWeakRef(val.untyped_storage()).cdata)
             args.append(val)
@@ -466,7 +475,7 @@ class CostReplay(fx.Interpreter):
 
     def replay(self) -> None:
         vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
-        fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        fake_mode = detect_fake_mode([val for val in vals if isinstance(val, torch.Tensor)])
         if fake_mode is None:
             raise PassError(
                 _PASS,
@@ -478,12 +487,12 @@ class CostReplay(fx.Interpreter):
         with fake_mode, torch.enable_grad(), _quiet_fake_tensor_errors():
             args = self._inputs()
             self.keep.extend(args)
-            with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
                 out = self.run(*args)
-            roots = [t for t in iter_tensors(out) if t.requires_grad]
+            roots = [tensor for tensor in iter_tensors(out) if tensor.requires_grad]
             if roots:
                 with counter:
-                    torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                    torch.autograd.backward(roots, [torch.ones_like(tensor) for tensor in roots])
 
     def annotate(self) -> None:
         """Write the node.meta keys from what the replay recorded."""
@@ -492,11 +501,14 @@ class CostReplay(fx.Interpreter):
         unowned_bytes = self.bwd_bytes.pop(None, [])
         nodes = list(self.graph.nodes)
 
-        def total(xs) -> sympy.Expr:
-            return sum((to_expr(x, sym) for x in xs), sympy.Integer(0))
+        def total(sizes) -> sympy.Expr:
+            return sum((to_expr(x, sym) for x in sizes), sympy.Integer(0))
 
-        def gemms(xs) -> list[GemmCall]:
-            return [GemmCall(*(to_expr(v, sym) for v in (m, n, k, batch)), ops) for m, n, k, batch, ops in xs]
+        def gemms(calls) -> list[GemmCall]:
+            return [
+                GemmCall(to_expr(m, sym), to_expr(n, sym), to_expr(k, sym), to_expr(batch, sym), operands)
+                for m, n, k, batch, operands in calls
+            ]
 
         unowned_gemms = self.bwd_gemms.pop(None, [])
 
@@ -520,7 +532,7 @@ class CostReplay(fx.Interpreter):
                 if key not in self.resident
             ]
             val = self.env.get(n)
-            n.meta["requires_grad"] = any(t.requires_grad for t in iter_tensors(val))
+            n.meta["requires_grad"] = any(tensor.requires_grad for tensor in iter_tensors(val))
         out = nodes[-1]
         out.meta["bwd_flops"] = out.meta["bwd_flops"] + total(unowned)
         out.meta["bwd_bytes"] = out.meta["bwd_bytes"] + total(unowned_bytes)
@@ -565,14 +577,14 @@ def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]) -> tuple[fx.Grap
                 f"layer {lay} was declared identical to layer {rep} but has a different number of ops.",
             )
         corr.update(zip(mine, theirs))
-    g = fx.Graph()
+    graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
         if n in corr:
             env[n] = env[corr[n]]
         else:
-            env[n] = g.node_copy(n, lambda a: env[a])
-    return fx.GraphModule(gm, g), {n.name: r.name for n, r in corr.items()}
+            env[n] = graph.node_copy(n, lambda arg: env[arg])
+    return fx.GraphModule(gm, graph), {n.name: twin.name for n, twin in corr.items()}
 
 
 def annotate_costs(
@@ -588,16 +600,16 @@ def annotate_costs(
     for n in gm.graph.nodes:
         need(n, "layer", _PASS, "assign_layers")
     if not same_as:
-        r = CostReplay(gm, roles, symbols)
-        r.replay()
-        r.annotate()
+        replay = CostReplay(gm, roles, symbols)
+        replay.replay()
+        replay.annotate()
         _charge(gm)
         return gm
     small, corr = _reduced_graph(gm, same_as)
-    r = CostReplay(small, roles, symbols)
-    r.replay()
-    r.annotate()
-    _copy_results(gm, small, corr, r)
+    replay = CostReplay(small, roles, symbols)
+    replay.replay()
+    replay.annotate()
+    _copy_results(gm, small, corr, replay)
     _charge(gm)
     return gm
 
@@ -606,21 +618,21 @@ def _arg_nodes(node: fx.Node) -> list:
     """The node's arguments flattened in a fixed order (non-nodes kept as placeholders)."""
     out = []
 
-    def walk(a):
-        if isinstance(a, (list, tuple)):
-            for x in a:
+    def walk(arg):
+        if isinstance(arg, (list, tuple)):
+            for x in arg:
                 walk(x)
-        elif isinstance(a, dict):
-            for k in sorted(a):
-                walk(a[k])
+        elif isinstance(arg, dict):
+            for k in sorted(arg):
+                walk(arg[k])
         else:
-            out.append(a)
+            out.append(arg)
 
     walk((node.args, node.kwargs))
     return out
 
 
-def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str], r: CostReplay) -> None:
+def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str], replay: CostReplay) -> None:
     """Give every node of ``gm`` the results of its replayed twin (itself, or for a dropped
     node its representative), with saved tensors re-identified in ``gm``.
 
@@ -637,18 +649,22 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
 
     def arg_with_storage(src: fx.Node, full: fx.Node, key):
         for a_small, a_full in zip(_arg_nodes(src), _arg_nodes(full)):
-            if isinstance(a_small, fx.Node) and isinstance(a_full, fx.Node) and r.node_key.get(a_small.name) == key:
+            if (
+                isinstance(a_small, fx.Node)
+                and isinstance(a_full, fx.Node)
+                and replay.node_key.get(a_small.name) == key
+            ):
                 return a_full
         return None
 
     for n in gm.graph.nodes:  # owner of each node's output storage, in graph order
         src = kept.get(twin[n])
-        key = r.node_key.get(twin[n]) if src is not None else None
-        if key is None or r.storage_owner.get(key) == twin[n]:
+        key = replay.node_key.get(twin[n]) if src is not None else None
+        if src is None or key is None or replay.storage_owner.get(key) == twin[n]:
             owner[n] = n.name
             continue
-        a = arg_with_storage(src, n, key)
-        owner[n] = owner[a] if a is not None else r.storage_owner.get(key, n.name)
+        arg = arg_with_storage(src, n, key)
+        owner[n] = owner[arg] if arg is not None else replay.storage_owner.get(key, n.name)
 
     keys = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "fwd_gemms", "bwd_gemms", "requires_grad")
     for n in gm.graph.nodes:
@@ -658,11 +674,12 @@ def _copy_results(gm: fx.GraphModule, small: fx.GraphModule, corr: dict[str, str
         n.meta.update({k: src.meta[k] for k in keys})
         recs = []
         for rec in src.meta["saved"]:
-            if rec.key == r.node_key.get(src.name):
+            who: str | None
+            if rec.key == replay.node_key.get(src.name):
                 who = owner[n]
             else:
-                a = arg_with_storage(src, n, rec.key)
-                who = owner[a] if a is not None else (None if rec.producer == src.name else rec.producer)
+                arg = arg_with_storage(src, n, rec.key)
+                who = owner[arg] if arg is not None else (None if rec.producer == src.name else rec.producer)
             ident = ("node", who) if who is not None else ("internal", n.name, rec.key)
             recs.append(SavedTensor(ident, rec.nbytes, rec.dtype, who or n.name, False))
         n.meta["saved"] = recs

@@ -16,7 +16,7 @@ holds what they share:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import sympy
 import torch
@@ -41,7 +41,14 @@ __all__ = [
     "META_ONLY",
     "is_meta_only",
     "hint",
+    "arg_node",
 ]
+
+
+def arg_node(node: fx.Node, index: int) -> fx.Node:
+    """``node.args[index]`` where the op's schema makes it a tensor, so a graph value (fx types
+    every argument as any ``Argument``; this names the assumption once)."""
+    return cast(fx.Node, node.args[index])
 
 
 def need(node: fx.Node, key: str, pass_name: str, producer: str) -> Any:
@@ -66,24 +73,24 @@ def sanitize(expr: sympy.Expr) -> sympy.Expr:
     if not isinstance(expr, sympy.Basic) or expr.is_Atom:
         return expr
     repl = {
-        tsf.FloorDiv: lambda a, b: sympy.floor(a / b),
-        tsf.CeilDiv: lambda a, b: sympy.ceiling(a / b),
-        tsf.CeilToInt: lambda a: sympy.ceiling(a),
-        tsf.FloorToInt: lambda a: sympy.floor(a),
-        tsf.IntTrueDiv: lambda a, b: a / b,
-        tsf.FloatTrueDiv: lambda a, b: a / b,
-        tsf.CleanDiv: lambda a, b: a / b,
-        tsf.PythonMod: lambda a, b: sympy.Mod(a, b),
-        tsf.Mod: lambda a, b: sympy.Mod(a, b),
-        tsf.Max: lambda *a: sympy.Max(*a),
-        tsf.Min: lambda *a: sympy.Min(*a),
-        tsf.PowByNatural: lambda a, b: a**b,
-        tsf.ToFloat: lambda a: a,
-        tsf.TruncToInt: lambda a: sympy.floor(a),
+        tsf.FloorDiv: lambda num, den: sympy.floor(num / den),
+        tsf.CeilDiv: lambda num, den: sympy.ceiling(num / den),
+        tsf.CeilToInt: lambda x: sympy.ceiling(x),
+        tsf.FloorToInt: lambda x: sympy.floor(x),
+        tsf.IntTrueDiv: lambda num, den: num / den,
+        tsf.FloatTrueDiv: lambda num, den: num / den,
+        tsf.CleanDiv: lambda num, den: num / den,
+        tsf.PythonMod: lambda num, den: sympy.Mod(num, den),
+        tsf.Mod: lambda num, den: sympy.Mod(num, den),
+        tsf.Max: lambda *args: sympy.Max(*args),
+        tsf.Min: lambda *args: sympy.Min(*args),
+        tsf.PowByNatural: lambda base, exponent: base**exponent,
+        tsf.ToFloat: lambda x: x,
+        tsf.TruncToInt: lambda x: sympy.floor(x),
     }
     for cls, fn in repl.items():
         if expr.has(cls):
-            expr = expr.replace(lambda e, c=cls: isinstance(e, c), lambda e, f=fn: f(*e.args))
+            expr = expr.replace(lambda e, kind=cls: isinstance(e, kind), lambda e, f=fn: f(*e.args))
     return expr
 
 
@@ -144,10 +151,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def tensor_nbytes(t: torch.Tensor, symbols: dict) -> sympy.Expr:
-    """Bytes of a dense copy of ``t`` (numel x itemsize): what sending it would move."""
-    n = sympy.Integer(t.dtype.itemsize)
-    for d in t.shape:
+def tensor_nbytes(tensor: torch.Tensor, symbols: dict) -> sympy.Expr:
+    """Bytes of a dense copy of ``tensor`` (numel x itemsize): what sending it would move."""
+    n = sympy.Integer(tensor.dtype.itemsize)
+    for d in tensor.shape:
         n = n * to_expr(d, symbols)
     return n
 

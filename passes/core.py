@@ -2,7 +2,7 @@
 
 A layer table, once analyzed, is read by the cost models, the search and the layer-table cache
 without any graph in sight; a re-plan from the cache therefore never needs torch, whose import
-alone costs about 1.7 s of a plan's 2-3 s. Everything those readers touch lives here or in
+alone is most of a re-plan's time. Everything those readers touch lives here or in
 ``passes.layer_table``, and neither imports torch:
 
 - ``B`` / ``S``: the symbols of the micro-batch size and the sequence length that every cost

@@ -105,17 +105,17 @@ class InputFacts:
         return asdict(self)
 
 
-def _val(n) -> torch.Tensor | None:
+def _val(n: object) -> torch.Tensor | None:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _is_int(n) -> bool:
+def _is_int(n: object) -> bool:
     v = _val(n)
     return v is not None and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
 
 
-def _rows(n: fx.Node) -> int:
+def _rows(n: object) -> int:
     v = _val(n)
     return hint(v.shape[0]) if v is not None and v.dim() >= 1 else 0
 
@@ -127,7 +127,7 @@ def _shifts(n: fx.Node) -> bool:
     v = _val(n.args[0])
     dim = n.args[1] if len(n.args) > 1 else 0
     dim = dim + v.dim() if v is not None and isinstance(dim, int) and dim < 0 else dim
-    return dim != 0 and n.args[2] == 1
+    return bool(dim != 0 and n.args[2] == 1)
 
 
 def _follow(start: fx.Node) -> tuple[list[int], list[int], bool]:

@@ -105,7 +105,7 @@ class Gemm(NamedTuple):
     n: Any
     k: Any
     batch: Any
-    count: int = 1
+    count: int = 1  # type: ignore[assignment]  # the schema's field shadows tuple.count, which no reader calls
     tp_dim: str | None = None
     """The dim tensor parallelism divides (``m``, ``n``, ``k``, ``batch``), or None."""
 
@@ -271,19 +271,21 @@ class LayerCosts:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LayerCosts":
+    def from_dict(cls, data: dict[str, Any]) -> "LayerCosts":
         loc = {"b": B, "s": S}
-        kw = {f: sympy.sympify(d[f], locals=loc) for f in EXPR_FIELDS if f in d}
-        kw.update({f: int(d[f]) for f in INT_FIELDS if f in d})
-        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt) for shape, dt in d.get("boundary", [])]
+        kw = {f: sympy.sympify(data[f], locals=loc) for f in EXPR_FIELDS if f in data}
+        kw.update({f: int(data[f]) for f in INT_FIELDS if f in data})
+        boundary = [(tuple(sympy.sympify(e, locals=loc) for e in shape), dt) for shape, dt in data.get("boundary", [])]
         for f in GEMM_FIELDS:  # absent in a table written before they existed: no shapes
-            kw[f] = [Gemm(*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]) for g in d.get(f, [])]
+            kw[f] = [
+                Gemm._make([*(sympy.sympify(e, locals=loc) for e in g[:4]), int(g[4]), g[5]]) for g in data.get(f, [])
+            ]
         return cls(
-            index=int(d["index"]),
-            name=d["name"],
-            kind=d["kind"],
+            index=int(data["index"]),
+            name=data["name"],
+            kind=data["kind"],
             boundary=boundary,
-            signature=d.get("signature", ""),
+            signature=data.get("signature", ""),
             **kw,
         )
 
@@ -305,19 +307,20 @@ class LayerTable:
     fixed: dict[str, int] = field(default_factory=dict)
     """Dimensions that are not symbolic (the model forced them): ``{'s': 128}``."""
     notes: list[str] = field(default_factory=list)
+    """Tracing decisions worth reporting."""
     tied: list[dict[str, Any]] = field(default_factory=list)
     """Weights read by more than one row, ``{"weight": fqn, "layers": [first, last]}`` (a tied
-    embedding and head: ``[0, L + 1]``). A pipeline cut between those rows would need the weight
-    in two stages, which the runtime does not do; the planner keeps such rows in one stage."""
-    """Tracing decisions worth reporting."""
+    embedding and head: ``[0, L + 1]``). A pipeline cut between those rows puts a copy of the
+    weight in each stage that reads it, their gradients summed (``cost_models.tied_cost``)."""
 
-    def __post_init__(self):
-        self._fn = None
+    def __post_init__(self) -> None:
+        self._fn: tuple[Any, list] | None = None
         self._cache: dict[tuple[int, int], list[dict[str, float]]] = {}
 
-    def _compile(self):
+    def _compile(self) -> tuple[Any, list]:
+        """One ``lambdify`` of the table's distinct expressions, and where each field reads them."""
         uniq: dict[sympy.Expr, int] = {}
-        index = []
+        index: list[tuple[list[int], dict[str, list]]] = []
 
         def slot(lay: LayerCosts, f: str, e: Any) -> int:
             stray = sympy.sympify(e).free_symbols - {self.b, self.s}
@@ -343,6 +346,7 @@ class LayerTable:
         exprs = list(uniq)
         fn = sympy.lambdify((self.b, self.s), exprs, modules="math")
         self._fn = (fn, index)
+        return self._fn
 
     def numeric(self, b: int, s: int) -> list[dict[str, Any]]:
         """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``
@@ -360,16 +364,14 @@ class LayerTable:
         key = (int(b), int(s))
         if key in self._cache:
             return [dict(row) for row in self._cache[key]]
-        if self._fn is None:
-            self._compile()
-        fn, index = self._fn
+        fn, index = self._fn if self._fn is not None else self._compile()
         vals = [float(v) for v in fn(*key)]
         out = []
         for lay, (row, gemms) in zip(self.layers, index):
             d: dict[str, Any] = {f: vals[i] for f, i in zip(EXPR_FIELDS, row)}
             d.update({f: float(getattr(lay, f)) for f in INT_FIELDS})
             for f, entries in gemms.items():
-                d[f] = tuple(Gemm(*(vals[i] for i in dims), count, tp_dim) for dims, count, tp_dim in entries)
+                d[f] = tuple(Gemm._make([*(vals[i] for i in dims), count, tp_dim]) for dims, count, tp_dim in entries)
             out.append(d)
         self._cache[key] = out
         return [dict(row) for row in out]

@@ -127,17 +127,17 @@ def layer_signatures(gm: fx.GraphModule, n_blocks: int) -> list[str]:
         pos = {n: i for i, n in enumerate(nodes)}
         h = hashlib.sha1()
 
-        def arg(a):
-            if isinstance(a, fx.Node):
-                if a in pos:
-                    return f"%{pos[a]}"
-                kind = "param" if a.op == "placeholder" and a.meta.get("layer", 0) >= 0 else "ext"
-                return f"{kind}:{_val_sig(a.meta.get('val'))}"
-            if isinstance(a, (list, tuple)):
-                return "(" + ",".join(arg(x) for x in a) + ")"
-            if isinstance(a, dict):
-                return "{" + ",".join(f"{k}={arg(v)}" for k, v in sorted(a.items())) + "}"
-            return _fmt(a)
+        def arg(value):
+            if isinstance(value, fx.Node):
+                if value in pos:
+                    return f"%{pos[value]}"
+                kind = "param" if value.op == "placeholder" and value.meta.get("layer", 0) >= 0 else "ext"
+                return f"{kind}:{_val_sig(value.meta.get('val'))}"
+            if isinstance(value, (list, tuple)):
+                return "(" + ",".join(arg(x) for x in value) + ")"
+            if isinstance(value, dict):
+                return "{" + ",".join(f"{k}={arg(v)}" for k, v in sorted(value.items())) + "}"
+            return _fmt(value)
 
         for n in nodes:
             h.update(f"{n.target}({arg(n.args)};{arg(n.kwargs)})->{_val_sig(n.meta.get('val'))}\n".encode())

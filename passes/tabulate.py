@@ -10,8 +10,8 @@ once. Weights read by several rows (a tied embedding and head) are recorded as `
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, NamedTuple
 
 import sympy
 import torch.fx as fx
@@ -69,111 +69,214 @@ def _tied_weights(traced, gm: fx.GraphModule) -> list[dict[str, Any]]:
     ]
 
 
-def _graph_layer_costs(traced, gm: fx.GraphModule) -> list[LayerCosts]:
-    """Sum the analyzed graph's node costs per traced layer."""
-    nb = len(traced.block_paths)
-    n = nb + 2
-    names = layer_names(gm, nb, traced.block_paths, traced.container)
-    sigs = layer_signatures(gm, nb)
-    rows = [
+class _Split(NamedTuple):
+    """The names of one quantity's three ``LayerCosts`` fields: the whole, the part tensor
+    parallelism shards, and the part sequence parallelism shards."""
+
+    total: str
+    tp: str
+    sp: str
+
+
+_TAIL_SAVED = _Split("tail_saved_bytes", "tail_saved_bytes_tp", "tail_saved_bytes_sp")
+"""What a zero-bubble ``B`` keeps for ``W`` (``passes.split_backward.tail_saved``)."""
+_FRONTIER_OUT = _Split("frontier_out_bytes", "frontier_out_bytes_tp", "frontier_out_bytes_sp")
+"""The frontier outputs whose gradients ``B`` records (``passes.split_backward.frontier_outputs``)."""
+
+_GEMM_DIMS = (("fwd_gemms", "fwd_gemm_dims"), ("bwd_gemms", "bwd_gemm_dims"))
+"""Each pass's GEMM list in ``node.meta`` and, in its ``TPInfo``, the dims tp divides."""
+
+_FLOPS_AND_BYTES = (
+    ("fwd_flops", "fwd_flops_tp"),
+    ("bwd_flops", "bwd_flops_tp"),
+    ("fwd_bytes", "fwd_bytes_tp"),
+    ("bwd_bytes", "bwd_bytes_tp"),
+)
+"""A node's ``node.meta`` cost and the row field holding its tp-divisible part (the meta key is
+also the row field of the whole)."""
+
+_CORE_FWD = (("fwd_flops", "core_fwd_flops", "core_fwd_flops_tp"), ("fwd_bytes", "core_fwd_bytes", "core_fwd_bytes_tp"))
+"""A node's forward cost, and the row fields of the attention cores' total and tp part."""
+
+_SP_BYTES = (("fwd_bytes", "fwd_bytes_sp"), ("bwd_bytes", "bwd_bytes_sp"))
+"""A node's cost, and the row field of the part sequence parallelism shards."""
+
+_SP_COLLECTIVES = (
+    ("sp_reduce_scatter", "sp_reduce_scatter_bytes", "sp_reduce_scatter_calls"),
+    ("sp_all_gather", "sp_all_gather_bytes", "sp_all_gather_calls"),
+)
+"""``TPInfo`` bytes of a sequence-parallel collective, the row's bytes field and calls field."""
+
+
+@dataclass
+class _RowSums:
+    """The running sums of one layer-table row, by ``LayerCosts`` field."""
+
+    exprs: dict[str, Any] = field(default_factory=lambda: {name: _ZERO for name in EXPR_FIELDS})
+    ints: dict[str, int] = field(default_factory=lambda: {name: 0 for name in INT_FIELDS})
+    gemms: dict[str, list] = field(default_factory=lambda: {name: [] for name in GEMM_FIELDS})
+
+    def add_placeholder(self, meta: dict[str, Any]) -> None:
+        """A parameter's or buffer's sizes."""
+        tp = meta["tp"]
+        if "param_count" in meta:
+            self.ints["param_count"] += meta["param_count"]
+            self.ints["param_bytes"] += meta["param_bytes"]
+            if tp.role == "sharded":
+                self.ints["param_count_tp"] += meta["param_count"]
+        elif "buffer_bytes" in meta:
+            self.ints["buffer_bytes"] += meta["buffer_bytes"]
+        self.exprs["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
+
+    def add_op(self, node: fx.Node, in_core: bool) -> None:
+        """An operator's costs (``in_core``: it belongs to an attention core)."""
+        meta = node.meta
+        tp = meta["tp"]
+        makes_tensors = any(True for _ in iter_tensors(meta.get("val")))
+        if node.op == "call_function" and makes_tensors:
+            self.ints["num_ops"] += 1  # tensor ops only: shape arithmetic of a dynamic trace is free
+        for cost, _ in _FLOPS_AND_BYTES:
+            self.exprs[cost] += meta[cost]
+        fwd_gemms = self._add_gemms(meta, tp)
+        if in_core:  # what selective recompute runs again
+            self._add_core(meta, tp, makes_tensors, fwd_gemms)
+        if node.op == "call_function" and meta.get("out_bytes"):
+            peak = "peak_act_bytes_tp" if tp.divides else "peak_act_bytes"
+            self.exprs[peak] = sympy.Max(self.exprs[peak], meta["out_bytes"])
+        if tp.divides:
+            for cost, tp_part in _FLOPS_AND_BYTES:
+                self.exprs[tp_part] += meta[cost]
+        self.exprs["saved_bytes"] += meta["saved_bytes"]
+        self.exprs["saved_bytes_tp"] += tp.saved_bytes_tp
+        self.exprs["saved_bytes_sp"] += tp.saved_bytes_sp
+        if tp.sp:
+            for cost, sp_part in _SP_BYTES:
+                self.exprs[sp_part] += meta[cost]
+        self._add_collectives(tp)
+
+    def _add_gemms(self, meta: dict[str, Any], tp: Any) -> list[tuple]:
+        """Append the node's GEMMs with the dim tp divides; return the forward's."""
+        by_pass = {}
+        for gemm_field, dims_field in _GEMM_DIMS:
+            dims = getattr(tp, dims_field, None) or []
+            by_pass[gemm_field] = [
+                (g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None)
+                for i, g in enumerate(meta.get(gemm_field, ()))
+            ]
+            self.gemms[gemm_field] += by_pass[gemm_field]
+        return by_pass["fwd_gemms"]
+
+    def _add_core(self, meta: dict[str, Any], tp: Any, makes_tensors: bool, fwd_gemms: list[tuple]) -> None:
+        """An attention-core node's forward, which selective recompute runs again."""
+        for cost, core_total, core_tp in _CORE_FWD:
+            self.exprs[core_total] += meta[cost]
+            if tp.divides:
+                self.exprs[core_tp] += meta[cost]
+        if makes_tensors:
+            self.ints["core_num_ops"] += 1
+        self.gemms["core_gemms"] += fwd_gemms
+
+    def _add_collectives(self, tp: Any) -> None:
+        """The node's sequence- and tensor-parallel collectives."""
+        for info_bytes, bytes_field, calls_field in _SP_COLLECTIVES:
+            nbytes = getattr(tp, info_bytes)
+            self.exprs[bytes_field] += nbytes
+            self.ints[calls_field] += int(nbytes != 0)
+        self.exprs["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
+        self.exprs["sp_split_bytes"] += tp.sp_split
+        self.exprs["tp_allreduce_bytes"] += tp.allreduce_fwd
+        self.exprs["tp_allreduce_bwd_bytes"] += tp.allreduce_bwd
+        self.exprs["tp_loss_fwd_bytes"] += tp.loss_fwd_bytes
+        self.exprs["tp_loss_bwd_bytes"] += tp.loss_bwd_bytes
+        self.ints["tp_allreduce_calls"] += tp.fwd_calls
+        self.ints["tp_allreduce_bwd_calls"] += int(tp.allreduce_bwd != 0)
+
+    def add_split(self, names: _Split, parts: tuple[Any, Any, Any]) -> None:
+        """Add ``(whole, tp part, sp part)`` to the three fields ``names`` gives."""
+        for name, value in zip(names, parts):
+            self.exprs[name] += value
+
+    def write(self, row: LayerCosts) -> None:
+        """Set the row's summed fields (expressions expanded, GEMMs merged)."""
+        for name, expr in self.exprs.items():
+            setattr(row, name, sympy.expand(expr))
+        for name, count in self.ints.items():
+            setattr(row, name, count)
+        for name, calls in self.gemms.items():
+            setattr(row, name, _merge_gemms(calls))
+
+
+def _empty_rows(traced: TracedGraph, gm: fx.GraphModule) -> list[LayerCosts]:
+    """One row per traced layer, with its name, kind and signature and no costs yet."""
+    block_count = len(traced.block_paths)
+    row_count = block_count + 2
+    names = layer_names(gm, block_count, traced.block_paths, traced.container)
+    signatures = layer_signatures(gm, block_count)
+    return [
         LayerCosts(
-            index=i, name=names[i], kind="pre" if i == 0 else ("post" if i == n - 1 else "block"), signature=sigs[i]
+            index=i,
+            name=names[i],
+            kind="pre" if i == 0 else ("post" if i == row_count - 1 else "block"),
+            signature=signatures[i],
         )
-        for i in range(n)
+        for i in range(row_count)
     ]
-    acc: list[dict[str, Any]] = [{f: _ZERO for f in EXPR_FIELDS} for _ in range(n)]
-    ints: list[dict[str, int]] = [{f: 0 for f in INT_FIELDS} for _ in range(n)]
-    gemms: list[dict[str, list]] = [{f: [] for f in GEMM_FIELDS} for _ in range(n)]
+
+
+def _sum_nodes(gm: fx.GraphModule, sums: list[_RowSums]) -> None:
+    """Add every node's costs to its layer's sums."""
+    row_count = len(sums)
     core = _attention_cores(gm)
     for node in gm.graph.nodes:
-        lay = node.meta["layer"]
-        if not 0 <= lay < n:
+        layer = node.meta["layer"]
+        if not 0 <= layer < row_count:
             continue
-        m = node.meta
-        tp = m["tp"]
-        a = acc[lay]
         if node.op == "placeholder":
-            if "param_count" in m:
-                ints[lay]["param_count"] += m["param_count"]
-                ints[lay]["param_bytes"] += m["param_bytes"]
-                if tp.role == "sharded":
-                    ints[lay]["param_count_tp"] += m["param_count"]
-            elif "buffer_bytes" in m:
-                ints[lay]["buffer_bytes"] += m["buffer_bytes"]
-            a["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
-            continue
-        if node.op == "call_function" and any(True for _ in iter_tensors(m.get("val"))):
-            ints[lay]["num_ops"] += 1  # tensor ops only: shape arithmetic of a dynamic trace is free
-        a["fwd_flops"] += m["fwd_flops"]
-        a["bwd_flops"] += m["bwd_flops"]
-        a["fwd_bytes"] += m["fwd_bytes"]
-        a["bwd_bytes"] += m["bwd_bytes"]
-        mine = {}
-        for f in ("fwd_gemms", "bwd_gemms"):
-            dims = getattr(tp, f[:3] + "_gemm_dims", None) or []
-            mine[f] = [(g.m, g.n, g.k, g.batch, dims[i] if i < len(dims) else None) for i, g in enumerate(m.get(f, ()))]
-            gemms[lay][f] += mine[f]
-        if node in core:  # what selective recompute runs again
-            a["core_fwd_flops"] += m["fwd_flops"]
-            a["core_fwd_bytes"] += m["fwd_bytes"]
-            if tp.divides:
-                a["core_fwd_flops_tp"] += m["fwd_flops"]
-                a["core_fwd_bytes_tp"] += m["fwd_bytes"]
-            if any(True for _ in iter_tensors(m.get("val"))):
-                ints[lay]["core_num_ops"] += 1
-            gemms[lay]["core_gemms"] += mine["fwd_gemms"]
-        if node.op == "call_function" and m.get("out_bytes"):
-            key = "peak_act_bytes_tp" if tp.divides else "peak_act_bytes"
-            a[key] = sympy.Max(a[key], m["out_bytes"])
-        if tp.divides:
-            a["fwd_flops_tp"] += m["fwd_flops"]
-            a["bwd_flops_tp"] += m["bwd_flops"]
-            a["fwd_bytes_tp"] += m["fwd_bytes"]
-            a["bwd_bytes_tp"] += m["bwd_bytes"]
-        a["saved_bytes"] += m["saved_bytes"]
-        a["saved_bytes_tp"] += tp.saved_bytes_tp
-        a["saved_bytes_sp"] += tp.saved_bytes_sp
-        if tp.sp:
-            a["fwd_bytes_sp"] += m["fwd_bytes"]
-            a["bwd_bytes_sp"] += m["bwd_bytes"]
-        a["sp_reduce_scatter_bytes"] += tp.sp_reduce_scatter
-        a["sp_all_gather_bytes"] += tp.sp_all_gather
-        a["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
-        a["sp_split_bytes"] += tp.sp_split
-        ints[lay]["sp_reduce_scatter_calls"] += int(tp.sp_reduce_scatter != 0)
-        ints[lay]["sp_all_gather_calls"] += int(tp.sp_all_gather != 0)
-        a["tp_allreduce_bytes"] += tp.allreduce_fwd
-        a["tp_allreduce_bwd_bytes"] += tp.allreduce_bwd
-        a["tp_loss_fwd_bytes"] += tp.loss_fwd_bytes
-        a["tp_loss_bwd_bytes"] += tp.loss_bwd_bytes
-        ints[lay]["tp_allreduce_calls"] += tp.fwd_calls
-        ints[lay]["tp_allreduce_bwd_calls"] += int(tp.allreduce_bwd != 0)
+            sums[layer].add_placeholder(node.meta)
+        else:
+            sums[layer].add_op(node, node in core)
     for node in gm.graph.nodes:  # every layer that reads a weight computes a gradient of it
         if node.op == "placeholder" and "param_count" in node.meta:
-            key = "largest_param_tp" if node.meta["tp"].role == "sharded" else "largest_param"
-            for lay in {u.meta.get("layer", -1) for u in node.users} | {node.meta["layer"]}:
-                if 0 <= lay < n:
-                    ints[lay][key] = max(ints[lay][key], int(node.meta["param_count"]))
-    for lay, (freed, freed_tp) in _core_saved(gm, core, n).items():
-        acc[lay]["core_saved_bytes"] += freed
-        acc[lay]["core_saved_bytes_tp"] += freed_tp
-    for prefix, per_layer in (("tail_saved_bytes", tail_saved(gm, n)), ("frontier_out_bytes", frontier_outputs(gm, n))):
-        for lay, parts in per_layer.items():
-            for f, v in zip((prefix, prefix + "_tp", prefix + "_sp"), parts):
-                acc[lay][f] += v
-    for i, io in enumerate(layer_io(gm, nb)):
-        acc[i]["input_bytes"] = sum((x.meta["out_bytes"] for x in io.inputs), _ZERO)
-        acc[i]["boundary_bytes"] = sum((x.meta["out_bytes"] for x in io.boundary), _ZERO)
-        acc[i]["input_bytes_sp"] = sum((x.meta["out_bytes"] for x in io.inputs if _seq(x)), _ZERO)
-        acc[i]["boundary_bytes_sp"] = sum((x.meta["out_bytes"] for x in io.boundary if _seq(x)), _ZERO)
-        rows[i].boundary = [(tuple(x.meta["shape"]), dtype_name(x.meta["dtype"])) for x in io.boundary]
-    for i, row in enumerate(rows):
-        for f, v in acc[i].items():
-            setattr(row, f, sympy.expand(v))
-        for f, v in ints[i].items():
-            setattr(row, f, v)
-        for f, v in gemms[i].items():
-            setattr(row, f, _merge_gemms(v))
+            largest = "largest_param_tp" if node.meta["tp"].role == "sharded" else "largest_param"
+            for layer in {user.meta.get("layer", -1) for user in node.users} | {node.meta["layer"]}:
+                if 0 <= layer < row_count:
+                    ints = sums[layer].ints
+                    ints[largest] = max(ints[largest], int(node.meta["param_count"]))
+    for layer, (freed, freed_tp) in _core_saved(gm, core, row_count).items():
+        sums[layer].exprs["core_saved_bytes"] += freed
+        sums[layer].exprs["core_saved_bytes_tp"] += freed_tp
+    for names, per_layer in (
+        (_TAIL_SAVED, tail_saved(gm, row_count)),
+        (_FRONTIER_OUT, frontier_outputs(gm, row_count)),
+    ):
+        for layer, parts in per_layer.items():
+            sums[layer].add_split(names, parts)
+
+
+def _out_bytes(nodes: Iterable[fx.Node]) -> Any:
+    """Summed ``out_bytes`` of ``nodes``."""
+    return sum((node.meta["out_bytes"] for node in nodes), _ZERO)
+
+
+def _sum_boundaries(gm: fx.GraphModule, rows: list[LayerCosts], sums: list[_RowSums]) -> None:
+    """What each layer receives and sends on (whole, and the sequence-sharded part)."""
+    for i, layer_io_nodes in enumerate(layer_io(gm, len(rows) - 2)):
+        exprs = sums[i].exprs
+        exprs["input_bytes"] = _out_bytes(layer_io_nodes.inputs)
+        exprs["boundary_bytes"] = _out_bytes(layer_io_nodes.boundary)
+        exprs["input_bytes_sp"] = _out_bytes(x for x in layer_io_nodes.inputs if _seq(x))
+        exprs["boundary_bytes_sp"] = _out_bytes(x for x in layer_io_nodes.boundary if _seq(x))
+        rows[i].boundary = [(tuple(x.meta["shape"]), dtype_name(x.meta["dtype"])) for x in layer_io_nodes.boundary]
+
+
+def _graph_layer_costs(traced: TracedGraph, gm: fx.GraphModule) -> list[LayerCosts]:
+    """Sum the analyzed graph's node costs per traced layer."""
+    rows = _empty_rows(traced, gm)
+    sums = [_RowSums() for _ in rows]
+    _sum_nodes(gm, sums)
+    _sum_boundaries(gm, rows, sums)
+    for row, row_sums in zip(rows, sums):
+        row_sums.write(row)
     return rows
 
 

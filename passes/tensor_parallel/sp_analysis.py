@@ -35,7 +35,7 @@ calls it, so its readers (the cost pass, codegen) get both analyses at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import fx
@@ -86,13 +86,13 @@ def _nbytes(n: fx.Node):
     """The bytes of ``n``'s value: ``meta['out_bytes']`` if the shapes pass ran, else concrete."""
     if "out_bytes" in n.meta:
         return n.meta["out_bytes"]
-    v = value_of(n)
-    return hint(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0
+    val = value_of(n)
+    return hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def _path_of(n: fx.Node, value) -> tuple | None:
     """The first argument path of ``n`` that holds ``value``."""
-    return next((p for p, a in flat_args(n) if a is value), None)
+    return next((path for path, arg in flat_args(n) if arg is value), None)
 
 
 class _SeqWalk:
@@ -109,43 +109,43 @@ class _SeqWalk:
         self.not_token: dict[str, TPConflict] = {}  # sources whose output is not laid out by token
 
     # ------------------------------------------------------------------ helpers
-    def sp(self, a):
-        return self.st.get(a) if isinstance(a, fx.Node) else None
+    def sp(self, value):
+        return self.st.get(value) if isinstance(value, fx.Node) else None
 
-    def conflict(self, n, why, *args):
-        shards = [e for a in args for e in states_of(self.sp(a)) if isinstance(e, SeqShard)]
+    def conflict(self, n: fx.Node, why: str, *args: Any) -> NoReturn:
+        shards = [e for arg in args for e in states_of(self.sp(arg)) if isinstance(e, SeqShard)]
         raise TPConflict(frozenset().union(*[e.origins for e in shards]), n, why)
 
-    def set(self, n, s):
-        self.st[n] = s
-        if any(isinstance(e, SeqShard) for e in states_of(s)):
-            for u in n.users:
-                if u.op == "output":
-                    self.conflict(u, "a sequence-sharded tensor is an output of the model", n)
+    def set(self, n, state):
+        self.st[n] = state
+        if any(isinstance(e, SeqShard) for e in states_of(state)):
+            for user in n.users:
+                if user.op == "output":
+                    self.conflict(user, "a sequence-sharded tensor is an output of the model", n)
 
     def act(self, n, path, kind, value, dim):
         """Argument ``path`` of ``n`` (holding ``value``) is gathered, split or copied."""
         self.args.setdefault(n.name, []).append((path, kind, dim))
         self.uses.setdefault((kind, value, dim), []).append(n.name)
 
-    def partial(self, n, path, a):
+    def partial(self, n, path, value):
         """A replicated tensor used on this rank's tokens: its gradient is partial if it has one."""
-        if self.rg.get(a, False):
-            self.act(n, path, "copy", a, None)
+        if self.rg.get(value, False):
+            self.act(n, path, "copy", value, None)
 
     def others(self, n, x):
         """Tensor inputs of ``n`` besides ``x`` must not be sequence-sharded; the replicated ones
         that require grad get partial gradients."""
-        for path, a in flat_args(n):
-            if a is x or not is_tensor_node(a):
+        for path, arg in flat_args(n):
+            if arg is x or not is_tensor_node(arg):
                 continue
-            if isinstance(self.sp(a), SeqShard):
-                self.conflict(n, f"{op_name(n)} reads a second sequence-sharded input", x, a)
-            self.partial(n, path, a)
+            if isinstance(self.sp(arg), SeqShard):
+                self.conflict(n, f"{op_name(n)} reads a second sequence-sharded input", x, arg)
+            self.partial(n, path, arg)
 
-    def out(self, n, s):
+    def out(self, n, state):
         """Set ``s`` on every tensor output of ``n`` (the statistics of native norms too)."""
-        self.set(n, s if not isinstance(value_of(n), (list, tuple)) else [s for _ in value_of(n)])
+        self.set(n, state if not isinstance(value_of(n), (list, tuple)) else [state for _ in value_of(n)])
 
     # ------------------------------------------------------------------ the walk
     def run(self) -> _SeqWalk:
@@ -154,16 +154,16 @@ class _SeqWalk:
                 self.rg[n] = n in self.params
             elif n.op == "call_function":
                 vals = value_of(n) if isinstance(value_of(n), (list, tuple)) else [value_of(n)]
-                floats = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
-                self.rg[n] = floats and any(self.rg.get(a, False) for a in n.all_input_nodes)
+                floats = any(isinstance(val, torch.Tensor) and val.is_floating_point() for val in vals)
+                self.rg[n] = floats and any(self.rg.get(arg, False) for arg in n.all_input_nodes)
                 if not is_meta_only(n):
                     self.visit(n, op_name(n))
         return self
 
     def visit(self, n: fx.Node, name: str):
         if name == "getitem":
-            s = self.sp(n.args[0])
-            return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+            state = self.sp(n.args[0])
+            return self.set(n, state[cast(int, n.args[1])] if isinstance(state, list) else None)
         role = self.dec.role.get(n)
         if role == "col":  # the sink: all-gather the activation's positions
             x = matmul_operands(n)[0]
@@ -172,7 +172,7 @@ class _SeqWalk:
             return self.set(n, None)
         if role in ("row", "vocab_embedding"):
             return self.source(n, role)
-        sharded = [a for a in n.all_input_nodes if isinstance(self.sp(a), SeqShard)]
+        sharded = [arg for arg in n.all_input_nodes if isinstance(self.sp(arg), SeqShard)]
         if not sharded:
             return self.set(n, None)
         if role != "replicated":
@@ -202,9 +202,9 @@ class _SeqWalk:
             )
             return self.set(n, None)
         if role == "row":
-            b = matmul_operands(n)[2]
-            if isinstance(b, fx.Node):
-                self.partial(n, _path_of(n, b), b)
+            bias = matmul_operands(n)[2]
+            if isinstance(bias, fx.Node):
+                self.partial(n, _path_of(n, bias), bias)
         self.sources.append(n)
         self.set(n, SeqShard(k - 1, frozenset([n.name])))
 
@@ -212,139 +212,145 @@ class _SeqWalk:
     def tokenwise(self, n, name) -> bool:
         """A weighted matmul tp keeps replicated, on sequence shards: each rank multiplies its
         tokens; the weight's (and bias') gradient is partial."""
-        x, w, b = matmul_operands(n)
-        s = self.sp(x)
-        if not isinstance(s, SeqShard) or not is_tensor_node(w) or len(shape_of(w)) != 2:
+        x, weight, bias = matmul_operands(n)
+        state = self.sp(x)
+        if not isinstance(state, SeqShard) or not is_tensor_node(weight) or len(shape_of(weight)) != 2:
             return False
-        if s.dim == len(shape_of(x)) - 1:
+        if state.dim == len(shape_of(x)) - 1:
             self.conflict(n, "a matmul contracts over the sequence dim", x)
         self.others(n, x)
-        self.set(n, s.at(s.dim + len(shape_of(n)) - len(shape_of(x))))
+        self.set(n, state.at(state.dim + len(shape_of(n)) - len(shape_of(x))))
         return True
 
     def pointwise(self, n, name):
-        nd = len(shape_of(n))
-        d, origins = None, frozenset()
-        for _, a in flat_args(n):
-            s = self.sp(a)
-            if isinstance(s, SeqShard):
-                k = s.dim + nd - len(shape_of(a))
-                if d is not None and k != d:
+        ndim = len(shape_of(n))
+        seq_dim, origins = None, frozenset()
+        for _, arg in flat_args(n):
+            state = self.sp(arg)
+            if isinstance(state, SeqShard):
+                k = state.dim + ndim - len(shape_of(arg))
+                if seq_dim is not None and k != seq_dim:
                     self.conflict(
                         n, "elementwise op mixes tensors sharded along different sequence dims", *n.all_input_nodes
                     )
-                d, origins = k, origins | s.origins
-        for path, a in flat_args(n):
-            if not is_tensor_node(a) or isinstance(self.sp(a), SeqShard):
+                seq_dim, origins = k, origins | state.origins
+        for path, arg in flat_args(n):
+            if not is_tensor_node(arg) or isinstance(self.sp(arg), SeqShard):
                 continue
-            k = d - (nd - len(shape_of(a)))
-            if k < 0 or shape_of(a)[k] == 1:
-                self.partial(n, path, a)  # broadcast along the sequence
-            elif shape_of(a)[k] == self.S:
-                self.act(n, path, "split", a, k)  # full length: keep this rank's positions
+            k = seq_dim - (ndim - len(shape_of(arg)))
+            if k < 0 or shape_of(arg)[k] == 1:
+                self.partial(n, path, arg)  # broadcast along the sequence
+            elif shape_of(arg)[k] == self.S:
+                self.act(n, path, "split", arg, k)  # full length: keep this rank's positions
             else:
                 self.conflict(
                     n,
-                    f"elementwise op combines a sequence shard with {a.name} of shape {shape_of(a)}",
+                    f"elementwise op combines a sequence shard with {arg.name} of shape {shape_of(arg)}",
                     *n.all_input_nodes,
                 )
-        self.out(n, SeqShard(d, origins))
+        self.out(n, SeqShard(seq_dim, origins))
 
     def passthrough(self, n, name):
-        s = self.sp(n.args[0])
-        if not isinstance(s, SeqShard):  # type_as(full, shard) reads only the shard's dtype
+        state = self.sp(n.args[0])
+        if not isinstance(state, SeqShard):  # type_as(full, shard) reads only the shard's dtype
             return self.set(n, None)
-        self.out(n, s)
+        self.out(n, state)
 
     def norm(self, n, name):
         x = n.args[0]
-        s = self.sp(x)
-        if not isinstance(s, SeqShard) or s.dim >= len(shape_of(x)) - len(n.args[1]):
+        state = self.sp(x)
+        if not isinstance(state, SeqShard) or state.dim >= len(shape_of(x)) - len(n.args[1]):
             self.conflict(n, "normalization over the sequence dim", x)
         self.others(n, x)
-        self.out(n, s)
+        self.out(n, state)
 
     def reduce(self, n, name):
         x = n.args[0]
-        s = self.sp(x)
+        state = self.sp(x)
         dims = dims_of(node_arg(n, "dim"), len(shape_of(x)))
-        if not isinstance(s, SeqShard) or not dims or s.dim in dims:
+        if not isinstance(state, SeqShard) or not dims or state.dim in dims:
             self.conflict(n, "reduction over the sequence dim", *n.all_input_nodes)
         self.others(n, x)
         keep = node_arg(n, "keepdim", False)
-        self.out(n, s.at(s.dim if keep else s.dim - sum(1 for k in dims if k < s.dim)))
+        self.out(n, state.at(state.dim if keep else state.dim - sum(1 for k in dims if k < state.dim)))
 
     def softmax(self, n, name):
-        s = self.sp(n.args[0])
-        if norm_dim(n.args[1], len(shape_of(n.args[0]))) == s.dim:
+        state = self.sp(n.args[0])
+        if norm_dim(n.args[1], len(shape_of(n.args[0]))) == state.dim:
             self.conflict(n, "softmax over the sequence dim", n.args[0])
-        self.set(n, s)
+        self.set(n, state)
 
     def scan(self, n, name):
         x = n.args[0]
-        s = self.sp(x)
+        state = self.sp(x)
         dims = dims_of(node_arg(n, "dims" if name in ("flip", "roll") else "dim"), len(shape_of(x)))
-        if not isinstance(s, SeqShard) or not dims or s.dim in dims:
+        if not isinstance(state, SeqShard) or not dims or state.dim in dims:
             self.conflict(n, "scan along the sequence dim", *n.all_input_nodes)
         self.others(n, x)
-        self.out(n, s)
+        self.out(n, state)
 
     def view(self, n, name):
         """A reshape must keep the sequence dim whole: its size argument there becomes ``S/t``."""
         x = n.args[0]
-        s = self.sp(x)
-        g = reshape_groups(shape_of(x), shape_of(n), s.dim)
-        if g is None or g[0] != [s.dim] or len(g[1]) != 1:
+        state = self.sp(x)
+        groups = reshape_groups(shape_of(x), shape_of(n), state.dim)
+        if groups is None or groups[0] != [state.dim] or len(groups[1]) != 1:
             self.conflict(
                 n,
                 "the reshape merges or splits the sequence dim (e.g. flattens the tokens of the batch into one dim)",
                 x,
             )
-        self.set(n, s.at(g[1][0]))
+        self.set(n, state.at(groups[1][0]))
 
     def layout(self, n, name):
-        s = self.sp(n.args[0])
-        d = moved_dim(n, name, s.dim)
-        if d is None:
+        state = self.sp(n.args[0])
+        out_dim = moved_dim(n, name, state.dim)
+        if out_dim is None:
             self.conflict(n, "squeeze could drop the sequence dim", n.args[0])
-        self.set(n, s.at(d))
+        self.set(n, state.at(out_dim))
 
     def expand(self, n, name):
-        s = self.sp(n.args[0])
-        self.set(n, s.at(s.dim + len(shape_of(n)) - len(shape_of(n.args[0]))))
+        state = self.sp(n.args[0])
+        self.set(n, state.at(state.dim + len(shape_of(n)) - len(shape_of(n.args[0]))))
 
     def slice(self, n, name):
         x = n.args[0]
-        s = self.sp(x)
+        state = self.sp(x)
         dim = norm_dim(node_arg(n, "dim", 0), len(shape_of(x)))
-        if dim == s.dim and not (name != "select" and shape_of(n)[dim] == shape_of(x)[dim]):
+        if dim == state.dim and not (name != "select" and shape_of(n)[dim] == shape_of(x)[dim]):
             self.conflict(n, "slicing along the sequence dim", x)
-        self.set(n, s.at(s.dim - 1 if (name == "select" and dim < s.dim) else s.dim))
+        self.set(n, state.at(state.dim - 1 if (name == "select" and dim < state.dim) else state.dim))
 
     def split(self, n, name):
         x = n.args[0]
-        s = self.sp(x)
+        state = self.sp(x)
         dim = norm_dim(node_arg(n, "dim", 0), len(shape_of(x)))
-        if dim == s.dim:
+        if dim == state.dim:
             self.conflict(n, "a split along the sequence dim", x)
-        self.set(n, [s.at(s.dim - 1 if (name == "unbind" and dim < s.dim) else s.dim) for _ in value_of(n)])
+        self.set(
+            n, [state.at(state.dim - 1 if (name == "unbind" and dim < state.dim) else state.dim) for _ in value_of(n)]
+        )
 
     def cat(self, n, name):
         parts = n.args[0]
         dim = norm_dim(node_arg(n, "dim", 0), len(shape_of(n)))
-        ss = [self.sp(p) for p in parts]
-        f = ss[0]
-        if not all(isinstance(x, SeqShard) and x.dim == f.dim for x in ss) or (name == "cat" and dim == f.dim):
+        states = [self.sp(part) for part in parts]
+        f = states[0]
+        if not all(isinstance(x, SeqShard) and x.dim == f.dim for x in states) or (name == "cat" and dim == f.dim):
             self.conflict(n, f"{name} of tensors not all sequence-sharded alike, or along the sequence", *parts)
-        d = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
-        self.set(n, SeqShard(d, frozenset().union(*[x.origins for x in ss])))
+        out_dim = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
+        self.set(n, SeqShard(out_dim, frozenset().union(*[x.origins for x in states])))
 
     def finish(self, out: TPDecisions) -> None:
         """Write this (successful) walk into ``out``'s ``sp_*`` fields."""
         out.sp_sharded = {
-            n.name: (s.dim if isinstance(s, SeqShard) else [e.dim if isinstance(e, SeqShard) else None for e in s])
-            for n, s in self.st.items()
-            if any(isinstance(e, SeqShard) for e in states_of(s))
+            n.name: (
+                state.dim
+                if isinstance(state, SeqShard)
+                else [e.dim if isinstance(e, SeqShard) else None for e in state]
+            )
+            for n, state in self.st.items()
+            if any(isinstance(e, SeqShard) for e in states_of(state))
         }
         out.sp_args = self.args
         comms = [
@@ -355,19 +361,24 @@ class _SeqWalk:
                     n.name,
                     len(self.tokens) - 1,
                     _nbytes(n),
-                    tuple(u.name for u in n.users),
+                    tuple(user.name for user in n.users),
                     self.rg.get(n, False),
                 ),
             )
             for n in self.sources
         ]
-        for (kind, a, dim), users in self.uses.items():
+        for (kind, value, dim), users in self.uses.items():
             kind = {"gather": "all_gather", "copy": "grad_all_reduce"}.get(kind, kind)
             comms.append(
-                (a, SeqComm(kind, a.name, dim, _nbytes(a), tuple(dict.fromkeys(users)), self.rg.get(a, False)))
+                (
+                    value,
+                    SeqComm(
+                        kind, value.name, dim, _nbytes(value), tuple(dict.fromkeys(users)), self.rg.get(value, False)
+                    ),
+                )
             )
         order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        out.sp_comms = [c for _, c in sorted(comms, key=lambda e: (order[e[0]], e[1].kind))]
+        out.sp_comms = [comm for _, comm in sorted(comms, key=lambda e: (order[e[0]], e[1].kind))]
 
 
 _SP_HANDLERS = {
@@ -426,7 +437,7 @@ def sequence_parallel(gm: fx.GraphModule, out: TPDecisions, params: dict, inputs
             if not new:  # not expected: a conflict always involves a shard of a live source
                 out.sp_blocked = f"{c.why} at {_describe(c.node)}"
                 return
-            why.update({o: c for o in new})
+            why.update({origin: c for origin in new})
             banned |= new
     out.sp_seq_len = tokens[-1]
     out.sp_replicated = {**walk.not_token, **{k: why[k] for k in sorted(banned)}}

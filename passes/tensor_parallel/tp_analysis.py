@@ -23,7 +23,7 @@ Rules (the walk is in graph order)
   replicated activation is **column parallel**: ``W`` (and ``b``) keep this rank's output
   features, the output is sharded along its last dim, FLOPs divide. Its input *enters* the
   sharded region (``copy_to_tp``: identity forward, all-reduce of the input gradient backward,
-  once per input tensor).
+  once per input tensor). The weight may be a transpose of a 2-d parameter (Falcon's ``x @ W.T``).
 * A weighted matmul whose activation is sharded along the contraction dim is **row parallel**:
   ``W`` keeps this rank's input features, the partial outputs are all-reduced, the result is
   replicated and a bias is added once, after the all-reduce.
@@ -41,10 +41,7 @@ Rules (the walk is in graph order)
 * SDPA (and its kernel variants) on q, k and v all sharded by heads is per head; GQA keeps its
   ratio. k / v may also be replicated with one head (broadcast) or with every query head (GQA's
   repeated key/value heads when their projections stayed replicated, e.g. one kv head at tp 2):
-  each rank then keeps its query heads' share (``scatter``). A mask with a per-head dim cannot
-  be used.
-* A weighted matmul may read a transpose of a 2-d parameter (Falcon's ``x @ W.T``): it is column
-  or row parallel on the parameter.
+  each rank then keeps its query heads' share (``scatter``). A per-head mask is a conflict.
 * A fused projection split along its sharded features (GPT-2's ``c_attn`` -> q, k, v) keeps each
   part sharded; its weight is laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
 * A replicated tensor that requires grad and enters a sharded op (a norm weight, a broadcast
@@ -61,38 +58,20 @@ conflict no ban can avoid is raised.
 
 Each sharded parameter gets a ``WeightShard`` (kind ``column``, ``row``, ``heads``, ``vocab`` or
 ``qkv``, the dim and its full size): the tp-free part of ``runtime.tensor_parallel.sharding.TensorShard``.
-
-GEMM dims
----------
-A node whose work divides runs products of smaller shapes, and a GPU's efficiency depends on
-which dim shrank. ``gemm_tp_dim`` names it for each matrix product the cost replay recorded
-(``passes.autograd_costs.GemmCall``, ``batch`` products of ``m x k`` by ``k x n``). A weighted
-matmul's factors are the activation ``x`` (rows x in features), the weight ``w`` (in x out) and
-the output gradient ``g`` (rows x out); a product's ``k`` is the dim its two factors share,
-``m`` and ``n`` the others. Column parallel divides the *out* features, row parallel the *in*
-features, wherever autograd put them::
-
-    product              factors    column parallel    row parallel
-    forward  y = x w     (x, w)     n                  k
-    input grad  g wᵀ     (g, w)     k                  n
-    weight grad  xᵀ g    (x, g)     n                  m
-    (either backward product transposed, gᵀ x or w gᵀ: the same dims read in the other order)
-
-Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
-``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
-
 Sequence parallelism (``passes.tensor_parallel.sp_analysis``) runs on these decisions and fills the ``sp_*``
-fields; the op tables, states and shape helpers both walks use are in ``passes.tensor_parallel.tp_common``.
+fields; the op tables, states and shape helpers both walks use are in ``passes.tensor_parallel.tp_common``,
+and so is the dim each divided matrix product shrinks (``gemm_tp_dim``, "GEMM dims").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import fx
 
-from passes.common import hint, is_meta_only
+from passes.common import arg_node, hint, is_meta_only
 from passes.op_class import op_name
 from passes.tensor_parallel.sp_analysis import sequence_parallel
 from passes.tensor_parallel.tp_common import (
@@ -178,40 +157,44 @@ class _Walk:
         self.col_out: dict[str, int] = {}  # column-parallel matmul -> its output features
 
     # ------------------------------------------------------------------ helpers
-    def st(self, a):
-        return self.out.state.get(a) if isinstance(a, fx.Node) else None
+    def st(self, value):
+        return self.out.state.get(value) if isinstance(value, fx.Node) else None
 
-    def conflict(self, n, why, *args):
-        shards = [e for a in args for e in states_of(self.st(a)) if isinstance(e, Shard)]
+    def conflict(self, n: fx.Node, why: str, *args: Any) -> NoReturn:
+        shards = [e for arg in args for e in states_of(self.st(arg)) if isinstance(e, Shard)]
         raise TPConflict(frozenset().union(*[e.origins for e in shards]), n, why)
 
-    def set(self, n, s, role=None):
-        self.out.state[n] = s
-        sharded = any(isinstance(e, Shard) for e in states_of(s))
+    def set(self, n, state, role=None):
+        self.out.state[n] = state
+        sharded = any(isinstance(e, Shard) for e in states_of(state))
         self.out.role[n] = role or ("sharded" if sharded else "replicated")
         if not sharded:
             return
-        for u in n.users:
-            if u.op == "output":
-                self.conflict(u, "a sharded tensor is an output of the model", n)
-            if u.op == "call_function" and not is_meta_only(u) and self.layer_of(u) != self.layer_of(n):
+        for user in n.users:
+            if user.op == "output":
+                self.conflict(user, "a sharded tensor is an output of the model", n)
+            if user.op == "call_function" and not is_meta_only(user) and self.layer_of(user) != self.layer_of(n):
                 self.conflict(
-                    u, f"a sharded tensor crosses from layer {self.layer_of(n)} into layer {self.layer_of(u)}", n
+                    user, f"a sharded tensor crosses from layer {self.layer_of(n)} into layer {self.layer_of(user)}", n
                 )
 
-    def tag(self, s: Shard, t):
+    def tag(self, shard: Shard, what):
         """Note what the region of ``s`` turned out to be (heads, loss, fused parts)."""
-        for o in s.origins:
-            self.tags.setdefault(o, set()).add(t)
+        for origin in shard.origins:
+            self.tags.setdefault(origin, set()).add(what)
 
-    def use(self, p: fx.Node, user: fx.Node, spec):
-        self.uses.setdefault(self.params[p], []).append((user, spec))
+    def use(self, param: fx.Node, user: fx.Node, spec):
+        self.uses.setdefault(self.params[param], []).append((user, spec))
         if spec is not None:
-            self.out.shards_params.setdefault(user, []).append(self.params[p])
+            self.out.shards_params.setdefault(user, []).append(self.params[param])
 
     def entering(self, n) -> list:
         """Argument paths of replicated tensors needing grad that enter this sharded op."""
-        return [p for p, a in flat_args(n) if is_tensor_node(a) and self.st(a) is None and self.rg.get(a, False)]
+        return [
+            path
+            for path, arg in flat_args(n)
+            if is_tensor_node(arg) and self.st(arg) is None and self.rg.get(arg, False)
+        ]
 
     # ------------------------------------------------------------------ the walk
     def run(self) -> TPDecisions:
@@ -226,8 +209,8 @@ class _Walk:
                 if reads_data(n, self.data):
                     self.data.add(n)
                 vals = value_of(n) if isinstance(value_of(n), (list, tuple)) else [value_of(n)]
-                floats = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
-                self.rg[n] = floats and any(self.rg.get(a, False) for a in ins)
+                floats = any(isinstance(val, torch.Tensor) and val.is_floating_point() for val in vals)
+                self.rg[n] = floats and any(self.rg.get(arg, False) for arg in ins)
                 if is_meta_only(n):
                     self.set(n, None)
                 else:
@@ -239,25 +222,25 @@ class _Walk:
 
     def visit(self, n: fx.Node, name: str):
         if name == "getitem":
-            s = self.st(n.args[0])
-            return self.set(n, s[n.args[1]] if isinstance(s, list) else None)
+            state = self.st(n.args[0])
+            return self.set(n, state[cast(int, n.args[1])] if isinstance(state, list) else None)
         if (
             name in WEIGHT_VIEWS
             and n.args[0] in self.params
             and len(shape_of(n.args[0])) == 2
-            and all(op_name(u) in WEIGHTED_MATMULS for u in n.users)
+            and all(op_name(user) in WEIGHTED_MATMULS for user in n.users)
         ):
-            self.pviews[n] = n.args[0]  # its use is recorded by the matmul that reads it
+            self.pviews[n] = arg_node(n, 0)  # its use is recorded by the matmul that reads it
             return self.set(n, None)
         if name in WEIGHTED_MATMULS and self.matmul(n, name):
             return
         if name == "embedding":
             return self.embedding(n)
-        sharded = [a for a in n.all_input_nodes if isinstance(self.st(a), Shard)]
-        for a in n.all_input_nodes:
-            a = self.pviews.get(a, a)
-            if a in self.params and not isinstance(self.st(a), Shard):
-                self.use(a, n, None)  # read whole: a replicated use
+        sharded = [arg for arg in n.all_input_nodes if isinstance(self.st(arg), Shard)]
+        for arg in n.all_input_nodes:
+            arg = self.pviews.get(arg, arg)
+            if arg in self.params and not isinstance(self.st(arg), Shard):
+                self.use(arg, n, None)  # read whole: a replicated use
         if not sharded:
             return self.set(n, None)
         handler = _HANDLERS.get(name)
@@ -270,28 +253,28 @@ class _Walk:
     # ------------------------------------------------------------------ weights
     def matmul(self, n, name) -> bool:
         """Column- or row-parallel weighted matmul; False if the weight is not a parameter."""
-        x, w, b = matmul_operands(n)
+        x, weight, bias = matmul_operands(n)
         out_dim, in_dim = (0, 1) if name == "linear" else (1, 0)  # linear's W is [out, in]
         if name == "addmm" and any(k in n.kwargs for k in ("beta", "alpha")):
             return False
-        if w in self.pviews:  # x @ W.T: the parameter is [out, in] like linear's
-            w, (out_dim, in_dim) = self.pviews[w], (in_dim, out_dim)
+        if weight in self.pviews:  # x @ W.T: the parameter is [out, in] like linear's
+            weight, (out_dim, in_dim) = self.pviews[weight], (in_dim, out_dim)
         if (
-            not (isinstance(w, fx.Node) and w in self.params)
+            not (isinstance(weight, fx.Node) and weight in self.params)
             or x in self.params
-            or len(shape_of(w)) != 2
+            or len(shape_of(weight)) != 2
             or not is_tensor_node(x)
         ):
             return False
-        if b is not None and not (isinstance(b, fx.Node) and b in self.params):
+        if bias is not None and not (isinstance(bias, fx.Node) and bias in self.params):
             return False
-        s = self.st(x)
-        if s is None:
-            out = shape_of(w)[out_dim]
+        state = self.st(x)
+        if state is None:
+            out = shape_of(weight)[out_dim]
             col = n.name not in self.banned
-            self.use(w, n, ("col", out_dim, out) if col else None)
-            if b is not None:
-                self.use(b, n, ("col", 0, out) if col else None)
+            self.use(weight, n, ("col", out_dim, out) if col else None)
+            if bias is not None:
+                self.use(bias, n, ("col", 0, out) if col else None)
             if not col:
                 self.set(n, None)
                 return True
@@ -299,46 +282,46 @@ class _Walk:
             self.out.enter[n] = [(1 if name == "addmm" else 0, None)]
             self.set(n, Shard(len(shape_of(n)) - 1, out, frozenset([n.name])), "col")
             return True
-        if not isinstance(s, Shard):
+        if not isinstance(state, Shard):
             return False
-        if s.dim != len(shape_of(x)) - 1:
+        if state.dim != len(shape_of(x)) - 1:
             self.conflict(n, "matmul input sharded along a non-contraction dim", x)
-        if s.size != shape_of(w)[in_dim]:
+        if state.size != shape_of(weight)[in_dim]:
             self.conflict(n, "matmul contraction does not match the sharded features", x)
-        self.use(w, n, ("row", in_dim, s.size))
-        if b is not None:
-            self.use(b, n, None)
+        self.use(weight, n, ("row", in_dim, state.size))
+        if bias is not None:
+            self.use(bias, n, None)
         self.set(n, None, "row")
         return True
 
     def embedding(self, n):
-        w, ids = n.args[0], n.args[1]
+        weight, ids = n.args[0], n.args[1]
         if isinstance(self.st(ids), Shard):
             self.conflict(n, "embedding indices are sharded", ids)
-        is_param = isinstance(w, fx.Node) and w in self.params
-        ok = (
+        is_param = isinstance(weight, fx.Node) and weight in self.params
+        vocab_parallel = (
             is_param
             and ids in self.data
-            and shape_of(w)
-            and shape_of(w)[0] == self.vocab
+            and shape_of(weight)
+            and shape_of(weight)[0] == self.vocab
             and n.name not in self.banned
             and not node_arg(n, "scale_grad_by_freq", False)
             and not node_arg(n, "sparse", False)
         )
         if is_param:
-            self.use(w, n, ("vocab", 0, self.vocab) if ok else None)
-        self.set(n, None, "vocab_embedding" if ok else None)
+            self.use(weight, n, ("vocab", 0, self.vocab) if vocab_parallel else None)
+        self.set(n, None, "vocab_embedding" if vocab_parallel else None)
 
     def check_params(self):
         """Every use of a sharded parameter must read the same shard; else undo its users."""
         for key, uses in self.uses.items():
-            sharding = [u for u, spec in uses if spec is not None]
+            sharding = [user for user, spec in uses if spec is not None]
             if not sharding:
                 continue
-            kinds = {(s[1], s[2]) if s is not None else None for _, s in uses}
+            kinds = {(use_spec[1], use_spec[2]) if use_spec is not None else None for _, use_spec in uses}
             if len(kinds) > 1:
                 raise TPConflict(
-                    frozenset(u.name for u in sharding),
+                    frozenset(user.name for user in sharding),
                     sharding[0],
                     f"the weight {key} is used both sharded and replicated (or sharded two ways)",
                 )
@@ -347,12 +330,12 @@ class _Walk:
         """Parameter key -> ``WeightShard`` (call after a successful walk)."""
         out = {}
         for key, uses in self.uses.items():
-            specs = [(u, s) for u, s in uses if s is not None]
+            specs = [(user, spec) for user, spec in uses if spec is not None]
             if not specs:
                 continue
-            tags = set().union(*[self.tags.get(u.name, set()) for u, _ in specs])
+            tags = set().union(*[self.tags.get(user.name, set()) for user, _ in specs])
             kind, dim, size = specs[0][1]
-            parts = [t[1] for t in tags if isinstance(t, tuple) and t[0] == "parts"]
+            parts = [tag[1] for tag in tags if isinstance(tag, tuple) and tag[0] == "parts"]
             if kind == "row":
                 out[key] = WeightShard("row", dim, size)
             elif kind == "vocab" or (size == self.vocab and "loss" in tags):
@@ -368,42 +351,42 @@ class _Walk:
         """Per-head attention: q sharded by heads; k and v sharded alike, or replicated with one
         (broadcast) head, or replicated with every query head, of which each rank keeps its share
         (grouped-query attention whose key/value projections tp cannot split)."""
-        q, k, v = n.args[:3]
-        sq = self.st(q)
-        hd = len(shape_of(q)) - 3
-        if not (isinstance(sq, Shard) and sq.dim == hd):
-            self.conflict(n, "attention needs q sharded by heads", q, k, v)
-        heads = shape_of(q)[hd]
-        scatter, origins = [], set(sq.origins)
-        for i, x in ((1, k), (2, v)):
-            s = self.st(x)
-            if isinstance(s, Shard):
-                if s.dim != hd or s.size not in (sq.size,) and not node_arg(n, "enable_gqa", False):
+        query, k, value = n.args[:3]
+        q_state = self.st(query)
+        head_dim = len(shape_of(query)) - 3
+        if not (isinstance(q_state, Shard) and q_state.dim == head_dim):
+            self.conflict(n, "attention needs q sharded by heads", query, k, value)
+        heads = shape_of(query)[head_dim]
+        scatter, origins = [], set(q_state.origins)
+        for i, x in ((1, k), (2, value)):
+            state = self.st(x)
+            if isinstance(state, Shard):
+                if state.dim != head_dim or state.size not in (q_state.size,) and not node_arg(n, "enable_gqa", False):
                     self.conflict(n, f"attention needs {'kv'[i - 1]} sharded by heads like q", x)
-                origins |= s.origins
-            elif shape_of(x)[hd] == sq.size and sq.size > 1:  # every query head, repeated: keep ours
-                scatter.append(((i, None), hd))
-            elif shape_of(x)[hd] != 1:
+                origins |= state.origins
+            elif shape_of(x)[head_dim] == q_state.size and q_state.size > 1:  # every query head, repeated: keep ours
+                scatter.append(((i, None), head_dim))
+            elif shape_of(x)[head_dim] != 1:
                 self.conflict(
                     n,
                     f"attention with q sharded by heads reads a replicated {'kv'[i - 1]} "
-                    f"of {shape_of(x)[hd]} heads (q has {sq.size})",
-                    q,
+                    f"of {shape_of(x)[head_dim]} heads (q has {q_state.size})",
+                    query,
                 )
         for _, mask in flat_args(n):
-            if not is_tensor_node(mask) or mask in (q, k, v):
+            if not is_tensor_node(mask) or mask in (query, k, value):
                 continue
-            ms = shape_of(mask)
-            off = len(shape_of(q)) - len(ms)
-            if isinstance(self.st(mask), Shard) or (hd - off >= 0 and ms[hd - off] != 1):
-                self.conflict(n, "the attention mask has a per-head dim", q, k, v, mask)
-        for x in (q, k, v):
+            mask_shape = shape_of(mask)
+            off = len(shape_of(query)) - len(mask_shape)
+            if isinstance(self.st(mask), Shard) or (head_dim - off >= 0 and mask_shape[head_dim - off] != 1):
+                self.conflict(n, "the attention mask has a per-head dim", query, k, value, mask)
+        for x in (query, k, value):
             if isinstance(self.st(x), Shard):
                 self.tag(self.st(x), "heads")
         if scatter:
             self.out.scatter[n] = scatter
-        self.out.enter[n] = [p for p in self.entering(n) if p not in [sc[0] for sc in scatter]]
-        out = Shard(hd, sq.size, frozenset(origins))
+        self.out.enter[n] = [path for path in self.entering(n) if path not in [entry[0] for entry in scatter]]
+        out = Shard(head_dim, q_state.size, frozenset(origins))
         if isinstance(value_of(n), torch.Tensor):
             return self.set(n, out)
         # the kernels' log-sum-exp [b, heads, s] is per head too
@@ -412,178 +395,185 @@ class _Walk:
             [out]
             + [
                 out
-                if isinstance(o, torch.Tensor) and o.dim() == len(shape_of(q)) - 1 and hint(o.shape[hd]) == heads
+                if isinstance(extra, torch.Tensor)
+                and extra.dim() == len(shape_of(query)) - 1
+                and hint(extra.shape[head_dim]) == heads
                 else None
-                for o in value_of(n)[1:]
+                for extra in value_of(n)[1:]
             ],
         )
 
     def loss(self, n, name):
         logits, target = n.args[0], n.args[1]
-        s = self.st(logits)
-        if not isinstance(s, Shard) or isinstance(self.st(target), Shard) or len(shape_of(logits)) != 2 or s.dim != 1:
+        state = self.st(logits)
+        if (
+            not isinstance(state, Shard)
+            or isinstance(self.st(target), Shard)
+            or len(shape_of(logits)) != 2
+            or state.dim != 1
+        ):
             self.conflict(n, "cross-entropy needs 2-d logits sharded along the classes", logits)
         if node_arg(n, "weight") is not None or node_arg(n, "label_smoothing", 0.0) != 0.0:
             self.conflict(
                 n, "class weights / label smoothing are not supported by the vocab-parallel cross-entropy", logits
             )
-        self.tag(s, "loss")
+        self.tag(state, "loss")
         self.set(n, None, "vocab_loss")
 
     def view(self, n, name):
         """view / reshape / flatten / unflatten: see ``reshape_dim``."""
         x = n.args[0]
-        s = self.st(x)
+        state = self.st(x)
         src, dst = shape_of(x), shape_of(n)
-        g = reshape_groups(src, dst, s.dim)
-        if g is None or g[0][0] != s.dim:
+        groups = reshape_groups(src, dst, state.dim)
+        if groups is None or groups[0][0] != state.dim:
             self.conflict(n, "the reshape interleaves the sharded dim with a dim before it", x)
-        d_out = g[1][0]
-        if self.tp and len(g[1]) > 1 and dst[d_out] % self.tp:
+        d_out = groups[1][0]
+        if self.tp and len(groups[1]) > 1 and dst[d_out] % self.tp:
             self.conflict(
                 n,
-                f"the reshape splits the sharded size {src[s.dim]} into "
-                f"{' x '.join(str(dst[k]) for k in g[1])}, and tp={self.tp} does not "
+                f"the reshape splits the sharded size {src[state.dim]} into "
+                f"{' x '.join(str(dst[k]) for k in groups[1])}, and tp={self.tp} does not "
                 f"divide {dst[d_out]} (e.g. the key/value heads)",
                 x,
             )
-        self.set(n, Shard(d_out, dst[d_out], s.origins))
+        self.set(n, Shard(d_out, dst[d_out], state.origins))
 
     def layout(self, n, name):
         x = n.args[0]
-        s = self.st(x)
-        d = moved_dim(n, name, s.dim)
-        if d is None:
+        state = self.st(x)
+        out_dim = moved_dim(n, name, state.dim)
+        if out_dim is None:
             self.conflict(n, "squeeze could drop the sharded dim (one entry per rank)", x)
-        self.set(n, s.at(d))
+        self.set(n, state.at(out_dim))
 
     def expand(self, n, name):
         x = n.args[0]
-        s = self.st(x)
-        self.set(n, s.at(s.dim + len(shape_of(n)) - len(shape_of(x))))
+        state = self.st(x)
+        self.set(n, state.at(state.dim + len(shape_of(n)) - len(shape_of(x))))
 
     def slice(self, n, name):
         x = n.args[0]
-        s = self.st(x)
-        nd = len(shape_of(x))
-        dim = norm_dim(node_arg(n, "dim", 0), nd)
-        if dim == s.dim and not (name != "select" and shape_of(n)[dim] == shape_of(x)[dim]):
+        state = self.st(x)
+        ndim = len(shape_of(x))
+        dim = norm_dim(node_arg(n, "dim", 0), ndim)
+        if dim == state.dim and not (name != "select" and shape_of(n)[dim] == shape_of(x)[dim]):
             self.conflict(n, "slicing along the sharded dim", x)
-        self.set(n, s.at(s.dim - 1 if (name == "select" and dim < s.dim) else s.dim))
+        self.set(n, state.at(state.dim - 1 if (name == "select" and dim < state.dim) else state.dim))
 
     def split(self, n, name):
         x = n.args[0]
-        s = self.st(x)
-        nd = len(shape_of(x))
-        dim = norm_dim(node_arg(n, "dim", 0), nd)
+        state = self.st(x)
+        ndim = len(shape_of(x))
+        dim = norm_dim(node_arg(n, "dim", 0), ndim)
         vals = value_of(n)
-        if dim != s.dim:
-            out = s.at(s.dim - 1 if (name == "unbind" and dim < s.dim) else s.dim)
+        if dim != state.dim:
+            out = state.at(state.dim - 1 if (name == "unbind" and dim < state.dim) else state.dim)
             return self.set(n, [out for _ in vals])
         # A fused projection split along its features: Megatron layout [q_r; k_r; v_r].
-        if name == "unbind" or any(self.col_out.get(o) != s.size for o in s.origins):
+        if name == "unbind" or any(self.col_out.get(origin) != state.size for origin in state.origins):
             self.conflict(
                 n, "a split of the sharded dim that is not the output features of the projection that produced it", x
             )
-        pieces = tuple(hint(v.shape[dim]) for v in vals)
-        self.tag(s, ("parts", pieces))
-        self.set(n, [Shard(dim, p, s.origins) for p in pieces])
+        pieces = tuple(hint(val.shape[dim]) for val in vals)
+        self.tag(state, ("parts", pieces))
+        self.set(n, [Shard(dim, piece, state.origins) for piece in pieces])
 
     def cat(self, n, name):
         parts = n.args[0]
-        nd = len(shape_of(n))
-        dim = norm_dim(node_arg(n, "dim", 0), nd)
-        ss = [self.st(p) for p in parts]
-        f = ss[0]
-        alike = all(isinstance(s, Shard) and (s.dim, s.size) == (f.dim, f.size) for s in ss)
+        ndim = len(shape_of(n))
+        dim = norm_dim(node_arg(n, "dim", 0), ndim)
+        states = [self.st(part) for part in parts]
+        f = states[0]
+        alike = all(isinstance(state, Shard) and (state.dim, state.size) == (f.dim, f.size) for state in states)
         if not alike or (name == "cat" and dim == f.dim):
             self.conflict(n, f"{name} of tensors not all sharded alike, or along the sharded dim", *parts)
-        d = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
-        self.set(n, Shard(d, f.size, frozenset().union(*[s.origins for s in ss])))
+        out_dim = f.dim + 1 if (name == "stack" and dim <= f.dim) else f.dim
+        self.set(n, Shard(out_dim, f.size, frozenset().union(*[state.origins for state in states])))
 
     def act_matmul(self, n, name):
-        a, b = n.args[0], n.args[1]
-        sa, sb = self.st(a), self.st(b)
-        nd = len(shape_of(n))
-        ok = (
-            isinstance(sa, Shard)
-            and isinstance(sb, Shard)
-            and len(shape_of(a)) == nd == len(shape_of(b))
-            and sa.dim == sb.dim
-            and sa.dim < nd - 2
-            and sa.size == sb.size
+        lhs, rhs = n.args[0], n.args[1]
+        lhs_state, rhs_state = self.st(lhs), self.st(rhs)
+        ndim = len(shape_of(n))
+        aligned = (
+            isinstance(lhs_state, Shard)
+            and isinstance(rhs_state, Shard)
+            and len(shape_of(lhs)) == ndim == len(shape_of(rhs))
+            and lhs_state.dim == rhs_state.dim
+            and lhs_state.dim < ndim - 2
+            and lhs_state.size == rhs_state.size
         )
-        if not ok:
-            self.conflict(n, "matmul of activations needs both operands sharded on one batch dim", a, b)
-        self.set(n, Shard(sa.dim, sa.size, sa.origins | sb.origins))
+        if not aligned:
+            self.conflict(n, "matmul of activations needs both operands sharded on one batch dim", lhs, rhs)
+        self.set(n, Shard(lhs_state.dim, lhs_state.size, lhs_state.origins | rhs_state.origins))
 
     def softmax(self, n, name):
         x = n.args[0]
-        s = self.st(x)
-        if norm_dim(n.args[1], len(shape_of(x))) == s.dim:
+        state = self.st(x)
+        if norm_dim(n.args[1], len(shape_of(x))) == state.dim:
             self.conflict(n, "softmax over the sharded dim", x)
-        self.set(n, s)
+        self.set(n, state)
 
     def reduce(self, n, name):
         x = n.args[0]
-        s = self.st(x)
-        nd = len(shape_of(x))
-        dims = dims_of(node_arg(n, "dim"), nd)
+        state = self.st(x)
+        ndim = len(shape_of(x))
+        dims = dims_of(node_arg(n, "dim"), ndim)
         if not dims:
             self.conflict(n, "reduction over every dim of a sharded tensor", x)
-        if s.dim in dims or any(isinstance(self.st(a), Shard) for a in n.all_input_nodes if a is not x):
+        if state.dim in dims or any(isinstance(self.st(arg), Shard) for arg in n.all_input_nodes if arg is not x):
             self.conflict(n, "reduction over the sharded dim", x)
         keep = node_arg(n, "keepdim", False)
-        out = s.at(s.dim if keep else s.dim - sum(1 for k in dims if k < s.dim))
+        out = state.at(state.dim if keep else state.dim - sum(1 for k in dims if k < state.dim))
         self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])
 
     def scan(self, n, name):
         """Shape-preserving ops along given dims (cumsum, flip, roll): fine unless along d."""
         x = n.args[0]
-        s = self.st(x)
+        state = self.st(x)
         dims = dims_of(node_arg(n, "dims" if name in ("flip", "roll") else "dim"), len(shape_of(x)))
-        if not dims or s.dim in dims:
+        if not dims or state.dim in dims:
             self.conflict(n, "scan along the sharded dim", x)
-        self.set(n, s if isinstance(value_of(n), torch.Tensor) else [s for _ in value_of(n)])
+        self.set(n, state if isinstance(value_of(n), torch.Tensor) else [state for _ in value_of(n)])
 
     def norm(self, n, name):
         x = n.args[0]
-        s = self.st(x)
+        state = self.st(x)
         normed = len(n.args[1])
-        if s.dim >= len(shape_of(x)) - normed or any(
-            isinstance(self.st(a), Shard) for a in n.all_input_nodes if a is not x
+        if state.dim >= len(shape_of(x)) - normed or any(
+            isinstance(self.st(arg), Shard) for arg in n.all_input_nodes if arg is not x
         ):
             self.conflict(n, "normalization over the sharded dim", x)
         self.out.enter[n] = self.entering(n)
         # native kernels' per-row statistics are sharded along the same rows
-        self.set(n, s if isinstance(value_of(n), torch.Tensor) else [s for _ in value_of(n)])
+        self.set(n, state if isinstance(value_of(n), torch.Tensor) else [state for _ in value_of(n)])
 
     def passthrough(self, n, name):
-        s = self.st(n.args[0])  # type_as(x, other) reads only other's dtype
-        self.set(n, s if isinstance(value_of(n), torch.Tensor) or s is None else [s for _ in value_of(n)])
+        state = self.st(n.args[0])  # type_as(x, other) reads only other's dtype
+        self.set(n, state if isinstance(value_of(n), torch.Tensor) or state is None else [state for _ in value_of(n)])
 
     def pointwise(self, n, name):
-        nd = len(shape_of(n))
+        ndim = len(shape_of(n))
         found = None
-        for _, a in flat_args(n):
-            s = self.st(a)
-            if isinstance(s, Shard):
-                key = (s.dim + nd - len(shape_of(a)), s.size)
+        for _, arg in flat_args(n):
+            state = self.st(arg)
+            if isinstance(state, Shard):
+                key = (state.dim + ndim - len(shape_of(arg)), state.size)
                 if found is not None and found[0] != key:
                     self.conflict(n, "elementwise op mixes differently sharded tensors", *n.all_input_nodes)
-                found = (key, (found[1] if found else frozenset()) | s.origins)
-        (d, size), origins = found
-        for _, a in flat_args(n):
-            if is_tensor_node(a) and not isinstance(self.st(a), Shard):
-                k = d - (nd - len(shape_of(a)))
-                if k >= 0 and shape_of(a)[k] != 1:
+                found = (key, (found[1] if found else frozenset()) | state.origins)
+        (shard_dim, size), origins = found
+        for _, arg in flat_args(n):
+            if is_tensor_node(arg) and not isinstance(self.st(arg), Shard):
+                k = shard_dim - (ndim - len(shape_of(arg)))
+                if k >= 0 and shape_of(arg)[k] != 1:
                     self.conflict(
                         n,
-                        f"elementwise op combines a sharded tensor with a full one ({a.name}, shape {shape_of(a)})",
+                        f"elementwise op combines a sharded tensor with a full one ({arg.name}, shape {shape_of(arg)})",
                         *n.all_input_nodes,
                     )
         self.out.enter[n] = self.entering(n)
-        out = Shard(d, size, origins)
+        out = Shard(shard_dim, size, origins)
         self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])
 
 
@@ -659,7 +649,7 @@ def analyze_tensor_parallel(
             new = c.origins - banned
             if not new:
                 raise
-            why.update({o: c for o in new})
+            why.update({origin: c for origin in new})
             banned |= new
             continue
         out.weights = walk.weight_shards()

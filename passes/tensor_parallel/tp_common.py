@@ -2,12 +2,32 @@
 tables, the states of a value (``Shard``, ``SeqShard``), the decisions (``TPDecisions``, with
 ``WeightShard`` and ``SeqComm``), ``TPConflict``, and the shape helpers that follow a sharded dim
 through views, transposes and reshapes. The rules are in ``passes.tensor_parallel.tp_analysis`` (tensor
-parallelism) and ``passes.tensor_parallel.sp_analysis`` (sequence parallelism)."""
+parallelism) and ``passes.tensor_parallel.sp_analysis`` (sequence parallelism).
+
+GEMM dims
+---------
+A node whose work divides runs products of smaller shapes, and a GPU's efficiency depends on
+which dim shrank. ``gemm_tp_dim`` names it for each matrix product the cost replay recorded
+(``passes.autograd_costs.GemmCall``, ``batch`` products of ``m x k`` by ``k x n``). A weighted
+matmul's factors are the activation ``x`` (rows x in features), the weight ``w`` (in x out) and
+the output gradient ``g`` (rows x out); a product's ``k`` is the dim its two factors share,
+``m`` and ``n`` the others. Column parallel divides the *out* features, row parallel the *in*
+features, wherever autograd put them::
+
+    product              factors    column parallel    row parallel
+    forward  y = x w     (x, w)     n                  k
+    input grad  g wᵀ     (g, w)     k                  n
+    weight grad  xᵀ g    (x, g)     n                  m
+    (either backward product transposed, gᵀ x or w gᵀ: the same dims read in the other order)
+
+Attention's products (SDPA's, or an eager ``q @ kᵀ`` / ``p @ v`` sharded by heads) divide their
+``batch`` (b x heads). A product of a node that does not divide keeps its whole shape (None).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -232,8 +252,8 @@ def value_of(n):
 
 
 def shape_of(n) -> list[int]:
-    v = value_of(n)
-    return [hint(d) for d in v.shape] if isinstance(v, torch.Tensor) else []
+    val = value_of(n)
+    return [hint(size) for size in val.shape] if isinstance(val, torch.Tensor) else []
 
 
 def is_tensor_node(n) -> bool:
@@ -243,20 +263,20 @@ def is_tensor_node(n) -> bool:
 def node_arg(n: fx.Node, name: str, default=None):
     """Argument ``name`` of an ATen op node, given positionally or by keyword."""
     schema = getattr(n.target, "_schema", None)
-    for i, a in enumerate(schema.arguments if schema is not None else ()):
-        if a.name == name and i < len(n.args):
+    for i, schema_arg in enumerate(schema.arguments if schema is not None else ()):
+        if schema_arg.name == name and i < len(n.args):
             return n.args[i]
     return n.kwargs.get(name, default)
 
 
 def matmul_operands(n: fx.Node) -> tuple:
     """``(activation, weight, bias)`` of a ``WEIGHTED_MATMULS`` node (bias None if absent)."""
-    name, a = op_name(n), n.args
+    name, args = op_name(n), n.args
     if name == "linear":
-        return a[0], a[1], node_arg(n, "bias")
+        return args[0], args[1], node_arg(n, "bias")
     if name == "addmm":
-        return a[1], a[2], a[0]
-    return a[0], a[1], None
+        return args[1], args[2], args[0]
+    return args[0], args[1], None
 
 
 _FACTOR_DIMS = {"x": ("rows", "in"), "w": ("in", "out"), "g": ("rows", "out")}
@@ -274,99 +294,99 @@ def gemm_tp_dim(role: str, divides: bool, operands: tuple[str, str]) -> str | No
     if role not in ("col", "row"):
         return "batch"  # attention and matmuls of activations: sharded by heads, a batch dim
     want = "out" if role == "col" else "in"
-    a, b = operands
-    if a != b and a in _FACTOR_DIMS and b in _FACTOR_DIMS:
-        (shared,) = set(_FACTOR_DIMS[a]) & set(_FACTOR_DIMS[b])
+    lhs, rhs = operands
+    if lhs != rhs and lhs in _FACTOR_DIMS and rhs in _FACTOR_DIMS:
+        (shared,) = set(_FACTOR_DIMS[lhs]) & set(_FACTOR_DIMS[rhs])
         if want == shared:
             return "k"
-        return "m" if want in _FACTOR_DIMS[a] else "n"
+        return "m" if want in _FACTOR_DIMS[lhs] else "n"
     return "n" if role == "col" else "k"
 
 
 def flat_args(n: fx.Node) -> list:
     """Positional then keyword arguments, lists flattened, as ``(path, value)`` pairs."""
-    out = []
-    for i, a in enumerate(n.args):
-        if isinstance(a, (list, tuple)):
-            out += [((i, j), x) for j, x in enumerate(a)]
+    out: list[tuple[tuple[Any, Any], Any]] = []
+    for i, arg in enumerate(n.args):
+        if isinstance(arg, (list, tuple)):
+            out += [((i, j), x) for j, x in enumerate(arg)]
         else:
-            out.append(((i, None), a))
-    for k, a in n.kwargs.items():
-        out.append(((k, None), a))
+            out.append(((i, None), arg))
+    for k, arg in n.kwargs.items():
+        out.append(((k, None), arg))
     return out
 
 
-def reshape_groups(src: list[int], dst: list[int], d: int):
+def reshape_groups(src: list[int], dst: list[int], dim: int):
     """The groups of non-unit dims with equal products, ``(src dims, dst dims)``, that hold
     dim ``d`` of ``src`` after a reshape to ``dst``; None if there is none."""
-    si = [k for k, v in enumerate(src) if v != 1]
-    di = [k for k, v in enumerate(dst) if v != 1]
+    src_dims = [k for k, size in enumerate(src) if size != 1]
+    dst_dims = [k for k, size in enumerate(dst) if size != 1]
     i = j = 0
-    while i < len(si) and j < len(di):
-        gi, gj = [si[i]], [di[j]]
-        pi, pj = src[si[i]], dst[di[j]]
+    while i < len(src_dims) and j < len(dst_dims):
+        src_group, dst_group = [src_dims[i]], [dst_dims[j]]
+        src_size, dst_size = src[src_dims[i]], dst[dst_dims[j]]
         i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj and i < len(si):
-                gi.append(si[i])
-                pi *= src[si[i]]
+        while src_size != dst_size:
+            if src_size < dst_size and i < len(src_dims):
+                src_group.append(src_dims[i])
+                src_size *= src[src_dims[i]]
                 i += 1
-            elif pj < pi and j < len(di):
-                gj.append(di[j])
-                pj *= dst[di[j]]
+            elif dst_size < src_size and j < len(dst_dims):
+                dst_group.append(dst_dims[j])
+                dst_size *= dst[dst_dims[j]]
                 j += 1
             else:
                 return None
-        if d in gi:
-            return gi, gj
+        if dim in src_group:
+            return src_group, dst_group
     return None
 
 
-def reshape_dim(src: list[int], dst: list[int], d: int) -> int | None:
+def reshape_dim(src: list[int], dst: list[int], dim: int) -> int | None:
     """Where a tensor sharded along ``d`` is sharded after a reshape ``src -> dst``: the leading
     dim of its group in ``dst``. None if ``d`` does not lead its group (its shards would
     interleave with a dim before it)."""
-    g = reshape_groups(src, dst, d)
-    return g[1][0] if g is not None and g[0][0] == d else None
+    groups = reshape_groups(src, dst, dim)
+    return groups[1][0] if groups is not None and groups[0][0] == dim else None
 
 
 def reads_data(n: fx.Node, data: set) -> bool:
     """Does ``n`` read a tensor derived from a graph input (not just its sizes)?"""
-    return any(a in data and has_tensor(value_of(a)) for a in n.all_input_nodes)
+    return any(arg in data and has_tensor(value_of(arg)) for arg in n.all_input_nodes)
 
 
-def states_of(s) -> list:
-    return s if isinstance(s, list) else [s]
+def states_of(state) -> list:
+    return state if isinstance(state, list) else [state]
 
 
-def norm_dim(k, nd: int) -> int:
-    return int(k) % nd if nd else int(k)
+def norm_dim(k, ndim: int) -> int:
+    return int(k) % ndim if ndim else int(k)
 
 
-def dims_of(dims, nd: int) -> list[int] | None:
+def dims_of(dims, ndim: int) -> list[int] | None:
     if dims is None:
         return None
-    return [norm_dim(k, nd) for k in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    return [norm_dim(k, ndim) for k in (dims if isinstance(dims, (list, tuple)) else [dims])]
 
 
-def moved_dim(n: fx.Node, name: str, d: int) -> int | None:
+def moved_dim(n: fx.Node, name: str, dim: int) -> int | None:
     """Where dim ``d`` of a ``LAYOUT`` op's input is in its output; None for a squeeze that could
     drop it (a rank's shard may hold a single entry, which must not be squeezed away)."""
     x = n.args[0]
-    nd = len(shape_of(x))
+    ndim = len(shape_of(x))
     if name == "t":
-        return 1 - d if nd == 2 else d
+        return 1 - dim if ndim == 2 else dim
     if name == "numpy_T":
-        return nd - 1 - d
+        return ndim - 1 - dim
     if name == "transpose":
-        i, j = norm_dim(n.args[1], nd), norm_dim(n.args[2], nd)
-        return j if d == i else i if d == j else d
+        i, j = norm_dim(n.args[1], ndim), norm_dim(n.args[2], ndim)
+        return j if dim == i else i if dim == j else dim
     if name == "permute":
-        return [norm_dim(p, nd) for p in n.args[1]].index(d)
+        return [norm_dim(perm_dim, ndim) for perm_dim in cast(list, n.args[1])].index(dim)
     if name == "unsqueeze":
-        k = norm_dim(n.args[1], nd + 1)
-        return d + 1 if k <= d else d
-    dims = dims_of(node_arg(n, "dim"), nd)  # squeeze
-    if dims is None or d in dims:
+        k = norm_dim(n.args[1], ndim + 1)
+        return dim + 1 if k <= dim else dim
+    dims = dims_of(node_arg(n, "dim"), ndim)  # squeeze
+    if dims is None or dim in dims:
         return None
-    return reshape_groups(shape_of(x), shape_of(n), d)[1][0]
+    return reshape_groups(shape_of(x), shape_of(n), dim)[1][0]

@@ -41,7 +41,7 @@ import sympy
 import torch
 from torch import fx
 
-from passes.common import need, source_line
+from passes.common import arg_node, need, source_line
 from passes.tensor_parallel.tp_analysis import (
     Shard,
     TPConflict,
@@ -135,10 +135,10 @@ def vocab_loss_bytes(logits: Any, element_size: int) -> tuple[Any, Any]:
     return 8 * f32 + cast, 4 * f32 + cast
 
 
-def _rows(x: fx.Node, d: int) -> sympy.Expr:
+def _rows(x: fx.Node, row_dim: int) -> sympy.Expr:
     """Number of rows of ``x`` when dim ``d`` is the row length (product of the other dims)."""
     shape = need(x, "shape", _PASS, "annotate_shapes")
-    return sympy.expand(sympy.Mul(*[e for k, e in enumerate(shape) if k != d]))
+    return sympy.expand(sympy.Mul(*[e for k, e in enumerate(shape) if k != row_dim]))
 
 
 def _shard_dims(state) -> Any:
@@ -150,7 +150,7 @@ def _shard_dims(state) -> Any:
 
 def _loss_info(n: fx.Node) -> dict:
     """All-reduces and extra bytes of the vocab-parallel cross-entropy over 2-d logits."""
-    logits = n.args[0]
+    logits = arg_node(n, 0)
     words = 3  # max, sum-exp, target logit: one all-reduce each
     rows = _rows(logits, 1)
     size = logits.meta["val"].element_size()
@@ -186,10 +186,8 @@ def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
         role = "sharded" if dec.params[n] in dec.weights else "replicated"
     divides = role in ("col", "row", "sharded", "vocab_loss") and n not in dec.params
     if divides:
-        for key in ("fwd_gemms", "bwd_gemms"):
-            kw[key[:3] + "_gemm_dims"] = [
-                gemm_tp_dim(role, True, g.operands) for g in need(n, key, _PASS, "annotate_costs")
-            ]
+        for gemms_key, dims_key in (("fwd_gemms", "fwd_gemm_dims"), ("bwd_gemms", "bwd_gemm_dims")):
+            kw[dims_key] = [gemm_tp_dim(role, True, g.operands) for g in need(n, gemms_key, _PASS, "annotate_costs")]
     return TPInfo(role=role, shard_dim=_shard_dims(dec.state[n]), divides=divides, **kw)
 
 
@@ -297,21 +295,23 @@ def _sequence_parallel(gm: fx.GraphModule, dec: TPDecisions, info: dict[fx.Node,
 def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.GraphModule:
     """Write ``meta['tp']`` on every node (see module doc)."""
     try:
-        dec = analyze_tensor_parallel(gm, roles=roles)
-    except TPConflict as c:
+        decisions = analyze_tensor_parallel(gm, roles=roles)
+    except TPConflict as conflict:
         return _all_replicated(
-            gm, c.node, f"{c.why} at {_where(c.node)}, and keeping every matmul replicated does not avoid it"
+            gm,
+            conflict.node,
+            f"{conflict.why} at {_where(conflict.node)}, and keeping every matmul replicated does not avoid it",
         )
-    if not dec.weights and dec.replicated:  # every matmul had to stay replicated
-        c = next(iter(dec.replicated.values()))
-        return _all_replicated(gm, c.node, f"no matmul can be split: {c.why} at {_where(c.node)}")
+    if not decisions.weights and decisions.replicated:  # every matmul had to stay replicated
+        first = next(iter(decisions.replicated.values()))
+        return _all_replicated(gm, first.node, f"no matmul can be split: {first.why} at {_where(first.node)}")
     reduced: set[fx.Node] = set()
-    info = {n: _node_info(n, dec, reduced) for n in gm.graph.nodes}
+    info = {n: _node_info(n, decisions, reduced) for n in gm.graph.nodes}
     by_name = {n.name: n for n in gm.graph.nodes}
     for n in gm.graph.nodes:
         if n.op != "placeholder" and n.op != "output":
             info[n].saved_bytes_tp = _saved_tp(n, info, by_name)
-    _sequence_parallel(gm, dec, info)
+    _sequence_parallel(gm, decisions, info)
     for n in gm.graph.nodes:
         n.meta["tp"] = info[n]
     return gm

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-import passes
 from passes.analyze import analyze
+from passes.autograd_costs import annotate_costs, total_saved_bytes
 from passes.common import B, PassError, S, source_line
 from passes.layer_table import LayerTable
 from passes.tabulate import table_from_traced
 from passes.tensor_parallel.tp_analysis import reshape_dim
+from passes.tensor_parallel.tp_costs import propagate_tensor_parallel
 from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.trace import trace_model
 from planner.frontend.zoo import ModelSizes, build_model
@@ -144,7 +145,7 @@ def real_saved_bytes(module, inputs):
 @pytest.mark.parametrize("spec", ["gpt", "hf:gpt2", "hf:llama"])
 def test_saved_bytes_match_saved_tensors_hooks(spec):
     tr, table = analyzed(spec)
-    ours = int(passes.total_saved_bytes(tr.gm).subs(BS))
+    ours = int(total_saved_bytes(tr.gm).subs(BS))
     torch.manual_seed(0)
     m = build_model(spec, ModelSizes(seq_len=32, **ARCHS[spec]), batch=2, device="cpu")
     if spec == "gpt":
@@ -309,15 +310,15 @@ def _cost_meta(gm):
         for n in gm.graph.nodes
         if n.op != "placeholder"
     }
-    out["total"] = passes.total_saved_bytes(gm)
+    out["total"] = total_saved_bytes(gm)
     return out
 
 
 def test_reusing_identical_blocks_matches_a_full_replay():
     tr, _table = analyzed("hf:llama")  # analyze() replayed block 1 only and copied it to 2
     reused = _cost_meta(tr.gm)
-    passes.annotate_costs(tr.gm, tr.roles, tr.symbols)  # now replay both blocks
-    passes.propagate_tensor_parallel(tr.gm, tr.roles)
+    annotate_costs(tr.gm, tr.roles, tr.symbols)  # now replay both blocks
+    propagate_tensor_parallel(tr.gm, tr.roles)
     assert _cost_meta(tr.gm) == reused
 
 
@@ -328,7 +329,7 @@ def test_pass_errors_name_the_node_and_source_line():
     layer = lin.meta.pop("layer")
     try:
         with pytest.raises(PassError) as err:
-            passes.annotate_costs(tr.gm, tr.roles, tr.symbols)
+            annotate_costs(tr.gm, tr.roles, tr.symbols)
     finally:
         lin.meta["layer"] = layer
     msg = str(err.value)
@@ -337,7 +338,7 @@ def test_pass_errors_name_the_node_and_source_line():
     out_bytes = ln.meta.pop("out_bytes")
     try:  # the q/k/v column-parallel matmuls all-reduce the norm's output gradient
         with pytest.raises(PassError, match=r"'layer_norm'.*out_bytes.*annotate_shapes"):
-            passes.propagate_tensor_parallel(tr.gm, tr.roles)
+            propagate_tensor_parallel(tr.gm, tr.roles)
     finally:
         ln.meta["out_bytes"] = out_bytes
 
