@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import bytes_per_param
+from runtime.contract.choices import OffloadTier
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "offload_missing",
     "ranks_per_node",
     "adam_rate_per_rank",
+    "OffloadedLayer",
     "layer_offload",
     "offload_breakdown",
     "host_state_bytes",
@@ -225,24 +227,37 @@ def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params:
     return int(out)
 
 
-def layer_offload(
-    num_params: int,
-    dtype: str,
-    zero_stage: int,
-    dp: int,
-    optimizer: str,
-    params: str,
-    hw: HardwareProfile,
-    ranks: int,
-    fwd_s: float,
-    bwd_s: float,
-) -> LayerOffload:
-    """Offload costs of one layer of ``num_params`` parameters per device (module docstring, "Time").
+@dataclass(frozen=True)
+class OffloadedLayer:
+    """One layer's parameters on one device and where its state lives: what :func:`layer_offload` prices."""
+
+    num_params: int
+    """Parameters of the layer on one device (after the tensor-parallel split)."""
+    dtype: str
+    """Training dtype."""
+    zero_stage: int
+    dp: int
+    optimizer: str
+    """Where the optimizer state lives (``OffloadTier``)."""
+    params: str
+    """Where the parameter shard lives (``OffloadTier``)."""
+
+    @property
+    def shard(self) -> int:
+        """The rank's shard of the layer's parameters (all of them at ZeRO 0)."""
+        return (
+            math.ceil(self.num_params / self.dp) if self.zero_stage >= 1 and self.num_params else int(self.num_params)
+        )
+
+
+def layer_offload(layer: OffloadedLayer, hw: HardwareProfile, ranks: int, fwd_s: float, bwd_s: float) -> LayerOffload:
+    """Offload costs of one layer per device (module docstring, "Time").
 
     ``ranks``: the node's ranks sharing its host (:func:`ranks_per_node`); ``fwd_s``, ``bwd_s``:
     the layer's forward and backward compute of one micro-batch, which the transfers overlap.
     """
-    if optimizer == "none" and params == "none":
+    optimizer, params = layer.optimizer, layer.params
+    if optimizer == OffloadTier.NONE and params == OffloadTier.NONE:
         return LayerOffload()
     missing = offload_missing(hw, optimizer, params)
     if missing:
@@ -250,33 +265,35 @@ def layer_offload(
             f"hardware {hw.name!r} lacks {', '.join(missing)}: cannot price offload "
             f"(optimizer {optimizer}, params {params})"
         )
-    shard = math.ceil(num_params / dp) if zero_stage >= 1 and num_params else int(num_params)
-    t = bytes_per_param(dtype)
-    link = float(hw.host_device_bandwidth)
+    shard = layer.shard
+    sizes = bytes_per_param(layer.dtype)
+    link = float(hw.host_device_bandwidth or 0.0)
     read = (hw.nvme_read_bandwidth or math.inf) / ranks
     write = (hw.nvme_write_bandwidth or math.inf) / ranks
-    mb = step = 0.0
-    opt_s = None
-    if params != "none":
-        fetch = shard * t["weights"] / link
-        if params == "nvme":
-            fetch = max(fetch, shard * t["weights"] / read)
-        mb += max(0.0, fetch - fwd_s) + max(0.0, fetch - bwd_s)
-    if optimizer != "none":
-        grads_out = shard * t["grads"] / link
-        if zero_stage >= 2:
-            mb += max(0.0, grads_out - bwd_s)
+    per_microbatch = per_step = 0.0
+    optimizer_s = None
+    if params != OffloadTier.NONE:
+        fetch = shard * sizes["weights"] / link
+        if params == OffloadTier.NVME:
+            fetch = max(fetch, shard * sizes["weights"] / read)
+        per_microbatch += max(0.0, fetch - fwd_s) + max(0.0, fetch - bwd_s)
+    if optimizer != OffloadTier.NONE:
+        grads_out = shard * sizes["grads"] / link
+        if layer.zero_stage >= 2:
+            per_microbatch += max(0.0, grads_out - bwd_s)
         else:
-            step += grads_out
-        opt_s = shard / adam_rate_per_rank(hw, ranks, dtype)
-        back = 0.0 if params != "none" else shard * t["weights"] / link
-        io = 0.0
-        if optimizer == "nvme":
-            io += shard * STATE_BYTES / read + shard * STATE_BYTES / write
-        if params == "nvme":
-            io += shard * t["weights"] / write
-        step += max(opt_s, back, io) - opt_s
+            per_step += grads_out
+        optimizer_s = shard / adam_rate_per_rank(hw, ranks, layer.dtype)
+        params_back = 0.0 if params != OffloadTier.NONE else shard * sizes["weights"] / link
+        nvme_io = 0.0
+        if optimizer == OffloadTier.NVME:
+            nvme_io += shard * STATE_BYTES / read + shard * STATE_BYTES / write
+        if params == OffloadTier.NVME:
+            nvme_io += shard * sizes["weights"] / write
+        per_step += max(optimizer_s, params_back, nvme_io) - optimizer_s
     else:  # the device's step wrote the shard: back to the host (and its file)
-        step += shard * t["weights"] / link + (shard * t["weights"] / write if params == "nvme" else 0.0)
-    host, nvme = host_state_bytes(shard, dtype, optimizer, params)
-    return LayerOffload(mb_s=mb, step_s=step, optimizer_s=opt_s, host_b=host, nvme_b=nvme)
+        per_step += shard * sizes["weights"] / link + (
+            shard * sizes["weights"] / write if params == OffloadTier.NVME else 0.0
+        )
+    host, nvme = host_state_bytes(shard, layer.dtype, optimizer, params)
+    return LayerOffload(mb_s=per_microbatch, step_s=per_step, optimizer_s=optimizer_s, host_b=host, nvme_b=nvme)

@@ -163,7 +163,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from cost_models.comm_cost import (
     GroupPlacement,
@@ -175,6 +175,7 @@ from cost_models.comm_cost import (
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.gemm_cost import layer_matmul_time
 from cost_models.hardware import HardwareProfile
+from cost_models.layer_row import LayerRow, Sharded
 from cost_models.memory import (
     backward_transient_bytes,
     buckets_leave,
@@ -187,10 +188,17 @@ from cost_models.memory import (
     stage_activation_bytes,
     zero_transient_bytes,
 )
-from cost_models.offload_cost import layer_offload, offload_breakdown, offload_buffer_bytes, ranks_per_node
-from cost_models.tied_cost import tied_weight_costs
+from cost_models.offload_cost import (
+    OffloadedLayer,
+    layer_offload,
+    offload_breakdown,
+    offload_buffer_bytes,
+    ranks_per_node,
+)
+from cost_models.tied_cost import TiedCost, tied_weight_costs
 from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
-from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
+from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerTable
+from runtime.contract.choices import OffloadTier
 from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
@@ -234,10 +242,11 @@ def compile_seconds(hw: HardwareProfile, classes: int) -> float:
     return COMPILE_S_PER_CLASS["gpu" if hw.ops_async else "cpu"] * classes
 
 
-def compiled_regions(row: dict, tp: int) -> int:
+def compiled_regions(row: LayerRow, tp: int) -> int:
     """Compiled regions of one layer: one, plus a graph break at each tensor-parallel collective
     the runtime issues eagerly (``runtime.tensor_parallel.EAGER_ONLY``)."""
-    return 1 + (int(row["tp_allreduce_calls"]) + int(row["tp_allreduce_bwd_calls"]) if tp > 1 else 0)
+    traffic = row.tp_traffic
+    return 1 + (int(traffic.allreduce_fwd_calls) + int(traffic.allreduce_bwd_calls) if tp > 1 else 0)
 
 
 class NumericTable:
@@ -271,14 +280,23 @@ class NumericTable:
         key = ("groups", b, s)
         if key not in self._rows:
             distinct: dict[tuple, int] = {}
-            reps, index = [], []
+            representatives, row_of_layer = [], []
             for row in self.rows(b, s):
-                k = tuple(row[f] for f in EXPR_FIELDS + INT_FIELDS) + tuple(row.get(f, ()) for f in GEMM_FIELDS)
-                if k not in distinct:
-                    distinct[k] = len(reps)
-                    reps.append(row)
-                index.append(distinct[k])
-            self._rows[key] = (reps, index)
+                values = tuple(row[name] for name in EXPR_FIELDS + INT_FIELDS)
+                values += tuple(row.get(name, ()) for name in GEMM_FIELDS)
+                if values not in distinct:
+                    distinct[values] = len(representatives)
+                    representatives.append(row)
+                row_of_layer.append(distinct[values])
+            self._rows[key] = (representatives, row_of_layer)
+        return self._rows[key]
+
+    def layer_rows(self, b: int, s: int) -> tuple[list[LayerRow], list[int]]:
+        """:meth:`groups` as typed rows (cached: a row's identity keys ``work_memo``)."""
+        key = ("layer_rows", b, s)
+        if key not in self._rows:
+            representatives, row_of_layer = self.groups(b, s)
+            self._rows[key] = ([LayerRow.from_numbers(row) for row in representatives], row_of_layer)
         return self._rows[key]
 
     def rows(self, b: int, s: int) -> list[dict[str, float]]:
@@ -286,11 +304,11 @@ class NumericTable:
         ``EXPR_FIELDS`` entry as a float, every ``INT_FIELDS`` entry as an int."""
         key = (b, s)
         if key not in self._rows:
-            out = []
+            numbers = []
             for row in self.table.numeric(b, s):
-                row.update({f: int(row[f]) for f in INT_FIELDS})
-                out.append(row)
-            self._rows[key] = out
+                row.update({name: int(row[name]) for name in INT_FIELDS})
+                numbers.append(row)
+            self._rows[key] = numbers
         return self._rows[key]
 
     def flops_per_sequence(self, s: int) -> float:
@@ -521,8 +539,38 @@ class CandidateCosts:
         return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-2])
 
 
+@dataclass(frozen=True)
+class WorkSetting:
+    """What a row's work depends on beside the row, the profile and the dtype: candidates that
+    agree on it share the row's work (``NumericTable.work_memo``)."""
+
+    tp: int
+    sequence_parallel: bool
+    """Sequence parallelism in the tensor-parallel regions (only at tp > 1)."""
+    compiled: bool
+    """The layer runs under ``torch.compile`` ("Compiled stages" above)."""
+    tp_placement: GroupPlacement
+    """Where the tensor-parallel group's ranks live (prices its collectives)."""
+    tokens: float
+    """Tokens of one micro-batch (``b s``): tells the weight-gradient products apart."""
+
+
+@dataclass(frozen=True)
+class _CandidatePricing:
+    """What every row of one candidate is priced with (``candidate_costs``)."""
+
+    hw: HardwareProfile
+    dtype: str
+    candidate: Candidate
+    setting: WorkSetting
+    dp_placement: GroupPlacement
+    """Where the data-parallel group's ranks live (prices the ZeRO collectives)."""
+    ranks_per_node: int
+    """Ranks sharing a node's host memory and drives (offload)."""
+
+
 def candidate_costs(
-    nt: NumericTable,
+    table: NumericTable,
     hw: HardwareProfile,
     dtype: str,
     seq_len: int,
@@ -531,266 +579,331 @@ def candidate_costs(
     capacity: float,
 ) -> CandidateCosts:
     """Per-layer costs of ``cand`` (identical rows are priced once)."""
-    reps, index = nt.groups(cand.micro_batch_size, seq_len)
-    tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    ranks = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
-    costs = [
-        _layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len, nt.work_memo)
-        for row in reps
-    ]
-    layers = [costs[i] for i in index]
-    extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
-    for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
-        layers[t.first] = dataclasses.replace(
-            layers[t.first],
-            dp_step_s=layers[t.first].dp_step_s + t.time_s,
-            dp_step_sent_b=layers[t.first].dp_step_sent_b + t.sent_b,
-        )
-        lc = layers[t.last]
-        off = cand.offload_optimizer != "none"  # the copy's optimizer state lives with the others
-        layers[t.last] = dataclasses.replace(
-            lc,
-            dp_step_s=lc.dp_step_s + t.time_s,
-            dp_step_sent_b=lc.dp_step_sent_b + t.sent_b,
-            params_b=lc.params_b + t.params_b,
-            grads_b=lc.grads_b + t.grads_b,
-            optimizer_b=lc.optimizer_b + (0 if off else t.optimizer_b),
-            host_b=lc.host_b + (t.optimizer_b if cand.offload_optimizer == "cpu" else 0),
-            nvme_b=lc.nvme_b + (t.optimizer_b if cand.offload_optimizer == "nvme" else 0),
-        )
-    cc = CandidateCosts(
+    distinct_rows, row_of_layer = table.layer_rows(cand.micro_batch_size, seq_len)
+    tokens = cand.micro_batch_size * seq_len
+    pricing = _CandidatePricing(
+        hw=hw,
+        dtype=dtype,
+        candidate=cand,
+        setting=WorkSetting(
+            tp=cand.tp,
+            sequence_parallel=cand.sequence_parallel and cand.tp > 1,
+            compiled=cand.compile,
+            tp_placement=axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node),
+            tokens=tokens,
+        ),
+        dp_placement=axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node),
+        ranks_per_node=ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node),
+    )
+    row_costs = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
+    layers = [row_costs[i] for i in row_of_layer]
+    tied = tied_weight_costs(table.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
+    for weight in tied:
+        _add_tied_weight(layers, weight, cand.offload_optimizer)
+    costs = CandidateCosts(
         cand,
         layers,
         hw,
         gpus_per_node,
         capacity,
-        distinct=None if extra else [(c, index.count(i)) for i, c in enumerate(costs)],
+        distinct=None if tied else [(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
     )
-    cc.dtype = dtype
-    if cand.offloads:  # host and NVMe capacity per rank, at the request's headroom
-        headroom = capacity / hw.memory_bytes
-        largest = max(shard_elements(c.num_params, cand.dp) for c in costs)
-        cc.host_buffers_b = offload_buffer_bytes(
-            largest, dtype, cand.offload_optimizer, cand.offload_params, staged=hw.ops_async
-        )
-        cc.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - cc.host_buffers_b
-        if "nvme" in (cand.offload_optimizer, cand.offload_params):
-            cc.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
+    costs.dtype = dtype
+    if cand.offloads:
+        _set_offload_room(costs, row_costs, pricing.ranks_per_node)
     # The last row's transient: for a language model the loss backward's 2 x logits.
-    cc.loss_transient_b = cc.layers[-1].bt_b
-    return cc
+    costs.loss_transient_b = costs.layers[-1].bt_b
+    return costs
 
 
-def _layer_cost(
-    row: dict,
-    hw: HardwareProfile,
-    dtype: str,
-    cand: Candidate,
-    tp_pl: GroupPlacement,
-    dp_pl: GroupPlacement,
-    ranks: int = 1,
-    tokens: float = 0.0,
-    memo: dict | None = None,
-) -> LayerCost:
-    """One row's costs under ``cand``: its work (compute, tp collectives, activations; a function
-    of the row, tp, SP, compiling and the micro-batch only, so shared through ``memo`` by every
-    candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
-    tp, dp, z = cand.tp, cand.dp, cand.zero_stage
-    sp = cand.sequence_parallel and tp > 1
-    key = (id(row), id(hw), dtype, tp, sp, cand.compile, tp_pl, tokens)
-    got = memo.get(key) if memo is not None else None
-    if got is None:
-        got = _row_work(row, hw, dtype, tp, sp, cand.compile, tp_pl, tokens), row, hw
-        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
-            memo[key] = got
-    (work, t_b), P = got[0], got[0][0].num_params
-    oo, op = cand.offload_optimizer, cand.offload_params
-    base = model_state_bytes(P, dtype, z, dp, offload_optimizer=oo, offload_params=op)
-    peak = model_state_bytes(
-        P, dtype, z, dp, largest_layer_params=P, prefetch=True, offload_optimizer=oo, offload_params=op
+def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimizer: str) -> None:
+    """A tied weight's copy on its last reader's stage, and its gradient all-reduce on both readers."""
+    first = layers[weight.first]
+    layers[weight.first] = dataclasses.replace(
+        first,
+        dp_step_s=first.dp_step_s + weight.time_s,
+        dp_step_sent_b=first.dp_step_sent_b + weight.sent_b,
     )
-    off = layer_offload(P, dtype, z, dp, oo, op, hw, ranks, work.fwd_s, t_b)
-    colls = zero_dp_collectives(P, dtype, z, dp)
-    if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
-        per_mb, per_step = list(colls), []
-    elif z == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
-        per_mb = [c for c in colls if c[0] == "reduce_scatter"]
-        per_step = [c for c in colls if c[0] != "reduce_scatter"]
-    else:
-        per_mb, per_step = [], list(colls)
-    zmb_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_mb)
-    step_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_step)
-    zmb_b = sum(float(ring_bytes(k, sz, dp)) for k, sz in per_mb)
-    step_b = sum(float(ring_bytes(k, sz, dp)) for k, sz in per_step)
-    opt_params = shard_elements(P, dp) if z >= 1 else P
+    last = layers[weight.last]
+    offloaded = offload_optimizer != OffloadTier.NONE  # the copy's optimizer state lives with the others
+    layers[weight.last] = dataclasses.replace(
+        last,
+        dp_step_s=last.dp_step_s + weight.time_s,
+        dp_step_sent_b=last.dp_step_sent_b + weight.sent_b,
+        params_b=last.params_b + weight.params_b,
+        grads_b=last.grads_b + weight.grads_b,
+        optimizer_b=last.optimizer_b + (0 if offloaded else weight.optimizer_b),
+        host_b=last.host_b + (weight.optimizer_b if offload_optimizer == OffloadTier.CPU else 0),
+        nvme_b=last.nvme_b + (weight.optimizer_b if offload_optimizer == OffloadTier.NVME else 0),
+    )
+
+
+def _set_offload_room(costs: CandidateCosts, row_costs: Sequence[LayerCost], ranks: int) -> None:
+    """Host and NVMe capacity per rank for offloaded state, at the request's headroom."""
+    cand, hw = costs.cand, costs.hw
+    headroom = costs.capacity / hw.memory_bytes
+    largest = max(shard_elements(cost.num_params, cand.dp) for cost in row_costs)
+    costs.host_buffers_b = offload_buffer_bytes(
+        largest, costs.dtype, cand.offload_optimizer, cand.offload_params, staged=hw.ops_async
+    )
+    costs.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - costs.host_buffers_b
+    if OffloadTier.NVME in (cand.offload_optimizer, cand.offload_params):
+        costs.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
+
+
+def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = None) -> LayerCost:
+    """One row's costs under a candidate: its work (compute, tp collectives, activations; a
+    function of the row and ``pricing.setting`` only, so shared through ``memo`` by every
+    candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
+    hw, dtype, cand = pricing.hw, pricing.dtype, pricing.candidate
+    key = (id(row), id(hw), dtype, pricing.setting)
+    cached = memo.get(key) if memo is not None else None
+    if cached is None:
+        cached = _row_work(row, hw, dtype, pricing.setting), row, hw
+        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
+            memo[key] = cached
+    work, backward_s = cached[0]
+    params = work.num_params
+    zero, dp = cand.zero_stage, cand.dp
+    offload_optimizer, offload_params = cand.offload_optimizer, cand.offload_params
+    base = model_state_bytes(
+        params, dtype, zero, dp, offload_optimizer=offload_optimizer, offload_params=offload_params
+    )
+    peak = model_state_bytes(
+        params,
+        dtype,
+        zero,
+        dp,
+        largest_layer_params=params,
+        prefetch=True,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )
+    offload = layer_offload(
+        OffloadedLayer(params, dtype, zero, dp, offload_optimizer, offload_params),
+        hw,
+        pricing.ranks_per_node,
+        work.fwd_s,
+        backward_s,
+    )
+    per_microbatch, per_step = _zero_collectives(params, dtype, zero, dp)
+    zero_mb_s = _collectives_time(per_microbatch, pricing.dp_placement, hw)
+    step_s = _collectives_time(per_step, pricing.dp_placement, hw)
+    optimizer_params = shard_elements(params, dp) if zero >= 1 else params
     opt_s = (
-        off.optimizer_s
-        if off.optimizer_s is not None
-        else (float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
+        offload.optimizer_s
+        if offload.optimizer_s is not None
+        else (float(optimizer_step_time(optimizer_params, hw, dtype)) if params else 0.0)
     )
     return dataclasses.replace(
         work,
-        zero_mb_s=zmb_t + off.mb_s,
-        dp_step_s=step_t + off.step_s,
+        zero_mb_s=zero_mb_s + offload.mb_s,
+        dp_step_s=step_s + offload.step_s,
         opt_s=opt_s,
-        offload_mb_s=off.mb_s,
-        offload_step_s=off.step_s,
-        host_b=off.host_b,
-        nvme_b=off.nvme_b,
+        offload_mb_s=offload.mb_s,
+        offload_step_s=offload.step_s,
+        host_b=offload.host_b,
+        nvme_b=offload.nvme_b,
         params_b=base["params"] + work.params_b,
         grads_b=base["grads"],
         optimizer_b=base["optimizer"],
         trans_params_b=peak["params"] - base["params"],
         trans_grads_b=peak["grads"] - base["grads"],
-        zero_mb_sent_b=zmb_b,
-        dp_step_sent_b=step_b,
+        zero_mb_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_microbatch),
+        dp_step_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_step),
     )
 
 
-def _row_work(
-    row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, compiled: bool, tp_pl: GroupPlacement, tokens: float
-) -> tuple[LayerCost, float]:
-    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
+def _zero_collectives(
+    params: int, dtype: str, zero_stage: int, dp: int
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """A layer's DP/ZeRO collectives, split into those of every micro-batch and those of the step."""
+    collectives = zero_dp_collectives(params, dtype, zero_stage, dp)
+    if zero_stage == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
+        return list(collectives), []
+    if zero_stage == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
+        return (
+            [c for c in collectives if c[0] == "reduce_scatter"],
+            [c for c in collectives if c[0] != "reduce_scatter"],
+        )
+    return [], list(collectives)
 
-    def seq(name: str) -> float:  # what sequence parallelism removes from a per-device amount
-        return row.get(name + "_sp", 0.0) * (1 - 1 / tp) if sp else 0.0
 
-    def split(name: str) -> float:  # the part tp divides, divided; the rest whole
-        v = row[name] - row[name + "_tp"] + row[name + "_tp"] / tp - seq(name)
-        if tp > 1 and name in ("fwd_bytes", "bwd_bytes"):  # the runtime's vocab-parallel loss
-            v = max(v + row["tp_loss_" + name] / tp, 0.0)
-        return v
+def _collectives_time(collectives: Sequence[tuple[str, int]], placement: GroupPlacement, hw: HardwareProfile) -> float:
+    return sum(float(collective_time(kind, size, placement, hw)) for kind, size in collectives)
 
-    n_tp = row["param_count_tp"]
-    P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
-    # Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
-    # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
-    # forward op). Backward also accumulates each micro-batch's weight gradients into the
-    # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
-    # Compiled (Candidate.compile): a few region calls instead of every operator's, and fused
-    # memory-bound chains (module docstring, "Compiled stages").
-    if compiled:
-        ops = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
+
+class _PassTimes(NamedTuple):
+    """Seconds of a row's passes of one micro-batch (host overhead included)."""
+
+    forward_s: float
+    backward_s: float
+    wgrad_s: float
+    """The weight-gradient part of ``backward_s``."""
+    selective_s: float
+    """The attention cores' forward run again (0 without cores)."""
+
+
+class _TpTimes(NamedTuple):
+    """Seconds and bytes sent of a row's tensor-parallel collectives in one micro-batch."""
+
+    fwd_s: float
+    fwd_sent_b: float
+    bwd_s: float
+    bwd_sent_b: float
+    rec_s: float
+    """What a recompute repeats (all but the final, boundary-sized all-reduce)."""
+    rec_sent_b: float
+
+
+def _memory_bound_bytes(amount: Sharded, tp_loss_bytes: float, tp: int, sp: bool) -> float:
+    """Memory-bound bytes per device, with the runtime's vocab-parallel loss at tp > 1."""
+    per_device = amount.per_device(tp, sp)
+    if tp > 1:
+        per_device = max(per_device + tp_loss_bytes / tp, 0.0)
+    return per_device
+
+
+def _device_seconds(
+    flops: float, gemms: Sequence[Gemm], bytes_moved: float, hw: HardwareProfile, dtype: str, tp: int
+) -> float:
+    """Device time of a pass: its products priced by shape (small ones reach less of the peak on
+    a GPU, ``cost_models.gemm_cost``; the flat rate on a CPU), its memory-bound bytes at the
+    memory bandwidth."""
+    return float(layer_matmul_time(flops, gemms, hw, dtype, tp) + compute_time(0.0, bytes_moved, hw, dtype))
+
+
+def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, params: int) -> _PassTimes:
+    """Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
+    at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
+    forward op). Backward also accumulates each micro-batch's weight gradients into the gradient
+    buffers: read both, write one, 3 x the layer's gradient bytes. Compiled: a few region calls
+    instead of every operator's, and fused memory-bound chains (module docstring)."""
+    tp, sp = setting.tp, setting.sequence_parallel
+    if setting.compiled:
+        ops_s = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
         fused = COMPILED_BYTES_FRACTION
     else:
-        ops, fused = row["num_ops"] * hw.op_overhead_s, 1.0
-    accumulate = 3 * P * bytes_per_param(dtype)["grads"]
-    # Matrix products are priced by their shapes on a GPU (small ones reach less of the peak,
-    # cost_models.gemm_cost); on a CPU profile this is the flat rate, as before.
-    dev_f = float(
-        layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
-        + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype)
-    )
-    dev_b = float(
-        layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
-        + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype)
-    )
+        ops_s, fused = row.num_ops * hw.op_overhead_s, 1.0
+    accumulate = 3 * params * bytes_per_param(dtype)["grads"]
+    fwd_flops, bwd_flops = row.fwd_flops.per_device(tp, sp), row.bwd_flops.per_device(tp, sp)
+    fwd_bytes = _memory_bound_bytes(row.fwd_bytes, row.tp_loss_fwd_bytes, tp, sp)
+    bwd_bytes = _memory_bound_bytes(row.bwd_bytes, row.tp_loss_bwd_bytes, tp, sp)
+    device_fwd = _device_seconds(fwd_flops, row.fwd_gemms, fused * fwd_bytes, hw, dtype, tp)
+    device_bwd = _device_seconds(bwd_flops, row.bwd_gemms, fused * bwd_bytes + accumulate, hw, dtype, tp)
     # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
     # the layer. A CPU rank issues and runs them on the same core: they add up.
-    combine = max if hw.ops_async else (lambda dev, host: dev + host)
-    t_f, t_b = combine(dev_f, ops), combine(dev_b, 2 * ops)
-    dev_w = wgrad_device_time(row, split("bwd_flops"), hw, dtype, tp, tokens) + float(
+    combine = max if hw.ops_async else (lambda device, host: device + host)
+    forward_s, backward_s = combine(device_fwd, ops_s), combine(device_bwd, 2 * ops_s)
+    device_wgrad = wgrad_device_time(row, bwd_flops, hw, dtype, tp, setting.tokens) + float(
         compute_time(0.0, accumulate, hw, dtype)
     )
-    t_w = t_b * min(dev_w / dev_b, 1.0) if dev_b > 0 else 0.0
+    wgrad_s = backward_s * min(device_wgrad / device_bwd, 1.0) if device_bwd > 0 else 0.0
+    # selective recompute: the attention cores' forward, priced like a forward of its own
+    core = row.core
+    core_ops_s = (min(core.num_ops, COMPILED_REGION_OPS) if setting.compiled else core.num_ops) * hw.op_overhead_s
+    device_core = _device_seconds(
+        core.fwd_flops.per_device(tp, sp), core.gemms, fused * core.fwd_bytes.per_device(tp, sp), hw, dtype, tp
+    )
+    selective_s = (
+        hw.recompute_ratio * combine(device_core, core_ops_s) if core.saved_bytes.per_device(tp, sp) > 0 else 0.0
+    )
+    return _PassTimes(forward_s, backward_s, wgrad_s, selective_s)
 
-    def tp_cost(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:
+
+def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTimes:
+    """The row's tensor-parallel collectives (module docstring, "TP communication", "recompute",
+    "sequence parallelism"), each blocking call with its ``sync_overhead_s`` wait."""
+    tp, traffic = setting.tp, row.tp_traffic
+
+    def collective(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:
         if tp == 1 or nbytes <= 0:
             return 0.0, 0.0
         # The runtime all-reduces a contiguous copy of the activation (autograd may share the
         # original): a read and a write of the bytes on top of the collective.
         return (
-            float(collective_time(kind, nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
+            float(collective_time(kind, nbytes, setting.tp_placement, hw)) + 2 * nbytes / hw.memory_bandwidth,
             float(ring_bytes(kind, nbytes, tp)),
         )
 
-    def add(*parts: tuple[float, float]) -> tuple[float, float]:
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    def together(*parts: tuple[float, float]) -> tuple[float, float]:
+        return sum(part[0] for part in parts), sum(part[1] for part in parts)
 
-    if sp:  # the all-reduces at the regions' ends become reduce-scatters + all-gathers (same bytes)
-        rs, ag = row["sp_reduce_scatter_bytes"], row["sp_all_gather_bytes"]
-        t_tp, tp_sent = add(
-            tp_cost(max(row["tp_allreduce_bytes"] - rs, 0.0)), tp_cost(rs, "reduce_scatter"), tp_cost(ag, "all_gather")
+    if setting.sequence_parallel:  # the regions' end all-reduces become reduce-scatters + all-gathers
+        scattered, gathered = traffic.sp_reduce_scatter_bytes, traffic.sp_all_gather_bytes
+        fwd_s, fwd_sent = together(
+            collective(max(traffic.allreduce_fwd_bytes - scattered, 0.0)),
+            collective(scattered, "reduce_scatter"),
+            collective(gathered, "all_gather"),
         )
-        t_tp_bwd, tp_sent_bwd = add(
-            tp_cost(max(row["tp_allreduce_bwd_bytes"] - ag, 0.0) + row["sp_grad_all_reduce_bytes"]),
-            tp_cost(rs + row["sp_split_bytes"], "all_gather"),
-            tp_cost(ag, "reduce_scatter"),
+        bwd_s, bwd_sent = together(
+            collective(max(traffic.allreduce_bwd_bytes - gathered, 0.0) + traffic.sp_grad_all_reduce_bytes),
+            collective(scattered + traffic.sp_split_bytes, "all_gather"),
+            collective(gathered, "reduce_scatter"),
         )
-        t_tp += (row["tp_allreduce_calls"] + row["sp_all_gather_calls"]) * hw.sync_overhead_s
-        t_tp_bwd += (
-            row["tp_allreduce_bwd_calls"]
-            + row["sp_reduce_scatter_calls"]
-            + (row["sp_grad_all_reduce_bytes"] > 0)
-            + (row["sp_split_bytes"] > 0)
+        fwd_s += (traffic.allreduce_fwd_calls + traffic.sp_all_gather_calls) * hw.sync_overhead_s
+        bwd_s += (
+            traffic.allreduce_bwd_calls
+            + traffic.sp_reduce_scatter_calls
+            + (traffic.sp_grad_all_reduce_bytes > 0)
+            + (traffic.sp_split_bytes > 0)
         ) * hw.sync_overhead_s
     else:
-        t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
-        t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
+        fwd_s, fwd_sent = collective(traffic.allreduce_fwd_bytes)
+        bwd_s, bwd_sent = collective(traffic.allreduce_bwd_bytes)
         if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
-            t_tp += row["tp_allreduce_calls"] * hw.sync_overhead_s
-            t_tp_bwd += row["tp_allreduce_bwd_calls"] * hw.sync_overhead_s
+            fwd_s += traffic.allreduce_fwd_calls * hw.sync_overhead_s
+            bwd_s += traffic.allreduce_bwd_calls * hw.sync_overhead_s
     # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
     # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
     # residual stream, is not run again.
-    t_tp_rec, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
+    boundary = row.boundary_bytes.whole
+    rec_s, rec_sent = collective(max(traffic.allreduce_fwd_bytes - boundary, 0.0))
     if tp > 1:
-        skipped = int(row["boundary_bytes"] > 0 and row["tp_allreduce_bytes"] >= row["boundary_bytes"])
-        t_tp_rec += max(row["tp_allreduce_calls"] - skipped, 0) * hw.sync_overhead_s
-    saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp - seq("saved_bytes")
-    largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
-    # selective recompute: the attention cores' forward, priced like a forward of its own
-    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if compiled else row["core_num_ops"]) * hw.op_overhead_s
-    dev_core = float(
-        layer_matmul_time(split("core_fwd_flops"), row.get("core_gemms", ()), hw, dtype, tp)
-        + compute_time(0.0, fused * split("core_fwd_bytes"), hw, dtype)
-    )
-    sel_saved = split("core_saved_bytes")
-    return LayerCost(
-        compute_s=t_f + t_b,
-        fwd_s=t_f,
-        tp_s=t_tp + t_tp_bwd,
-        tp_fwd_s=t_tp,
-        rec_s=hw.recompute_ratio * t_f + t_tp_rec,
+        skipped = int(boundary > 0 and traffic.allreduce_fwd_bytes >= boundary)
+        rec_s += max(traffic.allreduce_fwd_calls - skipped, 0) * hw.sync_overhead_s
+    return _TpTimes(fwd_s, fwd_sent, bwd_s, bwd_sent, rec_s, rec_sent)
+
+
+def _row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting) -> tuple[LayerCost, float]:
+    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
+    tp, sp = setting.tp, setting.sequence_parallel
+    params = int(split_by_tp(row.param_count.tp_part, row.param_count.whole - row.param_count.tp_part, tp))
+    passes = _pass_times(row, hw, dtype, setting, params)
+    tp_comm = _tp_times(row, hw, setting)
+    saved = row.saved_bytes.per_device(tp, sp)
+    gradient_bytes = bytes_per_param(dtype)["grads"] * row.largest_param.per_device_elements(tp)
+    work = LayerCost(
+        compute_s=passes.forward_s + passes.backward_s,
+        fwd_s=passes.forward_s,
+        tp_s=tp_comm.fwd_s + tp_comm.bwd_s,
+        tp_fwd_s=tp_comm.fwd_s,
+        rec_s=hw.recompute_ratio * passes.forward_s + tp_comm.rec_s,
         zero_mb_s=0.0,
         dp_step_s=0.0,
         opt_s=0.0,
-        params_b=row["buffer_bytes"],
+        params_b=row.buffer_bytes,
         grads_b=0,
         optimizer_b=0,
         trans_params_b=0,
         trans_grads_b=0,
-        bt_b=float(
-            backward_transient_bytes(
-                largest,
-                bytes_per_param(dtype)["grads"] * max(row["largest_param"], math.ceil(row["largest_param_tp"] / tp)),
-            )
-        ),
+        bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes)),
         saved_b=saved,
-        input_b=row["input_bytes"] - seq("input_bytes"),
-        boundary_b=row["boundary_bytes"] - seq("boundary_bytes"),
-        tp_sent_b=tp_sent,
-        tp_bwd_sent_b=tp_sent_bwd,
-        tp_rec_sent_b=tp_sent_rec,
+        input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sp),
+        boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sp),
+        tp_sent_b=tp_comm.fwd_sent_b,
+        tp_bwd_sent_b=tp_comm.bwd_sent_b,
+        tp_rec_sent_b=tp_comm.rec_sent_b,
         zero_mb_sent_b=0.0,
         dp_step_sent_b=0.0,
-        num_params=P,
-        wgrad_s=t_w,
-        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens, sp),
-        sel_rec_s=hw.recompute_ratio * combine(dev_core, core_ops) if sel_saved > 0 else 0.0,
-        sel_saved_b=sel_saved,
-        tail_b=min(
-            max(
-                row["tail_saved_bytes"]
-                - row["tail_saved_bytes_tp"]
-                + row["tail_saved_bytes_tp"] / tp
-                - seq("tail_saved_bytes"),
-                0.0,
-            ),
-            saved,
-        ),
-    ), t_b
+        num_params=params,
+        wgrad_s=passes.wgrad_s,
+        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, setting.tokens, sp),
+        sel_rec_s=passes.selective_s,
+        sel_saved_b=row.core.saved_bytes.per_device(tp, sp),
+        tail_b=min(max(row.tail_saved_bytes.per_device(tp, sp), 0.0), saved),
+    )
+    return work, passes.backward_s
 
 
 def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selective: frozenset) -> list[LayerCost]:
