@@ -102,18 +102,22 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.comm_cost import step_control_bytes
-from cost_models.offload_cost import offload_breakdown
 from cost_models.strategy import (
     CandidateCosts,
     Evaluation,
+    LayerCost,
     StageCost,
+    StageWork,
     Strategy,
     _stage_memory,
+    capacity_extra,
     check_selective,
-    compile_seconds,
+    critical_stages,
     selective_view,
+    stage_cost,
+    time_breakdown,
 )
+from runtime.contract.choices import ScheduleName, names
 
 __all__ = [
     "SCHEDULES",
@@ -127,7 +131,7 @@ __all__ = [
 ]
 
 #: Pipeline schedules a strategy may run (plan.json ``schedule``).
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+SCHEDULES = names(ScheduleName)
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,7 @@ def chunk_times(
     fwd = [_chunk_forward(cc, a, b) for a, b in chunks]
     full = [_chunk_step(cc, a, b, ck, frozenset(selective)) - f for (a, b), f in zip(chunks, fwd)]
     weight = None
-    if schedule == "zero-bubble":
+    if schedule == ScheduleName.ZERO_BUBBLE:
         weight = tuple(min(sum(l.wgrad_s for l in cc.layers[a : b + 1]), bw) for (a, b), bw in zip(chunks, full))
         full = [bw - w for bw, w in zip(full, weight)]
         # a recomputed layer's forward runs again at W (the runtime's W is its own autograd task)
@@ -280,8 +284,20 @@ def chunk_ranges_of_rank(chunks: Sequence[tuple[int, int]], p: int, rank: int) -
     return [ch for c, ch in enumerate(chunks) if c % p == rank]
 
 
+@dataclass(frozen=True)
+class _ScheduledStrategy:
+    """A strategy under a schedule with its simulation: what each rank's cost is read from."""
+
+    chunks: Sequence[tuple[int, int]]
+    checkpointed: frozenset
+    selected: frozenset
+    schedule: str
+    simulated: SimulatedPipeline
+    times: ChunkTimes
+
+
 def evaluate_schedule(
-    cc: CandidateCosts,
+    costs: CandidateCosts,
     chunks: Sequence[tuple[int, int]],
     checkpoint: Sequence[int],
     schedule: str,
@@ -291,140 +307,94 @@ def evaluate_schedule(
     selective: Sequence[int] = (),
 ) -> Evaluation:
     """Price a strategy run under ``schedule`` from its simulation (see the module docstring)."""
-    cand = cc.cand
+    cand = costs.cand
     p, m, v = cand.pp, cand.num_micro_batches, virtual_stages
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if len(chunks) != p * v or len(sim.held) != p:
         raise ValueError(f"{len(chunks)} chunks and {len(sim.held)} ranks for pp={p}, v={v}")
-    ck = frozenset(int(i) for i in checkpoint)
-    sel = frozenset(int(i) for i in selective)
-    check_selective(cc, ck, sel)
-    nchunks = len(chunks)
-    out: list[StageCost] = []
-    for r in range(p):
-        mine = chunk_ranges_of_rank(chunks, p, r)
-        idx = [i for a, b in mine for i in range(a, b + 1)]
-        ls = selective_view([cc.layers[i] for i in idx], idx, sel)
-        rc = [i in ck for i in idx]
-        compute = sum(l.compute_s for l in ls)
-        tp = sum(l.tp_s for l in ls)
-        rec = sum(l.rec_s for l, x in zip(ls, rc) if x) * (2 if schedule == "zero-bubble" else 1) + sum(
-            l.sel_rec_s for i, l in zip(idx, ls) if i in sel
-        )
-        zmb = sum(l.zero_mb_s for l in ls)
-        sends, sent = 0, 0.0
-        for c in range(r, nchunks, p):
-            if c < nchunks - 1:  # activations forward
-                sends, sent = sends + 1, sent + cc.layers[chunks[c][1]].boundary_b
-            if c > 0:  # gradients back
-                sends, sent = sends + 1, sent + cc.layers[chunks[c - 1][1]].boundary_b
-        p2p = sends * times.send_s
-        work = compute + tp + rec + p2p
-        mem, bound = _stage_memory(cc, ls, rc, r, inflight=sim.held[r])
-        if sim.held_between:  # kept gradients held past the backward's transients
-            floor = int(math.ceil(sim.held_between[r] * sum(l.input_b if x else l.saved_b for l, x in zip(ls, rc))))
-            if floor > mem["activations"]:
-                mem = {**mem, "total": mem["total"] + floor - mem["activations"], "activations": floor}
-                bound = max(bound, mem["total"])
-        if sim.w_pending:  # output gradients kept for W (module docstring, "Memory")
-            keep = int(math.ceil(sim.w_pending[r] * sum(l.wgrad_keep_b for l in ls)))
-            mem = {**mem, "activations": mem["activations"] + keep, "total": mem["total"] + keep}
-            bound += keep
-        tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if x else 0.0) + l.tp_bwd_sent_b for l, x in zip(ls, rc))
-        comm = (
-            m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls))
-            + sum(l.dp_step_sent_b for l in ls)
-            + step_control_bytes(cand.dp, cand.tp, p)
-        )
-        fwd = sum(times.forward_s[c] for c in range(r, nchunks, p)) + p2p / 2
-        out.append(
-            StageCost(
-                first=mine[0][0],
-                last=mine[-1][1],
-                compute_s=compute,
-                recompute_s=rec,
-                tp_s=tp,
-                p2p_s=p2p,
-                zero_mb_s=zmb,
-                work_s=work,
-                micro_step_s=work + zmb,
-                dp_s=sum(l.dp_step_s for l in ls),
-                opt_s=sum(l.opt_s for l in ls),
-                fwd_s=fwd,
-                bwd_s=work + zmb - fwd,
-                memory=mem,
-                comm_bytes=comm,
-                memory_bound=bound,
-                offload_mb_s=sum(l.offload_mb_s for l in ls),
-                offload_step_s=sum(l.offload_step_s for l in ls),
-                host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
-                nvme_b=sum(l.nvme_b for l in ls),
-            )
-        )
-    kb = max(range(p), key=lambda k: out[k].micro_step_s)
-    kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
-    D = out[kd].dp_s + out[kd].opt_s
-    sb = out[kb]
-    T = sb.micro_step_s
+    checkpointed = frozenset(int(i) for i in checkpoint)
+    selected = frozenset(int(i) for i in selective)
+    check_selective(costs, checkpointed, selected)
+    run = _ScheduledStrategy(chunks, checkpointed, selected, schedule, sim, times)
+    out = [_rank_stage(costs, run, rank) for rank in range(p)]
+    critical = critical_stages(out)
+    tail = out[critical.tail].dp_s + out[critical.tail].opt_s
+    busiest = out[critical.bottleneck]
+    micro_step = busiest.micro_step_s
     span = sim.makespan_s
-    busy = m * (sb.compute_s + sb.recompute_s + sb.tp_s + sb.zero_mb_s)
-    time = {
-        "compute": m * sb.compute_s,
-        "recompute": m * sb.recompute_s,
-        "tp_comm": m * sb.tp_s,
-        "pp_bubble": span - busy,
-        "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
-        "optimizer": out[kd].opt_s,
-        "offload": m * sb.offload_mb_s + out[kd].offload_step_s,
-    }
-    kp = max(range(p), key=lambda k: out[k].memory["total"])
-    bound = max(st.memory_bound for st in out)
-    g = cc.ranks_per_node
-    nvme_rank = max(st.nvme_b for st in out)
-    extra: dict = {
-        "memory_bound": bound,
-        "host_bytes": g * max(st.host_b for st in out),
-        "nvme_bytes": g * nvme_rank,
-        "messages": sim.messages,
-        "chunk_times": times,
-    }
-    if cand.offloads:
-        kh = max(range(p), key=lambda i: (out[i].host_b, out[i].nvme_b))
-        extra["offload_bytes"] = offload_breakdown(
-            [cc.layers[i].num_params for a, b in chunk_ranges_of_rank(chunks, p, kh) for i in range(a, b + 1)],
-            cand.dp,
-            cand.zero_stage,
-            cc.dtype,
-            cand.offload_optimizer,
-            cand.offload_params,
-            cc.host_buffers_b,
-        )
-    fits_off = (
-        max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
-        and nvme_rank <= cc.nvme_room
+    busy = m * (busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.zero_mb_s)
+    extra, fits = capacity_extra(
+        costs,
+        out,
+        [_rank_layers(chunks, p, rank) for rank in range(p)],
+        more={"messages": sim.messages, "chunk_times": times},
     )
-    if cand.compile:
-        extra["compile_s"] = compile_seconds(
-            cc.hw,
-            max(
-                len({cc.layers[i] for a, b in chunk_ranges_of_rank(chunks, p, r) for i in range(a, b + 1)})
-                for r in range(p)
-            ),
-        )
     return Evaluation(
-        strategy=Strategy(cand, tuple((int(a), int(b)) for a, b in chunks), ck, schedule, v, sel),
+        strategy=Strategy(
+            cand, tuple((int(first), int(last)) for first, last in chunks), checkpointed, schedule, v, selected
+        ),
         stages=out,
-        step_time_s=span + D,
-        micro_step_s=T,
-        tail_s=D,
-        time=time,
-        memory=dict(out[kp].memory),
-        peak_stage=kp,
-        bottleneck_stage=kb,
-        comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=max(span - m * T, 0.0) / span if span > 0 else 0.0,
-        feasible=bound <= cc.capacity and fits_off and math.isfinite(span),
-        capacity=cc.capacity,
+        step_time_s=span + tail,
+        micro_step_s=micro_step,
+        tail_s=tail,
+        time=time_breakdown(out, m, critical, pp_bubble=span - busy),
+        memory=dict(out[critical.peak].memory),
+        peak_stage=critical.peak,
+        bottleneck_stage=critical.bottleneck,
+        comm_bytes_per_device=max(stage.comm_bytes for stage in out),
+        bubble_fraction=max(span - m * micro_step, 0.0) / span if span > 0 else 0.0,
+        feasible=fits and math.isfinite(span),
+        capacity=costs.capacity,
         extra=extra,
     )
+
+
+def _rank_layers(chunks: Sequence[tuple[int, int]], p: int, rank: int) -> list[int]:
+    """The layer indices pipeline rank ``rank`` holds, over all its chunks."""
+    return [i for first, last in chunk_ranges_of_rank(chunks, p, rank) for i in range(first, last + 1)]
+
+
+def _rank_stage(costs: CandidateCosts, run: _ScheduledStrategy, rank: int) -> StageCost:
+    """Pipeline rank ``rank``'s cost under the simulated schedule (all its chunks together)."""
+    p, chunks = costs.cand.pp, run.chunks
+    mine = chunk_ranges_of_rank(chunks, p, rank)
+    indices = [i for first, last in mine for i in range(first, last + 1)]
+    view = selective_view([costs.layers[i] for i in indices], indices, run.selected)
+    recomputed = [i in run.checkpointed for i in indices]
+    recompute_s = sum(layer.rec_s for layer, whole in zip(view, recomputed) if whole) * (
+        2 if run.schedule == ScheduleName.ZERO_BUBBLE else 1
+    ) + sum(layer.sel_rec_s for i, layer in zip(indices, view) if i in run.selected)
+    sends, sent_b = 0, 0.0
+    for chunk in range(rank, len(chunks), p):
+        if chunk < len(chunks) - 1:  # activations forward
+            sends, sent_b = sends + 1, sent_b + costs.layers[chunks[chunk][1]].boundary_b
+        if chunk > 0:  # gradients back
+            sends, sent_b = sends + 1, sent_b + costs.layers[chunks[chunk - 1][1]].boundary_b
+    p2p_s = sends * run.times.send_s
+    memory, bound = _rank_memory(costs, run.simulated, rank, view, recomputed)
+    forward_s = sum(run.times.forward_s[chunk] for chunk in range(rank, len(chunks), p))
+    work = StageWork(mine[0][0], mine[-1][1], view, recomputed, recompute_s, p2p_s, sent_b)
+    return stage_cost(costs, work, forward_s, memory, bound)
+
+
+def _rank_memory(
+    costs: CandidateCosts,
+    sim: SimulatedPipeline,
+    rank: int,
+    view: Sequence[LayerCost],
+    recomputed: Sequence[bool],
+) -> tuple[dict, int]:
+    """A rank's memory (and its conservative bound) with the simulated activations in flight."""
+    memory, bound = _stage_memory(costs, view, recomputed, rank, inflight=sim.held[rank])
+    if sim.held_between:  # kept gradients held past the backward's transients
+        kept = sum(layer.input_b if whole else layer.saved_b for layer, whole in zip(view, recomputed))
+        floor = int(math.ceil(sim.held_between[rank] * kept))
+        if floor > memory["activations"]:
+            memory = {**memory, "total": memory["total"] + floor - memory["activations"], "activations": floor}
+            bound = max(bound, memory["total"])
+    if sim.w_pending:  # output gradients kept for W (module docstring, "Memory")
+        keep = int(math.ceil(sim.w_pending[rank] * sum(layer.wgrad_keep_b for layer in view)))
+        memory = {**memory, "activations": memory["activations"] + keep, "total": memory["total"] + keep}
+        bound += keep
+    return memory, bound

@@ -990,135 +990,220 @@ class Evaluation:
 
 
 def evaluate(
-    cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = (), selective: Sequence[int] = ()
+    costs: CandidateCosts,
+    stages: Sequence[Sequence[int]],
+    checkpoint: Sequence[int] = (),
+    selective: Sequence[int] = (),
 ) -> Evaluation:
-    """Price a strategy of candidate ``cc.cand`` (see the module docstring for every formula)."""
-    cand = cc.cand
-    p, m = cand.pp, cand.num_micro_batches
-    n = cc.num_layers
-    stages = tuple((int(a), int(b)) for a, b in stages)
-    if len(stages) != p:
-        raise ValueError(f"{len(stages)} stage ranges for pp={p}")
-    expect = 0
-    for a, b in stages:
-        if a != expect or b < a:
-            raise ValueError(f"stages {stages} are not contiguous non-empty ranges from layer 0")
-        expect = b + 1
-    if expect != n:
-        raise ValueError(f"stages {stages} do not cover the {n} layers")
-    ck = frozenset(int(i) for i in checkpoint)
-    if any(not 0 <= i < n for i in ck):
-        raise ValueError(f"checkpoint layers {sorted(ck)} outside 0..{n - 1}")
-    sel = frozenset(int(i) for i in selective)
-    check_selective(cc, ck, sel)
-    out: list[StageCost] = []
-    for k, (a, b) in enumerate(stages):
-        ls = selective_view(cc.layers[a : b + 1], range(a, b + 1), sel)
-        rc = [i in ck for i in range(a, b + 1)]
-        compute = sum(l.compute_s for l in ls)
-        tp = sum(l.tp_s for l in ls)
-        rec = sum(l.rec_s for l, r in zip(ls, rc) if r) + sum(
-            l.sel_rec_s for i, l in zip(range(a, b + 1), ls) if i in sel
-        )
-        p2p, sent = 0.0, 0.0
-        if k < p - 1:
-            p2p += cc.send_s(b, k)
-            sent += cc.layers[b].boundary_b
-        if k > 0:
-            prev = stages[k - 1][1]
-            p2p += cc.send_s(prev, k - 1)
-            sent += cc.layers[prev].boundary_b
-        zmb = sum(l.zero_mb_s for l in ls)
-        work = compute + tp + rec + p2p
-        mem, bound = _stage_memory(cc, ls, rc, k)
-        tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if r else 0.0) + l.tp_bwd_sent_b for l, r in zip(ls, rc))
-        comm = (
-            m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls))
-            + sum(l.dp_step_sent_b for l in ls)
-            + step_control_bytes(cand.dp, cand.tp, p)
-        )
-        # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward;
-        # transfers are split evenly between the two passes
-        fwd = sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cand.zero_stage == 3 else 0.0) + p2p / 2
-        out.append(
-            StageCost(
-                first=a,
-                last=b,
-                compute_s=compute,
-                recompute_s=rec,
-                tp_s=tp,
-                p2p_s=p2p,
-                zero_mb_s=zmb,
-                work_s=work,
-                micro_step_s=work + zmb,
-                dp_s=sum(l.dp_step_s for l in ls),
-                opt_s=sum(l.opt_s for l in ls),
-                fwd_s=fwd,
-                bwd_s=work + zmb - fwd,
-                memory=mem,
-                comm_bytes=comm,
-                memory_bound=bound,
-                offload_mb_s=sum(l.offload_mb_s for l in ls),
-                offload_step_s=sum(l.offload_step_s for l in ls),
-                host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
-                nvme_b=sum(l.nvme_b for l in ls),
-            )
-        )
-    T = max(s.micro_step_s for s in out)
-    kb = max(range(p), key=lambda k: out[k].micro_step_s)
-    kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
-    D = out[kd].dp_s + out[kd].opt_s
-    fill = pipeline_time([s.micro_step_s for s in out], m) - m * T  # the other stages' fill and drain
-    step = m * T + fill + D
-    sb = out[kb]
-    time = {
-        "compute": m * sb.compute_s,
-        "recompute": m * sb.recompute_s,
-        "tp_comm": m * sb.tp_s,
-        "pp_bubble": fill + m * sb.p2p_s,
-        "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
-        "optimizer": out[kd].opt_s,
-        "offload": m * sb.offload_mb_s + out[kd].offload_step_s,
-    }
-    kp = max(range(p), key=lambda k: out[k].memory["total"])
-    bound = max(st.memory_bound for st in out)
-    g = cc.ranks_per_node
-    host_rank, nvme_rank = max(st.host_b for st in out), max(st.nvme_b for st in out)
-    extra: dict = {"memory_bound": bound, "host_bytes": g * host_rank, "nvme_bytes": g * nvme_rank}
-    if cand.offloads:  # by state kind, on the stage with the most host bytes (for the report)
-        kh = max(range(p), key=lambda i: (out[i].host_b, out[i].nvme_b))
-        a, b = stages[kh]
-        extra["offload_bytes"] = offload_breakdown(
-            [lay.num_params for lay in cc.layers[a : b + 1]],
-            cand.dp,
-            cand.zero_stage,
-            cc.dtype,
-            cand.offload_optimizer,
-            cand.offload_params,
-            cc.host_buffers_b,
-        )
-    fits_off = (
-        max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
-        and nvme_rank <= cc.nvme_room
-    )
-    if cand.compile:  # once per run: the stage with the most distinct layer classes
-        extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a : b + 1])) for a, b in stages))
+    """Price a strategy of candidate ``costs.cand`` (see the module docstring for every formula)."""
+    cand = costs.cand
+    m = cand.num_micro_batches
+    ranges = _checked_stages(stages, cand.pp, costs.num_layers)
+    checkpointed = frozenset(int(i) for i in checkpoint)
+    if any(not 0 <= i < costs.num_layers for i in checkpointed):
+        raise ValueError(f"checkpoint layers {sorted(checkpointed)} outside 0..{costs.num_layers - 1}")
+    selected = frozenset(int(i) for i in selective)
+    check_selective(costs, checkpointed, selected)
+    out = [_one_f_one_b_stage(costs, ranges, k, checkpointed, selected) for k in range(cand.pp)]
+    critical = critical_stages(out)
+    micro_step = max(stage.micro_step_s for stage in out)
+    tail = out[critical.tail].dp_s + out[critical.tail].opt_s
+    fill = pipeline_time([stage.micro_step_s for stage in out], m) - m * micro_step  # the other stages' fill and drain
+    bottleneck = out[critical.bottleneck]
+    extra, fits = capacity_extra(costs, out, [range(first, last + 1) for first, last in ranges])
     return Evaluation(
-        strategy=Strategy(cand, stages, ck, selective=sel),
+        strategy=Strategy(cand, ranges, checkpointed, selective=selected),
         stages=out,
-        step_time_s=step,
-        micro_step_s=T,
-        tail_s=D,
-        time=time,
-        memory=dict(out[kp].memory),
-        peak_stage=kp,
-        bottleneck_stage=kb,
-        comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0,
-        feasible=bound <= cc.capacity and fits_off,
-        capacity=cc.capacity,
+        step_time_s=m * micro_step + fill + tail,
+        micro_step_s=micro_step,
+        tail_s=tail,
+        time=time_breakdown(out, m, critical, pp_bubble=fill + m * bottleneck.p2p_s),
+        memory=dict(out[critical.peak].memory),
+        peak_stage=critical.peak,
+        bottleneck_stage=critical.bottleneck,
+        comm_bytes_per_device=max(stage.comm_bytes for stage in out),
+        bubble_fraction=fill / (m * micro_step + fill) if micro_step > 0 else 0.0,
+        feasible=fits,
+        capacity=costs.capacity,
         extra=extra,
     )
+
+
+def _checked_stages(stages: Sequence[Sequence[int]], pp: int, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``stages`` as ``pp`` contiguous non-empty ``(first, last)`` ranges covering the layers."""
+    ranges = tuple((int(first), int(last)) for first, last in stages)
+    if len(ranges) != pp:
+        raise ValueError(f"{len(ranges)} stage ranges for pp={pp}")
+    expect = 0
+    for first, last in ranges:
+        if first != expect or last < first:
+            raise ValueError(f"stages {ranges} are not contiguous non-empty ranges from layer 0")
+        expect = last + 1
+    if expect != num_layers:
+        raise ValueError(f"stages {ranges} do not cover the {num_layers} layers")
+    return ranges
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One stage's layers and the parts of its micro-step that its schedule decides."""
+
+    first: int
+    last: int
+    layers: Sequence[LayerCost]
+    """The stage's layers as the memory model sees them (``selective_view``)."""
+    recomputed: Sequence[bool]
+    """Per layer, whether it is checkpointed (recomputed whole)."""
+    recompute_s: float
+    p2p_s: float
+    """Stage-to-stage transfers of one micro-batch."""
+    sent_b: float
+    """Bytes those transfers send."""
+
+
+def _one_f_one_b_stage(
+    costs: CandidateCosts,
+    ranges: Sequence[tuple[int, int]],
+    stage: int,
+    checkpointed: frozenset,
+    selected: frozenset,
+) -> StageCost:
+    """Stage ``stage``'s cost under 1F1B."""
+    first, last = ranges[stage]
+    indices = range(first, last + 1)
+    view = selective_view(costs.layers[first : last + 1], indices, selected)
+    recomputed = [i in checkpointed for i in indices]
+    recompute_s = sum(layer.rec_s for layer, whole in zip(view, recomputed) if whole) + sum(
+        layer.sel_rec_s for i, layer in zip(indices, view) if i in selected
+    )
+    p2p_s, sent_b = 0.0, 0.0
+    if stage < costs.cand.pp - 1:
+        p2p_s += costs.send_s(last, stage)
+        sent_b += costs.layers[last].boundary_b
+    if stage > 0:
+        previous = ranges[stage - 1][1]
+        p2p_s += costs.send_s(previous, stage - 1)
+        sent_b += costs.layers[previous].boundary_b
+    memory, bound = _stage_memory(costs, view, recomputed, stage)
+    # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward
+    zero_mb_s = sum(layer.zero_mb_s for layer in view)
+    forward_s = sum(layer.fwd_s + layer.tp_fwd_s for layer in view) + (
+        zero_mb_s / 3 if costs.cand.zero_stage == 3 else 0.0
+    )
+    work = StageWork(first, last, view, recomputed, recompute_s, p2p_s, sent_b)
+    return stage_cost(costs, work, forward_s, memory, bound)
+
+
+def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory: dict, bound: int) -> StageCost:
+    """A stage's cost from its layers and schedule-decided parts (``forward_s``: the forward part
+    of its micro-step but the transfers, which are split evenly between the two passes)."""
+    cand, view = costs.cand, work.layers
+    compute = sum(layer.compute_s for layer in view)
+    tp_s = sum(layer.tp_s for layer in view)
+    zero_mb_s = sum(layer.zero_mb_s for layer in view)
+    busy = compute + tp_s + work.recompute_s + work.p2p_s
+    tp_passes = sum(
+        layer.tp_sent_b + (layer.tp_rec_sent_b if whole else 0.0) + layer.tp_bwd_sent_b
+        for layer, whole in zip(view, work.recomputed)
+    )
+    comm = (
+        cand.num_micro_batches * (tp_passes + work.sent_b + sum(layer.zero_mb_sent_b for layer in view))
+        + sum(layer.dp_step_sent_b for layer in view)
+        + step_control_bytes(cand.dp, cand.tp, cand.pp)
+    )
+    forward_s = forward_s + work.p2p_s / 2
+    return StageCost(
+        first=work.first,
+        last=work.last,
+        compute_s=compute,
+        recompute_s=work.recompute_s,
+        tp_s=tp_s,
+        p2p_s=work.p2p_s,
+        zero_mb_s=zero_mb_s,
+        work_s=busy,
+        micro_step_s=busy + zero_mb_s,
+        dp_s=sum(layer.dp_step_s for layer in view),
+        opt_s=sum(layer.opt_s for layer in view),
+        fwd_s=forward_s,
+        bwd_s=busy + zero_mb_s - forward_s,
+        memory=memory,
+        comm_bytes=comm,
+        memory_bound=bound,
+        offload_mb_s=sum(layer.offload_mb_s for layer in view),
+        offload_step_s=sum(layer.offload_step_s for layer in view),
+        host_b=sum(layer.host_b for layer in view) + (costs.host_buffers_b if cand.offloads else 0),
+        nvme_b=sum(layer.nvme_b for layer in view),
+    )
+
+
+class CriticalStages(NamedTuple):
+    """The stages a strategy's totals are read at."""
+
+    bottleneck: int
+    """The largest micro-step (paces the pipeline)."""
+    tail: int
+    """The largest per-step tail: DP/ZeRO traffic + optimizer step."""
+    peak: int
+    """The largest memory."""
+
+
+def critical_stages(stages: Sequence[StageCost]) -> CriticalStages:
+    indices = range(len(stages))
+    return CriticalStages(
+        bottleneck=max(indices, key=lambda k: stages[k].micro_step_s),
+        tail=max(indices, key=lambda k: stages[k].dp_s + stages[k].opt_s),
+        peak=max(indices, key=lambda k: stages[k].memory["total"]),
+    )
+
+
+def time_breakdown(stages: Sequence[StageCost], m: int, critical: CriticalStages, pp_bubble: float) -> dict[str, float]:
+    """plan.json's ``predicted.time``: the bottleneck stage's micro-steps, the tail stage's step
+    parts, and the schedule's pipeline overhead (module docstring, "Time breakdown")."""
+    busiest, tail = stages[critical.bottleneck], stages[critical.tail]
+    return {
+        "compute": m * busiest.compute_s,
+        "recompute": m * busiest.recompute_s,
+        "tp_comm": m * busiest.tp_s,
+        "pp_bubble": pp_bubble,
+        "dp_comm": m * (busiest.zero_mb_s - busiest.offload_mb_s) + tail.dp_s - tail.offload_step_s,
+        "optimizer": tail.opt_s,
+        "offload": m * busiest.offload_mb_s + tail.offload_step_s,
+    }
+
+
+def capacity_extra(
+    costs: CandidateCosts,
+    stages: Sequence[StageCost],
+    stage_layers: Sequence[Sequence[int]],
+    more: dict | None = None,
+) -> tuple[dict, bool]:
+    """``Evaluation.extra`` (the memory bound, host and NVMe bytes per node, then ``more``, the
+    offloaded bytes by kind, the compile time) and whether the strategy fits the device, host and
+    NVMe capacity. ``stage_layers``: the layer indices of each stage."""
+    cand = costs.cand
+    bound = max(stage.memory_bound for stage in stages)
+    host_rank, nvme_rank = max(stage.host_b for stage in stages), max(stage.nvme_b for stage in stages)
+    ranks = costs.ranks_per_node
+    extra: dict = {"memory_bound": bound, "host_bytes": ranks * host_rank, "nvme_bytes": ranks * nvme_rank}
+    extra.update(more or {})
+    if cand.offloads:  # by state kind, on the stage with the most host bytes (for the report)
+        most = max(range(len(stages)), key=lambda k: (stages[k].host_b, stages[k].nvme_b))
+        extra["offload_bytes"] = offload_breakdown(
+            [costs.layers[i].num_params for i in stage_layers[most]],
+            cand.dp,
+            cand.zero_stage,
+            costs.dtype,
+            cand.offload_optimizer,
+            cand.offload_params,
+            costs.host_buffers_b,
+        )
+    fits_offload = (
+        host_rank - (costs.host_buffers_b if cand.offloads else 0) <= costs.host_room and nvme_rank <= costs.nvme_room
+    )
+    if cand.compile:  # once per run: the stage with the most distinct layer classes
+        classes = max(len({costs.layers[i] for i in indices}) for indices in stage_layers)
+        extra["compile_s"] = compile_seconds(costs.hw, classes)
+    return extra, bound <= costs.capacity and fits_offload
 
 
 def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
