@@ -188,6 +188,14 @@ class HardwareProfile:
     """Raw measurements behind a calibrated profile (``planner calibrate``); ``None`` otherwise."""
 
     def __post_init__(self) -> None:
+        self._check_peak_flops()
+        self._check_sizes_and_links()
+        self._check_overheads()
+        self._check_optional_fields()
+        self._check_tables_and_provenance()
+
+    def _check_peak_flops(self) -> None:
+        """The name, and a positive peak for every required dtype (kept as a private float copy)."""
         if not isinstance(self.name, str) or not self.name.strip():
             raise ProfileError(f"field 'name' must be a non-empty string (got {self.name!r})")
         if not isinstance(self.peak_flops, dict):
@@ -195,40 +203,48 @@ class HardwareProfile:
                 "field 'peak_flops' must be an object of FLOP/s by dtype, e.g. "
                 f'{{"fp32": 1.95e13, "bf16": 3.12e14, "fp16": 3.12e14}} (got {self.peak_flops!r})'
             )
-        for dt in REQUIRED_PEAK_DTYPES:
-            if dt not in self.peak_flops:
+        for dtype in REQUIRED_PEAK_DTYPES:
+            if dtype not in self.peak_flops:
                 raise ProfileError(
-                    f"field 'peak_flops' is missing dtype {dt!r} "
+                    f"field 'peak_flops' is missing dtype {dtype!r} "
                     f"(required: {', '.join(REQUIRED_PEAK_DTYPES)}; optional: tf32)"
                 )
-        for dt, v in self.peak_flops.items():
-            if dt not in PEAK_DTYPES:
-                raise ProfileError(f"field 'peak_flops' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field 'peak_flops.{dt}' must be a positive number of FLOP/s (got {v!r})")
+        for dtype, value in self.peak_flops.items():
+            if dtype not in PEAK_DTYPES:
+                raise ProfileError(
+                    f"field 'peak_flops' has unknown dtype {dtype!r} (allowed: {', '.join(PEAK_DTYPES)})"
+                )
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(f"field 'peak_flops.{dtype}' must be a positive number of FLOP/s (got {value!r})")
         # A private float copy: the caller's dict can change without changing the profile.
-        object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
+        object.__setattr__(self, "peak_flops", {dtype: float(value) for dtype, value in self.peak_flops.items()})
+
+    def _check_sizes_and_links(self) -> None:
+        """Memory, node size, bandwidths and latencies."""
         # JSON has one number type: accept an integral float for the integer fields.
         for name in ("memory_bytes", "gpus_per_node"):
-            v = getattr(self, name)
-            if isinstance(v, float) and v.is_integer():
-                object.__setattr__(self, name, int(v))
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ProfileError(f"field {name!r} must be a positive integer (got {v!r})")
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ProfileError(f"field {name!r} must be a positive integer (got {value!r})")
         for name in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field {name!r} must be a positive number of bytes/s (got {v!r})")
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(f"field {name!r} must be a positive number of bytes/s (got {value!r})")
         for name in ("intra_node_latency", "inter_node_latency"):
-            v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v) or v < 0:
-                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {v!r})")
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {value!r})")
+
+    def _check_overheads(self) -> None:
+        """Efficiency, per-call overheads, recompute ratio and per-collective links."""
         _check_fraction("compute_efficiency", self.compute_efficiency, 1, "the achievable fraction of peak")
         for name in ("op_overhead_s", "sync_overhead_s"):
-            o = getattr(self, name)
-            if not _is_number(o) or not math.isfinite(o) or o < 0:
-                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {value!r})")
         if not isinstance(self.ops_async, bool):
             raise ProfileError(f"field 'ops_async' must be true or false (got {self.ops_async!r})")
         _check_fraction(
@@ -236,39 +252,49 @@ class HardwareProfile:
         )
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives", _check_collective_links(self.intra_node_collectives))
+
+    def _check_optional_fields(self) -> None:
+        """The GEMM, host-link and offload fields: absent, or valid."""
         if self.sm_count is not None:
-            v = self.sm_count
-            if isinstance(v, float) and v.is_integer():
-                object.__setattr__(self, "sm_count", int(v))
+            value = self.sm_count
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, "sm_count", int(value))
             if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:
                 raise ProfileError(
-                    f"field 'sm_count' must be a positive integer (streaming multiprocessors) or absent (got {v!r})"
+                    f"field 'sm_count' must be a positive integer (streaming multiprocessors) or absent (got {value!r})"
                 )
         if self.host_device_bandwidth is not None:
-            v = self.host_device_bandwidth
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+            value = self.host_device_bandwidth
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ProfileError(
-                    f"field 'host_device_bandwidth' must be a positive number of bytes/s or absent (got {v!r})"
+                    f"field 'host_device_bandwidth' must be a positive number of bytes/s or absent (got {value!r})"
                 )
-            object.__setattr__(self, "host_device_bandwidth", float(v))
+            object.__setattr__(self, "host_device_bandwidth", float(value))
         for name in ("host_memory_bytes", "nvme_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, float) and v.is_integer():
-                object.__setattr__(self, name, int(v))
-                v = int(v)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ProfileError(f"field {name!r} must be a positive integer of bytes per node or absent (got {v!r})")
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
+                value = int(value)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ProfileError(
+                    f"field {name!r} must be a positive integer of bytes per node or absent (got {value!r})"
+                )
         for name, unit in (
             ("nvme_read_bandwidth", "bytes/s"),
             ("nvme_write_bandwidth", "bytes/s"),
             ("cpu_adam_params_per_s", "parameters/s"),
         ):
-            v = getattr(self, name)
-            if v is None:
+            value = getattr(self, name)
+            if value is None:
                 continue
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field {name!r} must be a positive number of {unit} per node or absent (got {v!r})")
-            object.__setattr__(self, name, float(v))
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(
+                    f"field {name!r} must be a positive number of {unit} per node or absent (got {value!r})"
+                )
+            object.__setattr__(self, name, float(value))
+
+    def _check_tables_and_provenance(self) -> None:
+        """The GEMM efficiency tables, the source and the calibration record."""
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _check_gemm_tables(self.gemm_efficiency, self.peak_flops))
         if not isinstance(self.source, str):
