@@ -26,8 +26,7 @@ Which link? The profile gives an intra-node link (NVLink: ``intra_node_bandwidth
 on one node uses NVLink. A flat ring over several nodes is paced by its slowest hop, the network,
 so every step costs the inter-node alpha and chunk time. A profile may also give the intra-node
 link per collective kind (``intra_node_collectives``, which ``planner calibrate`` measures): a
-library's all-gather or reduce-scatter need not reach its all-reduce's bandwidth (gloo's
-reduce-scatter on one host reaches about a third), so each kind, and each intra-node phase of a
+library's all-gather or reduce-scatter need not reach its all-reduce's bandwidth, so each kind, and each intra-node phase of a
 hierarchical algorithm, is priced with its own link when the profile has one.
 
 Hierarchical algorithms (groups over ``m`` nodes with ``p`` ranks on each)

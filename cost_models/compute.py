@@ -51,13 +51,8 @@ that fraction. Three cases, in order:
    the order of a null kernel's launch-to-completion time on recent NVIDIA GPUs (NVIDIA developer
    forum). The floor is a ``max``, not an addend: in a stream of asynchronous kernels the next
    kernel's launch overlaps the running one, so only a kernel shorter than it pays it. SM counts
-   are the datasheet figures (V100 80, A100 108, H100 SXM and H200 132). Not modelled: the tail of
-   the last partial wave once there are more tiles than SMs (cuBLAS balances it with other tile
-   shapes and stream-K), cuBLAS's smaller tiles for mid-size problems (a 1024^3 product makes 64
-   tiles of 128 x 128 for 132 SMs: the curve halves its efficiency, where 64 x 128 tiles would
-   fill the SMs at some cost per tile, so it can overstate such a product's time up to 2x), L2
-   reuse. The curve is a model from public structure, not a fit to GPU measurements: no GPU
-   figure went into it. ``planner calibrate`` on the GPU replaces it with a measured table.
+   are the datasheet figures (V100 80, A100 108, H100 SXM and H200 132). ``planner calibrate`` on
+   the GPU replaces the curve with a measured table.
 3. Neither (CPU profiles): the plain roofline, ``min(e, F W / (P B))``, as ``compute_time``.
 
 Symbolic shapes: in cases 1 and 2 a shape with a sympy symbol gives an unevaluated function of

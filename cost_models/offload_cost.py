@@ -22,16 +22,8 @@ device step would: ``A`` is at most the rank's own AdamW rate (``cost_models.com
 optimizer_step_time``), so moving the step to the "host" never makes it faster there
 (:func:`adam_rate_per_rank`).
 
-Device memory (``cost_models.memory.model_state_bytes``)
----------------------------------------------------------
-Optimizer offload removes the master copy and the moments from the device. At ZeRO 2/3 the
-gradients leave the device bucket by bucket (one layer's reduced gradient, copied to host as soon
-as its reduction completes and added into the host's fp32 accumulator), so the device holds only
-the buckets in flight, ``REDUCTIONS_IN_FLIGHT + 1`` layers' worth, and no gradient shard; at ZeRO 1
-the full gradient buffer stays (it is all-reduced once per step, then the rank's shard is copied).
-Parameter offload removes the parameter shard: the device holds only the gathered layers in
-flight, the running one and the prefetched next one (even at ``dp = 1``, where gathering is the
-copy from the host).
+Device memory: offload removes what moved from ``cost_models.memory.model_state_bytes`` (that
+module's docstring: the gradient buckets in flight, the gathered layers in flight).
 
 Host and NVMe bytes (:func:`host_state_bytes`, :func:`offload_buffer_bytes`)
 --------------------------------------------------------------------------
@@ -70,12 +62,9 @@ Every transfer overlaps something; only what outlasts it is exposed (plan.json
 Each layer's exposure is priced against its own compute, so the sums stay per-layer (the ILP adds
 them like every other cost); for identical blocks this is the pipeline's steady state.
 
-Sources: ZeRO-Offload (Ren et al., USENIX ATC 2021) keeps fp32 state and the Adam step on the CPU,
-moves only gradients down and low-precision parameters up, overlapping both with compute and the
-CPU step (13B parameters on one 32 GB V100); ZeRO-Infinity (Rajbhandari et al., SC 2021) adds NVMe
-for optimizer state and parameters, with prefetching and overlap of NVMe, PCIe and compute. The
-hardware figures are the profile's (``cost_models.hardware``: datasheets, or ``planner
-calibrate``).
+Sources: ZeRO-Offload (Ren et al., USENIX ATC 2021: fp32 state and the Adam step on the CPU,
+overlapped transfers) and ZeRO-Infinity (Rajbhandari et al., SC 2021: NVMe for optimizer state and
+parameters); the hardware figures are the profile's (``cost_models.hardware``).
 """
 
 from __future__ import annotations
@@ -214,8 +203,7 @@ def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params:
     ``staged``: the device is a GPU, whose gradients and parameter shards cross the link through
     pinned staging buffers; on a CPU profile (``not hw.ops_async``) the host is the device, the
     runtime copies straight into (and gathers straight from) the host tier, and only the NVMe
-    tier's read/write slots exist (measured: the host bytes of a 2-rank CPU run are exactly the
-    state, ``16 S`` per rank, with the optimizer offloaded to cpu)."""
+    tier's read/write slots exist."""
     t = bytes_per_param(dtype)
     out = 0
     if optimizer != "none" and staged:

@@ -1,99 +1,55 @@
 """The price of a strategy under a pipeline schedule other than 1F1B.
 
 :func:`cost_models.strategy.evaluate` prices 1F1B in closed form (the ILP optimizes that form).
-Interleaved 1F1B and zero bubble (ZB-H1, Qi et al. 2023) change three things, priced here with
-the *same* per-layer costs (``LayerCost``) so that the schedules compare like for like:
+Interleaved 1F1B and zero bubble (ZB-H1, Qi et al. 2023) are priced here from the *same*
+per-layer costs (``LayerCost``), so that the schedules compare like for like.
 
-Model chunks
-------------
-The interleaved schedule cuts the layer table into ``p v`` contiguous chunks, chunk ``c`` on
-pipeline rank ``c % p`` (``runtime.contract.schedule_ir``; plan.json's ``stages`` lists them in model order).
-:func:`split_chunks` cuts them to minimize the slowest chunk's micro-step (the classic min-max
-contiguous partition, by bisection on the threshold): with identical blocks every rank gets
-``v`` chunks of about ``L / (p v)`` blocks, the embedding rides in chunk 0 and the head in chunk
-``p v - 1``. Zero bubble keeps the 1F1B partition (one chunk per rank). The recomputed layers are
-the 1F1B solution's.
+Model chunks. The interleaved schedule cuts the layer table into ``p v`` contiguous chunks, chunk
+``c`` on pipeline rank ``c % p`` (``runtime.contract.schedule_ir``; plan.json's ``stages`` lists
+them in model order). :func:`split_chunks` minimizes the slowest chunk's micro-step (min-max
+contiguous partition, bisection on the threshold). Zero bubble keeps the 1F1B partition; the
+recomputed layers are the 1F1B solution's.
 
-Times (:func:`chunk_times`): per chunk and micro-batch, ``F`` = forward compute, forward TP
-all-reduces (and a third of ZeRO-3's gathers); the full backward is the rest of the chunk's
-micro-step (backward compute, backward TP, recompute, ZeRO-2/3 traffic), exactly 1F1B's split.
-Every chunk boundary costs one send each way per micro-batch, ``send_s`` (the slowest boundary's
-alpha-beta time plus its wait): with ``v`` chunks a rank sends ``v`` times as often as under 1F1B.
+Times (:func:`chunk_times`), per chunk and micro-batch: ``F`` = forward compute, forward TP
+all-reduces and a third of ZeRO-3's gathers; the backward is the rest of the chunk's micro-step,
+exactly 1F1B's split. Each chunk boundary costs one send each way per micro-batch, ``send_s``
+(the slowest boundary's alpha-beta time plus its wait).
 
-The W split
------------
-Zero bubble splits each backward into ``B`` (input gradients, what the previous stage waits for)
-and ``W`` (weight gradients, run when the schedule says). ``W`` of a layer is
-``LayerCost.wgrad_s`` (``cost_models.wgrad``): the backward products that contract over the
-micro-batch's tokens (``dW = X^T dY``: ``k = b s`` and ``m != b s`` in the layer table's
-``bwd_gemms``), priced by shape like every product, plus the gradient accumulation, scaled by the backward's host overhead. A
-recomputed layer's forward runs in ``B`` and again in ``W`` (the runtime's ``W`` is an autograd
-call of its own, which re-enters the checkpoint), so ``W`` also pays its recompute. A table
-without listed products (older tables, the closed-form test tables) takes half of the backward's
-matmul FLOPs: a linear layer's backward is an input-gradient and a weight-gradient product of
-equal size, attention's core products have no weight. On GPT blocks this gives ``W`` about 40%
-of the backward (the attention core and the memory-bound ops are ``B``).
+The W split. Zero bubble splits each backward into ``B`` (input gradients) and ``W`` (weight
+gradients, run when the schedule says). ``W`` of a layer is ``LayerCost.wgrad_s``
+(``cost_models.wgrad``: the products that contract over the micro-batch's tokens, ``dW = X^T dY``,
+plus the gradient accumulation, with their share of the host overhead; without listed products
+half of the backward's matmul FLOPs). A recomputed layer's forward runs in ``B`` and again in
+``W`` (the runtime's ``W`` re-enters the checkpoint).
 
-Time from the simulated schedule
---------------------------------
-The caller (``planner.search.schedule_search``, which may import the runtime) runs the runtime's own
-action lists (``runtime.contract.schedule_ir``) through its simulator with these times and hands back a
-:class:`SimulatedPipeline`: the makespan of the ``m`` micro-batches and what each rank holds.
-:func:`evaluate_schedule` turns it into an :class:`~cost_models.strategy.Evaluation`::
+Time from the simulated schedule. The caller (``planner.search.schedule_search``) runs the
+runtime's own action lists through its simulator with these times and hands back a
+:class:`SimulatedPipeline`; :func:`evaluate_schedule` turns it into an ``Evaluation``::
 
-    step       = makespan + D                        (D: the exposed DP/ZeRO tail + optimizer, as 1F1B)
-    pp_bubble  = makespan - m x (compute + recompute + tp + ZeRO per micro-batch) of the busiest rank
-    bubble_fraction = (makespan - m T) / makespan    (T: the busiest rank's micro-step, sends included)
+    step            = makespan + D         (D: the exposed DP/ZeRO tail + optimizer, as 1F1B)
+    pp_bubble       = makespan - m (compute + recompute + tp + ZeRO per micro-batch) of the busiest rank
+    bubble_fraction = (makespan - m T) / makespan    (T: the busiest rank's micro-step)
 
-so the parts still sum to the step. Documented checks with equal chunks (``F``, ``B``, ``W``
-per stage, free sends), which the tests hold the simulation to: 1F1B's idle time per unit of
-compute is ``(p - 1) / m``, interleaved's ``(p - 1) / (v m)``, ZB-H1's ``(p - 1) / (3 m)`` when
-``F = B = W``. The 1F1B closed form is exact for equal stages and a few percent under the
-simulation when the last stage (the head) is slower, so a schedule priced by simulation is
-compared against 1F1B slightly pessimistically: it must win by more than that to be chosen.
+so the parts still sum to the step. With equal chunks and free sends the idle time per unit of
+compute is ``(p - 1) / m`` (1F1B), ``(p - 1) / (v m)`` (interleaved), ``(p - 1) / (3 m)`` (ZB-H1,
+``F = B = W``); the tests hold the simulation to these.
 
-Memory
-------
-Activations held per rank, in units of the rank's own activations of one micro-batch (its ``v``
-chunks together), replace 1F1B's ``min(p - k, m)`` in ``cost_models.memory``:
+Memory. Activations held per rank, in units of the rank's activations of one micro-batch (its
+``v`` chunks together), replace 1F1B's ``min(p - k, m)`` in ``cost_models.memory``:
 
 - interleaved: the simulated peak of chunk activations (``F`` done, ``B`` not) over ``v``; closed
-  form on rank ``r`` (:func:`interleaved_inflight`): ``(2 (p - r - 1) + (v - 1) p + 1) / v``, on
-  rank 0 ``p (1 + (p - 1) / (p v))``: ``1 + (p - 1) / (p v)`` times 1F1B's ``p``;
-- zero bubble: the runtime keeps a chunk's autograd graph from ``B`` until its ``W``, so a rank
-  holds one full micro-batch of activations per ``F`` whose ``W`` has not run
-  (``runtime.contract.schedule_ir.peak_weight_pending``): 1F1B's ``min(p - r, m)`` plus rank ``r``'s ``W``
-  delay, ``min(p, m)`` on every rank. The last stage (the head, the largest activations) goes
-  from 1 to ``min(p, m)``. Two corrections, both from ``passes.split_backward``:
-
-  * ``B`` keeps the gradient recorded at each node that reads a weight (``runtime.pipeline.executor``:
-    ``W`` restarts autograd there): products with a weight and norms, their outputs' size
-    (``LayerCost.wgrad_keep_b``; for the head, the logits' gradient). The first chunk has no
-    ``B`` (nothing before it needs a gradient) and keeps none.
-  * ``B`` frees what only the chunk's outputs hold: the saved tensors downstream of every weight
-    product of its last layer (``LayerCost.tail_b``; for the head, the loss's log-probabilities,
-    as large as the logits), kept by every other schedule until the backward too.
-
+  form (:func:`interleaved_inflight`) ``(2 (p - r - 1) + (v - 1) p + 1) / v`` on rank ``r``;
+- zero bubble: a chunk's autograd graph lives from ``B`` until its ``W``, so a rank holds one
+  micro-batch of activations per ``F`` whose ``W`` has not run (``min(p, m)`` on every rank).
+  ``B`` also keeps the gradient at each node that reads a weight (``LayerCost.wgrad_keep_b``;
+  none in the first chunk, which has no ``B``) and frees what only the chunk's outputs hold
+  (``LayerCost.tail_b``, the loss's log-probabilities for the head; ``passes.split_backward``).
   With the chunks' sizes known (``ChunkTimes.act_bytes``, ``keep_bytes``, ``free_bytes``) both
-  are followed through the rank's action order (``F`` adds a chunk's activations; the end of a
-  ``B`` adds its kept gradients, then frees the tail; ``W`` frees the rest), so the gradients
-  count only while their ``W`` is pending; ``SimulatedPipeline.w_pending`` (the same gradients
-  counted for one micro-batch, when the sizes are not known) is then 0. Measured with
-  ``planner validate`` (2 CPU processes, GPT 4 x 256, vocab 8192, seq 128, fp32, micro-batch 4,
-  4 micro-batches), predicted / measured, the peak on the head's rank:
-
-  | stages | 1F1B | ZB-H1 |
-  |---|---|---|
-  | embed+3 blocks, block+head | 125.3 / 122.3 MiB | 132.1 / 133.6 MiB (-1.1%) |
-  | embed+1 block, 3 blocks+head | 141.2 / 142.7 MiB | 200.3 / 202.8 MiB (-1.2%) |
-
-  Before the two corrections (gradients of the weight products only, charged to the first chunk
-  too, and no early tail) ZB-H1 predicted 146.6 and 211.8 MiB; the runtime also kept the log-
-  probabilities of the micro-batch that last ran ``F`` until the next ``F`` (a loop variable),
-  which the second layout measured as 210.3 MiB.
+  are followed through the rank's action order, so kept gradients count only while their ``W``
+  is pending (``SimulatedPipeline.w_pending`` is then 0).
 
 Parameters, gradients and optimizer state are those of the rank's layers (all its chunks); the
-ZeRO transients of its largest layer. Bytes sent grow with the sends.
+ZeRO transients those of its largest layer. Bytes sent grow with the sends.
 """
 
 from __future__ import annotations
@@ -167,12 +123,12 @@ class SimulatedPipeline:
     messages: int
     """Point-to-point messages of one step, over all ranks."""
     w_pending: tuple[float, ...] = ()
+    """Per rank, micro-batches whose weight products' output gradients (``LayerCost.wgrad_keep_b``)
+    count at the peak, same units as ``held`` (module docstring, "Memory"); empty without ``W``."""
     held_between: tuple[float, ...] = ()
     """Per rank, the most activations and kept gradients held at any moment (same units as
     ``held``, which counts what is held when a backward starts, under its transients): a floor
     for the activation memory when kept gradients outlast the transients; empty if not followed."""
-    """Per rank, micro-batches whose weight products' output gradients (``LayerCost.wgrad_keep_b``)
-    count at the peak, same units as ``held`` (module docstring, "Memory"); empty without ``W``."""
 
 
 def split_chunks(costs: Sequence[float], num_chunks: int) -> tuple[tuple[int, int], ...]:

@@ -1,160 +1,61 @@
 """The cost of one fully specified strategy: the single source of truth of the planner.
 
-A *candidate* fixes the degrees and the batching: ``(dp, tp, pp, zero_stage, micro_batch_size,
-num_micro_batches)``. A *strategy* adds the stage partition (``pp`` contiguous ranges of the
-layer table) and the set of recomputed (checkpointed) layers. :func:`evaluate` prices a strategy;
-the ILP in :mod:`planner.search.ilp` optimizes exactly this function (its tests compare the ILP's
-optimum against brute-force enumeration through :func:`evaluate`), the bounds and greedy
-strategies of :mod:`planner.search.candidates` are stated in its terms, and the plan's ``predicted``
-block is :func:`evaluate`'s output.
+A *candidate* fixes ``(dp, tp, pp, zero_stage, micro_batch_size, num_micro_batches)`` (and
+compile, offload, sequence parallelism); a *strategy* adds the stage partition (``pp`` contiguous
+ranges of the layer table) and the recomputed layers. :func:`evaluate` prices a strategy; the ILP
+(:mod:`planner.search.ilp`) optimizes exactly this function, and the plan's ``predicted`` block is
+its output.
 
-Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)
---------------------------------------------------------------------------------
-From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parallelism divides):
+Per layer, one micro-batch of ``b`` sequences of ``s`` tokens, per device (``cost_models.layer_row``
+reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequence parallelism does):
 
-- compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward, and the
-  memory-bound ops' bytes ``Q_l`` split the same way; time is the per-op roofline summed,
-  ``F_l / (peak * efficiency) + Q_l / memory_bandwidth`` (matmul-class ops carry the FLOPs, every
-  other op the bytes: ``passes.autograd_costs``; on a GPU profile each listed GEMM is priced at its
-  shape's efficiency, ``cost_models.gemm_cost``, small products reaching less of the peak), plus ``hw.op_overhead_s`` per operator call
-  (``num_ops`` forward, twice that in backward): the fixed dispatch/launch cost that makes many
-  small micro-batches slower than few large ones. Backward adds the accumulation of each
-  micro-batch's weight gradients into the gradient buffers (``3 x`` the gradient bytes, memory-bound).
-  Every tensor-parallel all-reduce and pipeline transfer also costs ``hw.sync_overhead_s``, the
-  wait of one rank for another at a blocking collective.
-- TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
-  forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
-  conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
-  all-reduce of that size per pass, timed with ``collective_time`` on the TP group's placement,
-  plus a copy of those bytes at the memory bandwidth (the runtime reduces a contiguous copy).
-  At tp > 1 the runtime's vocab-parallel cross-entropy replaces the traced loss: its bytes
-  (``tp_loss_fwd_bytes``, ``tp_loss_bwd_bytes``: the change, per device divided by tp) and its
-  three all-reduce calls (row max, sum of exponentials, target logit) are charged instead.
-- recompute: a checkpointed layer runs its forward again in backward, TP all-reduces included:
-  ``rec_l = hw.recompute_ratio x t_fwd + t_tp_rec`` (the ratio is measured by ``planner
-  calibrate``: below 1 on a CPU, where the rerun writes into cache-warm memory; 1 on GPUs).
-  The bytes a recompute sends are ``max(tp_allreduce_bytes - boundary_bytes, 0)`` all-reduced,
-  in one call fewer: the runtime's checkpoint (PyTorch's non-reentrant one) stops recomputing
-  once the last saved tensor is rebuilt, and the layer's final all-reduce (the row-parallel
-  output added to the residual stream, boundary-sized) feeds nothing the layer saves, so it is
-  not run again; ``t_tp_rec`` prices those bytes and calls.
-- selective recompute: a layer in the selective set keeps all its activations but those only its
-  attention cores hold (``core_saved_bytes``, split by tp like ``saved_bytes``) and runs the cores'
-  forward again in backward: ``sel_rec_l = hw.recompute_ratio x t_core`` (``t_core`` priced as a
-  forward from the ``core_*`` fields; the cores hold no tensor-parallel collective). During its
-  backward the core's tensors exist again, a transient like a recomputed layer's.
-- sequence parallelism (``Candidate.sequence_parallel``, tp > 1): the activations between the
-  tensor-parallel regions are split along the sequence, so ``saved_bytes_sp``, the memory-bound
-  bytes of those ops (``fwd_bytes_sp``, ``bwd_bytes_sp``) and the sequence-sharded inputs and
-  pipeline sends (``input_bytes_sp``, ``boundary_bytes_sp``) divide by tp. Each all-reduce that
-  ends a region becomes a reduce-scatter (``sp_reduce_scatter_bytes``) and each region's input is
-  all-gathered (``sp_all_gather_bytes``): the same bytes as the ring all-reduce, in twice the
-  calls; backward mirrors them, and the replicated weights used on sequence shards (norms)
-  all-reduce their gradients (``sp_grad_all_reduce_bytes``).
-- parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
-  Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
-  flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
-  buffers (replicated). ZeRO-2/3's transient full-size buffers are sized by the largest layer of
-  the stage (ZeRO-3 prefetches the next layer: two layers of gathered weights).
-- activations: ``saved_l = saved - saved_tp + saved_tp / tp`` kept for backward; a checkpointed
-  layer keeps only ``input_bytes`` (its input); ``boundary_bytes`` is what leaves the layer, sent
-  to the next stage when the layer ends one.
+- compute: ``F = fwd - fwd_tp + fwd_tp / tp`` FLOPs (GEMMs priced by shape, ``cost_models.gemm_cost``)
+  plus the memory-bound bytes ``Q`` (split likewise) at the memory bandwidth, plus ``op_overhead_s``
+  per operator call (``num_ops`` forward, twice in backward; ``max`` of device and host time when
+  ``hw.ops_async``, their sum otherwise). Backward adds ``3 x`` the gradient bytes (accumulation).
+- TP: one all-reduce of ``tp_allreduce_bytes`` per forward and of ``tp_allreduce_bwd_bytes`` per
+  backward (``collective_time`` on the TP placement, plus a copy at memory bandwidth and
+  ``sync_overhead_s`` per call); at tp > 1 the vocab-parallel loss's ``tp_loss_*_bytes`` are added.
+  Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes, twice
+  the calls) and divides the ``*_sp`` activations and bytes by tp.
+- recompute: ``rec = recompute_ratio x t_fwd + t_tp_rec``, where the rerun skips the final,
+  boundary-sized all-reduce: ``max(tp_allreduce_bytes - boundary_bytes, 0)`` in one call fewer.
+  Selective: ``sel_rec = recompute_ratio x t_core`` frees ``core_saved_bytes``.
+- state: ``P = ceil(param_count_tp / tp) + (param_count - param_count_tp)`` parameters, model state
+  by ``cost_models.memory.model_state_bytes`` per layer (ZeRO pads each layer to ``dp``); ZeRO-2/3
+  transients sized by the stage's largest layer. Activations: ``saved - saved_tp + saved_tp / tp``,
+  a checkpointed layer keeps ``input_bytes``; ``boundary_bytes`` crosses a stage cut.
+- compiled (``Candidate.compile``): ``r = 1 + tp collective calls`` regions cost ``r x
+  COMPILED_REGION_OPS`` calls of overhead, memory-bound bytes scale by ``COMPILED_BYTES_FRACTION``;
+  compiling costs ``COMPILE_S_PER_CLASS`` per distinct layer class of the busiest stage, once per run
+  (``Evaluation.extra["compile_s"]``, weighed by ``planner.search.solve``).
+- DP/ZeRO (``comm_cost.zero_dp_collectives``): ZeRO 0/1 once per step after the last backward;
+  ZeRO 2 reduce-scatters every micro-batch (``zero_mb``) and all-gathers once; ZeRO 3 gathers for
+  forward and backward and reduce-scatters every micro-batch. None is hidden under compute. A tied
+  weight across stages adds a copy and a gradient all-reduce (``cost_models.tied_cost``); offload
+  adds its exposed transfers to ``zero_mb`` / ``dp_step`` and its host AdamW to ``opt``
+  (``cost_models.offload_cost``).
 
-Compiled stages (``Candidate.compile``: each layer class under ``torch.compile``, ``runtime.stages.compile_layers``)
-------------------------------------------------------------------------------------------------------------
-A compiled layer runs as ``r`` compiled regions: one, plus one per graph break, which the runtime
-puts at every tensor-parallel collective (at tp > 1, ``tp_allreduce_calls +
-tp_allreduce_bwd_calls`` per layer). Its costs change in two ways, both applied to the forward,
-the backward and so the recompute:
+Step time (1F1B, ``p`` stages, ``m`` micro-batches), stage ``k`` holding layers ``S_k``, recomputed ``R``::
 
-- host overhead: ``r x COMPILED_REGION_OPS`` operator calls' worth of ``hw.op_overhead_s``
-  instead of ``num_ops`` (forward; twice that in backward, as for eager operators). A region's
-  call (guards, the autograd wrapper, its kernel launches) cost about 10 eager operator calls
-  here: a compiled one-operator function took ~60 us forward against ~6 us for the eager
-  operator, ~120-250 us forward + backward against 11-17 us (CPU, torch 2.13). So graph breaks
-  can make a small compiled layer slower to issue than an eager one, and the search sees it;
-- memory-bound bytes: chains of elementwise and normalization ops fuse into one kernel that
-  reads its inputs and writes its outputs once, so the layer moves ``COMPILED_BYTES_FRACTION``
-  (0.75) of its ``fwd_bytes`` and ``bwd_bytes``: counted on the GPT block's forward, about 19 of
-  its 24 activation-sized reads and writes remain once the residual add joins the next layer
-  norm, the bias the GELU and each dropout its add (matmuls stay library calls); the backward's
-  longer elementwise chains are assumed to fuse at least as well. An estimate, not a
-  measurement. The gradient accumulation after backward is not fused.
+    work_k = sum_{S_k} (t_fwd + t_bwd + t_tp) + sum_{S_k & R} rec_l + p2p_k
+    T_k    = work_k + sum_{S_k} zero_mb_l          one micro-batch through stage k
+    D      = max_k sum_{S_k} (dp_step_l + opt_l)    exposed DP/ZeRO traffic + optimizer step
+    step   = (m - 1) max_k T_k + sum_k T_k + D
 
-Compiling costs ``compile_seconds``, once per run: ``COMPILE_S_PER_CLASS`` per distinct layer
-class (a cold cache; stages compile at the same time, so the stage with the most distinct
-classes counts), recorded as ``Evaluation.extra["compile_s"]``. On a CPU 15 s per class, as
-measured here (a GPT's embedding, block and head compile in 29-47 s with inductor, forward and
-backward, on 2 busy cores); on a GPU 30 s per class, an unmeasured guess (Triton kernels compile
-more slowly than the C++ ones). The step-time prediction excludes it; the search weighs it
-against the per-step saving over the run (``planner.search.solve``).
+``p2p_k`` sends the stage's output forward and the previous stage's gradient back. The first
+micro-batch crosses every stage, the other ``m - 1`` follow the slowest: equal stages give the
+textbook ``(m + p - 1) T``. ``bubble_fraction = (sum_k T_k - T) / (m T + sum_k T_k - T)``.
 
-Data-parallel and ZeRO communication (``cost_models.comm_cost.zero_dp_collectives`` per layer)
-------------------------------------------------------------------------------------------
-The collectives are the ones ``zero_dp_collectives`` lists for each stage, placed in time so:
+Memory of stage ``k``: model state + its largest layer's ZeRO transients + ``min(p - k, m)``
+micro-batches of activations (``cost_models.memory``); feasible when every stage fits
+``memory_bytes x memory_headroom`` and, with offload, the node's host and NVMe bytes fit too.
 
-- ZeRO 0: gradient all-reduce, once per step, after the last backward (not overlapped).
-- ZeRO 1: gradient all-reduce + parameter all-gather, once per step (not overlapped).
-- ZeRO 2: gradients are sharded, so each micro-batch's gradients are reduce-scattered as its
-  backward produces them (``m`` times per step); the parameter all-gather after the optimizer
-  step is once per step.
-- ZeRO 3: each micro-batch all-gathers every layer's weights for forward and again for backward
-  and reduce-scatters its gradients (``m`` times per step).
-
-A weight tied across pipeline stages (``LayerTable.tied``, ``pp > 1``) adds, per
-``cost_models.tied_cost``, a copy's model state to its last reader's row and a gradient all-reduce
-over the tied group to the per-step collectives of both readers' rows (the ILP sees the same
-per-layer numbers).
-
-No DP/ZeRO collective is assumed hidden under compute: the model is deliberately conservative
-(overlap depends on kernels contending for the same links and memory), so ZeRO 2/3 are chosen
-only when the memory they save is needed or their sharded optimizer step pays for them. ZeRO 2/3
-with pipeline parallelism (or any ``m > 1``) are allowed and charged exactly that per-micro-batch
-traffic inside every micro-step: the runtime runs them (it accumulates into the gradient shard),
-they are just costly, and the solver weighs that cost against the memory they save.
-
-Step time (1F1B, ``p`` stages, ``m`` micro-batches)
----------------------------------------------------
-For stage ``k`` holding layers ``S_k`` with recomputed set ``R``::
-
-    work_k  = sum_{l in S_k} (t_fwd + t_bwd + t_tp_fwd + t_tp_bwd) + sum_{l in S_k & R} rec_l + p2p_k
-    p2p_k   = send(out of last layer of k, k -> k+1)  [k < p-1]
-            + send(out of last layer of k-1, k -> k-1) [k > 0]       (activation / gradient)
-    T_k     = work_k + sum_{l in S_k} zero_mb_l      one micro-batch through stage k
-    T       = max_k T_k                              the slowest stage paces the pipeline
-    D       = max_k sum_{l in S_k} (dp_step_l + opt_l)   exposed DP/ZeRO traffic + AdamW step
-    step    = (m - 1) * T + sum_k T_k + D
-
-The first micro-batch crosses every stage (``sum_k T_k``: the pipeline fills and drains), the
-other ``m - 1`` follow at the pace of the slowest. With equal stages this is the textbook
-``(m + p - 1) T``; with unequal ones (a language model's last stage carries the vocabulary
-projection and the loss) the bubble is the *other* stages' micro-steps, not ``p - 1`` copies of
-the slowest (on 2 stages of a 4-block GPT, the old form over-predicted the step by 23% at
-``m = 2``). ``bubble_fraction = (sum_k T_k - T) / (m T + sum_k T_k - T)``.
-
-Memory per device of stage ``k`` (``cost_models.memory``): model state of its layers + the
-transient ZeRO buffers of its largest layer + ``min(p - k, m)`` micro-batches of activations
-(``stage_activation_bytes``: checkpointed layers count their input only, plus the largest
-recomputed layer re-materialized once). A strategy is feasible when every stage fits in
-``memory_bytes * memory_headroom``.
-
-Offload (``Candidate.offload_optimizer``, ``offload_params``; ``cost_models.offload_cost`` prices it)
---------------------------------------------------------------------------------------------
-Per layer, the exposed transfers of one micro-batch join ``zero_mb`` (``offload_mb``), those of a
-step join ``dp_step`` (``offload_step``), an offloaded optimizer's step is the host's AdamW time
-(``opt``), and the device state loses what moved (``cost_models.memory.model_state_bytes``). Each
-layer's host and NVMe bytes add up per stage (plus the rank's pinned buffers); the node needs
-``ranks per node`` times the most loaded stage's, which must fit ``host_memory_bytes`` and
-``nvme_bytes`` at the request's headroom for the strategy to be feasible (the ILP has the same
-rows). ``Evaluation.extra`` carries ``host_bytes`` and ``nvme_bytes`` per node and, with offload,
-``offload_bytes`` by state kind for the report.
-
-Time breakdown (plan.json ``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``)
-and the stage ``d*`` with the largest tail ``D``: ``compute = m * compute_k*``, ``recompute = m *
-rec_k*``, ``tp_comm = m * tp_k*``, ``pp_bubble = sum_k T_k - T + m * p2p_k*`` (pipeline overhead:
-bubble and stage-to-stage transfers), ``dp_comm = m * (zero_mb_k* - offload_mb_k*) + dp_d* -
-offload_step_d*``, ``optimizer = opt_d*`` (wherever AdamW runs), ``offload = m * offload_mb_k* +
-offload_step_d*``. The parts sum to the step time.
+Time breakdown (``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``) and the tail
+stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`` stage ``k*``'s;
+``pp_bubble = sum_k T_k - T + m p2p_k*``; ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
+offload_step_d*``; ``optimizer = opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The
+parts sum to the step time.
 """
 
 from __future__ import annotations
@@ -224,15 +125,15 @@ __all__ = [
 ]
 
 #: Host cost of one call of a compiled region, in eager operator calls (``hw.op_overhead_s`` each):
-#: forward; backward twice that, like an eager operator (see "Compiled stages" above).
+#: forward; backward twice that, like an eager operator (module docstring, "compiled").
 COMPILED_REGION_OPS = 10
 
 #: Fraction of a layer's memory-bound bytes a compiled layer still moves once its elementwise
-#: chains are fused (an estimate; see "Compiled stages" above).
+#: chains are fused (module docstring, "compiled").
 COMPILED_BYTES_FRACTION = 0.75
 
-#: Seconds to compile one layer class, forward and backward, with a cold cache: ``cpu`` measured
-#: here (inductor, C++ kernels), ``gpu`` unmeasured (no GPU was available to time Triton's).
+#: Seconds to compile one layer class, forward and backward, with a cold cache (inductor's C++
+#: kernels on a CPU, Triton's on a GPU).
 COMPILE_S_PER_CLASS: dict[str, float] = {"cpu": 15.0, "gpu": 30.0}
 
 
@@ -330,15 +231,14 @@ class Candidate:
     micro_batch_size: int
     num_micro_batches: int
     compile: bool = False
-    """Each layer class runs under ``torch.compile`` (priced as in "Compiled stages" above)."""
+    """Each layer class runs under ``torch.compile`` (module docstring, "compiled")."""
     offload_optimizer: str = "none"
     """Where the optimizer state lives and AdamW runs: ``none`` (device), ``cpu``, ``nvme``
     (``cost_models.offload_cost``)."""
     offload_params: str = "none"
     """Where the ZeRO-3 parameter shards live: ``none`` (device), ``cpu``, ``nvme``."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism in the tensor-parallel regions (tp > 1; "Sequence
-    parallelism" above)."""
+    """Megatron sequence parallelism in the tensor-parallel regions (tp > 1; module docstring, "TP")."""
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -548,7 +448,7 @@ class WorkSetting:
     sequence_parallel: bool
     """Sequence parallelism in the tensor-parallel regions (only at tp > 1)."""
     compiled: bool
-    """The layer runs under ``torch.compile`` ("Compiled stages" above)."""
+    """The layer runs under ``torch.compile`` (module docstring, "compiled")."""
     tp_placement: GroupPlacement
     """Where the tensor-parallel group's ranks live (prices its collectives)."""
     tokens: float
@@ -812,8 +712,8 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
 
 
 def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTimes:
-    """The row's tensor-parallel collectives (module docstring, "TP communication", "recompute",
-    "sequence parallelism"), each blocking call with its ``sync_overhead_s`` wait."""
+    """The row's tensor-parallel collectives (module docstring, "TP", "recompute"), each blocking
+    call with its ``sync_overhead_s`` wait."""
     tp, traffic = setting.tp, row.tp_traffic
 
     def collective(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:

@@ -9,7 +9,7 @@ table's listed products (``fwd_gemms`` / ``bwd_gemms``):
   ``k = b s``, ``m != b s``); an input-gradient product has the tokens as ``m`` and attention's
   core products are batched. A table without listed products takes half of the backward's
   matmul FLOPs (a linear layer's backward is one input-gradient and one weight-gradient product
-  of equal size). The test is by value, so a weight dimension equal to ``b s`` is misread;
+  of equal size);
 - what ``W`` needs from ``B`` beyond the activations is the gradient of each weight product's
   output (the runtime restarts autograd at those edges): per forward product that multiplies the
   tokens by a weight (batch 1, ``m = b s``), its ``m x n`` output, per device.
