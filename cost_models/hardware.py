@@ -88,9 +88,9 @@ class ProfileError(ValueError):
     """A hardware profile could not be found, parsed or validated."""
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(value: Any) -> bool:
     # bool is an int subclass, but ``true`` is never a meaningful bandwidth.
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_fraction(name: str, value: Any, upper: float, meaning: str) -> None:
@@ -322,7 +322,10 @@ class HardwareProfile:
                 self.recompute_ratio,
                 self.ops_async,
                 tuple(
-                    sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())
+                    sorted(
+                        (k, link["latency"], link["bandwidth"])
+                        for k, link in (self.intra_node_collectives or {}).items()
+                    )
                 ),
                 self.sm_count,
                 self.host_device_bandwidth,
@@ -334,13 +337,13 @@ class HardwareProfile:
                 tuple(
                     sorted(
                         (
-                            dt,
-                            tuple(t["m"]),
-                            tuple(t["n"]),
-                            tuple(t["k"]),
-                            tuple(x for plane in t["efficiency"] for row in plane for x in row),
+                            dtype,
+                            tuple(table["m"]),
+                            tuple(table["n"]),
+                            tuple(table["k"]),
+                            tuple(x for plane in table["efficiency"] for row in plane for x in row),
                         )
-                        for dt, t in (self.gemm_efficiency or {}).items()
+                        for dtype, table in (self.gemm_efficiency or {}).items()
                     )
                 ),
             )
@@ -376,9 +379,9 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object ``load_hardware`` reads back (``calibration`` only when present)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["peak_flops"] = dict(self.peak_flops)
-        d["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["peak_flops"] = dict(self.peak_flops)
+        fields["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
         for opt in (
             "calibration",
             "intra_node_collectives",
@@ -387,17 +390,17 @@ class HardwareProfile:
             "host_device_bandwidth",
             *OFFLOAD_FIELDS,
         ):
-            if d[opt] is None:
-                del d[opt]
-        return d
+            if fields[opt] is None:
+                del fields[opt]
+        return fields
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile as JSON to ``path`` (parent folders created) and return the path."""
-        p = Path(path)
-        if p.parent and not p.parent.exists():
-            p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        target = Path(path)
+        if target.parent and not target.parent.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return target
 
     @classmethod
     def from_dict(cls, data: Any, origin: str = "<dict>") -> "HardwareProfile":
@@ -417,7 +420,7 @@ class HardwareProfile:
         if missing:
             raise ProfileError(
                 f"hardware profile {origin}: missing field{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(repr(m) for m in missing)} (required: {', '.join(required)})"
+                f"{', '.join(repr(name) for name in missing)} (required: {', '.join(required)})"
             )
         try:
             return cls(**data)
@@ -453,16 +456,16 @@ def _check_collective_links(value: Any) -> dict[str, dict[str, float]]:
                 f"field 'intra_node_collectives.{kind}' must be an object with exactly "
                 f"'latency' (s) and 'bandwidth' (bytes/s) (got {link!r})"
             )
-        lat, bw = link["latency"], link["bandwidth"]
-        if not _is_number(lat) or not math.isfinite(lat) or lat < 0:
+        latency, bandwidth = link["latency"], link["bandwidth"]
+        if not _is_number(latency) or not math.isfinite(latency) or latency < 0:
             raise ProfileError(
-                f"field 'intra_node_collectives.{kind}.latency' must be a non-negative number of seconds (got {lat!r})"
+                f"field 'intra_node_collectives.{kind}.latency' must be a non-negative number of seconds (got {latency!r})"
             )
-        if not _is_number(bw) or not math.isfinite(bw) or bw <= 0:
+        if not _is_number(bandwidth) or not math.isfinite(bandwidth) or bandwidth <= 0:
             raise ProfileError(
-                f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive number of bytes/s (got {bw!r})"
+                f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive number of bytes/s (got {bandwidth!r})"
             )
-        out[kind] = {"latency": float(lat), "bandwidth": float(bw)}
+        out[kind] = {"latency": float(latency), "bandwidth": float(bandwidth)}
     return out
 
 
@@ -472,13 +475,13 @@ GEMM_AXES: tuple[str, ...] = ("m", "n", "k")
 
 def _copy_tables(tables: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
     return {
-        dt: {
-            "m": list(t["m"]),
-            "n": list(t["n"]),
-            "k": list(t["k"]),
-            "efficiency": [[list(row) for row in plane] for plane in t["efficiency"]],
+        dtype: {
+            "m": list(table["m"]),
+            "n": list(table["n"]),
+            "k": list(table["k"]),
+            "efficiency": [[list(row) for row in plane] for plane in table["efficiency"]],
         }
-        for dt, t in tables.items()
+        for dtype, table in tables.items()
     }
 
 
@@ -493,12 +496,16 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
             f"field 'gemm_efficiency' must be a non-empty object of tables by dtype, e.g. {example} (got {value!r})"
         )
     out: dict[str, dict[str, list]] = {}
-    for dt, table in value.items():
-        where = f"gemm_efficiency.{dt}"
-        if dt not in PEAK_DTYPES:
-            raise ProfileError(f"field 'gemm_efficiency' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
-        if dt not in peak_flops:
-            raise ProfileError(f"field '{where}' is a fraction of a peak the profile lacks: 'peak_flops' has no {dt!r}")
+    for dtype, table in value.items():
+        where = f"gemm_efficiency.{dtype}"
+        if dtype not in PEAK_DTYPES:
+            raise ProfileError(
+                f"field 'gemm_efficiency' has unknown dtype {dtype!r} (allowed: {', '.join(PEAK_DTYPES)})"
+            )
+        if dtype not in peak_flops:
+            raise ProfileError(
+                f"field '{where}' is a fraction of a peak the profile lacks: 'peak_flops' has no {dtype!r}"
+            )
         if not isinstance(table, dict) or set(table) != {*GEMM_AXES, "efficiency"}:
             got = sorted(table) if isinstance(table, dict) else table
             raise ProfileError(
@@ -506,23 +513,23 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
                 f"'efficiency' (a grid m by n by k), e.g. {example[9:-1]} (got {got!r})"
             )
         axes = {}
-        for ax in GEMM_AXES:
-            sizes = table[ax]
-            ok = (
+        for axis in GEMM_AXES:
+            sizes = table[axis]
+            valid = (
                 isinstance(sizes, list)
                 and sizes
                 and all(_is_number(x) and math.isfinite(x) and float(x).is_integer() and x >= 1 for x in sizes)
             )
-            if ok:
+            if valid:
                 sizes = [int(x) for x in sizes]
-                ok = all(a < b for a, b in zip(sizes, sizes[1:]))
-            if not ok:
+                valid = all(smaller < larger for smaller, larger in zip(sizes, sizes[1:]))
+            if not valid:
                 raise ProfileError(
-                    f"field '{where}.{ax}' must be a non-empty list of strictly increasing "
-                    f"positive integer sizes (got {table[ax]!r})"
+                    f"field '{where}.{axis}' must be a non-empty list of strictly increasing "
+                    f"positive integer sizes (got {table[axis]!r})"
                 )
-            axes[ax] = sizes
-        shape = tuple(len(axes[ax]) for ax in GEMM_AXES)
+            axes[axis] = sizes
+        shape = tuple(len(axes[axis]) for axis in GEMM_AXES)
         grid = table["efficiency"]
         shape_msg = (
             f"field '{where}.efficiency' must be a {shape[0]} x {shape[1]} x {shape[2]} nested list "
@@ -542,11 +549,11 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
                     if not _is_number(x) or not math.isfinite(x) or not (0 < x <= 1):
                         raise ProfileError(
                             f"field '{where}.efficiency[{i}][{j}][{k}]' must be a number in (0, 1], the "
-                            f"achieved fraction of peak_flops.{dt} (got {x!r})"
+                            f"achieved fraction of peak_flops.{dtype} (got {x!r})"
                         )
                 rows.append([float(x) for x in row])
             clean.append(rows)
-        out[dt] = {**axes, "efficiency": clean}
+        out[dtype] = {**axes, "efficiency": clean}
     return out
 
 

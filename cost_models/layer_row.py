@@ -34,13 +34,13 @@ class Sharded:
     sp_part: float = 0.0
     """Of ``whole``, what sequence parallelism divides (``<name>_sp``; a part of the replicated rest)."""
 
-    def sp_removed(self, tp: int, sp: bool) -> float:
+    def sp_removed(self, tp: int, sequence_parallel: bool) -> float:
         """What sequence parallelism removes from the per-device amount."""
-        return self.sp_part * (1 - 1 / tp) if sp else 0.0
+        return self.sp_part * (1 - 1 / tp) if sequence_parallel else 0.0
 
-    def per_device(self, tp: int, sp: bool = False) -> float:
+    def per_device(self, tp: int, sequence_parallel: bool = False) -> float:
         """The amount on one device: the part tp divides, divided; the rest whole; less SP's share."""
-        return self.whole - self.tp_part + self.tp_part / tp - self.sp_removed(tp, sp)
+        return self.whole - self.tp_part + self.tp_part / tp - self.sp_removed(tp, sequence_parallel)
 
 
 @dataclass(frozen=True)

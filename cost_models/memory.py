@@ -97,9 +97,9 @@ def bytes_per_param(dtype: str) -> dict[str, int]:
         raise ValueError(f"unknown training dtype {dtype!r}: expected one of {', '.join(DTYPES)}") from None
 
 
-def _check_int(name: str, v: Any, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo} (got {v!r})")
+def _check_int(name: str, value: Any, lowest: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+        raise ValueError(f"{name} must be an integer >= {lowest} (got {value!r})")
 
 
 def shard_elements(num_params: int, dp: int) -> int:
@@ -134,19 +134,19 @@ def model_state_bytes(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (got {zero_stage!r})")
     if largest_layer_params > num_params:
         raise ValueError(f"largest_layer_params ({largest_layer_params}) cannot exceed num_params ({num_params})")
-    t = bytes_per_param(dtype)
+    sizes = bytes_per_param(dtype)
     shard = shard_elements(num_params, dp)
     opt_off, par_off = offload_optimizer != "none", offload_params != "none"
     opt_elems = 0 if opt_off else shard if zero_stage >= 1 else num_params
     grad_elems = 0 if opt_off and zero_stage >= 2 else shard if zero_stage >= 2 else num_params
     weight_elems = 0 if par_off else shard if zero_stage >= 3 else num_params
-    params = weight_elems * t["weights"]
-    grads = grad_elems * (FP32_GRAD_SHARD if zero_stage >= 2 else t["grads"])
+    params = weight_elems * sizes["weights"]
+    grads = grad_elems * (FP32_GRAD_SHARD if zero_stage >= 2 else sizes["grads"])
     if gathers_params(zero_stage, dp, offload_params):
-        params += (2 if prefetch else 1) * largest_layer_params * t["weights"]
+        params += (2 if prefetch else 1) * largest_layer_params * sizes["weights"]
     if buckets_leave(zero_stage, dp, offload_optimizer):
         grads += (REDUCTIONS_IN_FLIGHT + 1) * reduction_bytes(largest_layer_params, dtype, dp)
-    optimizer = opt_elems * (t["master"] + t["adam_m"] + t["adam_v"])
+    optimizer = opt_elems * (sizes["master"] + sizes["adam_m"] + sizes["adam_v"])
     return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
 
 
@@ -223,12 +223,12 @@ def stage_activation_bytes(
         )
     per_mb: Any = 0
     peak: Any = transient_peak
-    for s, b, r in zip(saved_bytes, boundary_bytes, recompute):
-        if r:
-            per_mb = per_mb + b
-            peak = smax(peak, s)
+    for saved, boundary, recomputed in zip(saved_bytes, boundary_bytes, recompute):
+        if recomputed:
+            per_mb = per_mb + boundary
+            peak = smax(peak, saved)
         else:
-            per_mb = per_mb + s
+            per_mb = per_mb + saved
     if inflight is not None:
         return inflight * per_mb + peak
     return activation_bytes(per_mb, stage_index, num_stages, num_microbatches, peak)
@@ -298,19 +298,19 @@ def zero_transient_bytes(
     offload, or a stage that does not shard them). Exact integers.
     """
     _check_int("dp", dp, 1)
-    t = bytes_per_param(dtype)
-    ps = [int(x) for x in layer_params]
-    for x in ps:
+    sizes = bytes_per_param(dtype)
+    layer_params = [int(x) for x in layer_params]
+    for x in layer_params:
         _check_int("layer params", x, 0)
 
     def window(n: int, per: Any) -> int:
-        vals = [per(x) for x in ps]
+        vals = [per(x) for x in layer_params]
         if not vals:
             return 0
         n = min(n, len(vals))
         return max(sum(vals[i : i + n]) for i in range(len(vals) - n + 1))
 
-    params = window(2, lambda x: x * t["weights"]) if gathers_params(zero_stage, dp, offload_params) else 0
+    params = window(2, lambda x: x * sizes["weights"]) if gathers_params(zero_stage, dp, offload_params) else 0
     grads = (
         window(REDUCTIONS_IN_FLIGHT + 1, lambda x: reduction_bytes(x, dtype, dp))
         if buckets_leave(zero_stage, dp, offload_optimizer)

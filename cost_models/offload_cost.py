@@ -168,7 +168,7 @@ class LayerOffload:
 
 def host_state_bytes(shard: int, dtype: str, optimizer: str, params: str) -> tuple[int, int]:
     """``(host, nvme)`` bytes of one rank's offloaded state for a shard of ``shard`` parameters."""
-    w = bytes_per_param(dtype)["weights"]
+    weight_bytes = bytes_per_param(dtype)["weights"]
     host = nvme = 0
     if optimizer == "cpu":
         host += shard * (STATE_BYTES + GRAD_ACCUMULATOR_BYTES)
@@ -176,9 +176,9 @@ def host_state_bytes(shard: int, dtype: str, optimizer: str, params: str) -> tup
         host += shard * GRAD_ACCUMULATOR_BYTES
         nvme += shard * STATE_BYTES
     if params == "cpu":
-        host += shard * w
+        host += shard * weight_bytes
     elif params == "nvme":
-        nvme += shard * w
+        nvme += shard * weight_bytes
     return int(host), int(nvme)
 
 
@@ -187,14 +187,14 @@ def offload_breakdown(
 ) -> dict:
     """Bytes one rank keeps off the device, by state kind, for a stage's layers (``layer_params``
     per device): ``{"host": {"optimizer", "params", "buffers"}, "nvme": {"optimizer", "params"}}``."""
-    res = {"host": {"optimizer": 0, "params": 0, "buffers": int(buffers)}, "nvme": {"optimizer": 0, "params": 0}}
-    for n in layer_params:
-        shard = math.ceil(n / dp) if zero_stage >= 1 and n else int(n)
-        for kind, (o, q) in (("optimizer", (optimizer, "none")), ("params", ("none", params))):
-            h, v = host_state_bytes(shard, dtype, o, q)
-            res["host"][kind] += h
-            res["nvme"][kind] += v
-    return res
+    breakdown = {"host": {"optimizer": 0, "params": 0, "buffers": int(buffers)}, "nvme": {"optimizer": 0, "params": 0}}
+    for num_params in layer_params:
+        shard = math.ceil(num_params / dp) if zero_stage >= 1 and num_params else int(num_params)
+        for kind, (optimizer_tier, params_tier) in (("optimizer", (optimizer, "none")), ("params", ("none", params))):
+            host_bytes, nvme_bytes = host_state_bytes(shard, dtype, optimizer_tier, params_tier)
+            breakdown["host"][kind] += host_bytes
+            breakdown["nvme"][kind] += nvme_bytes
+    return breakdown
 
 
 def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params: str, staged: bool = True) -> int:
@@ -204,12 +204,12 @@ def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params:
     pinned staging buffers; on a CPU profile (``not hw.ops_async``) the host is the device, the
     runtime copies straight into (and gathers straight from) the host tier, and only the NVMe
     tier's read/write slots exist."""
-    t = bytes_per_param(dtype)
+    sizes = bytes_per_param(dtype)
     out = 0
     if optimizer != "none" and staged:
-        out += (REDUCTIONS_IN_FLIGHT + 1) * largest_shard * t["grads"]
+        out += (REDUCTIONS_IN_FLIGHT + 1) * largest_shard * sizes["grads"]
     if params == "nvme" or (params == "cpu" and staged):
-        out += 2 * largest_shard * t["weights"]
+        out += 2 * largest_shard * sizes["weights"]
     if optimizer == "nvme":
         out += 2 * largest_shard * STATE_BYTES
     return int(out)

@@ -140,58 +140,69 @@ def split_chunks(costs: Sequence[float], num_chunks: int) -> tuple[tuple[int, in
         raise ValueError(f"cannot cut {n} layers into {num_chunks} non-empty chunks")
 
     def cut(limit: float) -> list[tuple[int, int]] | None:
-        out, a, acc = [], 0, 0.0
-        for i, c in enumerate(costs):
+        out, start, acc = [], 0, 0.0
+        for i, cost in enumerate(costs):
             left = num_chunks - len(out) - 1  # chunks still to open after the current one
-            if i > a and (acc + c > limit or n - i == left):
-                out.append((a, i - 1))
-                a, acc = i, 0.0
-            acc += c
-        out.append((a, n - 1))
-        return out if len(out) == num_chunks and max(sum(costs[x : y + 1]) for x, y in out) <= limit else None
+            if i > start and (acc + cost > limit or n - i == left):
+                out.append((start, i - 1))
+                start, acc = i, 0.0
+            acc += cost
+        out.append((start, n - 1))
+        return (
+            out
+            if len(out) == num_chunks and max(sum(costs[first : last + 1]) for first, last in out) <= limit
+            else None
+        )
 
-    lo, hi = max(costs), sum(costs)
-    best = cut(hi * (1 + 1e-12))
+    lower, upper = max(costs), sum(costs)
+    best = cut(upper * (1 + 1e-12))
     for _ in range(60):
-        if hi - lo <= 1e-9 * hi:
+        if upper - lower <= 1e-9 * upper:
             break
-        mid = (lo + hi) / 2
+        mid = (lower + upper) / 2
         got = cut(mid)
         if got is None:
-            lo = mid
+            lower = mid
         else:
-            hi, best = mid, got
+            upper, best = mid, got
     if best is None:  # pragma: no cover - cut(sum) always succeeds
         raise ValueError("no chunking found")
     return tuple(best)
 
 
-def _chunk_forward(cc: CandidateCosts, a: int, b: int) -> float:
-    ls = cc.layers[a : b + 1]
-    zmb = sum(l.zero_mb_s for l in ls)
-    return sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cc.cand.zero_stage == 3 else 0.0)
-
-
-def _chunk_step(cc: CandidateCosts, a: int, b: int, ck: frozenset, sel: frozenset = frozenset()) -> float:
-    """One micro-batch through chunk ``[a, b]`` without its sends."""
-    return sum(
-        l.work_s + l.zero_mb_s + (l.rec_s if i in ck else 0.0) + (l.sel_rec_s if i in sel else 0.0)
-        for i, l in zip(range(a, b + 1), cc.layers[a : b + 1])
+def _chunk_forward(costs: CandidateCosts, first: int, last: int) -> float:
+    chunk_layers = costs.layers[first : last + 1]
+    zmb = sum(layer.zero_mb_s for layer in chunk_layers)
+    return sum(layer.fwd_s + layer.tp_fwd_s for layer in chunk_layers) + (
+        zmb / 3 if costs.cand.zero_stage == 3 else 0.0
     )
 
 
-def send_seconds(cc: CandidateCosts, chunks: Sequence[tuple[int, int]]) -> float:
+def _chunk_step(
+    costs: CandidateCosts, first: int, last: int, checkpointed: frozenset, selective: frozenset = frozenset()
+) -> float:
+    """One micro-batch through chunk ``[a, b]`` without its sends."""
+    return sum(
+        layer.work_s
+        + layer.zero_mb_s
+        + (layer.rec_s if i in checkpointed else 0.0)
+        + (layer.sel_rec_s if i in selective else 0.0)
+        for i, layer in zip(range(first, last + 1), costs.layers[first : last + 1])
+    )
+
+
+def send_seconds(costs: CandidateCosts, chunks: Sequence[tuple[int, int]]) -> float:
     """The slowest chunk boundary's transfer (a boundary between ranks ``c % p`` and ``(c+1) % p``
     is priced on 1F1B's placement of stage boundary ``c % p``, the wrap from rank ``p - 1`` to 0
     on the slowest one)."""
-    p = cc.cand.pp
-    if p == 1 or len(chunks) < 2:
+    pp = costs.cand.pp
+    if pp == 1 or len(chunks) < 2:
         return 0.0
-    return max(cc.send_s(b, min(c % p, p - 2)) for c, (_a, b) in enumerate(chunks[:-1]))
+    return max(costs.send_s(last, min(chunk % pp, pp - 2)) for chunk, (_first, last) in enumerate(chunks[:-1]))
 
 
 def chunk_times(
-    cc: CandidateCosts,
+    costs: CandidateCosts,
     chunks: Sequence[tuple[int, int]],
     checkpoint: Sequence[int],
     schedule: str,
@@ -200,44 +211,59 @@ def chunk_times(
     """Per-chunk ``F``, ``B`` (and ``W`` under zero bubble) of one micro-batch (module docstring).
     A selectively recomputed core runs again in ``B`` only (``W`` restarts autograd at the weight
     products, outside the cores)."""
-    ck = frozenset(checkpoint)
-    fwd = [_chunk_forward(cc, a, b) for a, b in chunks]
-    full = [_chunk_step(cc, a, b, ck, frozenset(selective)) - f for (a, b), f in zip(chunks, fwd)]
+    checkpointed = frozenset(checkpoint)
+    fwd = [_chunk_forward(costs, first, last) for first, last in chunks]
+    full = [
+        _chunk_step(costs, first, last, checkpointed, frozenset(selective)) - f for (first, last), f in zip(chunks, fwd)
+    ]
     weight = None
     if schedule == ScheduleName.ZERO_BUBBLE:
-        weight = tuple(min(sum(l.wgrad_s for l in cc.layers[a : b + 1]), bw) for (a, b), bw in zip(chunks, full))
-        full = [bw - w for bw, w in zip(full, weight)]
+        weight = tuple(
+            min(sum(layer.wgrad_s for layer in costs.layers[first : last + 1]), backward)
+            for (first, last), backward in zip(chunks, full)
+        )
+        full = [backward - weight_s for backward, weight_s in zip(full, weight)]
         # a recomputed layer's forward runs again at W (the runtime's W is its own autograd task)
         weight = tuple(
-            w + sum(cc.layers[i].rec_s for i in range(a, b + 1) if i in ck) for (a, b), w in zip(chunks, weight)
+            weight_s + sum(costs.layers[i].rec_s for i in range(first, last + 1) if i in checkpointed)
+            for (first, last), weight_s in zip(chunks, weight)
         )
     sel = frozenset(selective)
     acts = tuple(
         sum(
-            l.input_b if i in ck else l.saved_b
-            for i, l in zip(range(a, b + 1), selective_view(cc.layers[a : b + 1], range(a, b + 1), sel))
+            layer.input_b if i in checkpointed else layer.saved_b
+            for i, layer in zip(
+                range(first, last + 1), selective_view(costs.layers[first : last + 1], range(first, last + 1), sel)
+            )
         )
-        for a, b in chunks
+        for first, last in chunks
     )
     keep = free = None
     if weight is not None:
         # the first chunk has no B (nothing before it needs a gradient): W runs its whole backward
         keep = tuple(
-            0.0 if c == 0 else sum(l.wgrad_keep_b for l in cc.layers[a : b + 1]) for c, (a, b) in enumerate(chunks)
+            0.0 if chunk == 0 else sum(layer.wgrad_keep_b for layer in costs.layers[first : last + 1])
+            for chunk, (first, last) in enumerate(chunks)
         )
-        free = tuple(0.0 if c == 0 or b in ck or b in sel else cc.layers[b].tail_b for c, (_a, b) in enumerate(chunks))
-    return ChunkTimes(tuple(fwd), tuple(full), weight, send_seconds(cc, chunks), acts, keep, free)
+        free = tuple(
+            0.0 if chunk == 0 or last in checkpointed or last in sel else costs.layers[last].tail_b
+            for chunk, (_first, last) in enumerate(chunks)
+        )
+    return ChunkTimes(tuple(fwd), tuple(full), weight, send_seconds(costs, chunks), acts, keep, free)
 
 
-def interleaved_inflight(rank: int, p: int, m: int, v: int) -> float:
+def interleaved_inflight(rank: int, num_stages: int, num_micro_batches: int, virtual_stages: int) -> float:
     """Closed form of the interleaved schedule's peak activations on ``rank``, in units of the
     rank's activations of one micro-batch: ``min(2 (p - r - 1) + (v - 1) p + 1, m v) / v``."""
-    return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
+    return (
+        min(2 * (num_stages - rank - 1) + (virtual_stages - 1) * num_stages + 1, num_micro_batches * virtual_stages)
+        / virtual_stages
+    )
 
 
-def chunk_ranges_of_rank(chunks: Sequence[tuple[int, int]], p: int, rank: int) -> list[tuple[int, int]]:
+def chunk_ranges_of_rank(chunks: Sequence[tuple[int, int]], pp: int, rank: int) -> list[tuple[int, int]]:
     """The chunks pipeline rank ``rank`` runs (chunk ``c`` on rank ``c % p``)."""
-    return [ch for c, ch in enumerate(chunks) if c % p == rank]
+    return [chunk_range for chunk, chunk_range in enumerate(chunks) if chunk % pp == rank]
 
 
 @dataclass(frozen=True)
@@ -264,26 +290,26 @@ def evaluate_schedule(
 ) -> Evaluation:
     """Price a strategy run under ``schedule`` from its simulation (see the module docstring)."""
     cand = costs.cand
-    p, m, v = cand.pp, cand.num_micro_batches, virtual_stages
+    pp, micro_batches, v = cand.pp, cand.num_micro_batches, virtual_stages
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if len(chunks) != p * v or len(sim.held) != p:
-        raise ValueError(f"{len(chunks)} chunks and {len(sim.held)} ranks for pp={p}, v={v}")
+    if len(chunks) != pp * v or len(sim.held) != pp:
+        raise ValueError(f"{len(chunks)} chunks and {len(sim.held)} ranks for pp={pp}, v={v}")
     checkpointed = frozenset(int(i) for i in checkpoint)
     selected = frozenset(int(i) for i in selective)
     check_selective(costs, checkpointed, selected)
     run = _ScheduledStrategy(chunks, checkpointed, selected, schedule, sim, times)
-    out = [_rank_stage(costs, run, rank) for rank in range(p)]
+    out = [_rank_stage(costs, run, rank) for rank in range(pp)]
     critical = critical_stages(out)
     tail = out[critical.tail].dp_s + out[critical.tail].opt_s
     busiest = out[critical.bottleneck]
     micro_step = busiest.micro_step_s
     span = sim.makespan_s
-    busy = m * (busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.zero_mb_s)
+    busy = micro_batches * (busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.zero_mb_s)
     extra, fits = capacity_extra(
         costs,
         out,
-        [_rank_layers(chunks, p, rank) for rank in range(p)],
+        [_rank_layers(chunks, pp, rank) for rank in range(pp)],
         more={"messages": sim.messages, "chunk_times": times},
     )
     return Evaluation(
@@ -294,27 +320,27 @@ def evaluate_schedule(
         step_time_s=span + tail,
         micro_step_s=micro_step,
         tail_s=tail,
-        time=time_breakdown(out, m, critical, pp_bubble=span - busy),
+        time=time_breakdown(out, micro_batches, critical, pp_bubble=span - busy),
         memory=dict(out[critical.peak].memory),
         peak_stage=critical.peak,
         bottleneck_stage=critical.bottleneck,
         comm_bytes_per_device=max(stage.comm_bytes for stage in out),
-        bubble_fraction=max(span - m * micro_step, 0.0) / span if span > 0 else 0.0,
+        bubble_fraction=max(span - micro_batches * micro_step, 0.0) / span if span > 0 else 0.0,
         feasible=fits and math.isfinite(span),
         capacity=costs.capacity,
         extra=extra,
     )
 
 
-def _rank_layers(chunks: Sequence[tuple[int, int]], p: int, rank: int) -> list[int]:
+def _rank_layers(chunks: Sequence[tuple[int, int]], pp: int, rank: int) -> list[int]:
     """The layer indices pipeline rank ``rank`` holds, over all its chunks."""
-    return [i for first, last in chunk_ranges_of_rank(chunks, p, rank) for i in range(first, last + 1)]
+    return [i for first, last in chunk_ranges_of_rank(chunks, pp, rank) for i in range(first, last + 1)]
 
 
 def _rank_stage(costs: CandidateCosts, run: _ScheduledStrategy, rank: int) -> StageCost:
     """Pipeline rank ``rank``'s cost under the simulated schedule (all its chunks together)."""
-    p, chunks = costs.cand.pp, run.chunks
-    mine = chunk_ranges_of_rank(chunks, p, rank)
+    pp, chunks = costs.cand.pp, run.chunks
+    mine = chunk_ranges_of_rank(chunks, pp, rank)
     indices = [i for first, last in mine for i in range(first, last + 1)]
     view = selective_view([costs.layers[i] for i in indices], indices, run.selected)
     recomputed = [i in run.checkpointed for i in indices]
@@ -322,14 +348,14 @@ def _rank_stage(costs: CandidateCosts, run: _ScheduledStrategy, rank: int) -> St
         2 if run.schedule == ScheduleName.ZERO_BUBBLE else 1
     ) + sum(layer.sel_rec_s for i, layer in zip(indices, view) if i in run.selected)
     sends, sent_b = 0, 0.0
-    for chunk in range(rank, len(chunks), p):
+    for chunk in range(rank, len(chunks), pp):
         if chunk < len(chunks) - 1:  # activations forward
             sends, sent_b = sends + 1, sent_b + costs.layers[chunks[chunk][1]].boundary_b
         if chunk > 0:  # gradients back
             sends, sent_b = sends + 1, sent_b + costs.layers[chunks[chunk - 1][1]].boundary_b
     p2p_s = sends * run.times.send_s
     memory, bound = _rank_memory(costs, run.simulated, rank, view, recomputed)
-    forward_s = sum(run.times.forward_s[chunk] for chunk in range(rank, len(chunks), p))
+    forward_s = sum(run.times.forward_s[chunk] for chunk in range(rank, len(chunks), pp))
     work = StageWork(mine[0][0], mine[-1][1], view, recomputed, recompute_s, p2p_s, sent_b)
     return stage_cost(costs, work, forward_s, memory, bound)
 

@@ -168,21 +168,21 @@ class NumericTable:
         self.names = [lay.name for lay in self.layers]
         self.kinds = [lay.kind for lay in self.layers]
         self.model = dict(table.model)
-        self.num_blocks = sum(1 for k in self.kinds if k == "block")
-        self.tied = [t for t in table.tied if t["layers"][0] < t["layers"][1]]
+        self.num_blocks = sum(1 for kind in self.kinds if kind == "block")
+        self.tied = [tie for tie in table.tied if tie["layers"][0] < tie["layers"][1]]
         """Weights read by several rows (``LayerTable.tied``): with pipeline stages each stage that
         reads one holds a copy (priced by ``cost_models.tied_cost``)."""
         self._rows: dict[tuple, Any] = {}
         self.work_memo: dict[tuple, Any] = {}
         """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
 
-    def groups(self, b: int, s: int) -> tuple[list[dict[str, float]], list[int]]:
+    def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, float]], list[int]]:
         """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
-        key = ("groups", b, s)
+        key = ("groups", micro_batch, seq_len)
         if key not in self._rows:
             distinct: dict[tuple, int] = {}
             representatives, row_of_layer = [], []
-            for row in self.rows(b, s):
+            for row in self.rows(micro_batch, seq_len):
                 values = tuple(row[name] for name in EXPR_FIELDS + INT_FIELDS)
                 values += tuple(row.get(name, ()) for name in GEMM_FIELDS)
                 if values not in distinct:
@@ -192,29 +192,29 @@ class NumericTable:
             self._rows[key] = (representatives, row_of_layer)
         return self._rows[key]
 
-    def layer_rows(self, b: int, s: int) -> tuple[list[LayerRow], list[int]]:
+    def layer_rows(self, micro_batch: int, seq_len: int) -> tuple[list[LayerRow], list[int]]:
         """:meth:`groups` as typed rows (cached: a row's identity keys ``work_memo``)."""
-        key = ("layer_rows", b, s)
+        key = ("layer_rows", micro_batch, seq_len)
         if key not in self._rows:
-            representatives, row_of_layer = self.groups(b, s)
+            representatives, row_of_layer = self.groups(micro_batch, seq_len)
             self._rows[key] = ([LayerRow.from_numbers(row) for row in representatives], row_of_layer)
         return self._rows[key]
 
-    def rows(self, b: int, s: int) -> list[dict[str, float]]:
+    def rows(self, micro_batch: int, seq_len: int) -> list[dict[str, float]]:
         """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached): every
         ``EXPR_FIELDS`` entry as a float, every ``INT_FIELDS`` entry as an int."""
-        key = (b, s)
+        key = (micro_batch, seq_len)
         if key not in self._rows:
             numbers = []
-            for row in self.table.numeric(b, s):
+            for row in self.table.numeric(micro_batch, seq_len):
                 row.update({name: int(row[name]) for name in INT_FIELDS})
                 numbers.append(row)
             self._rows[key] = numbers
         return self._rows[key]
 
-    def flops_per_sequence(self, s: int) -> float:
+    def flops_per_sequence(self, seq_len: int) -> float:
         """Forward + backward FLOPs of one sequence through the whole model (no recompute)."""
-        return sum(r["fwd_flops"] + r["bwd_flops"] for r in self.rows(1, s))
+        return sum(row["fwd_flops"] + row["bwd_flops"] for row in self.rows(1, seq_len))
 
     def total_params(self) -> int:
         return int(sum(lay.param_count for lay in self.layers))
@@ -251,9 +251,9 @@ class Candidate:
 
     def describe(self) -> str:
         off = [
-            f"{k} on {v}"
-            for k, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
-            if v != "none"
+            f"{kind} on {tier}"
+            for kind, tier in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
+            if tier != "none"
         ]
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
@@ -395,16 +395,16 @@ class CandidateCosts:
         self.layers = layers
         if distinct is None:
             counts: dict[LayerCost, int] = {}
-            for c in layers:
-                counts[c] = counts.get(c, 0) + 1
+            for cost in layers:
+                counts[cost] = counts.get(cost, 0) + 1
             distinct = list(counts.items())
         self.distinct = distinct
         """Each distinct layer cost with the number of layers that have it."""
         self.hw = hw
         self.capacity = capacity
         self.placements = boundary_placements(cand.dp, cand.tp, cand.pp, gpus_per_node)
-        p, m = cand.pp, cand.num_micro_batches
-        self.inflight = [inflight_microbatches(k, p, m) for k in range(p)]
+        pp, micro_batches = cand.pp, cand.num_micro_batches
+        self.inflight = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
         self._send: dict[tuple[float, int], float] = {}
         self.loss_transient_b = 0.0
         """The last layer's backward transient (a language model's loss: ``2 x logits``)."""
@@ -427,16 +427,18 @@ class CandidateCosts:
     def send_s(self, layer: int, boundary: int) -> float:
         """Seconds to send layer ``layer``'s output across pipeline boundary ``boundary``."""
         key = (self.layers[layer].boundary_b, boundary)
-        t = self._send.get(key)
-        if t is None:  # a blocking transfer: the alpha-beta time and one wait for the peer
-            t = float(collective_time("send", key[0], self.placements[boundary], self.hw)) + self.hw.sync_overhead_s
-            self._send[key] = t
-        return t
+        seconds = self._send.get(key)
+        if seconds is None:  # a blocking transfer: the alpha-beta time and one wait for the peer
+            seconds = (
+                float(collective_time("send", key[0], self.placements[boundary], self.hw)) + self.hw.sync_overhead_s
+            )
+            self._send[key] = seconds
+        return seconds
 
     def is_uniform(self) -> bool:
         """True when the blocks (rows 1..L) cost the same, except possibly the last one: the ILP
         can then count blocks per stage."""
-        return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-2])
+        return self.num_layers >= 3 and all(cost == self.layers[1] for cost in self.layers[2:-2])
 
 
 @dataclass(frozen=True)
@@ -623,8 +625,8 @@ def _zero_collectives(
         return list(collectives), []
     if zero_stage == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
         return (
-            [c for c in collectives if c[0] == "reduce_scatter"],
-            [c for c in collectives if c[0] != "reduce_scatter"],
+            [collective for collective in collectives if collective[0] == "reduce_scatter"],
+            [collective for collective in collectives if collective[0] != "reduce_scatter"],
         )
     return [], list(collectives)
 
@@ -656,9 +658,9 @@ class _TpTimes(NamedTuple):
     rec_sent_b: float
 
 
-def _memory_bound_bytes(amount: Sharded, tp_loss_bytes: float, tp: int, sp: bool) -> float:
+def _memory_bound_bytes(amount: Sharded, tp_loss_bytes: float, tp: int, sequence_parallel: bool) -> float:
     """Memory-bound bytes per device, with the runtime's vocab-parallel loss at tp > 1."""
-    per_device = amount.per_device(tp, sp)
+    per_device = amount.per_device(tp, sequence_parallel)
     if tp > 1:
         per_device = max(per_device + tp_loss_bytes / tp, 0.0)
     return per_device
@@ -679,16 +681,19 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
     forward op). Backward also accumulates each micro-batch's weight gradients into the gradient
     buffers: read both, write one, 3 x the layer's gradient bytes. Compiled: a few region calls
     instead of every operator's, and fused memory-bound chains (module docstring)."""
-    tp, sp = setting.tp, setting.sequence_parallel
+    tp, sequence_parallel = setting.tp, setting.sequence_parallel
     if setting.compiled:
         ops_s = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
         fused = COMPILED_BYTES_FRACTION
     else:
         ops_s, fused = row.num_ops * hw.op_overhead_s, 1.0
     accumulate = 3 * params * bytes_per_param(dtype)["grads"]
-    fwd_flops, bwd_flops = row.fwd_flops.per_device(tp, sp), row.bwd_flops.per_device(tp, sp)
-    fwd_bytes = _memory_bound_bytes(row.fwd_bytes, row.tp_loss_fwd_bytes, tp, sp)
-    bwd_bytes = _memory_bound_bytes(row.bwd_bytes, row.tp_loss_bwd_bytes, tp, sp)
+    fwd_flops, bwd_flops = (
+        row.fwd_flops.per_device(tp, sequence_parallel),
+        row.bwd_flops.per_device(tp, sequence_parallel),
+    )
+    fwd_bytes = _memory_bound_bytes(row.fwd_bytes, row.tp_loss_fwd_bytes, tp, sequence_parallel)
+    bwd_bytes = _memory_bound_bytes(row.bwd_bytes, row.tp_loss_bwd_bytes, tp, sequence_parallel)
     device_fwd = _device_seconds(fwd_flops, row.fwd_gemms, fused * fwd_bytes, hw, dtype, tp)
     device_bwd = _device_seconds(bwd_flops, row.bwd_gemms, fused * bwd_bytes + accumulate, hw, dtype, tp)
     # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
@@ -703,10 +708,17 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
     core = row.core
     core_ops_s = (min(core.num_ops, COMPILED_REGION_OPS) if setting.compiled else core.num_ops) * hw.op_overhead_s
     device_core = _device_seconds(
-        core.fwd_flops.per_device(tp, sp), core.gemms, fused * core.fwd_bytes.per_device(tp, sp), hw, dtype, tp
+        core.fwd_flops.per_device(tp, sequence_parallel),
+        core.gemms,
+        fused * core.fwd_bytes.per_device(tp, sequence_parallel),
+        hw,
+        dtype,
+        tp,
     )
     selective_s = (
-        hw.recompute_ratio * combine(device_core, core_ops_s) if core.saved_bytes.per_device(tp, sp) > 0 else 0.0
+        hw.recompute_ratio * combine(device_core, core_ops_s)
+        if core.saved_bytes.per_device(tp, sequence_parallel) > 0
+        else 0.0
     )
     return _PassTimes(forward_s, backward_s, wgrad_s, selective_s)
 
@@ -767,11 +779,11 @@ def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTi
 
 def _row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting) -> tuple[LayerCost, float]:
     """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
-    tp, sp = setting.tp, setting.sequence_parallel
+    tp, sequence_parallel = setting.tp, setting.sequence_parallel
     params = int(split_by_tp(row.param_count.tp_part, row.param_count.whole - row.param_count.tp_part, tp))
     passes = _pass_times(row, hw, dtype, setting, params)
     tp_comm = _tp_times(row, hw, setting)
-    saved = row.saved_bytes.per_device(tp, sp)
+    saved = row.saved_bytes.per_device(tp, sequence_parallel)
     gradient_bytes = bytes_per_param(dtype)["grads"] * row.largest_param.per_device_elements(tp)
     work = LayerCost(
         compute_s=passes.forward_s + passes.backward_s,
@@ -789,8 +801,8 @@ def _row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetti
         trans_grads_b=0,
         bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes)),
         saved_b=saved,
-        input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sp),
-        boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sp),
+        input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sequence_parallel),
+        boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sequence_parallel),
         tp_sent_b=tp_comm.fwd_sent_b,
         tp_bwd_sent_b=tp_comm.bwd_sent_b,
         tp_rec_sent_b=tp_comm.rec_sent_b,
@@ -798,10 +810,10 @@ def _row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetti
         dp_step_sent_b=0.0,
         num_params=params,
         wgrad_s=passes.wgrad_s,
-        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, setting.tokens, sp),
+        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, setting.tokens, sequence_parallel),
         sel_rec_s=passes.selective_s,
-        sel_saved_b=row.core.saved_bytes.per_device(tp, sp),
-        tail_b=min(max(row.tail_saved_bytes.per_device(tp, sp), 0.0), saved),
+        sel_saved_b=row.core.saved_bytes.per_device(tp, sequence_parallel),
+        tail_b=min(max(row.tail_saved_bytes.per_device(tp, sequence_parallel), 0.0), saved),
     )
     return work, passes.backward_s
 
@@ -813,21 +825,21 @@ def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selectiv
     if not selective:
         return list(layers)
     return [
-        dataclasses.replace(l, saved_b=l.saved_b - l.sel_saved_b, bt_b=max(l.bt_b, l.sel_saved_b))
+        dataclasses.replace(layer, saved_b=layer.saved_b - layer.sel_saved_b, bt_b=max(layer.bt_b, layer.sel_saved_b))
         if i in selective
-        else l
-        for l, i in zip(layers, indices)
+        else layer
+        for layer, i in zip(layers, indices)
     ]
 
 
-def check_selective(cc: CandidateCosts, checkpoint: frozenset, selective: frozenset) -> None:
+def check_selective(costs: CandidateCosts, checkpoint: frozenset, selective: frozenset) -> None:
     """Selective layers exist, have attention cores and are not also recomputed whole."""
-    n = cc.num_layers
+    n = costs.num_layers
     if any(not 0 <= i < n for i in selective):
         raise ValueError(f"selective layers {sorted(selective)} outside 0..{n - 1}")
     if checkpoint & selective:
         raise ValueError(f"layers {sorted(checkpoint & selective)} are both recomputed whole and selectively")
-    bad = sorted(i for i in selective if cc.layers[i].sel_saved_b <= 0)
+    bad = sorted(i for i in selective if costs.layers[i].sel_saved_b <= 0)
     if bad:
         raise ValueError(f"layers {bad} have no attention core to recompute selectively")
 
@@ -897,7 +909,7 @@ def evaluate(
 ) -> Evaluation:
     """Price a strategy of candidate ``costs.cand`` (see the module docstring for every formula)."""
     cand = costs.cand
-    m = cand.num_micro_batches
+    micro_batches = cand.num_micro_batches
     ranges = _checked_stages(stages, cand.pp, costs.num_layers)
     checkpointed = frozenset(int(i) for i in checkpoint)
     if any(not 0 <= i < costs.num_layers for i in checkpointed):
@@ -908,21 +920,23 @@ def evaluate(
     critical = critical_stages(out)
     micro_step = max(stage.micro_step_s for stage in out)
     tail = out[critical.tail].dp_s + out[critical.tail].opt_s
-    fill = pipeline_time([stage.micro_step_s for stage in out], m) - m * micro_step  # the other stages' fill and drain
+    fill = (
+        pipeline_time([stage.micro_step_s for stage in out], micro_batches) - micro_batches * micro_step
+    )  # the other stages' fill and drain
     bottleneck = out[critical.bottleneck]
     extra, fits = capacity_extra(costs, out, [range(first, last + 1) for first, last in ranges])
     return Evaluation(
         strategy=Strategy(cand, ranges, checkpointed, selective=selected),
         stages=out,
-        step_time_s=m * micro_step + fill + tail,
+        step_time_s=micro_batches * micro_step + fill + tail,
         micro_step_s=micro_step,
         tail_s=tail,
-        time=time_breakdown(out, m, critical, pp_bubble=fill + m * bottleneck.p2p_s),
+        time=time_breakdown(out, micro_batches, critical, pp_bubble=fill + micro_batches * bottleneck.p2p_s),
         memory=dict(out[critical.peak].memory),
         peak_stage=critical.peak,
         bottleneck_stage=critical.bottleneck,
         comm_bytes_per_device=max(stage.comm_bytes for stage in out),
-        bubble_fraction=fill / (m * micro_step + fill) if micro_step > 0 else 0.0,
+        bubble_fraction=fill / (micro_batches * micro_step + fill) if micro_step > 0 else 0.0,
         feasible=fits,
         capacity=costs.capacity,
         extra=extra,
@@ -1056,18 +1070,20 @@ def critical_stages(stages: Sequence[StageCost]) -> CriticalStages:
     )
 
 
-def time_breakdown(stages: Sequence[StageCost], m: int, critical: CriticalStages, pp_bubble: float) -> dict[str, float]:
+def time_breakdown(
+    stages: Sequence[StageCost], micro_batches: int, critical: CriticalStages, pp_bubble: float
+) -> dict[str, float]:
     """plan.json's ``predicted.time``: the bottleneck stage's micro-steps, the tail stage's step
     parts, and the schedule's pipeline overhead (module docstring, "Time breakdown")."""
     busiest, tail = stages[critical.bottleneck], stages[critical.tail]
     return {
-        "compute": m * busiest.compute_s,
-        "recompute": m * busiest.recompute_s,
-        "tp_comm": m * busiest.tp_s,
+        "compute": micro_batches * busiest.compute_s,
+        "recompute": micro_batches * busiest.recompute_s,
+        "tp_comm": micro_batches * busiest.tp_s,
         "pp_bubble": pp_bubble,
-        "dp_comm": m * (busiest.zero_mb_s - busiest.offload_mb_s) + tail.dp_s - tail.offload_step_s,
+        "dp_comm": micro_batches * (busiest.zero_mb_s - busiest.offload_mb_s) + tail.dp_s - tail.offload_step_s,
         "optimizer": tail.opt_s,
-        "offload": m * busiest.offload_mb_s + tail.offload_step_s,
+        "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
     }
 
 
@@ -1106,98 +1122,104 @@ def capacity_extra(
     return extra, bound <= costs.capacity and fits_offload
 
 
-def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
+def pipeline_time(micro_steps: Sequence[float], micro_batches: int) -> float:
     """1F1B's time for ``m`` micro-batches over stages of these micro-step times (fwd + bwd):
     ``(m - 1) max_k T_k + sum_k T_k``: exact for equal stages; never below the schedule simulated
     with unequal ones whose backward/forward ratio is the same, a few percent below it when the
     ratios differ (a stage waits on a slower neighbour's gradient); always at or under the textbook
     ``(m + p - 1) max_k T_k`` (``tests/runtime/test_schedule.py`` checks these against
     ``runtime.contract.schedule_ir.simulate``)."""
-    return (m - 1) * max(micro_steps) + sum(micro_steps)
+    return (micro_batches - 1) * max(micro_steps) + sum(micro_steps)
 
 
-def memory_bound(ev: Evaluation) -> int:
+def memory_bound(evaluation: Evaluation) -> int:
     """The conservative peak an evaluation's feasibility is judged by (the ILP's memory)."""
-    return int(ev.extra.get("memory_bound", ev.memory["total"]))
+    return int(evaluation.extra.get("memory_bound", evaluation.memory["total"]))
 
 
 def _stage_memory(
-    cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int, inflight: float | None = None
+    costs: CandidateCosts,
+    layers: Sequence[LayerCost],
+    recomputed: Sequence[bool],
+    stage: int,
+    inflight: float | None = None,
 ) -> tuple[dict, int]:
     """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
     conservative bound (see ``cost_models.memory``: "Backward transients"). ``inflight``: the
     micro-batches of the stage's activations held at once when the schedule is not 1F1B
     (``cost_models.schedule_cost``)."""
-    cand = cc.cand
-    p, m, z, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
-    leave = buckets_leave(z, dp, cand.offload_optimizer)
+    cand = costs.cand
+    pp, micro_batches, zero_stage, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
+    leave = buckets_leave(zero_stage, dp, cand.offload_optimizer)
 
     def acts(transient: float) -> float:
         return float(
             stage_activation_bytes(
-                [l.saved_b for l in ls],
-                [l.input_b for l in ls],
-                rc,
-                k,
-                p,
-                m,
+                [layer.saved_b for layer in layers],
+                [layer.input_b for layer in layers],
+                recomputed,
+                stage,
+                pp,
+                micro_batches,
                 transient_peak=transient,
                 inflight=inflight,
             )
         )
 
-    params = sum(l.params_b for l in ls)
-    grads = sum(l.grads_b for l in ls)
-    optim = sum(l.optimizer_b for l in ls)
-    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp, cand.offload_optimizer, cand.offload_params)
+    params = sum(layer.params_b for layer in layers)
+    grads = sum(layer.grads_b for layer in layers)
+    optim = sum(layer.optimizer_b for layer in layers)
+    zero_buffers = zero_transient_bytes(
+        [layer.num_params for layer in layers], costs.dtype, zero_stage, dp, cand.offload_optimizer, cand.offload_params
+    )
     # (a) the stage's last layer runs backward first: all transients but the ZeRO-2/3 reductions
     # (none launched yet); with one micro-batch per step the gradient shards do not exist yet.
-    shards_later = leave and m == 1
-    a = {
-        "params": params + zt["params"],
+    shards_later = leave and micro_batches == 1
+    backward_first = {
+        "params": params + zero_buffers["params"],
         "grads": 0 if shards_later else grads,
         "optimizer": optim,
-        "activations": acts(max(l.bt_b for l in ls)),
+        "activations": acts(max(layer.bt_b for layer in layers)),
     }
-    moments = [a]
+    moments = [backward_first]
     if leave:
         # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
         # flight, while the later layers' activations of this micro-batch are released.
-        held = inflight_microbatches(k, p, m) if inflight is None else inflight
-        keep = [l.input_b if r else l.saved_b for l, r in zip(ls, rc)]
-        red = [reduction_bytes(l.num_params, cc.dtype, dp) for l in ls]
-        for j in range(len(ls) - 1):
-            running = max(ls[j].bt_b, ls[j].saved_b if rc[j] else 0.0)
+        held = inflight_microbatches(stage, pp, micro_batches) if inflight is None else inflight
+        keep = [layer.input_b if whole else layer.saved_b for layer, whole in zip(layers, recomputed)]
+        red = [reduction_bytes(layer.num_params, costs.dtype, dp) for layer in layers]
+        for j in range(len(layers) - 1):
+            running = max(layers[j].bt_b, layers[j].saved_b if recomputed[j] else 0.0)
             moments.append(
                 {
-                    "params": params + zt["params"],
+                    "params": params + zero_buffers["params"],
                     "optimizer": optim,
                     "grads": grads + sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1]),
                     "activations": (held - 1) * sum(keep) + sum(keep[: j + 1]) + running,
                 }
             )
-    mem = max(moments, key=lambda d: sum(d.values()))
-    mem = {key: int(math.ceil(v)) for key, v in mem.items()}
+    mem = max(moments, key=lambda moment: sum(moment.values()))
+    mem = {key: int(math.ceil(value)) for key, value in mem.items()}
     mem["total"] = sum(mem.values())
-    big = max(ls, key=lambda l: l.trans_b)
-    bound = params + grads + optim + big.trans_b + acts(max(l.bt_b for l in ls))
+    big = max(layers, key=lambda layer: layer.trans_b)
+    bound = params + grads + optim + big.trans_b + acts(max(layer.bt_b for layer in layers))
     return mem, int(math.ceil(bound))
 
 
-def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:
+def predicted_fields(evaluation: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:
     """plan.json's ``predicted`` block for an evaluation (model FLOPs: recompute excluded)."""
-    tflops = flops_per_step / ev.step_time_s / gpus / 1e12 if ev.step_time_s > 0 else 0.0
+    tflops = flops_per_step / evaluation.step_time_s / gpus / 1e12 if evaluation.step_time_s > 0 else 0.0
     return {
-        "step_time_s": float(ev.step_time_s),
-        "peak_memory_bytes": int(ev.memory["total"]),
+        "step_time_s": float(evaluation.step_time_s),
+        "peak_memory_bytes": int(evaluation.memory["total"]),
         "tflops_per_device": float(tflops),
         "mfu": float(tflops * 1e12 / peak_flops),
-        "comm_bytes_per_device": float(ev.comm_bytes_per_device),
-        "bubble_fraction": float(ev.bubble_fraction),
+        "comm_bytes_per_device": float(evaluation.comm_bytes_per_device),
+        "bubble_fraction": float(evaluation.bubble_fraction),
         "memory": {
-            **{k: int(v) for k, v in ev.memory.items()},
-            "host": int(ev.extra.get("host_bytes", 0)),
-            "nvme": int(ev.extra.get("nvme_bytes", 0)),
+            **{k: int(value) for k, value in evaluation.memory.items()},
+            "host": int(evaluation.extra.get("host_bytes", 0)),
+            "nvme": int(evaluation.extra.get("nvme_bytes", 0)),
         },
-        "time": {k: float(v) for k, v in ev.time.items()},
+        "time": {k: float(value) for k, value in evaluation.time.items()},
     }

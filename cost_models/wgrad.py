@@ -40,14 +40,14 @@ def wgrad_device_time(
     return float(layer_matmul_time(gemm_flops(weight_products, tp), weight_products, hw, dtype, tp))
 
 
-def wgrad_kept_bytes(row: LayerRow, dtype: str, tp: int, tokens: float, sp: bool = False) -> float:
+def wgrad_kept_bytes(row: LayerRow, dtype: str, tp: int, tokens: float, sequence_parallel: bool = False) -> float:
     """Bytes per device of the output gradients ``W`` needs, for one micro-batch of the layer:
     those of every node that reads a weight (``frontier_out_bytes``: products and norms), else
     (a table without that field) of the listed products that multiply the tokens by a weight."""
     if row.frontier_out_bytes.whole > 0:
-        return float(row.frontier_out_bytes.per_device(tp, sp))
+        return float(row.frontier_out_bytes.per_device(tp, sequence_parallel))
     token_products = [gemm for gemm in row.fwd_gemms if gemm.batch == 1 and abs(gemm.m - tokens) < 0.5]
     return float(
-        sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(token_products, tp))
+        sum(rows * cols * batch * count for rows, cols, _inner, batch, count in per_device_gemms(token_products, tp))
         * bytes_per_param(dtype)["weights"]
     )
