@@ -122,13 +122,18 @@ class GroupPlacement:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GroupPlacement.{name} must be a positive integer (got {value!r})")
-        fewest, most = self.min_ranks_per_node, self.ranks_per_node
+        fewest, most = self.fewest_per_node, self.ranks_per_node
         if fewest > most:
             raise ValueError(f"GroupPlacement: min_ranks_per_node {fewest} > ranks_per_node {most}")
         if not (most + (self.nodes - 1) * fewest <= self.size <= fewest + (self.nodes - 1) * most):
             raise ValueError(
                 f"GroupPlacement: {self.size} ranks cannot sit on {self.nodes} nodes with {fewest}..{most} ranks per node"
             )
+
+    @property
+    def fewest_per_node(self) -> int:
+        """``min_ranks_per_node``, resolved (``ranks_per_node`` when even)."""
+        return self.ranks_per_node if self.min_ranks_per_node is None else self.min_ranks_per_node
 
     @property
     def intra_node(self) -> bool:
@@ -172,7 +177,7 @@ def axis_placement(axis: str, dp: int, tp: int, pp: int, gpus_per_node: int) -> 
     key = None
     for group in groups:
         placement = group_placement(group, gpus_per_node)
-        rank_key = (placement.nodes, -placement.min_ranks_per_node, placement.ranks_per_node)
+        rank_key = (placement.nodes, -placement.fewest_per_node, placement.ranks_per_node)
         if key is None or rank_key > key:
             worst, key = placement, rank_key
     assert worst is not None
@@ -243,7 +248,7 @@ def hierarchical_time(kind: str, size_bytes: Any, group: GroupPlacement | Sequen
         placement.size,
         placement.nodes,
         placement.ranks_per_node,
-        placement.min_ranks_per_node,
+        placement.fewest_per_node,
     )
     full = size_bytes
     inter_alpha, inter_bandwidth = hw.link(kind, False)

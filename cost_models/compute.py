@@ -273,6 +273,8 @@ def _numeric_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: 
 def _default_curve(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
     """The default curve of the module docstring (case 2), numeric sizes > 0."""
     sms = hw.sm_count
+    if sms is None:
+        raise ValueError(f"hardware {hw.name!r} has no sm_count: the default GEMM curve needs it")
     peak = hw.peak(dtype)
     tile_rows, tile_cols = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
     tiles = batch * tile_rows * tile_cols

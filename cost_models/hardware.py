@@ -256,7 +256,7 @@ class HardwareProfile:
     def _check_optional_fields(self) -> None:
         """The GEMM, host-link and offload fields: absent, or valid."""
         if self.sm_count is not None:
-            value = self.sm_count
+            value: Any = self.sm_count
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, "sm_count", int(value))
             if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:

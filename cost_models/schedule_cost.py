@@ -140,7 +140,8 @@ def split_chunks(costs: Sequence[float], num_chunks: int) -> tuple[tuple[int, in
         raise ValueError(f"cannot cut {n} layers into {num_chunks} non-empty chunks")
 
     def cut(limit: float) -> list[tuple[int, int]] | None:
-        out, start, acc = [], 0, 0.0
+        out: list[tuple[int, int]] = []
+        start, acc = 0, 0.0
         for i, cost in enumerate(costs):
             left = num_chunks - len(out) - 1  # chunks still to open after the current one
             if i > start and (acc + cost > limit or n - i == left):

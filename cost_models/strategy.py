@@ -176,12 +176,13 @@ class NumericTable:
         self.work_memo: dict[tuple, Any] = {}
         """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
 
-    def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, float]], list[int]]:
+    def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, Any]], list[int]]:
         """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
         key = ("groups", micro_batch, seq_len)
         if key not in self._rows:
             distinct: dict[tuple, int] = {}
-            representatives, row_of_layer = [], []
+            representatives: list[dict[str, Any]] = []
+            row_of_layer: list[int] = []
             for row in self.rows(micro_batch, seq_len):
                 values = tuple(row[name] for name in EXPR_FIELDS + INT_FIELDS)
                 values += tuple(row.get(name, ()) for name in GEMM_FIELDS)
@@ -200,7 +201,7 @@ class NumericTable:
             self._rows[key] = ([LayerRow.from_numbers(row) for row in representatives], row_of_layer)
         return self._rows[key]
 
-    def rows(self, micro_batch: int, seq_len: int) -> list[dict[str, float]]:
+    def rows(self, micro_batch: int, seq_len: int) -> list[dict[str, Any]]:
         """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached): every
         ``EXPR_FIELDS`` entry as a float, every ``INT_FIELDS`` entry as an int."""
         key = (micro_batch, seq_len)
