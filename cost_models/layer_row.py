@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from passes.layer_table import Gemm
+from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerTable
 
-__all__ = ["Sharded", "Largest", "TensorParallelTraffic", "AttentionCore", "LayerRow"]
+__all__ = ["Sharded", "Largest", "TensorParallelTraffic", "AttentionCore", "LayerRow", "NumericTable"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +174,74 @@ class LayerRow:
                 gemms=tuple(numbers.get("core_gemms", ())),
             ),
         )
+
+
+class NumericTable:
+    """A layer table with its symbolic costs turned into numbers, cached per ``(b, s)``.
+
+    Reads the one layer-table schema (``passes.layer_table``: ``EXPR_FIELDS`` and ``INT_FIELDS``);
+    ``LayerTable.numeric`` compiles each distinct expression once (identical blocks share
+    expressions, so a 96-block table costs about as much as a 3-layer one) and rejects sizes the
+    trace fixed. ``groups`` lists the distinct rows, which is what the per-candidate costs are
+    computed from.
+    """
+
+    def __init__(self, table: LayerTable):
+        self.table = table
+        self.layers = list(table.layers)
+        if not self.layers:
+            raise ValueError("the layer table is empty")
+        self.names = [lay.name for lay in self.layers]
+        self.kinds = [lay.kind for lay in self.layers]
+        self.model = dict(table.model)
+        self.num_blocks = sum(1 for kind in self.kinds if kind == "block")
+        self.tied = [tie for tie in table.tied if tie["layers"][0] < tie["layers"][1]]
+        """Weights read by several rows (``LayerTable.tied``): with pipeline stages each stage that
+        reads one holds a copy (priced by ``cost_models.tied_cost``)."""
+        self._rows: dict[tuple, Any] = {}
+        self.work_memo: dict[tuple, Any] = {}
+        """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
+
+    def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
+        key = ("groups", micro_batch, seq_len)
+        if key not in self._rows:
+            distinct: dict[tuple, int] = {}
+            representatives: list[dict[str, Any]] = []
+            row_of_layer: list[int] = []
+            for row in self.rows(micro_batch, seq_len):
+                values = tuple(row[name] for name in EXPR_FIELDS + INT_FIELDS)
+                values += tuple(row.get(name, ()) for name in GEMM_FIELDS)
+                if values not in distinct:
+                    distinct[values] = len(representatives)
+                    representatives.append(row)
+                row_of_layer.append(distinct[values])
+            self._rows[key] = (representatives, row_of_layer)
+        return self._rows[key]
+
+    def layer_rows(self, micro_batch: int, seq_len: int) -> tuple[list[LayerRow], list[int]]:
+        """:meth:`groups` as typed rows (cached: a row's identity keys ``work_memo``)."""
+        key = ("layer_rows", micro_batch, seq_len)
+        if key not in self._rows:
+            representatives, row_of_layer = self.groups(micro_batch, seq_len)
+            self._rows[key] = ([LayerRow.from_numbers(row) for row in representatives], row_of_layer)
+        return self._rows[key]
+
+    def rows(self, micro_batch: int, seq_len: int) -> list[dict[str, Any]]:
+        """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached): every
+        ``EXPR_FIELDS`` entry as a float, every ``INT_FIELDS`` entry as an int."""
+        key = (micro_batch, seq_len)
+        if key not in self._rows:
+            numbers = []
+            for row in self.table.numeric(micro_batch, seq_len):
+                row.update({name: int(row[name]) for name in INT_FIELDS})
+                numbers.append(row)
+            self._rows[key] = numbers
+        return self._rows[key]
+
+    def flops_per_sequence(self, seq_len: int) -> float:
+        """Forward + backward FLOPs of one sequence through the whole model (no recompute)."""
+        return sum(row["fwd_flops"] + row["bwd_flops"] for row in self.rows(1, seq_len))
+
+    def total_params(self) -> int:
+        return int(sum(lay.param_count for lay in self.layers))

@@ -55,6 +55,7 @@ import math
 from typing import Any, Sequence
 
 from cost_models.compute import smax
+from runtime.contract.choices import OffloadTier
 from runtime.contract.dtype_table import DTYPES
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
@@ -136,7 +137,7 @@ def model_state_bytes(
         raise ValueError(f"largest_layer_params ({largest_layer_params}) cannot exceed num_params ({num_params})")
     sizes = bytes_per_param(dtype)
     shard = shard_elements(num_params, dp)
-    opt_off, par_off = offload_optimizer != "none", offload_params != "none"
+    opt_off, par_off = offload_optimizer != OffloadTier.NONE, offload_params != OffloadTier.NONE
     opt_elems = 0 if opt_off else shard if zero_stage >= 1 else num_params
     grad_elems = 0 if opt_off and zero_stage >= 2 else shard if zero_stage >= 2 else num_params
     weight_elems = 0 if par_off else shard if zero_stage >= 3 else num_params
@@ -153,13 +154,13 @@ def model_state_bytes(
 def gathers_params(zero_stage: int, dp: int, offload_params: str = "none") -> bool:
     """Whether layers' full weights are materialized just before use: ZeRO-3 all-gathers them over
     ``dp > 1`` ranks, and offloaded parameters are fetched from the host even at ``dp = 1``."""
-    return (zero_stage == 3 and dp > 1) or offload_params != "none"
+    return (zero_stage == 3 and dp > 1) or offload_params != OffloadTier.NONE
 
 
 def buckets_leave(zero_stage: int, dp: int, offload_optimizer: str = "none") -> bool:
     """Whether each layer's gradient leaves in its own bucket as backward produces it: ZeRO-2/3's
     reduce-scatter over ``dp > 1`` ranks, and an offloaded optimizer's copy to the host at ZeRO 2/3."""
-    return zero_stage >= 2 and (dp > 1 or offload_optimizer != "none")
+    return zero_stage >= 2 and (dp > 1 or offload_optimizer != OffloadTier.NONE)
 
 
 def inflight_microbatches(stage_index: int, num_stages: int, num_microbatches: int) -> int:

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import bytes_per_param
-from runtime.contract.choices import OffloadTier
+from runtime.contract.choices import OffloadTier, names
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
 __all__ = [
@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 #: Where a state kind may live: on the device, in host memory, in NVMe files.
-TIERS: tuple[str, ...] = ("none", "cpu", "nvme")
+TIERS: tuple[str, ...] = names(OffloadTier)
 
 #: Bytes per parameter of the offloaded optimizer state: fp32 master weights and two fp32 moments.
 STATE_BYTES = 12
@@ -109,12 +109,12 @@ def check_offload(optimizer: str, params: str, zero_stage: int) -> str | None:
     for kind, tier in (("optimizer", optimizer), ("params", params)):
         if tier not in TIERS:
             return f"offload of {kind} must be one of {', '.join(TIERS)} (got {tier!r})"
-    if params != "none" and zero_stage != 3:
+    if params != OffloadTier.NONE and zero_stage != 3:
         return (
             f"offloading parameters ({params}) needs ZeRO stage 3, which shards them (got ZeRO "
             f"{zero_stage}); use --zero-stage 3 or --offload-params none"
         )
-    if optimizer != "none" and zero_stage not in (1, 2, 3):
+    if optimizer != OffloadTier.NONE and zero_stage not in (1, 2, 3):
         return (
             f"offloading the optimizer ({optimizer}) needs ZeRO stage 1, 2 or 3 (got ZeRO {zero_stage}); "
             "use --zero-stage 1, 2 or 3 or --offload-optimizer none"
@@ -125,11 +125,11 @@ def check_offload(optimizer: str, params: str, zero_stage: int) -> str | None:
 def offload_missing(hw: HardwareProfile, optimizer: str, params: str) -> list[str]:
     """The profile fields an offload setting needs and ``hw`` lacks (empty: it can be priced)."""
     need: list[str] = []
-    if optimizer != "none" or params != "none":
+    if optimizer != OffloadTier.NONE or params != OffloadTier.NONE:
         need += ["host_device_bandwidth", "host_memory_bytes"]
-    if optimizer != "none":
+    if optimizer != OffloadTier.NONE:
         need.append("cpu_adam_params_per_s")
-    if "nvme" in (optimizer, params):
+    if OffloadTier.NVME in (optimizer, params):
         need += ["nvme_bytes", "nvme_read_bandwidth", "nvme_write_bandwidth"]
     return [f for f in dict.fromkeys(need) if getattr(hw, f) is None]
 
@@ -170,14 +170,14 @@ def host_state_bytes(shard: int, dtype: str, optimizer: str, params: str) -> tup
     """``(host, nvme)`` bytes of one rank's offloaded state for a shard of ``shard`` parameters."""
     weight_bytes = bytes_per_param(dtype)["weights"]
     host = nvme = 0
-    if optimizer == "cpu":
+    if optimizer == OffloadTier.CPU:
         host += shard * (STATE_BYTES + GRAD_ACCUMULATOR_BYTES)
-    elif optimizer == "nvme":
+    elif optimizer == OffloadTier.NVME:
         host += shard * GRAD_ACCUMULATOR_BYTES
         nvme += shard * STATE_BYTES
-    if params == "cpu":
+    if params == OffloadTier.CPU:
         host += shard * weight_bytes
-    elif params == "nvme":
+    elif params == OffloadTier.NVME:
         nvme += shard * weight_bytes
     return int(host), int(nvme)
 
@@ -190,7 +190,10 @@ def offload_breakdown(
     breakdown = {"host": {"optimizer": 0, "params": 0, "buffers": int(buffers)}, "nvme": {"optimizer": 0, "params": 0}}
     for num_params in layer_params:
         shard = math.ceil(num_params / dp) if zero_stage >= 1 and num_params else int(num_params)
-        for kind, (optimizer_tier, params_tier) in (("optimizer", (optimizer, "none")), ("params", ("none", params))):
+        for kind, (optimizer_tier, params_tier) in (
+            ("optimizer", (optimizer, OffloadTier.NONE)),
+            ("params", (OffloadTier.NONE, params)),
+        ):
             host_bytes, nvme_bytes = host_state_bytes(shard, dtype, optimizer_tier, params_tier)
             breakdown["host"][kind] += host_bytes
             breakdown["nvme"][kind] += nvme_bytes
@@ -206,11 +209,11 @@ def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params:
     tier's read/write slots exist."""
     sizes = bytes_per_param(dtype)
     out = 0
-    if optimizer != "none" and staged:
+    if optimizer != OffloadTier.NONE and staged:
         out += (REDUCTIONS_IN_FLIGHT + 1) * largest_shard * sizes["grads"]
-    if params == "nvme" or (params == "cpu" and staged):
+    if params == OffloadTier.NVME or (params == OffloadTier.CPU and staged):
         out += 2 * largest_shard * sizes["weights"]
-    if optimizer == "nvme":
+    if optimizer == OffloadTier.NVME:
         out += 2 * largest_shard * STATE_BYTES
     return int(out)
 
