@@ -20,21 +20,10 @@ are those of ``fwd_flops - fwd_flops_tp + fwd_flops_tp / tp`` that the products 
 Not every matmul-class FLOP has a shape (convolutions, ``_scaled_mm``, nested attention;
 ``passes.autograd_costs``), and a table read from an older JSON has none at all, so a layer's
 matmul time is its products' time plus the rest of its FLOPs at the flat rate:
-``layer_matmul_time``. How ``cost_models.strategy`` uses it, replacing
-``compute_time(split("fwd_flops"), 0.0, hw, dtype)`` (and the same for ``bwd``) in
-``_layer_cost``::
-
-    from cost_models.gemm_cost import layer_matmul_time
-
-    dev_f = float(layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
-                  + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype))
-    dev_b = float(layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
-                  + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype))
-
-``split("fwd_flops")`` is the layer's per-device FLOPs at ``tp`` (its matmul-class work); on a
-CPU profile ``layer_matmul_time`` returns ``compute_time(split("fwd_flops"), 0.0, hw, dtype)``
-itself, bit for bit, so CPU predictions and the golden corpus do not change. The memory-bound
-bytes, the operator overhead and everything else of the layer stay as they are.
+``layer_matmul_time``. ``cost_models.layer_work`` prices each pass's matmul-class work with it
+(the per-device FLOPs at ``tp`` and the row's ``fwd_gemms`` / ``bwd_gemms``); on a CPU profile it
+returns ``compute_time(flops, 0.0, hw, dtype)`` itself, bit for bit, so CPU predictions and the
+golden corpus do not change.
 """
 
 from __future__ import annotations
