@@ -26,8 +26,7 @@ Which link? The profile gives an intra-node link (NVLink: ``intra_node_bandwidth
 on one node uses NVLink. A flat ring over several nodes is paced by its slowest hop, the network,
 so every step costs the inter-node alpha and chunk time. A profile may also give the intra-node
 link per collective kind (``intra_node_collectives``, which ``planner calibrate`` measures): a
-library's all-gather or reduce-scatter need not reach its all-reduce's bandwidth (gloo's
-reduce-scatter on one host reaches about a third), so each kind, and each intra-node phase of a
+library's all-gather or reduce-scatter need not reach its all-reduce's bandwidth, so each kind, and each intra-node phase of a
 hierarchical algorithm, is priced with its own link when the profile has one.
 
 Hierarchical algorithms (groups over ``m`` nodes with ``p`` ranks on each)
@@ -120,16 +119,21 @@ class GroupPlacement:
         if self.min_ranks_per_node is None:
             object.__setattr__(self, "min_ranks_per_node", self.ranks_per_node)
         for name in ("size", "nodes", "ranks_per_node", "min_ranks_per_node"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GroupPlacement.{name} must be a positive integer (got {v!r})")
-        lo, hi = self.min_ranks_per_node, self.ranks_per_node
-        if lo > hi:
-            raise ValueError(f"GroupPlacement: min_ranks_per_node {lo} > ranks_per_node {hi}")
-        if not (hi + (self.nodes - 1) * lo <= self.size <= lo + (self.nodes - 1) * hi):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GroupPlacement.{name} must be a positive integer (got {value!r})")
+        fewest, most = self.fewest_per_node, self.ranks_per_node
+        if fewest > most:
+            raise ValueError(f"GroupPlacement: min_ranks_per_node {fewest} > ranks_per_node {most}")
+        if not (most + (self.nodes - 1) * fewest <= self.size <= fewest + (self.nodes - 1) * most):
             raise ValueError(
-                f"GroupPlacement: {self.size} ranks cannot sit on {self.nodes} nodes with {lo}..{hi} ranks per node"
+                f"GroupPlacement: {self.size} ranks cannot sit on {self.nodes} nodes with {fewest}..{most} ranks per node"
             )
+
+    @property
+    def fewest_per_node(self) -> int:
+        """``min_ranks_per_node``, resolved (``ranks_per_node`` when even)."""
+        return self.ranks_per_node if self.min_ranks_per_node is None else self.min_ranks_per_node
 
     @property
     def intra_node(self) -> bool:
@@ -145,19 +149,19 @@ def group_placement(ranks: Sequence[int], gpus_per_node: int) -> GroupPlacement:
     """Placement of a group given its global ranks; rank ``r`` lives on node ``r // gpus_per_node``."""
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be >= 1 (got {gpus_per_node})")
-    rs = list(ranks)
-    if not rs:
+    rank_list = list(ranks)
+    if not rank_list:
         raise ValueError("a process group needs at least one rank")
-    for r in rs:
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise ValueError(f"ranks must be non-negative integers (got {r!r} in {rs})")
-    if len(set(rs)) != len(rs):
-        raise ValueError(f"ranks of a group must be distinct (got {rs})")
+    for rank in rank_list:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"ranks must be non-negative integers (got {rank!r} in {rank_list})")
+    if len(set(rank_list)) != len(rank_list):
+        raise ValueError(f"ranks of a group must be distinct (got {rank_list})")
     per_node: dict[int, int] = {}
-    for r in rs:
-        per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
+    for rank in rank_list:
+        per_node[rank // gpus_per_node] = per_node.get(rank // gpus_per_node, 0) + 1
     counts = per_node.values()
-    return GroupPlacement(len(rs), len(per_node), max(counts), min(counts))
+    return GroupPlacement(len(rank_list), len(per_node), max(counts), min(counts))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -171,11 +175,11 @@ def axis_placement(axis: str, dp: int, tp: int, pp: int, gpus_per_node: int) -> 
     groups = axis_ranks(axis, dp, tp, pp)
     worst = None
     key = None
-    for g in groups:
-        pl = group_placement(g, gpus_per_node)
-        k = (pl.nodes, -pl.min_ranks_per_node, pl.ranks_per_node)
-        if key is None or k > key:
-            worst, key = pl, k
+    for group in groups:
+        placement = group_placement(group, gpus_per_node)
+        rank_key = (placement.nodes, -placement.fewest_per_node, placement.ranks_per_node)
+        if key is None or rank_key > key:
+            worst, key = placement, rank_key
     assert worst is not None
     return worst
 
@@ -221,45 +225,60 @@ def ring_time(kind: str, size_bytes: Any, group: GroupPlacement | Sequence[int],
     """Flat ring (or pairwise / chain) time; the network paces it when the group spans nodes."""
     _check_kind(kind)
     _check_size(size_bytes)
-    pl = _placement(group, hw)
-    if pl.size <= 1:
+    placement = _placement(group, hw)
+    if placement.size <= 1:
         return 0.0
-    if kind in _P2P and pl.size != 2:
-        raise ValueError(f"a point-to-point transfer is between 2 ranks (got a group of {pl.size})")
-    steps, link_bytes = ring_terms(kind, size_bytes, pl.size)
-    alpha, bw = hw.link(kind, pl.intra_node)
-    return steps * alpha + link_bytes / bw
+    if kind in _P2P and placement.size != 2:
+        raise ValueError(f"a point-to-point transfer is between 2 ranks (got a group of {placement.size})")
+    steps, link_bytes = ring_terms(kind, size_bytes, placement.size)
+    alpha, bandwidth = hw.link(kind, placement.intra_node)
+    return steps * alpha + link_bytes / bandwidth
 
 
 def hierarchical_time(kind: str, size_bytes: Any, group: GroupPlacement | Sequence[int], hw: HardwareProfile) -> Any:
     """Two-level time (intra-node then inter-node); equal to ``ring_time`` inside one node."""
     _check_kind(kind)
     _check_size(size_bytes)
-    pl = _placement(group, hw)
-    if pl.size <= 1:
+    placement = _placement(group, hw)
+    if placement.size <= 1:
         return 0.0
-    if pl.intra_node or kind in _P2P:
-        return ring_time(kind, size_bytes, pl, hw)
-    n, m, p, p_lo = pl.size, pl.nodes, pl.ranks_per_node, pl.min_ranks_per_node
-    S = size_bytes
-    ae, be = hw.link(kind, False)
+    if placement.intra_node or kind in _P2P:
+        return ring_time(kind, size_bytes, placement, hw)
+    n, nodes, per_node, fewest_per_node = (
+        placement.size,
+        placement.nodes,
+        placement.ranks_per_node,
+        placement.fewest_per_node,
+    )
+    full = size_bytes
+    inter_alpha, inter_bandwidth = hw.link(kind, False)
 
     def intra(phase: str) -> Any:  # one reduce-scatter or all-gather of S inside a node
-        ai, bi = hw.link(phase, True)
-        return (p - 1) * ai + (p - 1) / p * S / bi
+        intra_alpha, intra_bandwidth = hw.link(phase, True)
+        return (per_node - 1) * intra_alpha + (per_node - 1) / per_node * full / intra_bandwidth
 
-    shard = S / p_lo  # what each device carries across the network
+    shard = full / fewest_per_node  # what each device carries across the network
     if kind == "all_reduce":
-        return intra("reduce_scatter") + intra("all_gather") + 2 * (m - 1) * ae + 2.0 * (m - 1) / m * shard / be
+        return (
+            intra("reduce_scatter")
+            + intra("all_gather")
+            + 2 * (nodes - 1) * inter_alpha
+            + 2.0 * (nodes - 1) / nodes * shard / inter_bandwidth
+        )
     if kind in ("all_gather", "reduce_scatter"):
-        return intra(kind) + (m - 1) * ae + (m - 1) / m * shard / be
+        return intra(kind) + (nodes - 1) * inter_alpha + (nodes - 1) / nodes * shard / inter_bandwidth
     if kind == "broadcast":
-        ai, bi = hw.link("send", True)
-        return (m - 1) * ae + S / be + (p - 1) * ai + (S / bi if p > 1 else 0.0)
+        intra_alpha, intra_bandwidth = hw.link("send", True)
+        return (
+            (nodes - 1) * inter_alpha
+            + full / inter_bandwidth
+            + (per_node - 1) * intra_alpha
+            + (full / intra_bandwidth if per_node > 1 else 0.0)
+        )
     # all_to_all: on-node share over NVLink, off-node share over the NIC, concurrently.
-    ai, bi = hw.link(kind, True)
-    on_node = (p - 1) * ai + (p - 1) / n * S / bi
-    off_node = (n - p_lo) * ae + (n - p_lo) / n * S / be
+    intra_alpha, intra_bandwidth = hw.link(kind, True)
+    on_node = (per_node - 1) * intra_alpha + (per_node - 1) / n * full / intra_bandwidth
+    off_node = (n - fewest_per_node) * inter_alpha + (n - fewest_per_node) / n * full / inter_bandwidth
     return smax(on_node, off_node)
 
 
@@ -279,15 +298,15 @@ def collective_time(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
-    pl = _placement(group, hw)
+    placement = _placement(group, hw)
     if algorithm == "ring":
-        return ring_time(kind, size_bytes, pl, hw)
+        return ring_time(kind, size_bytes, placement, hw)
     if algorithm == "hierarchical":
-        return hierarchical_time(kind, size_bytes, pl, hw)
-    flat = ring_time(kind, size_bytes, pl, hw)
-    if pl.intra_node or kind in _P2P or pl.size <= 1:
+        return hierarchical_time(kind, size_bytes, placement, hw)
+    flat = ring_time(kind, size_bytes, placement, hw)
+    if placement.intra_node or kind in _P2P or placement.size <= 1:
         return flat
-    return smin(flat, hierarchical_time(kind, size_bytes, pl, hw))
+    return smin(flat, hierarchical_time(kind, size_bytes, placement, hw))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,10 +337,10 @@ def zero_dp_collectives(num_params: int, dtype: str, zero_stage: int, dp: int) -
         raise ValueError(f"num_params must be >= 0 (got {num_params})")
     if dp == 1 or num_params == 0:
         return []
-    b = dtype_bytes(dtype)
-    padded = math.ceil(num_params / dp) * dp * b
+    element_bytes = dtype_bytes(dtype)
+    padded = math.ceil(num_params / dp) * dp * element_bytes
     if zero_stage == 0:
-        return [("all_reduce", num_params * b)]
+        return [("all_reduce", num_params * element_bytes)]
     if zero_stage == 1:
         return [("all_reduce", padded), ("all_gather", padded)]
     if zero_stage == 2:
@@ -331,7 +350,7 @@ def zero_dp_collectives(num_params: int, dtype: str, zero_stage: int, dp: int) -
 
 def total_bytes_sent(collectives: Sequence[tuple[str, Any]], n: int) -> Any:
     """Sum of ``ring_bytes`` over ``(kind, size_bytes)`` pairs issued in a group of ``n``."""
-    return sum(ring_bytes(k, s, n) for k, s in collectives)
+    return sum(ring_bytes(k, size, n) for k, size in collectives)
 
 
 #: Per-step control collectives the runtime issues besides gradients and activations:

@@ -51,13 +51,8 @@ that fraction. Three cases, in order:
    the order of a null kernel's launch-to-completion time on recent NVIDIA GPUs (NVIDIA developer
    forum). The floor is a ``max``, not an addend: in a stream of asynchronous kernels the next
    kernel's launch overlaps the running one, so only a kernel shorter than it pays it. SM counts
-   are the datasheet figures (V100 80, A100 108, H100 SXM and H200 132). Not modelled: the tail of
-   the last partial wave once there are more tiles than SMs (cuBLAS balances it with other tile
-   shapes and stream-K), cuBLAS's smaller tiles for mid-size problems (a 1024^3 product makes 64
-   tiles of 128 x 128 for 132 SMs: the curve halves its efficiency, where 64 x 128 tiles would
-   fill the SMs at some cost per tile, so it can overstate such a product's time up to 2x), L2
-   reuse. The curve is a model from public structure, not a fit to GPU measurements: no GPU
-   figure went into it. ``planner calibrate`` on the GPU replaces it with a measured table.
+   are the datasheet figures (V100 80, A100 108, H100 SXM and H200 132). ``planner calibrate`` on
+   the GPU replaces the curve with a measured table.
 3. Neither (CPU profiles): the plain roofline, ``min(e, F W / (P B))``, as ``compute_time``.
 
 Symbolic shapes: in cases 1 and 2 a shape with a sympy symbol gives an unevaluated function of
@@ -119,23 +114,23 @@ def _is_symbolic(x: Any) -> bool:
     return isinstance(x, sympy.Basic) or type(x).__module__.startswith("sympy")
 
 
-def smax(a: Any, b: Any) -> Any:
+def smax(first: Any, second: Any) -> Any:
     """``max`` that also works on sympy expressions (``sympy.Max``)."""
-    if _is_symbolic(a) or _is_symbolic(b):
-        return sympy.Max(a, b)
-    return a if a >= b else b
+    if _is_symbolic(first) or _is_symbolic(second):
+        return sympy.Max(first, second)
+    return first if first >= second else second
 
 
-def smin(a: Any, b: Any) -> Any:
+def smin(first: Any, second: Any) -> Any:
     """``min`` that also works on sympy expressions (``sympy.Min``)."""
-    if _is_symbolic(a) or _is_symbolic(b):
-        return sympy.Min(a, b)
-    return a if a <= b else b
+    if _is_symbolic(first) or _is_symbolic(second):
+        return sympy.Min(first, second)
+    return first if first <= second else second
 
 
-def _check_nonneg(name: str, v: Any) -> None:
-    if not _is_symbolic(v) and v < 0:
-        raise ValueError(f"{name} must be >= 0 (got {v!r})")
+def _check_nonneg(name: str, value: Any) -> None:
+    if not _is_symbolic(value) and value < 0:
+        raise ValueError(f"{name} must be >= 0 (got {value!r})")
 
 
 def compute_time(flops: Any, bytes_moved: Any, hw: HardwareProfile, dtype: str) -> Any:
@@ -167,8 +162,8 @@ def matmul_time(m: Any, n: Any, k: Any, hw: HardwareProfile, dtype: str, batch: 
     flops = matmul_flops(m, n, k, batch)
     if not _shape_priced(hw, dtype):
         return compute_time(flops, moved, hw, dtype)
-    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
-        _check_nonneg(name, v)
+    for name, value in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        _check_nonneg(name, value)
     if not any(_is_symbolic(x) for x in (m, n, k, batch)) and flops == 0:
         return moved / hw.memory_bandwidth
     return flops / (_peak(hw, dtype) * gemm_efficiency(hw, dtype, m, n, k, batch))
@@ -179,8 +174,8 @@ def gemms_time(gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str) 
     count)`` (``count`` identical products), each priced by its shape (``matmul_time``): the
     shape-aware replacement of ``compute_time(flops, 0, ...)`` for a layer that lists its GEMMs."""
     total: Any = 0.0
-    for g in gemms:
-        m, n, k, batch, count = (tuple(g) + (1, 1))[:5] if len(g) < 5 else tuple(g)
+    for gemm in gemms:
+        m, n, k, batch, count = (tuple(gemm) + (1, 1))[:5] if len(gemm) < 5 else tuple(gemm)
         total = total + count * matmul_time(m, n, k, hw, dtype, batch)
     return total
 
@@ -201,10 +196,10 @@ def numeric_gemms_time(
             raise ValueError(f"GEMM sizes must be >= 0 (got m={m}, n={n}, k={k}, batch={batch})")
         flops = 2 * batch * m * n * k
         if flops == 0:
-            t = batch * (m * k + k * n + m * n) * esize / hw.memory_bandwidth
+            seconds = batch * (m * k + k * n + m * n) * esize / hw.memory_bandwidth
         else:
-            t = flops / (peak * _numeric_efficiency(hw, dtype, float(m), float(n), float(k), float(batch)))
-        total = total + count * t
+            seconds = flops / (peak * _numeric_efficiency(hw, dtype, float(m), float(n), float(k), float(batch)))
+        total = total + count * seconds
     return total
 
 
@@ -237,8 +232,8 @@ def gemm_efficiency(hw: HardwareProfile, dtype: str, m: Any, n: Any, k: Any, bat
     with ``sm_count``), else the roofline (module docstring). A symbolic size gives a sympy
     expression that becomes a number once its symbols are substituted. A product with no FLOPs
     (a zero size) has no meaningful efficiency and gets ``compute_efficiency``."""
-    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
-        _check_nonneg(name, v)
+    for name, value in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        _check_nonneg(name, value)
     peak = _peak(hw, dtype)
     if not _shape_priced(hw, dtype):  # case 3: the roofline, symbolic-friendly
         flops = matmul_flops(m, n, k, batch)
@@ -278,35 +273,40 @@ def _numeric_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: 
 def _default_curve(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
     """The default curve of the module docstring (case 2), numeric sizes > 0."""
     sms = hw.sm_count
+    if sms is None:
+        raise ValueError(f"hardware {hw.name!r} has no sm_count: the default GEMM curve needs it")
     peak = hw.peak(dtype)
-    tm, tn = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
-    tiles = batch * tm * tn
+    tile_rows, tile_cols = math.ceil(m / GEMM_TILE), math.ceil(n / GEMM_TILE)
+    tiles = batch * tile_rows * tile_cols
     split = max(1.0, min(sms / tiles, k / GEMM_SPLIT_K_MIN))  # continuous: split-K and stream-K
     fill = min(1.0, tiles * split / sms)
-    padded = 2.0 * batch * (tm * GEMM_TILE) * (tn * GEMM_TILE) * k
+    padded = 2.0 * batch * (tile_rows * GEMM_TILE) * (tile_cols * GEMM_TILE) * k
     moved = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
     # fp32 partial sums of the extra splits, written and read back by the reduction
     moved += 2 * (split - 1.0) * batch * m * n * 4
-    t = max(padded / (peak * hw.compute_efficiency * fill), moved / hw.memory_bandwidth, GEMM_MIN_TIME_S)
-    return min(hw.compute_efficiency, 2.0 * batch * m * n * k / (peak * t))
+    seconds = max(padded / (peak * hw.compute_efficiency * fill), moved / hw.memory_bandwidth, GEMM_MIN_TIME_S)
+    return min(hw.compute_efficiency, 2.0 * batch * m * n * k / (peak * seconds))
 
 
 def _interpolate(table: dict[str, list], m: float, n: float, k: float) -> float:
     """Trilinear interpolation of ``table['efficiency']`` in log size, clamped to the axes' range."""
     corners = []  # per axis: [(index, weight), ...]
-    for ax, x in (("m", m), ("n", n), ("k", k)):
-        sizes = table[ax]
+    for axis, x in (("m", m), ("n", n), ("k", k)):
+        sizes = table[axis]
         if x <= sizes[0] or len(sizes) == 1:
             corners.append([(0, 1.0)])
         elif x >= sizes[-1]:
             corners.append([(len(sizes) - 1, 1.0)])
         else:
-            hi = next(i for i, v in enumerate(sizes) if v >= x)
-            lo = hi - 1
-            w = (math.log(x) - math.log(sizes[lo])) / (math.log(sizes[hi]) - math.log(sizes[lo]))
-            corners.append([(lo, 1.0 - w), (hi, w)])
+            upper = next(i for i, size in enumerate(sizes) if size >= x)
+            lower = upper - 1
+            weight = (math.log(x) - math.log(sizes[lower])) / (math.log(sizes[upper]) - math.log(sizes[lower]))
+            corners.append([(lower, 1.0 - weight), (upper, weight)])
     grid = table["efficiency"]
-    return sum(wi * wj * wk * grid[i][j][k_] for (i, wi), (j, wj), (k_, wk) in itertools.product(*corners))
+    return sum(
+        weight_m * weight_n * weight_k * grid[i][j][k_index]
+        for (i, weight_m), (j, weight_n), (k_index, weight_k) in itertools.product(*corners)
+    )
 
 
 _FUNCTION_IDS = itertools.count()
@@ -326,7 +326,7 @@ def _symbolic_efficiency(hw: HardwareProfile, dtype: str) -> Callable[..., Any]:
 
         @classmethod
         def eval(cls, m, n, k, batch):
-            if all(a.is_Number for a in (m, n, k, batch)):
+            if all(arg.is_Number for arg in (m, n, k, batch)):
                 return sympy.Float(numeric(m, n, k, batch))
             return None
 

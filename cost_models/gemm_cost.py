@@ -20,21 +20,10 @@ are those of ``fwd_flops - fwd_flops_tp + fwd_flops_tp / tp`` that the products 
 Not every matmul-class FLOP has a shape (convolutions, ``_scaled_mm``, nested attention;
 ``passes.autograd_costs``), and a table read from an older JSON has none at all, so a layer's
 matmul time is its products' time plus the rest of its FLOPs at the flat rate:
-``layer_matmul_time``. How ``cost_models.strategy`` uses it, replacing
-``compute_time(split("fwd_flops"), 0.0, hw, dtype)`` (and the same for ``bwd``) in
-``_layer_cost``::
-
-    from cost_models.gemm_cost import layer_matmul_time
-
-    dev_f = float(layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
-                  + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype))
-    dev_b = float(layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
-                  + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype))
-
-``split("fwd_flops")`` is the layer's per-device FLOPs at ``tp`` (its matmul-class work); on a
-CPU profile ``layer_matmul_time`` returns ``compute_time(split("fwd_flops"), 0.0, hw, dtype)``
-itself, bit for bit, so CPU predictions and the golden corpus do not change. The memory-bound
-bytes, the operator overhead and everything else of the layer stay as they are.
+``layer_matmul_time``. ``cost_models.layer_work`` prices each pass's matmul-class work with it
+(the per-device FLOPs at ``tp`` and the row's ``fwd_gemms`` / ``bwd_gemms``); on a CPU profile it
+returns ``compute_time(flops, 0.0, hw, dtype)`` itself, bit for bit, so CPU predictions and the
+golden corpus do not change.
 """
 
 from __future__ import annotations
@@ -57,61 +46,68 @@ def prices_by_shape(hw: HardwareProfile, dtype: str) -> bool:
     return _shape_priced(hw, dtype)
 
 
-def _number(x: Any, b: Any, s: Any) -> float:
+def _number(x: Any, micro_batch: Any, seq_len: Any) -> float:
     """A size as a float; a sympy size is evaluated at micro-batch ``b``, sequence length ``s``."""
     if type(x) is float or type(x) is int:  # the numeric rows the search prices: the hot path
         return float(x)
     if isinstance(x, sympy.Basic):
         if x.free_symbols:
-            env = {"b": b, "s": s}
-            missing = sorted(str(v) for v in x.free_symbols if env.get(str(v)) is None)
+            env = {"b": micro_batch, "s": seq_len}
+            missing = sorted(str(symbol) for symbol in x.free_symbols if env.get(str(symbol)) is None)
             if missing:
                 raise ValueError(
                     f"GEMM size {x} depends on {', '.join(missing)}: pass b and s "
                     "(or the numeric rows of LayerTable.numeric)"
                 )
-            x = x.subs({v: env[str(v)] for v in x.free_symbols})
+            x = x.subs({symbol: env[str(symbol)] for symbol in x.free_symbols})
         return float(x)
     return float(x)
 
 
 def per_device_gemms(
-    gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None, s: Any = None
+    gemms: Iterable[Sequence[Any]], tp: int = 1, micro_batch: Any = None, seq_len: Any = None
 ) -> list[tuple[float, float, float, float, int]]:
     """``(m, n, k, batch, count)`` per device at degree ``tp``: numeric sizes, each entry's
     ``tp_dim`` divided by ``tp``. Entries are ``Gemm`` rows or tuples ``(m, n, k, batch, count[,
-    tp_dim])``; sympy sizes need ``b`` and ``s``."""
+    tp_dim])``; sympy sizes (in ``b`` and ``s``) need ``micro_batch`` and ``seq_len``."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1 (got {tp!r})")
     out = []
-    for g in gemms:
-        g = tuple(g)
-        if len(g) not in (5, 6):
-            raise ValueError(f"a GEMM entry is (m, n, k, batch, count[, tp_dim]), got {g!r}")
-        dims = [_number(x, b, s) for x in g[:4]]
-        tp_dim = g[5] if len(g) == 6 else None
+    for gemm in gemms:
+        gemm = tuple(gemm)
+        if len(gemm) not in (5, 6):
+            raise ValueError(f"a GEMM entry is (m, n, k, batch, count[, tp_dim]), got {gemm!r}")
+        dims = [_number(x, micro_batch, seq_len) for x in gemm[:4]]
+        tp_dim = gemm[5] if len(gemm) == 6 else None
         if tp_dim is not None:
             if tp_dim not in _DIMS:
                 raise ValueError(f"unknown GEMM tp_dim {tp_dim!r} (expected one of {', '.join(_DIMS)} or None)")
             dims[_DIMS.index(tp_dim)] /= tp
-        out.append((dims[0], dims[1], dims[2], dims[3], int(g[4])))
+        out.append((dims[0], dims[1], dims[2], dims[3], int(gemm[4])))
     return out
 
 
-def gemm_flops(gemms: Iterable[Sequence[Any]], tp: int = 1, b: Any = None, s: Any = None) -> float:
+def gemm_flops(gemms: Iterable[Sequence[Any]], tp: int = 1, micro_batch: Any = None, seq_len: Any = None) -> float:
     """FLOPs of the products on one device at degree ``tp``: ``2 m n k batch count`` summed."""
-    return sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in per_device_gemms(gemms, tp, b, s))
+    return sum(
+        2.0 * m * n * k * batch * count for m, n, k, batch, count in per_device_gemms(gemms, tp, micro_batch, seq_len)
+    )
 
 
 def layer_gemm_time(
-    gemms: Iterable[Sequence[Any]], hw: HardwareProfile, dtype: str, tp: int = 1, b: Any = None, s: Any = None
+    gemms: Iterable[Sequence[Any]],
+    hw: HardwareProfile,
+    dtype: str,
+    tp: int = 1,
+    micro_batch: Any = None,
+    seq_len: Any = None,
 ) -> float:
     """Seconds one device spends in a layer pass's products (``fwd_gemms`` or ``bwd_gemms`` of a
     layer-table row) at tensor-parallel degree ``tp``: each at its shape's efficiency on a
     profile that prices by shape, else their FLOPs at ``peak * compute_efficiency`` (module doc).
-    Sizes may be numbers (the rows of ``LayerTable.numeric``) or sympy in ``b`` and ``s``, given
-    numerically then."""
-    return _shapes_time(per_device_gemms(gemms, tp, b, s), hw, dtype)
+    Sizes may be numbers (the rows of ``LayerTable.numeric``) or sympy in ``b`` and ``s`` (``micro_batch``, ``seq_len``
+    given numerically then)."""
+    return _shapes_time(per_device_gemms(gemms, tp, micro_batch, seq_len), hw, dtype)
 
 
 def _shapes_time(shapes: list[tuple[float, float, float, float, int]], hw: HardwareProfile, dtype: str) -> float:
@@ -128,8 +124,8 @@ def layer_matmul_time(
     hw: HardwareProfile,
     dtype: str,
     tp: int = 1,
-    b: Any = None,
-    s: Any = None,
+    micro_batch: Any = None,
+    seq_len: Any = None,
 ) -> float:
     """Seconds of a layer pass's matmul-class work on one device: ``flops`` (its FLOPs at degree
     ``tp``, ``x - x_tp + x_tp / tp``) of which the listed products are priced by shape
@@ -138,20 +134,20 @@ def layer_matmul_time(
     if not prices_by_shape(hw, dtype):
         return float(compute_time(flops, 0.0, hw, dtype))
     key = None
-    if b is None and s is None:  # numbers: candidates sharing a row's shapes and tp share the price
-        key = (id(hw), dtype, tp, float(flops), tuple(tuple(g) for g in gemms))
+    if micro_batch is None and seq_len is None:  # numbers: candidates sharing a row's shapes and tp share the price
+        key = (id(hw), dtype, tp, float(flops), tuple(tuple(gemm) for gemm in gemms))
         hit = _PRICED.get(key)
         if hit is not None and hit[0] is hw:
             return hit[1]
-    shapes = per_device_gemms(gemms, tp, b, s)  # once: the search calls this for every candidate
+    shapes = per_device_gemms(gemms, tp, micro_batch, seq_len)  # once: the search calls this for every candidate
     listed = sum(2.0 * m * n * k * batch * count for m, n, k, batch, count in shapes)
     rest = max(float(flops) - listed, 0.0)
-    t = _shapes_time(shapes, hw, dtype) + float(compute_time(rest, 0.0, hw, dtype))
+    seconds = _shapes_time(shapes, hw, dtype) + float(compute_time(rest, 0.0, hw, dtype))
     if key is not None:
         if len(_PRICED) > _PRICED_MAX:
             _PRICED.clear()
-        _PRICED[key] = (hw, t)  # holding the profile: its id cannot be reused while cached
-    return t
+        _PRICED[key] = (hw, seconds)  # holding the profile: its id cannot be reused while cached
+    return seconds
 
 
 #: ``layer_matmul_time`` of numeric rows, by profile (identity), dtype, tp, FLOPs and products:

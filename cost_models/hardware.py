@@ -88,9 +88,9 @@ class ProfileError(ValueError):
     """A hardware profile could not be found, parsed or validated."""
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(value: Any) -> bool:
     # bool is an int subclass, but ``true`` is never a meaningful bandwidth.
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_fraction(name: str, value: Any, upper: float, meaning: str) -> None:
@@ -188,6 +188,14 @@ class HardwareProfile:
     """Raw measurements behind a calibrated profile (``planner calibrate``); ``None`` otherwise."""
 
     def __post_init__(self) -> None:
+        self._check_peak_flops()
+        self._check_sizes_and_links()
+        self._check_overheads()
+        self._check_optional_fields()
+        self._check_tables_and_provenance()
+
+    def _check_peak_flops(self) -> None:
+        """The name, and a positive peak for every required dtype (kept as a private float copy)."""
         if not isinstance(self.name, str) or not self.name.strip():
             raise ProfileError(f"field 'name' must be a non-empty string (got {self.name!r})")
         if not isinstance(self.peak_flops, dict):
@@ -195,40 +203,48 @@ class HardwareProfile:
                 "field 'peak_flops' must be an object of FLOP/s by dtype, e.g. "
                 f'{{"fp32": 1.95e13, "bf16": 3.12e14, "fp16": 3.12e14}} (got {self.peak_flops!r})'
             )
-        for dt in REQUIRED_PEAK_DTYPES:
-            if dt not in self.peak_flops:
+        for dtype in REQUIRED_PEAK_DTYPES:
+            if dtype not in self.peak_flops:
                 raise ProfileError(
-                    f"field 'peak_flops' is missing dtype {dt!r} "
+                    f"field 'peak_flops' is missing dtype {dtype!r} "
                     f"(required: {', '.join(REQUIRED_PEAK_DTYPES)}; optional: tf32)"
                 )
-        for dt, v in self.peak_flops.items():
-            if dt not in PEAK_DTYPES:
-                raise ProfileError(f"field 'peak_flops' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field 'peak_flops.{dt}' must be a positive number of FLOP/s (got {v!r})")
+        for dtype, value in self.peak_flops.items():
+            if dtype not in PEAK_DTYPES:
+                raise ProfileError(
+                    f"field 'peak_flops' has unknown dtype {dtype!r} (allowed: {', '.join(PEAK_DTYPES)})"
+                )
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(f"field 'peak_flops.{dtype}' must be a positive number of FLOP/s (got {value!r})")
         # A private float copy: the caller's dict can change without changing the profile.
-        object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
+        object.__setattr__(self, "peak_flops", {dtype: float(value) for dtype, value in self.peak_flops.items()})
+
+    def _check_sizes_and_links(self) -> None:
+        """Memory, node size, bandwidths and latencies."""
         # JSON has one number type: accept an integral float for the integer fields.
         for name in ("memory_bytes", "gpus_per_node"):
-            v = getattr(self, name)
-            if isinstance(v, float) and v.is_integer():
-                object.__setattr__(self, name, int(v))
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ProfileError(f"field {name!r} must be a positive integer (got {v!r})")
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ProfileError(f"field {name!r} must be a positive integer (got {value!r})")
         for name in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field {name!r} must be a positive number of bytes/s (got {v!r})")
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(f"field {name!r} must be a positive number of bytes/s (got {value!r})")
         for name in ("intra_node_latency", "inter_node_latency"):
-            v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v) or v < 0:
-                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {v!r})")
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {value!r})")
+
+    def _check_overheads(self) -> None:
+        """Efficiency, per-call overheads, recompute ratio and per-collective links."""
         _check_fraction("compute_efficiency", self.compute_efficiency, 1, "the achievable fraction of peak")
         for name in ("op_overhead_s", "sync_overhead_s"):
-            o = getattr(self, name)
-            if not _is_number(o) or not math.isfinite(o) or o < 0:
-                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {o!r})")
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ProfileError(f"field {name!r} must be a non-negative number of seconds (got {value!r})")
         if not isinstance(self.ops_async, bool):
             raise ProfileError(f"field 'ops_async' must be true or false (got {self.ops_async!r})")
         _check_fraction(
@@ -236,39 +252,49 @@ class HardwareProfile:
         )
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives", _check_collective_links(self.intra_node_collectives))
+
+    def _check_optional_fields(self) -> None:
+        """The GEMM, host-link and offload fields: absent, or valid."""
         if self.sm_count is not None:
-            v = self.sm_count
-            if isinstance(v, float) and v.is_integer():
-                object.__setattr__(self, "sm_count", int(v))
+            value: Any = self.sm_count
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, "sm_count", int(value))
             if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:
                 raise ProfileError(
-                    f"field 'sm_count' must be a positive integer (streaming multiprocessors) or absent (got {v!r})"
+                    f"field 'sm_count' must be a positive integer (streaming multiprocessors) or absent (got {value!r})"
                 )
         if self.host_device_bandwidth is not None:
-            v = self.host_device_bandwidth
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+            value = self.host_device_bandwidth
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ProfileError(
-                    f"field 'host_device_bandwidth' must be a positive number of bytes/s or absent (got {v!r})"
+                    f"field 'host_device_bandwidth' must be a positive number of bytes/s or absent (got {value!r})"
                 )
-            object.__setattr__(self, "host_device_bandwidth", float(v))
+            object.__setattr__(self, "host_device_bandwidth", float(value))
         for name in ("host_memory_bytes", "nvme_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, float) and v.is_integer():
-                object.__setattr__(self, name, int(v))
-                v = int(v)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ProfileError(f"field {name!r} must be a positive integer of bytes per node or absent (got {v!r})")
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
+                value = int(value)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ProfileError(
+                    f"field {name!r} must be a positive integer of bytes per node or absent (got {value!r})"
+                )
         for name, unit in (
             ("nvme_read_bandwidth", "bytes/s"),
             ("nvme_write_bandwidth", "bytes/s"),
             ("cpu_adam_params_per_s", "parameters/s"),
         ):
-            v = getattr(self, name)
-            if v is None:
+            value = getattr(self, name)
+            if value is None:
                 continue
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ProfileError(f"field {name!r} must be a positive number of {unit} per node or absent (got {v!r})")
-            object.__setattr__(self, name, float(v))
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(
+                    f"field {name!r} must be a positive number of {unit} per node or absent (got {value!r})"
+                )
+            object.__setattr__(self, name, float(value))
+
+    def _check_tables_and_provenance(self) -> None:
+        """The GEMM efficiency tables, the source and the calibration record."""
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _check_gemm_tables(self.gemm_efficiency, self.peak_flops))
         if not isinstance(self.source, str):
@@ -296,7 +322,10 @@ class HardwareProfile:
                 self.recompute_ratio,
                 self.ops_async,
                 tuple(
-                    sorted((k, v["latency"], v["bandwidth"]) for k, v in (self.intra_node_collectives or {}).items())
+                    sorted(
+                        (k, link["latency"], link["bandwidth"])
+                        for k, link in (self.intra_node_collectives or {}).items()
+                    )
                 ),
                 self.sm_count,
                 self.host_device_bandwidth,
@@ -308,13 +337,13 @@ class HardwareProfile:
                 tuple(
                     sorted(
                         (
-                            dt,
-                            tuple(t["m"]),
-                            tuple(t["n"]),
-                            tuple(t["k"]),
-                            tuple(x for plane in t["efficiency"] for row in plane for x in row),
+                            dtype,
+                            tuple(table["m"]),
+                            tuple(table["n"]),
+                            tuple(table["k"]),
+                            tuple(x for plane in table["efficiency"] for row in plane for x in row),
                         )
-                        for dt, t in (self.gemm_efficiency or {}).items()
+                        for dtype, table in (self.gemm_efficiency or {}).items()
                     )
                 ),
             )
@@ -350,9 +379,9 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object ``load_hardware`` reads back (``calibration`` only when present)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["peak_flops"] = dict(self.peak_flops)
-        d["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["peak_flops"] = dict(self.peak_flops)
+        fields["gemm_efficiency"] = _copy_tables(self.gemm_efficiency) if self.gemm_efficiency is not None else None
         for opt in (
             "calibration",
             "intra_node_collectives",
@@ -361,17 +390,17 @@ class HardwareProfile:
             "host_device_bandwidth",
             *OFFLOAD_FIELDS,
         ):
-            if d[opt] is None:
-                del d[opt]
-        return d
+            if fields[opt] is None:
+                del fields[opt]
+        return fields
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile as JSON to ``path`` (parent folders created) and return the path."""
-        p = Path(path)
-        if p.parent and not p.parent.exists():
-            p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        target = Path(path)
+        if target.parent and not target.parent.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return target
 
     @classmethod
     def from_dict(cls, data: Any, origin: str = "<dict>") -> "HardwareProfile":
@@ -391,7 +420,7 @@ class HardwareProfile:
         if missing:
             raise ProfileError(
                 f"hardware profile {origin}: missing field{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(repr(m) for m in missing)} (required: {', '.join(required)})"
+                f"{', '.join(repr(name) for name in missing)} (required: {', '.join(required)})"
             )
         try:
             return cls(**data)
@@ -427,16 +456,16 @@ def _check_collective_links(value: Any) -> dict[str, dict[str, float]]:
                 f"field 'intra_node_collectives.{kind}' must be an object with exactly "
                 f"'latency' (s) and 'bandwidth' (bytes/s) (got {link!r})"
             )
-        lat, bw = link["latency"], link["bandwidth"]
-        if not _is_number(lat) or not math.isfinite(lat) or lat < 0:
+        latency, bandwidth = link["latency"], link["bandwidth"]
+        if not _is_number(latency) or not math.isfinite(latency) or latency < 0:
             raise ProfileError(
-                f"field 'intra_node_collectives.{kind}.latency' must be a non-negative number of seconds (got {lat!r})"
+                f"field 'intra_node_collectives.{kind}.latency' must be a non-negative number of seconds (got {latency!r})"
             )
-        if not _is_number(bw) or not math.isfinite(bw) or bw <= 0:
+        if not _is_number(bandwidth) or not math.isfinite(bandwidth) or bandwidth <= 0:
             raise ProfileError(
-                f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive number of bytes/s (got {bw!r})"
+                f"field 'intra_node_collectives.{kind}.bandwidth' must be a positive number of bytes/s (got {bandwidth!r})"
             )
-        out[kind] = {"latency": float(lat), "bandwidth": float(bw)}
+        out[kind] = {"latency": float(latency), "bandwidth": float(bandwidth)}
     return out
 
 
@@ -446,13 +475,13 @@ GEMM_AXES: tuple[str, ...] = ("m", "n", "k")
 
 def _copy_tables(tables: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
     return {
-        dt: {
-            "m": list(t["m"]),
-            "n": list(t["n"]),
-            "k": list(t["k"]),
-            "efficiency": [[list(row) for row in plane] for plane in t["efficiency"]],
+        dtype: {
+            "m": list(table["m"]),
+            "n": list(table["n"]),
+            "k": list(table["k"]),
+            "efficiency": [[list(row) for row in plane] for plane in table["efficiency"]],
         }
-        for dt, t in tables.items()
+        for dtype, table in tables.items()
     }
 
 
@@ -467,12 +496,16 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
             f"field 'gemm_efficiency' must be a non-empty object of tables by dtype, e.g. {example} (got {value!r})"
         )
     out: dict[str, dict[str, list]] = {}
-    for dt, table in value.items():
-        where = f"gemm_efficiency.{dt}"
-        if dt not in PEAK_DTYPES:
-            raise ProfileError(f"field 'gemm_efficiency' has unknown dtype {dt!r} (allowed: {', '.join(PEAK_DTYPES)})")
-        if dt not in peak_flops:
-            raise ProfileError(f"field '{where}' is a fraction of a peak the profile lacks: 'peak_flops' has no {dt!r}")
+    for dtype, table in value.items():
+        where = f"gemm_efficiency.{dtype}"
+        if dtype not in PEAK_DTYPES:
+            raise ProfileError(
+                f"field 'gemm_efficiency' has unknown dtype {dtype!r} (allowed: {', '.join(PEAK_DTYPES)})"
+            )
+        if dtype not in peak_flops:
+            raise ProfileError(
+                f"field '{where}' is a fraction of a peak the profile lacks: 'peak_flops' has no {dtype!r}"
+            )
         if not isinstance(table, dict) or set(table) != {*GEMM_AXES, "efficiency"}:
             got = sorted(table) if isinstance(table, dict) else table
             raise ProfileError(
@@ -480,23 +513,23 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
                 f"'efficiency' (a grid m by n by k), e.g. {example[9:-1]} (got {got!r})"
             )
         axes = {}
-        for ax in GEMM_AXES:
-            sizes = table[ax]
-            ok = (
+        for axis in GEMM_AXES:
+            sizes = table[axis]
+            valid = (
                 isinstance(sizes, list)
                 and sizes
                 and all(_is_number(x) and math.isfinite(x) and float(x).is_integer() and x >= 1 for x in sizes)
             )
-            if ok:
+            if valid:
                 sizes = [int(x) for x in sizes]
-                ok = all(a < b for a, b in zip(sizes, sizes[1:]))
-            if not ok:
+                valid = all(smaller < larger for smaller, larger in zip(sizes, sizes[1:]))
+            if not valid:
                 raise ProfileError(
-                    f"field '{where}.{ax}' must be a non-empty list of strictly increasing "
-                    f"positive integer sizes (got {table[ax]!r})"
+                    f"field '{where}.{axis}' must be a non-empty list of strictly increasing "
+                    f"positive integer sizes (got {table[axis]!r})"
                 )
-            axes[ax] = sizes
-        shape = tuple(len(axes[ax]) for ax in GEMM_AXES)
+            axes[axis] = sizes
+        shape = tuple(len(axes[axis]) for axis in GEMM_AXES)
         grid = table["efficiency"]
         shape_msg = (
             f"field '{where}.efficiency' must be a {shape[0]} x {shape[1]} x {shape[2]} nested list "
@@ -516,11 +549,11 @@ def _check_gemm_tables(value: Any, peak_flops: dict[str, float]) -> dict[str, di
                     if not _is_number(x) or not math.isfinite(x) or not (0 < x <= 1):
                         raise ProfileError(
                             f"field '{where}.efficiency[{i}][{j}][{k}]' must be a number in (0, 1], the "
-                            f"achieved fraction of peak_flops.{dt} (got {x!r})"
+                            f"achieved fraction of peak_flops.{dtype} (got {x!r})"
                         )
                 rows.append([float(x) for x in row])
             clean.append(rows)
-        out[dt] = {**axes, "efficiency": clean}
+        out[dtype] = {**axes, "efficiency": clean}
     return out
 
 

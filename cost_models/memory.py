@@ -1,8 +1,6 @@
 """Memory per device: model state under each ZeRO stage, and activations under 1F1B.
 
-Model state: bytes per parameter
---------------------------------
-Training with AdamW keeps, per parameter (``b`` = bytes of the training dtype):
+Model state. Training with AdamW keeps, per parameter:
 
 ===========  =======  =====  ===========  ==========  ==========  =====
 dtype        weights  grads  fp32 master  Adam m      Adam v      total
@@ -11,98 +9,44 @@ bf16, fp16   2        2      4            4           4           16
 fp32         4        4      (none)       4           4           16
 ===========  =======  =====  ===========  ==========  ==========  =====
 
-In mixed precision the optimizer updates an fp32 master copy and writes the low-precision
-weights the forward uses; in fp32 the weights are the master copy. The three buckets reported
-are ``params`` (the training-dtype weights), ``grads`` and ``optimizer`` (master copy + moments).
+reported as ``params`` (training-dtype weights), ``grads`` and ``optimizer`` (master + moments).
+ZeRO over ``dp`` ranks shards, in flat buffers padded to a multiple of ``dp`` (``ceil(P / dp)``
+elements per rank): stage 1 the optimizer state, stage 2 also the gradients, stage 3 also the
+weights. A sharded gradient is an fp32 accumulator (``FP32_GRAD_SHARD`` = 4 bytes per element:
+each micro-batch's reduce-scattered gradient is added into it, ``runtime.data_parallel.zero_engine``).
+Transient full-size buffers (with ``largest_layer_params`` and ``dp > 1``): stage 3 gathers one
+layer's weights, two with prefetch; stages 2 and 3 hold up to ``REDUCTIONS_IN_FLIGHT + 1``
+consecutive layers' full gradients and reduced shards. Offload (``cost_models.offload_cost``)
+removes the master copy and moments and, at ZeRO 2/3, the gradient shard (``buckets_leave``);
+offloaded parameters leave only the gathered layers in flight (``gathers_params``).
+``model_state_bytes`` bounds these with the largest layer standing for every layer;
+``zero_transient_bytes`` takes the stage's layers in order. ``num_params`` is one device's
+replica, after the tensor-parallel and pipeline splits.
 
-ZeRO over a data-parallel group of ``dp`` ranks shards these buckets across the group. Sharded
-state lives in a flat buffer padded to a multiple of ``dp`` elements, so each rank holds
-``ceil(P / dp)`` elements of it:
+Activations under 1F1B. With ``p`` stages and ``M`` micro-batches stage ``i`` holds up to
+``inflight = min(p - i, M)`` micro-batches; a recomputed layer keeps only its input and
+re-materializes its saved activations for one micro-batch at a time in backward::
 
-- stage 0: nothing sharded.
-- stage 1: optimizer state sharded (master + moments).
-- stage 2: optimizer state and gradients sharded.
-- stage 3: optimizer state, gradients and weights sharded.
+    inflight * sum_l (input_l if recompute_l else saved_l) + max_{l recomputed} saved_l
 
-A sharded gradient is kept as an fp32 accumulator (``FP32_GRAD_SHARD`` = 4 bytes per element,
-whatever the training dtype), because each micro-batch's reduce-scattered gradient is added into
-it: that is what ``runtime.data_parallel.zero_engine`` holds, and accumulating bf16 shards would lose the small
-contributions of later micro-batches.
+Backward transients. While a layer runs backward, autograd holds the gradient arriving at its
+largest intermediate and the one computed from it; its backward also creates each weight's
+gradient afresh before adding it to the buffer: ``backward_transient_bytes = max(2 x largest
+activation, largest activation + largest weight's gradient)`` (the second wins at an embedding
+with a large vocabulary and small micro-batches). The stage's transient is its largest layer's;
+it competes with a recomputed layer's re-materialized activations (``transient_peak``).
 
-Sharding leaves transient full-size buffers, which are counted when ``largest_layer_params``
-(the parameters of the biggest layer of this device's stage) is given and ``dp > 1``:
+The stage's peak is the larger of two moments: (a) the backward of its last layer, every saved
+activation alive and nothing reduced yet (under ZeRO-2/3 with one micro-batch per step the
+gradient shards do not exist yet); (b) the backward of each earlier layer ``j`` with the
+reductions of ``j`` and the ``REDUCTIONS_IN_FLIGHT`` layers after it in flight, while the
+activations those later layers saved for this micro-batch are released.
 
-- stage 3 all-gathers a layer's full weights just before it runs: one layer's worth of
-  training-dtype weights, or two when the next layer is prefetched (``prefetch=True``);
-- stages 2 and 3 produce a layer's full gradient in backward and reduce-scatter it into a
-  shard-sized buffer, one layer at a time, with at most ``REDUCTIONS_IN_FLIGHT`` reductions in
-  flight; launching the next waits for the oldest, so ``REDUCTIONS_IN_FLIGHT + 1`` consecutive
-  layers' full gradients and reduced shards (training dtype) exist at once at most.
-
-Offload (``cost_models.offload_cost``) moves state off the device: an offloaded optimizer leaves no
-master copy or moments here and, at ZeRO 2/3, no gradient shard (each layer's gradient bucket
-leaves for the host as it is reduced, so only the buckets in flight remain, even at ``dp = 1``:
-``buckets_leave``); offloaded parameters (ZeRO 3) leave only the gathered layers in flight, even at
-``dp = 1`` (``gathers_params``).
-
-``model_state_bytes`` bounds these with the largest layer standing for every layer involved;
-``zero_transient_bytes`` takes the stage's actual layers in order (the windows of consecutive
-layers that can coexist), which is what the runtime reaches.
-
-``num_params`` is what one device's model replica holds, i.e. after tensor parallelism and the
-pipeline split (TP divides the sharded matrices, not the replicated norms and biases).
-
-Activations under 1F1B
-----------------------
-With ``p`` stages and ``M`` micro-batches, stage ``i`` (0-based) runs ``p - i`` forwards before
-its first backward, so it holds the saved activations of up to ``min(p - i, M)`` micro-batches at
-once. A layer that recomputes keeps only its input (the activation crossing its boundary) for
-each micro-batch in flight, and re-materializes its full saved activations for one micro-batch
-at a time during backward, so the peak is::
-
-    inflight * sum_i (boundary_i if recompute_i else saved_i) + max_{i recomputed} saved_i
-
-Backward transients
--------------------
-While a layer runs backward, autograd holds the gradient arriving at its largest intermediate
-and the gradient it computes from it, each as large as that tensor, on top of the activations
-still saved: ``2 x largest activation`` (per device, after the TP split). A layer's backward
-also creates each weight's gradient afresh and only then adds it to the gradient buffer (the
-buffers hold ``p.grad`` as views), so the gradient arriving at the layer and the fresh gradient of
-its largest weight can coexist: ``backward_transient_bytes = max(2 x largest activation, largest
-activation + largest weight's gradient)``. With small micro-batches and a large vocabulary the
-second term wins at the embedding, whose backward writes a dense ``vocab x hidden`` gradient
-(measured: a GPT 4 x 256, vocab 8192, seq 128, at pp2 with micro-batch 1 and every block
-recomputed peaked in stage 0's ``embedding_dense_backward`` at 79.3 MiB, 7.9 MiB above the model
-without this term and to within 0.1 MiB of it with it). The stage's transient is the largest of its layers'; like a recomputed layer's
-re-materialized activations it exists for one layer at a time, so the two compete
-(``stage_activation_bytes``'s ``transient_peak``).
-
-The stage's peak is the larger of two moments. (a) The backward of its last layer, which runs
-first: every saved activation is alive and nothing has been reduced yet, so under ZeRO-2/3 with a
-single micro-batch per step the gradient shards do not exist yet (they are allocated by the
-step's first reduction and released by ``zero_grad``). (b) The backward of each earlier layer
-``j``, with the ZeRO-2/3 reductions in flight: the full gradients and shards of ``j`` and the
-``REDUCTIONS_IN_FLIGHT`` layers after it, while the activations the layers after ``j`` saved for
-this micro-batch have been released (other micro-batches in flight keep theirs).
-
-Loss backward
--------------
-The layer that computes the loss saves the vocabulary-wide log-probabilities (``b * s * V``
-elements per micro-batch, ``V / tp`` under a vocabulary-parallel head). Its backward then holds
-two more tensors of that size at once, while every saved activation of the micro-batch is still
-alive (backward starts there): the gradient with respect to the log-probabilities (dense, from
-the NLL backward) and the gradient with respect to the logits (the log-softmax backward's
-output). ``loss_backward_bytes`` is that ``2 x logits`` term, the backward transient of the head
-(its largest activation is the logits); for a language model it is the largest transient of the
-step (measured on the built-in GPT: the runtime's live-tensor peak sits in
-``_log_softmax_backward_data`` and exceeds saved activations + model state by exactly it).
-
-Measured against the runtime (``benchmarks/bench_validate.py``: dp 2 with ZeRO 0-3, micro-batch
-1/2/8, recompute, tp 2, pp 2), these moments predict the peak within 2.9%, never under, most plans
-to the byte or within 0.6%; the two furthest (micro-batch 1 at dp 2, +2.9%, and pp 2 with 4
-micro-batches, +2.5%) count the embedding's fresh gradient at the moment every activation is
-alive, which the runtime never reaches at once.
+Loss backward. The loss layer saves the vocabulary-wide log-probabilities (``b s V`` elements,
+``V / tp`` under a vocabulary-parallel head); its backward holds two more tensors of that size
+(the gradients of the log-probabilities and of the logits) while every saved activation is
+alive: ``loss_backward_bytes = 2 x logits``, the head's transient and, for a language model, the
+largest of the step.
 """
 
 from __future__ import annotations
@@ -111,6 +55,7 @@ import math
 from typing import Any, Sequence
 
 from cost_models.compute import smax
+from runtime.contract.choices import OffloadTier
 from runtime.contract.dtype_table import DTYPES
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
@@ -153,9 +98,9 @@ def bytes_per_param(dtype: str) -> dict[str, int]:
         raise ValueError(f"unknown training dtype {dtype!r}: expected one of {', '.join(DTYPES)}") from None
 
 
-def _check_int(name: str, v: Any, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo} (got {v!r})")
+def _check_int(name: str, value: Any, lowest: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+        raise ValueError(f"{name} must be an integer >= {lowest} (got {value!r})")
 
 
 def shard_elements(num_params: int, dp: int) -> int:
@@ -190,32 +135,32 @@ def model_state_bytes(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (got {zero_stage!r})")
     if largest_layer_params > num_params:
         raise ValueError(f"largest_layer_params ({largest_layer_params}) cannot exceed num_params ({num_params})")
-    t = bytes_per_param(dtype)
+    sizes = bytes_per_param(dtype)
     shard = shard_elements(num_params, dp)
-    opt_off, par_off = offload_optimizer != "none", offload_params != "none"
+    opt_off, par_off = offload_optimizer != OffloadTier.NONE, offload_params != OffloadTier.NONE
     opt_elems = 0 if opt_off else shard if zero_stage >= 1 else num_params
     grad_elems = 0 if opt_off and zero_stage >= 2 else shard if zero_stage >= 2 else num_params
     weight_elems = 0 if par_off else shard if zero_stage >= 3 else num_params
-    params = weight_elems * t["weights"]
-    grads = grad_elems * (FP32_GRAD_SHARD if zero_stage >= 2 else t["grads"])
+    params = weight_elems * sizes["weights"]
+    grads = grad_elems * (FP32_GRAD_SHARD if zero_stage >= 2 else sizes["grads"])
     if gathers_params(zero_stage, dp, offload_params):
-        params += (2 if prefetch else 1) * largest_layer_params * t["weights"]
+        params += (2 if prefetch else 1) * largest_layer_params * sizes["weights"]
     if buckets_leave(zero_stage, dp, offload_optimizer):
         grads += (REDUCTIONS_IN_FLIGHT + 1) * reduction_bytes(largest_layer_params, dtype, dp)
-    optimizer = opt_elems * (t["master"] + t["adam_m"] + t["adam_v"])
+    optimizer = opt_elems * (sizes["master"] + sizes["adam_m"] + sizes["adam_v"])
     return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
 
 
 def gathers_params(zero_stage: int, dp: int, offload_params: str = "none") -> bool:
     """Whether layers' full weights are materialized just before use: ZeRO-3 all-gathers them over
     ``dp > 1`` ranks, and offloaded parameters are fetched from the host even at ``dp = 1``."""
-    return (zero_stage == 3 and dp > 1) or offload_params != "none"
+    return (zero_stage == 3 and dp > 1) or offload_params != OffloadTier.NONE
 
 
 def buckets_leave(zero_stage: int, dp: int, offload_optimizer: str = "none") -> bool:
     """Whether each layer's gradient leaves in its own bucket as backward produces it: ZeRO-2/3's
     reduce-scatter over ``dp > 1`` ranks, and an offloaded optimizer's copy to the host at ZeRO 2/3."""
-    return zero_stage >= 2 and (dp > 1 or offload_optimizer != "none")
+    return zero_stage >= 2 and (dp > 1 or offload_optimizer != OffloadTier.NONE)
 
 
 def inflight_microbatches(stage_index: int, num_stages: int, num_microbatches: int) -> int:
@@ -279,12 +224,12 @@ def stage_activation_bytes(
         )
     per_mb: Any = 0
     peak: Any = transient_peak
-    for s, b, r in zip(saved_bytes, boundary_bytes, recompute):
-        if r:
-            per_mb = per_mb + b
-            peak = smax(peak, s)
+    for saved, boundary, recomputed in zip(saved_bytes, boundary_bytes, recompute):
+        if recomputed:
+            per_mb = per_mb + boundary
+            peak = smax(peak, saved)
         else:
-            per_mb = per_mb + s
+            per_mb = per_mb + saved
     if inflight is not None:
         return inflight * per_mb + peak
     return activation_bytes(per_mb, stage_index, num_stages, num_microbatches, peak)
@@ -354,19 +299,19 @@ def zero_transient_bytes(
     offload, or a stage that does not shard them). Exact integers.
     """
     _check_int("dp", dp, 1)
-    t = bytes_per_param(dtype)
-    ps = [int(x) for x in layer_params]
-    for x in ps:
+    sizes = bytes_per_param(dtype)
+    layer_params = [int(x) for x in layer_params]
+    for x in layer_params:
         _check_int("layer params", x, 0)
 
     def window(n: int, per: Any) -> int:
-        vals = [per(x) for x in ps]
+        vals = [per(x) for x in layer_params]
         if not vals:
             return 0
         n = min(n, len(vals))
         return max(sum(vals[i : i + n]) for i in range(len(vals) - n + 1))
 
-    params = window(2, lambda x: x * t["weights"]) if gathers_params(zero_stage, dp, offload_params) else 0
+    params = window(2, lambda x: x * sizes["weights"]) if gathers_params(zero_stage, dp, offload_params) else 0
     grads = (
         window(REDUCTIONS_IN_FLIGHT + 1, lambda x: reduction_bytes(x, dtype, dp))
         if buckets_leave(zero_stage, dp, offload_optimizer)

@@ -22,16 +22,8 @@ device step would: ``A`` is at most the rank's own AdamW rate (``cost_models.com
 optimizer_step_time``), so moving the step to the "host" never makes it faster there
 (:func:`adam_rate_per_rank`).
 
-Device memory (``cost_models.memory.model_state_bytes``)
----------------------------------------------------------
-Optimizer offload removes the master copy and the moments from the device. At ZeRO 2/3 the
-gradients leave the device bucket by bucket (one layer's reduced gradient, copied to host as soon
-as its reduction completes and added into the host's fp32 accumulator), so the device holds only
-the buckets in flight, ``REDUCTIONS_IN_FLIGHT + 1`` layers' worth, and no gradient shard; at ZeRO 1
-the full gradient buffer stays (it is all-reduced once per step, then the rank's shard is copied).
-Parameter offload removes the parameter shard: the device holds only the gathered layers in
-flight, the running one and the prefetched next one (even at ``dp = 1``, where gathering is the
-copy from the host).
+Device memory: offload removes what moved from ``cost_models.memory.model_state_bytes`` (that
+module's docstring: the gradient buckets in flight, the gathered layers in flight).
 
 Host and NVMe bytes (:func:`host_state_bytes`, :func:`offload_buffer_bytes`)
 --------------------------------------------------------------------------
@@ -70,12 +62,9 @@ Every transfer overlaps something; only what outlasts it is exposed (plan.json
 Each layer's exposure is priced against its own compute, so the sums stay per-layer (the ILP adds
 them like every other cost); for identical blocks this is the pipeline's steady state.
 
-Sources: ZeRO-Offload (Ren et al., USENIX ATC 2021) keeps fp32 state and the Adam step on the CPU,
-moves only gradients down and low-precision parameters up, overlapping both with compute and the
-CPU step (13B parameters on one 32 GB V100); ZeRO-Infinity (Rajbhandari et al., SC 2021) adds NVMe
-for optimizer state and parameters, with prefetching and overlap of NVMe, PCIe and compute. The
-hardware figures are the profile's (``cost_models.hardware``: datasheets, or ``planner
-calibrate``).
+Sources: ZeRO-Offload (Ren et al., USENIX ATC 2021: fp32 state and the Adam step on the CPU,
+overlapped transfers) and ZeRO-Infinity (Rajbhandari et al., SC 2021: NVMe for optimizer state and
+parameters); the hardware figures are the profile's (``cost_models.hardware``).
 """
 
 from __future__ import annotations
@@ -86,6 +75,7 @@ from dataclasses import dataclass
 from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.memory import bytes_per_param
+from runtime.contract.choices import OffloadTier, names
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
 __all__ = [
@@ -97,6 +87,7 @@ __all__ = [
     "offload_missing",
     "ranks_per_node",
     "adam_rate_per_rank",
+    "OffloadedLayer",
     "layer_offload",
     "offload_breakdown",
     "host_state_bytes",
@@ -104,7 +95,7 @@ __all__ = [
 ]
 
 #: Where a state kind may live: on the device, in host memory, in NVMe files.
-TIERS: tuple[str, ...] = ("none", "cpu", "nvme")
+TIERS: tuple[str, ...] = names(OffloadTier)
 
 #: Bytes per parameter of the offloaded optimizer state: fp32 master weights and two fp32 moments.
 STATE_BYTES = 12
@@ -118,12 +109,12 @@ def check_offload(optimizer: str, params: str, zero_stage: int) -> str | None:
     for kind, tier in (("optimizer", optimizer), ("params", params)):
         if tier not in TIERS:
             return f"offload of {kind} must be one of {', '.join(TIERS)} (got {tier!r})"
-    if params != "none" and zero_stage != 3:
+    if params != OffloadTier.NONE and zero_stage != 3:
         return (
             f"offloading parameters ({params}) needs ZeRO stage 3, which shards them (got ZeRO "
             f"{zero_stage}); use --zero-stage 3 or --offload-params none"
         )
-    if optimizer != "none" and zero_stage not in (1, 2, 3):
+    if optimizer != OffloadTier.NONE and zero_stage not in (1, 2, 3):
         return (
             f"offloading the optimizer ({optimizer}) needs ZeRO stage 1, 2 or 3 (got ZeRO {zero_stage}); "
             "use --zero-stage 1, 2 or 3 or --offload-optimizer none"
@@ -134,11 +125,11 @@ def check_offload(optimizer: str, params: str, zero_stage: int) -> str | None:
 def offload_missing(hw: HardwareProfile, optimizer: str, params: str) -> list[str]:
     """The profile fields an offload setting needs and ``hw`` lacks (empty: it can be priced)."""
     need: list[str] = []
-    if optimizer != "none" or params != "none":
+    if optimizer != OffloadTier.NONE or params != OffloadTier.NONE:
         need += ["host_device_bandwidth", "host_memory_bytes"]
-    if optimizer != "none":
+    if optimizer != OffloadTier.NONE:
         need.append("cpu_adam_params_per_s")
-    if "nvme" in (optimizer, params):
+    if OffloadTier.NVME in (optimizer, params):
         need += ["nvme_bytes", "nvme_read_bandwidth", "nvme_write_bandwidth"]
     return [f for f in dict.fromkeys(need) if getattr(hw, f) is None]
 
@@ -177,17 +168,17 @@ class LayerOffload:
 
 def host_state_bytes(shard: int, dtype: str, optimizer: str, params: str) -> tuple[int, int]:
     """``(host, nvme)`` bytes of one rank's offloaded state for a shard of ``shard`` parameters."""
-    w = bytes_per_param(dtype)["weights"]
+    weight_bytes = bytes_per_param(dtype)["weights"]
     host = nvme = 0
-    if optimizer == "cpu":
+    if optimizer == OffloadTier.CPU:
         host += shard * (STATE_BYTES + GRAD_ACCUMULATOR_BYTES)
-    elif optimizer == "nvme":
+    elif optimizer == OffloadTier.NVME:
         host += shard * GRAD_ACCUMULATOR_BYTES
         nvme += shard * STATE_BYTES
-    if params == "cpu":
-        host += shard * w
-    elif params == "nvme":
-        nvme += shard * w
+    if params == OffloadTier.CPU:
+        host += shard * weight_bytes
+    elif params == OffloadTier.NVME:
+        nvme += shard * weight_bytes
     return int(host), int(nvme)
 
 
@@ -196,14 +187,17 @@ def offload_breakdown(
 ) -> dict:
     """Bytes one rank keeps off the device, by state kind, for a stage's layers (``layer_params``
     per device): ``{"host": {"optimizer", "params", "buffers"}, "nvme": {"optimizer", "params"}}``."""
-    res = {"host": {"optimizer": 0, "params": 0, "buffers": int(buffers)}, "nvme": {"optimizer": 0, "params": 0}}
-    for n in layer_params:
-        shard = math.ceil(n / dp) if zero_stage >= 1 and n else int(n)
-        for kind, (o, q) in (("optimizer", (optimizer, "none")), ("params", ("none", params))):
-            h, v = host_state_bytes(shard, dtype, o, q)
-            res["host"][kind] += h
-            res["nvme"][kind] += v
-    return res
+    breakdown = {"host": {"optimizer": 0, "params": 0, "buffers": int(buffers)}, "nvme": {"optimizer": 0, "params": 0}}
+    for num_params in layer_params:
+        shard = math.ceil(num_params / dp) if zero_stage >= 1 and num_params else int(num_params)
+        for kind, (optimizer_tier, params_tier) in (
+            ("optimizer", (optimizer, OffloadTier.NONE)),
+            ("params", (OffloadTier.NONE, params)),
+        ):
+            host_bytes, nvme_bytes = host_state_bytes(shard, dtype, optimizer_tier, params_tier)
+            breakdown["host"][kind] += host_bytes
+            breakdown["nvme"][kind] += nvme_bytes
+    return breakdown
 
 
 def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params: str, staged: bool = True) -> int:
@@ -212,37 +206,49 @@ def offload_buffer_bytes(largest_shard: int, dtype: str, optimizer: str, params:
     ``staged``: the device is a GPU, whose gradients and parameter shards cross the link through
     pinned staging buffers; on a CPU profile (``not hw.ops_async``) the host is the device, the
     runtime copies straight into (and gathers straight from) the host tier, and only the NVMe
-    tier's read/write slots exist (measured: the host bytes of a 2-rank CPU run are exactly the
-    state, ``16 S`` per rank, with the optimizer offloaded to cpu)."""
-    t = bytes_per_param(dtype)
+    tier's read/write slots exist."""
+    sizes = bytes_per_param(dtype)
     out = 0
-    if optimizer != "none" and staged:
-        out += (REDUCTIONS_IN_FLIGHT + 1) * largest_shard * t["grads"]
-    if params == "nvme" or (params == "cpu" and staged):
-        out += 2 * largest_shard * t["weights"]
-    if optimizer == "nvme":
+    if optimizer != OffloadTier.NONE and staged:
+        out += (REDUCTIONS_IN_FLIGHT + 1) * largest_shard * sizes["grads"]
+    if params == OffloadTier.NVME or (params == OffloadTier.CPU and staged):
+        out += 2 * largest_shard * sizes["weights"]
+    if optimizer == OffloadTier.NVME:
         out += 2 * largest_shard * STATE_BYTES
     return int(out)
 
 
-def layer_offload(
-    num_params: int,
-    dtype: str,
-    zero_stage: int,
-    dp: int,
-    optimizer: str,
-    params: str,
-    hw: HardwareProfile,
-    ranks: int,
-    fwd_s: float,
-    bwd_s: float,
-) -> LayerOffload:
-    """Offload costs of one layer of ``num_params`` parameters per device (module docstring, "Time").
+@dataclass(frozen=True)
+class OffloadedLayer:
+    """One layer's parameters on one device and where its state lives: what :func:`layer_offload` prices."""
+
+    num_params: int
+    """Parameters of the layer on one device (after the tensor-parallel split)."""
+    dtype: str
+    """Training dtype."""
+    zero_stage: int
+    dp: int
+    optimizer: str
+    """Where the optimizer state lives (``OffloadTier``)."""
+    params: str
+    """Where the parameter shard lives (``OffloadTier``)."""
+
+    @property
+    def shard(self) -> int:
+        """The rank's shard of the layer's parameters (all of them at ZeRO 0)."""
+        return (
+            math.ceil(self.num_params / self.dp) if self.zero_stage >= 1 and self.num_params else int(self.num_params)
+        )
+
+
+def layer_offload(layer: OffloadedLayer, hw: HardwareProfile, ranks: int, fwd_s: float, bwd_s: float) -> LayerOffload:
+    """Offload costs of one layer per device (module docstring, "Time").
 
     ``ranks``: the node's ranks sharing its host (:func:`ranks_per_node`); ``fwd_s``, ``bwd_s``:
     the layer's forward and backward compute of one micro-batch, which the transfers overlap.
     """
-    if optimizer == "none" and params == "none":
+    optimizer, params = layer.optimizer, layer.params
+    if optimizer == OffloadTier.NONE and params == OffloadTier.NONE:
         return LayerOffload()
     missing = offload_missing(hw, optimizer, params)
     if missing:
@@ -250,33 +256,35 @@ def layer_offload(
             f"hardware {hw.name!r} lacks {', '.join(missing)}: cannot price offload "
             f"(optimizer {optimizer}, params {params})"
         )
-    shard = math.ceil(num_params / dp) if zero_stage >= 1 and num_params else int(num_params)
-    t = bytes_per_param(dtype)
-    link = float(hw.host_device_bandwidth)
+    shard = layer.shard
+    sizes = bytes_per_param(layer.dtype)
+    link = float(hw.host_device_bandwidth or 0.0)
     read = (hw.nvme_read_bandwidth or math.inf) / ranks
     write = (hw.nvme_write_bandwidth or math.inf) / ranks
-    mb = step = 0.0
-    opt_s = None
-    if params != "none":
-        fetch = shard * t["weights"] / link
-        if params == "nvme":
-            fetch = max(fetch, shard * t["weights"] / read)
-        mb += max(0.0, fetch - fwd_s) + max(0.0, fetch - bwd_s)
-    if optimizer != "none":
-        grads_out = shard * t["grads"] / link
-        if zero_stage >= 2:
-            mb += max(0.0, grads_out - bwd_s)
+    per_microbatch = per_step = 0.0
+    optimizer_s = None
+    if params != OffloadTier.NONE:
+        fetch = shard * sizes["weights"] / link
+        if params == OffloadTier.NVME:
+            fetch = max(fetch, shard * sizes["weights"] / read)
+        per_microbatch += max(0.0, fetch - fwd_s) + max(0.0, fetch - bwd_s)
+    if optimizer != OffloadTier.NONE:
+        grads_out = shard * sizes["grads"] / link
+        if layer.zero_stage >= 2:
+            per_microbatch += max(0.0, grads_out - bwd_s)
         else:
-            step += grads_out
-        opt_s = shard / adam_rate_per_rank(hw, ranks, dtype)
-        back = 0.0 if params != "none" else shard * t["weights"] / link
-        io = 0.0
-        if optimizer == "nvme":
-            io += shard * STATE_BYTES / read + shard * STATE_BYTES / write
-        if params == "nvme":
-            io += shard * t["weights"] / write
-        step += max(opt_s, back, io) - opt_s
+            per_step += grads_out
+        optimizer_s = shard / adam_rate_per_rank(hw, ranks, layer.dtype)
+        params_back = 0.0 if params != OffloadTier.NONE else shard * sizes["weights"] / link
+        nvme_io = 0.0
+        if optimizer == OffloadTier.NVME:
+            nvme_io += shard * STATE_BYTES / read + shard * STATE_BYTES / write
+        if params == OffloadTier.NVME:
+            nvme_io += shard * sizes["weights"] / write
+        per_step += max(optimizer_s, params_back, nvme_io) - optimizer_s
     else:  # the device's step wrote the shard: back to the host (and its file)
-        step += shard * t["weights"] / link + (shard * t["weights"] / write if params == "nvme" else 0.0)
-    host, nvme = host_state_bytes(shard, dtype, optimizer, params)
-    return LayerOffload(mb_s=mb, step_s=step, optimizer_s=opt_s, host_b=host, nvme_b=nvme)
+        per_step += shard * sizes["weights"] / link + (
+            shard * sizes["weights"] / write if params == OffloadTier.NVME else 0.0
+        )
+    host, nvme = host_state_bytes(shard, layer.dtype, optimizer, params)
+    return LayerOffload(mb_s=per_microbatch, step_s=per_step, optimizer_s=optimizer_s, host_b=host, nvme_b=nvme)

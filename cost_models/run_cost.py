@@ -53,7 +53,7 @@ def run_cost(
     gpu_hours = seconds / 3600.0 * gpus
     money = gpu_hours * price_per_gpu_hour if price_per_gpu_hour is not None else None
     billed = money if money is not None else gpu_hours
-    by_part = {k: (billed * v / step_time_s if step_time_s > 0 else 0.0) for k, v in time.items()}
+    by_part = {part: (billed * part_s / step_time_s if step_time_s > 0 else 0.0) for part, part_s in time.items()}
     return {
         "tokens": float(tokens),
         "steps": int(steps),
@@ -68,11 +68,11 @@ def scale_cost(cost: dict, step_time_s: float, best_step_time_s: float) -> dict:
     """The cost of a runner-up of the same cluster and batch: the same steps on the same devices,
     each ``step_time_s`` long instead of ``best_step_time_s`` (its parts are not known here, so
     ``by_part`` is left out)."""
-    r = step_time_s / best_step_time_s if best_step_time_s > 0 else 0.0
+    ratio = step_time_s / best_step_time_s if best_step_time_s > 0 else 0.0
     return {
         "tokens": cost["tokens"],
         "steps": cost.get("steps"),
-        "days": cost["days"] * r,
-        "gpu_hours": cost["gpu_hours"] * r,
-        "money": cost["money"] * r if cost["money"] is not None else None,
+        "days": cost["days"] * ratio,
+        "gpu_hours": cost["gpu_hours"] * ratio,
+        "money": cost["money"] * ratio if cost["money"] is not None else None,
     }

@@ -1,160 +1,61 @@
 """The cost of one fully specified strategy: the single source of truth of the planner.
 
-A *candidate* fixes the degrees and the batching: ``(dp, tp, pp, zero_stage, micro_batch_size,
-num_micro_batches)``. A *strategy* adds the stage partition (``pp`` contiguous ranges of the
-layer table) and the set of recomputed (checkpointed) layers. :func:`evaluate` prices a strategy;
-the ILP in :mod:`planner.search.ilp` optimizes exactly this function (its tests compare the ILP's
-optimum against brute-force enumeration through :func:`evaluate`), the bounds and greedy
-strategies of :mod:`planner.search.candidates` are stated in its terms, and the plan's ``predicted``
-block is :func:`evaluate`'s output.
+A *candidate* fixes ``(dp, tp, pp, zero_stage, micro_batch_size, num_micro_batches)`` (and
+compile, offload, sequence parallelism); a *strategy* adds the stage partition (``pp`` contiguous
+ranges of the layer table) and the recomputed layers. :func:`evaluate` prices a strategy; the ILP
+(:mod:`planner.search.ilp`) optimizes exactly this function, and the plan's ``predicted`` block is
+its output.
 
-Per-layer costs (one micro-batch of ``b`` sequences of ``s`` tokens, per device)
---------------------------------------------------------------------------------
-From the layer table's numbers at ``(b, s)`` (``*_tp`` is the part tensor parallelism divides):
+Per layer, one micro-batch of ``b`` sequences of ``s`` tokens, per device (``cost_models.layer_row``
+reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequence parallelism does):
 
-- compute: ``F_l = fwd - fwd_tp + fwd_tp / tp`` FLOPs forward, likewise backward, and the
-  memory-bound ops' bytes ``Q_l`` split the same way; time is the per-op roofline summed,
-  ``F_l / (peak * efficiency) + Q_l / memory_bandwidth`` (matmul-class ops carry the FLOPs, every
-  other op the bytes: ``passes.autograd_costs``; on a GPU profile each listed GEMM is priced at its
-  shape's efficiency, ``cost_models.gemm_cost``, small products reaching less of the peak), plus ``hw.op_overhead_s`` per operator call
-  (``num_ops`` forward, twice that in backward): the fixed dispatch/launch cost that makes many
-  small micro-batches slower than few large ones. Backward adds the accumulation of each
-  micro-batch's weight gradients into the gradient buffers (``3 x`` the gradient bytes, memory-bound).
-  Every tensor-parallel all-reduce and pipeline transfer also costs ``hw.sync_overhead_s``, the
-  wait of one rank for another at a blocking collective.
-- TP communication: ``tp_allreduce_bytes`` is what the layer all-reduces over the TP group in one
-  forward (Megatron's row-parallel outputs), ``tp_allreduce_bwd_bytes`` in one backward (the
-  conjugates at the column-parallel inputs; the forward amount when the table lacks it). One
-  all-reduce of that size per pass, timed with ``collective_time`` on the TP group's placement,
-  plus a copy of those bytes at the memory bandwidth (the runtime reduces a contiguous copy).
-  At tp > 1 the runtime's vocab-parallel cross-entropy replaces the traced loss: its bytes
-  (``tp_loss_fwd_bytes``, ``tp_loss_bwd_bytes``: the change, per device divided by tp) and its
-  three all-reduce calls (row max, sum of exponentials, target logit) are charged instead.
-- recompute: a checkpointed layer runs its forward again in backward, TP all-reduces included:
-  ``rec_l = hw.recompute_ratio x t_fwd + t_tp_rec`` (the ratio is measured by ``planner
-  calibrate``: below 1 on a CPU, where the rerun writes into cache-warm memory; 1 on GPUs).
-  The bytes a recompute sends are ``max(tp_allreduce_bytes - boundary_bytes, 0)`` all-reduced,
-  in one call fewer: the runtime's checkpoint (PyTorch's non-reentrant one) stops recomputing
-  once the last saved tensor is rebuilt, and the layer's final all-reduce (the row-parallel
-  output added to the residual stream, boundary-sized) feeds nothing the layer saves, so it is
-  not run again; ``t_tp_rec`` prices those bytes and calls.
-- selective recompute: a layer in the selective set keeps all its activations but those only its
-  attention cores hold (``core_saved_bytes``, split by tp like ``saved_bytes``) and runs the cores'
-  forward again in backward: ``sel_rec_l = hw.recompute_ratio x t_core`` (``t_core`` priced as a
-  forward from the ``core_*`` fields; the cores hold no tensor-parallel collective). During its
-  backward the core's tensors exist again, a transient like a recomputed layer's.
-- sequence parallelism (``Candidate.sequence_parallel``, tp > 1): the activations between the
-  tensor-parallel regions are split along the sequence, so ``saved_bytes_sp``, the memory-bound
-  bytes of those ops (``fwd_bytes_sp``, ``bwd_bytes_sp``) and the sequence-sharded inputs and
-  pipeline sends (``input_bytes_sp``, ``boundary_bytes_sp``) divide by tp. Each all-reduce that
-  ends a region becomes a reduce-scatter (``sp_reduce_scatter_bytes``) and each region's input is
-  all-gathered (``sp_all_gather_bytes``): the same bytes as the ring all-reduce, in twice the
-  calls; backward mirrors them, and the replicated weights used on sequence shards (norms)
-  all-reduce their gradients (``sp_grad_all_reduce_bytes``).
-- parameters per device ``P_l = ceil(param_count_tp / tp) + (param_count - param_count_tp)``.
-  Model state follows ``cost_models.memory.model_state_bytes`` *per layer* (the runtime keeps one
-  flat buffer per layer, so ZeRO pads each layer to a multiple of ``dp``), plus the layer's
-  buffers (replicated). ZeRO-2/3's transient full-size buffers are sized by the largest layer of
-  the stage (ZeRO-3 prefetches the next layer: two layers of gathered weights).
-- activations: ``saved_l = saved - saved_tp + saved_tp / tp`` kept for backward; a checkpointed
-  layer keeps only ``input_bytes`` (its input); ``boundary_bytes`` is what leaves the layer, sent
-  to the next stage when the layer ends one.
+- compute: ``F = fwd - fwd_tp + fwd_tp / tp`` FLOPs (GEMMs priced by shape, ``cost_models.gemm_cost``)
+  plus the memory-bound bytes ``Q`` (split likewise) at the memory bandwidth, plus ``op_overhead_s``
+  per operator call (``num_ops`` forward, twice in backward; ``max`` of device and host time when
+  ``hw.ops_async``, their sum otherwise). Backward adds ``3 x`` the gradient bytes (accumulation).
+- TP: one all-reduce of ``tp_allreduce_bytes`` per forward and of ``tp_allreduce_bwd_bytes`` per
+  backward (``collective_time`` on the TP placement, plus a copy at memory bandwidth and
+  ``sync_overhead_s`` per call); at tp > 1 the vocab-parallel loss's ``tp_loss_*_bytes`` are added.
+  Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes, twice
+  the calls) and divides the ``*_sp`` activations and bytes by tp.
+- recompute: ``rec = recompute_ratio x t_fwd + t_tp_rec``, where the rerun skips the final,
+  boundary-sized all-reduce: ``max(tp_allreduce_bytes - boundary_bytes, 0)`` in one call fewer.
+  Selective: ``sel_rec = recompute_ratio x t_core`` frees ``core_saved_bytes``.
+- state: ``P = ceil(param_count_tp / tp) + (param_count - param_count_tp)`` parameters, model state
+  by ``cost_models.memory.model_state_bytes`` per layer (ZeRO pads each layer to ``dp``); ZeRO-2/3
+  transients sized by the stage's largest layer. Activations: ``saved - saved_tp + saved_tp / tp``,
+  a checkpointed layer keeps ``input_bytes``; ``boundary_bytes`` crosses a stage cut.
+- compiled (``Candidate.compile``): ``r = 1 + tp collective calls`` regions cost ``r x
+  COMPILED_REGION_OPS`` calls of overhead, memory-bound bytes scale by ``COMPILED_BYTES_FRACTION``;
+  compiling costs ``COMPILE_S_PER_CLASS`` per distinct layer class of the busiest stage, once per run
+  (``Evaluation.extra["compile_s"]``, weighed by ``planner.search.solve``).
+- DP/ZeRO (``comm_cost.zero_dp_collectives``): ZeRO 0/1 once per step after the last backward;
+  ZeRO 2 reduce-scatters every micro-batch (``zero_mb``) and all-gathers once; ZeRO 3 gathers for
+  forward and backward and reduce-scatters every micro-batch. None is hidden under compute. A tied
+  weight across stages adds a copy and a gradient all-reduce (``cost_models.tied_cost``); offload
+  adds its exposed transfers to ``zero_mb`` / ``dp_step`` and its host AdamW to ``opt``
+  (``cost_models.offload_cost``).
 
-Compiled stages (``Candidate.compile``: each layer class under ``torch.compile``, ``runtime.stages.compile_layers``)
-------------------------------------------------------------------------------------------------------------
-A compiled layer runs as ``r`` compiled regions: one, plus one per graph break, which the runtime
-puts at every tensor-parallel collective (at tp > 1, ``tp_allreduce_calls +
-tp_allreduce_bwd_calls`` per layer). Its costs change in two ways, both applied to the forward,
-the backward and so the recompute:
+Step time (1F1B, ``p`` stages, ``m`` micro-batches), stage ``k`` holding layers ``S_k``, recomputed ``R``::
 
-- host overhead: ``r x COMPILED_REGION_OPS`` operator calls' worth of ``hw.op_overhead_s``
-  instead of ``num_ops`` (forward; twice that in backward, as for eager operators). A region's
-  call (guards, the autograd wrapper, its kernel launches) cost about 10 eager operator calls
-  here: a compiled one-operator function took ~60 us forward against ~6 us for the eager
-  operator, ~120-250 us forward + backward against 11-17 us (CPU, torch 2.13). So graph breaks
-  can make a small compiled layer slower to issue than an eager one, and the search sees it;
-- memory-bound bytes: chains of elementwise and normalization ops fuse into one kernel that
-  reads its inputs and writes its outputs once, so the layer moves ``COMPILED_BYTES_FRACTION``
-  (0.75) of its ``fwd_bytes`` and ``bwd_bytes``: counted on the GPT block's forward, about 19 of
-  its 24 activation-sized reads and writes remain once the residual add joins the next layer
-  norm, the bias the GELU and each dropout its add (matmuls stay library calls); the backward's
-  longer elementwise chains are assumed to fuse at least as well. An estimate, not a
-  measurement. The gradient accumulation after backward is not fused.
+    work_k = sum_{S_k} (t_fwd + t_bwd + t_tp) + sum_{S_k & R} rec_l + p2p_k
+    T_k    = work_k + sum_{S_k} zero_mb_l          one micro-batch through stage k
+    D      = max_k sum_{S_k} (dp_step_l + opt_l)    exposed DP/ZeRO traffic + optimizer step
+    step   = (m - 1) max_k T_k + sum_k T_k + D
 
-Compiling costs ``compile_seconds``, once per run: ``COMPILE_S_PER_CLASS`` per distinct layer
-class (a cold cache; stages compile at the same time, so the stage with the most distinct
-classes counts), recorded as ``Evaluation.extra["compile_s"]``. On a CPU 15 s per class, as
-measured here (a GPT's embedding, block and head compile in 29-47 s with inductor, forward and
-backward, on 2 busy cores); on a GPU 30 s per class, an unmeasured guess (Triton kernels compile
-more slowly than the C++ ones). The step-time prediction excludes it; the search weighs it
-against the per-step saving over the run (``planner.search.solve``).
+``p2p_k`` sends the stage's output forward and the previous stage's gradient back. The first
+micro-batch crosses every stage, the other ``m - 1`` follow the slowest: equal stages give the
+textbook ``(m + p - 1) T``. ``bubble_fraction = (sum_k T_k - T) / (m T + sum_k T_k - T)``.
 
-Data-parallel and ZeRO communication (``cost_models.comm_cost.zero_dp_collectives`` per layer)
-------------------------------------------------------------------------------------------
-The collectives are the ones ``zero_dp_collectives`` lists for each stage, placed in time so:
+Memory of stage ``k``: model state + its largest layer's ZeRO transients + ``min(p - k, m)``
+micro-batches of activations (``cost_models.memory``); feasible when every stage fits
+``memory_bytes x memory_headroom`` and, with offload, the node's host and NVMe bytes fit too.
 
-- ZeRO 0: gradient all-reduce, once per step, after the last backward (not overlapped).
-- ZeRO 1: gradient all-reduce + parameter all-gather, once per step (not overlapped).
-- ZeRO 2: gradients are sharded, so each micro-batch's gradients are reduce-scattered as its
-  backward produces them (``m`` times per step); the parameter all-gather after the optimizer
-  step is once per step.
-- ZeRO 3: each micro-batch all-gathers every layer's weights for forward and again for backward
-  and reduce-scatters its gradients (``m`` times per step).
-
-A weight tied across pipeline stages (``LayerTable.tied``, ``pp > 1``) adds, per
-``cost_models.tied_cost``, a copy's model state to its last reader's row and a gradient all-reduce
-over the tied group to the per-step collectives of both readers' rows (the ILP sees the same
-per-layer numbers).
-
-No DP/ZeRO collective is assumed hidden under compute: the model is deliberately conservative
-(overlap depends on kernels contending for the same links and memory), so ZeRO 2/3 are chosen
-only when the memory they save is needed or their sharded optimizer step pays for them. ZeRO 2/3
-with pipeline parallelism (or any ``m > 1``) are allowed and charged exactly that per-micro-batch
-traffic inside every micro-step: the runtime runs them (it accumulates into the gradient shard),
-they are just costly, and the solver weighs that cost against the memory they save.
-
-Step time (1F1B, ``p`` stages, ``m`` micro-batches)
----------------------------------------------------
-For stage ``k`` holding layers ``S_k`` with recomputed set ``R``::
-
-    work_k  = sum_{l in S_k} (t_fwd + t_bwd + t_tp_fwd + t_tp_bwd) + sum_{l in S_k & R} rec_l + p2p_k
-    p2p_k   = send(out of last layer of k, k -> k+1)  [k < p-1]
-            + send(out of last layer of k-1, k -> k-1) [k > 0]       (activation / gradient)
-    T_k     = work_k + sum_{l in S_k} zero_mb_l      one micro-batch through stage k
-    T       = max_k T_k                              the slowest stage paces the pipeline
-    D       = max_k sum_{l in S_k} (dp_step_l + opt_l)   exposed DP/ZeRO traffic + AdamW step
-    step    = (m - 1) * T + sum_k T_k + D
-
-The first micro-batch crosses every stage (``sum_k T_k``: the pipeline fills and drains), the
-other ``m - 1`` follow at the pace of the slowest. With equal stages this is the textbook
-``(m + p - 1) T``; with unequal ones (a language model's last stage carries the vocabulary
-projection and the loss) the bubble is the *other* stages' micro-steps, not ``p - 1`` copies of
-the slowest (on 2 stages of a 4-block GPT, the old form over-predicted the step by 23% at
-``m = 2``). ``bubble_fraction = (sum_k T_k - T) / (m T + sum_k T_k - T)``.
-
-Memory per device of stage ``k`` (``cost_models.memory``): model state of its layers + the
-transient ZeRO buffers of its largest layer + ``min(p - k, m)`` micro-batches of activations
-(``stage_activation_bytes``: checkpointed layers count their input only, plus the largest
-recomputed layer re-materialized once). A strategy is feasible when every stage fits in
-``memory_bytes * memory_headroom``.
-
-Offload (``Candidate.offload_optimizer``, ``offload_params``; ``cost_models.offload_cost`` prices it)
---------------------------------------------------------------------------------------------
-Per layer, the exposed transfers of one micro-batch join ``zero_mb`` (``offload_mb``), those of a
-step join ``dp_step`` (``offload_step``), an offloaded optimizer's step is the host's AdamW time
-(``opt``), and the device state loses what moved (``cost_models.memory.model_state_bytes``). Each
-layer's host and NVMe bytes add up per stage (plus the rank's pinned buffers); the node needs
-``ranks per node`` times the most loaded stage's, which must fit ``host_memory_bytes`` and
-``nvme_bytes`` at the request's headroom for the strategy to be feasible (the ILP has the same
-rows). ``Evaluation.extra`` carries ``host_bytes`` and ``nvme_bytes`` per node and, with offload,
-``offload_bytes`` by state kind for the report.
-
-Time breakdown (plan.json ``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``)
-and the stage ``d*`` with the largest tail ``D``: ``compute = m * compute_k*``, ``recompute = m *
-rec_k*``, ``tp_comm = m * tp_k*``, ``pp_bubble = sum_k T_k - T + m * p2p_k*`` (pipeline overhead:
-bubble and stage-to-stage transfers), ``dp_comm = m * (zero_mb_k* - offload_mb_k*) + dp_d* -
-offload_step_d*``, ``optimizer = opt_d*`` (wherever AdamW runs), ``offload = m * offload_mb_k* +
-offload_step_d*``. The parts sum to the step time.
+Time breakdown (``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``) and the tail
+stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`` stage ``k*``'s;
+``pp_bubble = sum_k T_k - T + m p2p_k*``; ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
+offload_step_d*``; ``optimizer = opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The
+parts sum to the step time.
 """
 
 from __future__ import annotations
@@ -163,7 +64,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import NamedTuple, Sequence
 
 from cost_models.comm_cost import (
     GroupPlacement,
@@ -172,25 +73,35 @@ from cost_models.comm_cost import (
     step_control_bytes,
     zero_dp_collectives,
 )
-from cost_models.compute import compute_time, optimizer_step_time
-from cost_models.gemm_cost import layer_matmul_time
+from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
+from cost_models.layer_row import LayerRow, NumericTable
+from cost_models.layer_work import (
+    COMPILED_BYTES_FRACTION,
+    COMPILED_REGION_OPS,
+    LayerCost,
+    WorkSetting,
+    compiled_regions,
+    row_work,
+)
 from cost_models.memory import (
-    backward_transient_bytes,
     buckets_leave,
-    bytes_per_param,
     inflight_microbatches,
     model_state_bytes,
     reduction_bytes,
     shard_elements,
-    split_by_tp,
     stage_activation_bytes,
     zero_transient_bytes,
 )
-from cost_models.offload_cost import layer_offload, offload_breakdown, offload_buffer_bytes, ranks_per_node
-from cost_models.tied_cost import tied_weight_costs
-from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
-from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, LayerTable
+from cost_models.offload_cost import (
+    OffloadedLayer,
+    layer_offload,
+    offload_breakdown,
+    offload_buffer_bytes,
+    ranks_per_node,
+)
+from cost_models.tied_cost import TiedCost, tied_weight_costs
+from runtime.contract.choices import OffloadTier
 from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
@@ -215,16 +126,8 @@ __all__ = [
     "boundary_placements",
 ]
 
-#: Host cost of one call of a compiled region, in eager operator calls (``hw.op_overhead_s`` each):
-#: forward; backward twice that, like an eager operator (see "Compiled stages" above).
-COMPILED_REGION_OPS = 10
-
-#: Fraction of a layer's memory-bound bytes a compiled layer still moves once its elementwise
-#: chains are fused (an estimate; see "Compiled stages" above).
-COMPILED_BYTES_FRACTION = 0.75
-
-#: Seconds to compile one layer class, forward and backward, with a cold cache: ``cpu`` measured
-#: here (inductor, C++ kernels), ``gpu`` unmeasured (no GPU was available to time Triton's).
+#: Seconds to compile one layer class, forward and backward, with a cold cache (inductor's C++
+#: kernels on a CPU, Triton's on a GPU).
 COMPILE_S_PER_CLASS: dict[str, float] = {"cpu": 15.0, "gpu": 30.0}
 
 
@@ -232,73 +135,6 @@ def compile_seconds(hw: HardwareProfile, classes: int) -> float:
     """Time to compile ``classes`` distinct layer classes on ``hw`` (a GPU when the profile's
     devices run operators asynchronously from the host, ``ops_async``)."""
     return COMPILE_S_PER_CLASS["gpu" if hw.ops_async else "cpu"] * classes
-
-
-def compiled_regions(row: dict, tp: int) -> int:
-    """Compiled regions of one layer: one, plus a graph break at each tensor-parallel collective
-    the runtime issues eagerly (``runtime.tensor_parallel.EAGER_ONLY``)."""
-    return 1 + (int(row["tp_allreduce_calls"]) + int(row["tp_allreduce_bwd_calls"]) if tp > 1 else 0)
-
-
-class NumericTable:
-    """A layer table with its symbolic costs turned into numbers, cached per ``(b, s)``.
-
-    Reads the one layer-table schema (``passes.layer_table``: ``EXPR_FIELDS`` and ``INT_FIELDS``);
-    ``LayerTable.numeric`` compiles each distinct expression once (identical blocks share
-    expressions, so a 96-block table costs about as much as a 3-layer one) and rejects sizes the
-    trace fixed. ``groups`` lists the distinct rows, which is what the per-candidate costs are
-    computed from.
-    """
-
-    def __init__(self, table: LayerTable):
-        self.table = table
-        self.layers = list(table.layers)
-        if not self.layers:
-            raise ValueError("the layer table is empty")
-        self.names = [lay.name for lay in self.layers]
-        self.kinds = [lay.kind for lay in self.layers]
-        self.model = dict(table.model)
-        self.num_blocks = sum(1 for k in self.kinds if k == "block")
-        self.tied = [t for t in table.tied if t["layers"][0] < t["layers"][1]]
-        """Weights read by several rows (``LayerTable.tied``): with pipeline stages each stage that
-        reads one holds a copy (priced by ``cost_models.tied_cost``)."""
-        self._rows: dict[tuple, Any] = {}
-        self.work_memo: dict[tuple, Any] = {}
-        """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
-
-    def groups(self, b: int, s: int) -> tuple[list[dict[str, float]], list[int]]:
-        """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
-        key = ("groups", b, s)
-        if key not in self._rows:
-            distinct: dict[tuple, int] = {}
-            reps, index = [], []
-            for row in self.rows(b, s):
-                k = tuple(row[f] for f in EXPR_FIELDS + INT_FIELDS) + tuple(row.get(f, ()) for f in GEMM_FIELDS)
-                if k not in distinct:
-                    distinct[k] = len(reps)
-                    reps.append(row)
-                index.append(distinct[k])
-            self._rows[key] = (reps, index)
-        return self._rows[key]
-
-    def rows(self, b: int, s: int) -> list[dict[str, float]]:
-        """Per-layer numbers at micro-batch size ``b`` and sequence length ``s`` (cached): every
-        ``EXPR_FIELDS`` entry as a float, every ``INT_FIELDS`` entry as an int."""
-        key = (b, s)
-        if key not in self._rows:
-            out = []
-            for row in self.table.numeric(b, s):
-                row.update({f: int(row[f]) for f in INT_FIELDS})
-                out.append(row)
-            self._rows[key] = out
-        return self._rows[key]
-
-    def flops_per_sequence(self, s: int) -> float:
-        """Forward + backward FLOPs of one sequence through the whole model (no recompute)."""
-        return sum(r["fwd_flops"] + r["bwd_flops"] for r in self.rows(1, s))
-
-    def total_params(self) -> int:
-        return int(sum(lay.param_count for lay in self.layers))
 
 
 @dataclass(frozen=True, order=True)
@@ -312,15 +148,14 @@ class Candidate:
     micro_batch_size: int
     num_micro_batches: int
     compile: bool = False
-    """Each layer class runs under ``torch.compile`` (priced as in "Compiled stages" above)."""
+    """Each layer class runs under ``torch.compile`` (module docstring, "compiled")."""
     offload_optimizer: str = "none"
     """Where the optimizer state lives and AdamW runs: ``none`` (device), ``cpu``, ``nvme``
     (``cost_models.offload_cost``)."""
     offload_params: str = "none"
     """Where the ZeRO-3 parameter shards live: ``none`` (device), ``cpu``, ``nvme``."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism in the tensor-parallel regions (tp > 1; "Sequence
-    parallelism" above)."""
+    """Megatron sequence parallelism in the tensor-parallel regions (tp > 1; module docstring, "TP")."""
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -329,13 +164,13 @@ class Candidate:
     @property
     def offloads(self) -> bool:
         """True when some state lives off the device."""
-        return self.offload_optimizer != "none" or self.offload_params != "none"
+        return self.offload_optimizer != OffloadTier.NONE or self.offload_params != OffloadTier.NONE
 
     def describe(self) -> str:
         off = [
-            f"{k} on {v}"
-            for k, v in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
-            if v != "none"
+            f"{kind} on {tier}"
+            for kind, tier in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
+            if tier != OffloadTier.NONE
         ]
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage} "
@@ -362,86 +197,6 @@ class Strategy:
     model order (chunk ``c`` on rank ``c % pp``)."""
     selective: frozenset = frozenset()
     """Layer-table indices whose attention cores are recomputed (disjoint from ``checkpoint``)."""
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer's per-device costs under one candidate (seconds and bytes)."""
-
-    compute_s: float
-    """Forward + backward compute of one micro-batch."""
-    fwd_s: float
-    tp_s: float
-    """TP all-reduces of forward + backward of one micro-batch."""
-    tp_fwd_s: float
-    rec_s: float
-    """Extra time when checkpointed: forward compute + forward TP all-reduce."""
-    zero_mb_s: float
-    """ZeRO 2/3 collectives of one micro-batch (inside every micro-step)."""
-    dp_step_s: float
-    """Per-step DP/ZeRO collectives (exposed)."""
-    opt_s: float
-    params_b: int
-    grads_b: int
-    optimizer_b: int
-    trans_params_b: int
-    """ZeRO-3 gathered weights while this layer (and the prefetched next) runs."""
-    trans_grads_b: int
-    """ZeRO-2/3 full gradients and reduced shards in flight, bounded with this layer standing
-    for every layer of the window (``cost_models.memory.model_state_bytes``)."""
-    bt_b: float
-    """Backward transient: twice the layer's largest activation (``backward_transient_bytes``)."""
-    saved_b: float
-    input_b: float
-    boundary_b: float
-    tp_sent_b: float
-    """Bytes sent by the TP all-reduces of one forward of one micro-batch."""
-    tp_bwd_sent_b: float
-    """Bytes sent by the TP all-reduces of one backward of one micro-batch."""
-    tp_rec_sent_b: float
-    """Bytes sent by the TP all-reduces a recompute repeats (all but the final, boundary-sized one)."""
-    zero_mb_sent_b: float
-    dp_step_sent_b: float
-    num_params: int
-    """Parameters on one device (after the TP split)."""
-    wgrad_s: float = 0.0
-    """The weight-gradient part of the backward (``W`` of a zero-bubble schedule): the products
-    that contract over the micro-batch's tokens, priced by shape, with the gradient accumulation
-    and their share of the host overhead; without listed products, half of the backward's matmul
-    work (``cost_models.schedule_cost``, "The W split")."""
-    wgrad_keep_b: float = 0.0
-    """Bytes a split backward keeps from ``B`` to ``W`` beyond the activations: the gradient of
-    each weight product's output (the runtime restarts ``W`` at those autograd edges), from the
-    forward products that multiply the micro-batch's tokens by a weight (0 without listed products)."""
-    tail_b: float = 0.0
-    """Of ``saved_b``, what a split backward frees at ``B`` when this layer ends its chunk: the
-    saved activations downstream of every weight product (the loss's log-probabilities), which
-    only the chunk's outputs hold (``passes.split_backward``)."""
-    offload_mb_s: float = 0.0
-    """Exposed offload transfers of one micro-batch (included in ``zero_mb_s``)."""
-    offload_step_s: float = 0.0
-    """Exposed offload transfers per step (included in ``dp_step_s``)."""
-    host_b: int = 0
-    """Host bytes of this layer's offloaded state on one rank (``cost_models.offload_cost``)."""
-    nvme_b: int = 0
-    """NVMe bytes of this layer's offloaded state on one rank."""
-    sel_rec_s: float = 0.0
-    """Extra time under selective recompute: the attention cores' forward run again."""
-    sel_saved_b: float = 0.0
-    """Activation bytes selective recompute frees (what only the attention cores keep); 0 for a
-    layer without attention, which cannot recompute selectively."""
-
-    @property
-    def work_s(self) -> float:
-        return self.compute_s + self.tp_s
-
-    @property
-    def state_b(self) -> int:
-        return self.params_b + self.grads_b + self.optimizer_b
-
-    @property
-    def trans_b(self) -> int:
-        return self.trans_params_b + self.trans_grads_b
 
 
 @functools.lru_cache(maxsize=1024)
@@ -477,16 +232,16 @@ class CandidateCosts:
         self.layers = layers
         if distinct is None:
             counts: dict[LayerCost, int] = {}
-            for c in layers:
-                counts[c] = counts.get(c, 0) + 1
+            for cost in layers:
+                counts[cost] = counts.get(cost, 0) + 1
             distinct = list(counts.items())
         self.distinct = distinct
         """Each distinct layer cost with the number of layers that have it."""
         self.hw = hw
         self.capacity = capacity
         self.placements = boundary_placements(cand.dp, cand.tp, cand.pp, gpus_per_node)
-        p, m = cand.pp, cand.num_micro_batches
-        self.inflight = [inflight_microbatches(k, p, m) for k in range(p)]
+        pp, micro_batches = cand.pp, cand.num_micro_batches
+        self.inflight = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
         self._send: dict[tuple[float, int], float] = {}
         self.loss_transient_b = 0.0
         """The last layer's backward transient (a language model's loss: ``2 x logits``)."""
@@ -509,20 +264,36 @@ class CandidateCosts:
     def send_s(self, layer: int, boundary: int) -> float:
         """Seconds to send layer ``layer``'s output across pipeline boundary ``boundary``."""
         key = (self.layers[layer].boundary_b, boundary)
-        t = self._send.get(key)
-        if t is None:  # a blocking transfer: the alpha-beta time and one wait for the peer
-            t = float(collective_time("send", key[0], self.placements[boundary], self.hw)) + self.hw.sync_overhead_s
-            self._send[key] = t
-        return t
+        seconds = self._send.get(key)
+        if seconds is None:  # a blocking transfer: the alpha-beta time and one wait for the peer
+            seconds = (
+                float(collective_time("send", key[0], self.placements[boundary], self.hw)) + self.hw.sync_overhead_s
+            )
+            self._send[key] = seconds
+        return seconds
 
     def is_uniform(self) -> bool:
         """True when the blocks (rows 1..L) cost the same, except possibly the last one: the ILP
         can then count blocks per stage."""
-        return self.num_layers >= 3 and all(c == self.layers[1] for c in self.layers[2:-2])
+        return self.num_layers >= 3 and all(cost == self.layers[1] for cost in self.layers[2:-2])
+
+
+@dataclass(frozen=True)
+class _CandidatePricing:
+    """What every row of one candidate is priced with (``candidate_costs``)."""
+
+    hw: HardwareProfile
+    dtype: str
+    candidate: Candidate
+    setting: WorkSetting
+    dp_placement: GroupPlacement
+    """Where the data-parallel group's ranks live (prices the ZeRO collectives)."""
+    ranks_per_node: int
+    """Ranks sharing a node's host memory and drives (offload)."""
 
 
 def candidate_costs(
-    nt: NumericTable,
+    table: NumericTable,
     hw: HardwareProfile,
     dtype: str,
     seq_len: int,
@@ -531,266 +302,158 @@ def candidate_costs(
     capacity: float,
 ) -> CandidateCosts:
     """Per-layer costs of ``cand`` (identical rows are priced once)."""
-    reps, index = nt.groups(cand.micro_batch_size, seq_len)
-    tp_pl = axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    dp_pl = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
-    ranks = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
-    costs = [
-        _layer_cost(row, hw, dtype, cand, tp_pl, dp_pl, ranks, cand.micro_batch_size * seq_len, nt.work_memo)
-        for row in reps
-    ]
-    layers = [costs[i] for i in index]
-    extra = tied_weight_costs(nt.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
-    for t in extra:  # a copy on the last reader's stage, a gradient all-reduce on both
-        layers[t.first] = dataclasses.replace(
-            layers[t.first],
-            dp_step_s=layers[t.first].dp_step_s + t.time_s,
-            dp_step_sent_b=layers[t.first].dp_step_sent_b + t.sent_b,
-        )
-        lc = layers[t.last]
-        off = cand.offload_optimizer != "none"  # the copy's optimizer state lives with the others
-        layers[t.last] = dataclasses.replace(
-            lc,
-            dp_step_s=lc.dp_step_s + t.time_s,
-            dp_step_sent_b=lc.dp_step_sent_b + t.sent_b,
-            params_b=lc.params_b + t.params_b,
-            grads_b=lc.grads_b + t.grads_b,
-            optimizer_b=lc.optimizer_b + (0 if off else t.optimizer_b),
-            host_b=lc.host_b + (t.optimizer_b if cand.offload_optimizer == "cpu" else 0),
-            nvme_b=lc.nvme_b + (t.optimizer_b if cand.offload_optimizer == "nvme" else 0),
-        )
-    cc = CandidateCosts(
+    distinct_rows, row_of_layer = table.layer_rows(cand.micro_batch_size, seq_len)
+    tokens = cand.micro_batch_size * seq_len
+    pricing = _CandidatePricing(
+        hw=hw,
+        dtype=dtype,
+        candidate=cand,
+        setting=WorkSetting(
+            tp=cand.tp,
+            sequence_parallel=cand.sequence_parallel and cand.tp > 1,
+            compiled=cand.compile,
+            tp_placement=axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node),
+            tokens=tokens,
+        ),
+        dp_placement=axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node),
+        ranks_per_node=ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node),
+    )
+    row_costs = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
+    layers = [row_costs[i] for i in row_of_layer]
+    tied = tied_weight_costs(table.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
+    for weight in tied:
+        _add_tied_weight(layers, weight, cand.offload_optimizer)
+    costs = CandidateCosts(
         cand,
         layers,
         hw,
         gpus_per_node,
         capacity,
-        distinct=None if extra else [(c, index.count(i)) for i, c in enumerate(costs)],
+        distinct=None if tied else [(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
     )
-    cc.dtype = dtype
-    if cand.offloads:  # host and NVMe capacity per rank, at the request's headroom
-        headroom = capacity / hw.memory_bytes
-        largest = max(shard_elements(c.num_params, cand.dp) for c in costs)
-        cc.host_buffers_b = offload_buffer_bytes(
-            largest, dtype, cand.offload_optimizer, cand.offload_params, staged=hw.ops_async
-        )
-        cc.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - cc.host_buffers_b
-        if "nvme" in (cand.offload_optimizer, cand.offload_params):
-            cc.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
+    costs.dtype = dtype
+    if cand.offloads:
+        _set_offload_room(costs, row_costs, pricing.ranks_per_node)
     # The last row's transient: for a language model the loss backward's 2 x logits.
-    cc.loss_transient_b = cc.layers[-1].bt_b
-    return cc
+    costs.loss_transient_b = costs.layers[-1].bt_b
+    return costs
 
 
-def _layer_cost(
-    row: dict,
-    hw: HardwareProfile,
-    dtype: str,
-    cand: Candidate,
-    tp_pl: GroupPlacement,
-    dp_pl: GroupPlacement,
-    ranks: int = 1,
-    tokens: float = 0.0,
-    memo: dict | None = None,
-) -> LayerCost:
-    """One row's costs under ``cand``: its work (compute, tp collectives, activations; a function
-    of the row, tp, SP, compiling and the micro-batch only, so shared through ``memo`` by every
-    candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
-    tp, dp, z = cand.tp, cand.dp, cand.zero_stage
-    sp = cand.sequence_parallel and tp > 1
-    key = (id(row), id(hw), dtype, tp, sp, cand.compile, tp_pl, tokens)
-    got = memo.get(key) if memo is not None else None
-    if got is None:
-        got = _row_work(row, hw, dtype, tp, sp, cand.compile, tp_pl, tokens), row, hw
-        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
-            memo[key] = got
-    (work, t_b), P = got[0], got[0][0].num_params
-    oo, op = cand.offload_optimizer, cand.offload_params
-    base = model_state_bytes(P, dtype, z, dp, offload_optimizer=oo, offload_params=op)
-    peak = model_state_bytes(
-        P, dtype, z, dp, largest_layer_params=P, prefetch=True, offload_optimizer=oo, offload_params=op
+def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimizer: str) -> None:
+    """A tied weight's copy on its last reader's stage, and its gradient all-reduce on both readers."""
+    first = layers[weight.first]
+    layers[weight.first] = dataclasses.replace(
+        first,
+        dp_step_s=first.dp_step_s + weight.time_s,
+        dp_step_sent_b=first.dp_step_sent_b + weight.sent_b,
     )
-    off = layer_offload(P, dtype, z, dp, oo, op, hw, ranks, work.fwd_s, t_b)
-    colls = zero_dp_collectives(P, dtype, z, dp)
-    if z == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
-        per_mb, per_step = list(colls), []
-    elif z == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
-        per_mb = [c for c in colls if c[0] == "reduce_scatter"]
-        per_step = [c for c in colls if c[0] != "reduce_scatter"]
-    else:
-        per_mb, per_step = [], list(colls)
-    zmb_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_mb)
-    step_t = sum(float(collective_time(k, sz, dp_pl, hw)) for k, sz in per_step)
-    zmb_b = sum(float(ring_bytes(k, sz, dp)) for k, sz in per_mb)
-    step_b = sum(float(ring_bytes(k, sz, dp)) for k, sz in per_step)
-    opt_params = shard_elements(P, dp) if z >= 1 else P
+    last = layers[weight.last]
+    offloaded = offload_optimizer != OffloadTier.NONE  # the copy's optimizer state lives with the others
+    layers[weight.last] = dataclasses.replace(
+        last,
+        dp_step_s=last.dp_step_s + weight.time_s,
+        dp_step_sent_b=last.dp_step_sent_b + weight.sent_b,
+        params_b=last.params_b + weight.params_b,
+        grads_b=last.grads_b + weight.grads_b,
+        optimizer_b=last.optimizer_b + (0 if offloaded else weight.optimizer_b),
+        host_b=last.host_b + (weight.optimizer_b if offload_optimizer == OffloadTier.CPU else 0),
+        nvme_b=last.nvme_b + (weight.optimizer_b if offload_optimizer == OffloadTier.NVME else 0),
+    )
+
+
+def _set_offload_room(costs: CandidateCosts, row_costs: Sequence[LayerCost], ranks: int) -> None:
+    """Host and NVMe capacity per rank for offloaded state, at the request's headroom."""
+    cand, hw = costs.cand, costs.hw
+    headroom = costs.capacity / hw.memory_bytes
+    largest = max(shard_elements(cost.num_params, cand.dp) for cost in row_costs)
+    costs.host_buffers_b = offload_buffer_bytes(
+        largest, costs.dtype, cand.offload_optimizer, cand.offload_params, staged=hw.ops_async
+    )
+    costs.host_room = (hw.host_memory_bytes or 0) * headroom / ranks - costs.host_buffers_b
+    if OffloadTier.NVME in (cand.offload_optimizer, cand.offload_params):
+        costs.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
+
+
+def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = None) -> LayerCost:
+    """One row's costs under a candidate: its work (compute, tp collectives, activations; a
+    function of the row and ``pricing.setting`` only, so shared through ``memo`` by every
+    candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
+    hw, dtype, cand = pricing.hw, pricing.dtype, pricing.candidate
+    key = (id(row), id(hw), dtype, pricing.setting)
+    cached = memo.get(key) if memo is not None else None
+    if cached is None:
+        cached = row_work(row, hw, dtype, pricing.setting), row, hw
+        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
+            memo[key] = cached
+    work, backward_s = cached[0]
+    params = work.num_params
+    zero, dp = cand.zero_stage, cand.dp
+    offload_optimizer, offload_params = cand.offload_optimizer, cand.offload_params
+    base = model_state_bytes(
+        params, dtype, zero, dp, offload_optimizer=offload_optimizer, offload_params=offload_params
+    )
+    peak = model_state_bytes(
+        params,
+        dtype,
+        zero,
+        dp,
+        largest_layer_params=params,
+        prefetch=True,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )
+    offload = layer_offload(
+        OffloadedLayer(params, dtype, zero, dp, offload_optimizer, offload_params),
+        hw,
+        pricing.ranks_per_node,
+        work.fwd_s,
+        backward_s,
+    )
+    per_microbatch, per_step = _zero_collectives(params, dtype, zero, dp)
+    zero_mb_s = _collectives_time(per_microbatch, pricing.dp_placement, hw)
+    step_s = _collectives_time(per_step, pricing.dp_placement, hw)
+    optimizer_params = shard_elements(params, dp) if zero >= 1 else params
     opt_s = (
-        off.optimizer_s
-        if off.optimizer_s is not None
-        else (float(optimizer_step_time(opt_params, hw, dtype)) if P else 0.0)
+        offload.optimizer_s
+        if offload.optimizer_s is not None
+        else (float(optimizer_step_time(optimizer_params, hw, dtype)) if params else 0.0)
     )
     return dataclasses.replace(
         work,
-        zero_mb_s=zmb_t + off.mb_s,
-        dp_step_s=step_t + off.step_s,
+        zero_mb_s=zero_mb_s + offload.mb_s,
+        dp_step_s=step_s + offload.step_s,
         opt_s=opt_s,
-        offload_mb_s=off.mb_s,
-        offload_step_s=off.step_s,
-        host_b=off.host_b,
-        nvme_b=off.nvme_b,
+        offload_mb_s=offload.mb_s,
+        offload_step_s=offload.step_s,
+        host_b=offload.host_b,
+        nvme_b=offload.nvme_b,
         params_b=base["params"] + work.params_b,
         grads_b=base["grads"],
         optimizer_b=base["optimizer"],
         trans_params_b=peak["params"] - base["params"],
         trans_grads_b=peak["grads"] - base["grads"],
-        zero_mb_sent_b=zmb_b,
-        dp_step_sent_b=step_b,
+        zero_mb_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_microbatch),
+        dp_step_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_step),
     )
 
 
-def _row_work(
-    row: dict, hw: HardwareProfile, dtype: str, tp: int, sp: bool, compiled: bool, tp_pl: GroupPlacement, tokens: float
-) -> tuple[LayerCost, float]:
-    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
-
-    def seq(name: str) -> float:  # what sequence parallelism removes from a per-device amount
-        return row.get(name + "_sp", 0.0) * (1 - 1 / tp) if sp else 0.0
-
-    def split(name: str) -> float:  # the part tp divides, divided; the rest whole
-        v = row[name] - row[name + "_tp"] + row[name + "_tp"] / tp - seq(name)
-        if tp > 1 and name in ("fwd_bytes", "bwd_bytes"):  # the runtime's vocab-parallel loss
-            v = max(v + row["tp_loss_" + name] / tp, 0.0)
-        return v
-
-    n_tp = row["param_count_tp"]
-    P = int(split_by_tp(n_tp, row["param_count"] - n_tp, tp))
-    # Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
-    # at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
-    # forward op). Backward also accumulates each micro-batch's weight gradients into the
-    # gradient buffers: read both, write one, 3 x the layer's gradient bytes.
-    # Compiled (Candidate.compile): a few region calls instead of every operator's, and fused
-    # memory-bound chains (module docstring, "Compiled stages").
-    if compiled:
-        ops = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
-        fused = COMPILED_BYTES_FRACTION
-    else:
-        ops, fused = row["num_ops"] * hw.op_overhead_s, 1.0
-    accumulate = 3 * P * bytes_per_param(dtype)["grads"]
-    # Matrix products are priced by their shapes on a GPU (small ones reach less of the peak,
-    # cost_models.gemm_cost); on a CPU profile this is the flat rate, as before.
-    dev_f = float(
-        layer_matmul_time(split("fwd_flops"), row.get("fwd_gemms", ()), hw, dtype, tp)
-        + compute_time(0.0, fused * split("fwd_bytes"), hw, dtype)
-    )
-    dev_b = float(
-        layer_matmul_time(split("bwd_flops"), row.get("bwd_gemms", ()), hw, dtype, tp)
-        + compute_time(0.0, fused * split("bwd_bytes") + accumulate, hw, dtype)
-    )
-    # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
-    # the layer. A CPU rank issues and runs them on the same core: they add up.
-    combine = max if hw.ops_async else (lambda dev, host: dev + host)
-    t_f, t_b = combine(dev_f, ops), combine(dev_b, 2 * ops)
-    dev_w = wgrad_device_time(row, split("bwd_flops"), hw, dtype, tp, tokens) + float(
-        compute_time(0.0, accumulate, hw, dtype)
-    )
-    t_w = t_b * min(dev_w / dev_b, 1.0) if dev_b > 0 else 0.0
-
-    def tp_cost(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:
-        if tp == 1 or nbytes <= 0:
-            return 0.0, 0.0
-        # The runtime all-reduces a contiguous copy of the activation (autograd may share the
-        # original): a read and a write of the bytes on top of the collective.
+def _zero_collectives(
+    params: int, dtype: str, zero_stage: int, dp: int
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """A layer's DP/ZeRO collectives, split into those of every micro-batch and those of the step."""
+    collectives = zero_dp_collectives(params, dtype, zero_stage, dp)
+    if zero_stage == 3:  # gathers for forward and backward + gradient reduce-scatter, every micro-batch
+        return list(collectives), []
+    if zero_stage == 2:  # gradient reduce-scatter every micro-batch, parameter all-gather once
         return (
-            float(collective_time(kind, nbytes, tp_pl, hw)) + 2 * nbytes / hw.memory_bandwidth,
-            float(ring_bytes(kind, nbytes, tp)),
+            [collective for collective in collectives if collective[0] == "reduce_scatter"],
+            [collective for collective in collectives if collective[0] != "reduce_scatter"],
         )
+    return [], list(collectives)
 
-    def add(*parts: tuple[float, float]) -> tuple[float, float]:
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
-    if sp:  # the all-reduces at the regions' ends become reduce-scatters + all-gathers (same bytes)
-        rs, ag = row["sp_reduce_scatter_bytes"], row["sp_all_gather_bytes"]
-        t_tp, tp_sent = add(
-            tp_cost(max(row["tp_allreduce_bytes"] - rs, 0.0)), tp_cost(rs, "reduce_scatter"), tp_cost(ag, "all_gather")
-        )
-        t_tp_bwd, tp_sent_bwd = add(
-            tp_cost(max(row["tp_allreduce_bwd_bytes"] - ag, 0.0) + row["sp_grad_all_reduce_bytes"]),
-            tp_cost(rs + row["sp_split_bytes"], "all_gather"),
-            tp_cost(ag, "reduce_scatter"),
-        )
-        t_tp += (row["tp_allreduce_calls"] + row["sp_all_gather_calls"]) * hw.sync_overhead_s
-        t_tp_bwd += (
-            row["tp_allreduce_bwd_calls"]
-            + row["sp_reduce_scatter_calls"]
-            + (row["sp_grad_all_reduce_bytes"] > 0)
-            + (row["sp_split_bytes"] > 0)
-        ) * hw.sync_overhead_s
-    else:
-        t_tp, tp_sent = tp_cost(row["tp_allreduce_bytes"])
-        t_tp_bwd, tp_sent_bwd = tp_cost(row["tp_allreduce_bwd_bytes"])
-        if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
-            t_tp += row["tp_allreduce_calls"] * hw.sync_overhead_s
-            t_tp_bwd += row["tp_allreduce_bwd_calls"] * hw.sync_overhead_s
-    # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
-    # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
-    # residual stream, is not run again.
-    t_tp_rec, tp_sent_rec = tp_cost(max(row["tp_allreduce_bytes"] - row["boundary_bytes"], 0.0))
-    if tp > 1:
-        skipped = int(row["boundary_bytes"] > 0 and row["tp_allreduce_bytes"] >= row["boundary_bytes"])
-        t_tp_rec += max(row["tp_allreduce_calls"] - skipped, 0) * hw.sync_overhead_s
-    saved = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp - seq("saved_bytes")
-    largest = max(row["peak_act_bytes"], row["peak_act_bytes_tp"] / tp)
-    # selective recompute: the attention cores' forward, priced like a forward of its own
-    core_ops = (min(row["core_num_ops"], COMPILED_REGION_OPS) if compiled else row["core_num_ops"]) * hw.op_overhead_s
-    dev_core = float(
-        layer_matmul_time(split("core_fwd_flops"), row.get("core_gemms", ()), hw, dtype, tp)
-        + compute_time(0.0, fused * split("core_fwd_bytes"), hw, dtype)
-    )
-    sel_saved = split("core_saved_bytes")
-    return LayerCost(
-        compute_s=t_f + t_b,
-        fwd_s=t_f,
-        tp_s=t_tp + t_tp_bwd,
-        tp_fwd_s=t_tp,
-        rec_s=hw.recompute_ratio * t_f + t_tp_rec,
-        zero_mb_s=0.0,
-        dp_step_s=0.0,
-        opt_s=0.0,
-        params_b=row["buffer_bytes"],
-        grads_b=0,
-        optimizer_b=0,
-        trans_params_b=0,
-        trans_grads_b=0,
-        bt_b=float(
-            backward_transient_bytes(
-                largest,
-                bytes_per_param(dtype)["grads"] * max(row["largest_param"], math.ceil(row["largest_param_tp"] / tp)),
-            )
-        ),
-        saved_b=saved,
-        input_b=row["input_bytes"] - seq("input_bytes"),
-        boundary_b=row["boundary_bytes"] - seq("boundary_bytes"),
-        tp_sent_b=tp_sent,
-        tp_bwd_sent_b=tp_sent_bwd,
-        tp_rec_sent_b=tp_sent_rec,
-        zero_mb_sent_b=0.0,
-        dp_step_sent_b=0.0,
-        num_params=P,
-        wgrad_s=t_w,
-        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, tokens, sp),
-        sel_rec_s=hw.recompute_ratio * combine(dev_core, core_ops) if sel_saved > 0 else 0.0,
-        sel_saved_b=sel_saved,
-        tail_b=min(
-            max(
-                row["tail_saved_bytes"]
-                - row["tail_saved_bytes_tp"]
-                + row["tail_saved_bytes_tp"] / tp
-                - seq("tail_saved_bytes"),
-                0.0,
-            ),
-            saved,
-        ),
-    ), t_b
+def _collectives_time(collectives: Sequence[tuple[str, int]], placement: GroupPlacement, hw: HardwareProfile) -> float:
+    return sum(float(collective_time(kind, size, placement, hw)) for kind, size in collectives)
 
 
 def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selective: frozenset) -> list[LayerCost]:
@@ -800,21 +463,21 @@ def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selectiv
     if not selective:
         return list(layers)
     return [
-        dataclasses.replace(l, saved_b=l.saved_b - l.sel_saved_b, bt_b=max(l.bt_b, l.sel_saved_b))
+        dataclasses.replace(layer, saved_b=layer.saved_b - layer.sel_saved_b, bt_b=max(layer.bt_b, layer.sel_saved_b))
         if i in selective
-        else l
-        for l, i in zip(layers, indices)
+        else layer
+        for layer, i in zip(layers, indices)
     ]
 
 
-def check_selective(cc: CandidateCosts, checkpoint: frozenset, selective: frozenset) -> None:
+def check_selective(costs: CandidateCosts, checkpoint: frozenset, selective: frozenset) -> None:
     """Selective layers exist, have attention cores and are not also recomputed whole."""
-    n = cc.num_layers
+    n = costs.num_layers
     if any(not 0 <= i < n for i in selective):
         raise ValueError(f"selective layers {sorted(selective)} outside 0..{n - 1}")
     if checkpoint & selective:
         raise ValueError(f"layers {sorted(checkpoint & selective)} are both recomputed whole and selectively")
-    bad = sorted(i for i in selective if cc.layers[i].sel_saved_b <= 0)
+    bad = sorted(i for i in selective if costs.layers[i].sel_saved_b <= 0)
     if bad:
         raise ValueError(f"layers {bad} have no attention core to recompute selectively")
 
@@ -877,229 +540,324 @@ class Evaluation:
 
 
 def evaluate(
-    cc: CandidateCosts, stages: Sequence[Sequence[int]], checkpoint: Sequence[int] = (), selective: Sequence[int] = ()
+    costs: CandidateCosts,
+    stages: Sequence[Sequence[int]],
+    checkpoint: Sequence[int] = (),
+    selective: Sequence[int] = (),
 ) -> Evaluation:
-    """Price a strategy of candidate ``cc.cand`` (see the module docstring for every formula)."""
-    cand = cc.cand
-    p, m = cand.pp, cand.num_micro_batches
-    n = cc.num_layers
-    stages = tuple((int(a), int(b)) for a, b in stages)
-    if len(stages) != p:
-        raise ValueError(f"{len(stages)} stage ranges for pp={p}")
-    expect = 0
-    for a, b in stages:
-        if a != expect or b < a:
-            raise ValueError(f"stages {stages} are not contiguous non-empty ranges from layer 0")
-        expect = b + 1
-    if expect != n:
-        raise ValueError(f"stages {stages} do not cover the {n} layers")
-    ck = frozenset(int(i) for i in checkpoint)
-    if any(not 0 <= i < n for i in ck):
-        raise ValueError(f"checkpoint layers {sorted(ck)} outside 0..{n - 1}")
-    sel = frozenset(int(i) for i in selective)
-    check_selective(cc, ck, sel)
-    out: list[StageCost] = []
-    for k, (a, b) in enumerate(stages):
-        ls = selective_view(cc.layers[a : b + 1], range(a, b + 1), sel)
-        rc = [i in ck for i in range(a, b + 1)]
-        compute = sum(l.compute_s for l in ls)
-        tp = sum(l.tp_s for l in ls)
-        rec = sum(l.rec_s for l, r in zip(ls, rc) if r) + sum(
-            l.sel_rec_s for i, l in zip(range(a, b + 1), ls) if i in sel
-        )
-        p2p, sent = 0.0, 0.0
-        if k < p - 1:
-            p2p += cc.send_s(b, k)
-            sent += cc.layers[b].boundary_b
-        if k > 0:
-            prev = stages[k - 1][1]
-            p2p += cc.send_s(prev, k - 1)
-            sent += cc.layers[prev].boundary_b
-        zmb = sum(l.zero_mb_s for l in ls)
-        work = compute + tp + rec + p2p
-        mem, bound = _stage_memory(cc, ls, rc, k)
-        tp_passes = sum(l.tp_sent_b + (l.tp_rec_sent_b if r else 0.0) + l.tp_bwd_sent_b for l, r in zip(ls, rc))
-        comm = (
-            m * (tp_passes + sent + sum(l.zero_mb_sent_b for l in ls))
-            + sum(l.dp_step_sent_b for l in ls)
-            + step_control_bytes(cand.dp, cand.tp, p)
-        )
-        # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward;
-        # transfers are split evenly between the two passes
-        fwd = sum(l.fwd_s + l.tp_fwd_s for l in ls) + (zmb / 3 if cand.zero_stage == 3 else 0.0) + p2p / 2
-        out.append(
-            StageCost(
-                first=a,
-                last=b,
-                compute_s=compute,
-                recompute_s=rec,
-                tp_s=tp,
-                p2p_s=p2p,
-                zero_mb_s=zmb,
-                work_s=work,
-                micro_step_s=work + zmb,
-                dp_s=sum(l.dp_step_s for l in ls),
-                opt_s=sum(l.opt_s for l in ls),
-                fwd_s=fwd,
-                bwd_s=work + zmb - fwd,
-                memory=mem,
-                comm_bytes=comm,
-                memory_bound=bound,
-                offload_mb_s=sum(l.offload_mb_s for l in ls),
-                offload_step_s=sum(l.offload_step_s for l in ls),
-                host_b=sum(l.host_b for l in ls) + (cc.host_buffers_b if cand.offloads else 0),
-                nvme_b=sum(l.nvme_b for l in ls),
-            )
-        )
-    T = max(s.micro_step_s for s in out)
-    kb = max(range(p), key=lambda k: out[k].micro_step_s)
-    kd = max(range(p), key=lambda k: out[k].dp_s + out[k].opt_s)
-    D = out[kd].dp_s + out[kd].opt_s
-    fill = pipeline_time([s.micro_step_s for s in out], m) - m * T  # the other stages' fill and drain
-    step = m * T + fill + D
-    sb = out[kb]
-    time = {
-        "compute": m * sb.compute_s,
-        "recompute": m * sb.recompute_s,
-        "tp_comm": m * sb.tp_s,
-        "pp_bubble": fill + m * sb.p2p_s,
-        "dp_comm": m * (sb.zero_mb_s - sb.offload_mb_s) + out[kd].dp_s - out[kd].offload_step_s,
-        "optimizer": out[kd].opt_s,
-        "offload": m * sb.offload_mb_s + out[kd].offload_step_s,
-    }
-    kp = max(range(p), key=lambda k: out[k].memory["total"])
-    bound = max(st.memory_bound for st in out)
-    g = cc.ranks_per_node
-    host_rank, nvme_rank = max(st.host_b for st in out), max(st.nvme_b for st in out)
-    extra: dict = {"memory_bound": bound, "host_bytes": g * host_rank, "nvme_bytes": g * nvme_rank}
-    if cand.offloads:  # by state kind, on the stage with the most host bytes (for the report)
-        kh = max(range(p), key=lambda i: (out[i].host_b, out[i].nvme_b))
-        a, b = stages[kh]
-        extra["offload_bytes"] = offload_breakdown(
-            [lay.num_params for lay in cc.layers[a : b + 1]],
-            cand.dp,
-            cand.zero_stage,
-            cc.dtype,
-            cand.offload_optimizer,
-            cand.offload_params,
-            cc.host_buffers_b,
-        )
-    fits_off = (
-        max(st.host_b for st in out) - (cc.host_buffers_b if cand.offloads else 0) <= cc.host_room
-        and nvme_rank <= cc.nvme_room
-    )
-    if cand.compile:  # once per run: the stage with the most distinct layer classes
-        extra["compile_s"] = compile_seconds(cc.hw, max(len(set(cc.layers[a : b + 1])) for a, b in stages))
+    """Price a strategy of candidate ``costs.cand`` (see the module docstring for every formula)."""
+    cand = costs.cand
+    micro_batches = cand.num_micro_batches
+    ranges = _checked_stages(stages, cand.pp, costs.num_layers)
+    checkpointed = frozenset(int(i) for i in checkpoint)
+    if any(not 0 <= i < costs.num_layers for i in checkpointed):
+        raise ValueError(f"checkpoint layers {sorted(checkpointed)} outside 0..{costs.num_layers - 1}")
+    selected = frozenset(int(i) for i in selective)
+    check_selective(costs, checkpointed, selected)
+    out = [_one_f_one_b_stage(costs, ranges, k, checkpointed, selected) for k in range(cand.pp)]
+    critical = critical_stages(out)
+    micro_step = max(stage.micro_step_s for stage in out)
+    tail = out[critical.tail].dp_s + out[critical.tail].opt_s
+    fill = (
+        pipeline_time([stage.micro_step_s for stage in out], micro_batches) - micro_batches * micro_step
+    )  # the other stages' fill and drain
+    bottleneck = out[critical.bottleneck]
+    extra, fits = capacity_extra(costs, out, [range(first, last + 1) for first, last in ranges])
     return Evaluation(
-        strategy=Strategy(cand, stages, ck, selective=sel),
+        strategy=Strategy(cand, ranges, checkpointed, selective=selected),
         stages=out,
-        step_time_s=step,
-        micro_step_s=T,
-        tail_s=D,
-        time=time,
-        memory=dict(out[kp].memory),
-        peak_stage=kp,
-        bottleneck_stage=kb,
-        comm_bytes_per_device=max(s.comm_bytes for s in out),
-        bubble_fraction=fill / (m * T + fill) if T > 0 else 0.0,
-        feasible=bound <= cc.capacity and fits_off,
-        capacity=cc.capacity,
+        step_time_s=micro_batches * micro_step + fill + tail,
+        micro_step_s=micro_step,
+        tail_s=tail,
+        time=time_breakdown(out, micro_batches, critical, pp_bubble=fill + micro_batches * bottleneck.p2p_s),
+        memory=dict(out[critical.peak].memory),
+        peak_stage=critical.peak,
+        bottleneck_stage=critical.bottleneck,
+        comm_bytes_per_device=max(stage.comm_bytes for stage in out),
+        bubble_fraction=fill / (micro_batches * micro_step + fill) if micro_step > 0 else 0.0,
+        feasible=fits,
+        capacity=costs.capacity,
         extra=extra,
     )
 
 
-def pipeline_time(micro_steps: Sequence[float], m: int) -> float:
+def _checked_stages(stages: Sequence[Sequence[int]], pp: int, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``stages`` as ``pp`` contiguous non-empty ``(first, last)`` ranges covering the layers."""
+    ranges = tuple((int(first), int(last)) for first, last in stages)
+    if len(ranges) != pp:
+        raise ValueError(f"{len(ranges)} stage ranges for pp={pp}")
+    expect = 0
+    for first, last in ranges:
+        if first != expect or last < first:
+            raise ValueError(f"stages {ranges} are not contiguous non-empty ranges from layer 0")
+        expect = last + 1
+    if expect != num_layers:
+        raise ValueError(f"stages {ranges} do not cover the {num_layers} layers")
+    return ranges
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One stage's layers and the parts of its micro-step that its schedule decides."""
+
+    first: int
+    last: int
+    layers: Sequence[LayerCost]
+    """The stage's layers as the memory model sees them (``selective_view``)."""
+    recomputed: Sequence[bool]
+    """Per layer, whether it is checkpointed (recomputed whole)."""
+    recompute_s: float
+    p2p_s: float
+    """Stage-to-stage transfers of one micro-batch."""
+    sent_b: float
+    """Bytes those transfers send."""
+
+
+def _one_f_one_b_stage(
+    costs: CandidateCosts,
+    ranges: Sequence[tuple[int, int]],
+    stage: int,
+    checkpointed: frozenset,
+    selected: frozenset,
+) -> StageCost:
+    """Stage ``stage``'s cost under 1F1B."""
+    first, last = ranges[stage]
+    indices = range(first, last + 1)
+    view = selective_view(costs.layers[first : last + 1], indices, selected)
+    recomputed = [i in checkpointed for i in indices]
+    recompute_s = sum(layer.rec_s for layer, whole in zip(view, recomputed) if whole) + sum(
+        layer.sel_rec_s for i, layer in zip(indices, view) if i in selected
+    )
+    p2p_s, sent_b = 0.0, 0.0
+    if stage < costs.cand.pp - 1:
+        p2p_s += costs.send_s(last, stage)
+        sent_b += costs.layers[last].boundary_b
+    if stage > 0:
+        previous = ranges[stage - 1][1]
+        p2p_s += costs.send_s(previous, stage - 1)
+        sent_b += costs.layers[previous].boundary_b
+    memory, bound = _stage_memory(costs, view, recomputed, stage)
+    # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward
+    zero_mb_s = sum(layer.zero_mb_s for layer in view)
+    forward_s = sum(layer.fwd_s + layer.tp_fwd_s for layer in view) + (
+        zero_mb_s / 3 if costs.cand.zero_stage == 3 else 0.0
+    )
+    work = StageWork(first, last, view, recomputed, recompute_s, p2p_s, sent_b)
+    return stage_cost(costs, work, forward_s, memory, bound)
+
+
+def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory: dict, bound: int) -> StageCost:
+    """A stage's cost from its layers and schedule-decided parts (``forward_s``: the forward part
+    of its micro-step but the transfers, which are split evenly between the two passes)."""
+    cand, view = costs.cand, work.layers
+    compute = sum(layer.compute_s for layer in view)
+    tp_s = sum(layer.tp_s for layer in view)
+    zero_mb_s = sum(layer.zero_mb_s for layer in view)
+    busy = compute + tp_s + work.recompute_s + work.p2p_s
+    tp_passes = sum(
+        layer.tp_sent_b + (layer.tp_rec_sent_b if whole else 0.0) + layer.tp_bwd_sent_b
+        for layer, whole in zip(view, work.recomputed)
+    )
+    comm = (
+        cand.num_micro_batches * (tp_passes + work.sent_b + sum(layer.zero_mb_sent_b for layer in view))
+        + sum(layer.dp_step_sent_b for layer in view)
+        + step_control_bytes(cand.dp, cand.tp, cand.pp)
+    )
+    forward_s = forward_s + work.p2p_s / 2
+    return StageCost(
+        first=work.first,
+        last=work.last,
+        compute_s=compute,
+        recompute_s=work.recompute_s,
+        tp_s=tp_s,
+        p2p_s=work.p2p_s,
+        zero_mb_s=zero_mb_s,
+        work_s=busy,
+        micro_step_s=busy + zero_mb_s,
+        dp_s=sum(layer.dp_step_s for layer in view),
+        opt_s=sum(layer.opt_s for layer in view),
+        fwd_s=forward_s,
+        bwd_s=busy + zero_mb_s - forward_s,
+        memory=memory,
+        comm_bytes=comm,
+        memory_bound=bound,
+        offload_mb_s=sum(layer.offload_mb_s for layer in view),
+        offload_step_s=sum(layer.offload_step_s for layer in view),
+        host_b=sum(layer.host_b for layer in view) + (costs.host_buffers_b if cand.offloads else 0),
+        nvme_b=sum(layer.nvme_b for layer in view),
+    )
+
+
+class CriticalStages(NamedTuple):
+    """The stages a strategy's totals are read at."""
+
+    bottleneck: int
+    """The largest micro-step (paces the pipeline)."""
+    tail: int
+    """The largest per-step tail: DP/ZeRO traffic + optimizer step."""
+    peak: int
+    """The largest memory."""
+
+
+def critical_stages(stages: Sequence[StageCost]) -> CriticalStages:
+    indices = range(len(stages))
+    return CriticalStages(
+        bottleneck=max(indices, key=lambda k: stages[k].micro_step_s),
+        tail=max(indices, key=lambda k: stages[k].dp_s + stages[k].opt_s),
+        peak=max(indices, key=lambda k: stages[k].memory["total"]),
+    )
+
+
+def time_breakdown(
+    stages: Sequence[StageCost], micro_batches: int, critical: CriticalStages, pp_bubble: float
+) -> dict[str, float]:
+    """plan.json's ``predicted.time``: the bottleneck stage's micro-steps, the tail stage's step
+    parts, and the schedule's pipeline overhead (module docstring, "Time breakdown")."""
+    busiest, tail = stages[critical.bottleneck], stages[critical.tail]
+    return {
+        "compute": micro_batches * busiest.compute_s,
+        "recompute": micro_batches * busiest.recompute_s,
+        "tp_comm": micro_batches * busiest.tp_s,
+        "pp_bubble": pp_bubble,
+        "dp_comm": micro_batches * (busiest.zero_mb_s - busiest.offload_mb_s) + tail.dp_s - tail.offload_step_s,
+        "optimizer": tail.opt_s,
+        "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
+    }
+
+
+def capacity_extra(
+    costs: CandidateCosts,
+    stages: Sequence[StageCost],
+    stage_layers: Sequence[Sequence[int]],
+    more: dict | None = None,
+) -> tuple[dict, bool]:
+    """``Evaluation.extra`` (the memory bound, host and NVMe bytes per node, then ``more``, the
+    offloaded bytes by kind, the compile time) and whether the strategy fits the device, host and
+    NVMe capacity. ``stage_layers``: the layer indices of each stage."""
+    cand = costs.cand
+    bound = max(stage.memory_bound for stage in stages)
+    host_rank, nvme_rank = max(stage.host_b for stage in stages), max(stage.nvme_b for stage in stages)
+    ranks = costs.ranks_per_node
+    extra: dict = {"memory_bound": bound, "host_bytes": ranks * host_rank, "nvme_bytes": ranks * nvme_rank}
+    extra.update(more or {})
+    if cand.offloads:  # by state kind, on the stage with the most host bytes (for the report)
+        most = max(range(len(stages)), key=lambda k: (stages[k].host_b, stages[k].nvme_b))
+        extra["offload_bytes"] = offload_breakdown(
+            [costs.layers[i].num_params for i in stage_layers[most]],
+            cand.dp,
+            cand.zero_stage,
+            costs.dtype,
+            cand.offload_optimizer,
+            cand.offload_params,
+            costs.host_buffers_b,
+        )
+    fits_offload = (
+        host_rank - (costs.host_buffers_b if cand.offloads else 0) <= costs.host_room and nvme_rank <= costs.nvme_room
+    )
+    if cand.compile:  # once per run: the stage with the most distinct layer classes
+        classes = max(len({costs.layers[i] for i in indices}) for indices in stage_layers)
+        extra["compile_s"] = compile_seconds(costs.hw, classes)
+    return extra, bound <= costs.capacity and fits_offload
+
+
+def pipeline_time(micro_steps: Sequence[float], micro_batches: int) -> float:
     """1F1B's time for ``m`` micro-batches over stages of these micro-step times (fwd + bwd):
     ``(m - 1) max_k T_k + sum_k T_k``: exact for equal stages; never below the schedule simulated
     with unequal ones whose backward/forward ratio is the same, a few percent below it when the
     ratios differ (a stage waits on a slower neighbour's gradient); always at or under the textbook
     ``(m + p - 1) max_k T_k`` (``tests/runtime/test_schedule.py`` checks these against
     ``runtime.contract.schedule_ir.simulate``)."""
-    return (m - 1) * max(micro_steps) + sum(micro_steps)
+    return (micro_batches - 1) * max(micro_steps) + sum(micro_steps)
 
 
-def memory_bound(ev: Evaluation) -> int:
+def memory_bound(evaluation: Evaluation) -> int:
     """The conservative peak an evaluation's feasibility is judged by (the ILP's memory)."""
-    return int(ev.extra.get("memory_bound", ev.memory["total"]))
+    return int(evaluation.extra.get("memory_bound", evaluation.memory["total"]))
 
 
 def _stage_memory(
-    cc: CandidateCosts, ls: Sequence[LayerCost], rc: Sequence[bool], k: int, inflight: float | None = None
+    costs: CandidateCosts,
+    layers: Sequence[LayerCost],
+    recomputed: Sequence[bool],
+    stage: int,
+    inflight: float | None = None,
 ) -> tuple[dict, int]:
     """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
     conservative bound (see ``cost_models.memory``: "Backward transients"). ``inflight``: the
     micro-batches of the stage's activations held at once when the schedule is not 1F1B
     (``cost_models.schedule_cost``)."""
-    cand = cc.cand
-    p, m, z, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
-    leave = buckets_leave(z, dp, cand.offload_optimizer)
+    cand = costs.cand
+    pp, micro_batches, zero_stage, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
+    leave = buckets_leave(zero_stage, dp, cand.offload_optimizer)
 
     def acts(transient: float) -> float:
         return float(
             stage_activation_bytes(
-                [l.saved_b for l in ls],
-                [l.input_b for l in ls],
-                rc,
-                k,
-                p,
-                m,
+                [layer.saved_b for layer in layers],
+                [layer.input_b for layer in layers],
+                recomputed,
+                stage,
+                pp,
+                micro_batches,
                 transient_peak=transient,
                 inflight=inflight,
             )
         )
 
-    params = sum(l.params_b for l in ls)
-    grads = sum(l.grads_b for l in ls)
-    optim = sum(l.optimizer_b for l in ls)
-    zt = zero_transient_bytes([l.num_params for l in ls], cc.dtype, z, dp, cand.offload_optimizer, cand.offload_params)
+    params = sum(layer.params_b for layer in layers)
+    grads = sum(layer.grads_b for layer in layers)
+    optim = sum(layer.optimizer_b for layer in layers)
+    zero_buffers = zero_transient_bytes(
+        [layer.num_params for layer in layers], costs.dtype, zero_stage, dp, cand.offload_optimizer, cand.offload_params
+    )
     # (a) the stage's last layer runs backward first: all transients but the ZeRO-2/3 reductions
     # (none launched yet); with one micro-batch per step the gradient shards do not exist yet.
-    shards_later = leave and m == 1
-    a = {
-        "params": params + zt["params"],
+    shards_later = leave and micro_batches == 1
+    backward_first = {
+        "params": params + zero_buffers["params"],
         "grads": 0 if shards_later else grads,
         "optimizer": optim,
-        "activations": acts(max(l.bt_b for l in ls)),
+        "activations": acts(max(layer.bt_b for layer in layers)),
     }
-    moments = [a]
+    moments = [backward_first]
     if leave:
         # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
         # flight, while the later layers' activations of this micro-batch are released.
-        held = inflight_microbatches(k, p, m) if inflight is None else inflight
-        keep = [l.input_b if r else l.saved_b for l, r in zip(ls, rc)]
-        red = [reduction_bytes(l.num_params, cc.dtype, dp) for l in ls]
-        for j in range(len(ls) - 1):
-            running = max(ls[j].bt_b, ls[j].saved_b if rc[j] else 0.0)
+        held = inflight_microbatches(stage, pp, micro_batches) if inflight is None else inflight
+        keep = [layer.input_b if whole else layer.saved_b for layer, whole in zip(layers, recomputed)]
+        red = [reduction_bytes(layer.num_params, costs.dtype, dp) for layer in layers]
+        for j in range(len(layers) - 1):
+            running = max(layers[j].bt_b, layers[j].saved_b if recomputed[j] else 0.0)
             moments.append(
                 {
-                    "params": params + zt["params"],
+                    "params": params + zero_buffers["params"],
                     "optimizer": optim,
                     "grads": grads + sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1]),
                     "activations": (held - 1) * sum(keep) + sum(keep[: j + 1]) + running,
                 }
             )
-    mem = max(moments, key=lambda d: sum(d.values()))
-    mem = {key: int(math.ceil(v)) for key, v in mem.items()}
+    mem = max(moments, key=lambda moment: sum(moment.values()))
+    mem = {key: int(math.ceil(value)) for key, value in mem.items()}
     mem["total"] = sum(mem.values())
-    big = max(ls, key=lambda l: l.trans_b)
-    bound = params + grads + optim + big.trans_b + acts(max(l.bt_b for l in ls))
+    big = max(layers, key=lambda layer: layer.trans_b)
+    bound = params + grads + optim + big.trans_b + acts(max(layer.bt_b for layer in layers))
     return mem, int(math.ceil(bound))
 
 
-def predicted_fields(ev: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:
+def predicted_fields(evaluation: Evaluation, flops_per_step: float, gpus: int, peak_flops: float) -> dict:
     """plan.json's ``predicted`` block for an evaluation (model FLOPs: recompute excluded)."""
-    tflops = flops_per_step / ev.step_time_s / gpus / 1e12 if ev.step_time_s > 0 else 0.0
+    tflops = flops_per_step / evaluation.step_time_s / gpus / 1e12 if evaluation.step_time_s > 0 else 0.0
     return {
-        "step_time_s": float(ev.step_time_s),
-        "peak_memory_bytes": int(ev.memory["total"]),
+        "step_time_s": float(evaluation.step_time_s),
+        "peak_memory_bytes": int(evaluation.memory["total"]),
         "tflops_per_device": float(tflops),
         "mfu": float(tflops * 1e12 / peak_flops),
-        "comm_bytes_per_device": float(ev.comm_bytes_per_device),
-        "bubble_fraction": float(ev.bubble_fraction),
+        "comm_bytes_per_device": float(evaluation.comm_bytes_per_device),
+        "bubble_fraction": float(evaluation.bubble_fraction),
         "memory": {
-            **{k: int(v) for k, v in ev.memory.items()},
-            "host": int(ev.extra.get("host_bytes", 0)),
-            "nvme": int(ev.extra.get("nvme_bytes", 0)),
+            **{k: int(value) for k, value in evaluation.memory.items()},
+            "host": int(evaluation.extra.get("host_bytes", 0)),
+            "nvme": int(evaluation.extra.get("nvme_bytes", 0)),
         },
-        "time": {k: float(v) for k, v in ev.time.items()},
+        "time": {k: float(value) for k, value in evaluation.time.items()},
     }

@@ -48,7 +48,14 @@ class TiedCost:
 def _worst_tied_group(width: int, pp: int, gpus_per_node: int) -> GroupPlacement:
     """The slowest tied group: stage 0 and stage pp-1 at the same (dp, tp) coordinates."""
     placements = [group_placement([i, (pp - 1) * width + i], gpus_per_node) for i in range(width)]
-    return max(placements, key=lambda g: (g.nodes, -(g.min_ranks_per_node or g.ranks_per_node), g.ranks_per_node))
+    return max(
+        placements,
+        key=lambda placement: (
+            placement.nodes,
+            -(placement.min_ranks_per_node or placement.ranks_per_node),
+            placement.ranks_per_node,
+        ),
+    )
 
 
 def tied_weight_costs(
@@ -58,10 +65,10 @@ def tied_weight_costs(
     candidate; empty at ``pp == 1``, where one stage holds the weight."""
     if pp == 1 or not tied:
         return []
-    pl = _worst_tied_group(dp * tp, pp, gpus_per_node)
+    placement = _worst_tied_group(dp * tp, pp, gpus_per_node)
     out = []
-    for t in tied:
-        count, count_tp = int(t.get("params", 0)), int(t.get("params_tp", 0))
+    for weight in tied:
+        count, count_tp = int(weight.get("params", 0)), int(weight.get("params_tp", 0))
         per_dev = -(-count_tp // tp) + (count - count_tp)
         if not per_dev:
             continue
@@ -70,14 +77,14 @@ def tied_weight_costs(
         size = shard * FP32_GRAD_SHARD if zero_stage >= 2 else shard * dp * bytes_per_param(dtype)["grads"]
         out.append(
             TiedCost(
-                first=int(t["layers"][0]),
-                last=int(t["layers"][1]),
+                first=int(weight["layers"][0]),
+                last=int(weight["layers"][1]),
                 params_b=state["params"],
                 grads_b=state["grads"],
                 optimizer_b=state["optimizer"],
                 allreduce_bytes=size,
                 sent_b=float(ring_bytes("all_reduce", size, 2)),
-                time_s=float(collective_time("all_reduce", size, pl, hw)),
+                time_s=float(collective_time("all_reduce", size, placement, hw)),
             )
         )
     return out

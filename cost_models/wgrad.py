@@ -9,7 +9,7 @@ table's listed products (``fwd_gemms`` / ``bwd_gemms``):
   ``k = b s``, ``m != b s``); an input-gradient product has the tokens as ``m`` and attention's
   core products are batched. A table without listed products takes half of the backward's
   matmul FLOPs (a linear layer's backward is one input-gradient and one weight-gradient product
-  of equal size). The test is by value, so a weight dimension equal to ``b s`` is misread;
+  of equal size);
 - what ``W`` needs from ``B`` beyond the activations is the gradient of each weight product's
   output (the runtime restarts autograd at those edges): per forward product that multiplies the
   tokens by a weight (batch 1, ``m = b s``), its ``m x n`` output, per device.
@@ -19,31 +19,35 @@ from __future__ import annotations
 
 from cost_models.gemm_cost import gemm_flops, layer_matmul_time, per_device_gemms
 from cost_models.hardware import HardwareProfile
+from cost_models.layer_row import LayerRow
 from cost_models.memory import bytes_per_param
 
 __all__ = ["wgrad_device_time", "wgrad_kept_bytes"]
 
 
-def wgrad_device_time(row: dict, bwd_flops: float, hw: HardwareProfile, dtype: str, tp: int, tokens: float) -> float:
+def wgrad_device_time(
+    row: LayerRow, bwd_flops: float, hw: HardwareProfile, dtype: str, tp: int, tokens: float
+) -> float:
     """Device seconds of a layer's weight-gradient products at degree ``tp`` (``bwd_flops``: the
     backward's FLOPs at that degree, for the fallback without listed products)."""
-    gemms = row.get("bwd_gemms", ())
-    if not gemms:
+    if not row.bwd_gemms:
         return float(layer_matmul_time(bwd_flops / 2, (), hw, dtype, tp))
-    wg = [g for g in gemms if g[3] == 1 and abs(g[2] - tokens) < 0.5 and abs(g[0] - tokens) >= 0.5]
-    return float(layer_matmul_time(gemm_flops(wg, tp), wg, hw, dtype, tp)) if wg else 0.0
+    weight_products = [
+        gemm for gemm in row.bwd_gemms if gemm.batch == 1 and abs(gemm.k - tokens) < 0.5 and abs(gemm.m - tokens) >= 0.5
+    ]
+    if not weight_products:
+        return 0.0
+    return float(layer_matmul_time(gemm_flops(weight_products, tp), weight_products, hw, dtype, tp))
 
 
-def wgrad_kept_bytes(row: dict, dtype: str, tp: int, tokens: float, sp: bool = False) -> float:
+def wgrad_kept_bytes(row: LayerRow, dtype: str, tp: int, tokens: float, sequence_parallel: bool = False) -> float:
     """Bytes per device of the output gradients ``W`` needs, for one micro-batch of the layer:
     those of every node that reads a weight (``frontier_out_bytes``: products and norms), else
     (a table without that field) of the listed products that multiply the tokens by a weight."""
-    whole = row.get("frontier_out_bytes", 0.0)
-    if whole > 0:
-        part = row["frontier_out_bytes_tp"]
-        return float(whole - part + part / tp - (row["frontier_out_bytes_sp"] * (1 - 1 / tp) if sp else 0.0))
-    fwd = [g for g in row.get("fwd_gemms", ()) if g[3] == 1 and abs(g[0] - tokens) < 0.5]
+    if row.frontier_out_bytes.whole > 0:
+        return float(row.frontier_out_bytes.per_device(tp, sequence_parallel))
+    token_products = [gemm for gemm in row.fwd_gemms if gemm.batch == 1 and abs(gemm.m - tokens) < 0.5]
     return float(
-        sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(fwd, tp))
+        sum(rows * cols * batch * count for rows, cols, _inner, batch, count in per_device_gemms(token_products, tp))
         * bytes_per_param(dtype)["weights"]
     )

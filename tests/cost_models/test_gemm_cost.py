@@ -71,7 +71,7 @@ def test_symbolic_shapes_take_b_and_s(gpt_table):
     row = gpt_table.numeric(3, 20)[1]
     for hw, dt in ((CPU, "fp32"), (H100, "bf16")):
         for tp in (1, 2):
-            assert layer_gemm_time(lay.bwd_gemms, hw, dt, tp, b=3, s=20) == pytest.approx(
+            assert layer_gemm_time(lay.bwd_gemms, hw, dt, tp, micro_batch=3, seq_len=20) == pytest.approx(
                 layer_gemm_time(row["bwd_gemms"], hw, dt, tp), rel=1e-12
             )
     with pytest.raises(ValueError, match="pass b and s"):
@@ -163,4 +163,4 @@ def test_cpu_equivalence_and_gpu_lower_bound_for_any_shapes(gemms, tp):
 
 def test_symbolic_entries_with_sympy_sizes():
     g = [Gemm(B * S, sympy.Integer(64), sympy.Integer(64), sympy.Integer(1), 3, "n")]
-    assert gemm_flops(g, 2, b=2, s=8) == pytest.approx(3 * 2 * 16 * 32 * 64)
+    assert gemm_flops(g, 2, micro_batch=2, seq_len=8) == pytest.approx(3 * 2 * 16 * 32 * 64)

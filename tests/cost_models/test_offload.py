@@ -10,6 +10,7 @@ import pytest
 from cost_models.hardware import HardwareProfile, ProfileError, load_hardware
 from cost_models.memory import model_state_bytes, zero_transient_bytes
 from cost_models.offload_cost import (
+    OffloadedLayer,
     check_offload,
     host_state_bytes,
     layer_offload,
@@ -79,7 +80,7 @@ def test_host_and_nvme_bytes_per_tier_by_hand():
 def test_time_parts_by_hand():
     # 1M parameters at dp 2 (shard 500k, 1 MB in bf16), both kinds on NVMe, 2 ranks per node:
     # per rank NVMe 2 GB/s read, 1 GB/s write, AdamW 500 M/s
-    off = layer_offload(10**6, "bf16", 3, 2, "nvme", "nvme", HW, ranks=2, fwd_s=0.4e-3, bwd_s=0.5e-3)
+    off = layer_offload(OffloadedLayer(10**6, "bf16", 3, 2, "nvme", "nvme"), HW, ranks=2, fwd_s=0.4e-3, bwd_s=0.5e-3)
     # fetch = max(1 MB / 1 GB/s, 1 MB / 2 GB/s) = 1 ms before forward and backward; gradients 1 ms out
     assert off.mb_s == pytest.approx((1e-3 - 0.4e-3) + (1e-3 - 0.5e-3) + (1e-3 - 0.5e-3))
     assert off.optimizer_s == pytest.approx(5e5 / 5e8)
@@ -88,12 +89,12 @@ def test_time_parts_by_hand():
     assert (off.host_b, off.nvme_b) == (5e5 * 4, 5e5 * 14)
     # ZeRO 1, optimizer in host memory: gradients out once per step (exposed), parameters back
     # (1 ms) hidden by the 1 ms AdamW step
-    off = layer_offload(10**6, "bf16", 1, 2, "cpu", "none", HW, ranks=2, fwd_s=1.0, bwd_s=1.0)
+    off = layer_offload(OffloadedLayer(10**6, "bf16", 1, 2, "cpu", "none"), HW, ranks=2, fwd_s=1.0, bwd_s=1.0)
     assert (off.mb_s, off.step_s, off.optimizer_s) == (0.0, pytest.approx(1e-3), pytest.approx(1e-3))
     # parameters offloaded with the optimizer on the device: the updated shard goes back each step
-    off = layer_offload(10**6, "bf16", 3, 2, "none", "cpu", HW, ranks=2, fwd_s=1.0, bwd_s=1.0)
+    off = layer_offload(OffloadedLayer(10**6, "bf16", 3, 2, "none", "cpu"), HW, ranks=2, fwd_s=1.0, bwd_s=1.0)
     assert (off.mb_s, off.optimizer_s, off.step_s) == (0.0, None, pytest.approx(1e-3))
-    assert layer_offload(10**6, "bf16", 2, 2, "none", "none", HW, 2, 0.0, 0.0).step_s == 0.0
+    assert layer_offload(OffloadedLayer(10**6, "bf16", 2, 2, "none", "none"), HW, 2, 0.0, 0.0).step_s == 0.0
 
 
 def test_strategy_parts_sum_to_the_step_and_state_leaves_the_device():

@@ -1,0 +1,319 @@
+"""One layer's work under one tensor-parallel setting: compute, TP collectives and activations.
+
+The candidate-independent part of a layer's cost (``cost_models.strategy``'s module docstring
+gives the model: compute, TP, recompute, selective recompute, compiled layers): a function of the
+typed row (``cost_models.layer_row.LayerRow``), the profile, the dtype and a :class:`WorkSetting`
+only, so the candidates that agree on those share it (``NumericTable.work_memo``). The state and
+ZeRO fields of the :class:`LayerCost` it returns are 0; ``cost_models.strategy`` fills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from cost_models.comm_cost import GroupPlacement, collective_time
+from cost_models.compute import compute_time
+from cost_models.gemm_cost import layer_matmul_time
+from cost_models.hardware import HardwareProfile
+from cost_models.layer_row import LayerRow, Sharded
+from cost_models.memory import backward_transient_bytes, bytes_per_param, split_by_tp
+from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
+from passes.layer_table import Gemm
+from runtime.contract.collective_bytes import ring_bytes
+
+__all__ = ["COMPILED_REGION_OPS", "COMPILED_BYTES_FRACTION", "compiled_regions", "LayerCost", "WorkSetting", "row_work"]
+
+#: Host cost of one call of a compiled region, in eager operator calls (``hw.op_overhead_s`` each):
+#: forward; backward twice that, like an eager operator (module docstring, "compiled").
+COMPILED_REGION_OPS = 10
+
+#: Fraction of a layer's memory-bound bytes a compiled layer still moves once its elementwise
+#: chains are fused (module docstring, "compiled").
+COMPILED_BYTES_FRACTION = 0.75
+
+
+def compiled_regions(row: LayerRow, tp: int) -> int:
+    """Compiled regions of one layer: one, plus a graph break at each tensor-parallel collective
+    the runtime issues eagerly (``runtime.tensor_parallel.EAGER_ONLY``)."""
+    traffic = row.tp_traffic
+    return 1 + (int(traffic.allreduce_fwd_calls) + int(traffic.allreduce_bwd_calls) if tp > 1 else 0)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's per-device costs under one candidate (seconds and bytes)."""
+
+    compute_s: float
+    """Forward + backward compute of one micro-batch."""
+    fwd_s: float
+    tp_s: float
+    """TP all-reduces of forward + backward of one micro-batch."""
+    tp_fwd_s: float
+    rec_s: float
+    """Extra time when checkpointed: forward compute + forward TP all-reduce."""
+    zero_mb_s: float
+    """ZeRO 2/3 collectives of one micro-batch (inside every micro-step)."""
+    dp_step_s: float
+    """Per-step DP/ZeRO collectives (exposed)."""
+    opt_s: float
+    params_b: int
+    grads_b: int
+    optimizer_b: int
+    trans_params_b: int
+    """ZeRO-3 gathered weights while this layer (and the prefetched next) runs."""
+    trans_grads_b: int
+    """ZeRO-2/3 full gradients and reduced shards in flight, bounded with this layer standing
+    for every layer of the window (``cost_models.memory.model_state_bytes``)."""
+    bt_b: float
+    """Backward transient: twice the layer's largest activation (``backward_transient_bytes``)."""
+    saved_b: float
+    input_b: float
+    boundary_b: float
+    tp_sent_b: float
+    """Bytes sent by the TP all-reduces of one forward of one micro-batch."""
+    tp_bwd_sent_b: float
+    """Bytes sent by the TP all-reduces of one backward of one micro-batch."""
+    tp_rec_sent_b: float
+    """Bytes sent by the TP all-reduces a recompute repeats (all but the final, boundary-sized one)."""
+    zero_mb_sent_b: float
+    dp_step_sent_b: float
+    num_params: int
+    """Parameters on one device (after the TP split)."""
+    wgrad_s: float = 0.0
+    """The weight-gradient part of the backward (``W`` of a zero-bubble schedule): the products
+    that contract over the micro-batch's tokens, priced by shape, with the gradient accumulation
+    and their share of the host overhead; without listed products, half of the backward's matmul
+    work (``cost_models.schedule_cost``, "The W split")."""
+    wgrad_keep_b: float = 0.0
+    """Bytes a split backward keeps from ``B`` to ``W`` beyond the activations: the gradient of
+    each weight product's output (the runtime restarts ``W`` at those autograd edges), from the
+    forward products that multiply the micro-batch's tokens by a weight (0 without listed products)."""
+    tail_b: float = 0.0
+    """Of ``saved_b``, what a split backward frees at ``B`` when this layer ends its chunk: the
+    saved activations downstream of every weight product (the loss's log-probabilities), which
+    only the chunk's outputs hold (``passes.split_backward``)."""
+    offload_mb_s: float = 0.0
+    """Exposed offload transfers of one micro-batch (included in ``zero_mb_s``)."""
+    offload_step_s: float = 0.0
+    """Exposed offload transfers per step (included in ``dp_step_s``)."""
+    host_b: int = 0
+    """Host bytes of this layer's offloaded state on one rank (``cost_models.offload_cost``)."""
+    nvme_b: int = 0
+    """NVMe bytes of this layer's offloaded state on one rank."""
+    sel_rec_s: float = 0.0
+    """Extra time under selective recompute: the attention cores' forward run again."""
+    sel_saved_b: float = 0.0
+    """Activation bytes selective recompute frees (what only the attention cores keep); 0 for a
+    layer without attention, which cannot recompute selectively."""
+
+    @property
+    def work_s(self) -> float:
+        return self.compute_s + self.tp_s
+
+    @property
+    def state_b(self) -> int:
+        return self.params_b + self.grads_b + self.optimizer_b
+
+    @property
+    def trans_b(self) -> int:
+        return self.trans_params_b + self.trans_grads_b
+
+
+@dataclass(frozen=True)
+class WorkSetting:
+    """What a row's work depends on beside the row, the profile and the dtype: candidates that
+    agree on it share the row's work (``NumericTable.work_memo``)."""
+
+    tp: int
+    sequence_parallel: bool
+    """Sequence parallelism in the tensor-parallel regions (only at tp > 1)."""
+    compiled: bool
+    """The layer runs under ``torch.compile`` (module docstring, "compiled")."""
+    tp_placement: GroupPlacement
+    """Where the tensor-parallel group's ranks live (prices its collectives)."""
+    tokens: float
+    """Tokens of one micro-batch (``b s``): tells the weight-gradient products apart."""
+
+
+class _PassTimes(NamedTuple):
+    """Seconds of a row's passes of one micro-batch (host overhead included)."""
+
+    forward_s: float
+    backward_s: float
+    wgrad_s: float
+    """The weight-gradient part of ``backward_s``."""
+    selective_s: float
+    """The attention cores' forward run again (0 without cores)."""
+
+
+class _TpTimes(NamedTuple):
+    """Seconds and bytes sent of a row's tensor-parallel collectives in one micro-batch."""
+
+    fwd_s: float
+    fwd_sent_b: float
+    bwd_s: float
+    bwd_sent_b: float
+    rec_s: float
+    """What a recompute repeats (all but the final, boundary-sized all-reduce)."""
+    rec_sent_b: float
+
+
+def _memory_bound_bytes(amount: Sharded, tp_loss_bytes: float, tp: int, sequence_parallel: bool) -> float:
+    """Memory-bound bytes per device, with the runtime's vocab-parallel loss at tp > 1."""
+    per_device = amount.per_device(tp, sequence_parallel)
+    if tp > 1:
+        per_device = max(per_device + tp_loss_bytes / tp, 0.0)
+    return per_device
+
+
+def _device_seconds(
+    flops: float, gemms: Sequence[Gemm], bytes_moved: float, hw: HardwareProfile, dtype: str, tp: int
+) -> float:
+    """Device time of a pass: its products priced by shape (small ones reach less of the peak on
+    a GPU, ``cost_models.gemm_cost``; the flat rate on a CPU), its memory-bound bytes at the
+    memory bandwidth."""
+    return float(layer_matmul_time(flops, gemms, hw, dtype, tp) + compute_time(0.0, bytes_moved, hw, dtype))
+
+
+def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, params: int) -> _PassTimes:
+    """Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
+    at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
+    forward op). Backward also accumulates each micro-batch's weight gradients into the gradient
+    buffers: read both, write one, 3 x the layer's gradient bytes. Compiled: a few region calls
+    instead of every operator's, and fused memory-bound chains (module docstring)."""
+    tp, sequence_parallel = setting.tp, setting.sequence_parallel
+    if setting.compiled:
+        ops_s = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
+        fused = COMPILED_BYTES_FRACTION
+    else:
+        ops_s, fused = row.num_ops * hw.op_overhead_s, 1.0
+    accumulate = 3 * params * bytes_per_param(dtype)["grads"]
+    fwd_flops, bwd_flops = (
+        row.fwd_flops.per_device(tp, sequence_parallel),
+        row.bwd_flops.per_device(tp, sequence_parallel),
+    )
+    fwd_bytes = _memory_bound_bytes(row.fwd_bytes, row.tp_loss_fwd_bytes, tp, sequence_parallel)
+    bwd_bytes = _memory_bound_bytes(row.bwd_bytes, row.tp_loss_bwd_bytes, tp, sequence_parallel)
+    device_fwd = _device_seconds(fwd_flops, row.fwd_gemms, fused * fwd_bytes, hw, dtype, tp)
+    device_bwd = _device_seconds(bwd_flops, row.bwd_gemms, fused * bwd_bytes + accumulate, hw, dtype, tp)
+    # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
+    # the layer. A CPU rank issues and runs them on the same core: they add up.
+    combine = max if hw.ops_async else (lambda device, host: device + host)
+    forward_s, backward_s = combine(device_fwd, ops_s), combine(device_bwd, 2 * ops_s)
+    device_wgrad = wgrad_device_time(row, bwd_flops, hw, dtype, tp, setting.tokens) + float(
+        compute_time(0.0, accumulate, hw, dtype)
+    )
+    wgrad_s = backward_s * min(device_wgrad / device_bwd, 1.0) if device_bwd > 0 else 0.0
+    # selective recompute: the attention cores' forward, priced like a forward of its own
+    core = row.core
+    core_ops_s = (min(core.num_ops, COMPILED_REGION_OPS) if setting.compiled else core.num_ops) * hw.op_overhead_s
+    device_core = _device_seconds(
+        core.fwd_flops.per_device(tp, sequence_parallel),
+        core.gemms,
+        fused * core.fwd_bytes.per_device(tp, sequence_parallel),
+        hw,
+        dtype,
+        tp,
+    )
+    selective_s = (
+        hw.recompute_ratio * combine(device_core, core_ops_s)
+        if core.saved_bytes.per_device(tp, sequence_parallel) > 0
+        else 0.0
+    )
+    return _PassTimes(forward_s, backward_s, wgrad_s, selective_s)
+
+
+def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTimes:
+    """The row's tensor-parallel collectives (module docstring, "TP", "recompute"), each blocking
+    call with its ``sync_overhead_s`` wait."""
+    tp, traffic = setting.tp, row.tp_traffic
+
+    def collective(nbytes: float, kind: str = "all_reduce") -> tuple[float, float]:
+        if tp == 1 or nbytes <= 0:
+            return 0.0, 0.0
+        # The runtime all-reduces a contiguous copy of the activation (autograd may share the
+        # original): a read and a write of the bytes on top of the collective.
+        return (
+            float(collective_time(kind, nbytes, setting.tp_placement, hw)) + 2 * nbytes / hw.memory_bandwidth,
+            float(ring_bytes(kind, nbytes, tp)),
+        )
+
+    def together(*parts: tuple[float, float]) -> tuple[float, float]:
+        return sum(part[0] for part in parts), sum(part[1] for part in parts)
+
+    if setting.sequence_parallel:  # the regions' end all-reduces become reduce-scatters + all-gathers
+        scattered, gathered = traffic.sp_reduce_scatter_bytes, traffic.sp_all_gather_bytes
+        fwd_s, fwd_sent = together(
+            collective(max(traffic.allreduce_fwd_bytes - scattered, 0.0)),
+            collective(scattered, "reduce_scatter"),
+            collective(gathered, "all_gather"),
+        )
+        bwd_s, bwd_sent = together(
+            collective(max(traffic.allreduce_bwd_bytes - gathered, 0.0) + traffic.sp_grad_all_reduce_bytes),
+            collective(scattered + traffic.sp_split_bytes, "all_gather"),
+            collective(gathered, "reduce_scatter"),
+        )
+        fwd_s += (traffic.allreduce_fwd_calls + traffic.sp_all_gather_calls) * hw.sync_overhead_s
+        bwd_s += (
+            traffic.allreduce_bwd_calls
+            + traffic.sp_reduce_scatter_calls
+            + (traffic.sp_grad_all_reduce_bytes > 0)
+            + (traffic.sp_split_bytes > 0)
+        ) * hw.sync_overhead_s
+    else:
+        fwd_s, fwd_sent = collective(traffic.allreduce_fwd_bytes)
+        bwd_s, bwd_sent = collective(traffic.allreduce_bwd_bytes)
+        if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
+            fwd_s += traffic.allreduce_fwd_calls * hw.sync_overhead_s
+            bwd_s += traffic.allreduce_bwd_calls * hw.sync_overhead_s
+    # Recompute stops early (torch's non-reentrant checkpoint) once the last saved tensor is
+    # rebuilt: the layer's final all-reduce, whose output (boundary-sized) only feeds the
+    # residual stream, is not run again.
+    boundary = row.boundary_bytes.whole
+    rec_s, rec_sent = collective(max(traffic.allreduce_fwd_bytes - boundary, 0.0))
+    if tp > 1:
+        skipped = int(boundary > 0 and traffic.allreduce_fwd_bytes >= boundary)
+        rec_s += max(traffic.allreduce_fwd_calls - skipped, 0) * hw.sync_overhead_s
+    return _TpTimes(fwd_s, fwd_sent, bwd_s, bwd_sent, rec_s, rec_sent)
+
+
+def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting) -> tuple[LayerCost, float]:
+    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
+    tp, sequence_parallel = setting.tp, setting.sequence_parallel
+    params = int(split_by_tp(row.param_count.tp_part, row.param_count.whole - row.param_count.tp_part, tp))
+    passes = _pass_times(row, hw, dtype, setting, params)
+    tp_comm = _tp_times(row, hw, setting)
+    saved = row.saved_bytes.per_device(tp, sequence_parallel)
+    gradient_bytes = bytes_per_param(dtype)["grads"] * row.largest_param.per_device_elements(tp)
+    work = LayerCost(
+        compute_s=passes.forward_s + passes.backward_s,
+        fwd_s=passes.forward_s,
+        tp_s=tp_comm.fwd_s + tp_comm.bwd_s,
+        tp_fwd_s=tp_comm.fwd_s,
+        rec_s=hw.recompute_ratio * passes.forward_s + tp_comm.rec_s,
+        zero_mb_s=0.0,
+        dp_step_s=0.0,
+        opt_s=0.0,
+        params_b=row.buffer_bytes,
+        grads_b=0,
+        optimizer_b=0,
+        trans_params_b=0,
+        trans_grads_b=0,
+        bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes)),
+        saved_b=saved,
+        input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sequence_parallel),
+        boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sequence_parallel),
+        tp_sent_b=tp_comm.fwd_sent_b,
+        tp_bwd_sent_b=tp_comm.bwd_sent_b,
+        tp_rec_sent_b=tp_comm.rec_sent_b,
+        zero_mb_sent_b=0.0,
+        dp_step_sent_b=0.0,
+        num_params=params,
+        wgrad_s=passes.wgrad_s,
+        wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, setting.tokens, sequence_parallel),
+        sel_rec_s=passes.selective_s,
+        sel_saved_b=row.core.saved_bytes.per_device(tp, sequence_parallel),
+        tail_b=min(max(row.tail_saved_bytes.per_device(tp, sequence_parallel), 0.0), saved),
+    )
+    return work, passes.backward_s
