@@ -99,7 +99,7 @@ def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
             f"per device{_offload_change(best, alt)}{_sp_change(best, alt)}{_schedule_change(best, alt)})"
         )
     deltas = {k: alt.time[k] - best.time[k] for k in TIME_LABELS}
-    part = max(deltas, key=deltas.get)
+    part = max(deltas, key=lambda part: deltas[part])
     text = (
         f"{d / best.step_time_s:.1%} slower ({format_seconds(alt.step_time_s)}): "
         f"{TIME_LABELS[part]} {format_seconds(alt.time[part])} vs {format_seconds(best.time[part])}"

@@ -593,10 +593,11 @@ class _UniformStages:
         if left < 0:
             return None
         base = [self.stage(k, counts[k]) for k in range(stages)]
-        if any(cost is None for cost in base):
+        fitting = [cost for cost in base if cost is not None]
+        if len(fitting) < len(base):
             return None
-        slowest = max(cost[1] for cost in base)
-        heap = []
+        slowest = max(cost[1] for cost in fitting)
+        heap: list[tuple[float, int]] = []
         for k in range(stages):
             following = self.stage(k, counts[k] + 1) if counts[k] < blocks else None
             if following is not None:
@@ -639,12 +640,16 @@ def _uniform_heuristic(costs: CandidateCosts, checkpoint: str) -> Evaluation | N
     found = model.allocate()
     if found is None:
         return None
-    stages, counts = model.p, found[1]
-    stages, recomputed, start = [], set(), 0
-    for k in range(stages):
-        last = start + counts[k] + (k == 0) + (k == stages - 1) * (1 + len(model.tail)) - 1
+    stage_count, counts = model.p, found[1]
+    stages: list[tuple[int, int]] = []
+    recomputed: set[int] = set()
+    start = 0
+    for k in range(stage_count):
+        last = start + counts[k] + (k == 0) + (k == stage_count - 1) * (1 + len(model.tail)) - 1
         first_block = start + (k == 0)
-        recomputed.update(range(first_block, first_block + model.stage(k, counts[k])[0]))
+        allotted = model.stage(k, counts[k])
+        assert allotted is not None  # allocate() only hands out counts that fit
+        recomputed.update(range(first_block, first_block + allotted[0]))
         stages.append((start, last))
         start = last + 1
     if checkpoint == "all":  # every block, the distinct last one included

@@ -371,6 +371,18 @@ class _UniformVars(_Vars):
     """
 
     uniform = True
+    r: list[Expr]
+    """``r_k``: recomputed blocks per stage (pinned: all or none of ``n_k``)."""
+    v: list[Expr]
+    """``v_k``: stage ``k`` recomputes some block (pays one re-materialization)."""
+    cpre: Expr
+    cpost: Expr
+    q: Expr
+    """The distinct last block row X sits in the last stage (1) or ends stage ``p - 2`` (0)."""
+    cxa: Expr
+    cxb: Expr
+    w: Expr
+    """Stage 0 of two ends with a run block (``q`` and ``z0``, linearized product); ``None`` otherwise."""
 
     def __init__(
         self, prob: pulp.LpProblem, costs: CandidateCosts, kinds: list[str], checkpoint: str, bounded: bool = True
@@ -398,10 +410,6 @@ class _UniformVars(_Vars):
         """``r_k``, ``v_k``, ``c_pre``, ``c_post``, ``q`` and the last block row's recompute."""
         stages = self.p
         auto = checkpoint == "auto"
-        self.r: list[Expr]
-        self.v: list[Expr]
-        self.cpre: Expr
-        self.cpost: Expr
         if auto:
             self.r = [self.var(f"r_{k}", 0, self.ub[k], cat="Integer") for k in range(stages)]
             self.v = [self.var(f"v_{k}", cat="Binary") for k in range(stages)]
@@ -410,9 +418,7 @@ class _UniformVars(_Vars):
         else:
             self.r = list(self.nb) if checkpoint == "all" else [0] * stages
             self.cpre = self.cpost = 0
-        self.q: Expr = self.var("q_tail", cat="Binary") if self.tail and stages > 1 else 1
-        self.cxa: Expr
-        self.cxb: Expr
+        self.q = self.var("q_tail", cat="Binary") if self.tail and stages > 1 else 1
         if not self.tail:
             self.cxa = self.cxb = 0
         elif auto:
@@ -827,6 +833,12 @@ class SearchResult:
     @property
     def best(self) -> Evaluation | None:
         return self.ranked[0] if self.ranked else None
+
+    def winner(self) -> Evaluation:
+        """:attr:`best`, for a search known to have found a strategy (``ValueError`` otherwise)."""
+        if not self.ranked:
+            raise ValueError("the search found no strategy that fits")
+        return self.ranked[0]
 
     def alternatives(self, n: int = 3) -> list[Evaluation]:
         return (self.ranked[1:] + self.extra)[:n]

@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from typing import Any
+from typing import Any, Sequence, cast
 
 from cost_models.schedule_cost import (
     ChunkTimes,
@@ -115,6 +115,14 @@ SEARCHED_SCHEDULES: tuple[str, ...] = tuple(ScheduleName)
 MAX_VIRTUAL_STAGES = 8
 
 
+#: What simulating a strategy under a schedule needs: its model chunks (inclusive layer ranges)
+#: and their ``F``, ``B`` (and ``W``) times.
+Prepared = tuple[Sequence[tuple[int, int]], ChunkTimes]
+#: One option of :func:`schedule_bounds`: ``(bound, index, name, v, prepared)`` (``prepared`` is
+#: ``None`` for 1F1B, priced in closed form).
+Bounded = tuple[float, int, str, int, Prepared | None]
+
+
 @functools.lru_cache(maxsize=128)
 def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """The runtime's action lists of schedule ``name`` (what the executor walks), cached: the
@@ -125,7 +133,8 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: i
         sched = zero_bubble_h1(stages, micro_batches)
     else:
         sched = one_f_one_b(stages, micro_batches)
-    return tuple(tuple(acts) for acts in sched)
+    # tuples, so that no caller can change a cached list; every reader only iterates them
+    return cast(Schedule, tuple(tuple(acts) for acts in sched))
 
 
 def _run(name: str, stages: int, micro_batches: int, virtual_stages: int, times: ChunkTimes):
@@ -310,7 +319,7 @@ def evaluate_strategy(costs: CandidateCosts, strategy) -> Evaluation:
     )
 
 
-def step_bound(costs: CandidateCosts, chunks, times: ChunkTimes) -> float:
+def step_bound(costs: CandidateCosts, chunks: Sequence[tuple[int, int]], times: ChunkTimes) -> float:
     """A step time no run of these chunks under these times can beat (sound; checked before
     simulating). Rank ``r`` cannot start before micro-batch 0 has crossed chunks ``0..r-1``
     (their forwards and sends), is then busy for its ``m`` micro-batches' compute and sends at
@@ -334,19 +343,21 @@ def step_bound(costs: CandidateCosts, chunks, times: ChunkTimes) -> float:
     return best
 
 
-def _chunks_for(costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int):
+def _chunks_for(
+    costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int
+) -> Sequence[tuple[int, int]] | None:
     if name != ScheduleName.INTERLEAVED:
         return base.strategy.stages
-    recomputed, sel = base.strategy.checkpoint, base.strategy.selective
-    costs = [
+    recomputed, selective = base.strategy.checkpoint, base.strategy.selective
+    layer_times = [
         layer.work_s
         + layer.zero_mb_s
         + (layer.rec_s if i in recomputed else 0.0)
-        + (layer.sel_rec_s if i in sel else 0.0)
+        + (layer.sel_rec_s if i in selective else 0.0)
         for i, layer in enumerate(costs.layers)
     ]
     try:
-        return split_chunks(costs, costs.cand.pp * virtual_stages)
+        return split_chunks(layer_times, costs.cand.pp * virtual_stages)
     except ValueError:
         return None
 
@@ -356,11 +367,12 @@ def price_schedule(costs: CandidateCosts, base: Evaluation, name: str, virtual_s
     ``None`` when the schedule cannot run it."""
     if name == ScheduleName.ONE_F_ONE_B:
         return base
-    got = _prepared(costs, base, name, virtual_stages)
-    return None if got is None else _simulated(costs, base, name, virtual_stages, *got)
+    prepared = _prepared(costs, base, name, virtual_stages)
+    return None if prepared is None else _simulated(costs, base, name, virtual_stages, *prepared)
 
 
-def _prepared(costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int):
+def _prepared(costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Prepared | None:
+    """The chunks and chunk times simulating ``base`` under ``name`` needs (``None``: it cannot run)."""
     chunks = _chunks_for(costs, base, name, virtual_stages)
     if chunks is None:
         return None
@@ -372,10 +384,10 @@ def _simulated(
     base: Evaluation,
     name: str,
     virtual_stages: int,
-    chunks,
+    chunks: Sequence[tuple[int, int]],
     times: ChunkTimes,
     memory: SimulatedPipeline | None = None,
-):
+) -> Evaluation | None:
     """``base`` under ``name`` priced from its simulation (``memory``: its :func:`pipeline_memory`,
     when known), ``None`` when the schedule cannot run."""
     stages, micro_batches = costs.cand.pp, costs.cand.num_micro_batches
@@ -399,24 +411,29 @@ def _simulated(
     )
 
 
-def schedule_bounds(costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]]) -> list[tuple]:
+def schedule_bounds(costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]]) -> list[Bounded]:
     """``(bound, index, name, v, prepared)`` of each option of ``options`` that can run ``base``:
     1F1B's bound is its price, another schedule's :func:`step_bound` on its chunks and times
     (``prepared``, what simulating it needs). Their least is a sound lower bound of
     :func:`best_schedule`'s answer, for a few milliseconds instead of simulations."""
-    out = []
+    out: list[Bounded] = []
     for i, (name, virtual_stages) in enumerate(options):
         if name == ScheduleName.ONE_F_ONE_B:
             out.append((base.step_time_s, i, name, virtual_stages, None))
             continue
-        got = _prepared(costs, base, name, virtual_stages)
-        if got is not None:
-            out.append((step_bound(costs, got[0], got[1]), i, name, virtual_stages, got))
+        prepared = _prepared(costs, base, name, virtual_stages)
+        if prepared is not None:
+            out.append((step_bound(costs, *prepared), i, name, virtual_stages, prepared))
     return out
 
 
 def _fitting(
-    costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int, chunks, times: ChunkTimes
+    costs: CandidateCosts,
+    base: Evaluation,
+    name: str,
+    virtual_stages: int,
+    chunks: Sequence[tuple[int, int]],
+    times: ChunkTimes,
 ) -> SimulatedPipeline | None:
     """``base`` under ``name``'s :func:`pipeline_memory` when it fits in memory (and host / NVMe
     room), else ``None``: the memory of a schedule follows from its action order alone, so a
@@ -439,7 +456,7 @@ def _fitting(
 
 
 def best_schedule(
-    costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[tuple] | None = None
+    costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[Bounded] | None = None
 ) -> Evaluation | None:
     """The fastest feasible pricing of ``base`` over ``options`` (ties: 1F1B, then the earlier
     option), or ``None`` when none fits. Options are simulated in order of :func:`step_bound` and
@@ -450,22 +467,23 @@ def best_schedule(
 
 
 def _best(
-    costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[tuple] | None = None
+    costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[Bounded] | None = None
 ) -> tuple[Evaluation | None, bool]:
     """:func:`best_schedule`, and whether a schedule whose bound beat the answer did not fit."""
     best = base if (ScheduleName.ONE_F_ONE_B, 1) in options and base.feasible else None
     todo = schedule_bounds(costs, base, options) if bounds is None else bounds
     unfit = math.inf  # the least bound of a schedule that did not fit
-    for bound, _index, name, virtual_stages, got in sorted(todo, key=lambda option: option[:2]):
+    for bound, _index, name, virtual_stages, prepared in sorted(todo, key=lambda option: option[:2]):
         if name == ScheduleName.ONE_F_ONE_B:
             continue
         if best is not None and bound >= best.step_time_s * (1 - 1e-9):
             break
-        mem = _fitting(costs, base, name, virtual_stages, *got)
+        assert prepared is not None  # every schedule but 1F1B comes with its chunks and times
+        mem = _fitting(costs, base, name, virtual_stages, *prepared)
         if mem is None:
             unfit = min(unfit, bound)
             continue
-        evaluation = _simulated(costs, base, name, virtual_stages, *got, mem)
+        evaluation = _simulated(costs, base, name, virtual_stages, *prepared, mem)
         if (
             evaluation is not None
             and evaluation.feasible
