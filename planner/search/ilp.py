@@ -1,29 +1,5 @@
-"""The planner's search: enumerate degrees and batching, solve partition + recompute as an ILP.
-
-Search (:func:`search`)
------------------------
-The small decisions are enumerated (:func:`planner.search.candidates.enumerate_candidates`): ``dp * tp *
-pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
-across nodes; ``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp =
-1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
-micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
-
-Candidates are visited in increasing order of a sound step-time lower bound
-(:func:`planner.search.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
-the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
-min(best time of its triple, 4th best time over triples)``. Two passes:
-
-1. greedy: price :func:`planner.search.candidates.heuristic_strategy` (a feasible strategy found without
-   a solver) for each candidate still under the bound, to seed the incumbents;
-2. exact: skip a candidate whose memory lower bound exceeds the capacity, or whose time bound,
-   or memory-aware bound (:func:`planner.search.candidates.uniform_time_bound`, which counts the
-   recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
-   ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
-   win is refuted at the root. The loop stops at the first time bound above the 4th best.
-
-Every skipped candidate provably costs at least what it is compared with, and a cut-off ILP
-proves the same, so the result equals solving every candidate to optimality (a test compares
-with exhaustive enumeration).
+"""The planner's search: enumerate degrees and batching, solve partition + recompute as an ILP
+(the search's pruning is described in :func:`search`).
 
 ILP of one candidate ``(dp, tp, pp = p, zero, b, m)``
 ---------------------------------------------------
@@ -85,15 +61,8 @@ devices fast. Selective recompute adds integer ``s_k`` (``r_k + s_k <= n_k``) wi
 per family; every row is named ``family_k{k}...`` so an infeasible model says which stage and
 which family failed).
 
-Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above);
-interleaved 1F1B and zero bubble (ZB-H1) are priced after the search on the strategies it kept,
-from the runtime's simulated schedule with the same per-layer constants
-(:mod:`planner.search.schedule_search`, :mod:`cost_models.schedule_cost`): same work, another bubble,
-``v`` times the sends, more activations in flight.
-
-Solvers: pulp's CBC (default) or HiGHS (``solver="highs"``, needs ``highspy``; the environment
-variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
-:func:`cost_models.strategy.evaluate`, which is what the plan reports.
+Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above); the
+other schedules are priced after the search (:mod:`planner.search.schedule_search`).
 """
 
 from __future__ import annotations
@@ -785,6 +754,10 @@ def solve_candidate(
     ``objective="time"`` minimizes the step time under the memory limit; ``"memory"`` minimizes
     the most loaded stage's memory with no limit (used to explain infeasibility). With a
     ``cutoff`` an infeasible answer means "nothing fits, or nothing is faster than the cutoff".
+
+    ``solver``: pulp's CBC (default) or HiGHS (``"highs"``, needs ``highspy``; the environment
+    variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
+    :func:`cost_models.strategy.evaluate`, which is what the plan reports.
     """
     started = time.perf_counter()
     prob, ilp = build_problem(costs, kinds, checkpoint, objective, formulation, cutoff)
@@ -970,6 +943,29 @@ def search(
     ``seed``: an earlier search over other candidates (the offload variants' search continues the
     plain one): its strategies are the starting incumbents, its counts carry over, and a strategy
     it ranked that loses its place to a new one stays a runner-up.
+
+    The small decisions are enumerated (:func:`planner.search.candidates.enumerate_candidates`):
+    ``dp * tp * pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
+    across nodes; ``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp =
+    1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
+    micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
+
+    Candidates are visited in increasing order of a sound step-time lower bound
+    (:func:`planner.search.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
+    the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
+    min(best time of its triple, 4th best time over triples)``. Two passes:
+
+    1. greedy: price :func:`planner.search.candidates.heuristic_strategy` (a feasible strategy found without
+       a solver) for each candidate still under the bound, to seed the incumbents;
+    2. exact: skip a candidate whose memory lower bound exceeds the capacity, or whose time bound,
+       or memory-aware bound (:func:`planner.search.candidates.uniform_time_bound`, which counts the
+       recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
+       ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
+       win is refuted at the root. The loop stops at the first time bound above the 4th best.
+
+    Every skipped candidate provably costs at least what it is compared with, and a cut-off ILP
+    proves the same, so the result equals solving every candidate to optimality (a test compares
+    with exhaustive enumeration).
     """
     started = time.perf_counter()
     state = _Search(entries, kinds, checkpoint, solver, keep, seed)
