@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 import shlex
 
+from runtime.contract.choices import OffloadTier
+
 __all__ = ["to_deepspeed", "launcher_command", "offload_sections", "DEFAULT_NVME_PATH"]
 
 #: Where the NVMe tier's files go when the export is not told: DeepSpeed's documentation's example mount.
@@ -47,11 +49,11 @@ def offload_sections(offload: dict, nvme_path: str | None = None) -> dict:
     the state kinds it moves off the device)."""
     out = {}
     for kind, key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
-        tier = (offload or {}).get(kind, "none")
-        if tier == "none":
+        tier = (offload or {}).get(kind, OffloadTier.NONE)
+        if tier == OffloadTier.NONE:
             continue
         section = {"device": tier, "pin_memory": True}
-        if tier == "nvme":
+        if tier == OffloadTier.NVME:
             section["nvme_path"] = nvme_path or DEFAULT_NVME_PATH
         out[key] = section
     return out
@@ -129,7 +131,7 @@ def _warnings(plan, offload: dict, nvme_path: str | None) -> list[str]:
             f"Tensor parallelism (tp={plan.tp}) needs Megatron-DeepSpeed "
             f"(--tensor-model-parallel-size {plan.tp}); plain DeepSpeed has no TP for training."
         )
-    if "nvme" in offload.values() and nvme_path is None:
+    if OffloadTier.NVME in offload.values() and nvme_path is None:
         warnings.append(
             f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
             "to a directory on each node's local NVMe drive."

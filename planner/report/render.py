@@ -22,7 +22,7 @@ from planner.plan import TIME_LABELS
 from planner.search.ilp import SearchResult
 from planner.search.solve import CompileChoice, Solution
 from planner.units import compress_ranges, format_bytes, format_count, format_rate, format_seconds
-from runtime.contract.choices import ScheduleName
+from runtime.contract.choices import OffloadTier, ScheduleName
 
 __all__ = ["render_plan", "rank_layout"]
 
@@ -94,20 +94,19 @@ def _render_cost(plan, cost: dict, console: Console) -> None:
     console.print(table)
 
 
-_TIER = {"none": "device", "cpu": "host memory", "nvme": "NVMe"}
-_ON_TIER = {"none": "on the device", "cpu": "in host memory", "nvme": "on NVMe"}
+_ON_TIER = {OffloadTier.NONE: "on the device", OffloadTier.CPU: "in host memory", OffloadTier.NVME: "on NVMe"}
 
 
 def _offload_text(plan) -> str:
     """One line: where the optimizer state and the parameters live."""
     optimizer_tier, params_tier = plan.offload["optimizer"], plan.offload["params"]
-    if optimizer_tier == params_tier == "none":
+    if optimizer_tier == params_tier == OffloadTier.NONE:
         return "none (every state on the device)"
     parts = [
         f"optimizer state {_ON_TIER[optimizer_tier]}"
-        + (" (AdamW on the host's cores)" if optimizer_tier != "none" else ""),
+        + (" (AdamW on the host's cores)" if optimizer_tier != OffloadTier.NONE else ""),
         f"parameters {_ON_TIER[params_tier]}"
-        + (" (fetched layer by layer ahead of use)" if params_tier != "none" else ""),
+        + (" (fetched layer by layer ahead of use)" if params_tier != OffloadTier.NONE else ""),
     ]
     return "; ".join(parts)
 
@@ -123,14 +122,14 @@ def _render_placement(plan, hw: HardwareProfile | None, evaluation, console: Con
     )
     for column in ("state", "tier", "per device", "per node"):
         table.add_column(column, justify="left" if column in ("state", "tier") else "right")
-    gathered = plan.offload["params"] != "none"
+    gathered = plan.offload["params"] != OffloadTier.NONE
     table.add_row(
         "parameters" + (" (gathered layers in flight)" if gathered else ""),
         "device",
         format_bytes(pred.memory["params"]),
         "",
     )
-    if plan.offload["optimizer"] == "none":
+    if plan.offload["optimizer"] == OffloadTier.NONE:
         table.add_row("optimizer state", "device", format_bytes(pred.memory["optimizer"]), "")
     offloaded = evaluation.extra.get("offload_bytes") if evaluation is not None else None
     if offloaded is not None:
@@ -205,7 +204,7 @@ def render_plan(
     console.print(_head_table(plan, hw, evaluation, choice))
     console.print(_stages_table(plan, evaluation))
     console.print(_memory_table(plan, hw))
-    if any(tier != "none" for tier in plan.offload.values()):
+    if any(tier != OffloadTier.NONE for tier in plan.offload.values()):
         _render_placement(plan, hw, evaluation, console)
     console.print(_time_table(plan, hw))
     cost = plan.predicted.cost
@@ -342,7 +341,7 @@ def _time_table(plan, hw: HardwareProfile | None) -> Table:
 def _runners_up_table(plan, cost: dict | None) -> Table:
     """The runners-up, each with its step (and run cost) and why it lost."""
     table = Table(title="Runners-up (why each lost)", title_justify="left")
-    offloads = any(tier != "none" for alt in plan.alternatives + [plan] for tier in alt.offload.values())
+    offloads = any(tier != OffloadTier.NONE for alt in plan.alternatives + [plan] for tier in alt.offload.values())
     columns = (
         ["dp", "tp", "pp", "ZeRO", "micro-batch"]
         + (["offload opt/params"] if offloads else [])

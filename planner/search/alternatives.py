@@ -11,6 +11,7 @@ from __future__ import annotations
 from cost_models.strategy import Evaluation
 from planner.plan import TIME_LABELS
 from planner.units import format_bytes, format_seconds
+from runtime.contract.choices import OffloadTier
 
 __all__ = ["alternative_reason"]
 
@@ -26,7 +27,7 @@ def _context(part: str, evaluation) -> str:
     if part == "dp_comm":
         return f"dp={candidate.dp}, ZeRO-{candidate.zero_stage}"
     if part == "optimizer":
-        if candidate.offload_optimizer != "none":
+        if candidate.offload_optimizer != OffloadTier.NONE:
             return (
                 f"optimizer offloaded to {candidate.offload_optimizer}: AdamW runs on the host's cores, "
                 f"{'sharded' if candidate.dp > 1 else 'unsharded'} over dp={candidate.dp}"
@@ -52,15 +53,15 @@ def _context(part: str, evaluation) -> str:
 def _offload_context(candidate) -> str:
     """What the alternative offloads and which transfer costs it time."""
     moved = []
-    if candidate.offload_params != "none":
+    if candidate.offload_params != OffloadTier.NONE:
         moved.append(
             f"parameters on {candidate.offload_params}: fetched for every layer's forward and backward, "
             f"{candidate.num_micro_batches} micro-batch{'es' if candidate.num_micro_batches != 1 else ''}"
         )
-    if candidate.offload_optimizer != "none":
+    if candidate.offload_optimizer != OffloadTier.NONE:
         moved.append(
             f"optimizer on {candidate.offload_optimizer}: gradients out and parameters back every step"
-            + (", state read and written on NVMe" if candidate.offload_optimizer == "nvme" else "")
+            + (", state read and written on NVMe" if candidate.offload_optimizer == OffloadTier.NVME else "")
         )
     return "; ".join(moved) or "no offload"
 
@@ -78,7 +79,7 @@ def _offload_change(best: Evaluation, alt: Evaluation) -> str:
     return "; offload " + ", ".join(
         f"{kind} {tier}"
         for kind, tier in (("optimizer", alt_candidate.offload_optimizer), ("params", alt_candidate.offload_params))
-        if tier != "none"
+        if tier != OffloadTier.NONE
     )
 
 
