@@ -505,7 +505,7 @@ class _UniformStages:
     """
 
     def __init__(self, costs: CandidateCosts, checkpoint: str, relaxed: bool):
-        self.cc, self.mode, self.relaxed = costs, checkpoint, relaxed
+        self.costs, self.mode, self.relaxed = costs, checkpoint, relaxed
         self.p = stages = costs.cand.pp
         self.pre, self.blk, self.post = costs.layers[0], costs.layers[1], costs.layers[-1]
         self.tail = [costs.layers[-2]] if costs.layers[-2] != self.blk else []
@@ -528,7 +528,7 @@ class _UniformStages:
         key = (k, blocks)
         if key in self._memo:
             return self._memo[key]
-        costs, blk, stages = self.cc, self.blk, self.p
+        costs, blk, stages = self.costs, self.blk, self.p
         tail = [] if self.relaxed else self.tail
         rows = ([self.pre] if k == 0 else []) + (tail + [self.post] if k == stages - 1 else [])
         in_flight = costs.inflight[k]

@@ -179,7 +179,7 @@ class _Vars:
     uniform = False
 
     def __init__(self, prob: pulp.LpProblem, costs: CandidateCosts, kinds: list[str], checkpoint: str):
-        self.prob, self.cc, self.kinds, self.mode = prob, costs, kinds, checkpoint
+        self.prob, self.costs, self.kinds, self.mode = prob, costs, kinds, checkpoint
         self.p, self.m, self.n = costs.cand.pp, costs.cand.num_micro_batches, costs.num_layers
         # T and D are in units of 1/OBJECTIVE_SCALE of the step-time lower bound, so relative
         # differences of 1e-6 stay far above the solver's absolute tolerances
@@ -195,7 +195,7 @@ class _Vars:
     def can_select(self, layer: int) -> bool:
         """Layer ``layer`` may recompute selectively under this mode (it has attention cores; the
         ``selective`` pin covers the blocks)."""
-        if self.cc.layers[layer].sel_saved_b <= 0 or self.mode in ("none", "all"):
+        if self.costs.layers[layer].sel_saved_b <= 0 or self.mode in ("none", "all"):
             return False
         return self.mode == "auto" or self.kinds[layer] == "block"
 
@@ -237,11 +237,11 @@ class _GeneralVars(_Vars):
         return None
 
     def stage_sum(self, k: int, f: LayerField) -> Expr:
-        layers = self.cc.layers
+        layers = self.costs.layers
         return pulp.lpSum(f(layers[layer]) * self.x[(layer, k)] for layer in self.members[k] if f(layers[layer]))
 
     def stage_rec_sum(self, k: int, f: LayerField) -> Expr:
-        layers = self.cc.layers
+        layers = self.costs.layers
         return pulp.lpSum(
             f(layers[layer]) * recomputes
             for layer in self.members[k]
@@ -249,7 +249,7 @@ class _GeneralVars(_Vars):
         )
 
     def stage_sel_sum(self, k: int, f: LayerField) -> Expr:
-        layers = self.cc.layers
+        layers = self.costs.layers
         return pulp.lpSum(
             f(layers[layer]) * selects
             for layer in self.members[k]
@@ -257,7 +257,7 @@ class _GeneralVars(_Vars):
         )
 
     def p2p(self, k: int) -> Expr:
-        send = self.cc.send_s
+        send = self.costs.send_s
         terms = [send(layer, k) * end for layer, end in self.ends[k]] if k < self.p - 1 else []
         if k > 0:
             terms += [send(layer, k - 1) * end for layer, end in self.ends[k - 1]]
@@ -265,13 +265,13 @@ class _GeneralVars(_Vars):
 
     def held_terms(self, k: int, f: LayerField) -> list[tuple[Expr, float]]:
         """``(x[l, k], f(layer l))`` for each layer stage ``k`` may hold (nonzero values)."""
-        return [(self.x[(layer, k)], value) for layer in self.members[k] if (value := f(self.cc.layers[layer]))]
+        return [(self.x[(layer, k)], value) for layer in self.members[k] if (value := f(self.costs.layers[layer]))]
 
     def trans_terms(self, k: int) -> list[tuple[Expr, float]]:
         return self.held_terms(k, lambda cost: cost.trans_b)
 
     def peak_terms(self, k: int) -> list[tuple[Expr, float]]:
-        layers = self.cc.layers
+        layers = self.costs.layers
         terms = [
             (recomputes, layers[layer].saved_b)
             for layer in self.members[k]
@@ -460,7 +460,7 @@ class _UniformVars(_Vars):
         return total
 
     def _boundary(self, j: int) -> Expr:
-        send = self.cc.send_s
+        send = self.costs.send_s
         run, pre, last_block = send(1, j), send(0, j), send(self.n - 2, j)
         if self.tail and j == self.p - 2:
             if j > 0:
@@ -624,7 +624,7 @@ def add_time_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None:
 
 def add_memory_constraints(prob: pulp.LpProblem, ilp: IlpVars, bound: Expr | None = None) -> None:
     """Each stage's device memory (scaled by the capacity) at most ``bound`` (1 - margin if None)."""
-    capacity = ilp.cc.capacity
+    capacity = ilp.costs.capacity
     for k in range(ilp.p):
         zero_buffer = _var(prob, f"zero_buffer_{k}", 0)
         recompute_peak = _var(prob, f"recompute_peak_{k}", 0)
@@ -632,7 +632,7 @@ def add_memory_constraints(prob: pulp.LpProblem, ilp: IlpVars, bound: Expr | Non
             prob += zero_buffer >= (size / capacity) * indicator, f"memory_zero_buffer_k{k}_{i}"
         for i, (indicator, size) in enumerate(ilp.peak_terms(k)):
             prob += recompute_peak >= (size / capacity) * indicator, f"memory_recompute_peak_k{k}_{i}"
-        in_flight = ilp.cc.inflight[k]
+        in_flight = ilp.costs.inflight[k]
         memory = (
             ilp.stage_sum(k, lambda cost: (cost.state_b + in_flight * cost.saved_b) / capacity)
             - ilp.stage_rec_sum(k, lambda cost: in_flight * (cost.saved_b - cost.input_b) / capacity)
@@ -648,7 +648,7 @@ def add_offload_capacity_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None
     """Each stage's offloaded state fits its rank's share of the node's host memory (after the
     pinned buffers) and NVMe (``cost_models.offload_cost``): rows ``memory_host_k{k}``,
     ``memory_nvme_k{k}``; none without offload."""
-    costs = ilp.cc
+    costs = ilp.costs
     tiers: tuple[tuple[str, float, LayerField], ...] = (
         ("host", costs.host_room, lambda cost: cost.host_b),
         ("nvme", costs.nvme_room, lambda cost: cost.nvme_b),
