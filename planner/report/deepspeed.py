@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 import shlex
 
+from runtime.contract.choices import OffloadTier
+
 __all__ = ["to_deepspeed", "launcher_command", "offload_sections", "DEFAULT_NVME_PATH"]
 
 #: Where the NVMe tier's files go when the export is not told: DeepSpeed's documentation's example mount.
@@ -47,22 +49,64 @@ def offload_sections(offload: dict, nvme_path: str | None = None) -> dict:
     the state kinds it moves off the device)."""
     out = {}
     for kind, key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
-        tier = (offload or {}).get(kind, "none")
-        if tier == "none":
+        tier = (offload or {}).get(kind, OffloadTier.NONE)
+        if tier == OffloadTier.NONE:
             continue
-        sec = {"device": tier, "pin_memory": True}
-        if tier == "nvme":
-            sec["nvme_path"] = nvme_path or DEFAULT_NVME_PATH
-        out[key] = sec
+        section = {"device": tier, "pin_memory": True}
+        if tier == OffloadTier.NVME:
+            section["nvme_path"] = nvme_path or DEFAULT_NVME_PATH
+        out[key] = section
     return out
 
 
 def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
     """The ds_config dictionary equivalent to ``plan`` (see the module docstring); ``nvme_path``:
     the NVMe tier's directory when the plan offloads to NVMe."""
-    ckpt = list(plan.checkpoint_layers)
-    sizes = [b - a + 1 for a, b in plan.stages]
-    names = plan.model.layer_names or []
+    checkpointed = list(plan.checkpoint_layers)
+    sizes = [last - first + 1 for first, last in plan.stages]
+    offload = getattr(plan, "offload", None) or {}
+    config = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_micro_batches,
+        "gradient_clipping": 1.0,
+        "zero_optimization": _zero_section(plan, offload, nvme_path),
+        "bf16": {"enabled": plan.dtype == "bf16"},
+        "fp16": {
+            "enabled": plan.dtype == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "activation_checkpointing": {
+            "partition_activations": plan.tp > 1 and bool(checkpointed),
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": len(checkpointed),
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        },
+        "pipeline": {
+            "stages": plan.pp,
+            "partition": "uniform" if max(sizes) - min(sizes) <= 1 else "parameters",
+            "seed_layers": False,
+            "activation_checkpoint_interval": 1 if checkpointed else 0,
+        },
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "planner": _provenance(plan, offload, _warnings(plan, offload, nvme_path)),
+    }
+    dp_world = plan.dp
+    assert (
+        config["train_batch_size"]
+        == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * dp_world
+    ), "plan invariant broken"
+    return config
+
+
+def _warnings(plan, offload: dict, nvme_path: str | None) -> list[str]:
+    """What of ``plan`` DeepSpeed cannot run as planned, and what to set by hand."""
     warnings: list[str] = []
     if plan.selective_layers:
         warnings.append(
@@ -87,71 +131,49 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
             f"Tensor parallelism (tp={plan.tp}) needs Megatron-DeepSpeed "
             f"(--tensor-model-parallel-size {plan.tp}); plain DeepSpeed has no TP for training."
         )
+    if OffloadTier.NVME in offload.values() and nvme_path is None:
+        warnings.append(
+            f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
+            "to a directory on each node's local NVMe drive."
+        )
+    return warnings
+
+
+def _zero_section(plan, offload: dict, nvme_path: str | None) -> dict:
+    """``zero_optimization``: the stage, overlap, and the offload sections."""
     zero: dict = {"stage": plan.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
     if plan.zero_stage >= 2:
         zero["reduce_scatter"] = True
     if plan.zero_stage == 3:
         zero["stage3_prefetch_bucket_size"] = "auto"
-    offload = getattr(plan, "offload", None) or {}
     zero.update(offload_sections(offload, nvme_path))
-    if "nvme" in offload.values() and nvme_path is None:
-        warnings.append(
-            f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
-            "to a directory on each node's local NVMe drive."
-        )
-    cfg = {
-        "train_batch_size": plan.global_batch,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.num_micro_batches,
-        "gradient_clipping": 1.0,
-        "zero_optimization": zero,
-        "bf16": {"enabled": plan.dtype == "bf16"},
-        "fp16": {
-            "enabled": plan.dtype == "fp16",
-            "loss_scale": 0,
-            "initial_scale_power": 16,
-            "loss_scale_window": 1000,
-            "hysteresis": 2,
-            "min_loss_scale": 1,
-        },
-        "activation_checkpointing": {
-            "partition_activations": plan.tp > 1 and bool(ckpt),
-            "contiguous_memory_optimization": False,
-            "number_checkpoints": len(ckpt),
-            "synchronize_checkpoint_boundary": False,
-            "profile": False,
-        },
-        "pipeline": {
-            "stages": plan.pp,
-            "partition": "uniform" if max(sizes) - min(sizes) <= 1 else "parameters",
-            "seed_layers": False,
-            "activation_checkpoint_interval": 1 if ckpt else 0,
-        },
-        "steps_per_print": 10,
-        "wall_clock_breakdown": False,
-        "planner": {
-            "dp": plan.dp,
-            "tp": plan.tp,
-            "pp": plan.pp,
-            "stage_boundaries": [list(s) for s in plan.stages],
-            "stage_layers": [
-                [names[a] if a < len(names) else str(a), names[b] if b < len(names) else str(b)] for a, b in plan.stages
-            ],
-            "checkpoint_layers": ckpt,
-            "checkpoint_layer_names": [names[i] for i in ckpt if i < len(names)],
-            "selective_layers": list(plan.selective_layers),
-            "sequence_parallel": plan.sequence_parallel,
-            "compile": plan.compile,
-            "offload": dict(offload) if offload else {"optimizer": "none", "params": "none"},
-            "predicted_step_time_s": plan.predicted.step_time_s,
-            "warnings": warnings,
-        },
+    return zero
+
+
+def _provenance(plan, offload: dict, warnings: list[str]) -> dict:
+    """The ``planner`` block: what DeepSpeed cannot take (exact stage boundaries, the recomputed
+    layers by name, ...) and the warnings, for the reader (DeepSpeed ignores it)."""
+    names = plan.model.layer_names or []
+    checkpointed = list(plan.checkpoint_layers)
+
+    def name_of(row: int) -> str:
+        return names[row] if row < len(names) else str(row)
+
+    return {
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "stage_boundaries": [list(stage) for stage in plan.stages],
+        "stage_layers": [[name_of(first), name_of(last)] for first, last in plan.stages],
+        "checkpoint_layers": checkpointed,
+        "checkpoint_layer_names": [names[i] for i in checkpointed if i < len(names)],
+        "selective_layers": list(plan.selective_layers),
+        "sequence_parallel": plan.sequence_parallel,
+        "compile": plan.compile,
+        "offload": dict(offload) if offload else {"optimizer": "none", "params": "none"},
+        "predicted_step_time_s": plan.predicted.step_time_s,
+        "warnings": warnings,
     }
-    dp_world = plan.dp
-    assert (
-        cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp_world
-    ), "plan invariant broken"
-    return cfg
 
 
 def launcher_command(plan, config_path: str = "ds_config.json", script: str = "train.py") -> str:
@@ -161,9 +183,9 @@ def launcher_command(plan, config_path: str = "ds_config.json", script: str = "t
     the nodes when there are several); Megatron-DeepSpeed's parallel sizes are appended when
     the plan uses tensor or pipeline parallelism.
     """
-    gpn = plan.hardware.gpus_per_node
-    nodes = math.ceil(plan.hardware.gpus / gpn)
-    per_node = min(gpn, plan.hardware.gpus)
+    gpus_per_node = plan.hardware.gpus_per_node
+    nodes = math.ceil(plan.hardware.gpus / gpus_per_node)
+    per_node = min(gpus_per_node, plan.hardware.gpus)
     parts = ["deepspeed"]
     if nodes > 1:
         parts += ["--hostfile", "hostfile"]
@@ -179,4 +201,4 @@ def launcher_command(plan, config_path: str = "ds_config.json", script: str = "t
     ]
     if plan.tp > 1 or plan.pp > 1:
         parts += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
-    return " ".join(shlex.quote(p) for p in parts)
+    return " ".join(shlex.quote(part) for part in parts)

@@ -46,32 +46,35 @@ __all__ = [
 ]
 
 
-def is_repeated(cc: CandidateCosts, kinds: Sequence[str]) -> bool:
+def is_repeated(costs: CandidateCosts, kinds: Sequence[str]) -> bool:
     """True for ``pre``, identical ``block`` rows (the last may differ), ``post``: the tables the
     block-count ILP, the repeated-block bound and the min-max greedy handle."""
-    return cc.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and all(k == "block" for k in kinds[1:-1])
+    return costs.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and all(k == "block" for k in kinds[1:-1])
 
 
 # ---------------------------------------------------------------------------------- bounds
-def _total_work(cc: CandidateCosts) -> float:
+def _total_work(costs: CandidateCosts) -> float:
     """Every layer's micro-step work once, plus the cheapest transfers over the ``p - 1`` boundaries:
     a lower bound of ``sum_k T_k`` (recompute only adds time)."""
-    p = cc.cand.pp
-    work = sum(n * (c.work_s + c.zero_mb_s) for c, n in cc.distinct)
-    if p > 1:
+    stages = costs.cand.pp
+    work = sum(n * (cost.work_s + cost.zero_mb_s) for cost, n in costs.distinct)
+    if stages > 1:
         # every boundary carries one activation forward and one gradient back, each at least
         # the smallest layer output (sends cost more for more bytes)
-        small = min(range(cc.num_layers - 1), key=lambda i: cc.layers[i].boundary_b)
-        work += 2 * sum(cc.send_s(small, j) for j in range(p - 1))
+        small = min(range(costs.num_layers - 1), key=lambda i: costs.layers[i].boundary_b)
+        work += 2 * sum(costs.send_s(small, j) for j in range(stages - 1))
     return work
 
 
-def _tail_bound(cc: CandidateCosts) -> float:
-    ds, p = cc.distinct, cc.cand.pp
-    return max(sum(n * (c.dp_step_s + c.opt_s) for c, n in ds) / p, max(c.dp_step_s + c.opt_s for c, _ in ds))
+def _tail_bound(costs: CandidateCosts) -> float:
+    distinct, stages = costs.distinct, costs.cand.pp
+    return max(
+        sum(n * (cost.dp_step_s + cost.opt_s) for cost, n in distinct) / stages,
+        max(cost.dp_step_s + cost.opt_s for cost, _ in distinct),
+    )
 
 
-def time_lower_bound(cc: CandidateCosts) -> float:
+def time_lower_bound(costs: CandidateCosts) -> float:
     """A step time no strategy of this candidate can beat (sound: used to prune the search).
 
     The step is ``(m - 1) T + sum_k T_k + D`` (:func:`cost_models.strategy.evaluate`), where ``sum_k
@@ -79,13 +82,13 @@ def time_lower_bound(cc: CandidateCosts) -> float:
     the slowest stage is at least the average one and holds at least one layer; ``D >= sum_l
     (dp_l + opt_l) / p`` likewise.
     """
-    p, m = cc.cand.pp, cc.cand.num_micro_batches
-    work = _total_work(cc)
-    T = max(work / p, max(c.work_s + c.zero_mb_s for c, _ in cc.distinct))
-    return (m - 1) * T + max(work, T) + _tail_bound(cc)
+    stages, micro_batches = costs.cand.pp, costs.cand.num_micro_batches
+    work = _total_work(costs)
+    slowest = max(work / stages, max(cost.work_s + cost.zero_mb_s for cost, _ in costs.distinct))
+    return (micro_batches - 1) * slowest + max(work, slowest) + _tail_bound(costs)
 
 
-def memory_lower_bound(cc: CandidateCosts) -> float:
+def memory_lower_bound(costs: CandidateCosts) -> float:
     """Bytes per device that every strategy of this candidate needs on its most loaded stage
     (by the memory bound feasibility is judged with: ``cost_models.strategy.memory_bound``).
 
@@ -93,31 +96,34 @@ def memory_lower_bound(cc: CandidateCosts) -> float:
     at least ``min(saved, input)`` of activations once), stage 0 holds the first layer with
     ``min(p, m)`` micro-batches in flight, and some stage holds each single layer.
     """
-    p = cc.cand.pp
-    ds = cc.distinct
-    avg = (sum(n * (c.state_b + min(c.saved_b, c.input_b)) for c, n in ds) + max(c.trans_b for c, _ in ds)) / p
-    l0 = cc.layers[0]
-    first = l0.state_b + l0.trans_b + cc.inflight[0] * min(l0.saved_b, l0.input_b)
-    single = max(c.state_b + min(c.saved_b, c.input_b) + c.trans_b for c, _ in ds)
+    stages = costs.cand.pp
+    distinct = costs.distinct
+    avg = (
+        sum(n * (cost.state_b + min(cost.saved_b, cost.input_b)) for cost, n in distinct)
+        + max(cost.trans_b for cost, _ in distinct)
+    ) / stages
+    first_row = costs.layers[0]
+    first = first_row.state_b + first_row.trans_b + costs.inflight[0] * min(first_row.saved_b, first_row.input_b)
+    single = max(cost.state_b + min(cost.saved_b, cost.input_b) + cost.trans_b for cost, _ in distinct)
     return max(avg, first, single)
 
 
 # ---------------------------------------------------------------------------------- candidates
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n`` in increasing order."""
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    small = [divisor for divisor in range(1, int(math.isqrt(n)) + 1) if n % divisor == 0]
+    return sorted(set(small + [n // divisor for divisor in small]))
 
 
-def model_heads(nt: NumericTable) -> tuple[int | None, int | None]:
+def model_heads(table: NumericTable) -> tuple[int | None, int | None]:
     """``(heads, kv_heads)`` from the table's model facts (``None`` when unknown): stated by the
     front end or read from the graph's attention (``passes.attention``)."""
-    heads = nt.model.get("heads") or None
-    kv = nt.model.get("kv_heads") or heads
-    return heads, kv
+    heads = table.model.get("heads") or None
+    kv_heads = table.model.get("kv_heads") or heads
+    return heads, kv_heads
 
 
-def tp_structure(tp: int, nt: NumericTable) -> str | None:
+def tp_structure(tp: int, table: NumericTable) -> str | None:
     """Why the model's structure rules out ``tp`` > 1 (``None`` when it does not): the graph's
     tensor-parallel analysis split nothing (the reason names the node), or ``tp`` does not divide
     the heads, neither divides nor is a multiple of the key/value heads (a multiple replicates
@@ -126,25 +132,25 @@ def tp_structure(tp: int, nt: NumericTable) -> str | None:
     the graph) leave the split to the graph's matmul analysis."""
     if tp == 1:
         return None
-    blocked = nt.model.get("tp_blocked")
+    blocked = table.model.get("tp_blocked")
     if blocked:
         return f"tensor parallelism cannot split this model: {blocked}"
-    heads, kv = model_heads(nt)
+    heads, kv_heads = model_heads(table)
     if heads and heads % tp:
         return f"--tp {tp} does not divide the model's {heads} attention heads"
-    if kv and kv % tp and tp % kv:
-        return f"--tp {tp} neither divides the model's {kv} key/value heads nor is a multiple of them"
-    for size, where in (nt.model.get("tp_divides") or {}).items():
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        return f"--tp {tp} neither divides the model's {kv_heads} key/value heads nor is a multiple of them"
+    for size, where in (table.model.get("tp_divides") or {}).items():
         if int(size) % tp:
             return f"--tp {tp} does not divide the {size} output features of {where}"
     return None
 
 
-def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_nodes: bool) -> str | None:
+def valid_tp(tp: int, table: NumericTable, gpus: int, gpus_per_node: int, across_nodes: bool) -> str | None:
     """Why ``tp`` cannot be used (``None`` when it can)."""
     if gpus % tp:
         return f"--tp {tp} does not divide --gpus {gpus}"
-    why = tp_structure(tp, nt)
+    why = tp_structure(tp, table)
     if why:
         return why
     if not across_nodes and (tp > gpus_per_node or gpus_per_node % tp):
@@ -155,73 +161,76 @@ def valid_tp(tp: int, nt: NumericTable, gpus: int, gpus_per_node: int, across_no
     return None
 
 
-def tied_summary(nt: NumericTable) -> str:
+def tied_summary(table: NumericTable) -> str:
     """``weight read by <row> and <row>, ...``: the tied weights, which pipeline stages hold one
     copy of per stage that reads them (kept in sync by an all-reduce of their gradients)."""
     return ", ".join(
-        f"{t['weight']} read by {nt.names[t['layers'][0]]} and {nt.names[t['layers'][1]]}" for t in nt.tied
+        f"{tie['weight']} read by {table.names[tie['layers'][0]]} and {table.names[tie['layers'][1]]}"
+        for tie in table.tied
     )
 
 
-def check_pins(req: Any, nt: NumericTable, gpus_per_node: int) -> None:
+def check_pins(request: Any, table: NumericTable, gpus_per_node: int) -> None:
     """Reject pins no strategy can honour, with what to use instead (``SearchError``)."""
-    rows = len(nt.layers)
-    dp, tp, pp = req.dp, req.tp, req.pp
-    if dp and tp and pp and dp * tp * pp != req.gpus:
+    rows = len(table.layers)
+    dp, tp, pp = request.dp, request.tp, request.pp
+    if dp and tp and pp and dp * tp * pp != request.gpus:
         raise SearchError(
-            f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {req.gpus}; "
+            f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {request.gpus}; "
             "the three degrees must multiply to the number of devices."
         )
     if tp:
-        why = valid_tp(tp, nt, req.gpus, gpus_per_node, req.tp_across_nodes)
+        why = valid_tp(tp, table, request.gpus, gpus_per_node, request.tp_across_nodes)
         if why:
-            ok = [
-                t for t in divisors(req.gpus) if valid_tp(t, nt, req.gpus, gpus_per_node, req.tp_across_nodes) is None
+            valid = [
+                degree
+                for degree in divisors(request.gpus)
+                if valid_tp(degree, table, request.gpus, gpus_per_node, request.tp_across_nodes) is None
             ]
-            raise SearchError(f"{why}. Valid --tp values here: {', '.join(map(str, ok))}.")
+            raise SearchError(f"{why}. Valid --tp values here: {', '.join(map(str, valid))}.")
     if pp and pp > rows:
         raise SearchError(
             f"--pp {pp} is more stages than the layer table has rows ({rows}: embedding, "
             f"{rows - 2} blocks, head); every stage needs at least one layer. Use --pp <= {rows}."
         )
-    if pp and pp > 1 and req.micro_batch and dp:
-        m = req.global_batch // (dp * req.micro_batch)
-        if m < pp:
+    if pp and pp > 1 and request.micro_batch and dp:
+        micro_batches = request.global_batch // (dp * request.micro_batch)
+        if micro_batches < pp:
             raise SearchError(
-                f"--global-batch {req.global_batch} / (--dp {dp} x --micro-batch {req.micro_batch}) "
-                f"= {m} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
+                f"--global-batch {request.global_batch} / (--dp {dp} x --micro-batch {request.micro_batch}) "
+                f"= {micro_batches} micro-batches, fewer than --pp {pp}: 1F1B needs at least one "
                 "micro-batch per stage. Use a smaller --micro-batch or fewer stages."
             )
 
 
-def sequence_parallel_options(req: Any, nt: NumericTable, tp: int) -> list[bool]:
+def sequence_parallel_options(request: Any, table: NumericTable, tp: int) -> list[bool]:
     """Whether to plan degree ``tp`` without and with sequence parallelism: both where tp > 1,
     the model's analysis found sequence-shardable activations (``saved_bytes_sp``) and tp divides
     the sequence; the pin (``--sequence-parallel on|off``) keeps one."""
-    pin = getattr(req, "sequence_parallel", None)
-    kv = int(nt.model.get("kv_heads") or 0)
+    pin = getattr(request, "sequence_parallel", None)
+    kv_heads = int(table.model.get("kv_heads") or 0)
     # key/value projections tp does not split stay replicated, and attention cannot read sequence
     # shards there: code generation keeps those regions all-reducing, which the table's (full)
     # sequence-parallel savings would overstate, so such degrees plan without it
     able = (
         tp > 1
-        and req.seq_len % tp == 0
-        and (not kv or kv % tp == 0)
-        and any(lay.saved_bytes_sp != 0 for lay in nt.layers)
+        and request.seq_len % tp == 0
+        and (not kv_heads or kv_heads % tp == 0)
+        and any(lay.saved_bytes_sp != 0 for lay in table.layers)
     )
     if pin == "on":
         return [True] if able else []
     return [False, True] if able and pin is None else [False]
 
 
-def sequence_parallel_obstacle(req: Any, nt: NumericTable, tp: int) -> str:
+def sequence_parallel_obstacle(request: Any, table: NumericTable, tp: int) -> str:
     """Why ``--sequence-parallel on`` cannot apply at degree ``tp`` (for the infeasibility message)."""
-    kv = int(nt.model.get("kv_heads") or 0)
-    if req.seq_len % tp:
-        return f"--sequence-parallel on: tp={tp} does not divide --seq-len {req.seq_len}"
-    if kv and kv % tp:
+    kv_heads = int(table.model.get("kv_heads") or 0)
+    if request.seq_len % tp:
+        return f"--sequence-parallel on: tp={tp} does not divide --seq-len {request.seq_len}"
+    if kv_heads and kv_heads % tp:
         return (
-            f"--sequence-parallel on: tp={tp} does not divide the model's {kv} key/value heads, whose "
+            f"--sequence-parallel on: tp={tp} does not divide the model's {kv_heads} key/value heads, whose "
             "projections then stay replicated and cannot read sequence shards"
         )
     return (
@@ -231,14 +240,14 @@ def sequence_parallel_obstacle(req: Any, nt: NumericTable, tp: int) -> str:
     )
 
 
-def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list[Candidate]:
+def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) -> list[Candidate]:
     """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.search.ilp).
 
     Raises ``SearchError`` listing why nothing is left when the pins and the batch admit no
     candidate at all.
     """
-    gpus, gb = req.gpus, req.global_batch
-    rows = len(nt.layers)
+    gpus, global_batch = request.gpus, request.global_batch
+    rows = len(table.layers)
     out: list[Candidate] = []
     why: dict[str, int] = {}
 
@@ -246,73 +255,76 @@ def enumerate_candidates(req: Any, nt: NumericTable, gpus_per_node: int) -> list
         why[reason] = why.get(reason, 0) + 1
 
     for tp in divisors(gpus):
-        if req.tp and tp != req.tp:
+        if request.tp and tp != request.tp:
             continue
-        if valid_tp(tp, nt, gpus, gpus_per_node, req.tp_across_nodes):
-            structural = tp_structure(tp, nt)  # the model's reason, naming its node, is kept
+        if valid_tp(tp, table, gpus, gpus_per_node, request.tp_across_nodes):
+            structural = tp_structure(tp, table)  # the model's reason, naming its node, is kept
             skip(structural or "tensor-parallel degree not allowed by the node size")
             continue
-        options = sequence_parallel_options(req, nt, tp)  # per degree, not per batching
+        options = sequence_parallel_options(request, table, tp)  # per degree, not per batching
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if (req.pp and pp != req.pp) or (req.dp and dp != req.dp):
+            if (request.pp and pp != request.pp) or (request.dp and dp != request.dp):
                 continue
             if pp > rows:
                 skip(f"more pipeline stages than the {rows} layer-table rows")
                 continue
-            if gb % dp:
+            if global_batch % dp:
                 skip("global batch not divisible by the data-parallel degree")
                 continue
-            for b in divisors(gb // dp):
-                if req.micro_batch and b != req.micro_batch:
+            for micro_batch in divisors(global_batch // dp):
+                if request.micro_batch and micro_batch != request.micro_batch:
                     continue
-                m = gb // (dp * b)
-                if pp > 1 and m < pp:
+                micro_batches = global_batch // (dp * micro_batch)
+                if pp > 1 and micro_batches < pp:
                     skip("fewer micro-batches than pipeline stages")
                     continue
-                zeros = [req.zero_stage] if req.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                zeros = [request.zero_stage] if request.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                 if not options:
-                    skip(sequence_parallel_obstacle(req, nt, tp))
-                for sp in options:
-                    out.extend(Candidate(dp, tp, pp, z, b, m, sequence_parallel=sp) for z in zeros)
+                    skip(sequence_parallel_obstacle(request, table, tp))
+                for sequence_parallel in options:
+                    out.extend(
+                        Candidate(dp, tp, pp, zero, micro_batch, micro_batches, sequence_parallel=sequence_parallel)
+                        for zero in zeros
+                    )
     if not out:
         pins = " ".join(
-            f"--{k.replace('_', '-')} {getattr(req, k)}"
-            for k in ("dp", "tp", "pp", "micro_batch")
-            if getattr(req, k) is not None
+            f"--{pin.replace('_', '-')} {getattr(request, pin)}"
+            for pin in ("dp", "tp", "pp", "micro_batch")
+            if getattr(request, pin) is not None
         )
-        reasons = "; ".join(f"{r} ({n}x)" for r, n in why.items()) or "the pins exclude every degree"
+        reasons = "; ".join(f"{reason} ({n}x)" for reason, n in why.items()) or "the pins exclude every degree"
         advice = (
             "Drop --sequence-parallel on, or pin a --tp it applies to."
-            if why and all(r.startswith("--sequence-parallel") for r in why)
+            if why and all(reason.startswith("--sequence-parallel") for reason in why)
             else "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions."
         )
         raise SearchError(
             f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
-            f"{gb}{' and ' + pins if pins else ''}: {reasons}. {advice}"
+            f"{global_batch}{' and ' + pins if pins else ''}: {reasons}. {advice}"
         )
     return out
 
 
 # ---------------------------------------------------------------------------------- offload
-def offload_pinned(req: Any) -> bool:
+def offload_pinned(request: Any) -> bool:
     """True when the request pins some state off the device (``--offload-* cpu|nvme``): only
     offloaded candidates are then searched."""
-    return any(getattr(req, f"offload_{k}", None) not in (None, "none") for k in ("optimizer", "params"))
+    return any(getattr(request, f"offload_{kind}", None) not in (None, "none") for kind in ("optimizer", "params"))
 
 
-def _tiers(req: Any, kind: str, hw: HardwareProfile) -> list[str]:
-    pin = getattr(req, f"offload_{kind}", None)
+def _tiers(request: Any, kind: str, hw: HardwareProfile) -> list[str]:
+    pin = getattr(request, f"offload_{kind}", None)
     if pin is not None:
         return [pin]
     return [
-        t
-        for t in TIERS
-        if t == "none" or not offload_missing(hw, *((t, "none") if kind == "optimizer" else ("cpu", t)))
+        tier
+        for tier in TIERS
+        if tier == "none" or not offload_missing(hw, *((tier, "none") if kind == "optimizer" else ("cpu", tier)))
     ]
 
 
-def offload_variants(req: Any, cands: Sequence[Candidate], hw: HardwareProfile) -> list[Candidate]:
+def offload_variants(request: Any, candidates: Sequence[Candidate], hw: HardwareProfile) -> list[Candidate]:
     """The offloaded versions of ``cands`` (offload none) that the pins and ``hw`` allow.
 
     Each keeps its degrees and batching; at ``dp = 1``, where every ZeRO stage is the same and the
@@ -322,24 +334,26 @@ def offload_variants(req: Any, cands: Sequence[Candidate], hw: HardwareProfile) 
     """
     out: list[Candidate] = []
     seen: set[Candidate] = set()
-    opt_tiers, par_tiers = _tiers(req, "optimizer", hw), _tiers(req, "params", hw)
-    for c in cands:
-        zeros = [c.zero_stage] if c.dp > 1 or req.zero_stage is not None else [1, 2, 3]
-        for z in zeros:
-            for o in opt_tiers:
-                for q in par_tiers:
-                    if o == q == "none" or check_offload(o, q, z):
+    opt_tiers, par_tiers = _tiers(request, "optimizer", hw), _tiers(request, "params", hw)
+    for candidate in candidates:
+        zeros = [candidate.zero_stage] if candidate.dp > 1 or request.zero_stage is not None else [1, 2, 3]
+        for zero in zeros:
+            for optimizer_tier in opt_tiers:
+                for params_tier in par_tiers:
+                    if optimizer_tier == params_tier == "none" or check_offload(optimizer_tier, params_tier, zero):
                         continue
-                    if c.dp == 1 and z == 3 and q == "none" and req.zero_stage is None:
+                    if candidate.dp == 1 and zero == 3 and params_tier == "none" and request.zero_stage is None:
                         continue  # ZeRO 3 on one rank without offloaded parameters is ZeRO 2
-                    v = dataclasses.replace(c, zero_stage=z, offload_optimizer=o, offload_params=q)
-                    if v not in seen:
-                        seen.add(v)
-                        out.append(v)
+                    variant = dataclasses.replace(
+                        candidate, zero_stage=zero, offload_optimizer=optimizer_tier, offload_params=params_tier
+                    )
+                    if variant not in seen:
+                        seen.add(variant)
+                        out.append(variant)
     return out
 
 
-def memory_may_bind(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> bool:
+def memory_may_bind(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> bool:
     """False when every strategy of this (plain) candidate fits without recompute (or, under
     ``--checkpoint all``, with its forced recompute), so that memory cannot be what keeps it from
     its fastest strategy: then no offloaded version of it can be faster (same work, more time).
@@ -348,36 +362,40 @@ def memory_may_bind(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = 
     by all the layers' state, their saved activations times the first stage's micro-batches in
     flight (the most) and the largest ZeRO buffer and backward transient; when that fits, every
     partition does. ``True`` whenever neither test proves the slack."""
-    n = cc.num_layers
-    if cc.cand.pp == 1:
-        ck = [i for i, k in enumerate(kinds) if k == "block"] if checkpoint == "all" else []
-        return not evaluate(cc, [(0, n - 1)], ck, pinned_selective(cc, kinds, checkpoint)).feasible
+    rows = costs.num_layers
+    if costs.cand.pp == 1:
+        recomputed = [i for i, k in enumerate(kinds) if k == "block"] if checkpoint == "all" else []
+        return not evaluate(costs, [(0, rows - 1)], recomputed, pinned_selective(costs, kinds, checkpoint)).feasible
     if checkpoint in ("all", "selective"):
         return True
-    ls = cc.layers
+    layers = costs.layers
     upper = (
-        sum(l.state_b for l in ls)
-        + max(l.trans_b for l in ls)
-        + cc.inflight[0] * sum(l.saved_b for l in ls)
-        + max(l.bt_b for l in ls)
+        sum(layer.state_b for layer in layers)
+        + max(layer.trans_b for layer in layers)
+        + costs.inflight[0] * sum(layer.saved_b for layer in layers)
+        + max(layer.bt_b for layer in layers)
     )
-    return upper > cc.capacity
+    return upper > costs.capacity
 
 
-def pinned_selective(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str) -> list[int]:
+def pinned_selective(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str) -> list[int]:
     """The layers ``--checkpoint selective`` recomputes selectively: every block with attention
     cores (none under the other modes)."""
     if checkpoint != "selective":
         return []
-    return [i for i, k in enumerate(kinds) if k == "block" and cc.layers[i].sel_saved_b > 0]
+    return [i for i, kind in enumerate(kinds) if kind == "block" and costs.layers[i].sel_saved_b > 0]
 
 
-def check_offload_pins(req: Any, hw: HardwareProfile) -> None:
+def check_offload_pins(request: Any, hw: HardwareProfile) -> None:
     """Reject offload pins the hardware profile cannot price, naming the missing fields."""
-    o, q = req.offload_optimizer or "none", req.offload_params or "none"
-    missing = offload_missing(hw, o, q)
+    optimizer_tier, params_tier = request.offload_optimizer or "none", request.offload_params or "none"
+    missing = offload_missing(hw, optimizer_tier, params_tier)
     if missing:
-        flags = " ".join(f"--offload-{k} {v}" for k, v in (("optimizer", o), ("params", q)) if v != "none")
+        flags = " ".join(
+            f"--offload-{kind} {tier}"
+            for kind, tier in (("optimizer", optimizer_tier), ("params", params_tier))
+            if tier != "none"
+        )
         raise SearchError(
             f"{flags}: hardware profile {hw.name!r} lacks {', '.join(missing)}, which pricing "
             "that offload needs. Add them to the profile (see cost_models/hardware.py), or run "
@@ -386,40 +404,40 @@ def check_offload_pins(req: Any, hw: HardwareProfile) -> None:
 
 
 # ---------------------------------------------------------------------------------- heuristic
-def balanced_partition(weights: Sequence[float], p: int) -> list[tuple[int, int]]:
+def balanced_partition(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
     """Contiguous split of ``weights`` into ``p`` non-empty ranges minimizing the largest sum.
 
     Bisection on the bound with a greedy packing check (exact up to the bisection tolerance).
     """
     n = len(weights)
-    if not 1 <= p <= n:
-        raise ValueError(f"cannot split {n} layers into {p} non-empty stages")
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
 
     def pack(bound: float) -> list[int] | None:
         cuts, acc = [], 0.0
-        for i, w in enumerate(weights):
-            if acc and acc + w > bound:
+        for i, weight in enumerate(weights):
+            if acc and acc + weight > bound:
                 cuts.append(i)
                 acc = 0.0
-            acc += w
-        return cuts if len(cuts) <= p - 1 else None
+            acc += weight
+        return cuts if len(cuts) <= stages - 1 else None
 
-    lo, hi = max(weights), sum(weights)
+    low, high = max(weights), sum(weights)
     for _ in range(60):
-        mid = (lo + hi) / 2
+        mid = (low + high) / 2
         if pack(mid) is None:
-            lo = mid
+            low = mid
         else:
-            hi = mid
-    cuts = pack(hi) or []
+            high = mid
+    cuts = pack(high) or []
     bounds = [0, *cuts, n]
-    while len(bounds) - 1 < p:  # split the widest range until there are p (the bound still holds)
-        i = max(range(len(bounds) - 1), key=lambda j: bounds[j + 1] - bounds[j])
+    while len(bounds) - 1 < stages:  # split the widest range until there are p (the bound still holds)
+        i = max(range(len(bounds) - 1), key=lambda index: bounds[index + 1] - bounds[index])
         bounds.insert(i + 1, (bounds[i] + bounds[i + 1]) // 2)
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(p)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(stages)]
 
 
-def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> Evaluation | None:
+def heuristic_strategy(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> Evaluation | None:
     """A good feasible strategy found without a solver, or ``None``.
 
     The search hands its cost to the ILP as a cutoff, so the solver starts with an incumbent
@@ -428,41 +446,46 @@ def heuristic_strategy(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str
     :func:`_uniform_heuristic`; others the time-balanced partition, then in each stage that
     overflows, recompute the layers that free the most memory per second of recompute.
     """
-    if is_repeated(cc, kinds):
-        return _uniform_heuristic(cc, checkpoint)
-    p = cc.cand.pp
-    stages = balanced_partition([l.work_s + l.zero_mb_s for l in cc.layers], p)
-    ck: set[int] = set()
+    if is_repeated(costs, kinds):
+        return _uniform_heuristic(costs, checkpoint)
+    stage_count = costs.cand.pp
+    stages = balanced_partition([layer.work_s + layer.zero_mb_s for layer in costs.layers], stage_count)
+    recomputed: set[int] = set()
     if checkpoint == "all":
-        ck = {i for i, k in enumerate(kinds) if k == "block"}
+        recomputed = {i for i, k in enumerate(kinds) if k == "block"}
     elif checkpoint == "auto":
-        for k, (a, b) in enumerate(stages):
-            ls = range(a, b + 1)
-            inflight = cc.inflight[k]
-            L = cc.layers
-            mem = sum(L[i].state_b + inflight * L[i].saved_b for i in ls) + max(L[i].trans_b for i in ls)
+        for k, (first, last) in enumerate(stages):
+            held = range(first, last + 1)
+            inflight = costs.inflight[k]
+            layers = costs.layers
+            mem = sum(layers[i].state_b + inflight * layers[i].saved_b for i in held) + max(
+                layers[i].trans_b for i in held
+            )
             order = sorted(
-                (i for i in ls if L[i].saved_b > L[i].input_b),
-                key=lambda i: -inflight * (L[i].saved_b - L[i].input_b) / max(L[i].rec_s, 1e-30),
+                (i for i in held if layers[i].saved_b > layers[i].input_b),
+                key=lambda i: -inflight * (layers[i].saved_b - layers[i].input_b) / max(layers[i].rec_s, 1e-30),
             )
             peak = 0.0
             for i in order:
-                if mem <= cc.capacity:
+                if mem <= costs.capacity:
                     break
-                new_peak = max(peak, L[i].saved_b)
-                mem += new_peak - peak - inflight * (L[i].saved_b - L[i].input_b)
+                new_peak = max(peak, layers[i].saved_b)
+                mem += new_peak - peak - inflight * (layers[i].saved_b - layers[i].input_b)
                 peak = new_peak
-                ck.add(i)
-    ev = evaluate(cc, stages, sorted(ck), pinned_selective(cc, kinds, checkpoint))
-    return ev if ev.feasible else None
+                recomputed.add(i)
+    evaluation = evaluate(costs, stages, sorted(recomputed), pinned_selective(costs, kinds, checkpoint))
+    return evaluation if evaluation.feasible else None
 
 
-def _as_selective(c: LayerCost) -> LayerCost:
+def _as_selective(cost: LayerCost) -> LayerCost:
     """A block that recomputes its attention cores, seen as a block that does not recompute:
     fewer activations kept, the cores' forward added to its work, their re-materialization a
     transient (what ``cost_models.strategy.selective_view`` and ``evaluate`` price)."""
     return dataclasses.replace(
-        c, saved_b=c.saved_b - c.sel_saved_b, compute_s=c.compute_s + c.sel_rec_s, bt_b=max(c.bt_b, c.sel_saved_b)
+        cost,
+        saved_b=cost.saved_b - cost.sel_saved_b,
+        compute_s=cost.compute_s + cost.sel_rec_s,
+        bt_b=max(cost.bt_b, cost.sel_saved_b),
     )
 
 
@@ -481,14 +504,14 @@ class _UniformStages:
     a block. Every feasible strategy's stages cost at least the relaxed ``t_k(n_k)``.
     """
 
-    def __init__(self, cc: CandidateCosts, checkpoint: str, relaxed: bool):
-        self.cc, self.mode, self.relaxed = cc, checkpoint, relaxed
-        self.p = p = cc.cand.pp
-        self.pre, self.blk, self.post = cc.layers[0], cc.layers[1], cc.layers[-1]
-        self.tail = [cc.layers[-2]] if cc.layers[-2] != self.blk else []
+    def __init__(self, costs: CandidateCosts, checkpoint: str, relaxed: bool):
+        self.costs, self.mode, self.relaxed = costs, checkpoint, relaxed
+        self.p = stages = costs.cand.pp
+        self.pre, self.blk, self.post = costs.layers[0], costs.layers[1], costs.layers[-1]
+        self.tail = [costs.layers[-2]] if costs.layers[-2] != self.blk else []
         if checkpoint == "selective":  # every block recomputes its cores, none recomputes whole
             self.blk = _as_selective(self.blk) if self.blk.sel_saved_b > 0 else self.blk
-            self.tail = [_as_selective(x) if x.sel_saved_b > 0 else x for x in self.tail]
+            self.tail = [_as_selective(row) if row.sel_saved_b > 0 else row for row in self.tail]
             self.mode = "none"
         # auto may also free a block's core bytes at their (maybe cheaper) price: the relaxed
         # model charges forced freeing at the cheapest rate per byte of the two (sound)
@@ -496,53 +519,63 @@ class _UniformStages:
         self.sel_rate = (
             blk.sel_rec_s / blk.sel_saved_b if checkpoint == "auto" and relaxed and blk.sel_saved_b > 0 else math.inf
         )
-        self.L = cc.num_layers - 2 - len(self.tail)
-        self.lows = [0 if relaxed or not 0 < k < p - 1 else 1 for k in range(p)]
+        self.L = costs.num_layers - 2 - len(self.tail)
+        self.lows = [0 if relaxed or not 0 < k < stages - 1 else 1 for k in range(stages)]
         self._memo: dict[tuple[int, int], tuple[int, float] | None] = {}
 
-    def stage(self, k: int, n: int) -> tuple[int, float] | None:
+    def stage(self, k: int, blocks: int) -> tuple[int, float] | None:
         """``(r, t_k(n))`` of stage ``k`` holding ``n`` run blocks; ``None`` if it cannot fit."""
-        key = (k, n)
+        key = (k, blocks)
         if key in self._memo:
             return self._memo[key]
-        cc, blk, p = self.cc, self.blk, self.p
+        costs, blk, stages = self.costs, self.blk, self.p
         tail = [] if self.relaxed else self.tail
-        rows = ([self.pre] if k == 0 else []) + (tail + [self.post] if k == p - 1 else [])
-        a = cc.inflight[k]
-        trans = max([r.trans_b for r in rows] + ([blk.trans_b] if n else []) + [0])
-        act = (lambda r: min(r.saved_b, r.input_b)) if self.relaxed else (lambda r: r.saved_b)
-        mem = n * (blk.state_b + a * blk.saved_b) + trans + sum(r.state_b + a * act(r) for r in rows)
+        rows = ([self.pre] if k == 0 else []) + (tail + [self.post] if k == stages - 1 else [])
+        in_flight = costs.inflight[k]
+        trans = max([row.trans_b for row in rows] + ([blk.trans_b] if blocks else []) + [0])
+        act = (lambda row: min(row.saved_b, row.input_b)) if self.relaxed else (lambda row: row.saved_b)
+        mem = (
+            blocks * (blk.state_b + in_flight * blk.saved_b)
+            + trans
+            + sum(row.state_b + in_flight * act(row) for row in rows)
+        )
         delta = blk.saved_b - blk.input_b
-        if self.mode == "auto" and math.isfinite(self.sel_rate) and mem > cc.capacity and n:
+        if self.mode == "auto" and math.isfinite(self.sel_rate) and mem > costs.capacity and blocks:
             # relaxed with selective: free the excess fractionally at the cheaper rate per byte,
             # re-materializing the smaller of the two transients (a lower bound of either choice)
             rates = [self.sel_rate] + ([blk.rec_s / delta] if delta > 0 else [])
-            most = n * a * max(delta, blk.sel_saved_b)
-            excess = mem + min(blk.saved_b, blk.sel_saved_b) - cc.capacity
+            most = blocks * in_flight * max(delta, blk.sel_saved_b)
+            excess = mem + min(blk.saved_b, blk.sel_saved_b) - costs.capacity
             out = None
             if excess <= most:
-                t = (
-                    n * (blk.work_s + blk.zero_mb_s)
-                    + max(excess, 0.0) / a * min(rates)
-                    + sum(x.work_s + x.zero_mb_s for x in rows)
+                micro_step = (
+                    blocks * (blk.work_s + blk.zero_mb_s)
+                    + max(excess, 0.0) / in_flight * min(rates)
+                    + sum(row.work_s + row.zero_mb_s for row in rows)
                 )
-                out = (0, t)
+                out = (0, micro_step)
             self._memo[key] = out
             return out
         if self.mode == "all":
-            r = n
-        elif mem <= cc.capacity or self.mode == "none" or n == 0 or delta <= 0:
-            r = 0
+            recomputed = blocks
+        elif mem <= costs.capacity or self.mode == "none" or blocks == 0 or delta <= 0:
+            recomputed = 0
         else:
-            r = max(1, math.ceil((mem + blk.saved_b - cc.capacity) / (a * delta)))
-        if r:
-            mem += blk.saved_b - a * r * delta
+            recomputed = max(1, math.ceil((mem + blk.saved_b - costs.capacity) / (in_flight * delta)))
+        if recomputed:
+            mem += blk.saved_b - in_flight * recomputed * delta
         out = None
-        if r <= n and mem <= cc.capacity:
-            t = n * (blk.work_s + blk.zero_mb_s) + r * blk.rec_s + sum(x.work_s + x.zero_mb_s for x in rows)
+        if recomputed <= blocks and mem <= costs.capacity:
+            micro_step = (
+                blocks * (blk.work_s + blk.zero_mb_s)
+                + recomputed * blk.rec_s
+                + sum(row.work_s + row.zero_mb_s for row in rows)
+            )
             if not self.relaxed:
-                t += (cc.send_s(1, k) if k < p - 1 else 0.0) + (cc.send_s(1, k - 1) if k > 0 else 0.0)
-            out = (r, t)
+                micro_step += (costs.send_s(1, k) if k < stages - 1 else 0.0) + (
+                    costs.send_s(1, k - 1) if k > 0 else 0.0
+                )
+            out = (recomputed, micro_step)
         self._memo[key] = out
         return out
 
@@ -554,35 +587,36 @@ class _UniformStages:
         costs least. The ``j``-th block handed out has the ``j``-th smallest increment value, so the
         largest value reached is the least ``T`` with ``sum_k N_k(T) >= L`` (exact).
         """
-        p, L = self.p, self.L
+        stages, blocks = self.p, self.L
         counts = list(self.lows)
-        left = L - sum(counts)
+        left = blocks - sum(counts)
         if left < 0:
             return None
-        base = [self.stage(k, counts[k]) for k in range(p)]
-        if any(b is None for b in base):
+        base = [self.stage(k, counts[k]) for k in range(stages)]
+        fitting = [cost for cost in base if cost is not None]
+        if len(fitting) < len(base):
             return None
-        T = max(b[1] for b in base)
-        heap = []
-        for k in range(p):
-            nxt = self.stage(k, counts[k] + 1) if counts[k] < L else None
-            if nxt is not None:
-                heap.append((nxt[1], -k))
+        slowest = max(cost[1] for cost in fitting)
+        heap: list[tuple[float, int]] = []
+        for k in range(stages):
+            following = self.stage(k, counts[k] + 1) if counts[k] < blocks else None
+            if following is not None:
+                heap.append((following[1], -k))
         heapq.heapify(heap)
         for _ in range(left):
             if not heap:
                 return None
-            t, nk = heapq.heappop(heap)
-            k = -nk
+            micro_step, negated_stage = heapq.heappop(heap)
+            k = -negated_stage
             counts[k] += 1
-            T = max(T, t)
-            nxt = self.stage(k, counts[k] + 1) if counts[k] < L else None
-            if nxt is not None:
-                heapq.heappush(heap, (nxt[1], -k))
-        return T, counts
+            slowest = max(slowest, micro_step)
+            following = self.stage(k, counts[k] + 1) if counts[k] < blocks else None
+            if following is not None:
+                heapq.heappush(heap, (following[1], -k))
+        return slowest, counts
 
 
-def uniform_time_bound(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> float:
+def uniform_time_bound(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> float:
     """A step-time lower bound for repeated-block tables that counts forced recompute.
 
     Every feasible strategy has ``T >= t_k(n_k)`` on each stage of the relaxed model of
@@ -590,32 +624,36 @@ def uniform_time_bound(cc: CandidateCosts, kinds: Sequence[str], checkpoint: str
     achievable bound there; ``inf`` when no partition fits in memory at all. Falls back to
     :func:`time_lower_bound` for other tables.
     """
-    base = time_lower_bound(cc)
-    if not is_repeated(cc, kinds):
+    base = time_lower_bound(costs)
+    if not is_repeated(costs, kinds):
         return base
-    found = _UniformStages(cc, checkpoint, relaxed=True).allocate()
+    found = _UniformStages(costs, checkpoint, relaxed=True).allocate()
     if found is None:
         return math.inf
-    m = cc.cand.num_micro_batches
-    return max(base, (m - 1) * found[0] + max(found[0], _total_work(cc)) + _tail_bound(cc))
+    micro_batches = costs.cand.num_micro_batches
+    return max(base, (micro_batches - 1) * found[0] + max(found[0], _total_work(costs)) + _tail_bound(costs))
 
 
-def _uniform_heuristic(cc: CandidateCosts, checkpoint: str) -> Evaluation | None:
+def _uniform_heuristic(costs: CandidateCosts, checkpoint: str) -> Evaluation | None:
     """The min-max allocation of the exact :class:`_UniformStages` model, priced by ``evaluate``."""
-    model = _UniformStages(cc, checkpoint, relaxed=False)
+    model = _UniformStages(costs, checkpoint, relaxed=False)
     found = model.allocate()
     if found is None:
         return None
-    p, counts = model.p, found[1]
-    stages, ck, start = [], set(), 0
-    for k in range(p):
-        last = start + counts[k] + (k == 0) + (k == p - 1) * (1 + len(model.tail)) - 1
+    stage_count, counts = model.p, found[1]
+    stages: list[tuple[int, int]] = []
+    recomputed: set[int] = set()
+    start = 0
+    for k in range(stage_count):
+        last = start + counts[k] + (k == 0) + (k == stage_count - 1) * (1 + len(model.tail)) - 1
         first_block = start + (k == 0)
-        ck.update(range(first_block, first_block + model.stage(k, counts[k])[0]))
+        allotted = model.stage(k, counts[k])
+        assert allotted is not None  # allocate() only hands out counts that fit
+        recomputed.update(range(first_block, first_block + allotted[0]))
         stages.append((start, last))
         start = last + 1
     if checkpoint == "all":  # every block, the distinct last one included
-        ck = set(range(1, cc.num_layers - 1))
-    kinds = ["pre"] + ["block"] * (cc.num_layers - 2) + ["post"]
-    ev = evaluate(cc, stages, sorted(ck), pinned_selective(cc, kinds, checkpoint))
-    return ev if ev.feasible else None
+        recomputed = set(range(1, costs.num_layers - 1))
+    kinds = ["pre"] + ["block"] * (costs.num_layers - 2) + ["post"]
+    evaluation = evaluate(costs, stages, sorted(recomputed), pinned_selective(costs, kinds, checkpoint))
+    return evaluation if evaluation.feasible else None

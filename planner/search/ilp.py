@@ -1,29 +1,5 @@
-"""The planner's search: enumerate degrees and batching, solve partition + recompute as an ILP.
-
-Search (:func:`search`)
------------------------
-The small decisions are enumerated (:func:`planner.search.candidates.enumerate_candidates`): ``dp * tp *
-pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
-across nodes; ``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp =
-1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
-micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
-
-Candidates are visited in increasing order of a sound step-time lower bound
-(:func:`planner.search.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
-the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
-min(best time of its triple, 4th best time over triples)``. Two passes:
-
-1. greedy: price :func:`planner.search.candidates.heuristic_strategy` (a feasible strategy found without
-   a solver) for each candidate still under the bound, to seed the incumbents;
-2. exact: skip a candidate whose memory lower bound exceeds the capacity, or whose time bound,
-   or memory-aware bound (:func:`planner.search.candidates.uniform_time_bound`, which counts the
-   recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
-   ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
-   win is refuted at the root. The loop stops at the first time bound above the 4th best.
-
-Every skipped candidate provably costs at least what it is compared with, and a cut-off ILP
-proves the same, so the result equals solving every candidate to optimality (a test compares
-with exhaustive enumeration).
+"""The planner's search: enumerate degrees and batching, solve partition + recompute as an ILP
+(the search's pruning is described in :func:`search`).
 
 ILP of one candidate ``(dp, tp, pp = p, zero, b, m)``
 ---------------------------------------------------
@@ -85,15 +61,8 @@ devices fast. Selective recompute adds integer ``s_k`` (``r_k + s_k <= n_k``) wi
 per family; every row is named ``family_k{k}...`` so an infeasible model says which stage and
 which family failed).
 
-Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above);
-interleaved 1F1B and zero bubble (ZB-H1) are priced after the search on the strategies it kept,
-from the runtime's simulated schedule with the same per-layer constants
-(:mod:`planner.search.schedule_search`, :mod:`cost_models.schedule_cost`): same work, another bubble,
-``v`` times the sends, more activations in flight.
-
-Solvers: pulp's CBC (default) or HiGHS (``solver="highs"``, needs ``highspy``; the environment
-variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
-:func:`cost_models.strategy.evaluate`, which is what the plan reports.
+Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above); the
+other schedules are priced after the search (:mod:`planner.search.schedule_search`).
 """
 
 from __future__ import annotations
@@ -105,10 +74,11 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import pulp
 
-from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
+from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, evaluate
 from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
 from runtime.contract import environment
 
@@ -156,7 +126,7 @@ def default_solver() -> str:
     return environment.read(environment.SOLVER).lower()
 
 
-def _make_solver(name: str, time_limit: float | None):
+def _make_solver(name: str, time_limit: float | None) -> Any:
     if name == "cbc":
         with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class name only
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -168,18 +138,20 @@ def _make_solver(name: str, time_limit: float | None):
     raise ValueError(f"unknown solver {name!r}: expected one of {', '.join(SOLVERS)}")
 
 
-def _var(prob: pulp.LpProblem, name: str, low=None, up=None, cat: str = "Continuous") -> pulp.LpVariable:
+def _var(
+    prob: pulp.LpProblem, name: str, lower: float | None = None, upper: float | None = None, cat: str = "Continuous"
+) -> pulp.LpVariable:
     """A variable attached to ``prob`` (PuLP >= 3.3 API, with a fallback for older PuLP)."""
     if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, up, cat=cat)
-    return pulp.LpVariable(name, low, up, cat=cat)
+        return prob.add_variable(name, lower, upper, cat=cat)
+    return pulp.LpVariable(name, lower, upper, cat=cat)
 
 
 @contextlib.contextmanager
-def _quiet_stdout():
+def _quiet_stdout() -> Iterator[None]:
     """HiGHS prints a banner on stdout even with ``msg=False``; ``--json`` output must stay clean."""
     try:
-        fd = os.dup(1)
+        saved_stdout = os.dup(1)
     except OSError:  # pragma: no cover - no stdout
         yield
         return
@@ -189,138 +161,174 @@ def _quiet_stdout():
             try:
                 yield
             finally:
-                os.dup2(fd, 1)
+                os.dup2(saved_stdout, 1)
     finally:
-        os.close(fd)
+        os.close(saved_stdout)
 
 
 # ---------------------------------------------------------------------------------- variables
+#: A pulp linear expression, variable or plain number (pulp ships no type stubs).
+Expr = Any
+#: Reads one constant of a layer (``LayerCost``) into a coefficient.
+LayerField = Callable[[LayerCost], float]
+
+
 class _Vars:
     """Variables of one ILP and the linear expressions the constraint families read."""
 
     uniform = False
 
-    def __init__(self, prob: pulp.LpProblem, cc: CandidateCosts, kinds: list[str], checkpoint: str):
-        self.prob, self.cc, self.kinds, self.mode = prob, cc, kinds, checkpoint
-        self.p, self.m, self.n = cc.cand.pp, cc.cand.num_micro_batches, cc.num_layers
+    def __init__(self, prob: pulp.LpProblem, costs: CandidateCosts, kinds: list[str], checkpoint: str):
+        self.prob, self.costs, self.kinds, self.mode = prob, costs, kinds, checkpoint
+        self.p, self.m, self.n = costs.cand.pp, costs.cand.num_micro_batches, costs.num_layers
         # T and D are in units of 1/OBJECTIVE_SCALE of the step-time lower bound, so relative
         # differences of 1e-6 stay far above the solver's absolute tolerances
-        self.scale = OBJECTIVE_SCALE / max(time_lower_bound(cc), 1e-30)
+        self.scale = OBJECTIVE_SCALE / max(time_lower_bound(costs), 1e-30)
         self.T = self.var("T", 0)
         self.D = self.var("D", 0)
-        self.micro_steps: list | None = None
+        self.micro_steps: list[Expr] | None = None
         """Each stage's micro-step expression (``stage_micro_steps``), built once."""
 
-    def var(self, name, low=None, up=None, cat="Continuous"):
-        return _var(self.prob, name, low, up, cat)
+    def var(self, name: str, lower: float | None = None, upper: float | None = None, cat: str = "Continuous") -> Expr:
+        return _var(self.prob, name, lower, upper, cat)
 
-    def can_select(self, l: int) -> bool:
-        """Layer ``l`` may recompute selectively under this mode (it has attention cores; the
+    def can_select(self, layer: int) -> bool:
+        """Layer ``layer`` may recompute selectively under this mode (it has attention cores; the
         ``selective`` pin covers the blocks)."""
-        if self.cc.layers[l].sel_saved_b <= 0 or self.mode in ("none", "all"):
+        if self.costs.layers[layer].sel_saved_b <= 0 or self.mode in ("none", "all"):
             return False
-        return self.mode == "auto" or self.kinds[l] == "block"
+        return self.mode == "auto" or self.kinds[layer] == "block"
 
 
 class _GeneralVars(_Vars):
     """One binary per (layer, stage): any layer table."""
 
-    def __init__(self, prob, cc, kinds, checkpoint):
-        super().__init__(prob, cc, kinds, checkpoint)
-        n, p = self.n, self.p
-        self.window = [range(max(0, p - n + l), min(p - 1, l) + 1) for l in range(n)]
-        self.members = [[l for l in range(n) if k in self.window[l]] for k in range(p)]
-        self.x = {(l, k): self.var(f"x_{l}_{k}", cat="Binary") for l in range(n) for k in self.window[l]}
-        self.c = {}
-        if checkpoint == "auto":
-            self.c = {lk: self.var(f"c_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x}
-        self.y = {}
-        if checkpoint == "auto":
-            self.y = {lk: self.var(f"y_{lk[0]}_{lk[1]}", cat="Binary") for lk in self.x if self.can_select(lk[0])}
-        elif checkpoint == "selective":
-            self.y = {lk: self.x[lk] for lk in self.x if self.can_select(lk[0])}
-        self.e = {
-            (l, k): self.var(f"e_{l}_{k}", 0, 1)
-            for (l, k) in self.x
-            if k < p - 1 and l + 1 < n and k + 1 in self.window[l + 1]
+    def __init__(self, prob: pulp.LpProblem, costs: CandidateCosts, kinds: list[str], checkpoint: str):
+        super().__init__(prob, costs, kinds, checkpoint)
+        n, stages = self.n, self.p
+        self.window = [range(max(0, stages - n + layer), min(stages - 1, layer) + 1) for layer in range(n)]
+        self.members = [[layer for layer in range(n) if k in self.window[layer]] for k in range(stages)]
+        self.x = {
+            (layer, k): self.var(f"x_{layer}_{k}", cat="Binary") for layer in range(n) for k in self.window[layer]
         }
-        self.ends = [[(l, e) for (l, kk), e in self.e.items() if kk == k] for k in range(p)]
+        self.c: dict[tuple[int, int], Expr] = {}
+        if checkpoint == "auto":
+            self.c = {cell: self.var(f"c_{cell[0]}_{cell[1]}", cat="Binary") for cell in self.x}
+        self.y: dict[tuple[int, int], Expr] = {}
+        if checkpoint == "auto":
+            self.y = {
+                cell: self.var(f"y_{cell[0]}_{cell[1]}", cat="Binary") for cell in self.x if self.can_select(cell[0])
+            }
+        elif checkpoint == "selective":
+            self.y = {cell: self.x[cell] for cell in self.x if self.can_select(cell[0])}
+        self.e = {
+            (layer, k): self.var(f"e_{layer}_{k}", 0, 1)
+            for (layer, k) in self.x
+            if k < stages - 1 and layer + 1 < n and k + 1 in self.window[layer + 1]
+        }
+        self.ends = [[(layer, end) for (layer, stage), end in self.e.items() if stage == k] for k in range(stages)]
 
-    def rec(self, l, k):
+    def rec(self, layer: int, k: int) -> Expr | None:
+        """``c[layer, k]`` (or the pinned recompute of the layer in stage ``k``; ``None``: never)."""
         if self.mode == "auto":
-            return self.c[(l, k)]
-        if self.mode == "all" and self.kinds[l] == "block":
-            return self.x[(l, k)]
+            return self.c[(layer, k)]
+        if self.mode == "all" and self.kinds[layer] == "block":
+            return self.x[(layer, k)]
         return None
 
-    def stage_sum(self, k, f):
-        L = self.cc.layers
-        return pulp.lpSum(f(L[l]) * self.x[(l, k)] for l in self.members[k] if f(L[l]))
+    def stage_sum(self, k: int, f: LayerField) -> Expr:
+        layers = self.costs.layers
+        return pulp.lpSum(f(layers[layer]) * self.x[(layer, k)] for layer in self.members[k] if f(layers[layer]))
 
-    def stage_rec_sum(self, k, f):
-        L = self.cc.layers
-        return pulp.lpSum(f(L[l]) * r for l in self.members[k] if (r := self.rec(l, k)) is not None and f(L[l]))
+    def stage_rec_sum(self, k: int, f: LayerField) -> Expr:
+        layers = self.costs.layers
+        return pulp.lpSum(
+            f(layers[layer]) * recomputes
+            for layer in self.members[k]
+            if (recomputes := self.rec(layer, k)) is not None and f(layers[layer])
+        )
 
-    def stage_sel_sum(self, k, f):
-        L = self.cc.layers
-        return pulp.lpSum(f(L[l]) * y for l in self.members[k] if (y := self.y.get((l, k))) is not None and f(L[l]))
+    def stage_sel_sum(self, k: int, f: LayerField) -> Expr:
+        layers = self.costs.layers
+        return pulp.lpSum(
+            f(layers[layer]) * selects
+            for layer in self.members[k]
+            if (selects := self.y.get((layer, k))) is not None and f(layers[layer])
+        )
 
-    def p2p(self, k):
-        send = self.cc.send_s
-        terms = [send(l, k) * e for l, e in self.ends[k]] if k < self.p - 1 else []
+    def p2p(self, k: int) -> Expr:
+        send = self.costs.send_s
+        terms = [send(layer, k) * end for layer, end in self.ends[k]] if k < self.p - 1 else []
         if k > 0:
-            terms += [send(l, k - 1) * e for l, e in self.ends[k - 1]]
+            terms += [send(layer, k - 1) * end for layer, end in self.ends[k - 1]]
         return pulp.lpSum(terms)
 
-    def held_terms(self, k, f):
+    def held_terms(self, k: int, f: LayerField) -> list[tuple[Expr, float]]:
         """``(x[l, k], f(layer l))`` for each layer stage ``k`` may hold (nonzero values)."""
-        return [(self.x[(l, k)], v) for l in self.members[k] if (v := f(self.cc.layers[l]))]
+        return [(self.x[(layer, k)], value) for layer in self.members[k] if (value := f(self.costs.layers[layer]))]
 
-    def trans_terms(self, k):
-        return self.held_terms(k, lambda c: c.trans_b)
+    def trans_terms(self, k: int) -> list[tuple[Expr, float]]:
+        return self.held_terms(k, lambda cost: cost.trans_b)
 
-    def peak_terms(self, k):
-        L = self.cc.layers
-        rec = [(r, L[l].saved_b) for l in self.members[k] if (r := self.rec(l, k)) is not None and L[l].saved_b]
-        rec += [(y, L[l].sel_saved_b) for l in self.members[k] if (y := self.y.get((l, k))) is not None]
-        return rec + self.held_terms(k, lambda c: c.bt_b)
+    def peak_terms(self, k: int) -> list[tuple[Expr, float]]:
+        layers = self.costs.layers
+        terms = [
+            (recomputes, layers[layer].saved_b)
+            for layer in self.members[k]
+            if (recomputes := self.rec(layer, k)) is not None and layers[layer].saved_b
+        ]
+        terms += [
+            (selects, layers[layer].sel_saved_b)
+            for layer in self.members[k]
+            if (selects := self.y.get((layer, k))) is not None
+        ]
+        return terms + self.held_terms(k, lambda cost: cost.bt_b)
 
-    def decode(self):
-        stage_of = [next(k for k in self.window[l] if self.x[(l, k)].value() > 0.5) for l in range(self.n)]
+    def decode(self) -> tuple[list[tuple[int, int]], set[int], set[int]]:
+        """``(stages, recomputed layers, selectively recomputed layers)`` of the solution."""
+        stage_of = [next(k for k in self.window[layer] if self.x[(layer, k)].value() > 0.5) for layer in range(self.n)]
         stages = []
         for k in range(self.p):
-            ls = [l for l in range(self.n) if stage_of[l] == k]
-            stages.append((ls[0], ls[-1]))
-        ck = {l for l in range(self.n) if (r := self.rec(l, stage_of[l])) is not None and pulp.value(r) > 0.5}
-        sel = {l for l in range(self.n) if (y := self.y.get((l, stage_of[l]))) is not None and pulp.value(y) > 0.5}
-        return stages, ck, sel
+            held = [layer for layer in range(self.n) if stage_of[layer] == k]
+            stages.append((held[0], held[-1]))
+        recomputed = {
+            layer
+            for layer in range(self.n)
+            if (recomputes := self.rec(layer, stage_of[layer])) is not None and pulp.value(recomputes) > 0.5
+        }
+        selective = {
+            layer
+            for layer in range(self.n)
+            if (selects := self.y.get((layer, stage_of[layer]))) is not None and pulp.value(selects) > 0.5
+        }
+        return stages, recomputed, selective
 
 
-def block_capacity(cc: CandidateCosts) -> list[int]:
+def block_capacity(costs: CandidateCosts) -> list[int]:
     """Most blocks each stage can hold in a uniform table (a valid bound that tightens the ILP).
 
     Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in, sv - sel))`` plus the state and
     least activations of the embedding / head rows it holds, whatever it recomputes, so ``n_k <=
     (capacity - fixed_k) / (st + a_k min(sv, in))``; never more than ``L``.
     """
-    p, L = cc.cand.pp, cc.num_layers - 2
-    pre, blk, post = cc.layers[0], cc.layers[1], cc.layers[-1]
-    out = []
-    for k in range(p):
-        a = cc.inflight[k]
+    stages, blocks = costs.cand.pp, costs.num_layers - 2
+    pre, blk, post = costs.layers[0], costs.layers[1], costs.layers[-1]
+    capacities = []
+    for k in range(stages):
+        in_flight = costs.inflight[k]
         fixed = 0.0
-        for row, here in ((pre, k == 0), (post, k == p - 1)):
+        for row, here in ((pre, k == 0), (post, k == stages - 1)):
             if here:
-                fixed += row.state_b + a * min(row.saved_b, row.input_b)
-        per = blk.state_b + a * min(blk.saved_b, blk.input_b, blk.saved_b - blk.sel_saved_b)
-        room = cc.capacity - fixed
-        n = L if per <= 0 else int(max(-1.0, math.floor(room / per * (1 + 1e-12))))
-        out.append(max(0, min(L, n)) if room >= 0 else -1)
-    return out
+                fixed += row.state_b + in_flight * min(row.saved_b, row.input_b)
+        per_block = blk.state_b + in_flight * min(blk.saved_b, blk.input_b, blk.saved_b - blk.sel_saved_b)
+        room = costs.capacity - fixed
+        n = blocks if per_block <= 0 else int(max(-1.0, math.floor(room / per_block * (1 + 1e-12))))
+        capacities.append(max(0, min(blocks, n)) if room >= 0 else -1)
+    return capacities
 
 
-def _is_zero(e) -> bool:
-    return isinstance(e, (int, float)) and e == 0
+def _is_zero(expr: Expr) -> bool:
+    return isinstance(expr, (int, float)) and expr == 0
 
 
 class _UniformVars(_Vars):
@@ -332,63 +340,88 @@ class _UniformVars(_Vars):
     """
 
     uniform = True
+    r: list[Expr]
+    """``r_k``: recomputed blocks per stage (pinned: all or none of ``n_k``)."""
+    v: list[Expr]
+    """``v_k``: stage ``k`` recomputes some block (pays one re-materialization)."""
+    cpre: Expr
+    cpost: Expr
+    q: Expr
+    """The distinct last block row X sits in the last stage (1) or ends stage ``p - 2`` (0)."""
+    cxa: Expr
+    cxb: Expr
+    w: Expr
+    """Stage 0 of two ends with a run block (``q`` and ``z0``, linearized product); ``None`` otherwise."""
 
-    def __init__(self, prob, cc, kinds, checkpoint, bounded=True):
-        super().__init__(prob, cc, kinds, checkpoint)
-        p = self.p
-        self.tail = cc.layers[-2] != cc.layers[1]
-        self.L = L = self.n - 2 - self.tail
-        self.pre, self.blk, self.post, self.X = cc.layers[0], cc.layers[1], cc.layers[-1], cc.layers[-2]
+    def __init__(
+        self, prob: pulp.LpProblem, costs: CandidateCosts, kinds: list[str], checkpoint: str, bounded: bool = True
+    ):
+        super().__init__(prob, costs, kinds, checkpoint)
+        stages = self.p
+        self.tail = costs.layers[-2] != costs.layers[1]
+        self.L = blocks = self.n - 2 - self.tail
+        self.pre, self.blk, self.post, self.X = costs.layers[0], costs.layers[1], costs.layers[-1], costs.layers[-2]
         # the capacity bounds n_k only when memory is a limit (not when it is the objective)
-        self.ub = [min(u, L) for u in block_capacity(cc)] if bounded else [L] * p
-        self.nb = [self.var(f"n_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
+        self.ub = [min(most, blocks) for most in block_capacity(costs)] if bounded else [blocks] * stages
+        self.nb = [self.var(f"n_{k}", 0, self.ub[k], cat="Integer") for k in range(stages)]
+        self._add_recompute_vars(checkpoint)
+        # has-blocks indicators of the end stages (middle stages always hold a block)
+        self.z0 = self.var("z_first", cat="Binary") if stages > 1 else 1
+        self.ulast = self.var("u_last", cat="Binary") if stages > 1 else 1
+        self.has = [self.z0 if k == 0 else self.ulast if k == stages - 1 else 1 for k in range(stages)]
+        if checkpoint == "all":
+            self.v = list(self.has)
+        self._add_selective_vars(checkpoint)
+        # stage 0 of two ends with a run block: q and z0 (linearized product)
+        self.w = self.var("w_first_tail", cat="Binary") if self.tail and stages == 2 else None
+
+    def _add_recompute_vars(self, checkpoint: str) -> None:
+        """``r_k``, ``v_k``, ``c_pre``, ``c_post``, ``q`` and the last block row's recompute."""
+        stages = self.p
         auto = checkpoint == "auto"
         if auto:
-            self.r = [self.var(f"r_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
-            self.v = [self.var(f"v_{k}", cat="Binary") for k in range(p)]
+            self.r = [self.var(f"r_{k}", 0, self.ub[k], cat="Integer") for k in range(stages)]
+            self.v = [self.var(f"v_{k}", cat="Binary") for k in range(stages)]
             self.cpre = self.var("c_pre", cat="Binary")
             self.cpost = self.var("c_post", cat="Binary")
         else:
-            self.r = list(self.nb) if checkpoint == "all" else [0] * p
+            self.r = list(self.nb) if checkpoint == "all" else [0] * stages
             self.cpre = self.cpost = 0
-        self.q = self.var("q_tail", cat="Binary") if self.tail and p > 1 else 1
+        self.q = self.var("q_tail", cat="Binary") if self.tail and stages > 1 else 1
         if not self.tail:
             self.cxa = self.cxb = 0
         elif auto:
             self.cxa = self.var("c_tail_last", cat="Binary")
-            self.cxb = self.var("c_tail_prev", cat="Binary") if p > 1 else 0
+            self.cxb = self.var("c_tail_prev", cat="Binary") if stages > 1 else 0
         elif checkpoint == "all":
             self.cxa, self.cxb = self.q, 1 - self.q
         else:
             self.cxa = self.cxb = 0
-        # has-blocks indicators of the end stages (middle stages always hold a block)
-        self.z0 = self.var("z_first", cat="Binary") if p > 1 else 1
-        self.ulast = self.var("u_last", cat="Binary") if p > 1 else 1
-        self.has = [self.z0 if k == 0 else self.ulast if k == p - 1 else 1 for k in range(p)]
-        if checkpoint == "all":
-            self.v = list(self.has)
-        # selective recompute of the blocks' attention cores: s_k blocks, u_k "stage has one";
-        # the last block row X: sxa (in the last stage) / sxb (ending stage p - 2)
+
+    def _add_selective_vars(self, checkpoint: str) -> None:
+        """Selective recompute of the blocks' attention cores: ``s_k`` blocks, ``u_k`` "stage has
+        one"; the last block row X: ``sxa`` (in the last stage) / ``sxb`` (ending stage p - 2)."""
+        stages = self.p
         self.sel_blk = self.L > 0 and self.can_select(1)
         sel_x = self.tail and self.can_select(self.n - 2)
-        self.s, self.u = [0] * p, [0] * p
-        self.sxa = self.sxb = 0
+        self.s: list[Expr] = [0] * stages
+        self.u: list[Expr] = [0] * stages
+        self.sxa: Expr = 0
+        self.sxb: Expr = 0
         if checkpoint == "auto":
             if self.sel_blk:
-                self.s = [self.var(f"s_{k}", 0, self.ub[k], cat="Integer") for k in range(p)]
-                self.u = [self.var(f"u_{k}", cat="Binary") for k in range(p)]
+                self.s = [self.var(f"s_{k}", 0, self.ub[k], cat="Integer") for k in range(stages)]
+                self.u = [self.var(f"u_{k}", cat="Binary") for k in range(stages)]
             if sel_x:
                 self.sxa = self.var("s_tail_last", cat="Binary")
-                self.sxb = self.var("s_tail_prev", cat="Binary") if p > 1 else 0
+                self.sxb = self.var("s_tail_prev", cat="Binary") if stages > 1 else 0
         elif checkpoint == "selective":
             if self.sel_blk:
                 self.s, self.u = list(self.nb), list(self.has)
             if sel_x:
                 self.sxa, self.sxb = self.q, 1 - self.q
-        # stage 0 of two ends with a run block: q and z0 (linearized product)
-        self.w = self.var("w_first_tail", cat="Binary") if self.tail and p == 2 else None
 
-    def _tail_share(self, k):
+    def _tail_share(self, k: int) -> tuple[Expr, Expr]:
         """(in stage k, recomputed in stage k) expressions of the last block row X."""
         if not self.tail:
             return 0, 0
@@ -398,219 +431,237 @@ class _UniformVars(_Vars):
             return 1 - self.q, self.cxb
         return 0, 0
 
-    def stage_sum(self, k, f):
-        e = f(self.blk) * self.nb[k] + f(self.X) * self._tail_share(k)[0]
+    def stage_sum(self, k: int, f: LayerField) -> Expr:
+        total = f(self.blk) * self.nb[k] + f(self.X) * self._tail_share(k)[0]
         if k == 0:
-            e = e + f(self.pre)
+            total = total + f(self.pre)
         if k == self.p - 1:
-            e = e + f(self.post)
-        return e
+            total = total + f(self.post)
+        return total
 
-    def _tail_sel(self, k):
+    def _tail_sel(self, k: int) -> Expr:
         """The last block row X recomputing selectively in stage k."""
         return self.sxa if k == self.p - 1 else self.sxb if k == self.p - 2 else 0
 
-    def stage_sel_sum(self, k, f):
-        e = 0
+    def stage_sel_sum(self, k: int, f: LayerField) -> Expr:
+        total: Expr = 0
         if self.sel_blk:
-            e = f(self.blk) * self.s[k]
+            total = f(self.blk) * self.s[k]
         if not _is_zero(self._tail_sel(k)):
-            e = e + f(self.X) * self._tail_sel(k)
-        return e
+            total = total + f(self.X) * self._tail_sel(k)
+        return total
 
-    def stage_rec_sum(self, k, f):
-        e = f(self.blk) * self.r[k] + f(self.X) * self._tail_share(k)[1]
+    def stage_rec_sum(self, k: int, f: LayerField) -> Expr:
+        total = f(self.blk) * self.r[k] + f(self.X) * self._tail_share(k)[1]
         if k == 0:
-            e = e + f(self.pre) * self.cpre
+            total = total + f(self.pre) * self.cpre
         if k == self.p - 1:
-            e = e + f(self.post) * self.cpost
-        return e
+            total = total + f(self.post) * self.cpost
+        return total
 
-    def _boundary(self, j):
-        send = self.cc.send_s
-        run, pre, x = send(1, j), send(0, j), send(self.n - 2, j)
+    def _boundary(self, j: int) -> Expr:
+        send = self.costs.send_s
+        run, pre, last_block = send(1, j), send(0, j), send(self.n - 2, j)
         if self.tail and j == self.p - 2:
             if j > 0:
-                return x + (run - x) * self.q
-            return x * (1 - self.q) + run * self.w + pre * (self.q - self.w)
+                return last_block + (run - last_block) * self.q
+            return last_block * (1 - self.q) + run * self.w + pre * (self.q - self.w)
         if j > 0:
             return run
         return pre + (run - pre) * self.z0
 
-    def p2p(self, k):
-        e = 0
+    def p2p(self, k: int) -> Expr:
+        total: Expr = 0
         if k < self.p - 1:
-            e = e + self._boundary(k)
+            total = total + self._boundary(k)
         if k > 0:
-            e = e + self._boundary(k - 1)
-        return e
+            total = total + self._boundary(k - 1)
+        return total
 
-    def held_terms(self, k, f):
+    def held_terms(self, k: int, f: LayerField) -> list[tuple[Expr, float]]:
         """``(indicator, f(layer))`` for each kind of layer stage ``k`` may hold."""
-        out = [(self.has[k], f(self.blk))] if self.L else []
-        out.append((self._tail_share(k)[0], f(self.X) if self.tail else 0))
+        terms = [(self.has[k], f(self.blk))] if self.L else []
+        terms.append((self._tail_share(k)[0], f(self.X) if self.tail else 0))
         if k == 0:
-            out.append((1, f(self.pre)))
+            terms.append((1, f(self.pre)))
         if k == self.p - 1:
-            out.append((1, f(self.post)))
-        return out
+            terms.append((1, f(self.post)))
+        return terms
 
-    def trans_terms(self, k):
-        return [t for t in self.held_terms(k, lambda c: c.trans_b) if t[1] and not _is_zero(t[0])]
+    def trans_terms(self, k: int) -> list[tuple[Expr, float]]:
+        return [term for term in self.held_terms(k, lambda cost: cost.trans_b) if term[1] and not _is_zero(term[0])]
 
-    def peak_terms(self, k):
-        out = [(self.v[k], self.blk.saved_b)] if self.mode in ("auto", "all") and self.L else []
-        out.append((self._tail_share(k)[1], self.X.saved_b if self.tail else 0))
+    def peak_terms(self, k: int) -> list[tuple[Expr, float]]:
+        terms = [(self.v[k], self.blk.saved_b)] if self.mode in ("auto", "all") and self.L else []
+        terms.append((self._tail_share(k)[1], self.X.saved_b if self.tail else 0))
         if self.mode == "auto" and k == 0:
-            out.append((self.cpre, self.pre.saved_b))
+            terms.append((self.cpre, self.pre.saved_b))
         if self.mode == "auto" and k == self.p - 1:
-            out.append((self.cpost, self.post.saved_b))
+            terms.append((self.cpost, self.post.saved_b))
         if self.sel_blk:
-            out.append((self.u[k], self.blk.sel_saved_b))
-        out.append((self._tail_sel(k), self.X.sel_saved_b if self.tail else 0))
-        out += self.held_terms(k, lambda c: c.bt_b)  # backward transients of the layers held
-        return [t for t in out if t[1] and not _is_zero(t[0])]
+            terms.append((self.u[k], self.blk.sel_saved_b))
+        terms.append((self._tail_sel(k), self.X.sel_saved_b if self.tail else 0))
+        terms += self.held_terms(k, lambda cost: cost.bt_b)  # backward transients of the layers held
+        return [term for term in terms if term[1] and not _is_zero(term[0])]
 
-    def decode(self):
-        val = lambda e: int(round(pulp.value(e)))  # noqa: E731
-        counts = [val(v) for v in self.nb]
-        recs = [val(r) for r in self.r]
-        sels = [val(x) for x in self.s]
-        q = val(self.q) if self.tail else 0
-        stages, ck, sel, start = [], set(), set(), 0
+    def decode(self) -> tuple[list[tuple[int, int]], set[int], set[int]]:
+        """``(stages, recomputed layers, selectively recomputed layers)`` of the solution."""
+
+        def value(expr: Expr) -> int:
+            return int(round(pulp.value(expr)))
+
+        counts = [value(blocks) for blocks in self.nb]
+        recs = [value(recomputed) for recomputed in self.r]
+        sels = [value(selected) for selected in self.s]
+        last_in_last = value(self.q) if self.tail else 0
+        stages: list[tuple[int, int]] = []
+        recomputed: set[int] = set()
+        selective: set[int] = set()
+        start = 0
         for k in range(self.p):
-            has_x = self.tail and ((k == self.p - 1 and q) or (k == self.p - 2 and not q))
+            has_x = self.tail and ((k == self.p - 1 and last_in_last) or (k == self.p - 2 and not last_in_last))
             last = start + counts[k] + (k == 0) + (k == self.p - 1) + has_x - 1
             first_block = start + (k == 0)
             stages.append((start, last))
-            ck.update(range(first_block, first_block + recs[k]))
-            sel.update(range(first_block + recs[k], first_block + recs[k] + sels[k]))
+            recomputed.update(range(first_block, first_block + recs[k]))
+            selective.update(range(first_block + recs[k], first_block + recs[k] + sels[k]))
             start = last + 1
-        if val(self.cpre):
-            ck.add(0)
-        if val(self.cpost):
-            ck.add(self.n - 1)
-        if self.tail and val(self.cxa + self.cxb):
-            ck.add(self.n - 2)
-        if self.tail and val(self.sxa + self.sxb):
-            sel.add(self.n - 2)
-        return stages, ck, sel
+        if value(self.cpre):
+            recomputed.add(0)
+        if value(self.cpost):
+            recomputed.add(self.n - 1)
+        if self.tail and value(self.cxa + self.cxb):
+            recomputed.add(self.n - 2)
+        if self.tail and value(self.sxa + self.sxb):
+            selective.add(self.n - 2)
+        return stages, recomputed, selective
+
+
+#: The variables of one ILP, in either formulation.
+IlpVars = _GeneralVars | _UniformVars
 
 
 # ---------------------------------------------------------------------------------- families
-def add_partition_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+def add_partition_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None:
     """Each layer in exactly one stage; stages contiguous, in order, none empty."""
-    if v.uniform:
-        prob += pulp.lpSum(v.nb) == v.L, "partition_blocks"
-        for k in range(1, v.p - 1):
-            prob += v.nb[k] + v._tail_share(k)[0] >= 1, f"partition_nonempty_k{k}"
-        if v.tail and v.p > 1:  # a last stage without the last block holds the head alone
-            prob += v.nb[-1] <= v.ub[-1] * v.q, "partition_head_alone"
+    if isinstance(ilp, _UniformVars):
+        prob += pulp.lpSum(ilp.nb) == ilp.L, "partition_blocks"
+        for k in range(1, ilp.p - 1):
+            prob += ilp.nb[k] + ilp._tail_share(k)[0] >= 1, f"partition_nonempty_k{k}"
+        if ilp.tail and ilp.p > 1:  # a last stage without the last block holds the head alone
+            prob += ilp.nb[-1] <= ilp.ub[-1] * ilp.q, "partition_head_alone"
         return
-    for l in range(v.n):
-        prob += pulp.lpSum(v.x[(l, k)] for k in v.window[l]) == 1, f"partition_assign_l{l}"
-    s = [pulp.lpSum(k * v.x[(l, k)] for k in v.window[l]) for l in range(v.n)]
-    for l in range(v.n - 1):
-        prob += s[l + 1] - s[l] >= 0, f"partition_order_l{l}"
-        prob += s[l + 1] - s[l] <= 1, f"partition_noskip_l{l}"
+    for layer in range(ilp.n):
+        prob += pulp.lpSum(ilp.x[(layer, k)] for k in ilp.window[layer]) == 1, f"partition_assign_l{layer}"
+    stage_of = [pulp.lpSum(k * ilp.x[(layer, k)] for k in ilp.window[layer]) for layer in range(ilp.n)]
+    for layer in range(ilp.n - 1):
+        prob += stage_of[layer + 1] - stage_of[layer] >= 0, f"partition_order_l{layer}"
+        prob += stage_of[layer + 1] - stage_of[layer] <= 1, f"partition_noskip_l{layer}"
 
 
-def add_boundary_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+def add_boundary_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None:
     """Which layer ends each stage (its output is what crosses the boundary)."""
-    if v.uniform:
-        if v.p > 1:
-            prob += v.nb[0] <= v.ub[0] * v.z0, "boundary_first_has_block"
-            prob += v.z0 <= v.nb[0], "boundary_first_no_block"
-            prob += v.nb[-1] <= v.ub[-1] * v.ulast, "boundary_last_has_block"
-        if v.w is not None:
-            prob += v.w <= v.q, "boundary_first_tail_a"
-            prob += v.w <= v.z0, "boundary_first_tail_b"
-            prob += v.w >= v.q + v.z0 - 1, "boundary_first_tail_c"
+    if isinstance(ilp, _UniformVars):
+        if ilp.p > 1:
+            prob += ilp.nb[0] <= ilp.ub[0] * ilp.z0, "boundary_first_has_block"
+            prob += ilp.z0 <= ilp.nb[0], "boundary_first_no_block"
+            prob += ilp.nb[-1] <= ilp.ub[-1] * ilp.ulast, "boundary_last_has_block"
+        if ilp.w is not None:
+            prob += ilp.w <= ilp.q, "boundary_first_tail_a"
+            prob += ilp.w <= ilp.z0, "boundary_first_tail_b"
+            prob += ilp.w >= ilp.q + ilp.z0 - 1, "boundary_first_tail_c"
         return
-    for (l, k), e in v.e.items():
-        nxt = v.x.get((l + 1, k), 0)
-        prob += e >= v.x[(l, k)] - nxt, f"boundary_end_l{l}_k{k}"
+    for (layer, k), e in ilp.e.items():
+        following = ilp.x.get((layer + 1, k), 0)
+        prob += e >= ilp.x[(layer, k)] - following, f"boundary_end_l{layer}_k{k}"
 
 
-def add_checkpoint_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+def add_checkpoint_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None:
     """A layer recomputes (whole or its attention cores, not both) only where it is; a stage that
     recomputes pays one re-materialization."""
-    if v.mode != "auto":
+    if ilp.mode != "auto":
         return
-    if v.uniform:
-        for k in range(v.p):
-            prob += v.r[k] + v.s[k] <= v.nb[k], f"checkpoint_within_k{k}"
-            prob += v.r[k] <= v.ub[k] * v.v[k], f"checkpoint_any_k{k}"
-            if v.sel_blk:
-                prob += v.s[k] <= v.ub[k] * v.u[k], f"checkpoint_selective_any_k{k}"
-        if v.tail:
-            prob += v.cxa + v.sxa <= v.q, "checkpoint_tail_last"
-            if v.p > 1:
-                prob += v.cxb + v.sxb <= 1 - v.q, "checkpoint_tail_prev"
+    if isinstance(ilp, _UniformVars):
+        for k in range(ilp.p):
+            prob += ilp.r[k] + ilp.s[k] <= ilp.nb[k], f"checkpoint_within_k{k}"
+            prob += ilp.r[k] <= ilp.ub[k] * ilp.v[k], f"checkpoint_any_k{k}"
+            if ilp.sel_blk:
+                prob += ilp.s[k] <= ilp.ub[k] * ilp.u[k], f"checkpoint_selective_any_k{k}"
+        if ilp.tail:
+            prob += ilp.cxa + ilp.sxa <= ilp.q, "checkpoint_tail_last"
+            if ilp.p > 1:
+                prob += ilp.cxb + ilp.sxb <= 1 - ilp.q, "checkpoint_tail_prev"
         return
-    for (l, k), c in v.c.items():
-        prob += c + v.y.get((l, k), 0) <= v.x[(l, k)], f"checkpoint_l{l}_k{k}"
+    for (layer, k), recomputes in ilp.c.items():
+        prob += recomputes + ilp.y.get((layer, k), 0) <= ilp.x[(layer, k)], f"checkpoint_l{layer}_k{k}"
 
 
-def stage_micro_steps(v: _Vars) -> list:
+def stage_micro_steps(ilp: IlpVars) -> list[Expr]:
     """Each stage's micro-step (unscaled): its layers' work, recompute and transfers; built once
     per problem (the objective, the cutoff row and the ``T`` rows share them)."""
-    if v.micro_steps is None:
-        v.micro_steps = [
-            v.stage_sum(k, lambda c: c.work_s + c.zero_mb_s)
-            + v.stage_rec_sum(k, lambda c: c.rec_s)
-            + v.stage_sel_sum(k, lambda c: c.sel_rec_s)
-            + v.p2p(k)
-            for k in range(v.p)
+    if ilp.micro_steps is None:
+        ilp.micro_steps = [
+            ilp.stage_sum(k, lambda cost: cost.work_s + cost.zero_mb_s)
+            + ilp.stage_rec_sum(k, lambda cost: cost.rec_s)
+            + ilp.stage_sel_sum(k, lambda cost: cost.sel_rec_s)
+            + ilp.p2p(k)
+            for k in range(ilp.p)
         ]
-    return v.micro_steps
+    return ilp.micro_steps
 
 
-def step_time_expr(v: _Vars):
+def step_time_expr(ilp: IlpVars) -> Expr:
     """The scaled step time ``(m - 1) T + sum_k T_k + D`` (``T`` bounds every ``T_k``)."""
-    return (v.m - 1) * v.T + v.scale * pulp.lpSum(stage_micro_steps(v)) + v.D
+    return (ilp.m - 1) * ilp.T + ilp.scale * pulp.lpSum(stage_micro_steps(ilp)) + ilp.D
 
 
-def add_time_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+def add_time_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None:
     """``T`` bounds every stage's micro-step, ``D`` every stage's exposed tail."""
-    for k, work in enumerate(stage_micro_steps(v)):
-        prob += v.T >= v.scale * work, f"time_microstep_k{k}"
-        prob += v.D >= v.stage_sum(k, lambda c: v.scale * (c.dp_step_s + c.opt_s)), f"time_tail_k{k}"
+    for k, work in enumerate(stage_micro_steps(ilp)):
+        prob += ilp.T >= ilp.scale * work, f"time_microstep_k{k}"
+        prob += ilp.D >= ilp.stage_sum(k, lambda cost: ilp.scale * (cost.dp_step_s + cost.opt_s)), f"time_tail_k{k}"
 
 
-def add_memory_constraints(prob: pulp.LpProblem, v: _Vars, bound=None) -> None:
+def add_memory_constraints(prob: pulp.LpProblem, ilp: IlpVars, bound: Expr | None = None) -> None:
     """Each stage's device memory (scaled by the capacity) at most ``bound`` (1 - margin if None)."""
-    cap = v.cc.capacity
-    for k in range(v.p):
-        tr = _var(prob, f"zero_buffer_{k}", 0)
-        pk = _var(prob, f"recompute_peak_{k}", 0)
-        for i, (ind, val) in enumerate(v.trans_terms(k)):
-            prob += tr >= (val / cap) * ind, f"memory_zero_buffer_k{k}_{i}"
-        for i, (ind, val) in enumerate(v.peak_terms(k)):
-            prob += pk >= (val / cap) * ind, f"memory_recompute_peak_k{k}_{i}"
-        a = v.cc.inflight[k]
-        mem = (
-            v.stage_sum(k, lambda c: (c.state_b + a * c.saved_b) / cap)
-            - v.stage_rec_sum(k, lambda c: a * (c.saved_b - c.input_b) / cap)
-            - v.stage_sel_sum(k, lambda c: a * c.sel_saved_b / cap)
-            + tr
-            + pk
+    capacity = ilp.costs.capacity
+    for k in range(ilp.p):
+        zero_buffer = _var(prob, f"zero_buffer_{k}", 0)
+        recompute_peak = _var(prob, f"recompute_peak_{k}", 0)
+        for i, (indicator, size) in enumerate(ilp.trans_terms(k)):
+            prob += zero_buffer >= (size / capacity) * indicator, f"memory_zero_buffer_k{k}_{i}"
+        for i, (indicator, size) in enumerate(ilp.peak_terms(k)):
+            prob += recompute_peak >= (size / capacity) * indicator, f"memory_recompute_peak_k{k}_{i}"
+        in_flight = ilp.costs.inflight[k]
+        memory = (
+            ilp.stage_sum(k, lambda cost: (cost.state_b + in_flight * cost.saved_b) / capacity)
+            - ilp.stage_rec_sum(k, lambda cost: in_flight * (cost.saved_b - cost.input_b) / capacity)
+            - ilp.stage_sel_sum(k, lambda cost: in_flight * cost.sel_saved_b / capacity)
+            + zero_buffer
+            + recompute_peak
         )
-        prob += mem <= (1 - MEMORY_MARGIN if bound is None else bound), f"memory_k{k}"
-    add_offload_capacity_constraints(prob, v)
+        prob += memory <= (1 - MEMORY_MARGIN if bound is None else bound), f"memory_k{k}"
+    add_offload_capacity_constraints(prob, ilp)
 
 
-def add_offload_capacity_constraints(prob: pulp.LpProblem, v: _Vars) -> None:
+def add_offload_capacity_constraints(prob: pulp.LpProblem, ilp: IlpVars) -> None:
     """Each stage's offloaded state fits its rank's share of the node's host memory (after the
     pinned buffers) and NVMe (``cost_models.offload_cost``): rows ``memory_host_k{k}``,
     ``memory_nvme_k{k}``; none without offload."""
-    cc = v.cc
-    for name, room, f in (("host", cc.host_room, lambda c: c.host_b), ("nvme", cc.nvme_room, lambda c: c.nvme_b)):
-        total = sum(n * f(c) for c, n in cc.distinct)
+    costs = ilp.costs
+    tiers: tuple[tuple[str, float, LayerField], ...] = (
+        ("host", costs.host_room, lambda cost: cost.host_b),
+        ("nvme", costs.nvme_room, lambda cost: cost.nvme_b),
+    )
+    for name, room, f in tiers:
+        total = sum(n * f(cost) for cost, n in costs.distinct)
         if not math.isfinite(room) or total <= 0:
             continue
-        for k in range(v.p):
-            prob += v.stage_sum(k, lambda c: f(c) / total) <= room / total * (1 - MEMORY_MARGIN), f"memory_{name}_k{k}"
+        for k in range(ilp.p):
+            prob += (
+                ilp.stage_sum(k, lambda cost: f(cost) / total) <= room / total * (1 - MEMORY_MARGIN),
+                f"memory_{name}_k{k}",
+            )
 
 
 # ---------------------------------------------------------------------------------- solve
@@ -625,14 +676,27 @@ class ILPResult:
     uniform: bool
 
 
+def _tie_break(ilp: IlpVars) -> Expr:
+    """Tie-breaks: less recompute and transfer time, then fewer recomputed layers (a layer whose
+    recompute is free in the FLOP model, such as an embedding, is not recomputed for nothing)."""
+    stages = range(ilp.p)
+    return TIE_BREAK * ilp.scale * (
+        pulp.lpSum(ilp.stage_rec_sum(k, lambda cost: cost.rec_s) for k in stages)
+        + pulp.lpSum(ilp.stage_sel_sum(k, lambda cost: cost.sel_rec_s) for k in stages)
+        + pulp.lpSum(ilp.p2p(k) for k in stages)
+    ) + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / ilp.n * pulp.lpSum(
+        ilp.stage_rec_sum(k, lambda cost: 1.0) + ilp.stage_sel_sum(k, lambda cost: 0.5) for k in stages
+    )
+
+
 def build_problem(
-    cc: CandidateCosts,
+    costs: CandidateCosts,
     kinds: list[str],
     checkpoint: str = "auto",
     objective: str = "time",
     formulation: str = "auto",
     cutoff: float | None = None,
-) -> tuple[pulp.LpProblem, _Vars]:
+) -> tuple[pulp.LpProblem, IlpVars]:
     """The ILP of one candidate (see the module docstring) and its variables.
 
     ``formulation``: ``"uniform"`` (block counts; needs identical blocks between a ``pre`` and a
@@ -643,29 +707,21 @@ def build_problem(
     """
     if checkpoint not in ("auto", "none", "all", "selective"):
         raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
-    can_uniform = is_repeated(cc, kinds)
+    can_uniform = is_repeated(costs, kinds)
     if formulation == "uniform" and not can_uniform:
         raise ValueError("the uniform formulation needs identical blocks between a pre and a post row")
     if formulation not in ("auto", "uniform", "general"):
         raise ValueError(f"formulation must be auto, uniform or general, got {formulation!r}")
     uniform = can_uniform and formulation != "general"
     prob = pulp.LpProblem("plan", pulp.LpMinimize)
+    ilp: IlpVars
     if uniform:
-        v = _UniformVars(prob, cc, kinds, checkpoint, bounded=objective == "time")
+        ilp = _UniformVars(prob, costs, kinds, checkpoint, bounded=objective == "time")
     else:
-        v = _GeneralVars(prob, cc, kinds, checkpoint)
-    p = v.p
-    # tie-breaks: less recompute and transfer time, then fewer recomputed layers (a layer whose
-    # recompute is free in the FLOP model, such as an embedding, is not recomputed for nothing)
-    tie = TIE_BREAK * v.scale * (
-        pulp.lpSum(v.stage_rec_sum(k, lambda c: c.rec_s) for k in range(p))
-        + pulp.lpSum(v.stage_sel_sum(k, lambda c: c.sel_rec_s) for k in range(p))
-        + pulp.lpSum(v.p2p(k) for k in range(p))
-    ) + 0.1 * TIE_BREAK * OBJECTIVE_SCALE / v.n * pulp.lpSum(
-        v.stage_rec_sum(k, lambda c: 1.0) + v.stage_sel_sum(k, lambda c: 0.5) for k in range(p)
-    )
+        ilp = _GeneralVars(prob, costs, kinds, checkpoint)
+    tie = _tie_break(ilp)
     bound = None
-    step = step_time_expr(v)
+    step = step_time_expr(ilp)
     if objective == "time":
         prob += step + tie
     elif objective == "memory":
@@ -673,18 +729,18 @@ def build_problem(
         prob += OBJECTIVE_SCALE * bound + tie
     else:
         raise ValueError(f"objective must be 'time' or 'memory', got {objective!r}")
-    add_partition_constraints(prob, v)
-    add_boundary_constraints(prob, v)
-    add_checkpoint_constraints(prob, v)
-    add_time_constraints(prob, v)
-    add_memory_constraints(prob, v, bound=bound)
+    add_partition_constraints(prob, ilp)
+    add_boundary_constraints(prob, ilp)
+    add_checkpoint_constraints(prob, ilp)
+    add_time_constraints(prob, ilp)
+    add_memory_constraints(prob, ilp, bound=bound)
     if cutoff is not None and objective == "time":
-        prob += step <= v.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
-    return prob, v
+        prob += step <= ilp.scale * cutoff * (1 + CUTOFF_SLACK), "time_cutoff"
+    return prob, ilp
 
 
 def solve_candidate(
-    cc: CandidateCosts,
+    costs: CandidateCosts,
     kinds: list[str],
     checkpoint: str = "auto",
     solver: str = "cbc",
@@ -698,22 +754,26 @@ def solve_candidate(
     ``objective="time"`` minimizes the step time under the memory limit; ``"memory"`` minimizes
     the most loaded stage's memory with no limit (used to explain infeasibility). With a
     ``cutoff`` an infeasible answer means "nothing fits, or nothing is faster than the cutoff".
+
+    ``solver``: pulp's CBC (default) or HiGHS (``"highs"``, needs ``highspy``; the environment
+    variable ``PLANNER_SOLVER`` sets the default). The optimal partition is priced again with
+    :func:`cost_models.strategy.evaluate`, which is what the plan reports.
     """
-    t0 = time.perf_counter()
-    prob, v = build_problem(cc, kinds, checkpoint, objective, formulation, cutoff)
-    ctx = _quiet_stdout() if solver == "highs" else contextlib.nullcontext()
-    with ctx:
+    started = time.perf_counter()
+    prob, ilp = build_problem(costs, kinds, checkpoint, objective, formulation, cutoff)
+    quiet = _quiet_stdout() if solver == "highs" else contextlib.nullcontext()
+    with quiet:
         prob.solve(_make_solver(solver, time_limit))
     status = pulp.LpStatus[prob.status]
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit
         status = "Feasible"
-    ev = None
+    evaluation = None
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        stages, ck, sel = v.decode()
-        ev = evaluate(cc, stages, sorted(ck), sorted(sel))
-        if objective == "time" and not ev.feasible:  # within the solver's tolerance of the limit
-            ev, status = None, "Infeasible"
-    return ILPResult(ev, status, time.perf_counter() - t0, v.uniform)
+        stages, recomputed, selective = ilp.decode()
+        evaluation = evaluate(costs, stages, sorted(recomputed), sorted(selective))
+        if objective == "time" and not evaluation.feasible:  # within the solver's tolerance of the limit
+            evaluation, status = None, "Infeasible"
+    return ILPResult(evaluation, status, time.perf_counter() - started, ilp.uniform)
 
 
 # ---------------------------------------------------------------------------------- search
@@ -747,32 +807,126 @@ class SearchResult:
     def best(self) -> Evaluation | None:
         return self.ranked[0] if self.ranked else None
 
+    def winner(self) -> Evaluation:
+        """:attr:`best`, for a search known to have found a strategy (``ValueError`` otherwise)."""
+        if not self.ranked:
+            raise ValueError("the search found no strategy that fits")
+        return self.ranked[0]
+
     def alternatives(self, n: int = 3) -> list[Evaluation]:
         return (self.ranked[1:] + self.extra)[:n]
 
 
-def _better(a: Evaluation, b: Evaluation | None) -> bool:
-    if b is None:
+def _better(candidate: Evaluation, incumbent: Evaluation | None) -> bool:
+    if incumbent is None:
         return True
-    if a.step_time_s < b.step_time_s * (1 - TIME_TOL):
+    if candidate.step_time_s < incumbent.step_time_s * (1 - TIME_TOL):
         return True
-    if a.step_time_s <= b.step_time_s * (1 + TIME_TOL):
-        return _tie_key(a) < _tie_key(b)
+    if candidate.step_time_s <= incumbent.step_time_s * (1 + TIME_TOL):
+        return _tie_key(candidate) < _tie_key(incumbent)
     return False
 
 
-def _tie_key(e: Evaluation):
+def _tie_key(evaluation: Evaluation) -> tuple[bool, float, Candidate]:
     """Among equally fast strategies: state on the device first (offload then only costs host
     memory and drives, and its transfers rarely hide as fully as priced), then less memory."""
-    return (e.strategy.candidate.offloads, e.memory["total"], e.strategy.candidate)
+    candidate = evaluation.strategy.candidate
+    return (candidate.offloads, evaluation.memory["total"], candidate)
 
 
-def _rank_key(e: Evaluation):
-    return (e.step_time_s, *_tie_key(e))
+def _rank_key(evaluation: Evaluation) -> tuple[float, bool, float, Candidate]:
+    return (evaluation.step_time_s, *_tie_key(evaluation))
+
+
+#: One candidate to search: ``(time lower bound, memory lower bound, costs)``.
+Entry = tuple[float, float, CandidateCosts]
+
+
+class _Search:
+    """The state of one :func:`search`: the incumbents, the greedy strategies, the counts."""
+
+    def __init__(
+        self, entries: list[Entry], kinds: list[str], checkpoint: str, solver: str, keep: int, seed: SearchResult | None
+    ):
+        self.kinds, self.checkpoint, self.solver, self.keep = kinds, checkpoint, solver, keep
+        self.result = SearchResult(ranked=[], enumerated=len(entries))
+        self.order = sorted(entries, key=lambda entry: (entry[0], entry[2].cand))
+        self.best: dict[tuple, Evaluation] = {
+            evaluation.strategy.candidate.degrees: evaluation for evaluation in (seed.ranked if seed else [])
+        }
+        self.heuristic: dict[Candidate, Evaluation | None] = {}
+
+    def greedy(self, costs: CandidateCosts) -> Evaluation | None:
+        if costs.cand not in self.heuristic:
+            self.heuristic[costs.cand] = heuristic_strategy(costs, self.kinds, self.checkpoint)
+        return self.heuristic[costs.cand]
+
+    def run(self, costs: CandidateCosts, cutoff: float) -> Evaluation | None:
+        """The ILP's answer, or the greedy strategy's when that is better."""
+        result = self.result
+        # the greedy strategy's cost tightens the cutoff the ILP must beat
+        greedy = self.greedy(costs)
+        if greedy is not None:
+            cutoff = min(cutoff, greedy.step_time_s)
+        solved = solve_candidate(
+            costs, self.kinds, self.checkpoint, self.solver, cutoff=None if cutoff == float("inf") else cutoff
+        )
+        result.solved += 1
+        result.solver_seconds += solved.seconds
+        result.uniform = result.uniform and solved.uniform
+        result.time_limited += solved.status == "Feasible"
+        evaluation = solved.evaluation
+        if greedy is not None and (evaluation is None or _better(greedy, evaluation)):
+            evaluation = greedy
+        if evaluation is None:
+            result.infeasible += 1
+        return evaluation
+
+    def sweep(self, exact: bool) -> None:
+        """One pass in bound order: greedy strategies only (seeding incumbents), then exact ILPs."""
+        result, best = self.result, self.best
+        for i, (time_lb, memory_lb, costs) in enumerate(self.order):
+            times = sorted(evaluation.step_time_s for evaluation in best.values())
+            threshold = times[self.keep - 1] if len(times) >= self.keep else float("inf")
+            if time_lb > threshold * (1 + TIME_TOL):
+                result.pruned_time += (len(self.order) - i) * exact
+                return
+            if memory_lb > costs.capacity:
+                result.pruned_memory += exact
+                continue
+            triple = costs.cand.degrees
+            bound = min(best[triple].step_time_s if triple in best else float("inf"), threshold)
+            if time_lb > bound * (1 + TIME_TOL):
+                result.pruned_time += exact
+                continue
+            if exact and uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
+                result.pruned_time += 1  # forced recompute (or no fit at all) makes it lose
+                continue
+            evaluation = self.run(costs, bound) if exact else self.greedy(costs)
+            if evaluation is not None and _better(evaluation, best.get(triple)):
+                best[triple] = evaluation
+
+    def runners_up(self, need: int) -> list[Evaluation]:
+        """The ``need`` best strategies of candidates other than the ranked ones (solved again:
+        their first ILP may have been cut off)."""
+        chosen = {evaluation.strategy.candidate for evaluation in self.result.ranked}
+        extra: list[Evaluation] = []
+        for time_lb, memory_lb, costs in self.order:
+            if costs.cand in chosen or memory_lb > costs.capacity:
+                continue
+            bound = extra[need - 1].step_time_s if len(extra) >= need else float("inf")
+            if time_lb > bound * (1 + TIME_TOL):
+                break
+            if uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
+                continue
+            evaluation = self.run(costs, bound)
+            if evaluation is not None:
+                extra = sorted(extra + [evaluation], key=_rank_key)[:need]
+        return extra
 
 
 def search(
-    entries: list[tuple[float, float, CandidateCosts]],
+    entries: list[Entry],
     kinds: list[str],
     checkpoint: str = "auto",
     solver: str = "cbc",
@@ -789,113 +943,75 @@ def search(
     ``seed``: an earlier search over other candidates (the offload variants' search continues the
     plain one): its strategies are the starting incumbents, its counts carry over, and a strategy
     it ranked that loses its place to a new one stays a runner-up.
+
+    The small decisions are enumerated (:func:`planner.search.candidates.enumerate_candidates`):
+    ``dp * tp * pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
+    across nodes; ``pp`` at most the number of layer-table rows), ZeRO stage 0-3 (only 0 when ``dp =
+    1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
+    micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
+
+    Candidates are visited in increasing order of a sound step-time lower bound
+    (:func:`planner.search.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
+    the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
+    min(best time of its triple, 4th best time over triples)``. Two passes:
+
+    1. greedy: price :func:`planner.search.candidates.heuristic_strategy` (a feasible strategy found without
+       a solver) for each candidate still under the bound, to seed the incumbents;
+    2. exact: skip a candidate whose memory lower bound exceeds the capacity, or whose time bound,
+       or memory-aware bound (:func:`planner.search.candidates.uniform_time_bound`, which counts the
+       recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
+       ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
+       win is refuted at the root. The loop stops at the first time bound above the 4th best.
+
+    Every skipped candidate provably costs at least what it is compared with, and a cut-off ILP
+    proves the same, so the result equals solving every candidate to optimality (a test compares
+    with exhaustive enumeration).
     """
-    t0 = time.perf_counter()
-    res = SearchResult(ranked=[], enumerated=len(entries))
-    order = sorted(entries, key=lambda e: (e[0], e[2].cand))
-    best: dict[tuple, Evaluation] = {e.strategy.candidate.degrees: e for e in (seed.ranked if seed else [])}
-
-    heur: dict[Candidate, Evaluation | None] = {}
-
-    def greedy(cc: CandidateCosts) -> Evaluation | None:
-        if cc.cand not in heur:
-            heur[cc.cand] = heuristic_strategy(cc, kinds, checkpoint)
-        return heur[cc.cand]
-
-    def run(cc: CandidateCosts, cutoff: float) -> Evaluation | None:
-        # the greedy strategy's cost tightens the cutoff the ILP must beat
-        h = greedy(cc)
-        if h is not None:
-            cutoff = min(cutoff, h.step_time_s)
-        r = solve_candidate(cc, kinds, checkpoint, solver, cutoff=None if cutoff == float("inf") else cutoff)
-        res.solved += 1
-        res.solver_seconds += r.seconds
-        res.uniform = res.uniform and r.uniform
-        res.time_limited += r.status == "Feasible"
-        ev = r.evaluation
-        if h is not None and (ev is None or _better(h, ev)):
-            ev = h
-        if ev is None:
-            res.infeasible += 1
-        return ev
-
-    def sweep(exact: bool) -> None:
-        """One pass in bound order: greedy strategies only (seeding incumbents), then exact ILPs."""
-        for i, (lb, mlb, cc) in enumerate(order):
-            vals = sorted(e.step_time_s for e in best.values())
-            thr = vals[keep - 1] if len(vals) >= keep else float("inf")
-            if lb > thr * (1 + TIME_TOL):
-                res.pruned_time += (len(order) - i) * exact
-                return
-            if mlb > cc.capacity:
-                res.pruned_memory += exact
-                continue
-            t = cc.cand.degrees
-            bound = min(best[t].step_time_s if t in best else float("inf"), thr)
-            if lb > bound * (1 + TIME_TOL):
-                res.pruned_time += exact
-                continue
-            if exact and uniform_time_bound(cc, kinds, checkpoint) > bound * (1 + TIME_TOL):
-                res.pruned_time += 1  # forced recompute (or no fit at all) makes it lose
-                continue
-            ev = run(cc, bound) if exact else greedy(cc)
-            if ev is not None and _better(ev, best.get(t)):
-                best[t] = ev
-
-    sweep(exact=False)
-    sweep(exact=True)
-    res.ranked = sorted(best.values(), key=_rank_key)
-    need = keep - len(res.ranked)
-    if res.ranked and need > 0:
-        chosen = {e.strategy.candidate for e in res.ranked}
-        extra: list[Evaluation] = []
-        for lb, mlb, cc in order:  # candidates solved above against a cutoff are solved again
-            if cc.cand in chosen or mlb > cc.capacity:
-                continue
-            bound = extra[need - 1].step_time_s if len(extra) >= need else float("inf")
-            if lb > bound * (1 + TIME_TOL):
-                break
-            if uniform_time_bound(cc, kinds, checkpoint) > bound * (1 + TIME_TOL):
-                continue
-            ev = run(cc, bound)
-            if ev is not None:
-                extra = sorted(extra + [ev], key=_rank_key)[:need]
-        res.extra = extra
+    started = time.perf_counter()
+    state = _Search(entries, kinds, checkpoint, solver, keep, seed)
+    result = state.result
+    state.sweep(exact=False)
+    state.sweep(exact=True)
+    result.ranked = sorted(state.best.values(), key=_rank_key)
+    need = keep - len(result.ranked)
+    if result.ranked and need > 0:
+        result.extra = state.runners_up(need)
     if seed is not None:
-        _merge_seed(res, seed, keep)
-    res.seconds = time.perf_counter() - t0
-    return res
+        _merge_seed(result, seed, keep)
+    result.seconds = time.perf_counter() - started
+    return result
 
 
-def _dominated(e: Evaluation, plain: list[Evaluation]) -> bool:
+def _dominated(evaluation: Evaluation, plain: list[Evaluation]) -> bool:
     """An offloaded strategy whose degrees and batching run at least as fast with every state on
     the device: the same plan plus transfers, which says nothing a runner-up should."""
-    c = e.strategy.candidate
-    key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.compile)
-    return c.offloads and any(
-        (
-            p.strategy.candidate.dp,
-            p.strategy.candidate.tp,
-            p.strategy.candidate.pp,
-            p.strategy.candidate.micro_batch_size,
-            p.strategy.candidate.compile,
-        )
-        == key
-        and p.step_time_s <= e.step_time_s
-        for p in plain
+
+    def batching(candidate: Candidate) -> tuple:
+        return (candidate.dp, candidate.tp, candidate.pp, candidate.micro_batch_size, candidate.compile)
+
+    candidate = evaluation.strategy.candidate
+    key = batching(candidate)
+    return candidate.offloads and any(
+        batching(other.strategy.candidate) == key and other.step_time_s <= evaluation.step_time_s for other in plain
     )
 
 
-def _merge_seed(res: SearchResult, seed: SearchResult, keep: int) -> None:
-    """Fold an earlier search into ``res``: its counts, and its runners-up (with its ranked
-    strategies that lost their triple to a new one) among ``res``'s."""
-    chosen = {e.strategy.candidate for e in res.ranked}
-    pool = {e.strategy.candidate: e for e in seed.ranked + seed.extra + res.extra if e.strategy.candidate not in chosen}
-    plain = [e for e in res.ranked + list(pool.values()) if not e.strategy.candidate.offloads]
-    pool = {c: e for c, e in pool.items() if not _dominated(e, plain)}
-    res.extra = sorted(pool.values(), key=_rank_key)[: max(keep - len(res.ranked), 0)]
-    for f in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
-        setattr(res, f, getattr(res, f) + getattr(seed, f))
-    res.solver_seconds += seed.solver_seconds
-    res.uniform = res.uniform and seed.uniform
-    res.notes = seed.notes + res.notes
+def _merge_seed(result: SearchResult, seed: SearchResult, keep: int) -> None:
+    """Fold an earlier search into ``result``: its counts, and its runners-up (with its ranked
+    strategies that lost their triple to a new one) among ``result``'s."""
+    chosen = {evaluation.strategy.candidate for evaluation in result.ranked}
+    pool = {
+        evaluation.strategy.candidate: evaluation
+        for evaluation in seed.ranked + seed.extra + result.extra
+        if evaluation.strategy.candidate not in chosen
+    }
+    plain = [
+        evaluation for evaluation in result.ranked + list(pool.values()) if not evaluation.strategy.candidate.offloads
+    ]
+    pool = {candidate: evaluation for candidate, evaluation in pool.items() if not _dominated(evaluation, plain)}
+    result.extra = sorted(pool.values(), key=_rank_key)[: max(keep - len(result.ranked), 0)]
+    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
+        setattr(result, counter, getattr(result, counter) + getattr(seed, counter))
+    result.solver_seconds += seed.solver_seconds
+    result.uniform = result.uniform and seed.uniform
+    result.notes = seed.notes + result.notes

@@ -86,14 +86,14 @@ def _gib(x: float) -> str:
 
 
 def candidate_entries(
-    req, nt: NumericTable, hw: HardwareProfile, gpus_per_node: int, cands: list[Candidate]
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, candidates: list[Candidate]
 ) -> list[tuple[float, float, CandidateCosts]]:
     """``(time lower bound, memory lower bound, costs)`` of every candidate."""
-    cap = hw.memory_bytes * req.memory_headroom
+    capacity = hw.memory_bytes * request.memory_headroom
     out = []
-    for c in cands:
-        cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpus_per_node, cap)
-        out.append((time_lower_bound(cc), memory_lower_bound(cc), cc))
+    for candidate in candidates:
+        costs = candidate_costs(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, capacity)
+        out.append((time_lower_bound(costs), memory_lower_bound(costs), costs))
     return out
 
 
@@ -104,119 +104,132 @@ def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: st
     found, so the answer is exact.
     """
     best: Evaluation | None = None
-    for _lb, mlb, cc in sorted(entries, key=lambda e: (e[1], e[2].cand)):
-        if best is not None and mlb >= memory_bound(best):
+    for _time_lb, memory_lb, costs in sorted(entries, key=lambda e: (e[1], e[2].cand)):
+        if best is not None and memory_lb >= memory_bound(best):
             break
-        ev = solve_candidate(cc, kinds, checkpoint, solver, objective="memory").evaluation
-        if ev is not None and (
-            best is None or (memory_bound(ev), ev.step_time_s) < (memory_bound(best), best.step_time_s)
+        evaluation = solve_candidate(costs, kinds, checkpoint, solver, objective="memory").evaluation
+        if evaluation is not None and (
+            best is None or (memory_bound(evaluation), evaluation.step_time_s) < (memory_bound(best), best.step_time_s)
         ):
-            best = ev
+            best = evaluation
     return best
 
 
-def _no_feasible_plan(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, solver: str) -> NoFeasiblePlan:
-    usable = hw.memory_bytes * req.memory_headroom
-    least = least_memory(entries, nt.kinds, req.checkpoint, solver)
+def _no_feasible_plan(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, solver: str
+) -> NoFeasiblePlan:
+    usable = hw.memory_bytes * request.memory_headroom
+    least = least_memory(entries, table.kinds, request.checkpoint, solver)
     head = (
-        f"No strategy fits in {_gib(usable)} per device ({req.memory_headroom:.0%} of "
+        f"No strategy fits in {_gib(usable)} per device ({request.memory_headroom:.0%} of "
         f"{_gib(hw.memory_bytes)} on {hw.name})."
     )
     if least is None:  # pragma: no cover - every candidate has some partition
         return NoFeasiblePlan(head)
-    mem, c = least.memory, least.strategy.candidate
+    memory, candidate = least.memory, least.strategy.candidate
     parts = {
-        "parameters": mem["params"],
-        "gradients": mem["grads"],
-        "optimizer state": mem["optimizer"],
-        "activations": mem["activations"],
+        "parameters": memory["params"],
+        "gradients": memory["grads"],
+        "optimizer state": memory["optimizer"],
+        "activations": memory["activations"],
     }
-    dominant = max(parts, key=parts.get)
-    state = mem["params"] + mem["grads"] + mem["optimizer"]
-    detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
+    dominant = max(parts, key=lambda part: parts[part])
+    state = memory["params"] + memory["grads"] + memory["optimizer"]
+    detail = ", ".join(f"{key} {_gib(value)}" for key, value in parts.items())
     msg = [
         head,
         f"The least any strategy needs is {_gib(memory_bound(least))} per device, peaking at "
-        f"{_gib(mem['total'])} with every transient buffer at its likely moment ({c.describe()}, "
-        f"{len(least.strategy.checkpoint)} of {len(nt.layers)} layers recomputed; most loaded stage "
+        f"{_gib(memory['total'])} with every transient buffer at its likely moment ({candidate.describe()}, "
+        f"{len(least.strategy.checkpoint)} of {len(table.layers)} layers recomputed; most loaded stage "
         f"{least.peak_stage}): {detail}; {dominant} dominate{'' if dominant.endswith('s') else 's'}.",
     ]
     fixes: list[str] = []
     pinned = {
-        k: getattr(req, k) for k in ("dp", "tp", "pp", "zero_stage", "micro_batch") if getattr(req, k) is not None
+        key: getattr(request, key)
+        for key in ("dp", "tp", "pp", "zero_stage", "micro_batch")
+        if getattr(request, key) is not None
     }
-    if req.checkpoint == "none":
+    if request.checkpoint == "none":
         pinned["checkpoint"] = "none"
     if pinned:
-        free = dataclasses.replace(req, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None, checkpoint="auto")
-        free_entries = candidate_entries(free, nt, hw, gpn, enumerate_candidates(free, nt, gpn))
-        alt = least_memory(free_entries, nt.kinds, "auto", solver)
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
+        free = dataclasses.replace(
+            request, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None, checkpoint="auto"
+        )
+        free_entries = candidate_entries(
+            free, table, hw, gpus_per_node, enumerate_candidates(free, table, gpus_per_node)
+        )
+        alt = least_memory(free_entries, table.kinds, "auto", solver)
+        flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in pinned.items())
         if alt is not None and memory_bound(alt) <= usable:
             fixes.append(
                 f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only {_gib(memory_bound(alt))}"
             )
-    offload = _offload_fix(req, nt, hw, gpn, solver) if state >= mem["activations"] else None
+    offload = _offload_fix(request, table, hw, gpus_per_node, solver) if state >= memory["activations"] else None
     if offload is not None:
         fixes.append(offload)
-    elif req.offload_optimizer is None and req.offload_params is None and not offload_missing(hw, "cpu", "none"):
+    elif (
+        request.offload_optimizer is None and request.offload_params is None and not offload_missing(hw, "cpu", "none")
+    ):
         msg.append(
             f"Offloading optimizer state and parameters to host memory or NVMe does not fit either "
-            f"({_gib(hw.host_memory_bytes or 0)} of host memory per node of {gpn})."
+            f"({_gib(hw.host_memory_bytes or 0)} of host memory per node of {gpus_per_node})."
         )
-    if state >= mem["activations"]:
-        if c.zero_stage < 3 and c.dp > 1:
+    if state >= memory["activations"]:
+        if candidate.zero_stage < 3 and candidate.dp > 1:
             fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
-        room = usable - mem["activations"]
+        room = usable - memory["activations"]
         if room > 0 and offload is None:  # more devices only when offload cannot fit on these
-            need = req.gpus * state / room
-            need = int(math.ceil(need / gpn) * gpn)
+            need = request.gpus * state / room
+            need = int(math.ceil(need / gpus_per_node) * gpus_per_node)
             fixes.append(f"more devices (about {need}: model state per device shrinks as they grow)")
     else:
-        if c.micro_batch_size > 1:
+        if candidate.micro_batch_size > 1:
             fixes.append("--micro-batch 1")
-        if req.checkpoint == "none":
+        if request.checkpoint == "none":
             fixes.append("--checkpoint auto (recompute activations in backward)")
         fixes.append("a shorter --seq-len, or more devices for tensor/pipeline parallelism")
-    fixes.append(f"a device with at least {_gib(mem['total'] / req.memory_headroom)} of memory")
-    if req.memory_headroom < 1.0 and mem["total"] <= hw.memory_bytes:
-        fixes.append(f"--memory-headroom {min(1.0, math.ceil(mem['total'] / hw.memory_bytes * 100) / 100):.2f}")
+    fixes.append(f"a device with at least {_gib(memory['total'] / request.memory_headroom)} of memory")
+    if request.memory_headroom < 1.0 and memory["total"] <= hw.memory_bytes:
+        fixes.append(f"--memory-headroom {min(1.0, math.ceil(memory['total'] / hw.memory_bytes * 100) / 100):.2f}")
     msg.append("To make it fit: " + "; or ".join(fixes) + ".")
     return NoFeasiblePlan(" ".join(msg), least)
 
 
-def _offload_fix(req, nt: NumericTable, hw: HardwareProfile, gpn: int, solver: str) -> str | None:
+def _offload_fix(request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, solver: str) -> str | None:
     """The offload that would make the request fit on its devices (the pins that forbade it
     lifted), with its predicted speed; ``None`` when offload was searched already or fits nowhere."""
-    if req.offload_optimizer is None and req.offload_params is None and req.zero_stage != 0:
+    if request.offload_optimizer is None and request.offload_params is None and request.zero_stage != 0:
         return None  # searched: nothing offloaded fits either
     free = dataclasses.replace(
-        req, offload_optimizer=None, offload_params=None, zero_stage=None if req.zero_stage == 0 else req.zero_stage
+        request,
+        offload_optimizer=None,
+        offload_params=None,
+        zero_stage=None if request.zero_stage == 0 else request.zero_stage,
     )
-    cands = offload_variants(free, enumerate_candidates(free, nt, gpn), hw)
+    cands = offload_variants(free, enumerate_candidates(free, table, gpus_per_node), hw)
     if not cands:
         return None
-    best = search(candidate_entries(free, nt, hw, gpn, cands), nt.kinds, free.checkpoint, solver).best
+    best = search(candidate_entries(free, table, hw, gpus_per_node, cands), table.kinds, free.checkpoint, solver).best
     if best is None:
         return None
-    c = best.strategy.candidate
+    candidate = best.strategy.candidate
     flags = " ".join(
-        f"--offload-{k} {v}"
-        for k, v in (("optimizer", c.offload_optimizer), ("params", c.offload_params))
-        if v != "none"
+        f"--offload-{kind} {tier}"
+        for kind, tier in (("optimizer", candidate.offload_optimizer), ("params", candidate.offload_params))
+        if tier != "none"
     )
-    if req.zero_stage == 0:
-        flags += f" --zero-stage {c.zero_stage}"
-    tokens = req.global_batch * req.seq_len / best.step_time_s
+    if request.zero_stage == 0:
+        flags += f" --zero-stage {candidate.zero_stage}"
+    tokens = request.global_batch * request.seq_len / best.step_time_s
     where = " and ".join(
-        f"{'optimizer state' if k == 'optimizer' else 'parameters'} in {'host memory' if v == 'cpu' else 'NVMe files'}"
-        for k, v in (("optimizer", c.offload_optimizer), ("params", c.offload_params))
-        if v != "none"
+        f"{'optimizer state' if kind == 'optimizer' else 'parameters'} in {'host memory' if tier == 'cpu' else 'NVMe files'}"
+        for kind, tier in (("optimizer", candidate.offload_optimizer), ("params", candidate.offload_params))
+        if tier != "none"
     )
-    here = f"these {req.gpus} devices" if req.gpus > 1 else "this device"
+    here = f"these {request.gpus} devices" if request.gpus > 1 else "this device"
     return (
         f"offload ({flags}: {where}) fits on {here}, "
-        f"{c.describe()}, predicted {format_seconds(best.step_time_s)} per step, {tokens:,.0f} tokens/s"
+        f"{candidate.describe()}, predicted {format_seconds(best.step_time_s)} per step, {tokens:,.0f} tokens/s"
     )
 
 
@@ -239,16 +252,16 @@ class CompileChoice:
 
     def reason(self) -> str:
         """One line: on or off, because ..."""
-        fs, why = format_seconds, "operator overhead and fused memory-bound ops"
+        seconds, why = format_seconds, "operator overhead and fused memory-bound ops"
         slower = "compiled layers would not be faster" + (
-            f" ({fs(-self.saving_s)} per step slower: few operators per compiled region, or graph breaks "
+            f" ({seconds(-self.saving_s)} per step slower: few operators per compiled region, or graph breaks "
             "at tensor-parallel collectives)"
             if self.saving_s < 0
             else ""
         )
         if self.mode != "auto":
             tail = (
-                f"compiled layers save {fs(self.saving_s)} per step ({why}) for about {fs(self.compile_s)} "
+                f"compiled layers save {seconds(self.saving_s)} per step ({why}) for about {seconds(self.compile_s)} "
                 "of compilation"
                 if self.saving_s > 0
                 else slower
@@ -260,8 +273,8 @@ class CompileChoice:
             " (--tokens)" if self.from_tokens else " (the default horizon without --tokens)"
         )
         head = (
-            f"compiled layers {'save' if self.on else 'would save'} {fs(self.saving_s)} per step ({why}), "
-            f"which repays about {fs(self.compile_s)} of compilation after "
+            f"compiled layers {'save' if self.on else 'would save'} {seconds(self.saving_s)} per step ({why}), "
+            f"which repays about {seconds(self.compile_s)} of compilation after "
             f"{math.ceil(self.compile_s / self.saving_s):,} steps"
         )
         return f"on, because {head}, within {run}" if self.on else f"off, because {head}, more than {run}"
@@ -288,71 +301,85 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     Raises ``SearchError`` for pins no strategy can honour and :class:`NoFeasiblePlan` when
     nothing fits in memory.
     """
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     solver = (solver or default_solver()).lower()
     if solver not in SOLVERS:
         raise SearchError(f"unknown solver {solver!r}: expected one of {', '.join(SOLVERS)}")
-    gpn = request.gpus_per_node or hw.gpus_per_node
-    if hw.gpus_per_node != gpn:
-        hw = hw.with_gpus_per_node(gpn)
-    nt = table if isinstance(table, NumericTable) else NumericTable(table)
-    check_pins(request, nt, gpn)
+    gpus_per_node = request.gpus_per_node or hw.gpus_per_node
+    if hw.gpus_per_node != gpus_per_node:
+        hw = hw.with_gpus_per_node(gpus_per_node)
+    table = table if isinstance(table, NumericTable) else NumericTable(table)
+    check_pins(request, table, gpus_per_node)
     check_offload_pins(request, hw)
-    sched, vs = getattr(request, "schedule", None), getattr(request, "virtual_stages", None)
-    check_schedule_pins(request, len(nt.layers))
-    inputs = resolve_inputs(nt.model.get("inputs"), request.inputs, request.spec)
-    cands = [
-        dataclasses.replace(c, compile=request.compile == "on")
-        for c in enumerate_candidates(request, nt, gpn)
-        if schedule_allows(c, len(nt.layers), sched, vs)
+    sched, virtual_stages = getattr(request, "schedule", None), getattr(request, "virtual_stages", None)
+    check_schedule_pins(request, len(table.layers))
+    inputs = resolve_inputs(table.model.get("inputs"), request.inputs, request.spec)
+    candidates = [
+        dataclasses.replace(candidate, compile=request.compile == "on")
+        for candidate in enumerate_candidates(request, table, gpus_per_node)
+        if schedule_allows(candidate, len(table.layers), sched, virtual_stages)
     ]
-    if not cands:
+    if not candidates:
         raise SearchError(
-            f"--schedule {sched}" + (f" --virtual-stages {vs}" if vs else "") + ": no candidate "
+            f"--schedule {sched}"
+            + (f" --virtual-stages {virtual_stages}" if virtual_stages else "")
+            + ": no candidate "
             "can run it (it needs pp >= 2, at least pp micro-batches, for interleaved a multiple of "
             "pp and pp x v chunks within the layer table's rows); relax the pins or drop it."
         )
     if offload_pinned(request):
-        cands = offload_variants(request, cands, hw)
-        if not cands:
+        candidates = offload_variants(request, candidates, hw)
+        if not candidates:
             raise SearchError(
                 "no candidate can offload as pinned: offloading needs ZeRO 1-3 (parameters: ZeRO 3) "
                 "and the pins leave none; drop --zero-stage 0 or the offload pin."
             )
-    entries = candidate_entries(request, nt, hw, gpn, cands)
-    res = search(entries, nt.kinds, request.checkpoint, solver)
+    entries = candidate_entries(request, table, hw, gpus_per_node, candidates)
+    result = search(entries, table.kinds, request.checkpoint, solver)
     if not offload_pinned(request) and None in (request.offload_optimizer, request.offload_params):
-        res, entries = search_offload(request, nt, hw, gpn, entries, res, solver)
+        result, entries = search_offload(request, table, hw, gpus_per_node, entries, result, solver)
     choice = None
-    if res.best is not None:
-        res, choice = choose_compile(request, nt, hw, gpn, entries, res, solver)
-    if nt.tied and res.best is not None and res.best.strategy.candidate.pp > 1:
-        res.notes.append(
-            f"tied weights ({tied_summary(nt)}): each stage that reads one holds a "
+    if result.best is not None:
+        result, choice = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
+    if table.tied and result.best is not None and result.best.strategy.candidate.pp > 1:
+        result.notes.append(
+            f"tied weights ({tied_summary(table)}): each stage that reads one holds a "
             "copy; their gradients are all-reduced over those stages after backward"
         )
-    if nt.model.get("tp_blocked") and request.gpus > 1:
-        res.notes.append(f"planned without tensor parallelism: {nt.model['tp_blocked']}")
-    if res.best is None:
-        raise _no_feasible_plan(request, nt, hw, gpn, entries, solver)
-    res = apply_schedules(res, _costs_for(request, nt, hw, gpn, entries, res), len(nt.layers), sched, vs)
-    plan = build_plan(request, nt, hw, gpn, res, solver, time.perf_counter() - t0, inputs)
-    return Solution(plan=plan, evaluation=res.best, search=res, compile=choice)
+    if table.model.get("tp_blocked") and request.gpus > 1:
+        result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
+    if result.best is None:
+        raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
+    result = apply_schedules(
+        result, _costs_for(request, table, hw, gpus_per_node, entries, result), len(table.layers), sched, virtual_stages
+    )
+    plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
+    return Solution(plan=plan, evaluation=result.best, search=result, compile=choice)
 
 
-def _costs_for(req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult) -> dict:
+def _costs_for(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult
+) -> dict:
     """``CandidateCosts`` of every strategy ``res`` kept (from ``entries``, else priced again:
     the compiled search's candidates), and, on demand, of any other candidate the search
     enumerated, compiled or not (the schedule post-pass asks for a kept strategy's other ZeRO
     stages); a candidate it did not enumerate (one the pins rule out) is a ``KeyError``."""
     known = _Costs(
-        {cc.cand: cc for _lb, _mlb, cc in entries},
-        lambda c: candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, hw.memory_bytes * req.memory_headroom),
+        {costs.cand: costs for _time_lb, _memory_lb, costs in entries},
+        lambda candidate: candidate_costs(
+            table,
+            hw,
+            request.dtype,
+            request.seq_len,
+            candidate,
+            gpus_per_node,
+            hw.memory_bytes * request.memory_headroom,
+        ),
     )
-    for ev in res.ranked + res.extra:
-        c = ev.strategy.candidate
-        if c not in known:
-            known[c] = known.price(c)
+    for evaluation in result.ranked + result.extra:
+        candidate = evaluation.strategy.candidate
+        if candidate not in known:
+            known[candidate] = known.price(candidate)
     return known
 
 
@@ -363,17 +390,17 @@ class _Costs(dict):
     def __init__(self, known: dict, price):
         super().__init__(known)
         self.price = price
-        self._enumerated = {dataclasses.replace(c, compile=False) for c in known}
+        self._enumerated = {dataclasses.replace(candidate, compile=False) for candidate in known}
 
-    def __missing__(self, cand: Candidate) -> CandidateCosts:
-        if dataclasses.replace(cand, compile=False) not in self._enumerated:
-            raise KeyError(cand)
-        cc = self[cand] = self.price(cand)
-        return cc
+    def __missing__(self, candidate: Candidate) -> CandidateCosts:
+        if dataclasses.replace(candidate, compile=False) not in self._enumerated:
+            raise KeyError(candidate)
+        costs = self[candidate] = self.price(candidate)
+        return costs
 
 
 def search_offload(
-    req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult, solver: str
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
 ) -> tuple[SearchResult, list]:
     """Continue the plain search ``res`` with the offloaded candidates that could beat it.
 
@@ -397,35 +424,42 @@ def search_offload(
     When memory suffices, the plain winner is close to its bound and the extra work is a few cost
     tables and rarely an ILP. Returns the search result and the entries searched (the plain ones
     and the kept offloaded ones)."""
-    best = res.best.step_time_s if res.best is not None else math.inf
-    ranks = ranks_per_node(req.gpus, gpn)
+    best = result.best.step_time_s if result.best is not None else math.inf
+    ranks = ranks_per_node(request.gpus, gpus_per_node)
     host_slower = (
         hw.cpu_adam_params_per_s is None
-        or adam_rate_per_rank(hw, ranks, req.dtype) * optimizer_step_time(1, hw, req.dtype) <= 1.0 + 1e-12
+        or adam_rate_per_rank(hw, ranks, request.dtype) * optimizer_step_time(1, hw, request.dtype) <= 1.0 + 1e-12
     )
     base = [
-        cc.cand
-        for lb, _mlb, cc in entries
-        if not host_slower or (lb < best * (1 + TIME_TOL) and memory_may_bind(cc, nt.kinds, req.checkpoint))
+        costs.cand
+        for time_lb, _memory_lb, costs in entries
+        if not host_slower
+        or (time_lb < best * (1 + TIME_TOL) and memory_may_bind(costs, table.kinds, request.checkpoint))
     ]
-    variants = offload_variants(req, base, hw)
+    variants = offload_variants(request, base, hw)
     if not variants:
-        return res, entries
+        return result, entries
     kept = [
-        e
-        for e in candidate_entries(req, nt, hw, gpn, variants)
-        if e[0] < best * (1 + TIME_TOL) and e[1] <= e[2].capacity
+        entry
+        for entry in candidate_entries(request, table, hw, gpus_per_node, variants)
+        if entry[0] < best * (1 + TIME_TOL) and entry[1] <= entry[2].capacity
     ]
     if not kept:
-        return res, entries
-    return search(kept, nt.kinds, req.checkpoint, solver, seed=res), entries + kept
+        return result, entries
+    return search(kept, table.kinds, request.checkpoint, solver, seed=result), entries + kept
 
 
-def _repriced(req, nt: NumericTable, hw: HardwareProfile, gpn: int, ev: Evaluation, compiled: bool) -> Evaluation:
+def _repriced(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, evaluation: Evaluation, compiled: bool
+) -> Evaluation:
     """``ev``'s strategy priced with its layers compiled (or not)."""
-    c = dataclasses.replace(ev.strategy.candidate, compile=compiled)
-    cc = candidate_costs(nt, hw, req.dtype, req.seq_len, c, gpn, hw.memory_bytes * req.memory_headroom)
-    return evaluate(cc, ev.strategy.stages, sorted(ev.strategy.checkpoint), sorted(ev.strategy.selective))
+    candidate = dataclasses.replace(evaluation.strategy.candidate, compile=compiled)
+    costs = candidate_costs(
+        table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, hw.memory_bytes * request.memory_headroom
+    )
+    return evaluate(
+        costs, evaluation.strategy.stages, sorted(evaluation.strategy.checkpoint), sorted(evaluation.strategy.selective)
+    )
 
 
 def _saving_bound(eager: CandidateCosts, compiled: CandidateCosts) -> float:
@@ -433,113 +467,133 @@ def _saving_bound(eager: CandidateCosts, compiled: CandidateCosts) -> float:
     per-micro-batch savings (work and recompute; nothing else changes). Sound: a step is
     ``(m - 1) T + sum_k T_k + D``, the slowest stage ``T`` shrinks by at most the sum of its
     layers' savings, ``sum_k T_k`` by exactly all of them, ``D`` not at all."""
-    m = eager.cand.num_micro_batches
-    return m * sum(max(0.0, (a.work_s + a.rec_s) - (b.work_s + b.rec_s)) for a, b in zip(eager.layers, compiled.layers))
+    micro_batches = eager.cand.num_micro_batches
+    return micro_batches * sum(
+        max(0.0, (eager_layer.work_s + eager_layer.rec_s) - (compiled_layer.work_s + compiled_layer.rec_s))
+        for eager_layer, compiled_layer in zip(eager.layers, compiled.layers)
+    )
 
 
 def choose_compile(
-    req, nt: NumericTable, hw: HardwareProfile, gpn: int, entries, res: SearchResult, solver: str
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
 ) -> tuple[SearchResult, CompileChoice]:
     """The search result to plan from and whether it compiles (see the module docstring).
 
     ``entries`` and ``res``: the candidates and search of the request's own mode (compiled when
     ``--compile on``, eager otherwise)."""
-    steps, from_tokens = req.horizon_steps(), req.tokens is not None
-    best = res.best
-    if req.compile != "auto":
-        other = _repriced(req, nt, hw, gpn, best, not best.strategy.candidate.compile)
-        on, off = (best, other) if req.compile == "on" else (other, best)
-        return res, CompileChoice(
-            req.compile == "on",
-            req.compile,
-            off.step_time_s - on.step_time_s,
-            on.extra["compile_s"],
+    steps, from_tokens = request.horizon_steps(), request.tokens is not None
+    best = result.winner()
+    if request.compile != "auto":
+        other = _repriced(request, table, hw, gpus_per_node, best, not best.strategy.candidate.compile)
+        compiled_eval, eager_eval = (best, other) if request.compile == "on" else (other, best)
+        return result, CompileChoice(
+            request.compile == "on",
+            request.compile,
+            eager_eval.step_time_s - compiled_eval.step_time_s,
+            compiled_eval.extra["compile_s"],
             steps,
             from_tokens,
         )
-    compiled = candidate_entries(req, nt, hw, gpn, [dataclasses.replace(cc.cand, compile=True) for _, _, cc in entries])
-    bound = max(_saving_bound(a[2], b[2]) for a, b in zip(entries, compiled))
+    compiled = candidate_entries(
+        request, table, hw, gpus_per_node, [dataclasses.replace(costs.cand, compile=True) for _, _, costs in entries]
+    )
+    bound = max(
+        _saving_bound(eager_entry[2], compiled_entry[2]) for eager_entry, compiled_entry in zip(entries, compiled)
+    )
     if bound * steps <= compile_seconds(hw, 1):  # nothing compiled can pay: keep the eager answer
-        on = _repriced(req, nt, hw, gpn, best, True)
-        return res, CompileChoice(
-            False, "auto", best.step_time_s - on.step_time_s, on.extra["compile_s"], steps, from_tokens
+        compiled_eval = _repriced(request, table, hw, gpus_per_node, best, True)
+        return result, CompileChoice(
+            False,
+            "auto",
+            best.step_time_s - compiled_eval.step_time_s,
+            compiled_eval.extra["compile_s"],
+            steps,
+            from_tokens,
         )
-    res_on = search(compiled, nt.kinds, req.checkpoint, solver)
-    on = res_on.best  # not None: compiling changes no memory
-    saving = best.step_time_s - on.step_time_s
-    use = saving * steps > on.extra["compile_s"]
-    return (res_on if use else res), CompileChoice(use, "auto", saving, on.extra["compile_s"], steps, from_tokens)
+    compiled_result = search(compiled, table.kinds, request.checkpoint, solver)
+    compiled_eval = compiled_result.winner()  # compiling changes no memory: it finds one
+    saving = best.step_time_s - compiled_eval.step_time_s
+    use = saving * steps > compiled_eval.extra["compile_s"]
+    return (compiled_result if use else result), CompileChoice(
+        use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens
+    )
 
 
 def build_plan(
-    req,
-    nt: NumericTable,
+    request,
+    table: NumericTable,
     hw: HardwareProfile,
-    gpn: int,
-    res: SearchResult,
+    gpus_per_node: int,
+    result: SearchResult,
     solver: str,
     seconds: float,
     inputs: list[dict] | None = None,
 ) -> Plan:
     """Assemble plan.json's dataclass from the search's winner and runners-up."""
-    ev = res.best
-    c = ev.strategy.candidate
-    flops = nt.flops_per_sequence(req.seq_len) * req.global_batch
-    sizes = {k: v for k, v in (req.sizes or {}).items() if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+    evaluation = result.winner()
+    candidate = evaluation.strategy.candidate
+    flops = table.flops_per_sequence(request.seq_len) * request.global_batch
+    sizes = {
+        key: value
+        for key, value in (request.sizes or {}).items()
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    }
     model = ModelInfo(
-        spec=req.spec,
-        params=int(nt.model.get("params") or nt.total_params()),
-        layers=len(nt.layers) - 2,
+        spec=request.spec,
+        params=int(table.model.get("params") or table.total_params()),
+        layers=len(table.layers) - 2,
         flops_per_step=float(flops),
         sizes=sizes,
-        layer_names=list(nt.names),
+        layer_names=list(table.names),
         inputs=list(inputs or []),
     )
     alts = [
         Alternative(
-            dp=a.strategy.candidate.dp,
-            tp=a.strategy.candidate.tp,
-            pp=a.strategy.candidate.pp,
-            zero_stage=a.strategy.candidate.zero_stage,
-            micro_batch_size=a.strategy.candidate.micro_batch_size,
-            step_time_s=float(a.step_time_s),
-            reason=alternative_reason(ev, a),
+            dp=alt.strategy.candidate.dp,
+            tp=alt.strategy.candidate.tp,
+            pp=alt.strategy.candidate.pp,
+            zero_stage=alt.strategy.candidate.zero_stage,
+            micro_batch_size=alt.strategy.candidate.micro_batch_size,
+            step_time_s=float(alt.step_time_s),
+            reason=alternative_reason(evaluation, alt),
             offload={
-                "optimizer": a.strategy.candidate.offload_optimizer,
-                "params": a.strategy.candidate.offload_params,
+                "optimizer": alt.strategy.candidate.offload_optimizer,
+                "params": alt.strategy.candidate.offload_params,
             },
-            sequence_parallel=a.strategy.candidate.sequence_parallel,
+            sequence_parallel=alt.strategy.candidate.sequence_parallel,
         )
-        for a in res.alternatives(3)
+        for alt in result.alternatives(3)
     ]
     plan = Plan(
         model=model,
-        hardware=HardwareInfo(name=str(req.hardware), gpus=req.gpus, gpus_per_node=gpn),
-        global_batch=req.global_batch,
-        seq_len=req.seq_len,
-        dtype=req.dtype,
-        dp=c.dp,
-        tp=c.tp,
-        pp=c.pp,
-        zero_stage=c.zero_stage,
-        micro_batch_size=c.micro_batch_size,
-        num_micro_batches=c.num_micro_batches,
-        schedule=ev.strategy.schedule,
-        virtual_stages=ev.strategy.virtual_stages,
-        stages=[list(s) for s in ev.strategy.stages],
-        checkpoint_layers=sorted(ev.strategy.checkpoint),
-        selective_layers=sorted(ev.strategy.selective),
-        sequence_parallel=c.sequence_parallel,
-        compile=c.compile,
-        offload={"optimizer": c.offload_optimizer, "params": c.offload_params},
-        predicted=Predicted(**predicted_fields(ev, flops, req.gpus, hw.peak(req.dtype))),
-        solver=SolverInfo(name=f"pulp-{solver}", seconds=float(seconds), status=res.status, candidates=res.enumerated),
+        hardware=HardwareInfo(name=str(request.hardware), gpus=request.gpus, gpus_per_node=gpus_per_node),
+        global_batch=request.global_batch,
+        seq_len=request.seq_len,
+        dtype=request.dtype,
+        dp=candidate.dp,
+        tp=candidate.tp,
+        pp=candidate.pp,
+        zero_stage=candidate.zero_stage,
+        micro_batch_size=candidate.micro_batch_size,
+        num_micro_batches=candidate.num_micro_batches,
+        schedule=evaluation.strategy.schedule,
+        virtual_stages=evaluation.strategy.virtual_stages,
+        stages=[list(stage) for stage in evaluation.strategy.stages],
+        checkpoint_layers=sorted(evaluation.strategy.checkpoint),
+        selective_layers=sorted(evaluation.strategy.selective),
+        sequence_parallel=candidate.sequence_parallel,
+        compile=candidate.compile,
+        offload={"optimizer": candidate.offload_optimizer, "params": candidate.offload_params},
+        predicted=Predicted(**predicted_fields(evaluation, flops, request.gpus, hw.peak(request.dtype))),
+        solver=SolverInfo(
+            name=f"pulp-{solver}", seconds=float(seconds), status=result.status, candidates=result.enumerated
+        ),
         alternatives=alts,
     )
     return plan
 
 
-def candidate_plans(req, table, hw: HardwareProfile, solution: Solution, k: int) -> list[Plan]:
+def candidate_plans(request, table, hw: HardwareProfile, solution: Solution, k: int) -> list[Plan]:
     """One :class:`Plan` for each of the ``k`` best strategies ``solution``'s search kept: its own
     plan first, then its runners-up in the order ``plan`` lists them (the best of each other
     degree triple, then other ZeRO stages and micro-batch sizes). Fewer when the search kept fewer.
@@ -548,23 +602,32 @@ def candidate_plans(req, table, hw: HardwareProfile, solution: Solution, k: int)
     :func:`build_plan` writes for it as the winner; its ``alternatives`` are the kept strategies
     predicted slower than it (``planner tune`` runs these plans and keeps the fastest measured).
     """
-    gpn = req.gpus_per_node or hw.gpus_per_node
-    if hw.gpus_per_node != gpn:
-        hw = hw.with_gpus_per_node(gpn)
-    nt = table if isinstance(table, NumericTable) else NumericTable(table)
-    kept = [solution.search.best] + solution.search.alternatives(
+    gpus_per_node = request.gpus_per_node or hw.gpus_per_node
+    if hw.gpus_per_node != gpus_per_node:
+        hw = hw.with_gpus_per_node(gpus_per_node)
+    table = table if isinstance(table, NumericTable) else NumericTable(table)
+    kept = [solution.search.winner()] + solution.search.alternatives(
         max(0, len(solution.search.ranked) + len(solution.search.extra))
     )
     solver = solution.plan.solver.name.removeprefix("pulp-")
     plans = [solution.plan]
-    for i, ev in enumerate(kept[1:k], start=1):
+    for i, evaluation in enumerate(kept[1:k], start=1):
         slower = sorted(
-            (e for j, e in enumerate(kept) if j != i and e.step_time_s >= ev.step_time_s),
-            key=lambda e: (e.step_time_s, e.memory["total"], e.strategy.candidate),
+            (other for index, other in enumerate(kept) if index != i and other.step_time_s >= evaluation.step_time_s),
+            key=lambda other: (other.step_time_s, other.memory["total"], other.strategy.candidate),
         )
-        res = dataclasses.replace(solution.search, ranked=[ev] + slower, extra=[])
+        result = dataclasses.replace(solution.search, ranked=[evaluation] + slower, extra=[])
         plans.append(
-            build_plan(req, nt, hw, gpn, res, solver, solution.plan.solver.seconds, solution.plan.model.inputs)
+            build_plan(
+                request,
+                table,
+                hw,
+                gpus_per_node,
+                result,
+                solver,
+                solution.plan.solver.seconds,
+                solution.plan.model.inputs,
+            )
         )
     return plans[: max(k, 1)]
 
