@@ -14,9 +14,10 @@ import json
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from planner.errors import UserError
+from runtime.contract.choices import ZERO_STAGES, OffloadTier, ScheduleName, names
 from runtime.contract.data_roles import INPUT_ROLES
 from runtime.contract.dtype_table import DTYPES
 
@@ -46,11 +47,11 @@ __all__ = [
 SCHEMA_VERSION = 1
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
 COST_KEYS = ("tokens", "days", "gpu_hours", "money", "by_part")
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+SCHEDULES = names(ScheduleName)
 """The pipeline schedules a plan may name (plan.json ``schedule``)."""
 
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
-OFFLOAD_TIERS = ("none", "cpu", "nvme")
+OFFLOAD_TIERS = names(OffloadTier)
 OFFLOAD_KINDS = ("optimizer", "params")
 HOST_MEMORY_KEYS = ("host", "nvme")
 """``predicted.memory`` keys beyond the device's: bytes per node in host memory and NVMe files (0
@@ -75,7 +76,7 @@ class PlanError(UserError):
     """A plan.json that is missing, unreadable or breaks the schema (the message names the field)."""
 
 
-def _fail(where: str, msg: str) -> None:
+def _fail(where: str, msg: str) -> NoReturn:
     raise PlanError(f"plan: {where} {msg}")
 
 
@@ -351,17 +352,44 @@ class Plan:
     ``trials``, one object per candidate tune ran (its degrees, what it measured or why it failed)."""
     schema_version: int = SCHEMA_VERSION
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        self._check_version()
+        self._check_degrees_and_batch()
+        self._check_schedule()
+        self._check_stages()
+        self._check_recompute()
+        if not isinstance(self.compile, bool):
+            _fail("compile", f"must be true or false, got {self.compile!r}.")
+        _check_offload(self.offload, self.zero_stage)
+        self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
+        self._check_measured()
+        if self.pp > 1 and self.num_micro_batches < self.pp:
+            _fail(
+                "num_micro_batches",
+                f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
+                "pipeline; use more micro-batches or fewer stages.",
+            )
+
+    @property
+    def _layer_rows(self) -> int:
+        """Rows of the layer table: pre, the L blocks, post."""
+        return self.model.layers + 2
+
+    def _check_version(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
             _fail(
                 "schema_version",
                 f"is {self.schema_version!r}; this planner reads {SCHEMA_VERSION}. "
                 "Re-run `planner plan` to produce a current plan.",
             )
-        for k in ("global_batch", "seq_len", "dp", "tp", "pp", "micro_batch_size", "num_micro_batches"):
-            _check_int(k, getattr(self, k), 1)
+
+    def _check_degrees_and_batch(self) -> None:
+        """The sizes are positive, the ZeRO stage and dtype known, ``dp*tp*pp == gpus`` and
+        ``global_batch == dp * micro_batch_size * num_micro_batches``."""
+        for name in ("global_batch", "seq_len", "dp", "tp", "pp", "micro_batch_size", "num_micro_batches"):
+            _check_int(name, getattr(self, name), 1)
         _check_int("zero_stage", self.zero_stage, 0)
-        if self.zero_stage > 3:
+        if self.zero_stage not in ZERO_STAGES:
             _fail("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.")
         if self.dtype not in DTYPES:
             _fail("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
@@ -377,22 +405,28 @@ class Plan:
                 f"({self.global_batch}) must equal dp * micro_batch_size * "
                 f"num_micro_batches = {self.dp}*{self.micro_batch_size}*{self.num_micro_batches}.",
             )
-        n_rows = self.model.layers + 2
+
+    def _check_schedule(self) -> None:
+        """A known schedule; model chunks only on an interleaved pipeline, whose micro-batches go
+        round the ranks in groups of pp."""
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
         _check_int("virtual_stages", self.virtual_stages, 1)
-        if self.virtual_stages > 1 and (self.schedule != "interleaved" or self.pp < 2):
+        if self.virtual_stages > 1 and (self.schedule != ScheduleName.INTERLEAVED or self.pp < 2):
             _fail(
                 "virtual_stages",
                 f"is {self.virtual_stages}: more than one model chunk per rank needs "
                 f"the interleaved schedule and pp >= 2 (schedule {self.schedule!r}, pp {self.pp}).",
             )
-        if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
+        if self.schedule == ScheduleName.INTERLEAVED and self.num_micro_batches % self.pp:
             _fail(
                 "num_micro_batches",
                 f"({self.num_micro_batches}) must be a multiple of pp ({self.pp}) for "
                 "the interleaved schedule (its micro-batches go round the ranks in groups of pp).",
             )
+
+    def _check_stages(self) -> None:
+        """One ``[first, last]`` pair per model chunk, contiguous, covering the layer table."""
         chunks = self.pp * self.virtual_stages
         if not isinstance(self.stages, list) or len(self.stages) != chunks:
             _fail(
@@ -401,23 +435,26 @@ class Plan:
                 + (f" and model chunk: pp * virtual_stages = {chunks}." if self.virtual_stages > 1 else "."),
             )
         expect = 0
-        for i, st in enumerate(self.stages):
-            if not (isinstance(st, (list, tuple)) and len(st) == 2):
-                _fail(f"stages[{i}]", f"must be a [first, last] pair, got {st!r}.")
-            a, b = st
-            _check_int(f"stages[{i}][0]", a, 0)
-            _check_int(f"stages[{i}][1]", b, 0)
-            if a != expect or b < a:
+        for i, stage in enumerate(self.stages):
+            if not (isinstance(stage, (list, tuple)) and len(stage) == 2):
+                _fail(f"stages[{i}]", f"must be a [first, last] pair, got {stage!r}.")
+            first, last = stage
+            _check_int(f"stages[{i}][0]", first, 0)
+            _check_int(f"stages[{i}][1]", last, 0)
+            if first != expect or last < first:
                 _fail(
                     f"stages[{i}]",
-                    f"= {list(st)} must start at layer {expect} and not end before it "
+                    f"= {list(stage)} must start at layer {expect} and not end before it "
                     "(stages are contiguous and cover the layer table).",
                 )
-            expect = b + 1
-        if expect != n_rows:
-            _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{n_rows - 1}.")
-        self.stages = [list(s) for s in self.stages]
-        _check_layer_list("checkpoint_layers", self.checkpoint_layers, n_rows)
+            expect = last + 1
+        if expect != self._layer_rows:
+            _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{self._layer_rows - 1}.")
+        self.stages = [list(stage) for stage in self.stages]
+
+    def _check_recompute(self) -> None:
+        """The recomputed layers, whole or selective (disjoint), and sequence parallelism."""
+        _check_layer_list("checkpoint_layers", self.checkpoint_layers, self._layer_rows)
         if not isinstance(self.sequence_parallel, bool):
             _fail("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}.")
         if self.sequence_parallel and self.tp < 2:
@@ -432,7 +469,7 @@ class Plan:
                 f"is true but seq_len {self.seq_len} is not a multiple of tp "
                 f"({self.tp}): every tp rank holds seq_len / tp positions.",
             )
-        _check_layer_list("selective_layers", self.selective_layers, n_rows)
+        _check_layer_list("selective_layers", self.selective_layers, self._layer_rows)
         both = sorted(set(self.selective_layers) & set(self.checkpoint_layers))
         if both:
             _fail(
@@ -440,25 +477,18 @@ class Plan:
                 f"and checkpoint_layers both hold {both}: a layer is recomputed "
                 "whole (checkpoint_layers) or only its attention core (selective_layers), not both.",
             )
-        if not isinstance(self.compile, bool):
-            _fail("compile", f"must be true or false, got {self.compile!r}.")
-        _check_offload(self.offload, self.zero_stage)
-        self.offload = {k: self.offload[k] for k in OFFLOAD_KINDS}
-        if self.measured is not None:
-            if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(
-                self.measured
-            ):
-                _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
-            _check_num("measured.step_time_s", self.measured["step_time_s"])
-            _check_int("measured.peak_memory_bytes", self.measured["peak_memory_bytes"], 0)
-            if not isinstance(self.measured["trials"], list):
-                _fail("measured.trials", "must be a list.")
-        if self.pp > 1 and self.num_micro_batches < self.pp:
-            _fail(
-                "num_micro_batches",
-                f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
-                "pipeline; use more micro-batches or fewer stages.",
-            )
+
+    def _check_measured(self) -> None:
+        if self.measured is None:
+            return
+        if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(
+            self.measured
+        ):
+            _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
+        _check_num("measured.step_time_s", self.measured["step_time_s"])
+        _check_int("measured.peak_memory_bytes", self.measured["peak_memory_bytes"], 0)
+        if not isinstance(self.measured["trials"], list):
+            _fail("measured.trials", "must be a list.")
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -519,9 +549,6 @@ class Plan:
         d["alternatives"] = [_build(Alternative, a, f"alternatives[{i}]") for i, a in enumerate(alts)]
         return _build(cls, d, "plan")
 
-    def describe_degrees(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage}"
-
 
 def _check_layer_list(name: str, layers: Any, n_rows: int) -> None:
     """``layers`` is a list of distinct layer-table indices (``checkpoint_layers``, ``selective_layers``)."""
@@ -541,13 +568,13 @@ def _check_offload(offload: Any, zero_stage: int) -> None:
     for kind in OFFLOAD_KINDS:
         if offload[kind] not in OFFLOAD_TIERS:
             _fail(f"offload.{kind}", f"must be one of {', '.join(OFFLOAD_TIERS)}, got {offload[kind]!r}.")
-    if offload["params"] != "none" and zero_stage != 3:
+    if offload["params"] != OffloadTier.NONE and zero_stage != 3:
         _fail(
             "offload.params",
             f"is {offload['params']!r}, but offloading parameters needs zero_stage 3 "
             f"(got {zero_stage}): only ZeRO-3 shards the parameters it could keep off the device.",
         )
-    if offload["optimizer"] != "none" and zero_stage not in (1, 2, 3):
+    if offload["optimizer"] != OffloadTier.NONE and zero_stage not in (1, 2, 3):
         _fail(
             "offload.optimizer",
             f"is {offload['optimizer']!r}, but offloading the optimizer needs "

@@ -35,6 +35,7 @@ trials' step times more closely.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -67,6 +68,7 @@ from planner.commands.train import train_plan
 from planner.commands.validate import WARMUP_STEPS, compare
 from planner.errors import UserError
 from planner.plan import Plan, save_plan
+from planner.search.request import PlanRequest
 from planner.search.schedule_search import evaluate_strategy
 from planner.search.solve import candidate_plans
 from planner.units import format_bytes, format_seconds
@@ -324,71 +326,100 @@ def refit_profile(
         return None
     notes: list[str] = []
     broken_down = all(isinstance(t.get("time"), dict) and "compute" in t["time"] for t in trials)
-
-    def rows_for(base, slopes, u0, keys_of, y_of) -> list[tuple[float, float, list[float]]]:
-        out = []
-        for i, t in enumerate(trials):
-            keys = keys_of(i)
-            a = [sum(sl[i][k] for k in keys) for sl in slopes]
-            c = sum(base[i][k] for k in keys) - sum(ai * ui for ai, ui in zip(a, u0))
-            out.append((y_of(t), c, a))
-        return out
-
-    # 1. compute: f (FLOP time x f) and o (seconds per operator call)
-    o0, d_o = hw.op_overhead_s, max(hw.op_overhead_s, 1e-5)
     base = price(hw)
+    if not broken_down:
+        notes.append("the metrics have no time breakdown: compute is fit to whole steps, links are kept")
+    flops_scale, op_overhead_s = _fit_compute(hw, trials, price, base, broken_down)
+    fitted = scaled_profile(hw, flops=flops_scale, op_overhead_s=op_overhead_s)
+    link_scale, sync_overhead_s = None, hw.sync_overhead_s
+    if broken_down:
+        link_scale, sync_overhead_s = _fit_links(fitted, trials, price)
+        if link_scale is not None:
+            fitted = scaled_profile(fitted, links=link_scale, sync_overhead_s=sync_overhead_s)
+    return Refit(
+        profile=fitted,
+        flops_scale=flops_scale,
+        op_overhead_s=op_overhead_s,
+        link_scale=link_scale,
+        sync_overhead_s=sync_overhead_s,
+        before=[sum(parts.values()) for parts in base],
+        after=[sum(parts.values()) for parts in price(fitted)],
+        measured=[float(t["step_time_s"]) for t in trials],
+        notes=notes,
+    )
+
+
+#: One measurement of a fit (``fit_bounded``): measured seconds, the constant part, the slopes.
+_FitRow = tuple[float, float, list[float]]
+
+
+def _fit_rows(
+    trials: Sequence[dict],
+    base: list[dict],
+    slopes: list[list[dict]],
+    start: Sequence[float],
+    parts: Callable[[int], Sequence[str]],
+    measured: Callable[[dict], float],
+) -> list[_FitRow]:
+    """One row per trial: ``measured(trial)`` against the predicted seconds of its ``parts(i)``,
+    linear in the unknowns (``slopes``, one list per unknown) around their values ``start``."""
+    rows = []
+    for i, trial in enumerate(trials):
+        keys = parts(i)
+        coefficients = [sum(slope[i][k] for k in keys) for slope in slopes]
+        constant = sum(base[i][k] for k in keys) - sum(a * u for a, u in zip(coefficients, start))
+        rows.append((measured(trial), constant, coefficients))
+    return rows
+
+
+def _measured_parts(keys: Sequence[str]) -> Callable[[dict], float]:
+    """A trial's measured seconds of the parts ``keys``."""
+    return lambda trial: sum(float(trial["time"].get(k, 0.0)) for k in keys)
+
+
+def _fit_compute(
+    hw: HardwareProfile,
+    trials: Sequence[dict],
+    price: Callable[[HardwareProfile], list[dict]],
+    base: list[dict],
+    broken_down: bool,
+) -> tuple[float, float]:
+    """Step 1 of ``refit_profile``: ``f`` (FLOP time x f) and ``o`` (seconds per operator call),
+    from the measured compute parts, or the whole step without a breakdown."""
+    o0, d_o = hw.op_overhead_s, max(hw.op_overhead_s, 1e-5)
     slopes = [
         _slopes(base, price(scaled_profile(hw, flops=2.0)), 1.0),
         _slopes(base, price(scaled_profile(hw, op_overhead_s=o0 + d_o)), d_o),
     ]
     if broken_down:
-        rows = rows_for(
-            base,
-            slopes,
-            (1.0, o0),
-            lambda i: COMPUTE_PARTS,
-            lambda t: sum(float(t["time"].get(k, 0.0)) for k in COMPUTE_PARTS),
-        )
+        rows = _fit_rows(trials, base, slopes, (1.0, o0), lambda i: COMPUTE_PARTS, _measured_parts(COMPUTE_PARTS))
     else:
-        notes.append("the metrics have no time breakdown: compute is fit to whole steps, links are kept")
-        rows = rows_for(base, slopes, (1.0, o0), lambda i: tuple(base[i]), lambda t: float(t["step_time_s"]))
-    f, o = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, o0))
-    fitted = scaled_profile(hw, flops=f, op_overhead_s=o)
+        rows = _fit_rows(
+            trials, base, slopes, (1.0, o0), lambda i: tuple(base[i]), lambda trial: float(trial["step_time_s"])
+        )
+    flops_scale, op_overhead_s = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, o0))
+    return flops_scale, op_overhead_s
 
-    # 2. links: g (latency x g, bandwidth / g) and s (seconds per blocking collective)
-    g, sync = None, hw.sync_overhead_s
-    if broken_down:
-        base1 = price(fitted)
-        d_s = max(sync, 1e-5)
-        slopes = [
-            _slopes(base1, price(scaled_profile(fitted, links=2.0)), 1.0),
-            _slopes(base1, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s),
-        ]
-        rows = [
-            r
-            for r in rows_for(
-                base1,
-                slopes,
-                (1.0, sync),
-                lambda i: LINK_PARTS,
-                lambda t: sum(float(t["time"].get(k, 0.0)) for k in LINK_PARTS),
-            )
-            if r[2][0] > 0 or r[2][1] > 0
-        ]
-        if rows:
-            g, sync = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, sync))
-            fitted = scaled_profile(fitted, links=g, sync_overhead_s=sync)
-    return Refit(
-        profile=fitted,
-        flops_scale=f,
-        op_overhead_s=o,
-        link_scale=g,
-        sync_overhead_s=sync,
-        before=[sum(p.values()) for p in base],
-        after=[sum(p.values()) for p in price(fitted)],
-        measured=[float(t["step_time_s"]) for t in trials],
-        notes=notes,
-    )
+
+def _fit_links(
+    fitted: HardwareProfile, trials: Sequence[dict], price: Callable[[HardwareProfile], list[dict]]
+) -> tuple[float | None, float]:
+    """Step 2 of ``refit_profile``, on step 1's profile: ``g`` (latency x g, bandwidth / g) and
+    ``s`` (seconds per blocking collective) from the trials that communicate; ``(None, the
+    profile's s)`` when none does."""
+    sync = fitted.sync_overhead_s
+    base = price(fitted)
+    d_s = max(sync, 1e-5)
+    slopes = [
+        _slopes(base, price(scaled_profile(fitted, links=2.0)), 1.0),
+        _slopes(base, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s),
+    ]
+    rows = _fit_rows(trials, base, slopes, (1.0, sync), lambda i: LINK_PARTS, _measured_parts(LINK_PARTS))
+    rows = [row for row in rows if row[2][0] > 0 or row[2][1] > 0]
+    if not rows:
+        return None, sync
+    link_scale, sync = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, sync))
+    return link_scale, sync
 
 
 def _slopes(base: list[dict], moved: list[dict], step: float) -> list[dict]:
@@ -569,72 +600,35 @@ def _table(trials: list[Trial], chosen: Trial | None) -> Table:
     return t
 
 
-def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
+def run_tune(args: argparse.Namespace, *, trial_hook: TrialHook | None = None) -> int:
     """``planner tune <plan's flags> [--candidates K] [--steps N] [--timeout S] [--profile-out F]``:
     plan, run the K best candidates here, write the fastest that fits (see the module docstring).
     ``trial_hook(i)`` gives trial ``i``'s ranks a step hook (fault injection in tests; it must
     pickle for local trials). Exit 0 with a plan; 1 when every trial failed; bad input raises."""
-    if args.steps <= WARMUP_STEPS:
-        raise UserError(
-            f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
-            f"measures nothing; use --steps {WARMUP_STEPS + 1} or more."
-        )
-    check_cost_flags(args)
-    req = request_from_args(args)
+    req = _tune_request(args)
     local = not _torchrun()
-    if not local and int(os.environ["WORLD_SIZE"]) != req.gpus:
-        raise UserError(
-            f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
-            f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}."
-        )
     rank0 = local or int(os.environ["RANK"]) == 0
 
-    def say(*a) -> None:  # progress and results: stdout, or stderr under --json; rank 0 only
+    def say(*parts: object) -> None:  # progress and results: stdout, or stderr under --json; rank 0 only
         if rank0:
-            print(*a, file=sys.stderr if args.json else sys.stdout, flush=True)
+            print(*parts, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     table = layer_table_for(req)
     solution, hw = plan_from_request(req, table)
     plans = candidate_plans(req, table, hw, solution, args.candidates)
-    kept = [solution.search.best] + solution.search.alternatives(
-        len(solution.search.ranked) + len(solution.search.extra)
-    )
+    kept = solution.search.ranked + solution.search.extra  # the plan's own strategy, then its runners-up
     if len(plans) < args.candidates:
         say(
             f"planner tune: the search kept {len(plans)} candidate{'s' if len(plans) != 1 else ''} "
             f"(asked for {args.candidates}); running {'them' if len(plans) != 1 else 'it'}."
         )
-    capacity = hw.memory_bytes * req.memory_headroom
-    trials = [Trial(index=i + 1, plan=p) for i, p in enumerate(plans)]
+    trials = [Trial(index=i + 1, plan=plan) for i, plan in enumerate(plans)]
     where = "torchrun's ranks" if not local else f"{req.gpus} local process{'es' if req.gpus != 1 else ''}"
-    with tempfile.TemporaryDirectory(prefix="planner-tune-") as work:
-        for tr in trials:
-            say(
-                f"trial {tr.index}/{len(trials)}: {_describe(tr.plan)} (predicted "
-                f"{format_seconds(tr.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ..."
-            )
-            _run_trial(tr, work, args.steps, args.timeout, capacity, trial_hook(tr.index) if trial_hook else None)
-            if tr.status == "ok":
-                say(
-                    f"  measured {format_seconds(tr.step_time_s)} per step, peak "
-                    f"{format_bytes(tr.peak_memory_bytes)} ({tr.wall_s:.0f} s)"
-                )
-            else:
-                say(f"  {tr.status}: {tr.error} (recorded; going on)")
+    _run_trials(trials, args, where, hw.memory_bytes * req.memory_headroom, trial_hook, say)
     if not rank0:
         return 0
-    ok = [t for t in trials if t.status == "ok"]
-    chosen = min(ok, key=lambda t: (t.step_time_s, t.index)) if ok else None
-    out = sys.stderr if args.json else sys.stdout
-    console = Console(file=out, width=None if out.isatty() else 132)  # a log file gets the whole table
-    console.print(_table(trials, chosen))
+    chosen = _choose(trials, args)
     if chosen is None:
-        why = "; ".join(f"trial {t.index} ({_describe(t.plan)}) {t.status}: {t.error}" for t in trials)
-        print(
-            f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
-            f"written; see the table above, or raise --timeout, or re-plan with other pins.",
-            file=sys.stderr,
-        )
         return 1
     measured = [t for t in trials if t.measured]  # ok, and over the memory limit: their times count
     refit = refit_profile(
@@ -642,24 +636,7 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
         [{"step_time_s": t.step_time_s, "time": t.time} for t in measured],
         _pricer(req, table, hw, [kept[t.index - 1].strategy for t in measured]),
     )
-    one_node = req.gpus <= (req.gpus_per_node or hw.gpus_per_node)
-    first = trials[0]
-    if chosen is first:
-        say(
-            f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
-            f"{format_seconds(chosen.step_time_s)} per step."
-        )
-    else:
-        vs = (
-            f"{(1 - chosen.step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
-            f"(trial 1, {format_seconds(first.step_time_s)})"
-            if first.step_time_s
-            else f"while the plan's own choice (trial 1) ended in {first.status}"
-        )
-        say(
-            f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(chosen.step_time_s)} "
-            f"per step, {vs}."
-        )
+    _announce_choice(chosen, trials[0], say)
     if refit is not None:
         say(_refit_line(refit, hw))
     plan = dataclasses.replace(
@@ -670,6 +647,7 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
             "trials": [t.to_json(chosen=t is chosen) for t in trials],
         },
     )
+    one_node = req.gpus <= (req.gpus_per_node or hw.gpus_per_node)
     _write_profile(args, refit, len(measured), one_node, say)
     save_plan(plan, args.out)
     if args.json:
@@ -677,6 +655,85 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
     else:
         say(f"Wrote {args.out}.")
     return 0
+
+
+def _tune_request(args: argparse.Namespace) -> PlanRequest:
+    """The request of ``tune``'s flags, once they are known to measure something and, under
+    torchrun, to match its world size."""
+    if args.steps <= WARMUP_STEPS:
+        raise UserError(
+            f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
+            f"measures nothing; use --steps {WARMUP_STEPS + 1} or more."
+        )
+    check_cost_flags(args)
+    req = request_from_args(args)
+    if _torchrun() and int(os.environ["WORLD_SIZE"]) != req.gpus:
+        raise UserError(
+            f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
+            f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}."
+        )
+    return req
+
+
+def _run_trials(
+    trials: list[Trial],
+    args: argparse.Namespace,
+    where: str,
+    capacity: float,
+    trial_hook: TrialHook | None,
+    say: Callable[..., None],
+) -> None:
+    """Run every trial in turn, in a scratch folder, saying what each did."""
+    with tempfile.TemporaryDirectory(prefix="planner-tune-") as workdir:
+        for trial in trials:
+            say(
+                f"trial {trial.index}/{len(trials)}: {_describe(trial.plan)} (predicted "
+                f"{format_seconds(trial.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ..."
+            )
+            hook = trial_hook(trial.index) if trial_hook else None
+            _run_trial(trial, workdir, args.steps, args.timeout, capacity, hook)
+            if trial.status == "ok" and trial.step_time_s is not None and trial.peak_memory_bytes is not None:
+                say(
+                    f"  measured {format_seconds(trial.step_time_s)} per step, peak "
+                    f"{format_bytes(trial.peak_memory_bytes)} ({trial.wall_s:.0f} s)"
+                )
+            else:
+                say(f"  {trial.status}: {trial.error} (recorded; going on)")
+
+
+def _choose(trials: list[Trial], args: argparse.Namespace) -> Trial | None:
+    """The fastest ``ok`` trial, after printing the table; None (and the error) when none is ok."""
+    ok = [t for t in trials if t.status == "ok"]
+    chosen = min(ok, key=lambda t: (t.step_time_s or 0.0, t.index)) if ok else None
+    out = sys.stderr if args.json else sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 132)  # a log file gets the whole table
+    console.print(_table(trials, chosen))
+    if chosen is None:
+        why = "; ".join(f"trial {t.index} ({_describe(t.plan)}) {t.status}: {t.error}" for t in trials)
+        print(
+            f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
+            f"written; see the table above, or raise --timeout, or re-plan with other pins.",
+            file=sys.stderr,
+        )
+    return chosen
+
+
+def _announce_choice(chosen: Trial, first: Trial, say: Callable[..., None]) -> None:
+    """Which trial won, against the plan's own choice (trial 1)."""
+    step_time_s = chosen.step_time_s or 0.0
+    if chosen is first:
+        say(
+            f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
+            f"{format_seconds(step_time_s)} per step."
+        )
+        return
+    versus = (
+        f"{(1 - step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
+        f"(trial 1, {format_seconds(first.step_time_s)})"
+        if first.step_time_s
+        else f"while the plan's own choice (trial 1) ended in {first.status}"
+    )
+    say(f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(step_time_s)} per step, {versus}.")
 
 
 def _refit_line(refit: Refit, hw: HardwareProfile) -> str:
