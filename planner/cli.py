@@ -29,17 +29,17 @@ from runtime.training.train_config import CliFlag, TrainOptions, cli_flags, defa
 __all__ = ["main", "build_parser", "user_errors"]
 
 
-def _int_at_least(lo: int, what: str):
-    """An argparse type: an integer >= ``lo``, with a message naming what was expected."""
+def _int_at_least(least: int, what: str):
+    """An argparse type: an integer >= ``least``, with a message naming what was expected."""
 
-    def parse(s: str) -> int:
+    def parse(text: str) -> int:
         try:
-            v = int(s)
+            value = int(text)
         except ValueError:
-            v = None
-        if v is None or v < lo:
-            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {s!r}")
-        return v
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text!r}")
+        return value
 
     return parse
 
@@ -48,47 +48,47 @@ _positive_int = _int_at_least(1, "positive")
 _nonneg_int = _int_at_least(0, "non-negative")
 
 
-def _positive_float(s: str) -> float:
+def _positive_float(text: str) -> float:
     try:
-        v = float(s)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
-    return v
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
-def _gpu_counts(s: str) -> list[int]:
+def _gpu_counts(text: str) -> list[int]:
     """``--gpus``: one device count, or a comma-separated list of them (a sweep)."""
-    parts = [x.strip() for x in s.split(",")]
+    parts = [x.strip() for x in text.split(",")]
     out = []
     for x in parts:
         if not x.isdigit() or int(x) < 1:
             raise argparse.ArgumentTypeError(
-                f"must be a positive integer or a comma-separated list of them (64,128,256), got {s!r}"
+                f"must be a positive integer or a comma-separated list of them (64,128,256), got {text!r}"
             )
         out.append(int(x))
     if len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"lists a device count twice: {s!r}")
+        raise argparse.ArgumentTypeError(f"lists a device count twice: {text!r}")
     return out
 
 
 _TOKEN_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
-def _token_count(s: str) -> float:
+def _token_count(text: str) -> float:
     """``--tokens``: a positive count, in plain or scientific notation or with a K/M/B/T suffix."""
-    t = s.strip().replace("_", "").replace(",", "")
-    scale = _TOKEN_SUFFIXES.get(t[-1:].lower(), 1.0) if t else 1.0
+    number = text.strip().replace("_", "").replace(",", "")
+    scale = _TOKEN_SUFFIXES.get(number[-1:].lower(), 1.0) if number else 1.0
     if scale != 1.0:
-        t = t[:-1]
+        number = number[:-1]
     try:
-        v = float(t) * scale
+        value = float(number) * scale
     except ValueError:
-        v = float("nan")
-    if not (v >= 1 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a token count such as 300e9, 300B or 2T, got {s!r}")
-    return v
+        value = float("nan")
+    if not (value >= 1 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a token count such as 300e9, 300B or 2T, got {text!r}")
+    return value
 
 
 #: The argparse type of each kind of settings flag (``runtime.training.train_config.CliFlag.kind`` and
@@ -404,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
 def console_main() -> int:
     """The ``planner`` console script: ``main``, then freeze the heap so that the interpreter's
     exit does not walk every object torch and sympy created (most of a second of a re-plan)."""
-    rc = main()
+    status = main()
     gc.freeze()
-    return rc
+    return status
 
 
 if __name__ == "__main__":

@@ -80,23 +80,23 @@ def _fail(where: str, msg: str) -> NoReturn:
     raise PlanError(f"plan: {where} {msg}")
 
 
-def _check_int(where: str, v: Any, lo: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        _fail(where, f"must be an integer, got {v!r}.")
-    if lo is not None and v < lo:
-        _fail(where, f"must be >= {lo}, got {v}.")
+def _check_int(where: str, value: Any, least: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where, f"must be an integer, got {value!r}.")
+    if least is not None and value < least:
+        _fail(where, f"must be >= {least}, got {value}.")
 
 
-def _check_num(where: str, v: Any, lo: float | None = 0.0) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        _fail(where, f"must be a finite number, got {v!r}.")
-    if lo is not None and v < lo:
-        _fail(where, f"must be >= {lo}, got {v}.")
+def _check_num(where: str, value: Any, least: float | None = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(where, f"must be a finite number, got {value!r}.")
+    if least is not None and value < least:
+        _fail(where, f"must be >= {least}, got {value}.")
 
 
-def _check_str(where: str, v: Any) -> None:
-    if not isinstance(v, str) or not v:
-        _fail(where, f"must be a non-empty string, got {v!r}.")
+def _check_str(where: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        _fail(where, f"must be a non-empty string, got {value!r}.")
 
 
 @dataclass
@@ -128,8 +128,8 @@ class ModelInfo:
         _check_num("model.flops_per_step", self.flops_per_step)
         if not isinstance(self.sizes, dict):
             _fail("model.sizes", "must be an object.")
-        for k, v in self.sizes.items():
-            _check_int(f"model.sizes.{k}", v, 1)
+        for k, size in self.sizes.items():
+            _check_int(f"model.sizes.{k}", size, 1)
         if not isinstance(self.layer_names, list) or not all(isinstance(n, str) for n in self.layer_names):
             _fail("model.layer_names", "must be a list of strings.")
         if not isinstance(self.inputs, list):
@@ -204,14 +204,14 @@ class Predicted:
             _check_num(f"predicted.{k}", getattr(self, k))
         _check_int("predicted.peak_memory_bytes", self.peak_memory_bytes, 0)
         for name, keys in (("memory", MEMORY_KEYS), ("time", TIME_KEYS)):
-            d = getattr(self, name)
-            if not isinstance(d, dict):
+            parts = getattr(self, name)
+            if not isinstance(parts, dict):
                 _fail(f"predicted.{name}", "must be an object.")
-            missing = [k for k in keys if k not in d]
+            missing = [k for k in keys if k not in parts]
             if missing:
                 _fail(f"predicted.{name}", f"is missing {missing}.")
-            for k, v in d.items():
-                _check_num(f"predicted.{name}.{k}", v)
+            for k, amount in parts.items():
+                _check_num(f"predicted.{name}.{k}", amount)
         if self.cost is not None:
             _check_run_cost(self.cost)
         if self.memory["total"] != self.peak_memory_bytes:
@@ -234,8 +234,8 @@ def _check_run_cost(cost: Any) -> None:
     parts = cost["by_part"]
     if not isinstance(parts, dict) or [k for k in TIME_KEYS if k not in parts]:
         _fail("predicted.cost.by_part", f"must be an object with the keys of predicted.time {list(TIME_KEYS)}.")
-    for k, v in parts.items():
-        _check_num(f"predicted.cost.by_part.{k}", v)
+    for k, amount in parts.items():
+        _check_num(f"predicted.cost.by_part.{k}", amount)
 
 
 @dataclass
@@ -492,7 +492,7 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
+        full = asdict(self)
         order = [
             "schema_version",
             "model",
@@ -518,7 +518,7 @@ class Plan:
             "solver",
             "alternatives",
         ]
-        out = {k: d[k] for k in order}
+        out = {k: full[k] for k in order}
         for alt in out["alternatives"]:  # a runner-up names its offload only when it has one
             if alt["offload"] == NO_OFFLOAD:
                 del alt["offload"]
@@ -527,27 +527,29 @@ class Plan:
         if out["predicted"].get("cost") is None:
             out["predicted"].pop("cost", None)
         if self.measured is not None:
-            out["measured"] = d["measured"]
+            out["measured"] = full["measured"]
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Plan":
-        if not isinstance(d, dict):
+    def from_dict(cls, data: Any) -> "Plan":
+        if not isinstance(data, dict):
             _fail("file", "must hold a JSON object.")
-        d = dict(d)
+        data = dict(data)
         subs = {"model": ModelInfo, "hardware": HardwareInfo, "predicted": Predicted, "solver": SolverInfo}
         for key, sub in subs.items():
-            if key not in d:
+            if key not in data:
                 _fail("plan", f"is missing the field {key!r} (a plan.json written by `planner plan` has it).")
-            d[key] = _build(sub, d[key], key)
-        alts = d.get("alternatives", [])
+            data[key] = _build(sub, data[key], key)
+        alts = data.get("alternatives", [])
         if not isinstance(alts, list):
             _fail("alternatives", "must be a list.")
-        d["alternatives"] = [_build(Alternative, a, f"alternatives[{i}]") for i, a in enumerate(alts)]
-        return _build(cls, d, "plan")
+        data["alternatives"] = [
+            _build(Alternative, alternative, f"alternatives[{i}]") for i, alternative in enumerate(alts)
+        ]
+        return _build(cls, data, "plan")
 
 
 def _check_layer_list(name: str, layers: Any, n_rows: int) -> None:
@@ -582,15 +584,15 @@ def _check_offload(offload: Any, zero_stage: int) -> None:
         )
 
 
-def _build(cls, d: Any, where: str):
-    if not isinstance(d, dict):
-        _fail(where, f"must be a JSON object, got {type(d).__name__}.")
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        _fail(where, f"must be a JSON object, got {type(data).__name__}.")
     names = {f.name for f in fields(cls)}
     required = {f.name for f in fields(cls) if f.default is f.default_factory is MISSING}
-    missing = sorted(required - set(d))
+    missing = sorted(required - set(data))
     if missing:
         _fail(where, f"is missing the field(s) {missing}.")
-    return cls(**{k: v for k, v in d.items() if k in names})
+    return cls(**{k: value for k, value in data.items() if k in names})
 
 
 def load_plan(path: str) -> Plan:
@@ -615,8 +617,8 @@ def load_plan(path: str) -> Plan:
 def save_plan(plan: Plan, path: str) -> None:
     """Write atomically: a crash mid-write never leaves a truncated plan.json behind."""
     tmp = f"{path}.tmp{os.getpid()}"
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(plan.to_json())
@@ -629,9 +631,9 @@ def save_plan(plan: Plan, path: str) -> None:
 
 def plan_hash(plan: Plan) -> str:
     """Stable hash of the decisions (not the predictions) of a plan."""
-    d = plan.to_dict()
+    data = plan.to_dict()
     keep = {
-        k: d[k]
+        k: data[k]
         for k in (
             "model",
             "hardware",
@@ -650,6 +652,6 @@ def plan_hash(plan: Plan) -> str:
     }
     # added by the second milestone: part of the hash only when used, so older plans keep theirs
     for k in ("selective_layers", "sequence_parallel"):
-        if d[k]:
-            keep[k] = d[k]
+        if data[k]:
+            keep[k] = data[k]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

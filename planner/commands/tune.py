@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
@@ -535,7 +535,7 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
     elif status == 0 and local:
         error = f"wrote {len(lines)} of {steps} metrics lines"
     trial.status = trial_status(finished, error, timed_out, trial.peak_memory_bytes, capacity)
-    if trial.status == "out of memory" and finished:
+    if trial.status == "out of memory" and finished and trial.peak_memory_bytes is not None:
         error = (
             f"measured peak {format_bytes(trial.peak_memory_bytes)} per device is above the "
             f"{format_bytes(capacity)} the plan must fit in"
@@ -576,20 +576,24 @@ def _pricer(req, table, hw: HardwareProfile, strategies: list) -> Callable:
     return price
 
 
+#: The trials table's columns and how each is aligned.
+_TABLE_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("#", "right"),
+    ("dp/tp/pp", "left"),
+    ("ZeRO", "right"),
+    ("micro-batch", "right"),
+    ("recompute", "right"),
+    ("predicted", "right"),
+    ("measured", "right"),
+    ("meas/pred", "right"),
+    ("peak memory", "right"),
+    ("status", "left"),
+)
+
+
 def _table(trials: list[Trial], chosen: Trial | None) -> Table:
     table = Table(title=f"planner tune: {len(trials)} candidate{'s' if len(trials) != 1 else ''} run here")
-    for name, justify in (
-        ("#", "right"),
-        ("dp/tp/pp", "left"),
-        ("ZeRO", "right"),
-        ("micro-batch", "right"),
-        ("recompute", "right"),
-        ("predicted", "right"),
-        ("measured", "right"),
-        ("meas/pred", "right"),
-        ("peak memory", "right"),
-        ("status", "left"),
-    ):
+    for name, justify in _TABLE_COLUMNS:
         table.add_column(name, justify=justify)
     for trial in trials:
         plan = trial.plan
