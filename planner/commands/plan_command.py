@@ -83,12 +83,14 @@ def with_cost(plan: Plan, tokens: float | None, price: float | None) -> Plan:
     """``plan`` with ``predicted.cost`` for a run of ``tokens`` tokens (unchanged without them)."""
     if tokens is None:
         return plan
-    p = plan.predicted
-    cost = run_cost(tokens, plan.global_batch * plan.seq_len, p.step_time_s, p.time, plan.hardware.gpus, price)
-    return replace(plan, predicted=replace(p, cost=cost))
+    predicted = plan.predicted
+    cost = run_cost(
+        tokens, plan.global_batch * plan.seq_len, predicted.step_time_s, predicted.time, plan.hardware.gpus, price
+    )
+    return replace(plan, predicted=replace(predicted, cost=cost))
 
 
-def check_cost_flags(args) -> None:
+def check_cost_flags(args: argparse.Namespace) -> None:
     """A price without a token count prices nothing: say so instead of ignoring it."""
     if getattr(args, "price_per_gpu_hour", None) is not None and getattr(args, "tokens", None) is None:
         raise UserError(
@@ -118,7 +120,7 @@ def request_from_args(args: argparse.Namespace, gpus: int | None = None) -> Plan
     return PlanRequest(gpus=gpus, sizes=sizes, **settings)
 
 
-def run_plan(args) -> int:
+def run_plan(args: argparse.Namespace) -> int:
     """``planner plan ...`` for one cluster size: search, write plan.json, print the report (or
     only the JSON). A list of sizes is ``planner.commands.sweep.run_sweep``."""
     check_cost_flags(args)
