@@ -21,11 +21,10 @@ A trial ends in one of four states (``TRIAL_STATUSES``):
   which the live-tensor peak does not count).
 
 A failed trial is recorded and the next one runs: tune never waits on a dead trial longer than
-its timeout and never stops at one. (Under torchrun that holds for a rank that raises; a rank
-process that dies makes torchrun's agent stop the whole job, as it does for ``train``.) The
-fastest ``ok`` trial becomes plan.json (written once, at the end, atomically) with a ``measured``
-section: its step time and peak, and every trial (``Trial.to_json``). When no trial is ``ok`` the
-command prints the table and one error naming each failure, writes nothing and exits 1.
+its timeout and never stops at one. The fastest ``ok`` trial becomes plan.json (written once, at
+the end, atomically) with a ``measured`` section: its step time and peak, and every trial
+(``Trial.to_json``). When no trial is ``ok`` the command prints the table and one error naming
+each failure, writes nothing and exits 1.
 
 The measured trials also refit the hardware profile (``refit_profile``: the compute efficiency
 and per-operator cost, the links' speed and the cost of a blocking collective, from measured
@@ -321,8 +320,8 @@ def refit_profile(
     and nearly so on GPUs (a layer's time is the larger of device and host time): each part's
     slope in a term is the difference of two pricings. Bounds: ``f, g >= 1e-3``, ``o, s >= 0``.
     ``o`` and ``s`` are fit only from three trials or more that tell them from ``f`` and ``g``
-    (``fit_bounded``), else they keep the profile's values and ``f``, ``g`` absorb them. The optimizer
-    step and the memory bandwidth are not refit. None when no trial was measured.
+    (``fit_bounded``), else they keep the profile's values and ``f``, ``g`` absorb them. None when
+    no trial was measured.
     """
     trials = [trial for trial in trials if trial.get("step_time_s")]
     if not trials:
