@@ -164,6 +164,7 @@ def _add_plan_command(commands: Any) -> None:
         "plan", help="choose DP/TP/PP degrees, ZeRO stage, micro-batching and checkpointing for a cluster"
     )
     _add_request_args(parser)
+    # Where the plan goes and how it is shown: the command's, not the request's (the search never reads them).
     parser.add_argument(
         "--out",
         default="plan.json",
@@ -251,6 +252,7 @@ def _add_validate_command(commands: Any) -> None:
 def _add_tune_command(commands: Any) -> None:
     parser = commands.add_parser("tune", help="plan, run the best candidates here and keep the fastest that fits")
     _add_request_args(parser)
+    # How the candidates run and where the results go: the command's, not the request's.
     parser.add_argument(
         "--candidates",
         type=_positive_int,
