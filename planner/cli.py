@@ -10,25 +10,36 @@ import argparse
 import gc
 import importlib
 import sys
-from typing import Any
+from dataclasses import MISSING, Field
+from typing import Any, Callable, Iterable
 
-from runtime.contract.dtype_table import DTYPES
-from runtime.training.train_config import TrainOptions, cli_flags, default_of
+import planner.frontend.model_analysis as model_analysis
+from codegen.codegen_errors import CodegenError, LoweringError, TPRewriteError, UnsafeNameError
+from cost_models.hardware import ProfileError
+from passes.core import PassError
+from planner.commands.calibrate_common import CalibrationError
+from planner.errors import UserError
+from planner.frontend.frontend_errors import ModelError
+from planner.plan import PlanError
+from planner.search.request import PlanFlag, PlanRequest
+from planner.search.search_errors import NoFeasiblePlan, SearchError
+from runtime.contract.input_errors import DataError
+from runtime.training.train_config import CliFlag, TrainOptions, cli_flags, default_of
 
-__all__ = ["main", "build_parser", "user_errors"]  # and USER_ERRORS, computed on access (__getattr__)
+__all__ = ["main", "build_parser", "user_errors"]
 
 
-def _int_at_least(lo: int, what: str):
-    """An argparse type: an integer >= ``lo``, with a message naming what was expected."""
+def _int_at_least(least: int, what: str):
+    """An argparse type: an integer >= ``least``, with a message naming what was expected."""
 
-    def parse(s: str) -> int:
+    def parse(text: str) -> int:
         try:
-            v = int(s)
+            value = int(text)
         except ValueError:
-            v = None
-        if v is None or v < lo:
-            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {s!r}")
-        return v
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text!r}")
+        return value
 
     return parse
 
@@ -37,83 +48,97 @@ _positive_int = _int_at_least(1, "positive")
 _nonneg_int = _int_at_least(0, "non-negative")
 
 
-def _positive_float(s: str) -> float:
+def _positive_float(text: str) -> float:
     try:
-        v = float(s)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
-    return v
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
-def _gpu_counts(s: str) -> list[int]:
+def _gpu_counts(text: str) -> list[int]:
     """``--gpus``: one device count, or a comma-separated list of them (a sweep)."""
-    parts = [x.strip() for x in s.split(",")]
+    parts = [x.strip() for x in text.split(",")]
     out = []
     for x in parts:
         if not x.isdigit() or int(x) < 1:
             raise argparse.ArgumentTypeError(
-                f"must be a positive integer or a comma-separated list of them (64,128,256), got {s!r}"
+                f"must be a positive integer or a comma-separated list of them (64,128,256), got {text!r}"
             )
         out.append(int(x))
     if len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"lists a device count twice: {s!r}")
+        raise argparse.ArgumentTypeError(f"lists a device count twice: {text!r}")
     return out
 
 
 _TOKEN_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
-def _token_count(s: str) -> float:
+def _token_count(text: str) -> float:
     """``--tokens``: a positive count, in plain or scientific notation or with a K/M/B/T suffix."""
-    t = s.strip().replace("_", "").replace(",", "")
-    scale = _TOKEN_SUFFIXES.get(t[-1:].lower(), 1.0) if t else 1.0
+    number = text.strip().replace("_", "").replace(",", "")
+    scale = _TOKEN_SUFFIXES.get(number[-1:].lower(), 1.0) if number else 1.0
     if scale != 1.0:
-        t = t[:-1]
+        number = number[:-1]
     try:
-        v = float(t) * scale
+        value = float(number) * scale
     except ValueError:
-        v = float("nan")
-    if not (v >= 1 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a token count such as 300e9, 300B or 2T, got {s!r}")
-    return v
+        value = float("nan")
+    if not (value >= 1 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a token count such as 300e9, 300B or 2T, got {text!r}")
+    return value
 
 
-#: The argparse type of each kind of settings flag (``runtime.training.train_config.CliFlag.kind``; ``switch``
-#: flags take no value).
-_FLAG_TYPES = {
+#: The argparse type of each kind of settings flag (``runtime.training.train_config.CliFlag.kind`` and
+#: ``planner.search.request.PlanFlag.kind``; ``switch`` flags take no value, ``repeated`` ones append).
+_FLAG_TYPES: dict[str, Callable[[str], Any] | None] = {
     "str": None,
+    "int": int,
     "float": float,
     "positive_float": _positive_float,
     "positive_int": _positive_int,
     "nonneg_int": _nonneg_int,
+    "gpu_counts": _gpu_counts,
+    "token_count": _token_count,
 }
 
 
-def _add_setting_flags(p: argparse.ArgumentParser, settings) -> None:
+def _flag_default(setting: Field, flag: CliFlag) -> Any:
+    """What argparse stores for an absent flag: the setting's default, or None for a setting without
+    a plain default and for a plan flag that maps its value (``to_setting`` makes the setting of None)."""
+    if setting.default is MISSING or (isinstance(flag, PlanFlag) and flag.to_setting is not None):
+        return None
+    return setting.default
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser, settings: Iterable[tuple[Field, CliFlag]]) -> None:
     """One flag per ``(field, CliFlag)`` of ``settings`` (``runtime.training.train_config.cli_flags``): its kind's
-    type, the field's default (a switch is off by default), its help and metavar."""
-    for f, flag in settings:
+    type, the field's default (a switch is off by default), its help, metavar and choices."""
+    for setting, flag in settings:
         if flag.kind == "switch":
-            p.add_argument(flag.flag, action="store_true", help=flag.help)
-        elif flag.required:
-            p.add_argument(flag.flag, type=_FLAG_TYPES[flag.kind], required=True, metavar=flag.metavar, help=flag.help)
+            parser.add_argument(flag.flag, action="store_true", help=flag.help)
+            continue
+        options: dict[str, Any] = {"metavar": flag.metavar, "help": flag.help}
+        if flag.kind == "repeated":
+            options["action"] = "append"
         else:
-            p.add_argument(
-                flag.flag, type=_FLAG_TYPES[flag.kind], default=f.default, metavar=flag.metavar, help=flag.help
-            )
+            options["type"] = _FLAG_TYPES[flag.kind]
+        if isinstance(flag, PlanFlag) and flag.choices is not None:
+            options["choices"] = flag.choices
+        if flag.required:
+            options["required"] = True
+        else:
+            options["default"] = _flag_default(setting, flag)
+        parser.add_argument(flag.flag, **options)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        metavar="SPEC",
-        help="gpt | gpt2 | gpt2-xl | gpt3-175b | hf:gpt2 | hf:llama | hf:bert | hf:PATH (a local HF "
-        "model directory) | file.py:factory",
-    )
-    for flag, help_ in (
+def _add_model_size_args(parser: argparse.ArgumentParser) -> None:
+    """The model-size flags. They are not ``PlanRequest`` fields: together they fill its one
+    ``sizes`` dict (``planner.commands.plan_command.SIZE_FLAGS``), and ``--help`` lists them
+    right after ``--model``."""
+    for flag, help_text in (
         ("--layers", "transformer blocks"),
         ("--hidden", "model width"),
         ("--heads", "attention heads"),
@@ -121,147 +146,49 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         ("--ffn", "MLP inner width"),
         ("--vocab", "vocabulary size"),
     ):
-        p.add_argument(flag, type=_positive_int, default=None, help=help_)
+        parser.add_argument(flag, type=_positive_int, default=None, help=help_text)
 
 
-def _add_request_args(p: argparse.ArgumentParser) -> None:
-    """The planning request's flags (model, cluster, batch, pins), shared by ``plan`` and ``tune``."""
-    _add_model_args(p)
-    p.add_argument(
-        "--gpus",
-        type=_gpu_counts,
-        required=True,
-        metavar="N[,N...]",
-        help="devices in the cluster; a comma-separated list (64,128,256) plans each size and compares them",
-    )
-    p.add_argument(
-        "--gpus-per-node", type=_positive_int, default=None, help="devices per node (default: the hardware profile's)"
-    )
-    p.add_argument(
-        "--hardware",
-        required=True,
-        metavar="KIND|profile.json",
-        help="a100-40gb, a100-80gb, h100-sxm, h200, v100-32gb, cpu, or a profile JSON",
-    )
-    p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--dp", type=_positive_int, default=None, help="pin the data-parallel degree")
-    p.add_argument("--tp", type=_positive_int, default=None, help="pin the tensor-parallel degree")
-    p.add_argument("--pp", type=_positive_int, default=None, help="pin the pipeline degree")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
-    p.add_argument("--micro-batch", type=_positive_int, default=None, help="pin the micro-batch size")
-    p.add_argument(
-        "--checkpoint",
-        choices=("auto", "none", "selective", "all"),
-        default="auto",
-        help="activation recompute: chosen per layer, whole or only its attention core (auto); "
-        "never; the attention core of every block (selective); every block whole (all)",
-    )
-    p.add_argument("--memory-headroom", type=float, default=0.9, help="usable fraction of device memory (default 0.9)")
-    p.add_argument("--tp-across-nodes", action="store_true", help="allow tensor parallelism across nodes")
-    p.add_argument(
-        "--input",
-        action="append",
-        default=None,
-        metavar="NAME=ROLE",
-        help="what training feeds a model input the planner cannot infer (repeatable): "
-        "tokens, labels, targets, ones, zeros or positions",
-    )
-    p.add_argument(
-        "--tokens",
-        type=_token_count,
-        default=None,
-        metavar="N",
-        help="tokens the whole run trains on (300e9, 2T, 500B): adds its days, GPU-hours and "
-        "cost to the plan, and is what compiling must pay back over",
-    )
-    p.add_argument(
-        "--compile",
-        choices=("on", "off"),
-        default=None,
-        help="run each layer class under torch.compile (on) or eagerly (off); default: the "
-        "planner compiles when the per-step saving repays the compile time over the run "
-        "(--tokens, else 1,000 steps)",
-    )
-    p.add_argument(
-        "--price-per-gpu-hour",
-        type=_positive_float,
-        default=None,
-        metavar="X",
-        help="what one device costs per hour (any currency): the cost in money, with --tokens",
-    )
-    p.add_argument(
-        "--offload-optimizer",
-        choices=("none", "cpu", "nvme"),
-        default=None,
-        help="where the optimizer state lives and AdamW runs: the device (none), host memory "
-        "(cpu, ZeRO-Offload) or NVMe files (nvme, ZeRO-Infinity); default: the planner "
-        "offloads only where it pays (a plan that does not fit otherwise, or fits only "
-        "with more recompute or smaller micro-batches)",
-    )
-    p.add_argument(
-        "--offload-params",
-        choices=("none", "cpu", "nvme"),
-        default=None,
-        help="where the ZeRO-3 parameter shards live: the device (none), host memory (cpu) or "
-        "NVMe files (nvme), fetched layer by layer ahead of use; default: searched",
-    )
-    p.add_argument(
-        "--sequence-parallel",
-        choices=("on", "off"),
-        default=None,
-        help="pin sequence parallelism in the tensor-parallel regions (norms, residuals and dropout on "
-        "seq_len / tp positions per rank; default: searched where tp > 1)",
-    )
-    p.add_argument(
-        "--schedule",
-        choices=("1f1b", "interleaved", "zero-bubble"),
-        default=None,
-        help="pin the pipeline schedule: 1f1b, interleaved (v model chunks per pipeline rank: a "
-        "v-fold smaller bubble for v times the sends) or zero-bubble (ZB-H1: weight gradients "
-        "fill the bubble); default: the planner prices each and keeps the fastest that fits",
-    )
-    p.add_argument(
-        "--virtual-stages",
-        type=_positive_int,
-        default=None,
-        metavar="V",
-        help="pin the model chunks per pipeline rank of --schedule interleaved (default: searched)",
-    )
+def _add_request_args(parser: argparse.ArgumentParser) -> None:
+    """The planning request's flags (model, cluster, batch, pins), shared by ``plan`` (and its
+    sweep) and ``tune``: one per ``PlanRequest`` field with a ``PlanFlag``, in field order, the
+    model-size flags after ``--model``."""
+    for setting, flag in cli_flags(PlanRequest):
+        _add_setting_flags(parser, [(setting, flag)])
+        if setting.name == "spec":
+            _add_model_size_args(parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="planner", description="Plan, compile and run parallel training strategies for PyTorch models."
-    )
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    p = sub.add_parser(
+def _add_plan_command(commands: Any) -> None:
+    parser = commands.add_parser(
         "plan", help="choose DP/TP/PP degrees, ZeRO stage, micro-batching and checkpointing for a cluster"
     )
-    _add_request_args(p)
-    p.add_argument(
+    _add_request_args(parser)
+    # Where the plan goes and how it is shown: the command's, not the request's (the search never reads them).
+    parser.add_argument(
         "--out",
         default="plan.json",
         help="where to write the plan (default plan.json; a sweep writes one per size, plan-64gpus.json ...)",
     )
-    p.add_argument("--json", action="store_true", help="print only the plan JSON on stdout (a sweep: a list)")
-    p.add_argument(
+    parser.add_argument("--json", action="store_true", help="print only the plan JSON on stdout (a sweep: a list)")
+    parser.add_argument(
         "--plot",
         metavar="FILE.png",
         default=None,
         help="draw the schedule and memory (a sweep: time and cost against the device count)",
     )
 
-    p = sub.add_parser("compile", help="lower a plan into per-stage Python modules")
-    p.add_argument("plan")
-    p.add_argument("--out", required=True, metavar="DIR")
 
-    p = sub.add_parser("train", help="train a plan on local processes or under torchrun")
-    p.add_argument("plan")
-    p.add_argument(
+def _add_compile_command(commands: Any) -> None:
+    parser = commands.add_parser("compile", help="lower a plan into per-stage Python modules")
+    parser.add_argument("plan")
+    parser.add_argument("--out", required=True, metavar="DIR")
+
+
+def _add_train_command(commands: Any) -> None:
+    parser = commands.add_parser("train", help="train a plan on local processes or under torchrun")
+    parser.add_argument("plan")
+    parser.add_argument(
         "--nproc",
         type=_positive_int,
         default=None,
@@ -269,32 +196,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The training settings' flags (runtime.training.train_config.TrainOptions), --no-memory-tracking after
     # --compiled as --help has always listed them.
-    settings = {f.name: (f, flag) for f, flag in cli_flags(TrainOptions)}
+    settings = {setting.name: (setting, flag) for setting, flag in cli_flags(TrainOptions)}
     last = settings.pop("track_memory")
-    _add_setting_flags(p, settings.values())
-    p.add_argument(
+    _add_setting_flags(parser, settings.values())
+    parser.add_argument(
         "--compiled", default=None, metavar="DIR", help="where to compile the plan (default: a folder beside plan.json)"
     )
-    _add_setting_flags(p, [last])
+    _add_setting_flags(parser, [last])
 
-    p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile")
-    p.add_argument(
+
+def _add_calibrate_command(commands: Any) -> None:
+    parser = commands.add_parser("calibrate", help="measure this machine and write a hardware profile")
+    parser.add_argument(
         "--nproc",
         type=_positive_int,
         default=None,
         help="CPU: processes to time collectives between (default 2); CUDA: local GPUs to run the "
         "NCCL collectives over (default all)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="measure local GPUs over NCCL (cuda), CPU processes over gloo (cpu), or cuda when "
         "PyTorch sees a GPU (auto)",
     )
-    p.add_argument("--out", required=True, metavar="profile.json")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    p.add_argument(
+    parser.add_argument("--out", required=True, metavar="profile.json")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument(
         "--nvme-path",
         default=None,
         metavar="DIR",
@@ -302,14 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
         "offload tier (default: the system's temporary directory)",
     )
 
-    p = sub.add_parser("validate", help="run a plan here and compare predicted with measured")
-    p.add_argument("plan")
-    p.add_argument("--nproc", type=_positive_int, required=True)
-    p.add_argument("--steps", type=_positive_int, required=True)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--seed", type=_nonneg_int, default=default_of("seed"))
-    p.add_argument("--timeout", type=_positive_float, default=default_of("timeout_s"))
-    p.add_argument(
+
+def _add_validate_command(commands: Any) -> None:
+    parser = commands.add_parser("validate", help="run a plan here and compare predicted with measured")
+    parser.add_argument("plan")
+    parser.add_argument("--nproc", type=_positive_int, required=True)
+    parser.add_argument("--steps", type=_positive_int, required=True)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--seed", type=_nonneg_int, default=default_of("seed"))
+    parser.add_argument("--timeout", type=_positive_float, default=default_of("timeout_s"))
+    parser.add_argument(
         "--nvme-path",
         default=None,
         metavar="DIR",
@@ -317,19 +248,22 @@ def build_parser() -> argparse.ArgumentParser:
         "temporary folder, removed afterwards)",
     )
 
-    p = sub.add_parser("tune", help="plan, run the best candidates here and keep the fastest that fits")
-    _add_request_args(p)
-    p.add_argument(
+
+def _add_tune_command(commands: Any) -> None:
+    parser = commands.add_parser("tune", help="plan, run the best candidates here and keep the fastest that fits")
+    _add_request_args(parser)
+    # How the candidates run and where the results go: the command's, not the request's.
+    parser.add_argument(
         "--candidates",
         type=_positive_int,
         default=3,
         metavar="K",
         help="how many of the search's best strategies to run (default 3)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--steps", type=_positive_int, default=5, help="steps per candidate, the first 2 warm-up (default 5)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--timeout",
         type=_positive_float,
         default=default_of("timeout_s"),
@@ -337,38 +271,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="a candidate still running after this long (or a collective waiting this long) "
         "is stopped and recorded as timed out",
     )
-    p.add_argument(
+    parser.add_argument(
         "--profile-out",
         default=None,
         metavar="profile.json",
         help="write the hardware profile refit from the measured candidates",
     )
-    p.add_argument("--out", default="plan.json", help="where to write the chosen plan (default plan.json)")
-    p.add_argument("--json", action="store_true", help="print only the chosen plan's JSON on stdout")
+    parser.add_argument("--out", default="plan.json", help="where to write the chosen plan (default plan.json)")
+    parser.add_argument("--json", action="store_true", help="print only the chosen plan's JSON on stdout")
 
-    p = sub.add_parser("export", help="export a plan or checkpoint to another format")
-    esub = p.add_subparsers(dest="format", metavar="FORMAT")
-    esub.required = True
-    e = esub.add_parser("deepspeed", help="write the equivalent DeepSpeed ds_config.json")
-    e.add_argument("plan")
-    e.add_argument("--out", default="ds_config.json")
-    e.add_argument(
+
+def _add_export_command(commands: Any) -> None:
+    parser = commands.add_parser("export", help="export a plan or checkpoint to another format")
+    formats = parser.add_subparsers(dest="format", metavar="FORMAT")
+    formats.required = True
+    exporter = formats.add_parser("deepspeed", help="write the equivalent DeepSpeed ds_config.json")
+    exporter.add_argument("plan")
+    exporter.add_argument("--out", default="ds_config.json")
+    exporter.add_argument(
         "--nvme-path",
         default=None,
         metavar="DIR",
         help="the node-local NVMe drive's folder for a plan that offloads to nvme (zero_optimization's nvme_path)",
     )
-    e = esub.add_parser("weights", help="consolidate a checkpoint into one safetensors file")
-    e.add_argument("checkpoint")
-    e.add_argument("--out", default="model.safetensors")
-    e = esub.add_parser(
+    exporter = formats.add_parser("weights", help="consolidate a checkpoint into one safetensors file")
+    exporter.add_argument("checkpoint")
+    exporter.add_argument("--out", default="model.safetensors")
+    exporter = formats.add_parser(
         "hf",
         help="write a checkpoint of an hf: model as an HF model directory "
         "(config.json + model.safetensors, loadable with from_pretrained)",
     )
-    e.add_argument("checkpoint", help="a step-N checkpoint, or a --checkpoint-dir (its newest)")
-    e.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist or be empty)")
-    return ap
+    exporter.add_argument("checkpoint", help="a step-N checkpoint, or a --checkpoint-dir (its newest)")
+    exporter.add_argument(
+        "--out", required=True, metavar="DIR", help="the directory to write (must not exist or be empty)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser, in the order ``planner --help`` lists them."""
+    parser = argparse.ArgumentParser(
+        prog="planner", description="Plan, compile and run parallel training strategies for PyTorch models."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    for add_command in (
+        _add_plan_command,
+        _add_compile_command,
+        _add_train_command,
+        _add_calibrate_command,
+        _add_validate_command,
+        _add_tune_command,
+        _add_export_command,
+    ):
+        add_command(commands)
+    return parser
 
 
 #: Each command's driver as (module, function), imported when the command runs: the drivers of
@@ -397,45 +354,39 @@ def _run(args) -> int:
     if name == "plan" and len(args.gpus) > 1:
         name = "sweep"
     if name in ("plan", "sweep", "tune"):  # one process per command: freezing imports is safe
-        importlib.import_module("planner.frontend.model_analysis").FREEZE_IMPORTS = True
+        model_analysis.FREEZE_IMPORTS = True
     return _driver(name)(args)
 
 
-#: Every layer's bad-input error, by module and name: each becomes one paragraph on stderr and exit
-#: status 2. (A checkpoint that fails while training is a failed run, exit 1, not bad input.)
-_USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
-    ("planner.frontend.frontend_errors", "ModelError"),  # planner.frontend
-    ("passes.core", "PassError"),  # passes
-    ("cost_models.hardware", "ProfileError"),  # cost_models
-    ("planner.search.search_errors", "SearchError"),
-    ("planner.search.search_errors", "NoFeasiblePlan"),
-    ("planner.plan", "PlanError"),  # planner.plan
-    ("codegen.codegen_errors", "CodegenError"),
-    ("codegen.codegen_errors", "LoweringError"),
-    ("codegen.codegen_errors", "UnsafeNameError"),
-    ("codegen.codegen_errors", "TPRewriteError"),
-    ("runtime.stages.compiled_stages", "CompiledError"),
-    ("runtime.contract.input_errors", "DataError"),  # runtime
-    ("planner.commands.calibrate", "CalibrationError"),
-    ("planner.errors", "UserError"),
+#: Every layer's bad-input error: each becomes one paragraph on stderr and exit status 2. (A
+#: checkpoint that fails while training is a failed run, exit 1, not bad input.)
+_USER_ERRORS: tuple[type[BaseException], ...] = (
+    ModelError,  # planner.frontend
+    PassError,  # passes
+    ProfileError,  # cost_models
+    SearchError,  # planner.search
+    NoFeasiblePlan,
+    PlanError,  # planner.plan
+    CodegenError,  # codegen
+    LoweringError,
+    UnsafeNameError,
+    TPRewriteError,
+    DataError,  # runtime
+    CalibrationError,  # planner.commands
+    UserError,  # planner
 )
 
-
-def user_errors(loaded_only: bool = True) -> tuple[type[BaseException], ...]:
-    """The classes of ``_USER_ERROR_NAMES``. ``loaded_only``: those whose module is imported (a
-    command can only raise an error of a module it imported, so ``main`` imports nothing more)."""
-    out = []
-    for module, name in _USER_ERROR_NAMES:
-        mod = sys.modules.get(module) if loaded_only else importlib.import_module(module)
-        if mod is not None:
-            out.append(getattr(mod, name))
-    return tuple(out)
+#: The module of the one bad-input error that cannot be imported here: it imports torch, which a
+#: re-plan from the layer-table cache never needs (``CompiledError``, a compiled stage folder that
+#: does not match its plan).
+_COMPILED_STAGES = "runtime.stages.compiled_stages"
 
 
-def __getattr__(name: str) -> Any:
-    if name == "USER_ERRORS":  # every error type, importing each layer (tests and tools use it)
-        return user_errors(loaded_only=False)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Every bad-input error a command may have raised: ``_USER_ERRORS``, and ``CompiledError`` once
+    its module is imported (a command that never imported it cannot have raised it)."""
+    compiled_stages = sys.modules.get(_COMPILED_STAGES)
+    return _USER_ERRORS + ((compiled_stages.CompiledError,) if compiled_stages is not None else ())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
 def console_main() -> int:
     """The ``planner`` console script: ``main``, then freeze the heap so that the interpreter's
     exit does not walk every object torch and sympy created (most of a second of a re-plan)."""
-    rc = main()
+    status = main()
     gc.freeze()
-    return rc
+    return status
 
 
 if __name__ == "__main__":

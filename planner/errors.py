@@ -2,7 +2,7 @@
 
 Each layer of ``planner`` raises its own subclass (``ModelError`` in the front end, ``SearchError``
 in the search, ``PlanError`` for plan.json, ``CalibrationError`` ...); the CLI lists them with the
-other packages' error types (``planner.cli.USER_ERRORS``) and turns each into one paragraph on
+other packages' error types (``planner.cli.user_errors``) and turns each into one paragraph on
 stderr and exit status 2.
 """
 

@@ -14,9 +14,10 @@ import json
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from planner.errors import UserError
+from runtime.contract.choices import ZERO_STAGES, OffloadTier, ScheduleName, names
 from runtime.contract.data_roles import INPUT_ROLES
 from runtime.contract.dtype_table import DTYPES
 
@@ -46,11 +47,11 @@ __all__ = [
 SCHEMA_VERSION = 1
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
 COST_KEYS = ("tokens", "days", "gpu_hours", "money", "by_part")
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+SCHEDULES = names(ScheduleName)
 """The pipeline schedules a plan may name (plan.json ``schedule``)."""
 
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
-OFFLOAD_TIERS = ("none", "cpu", "nvme")
+OFFLOAD_TIERS = names(OffloadTier)
 OFFLOAD_KINDS = ("optimizer", "params")
 HOST_MEMORY_KEYS = ("host", "nvme")
 """``predicted.memory`` keys beyond the device's: bytes per node in host memory and NVMe files (0
@@ -75,27 +76,27 @@ class PlanError(UserError):
     """A plan.json that is missing, unreadable or breaks the schema (the message names the field)."""
 
 
-def _fail(where: str, msg: str) -> None:
+def _fail(where: str, msg: str) -> NoReturn:
     raise PlanError(f"plan: {where} {msg}")
 
 
-def _check_int(where: str, v: Any, lo: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        _fail(where, f"must be an integer, got {v!r}.")
-    if lo is not None and v < lo:
-        _fail(where, f"must be >= {lo}, got {v}.")
+def _check_int(where: str, value: Any, least: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where, f"must be an integer, got {value!r}.")
+    if least is not None and value < least:
+        _fail(where, f"must be >= {least}, got {value}.")
 
 
-def _check_num(where: str, v: Any, lo: float | None = 0.0) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        _fail(where, f"must be a finite number, got {v!r}.")
-    if lo is not None and v < lo:
-        _fail(where, f"must be >= {lo}, got {v}.")
+def _check_num(where: str, value: Any, least: float | None = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(where, f"must be a finite number, got {value!r}.")
+    if least is not None and value < least:
+        _fail(where, f"must be >= {least}, got {value}.")
 
 
-def _check_str(where: str, v: Any) -> None:
-    if not isinstance(v, str) or not v:
-        _fail(where, f"must be a non-empty string, got {v!r}.")
+def _check_str(where: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        _fail(where, f"must be a non-empty string, got {value!r}.")
 
 
 @dataclass
@@ -127,8 +128,8 @@ class ModelInfo:
         _check_num("model.flops_per_step", self.flops_per_step)
         if not isinstance(self.sizes, dict):
             _fail("model.sizes", "must be an object.")
-        for k, v in self.sizes.items():
-            _check_int(f"model.sizes.{k}", v, 1)
+        for k, size in self.sizes.items():
+            _check_int(f"model.sizes.{k}", size, 1)
         if not isinstance(self.layer_names, list) or not all(isinstance(n, str) for n in self.layer_names):
             _fail("model.layer_names", "must be a list of strings.")
         if not isinstance(self.inputs, list):
@@ -203,14 +204,14 @@ class Predicted:
             _check_num(f"predicted.{k}", getattr(self, k))
         _check_int("predicted.peak_memory_bytes", self.peak_memory_bytes, 0)
         for name, keys in (("memory", MEMORY_KEYS), ("time", TIME_KEYS)):
-            d = getattr(self, name)
-            if not isinstance(d, dict):
+            parts = getattr(self, name)
+            if not isinstance(parts, dict):
                 _fail(f"predicted.{name}", "must be an object.")
-            missing = [k for k in keys if k not in d]
+            missing = [k for k in keys if k not in parts]
             if missing:
                 _fail(f"predicted.{name}", f"is missing {missing}.")
-            for k, v in d.items():
-                _check_num(f"predicted.{name}.{k}", v)
+            for k, amount in parts.items():
+                _check_num(f"predicted.{name}.{k}", amount)
         if self.cost is not None:
             _check_run_cost(self.cost)
         if self.memory["total"] != self.peak_memory_bytes:
@@ -233,8 +234,8 @@ def _check_run_cost(cost: Any) -> None:
     parts = cost["by_part"]
     if not isinstance(parts, dict) or [k for k in TIME_KEYS if k not in parts]:
         _fail("predicted.cost.by_part", f"must be an object with the keys of predicted.time {list(TIME_KEYS)}.")
-    for k, v in parts.items():
-        _check_num(f"predicted.cost.by_part.{k}", v)
+    for k, amount in parts.items():
+        _check_num(f"predicted.cost.by_part.{k}", amount)
 
 
 @dataclass
@@ -351,17 +352,44 @@ class Plan:
     ``trials``, one object per candidate tune ran (its degrees, what it measured or why it failed)."""
     schema_version: int = SCHEMA_VERSION
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        self._check_version()
+        self._check_degrees_and_batch()
+        self._check_schedule()
+        self._check_stages()
+        self._check_recompute()
+        if not isinstance(self.compile, bool):
+            _fail("compile", f"must be true or false, got {self.compile!r}.")
+        _check_offload(self.offload, self.zero_stage)
+        self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
+        self._check_measured()
+        if self.pp > 1 and self.num_micro_batches < self.pp:
+            _fail(
+                "num_micro_batches",
+                f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
+                "pipeline; use more micro-batches or fewer stages.",
+            )
+
+    @property
+    def _layer_rows(self) -> int:
+        """Rows of the layer table: pre, the L blocks, post."""
+        return self.model.layers + 2
+
+    def _check_version(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
             _fail(
                 "schema_version",
                 f"is {self.schema_version!r}; this planner reads {SCHEMA_VERSION}. "
                 "Re-run `planner plan` to produce a current plan.",
             )
-        for k in ("global_batch", "seq_len", "dp", "tp", "pp", "micro_batch_size", "num_micro_batches"):
-            _check_int(k, getattr(self, k), 1)
+
+    def _check_degrees_and_batch(self) -> None:
+        """The sizes are positive, the ZeRO stage and dtype known, ``dp*tp*pp == gpus`` and
+        ``global_batch == dp * micro_batch_size * num_micro_batches``."""
+        for name in ("global_batch", "seq_len", "dp", "tp", "pp", "micro_batch_size", "num_micro_batches"):
+            _check_int(name, getattr(self, name), 1)
         _check_int("zero_stage", self.zero_stage, 0)
-        if self.zero_stage > 3:
+        if self.zero_stage not in ZERO_STAGES:
             _fail("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.")
         if self.dtype not in DTYPES:
             _fail("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
@@ -377,22 +405,28 @@ class Plan:
                 f"({self.global_batch}) must equal dp * micro_batch_size * "
                 f"num_micro_batches = {self.dp}*{self.micro_batch_size}*{self.num_micro_batches}.",
             )
-        n_rows = self.model.layers + 2
+
+    def _check_schedule(self) -> None:
+        """A known schedule; model chunks only on an interleaved pipeline, whose micro-batches go
+        round the ranks in groups of pp."""
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
         _check_int("virtual_stages", self.virtual_stages, 1)
-        if self.virtual_stages > 1 and (self.schedule != "interleaved" or self.pp < 2):
+        if self.virtual_stages > 1 and (self.schedule != ScheduleName.INTERLEAVED or self.pp < 2):
             _fail(
                 "virtual_stages",
                 f"is {self.virtual_stages}: more than one model chunk per rank needs "
                 f"the interleaved schedule and pp >= 2 (schedule {self.schedule!r}, pp {self.pp}).",
             )
-        if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
+        if self.schedule == ScheduleName.INTERLEAVED and self.num_micro_batches % self.pp:
             _fail(
                 "num_micro_batches",
                 f"({self.num_micro_batches}) must be a multiple of pp ({self.pp}) for "
                 "the interleaved schedule (its micro-batches go round the ranks in groups of pp).",
             )
+
+    def _check_stages(self) -> None:
+        """One ``[first, last]`` pair per model chunk, contiguous, covering the layer table."""
         chunks = self.pp * self.virtual_stages
         if not isinstance(self.stages, list) or len(self.stages) != chunks:
             _fail(
@@ -401,23 +435,26 @@ class Plan:
                 + (f" and model chunk: pp * virtual_stages = {chunks}." if self.virtual_stages > 1 else "."),
             )
         expect = 0
-        for i, st in enumerate(self.stages):
-            if not (isinstance(st, (list, tuple)) and len(st) == 2):
-                _fail(f"stages[{i}]", f"must be a [first, last] pair, got {st!r}.")
-            a, b = st
-            _check_int(f"stages[{i}][0]", a, 0)
-            _check_int(f"stages[{i}][1]", b, 0)
-            if a != expect or b < a:
+        for i, stage in enumerate(self.stages):
+            if not (isinstance(stage, (list, tuple)) and len(stage) == 2):
+                _fail(f"stages[{i}]", f"must be a [first, last] pair, got {stage!r}.")
+            first, last = stage
+            _check_int(f"stages[{i}][0]", first, 0)
+            _check_int(f"stages[{i}][1]", last, 0)
+            if first != expect or last < first:
                 _fail(
                     f"stages[{i}]",
-                    f"= {list(st)} must start at layer {expect} and not end before it "
+                    f"= {list(stage)} must start at layer {expect} and not end before it "
                     "(stages are contiguous and cover the layer table).",
                 )
-            expect = b + 1
-        if expect != n_rows:
-            _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{n_rows - 1}.")
-        self.stages = [list(s) for s in self.stages]
-        _check_layer_list("checkpoint_layers", self.checkpoint_layers, n_rows)
+            expect = last + 1
+        if expect != self._layer_rows:
+            _fail("stages", f"cover layers 0..{expect - 1} but the layer table has rows 0..{self._layer_rows - 1}.")
+        self.stages = [list(stage) for stage in self.stages]
+
+    def _check_recompute(self) -> None:
+        """The recomputed layers, whole or selective (disjoint), and sequence parallelism."""
+        _check_layer_list("checkpoint_layers", self.checkpoint_layers, self._layer_rows)
         if not isinstance(self.sequence_parallel, bool):
             _fail("sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}.")
         if self.sequence_parallel and self.tp < 2:
@@ -432,7 +469,7 @@ class Plan:
                 f"is true but seq_len {self.seq_len} is not a multiple of tp "
                 f"({self.tp}): every tp rank holds seq_len / tp positions.",
             )
-        _check_layer_list("selective_layers", self.selective_layers, n_rows)
+        _check_layer_list("selective_layers", self.selective_layers, self._layer_rows)
         both = sorted(set(self.selective_layers) & set(self.checkpoint_layers))
         if both:
             _fail(
@@ -440,29 +477,22 @@ class Plan:
                 f"and checkpoint_layers both hold {both}: a layer is recomputed "
                 "whole (checkpoint_layers) or only its attention core (selective_layers), not both.",
             )
-        if not isinstance(self.compile, bool):
-            _fail("compile", f"must be true or false, got {self.compile!r}.")
-        _check_offload(self.offload, self.zero_stage)
-        self.offload = {k: self.offload[k] for k in OFFLOAD_KINDS}
-        if self.measured is not None:
-            if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(
-                self.measured
-            ):
-                _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
-            _check_num("measured.step_time_s", self.measured["step_time_s"])
-            _check_int("measured.peak_memory_bytes", self.measured["peak_memory_bytes"], 0)
-            if not isinstance(self.measured["trials"], list):
-                _fail("measured.trials", "must be a list.")
-        if self.pp > 1 and self.num_micro_batches < self.pp:
-            _fail(
-                "num_micro_batches",
-                f"({self.num_micro_batches}) must be >= pp ({self.pp}) for a 1F1B "
-                "pipeline; use more micro-batches or fewer stages.",
-            )
+
+    def _check_measured(self) -> None:
+        if self.measured is None:
+            return
+        if not isinstance(self.measured, dict) or not {"step_time_s", "peak_memory_bytes", "trials"} <= set(
+            self.measured
+        ):
+            _fail("measured", "must be an object with step_time_s, peak_memory_bytes and trials.")
+        _check_num("measured.step_time_s", self.measured["step_time_s"])
+        _check_int("measured.peak_memory_bytes", self.measured["peak_memory_bytes"], 0)
+        if not isinstance(self.measured["trials"], list):
+            _fail("measured.trials", "must be a list.")
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
+        full = asdict(self)
         order = [
             "schema_version",
             "model",
@@ -488,7 +518,7 @@ class Plan:
             "solver",
             "alternatives",
         ]
-        out = {k: d[k] for k in order}
+        out = {k: full[k] for k in order}
         for alt in out["alternatives"]:  # a runner-up names its offload only when it has one
             if alt["offload"] == NO_OFFLOAD:
                 del alt["offload"]
@@ -497,30 +527,29 @@ class Plan:
         if out["predicted"].get("cost") is None:
             out["predicted"].pop("cost", None)
         if self.measured is not None:
-            out["measured"] = d["measured"]
+            out["measured"] = full["measured"]
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Plan":
-        if not isinstance(d, dict):
+    def from_dict(cls, data: Any) -> "Plan":
+        if not isinstance(data, dict):
             _fail("file", "must hold a JSON object.")
-        d = dict(d)
+        data = dict(data)
         subs = {"model": ModelInfo, "hardware": HardwareInfo, "predicted": Predicted, "solver": SolverInfo}
         for key, sub in subs.items():
-            if key not in d:
+            if key not in data:
                 _fail("plan", f"is missing the field {key!r} (a plan.json written by `planner plan` has it).")
-            d[key] = _build(sub, d[key], key)
-        alts = d.get("alternatives", [])
+            data[key] = _build(sub, data[key], key)
+        alts = data.get("alternatives", [])
         if not isinstance(alts, list):
             _fail("alternatives", "must be a list.")
-        d["alternatives"] = [_build(Alternative, a, f"alternatives[{i}]") for i, a in enumerate(alts)]
-        return _build(cls, d, "plan")
-
-    def describe_degrees(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero_stage}"
+        data["alternatives"] = [
+            _build(Alternative, alternative, f"alternatives[{i}]") for i, alternative in enumerate(alts)
+        ]
+        return _build(cls, data, "plan")
 
 
 def _check_layer_list(name: str, layers: Any, n_rows: int) -> None:
@@ -541,13 +570,13 @@ def _check_offload(offload: Any, zero_stage: int) -> None:
     for kind in OFFLOAD_KINDS:
         if offload[kind] not in OFFLOAD_TIERS:
             _fail(f"offload.{kind}", f"must be one of {', '.join(OFFLOAD_TIERS)}, got {offload[kind]!r}.")
-    if offload["params"] != "none" and zero_stage != 3:
+    if offload["params"] != OffloadTier.NONE and zero_stage != 3:
         _fail(
             "offload.params",
             f"is {offload['params']!r}, but offloading parameters needs zero_stage 3 "
             f"(got {zero_stage}): only ZeRO-3 shards the parameters it could keep off the device.",
         )
-    if offload["optimizer"] != "none" and zero_stage not in (1, 2, 3):
+    if offload["optimizer"] != OffloadTier.NONE and zero_stage not in (1, 2, 3):
         _fail(
             "offload.optimizer",
             f"is {offload['optimizer']!r}, but offloading the optimizer needs "
@@ -555,15 +584,15 @@ def _check_offload(offload: Any, zero_stage: int) -> None:
         )
 
 
-def _build(cls, d: Any, where: str):
-    if not isinstance(d, dict):
-        _fail(where, f"must be a JSON object, got {type(d).__name__}.")
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        _fail(where, f"must be a JSON object, got {type(data).__name__}.")
     names = {f.name for f in fields(cls)}
     required = {f.name for f in fields(cls) if f.default is f.default_factory is MISSING}
-    missing = sorted(required - set(d))
+    missing = sorted(required - set(data))
     if missing:
         _fail(where, f"is missing the field(s) {missing}.")
-    return cls(**{k: v for k, v in d.items() if k in names})
+    return cls(**{k: value for k, value in data.items() if k in names})
 
 
 def load_plan(path: str) -> Plan:
@@ -588,8 +617,8 @@ def load_plan(path: str) -> Plan:
 def save_plan(plan: Plan, path: str) -> None:
     """Write atomically: a crash mid-write never leaves a truncated plan.json behind."""
     tmp = f"{path}.tmp{os.getpid()}"
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(plan.to_json())
@@ -602,9 +631,9 @@ def save_plan(plan: Plan, path: str) -> None:
 
 def plan_hash(plan: Plan) -> str:
     """Stable hash of the decisions (not the predictions) of a plan."""
-    d = plan.to_dict()
+    data = plan.to_dict()
     keep = {
-        k: d[k]
+        k: data[k]
         for k in (
             "model",
             "hardware",
@@ -623,6 +652,6 @@ def plan_hash(plan: Plan) -> str:
     }
     # added by the second milestone: part of the hash only when used, so older plans keep theirs
     for k in ("selective_layers", "sequence_parallel"):
-        if d[k]:
-            keep[k] = d[k]
+        if data[k]:
+            keep[k] = data[k]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

@@ -6,6 +6,7 @@ candidate micro-batch size instead of tracing again.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 
@@ -14,7 +15,6 @@ from rich.console import Console
 from cost_models.hardware import HardwareProfile, load_hardware
 from cost_models.run_cost import run_cost
 from planner.errors import UserError
-from planner.frontend.input_pins import parse_input_pins
 from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.spec import PRESETS, parse_spec
 from planner.plan import Plan, save_plan
@@ -22,6 +22,7 @@ from planner.report.plot import plot_plan
 from planner.report.render import render_plan
 from planner.search.request import PlanRequest
 from planner.search.solve import Solution, solve
+from runtime.training.train_config import cli_flags
 
 __all__ = [
     "plan_from_request",
@@ -82,12 +83,14 @@ def with_cost(plan: Plan, tokens: float | None, price: float | None) -> Plan:
     """``plan`` with ``predicted.cost`` for a run of ``tokens`` tokens (unchanged without them)."""
     if tokens is None:
         return plan
-    p = plan.predicted
-    cost = run_cost(tokens, plan.global_batch * plan.seq_len, p.step_time_s, p.time, plan.hardware.gpus, price)
-    return replace(plan, predicted=replace(p, cost=cost))
+    predicted = plan.predicted
+    cost = run_cost(
+        tokens, plan.global_batch * plan.seq_len, predicted.step_time_s, predicted.time, plan.hardware.gpus, price
+    )
+    return replace(plan, predicted=replace(predicted, cost=cost))
 
 
-def check_cost_flags(args) -> None:
+def check_cost_flags(args: argparse.Namespace) -> None:
     """A price without a token count prices nothing: say so instead of ignoring it."""
     if getattr(args, "price_per_gpu_hour", None) is not None and getattr(args, "tokens", None) is None:
         raise UserError(
@@ -96,9 +99,10 @@ def check_cost_flags(args) -> None:
         )
 
 
-def request_from_args(args, gpus: int | None = None) -> PlanRequest:
+def request_from_args(args: argparse.Namespace, gpus: int | None = None) -> PlanRequest:
     """The ``plan`` command's flags as a request for ``gpus`` devices (default: the one count
-    ``--gpus`` gives; a sweep passes each of its counts)."""
+    ``--gpus`` gives; a sweep passes each of its counts). Each ``PlanRequest`` field with a flag
+    takes the flag's value (``PlanFlag.setting``); a flag this command lacks keeps the default."""
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k, None) is not None}
     if gpus is None:
         counts = args.gpus if isinstance(args.gpus, list) else [args.gpus]
@@ -108,35 +112,15 @@ def request_from_args(args, gpus: int | None = None) -> PlanRequest:
                 "command plans one: give one count."
             )
         gpus = counts[0]
-    return PlanRequest(
-        spec=args.model,
-        gpus=gpus,
-        gpus_per_node=args.gpus_per_node or 0,
-        hardware=args.hardware,
-        global_batch=args.global_batch,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
-        sizes=sizes,
-        dp=args.dp,
-        tp=args.tp,
-        pp=args.pp,
-        zero_stage=args.zero_stage,
-        micro_batch=args.micro_batch,
-        checkpoint=args.checkpoint,
-        memory_headroom=args.memory_headroom,
-        tp_across_nodes=args.tp_across_nodes,
-        inputs=parse_input_pins(getattr(args, "input", None)),
-        compile=getattr(args, "compile", None) or "auto",
-        tokens=getattr(args, "tokens", None),
-        offload_optimizer=getattr(args, "offload_optimizer", None),
-        offload_params=getattr(args, "offload_params", None),
-        schedule=getattr(args, "schedule", None),
-        virtual_stages=getattr(args, "virtual_stages", None),
-        sequence_parallel=getattr(args, "sequence_parallel", None),
-    )
+    settings = {
+        setting.name: flag.setting(getattr(args, flag.dest))
+        for setting, flag in cli_flags(PlanRequest)
+        if setting.name != "gpus" and hasattr(args, flag.dest)
+    }
+    return PlanRequest(gpus=gpus, sizes=sizes, **settings)
 
 
-def run_plan(args) -> int:
+def run_plan(args: argparse.Namespace) -> int:
     """``planner plan ...`` for one cluster size: search, write plan.json, print the report (or
     only the JSON). A list of sizes is ``planner.commands.sweep.run_sweep``."""
     check_cost_flags(args)

@@ -15,13 +15,14 @@ a plan); ``--plot`` draws days and cost against the device count.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from dataclasses import dataclass
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from cost_models.run_cost import run_cost
@@ -33,9 +34,11 @@ from planner.commands.plan_command import (
     with_cost,
 )
 from planner.errors import UserError
-from planner.plan import Plan, save_plan
+from planner.plan import NO_OFFLOAD, Plan, save_plan
+from planner.search.request import PlanRequest
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_count
+from runtime.contract.choices import ScheduleName
 
 __all__ = ["SweepRow", "sweep", "run_sweep", "sweep_paths", "plot_sweep", "COST_BASIS_TOKENS"]
 
@@ -55,32 +58,53 @@ class SweepRow:
 
     @property
     def tokens_per_s(self) -> float:
-        p = self.plan
-        return p.global_batch * p.seq_len / p.predicted.step_time_s if p and p.predicted.step_time_s else 0.0
+        plan = self.plan
+        if plan is None or not plan.predicted.step_time_s:
+            return 0.0
+        return plan.global_batch * plan.seq_len / plan.predicted.step_time_s
 
 
-def _reason(e: Exception) -> str:
+@dataclass
+class _Planned:
+    """A size of the sweep that has a plan, with the plan and its cost (what the table and the
+    plot read)."""
+
+    gpus: int
+    plan: Plan
+    cost: dict
+    tokens_per_s: float
+
+
+def _planned(rows: list[SweepRow]) -> list[_Planned]:
+    return [
+        _Planned(row.gpus, row.plan, row.cost, row.tokens_per_s)
+        for row in rows
+        if row.plan is not None and row.cost is not None
+    ]
+
+
+def _reason(error: Exception) -> str:
     """The first sentence of a search error: what a table cell has room for."""
-    text = str(e).strip()
+    text = str(error).strip()
     cut = text.find(". ")
     return text if cut < 0 else text[: cut + 1]
 
 
-def sweep(args, counts: list[int]) -> list[SweepRow]:
+def sweep(args: argparse.Namespace, counts: list[int]) -> list[SweepRow]:
     """Plan every device count of ``counts`` for the request in ``args`` (see the module docstring)."""
-    requests, errors = {}, {}
+    requests: dict[int, PlanRequest] = {}
+    errors: dict[int, str] = {}
     for n in counts:
         try:
             requests[n] = request_from_args(args, gpus=n)
-        except SearchError as e:  # pins this size cannot honour
-            errors[n] = _reason(e)
+        except SearchError as error:  # pins this size cannot honour
+            errors[n] = _reason(error)
     if not requests:
         raise UserError(
-            "no cluster size of the sweep can be planned: " + " ".join(f"{n} GPUs: {e}" for n, e in errors.items())
+            "no cluster size of the sweep can be planned: "
+            + " ".join(f"{n} GPUs: {reason}" for n, reason in errors.items())
         )
     table = layer_table_for(next(iter(requests.values())))
-    tokens = getattr(args, "tokens", None)
-    price = getattr(args, "price_per_gpu_hour", None)
     rows = []
     for n in counts:
         if n in errors:
@@ -88,14 +112,22 @@ def sweep(args, counts: list[int]) -> list[SweepRow]:
             continue
         try:
             solution, _hw = plan_from_request(requests[n], table)
-        except (NoFeasiblePlan, SearchError) as e:
-            rows.append(SweepRow(gpus=n, error=_reason(e)))
+        except (NoFeasiblePlan, SearchError) as error:
+            rows.append(SweepRow(gpus=n, error=_reason(error)))
             continue
-        plan = with_cost(solution.plan, tokens, price)
-        p = plan.predicted
-        cost = p.cost or run_cost(COST_BASIS_TOKENS, plan.global_batch * plan.seq_len, p.step_time_s, p.time, n, price)
-        rows.append(SweepRow(gpus=n, plan=plan, cost=cost))
+        rows.append(_priced_row(n, solution.plan, args))
     return rows
+
+
+def _priced_row(gpus: int, plan: Plan, args: argparse.Namespace) -> SweepRow:
+    """The row of a size with a plan: its cost for ``--tokens``, else per ``COST_BASIS_TOKENS``."""
+    price = getattr(args, "price_per_gpu_hour", None)
+    plan = with_cost(plan, getattr(args, "tokens", None), price)
+    predicted = plan.predicted
+    cost = predicted.cost or run_cost(
+        COST_BASIS_TOKENS, plan.global_batch * plan.seq_len, predicted.step_time_s, predicted.time, gpus, price
+    )
+    return SweepRow(gpus=gpus, plan=plan, cost=cost)
 
 
 def sweep_paths(out: str, counts: list[int]) -> dict[int, str]:
@@ -104,93 +136,110 @@ def sweep_paths(out: str, counts: list[int]) -> dict[int, str]:
     return {n: f"{stem}-{n}gpus{ext or '.json'}" for n in counts}
 
 
-_SCHEDULE_MARKS = {"1f1b": "", "interleaved": " iv{v}", "zero-bubble": " zb"}
+_SCHEDULE_MARKS = {ScheduleName.ONE_F_ONE_B: "", ScheduleName.INTERLEAVED: " iv{v}", ScheduleName.ZERO_BUBBLE: " zb"}
 
 
 def _strategy(plan: Plan) -> str:
     """``dp8 tp4 pp8 Z1 192x1 iv6 sp rc4 sel8 C off:cpu/nvme``: degrees, ZeRO stage, micro-batches x
     size, the pipeline schedule (interleaved v, zero bubble), sequence parallelism, layers
     recomputed whole and selectively, compiled stages, offload (optimizer/parameters) when any."""
-    ck, sel = len(plan.checkpoint_layers), len(plan.selective_layers)
-    off = plan.offload
+    recomputed, selective = len(plan.checkpoint_layers), len(plan.selective_layers)
+    offload = plan.offload
     return (
         f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
         f"{plan.micro_batch_size}"
-        + _SCHEDULE_MARKS[plan.schedule].format(v=plan.virtual_stages)
+        + _SCHEDULE_MARKS[ScheduleName(plan.schedule)].format(v=plan.virtual_stages)
         + (" sp" if plan.sequence_parallel else "")
-        + (f" rc{ck}" if ck else "")
-        + (f" sel{sel}" if sel else "")
+        + (f" rc{recomputed}" if recomputed else "")
+        + (f" sel{selective}" if selective else "")
         + (" C" if plan.compile else "")
-        + (f" off:{off['optimizer']}/{off['params']}" if off != {"optimizer": "none", "params": "none"} else "")
+        + (f" off:{offload['optimizer']}/{offload['params']}" if offload != NO_OFFLOAD else "")
     )
 
 
-def _short(v: float) -> str:
+def _short(value: float) -> str:
     """A figure for a narrow column: ``498,625`` -> ``499k``; small ones keep two decimals."""
-    if abs(v) >= 1e4:
-        return format_count(v).replace(" K", "k").replace(" M", "M").replace(" B", "B").replace(" T", "T")
-    return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    if abs(value) >= 1e4:
+        return format_count(value).replace(" K", "k").replace(" M", "M").replace(" B", "B").replace(" T", "T")
+    return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
 
 
-def render_sweep(rows: list[SweepRow], args, console: Console) -> None:
-    """The comparison table, and which size is fastest and which is cheapest."""
+#: The comparison table's columns (with a price, ``money`` follows).
+_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("GPUs", "right"),
+    ("strategy", "left"),
+    ("tok/s", "right"),
+    ("MFU", "right"),
+    ("scaling", "right"),
+    ("days", "right"),
+    ("GPU-h", "right"),
+)
+
+
+def _sweep_table(rows: list[SweepRow], args: argparse.Namespace) -> Table:
+    """One row per size: its strategy, speed, scaling against the smallest size with a plan, cost."""
     tokens = getattr(args, "tokens", None)
     price = getattr(args, "price_per_gpu_hour", None)
-    per = "" if tokens else " / 1B tok"
     title = f"Cluster sizes for {args.model} ({args.hardware}, batch {args.global_batch} x {args.seq_len}" + (
         f", {format_count(tokens)} tokens)" if tokens else "; costs per billion tokens)"
     )
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for col, just in (
-        ("GPUs", "right"),
-        ("strategy", "left"),
-        ("tok/s", "right"),
-        ("MFU", "right"),
-        ("scaling", "right"),
-        ("days", "right"),
-        ("GPU-h", "right"),
-    ):
-        t.add_column(col, justify=just, no_wrap=col != "strategy", min_width=18 if col == "strategy" else None)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for column, justify in _COLUMNS:
+        table.add_column(
+            column, justify=justify, no_wrap=column != "strategy", min_width=18 if column == "strategy" else None
+        )
     if price is not None:
-        t.add_column("money", justify="right", no_wrap=True)
-    ok = [r for r in rows if r.plan is not None]
-    base = ok[0] if ok else None
-    for r in rows:
-        if r.plan is None:
-            t.add_row(str(r.gpus), f"[red]no plan[/red]: {r.error}", *[""] * (len(t.columns) - 2))
+        table.add_column("money", justify="right", no_wrap=True)
+    planned = _planned(rows)
+    base = planned[0] if planned else None
+    by_gpus = {row.gpus: row for row in planned}
+    for row in rows:
+        if row.gpus not in by_gpus:
+            table.add_row(str(row.gpus), f"[red]no plan[/red]: {row.error}", *[""] * (len(table.columns) - 2))
             continue
-        eff = (r.tokens_per_s / r.gpus) / (base.tokens_per_s / base.gpus) if base and base.tokens_per_s else 0.0
+        done = by_gpus[row.gpus]
+        scaling = (
+            (done.tokens_per_s / done.gpus) / (base.tokens_per_s / base.gpus) if base and base.tokens_per_s else 0.0
+        )
         cells = [
-            str(r.gpus),
-            _strategy(r.plan),
-            _short(r.tokens_per_s),
-            f"{r.plan.predicted.mfu:.1%}",
-            f"{eff:.0%}",
-            _short(r.cost["days"]),
-            _short(r.cost["gpu_hours"]),
+            str(done.gpus),
+            _strategy(done.plan),
+            _short(done.tokens_per_s),
+            f"{done.plan.predicted.mfu:.1%}",
+            f"{scaling:.0%}",
+            _short(done.cost["days"]),
+            _short(done.cost["gpu_hours"]),
         ]
         if price is not None:
-            cells.append(_short(r.cost["money"]))
-        t.add_row(*cells)
-    console.print(t)
+            cells.append(_short(done.cost["money"]))
+        table.add_row(*cells)
+    return table
+
+
+def render_sweep(rows: list[SweepRow], args: argparse.Namespace, console: Console) -> None:
+    """The comparison table, and which size is fastest and which is cheapest."""
+    tokens = getattr(args, "tokens", None)
+    per = "" if tokens else " / 1B tok"
+    console.print(_sweep_table(rows, args))
     console.print(
         "strategy: dp tp pp degrees, ZeRO stage, micro-batches x size, interleaved schedule with v "
         "chunks (ivV) or zero bubble (zb), sequence parallelism (sp), layers recomputed (rc) or their "
         "attention core only (sel), compiled stages (C), offload of optimizer/parameters (off:)."
         + ("" if tokens else " days, GPU-hours and money are per billion tokens (--tokens N for a run).")
     )
-    if not ok:
+    planned = _planned(rows)
+    if not planned:
         return
-    fastest = min(ok, key=lambda r: r.cost["days"])
-    cheapest = min(ok, key=lambda r: r.cost["gpu_hours"])
+    fastest = min(planned, key=lambda done: done.cost["days"])
+    cheapest = min(planned, key=lambda done: done.cost["gpu_hours"])
     console.print(
         f"fastest: {fastest.gpus} GPUs ({fastest.cost['days']:,.2f} days{per}); cheapest: "
         f"{cheapest.gpus} GPUs ({cheapest.cost['gpu_hours']:,.0f} GPU-hours{per}). Scaling is tokens/s "
-        f"per device against {base.gpus} GPUs: below 100% each added device buys less than its share."
+        f"per device against {planned[0].gpus} GPUs: below 100% each added device buys less than its share."
     )
 
 
-def plot_sweep(rows: list[SweepRow], path: str, args) -> str:
+def plot_sweep(rows: list[SweepRow], path: str, args: argparse.Namespace) -> str:
     """Days and cost (money with a price, else GPU-hours) against the device count."""
     import matplotlib
 
@@ -198,59 +247,58 @@ def plot_sweep(rows: list[SweepRow], path: str, args) -> str:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    ok = [r for r in rows if r.plan is not None]
+    planned = _planned(rows)
     per = "" if getattr(args, "tokens", None) else " per 1B tokens"
     money = getattr(args, "price_per_gpu_hour", None) is not None
-    xs = [r.gpus for r in ok]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.plot(xs, [r.cost["days"] for r in ok], marker="o", color="#4C78A8")
-    ax1.set_ylabel(f"days{per}")
+    sizes = [done.gpus for done in planned]
+    fig, (days_axes, cost_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    days_axes.plot(sizes, [done.cost["days"] for done in planned], marker="o", color="#4C78A8")
+    days_axes.set_ylabel(f"days{per}")
     key = "money" if money else "gpu_hours"
-    ax2.plot(xs, [r.cost[key] for r in ok], marker="o", color="#F58518")
-    ax2.set_ylabel((f"cost at {args.price_per_gpu_hour:g} per GPU-hour" if money else "GPU-hours") + per)
-    ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _pos: _short(v)))
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("GPUs")
-        ax.grid(alpha=0.3)
-    for r in ok:
-        ax1.annotate(
-            f"dp{r.plan.dp} tp{r.plan.tp} pp{r.plan.pp}",
-            (r.gpus, r.cost["days"]),
+    cost_axes.plot(sizes, [done.cost[key] for done in planned], marker="o", color="#F58518")
+    cost_axes.set_ylabel((f"cost at {args.price_per_gpu_hour:g} per GPU-hour" if money else "GPU-hours") + per)
+    cost_axes.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _pos: _short(value)))
+    for axes in (days_axes, cost_axes):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(sizes, [str(x) for x in sizes])
+        axes.set_xlabel("GPUs")
+        axes.grid(alpha=0.3)
+    for done in planned:
+        days_axes.annotate(
+            f"dp{done.plan.dp} tp{done.plan.tp} pp{done.plan.pp}",
+            (done.gpus, done.cost["days"]),
             fontsize=7,
             textcoords="offset points",
             xytext=(4, 4),
         )
     fig.suptitle(f"{args.model} on {args.hardware}: time and cost against cluster size")
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def run_sweep(args) -> int:
+def run_sweep(args: argparse.Namespace) -> int:
     """``planner plan --gpus A,B,C ...``: plan each size, write each plan, print the comparison."""
     check_cost_flags(args)
     counts = sorted(args.gpus)
     rows = sweep(args, counts)
-    if all(r.plan is None for r in rows):
+    if all(row.plan is None for row in rows):
         raise UserError(
-            "no cluster size of the sweep has a plan: " + " ".join(f"{r.gpus} GPUs: {r.error}" for r in rows)
+            "no cluster size of the sweep has a plan: " + " ".join(f"{row.gpus} GPUs: {row.error}" for row in rows)
         )
     paths = sweep_paths(args.out, counts)
-    for r in rows:
-        if r.plan is not None:
-            save_plan(r.plan, paths[r.gpus])
+    for row in rows:
+        if row.plan is not None:
+            save_plan(row.plan, paths[row.gpus])
     if args.json:
-        out = [r.plan.to_dict() if r.plan is not None else {"gpus": r.gpus, "error": r.error} for r in rows]
+        out = [row.plan.to_dict() if row.plan is not None else {"gpus": row.gpus, "error": row.error} for row in rows]
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         console = Console()
         render_sweep(rows, args, console)
-        written = [paths[r.gpus] for r in rows if r.plan is not None]
+        written = [paths[row.gpus] for row in rows if row.plan is not None]
         if written:
             console.print(f"Wrote {', '.join(written)}.")
     if args.plot:

@@ -21,11 +21,10 @@ A trial ends in one of four states (``TRIAL_STATUSES``):
   which the live-tensor peak does not count).
 
 A failed trial is recorded and the next one runs: tune never waits on a dead trial longer than
-its timeout and never stops at one. (Under torchrun that holds for a rank that raises; a rank
-process that dies makes torchrun's agent stop the whole job, as it does for ``train``.) The
-fastest ``ok`` trial becomes plan.json (written once, at the end, atomically) with a ``measured``
-section: its step time and peak, and every trial (``Trial.to_json``). When no trial is ``ok`` the
-command prints the table and one error naming each failure, writes nothing and exits 1.
+its timeout and never stops at one. The fastest ``ok`` trial becomes plan.json (written once, at
+the end, atomically) with a ``measured`` section: its step time and peak, and every trial
+(``Trial.to_json``). When no trial is ``ok`` the command prints the table and one error naming
+each failure, writes nothing and exits 1.
 
 The measured trials also refit the hardware profile (``refit_profile``: the compute efficiency
 and per-operator cost, the links' speed and the cost of a blocking collective, from measured
@@ -35,6 +34,7 @@ trials' step times more closely.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
@@ -67,6 +67,7 @@ from planner.commands.train import train_plan
 from planner.commands.validate import WARMUP_STEPS, compare
 from planner.errors import UserError
 from planner.plan import Plan, save_plan
+from planner.search.request import PlanRequest
 from planner.search.schedule_search import evaluate_strategy
 from planner.search.solve import candidate_plans
 from planner.units import format_bytes, format_seconds
@@ -122,18 +123,18 @@ class Trial:
 
     def to_json(self, chosen: bool = False) -> dict:
         """The trial as one entry of plan.json's ``measured.trials``."""
-        p = self.plan
+        plan = self.plan
         return {
             "candidate": self.index,
-            "dp": p.dp,
-            "tp": p.tp,
-            "pp": p.pp,
-            "zero_stage": p.zero_stage,
-            "micro_batch_size": p.micro_batch_size,
-            "num_micro_batches": p.num_micro_batches,
-            "checkpoint_layers": list(p.checkpoint_layers),
-            "predicted_step_time_s": p.predicted.step_time_s,
-            "predicted_peak_memory_bytes": p.predicted.peak_memory_bytes,
+            "dp": plan.dp,
+            "tp": plan.tp,
+            "pp": plan.pp,
+            "zero_stage": plan.zero_stage,
+            "micro_batch_size": plan.micro_batch_size,
+            "num_micro_batches": plan.num_micro_batches,
+            "checkpoint_layers": list(plan.checkpoint_layers),
+            "predicted_step_time_s": plan.predicted.step_time_s,
+            "predicted_peak_memory_bytes": plan.predicted.peak_memory_bytes,
             "status": self.status,
             "error": self.error,
             "step_time_s": self.step_time_s,
@@ -190,8 +191,10 @@ class Refit:
 
     @staticmethod
     def error(predicted: Sequence[float], measured: Sequence[float]) -> float:
-        """Mean relative error of step-time predictions, ``|p - m| / m``."""
-        return sum(abs(p - m) / m for p, m in zip(predicted, measured)) / max(len(measured), 1)
+        """Mean relative error of step-time predictions, ``|predicted - measured| / measured``."""
+        return sum(
+            abs(predicted_s - measured_s) / measured_s for predicted_s, measured_s in zip(predicted, measured)
+        ) / max(len(measured), 1)
 
     @property
     def error_before(self) -> float:
@@ -221,7 +224,7 @@ def scaled_profile(
     if flops != 1.0:
         e = hw.compute_efficiency / flops
         if e > 1.0:
-            changes["peak_flops"] = {k: v * e for k, v in hw.peak_flops.items()}
+            changes["peak_flops"] = {dtype: rate * e for dtype, rate in hw.peak_flops.items()}
             e = 1.0
         changes["compute_efficiency"] = e
     if op_overhead_s is not None:
@@ -237,8 +240,8 @@ def scaled_profile(
         )
         if hw.intra_node_collectives:
             changes["intra_node_collectives"] = {
-                k: {"latency": v["latency"] * links, "bandwidth": v["bandwidth"] / links}
-                for k, v in hw.intra_node_collectives.items()
+                collective: {"latency": link["latency"] * links, "bandwidth": link["bandwidth"] / links}
+                for collective, link in hw.intra_node_collectives.items()
             }
     return dataclasses.replace(hw, **changes) if changes else hw
 
@@ -255,29 +258,30 @@ def fit_bounded(
     (``x >= lower``); otherwise the second keeps ``keep[1]`` and only the first is fit. A fitted
     unknown below its bound sits on it. No usable row: ``keep``.
     """
-    n = len(lower)
-    w = [(1.0 / y, y - c, list(a)) for y, c, a in rows if y > 0]
-    if not w or n not in (1, 2):
+    unknowns = len(lower)
+    weighted = [(1.0 / y, y - c, list(a)) for y, c, a in rows if y > 0]  # (1/y, y - c, a) per row
+    if not weighted or unknowns not in (1, 2):
         return list(keep)
 
-    def solve1(j: int, fixed: dict[int, float]) -> float:
+    def solve_one(j: int, fixed: dict[int, float]) -> float:
+        """Unknown ``j`` alone, the unknowns of ``fixed`` held at their values."""
         num = den = 0.0
-        for s, r, a in w:
-            rr = r - sum(a[i] * v for i, v in fixed.items())
-            num += s * s * a[j] * rr
-            den += s * s * a[j] * a[j]
+        for weight, residual, slopes in weighted:
+            rest = residual - sum(slopes[i] * value for i, value in fixed.items())
+            num += weight * weight * slopes[j] * rest
+            den += weight * weight * slopes[j] * slopes[j]
         return max(lower[j], num / den) if den > 0 else keep[j]
 
-    if n == 1:
-        return [solve1(0, {})]
-    s00 = sum((s * a[0]) ** 2 for s, _, a in w)
-    s11 = sum((s * a[1]) ** 2 for s, _, a in w)
-    s01 = sum(s * s * a[0] * a[1] for s, _, a in w)
-    first_only = [solve1(0, {1: keep[1]}), keep[1]]
-    if len(w) <= 2 or s00 <= 0 or s11 <= 0 or abs(s01) / math.sqrt(s00 * s11) > 0.999:
+    if unknowns == 1:
+        return [solve_one(0, {})]
+    s00 = sum((weight * slopes[0]) ** 2 for weight, _, slopes in weighted)
+    s11 = sum((weight * slopes[1]) ** 2 for weight, _, slopes in weighted)
+    s01 = sum(weight * weight * slopes[0] * slopes[1] for weight, _, slopes in weighted)
+    first_only = [solve_one(0, {1: keep[1]}), keep[1]]
+    if len(weighted) <= 2 or s00 <= 0 or s11 <= 0 or abs(s01) / math.sqrt(s00 * s11) > 0.999:
         return first_only
-    b0 = sum(s * s * a[0] * r for s, r, a in w)
-    b1 = sum(s * s * a[1] * r for s, r, a in w)
+    b0 = sum(weight * weight * slopes[0] * residual for weight, residual, slopes in weighted)
+    b1 = sum(weight * weight * slopes[1] * residual for weight, residual, slopes in weighted)
     det = s00 * s11 - s01 * s01
     x = [(b0 * s11 - b1 * s01) / det, (b1 * s00 - b0 * s01) / det]
     return x if x[0] >= lower[0] and x[1] >= lower[1] else first_only
@@ -316,83 +320,116 @@ def refit_profile(
     and nearly so on GPUs (a layer's time is the larger of device and host time): each part's
     slope in a term is the difference of two pricings. Bounds: ``f, g >= 1e-3``, ``o, s >= 0``.
     ``o`` and ``s`` are fit only from three trials or more that tell them from ``f`` and ``g``
-    (``fit_bounded``), else they keep the profile's values and ``f``, ``g`` absorb them. The optimizer
-    step and the memory bandwidth are not refit. None when no trial was measured.
+    (``fit_bounded``), else they keep the profile's values and ``f``, ``g`` absorb them. None when
+    no trial was measured.
     """
-    trials = [t for t in trials if t.get("step_time_s")]
+    trials = [trial for trial in trials if trial.get("step_time_s")]
     if not trials:
         return None
     notes: list[str] = []
-    broken_down = all(isinstance(t.get("time"), dict) and "compute" in t["time"] for t in trials)
-
-    def rows_for(base, slopes, u0, keys_of, y_of) -> list[tuple[float, float, list[float]]]:
-        out = []
-        for i, t in enumerate(trials):
-            keys = keys_of(i)
-            a = [sum(sl[i][k] for k in keys) for sl in slopes]
-            c = sum(base[i][k] for k in keys) - sum(ai * ui for ai, ui in zip(a, u0))
-            out.append((y_of(t), c, a))
-        return out
-
-    # 1. compute: f (FLOP time x f) and o (seconds per operator call)
-    o0, d_o = hw.op_overhead_s, max(hw.op_overhead_s, 1e-5)
+    broken_down = all(isinstance(trial.get("time"), dict) and "compute" in trial["time"] for trial in trials)
     base = price(hw)
-    slopes = [
-        _slopes(base, price(scaled_profile(hw, flops=2.0)), 1.0),
-        _slopes(base, price(scaled_profile(hw, op_overhead_s=o0 + d_o)), d_o),
-    ]
-    if broken_down:
-        rows = rows_for(
-            base,
-            slopes,
-            (1.0, o0),
-            lambda i: COMPUTE_PARTS,
-            lambda t: sum(float(t["time"].get(k, 0.0)) for k in COMPUTE_PARTS),
-        )
-    else:
+    if not broken_down:
         notes.append("the metrics have no time breakdown: compute is fit to whole steps, links are kept")
-        rows = rows_for(base, slopes, (1.0, o0), lambda i: tuple(base[i]), lambda t: float(t["step_time_s"]))
-    f, o = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, o0))
-    fitted = scaled_profile(hw, flops=f, op_overhead_s=o)
-
-    # 2. links: g (latency x g, bandwidth / g) and s (seconds per blocking collective)
-    g, sync = None, hw.sync_overhead_s
+    flops_scale, op_overhead_s = _fit_compute(hw, trials, price, base, broken_down)
+    fitted = scaled_profile(hw, flops=flops_scale, op_overhead_s=op_overhead_s)
+    link_scale, sync_overhead_s = None, hw.sync_overhead_s
     if broken_down:
-        base1 = price(fitted)
-        d_s = max(sync, 1e-5)
-        slopes = [
-            _slopes(base1, price(scaled_profile(fitted, links=2.0)), 1.0),
-            _slopes(base1, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s),
-        ]
-        rows = [
-            r
-            for r in rows_for(
-                base1,
-                slopes,
-                (1.0, sync),
-                lambda i: LINK_PARTS,
-                lambda t: sum(float(t["time"].get(k, 0.0)) for k in LINK_PARTS),
-            )
-            if r[2][0] > 0 or r[2][1] > 0
-        ]
-        if rows:
-            g, sync = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, sync))
-            fitted = scaled_profile(fitted, links=g, sync_overhead_s=sync)
+        link_scale, sync_overhead_s = _fit_links(fitted, trials, price)
+        if link_scale is not None:
+            fitted = scaled_profile(fitted, links=link_scale, sync_overhead_s=sync_overhead_s)
     return Refit(
         profile=fitted,
-        flops_scale=f,
-        op_overhead_s=o,
-        link_scale=g,
-        sync_overhead_s=sync,
-        before=[sum(p.values()) for p in base],
-        after=[sum(p.values()) for p in price(fitted)],
-        measured=[float(t["step_time_s"]) for t in trials],
+        flops_scale=flops_scale,
+        op_overhead_s=op_overhead_s,
+        link_scale=link_scale,
+        sync_overhead_s=sync_overhead_s,
+        before=[sum(parts.values()) for parts in base],
+        after=[sum(parts.values()) for parts in price(fitted)],
+        measured=[float(trial["step_time_s"]) for trial in trials],
         notes=notes,
     )
 
 
+#: One measurement of a fit (``fit_bounded``): measured seconds, the constant part, the slopes.
+_FitRow = tuple[float, float, list[float]]
+
+
+def _fit_rows(
+    trials: Sequence[dict],
+    base: list[dict],
+    slopes: list[list[dict]],
+    start: Sequence[float],
+    parts: Callable[[int], Sequence[str]],
+    measured: Callable[[dict], float],
+) -> list[_FitRow]:
+    """One row per trial: ``measured(trial)`` against the predicted seconds of its ``parts(i)``,
+    linear in the unknowns (``slopes``, one list per unknown) around their values ``start``."""
+    rows = []
+    for i, trial in enumerate(trials):
+        keys = parts(i)
+        coefficients = [sum(slope[i][k] for k in keys) for slope in slopes]
+        constant = sum(base[i][k] for k in keys) - sum(slope * value for slope, value in zip(coefficients, start))
+        rows.append((measured(trial), constant, coefficients))
+    return rows
+
+
+def _measured_parts(keys: Sequence[str]) -> Callable[[dict], float]:
+    """A trial's measured seconds of the parts ``keys``."""
+    return lambda trial: sum(float(trial["time"].get(k, 0.0)) for k in keys)
+
+
+def _fit_compute(
+    hw: HardwareProfile,
+    trials: Sequence[dict],
+    price: Callable[[HardwareProfile], list[dict]],
+    base: list[dict],
+    broken_down: bool,
+) -> tuple[float, float]:
+    """Step 1 of ``refit_profile``: ``f`` (FLOP time x f) and ``o`` (seconds per operator call),
+    from the measured compute parts, or the whole step without a breakdown."""
+    overhead_s, overhead_step = hw.op_overhead_s, max(hw.op_overhead_s, 1e-5)
+    slopes = [
+        _slopes(base, price(scaled_profile(hw, flops=2.0)), 1.0),
+        _slopes(base, price(scaled_profile(hw, op_overhead_s=overhead_s + overhead_step)), overhead_step),
+    ]
+    if broken_down:
+        rows = _fit_rows(
+            trials, base, slopes, (1.0, overhead_s), lambda i: COMPUTE_PARTS, _measured_parts(COMPUTE_PARTS)
+        )
+    else:
+        rows = _fit_rows(
+            trials, base, slopes, (1.0, overhead_s), lambda i: tuple(base[i]), lambda trial: float(trial["step_time_s"])
+        )
+    flops_scale, op_overhead_s = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, overhead_s))
+    return flops_scale, op_overhead_s
+
+
+def _fit_links(
+    fitted: HardwareProfile, trials: Sequence[dict], price: Callable[[HardwareProfile], list[dict]]
+) -> tuple[float | None, float]:
+    """Step 2 of ``refit_profile``, on step 1's profile: ``g`` (latency x g, bandwidth / g) and
+    ``s`` (seconds per blocking collective) from the trials that communicate; ``(None, the
+    profile's s)`` when none does."""
+    sync = fitted.sync_overhead_s
+    base = price(fitted)
+    d_s = max(sync, 1e-5)
+    slopes = [
+        _slopes(base, price(scaled_profile(fitted, links=2.0)), 1.0),
+        _slopes(base, price(scaled_profile(fitted, sync_overhead_s=sync + d_s)), d_s),
+    ]
+    rows = _fit_rows(trials, base, slopes, (1.0, sync), lambda i: LINK_PARTS, _measured_parts(LINK_PARTS))
+    rows = [row for row in rows if row[2][0] > 0 or row[2][1] > 0]
+    if not rows:
+        return None, sync
+    link_scale, sync = fit_bounded(rows, lower=(1e-3, 0.0), keep=(1.0, sync))
+    return link_scale, sync
+
+
 def _slopes(base: list[dict], moved: list[dict], step: float) -> list[dict]:
-    return [{k: (m.get(k, 0.0) - b[k]) / step for k in b} for b, m in zip(base, moved)]
+    return [
+        {k: (moved_parts.get(k, 0.0) - priced[k]) / step for k in priced} for priced, moved_parts in zip(base, moved)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,9 +455,9 @@ class _Watchdog:
             return
         self.fired = True
         while not self._done.is_set():
-            for p in multiprocessing.active_children():
+            for child in multiprocessing.active_children():
                 with contextlib.suppress(Exception):
-                    p.kill()
+                    child.kill()
             self._done.wait(0.2)
 
     def __enter__(self):
@@ -437,67 +474,67 @@ def _read_metrics(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _measure(trial: Trial, lines: list[dict]) -> None:
     """Fill ``trial``'s measurements from its metrics lines (``validate.compare``)."""
-    m = compare(trial.plan, lines)["measured"]
-    trial.step_time_s = float(m["step_time_s"])
-    trial.peak_memory_bytes = int(m["peak_memory_bytes"])
+    measured = compare(trial.plan, lines)["measured"]
+    trial.step_time_s = float(measured["step_time_s"])
+    trial.peak_memory_bytes = int(measured["peak_memory_bytes"])
     timed = lines[WARMUP_STEPS:]
-    if timed and all(isinstance(r.get("time"), dict) for r in timed):
-        keys = sorted(set().union(*(r["time"] for r in timed)))
-        trial.time = {k: statistics.median(float(r["time"].get(k, 0.0)) for r in timed) for k in keys}
+    if timed and all(isinstance(row.get("time"), dict) for row in timed):
+        keys = sorted(set().union(*(row["time"] for row in timed)))
+        trial.time = {k: statistics.median(float(row["time"].get(k, 0.0)) for row in timed) for k in keys}
 
 
 def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity: float, hook: StepHook | None) -> None:
     """Train ``trial.plan`` for ``steps`` steps here and record what became of it."""
-    i = trial.index
-    plan_path = os.path.join(workdir, f"candidate-{i}.json")
+    index = trial.index
+    plan_path = os.path.join(workdir, f"candidate-{index}.json")
     save_plan(trial.plan, plan_path)
-    metrics = os.path.join(workdir, f"metrics-{i}.jsonl")
+    metrics = os.path.join(workdir, f"metrics-{index}.jsonl")
     opts = TrainOptions(steps=steps, timeout_s=timeout, metrics_path=metrics, memory_steps=WARMUP_STEPS, progress=False)
     local = not _torchrun()
     nproc = trial.plan.dp * trial.plan.tp * trial.plan.pp if local else None
     err = io.StringIO()
     error: str | None = None
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     watchdog = _Watchdog(timeout) if local else contextlib.nullcontext()
     with watchdog, contextlib.redirect_stderr(err):
         try:
-            rc = train_plan(
+            status = train_plan(
                 trial.plan,
                 plan_path,
                 opts,
                 nproc=nproc,
-                compiled=os.path.join(workdir, f"compiled-{i}"),
+                compiled=os.path.join(workdir, f"compiled-{index}"),
                 on_step_start=hook,
             )
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # a rank of an in-process (torchrun) trial raised: this trial failed
-            rc, error = 1, f"{type(e).__name__}: {e}".strip()
-    trial.wall_s = time.perf_counter() - t0
+            status, error = 1, f"{type(e).__name__}: {e}".strip()
+    trial.wall_s = time.perf_counter() - start
     timed_out = bool(getattr(watchdog, "fired", False))
-    said = [ln for ln in err.getvalue().splitlines() if ln.strip()]
-    for ln in said:
-        if ln.startswith("planner train: training failed: "):
-            error = error or ln.removeprefix("planner train: training failed: ")
+    said = [line for line in err.getvalue().splitlines() if line.strip()]
+    for line in said:
+        if line.startswith("planner train: training failed: "):
+            error = error or line.removeprefix("planner train: training failed: ")
         elif local:
-            print(ln, file=sys.stderr)
-    if rc != 0 and error is None:
-        error = said[-1] if said else f"training exited with status {rc}"
+            print(line, file=sys.stderr)
+    if status != 0 and error is None:
+        error = said[-1] if said else f"training exited with status {status}"
     if timed_out:
         error = f"did not finish within --timeout {timeout:g} s (stopped)"
     lines = _read_metrics(metrics)
-    finished = rc == 0 and len(lines) >= steps
+    finished = status == 0 and len(lines) >= steps
     if finished:
         _measure(trial, lines)
-    elif rc == 0 and local:
+    elif status == 0 and local:
         error = f"wrote {len(lines)} of {steps} metrics lines"
     trial.status = trial_status(finished, error, timed_out, trial.peak_memory_bytes, capacity)
-    if trial.status == "out of memory" and finished:
+    if trial.status == "out of memory" and finished and trial.peak_memory_bytes is not None:
         error = (
             f"measured peak {format_bytes(trial.peak_memory_bytes)} per device is above the "
             f"{format_bytes(capacity)} the plan must fit in"
@@ -509,157 +546,117 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
 # The command
 
 
-def _describe(p: Plan) -> str:
-    return f"dp={p.dp} tp={p.tp} pp={p.pp} ZeRO-{p.zero_stage} micro-batch {p.micro_batch_size} x {p.num_micro_batches}"
+def _describe(plan: Plan) -> str:
+    return f"dp={plan.dp} tp={plan.tp} pp={plan.pp} ZeRO-{plan.zero_stage} micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}"
 
 
 def _pricer(req, table, hw: HardwareProfile, strategies: list) -> Callable:
     """``price(profile)`` for ``refit_profile``: each strategy's time parts priced on ``profile``."""
-    nt = table if isinstance(table, NumericTable) else NumericTable(table)
+    numeric = table if isinstance(table, NumericTable) else NumericTable(table)
     gpn = req.gpus_per_node or hw.gpus_per_node
 
     def price(profile: HardwareProfile) -> list[dict]:
         if profile.gpus_per_node != gpn:
             profile = profile.with_gpus_per_node(gpn)
         out = []
-        for s in strategies:
-            cc = candidate_costs(
-                nt, profile, req.dtype, req.seq_len, s.candidate, gpn, profile.memory_bytes * req.memory_headroom
+        for strategy in strategies:
+            costs = candidate_costs(
+                numeric,
+                profile,
+                req.dtype,
+                req.seq_len,
+                strategy.candidate,
+                gpn,
+                profile.memory_bytes * req.memory_headroom,
             )
-            out.append({k: float(v) for k, v in evaluate_strategy(cc, s).time.items()})
+            out.append({k: float(seconds) for k, seconds in evaluate_strategy(costs, strategy).time.items()})
         return out
 
     return price
 
 
+#: The trials table's columns and how each is aligned.
+_TABLE_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("#", "right"),
+    ("dp/tp/pp", "left"),
+    ("ZeRO", "right"),
+    ("micro-batch", "right"),
+    ("recompute", "right"),
+    ("predicted", "right"),
+    ("measured", "right"),
+    ("meas/pred", "right"),
+    ("peak memory", "right"),
+    ("status", "left"),
+)
+
+
 def _table(trials: list[Trial], chosen: Trial | None) -> Table:
-    t = Table(title=f"planner tune: {len(trials)} candidate{'s' if len(trials) != 1 else ''} run here")
-    for name, justify in (
-        ("#", "right"),
-        ("dp/tp/pp", "left"),
-        ("ZeRO", "right"),
-        ("micro-batch", "right"),
-        ("recompute", "right"),
-        ("predicted", "right"),
-        ("measured", "right"),
-        ("meas/pred", "right"),
-        ("peak memory", "right"),
-        ("status", "left"),
-    ):
-        t.add_column(name, justify=justify)
-    for tr in trials:
-        p = tr.plan
+    table = Table(title=f"planner tune: {len(trials)} candidate{'s' if len(trials) != 1 else ''} run here")
+    for name, justify in _TABLE_COLUMNS:
+        table.add_column(name, justify=justify)
+    for trial in trials:
+        plan = trial.plan
         status = (
-            "ok, chosen" if tr is chosen else tr.status if tr.status == "ok" else escape(f"{tr.status}: {tr.error}")
+            "ok, chosen"
+            if trial is chosen
+            else trial.status
+            if trial.status == "ok"
+            else escape(f"{trial.status}: {trial.error}")
         )
-        ratio = f"{tr.step_time_s / p.predicted.step_time_s:.2f}" if tr.step_time_s else "-"
-        t.add_row(
-            str(tr.index),
-            f"{p.dp}/{p.tp}/{p.pp}",
-            str(p.zero_stage),
-            f"{p.micro_batch_size} x {p.num_micro_batches}",
-            f"{len(p.checkpoint_layers)} layers",
-            format_seconds(p.predicted.step_time_s),
-            format_seconds(tr.step_time_s) if tr.step_time_s else "-",
+        ratio = f"{trial.step_time_s / plan.predicted.step_time_s:.2f}" if trial.step_time_s else "-"
+        table.add_row(
+            str(trial.index),
+            f"{plan.dp}/{plan.tp}/{plan.pp}",
+            str(plan.zero_stage),
+            f"{plan.micro_batch_size} x {plan.num_micro_batches}",
+            f"{len(plan.checkpoint_layers)} layers",
+            format_seconds(plan.predicted.step_time_s),
+            format_seconds(trial.step_time_s) if trial.step_time_s else "-",
             ratio,
-            format_bytes(tr.peak_memory_bytes) if tr.peak_memory_bytes is not None else "-",
+            format_bytes(trial.peak_memory_bytes) if trial.peak_memory_bytes is not None else "-",
             status,
-            style="bold" if tr is chosen else None,
+            style="bold" if trial is chosen else None,
         )
-    return t
+    return table
 
 
-def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
+def run_tune(args: argparse.Namespace, *, trial_hook: TrialHook | None = None) -> int:
     """``planner tune <plan's flags> [--candidates K] [--steps N] [--timeout S] [--profile-out F]``:
     plan, run the K best candidates here, write the fastest that fits (see the module docstring).
     ``trial_hook(i)`` gives trial ``i``'s ranks a step hook (fault injection in tests; it must
     pickle for local trials). Exit 0 with a plan; 1 when every trial failed; bad input raises."""
-    if args.steps <= WARMUP_STEPS:
-        raise UserError(
-            f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
-            f"measures nothing; use --steps {WARMUP_STEPS + 1} or more."
-        )
-    check_cost_flags(args)
-    req = request_from_args(args)
+    req = _tune_request(args)
     local = not _torchrun()
-    if not local and int(os.environ["WORLD_SIZE"]) != req.gpus:
-        raise UserError(
-            f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
-            f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}."
-        )
     rank0 = local or int(os.environ["RANK"]) == 0
 
-    def say(*a) -> None:  # progress and results: stdout, or stderr under --json; rank 0 only
+    def say(*parts: object) -> None:  # progress and results: stdout, or stderr under --json; rank 0 only
         if rank0:
-            print(*a, file=sys.stderr if args.json else sys.stdout, flush=True)
+            print(*parts, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     table = layer_table_for(req)
     solution, hw = plan_from_request(req, table)
     plans = candidate_plans(req, table, hw, solution, args.candidates)
-    kept = [solution.search.best] + solution.search.alternatives(
-        len(solution.search.ranked) + len(solution.search.extra)
-    )
+    kept = solution.search.ranked + solution.search.extra  # the plan's own strategy, then its runners-up
     if len(plans) < args.candidates:
         say(
             f"planner tune: the search kept {len(plans)} candidate{'s' if len(plans) != 1 else ''} "
             f"(asked for {args.candidates}); running {'them' if len(plans) != 1 else 'it'}."
         )
-    capacity = hw.memory_bytes * req.memory_headroom
-    trials = [Trial(index=i + 1, plan=p) for i, p in enumerate(plans)]
+    trials = [Trial(index=i + 1, plan=plan) for i, plan in enumerate(plans)]
     where = "torchrun's ranks" if not local else f"{req.gpus} local process{'es' if req.gpus != 1 else ''}"
-    with tempfile.TemporaryDirectory(prefix="planner-tune-") as work:
-        for tr in trials:
-            say(
-                f"trial {tr.index}/{len(trials)}: {_describe(tr.plan)} (predicted "
-                f"{format_seconds(tr.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ..."
-            )
-            _run_trial(tr, work, args.steps, args.timeout, capacity, trial_hook(tr.index) if trial_hook else None)
-            if tr.status == "ok":
-                say(
-                    f"  measured {format_seconds(tr.step_time_s)} per step, peak "
-                    f"{format_bytes(tr.peak_memory_bytes)} ({tr.wall_s:.0f} s)"
-                )
-            else:
-                say(f"  {tr.status}: {tr.error} (recorded; going on)")
+    _run_trials(trials, args, where, hw.memory_bytes * req.memory_headroom, trial_hook, say)
     if not rank0:
         return 0
-    ok = [t for t in trials if t.status == "ok"]
-    chosen = min(ok, key=lambda t: (t.step_time_s, t.index)) if ok else None
-    out = sys.stderr if args.json else sys.stdout
-    console = Console(file=out, width=None if out.isatty() else 132)  # a log file gets the whole table
-    console.print(_table(trials, chosen))
+    chosen = _choose(trials, args)
     if chosen is None:
-        why = "; ".join(f"trial {t.index} ({_describe(t.plan)}) {t.status}: {t.error}" for t in trials)
-        print(
-            f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
-            f"written; see the table above, or raise --timeout, or re-plan with other pins.",
-            file=sys.stderr,
-        )
         return 1
-    measured = [t for t in trials if t.measured]  # ok, and over the memory limit: their times count
+    measured = [trial for trial in trials if trial.measured]  # ok, and over the memory limit: their times count
     refit = refit_profile(
         hw,
-        [{"step_time_s": t.step_time_s, "time": t.time} for t in measured],
-        _pricer(req, table, hw, [kept[t.index - 1].strategy for t in measured]),
+        [{"step_time_s": trial.step_time_s, "time": trial.time} for trial in measured],
+        _pricer(req, table, hw, [kept[trial.index - 1].strategy for trial in measured]),
     )
-    one_node = req.gpus <= (req.gpus_per_node or hw.gpus_per_node)
-    first = trials[0]
-    if chosen is first:
-        say(
-            f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
-            f"{format_seconds(chosen.step_time_s)} per step."
-        )
-    else:
-        vs = (
-            f"{(1 - chosen.step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
-            f"(trial 1, {format_seconds(first.step_time_s)})"
-            if first.step_time_s
-            else f"while the plan's own choice (trial 1) ended in {first.status}"
-        )
-        say(
-            f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(chosen.step_time_s)} "
-            f"per step, {vs}."
-        )
+    _announce_choice(chosen, trials[0], say)
     if refit is not None:
         say(_refit_line(refit, hw))
     plan = dataclasses.replace(
@@ -667,9 +664,10 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
         measured={
             "step_time_s": chosen.step_time_s,
             "peak_memory_bytes": chosen.peak_memory_bytes,
-            "trials": [t.to_json(chosen=t is chosen) for t in trials],
+            "trials": [trial.to_json(chosen=trial is chosen) for trial in trials],
         },
     )
+    one_node = req.gpus <= (req.gpus_per_node or hw.gpus_per_node)
     _write_profile(args, refit, len(measured), one_node, say)
     save_plan(plan, args.out)
     if args.json:
@@ -679,19 +677,102 @@ def run_tune(args, *, trial_hook: TrialHook | None = None) -> int:
     return 0
 
 
+def _tune_request(args: argparse.Namespace) -> PlanRequest:
+    """The request of ``tune``'s flags, once they are known to measure something and, under
+    torchrun, to match its world size."""
+    if args.steps <= WARMUP_STEPS:
+        raise UserError(
+            f"tune times the steps after {WARMUP_STEPS} warm-up steps, so --steps {args.steps} "
+            f"measures nothing; use --steps {WARMUP_STEPS + 1} or more."
+        )
+    check_cost_flags(args)
+    req = request_from_args(args)
+    if _torchrun() and int(os.environ["WORLD_SIZE"]) != req.gpus:
+        raise UserError(
+            f"tune runs each candidate on --gpus {req.gpus} devices, but torchrun started "
+            f"{os.environ['WORLD_SIZE']} processes; use --gpus {os.environ['WORLD_SIZE']}."
+        )
+    return req
+
+
+def _run_trials(
+    trials: list[Trial],
+    args: argparse.Namespace,
+    where: str,
+    capacity: float,
+    trial_hook: TrialHook | None,
+    say: Callable[..., None],
+) -> None:
+    """Run every trial in turn, in a scratch folder, saying what each did."""
+    with tempfile.TemporaryDirectory(prefix="planner-tune-") as workdir:
+        for trial in trials:
+            say(
+                f"trial {trial.index}/{len(trials)}: {_describe(trial.plan)} (predicted "
+                f"{format_seconds(trial.plan.predicted.step_time_s)} per step), {args.steps} steps on {where} ..."
+            )
+            hook = trial_hook(trial.index) if trial_hook else None
+            _run_trial(trial, workdir, args.steps, args.timeout, capacity, hook)
+            if trial.status == "ok" and trial.step_time_s is not None and trial.peak_memory_bytes is not None:
+                say(
+                    f"  measured {format_seconds(trial.step_time_s)} per step, peak "
+                    f"{format_bytes(trial.peak_memory_bytes)} ({trial.wall_s:.0f} s)"
+                )
+            else:
+                say(f"  {trial.status}: {trial.error} (recorded; going on)")
+
+
+def _choose(trials: list[Trial], args: argparse.Namespace) -> Trial | None:
+    """The fastest ``ok`` trial, after printing the table; None (and the error) when none is ok."""
+    ok_trials = [trial for trial in trials if trial.status == "ok"]
+    chosen = min(ok_trials, key=lambda trial: (trial.step_time_s or 0.0, trial.index)) if ok_trials else None
+    out = sys.stderr if args.json else sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 132)  # a log file gets the whole table
+    console.print(_table(trials, chosen))
+    if chosen is None:
+        why = "; ".join(
+            f"trial {trial.index} ({_describe(trial.plan)}) {trial.status}: {trial.error}" for trial in trials
+        )
+        print(
+            f"planner tune: error: no candidate ran to the end within its memory: {why}. Nothing was "
+            f"written; see the table above, or raise --timeout, or re-plan with other pins.",
+            file=sys.stderr,
+        )
+    return chosen
+
+
+def _announce_choice(chosen: Trial, first: Trial, say: Callable[..., None]) -> None:
+    """Which trial won, against the plan's own choice (trial 1)."""
+    step_time_s = chosen.step_time_s or 0.0
+    if chosen is first:
+        say(
+            f"Chose trial 1, the plan's own choice ({_describe(chosen.plan)}): measured fastest, "
+            f"{format_seconds(step_time_s)} per step."
+        )
+        return
+    versus = (
+        f"{(1 - step_time_s / first.step_time_s):.0%} faster than the plan's own choice "
+        f"(trial 1, {format_seconds(first.step_time_s)})"
+        if first.step_time_s
+        else f"while the plan's own choice (trial 1) ended in {first.status}"
+    )
+    say(f"Chose trial {chosen.index} ({_describe(chosen.plan)}): {format_seconds(step_time_s)} per step, {versus}.")
+
+
 def _refit_line(refit: Refit, hw: HardwareProfile) -> str:
-    p = refit.profile
-    parts = [f"compute efficiency {hw.compute_efficiency:.3g} -> {p.compute_efficiency:.3g}"]
-    if p.peak_flops != hw.peak_flops:
-        parts.append(f"peak FLOP/s x{next(iter(p.peak_flops.values())) / next(iter(hw.peak_flops.values())):.3g}")
-    parts.append(f"op overhead {format_seconds(hw.op_overhead_s)} -> {format_seconds(p.op_overhead_s)}")
+    refit_hw = refit.profile
+    parts = [f"compute efficiency {hw.compute_efficiency:.3g} -> {refit_hw.compute_efficiency:.3g}"]
+    if refit_hw.peak_flops != hw.peak_flops:
+        parts.append(
+            f"peak FLOP/s x{next(iter(refit_hw.peak_flops.values())) / next(iter(hw.peak_flops.values())):.3g}"
+        )
+    parts.append(f"op overhead {format_seconds(hw.op_overhead_s)} -> {format_seconds(refit_hw.op_overhead_s)}")
     if refit.link_scale is not None:
         parts.append(
             f"links x{refit.link_scale:.3g} slower"
             if refit.link_scale >= 1
             else f"links {1 / refit.link_scale:.3g}x faster"
         )
-        parts.append(f"sync cost {format_seconds(hw.sync_overhead_s)} -> {format_seconds(p.sync_overhead_s)}")
+        parts.append(f"sync cost {format_seconds(hw.sync_overhead_s)} -> {format_seconds(refit_hw.sync_overhead_s)}")
     line = (
         f"Refit from {len(refit.measured)} trial{'s' if len(refit.measured) != 1 else ''}: "
         f"{', '.join(parts)}; step-time error of the predictions {refit.error_before:.0%} -> "
@@ -712,8 +793,8 @@ def _write_profile(args, refit: Refit | None, n: int, one_node: bool, say) -> No
         say(f"planner tune: no trial ran to the end: {args.profile_out} was not written.")
         return
     original = load_hardware(args.hardware)
-    p = refit.profile
-    inter = original if one_node else p
+    refit_hw = refit.profile
+    inter = original if one_node else refit_hw
     what = (
         "compute efficiency and op overhead from measured compute times, links and sync cost from "
         "measured communication"
@@ -723,15 +804,15 @@ def _write_profile(args, refit: Refit | None, n: int, one_node: bool, say) -> No
     fitted = dataclasses.replace(
         original,
         name=f"{original.name.removesuffix('-tuned')}-tuned",
-        peak_flops=dict(p.peak_flops),
-        compute_efficiency=p.compute_efficiency,
-        op_overhead_s=p.op_overhead_s,
-        intra_node_latency=p.intra_node_latency,
-        intra_node_bandwidth=p.intra_node_bandwidth,
+        peak_flops=dict(refit_hw.peak_flops),
+        compute_efficiency=refit_hw.compute_efficiency,
+        op_overhead_s=refit_hw.op_overhead_s,
+        intra_node_latency=refit_hw.intra_node_latency,
+        intra_node_bandwidth=refit_hw.intra_node_bandwidth,
         inter_node_latency=inter.inter_node_latency,
         inter_node_bandwidth=inter.inter_node_bandwidth,
-        sync_overhead_s=p.sync_overhead_s,
-        intra_node_collectives=p.intra_node_collectives,
+        sync_overhead_s=refit_hw.sync_overhead_s,
+        intra_node_collectives=refit_hw.intra_node_collectives,
         source=(
             f"Refit by planner tune from {n} trial{'s' if n != 1 else ''} of {args.model} "
             f"({time.strftime('%Y-%m-%d')}): {what}. Based on: {original.source}"

@@ -1,81 +1,295 @@
-"""What the user asked ``planner plan`` for: the model, the cluster, the batch and the pins."""
+"""What the user asked ``planner plan`` for: the model, the cluster, the batch and the pins.
+
+``PlanRequest`` is the one source of the planning options: each field has its default and its
+documentation here, and a field that the command line sets carries a ``PlanFlag`` in its metadata
+(the flag, its help, the kind of value it takes, its allowed values, how its value becomes the
+setting), from which ``planner.cli`` builds the ``plan``, ``tune`` and sweep flags and
+``planner.commands.plan_command.request_from_args`` reads them back (``cli_flags(PlanRequest)``).
+The allowed values of each closed choice come from its enumeration in ``runtime.contract.choices``.
+
+``__post_init__`` checks every field and raises ``SearchError`` naming the flag and the value.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from cost_models.schedule_cost import SCHEDULES
+from planner.frontend.input_pins import parse_input_pins
 from planner.search.search_errors import SearchError
+from runtime.contract.choices import ZERO_STAGES, OffloadTier, RecomputeMode, ScheduleName, Toggle, names
 from runtime.contract.dtype_table import DTYPES
+from runtime.training.train_config import CliFlag, cli_flags
 
-__all__ = ["PlanRequest", "CHECKPOINT_MODES", "COMPILE_MODES", "DEFAULT_HORIZON_STEPS", "OFFLOAD_TIERS"]
+__all__ = [
+    "PlanRequest",
+    "PlanFlag",
+    "PLAN_FLAG_KINDS",
+    "CHECKPOINT_MODES",
+    "COMPILE_MODES",
+    "DEFAULT_HORIZON_STEPS",
+    "OFFLOAD_TIERS",
+    "request_flag",
+]
 
 #: Where ``--offload-optimizer`` / ``--offload-params`` may put a state kind (``cost_models.offload_cost``).
-OFFLOAD_TIERS = ("none", "cpu", "nvme")
-
-CHECKPOINT_MODES = ("auto", "none", "selective", "all")
-COMPILE_MODES = ("auto", "on", "off")
+OFFLOAD_TIERS = names(OffloadTier)
+CHECKPOINT_MODES = names(RecomputeMode)
+#: ``compile``: the search decides (``auto``, the default), or ``--compile on|off`` pins it.
+COMPILE_AUTO = "auto"
+COMPILE_MODES = (COMPILE_AUTO, *names(Toggle))
 
 #: Steps a run is assumed to last when the request gives no ``tokens``: what compiling the stages
 #: must pay back over (a short fine-tune; a pretraining run is far longer, and says so with --tokens).
 DEFAULT_HORIZON_STEPS = 1000
 
+#: What a plan flag's value may be (``planner.cli`` maps each to an argparse type): the kinds of
+#: ``runtime.training.train_config.FLAG_KINDS``, plus ``int`` (any integer, with ``choices``),
+#: ``gpu_counts`` (``64`` or ``64,128,256``), ``token_count`` (``300e9``, ``2T``) and
+#: ``repeated`` (a string flag given any number of times: a list, None when absent).
+PLAN_FLAG_KINDS: tuple[str, ...] = (
+    "str",
+    "int",
+    "float",
+    "positive_float",
+    "positive_int",
+    "switch",
+    "gpu_counts",
+    "token_count",
+    "repeated",
+)
+
+
+@dataclass(frozen=True)
+class PlanFlag(CliFlag):
+    """How one planning option appears on the ``plan`` / ``tune`` command line (a ``CliFlag`` with
+    the plan's kinds of value and an optional closed set of values).
+
+    The flag's default is the field's when the flag has no ``to_setting``; a flag with one defaults
+    to None (absent), which ``to_setting`` turns into the setting."""
+
+    choices: tuple[Any, ...] | None = None
+    """The values the flag accepts (argparse lists them in usage and errors); None: any of its kind."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLAN_FLAG_KINDS:
+            raise ValueError(f"flag {self.flag}: kind {self.kind!r} is not one of {', '.join(PLAN_FLAG_KINDS)}")
+
+
+def _flag(flag: str, **options: Any) -> dict:
+    """Field metadata exposing a planning option as ``flag`` (see ``PlanFlag``)."""
+    return {"cli": PlanFlag(flag, **options)}
+
+
+def _profile_node_size(value: int | None) -> int:
+    """``--gpus-per-node`` absent: 0, the hardware profile's."""
+    return value or 0
+
+
+def _searched_unless_pinned(value: str | None) -> str:
+    """``--compile`` absent: ``auto``, the search decides."""
+    return value or COMPILE_AUTO
+
 
 @dataclass
 class PlanRequest:
-    """One planning problem. ``None`` pins are searched; set pins are fixed."""
+    """One planning problem. ``None`` pins are searched; set pins are fixed. The fields with a
+    ``PlanFlag`` are the flags of ``plan`` and ``tune``, in this order (the model-size flags, which
+    fill ``sizes``, follow ``--model``)."""
 
-    spec: str
+    spec: str = field(
+        metadata=_flag(
+            "--model",
+            required=True,
+            metavar="SPEC",
+            help="gpt | gpt2 | gpt2-xl | gpt3-175b | hf:gpt2 | hf:llama | hf:bert | hf:PATH (a local HF "
+            "model directory) | file.py:factory",
+        )
+    )
     """Model spec (see ``planner.frontend.bundle.SPEC_HELP``)."""
-    gpus: int
-    """Devices in the cluster."""
-    gpus_per_node: int
+    gpus: int = field(
+        metadata=_flag(
+            "--gpus",
+            kind="gpu_counts",
+            required=True,
+            metavar="N[,N...]",
+            help="devices in the cluster; a comma-separated list (64,128,256) plans each size and compares them",
+        )
+    )
+    """Devices in the cluster (the flag may list several: a sweep makes one request per count)."""
+    gpus_per_node: int = field(
+        metadata=_flag(
+            "--gpus-per-node",
+            kind="positive_int",
+            help="devices per node (default: the hardware profile's)",
+            to_setting=_profile_node_size,
+        )
+    )
     """Devices per node (0: take the hardware profile's)."""
-    hardware: str
+    hardware: str = field(
+        metadata=_flag(
+            "--hardware",
+            required=True,
+            metavar="KIND|profile.json",
+            help="a100-40gb, a100-80gb, h100-sxm, h200, v100-32gb, cpu, or a profile JSON",
+        )
+    )
     """Hardware kind or path of a profile JSON."""
-    global_batch: int
+    global_batch: int = field(
+        metadata=_flag("--global-batch", kind="positive_int", required=True, help="sequences per optimizer step")
+    )
     """Sequences per optimizer step."""
-    seq_len: int
+    seq_len: int = field(metadata=_flag("--seq-len", kind="positive_int", required=True, help="tokens per sequence"))
     """Tokens per sequence."""
-    dtype: str = "bf16"
-    """Compute dtype."""
+    dtype: str = field(default="bf16", metadata=_flag("--dtype", choices=DTYPES))
+    """Compute dtype (``runtime.contract.dtype_table.DTYPES``)."""
     sizes: dict = field(default_factory=dict)
-    """Model size overrides (layers, hidden, heads, kv_heads, ffn, vocab)."""
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    zero_stage: int | None = None
-    micro_batch: int | None = None
-    checkpoint: str = "auto"
+    """Model size overrides (layers, hidden, heads, kv_heads, ffn, vocab; each its own flag,
+    ``planner.commands.plan_command.SIZE_FLAGS``)."""
+    dp: int | None = field(
+        default=None, metadata=_flag("--dp", kind="positive_int", help="pin the data-parallel degree")
+    )
+    """Data-parallel degree; ``None``: searched."""
+    tp: int | None = field(
+        default=None, metadata=_flag("--tp", kind="positive_int", help="pin the tensor-parallel degree")
+    )
+    """Tensor-parallel degree; ``None``: searched."""
+    pp: int | None = field(default=None, metadata=_flag("--pp", kind="positive_int", help="pin the pipeline degree"))
+    """Pipeline-parallel degree (stages); ``None``: searched."""
+    zero_stage: int | None = field(
+        default=None, metadata=_flag("--zero-stage", kind="int", choices=ZERO_STAGES, help="pin the ZeRO stage")
+    )
+    """ZeRO stage (``runtime.contract.choices.ZERO_STAGES``); ``None``: searched."""
+    micro_batch: int | None = field(
+        default=None, metadata=_flag("--micro-batch", kind="positive_int", help="pin the micro-batch size")
+    )
+    """Sequences per micro-batch on one data-parallel rank; ``None``: searched."""
+    checkpoint: str = field(
+        default=RecomputeMode.AUTO.value,
+        metadata=_flag(
+            "--checkpoint",
+            choices=names(RecomputeMode),
+            help="activation recompute: chosen per layer, whole or only its attention core (auto); "
+            "never; the attention core of every block (selective); every block whole (all)",
+        ),
+    )
     """``auto`` (the solver chooses per layer: nothing, the attention core, or all of it), ``none``,
     ``selective`` (every block's attention core) or ``all`` (every block whole)."""
-    memory_headroom: float = 0.9
+    memory_headroom: float = field(
+        default=0.9,
+        metadata=_flag("--memory-headroom", kind="float", help="usable fraction of device memory (default 0.9)"),
+    )
     """Usable fraction of each device's memory."""
-    tp_across_nodes: bool = False
+    tp_across_nodes: bool = field(
+        default=False,
+        metadata=_flag("--tp-across-nodes", kind="switch", help="allow tensor parallelism across nodes"),
+    )
     """Allow tensor-parallel groups that span nodes (slow; off by default)."""
-    inputs: dict = field(default_factory=dict)
+    inputs: dict = field(
+        default_factory=dict,
+        metadata=_flag(
+            "--input",
+            kind="repeated",
+            metavar="NAME=ROLE",
+            help="what training feeds a model input the planner cannot infer (repeatable): "
+            "tokens, labels, targets, ones, zeros or positions",
+            to_setting=parse_input_pins,
+        ),
+    )
     """What training feeds a model input the graph does not explain: ``{name: role}``
     (``--input NAME=ROLE``; see ``planner.frontend.input_pins``)."""
-    compile: str = "auto"
-    """Compiled stages (``torch.compile`` per layer class): ``auto`` (the search compiles when the
-    per-step saving repays the compile time over the run), ``on`` or ``off`` (``--compile``)."""
-    tokens: float | None = None
+    tokens: float | None = field(
+        default=None,
+        metadata=_flag(
+            "--tokens",
+            kind="token_count",
+            metavar="N",
+            help="tokens the whole run trains on (300e9, 2T, 500B): adds its days, GPU-hours and "
+            "cost to the plan, and is what compiling must pay back over",
+        ),
+    )
     """Tokens the whole run trains on (``--tokens``): the run's length in steps, which compiling
     must pay back over; ``None``: ``DEFAULT_HORIZON_STEPS``."""
-
-    offload_optimizer: str | None = None
+    compile: str = field(
+        default=COMPILE_AUTO,
+        metadata=_flag(
+            "--compile",
+            choices=names(Toggle),
+            help="run each layer class under torch.compile (on) or eagerly (off); default: the "
+            "planner compiles when the per-step saving repays the compile time over the run "
+            "(--tokens, else 1,000 steps)",
+            to_setting=_searched_unless_pinned,
+        ),
+    )
+    """Compiled stages (``torch.compile`` per layer class): ``auto`` (the search compiles when the
+    per-step saving repays the compile time over the run), ``on`` or ``off`` (``--compile``)."""
+    price_per_gpu_hour: float | None = field(
+        default=None,
+        metadata=_flag(
+            "--price-per-gpu-hour",
+            kind="positive_float",
+            metavar="X",
+            help="what one device costs per hour (any currency): the cost in money, with --tokens",
+        ),
+    )
+    """What one device costs per hour, in any currency: ``predicted.cost.money`` of a run of
+    ``tokens`` tokens (``cost_models.run_cost``); the search does not read it."""
+    offload_optimizer: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--offload-optimizer",
+            choices=names(OffloadTier),
+            help="where the optimizer state lives and AdamW runs: the device (none), host memory "
+            "(cpu, ZeRO-Offload) or NVMe files (nvme, ZeRO-Infinity); default: the planner "
+            "offloads only where it pays (a plan that does not fit otherwise, or fits only "
+            "with more recompute or smaller micro-batches)",
+        ),
+    )
     """Where the optimizer state lives (``--offload-optimizer none|cpu|nvme``); ``None``: searched."""
-    offload_params: str | None = None
+    offload_params: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--offload-params",
+            choices=names(OffloadTier),
+            help="where the ZeRO-3 parameter shards live: the device (none), host memory (cpu) or "
+            "NVMe files (nvme), fetched layer by layer ahead of use; default: searched",
+        ),
+    )
     """Where the ZeRO-3 parameter shards live (``--offload-params none|cpu|nvme``); ``None``: searched."""
-    schedule: str | None = None
-    """The pipeline schedule (``--schedule 1f1b|interleaved|zero-bubble``); ``None``: searched
-    (``planner.search.schedule_search.SEARCHED_SCHEDULES``)."""
-    virtual_stages: int | None = None
-    """Model chunks per pipeline rank of the interleaved schedule (``--virtual-stages``); ``None``: searched."""
-    sequence_parallel: str | None = None
+    sequence_parallel: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--sequence-parallel",
+            choices=names(Toggle),
+            help="pin sequence parallelism in the tensor-parallel regions (norms, residuals and dropout on "
+            "seq_len / tp positions per rank; default: searched where tp > 1)",
+        ),
+    )
     """Sequence parallelism in the tensor-parallel regions (``--sequence-parallel on|off``);
     ``None``: searched wherever tp > 1 and the model allows it."""
+    schedule: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--schedule",
+            choices=names(ScheduleName),
+            help="pin the pipeline schedule: 1f1b, interleaved (v model chunks per pipeline rank: a "
+            "v-fold smaller bubble for v times the sends) or zero-bubble (ZB-H1: weight gradients "
+            "fill the bubble); default: the planner prices each and keeps the fastest that fits",
+        ),
+    )
+    """The pipeline schedule (``--schedule 1f1b|interleaved|zero-bubble``); ``None``: searched
+    (``planner.search.schedule_search.SEARCHED_SCHEDULES``)."""
+    virtual_stages: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--virtual-stages",
+            kind="positive_int",
+            metavar="V",
+            help="pin the model chunks per pipeline rank of --schedule interleaved (default: searched)",
+        ),
+    )
+    """Model chunks per pipeline rank of the interleaved schedule (``--virtual-stages``); ``None``: searched."""
 
     def horizon_steps(self) -> int:
         """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""
@@ -83,81 +297,91 @@ class PlanRequest:
             return DEFAULT_HORIZON_STEPS
         return max(1, math.ceil(self.tokens / (self.global_batch * self.seq_len)))
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        self._check_problem()
+        self._check_pins()
+        self._check_compile_and_tokens()
+        self._check_offload()
+        self._check_schedule()
+        self._check_recompute()
+        self._check_degrees()
+
+    def _check_problem(self) -> None:
+        """The cluster, the batch and the dtype."""
         if isinstance(self.gpus_per_node, int) and self.gpus_per_node < 0:
             raise SearchError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}.")
-        for k in ("gpus", "global_batch", "seq_len"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SearchError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
-        if self.dtype not in DTYPES:
-            raise SearchError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        for k in ("dp", "tp", "pp", "micro_batch"):
-            v = getattr(self, k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise SearchError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}.")
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+        for name in ("gpus", "global_batch", "seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        _check_choice("dtype", self.dtype, DTYPES)
+
+    def _check_pins(self) -> None:
+        """The degrees, the micro-batch and the ZeRO stage, where pinned."""
+        for name in ("dp", "tp", "pp", "micro_batch"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive_int(name, value)
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
             raise SearchError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
+
+    def _check_compile_and_tokens(self) -> None:
         if self.compile not in COMPILE_MODES:
             raise SearchError(f"--compile must be on or off (or omitted: the planner decides), got {self.compile!r}.")
-        if self.tokens is not None and (
-            isinstance(self.tokens, bool)
-            or not isinstance(self.tokens, (int, float))
-            or not math.isfinite(self.tokens)
-            or self.tokens <= 0
+        tokens = self.tokens
+        if tokens is not None and (
+            isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens <= 0
         ):
-            raise SearchError(f"--tokens must be a positive number of tokens, got {self.tokens!r}.")
-        for kind in ("optimizer", "params"):
-            v = getattr(self, f"offload_{kind}")
-            if v is not None and v not in OFFLOAD_TIERS:
-                raise SearchError(
-                    f"--offload-{kind} must be one of {', '.join(OFFLOAD_TIERS)} (or omitted: the "
-                    f"planner decides), got {v!r}."
-                )
-        if self.offload_params not in (None, "none") and self.zero_stage not in (None, 3):
+            raise SearchError(f"--tokens must be a positive number of tokens, got {tokens!r}.")
+
+    def _check_offload(self) -> None:
+        """Each offload pin is a tier, and the ZeRO stage can offload it."""
+        for name in ("offload_optimizer", "offload_params"):
+            _check_choice(name, getattr(self, name), OFFLOAD_TIERS, searched=True)
+        if self.offload_params not in (None, OffloadTier.NONE) and self.zero_stage not in (None, 3):
             raise SearchError(
                 f"--offload-params {self.offload_params} needs ZeRO stage 3 (only ZeRO-3 shards the "
                 f"parameters it keeps off the device), but --zero-stage is {self.zero_stage}. Use "
                 "--zero-stage 3, or drop one of the two flags."
             )
-        if self.offload_optimizer not in (None, "none") and self.zero_stage == 0:
+        if self.offload_optimizer not in (None, OffloadTier.NONE) and self.zero_stage == 0:
             raise SearchError(
                 f"--offload-optimizer {self.offload_optimizer} needs ZeRO stage 1, 2 or 3 (each rank "
                 "offloads its optimizer shard), but --zero-stage is 0. Use --zero-stage 1, 2 or 3, "
                 "or drop one of the two flags."
             )
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise SearchError(
-                f"--schedule must be one of {', '.join(SCHEDULES)} (or omitted: the planner decides), "
-                f"got {self.schedule!r}."
-            )
-        v = self.virtual_stages
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise SearchError(f"--virtual-stages must be a positive integer, got {v!r}.")
-        if self.sequence_parallel not in (None, "on", "off"):
+
+    def _check_schedule(self) -> None:
+        """The pipeline schedule, its chunks, and sequence parallelism."""
+        _check_choice("schedule", self.schedule, names(ScheduleName), searched=True)
+        if self.virtual_stages is not None:
+            _check_positive_int("virtual_stages", self.virtual_stages)
+        if self.sequence_parallel not in (None, *names(Toggle)):
             raise SearchError(f"--sequence-parallel must be on or off, got {self.sequence_parallel!r}.")
-        if self.sequence_parallel == "on" and self.tp == 1:
+        if self.sequence_parallel == Toggle.ON and self.tp == 1:
             raise SearchError(
                 "--sequence-parallel on needs tensor parallelism, but --tp is 1: sequence "
                 "parallelism splits the tensor-parallel regions' sequence over the tp ranks. Drop "
                 "--tp 1 or --sequence-parallel on."
             )
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise SearchError(f"--checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}.")
+
+    def _check_recompute(self) -> None:
+        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         if not 0.1 <= self.memory_headroom <= 1.0:
             raise SearchError(f"--memory-headroom must be in [0.1, 1.0], got {self.memory_headroom}.")
-        pins = {k: getattr(self, k) for k in ("dp", "tp", "pp")}
+
+    def _check_degrees(self) -> None:
+        """The pinned degrees fit the cluster and the batch."""
+        pins = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
         fixed = 1
-        for v in pins.values():
-            fixed *= v or 1
-        if all(v is not None for v in pins.values()) and fixed != self.gpus:
+        for degree in pins.values():
+            fixed *= degree or 1
+        if all(degree is not None for degree in pins.values()) and fixed != self.gpus:
             raise SearchError(
                 f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
                 f"{self.gpus}; the three degrees must multiply to the number of devices."
             )
         if self.gpus % fixed:
-            got = " x ".join(f"--{k} {v}" for k, v in pins.items() if v is not None)
-            raise SearchError(f"{got} = {fixed} does not divide --gpus {self.gpus}.")
+            pinned = " x ".join(f"--{name} {degree}" for name, degree in pins.items() if degree is not None)
+            raise SearchError(f"{pinned} = {fixed} does not divide --gpus {self.gpus}.")
         if self.dp is not None and self.global_batch % self.dp:
             raise SearchError(f"--global-batch {self.global_batch} is not divisible by --dp {self.dp}.")
         if self.micro_batch is not None and self.dp is not None and self.global_batch % (self.dp * self.micro_batch):
@@ -165,3 +389,25 @@ class PlanRequest:
                 f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
                 f"--micro-batch {self.micro_batch}."
             )
+
+
+_FLAGS: dict[str, CliFlag] = {f.name: flag for f, flag in cli_flags(PlanRequest)}
+
+
+def request_flag(name: str) -> str:
+    """The command-line flag of ``PlanRequest`` field ``name`` (``micro_batch`` -> ``--micro-batch``)."""
+    return _FLAGS[name].flag
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SearchError(f"{request_flag(name)} must be a positive integer, got {value!r}.")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...], searched: bool = False) -> None:
+    """``value`` is one of ``allowed`` (or None, when ``searched``: the planner decides)."""
+    if searched and value is None:
+        return
+    if value not in allowed:
+        decides = " (or omitted: the planner decides)" if searched else ""
+        raise SearchError(f"{request_flag(name)} must be one of {', '.join(allowed)}{decides}, got {value!r}.")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "names"]
+__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "Toggle", "ZERO_STAGES", "names"]
 
 
 class ScheduleName(StrEnum):
@@ -32,6 +32,19 @@ class OffloadTier(StrEnum):
     NONE = "none"
     CPU = "cpu"
     NVME = "nvme"
+
+
+class Toggle(StrEnum):
+    """A feature pinned on or off on the command line (``--compile``, ``--sequence-parallel``);
+    omitted, the search decides."""
+
+    ON = "on"
+    OFF = "off"
+
+
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""The ZeRO stages: 0 replicates; 1 shards the optimizer state; 2 also the gradients; 3 also the
+parameters (plan.json ``zero_stage``, ``planner plan --zero-stage``)."""
 
 
 def names(choice: type[StrEnum]) -> tuple[str, ...]:

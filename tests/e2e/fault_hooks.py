@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from planner.cli import USER_ERRORS, build_parser
+from planner.cli import build_parser, user_errors
 from planner.commands.train import run_train
 from runtime.training.trainer import StepHook
 
@@ -66,6 +66,6 @@ def train_with_hook(argv: list[str], hook: StepHook) -> int:
     args = build_parser().parse_args(["train", *argv])
     try:
         return run_train(args, on_step_start=hook)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         print(f"planner train: error: {e}", file=sys.stderr)
         return 2
