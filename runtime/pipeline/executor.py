@@ -11,7 +11,7 @@ A single stage (``num_stages == 1``) is both: ``forward(*e) -> loss``. What cros
 a tuple of tensors described by the receiver's ``recv_meta`` (:mod:`runtime.pipeline.boundary`).
 
 Actions: ``F`` forward, ``B`` backward (input gradients only when the list has ``W`` actions,
-:mod:`runtime.pipeline.split_backward`), ``W`` weight gradients. Sends and receives follow the
+:mod:`runtime.pipeline.backward_split`), ``W`` weight gradients. Sends and receives follow the
 semantics :func:`runtime.contract.schedule_ir.simulate` models (:mod:`runtime.pipeline.transport`).
 
 Math. With ``m`` micro-batches and per-micro-batch losses ``l_i`` the step's loss is
@@ -46,10 +46,10 @@ from runtime.contract.schedule_ir import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRA
 from runtime.distributed import comm
 from runtime.distributed.mesh import Mesh
 from runtime.pipeline import preflight
+from runtime.pipeline.backward_split import BackwardScope, WeightWork, backward_input, backward_weight
 from runtime.pipeline.boundary import PipelineError, TensorMeta, as_meta, as_tuple, check_outputs, describe
 from runtime.pipeline.placement import StagePlacement
 from runtime.pipeline.preflight import MAX_DIMS, MAX_TENSORS, META_ROW
-from runtime.pipeline.split_backward import BackwardScope, WeightWork, backward_input, backward_weight
 from runtime.pipeline.transport import PostedRecv, ReceiveAhead, StageTransport
 
 __all__ = [
