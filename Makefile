@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint demo bench venv clean
+.PHONY: test test-fast lint demo bench venv clean
 
 venv: $(STAMP)
 
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,hf,highs]"
 	touch $(STAMP)
 
+# The whole suite (what CI runs, via .ci/run), then its 15 slowest tests.
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+# The inner loop: every test that starts no process and no process group (not marked `dist`); no lint.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not dist" --durations=15
 
 # The architecture's import rules (pyproject.toml [tool.importlinter]), pyflakes and import order,
 # the formatter's check and the type checker (pyproject.toml [tool.mypy]); part of `make test`.

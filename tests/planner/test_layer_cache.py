@@ -387,6 +387,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 # What a hit costs
 
 
+@pytest.mark.dist
 def test_a_hit_imports_neither_transformers_nor_the_tracer(traces):
     """A re-plan is bound by import time: a cached ``hf:`` table must not import transformers
     (seconds) or ``torch._dynamo`` (what export needs)."""

@@ -17,6 +17,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.dist  # `planner plan` runs in fresh interpreters
+
 _PROBE = """
 import json, sys
 from planner.cli import main

@@ -18,12 +18,15 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.data_parallel.zero_engine import OptimizerConfig, ShardingConfig, ZeroEngine
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.dist  # each measurement runs in its own process
 
 WIDTH, DEPTH, STEPS = 1024, 16, 1
 

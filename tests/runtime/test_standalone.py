@@ -43,6 +43,7 @@ print(type(module).__name__, sum(p.numel() for p in module.parameters()))
 """
 
 
+@pytest.mark.dist
 def test_runtime_and_a_compiled_stage_import_without_the_compiler(tmp_path):
     out = str(tmp_path / "compiled")
     compile_plan(make_plan("gpt", TINY_GPT, tp=2), out)

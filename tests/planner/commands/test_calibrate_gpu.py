@@ -277,6 +277,7 @@ def test_single_device_collection_on_the_cpu_builds_a_profile():
     assert json.dumps(p.to_dict(), allow_nan=False)
 
 
+@pytest.mark.dist
 def test_time_collective_on_a_one_process_gloo_group():
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

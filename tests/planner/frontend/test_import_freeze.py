@@ -13,7 +13,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.dist  # each check runs in a fresh interpreter
 
 _MISS = """
 import gc, json, sys, weakref
