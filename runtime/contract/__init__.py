@@ -9,7 +9,8 @@ and nothing else of the runtime), so a re-plan from the layer-table cache never 
 - ``input_errors``: the errors of a bad setting or data source (the CLI's exit status 2);
 - ``collective_bytes``: bytes one device sends per collective (plan.json's ``comm_bytes``);
 - ``rank_layout``: the (pp, dp, tp) rank layout and each axis's groups;
-- ``choices``: the names of schedules, recompute modes and offload tiers;
+- ``choices``: the names of schedules, recompute modes, offload tiers and gradient compressions;
+- ``compressed_exchange``: what 1-bit Adam's compressed exchange sends and holds, its warm-up;
 - ``limits``: the runtime's buffering limits the memory model prices;
 - ``schedule_ir``: pipeline schedules as data, their validator and simulator.
 """

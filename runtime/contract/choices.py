@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "Toggle", "ZERO_STAGES", "names"]
+__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "Toggle", "GradCompression", "ZERO_STAGES", "names"]
 
 
 class ScheduleName(StrEnum):
@@ -40,6 +40,15 @@ class Toggle(StrEnum):
 
     ON = "on"
     OFF = "off"
+
+
+class GradCompression(StrEnum):
+    """How the data-parallel exchange of a step is encoded (plan.json ``dp_compression``,
+    ``planner plan --dp-compression``): uncompressed gradients, or 1-bit Adam's sign-compressed
+    momentum after a full-precision warm-up (``runtime.contract.compressed_exchange``)."""
+
+    NONE = "none"
+    ONEBIT_ADAM = "onebit-adam"
 
 
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
