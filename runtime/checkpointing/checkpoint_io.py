@@ -14,7 +14,8 @@ any plan of the same model can load it:
   AdamW moments of every parameter (ZeRO shards joined over dp, tensor-parallel pieces joined
   over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage; a
   weight tied across stages by its first holder only, and read back by every holder);
-- ``rng/<rank>``: every rank's CPU (and CUDA) generator state;
+- ``rng/<rank>``: every rank's CPU (and CUDA) generator state; ``compression/<rank>``: its 1-bit Adam
+  error buffers (``runtime.data_parallel.onebit_adam``), restored only under the same plan;
 - with model chunks (``virtual_stages > 1``) a rank writes the tensors of all its chunks, each by
   its original name, so a checkpoint of an interleaved plan loads under any other plan of the
   model (and the reverse) like any reshard;
@@ -174,6 +175,12 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
     return out
 
 
+def _compression_state(engine) -> dict[str, torch.Tensor]:
+    """This rank's 1-bit Adam error buffers (``ZeroEngine.compression_state``), on the host."""
+    state = engine.compression_state() if hasattr(engine, "compression_state") else {}
+    return {k: tensor.cpu() for k, tensor in state.items()}
+
+
 def _rng_state(device) -> dict[str, torch.Tensor]:
     states = {"cpu": torch.get_rng_state()}
     if device is not None and torch.device(device).type == "cuda":
@@ -204,6 +211,8 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
     logical = _logical_state(engine, params, mesh)
     state: dict[str, Any] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(device).items()}
+    compression = _compression_state(engine)
+    state.update({f"compression/{rank}/{k}": tensor for k, tensor in compression.items()})
     step_count = None
     shapes = {}
     if logical is not None:
@@ -221,14 +230,17 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         raise CheckpointError(
             f"saving checkpoint step {step} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
         )
-    all_shapes = _gather_to((shapes, step_count), None, 0)
+    own_compression = {k: list(tensor.shape) for k, tensor in compression.items()}
+    all_shapes = _gather_to((shapes, step_count, own_compression), None, 0)
     if rank == 0:
         assert all_shapes is not None  # rank 0 is the gather's destination
-        merged, counts = {}, set()
-        for shapes_of_rank, count in all_shapes:
+        merged, counts, compression_shapes = {}, set(), {}
+        for source_rank, (shapes_of_rank, count, compression_of_rank) in enumerate(all_shapes):
             merged.update(shapes_of_rank)
             if count is not None:
                 counts.add(count)
+            if compression_of_rank:
+                compression_shapes[str(source_rank)] = compression_of_rank
         meta = {
             "step": step,
             "optimizer_step": max(counts) if counts else 0,
@@ -237,6 +249,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
             "model": man["model"],
             "world_size": world,
             "tensors": merged,
+            "compression": compression_shapes,
             "schedule": schedule,
             "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
         }
@@ -288,6 +301,8 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     rng = {}
     if same_plan:
         rng = {f"rng/{rank}/{k}": tensor.clone() for k, tensor in _rng_state(engine.device).items()}
+        for k, shape in meta.get("compression", {}).get(str(rank), {}).items():
+            rng[f"compression/{rank}/{k}"] = torch.empty(shape, dtype=torch.float32)
     try:
         _dcp().load({**want, **rng}, checkpoint_id=path, no_dist=not dist.is_initialized())
     except _failures() as e:  # noqa: BLE001
@@ -313,6 +328,8 @@ def load_latest(directory: str, engine, man: dict, mesh) -> int:
     full["format"] = FORMAT
     engine.load_state_dict(full)
     if same_plan:
+        prefix = f"compression/{rank}/"
+        engine.load_compression_state({k[len(prefix) :]: t for k, t in rng.items() if k.startswith(prefix)})
         torch.set_rng_state(rng[f"rng/{rank}/cpu"])
         if f"rng/{rank}/cuda" in rng:
             torch.cuda.set_rng_state(rng[f"rng/{rank}/cuda"], engine.device)

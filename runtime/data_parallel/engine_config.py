@@ -1,6 +1,7 @@
 """The ZeRO engine's settings, grouped by concern (as Megatron-Core passes ``DistributedDataParallelConfig``
 and ``OptimizerConfig``): how state is sharded and gradients are reduced (``ShardingConfig``), the
-optimizer's hyper-parameters (``OptimizerConfig``, also what ``flat_shards.adamw_step_`` reads) and
+optimizer's hyper-parameters (``OptimizerConfig``, also what ``flat_shards.adamw_step_`` reads, with
+its compressed exchange, ``CompressionConfig``) and
 the ranks beyond the data-parallel group that share the gradient norm (``ParallelContext``). Where
 the optimizer state and parameter shards live is ``offload_engine.OffloadConfig``."""
 
@@ -11,9 +12,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from runtime.contract.choices import GradCompression, names
+from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.precision import DynamicLossScaler, check_compute_dtype
 
-__all__ = ["ShardingConfig", "OptimizerConfig", "ParallelContext", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["ShardingConfig", "OptimizerConfig", "CompressionConfig", "ParallelContext", "DEFAULT_BUCKET_BYTES"]
 
 #: Default target size of one gradient reduction (DDP's default bucket, 25 MiB).
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -51,6 +54,35 @@ class ShardingConfig:
 
 
 @dataclass(frozen=True)
+class CompressionConfig:
+    """The data-parallel exchange's encoding (plan.json ``dp_compression``, ``compression_warmup``)."""
+
+    method: str = GradCompression.NONE
+    """``none`` or ``onebit-adam`` (``runtime.contract.choices.GradCompression``)."""
+    warmup_steps: int = 0
+    """Optimizer steps of full-precision AdamW before the variance is frozen and the exchange is
+    compressed (at least 1 with compression: a frozen variance must have seen gradients)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in names(GradCompression):
+            raise ConfigError(f"dp_compression must be one of {', '.join(names(GradCompression))}, got {self.method!r}")
+        warmup = self.warmup_steps
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ConfigError(
+                f"compression_warmup (--compression-warmup) must be a non-negative integer, got {warmup!r}"
+            )
+        if self.enabled and warmup < 1:
+            raise ConfigError(
+                "compression_warmup (--compression-warmup) must be at least 1 with 1-bit Adam: the variance it "
+                "freezes must first be estimated by full-precision steps"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != GradCompression.NONE
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW (decoupled weight decay), gradient clipping and fp16 loss scaling."""
 
@@ -69,6 +101,9 @@ class OptimizerConfig:
     loss_scaler: DynamicLossScaler | None = None
     """Loss scaler for fp16 (``None``: a ``DynamicLossScaler()`` for fp16); must be ``None`` for
     other compute dtypes."""
+    compression: CompressionConfig = CompressionConfig()
+    """The data-parallel exchange after a warm-up: none, or 1-bit Adam
+    (``runtime.data_parallel.onebit_adam``)."""
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:

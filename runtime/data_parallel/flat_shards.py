@@ -59,6 +59,7 @@ __all__ = [
     "build_groups",
     "hook_module_names",
     "set_owned_ranges",
+    "owned_ranges",
     "square_sums",
     "storage_bytes",
     "FORMAT",
@@ -233,25 +234,35 @@ def set_owned_ranges(
     holds count only where ``replicated_rank == 0``. ``None`` means the whole tensor.
     """
     for group in groups:
-        shard_start, shard_end = (
-            (0, group.padded) if stage == 0 else (dp_rank * group.shard, (dp_rank + 1) * group.shard)
-        )
-        owner = stage > 0 or dp_rank == 0
-        norm, decay, all_norm, all_decay = [], [], owner, True
-        for e in group.entries:
-            start, end = max(e.offset, shard_start), min(e.offset + e.numel, shard_end)
-            if start >= end:
-                continue
-            counted = owner and not (replicated is not None and replicated_rank != 0 and replicated(e.name))
-            if counted:
-                norm.append((start - shard_start, end - shard_start))
-            all_norm &= counted
-            if decays is None or decays(e.name):
-                decay.append((start - shard_start, end - shard_start))
-            else:
-                all_decay = False
-        group.norm_ranges = None if all_norm else merge_ranges(norm)
-        group.decay_ranges = None if all_decay else merge_ranges(decay)
+        group.norm_ranges, group.decay_ranges = owned_ranges(group, stage, dp_rank, replicated, replicated_rank, decays)
+
+
+def owned_ranges(
+    group: FlatGroup,
+    stage: int,
+    dp_rank: int,
+    replicated: Callable[[str], bool] | None,
+    replicated_rank: int,
+    decays: Callable[[str], bool] | None,
+) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]] | None]:
+    """``(norm_ranges, decay_ranges)`` of one group (``set_owned_ranges``), relative to the part
+    of the group this rank updates; ``None`` means the whole part."""
+    shard_start, shard_end = (0, group.padded) if stage == 0 else (dp_rank * group.shard, (dp_rank + 1) * group.shard)
+    owner = stage > 0 or dp_rank == 0
+    norm, decay, all_norm, all_decay = [], [], owner, True
+    for entry in group.entries:
+        start, end = max(entry.offset, shard_start), min(entry.offset + entry.numel, shard_end)
+        if start >= end:
+            continue
+        counted = owner and not (replicated is not None and replicated_rank != 0 and replicated(entry.name))
+        if counted:
+            norm.append((start - shard_start, end - shard_start))
+        all_norm &= counted
+        if decays is None or decays(entry.name):
+            decay.append((start - shard_start, end - shard_start))
+        else:
+            all_decay = False
+    return (None if all_norm else merge_ranges(norm)), (None if all_decay else merge_ranges(decay))
 
 
 #: torch's fused AdamW kernel (CPU and CUDA), when this torch has it.

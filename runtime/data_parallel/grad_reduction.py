@@ -113,6 +113,7 @@ class GradientReducer:
         self.on_reduced = on_reduced
         self.buckets = make_buckets(groups, self.stage, self.dtype, sharding.bucket_bytes, group_root)
         self.launched: set[int] = set()  # buckets launched in this backward pass
+        self.local_only = False  # 1-bit Adam's compressed steps: stages 0/1 keep their own gradients
         self.inflight: list[_Pending] = []
 
     def launch(self, only_ready: bool, root: int | None = None) -> int:
@@ -137,7 +138,10 @@ class GradientReducer:
         """Launch the reduction of one bucket (async); ``_finish`` handles its completion."""
         for group in bucket:
             group.dirty = False
-        if self.stage < 2:
+        if self.stage < 2 and self.local_only:
+            for group in bucket:
+                self.on_reduced(group)
+        elif self.stage < 2:
             self._all_reduce(bucket)
         elif self.dp == 1:
             with torch.no_grad():

@@ -80,6 +80,7 @@ from runtime.data_parallel.flat_shards import (
     clip_coefficient,
     export_state,
     import_state,
+    owned_ranges,
     set_owned_ranges,
     square_sums,
     state_layout,
@@ -87,6 +88,7 @@ from runtime.data_parallel.flat_shards import (
 )
 from runtime.data_parallel.grad_reduction import GradientReducer, drop_full_grad, shard_accumulator
 from runtime.data_parallel.offload_engine import Offload, OffloadConfig, OptimizerStore, copy_part
+from runtime.data_parallel.onebit_adam import OneBitAdam
 from runtime.data_parallel.precision import DynamicLossScaler, cast_floating, dtype_name
 from runtime.data_parallel.tied_weights import tied_flat_groups
 from runtime.data_parallel.zero3_lifetime import Zero3Params, group_roots, in_backward
@@ -183,6 +185,7 @@ class ZeroEngine(Zero3Params):
         self._reducer = GradientReducer(
             self.groups, self._group_root, dp_group, sharding, self.device, self._flat_grad, self._reduced
         )
+        self._onebit = self._one_bit_adam(parallel, offload) if optimizer.compression.enabled else None
         self._register_hooks()
 
     # ------------------------------------------------------------------ construction
@@ -219,18 +222,50 @@ class ZeroEngine(Zero3Params):
 
     def _set_ranges(self, parallel: ParallelContext) -> None:
         """Each group's element ranges that count in the gradient norm and that decay."""
-        replicated_group = parallel.replicated_group
-        if parallel.replicated_param_filter is not None and replicated_group is None:
-            replicated_group = get_mesh().tp_group
-        replicated_rank = dist.get_rank(replicated_group) if replicated_group is not None else 0
         set_owned_ranges(
             self.groups,
             self.stage,
             self.dp_rank,
             parallel.replicated_param_filter,
-            replicated_rank,
+            self._replicated_rank(parallel),
             self.optimizer.weight_decay_filter,
         )
+
+    @staticmethod
+    def _replicated_rank(parallel: ParallelContext) -> int:
+        """This rank's index in the group its replicated parameters are duplicated across."""
+        replicated_group = parallel.replicated_group
+        if parallel.replicated_param_filter is not None and replicated_group is None:
+            replicated_group = get_mesh().tp_group
+        return dist.get_rank(replicated_group) if replicated_group is not None else 0
+
+    def _one_bit_adam(self, parallel: ParallelContext, offload: OffloadConfig | None) -> OneBitAdam:
+        """The compressed exchange of this stage (``runtime.data_parallel.onebit_adam``), after
+        checking that this engine has the all-reduce it replaces."""
+        if self.stage > 1:
+            raise ZeroError(
+                f"1-bit Adam replaces the gradient all-reduce of ZeRO stages 0 and 1; stage {self.stage} "
+                "reduce-scatters gradients instead (plan with --zero-stage 0 or 1, or without --dp-compression)"
+            )
+        if self._opt is not None:
+            raise ZeroError(
+                "1-bit Adam updates the whole model on the device; it does not run with the optimizer offloaded"
+            )
+        if self.dp == 1:
+            raise ZeroError("1-bit Adam compresses the data-parallel exchange; this stage has one data-parallel rank")
+        replicated, rank = parallel.replicated_param_filter, self._replicated_rank(parallel)
+        uncounted = {name for name, (_, counted) in parallel.tied.items() if not counted}
+        full_ranges = []
+        for group in self.groups:
+            norm, decay = owned_ranges(group, 0, 0, replicated, rank, self.optimizer.weight_decay_filter)
+            full_ranges.append(([] if uncounted & set(group.names) else norm, decay))
+
+        def segment_of(group: FlatGroup, name: str) -> tuple[str, int]:
+            if group.index in self._tied_ids:
+                return ("tied", group.index)
+            return ("replicated" if replicated is not None and replicated(name) else "own", 0)
+
+        return OneBitAdam(self.optimizer.compression, self.groups, self.dp_group, segment_of, full_ranges)
 
     def _cast_buffers(self) -> None:
         """Floating-point module buffers to the compute dtype."""
@@ -389,7 +424,8 @@ class ZeroEngine(Zero3Params):
         """A backward pass begins: count it and decide whether it reduces."""
         self._reducer.launched = set()
         self._backwards += counted
-        if not counted or self._no_sync or self.dp == 1 and self.stage < 2:
+        self._reducer.local_only = self._compressing()
+        if not counted or self._no_sync or self.dp == 1 and self.stage < 2 or self._reducer.local_only:
             self._sync_this_backward = False
         elif self.stage < 2:
             self._sync_this_backward = self._backwards == self.micro_batches_per_step
@@ -483,10 +519,15 @@ class ZeroEngine(Zero3Params):
             grad = grad[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
         return grad if grad.dtype == torch.float32 else grad.float()
 
+    def _compressing(self) -> bool:
+        """This step exchanges 1-bit Adam's compressed momentum instead of reducing gradients."""
+        return self._onebit is not None and self._onebit.compressing(self.step_count)
+
     def _finish_reductions(self) -> None:
         """``step()``'s first part: every reduction done, tied gradients summed over their stages,
         offloaded gradients in host memory."""
         self._graph_task = None
+        self._reducer.local_only = self._compressing()
         self._reducer.launched = set()
         self._launch("reduced_in_step", only_ready=False)
         self._reducer.drain()
@@ -518,13 +559,11 @@ class ZeroEngine(Zero3Params):
         if lr is not None:
             self.lr = float(lr)
         self._finish_reductions()
+        if self._compressing():
+            return self._compressed_step()
         norm, overflow = self._global_norm()
         if overflow or not math.isfinite(norm):
-            if self.scaler is not None:
-                self.scaler.update(True)
-            return StepInfo(
-                grad_norm=norm if not math.isfinite(norm) else float("inf"), skipped=True, loss_scale=self.loss_scale
-            )
+            return self._skipped(norm)
         coefficient = clip_coefficient(norm, self.optimizer.max_grad_norm) / self.loss_scale
         self.step_count += 1
         # a delayed update reads the step count and the learning rate after step() returned
@@ -549,6 +588,59 @@ class ZeroEngine(Zero3Params):
         if self.scaler is not None:
             self.scaler.update(False)
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
+
+    def _skipped(self, norm: float) -> StepInfo:
+        """A step that some rank's inf/nan gradient skipped on every rank."""
+        if self.scaler is not None:
+            self.scaler.update(True)
+        return StepInfo(
+            grad_norm=norm if not math.isfinite(norm) else float("inf"), skipped=True, loss_scale=self.loss_scale
+        )
+
+    def _compressed_step(self) -> StepInfo:
+        """``step()`` after the warm-up: 1-bit Adam on every rank's own gradient (the module
+        docstring of ``runtime.data_parallel.onebit_adam``; clipped by the RMS of local norms)."""
+        assert self._onebit is not None
+        full = self._onebit.full_state(self.stage, self.dp_rank, self._whole_params)
+        grads = [self._whole_grad(group) for group in self.groups]
+        sums = self._onebit.square_sums(grads)
+        sums[1] = (~torch.isfinite(sums[1])).double()  # the overflow flag
+        for process_group in [self.dp_group] + self.norm_groups:
+            comm.all_reduce(sums, process_group)
+        total_sq, overflow = sums.tolist()
+        norm = math.sqrt(total_sq / self.dp) / self.loss_scale if total_sq >= 0 else float("nan")
+        if overflow or not math.isfinite(norm):
+            return self._skipped(norm)
+        coefficient = clip_coefficient(norm, self.optimizer.max_grad_norm) / self.loss_scale
+        self.step_count += 1
+        self._onebit.update(full, grads, self.step_count, replace(self.optimizer, lr=self.lr), coefficient)
+        for group, state in zip(self.groups, full):
+            assert group.full is not None
+            if state.master.data_ptr() != group.full.data_ptr():
+                group.full.copy_(state.master)
+        if self.scaler is not None:
+            self.scaler.update(False)
+        return StepInfo(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
+
+    @staticmethod
+    def _whole_params(group: FlatGroup) -> torch.Tensor:
+        assert group.full is not None  # stages 0/1 keep the full parameters
+        return group.full
+
+    @staticmethod
+    def _whole_grad(group: FlatGroup) -> torch.Tensor:
+        """This rank's own (unreduced) fp32 gradient of ``group``, whole."""
+        assert group.grad_full is not None  # stages 0/1 keep the full gradient buffers
+        return group.grad_full.float()
+
+    def compression_state(self) -> dict[str, torch.Tensor]:
+        """This rank's 1-bit Adam error buffers (empty without compression or before it starts)."""
+        return self._onebit.state_dict() if self._onebit is not None else {}
+
+    def load_compression_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``compression_state()`` (a resume under the same plan)."""
+        if self._onebit is not None:
+            self._onebit.load_state_dict(state, self.device)
 
     def _settle(self) -> None:
         """Wait for a delayed update still running on the CPU and bring it to the device."""
@@ -646,6 +738,8 @@ class ZeroEngine(Zero3Params):
                 works.append(self._publish(group, master))
         for work in works:
             comm.wait(work)
+        if self._onebit is not None:
+            self._onebit.forget_full_state()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -681,7 +775,13 @@ class ZeroEngine(Zero3Params):
             )
             if t is not None and id(t) not in host
         ]
+        if self._onebit is not None:
+            tensors += self._onebit.error_buffers() + self._onebit.whole_state()
         return tensors + [t for t in (self._flat, self._flat_grad) if t is not None]
+
+    def _error_buffers(self) -> list[torch.Tensor | None]:
+        """1-bit Adam's error-feedback buffers (none without compression)."""
+        return list(self._onebit.error_buffers()) if self._onebit is not None else []
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host tier's tensors (offloaded state, host gradient shards, transfer buffers): not
@@ -701,7 +801,7 @@ class ZeroEngine(Zero3Params):
 
         ``params``: compute parameters (materialized storage only) plus fp32 masters that have
         their own storage; ``grads``: full gradient buffers and fp32 shards; ``optimizer``: AdamW
-        ``exp_avg`` and ``exp_avg_sq``. Each storage is counted once.
+        ``exp_avg`` and ``exp_avg_sq`` (and 1-bit Adam's error buffers). Each storage is counted once.
         """
         seen: set[int] = set()
         groups = self.groups
@@ -711,6 +811,7 @@ class ZeroEngine(Zero3Params):
             "params": storage_bytes(params, seen),
             "grads": storage_bytes(grads, seen),
             "optimizer": storage_bytes(
-                [group.exp_avg for group in groups] + [group.exp_avg_sq for group in groups], seen
+                [group.exp_avg for group in groups] + [group.exp_avg_sq for group in groups] + self._error_buffers(),
+                seen,
             ),
         }

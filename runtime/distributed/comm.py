@@ -4,7 +4,7 @@ Every collective the runtime issues goes through this module so that the bytes o
 are counted with the project's ring convention (see ``ring_bytes``):
 
 - all-reduce: ``2 (n - 1) / n x size``
-- all-gather and reduce-scatter: ``(n - 1) / n x full (gathered) size``
+- all-gather, reduce-scatter and all-to-all: ``(n - 1) / n x full (gathered) size``
 - broadcast: ``(n - 1) / n x size`` (pipelined ring)
 - point-to-point send: ``size`` (a receive sends nothing)
 
@@ -41,6 +41,7 @@ __all__ = [
     "all_reduce",
     "all_gather_into",
     "reduce_scatter_into",
+    "all_to_all_into",
     "broadcast",
     "send",
     "recv",
@@ -196,6 +197,23 @@ def reduce_scatter_into(
         _nbytes(full),
         group,
         lambda: _REDUCE_SCATTER(shard, full, op=op, group=group, async_op=async_op),
+        not async_op,
+    )
+
+
+def all_to_all_into(output: torch.Tensor, source: torch.Tensor, group=None, async_op: bool = False):
+    """Rank ``j`` receives chunk ``j`` of every rank's ``source`` (equal chunks), rank-major in ``output``."""
+    n = group_size(group)
+    if n == 1:
+        if output.data_ptr() != source.data_ptr():
+            output.copy_(source.view_as(output))
+        return None
+    STATS.add("all_to_all", _nbytes(source), n)
+    return _guard(
+        "all_to_all",
+        _nbytes(source),
+        group,
+        lambda: dist.all_to_all_single(output, source, group=group, async_op=async_op),
         not async_op,
     )
 

@@ -165,6 +165,20 @@ class TrainOptions:
     This changes the numerics (as DeepSpeed's ZeRO-Offload delayed parameter update does); off by
     default. A checkpoint applies the pending update first, so a resumed run continues from the
     fully updated state (not bit-identical to an uninterrupted delayed run)."""
+    compression_warmup: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--compression-warmup",
+            kind="nonneg_int",
+            metavar="N",
+            help="with a plan whose dp_compression is onebit-adam: full-precision AdamW steps before the "
+            "variance freezes and the exchange is compressed (default: the plan's compression_warmup)",
+        ),
+    )
+    """Steps of full-precision AdamW before 1-bit Adam freezes the variance and compresses the
+    data-parallel exchange (``runtime.data_parallel.onebit_adam``); None: the plan's
+    ``compression_warmup`` (or 15% of the run when the plan has none). Ignored without
+    compression."""
     track_memory: bool = field(
         default=True,
         metadata=_flag(
@@ -201,6 +215,11 @@ class TrainOptions:
                 "max_grad_norm",
                 self.max_grad_norm is None or (_finite(self.max_grad_norm) and self.max_grad_norm > 0),
                 "a positive number or None (no clipping)",
+            ),
+            (
+                "compression_warmup",
+                self.compression_warmup is None or (_is_int(self.compression_warmup) and self.compression_warmup >= 0),
+                "a non-negative integer or None (the plan's)",
             ),
             (
                 "memory_steps",

@@ -46,9 +46,11 @@ import torch.distributed as dist
 import runtime
 from runtime import timing
 from runtime.checkpointing import checkpoint_io
-from runtime.contract.choices import ScheduleName
+from runtime.contract.choices import GradCompression, ScheduleName
+from runtime.contract.compressed_exchange import default_warmup
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.schedule_ir import interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
+from runtime.data_parallel.engine_config import CompressionConfig
 from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.data_parallel.tied_weights import holder_ranks, isolate_tied, tied_params, tied_stage_sets
 from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, StepInfo, ZeroEngine
@@ -316,6 +318,7 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
             eps=opts.eps,
             weight_decay=opts.weight_decay,
             max_grad_norm=opts.max_grad_norm,
+            compression=compression_of(plan, opts),
         ),
         parallel=ParallelContext(
             norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
@@ -326,6 +329,17 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
         offload=replace(offload, delayed_update=opts.delayed_update),
         roots=None if v == 1 else [str(j) for j in range(v)],
     )
+
+
+def compression_of(plan: dict, opts: TrainOptions) -> CompressionConfig:
+    """The plan's data-parallel compression (plan.json ``dp_compression``), warmed up for
+    ``--compression-warmup`` steps, else the plan's ``compression_warmup``, else the default share
+    of this run (``runtime.contract.compressed_exchange.default_warmup``)."""
+    method = plan.get("dp_compression") or GradCompression.NONE
+    warmup = opts.compression_warmup
+    if warmup is None:
+        warmup = plan.get("compression_warmup") or default_warmup(opts.steps)
+    return CompressionConfig(method=method, warmup_steps=warmup if method != GradCompression.NONE else 0)
 
 
 def _rank_device() -> torch.device:
