@@ -34,6 +34,7 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from planner.cli import main as planner_main  # noqa: E402
+from runtime.training.events import step_lines  # noqa: E402
 
 __all__ = ["BenchConfig", "run_benchmark", "plan_table", "format_report", "main"]
 
@@ -96,7 +97,7 @@ def _train(config: BenchConfig, plan: str, metrics: str) -> list[dict]:
     if _quiet(argv) != 0:
         raise RuntimeError(f"planner train failed: {' '.join(argv)}")
     with open(metrics, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return step_lines(json.loads(line) for line in f if line.strip())
 
 
 def measure(config: BenchConfig, log=print) -> dict:
@@ -198,8 +199,11 @@ def format_report(result: dict) -> str:
         f"gap {100 * measured['loss_gap']:.2f}% (target <= {100 * config['loss_gap']:.0f}%)",
     ]
     if result["plans"]:
-        lines += ["", f"{'profile':20s} {'model':9s} {'nodes':>5s} {'pin':12s} {'chosen':12s} {'layout':18s} "
-                  f"{'step s':>8s} {'dp s':>8s} {'GiB/dev':>8s}"]
+        lines += [
+            "",
+            f"{'profile':20s} {'model':9s} {'nodes':>5s} {'pin':12s} {'chosen':12s} {'layout':18s} "
+            f"{'step s':>8s} {'dp s':>8s} {'GiB/dev':>8s}",
+        ]
         for row in result["plans"]:
             if row.get("error"):
                 lines.append(f"{row['profile']:20s} {row['model']:9s} {row['nodes']:5d} {str(row['pin']):12s} refused")

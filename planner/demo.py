@@ -14,6 +14,7 @@ import sys
 import time
 
 from planner.cli import main as cli
+from runtime.training.events import step_lines
 
 
 def run(argv: list[str]) -> None:
@@ -35,7 +36,7 @@ def demo(out: str = "demo_out") -> None:
     metrics = f"{out}/metrics.jsonl"
     _train_small(small, f"{out}/compiled", metrics)
     with open(metrics, encoding="utf-8") as f:
-        losses = [json.loads(line)["loss"] for line in f]
+        losses = [line["loss"] for line in step_lines(json.loads(line) for line in f if line.strip())]
     print(
         "loss every 5 steps: "
         + ", ".join(f"{loss:.3f}" for loss in losses[::5] + losses[-1:])

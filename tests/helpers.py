@@ -4,7 +4,6 @@ training reference."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -15,6 +14,7 @@ from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.training.data import data_vocab, model_inputs, open_data
+from runtime.training.events import read_lines, step_lines
 from runtime.training.train_config import TrainOptions
 from runtime.training.trainer import lr_at
 
@@ -166,8 +166,8 @@ def reference_run(plan: Plan, steps: int, **settings):
 
 
 def read_metrics(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+    """The per-step lines of a metrics JSONL (event lines left out)."""
+    return step_lines(read_lines(str(path)))
 
 
 # ------------------------------------------------------------------ closed-form layer tables

@@ -71,6 +71,7 @@ from planner.search.request import PlanRequest
 from planner.search.schedule_search import evaluate_strategy
 from planner.search.solve import candidate_plans
 from planner.units import format_bytes, format_seconds
+from runtime.training.events import step_lines
 from runtime.training.train_config import TrainOptions
 from runtime.training.trainer import StepHook
 
@@ -474,7 +475,7 @@ def _read_metrics(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return step_lines(json.loads(line) for line in f if line.strip())
 
 
 def _measure(trial: Trial, lines: list[dict]) -> None:

@@ -28,6 +28,7 @@ from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdo
 from planner.errors import UserError
 from planner.plan import load_plan
 from runtime.contract.choices import OffloadTier
+from runtime.training.events import step_lines
 from runtime.training.train_config import TrainOptions
 
 __all__ = ["run_validate", "compare"]
@@ -107,7 +108,7 @@ def run_validate(args) -> int:
         if status != 0:
             return status
         with open(metrics, encoding="utf-8") as f:
-            lines = [json.loads(line) for line in f if line.strip()]
+            lines = step_lines(json.loads(line) for line in f if line.strip())
     result = compare(plan, lines)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
