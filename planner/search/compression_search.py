@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 from cost_models.strategy import Evaluation, warmup_step_s
 from planner.search.candidates import compression_variants, work_lower_bound
-from planner.search.ilp import TIME_TOL, SearchResult, search
-from planner.units import format_bytes, format_seconds
+from planner.search.ilp import TIME_TOL, SearchResult, _rank_key, search
+from planner.units import format_seconds
 from runtime.contract.compressed_exchange import default_warmup
 
-__all__ = ["CompressionChoice", "choose_compression", "run_seconds", "with_runner_up", "traffic_line"]
+__all__ = ["CompressionChoice", "choose_compression", "final_choice", "run_seconds", "with_runner_up"]
 
 
 def run_seconds(evaluation: Evaluation, steps: int) -> float:
@@ -76,9 +76,13 @@ class CompressionChoice:
                 else ""
             )
             return f"{head}: after {self.warmup:,} full-precision steps of {self.steps:,}{gain}"
-        if not self.on:
+        if not self.on or self.compressed_step_s is None:
             return None
-        assert self.compressed_step_s is not None and self.plain_step_s is not None
+        if self.plain_step_s is None:
+            return (
+                f"onebit-adam, the fastest strategy found, after {self.warmup:,} full-precision steps "
+                f"(15% of the run's {self.steps:,})"
+            )
         return (
             f"onebit-adam, because it shortens the step from {format_seconds(self.plain_step_s)} to "
             f"{format_seconds(self.compressed_step_s)} after {self.warmup:,} full-precision steps "
@@ -117,7 +121,13 @@ def choose_compression(
         return result, entries, _choice(request, mode, result.winner(), None, None)
     plain = result.winner()
     best = plain.step_time_s
-    base = [costs.cand for _t, _m, costs in entries if work_lower_bound(costs) < best * (1 + TIME_TOL)]
+    compiled = plain.strategy.candidate.compile  # the variants take the winner's compile mode
+    base = [
+        costs.cand
+        for _t, _m, costs in entries
+        if costs.cand.compile != compiled or work_lower_bound(costs) < best * (1 + TIME_TOL)
+    ]
+    base = list(dict.fromkeys(dataclasses.replace(candidate, compile=False) for candidate in base))
     kept = [
         entry
         for entry in price(compression_variants(base))
@@ -130,27 +140,44 @@ def choose_compression(
     steps = request.horizon_steps()
     if compressed is None or run_seconds(compressed, steps) >= run_seconds(plain, steps):
         return result, entries + kept, None
-    merged = with_runner_up(compressed_result, plain)
+    merged = dataclasses.replace(
+        compressed_result,
+        ranked=sorted(compressed_result.ranked + result.ranked, key=_rank_key),
+        extra=sorted(compressed_result.extra + result.extra, key=_rank_key),
+    )
     for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
         setattr(merged, counter, getattr(merged, counter) + getattr(result, counter))
     merged.notes = result.notes + merged.notes
     return merged, entries + kept, _choice(request, mode, compressed, plain, compressed)
 
 
-def with_runner_up(result: SearchResult, plain: Evaluation) -> SearchResult:
-    """``result`` with ``plain`` (the best strategy without compression) as its first runner-up."""
-    if not result.ranked or plain in result.ranked[:1]:
-        return result
-    rest = [evaluation for evaluation in result.ranked[1:] if evaluation.strategy.candidate != plain.strategy.candidate]
-    return dataclasses.replace(result, ranked=[result.ranked[0], plain, *rest])
-
-
-def traffic_line(evaluation: Evaluation) -> str | None:
-    """The DP traffic of a compressed plan's step with and without compression (the report)."""
-    if not evaluation.strategy.candidate.compressed:
+def final_choice(request, choice: CompressionChoice | None, result: SearchResult) -> CompressionChoice | None:
+    """The choice as the final ranking (after the schedule post-pass) has it: a free search's
+    line only while the winner compresses, its figures the winner's and the best plain one's."""
+    if choice is None or choice.mode != "auto" or result.best is None:
+        return choice
+    winner = result.winner()
+    if not winner.strategy.candidate.compressed:
         return None
-    full = max(stage.warmup_comm_bytes for stage in evaluation.stages)
-    return (
-        f"{format_bytes(evaluation.comm_bytes_per_device)} per device per step compressed, "
-        f"{format_bytes(full)} in full precision"
+    plain = min(
+        (ev for ev in result.ranked + result.extra if not ev.strategy.candidate.compressed),
+        key=_rank_key,
+        default=None,
+    )
+    return _choice(request, choice.mode, winner, plain, winner)
+
+
+def with_runner_up(result: SearchResult) -> SearchResult:
+    """``result`` with its best strategy without compression as its first runner-up, when the
+    winner compresses (so the report shows the gain)."""
+    if not result.ranked or not result.winner().strategy.candidate.compressed:
+        return result
+    pool = result.ranked[1:] + result.extra
+    plain = min((ev for ev in pool if not ev.strategy.candidate.compressed), key=_rank_key, default=None)
+    if plain is None:
+        return result
+    return dataclasses.replace(
+        result,
+        ranked=[result.ranked[0], plain, *(ev for ev in result.ranked[1:] if ev is not plain)],
+        extra=[ev for ev in result.extra if ev is not plain],
     )

@@ -65,7 +65,7 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
-from planner.search.compression_search import CompressionChoice, choose_compression, with_runner_up
+from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows
 from planner.search.search_errors import NoFeasiblePlan, SearchError
@@ -339,23 +339,20 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     result = search(entries, table.kinds, request.checkpoint, solver)
     if not offload_pinned(request) and None in (request.offload_optimizer, request.offload_params):
         result, entries = search_offload(request, table, hw, gpus_per_node, entries, result, solver)
+    choice = None
+    if result.best is not None:
+        result, choice = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
+    compiled = choice is not None and choice.on
     result, entries, compression = choose_compression(
         request,
-        lambda variants: candidate_entries(request, table, hw, gpus_per_node, variants),
+        lambda variants: candidate_entries(
+            request, table, hw, gpus_per_node, [dataclasses.replace(v, compile=compiled) for v in variants]
+        ),
         table.kinds,
         entries,
         result,
         solver,
     )
-    choice = None
-    if result.best is not None:
-        plain = result.ranked[1] if compression is not None and compression.on and compression.mode == "auto" else None
-        chosen = [
-            entry for entry in entries if entry[2].cand.compressed == result.winner().strategy.candidate.compressed
-        ]
-        result, choice = choose_compile(request, table, hw, gpus_per_node, chosen, result, solver)
-        if plain is not None:
-            result = with_runner_up(result, plain)
     if table.tied and result.best is not None and result.best.strategy.candidate.pp > 1:
         result.notes.append(
             f"tied weights ({tied_summary(table)}): each stage that reads one holds a "
@@ -368,6 +365,8 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     result = apply_schedules(
         result, _costs_for(request, table, hw, gpus_per_node, entries, result), len(table.layers), sched, virtual_stages
     )
+    compression = final_choice(request, compression, result)
+    result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
     return Solution(plan=plan, evaluation=result.best, search=result, compile=choice, compression=compression)
 

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from cost_models.comm_cost import axis_placement
 from cost_models.compression_cost import shares, stage_exchange
 from cost_models.hardware import load_hardware
-from cost_models.comm_cost import axis_placement
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, warmup_step_s
 from planner.cli import main
 from planner.commands.plan_command import with_cost
@@ -232,4 +232,3 @@ def test_free_plan_is_never_slower_than_a_pin(gpus, hardware, batch):
     for mode in ("none", "onebit-adam"):
         pinned = _solve(dataclasses.replace(request, dp_compression=mode), SMALL)
         assert run_seconds(free.evaluation, steps) <= run_seconds(pinned.evaluation, steps) * (1 + 1e-6)
-
