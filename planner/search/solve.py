@@ -368,7 +368,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
-    return Solution(plan=plan, evaluation=result.best, search=result, compile=choice, compression=compression)
+    return Solution(plan=plan, evaluation=result.winner(), search=result, compile=choice, compression=compression)
 
 
 def _pinned_variants(request, candidates: list[Candidate], hw: HardwareProfile) -> list[Candidate]:
