@@ -77,7 +77,18 @@ __all__ = [
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 #: Built-in hardware kinds (file stems in ``PROFILE_DIR``), as the CLI contract names them.
-KNOWN_KINDS: tuple[str, ...] = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "v100-32gb", "cpu")
+#: ``v100-16gb-eth25`` and ``v100-32gb-eth100`` are Ethernet clusters (AWS p3.16xlarge and
+#: p3dn.24xlarge: 25 and 100 Gb/s per node, shared by its 8 GPUs), the others InfiniBand or one host.
+KNOWN_KINDS: tuple[str, ...] = (
+    "a100-40gb",
+    "a100-80gb",
+    "h100-sxm",
+    "h200",
+    "v100-32gb",
+    "v100-16gb-eth25",
+    "v100-32gb-eth100",
+    "cpu",
+)
 
 #: Data types a profile may give a peak for; ``tf32`` is optional (only fp32 matmuls that opt in).
 PEAK_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")

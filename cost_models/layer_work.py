@@ -106,6 +106,16 @@ class LayerCost:
     sel_saved_b: float = 0.0
     """Activation bytes selective recompute frees (what only the attention cores keep); 0 for a
     layer without attention, which cannot recompute selectively."""
+    compressed_numel: int = 0
+    """Elements this row adds to the rank's 1-bit Adam momentum vector (0 without compression):
+    ``dp_step_s`` and ``opt_s`` then hold its share of the compressed exchange and compression
+    compute (``cost_models.compression_cost``), ``optimizer_b`` stage 0's state and its error buffers."""
+    warmup_dp_step_s: float = 0.0
+    """``dp_step_s`` of a full-precision step (the warm-up of a compressed plan; else ``dp_step_s``)."""
+    warmup_opt_s: float = 0.0
+    """``opt_s`` of a full-precision step."""
+    warmup_dp_step_sent_b: float = 0.0
+    """``dp_step_sent_b`` of a full-precision step."""
 
     @property
     def work_s(self) -> float:

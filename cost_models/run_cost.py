@@ -17,6 +17,11 @@ price is given, else the GPU-hours, ``(money or gpu_hours) * time[k] / step_time
 every device because a device waiting on a pipeline bubble or an all-reduce is paid for all the
 same: that is why the bubble is worth buying down.
 
+With 1-bit Adam (``warmup``: plan.json's ``compression_warmup`` and
+``predicted.compression``) the first ``w = min(warmup steps, steps)`` steps run in full precision:
+``seconds = w * warmup_step_s + (steps - w) * step_time_s``, and each part is billed for its
+seconds in both kinds of step.
+
 Pure functions of numbers; nothing here reads a profile or a model.
 """
 
@@ -36,11 +41,13 @@ def run_cost(
     time: dict,
     gpus: int,
     price_per_gpu_hour: float | None = None,
+    warmup: dict | None = None,
 ) -> dict:
     """plan.json's ``predicted.cost`` for a run of ``tokens`` tokens (see the module docstring).
 
     ``time`` is ``predicted.time`` (seconds by part); the result carries ``steps`` beside the
-    contract's ``tokens, days, gpu_hours, money, by_part``.
+    contract's ``tokens, days, gpu_hours, money, by_part``. ``warmup``: ``{"steps", "step_time_s",
+    "time"}`` of a compressed plan's full-precision warm-up steps (None: every step is alike).
     """
     if not tokens > 0 or not math.isfinite(tokens):
         raise ValueError(f"tokens must be a positive number, got {tokens!r}")
@@ -49,11 +56,17 @@ def run_cost(
     if price_per_gpu_hour is not None and not price_per_gpu_hour > 0:
         raise ValueError(f"price_per_gpu_hour must be positive, got {price_per_gpu_hour!r}")
     steps = math.ceil(tokens / tokens_per_step)
-    seconds = steps * step_time_s
+    warm = min(int(warmup["steps"]), steps) if warmup else 0
+    part_seconds = {part: (steps - warm) * part_s for part, part_s in time.items()}
+    seconds = (steps - warm) * step_time_s
+    if warmup and warm:
+        seconds += warm * warmup["step_time_s"]
+        for part, part_s in warmup["time"].items():
+            part_seconds[part] = part_seconds.get(part, 0.0) + warm * part_s
     gpu_hours = seconds / 3600.0 * gpus
     money = gpu_hours * price_per_gpu_hour if price_per_gpu_hour is not None else None
     billed = money if money is not None else gpu_hours
-    by_part = {part: (billed * part_s / step_time_s if step_time_s > 0 else 0.0) for part, part_s in time.items()}
+    by_part = {part: (billed * part_s / seconds if seconds > 0 else 0.0) for part, part_s in part_seconds.items()}
     return {
         "tokens": float(tokens),
         "steps": int(steps),

@@ -64,7 +64,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from cost_models.comm_cost import (
     GroupPlacement,
@@ -73,6 +73,7 @@ from cost_models.comm_cost import (
     step_control_bytes,
     zero_dp_collectives,
 )
+from cost_models.compression_cost import StageExchange, shares, stage_exchange
 from cost_models.compute import optimizer_step_time
 from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, NumericTable
@@ -86,6 +87,7 @@ from cost_models.layer_work import (
 )
 from cost_models.memory import (
     buckets_leave,
+    bytes_per_param,
     inflight_microbatches,
     model_state_bytes,
     reduction_bytes,
@@ -101,8 +103,9 @@ from cost_models.offload_cost import (
     ranks_per_node,
 )
 from cost_models.tied_cost import TiedCost, tied_weight_costs
-from runtime.contract.choices import OffloadTier
+from runtime.contract.choices import GradCompression, OffloadTier
 from runtime.contract.collective_bytes import ring_bytes
+from runtime.contract.compressed_exchange import ERROR_ELEMENT_BYTES
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 
 __all__ = [
@@ -124,6 +127,9 @@ __all__ = [
     "memory_bound",
     "pipeline_time",
     "boundary_placements",
+    "warmup_step_s",
+    "warmup_time",
+    "compressed_exchange",
 ]
 
 #: Seconds to compile one layer class, forward and backward, with a cold cache (inductor's C++
@@ -156,6 +162,18 @@ class Candidate:
     """Where the ZeRO-3 parameter shards live: ``none`` (device), ``cpu``, ``nvme``."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the tensor-parallel regions (tp > 1; module docstring, "TP")."""
+    dp_compression: str = "none"
+    """``onebit-adam``: 1-bit Adam's compressed momentum exchange after a full-precision warm-up
+    (``cost_models.compression_cost``); needs dp > 1, ZeRO 0 or 1 and no offload."""
+
+    def __post_init__(self) -> None:
+        if self.compressed and (self.dp < 2 or self.zero_stage > 1 or self.offloads):
+            raise ValueError(f"1-bit Adam needs dp > 1, ZeRO 0 or 1 and no offload: {self.describe()}")
+
+    @property
+    def compressed(self) -> bool:
+        """True when the data-parallel exchange is 1-bit Adam's (after its warm-up)."""
+        return self.dp_compression != GradCompression.NONE
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -178,6 +196,7 @@ class Candidate:
             + (", sequence-parallel" if self.sequence_parallel else "")
             + (", compiled" if self.compile else "")
             + (f", offload {' and '.join(off)}" if off else "")
+            + (", 1-bit Adam" if self.compressed else "")
         )
 
 
@@ -240,6 +259,8 @@ class CandidateCosts:
         self.hw = hw
         self.capacity = capacity
         self.placements = boundary_placements(cand.dp, cand.tp, cand.pp, gpus_per_node)
+        self.dp_placement = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
+        """Where the data-parallel group's ranks live (prices the compressed exchange)."""
         pp, micro_batches = cand.pp, cand.num_micro_batches
         self.inflight = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
         self._send: dict[tuple[float, int], float] = {}
@@ -320,9 +341,12 @@ def candidate_costs(
     )
     row_costs = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
     layers = [row_costs[i] for i in row_of_layer]
-    tied = tied_weight_costs(table.tied, cand.dp, cand.tp, cand.pp, cand.zero_stage, dtype, hw, gpus_per_node)
+    zero = 0 if cand.compressed else cand.zero_stage  # compressed: stage 0's optimizer memory
+    tied = tied_weight_costs(table.tied, cand.dp, cand.tp, cand.pp, zero, dtype, hw, gpus_per_node)
     for weight in tied:
         _add_tied_weight(layers, weight, cand.offload_optimizer)
+        if cand.compressed:
+            _compress_tied_copy(layers, weight.last, weight.params_b // bytes_per_param(dtype)["weights"], pricing)
     costs = CandidateCosts(
         cand,
         layers,
@@ -346,6 +370,8 @@ def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimize
         first,
         dp_step_s=first.dp_step_s + weight.time_s,
         dp_step_sent_b=first.dp_step_sent_b + weight.sent_b,
+        warmup_dp_step_s=first.warmup_dp_step_s + weight.time_s,
+        warmup_dp_step_sent_b=first.warmup_dp_step_sent_b + weight.sent_b,
     )
     last = layers[weight.last]
     offloaded = offload_optimizer != OffloadTier.NONE  # the copy's optimizer state lives with the others
@@ -353,12 +379,33 @@ def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimize
         last,
         dp_step_s=last.dp_step_s + weight.time_s,
         dp_step_sent_b=last.dp_step_sent_b + weight.sent_b,
+        warmup_dp_step_s=last.warmup_dp_step_s + weight.time_s,
+        warmup_dp_step_sent_b=last.warmup_dp_step_sent_b + weight.sent_b,
         params_b=last.params_b + weight.params_b,
         grads_b=last.grads_b + weight.grads_b,
         optimizer_b=last.optimizer_b + (0 if offloaded else weight.optimizer_b),
         host_b=last.host_b + (weight.optimizer_b if offload_optimizer == OffloadTier.CPU else 0),
         nvme_b=last.nvme_b + (weight.optimizer_b if offload_optimizer == OffloadTier.NVME else 0),
     )
+
+
+def _compress_tied_copy(layers: list[LayerCost], index: int, numel: int, pricing: "_CandidatePricing") -> None:
+    """A tied weight's copy joins its stage's compressed momentum vector (its share of the
+    exchange and compute, its error buffers)."""
+    layer = layers[index]
+    exchange_s, compute_s = shares(numel, pricing.dp_placement, pricing.hw)
+    layers[index] = dataclasses.replace(
+        layer,
+        compressed_numel=layer.compressed_numel + numel,
+        dp_step_s=layer.dp_step_s + exchange_s,
+        opt_s=layer.opt_s + compute_s,
+        optimizer_b=layer.optimizer_b + _error_share_b(numel, pricing.candidate.dp),
+    )
+
+
+def _error_share_b(numel: int, dp: int) -> int:
+    """A layer's share of the error buffers, rounded down (the stage's exact figure adds the rest)."""
+    return int(ERROR_ELEMENT_BYTES * numel * (1 + 1 / dp))
 
 
 def _set_offload_room(costs: CandidateCosts, row_costs: Sequence[LayerCost], ranks: int) -> None:
@@ -387,15 +434,59 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
             memo[key] = cached
     work, backward_s = cached[0]
     params = work.num_params
+    state = _layer_state(params, pricing, work.fwd_s, backward_s)
+    compressed = _compressed_terms(params, pricing) if cand.compressed else None
+    return dataclasses.replace(
+        work,
+        zero_mb_s=state.zero_mb_s + state.offload.mb_s,
+        dp_step_s=compressed.dp_step_s if compressed else state.dp_step_s + state.offload.step_s,
+        opt_s=compressed.opt_s if compressed else state.opt_s,
+        offload_mb_s=state.offload.mb_s,
+        offload_step_s=state.offload.step_s,
+        host_b=state.offload.host_b,
+        nvme_b=state.offload.nvme_b,
+        params_b=state.base["params"] + work.params_b,
+        grads_b=state.base["grads"],
+        optimizer_b=state.base["optimizer"] + (compressed.error_b if compressed else 0),
+        trans_params_b=state.peak["params"] - state.base["params"],
+        trans_grads_b=state.peak["grads"] - state.base["grads"],
+        zero_mb_sent_b=state.zero_mb_sent_b,
+        dp_step_sent_b=0.0 if compressed else state.dp_step_sent_b,
+        compressed_numel=params if compressed else 0,
+        warmup_dp_step_s=state.dp_step_s + state.offload.step_s,
+        warmup_opt_s=state.opt_s,
+        warmup_dp_step_sent_b=state.dp_step_sent_b,
+    )
+
+
+@dataclass(frozen=True)
+class _LayerState:
+    """A row's model state and uncompressed data-parallel costs under one candidate."""
+
+    base: dict
+    peak: dict
+    offload: Any
+    zero_mb_s: float
+    dp_step_s: float
+    opt_s: float
+    zero_mb_sent_b: float
+    dp_step_sent_b: float
+
+
+def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward_s: float) -> _LayerState:
+    """Model state (stage 0's optimizer state when compressed: the engine gathers its shards at
+    the switch), ZeRO traffic and the AdamW step of a row of ``params`` parameters."""
+    hw, dtype, cand = pricing.hw, pricing.dtype, pricing.candidate
     zero, dp = cand.zero_stage, cand.dp
     offload_optimizer, offload_params = cand.offload_optimizer, cand.offload_params
+    memory_zero = 0 if cand.compressed else zero
     base = model_state_bytes(
-        params, dtype, zero, dp, offload_optimizer=offload_optimizer, offload_params=offload_params
+        params, dtype, memory_zero, dp, offload_optimizer=offload_optimizer, offload_params=offload_params
     )
     peak = model_state_bytes(
         params,
         dtype,
-        zero,
+        memory_zero,
         dp,
         largest_layer_params=params,
         prefetch=True,
@@ -406,35 +497,41 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
         OffloadedLayer(params, dtype, zero, dp, offload_optimizer, offload_params),
         hw,
         pricing.ranks_per_node,
-        work.fwd_s,
+        fwd_s,
         backward_s,
     )
     per_microbatch, per_step = _zero_collectives(params, dtype, zero, dp)
-    zero_mb_s = _collectives_time(per_microbatch, pricing.dp_placement, hw)
-    step_s = _collectives_time(per_step, pricing.dp_placement, hw)
     optimizer_params = shard_elements(params, dp) if zero >= 1 else params
     opt_s = (
         offload.optimizer_s
         if offload.optimizer_s is not None
         else (float(optimizer_step_time(optimizer_params, hw, dtype)) if params else 0.0)
     )
-    return dataclasses.replace(
-        work,
-        zero_mb_s=zero_mb_s + offload.mb_s,
-        dp_step_s=step_s + offload.step_s,
+    return _LayerState(
+        base=base,
+        peak=peak,
+        offload=offload,
+        zero_mb_s=_collectives_time(per_microbatch, pricing.dp_placement, hw),
+        dp_step_s=_collectives_time(per_step, pricing.dp_placement, hw),
         opt_s=opt_s,
-        offload_mb_s=offload.mb_s,
-        offload_step_s=offload.step_s,
-        host_b=offload.host_b,
-        nvme_b=offload.nvme_b,
-        params_b=base["params"] + work.params_b,
-        grads_b=base["grads"],
-        optimizer_b=base["optimizer"],
-        trans_params_b=peak["params"] - base["params"],
-        trans_grads_b=peak["grads"] - base["grads"],
         zero_mb_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_microbatch),
         dp_step_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_step),
     )
+
+
+class _CompressedTerms(NamedTuple):
+    dp_step_s: float
+    opt_s: float
+    error_b: int
+
+
+def _compressed_terms(params: int, pricing: _CandidatePricing) -> _CompressedTerms:
+    """A row's compressed-step tail: its share of the exchange (no gradient collective), the whole
+    AdamW step (every rank updates the whole model) plus its share of the compression compute,
+    and its share of the error buffers (``cost_models.compression_cost``)."""
+    exchange_s, compute_s = shares(params, pricing.dp_placement, pricing.hw)
+    adam_s = float(optimizer_step_time(params, pricing.hw, pricing.dtype)) if params else 0.0
+    return _CompressedTerms(exchange_s, adam_s + compute_s, _error_share_b(params, pricing.candidate.dp))
 
 
 def _zero_collectives(
@@ -517,6 +614,14 @@ class StageCost:
     """Host bytes one rank of this stage needs: offloaded state + pinned buffers."""
     nvme_b: int = 0
     """NVMe bytes one rank of this stage needs."""
+    warmup_dp_s: float = 0.0
+    """``dp_s`` of a full-precision step (a compressed plan's warm-up; else the same)."""
+    warmup_opt_s: float = 0.0
+    """``opt_s`` of a full-precision step."""
+    warmup_comm_bytes: float = 0.0
+    """``comm_bytes`` of a full-precision step (a compressed plan's warm-up; else the same)."""
+    exchange: StageExchange | None = None
+    """The stage's compressed exchange (1-bit Adam; None without compression)."""
 
 
 @dataclass
@@ -664,6 +769,26 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         + step_control_bytes(cand.dp, cand.tp, cand.pp)
     )
     forward_s = forward_s + work.p2p_s / 2
+    dp_s, opt_s = sum(layer.dp_step_s for layer in view), sum(layer.opt_s for layer in view)
+    warmup_dp_s = sum(layer.warmup_dp_step_s for layer in view)
+    warmup_opt_s = sum(layer.warmup_opt_s for layer in view)
+    warmup_comm = (
+        comm - sum(layer.dp_step_sent_b for layer in view) + sum(layer.warmup_dp_step_sent_b for layer in view)
+    )
+    exchange = None
+    if cand.compressed:  # the stage's whole vector, exactly, in place of the layers' shares
+        exchange = compressed_exchange(costs, view)
+        exchange_share, compute_share = shares(exchange.numel, costs.dp_placement, costs.hw)
+        dp_s += exchange.exchange_s - exchange_share
+        opt_s += exchange.compute_s - compute_share
+        comm += exchange.sent_b
+        extra_b = int(math.ceil(exchange.error_b)) - sum(
+            _error_share_b(layer.compressed_numel, cand.dp) for layer in view
+        )
+        memory = {**memory, "optimizer": memory["optimizer"] + extra_b, "total": memory["total"] + extra_b}
+        bound += extra_b
+    else:
+        warmup_dp_s, warmup_opt_s = dp_s, opt_s
     return StageCost(
         first=work.first,
         last=work.last,
@@ -674,8 +799,8 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         zero_mb_s=zero_mb_s,
         work_s=busy,
         micro_step_s=busy + zero_mb_s,
-        dp_s=sum(layer.dp_step_s for layer in view),
-        opt_s=sum(layer.opt_s for layer in view),
+        dp_s=dp_s,
+        opt_s=opt_s,
         fwd_s=forward_s,
         bwd_s=busy + zero_mb_s - forward_s,
         memory=memory,
@@ -685,7 +810,43 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         offload_step_s=sum(layer.offload_step_s for layer in view),
         host_b=sum(layer.host_b for layer in view) + (costs.host_buffers_b if cand.offloads else 0),
         nvme_b=sum(layer.nvme_b for layer in view),
+        warmup_dp_s=warmup_dp_s,
+        warmup_opt_s=warmup_opt_s,
+        warmup_comm_bytes=warmup_comm,
+        exchange=exchange,
     )
+
+
+def compressed_exchange(costs: CandidateCosts, layers: Sequence[LayerCost]) -> StageExchange:
+    """The compressed exchange of a stage holding ``layers`` (its whole momentum vector)."""
+    return stage_exchange(sum(layer.compressed_numel for layer in layers), costs.dp_placement, costs.hw)
+
+
+def _warmup_tail_stage(evaluation: Evaluation) -> StageCost:
+    return max(evaluation.stages, key=lambda stage: stage.warmup_dp_s + stage.warmup_opt_s)
+
+
+def warmup_step_s(evaluation: Evaluation) -> float:
+    """The step time of a full-precision step of ``evaluation``'s strategy: a compressed plan's
+    warm-up step (the same work, the uncompressed tail); the step time itself otherwise."""
+    if not evaluation.strategy.candidate.compressed:
+        return evaluation.step_time_s
+    stage = _warmup_tail_stage(evaluation)
+    return evaluation.step_time_s - evaluation.tail_s + stage.warmup_dp_s + stage.warmup_opt_s
+
+
+def warmup_time(evaluation: Evaluation) -> dict[str, float]:
+    """``evaluation.time`` of a full-precision step (``warmup_step_s``'s parts): a compressed
+    plan's tail is its exposed exchange (``dp_comm``) and optimizer, swapped for the warm-up's."""
+    if not evaluation.strategy.candidate.compressed:
+        return dict(evaluation.time)
+    tail = max(evaluation.stages, key=lambda stage: stage.dp_s + stage.opt_s)
+    stage = _warmup_tail_stage(evaluation)
+    return {
+        **evaluation.time,
+        "dp_comm": evaluation.time["dp_comm"] - tail.dp_s + stage.warmup_dp_s,
+        "optimizer": stage.warmup_opt_s,
+    }
 
 
 class CriticalStages(NamedTuple):
@@ -860,4 +1021,23 @@ def predicted_fields(evaluation: Evaluation, flops_per_step: float, gpus: int, p
             "nvme": int(evaluation.extra.get("nvme_bytes", 0)),
         },
         "time": {k: float(value) for k, value in evaluation.time.items()},
+        "compression": compression_fields(evaluation),
+    }
+
+
+def compression_fields(evaluation: Evaluation) -> dict | None:
+    """plan.json's ``predicted.compression`` (None without compression): the full-precision
+    warm-up step and the compressed exchange of the tail stage (``cost_models.compression_cost``)."""
+    if not evaluation.strategy.candidate.compressed:
+        return None
+    exchange = evaluation.stages[critical_stages(evaluation.stages).tail].exchange
+    assert exchange is not None
+    return {
+        "warmup_step_time_s": float(warmup_step_s(evaluation)),
+        "warmup_time": {k: float(value) for k, value in warmup_time(evaluation).items()},
+        "warmup_comm_bytes_per_device": float(max(stage.warmup_comm_bytes for stage in evaluation.stages)),
+        "exchange_bytes_per_device": exchange.sent_b,
+        "exchange_s": float(exchange.exchange_s),
+        "compute_s": float(exchange.compute_s),
+        "error_buffer_bytes": int(math.ceil(exchange.error_b)),
     }

@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, NoReturn
 
 from planner.errors import UserError
-from runtime.contract.choices import ZERO_STAGES, OffloadTier, ScheduleName, names
+from runtime.contract.choices import ZERO_STAGES, GradCompression, OffloadTier, ScheduleName, names
 from runtime.contract.data_roles import INPUT_ROLES
 from runtime.contract.dtype_table import DTYPES
 
@@ -41,6 +41,7 @@ __all__ = [
     "COST_KEYS",
     "SCHEDULES",
     "TIME_LABELS",
+    "COMPRESSIONS",
     "plan_hash",
 ]
 
@@ -50,6 +51,8 @@ COST_KEYS = ("tokens", "days", "gpu_hours", "money", "by_part")
 SCHEDULES = names(ScheduleName)
 """The pipeline schedules a plan may name (plan.json ``schedule``)."""
 
+COMPRESSIONS = names(GradCompression)
+"""The data-parallel exchanges a plan may name (plan.json ``dp_compression``)."""
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
 OFFLOAD_TIERS = names(OffloadTier)
 OFFLOAD_KINDS = ("optimizer", "params")
@@ -187,7 +190,15 @@ class Predicted:
     """What the whole training run costs (``plan --tokens N``; absent otherwise): ``tokens``,
     ``days``, ``gpu_hours``, ``money`` (``None`` without ``--price-per-gpu-hour``) and ``by_part``
     (the money, or the GPU-hours without a price, of each ``time`` part); see
-    ``cost_models.run_cost``."""
+    ``cost_models.run_cost``. With 1-bit Adam its ``compression_warmup`` steps are priced at
+    ``compression.warmup_step_time_s``, the others at ``step_time_s``."""
+    compression: dict | None = None
+    """With ``dp_compression`` other than none (absent otherwise): the full-precision warm-up step,
+    ``warmup_step_time_s`` and its ``warmup_time`` by part (the step fields above are the steady,
+    compressed step after the warm-up), ``warmup_comm_bytes_per_device`` (what the exchange sends in
+    full precision; ``comm_bytes_per_device`` is the compressed exchange's), and the compressed
+    step's ``exchange_bytes_per_device``, ``exchange_s`` (its collectives), ``compute_s`` (the
+    compression's passes) and ``error_buffer_bytes`` (in ``memory.optimizer``), on the tail stage."""
 
     def __post_init__(self):
         # plans written before offload existed: no host / NVMe bytes, no offload time
@@ -214,6 +225,10 @@ class Predicted:
                 _check_num(f"predicted.{name}.{k}", amount)
         if self.cost is not None:
             _check_run_cost(self.cost)
+        if self.compression is not None:
+            if not isinstance(self.compression, dict):
+                _fail("predicted.compression", "must be an object.")
+            _check_num("predicted.compression.warmup_step_time_s", self.compression.get("warmup_step_time_s"))
         if self.memory["total"] != self.peak_memory_bytes:
             _fail(
                 "predicted.memory.total",
@@ -270,6 +285,8 @@ class Alternative:
     is off the device, so absent means none/none."""
     sequence_parallel: bool = False
     """The runner-up uses sequence parallelism; written only when true."""
+    dp_compression: str = "none"
+    """The runner-up's data-parallel exchange (as the plan's); written only when not none."""
 
     def __post_init__(self):
         for k in ("dp", "tp", "pp", "micro_batch_size"):
@@ -278,6 +295,11 @@ class Alternative:
         _check_offload(self.offload, self.zero_stage)
         self.offload = {k: self.offload[k] for k in OFFLOAD_KINDS}
         _check_num("alternatives[].step_time_s", self.step_time_s)
+        if self.dp_compression not in COMPRESSIONS:
+            _fail(
+                "alternatives[].dp_compression",
+                f"must be one of {', '.join(COMPRESSIONS)}, got {self.dp_compression!r}.",
+            )
         _check_str("alternatives[].reason", self.reason)
 
 
@@ -346,6 +368,16 @@ class Plan:
     recomputed in backward while the rest of the layer keeps its activations (selective recompute);
     disjoint from ``checkpoint_layers``, the layers recomputed whole. A plan without the key loads
     as ``[]``."""
+    dp_compression: str = "none"
+    """How the data-parallel exchange is encoded: ``none`` (gradients all-reduced in full precision)
+    or ``onebit-adam`` (1-bit Adam: after ``compression_warmup`` full-precision steps, each rank's
+    momentum exchanged as packed signs and scales, ``runtime.contract.compressed_exchange``; needs
+    dp > 1, ZeRO 0 or 1 and no offload). Chosen by the search where it shortens the run, or pinned
+    by ``planner plan --dp-compression``. A plan without the key loads as ``none``."""
+    compression_warmup: int = 0
+    """Full-precision AdamW steps before compression starts: ``default_warmup`` (15%) of the run's
+    steps (``--tokens``, else 1,000) when compressed; 0 without compression (``planner train
+    --compression-warmup N`` overrides it). A plan without the key loads as 0."""
     measured: dict | None = None
     """What ``planner tune`` measured running this plan (absent from other plans):
     ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
@@ -362,6 +394,7 @@ class Plan:
             _fail("compile", f"must be true or false, got {self.compile!r}.")
         _check_offload(self.offload, self.zero_stage)
         self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
+        self._check_compression()
         self._check_measured()
         if self.pp > 1 and self.num_micro_batches < self.pp:
             _fail(
@@ -478,6 +511,19 @@ class Plan:
                 "whole (checkpoint_layers) or only its attention core (selective_layers), not both.",
             )
 
+    def _check_compression(self) -> None:
+        if self.dp_compression not in COMPRESSIONS:
+            _fail("dp_compression", f"must be one of {', '.join(COMPRESSIONS)}, got {self.dp_compression!r}.")
+        _check_int("compression_warmup", self.compression_warmup, 0)
+        if self.dp_compression == GradCompression.NONE:
+            return
+        if self.dp < 2 or self.zero_stage > 1 or self.offload != NO_OFFLOAD:
+            _fail(
+                "dp_compression",
+                f"is {self.dp_compression!r}, which needs dp > 1, zero_stage 0 or 1 and no offload "
+                f"(got dp {self.dp}, zero_stage {self.zero_stage}, offload {self.offload}).",
+            )
+
     def _check_measured(self) -> None:
         if self.measured is None:
             return
@@ -514,6 +560,8 @@ class Plan:
             "sequence_parallel",
             "compile",
             "offload",
+            "dp_compression",
+            "compression_warmup",
             "predicted",
             "solver",
             "alternatives",
@@ -524,8 +572,11 @@ class Plan:
                 del alt["offload"]
             if not alt["sequence_parallel"]:
                 del alt["sequence_parallel"]
-        if out["predicted"].get("cost") is None:
-            out["predicted"].pop("cost", None)
+            if alt["dp_compression"] == GradCompression.NONE:
+                del alt["dp_compression"]
+        for key in ("cost", "compression"):
+            if out["predicted"].get(key) is None:
+                out["predicted"].pop(key, None)
         if self.measured is not None:
             out["measured"] = full["measured"]
         return out
@@ -654,4 +705,6 @@ def plan_hash(plan: Plan) -> str:
     for k in ("selective_layers", "sequence_parallel"):
         if data[k]:
             keep[k] = data[k]
+    if data["dp_compression"] != GradCompression.NONE:  # another optimizer: its state differs
+        keep["dp_compression"] = data["dp_compression"]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

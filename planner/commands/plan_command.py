@@ -32,6 +32,7 @@ __all__ = [
     "run_plan",
     "with_cost",
     "check_cost_flags",
+    "compression_warmup",
     "SIZE_FLAGS",
 ]
 
@@ -85,9 +86,27 @@ def with_cost(plan: Plan, tokens: float | None, price: float | None) -> Plan:
         return plan
     predicted = plan.predicted
     cost = run_cost(
-        tokens, plan.global_batch * plan.seq_len, predicted.step_time_s, predicted.time, plan.hardware.gpus, price
+        tokens,
+        plan.global_batch * plan.seq_len,
+        predicted.step_time_s,
+        predicted.time,
+        plan.hardware.gpus,
+        price,
+        warmup=compression_warmup(plan),
     )
     return replace(plan, predicted=replace(predicted, cost=cost))
+
+
+def compression_warmup(plan: Plan) -> dict | None:
+    """``run_cost``'s ``warmup`` of a compressed plan: its full-precision steps and their price."""
+    compression = plan.predicted.compression
+    if compression is None or not plan.compression_warmup:
+        return None
+    return {
+        "steps": plan.compression_warmup,
+        "step_time_s": compression["warmup_step_time_s"],
+        "time": compression["warmup_time"],
+    }
 
 
 def check_cost_flags(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from rich.table import Table
 from cost_models.run_cost import run_cost
 from planner.commands.plan_command import (
     check_cost_flags,
+    compression_warmup,
     layer_table_for,
     plan_from_request,
     request_from_args,
@@ -125,7 +126,13 @@ def _priced_row(gpus: int, plan: Plan, args: argparse.Namespace) -> SweepRow:
     plan = with_cost(plan, getattr(args, "tokens", None), price)
     predicted = plan.predicted
     cost = predicted.cost or run_cost(
-        COST_BASIS_TOKENS, plan.global_batch * plan.seq_len, predicted.step_time_s, predicted.time, gpus, price
+        COST_BASIS_TOKENS,
+        plan.global_batch * plan.seq_len,
+        predicted.step_time_s,
+        predicted.time,
+        gpus,
+        price,
+        warmup=compression_warmup(plan),
     )
     return SweepRow(gpus=gpus, plan=plan, cost=cost)
 
@@ -142,7 +149,7 @@ _SCHEDULE_MARKS = {ScheduleName.ONE_F_ONE_B: "", ScheduleName.INTERLEAVED: " iv{
 def _strategy(plan: Plan) -> str:
     """``dp8 tp4 pp8 Z1 192x1 iv6 sp rc4 sel8 C off:cpu/nvme``: degrees, ZeRO stage, micro-batches x
     size, the pipeline schedule (interleaved v, zero bubble), sequence parallelism, layers
-    recomputed whole and selectively, compiled stages, offload (optimizer/parameters) when any."""
+    recomputed whole and selectively, compiled stages, offload (optimizer/parameters) when any, 1-bit Adam (``1bit``)."""
     recomputed, selective = len(plan.checkpoint_layers), len(plan.selective_layers)
     offload = plan.offload
     return (
@@ -154,6 +161,7 @@ def _strategy(plan: Plan) -> str:
         + (f" sel{selective}" if selective else "")
         + (" C" if plan.compile else "")
         + (f" off:{offload['optimizer']}/{offload['params']}" if offload != NO_OFFLOAD else "")
+        + (" 1bit" if plan.dp_compression != "none" else "")
     )
 
 

@@ -26,6 +26,12 @@ it). A state kind the plan keeps on the device has no section.
 A plan that compiles its stages (``compile: true``) says so in ``planner.compile``; with DeepSpeed
 that is the training script's choice (``torch.compile`` of its model or layers), not a config key.
 
+1-bit Adam (``dp_compression: onebit-adam``) maps to DeepSpeed's ``OneBitAdam`` optimizer block:
+the trainer's AdamW settings (``lr``, ``betas``, ``eps``, ``weight_decay``: ``planner train``'s
+defaults, ``TrainOptions``), ``freeze_step`` = ``compression_warmup`` (the full-precision steps
+before the variance freezes and compression starts), ``cuda_aware: false`` and the NCCL backend.
+Without compression the config names no optimizer (the training script's AdamW).
+
 DeepSpeed's pipeline engine runs only ZeRO stages 0 and 1; a plan with ``pp > 1`` and ZeRO 2 or
 3 is exported with ``planner.warnings`` saying so. The ``planner`` block is provenance for the
 reader (DeepSpeed ignores keys it does not know).
@@ -33,12 +39,14 @@ reader (DeepSpeed ignores keys it does not know).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 
-from runtime.contract.choices import OffloadTier
+from runtime.contract.choices import GradCompression, OffloadTier
+from runtime.training.train_config import TrainOptions
 
-__all__ = ["to_deepspeed", "launcher_command", "offload_sections", "DEFAULT_NVME_PATH"]
+__all__ = ["to_deepspeed", "launcher_command", "offload_sections", "onebit_adam_section", "DEFAULT_NVME_PATH"]
 
 #: Where the NVMe tier's files go when the export is not told: DeepSpeed's documentation's example mount.
 DEFAULT_NVME_PATH = "/local_nvme"
@@ -97,12 +105,32 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
         "wall_clock_breakdown": False,
         "planner": _provenance(plan, offload, _warnings(plan, offload, nvme_path)),
     }
+    if getattr(plan, "dp_compression", GradCompression.NONE) == GradCompression.ONEBIT_ADAM:
+        config["optimizer"] = onebit_adam_section(plan.compression_warmup)
     dp_world = plan.dp
     assert (
         config["train_batch_size"]
         == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * dp_world
     ), "plan invariant broken"
     return config
+
+
+def onebit_adam_section(freeze_step: int) -> dict:
+    """DeepSpeed's ``OneBitAdam`` optimizer block: the trainer's AdamW defaults, compression after
+    ``freeze_step`` full-precision steps."""
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainOptions) if field.init}
+    return {
+        "type": "OneBitAdam",
+        "params": {
+            "lr": defaults["lr"],
+            "betas": [defaults["beta1"], defaults["beta2"]],
+            "eps": defaults["eps"],
+            "weight_decay": defaults["weight_decay"],
+            "freeze_step": int(freeze_step),
+            "cuda_aware": False,
+            "comm_backend_name": "nccl",
+        },
+    }
 
 
 def _warnings(plan, offload: dict, nvme_path: str | None) -> list[str]:

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from cost_models.comm_cost import axis_placement
 from cost_models.hardware import HardwareProfile, ProfileError
-from cost_models.run_cost import scale_cost
+from cost_models.run_cost import SECONDS_PER_DAY, scale_cost
 from cost_models.strategy import Evaluation
 from planner.plan import TIME_LABELS
 from planner.search.ilp import SearchResult
@@ -201,12 +201,18 @@ def render_plan(
     evaluation = solution.evaluation if solution is not None else None
     search = solution.search if solution is not None else None
     choice = solution.compile if solution is not None else None
-    console.print(_head_table(plan, hw, evaluation, choice))
+    head = _head_table(plan, hw, evaluation, choice)
+    line = _compression_line(plan, solution)
+    if line is not None:
+        head.add_row("DP compression", line)
+    console.print(head)
     console.print(_stages_table(plan, evaluation))
     console.print(_memory_table(plan, hw))
     if any(tier != OffloadTier.NONE for tier in plan.offload.values()):
         _render_placement(plan, hw, evaluation, console)
     console.print(_time_table(plan, hw))
+    if plan.predicted.compression is not None:
+        console.print(_compression_table(plan))
     cost = plan.predicted.cost
     if cost is not None:
         _render_cost(plan, cost, console)
@@ -315,6 +321,47 @@ def _memory_table(plan, hw: HardwareProfile | None) -> Table:
     return table
 
 
+def _compression_line(plan, solution: Solution | None) -> str | None:
+    """The head table's line on 1-bit Adam: only when it was chosen or pinned."""
+    choice = solution.compression if solution is not None else None
+    if choice is not None:
+        return choice.reason()
+    if plan.dp_compression != "none":
+        return f"{plan.dp_compression} after {plan.compression_warmup:,} full-precision steps"
+    return None
+
+
+def _compression_table(plan) -> Table:
+    """A compressed plan's exchange: DP traffic with and without it, the warm-up, its compute."""
+    predicted, compression = plan.predicted, plan.predicted.compression
+    table = Table(title="1-bit Adam (steady step after the warm-up)", title_justify="left")
+    table.add_column("what")
+    table.add_column("figure", justify="right")
+    table.add_column("note")
+    full, compressed = compression["warmup_comm_bytes_per_device"], predicted.comm_bytes_per_device
+    exchange = compression["exchange_bytes_per_device"]
+    table.add_row(
+        "DP exchange / device / step",
+        format_bytes(exchange),
+        f"signs + scales; {format_bytes(full - compressed + exchange)} in full precision",
+    )
+    table.add_row("bytes sent / device / step", format_bytes(compressed), f"{format_bytes(full)} in full precision")
+    table.add_row("exchange collectives", format_seconds(compression["exchange_s"]), "after backward, not overlapped")
+    table.add_row(
+        "compression compute",
+        format_seconds(compression["compute_s"]),
+        "memory-bound passes over the fp32 momentum (in the optimizer step)",
+    )
+    table.add_row("error buffers", format_bytes(compression["error_buffer_bytes"]), "in optimizer memory")
+    table.add_row(
+        "warm-up",
+        f"{plan.compression_warmup:,} steps",
+        f"full precision, {format_seconds(compression['warmup_step_time_s'])} per step (15% of the run: "
+        "--tokens, else 1,000 steps; planner train --compression-warmup N changes it)",
+    )
+    return table
+
+
 def _time_table(plan, hw: HardwareProfile | None) -> Table:
     """The predicted step time by part, the throughput, MFU and bytes sent."""
     predicted = plan.predicted
@@ -342,9 +389,11 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     """The runners-up, each with its step (and run cost) and why it lost."""
     table = Table(title="Runners-up (why each lost)", title_justify="left")
     offloads = any(tier != OffloadTier.NONE for alt in plan.alternatives + [plan] for tier in alt.offload.values())
+    compresses = any(alt.dp_compression != "none" for alt in plan.alternatives + [plan])
     columns = (
         ["dp", "tp", "pp", "ZeRO", "micro-batch"]
         + (["offload opt/params"] if offloads else [])
+        + (["DP exchange"] if compresses else [])
         + ["step"]
         + (["run cost"] if cost else [])
         + ["reason"]
@@ -355,10 +404,12 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
         row = (
             [str(alt.dp), str(alt.tp), str(alt.pp), str(alt.zero_stage), str(alt.micro_batch_size)]
             + ([f"{alt.offload['optimizer']}/{alt.offload['params']}"] if offloads else [])
+            + (["1-bit Adam" if alt.dp_compression != "none" else "full precision"] if compresses else [])
             + [format_seconds(alt.step_time_s)]
         )
-        if cost:
-            row.append(_money_or_hours(scale_cost(cost, alt.step_time_s, plan.predicted.step_time_s)))
+        if cost:  # against the winner's mean step over the run (its warm-up included)
+            mean_step = cost["days"] * SECONDS_PER_DAY / cost["steps"] if cost.get("steps") else None
+            row.append(_money_or_hours(scale_cost(cost, alt.step_time_s, mean_step or plan.predicted.step_time_s)))
         table.add_row(*row, alt.reason)
     return table
 

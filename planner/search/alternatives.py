@@ -25,7 +25,8 @@ def _context(part: str, evaluation) -> str:
             ", sequence-parallel: twice the collectives" if candidate.sequence_parallel else ""
         )
     if part == "dp_comm":
-        return f"dp={candidate.dp}, ZeRO-{candidate.zero_stage}"
+        exchange = "1-bit Adam" if candidate.compressed else "full-precision gradients"
+        return f"dp={candidate.dp}, ZeRO-{candidate.zero_stage}, {exchange}"
     if part == "optimizer":
         if candidate.offload_optimizer != OffloadTier.NONE:
             return (

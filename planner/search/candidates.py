@@ -24,6 +24,7 @@ from cost_models.hardware import HardwareProfile
 from cost_models.offload_cost import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
 from planner.search.search_errors import SearchError
+from runtime.contract.choices import GradCompression
 
 __all__ = [
     "is_repeated",
@@ -43,6 +44,8 @@ __all__ = [
     "offload_variants",
     "check_offload_pins",
     "memory_may_bind",
+    "compression_variants",
+    "work_lower_bound",
 ]
 
 
@@ -86,6 +89,12 @@ def time_lower_bound(costs: CandidateCosts) -> float:
     work = _total_work(costs)
     slowest = max(work / stages, max(cost.work_s + cost.zero_mb_s for cost, _ in costs.distinct))
     return (micro_batches - 1) * slowest + max(work, slowest) + _tail_bound(costs)
+
+
+def work_lower_bound(costs: CandidateCosts) -> float:
+    """``time_lower_bound`` without its tail: a bound of every variant of this candidate that
+    changes only the per-step tail (the same work, e.g. its 1-bit Adam version)."""
+    return time_lower_bound(costs) - _tail_bound(costs)
 
 
 def memory_lower_bound(costs: CandidateCosts) -> float:
@@ -336,6 +345,8 @@ def offload_variants(request: Any, candidates: Sequence[Candidate], hw: Hardware
     seen: set[Candidate] = set()
     opt_tiers, par_tiers = _tiers(request, "optimizer", hw), _tiers(request, "params", hw)
     for candidate in candidates:
+        if candidate.compressed:  # 1-bit Adam keeps its state on the device
+            continue
         zeros = [candidate.zero_stage] if candidate.dp > 1 or request.zero_stage is not None else [1, 2, 3]
         for zero in zeros:
             for optimizer_tier in opt_tiers:
@@ -351,6 +362,16 @@ def offload_variants(request: Any, candidates: Sequence[Candidate], hw: Hardware
                         seen.add(variant)
                         out.append(variant)
     return out
+
+
+def compression_variants(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The 1-bit Adam versions of the ``candidates`` it applies to: dp > 1, ZeRO 0 or 1, every
+    state on the device (``cost_models.compression_cost``)."""
+    return [
+        dataclasses.replace(candidate, dp_compression=GradCompression.ONEBIT_ADAM.value)
+        for candidate in candidates
+        if candidate.dp > 1 and candidate.zero_stage <= 1 and not candidate.offloads and not candidate.compressed
+    ]
 
 
 def memory_may_bind(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> bool:

@@ -16,9 +16,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from cost_models.hardware import KNOWN_KINDS
 from planner.frontend.input_pins import parse_input_pins
 from planner.search.search_errors import SearchError
-from runtime.contract.choices import ZERO_STAGES, OffloadTier, RecomputeMode, ScheduleName, Toggle, names
+from runtime.contract.choices import (
+    ZERO_STAGES,
+    GradCompression,
+    OffloadTier,
+    RecomputeMode,
+    ScheduleName,
+    Toggle,
+    names,
+)
 from runtime.contract.dtype_table import DTYPES
 from runtime.training.train_config import CliFlag, cli_flags
 
@@ -132,7 +141,8 @@ class PlanRequest:
             "--hardware",
             required=True,
             metavar="KIND|profile.json",
-            help="a100-40gb, a100-80gb, h100-sxm, h200, v100-32gb, cpu, or a profile JSON",
+            help=f"{', '.join(KNOWN_KINDS)} (v100-16gb-eth25, v100-32gb-eth100: Ethernet, 25 and 100 "
+            "Gb/s per node), or a profile JSON",
         )
     )
     """Hardware kind or path of a profile JSON."""
@@ -290,6 +300,19 @@ class PlanRequest:
         ),
     )
     """Model chunks per pipeline rank of the interleaved schedule (``--virtual-stages``); ``None``: searched."""
+    dp_compression: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--dp-compression",
+            choices=names(GradCompression),
+            help="pin the data-parallel exchange: full-precision gradients (none) or 1-bit Adam's "
+            "sign-compressed momentum after a full-precision warm-up of 15%% of the run (onebit-adam: "
+            "ZeRO 0 or 1, dp > 1, no offload); default: the planner compresses only where it "
+            "shortens the run (slow networks, exposed data-parallel traffic)",
+        ),
+    )
+    """The data-parallel exchange (``--dp-compression none|onebit-adam``; ``cost_models.compression_cost``);
+    ``None``: searched where valid, kept only where it shortens the run."""
 
     def horizon_steps(self) -> int:
         """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""
@@ -305,6 +328,7 @@ class PlanRequest:
         self._check_schedule()
         self._check_recompute()
         self._check_degrees()
+        self._check_compression()
 
     def _check_problem(self) -> None:
         """The cluster, the batch and the dtype."""
@@ -388,6 +412,40 @@ class PlanRequest:
             raise SearchError(
                 f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} x "
                 f"--micro-batch {self.micro_batch}."
+            )
+
+    def _check_compression(self) -> None:
+        """1-bit Adam replaces the gradient all-reduce of ZeRO 0 and 1 over more than one rank."""
+        _check_choice("dp_compression", self.dp_compression, names(GradCompression), searched=True)
+        if self.dp_compression != GradCompression.ONEBIT_ADAM:
+            return
+        flag = "--dp-compression onebit-adam"
+        if self.zero_stage is not None and self.zero_stage > 1:
+            raise SearchError(
+                f"{flag} needs ZeRO stage 0 or 1, but --zero-stage is {self.zero_stage}: 1-bit Adam "
+                "compresses each rank's whole momentum in place of the gradient all-reduce of stages 0 "
+                "and 1, and stages 2 and 3 reduce-scatter the gradients before any rank has it. Use "
+                "--zero-stage 0 or 1, or drop one of the two flags."
+            )
+        for kind in ("optimizer", "params"):
+            tier = getattr(self, f"offload_{kind}")
+            if tier not in (None, OffloadTier.NONE):
+                raise SearchError(
+                    f"{flag} cannot run with --offload-{kind} {tier}: the compressed exchange and the "
+                    "frozen-variance update run on the device. Drop one of the two flags."
+                )
+        pinned = (self.tp or 1) * (self.pp or 1)
+        if self.gpus == 1 or self.dp == 1 or pinned == self.gpus:
+            why = (
+                "--gpus is 1"
+                if self.gpus == 1
+                else "--dp is 1"
+                if self.dp == 1
+                else f"--tp and --pp take all {self.gpus} devices"
+            )
+            raise SearchError(
+                f"{flag} needs more than one data-parallel rank, but {why}: there is no data-parallel "
+                "exchange to compress. Drop --dp-compression, or leave room for dp > 1."
             )
 
 

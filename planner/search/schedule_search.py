@@ -650,7 +650,8 @@ def _sharded_siblings(evaluation: Evaluation, cc_of: dict) -> list[Evaluation]:
     partition, priced again)."""
     candidate = evaluation.strategy.candidate
     out = []
-    for zero in range(candidate.zero_stage + 1, 4) if candidate.dp > 1 else ():
+    top = 2 if candidate.compressed else 4  # 1-bit Adam runs at ZeRO 0 and 1 only
+    for zero in range(candidate.zero_stage + 1, top) if candidate.dp > 1 else ():
         try:
             costs = cc_of[dataclasses.replace(candidate, zero_stage=zero)]
         except KeyError:  # not enumerated: pinned out, or not a stage this candidate can use

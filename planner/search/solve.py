@@ -56,6 +56,7 @@ from planner.search.alternatives import alternative_reason
 from planner.search.candidates import (
     check_offload_pins,
     check_pins,
+    compression_variants,
     enumerate_candidates,
     memory_lower_bound,
     memory_may_bind,
@@ -64,10 +65,13 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
+from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_seconds
+from runtime.contract.choices import GradCompression
+from runtime.contract.compressed_exchange import default_warmup
 
 __all__ = [
     "Solution",
@@ -292,6 +296,9 @@ class Solution:
     """Counts of candidates, ILPs and pruning, the runners-up and the search's notes."""
     compile: CompileChoice | None = None
     """Whether the stages are compiled, and why."""
+    compression: CompressionChoice | None = None
+    """Whether the data-parallel exchange is compressed (1-bit Adam), and why; None when the
+    search did not weigh it (nothing compressed could win)."""
 
 
 def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:
@@ -327,13 +334,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
             "can run it (it needs pp >= 2, at least pp micro-batches, for interleaved a multiple of "
             "pp and pp x v chunks within the layer table's rows); relax the pins or drop it."
         )
-    if offload_pinned(request):
-        candidates = offload_variants(request, candidates, hw)
-        if not candidates:
-            raise SearchError(
-                "no candidate can offload as pinned: offloading needs ZeRO 1-3 (parameters: ZeRO 3) "
-                "and the pins leave none; drop --zero-stage 0 or the offload pin."
-            )
+    candidates = _pinned_variants(request, candidates, hw)
     entries = candidate_entries(request, table, hw, gpus_per_node, candidates)
     result = search(entries, table.kinds, request.checkpoint, solver)
     if not offload_pinned(request) and None in (request.offload_optimizer, request.offload_params):
@@ -341,6 +342,17 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     choice = None
     if result.best is not None:
         result, choice = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
+    compiled = choice is not None and choice.on
+    result, entries, compression = choose_compression(
+        request,
+        lambda variants: candidate_entries(
+            request, table, hw, gpus_per_node, [dataclasses.replace(v, compile=compiled) for v in variants]
+        ),
+        table.kinds,
+        entries,
+        result,
+        solver,
+    )
     if table.tied and result.best is not None and result.best.strategy.candidate.pp > 1:
         result.notes.append(
             f"tied weights ({tied_summary(table)}): each stage that reads one holds a "
@@ -353,8 +365,30 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     result = apply_schedules(
         result, _costs_for(request, table, hw, gpus_per_node, entries, result), len(table.layers), sched, virtual_stages
     )
+    compression = final_choice(request, compression, result)
+    result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
-    return Solution(plan=plan, evaluation=result.best, search=result, compile=choice)
+    return Solution(plan=plan, evaluation=result.winner(), search=result, compile=choice, compression=compression)
+
+
+def _pinned_variants(request, candidates: list[Candidate], hw: HardwareProfile) -> list[Candidate]:
+    """The candidates an offload or compression pin leaves (``SearchError`` when none)."""
+    if offload_pinned(request):
+        candidates = offload_variants(request, candidates, hw)
+        if not candidates:
+            raise SearchError(
+                "no candidate can offload as pinned: offloading needs ZeRO 1-3 (parameters: ZeRO 3) "
+                "and the pins leave none; drop --zero-stage 0 or the offload pin."
+            )
+    if request.dp_compression == GradCompression.ONEBIT_ADAM:
+        candidates = compression_variants(candidates)
+        if not candidates:
+            raise SearchError(
+                "--dp-compression onebit-adam: no candidate has more than one data-parallel rank "
+                "(the global batch and the pins leave dp = 1); drop --dp-compression or the pins "
+                "that force dp = 1."
+            )
+    return candidates
 
 
 def _costs_for(
@@ -561,6 +595,7 @@ def build_plan(
                 "params": alt.strategy.candidate.offload_params,
             },
             sequence_parallel=alt.strategy.candidate.sequence_parallel,
+            dp_compression=alt.strategy.candidate.dp_compression,
         )
         for alt in result.alternatives(3)
     ]
@@ -584,6 +619,8 @@ def build_plan(
         sequence_parallel=candidate.sequence_parallel,
         compile=candidate.compile,
         offload={"optimizer": candidate.offload_optimizer, "params": candidate.offload_params},
+        dp_compression=candidate.dp_compression,
+        compression_warmup=default_warmup(request.horizon_steps()) if candidate.compressed else 0,
         predicted=Predicted(**predicted_fields(evaluation, flops, request.gpus, hw.peak(request.dtype))),
         solver=SolverInfo(
             name=f"pulp-{solver}", seconds=float(seconds), status=result.status, candidates=result.enumerated
