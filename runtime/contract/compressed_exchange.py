@@ -3,23 +3,25 @@ runtime (``runtime.data_parallel.onebit_adam``), which counts what it issues, an
 models, which price the same expressions (``numel`` may be a sympy expression there).
 
 The exchange (Tang et al. 2021, "1-bit Adam"), over ``n`` data-parallel ranks, of a vector of
-``numel`` elements padded to ``padded_numel`` (a multiple of ``8 n``, so that every rank's chunk
-is a whole number of bytes of packed signs):
+``numel`` elements padded to ``padded_numel`` (a multiple of ``BLOCK n``, so that every rank's
+chunk is a whole number of blocks):
 
-1. every rank adds its *worker error* to its vector, keeps the signs (8 to a byte) and one scale
-   (the vector's L2 norm over ``sqrt(padded)``), and remembers what that lost as its new error;
-2. ``all_to_all`` of the packed signs: rank ``j`` receives chunk ``j`` of every rank's signs,
-   and an ``all_gather`` of the ``n`` scales;
+1. every rank adds its *worker error* to its vector and keeps, per block of ``BLOCK`` elements,
+   the signs (8 to a byte) and one scale (the block's L2 norm over ``sqrt(BLOCK)``); what that
+   lost is its new error;
+2. ``all_to_all`` of the packed signs and of the scales: rank ``j`` receives chunk ``j`` of every
+   rank's vector;
 3. rank ``j`` averages the ``n`` decoded chunks, adds its *server error*, compresses the chunk the
-   same way (its own scale), and keeps its error;
-4. ``all_gather`` of the packed chunk signs and of the ``n`` chunk scales: every rank decodes the
-   same averaged vector.
+   same way, and keeps its error;
+4. ``all_gather`` of the chunks' packed signs and scales: every rank decodes the same average.
 
-Bytes one device sends (the ring convention of ``collective_bytes``): two packed-sign
-collectives of ``padded / 8`` bytes (the all-to-all and the all-gather) and two all-gathers of
-``n`` fp32 scales; against an uncompressed all-reduce of ``2 (n - 1)/n x 2 numel`` bytes in bf16,
-a factor of about 16 less. Memory: the worker error is a full fp32 vector, the server error one
-fp32 chunk (``4 padded (1 + 1/n)`` bytes).
+A scale per block rather than per vector: one scale for a whole model would give a layer norm's
+small momenta the magnitude of an embedding's (Tang et al. compress each tensor on its own for the
+same reason); 256 elements keep the scales at 1/8 bit per element. Bytes one device sends (the
+ring convention of ``collective_bytes``): an all-to-all and an all-gather of ``padded (1/8 +
+4/BLOCK)`` bytes each; against a bf16 all-reduce of ``2 (n - 1)/n x 2 numel`` bytes, about 14
+times fewer (28 against fp32). Memory: the worker error is a full fp32 vector, the server error
+one fp32 chunk (``4 padded (1 + 1/n)`` bytes).
 
 The warm-up: full-precision AdamW for ``compression_warmup`` steps, after which the variance is
 frozen. ``default_warmup`` takes ``WARMUP_FRACTION`` of the run: the paper warms up for a small
@@ -36,6 +38,7 @@ from runtime.contract.collective_bytes import ring_bytes
 
 __all__ = [
     "SIGNS_PER_BYTE",
+    "BLOCK",
     "SCALE_BYTES",
     "ERROR_ELEMENT_BYTES",
     "WARMUP_FRACTION",
@@ -48,8 +51,11 @@ __all__ = [
 SIGNS_PER_BYTE = 8
 """Signs packed into one byte."""
 
+BLOCK = 256
+"""Elements that share one scale."""
+
 SCALE_BYTES = 4
-"""One fp32 scale per rank's vector (worker) and per chunk (server)."""
+"""One fp32 scale per block."""
 
 ERROR_ELEMENT_BYTES = 4
 """The error-feedback buffers are fp32."""
@@ -59,8 +65,8 @@ WARMUP_FRACTION = 0.15
 
 
 def padded_numel(numel: int, ranks: int) -> int:
-    """``numel`` rounded up to a multiple of ``8 ranks`` (whole bytes of signs per chunk)."""
-    quantum = SIGNS_PER_BYTE * max(1, ranks)
+    """``numel`` rounded up to a multiple of ``BLOCK ranks`` (whole blocks per rank's chunk)."""
+    quantum = BLOCK * max(1, ranks)
     return -(-int(numel) // quantum) * quantum
 
 
@@ -70,13 +76,8 @@ def exchange_bytes(numel: Any, ranks: int) -> Any:
     if ranks <= 1:
         return 0.0
     padded = padded_numel(numel, ranks) if isinstance(numel, int) else numel
-    signs = padded / SIGNS_PER_BYTE
-    scales = ranks * SCALE_BYTES
-    return (
-        ring_bytes("all_to_all", signs, ranks)
-        + ring_bytes("all_gather", signs, ranks)
-        + 2 * ring_bytes("all_gather", scales, ranks)
-    )
+    packed = padded / SIGNS_PER_BYTE + SCALE_BYTES * padded / BLOCK
+    return ring_bytes("all_to_all", packed, ranks) + ring_bytes("all_gather", packed, ranks)
 
 
 def error_buffer_bytes(numel: Any, ranks: int) -> Any:

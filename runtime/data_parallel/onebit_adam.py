@@ -1,5 +1,5 @@
 """1-bit Adam (Tang et al. 2021): the ZeRO engine's data-parallel exchange after a warm-up, one
-sign per element and one scale per chunk instead of a 16-bit gradient all-reduce.
+sign per element and one scale per block of 256 instead of a 16-bit gradient all-reduce.
 
 The method
 ----------
@@ -31,8 +31,8 @@ bound of the averaged gradient's norm. inf/nan on any rank skips the step as bef
 
 Segments: the momentum is exchanged in segments whose ranks must agree bit for bit: a weight tied
 across pipeline stages is its own segment (both stages then compress the same numbers the same
-way), as are parameters replicated across tensor-parallel ranks (e.g. norms). One scale covers
-one segment's chunk, so a segment never mixes values that other ranks hold differently.
+way), as are parameters replicated across tensor-parallel ranks (e.g. norms): a block's scale
+never mixes values that other ranks hold differently.
 
 Checkpoints: the error buffers are per rank (``state_dict``); a resume under the same plan
 restores them and continues bit for bit; under another plan they restart at zero.
@@ -46,7 +46,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from runtime.contract.compressed_exchange import SIGNS_PER_BYTE, padded_numel
+from runtime.contract.compressed_exchange import BLOCK, SIGNS_PER_BYTE, padded_numel
 from runtime.data_parallel.engine_config import CompressionConfig, OptimizerConfig
 from runtime.data_parallel.flat_shards import FlatGroup
 from runtime.distributed import comm
@@ -84,15 +84,15 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return signs.mul_(scales.view(-1, 1)).view(-1)
 
 
-def compress_(vector: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Error-compensated sign compression: ``error += vector``; return the packed signs of that and
-    its scale ``|error| / sqrt(n)`` (a one-element fp32 tensor); ``error`` keeps what the
-    compression lost (``error - scale sign(error)``)."""
+def compress_(vector: torch.Tensor, error: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error-compensated sign compression in blocks of ``block`` elements: ``error += vector``;
+    return the packed signs of that and one scale per block, ``|block| / sqrt(block)`` (fp32);
+    ``error`` keeps what the compression lost (``error - scale sign(error)``)."""
     error.add_(vector)
-    scale = (torch.linalg.vector_norm(error) / math.sqrt(error.numel())).view(1)
+    scales = torch.linalg.vector_norm(error.view(-1, block), dim=1).div_(math.sqrt(block))
     packed = pack_signs(error)
-    error.sub_(decode(packed, scale))
-    return packed, scale
+    error.sub_(decode(packed, scales))
+    return packed, scales
 
 
 class CompressedAverage:
@@ -110,15 +110,15 @@ class CompressedAverage:
     def average_(self, vector: torch.Tensor) -> None:
         """Replace ``vector`` (``padded`` elements) by the decoded compressed average of every
         rank's ``vector``; collective over the group."""
-        packed, scale = compress_(vector, self.worker_error)
+        packed, scales = compress_(vector, self.worker_error, BLOCK)
         received = torch.empty_like(packed)
         comm.all_to_all_into(received, packed, self.dp_group)
-        scales = torch.empty(self.dp, dtype=torch.float32, device=vector.device)
-        comm.all_gather_into(scales, scale, self.dp_group)
-        chunk_sum = decode(received, scales).view(self.dp, self.chunk).sum(dim=0)
-        server_packed, server_scale = compress_(chunk_sum.div_(self.dp), self.server_error)
+        received_scales = torch.empty_like(scales)
+        comm.all_to_all_into(received_scales, scales, self.dp_group)
+        chunk_sum = decode(received, received_scales).view(self.dp, self.chunk).sum(dim=0)
+        server_packed, server_scales = compress_(chunk_sum.div_(self.dp), self.server_error, BLOCK)
         comm.all_gather_into(packed, server_packed, self.dp_group)
-        comm.all_gather_into(scales, server_scale, self.dp_group)
+        comm.all_gather_into(scales, server_scales, self.dp_group)
         vector.copy_(decode(packed, scales))
 
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from runtime.contract.compressed_exchange import padded_numel
+from runtime.contract.compressed_exchange import BLOCK, padded_numel
 from runtime.data_parallel.onebit_adam import compress_, decode
 from tests.runtime.zero_harness import BATCH, HP, MICRO, data, layer_groups, make_net
 
@@ -25,14 +25,19 @@ class SimulatedExchange:
 
     def average(self, vectors: list[torch.Tensor]) -> torch.Tensor:
         """What every rank holds after the exchange of ``vectors`` (one per rank, ``padded`` long)."""
-        compressed = [compress_(vector.clone(), error) for vector, error in zip(vectors, self.workers)]
-        chunk_bytes = self.chunk // 8
+        compressed = [compress_(vector.clone(), error, BLOCK) for vector, error in zip(vectors, self.workers)]
+        chunk_bytes, chunk_blocks = self.chunk // 8, self.chunk // BLOCK
         result = []
         for j in range(self.dp):
-            pieces = [decode(packed[j * chunk_bytes : (j + 1) * chunk_bytes], scale) for packed, scale in compressed]
+            pieces = [
+                decode(
+                    packed[j * chunk_bytes : (j + 1) * chunk_bytes], scales[j * chunk_blocks : (j + 1) * chunk_blocks]
+                )
+                for packed, scales in compressed
+            ]
             mean = torch.stack(pieces).sum(dim=0).div_(self.dp)
-            packed, scale = compress_(mean, self.servers[j])
-            result.append(decode(packed, scale))
+            packed, scales = compress_(mean, self.servers[j], BLOCK)
+            result.append(decode(packed, scales))
         return torch.cat(result)
 
 

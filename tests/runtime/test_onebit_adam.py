@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.contract.compressed_exchange import default_warmup, error_buffer_bytes, exchange_bytes, padded_numel
+from runtime.contract.compressed_exchange import BLOCK, default_warmup, error_buffer_bytes, exchange_bytes, padded_numel
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import CompressionConfig, OptimizerConfig, ShardingConfig
 from runtime.data_parallel.flat_shards import ZeroError
@@ -33,24 +33,28 @@ def test_packing_is_most_significant_bit_first():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 6), st.integers(0, 2**31 - 1))
-def test_compression_keeps_what_it_lost_in_the_error(bytes_count, seed):
+@given(st.integers(1, 4), st.sampled_from([8, 64, 256]), st.integers(0, 2**31 - 1))
+def test_compression_keeps_what_it_lost_in_the_error(blocks, block, seed):
     generator = torch.Generator().manual_seed(seed)
-    vector = torch.randn(8 * bytes_count, generator=generator)
-    error = torch.randn(8 * bytes_count, generator=generator) * 0.1
+    vector = torch.randn(blocks * block, generator=generator) * torch.logspace(-3, 1, blocks).repeat_interleave(block)
+    error = torch.randn(blocks * block, generator=generator) * 0.1
     buffer = vector + error
-    packed, scale = compress_(vector, error)
-    assert scale.item() == pytest.approx(torch.linalg.vector_norm(buffer).item() / math.sqrt(buffer.numel()), rel=1e-6)
-    decoded = decode(packed, scale)
+    packed, scales = compress_(vector, error, block)
+    expected = torch.linalg.vector_norm(buffer.view(blocks, block), dim=1) / math.sqrt(block)
+    torch.testing.assert_close(scales, expected)  # one scale per block, each its block's RMS
+    decoded = decode(packed, scales)
     torch.testing.assert_close(decoded + error, buffer)  # nothing is lost: it is carried
-    assert torch.equal(decoded.abs(), torch.full_like(decoded, scale.item()))
+    assert torch.equal(decoded.abs(), scales.repeat_interleave(block))
 
 
-def test_exchange_bytes_are_a_sixteenth_of_a_bf16_all_reduce():
+def test_exchange_bytes_are_a_fourteenth_of_a_bf16_all_reduce():
     numel, ranks = 10_000_000, 8
-    assert padded_numel(numel, ranks) % (8 * ranks) == 0
+    padded = padded_numel(numel, ranks)
+    assert padded % (BLOCK * ranks) == 0 and padded - numel < BLOCK * ranks
+    # an all-to-all and an all-gather, each of 1 bit per element and one fp32 scale per block
+    assert exchange_bytes(numel, ranks) == 2 * (ranks - 1) / ranks * (padded / 8 + 4 * padded / BLOCK)
     all_reduce_bf16 = 2 * (ranks - 1) / ranks * 2 * numel
-    assert all_reduce_bf16 / exchange_bytes(numel, ranks) == pytest.approx(16, rel=1e-3)
+    assert all_reduce_bf16 / exchange_bytes(numel, ranks) == pytest.approx(1 / (1 / 16 + 1 / 128), rel=1e-3)
     assert exchange_bytes(numel, 1) == 0 and error_buffer_bytes(numel, 1) == 0
     assert error_buffer_bytes(numel, ranks) == 4 * padded_numel(numel, ranks) * (1 + 1 / ranks)
     assert default_warmup(1000) == 150 and default_warmup(1) == 1
