@@ -10,8 +10,9 @@ Adam's final loss is more than ``--loss-gap`` (3%) above AdamW's or the bytes af
 not at least ``--min-bytes-ratio`` (10) times fewer.
 
 Part 2 (planned): GPT 1.3B and 6.7B (GPT-3's shapes) on 4 and 16 nodes of an Ethernet profile,
-``planner plan`` with ``--dp-compression none`` and ``onebit-adam`` pinned and free: the predicted
-step time, the data-parallel part and the bytes each device sends.
+``planner plan`` (fp16, as the 1-bit Adam paper trained on V100s) with ``--dp-compression none``
+and ``onebit-adam`` pinned and free: the predicted step time, the data-parallel part and the bytes
+each device sends per step (all parts: tensor-parallel traffic included).
 
 ``python benchmarks/bench_compression.py [--nproc 2] [--steps 60 --warmup 10] [--repeats 1]
 [--ethernet v100-16gb-eth25,v100-32gb-eth100]``; importable as ``run_benchmark(BenchConfig())``.
@@ -143,7 +144,7 @@ def plan_table(profiles: list[str]) -> list[dict]:
                         out = os.path.join(folder, "plan.json")
                         argv = [
                             *("plan", "--model", "gpt", "--layers", str(layers), "--hidden", str(hidden)),
-                            *("--heads", str(heads), "--vocab", "50257", "--seq-len", "2048"),
+                            *("--heads", str(heads), "--vocab", "50257", "--seq-len", "2048", "--dtype", "fp16"),
                             *("--gpus", str(8 * nodes), "--hardware", profile, "--global-batch", "512"),
                             *("--out", out),
                             *(("--dp-compression", pin) if pin else ()),
@@ -203,7 +204,7 @@ def format_report(result: dict) -> str:
         lines += [
             "",
             f"{'profile':20s} {'model':9s} {'nodes':>5s} {'pin':12s} {'chosen':12s} {'layout':18s} "
-            f"{'step s':>8s} {'dp s':>8s} {'GiB/dev':>8s}",
+            f"{'step s':>8s} {'dp s':>8s} {'sent GiB':>8s}",
         ]
         for row in result["plans"]:
             if row.get("error"):
