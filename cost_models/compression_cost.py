@@ -10,9 +10,10 @@ at the switch, so the compressed phase holds stage 0's optimizer memory (``strat
 
 Time of one compressed step's tail, on the data-parallel group's links (``comm_cost``):
 
-- the exchange: ``all_to_all`` and ``all_gather`` of ``padded / 8`` bytes of packed signs, two
-  ``all_gather`` of ``dp`` fp32 scales (``collective_time`` each: alpha-beta, intra- or inter-node,
-  ring or hierarchical, so four collectives' latencies), not overlapped with compute;
+- the exchange: an ``all_to_all`` and an ``all_gather`` of ``padded / 8`` bytes of packed signs,
+  and the same two of the fp32 scales, one per block of ``BLOCK`` elements (``collective_time``
+  each: alpha-beta, intra- or inter-node, ring or hierarchical, so four collectives' latencies),
+  not overlapped with compute;
 - the compression's own compute, memory-bound passes over fp32 vectors at the profile's memory
   bandwidth (``COMPRESSION_OPS`` operator calls of overhead besides), per element of the vector:
 
@@ -20,7 +21,7 @@ Time of one compressed step's tail, on the data-parallel group's links (``comm_c
   pass                                      bytes      reads / writes
   ========================================  =========  =====================================
   worker: add error (m + e)                 12         read m, e; write the sum
-  worker: L2 norm                           4          read
+  worker: L2 norm of each block             4          read
   worker: sign + pack                       4.125      read; write 1/8
   worker: error update (x - scale sign x)   8.125      read x, packed signs; write e
   server: unpack dp chunks, scale, average  16.125     read 1/8; write 4; read 4 write 4
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from cost_models.comm_cost import GroupPlacement, collective_time
 from cost_models.hardware import HardwareProfile
 from runtime.contract.compressed_exchange import (
+    BLOCK,
     SCALE_BYTES,
     SIGNS_PER_BYTE,
     error_buffer_bytes,
@@ -90,16 +92,18 @@ def compression_compute_s(numel: float, dp: int, hw: HardwareProfile) -> float:
 
 def exchange_time_s(padded: float, placement: GroupPlacement, hw: HardwareProfile) -> float:
     """Seconds of one exchange of ``padded`` elements over the dp group ``placement``: an
-    all-to-all and an all-gather of the packed signs, two all-gathers of ``dp`` fp32 scales."""
+    all-to-all and an all-gather of the packed signs, and of the blocks' fp32 scales."""
     dp = placement.size
     if dp <= 1 or padded <= 0:
         return 0.0
     signs = padded / SIGNS_PER_BYTE
-    scales = dp * SCALE_BYTES
+    scales = SCALE_BYTES * padded / BLOCK
     return float(
-        collective_time("all_to_all", signs, placement, hw)
-        + collective_time("all_gather", signs, placement, hw)
-        + 2 * collective_time("all_gather", scales, placement, hw)
+        sum(
+            collective_time(kind, size, placement, hw)
+            for kind in ("all_to_all", "all_gather")
+            for size in (signs, scales)
+        )
     )
 
 
