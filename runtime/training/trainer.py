@@ -29,7 +29,11 @@ newest checkpoint when asked, the step probes of ``runtime.training.profiling``)
    fp16) and calls ``on_metrics``;
    with ``TrainOptions.tensorboard_dir`` it also writes them as TensorBoard scalars;
 5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
-   bit-identical resume needs (``runtime.checkpointing.checkpoint_io``).
+   bit-identical resume needs (``runtime.checkpointing.checkpoint_io``);
+6. with a checkpoint folder, rank 0 rewrites its heartbeat (``runtime.training.recovery``). The
+   first step of a resumed run carries the event line of the restart (``recovery``, or the
+   caller's ``replan``) with what the recovery cost; every step line has the ``data_checksum``
+   of the global batch it read (``runtime.training.data.batch_checksum``, summed over dp).
 """
 
 from __future__ import annotations
@@ -133,8 +137,9 @@ class StepMetrics:
     (``runtime.training.data.batch_checksum``): equal for every plan of the same seed and global
     batch, so a resumed or re-planned run can be checked to read each sample once."""
     events: list[dict] = field(default_factory=list)
-    """Event lines (``runtime.training.events``) that happened with this step (a recovery, a
-    re-plan), written before its line; not part of the step line."""
+    """What happened with this step (a recovery, a re-plan), each the arguments of
+    ``runtime.training.events.write_event`` (``kind``, ``message``, fields): rank 0 writes them as
+    event lines before the step's line; not part of the step line."""
 
     def to_json(self) -> str:
         fields = asdict(self)
