@@ -382,6 +382,11 @@ class Plan:
     """What ``planner tune`` measured running this plan (absent from other plans):
     ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
     ``trials``, one object per candidate tune ran (its degrees, what it measured or why it failed)."""
+    request: dict | None = None
+    """The request the plan was made from (``planner.search.request.PlanRequest.to_record``: the
+    model spec and sizes, batch, sequence length, dtype, hardware, devices per node and every pin),
+    enough to plan again for another device count (``planner train --elastic``). Absent from
+    hand-made plans and plans written before it existed: those cannot be re-planned."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -396,6 +401,8 @@ class Plan:
         self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
         self._check_compression()
         self._check_measured()
+        if self.request is not None and not (isinstance(self.request, dict) and "spec" in self.request):
+            _fail("request", "must be an object holding the planning request (spec, gpus, ...).")
         if self.pp > 1 and self.num_micro_batches < self.pp:
             _fail(
                 "num_micro_batches",
@@ -579,6 +586,8 @@ class Plan:
                 out["predicted"].pop(key, None)
         if self.measured is not None:
             out["measured"] = full["measured"]
+        if self.request is not None:
+            out["request"] = full["request"]
         return out
 
     def to_json(self) -> str:

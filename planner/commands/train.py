@@ -29,11 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from planner.commands.compile import compile_plan
+from planner.commands.elastic import Replan, plan_for_world
 from planner.errors import UserError
 from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import check_weights, directory_state
@@ -165,6 +167,8 @@ class _WorkerJob:
     """Runs on every rank before every step (``runtime.training.trainer.StepHook``)."""
     predicted_time: dict[str, float] | None = None
     """plan.json's ``predicted.time``, printed beside the measured breakdown."""
+    restart_note: dict | None = None
+    """The re-plan event to write with the first step (``elastic_note``); None when not re-planned."""
 
 
 def _worker(rank: int, world: int, job: _WorkerJob) -> None:
@@ -182,6 +186,7 @@ def _worker(rank: int, world: int, job: _WorkerJob) -> None:
             lambda: original_state(job.spec, job.sizes, job.seq_len, opts.seed),
             on_metrics=reporter.update if reporter else None,
             on_step_start=job.on_step_start,
+            restart_note=job.restart_note,
         )
     finally:
         if reporter:
@@ -203,6 +208,8 @@ def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted
         f"{sum(h.tokens_per_s for h in history) / len(history):,.0f} tokens/s, {peak}",
         flush=True,
     )
+    for event in (event for h in history for event in h.events):  # a re-plan, a recovery
+        print(f"{event['kind']}: {event['message']}", flush=True)
     measured, n = median_breakdown([h.time for h in history if h.time is not None])
     if measured:
         caption = f"measured: median of the {'last ' if len(history) > WARMUP_STEPS else ''}{n} steps"
@@ -296,10 +303,58 @@ def _check_resumable(plan: Plan, opts: TrainOptions) -> bool:
 
 
 def run_train(args, *, on_step_start: StepHook | None = None) -> int:
-    """``planner train plan.json --steps K ...``: the flags as ``TrainOptions``, then ``train_plan``."""
+    """``planner train plan.json --steps K ...``: the flags as ``TrainOptions``, then ``train_plan``
+    (with ``--elastic``, of the plan re-made for the world found: ``elastic_plan``)."""
     plan = load_plan(args.plan)
     opts = train_options_from_args(args)
-    return train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=args.compiled, on_step_start=on_step_start)
+    plan_path, compiled, note = args.plan, args.compiled, None
+    if opts.elastic:
+        replan = elastic_plan(plan, args.plan, opts, args.nproc)
+        if replan is not None:
+            step = _resume_step(opts)
+            note = {"kind": "replan", "message": replan.message(step), "fields": replan.fields(step)}
+            plan, plan_path = replan.plan, replan.path
+            compiled = f"{compiled.rstrip(os.sep)}.world{_world_of(plan)}" if compiled else None
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"planner train: {note['message']} (plan {plan_path}).", flush=True)
+    return train_plan(
+        plan, plan_path, opts, nproc=args.nproc, compiled=compiled, on_step_start=on_step_start, restart_note=note
+    )
+
+
+def _world_of(plan: Plan) -> int:
+    return plan.dp * plan.tp * plan.pp
+
+
+def _resume_step(opts: TrainOptions) -> int:
+    """The step a run with these options starts at: the newest checkpoint's with ``--resume``, else 0."""
+    found = list_checkpoints(opts.checkpoint_dir) if opts.resume and opts.checkpoint_dir else []
+    return found[-1][0] if found else 0
+
+
+def elastic_plan(plan: Plan, plan_path: str, opts: TrainOptions, nproc: int | None) -> Replan | None:
+    """``--elastic``: the plan re-made for the world found (``--nproc``, else torchrun's
+    ``WORLD_SIZE``, else 1) when it differs from ``plan``'s; None when it does not. Under torchrun
+    only rank 0 plans (and writes the plan file); it sends the plan, or its error, to every rank
+    over the default process group, which this starts (``init_distributed`` is idempotent)."""
+    world = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world == _world_of(plan):
+        return None
+    if nproc is not None or "RANK" not in os.environ:
+        return plan_for_world(plan, plan_path, world)
+    init_distributed(timeout_s=opts.timeout_s)
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            replan = plan_for_world(plan, plan_path, world)
+            payload[0] = ("plan", replan.plan.to_dict(), replan.path, replan.dropped)
+        except UserError as e:
+            payload[0] = ("error", str(e))
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0][0] == "error":
+        raise UserError(payload[0][1])
+    _, data, path, dropped = payload[0]
+    return Replan(plan=Plan.from_dict(data), path=path, old=plan, dropped=dropped)
 
 
 def _tensorboard_installed() -> bool:
@@ -329,11 +384,13 @@ def train_plan(
     nproc: int | None = None,
     compiled: str | None = None,
     on_step_start: StepHook | None = None,
+    restart_note: dict | None = None,
 ) -> int:
     """Compile ``plan`` (read from ``plan_path``) into ``compiled`` and train it with ``opts`` on
     ``nproc`` local processes, or under torchrun's environment when ``nproc`` is None. Exit status:
     0 done (or nothing left to train), 1 the run failed (the reason on stderr); bad input raises
-    ``UserError``. ``on_step_start`` must be picklable for local runs (it is sent to every rank)."""
+    ``UserError``. ``on_step_start`` must be picklable for local runs (it is sent to every rank).
+    ``restart_note``: the re-plan event the first step reports (``run_train``)."""
     world = plan.dp * plan.tp * plan.pp
     if not _check_before_start(plan, opts):
         return 0
@@ -349,6 +406,7 @@ def train_plan(
         plan.seq_len,
         on_step_start,
         dict(plan.predicted.time),
+        restart_note,
     )
     if nproc is not None:
         return _train_local(plan, plan_path, job, nproc, world)

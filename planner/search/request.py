@@ -13,7 +13,7 @@ The allowed values of each closed choice come from its enumeration in ``runtime.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cost_models.hardware import KNOWN_KINDS
@@ -313,6 +313,26 @@ class PlanRequest:
     )
     """The data-parallel exchange (``--dp-compression none|onebit-adam``; ``cost_models.compression_cost``);
     ``None``: searched where valid, kept only where it shortens the run."""
+
+    def to_record(self) -> dict:
+        """The request as plan.json's ``request``: every field by name (JSON values), enough for
+        ``from_record`` to plan the same problem again."""
+        return {name: (dict(value) if isinstance(value, dict) else value) for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_record(cls, record: Any) -> "PlanRequest":
+        """A request from plan.json's ``request`` (``to_record``); keys this planner does not know
+        (written by a newer one) are left out. A malformed record is a ``SearchError``."""
+        if not isinstance(record, dict):
+            raise SearchError(f"a plan's request must be an object, got {type(record).__name__}.")
+        known = {f.name for f in fields(cls)}
+        missing = sorted({"spec", "gpus", "hardware", "global_batch", "seq_len"} - set(record))
+        if missing:
+            raise SearchError(f"the plan's request is missing {', '.join(missing)}; re-plan with `planner plan`.")
+        try:
+            return cls(**{k: value for k, value in record.items() if k in known})
+        except TypeError as e:
+            raise SearchError(f"the plan's request is malformed ({e}); re-plan with `planner plan`.") from None
 
     def horizon_steps(self) -> int:
         """Steps of the run: ``ceil(tokens / (global_batch x seq_len))``, or the default horizon."""

@@ -67,6 +67,7 @@ from planner.search.candidates import (
 )
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
+from planner.search.request import PlanRequest
 from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_seconds
@@ -626,8 +627,17 @@ def build_plan(
             name=f"pulp-{solver}", seconds=float(seconds), status=result.status, candidates=result.enumerated
         ),
         alternatives=alts,
+        request=_request_record(request, gpus_per_node),
     )
     return plan
+
+
+def _request_record(request, gpus_per_node: int) -> dict | None:
+    """plan.json's ``request``: the request with the devices per node it was planned with (None
+    for a caller's stand-in that is not a ``PlanRequest``)."""
+    if not isinstance(request, PlanRequest):
+        return None
+    return {**request.to_record(), "gpus_per_node": gpus_per_node}
 
 
 def candidate_plans(request, table, hw: HardwareProfile, solution: Solution, k: int) -> list[Plan]:

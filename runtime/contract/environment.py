@@ -22,6 +22,7 @@ __all__ = [
     "COMPILE_BACKEND",
     "DEBUG_MEMORY",
     "PROFILE",
+    "FAULT_KILL",
     "read",
     "is_off",
 ]
@@ -96,6 +97,14 @@ PROFILE = EnvVar(
     "runtime.training.profiling",
 )
 
+FAULT_KILL = EnvVar(
+    "PLANNER_FAULT_KILL",
+    "",
+    "Fault injection for tests: `RANK:STEP` makes that rank SIGKILL itself before step index STEP, "
+    "on a run's first launch only (not on torchrun's restarts).",
+    "runtime.training.recovery",
+)
+
 VARIABLES: tuple[EnvVar, ...] = (
     CACHE,
     CACHE_DIR,
@@ -106,6 +115,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     COMPILE_BACKEND,
     DEBUG_MEMORY,
     PROFILE,
+    FAULT_KILL,
 )
 """Every variable, in the README's order."""
 

@@ -165,12 +165,15 @@ def init_distributed(
         global _JOINS
         timeout = datetime.timedelta(seconds=timeout_s)
         kwargs: dict[str, Any] = {}
-        if _JOINS:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if _JOINS or restart:
             # This process joined a group before (``planner tune`` runs its trials one after
-            # another in torchrun's ranks). torchrun's store still holds the keys the previous
-            # group wrote, and torch numbers a new group's keys from 0 again: prefix them.
+            # another in torchrun's ranks), or torchrun's elastic agent restarted the workers
+            # (``--max-restarts``): torchrun's store still holds the keys the previous group (or
+            # the previous workers) wrote, and torch numbers a new group's keys from 0 again
+            # (stale peer addresses: gloo's connect times out). Prefix them.
             store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-            kwargs["store"] = dist.PrefixStore(f"planner/join-{_JOINS}", store)
+            kwargs["store"] = dist.PrefixStore(f"planner/restart-{restart}/join-{_JOINS}", store)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         _JOINS += 1
     return DistContext(rank, world_size, local_rank, device, backend)

@@ -37,6 +37,8 @@ __all__ = [
     "rank_slice",
     "model_inputs",
     "data_vocab",
+    "batch_checksum",
+    "CHECKSUM_MODULUS",
 ]
 
 
@@ -168,3 +170,19 @@ def open_data(path: str | None, vocab: int, seq_len: int, seed: int):
 def rank_slice(global_batch: int, dp: int, dp_index: int) -> tuple[int, int]:
     per_rank = global_batch // dp
     return dp_index * per_rank, (dp_index + 1) * per_rank
+
+
+#: The data checksum's modulus (a prime below 2**31: a sum over many ranks stays exact in float64).
+CHECKSUM_MODULUS = 2_147_483_647
+
+
+def batch_checksum(ids: torch.Tensor, first_row: int) -> int:
+    """A checksum of token rows ``ids`` (``(r, S)``) that are rows ``first_row ..`` of a global
+    batch: each row's position-weighted token sum times its row number, modulo
+    ``CHECKSUM_MODULUS``. Additive over row ranges, so the ranks' checksums of their slices sum
+    (modulo) to the whole batch's: the metrics' ``data_checksum`` shows which samples a step read."""
+    table = ids.detach().to("cpu", torch.int64)
+    positions = torch.arange(1, table.shape[1] + 1, dtype=torch.int64)
+    per_row = (table * positions).sum(dim=1) % CHECKSUM_MODULUS
+    rows = torch.arange(first_row + 1, first_row + 1 + table.shape[0], dtype=torch.int64)
+    return int(((per_row * rows) % CHECKSUM_MODULUS).sum()) % CHECKSUM_MODULUS

@@ -110,7 +110,17 @@ class TrainOptions:
     keep_last: int = field(default=2, metadata=_flag("--keep-last", kind="positive_int", metavar="K"))
     """Checkpoints kept on disk."""
     resume: bool = field(default=False, metadata=_flag("--resume", kind="switch"))
-    """Continue from the newest checkpoint in ``checkpoint_dir``."""
+    """Continue from the newest checkpoint in ``checkpoint_dir`` (none yet: start at step 0)."""
+    elastic: bool = field(
+        default=False,
+        metadata=_flag(
+            "--elastic",
+            kind="switch",
+            help="when the ranks started differ from the plan's dp*tp*pp, re-plan for them (same global "
+            "batch; the plan must record its request) and, with --resume, continue from the newest checkpoint",
+        ),
+    )
+    """Re-plan for the world found when it differs from the plan's (``planner.commands.elastic``)."""
     timeout_s: float = field(
         default=300.0,
         metadata=_flag(

@@ -29,7 +29,11 @@ newest checkpoint when asked, the step probes of ``runtime.training.profiling``)
    fp16) and calls ``on_metrics``;
    with ``TrainOptions.tensorboard_dir`` it also writes them as TensorBoard scalars;
 5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
-   bit-identical resume needs (``runtime.checkpointing.checkpoint_io``).
+   bit-identical resume needs (``runtime.checkpointing.checkpoint_io``);
+6. with a checkpoint folder, rank 0 rewrites its heartbeat (``runtime.training.recovery``). The
+   first step of a resumed run carries the event line of the restart (``recovery``, or the
+   caller's ``replan``) with what the recovery cost; every step line has the ``data_checksum``
+   of the global batch it read (``runtime.training.data.batch_checksum``, summed over dp).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -60,8 +64,10 @@ from runtime.dtypes import to_torch
 from runtime.pipeline.executor import PipelineStage, TensorMeta
 from runtime.stages.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
 from runtime.stages.compiled_stages import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
-from runtime.training.data import data_vocab, model_inputs, open_data, rank_slice
+from runtime.training.data import CHECKSUM_MODULUS, batch_checksum, data_vocab, model_inputs, open_data, rank_slice
+from runtime.training.events import write_event
 from runtime.training.profiling import StepProbes
+from runtime.training.recovery import RecoveryClock, describe_recovery, kill_hook, write_heartbeat
 from runtime.training.train_config import TrainOptions
 
 __all__ = [
@@ -126,10 +132,19 @@ class StepMetrics:
     time: dict[str, float] | None = None
     """Seconds of the step by part (``runtime.timing.PARTS``, the keys of plan.json's
     ``predicted.time``), measured on the rank with the longest step: they sum to ``step_time_s``."""
+    data_checksum: int | None = None
+    """A checksum of the token rows the step consumed, over the whole global batch
+    (``runtime.training.data.batch_checksum``): equal for every plan of the same seed and global
+    batch, so a resumed or re-planned run can be checked to read each sample once."""
+    events: list[dict] = field(default_factory=list)
+    """What happened with this step (a recovery, a re-plan), each the arguments of
+    ``runtime.training.events.write_event`` (``kind``, ``message``, fields): rank 0 writes them as
+    event lines before the step's line; not part of the step line."""
 
     def to_json(self) -> str:
         fields = asdict(self)
-        for optional in ("loss_scale", "grad_norm", "time"):
+        fields.pop("events")
+        for optional in ("loss_scale", "grad_norm", "time", "data_checksum"):
             if fields[optional] is None:
                 fields.pop(optional)
         return json.dumps(fields)
@@ -192,6 +207,8 @@ class StepResult:
     """Host-tier bytes of this rank (``ZeroEngine.host_bytes``)."""
     nvme_bytes: int = 0
     """NVMe-tier bytes of this rank (``ZeroEngine.nvme_bytes``)."""
+    data_checksum: int = 0
+    """``batch_checksum`` of this rank's rows of the step's global batch."""
 
 
 def _recv_meta(stage: dict) -> list[TensorMeta]:
@@ -453,20 +470,22 @@ def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -
     return 0
 
 
-def micro_batches(run: Run, step: int) -> list:
+def micro_batches(run: Run, step: int) -> tuple[list, int]:
     """This rank's rows of step ``step``'s global batch, on the device, split into micro-batches
-    of the stage's data inputs (with model chunks, a tuple of inputs per chunk)."""
+    of the stage's data inputs (with model chunks, a tuple of inputs per chunk); and the rows'
+    ``batch_checksum``."""
     plan = run.plan
     micro_size, micro_batch_count = plan["micro_batch_size"], plan["num_micro_batches"]
     row_start, row_end = run.rows
     ids, labels = run.data.rows(step, row_start, row_end, plan["global_batch"])
+    checksum = batch_checksum(ids, row_start)
     ids, labels = ids.to(run.device), labels.to(run.device)
     by_name = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
     per_chunk = [
         [tuple(by_name[name][i * micro_size : (i + 1) * micro_size] for name in names) for names in run.stage_inputs]
         for i in range(micro_batch_count)
     ]
-    return [micro_batch[0] for micro_batch in per_chunk] if len(run.stage_inputs) == 1 else per_chunk
+    return ([micro_batch[0] for micro_batch in per_chunk] if len(run.stage_inputs) == 1 else per_chunk), checksum
 
 
 def run_step(run: Run, step: int) -> StepResult:
@@ -476,7 +495,7 @@ def run_step(run: Run, step: int) -> StepResult:
     ``runtime.timing.TIMER`` splits the time: the optimizer step (and ``zero_grad``) is the part
     ``optimizer``; collectives and recomputed layers enter their own parts from ``runtime.distributed.comm``
     and the stage's forward hooks; the rest is ``compute``."""
-    micro = micro_batches(run, step)
+    micro, checksum = micro_batches(run, step)
     lr = lr_at(step, run.opts)
     index = step - run.start_step
     comm.STATS.reset()
@@ -504,6 +523,7 @@ def run_step(run: Run, step: int) -> StepResult:
         parts=parts,
         host_bytes=run.engine.host_bytes(),
         nvme_bytes=run.engine.nvme_bytes(),
+        data_checksum=checksum,
     )
 
 
@@ -513,7 +533,8 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
     the rank with the longest step, which is the step time reported (each rank fills its row of a
     table of every rank's time and parts, which one sum all-reduce gives to all)."""
     plan, device = run.plan, run.device
-    mean_loss = torch.tensor([result.loss, 0.0, 0.0], dtype=torch.float64, device=device)
+    # the loss and the data checksum, averaged over dp (the checksum's sum is that mean times dp)
+    mean_loss = torch.tensor([result.loss, float(result.data_checksum), 0.0], dtype=torch.float64, device=device)
     maxima = torch.tensor(
         [
             float(result.peak_bytes),
@@ -527,10 +548,12 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
     )
     times = torch.zeros(run.world, 1 + len(timing.PARTS), dtype=torch.float64, device=device)
     times[run.rank] = torch.tensor([result.seconds] + [result.parts[k] for k in timing.PARTS], dtype=torch.float64)
+    averaged_over = 1
     if dist.is_initialized() and run.world > 1:
         if run.mesh.dp_group is not None:
             dist.all_reduce(mean_loss, group=run.mesh.dp_group)
             mean_loss /= plan["dp"]
+            averaged_over = plan["dp"]
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         dist.all_reduce(times)
     slowest = times[int(torch.argmax(times[:, 0]))].tolist()
@@ -550,6 +573,7 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
         grad_norm=result.info.grad_norm,
         comm_wait_s=float(maxima[2]),
         time=dict(zip(timing.PARTS, slowest[1:])),
+        data_checksum=round(float(mean_loss[1]) * averaged_over) % CHECKSUM_MODULUS,
     )
 
 
@@ -559,6 +583,8 @@ def write_metrics(run: Run, metrics: StepMetrics, on_metrics: Callable[[StepMetr
     if run.rank != 0:
         return
     if run.opts.metrics_path:
+        for event in metrics.events:
+            write_event(run.opts.metrics_path, **event)
         with open(run.opts.metrics_path, "a", encoding="utf-8") as out:
             out.write(metrics.to_json() + "\n")
     if run.tensorboard is not None:
@@ -606,26 +632,64 @@ def train_worker(
     state_fn: Callable[[], Mapping[str, torch.Tensor]],
     on_metrics: Callable[[StepMetrics], None] | None = None,
     on_step_start: StepHook | None = None,
+    restart_note: dict | None = None,
 ) -> list[StepMetrics]:
     """Train on this rank (see the module docstring); every step's metrics, the same on every rank.
 
     ``state_fn`` returns the original model's tensors by name; ``on_metrics`` receives each
     step's metrics on rank 0; ``on_step_start`` (a ``StepHook``) runs before each step on every
-    rank.
+    rank, after the ``PLANNER_FAULT_KILL`` hook (``runtime.training.recovery.kill_hook``).
+    ``restart_note``: the event the caller has to report with the first step (``kind``,
+    ``message``, ``fields``: a re-plan), to which a resumed run adds what the recovery cost.
+    With a checkpoint folder rank 0 keeps a heartbeat there (``runtime.training.recovery``).
     """
     run = setup(rank, world, compiled_dir, opts, state_fn)
+    clock = _recovery_clock(run)
+    hooks = [hook for hook in (kill_hook(), on_step_start) if hook is not None]
     history: list[StepMetrics] = []
     try:
         for step in range(run.start_step, opts.steps):
-            if on_step_start is not None:
-                on_step_start(rank, step)
+            for hook in hooks:
+                hook(rank, step)
             result = run_step(run, step)
             metrics = aggregate_metrics(run, step, result)
+            if step == run.start_step:
+                metrics.events = _restart_events(rank, restart_note, clock)
             history.append(metrics)
             write_metrics(run, metrics, on_metrics)
             maybe_checkpoint(run, step)
+            if rank == 0 and opts.checkpoint_dir:
+                write_heartbeat(opts.checkpoint_dir, step + 1)
+        if rank == 0 and opts.checkpoint_dir:
+            write_heartbeat(opts.checkpoint_dir, opts.steps, finished=True)
     finally:
         if run.tensorboard is not None:
             run.tensorboard.close()
         run.engine.close()  # deletes the NVMe tier's files
     return history
+
+
+def _recovery_clock(run: Run) -> RecoveryClock | None:
+    """Rank 0 of a resumed run: what it knows of the failure it recovers from (None elsewhere)."""
+    opts = run.opts
+    if run.rank != 0 or not (opts.resume and opts.checkpoint_dir):
+        return None
+    found = checkpoint_io.list_checkpoints(opts.checkpoint_dir)
+    return RecoveryClock.start(opts.checkpoint_dir, run.start_step, found[-1][1] if found else None)
+
+
+def _restart_events(rank: int, note: dict | None, clock: RecoveryClock | None) -> list[dict]:
+    """The event lines of a restart, once its first step is done (rank 0): the caller's ``note``
+    (a re-plan) with the recovery's fields (``RecoveryClock.measure``) added, or a ``recovery``
+    event alone; each also printed on stderr."""
+    if rank != 0 or (note is None and clock is None):
+        return []
+    recovered = clock.measure() if clock is not None else {}
+    if note is None:
+        event = {"kind": "recovery", "message": describe_recovery(recovered), **recovered}
+    else:
+        message = note["message"] + (f"; {describe_recovery(recovered)}" if recovered else "")
+        event = {"kind": note["kind"], "message": message, **note.get("fields", {}), **recovered}
+    if clock is not None:
+        print(f"[planner] {describe_recovery(recovered)}", file=sys.stderr, flush=True)
+    return [event]
