@@ -52,7 +52,7 @@ from runtime.distributed.launch import LaunchError, free_port, init_distributed,
 from runtime.stages.compiled_stages import read_manifest
 from runtime.training.data import TokenFile, data_vocab
 from runtime.training.train_config import TrainOptions, cli_flags
-from runtime.training.trainer import StepHook, StepMetrics, schedule_of, train_worker
+from runtime.training.trainer import StepHook, StepMetrics, compression_of, schedule_of, train_worker
 
 __all__ = [
     "run_train",
@@ -426,6 +426,10 @@ def _check_before_start(plan: Plan, opts: TrainOptions) -> bool:
     if kind == "hf" and hf_directory(name) is not None:  # bad weights: exit 2 before any process starts
         check_weights(name, dict(plan.model.sizes))
     _check_offload(plan, opts)
+    try:  # the warm-up the plan's compression will run with (--compression-warmup or the plan's)
+        compression_of(plan.to_dict(), opts)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
     if opts.tensorboard_dir and not _tensorboard_installed():
         raise UserError(
             "--tensorboard needs the tensorboard package, which is not installed: "

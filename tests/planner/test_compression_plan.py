@@ -232,3 +232,18 @@ def test_free_plan_is_never_slower_than_a_pin(gpus, hardware, batch):
     for mode in ("none", "onebit-adam"):
         pinned = _solve(dataclasses.replace(request, dp_compression=mode), SMALL)
         assert run_seconds(free.evaluation, steps) <= run_seconds(pinned.evaluation, steps) * (1 + 1e-6)
+
+
+def test_train_refuses_a_zero_warmup_before_starting_any_process(tmp_path, capsys):
+    from tests.helpers import TINY_GPT, make_plan
+
+    plan = dataclasses.replace(
+        make_plan("gpt", dict(TINY_GPT), dp=2), dp_compression="onebit-adam", compression_warmup=3
+    )
+    path = tmp_path / "plan.json"
+    save_plan(plan, str(path))
+    status = main(["train", str(path), "--nproc", "2", "--steps", "4", "--compression-warmup", "0"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "--compression-warmup" in err and "at least 1 with 1-bit Adam" in err and "Traceback" not in err
+    assert not (tmp_path / "plan.compiled").exists()  # nothing was compiled, no process started
