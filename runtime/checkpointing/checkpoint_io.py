@@ -41,7 +41,8 @@ import os
 import re
 import shutil
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,19 @@ def _failures() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-__all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
+__all__ = [
+    "CheckpointError",
+    "StagedCheckpoint",
+    "save",
+    "stage",
+    "write",
+    "load",
+    "load_latest",
+    "newest",
+    "list_checkpoints",
+    "read_meta",
+    "load_model_tensors",
+]
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _KINDS = ("model", "exp_avg", "exp_avg_sq")
@@ -119,11 +132,12 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_ok(succeeded: bool, device) -> bool:
+def _all_ok(succeeded: bool, device, group=None) -> bool:
+    """Whether every rank of ``group`` (None: the default group) succeeded."""
     if not dist.is_initialized():
         return succeeded
     tensor = torch.tensor([0.0 if succeeded else 1.0], device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor.item() == 0.0
 
 
@@ -176,9 +190,9 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
 
 
 def _compression_state(engine) -> dict[str, torch.Tensor]:
-    """This rank's 1-bit Adam error buffers (``ZeroEngine.compression_state``), on the host."""
+    """Copies of this rank's 1-bit Adam error buffers (``ZeroEngine.compression_state``), on the host."""
     state = engine.compression_state() if hasattr(engine, "compression_state") else {}
-    return {k: tensor.cpu() for k, tensor in state.items()}
+    return {k: tensor.detach().to("cpu", copy=True) for k, tensor in state.items()}
 
 
 def _rng_state(device) -> dict[str, torch.Tensor]:
@@ -188,16 +202,53 @@ def _rng_state(device) -> dict[str, torch.Tensor]:
     return states
 
 
-def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
-    """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go.
-    ``schedule`` (the learning-rate schedule's settings) is recorded in the meta for resumes."""
-    rank, world = _world()
-    params = rank_params(man, mesh.pp_index)
-    final = os.path.join(directory, f"step-{step:06d}")
+@dataclass
+class StagedCheckpoint:
+    """One rank's part of a checkpoint, copied to host memory by ``stage`` and written by ``write``
+    (in line, or by ``runtime.checkpointing.background_writer`` in a thread while training goes on)."""
+
+    directory: str
+    """The checkpoint folder (``step-N`` is created in it)."""
+    step: int
+    """The steps done (the data position)."""
+    state: dict[str, torch.Tensor]
+    """The tensors this rank writes, by DCP key, on the host and owned by the checkpoint (copies)."""
+    meta: dict
+    """The fields of ``meta.json`` known when staging (rank 0's are the ones written)."""
+    shapes: dict[str, list[int]]
+    """The shape of each logical tensor this rank writes."""
+    compression_shapes: dict[str, list[int]]
+    """This rank's 1-bit Adam error buffers' shapes (restored only under the same plan)."""
+    keep_last: int
+    """Complete checkpoints kept in ``directory`` once this one is published."""
+
+    @property
+    def tmp(self) -> str:
+        return os.path.join(self.directory, f".tmp-step-{self.step:06d}")
+
+    @property
+    def final(self) -> str:
+        return os.path.join(self.directory, f"step-{self.step:06d}")
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the staged copy holds."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.state.values())
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory. The staged tensors are already private copies (the logical state
+    is joined into new tensors, the generator states and error buffers are copied), so a host
+    tensor is kept as is and a device tensor copied once."""
+    return tensor.detach().cpu()
+
+
+def _prepare_folder(directory: str, step: int, device) -> None:
+    """Rank 0 creates ``.tmp-step-N`` (removing any left by an interrupted save); every rank
+    learns whether it could (collective, on the training process group)."""
+    rank, _ = _world()
     tmp = os.path.join(directory, f".tmp-step-{step:06d}")
-    device = engine.device
-    succeeded = True
-    err = ""
+    succeeded, err = True, ""
     try:
         if rank == 0:
             os.makedirs(directory, exist_ok=True)
@@ -208,9 +259,24 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     except OSError as e:
         succeeded, err = False, f"cannot create {tmp}: {e}"
     if not _all_ok(succeeded, device):
-        raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
-    logical = _logical_state(engine, params, mesh)
-    state: dict[str, Any] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(device).items()}
+        raise CheckpointError(
+            f"saving checkpoint step {step} in {directory} failed ({err or 'rank 0 could not create ' + tmp}); "
+            "the earlier checkpoints are intact"
+        )
+
+
+def stage(
+    directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None
+) -> StagedCheckpoint:
+    """Collective, in line with training: create the folder, gather the logical state (ZeRO shards
+    joined over dp, tp pieces over tp, on the training process groups) and copy what this rank
+    writes to host memory. Training may change the engine's state as soon as this returns.
+    ``directory`` "" stages without a folder (a snapshot kept in memory)."""
+    rank, world = _world()
+    if directory:  # "": a snapshot kept in memory only
+        _prepare_folder(directory, step, engine.device)
+    logical = _logical_state(engine, rank_params(man, mesh.pp_index), mesh)
+    state: dict[str, torch.Tensor] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(engine.device).items()}
     compression = _compression_state(engine)
     state.update({f"compression/{rank}/{k}": tensor for k, tensor in compression.items()})
     step_count = None
@@ -219,54 +285,92 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
         step_count = int(logical.pop("__step__"))
         state.update(logical)
         shapes = {k: list(tensor.shape) for k, tensor in logical.items()}
+    meta = {
+        "step": step,
+        "optimizer_step": step_count,
+        "plan_hash": man["plan_hash"],
+        "plan": man["plan"],
+        "model": man["model"],
+        "world_size": world,
+        "schedule": schedule,
+        "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
+    }
+    return StagedCheckpoint(
+        directory=directory,
+        step=step,
+        state={k: _to_host(tensor) for k, tensor in state.items()},
+        meta=meta,
+        shapes=shapes,
+        compression_shapes={k: list(tensor.shape) for k, tensor in compression.items()},
+        keep_last=keep_last,
+    )
+
+
+def write(staged: StagedCheckpoint, group=None, device=None, after_data: Callable[[int], None] | None = None) -> str:
+    """Collective over ``group`` (None: the default process group): write ``staged`` with DCP into
+    ``.tmp-step-N``; once every rank succeeded, rank 0 writes ``meta.json`` and renames the folder
+    to ``step-N`` (the atomic marker ``list_checkpoints`` trusts), then drops the checkpoints beyond
+    ``keep_last``. ``device``: where the agreement's tensors live (the group's backend's device).
+    ``after_data(step)`` runs once this rank's data are written (a fault-injection point). Raises
+    ``CheckpointError`` on every rank alike when any rank failed; the earlier checkpoints stay."""
+    rank, _ = _world()
+    tmp, final, step = staged.tmp, staged.final, staged.step
+    succeeded, err = True, ""
     try:
-        _dcp().save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        _dcp().save(staged.state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
+        if after_data is not None:
+            after_data(step)
     except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
         succeeded, err = False, f"rank {rank}: {_root_cause(e)}"
     # Everyone learns of any failure; only then is the checkpoint published.
-    if not _all_ok(succeeded, device):
+    if not _all_ok(succeeded, device, group):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
-            f"saving checkpoint step {step} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
+            f"saving checkpoint {final} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
         )
-    own_compression = {k: list(tensor.shape) for k, tensor in compression.items()}
-    all_shapes = _gather_to((shapes, step_count, own_compression), None, 0)
+    everyone = _gather_to((staged.shapes, staged.meta["optimizer_step"], staged.compression_shapes), group, 0)
     if rank == 0:
-        assert all_shapes is not None  # rank 0 is the gather's destination
-        merged, counts, compression_shapes = {}, set(), {}
-        for source_rank, (shapes_of_rank, count, compression_of_rank) in enumerate(all_shapes):
-            merged.update(shapes_of_rank)
-            if count is not None:
-                counts.add(count)
-            if compression_of_rank:
-                compression_shapes[str(source_rank)] = compression_of_rank
-        meta = {
-            "step": step,
-            "optimizer_step": max(counts) if counts else 0,
-            "plan_hash": man["plan_hash"],
-            "plan": man["plan"],
-            "model": man["model"],
-            "world_size": world,
-            "tensors": merged,
-            "compression": compression_shapes,
-            "schedule": schedule,
-            "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
-        }
+        assert everyone is not None  # rank 0 is the gather's destination
         try:
-            with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-                json.dump(meta, f)
-            if os.path.exists(final):  # re-saving a step (after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for _, old in list_checkpoints(directory)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(staged, everyone)
         except OSError as e:
-            succeeded, err = False, str(e)
+            succeeded, err = False, f"{e.filename or tmp}: {e.strerror or e}"
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _all_ok(succeeded, device):
-        raise CheckpointError(f"publishing checkpoint step {step} failed ({err}); the earlier checkpoints are intact")
+    if not _all_ok(succeeded, device, group):
+        raise CheckpointError(f"publishing checkpoint {final} failed ({err}); the earlier checkpoints are intact")
     return final
+
+
+def _publish(staged: StagedCheckpoint, everyone: list) -> None:
+    """Rank 0: ``meta.json`` (every rank's shapes merged) last inside the folder, the rename, then
+    retention (only complete checkpoints count; the newest is always kept)."""
+    merged: dict[str, list[int]] = {}
+    counts: set[int] = set()
+    compression_shapes: dict[str, dict] = {}
+    for source_rank, (shapes_of_rank, count, compression_of_rank) in enumerate(everyone):
+        merged.update(shapes_of_rank)
+        if count is not None:
+            counts.add(count)
+        if compression_of_rank:
+            compression_shapes[str(source_rank)] = compression_of_rank
+    meta = dict(staged.meta, optimizer_step=max(counts) if counts else 0)
+    meta.update(tensors=merged, compression=compression_shapes)
+    with open(os.path.join(staged.tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    if os.path.exists(staged.final):  # re-saving a step (after a resume): replace it
+        shutil.rmtree(staged.final)
+    os.replace(staged.tmp, staged.final)
+    for _, old in list_checkpoints(staged.directory)[: -max(1, staged.keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
+    """Write checkpoint ``step`` collectively and synchronously (``stage`` then ``write`` on the
+    training process group); return its path. Older ones beyond ``keep_last`` go. ``schedule``
+    (the learning-rate schedule's settings) is recorded in the meta for resumes."""
+    staged = stage(directory, step, engine, man, mesh, keep_last=keep_last, schedule=schedule)
+    return write(staged, device=engine.device)
 
 
 def _check_same_model(meta: dict, man: dict, path: str) -> None:
@@ -278,13 +382,28 @@ def _check_same_model(meta: dict, man: dict, path: str) -> None:
         )
 
 
+def newest(directories: dict[str, str | None]) -> tuple[int, str, str] | None:
+    """The newest complete checkpoint over ``directories`` (``{source: folder}``, e.g. checkpoint and
+    snapshot; None folders skipped) as (step, path, source); on equal steps the first source wins.
+    None when there is none."""
+    best: tuple[int, str, str] | None = None
+    for source, directory in directories.items():
+        found = list_checkpoints(directory) if directory else []
+        if found and (best is None or found[-1][0] > best[0]):
+            best = (found[-1][0], found[-1][1], source)
+    return best
+
+
 def load_latest(directory: str, engine, man: dict, mesh) -> int:
-    """Restore the newest checkpoint into ``engine``; return its step (0 if there is none)."""
+    """Restore the newest checkpoint of ``directory`` into ``engine``; return its step (0 if there is none)."""
     found = list_checkpoints(directory)
-    if not found:
-        return 0
-    step, path = found[-1]
+    return load(found[-1][1], engine, man, mesh) if found else 0
+
+
+def load(path: str, engine, man: dict, mesh) -> int:
+    """Restore the checkpoint at ``path`` into ``engine`` (collective); return its step."""
     meta = read_meta(path)
+    step = int(meta["step"])
     _check_same_model(meta, man, path)
     params = rank_params(man, mesh.pp_index)
     rank, world = _world()

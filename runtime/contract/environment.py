@@ -22,6 +22,7 @@ __all__ = [
     "COMPILE_BACKEND",
     "DEBUG_MEMORY",
     "PROFILE",
+    "CHECKPOINT_FAULT",
     "read",
     "is_off",
 ]
@@ -95,6 +96,13 @@ PROFILE = EnvVar(
     "table and a Chrome trace there.",
     "runtime.training.profiling",
 )
+CHECKPOINT_FAULT = EnvVar(
+    "PLANNER_CHECKPOINT_FAULT",
+    "",
+    "Fault injection for tests: `kill:N` SIGKILLs every rank in the middle of writing checkpoint "
+    "step N (data written, not yet published), `fail:N[:RANK]` makes that write fail (on one rank).",
+    "runtime.checkpointing.background_writer",
+)
 
 VARIABLES: tuple[EnvVar, ...] = (
     CACHE,
@@ -106,6 +114,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     COMPILE_BACKEND,
     DEBUG_MEMORY,
     PROFILE,
+    CHECKPOINT_FAULT,
 )
 """Every variable, in the README's order."""
 
