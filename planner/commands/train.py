@@ -208,8 +208,9 @@ def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted
     if saves:
         mode = "asynchronous" if opts.async_checkpoint == "on" else "synchronous"
         print(
-            f"checkpointing ({mode}): steps waited {format_seconds(sum(saves))} in all over {len(saves)} saves "
-            f"(mean {format_seconds(sum(saves) / len(saves))}, steps {format_seconds(sum(h.step_time_s for h in history))})",
+            f"checkpointing ({mode}): the steps waited {format_seconds(sum(saves))} in all for {len(saves)} saves "
+            f"(mean {format_seconds(sum(saves) / len(saves))}; training steps took "
+            f"{format_seconds(sum(h.step_time_s for h in history))})",
             flush=True,
         )
     measured, n = median_breakdown([h.time for h in history if h.time is not None])

@@ -110,7 +110,7 @@ class BackgroundWriter:
 
     def _write(self, staged: StagedCheckpoint) -> None:
         try:
-            self.written = write(staged, group=self.group, device="cpu", after_data=self.fault)
+            self.written = write(staged, group=self.group, after_data=self.fault)
         except CheckpointError as e:
             self._failure = e
         except Exception as e:  # noqa: BLE001 - reported like a failed write, never lost in the thread

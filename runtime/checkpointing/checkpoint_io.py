@@ -132,13 +132,14 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_ok(succeeded: bool, device, group=None) -> bool:
-    """Whether every rank of ``group`` (None: the default group) succeeded."""
-    if not dist.is_initialized():
-        return succeeded
-    tensor = torch.tensor([0.0 if succeeded else 1.0], device=device)
-    dist.all_reduce(tensor, group=group)
-    return tensor.item() == 0.0
+def _agree(error: str, group=None) -> str:
+    """Every rank of ``group`` (None: the default group) learns every rank's error (``""``: it
+    succeeded): the errors joined, ``""`` when all succeeded. Collective."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return error
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return "; ".join(e for e in errors if e)
 
 
 def _gather_to(obj: Any, group, dst: int) -> list | None:
@@ -243,12 +244,12 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu()
 
 
-def _prepare_folder(directory: str, step: int, device) -> None:
+def _prepare_folder(directory: str, step: int) -> None:
     """Rank 0 creates ``.tmp-step-N`` (removing any left by an interrupted save); every rank
     learns whether it could (collective, on the training process group)."""
     rank, _ = _world()
     tmp = os.path.join(directory, f".tmp-step-{step:06d}")
-    succeeded, err = True, ""
+    err = ""
     try:
         if rank == 0:
             os.makedirs(directory, exist_ok=True)
@@ -257,11 +258,11 @@ def _prepare_folder(directory: str, step: int, device) -> None:
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             os.makedirs(tmp)
     except OSError as e:
-        succeeded, err = False, f"cannot create {tmp}: {e}"
-    if not _all_ok(succeeded, device):
+        err = f"cannot create {tmp}: {e}"
+    err = _agree(err)
+    if err:
         raise CheckpointError(
-            f"saving checkpoint step {step} in {directory} failed ({err or 'rank 0 could not create ' + tmp}); "
-            "the earlier checkpoints are intact"
+            f"saving checkpoint step {step} in {directory} failed ({err}); the earlier checkpoints are intact"
         )
 
 
@@ -274,7 +275,7 @@ def stage(
     ``directory`` "" stages without a folder (a snapshot kept in memory)."""
     rank, world = _world()
     if directory:  # "": a snapshot kept in memory only
-        _prepare_folder(directory, step, engine.device)
+        _prepare_folder(directory, step)
     logical = _logical_state(engine, rank_params(man, mesh.pp_index), mesh)
     state: dict[str, torch.Tensor] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(engine.device).items()}
     compression = _compression_state(engine)
@@ -306,38 +307,38 @@ def stage(
     )
 
 
-def write(staged: StagedCheckpoint, group=None, device=None, after_data: Callable[[int], None] | None = None) -> str:
+def write(staged: StagedCheckpoint, group=None, after_data: Callable[[int], None] | None = None) -> str:
     """Collective over ``group`` (None: the default process group): write ``staged`` with DCP into
     ``.tmp-step-N``; once every rank succeeded, rank 0 writes ``meta.json`` and renames the folder
     to ``step-N`` (the atomic marker ``list_checkpoints`` trusts), then drops the checkpoints beyond
-    ``keep_last``. ``device``: where the agreement's tensors live (the group's backend's device).
+    ``keep_last``.
     ``after_data(step)`` runs once this rank's data are written (a fault-injection point). Raises
     ``CheckpointError`` on every rank alike when any rank failed; the earlier checkpoints stay."""
     rank, _ = _world()
     tmp, final, step = staged.tmp, staged.final, staged.step
-    succeeded, err = True, ""
+    err = ""
     try:
         _dcp().save(staged.state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
         if after_data is not None:
             after_data(step)
     except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
-        succeeded, err = False, f"rank {rank}: {_root_cause(e)}"
+        err = f"rank {rank}: {_root_cause(e)}"
     # Everyone learns of any failure; only then is the checkpoint published.
-    if not _all_ok(succeeded, device, group):
+    err = _agree(err, group)
+    if err:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"saving checkpoint {final} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
-        )
+        raise CheckpointError(f"saving checkpoint {final} failed ({err}); the earlier checkpoints are intact")
     everyone = _gather_to((staged.shapes, staged.meta["optimizer_step"], staged.compression_shapes), group, 0)
     if rank == 0:
         assert everyone is not None  # rank 0 is the gather's destination
         try:
             _publish(staged, everyone)
         except OSError as e:
-            succeeded, err = False, f"{e.filename or tmp}: {e.strerror or e}"
+            err = f"{e.filename or tmp}: {e.strerror or e}"
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _all_ok(succeeded, device, group):
+    err = _agree(err, group)
+    if err:
         raise CheckpointError(f"publishing checkpoint {final} failed ({err}); the earlier checkpoints are intact")
     return final
 
@@ -370,7 +371,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     training process group); return its path. Older ones beyond ``keep_last`` go. ``schedule``
     (the learning-rate schedule's settings) is recorded in the meta for resumes."""
     staged = stage(directory, step, engine, man, mesh, keep_last=keep_last, schedule=schedule)
-    return write(staged, device=engine.device)
+    return write(staged)
 
 
 def _check_same_model(meta: dict, man: dict, path: str) -> None:

@@ -85,7 +85,7 @@ class Saver:
             if directory and self.writer is not None:
                 self.writer.submit(staged)
             elif directory:
-                checkpoint_io.write(staged, device=self.engine.device)
+                checkpoint_io.write(staged)
         except CheckpointError as e:
             self._settle(e)
         if done == self.opts.steps:  # the run's end: its last save must be on disk
