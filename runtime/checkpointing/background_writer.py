@@ -7,11 +7,14 @@ thread, which runs ``checkpoint_io.write``: the DCP write into ``.tmp-step-N``, 
 all ranks, rank 0's ``meta.json`` and the rename to ``step-N`` (the atomic marker: a folder
 without it is invisible to ``--resume``), then retention.
 
-Coordination: the write's collectives (DCP's plan exchange, the agreements, the gather of the
-tensor shapes) run on a process group of their own, a gloo group made by every rank at set-up in
-the same order (``BackgroundWriter(...)`` is created by every rank of the run, or by none). The
-training collectives keep the training group; two threads never share one gloo group, whose
-messages would interleave. At most one write is in flight: ``wait`` (called before the next
+Staging copies only this rank's own shard (no collective but the folder's creation), so a step
+waits for a host copy; the join of the ZeRO shards over dp and of the tensor-parallel pieces over
+tp runs in the thread too. Coordination: the thread's collectives (those joins, DCP's plan
+exchange, the agreements, the gather of the tensor shapes) run on process groups of their own,
+gloo groups with the members of the world and of the mesh's dp and tp groups, made by every rank
+at set-up in the same order (``BackgroundWriter(...)`` is created by every rank of the run, or by
+none; ``writer_groups``). The training collectives keep the training groups; two threads never
+share one gloo group, whose messages would interleave. At most one write is in flight: ``wait`` (called before the next
 save stages anything, and at the end of the run) joins it and returns its failure, the same
 ``CheckpointError`` on every rank, since the write's agreements are collective; the caller
 decides what a failure does (``runtime.training.saving``).
@@ -36,10 +39,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from runtime.checkpointing.checkpoint_io import CheckpointError, StagedCheckpoint, write
+from runtime.checkpointing.checkpoint_io import CheckpointError, JoinGroups, StagedCheckpoint, write
 from runtime.contract import environment
+from runtime.contract.rank_layout import rank_of
 
-__all__ = ["BackgroundWriter", "fault_hook", "join_in_flight"]
+__all__ = ["BackgroundWriter", "fault_hook", "join_in_flight", "writer_groups"]
 
 _WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
 """This process's writers, for ``join_in_flight``."""
@@ -80,13 +84,36 @@ def fault_hook(rank: int) -> Callable[[int], None] | None:
     return inject
 
 
+def writer_groups(mesh, timeout_s: float) -> JoinGroups:
+    """Gloo groups for the writer thread: the whole world, and a copy of each of the mesh's dp and
+    tp groups (same members), this rank's returned. Collective: every rank creates every group, in
+    the same order (``runtime.distributed.mesh.setup_mesh`` does the same for the training groups)."""
+    if not dist.is_initialized():
+        return JoinGroups()
+    timeout = timedelta(seconds=timeout_s)
+    rank = dist.get_rank()
+    world = dist.new_group(backend="gloo", timeout=timeout)
+    pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
+    mine = {}
+    axes = {
+        "dp": [[rank_of(k, d, t, dp, tp) for d in range(dp)] for k in range(pp) for t in range(tp)],
+        "tp": [[rank_of(k, d, t, dp, tp) for t in range(tp)] for k in range(pp) for d in range(dp)],
+    }
+    for axis, member_lists in axes.items():
+        if len(member_lists[0]) == 1:
+            continue  # a one-rank axis: no gather
+        for members in member_lists:
+            group = dist.new_group(members, backend="gloo", timeout=timeout)
+            if rank in members:
+                mine[axis] = group
+    return JoinGroups(world=world, dp=mine.get("dp"), tp=mine.get("tp"))
+
+
 class BackgroundWriter:
     """At most one checkpoint write in flight, in a thread, coordinated on its own gloo group."""
 
-    def __init__(self, rank: int, timeout_s: float):
-        self.group = None
-        if dist.is_initialized():  # every rank, in the same order (module docstring)
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    def __init__(self, rank: int, mesh, timeout_s: float):
+        self.groups = writer_groups(mesh, timeout_s)  # every rank, in the same order (module docstring)
         self.fault = fault_hook(rank)
         self._thread: threading.Thread | None = None
         self._failure: CheckpointError | None = None
@@ -110,7 +137,7 @@ class BackgroundWriter:
 
     def _write(self, staged: StagedCheckpoint) -> None:
         try:
-            self.written = write(staged, group=self.group, after_data=self.fault)
+            self.written = write(staged, self.groups, after_data=self.fault)
         except CheckpointError as e:
             self._failure = e
         except Exception as e:  # noqa: BLE001 - reported like a failed write, never lost in the thread

@@ -74,6 +74,7 @@ __all__ = [
     "save",
     "stage",
     "write",
+    "JoinGroups",
     "load",
     "load_latest",
     "newest",
@@ -84,6 +85,8 @@ __all__ = [
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _KINDS = ("model", "exp_avg", "exp_avg_sq")
+_SHARD_KEYS = ("master", "exp_avg", "exp_avg_sq")
+"""The tensors of an engine's ``state_dict()`` (lists, one per flat group)."""
 
 
 class CheckpointError(RuntimeError):
@@ -151,13 +154,24 @@ def _gather_to(obj: Any, group, dst: int) -> list | None:
     return out
 
 
-def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None:
+@dataclass(frozen=True)
+class JoinGroups:
+    """The process groups a checkpoint is joined and written on: ``world`` (None: the default
+    group) coordinates the write, ``dp`` and ``tp`` join the ZeRO shards and the tensor-parallel
+    pieces (the mesh's groups, or copies of them of the same members made for the writer thread)."""
+
+    world: Any = None
+    dp: Any = None
+    tp: Any = None
+
+
+def _logical_state(local: dict, params: dict, mesh, groups: JoinGroups) -> dict[str, torch.Tensor] | None:
     """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
-    tp 0) rank; else None. ``params``: ``runtime.stages.compiled_stages.rank_params``."""
-    local = engine.state_dict()
+    tp 0) rank; else None. ``local``: the engine's ``state_dict()`` (this rank's shard); ``params``:
+    ``runtime.stages.compiled_stages.rank_params``. Collective over ``groups.dp`` and ``groups.tp``."""
     gathered: list | None = [local]  # ZeRO-0: every dp rank holds the full state already
     if local["num_shards"] != 1:
-        gathered = _gather_to(local, mesh.dp_group, mesh.dp_ranks[0])
+        gathered = _gather_to(local, groups.dp, mesh.dp_ranks[0])
     if mesh.dp_index != 0:
         return None
     assert gathered is not None  # dp index 0 is the gather's destination
@@ -169,10 +183,10 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
             n = 1
             for dim in shape:
                 n *= dim
-            for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
+            for kind, key in zip(_KINDS, _SHARD_KEYS):
                 per_attr[kind][name] = full[key][group_index][off : off + n].view(shape).clone()
             off += n
-    pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
+    pieces = _gather_to(per_attr, groups.tp, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
     if mesh.tp_index != 0:
         return None
     assert pieces is not None  # tp index 0 is the gather's destination
@@ -186,7 +200,6 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
             shard = TensorShard.from_dict(entry.get("shard"))
             joined = [piece[kind][attr] for piece in pieces]
             out[f"{kind}/{entry['fqn']}"] = joined[0] if shard is None else shard.join(joined)
-    out["__step__"] = torch.tensor(full["step"])
     return out
 
 
@@ -213,11 +226,16 @@ class StagedCheckpoint:
     step: int
     """The steps done (the data position)."""
     state: dict[str, torch.Tensor]
-    """The tensors this rank writes, by DCP key, on the host and owned by the checkpoint (copies)."""
+    """This rank's own tensors by DCP key (generator states, error buffers), host copies."""
+    local: dict
+    """A host copy of this rank's shard of the optimizer state (the engine's ``state_dict()``), joined
+    into the logical tensors when written (``write``)."""
+    params: dict
+    """This rank's parameters (``runtime.stages.compiled_stages.rank_params``)."""
+    mesh: Any
+    """The run's mesh (this rank's coordinates and groups' members)."""
     meta: dict
     """The fields of ``meta.json`` known when staging (rank 0's are the ones written)."""
-    shapes: dict[str, list[int]]
-    """The shape of each logical tensor this rank writes."""
     compression_shapes: dict[str, list[int]]
     """This rank's 1-bit Adam error buffers' shapes (restored only under the same plan)."""
     keep_last: int
@@ -234,13 +252,13 @@ class StagedCheckpoint:
     @property
     def nbytes(self) -> int:
         """Host bytes the staged copy holds."""
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.state.values())
+        tensors = list(self.state.values()) + [t for key in _SHARD_KEYS for t in self.local.get(key, [])]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in host memory. The staged tensors are already private copies (the logical state
-    is joined into new tensors, the generator states and error buffers are copied), so a host
-    tensor is kept as is and a device tensor copied once."""
+    """``tensor`` in host memory. The staged tensors are already private copies (the generator
+    states and error buffers are copied), so a host tensor is kept as is, a device tensor copied."""
     return tensor.detach().cpu()
 
 
@@ -269,26 +287,21 @@ def _prepare_folder(directory: str, step: int) -> None:
 def stage(
     directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None
 ) -> StagedCheckpoint:
-    """Collective, in line with training: create the folder, gather the logical state (ZeRO shards
-    joined over dp, tp pieces over tp, on the training process groups) and copy what this rank
-    writes to host memory. Training may change the engine's state as soon as this returns.
-    ``directory`` "" stages without a folder (a snapshot kept in memory)."""
+    """In line with training: create the folder (collective, on the training process group) and
+    copy this rank's state to host memory: its shard of masters and moments (the engine's
+    ``state_dict()``, a host copy), its generator states and error buffers. Training may change the
+    engine's state as soon as this returns; ``write`` joins and writes the copy. ``directory`` ""
+    stages without a folder (a snapshot kept in memory)."""
     rank, world = _world()
     if directory:  # "": a snapshot kept in memory only
         _prepare_folder(directory, step)
-    logical = _logical_state(engine, rank_params(man, mesh.pp_index), mesh)
+    local = engine.state_dict()  # a host copy (runtime.data_parallel.flat_shards.export_state)
     state: dict[str, torch.Tensor] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(engine.device).items()}
     compression = _compression_state(engine)
     state.update({f"compression/{rank}/{k}": tensor for k, tensor in compression.items()})
-    step_count = None
-    shapes = {}
-    if logical is not None:
-        step_count = int(logical.pop("__step__"))
-        state.update(logical)
-        shapes = {k: list(tensor.shape) for k, tensor in logical.items()}
     meta = {
         "step": step,
-        "optimizer_step": step_count,
+        "optimizer_step": int(local["step"]),
         "plan_hash": man["plan_hash"],
         "plan": man["plan"],
         "model": man["model"],
@@ -300,25 +313,32 @@ def stage(
         directory=directory,
         step=step,
         state={k: _to_host(tensor) for k, tensor in state.items()},
+        local=local,
+        params=rank_params(man, mesh.pp_index),
+        mesh=mesh,
         meta=meta,
-        shapes=shapes,
         compression_shapes={k: list(tensor.shape) for k, tensor in compression.items()},
         keep_last=keep_last,
     )
 
 
-def write(staged: StagedCheckpoint, group=None, after_data: Callable[[int], None] | None = None) -> str:
-    """Collective over ``group`` (None: the default process group): write ``staged`` with DCP into
-    ``.tmp-step-N``; once every rank succeeded, rank 0 writes ``meta.json`` and renames the folder
-    to ``step-N`` (the atomic marker ``list_checkpoints`` trusts), then drops the checkpoints beyond
-    ``keep_last``.
-    ``after_data(step)`` runs once this rank's data are written (a fault-injection point). Raises
-    ``CheckpointError`` on every rank alike when any rank failed; the earlier checkpoints stay."""
+def write(staged: StagedCheckpoint, groups: JoinGroups, after_data: Callable[[int], None] | None = None) -> str:
+    """Collective over ``groups``: join the staged shards into the logical tensors (over
+    ``groups.dp``, then ``groups.tp``) and write them with DCP into ``.tmp-step-N`` (coordinated on
+    ``groups.world``); once every rank succeeded, rank 0 writes ``meta.json`` and renames the
+    folder to ``step-N`` (the atomic marker ``list_checkpoints`` trusts), then drops the
+    checkpoints beyond ``keep_last``. ``after_data(step)`` runs once this rank's data are written
+    (a fault-injection point). Raises ``CheckpointError`` on every rank alike when any rank
+    failed; the earlier checkpoints stay. ``staged`` is left as it was (a snapshot keeps it)."""
     rank, _ = _world()
     tmp, final, step = staged.tmp, staged.final, staged.step
+    group = groups.world
+    logical = _logical_state(staged.local, staged.params, staged.mesh, groups) or {}
+    shapes = {k: list(tensor.shape) for k, tensor in logical.items()}
     err = ""
     try:
-        _dcp().save(staged.state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
+        state = {**staged.state, **logical}
+        _dcp().save(state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
         if after_data is not None:
             after_data(step)
     except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
@@ -329,7 +349,7 @@ def write(staged: StagedCheckpoint, group=None, after_data: Callable[[int], None
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed ({err}); the earlier checkpoints are intact")
-    everyone = _gather_to((staged.shapes, staged.meta["optimizer_step"], staged.compression_shapes), group, 0)
+    everyone = _gather_to((shapes, staged.meta["optimizer_step"], staged.compression_shapes), group, 0)
     if rank == 0:
         assert everyone is not None  # rank 0 is the gather's destination
         try:
@@ -371,7 +391,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     training process group); return its path. Older ones beyond ``keep_last`` go. ``schedule``
     (the learning-rate schedule's settings) is recorded in the meta for resumes."""
     staged = stage(directory, step, engine, man, mesh, keep_last=keep_last, schedule=schedule)
-    return write(staged)
+    return write(staged, JoinGroups(dp=mesh.dp_group, tp=mesh.tp_group))
 
 
 def _check_same_model(meta: dict, man: dict, path: str) -> None:

@@ -32,7 +32,7 @@ import time
 
 from runtime.checkpointing import checkpoint_io
 from runtime.checkpointing.background_writer import BackgroundWriter
-from runtime.checkpointing.checkpoint_io import CheckpointError, StagedCheckpoint
+from runtime.checkpointing.checkpoint_io import CheckpointError, JoinGroups, StagedCheckpoint
 from runtime.training.events import write_event
 from runtime.training.train_config import TrainOptions
 
@@ -52,7 +52,9 @@ class Saver:
         self.opts, self.engine, self.manifest, self.mesh, self.rank = opts, engine, manifest, mesh, rank
         self.schedule = schedule
         wants_writes = bool(opts.checkpoint_dir and opts.save_every) or bool(opts.snapshot_dir and opts.snapshot_every)
-        self.writer = BackgroundWriter(rank, opts.timeout_s) if wants_writes and opts.async_checkpoint == "on" else None
+        self.writer = (
+            BackgroundWriter(rank, mesh, opts.timeout_s) if wants_writes and opts.async_checkpoint == "on" else None
+        )
         self.snapshot: StagedCheckpoint | None = None
         """The newest snapshot (or checkpoint) staged in host memory: this rank's part of the state."""
         self.failures: list[str] = []
@@ -85,7 +87,7 @@ class Saver:
             if directory and self.writer is not None:
                 self.writer.submit(staged)
             elif directory:
-                checkpoint_io.write(staged)
+                checkpoint_io.write(staged, JoinGroups(dp=self.mesh.dp_group, tp=self.mesh.tp_group))
         except CheckpointError as e:
             self._settle(e)
         if done == self.opts.steps:  # the run's end: its last save must be on disk
