@@ -109,19 +109,6 @@ def writer_groups(mesh, timeout_s: float) -> JoinGroups:
     return JoinGroups(world=world, dp=mine.get("dp"), tp=mine.get("tp"))
 
 
-WRITER_NICENESS = 10
-"""The writer thread's niceness (Linux, this thread only): where training and the write compete for
-the same cores (CPU ranks), training gets them first and the write takes longer."""
-
-
-def _lower_priority() -> None:
-    """Lower the calling thread's scheduling priority to ``WRITER_NICENESS`` where the system allows."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
-    except (OSError, AttributeError):  # not Linux, or not permitted: the write runs at training's priority
-        pass
-
-
 class BackgroundWriter:
     """At most one checkpoint write in flight, in a thread, coordinated on its own gloo group."""
 
@@ -149,7 +136,6 @@ class BackgroundWriter:
         self._thread.start()
 
     def _write(self, staged: StagedCheckpoint) -> None:
-        _lower_priority()
         try:
             self.written = write(staged, self.groups, after_data=self.fault)
         except CheckpointError as e:

@@ -22,9 +22,16 @@ any plan of the same model can load it:
 - in ``meta.json``: the step (data position: data is a function of (seed, step)), the optimizer
   step count, the loss-scaler state and the plan hash.
 
+Saving is two halves: ``stage`` (in line with training) copies this rank's part to host memory,
+its shard of masters and moments, generator states and error buffers; ``write`` joins the shards
+into the logical tensors and writes them, in line (``save``, ``--async-checkpoint off``) or in a
+background thread on process groups of its own (``runtime.checkpointing.background_writer``).
+
 Atomicity: all ranks write into ``.tmp-step-N``; only after every rank reports success does rank 0
-write ``meta.json`` and rename the folder to ``step-N``. A crash or a full disk mid-save leaves the
-earlier checkpoints untouched. Loading under the same plan restores RNG states too, so the losses
+write ``meta.json`` (last) and rename the folder to ``step-N``: the rename is the marker, a folder
+without it is invisible to ``list_checkpoints`` and to ``--resume``. A crash or a full disk
+mid-save leaves the earlier checkpoints untouched; every rank learns every rank's error, so all
+raise the same ``CheckpointError``. Retention counts complete checkpoints only and keeps the newest. Loading under the same plan restores RNG states too, so the losses
 after a resume are bit-identical to an uninterrupted run; under another plan the weights and
 optimizer state are resharded (RNG streams then differ, which only matters with dropout).
 

@@ -12,10 +12,11 @@ for checkpointing (the metrics' ``checkpoint_s``):
   long as the process: nothing in this runtime restarts in-process, so only a snapshot written to
   ``snapshot_dir`` helps after a failure; the in-memory copy is what such a restart would read.
 
-Either save first waits for the write in flight (at most one), then stages the state in line
-(``checkpoint_io.stage``, collective) and, with ``async_checkpoint`` on, hands it to the
-``runtime.checkpointing.background_writer`` thread; off, it writes in line. The last step also
-waits for its write, so a finished run has its last checkpoint on disk.
+Either save first waits for the write in flight (at most one), then stages this rank's state in
+host memory (``checkpoint_io.stage``: a copy, and the folder's creation, collective) and, with
+``async_checkpoint`` on, hands it to the ``runtime.checkpointing.background_writer`` thread,
+which joins the shards and writes; off, it joins and writes in line. The last step also waits for
+its write, so a finished run has its last checkpoint on disk.
 
 A failed save (a folder that cannot be created, a write that fails on any rank) is the same
 ``CheckpointError`` on every rank, because staging and writing agree collectively; a background
