@@ -19,7 +19,7 @@ save stages anything, and at the end of the run) joins it and returns its failur
 ``CheckpointError`` on every rank, since the write's agreements are collective; the caller
 decides what a failure does (``runtime.training.saving``).
 
-A fault can be injected into the write for tests and benchmarks: ``PLANNER_CHECKPOINT_FAULT``
+A fault can be injected into the write (this thread's, or an in-line one) for tests and benchmarks: ``PLANNER_CHECKPOINT_FAULT``
 (``runtime.contract.environment``) ``kill:N`` SIGKILLs every rank once its data of checkpoint
 ``N`` are written but before it is published (a kill in the middle of an asynchronous write);
 ``fail:N`` or ``fail:N:R`` makes the write of checkpoint ``N`` fail on every rank or on rank R

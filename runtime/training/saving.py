@@ -32,7 +32,7 @@ import sys
 import time
 
 from runtime.checkpointing import checkpoint_io
-from runtime.checkpointing.background_writer import BackgroundWriter
+from runtime.checkpointing.background_writer import BackgroundWriter, fault_hook
 from runtime.checkpointing.checkpoint_io import CheckpointError, JoinGroups, StagedCheckpoint
 from runtime.training.events import write_event
 from runtime.training.train_config import TrainOptions
@@ -56,6 +56,8 @@ class Saver:
         self.writer = (
             BackgroundWriter(rank, mesh, opts.timeout_s) if wants_writes and opts.async_checkpoint == "on" else None
         )
+        self.fault = fault_hook(rank)
+        """The write's fault-injection point (``PLANNER_CHECKPOINT_FAULT``), for in-line writes too."""
         self.snapshot: StagedCheckpoint | None = None
         """The newest snapshot (or checkpoint) staged in host memory: this rank's part of the state."""
         self.failures: list[str] = []
@@ -88,7 +90,7 @@ class Saver:
             if directory and self.writer is not None:
                 self.writer.submit(staged)
             elif directory:
-                checkpoint_io.write(staged, JoinGroups(dp=self.mesh.dp_group, tp=self.mesh.tp_group))
+                checkpoint_io.write(staged, JoinGroups(dp=self.mesh.dp_group, tp=self.mesh.tp_group), self.fault)
         except CheckpointError as e:
             self._settle(e)
         if done == self.opts.steps:  # the run's end: its last save must be on disk

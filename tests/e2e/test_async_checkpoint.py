@@ -91,7 +91,9 @@ def test_failed_write_stops_the_run_or_is_trained_through(tmp_path, monkeypatch,
     assert [s for s, _ in list_checkpoints(stop_dir)] == [1]  # the previous checkpoint stays
     metrics = tmp_path / "m.jsonl"
     go_dir = str(tmp_path / "go")
+    # Trained through, here with in-line writes: the failure is seen at once, on both ranks.
     args = ("--checkpoint-dir", go_dir, "--save-every", "1", "--keep-last", "5", "--on-save-error", "continue")
+    args += ("--async-checkpoint", "off")
     assert train(tmp_path, plan, 4, *args, "--metrics", str(metrics)) == 0
     err = capfd.readouterr().err
     assert err.count("save failed, training continues") == 1 and "step-000002" in err
