@@ -117,13 +117,7 @@ class BackgroundWriter:
         self.fault = fault_hook(rank)
         self._thread: threading.Thread | None = None
         self._failure: CheckpointError | None = None
-        self.written: str | None = None
-        """The path of the last checkpoint this writer published."""
         _WRITERS.add(self)
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None
 
     def submit(self, staged: StagedCheckpoint) -> None:
         """Write ``staged`` in the background. The previous write must have been waited for."""
@@ -137,7 +131,7 @@ class BackgroundWriter:
 
     def _write(self, staged: StagedCheckpoint) -> None:
         try:
-            self.written = write(staged, self.groups, after_data=self.fault)
+            write(staged, self.groups, after_data=self.fault)
         except CheckpointError as e:
             self._failure = e
         except Exception as e:  # noqa: BLE001 - reported like a failed write, never lost in the thread

@@ -256,12 +256,6 @@ class StagedCheckpoint:
     def final(self) -> str:
         return os.path.join(self.directory, f"step-{self.step:06d}")
 
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the staged copy holds."""
-        tensors = list(self.state.values()) + [t for key in _SHARD_KEYS for t in self.local.get(key, [])]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in host memory. The staged tensors are already private copies (the generator

@@ -60,8 +60,6 @@ class Saver:
         """The write's fault-injection point (``PLANNER_CHECKPOINT_FAULT``), for in-line writes too."""
         self.snapshot: StagedCheckpoint | None = None
         """The newest snapshot (or checkpoint) staged in host memory: this rank's part of the state."""
-        self.failures: list[str] = []
-        """The save errors a ``continue`` run trained through."""
 
     def _due(self, done: int) -> tuple[str, int] | None:
         """(folder, keep) of the save due after ``done`` steps: "" for a snapshot kept in memory."""
@@ -114,7 +112,6 @@ class Saver:
             return
         if self.opts.on_save_error == "stop":
             raise failure
-        self.failures.append(str(failure))
         if self.rank == 0:
             write_event(self.opts.metrics_path, "save_error", str(failure))
             print(f"planner train: save failed, training continues: {failure}", file=sys.stderr, flush=True)

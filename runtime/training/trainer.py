@@ -417,7 +417,7 @@ def setup(
     )
     data = open_data(opts.data_path, data_vocab(input_specs, manifest["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, manifest, mesh)
-    saver = Saver(opts, engine, manifest, mesh, rank, schedule_of(opts))  # its gloo group: every rank, here
+    saver = Saver(opts, engine, manifest, mesh, rank, schedule_of(opts))  # its gloo groups: every rank, here
     # Tracked steps run eagerly (runtime.stages.compile_layers): a compiled run tracks its first few only.
     memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
     probes = StepProbes(
