@@ -43,7 +43,7 @@ from planner.frontend.hf import hf_directory
 from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import TIME_KEYS, Plan, load_plan
 from planner.units import format_seconds
-from runtime.checkpointing.checkpoint_io import CheckpointError, list_checkpoints, read_meta
+from runtime.checkpointing.checkpoint_io import CheckpointError, read_meta
 from runtime.contract.choices import OffloadTier
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.input_errors import ConfigError
@@ -51,6 +51,7 @@ from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
 from runtime.distributed.launch import LaunchError, free_port, init_distributed, launch_local, shutdown
 from runtime.stages.compiled_stages import read_manifest
 from runtime.training.data import TokenFile, data_vocab
+from runtime.training.saving import resume_point
 from runtime.training.train_config import TrainOptions, cli_flags
 from runtime.training.trainer import StepHook, StepMetrics, compression_of, schedule_of, train_worker
 
@@ -210,6 +211,15 @@ def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted
     )
     for event in (event for h in history for event in h.events):  # a re-plan, a recovery
         print(f"{event['kind']}: {event['message']}", flush=True)
+    saves = [h.checkpoint_s for h in history if h.checkpoint_s > 0]
+    if saves:
+        mode = "asynchronous" if opts.async_checkpoint == "on" else "synchronous"
+        print(
+            f"checkpointing ({mode}): the steps waited {format_seconds(sum(saves))} in all for {len(saves)} saves "
+            f"(mean {format_seconds(sum(saves) / len(saves))}; training steps took "
+            f"{format_seconds(sum(h.step_time_s for h in history))})",
+            flush=True,
+        )
     measured, n = median_breakdown([h.time for h in history if h.time is not None])
     if measured:
         caption = f"measured: median of the {'last ' if len(history) > WARMUP_STEPS else ''}{n} steps"
@@ -251,14 +261,14 @@ class _Reporter:
 def _check_resumable(plan: Plan, opts: TrainOptions) -> bool:
     """Refuse, before any process starts, a checkpoint that belongs to another model; say when
     the run is already done (returns False: nothing to train) or its schedule changes."""
-    directory = opts.checkpoint_dir
-    if directory is None:
-        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
-    found = list_checkpoints(directory)
-    if not found:
-        print(f"planner train: no checkpoint in {directory}; starting from step 0.", file=sys.stderr)
+    if opts.checkpoint_dir is None and opts.snapshot_dir is None:
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are) or --snapshot-dir DIR.")
+    point = resume_point(opts)
+    if point is None:
+        where = " or ".join(d for d in (opts.checkpoint_dir, opts.snapshot_dir) if d)
+        print(f"planner train: no checkpoint in {where}; starting from step 0.", file=sys.stderr)
         return True
-    step, path = found[-1]
+    step, path, _ = point
     try:
         meta = read_meta(path)
     except CheckpointError as e:
@@ -327,9 +337,10 @@ def _world_of(plan: Plan) -> int:
 
 
 def _resume_step(opts: TrainOptions) -> int:
-    """The step a run with these options starts at: the newest checkpoint's with ``--resume``, else 0."""
-    found = list_checkpoints(opts.checkpoint_dir) if opts.resume and opts.checkpoint_dir else []
-    return found[-1][0] if found else 0
+    """The step a run with these options starts at: the newest complete checkpoint's or snapshot's
+    with ``--resume``, else 0."""
+    point = resume_point(opts) if opts.resume else None
+    return point[0] if point is not None else 0
 
 
 def elastic_plan(plan: Plan, plan_path: str, opts: TrainOptions, nproc: int | None) -> Replan | None:
@@ -416,10 +427,11 @@ def train_plan(
 
 def _check_before_start(plan: Plan, opts: TrainOptions) -> bool:
     """Bad input (exit 2) before any process starts; False when a resumed run has nothing left."""
-    if opts.resume and not opts.checkpoint_dir:
-        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are).")
+    if opts.resume and not (opts.checkpoint_dir or opts.snapshot_dir):
+        raise UserError("--resume needs --checkpoint-dir DIR (where the checkpoints are) or --snapshot-dir DIR.")
     if opts.save_every and not opts.checkpoint_dir:
         raise UserError("--save-every needs --checkpoint-dir DIR.")
+    _check_snapshots(opts)
     if opts.resume and not _check_resumable(plan, opts):
         return False
     kind, name = parse_spec(plan.model.spec)
@@ -436,6 +448,22 @@ def _check_before_start(plan: Plan, opts: TrainOptions) -> bool:
             "pip install tensorboard (or pip install 'planner[tensorboard]')."
         )
     return True
+
+
+def _check_snapshots(opts: TrainOptions) -> None:
+    """``--snapshot-dir`` needs ``--snapshot-every`` and a folder of its own (each folder keeps
+    its own number of complete checkpoints)."""
+    if opts.snapshot_dir and not opts.snapshot_every:
+        raise UserError("--snapshot-dir needs --snapshot-every N (how often a snapshot is taken).")
+    if (
+        opts.snapshot_dir
+        and opts.checkpoint_dir
+        and os.path.abspath(opts.snapshot_dir) == os.path.abspath(opts.checkpoint_dir)
+    ):
+        raise UserError(
+            "--snapshot-dir must differ from --checkpoint-dir: snapshots keep only the newest one, "
+            "which would delete the checkpoints."
+        )
 
 
 def _check_data(plan: Plan, opts: TrainOptions, compiled: str) -> None:

@@ -22,9 +22,16 @@ any plan of the same model can load it:
 - in ``meta.json``: the step (data position: data is a function of (seed, step)), the optimizer
   step count, the loss-scaler state and the plan hash.
 
+Saving is two halves: ``stage`` (in line with training) copies this rank's part to host memory,
+its shard of masters and moments, generator states and error buffers; ``write`` joins the shards
+into the logical tensors and writes them, in line (``save``, ``--async-checkpoint off``) or in a
+background thread on process groups of its own (``runtime.checkpointing.background_writer``).
+
 Atomicity: all ranks write into ``.tmp-step-N``; only after every rank reports success does rank 0
-write ``meta.json`` and rename the folder to ``step-N``. A crash or a full disk mid-save leaves the
-earlier checkpoints untouched. Loading under the same plan restores RNG states too, so the losses
+write ``meta.json`` (last) and rename the folder to ``step-N``: the rename is the marker, a folder
+without it is invisible to ``list_checkpoints`` and to ``--resume``. A crash or a full disk
+mid-save leaves the earlier checkpoints untouched; every rank learns every rank's error, so all
+raise the same ``CheckpointError``. Retention counts complete checkpoints only and keeps the newest. Loading under the same plan restores RNG states too, so the losses
 after a resume are bit-identical to an uninterrupted run; under another plan the weights and
 optimizer state are resharded (RNG streams then differ, which only matters with dropout).
 
@@ -41,7 +48,8 @@ import os
 import re
 import shutil
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,10 +75,25 @@ def _failures() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-__all__ = ["CheckpointError", "save", "load_latest", "list_checkpoints", "read_meta", "load_model_tensors"]
+__all__ = [
+    "CheckpointError",
+    "StagedCheckpoint",
+    "save",
+    "stage",
+    "write",
+    "JoinGroups",
+    "load",
+    "load_latest",
+    "newest",
+    "list_checkpoints",
+    "read_meta",
+    "load_model_tensors",
+]
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _KINDS = ("model", "exp_avg", "exp_avg_sq")
+_SHARD_KEYS = ("master", "exp_avg", "exp_avg_sq")
+"""The tensors of an engine's ``state_dict()`` (lists, one per flat group)."""
 
 
 class CheckpointError(RuntimeError):
@@ -119,12 +142,14 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_ok(succeeded: bool, device) -> bool:
-    if not dist.is_initialized():
-        return succeeded
-    tensor = torch.tensor([0.0 if succeeded else 1.0], device=device)
-    dist.all_reduce(tensor)
-    return tensor.item() == 0.0
+def _agree(error: str, group=None) -> str:
+    """Every rank of ``group`` (None: the default group) learns every rank's error (``""``: it
+    succeeded): the errors joined, ``""`` when all succeeded. Collective."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return error
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return "; ".join(e for e in errors if e)
 
 
 def _gather_to(obj: Any, group, dst: int) -> list | None:
@@ -136,13 +161,24 @@ def _gather_to(obj: Any, group, dst: int) -> list | None:
     return out
 
 
-def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None:
+@dataclass(frozen=True)
+class JoinGroups:
+    """The process groups a checkpoint is joined and written on: ``world`` (None: the default
+    group) coordinates the write, ``dp`` and ``tp`` join the ZeRO shards and the tensor-parallel
+    pieces (the mesh's groups, or copies of them of the same members made for the writer thread)."""
+
+    world: Any = None
+    dp: Any = None
+    tp: Any = None
+
+
+def _logical_state(local: dict, params: dict, mesh, groups: JoinGroups) -> dict[str, torch.Tensor] | None:
     """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
-    tp 0) rank; else None. ``params``: ``runtime.stages.compiled_stages.rank_params``."""
-    local = engine.state_dict()
+    tp 0) rank; else None. ``local``: the engine's ``state_dict()`` (this rank's shard); ``params``:
+    ``runtime.stages.compiled_stages.rank_params``. Collective over ``groups.dp`` and ``groups.tp``."""
     gathered: list | None = [local]  # ZeRO-0: every dp rank holds the full state already
     if local["num_shards"] != 1:
-        gathered = _gather_to(local, mesh.dp_group, mesh.dp_ranks[0])
+        gathered = _gather_to(local, groups.dp, mesh.dp_ranks[0])
     if mesh.dp_index != 0:
         return None
     assert gathered is not None  # dp index 0 is the gather's destination
@@ -154,10 +190,10 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
             n = 1
             for dim in shape:
                 n *= dim
-            for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
+            for kind, key in zip(_KINDS, _SHARD_KEYS):
                 per_attr[kind][name] = full[key][group_index][off : off + n].view(shape).clone()
             off += n
-    pieces = _gather_to(per_attr, mesh.tp_group, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
+    pieces = _gather_to(per_attr, groups.tp, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
     if mesh.tp_index != 0:
         return None
     assert pieces is not None  # tp index 0 is the gather's destination
@@ -171,14 +207,13 @@ def _logical_state(engine, params: dict, mesh) -> dict[str, torch.Tensor] | None
             shard = TensorShard.from_dict(entry.get("shard"))
             joined = [piece[kind][attr] for piece in pieces]
             out[f"{kind}/{entry['fqn']}"] = joined[0] if shard is None else shard.join(joined)
-    out["__step__"] = torch.tensor(full["step"])
     return out
 
 
 def _compression_state(engine) -> dict[str, torch.Tensor]:
-    """This rank's 1-bit Adam error buffers (``ZeroEngine.compression_state``), on the host."""
+    """Copies of this rank's 1-bit Adam error buffers (``ZeroEngine.compression_state``), on the host."""
     state = engine.compression_state() if hasattr(engine, "compression_state") else {}
-    return {k: tensor.cpu() for k, tensor in state.items()}
+    return {k: tensor.detach().to("cpu", copy=True) for k, tensor in state.items()}
 
 
 def _rng_state(device) -> dict[str, torch.Tensor]:
@@ -188,15 +223,51 @@ def _rng_state(device) -> dict[str, torch.Tensor]:
     return states
 
 
-def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
-    """Write checkpoint ``step`` collectively; return its path. Older ones beyond ``keep_last`` go.
-    ``schedule`` (the learning-rate schedule's settings) is recorded in the meta for resumes."""
-    rank, world = _world()
-    params = rank_params(man, mesh.pp_index)
-    final = os.path.join(directory, f"step-{step:06d}")
+@dataclass
+class StagedCheckpoint:
+    """One rank's part of a checkpoint, copied to host memory by ``stage`` and written by ``write``
+    (in line, or by ``runtime.checkpointing.background_writer`` in a thread while training goes on)."""
+
+    directory: str
+    """The checkpoint folder (``step-N`` is created in it)."""
+    step: int
+    """The steps done (the data position)."""
+    state: dict[str, torch.Tensor]
+    """This rank's own tensors by DCP key (generator states, error buffers), host copies."""
+    local: dict
+    """A host copy of this rank's shard of the optimizer state (the engine's ``state_dict()``), joined
+    into the logical tensors when written (``write``)."""
+    params: dict
+    """This rank's parameters (``runtime.stages.compiled_stages.rank_params``)."""
+    mesh: Any
+    """The run's mesh (this rank's coordinates and groups' members)."""
+    meta: dict
+    """The fields of ``meta.json`` known when staging (rank 0's are the ones written)."""
+    compression_shapes: dict[str, list[int]]
+    """This rank's 1-bit Adam error buffers' shapes (restored only under the same plan)."""
+    keep_last: int
+    """Complete checkpoints kept in ``directory`` once this one is published."""
+
+    @property
+    def tmp(self) -> str:
+        return os.path.join(self.directory, f".tmp-step-{self.step:06d}")
+
+    @property
+    def final(self) -> str:
+        return os.path.join(self.directory, f"step-{self.step:06d}")
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory. The staged tensors are already private copies (the generator
+    states and error buffers are copied), so a host tensor is kept as is, a device tensor copied."""
+    return tensor.detach().cpu()
+
+
+def _prepare_folder(directory: str, step: int) -> None:
+    """Rank 0 creates ``.tmp-step-N`` (removing any left by an interrupted save); every rank
+    learns whether it could (collective, on the training process group)."""
+    rank, _ = _world()
     tmp = os.path.join(directory, f".tmp-step-{step:06d}")
-    device = engine.device
-    succeeded = True
     err = ""
     try:
         if rank == 0:
@@ -206,67 +277,122 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             os.makedirs(tmp)
     except OSError as e:
-        succeeded, err = False, f"cannot create {tmp}: {e}"
-    if not _all_ok(succeeded, device):
-        raise CheckpointError(err or f"rank 0 could not create {tmp}; earlier checkpoints are kept")
-    logical = _logical_state(engine, params, mesh)
-    state: dict[str, Any] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(device).items()}
+        err = f"cannot create {tmp}: {e}"
+    err = _agree(err)
+    if err:
+        raise CheckpointError(
+            f"saving checkpoint step {step} in {directory} failed ({err}); the earlier checkpoints are intact"
+        )
+
+
+def stage(
+    directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None
+) -> StagedCheckpoint:
+    """In line with training: create the folder (collective, on the training process group) and
+    copy this rank's state to host memory: its shard of masters and moments (the engine's
+    ``state_dict()``, a host copy), its generator states and error buffers. Training may change the
+    engine's state as soon as this returns; ``write`` joins and writes the copy. ``directory`` ""
+    stages without a folder (a snapshot kept in memory)."""
+    rank, world = _world()
+    if directory:  # "": a snapshot kept in memory only
+        _prepare_folder(directory, step)
+    local = engine.state_dict()  # a host copy (runtime.data_parallel.flat_shards.export_state)
+    state: dict[str, torch.Tensor] = {f"rng/{rank}/{k}": tensor for k, tensor in _rng_state(engine.device).items()}
     compression = _compression_state(engine)
     state.update({f"compression/{rank}/{k}": tensor for k, tensor in compression.items()})
-    step_count = None
-    shapes = {}
-    if logical is not None:
-        step_count = int(logical.pop("__step__"))
-        state.update(logical)
-        shapes = {k: list(tensor.shape) for k, tensor in logical.items()}
+    meta = {
+        "step": step,
+        "optimizer_step": int(local["step"]),
+        "plan_hash": man["plan_hash"],
+        "plan": man["plan"],
+        "model": man["model"],
+        "world_size": world,
+        "schedule": schedule,
+        "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
+    }
+    return StagedCheckpoint(
+        directory=directory,
+        step=step,
+        state={k: _to_host(tensor) for k, tensor in state.items()},
+        local=local,
+        params=rank_params(man, mesh.pp_index),
+        mesh=mesh,
+        meta=meta,
+        compression_shapes={k: list(tensor.shape) for k, tensor in compression.items()},
+        keep_last=keep_last,
+    )
+
+
+def write(staged: StagedCheckpoint, groups: JoinGroups, after_data: Callable[[int], None] | None = None) -> str:
+    """Collective over ``groups``: join the staged shards into the logical tensors (over
+    ``groups.dp``, then ``groups.tp``) and write them with DCP into ``.tmp-step-N`` (coordinated on
+    ``groups.world``); once every rank succeeded, rank 0 writes ``meta.json`` and renames the
+    folder to ``step-N`` (the atomic marker ``list_checkpoints`` trusts), then drops the
+    checkpoints beyond ``keep_last``. ``after_data(step)`` runs once this rank's data are written
+    (a fault-injection point). Raises ``CheckpointError`` on every rank alike when any rank
+    failed; the earlier checkpoints stay. ``staged`` is left as it was (a snapshot keeps it)."""
+    rank, _ = _world()
+    tmp, final, step = staged.tmp, staged.final, staged.step
+    group = groups.world
+    logical = _logical_state(staged.local, staged.params, staged.mesh, groups) or {}
+    shapes = {k: list(tensor.shape) for k, tensor in logical.items()}
+    err = ""
     try:
-        _dcp().save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        state = {**staged.state, **logical}
+        _dcp().save(state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
+        if after_data is not None:
+            after_data(step)
     except _failures() as e:  # noqa: BLE001 - full disk, permissions: same ending
-        succeeded, err = False, f"rank {rank}: {_root_cause(e)}"
+        err = f"rank {rank}: {_root_cause(e)}"
     # Everyone learns of any failure; only then is the checkpoint published.
-    if not _all_ok(succeeded, device):
+    err = _agree(err, group)
+    if err:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"saving checkpoint step {step} failed ({err or 'on another rank'}); the earlier checkpoints are intact"
-        )
-    own_compression = {k: list(tensor.shape) for k, tensor in compression.items()}
-    all_shapes = _gather_to((shapes, step_count, own_compression), None, 0)
+        raise CheckpointError(f"saving checkpoint {final} failed ({err}); the earlier checkpoints are intact")
+    everyone = _gather_to((shapes, staged.meta["optimizer_step"], staged.compression_shapes), group, 0)
     if rank == 0:
-        assert all_shapes is not None  # rank 0 is the gather's destination
-        merged, counts, compression_shapes = {}, set(), {}
-        for source_rank, (shapes_of_rank, count, compression_of_rank) in enumerate(all_shapes):
-            merged.update(shapes_of_rank)
-            if count is not None:
-                counts.add(count)
-            if compression_of_rank:
-                compression_shapes[str(source_rank)] = compression_of_rank
-        meta = {
-            "step": step,
-            "optimizer_step": max(counts) if counts else 0,
-            "plan_hash": man["plan_hash"],
-            "plan": man["plan"],
-            "model": man["model"],
-            "world_size": world,
-            "tensors": merged,
-            "compression": compression_shapes,
-            "schedule": schedule,
-            "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) is not None else None,
-        }
+        assert everyone is not None  # rank 0 is the gather's destination
         try:
-            with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-                json.dump(meta, f)
-            if os.path.exists(final):  # re-saving a step (after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for _, old in list_checkpoints(directory)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(staged, everyone)
         except OSError as e:
-            succeeded, err = False, str(e)
+            err = f"{e.filename or tmp}: {e.strerror or e}"
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _all_ok(succeeded, device):
-        raise CheckpointError(f"publishing checkpoint step {step} failed ({err}); the earlier checkpoints are intact")
+    err = _agree(err, group)
+    if err:
+        raise CheckpointError(f"publishing checkpoint {final} failed ({err}); the earlier checkpoints are intact")
     return final
+
+
+def _publish(staged: StagedCheckpoint, everyone: list) -> None:
+    """Rank 0: ``meta.json`` (every rank's shapes merged) last inside the folder, the rename, then
+    retention (only complete checkpoints count; the newest is always kept)."""
+    merged: dict[str, list[int]] = {}
+    counts: set[int] = set()
+    compression_shapes: dict[str, dict] = {}
+    for source_rank, (shapes_of_rank, count, compression_of_rank) in enumerate(everyone):
+        merged.update(shapes_of_rank)
+        if count is not None:
+            counts.add(count)
+        if compression_of_rank:
+            compression_shapes[str(source_rank)] = compression_of_rank
+    meta = dict(staged.meta, optimizer_step=max(counts) if counts else 0)
+    meta.update(tensors=merged, compression=compression_shapes)
+    with open(os.path.join(staged.tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    if os.path.exists(staged.final):  # re-saving a step (after a resume): replace it
+        shutil.rmtree(staged.final)
+    os.replace(staged.tmp, staged.final)
+    for _, old in list_checkpoints(staged.directory)[: -max(1, staged.keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2, schedule: dict | None = None) -> str:
+    """Write checkpoint ``step`` collectively and synchronously (``stage`` then ``write`` on the
+    training process group); return its path. Older ones beyond ``keep_last`` go. ``schedule``
+    (the learning-rate schedule's settings) is recorded in the meta for resumes."""
+    staged = stage(directory, step, engine, man, mesh, keep_last=keep_last, schedule=schedule)
+    return write(staged, JoinGroups(dp=mesh.dp_group, tp=mesh.tp_group))
 
 
 def _check_same_model(meta: dict, man: dict, path: str) -> None:
@@ -278,13 +404,28 @@ def _check_same_model(meta: dict, man: dict, path: str) -> None:
         )
 
 
+def newest(directories: dict[str, str | None]) -> tuple[int, str, str] | None:
+    """The newest complete checkpoint over ``directories`` (``{source: folder}``, e.g. checkpoint and
+    snapshot; None folders skipped) as (step, path, source); on equal steps the first source wins.
+    None when there is none."""
+    best: tuple[int, str, str] | None = None
+    for source, directory in directories.items():
+        found = list_checkpoints(directory) if directory else []
+        if found and (best is None or found[-1][0] > best[0]):
+            best = (found[-1][0], found[-1][1], source)
+    return best
+
+
 def load_latest(directory: str, engine, man: dict, mesh) -> int:
-    """Restore the newest checkpoint into ``engine``; return its step (0 if there is none)."""
+    """Restore the newest checkpoint of ``directory`` into ``engine``; return its step (0 if there is none)."""
     found = list_checkpoints(directory)
-    if not found:
-        return 0
-    step, path = found[-1]
+    return load(found[-1][1], engine, man, mesh) if found else 0
+
+
+def load(path: str, engine, man: dict, mesh) -> int:
+    """Restore the checkpoint at ``path`` into ``engine`` (collective); return its step."""
     meta = read_meta(path)
+    step = int(meta["step"])
     _check_same_model(meta, man, path)
     params = rank_params(man, mesh.pp_index)
     rank, world = _world()

@@ -23,6 +23,7 @@ __all__ = [
     "DEBUG_MEMORY",
     "PROFILE",
     "FAULT_KILL",
+    "CHECKPOINT_FAULT",
     "read",
     "is_off",
 ]
@@ -96,6 +97,13 @@ PROFILE = EnvVar(
     "table and a Chrome trace there.",
     "runtime.training.profiling",
 )
+CHECKPOINT_FAULT = EnvVar(
+    "PLANNER_CHECKPOINT_FAULT",
+    "",
+    "Fault injection for tests: `kill:N` SIGKILLs every rank in the middle of writing checkpoint "
+    "step N (data written, not yet published), `fail:N[:RANK]` makes that write fail (on one rank).",
+    "runtime.checkpointing.background_writer",
+)
 
 FAULT_KILL = EnvVar(
     "PLANNER_FAULT_KILL",
@@ -116,6 +124,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     DEBUG_MEMORY,
     PROFILE,
     FAULT_KILL,
+    CHECKPOINT_FAULT,
 )
 """Every variable, in the README's order."""
 

@@ -18,8 +18,9 @@ EVENT_KEY = "event"
 """The key that marks an event line; its value is the event's kind (``resume``, ``replan``...)."""
 
 
-def write_event(path: str | None, kind: str, message: str, **fields: Any) -> dict:
-    """Append one event line to the metrics file ``path`` (nothing when None); the line's object."""
+def write_event(path: str | None, kind: str, message: str, /, **fields: Any) -> dict:
+    """Append one event line to the metrics file ``path`` (nothing when None); the line's object.
+    The first three are positional-only, so a field may be called ``path`` too."""
     line = {EVENT_KEY: kind, "message": message, **fields}
     if path:
         with open(path, "a", encoding="utf-8") as out:

@@ -110,7 +110,8 @@ class TrainOptions:
     keep_last: int = field(default=2, metadata=_flag("--keep-last", kind="positive_int", metavar="K"))
     """Checkpoints kept on disk."""
     resume: bool = field(default=False, metadata=_flag("--resume", kind="switch"))
-    """Continue from the newest checkpoint in ``checkpoint_dir`` (none yet: start at step 0)."""
+    """Continue from the newest complete checkpoint of ``checkpoint_dir`` and ``snapshot_dir`` (by step;
+    none yet: start at step 0)."""
     elastic: bool = field(
         default=False,
         metadata=_flag(
@@ -121,6 +122,53 @@ class TrainOptions:
         ),
     )
     """Re-plan for the world found when it differs from the plan's (``planner.commands.elastic``)."""
+    snapshot_every: int = field(
+        default=0,
+        metadata=_flag(
+            "--snapshot-every",
+            kind="nonneg_int",
+            metavar="N",
+            help="every N steps keep a copy of the training state in host memory (and write it to "
+            "--snapshot-dir when given); 0: never",
+        ),
+    )
+    """Every N steps stage the state (each rank's part) in host memory, replacing the previous
+    snapshot, and write it to ``snapshot_dir`` when set; 0: no snapshots. An in-memory snapshot
+    lives only as long as the process: only a written one survives a restart."""
+    snapshot_dir: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--snapshot-dir",
+            metavar="DIR",
+            help="local folder the snapshots are written to (the newest complete one is kept); "
+            "--resume takes the newer of it and --checkpoint-dir",
+        ),
+    )
+    """Where snapshots are written (checkpoint format, only the newest complete one kept); None:
+    snapshots stay in memory."""
+    on_save_error: str = field(
+        default="stop",
+        metadata=_flag(
+            "--on-save-error",
+            metavar="stop|continue",
+            help="when a checkpoint or snapshot cannot be written: stop the run (exit 1, default) or log "
+            "it and train on (the previous checkpoint is kept either way)",
+        ),
+    )
+    """What a failed save does: ``stop`` ends the run with an error naming the folder and the
+    cause; ``continue`` logs it (a ``save_error`` event line, one line on stderr) and trains on."""
+    async_checkpoint: str = field(
+        default="on",
+        metadata=_flag(
+            "--async-checkpoint",
+            metavar="on|off",
+            help="on (default): a save stages the state in host memory and writes it in the background; "
+            "off: every rank waits for the write",
+        ),
+    )
+    """``on``: a step waits only for the copy of the state to host memory (and for the previous
+    write, at most one in flight), the write runs in a background thread
+    (``runtime.checkpointing.background_writer``); ``off``: the write is in line."""
     timeout_s: float = field(
         default=300.0,
         metadata=_flag(
@@ -213,6 +261,9 @@ class TrainOptions:
             ("seed", _is_int(self.seed) and self.seed >= 0, "a non-negative integer"),
             ("save_every", _is_int(self.save_every) and self.save_every >= 0, "a non-negative integer"),
             ("keep_last", _is_int(self.keep_last) and self.keep_last >= 1, "a positive integer"),
+            ("snapshot_every", _is_int(self.snapshot_every) and self.snapshot_every >= 0, "a non-negative integer"),
+            ("on_save_error", self.on_save_error in ("stop", "continue"), "stop or continue"),
+            ("async_checkpoint", self.async_checkpoint in ("on", "off"), "on or off"),
             ("warmup_steps", _is_int(self.warmup_steps) and self.warmup_steps >= 0, "a non-negative integer"),
             ("timeout_s", _finite(self.timeout_s) and self.timeout_s > 0, "a positive number"),
             ("lr", _finite(self.lr) and self.lr > 0, "a positive number"),

@@ -28,8 +28,12 @@ newest checkpoint when asked, the step probes of ``runtime.training.profiling``)
    peak_memory_bytes, comm_bytes, lr, host_memory_bytes, nvme_bytes, time`` and ``loss_scale`` in
    fp16) and calls ``on_metrics``;
    with ``TrainOptions.tensorboard_dir`` it also writes them as TensorBoard scalars;
-5. ``maybe_checkpoint``: every ``save_every`` steps and at the last one, saves everything a
-   bit-identical resume needs (``runtime.checkpointing.checkpoint_io``);
+5. ``maybe_checkpoint`` (``runtime.training.saving.Saver``): every ``save_every`` steps and at
+   the last one, saves everything a bit-identical resume needs (``runtime.checkpointing.checkpoint_io``),
+   and every ``snapshot_every`` steps a snapshot; with ``async_checkpoint`` on the step waits
+   only for the copy to host memory (and the previous write), the write runs in the background.
+   It runs right after ``run_step``, before the metrics are aggregated: the seconds it waited are
+   the step's ``checkpoint_s``.
 6. with a checkpoint folder, rank 0 rewrites its heartbeat (``runtime.training.recovery``). The
    first step of a resumed run carries the event line of the restart (``recovery``, or the
    caller's ``replan``) with what the recovery cost; every step line has the ``data_checksum``
@@ -68,6 +72,7 @@ from runtime.training.data import CHECKSUM_MODULUS, batch_checksum, data_vocab, 
 from runtime.training.events import write_event
 from runtime.training.profiling import StepProbes
 from runtime.training.recovery import RecoveryClock, describe_recovery, kill_hook, write_heartbeat
+from runtime.training.saving import Saver, describe, resume_point
 from runtime.training.train_config import TrainOptions
 
 __all__ = [
@@ -140,6 +145,10 @@ class StepMetrics:
     """What happened with this step (a recovery, a re-plan), each the arguments of
     ``runtime.training.events.write_event`` (``kind``, ``message``, fields): rank 0 writes them as
     event lines before the step's line; not part of the step line."""
+    checkpoint_s: float = 0.0
+    """Seconds the step waited for checkpointing after its optimizer step (staging the state in host
+    memory, waiting for the previous write, or the whole write with ``--async-checkpoint off``),
+    the max over ranks; 0.0 when nothing was saved. Not part of ``step_time_s``."""
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -184,6 +193,8 @@ class Run:
     compiled: CompiledLayers | None = None
     """The stage's compiled layer classes and their set-up time when the plan compiles its stages
     (plan.json ``compile``); None otherwise."""
+    saver: Saver | None = None
+    """Checkpoints and snapshots (``runtime.training.saving``)."""
 
     @property
     def plan(self) -> dict:
@@ -209,6 +220,8 @@ class StepResult:
     """NVMe-tier bytes of this rank (``ZeroEngine.nvme_bytes``)."""
     data_checksum: int = 0
     """``batch_checksum`` of this rank's rows of the step's global batch."""
+    checkpoint_s: float = 0.0
+    """Seconds this rank waited for checkpointing after the step (``maybe_checkpoint``)."""
 
 
 def _recv_meta(stage: dict) -> list[TensorMeta]:
@@ -420,6 +433,7 @@ def setup(
     )
     data = open_data(opts.data_path, data_vocab(input_specs, manifest["model"]["vocab"]), plan["seq_len"], opts.seed)
     start_step = resume(opts, engine, manifest, mesh)
+    saver = Saver(opts, engine, manifest, mesh, rank, schedule_of(opts))  # its gloo groups: every rank, here
     # Tracked steps run eagerly (runtime.stages.compile_layers): a compiled run tracks its first few only.
     memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
     probes = StepProbes(
@@ -445,6 +459,7 @@ def setup(
         probes=probes,
         tensorboard=tensorboard,
         compiled=compiled,
+        saver=saver,
     )
 
 
@@ -463,11 +478,18 @@ def open_tensorboard(directory: str):
 
 
 def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> int:
-    """Load the newest checkpoint of ``opts.checkpoint_dir`` into ``engine`` when ``opts.resume``
-    asks for it; the number of steps already done (0 without one)."""
-    if opts.checkpoint_dir and opts.resume:
-        return checkpoint_io.load_latest(opts.checkpoint_dir, engine, manifest, mesh)
-    return 0
+    """Load the newest complete checkpoint or snapshot (``opts.checkpoint_dir``, ``opts.snapshot_dir``,
+    by step) into ``engine`` when ``opts.resume`` asks for it; the number of steps already done (0
+    without one). Rank 0 writes a ``resume`` event line (step, source, path) to the metrics."""
+    point = resume_point(opts) if opts.resume else None
+    if point is None:
+        return 0
+    step, path, source = point
+    checkpoint_io.load(path, engine, manifest, mesh)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        message = f"resumed at step {step} from {describe(point)}"
+        write_event(opts.metrics_path, "resume", message, step=step, source=source, path=path)
+    return step
 
 
 def micro_batches(run: Run, step: int) -> tuple[list, int]:
@@ -542,6 +564,7 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
             result.comm_wait_s,
             float(result.host_bytes),
             float(result.nvme_bytes),
+            result.checkpoint_s,
         ],
         dtype=torch.float64,
         device=device,
@@ -574,6 +597,7 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
         comm_wait_s=float(maxima[2]),
         time=dict(zip(timing.PARTS, slowest[1:])),
         data_checksum=round(float(mean_loss[1]) * averaged_over) % CHECKSUM_MODULUS,
+        checkpoint_s=float(maxima[5]),
     )
 
 
@@ -584,7 +608,8 @@ def write_metrics(run: Run, metrics: StepMetrics, on_metrics: Callable[[StepMetr
         return
     if run.opts.metrics_path:
         for event in metrics.events:
-            write_event(run.opts.metrics_path, **event)
+            fields = dict(event)
+            write_event(run.opts.metrics_path, fields.pop("kind"), fields.pop("message"), **fields)
         with open(run.opts.metrics_path, "a", encoding="utf-8") as out:
             out.write(metrics.to_json() + "\n")
     if run.tensorboard is not None:
@@ -607,21 +632,12 @@ def write_tensorboard(writer, metrics: StepMetrics) -> None:
         writer.add_scalar(tag, value, metrics.step)
 
 
-def maybe_checkpoint(run: Run, step: int) -> None:
-    """After step ``step`` (0-based): save a checkpoint when ``opts.save_every`` divides the steps
-    done, or this was the run's last step, and ``opts.checkpoint_dir`` is set."""
-    options = run.opts
-    done = step + 1
-    if options.checkpoint_dir and options.save_every and (done % options.save_every == 0 or done == options.steps):
-        checkpoint_io.save(
-            options.checkpoint_dir,
-            done,
-            run.engine,
-            run.manifest,
-            run.mesh,
-            keep_last=options.keep_last,
-            schedule=schedule_of(options),
-        )
+def maybe_checkpoint(run: Run, step: int) -> float:
+    """After step ``step`` (0-based): the checkpoint or snapshot due (``runtime.training.saving``);
+    the seconds the step waited for it."""
+    if run.saver is None:
+        run.saver = Saver(run.opts, run.engine, run.manifest, run.mesh, run.rank, schedule_of(run.opts))
+    return run.saver.after_step(step)
 
 
 def train_worker(
@@ -652,14 +668,16 @@ def train_worker(
             for hook in hooks:
                 hook(rank, step)
             result = run_step(run, step)
+            result.checkpoint_s = maybe_checkpoint(run, step)
             metrics = aggregate_metrics(run, step, result)
             if step == run.start_step:
                 metrics.events = _restart_events(rank, restart_note, clock)
             history.append(metrics)
             write_metrics(run, metrics, on_metrics)
-            maybe_checkpoint(run, step)
             if rank == 0 and opts.checkpoint_dir:
                 write_heartbeat(opts.checkpoint_dir, step + 1)
+        if run.saver is not None:
+            run.saver.finish()
         if rank == 0 and opts.checkpoint_dir:
             write_heartbeat(opts.checkpoint_dir, opts.steps, finished=True)
     finally:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from planner.cli import build_parser, user_errors
 from planner.commands.train import run_train
+from runtime.checkpointing.background_writer import join_in_flight
 from runtime.training.trainer import StepHook
 
 __all__ = ["KillAt", "HangAt", "RaiseAt", "train_with_hook"]
@@ -25,13 +26,15 @@ __all__ = ["KillAt", "HangAt", "RaiseAt", "train_with_hook"]
 @dataclass(frozen=True)
 class KillAt:
     """SIGKILL rank ``rank`` just before it runs step index ``step`` (after ``step`` steps, and any
-    checkpoint saved at that step, are done): a rank lost without any error report."""
+    checkpoint saved at that step, are done: a background write in flight is joined first): a rank
+    lost without any error report. ``PLANNER_CHECKPOINT_FAULT=kill:N`` kills in the middle of a write."""
 
     rank: int
     step: int
 
     def __call__(self, rank: int, step: int) -> None:
         if rank == self.rank and step == self.step:
+            join_in_flight()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
