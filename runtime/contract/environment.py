@@ -108,8 +108,8 @@ CHECKPOINT_FAULT = EnvVar(
 FAULT_KILL = EnvVar(
     "PLANNER_FAULT_KILL",
     "",
-    "Fault injection for tests: `RANK:STEP` makes that rank SIGKILL itself before step index STEP, "
-    "on a run's first launch only (not on torchrun's restarts).",
+    "Fault injection for tests: `RANK:STEP` makes that rank SIGKILL itself before step index STEP "
+    "(once a checkpoint write in flight has ended), on a run's first launch only (not on torchrun's restarts).",
     "runtime.training.recovery",
 )
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from runtime.checkpointing.background_writer import join_in_flight
 from runtime.contract import environment
 
 __all__ = ["HEARTBEAT_FILE", "write_heartbeat", "read_heartbeat", "RecoveryClock", "kill_hook", "describe_recovery"]
@@ -124,6 +125,7 @@ def kill_hook() -> Callable[[int, int], None] | None:
 
     def kill(rank: int, step: int) -> None:
         if rank == target_rank and step == target_step:
+            join_in_flight()  # as KillAt does: the checkpoint of the step before is complete
             os.kill(os.getpid(), signal.SIGKILL)
 
     return kill

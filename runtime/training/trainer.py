@@ -35,7 +35,7 @@ newest checkpoint when asked, the step probes of ``runtime.training.profiling``)
    It runs right after ``run_step``, before the metrics are aggregated: the seconds it waited are
    the step's ``checkpoint_s``.
 6. with a checkpoint folder, rank 0 rewrites its heartbeat (``runtime.training.recovery``). The
-   first step of a resumed run carries the event line of the restart (``recovery``, or the
+   first step of a resumed run carries the event line of the restart (``resume``, or the
    caller's ``replan``) with what the recovery cost; every step line has the ``data_checksum``
    of the global batch it read (``runtime.training.data.batch_checksum``, summed over dp).
 """
@@ -185,6 +185,8 @@ class Run:
     input_specs: list[dict]
     """What feeds each of them (plan.json ``model.inputs``; ``runtime.training.data.model_inputs``)."""
     start_step: int
+    resumed_from: tuple[int, str, str] | None
+    """The checkpoint or snapshot the run resumed from, ``(step, path, source)``; None: a fresh start."""
     """Steps already done when this run started (``resume``)."""
     probes: StepProbes
     """Peak-memory tracking and profiling around each step."""
@@ -432,7 +434,7 @@ def setup(
         backward_scope=engine,
     )
     data = open_data(opts.data_path, data_vocab(input_specs, manifest["model"]["vocab"]), plan["seq_len"], opts.seed)
-    start_step = resume(opts, engine, manifest, mesh)
+    resumed_from = resume(opts, engine, manifest, mesh)
     saver = Saver(opts, engine, manifest, mesh, rank, schedule_of(opts))  # its gloo groups: every rank, here
     # Tracked steps run eagerly (runtime.stages.compile_layers): a compiled run tracks its first few only.
     memory_steps = TRACKED_STEPS if compiled is not None and opts.memory_steps is None else opts.memory_steps
@@ -455,7 +457,8 @@ def setup(
         stage_inputs=[stage["data_inputs"] for stage in chunks],
         graph_inputs=graph_inputs,
         input_specs=input_specs,
-        start_step=start_step,
+        start_step=resumed_from[0] if resumed_from is not None else 0,
+        resumed_from=resumed_from,
         probes=probes,
         tensorboard=tensorboard,
         compiled=compiled,
@@ -477,19 +480,15 @@ def open_tensorboard(directory: str):
     return SummaryWriter(log_dir=directory)
 
 
-def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> int:
+def resume(opts: TrainOptions, engine: ZeroEngine, manifest: dict, mesh: Mesh) -> tuple[int, str, str] | None:
     """Load the newest complete checkpoint or snapshot (``opts.checkpoint_dir``, ``opts.snapshot_dir``,
-    by step) into ``engine`` when ``opts.resume`` asks for it; the number of steps already done (0
-    without one). Rank 0 writes a ``resume`` event line (step, source, path) to the metrics."""
+    by step) into ``engine`` when ``opts.resume`` asks for it; what was loaded, ``(step, path,
+    source)`` (None: nothing, the run starts at step 0). The first step reports it
+    (``_restart_events``)."""
     point = resume_point(opts) if opts.resume else None
-    if point is None:
-        return 0
-    step, path, source = point
-    checkpoint_io.load(path, engine, manifest, mesh)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        message = f"resumed at step {step} from {describe(point)}"
-        write_event(opts.metrics_path, "resume", message, step=step, source=source, path=path)
-    return step
+    if point is not None:
+        checkpoint_io.load(point[1], engine, manifest, mesh)
+    return point
 
 
 def micro_batches(run: Run, step: int) -> tuple[list, int]:
@@ -671,7 +670,7 @@ def train_worker(
             result.checkpoint_s = maybe_checkpoint(run, step)
             metrics = aggregate_metrics(run, step, result)
             if step == run.start_step:
-                metrics.events = _restart_events(rank, restart_note, clock)
+                metrics.events = _restart_events(run, restart_note, clock)
             history.append(metrics)
             write_metrics(run, metrics, on_metrics)
             if rank == 0 and opts.checkpoint_dir:
@@ -696,18 +695,25 @@ def _recovery_clock(run: Run) -> RecoveryClock | None:
     return RecoveryClock.start(opts.checkpoint_dir, run.start_step, found[-1][1] if found else None)
 
 
-def _restart_events(rank: int, note: dict | None, clock: RecoveryClock | None) -> list[dict]:
-    """The event lines of a restart, once its first step is done (rank 0): the caller's ``note``
-    (a re-plan) with the recovery's fields (``RecoveryClock.measure``) added, or a ``recovery``
-    event alone; each also printed on stderr."""
-    if rank != 0 or (note is None and clock is None):
+def _restart_events(run: Run, note: dict | None, clock: RecoveryClock | None) -> list[dict]:
+    """The one event line of a restart, once its first step is done (rank 0): the caller's
+    ``note`` (a ``replan``), or a ``resume`` from the checkpoint or snapshot loaded (its step,
+    source and path), either with what the recovery cost (``RecoveryClock.measure``: seconds and
+    steps lost) when the last run failed; the recovery is also printed on stderr."""
+    point = run.resumed_from
+    if run.rank != 0 or (note is None and point is None):
         return []
     recovered = clock.measure() if clock is not None else {}
+    where = {"source": point[2], "path": point[1]} if point is not None else {}
+    event: dict[str, Any]
     if note is None:
-        event = {"kind": "recovery", "message": describe_recovery(recovered), **recovered}
+        assert point is not None
+        message = f"resumed at step {point[0]} from {describe(point)}"
+        event = {"kind": "resume", "message": message, "step": point[0], **where}
     else:
-        message = note["message"] + (f"; {describe_recovery(recovered)}" if recovered else "")
-        event = {"kind": note["kind"], "message": message, **note.get("fields", {}), **recovered}
-    if clock is not None:
+        event = {"kind": note["kind"], "message": note["message"], **note.get("fields", {}), **where}
+    if recovered:
+        event["message"] += f"; {describe_recovery(recovered)}"
+        event.update(recovered)
         print(f"[planner] {describe_recovery(recovered)}", file=sys.stderr, flush=True)
     return [event]

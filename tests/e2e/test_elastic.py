@@ -75,7 +75,8 @@ def test_elastic_two_ranks_killed_one_rank_then_two_again(tmp_path):
     assert replan["new"]["micro_batch_size"] * replan["new"]["num_micro_batches"] == 8
     assert replan["dropped_pins"] == ["--dp 2: data parallelism follows the world"]
     assert (replan["failed_after_step"], replan["steps_lost"]) == (3, 1) and replan["recovery_s"] > 0
-    assert recovery["event"] == "recovery" and (recovery["failed_after_step"], recovery["steps_lost"]) == (5, 1)
+    assert recovery["event"] == "resume" and (recovery["failed_after_step"], recovery["steps_lost"]) == (5, 1)
+    assert recovery["source"] == "checkpoint" and recovery["message"].startswith("resumed at step 4 from checkpoint")
     assert recovery["resumed_step"] == 4 and recovery["recovery_s"] > 0
 
     # A fresh --resume of the same checkpoint under the re-planned plan gives the same losses.
