@@ -89,13 +89,15 @@ def test_elastic_two_ranks_killed_one_rank_then_two_again(tmp_path):
 def test_torchrun_restarts_a_killed_rank_and_the_run_finishes(tmp_path):
     """Planned for 4 ranks, started on 2 under torchrun's elastic agent: rank 0 re-plans on every
     launch; rank 1 is SIGKILLed before step index 3 (``PLANNER_FAULT_KILL``, first launch only),
-    the agent restarts both, and they resume from the checkpoint of step 2 and finish."""
+    the agent restarts both, and they resume from the snapshot of step 2 (the durable checkpoints
+    come every 4 steps) and finish, with at most ``--snapshot-every`` steps lost."""
     plan_path = _plan(tmp_path, gpus=4, dp=4)
     ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", "--nproc-per-node=2", "--max-restarts=1"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "planner", "train", plan_path),
-        *("--elastic", "--checkpoint-dir", ck, "--save-every", "2", "--resume", "--steps", "6"),
+        *("--elastic", "--checkpoint-dir", ck, "--save-every", "4", "--resume", "--steps", "6"),
+        *("--snapshot-every", "2", "--snapshot-dir", str(tmp_path / "snapshots")),
         *("--metrics", metrics, "--no-memory-tracking", "--timeout", "60"),
     ]
     env = {**os.environ, environment.FAULT_KILL.name: "1:3"}
@@ -106,5 +108,6 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_finishes(tmp_path):
     first, restarted = event_lines(lines)
     assert first["event"] == restarted["event"] == "replan" and first["new_world"] == 2
     assert "steps_lost" not in first  # the first launch recovers from nothing
-    assert restarted["resumed_step"] == 2 and restarted["steps_lost"] == 1  # at most --save-every (2)
+    assert restarted["resumed_step"] == 2 and restarted["steps_lost"] == 1  # at most --snapshot-every (2)
+    assert restarted["source"] == "snapshot" and "resumed at step 2" in restarted["message"]
     assert "recovered in" in done.stdout and "re-planned for 2 rank(s)" in done.stdout
