@@ -30,7 +30,6 @@ step resumed at.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -45,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.bench_cli import bench_main  # noqa: E402
 from runtime.contract import environment  # noqa: E402
 from runtime.training.events import read_lines, step_lines  # noqa: E402
 
@@ -251,18 +251,7 @@ def passed(result: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in asdict(BenchConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    parser.add_argument("--json", help="write the result here")
-    args = vars(parser.parse_args(argv))
-    out = args.pop("json")
-    result = run_benchmark(BenchConfig(**args), log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_report(result))
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0 if passed(result) else 1
+    return bench_main(argv, BenchConfig, __doc__, run_benchmark, format_report, passed)
 
 
 try:

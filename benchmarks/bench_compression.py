@@ -20,7 +20,6 @@ each device sends per step (all parts: tensor-parallel traffic included).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -35,6 +34,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks.bench_cli import bench_main  # noqa: E402
 from planner.cli import main as planner_main  # noqa: E402
 from runtime.training.events import step_lines  # noqa: E402
 
@@ -223,18 +223,7 @@ def passed(result: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in asdict(BenchConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    parser.add_argument("--json", help="write the result here")
-    args = vars(parser.parse_args(argv))
-    out = args.pop("json")
-    result = run_benchmark(BenchConfig(**args), log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_report(result))
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0 if passed(result) else 1
+    return bench_main(argv, BenchConfig, __doc__, run_benchmark, format_report, passed)
 
 
 try:

@@ -29,7 +29,6 @@ which cancels load that drifts over the run on the shared cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -48,6 +47,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+from benchmarks.bench_cli import bench_main  # noqa: E402
 
 __all__ = ["BenchConfig", "run_benchmark", "format_report", "main"]
 
@@ -319,21 +320,7 @@ def format_report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in asdict(BenchConfig()).items():
-        if isinstance(default, bool):
-            ap.add_argument(f"--no-{name}", dest=name, action="store_false")
-        else:
-            ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    ap.add_argument("--json", help="write the result here")
-    a = vars(ap.parse_args(argv))
-    out = a.pop("json")
-    res = run_benchmark(BenchConfig(**a), log=lambda s: print(s, file=sys.stderr, flush=True))
-    print(format_report(res))
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-    return 0 if res["losses_match"] else 1
+    return bench_main(argv, BenchConfig, __doc__, run_benchmark, format_report, lambda res: res["losses_match"])
 
 
 try:
