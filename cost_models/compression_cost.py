@@ -53,7 +53,7 @@ from runtime.contract.compressed_exchange import (
     SIGNS_PER_BYTE,
     error_buffer_bytes,
     exchange_bytes,
-    padded_numel,
+    exchange_numel,
 )
 
 __all__ = [
@@ -148,8 +148,8 @@ def stage_exchange(numel: int, placement: GroupPlacement, hw: HardwareProfile) -
         return StageExchange(numel, 0.0, 0.0, 0.0, 0.0)
     return StageExchange(
         numel=numel,
-        exchange_s=exchange_time_s(padded_numel(numel, dp), placement, hw),
-        compute_s=compression_compute_s(padded_numel(numel, dp), dp, hw),
+        exchange_s=exchange_time_s(exchange_numel(numel, dp), placement, hw),
+        compute_s=compression_compute_s(exchange_numel(numel, dp), dp, hw),
         sent_b=float(exchange_bytes(numel, dp)),
         error_b=float(error_buffer_bytes(numel, dp)),
     )

@@ -3,7 +3,7 @@ runtime (``runtime.data_parallel.onebit_adam``), which counts what it issues, an
 models, which price the same expressions (``numel`` may be a sympy expression there).
 
 The exchange (Tang et al. 2021, "1-bit Adam"), over ``n`` data-parallel ranks, of a vector of
-``numel`` elements padded to ``padded_numel`` (a multiple of ``BLOCK n``, so that every rank's
+``numel`` elements padded to ``exchange_numel`` (a multiple of ``BLOCK n``, so that every rank's
 chunk is a whole number of blocks):
 
 1. every rank adds its *worker error* to its vector and keeps, per block of ``BLOCK`` elements,
@@ -42,7 +42,7 @@ __all__ = [
     "SCALE_BYTES",
     "ERROR_ELEMENT_BYTES",
     "WARMUP_FRACTION",
-    "padded_numel",
+    "exchange_numel",
     "exchange_bytes",
     "error_buffer_bytes",
     "default_warmup",
@@ -64,7 +64,7 @@ WARMUP_FRACTION = 0.15
 """Share of a run's steps trained with full-precision AdamW before compression starts (default)."""
 
 
-def padded_numel(numel: int, ranks: int) -> int:
+def exchange_numel(numel: int, ranks: int) -> int:
     """``numel`` rounded up to a multiple of ``BLOCK ranks`` (whole blocks per rank's chunk)."""
     quantum = BLOCK * max(1, ranks)
     return -(-int(numel) // quantum) * quantum
@@ -75,7 +75,7 @@ def exchange_bytes(numel: Any, ranks: int) -> Any:
     ranks (``numel`` is taken as already padded when it is symbolic)."""
     if ranks <= 1:
         return 0.0
-    padded = padded_numel(numel, ranks) if isinstance(numel, int) else numel
+    padded = exchange_numel(numel, ranks) if isinstance(numel, int) else numel
     packed = padded / SIGNS_PER_BYTE + SCALE_BYTES * padded / BLOCK
     return ring_bytes("all_to_all", packed, ranks) + ring_bytes("all_gather", packed, ranks)
 
@@ -85,7 +85,7 @@ def error_buffer_bytes(numel: Any, ranks: int) -> Any:
     that one rank holds for ``numel`` elements; none without data parallelism."""
     if ranks <= 1:
         return 0
-    padded = padded_numel(numel, ranks) if isinstance(numel, int) else numel
+    padded = exchange_numel(numel, ranks) if isinstance(numel, int) else numel
     return ERROR_ELEMENT_BYTES * padded * (1 + 1 / ranks)
 
 

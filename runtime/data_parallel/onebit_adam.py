@@ -46,7 +46,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from runtime.contract.compressed_exchange import BLOCK, SIGNS_PER_BYTE, padded_numel
+from runtime.contract.compressed_exchange import BLOCK, SIGNS_PER_BYTE, exchange_numel
 from runtime.data_parallel.engine_config import CompressionConfig, OptimizerConfig
 from runtime.data_parallel.flat_shards import FlatGroup
 from runtime.distributed import comm
@@ -102,7 +102,7 @@ class CompressedAverage:
     def __init__(self, numel: int, dp_group: Any, device: torch.device):
         self.numel, self.dp_group = numel, dp_group
         self.dp = comm.group_size(dp_group)
-        self.padded = padded_numel(numel, self.dp)
+        self.padded = exchange_numel(numel, self.dp)
         self.chunk = self.padded // self.dp
         self.worker_error = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(self.chunk, dtype=torch.float32, device=device)

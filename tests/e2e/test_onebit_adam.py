@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.contract.collective_bytes import ring_bytes
-from runtime.contract.compressed_exchange import exchange_bytes, padded_numel
+from runtime.contract.compressed_exchange import exchange_bytes, exchange_numel
 from runtime.data_parallel.engine_config import CompressionConfig
 from runtime.data_parallel.onebit_adam import CompressedAverage
 from runtime.data_parallel.zero_engine import ShardingConfig, ZeroEngine
@@ -147,6 +147,6 @@ def test_memory_report_counts_the_error_buffers(runs):
     net = make_net()
     group_sizes = [sum(dict(net.named_parameters())[name].numel() for name in group) for group in layer_groups(net)]
     moments = 2 * 4 * sum(-(-size // 2) * 2 for size in group_sizes)  # AdamW's m and v, each group padded to dp
-    exchanged = padded_numel(sum(group_sizes), 2)  # one segment: no tp, no tied weights
+    exchanged = exchange_numel(sum(group_sizes), 2)  # one segment: no tp, no tied weights
     errors = 4 * exchanged + 4 * exchanged // 2  # the worker error and this rank's server chunk
     assert runs[0]["memory"]["optimizer"] == moments + errors

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from runtime.contract.compressed_exchange import BLOCK, padded_numel
+from runtime.contract.compressed_exchange import BLOCK, exchange_numel
 from runtime.data_parallel.onebit_adam import compress_, decode
 from tests.runtime.zero_harness import BATCH, HP, MICRO, data, layer_groups, make_net
 
@@ -18,7 +18,7 @@ class SimulatedExchange:
     """The worker and server errors of ``dp`` simulated ranks for one vector of ``numel`` elements."""
 
     def __init__(self, numel: int, dp: int):
-        self.dp, self.padded = dp, padded_numel(numel, dp)
+        self.dp, self.padded = dp, exchange_numel(numel, dp)
         self.chunk = self.padded // dp
         self.workers = [torch.zeros(self.padded) for _ in range(dp)]
         self.servers = [torch.zeros(self.chunk) for _ in range(dp)]

@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.contract.compressed_exchange import BLOCK, default_warmup, error_buffer_bytes, exchange_bytes, padded_numel
+from runtime.contract.compressed_exchange import (
+    BLOCK,
+    default_warmup,
+    error_buffer_bytes,
+    exchange_bytes,
+    exchange_numel,
+)
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import CompressionConfig, OptimizerConfig, ShardingConfig
 from runtime.data_parallel.flat_shards import ZeroError
@@ -49,14 +55,14 @@ def test_compression_keeps_what_it_lost_in_the_error(blocks, block, seed):
 
 def test_exchange_bytes_are_a_fourteenth_of_a_bf16_all_reduce():
     numel, ranks = 10_000_000, 8
-    padded = padded_numel(numel, ranks)
+    padded = exchange_numel(numel, ranks)
     assert padded % (BLOCK * ranks) == 0 and padded - numel < BLOCK * ranks
     # an all-to-all and an all-gather, each of 1 bit per element and one fp32 scale per block
     assert exchange_bytes(numel, ranks) == 2 * (ranks - 1) / ranks * (padded / 8 + 4 * padded / BLOCK)
     all_reduce_bf16 = 2 * (ranks - 1) / ranks * 2 * numel
     assert all_reduce_bf16 / exchange_bytes(numel, ranks) == pytest.approx(1 / (1 / 16 + 1 / 128), rel=1e-3)
     assert exchange_bytes(numel, 1) == 0 and error_buffer_bytes(numel, 1) == 0
-    assert error_buffer_bytes(numel, ranks) == 4 * padded_numel(numel, ranks) * (1 + 1 / ranks)
+    assert error_buffer_bytes(numel, ranks) == 4 * exchange_numel(numel, ranks) * (1 + 1 / ranks)
     assert default_warmup(1000) == 150 and default_warmup(1) == 1
 
 
