@@ -44,7 +44,7 @@ from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import TIME_KEYS, Plan, load_plan
 from planner.units import format_seconds
 from runtime.checkpointing.checkpoint_io import CheckpointError, read_meta
-from runtime.contract.choices import OffloadTier
+from runtime.contract.choices import OffloadTier, Toggle
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
@@ -213,7 +213,7 @@ def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted
         print(f"{event['kind']}: {event['message']}", flush=True)
     saves = [h.checkpoint_s for h in history if h.checkpoint_s > 0]
     if saves:
-        mode = "asynchronous" if opts.async_checkpoint == "on" else "synchronous"
+        mode = "asynchronous" if opts.async_checkpoint == Toggle.ON else "synchronous"
         print(
             f"checkpointing ({mode}): the steps waited {format_seconds(sum(saves))} in all for {len(saves)} saves "
             f"(mean {format_seconds(sum(saves) / len(saves))}; training steps took "

@@ -34,6 +34,7 @@ import time
 from runtime.checkpointing import checkpoint_io
 from runtime.checkpointing.background_writer import BackgroundWriter, fault_hook
 from runtime.checkpointing.checkpoint_io import CheckpointError, JoinGroups, StagedCheckpoint
+from runtime.contract.choices import Toggle
 from runtime.training.events import write_event
 from runtime.training.train_config import TrainOptions
 
@@ -54,7 +55,9 @@ class Saver:
         self.schedule = schedule
         wants_writes = bool(opts.checkpoint_dir and opts.save_every) or bool(opts.snapshot_dir and opts.snapshot_every)
         self.writer = (
-            BackgroundWriter(rank, mesh, opts.timeout_s) if wants_writes and opts.async_checkpoint == "on" else None
+            BackgroundWriter(rank, mesh, opts.timeout_s)
+            if wants_writes and opts.async_checkpoint == Toggle.ON
+            else None
         )
         self.fault = fault_hook(rank)
         """The write's fault-injection point (``PLANNER_CHECKPOINT_FAULT``), for in-line writes too."""

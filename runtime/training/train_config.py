@@ -22,6 +22,7 @@ import operator
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Callable
 
+from runtime.contract.choices import Toggle, names
 from runtime.contract.input_errors import ConfigError
 
 __all__ = ["TrainOptions", "CliFlag", "FLAG_KINDS", "cli_flags", "default_of"]
@@ -158,7 +159,7 @@ class TrainOptions:
     """What a failed save does: ``stop`` ends the run with an error naming the folder and the
     cause; ``continue`` logs it (a ``save_error`` event line, one line on stderr) and trains on."""
     async_checkpoint: str = field(
-        default="on",
+        default=Toggle.ON.value,
         metadata=_flag(
             "--async-checkpoint",
             metavar="on|off",
@@ -263,7 +264,7 @@ class TrainOptions:
             ("keep_last", _is_int(self.keep_last) and self.keep_last >= 1, "a positive integer"),
             ("snapshot_every", _is_int(self.snapshot_every) and self.snapshot_every >= 0, "a non-negative integer"),
             ("on_save_error", self.on_save_error in ("stop", "continue"), "stop or continue"),
-            ("async_checkpoint", self.async_checkpoint in ("on", "off"), "on or off"),
+            ("async_checkpoint", self.async_checkpoint in names(Toggle), " or ".join(names(Toggle))),
             ("warmup_steps", _is_int(self.warmup_steps) and self.warmup_steps >= 0, "a non-negative integer"),
             ("timeout_s", _finite(self.timeout_s) and self.timeout_s > 0, "a positive number"),
             ("lr", _finite(self.lr) and self.lr > 0, "a positive number"),
