@@ -23,6 +23,7 @@ from planner.frontend.frontend_errors import ModelError
 from planner.plan import PlanError
 from planner.search.request import PlanFlag, PlanRequest
 from planner.search.search_errors import NoFeasiblePlan, SearchError
+from runtime.contract.choices import Toggle, names
 from runtime.contract.input_errors import DataError
 from runtime.training.train_config import CliFlag, TrainOptions, cli_flags, default_of
 
@@ -246,6 +247,13 @@ def _add_validate_command(commands: Any) -> None:
         metavar="DIR",
         help="folder for the NVMe tier's files of a plan that offloads to nvme (default: a "
         "temporary folder, removed afterwards)",
+    )
+    parser.add_argument(
+        "--overlap",
+        choices=names(Toggle),
+        default=default_of("overlap"),
+        help="on (default): communication runs beside compute, as the plan's price assumes; off: every "
+        "collective waited where it is issued",
     )
 
 

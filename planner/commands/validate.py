@@ -103,6 +103,7 @@ def run_validate(args) -> int:
             memory_steps=WARMUP_STEPS,
             progress=False,
             nvme_path=nvme,
+            overlap=args.overlap,
         )
         status = train_plan(plan, args.plan, opts, nproc=args.nproc, compiled=os.path.join(tmp, "compiled"))
         if status != 0:

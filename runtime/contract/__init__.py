@@ -12,5 +12,6 @@ and nothing else of the runtime), so a re-plan from the layer-table cache never 
 - ``choices``: the names of schedules, recompute modes, offload tiers and gradient compressions;
 - ``compressed_exchange``: what 1-bit Adam's compressed exchange sends and holds, its warm-up;
 - ``limits``: the runtime's buffering limits the memory model prices;
+- ``overlap``: which communication a run overlaps with compute (plan.json ``overlap``, ``--overlap``);
 - ``schedule_ir``: pipeline schedules as data, their validator and simulator.
 """

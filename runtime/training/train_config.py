@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from runtime.contract.choices import Toggle, names
 from runtime.contract.input_errors import ConfigError
+from runtime.contract.overlap import Overlap
 
 __all__ = ["TrainOptions", "CliFlag", "FLAG_KINDS", "cli_flags", "default_of"]
 
@@ -170,6 +171,18 @@ class TrainOptions:
     """``on``: a step waits only for the copy of the state to host memory (and for the previous
     write, at most one in flight), the write runs in a background thread
     (``runtime.checkpointing.background_writer``); ``off``: the write is in line."""
+    overlap: str = field(
+        default=Toggle.ON.value,
+        metadata=_flag(
+            "--overlap",
+            metavar="on|off",
+            help="on (default): data-parallel, tensor-parallel and pipeline communication runs beside "
+            "compute; off: every collective is waited where it is issued (same numbers, for comparison)",
+        ),
+    )
+    """``on``: every kind of communication the runtime can overlap with compute does
+    (``runtime.contract.overlap``); ``off``: each collective is waited at once. The losses and
+    parameters are the same either way."""
     timeout_s: float = field(
         default=300.0,
         metadata=_flag(
@@ -265,6 +278,7 @@ class TrainOptions:
             ("snapshot_every", _is_int(self.snapshot_every) and self.snapshot_every >= 0, "a non-negative integer"),
             ("on_save_error", self.on_save_error in ("stop", "continue"), "stop or continue"),
             ("async_checkpoint", self.async_checkpoint in names(Toggle), " or ".join(names(Toggle))),
+            ("overlap", self.overlap in names(Toggle), " or ".join(names(Toggle))),
             ("warmup_steps", _is_int(self.warmup_steps) and self.warmup_steps >= 0, "a non-negative integer"),
             ("timeout_s", _finite(self.timeout_s) and self.timeout_s > 0, "a positive number"),
             ("lr", _finite(self.lr) and self.lr > 0, "a positive number"),
@@ -292,6 +306,11 @@ class TrainOptions:
         for name, valid, what in checks:
             if not valid:
                 raise ConfigError(f"{_label(name)} must be {what}, got {getattr(self, name)!r}")
+
+    @property
+    def overlap_settings(self) -> Overlap:
+        """What this run overlaps (``--overlap``), per kind of traffic."""
+        return Overlap.from_toggle(self.overlap)
 
 
 def _is_int(value: Any) -> bool:
