@@ -4,6 +4,7 @@ training reference."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import torch
@@ -136,12 +137,31 @@ def write_plan(path, plan: Plan) -> str:
     return str(path)
 
 
+#: Reference runs already computed in this test process, by what determines them (many plans of
+#: one tiny model share a reference: the parallel layout does not change it).
+_REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
 def reference_run(plan: Plan, steps: int, **settings):
     """Single process, plain torch AdamW on the whole global batch: (losses, final params).
 
     ``settings`` override ``TrainOptions`` fields (``seed``, ``lr``, ``min_lr``, ``warmup_steps``,
     ``weight_decay``, ``eps``, ``beta1``, ``beta2``, ``max_grad_norm``, ``data_path``); every
-    other value is the trainer's default."""
+    other value is the trainer's default. The result depends only on the model, the global
+    batch, the sequence length, the inputs, the steps and the settings, so it is computed once per
+    process for each of those and handed out as copies."""
+    key = json.dumps(
+        [plan.model.spec, plan.model.sizes, plan.model.inputs, plan.global_batch, plan.seq_len, steps, settings],
+        sort_keys=True,
+        default=repr,
+    )
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(plan, steps, **settings)
+    losses, params = _REFERENCES[key]
+    return list(losses), {name: tensor.clone() for name, tensor in params.items()}
+
+
+def _reference_run(plan: Plan, steps: int, **settings):
     o = TrainOptions(steps=steps, **settings)
     b = build_model(plan.model.spec, ModelSizes(**plan.model.sizes), seed=o.seed)
     model = b.model
