@@ -7,7 +7,7 @@ Plain script (a few minutes on 2 shared cores)::
 
 One small built-in GPT (4 blocks x 256, 4 heads, vocab 8192, sequence 128, global batch 16,
 fp32) is planned for 2 local gloo processes under each layout of :data:`CASES` (every decision
-pinned), compiled once, and trained ``--steps`` steps twice, ``--overlap on`` and ``--overlap
+pinned) and trained ``--steps`` steps twice, ``--overlap on`` and ``--overlap
 off``, by ``planner train --nproc 2 --metrics``. For each the table gives
 
 - the step time: the median of ``step_time_s`` over the steps after ``--warmup``;
@@ -101,11 +101,9 @@ def _summary(metrics_path: str, warmup: int) -> dict:
 
 
 def run_case(name: str, config: BenchConfig, folder: str, log) -> dict:
-    """Plan, compile and train one case with overlap on and off; both summaries."""
+    """Plan one case and train it with overlap on and off; both summaries."""
     plan = os.path.join(folder, "plan.json")
-    compiled = os.path.join(folder, "compiled")
     _planner(["plan", *MODEL, *REQUEST, "--hardware", "cpu", *CASES[name], "--out", plan], config.timeout)
-    _planner(["compile", plan, "--out", compiled], config.timeout)
     out = {}
     for overlap in ("on", "off"):
         metrics = os.path.join(folder, f"metrics-{overlap}.jsonl")
@@ -113,7 +111,8 @@ def run_case(name: str, config: BenchConfig, folder: str, log) -> dict:
         _planner(
             [
                 "train",
-                compiled,
+                plan,
+                "--no-memory-tracking",
                 "--nproc",
                 "2",
                 "--steps",

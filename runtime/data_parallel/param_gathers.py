@@ -16,6 +16,9 @@ save and resume, export), ``memory_report``/``tracked_tensors`` (the memory trac
 ``close()`` (the end of training) -- and ``ZeroEngine.wait_params()`` is there for any other
 reader (an evaluation outside the module's forward). The contract is ZeRO-3's: a group's
 parameters are read only inside the forward of its module(s).
+
+With overlap off, and with the optimizer state offloaded (``runtime.data_parallel.offload_engine``,
+whose update publishes each group from the host tier), ``step()`` waits for every gather itself.
 """
 
 from __future__ import annotations
