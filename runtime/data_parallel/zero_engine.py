@@ -28,8 +28,9 @@ Each rank's loss is the mean over its local samples; the engine *averages* gradi
 dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward accumulates
 into the flat gradient buffers (``p.grad`` are views of them); a post-accumulate hook per parameter
 marks a group complete, and its bucket is reduced *while backward continues*
-(``runtime.data_parallel.grad_reduction``): stage 0/1 all-reduce once per step (from the last
-backward's hooks when ``micro_batches_per_step`` is set, else in ``step()``); stage 2/3
+(``runtime.data_parallel.grad_reduction``; ``ShardingConfig.overlap`` off: at the pass's end, waited
+there): stage 0/1 all-reduce once per step (from the hooks of the last backward, per root, when
+``micro_batches_per_step`` is set, else in ``step()``; left in flight until ``step()``); stage 2/3
 reduce-scatter on every backward outside ``no_sync()`` into fp32 shard accumulators, freeing the
 full gradient. A parameter tied across pipeline stages (``runtime.data_parallel.tied_weights``)
 is a group of its own, its reduced gradient summed over its tied group in ``step()``.
@@ -50,8 +51,9 @@ of their group) and a non-finite flag, in one fp64 all-reduce over dp and ``norm
 ``N = sqrt(sum) / loss_scale`` is the global norm; if any rank saw inf/nan every rank skips the
 step. Otherwise gradients are multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))``
 and AdamW (``runtime.data_parallel.flat_shards.adamw_step_``) updates the fp32 masters; stage 0
-copies them into the parameters, 1/2 all-gather the updated shards, 3 keeps only the shard (its
-per-layer gathers: ``runtime.data_parallel.zero3_lifetime``). fp16 uses ``DynamicLossScaler``:
+copies them into the parameters, 1/2 all-gather the updated shards (with ``overlap``, left in
+flight until each layer's first use: ``runtime.data_parallel.param_gathers``), 3 keeps only the
+shard (its per-layer gathers: ``runtime.data_parallel.zero3_lifetime``). fp16 uses ``DynamicLossScaler``:
 ``scale_loss(loss).backward()``. ``state_dict()`` returns this rank's shards with the layout to
 reshard them (``runtime.data_parallel.flat_shards``), loadable at any dp or stage.
 
@@ -394,7 +396,7 @@ class ZeroEngine(Zero3Params):
     def wait_params(self) -> None:
         """Wait for the ZeRO 1/2 parameter all-gathers still in flight after ``step()``
         (``runtime.data_parallel.param_gathers``): call before reading parameters outside the
-        module's forward; the engine's own readers (step, state dicts, memory report, close) do."""
+        module's forward; the engine's own readers (step, state dicts, tracked tensors, close) do."""
         self._gathers.wait_all()
 
     @property
