@@ -2,21 +2,21 @@
 
 Plain script (a few minutes on 2 shared cores)::
 
-    .venv/bin/python benchmarks/bench_overlap.py [--steps 8 --warmup 2 --cases dp2-z1,tp2,...]
-        [--json out.json]
+    .venv/bin/python benchmarks/bench_overlap.py [--steps 8 --warmup 2 --repeats 1]
+        [--cases dp2-z1,tp2,...] [--json out.json]
 
 One small built-in GPT (4 blocks x 256, 4 heads, vocab 8192, sequence 128, global batch 16,
 fp32) is planned for 2 local gloo processes under each layout of :data:`CASES` (every decision
 pinned) and trained ``--steps`` steps twice, ``--overlap on`` and ``--overlap
 off``, by ``planner train --nproc 2 --metrics``. For each the table gives
 
-- the step time: the median of ``step_time_s`` over the steps after ``--warmup``;
+- the step time: the median of ``step_time_s`` over the steps after ``--warmup`` (of every run);
 - the exposed-communication share: the median over those steps of
   ``(dp_comm + tp_comm + pp_bubble) / step_time_s`` from the metrics' measured ``time``
   (``runtime.timing``: only blocking waits count there; communication that ran under compute
   counts as compute, so the share is what overlap failed to hide);
 - whether the losses are equal: overlap changes when collectives are waited, never what they
-  compute, so the per-step losses must be the same (exit 1 otherwise).
+  compute, so the per-step losses of every run must be the same (exit 1 otherwise).
 
 What it cannot show on this machine: gloo on CPU moves bytes with the same cores that compute, so
 a collective "in flight" competes with the compute it overlaps (the contention factor the price
@@ -73,6 +73,9 @@ class BenchConfig:
     """Comma-separated names of :data:`CASES` to run."""
     timeout: int = 600
     """Seconds one ``planner`` command may take."""
+    repeats: int = 1
+    """Runs per side, alternating which side goes first (on, off / off, on ...); the medians pool
+    the timed steps of all of them, so that load drifting over the run hits both sides alike."""
 
 
 def _planner(args: list[str], timeout: int) -> None:
@@ -84,19 +87,24 @@ def _planner(args: list[str], timeout: int) -> None:
         raise RuntimeError(f"planner {' '.join(args[:2])} failed ({done.returncode}):\n{done.stderr[-2000:]}")
 
 
-def _summary(metrics_path: str, warmup: int) -> dict:
-    """Median step time, median exposed share and the losses of one run's metrics file."""
+def _steps(metrics_path: str) -> list[dict]:
+    """The step lines of one run's metrics file."""
     with open(metrics_path, encoding="utf-8") as f:
         lines = [json.loads(line) for line in f if line.strip()]
-    steps = [line for line in lines if "step" in line and "loss" in line]
-    timed = steps[warmup:] or steps
+    return [line for line in lines if "step" in line and "loss" in line]
+
+
+def _summary(runs: list[list[dict]], warmup: int) -> dict:
+    """Median step time, median exposed share and parts over the timed steps of every run of one
+    side; the losses of each run."""
+    timed = [line for steps in runs for line in (steps[warmup:] or steps)]
     return {
         "step_time_s": statistics.median(line["step_time_s"] for line in timed),
         "exposed_share": statistics.median(
             sum(line["time"][part] for part in EXPOSED) / line["step_time_s"] for line in timed
         ),
-        "parts": {part: statistics.median(line["time"][part] for line in timed) for part in steps[0]["time"]},
-        "losses": [line["loss"] for line in steps],
+        "parts": {part: statistics.median(line["time"][part] for line in timed) for part in timed[0]["time"]},
+        "losses": [[line["loss"] for line in steps] for steps in runs],
     }
 
 
@@ -104,29 +112,23 @@ def run_case(name: str, config: BenchConfig, folder: str, log) -> dict:
     """Plan one case and train it with overlap on and off; both summaries."""
     plan = os.path.join(folder, "plan.json")
     _planner(["plan", *MODEL, *REQUEST, "--hardware", "cpu", *CASES[name], "--out", plan], config.timeout)
-    out = {}
-    for overlap in ("on", "off"):
-        metrics = os.path.join(folder, f"metrics-{overlap}.jsonl")
-        log(f"[bench_overlap] {name}: overlap {overlap}")
-        _planner(
-            [
-                "train",
-                plan,
-                "--no-memory-tracking",
-                "--nproc",
-                "2",
-                "--steps",
-                str(config.steps),
-                "--metrics",
-                metrics,
-                "--overlap",
-                overlap,
-            ],
-            config.timeout,
-        )
-        out[overlap] = _summary(metrics, config.warmup)
-    out["losses_equal"] = out["on"]["losses"] == out["off"]["losses"]
+    runs: dict[str, list[list[dict]]] = {"on": [], "off": []}
+    for repeat in range(config.repeats):
+        for overlap in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+            runs[overlap].append(_train(name, plan, overlap, repeat, config, folder, log))
+    out: dict = {side: _summary(side_runs, config.warmup) for side, side_runs in runs.items()}
+    losses = [run for side in ("on", "off") for run in out[side]["losses"]]
+    out["losses_equal"] = all(run == losses[0] for run in losses)
     return out
+
+
+def _train(name: str, plan: str, overlap: str, repeat: int, config: BenchConfig, folder: str, log) -> list[dict]:
+    """One ``planner train`` run of ``plan``; its step lines."""
+    metrics = os.path.join(folder, f"metrics-{overlap}-{repeat}.jsonl")
+    log(f"[bench_overlap] {name}: overlap {overlap} (run {repeat + 1} of {config.repeats})")
+    args = ["train", plan, "--no-memory-tracking", "--nproc", "2", "--steps", str(config.steps)]
+    _planner([*args, "--metrics", metrics, "--overlap", overlap], config.timeout)
+    return _steps(metrics)
 
 
 def run_benchmark(config: BenchConfig, log=lambda line: None) -> dict:
