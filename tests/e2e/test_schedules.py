@@ -328,7 +328,9 @@ def test_schedules_overlap_reductions_with_backward_and_match_overlap_off(reduct
             assert c_on["reduced_at_backward_end"] == c_on["reduced_in_step"] == 0, (name, c_on)
             assert c_off["reduced_in_backward"] == 0
             if zero_stage == 3:  # gathers ahead of use in forward, backward and W; none off
-                assert c_on["prefetches"] > 0 and c_off["prefetches"] == 0
+                # (an interleaved chunk here is one layer, one group: prefetch stays inside a chunk)
+                assert c_on["prefetches"] > 0 or name == "interleaved"
+                assert c_off["prefetches"] == 0
             assert c_off["reduced_at_backward_end"] + c_off["reduced_in_step"] == expected
             if name == "interleaved" and zero_stage < 2:
                 assert {root for _, _, root in r_on["launches"]} == {0, 1}

@@ -326,3 +326,33 @@ def test_deferred_param_gathers_wait_at_first_use_and_before_a_checkpoint_reads(
         values = state["master"] if reader == engine.state_dict else list(state.values())
         assert len(values) == 5 if reader == engine.state_dict else len(values) == len(list(net.parameters()))
         assert all(bool((t == 7.0).all()) for t in values)
+
+
+def test_zero3_w_passes_prefetch_the_next_calls_groups_only_with_overlap():
+    """ZeRO-3 under a split backward: before each W call the engine gathers that call's groups and,
+    with overlap, starts the gather of the next call's (so W too runs a layer ahead); off, nothing
+    is prefetched anywhere. The trained parameters are the same, bit for bit."""
+    prefetched_in_w, params = {}, {}
+    for overlap in (True, False):
+        net = make_net()
+        engine = ZeroEngine(
+            net,
+            layer_groups(net),
+            sharding=ShardingConfig(zero_stage=3, micro_batches_per_step=2, overlap=overlap),
+            optimizer=OPT_CLIPPED,
+        )
+        in_w = []
+        real = engine.prepare_weights
+
+        def counted(weights, upcoming=(), real=real, engine=engine, in_w=in_w):
+            before = engine.counters["prefetches"]
+            real(weights, upcoming)
+            in_w.append(engine.counters["prefetches"] - before)
+
+        engine.prepare_weights = counted  # type: ignore[method-assign]
+        _split_run(engine, 2, split=True)
+        prefetched_in_w[overlap] = (sum(in_w), engine.counters["prefetches"])
+        params[overlap] = engine.full_state_dict()
+    assert prefetched_in_w[True][0] > 0 and prefetched_in_w[False] == (0, 0)
+    for name, p in params[True].items():
+        assert torch.equal(p, params[False][name]), name
