@@ -35,7 +35,14 @@ class ShardingConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Target size of one gradient reduction (consecutive groups are merged up to it, stages 0/1)."""
     prefetch: bool = True
-    """Stage 3 only: gather the next layer asynchronously while this one computes."""
+    """Stage 3 only: gather the next layer asynchronously while this one computes (forward,
+    backward and a split schedule's ``W``); ignored when ``overlap`` is off."""
+    overlap: bool = True
+    """Overlap the data-parallel collectives with compute (``runtime.contract.overlap``'s ``dp``):
+    bucket reductions launched from the gradient hooks while backward runs, ZeRO 1/2 parameter
+    all-gathers left in flight after ``step()`` and waited at each group's first use in the next
+    forward, ZeRO-3 prefetch. False: each pass's reductions launched at its end and waited there,
+    the all-gathers waited in ``step()``, no prefetch. The numbers are the same either way."""
     micro_batches_per_step: int | None = None
     """Backward passes per step (with ``roots``, the passes of all roots together: ``v * m`` for ``v``
     model chunks and ``m`` micro-batches); when set, stages 0/1 reduce gradients from the hooks of
@@ -51,6 +58,7 @@ class ShardingConfig:
         check_compute_dtype(self.param_dtype)
         object.__setattr__(self, "bucket_bytes", int(self.bucket_bytes))
         object.__setattr__(self, "prefetch", bool(self.prefetch))
+        object.__setattr__(self, "overlap", bool(self.overlap))
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,12 @@ class GradientReducer:
         while self.inflight and (len(self.inflight) > max_inflight or self.inflight[0].work.is_completed()):
             self._finish(self.inflight.pop(0))
 
+    def settle(self, group: FlatGroup) -> None:
+        """Finish the reductions in flight up to the one of ``group`` (if any): a gradient about to
+        accumulate into its buffer must not race a collective still reading it."""
+        while any(group in pending.groups for pending in self.inflight):
+            self._finish(self.inflight.pop(0))
+
     def drain(self) -> None:
         """Finish every reduction in flight."""
         while self.inflight:

@@ -26,9 +26,14 @@ gathered until ``B``'s pass ends (at most the chunk's parameters, for the length
 are then freed: a group whose ``W`` is pending is *not* held gathered between ``B`` and ``W``
 (between passes a ZeRO-3 rank holds only shards, whatever the schedule keeps pending). Before each
 of ``W``'s autograd calls ``prepare_weights`` gathers the groups of that call's weights (autograd's
-weight-side kernels may read them, and a checkpointed layer recomputes its forward); each is freed
-as soon as its last gradient of the pass arrives (``_on_grad``), as in an ordinary backward. So
-``W`` holds at most the groups whose weights it is between, typically one layer's.
+weight-side kernels may read them, and a checkpointed layer recomputes its forward) and, with
+prefetch, starts the gathers of the next call's groups, so the next layer's gather runs under this
+call's products as in forward and backward; each is freed as soon as its last gradient of the pass
+arrives (``_on_grad``), as in an ordinary backward. So ``W`` holds at most the groups whose weights
+it is between and the next call's, typically two layers'.
+
+Prefetch is on with ``ShardingConfig.prefetch`` and ``ShardingConfig.overlap`` (``--overlap off``:
+every gather is issued where it is needed and waited at once).
 
 ``Zero3Params`` holds these hooks and the gather/free of one group; ``runtime.data_parallel.zero_engine.ZeroEngine``
 derives from it and owns everything else (groups, buckets, the step). Its attributes used here:
@@ -112,17 +117,25 @@ class Zero3Params:
             if self._group_root[group.index] == root:
                 self._free(group)
 
-    def prepare_weights(self, weights) -> None:
+    def prepare_weights(self, weights, upcoming=()) -> None:
         """Before an autograd call that computes the gradients of ``weights`` outside the
         backward that gathered them (a split schedule's ``W``): gather their groups (stage 3;
-        module docstring). They are freed as their gradients complete, or when the pass ends."""
+        module docstring), then, with prefetch, start the gathers of the groups of ``upcoming``
+        (the weights of the next call) so that they arrive while this call computes. They are
+        freed as their gradients complete, or when the pass ends."""
         if self.stage != 3:
             return
+        for group in self._groups_of(weights):
+            self._gather(group)
+            self._wait_gather(group)
+        if self.prefetch:
+            for group in self._groups_of(upcoming):
+                self._prefetch(group)
+
+    def _groups_of(self, weights) -> list[FlatGroup]:
+        """The groups that hold any of ``weights``, in group order."""
         ids = {id(weight) for weight in weights}
-        for group in self.groups:
-            if ids.intersection(group.by_id):
-                self._gather(group)
-                self._wait_gather(group)
+        return [group for group in self.groups if ids.intersection(group.by_id)] if ids else []
 
     def _pre_forward(self, groups: list[FlatGroup]) -> None:
         in_bwd = in_backward()

@@ -28,8 +28,9 @@ Each rank's loss is the mean over its local samples; the engine *averages* gradi
 dp ranks with ``B/dp`` samples each reproduce one process with ``B`` samples. Backward accumulates
 into the flat gradient buffers (``p.grad`` are views of them); a post-accumulate hook per parameter
 marks a group complete, and its bucket is reduced *while backward continues*
-(``runtime.data_parallel.grad_reduction``): stage 0/1 all-reduce once per step (from the last
-backward's hooks when ``micro_batches_per_step`` is set, else in ``step()``); stage 2/3
+(``runtime.data_parallel.grad_reduction``; ``ShardingConfig.overlap`` off: at the pass's end, waited
+there): stage 0/1 all-reduce once per step (from the hooks of the last backward, per root, when
+``micro_batches_per_step`` is set, else in ``step()``; left in flight until ``step()``); stage 2/3
 reduce-scatter on every backward outside ``no_sync()`` into fp32 shard accumulators, freeing the
 full gradient. A parameter tied across pipeline stages (``runtime.data_parallel.tied_weights``)
 is a group of its own, its reduced gradient summed over its tied group in ``step()``.
@@ -50,8 +51,9 @@ of their group) and a non-finite flag, in one fp64 all-reduce over dp and ``norm
 ``N = sqrt(sum) / loss_scale`` is the global norm; if any rank saw inf/nan every rank skips the
 step. Otherwise gradients are multiplied by ``(1 / loss_scale) * min(1, max_norm / (N + 1e-6))``
 and AdamW (``runtime.data_parallel.flat_shards.adamw_step_``) updates the fp32 masters; stage 0
-copies them into the parameters, 1/2 all-gather the updated shards, 3 keeps only the shard (its
-per-layer gathers: ``runtime.data_parallel.zero3_lifetime``). fp16 uses ``DynamicLossScaler``:
+copies them into the parameters, 1/2 all-gather the updated shards (with ``overlap``, left in
+flight until each layer's first use: ``runtime.data_parallel.param_gathers``), 3 keeps only the
+shard (its per-layer gathers: ``runtime.data_parallel.zero3_lifetime``). fp16 uses ``DynamicLossScaler``:
 ``scale_loss(loss).backward()``. ``state_dict()`` returns this rank's shards with the layout to
 reshard them (``runtime.data_parallel.flat_shards``), loadable at any dp or stage.
 
@@ -89,6 +91,7 @@ from runtime.data_parallel.flat_shards import (
 from runtime.data_parallel.grad_reduction import GradientReducer, drop_full_grad, shard_accumulator
 from runtime.data_parallel.offload_engine import Offload, OffloadConfig, OptimizerStore, copy_part
 from runtime.data_parallel.onebit_adam import OneBitAdam
+from runtime.data_parallel.param_gathers import ParamGathers
 from runtime.data_parallel.precision import DynamicLossScaler, cast_floating, dtype_name
 from runtime.data_parallel.tied_weights import tied_flat_groups
 from runtime.data_parallel.zero3_lifetime import Zero3Params, group_roots, in_backward
@@ -157,7 +160,8 @@ class ZeroEngine(Zero3Params):
         self.sharding = sharding = sharding or ShardingConfig()
         self.optimizer = optimizer = optimizer or OptimizerConfig()
         parallel = parallel or ParallelContext()
-        self.stage, self.dtype, self.prefetch = sharding.zero_stage, sharding.param_dtype, sharding.prefetch
+        self.stage, self.dtype, self.overlap = sharding.zero_stage, sharding.param_dtype, sharding.overlap
+        self.prefetch = sharding.prefetch and sharding.overlap
         self.micro_batches_per_step = sharding.micro_batches_per_step
         self.lr = optimizer.lr
         self.scaler = self._loss_scaler(optimizer.loss_scaler)
@@ -186,6 +190,7 @@ class ZeroEngine(Zero3Params):
             self.groups, self._group_root, dp_group, sharding, self.device, self._flat_grad, self._reduced
         )
         self._onebit = self._one_bit_adam(parallel, offload) if optimizer.compression.enabled else None
+        self._gathers = ParamGathers(self.counters)  # ZeRO 1/2: parameter all-gathers in flight after step()
         self._register_hooks()
 
     # ------------------------------------------------------------------ construction
@@ -205,6 +210,10 @@ class ZeroEngine(Zero3Params):
         self._graph_task: int | None = None  # graph task whose end callback is queued
         self._scope = False  # inside backward_pass(): autograd calls join the scope's pass
         self._sync_this_backward = False
+        self._root_passes: dict[int, int] = {}  # root -> counted passes that reached it this step
+        self._pass_roots: set[int] = set()  # roots whose gradients this pass produced
+        self._sync_roots: set[int] = set()  # roots whose gradients this pass reduces
+        self._counted = False  # this pass counts towards micro_batches_per_step
         self._hooks: list = []
         self._fwd_order: list[int] = []
         self._fwd_seen: set[int] = set()
@@ -357,6 +366,8 @@ class ZeroEngine(Zero3Params):
                 )
         if self.stage == 3:
             self._register_gather_hooks()
+        elif self.stage in (1, 2):
+            self._hooks += self._gathers.hook(self.module, self.groups)
 
     def _register_gather_hooks(self) -> None:
         """Stage 3: gather each group around the forward of the modules that hold it."""
@@ -376,10 +387,22 @@ class ZeroEngine(Zero3Params):
     def close(self) -> None:
         """Remove every hook the engine put on the module and its parameters; delete the offload
         stores' NVMe files."""
+        self.wait_params()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self._off.close()
+
+    def wait_params(self) -> None:
+        """Wait for the ZeRO 1/2 parameter all-gathers still in flight after ``step()``
+        (``runtime.data_parallel.param_gathers``): call before reading parameters outside the
+        module's forward; the engine's own readers (step, state dicts, tracked tensors, close) do."""
+        self._gathers.wait_all()
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """ZeRO 1/2 parameter all-gathers launched by ``step()`` and not yet waited for."""
+        return len(self._gathers.pending)
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, root: int, args, kwargs):
@@ -424,13 +447,37 @@ class ZeroEngine(Zero3Params):
         """A backward pass begins: count it and decide whether it reduces."""
         self._reducer.launched = set()
         self._backwards += counted
+        self._counted = counted
+        self._pass_roots, self._sync_roots = set(), set()
         self._reducer.local_only = self._compressing()
         if not counted or self._no_sync or self.dp == 1 and self.stage < 2 or self._reducer.local_only:
             self._sync_this_backward = False
+        elif self.stage < 2 and len(self._roots) > 1:  # decided per root, at its first gradient
+            self._sync_this_backward = self.micro_batches_per_step is not None
         elif self.stage < 2:
             self._sync_this_backward = self._backwards == self.micro_batches_per_step
         else:
             self._sync_this_backward = True
+
+    def _syncs(self, root: int) -> bool:
+        """Whether this pass reduces root ``root``'s gradients (decided at its first gradient).
+
+        Stages 0/1 over several roots (a rank's model chunks) reduce each root in the root's own
+        last pass (the ``micro_batches_per_step / len(roots)``-th that reaches it), so a chunk
+        whose backward ends early has its reductions in flight under the other chunks' passes
+        instead of all at the step's last one."""
+        if root not in self._pass_roots:
+            self._pass_roots.add(root)
+            passes = self._root_passes[root] = self._root_passes.get(root, 0) + self._counted
+            if not self._sync_this_backward:
+                pass
+            elif self.stage >= 2 or len(self._roots) == 1:
+                self._sync_roots.add(root)
+            else:
+                assert self.micro_batches_per_step is not None  # _start_pass syncs only with it
+                if passes == max(1, self.micro_batches_per_step // len(self._roots)):
+                    self._sync_roots.add(root)
+        return root in self._sync_roots
 
     def _begin_backward(self) -> None:
         """First hook of a backward pass: decide whether it reduces, queue the end callback (inside
@@ -450,7 +497,10 @@ class ZeroEngine(Zero3Params):
 
     def _on_grad(self, group: FlatGroup, param: nn.Parameter) -> None:
         self._begin_backward()
+        root = self._group_root[group.index]
+        syncs = self._syncs(root)
         entry = group.by_id[id(param)]
+        self._reducer.settle(group)  # a reduction of an earlier pass still reading this buffer
         if group.grad_full is None:  # stage 2/3: the group's first gradient since its last reduction
             group.grad_full = torch.zeros(group.padded, dtype=self.dtype, device=self.device)
             for other in group.entries:
@@ -470,15 +520,23 @@ class ZeroEngine(Zero3Params):
             group.ready = True
             group.visited = True
             self._free(group)
-            if self._sync_this_backward:
-                self._launch("reduced_in_backward", only_ready=True, root=self._group_root[group.index])
+            if syncs and self.overlap:
+                self._launch("reduced_in_backward", only_ready=True, root=root)
 
     def _end_backward(self) -> None:
-        sync = self._sync_this_backward
+        """The end of a backward pass: the reductions it owes not yet launched are launched. Stages
+        2/3 wait for them here (as FSDP does at the end of backward: the next pass accumulates
+        into fresh full gradients, and the memory model counts at most ``REDUCTIONS_IN_FLIGHT + 1``
+        of them). Stages 0/1 leave them in flight, so a pipeline rank's last sends and the other
+        chunks' passes run beside them, until ``step()`` (or a later gradient of the same buffer)
+        waits. With overlap off every reduction is launched and waited here."""
         self._graph_task = None
-        if sync:
-            self._launch("reduced_at_backward_end", only_ready=False)
-            self._reducer.drain()
+        if self._sync_roots:
+            one_root = len(self._roots) == 1 or self.stage >= 2
+            for root in [None] if one_root else sorted(self._sync_roots):
+                self._launch("reduced_at_backward_end", only_ready=False, root=root)
+            if self.stage >= 2 or not self.overlap:
+                self._reducer.drain()
         for group in self.groups:
             group.waiting, group.ready, group.visited = set(group.by_id), False, False
             self._free(group)
@@ -531,7 +589,7 @@ class ZeroEngine(Zero3Params):
         self._reducer.launched = set()
         self._launch("reduced_in_step", only_ready=False)
         self._reducer.drain()
-        self._reducer.launched, self._backwards = set(), 0
+        self._reducer.launched, self._backwards, self._root_passes = set(), 0, {}
         for group in self.groups:
             self._free(group)
         self._sync_tied()
@@ -558,6 +616,7 @@ class ZeroEngine(Zero3Params):
             raise ZeroError("step() was called during a backward pass; call it after backward returns")
         if lr is not None:
             self.lr = float(lr)
+        self.wait_params()  # the update writes the owned shard a gather may still be sending
         self._finish_reductions()
         if self._compressing():
             return self._compressed_step()
@@ -576,13 +635,18 @@ class ZeroEngine(Zero3Params):
             adamw_step_(master, gradient, exp_avg, exp_avg_sq, step=step, config=hyper, decay_ranges=group.decay_ranges)
             return self._publish(group, master) if grad is None else None
 
+        works: list = []
         if self._opt is not None and self._off.delayed:
             self._opt.start_update(self.groups, update)
-            works = []
         elif self._opt is not None:
             works = self._opt.update(self.groups, update)
-        else:
-            works = [update(group, group.master, group.exp_avg, group.exp_avg_sq) for group in self.groups]
+        else:  # groups in forward order: the next forward waits for each gather at its first use
+            for group in self.groups:
+                work = update(group, group.master, group.exp_avg, group.exp_avg_sq)
+                if self.overlap:
+                    self._gathers.defer(group, work)
+                else:
+                    works.append(work)
         for work in works:
             comm.wait(work)
         if self.scaler is not None:
@@ -674,7 +738,7 @@ class ZeroEngine(Zero3Params):
             raise ZeroError("zero_grad() was called during a backward pass")
         self._graph_task = None
         self._reducer.drain()
-        self._backwards, self._reducer.launched = 0, set()
+        self._backwards, self._reducer.launched, self._root_passes = 0, set(), {}
         self._off.new_step()
         for group in self.groups:
             group.dirty = group.ready = group.visited = group.flushed = False
@@ -704,6 +768,7 @@ class ZeroEngine(Zero3Params):
         ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
         """
         self._reducer.drain()
+        self.wait_params()
         self._settle()
         num_shards, shard_index = self._shard_position()
         state = export_state(self.groups, num_shards, shard_index, self.step_count, self._off.access)
@@ -726,6 +791,7 @@ class ZeroEngine(Zero3Params):
 
         Collective at stages 1 and 2 (the loaded shards are all-gathered into the parameters).
         """
+        self.wait_params()  # a gather in flight would overwrite the loaded parameters
         self._settle()
         num_shards, shard_index = self._shard_position()
         self.step_count = import_state(self.groups, state, num_shards, shard_index, self._off.access)
@@ -744,6 +810,7 @@ class ZeroEngine(Zero3Params):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters by their original names (collective over dp at stages 1-3)."""
+        self.wait_params()
         self._settle()
         out: dict[str, torch.Tensor] = {}
         for group in self.groups:
@@ -760,6 +827,7 @@ class ZeroEngine(Zero3Params):
     def tracked_tensors(self) -> list[torch.Tensor]:
         """Every device tensor the engine holds (for memory trackers); views share their base's
         storage. Host-tier tensors are ``host_tensors()``."""
+        self.wait_params()
         host = {id(t) for t in self.host_tensors()}
         tensors = [
             t
@@ -803,7 +871,7 @@ class ZeroEngine(Zero3Params):
         their own storage; ``grads``: full gradient buffers and fp32 shards; ``optimizer``: AdamW
         ``exp_avg`` and ``exp_avg_sq`` (and 1-bit Adam's error buffers). Each storage is counted once.
         """
-        seen: set[int] = set()
+        seen: set[int] = set()  # sizes only: a gather in flight changes no storage, nothing to wait for
         groups = self.groups
         params = [self._flat] + [group.full for group in groups] + [group.master for group in groups]
         grads = [self._flat_grad] + [group.grad_full for group in groups] + [group.grad_shard for group in groups]

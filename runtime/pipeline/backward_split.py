@@ -61,8 +61,9 @@ class BackwardScope(Protocol):
         """A context in which every autograd call is one backward pass of the caller's;
         ``accumulates=False`` for a ``B`` that leaves the weight gradients to ``W``."""
 
-    def prepare_weights(self, weights: list[torch.Tensor]) -> None:
-        """Called before each of ``W``'s autograd calls with the weights it computes."""
+    def prepare_weights(self, weights: list[torch.Tensor], upcoming: list[torch.Tensor]) -> None:
+        """Called before each of ``W``'s autograd calls with the weights it computes and those
+        of the next call (``[]`` after the last)."""
 
 
 def _node(tensor: torch.Tensor) -> Any:
@@ -204,12 +205,15 @@ def backward_input(
     return input_grads, WeightWork(calls)
 
 
-def backward_weight(work: WeightWork, prepare: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+def backward_weight(
+    work: WeightWork, prepare: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
+) -> None:
     """``W``: accumulate the weight gradients ``B`` left (ordinary backward calls, hooks fire).
-    ``prepare(weights)`` runs before each call (a ZeRO-3 engine gathers those weights there)."""
-    for roots, grads, weights in work.calls:
+    ``prepare(weights, upcoming)`` runs before each call with that call's weights and the next
+    call's (a ZeRO-3 engine gathers the first and prefetches the second there)."""
+    for k, (roots, grads, weights) in enumerate(work.calls):
         if prepare is not None:
-            prepare(weights)
+            prepare(weights, work.calls[k + 1][2] if k + 1 < len(work.calls) else [])
         if any(weight.numel() and not weight.untyped_storage().nbytes() for weight in weights):
             raise PipelineError(
                 "a W action found a weight whose storage is released (ZeRO-3 keeps a layer's "

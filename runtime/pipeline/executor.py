@@ -112,6 +112,7 @@ class PipelineStage:
         recv_meta: Sequence[Any] = (),
         device: torch.device | str | None = None,
         backward_scope: BackwardScope | None = None,
+        overlap: bool = True,
     ):
         chunks = placement.virtual_stages
         if chunks == 1:
@@ -136,6 +137,9 @@ class PipelineStage:
         self.device = torch.device(device)
         self.transport = StageTransport(placement.pp_group, self.device)
         self.backward_scope = backward_scope
+        self.overlap = overlap
+        """Receives posted one compute action ahead (``runtime.pipeline.transport.ReceiveAhead``);
+        False (``--overlap off``): each posted where the list reaches it and waited at once."""
         self.send_metas: list[tuple[TensorMeta, ...] | None] = [None] * chunks
         """Each chunk's successor's ``recv_meta``, learned in the pre-flight exchange."""
 
@@ -149,10 +153,13 @@ class PipelineStage:
         device: torch.device | str | None = None,
         virtual_stages: int = 1,
         backward_scope: BackwardScope | None = None,
+        overlap: bool = True,
     ) -> "PipelineStage":
         """Build from :func:`runtime.distributed.mesh.get_mesh` (stage = this rank's pp index)."""
         placement = StagePlacement.from_mesh(mesh, virtual_stages)
-        return cls(module, placement, recv_meta=recv_meta, device=device, backward_scope=backward_scope)
+        return cls(
+            module, placement, recv_meta=recv_meta, device=device, backward_scope=backward_scope, overlap=overlap
+        )
 
     @property
     def num_stages(self) -> int:
@@ -221,7 +228,7 @@ class PipelineStage:
         split = any(action.kind == W for action in actions)
         state = StepState()
         self.transport.start()
-        receives = ReceiveAhead(actions, self._post_recv)
+        receives = ReceiveAhead(actions, self._post_recv, ahead=self.overlap)
         for index, action in enumerate(actions):
             receives.before(index)
             if action.kind in (RECV_ACT, RECV_GRAD):
@@ -287,7 +294,7 @@ class PipelineStage:
         return scope.backward_pass(accumulates=accumulates) if scope is not None else contextlib.nullcontext()
 
     @property
-    def _prepare(self) -> Callable[[list[torch.Tensor]], None] | None:
+    def _prepare(self) -> Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None:
         return self.backward_scope.prepare_weights if self.backward_scope is not None else None
 
     def _backward(self, key: Key, split: bool, state: StepState) -> None:

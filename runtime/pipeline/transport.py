@@ -1,7 +1,16 @@
 """A stage's messages: receives posted ahead of need, sends left in flight.
 
 ``SEND_*`` posts ``isend`` and moves on; ``RECV_*`` posts ``irecv`` for every tensor of the
-message and waits. Outstanding sends are waited for after the last action. All traffic goes
+message and waits. Outstanding sends are waited for after the last action. With overlap on
+(``runtime.contract.overlap``'s ``pp``, the default) each receive is posted one compute action
+ahead (``ReceiveAhead``), so the transfer runs under that compute and the wait at the ``RECV``
+finds it done; with overlap off each receive is posted where the list reaches it and waited at
+once, so the whole transfer is on the compute path. Sends are asynchronous either way: that is
+the semantics the schedules are validated and deadlock-simulated under
+(``runtime.contract.schedule_ir``), and a send completes only once its receive is posted (gloo,
+NCCL), so waiting for a send before the next action would deadlock a schedule whose peer posts
+that receive after its own next compute. A send costs its sender nothing but the launch; what it
+costs the pipeline is paid by the receiver's wait. All traffic goes
 through :mod:`runtime.distributed.comm` and is counted (a send counts its bytes, a receive
 nothing); the time blocked waiting for a neighbour is the ``pp_bubble`` part of the step's
 measured breakdown (:mod:`runtime.timing`), as the pipeline group is registered for it.
@@ -72,8 +81,9 @@ class ReceiveAhead:
     instead of after it (a peer's send of a large tensor completes only once the receive is
     posted). Receives are still posted in list order, so each pair's messages match as without it."""
 
-    def __init__(self, actions: Sequence[Action], post: Callable[[Action], PostedRecv]):
+    def __init__(self, actions: Sequence[Action], post: Callable[[Action], PostedRecv], ahead: bool = True):
         self._actions = actions
+        self._ahead_on = ahead  # False: nothing is posted ahead (``take`` posts each receive)
         self._post = post
         self._receives = [k for k, action in enumerate(actions) if action.kind in (RECV_ACT, RECV_GRAD)]
         self._posted: dict[int, PostedRecv] = {}
@@ -81,6 +91,8 @@ class ReceiveAhead:
 
     def before(self, index: int) -> None:
         """Called before action ``index``: if it computes, post the next receive not yet posted."""
+        if not self._ahead_on:
+            return
         receives = self._receives
         while self._ahead < len(receives) and receives[self._ahead] <= index:
             self._ahead += 1

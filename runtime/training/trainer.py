@@ -343,6 +343,7 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
             param_dtype=to_torch(plan["dtype"]),
             # one backward pass per (chunk, micro-batch): a split B/W pair counts once
             micro_batches_per_step=plan["num_micro_batches"] * v,
+            overlap=opts.overlap_settings.dp,  # --overlap: reductions, ZeRO 1/2 gathers, ZeRO-3 prefetch
         ),
         optimizer=OptimizerConfig(
             lr=opts.lr,
@@ -432,6 +433,7 @@ def setup(
         device=device,
         virtual_stages=chunk_count,
         backward_scope=engine,
+        overlap=opts.overlap_settings.pp,  # --overlap: receives posted ahead
     )
     data = open_data(opts.data_path, data_vocab(input_specs, manifest["model"]["vocab"]), plan["seq_len"], opts.seed)
     resumed_from = resume(opts, engine, manifest, mesh)

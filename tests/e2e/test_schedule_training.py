@@ -47,6 +47,9 @@ CASES = {  # name -> (world, plan decisions)
     "zb-pp2-tp2": (4, dict(pp=2, tp=2, schedule="zero-bubble")),
     "zb-pp2-dp2-zero3": (4, dict(pp=2, dp=2, zero=3, schedule="zero-bubble")),
     "interleaved-pp2-v2-dp2-zero3": (4, dict(pp=2, dp=2, zero=3, schedule="interleaved", v=2)),
+    # --overlap off: the same runs, every collective waited where it is issued (must be identical)
+    "interleaved-pp2-v2-dp2-zero1-off": (4, dict(pp=2, dp=2, zero=1, schedule="interleaved", v=2)),
+    "zb-pp2-dp2-zero3-off": (4, dict(pp=2, dp=2, zero=3, schedule="zero-bubble")),
 }
 
 
@@ -59,8 +62,9 @@ def schedule_plan(spec: str = "gpt", schedule: str = "1f1b", v: int = 1, **decis
     return Plan.from_dict(d)
 
 
-def _options(folder: str, steps: int, resume: bool = False) -> TrainOptions:
+def _options(folder: str, steps: int, resume: bool = False, overlap: str = "on") -> TrainOptions:
     return TrainOptions(
+        overlap=overlap,
         steps=steps,
         metrics_path=os.path.join(folder, "m.jsonl"),
         checkpoint_dir=os.path.join(folder, "ck"),
@@ -90,7 +94,8 @@ def trained(tmp_path_factory):
         plans[name] = schedule_plan(**kw)
         folder = str(root / name)
         compile_plan(plans[name], os.path.join(folder, "compiled"))
-        runs[world].append((kw.get("spec", "gpt"), os.path.join(folder, "compiled"), _options(folder, STEPS)))
+        opts = _options(folder, STEPS, overlap="off" if name.endswith("-off") else "on")
+        runs[world].append((kw.get("spec", "gpt"), os.path.join(folder, "compiled"), opts))
     # the interleaved run's checkpoint, resumed under 1F1B with one chunk per rank
     plans["resume-1f1b"] = schedule_plan("hf:gpt2", pp=2)
     folder = str(root / "resume-1f1b")
@@ -122,6 +127,22 @@ def test_schedule_trains_like_one_process(trained, case):
     root, plans = trained
     losses, params = _result(root / case, STEPS)
     _check(losses[:STEPS], params, plans[case], STEPS)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", [name for name in CASES if name.endswith("-off")])
+def test_overlap_off_trains_exactly_as_overlap_on(trained, case):
+    """``--overlap off`` changes when collectives are waited, never what they compute: the same
+    losses and parameters, bit for bit, and each step's time still splits into its parts."""
+    root, _ = trained
+    off_losses, off_params = _result(root / case, STEPS)
+    on_losses, on_params = _result(root / case[: -len("-off")], STEPS)
+    assert off_losses == on_losses
+    assert off_params.keys() == on_params.keys()
+    for name, p in on_params.items():
+        assert torch.equal(off_params[name], p), name
+    for line in read_metrics(root / case / "m.jsonl"):
+        assert sum(line["time"].values()) == pytest.approx(line["step_time_s"], rel=1e-6)
 
 
 @pytest.mark.dist

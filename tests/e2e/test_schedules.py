@@ -99,6 +99,75 @@ def _zero_bubble_with_zero(rank: int, p: int, blocks: int) -> dict:
 VARIANTS = {"1f1b": (one_f_one_b, True), "zb": (zero_bubble_h1, True), "zb-unscoped": (zero_bubble_h1, False)}
 
 
+def _global_names(params: dict, bounds: list[tuple[int, int]], chunks: list[int]) -> dict:
+    """``full_state_dict`` names (``layers.k.x``, or ``j.layers.k.x`` over model chunks) as
+    ``<model layer>.x``, so that runs cut differently compare."""
+    out = {}
+    for name, p in params.items():
+        parts = name.split(".")
+        j = int(parts.pop(0)) if len(chunks) > 1 else 0
+        out[".".join([str(bounds[chunks[j]][0] + int(parts[1]))] + parts[2:])] = p
+    return out
+
+
+def _overlap_runs(zero_stage: int) -> dict:
+    """One step of this rank's part of a pp2 x dp2 mesh under 1F1B, ZB-H1 and interleaved (v 2)
+    with ``overlap`` on and off (the engine as the backward scope): parameters by model layer,
+    the engine's counters, and when each reduction launch happened (``(where, counted passes so
+    far, root)``)."""
+    out = {}
+    mesh = get_mesh()
+    s = mesh.pp_index
+    for name, v in (("1f1b", 1), ("zb", 1), ("interleaved", 2)):
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            bounds = chunk_bounds(4, 2 * v)
+            mine = [s + j * 2 for j in range(v)]
+            modules = [StageModule(make_layers(2), *bounds[c]) for c in mine]
+            module = modules[0] if v == 1 else torch.nn.ModuleList(modules)
+            engine = ZeroEngine(
+                module,
+                dp_group=mesh.dp_group,
+                sharding=ShardingConfig(zero_stage=zero_stage, micro_batches_per_step=M * v, overlap=overlap),
+                optimizer=OPT,
+                roots=None if v == 1 else [str(j) for j in range(v)],
+            )
+            launches: list = []
+            real_launch = engine._launch
+
+            def logged(where, only_ready, root=None, engine=engine, real_launch=real_launch, launches=launches):
+                before = engine.counters[where]
+                real_launch(where, only_ready, root)
+                if engine.counters[where] > before:
+                    launches.append((where, engine._backwards, root))
+
+            engine._launch = logged  # type: ignore[method-assign]
+            stage = PipelineStage.from_mesh(
+                modules[0] if v == 1 else modules,
+                recv_meta=(RECV_META if s > 0 else ()) if v == 1 else [RECV_META if c > 0 else () for c in mine],
+                virtual_stages=v,
+                backward_scope=engine,
+                overlap=overlap,
+            )
+            sched = {"1f1b": one_f_one_b(2, M), "zb": zero_bubble_h1(2, M), "interleaved": None}[name]
+            actions = interleaved_one_f_one_b(2, M, v)[s] if sched is None else sched[s]
+            inputs = [
+                chunk_inputs(mine[0], 2 * v, d) if v == 1 else [chunk_inputs(c, 2 * v, d) for c in mine]
+                for d in make_data(M)
+            ]
+            loss = stage.run(actions, inputs)
+            engine.step()
+            out[(name, overlap)] = dict(
+                loss=loss,
+                params=_global_names(engine.full_state_dict(), bounds, mine),
+                counters=dict(engine.counters),
+                buckets=len(engine._reducer.buckets),
+                launches=launches,
+            )
+            engine.close()
+    return out
+
+
 def _reductions(zero_stage: int) -> dict:
     """One step of this rank's stage of a pp2 x dp2 mesh per variant: the collectives it issued (by
     kind) and its parameters after the step."""
@@ -133,7 +202,9 @@ def _reductions(zero_stage: int) -> dict:
 
 def _reduction_worker(rank: int, world: int, out_dir: str) -> None:
     setup_mesh(2, 2, 1)
-    torch.save({z: _reductions(z) for z in (1, 2, 3)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    results = {z: _reductions(z) for z in (1, 2, 3)}
+    results.update({("overlap", z): _overlap_runs(z) for z in (0, 1, 2, 3)})
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
@@ -221,3 +292,46 @@ def test_split_backward_reduces_as_often_as_one_f_one_b(reductions, zero_stage):
             assert calls["zb-unscoped"][kind] > calls["1f1b"][kind], calls
         for name, p in red["1f1b"]["params"].items():
             torch.testing.assert_close(red["zb"]["params"][name], p, rtol=1e-6, atol=1e-7)
+
+
+def _union(runs, zero_stage: int, key) -> dict:
+    """The whole model's parameters after the step: every pp rank's (dp rank 0's copy)."""
+    out = {}
+    for got in runs[::2]:  # ranks 0 and 2: dp rank 0 of pp ranks 0 and 1 (mesh order pp, dp, tp)
+        out.update(got[("overlap", zero_stage)][key]["params"])
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_schedules_overlap_reductions_with_backward_and_match_overlap_off(reductions, zero_stage):
+    """pp2 x dp2, one step of 1F1B, ZB-H1 and interleaved (v 2), overlap on and off: the same loss
+    and parameters, bit for bit, whatever the schedule (and 1F1B's). With overlap every bucket's
+    reduction is launched from a gradient hook while backward runs (ZB-H1: in the W passes), none
+    at a pass's end or in step(); off, none from a hook. Interleaved ZeRO 0/1 reduces each chunk in
+    its own last pass: the chunk whose backward ends first launches before the step's last pass."""
+    runs = reductions
+    reference = _union(runs, zero_stage, ("1f1b", True))
+    for name in ("1f1b", "zb", "interleaved"):
+        on, off = _union(runs, zero_stage, (name, True)), _union(runs, zero_stage, (name, False))
+        assert on.keys() == reference.keys() == off.keys()
+        for n, p in reference.items():
+            torch.testing.assert_close(on[n], p, rtol=1e-6, atol=1e-7)
+            assert torch.equal(on[n], off[n]), (name, n)
+        for got in runs:
+            r_on, r_off = got[("overlap", zero_stage)][(name, True)], got[("overlap", zero_stage)][(name, False)]
+            assert r_on["loss"] == r_off["loss"]
+            c_on, c_off = r_on["counters"], r_off["counters"]
+            passes = M * (2 if name == "interleaved" else 1)
+            expected = r_on["buckets"] * (1 if zero_stage < 2 else M)  # 2/3: each chunk's M passes
+            assert c_on["reduced_in_backward"] == expected, (name, c_on)
+            assert c_on["reduced_at_backward_end"] == c_on["reduced_in_step"] == 0, (name, c_on)
+            assert c_off["reduced_in_backward"] == 0
+            if zero_stage == 3:  # gathers ahead of use in forward, backward and W; none off
+                # (an interleaved chunk here is one layer, one group: prefetch stays inside a chunk)
+                assert c_on["prefetches"] > 0 or name == "interleaved"
+                assert c_off["prefetches"] == 0
+            assert c_off["reduced_at_backward_end"] + c_off["reduced_in_step"] == expected
+            if name == "interleaved" and zero_stage < 2:
+                assert {root for _, _, root in r_on["launches"]} == {0, 1}
+                assert min(count for _, count, _ in r_on["launches"]) < passes

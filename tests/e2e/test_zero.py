@@ -32,26 +32,36 @@ BUCKET = 20_000  # bytes: a bucket never exceeds it: [head, b2], [b1], [b0, inp]
 
 
 # ---------------------------------------------------------------------------- multi-process
+#: "2ns": stage 2 with no_sync on the first micro-batch; "<z>off": stage z with overlap off
+FP32_CASES = (0, 1, 2, 3, "2ns", "0off", "1off", "2off", "3off")
+
+
 def _fp32_worker(rank: int, world: int, out: str) -> None:
     results = {}
-    for stage in (0, 1, 2, 3, "2ns"):  # "2ns": stage 2 with no_sync on the first micro-batch
+    for stage in FP32_CASES:
         net = make_net()
+        zero_stage = int(str(stage)[0])
         engine = ZeroEngine(
             net,
             layer_groups(net),
             dp_group=dist.group.WORLD,
             sharding=ShardingConfig(
-                zero_stage=2 if stage == "2ns" else stage,
+                zero_stage=zero_stage,
                 bucket_bytes=BUCKET,
-                micro_batches_per_step=MICRO if stage == 1 else None,  # stage 1: reduce from hooks
+                micro_batches_per_step=MICRO if zero_stage == 1 else None,  # stage 1: reduce from hooks
+                overlap="off" not in str(stage),
             ),
             optimizer=OPT_CLIPPED,
         )
         comm.STATS.reset()
         losses, infos = run_engine(engine, STEPS, rank, world, no_sync=stage == "2ns")
         stats = (dict(comm.STATS.bytes_by_kind), dict(comm.STATS.calls_by_kind))
-        sd = engine.state_dict()
+        in_flight = engine.gathers_in_flight  # the last step's parameter gathers (ZeRO 1/2, overlap on)
+        sd = engine.state_dict()  # what a checkpoint save reads: it must wait for them first
         results[stage] = dict(
+            in_flight=(in_flight, engine.gathers_in_flight),
+            # ZeRO-3 releases the parameters' storage between passes: nothing to read there
+            module_params={n: p.detach().clone() for n, p in net.named_parameters()} if zero_stage < 3 else {},
             losses=losses,
             norms=[i.grad_norm for i in infos],
             params=engine.full_state_dict(),
@@ -172,7 +182,7 @@ def _padded_bytes(world: int = 2) -> int:
     return 4 * sum(padded_numel(sum(net.get_parameter(n).numel() for n in g), world) for g in layer_groups(net))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3, "2ns"])
+@pytest.mark.parametrize("stage", FP32_CASES)
 def test_dp2_matches_single_process(fp32_runs, stage):
     ref_losses, ref_params = reference()
     r0, r1 = fp32_runs[0][stage], fp32_runs[1][stage]
@@ -227,6 +237,44 @@ def test_reductions_overlap_backward(fp32_runs):
         # every gather is issued ahead of use but the first of forward and the first of backward
         assert c[3]["prefetches"] == STEPS * MICRO * (2 * 5 - 2)
         assert c[2]["prefetches"] == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overlap_off_is_the_same_run_waited_at_once(fp32_runs, stage):
+    """Overlap changes when collectives are waited, never what they compute: overlap off gives
+    bit-identical losses, norms and parameters, with the same collectives and bytes. Off, no
+    reduction is launched from a gradient hook (each pass's are launched and waited at its end,
+    stage 0 without micro_batches_per_step in step()), ZeRO-3 prefetches nothing, and the ZeRO 1/2
+    parameter gathers are waited inside step()."""
+    for run in fp32_runs:
+        on, off = run[stage], run[f"{stage}off"]
+        assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+        for n, p in on["params"].items():
+            assert torch.equal(p, off["params"][n]), n
+        assert on["stats"] == off["stats"]
+        c = off["counters"]
+        assert c["reduced_in_backward"] == 0 and c["prefetches"] == 0 and c["params_waited_at_use"] == 0
+        assert off["in_flight"] == (0, 0)
+        nb, ng = 3, 5
+        ends = {0: 0, 1: nb * STEPS, 2: ng * MICRO * STEPS, 3: ng * MICRO * STEPS}[stage]
+        assert c["reduced_at_backward_end"] == ends and c["reduced_in_step"] == (nb * STEPS if stage == 0 else 0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_gathers_wait_at_first_use_and_before_a_checkpoint_reads(fp32_runs, stage):
+    """ZeRO 1/2 with overlap: step() leaves one all-gather per group in flight; the next forward
+    waits each at its group's first use (STEPS - 1 steps' worth), and the last step's are waited
+    by state_dict() (a checkpoint save) before it reads anything: after it, nothing is in flight
+    and the module's parameters are the gathered ones."""
+    groups = 5
+    for run in fp32_runs:
+        r = run[stage]
+        c = r["counters"]
+        assert r["in_flight"] == (groups, 0)
+        assert c["params_waited_at_use"] == groups * (STEPS - 1)
+        assert c["params_waited_early"] == groups
+        for n, p in r["params"].items():
+            assert torch.equal(r["module_params"][n], p), n
 
 
 def test_zero3_memory_matches_formula(fp32_runs):

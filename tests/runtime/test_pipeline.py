@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from runtime.contract.schedule_ir import one_f_one_b, zero_bubble_h1
+from runtime.contract.schedule_ir import RECV_ACT, RECV_GRAD, Action, B, F, one_f_one_b, zero_bubble_h1
 from runtime.pipeline.executor import (
     MAX_TENSORS,
     PipelineError,
@@ -20,6 +20,7 @@ from runtime.pipeline.executor import (
     backward_weight,
     run_pipeline,
 )
+from runtime.pipeline.transport import ReceiveAhead
 from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, make_layers, reference
 
 
@@ -190,3 +191,36 @@ def test_split_backward_frees_the_loss_tail_at_b():
     head.out.weight.register_post_accumulate_grad_hook(at_w)
     stage.run(actions, [(torch.randint(0, 64, (4,)),) for _ in range(m)])
     assert len(alive_at_w) == m and all(not alive for alive in alive_at_w), alive_at_w
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_receives_posted_ahead_only_with_overlap(ahead):
+    """Overlap on: each receive is posted before the compute action preceding it, so the message
+    arrives while this rank computes; off (``--overlap off``): nothing is posted ahead, the
+    ``RECV`` posts its receive itself and waits for the whole transfer. Either way each receive
+    is posted once, in list order (the pairing of messages depends on it)."""
+    actions = [
+        Action(1, RECV_ACT, 0),
+        Action(1, F, 0),
+        Action(1, RECV_ACT, 1),
+        Action(1, F, 1),
+        Action(1, RECV_GRAD, 0),
+        Action(1, B, 0),
+    ]
+    posted: list[tuple[int, int]] = []  # (action index at the time, receive's index)
+    now = [0]
+
+    def post(action):
+        posted.append((now[0], actions.index(action)))
+        return [], []
+
+    receives = ReceiveAhead(actions, post, ahead=ahead)
+    for index, action in enumerate(actions):
+        now[0] = index
+        receives.before(index)
+        if action.kind in (RECV_ACT, RECV_GRAD):
+            receives.take(index)
+    if ahead:
+        assert posted == [(0, 0), (1, 2), (3, 4)]  # the first at its own action: nothing ran before it
+    else:
+        assert posted == [(0, 0), (2, 2), (4, 4)]

@@ -168,6 +168,32 @@ def test_comm_charges_blocking_calls_and_waits_to_their_group(groups, monkeypatc
     assert seconds == 7.75
 
 
+def test_overlapped_launch_counts_as_compute_and_a_finished_wait_costs_nothing(groups, monkeypatch):
+    """What overlap buys in the breakdown: the launch of an asynchronous reduction (here 0.25 s of
+    enqueueing) stays in the part that launched it, ``compute`` at the top; the wait on a
+    collective that finished under that compute adds nothing to ``dp_comm``, and only the part of
+    a wait that still blocks counts there."""
+    clk = FakeClock()
+    monkeypatch.setattr(timing, "TIMER", PartTimer(clock=clk))
+    timing.TIMER.start()
+
+    def launch(remaining: float):
+        def fn():
+            clk.now += 0.25  # the launch itself
+            return FakeWork(clk, remaining)
+
+        return fn
+
+    done = comm._guard("all_reduce", 8, groups["dp"], launch(0.0), blocking=False)
+    late = comm._guard("all_gather", 8, groups["dp"], launch(0.75), blocking=False)
+    clk.now += 1.0  # backward / forward compute while both are in flight
+    comm.wait(done)  # finished under the compute
+    comm.wait(late)  # 0.75 s still to go: exposed
+    seconds, parts = timing.TIMER.stop()
+    assert parts["compute"] == 1.5 and parts["dp_comm"] == 0.75
+    assert sum(parts.values()) == seconds == 2.25
+
+
 class Stage(torch.nn.Module):
     """A stage module as codegen writes one: ``layer_<i>`` children, some checkpointed."""
 

@@ -273,3 +273,86 @@ def test_roots_must_hold_whole_groups():
         roots=["0", "1"],
     )
     assert engine._group_root == [0, 1]
+
+
+# ---------------------------------------------------------------------------- deferred parameter gathers
+class _LateGather:
+    """A stand-in for an all-gather still in flight: its data lands (``group.full`` filled with
+    ``value``) only when it is waited for, and the wait is logged."""
+
+    def __init__(self, group, value: float, log: list):
+        self.group, self.value, self.log = group, value, log
+
+    def wait(self) -> None:
+        self.log.append(self.group.index)
+        self.group.full.fill_(self.value)
+
+    def is_completed(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deferred_param_gathers_wait_at_first_use_and_before_a_checkpoint_reads(stage):
+    """ZeRO 1/2 leave each group's parameter all-gather in flight after step(): the forward waits
+    for each just before the module holding it runs (in forward order, not all up front), and
+    state_dict() (what a checkpoint save reads) / full_state_dict() (export) wait for every one
+    before reading, so they see the gathered values, never the stale ones."""
+    net = make_net()
+    engine = ZeroEngine(net, layer_groups(net), sharding=ShardingConfig(zero_stage=stage), optimizer=OPT)
+    log: list[int] = []
+    seen: list[tuple[str, list[int]]] = []  # (module, gathers waited when it started)
+    for name in ("inp", "blocks.0", "blocks.1", "blocks.2", "head"):
+        net.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: seen.append((name, list(log))))
+    for group in engine.groups:
+        engine._gathers.defer(group, _LateGather(group, 0.0, log))
+    assert engine.gathers_in_flight == 5
+    net(*data(0))
+    assert seen == [
+        ("inp", [0]),
+        ("blocks.0", [0, 1]),
+        ("blocks.1", [0, 1, 2]),
+        ("blocks.2", [0, 1, 2, 3]),
+        ("head", [0, 1, 2, 3, 4]),
+    ]
+    assert engine.gathers_in_flight == 0 and engine.counters["params_waited_at_use"] == 5
+
+    for reader in (engine.state_dict, engine.full_state_dict):
+        log.clear()
+        for group in engine.groups:
+            engine._gathers.defer(group, _LateGather(group, 7.0, log))
+        state = reader()
+        assert log == [0, 1, 2, 3, 4]
+        # the fp32 masters are the owned shard of the parameters (dp 1: all of them)
+        values = state["master"] if reader == engine.state_dict else list(state.values())
+        assert len(values) == 5 if reader == engine.state_dict else len(values) == len(list(net.parameters()))
+        assert all(bool((t == 7.0).all()) for t in values)
+
+
+def test_zero3_w_passes_prefetch_the_next_calls_groups_only_with_overlap():
+    """ZeRO-3 under a split backward: before each W call the engine gathers that call's groups and,
+    with overlap, starts the gather of the next call's (so W too runs a layer ahead); off, nothing
+    is prefetched anywhere. The trained parameters are the same, bit for bit."""
+    prefetched_in_w, params = {}, {}
+    for overlap in (True, False):
+        net = make_net()
+        engine = ZeroEngine(
+            net,
+            layer_groups(net),
+            sharding=ShardingConfig(zero_stage=3, micro_batches_per_step=2, overlap=overlap),
+            optimizer=OPT_CLIPPED,
+        )
+        in_w = []
+        real = engine.prepare_weights
+
+        def counted(weights, upcoming=(), real=real, engine=engine, in_w=in_w):
+            before = engine.counters["prefetches"]
+            real(weights, upcoming)
+            in_w.append(engine.counters["prefetches"] - before)
+
+        engine.prepare_weights = counted  # type: ignore[method-assign]
+        _split_run(engine, 2, split=True)
+        prefetched_in_w[overlap] = (sum(in_w), engine.counters["prefetches"])
+        params[overlap] = engine.full_state_dict()
+    assert prefetched_in_w[True][0] > 0 and prefetched_in_w[False] == (0, 0)
+    for name, p in params[True].items():
+        assert torch.equal(p, params[False][name]), name
