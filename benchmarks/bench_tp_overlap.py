@@ -12,7 +12,7 @@ the step's ``tp_comm`` part measures), of rank 0. The bytes each setting counts 
 overlap must not change them.
 
 ``python benchmarks/bench_tp_overlap.py [--layers 4 --batch 4 --seq 256 --hidden 512]
-[--rounds 12] [--json out.json]``.
+[--rounds 12] [--json out.json]``; importable as ``run_benchmark(BenchConfig())``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,6 +35,17 @@ from runtime.distributed.mesh import setup_mesh
 from runtime.tensor_parallel import column_parallel_linears, row_parallel_linear, set_overlap, shard_dim
 
 SETTINGS = [(sp, overlap) for sp in (False, True) for overlap in (False, True)]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The stack's sizes and how many timed rounds (each runs the four settings once)."""
+
+    layers: int = 4
+    batch: int = 4
+    seq: int = 256
+    hidden: int = 512
+    rounds: int = 12
 
 
 def _layers(count: int, hidden: int, rank: int, world: int) -> list[list[torch.Tensor]]:
@@ -84,8 +96,9 @@ def _worker(rank: int, world: int, cfg: dict, out: str) -> None:
         Path(out).write_text(json.dumps({"times": times, "sent": sent}))
 
 
-def run_benchmark(cfg: dict) -> dict:
+def run_benchmark(config: BenchConfig) -> dict:
     """Launch the 2 ranks and return ``{setting: {step_ms, tp_wait_ms, bytes}}`` of rank 0."""
+    cfg = asdict(config)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
         launch_local(_worker, 2, args=(cfg, out), timeout_s=600, collective_timeout_s=300)
@@ -102,19 +115,19 @@ def run_benchmark(cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("layers", 4), ("batch", 4), ("seq", 256), ("hidden", 512), ("rounds", 12)):
-        ap.add_argument(f"--{name}", type=int, default=default)
+    for f in fields(BenchConfig):
+        ap.add_argument(f"--{f.name}", type=int, default=f.default)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("layers", "batch", "seq", "hidden", "rounds")}
-    result = run_benchmark(cfg)
+    config = BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
+    result = run_benchmark(config)
     for key, r in result.items():
         print(f"{key:26s} step {r['step_ms']:8.1f} ms   blocked in tp collectives {r['tp_wait_ms']:7.1f} ms")
     for sp in (False, True):
         on, off = result[f"sp={sp} overlap=True"]["bytes"], result[f"sp={sp} overlap=False"]["bytes"]
         print(f"sp={sp}: bytes counted {'equal' if on == off else 'DIFFERENT'} with overlap on and off ({on})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": cfg, "result": result}, indent=2))
+        Path(args.json).write_text(json.dumps({"config": asdict(config), "result": result}, indent=2))
     return 0
 
 
