@@ -96,6 +96,30 @@ def _remote_blocks(launched: list[tuple[torch.Tensor, Any]], rows: int, n: int, 
                 yield j * rows + p * sub, buf[j * sub : (j + 1) * sub]
 
 
+def _wanted(ctx: Any, index: int) -> bool | None:
+    """Whether this backward call must produce the gradient of input ``index``: it needs one and the
+    engine runs its consumer in this call; None when the engine cannot tell (a leaf, such as a
+    weight, inside ``torch.autograd.grad``), which callers treat as wanted. A split backward
+    (``runtime.pipeline.backward_split``: ``B`` the input gradients by ``autograd.grad``, then ``W``
+    restarting here for the weights) runs this node twice: ``W`` skips the input gradient and its
+    collective, so nothing is communicated twice (``B`` may compute weight gradients it drops)."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[ctx.edges[index]][0]
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+        return None
+
+
+def _edges(inputs: tuple) -> dict[int, int]:
+    """Input index -> its slot in the node's ``next_functions`` (which lists the tensor inputs only)."""
+    tensors = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+    return {i: slot for slot, i in enumerate(tensors)}
+
+
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``dy^T x`` over every leading dim (the weight gradient of ``y = x W^T``)."""
     return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
@@ -112,6 +136,7 @@ class ColumnLinears(torch.autograd.Function):
         biases: tuple[torch.Tensor | None, ...] = params[count:]
         ctx.set_materialize_grads(False)
         ctx.dim, ctx.group, ctx.count = dim, group, count
+        ctx.edges = _edges((x, dim, group, count, *params))
         if dim is None:
             ctx.save_for_backward(x, *weights)
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
@@ -141,7 +166,7 @@ class ColumnLinears(torch.autograd.Function):
         used = [(i, g) for i, g in enumerate(grads) if g is not None]
         dx: torch.Tensor | None = None
         handle = None
-        if ctx.needs_input_grad[0] and used:
+        if _wanted(ctx, 0) is not False and used:
             dx = used[0][1].matmul(weights[used[0][0]])
             for i, g in used[1:]:
                 dx.add_(g.matmul(weights[i]))
@@ -153,9 +178,9 @@ class ColumnLinears(torch.autograd.Function):
         dws: list[torch.Tensor | None] = [None] * count
         dbs: list[torch.Tensor | None] = [None] * count
         for i, g in used:  # beside the collective in flight
-            if ctx.needs_input_grad[4 + i]:
+            if _wanted(ctx, 4 + i) is not False:
                 dws[i] = _weight_grad(g, x)
-            if ctx.needs_input_grad[4 + count + i]:
+            if _wanted(ctx, 4 + count + i) is not False:
                 dbs[i] = g.reshape(-1, g.shape[-1]).sum(0)
         comm.wait(handle)
         if dx is not None and dim is not None:
@@ -192,28 +217,40 @@ class LinearReduceScatter(torch.autograd.Function):
         for _, handle in in_flight:
             comm.wait(handle)
         ctx.save_for_backward(x, weight)
-        ctx.dim, ctx.group = dim, group
+        ctx.dim, ctx.group, ctx.edges = dim, group, {0: 0, 1: 1}
         return torch.cat(kept, 0).movedim(0, dim).contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
         dim, group = ctx.dim, ctx.group
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        want_x, maybe_w = _wanted(ctx, 0) is not False, _wanted(ctx, 1)
+        want_w = maybe_w is not False
         xm = x.movedim(dim, 0)
+        if not want_x:  # a split backward's ``W`` after its ``B``, which kept the gathered gradient
+            gathered = getattr(ctx, "gathered", None)
+            ctx.gathered = None
+            if gathered is not None or not want_w:
+                dw = _weight_grad(gathered, xm) if gathered is not None and want_w else None
+                return None, dw, None, None
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
         gm = grad.movedim(dim, 0)
         rows = gm.shape[0]
         launched = _launch_gathers(gm, n, group)
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dxm = xm.new_empty(xm.shape) if want_x else None
         acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        later = ctx.needs_input_grad[1] and maybe_w is not True  # a split backward's ``B``: keep dy for ``W``
+        gathered = gm.new_empty((n * rows,) + tuple(gm.shape[1:])) if later else None
         # this rank's positions while the pieces travel, then every other rank's as each piece lands
         for at, block in _blocks_local_first((rank * rows, gm), launched, rows, n, rank):
             if dxm is not None:
                 dxm[at : at + block.shape[0]] = block.matmul(weight)
             if dw is not None:
                 dw += _weight_grad(block, xm[at : at + block.shape[0]]).to(acc)
+            if gathered is not None:
+                gathered[at : at + block.shape[0]] = block
+        ctx.gathered = gathered
         dx = dxm.movedim(0, dim) if dxm is not None else None
         return dx, (dw.to(weight.dtype) if dw is not None else None), None, None
 

@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
 from runtime.distributed.mesh import setup_mesh
+from runtime.pipeline.backward_split import backward_input, backward_weight
 from runtime.tensor_parallel import (
     EAGER_ONLY,
     all_gather_seq,
@@ -167,9 +168,11 @@ def _overlap_reference(x, params, c):
     return y, leaves
 
 
-def _overlap_run(rank, world, x, params, c, seq):
+def _overlap_run(rank, world, x, params, c, seq, split=False):
     """The same on this rank's shards: ``column_parallel_linears`` then ``row_parallel_linear``
-    (``seq``: sequence parallel along that dim); the output, the leaves and the bytes counted."""
+    (``seq``: sequence parallel along that dim); the output, the leaves and the bytes counted.
+    ``split``: backward as a zero-bubble schedule runs it, ``B`` (the input's gradient, left in its
+    ``.grad`` here) then ``W`` (the weights')."""
     wq, bq, wk, wv, bv, wu, bu, w2, b2 = params
     local = [shard_dim(t, 0, rank, world) for t in (wq, bq, wk, wv, bv, wu, bu)] + [shard_dim(w2, 1, rank, world), b2]
     leaves = [_leaf(x if seq is None else shard_dim(x, seq, rank, world))] + [_leaf(t) for t in local]
@@ -177,14 +180,20 @@ def _overlap_run(rank, world, x, params, c, seq):
     comm.STATS.reset()
     q, k, v, _ = column_parallel_linears(xs, [wq_s, wk_s, wv_s, wu_s], [bq_s, None, bv_s, bu_s], sequence_dim=seq)
     y = row_parallel_linear(F.gelu(q) * k + v, w2_s, b2_s, sequence_dim=seq)
-    (y * (c if seq is None else shard_dim(c, seq, rank, world))).sum().backward()
+    dy = c if seq is None else shard_dim(c, seq, rank, world)
+    if split:
+        (xs.grad,), work = backward_input([y], [dy], [xs])
+        backward_weight(work)
+    else:
+        y.backward(dy)
     return y, leaves, dict(comm.STATS.bytes_by_kind)
 
 
 def _check_overlap_equivalence(rank, world):
-    """Overlap on and off, plain tp and sequence parallel along dim 1 or 0, sequences cut in pieces
-    (8 positions: 2 pieces a rank) or not (6): the values and gradients of one process, and the
-    bytes counted with overlap on exactly those counted with it off."""
+    """Overlap on and off, and on with a split backward (zero-bubble's ``B`` then ``W``), plain tp
+    and sequence parallel along dim 1 or 0, sequences cut in pieces (8 positions: 2 pieces a rank)
+    or not (6): the values and gradients of one process, and the bytes counted with overlap on
+    (split or not) exactly those counted with it off: nothing is computed or sent twice."""
     h, f = 8, 16
     for s in (8, 6):
         for seq in (None, 1, 0):
@@ -195,9 +204,9 @@ def _check_overlap_equivalence(rank, world):
             params += [torch.randn(f, h), torch.randn(f), torch.randn(h, f), torch.randn(h)]
             y_ref, ref = _overlap_reference(x, params, c)
             counted = {}
-            for on in (False, True):
+            for on, split in ((False, False), (True, False), (True, True)):
                 set_overlap(on)
-                y, got, counted[on] = _overlap_run(rank, world, x, params, c, seq)
+                y, got, counted[on, split] = _overlap_run(rank, world, x, params, c, seq, split)
                 assert_close(y, y_ref if seq is None else shard_dim(y_ref, seq, rank, world))
                 want_dx = ref[0].grad if seq is None else shard_dim(ref[0].grad, seq, rank, world)
                 assert_close(got[0].grad, want_dx)
@@ -209,8 +218,9 @@ def _check_overlap_equivalence(rank, world):
                 assert_close(torch.cat(_all(got[8].grad), 1), ref[8].grad)
                 assert_close(got[9].grad, ref[9].grad)
             set_overlap(True)
-            assert counted[True] == counted[False] and counted[True]["all_reduce"] > 0
-            assert ("all_gather" in counted[True]) == (seq is not None)
+            off = counted[False, False]
+            assert counted[True, False] == off and counted[True, True] == off and off["all_reduce"] > 0
+            assert ("all_gather" in off) == (seq is not None)
 
 
 def _check_overlap_pieces(rank, world):
