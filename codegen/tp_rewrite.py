@@ -36,6 +36,11 @@ in ``passes.tensor_parallel.tp_analysis``, "Sequence parallelism") rewrites on t
   along their sequence dim; size arguments along the sequence of views and expands become ``S/t``.
 * What a pipeline stage sends or receives is ``S/t`` positions long (``sequence_sharded``).
 
+With either, the linears that share a column-parallel input become one
+``column_parallel_linears`` call (the collective fused with them, so the runtime can overlap it:
+``runtime.tensor_parallel.overlapped``), and a row-parallel ``linear`` before a reduce-scatter one
+``linear_reduce_scatter_seq``.
+
 A model SP cannot split (``sp_blocked``) or a sequence ``t`` does not divide is a ``TPRewriteError``.
 With ``sequence_parallel`` false none of this happens: the code is that of plain tp.
 
@@ -474,6 +479,7 @@ class _LayerRewriter:
                     )
                 new.replace_all_uses_with(out)
                 graph.erase_node(new)
+        _fuse_column_linears(graph)
 
     def _shard_dim(self, orig: fx.Node) -> int | None:
         """The dim along which this rank holds a block of ``orig``'s input: its tp shard, or its
@@ -492,8 +498,11 @@ class _LayerRewriter:
         call = graph.call_function
         if kind == "row" and seq is not None:  # SP: the bias (through copy_to_tp) after the scatter
             x, weight, bias = matmul_operands(new)
-            product = aten.mm.default if payload is aten.addmm.default else payload
-            out = call(rtp.reduce_scatter_seq, (call(product, (x, weight)), seq))
+            if payload is aten.linear.default:  # one call: overlaps its pieces' reduce-scatters
+                out = call(rtp.linear_reduce_scatter_seq, (x, weight, seq))
+            else:
+                product = aten.mm.default if payload is aten.addmm.default else payload
+                out = call(rtp.reduce_scatter_seq, (call(product, (x, weight)), seq))
             return out if bias is None else call(aten.add.Tensor, (out, bias))
         if kind == "row":
             x, weight, bias = matmul_operands(new)
@@ -523,6 +532,47 @@ class _LayerRewriter:
             tuple(new.args[:2]),
             {"vocab_start": vocab_start(local, new), "ignore_index": ignore, "vocab_size": full, "reduction": red},
         )
+
+
+def _fuse_column_linears(graph: fx.Graph) -> None:
+    """Each ``copy_to_tp(x)`` / ``all_gather_seq(x, dim)`` whose every use is the input of an
+    ``aten.linear`` becomes one ``column_parallel_linears(x, weights, biases[, sequence_dim])``
+    call, and the linears the items of its result (same names), so the runtime can overlap the
+    collective with the matmuls (``runtime.tensor_parallel.overlapped``). The weights and biases
+    are parameters read where first used: their reads move up to the fused call."""
+    entries = (rtp.copy_to_tp, rtp.all_gather_seq)
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in entries]:
+        users = list(node.users)
+        if not users or any(not _plain_linear_of(u, node) for u in users):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(users, key=order.__getitem__)
+        users.sort(key=order.__getitem__)
+        operands = [a for u in users for a in u.args[1:] if isinstance(a, fx.Node)]
+        if any(order[a] > order[first] and a.op != "get_attr" for a in operands):
+            continue  # a weight computed after the first linear: leave the plain form
+        for a in operands:
+            if order[a] > order[first]:
+                first.prepend(a)
+        weights = [u.args[1] for u in users]
+        biases = [u.args[2] if len(u.args) > 2 else None for u in users]
+        kwargs = {} if node.target is rtp.copy_to_tp else {"sequence_dim": node.args[1]}
+        with graph.inserting_before(first):
+            fused = graph.call_function(rtp.column_parallel_linears, (node.args[0], weights, biases), kwargs)
+        for i, u in enumerate(users):
+            u.target, u.args, u.kwargs = operator.getitem, (fused, i), {}
+        graph.erase_node(node)
+
+
+def _plain_linear_of(user: fx.Node, x: fx.Node) -> bool:
+    """Whether ``user`` is ``aten.linear(x, weight[, bias])`` with ``x`` its input only."""
+    return (
+        user.target is aten.linear.default
+        and not user.kwargs
+        and user.args[0] is x
+        and x not in user.args[1:]
+        and 2 <= len(user.args) <= 3
+    )
 
 
 def _reshard_params(gm: fx.GraphModule, shard_info: dict, tp: int) -> None:

@@ -85,6 +85,7 @@ from runtime.tensor_parallel.collectives import (
     ScatterToTP,
     VocabParallelCrossEntropy,
 )
+from runtime.tensor_parallel.overlapped import ColumnLinears, LinearReduceScatter, overlap_enabled, set_overlap
 from runtime.tensor_parallel.shards import (
     padded_vocab_size,
     shard_dim,
@@ -106,6 +107,10 @@ __all__ = [
     "reduce_scatter_seq",
     "column_parallel_linear",
     "row_parallel_linear",
+    "column_parallel_linears",
+    "linear_reduce_scatter_seq",
+    "set_overlap",
+    "overlap_enabled",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "shard_dim",
@@ -139,6 +144,8 @@ EAGER_ONLY: tuple[str, ...] = (
     "scatter_to_tp",
     "all_gather_seq",
     "reduce_scatter_seq",
+    "column_parallel_linears",
+    "linear_reduce_scatter_seq",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "sharded_dropout",
@@ -256,9 +263,45 @@ def column_parallel_linear(
     dim (sequence parallelism: gathered first); the result holds this rank's output features for
     every position, or all of them (gathered along the last dim) with ``gather_output=True``.
     """
-    x = copy_to_tp(x, group) if sequence_dim is None else all_gather_seq(x, sequence_dim, group)
-    out = F.linear(x, weight_shard, bias_shard)
+    out = column_parallel_linears(x, [weight_shard], [bias_shard], sequence_dim, group)[0]
     return gather_from_tp(out, -1, group) if gather_output else out
+
+
+def column_parallel_linears(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None] | None = None,
+    sequence_dim: int | None = None,
+    group: Any = None,
+) -> tuple[torch.Tensor, ...]:
+    """``y_i = x W_i^T + b_i`` for column-parallel linears sharing one input (q, k and v; or one
+    linear): ``copy_to_tp(x)`` (or ``all_gather_seq(x, sequence_dim)``) once, then each linear.
+
+    With overlap on (:func:`set_overlap`, the default) one autograd function
+    (:mod:`runtime.tensor_parallel.overlapped`) runs the input's collective beside the matmuls:
+    the gradient's all-reduce (reduce-scatter) beside the weight gradients, and under sequence
+    parallelism the forward all-gather in pieces beside the partial products. Off: the plain
+    conjugate function, then ``F.linear`` each. The same values and bytes either way.
+    """
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    if len(biases) != len(weights):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases: give one bias (or None) per weight")
+    resolved = resolve_group(group)
+    if resolved is None or not overlap_enabled():
+        x = copy_to_tp(x, group) if sequence_dim is None else all_gather_seq(x, sequence_dim, group)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    return ColumnLinears.apply(x, sequence_dim, resolved, len(weights), *weights, *biases)
+
+
+def linear_reduce_scatter_seq(x: torch.Tensor, weight: torch.Tensor, dim: int = 1, group: Any = None) -> torch.Tensor:
+    """``reduce_scatter_seq(F.linear(x, weight), dim)``: a row-parallel product (no bias) summed over
+    the group, each rank keeping its positions along ``dim``. With overlap on, the product is
+    computed in pieces and each piece's reduce-scatter launched before the next is computed; the
+    gradient's all-gather likewise (:mod:`runtime.tensor_parallel.overlapped`)."""
+    resolved = resolve_group(group)
+    if resolved is None or not overlap_enabled():
+        return reduce_scatter_seq(F.linear(x, weight), dim, group)
+    return LinearReduceScatter.apply(x, weight, dim, resolved)
 
 
 def row_parallel_linear(
@@ -280,11 +323,10 @@ def row_parallel_linear(
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, -1, group)
-    partial = F.linear(x, weight_shard)
     if sequence_dim is None:
-        out = reduce_from_tp(partial, group)
+        out = reduce_from_tp(F.linear(x, weight_shard), group)
         return out if bias is None else out + bias
-    out = reduce_scatter_seq(partial, sequence_dim, group)
+    out = linear_reduce_scatter_seq(x, weight_shard, sequence_dim, group)
     return out if bias is None else out + copy_to_tp(bias, group)
 
 

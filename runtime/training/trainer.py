@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from runtime import timing
+from runtime import tensor_parallel, timing
 from runtime.checkpointing import checkpoint_io
 from runtime.contract.choices import GradCompression, ScheduleName
 from runtime.contract.compressed_exchange import default_warmup
@@ -401,6 +401,7 @@ def setup(
     offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
     mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest))
+    tensor_parallel.set_overlap(opts.overlap_settings.tp)
     device = _rank_device()
     chunks = rank_chunks(manifest, mesh.pp_index)
     chunk_count = len(chunks)

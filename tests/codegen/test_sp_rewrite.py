@@ -65,11 +65,15 @@ def test_sp_code_and_stage_shapes(tmp_path):
     assert "sequence-parallel" in src.splitlines()[1]
     assert "vocab_parallel_embedding(input_ids, tok_weight, vocab_start, sequence_dim = 1)" in src
     assert "scatter_to_tp(embedding_default_1, 0)" in src  # this rank's positions of [s, h]
-    assert src.count("all_gather_seq(") == 2 and src.count("reduce_scatter_seq(") == 2  # one block
+    # one block: q, k and v gather their shared input once, fused with them (as fc); each row-parallel
+    # product is fused with its reduce-scatter; the bias added after it, through copy_to_tp
+    assert src.count("column_parallel_linears(") == 2 and src.count("linear_reduce_scatter_seq(") == 2
+    assert "[attn_q_bias, attn_k_bias, attn_v_bias], sequence_dim = 1)" in src
+    assert "all_gather_seq" not in src and "aten.linear" not in src
     assert "row_parallel_linear" not in src
     assert "[2, 8, 2, 8]" in src  # views inside the tensor-parallel region see every position
     tail = (tmp_path / "stage_1.py").read_text()
-    assert "all_gather_seq(layer_norm_default, 1)" in tail  # before the LM head
+    assert "column_parallel_linears(layer_norm_default, [lm_head_weight], [None], sequence_dim = 1)" in tail
 
 
 def test_sp_off_writes_plain_tp(tmp_path):

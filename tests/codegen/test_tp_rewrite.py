@@ -54,15 +54,18 @@ def test_generated_code_and_shard_specs(tmp_path):
     assert params[layer + "input_layernorm.weight"]["shard"] is None
     assert params["inner.lm_head.weight"]["shard"] == {"dim": 0, "kind": "vocab", "padded": 64, "size": 64}
     src = (tmp_path / "stage_0.py").read_text()
-    for needle in (
-        "copy_to_tp",
+    for needle in (  # q, k and v share one input entering the region: one fused call, as gate and up
+        "column_parallel_linears(mul_tensor_1, [self_attn_q_proj_weight, self_attn_k_proj_weight, "
+        "self_attn_v_proj_weight], [None, None, None])",
+        "column_parallel_linears(mul_tensor_7, [mlp_gate_proj_weight, mlp_up_proj_weight], [None, None])",
+        "linear_default_1 = column_parallel_linears[1]",
         "row_parallel_linear",
         "vocab_parallel_embedding",
         "vocab_parallel_cross_entropy",
         "[2, 1, 2, 8, 8]",
     ):  # repeat_kv: 1 kv head, 2 reps
         assert needle in src, needle
-    assert "cross_entropy_loss.default" not in src
+    assert "cross_entropy_loss.default" not in src and "aten.linear" not in src and "copy_to_tp" not in src
     # Compiling again gives byte-identical files.
     before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
     compile_plan(_plan("hf:llama", LLAMA, tp=2), str(tmp_path))

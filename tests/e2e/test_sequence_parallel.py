@@ -6,7 +6,8 @@ process running plain torch AdamW on the same global batch (``tests.helpers.refe
 built-in GPT (learned position embeddings added to the sequence-sharded token embeddings, LayerNorm
 weights and biases, row-parallel biases), an HF llama (GQA, rotary, RMSNorm, no biases), GPT at
 tp 2 x pp 2 (the stages send ``S/t`` positions) and llama at tp 4, where SP covers only part of
-the model.
+the model; and GPT at tp 2 with ``--overlap off`` (the collectives waited in line, not beside the
+matmuls: the same numbers).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ CASES = {
     # SP starts at the last attention's output projection: a replicated residual meets sequence
     # shards there and each rank keeps its positions of it
     "llama-tp4-partial": ("hf:llama", TINY_LLAMA, dict(tp=4)),
+    "gpt-tp2-overlap-off": ("gpt", TINY_GPT, dict(tp=2)),
 }
 
 
@@ -37,9 +39,10 @@ CASES = {
 def test_sequence_parallel_trains_like_one_process(tmp_path, case):
     spec, sizes, degrees = CASES[case]
     plan = dataclasses.replace(make_plan(spec, sizes, **degrees), sequence_parallel=True)
-    losses, params = run_case(tmp_path, plan, steps=STEPS)
+    extra = ("--overlap", "off") if case.endswith("overlap-off") else ()
+    losses, params = run_case(tmp_path, plan, steps=STEPS, extra=extra)
     code = (tmp_path / "compiled" / "stage_0.py").read_text()
-    assert "all_gather_seq" in code and "reduce_scatter_seq" in code  # SP is really on
+    assert "sequence_dim = 1" in code and "reduce_scatter_seq(" in code  # SP is really on
     ref_losses, ref_params = reference_run(plan, STEPS, eps=EPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert set(params) == set(ref_params)

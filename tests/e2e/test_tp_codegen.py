@@ -1,7 +1,9 @@
-"""Tensor-parallel codegen: compiled tp stages on gloo reproduce the original model's loss and gradients."""
+"""Tensor-parallel codegen: compiled tp stages on gloo reproduce the original model's loss and gradients,
+with and without sequence parallelism, tensor-parallel overlap on and off (the same bytes either way)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -14,10 +16,12 @@ from planner.commands.train import original_state
 from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import Plan
 from runtime.contract.schedule_ir import one_f_one_b
+from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
 from runtime.distributed.mesh import setup_mesh
 from runtime.pipeline.executor import PipelineStage, TensorMeta
 from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
+from runtime.tensor_parallel import set_overlap
 from tests.helpers import manual_plan
 
 GPT = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 51, "seq_len": 8}
@@ -27,10 +31,11 @@ GPT_PP = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq_len": 8}
 MBS, SEED, WORLD = 2, 7, 4
 
 
-def _plan(spec: str, sizes: dict, tp: int, pp: int = 1, m: int = 1) -> Plan:
+def _plan(spec: str, sizes: dict, tp: int, pp: int = 1, m: int = 1, sp: bool = False) -> Plan:
     L = sizes["layers"]
     stages = [[0, L + 1]] if pp == 1 else [[0, L // 2], [L // 2 + 1, L + 1]]
-    return manual_plan(spec, sizes, tp=tp, pp=pp, mbs=MBS, m=m, stages=stages)
+    plan = manual_plan(spec, sizes, tp=tp, pp=pp, mbs=MBS, m=m, stages=stages)
+    return dataclasses.replace(plan, sequence_parallel=True) if sp else plan
 
 
 def _batch(vocab: int, rows: int, seq: int):
@@ -54,7 +59,9 @@ def _qkv_order(spec: dict, tp: int) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
-    for name, cdir, spec, sizes, m in jobs:
+    for name, cdir, spec, sizes, m, overlap in jobs:
+        set_overlap(overlap)
+        comm.STATS.reset()
         man = read_manifest(cdir)
         tp, pp = man["plan"]["tp"], man["plan"]["pp"]
         mesh = setup_mesh(pp, world // (pp * tp), tp)  # spare ranks: dp replicas of the same batch
@@ -76,7 +83,8 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
             micro = [tuple(src[n][i * MBS : (i + 1) * MBS] for n in stage["data_inputs"]) for i in range(m)]
             loss = ps.run(one_f_one_b(pp, m)[mesh.pp_index], micro)
         grads = {k: p.grad.detach().clone() for k, p in module.named_parameters()}
-        torch.save({"loss": loss, "grads": grads}, os.path.join(out_dir, f"{name}_{rank}.pt"))
+        sent = dict(comm.STATS.bytes_by_kind)
+        torch.save({"loss": loss, "grads": grads, "sent": sent}, os.path.join(out_dir, f"{name}_{rank}.pt"))
 
 
 def _reference(spec: str, sizes: dict, m: int):
@@ -134,25 +142,28 @@ def _check(name: str, cdir: str, out_dir: str, spec: str, sizes: dict, m: int) -
 def runs(tmp_path_factory):
     """Compile every case, then run them all in one 4-rank launch (spawning is the slow part)."""
     root = tmp_path_factory.mktemp("tp")
-    cases = (
-        ("gpt", "gpt", GPT, 2, 1, 1),
-        ("llama", "hf:llama", LLAMA, 2, 1, 1),
-        ("gpt2", "hf:gpt2", GPT2, 2, 1, 1),
-        ("pp", "gpt", GPT_PP, 2, 2, 2),
-        ("tp4", "gpt", GPT, 4, 1, 1),
+    cases = (  # name, spec, sizes, tp, pp, micro-batches, sequence parallel, tp overlap
+        ("gpt", "gpt", GPT, 2, 1, 1, False, True),
+        ("gpt-off", "gpt", GPT, 2, 1, 1, False, False),
+        ("gpt-sp", "gpt", GPT, 2, 1, 1, True, True),
+        ("gpt-sp-off", "gpt", GPT, 2, 1, 1, True, False),
+        ("llama", "hf:llama", LLAMA, 2, 1, 1, False, True),
+        ("gpt2", "hf:gpt2", GPT2, 2, 1, 1, False, True),
+        ("pp", "gpt", GPT_PP, 2, 2, 2, False, True),
+        ("tp4", "gpt", GPT, 4, 1, 1, False, True),
     )
     jobs = {}
-    for name, spec, sizes, tp, pp, m in cases:
+    for name, spec, sizes, tp, pp, m, sp, overlap in cases:
         cdir = str(root / name)
-        compile_plan(_plan(spec, sizes, tp=tp, pp=pp, m=m), cdir)
-        jobs[name] = (name, cdir, spec, sizes, m)
+        compile_plan(_plan(spec, sizes, tp=tp, pp=pp, m=m, sp=sp), cdir)
+        jobs[name] = (name, cdir, spec, sizes, m, overlap)
     launch_local(_worker, WORLD, (list(jobs.values()), str(root)), timeout_s=150)
     return root, jobs
 
 
 def _run_check(runs, name):
     root, jobs = runs
-    n, cdir, spec, sizes, m = jobs[name]
+    n, cdir, spec, sizes, m, _ = jobs[name]
     _check(n, cdir, str(root), spec, sizes, m)
 
 
@@ -179,3 +190,22 @@ def test_gpt_tp2_pp2_pipeline_matches_original(runs):
 @pytest.mark.dist
 def test_gpt_tp4_padded_vocab_matches_original(runs):
     _run_check(runs, "tp4")  # vocab 51 over 4 ranks: 13 rows each, one padding row
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["gpt-off", "gpt-sp", "gpt-sp-off"])
+def test_gpt_tp2_overlap_and_sequence_parallel_match_original(runs, name):
+    _run_check(runs, name)  # overlap on/off over the same compiled code; with SP, its fused calls
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp", ["", "-sp"])
+def test_tp_overlap_sends_the_same_bytes(runs, sp):
+    """Overlap changes when the tensor-parallel collectives are waited for, not what they move:
+    every rank counts exactly the bytes of each kind it counts without it."""
+    root, _ = runs
+    for r in range(WORLD):
+        on = torch.load(os.path.join(root, f"gpt{sp}_{r}.pt"))["sent"]
+        off = torch.load(os.path.join(root, f"gpt{sp}-off_{r}.pt"))["sent"]
+        assert on == off and on["all_reduce"] > 0
+        assert ("all_gather" in on) == bool(sp) and ("reduce_scatter" in on) == bool(sp)

@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-def run_case(tmp_path, plan, steps=STEPS):
+def run_case(tmp_path, plan, steps=STEPS, extra: tuple[str, ...] = ()):
     path = write_plan(tmp_path / "plan.json", plan)
     metrics = tmp_path / "m.jsonl"
     ck = tmp_path / "ck"
@@ -61,6 +61,7 @@ def run_case(tmp_path, plan, steps=STEPS):
             "60",
             "--adam-eps",
             str(EPS),
+            *extra,
         ]
     )
     assert rc == 0

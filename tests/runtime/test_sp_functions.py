@@ -1,6 +1,8 @@
 """runtime.tensor_parallel's sequence-parallel functions: the adjoint pair ``all_gather_seq`` /
 ``reduce_scatter_seq`` and the layers that use it, on 2 gloo ranks against single-process math
-(values, gradients, byte counts), plus their single-process behaviour."""
+(values, gradients, byte counts), plus their single-process behaviour; and the overlapped parallel
+linears (``runtime.tensor_parallel.overlapped``) with and without sequence parallelism, overlap on
+and off, against the same math and each other's byte counts."""
 
 from __future__ import annotations
 
@@ -16,13 +18,18 @@ from torch.testing import assert_close
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
 from runtime.distributed.mesh import setup_mesh
+from runtime.pipeline.backward_split import backward_input, backward_weight
 from runtime.tensor_parallel import (
     EAGER_ONLY,
     all_gather_seq,
     column_parallel_linear,
+    column_parallel_linears,
     copy_to_tp,
+    linear_reduce_scatter_seq,
+    overlap_enabled,
     reduce_scatter_seq,
     row_parallel_linear,
+    set_overlap,
     shard_dim,
     shard_vocab,
     sharded_dropout,
@@ -150,11 +157,105 @@ def _check_sharded_dropout(rank, world):
     assert sharded_dropout(x, p, False, 1) is x and sharded_dropout(x, 0.0, True, 1) is x
 
 
+def _overlap_reference(x, params, c):
+    """One process: four linears of ``x`` (the fourth unused), mixed, then a linear; the loss and the leaves."""
+    leaves = [_leaf(x)] + [None if t is None else _leaf(t) for t in params]
+    xr, wq, bq, wk, wv, bv, wu, bu, w2, b2 = leaves
+    q, k, v = F.linear(xr, wq, bq), F.linear(xr, wk), F.linear(xr, wv, bv)
+    F.linear(xr, wu, bu)  # no gradient reaches it
+    y = F.linear(F.gelu(q) * k + v, w2, b2)
+    (y * c).sum().backward()
+    return y, leaves
+
+
+def _overlap_run(rank, world, x, params, c, seq, split=False):
+    """The same on this rank's shards: ``column_parallel_linears`` then ``row_parallel_linear``
+    (``seq``: sequence parallel along that dim); the output, the leaves and the bytes counted.
+    ``split``: backward as a zero-bubble schedule runs it, ``B`` (the input's gradient, left in its
+    ``.grad`` here) then ``W`` (the weights')."""
+    wq, bq, wk, wv, bv, wu, bu, w2, b2 = params
+    local = [shard_dim(t, 0, rank, world) for t in (wq, bq, wk, wv, bv, wu, bu)] + [shard_dim(w2, 1, rank, world), b2]
+    leaves = [_leaf(x if seq is None else shard_dim(x, seq, rank, world))] + [_leaf(t) for t in local]
+    xs, wq_s, bq_s, wk_s, wv_s, bv_s, wu_s, bu_s, w2_s, b2_s = leaves
+    comm.STATS.reset()
+    q, k, v, _ = column_parallel_linears(xs, [wq_s, wk_s, wv_s, wu_s], [bq_s, None, bv_s, bu_s], sequence_dim=seq)
+    y = row_parallel_linear(F.gelu(q) * k + v, w2_s, b2_s, sequence_dim=seq)
+    dy = c if seq is None else shard_dim(c, seq, rank, world)
+    if split:
+        (xs.grad,), work = backward_input([y], [dy], [xs])
+        backward_weight(work)
+    else:
+        y.backward(dy)
+    return y, leaves, dict(comm.STATS.bytes_by_kind)
+
+
+def _check_overlap_equivalence(rank, world):
+    """Overlap on and off, and on with a split backward (zero-bubble's ``B`` then ``W``), plain tp
+    and sequence parallel along dim 1 or 0, sequences cut in pieces (8 positions: 2 pieces a rank)
+    or not (6): the values and gradients of one process, and the bytes counted with overlap on
+    (split or not) exactly those counted with it off: nothing is computed or sent twice."""
+    h, f = 8, 16
+    for s in (8, 6):
+        for seq in (None, 1, 0):
+            torch.manual_seed(s)
+            shape = (s, 2, h) if seq == 0 else (2, s, h)
+            x, c = torch.randn(shape), torch.randn(shape)
+            params = [torch.randn(f, h), torch.randn(f), torch.randn(f, h), torch.randn(f, h), torch.randn(f)]
+            params += [torch.randn(f, h), torch.randn(f), torch.randn(h, f), torch.randn(h)]
+            y_ref, ref = _overlap_reference(x, params, c)
+            counted = {}
+            for on, split in ((False, False), (True, False), (True, True)):
+                set_overlap(on)
+                y, got, counted[on, split] = _overlap_run(rank, world, x, params, c, seq, split)
+                assert_close(y, y_ref if seq is None else shard_dim(y_ref, seq, rank, world))
+                want_dx = ref[0].grad if seq is None else shard_dim(ref[0].grad, seq, rank, world)
+                assert_close(got[0].grad, want_dx)
+                for i in range(1, 8):  # column shards: output features; the unused linear gets none
+                    if ref[i].grad is None:
+                        assert got[i].grad is None
+                        continue
+                    assert_close(torch.cat(_all(got[i].grad), 0), ref[i].grad)
+                assert_close(torch.cat(_all(got[8].grad), 1), ref[8].grad)
+                assert_close(got[9].grad, ref[9].grad)
+            set_overlap(True)
+            off = counted[False, False]
+            assert counted[True, False] == off and counted[True, True] == off and off["all_reduce"] > 0
+            assert ("all_gather" in off) == (seq is not None)
+
+
+def _check_overlap_pieces(rank, world):
+    """The pieces each overlapped collective is cut into: 2 (the tp degree) when it divides a
+    rank's positions, else 1; a frozen input communicates nothing backward, as without overlap."""
+    torch.manual_seed(4)
+    assert overlap_enabled()
+    x, w = torch.randn(2, 8, 6), _leaf(torch.randn(4, 6))
+    for seq, pieces in ((8, 2), (6, 1)):
+        comm.STATS.reset()
+        y = column_parallel_linears(_leaf(x[:, :seq]).narrow(1, 0, seq // world), [w], sequence_dim=1)[0]
+        assert dict(comm.STATS.calls_by_kind) == {"all_gather": pieces}
+        z = linear_reduce_scatter_seq(y, _leaf(torch.randn(3, 4)), 1)
+        assert dict(comm.STATS.calls_by_kind) == {"all_gather": pieces, "reduce_scatter": pieces}
+        z.sum().backward()
+        assert dict(comm.STATS.calls_by_kind) == {"all_gather": 2 * pieces, "reduce_scatter": pieces + 1}
+    counted = []
+    for on in (True, False):
+        set_overlap(on)
+        comm.STATS.reset()
+        column_parallel_linears(x, [w])[0].sum().backward()  # x requires no grad: nothing to all-reduce
+        counted.append(dict(comm.STATS.calls_by_kind))
+    set_overlap(True)
+    assert counted == [{}, {}]
+    with pytest.raises(ValueError, match="2 weights but 1 biases"):
+        column_parallel_linears(x, [w, w], [None])
+
+
 CHECKS = {
     "adjoint_pair": _check_adjoint_pair,
     "sp_mlp": _check_sp_mlp,
     "sp_embedding": _check_sp_embedding,
     "sharded_dropout": _check_sharded_dropout,
+    "overlap_equivalence": _check_overlap_equivalence,
+    "overlap_pieces": _check_overlap_pieces,
 }
 
 
