@@ -280,7 +280,8 @@ def _stages_table(plan, evaluation: Evaluation | None) -> Table:
     names = plan.model.layer_names or [str(i) for i in range(plan.model.layers + 2)]
     table = Table(title="Pipeline stages", title_justify="left")
     for column in ("stage", "layers", "rows", "recomputed"):
-        table.add_column(column)
+        # a narrow column folds the layer names rather than cutting them to "model.…"
+        table.add_column(column, overflow="fold" if column == "layers" else "ellipsis")
     if evaluation is not None:
         table.add_column("micro-step", justify="right")
         table.add_column("memory / device", justify="right")
@@ -390,8 +391,10 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     table = Table(title="Runners-up (why each lost)", title_justify="left")
     offloads = any(tier != OffloadTier.NONE for alt in plan.alternatives + [plan] for tier in alt.offload.values())
     compresses = any(alt.dp_compression != "none" for alt in plan.alternatives + [plan])
+    scheduled = any(alt.schedule != "1f1b" for alt in plan.alternatives + [plan])
     columns = (
         ["dp", "tp", "pp", "ZeRO", "micro-batch"]
+        + (["schedule"] if scheduled else [])
         + (["offload opt/params"] if offloads else [])
         + (["DP exchange"] if compresses else [])
         + ["step"]
@@ -403,6 +406,7 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     for alt in plan.alternatives:
         row = (
             [str(alt.dp), str(alt.tp), str(alt.pp), str(alt.zero_stage), str(alt.micro_batch_size)]
+            + ([_short_schedule(alt.schedule, alt.virtual_stages)] if scheduled else [])
             + ([f"{alt.offload['optimizer']}/{alt.offload['params']}"] if offloads else [])
             + (["1-bit Adam" if alt.dp_compression != "none" else "full precision"] if compresses else [])
             + [format_seconds(alt.step_time_s)]
@@ -412,6 +416,13 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
             row.append(_money_or_hours(scale_cost(cost, alt.step_time_s, mean_step or plan.predicted.step_time_s)))
         table.add_row(*row, alt.reason)
     return table
+
+
+def _short_schedule(schedule: str, virtual_stages: int) -> str:
+    """A runner-up's schedule in a narrow column: ``1F1B``, ``interleaved v=4``, ``zero bubble``."""
+    if schedule == "interleaved":
+        return f"interleaved v={virtual_stages}"
+    return "zero bubble" if schedule == "zero-bubble" else "1F1B"
 
 
 def _render_solver(plan, search: SearchResult | None, console: Console) -> None:

@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 from cost_models.schedule_cost import (
     ChunkTimes,
@@ -121,6 +121,9 @@ Prepared = tuple[Sequence[tuple[int, int]], ChunkTimes]
 #: One option of :func:`schedule_bounds`: ``(bound, index, name, v, prepared)`` (``prepared`` is
 #: ``None`` for 1F1B, priced in closed form).
 Bounded = tuple[float, int, str, int, Prepared | None]
+#: ``refit(costs, base, schedule, v)``: ``base``'s candidate under the schedule with the partition
+#: and recompute chosen for the schedule's memory (:mod:`planner.search.schedule_refit`), or ``None``.
+Refit = Callable[[CandidateCosts, Evaluation, str, int], "Evaluation | None"]
 
 
 @functools.lru_cache(maxsize=128)
@@ -468,11 +471,12 @@ def best_schedule(
 
 def _best(
     costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[Bounded] | None = None
-) -> tuple[Evaluation | None, bool]:
-    """:func:`best_schedule`, and whether a schedule whose bound beat the answer did not fit."""
+) -> tuple[Evaluation | None, list[tuple[float, str, int]]]:
+    """:func:`best_schedule`, and the ``(bound, name, v)`` of each schedule whose bound beat the
+    answer but which did not fit on ``base``'s recompute set."""
     best = base if (ScheduleName.ONE_F_ONE_B, 1) in options and base.feasible else None
     todo = schedule_bounds(costs, base, options) if bounds is None else bounds
-    unfit = math.inf  # the least bound of a schedule that did not fit
+    unfit: list[tuple[float, str, int]] = []  # schedules that did not fit, by bound
     for bound, _index, name, virtual_stages, prepared in sorted(todo, key=lambda option: option[:2]):
         if name == ScheduleName.ONE_F_ONE_B:
             continue
@@ -481,7 +485,7 @@ def _best(
         assert prepared is not None  # every schedule but 1F1B comes with its chunks and times
         mem = _fitting(costs, base, name, virtual_stages, *prepared)
         if mem is None:
-            unfit = min(unfit, bound)
+            unfit.append((bound, name, virtual_stages))
             continue
         evaluation = _simulated(costs, base, name, virtual_stages, *prepared, mem)
         if (
@@ -490,7 +494,44 @@ def _best(
             and (best is None or evaluation.step_time_s < best.step_time_s * (1 - 1e-9))
         ):
             best = evaluation
-    return best, unfit < (best.step_time_s if best is not None else math.inf)
+    answer = best.step_time_s if best is not None else math.inf
+    return best, [option for option in unfit if option[0] < answer]
+
+
+def _refitted(
+    costs: CandidateCosts,
+    base: Evaluation,
+    best: Evaluation | None,
+    unfit: list[tuple[float, str, int]],
+    refit: Refit | None,
+) -> Evaluation | None:
+    """``best``, or faster: the schedules of ``unfit`` that :func:`_refit_options` picks (by
+    bound, while the bound beats the best found) with the recompute the ILP chooses for their own
+    memory (``refit``, :mod:`planner.search.schedule_refit`)."""
+    if refit is None:
+        return best
+    for bound, name, virtual_stages in _refit_options(unfit):
+        if best is not None and bound >= best.step_time_s * (1 - 1e-9):
+            break
+        got = refit(costs, base, name, virtual_stages)
+        if got is not None and got.feasible and (best is None or got.step_time_s < best.step_time_s * (1 - 1e-9)):
+            best = got
+    return best
+
+
+def _refit_options(unfit: list[tuple[float, str, int]]) -> list[tuple[float, str, int]]:
+    """Which schedules that did not fit get their own recompute, by bound: zero bubble, and of the
+    interleaved depths the one with the least bound and the deepest (rank 0, the most loaded,
+    holds ``p + (p - 1) / v`` micro-batches, so the deepest needs the least recompute and has the
+    least bubble; only its ``v`` times more sends can make a shallower one win). Each costs up to
+    :data:`planner.search.schedule_refit.REFIT_TRIES` ILPs: trying every depth would multiply the
+    post-pass's cost by the depths for a rare gain."""
+    ordered = sorted(unfit)
+    interleaved = [option for option in ordered if option[1] == ScheduleName.INTERLEAVED]
+    chosen = {option for option in ordered if option[1] != ScheduleName.INTERLEAVED}
+    if interleaved:
+        chosen |= {interleaved[0], max(interleaved, key=lambda option: option[2])}
+    return sorted(chosen)
 
 
 def check_schedule_pins(req: Any, rows: int) -> None:
@@ -545,6 +586,7 @@ def apply_schedules(
     virtual_stages: int | None = None,
     searched: tuple[str, ...] = SEARCHED_SCHEDULES,
     keep: int = 4,
+    refit: Refit | None = None,
 ):
     """The search result ``res`` with its strategies under their best schedule (module docstring,
     "Which strategies"): the ``keep`` fastest under 1F1B (what the plan shows), the other
@@ -560,12 +602,15 @@ def apply_schedules(
     if not schedule and tuple(searched) == (ScheduleName.ONE_F_ONE_B,):
         return res
 
-    def reprice(evs: list[Evaluation]) -> list[Evaluation]:
+    def reprice(evs: list[Evaluation], fit: Refit | None = refit) -> list[Evaluation]:
         out = []
         for evaluation in evs:
             cand = evaluation.strategy.candidate
             opts = schedule_options(cand, rows, schedule, virtual_stages, searched)
-            got = best_schedule(cc_of[cand], evaluation, opts) if opts else None
+            if not opts:
+                continue
+            got, unfit = _best(cc_of[cand], evaluation, opts)
+            got = _refitted(cc_of[cand], evaluation, got, unfit, fit)
             if got is not None:
                 out.append(got)
         return out
@@ -574,9 +619,10 @@ def apply_schedules(
         ranked = sorted(reprice(res.ranked), key=_rank_key)
         extra = sorted(reprice(res.extra), key=_rank_key)
     else:  # the triples that can rank among the `keep` best, then as many other batchings as the plan needs
-        ranked = sorted(_bound_walk(res.ranked, cc_of, rows, searched, keep), key=_rank_key)
+        ranked = sorted(_bound_walk(res.ranked, cc_of, rows, searched, keep, refit), key=_rank_key)
         shown = max(0, keep - len(res.ranked))
-        extra = sorted(reprice(res.extra[:shown]), key=_rank_key) + res.extra[shown:]
+        # the other batchings are runners-up: their 1F1B recompute will do
+        extra = sorted(reprice(res.extra[:shown], None), key=_rank_key) + res.extra[shown:]
     if not ranked and not extra:
         what = f"--schedule {schedule}" + (f" --virtual-stages {virtual_stages}" if virtual_stages else "")
         raise SearchError(
@@ -590,11 +636,13 @@ def apply_schedules(
     if ranked[0].strategy.schedule != ScheduleName.ONE_F_ONE_B or schedule:
         ranked[0].extra["plain_step_s"] = plain.step_time_s
         ranked[0].extra["plain_schedule"] = plain.strategy.schedule
+    if not schedule and ranked[0].strategy.schedule != ScheduleName.ONE_F_ONE_B:  # 1F1B: another layout
+        out.extra = sorted(out.extra + [plain], key=_rank_key)
     return out
 
 
 def _bound_walk(
-    evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int
+    evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None = None
 ) -> list[Evaluation]:
     """``evs`` (1F1B strategies, one per degree triple, fastest first) with the ``keep`` first, and
     every other that could beat the best found, priced under their best schedule
@@ -630,7 +678,9 @@ def _bound_walk(
             if not sibling:
                 per_triple[owner] = evaluation
             continue
-        got, unfit = _best(cc_of[evaluation.strategy.candidate], evaluation, opts, bounds)
+        costs = cc_of[evaluation.strategy.candidate]
+        got, unfit = _best(costs, evaluation, opts, bounds)
+        got = _refitted(costs, evaluation, got, unfit, refit)
         if got is not None:
             best = min(best, got.step_time_s)
             if owner not in per_triple or _rank_key(got) < _rank_key(per_triple[owner]):

@@ -51,6 +51,7 @@ from cost_models.strategy import (
     predicted_fields,
 )
 from planner.frontend.input_pins import resolve_inputs
+from planner.frontend.spec import model_layer_names
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
 from planner.search.alternatives import alternative_reason
 from planner.search.candidates import (
@@ -68,6 +69,7 @@ from planner.search.candidates import (
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
+from planner.search.schedule_refit import make_refit
 from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_seconds
@@ -364,7 +366,12 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
     result = apply_schedules(
-        result, _costs_for(request, table, hw, gpus_per_node, entries, result), len(table.layers), sched, virtual_stages
+        result,
+        _costs_for(request, table, hw, gpus_per_node, entries, result),
+        len(table.layers),
+        sched,
+        virtual_stages,
+        refit=make_refit(table.kinds, request.checkpoint, solver),
     )
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
@@ -579,7 +586,7 @@ def build_plan(
         layers=len(table.layers) - 2,
         flops_per_step=float(flops),
         sizes=sizes,
-        layer_names=list(table.names),
+        layer_names=model_layer_names(request.spec, list(table.names)),
         inputs=list(inputs or []),
     )
     alts = [
@@ -597,8 +604,10 @@ def build_plan(
             },
             sequence_parallel=alt.strategy.candidate.sequence_parallel,
             dp_compression=alt.strategy.candidate.dp_compression,
+            schedule=alt.strategy.schedule,
+            virtual_stages=alt.strategy.virtual_stages,
         )
-        for alt in result.alternatives(3)
+        for alt in result.runners_up(3)
     ]
     plan = Plan(
         model=model,
