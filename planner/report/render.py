@@ -175,7 +175,7 @@ def schedule_text(plan, evaluation: Evaluation | None = None) -> str:
     name = _SCHEDULE_NAMES.get(plan.schedule, plan.schedule)
     if plan.virtual_stages > 1:
         name += f", v={plan.virtual_stages} model chunks per rank"
-    text = f"{name}, bubble {plan.predicted.bubble_fraction:.1%}"
+    text = f"{name}, bubble {plan.predicted.bubble_fraction:.1%}" + _transfers_text(plan, evaluation)
     plain = evaluation.extra.get("plain_step_s") if evaluation is not None else None
     step = plan.predicted.step_time_s
     if plain and plan.schedule != ScheduleName.ONE_F_ONE_B:
@@ -190,6 +190,23 @@ def schedule_text(plan, evaluation: Evaluation | None = None) -> str:
         elif plan.schedule == ScheduleName.ZERO_BUBBLE:
             text += ", weight gradients filling the bubble"
     return text
+
+
+def _transfers_text(plan, evaluation: Evaluation | None) -> str:
+    """``, stage transfers X per step (...)`` when the slowest stage's sends are a visible share of
+    the "pipeline bubble + stage transfers" part: that part is then mostly the pipeline's own
+    activations and gradients on a slow link, not idle time (the bubble above counts idle time)."""
+    if evaluation is None or plan.pp < 2 or not evaluation.stages:
+        return ""
+    stage = evaluation.stages[evaluation.bottleneck_stage]
+    sends = plan.num_micro_batches * stage.p2p_s
+    part = plan.predicted.time.get("pp_bubble", 0.0)
+    if part <= 0 or sends < 0.1 * part:
+        return ""
+    return (
+        f", stage transfers {format_seconds(sends)} per step ({plan.num_micro_batches} micro-batches x "
+        f"{format_seconds(stage.p2p_s)} of sends on the slowest stage; {sends / part:.0%} of the bubble + transfers part)"
+    )
 
 
 def render_plan(

@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cost_models.schedule_cost import ChunkTimes, chunk_times, split_chunks
 from cost_models.strategy import CandidateCosts, Evaluation, evaluate
@@ -48,7 +48,16 @@ from planner.search.ilp import block_capacity, solve_candidate
 from planner.search.schedule_search import Refit, _simulated, pipeline_memory
 from runtime.contract.choices import ScheduleName
 
-__all__ = ["REFIT_TRIES", "REFIT_TIME_LIMIT_S", "schedule_inflight", "schedule_costs", "refit", "make_refit"]
+__all__ = [
+    "REFIT_TRIES",
+    "REFIT_TIME_LIMIT_S",
+    "schedule_inflight",
+    "schedule_costs",
+    "refit",
+    "make_refit",
+    "schedule_fix",
+    "FIX_MODES",
+]
 
 #: ILP solves per (strategy, schedule) at most: the first, and each retry with a lower capacity.
 REFIT_TRIES = 3
@@ -202,3 +211,52 @@ def make_refit(kinds: Sequence[str], checkpoint: str, solver: str) -> Refit:
         return refit(costs, base, name, virtual_stages, kinds, checkpoint, solver)
 
     return run
+
+
+#: Recompute modes a refused schedule pin is tried with, in the order the message prefers them.
+FIX_MODES = ("selective", "all", "auto")
+
+
+def schedule_fix(
+    strategies: list[Evaluation],
+    cc_of,
+    options_of: Callable[[Evaluation], list[tuple[str, int]]],
+    kinds: Sequence[str],
+    checkpoint: str,
+    solver: str,
+) -> str:
+    """What makes a refused ``--schedule`` pin fit, searched: each of the search's kept
+    ``strategies`` (the four first) under each option ``options_of`` allows, with the schedule's
+    own recompute under another ``--checkpoint`` mode, or at a higher ZeRO stage (the candidate
+    priced again with ``cc_of.price``: also one the pins ruled out). A sentence naming the
+    settings that fit and the fastest step of each, or ``""`` when none does."""
+    found: dict[str, Evaluation] = {}
+
+    def consider(setting: str, got: Evaluation | None) -> None:
+        if got is not None and got.feasible and (setting not in found or got.step_time_s < found[setting].step_time_s):
+            found[setting] = got
+
+    for evaluation in strategies[:4]:
+        candidate = evaluation.strategy.candidate
+        for name, virtual_stages in options_of(evaluation):
+            for mode in (mode for mode in FIX_MODES if mode != checkpoint):
+                consider(
+                    f"--checkpoint {mode}",
+                    refit(cc_of[candidate], evaluation, name, virtual_stages, kinds, mode, solver),
+                )
+            for zero in range(candidate.zero_stage + 1, 4) if candidate.dp > 1 and not candidate.compressed else ():
+                costs = cc_of.price(dataclasses.replace(candidate, zero_stage=zero))
+                for mode in dict.fromkeys((checkpoint, "all")):
+                    setting = f"--zero-stage {zero}" + (f" --checkpoint {mode}" if mode != checkpoint else "")
+                    consider(setting, refit(costs, evaluation, name, virtual_stages, kinds, mode, solver))
+    if not found:
+        return ""
+    ranked = sorted(found.items(), key=lambda item: item[1].step_time_s)[:3]
+    return (
+        "It fits with "
+        + "; or ".join(
+            f"{setting} ({got.strategy.candidate.describe()}, predicted {got.step_time_s:.3g} s per step)"
+            for setting, got in ranked
+        )
+        + "."
+    )
