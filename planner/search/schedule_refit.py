@@ -169,8 +169,28 @@ def refit(
 ) -> Evaluation | None:
     """``base``'s candidate under schedule ``name`` (``v`` chunks per rank) with the partition
     and recompute the ILP chooses for the schedule's memory (module docstring), or ``None`` when
-    no recompute the ``checkpoint`` mode allows makes it fit."""
+    no recompute the ``checkpoint`` mode allows makes it fit. Under ``auto``, the 1F1B ILP's
+    answers with every block recomputed selectively, then fully (:data:`UNIFORM_MODES`), are
+    priced too, and the fastest that fits is the answer: the ILP's memory rows only approximate
+    the schedule's, and a uniform set the simulator accepts can beat the one the rows chose."""
     del base  # the candidate is all that is kept: stages and recompute are chosen again
+    found = [_schedule_ilp(costs, name, virtual_stages, kinds, checkpoint, solver)]
+    for mode in UNIFORM_MODES if checkpoint == "auto" else ():
+        solved = solve_candidate(costs, list(kinds), mode, solver, time_limit=REFIT_TIME_LIMIT_S).evaluation
+        found.append(None if solved is None else _priced(costs, kinds, solved, name, virtual_stages))
+    fits = [got for got in found if got is not None and got.feasible]
+    return min(fits, key=lambda got: got.step_time_s) if fits else None
+
+
+#: The recompute pins whose 1F1B answers :func:`refit` prices beside the schedule's own ILP.
+UNIFORM_MODES = ("selective", "all")
+
+
+def _schedule_ilp(
+    costs: CandidateCosts, name: str, virtual_stages: int, kinds: Sequence[str], checkpoint: str, solver: str
+) -> Evaluation | None:
+    """The ILP with the schedule's memory rows, priced under the schedule; solved again with a lower
+    capacity while the simulator says it does not fit (:data:`REFIT_TRIES` solves at most)."""
     capacity = costs.capacity
     for _ in range(REFIT_TRIES):
         scheduled = schedule_costs(costs, name, virtual_stages, capacity)
@@ -180,9 +200,7 @@ def refit(
         if solved.evaluation is None:
             return None
         got = _priced(costs, kinds, solved.evaluation, name, virtual_stages)
-        if got is None:
-            return None
-        if got.feasible:
+        if got is None or got.feasible:
             return got
         peak = max(stage.memory["total"] for stage in got.stages)
         if peak <= 0 or not math.isfinite(peak):
@@ -203,14 +221,25 @@ def _may_fit(costs: CandidateCosts) -> bool:
     return min(capacities) >= 0 and sum(capacities) >= costs.num_layers - 2
 
 
+@dataclasses.dataclass(frozen=True)
+class _Refitter:
+    """:func:`refit` and the search's own ILP with the search's layer kinds, recompute mode and
+    solver bound (what ``planner.search.schedule_search.Refit`` asks for)."""
+
+    kinds: tuple[str, ...]
+    checkpoint: str
+    solver: str
+
+    def __call__(self, costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Evaluation | None:
+        return refit(costs, base, name, virtual_stages, self.kinds, self.checkpoint, self.solver)
+
+    def strategy(self, costs: CandidateCosts) -> Evaluation | None:
+        return solve_candidate(costs, list(self.kinds), self.checkpoint, self.solver).evaluation
+
+
 def make_refit(kinds: Sequence[str], checkpoint: str, solver: str) -> Refit:
-    """:func:`refit` with the search's layer kinds, recompute mode and solver bound."""
-    kinds = tuple(kinds)
-
-    def run(costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Evaluation | None:
-        return refit(costs, base, name, virtual_stages, kinds, checkpoint, solver)
-
-    return run
+    """:func:`refit` (and the 1F1B ILP) with the search's layer kinds, recompute mode and solver."""
+    return _Refitter(tuple(kinds), checkpoint, solver)
 
 
 #: Recompute modes a refused schedule pin is tried with, in the order the message prefers them.

@@ -35,6 +35,12 @@ same rule, and the faster stays the triple's strategy. No ILP is solved: the par
 one the search found (ZeRO changes no layer's cost but the data-parallel traffic and the
 optimizer step, so it stays a good one).
 
+Recompute for the schedule. Where the schedule's bound beat the answer but it did not fit on the
+strategy's 1F1B recompute set, ``refit`` (:mod:`planner.search.schedule_refit`, passed in by
+``planner.search.solve``) re-solves the partition and recompute ILP with the schedule's own
+in-flight activations and prices the answer here; :func:`_refit_options` says which schedules get
+one. A pinned schedule's strategies are refitted too; the other batchings (runners-up) are not.
+
 Why a post-pass is sound enough and cheap: a schedule changes the bubble and the sends, not the
 work, so the candidates the 1F1B search ruled out on memory stay out (the schedules hold at least
 1F1B's activations) and those it ruled out on time lose by more than the bubble they could
@@ -62,7 +68,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Protocol, Sequence, cast
 
 from cost_models.schedule_cost import (
     ChunkTimes,
@@ -72,6 +78,7 @@ from cost_models.schedule_cost import (
     split_chunks,
 )
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
+from planner.search.candidates import tail_bound, total_work
 from planner.search.ilp import _rank_key
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import ScheduleName
@@ -105,6 +112,8 @@ __all__ = [
     "apply_schedules",
     "check_schedule_pins",
     "schedule_allows",
+    "schedule_free_bound",
+    "Refit",
 ]
 
 #: Schedules the search tries by default (pins always work): narrow it to ``("1f1b",)`` to plan
@@ -121,9 +130,17 @@ Prepared = tuple[Sequence[tuple[int, int]], ChunkTimes]
 #: One option of :func:`schedule_bounds`: ``(bound, index, name, v, prepared)`` (``prepared`` is
 #: ``None`` for 1F1B, priced in closed form).
 Bounded = tuple[float, int, str, int, Prepared | None]
-#: ``refit(costs, base, schedule, v)``: ``base``'s candidate under the schedule with the partition
-#: and recompute chosen for the schedule's memory (:mod:`planner.search.schedule_refit`), or ``None``.
-Refit = Callable[[CandidateCosts, Evaluation, str, int], "Evaluation | None"]
+
+
+class Refit(Protocol):
+    """What the post-pass may solve (:mod:`planner.search.schedule_refit` builds one)."""
+
+    def __call__(self, costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Evaluation | None:
+        """``base``'s candidate under the schedule with the partition and recompute chosen for the
+        schedule's memory, or ``None``."""
+
+    def strategy(self, costs: CandidateCosts) -> Evaluation | None:
+        """The candidate's best 1F1B strategy (the search's own ILP), or ``None`` when none fits."""
 
 
 @functools.lru_cache(maxsize=128)
@@ -688,7 +705,44 @@ def _bound_walk(
         if unfit and not sibling:
             for sib in _sharded_siblings(evaluation, cc_of):
                 add(sib, owner, True)
+        if refit is not None and not sibling:
+            for sib in _batching_siblings(evaluation, cc_of, refit, best):
+                add(sib, owner, True)
     return list(per_triple.values())
+
+
+def schedule_free_bound(costs: CandidateCosts) -> float:
+    """A step no schedule of this candidate can beat: the busiest rank runs ``m`` micro-batches of
+    at least the average rank's work and of its largest layer, then the tail
+    (:func:`planner.search.candidates.time_lower_bound` without 1F1B's fill and drain)."""
+    work = total_work(costs)
+    slowest = max(work / costs.cand.pp, max(cost.work_s + cost.zero_mb_s for cost, _ in costs.distinct))
+    return costs.cand.num_micro_batches * slowest + tail_bound(costs)
+
+
+def _batching_siblings(evaluation: Evaluation, cc_of: dict, refit: Refit, best: float) -> list[Evaluation]:
+    """The best 1F1B strategy (``refit.strategy``: the search's ILP) of each candidate the search
+    enumerated that differs from ``evaluation``'s only by its micro-batch size, where
+    :func:`schedule_free_bound` does not rule out beating ``best``: the search kept the triple's
+    fastest batching under 1F1B, and a smaller micro-batch (more micro-batches, less memory) can
+    win under a schedule whose bubble does not grow with the stages."""
+    candidate = evaluation.strategy.candidate
+    out = []
+    for other in list(cc_of.keys()):
+        if (
+            other == candidate
+            or dataclasses.replace(
+                other, micro_batch_size=candidate.micro_batch_size, num_micro_batches=candidate.num_micro_batches
+            )
+            != candidate
+        ):
+            continue
+        if schedule_free_bound(cc_of[other]) >= best * (1 - 1e-9):
+            continue
+        got = refit.strategy(cc_of[other])
+        if got is not None:
+            out.append(got)
+    return out
 
 
 def _sharded_siblings(evaluation: Evaluation, cc_of: dict) -> list[Evaluation]:
