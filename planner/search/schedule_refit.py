@@ -144,15 +144,16 @@ def _priced(
         set(solved.strategy.checkpoint),
         {i for i in solved.strategy.selective if i not in solved.strategy.checkpoint},
     )
-    chunks: Sequence[tuple[int, int]] | None = stages
+    chunks: Sequence[tuple[int, int]] = stages
     if name == ScheduleName.INTERLEAVED:
         first = _chunks(costs, full, sel, costs.cand.pp * virtual_stages)
         if first is None:
             return None
         full, sel = _spread(kinds, stages, (full, sel), first)
-        chunks = _chunks(costs, full, sel, costs.cand.pp * virtual_stages)
-        if chunks is None:
+        again = _chunks(costs, full, sel, costs.cand.pp * virtual_stages)
+        if again is None:
             return None
+        chunks = again
     carrier = evaluate(costs, stages, sorted(full), sorted(sel))
     times = chunk_times(costs, chunks, sorted(full), name, sorted(sel))
     return _simulated(costs, carrier, name, virtual_stages, chunks, times)

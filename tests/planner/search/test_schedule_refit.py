@@ -141,7 +141,7 @@ PINS = [
 ]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layers=st.integers(4, 12),
     hidden=st.sampled_from([128, 256]),
