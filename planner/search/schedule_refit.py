@@ -30,8 +30,14 @@ recompute makes the schedule fit the candidate.
 
 The ILP's objective stays 1F1B's closed form (a proxy: the schedule changes the bubble, not which
 layers are worth recomputing per byte), so the answer is the cheapest recompute that fits, not
-proved the fastest under the schedule; the caller keeps whichever of this and the 1F1B set's
-pricing is faster.
+proved the fastest under the schedule. Under ``--checkpoint auto`` the 1F1B ILP's answers with
+every block recomputed selectively and fully are priced beside it (the ILP's rows only
+approximate the schedule's memory, zero bubble's most), and the fastest that fits is kept; the
+caller keeps whichever of this and the 1F1B set's pricing is faster.
+
+A refused ``--schedule`` pin (:func:`schedule_fix`) is answered the same way: the kept strategies
+under the other ``--checkpoint`` modes and at higher ZeRO stages, the settings that fit named with
+their predicted step.
 """
 
 from __future__ import annotations

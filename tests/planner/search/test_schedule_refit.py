@@ -186,9 +186,7 @@ def test_slow_pipeline_links_show_as_stage_transfers_not_dp_traffic():
 
     hw = load_hardware("v100-16gb-eth25", 8)
     table = gpt_table(layers=32, hidden=4096, heads=32, vocab=51200)
-    req = _req(
-        gpus=32, hardware="v100-16gb-eth25", global_batch=512, seq_len=2048, dtype="fp16", dp=4, tp=1, pp=8
-    )
+    req = _req(gpus=32, hardware="v100-16gb-eth25", global_batch=512, seq_len=2048, dtype="fp16", dp=4, tp=1, pp=8)
     req = dataclasses.replace(req, micro_batch=1, schedule="1f1b")
     solution = solve(req, table, hw)
     plan, evaluation = solution.plan, solution.evaluation
