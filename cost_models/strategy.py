@@ -262,7 +262,7 @@ class CandidateCosts:
         self.dp_placement = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
         """Where the data-parallel group's ranks live (prices the compressed exchange)."""
         pp, micro_batches = cand.pp, cand.num_micro_batches
-        self.inflight = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
+        self.inflight: list[float] = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
         self._send: dict[tuple[float, int], float] = {}
         self.loss_transient_b = 0.0
         """The last layer's backward transient (a language model's loss: ``2 x logits``)."""

@@ -287,9 +287,13 @@ class Alternative:
     """The runner-up uses sequence parallelism; written only when true."""
     dp_compression: str = "none"
     """The runner-up's data-parallel exchange (as the plan's); written only when not none."""
+    schedule: str = "1f1b"
+    """The runner-up's pipeline schedule (as the plan's); written only when not 1F1B."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank of an interleaved runner-up; written only when above 1."""
 
     def __post_init__(self):
-        for k in ("dp", "tp", "pp", "micro_batch_size"):
+        for k in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
             _check_int(f"alternatives[].{k}", getattr(self, k), 1)
         _check_int("alternatives[].zero_stage", self.zero_stage, 0)
         _check_offload(self.offload, self.zero_stage)
@@ -301,6 +305,8 @@ class Alternative:
                 f"must be one of {', '.join(COMPRESSIONS)}, got {self.dp_compression!r}.",
             )
         _check_str("alternatives[].reason", self.reason)
+        if self.schedule not in SCHEDULES:
+            _fail("alternatives[].schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
 
 
 @dataclass
@@ -581,6 +587,10 @@ class Plan:
                 del alt["sequence_parallel"]
             if alt["dp_compression"] == GradCompression.NONE:
                 del alt["dp_compression"]
+            if alt["schedule"] == ScheduleName.ONE_F_ONE_B:
+                del alt["schedule"]
+            if alt["virtual_stages"] == 1:
+                del alt["virtual_stages"]
         for key in ("cost", "compression"):
             if out["predicted"].get(key) is None:
                 out["predicted"].pop(key, None)

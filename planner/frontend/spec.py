@@ -16,10 +16,23 @@ from typing import Any
 
 from planner.frontend.frontend_errors import ModelError
 
-__all__ = ["GPTConfig", "ModelSizes", "PRESETS", "HF_ARCHS", "SPEC_HELP", "parse_spec", "hf_directory"]
+__all__ = [
+    "GPTConfig",
+    "ModelSizes",
+    "PRESETS",
+    "HF_ARCHS",
+    "SPEC_HELP",
+    "HF_WRAPPER_PREFIX",
+    "parse_spec",
+    "hf_directory",
+    "model_layer_names",
+]
 
 HF_ARCHS = ("gpt2", "llama", "bert")
 """The HF architectures built from their config classes (``hf:NAME``)."""
+HF_WRAPPER_PREFIX = "inner."
+"""What the traced module paths of an ``hf:`` model start with: the loss wrapper
+(``planner.frontend.hf.HFLossModel``) holds the transformers model as ``inner``."""
 
 SPEC_HELP = (
     "Model specs: 'gpt' (built-in GPT; sizes from --layers/--hidden/--heads/--ffn/--vocab), "
@@ -126,6 +139,15 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if ".py:" in spec:
         return "file", spec
     raise ModelError(f"Unknown model spec {spec!r}. " + SPEC_HELP)
+
+
+def model_layer_names(spec: str, names: list[str]) -> list[str]:
+    """The layer table's row names as the model names its modules: an ``hf:`` model's without the
+    loss wrapper's ``inner.`` (``model.layers.0``, ``lm_head+model.norm``, as in the model's
+    checkpoint); every other front end traces the user's own module, whose paths are its names."""
+    if not (isinstance(spec, str) and spec.strip().startswith("hf:")):
+        return list(names)
+    return ["+".join(part.removeprefix(HF_WRAPPER_PREFIX) for part in name.split("+")) for name in names]
 
 
 def hf_directory(name: str) -> str | None:

@@ -175,7 +175,7 @@ def schedule_text(plan, evaluation: Evaluation | None = None) -> str:
     name = _SCHEDULE_NAMES.get(plan.schedule, plan.schedule)
     if plan.virtual_stages > 1:
         name += f", v={plan.virtual_stages} model chunks per rank"
-    text = f"{name}, bubble {plan.predicted.bubble_fraction:.1%}"
+    text = f"{name}, bubble {plan.predicted.bubble_fraction:.1%}" + _transfers_text(plan, evaluation)
     plain = evaluation.extra.get("plain_step_s") if evaluation is not None else None
     step = plan.predicted.step_time_s
     if plain and plan.schedule != ScheduleName.ONE_F_ONE_B:
@@ -190,6 +190,23 @@ def schedule_text(plan, evaluation: Evaluation | None = None) -> str:
         elif plan.schedule == ScheduleName.ZERO_BUBBLE:
             text += ", weight gradients filling the bubble"
     return text
+
+
+def _transfers_text(plan, evaluation: Evaluation | None) -> str:
+    """``, stage transfers X per step (...)`` when the slowest stage's sends are a visible share of
+    the "pipeline bubble + stage transfers" part: that part is then mostly the pipeline's own
+    activations and gradients on a slow link, not idle time (the bubble above counts idle time)."""
+    if evaluation is None or plan.pp < 2 or not evaluation.stages:
+        return ""
+    stage = evaluation.stages[evaluation.bottleneck_stage]
+    sends = plan.num_micro_batches * stage.p2p_s
+    part = plan.predicted.time.get("pp_bubble", 0.0)
+    if part <= 0 or sends < 0.1 * part:
+        return ""
+    return (
+        f", stage transfers {format_seconds(sends)} per step ({plan.num_micro_batches} micro-batches x "
+        f"{format_seconds(stage.p2p_s)} of sends on the slowest stage; {sends / part:.0%} of the bubble + transfers part)"
+    )
 
 
 def render_plan(
@@ -280,7 +297,8 @@ def _stages_table(plan, evaluation: Evaluation | None) -> Table:
     names = plan.model.layer_names or [str(i) for i in range(plan.model.layers + 2)]
     table = Table(title="Pipeline stages", title_justify="left")
     for column in ("stage", "layers", "rows", "recomputed"):
-        table.add_column(column)
+        # a narrow column folds the layer names rather than cutting them to "model.…"
+        table.add_column(column, overflow="fold" if column == "layers" else "ellipsis")
     if evaluation is not None:
         table.add_column("micro-step", justify="right")
         table.add_column("memory / device", justify="right")
@@ -390,8 +408,10 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     table = Table(title="Runners-up (why each lost)", title_justify="left")
     offloads = any(tier != OffloadTier.NONE for alt in plan.alternatives + [plan] for tier in alt.offload.values())
     compresses = any(alt.dp_compression != "none" for alt in plan.alternatives + [plan])
+    scheduled = any(alt.schedule != "1f1b" for alt in plan.alternatives + [plan])
     columns = (
         ["dp", "tp", "pp", "ZeRO", "micro-batch"]
+        + (["schedule"] if scheduled else [])
         + (["offload opt/params"] if offloads else [])
         + (["DP exchange"] if compresses else [])
         + ["step"]
@@ -403,6 +423,7 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     for alt in plan.alternatives:
         row = (
             [str(alt.dp), str(alt.tp), str(alt.pp), str(alt.zero_stage), str(alt.micro_batch_size)]
+            + ([_short_schedule(alt.schedule, alt.virtual_stages)] if scheduled else [])
             + ([f"{alt.offload['optimizer']}/{alt.offload['params']}"] if offloads else [])
             + (["1-bit Adam" if alt.dp_compression != "none" else "full precision"] if compresses else [])
             + [format_seconds(alt.step_time_s)]
@@ -412,6 +433,13 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
             row.append(_money_or_hours(scale_cost(cost, alt.step_time_s, mean_step or plan.predicted.step_time_s)))
         table.add_row(*row, alt.reason)
     return table
+
+
+def _short_schedule(schedule: str, virtual_stages: int) -> str:
+    """A runner-up's schedule in a narrow column: ``1F1B``, ``interleaved v=4``, ``zero bubble``."""
+    if schedule == "interleaved":
+        return f"interleaved v={virtual_stages}"
+    return "zero bubble" if schedule == "zero-bubble" else "1F1B"
 
 
 def _render_solver(plan, search: SearchResult | None, console: Console) -> None:

@@ -56,7 +56,7 @@ def is_repeated(costs: CandidateCosts, kinds: Sequence[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------------- bounds
-def _total_work(costs: CandidateCosts) -> float:
+def total_work(costs: CandidateCosts) -> float:
     """Every layer's micro-step work once, plus the cheapest transfers over the ``p - 1`` boundaries:
     a lower bound of ``sum_k T_k`` (recompute only adds time)."""
     stages = costs.cand.pp
@@ -69,7 +69,9 @@ def _total_work(costs: CandidateCosts) -> float:
     return work
 
 
-def _tail_bound(costs: CandidateCosts) -> float:
+def tail_bound(costs: CandidateCosts) -> float:
+    """A lower bound of the exposed per-step tail (DP/ZeRO traffic and optimizer) of the tail
+    stage: the average stage's share, and the largest single layer's."""
     distinct, stages = costs.distinct, costs.cand.pp
     return max(
         sum(n * (cost.dp_step_s + cost.opt_s) for cost, n in distinct) / stages,
@@ -81,20 +83,20 @@ def time_lower_bound(costs: CandidateCosts) -> float:
     """A step time no strategy of this candidate can beat (sound: used to prune the search).
 
     The step is ``(m - 1) T + sum_k T_k + D`` (:func:`cost_models.strategy.evaluate`), where ``sum_k
-    T_k >= W`` (:func:`_total_work`) and ``T >= max(W / p, max_l (work_l + zero_mb_l))`` because
+    T_k >= W`` (:func:`total_work`) and ``T >= max(W / p, max_l (work_l + zero_mb_l))`` because
     the slowest stage is at least the average one and holds at least one layer; ``D >= sum_l
     (dp_l + opt_l) / p`` likewise.
     """
     stages, micro_batches = costs.cand.pp, costs.cand.num_micro_batches
-    work = _total_work(costs)
+    work = total_work(costs)
     slowest = max(work / stages, max(cost.work_s + cost.zero_mb_s for cost, _ in costs.distinct))
-    return (micro_batches - 1) * slowest + max(work, slowest) + _tail_bound(costs)
+    return (micro_batches - 1) * slowest + max(work, slowest) + tail_bound(costs)
 
 
 def work_lower_bound(costs: CandidateCosts) -> float:
     """``time_lower_bound`` without its tail: a bound of every variant of this candidate that
     changes only the per-step tail (the same work, e.g. its 1-bit Adam version)."""
-    return time_lower_bound(costs) - _tail_bound(costs)
+    return time_lower_bound(costs) - tail_bound(costs)
 
 
 def memory_lower_bound(costs: CandidateCosts) -> float:
@@ -652,7 +654,7 @@ def uniform_time_bound(costs: CandidateCosts, kinds: Sequence[str], checkpoint: 
     if found is None:
         return math.inf
     micro_batches = costs.cand.num_micro_batches
-    return max(base, (micro_batches - 1) * found[0] + max(found[0], _total_work(costs)) + _tail_bound(costs))
+    return max(base, (micro_batches - 1) * found[0] + max(found[0], total_work(costs)) + tail_bound(costs))
 
 
 def _uniform_heuristic(costs: CandidateCosts, checkpoint: str) -> Evaluation | None:

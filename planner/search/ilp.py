@@ -98,6 +98,8 @@ __all__ = [
     "add_offload_capacity_constraints",
     "search",
     "SearchResult",
+    "layout_key",
+    "by_layout",
 ]
 
 SOLVERS = ("cbc", "highs")
@@ -816,6 +818,13 @@ class SearchResult:
     def alternatives(self, n: int = 3) -> list[Evaluation]:
         return (self.ranked[1:] + self.extra)[:n]
 
+    def runners_up(self, n: int = 3) -> list[Evaluation]:
+        """What plan.json's ``alternatives`` show: the best strategy of each of the ``n`` fastest
+        layouts other than the winner's (:func:`layout_key`)."""
+        if not self.ranked:
+            return []
+        return by_layout(self.ranked[1:] + self.extra, {layout_key(self.ranked[0])})[:n]
+
 
 def _better(candidate: Evaluation, incumbent: Evaluation | None) -> bool:
     if incumbent is None:
@@ -836,6 +845,27 @@ def _tie_key(evaluation: Evaluation) -> tuple[bool, float, Candidate]:
 
 def _rank_key(evaluation: Evaluation) -> tuple[float, bool, float, Candidate]:
     return (evaluation.step_time_s, *_tie_key(evaluation))
+
+
+def _candidate_layout(candidate: Candidate, schedule: str = "1f1b") -> tuple:
+    return (candidate.dp, candidate.tp, candidate.pp, schedule, candidate.zero_stage)
+
+
+def layout_key(evaluation: Evaluation) -> tuple:
+    """What makes two strategies different layouts for the runners-up: degrees, schedule and ZeRO
+    stage (the micro-batch, recompute, offload and compile follow from them, or are near-copies)."""
+    return _candidate_layout(evaluation.strategy.candidate, evaluation.strategy.schedule)
+
+
+def by_layout(evaluations: list[Evaluation], exclude: set | None = None) -> list[Evaluation]:
+    """The fastest of each layout among ``evaluations`` (:func:`layout_key`), fastest first,
+    without the layouts of ``exclude``."""
+    best: dict[tuple, Evaluation] = {}
+    for evaluation in sorted(evaluations, key=_rank_key):
+        key = layout_key(evaluation)
+        if key not in best and key not in (exclude or set()):
+            best[key] = evaluation
+    return list(best.values())
 
 
 #: One candidate to search: ``(time lower bound, memory lower bound, costs)``.
@@ -907,22 +937,31 @@ class _Search:
                 best[triple] = evaluation
 
     def runners_up(self, need: int) -> list[Evaluation]:
-        """The ``need`` best strategies of candidates other than the ranked ones (solved again:
-        their first ILP may have been cut off)."""
-        chosen = {evaluation.strategy.candidate for evaluation in self.result.ranked}
-        extra: list[Evaluation] = []
+        """The best strategies of the ``need`` best layouts (:func:`layout_key`: degrees and ZeRO
+        stage) other than the ranked ones (solved again: their first ILP may have been cut off):
+        a runner-up that only offloads or re-batches the winner's layout says little."""
+        taken = {layout_key(evaluation) for evaluation in self.result.ranked}
+        per_layout: dict[tuple, Evaluation] = {}
         for time_lb, memory_lb, costs in self.order:
-            if costs.cand in chosen or memory_lb > costs.capacity:
+            if memory_lb > costs.capacity:
                 continue
-            bound = extra[need - 1].step_time_s if len(extra) >= need else float("inf")
+            key = _candidate_layout(costs.cand)
+            if key in taken:
+                continue
+            best = sorted(per_layout.values(), key=_rank_key)
+            bound = best[need - 1].step_time_s if len(best) >= need else float("inf")
+            if key in per_layout:
+                bound = min(bound, per_layout[key].step_time_s)
             if time_lb > bound * (1 + TIME_TOL):
-                break
+                if key not in per_layout and len(best) >= need:
+                    break
+                continue
             if uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
                 continue
             evaluation = self.run(costs, bound)
-            if evaluation is not None:
-                extra = sorted(extra + [evaluation], key=_rank_key)[:need]
-        return extra
+            if evaluation is not None and (key not in per_layout or _better(evaluation, per_layout[key])):
+                per_layout[key] = evaluation
+        return sorted(per_layout.values(), key=_rank_key)[:need]
 
 
 def search(
@@ -1009,7 +1048,8 @@ def _merge_seed(result: SearchResult, seed: SearchResult, keep: int) -> None:
         evaluation for evaluation in result.ranked + list(pool.values()) if not evaluation.strategy.candidate.offloads
     ]
     pool = {candidate: evaluation for candidate, evaluation in pool.items() if not _dominated(evaluation, plain)}
-    result.extra = sorted(pool.values(), key=_rank_key)[: max(keep - len(result.ranked), 0)]
+    taken = {layout_key(evaluation) for evaluation in result.ranked}
+    result.extra = by_layout(list(pool.values()), taken)[: max(keep - len(result.ranked), 0)]
     for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
         setattr(result, counter, getattr(result, counter) + getattr(seed, counter))
     result.solver_seconds += seed.solver_seconds

@@ -35,6 +35,12 @@ same rule, and the faster stays the triple's strategy. No ILP is solved: the par
 one the search found (ZeRO changes no layer's cost but the data-parallel traffic and the
 optimizer step, so it stays a good one).
 
+Recompute for the schedule. Where the schedule's bound beat the answer but it did not fit on the
+strategy's 1F1B recompute set, ``refit`` (:mod:`planner.search.schedule_refit`, passed in by
+``planner.search.solve``) re-solves the partition and recompute ILP with the schedule's own
+in-flight activations and prices the answer here; :func:`_refit_options` says which schedules get
+one. A pinned schedule's strategies are refitted too; the other batchings (runners-up) are not.
+
 Why a post-pass is sound enough and cheap: a schedule changes the bubble and the sends, not the
 work, so the candidates the 1F1B search ruled out on memory stay out (the schedules hold at least
 1F1B's activations) and those it ruled out on time lose by more than the bubble they could
@@ -62,7 +68,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from typing import Any, Sequence, cast
+from typing import Any, Protocol, Sequence, cast
 
 from cost_models.schedule_cost import (
     ChunkTimes,
@@ -72,6 +78,7 @@ from cost_models.schedule_cost import (
     split_chunks,
 )
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
+from planner.search.candidates import tail_bound, total_work
 from planner.search.ilp import _rank_key
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import ScheduleName
@@ -105,6 +112,8 @@ __all__ = [
     "apply_schedules",
     "check_schedule_pins",
     "schedule_allows",
+    "schedule_free_bound",
+    "Refit",
 ]
 
 #: Schedules the search tries by default (pins always work): narrow it to ``("1f1b",)`` to plan
@@ -121,6 +130,17 @@ Prepared = tuple[Sequence[tuple[int, int]], ChunkTimes]
 #: One option of :func:`schedule_bounds`: ``(bound, index, name, v, prepared)`` (``prepared`` is
 #: ``None`` for 1F1B, priced in closed form).
 Bounded = tuple[float, int, str, int, Prepared | None]
+
+
+class Refit(Protocol):
+    """What the post-pass may solve (:mod:`planner.search.schedule_refit` builds one)."""
+
+    def __call__(self, costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Evaluation | None:
+        """``base``'s candidate under the schedule with the partition and recompute chosen for the
+        schedule's memory, or ``None``."""
+
+    def strategy(self, costs: CandidateCosts) -> Evaluation | None:
+        """The candidate's best 1F1B strategy (the search's own ILP), or ``None`` when none fits."""
 
 
 @functools.lru_cache(maxsize=128)
@@ -468,11 +488,12 @@ def best_schedule(
 
 def _best(
     costs: CandidateCosts, base: Evaluation, options: list[tuple[str, int]], bounds: list[Bounded] | None = None
-) -> tuple[Evaluation | None, bool]:
-    """:func:`best_schedule`, and whether a schedule whose bound beat the answer did not fit."""
+) -> tuple[Evaluation | None, list[tuple[float, str, int]]]:
+    """:func:`best_schedule`, and the ``(bound, name, v)`` of each schedule whose bound beat the
+    answer but which did not fit on ``base``'s recompute set."""
     best = base if (ScheduleName.ONE_F_ONE_B, 1) in options and base.feasible else None
     todo = schedule_bounds(costs, base, options) if bounds is None else bounds
-    unfit = math.inf  # the least bound of a schedule that did not fit
+    unfit: list[tuple[float, str, int]] = []  # schedules that did not fit, by bound
     for bound, _index, name, virtual_stages, prepared in sorted(todo, key=lambda option: option[:2]):
         if name == ScheduleName.ONE_F_ONE_B:
             continue
@@ -481,7 +502,7 @@ def _best(
         assert prepared is not None  # every schedule but 1F1B comes with its chunks and times
         mem = _fitting(costs, base, name, virtual_stages, *prepared)
         if mem is None:
-            unfit = min(unfit, bound)
+            unfit.append((bound, name, virtual_stages))
             continue
         evaluation = _simulated(costs, base, name, virtual_stages, *prepared, mem)
         if (
@@ -490,7 +511,44 @@ def _best(
             and (best is None or evaluation.step_time_s < best.step_time_s * (1 - 1e-9))
         ):
             best = evaluation
-    return best, unfit < (best.step_time_s if best is not None else math.inf)
+    answer = best.step_time_s if best is not None else math.inf
+    return best, [option for option in unfit if option[0] < answer]
+
+
+def _refitted(
+    costs: CandidateCosts,
+    base: Evaluation,
+    best: Evaluation | None,
+    unfit: list[tuple[float, str, int]],
+    refit: Refit | None,
+) -> Evaluation | None:
+    """``best``, or faster: the schedules of ``unfit`` that :func:`_refit_options` picks (by
+    bound, while the bound beats the best found) with the recompute the ILP chooses for their own
+    memory (``refit``, :mod:`planner.search.schedule_refit`)."""
+    if refit is None:
+        return best
+    for bound, name, virtual_stages in _refit_options(unfit):
+        if best is not None and bound >= best.step_time_s * (1 - 1e-9):
+            break
+        got = refit(costs, base, name, virtual_stages)
+        if got is not None and got.feasible and (best is None or got.step_time_s < best.step_time_s * (1 - 1e-9)):
+            best = got
+    return best
+
+
+def _refit_options(unfit: list[tuple[float, str, int]]) -> list[tuple[float, str, int]]:
+    """Which schedules that did not fit get their own recompute, by bound: zero bubble, and of the
+    interleaved depths the one with the least bound and the deepest (rank 0, the most loaded,
+    holds ``p + (p - 1) / v`` micro-batches, so the deepest needs the least recompute and has the
+    least bubble; only its ``v`` times more sends can make a shallower one win). Each costs up to
+    :data:`planner.search.schedule_refit.REFIT_TRIES` ILPs: trying every depth would multiply the
+    post-pass's cost by the depths for a rare gain."""
+    ordered = sorted(unfit)
+    interleaved = [option for option in ordered if option[1] == ScheduleName.INTERLEAVED]
+    chosen = {option for option in ordered if option[1] != ScheduleName.INTERLEAVED}
+    if interleaved:
+        chosen |= {interleaved[0], max(interleaved, key=lambda option: option[2])}
+    return sorted(chosen)
 
 
 def check_schedule_pins(req: Any, rows: int) -> None:
@@ -545,6 +603,7 @@ def apply_schedules(
     virtual_stages: int | None = None,
     searched: tuple[str, ...] = SEARCHED_SCHEDULES,
     keep: int = 4,
+    refit: Refit | None = None,
 ):
     """The search result ``res`` with its strategies under their best schedule (module docstring,
     "Which strategies"): the ``keep`` fastest under 1F1B (what the plan shows), the other
@@ -560,12 +619,15 @@ def apply_schedules(
     if not schedule and tuple(searched) == (ScheduleName.ONE_F_ONE_B,):
         return res
 
-    def reprice(evs: list[Evaluation]) -> list[Evaluation]:
+    def reprice(evs: list[Evaluation], fit: Refit | None = refit) -> list[Evaluation]:
         out = []
         for evaluation in evs:
             cand = evaluation.strategy.candidate
             opts = schedule_options(cand, rows, schedule, virtual_stages, searched)
-            got = best_schedule(cc_of[cand], evaluation, opts) if opts else None
+            if not opts:
+                continue
+            got, unfit = _best(cc_of[cand], evaluation, opts)
+            got = _refitted(cc_of[cand], evaluation, got, unfit, fit)
             if got is not None:
                 out.append(got)
         return out
@@ -574,9 +636,10 @@ def apply_schedules(
         ranked = sorted(reprice(res.ranked), key=_rank_key)
         extra = sorted(reprice(res.extra), key=_rank_key)
     else:  # the triples that can rank among the `keep` best, then as many other batchings as the plan needs
-        ranked = sorted(_bound_walk(res.ranked, cc_of, rows, searched, keep), key=_rank_key)
+        ranked = sorted(_bound_walk(res.ranked, cc_of, rows, searched, keep, refit), key=_rank_key)
         shown = max(0, keep - len(res.ranked))
-        extra = sorted(reprice(res.extra[:shown]), key=_rank_key) + res.extra[shown:]
+        # the other batchings are runners-up: their 1F1B recompute will do
+        extra = sorted(reprice(res.extra[:shown], None), key=_rank_key) + res.extra[shown:]
     if not ranked and not extra:
         what = f"--schedule {schedule}" + (f" --virtual-stages {virtual_stages}" if virtual_stages else "")
         raise SearchError(
@@ -590,11 +653,13 @@ def apply_schedules(
     if ranked[0].strategy.schedule != ScheduleName.ONE_F_ONE_B or schedule:
         ranked[0].extra["plain_step_s"] = plain.step_time_s
         ranked[0].extra["plain_schedule"] = plain.strategy.schedule
+    if not schedule and ranked[0].strategy.schedule != ScheduleName.ONE_F_ONE_B:  # 1F1B: another layout
+        out.extra = sorted(out.extra + [plain], key=_rank_key)
     return out
 
 
 def _bound_walk(
-    evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int
+    evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None = None
 ) -> list[Evaluation]:
     """``evs`` (1F1B strategies, one per degree triple, fastest first) with the ``keep`` first, and
     every other that could beat the best found, priced under their best schedule
@@ -630,7 +695,9 @@ def _bound_walk(
             if not sibling:
                 per_triple[owner] = evaluation
             continue
-        got, unfit = _best(cc_of[evaluation.strategy.candidate], evaluation, opts, bounds)
+        costs = cc_of[evaluation.strategy.candidate]
+        got, unfit = _best(costs, evaluation, opts, bounds)
+        got = _refitted(costs, evaluation, got, unfit, refit)
         if got is not None:
             best = min(best, got.step_time_s)
             if owner not in per_triple or _rank_key(got) < _rank_key(per_triple[owner]):
@@ -638,7 +705,44 @@ def _bound_walk(
         if unfit and not sibling:
             for sib in _sharded_siblings(evaluation, cc_of):
                 add(sib, owner, True)
+        if refit is not None and not sibling:
+            for sib in _batching_siblings(evaluation, cc_of, refit, best):
+                add(sib, owner, True)
     return list(per_triple.values())
+
+
+def schedule_free_bound(costs: CandidateCosts) -> float:
+    """A step no schedule of this candidate can beat: the busiest rank runs ``m`` micro-batches of
+    at least the average rank's work and of its largest layer, then the tail
+    (:func:`planner.search.candidates.time_lower_bound` without 1F1B's fill and drain)."""
+    work = total_work(costs)
+    slowest = max(work / costs.cand.pp, max(cost.work_s + cost.zero_mb_s for cost, _ in costs.distinct))
+    return costs.cand.num_micro_batches * slowest + tail_bound(costs)
+
+
+def _batching_siblings(evaluation: Evaluation, cc_of: dict, refit: Refit, best: float) -> list[Evaluation]:
+    """The best 1F1B strategy (``refit.strategy``: the search's ILP) of each candidate the search
+    enumerated that differs from ``evaluation``'s only by its micro-batch size, where
+    :func:`schedule_free_bound` does not rule out beating ``best``: the search kept the triple's
+    fastest batching under 1F1B, and a smaller micro-batch (more micro-batches, less memory) can
+    win under a schedule whose bubble does not grow with the stages."""
+    candidate = evaluation.strategy.candidate
+    out = []
+    for other in list(cc_of.keys()):
+        if (
+            other == candidate
+            or dataclasses.replace(
+                other, micro_batch_size=candidate.micro_batch_size, num_micro_batches=candidate.num_micro_batches
+            )
+            != candidate
+        ):
+            continue
+        if schedule_free_bound(cc_of[other]) >= best * (1 - 1e-9):
+            continue
+        got = refit.strategy(cc_of[other])
+        if got is not None:
+            out.append(got)
+    return out
 
 
 def _sharded_siblings(evaluation: Evaluation, cc_of: dict) -> list[Evaluation]:

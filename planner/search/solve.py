@@ -51,6 +51,7 @@ from cost_models.strategy import (
     predicted_fields,
 )
 from planner.frontend.input_pins import resolve_inputs
+from planner.frontend.spec import model_layer_names
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
 from planner.search.alternatives import alternative_reason
 from planner.search.candidates import (
@@ -68,7 +69,8 @@ from planner.search.candidates import (
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
-from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows
+from planner.search.schedule_refit import make_refit, schedule_fix
+from planner.search.schedule_search import apply_schedules, check_schedule_pins, schedule_allows, schedule_options
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.units import format_seconds
 from runtime.contract.choices import GradCompression
@@ -363,13 +365,35 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
-    result = apply_schedules(
-        result, _costs_for(request, table, hw, gpus_per_node, entries, result), len(table.layers), sched, virtual_stages
-    )
+    result = _scheduled(request, table, _costs_for(request, table, hw, gpus_per_node, entries, result), result, solver)
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
     return Solution(plan=plan, evaluation=result.winner(), search=result, compile=choice, compression=compression)
+
+
+def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
+    """``result`` with each kept strategy under its best schedule, recompute re-chosen for the
+    schedule's memory (:mod:`planner.search.schedule_refit`); a refused ``--schedule`` pin's
+    ``SearchError`` says which recompute or ZeRO setting makes it fit, when one does."""
+    sched, virtual_stages = getattr(request, "schedule", None), getattr(request, "virtual_stages", None)
+    rows = len(table.layers)
+    try:
+        return apply_schedules(
+            result, cc_of, rows, sched, virtual_stages, refit=make_refit(table.kinds, request.checkpoint, solver)
+        )
+    except SearchError as refused:
+        fix = schedule_fix(
+            result.ranked + result.extra,
+            cc_of,
+            lambda evaluation: schedule_options(evaluation.strategy.candidate, rows, sched, virtual_stages),
+            table.kinds,
+            request.checkpoint,
+            solver,
+        )
+        if not fix:
+            raise
+        raise SearchError(f"{refused} {fix}") from None
 
 
 def _pinned_variants(request, candidates: list[Candidate], hw: HardwareProfile) -> list[Candidate]:
@@ -579,7 +603,7 @@ def build_plan(
         layers=len(table.layers) - 2,
         flops_per_step=float(flops),
         sizes=sizes,
-        layer_names=list(table.names),
+        layer_names=model_layer_names(request.spec, list(table.names)),
         inputs=list(inputs or []),
     )
     alts = [
@@ -597,8 +621,10 @@ def build_plan(
             },
             sequence_parallel=alt.strategy.candidate.sequence_parallel,
             dp_compression=alt.strategy.candidate.dp_compression,
+            schedule=alt.strategy.schedule,
+            virtual_stages=alt.strategy.virtual_stages,
         )
-        for alt in result.alternatives(3)
+        for alt in result.runners_up(3)
     ]
     plan = Plan(
         model=model,
