@@ -386,6 +386,18 @@ def _rank_device() -> torch.device:
     return device
 
 
+def _model_inputs(manifest: Mapping[str, Any], plan: Mapping[str, Any]) -> tuple[list[str], list]:
+    """The compiled graph's input names and the plan's input specs, which must pair up."""
+    graph_inputs = manifest["model"].get("inputs", ["input_ids", "labels"])
+    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
+    if len(graph_inputs) != len(input_specs):
+        raise ValueError(
+            f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
+            f"{len(input_specs)}: recompile the plan"
+        )
+    return graph_inputs, input_specs
+
+
 def setup(
     rank: int, world: int, compiled_dir: str, opts: TrainOptions, state_fn: Callable[[], Mapping[str, torch.Tensor]]
 ) -> Run:
@@ -409,13 +421,7 @@ def setup(
     torch.manual_seed(opts.seed)
     modules = _load_chunks(compiled_dir, chunks, state_fn(), mesh, device)
     module = modules[0] if chunk_count == 1 else torch.nn.ModuleList(modules)
-    graph_inputs = manifest["model"].get("inputs", ["input_ids", "labels"])
-    input_specs = plan["model"].get("inputs") or LEGACY_INPUTS
-    if len(graph_inputs) != len(input_specs):
-        raise ValueError(
-            f"the compiled model takes {len(graph_inputs)} inputs {graph_inputs}, the plan describes "
-            f"{len(input_specs)}: recompile the plan"
-        )
+    graph_inputs, input_specs = _model_inputs(manifest, plan)
     compiled = None
     if plan.get("compile"):
         compiled = _compile_chunks(
