@@ -161,15 +161,21 @@ def dp_exposure(
     traffic: Sequence[DpTraffic], fwd: Sequence[float], bwd: Sequence[float], uniform_blocks: bool
 ) -> list[DpExposure]:
     """Each row's exposed and hidden DP seconds (module docstring). ``uniform_blocks``: rows
-    ``1 .. n-3`` are identical blocks, which then keep one cost (the difference moves to row 0)."""
-    out = [_row_exposure(j, traffic, fwd, bwd) for j in range(len(traffic))]
-    n = len(out)
-    if uniform_blocks and n >= 5:
-        steady = out[2]
-        step, mb = out[0].step, out[0].micro_batch
-        for j in range(1, n - 2):
-            step = _add(step, _sub(out[j].step, steady.step))
-            mb = _add(mb, _sub(out[j].micro_batch, steady.micro_batch))
-            out[j] = steady
-        out[0] = DpExposure(step, mb)
-    return out
+    ``1 .. n-3`` are identical blocks, which then keep one cost (the difference moves to row 0);
+    only the rows next to a different one are worked out then (a block between blocks is the
+    steady state)."""
+    n = len(traffic)
+    if not (uniform_blocks and n >= 5):
+        return [_row_exposure(j, traffic, fwd, bwd) for j in range(n)]
+    steady = _row_exposure(2, traffic, fwd, bwd)
+    first = _row_exposure(0, traffic, fwd, bwd)
+    step, mb = first.step, first.micro_batch
+    for j in {1, n - 3}:  # the blocks beside the embedding row and the last block
+        exact = _row_exposure(j, traffic, fwd, bwd)
+        step = _add(step, _sub(exact.step, steady.step))
+        mb = _add(mb, _sub(exact.micro_batch, steady.micro_batch))
+    return (
+        [DpExposure(step, mb)]
+        + [steady] * (n - 3)
+        + [_row_exposure(n - 2, traffic, fwd, bwd), _row_exposure(n - 1, traffic, fwd, bwd)]
+    )

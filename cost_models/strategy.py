@@ -107,7 +107,7 @@ from cost_models.offload_cost import (
     offload_buffer_bytes,
     ranks_per_node,
 )
-from cost_models.overlap_cost import DpTraffic, dp_exposure
+from cost_models.overlap_cost import DpExposure, DpTraffic, dp_exposure
 from cost_models.tied_cost import TiedCost, tied_weight_costs
 from runtime.contract.choices import GradCompression, OffloadTier
 from runtime.contract.collective_bytes import ring_bytes
@@ -370,7 +370,9 @@ def candidate_costs(
         hw,
         gpus_per_node,
         capacity,
-        distinct=None if tied or overlapped else [(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
+        distinct=_distinct(layers)
+        if tied or overlapped
+        else [(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
     )
     costs.dtype = dtype
     if cand.offloads:
@@ -486,33 +488,53 @@ def _overlaps_dp(cand: Candidate) -> bool:
 def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], slowdown: float) -> list[LayerCost]:
     """``layers`` with their ZeRO traffic charged what its windows cannot hide (exposed in
     ``zero_mb_s`` / ``dp_step_s``, hidden in ``*_hidden_s``) and the contention: per micro-batch in
-    ``compute_s``, per step in ``dp_step_s`` (as ``dp_contention_s``)."""
+    ``compute_s``, per step in ``dp_step_s`` (as ``dp_contention_s``). Rows that share a cost and an
+    exposure share the result (repeated blocks stay one object)."""
     n = len(layers)
-    uniform = n >= 5 and all(layers[i] == layers[1] for i in range(2, n - 2))
+    uniform = n >= 5 and all(layers[i] is layers[1] or layers[i] == layers[1] for i in range(2, n - 2))
     seen = dp_exposure(
         traffic,
         [layer.fwd_s for layer in layers],
         [layer.compute_s - layer.fwd_s for layer in layers],
         uniform,
     )
+    made: dict[tuple, LayerCost] = {}
     out = []
     for layer, row, exposure in zip(layers, traffic, seen):
-        step_total = row.grad_step_s + row.gather_step_s
-        mb_total = row.reduce_mb_s + row.fwd_gather_mb_s + row.bwd_gather_mb_s
-        contention = slowdown * exposure.step.hidden_s
-        out.append(
-            dataclasses.replace(
-                layer,
-                compute_s=layer.compute_s + slowdown * exposure.micro_batch.hidden_s,
-                zero_mb_s=layer.zero_mb_s - mb_total + exposure.micro_batch.exposed_s,
-                zero_mb_hidden_s=exposure.micro_batch.hidden_s,
-                dp_step_s=layer.dp_step_s - step_total + exposure.step.exposed_s + contention,
-                warmup_dp_step_s=layer.warmup_dp_step_s - step_total + exposure.step.exposed_s + contention,
-                dp_step_hidden_s=exposure.step.hidden_s,
-                dp_contention_s=contention,
-            )
-        )
+        key = (id(layer), exposure)
+        cost = made.get(key)
+        if cost is None:
+            cost = made[key] = _exposed_layer(layer, row, exposure, slowdown)
+        out.append(cost)
     return out
+
+
+def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, slowdown: float) -> LayerCost:
+    step_total = row.grad_step_s + row.gather_step_s
+    mb_total = row.reduce_mb_s + row.fwd_gather_mb_s + row.bwd_gather_mb_s
+    contention = slowdown * exposure.step.hidden_s
+    return dataclasses.replace(
+        layer,
+        compute_s=layer.compute_s + slowdown * exposure.micro_batch.hidden_s,
+        zero_mb_s=layer.zero_mb_s - mb_total + exposure.micro_batch.exposed_s,
+        zero_mb_hidden_s=exposure.micro_batch.hidden_s,
+        dp_step_s=layer.dp_step_s - step_total + exposure.step.exposed_s + contention,
+        warmup_dp_step_s=layer.warmup_dp_step_s - step_total + exposure.step.exposed_s + contention,
+        dp_step_hidden_s=exposure.step.hidden_s,
+        dp_contention_s=contention,
+    )
+
+
+def _distinct(layers: Sequence[LayerCost]) -> list[tuple[LayerCost, int]]:
+    """Each distinct layer cost with its count, hashing each object once (rows share objects)."""
+    by_object: dict[int, list] = {}
+    for cost in layers:
+        entry = by_object.setdefault(id(cost), [cost, 0])
+        entry[1] += 1
+    counts: dict[LayerCost, int] = {}
+    for cost, count in by_object.values():
+        counts[cost] = counts.get(cost, 0) + count
+    return list(counts.items())
 
 
 @dataclass(frozen=True)
@@ -559,6 +581,8 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
         backward_s,
     )
     per_microbatch, per_step = _zero_collectives(params, dtype, zero, dp)
+    mb_times = [_collectives_time([c], pricing.dp_placement, hw) for c in per_microbatch]
+    step_times = [_collectives_time([c], pricing.dp_placement, hw) for c in per_step]
     optimizer_params = shard_elements(params, dp) if zero >= 1 else params
     opt_s = (
         offload.optimizer_s
@@ -569,16 +593,12 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
         base=base,
         peak=peak,
         offload=offload,
-        zero_mb_s=_collectives_time(per_microbatch, pricing.dp_placement, hw),
-        dp_step_s=_collectives_time(per_step, pricing.dp_placement, hw),
+        zero_mb_s=sum(mb_times),
+        dp_step_s=sum(step_times),
         opt_s=opt_s,
         zero_mb_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_microbatch),
         dp_step_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_step),
-        traffic=_dp_traffic(
-            zero,
-            [_collectives_time([c], pricing.dp_placement, hw) for c in per_microbatch],
-            [_collectives_time([c], pricing.dp_placement, hw) for c in per_step],
-        ),
+        traffic=_dp_traffic(zero, mb_times, step_times),
     )
 
 
