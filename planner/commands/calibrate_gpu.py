@@ -68,6 +68,7 @@ from planner.commands.calibrate_common import (
     gemm_tables,
     lower_quartile,
     measure_offload,
+    median,
     offload_source,
 )
 from planner.frontend.model_analysis import build_layer_table
@@ -129,6 +130,8 @@ class GpuCalibrationSpec:
     """Most repetitions of one collective at one size."""
     bytes_per_size: int = 4 * GB
     """Repetitions at size ``S`` are ``clamp(bytes_per_size // S, 5, max_reps)``."""
+    overlap_rounds: int = 10
+    """Rounds of compute alone and beside all-reduces (``measure_overlap_slowdown``)."""
 
     @classmethod
     def quick(cls) -> "GpuCalibrationSpec":
@@ -148,6 +151,7 @@ class GpuCalibrationSpec:
             message_sizes=(256 * KB, 4 * MB, 64 * MB),
             max_reps=20,
             bytes_per_size=1 * GB,
+            overlap_rounds=5,
         )
 
     def reps(self, size: int) -> int:
@@ -433,6 +437,69 @@ def time_collective(
     return nbytes, world, secs
 
 
+#: Most slowdown a calibration reports (``HardwareProfile.overlap_slowdown`` must stay below 1):
+#: beyond it the timing was disturbed.
+MAX_OVERLAP_SLOWDOWN = 0.9
+
+
+def measure_overlap_slowdown(
+    timer: DeviceTimer, rounds: int, size: int = 512, matmuls: int = 8, comm_bytes: int = 8 * MB
+) -> dict[str, float]:
+    """How much slower compute runs beside a collective (``HardwareProfile.overlap_slowdown``),
+    over the default group on ``timer``'s device (gloo on CPUs, NCCL on GPUs; every rank calls it).
+
+    The compute is ``matmuls`` products of ``size x size`` matrices (fp32 on a CPU, bf16 on a GPU),
+    timed alone and then while a chain of all-reduces of ``comm_bytes`` runs beside it, long
+    enough to cover it (launched asynchronously first, waited after), in ``rounds`` pairs. The
+    slowdown is the median over the pairs of ``beside / alone - 1`` (pairing cancels a shared
+    machine's slower drifts), the mean over ranks, kept to ``[0, MAX_OVERLAP_SLOWDOWN]``; the
+    lower quartiles of both times are recorded beside it."""
+    device = timer.device
+    dtype = torch.bfloat16 if timer.cuda else torch.float32
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    buf = torch.ones(max(comm_bytes // 4, 1), device=device)
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            torch.mm(a, b, out=out)
+
+    def one_collective() -> None:
+        dist.all_reduce(buf)
+
+    compute()  # warm-up
+    one_collective()
+    timer.sync()
+    alone_s = lower_quartile([timer.per_call(compute, 1, queue_ahead=False)[0] for _ in range(3)])
+    dist.barrier()
+    comm_s = lower_quartile(timer.per_call(one_collective, 3, queue_ahead=False))
+    chain = torch.tensor([math.ceil(1.5 * alone_s / max(comm_s, 1e-9))], dtype=torch.float64, device=device)
+    dist.all_reduce(chain, op=dist.ReduceOp.MAX)  # every rank issues the same collectives
+    links = int(min(max(chain.item(), 1), 64))
+    alone, beside = [], []
+    for _ in range(rounds):  # paired rounds: a neighbour's load drifts slower than one round
+        dist.barrier()
+        alone.append(timer.per_call(compute, 1, queue_ahead=False)[0])
+        dist.barrier()
+        works = [dist.all_reduce(buf, async_op=True) for _ in range(links)]
+        beside.append(timer.per_call(compute, 1, queue_ahead=False)[0])
+        for work in works:
+            work.wait()
+        timer.sync()
+    alone_s, beside_s = lower_quartile(alone), lower_quartile(beside)
+    ratio = median([b / a for a, b in zip(alone, beside) if a > 0]) if any(a > 0 for a in alone) else 1.0
+    slowdown = torch.tensor([ratio - 1], dtype=torch.float64, device=device)
+    dist.all_reduce(slowdown)
+    value = float(slowdown.item()) / dist.get_world_size()
+    return {
+        "compute_alone_s": alone_s,
+        "compute_beside_s": beside_s,
+        "collective_s": comm_s,
+        "collectives_beside": links,
+        "overlap_slowdown": min(max(value, 0.0), MAX_OVERLAP_SLOWDOWN),
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # Collecting: one device in this process, the collectives in one process per GPU
 # ----------------------------------------------------------------------------------------------
@@ -485,8 +552,10 @@ def _collectives_worker(rank: int, world: int, spec: GpuCalibrationSpec, out_fil
             out.append({"kind": kind, "size_bytes": nbytes, "n": ranks, "seconds": secs})
             if rank == 0 and progress_q is not None:
                 progress_q.put(f"{kind} {fmt_bytes(nbytes)}")
+    # GEMMs large enough to fill the GPU beside NCCL's kernels, all-reduces as large as a bucket
+    overlap = measure_overlap_slowdown(DeviceTimer(device), spec.overlap_rounds, size=4096, comm_bytes=64 * MB)
     if rank == 0:
-        Path(out_file).write_text(json.dumps(out))
+        Path(out_file).write_text(json.dumps({"collectives": out, "overlap": overlap}))
 
 
 def _device_info(device: torch.device) -> dict[str, Any]:
@@ -575,6 +644,7 @@ def build_gpu_profile(
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bandwidth} if collectives else None,
         "base": base.name,
         "offload": offload or None,
+        "overlap": raw.get("overlap"),
     }
     return HardwareProfile(
         name=_profile_name(device_info["name"]),
@@ -591,6 +661,7 @@ def build_gpu_profile(
         sync_overhead_s=base.sync_overhead_s,
         ops_async=True,
         recompute_ratio=1.0,
+        overlap_slowdown=(raw.get("overlap") or {}).get("overlap_slowdown", base.overlap_slowdown),
         intra_node_collectives=links,
         sm_count=int(device_info["sm_count"]),
         gemm_efficiency=tables or None,
@@ -767,7 +838,8 @@ def run_gpu_calibration(
                     )
                 except LaunchError as e:
                     raise CalibrationError(f"NCCL collective processes failed: {e}") from None
-                raw["collectives"] = json.loads(Path(out_file).read_text())
+                measured = json.loads(Path(out_file).read_text())
+                raw["collectives"], raw["overlap"] = measured["collectives"], measured["overlap"]
         else:
             raw["collectives"] = []
             raw["collectives_skipped"] = (
