@@ -22,7 +22,7 @@ dtype: the planner's own choice, which must never be slower than the pinned one 
 model (column ``free<=pin``).
 
 Sources of the figures. Korthikanti's four "present work" times reproduce the MFU the Megatron-LM
-README lists for these runs (41.5%, 51.4%, 56.0%, 56.3%) to 0.1 point with their model-FLOPs
+README lists for these runs (41.5%, 51.4%, 56.0%, 56.3%) to 0.2 point with their model-FLOPs
 formula ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, which checks the times, batches and layer
 counts together; the full-recompute times are their Table 5's. Narayanan's shapes (heads,
 hidden, layers) are the ones the Megatron-LM README gives for its GPT sizes; rows 1.7B, 18.4B,
