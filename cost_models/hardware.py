@@ -156,6 +156,20 @@ class HardwareProfile:
     the forward writes each saved activation into memory not touched since the last step, while
     the recomputation writes into the cache-warm buffers the backward has just freed. ``planner
     calibrate`` measures it (a checkpointed step against a plain one and a forward alone)."""
+    overlap_slowdown: float = 0.0
+    """How much slower compute runs while a collective runs beside it: compute of ``t`` seconds
+    that overlaps a collective takes ``(1 + overlap_slowdown) t`` (the *contention* of an
+    overlapped collective: it takes memory bandwidth and, on a GPU, the SMs its kernels occupy).
+    ``cost_models.strategy`` charges ``overlap_slowdown x`` every second of communication it hides
+    under compute. In ``[0, 1)``; 0 means free overlap. ``planner calibrate`` measures it (a compute
+    loop alone against the same loop beside a loop of all-reduces between the calibrate processes).
+    GPU defaults, a first-principles estimate until ``planner calibrate --device cuda`` measures one:
+    NCCL runs each collective as one thread block per channel, and a large intra-node ring
+    all-reduce typically runs on the order of 16 channels (an assumption; NCCL picks the count per
+    topology), so a GEMM sharing the GPU loses about ``16 / sm_count`` of its SMs: 0.20 on a V100
+    (80 SMs), 0.15 on an A100 (108), 0.12 on an H100/H200 (132); the HBM traffic of the reduction
+    (a few bytes per byte sent) is small beside these GEMMs' needs and is not added. The ``cpu``
+    profile's value is measured (``planner calibrate`` on the machine that wrote it)."""
     intra_node_collectives: dict[str, dict[str, float]] | None = None
     """Optional per-collective intra-node link, ``{kind: {"latency": s, "bandwidth": B/s}}`` for
     kinds among ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send``: the alpha and
@@ -261,6 +275,13 @@ class HardwareProfile:
         _check_fraction(
             "recompute_ratio", self.recompute_ratio, 2, "the cost of a recomputed forward relative to the first one"
         )
+        value = self.overlap_slowdown
+        if not _is_number(value) or not math.isfinite(value) or not 0 <= value < 1:
+            raise ProfileError(
+                "field 'overlap_slowdown' must be a number in [0, 1), how much slower compute runs beside "
+                f"a collective (got {value!r})"
+            )
+        object.__setattr__(self, "overlap_slowdown", float(value))
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives", _check_collective_links(self.intra_node_collectives))
 
@@ -331,6 +352,7 @@ class HardwareProfile:
                 self.op_overhead_s,
                 self.sync_overhead_s,
                 self.recompute_ratio,
+                self.overlap_slowdown,
                 self.ops_async,
                 tuple(
                     sorted(

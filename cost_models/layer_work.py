@@ -18,6 +18,7 @@ from cost_models.gemm_cost import layer_matmul_time
 from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, Sharded
 from cost_models.memory import backward_transient_bytes, bytes_per_param, split_by_tp
+from cost_models.overlap_cost import Hidden, TpExposure, tp_exposure
 from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
 from passes.layer_table import Gemm
 from runtime.contract.collective_bytes import ring_bytes
@@ -116,6 +117,20 @@ class LayerCost:
     """``opt_s`` of a full-precision step."""
     warmup_dp_step_sent_b: float = 0.0
     """``dp_step_sent_b`` of a full-precision step."""
+    tp_hidden_s: float = 0.0
+    """TP seconds of one micro-batch hidden under compute (``tp_s`` is the exposed rest; the
+    contention they cost is in ``compute_s``, ``cost_models.overlap_cost``)."""
+    tp_rec_hidden_s: float = 0.0
+    """TP seconds a recompute of this layer hides (its exposed rest and contention are in ``rec_s``)."""
+    zero_mb_hidden_s: float = 0.0
+    """ZeRO 2/3 seconds of one micro-batch hidden under compute (``zero_mb_s`` is the exposed rest;
+    their contention is in ``compute_s``)."""
+    dp_step_hidden_s: float = 0.0
+    """Per-step DP/ZeRO seconds hidden under compute (``dp_step_s`` is the exposed rest plus
+    ``dp_contention_s``)."""
+    dp_contention_s: float = 0.0
+    """Of ``dp_step_s``, the compute slowed beside the hidden per-step collectives
+    (``overlap_slowdown x dp_step_hidden_s``): reported as ``compute``."""
 
     @property
     def work_s(self) -> float:
@@ -144,6 +159,9 @@ class WorkSetting:
     """Where the tensor-parallel group's ranks live (prices its collectives)."""
     tokens: float
     """Tokens of one micro-batch (``b s``): tells the weight-gradient products apart."""
+    overlap_tp: bool = True
+    """The run overlaps its tensor-parallel collectives (``runtime.contract.overlap``): each is
+    charged what its window cannot hide, plus contention (``cost_models.overlap_cost``)."""
 
 
 class _PassTimes(NamedTuple):
@@ -294,14 +312,18 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
     params = int(split_by_tp(row.param_count.tp_part, row.param_count.whole - row.param_count.tp_part, tp))
     passes = _pass_times(row, hw, dtype, setting, params)
     tp_comm = _tp_times(row, hw, setting)
+    tp_seen = _tp_seen(tp_comm, passes, setting)
+    slow = hw.overlap_slowdown * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s)
     saved = row.saved_bytes.per_device(tp, sequence_parallel)
     gradient_bytes = bytes_per_param(dtype)["grads"] * row.largest_param.per_device_elements(tp)
     work = LayerCost(
-        compute_s=passes.forward_s + passes.backward_s,
-        fwd_s=passes.forward_s,
-        tp_s=tp_comm.fwd_s + tp_comm.bwd_s,
-        tp_fwd_s=tp_comm.fwd_s,
-        rec_s=hw.recompute_ratio * passes.forward_s + tp_comm.rec_s,
+        compute_s=passes.forward_s + passes.backward_s + slow,
+        fwd_s=passes.forward_s + hw.overlap_slowdown * tp_seen.fwd.hidden_s,
+        tp_s=tp_seen.fwd.exposed_s + tp_seen.bwd.exposed_s,
+        tp_fwd_s=tp_seen.fwd.exposed_s,
+        rec_s=hw.recompute_ratio * passes.forward_s
+        + tp_seen.rec.exposed_s
+        + hw.overlap_slowdown * tp_seen.rec.hidden_s,
         zero_mb_s=0.0,
         dp_step_s=0.0,
         opt_s=0.0,
@@ -325,5 +347,22 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         sel_rec_s=passes.selective_s,
         sel_saved_b=row.core.saved_bytes.per_device(tp, sequence_parallel),
         tail_b=min(max(row.tail_saved_bytes.per_device(tp, sequence_parallel), 0.0), saved),
+        tp_hidden_s=tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s,
+        tp_rec_hidden_s=tp_seen.rec.hidden_s,
     )
     return work, passes.backward_s
+
+
+def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting) -> TpExposure:
+    """The row's TP seconds split into exposed and hidden (all exposed when the run does not
+    overlap them, ``WorkSetting.overlap_tp``)."""
+    if not setting.overlap_tp or setting.tp == 1:
+        return TpExposure(Hidden(tp_comm.fwd_s, 0.0), Hidden(tp_comm.bwd_s, 0.0), Hidden(tp_comm.rec_s, 0.0))
+    return tp_exposure(
+        tp_comm.fwd_s,
+        tp_comm.bwd_s,
+        tp_comm.rec_s,
+        (passes.forward_s, passes.backward_s, passes.wgrad_s),
+        setting.tp,
+        setting.sequence_parallel,
+    )

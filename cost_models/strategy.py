@@ -31,10 +31,14 @@ reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequen
   (``Evaluation.extra["compile_s"]``, weighed by ``planner.search.solve``).
 - DP/ZeRO (``comm_cost.zero_dp_collectives``): ZeRO 0/1 once per step after the last backward;
   ZeRO 2 reduce-scatters every micro-batch (``zero_mb``) and all-gathers once; ZeRO 3 gathers for
-  forward and backward and reduce-scatters every micro-batch. None is hidden under compute. A tied
-  weight across stages adds a copy and a gradient all-reduce (``cost_models.tied_cost``); offload
-  adds its exposed transfers to ``zero_mb`` / ``dp_step`` and its host AdamW to ``opt``
-  (``cost_models.offload_cost``).
+  forward and backward and reduce-scatters every micro-batch. A tied weight across stages adds a
+  copy and a gradient all-reduce (``cost_models.tied_cost``); offload adds its exposed transfers to
+  ``zero_mb`` / ``dp_step`` and its host AdamW to ``opt`` (``cost_models.offload_cost``).
+- overlap (``Candidate.overlap``, plan.json ``overlap``): TP and DP/ZeRO collectives are charged
+  only what their window of independent compute cannot hide, per layer (``cost_models.overlap_cost``):
+  ``tp``, ``zero_mb``, ``dp_step`` hold the exposed seconds, ``*_hidden_s`` the hidden ones, and the
+  contention ``overlap_slowdown x hidden`` joins the compute (per step: ``dp_contention_s``, in
+  ``dp_step`` and reported as ``compute``). Every term stays a per-layer constant (ILP unchanged).
 
 Step time (1F1B, ``p`` stages, ``m`` micro-batches), stage ``k`` holding layers ``S_k``, recomputed ``R``::
 
@@ -54,8 +58,9 @@ micro-batches of activations (``cost_models.memory``); feasible when every stage
 Time breakdown (``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``) and the tail
 stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`` stage ``k*``'s;
 ``pp_bubble = sum_k T_k - T + m p2p_k*``; ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
-offload_step_d*``; ``optimizer = opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The
-parts sum to the step time.
+offload_step_d* - dp_contention_d*`` (``compute`` gains ``dp_contention_d*``); ``optimizer =
+opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The parts sum to the step time.
+``predicted.hidden`` reads the hidden seconds at the same stages (``hidden_breakdown``).
 """
 
 from __future__ import annotations
@@ -102,11 +107,13 @@ from cost_models.offload_cost import (
     offload_buffer_bytes,
     ranks_per_node,
 )
+from cost_models.overlap_cost import DpExposure, DpTraffic, dp_exposure
 from cost_models.tied_cost import TiedCost, tied_weight_costs
 from runtime.contract.choices import GradCompression, OffloadTier
 from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.compressed_exchange import ERROR_ELEMENT_BYTES
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
+from runtime.contract.overlap import OVERLAP_ALL, Overlap
 
 __all__ = [
     "NumericTable",
@@ -124,6 +131,7 @@ __all__ = [
     "candidate_costs",
     "evaluate",
     "predicted_fields",
+    "hidden_breakdown",
     "memory_bound",
     "pipeline_time",
     "boundary_placements",
@@ -165,6 +173,9 @@ class Candidate:
     dp_compression: str = "none"
     """``onebit-adam``: 1-bit Adam's compressed momentum exchange after a full-precision warm-up
     (``cost_models.compression_cost``); needs dp > 1, ZeRO 0 or 1 and no offload."""
+    overlap: Overlap = field(default=OVERLAP_ALL, compare=False)
+    """What the run overlaps with compute (``runtime.contract.overlap``; plan.json ``overlap``):
+    the request's setting, the same for every candidate of a search (so not compared)."""
 
     def __post_init__(self) -> None:
         if self.compressed and (self.dp < 2 or self.zero_stage > 1 or self.offloads):
@@ -197,6 +208,7 @@ class Candidate:
             + (", compiled" if self.compile else "")
             + (f", offload {' and '.join(off)}" if off else "")
             + (", 1-bit Adam" if self.compressed else "")
+            + ("" if self.overlap.any else ", no overlap")
         )
 
 
@@ -335,12 +347,17 @@ def candidate_costs(
             compiled=cand.compile,
             tp_placement=axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node),
             tokens=tokens,
+            overlap_tp=cand.overlap.tp,
         ),
         dp_placement=axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node),
         ranks_per_node=ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node),
     )
-    row_costs = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
+    priced = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
+    row_costs = [cost for cost, _ in priced]
     layers = [row_costs[i] for i in row_of_layer]
+    overlapped = _overlaps_dp(cand)
+    if overlapped:
+        layers = _overlap_dp(layers, [priced[i][1] for i in row_of_layer], hw.overlap_slowdown)
     zero = 0 if cand.compressed else cand.zero_stage  # compressed: stage 0's optimizer memory
     tied = tied_weight_costs(table.tied, cand.dp, cand.tp, cand.pp, zero, dtype, hw, gpus_per_node)
     for weight in tied:
@@ -353,7 +370,9 @@ def candidate_costs(
         hw,
         gpus_per_node,
         capacity,
-        distinct=None if tied else [(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
+        distinct=_distinct(layers)
+        if tied or overlapped
+        else [(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
     )
     costs.dtype = dtype
     if cand.offloads:
@@ -421,7 +440,7 @@ def _set_offload_room(costs: CandidateCosts, row_costs: Sequence[LayerCost], ran
         costs.nvme_room = (hw.nvme_bytes or 0) * headroom / ranks
 
 
-def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = None) -> LayerCost:
+def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = None) -> tuple[LayerCost, DpTraffic]:
     """One row's costs under a candidate: its work (compute, tp collectives, activations; a
     function of the row and ``pricing.setting`` only, so shared through ``memo`` by every
     candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
@@ -436,7 +455,7 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
     params = work.num_params
     state = _layer_state(params, pricing, work.fwd_s, backward_s)
     compressed = _compressed_terms(params, pricing) if cand.compressed else None
-    return dataclasses.replace(
+    cost = dataclasses.replace(
         work,
         zero_mb_s=state.zero_mb_s + state.offload.mb_s,
         dp_step_s=compressed.dp_step_s if compressed else state.dp_step_s + state.offload.step_s,
@@ -457,6 +476,65 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
         warmup_opt_s=state.opt_s,
         warmup_dp_step_sent_b=state.dp_step_sent_b,
     )
+    return cost, state.traffic
+
+
+def _overlaps_dp(cand: Candidate) -> bool:
+    """Whether ``cand``'s DP/ZeRO collectives run beside compute (``cost_models.overlap_cost``:
+    not with offload or 1-bit Adam, whose transfers are waited where they are issued)."""
+    return cand.overlap.dp and cand.dp > 1 and not cand.offloads and not cand.compressed
+
+
+def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], slowdown: float) -> list[LayerCost]:
+    """``layers`` with their ZeRO traffic charged what its windows cannot hide (exposed in
+    ``zero_mb_s`` / ``dp_step_s``, hidden in ``*_hidden_s``) and the contention: per micro-batch in
+    ``compute_s``, per step in ``dp_step_s`` (as ``dp_contention_s``). Rows that share a cost and an
+    exposure share the result (repeated blocks stay one object)."""
+    n = len(layers)
+    uniform = n >= 5 and all(layers[i] is layers[1] or layers[i] == layers[1] for i in range(2, n - 2))
+    seen = dp_exposure(
+        traffic,
+        [layer.fwd_s for layer in layers],
+        [layer.compute_s - layer.fwd_s for layer in layers],
+        uniform,
+    )
+    made: dict[tuple, LayerCost] = {}
+    out = []
+    for layer, row, exposure in zip(layers, traffic, seen):
+        key = (id(layer), exposure)
+        cost = made.get(key)
+        if cost is None:
+            cost = made[key] = _exposed_layer(layer, row, exposure, slowdown)
+        out.append(cost)
+    return out
+
+
+def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, slowdown: float) -> LayerCost:
+    step_total = row.grad_step_s + row.gather_step_s
+    mb_total = row.reduce_mb_s + row.fwd_gather_mb_s + row.bwd_gather_mb_s
+    contention = slowdown * exposure.step.hidden_s
+    return dataclasses.replace(
+        layer,
+        compute_s=layer.compute_s + slowdown * exposure.micro_batch.hidden_s,
+        zero_mb_s=layer.zero_mb_s - mb_total + exposure.micro_batch.exposed_s,
+        zero_mb_hidden_s=exposure.micro_batch.hidden_s,
+        dp_step_s=layer.dp_step_s - step_total + exposure.step.exposed_s + contention,
+        warmup_dp_step_s=layer.warmup_dp_step_s - step_total + exposure.step.exposed_s + contention,
+        dp_step_hidden_s=exposure.step.hidden_s,
+        dp_contention_s=contention,
+    )
+
+
+def _distinct(layers: Sequence[LayerCost]) -> list[tuple[LayerCost, int]]:
+    """Each distinct layer cost with its count, hashing each object once (rows share objects)."""
+    by_object: dict[int, list] = {}
+    for cost in layers:
+        entry = by_object.setdefault(id(cost), [cost, 0])
+        entry[1] += 1
+    counts: dict[LayerCost, int] = {}
+    for cost, count in by_object.values():
+        counts[cost] = counts.get(cost, 0) + count
+    return list(counts.items())
 
 
 @dataclass(frozen=True)
@@ -471,6 +549,8 @@ class _LayerState:
     opt_s: float
     zero_mb_sent_b: float
     dp_step_sent_b: float
+    traffic: DpTraffic
+    """The DP/ZeRO seconds by when the runtime runs them (``cost_models.overlap_cost``)."""
 
 
 def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward_s: float) -> _LayerState:
@@ -501,6 +581,8 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
         backward_s,
     )
     per_microbatch, per_step = _zero_collectives(params, dtype, zero, dp)
+    mb_times = [_collectives_time([c], pricing.dp_placement, hw) for c in per_microbatch]
+    step_times = [_collectives_time([c], pricing.dp_placement, hw) for c in per_step]
     optimizer_params = shard_elements(params, dp) if zero >= 1 else params
     opt_s = (
         offload.optimizer_s
@@ -511,12 +593,27 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
         base=base,
         peak=peak,
         offload=offload,
-        zero_mb_s=_collectives_time(per_microbatch, pricing.dp_placement, hw),
-        dp_step_s=_collectives_time(per_step, pricing.dp_placement, hw),
+        zero_mb_s=sum(mb_times),
+        dp_step_s=sum(step_times),
         opt_s=opt_s,
         zero_mb_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_microbatch),
         dp_step_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_step),
+        traffic=_dp_traffic(zero, mb_times, step_times),
     )
+
+
+def _dp_traffic(zero_stage: int, per_microbatch: Sequence[float], per_step: Sequence[float]) -> DpTraffic:
+    """The seconds of ``_zero_collectives``'s lists by role (their order is fixed there)."""
+    if not per_microbatch and not per_step:
+        return DpTraffic()
+    if zero_stage == 3:  # all-gather (forward), all-gather (backward), reduce-scatter
+        return DpTraffic(
+            fwd_gather_mb_s=per_microbatch[0], bwd_gather_mb_s=per_microbatch[1], reduce_mb_s=per_microbatch[2]
+        )
+    if zero_stage == 2:  # reduce-scatter every micro-batch, all-gather once
+        return DpTraffic(reduce_mb_s=sum(per_microbatch), gather_step_s=sum(per_step))
+    # ZeRO 0: all-reduce; ZeRO 1: all-reduce, then all-gather
+    return DpTraffic(grad_step_s=per_step[0], gather_step_s=sum(per_step[1:]))
 
 
 class _CompressedTerms(NamedTuple):
@@ -622,6 +719,16 @@ class StageCost:
     """``comm_bytes`` of a full-precision step (a compressed plan's warm-up; else the same)."""
     exchange: StageExchange | None = None
     """The stage's compressed exchange (1-bit Adam; None without compression)."""
+    tp_hidden_s: float = 0.0
+    """TP seconds of one micro-batch hidden under compute (``cost_models.overlap_cost``)."""
+    rec_hidden_s: float = 0.0
+    """TP seconds of one micro-batch's recomputed forwards hidden under compute."""
+    zero_mb_hidden_s: float = 0.0
+    """ZeRO 2/3 seconds of one micro-batch hidden under compute."""
+    dp_hidden_s: float = 0.0
+    """Per-step DP/ZeRO seconds hidden under compute."""
+    dp_contention_s: float = 0.0
+    """Of ``dp_s``, the compute slowed beside the hidden per-step collectives (reported as compute)."""
 
 
 @dataclass
@@ -814,6 +921,11 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         warmup_opt_s=warmup_opt_s,
         warmup_comm_bytes=warmup_comm,
         exchange=exchange,
+        tp_hidden_s=sum(layer.tp_hidden_s for layer in view),
+        rec_hidden_s=sum(layer.tp_rec_hidden_s for layer, whole in zip(view, work.recomputed) if whole),
+        zero_mb_hidden_s=sum(layer.zero_mb_hidden_s for layer in view),
+        dp_hidden_s=sum(layer.dp_step_hidden_s for layer in view),
+        dp_contention_s=sum(layer.dp_contention_s for layer in view),
     )
 
 
@@ -876,13 +988,30 @@ def time_breakdown(
     parts, and the schedule's pipeline overhead (module docstring, "Time breakdown")."""
     busiest, tail = stages[critical.bottleneck], stages[critical.tail]
     return {
-        "compute": micro_batches * busiest.compute_s,
+        "compute": micro_batches * busiest.compute_s + tail.dp_contention_s,
         "recompute": micro_batches * busiest.recompute_s,
         "tp_comm": micro_batches * busiest.tp_s,
         "pp_bubble": pp_bubble,
-        "dp_comm": micro_batches * (busiest.zero_mb_s - busiest.offload_mb_s) + tail.dp_s - tail.offload_step_s,
+        "dp_comm": micro_batches * (busiest.zero_mb_s - busiest.offload_mb_s)
+        + tail.dp_s
+        - tail.offload_step_s
+        - tail.dp_contention_s,
         "optimizer": tail.opt_s,
         "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
+    }
+
+
+def hidden_breakdown(evaluation: "Evaluation") -> dict[str, float]:
+    """plan.json's ``predicted.hidden``: per part, the seconds of communication the step hides
+    under compute, read at the same stages as ``predicted.time`` (``time_breakdown``):
+    ``tp_comm`` and ``dp_comm``, and ``recompute`` (a recomputed forward's TP collectives)."""
+    critical = critical_stages(evaluation.stages)
+    busiest, tail = evaluation.stages[critical.bottleneck], evaluation.stages[critical.tail]
+    micro_batches = evaluation.strategy.candidate.num_micro_batches
+    return {
+        "tp_comm": float(micro_batches * busiest.tp_hidden_s),
+        "recompute": float(micro_batches * busiest.rec_hidden_s),
+        "dp_comm": float(micro_batches * busiest.zero_mb_hidden_s + tail.dp_hidden_s),
     }
 
 
@@ -1021,6 +1150,7 @@ def predicted_fields(evaluation: Evaluation, flops_per_step: float, gpus: int, p
             "nvme": int(evaluation.extra.get("nvme_bytes", 0)),
         },
         "time": {k: float(value) for k, value in evaluation.time.items()},
+        "hidden": hidden_breakdown(evaluation),
         "compression": compression_fields(evaluation),
     }
 

@@ -20,6 +20,8 @@ from planner.errors import UserError
 from runtime.contract.choices import ZERO_STAGES, GradCompression, OffloadTier, ScheduleName, names
 from runtime.contract.data_roles import INPUT_ROLES
 from runtime.contract.dtype_table import DTYPES
+from runtime.contract.input_errors import ConfigError
+from runtime.contract.overlap import OVERLAP_ALL, Overlap
 
 __all__ = [
     "Plan",
@@ -199,6 +201,10 @@ class Predicted:
     full precision; ``comm_bytes_per_device`` is the compressed exchange's), and the compressed
     step's ``exchange_bytes_per_device``, ``exchange_s`` (its collectives), ``compute_s`` (the
     compression's passes) and ``error_buffer_bytes`` (in ``memory.optimizer``), on the tail stage."""
+    hidden: dict = field(default_factory=dict)
+    """Seconds of communication hidden under compute, by ``time`` part (``tp_comm``, ``dp_comm``):
+    what the plan's ``overlap`` hides (``cost_models.overlap_cost``); ``time`` holds only the
+    exposed rest, so the ``time`` parts still sum to the step. Plans written before it load as ``{}``."""
 
     def __post_init__(self):
         # plans written before offload existed: no host / NVMe bytes, no offload time
@@ -225,6 +231,12 @@ class Predicted:
                 _check_num(f"predicted.{name}.{k}", amount)
         if self.cost is not None:
             _check_run_cost(self.cost)
+        if not isinstance(self.hidden, dict):
+            _fail("predicted.hidden", "must be an object of seconds by time part.")
+        for k, amount in self.hidden.items():
+            if k not in TIME_KEYS:
+                _fail("predicted.hidden", f"has unknown part {k!r}; parts are {list(TIME_KEYS)}.")
+            _check_num(f"predicted.hidden.{k}", amount)
         if self.compression is not None:
             if not isinstance(self.compression, dict):
                 _fail("predicted.compression", "must be an object.")
@@ -378,6 +390,10 @@ class Plan:
     """Full-precision AdamW steps before compression starts: ``default_warmup`` (15%) of the run's
     steps (``--tokens``, else 1,000) when compressed; 0 without compression (``planner train
     --compression-warmup N`` overrides it). A plan without the key loads as 0."""
+    overlap: dict = field(default_factory=OVERLAP_ALL.to_json)
+    """What the run overlaps with compute and the prediction assumed, ``{"dp", "tp", "pp"}``
+    booleans (``runtime.contract.overlap``): all true by default; ``planner plan --overlap off``
+    prices a run launched with ``train --overlap off``. A plan without the key loads as all true."""
     measured: dict | None = None
     """What ``planner tune`` measured running this plan (absent from other plans):
     ``step_time_s`` and ``peak_memory_bytes`` (medians / max over ranks, as ``validate``), and
@@ -398,6 +414,10 @@ class Plan:
         if not isinstance(self.compile, bool):
             _fail("compile", f"must be true or false, got {self.compile!r}.")
         _check_offload(self.offload, self.zero_stage)
+        try:
+            self.overlap = Overlap.from_json(self.overlap).to_json()
+        except ConfigError as e:
+            _fail("overlap", str(e))
         self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
         self._check_compression()
         self._check_measured()
@@ -569,6 +589,7 @@ class Plan:
             "offload",
             "dp_compression",
             "compression_warmup",
+            "overlap",
             "predicted",
             "solver",
             "alternatives",

@@ -12,6 +12,9 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   timed between the rounds of training steps.
 - **Recomputation**: two exported blocks timed plain, checkpointed and forward-only;
   ``recompute_ratio`` is what checkpointing adds over the forward (``_time_recompute``).
+- **Overlap contention** (``overlap_slowdown``): a few matmuls timed alone and beside a chain of
+  asynchronous all-reduces between the ranks (``calibrate_gpu.measure_overlap_slowdown``, the
+  code the CUDA path runs over NCCL).
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
   rank's mean over a few repetitions after a warm-up.
@@ -87,7 +90,13 @@ from planner.commands.calibrate_common import (
     median,
     offload_source,
 )
-from planner.commands.calibrate_gpu import DeviceTimer, measure_gemm_table, run_gpu_calibration, time_collective
+from planner.commands.calibrate_gpu import (
+    DeviceTimer,
+    measure_gemm_table,
+    measure_overlap_slowdown,
+    run_gpu_calibration,
+    time_collective,
+)
 from planner.frontend.gpt import GPT
 from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.zoo import ModelSizes, build_model
@@ -127,6 +136,9 @@ class CalibrationSpec:
     """Seconds of plain, checkpointed and forward-only block steps (``recompute_ratio``)."""
     sync_iters: int = 30
     """Iterations of the compute + all-reduce loop that measures ``sync_overhead_s``."""
+    overlap_rounds: int = 12
+    """Rounds of compute alone and beside all-reduces (``overlap_slowdown``,
+    ``calibrate_gpu.measure_overlap_slowdown``)."""
     copy_bytes: int = 32 * MB
     """Size of the tensor copied to measure memory bandwidth."""
     copy_budget_s: float = 0.4
@@ -154,6 +166,7 @@ class CalibrationSpec:
             copy_budget_s=0.05,
             recompute_budget_s=0.1,
             sync_iters=3,
+            overlap_rounds=3,
             message_sizes=(4 * KB, 256 * KB, 4 * MB),
             max_reps=5,
             bytes_per_size=8 * MB,
@@ -166,10 +179,10 @@ class CalibrationSpec:
 
     def num_ticks(self) -> int:
         """Progress-bar steps: one per (dtype, size), the training steps (and copies), the recomputation,
-        one per (kind, size), the sync loop, one per (dtype, m) of the GEMM table."""
+        one per (kind, size), the sync loop, the overlap loop, one per (dtype, m) of the GEMM table."""
         return (
             len(self.dtypes) * (len(self.matmul_sizes) + len(self.gemm_sizes))
-            + 3
+            + 4
             + len(MEASURED_KINDS) * len(self.message_sizes)
         )
 
@@ -414,6 +427,8 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             tick(f"{kind} {fmt_bytes(nbytes)}")
     result["sync_overhead_s"] = _max_over_ranks(_time_sync_overhead(spec.sync_iters))
     tick("collective in a compute loop")
+    result["overlap"] = measure_overlap_slowdown(DeviceTimer(torch.device("cpu")), spec.overlap_rounds)
+    tick("compute beside collectives")
     if rank == 0:
         Path(out_file).write_text(json.dumps(result))
 
@@ -461,6 +476,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "op_overhead_s": raw.get("op_overhead_s"),
         "sync_overhead_s": raw.get("sync_overhead_s"),
         "recompute_ratio": raw.get("recompute_ratio"),
+        "overlap": raw.get("overlap"),
         "gemm": gemm,
         "gemm_skipped": skipped,
         "offload": raw.get("offload"),
@@ -481,6 +497,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
         sync_overhead_s=float(raw.get("sync_overhead_s") or 0.0),
         recompute_ratio=_clamp_ratio(raw.get("recompute_ratio")),
+        overlap_slowdown=(raw.get("overlap") or {}).get("overlap_slowdown", base.overlap_slowdown),
         intra_node_collectives=collective_links(per_kind),
         gemm_efficiency=tables or None,
         host_device_bandwidth=offload.get("host_copy_Bps"),
@@ -518,7 +535,7 @@ def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> s
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
         f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
     )

@@ -129,6 +129,8 @@ class GpuCalibrationSpec:
     """Most repetitions of one collective at one size."""
     bytes_per_size: int = 4 * GB
     """Repetitions at size ``S`` are ``clamp(bytes_per_size // S, 5, max_reps)``."""
+    overlap_rounds: int = 10
+    """Rounds of compute alone and beside all-reduces (``measure_overlap_slowdown``)."""
 
     @classmethod
     def quick(cls) -> "GpuCalibrationSpec":
@@ -148,6 +150,7 @@ class GpuCalibrationSpec:
             message_sizes=(256 * KB, 4 * MB, 64 * MB),
             max_reps=20,
             bytes_per_size=1 * GB,
+            overlap_rounds=5,
         )
 
     def reps(self, size: int) -> int:
@@ -433,6 +436,64 @@ def time_collective(
     return nbytes, world, secs
 
 
+#: Most slowdown a calibration reports (``HardwareProfile.overlap_slowdown`` must stay below 1):
+#: beyond it the timing was disturbed.
+MAX_OVERLAP_SLOWDOWN = 0.9
+
+
+def measure_overlap_slowdown(
+    timer: DeviceTimer, rounds: int, size: int = 512, matmuls: int = 8, comm_bytes: int = 8 * MB
+) -> dict[str, float]:
+    """How much slower compute runs beside a collective (``HardwareProfile.overlap_slowdown``),
+    over the default group on ``timer``'s device (gloo on CPUs, NCCL on GPUs; every rank calls it).
+
+    The compute is ``matmuls`` products of ``size x size`` matrices (fp32 on a CPU, bf16 on a GPU),
+    timed alone and then while a chain of all-reduces of ``comm_bytes`` runs beside it, long
+    enough to cover it (launched asynchronously first, waited after). Each figure is the lower
+    quartile of ``rounds`` (a shared machine only slows calls down); the slowdown is ``beside /
+    alone - 1``, the mean over ranks, kept to ``[0, MAX_OVERLAP_SLOWDOWN]``."""
+    device = timer.device
+    dtype = torch.bfloat16 if timer.cuda else torch.float32
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    buf = torch.ones(max(comm_bytes // 4, 1), device=device)
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            torch.mm(a, b, out=out)
+
+    def one_collective() -> None:
+        dist.all_reduce(buf)
+
+    compute(), one_collective()  # warm-up
+    timer.sync()
+    alone_s = lower_quartile([timer.per_call(compute, 1, queue_ahead=False)[0] for _ in range(rounds)])
+    dist.barrier()
+    comm_s = lower_quartile(timer.per_call(one_collective, max(rounds // 2, 2), queue_ahead=False))
+    chain = torch.tensor([math.ceil(1.5 * alone_s / max(comm_s, 1e-9))], dtype=torch.float64, device=device)
+    dist.all_reduce(chain, op=dist.ReduceOp.MAX)  # every rank issues the same collectives
+    links = int(min(max(chain.item(), 1), 64))
+    beside = []
+    for _ in range(rounds):
+        dist.barrier()
+        works = [dist.all_reduce(buf, async_op=True) for _ in range(links)]
+        beside.append(timer.per_call(compute, 1, queue_ahead=False)[0])
+        for work in works:
+            work.wait()
+        timer.sync()
+    beside_s = lower_quartile(beside)
+    slowdown = torch.tensor([beside_s / alone_s - 1 if alone_s > 0 else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(slowdown)
+    value = float(slowdown.item()) / dist.get_world_size()
+    return {
+        "compute_alone_s": alone_s,
+        "compute_beside_s": beside_s,
+        "collective_s": comm_s,
+        "collectives_beside": links,
+        "overlap_slowdown": min(max(value, 0.0), MAX_OVERLAP_SLOWDOWN),
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # Collecting: one device in this process, the collectives in one process per GPU
 # ----------------------------------------------------------------------------------------------
@@ -485,8 +546,10 @@ def _collectives_worker(rank: int, world: int, spec: GpuCalibrationSpec, out_fil
             out.append({"kind": kind, "size_bytes": nbytes, "n": ranks, "seconds": secs})
             if rank == 0 and progress_q is not None:
                 progress_q.put(f"{kind} {fmt_bytes(nbytes)}")
+    # GEMMs large enough to fill the GPU beside NCCL's kernels, all-reduces as large as a bucket
+    overlap = measure_overlap_slowdown(DeviceTimer(device), spec.overlap_rounds, size=4096, comm_bytes=64 * MB)
     if rank == 0:
-        Path(out_file).write_text(json.dumps(out))
+        Path(out_file).write_text(json.dumps({"collectives": out, "overlap": overlap}))
 
 
 def _device_info(device: torch.device) -> dict[str, Any]:
@@ -575,6 +638,7 @@ def build_gpu_profile(
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bandwidth} if collectives else None,
         "base": base.name,
         "offload": offload or None,
+        "overlap": raw.get("overlap"),
     }
     return HardwareProfile(
         name=_profile_name(device_info["name"]),
@@ -591,6 +655,7 @@ def build_gpu_profile(
         sync_overhead_s=base.sync_overhead_s,
         ops_async=True,
         recompute_ratio=1.0,
+        overlap_slowdown=(raw.get("overlap") or {}).get("overlap_slowdown", base.overlap_slowdown),
         intra_node_collectives=links,
         sm_count=int(device_info["sm_count"]),
         gemm_efficiency=tables or None,
@@ -767,7 +832,8 @@ def run_gpu_calibration(
                     )
                 except LaunchError as e:
                     raise CalibrationError(f"NCCL collective processes failed: {e}") from None
-                raw["collectives"] = json.loads(Path(out_file).read_text())
+                measured = json.loads(Path(out_file).read_text())
+                raw["collectives"], raw["overlap"] = measured["collectives"], measured["overlap"]
         else:
             raw["collectives"] = []
             raw["collectives_skipped"] = (

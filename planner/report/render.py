@@ -370,9 +370,15 @@ def _time_table(plan, hw: HardwareProfile | None) -> Table:
     table.add_column("part")
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")
+    hidden = predicted.hidden
+    if any(seconds > 0 for seconds in hidden.values()):
+        table.add_column("hidden under compute (not in the step)", justify="right")
     for part, label in TIME_LABELS.items():
         seconds = predicted.time[part]
-        table.add_row(label, format_seconds(seconds), f"{seconds / step:.1%}" if step else "-")
+        row = [label, format_seconds(seconds), f"{seconds / step:.1%}" if step else "-"]
+        if len(table.columns) > 3:
+            row.append(_hidden_text(hidden.get(part, 0.0), part))
+        table.add_row(*row)
     table.add_row("[bold]step[/bold]", f"[bold]{format_seconds(step)}[/bold]", "100.0%")
     tokens = plan.global_batch * plan.seq_len / step if step else 0.0
     table.add_row("tokens / s", f"{tokens:,.0f}", "")
@@ -382,7 +388,36 @@ def _time_table(plan, hw: HardwareProfile | None) -> Table:
     peak = _peak(hw, plan.dtype)
     table.add_row("MFU", f"{predicted.mfu:.1%}", f"of {format_rate(peak)}" if peak else "")
     table.add_row("bytes sent / device / step", format_bytes(predicted.comm_bytes_per_device), "")
+    table.caption = _overlap_caption(plan.overlap)
     return table
+
+
+#: Where each part's hidden communication runs (``cost_models.overlap_cost``).
+_HIDDEN_UNDER = {
+    "dp_comm": "under forward and backward",
+    "tp_comm": "under the layers' matmuls",
+    "recompute": "under the recomputed matmuls",
+}
+
+
+def _hidden_text(seconds: float, part: str) -> str:
+    """``0.31 s under backward``: a part's communication hidden under compute (blank when none)."""
+    if seconds <= 0:
+        return ""
+    return f"{format_seconds(seconds)} {_HIDDEN_UNDER.get(part, 'under compute')}"
+
+
+def _overlap_caption(overlap: dict) -> str:
+    """What the price assumed the run overlaps (plan.json ``overlap``)."""
+    on = [kind for kind, enabled in overlap.items() if enabled]
+    if not on:
+        return "Priced with no overlap (train --overlap off): every collective waited where it is issued."
+    if len(on) == len(overlap):
+        return (
+            "Priced with communication overlapped with compute (train --overlap on): each part is its "
+            "exposed time; plan --overlap off prices a run without."
+        )
+    return f"Priced with overlap of {', '.join(on)} traffic only."
 
 
 def _runners_up_table(plan, cost: dict | None) -> Table:

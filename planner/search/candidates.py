@@ -24,7 +24,8 @@ from cost_models.hardware import HardwareProfile
 from cost_models.offload_cost import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
 from planner.search.search_errors import SearchError
-from runtime.contract.choices import GradCompression
+from runtime.contract.choices import GradCompression, Toggle
+from runtime.contract.overlap import Overlap
 
 __all__ = [
     "is_repeated",
@@ -256,6 +257,7 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
     candidate at all.
     """
     gpus, global_batch = request.gpus, request.global_batch
+    overlap = Overlap.from_toggle(getattr(request, "overlap", Toggle.ON))
     rows = len(table.layers)
     out: list[Candidate] = []
     why: dict[str, int] = {}
@@ -293,7 +295,16 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
                     skip(sequence_parallel_obstacle(request, table, tp))
                 for sequence_parallel in options:
                     out.extend(
-                        Candidate(dp, tp, pp, zero, micro_batch, micro_batches, sequence_parallel=sequence_parallel)
+                        Candidate(
+                            dp,
+                            tp,
+                            pp,
+                            zero,
+                            micro_batch,
+                            micro_batches,
+                            sequence_parallel=sequence_parallel,
+                            overlap=overlap,
+                        )
                         for zero in zeros
                     )
     if not out:

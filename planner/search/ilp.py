@@ -36,6 +36,8 @@ keep the offloaded state ``h_l`` (host) and ``v_l`` (NVMe) within the rank's sha
     sum_l v_l x[l,k] <= nvme_bytes * headroom / ranks_per_node                        (memory_nvme_k)
 
 ``e`` only appears on the cheap side of ``>=`` rows, so at the optimum it equals the indicator.
+Overlap (``Candidate.overlap``) changes only constants: ``w_l``, ``z_l``, ``d_l`` hold what each
+collective's window cannot hide plus contention (``cost_models.overlap_cost``).
 
 Selective recompute. A layer with attention cores (``sel_l > 0``: the bytes only its cores keep)
 may instead recompute just those: ``y[l,k] in {0,1}``, ``c[l,k] + y[l,k] <= x[l,k]``; it adds

@@ -313,6 +313,17 @@ class PlanRequest:
     )
     """The data-parallel exchange (``--dp-compression none|onebit-adam``; ``cost_models.compression_cost``);
     ``None``: searched where valid, kept only where it shortens the run."""
+    overlap: str = field(
+        default="on",
+        metadata=_flag(
+            "--overlap",
+            choices=names(Toggle),
+            help="price the run as launched with train --overlap on (communication overlapped with compute, "
+            "the default) or off (every collective waited where it is issued); written to plan.json overlap",
+        ),
+    )
+    """What the run will overlap (``--overlap on|off``, ``runtime.contract.overlap``): the price
+    charges each collective what its window cannot hide (on) or all of it (off)."""
 
     def to_record(self) -> dict:
         """The request as plan.json's ``request``: every field by name (JSON values), enough for
@@ -400,6 +411,8 @@ class PlanRequest:
             _check_positive_int("virtual_stages", self.virtual_stages)
         if self.sequence_parallel not in (None, *names(Toggle)):
             raise SearchError(f"--sequence-parallel must be on or off, got {self.sequence_parallel!r}.")
+        if self.overlap not in names(Toggle):
+            raise SearchError(f"--overlap must be on or off, got {self.overlap!r}.")
         if self.sequence_parallel == Toggle.ON and self.tp == 1:
             raise SearchError(
                 "--sequence-parallel on needs tensor parallelism, but --tp is 1: sequence "

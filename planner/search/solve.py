@@ -621,6 +621,7 @@ def build_plan(
         compile=candidate.compile,
         offload={"optimizer": candidate.offload_optimizer, "params": candidate.offload_params},
         dp_compression=candidate.dp_compression,
+        overlap=candidate.overlap.to_json(),
         compression_warmup=default_warmup(request.horizon_steps()) if candidate.compressed else 0,
         predicted=Predicted(**predicted_fields(evaluation, flops, request.gpus, hw.peak(request.dtype))),
         solver=SolverInfo(

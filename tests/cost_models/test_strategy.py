@@ -30,6 +30,7 @@ from planner.search.candidates import (
 )
 from planner.search.request import PlanRequest
 from runtime.contract.collective_bytes import ring_bytes
+from runtime.contract.overlap import OVERLAP_NONE
 from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -64,7 +65,8 @@ def test_operator_overhead_adds_on_cpus_and_overlaps_on_gpus(ops_async):
 
 def test_layer_costs_follow_the_cost_models():
     t = gpt_table(layers=2, hidden=512, heads=8)
-    cand = Candidate(dp=2, tp=2, pp=2, zero_stage=1, micro_batch_size=2, num_micro_batches=4)
+    # the synchronous sums (the overlapped ones: tests/cost_models/test_overlap_cost.py)
+    cand = Candidate(dp=2, tp=2, pp=2, zero_stage=1, micro_batch_size=2, num_micro_batches=4, overlap=OVERLAP_NONE)
     cc = _cc(t, cand, seq=256)
     blk = cc.layers[1]
     b, s, h = 2, 256, 512
@@ -97,7 +99,7 @@ def test_layer_costs_follow_the_cost_models():
 @pytest.mark.parametrize("zero", [2, 3])
 def test_zero_2_and_3_pay_per_micro_batch(zero):
     t = gpt_table(layers=2)
-    cc = _cc(t, Candidate(4, 1, 1, zero, 1, 8))
+    cc = _cc(t, Candidate(4, 1, 1, zero, 1, 8, overlap=OVERLAP_NONE))
     blk = cc.layers[1]
     P = blk.num_params
     colls = zero_dp_collectives(P, "bf16", zero, 4)

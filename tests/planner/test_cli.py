@@ -20,6 +20,24 @@ def test_plan_json_prints_only_the_plan(tmp_path, capsys):
     assert len(plan.alternatives) <= 3 and plan.solver.candidates >= 1
 
 
+def test_plan_overlap_off_prices_every_collective_as_waited(tmp_path, capsys):
+    plans = {}
+    for toggle in ("on", "off"):
+        out = tmp_path / f"{toggle}.json"
+        pins = ("--dp", "2", "--zero-stage", "2", "--micro-batch", "2")
+        assert main(plan_args(out, "--json", *pins, "--overlap", toggle)) == 0
+        plans[toggle] = load_plan(str(out))
+    on, off = plans["on"], plans["off"]
+    assert on.overlap == {"dp": True, "tp": True, "pp": True}
+    assert off.overlap == {"dp": False, "tp": False, "pp": False}
+    assert off.predicted.hidden["dp_comm"] == 0 < on.predicted.hidden["dp_comm"]
+    # the same traffic: the overlapped plan exposes what it does not hide
+    total = on.predicted.time["dp_comm"] + on.predicted.hidden["dp_comm"]
+    assert total == pytest.approx(off.predicted.time["dp_comm"], rel=1e-9)
+    assert on.predicted.step_time_s < off.predicted.step_time_s
+    assert on.request["overlap"] == "on" and off.request["overlap"] == "off"
+
+
 def test_pins_are_respected(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(plan_args(out, "--json", "--pp", "2", "--zero-stage", "0", "--micro-batch", "1")) == 0

@@ -39,6 +39,10 @@ def test_round_trip(tmp_path, sample_plan_dict):
         (lambda d: d["model"].pop("params"), "model is missing the field(s) ['params']"),
         (lambda d: d.update(alternatives={}), "alternatives must be a list"),
         (lambda d: d.update(num_micro_batches=1, micro_batch_size=4), "must be >= pp"),
+        (lambda d: d.update(overlap={"dp": True, "zero": True}), "overlap has unknown keys ['zero']"),
+        (lambda d: d.update(overlap={"dp": "yes"}), "overlap.dp must be true or false"),
+        (lambda d: d["predicted"].update(hidden={"network": 0.1}), "predicted.hidden has unknown part 'network'"),
+        (lambda d: d["predicted"].update(hidden={"dp_comm": -1.0}), "predicted.hidden.dp_comm must be >= 0"),
     ],
 )
 def test_invalid_plans_name_the_field(tmp_path, sample_plan_dict, mutate, message):
@@ -78,3 +82,19 @@ def test_save_is_atomic_and_keeps_old_file_on_error(tmp_path, sample_plan_dict, 
     with pytest.raises(OSError):
         save_plan(plan, str(p))
     assert p.read_text() == before
+
+
+def test_plans_older_than_overlap_load_as_fully_overlapped(tmp_path, sample_plan_dict):
+    d = copy.deepcopy(sample_plan_dict)
+    assert d["overlap"] == {"dp": True, "tp": True, "pp": True}
+    d["predicted"]["hidden"] = {"dp_comm": 0.5}
+    assert Plan.from_dict(d).predicted.hidden == {"dp_comm": 0.5}
+    del d["overlap"], d["predicted"]["hidden"]
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(d))
+    plan = load_plan(str(p))
+    assert plan.overlap == {"dp": True, "tp": True, "pp": True} and plan.predicted.hidden == {}
+    partial = copy.deepcopy(d)
+    partial["overlap"] = {"tp": False}  # the missing kinds keep their default
+    p.write_text(json.dumps(partial))
+    assert load_plan(str(p)).overlap == {"dp": True, "tp": False, "pp": True}

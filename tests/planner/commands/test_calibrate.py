@@ -83,6 +83,11 @@ def test_build_profile_from_raw_measurements(tmp_path):
     assert (
         build_profile(dict(_raw(), sync_overhead_s=1.5e-3), 2, base, CalibrationSpec.quick()).sync_overhead_s == 1.5e-3
     )
+    # the contention factor: measured when the ranks measured it, else the base profile's
+    assert p.overlap_slowdown == base.overlap_slowdown
+    measured = dict(_raw(), overlap={"compute_alone_s": 0.1, "compute_beside_s": 0.13, "overlap_slowdown": 0.3})
+    r = build_profile(measured, 2, base, CalibrationSpec.quick())
+    assert r.overlap_slowdown == 0.3 and r.calibration["overlap"]["compute_beside_s"] == 0.13
     # A dtype that failed everywhere keeps the base profile's ratio to fp32; NaN is stored as null.
     q = build_profile(_raw(bf16_ok=False), 2, base, CalibrationSpec.quick())
     assert q.peak("bf16") == pytest.approx(5e10 * base.peak("bf16") / base.peak("fp32"))

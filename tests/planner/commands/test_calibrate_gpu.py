@@ -17,6 +17,7 @@ from cost_models.hardware import load_hardware
 from planner.commands.calibrate import resolve_device, run_calibrate
 from planner.commands.calibrate_common import MEASURED_KINDS, CalibrationError, gemm_tables
 from planner.commands.calibrate_gpu import (
+    MAX_OVERLAP_SLOWDOWN,
     DeviceTimer,
     GpuCalibrationSpec,
     build_gpu_profile,
@@ -26,6 +27,7 @@ from planner.commands.calibrate_gpu import (
     measure_gemm_table,
     measure_host_copies,
     measure_op_chain,
+    measure_overlap_slowdown,
     run_gpu_calibration,
     time_collective,
 )
@@ -126,6 +128,9 @@ def test_profile_from_injected_timings(tmp_path):
     assert (p.inter_node_latency, p.inter_node_bandwidth) == (H200.inter_node_latency, H200.inter_node_bandwidth)
     assert p.recompute_ratio == 1.0 and p.sync_overhead_s == H200.sync_overhead_s
     assert p.op_overhead_s == 2.8e-5
+    assert p.overlap_slowdown == H200.overlap_slowdown  # not measured: the datasheet's estimate
+    measured = _build(dict(_raw(), overlap={"overlap_slowdown": 0.07, "collectives_beside": 3}))
+    assert measured.overlap_slowdown == 0.07 and measured.calibration["overlap"]["collectives_beside"] == 3
     assert p.host_device_bandwidth == pytest.approx(4.5e10, rel=1e-6)  # the slower direction
     assert p.calibration["host_device_fit"]["h2d"]["latency_s"] == pytest.approx(1e-5, rel=1e-6)
     assert "CUDA" in p.source and "H200" in p.source
@@ -288,5 +293,9 @@ def test_time_collective_on_a_one_process_gloo_group():
             assert math.isfinite(secs) and secs >= 0
         with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
             time_collective("broadcast", 4096, 0, 1, 3, CPU)
+        # the contention loop runs (one rank: the all-reduces copy nothing, so about no slowdown)
+        seen = measure_overlap_slowdown(DeviceTimer(CPU), rounds=3, size=64, matmuls=2, comm_bytes=4096)
+        assert 0.0 <= seen["overlap_slowdown"] <= MAX_OVERLAP_SLOWDOWN and seen["collectives_beside"] >= 1
+        assert seen["compute_alone_s"] > 0 and seen["compute_beside_s"] > 0
     finally:
         dist.destroy_process_group()

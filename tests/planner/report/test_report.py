@@ -200,3 +200,22 @@ def test_export_deepspeed_through_the_cli(plan, tmp_path, capsys):
     cfg = json.loads(out.read_text())
     assert cfg["train_batch_size"] == plan.global_batch
     assert "deepspeed --hostfile hostfile" in capsys.readouterr().out
+
+
+def test_report_says_how_much_each_part_hid(plan):
+    hidden = plan.predicted.hidden
+    assert hidden["dp_comm"] > 0 and hidden["tp_comm"] > 0  # dp 4 and tp 2, overlapped
+    out = _render(plan)
+    assert "hidden under compute" in out and "Priced with communication overlapped" in out
+    assert f"{format_seconds(hidden['dp_comm'])} under forward and backward" in out
+    assert f"{format_seconds(hidden['tp_comm'])} under the layers' matmuls" in out
+    plain = dataclasses.replace(
+        plan,
+        overlap={"dp": False, "tp": False, "pp": False},
+        predicted=dataclasses.replace(plan.predicted, hidden={"tp_comm": 0.0, "dp_comm": 0.0}),
+    )
+    out = _render(plain)
+    assert "hidden under compute" not in out and "Priced with no overlap (train --overlap off)" in out
+    assert "Priced with overlap of dp traffic only" in _render(
+        dataclasses.replace(plan, overlap={"dp": True, "tp": False, "pp": False})
+    )

@@ -1,0 +1,155 @@
+"""Overlapped communication is priced by its windows (``cost_models.overlap_cost``).
+
+The unit rules by hand, a brute-force check that the per-row windows add up, and the strategy
+level: overlap on against off of the same strategy, exactly ``(1 - overlap_slowdown) x hidden``
+apart, with every part and the hidden seconds accounted for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_models.hardware import load_hardware
+from cost_models.overlap_cost import (
+    COLUMN_WGRAD_SHARE,
+    DpTraffic,
+    Hidden,
+    dp_exposure,
+    hide,
+    tp_exposure,
+)
+from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, hidden_breakdown
+from runtime.contract.overlap import OVERLAP_ALL, OVERLAP_NONE, Overlap
+from tests.helpers import gpt_table
+
+HW = load_hardware("a100-80gb", 8)
+
+seconds = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+
+
+def test_hide_charges_what_the_window_cannot_hide():
+    assert hide(3.0, 1.0) == Hidden(2.0, 1.0)
+    assert hide(1.0, 3.0) == Hidden(0.0, 1.0)
+    assert hide(1.0, 0.0) == Hidden(1.0, 0.0)
+
+
+def test_tp_without_sequence_parallelism_hides_the_backward_all_reduce_under_weight_gradients():
+    seen = tp_exposure(0.4, 0.5, 0.2, (1.0, 2.0, 0.6), tp=4, sequence_parallel=False)
+    assert seen.fwd == Hidden(0.4, 0.0)  # in line: the next operator needs it
+    window = COLUMN_WGRAD_SHARE * 0.6
+    assert seen.bwd.hidden_s == pytest.approx(window) and seen.bwd.exposed_s == pytest.approx(0.5 - window)
+    assert seen.rec == Hidden(0.2, 0.0)
+
+
+def test_tp_with_sequence_parallelism_exposes_about_one_chunk():
+    seen = tp_exposure(0.4, 0.8, 0.2, (1.0, 2.0, 0.6), tp=4, sequence_parallel=True)
+    assert seen.fwd.exposed_s == pytest.approx(0.1) and seen.fwd.hidden_s == pytest.approx(0.3)
+    assert seen.bwd.exposed_s == pytest.approx(0.2)
+    assert seen.rec.exposed_s == pytest.approx(0.05)  # the forward's proportion
+    short = tp_exposure(0.4, 0.0, 0.0, (0.1, 0.0, 0.0), tp=4, sequence_parallel=True)
+    assert short.fwd.exposed_s == pytest.approx(0.3)  # a short window hides only itself
+
+
+def _serial_bounds(traffic, fwd, bwd):
+    """The backward-window exposure of ZeRO 0/1 reductions on one serial channel, brute force:
+    row ``l``'s reduction starts when its backward ends (rows run n-1 .. 0) and waits for the
+    channel; returns the time after backward ends until the channel is idle."""
+    n = len(traffic)
+    clock, channel = 0.0, 0.0
+    for row in reversed(range(n)):
+        clock += bwd[row]
+        channel = max(channel, clock) + traffic[row].grad_step_s
+    return max(channel - clock, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(seconds, seconds, seconds), min_size=2, max_size=8))
+def test_dp_windows_conserve_the_traffic_and_bound_the_serial_channel(rows):
+    traffic = [DpTraffic(grad_step_s=c) for c, _, _ in rows]
+    fwd = [f for _, f, _ in rows]
+    bwd = [b for _, _, b in rows]
+    seen = dp_exposure(traffic, fwd, bwd, uniform_blocks=False)
+    exposed = sum(row.step.exposed_s for row in seen)
+    hidden = sum(row.step.hidden_s for row in seen)
+    assert exposed + hidden == pytest.approx(sum(t.grad_step_s for t in traffic))
+    assert exposed >= traffic[0].grad_step_s - 1e-12  # row 0's reduction has no window
+    # each reduction only uses its own window: never less than one serial channel exposes
+    assert exposed >= _serial_bounds(traffic, fwd, bwd) - 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.tuples(seconds, seconds, seconds, seconds, seconds),
+    st.tuples(seconds, seconds),
+    st.integers(min_value=5, max_value=9),
+)
+def test_uniform_blocks_keep_one_cost_and_the_same_total(block, ends, n):
+    def traffic_of(t):
+        return DpTraffic(*t)
+
+    rows = [traffic_of((ends[0],) * 5)] + [traffic_of(block)] * (n - 2) + [traffic_of((ends[1],) * 5)]
+    fwd = [0.1] + [0.3] * (n - 2) + [0.5]
+    bwd = [0.2] + [0.6] * (n - 2) + [1.0]
+    exact = dp_exposure(rows, fwd, bwd, uniform_blocks=False)
+    even = dp_exposure(rows, fwd, bwd, uniform_blocks=True)
+    assert len({even[j] for j in range(1, n - 2)}) == 1
+    for part in ("step", "micro_batch"):
+        for kind in ("exposed_s", "hidden_s"):
+            total = sum(getattr(getattr(row, part), kind) for row in exact)
+            assert sum(getattr(getattr(row, part), kind) for row in even) == pytest.approx(total)
+
+
+def _pair(cand: Candidate, hw=HW, layers=6):
+    table = NumericTable(gpt_table(layers=layers, hidden=1024, heads=16))
+    out = []
+    for overlap in (OVERLAP_ALL, OVERLAP_NONE):
+        costs = candidate_costs(table, hw, "bf16", 512, dataclasses.replace(cand, overlap=overlap), 8, 1e15)
+        stages = [(0, 3), (4, layers + 1)] if cand.pp == 2 else [(0, layers + 1)]
+        out.append(evaluate(costs, stages, [2]))
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("slowdown", [0.0, 0.15])
+def test_overlap_takes_exactly_the_hidden_seconds_less_their_contention(zero, tp, sp, slowdown):
+    hw = dataclasses.replace(HW, overlap_slowdown=slowdown)
+    cand = Candidate(4 if tp == 1 else 2, tp, 1, zero, 2, 4, sequence_parallel=sp)
+    on, off = _pair(cand, hw)
+    hidden = hidden_breakdown(on)
+    assert hidden_breakdown(off) == {"tp_comm": 0.0, "recompute": 0.0, "dp_comm": 0.0}
+    assert (hidden["recompute"] > 0) == sp  # only chunked forwards hide any of their traffic
+    assert hidden["dp_comm"] > 0 and (hidden["tp_comm"] > 0) == (tp > 1)
+    assert on.step_time_s == pytest.approx(off.step_time_s - (1 - slowdown) * sum(hidden.values()), rel=1e-9)
+    assert sum(on.time.values()) == pytest.approx(on.step_time_s, rel=1e-9)
+    for part in ("tp_comm", "dp_comm"):  # exposed + hidden: the synchronous traffic
+        # (the recompute part: its traffic's exposed share and the contention of the hidden one)
+        assert on.time[part] + hidden[part] == pytest.approx(off.time[part], rel=1e-9)
+    busy_on, busy_off = (run.time["compute"] + run.time["recompute"] for run in (on, off))
+    want = busy_off - hidden["recompute"] + slowdown * sum(hidden.values())
+    assert busy_on == pytest.approx(want, rel=1e-9)
+    assert on.memory == off.memory and on.comm_bytes_per_device == off.comm_bytes_per_device
+
+
+def test_each_kind_of_traffic_overlaps_on_its_own_switch():
+    cand = Candidate(2, 2, 1, 1, 2, 4)
+    table = NumericTable(gpt_table(layers=4, hidden=1024, heads=16))
+    hidden = {}
+    for overlap in (Overlap(dp=True, tp=False, pp=False), Overlap(dp=False, tp=True, pp=False)):
+        costs = candidate_costs(table, HW, "bf16", 512, dataclasses.replace(cand, overlap=overlap), 8, 1e15)
+        hidden[overlap.dp] = hidden_breakdown(evaluate(costs, [(0, 5)], []))
+    assert hidden[True]["tp_comm"] == 0 and hidden[True]["dp_comm"] > 0
+    assert hidden[False]["dp_comm"] == 0 and hidden[False]["tp_comm"] > 0
+
+
+def test_offloaded_and_compressed_traffic_stays_exposed():
+    for cand in (
+        Candidate(2, 1, 1, 2, 2, 4, offload_optimizer="cpu"),
+        Candidate(2, 1, 1, 0, 2, 4, dp_compression="onebit-adam"),
+    ):
+        on, off = _pair(cand)
+        assert hidden_breakdown(on)["dp_comm"] == 0
+        assert on.time["dp_comm"] == pytest.approx(off.time["dp_comm"])
