@@ -19,9 +19,9 @@ parallelism replicates the optimizer), no compressed exchange, the recompute mod
 parallelism (off in 2021; per column in 2022), and no communication overlapped with compute
 (``--overlap off``: Megatron-LM then reduced gradients after the backward and sent pipeline
 activations with blocking calls; ``--overlap on`` prices the planner's overlapped runtime instead).
-Micro-batch size and schedule are searched (the tables do not give them per row). ``free`` plans pin nothing but the model, cluster, batch and
-dtype: the planner's own choice, which must never be slower than the pinned one under its own
-model (column ``free<=pin``).
+Micro-batch size and schedule are searched (the tables do not give them per row). ``free`` plans
+pin nothing but the model, cluster, batch and dtype: the planner's own choice, which must never be
+slower than the pinned one under its own model (column ``free<=pin``).
 
 Sources of the figures. Korthikanti's four "present work" times reproduce the MFU the Megatron-LM
 README lists for these runs (41.5%, 51.4%, 56.0%, 56.3%) to 0.2 point with their model-FLOPs
