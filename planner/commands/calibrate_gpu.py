@@ -68,6 +68,7 @@ from planner.commands.calibrate_common import (
     gemm_tables,
     lower_quartile,
     measure_offload,
+    median,
     offload_source,
 )
 from planner.frontend.model_analysis import build_layer_table
@@ -449,9 +450,10 @@ def measure_overlap_slowdown(
 
     The compute is ``matmuls`` products of ``size x size`` matrices (fp32 on a CPU, bf16 on a GPU),
     timed alone and then while a chain of all-reduces of ``comm_bytes`` runs beside it, long
-    enough to cover it (launched asynchronously first, waited after). Each figure is the lower
-    quartile of ``rounds`` (a shared machine only slows calls down); the slowdown is ``beside /
-    alone - 1``, the mean over ranks, kept to ``[0, MAX_OVERLAP_SLOWDOWN]``."""
+    enough to cover it (launched asynchronously first, waited after), in ``rounds`` pairs. The
+    slowdown is the median over the pairs of ``beside / alone - 1`` (pairing cancels a shared
+    machine's slower drifts), the mean over ranks, kept to ``[0, MAX_OVERLAP_SLOWDOWN]``; the
+    lower quartiles of both times are recorded beside it."""
     device = timer.device
     dtype = torch.bfloat16 if timer.cuda else torch.float32
     a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
@@ -467,22 +469,25 @@ def measure_overlap_slowdown(
 
     compute(), one_collective()  # warm-up
     timer.sync()
-    alone_s = lower_quartile([timer.per_call(compute, 1, queue_ahead=False)[0] for _ in range(rounds)])
+    alone_s = lower_quartile([timer.per_call(compute, 1, queue_ahead=False)[0] for _ in range(3)])
     dist.barrier()
-    comm_s = lower_quartile(timer.per_call(one_collective, max(rounds // 2, 2), queue_ahead=False))
+    comm_s = lower_quartile(timer.per_call(one_collective, 3, queue_ahead=False))
     chain = torch.tensor([math.ceil(1.5 * alone_s / max(comm_s, 1e-9))], dtype=torch.float64, device=device)
     dist.all_reduce(chain, op=dist.ReduceOp.MAX)  # every rank issues the same collectives
     links = int(min(max(chain.item(), 1), 64))
-    beside = []
-    for _ in range(rounds):
+    alone, beside = [], []
+    for _ in range(rounds):  # paired rounds: a neighbour's load drifts slower than one round
+        dist.barrier()
+        alone.append(timer.per_call(compute, 1, queue_ahead=False)[0])
         dist.barrier()
         works = [dist.all_reduce(buf, async_op=True) for _ in range(links)]
         beside.append(timer.per_call(compute, 1, queue_ahead=False)[0])
         for work in works:
             work.wait()
         timer.sync()
-    beside_s = lower_quartile(beside)
-    slowdown = torch.tensor([beside_s / alone_s - 1 if alone_s > 0 else 0.0], dtype=torch.float64, device=device)
+    alone_s, beside_s = lower_quartile(alone), lower_quartile(beside)
+    ratio = median([b / a for a, b in zip(alone, beside) if a > 0]) if any(a > 0 for a in alone) else 1.0
+    slowdown = torch.tensor([ratio - 1], dtype=torch.float64, device=device)
     dist.all_reduce(slowdown)
     value = float(slowdown.item()) / dist.get_world_size()
     return {
