@@ -467,7 +467,8 @@ def measure_overlap_slowdown(
     def one_collective() -> None:
         dist.all_reduce(buf)
 
-    compute(), one_collective()  # warm-up
+    compute()  # warm-up
+    one_collective()
     timer.sync()
     alone_s = lower_quartile([timer.per_call(compute, 1, queue_ahead=False)[0] for _ in range(3)])
     dist.barrier()
