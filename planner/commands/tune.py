@@ -495,7 +495,14 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
     plan_path = os.path.join(workdir, f"candidate-{index}.json")
     save_plan(trial.plan, plan_path)
     metrics = os.path.join(workdir, f"metrics-{index}.jsonl")
-    opts = TrainOptions(steps=steps, timeout_s=timeout, metrics_path=metrics, memory_steps=WARMUP_STEPS, progress=False)
+    opts = TrainOptions(
+        steps=steps,
+        timeout_s=timeout,
+        metrics_path=metrics,
+        memory_steps=WARMUP_STEPS,
+        progress=False,
+        overlap="on" if any(trial.plan.overlap.values()) else "off",  # as the plan was priced
+    )
     local = not _torchrun()
     nproc = trial.plan.dp * trial.plan.tp * trial.plan.pp if local else None
     err = io.StringIO()

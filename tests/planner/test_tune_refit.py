@@ -173,3 +173,20 @@ def test_candidate_plans_and_the_refits_price_are_the_plans_predictions():
     for p, parts in zip(plans, priced):
         assert parts == pytest.approx(p.predicted.time)
     assert len(candidate_plans(req, table, hw, solution, 1)) == 1
+
+
+@pytest.mark.parametrize("overlap", [{"dp": True, "tp": True, "pp": True}, {"dp": False, "tp": False, "pp": False}])
+def test_a_trial_runs_with_the_overlap_its_plan_was_priced_with(tmp_path, monkeypatch, sample_plan_dict, overlap):
+    from planner.commands import tune
+    from planner.plan import Plan
+
+    plan = Plan.from_dict({**sample_plan_dict, "overlap": overlap})
+    seen = {}
+
+    def fake_train(plan, path, opts, **kwargs):
+        seen["overlap"] = opts.overlap
+        return 1  # failed: nothing else to measure
+
+    monkeypatch.setattr(tune, "train_plan", fake_train)
+    tune._run_trial(tune.Trial(1, plan), str(tmp_path), 3, 60.0, 1e12, None)
+    assert seen["overlap"] == ("on" if overlap["dp"] else "off")
