@@ -74,6 +74,7 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch._decomp
+import torch._refs
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -256,6 +257,16 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return None
 
 
+_SYMBOLIC_KERNELS: dict[Any, Callable] = {
+    # The C++ meta kernel of constant_pad_nd reads ``sizes()`` as integers, which pins the batch
+    # and sequence symbols to the traced sizes (``F.pad`` of the labels in HF's causal-LM loss):
+    # every cost after it would stop following b and s. Its reference implementation keeps the
+    # sizes symbolic; it runs inside the counter's dispatch, so its own ops are not charged and
+    # the pad is priced as the one memory-bound op it is.
+    _aten.constant_pad_nd.default: torch._refs.constant_pad_nd,
+}
+
+
 @contextlib.contextmanager
 def _quiet_fake_tensor_errors():
     """Keep fake tensors' log of a meta kernel that failed off stderr: the replay handles the
@@ -279,7 +290,8 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        symbolic = _SYMBOLIC_KERNELS.get(func)
+        out = symbolic(*args, **kwargs) if symbolic is not None else func(*args, **kwargs)
         formula = FORMULAS.get(func._overloadpacket) or NAMED_FORMULAS.get(func.name())
         if formula is not None:
             self._charge(formula(*args, **kwargs, out_val=out), 0)
@@ -365,6 +377,8 @@ class CostReplay(fx.Interpreter):
         self.fwd_gemms: dict[str | None, list] = {}
         self.bwd_gemms: dict[str | None, list] = {}
         self.gemm_inputs: dict[str | None, set] = {}  # node -> storages its forward products multiplied
+        self.shape_env: Any = None  # the fake mode's ShapeEnv during the replay
+        self.replacements_seen = 0
 
     # ---- forward bookkeeping
     def run_node(self, n: fx.Node) -> Any:
@@ -384,6 +398,7 @@ class CostReplay(fx.Interpreter):
             ) from e
         finally:
             self.current = None
+        self._check_symbolic(n)
         self.keep.append(result)
         for tensor in iter_tensors(result):
             key = StorageWeakRef(tensor.untyped_storage()).cdata
@@ -391,6 +406,24 @@ class CostReplay(fx.Interpreter):
             self.node_key.setdefault(n.name, key)
         self._claim(result, n.name)
         return result
+
+    def _check_symbolic(self, n: fx.Node) -> None:
+        """Refuse a replay that pinned the batch or sequence symbol to its traced size: every
+        cost after ``n`` would be a constant, silently wrong at any other micro-batch."""
+        env = self.shape_env
+        if env is None or len(env.replacements) == self.replacements_seen:
+            return
+        self.replacements_seen = len(env.replacements)
+        for symbol, ours in self.symbols.items():
+            value = env.replacements.get(symbol)
+            if value is not None and value.is_number:
+                raise PassError(
+                    _PASS,
+                    n,
+                    f"replaying this op fixed the {ours} size to {value}, so the costs would no longer "
+                    "follow it; its kernel reads sizes as integers (teach the replay a symbolic kernel for "
+                    f"{n.target}, see _SYMBOLIC_KERNELS).",
+                )
 
     def call_function(self, target, args, kwargs):
         if target is _aten.scaled_dot_product_attention.default:
@@ -484,6 +517,8 @@ class CostReplay(fx.Interpreter):
                 "the model with planner.frontend.trace.trace_model (torch.export).",
             )
         counter = _Counter(self)
+        self.shape_env = fake_mode.shape_env
+        self.replacements_seen = len(self.shape_env.replacements) if self.shape_env is not None else 0
         with fake_mode, torch.enable_grad(), _quiet_fake_tensor_errors():
             args = self._inputs()
             self.keep.extend(args)

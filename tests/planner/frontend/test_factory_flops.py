@@ -1,0 +1,119 @@
+"""A user's factory model is priced at the plan's micro-batch, not at its example inputs' shape.
+
+The regression: the cost replay ran ``F.pad`` (HF's causal-LM loss pads its labels) through a
+meta kernel that reads sizes as integers, which pinned the batch and sequence symbols to the
+example's (2, 16); every cost after it, and ``flops_per_step``, stayed at the example's shape.
+References are ``FlopCounterMode`` counts of one eager step over the whole global batch: on the
+meta device for a model that runs there, on CPU with eager attention for an HF decoder (whose
+meta forward calls ``.item()`` while building masks; see CONVENTIONS' facts).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import passes.autograd_costs as autograd_costs
+from passes.common import PassError
+from planner.cli import main
+from planner.frontend.model_analysis import build_layer_table
+
+PADDED_LOSS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(24, 48), nn.Linear(48, 24)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.layers:
+            x = block(x)
+        logits = self.head(x)
+        labels = F.pad(ids, (0, 1), value=-100)[:, 1:]  # HF's shift: pad, then drop the first
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+def make():
+    return Net(), (torch.randint(0, 40, (2, 16)),)
+"""
+
+GLOBAL_BATCH, SEQ = 8, 16
+
+
+def _flops_per_step(spec: str, micro_batch: int, tmp_path) -> float:
+    out = tmp_path / f"plan-{micro_batch}.json"
+    args = ["plan", "--model", spec, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "a100-80gb"]
+    args += ["--global-batch", str(GLOBAL_BATCH), "--seq-len", str(SEQ), "--dtype", "fp32", "--dp", "2"]
+    assert main([*args, "--micro-batch", str(micro_batch), "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["micro_batch_size"] == micro_batch
+    return plan["model"]["flops_per_step"]
+
+
+def _load(path, name="make"):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"factory_flops_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def test_padded_loss_model_follows_the_micro_batch(tmp_path, capsys):
+    path = tmp_path / "padded.py"
+    path.write_text(PADDED_LOSS)
+    with torch.device("meta"):
+        model, _ = _load(path)()
+        ids = torch.randint(0, 40, (GLOBAL_BATCH, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(ids).backward()
+    reference = counter.get_total_flops()
+    for micro_batch in (1, 4):
+        assert _flops_per_step(f"{path}:make", micro_batch, tmp_path) == reference
+    table = build_layer_table(f"{path}:make")
+    assert table.fixed == {}
+    at = {(b, s): table.total("fwd_flops", b, s) + table.total("bwd_flops", b, s) for b, s in ((1, 16), (3, 7))}
+    assert at[(1, 16)] * 8 == reference and at[(3, 7)] != at[(1, 16)] * 3
+
+
+@pytest.mark.slow  # about 17 s here: an HF trace; the padded model above checks the same path in CI
+def test_hf_factory_follows_the_micro_batch(tmp_path, capsys):
+    from tests.fixtures import hf_archs
+
+    model, _ = hf_archs.llama()
+    model.inner.config._attn_implementation = "eager"  # CPU FlopCounterMode counts no SDPA
+    ids = torch.randint(0, hf_archs.VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(ids).backward()
+    reference = counter.get_total_flops()
+    for micro_batch in (1, 2):
+        assert _flops_per_step("tests/fixtures/hf_archs.py:llama", micro_batch, tmp_path) == reference
+
+
+def test_a_replay_that_pins_a_size_is_an_error(tmp_path, monkeypatch):
+    """Without the symbolic pad kernel the replay would pin b and s: it must say so, not price
+    the model at its example's shape."""
+    from passes.analyze import analyze
+    from planner.frontend.trace import trace_model
+
+    path = tmp_path / "padded_guard.py"
+    path.write_text(PADDED_LOSS)
+    monkeypatch.setattr(autograd_costs, "_SYMBOLIC_KERNELS", {})
+    traced = trace_model(f"{path}:make")
+    with pytest.raises(PassError, match=r"fixed the (b|s) size to (2|16)") as err:
+        analyze(traced)
+    assert "pad" in str(err.value)
