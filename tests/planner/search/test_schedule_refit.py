@@ -141,6 +141,7 @@ PINS = [
 ]
 
 
+@pytest.mark.slow  # about 100 s alone, 290 s in CI's run: `pytest -m slow`
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layers=st.integers(4, 12),
@@ -170,6 +171,17 @@ def test_the_free_plan_is_never_slower_than_a_pinned_one(layers, hidden, gpus, b
             f"{pinned.plan.zero_stage}) beats the free {free.plan.predicted.step_time_s} s ({free.plan.schedule} v="
             f"{free.plan.virtual_stages}, dp/tp/pp {free.plan.dp}/{free.plan.tp}/{free.plan.pp}, ZeRO {free.plan.zero_stage})"
         )
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (ARCHITECTURE.md): the free search misses ZeRO 2 + zero bubble + full recompute")
+def test_the_free_search_finds_a_sharded_zero_bubble_plan_with_full_recompute():
+    """A counterexample the property above found once the overlap pricing landed: 5 blocks of 128
+    on 4 GPUs at half the memory, the pin ``--schedule zero-bubble --checkpoint all`` plans ZeRO 2
+    at 0.4% under the free plan (1F1B, ZeRO 0): the sharded siblings the post-pass adds are
+    refitted only when the base strategy's schedule did not fit, and this one's did."""
+    test_the_free_plan_is_never_slower_than_a_pinned_one.hypothesis.inner_test(
+        layers=5, hidden=128, gpus=4, batch=16, tight=0.5, pins=[5]
+    )
 
 
 def test_slow_pipeline_links_show_as_stage_transfers_not_dp_traffic():
