@@ -173,7 +173,9 @@ def test_the_free_plan_is_never_slower_than_a_pinned_one(layers, hidden, gpus, b
         )
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (ARCHITECTURE.md): the free search misses ZeRO 2 + zero bubble + full recompute")
+@pytest.mark.xfail(
+    strict=True, reason="known gap (ARCHITECTURE.md): the free search misses ZeRO 2 + zero bubble + full recompute"
+)
 def test_the_free_search_finds_a_sharded_zero_bubble_plan_with_full_recompute():
     """A counterexample the property above found once the overlap pricing landed: 5 blocks of 128
     on 4 GPUs at half the memory, the pin ``--schedule zero-bubble --checkpoint all`` plans ZeRO 2
