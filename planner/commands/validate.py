@@ -47,7 +47,9 @@ _FORMATS = {
 def compare(plan, metrics: list[dict]) -> dict:
     """The ``validate --json`` object from a plan and its metrics lines: ``predicted`` and
     ``measured`` step time, peak memory and bytes; the timed steps' times; the median collective
-    wait; ``time``, the predicted and measured (median) seconds of each part of the step."""
+    wait; ``time``, the predicted and measured (median) seconds of each part of the step. A 1-bit
+    Adam plan whose run ends inside its full-precision warm-up is compared with the warm-up step
+    (``predicted.compression``), which is what ran."""
     rows = metrics[WARMUP_STEPS:]
     if not rows:
         raise UserError(
@@ -65,6 +67,13 @@ def compare(plan, metrics: list[dict]) -> dict:
         "peak_memory_bytes": prediction.peak_memory_bytes,
         "comm_bytes_per_device": prediction.comm_bytes_per_device,
     }
+    predicted_time = dict(prediction.time)
+    warmup = prediction.compression
+    if warmup is not None and len(metrics) <= plan.compression_warmup:
+        # 1-bit Adam still in its full-precision warm-up: every timed step is a warm-up step.
+        predicted["step_time_s"] = warmup["warmup_step_time_s"]
+        predicted["comm_bytes_per_device"] = warmup["warmup_comm_bytes_per_device"]
+        predicted_time = dict(warmup["warmup_time"])
     host = [row["host_memory_bytes"] for row in metrics if "host_memory_bytes" in row]
     if host and set(plan.offload.values()) != {OffloadTier.NONE}:  # only a plan that keeps state on the host
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
@@ -76,7 +85,7 @@ def compare(plan, metrics: list[dict]) -> dict:
         "measured": measured,
         "step_times_s": [float(row["step_time_s"]) for row in rows],
         "comm_wait_s": statistics.median(float(row.get("comm_wait_s", 0.0)) for row in rows),
-        "time": {"predicted": dict(prediction.time), "measured": parts},
+        "time": {"predicted": predicted_time, "measured": parts},
     }
 
 

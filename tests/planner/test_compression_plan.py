@@ -257,3 +257,25 @@ def test_train_refuses_a_zero_warmup_before_starting_any_process(tmp_path, capsy
     assert status == 2
     assert "--compression-warmup" in err and "at least 1 with 1-bit Adam" in err and "Traceback" not in err
     assert not (tmp_path / "plan.compiled").exists()  # nothing was compiled, no process started
+
+
+def test_validate_compares_warmup_steps_with_the_warmup_prediction(ethernet_plans):
+    """A run that ends inside 1-bit Adam's full-precision warm-up is compared with the warm-up
+    step (what ran), one that goes past it with the compressed step."""
+    from planner.commands.validate import compare
+    from planner.plan import TIME_KEYS
+
+    plan = ethernet_plans["onebit-adam"].plan
+    assert plan.dp_compression == "onebit-adam" and plan.compression_warmup > 4
+    lines = [
+        {"step": i, "step_time_s": 1.0, "peak_memory_bytes": 1, "comm_bytes": 0, "time": dict.fromkeys(TIME_KEYS, 0.0)}
+        for i in range(4)
+    ]
+    warm = plan.predicted.compression
+    early = compare(plan, lines)
+    assert early["predicted"]["step_time_s"] == warm["warmup_step_time_s"]
+    assert early["predicted"]["comm_bytes_per_device"] == warm["warmup_comm_bytes_per_device"]
+    assert early["time"]["predicted"] == warm["warmup_time"]
+    late = compare(dataclasses.replace(plan, compression_warmup=2), lines)
+    assert late["predicted"]["step_time_s"] == plan.predicted.step_time_s
+    assert late["time"]["predicted"] == dict(plan.predicted.time)
