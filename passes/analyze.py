@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from passes.attention import annotate_attention
 from passes.autograd_costs import annotate_costs
 from passes.graph import TracedGraph
 from passes.layers import assign_layers, layer_signatures
+from passes.mask_kind import annotate_masks, price_masks
 from passes.op_class import classify_ops
 from passes.shapes import annotate_params, annotate_shapes
 from passes.tensor_parallel.tp_costs import propagate_tensor_parallel
@@ -22,6 +24,9 @@ def analyze(traced: TracedGraph):
     annotate_shapes(gm, traced.symbols)
     annotate_params(gm, traced.roles, traced.fqns, traced.tied)
     classify_ops(gm)
+    windows = [w for w in (traced.model_info or {}).get("attention_windows") or () if w]
+    annotate_attention(gm)
+    annotate_masks(gm, traced.roles, max(windows, default=None))
     n_blocks = len(traced.block_paths)
     sigs = layer_signatures(gm, n_blocks)
     first: dict[str, int] = {}
@@ -31,5 +36,6 @@ def analyze(traced: TracedGraph):
         if rep != lay:
             same_as[lay] = rep
     annotate_costs(gm, traced.roles, traced.symbols, same_as)
+    price_masks(gm)  # a core whose kernel skips the masked pairs: its FLOPs at the mask's density
     propagate_tensor_parallel(gm, traced.roles)
     return gm

@@ -21,7 +21,8 @@ log-sum-exp (b x h x s floats), like FlashAttention on GPUs and the CPU flash ke
 b x h x s x s probabilities of the math fallback the meta device would pick. Its FLOPs follow the
 model-FLOPs convention: forward 4·b·h·s_q·s_k·d (QKᵀ and PV), backward twice that (the score
 recomputation inside flash backward is not model work); this equals what ``FlopCounterMode``
-counts for the math path on the meta device.
+counts for the math path on the meta device. (A later step, ``passes.mask_kind.price_masks``,
+scales a causal core whose kernel skips the masked half by its density.)
 
 FLOPs count matmul-class work only (mm, addmm, bmm, convolution, attention), the
 ``FlopCounterMode`` convention. Every other op that computes (adds, activations, softmax, norms,

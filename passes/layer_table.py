@@ -126,7 +126,8 @@ class LayerCosts:
     kind: str
     """``pre`` | ``block`` | ``post``."""
     fwd_flops: sympy.Expr = _ZERO
-    """Forward FLOPs (matmul-class work, FlopCounterMode convention)."""
+    """Forward FLOPs (matmul-class work, FlopCounterMode convention; an attention core whose kernel
+    skips its mask's dropped pairs at the mask's density, ``passes.mask_kind``)."""
     bwd_flops: sympy.Expr = _ZERO
     """Backward FLOPs (gradients of inputs and weights)."""
     fwd_flops_tp: sympy.Expr = _ZERO

@@ -23,6 +23,7 @@ from passes.graph import TracedGraph
 from passes.inputs import infer_inputs
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerCosts, LayerTable
 from passes.layers import layer_io, layer_names, layer_signatures
+from passes.mask_kind import mask_facts
 from passes.model_facts import merge_graph_facts
 from passes.op_class import op_name
 from passes.split_backward import frontier_outputs, tail_saved
@@ -425,6 +426,9 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
                 setattr(r, f, [g._replace(batch=sympy.expand(g.batch * B / b0)) for g in getattr(r, f)])
     model = dict(traced.model_info)
     notes += merge_graph_facts(gm, model)  # heads, kv_heads, head_dim, tp_blocked: from the graph
+    attention = mask_facts(gm, traced.layers, traced.shallow, model.get("attention_windows"))
+    if attention:
+        model["attention"] = attention
     model["params"] = sum(r.param_count for r in rows)
     inputs = infer_inputs(gm, [n for n, r in traced.roles.items() if r == "input"], traced.symbols)
     model["inputs"] = [f.to_dict() for f in inputs]

@@ -125,6 +125,12 @@ class ModelInfo:
     it (``role``: tokens, labels, targets, ones, zeros or positions; see ``passes.inputs``), its
     sizes (``"b"``, ``"s"`` or a number) and the ids it can index. Empty in plans written before
     it existed: such a model takes ``(tokens, targets)``."""
+    attention: dict = field(default_factory=dict)
+    """The attention's mask (``passes.mask_density.summarize``): ``mask`` (full, causal, sliding,
+    custom), ``window`` (sliding, else null), ``density`` (the share of the square the masks keep,
+    mean over blocks, at ``seq_len``), ``per_layer`` (when blocks differ), ``priced`` (time and
+    FLOPs follow the density: the kernel skips the masked pairs), ``reason`` (why not) and
+    ``saved_flops`` (per step, vs the full square). Empty without attention or in older plans."""
 
     def __post_init__(self):
         _check_str("model.spec", self.spec)
@@ -146,6 +152,10 @@ class ModelInfo:
             if x["role"] not in INPUT_ROLES:
                 _fail(f"model.inputs[{i}].role", f"must be one of {', '.join(INPUT_ROLES)}, got {x['role']!r}.")
             _check_int(f"model.inputs[{i}].vocab", x.get("vocab", 0), 0)
+        if not isinstance(self.attention, dict):
+            _fail("model.attention", "must be an object.")
+        if self.attention and not {"mask", "window", "density"} <= set(self.attention):
+            _fail("model.attention", "must hold mask, window and density.")
 
 
 @dataclass

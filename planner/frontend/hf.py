@@ -379,3 +379,24 @@ def build_hf_dir(
         "hf",
         dict(sizes),
     )
+
+
+def config_windows(model: nn.Module, layers: int) -> list[int | None] | None:
+    """The sliding window of each of the ``layers`` blocks an HF config states (None where a block
+    attends to the whole causal prefix), or None for a model that is not HF or has no window:
+    ``layer_types`` (``sliding_attention`` / ``full_attention``, Qwen2, Gemma 2/3, GPT-OSS) with
+    ``sliding_window``, else ``sliding_window`` on every block unless ``use_sliding_window`` is
+    False (Mistral). ``passes.mask_kind`` names the windows the graph's probe is too short to see."""
+    cfg = getattr(getattr(model, "inner", model), "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    if cfg is None or not isinstance(window, int) or window < 1:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types:
+        per = [window if t == "sliding_attention" else None for t in types]
+        per = (per * (layers // len(per) + 1))[:layers]  # a shallow copy lists its own blocks
+    elif getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    else:
+        per = [window] * layers
+    return per if any(per) else None

@@ -57,7 +57,7 @@ from planner.frontend.bundle import ModelBundle, parse_spec
 from planner.frontend.checkpoint import check_weights
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import PRESETS
-from planner.frontend.hf import hf_classes, hf_directory, load_hf_config
+from planner.frontend.hf import config_windows, hf_classes, hf_directory, load_hf_config
 from planner.frontend.zoo import ModelSizes, build_model
 from runtime.contract.dtype_table import DTYPES
 from runtime.dtypes import to_torch
@@ -484,6 +484,9 @@ def trace_model(
         seq_len=bundle.seq_len,
         sizes={k: size for k, size in sizes.items() if k != "layers"},
     )
+    windows = config_windows(bundle.model, full_layers) if kind == "hf" else None
+    if windows:
+        traced.model_info["attention_windows"] = windows
     traced.seconds = time.perf_counter() - start
     return traced
 

@@ -406,8 +406,30 @@ def _time_table(plan, hw: HardwareProfile | None) -> Table:
     peak = _peak(hw, plan.dtype)
     table.add_row("MFU", f"{predicted.mfu:.1%}", f"of {format_rate(peak)}" if peak else "")
     table.add_row("bytes sent / device / step", format_bytes(predicted.comm_bytes_per_device), "")
+    if plan.model.attention:
+        table.add_row("attention", *attention_line(plan))
     table.caption = _overlap_caption(plan.overlap)
     return table
+
+
+def attention_line(plan) -> tuple[str, str]:
+    """The attention's mask and what it saves: ``(mask, window and density; seconds vs full)``.
+    The seconds are the model FLOPs the mask leaves out (``model.attention.saved_flops``) at the
+    step's own rate (``flops_per_step / step_time_s``): an estimate, exact for a step that is all
+    compute."""
+    attention = plan.model.attention
+    kind, window = attention["mask"], attention.get("window")
+    what = f"{kind}{f' window {window:,}' if window else ''}, density {attention['density']:.3g}"
+    if len(attention.get("per_layer") or ()) > 0:
+        what += " (mean of mixed blocks)"
+    rate = plan.model.flops_per_step / plan.predicted.step_time_s if plan.predicted.step_time_s else 0.0
+    seconds = attention.get("saved_flops", 0.0) / rate if rate else 0.0
+    if kind == "full":
+        return what, "the whole square"
+    if attention.get("priced"):
+        return what, f"saves {format_seconds(seconds)} per step vs full"
+    reason = attention.get("reason") or "the kernel computes the whole square"
+    return what, f"priced full ({reason}); a kernel that skips would save {format_seconds(seconds)}"
 
 
 #: Where each part's hidden communication runs (``cost_models.overlap_cost``).

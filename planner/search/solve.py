@@ -50,6 +50,7 @@ from cost_models.strategy import (
     memory_bound,
     predicted_fields,
 )
+from passes.mask_density import summarize
 from planner.frontend.input_pins import resolve_inputs
 from planner.frontend.spec import model_layer_names
 from planner.plan import Alternative, HardwareInfo, ModelInfo, Plan, Predicted, SolverInfo
@@ -578,6 +579,14 @@ def choose_compile(
     )
 
 
+def _attention(model: dict, seq_len: int, sequences: int) -> dict:
+    """plan.json's ``model.attention`` (``passes.mask_density.summarize``); ``{}`` without attention."""
+    facts = model.get("attention")
+    if not facts:
+        return {}
+    return summarize(facts, seq_len, int(model.get("heads") or 0), int(model.get("head_dim") or 0), sequences)
+
+
 def build_plan(
     request,
     table: NumericTable,
@@ -605,6 +614,7 @@ def build_plan(
         sizes=sizes,
         layer_names=model_layer_names(request.spec, list(table.names)),
         inputs=list(inputs or []),
+        attention=_attention(table.model, request.seq_len, request.global_batch),
     )
     alts = [
         Alternative(

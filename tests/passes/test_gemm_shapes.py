@@ -140,8 +140,8 @@ def test_gpt_block_by_hand():
     bs = B * S
     assert blk.fwd_gemms == [
         Gemm(bs, 64, 64, 1, 3, "n"),  # q, k, v: column parallel
-        Gemm(S, S, 16, 4 * B, 1, "batch"),  # Q Kᵀ, per head
-        Gemm(S, 16, S, 4 * B, 1, "batch"),  # P V
+        Gemm(S, S, 16, 4 * B * (S + 1) / (2 * S), 1, "batch"),  # Q Kᵀ, per head, causal: (s + 1) / 2s kept
+        Gemm(S, 16, S, 4 * B * (S + 1) / (2 * S), 1, "batch"),  # P V
         Gemm(bs, 64, 64, 1, 1, "k"),  # out projection: row parallel
         Gemm(bs, 256, 64, 1, 1, "n"),  # fc1
         Gemm(bs, 64, 256, 1, 1, "k"),  # fc2
@@ -159,7 +159,7 @@ def test_fused_attention_is_its_batched_products(spec):
     q, k, v = ([to_expr(x, tr.symbols) for x in a.meta["val"].shape] for a in sdpa.args[:3])
     b, heads, s_q, d = q
     s_k, d_v = k[-2], v[-1]
-    batch = sympy.expand(b * heads)  # b x query heads
+    batch = sympy.expand(b * heads) * sdpa.meta["mask"].priced_density(s_q)  # b x query heads (x causal density)
     shape = lambda g: (g.m, g.n, g.k, g.batch)  # noqa: E731
     fwd, bwd = sdpa.meta["fwd_gemms"], sdpa.meta["bwd_gemms"]
     # S = Q Kᵀ, O = P V; backward dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q (no Q Kᵀ recompute)
