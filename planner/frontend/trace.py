@@ -38,7 +38,8 @@ import logging
 import os
 import time
 import traceback
-from collections import Counter
+import warnings
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from passes.common import B, S
 from passes.layers import assign_layers, layer_signatures
 from planner.frontend.bundle import ModelBundle, parse_spec
+from planner.frontend.cache import table_key
 from planner.frontend.checkpoint import check_weights
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import PRESETS
@@ -645,14 +647,45 @@ def _trace_file(bundle: ModelBundle, dtype: torch.dtype | None, dynamic: bool, s
 # The trainable export that codegen lowers
 
 
+#: The last few exports of this process, by ``table_key``: ``planner tune`` and the equivalence
+#: tests compile one model under many plans, and an export is seconds while a copy is milliseconds.
+_EXPORTS: OrderedDict[str, tuple[fx.GraphModule, list[str], ModelBundle]] = OrderedDict()
+_EXPORTS_KEPT = 4
+
+
 def export_training_module(
     spec: str, sizes: dict, *, dtype: str, batch: int, seq_len: int
 ) -> tuple[fx.GraphModule, list[str], ModelBundle]:
     """Export the plan's model on meta at one micro-batch of ``batch`` x ``seq_len``.
 
     Returns ``(ep.module(), block paths, bundle)``: the trainable form, whose parameters are
-    ``get_attr`` nodes named by their original FQN, with static shapes.
+    ``get_attr`` nodes named by their original FQN, with static shapes. The module is the
+    caller's to rewrite: a repeated request (same model source, sizes, dtype and shapes, keyed as
+    the layer-table cache keys them) gets a fresh copy of the process's earlier export.
     """
+    key = table_key(spec, {"sizes": sizes, "dtype": dtype, "batch": batch, "seq_len": seq_len, "export": True})
+    if key is not None and key in _EXPORTS:
+        _EXPORTS.move_to_end(key)
+        gm, block_paths, bundle = _EXPORTS[key]
+        return _copy_module(gm), list(block_paths), bundle
+    gm, block_paths, bundle = _export_training_module(spec, sizes, dtype=dtype, batch=batch, seq_len=seq_len)
+    if key is not None:
+        _EXPORTS[key] = (_copy_module(gm), list(block_paths), bundle)
+        while len(_EXPORTS) > _EXPORTS_KEPT:
+            _EXPORTS.popitem(last=False)
+    return gm, block_paths, bundle
+
+
+def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of an exported module (torch's pytree specs warn while being copied: not ours to see)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(gm)
+
+
+def _export_training_module(
+    spec: str, sizes: dict, *, dtype: str, batch: int, seq_len: int
+) -> tuple[fx.GraphModule, list[str], ModelBundle]:
     bundle = build_model(spec, ModelSizes(**sizes), device="meta", batch=batch, dtype=to_torch(dtype))
     bundle.example_inputs = bundle.make_inputs(batch, seq_len, device="meta")
     if bundle.kind == "file":  # a factory builds in its own dtype: compile in the plan's, as the trace did

@@ -139,3 +139,32 @@ def test_model_without_blocks_compiles_and_matches(tmp_path):
     from tests.fixtures.user_models import NoBlocks
 
     _assert_single_stage_matches(out, man, NoBlocks)
+
+
+def test_a_repeated_compile_reuses_the_export_and_writes_the_same_files(tmp_path, monkeypatch):
+    """One model under several plans (``planner tune``, the equivalence matrices) is exported once:
+    a tp rewrite of the first plan's copy does not leak into the next, and a changed factory file
+    is exported again."""
+    import filecmp
+    import shutil
+
+    import planner.frontend.trace as trace
+
+    calls = []
+    export = trace._export_training_module
+    monkeypatch.setattr(trace, "_export_training_module", lambda *a, **k: calls.append(a) or export(*a, **k))
+    monkeypatch.setattr(trace, "_EXPORTS", type(trace._EXPORTS)())
+    tp = make_plan("gpt", {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64}, tp=2, sequence_parallel=True)
+    pp = make_plan("gpt", {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64}, pp=2)
+    for name, plan in [("tp1", tp), ("pp", pp), ("tp2", tp)]:
+        compile_plan(plan, str(tmp_path / name))
+    assert len(calls) == 1
+    same = filecmp.dircmp(tmp_path / "tp1", tmp_path / "tp2")
+    assert not (same.diff_files or same.left_only or same.right_only)
+    source = tmp_path / "models.py"
+    shutil.copy(USER_MODELS, source)
+    user = make_plan(f"{source}:good", {"layers": 3}, mbs=2, m=1)
+    compile_plan(user, str(tmp_path / "user1"))
+    source.write_text(source.read_text() + "\n# edited\n")
+    compile_plan(user, str(tmp_path / "user2"))
+    assert len(calls) == 3

@@ -2,9 +2,10 @@
 model computing its own loss) plan, compile and train under each strategy like one process.
 
 Each architecture is traced once (its layer table); each case pins the strategy, plans it with
-the real search, trains it with ``planner train --nproc N`` on gloo and compares the per-step
-losses and the final parameters with a single process running plain torch AdamW on the same
-global batch, fed by the same roles (``runtime.training.data.model_inputs``).
+the real search and is compiled as ``planner train`` compiles it; the selected cases train on gloo
+in one spawn per world size (``tests.e2e.batched``); each test compares its case's per-step
+losses and final parameters with a single process running plain torch AdamW on the same global
+batch, fed by the same roles (``runtime.training.data.model_inputs``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from cost_models.hardware import load_hardware
 from planner.frontend.model_analysis import build_layer_table
 from planner.search.request import PlanRequest
 from planner.search.solve import solve
-from tests.e2e.test_train_matrix import EPS, run_case
+from tests.e2e.batched import Run, options, run_result, train_together
+from tests.e2e.test_train_matrix import EPS
 from tests.helpers import TESTS, USER_MODELS, reference_run
 
 pytest.importorskip("transformers")
@@ -55,36 +57,23 @@ def _plan(arch: str, spec: str | None = None, **pins):
     return solve(req, _table(spec), load_hardware("cpu", gpus_per_node=n)).plan
 
 
-def _check(tmp_path, plan):
-    losses, params = run_case(tmp_path, plan, steps=STEPS)
-    ref_losses, ref_params = reference_run(plan, STEPS, eps=EPS)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert set(params) <= set(ref_params)
-    for name, p in params.items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+def _hf_plan(spec: str, **pins):
+    """A tiny model directory's plan on 2 ranks (micro-batch 1)."""
+    req = PlanRequest(
+        spec=spec,
+        gpus=2,
+        gpus_per_node=2,
+        hardware="cpu",
+        global_batch=BATCH,
+        seq_len=SEQ,
+        dtype="fp32",
+        micro_batch=1,
+        **{"dp": 1, "tp": 1, "pp": 1, **pins},
+    )
+    return solve(req, _table(spec), load_hardware("cpu", gpus_per_node=2)).plan
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_hf_architecture_trains_like_one_process(tmp_path, arch, case):
-    _check(tmp_path, _plan(arch, **CASES[case]))
-
-
-@pytest.mark.parametrize("arch", TP_PP)
-def test_hf_architecture_tp2_pp2(tmp_path, arch):
-    _check(tmp_path, _plan(arch, tp=2, pp=2))
-
-
-def test_user_model_fed_mask_positions_and_labels(tmp_path):
-    """Four inputs: token ids, an all-ones mask, positions and labels the model shifts itself."""
-    plan = _plan("", spec=f"{USER_MODELS}:masked", dp=2)
-    assert [x["role"] for x in plan.model.inputs] == ["tokens", "ones", "positions", "labels"]
-    _check(tmp_path, plan)
-
-
-def test_hf_architecture_trains_in_bf16(tmp_path):
-    """The default dtype: a factory builds its model in fp32, the plan compiles and trains it in bf16
-    (the compiled stages, the data and the weights all follow the plan's dtype)."""
+def _bf16_plan():
     n = 2
     req = PlanRequest(
         spec=f"{HF_ARCHS}:llama",
@@ -99,13 +88,94 @@ def test_hf_architecture_trains_in_bf16(tmp_path):
         pp=2,
         micro_batch=1,
     )
-    plan = solve(req, _table(f"{HF_ARCHS}:llama"), load_hardware("cpu", gpus_per_node=n)).plan
-    losses, _ = run_case(tmp_path, plan, steps=STEPS)
-    ref, _ = reference_run(plan, STEPS, eps=EPS)
+    return solve(req, _table(f"{HF_ARCHS}:llama"), load_hardware("cpu", gpus_per_node=n)).plan
+
+
+DIR_CASES = [
+    ("mixtral", dict(pp=2)),
+    ("mixtral", dict(tp=2)),
+    ("gemma2", dict(pp=2)),
+    ("bloom", dict(pp=2)),
+    ("falcon", dict(pp=2)),
+]
+
+
+def _all_cases(hf_root) -> dict:
+    """Every case of this file: name -> a function making its plan (planned only when selected)."""
+    cases = {f"{arch}-{case}": functools.partial(_plan, arch, **CASES[case]) for arch in ARCHS for case in CASES}
+    cases.update({f"{arch}-tp2xpp2": functools.partial(_plan, arch, tp=2, pp=2) for arch in TP_PP})
+    cases["user-masked-dp2"] = functools.partial(_plan, "", spec=f"{USER_MODELS}:masked", dp=2)
+    cases["llama-bf16-pp2"] = _bf16_plan
+    for index, (arch, pins) in enumerate(DIR_CASES):
+        cases[f"dir-{arch}-{index}"] = lambda arch=arch, pins=pins: _hf_plan(_hf_dir(hf_root, arch), **pins)
+    return cases
+
+
+def _case_of(item) -> str:
+    """The case a collected test of this file checks."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return {
+        "test_hf_architecture_trains_like_one_process": lambda: f"{params.get('arch')}-{params.get('case')}",
+        "test_hf_architecture_tp2_pp2": lambda: f"{params.get('arch')}-tp2xpp2",
+        "test_user_model_fed_mask_positions_and_labels": lambda: "user-masked-dp2",
+        "test_hf_architecture_trains_in_bf16": lambda: "llama-bf16-pp2",
+        "test_hf_directory_moe_and_eager_attention_train_like_one_process": lambda: (
+            f"dir-{params.get('arch')}-{params.get('index')}"
+        ),
+    }[item.originalname]()
+
+
+@pytest.fixture(scope="module")
+def trained(request, tmp_path_factory) -> dict[str, Run]:
+    """Plan the selected cases, then train them all: one spawn per world size."""
+    root = tmp_path_factory.mktemp("any_model")
+    wanted = {_case_of(item) for item in request.session.items if item.module is request.module}
+    runs = {}
+    for name, make_plan in _all_cases(root / "hf").items():
+        if name in wanted:
+            folder = str(root / name)
+            runs[name] = Run(name, make_plan(), folder, options(folder, STEPS, eps=EPS))
+    train_together(list(runs.values()))
+    return runs
+
+
+def _check(run: Run):
+    losses, params = run_result(run.folder)
+    ref_losses, ref_params = reference_run(run.plan, STEPS, eps=EPS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) <= set(ref_params)
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_architecture_trains_like_one_process(trained, arch, case):
+    _check(trained[f"{arch}-{case}"])
+
+
+@pytest.mark.parametrize("arch", TP_PP)
+def test_hf_architecture_tp2_pp2(trained, arch):
+    _check(trained[f"{arch}-tp2xpp2"])
+
+
+def test_user_model_fed_mask_positions_and_labels(trained):
+    """Four inputs: token ids, an all-ones mask, positions and labels the model shifts itself."""
+    run = trained["user-masked-dp2"]
+    assert [x["role"] for x in run.plan.model.inputs] == ["tokens", "ones", "positions", "labels"]
+    _check(run)
+
+
+def test_hf_architecture_trains_in_bf16(trained):
+    """The default dtype: a factory builds its model in fp32, the plan compiles and trains it in bf16
+    (the compiled stages, the data and the weights all follow the plan's dtype)."""
+    run = trained["llama-bf16-pp2"]
+    losses, _ = run_result(run.folder)
+    ref, _ = reference_run(run.plan, STEPS, eps=EPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0)
 
 
-def _hf_dir(tmp_path, arch: str) -> str:
+def _hf_dir(root, arch: str) -> str:
     """A model directory (``hf:PATH``) holding only a tiny ``config.json`` of ``arch``."""
     import transformers as tf
 
@@ -131,22 +201,13 @@ def _hf_dir(tmp_path, arch: str) -> str:
             vocab_size=96,
         ),
     }[arch]()
-    path = tmp_path / arch
+    path = root / arch
     cfg.save_pretrained(path)
     return f"hf:{path}"
 
 
-@pytest.mark.parametrize(
-    "arch, pins",
-    [
-        ("mixtral", dict(pp=2)),
-        ("mixtral", dict(tp=2)),
-        ("gemma2", dict(pp=2)),
-        ("bloom", dict(pp=2)),
-        ("falcon", dict(pp=2)),
-    ],
-)
-def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, arch, pins):
+@pytest.mark.parametrize("index, arch", [(index, arch) for index, (arch, _) in enumerate(DIR_CASES)])
+def test_hf_directory_moe_and_eager_attention_train_like_one_process(trained, index, arch):
     """A mixture of experts traced on meta (transformers' integer ``histc`` and its own grouped
     product, which compiled code runs as ``runtime.portable``) and architectures without SDPA
     (Gemma2: soft-capped scores; Bloom: ALiBi, whose ``baddbmm`` the cost replay decomposes), built
@@ -154,19 +215,4 @@ def test_hf_directory_moe_and_eager_attention_train_like_one_process(tmp_path, a
     index tensor the trace keeps on the CPU so that compiled code can rebuild it), train under a
     2-stage pipeline like one process with the HF model; the experts under tp2 too (they stay
     replicated, the attention splits)."""
-    spec = _hf_dir(tmp_path, arch)
-    req = PlanRequest(
-        spec=spec,
-        gpus=2,
-        gpus_per_node=2,
-        hardware="cpu",
-        global_batch=BATCH,
-        seq_len=SEQ,
-        dtype="fp32",
-        micro_batch=1,
-        **{"dp": 1, "tp": 1, "pp": 1, **pins},
-    )
-    plan = solve(
-        req, build_layer_table(spec, batch=1, seq_len=SEQ, dtype="fp32"), load_hardware("cpu", gpus_per_node=2)
-    ).plan
-    _check(tmp_path, plan)
+    _check(trained[f"dir-{arch}-{index}"])

@@ -13,20 +13,13 @@ same trajectory.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from planner.commands.compile import compile_plan
-from planner.commands.train import original_state
 from planner.plan import Plan
-from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors
 from runtime.data_parallel.tied_weights import tied_stage_sets
-from runtime.distributed.launch import launch_local
 from runtime.stages.compiled_stages import read_manifest
-from runtime.training.train_config import TrainOptions
-from runtime.training.trainer import train_worker
+from tests.e2e.batched import Run, options, run_result, train_together
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run
 
 STEPS = 3
@@ -62,49 +55,21 @@ def schedule_plan(spec: str = "gpt", schedule: str = "1f1b", v: int = 1, **decis
     return Plan.from_dict(d)
 
 
-def _options(folder: str, steps: int, resume: bool = False, overlap: str = "on") -> TrainOptions:
-    return TrainOptions(
-        overlap=overlap,
-        steps=steps,
-        metrics_path=os.path.join(folder, "m.jsonl"),
-        checkpoint_dir=os.path.join(folder, "ck"),
-        save_every=steps,
-        resume=resume,
-        track_memory=False,
-        progress=False,
-        timeout_s=60,
-        **SETTINGS,
-    )
-
-
-def _worker(rank: int, world: int, runs: list[tuple[str, str, TrainOptions]]) -> None:
-    """Train each compiled plan in turn (each builds its own mesh)."""
-    for spec, compiled, opts in runs:
-        train_worker(
-            rank, world, compiled, opts, lambda: original_state(spec, SIZES[spec], SIZES[spec]["seq_len"], opts.seed)
-        )
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Compile every case, train them (one spawn per world size); per case its folder and plan."""
     root = tmp_path_factory.mktemp("schedule_training")
-    plans, runs = {}, {2: [], 4: []}
-    for name, (world, kw) in CASES.items():
-        plans[name] = schedule_plan(**kw)
+    runs = []
+    for name, (_, kw) in CASES.items():
         folder = str(root / name)
-        compile_plan(plans[name], os.path.join(folder, "compiled"))
-        opts = _options(folder, STEPS, overlap="off" if name.endswith("-off") else "on")
-        runs[world].append((kw.get("spec", "gpt"), os.path.join(folder, "compiled"), opts))
+        overlap = "off" if name.endswith("-off") else "on"
+        runs.append(Run(name, schedule_plan(**kw), folder, options(folder, STEPS, overlap=overlap, **SETTINGS)))
     # the interleaved run's checkpoint, resumed under 1F1B with one chunk per rank
-    plans["resume-1f1b"] = schedule_plan("hf:gpt2", pp=2)
-    folder = str(root / "resume-1f1b")
-    compile_plan(plans["resume-1f1b"], os.path.join(folder, "compiled"))
-    opts = _options(str(root / "interleaved-pp2-v2"), RESUMED, resume=True)
-    runs[2].append(("hf:gpt2", os.path.join(folder, "compiled"), opts))
-    for world, todo in runs.items():
-        launch_local(_worker, world, (todo,), timeout_s=240, collective_timeout_s=60)
-    return root, plans
+    resumed = options(str(root / "interleaved-pp2-v2"), RESUMED, resume=True, **SETTINGS)
+    stages = str(root / "resume-1f1b" / "compiled")
+    runs.append(Run("resume-1f1b", schedule_plan("hf:gpt2", pp=2), str(root / "interleaved-pp2-v2"), resumed, stages))
+    train_together(runs, timeout_s=240)
+    return root, {run.name: run.plan for run in runs}
 
 
 def _check(losses, params, plan: Plan, steps: int, first: int = 0) -> None:
@@ -117,8 +82,7 @@ def _check(losses, params, plan: Plan, steps: int, first: int = 0) -> None:
 
 def _result(folder, step: int):
     """The run's losses (every step in its metrics file) and its parameters after ``step``."""
-    path = dict(list_checkpoints(str(folder / "ck")))[step]
-    return [m["loss"] for m in read_metrics(folder / "m.jsonl")], load_model_tensors(path)
+    return run_result(str(folder), step)
 
 
 @pytest.mark.dist

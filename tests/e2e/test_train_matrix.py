@@ -1,8 +1,9 @@
 """The runtime's correctness matrix: every plan kind trains like one process (fp32).
 
-Each case compiles a plan, trains it with `planner train --nproc N` (gloo), and compares the
-per-step losses (metrics JSONL) and the final parameters (the consolidated checkpoint) with a
-single process running plain torch AdamW on the same global batch.
+Each case compiles a plan as `planner train` does and trains it on gloo (the matrix's cases in one
+spawn per world size, ``tests.e2e.batched``), and compares the per-step losses (metrics JSONL) and
+the final parameters (the consolidated checkpoint) with a single process running plain torch AdamW
+on the same global batch. `planner train --nproc N` itself trains the mixed-precision cases.
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from planner.cli import main
 from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors
+from tests.e2e.batched import Run, options, run_result, train_together
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
 
 STEPS = 10
@@ -69,12 +71,30 @@ def run_case(tmp_path, plan, steps=STEPS, extra: tuple[str, ...] = ()):
     return [m["loss"] for m in read_metrics(metrics)], load_model_tensors(last)
 
 
+@pytest.fixture(scope="module")
+def trained(request, tmp_path_factory) -> dict[str, Run]:
+    """Train the selected cases of the matrix: one spawn per world size (``tests.e2e.batched``)."""
+    root = tmp_path_factory.mktemp("train_matrix")
+    wanted = {
+        item.callspec.params["case"]
+        for item in request.session.items
+        if item.originalname == "test_plan_trains_like_one_process"
+    }
+    runs = {}
+    for name in CASES:
+        if name in wanted:
+            folder = str(root / name)
+            runs[name] = Run(name, make_plan("gpt", TINY_GPT, **CASES[name]), folder, options(folder, STEPS, eps=EPS))
+    train_together(list(runs.values()))
+    return runs
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
-def test_plan_trains_like_one_process(tmp_path, case):
-    plan = make_plan("gpt", TINY_GPT, **CASES[case])
-    losses, params = run_case(tmp_path, plan)
-    ref_losses, ref_params = reference_run(plan, STEPS, eps=EPS)
+def test_plan_trains_like_one_process(trained, case):
+    run = trained[case]
+    losses, params = run_result(run.folder)
+    ref_losses, ref_params = reference_run(run.plan, STEPS, eps=EPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert set(params) == set(ref_params)
     for name, p in ref_params.items():
