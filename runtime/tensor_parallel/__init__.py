@@ -281,13 +281,16 @@ def column_parallel_linears(
     (:mod:`runtime.tensor_parallel.overlapped`) runs the input's collective beside the matmuls:
     the gradient's all-reduce (reduce-scatter) beside the weight gradients, and under sequence
     parallelism the forward all-gather in pieces beside the partial products. Off: the plain
-    conjugate function, then ``F.linear`` each. The same values and bytes either way.
+    ``copy_to_tp``, then ``F.linear`` each; under sequence parallelism the same autograd function
+    with every collective waited where issued. Under sequence parallelism only this rank's
+    positions are kept for backward, which gathers them again for the weight gradients (one
+    all-gather more per backward, as Megatron-LM). The same values and bytes either way.
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     if len(biases) != len(weights):
         raise ValueError(f"{len(weights)} weights but {len(biases)} biases: give one bias (or None) per weight")
     resolved = resolve_group(group)
-    if resolved is None or not overlap_enabled():
+    if resolved is None or (sequence_dim is None and not overlap_enabled()):
         x = copy_to_tp(x, group) if sequence_dim is None else all_gather_seq(x, sequence_dim, group)
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
     return ColumnLinears.apply(x, sequence_dim, resolved, len(weights), *weights, *biases)
