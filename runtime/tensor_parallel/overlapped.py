@@ -22,9 +22,10 @@ The numbers are those of the synchronous path; only the order of the work change
   the reduce-scatter of ``dx``, then waits for the gather and computes the weight gradients beside
   the reduce-scatter (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` orders it
   the same way). One all-gather more per backward than the plain conjugate pair: ``(n - 1)/n`` of
-  the gathered input's bytes. A split backward (zero bubble) gathers in ``B`` and keeps the
-  gathered input on the node for ``W``, so it is sent once. With overlap off the same function
-  waits each collective where it is issued (the forward's gather in one piece).
+  the gathered input's bytes. A split backward (zero bubble) sends it once too: ``B`` wants no
+  weight gradient and gathers nothing; ``W`` gathers the positions (nothing to hide it under but the
+  weight-gradient products that follow) and only the shard waits between them. With overlap off
+  the same function waits each collective where it is issued (the forward's gather in one piece).
 * Row parallel under sequence parallelism: the forward computes, piece by piece, the partial
   output rows every rank keeps a slice of and launches each piece's reduce-scatter before computing
   the next (the decomposed matmul -> reduce-scatter). Backward gathers ``dy`` in pieces the same
@@ -177,18 +178,15 @@ class ColumnLinears(torch.autograd.Function):
         want_dx = _wanted(ctx, 0) is not False and bool(used)
         want_w = {i: _wanted(ctx, 4 + i) for i, _ in used}
         full, gathering = x, None
-        if dim is not None:  # the weight gradients need every rank's positions: gather them again
-            full, ctx.gathered = getattr(ctx, "gathered", None), None  # kept by a split backward's ``B``
-            if full is None and any(w is not False for w in want_w.values()):
-                full, gathering = _gather_rows(x.movedim(dim, 0), group, async_op=ctx.overlap)
+        if dim is not None and any(w is not False for w in want_w.values()):
+            # the weight gradients need every rank's positions: gather them again
+            full, gathering = _gather_rows(x.movedim(dim, 0), group, async_op=ctx.overlap)
         dx, reducing = _input_grad(ctx, used, weights) if want_dx else (None, None)
         comm.wait(gathering)  # launched before the input gradient, which needs no gathered input
-        if want_dx and full is not None and any(w is None for w in want_w.values()):
-            ctx.gathered = full  # a split backward's ``B``: ``W`` reuses the positions gathered here
         dws: list[torch.Tensor | None] = [None] * count
         dbs: list[torch.Tensor | None] = [None] * count
         for i, g in used:  # beside the input gradient's collective in flight
-            if want_w[i] is not False and full is not None:
+            if want_w[i] is not False:
                 dws[i] = _weight_grad(g, full)
             if _wanted(ctx, 4 + count + i) is not False:
                 dbs[i] = g.reshape(-1, g.shape[-1]).sum(0)

@@ -187,7 +187,11 @@ def _overlap_run(rank, world, x, params, c, seq, split=False):
     dy = c if seq is None else shard_dim(c, seq, rank, world)
     if split:
         (xs.grad,), work = backward_input([y], [dy], [xs])
+        assert getattr(q.grad_fn, "gathered", None) is None  # B gathers nothing for W to keep
+        before = comm.STATS.calls_by_kind.get("all_gather", 0)
         backward_weight(work)
+        # W gathers the column input's positions itself (SP): one all-gather, the input saved as a shard
+        assert comm.STATS.calls_by_kind.get("all_gather", 0) - before == (seq is not None and overlap_enabled())
     else:
         y.backward(dy)
     return y, leaves, dict(comm.STATS.bytes_by_kind)
