@@ -259,3 +259,24 @@ def test_sequence_parallel_block_saves_what_is_priced(runs):
 
 def _sizes(sizes: dict) -> dict:
     return {k: v for k, v in sizes.items() if k != "seq_len"}
+
+
+@pytest.mark.dist
+def test_tensor_parallel_bytes_are_priced_exactly(runs):
+    """The bytes each rank counts in one forward and backward at tp 2 (no data-parallel traffic in
+    these runs) are those the cost model prices for the plan's layers, with sequence parallelism
+    (its backward gathers each column-parallel input again) and without."""
+    from cost_models.hardware import load_hardware
+    from cost_models.strategy import Candidate, NumericTable, candidate_costs
+    from planner.frontend.model_analysis import build_layer_table
+
+    root, _ = runs
+    hw = load_hardware("cpu", WORLD)
+    table = NumericTable(build_layer_table("gpt", dtype="fp32", **GPT))
+    for name, sp in (("gpt", False), ("gpt-sp", True), ("gpt-sp-off", True)):
+        cand = Candidate(WORLD // 2, 2, 1, 0, MBS, 1, sequence_parallel=sp)
+        costs = candidate_costs(table, hw, "fp32", GPT["seq_len"], cand, WORLD, hw.memory_bytes)
+        priced = sum(layer.tp_sent_b + layer.tp_bwd_sent_b for layer in costs.layers)
+        for r in range(WORLD):
+            sent = torch.load(os.path.join(root, f"{name}_{r}.pt"))["sent"]
+            assert sum(sent.values()) == priced, (name, r, sent, priced)
