@@ -52,7 +52,8 @@ the region's edges for one whose collectives move the same bytes as the all-redu
 
 (an all-reduce is a reduce-scatter followed by an all-gather). Column parallel: ``y_r =
 all_gather_seq(x_r) W_r^T + b_r`` (the backward reduce-scatters the partial input gradients of all
-ranks: each keeps the sum for its positions). Row parallel: ``y_r = reduce_scatter_seq(x_r W_r^T) +
+ranks: each keeps the sum for its positions; ``column_parallel_linears`` keeps only ``x_r`` for
+the weight gradients and gathers it again in backward). Row parallel: ``y_r = reduce_scatter_seq(x_r W_r^T) +
 b``. The vocabulary-parallel embedding reduce-scatters instead of all-reducing. A replicated
 parameter used on sequence shards (a norm's weight and bias, the row-parallel bias) sees only this
 rank's tokens, so its gradient passes through ``copy_to_tp`` (all-reduced over the group); a
