@@ -339,7 +339,8 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         optimizer_b=0,
         trans_params_b=0,
         trans_grads_b=0,
-        bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes)),
+        bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes))
+        + _regathered_bytes(row, setting),
         saved_b=saved,
         input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sequence_parallel),
         boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sequence_parallel),
@@ -358,6 +359,16 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         tp_rec_hidden_s=tp_seen.rec.hidden_s,
     )
     return work, passes.backward_s
+
+
+def _regathered_bytes(row: LayerRow, setting: WorkSetting) -> float:
+    """Under sequence parallelism, the column-parallel input a backward gathers again for its weight
+    gradients (only its positions are saved), held beside that linear's other backward transients:
+    one of the row's gathered inputs, whole (their mean: a GPT block's two are equal)."""
+    calls = row.tp_traffic.sp_all_gather_calls
+    if not (setting.sequence_parallel and setting.tp > 1 and calls):
+        return 0.0
+    return row.tp_traffic.sp_all_gather_bytes / calls
 
 
 def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting) -> TpExposure:

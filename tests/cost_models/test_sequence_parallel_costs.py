@@ -41,6 +41,9 @@ def test_sp_divides_the_activations_between_the_regions_and_moves_the_same_bytes
         extra = 2 * 0.5 * row["sp_grad_all_reduce_bytes"] + 0.5 * row["sp_split_bytes"]
         extra += 0.5 * row["sp_all_gather_bytes"]
         assert b.tp_sent_b + b.tp_bwd_sent_b == pytest.approx(a.tp_sent_b + a.tp_bwd_sent_b + extra)
+        # backward holds one gathered column-parallel input whole beside its other transients
+        regathered = row["sp_all_gather_bytes"] / row["sp_all_gather_calls"] if row["sp_all_gather_calls"] else 0
+        assert b.bt_b == pytest.approx(a.bt_b + regathered)
     blocks = [i for i, k in enumerate(nt.kinds) if k == "block"]
     assert all(rows[i]["saved_bytes_sp"] > 0 and on.layers[i].saved_b < off.layers[i].saved_b for i in blocks)
     # twice the collectives, each with its wait: never faster than plain tp on the same bytes
