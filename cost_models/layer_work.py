@@ -185,6 +185,9 @@ class _TpTimes(NamedTuple):
     rec_s: float
     """What a recompute repeats (all but the final, boundary-sized all-reduce)."""
     rec_sent_b: float
+    regather_s: float = 0.0
+    """Under sequence parallelism, the backward's all-gathers of the column-parallel inputs (only
+    each rank's positions are saved; its bytes are in ``bwd_sent_b``, its seconds not in ``bwd_s``)."""
 
 
 def _memory_bound_bytes(amount: Sharded, tp_loss_bytes: float, tp: int, sequence_parallel: bool) -> float:
@@ -283,6 +286,9 @@ def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTi
             collective(gathered, "reduce_scatter"),
         )
         fwd_s += (traffic.allreduce_fwd_calls + traffic.sp_all_gather_calls) * hw.sync_overhead_s
+        regather_s, regather_sent = collective(gathered, "all_gather")  # the saved positions, gathered again
+        regather_s += traffic.sp_all_gather_calls * hw.sync_overhead_s
+        bwd_sent += regather_sent
         bwd_s += (
             traffic.allreduce_bwd_calls
             + traffic.sp_reduce_scatter_calls
@@ -290,6 +296,7 @@ def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTi
             + (traffic.sp_split_bytes > 0)
         ) * hw.sync_overhead_s
     else:
+        regather_s = 0.0
         fwd_s, fwd_sent = collective(traffic.allreduce_fwd_bytes)
         bwd_s, bwd_sent = collective(traffic.allreduce_bwd_bytes)
         if tp > 1:  # every all-reduce is a point where the tp ranks wait for each other
@@ -303,7 +310,7 @@ def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTi
     if tp > 1:
         skipped = int(boundary > 0 and traffic.allreduce_fwd_bytes >= boundary)
         rec_s += max(traffic.allreduce_fwd_calls - skipped, 0) * hw.sync_overhead_s
-    return _TpTimes(fwd_s, fwd_sent, bwd_s, bwd_sent, rec_s, rec_sent)
+    return _TpTimes(fwd_s, fwd_sent, bwd_s, bwd_sent, rec_s, rec_sent, regather_s)
 
 
 def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting) -> tuple[LayerCost, float]:
@@ -332,7 +339,8 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         optimizer_b=0,
         trans_params_b=0,
         trans_grads_b=0,
-        bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes)),
+        bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes))
+        + _regathered_bytes(row, setting),
         saved_b=saved,
         input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sequence_parallel),
         boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sequence_parallel),
@@ -353,11 +361,22 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
     return work, passes.backward_s
 
 
+def _regathered_bytes(row: LayerRow, setting: WorkSetting) -> float:
+    """Under sequence parallelism, the column-parallel input a backward gathers again for its weight
+    gradients (only its positions are saved), held beside that linear's other backward transients:
+    one of the row's gathered inputs, whole (their mean: a GPT block's two are equal)."""
+    calls = row.tp_traffic.sp_all_gather_calls
+    if not (setting.sequence_parallel and setting.tp > 1 and calls):
+        return 0.0
+    return row.tp_traffic.sp_all_gather_bytes / calls
+
+
 def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting) -> TpExposure:
     """The row's TP seconds split into exposed and hidden (all exposed when the run does not
     overlap them, ``WorkSetting.overlap_tp``)."""
     if not setting.overlap_tp or setting.tp == 1:
-        return TpExposure(Hidden(tp_comm.fwd_s, 0.0), Hidden(tp_comm.bwd_s, 0.0), Hidden(tp_comm.rec_s, 0.0))
+        bwd = Hidden(tp_comm.bwd_s + tp_comm.regather_s, 0.0)
+        return TpExposure(Hidden(tp_comm.fwd_s, 0.0), bwd, Hidden(tp_comm.rec_s, 0.0))
     return tp_exposure(
         tp_comm.fwd_s,
         tp_comm.bwd_s,
@@ -365,4 +384,5 @@ def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting) -> TpE
         (passes.forward_s, passes.backward_s, passes.wgrad_s),
         setting.tp,
         setting.sequence_parallel,
+        regather_s=tp_comm.regather_s,
     )

@@ -14,7 +14,10 @@ Tensor parallel (per micro-batch, one layer's own products; :func:`tp_exposure`)
 - with sequence parallelism the all-gather before a column-parallel matmul and the reduce-scatter
   after a row-parallel one run in ``tp`` chunks beside the partial products (Wang et al. 2023,
   "Overlap communication with dependent computation via decomposition"): about one chunk is
-  exposed, ``max(c / tp, c - w)`` with ``w`` the pass's compute;
+  exposed, ``max(c / tp, c - w)`` with ``w`` the pass's compute; the backward's re-gather of the
+  column-parallel inputs (only each rank's positions are saved) runs beside their input-gradient
+  products (Megatron-LM's order): window ``COLUMN_WGRAD_SHARE x`` the row's input-gradient time
+  (backward less weight gradients), and what it hides is taken from the chunked collectives' window;
 - a recomputed forward's collectives are exposed in the forward's proportion.
 
 Data parallel / ZeRO (:func:`dp_exposure`, layer table rows ``0..n-1``; ``f_j``, ``b_j`` row ``j``'s
@@ -95,13 +98,16 @@ def tp_exposure(
     passes: tuple[float, float, float],
     tp: int,
     sequence_parallel: bool,
+    regather_s: float = 0.0,
 ) -> TpExposure:
     """Exposed and hidden TP seconds (module docstring). ``passes``: the row's forward, backward
-    and weight-gradient compute seconds of one micro-batch."""
+    and weight-gradient compute seconds of one micro-batch; ``regather_s``: under sequence
+    parallelism, the backward's all-gathers of the column-parallel inputs (not in ``bwd_comm_s``)."""
     forward_s, backward_s, wgrad_s = passes
     if sequence_parallel:
         fwd = _chunked(fwd_comm_s, forward_s, tp)
-        bwd = _chunked(bwd_comm_s, backward_s, tp)
+        regather = hide(regather_s, COLUMN_WGRAD_SHARE * max(backward_s - wgrad_s, 0.0))
+        bwd = _add(regather, _chunked(bwd_comm_s, backward_s - regather.hidden_s, tp))
     else:
         fwd = Hidden(fwd_comm_s, 0.0)
         bwd = hide(bwd_comm_s, COLUMN_WGRAD_SHARE * wgrad_s)

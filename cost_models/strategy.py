@@ -17,7 +17,8 @@ reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequen
   backward (``collective_time`` on the TP placement, plus a copy at memory bandwidth and
   ``sync_overhead_s`` per call); at tp > 1 the vocab-parallel loss's ``tp_loss_*_bytes`` are added.
   Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes, twice
-  the calls) and divides the ``*_sp`` activations and bytes by tp.
+  the calls) and divides the ``*_sp`` activations and bytes by tp; the backward gathers each
+  column-parallel input once more (only the positions are saved: ``sp_all_gather_bytes`` again).
 - recompute: ``rec = recompute_ratio x t_fwd + t_tp_rec``, where the rerun skips the final,
   boundary-sized all-reduce: ``max(tp_allreduce_bytes - boundary_bytes, 0)`` in one call fewer.
   Selective: ``sel_rec = recompute_ratio x t_core`` frees ``core_saved_bytes``.

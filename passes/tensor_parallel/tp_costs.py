@@ -112,7 +112,8 @@ class TPInfo:
     (all-gathered in the backward)."""
     sp_all_gather: sympy.Expr = _ZERO
     """Bytes (whole tensor) SP all-gathers here in the forward before column-parallel matmuls
-    (reduce-scattered in the backward instead of all-reduced)."""
+    (reduce-scattered in the backward instead of all-reduced, and all-gathered once more in the
+    backward for the weight gradients: only this rank's positions are saved)."""
     sp_grad_all_reduce: sympy.Expr = _ZERO
     """Gradient bytes of replicated weights used on sequence shards, all-reduced in the backward."""
     sp_split: sympy.Expr = _ZERO
@@ -257,9 +258,9 @@ def _sequence_parallel(gm: fx.GraphModule, dec: TPDecisions, info: dict[fx.Node,
         return
     by_name = {n.name: n for n in gm.graph.nodes}
     seq = set(dec.sp_sharded)
-    # a column-parallel matmul reads the all-gathered (whole-sequence) copy of its input and saves
-    # that copy for its weight gradient: those saved bytes do not shrink
-    gathered = {(getattr(u, "name", u), c.value) for c in dec.sp_comms if c.kind == "all_gather" for u in c.users}
+    # a column-parallel matmul reads the all-gathered (whole-sequence) copy of its input but saves
+    # only this rank's positions (``runtime.tensor_parallel.overlapped.ColumnLinears`` gathers them
+    # again in backward, ``sp_all_gather``): its saved input shrinks like every other sequence shard
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -268,13 +269,7 @@ def _sequence_parallel(gm: fx.GraphModule, dec: TPDecisions, info: dict[fx.Node,
         extra = _ZERO
         for rec in n.meta.get("saved", ()):
             prod = by_name.get(rec.producer)
-            if (
-                rec.counted
-                and prod is not None
-                and rec.producer in seq
-                and not info[prod].divides
-                and (n.name, rec.producer) not in gathered
-            ):
+            if rec.counted and prod is not None and rec.producer in seq and not info[prod].divides:
                 extra = extra + rec.nbytes
         own.saved_bytes_sp = extra
     for c in dec.sp_comms:

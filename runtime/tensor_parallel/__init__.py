@@ -52,7 +52,8 @@ the region's edges for one whose collectives move the same bytes as the all-redu
 
 (an all-reduce is a reduce-scatter followed by an all-gather). Column parallel: ``y_r =
 all_gather_seq(x_r) W_r^T + b_r`` (the backward reduce-scatters the partial input gradients of all
-ranks: each keeps the sum for its positions). Row parallel: ``y_r = reduce_scatter_seq(x_r W_r^T) +
+ranks: each keeps the sum for its positions; ``column_parallel_linears`` keeps only ``x_r`` for
+the weight gradients and gathers it again in backward). Row parallel: ``y_r = reduce_scatter_seq(x_r W_r^T) +
 b``. The vocabulary-parallel embedding reduce-scatters instead of all-reducing. A replicated
 parameter used on sequence shards (a norm's weight and bias, the row-parallel bias) sees only this
 rank's tokens, so its gradient passes through ``copy_to_tp`` (all-reduced over the group); a
@@ -281,13 +282,16 @@ def column_parallel_linears(
     (:mod:`runtime.tensor_parallel.overlapped`) runs the input's collective beside the matmuls:
     the gradient's all-reduce (reduce-scatter) beside the weight gradients, and under sequence
     parallelism the forward all-gather in pieces beside the partial products. Off: the plain
-    conjugate function, then ``F.linear`` each. The same values and bytes either way.
+    ``copy_to_tp``, then ``F.linear`` each; under sequence parallelism the same autograd function
+    with every collective waited where issued. Under sequence parallelism only this rank's
+    positions are kept for backward, which gathers them again for the weight gradients (one
+    all-gather more per backward, as Megatron-LM). The same values and bytes either way.
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     if len(biases) != len(weights):
         raise ValueError(f"{len(weights)} weights but {len(biases)} biases: give one bias (or None) per weight")
     resolved = resolve_group(group)
-    if resolved is None or not overlap_enabled():
+    if resolved is None or (sequence_dim is None and not overlap_enabled()):
         x = copy_to_tp(x, group) if sequence_dim is None else all_gather_seq(x, sequence_dim, group)
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
     return ColumnLinears.apply(x, sequence_dim, resolved, len(weights), *weights, *biases)

@@ -16,7 +16,16 @@ The numbers are those of the synchronous path; only the order of the work change
   ``k`` pieces (:func:`pieces`), all launched at once; the product of this rank's own positions is
   computed while they arrive, then each piece's products as it lands (torchtitan's async TP and
   Megatron-Core's ``--tp-comm-overlap`` pipeline the same all-gather -> matmul, Wang et al. 2022).
-  Backward: the reduce-scatter of ``dx`` launched before the weight gradients, as above.
+  Only this rank's positions are saved for backward (``s b h / t`` bytes, not the gathered
+  ``s b h``: Korthikanti et al. 2022, Sec. 4.2.2), so backward launches their all-gather again
+  (one collective), computes ``dx`` while it travels (the input gradient needs no input), launches
+  the reduce-scatter of ``dx``, then waits for the gather and computes the weight gradients beside
+  the reduce-scatter (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` orders it
+  the same way). One all-gather more per backward than the plain conjugate pair: ``(n - 1)/n`` of
+  the gathered input's bytes. A split backward (zero bubble) sends it once too: ``B`` wants no
+  weight gradient and gathers nothing; ``W`` gathers the positions (nothing to hide it under but the
+  weight-gradient products that follow) and only the shard waits between them. With overlap off
+  the same function waits each collective where it is issued (the forward's gather in one piece).
 * Row parallel under sequence parallelism: the forward computes, piece by piece, the partial
   output rows every rank keeps a slice of and launches each piece's reduce-scatter before computing
   the next (the decomposed matmul -> reduce-scatter). Backward gathers ``dy`` in pieces the same
@@ -128,64 +137,87 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class ColumnLinears(torch.autograd.Function):
     """``y_i = x W_i^T + b_i`` for linears sharing one input that enters the tensor-parallel region:
     replicated (``dim`` None; the input gradient all-reduced) or this rank's positions along ``dim``
-    (gathered in pieces beside the local product; the input gradient reduce-scattered)."""
+    (gathered beside the local product; the input gradient reduce-scattered). Under sequence
+    parallelism only this rank's positions are saved: backward gathers them again beside the
+    input-gradient product (module docstring). Overlap off (:func:`set_overlap`, read at the
+    forward) waits every collective where it is issued."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int | None, group: Any, count: int, *params: Any):
         weights: tuple[torch.Tensor, ...] = params[:count]
         biases: tuple[torch.Tensor | None, ...] = params[count:]
         ctx.set_materialize_grads(False)
-        ctx.dim, ctx.group, ctx.count = dim, group, count
+        ctx.dim, ctx.group, ctx.count, ctx.overlap = dim, group, count, overlap_enabled()
         ctx.edges = _edges((x, dim, group, count, *params))
+        ctx.save_for_backward(x, *weights)  # this rank's positions only, under sequence parallelism
         if dim is None:
-            ctx.save_for_backward(x, *weights)
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
         dim = ctx.dim = dim % x.dim()
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
         xm = x.movedim(dim, 0)
+        if not ctx.overlap:
+            full = _gather_rows(xm, group, async_op=False)[0]
+            return tuple(F.linear(full, w, b).movedim(0, dim).contiguous() for w, b in zip(weights, biases))
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = xm.shape[0]
         launched = _launch_gathers(xm, n, group)
-        full = xm.new_empty((n * rows,) + tuple(xm.shape[1:]))
-        full[rank * rows : (rank + 1) * rows] = xm
         outs = [xm.new_empty((n * rows,) + tuple(xm.shape[1:-1]) + (w.shape[0],)) for w in weights]
         for out, w, b in zip(outs, weights, biases):  # this rank's positions while the pieces travel
             out[rank * rows : (rank + 1) * rows] = F.linear(xm, w, b)
         for at, block in _remote_blocks(launched, rows, n, rank):
-            full[at : at + block.shape[0]] = block
             for out, w, b in zip(outs, weights, biases):
                 out[at : at + block.shape[0]] = F.linear(block, w, b)
-        ctx.save_for_backward(full, *weights)  # sequence-major, as the gathered tensor is saved unfused
         return tuple(out.movedim(0, dim).contiguous() for out in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         x, *weights = ctx.saved_tensors
         dim, group, count = ctx.dim, ctx.group, ctx.count
-        if dim is not None:  # sequence-major, matching the saved gathered input
+        if dim is not None:  # sequence-major, as the gathered input
             grads = tuple(None if g is None else g.movedim(dim, 0) for g in grads)
         used = [(i, g) for i, g in enumerate(grads) if g is not None]
-        dx: torch.Tensor | None = None
-        handle = None
-        if _wanted(ctx, 0) is not False and used:
-            dx = used[0][1].matmul(weights[used[0][0]])
-            for i, g in used[1:]:
-                dx.add_(g.matmul(weights[i]))
-            if dim is None:
-                handle = comm.all_reduce(dx, group=group, async_op=True)
-            else:
-                full, dx = dx, dx.new_empty((dx.shape[0] // dist.get_world_size(group),) + tuple(dx.shape[1:]))
-                handle = comm.reduce_scatter_into(dx, full, group=group, async_op=True)
+        want_dx = _wanted(ctx, 0) is not False and bool(used)
+        want_w = {i: _wanted(ctx, 4 + i) for i, _ in used}
+        full, gathering = x, None
+        if dim is not None and any(w is not False for w in want_w.values()):
+            # the weight gradients need every rank's positions: gather them again
+            full, gathering = _gather_rows(x.movedim(dim, 0), group, async_op=ctx.overlap)
+        dx, reducing = _input_grad(ctx, used, weights) if want_dx else (None, None)
+        comm.wait(gathering)  # launched before the input gradient, which needs no gathered input
         dws: list[torch.Tensor | None] = [None] * count
         dbs: list[torch.Tensor | None] = [None] * count
-        for i, g in used:  # beside the collective in flight
-            if _wanted(ctx, 4 + i) is not False:
-                dws[i] = _weight_grad(g, x)
+        for i, g in used:  # beside the input gradient's collective in flight
+            if want_w[i] is not False:
+                dws[i] = _weight_grad(g, full)
             if _wanted(ctx, 4 + count + i) is not False:
                 dbs[i] = g.reshape(-1, g.shape[-1]).sum(0)
-        comm.wait(handle)
+        comm.wait(reducing)
         if dx is not None and dim is not None:
             dx = dx.movedim(0, dim)
         return (dx, None, None, None, *dws, *dbs)
+
+
+def _gather_rows(xm: torch.Tensor, group: Any, async_op: bool) -> tuple[torch.Tensor, Any]:
+    """Every rank's rows ``xm`` (sequence-major) in rank order, as one all-gather: the buffer and
+    the handle to wait (None when waited here, ``async_op`` False)."""
+    n = dist.get_world_size(group)
+    buf = xm.new_empty((n * xm.shape[0],) + tuple(xm.shape[1:]))
+    handle = comm.all_gather_into(buf, xm.contiguous(), group=group, async_op=async_op)
+    return buf, (handle if async_op else None)
+
+
+def _input_grad(ctx: Any, used: list, weights: list) -> tuple[torch.Tensor, Any]:
+    """``dx = sum_i dy_i W_i`` with its collective launched (all-reduce, or reduce-scatter of the
+    positions under sequence parallelism; waited here when overlap is off): ``(dx, handle)``, ``dx``
+    this rank's result once the handle is waited."""
+    dx = used[0][1].matmul(weights[used[0][0]])
+    for i, g in used[1:]:
+        dx.add_(g.matmul(weights[i]))
+    if ctx.dim is None:
+        return dx, comm.all_reduce(dx, group=ctx.group, async_op=True)
+    full = dx
+    dx = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group),) + tuple(full.shape[1:]))
+    handle = comm.reduce_scatter_into(dx, full, group=ctx.group, async_op=ctx.overlap)
+    return dx, (handle if ctx.overlap else None)
 
 
 class LinearReduceScatter(torch.autograd.Function):

@@ -53,6 +53,24 @@ def test_tp_with_sequence_parallelism_exposes_about_one_chunk():
     assert short.fwd.exposed_s == pytest.approx(0.3)  # a short window hides only itself
 
 
+def test_sequence_parallel_regather_hides_under_the_input_gradient_products():
+    """The backward's re-gather of the saved positions hides under the column-parallel input
+    gradients (``COLUMN_WGRAD_SHARE`` of backward less weight gradients); what it hides is taken
+    from the chunked collectives' window, so the two never hide under the same compute."""
+    passes = (1.0, 2.0, 0.6)
+    window = COLUMN_WGRAD_SHARE * (2.0 - 0.6)
+    alone = tp_exposure(0.4, 0.0, 0.0, passes, tp=4, sequence_parallel=True, regather_s=0.5)
+    assert alone.bwd.exposed_s == pytest.approx(0.0) and alone.bwd.hidden_s == pytest.approx(0.5)
+    long = tp_exposure(0.4, 0.0, 0.0, passes, tp=4, sequence_parallel=True, regather_s=1.0)
+    assert long.bwd.exposed_s == pytest.approx(1.0 - window) and long.bwd.hidden_s == pytest.approx(window)
+    both = tp_exposure(0.4, 1.6, 0.0, passes, tp=4, sequence_parallel=True, regather_s=1.0)
+    # the chunked reduce-scatters keep 2.0 - window of backward: 1.6 - (2.0 - window) exposed
+    assert both.bwd.exposed_s == pytest.approx((1.0 - window) + (1.6 - (2.0 - window)))
+    assert both.bwd.hidden_s == pytest.approx(2.0)  # all the backward's compute, never more
+    base = tp_exposure(0.4, 0.8, 0.2, passes, tp=4, sequence_parallel=True)
+    assert base == tp_exposure(0.4, 0.8, 0.2, passes, tp=4, sequence_parallel=True, regather_s=0.0)
+
+
 def _serial_bounds(traffic, fwd, bwd):
     """The backward-window exposure of ZeRO 0/1 reductions on one serial channel, brute force:
     row ``l``'s reduction starts when its backward ends (rows run n-1 .. 0) and waits for the

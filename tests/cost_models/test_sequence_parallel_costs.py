@@ -36,9 +36,14 @@ def test_sp_divides_the_activations_between_the_regions_and_moves_the_same_bytes
         assert b.saved_b == pytest.approx(a.saved_b - row["saved_bytes_sp"] / 2)
         assert b.boundary_b == pytest.approx(a.boundary_b - row["boundary_bytes_sp"] / 2)
         # a ring all-reduce is a reduce-scatter plus an all-gather of the same tensor: SP sends
-        # what the all-reduces did, plus the norms' gradient all-reduces and a position gradient
+        # what the all-reduces did, plus the norms' gradient all-reduces, a position gradient and
+        # the backward's re-gather of each column-parallel input (only its positions are saved)
         extra = 2 * 0.5 * row["sp_grad_all_reduce_bytes"] + 0.5 * row["sp_split_bytes"]
+        extra += 0.5 * row["sp_all_gather_bytes"]
         assert b.tp_sent_b + b.tp_bwd_sent_b == pytest.approx(a.tp_sent_b + a.tp_bwd_sent_b + extra)
+        # backward holds one gathered column-parallel input whole beside its other transients
+        regathered = row["sp_all_gather_bytes"] / row["sp_all_gather_calls"] if row["sp_all_gather_calls"] else 0
+        assert b.bt_b == pytest.approx(a.bt_b + regathered)
     blocks = [i for i, k in enumerate(nt.kinds) if k == "block"]
     assert all(rows[i]["saved_bytes_sp"] > 0 and on.layers[i].saved_b < off.layers[i].saved_b for i in blocks)
     # twice the collectives, each with its wait: never faster than plain tp on the same bytes

@@ -9,10 +9,14 @@ import os
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing import assert_close
 
+from passes.analyze import analyze
+from passes.tabulate import table_from_traced
 from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
+from planner.frontend.trace import trace_model
 from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import Plan
 from runtime.contract.schedule_ir import one_f_one_b
@@ -84,7 +88,27 @@ def _worker(rank: int, world: int, jobs: list, out_dir: str) -> None:
             loss = ps.run(one_f_one_b(pp, m)[mesh.pp_index], micro)
         grads = {k: p.grad.detach().clone() for k, p in module.named_parameters()}
         sent = dict(comm.STATS.bytes_by_kind)
-        torch.save({"loss": loss, "grads": grads, "sent": sent}, os.path.join(out_dir, f"{name}_{rank}.pt"))
+        saved = _block_saved_bytes(module, ids[:MBS]) if pp == 1 and spec == "gpt" else None
+        result = {"loss": loss, "grads": grads, "sent": sent, "block_saved": saved}
+        torch.save(result, os.path.join(out_dir, f"{name}_{rank}.pt"))
+
+
+def _block_saved_bytes(module, ids: torch.Tensor) -> int:
+    """Bytes autograd keeps for one block's backward (``layer_1``, one micro-batch): the distinct
+    storages its forward saves, parameters excluded (the block's input counts when it is saved)."""
+    x = module.layer_0(ids).detach().requires_grad_(True)
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in module.parameters()}
+    seen: dict = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if key not in params:
+            seen.setdefault(key, (t.untyped_storage().nbytes(), t))  # keep it alive: ids stay unique
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module.layer_1(x)
+    return sum(n for n, _ in seen.values())
 
 
 def _reference(spec: str, sizes: dict, m: int):
@@ -209,3 +233,50 @@ def test_tp_overlap_sends_the_same_bytes(runs, sp):
         off = torch.load(os.path.join(root, f"gpt{sp}-off_{r}.pt"))["sent"]
         assert on == off and on["all_reduce"] > 0
         assert ("all_gather" in on) == bool(sp) and ("reduce_scatter" in on) == bool(sp)
+
+
+@pytest.mark.dist
+def test_sequence_parallel_block_saves_what_is_priced(runs):
+    """One GPT block's saved tensors at tp 2 (``saved_tensors_hooks`` on the compiled block):
+    exactly the bytes the layer table prices per device, with sequence parallelism (whose
+    column-parallel linears keep only their positions and gather them again in backward) and
+    without. Under SP every saved byte of the block is divided by tp (Korthikanti et al. 2022:
+    ``34 s b h / t`` without the attention scores), the gathered inputs of the linears included."""
+    root, _ = runs
+    tr = trace_model("gpt", batch=MBS, seq_len=GPT["seq_len"], dtype="fp32", **_sizes(GPT))
+    analyze(tr)
+    row = table_from_traced(tr, analyzed=True).numeric(MBS, GPT["seq_len"])[1]
+    tp = 2
+    plain = row["saved_bytes"] - row["saved_bytes_tp"] + row["saved_bytes_tp"] / tp
+    priced = {"gpt": plain, "gpt-sp": plain - row["saved_bytes_sp"] * (1 - 1 / tp)}
+    priced["gpt-sp-off"] = priced["gpt-sp"]
+    for name, want in priced.items():
+        for r in range(tp):
+            got = torch.load(os.path.join(root, f"{name}_{r}.pt"))["block_saved"]
+            assert got == want, (name, r, got, want)
+    assert priced["gpt-sp"] == row["saved_bytes"] / tp < priced["gpt"]
+
+
+def _sizes(sizes: dict) -> dict:
+    return {k: v for k, v in sizes.items() if k != "seq_len"}
+
+
+@pytest.mark.dist
+def test_tensor_parallel_bytes_are_priced_exactly(runs):
+    """The bytes each rank counts in one forward and backward at tp 2 (no data-parallel traffic in
+    these runs) are those the cost model prices for the plan's layers, with sequence parallelism
+    (its backward gathers each column-parallel input again) and without."""
+    from cost_models.hardware import load_hardware
+    from cost_models.strategy import Candidate, NumericTable, candidate_costs
+    from planner.frontend.model_analysis import build_layer_table
+
+    root, _ = runs
+    hw = load_hardware("cpu", WORLD)
+    table = NumericTable(build_layer_table("gpt", dtype="fp32", **GPT))
+    for name, sp in (("gpt", False), ("gpt-sp", True), ("gpt-sp-off", True)):
+        cand = Candidate(WORLD // 2, 2, 1, 0, MBS, 1, sequence_parallel=sp)
+        costs = candidate_costs(table, hw, "fp32", GPT["seq_len"], cand, WORLD, hw.memory_bytes)
+        priced = sum(layer.tp_sent_b + layer.tp_bwd_sent_b for layer in costs.layers)
+        for r in range(WORLD):
+            sent = torch.load(os.path.join(root, f"{name}_{r}.pt"))["sent"]
+            assert sum(sent.values()) == priced, (name, r, sent, priced)

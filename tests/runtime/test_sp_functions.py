@@ -111,9 +111,13 @@ def _check_sp_mlp(rank, world):
     assert_close(torch.cat(_all(b1s.grad), 0), ref[3].grad)
     assert_close(torch.cat(_all(w2s.grad), 1), ref[4].grad)
     assert_close(b2s.grad, ref[5].grad)
-    # the all-reduce pair of plain tp became all-gather + reduce-scatter (each way); the LayerNorm
-    # weight and the row-parallel bias have their gradients all-reduced
-    assert dict(comm.STATS.calls_by_kind) == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
+    # the all-reduce pair of plain tp became all-gather + reduce-scatter (each way), and the column
+    # linear's backward gathers its saved positions again (Megatron's extra all-gather); the
+    # LayerNorm weight and the row-parallel bias have their gradients all-reduced
+    assert dict(comm.STATS.calls_by_kind) == {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 2}
+    full = 2 * s * h * F32  # each gathered or scattered [2, s, h] tensor, whole
+    assert comm.STATS.bytes_by_kind["all_gather"] == 3 * (world - 1) / world * full
+    assert comm.STATS.bytes_by_kind["reduce_scatter"] == 2 * (world - 1) / world * full
 
 
 def _check_sp_embedding(rank, world):
@@ -183,7 +187,11 @@ def _overlap_run(rank, world, x, params, c, seq, split=False):
     dy = c if seq is None else shard_dim(c, seq, rank, world)
     if split:
         (xs.grad,), work = backward_input([y], [dy], [xs])
+        assert getattr(q.grad_fn, "gathered", None) is None  # B gathers nothing for W to keep
+        before = comm.STATS.calls_by_kind.get("all_gather", 0)
         backward_weight(work)
+        # W gathers the column input's positions itself (SP): one all-gather, the input saved as a shard
+        assert comm.STATS.calls_by_kind.get("all_gather", 0) - before == (seq is not None and overlap_enabled())
     else:
         y.backward(dy)
     return y, leaves, dict(comm.STATS.bytes_by_kind)
@@ -235,8 +243,8 @@ def _check_overlap_pieces(rank, world):
         assert dict(comm.STATS.calls_by_kind) == {"all_gather": pieces}
         z = linear_reduce_scatter_seq(y, _leaf(torch.randn(3, 4)), 1)
         assert dict(comm.STATS.calls_by_kind) == {"all_gather": pieces, "reduce_scatter": pieces}
-        z.sum().backward()
-        assert dict(comm.STATS.calls_by_kind) == {"all_gather": 2 * pieces, "reduce_scatter": pieces + 1}
+        z.sum().backward()  # + the gathered gradient's pieces, the input's re-gather, dx's reduce-scatter
+        assert dict(comm.STATS.calls_by_kind) == {"all_gather": 2 * pieces + 1, "reduce_scatter": pieces + 1}
     counted = []
     for on in (True, False):
         set_overlap(on)
