@@ -1,7 +1,7 @@
 """Sequence parallelism trains like one process (fp32, gloo).
 
-Each case compiles a plan with ``sequence_parallel: true``, trains it a few steps with
-``planner train --nproc N`` and compares the per-step losses and the final parameters with one
+Each case compiles a plan with ``sequence_parallel: true``, trains it a few steps (the cases in
+one spawn per world size, ``tests.e2e.batched``) and compares the per-step losses and the final parameters with one
 process running plain torch AdamW on the same global batch (``tests.helpers.reference_run``): the
 built-in GPT (learned position embeddings added to the sequence-sharded token embeddings, LayerNorm
 weights and biases, row-parallel biases), an HF llama (GQA, rotary, RMSNorm, no biases), GPT at
@@ -13,11 +13,13 @@ matmuls: the same numbers).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.test_train_matrix import EPS, run_case
+from tests.e2e.batched import Run, options, run_result, train_together
+from tests.e2e.test_train_matrix import EPS
 from tests.helpers import TINY_GPT, TINY_LLAMA, make_plan, reference_run
 
 STEPS = 3
@@ -34,16 +36,30 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def trained(request, tmp_path_factory) -> dict[str, Run]:
+    """Train the selected cases: one spawn per world size (``tests.e2e.batched``)."""
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    wanted = {item.callspec.params["case"] for item in request.session.items if item.module is request.module}
+    runs = {}
+    for name, (spec, sizes, degrees) in CASES.items():
+        if name in wanted:
+            plan = dataclasses.replace(make_plan(spec, sizes, **degrees), sequence_parallel=True)
+            folder = str(root / name)
+            overlap = "off" if name.endswith("overlap-off") else "on"
+            runs[name] = Run(name, plan, folder, options(folder, STEPS, eps=EPS, overlap=overlap))
+    train_together(list(runs.values()))
+    return runs
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
-def test_sequence_parallel_trains_like_one_process(tmp_path, case):
-    spec, sizes, degrees = CASES[case]
-    plan = dataclasses.replace(make_plan(spec, sizes, **degrees), sequence_parallel=True)
-    extra = ("--overlap", "off") if case.endswith("overlap-off") else ()
-    losses, params = run_case(tmp_path, plan, steps=STEPS, extra=extra)
-    code = (tmp_path / "compiled" / "stage_0.py").read_text()
+def test_sequence_parallel_trains_like_one_process(trained, case):
+    run = trained[case]
+    losses, params = run_result(run.folder)
+    code = (Path(run.compiled) / "stage_0.py").read_text()
     assert "sequence_dim = 1" in code and "reduce_scatter_seq(" in code  # SP is really on
-    ref_losses, ref_params = reference_run(plan, STEPS, eps=EPS)
+    ref_losses, ref_params = reference_run(run.plan, STEPS, eps=EPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert set(params) == set(ref_params)
     for name, p in ref_params.items():

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from planner.cli import main
-from runtime.checkpointing.checkpoint_io import list_checkpoints, load_model_tensors
 from tests.e2e.batched import Run, options, run_result, train_together
 from tests.helpers import TINY_GPT, make_plan, read_metrics, reference_run, write_plan
 
@@ -36,39 +35,6 @@ CASES = {
     "tp2xpp2": dict(tp=2, pp=2),
     "dp2xtp2-zero3": dict(dp=2, tp=2, zero=3),
 }
-
-
-def run_case(tmp_path, plan, steps=STEPS, extra: tuple[str, ...] = ()):
-    path = write_plan(tmp_path / "plan.json", plan)
-    metrics = tmp_path / "m.jsonl"
-    ck = tmp_path / "ck"
-    rc = main(
-        [
-            "train",
-            path,
-            "--nproc",
-            str(plan.dp * plan.tp * plan.pp),
-            "--steps",
-            str(steps),
-            "--metrics",
-            str(metrics),
-            "--checkpoint-dir",
-            str(ck),
-            "--save-every",
-            str(steps),
-            "--compiled",
-            str(tmp_path / "compiled"),
-            "--no-memory-tracking",
-            "--timeout",
-            "60",
-            "--adam-eps",
-            str(EPS),
-            *extra,
-        ]
-    )
-    assert rc == 0
-    ((_, last),) = list_checkpoints(str(ck))
-    return [m["loss"] for m in read_metrics(metrics)], load_model_tensors(last)
 
 
 @pytest.fixture(scope="module")
