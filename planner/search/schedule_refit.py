@@ -321,9 +321,13 @@ class _Refitter:
         return got if got is not None and got.feasible else None
 
 
-def make_refit(kinds: Sequence[str], checkpoint: str, solver: str) -> Refit:
-    """:func:`refit` (and the 1F1B ILP) with the search's layer kinds, recompute mode and solver."""
-    return _Refitter(tuple(kinds), checkpoint, solver)
+def make_refit(kinds: Sequence[str], checkpoint: str, solver: str, known: dict | None = None) -> Refit:
+    """:func:`refit` (and the 1F1B ILP) with the search's layer kinds, recompute mode and solver;
+    ``known``: candidate -> its 1F1B strategy, where the search solved it already
+    (``SearchResult.answers``)."""
+    refitter = _Refitter(tuple(kinds), checkpoint, solver)
+    refitter.answers.update({(candidate, checkpoint): answer for candidate, answer in (known or {}).items()})
+    return refitter
 
 
 #: Recompute modes a refused schedule pin is tried with, in the order the message prefers them.

@@ -780,7 +780,10 @@ class _Walk:
         self.seen.add(cand)
         others = [option for option in opts if option[0] != ScheduleName.ONE_F_ONE_B]
         for mode in self.refit.modes if others else ():
-            self.push(recompute_free_bound(self.cc_of[cand], self.refit.kinds, mode), "uniform", (cand, mode, owner))
+            if not _is_uniform(evaluation, self.cc_of[cand], self.refit.kinds, mode):
+                self.push(
+                    recompute_free_bound(self.cc_of[cand], self.refit.kinds, mode), "uniform", (cand, mode, owner)
+                )
 
     def add_candidates(self, kept_candidates: list[Candidate]) -> None:
         """``strategy`` items: every enumerated candidate of a kept strategy's degrees not seen yet
@@ -883,6 +886,20 @@ def _free_bound(costs: CandidateCosts, extra: Sequence[float], forced: float) ->
         forced,
     )
     return costs.cand.num_micro_batches * slowest + tail_bound(costs)
+
+
+def _is_uniform(evaluation: Evaluation, costs: CandidateCosts, kinds: Sequence[str], mode: str) -> bool:
+    """``evaluation`` (the candidate's optimal 1F1B strategy) already recomputes what ``mode``
+    pins (``all``: every block whole; ``selective``: every block's attention cores, nothing
+    whole): then it is also ``mode``'s optimum, whose own ILP need not be solved."""
+    blocks = {i for i, kind in enumerate(kinds) if kind == "block"}
+    full, sel = (
+        set(evaluation.strategy.checkpoint),
+        set(evaluation.strategy.selective) - set(evaluation.strategy.checkpoint),
+    )
+    if mode == "all":
+        return full == blocks and not sel
+    return not full and sel == {i for i in blocks if costs.layers[i].sel_saved_b > 0}
 
 
 def _batching(candidate: Candidate, kept: Candidate) -> bool:
