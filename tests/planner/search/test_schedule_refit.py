@@ -218,3 +218,48 @@ def test_slow_pipeline_links_show_as_stage_transfers_not_dp_traffic():
     buf = io.StringIO()
     render_plan(plan, hw, Console(file=buf, width=220, color_system=None), solution)
     assert f"stage transfers {format_seconds(sends)} per step" in buf.getvalue()
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 40 passed locally
+@given(
+    layers=st.integers(4, 10),
+    hidden=st.sampled_from([128, 256]),
+    micro_batch=st.sampled_from([1, 2, 4]),
+    zero=st.sampled_from([0, 1, 2]),
+    tight=st.floats(0.3, 1.0),
+)
+def test_the_walks_bounds_hold_under_every_schedule(layers, hidden, micro_batch, zero, tight):
+    """What lets the post-pass skip a candidate or a recompute mode: ``schedule_free_bound`` (with
+    the recompute memory forces) and ``recompute_free_bound`` are at most the step of the ILP's
+    answer under that mode priced under every schedule the candidate can run (at any memory)."""
+    from cost_models.strategy import Candidate
+    from planner.search.ilp import solve_candidate
+    from planner.search.schedule_refit import _priced
+    from planner.search.schedule_search import recompute_free_bound, schedule_free_bound, schedule_options
+
+    table = NumericTable(gpt_table(layers=layers, hidden=hidden, heads=4, vocab=1024))
+    cand = Candidate(
+        dp=2, tp=1, pp=4, zero_stage=zero, micro_batch_size=micro_batch, num_micro_batches=16 // micro_batch
+    )
+    roomy = candidate_costs(table, HW, "bf16", 256, cand, 8, HW.memory_bytes)
+    answer = solve_candidate(roomy, table.kinds, "none").evaluation
+    costs = candidate_costs(table, HW, "bf16", 256, cand, 8, memory_bound(answer) * tight)
+    priced = 0
+    for mode in ("auto", "selective", "all"):
+        solved = solve_candidate(costs, table.kinds, mode).evaluation
+        if solved is None:
+            continue
+        bound = (
+            schedule_free_bound(costs, table.kinds, "auto")
+            if mode == "auto"
+            else recompute_free_bound(costs, table.kinds, mode)
+        )
+        assert bound <= solved.step_time_s * (1 + 1e-9)  # 1F1B itself
+        for name, virtual_stages in schedule_options(cand, len(table.layers)):
+            if name == "1f1b":
+                continue
+            got = _priced(costs, table.kinds, solved, name, virtual_stages)
+            if got is not None:
+                priced += 1
+                assert bound <= got.step_time_s * (1 + 1e-9), (mode, name, virtual_stages)
+    assert priced or tight < 0.6  # with room, the answers run under the other schedules
