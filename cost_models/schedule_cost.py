@@ -54,6 +54,7 @@ ZeRO transients those of its largest layer. Bytes sent grow with the sends.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -134,7 +135,13 @@ class SimulatedPipeline:
 def split_chunks(costs: Sequence[float], num_chunks: int) -> tuple[tuple[int, int], ...]:
     """``num_chunks`` contiguous non-empty ranges of ``costs`` (per layer) minimizing the largest
     range's sum: bisection on the threshold with a greedy fill that leaves a layer for every
-    remaining chunk."""
+    remaining chunk. Cached: the schedule search splits the same layer times for every depth it
+    prices and again for each recompute answer."""
+    return _split_chunks(tuple(costs), num_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_chunks(costs: tuple[float, ...], num_chunks: int) -> tuple[tuple[int, int], ...]:
     n = len(costs)
     if not 1 <= num_chunks <= n:
         raise ValueError(f"cannot cut {n} layers into {num_chunks} non-empty chunks")

@@ -29,6 +29,7 @@ from runtime.contract.overlap import Overlap
 
 __all__ = [
     "is_repeated",
+    "forced_micro_step",
     "divisors",
     "model_heads",
     "tp_structure",
@@ -666,6 +667,18 @@ def uniform_time_bound(costs: CandidateCosts, kinds: Sequence[str], checkpoint: 
         return math.inf
     micro_batches = costs.cand.num_micro_batches
     return max(base, (micro_batches - 1) * found[0] + max(found[0], total_work(costs)) + tail_bound(costs))
+
+
+def forced_micro_step(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> float:
+    """The least slowest-stage micro-step of any partition of a repeated-block table, counting the
+    recompute each stage's memory forces at 1F1B's in-flight counts (the relaxed model of
+    :class:`_UniformStages`; ``inf`` when nothing fits, 0 for other tables). The other schedules
+    hold at least as many micro-batches on each rank (zero bubble ``min(p, m)``, interleaved rank
+    ``r`` ``(2 (p - r - 1) + (v - 1) p + 1) / v >= p - r``), so on equal chunks it bounds them too."""
+    if not is_repeated(costs, kinds):
+        return 0.0
+    found = _UniformStages(costs, checkpoint, relaxed=True).allocate()
+    return math.inf if found is None else found[0]
 
 
 def _uniform_heuristic(costs: CandidateCosts, checkpoint: str) -> Evaluation | None:

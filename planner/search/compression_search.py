@@ -148,6 +148,7 @@ def choose_compression(
     for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
         setattr(merged, counter, getattr(merged, counter) + getattr(result, counter))
     merged.notes = result.notes + merged.notes
+    merged.answers = {**result.answers, **merged.answers}
     return merged, entries + kept, _choice(request, mode, compressed, plain, compressed)
 
 

@@ -801,6 +801,10 @@ class SearchResult:
     """ILPs stopped by their time limit (their answer is feasible, maybe not optimal)."""
     notes: list[str] = field(default_factory=list)
     """What the model ruled out before the search (printed under the plan)."""
+    answers: dict = field(default_factory=dict, repr=False)
+    """Candidate -> its optimal strategy, for each ILP solved to a strategy (a cutoff only rules
+    strategies out, so an answer found under one is the optimum): what the schedule post-pass
+    would otherwise solve again."""
 
     @property
     def status(self) -> str:
@@ -908,6 +912,8 @@ class _Search:
         result.uniform = result.uniform and solved.uniform
         result.time_limited += solved.status == "Feasible"
         evaluation = solved.evaluation
+        if evaluation is not None and solved.status == "Optimal":
+            result.answers[costs.cand] = evaluation
         if greedy is not None and (evaluation is None or _better(greedy, evaluation)):
             evaluation = greedy
         if evaluation is None:
@@ -1055,5 +1061,6 @@ def _merge_seed(result: SearchResult, seed: SearchResult, keep: int) -> None:
     for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
         setattr(result, counter, getattr(result, counter) + getattr(seed, counter))
     result.solver_seconds += seed.solver_seconds
+    result.answers = {**seed.answers, **result.answers}
     result.uniform = result.uniform and seed.uniform
     result.notes = seed.notes + result.notes

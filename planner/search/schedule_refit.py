@@ -51,12 +51,13 @@ from cost_models.schedule_cost import ChunkTimes, chunk_times, split_chunks
 from cost_models.strategy import CandidateCosts, Evaluation, evaluate
 from planner.search.candidates import memory_lower_bound
 from planner.search.ilp import block_capacity, solve_candidate
-from planner.search.schedule_search import Refit, _simulated, pipeline_memory
+from planner.search.schedule_search import Refit, _simulated, pipeline_memory, step_bound
 from runtime.contract.choices import ScheduleName
 
 __all__ = [
     "REFIT_TRIES",
     "REFIT_BUDGET",
+    "SOLVE_BUDGET",
     "REFIT_TIME_LIMIT_S",
     "schedule_inflight",
     "schedule_costs",
@@ -64,6 +65,8 @@ __all__ = [
     "make_refit",
     "schedule_fix",
     "FIX_MODES",
+    "UNIFORM_MODES",
+    "uniform_answer",
 ]
 
 #: ILP solves per (strategy, schedule) at most: the first, and each retry with a lower capacity.
@@ -73,6 +76,11 @@ REFIT_TRIES = 3
 #: GPUs the unbounded walk refitted 13 strategies, which doubled the post-pass's time; the 8 first
 #: found the same plan.
 REFIT_BUDGET = 8
+#: New 1F1B strategies one post-pass may solve for candidates the search did not keep but another
+#: micro-batch size of (:class:`_Refitter` counts them; the walk asks in increasing order of their
+#: bound, so the most promising come first): on a 175B model over 1,024 GPUs about 60 have a
+#: bound under the best step, at 0.05-2 s each; on the tests' small models far fewer.
+SOLVE_BUDGET = 8
 #: Seconds one refit ILP may take (the search's own ILPs get 60): its answer is priced again under
 #: the schedule, so a time-limited one is still a correct price, if maybe not the best recompute.
 REFIT_TIME_LIMIT_S = 10.0
@@ -148,9 +156,16 @@ def _chunks(costs: CandidateCosts, full: set[int], sel: set[int], count: int) ->
 
 
 def _priced(
-    costs: CandidateCosts, kinds: Sequence[str], solved: Evaluation, name: str, virtual_stages: int
+    costs: CandidateCosts,
+    kinds: Sequence[str],
+    solved: Evaluation,
+    name: str,
+    virtual_stages: int,
+    best: float = math.inf,
 ) -> Evaluation | None:
-    """The ILP's answer ``solved`` (a 1F1B strategy) priced under ``name`` with the simulator."""
+    """The ILP's answer ``solved`` (a 1F1B strategy) priced under ``name`` with the simulator;
+    ``None`` without simulating when its :func:`~planner.search.schedule_search.step_bound` is not
+    under ``best``."""
     stages = solved.strategy.stages
     full, sel = (
         set(solved.strategy.checkpoint),
@@ -166,8 +181,10 @@ def _priced(
         if again is None:
             return None
         chunks = again
-    carrier = evaluate(costs, stages, sorted(full), sorted(sel))
     times = chunk_times(costs, chunks, sorted(full), name, sorted(sel))
+    if step_bound(costs, chunks, times) >= best * (1 - 1e-9):
+        return None
+    carrier = evaluate(costs, stages, sorted(full), sorted(sel))
     return _simulated(costs, carrier, name, virtual_stages, chunks, times)
 
 
@@ -179,17 +196,20 @@ def refit(
     kinds: Sequence[str],
     checkpoint: str,
     solver: str,
+    answers: dict | None = None,
 ) -> Evaluation | None:
     """``base``'s candidate under schedule ``name`` (``v`` chunks per rank) with the partition
     and recompute the ILP chooses for the schedule's memory (module docstring), or ``None`` when
     no recompute the ``checkpoint`` mode allows makes it fit. Under ``auto``, the 1F1B ILP's
     answers with every block recomputed selectively, then fully (:data:`UNIFORM_MODES`), are
     priced too, and the fastest that fits is the answer: the ILP's memory rows only approximate
-    the schedule's, and a uniform set the simulator accepts can beat the one the rows chose."""
+    the schedule's, and a uniform set the simulator accepts can beat the one the rows chose.
+    ``answers``: a cache of those 1F1B answers by ``(candidate, mode)`` (they do not depend on the
+    schedule)."""
     del base  # the candidate is all that is kept: stages and recompute are chosen again
     found = [_schedule_ilp(costs, name, virtual_stages, kinds, checkpoint, solver)]
     for mode in UNIFORM_MODES if checkpoint == "auto" else ():
-        solved = solve_candidate(costs, list(kinds), mode, solver, time_limit=REFIT_TIME_LIMIT_S).evaluation
+        solved = uniform_answer(costs, kinds, mode, solver, {} if answers is None else answers)
         found.append(None if solved is None else _priced(costs, kinds, solved, name, virtual_stages))
     fits = [got for got in found if got is not None and got.feasible]
     return min(fits, key=lambda got: got.step_time_s) if fits else None
@@ -197,6 +217,17 @@ def refit(
 
 #: The recompute pins whose 1F1B answers :func:`refit` prices beside the schedule's own ILP.
 UNIFORM_MODES = ("selective", "all")
+
+
+def uniform_answer(
+    costs: CandidateCosts, kinds: Sequence[str], mode: str, solver: str, answers: dict
+) -> Evaluation | None:
+    """The candidate's 1F1B ILP answer under recompute ``mode`` (what ``--checkpoint mode`` plans
+    for it), from ``answers`` (by ``(candidate, mode)``) when solved before."""
+    key = (costs.cand, mode)
+    if key not in answers:
+        answers[key] = solve_candidate(costs, list(kinds), mode, solver, time_limit=REFIT_TIME_LIMIT_S).evaluation
+    return answers[key]
 
 
 def _schedule_ilp(
@@ -236,29 +267,67 @@ def _may_fit(costs: CandidateCosts) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Refitter:
-    """:func:`refit` and the search's own ILP with the search's layer kinds, recompute mode and
-    solver bound (what ``planner.search.schedule_search.Refit`` asks for)."""
+    """The post-pass's solver (what ``planner.search.schedule_search.Refit`` asks for) with the
+    search's layer kinds, recompute mode and solver bound; each 1F1B answer is solved once per
+    candidate and mode, and shared between the schedules it is priced under."""
 
     kinds: tuple[str, ...]
     checkpoint: str
     solver: str
-    spent: list[int] = dataclasses.field(default_factory=lambda: [0], compare=False, repr=False)
-    """Refits run so far (a one-element list: the dataclass is frozen); past :data:`REFIT_BUDGET`
-    a refit answers ``None`` (the schedule keeps its 1F1B recompute set's price)."""
+    spent: list[int] = dataclasses.field(default_factory=lambda: [0, 0], compare=False, repr=False)
+    """Refits run so far, and new 1F1B ILPs (a list: the dataclass is frozen); past
+    :data:`REFIT_BUDGET` a refit answers ``None`` (the schedule keeps its 1F1B recompute set's
+    price), past :data:`SOLVE_BUDGET` a new 1F1B answer ``None`` (the candidate is not priced)."""
+    answers: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """1F1B ILP answers by ``(candidate, mode)``."""
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return UNIFORM_MODES if self.checkpoint == "auto" else ()
 
     def __call__(self, costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Evaluation | None:
+        """The schedule's own ILP (:func:`refit` without the uniform answers, which the walk
+        prices as items of their own: :meth:`uniform`)."""
         if self.spent[0] >= REFIT_BUDGET:
             return None
         self.spent[0] += 1
-        return refit(costs, base, name, virtual_stages, self.kinds, self.checkpoint, self.solver)
+        got = _schedule_ilp(costs, name, virtual_stages, self.kinds, self.checkpoint, self.solver)
+        return got if got is not None and got.feasible else None
 
-    def strategy(self, costs: CandidateCosts) -> Evaluation | None:
-        return solve_candidate(costs, list(self.kinds), self.checkpoint, self.solver).evaluation
+    def _affords(self, costs: CandidateCosts, mode: str) -> bool:
+        """Whether the answer is known or the :data:`SOLVE_BUDGET` allows solving it."""
+        if (costs.cand, mode) in self.answers:
+            return True
+        if self.spent[1] >= SOLVE_BUDGET:
+            return False
+        self.spent[1] += 1
+        return True
+
+    def strategy(self, costs: CandidateCosts, budgeted: bool = True) -> Evaluation | None:
+        key = (costs.cand, self.checkpoint)
+        if budgeted and not self._affords(costs, self.checkpoint):
+            return None
+        if key not in self.answers:
+            self.answers[key] = solve_candidate(costs, list(self.kinds), self.checkpoint, self.solver).evaluation
+        return self.answers[key]
+
+    def uniform(
+        self, costs: CandidateCosts, mode: str, name: str, virtual_stages: int, best: float
+    ) -> Evaluation | None:
+        solved = uniform_answer(costs, self.kinds, mode, self.solver, self.answers)
+        if solved is None:
+            return None
+        got = _priced(costs, self.kinds, solved, name, virtual_stages, best)
+        return got if got is not None and got.feasible else None
 
 
-def make_refit(kinds: Sequence[str], checkpoint: str, solver: str) -> Refit:
-    """:func:`refit` (and the 1F1B ILP) with the search's layer kinds, recompute mode and solver."""
-    return _Refitter(tuple(kinds), checkpoint, solver)
+def make_refit(kinds: Sequence[str], checkpoint: str, solver: str, known: dict | None = None) -> Refit:
+    """:func:`refit` (and the 1F1B ILP) with the search's layer kinds, recompute mode and solver;
+    ``known``: candidate -> its 1F1B strategy, where the search solved it already
+    (``SearchResult.answers``)."""
+    refitter = _Refitter(tuple(kinds), checkpoint, solver)
+    refitter.answers.update({(candidate, checkpoint): answer for candidate, answer in (known or {}).items()})
+    return refitter
 
 
 #: Recompute modes a refused schedule pin is tried with, in the order the message prefers them.
@@ -279,6 +348,7 @@ def schedule_fix(
     priced again with ``cc_of.price``: also one the pins ruled out). A sentence naming the
     settings that fit and the fastest step of each, or ``""`` when none does."""
     found: dict[str, Evaluation] = {}
+    answers: dict = {}  # the uniform 1F1B answers, shared between the schedules
 
     def consider(setting: str, got: Evaluation | None) -> None:
         if got is not None and got.feasible and (setting not in found or got.step_time_s < found[setting].step_time_s):
@@ -290,13 +360,13 @@ def schedule_fix(
             for mode in (mode for mode in FIX_MODES if mode != checkpoint):
                 consider(
                     f"--checkpoint {mode}",
-                    refit(cc_of[candidate], evaluation, name, virtual_stages, kinds, mode, solver),
+                    refit(cc_of[candidate], evaluation, name, virtual_stages, kinds, mode, solver, answers),
                 )
             for zero in range(candidate.zero_stage + 1, 4) if candidate.dp > 1 and not candidate.compressed else ():
                 costs = cc_of.price(dataclasses.replace(candidate, zero_stage=zero))
                 for mode in dict.fromkeys((checkpoint, "all")):
                     setting = f"--zero-stage {zero}" + (f" --checkpoint {mode}" if mode != checkpoint else "")
-                    consider(setting, refit(costs, evaluation, name, virtual_stages, kinds, mode, solver))
+                    consider(setting, refit(costs, evaluation, name, virtual_stages, kinds, mode, solver, answers))
     if not found:
         return ""
     ranked = sorted(found.items(), key=lambda item: item[1].step_time_s)[:3]

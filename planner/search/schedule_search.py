@@ -26,14 +26,17 @@ price (only ``planner tune`` reaches them). With a ``--schedule`` pin, every kep
 priced under it.
 
 Room for the schedule. The search keeps one strategy per triple, its fastest under 1F1B, which
-often has ZeRO 0 and no recompute: the zero-bubble schedule's extra activations and kept
-gradients may not fit beside it although the same stages at a higher ZeRO stage would. So
-where a schedule whose bound beat a visited strategy's answer did not fit, its partition and
-recompute priced on the candidates that differ only by a higher ZeRO stage
-(:func:`_sharded_siblings`, among those the search enumerated: pins hold) join the walk under the
-same rule, and the faster stays the triple's strategy. No ILP is solved: the partition is the
-one the search found (ZeRO changes no layer's cost but the data-parallel traffic and the
-optimizer step, so it stays a good one).
+often has ZeRO 0, a large micro-batch and no recompute, where another schedule wins with another
+ZeRO stage, micro-batch or recompute of the same triple. So the walk (:class:`_Walk`) also
+visits, each by a lower bound of its own: the triple's other candidates the search enumerated
+(their 1F1B strategy from the search's ILP, ``Refit.strategy``; bound
+:func:`schedule_free_bound`, which counts the recompute memory forces), each candidate's 1F1B
+answers with every block recomputed selectively or fully (``Refit.uniform``, shared between the
+schedules; bound :func:`recompute_free_bound`), and, where a schedule that could win did not fit,
+the same stages at a higher ZeRO stage (:func:`_sharded_siblings`, no ILP). The
+other candidates' ILPs but other micro-batch sizes of the kept strategies are capped
+(``planner.search.schedule_refit.SOLVE_BUDGET``, by bound). Triples the 1F1B search pruned are
+not revisited.
 
 Recompute for the schedule. Where the schedule's bound beat the answer but it did not fit on the
 strategy's 1F1B recompute set, ``refit`` (:mod:`planner.search.schedule_refit`, passed in by
@@ -78,7 +81,7 @@ from cost_models.schedule_cost import (
     split_chunks,
 )
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
-from planner.search.candidates import tail_bound, total_work
+from planner.search.candidates import forced_micro_step, memory_lower_bound, tail_bound, total_work
 from planner.search.ilp import _rank_key
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import ScheduleName
@@ -113,6 +116,7 @@ __all__ = [
     "check_schedule_pins",
     "schedule_allows",
     "schedule_free_bound",
+    "recompute_free_bound",
     "Refit",
 ]
 
@@ -139,8 +143,27 @@ class Refit(Protocol):
         """``base``'s candidate under the schedule with the partition and recompute chosen for the
         schedule's memory, or ``None``."""
 
-    def strategy(self, costs: CandidateCosts) -> Evaluation | None:
-        """The candidate's best 1F1B strategy (the search's own ILP), or ``None`` when none fits."""
+    def strategy(self, costs: CandidateCosts, budgeted: bool = True) -> Evaluation | None:
+        """The candidate's best 1F1B strategy (the search's own ILP), or ``None`` when none fits
+        (or, ``budgeted``, when the post-pass has solved as many as it may)."""
+
+    @property
+    def kinds(self) -> Sequence[str]:
+        """The layer table's row kinds."""
+
+    @property
+    def checkpoint(self) -> str:
+        """The search's ``--checkpoint`` mode."""
+
+    @property
+    def modes(self) -> Sequence[str]:
+        """The uniform recompute modes the search's ``--checkpoint`` allows (none but under ``auto``)."""
+
+    def uniform(
+        self, costs: CandidateCosts, mode: str, name: str, virtual_stages: int, best: float
+    ) -> Evaluation | None:
+        """The candidate's 1F1B strategy with every block recomputed under ``mode`` priced under
+        the schedule; ``None`` when it does not run, or provably not faster than ``best``."""
 
 
 @functools.lru_cache(maxsize=128)
@@ -536,6 +559,24 @@ def _refitted(
     return best
 
 
+def _uniform_refitted(
+    costs: CandidateCosts, options: list[tuple[str, int]], best: Evaluation | None, refit: Refit | None
+) -> Evaluation | None:
+    """``best``, or faster: the candidate's 1F1B answers with every block recomputed (each of
+    ``refit.modes``) priced under each option but 1F1B (``refit.uniform``)."""
+    if refit is None:
+        return best
+    for mode in refit.modes:
+        for name, virtual_stages in options:
+            if name == ScheduleName.ONE_F_ONE_B:
+                continue
+            bound = best.step_time_s if best is not None else math.inf
+            got = refit.uniform(costs, mode, name, virtual_stages, bound)
+            if got is not None and got.step_time_s < bound * (1 - 1e-9):
+                best = got
+    return best
+
+
 def _refit_options(unfit: list[tuple[float, str, int]]) -> list[tuple[float, str, int]]:
     """Which schedules that did not fit get their own recompute, by bound: zero bubble, and of the
     interleaved depths the one with the least bound and the deepest (rank 0, the most loaded,
@@ -628,6 +669,7 @@ def apply_schedules(
                 continue
             got, unfit = _best(cc_of[cand], evaluation, opts)
             got = _refitted(cc_of[cand], evaluation, got, unfit, fit)
+            got = _uniform_refitted(cc_of[cand], opts, got, fit if unfit else None)
             if got is not None:
                 out.append(got)
         return out
@@ -662,87 +704,210 @@ def _bound_walk(
     evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None = None
 ) -> list[Evaluation]:
     """``evs`` (1F1B strategies, one per degree triple, fastest first) with the ``keep`` first, and
-    every other that could beat the best found, priced under their best schedule
-    (:func:`best_schedule`); the rest unchanged, and a strategy that can run none of ``searched``
-    dropped. Visits them by increasing lower bound (:func:`schedule_bounds`) and, past the ``keep``
-    first, skips those whose bound exceeds the best upper bound (a re-priced step, else a 1F1B
-    price when 1F1B is searched): they cannot beat it, so the winner is the fastest of them all.
-    Where a schedule that could beat a strategy's answer did not fit in memory, the same stages
-    and recompute on the candidates of a higher ZeRO stage (:func:`_sharded_siblings`) join the
-    walk, and the faster of each triple's strategies stays (module docstring)."""
-    items: list[tuple] = []  # (lower, order, ev, opts, bounds, triple's 1F1B rank, a sibling?)
-    heap: list[tuple[float, int]] = []
-    best = math.inf
-
-    def add(evaluation: Evaluation, owner: int, sibling: bool) -> None:
-        nonlocal best
-        cand = evaluation.strategy.candidate
-        opts = schedule_options(cand, rows, None, None, searched)
-        bounds = schedule_bounds(cc_of[cand], evaluation, opts)
-        if bounds:
-            items.append((min(bound[0] for bound in bounds), len(items), evaluation, opts, bounds, owner, sibling))
-            heapq.heappush(heap, (items[-1][0], items[-1][1]))
-            if (ScheduleName.ONE_F_ONE_B, 1) in opts and evaluation.feasible:
-                best = min(best, evaluation.step_time_s)
-
+    every other that could beat the best found, priced under their best schedule; the rest
+    unchanged, and a strategy that can run none of ``searched`` dropped (:class:`_Walk`)."""
+    walk = _Walk(cc_of, rows, searched, keep, refit)
     for k, evaluation in enumerate(evs):
-        add(evaluation, k, False)
-    per_triple: dict[int, Evaluation] = {}
-    while heap:
-        lower, index = heapq.heappop(heap)
-        _lower, _index, evaluation, opts, bounds, owner, sibling = items[index]
-        if (sibling or owner >= keep) and lower > best:  # cannot win: keeps its 1F1B price (a sibling: dropped)
-            if not sibling:
-                per_triple[owner] = evaluation
-            continue
-        costs = cc_of[evaluation.strategy.candidate]
+        walk.owners.setdefault(evaluation.strategy.candidate.degrees, k)
+        walk.add(evaluation, k, False)
+    if refit is not None:
+        walk.add_candidates([evaluation.strategy.candidate for evaluation in evs])
+    return walk.run()
+
+
+class _Walk:
+    """The post-pass's walk over work items, each keyed by a sound lower bound of what it can
+    find, visited by increasing bound and skipped once the bound exceeds the best step found (so
+    the winner is the fastest of them all):
+
+    - ``base``: a strategy priced under each schedule on its own partition and recompute
+      (:func:`_best`; the bound: the least of :func:`schedule_bounds`), refitted where a schedule
+      that could win did not fit (:func:`_refitted`); the same stages at a higher ZeRO stage
+      (:func:`_sharded_siblings`) join as ``base`` items. The ``keep`` fastest triples are priced
+      whatever their bound (what the plan shows);
+    - ``uniform``: the candidate's 1F1B answer with every block recomputed selectively or fully
+      (what ``--checkpoint selective|all`` plans) priced under each other schedule (bound:
+      :func:`recompute_free_bound`): more recompute can buy a schedule's memory on another
+      partition, faster than the 1F1B set's pricing even where that fits;
+    - ``strategy``: any other candidate the search enumerated (``cc_of``: another ZeRO stage,
+      micro-batch, sequence parallelism or offload of a kept triple, or a triple the 1F1B search
+      pruned) whose :func:`schedule_free_bound` beats the best: its 1F1B strategy (the search's
+      ILP, ``refit.strategy``) joins as a ``base`` item with its ``uniform`` items.
+
+    What a pinned search can plan (ZeRO stage x micro-batch x schedule x recompute mode) is thus
+    reached by the free walk too, with its own bound (``tests/planner/search/test_schedule_refit.py``).
+    """
+
+    def __init__(self, cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None):
+        self.cc_of, self.rows, self.searched, self.keep, self.refit = cc_of, rows, searched, keep, refit
+        self.heap: list[tuple] = []  # (bound, order, kind, payload)
+        self.order = 0
+        self.best = math.inf
+        self.per_triple: dict[int, Evaluation] = {}
+        self.owners: dict[tuple[int, int, int], int] = {}
+        self.seen: set[Candidate] = set()
+
+    def push(self, bound: float, kind: str, payload: tuple) -> None:
+        self.order += 1
+        heapq.heappush(self.heap, (bound, self.order, kind, payload))
+
+    def keep_best(self, owner: int, got: Evaluation | None) -> None:
+        if got is None or not got.feasible:
+            return
+        self.best = min(self.best, got.step_time_s)
+        if owner not in self.per_triple or _rank_key(got) < _rank_key(self.per_triple[owner]):
+            self.per_triple[owner] = got
+
+    def add(self, evaluation: Evaluation, owner: int, sibling: bool) -> None:
+        """A ``base`` item (and, the first time a candidate comes, its ``uniform`` items)."""
+        cand = evaluation.strategy.candidate
+        opts = schedule_options(cand, self.rows, None, None, self.searched)
+        bounds = schedule_bounds(self.cc_of[cand], evaluation, opts)
+        if not bounds:
+            return
+        # the `keep` fastest are priced whatever their bound: first, so that the best found
+        # is low before the others are weighed against it
+        forced = not sibling and owner < self.keep
+        self.push(
+            -math.inf if forced else min(bound[0] for bound in bounds),
+            "base",
+            (evaluation, opts, bounds, owner, sibling),
+        )
+        if (ScheduleName.ONE_F_ONE_B, 1) in opts and evaluation.feasible:
+            self.best = min(self.best, evaluation.step_time_s)
+        if cand in self.seen or self.refit is None:
+            return
+        self.seen.add(cand)
+        others = [option for option in opts if option[0] != ScheduleName.ONE_F_ONE_B]
+        for mode in self.refit.modes if others else ():
+            if not _is_uniform(evaluation, self.cc_of[cand], self.refit.kinds, mode):
+                self.push(
+                    recompute_free_bound(self.cc_of[cand], self.refit.kinds, mode), "uniform", (cand, mode, owner)
+                )
+
+    def add_candidates(self, kept_candidates: list[Candidate]) -> None:
+        """``strategy`` items: every enumerated candidate of a kept strategy's degrees not seen yet
+        that may run another schedule than 1F1B and fit (in the kept strategies' compile mode).
+        Another micro-batch size of a kept strategy is solved whatever the budget
+        (``Refit.strategy``), the others within it."""
+        refit = self.refit
+        assert refit is not None  # the walk adds candidates only with a refit
+        compiled = {cand.compile for cand in kept_candidates}
+        for cand in list(self.cc_of.keys()):
+            if cand in self.seen or cand.compile not in compiled or cand.degrees not in self.owners:
+                continue
+            if not any(
+                o[0] != ScheduleName.ONE_F_ONE_B for o in schedule_options(cand, self.rows, None, None, self.searched)
+            ):
+                continue
+            costs = self.cc_of[cand]
+            if memory_lower_bound(costs) > costs.capacity:
+                continue
+            owner = self.owners[cand.degrees]
+            self.push(
+                schedule_free_bound(costs, refit.kinds, refit.checkpoint),
+                "strategy",
+                (cand, owner, not any(_batching(cand, kept) for kept in kept_candidates)),
+            )
+
+    def run(self) -> list[Evaluation]:
+        while self.heap:
+            lower, _order, kind, payload = heapq.heappop(self.heap)
+            if kind == "base":
+                self.visit_base(lower, *payload)
+            elif lower > self.best * (1 - 1e-9):
+                continue
+            elif kind == "uniform":
+                self.visit_uniform(*payload)
+            else:
+                cand, owner, budgeted = payload
+                assert self.refit is not None  # strategy items come with a refit
+                got = self.refit.strategy(self.cc_of[cand], budgeted)
+                if got is not None:
+                    self.add(got, owner, True)
+        return list(self.per_triple.values())
+
+    def visit_base(
+        self, lower: float, evaluation: Evaluation, opts: list, bounds: list, owner: int, sibling: bool
+    ) -> None:
+        if (
+            sibling or owner >= self.keep
+        ) and lower > self.best:  # cannot win: keeps its 1F1B price (a sibling: dropped)
+            if not sibling and owner not in self.per_triple:
+                self.per_triple[owner] = evaluation
+            return
+        costs = self.cc_of[evaluation.strategy.candidate]
         got, unfit = _best(costs, evaluation, opts, bounds)
-        got = _refitted(costs, evaluation, got, unfit, refit)
+        got = _refitted(costs, evaluation, got, unfit, self.refit)
         if got is not None:
-            best = min(best, got.step_time_s)
-            if owner not in per_triple or _rank_key(got) < _rank_key(per_triple[owner]):
-                per_triple[owner] = got
+            self.best = min(self.best, got.step_time_s)
+            if owner not in self.per_triple or _rank_key(got) < _rank_key(self.per_triple[owner]):
+                self.per_triple[owner] = got
         if unfit and not sibling:
-            for sib in _sharded_siblings(evaluation, cc_of):
-                add(sib, owner, True)
-        if refit is not None and not sibling:
-            for sib in _batching_siblings(evaluation, cc_of, refit, best):
-                add(sib, owner, True)
-    return list(per_triple.values())
+            for sib in _sharded_siblings(evaluation, self.cc_of):
+                self.add(sib, owner, True)
+
+    def visit_uniform(self, cand: Candidate, mode: str, owner: int) -> None:
+        """The candidate's ``mode`` answer priced under each schedule but 1F1B."""
+        assert self.refit is not None  # uniform items come with a refit
+        for name, virtual_stages in schedule_options(cand, self.rows, None, None, self.searched):
+            if name != ScheduleName.ONE_F_ONE_B:
+                self.keep_best(owner, self.refit.uniform(self.cc_of[cand], mode, name, virtual_stages, self.best))
 
 
-def schedule_free_bound(costs: CandidateCosts) -> float:
+def schedule_free_bound(costs: CandidateCosts, kinds: Sequence[str] | None = None, checkpoint: str = "auto") -> float:
     """A step no schedule of this candidate can beat: the busiest rank runs ``m`` micro-batches of
     at least the average rank's work and of its largest layer, then the tail
-    (:func:`planner.search.candidates.time_lower_bound` without 1F1B's fill and drain)."""
-    work = total_work(costs)
-    slowest = max(work / costs.cand.pp, max(cost.work_s + cost.zero_mb_s for cost, _ in costs.distinct))
+    (:func:`planner.search.candidates.time_lower_bound` without 1F1B's fill and drain); given the
+    layer ``kinds``, also of the micro-step the memory forces (:func:`forced_micro_step` under
+    ``checkpoint``: what rules out the large micro-batches that only fit with much recompute)."""
+    forced = forced_micro_step(costs, kinds, checkpoint) if kinds is not None else 0.0
+    return _free_bound(costs, [0.0] * costs.num_layers, forced)
+
+
+def recompute_free_bound(costs: CandidateCosts, kinds: Sequence[str], mode: str) -> float:
+    """:func:`schedule_free_bound` of the strategies that recompute every block under ``mode``
+    (``all``: whole blocks, ``selective``: their attention cores): each block's recompute is added
+    to its work, the rest as there."""
+    extra = [
+        (layer.rec_s if mode == "all" else layer.sel_rec_s if layer.sel_saved_b > 0 else 0.0)
+        if kind == "block"
+        else 0.0
+        for layer, kind in zip(costs.layers, kinds)
+    ]
+    return _free_bound(costs, extra, forced_micro_step(costs, kinds, mode))
+
+
+def _free_bound(costs: CandidateCosts, extra: Sequence[float], forced: float) -> float:
+    work = total_work(costs) + sum(extra)
+    slowest = max(
+        work / costs.cand.pp,
+        max(layer.work_s + layer.zero_mb_s + more for layer, more in zip(costs.layers, extra)),
+        forced,
+    )
     return costs.cand.num_micro_batches * slowest + tail_bound(costs)
 
 
-def _batching_siblings(evaluation: Evaluation, cc_of: dict, refit: Refit, best: float) -> list[Evaluation]:
-    """The best 1F1B strategy (``refit.strategy``: the search's ILP) of each candidate the search
-    enumerated that differs from ``evaluation``'s only by its micro-batch size, where
-    :func:`schedule_free_bound` does not rule out beating ``best``: the search kept the triple's
-    fastest batching under 1F1B, and a smaller micro-batch (more micro-batches, less memory) can
-    win under a schedule whose bubble does not grow with the stages."""
-    candidate = evaluation.strategy.candidate
-    out = []
-    for other in list(cc_of.keys()):
-        if (
-            other == candidate
-            or dataclasses.replace(
-                other, micro_batch_size=candidate.micro_batch_size, num_micro_batches=candidate.num_micro_batches
-            )
-            != candidate
-        ):
-            continue
-        if schedule_free_bound(cc_of[other]) >= best * (1 - 1e-9):
-            continue
-        got = refit.strategy(cc_of[other])
-        if got is not None:
-            out.append(got)
-    return out
+def _is_uniform(evaluation: Evaluation, costs: CandidateCosts, kinds: Sequence[str], mode: str) -> bool:
+    """``evaluation`` (the candidate's optimal 1F1B strategy) already recomputes what ``mode``
+    pins (``all``: every block whole; ``selective``: every block's attention cores, nothing
+    whole): then it is also ``mode``'s optimum, whose own ILP need not be solved."""
+    blocks = {i for i, kind in enumerate(kinds) if kind == "block"}
+    full, sel = (
+        set(evaluation.strategy.checkpoint),
+        set(evaluation.strategy.selective) - set(evaluation.strategy.checkpoint),
+    )
+    if mode == "all":
+        return full == blocks and not sel
+    return not full and sel == {i for i in blocks if costs.layers[i].sel_saved_b > 0}
+
+
+def _batching(candidate: Candidate, kept: Candidate) -> bool:
+    """``candidate`` differs from ``kept`` only by its micro-batch size."""
+    return (
+        dataclasses.replace(candidate, micro_batch_size=kept.micro_batch_size, num_micro_batches=kept.num_micro_batches)
+        == kept
+    )
 
 
 def _sharded_siblings(evaluation: Evaluation, cc_of: dict) -> list[Evaluation]:

@@ -381,7 +381,12 @@ def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, 
     rows = len(table.layers)
     try:
         return apply_schedules(
-            result, cc_of, rows, sched, virtual_stages, refit=make_refit(table.kinds, request.checkpoint, solver)
+            result,
+            cc_of,
+            rows,
+            sched,
+            virtual_stages,
+            refit=make_refit(table.kinds, request.checkpoint, solver, result.answers),
         )
     except SearchError as refused:
         fix = schedule_fix(
