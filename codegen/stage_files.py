@@ -27,6 +27,7 @@ import runtime
 from codegen.codegen_errors import CodegenError
 from codegen.lower import LayerGraph, StageOptions, StageSpec, emit_stage_source, get_tensor, partition_graph
 from codegen.tp_rewrite import plan_tp_rewrite
+from passes.causal_rewrite import causal_at_length, rewrite_causal
 from passes.layers import assign_layers, layer_names
 from passes.op_class import classify_ops
 from planner.plan import Plan, plan_hash
@@ -54,6 +55,7 @@ def _layered(model: ExportedModel, plan: Plan):
     the row of a node and the rows' names."""
     gm = model.module
     roles = {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"}
+    rewrite_causal(gm, roles, causal_at_length)  # an explicit causal mask -> is_causal, as the planner priced it
     assign_layers(gm, model.block_paths, roles)
     classify_ops(gm)
     names = layer_names(gm, len(model.block_paths), model.block_paths)

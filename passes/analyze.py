@@ -4,14 +4,27 @@ from __future__ import annotations
 
 from passes.attention import annotate_attention
 from passes.autograd_costs import annotate_costs
+from passes.causal_rewrite import REWRITTEN, rewrite_causal
 from passes.graph import TracedGraph
 from passes.layers import assign_layers, layer_signatures
-from passes.mask_kind import annotate_masks, price_masks
+from passes.mask_kind import PROBE_MAX, MaskInfo, annotate_masks, price_masks
 from passes.op_class import classify_ops
 from passes.shapes import annotate_params, annotate_shapes
 from passes.tensor_parallel.tp_costs import propagate_tensor_parallel
 
 __all__ = ["analyze"]
+
+
+def _lower_causal_masks(gm, roles: dict[str, str]) -> None:
+    """Explicit masks probed causal become SDPA's ``is_causal`` (``passes.causal_rewrite``): the
+    cores are then priced at the causal density, without the mask's ops or bytes."""
+
+    def probed_causal(core, _mask) -> bool:
+        info = core.meta.get("mask")
+        return info is not None and info.kind == "causal"
+
+    for core in rewrite_causal(gm, roles, probed_causal):
+        core.meta["mask"] = MaskInfo("causal", skips=True, reason=REWRITTEN)
 
 
 def analyze(traced: TracedGraph):
@@ -27,6 +40,8 @@ def analyze(traced: TracedGraph):
     windows = [w for w in (traced.model_info or {}).get("attention_windows") or () if w]
     annotate_attention(gm)
     annotate_masks(gm, traced.roles, max(windows, default=None))
+    if max(windows, default=0) + 8 <= PROBE_MAX:  # the probe saw every stated window as a band
+        _lower_causal_masks(gm, traced.roles)
     n_blocks = len(traced.block_paths)
     sigs = layer_signatures(gm, n_blocks)
     first: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """Attention by its mask (``passes.mask_density``, ``passes.mask_kind``): densities against a brute
 count, masks named from real graphs (the built-in GPT's ``is_causal``, HF Llama's materialized
-causal mask, an eager Mistral's window smaller than the sequence, Qwen2's mixed sliding/full blocks, a mask
+causal mask lowered to ``is_causal``, an eager Mistral's window smaller than the sequence, Qwen2's mixed sliding/full blocks, a mask
 read from a buffer), FLOPs priced at the density only where the kernel skips, and plan.json's
 ``model.attention``."""
 
@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from passes.causal_rewrite import REWRITTEN
 from passes.common import B, S
 from passes.mask_density import density, kept_pairs, summarize
 from passes.mask_kind import classify
@@ -83,11 +84,12 @@ def test_masks_read_from_real_graphs(tmp_path, monkeypatch):
     core = gpt.layers[1].core_fwd_flops
     assert sympy.expand(core - 4 * B * 4 * 16 * S * (S + 1) / 2) == 0
 
-    # HF Llama: a materialized causal mask; SDPA computes every block, so priced full (4 b H D s^2)
+    # HF Llama: a materialized causal mask, lowered to is_causal (passes.causal_rewrite): priced
+    # at the density like the GPT, and the reason says why
     llama = _table("hf:llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
     att = llama.model["attention"]
-    assert (att["mask"], att["skips"]) == ("causal", False) and "explicit mask" in att["reason"]
-    assert sympy.expand(llama.layers[1].core_fwd_flops - 4 * B * 4 * 16 * S * S) == 0
+    assert (att["mask"], att["skips"]) == ("causal", True) and att["reason"] == REWRITTEN
+    assert sympy.expand(llama.layers[1].core_fwd_flops - 4 * B * 4 * 16 * S * (S + 1) / 2) == 0
 
     # Mistral with eager attention, window 8 < the probe: a band read from the graph (the additive
     # mask before the softmax); eager attention computes the whole square, so priced full
