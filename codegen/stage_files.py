@@ -27,7 +27,7 @@ import runtime
 from codegen.codegen_errors import CodegenError
 from codegen.lower import LayerGraph, StageOptions, StageSpec, emit_stage_source, get_tensor, partition_graph
 from codegen.tp_rewrite import plan_tp_rewrite
-from passes.causal_rewrite import causal_at_length, rewrite_causal
+from passes.causal_rewrite import by_verdicts, causal_at_length, rewrite_causal
 from passes.layers import assign_layers, layer_names
 from passes.op_class import classify_ops
 from planner.plan import Plan, plan_hash
@@ -48,6 +48,10 @@ class ExportedModel:
     """Vocabulary size (0 when the model has none), recorded in the manifest."""
     dims: dict[str, int] = field(default_factory=dict)
     """The model's sizes tensor parallelism must divide: hidden, heads, kv_heads, vocab, ffn."""
+    causal_cores: list[bool] | None = None
+    """Which SDPA cores, in order, get ``is_causal`` in place of their explicit mask, read from an
+    export at the planner's probe length (``passes.causal_rewrite.causal_verdicts``); None: probe
+    this export's masks at its own length."""
 
 
 def _layered(model: ExportedModel, plan: Plan):
@@ -55,7 +59,8 @@ def _layered(model: ExportedModel, plan: Plan):
     the row of a node and the rows' names."""
     gm = model.module
     roles = {n.name: "input" for n in gm.graph.nodes if n.op == "placeholder"}
-    rewrite_causal(gm, roles, causal_at_length)  # an explicit causal mask -> is_causal, as the planner priced it
+    probe = causal_at_length if model.causal_cores is None else by_verdicts(gm, model.causal_cores)
+    rewrite_causal(gm, roles, probe)  # an explicit causal mask -> is_causal, as the planner priced it
     assign_layers(gm, model.block_paths, roles)
     classify_ops(gm)
     names = layer_names(gm, len(model.block_paths), model.block_paths)

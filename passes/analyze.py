@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from passes.attention import annotate_attention
 from passes.autograd_costs import annotate_costs
-from passes.causal_rewrite import REWRITTEN, rewrite_causal
+from passes.causal_rewrite import REWRITTEN, probe_length, rewrite_causal
 from passes.graph import TracedGraph
 from passes.layers import assign_layers, layer_signatures
-from passes.mask_kind import PROBE_MAX, MaskInfo, annotate_masks, price_masks
+from passes.mask_kind import MaskInfo, annotate_masks, price_masks
 from passes.op_class import classify_ops
 from passes.shapes import annotate_params, annotate_shapes
 from passes.tensor_parallel.tp_costs import propagate_tensor_parallel
@@ -40,7 +40,7 @@ def analyze(traced: TracedGraph):
     windows = [w for w in (traced.model_info or {}).get("attention_windows") or () if w]
     annotate_attention(gm)
     annotate_masks(gm, traced.roles, max(windows, default=None))
-    if max(windows, default=0) + 8 <= PROBE_MAX:  # the probe saw every stated window as a band
+    if probe_length(windows) is not None:  # the probe saw every stated window as a band
         _lower_causal_masks(gm, traced.roles)
     n_blocks = len(traced.block_paths)
     sigs = layer_signatures(gm, n_blocks)

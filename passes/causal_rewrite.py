@@ -30,9 +30,19 @@ import torch
 from torch import fx
 
 from passes.inputs import NAMED_ROLES
-from passes.mask_kind import classify, probe_mask
+from passes.mask_kind import PROBE, PROBE_MAX, classify, probe_mask
 
-__all__ = ["PROBE_LIMIT", "REWRITTEN", "causal_at_length", "explicit_causal_mask", "rewrite_causal"]
+__all__ = [
+    "PROBE_LIMIT",
+    "REWRITTEN",
+    "by_verdicts",
+    "causal_at_length",
+    "causal_verdicts",
+    "explicit_causal_mask",
+    "probe_length",
+    "rewrite_causal",
+    "sdpa_cores",
+]
 
 REWRITTEN = "an explicit causal mask, lowered to SDPA's is_causal=True"
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -153,3 +163,36 @@ def causal_at_length(core: fx.Node, mask: fx.Node) -> bool:
         return False
     kept = probe_mask(mask, {}, s)
     return not isinstance(kept, str) and classify(kept).kind == "causal"
+
+
+def probe_length(windows: list[int]) -> int | None:
+    """The sequence length the planner probes masks at, given the windows the config states
+    (``passes.mask_kind``): past the largest, so a window shows as a band; None when that is
+    beyond ``PROBE_MAX`` (then no mask is rewritten: a window could pass for the triangle)."""
+    widest = max(windows, default=None)
+    if widest is None:
+        return PROBE
+    return max(PROBE, widest + 8) if widest + 8 <= PROBE_MAX else None
+
+
+def sdpa_cores(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's SDPA calls, in order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA]
+
+
+def causal_verdicts(gm: fx.GraphModule) -> list[bool]:
+    """For a static graph (exported at a probe length): whether each SDPA core, in order, would be
+    rewritten (``explicit_causal_mask`` and ``causal_at_length``)."""
+    out = []
+    for core in sdpa_cores(gm):
+        mask = explicit_causal_mask(core, {})
+        out.append(mask is not None and causal_at_length(core, mask))
+    return out
+
+
+def by_verdicts(gm: fx.GraphModule, verdicts: list[bool]) -> Callable[[fx.Node, fx.Node], bool]:
+    """A ``rewrite_causal`` probe that answers from ``causal_verdicts`` of another export of the
+    same model (one verdict per SDPA core, in order; none when the counts differ)."""
+    cores = sdpa_cores(gm)
+    index = {core: i for i, core in enumerate(cores)} if len(cores) == len(verdicts) else {}
+    return lambda core, _mask: core in index and verdicts[index[core]]

@@ -45,9 +45,9 @@ from passes.inputs import NAMED_ROLES
 from passes.mask_density import density
 from passes.op_class import op_name
 
-__all__ = ["PROBE_MAX", "MaskInfo", "annotate_masks", "classify", "mask_facts", "price_masks", "probe_mask"]
+__all__ = ["PROBE", "PROBE_MAX", "MaskInfo", "annotate_masks", "classify", "mask_facts", "price_masks", "probe_mask"]
 
-_PROBE = 64
+PROBE = 64
 PROBE_MAX = 4104
 _MASK_OPS = {"add", "masked_fill", "where"}
 _EXPLICIT = "an explicit mask tensor, whose every block SDPA's kernels compute"
@@ -189,7 +189,7 @@ def _read(n: fx.Node, roles: dict[str, str], window: int | None, probes: dict) -
             return MaskInfo("full", reason="eager attention without a mask")
     if not isinstance(mask, fx.Node):
         return MaskInfo("custom", reason="the mask is not a graph value")
-    s = _PROBE if window is None else max(_PROBE, min(window + 8, PROBE_MAX))
+    s = PROBE if window is None else max(PROBE, min(window + 8, PROBE_MAX))
     key = (mask, s)
     if key not in probes:
         probes[key] = probe_mask(mask, roles, s)

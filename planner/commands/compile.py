@@ -6,7 +6,9 @@ from torch import fx
 
 from codegen.stage_files import ExportedModel, compile_exported
 from passes.attention import attention_facts
+from passes.causal_rewrite import causal_verdicts, explicit_causal_mask, probe_length, sdpa_cores
 from planner.frontend.bundle import ModelBundle
+from planner.frontend.hf import config_windows
 from planner.frontend.trace import export_training_module
 from planner.plan import Plan, load_plan
 from runtime.training.data import data_vocab
@@ -28,6 +30,24 @@ def model_dims(bundle: ModelBundle, sizes: dict, gm: fx.GraphModule | None = Non
     return {k: size for k, size in dims.items() if size}
 
 
+def causal_cores(plan: Plan, bundle: ModelBundle, gm: fx.GraphModule) -> list[bool] | None:
+    """Which SDPA cores of ``gm`` get ``is_causal``, decided as the planner decided
+    (``passes.analyze``): each mask read from an export at batch 1 and the planner's probe length
+    (past every window the config states), not at the plan's length, whose ``b s^2`` mask could
+    be too large to build. None when no core has an explicit mask it could apply to."""
+    cores = sdpa_cores(gm)
+    if not any(explicit_causal_mask(core, {}) is not None for core in cores):
+        return None
+    s = probe_length([w for w in config_windows(bundle.model, plan.model.layers) or () if w])
+    if s is None:
+        return [False] * len(cores)
+    sizes = dict(plan.model.sizes)
+    if "seq_len" in sizes:  # positions for the probe's length (the mask does not depend on them)
+        sizes["seq_len"] = max(int(sizes["seq_len"]), s)
+    short, _, _ = export_training_module(plan.model.spec, sizes, dtype=plan.dtype, batch=1, seq_len=s)
+    return causal_verdicts(short)
+
+
 def compile_plan(plan: Plan, out_dir: str) -> dict:
     """Write ``stage_<k>.py`` per pipeline stage and ``manifest.json`` into ``out_dir``; return
     the manifest."""
@@ -36,7 +56,11 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
     )
     vocab = bundle.vocab or data_vocab(plan.model.inputs, 0)  # a user's model: what its token inputs index
     model = ExportedModel(
-        module=gm, block_paths=block_paths, vocab=vocab, dims=model_dims(bundle, plan.model.sizes, gm)
+        module=gm,
+        block_paths=block_paths,
+        vocab=vocab,
+        dims=model_dims(bundle, plan.model.sizes, gm),
+        causal_cores=causal_cores(plan, bundle, gm),
     )
     return compile_exported(plan, model, out_dir)
 
