@@ -141,3 +141,26 @@ def test_bert_padding_mask_stays_bidirectional(tmp_path):
     compile_plan(make_plan("hf:bert", sizes), str(tmp_path))
     src = "".join((tmp_path / stage["file"]).read_text() for stage in read_manifest(str(tmp_path))["stages"])
     assert "scaled_dot_product_attention" in src and "is_causal = True" not in src
+
+
+def test_a_window_wider_than_the_plan_sequence_stays_explicit_as_planned(tmp_path):
+    """Mistral with window 100 planned at 16 tokens: the band equals the triangle at 16, but the
+    planner probes past the window, names it sliding and prices it full, so compile keeps the
+    explicit mask too (the stage files hold what the table priced)."""
+    import transformers as tf
+
+    from passes.causal_rewrite import REWRITTEN
+    from planner.frontend.model_analysis import build_layer_table
+
+    cfg = tf.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64
+    )
+    cfg.num_hidden_layers, cfg.sliding_window, cfg.max_position_embeddings = 1, 100, 256
+    cfg.save_pretrained(tmp_path / "mistral")
+    spec = f"hf:{tmp_path / 'mistral'}"
+    att = build_layer_table(spec, seq_len=16).model["attention"]
+    assert (att["mask"], att["window"], att["skips"]) == ("sliding", 100, False) and att["reason"] != REWRITTEN
+    sizes = {"layers": 1, "seq_len": 16}
+    compile_plan(make_plan(spec, sizes), str(tmp_path / "out"))
+    src = "".join((tmp_path / "out" / s["file"]).read_text() for s in read_manifest(str(tmp_path / "out"))["stages"])
+    assert "scaled_dot_product_attention" in src and "is_causal = True" not in src
