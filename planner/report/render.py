@@ -426,8 +426,9 @@ def attention_line(plan) -> tuple[str, str]:
     seconds = attention.get("saved_flops", 0.0) / rate if rate else 0.0
     if kind == "full":
         return what, "the whole square"
-    if attention.get("priced"):
-        return what, f"saves {format_seconds(seconds)} per step vs full"
+    if attention.get("priced"):  # a reason here says how (an explicit causal mask lowered to is_causal)
+        how = f" ({attention['reason']})" if attention.get("reason") else ""
+        return what, f"saves {format_seconds(seconds)} per step vs full{how}"
     reason = attention.get("reason") or "the kernel computes the whole square"
     return what, f"priced full ({reason}); a kernel that skips would save {format_seconds(seconds)}"
 

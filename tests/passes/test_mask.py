@@ -203,7 +203,17 @@ def test_plan_json_attention_and_report_line(capsys):
     from planner.report.render import attention_line
 
     what, saves = attention_line(Plan.from_dict(plan))
-    assert what == "causal, density 0.508" and saves.startswith("saves ")
+    assert what == "causal, density 0.508" and saves.startswith("saves ") and saves.endswith(" vs full")
+    # HF's explicit causal mask lowered to is_causal: priced, and the row says how
+    plan["model"]["attention"] = summarize(
+        {"mask": "causal", "window": None, "skips": True, "reason": REWRITTEN, "layers": [["causal", None]] * 2},
+        64,
+        4,
+        16,
+        4,
+    )
+    what, saves = attention_line(Plan.from_dict(plan))
+    assert saves.startswith("saves ") and saves.endswith(f" per step vs full ({REWRITTEN})")
     # a sliding window the kernel does not skip: priced full, the row says why and what it would save
     plan["model"]["attention"] = summarize(
         {
