@@ -26,7 +26,9 @@ def test_expert_products_count_top_k_mlps_and_the_router(tmp_path):
     one more MLP (gate, up and down: 3 products of h x ffn per token) and the router (h x E):
     exactly, forward and backward (twice the forward)."""
     tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SIZES).save_pretrained(tmp_path / "moe")
-    tf.MistralConfig(**SIZES).save_pretrained(tmp_path / "dense")
+    # no window on either (Mistral's default is 4096, Mixtral's none): the same causal attention,
+    # both lowered to is_causal and priced at its density
+    tf.MistralConfig(**{"sliding_window": None, **SIZES}).save_pretrained(tmp_path / "dense")
     moe, dense = (
         build_layer_table(f"hf:{tmp_path / d}", batch=1, seq_len=32, dtype="fp32").layers[1] for d in ("moe", "dense")
     )

@@ -19,6 +19,7 @@ from passes.analyze import analyze
 from passes.autograd_costs import annotate_costs, total_saved_bytes
 from passes.common import B, PassError, S, source_line
 from passes.layer_table import LayerTable
+from passes.mask_kind import price_masks
 from passes.tabulate import table_from_traced
 from passes.tensor_parallel.tp_analysis import reshape_dim
 from passes.tensor_parallel.tp_costs import propagate_tensor_parallel
@@ -71,8 +72,8 @@ def test_flops_match_flop_counter_mode(spec):
     tr, table = analyzed(spec)
     fwd, bwd = graph_total(tr.gm, "fwd_flops"), graph_total(tr.gm, "bwd_flops")
     ref_fwd, ref_both = reference_flops(spec)
-    if spec in ("gpt", "hf:llama"):  # is_causal SDPA skips the masked pairs (passes.mask_kind; Llama's
-        # explicit causal mask is lowered to is_causal, passes.causal_rewrite): 4 H D s^2 b per layer
+    if spec in ("gpt", "hf:gpt2", "hf:llama"):  # is_causal SDPA skips the masked pairs (passes.mask_kind; Llama's
+        # and GPT-2's explicit causal masks are lowered to is_causal, passes.causal_rewrite): 4 H D s^2 b per layer
         # counted full by FlopCounterMode, (s + 1) / 2s of it by the planner; backward twice that
         skipped = 2 * 4 * 4 * 16 * 2 * (32 * 32 - 32 * 33 // 2)
         ref_fwd, ref_both = ref_fwd - skipped, ref_both - 3 * skipped
@@ -329,6 +330,7 @@ def test_reusing_identical_blocks_matches_a_full_replay():
     tr, _table = analyzed("hf:llama")  # analyze() replayed block 1 only and copied it to 2
     reused = _cost_meta(tr.gm)
     annotate_costs(tr.gm, tr.roles, tr.symbols)  # now replay both blocks
+    price_masks(tr.gm)  # the causal cores at their density, as analyze() does
     propagate_tensor_parallel(tr.gm, tr.roles)
     assert _cost_meta(tr.gm) == reused
 
