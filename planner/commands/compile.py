@@ -8,6 +8,7 @@ from codegen.stage_files import ExportedModel, compile_exported
 from passes.attention import attention_facts
 from passes.causal_rewrite import causal_verdicts, explicit_causal_mask, probe_length, sdpa_cores
 from planner.frontend.bundle import ModelBundle
+from planner.frontend.frontend_errors import ModelError
 from planner.frontend.hf import config_windows
 from planner.frontend.trace import export_training_module
 from planner.plan import Plan, load_plan
@@ -44,7 +45,16 @@ def causal_cores(plan: Plan, bundle: ModelBundle, gm: fx.GraphModule) -> list[bo
     sizes = dict(plan.model.sizes)
     if "seq_len" in sizes:  # positions for the probe's length (the mask does not depend on them)
         sizes["seq_len"] = max(int(sizes["seq_len"]), s)
-    short, _, _ = export_training_module(plan.model.spec, sizes, dtype=plan.dtype, batch=1, seq_len=s)
+    try:
+        short, _, _ = export_training_module(plan.model.spec, sizes, dtype=plan.dtype, batch=1, seq_len=s)
+    except ModelError:
+        if plan.seq_len >= s:
+            raise
+        # positions fixed by a model directory's weights below the probe's length: the plan's own
+        # (shorter) length, at which the compiled mask is exactly what is read
+        short, _, _ = export_training_module(
+            plan.model.spec, plan.model.sizes, dtype=plan.dtype, batch=1, seq_len=plan.seq_len
+        )
     return causal_verdicts(short)
 
 
