@@ -186,11 +186,13 @@ BUFFER_MASK_MODEL = textwrap.dedent(
 )
 
 
-def test_plan_json_attention_and_report_line(capsys):
+def test_plan_json_attention_and_report_line(capsys, tmp_path):
     from planner.cli import main
 
     args = "plan --model gpt --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256 --gpus 1 --gpus-per-node 1"
-    code = main((args + " --hardware cpu --global-batch 4 --seq-len 64 --json").split())
+    code = main(
+        (args + " --hardware cpu --global-batch 4 --seq-len 64 --json").split() + ["--out", str(tmp_path / "p.json")]
+    )
     assert code in (0, None)
     plan = json.loads(capsys.readouterr().out)
     att = plan["model"]["attention"]
