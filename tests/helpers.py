@@ -14,6 +14,7 @@ from passes.layer_table import LayerCosts, LayerTable
 from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import MEMORY_KEYS, SCHEMA_VERSION, TIME_KEYS, Plan, save_plan
 from runtime.contract.data_roles import LEGACY_INPUTS
+from runtime.stages.compiled_stages import load_stage_module, load_weights
 from runtime.training.data import data_vocab, model_inputs, open_data
 from runtime.training.events import read_lines, step_lines
 from runtime.training.train_config import TrainOptions
@@ -301,3 +302,17 @@ def gpt_table(
         dtype="bfloat16",
         model=dict(spec="gpt", params=params, layers=layers, hidden=h, heads=a, kv_heads=kv_heads or a, vocab=V),
     )
+
+
+def run_stages_in_process(folder: str, manifest: dict, state, inputs: dict):
+    """Run a compiled pipeline's stages one after another in this process (weights from
+    ``state``, data inputs by name from ``inputs``) and backward from the loss: (loss, stage modules)."""
+    carry, mods = (), []
+    for stage in manifest["stages"]:
+        module = load_stage_module(folder, stage)
+        load_weights(module, stage, state)
+        out = module(*carry, *[inputs[name] for name in stage["data_inputs"]])
+        carry = out if isinstance(out, tuple) else (out,)
+        mods.append(module)
+    carry[0].backward()
+    return carry[0], mods

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from passes.causal_rewrite import causal_at_length, explicit_causal_mask, rewrite_causal
 from planner.commands.compile import compile_plan
-from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
-from tests.helpers import make_plan
+from runtime.stages.compiled_stages import read_manifest
+from tests.helpers import make_plan, run_stages_in_process
 
 S = 12
 
@@ -117,15 +117,8 @@ def test_compiled_llama_runs_is_causal_without_its_mask_and_matches_the_model(tm
     ref = model(x, y)
     ref.backward()
     state = original_state("hf:llama", LLAMA, 16, 0)
-    carry, mods = (), []
-    for stage in man["stages"]:
-        m = load_stage_module(str(tmp_path), stage)
-        load_weights(m, stage, state)
-        out = m(*carry, *[{"input_ids": x, "labels": y}[n] for n in stage["data_inputs"]])
-        carry = out if isinstance(out, tuple) else (out,)
-        mods.append(m)
-    carry[0].backward()
-    torch.testing.assert_close(carry[0], ref, rtol=1e-5, atol=1e-6)
+    loss, mods = run_stages_in_process(str(tmp_path), man, state, {"input_ids": x, "labels": y})
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     grads = dict(model.named_parameters(remove_duplicate=False))
     checked = 0
     for m, stage in zip(mods, man["stages"]):

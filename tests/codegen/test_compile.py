@@ -12,7 +12,7 @@ from codegen.codegen_errors import UnsafeNameError
 from codegen.names import check_ident, safe_ident
 from planner.commands.compile import compile_plan
 from runtime.stages.compiled_stages import CompiledError, load_stage_module, load_weights, read_manifest
-from tests.helpers import USER_MODELS, make_plan
+from tests.helpers import USER_MODELS, make_plan, run_stages_in_process
 
 
 @given(st.text(max_size=40))
@@ -102,15 +102,8 @@ def test_compiled_stages_match_the_model(tmp_path, spec, sizes):
     ref = model(x, y)
     ref.backward()
     state = original_state(spec, sizes, 16, 0)
-    carry, mods = (), []
-    for stage in man["stages"]:
-        m = load_stage_module(str(tmp_path), stage)
-        load_weights(m, stage, state)
-        out = m(*carry, *[{"input_ids": x, "labels": y}[n] for n in stage["data_inputs"]])
-        carry = out if isinstance(out, tuple) else (out,)
-        mods.append(m)
-    carry[0].backward()
-    torch.testing.assert_close(carry[0], ref)
+    loss, mods = run_stages_in_process(str(tmp_path), man, state, {"input_ids": x, "labels": y})
+    torch.testing.assert_close(loss, ref)
     grads = dict(model.named_parameters(remove_duplicate=False))
     for m, stage in zip(mods, man["stages"]):
         for attr, p in m.named_parameters():
