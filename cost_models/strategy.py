@@ -999,6 +999,7 @@ def time_breakdown(
         - tail.dp_contention_s,
         "optimizer": tail.opt_s,
         "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
+        "ep_comm": 0.0,  # experts replicated: no all-to-all
     }
 
 

@@ -36,6 +36,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "MEMORY_KEYS",
     "TIME_KEYS",
+    "LATER_TIME_KEYS",
+    "MOE_KEYS",
     "OFFLOAD_TIERS",
     "OFFLOAD_KINDS",
     "HOST_MEMORY_KEYS",
@@ -49,13 +51,17 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "total")
+MOE_KEYS = ("layers", "experts", "top_k", "shared_experts", "capacity_factor")
+"""plan.json ``model.moe``'s keys (an empty object for a dense model)."""
 COST_KEYS = ("tokens", "days", "gpu_hours", "money", "by_part")
 SCHEDULES = names(ScheduleName)
 """The pipeline schedules a plan may name (plan.json ``schedule``)."""
 
 COMPRESSIONS = names(GradCompression)
 """The data-parallel exchanges a plan may name (plan.json ``dp_compression``)."""
-TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
+TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload", "ep_comm")
+LATER_TIME_KEYS = ("offload", "ep_comm")
+"""Time parts added after the first plans: a plan written before one existed loads it as 0 s."""
 OFFLOAD_TIERS = names(OffloadTier)
 OFFLOAD_KINDS = ("optimizer", "params")
 HOST_MEMORY_KEYS = ("host", "nvme")
@@ -69,6 +75,7 @@ TIME_LABELS = {
     "dp_comm": "DP / ZeRO communication",
     "optimizer": "optimizer step",
     "offload": "offload transfers (host / NVMe)",
+    "ep_comm": "expert-parallel all-to-alls",
 }
 """What each ``predicted.time`` key means, as the report and the runners-up say it."""
 
@@ -131,6 +138,12 @@ class ModelInfo:
     mean over blocks, at ``seq_len``), ``per_layer`` (when blocks differ), ``priced`` (time and
     FLOPs follow the density: the kernel skips the masked pairs), ``reason`` (why not) and
     ``saved_flops`` (per step, vs the full square). Empty without attention or in older plans."""
+    moe: dict = field(default_factory=dict)
+    """The mixture-of-experts layers the graph holds: ``layers`` (layer-table rows with routed
+    experts), ``experts`` (routed experts per layer), ``top_k`` (experts each token goes to),
+    ``shared_experts`` (experts every token goes to) and ``capacity_factor`` (tokens an expert
+    takes, as a multiple of its even share; null = dropless). Empty for a dense model or an older
+    plan."""
 
     def __post_init__(self):
         _check_str("model.spec", self.spec)
@@ -156,6 +169,27 @@ class ModelInfo:
             _fail("model.attention", "must be an object.")
         if self.attention and not {"mask", "window", "density"} <= set(self.attention):
             _fail("model.attention", "must hold mask, window and density.")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.moe, dict):
+            _fail("model.moe", "must be an object.")
+        if not self.moe:
+            return
+        missing = [k for k in MOE_KEYS if k not in self.moe]
+        if missing:
+            _fail("model.moe", f"is missing {missing}.")
+        if not isinstance(self.moe["layers"], list):
+            _fail("model.moe.layers", "must be a list of layer-table rows.")
+        for i, row in enumerate(self.moe["layers"]):
+            _check_int(f"model.moe.layers[{i}]", row, 0)
+        _check_int("model.moe.experts", self.moe["experts"], 1)
+        _check_int("model.moe.top_k", self.moe["top_k"], 1)
+        _check_int("model.moe.shared_experts", self.moe["shared_experts"], 0)
+        if self.moe["capacity_factor"] is not None:
+            _check_num("model.moe.capacity_factor", self.moe["capacity_factor"])
+            if self.moe["capacity_factor"] <= 0:
+                _fail("model.moe.capacity_factor", "must be positive, or null for dropless routing.")
 
 
 @dataclass
@@ -221,12 +255,10 @@ class Predicted:
         if isinstance(self.memory, dict):
             self.memory = {**self.memory, **{k: self.memory.get(k, 0) for k in HOST_MEMORY_KEYS}}
         if isinstance(self.time, dict):
-            self.time = {**self.time, "offload": self.time.get("offload", 0.0)}
+            self.time = {**self.time, **{k: self.time.get(k, 0.0) for k in LATER_TIME_KEYS}}
         if isinstance(self.cost, dict) and isinstance(self.cost.get("by_part"), dict):
-            self.cost = {
-                **self.cost,
-                "by_part": {**self.cost["by_part"], "offload": self.cost["by_part"].get("offload", 0.0)},
-            }
+            by_part = self.cost["by_part"]
+            self.cost = {**self.cost, "by_part": {**by_part, **{k: by_part.get(k, 0.0) for k in LATER_TIME_KEYS}}}
         for k in ("step_time_s", "tflops_per_device", "mfu", "comm_bytes_per_device", "bubble_fraction"):
             _check_num(f"predicted.{k}", getattr(self, k))
         _check_int("predicted.peak_memory_bytes", self.peak_memory_bytes, 0)
@@ -406,6 +438,12 @@ class Plan:
     """Full-precision AdamW steps before compression starts: ``default_warmup`` (15%) of the run's
     steps (``--tokens``, else 1,000) when compressed; 0 without compression (``planner train
     --compression-warmup N`` overrides it). A plan without the key loads as 0."""
+    expert_parallel: int = 1
+    """Ranks of each data-parallel group that share one layer's routed experts (EP): each holds
+    ``experts / expert_parallel`` of them and tokens reach their experts by all-to-all; 1 = every
+    rank holds every expert. Divides ``dp`` and ``model.moe.experts``; the expert-data-parallel
+    group (the ranks holding the same experts, ``dp / expert_parallel`` of them) reduces the
+    experts' gradients (``runtime.contract.rank_layout.expert_ranks``). A plan without the key loads as 1."""
     overlap: dict = field(default_factory=OVERLAP_ALL.to_json)
     """What the run overlaps with compute and the prediction assumed, ``{"dp", "tp", "pp"}``
     booleans (``runtime.contract.overlap``): all true by default; ``planner plan --overlap off``
@@ -436,6 +474,7 @@ class Plan:
             _fail("overlap", str(e))
         self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
         self._check_compression()
+        self._check_expert_parallel()
         self._check_measured()
         if self.request is not None and not (isinstance(self.request, dict) and "spec" in self.request):
             _fail("request", "must be an object holding the planning request (spec, gpus, ...).")
@@ -554,6 +593,21 @@ class Plan:
                 "whole (checkpoint_layers) or only its attention core (selective_layers), not both.",
             )
 
+    def _check_expert_parallel(self) -> None:
+        """``expert_parallel`` divides dp and the routed experts; more than 1 only for a mixture of experts."""
+        _check_int("expert_parallel", self.expert_parallel, 1)
+        if self.expert_parallel == 1:
+            return
+        if not self.model.moe:
+            _fail("expert_parallel", f"is {self.expert_parallel} but the model has no routed experts (model.moe is empty).")
+        if self.dp % self.expert_parallel:
+            _fail("expert_parallel", f"({self.expert_parallel}) must divide dp ({self.dp}): expert groups are carved out of the data-parallel ranks.")
+        if self.model.moe["experts"] % self.expert_parallel:
+            _fail(
+                "expert_parallel",
+                f"({self.expert_parallel}) must divide the routed experts ({self.model.moe['experts']}): every rank of a group holds the same number.",
+            )
+
     def _check_compression(self) -> None:
         if self.dp_compression not in COMPRESSIONS:
             _fail("dp_compression", f"must be one of {', '.join(COMPRESSIONS)}, got {self.dp_compression!r}.")
@@ -605,6 +659,7 @@ class Plan:
             "offload",
             "dp_compression",
             "compression_warmup",
+            "expert_parallel",
             "overlap",
             "predicted",
             "solver",
@@ -751,6 +806,8 @@ def plan_hash(plan: Plan) -> str:
             "checkpoint_layers",
         )
     }
+    if not keep["model"].get("moe"):  # a dense model's hash as before model.moe existed
+        keep["model"] = {k: v for k, v in keep["model"].items() if k != "moe"}
     # added by the second milestone: part of the hash only when used, so older plans keep theirs
     for k in ("selective_layers", "sequence_parallel"):
         if data[k]:

@@ -8,8 +8,8 @@ second of a step belongs to exactly one part:
   (the residual: the step time minus the other parts);
 - ``recompute``: a layer's forward run again inside backward (activation checkpointing), timed by
   the forward hooks ``time_recomputation`` puts on the stage's layers;
-- ``tp_comm``, ``dp_comm``, ``pp_bubble``: the time this rank was *blocked* in a collective of
-  the tensor-parallel, data-parallel (and tied-weight) or pipeline group (``runtime.distributed.comm`` asks
+- ``tp_comm``, ``dp_comm``, ``pp_bubble``, ``ep_comm``: the time this rank was *blocked* in a collective of
+  the tensor-parallel, data-parallel (and tied-weight), pipeline or expert-parallel group (``runtime.distributed.comm`` asks
   ``part_of(group)``; ``runtime.distributed.mesh`` registers the groups). Communication that overlaps compute
   is not blocking and counts where the overlapping work does. A pipeline rank blocked in a receive
   is waiting for its neighbour: the bubble and the transfer, as the prediction's ``pp_bubble``;
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: The parts of a step, in plan.json ``predicted.time`` order; the one list the runtime measures.
-PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
+PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload", "ep_comm")
 
 #: The part whose clock runs when no other part is entered.
 RESIDUAL = "compute"

@@ -33,7 +33,7 @@ from cost_models.memory import (
     zero_transient_bytes,
 )
 from runtime.contract.collective_bytes import ring_bytes
-from runtime.contract.rank_layout import axis_ranks, coords_of, rank_of
+from runtime.contract.rank_layout import axis_ranks, coords_of, expert_ranks, rank_of
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -357,6 +357,23 @@ def test_axis_placement_matches_mesh_layout(dp, tp, pp, gpn, axis):
     assert got in placements
     assert got.size == {"tp": tp, "dp": dp, "pp": pp}[axis]
     assert got.nodes == max(p.nodes for p in placements)
+
+
+@settings(max_examples=40, deadline=None)
+@given(edp=st.integers(1, 4), ep=st.integers(1, 4), tp=st.integers(1, 3), pp=st.integers(1, 3))
+def test_expert_groups_split_each_dp_group_ep_innermost(edp, ep, tp, pp):
+    """Brute force from ``dp_index = edp_index * ep + ep_index``: an expert group shares every
+    coordinate but ep_index, an expert-data group every coordinate but edp_index."""
+    dp = edp * ep
+    expert_groups, data_groups = expert_ranks(dp, tp, pp, ep)
+    for groups, varying in ((expert_groups, "ep"), (data_groups, "edp")):
+        by_key: dict = {}
+        for r in range(dp * tp * pp):
+            p, d, t = coords_of(r, dp, tp)
+            key = (p, t, d % ep) if varying == "edp" else (p, t, d // ep)
+            by_key.setdefault(key, []).append(r)
+        assert sorted(groups) == sorted(by_key.values())
+    assert all(len(g) == ep for g in expert_groups) and all(len(g) == edp for g in data_groups)
 
 
 def test_axis_placement_typical_layout():

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from planner.errors import UserError
-from planner.plan import Plan, load_plan, plan_hash, save_plan
+from planner.plan import LATER_TIME_KEYS, Plan, load_plan, plan_hash, save_plan
+
+MOE = {"layers": [1, 2, 3, 4], "experts": 8, "top_k": 2, "shared_experts": 0, "capacity_factor": None}
 
 
 def test_round_trip(tmp_path, sample_plan_dict):
@@ -43,6 +45,12 @@ def test_round_trip(tmp_path, sample_plan_dict):
         (lambda d: d.update(overlap={"dp": "yes"}), "overlap.dp must be true or false"),
         (lambda d: d["predicted"].update(hidden={"network": 0.1}), "predicted.hidden has unknown part 'network'"),
         (lambda d: d["predicted"].update(hidden={"dp_comm": -1.0}), "predicted.hidden.dp_comm must be >= 0"),
+        (lambda d: d.update(expert_parallel=2), "expert_parallel is 2 but the model has no routed experts"),
+        (lambda d: d.update(expert_parallel=0), "expert_parallel must be >= 1"),
+        (lambda d: d["model"].update(moe={"layers": [1], "experts": 4}), "model.moe is missing ['top_k'"),
+        (lambda d: d["model"].update(moe=MOE | {"capacity_factor": 0}), "model.moe.capacity_factor must be positive"),
+        (lambda d: d["model"].update(moe=MOE) or d.update(expert_parallel=4), "(4) must divide dp (2)"),
+        (lambda d: d["model"].update(moe=MOE | {"experts": 3}) or d.update(expert_parallel=2), "must divide the routed experts (3)"),
     ],
 )
 def test_invalid_plans_name_the_field(tmp_path, sample_plan_dict, mutate, message):
@@ -98,3 +106,17 @@ def test_plans_older_than_overlap_load_as_fully_overlapped(tmp_path, sample_plan
     partial["overlap"] = {"tp": False}  # the missing kinds keep their default
     p.write_text(json.dumps(partial))
     assert load_plan(str(p)).overlap == {"dp": True, "tp": False, "pp": True}
+
+
+def test_expert_parallel_plans_load_and_older_plans_have_no_experts(tmp_path, sample_plan_dict):
+    d = copy.deepcopy(sample_plan_dict)
+    d["model"]["moe"], d["expert_parallel"] = MOE, 2
+    assert Plan.from_dict(d).expert_parallel == 2
+    for key in LATER_TIME_KEYS:
+        del d["predicted"]["time"][key]
+    del d["model"]["moe"], d["expert_parallel"]
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(d))
+    plan = load_plan(str(p))
+    assert plan.expert_parallel == 1 and plan.model.moe == {}
+    assert {k: plan.predicted.time[k] for k in LATER_TIME_KEYS} == dict.fromkeys(LATER_TIME_KEYS, 0.0)

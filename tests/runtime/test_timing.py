@@ -56,6 +56,7 @@ def test_nested_parts_count_once_in_the_innermost():
         "dp_comm": 1.0,
         "optimizer": 4.0,
         "offload": 0.0,
+        "ep_comm": 0.0,
     }
     assert list(parts) == list(PARTS)
     assert sum(parts.values()) == pytest.approx(seconds)
@@ -164,6 +165,7 @@ def test_comm_charges_blocking_calls_and_waits_to_their_group(groups, monkeypatc
         "dp_comm": 2.0,
         "optimizer": 0.25,
         "offload": 0.0,
+        "ep_comm": 0.0,
     }
     assert seconds == 7.75
 
