@@ -599,9 +599,15 @@ class Plan:
         if self.expert_parallel == 1:
             return
         if not self.model.moe:
-            _fail("expert_parallel", f"is {self.expert_parallel} but the model has no routed experts (model.moe is empty).")
+            _fail(
+                "expert_parallel",
+                f"is {self.expert_parallel} but the model has no routed experts (model.moe is empty).",
+            )
         if self.dp % self.expert_parallel:
-            _fail("expert_parallel", f"({self.expert_parallel}) must divide dp ({self.dp}): expert groups are carved out of the data-parallel ranks.")
+            _fail(
+                "expert_parallel",
+                f"({self.expert_parallel}) must divide dp ({self.dp}): expert groups are carved out of the data-parallel ranks.",
+            )
         if self.model.moe["experts"] % self.expert_parallel:
             _fail(
                 "expert_parallel",

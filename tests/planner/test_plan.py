@@ -50,7 +50,10 @@ def test_round_trip(tmp_path, sample_plan_dict):
         (lambda d: d["model"].update(moe={"layers": [1], "experts": 4}), "model.moe is missing ['top_k'"),
         (lambda d: d["model"].update(moe=MOE | {"capacity_factor": 0}), "model.moe.capacity_factor must be positive"),
         (lambda d: d["model"].update(moe=MOE) or d.update(expert_parallel=4), "(4) must divide dp (2)"),
-        (lambda d: d["model"].update(moe=MOE | {"experts": 3}) or d.update(expert_parallel=2), "must divide the routed experts (3)"),
+        (
+            lambda d: d["model"].update(moe=MOE | {"experts": 3}) or d.update(expert_parallel=2),
+            "must divide the routed experts (3)",
+        ),
     ],
 )
 def test_invalid_plans_name_the_field(tmp_path, sample_plan_dict, mutate, message):
