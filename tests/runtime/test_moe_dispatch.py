@@ -26,6 +26,7 @@ from runtime.distributed.launch import launch_local
 from runtime.distributed.mesh import Mesh, get_mesh, set_mesh, setup_mesh
 from runtime.moe import LOAD, combine, dispatch, expert_load, expert_slice, reduce_over
 from runtime.portable import grouped_mm
+from tests.runtime import moe_engine_checks
 
 E, H, FF, TOP_K, TOKENS = 8, 6, 5, 2, 12
 WORLD = 4
@@ -179,11 +180,12 @@ def _dispatch_cases(rank: int, world: int, verdicts: dict) -> None:
 def _worker(rank, world, out_dir):
     verdicts: dict[str, str] = {}
     _dispatch_cases(rank, world, verdicts)
+    moe_engine_checks.run_all(rank, world, verdicts)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(verdicts, f)
 
 
-CASES = [f"{m}/{c}" for m in MESHES for c in ("groups", "dropless", "capacity")]
+CASES = [f"{m}/{c}" for m in MESHES for c in ("groups", "dropless", "capacity")] + moe_engine_checks.CASES
 
 
 @pytest.fixture(scope="module")
