@@ -180,7 +180,7 @@ def _dispatch_cases(rank: int, world: int, verdicts: dict) -> None:
 def _worker(rank, world, out_dir):
     verdicts: dict[str, str] = {}
     _dispatch_cases(rank, world, verdicts)
-    moe_engine_checks.run_all(rank, world, verdicts)
+    moe_engine_checks.run_all(rank, world, verdicts, out_dir)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(verdicts, f)
 
