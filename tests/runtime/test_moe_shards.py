@@ -1,7 +1,8 @@
-"""runtime.moe.expert_shards and the expert cut of ``load_weights``: an expert parameter's rows per
-expert-parallel rank, cut at load (from a whole tensor or through a lazy reader) and joined back
-into the full ``[E, ...]`` tensor, for every ep degree dividing E; the manifest's expert records
-read and checked. One process, no groups."""
+"""Where expert parameters live: runtime.moe.expert_shards and the expert cut of ``load_weights``
+(an expert parameter's rows per expert-parallel rank, cut at load from a whole tensor or through a
+lazy reader, joined back into the full ``[E, ...]`` tensor, for every ep degree dividing E; the
+manifest's expert records read and checked) and the ZeRO engine's expert groups (a layer split
+into a dense and an expert group, sharded over other degrees; what it refuses). One process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import torch
 from torch import nn
 
 from runtime.contract.input_errors import ConfigError
+from runtime.data_parallel.engine_config import CompressionConfig
+from runtime.data_parallel.flat_shards import build_groups
+from runtime.data_parallel.offload_engine import OffloadConfig
+from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
+from runtime.distributed.mesh import Mesh, set_mesh
 from runtime.moe.expert_shards import cut, expert_attrs, expert_degree, join, num_experts
 from runtime.stages.compiled_stages import CompiledError, load_weights
 
@@ -111,3 +117,60 @@ def test_manifest_records():
         expert_degree(man)
     dense = {"plan": {"model": {}}}
     assert expert_degree(dense) == 1 and num_experts(dense) is None
+
+
+# ---------------------------------------------------------------------- the engine's expert groups
+
+
+def _moe_net():
+    from tests.runtime import moe_engine_checks as checks
+
+    return checks, checks.make_net()
+
+
+def test_a_layer_with_experts_becomes_a_dense_and_an_expert_group():
+    checks, net = _moe_net()
+    groups = build_groups(net, checks.layers(net), 4, checks.EXPERTS, 2)
+    assert [(g.names, g.expert, g.ways) for g in groups] == [
+        (["inp.weight", "inp.bias"], False, 4),
+        (["moe.ln.weight", "moe.ln.bias", "moe.router.weight"], False, 4),
+        (["moe.w1", "moe.w2"], True, 2),
+        (["head.weight", "head.bias"], False, 4),
+    ]
+    expert = groups[2]
+    assert (
+        expert.numel == 2 * checks.E * checks.H * checks.FF
+        and expert.padded % 2 == 0
+        and expert.shard == expert.padded // 2
+    )
+    assert [g.index for g in groups] == [0, 1, 2, 3] and expert.hook_modules == ["moe"]
+
+
+def test_one_process_with_expert_groups_trains_like_without():
+    checks, _ = _moe_net()
+    set_mesh(Mesh(1, 1, 1))
+    results = []
+    for experts in (checks.EXPERTS, frozenset()):
+        torch.manual_seed(0)
+        net = checks.make_net()
+        engine = ZeroEngine(net, checks.layers(net), parallel=ParallelContext(expert_params=experts))
+        assert sum(g.expert for g in engine.groups) == (1 if experts else 0)
+        for step in range(2):
+            x, y = checks.data(step)
+            engine.module(x, y).backward()
+            engine.step()
+            engine.zero_grad()
+        results.append(engine.full_state_dict())
+    for name, value in results[0].items():
+        assert torch.equal(value, results[1][name]), name
+
+
+def test_engine_refuses_offload_and_one_bit_adam_with_experts():
+    checks, net = _moe_net()
+    set_mesh(Mesh(1, 1, 1))
+    kw = dict(layers=checks.layers(net), parallel=ParallelContext(expert_params=checks.EXPERTS))
+    with pytest.raises(ConfigError, match="expert parallelism does not run with offloaded optimizer state"):
+        ZeroEngine(net, sharding=ShardingConfig(zero_stage=1), offload=OffloadConfig(optimizer="cpu"), **kw)
+    onebit = OptimizerConfig(compression=CompressionConfig(method="onebit-adam", warmup_steps=1))
+    with pytest.raises(ConfigError, match="does not run with 1-bit Adam"):
+        ZeroEngine(net, optimizer=onebit, **kw)
