@@ -16,7 +16,7 @@ from runtime.data_parallel.flat_shards import build_groups
 from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
 from runtime.distributed.mesh import Mesh, set_mesh
-from runtime.moe.expert_shards import cut, expert_attrs, expert_degree, join, num_experts
+from runtime.moe.expert_shards import cut, expert_attrs, expert_degree, join, mark_listed, num_experts
 from runtime.stages.compiled_stages import CompiledError, load_weights
 
 E, H, FF = 4, 3, 2
@@ -117,6 +117,13 @@ def test_manifest_records():
         expert_degree(man)
     dense = {"plan": {"model": {}}}
     assert expert_degree(dense) == 1 and num_experts(dense) is None
+
+
+def test_a_list_of_expert_names_marks_the_entries():
+    stage = {"params": {"a": {"fqn": "mlp.experts.down_proj"}, "b": {"fqn": "mlp.gate.weight"}, "c": {"fqn": "x"}}}
+    man = {"expert_parallel": {"degree": 2, "params": ["mlp.experts.down_proj", "c"]}, "stages": [stage]}
+    assert expert_attrs(mark_listed(man)["stages"][0]) == {"a", "c"}
+    assert expert_attrs(mark_listed({"stages": [STAGE]})["stages"][0]) == {"gate_up"}
 
 
 # ---------------------------------------------------------------------- the engine's expert groups
