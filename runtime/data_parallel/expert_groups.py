@@ -7,7 +7,8 @@ it is shared only by the ``dp / ep`` ranks holding the same experts, the expert-
 expert weights (``ParallelContext.expert_params``) in a group of their own, sharded over
 ``dp / ep`` ranks; this module picks that group's process group, gives every group its shard index
 and process group (``FlatGroup.way``, ``FlatGroup.comm_group``), splits the groups by kind for the
-state dict, and refuses what expert parallelism does not run with yet (offloaded state, 1-bit Adam).
+state dict, and refuses what expert parallelism does not run with yet (1-bit Adam). Offloaded
+state works per group (each group's shard, whatever its ``ways``).
 
 The scale: a rank's loss is its share of the global mean; the all-to-all's backward brings a local
 expert the gradients of every rank of its expert-parallel group, so the sum over the
@@ -25,7 +26,6 @@ from typing import Any, Sequence
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import OptimizerConfig, ParallelContext
 from runtime.data_parallel.flat_shards import FlatGroup, ZeroError
-from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.distributed import comm
 from runtime.distributed.mesh import get_mesh
 
@@ -53,15 +53,11 @@ def place_groups(groups: Sequence[FlatGroup], dense: tuple[int, int, Any], exper
         group.way, group.comm_group = index, process_group if ranks > 1 else None
 
 
-def check_experts(groups: Sequence[FlatGroup], offload: OffloadConfig | None, optimizer: OptimizerConfig) -> None:
-    """Refuse what expert parallelism does not run with yet: offloaded state, 1-bit Adam."""
+def check_experts(groups: Sequence[FlatGroup], optimizer: OptimizerConfig) -> None:
+    """Refuse what expert parallelism does not run with yet: 1-bit Adam (whose compressed exchange
+    spans the whole dp group)."""
     if not any(group.expert for group in groups):
         return
-    if offload is not None and offload.active:
-        raise ConfigError(
-            "expert parallelism does not run with offloaded optimizer state or parameters yet: plan with "
-            "--offload-optimizer none --offload-params none, or with --ep 1"
-        )
     if optimizer.compression.enabled:
         raise ConfigError("expert parallelism does not run with 1-bit Adam (--dp-compression): plan one or the other")
 

@@ -179,7 +179,7 @@ class ZeroEngine(Zero3Params):
         self.edp_rank = dist.get_rank(self.edp_group) if self.edp > 1 else 0
         self.groups: list[FlatGroup] = build_groups(module, layers, self.dp, parallel.expert_params, self.edp)
         place_groups(self.groups, (self.dp, self.dp_rank, dp_group), (self.edp, self.edp_rank, self.edp_group))
-        check_experts(self.groups, offload, self.optimizer)
+        check_experts(self.groups, self.optimizer)
         self._roots = list(roots) if roots else [""]
         self._group_root = group_roots(self.groups, self._roots)
         self.device = self._common_device()
@@ -565,7 +565,7 @@ class ZeroEngine(Zero3Params):
         tied weight's waits for its sum over stages, in ``step()``)."""
         last = self.micro_batches_per_step is not None and self._backwards >= self.micro_batches_per_step
         if self._opt is not None and last and group.index not in self._tied_ids:
-            self._off.flush_grad(group, self.dp_rank)
+            self._off.flush_grad(group)
 
     # ------------------------------------------------------------------ step
     @property
@@ -607,7 +607,7 @@ class ZeroEngine(Zero3Params):
             self._free(group)
         self._sync_tied()
         if self._opt is not None:
-            self._off.flush_all(self.groups, self.dp_rank)
+            self._off.flush_all(self.groups)
 
     def _global_norm(self) -> tuple[float, bool]:
         """The unscaled global gradient norm and whether any rank saw inf/nan (one fp64 all-reduce

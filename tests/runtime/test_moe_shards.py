@@ -2,7 +2,7 @@
 (an expert parameter's rows per expert-parallel rank, cut at load from a whole tensor or through a
 lazy reader, joined back into the full ``[E, ...]`` tensor, for every ep degree dividing E; the
 manifest's expert records read and checked) and the ZeRO engine's expert groups (a layer split
-into a dense and an expert group, sharded over other degrees; what it refuses). One process."""
+into a dense and an expert group, sharded over other degrees; 1-bit Adam refused). One process."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from torch import nn
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import CompressionConfig
 from runtime.data_parallel.flat_shards import build_groups
-from runtime.data_parallel.offload_engine import OffloadConfig
-from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ZeroEngine
 from runtime.distributed.mesh import Mesh, set_mesh
 from runtime.moe.expert_shards import cut, expert_attrs, expert_degree, join, mark_listed, num_experts
 from runtime.stages.compiled_stages import CompiledError, load_weights
@@ -172,12 +171,9 @@ def test_one_process_with_expert_groups_trains_like_without():
         assert torch.equal(value, results[1][name]), name
 
 
-def test_engine_refuses_offload_and_one_bit_adam_with_experts():
+def test_engine_refuses_one_bit_adam_with_experts():
     checks, net = _moe_net()
     set_mesh(Mesh(1, 1, 1))
-    kw = dict(layers=checks.layers(net), parallel=ParallelContext(expert_params=checks.EXPERTS))
-    with pytest.raises(ConfigError, match="expert parallelism does not run with offloaded optimizer state"):
-        ZeroEngine(net, sharding=ShardingConfig(zero_stage=1), offload=OffloadConfig(optimizer="cpu"), **kw)
     onebit = OptimizerConfig(compression=CompressionConfig(method="onebit-adam", warmup_steps=1))
     with pytest.raises(ConfigError, match="does not run with 1-bit Adam"):
-        ZeroEngine(net, optimizer=onebit, **kw)
+        ZeroEngine(net, checks.layers(net), optimizer=onebit, parallel=ParallelContext(expert_params=checks.EXPERTS))
