@@ -1,6 +1,6 @@
 """The ZeRO engine with expert parameters, run inside ``test_moe_dispatch``'s 4-rank launch: a tiny
 MoE network (input projection, a router + routed experts layer through ``runtime.moe``'s dispatch
-and combine, a head) trained for a few steps at dp4 ep2 and dp4 ep4 under ZeRO 0-3 (and at dp4 ep2 with the optimizer
+and combine, a head) trained for a few steps at dp4 ep2, dp4 ep4 and dp2 tp2 ep2 (the net replicated over tp) under ZeRO 0-3 (and at dp4 ep2 with the optimizer
 state, and at ZeRO 3 the parameters, offloaded to host memory), against plain
 torch AdamW with ``clip_grad_norm_`` on the full batch in one process with every expert: losses,
 gradient norms (each expert counted once) and final weights (dense whole, experts this rank's
@@ -131,7 +131,12 @@ def train(
         dp_group=mesh.dp_group,
         sharding=ShardingConfig(zero_stage=zero_stage, micro_batches_per_step=MICRO),
         optimizer=OptimizerConfig(**HP, max_grad_norm=MAX_NORM),
-        parallel=ParallelContext(expert_params=EXPERTS),
+        parallel=ParallelContext(
+            expert_params=EXPERTS,
+            # tp > 1: every weight of this net is replicated over tp, counted once in the norm
+            norm_groups=[mesh.tp_group] if mesh.tp > 1 else (),
+            replicated_param_filter=(lambda name: True) if mesh.tp > 1 else None,
+        ),
         offload=offload,
     )
     per = BATCH // mesh.dp
@@ -231,7 +236,7 @@ def check_checkpoint(out_dir: str) -> None:
             assert_close(value, saved[key], rtol=0, atol=0, msg=f"ep{ep}: {key}")
 
 
-MESHES = {"dp4_ep2": (4, 2), "dp4_ep4": (4, 4)}
+MESHES = {"dp4_ep2": (4, 1, 2), "dp4_ep4": (4, 1, 4), "dp2_tp2_ep2": (2, 2, 2)}
 OFFLOADED = {  # dp4 ep2: ZeRO stage and where the state lives
     "zero1_optimizer_cpu": (1, OffloadConfig(optimizer="cpu")),
     "zero3_optimizer_and_params_cpu": (3, OffloadConfig(optimizer="cpu", params="cpu")),
@@ -245,8 +250,8 @@ CASES = (
 
 def run_all(rank: int, world: int, verdicts: dict, out_dir: str) -> None:
     """Every case of this module on the launch's ranks; a traceback per failed case."""
-    for name, (dp, ep) in MESHES.items():
-        setup_mesh(1, dp, 1, ep=ep)
+    for name, (dp, tp, ep) in MESHES.items():
+        setup_mesh(1, dp, tp, ep=ep)
         for stage in range(4):
             try:
                 check_engine(stage)
