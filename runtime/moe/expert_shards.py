@@ -33,13 +33,19 @@ def is_expert(entry: Mapping) -> bool:
 
 
 def expert_degree(man: Mapping) -> int:
-    """The plan's expert-parallel degree (1: experts replicated); the manifest's record must agree."""
+    """The plan's expert-parallel degree (1: experts replicated); the manifest's record must agree,
+    and a degree above 1 needs routed expert parameters to cut."""
     planned = int(man["plan"].get("expert_parallel", 1) or 1)
     record = man.get("expert_parallel") or {}
     if record and int(record.get("degree", planned)) != planned:
         raise ConfigError(
             f"the compiled manifest shards experts over {record['degree']} ranks but the plan says expert_parallel "
             f"{planned}; compile the plan again"
+        )
+    if planned > 1 and not any(expert_attrs(stage) for stage in man.get("stages", ())):
+        raise ConfigError(
+            f"the plan says expert_parallel {planned} but the compiled manifest marks no parameter as a routed "
+            "expert ('expert': true); compile the plan again with this planner"
         )
     return planned
 

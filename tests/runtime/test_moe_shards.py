@@ -116,6 +116,9 @@ def test_manifest_records():
         expert_degree(man)
     dense = {"plan": {"model": {}}}
     assert expert_degree(dense) == 1 and num_experts(dense) is None
+    unmarked = {"plan": {"expert_parallel": 2}, "stages": [{"params": {"w": {"fqn": "w"}}}]}
+    with pytest.raises(ConfigError, match="marks no parameter as a routed expert"):
+        expert_degree(unmarked)
 
 
 def test_a_list_of_expert_names_marks_the_entries():
