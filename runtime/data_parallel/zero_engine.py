@@ -9,6 +9,9 @@ Each group is a flat vector: its parameters concatenated in order and padded wit
 parameter becomes a view of its group's flat buffer (``p.data = flat[off:off + n].view(shape)``),
 so collectives and the optimizer work on whole buffers without copies.
 
+Routed expert weights under expert parallelism are groups of their own, sharded and reduced over
+the expert-data-parallel group instead of dp (``runtime.data_parallel.expert_groups``).
+
 What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtype)::
 
     stage   compute params      fp32 master            grads                      AdamW m, v
@@ -73,6 +76,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.data_parallel.engine_config import OptimizerConfig, ParallelContext, ShardingConfig
+from runtime.data_parallel.expert_groups import by_kind, check_experts, expert_data_group, place_groups
 from runtime.data_parallel.flat_shards import (
     FREE,
     FlatGroup,
@@ -170,7 +174,12 @@ class ZeroEngine(Zero3Params):
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.norm_groups = [group for group in parallel.norm_groups if group is not None and comm.group_size(group) > 1]
         self._init_bookkeeping()
-        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp)
+        self.edp_group = expert_data_group(parallel, self.dp)
+        self.edp = comm.group_size(self.edp_group) if self.edp_group is not None else 1
+        self.edp_rank = dist.get_rank(self.edp_group) if self.edp > 1 else 0
+        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp, parallel.expert_params, self.edp)
+        place_groups(self.groups, (self.dp, self.dp_rank, dp_group), (self.edp, self.edp_rank, self.edp_group))
+        check_experts(self.groups, self.optimizer)
         self._roots = list(roots) if roots else [""]
         self._group_root = group_roots(self.groups, self._roots)
         self.device = self._common_device()
@@ -187,7 +196,7 @@ class ZeroEngine(Zero3Params):
             if self.dtype != torch.float32:
                 self._cast_buffers()
         self._reducer = GradientReducer(
-            self.groups, self._group_root, dp_group, sharding, self.device, self._flat_grad, self._reduced
+            self.groups, self._group_root, self.dp, sharding, self.device, self._flat_grad, self._reduced
         )
         self._onebit = self._one_bit_adam(parallel, offload) if optimizer.compression.enabled else None
         self._gathers = ParamGathers(self.counters)  # ZeRO 1/2: parameter all-gathers in flight after step()
@@ -230,15 +239,19 @@ class ZeroEngine(Zero3Params):
         return devices.pop()
 
     def _set_ranges(self, parallel: ParallelContext) -> None:
-        """Each group's element ranges that count in the gradient norm and that decay."""
-        set_owned_ranges(
-            self.groups,
-            self.stage,
-            self.dp_rank,
-            parallel.replicated_param_filter,
-            self._replicated_rank(parallel),
-            self.optimizer.weight_decay_filter,
-        )
+        """Each group's element ranges that count in the gradient norm and that decay. An expert
+        group at stage 0 counts on its expert-data-parallel rank 0: the ranks of one
+        expert-parallel group hold different experts, so each expert counts once over dp."""
+        replicated_rank = self._replicated_rank(parallel)
+        for group in self.groups:
+            set_owned_ranges(
+                [group],
+                self.stage,
+                group.way,
+                parallel.replicated_param_filter,
+                replicated_rank,
+                self.optimizer.weight_decay_filter,
+            )
 
     @staticmethod
     def _replicated_rank(parallel: ParallelContext) -> int:
@@ -298,7 +311,7 @@ class ZeroEngine(Zero3Params):
             fp32 = torch.zeros(group.padded, dtype=torch.float32, device=self.device)
             for entry in group.entries:
                 fp32[entry.offset : entry.offset + entry.numel].copy_(entry.param.detach().reshape(-1))
-            own = slice(self.dp_rank * group.shard, (self.dp_rank + 1) * group.shard)
+            own = slice(group.way * group.shard, (group.way + 1) * group.shard)
             if self._flat is not None:
                 self._place_flat(group, fp32, own, base)
                 base += group.padded
@@ -552,7 +565,7 @@ class ZeroEngine(Zero3Params):
         tied weight's waits for its sum over stages, in ``step()``)."""
         last = self.micro_batches_per_step is not None and self._backwards >= self.micro_batches_per_step
         if self._opt is not None and last and group.index not in self._tied_ids:
-            self._off.flush_grad(group, self.dp_rank)
+            self._off.flush_grad(group)
 
     # ------------------------------------------------------------------ step
     @property
@@ -574,7 +587,7 @@ class ZeroEngine(Zero3Params):
         grad = group.grad_full
         assert grad is not None  # stages 0/1 keep the full gradient buffers
         if self.stage == 1:
-            grad = grad[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+            grad = grad[group.way * group.shard : (group.way + 1) * group.shard]
         return grad if grad.dtype == torch.float32 else grad.float()
 
     def _compressing(self) -> bool:
@@ -594,7 +607,7 @@ class ZeroEngine(Zero3Params):
             self._free(group)
         self._sync_tied()
         if self._opt is not None:
-            self._off.flush_all(self.groups, self.dp_rank)
+            self._off.flush_all(self.groups)
 
     def _global_norm(self) -> tuple[float, bool]:
         """The unscaled global gradient norm and whether any rank saw inf/nan (one fp64 all-reduce
@@ -723,13 +736,13 @@ class ZeroEngine(Zero3Params):
             if master is not group.full:
                 group.full.copy_(master)
             return None
-        shard = group.full[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+        shard = group.full[group.way * group.shard : (group.way + 1) * group.shard]
         if master.data_ptr() != shard.data_ptr():
             with copy_part(self.device) if self._opt is not None else contextlib.nullcontext():
                 shard.copy_(master, non_blocking=True)
-        if self.dp == 1:
+        if group.ways == 1:
             return None
-        return comm.all_gather_into(group.full, shard, self.dp_group, async_op=True)
+        return comm.all_gather_into(group.full, shard, group.comm_group, async_op=True)
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -757,21 +770,32 @@ class ZeroEngine(Zero3Params):
             self._flat_grad.zero_()
 
     # ------------------------------------------------------------------ state and memory
-    def _shard_position(self) -> tuple[int, int]:
-        """``(num_shards, shard_index)`` of this rank's state (stage 0: the one full state)."""
-        return (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
+    def _shard_position(self, expert: bool = False) -> tuple[int, int]:
+        """``(num_shards, shard_index)`` of this rank's state of the dense (or ``expert``) groups
+        (stage 0: the one full state)."""
+        if self.stage == 0:
+            return (1, 0)
+        return (self.edp, self.edp_rank) if expert else (self.dp, self.dp_rank)
 
     def state_dict(self) -> dict:
         """This rank's shards of masters and AdamW state, with the layout needed to reshard.
 
         Format: see ``runtime.data_parallel.flat_shards``. Stage 0 returns the full (unpadded) state with
-        ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
+        ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``. Under expert parallelism
+        the expert groups are left out of it and form ``state["experts"]``, a state of the same
+        format holding this rank's experts only, shard ``edp_rank`` of ``dp / ep`` (stage 0: full).
         """
         self._reducer.drain()
         self.wait_params()
         self._settle()
-        num_shards, shard_index = self._shard_position()
-        state = export_state(self.groups, num_shards, shard_index, self.step_count, self._off.access)
+        state: dict = {}
+        for key, groups in by_kind(self.groups):
+            num_shards, shard_index = self._shard_position(key is not None)
+            part = export_state(groups, num_shards, shard_index, self.step_count, self._off.access)
+            if key is None:
+                state.update(part)
+            else:
+                state[key] = part
         state.update(
             zero_stage=self.stage,
             lr=self.lr,
@@ -782,8 +806,14 @@ class ZeroEngine(Zero3Params):
 
     def state_layout(self) -> dict:
         """``state_dict()`` without its tensors (the layout a full state must have), read nothing."""
-        num_shards, shard_index = self._shard_position()
-        return state_layout(self.groups, num_shards, shard_index, self.step_count)
+        layout: dict = {}
+        for key, groups in by_kind(self.groups):
+            part = state_layout(groups, *self._shard_position(key is not None), self.step_count)
+            if key is None:
+                layout.update(part)
+            else:
+                layout[key] = part
+        return layout
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -793,8 +823,12 @@ class ZeroEngine(Zero3Params):
         """
         self.wait_params()  # a gather in flight would overwrite the loaded parameters
         self._settle()
-        num_shards, shard_index = self._shard_position()
-        self.step_count = import_state(self.groups, state, num_shards, shard_index, self._off.access)
+        for key, groups in by_kind(self.groups):
+            part = state if key is None else state.get(key)
+            if part is None:
+                raise ZeroError("the state holds no expert parameters, but this engine has some (expert parallelism)")
+            num_shards, shard_index = self._shard_position(key is not None)
+            self.step_count = import_state(groups, part, num_shards, shard_index, self._off.access)
         self.lr = float(state.get("lr", self.lr))
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
@@ -809,17 +843,18 @@ class ZeroEngine(Zero3Params):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 parameters by their original names (collective over dp at stages 1-3)."""
+        """Full fp32 parameters by their original names (collective over dp at stages 1-3); an
+        expert parameter is this rank's slice of the experts."""
         self.wait_params()
         self._settle()
         out: dict[str, torch.Tensor] = {}
         for group in self.groups:
             with self._off.access(group) as (master, _, _):
-                if self.stage == 0 or self.dp == 1:
+                if self.stage == 0 or group.ways == 1:
                     flat = master.clone()
                 else:
                     flat = torch.empty(group.padded, dtype=torch.float32, device=self.device)
-                    comm.all_gather_into(flat, master.to(self.device), self.dp_group)
+                    comm.all_gather_into(flat, master.to(self.device), group.comm_group)
             for entry in group.entries:
                 out[entry.name] = flat[entry.offset : entry.offset + entry.numel].view(entry.shape).clone().cpu()
         return out
