@@ -214,6 +214,12 @@ class Candidate:
         return self.dp, self.tp, self.pp
 
     @property
+    def mesh(self) -> tuple[int, int, int, int]:
+        """``(dp, tp, pp, ep)``: what makes two candidates different layouts of the devices (the
+        search keeps the best of each)."""
+        return self.dp, self.tp, self.pp, self.expert_parallel
+
+    @property
     def offloads(self) -> bool:
         """True when some state lives off the device."""
         return self.offload_optimizer != OffloadTier.NONE or self.offload_params != OffloadTier.NONE
