@@ -67,6 +67,14 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
+from planner.search.expert_search import (
+    ExpertSummary,
+    expert_summary,
+    listed_runners_up,
+    model_moe,
+    replicated_note,
+    with_replicated_experts,
+)
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
@@ -303,6 +311,8 @@ class Solution:
     compression: CompressionChoice | None = None
     """Whether the data-parallel exchange is compressed (1-bit Adam), and why; None when the
     search did not weigh it (nothing compressed could win)."""
+    experts: ExpertSummary | None = None
+    """A mixture of experts' figures for the report (``planner.search.expert_search``); None when dense."""
 
 
 def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:
@@ -367,14 +377,22 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
     result = with_replicated_experts(result, entries, table.kinds, request.checkpoint, solver)
-    moe_note = _moe_note(table.model)
+    moe_note = replicated_note(table.model)
     if moe_note:
         result.notes.append(moe_note)
     result = _scheduled(request, table, _costs_for(request, table, hw, gpus_per_node, entries, result), result, solver)
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
-    return Solution(plan=plan, evaluation=result.winner(), search=result, compile=choice, compression=compression)
+    experts = expert_summary(request, table, hw, gpus_per_node, result.winner())
+    return Solution(
+        plan=plan,
+        evaluation=result.winner(),
+        search=result,
+        compile=choice,
+        compression=compression,
+        experts=experts,
+    )
 
 
 def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
@@ -588,58 +606,6 @@ def choose_compile(
     )
 
 
-def with_replicated_experts(result: SearchResult, entries, kinds, checkpoint: str, solver: str) -> SearchResult:
-    """``result`` with the best strategy without expert parallelism (ep 1) among its runners-up
-    when the winner shards its experts, searched apart when the main search kept none (so the
-    plan shows what ep gains)."""
-    if not result.ranked or result.winner().strategy.candidate.expert_parallel == 1:
-        return result
-    if any(ev.strategy.candidate.expert_parallel == 1 for ev in result.ranked + result.extra):
-        return result
-    plain = search([entry for entry in entries if entry[2].cand.expert_parallel == 1], kinds, checkpoint, solver, keep=1)
-    if not plain.ranked:
-        return result
-    return dataclasses.replace(result, extra=result.extra + [plain.ranked[0]])
-
-
-def _moe_note(model: dict) -> str | None:
-    """The report's line for a mixture of experts the graph did not let the planner shard."""
-    facts = model.get("moe")
-    if isinstance(facts, dict) and facts.get("reason") and not facts.get("experts"):
-        return f"experts replicated on every data-parallel rank (no expert parallelism): {facts['reason']}"
-    return None
-
-
-def _moe(model: dict, capacity_factor: float | None) -> dict:
-    """plan.json's ``model.moe`` from the table's facts (``passes.moe``); ``{}`` for a dense model
-    or one whose experts the pass could not read (the report says why: ``_moe_note``)."""
-    facts = model.get("moe")
-    if not isinstance(facts, dict) or not facts.get("experts"):
-        return {}
-    return {
-        "layers": [int(i) for i in facts["layers"]],
-        "experts": int(facts["experts"]),
-        "top_k": int(facts["top_k"]),
-        "shared_experts": int(facts.get("shared_experts", 0)),
-        "capacity_factor": capacity_factor,
-    }
-
-
-def _alternatives(result: SearchResult, winner: Evaluation, n: int = 3) -> list[Evaluation]:
-    """The runners-up plan.json lists: the best of the ``n`` fastest other layouts, and, when the
-    winner shards its experts, the best without (in place of the slowest, when it is not among them)."""
-    alts = result.runners_up(n)
-    if winner.strategy.candidate.expert_parallel == 1 or any(
-        alt.strategy.candidate.expert_parallel == 1 for alt in alts
-    ):
-        return alts
-    plain = [ev for ev in result.ranked[1:] + result.extra if ev.strategy.candidate.expert_parallel == 1]
-    if not plain:
-        return alts
-    best = min(plain, key=lambda ev: ev.step_time_s)
-    return (alts[: n - 1] if len(alts) >= n else alts) + [best]
-
-
 def _attention(model: dict, seq_len: int, sequences: int) -> dict:
     """plan.json's ``model.attention`` (``passes.mask_density.summarize``); ``{}`` without attention."""
     facts = model.get("attention")
@@ -676,7 +642,7 @@ def build_plan(
         layer_names=model_layer_names(request.spec, list(table.names)),
         inputs=list(inputs or []),
         attention=_attention(table.model, request.seq_len, request.global_batch),
-        moe=_moe(table.model, getattr(request, "moe_capacity_factor", None)),
+        moe=model_moe(table.model, getattr(request, "moe_capacity_factor", None)),
     )
     alts = [
         Alternative(
@@ -697,7 +663,7 @@ def build_plan(
             virtual_stages=alt.strategy.virtual_stages,
             expert_parallel=alt.strategy.candidate.expert_parallel,
         )
-        for alt in _alternatives(result, evaluation)
+        for alt in listed_runners_up(result, evaluation)
     ]
     plan = Plan(
         model=model,
