@@ -61,7 +61,7 @@ PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_co
 RESIDUAL = "compute"
 
 #: The part each kind of process group's blocking collectives count in (``register_group``).
-AXIS_PARTS: dict[str, str] = {"tp": "tp_comm", "dp": "dp_comm", "tied": "dp_comm", "pp": "pp_bubble"}
+AXIS_PARTS: dict[str, str] = {"tp": "tp_comm", "dp": "dp_comm", "tied": "dp_comm", "pp": "pp_bubble", "ep": "ep_comm"}
 
 
 class Breakdown(NamedTuple):

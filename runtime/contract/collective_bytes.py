@@ -12,13 +12,18 @@ broadcast, all-to-all
 send (``p2p``)                      ``size``
 recv                                ``0``
 ==================================  ======================
+
+All-to-all is counted as the bytes a device sends to OTHER ranks (its own chunk stays put): a
+balanced all-to-all of a ``size``-byte input sends ``(n-1)/n`` of it, which is the row above; an
+all-to-all with variable splits (the expert dispatch of ``runtime.moe``) sends the sum of its
+chunks for the other ranks, ``all_to_all_bytes``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COLLECTIVES", "ring_bytes"]
+__all__ = ["COLLECTIVES", "ring_bytes", "all_to_all_bytes"]
 
 COLLECTIVES: tuple[str, ...] = (
     "all_reduce",
@@ -46,3 +51,11 @@ def ring_bytes(kind: str, size_bytes: Any, ranks: int) -> Any:
     if kind in ("send", "p2p"):
         return 1.0 * size_bytes
     return 0.0  # recv
+
+
+def all_to_all_bytes(chunk_bytes: list[Any], own_index: int) -> Any:
+    """Bytes one device sends in an all-to-all whose input holds ``chunk_bytes[j]`` bytes for
+    rank ``j`` of the group (this device being rank ``own_index``): every chunk but its own."""
+    if not 0 <= own_index < len(chunk_bytes):
+        raise ValueError(f"rank index {own_index} outside a group of {len(chunk_bytes)} chunks")
+    return sum(size for j, size in enumerate(chunk_bytes) if j != own_index)

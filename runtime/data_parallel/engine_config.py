@@ -2,7 +2,8 @@
 and ``OptimizerConfig``): how state is sharded and gradients are reduced (``ShardingConfig``), the
 optimizer's hyper-parameters (``OptimizerConfig``, also what ``flat_shards.adamw_step_`` reads, with
 its compressed exchange, ``CompressionConfig``) and
-the ranks beyond the data-parallel group that share the gradient norm (``ParallelContext``). Where
+the ranks beyond the data-parallel group that share the gradient norm and the expert parameters
+reduced over the expert-data-parallel group (``ParallelContext``). Where
 the optimizer state and parameter shards live is ``offload_engine.OffloadConfig``."""
 
 from __future__ import annotations
@@ -151,3 +152,12 @@ class ParallelContext:
     dp reduction its gradient is summed over ``group``, and it counts in the norm only where ``counted``."""
     rank: int | None = None
     """This process's global rank, naming its NVMe folder (default: ``dist.get_rank()``)."""
+    expert_params: frozenset[str] = frozenset()
+    """Engine names of the routed expert parameters this rank holds a slice of under expert
+    parallelism (``runtime.moe``): sharded and reduced over ``expert_data_group`` instead of dp."""
+    expert_data_group: Any = None
+    """The ranks holding the same experts (default: ``get_mesh().edp_group``, the dp group when
+    ``ep == 1``); only read when ``expert_params`` is not empty."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_params", frozenset(self.expert_params))

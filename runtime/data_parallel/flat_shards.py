@@ -109,10 +109,21 @@ class FlatParam:
 
 
 class FlatGroup:
-    """A layer: its flat buffers, the ranges this rank owns, and the engine's bookkeeping."""
+    """A layer (or a layer's routed experts): its flat buffers, the ranges this rank owns, and the
+    engine's bookkeeping.
 
-    def __init__(self, index: int, names: list[str], entries: list[FlatParam], dp: int):
+    ``ways`` is the number of ranks the group is sharded and reduced over: the data-parallel
+    degree, or for an expert group (``expert``) the expert-data-parallel degree ``dp / ep``
+    (every rank of an expert-parallel group holds other experts, so only the ranks holding the
+    same ones share them). The engine sets ``way`` (this rank's shard index among them) and
+    ``comm_group`` (their process group; None when ``ways == 1``)."""
+
+    def __init__(self, index: int, names: list[str], entries: list[FlatParam], dp: int, expert: bool = False):
         self.index, self.names, self.entries = index, names, entries
+        self.expert = expert
+        self.ways = dp
+        self.way = 0
+        self.comm_group: object | None = None
         self.base = 0  # offset in the stage-wide flat buffers (stages 0-2)
         self.numel = sum(e.numel for e in entries)
         self.padded = padded_numel(self.numel, dp)
@@ -138,14 +149,22 @@ class FlatGroup:
         self.flushed = False  # optimizer offload: the reduced gradient is in host memory this step
 
 
-def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: int) -> list[FlatGroup]:
+def build_groups(
+    module: nn.Module,
+    layers: Sequence[Sequence[str]] | None,
+    dp: int,
+    experts: frozenset[str] = frozenset(),
+    expert_ways: int = 1,
+) -> list[FlatGroup]:
     """Check ``layers`` against ``module`` and lay each group out flat (see ``ZeroEngine``).
 
     Every parameter must be in exactly one group (a tied parameter may be named by any alias).
     ``layers=None``: parameters directly on ``module`` first, then one group per child (per
     grandchild for a ``ModuleList``/``ModuleDict`` child, e.g. one per transformer block).
     Parameters a container holds directly (a ``ParameterList`` inside a ``ModuleList``) must
-    then be grouped explicitly.
+    then be grouped explicitly. A layer holding parameters named in ``experts`` (routed expert
+    weights under expert parallelism) becomes two groups: its other parameters sharded over
+    ``dp``, then its expert parameters sharded over ``expert_ways``.
     """
     canonical = list(module.named_parameters())
     if not canonical:
@@ -170,31 +189,47 @@ def build_groups(module: nn.Module, layers: Sequence[Sequence[str]] | None, dp: 
                 if names:
                     layers.append(names)
     seen: dict[int, str] = {}
-    groups = []
+    groups: list[FlatGroup] = []
     for group_index, layer in enumerate(layers):
         names = list(layer)
         if not names:
             raise ZeroError(f"layer group {group_index} is empty; drop it or give it parameter names")
-        entries, offset = [], 0
-        for n in names:
-            if n not in by_alias:
-                raise ZeroError(
-                    f"layer group {group_index} names {n!r}, which is not a parameter of the module "
-                    f"(parameters are e.g. {list(canon_name.values())[:4]})"
-                )
-            param = by_alias[n]
-            if id(param) in seen:
-                raise ZeroError(f"parameter {n!r} appears in layer groups twice (also as {seen[id(param)]!r})")
-            seen[id(param)] = n
-            entries.append(FlatParam(canon_name[id(param)], param, offset))
-            offset += param.numel()
-        group = FlatGroup(group_index, names, entries, dp)
-        group.hook_modules = hook_module_names(module, names)
-        groups.append(group)
+        routed = [n for n in names if n in experts]
+        for part, expert in (([n for n in names if n not in experts], False), (routed, True)):
+            if part:
+                entries = _flat_entries(part, by_alias, canon_name, seen, group_index)
+                group = FlatGroup(len(groups), part, entries, expert_ways if expert else dp, expert=expert)
+                group.hook_modules = hook_module_names(module, part)
+                groups.append(group)
     missing = [n for n, param in canonical if id(param) not in seen]
     if missing:
         raise ZeroError(f"parameters in no layer group: {missing[:8]} ({len(missing)} in all)")
     return groups
+
+
+def _flat_entries(
+    names: list[str],
+    by_alias: dict[str, nn.Parameter],
+    canon_name: dict[int, str],
+    seen: dict[int, str],
+    layer_index: int,
+) -> list[FlatParam]:
+    """The flat layout of ``names`` (of layer ``layer_index``); ``seen`` records each parameter's
+    group so that none is named twice."""
+    entries, offset = [], 0
+    for n in names:
+        if n not in by_alias:
+            raise ZeroError(
+                f"layer group {layer_index} names {n!r}, which is not a parameter of the module "
+                f"(parameters are e.g. {list(canon_name.values())[:4]})"
+            )
+        param = by_alias[n]
+        if id(param) in seen:
+            raise ZeroError(f"parameter {n!r} appears in layer groups twice (also as {seen[id(param)]!r})")
+        seen[id(param)] = n
+        entries.append(FlatParam(canon_name[id(param)], param, offset))
+        offset += param.numel()
+    return entries
 
 
 def hook_module_names(module: nn.Module, names: list[str]) -> list[str]:

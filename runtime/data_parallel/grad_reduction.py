@@ -11,6 +11,13 @@ is still right: the buffer then holds ``avg + g_r`` and its reduction gives ``(d
 Stages 2/3 reduce-scatter on every backward outside ``no_sync()`` (inside it full gradients
 accumulate and are reduce-scattered later), so gradients cost ``4 P / dp`` plus the layers in flight.
 
+Expert groups (``FlatGroup.expert``: routed expert weights under expert parallelism) are reduced
+over their own process group, the ``dp / ep`` ranks holding the same experts (``FlatGroup.comm_group``),
+and still divided by dp: every rank's loss is its share of the global mean and the expert's
+all-to-all backward has already brought the gradients of the ``ep`` ranks it serves, so the sum
+over the expert-data-parallel group divided by dp is the gradient of the global mean. A bucket
+holds groups of one kind only.
+
 Buckets launch strictly in bucket order, so every rank issues the same collectives in the same
 order; at most ``runtime.contract.limits.REDUCTIONS_IN_FLIGHT`` reductions are pending at once
 (launching another first finishes the oldest), which bounds the gradient buffers alive together.
@@ -52,7 +59,8 @@ def make_buckets(
     size, cap = 0, min(bucket_bytes, FIRST_BUCKET_BYTES)
     for group in reversed(groups):
         group_bytes = group.padded * element_bytes
-        if current and (size + group_bytes > cap or group_root[group.index] != group_root[current[0]]):
+        other_kind = groups[current[0]].expert != group.expert if current else False
+        if current and (size + group_bytes > cap or group_root[group.index] != group_root[current[0]] or other_kind):
             buckets.append(current)
             current, size, cap = [], 0, bucket_bytes
         current.append(group.index)
@@ -94,21 +102,22 @@ class _Pending:
 
 class GradientReducer:
     """The buckets of one engine, which of them this backward pass launched, and the reductions in
-    flight. ``on_reduced(group)`` runs when a group's reduction completed."""
+    flight. ``on_reduced(group)`` runs when a group's reduction completed. ``dp``: the
+    data-parallel degree, which every reduced gradient is divided by; each bucket is reduced over
+    its groups' ``comm_group``."""
 
     def __init__(
         self,
         groups: list[FlatGroup],
         group_root: list[int],
-        dp_group: object,
+        dp: int,
         sharding: ShardingConfig,
         device: torch.device,
         flat_grad: torch.Tensor | None,
         on_reduced: Callable[[FlatGroup], None],
     ):
-        self.groups, self.group_root, self.dp_group = groups, group_root, dp_group
+        self.groups, self.group_root, self.dp = groups, group_root, dp
         self.stage, self.dtype, self.device = sharding.zero_stage, sharding.param_dtype, device
-        self.dp = comm.group_size(dp_group) if dp_group is not None else 1
         self.flat_grad = flat_grad  # stages 0/1: the stage-wide gradient buffer the groups' views share
         self.on_reduced = on_reduced
         self.buckets = make_buckets(groups, self.stage, self.dtype, sharding.bucket_bytes, group_root)
@@ -143,45 +152,49 @@ class GradientReducer:
                 self.on_reduced(group)
         elif self.stage < 2:
             self._all_reduce(bucket)
-        elif self.dp == 1:
+        elif bucket[0].ways == 1:  # one rank holds these (dp 1, or experts with ep == dp)
             with torch.no_grad():
                 for group in bucket:
                     if group.grad_full is not None:
-                        shard_accumulator(group, self.device).add_(group.grad_full)
+                        shard_accumulator(group, self.device).add_(group.grad_full, alpha=1.0 / self.dp)
                     drop_full_grad(group)
                     self.on_reduced(group)
         else:
             self._reduce_scatter(bucket)
 
     def _all_reduce(self, bucket: list[FlatGroup]) -> None:
-        if self.dp == 1:
-            for group in bucket:
-                self.on_reduced(group)
-            return
         start = min(group.base for group in bucket)
         end = max(group.base + group.padded for group in bucket)
         assert self.flat_grad is not None  # stages 0/1 keep one
         reduced = self.flat_grad[start:end]
-        work = comm.all_reduce(reduced, self.dp_group, async_op=True)
+        if bucket[0].ways == 1:  # one rank holds these (dp 1, or experts with ep == dp)
+            if self.dp > 1:
+                with torch.no_grad():
+                    reduced.div_(self.dp)
+            for group in bucket:
+                self.on_reduced(group)
+            return
+        work = comm.all_reduce(reduced, bucket[0].comm_group, async_op=True)
         self.inflight.append(_Pending(work, reduced, bucket))
         self.poll()
 
     def _reduce_scatter(self, bucket: list[FlatGroup]) -> None:
+        ways = bucket[0].ways
         if len(bucket) == 1 and bucket[0].grad_full is not None:
             source, columns = bucket[0].grad_full, [0]
         else:
             total = sum(group.shard for group in bucket)
-            staging = torch.zeros(self.dp, total, dtype=self.dtype, device=self.device)
+            staging = torch.zeros(ways, total, dtype=self.dtype, device=self.device)
             columns, column = [], 0
             for group in bucket:
                 if group.grad_full is not None:
-                    staging[:, column : column + group.shard].copy_(group.grad_full.view(self.dp, group.shard))
+                    staging[:, column : column + group.shard].copy_(group.grad_full.view(ways, group.shard))
                 drop_full_grad(group)
                 columns.append(column)
                 column += group.shard
             source = staging.view(-1)
-        out = torch.empty(source.numel() // self.dp, dtype=self.dtype, device=self.device)
-        work = comm.reduce_scatter_into(out, source, self.dp_group, async_op=True)
+        out = torch.empty(source.numel() // ways, dtype=self.dtype, device=self.device)
+        work = comm.reduce_scatter_into(out, source, bucket[0].comm_group, async_op=True)
         self.inflight.append(_Pending(work, out, bucket, columns, source))
         self.poll()
 

@@ -189,16 +189,16 @@ class Zero3Params:
         with torch.no_grad():
             full.untyped_storage().resize_(group.padded * full.element_size())
             shard = self._off.shard_source(group)
-            if self.dp == 1:
+            if group.ways == 1:
                 full.copy_(shard)
                 group.state = GATHERED
                 return
             if shard.dtype == self.dtype:
                 source = group.gather_src = shard  # kept alive until the gather ends
             else:
-                source = full[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+                source = full[group.way * group.shard : (group.way + 1) * group.shard]
                 source.copy_(shard)
-            group.gather_work = comm.all_gather_into(full, source, self.dp_group, async_op=async_op)
+            group.gather_work = comm.all_gather_into(full, source, group.comm_group, async_op=async_op)
         group.state = GATHERING if async_op else GATHERED
         if not async_op:
             group.gather_work = group.gather_src = None

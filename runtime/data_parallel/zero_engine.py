@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import OptimizerConfig, ParallelContext, ShardingConfig
 from runtime.data_parallel.flat_shards import (
     FREE,
@@ -170,7 +171,12 @@ class ZeroEngine(Zero3Params):
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.norm_groups = [group for group in parallel.norm_groups if group is not None and comm.group_size(group) > 1]
         self._init_bookkeeping()
-        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp)
+        self.edp_group = self._expert_data_group(parallel)
+        self.edp = comm.group_size(self.edp_group) if self.edp_group is not None else 1
+        self.edp_rank = dist.get_rank(self.edp_group) if self.edp > 1 else 0
+        self.groups: list[FlatGroup] = build_groups(module, layers, self.dp, parallel.expert_params, self.edp)
+        self._place_groups()
+        self._check_experts(offload)
         self._roots = list(roots) if roots else [""]
         self._group_root = group_roots(self.groups, self._roots)
         self.device = self._common_device()
@@ -187,13 +193,45 @@ class ZeroEngine(Zero3Params):
             if self.dtype != torch.float32:
                 self._cast_buffers()
         self._reducer = GradientReducer(
-            self.groups, self._group_root, dp_group, sharding, self.device, self._flat_grad, self._reduced
+            self.groups, self._group_root, self.dp, sharding, self.device, self._flat_grad, self._reduced
         )
         self._onebit = self._one_bit_adam(parallel, offload) if optimizer.compression.enabled else None
         self._gathers = ParamGathers(self.counters)  # ZeRO 1/2: parameter all-gathers in flight after step()
         self._register_hooks()
 
     # ------------------------------------------------------------------ construction
+    def _expert_data_group(self, parallel: ParallelContext) -> Any:
+        """The group expert parameters are sharded and reduced over (None: no expert parameters)."""
+        if not parallel.expert_params:
+            return None
+        group = parallel.expert_data_group if parallel.expert_data_group is not None else get_mesh().edp_group
+        if group is not None and self.dp % comm.group_size(group):
+            raise ZeroError(
+                f"the expert-data-parallel group has {comm.group_size(group)} ranks, which does not divide dp={self.dp}"
+            )
+        return group
+
+    def _place_groups(self) -> None:
+        """Each group's shard index and process group: dp for dense groups, expert-data-parallel
+        for expert groups (``FlatGroup.ways``)."""
+        for group in self.groups:
+            if group.expert:
+                group.way, group.comm_group = self.edp_rank, self.edp_group if self.edp > 1 else None
+            else:
+                group.way, group.comm_group = self.dp_rank, self.dp_group if self.dp > 1 else None
+
+    def _check_experts(self, offload: OffloadConfig | None) -> None:
+        """Refuse what expert parallelism does not run with yet: offloaded state, 1-bit Adam."""
+        if not any(group.expert for group in self.groups):
+            return
+        if offload is not None and offload.active:
+            raise ConfigError(
+                "expert parallelism does not run with offloaded optimizer state or parameters yet: plan with "
+                "--offload-optimizer none --offload-params none, or with --ep 1"
+            )
+        if self.optimizer.compression.enabled:
+            raise ConfigError("expert parallelism does not run with 1-bit Adam (--dp-compression): plan one or the other")
+
     def _loss_scaler(self, loss_scaler: DynamicLossScaler | None) -> DynamicLossScaler | None:
         """The loss scaler of the compute dtype: the given one or a default one for fp16, none else."""
         if loss_scaler is None and self.dtype == torch.float16:
@@ -230,15 +268,19 @@ class ZeroEngine(Zero3Params):
         return devices.pop()
 
     def _set_ranges(self, parallel: ParallelContext) -> None:
-        """Each group's element ranges that count in the gradient norm and that decay."""
-        set_owned_ranges(
-            self.groups,
-            self.stage,
-            self.dp_rank,
-            parallel.replicated_param_filter,
-            self._replicated_rank(parallel),
-            self.optimizer.weight_decay_filter,
-        )
+        """Each group's element ranges that count in the gradient norm and that decay. An expert
+        group at stage 0 counts on its expert-data-parallel rank 0: the ranks of one
+        expert-parallel group hold different experts, so each expert counts once over dp."""
+        replicated_rank = self._replicated_rank(parallel)
+        for group in self.groups:
+            set_owned_ranges(
+                [group],
+                self.stage,
+                group.way,
+                parallel.replicated_param_filter,
+                replicated_rank,
+                self.optimizer.weight_decay_filter,
+            )
 
     @staticmethod
     def _replicated_rank(parallel: ParallelContext) -> int:
@@ -298,7 +340,7 @@ class ZeroEngine(Zero3Params):
             fp32 = torch.zeros(group.padded, dtype=torch.float32, device=self.device)
             for entry in group.entries:
                 fp32[entry.offset : entry.offset + entry.numel].copy_(entry.param.detach().reshape(-1))
-            own = slice(self.dp_rank * group.shard, (self.dp_rank + 1) * group.shard)
+            own = slice(group.way * group.shard, (group.way + 1) * group.shard)
             if self._flat is not None:
                 self._place_flat(group, fp32, own, base)
                 base += group.padded
@@ -574,7 +616,7 @@ class ZeroEngine(Zero3Params):
         grad = group.grad_full
         assert grad is not None  # stages 0/1 keep the full gradient buffers
         if self.stage == 1:
-            grad = grad[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+            grad = grad[group.way * group.shard : (group.way + 1) * group.shard]
         return grad if grad.dtype == torch.float32 else grad.float()
 
     def _compressing(self) -> bool:
@@ -723,13 +765,13 @@ class ZeroEngine(Zero3Params):
             if master is not group.full:
                 group.full.copy_(master)
             return None
-        shard = group.full[self.dp_rank * group.shard : (self.dp_rank + 1) * group.shard]
+        shard = group.full[group.way * group.shard : (group.way + 1) * group.shard]
         if master.data_ptr() != shard.data_ptr():
             with copy_part(self.device) if self._opt is not None else contextlib.nullcontext():
                 shard.copy_(master, non_blocking=True)
-        if self.dp == 1:
+        if group.ways == 1:
             return None
-        return comm.all_gather_into(group.full, shard, self.dp_group, async_op=True)
+        return comm.all_gather_into(group.full, shard, group.comm_group, async_op=True)
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -757,21 +799,39 @@ class ZeroEngine(Zero3Params):
             self._flat_grad.zero_()
 
     # ------------------------------------------------------------------ state and memory
-    def _shard_position(self) -> tuple[int, int]:
-        """``(num_shards, shard_index)`` of this rank's state (stage 0: the one full state)."""
-        return (1, 0) if self.stage == 0 else (self.dp, self.dp_rank)
+    def _shard_position(self, expert: bool = False) -> tuple[int, int]:
+        """``(num_shards, shard_index)`` of this rank's state of the dense (or ``expert``) groups
+        (stage 0: the one full state)."""
+        if self.stage == 0:
+            return (1, 0)
+        return (self.edp, self.edp_rank) if expert else (self.dp, self.dp_rank)
+
+    def _kinds(self) -> list[tuple[str | None, list[FlatGroup]]]:
+        """The dense groups (key None: the state dict itself) and, when there are any, the expert
+        groups (key ``"experts"``: a state dict of their own, sharded over expert data parallelism)."""
+        dense = [group for group in self.groups if not group.expert]
+        experts = [group for group in self.groups if group.expert]
+        return [(None, dense)] + ([("experts", experts)] if experts else [])
 
     def state_dict(self) -> dict:
         """This rank's shards of masters and AdamW state, with the layout needed to reshard.
 
         Format: see ``runtime.data_parallel.flat_shards``. Stage 0 returns the full (unpadded) state with
-        ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``.
+        ``num_shards == 1``; stages 1-3 return shard ``dp_rank`` of ``dp``. Under expert parallelism
+        the expert groups are left out of it and form ``state["experts"]``, a state of the same
+        format holding this rank's experts only, shard ``edp_rank`` of ``dp / ep`` (stage 0: full).
         """
         self._reducer.drain()
         self.wait_params()
         self._settle()
-        num_shards, shard_index = self._shard_position()
-        state = export_state(self.groups, num_shards, shard_index, self.step_count, self._off.access)
+        state: dict = {}
+        for key, groups in self._kinds():
+            num_shards, shard_index = self._shard_position(key is not None)
+            part = export_state(groups, num_shards, shard_index, self.step_count, self._off.access)
+            if key is None:
+                state.update(part)
+            else:
+                state[key] = part
         state.update(
             zero_stage=self.stage,
             lr=self.lr,
@@ -782,8 +842,14 @@ class ZeroEngine(Zero3Params):
 
     def state_layout(self) -> dict:
         """``state_dict()`` without its tensors (the layout a full state must have), read nothing."""
-        num_shards, shard_index = self._shard_position()
-        return state_layout(self.groups, num_shards, shard_index, self.step_count)
+        layout: dict = {}
+        for key, groups in self._kinds():
+            part = state_layout(groups, *self._shard_position(key is not None), self.step_count)
+            if key is None:
+                layout.update(part)
+            else:
+                layout[key] = part
+        return layout
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -793,8 +859,12 @@ class ZeroEngine(Zero3Params):
         """
         self.wait_params()  # a gather in flight would overwrite the loaded parameters
         self._settle()
-        num_shards, shard_index = self._shard_position()
-        self.step_count = import_state(self.groups, state, num_shards, shard_index, self._off.access)
+        for key, groups in self._kinds():
+            part = state if key is None else state.get(key)
+            if part is None:
+                raise ZeroError("the state holds no expert parameters, but this engine has some (expert parallelism)")
+            num_shards, shard_index = self._shard_position(key is not None)
+            self.step_count = import_state(groups, part, num_shards, shard_index, self._off.access)
         self.lr = float(state.get("lr", self.lr))
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
@@ -809,17 +879,18 @@ class ZeroEngine(Zero3Params):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 parameters by their original names (collective over dp at stages 1-3)."""
+        """Full fp32 parameters by their original names (collective over dp at stages 1-3); an
+        expert parameter is this rank's slice of the experts."""
         self.wait_params()
         self._settle()
         out: dict[str, torch.Tensor] = {}
         for group in self.groups:
             with self._off.access(group) as (master, _, _):
-                if self.stage == 0 or self.dp == 1:
+                if self.stage == 0 or group.ways == 1:
                     flat = master.clone()
                 else:
                     flat = torch.empty(group.padded, dtype=torch.float32, device=self.device)
-                    comm.all_gather_into(flat, master.to(self.device), self.dp_group)
+                    comm.all_gather_into(flat, master.to(self.device), group.comm_group)
             for entry in group.entries:
                 out[entry.name] = flat[entry.offset : entry.offset + entry.numel].view(entry.shape).clone().cpu()
         return out

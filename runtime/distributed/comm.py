@@ -22,6 +22,7 @@ so its ``wait`` counts there.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import timing
-from runtime.contract.collective_bytes import ring_bytes
+from runtime.contract.collective_bytes import all_to_all_bytes, ring_bytes
 
 __all__ = [
     "CommStats",
@@ -42,6 +43,7 @@ __all__ = [
     "all_gather_into",
     "reduce_scatter_into",
     "all_to_all_into",
+    "all_to_all_variable",
     "broadcast",
     "send",
     "recv",
@@ -66,6 +68,12 @@ class CommStats:
     def add(self, kind: str, size_bytes: int, n: int) -> None:
         with self._lock:
             self.bytes_by_kind[kind] += ring_bytes(kind, size_bytes, n)
+            self.calls_by_kind[kind] += 1
+
+    def add_sent(self, kind: str, sent_bytes: int) -> None:
+        """Count one call of ``kind`` that sends exactly ``sent_bytes`` to other ranks."""
+        with self._lock:
+            self.bytes_by_kind[kind] += int(sent_bytes)
             self.calls_by_kind[kind] += 1
 
     @property
@@ -215,6 +223,32 @@ def all_to_all_into(output: torch.Tensor, source: torch.Tensor, group=None, asyn
         group,
         lambda: dist.all_to_all_single(output, source, group=group, async_op=async_op),
         not async_op,
+    )
+
+
+def all_to_all_variable(
+    output: torch.Tensor, source: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None
+) -> None:
+    """Blocking all-to-all with variable splits along dim 0: rows ``input_splits[j]`` of ``source``
+    go to rank ``j`` of ``group``; ``output`` receives ``output_splits[i]`` rows from rank ``i``,
+    rank-major. Counts the bytes this rank sends to the other ranks (its own chunk is a local copy)."""
+    n = group_size(group)
+    if len(input_splits) != n or len(output_splits) != n:
+        raise ValueError(f"all-to-all over {n} ranks needs {n} splits each way, got {input_splits} and {output_splits}")
+    if n == 1:
+        if output.data_ptr() != source.data_ptr():
+            output.copy_(source.view_as(output))
+        return
+    row_bytes = math.prod(source.shape[1:]) * source.element_size()
+    sent = all_to_all_bytes([rows * row_bytes for rows in input_splits], dist.get_rank(group))
+    STATS.add_sent("all_to_all", sent)
+    _guard(
+        "all_to_all",
+        int(sent),
+        group,
+        lambda: dist.all_to_all_single(
+            output, source, output_split_sizes=list(output_splits), input_split_sizes=list(input_splits), group=group
+        ),
     )
 
 

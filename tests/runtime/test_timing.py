@@ -120,7 +120,10 @@ def test_group_to_part(groups):
     }
     assert timing.part_of(None) is None and timing.part_of(object()) is None
     with pytest.raises(ValueError, match="unknown axis"):
-        timing.register_group(object(), "ep")
+        timing.register_group(object(), "cp")
+    expert_group = object()
+    timing.register_group(expert_group, "ep")  # runtime.moe's all-to-all
+    assert timing.part_of(expert_group) == "ep_comm"
     timing.forget_groups()
     assert timing.part_of(groups["tp"]) is None
 
