@@ -432,7 +432,7 @@ def experts_text(plan) -> str:
     if ep == 1:
         return text + "ep=1: every rank holds every expert"
     return text + (
-        f"ep={ep}: {experts // ep} experts per rank, tokens routed by all-to-all among {ep} ranks "
+        f"ep={ep}: {experts // ep} expert{'s' if experts // ep != 1 else ''} per rank, tokens routed by all-to-all among {ep} ranks "
         f"{plan.tp} apart; expert gradients reduced over dp/ep = {plan.dp // ep} ranks"
     )
 
