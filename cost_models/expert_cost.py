@@ -185,9 +185,7 @@ def matmul_seconds(
     )
 
 
-def all_to_all_times(
-    dispatch_bytes: float, moe_layers: int, expert: ExpertSetting, hw: HardwareProfile
-) -> AllToAll:
+def all_to_all_times(dispatch_bytes: float, moe_layers: int, expert: ExpertSetting, hw: HardwareProfile) -> AllToAll:
     """The row's dispatches and combines of one micro-batch (module docstring, "all-to-all"):
     ``dispatch_bytes`` the whole routed rows of one forward (``expert_dispatch_bytes`` per device)."""
     if expert.ep == 1 or moe_layers == 0 or dispatch_bytes <= 0:

@@ -46,7 +46,9 @@ def with_replicated_experts(result: SearchResult, entries, kinds, checkpoint: st
         return result
     if any(ev.strategy.candidate.expert_parallel == 1 for ev in result.ranked + result.extra):
         return result
-    plain = search([entry for entry in entries if entry[2].cand.expert_parallel == 1], kinds, checkpoint, solver, keep=1)
+    plain = search(
+        [entry for entry in entries if entry[2].cand.expert_parallel == 1], kinds, checkpoint, solver, keep=1
+    )
     if not plain.ranked:
         return result
     return dataclasses.replace(result, extra=result.extra + [plain.ranked[0]])
@@ -128,7 +130,7 @@ def expert_summary(
     def priced(candidate) -> tuple[Evaluation, list]:
         costs = candidate_costs(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, capacity)
         flat = _one_f_one_b_stages(strategy)
-        return evaluate(costs, flat, strategy.checkpoint, strategy.selective), costs.layers
+        return evaluate(costs, flat, sorted(strategy.checkpoint), sorted(strategy.selective)), costs.layers
 
     base, layers = priced(cand)
     sent = cand.num_micro_batches * sum(

@@ -67,6 +67,7 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
+from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.expert_search import (
     ExpertSummary,
     expert_summary,
@@ -75,7 +76,6 @@ from planner.search.expert_search import (
     replicated_note,
     with_replicated_experts,
 )
-from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
 from planner.search.schedule_refit import make_refit, schedule_fix

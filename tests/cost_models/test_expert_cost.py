@@ -89,7 +89,10 @@ def test_expert_state_divides_by_ep_over_the_expert_data_group():
             if ep == 1:
                 want = model_state_bytes(dense + experts, "bf16", zero, 8)
             else:
-                rest, mine = model_state_bytes(dense, "bf16", zero, 8), model_state_bytes(experts // ep, "bf16", zero, 8 // ep)
+                rest, mine = (
+                    model_state_bytes(dense, "bf16", zero, 8),
+                    model_state_bytes(experts // ep, "bf16", zero, 8 // ep),
+                )
                 want = {key: rest[key] + mine[key] for key in rest}
             assert (block.params_b, block.grads_b, block.optimizer_b) == (
                 want["params"],

@@ -26,9 +26,7 @@ SMALL = dataclasses.replace(H100, memory_bytes=2**31)
 
 
 def _req(**kw) -> PlanRequest:
-    base = dict(
-        spec="gpt", gpus=8, gpus_per_node=4, hardware="h100-sxm", global_batch=16, seq_len=256, dtype="bf16"
-    )
+    base = dict(spec="gpt", gpus=8, gpus_per_node=4, hardware="h100-sxm", global_batch=16, seq_len=256, dtype="bf16")
     base.update(kw)
     return PlanRequest(**base)
 
@@ -65,7 +63,10 @@ def test_ilp_optimum_equals_brute_force_with_expert_parallelism(layers, pp, ep, 
     table = NumericTable(moe_table(layers=layers, hidden=128, ffn=256, experts=4, top_k=2, vocab=1024))
     cand = Candidate(4, tp, pp, zero, 2, pp + 1, expert_parallel=ep, moe_imbalance=imbalance)
     costs = candidate_costs(table, SMALL, "bf16", 256, cand, 4, 1.0)
-    roomy = max(evaluate(costs, [(0, costs.num_layers - 1)] if pp == 1 else _even(costs.num_layers, pp)).extra["memory_bound"], 1)
+    roomy = max(
+        evaluate(costs, [(0, costs.num_layers - 1)] if pp == 1 else _even(costs.num_layers, pp)).extra["memory_bound"],
+        1,
+    )
     costs.capacity = roomy * room * (1 + 3e-5)  # off any strategy's exact bound (the ILP keeps a margin)
     want = _brute(costs) if pp <= costs.num_layers else None
     got = solve_candidate(costs, table.kinds, "auto").evaluation if pp <= costs.num_layers else None
@@ -122,9 +123,20 @@ def test_plan_records_experts_and_shows_the_best_plan_without_ep():
     request = _req(gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024, moe_capacity_factor=1.25, ep=8)
     plan = solve(request, moe, H100).plan
     assert plan.expert_parallel == 8
-    assert plan.model.moe == {"layers": [1, 2, 3, 4], "experts": 8, "top_k": 2, "shared_experts": 0, "capacity_factor": 1.25}
+    assert plan.model.moe == {
+        "layers": [1, 2, 3, 4],
+        "experts": 8,
+        "top_k": 2,
+        "shared_experts": 0,
+        "capacity_factor": 1.25,
+    }
     assert plan.request["ep"] == 8 and plan.request["moe_capacity_factor"] == 1.25
-    assert PlanRequest.from_record({k: v for k, v in plan.request.items() if k != "gpus_per_node"} | {"gpus_per_node": 8}).ep == 8
+    assert (
+        PlanRequest.from_record(
+            {k: v for k, v in plan.request.items() if k != "gpus_per_node"} | {"gpus_per_node": 8}
+        ).ep
+        == 8
+    )
     free = solve(dataclasses.replace(request, ep=None), moe, H100).plan
     if free.expert_parallel > 1:
         plain = [alt for alt in free.alternatives if alt.expert_parallel == 1]
