@@ -614,6 +614,31 @@ def _attention(model: dict, seq_len: int, sequences: int) -> dict:
     return summarize(facts, seq_len, int(model.get("heads") or 0), int(model.get("head_dim") or 0), sequences)
 
 
+def _alternative_entries(result: SearchResult, evaluation: Evaluation) -> list[Alternative]:
+    """plan.json's ``alternatives``: each listed runner-up (``listed_runners_up``) and why it lost."""
+    return [
+        Alternative(
+            dp=alt.strategy.candidate.dp,
+            tp=alt.strategy.candidate.tp,
+            pp=alt.strategy.candidate.pp,
+            zero_stage=alt.strategy.candidate.zero_stage,
+            micro_batch_size=alt.strategy.candidate.micro_batch_size,
+            step_time_s=float(alt.step_time_s),
+            reason=alternative_reason(evaluation, alt),
+            offload={
+                "optimizer": alt.strategy.candidate.offload_optimizer,
+                "params": alt.strategy.candidate.offload_params,
+            },
+            sequence_parallel=alt.strategy.candidate.sequence_parallel,
+            dp_compression=alt.strategy.candidate.dp_compression,
+            schedule=alt.strategy.schedule,
+            virtual_stages=alt.strategy.virtual_stages,
+            expert_parallel=alt.strategy.candidate.expert_parallel,
+        )
+        for alt in listed_runners_up(result, evaluation)
+    ]
+
+
 def build_plan(
     request,
     table: NumericTable,
@@ -644,27 +669,7 @@ def build_plan(
         attention=_attention(table.model, request.seq_len, request.global_batch),
         moe=model_moe(table.model, getattr(request, "moe_capacity_factor", None)),
     )
-    alts = [
-        Alternative(
-            dp=alt.strategy.candidate.dp,
-            tp=alt.strategy.candidate.tp,
-            pp=alt.strategy.candidate.pp,
-            zero_stage=alt.strategy.candidate.zero_stage,
-            micro_batch_size=alt.strategy.candidate.micro_batch_size,
-            step_time_s=float(alt.step_time_s),
-            reason=alternative_reason(evaluation, alt),
-            offload={
-                "optimizer": alt.strategy.candidate.offload_optimizer,
-                "params": alt.strategy.candidate.offload_params,
-            },
-            sequence_parallel=alt.strategy.candidate.sequence_parallel,
-            dp_compression=alt.strategy.candidate.dp_compression,
-            schedule=alt.strategy.schedule,
-            virtual_stages=alt.strategy.virtual_stages,
-            expert_parallel=alt.strategy.candidate.expert_parallel,
-        )
-        for alt in listed_runners_up(result, evaluation)
-    ]
+    alts = _alternative_entries(result, evaluation)
     plan = Plan(
         model=model,
         hardware=HardwareInfo(name=str(request.hardware), gpus=request.gpus, gpus_per_node=gpus_per_node),
