@@ -53,8 +53,8 @@ _SMALL_GPT = [
 
 REQUESTS: dict[str, tuple[list[str], bool]] = {
     # name: (plan flags, compile it too)
-    # a mixture of experts (8 experts, top 2) from its config: the experts' parallel degree searched
-    "hf-mixtral-moe-h100-16": (
+    # a mixture of experts (8 experts, top 2) from its config, its experts sharded over 4 ranks
+    "hf-mixtral-ep4-h100-16": (
         [
             "--model",
             "hf:" + os.path.join(FIXTURES, "tiny_mixtral"),
@@ -68,6 +68,8 @@ REQUESTS: dict[str, tuple[list[str], bool]] = {
             "64",
             "--seq-len",
             "512",
+            "--ep",
+            "4",
         ],
         False,
     ),
