@@ -108,6 +108,8 @@ def test_ep_pins_and_bad_settings_are_refused_clearly():
         solve(_req(ep=8), moe, H100)
     with pytest.raises(SearchError, match="--ep 4 does not divide --dp 2"):
         _req(ep=4, dp=2)
+    with pytest.raises(SearchError, match="--ep 2 cannot run with --offload-optimizer cpu"):
+        _req(ep=2, offload_optimizer="cpu")
     with pytest.raises(SearchError, match="--moe-imbalance must be a number >= 1.0"):
         _req(moe_imbalance=0.8)
     with pytest.raises(SearchError, match="--moe-capacity-factor must be a positive number"):
