@@ -376,10 +376,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
-    result = with_replicated_experts(result, entries, table.kinds, request.checkpoint, solver)
-    moe_note = replicated_note(table.model)
-    if moe_note:
-        result.notes.append(moe_note)
+    result = _with_experts_replicated(request, table, hw, gpus_per_node, entries, result, solver)
     result = _scheduled(request, table, _costs_for(request, table, hw, gpus_per_node, entries, result), result, solver)
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
@@ -393,6 +390,25 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         compression=compression,
         experts=experts,
     )
+
+
+def _with_experts_replicated(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
+) -> SearchResult:
+    """``result`` with the best ep-1 strategy among the runners-up when the winner shards its
+    experts, and the note of a model whose experts stay replicated (``planner.search.expert_search``)."""
+    result = with_replicated_experts(
+        result,
+        [entry[2].cand for entry in entries],
+        lambda plain: candidate_entries(request, table, hw, gpus_per_node, plain),
+        table.kinds,
+        request.checkpoint,
+        solver,
+    )
+    note = replicated_note(table.model)
+    if note:
+        result.notes.append(note)
+    return result
 
 
 def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
