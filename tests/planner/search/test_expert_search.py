@@ -126,7 +126,7 @@ def test_plan_records_experts_and_shows_the_best_plan_without_ep():
     plan = solve(request, moe, H100).plan
     assert plan.expert_parallel == 8
     assert plan.model.moe == {
-        "layers": [1, 2, 3, 4],
+        "layers": list(range(1, 9)),
         "experts": 8,
         "top_k": 2,
         "shared_experts": 0,
