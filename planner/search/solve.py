@@ -68,6 +68,14 @@ from planner.search.candidates import (
     time_lower_bound,
 )
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
+from planner.search.expert_search import (
+    ExpertSummary,
+    expert_summary,
+    listed_runners_up,
+    model_moe,
+    replicated_note,
+    with_replicated_experts,
+)
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
 from planner.search.schedule_refit import make_refit, schedule_fix
@@ -303,6 +311,8 @@ class Solution:
     compression: CompressionChoice | None = None
     """Whether the data-parallel exchange is compressed (1-bit Adam), and why; None when the
     search did not weigh it (nothing compressed could win)."""
+    experts: ExpertSummary | None = None
+    """A mixture of experts' figures for the report (``planner.search.expert_search``); None when dense."""
 
 
 def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:
@@ -366,11 +376,39 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
+    result = _with_experts_replicated(request, table, hw, gpus_per_node, entries, result, solver)
     result = _scheduled(request, table, _costs_for(request, table, hw, gpus_per_node, entries, result), result, solver)
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
-    return Solution(plan=plan, evaluation=result.winner(), search=result, compile=choice, compression=compression)
+    experts = expert_summary(request, table, hw, gpus_per_node, result.winner())
+    return Solution(
+        plan=plan,
+        evaluation=result.winner(),
+        search=result,
+        compile=choice,
+        compression=compression,
+        experts=experts,
+    )
+
+
+def _with_experts_replicated(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
+) -> SearchResult:
+    """``result`` with the best ep-1 strategy among the runners-up when the winner shards its
+    experts, and the note of a model whose experts stay replicated (``planner.search.expert_search``)."""
+    result = with_replicated_experts(
+        result,
+        [entry[2].cand for entry in entries],
+        lambda plain: candidate_entries(request, table, hw, gpus_per_node, plain),
+        table.kinds,
+        request.checkpoint,
+        solver,
+    )
+    note = replicated_note(table.model)
+    if note:
+        result.notes.append(note)
+    return result
 
 
 def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
@@ -592,6 +630,31 @@ def _attention(model: dict, seq_len: int, sequences: int) -> dict:
     return summarize(facts, seq_len, int(model.get("heads") or 0), int(model.get("head_dim") or 0), sequences)
 
 
+def _alternative_entries(result: SearchResult, evaluation: Evaluation) -> list[Alternative]:
+    """plan.json's ``alternatives``: each listed runner-up (``listed_runners_up``) and why it lost."""
+    return [
+        Alternative(
+            dp=alt.strategy.candidate.dp,
+            tp=alt.strategy.candidate.tp,
+            pp=alt.strategy.candidate.pp,
+            zero_stage=alt.strategy.candidate.zero_stage,
+            micro_batch_size=alt.strategy.candidate.micro_batch_size,
+            step_time_s=float(alt.step_time_s),
+            reason=alternative_reason(evaluation, alt),
+            offload={
+                "optimizer": alt.strategy.candidate.offload_optimizer,
+                "params": alt.strategy.candidate.offload_params,
+            },
+            sequence_parallel=alt.strategy.candidate.sequence_parallel,
+            dp_compression=alt.strategy.candidate.dp_compression,
+            schedule=alt.strategy.schedule,
+            virtual_stages=alt.strategy.virtual_stages,
+            expert_parallel=alt.strategy.candidate.expert_parallel,
+        )
+        for alt in listed_runners_up(result, evaluation)
+    ]
+
+
 def build_plan(
     request,
     table: NumericTable,
@@ -620,27 +683,9 @@ def build_plan(
         layer_names=model_layer_names(request.spec, list(table.names)),
         inputs=list(inputs or []),
         attention=_attention(table.model, request.seq_len, request.global_batch),
+        moe=model_moe(table.model, getattr(request, "moe_capacity_factor", None)),
     )
-    alts = [
-        Alternative(
-            dp=alt.strategy.candidate.dp,
-            tp=alt.strategy.candidate.tp,
-            pp=alt.strategy.candidate.pp,
-            zero_stage=alt.strategy.candidate.zero_stage,
-            micro_batch_size=alt.strategy.candidate.micro_batch_size,
-            step_time_s=float(alt.step_time_s),
-            reason=alternative_reason(evaluation, alt),
-            offload={
-                "optimizer": alt.strategy.candidate.offload_optimizer,
-                "params": alt.strategy.candidate.offload_params,
-            },
-            sequence_parallel=alt.strategy.candidate.sequence_parallel,
-            dp_compression=alt.strategy.candidate.dp_compression,
-            schedule=alt.strategy.schedule,
-            virtual_stages=alt.strategy.virtual_stages,
-        )
-        for alt in result.runners_up(3)
-    ]
+    alts = _alternative_entries(result, evaluation)
     plan = Plan(
         model=model,
         hardware=HardwareInfo(name=str(request.hardware), gpus=request.gpus, gpus_per_node=gpus_per_node),
@@ -662,6 +707,7 @@ def build_plan(
         compile=candidate.compile,
         offload={"optimizer": candidate.offload_optimizer, "params": candidate.offload_params},
         dp_compression=candidate.dp_compression,
+        expert_parallel=candidate.expert_parallel,
         overlap=candidate.overlap.to_json(),
         compression_warmup=default_warmup(request.horizon_steps()) if candidate.compressed else 0,
         predicted=Predicted(**predicted_fields(evaluation, flops, request.gpus, hw.peak(request.dtype))),
