@@ -13,7 +13,9 @@ any plan of the same model can load it:
 - ``model/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``: the full fp32 master weight and
   AdamW moments of every parameter (ZeRO shards joined over dp, tensor-parallel pieces joined
   over tp; written once, by the rank with dp index 0 and tp index 0 of each pipeline stage; a
-  weight tied across stages by its first holder only, and read back by every holder);
+  weight tied across stages by its first holder only, and read back by every holder); a routed
+  expert parameter under expert parallelism is joined from the ep ranks' rows into the full
+  ``[E, ...]`` tensor (``runtime.moe.expert_shards``) and cut again for the loading run's ep degree;
 - ``rng/<rank>``: every rank's CPU (and CUDA) generator state; ``compression/<rank>``: its 1-bit Adam
   error buffers (``runtime.data_parallel.onebit_adam``), restored only under the same plan;
 - with model chunks (``virtual_stages > 1``) a rank writes the tensors of all its chunks, each by
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.data_parallel.flat_shards import FORMAT, consolidate_shards
+from runtime.moe import expert_shards
 from runtime.stages.compiled_stages import rank_params
 from runtime.tensor_parallel.sharding import TensorShard
 
@@ -172,18 +175,8 @@ class JoinGroups:
     tp: Any = None
 
 
-def _logical_state(local: dict, params: dict, mesh, groups: JoinGroups) -> dict[str, torch.Tensor] | None:
-    """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
-    tp 0) rank; else None. ``local``: the engine's ``state_dict()`` (this rank's shard); ``params``:
-    ``runtime.stages.compiled_stages.rank_params``. Collective over ``groups.dp`` and ``groups.tp``."""
-    gathered: list | None = [local]  # ZeRO-0: every dp rank holds the full state already
-    if local["num_shards"] != 1:
-        gathered = _gather_to(local, groups.dp, mesh.dp_ranks[0])
-    if mesh.dp_index != 0:
-        return None
-    assert gathered is not None  # dp index 0 is the gather's destination
-    full = consolidate_shards(gathered)
-    per_attr: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
+def _by_name(full: dict, per_attr: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's tensors of a full (consolidated) engine state, by kind then name, into ``per_attr``."""
     for group_index, grp in enumerate(full["groups"]):
         off = 0
         for name, shape in zip(grp["names"], grp["shapes"]):
@@ -193,6 +186,49 @@ def _logical_state(local: dict, params: dict, mesh, groups: JoinGroups) -> dict[
             for kind, key in zip(_KINDS, _SHARD_KEYS):
                 per_attr[kind][name] = full[key][group_index][off : off + n].view(shape).clone()
             off += n
+    return per_attr
+
+
+def _joined_experts(parts: list, ep: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The full ``[E, ...]`` expert tensors, by kind then name, from every dp rank's
+    ``(ep_index, state["experts"])``: the shards of each ep index consolidated over its
+    expert-data-parallel ranks (ZeRO-0: any one of them holds it whole), then the ep indices'
+    rows joined along dim 0 (``runtime.moe.expert_shards``)."""
+    by_index: dict[int, list[dict]] = {}
+    for ep_index, state in parts:
+        by_index.setdefault(ep_index, []).append(state)
+    if sorted(by_index) != list(range(ep)):
+        raise CheckpointError(f"expert state of ep indices {sorted(by_index)} gathered, expected 0..{ep - 1}")
+    slices = []
+    for ep_index in range(ep):
+        states = by_index[ep_index]
+        full = states[0] if states[0]["num_shards"] == 1 else consolidate_shards(states)
+        slices.append(_by_name(full, {k: {} for k in _KINDS}))
+    return {
+        kind: {name: expert_shards.join([piece[kind][name] for piece in slices]) for name in slices[0][kind]}
+        for kind in _KINDS
+    }
+
+
+def _logical_state(local: dict, params: dict, mesh, groups: JoinGroups) -> dict[str, torch.Tensor] | None:
+    """Full fp32 tensors of this rank's stage (or model chunks) by original name, on the (dp 0,
+    tp 0) rank; else None. ``local``: the engine's ``state_dict()`` (this rank's shard); ``params``:
+    ``runtime.stages.compiled_stages.rank_params``. Collective over ``groups.dp`` and ``groups.tp``.
+    Under expert parallelism the expert parameters (``local["experts"]``) are gathered from every
+    dp rank and joined into the full ``[E, ...]`` tensors, so they are saved once, whole."""
+    experts = local.get("experts")
+    dense = {k: value for k, value in local.items() if k != "experts"}
+    gathered: list | None = [dense]  # ZeRO-0: every dp rank holds the full state already
+    if dense["num_shards"] != 1:
+        gathered = _gather_to(dense, groups.dp, mesh.dp_ranks[0])
+    expert_parts = _gather_to((mesh.ep_index, experts), groups.dp, mesh.dp_ranks[0]) if experts else None
+    if mesh.dp_index != 0:
+        return None
+    assert gathered is not None  # dp index 0 is the gather's destination
+    per_attr = _by_name(consolidate_shards(gathered), {k: {} for k in _KINDS})
+    if expert_parts is not None:
+        for kind, tensors in _joined_experts(expert_parts, mesh.ep).items():
+            per_attr[kind].update(tensors)
     pieces = _gather_to(per_attr, groups.tp, mesh.tp_ranks[0]) if mesh.tp > 1 else [per_attr]
     if mesh.tp_index != 0:
         return None
@@ -452,21 +488,11 @@ def load(path: str, engine, man: dict, mesh) -> int:
         ) from None
     # Build this rank's full (unsharded over dp) engine state from the logical tensors.
     layout = engine.state_layout()  # no tensors: an offloaded state is not read for its layout
-    full = dict(layout)
-    full.update(num_shards=1, shard_index=0, step=int(meta["optimizer_step"]), loss_scaler=meta.get("loss_scaler"))
     by_attr = {name: entry for name, (_, entry) in params.items()}
-    for kind, key in zip(_KINDS, ("master", "exp_avg", "exp_avg_sq")):
-        flats = []
-        for grp in layout["groups"]:
-            parts = []
-            for name in grp["names"]:
-                entry = by_attr[name]
-                tensor = want[f"{kind}/{entry['fqn']}"]
-                shard = TensorShard.from_dict(entry.get("shard"))
-                parts.append((tensor if shard is None else shard.cut(tensor, mesh.tp_index, mesh.tp)).reshape(-1))
-            flats.append(torch.cat(parts) if parts else torch.zeros(0))
-        full[key] = flats
-    full["format"] = FORMAT
+    full = _full_state(layout, want, by_attr, mesh, int(meta["optimizer_step"]))
+    full["loss_scaler"] = meta.get("loss_scaler")
+    if "experts" in layout:
+        full["experts"] = _full_state(layout["experts"], want, by_attr, mesh, int(meta["optimizer_step"]))
     engine.load_state_dict(full)
     if same_plan:
         prefix = f"compression/{rank}/"
@@ -475,6 +501,27 @@ def load(path: str, engine, man: dict, mesh) -> int:
         if f"rng/{rank}/cuda" in rng:
             torch.cuda.set_rng_state(rng[f"rng/{rank}/cuda"], engine.device)
     return step
+
+
+def _full_state(layout: dict, want: dict[str, torch.Tensor], by_attr: dict, mesh, step: int) -> dict:
+    """A full (``num_shards == 1``) engine state of ``layout``'s groups from the logical tensors:
+    each cut to this rank's rows of the experts (a routed expert parameter) and its tp piece."""
+    full = {k: value for k, value in layout.items() if k != "experts"}
+    full.update(format=FORMAT, num_shards=1, shard_index=0, step=step)
+    for kind, key in zip(_KINDS, _SHARD_KEYS):
+        flats = []
+        for grp in layout["groups"]:
+            parts = []
+            for name in grp["names"]:
+                entry = by_attr[name]
+                tensor = want[f"{kind}/{entry['fqn']}"]
+                if expert_shards.is_expert(entry):
+                    tensor = expert_shards.cut(tensor, mesh.ep_index, mesh.ep, entry["fqn"])
+                shard = TensorShard.from_dict(entry.get("shard"))
+                parts.append((tensor if shard is None else shard.cut(tensor, mesh.tp_index, mesh.tp)).reshape(-1))
+            flats.append(torch.cat(parts) if parts else torch.zeros(0))
+        full[key] = flats
+    return full
 
 
 def load_model_tensors(path: str) -> dict[str, torch.Tensor]:

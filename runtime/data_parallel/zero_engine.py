@@ -230,7 +230,9 @@ class ZeroEngine(Zero3Params):
                 "--offload-optimizer none --offload-params none, or with --ep 1"
             )
         if self.optimizer.compression.enabled:
-            raise ConfigError("expert parallelism does not run with 1-bit Adam (--dp-compression): plan one or the other")
+            raise ConfigError(
+                "expert parallelism does not run with 1-bit Adam (--dp-compression): plan one or the other"
+            )
 
     def _loss_scaler(self, loss_scaler: DynamicLossScaler | None) -> DynamicLossScaler | None:
         """The loss scaler of the compute dtype: the given one or a default one for fp16, none else."""

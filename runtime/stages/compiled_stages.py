@@ -24,6 +24,7 @@ from typing import Mapping
 import torch
 
 import runtime
+from runtime.moe import expert_shards
 from runtime.tensor_parallel.sharding import TensorShard
 
 __all__ = [
@@ -132,9 +133,17 @@ def _read_shard(source, shard: TensorShard, tp_index: int, tp: int) -> torch.Ten
 
 @torch.no_grad()
 def load_weights(
-    module: torch.nn.Module, stage: dict, state: Mapping[str, torch.Tensor], tp_index: int = 0, tp: int = 1
+    module: torch.nn.Module,
+    stage: dict,
+    state: Mapping[str, torch.Tensor],
+    tp_index: int = 0,
+    tp: int = 1,
+    ep_index: int = 0,
+    ep: int = 1,
 ) -> None:
-    """Copy the original model's tensors (by original name) into a stage module, sharding for tp.
+    """Copy the original model's tensors (by original name) into a stage module, sharding for tp
+    and, for a routed expert parameter (``"expert": true``), keeping this expert-parallel rank's
+    rows of dim 0 (``runtime.moe.expert_shards``) before any tp cut.
 
     ``state`` maps original names to tensors. When it also has ``get_slice(name)`` (a lazy
     reader, e.g. of safetensors files), each tensor-parallel shard is read as just the
@@ -155,6 +164,11 @@ def load_weights(
                 f"{entry['fqn']}: the manifest's shard entry {entry.get('shard')!r} is "
                 f"malformed ({e}); compile the plan again"
             ) from None
+        if expert_shards.is_expert(entry) and ep > 1:
+            src = _expert_rows(state, entry["fqn"], ep_index, ep)
+            src = src if shard is None else shard.cut(src, tp_index, tp)
+            _copy_into(own[attr], src, entry["fqn"], attr)
+            continue
         source = None
         if shard is not None and tp > 1 and lazy is not None:
             try:
@@ -165,10 +179,34 @@ def load_weights(
             src = _read_shard(source, shard, tp_index, tp)
         else:
             src = state[entry["fqn"]] if shard is None else shard.cut(state[entry["fqn"]], tp_index, tp)
-        dst = own[attr]
-        if tuple(src.shape) != tuple(dst.shape):
-            raise CompiledError(f"{entry['fqn']}: shape {tuple(src.shape)} does not fit {attr} {tuple(dst.shape)}")
-        dst.copy_(src.to(dst.dtype))
+        _copy_into(own[attr], src, entry["fqn"], attr)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, fqn: str, attr: str) -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise CompiledError(f"{fqn}: shape {tuple(src.shape)} does not fit {attr} {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
+def _expert_rows(state: Mapping[str, torch.Tensor], fqn: str, ep_index: int, ep: int) -> torch.Tensor:
+    """Rank ``ep_index``'s rows of the expert tensor ``fqn``: read alone through a lazy reader's
+    ``get_slice`` when there is one, else cut from the whole tensor."""
+    lazy = getattr(state, "get_slice", None)
+    if lazy is not None:
+        try:
+            source = lazy(fqn)
+            experts = list(source.get_shape())[0]
+        except KeyError:
+            source = None
+        if source is not None:
+            if experts % ep:
+                raise CompiledError(f"{fqn}: {experts} experts cannot be split over {ep} expert-parallel ranks")
+            rows = experts // ep
+            return source[(slice(ep_index * rows, (ep_index + 1) * rows),)]
+    try:
+        return expert_shards.cut(state[fqn], ep_index, ep, fqn)
+    except ValueError as e:
+        raise CompiledError(str(e)) from None
 
 
 def param_groups(module: torch.nn.Module) -> list[list[str]]:

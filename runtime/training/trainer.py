@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from runtime import tensor_parallel, timing
+from runtime import moe, tensor_parallel, timing
 from runtime.checkpointing import checkpoint_io
 from runtime.contract.choices import GradCompression, ScheduleName
 from runtime.contract.compressed_exchange import default_warmup
@@ -65,6 +65,7 @@ from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, 
 from runtime.distributed import comm
 from runtime.distributed.mesh import Mesh, setup_mesh
 from runtime.dtypes import to_torch
+from runtime.moe.expert_shards import expert_attrs, expert_degree, num_experts
 from runtime.pipeline.executor import PipelineStage, TensorMeta
 from runtime.stages.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
 from runtime.stages.compiled_stages import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
@@ -149,11 +150,17 @@ class StepMetrics:
     """Seconds the step waited for checkpointing after its optimizer step (staging the state in host
     memory, waiting for the previous write, or the whole write with ``--async-checkpoint off``),
     the max over ranks; 0.0 when nothing was saved. Not part of ``step_time_s``."""
+    tokens_dropped: int | None = None
+    """Routed token rows refused by the experts' capacity this step, over the global batch and
+    every MoE layer (``runtime.moe.load_stats``); None for a model without routed experts."""
+    expert_load: float | None = None
+    """max / mean tokens per expert over the global batch and every MoE layer (1.0: balanced);
+    None for a model without routed experts."""
 
     def to_json(self) -> str:
         fields = asdict(self)
         fields.pop("events")
-        for optional in ("loss_scale", "grad_norm", "time", "data_checksum"):
+        for optional in ("loss_scale", "grad_norm", "time", "data_checksum", "tokens_dropped", "expert_load"):
             if fields[optional] is None:
                 fields.pop(optional)
         return json.dumps(fields)
@@ -285,7 +292,7 @@ def _load_chunks(
     modules = []
     for stage in chunks:
         module = load_stage_module(compiled_dir, stage, device)
-        load_weights(module, stage, state, mesh.tp_index, mesh.tp)
+        load_weights(module, stage, state, mesh.tp_index, mesh.tp, mesh.ep_index, mesh.ep)
         modules.append(module)
     return modules
 
@@ -326,7 +333,7 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     plan = man["plan"]
     v = len(chunks)
     prefix = [""] if v == 1 else [f"{j}." for j in range(v)]
-    layers, tied, replicated = [], {}, set()
+    layers, tied, replicated, experts = [], {}, set(), set()
     for pre, sub, st in zip(prefix, modules, chunks):
         own_tied = tied_params(st)  # weights held by several stages: summed over their tied group
         layers += [[pre + n for n in grp] for grp in isolate_tied(param_groups(sub), own_tied)]
@@ -334,6 +341,8 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
             {pre + a: (mesh.tied_groups.get(holder_ranks(man, h)), st["index"] == h[0]) for a, h in own_tied.items()}
         )
         replicated |= {pre + attr for attr, e in st["params"].items() if not e.get("shard")}
+        if mesh.ep > 1:  # routed experts: this rank's rows, reduced over the expert-data-parallel group
+            experts |= {pre + attr for attr in expert_attrs(st)}
     return ZeroEngine(
         module,
         layers=layers,
@@ -358,6 +367,7 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
             replicated_param_filter=(lambda name: name in replicated) if plan["tp"] > 1 else None,
             tied=tied,
             rank=rank,
+            expert_params=frozenset(experts),
         ),
         offload=replace(offload, delayed_update=opts.delayed_update),
         roots=None if v == 1 else [str(j) for j in range(v)],
@@ -412,7 +422,7 @@ def setup(
     plan = manifest["plan"]
     offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
-    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest))
+    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest), ep=expert_degree(manifest))
     tensor_parallel.set_overlap(opts.overlap_settings.tp)
     device = _rank_device()
     chunks = rank_chunks(manifest, mesh.pp_index)
@@ -529,6 +539,7 @@ def run_step(run: Run, step: int) -> StepResult:
     lr = lr_at(step, run.opts)
     index = step - run.start_step
     comm.STATS.reset()
+    moe.LOAD.reset()
     timing.TIMER.start()
     try:
         with run.probes.around(index, step):
@@ -589,6 +600,10 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
         dist.all_reduce(times)
     slowest = times[int(torch.argmax(times[:, 0]))].tolist()
     step_time = slowest[0]
+    experts = num_experts(run.manifest)
+    dropped, load = (None, None)
+    if experts is not None:  # every rank alike: summed over the world, once per tp group
+        dropped, load = moe.reduce_over(moe.LOAD, [experts], counted=run.mesh.tp_index == 0, device=device)
     tokens = plan["global_batch"] * plan["seq_len"]
     return StepMetrics(
         step=step + 1,
@@ -606,6 +621,8 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
         time=dict(zip(timing.PARTS, slowest[1:])),
         data_checksum=round(float(mean_loss[1]) * averaged_over) % CHECKSUM_MODULUS,
         checkpoint_s=float(maxima[5]),
+        tokens_dropped=dropped,
+        expert_load=load,
     )
 
 

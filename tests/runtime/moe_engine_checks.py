@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from runtime.checkpointing import checkpoint_io
 from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
 from runtime.distributed.mesh import Mesh, get_mesh, set_mesh, setup_mesh
 from runtime.moe import combine, dispatch, expert_slice
@@ -159,11 +160,77 @@ def check_engine(zero_stage: int) -> None:
     engine.close()
 
 
+def manifest() -> dict:
+    """A compiled manifest by hand: one stage, the engine names as attributes, the routed experts
+    marked ``"expert": true`` with their full ``[E, ...]`` shape (what ``planner compile`` writes)."""
+    params = {}
+    for name, value in make_net().named_parameters():
+        params[name] = {"fqn": f"model.{name}", "shape": list(value.shape)}
+        if name in EXPERTS:
+            params[name]["expert"] = True
+    return {
+        "plan_hash": "moe-checks",
+        "plan": {"pp": 1, "dp": 4, "tp": 1, "expert_parallel": 2},
+        "model": {"spec": "moe-checks", "sizes": {}},
+        "expert_parallel": {"degree": 2, "experts": E, "capacity_factor": None},
+        "stages": [{"index": 0, "params": params}],
+    }
+
+
+def _engine(zero_stage: int) -> ZeroEngine:
+    mesh = get_mesh()
+    net = make_net(mesh.ep, mesh.ep_index)
+    return ZeroEngine(
+        net,
+        layers=layers(net),
+        dp_group=mesh.dp_group,
+        sharding=ShardingConfig(zero_stage=zero_stage),
+        optimizer=OptimizerConfig(**HP),
+        parallel=ParallelContext(expert_params=EXPERTS if mesh.ep > 1 else frozenset()),
+    )
+
+
+def _saved(path: str) -> dict[str, torch.Tensor]:
+    """Every logical tensor of a checkpoint (weights and AdamW moments) by key."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = checkpoint_io.read_meta(path)
+    want = {k: torch.empty(shape) for k, shape in meta["tensors"].items()}
+    dcp.load(want, checkpoint_id=path)
+    return want
+
+
+def check_checkpoint(out_dir: str) -> None:
+    """Trained at dp4 ep2 (ZeRO 2), saved: each expert saved once, whole, equal to the trained
+    slices joined; loaded at ep1 (ZeRO 3) and at ep4 (ZeRO 0), each saved again: the same
+    tensors (weights and moments) as the ep2 checkpoint."""
+    man = manifest()
+    setup_mesh(1, 4, 1, ep=2)
+    _, _, params, engine = train(2)
+    first = checkpoint_io.save(f"{out_dir}/ck_ep2", STEPS, engine, man, get_mesh())
+    engine.close()
+    saved = _saved(first)
+    assert saved["model/model.moe.w1"].shape == (E, H, FF)
+    own = expert_slice(E, 2, get_mesh().ep_index)
+    for name, value in params.items():
+        assert_close(saved[f"model/model.{name}"][own] if name in EXPERTS else saved[f"model/model.{name}"], value)
+    for ep, zero_stage in ((1, 3), (4, 0)):
+        setup_mesh(1, 4, 1, ep=ep)
+        engine = _engine(zero_stage)
+        man["plan"]["expert_parallel"] = man["expert_parallel"]["degree"] = ep
+        assert checkpoint_io.load(first, engine, man, get_mesh()) == STEPS
+        again = _saved(checkpoint_io.save(f"{out_dir}/ck_ep{ep}", STEPS, engine, man, get_mesh()))
+        engine.close()
+        assert sorted(again) == sorted(k for k in saved if not k.startswith("rng/"))
+        for key, value in again.items():
+            assert_close(value, saved[key], rtol=0, atol=0, msg=f"ep{ep}: {key}")
+
+
 MESHES = {"dp4_ep2": (4, 2), "dp4_ep4": (4, 4)}
-CASES = [f"engine/{m}/zero{z}" for m in MESHES for z in range(4)]
+CASES = [f"engine/{m}/zero{z}" for m in MESHES for z in range(4)] + ["checkpoint/ep2_to_ep1_and_ep4"]
 
 
-def run_all(rank: int, world: int, verdicts: dict) -> None:
+def run_all(rank: int, world: int, verdicts: dict, out_dir: str) -> None:
     """Every case of this module on the launch's ranks; a traceback per failed case."""
     for name, (dp, ep) in MESHES.items():
         setup_mesh(1, dp, 1, ep=ep)
@@ -173,3 +240,8 @@ def run_all(rank: int, world: int, verdicts: dict) -> None:
                 verdicts[f"engine/{name}/zero{stage}"] = "ok"
             except Exception:  # recorded per case so one failure does not hide the others
                 verdicts[f"engine/{name}/zero{stage}"] = traceback.format_exc()
+    try:
+        check_checkpoint(out_dir)
+        verdicts["checkpoint/ep2_to_ep1_and_ep4"] = "ok"
+    except Exception:
+        verdicts["checkpoint/ep2_to_ep1_and_ep4"] = traceback.format_exc()

@@ -33,11 +33,12 @@ WORLD = 4
 RTOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Router and expert weights; expert E-1's router bias keeps it from ever being picked."""
+def _weights(seed: int = 0, skew: bool = False) -> dict[str, torch.Tensor]:
+    """Router and expert weights; expert E-1's router bias keeps it from ever being picked
+    (``skew``: only experts 0 and 1 are ever picked, so the other ranks of a group receive nothing)."""
     g = torch.Generator().manual_seed(seed)
     bias = torch.zeros(E)
-    bias[E - 1] = -1e4
+    bias[2 if skew else E - 1 :] = -1e4
     return {
         "router": torch.randn(H, E, generator=g),
         "bias": bias,
@@ -95,26 +96,29 @@ def _gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     return parts
 
 
-def _check_layer(rank: int, capacity_factor: float | None) -> None:
+def _check_layer(rank: int, capacity_factor: float | None, skew: bool = False) -> None:
     """The current mesh's ep group against the per-token reference; gradients of x, the router
     and this rank's expert slices (summed over the ep group's ranks in the reference)."""
     mesh = get_mesh()
     torch.manual_seed(100 + mesh.dp_index)  # tokens differ per dp rank, equal over tp
     x = torch.randn(TOKENS, H)
     dy = torch.randn(TOKENS, H)
-    w = _leaves(_weights())
+    w = _leaves(_weights(skew=skew))
     own = expert_slice(E, mesh.ep, mesh.ep_index)
     w1_local = w["w1"].detach()[own].clone().requires_grad_(True)
     w2_local = w["w2"].detach()[own].clone().requires_grad_(True)
     xd = x.clone().requires_grad_(True)
     comm.STATS.reset()
     LOAD.reset()
+    timing.TIMER.start()
     y = moe_layer(xd, w, w1_local, w2_local, capacity_factor)
+    parts = timing.TIMER.stop().parts
+    assert parts["ep_comm"] > 0 and parts["dp_comm"] == parts["tp_comm"] == 0  # the exchange's blocked time
     forward_bytes = comm.STATS.total
     (y * dy).sum().backward()
     backward_bytes = comm.STATS.total - forward_bytes
 
-    wr, xr = _leaves(_weights()), x.clone().requires_grad_(True)
+    wr, xr = _leaves(_weights(skew=skew)), x.clone().requires_grad_(True)
     y_ref, dropped = reference_layer(xr, wr, wr["w1"], wr["w2"], capacity_factor)
     (y_ref * dy).sum().backward()
     assert_close(y, y_ref, **RTOL)
@@ -169,6 +173,7 @@ def _dispatch_cases(rank: int, world: int, verdicts: dict) -> None:
             ("groups", lambda: _check_groups(rank)),
             ("dropless", lambda: _check_layer(rank, None)),
             ("capacity", lambda: _check_layer(rank, 0.6)),
+            ("one_sided", lambda: _check_layer(rank, None, skew=True)),
         ):
             try:
                 fn()
@@ -180,12 +185,12 @@ def _dispatch_cases(rank: int, world: int, verdicts: dict) -> None:
 def _worker(rank, world, out_dir):
     verdicts: dict[str, str] = {}
     _dispatch_cases(rank, world, verdicts)
-    moe_engine_checks.run_all(rank, world, verdicts)
+    moe_engine_checks.run_all(rank, world, verdicts, out_dir)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(verdicts, f)
 
 
-CASES = [f"{m}/{c}" for m in MESHES for c in ("groups", "dropless", "capacity")] + moe_engine_checks.CASES
+CASES = [f"{m}/{c}" for m in MESHES for c in ("groups", "dropless", "capacity", "one_sided")] + moe_engine_checks.CASES
 
 
 @pytest.fixture(scope="module")
