@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerTable
 
-__all__ = ["Sharded", "Largest", "TensorParallelTraffic", "AttentionCore", "LayerRow", "NumericTable"]
+__all__ = ["Sharded", "Largest", "TensorParallelTraffic", "AttentionCore", "RoutedExperts", "LayerRow", "NumericTable"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,29 @@ class AttentionCore:
     gemms: tuple[Gemm, ...]
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The row's routed experts (``passes.moe``): what expert parallelism re-prices
+    (``cost_models.expert_cost``). All 0 / empty for a dense row."""
+
+    param_count: Sharded
+    """Their parameters (``expert_param_count``; the part tp shards)."""
+    experts: int
+    top_k: int
+    moe_layers: int
+    dispatch_bytes: Sharded
+    """Routed token rows of one forward's dispatch, all layers (``expert_dispatch_bytes``; under
+    sequence parallelism each tp rank routes its own positions: the sp part is all of it)."""
+    tokens: float
+    """Rows per expert at the even share (``expert_tokens``)."""
+    fwd_gemms: tuple[Gemm, ...]
+    bwd_gemms: tuple[Gemm, ...]
+
+    @property
+    def present(self) -> bool:
+        return self.experts > 0 and self.moe_layers > 0
+
+
 @dataclass(frozen=True, eq=False)
 class LayerRow:
     """One layer-table row at one ``(b, s)``: every number a candidate's per-layer cost reads.
@@ -127,6 +150,7 @@ class LayerRow:
     bwd_gemms: tuple[Gemm, ...]
     tp_traffic: TensorParallelTraffic
     core: AttentionCore
+    experts: RoutedExperts
 
     @classmethod
     def from_numbers(cls, numbers: Mapping[str, Any]) -> LayerRow:
@@ -172,6 +196,18 @@ class LayerRow:
                 saved_bytes=sharded("core_saved_bytes"),
                 num_ops=numbers["core_num_ops"],
                 gemms=tuple(numbers.get("core_gemms", ())),
+            ),
+            experts=RoutedExperts(
+                param_count=Sharded(numbers.get("expert_param_count", 0), numbers.get("expert_param_count_tp", 0)),
+                experts=int(numbers.get("experts", 0)),
+                top_k=int(numbers.get("top_k", 0)),
+                moe_layers=int(numbers.get("moe_layers", 0)),
+                dispatch_bytes=Sharded(
+                    numbers.get("expert_dispatch_bytes", 0.0), 0.0, numbers.get("expert_dispatch_bytes", 0.0)
+                ),
+                tokens=numbers.get("expert_tokens", 0.0),
+                fwd_gemms=tuple(numbers.get("expert_fwd_gemms", ())),
+                bwd_gemms=tuple(numbers.get("expert_bwd_gemms", ())),
             ),
         )
 

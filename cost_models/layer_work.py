@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 
 from cost_models.comm_cost import GroupPlacement, collective_time
 from cost_models.compute import compute_time
-from cost_models.gemm_cost import layer_matmul_time
+from cost_models.expert_cost import ExpertSetting, all_to_all_times, expert_state_split, matmul_seconds
 from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, Sharded
 from cost_models.memory import backward_transient_bytes, bytes_per_param, split_by_tp
@@ -52,7 +52,8 @@ class LayerCost:
     """TP all-reduces of forward + backward of one micro-batch."""
     tp_fwd_s: float
     rec_s: float
-    """Extra time when checkpointed: forward compute + forward TP all-reduce."""
+    """Extra time when checkpointed: forward compute + forward TP all-reduce + the forward's
+    expert all-to-alls (``ep_rec_s``)."""
     zero_mb_s: float
     """ZeRO 2/3 collectives of one micro-batch (inside every micro-step)."""
     dp_step_s: float
@@ -80,7 +81,20 @@ class LayerCost:
     zero_mb_sent_b: float
     dp_step_sent_b: float
     num_params: int
-    """Parameters on one device (after the TP split)."""
+    """Parameters on one device (after the TP split, and the expert-parallel split of the routed experts)."""
+    expert_params: int = 0
+    """Of ``num_params``, the routed experts' (this rank's ``experts / ep``): their state is sharded
+    over the expert-data-parallel group (``cost_models.expert_cost``)."""
+    ep_s: float = 0.0
+    """Expert-parallel all-to-alls (dispatch + combine) of forward + backward of one micro-batch."""
+    ep_fwd_s: float = 0.0
+    """Of ``ep_s``, the forward's."""
+    ep_rec_s: float = 0.0
+    """Of ``rec_s``, the all-to-alls a recomputed forward runs again."""
+    ep_sent_b: float = 0.0
+    """Bytes the all-to-alls of forward + backward of one micro-batch send."""
+    ep_rec_sent_b: float = 0.0
+    """Bytes the all-to-alls of a recomputed forward send."""
     wgrad_s: float = 0.0
     """The weight-gradient part of the backward (``W`` of a zero-bubble schedule): the products
     that contract over the micro-batch's tokens, priced by shape, with the gradient accumulation
@@ -134,7 +148,7 @@ class LayerCost:
 
     @property
     def work_s(self) -> float:
-        return self.compute_s + self.tp_s
+        return self.compute_s + self.tp_s + self.ep_s
 
     @property
     def state_b(self) -> int:
@@ -162,6 +176,8 @@ class WorkSetting:
     overlap_tp: bool = True
     """The run overlaps its tensor-parallel collectives (``runtime.contract.overlap``): each is
     charged what its window cannot hide, plus contention (``cost_models.overlap_cost``)."""
+    expert: ExpertSetting = ExpertSetting()
+    """Expert parallelism and the routing load (``cost_models.expert_cost``; ep 1 for a dense model)."""
 
 
 class _PassTimes(NamedTuple):
@@ -199,12 +215,21 @@ def _memory_bound_bytes(amount: Sharded, tp_loss_bytes: float, tp: int, sequence
 
 
 def _device_seconds(
-    flops: float, gemms: Sequence[Gemm], bytes_moved: float, hw: HardwareProfile, dtype: str, tp: int
+    flops: float,
+    gemms: Sequence[Gemm],
+    bytes_moved: float,
+    hw: HardwareProfile,
+    dtype: str,
+    tp: int,
+    experts: tuple[Sequence[Gemm], float, ExpertSetting] = ((), 0.0, ExpertSetting()),
 ) -> float:
     """Device time of a pass: its products priced by shape (small ones reach less of the peak on
-    a GPU, ``cost_models.gemm_cost``; the flat rate on a CPU), its memory-bound bytes at the
-    memory bandwidth."""
-    return float(layer_matmul_time(flops, gemms, hw, dtype, tp) + compute_time(0.0, bytes_moved, hw, dtype))
+    a GPU, ``cost_models.gemm_cost``; the flat rate on a CPU), the routed experts' at the rows each
+    local expert gets (``experts``: their listed products, rows per expert at the even share, the
+    setting; ``cost_models.expert_cost``), its memory-bound bytes at the memory bandwidth."""
+    expert_gemms, tokens, setting = experts
+    matmul = matmul_seconds(flops, gemms, expert_gemms, tokens, setting, hw, dtype, tp)
+    return float(matmul + compute_time(0.0, bytes_moved, hw, dtype))
 
 
 def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, params: int) -> _PassTimes:
@@ -226,8 +251,19 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
     )
     fwd_bytes = _memory_bound_bytes(row.fwd_bytes, row.tp_loss_fwd_bytes, tp, sequence_parallel)
     bwd_bytes = _memory_bound_bytes(row.bwd_bytes, row.tp_loss_bwd_bytes, tp, sequence_parallel)
-    device_fwd = _device_seconds(fwd_flops, row.fwd_gemms, fused * fwd_bytes, hw, dtype, tp)
-    device_bwd = _device_seconds(bwd_flops, row.bwd_gemms, fused * bwd_bytes + accumulate, hw, dtype, tp)
+    routed = row.experts
+    device_fwd = _device_seconds(
+        fwd_flops, row.fwd_gemms, fused * fwd_bytes, hw, dtype, tp, (routed.fwd_gemms, routed.tokens, setting.expert)
+    )
+    device_bwd = _device_seconds(
+        bwd_flops,
+        row.bwd_gemms,
+        fused * bwd_bytes + accumulate,
+        hw,
+        dtype,
+        tp,
+        (routed.bwd_gemms, routed.tokens, setting.expert),
+    )
     # A GPU runs the operators while the host issues the next ones: the slower of the two bounds
     # the layer. A CPU rank issues and runs them on the same core: they add up.
     combine = max if hw.ops_async else (lambda device, host: device + host)
@@ -317,7 +353,17 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
     """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
     tp, sequence_parallel = setting.tp, setting.sequence_parallel
     params = int(split_by_tp(row.param_count.tp_part, row.param_count.whole - row.param_count.tp_part, tp))
+    routed = row.experts
+    dense, local_experts = expert_state_split(
+        params,
+        int(split_by_tp(routed.param_count.tp_part, routed.param_count.whole - routed.param_count.tp_part, tp)),
+        setting.expert.ep,
+    )
+    params = dense + local_experts
     passes = _pass_times(row, hw, dtype, setting, params)
+    routing = all_to_all_times(
+        routed.dispatch_bytes.per_device(tp, sequence_parallel), routed.moe_layers, setting.expert, hw
+    )
     tp_comm = _tp_times(row, hw, setting)
     tp_seen = _tp_seen(tp_comm, passes, setting)
     slow = hw.overlap_slowdown * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s)
@@ -330,7 +376,8 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         tp_fwd_s=tp_seen.fwd.exposed_s,
         rec_s=hw.recompute_ratio * passes.forward_s
         + tp_seen.rec.exposed_s
-        + hw.overlap_slowdown * tp_seen.rec.hidden_s,
+        + hw.overlap_slowdown * tp_seen.rec.hidden_s
+        + routing.rec_s,
         zero_mb_s=0.0,
         dp_step_s=0.0,
         opt_s=0.0,
@@ -350,6 +397,12 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         zero_mb_sent_b=0.0,
         dp_step_sent_b=0.0,
         num_params=params,
+        expert_params=local_experts,
+        ep_s=routing.fwd_s + routing.bwd_s,
+        ep_fwd_s=routing.fwd_s,
+        ep_rec_s=routing.rec_s,
+        ep_sent_b=routing.fwd_sent_b + routing.bwd_sent_b,
+        ep_rec_sent_b=routing.rec_sent_b,
         wgrad_s=passes.wgrad_s,
         wgrad_keep_b=wgrad_kept_bytes(row, dtype, tp, setting.tokens, sequence_parallel),
         sel_rec_s=passes.selective_s,

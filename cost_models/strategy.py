@@ -35,6 +35,10 @@ reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequen
   forward and backward and reduce-scatters every micro-batch. A tied weight across stages adds a
   copy and a gradient all-reduce (``cost_models.tied_cost``); offload adds its exposed transfers to
   ``zero_mb`` / ``dp_step`` and its host AdamW to ``opt`` (``cost_models.offload_cost``).
+- experts (``Candidate.expert_parallel``, ``cost_models.expert_cost``): a MoE row's routed experts
+  divide by ep (their state over the ``dp / ep`` expert-data group), its expert products are
+  priced at the rows each local expert gets times the load, and its all-to-alls (``t_ep``, per
+  micro-batch, in ``work``; again in ``rec`` when recomputed) by alpha-beta on the expert group.
 - overlap (``Candidate.overlap``, plan.json ``overlap``): TP and DP/ZeRO collectives are charged
   only what their window of independent compute cannot hide, per layer (``cost_models.overlap_cost``):
   ``tp``, ``zero_mb``, ``dp_step`` hold the exposed seconds, ``*_hidden_s`` the hidden ones, and the
@@ -43,7 +47,7 @@ reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequen
 
 Step time (1F1B, ``p`` stages, ``m`` micro-batches), stage ``k`` holding layers ``S_k``, recomputed ``R``::
 
-    work_k = sum_{S_k} (t_fwd + t_bwd + t_tp) + sum_{S_k & R} rec_l + p2p_k
+    work_k = sum_{S_k} (t_fwd + t_bwd + t_tp + t_ep) + sum_{S_k & R} rec_l + p2p_k
     T_k    = work_k + sum_{S_k} zero_mb_l          one micro-batch through stage k
     D      = max_k sum_{S_k} (dp_step_l + opt_l)    exposed DP/ZeRO traffic + optimizer step
     step   = (m - 1) max_k T_k + sum_k T_k + D
@@ -58,7 +62,8 @@ micro-batches of activations (``cost_models.memory``); feasible when every stage
 
 Time breakdown (``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``) and the tail
 stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`` stage ``k*``'s;
-``pp_bubble = sum_k T_k - T + m p2p_k*``; ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
+``pp_bubble = sum_k T_k - T + m p2p_k*``; ``ep_comm = m x`` stage ``k*``'s all-to-alls
+(``cost_models.expert_cost``: in ``work`` through ``t_ep``, and in ``rec`` for a recomputed forward); ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
 offload_step_d* - dp_contention_d*`` (``compute`` gains ``dp_contention_d*``); ``optimizer =
 opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The parts sum to the step time.
 ``predicted.hidden`` reads the hidden seconds at the same stages (``hidden_breakdown``).
@@ -81,6 +86,7 @@ from cost_models.comm_cost import (
 )
 from cost_models.compression_cost import StageExchange, shares, stage_exchange
 from cost_models.compute import optimizer_step_time
+from cost_models.expert_cost import ExpertSetting, expert_load, expert_placements
 from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, NumericTable
 from cost_models.layer_work import (
@@ -177,10 +183,26 @@ class Candidate:
     overlap: Overlap = field(default=OVERLAP_ALL, compare=False)
     """What the run overlaps with compute (``runtime.contract.overlap``; plan.json ``overlap``):
     the request's setting, the same for every candidate of a search (so not compared)."""
+    expert_parallel: int = 1
+    """Ranks of each data-parallel group sharing the routed experts (divides dp;
+    ``cost_models.expert_cost``); 1 for a dense model."""
+    moe_imbalance: float = field(default=1.0, compare=False)
+    """The busiest rank's expert tokens over the mean (``--moe-imbalance``): the request's."""
+    moe_capacity_factor: float | None = field(default=None, compare=False)
+    """Tokens an expert takes, over its even share (``--moe-capacity-factor``); None: dropless."""
 
     def __post_init__(self) -> None:
         if self.compressed and (self.dp < 2 or self.zero_stage > 1 or self.offloads):
             raise ValueError(f"1-bit Adam needs dp > 1, ZeRO 0 or 1 and no offload: {self.describe()}")
+        if self.expert_parallel < 1 or self.dp % self.expert_parallel:
+            raise ValueError(f"expert_parallel {self.expert_parallel} must divide dp {self.dp}")
+        if self.expert_parallel > 1 and (self.compressed or self.offloads):
+            raise ValueError(f"expert parallelism is not priced with 1-bit Adam or offload: {self.describe()}")
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest rank's expert rows over the even share (``cost_models.expert_cost.expert_load``)."""
+        return expert_load(self.expert_parallel, self.moe_imbalance, self.moe_capacity_factor)
 
     @property
     def compressed(self) -> bool:
@@ -190,6 +212,12 @@ class Candidate:
     @property
     def degrees(self) -> tuple[int, int, int]:
         return self.dp, self.tp, self.pp
+
+    @property
+    def mesh(self) -> tuple[int, int, int, int]:
+        """``(dp, tp, pp, ep)``: what makes two candidates different layouts of the devices (the
+        search keeps the best of each)."""
+        return self.dp, self.tp, self.pp, self.expert_parallel
 
     @property
     def offloads(self) -> bool:
@@ -210,6 +238,7 @@ class Candidate:
             + (f", offload {' and '.join(off)}" if off else "")
             + (", 1-bit Adam" if self.compressed else "")
             + ("" if self.overlap.any else ", no overlap")
+            + (f", ep={self.expert_parallel}" if self.expert_parallel > 1 else "")
         )
 
 
@@ -324,6 +353,17 @@ class _CandidatePricing:
     """Where the data-parallel group's ranks live (prices the ZeRO collectives)."""
     ranks_per_node: int
     """Ranks sharing a node's host memory and drives (offload)."""
+    gpus_per_node: int = 1
+
+    def expert_data(self) -> "_CandidatePricing":
+        """The pricing of the routed experts' state: dp is the expert-data-parallel group's
+        ``dp / ep`` ranks, placed as ``runtime.contract.rank_layout.expert_ranks`` places them."""
+        cand = self.candidate
+        ep = cand.expert_parallel
+        edp = expert_placements(cand.dp, cand.tp, cand.pp, ep, self.gpus_per_node)[1]
+        return dataclasses.replace(
+            self, candidate=dataclasses.replace(cand, dp=cand.dp // ep, expert_parallel=1), dp_placement=edp
+        )
 
 
 def candidate_costs(
@@ -349,9 +389,11 @@ def candidate_costs(
             tp_placement=axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node),
             tokens=tokens,
             overlap_tp=cand.overlap.tp,
+            expert=_expert_setting(cand, gpus_per_node),
         ),
         dp_placement=axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node),
         ranks_per_node=ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node),
+        gpus_per_node=gpus_per_node,
     )
     priced = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
     row_costs = [cost for cost, _ in priced]
@@ -381,6 +423,13 @@ def candidate_costs(
     # The last row's transient: for a language model the loss backward's 2 x logits.
     costs.loss_transient_b = costs.layers[-1].bt_b
     return costs
+
+
+def _expert_setting(cand: Candidate, gpus_per_node: int) -> ExpertSetting:
+    """The candidate's expert parallelism as a row's work sees it (placement only at ep > 1)."""
+    ep = cand.expert_parallel
+    placement = expert_placements(cand.dp, cand.tp, cand.pp, ep, gpus_per_node)[0] if ep > 1 else None
+    return ExpertSetting(ep=ep, load=cand.expert_load, placement=placement)
 
 
 def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimizer: str) -> None:
@@ -454,7 +503,13 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
             memo[key] = cached
     work, backward_s = cached[0]
     params = work.num_params
-    state = _layer_state(params, pricing, work.fwd_s, backward_s)
+    if cand.expert_parallel > 1 and work.expert_params:  # the experts' state over the expert-data group
+        state = _merged_state(
+            _layer_state(params - work.expert_params, pricing, work.fwd_s, backward_s),
+            _layer_state(work.expert_params, pricing.expert_data(), work.fwd_s, backward_s),
+        )
+    else:
+        state = _layer_state(params, pricing, work.fwd_s, backward_s)
     compressed = _compressed_terms(params, pricing) if cand.compressed else None
     cost = dataclasses.replace(
         work,
@@ -603,6 +658,22 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
     )
 
 
+def _merged_state(dense: _LayerState, experts: _LayerState) -> _LayerState:
+    """A row's state as two parts: the dense parameters over dp, the local experts over the
+    expert-data group (no offload with expert parallelism: ``Candidate`` refuses it)."""
+    return _LayerState(
+        base={key: dense.base[key] + experts.base[key] for key in dense.base},
+        peak={key: dense.peak[key] + experts.peak[key] for key in dense.peak},
+        offload=dense.offload,
+        zero_mb_s=dense.zero_mb_s + experts.zero_mb_s,
+        dp_step_s=dense.dp_step_s + experts.dp_step_s,
+        opt_s=dense.opt_s + experts.opt_s,
+        zero_mb_sent_b=dense.zero_mb_sent_b + experts.zero_mb_sent_b,
+        dp_step_sent_b=dense.dp_step_sent_b + experts.dp_step_sent_b,
+        traffic=DpTraffic(*(a + b for a, b in zip(dense.traffic, experts.traffic))),
+    )
+
+
 def _dp_traffic(zero_stage: int, per_microbatch: Sequence[float], per_step: Sequence[float]) -> DpTraffic:
     """The seconds of ``_zero_collectives``'s lists by role (their order is fixed there)."""
     if not per_microbatch and not per_step:
@@ -689,6 +760,8 @@ class StageCost:
     p2p_s: float
     zero_mb_s: float
     work_s: float
+    ep_s: float
+    """Expert-parallel all-to-alls of one micro-batch (recomputed forwards' included; not in ``recompute_s``)."""
     micro_step_s: float
     """``work + zero_mb``: one micro-batch's forward + backward on this stage."""
     dp_s: float
@@ -852,7 +925,7 @@ def _one_f_one_b_stage(
     memory, bound = _stage_memory(costs, view, recomputed, stage)
     # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward
     zero_mb_s = sum(layer.zero_mb_s for layer in view)
-    forward_s = sum(layer.fwd_s + layer.tp_fwd_s for layer in view) + (
+    forward_s = sum(layer.fwd_s + layer.tp_fwd_s + layer.ep_fwd_s for layer in view) + (
         zero_mb_s / 3 if costs.cand.zero_stage == 3 else 0.0
     )
     work = StageWork(first, last, view, recomputed, recompute_s, p2p_s, sent_b)
@@ -866,9 +939,14 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
     compute = sum(layer.compute_s for layer in view)
     tp_s = sum(layer.tp_s for layer in view)
     zero_mb_s = sum(layer.zero_mb_s for layer in view)
-    busy = compute + tp_s + work.recompute_s + work.p2p_s
+    busy = compute + tp_s + work.recompute_s + work.p2p_s + sum(layer.ep_s for layer in view)
+    # the all-to-alls of the recomputed forwards are in ``recompute_s`` (``rec_s``); reported as ep_comm
+    ep_rec_s = sum(layer.ep_rec_s for layer, whole in zip(view, work.recomputed) if whole)
     tp_passes = sum(
-        layer.tp_sent_b + (layer.tp_rec_sent_b if whole else 0.0) + layer.tp_bwd_sent_b
+        layer.tp_sent_b
+        + layer.tp_bwd_sent_b
+        + layer.ep_sent_b
+        + ((layer.tp_rec_sent_b + layer.ep_rec_sent_b) if whole else 0.0)
         for layer, whole in zip(view, work.recomputed)
     )
     comm = (
@@ -901,8 +979,9 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         first=work.first,
         last=work.last,
         compute_s=compute,
-        recompute_s=work.recompute_s,
+        recompute_s=work.recompute_s - ep_rec_s,
         tp_s=tp_s,
+        ep_s=sum(layer.ep_s for layer in view) + ep_rec_s,
         p2p_s=work.p2p_s,
         zero_mb_s=zero_mb_s,
         work_s=busy,
@@ -999,7 +1078,7 @@ def time_breakdown(
         - tail.dp_contention_s,
         "optimizer": tail.opt_s,
         "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
-        "ep_comm": 0.0,  # experts replicated: no all-to-all
+        "ep_comm": micro_batches * busiest.ep_s,
     }
 
 

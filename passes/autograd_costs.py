@@ -246,6 +246,11 @@ def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     """SDPA as a fused flash kernel (see module doc); None if the kernel refuses the inputs."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return None
+    if value.shape[-1] != query.shape[-1]:
+        # the CPU flash kernel's meta function sizes the output by the query's head dim: a model
+        # whose values have their own head dim (DeepSeek's multi-head latent attention) would get
+        # a wrong shape, so the composite is replayed
+        return None
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(rep, dim=-3)

@@ -77,6 +77,8 @@ EXPR_FIELDS = (
     "sp_all_gather_bytes",
     "sp_grad_all_reduce_bytes",
     "sp_split_bytes",
+    "expert_dispatch_bytes",
+    "expert_tokens",
 )
 INT_FIELDS = (
     "param_count",
@@ -91,8 +93,14 @@ INT_FIELDS = (
     "core_num_ops",
     "sp_reduce_scatter_calls",
     "sp_all_gather_calls",
+    "expert_param_count",
+    "expert_param_count_tp",
+    "experts",
+    "top_k",
+    "shared_experts",
+    "moe_layers",
 )
-GEMM_FIELDS = ("fwd_gemms", "bwd_gemms", "core_gemms")
+GEMM_FIELDS = ("fwd_gemms", "bwd_gemms", "core_gemms", "expert_fwd_gemms", "expert_bwd_gemms")
 GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
 
@@ -256,6 +264,32 @@ class LayerCosts:
     """Reduce-scatters of one forward under SP."""
     sp_all_gather_calls: int = 0
     """All-gathers of one forward under SP."""
+    expert_dispatch_bytes: sympy.Expr = _ZERO
+    """Bytes of the token rows the row's mixture-of-experts layers route to their routed experts in
+    one forward (``tokens x top_k x hidden x`` the activation's element size, summed over the
+    layers): what one all-to-all dispatch moves in all, and one combine back (``passes.moe``)."""
+    expert_tokens: sympy.Expr = _ZERO
+    """Token rows each routed expert multiplies in one micro-batch with the tokens shared evenly
+    (``b s top_k / experts``): the rows dim of the listed expert products (``expert_*_gemms``)."""
+    expert_param_count: int = 0
+    """Of ``param_count``, the routed experts' parameters (the ``[experts, ...]`` weights):
+    what expert parallelism divides."""
+    expert_param_count_tp: int = 0
+    """Of ``expert_param_count``, the ones tensor parallelism shards."""
+    experts: int = 0
+    """Routed experts of each mixture-of-experts layer of the row (0: a dense row)."""
+    top_k: int = 0
+    """Routed experts each token goes to."""
+    shared_experts: int = 0
+    """Always-on expert MLPs of each mixture-of-experts layer (Qwen2-MoE's ``shared_expert``,
+    DeepSeek's ``shared_experts``), priced as the dense work they are."""
+    moe_layers: int = 0
+    """Mixture-of-experts layers in the row (each a dispatch and a combine per pass)."""
+    expert_fwd_gemms: list = field(default_factory=list)
+    """Of ``fwd_gemms``, the routed experts' products (listed at the even share of tokens):
+    expert parallelism re-prices them at the tokens each local expert gets (``cost_models.expert_cost``)."""
+    expert_bwd_gemms: list = field(default_factory=list)
+    """Of ``bwd_gemms``, the routed experts' products."""
     signature: str = ""
     """Digest of the layer's ops, shapes and weights: identical blocks share it."""
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from passes.analyze import analyze
 from passes.attention import SDPA, annotate_attention, attention_core
+from passes.moe import MOE_META, MoeLayer, annotate_moe, moe_summary, replicated_reason
 from passes.common import B, dtype_name, iter_tensors
 from passes.graph import TracedGraph
 from passes.inputs import infer_inputs
@@ -125,6 +126,10 @@ class _RowSums:
             self.ints["param_bytes"] += meta["param_bytes"]
             if tp.role == "sharded":
                 self.ints["param_count_tp"] += meta["param_count"]
+            if meta.get(MOE_META):  # a routed expert weight: what expert parallelism divides
+                self.ints["expert_param_count"] += meta["param_count"]
+                if tp.role == "sharded":
+                    self.ints["expert_param_count_tp"] += meta["param_count"]
         elif "buffer_bytes" in meta:
             self.ints["buffer_bytes"] += meta["buffer_bytes"]
         self.exprs["sp_grad_all_reduce_bytes"] += tp.sp_grad_all_reduce
@@ -138,7 +143,11 @@ class _RowSums:
             self.ints["num_ops"] += 1  # tensor ops only: shape arithmetic of a dynamic trace is free
         for cost, _ in _FLOPS_AND_BYTES:
             self.exprs[cost] += meta[cost]
-        fwd_gemms = self._add_gemms(meta, tp)
+        by_pass = self._add_gemms(meta, tp)
+        fwd_gemms = by_pass["fwd_gemms"]
+        if meta.get(MOE_META):  # a grouped expert product: its products, listed apart too
+            self.gemms["expert_fwd_gemms"] += fwd_gemms
+            self.gemms["expert_bwd_gemms"] += by_pass["bwd_gemms"]
         if in_core:  # what selective recompute runs again
             self._add_core(meta, tp, makes_tensors, fwd_gemms)
         if node.op == "call_function" and meta.get("out_bytes"):
@@ -155,8 +164,8 @@ class _RowSums:
                 self.exprs[sp_part] += meta[cost]
         self._add_collectives(tp)
 
-    def _add_gemms(self, meta: dict[str, Any], tp: Any) -> list[tuple]:
-        """Append the node's GEMMs with the dim tp divides; return the forward's."""
+    def _add_gemms(self, meta: dict[str, Any], tp: Any) -> dict[str, list[tuple]]:
+        """Append the node's GEMMs with the dim tp divides; return them by pass."""
         by_pass = {}
         for gemm_field, dims_field in _GEMM_DIMS:
             dims = getattr(tp, dims_field, None) or []
@@ -165,7 +174,7 @@ class _RowSums:
                 for i, g in enumerate(meta.get(gemm_field, ()))
             ]
             self.gemms[gemm_field] += by_pass[gemm_field]
-        return by_pass["fwd_gemms"]
+        return by_pass
 
     def _add_core(self, meta: dict[str, Any], tp: Any, makes_tensors: bool, fwd_gemms: list[tuple]) -> None:
         """An attention-core node's forward, which selective recompute runs again."""
@@ -279,6 +288,18 @@ def _graph_layer_costs(traced: TracedGraph, gm: fx.GraphModule) -> list[LayerCos
     for row, row_sums in zip(rows, sums):
         row_sums.write(row)
     return rows
+
+
+def _write_moe(rows: list[LayerCosts], moe_layers: dict[int, MoeLayer]) -> None:
+    """Each MoE row's routed-expert facts (``passes.moe``)."""
+    for layer, facts in moe_layers.items():
+        if not 0 <= layer < len(rows):
+            continue
+        row = rows[layer]
+        row.experts, row.top_k, row.moe_layers = facts.experts, facts.top_k, facts.moe_layers
+        row.shared_experts = facts.shared_experts
+        row.expert_dispatch_bytes = sympy.expand(facts.dispatch_bytes)
+        row.expert_tokens = sympy.sympify(facts.tokens)
 
 
 def _seq(x: fx.Node) -> bool:
@@ -403,7 +424,10 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
     """Analyze a traced graph (unless ``analyzed``: the passes already ran on ``traced.gm``) and
     build its layer table."""
     gm = traced.gm if analyzed else analyze(traced)
+    moe_layers, moe_reasons = annotate_moe(gm, traced.roles, traced.fqns)
+    looped = replicated_reason(gm, bool(moe_layers) or bool(moe_reasons))
     rows = _graph_layer_costs(traced, gm)
+    _write_moe(rows, moe_layers)
     tied = _tied_weights(traced, gm)
     if traced.shallow:
         last = len(rows) - 1  # traced rows -> full rows: the head moves, block 1 stands for 1..L-1
@@ -429,6 +453,9 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
     attention = mask_facts(gm, traced.layers, traced.shallow, model.get("attention_windows"))
     if attention:
         model["attention"] = attention
+    moe = moe_summary(rows, moe_reasons + ([looped] if looped else []))
+    if moe:
+        model["moe"] = moe
     model["params"] = sum(r.param_count for r in rows)
     inputs = infer_inputs(gm, [n for n, r in traced.roles.items() if r == "input"], traced.symbols)
     model["inputs"] = [f.to_dict() for f in inputs]

@@ -345,9 +345,11 @@ class Alternative:
     """The runner-up's pipeline schedule (as the plan's); written only when not 1F1B."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank of an interleaved runner-up; written only when above 1."""
+    expert_parallel: int = 1
+    """The runner-up's expert-parallel degree (as the plan's); written only when above 1."""
 
     def __post_init__(self):
-        for k in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+        for k in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "expert_parallel"):
             _check_int(f"alternatives[].{k}", getattr(self, k), 1)
         _check_int("alternatives[].zero_stage", self.zero_stage, 0)
         _check_offload(self.offload, self.zero_stage)
@@ -683,6 +685,8 @@ class Plan:
                 del alt["schedule"]
             if alt["virtual_stages"] == 1:
                 del alt["virtual_stages"]
+            if alt["expert_parallel"] == 1:
+                del alt["expert_parallel"]
         for key in ("cost", "compression"):
             if out["predicted"].get(key) is None:
                 out["predicted"].pop(key, None)

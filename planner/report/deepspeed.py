@@ -32,6 +32,17 @@ defaults, ``TrainOptions``), ``freeze_step`` = ``compression_warmup`` (the full-
 before the variance freezes and compression starts), ``cuda_aware: false`` and the NCCL backend.
 Without compression the config names no optimizer (the training script's AdamW).
 
+A mixture of experts (plan.json ``model.moe``) is built in DeepSpeed by the model code, one
+``deepspeed.moe.layer.MoE`` per MoE layer, not by a config key: ``planner.moe`` lists that
+layer's arguments, ``num_experts`` (the routed experts), ``ep_size`` = ``expert_parallel``, ``k`` =
+``top_k``, ``capacity_factor`` / ``eval_capacity_factor`` (the plan's, or DeepSpeed's default 1.0
+when dropless), ``drop_tokens`` (False: dropless, as the plan without a capacity factor),
+``min_capacity`` (0 under dropless routing, DeepSpeed's 4 otherwise) and ``use_residual`` (a
+layer with one shared expert is DeepSpeed's residual MoE; more than one shared expert has no
+DeepSpeed argument and gets a warning). DeepSpeed needs the MoE parameter groups split for ZeRO
+(``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``): a warning says so.
+Megatron-DeepSpeed's launch line gains ``--num-experts`` and ``--moe-expert-parallel-size``.
+
 DeepSpeed's pipeline engine runs only ZeRO stages 0 and 1; a plan with ``pp > 1`` and ZeRO 2 or
 3 is exported with ``planner.warnings`` saying so. The ``planner`` block is provenance for the
 reader (DeepSpeed ignores keys it does not know).
@@ -46,7 +57,14 @@ import shlex
 from runtime.contract.choices import GradCompression, OffloadTier
 from runtime.training.train_config import TrainOptions
 
-__all__ = ["to_deepspeed", "launcher_command", "offload_sections", "onebit_adam_section", "DEFAULT_NVME_PATH"]
+__all__ = [
+    "to_deepspeed",
+    "launcher_command",
+    "offload_sections",
+    "onebit_adam_section",
+    "moe_section",
+    "DEFAULT_NVME_PATH",
+]
 
 #: Where the NVMe tier's files go when the export is not told: DeepSpeed's documentation's example mount.
 DEFAULT_NVME_PATH = "/local_nvme"
@@ -105,6 +123,9 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
         "wall_clock_breakdown": False,
         "planner": _provenance(plan, offload, _warnings(plan, offload, nvme_path)),
     }
+    moe = moe_section(plan)
+    if moe is not None:
+        config["planner"]["moe"] = moe
     if getattr(plan, "dp_compression", GradCompression.NONE) == GradCompression.ONEBIT_ADAM:
         config["optimizer"] = onebit_adam_section(plan.compression_warmup)
     dp_world = plan.dp
@@ -113,6 +134,26 @@ def to_deepspeed(plan, nvme_path: str | None = None) -> dict:
         == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * dp_world
     ), "plan invariant broken"
     return config
+
+
+def moe_section(plan) -> dict | None:
+    """The arguments of ``deepspeed.moe.layer.MoE`` for the plan's MoE layers (module docstring);
+    None for a dense model."""
+    moe = getattr(plan.model, "moe", None) or {}
+    if not moe:
+        return None
+    factor = moe["capacity_factor"]
+    return {
+        "num_experts": moe["experts"],
+        "ep_size": getattr(plan, "expert_parallel", 1),
+        "k": moe["top_k"],
+        "capacity_factor": 1.0 if factor is None else factor,
+        "eval_capacity_factor": 1.0 if factor is None else factor,
+        "min_capacity": 0 if factor is None else 4,
+        "drop_tokens": factor is not None,
+        "use_residual": moe["shared_experts"] == 1,
+        "layers": list(moe["layers"]),
+    }
 
 
 def onebit_adam_section(freeze_step: int) -> dict:
@@ -159,6 +200,19 @@ def _warnings(plan, offload: dict, nvme_path: str | None) -> list[str]:
             f"Tensor parallelism (tp={plan.tp}) needs Megatron-DeepSpeed "
             f"(--tensor-model-parallel-size {plan.tp}); plain DeepSpeed has no TP for training."
         )
+    moe = getattr(plan.model, "moe", None) or {}
+    if moe:
+        warnings.append(
+            f"the model's {len(moe['layers'])} MoE layers must be deepspeed.moe.layer.MoE modules with "
+            "planner.moe's arguments, and the optimizer's parameter groups split with "
+            "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer (expert "
+            f"gradients reduce over dp/ep = {plan.dp // max(getattr(plan, 'expert_parallel', 1), 1)} ranks)."
+        )
+        if moe["shared_experts"] > 1:
+            warnings.append(
+                f"{moe['shared_experts']} shared experts per layer: DeepSpeed's residual MoE has one; "
+                "build the others as a dense MLP beside the MoE layer."
+            )
     if OffloadTier.NVME in offload.values() and nvme_path is None:
         warnings.append(
             f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
@@ -229,4 +283,7 @@ def launcher_command(plan, config_path: str = "ds_config.json", script: str = "t
     ]
     if plan.tp > 1 or plan.pp > 1:
         parts += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    moe = getattr(plan.model, "moe", None) or {}
+    if moe:
+        parts += ["--num-experts", str(moe["experts"]), "--moe-expert-parallel-size", str(plan.expert_parallel)]
     return " ".join(shlex.quote(part) for part in parts)

@@ -20,6 +20,7 @@ from cost_models.run_cost import SECONDS_PER_DAY, scale_cost
 from cost_models.strategy import Evaluation
 from planner.plan import TIME_LABELS
 from planner.search.ilp import SearchResult
+from planner.search.expert_search import ExpertSummary
 from planner.search.solve import CompileChoice, Solution
 from planner.units import compress_ranges, format_bytes, format_count, format_rate, format_seconds
 from runtime.contract.choices import OffloadTier, ScheduleName
@@ -227,7 +228,7 @@ def render_plan(
     console.print(_memory_table(plan, hw))
     if any(tier != OffloadTier.NONE for tier in plan.offload.values()):
         _render_placement(plan, hw, evaluation, console)
-    console.print(_time_table(plan, hw))
+    console.print(_time_table(plan, hw, solution.experts if solution is not None else None))
     if plan.predicted.compression is not None:
         console.print(_compression_table(plan))
     cost = plan.predicted.cost
@@ -265,7 +266,11 @@ def _head_table(plan, hw: HardwareProfile | None, evaluation: Evaluation | None,
         + (f"{nodes} nodes of {plan.hardware.gpus_per_node})" if nodes > 1 else "1 node)"),
     )
     head.add_row("batch", f"{plan.global_batch} sequences x {plan.seq_len} tokens, {plan.dtype}")
-    head.add_row("degrees", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}")
+    head.add_row(
+        "degrees", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}" + (f"  ep={plan.expert_parallel}" if plan.model.moe else "")
+    )
+    if plan.model.moe:
+        head.add_row("experts", experts_text(plan))
     head.add_row("ZeRO stage", _ZERO_TEXT[plan.zero_stage])
     head.add_row("offload", _offload_text(plan))
     micro_batches = plan.num_micro_batches
@@ -380,7 +385,7 @@ def _compression_table(plan) -> Table:
     return table
 
 
-def _time_table(plan, hw: HardwareProfile | None) -> Table:
+def _time_table(plan, hw: HardwareProfile | None, experts: ExpertSummary | None = None) -> Table:
     """The predicted step time by part, the throughput, MFU and bytes sent."""
     predicted = plan.predicted
     step = predicted.step_time_s
@@ -408,8 +413,57 @@ def _time_table(plan, hw: HardwareProfile | None) -> Table:
     table.add_row("bytes sent / device / step", format_bytes(predicted.comm_bytes_per_device), "")
     if plan.model.attention:
         table.add_row("attention", *attention_line(plan))
+    for label, value, note in expert_rows(plan, experts):
+        table.add_row(label, value, note)
     table.caption = _overlap_caption(plan.overlap)
     return table
+
+
+def experts_text(plan) -> str:
+    """The head's experts line: routed and shared experts, the expert-parallel split, the groups."""
+    moe = plan.model.moe
+    ep, experts = plan.expert_parallel, moe["experts"]
+    routing = "dropless" if moe["capacity_factor"] is None else f"capacity factor {moe['capacity_factor']:g}"
+    text = (
+        f"{experts} routed (top-{moe['top_k']})"
+        + (f" + {moe['shared_experts']} shared" if moe["shared_experts"] else "")
+        + f" in {len(moe['layers'])} layers, {routing}; "
+    )
+    if ep == 1:
+        return text + "ep=1: every rank holds every expert"
+    return text + (
+        f"ep={ep}: {experts // ep} experts per rank, tokens routed by all-to-all among {ep} ranks "
+        f"{plan.tp} apart; expert gradients reduced over dp/ep = {plan.dp // ep} ranks"
+    )
+
+
+def expert_rows(plan, experts: ExpertSummary | None) -> list[tuple[str, str, str]]:
+    """The time table's MoE rows: tokens per expert, all-to-all bytes, and what an imbalance of 1.2
+    would cost (the last two with the search's figures)."""
+    moe = plan.model.moe
+    if not moe:
+        return []
+    if experts is None:
+        tokens = plan.micro_batch_size * plan.seq_len * moe["top_k"] * plan.expert_parallel / moe["experts"]
+        return [("tokens / expert / micro-batch", f"{tokens:,.0f}", "even routing")]
+    rows = [
+        (
+            "tokens / expert / micro-batch",
+            f"{experts.tokens_per_expert:,.0f}",
+            f"imbalance {experts.imbalance:g}" if experts.imbalance != 1.0 else "even routing",
+        ),
+        ("all-to-all bytes / device / step", format_bytes(experts.all_to_all_bytes), format_seconds(experts.all_to_all_s)),
+    ]
+    if experts.imbalanced_step_s is not None:
+        extra = experts.imbalanced_step_s - experts.step_s
+        rows.append(
+            (
+                "at imbalance 1.2",
+                f"+{format_seconds(extra)}",
+                f"+{extra / experts.step_s:.1%} per step" if experts.step_s else "",
+            )
+        )
+    return rows
 
 
 def attention_line(plan) -> tuple[str, str]:
@@ -468,7 +522,9 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     compresses = any(alt.dp_compression != "none" for alt in plan.alternatives + [plan])
     scheduled = any(alt.schedule != "1f1b" for alt in plan.alternatives + [plan])
     columns = (
-        ["dp", "tp", "pp", "ZeRO", "micro-batch"]
+        ["dp", "tp", "pp"]
+        + (["ep"] if plan.model.moe else [])
+        + ["ZeRO", "micro-batch"]
         + (["schedule"] if scheduled else [])
         + (["offload opt/params"] if offloads else [])
         + (["DP exchange"] if compresses else [])
@@ -480,7 +536,9 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
         table.add_column(column)
     for alt in plan.alternatives:
         row = (
-            [str(alt.dp), str(alt.tp), str(alt.pp), str(alt.zero_stage), str(alt.micro_batch_size)]
+            [str(alt.dp), str(alt.tp), str(alt.pp)]
+            + ([str(alt.expert_parallel)] if plan.model.moe else [])
+            + [str(alt.zero_stage), str(alt.micro_batch_size)]
             + ([_short_schedule(alt.schedule, alt.virtual_stages)] if scheduled else [])
             + ([f"{alt.offload['optimizer']}/{alt.offload['params']}"] if offloads else [])
             + (["1-bit Adam" if alt.dp_compression != "none" else "full precision"] if compresses else [])

@@ -1,7 +1,8 @@
 """Why a runner-up lost: the one-line reason stored with each of plan.json's ``alternatives``.
 
 The reason says how much slower the alternative is and which part of the step time (compute,
-recompute, TP collectives, pipeline bubble, DP/ZeRO traffic, optimizer, offload transfers) grew
+recompute, TP collectives, pipeline bubble, DP/ZeRO traffic, optimizer, offload transfers, expert
+all-to-alls) grew
 the most, with the decision responsible for it, and where the runner-up keeps its state when that
 differs from the winner (offload).
 """
@@ -36,6 +37,11 @@ def _context(part: str, evaluation) -> str:
         return f"ZeRO-{candidate.zero_stage} {'shards' if candidate.zero_stage else 'does not shard'} the AdamW step over dp={candidate.dp}"
     if part == "offload":
         return _offload_context(candidate)
+    if part == "ep_comm":
+        return (
+            f"ep={candidate.expert_parallel}: every MoE layer's dispatch and combine, forward and backward"
+            + (f", at {candidate.expert_load:g}x the even load" if candidate.expert_load != 1.0 else "")
+        )
     if part == "compute":
         if candidate.pp > 1 and evaluation.strategy.virtual_stages > 1:
             k, chunks = evaluation.bottleneck_stage, evaluation.strategy.stages

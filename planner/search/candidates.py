@@ -20,6 +20,7 @@ import heapq
 import math
 from typing import Any, Sequence
 
+from cost_models.expert_cost import valid_expert_degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.offload_cost import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
@@ -183,8 +184,49 @@ def tied_summary(table: NumericTable) -> str:
     )
 
 
+def model_experts(table: NumericTable) -> int:
+    """Routed experts of the table's MoE rows (``passes.moe``; the gcd if they differ), 0 for a
+    dense model or one whose experts the pass could not read."""
+    counts = [int(getattr(lay, "experts", 0) or 0) for lay in table.layers]
+    return math.gcd(*counts) if any(counts) else 0
+
+
+def expert_degrees(request: Any, table: NumericTable, dp: int) -> list[int]:
+    """The expert-parallel degrees searched at data-parallel degree ``dp``: the divisors of
+    ``gcd(dp, experts)`` (one, ep 1, for a dense model: it pays nothing for the option), or the pin."""
+    pin = getattr(request, "ep", None)
+    degrees = valid_expert_degrees(dp, model_experts(table))
+    if pin is not None:
+        return [pin] if pin in degrees else []
+    return degrees
+
+
+def _check_expert_pin(request: Any, table: NumericTable) -> None:
+    """``--ep N`` needs routed experts that N divides (and a dp it can divide)."""
+    pin = getattr(request, "ep", None)
+    if pin is None or pin == 1:
+        return
+    experts = model_experts(table)
+    if not experts:
+        why = table.model.get("moe", {}).get("reason") if isinstance(table.model.get("moe"), dict) else None
+        raise SearchError(
+            f"--ep {pin}: this model has no routed experts the planner can shard"
+            + (f" ({why})" if why else "")
+            + "; drop --ep (or use --ep 1)."
+        )
+    if experts % pin:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise SearchError(
+            f"--ep {pin} does not divide the model's {experts} routed experts per layer: each rank must "
+            f"hold whole experts. Valid --ep values: {', '.join(map(str, valid))} (that also divide dp)."
+        )
+    if request.gpus % pin:
+        raise SearchError(f"--ep {pin} does not divide --gpus {request.gpus}: no dp is a multiple of it.")
+
+
 def check_pins(request: Any, table: NumericTable, gpus_per_node: int) -> None:
     """Reject pins no strategy can honour, with what to use instead (``SearchError``)."""
+    _check_expert_pin(request, table)
     rows = len(table.layers)
     dp, tp, pp = request.dp, request.tp, request.pp
     if dp and tp and pp and dp * tp * pp != request.gpus:
@@ -296,6 +338,9 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
                 zeros = [request.zero_stage] if request.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                 if not options:
                     skip(sequence_parallel_obstacle(request, table, tp))
+                eps = expert_degrees(request, table, dp)
+                if not eps:
+                    skip(f"--ep {request.ep} does not divide the data-parallel degree")
                 for sequence_parallel in options:
                     out.extend(
                         Candidate(
@@ -307,7 +352,11 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
                             micro_batches,
                             sequence_parallel=sequence_parallel,
                             overlap=overlap,
+                            expert_parallel=ep,
+                            moe_imbalance=float(getattr(request, "moe_imbalance", 1.0)),
+                            moe_capacity_factor=getattr(request, "moe_capacity_factor", None),
                         )
+                        for ep in eps
                         for zero in zeros
                     )
     if not out:
@@ -359,7 +408,7 @@ def offload_variants(request: Any, candidates: Sequence[Candidate], hw: Hardware
     seen: set[Candidate] = set()
     opt_tiers, par_tiers = _tiers(request, "optimizer", hw), _tiers(request, "params", hw)
     for candidate in candidates:
-        if candidate.compressed:  # 1-bit Adam keeps its state on the device
+        if candidate.compressed or candidate.expert_parallel > 1:  # 1-bit Adam, and ep, keep state on the device
             continue
         zeros = [candidate.zero_stage] if candidate.dp > 1 or request.zero_stage is not None else [1, 2, 3]
         for zero in zeros:
@@ -384,7 +433,11 @@ def compression_variants(candidates: Sequence[Candidate]) -> list[Candidate]:
     return [
         dataclasses.replace(candidate, dp_compression=GradCompression.ONEBIT_ADAM.value)
         for candidate in candidates
-        if candidate.dp > 1 and candidate.zero_stage <= 1 and not candidate.offloads and not candidate.compressed
+        if candidate.dp > 1
+        and candidate.zero_stage <= 1
+        and not candidate.offloads
+        and not candidate.compressed
+        and candidate.expert_parallel == 1
     ]
 
 

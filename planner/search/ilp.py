@@ -854,7 +854,7 @@ def _rank_key(evaluation: Evaluation) -> tuple[float, bool, float, Candidate]:
 
 
 def _candidate_layout(candidate: Candidate, schedule: str = "1f1b") -> tuple:
-    return (candidate.dp, candidate.tp, candidate.pp, schedule, candidate.zero_stage)
+    return (candidate.dp, candidate.tp, candidate.pp, schedule, candidate.zero_stage, candidate.expert_parallel)
 
 
 def layout_key(evaluation: Evaluation) -> tuple:
@@ -888,7 +888,7 @@ class _Search:
         self.result = SearchResult(ranked=[], enumerated=len(entries))
         self.order = sorted(entries, key=lambda entry: (entry[0], entry[2].cand))
         self.best: dict[tuple, Evaluation] = {
-            evaluation.strategy.candidate.degrees: evaluation for evaluation in (seed.ranked if seed else [])
+            evaluation.strategy.candidate.mesh: evaluation for evaluation in (seed.ranked if seed else [])
         }
         self.heuristic: dict[Candidate, Evaluation | None] = {}
 
@@ -932,7 +932,7 @@ class _Search:
             if memory_lb > costs.capacity:
                 result.pruned_memory += exact
                 continue
-            triple = costs.cand.degrees
+            triple = costs.cand.mesh
             bound = min(best[triple].step_time_s if triple in best else float("inf"), threshold)
             if time_lb > bound * (1 + TIME_TOL):
                 result.pruned_time += exact

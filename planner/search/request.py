@@ -324,6 +324,41 @@ class PlanRequest:
     )
     """What the run will overlap (``--overlap on|off``, ``runtime.contract.overlap``): the price
     charges each collective what its window cannot hide (on) or all of it (off)."""
+    ep: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--ep",
+            kind="positive_int",
+            metavar="N",
+            help="pin the expert-parallel degree of a mixture of experts: N ranks of each data-parallel "
+            "group share the routed experts (N divides dp and the experts), tokens reach them by "
+            "all-to-all; 1 replicates every expert; default: searched over the divisors of gcd(dp, experts)",
+        ),
+    )
+    """Expert-parallel degree (``--ep``; ``cost_models.expert_cost``); ``None``: searched."""
+    moe_capacity_factor: float | None = field(
+        default=None,
+        metadata=_flag(
+            "--moe-capacity-factor",
+            kind="positive_float",
+            metavar="F",
+            help="capacity mode: each expert takes at most F times its even share of the tokens and drops "
+            "the rest (compute and all-to-all bytes priced at min(capacity, load)); default: dropless",
+        ),
+    )
+    """Tokens each expert takes, over its even share (``--moe-capacity-factor``); ``None``: dropless
+    routing. plan.json ``model.moe.capacity_factor``."""
+    moe_imbalance: float = field(
+        default=1.0,
+        metadata=_flag(
+            "--moe-imbalance",
+            kind="float",
+            metavar="X",
+            help="routing imbalance the plan is priced for: the busiest expert-parallel rank's experts get X "
+            "times the mean of the tokens (>= 1.0; default 1.0, balanced)",
+        ),
+    )
+    """The busiest expert-parallel rank's tokens over the mean (``--moe-imbalance``, >= 1.0)."""
 
     def to_record(self) -> dict:
         """The request as plan.json's ``request``: every field by name (JSON values), enough for
@@ -360,6 +395,7 @@ class PlanRequest:
         self._check_recompute()
         self._check_degrees()
         self._check_compression()
+        self._check_experts()
 
     def _check_problem(self) -> None:
         """The cluster, the batch and the dtype."""
@@ -480,6 +516,25 @@ class PlanRequest:
                 f"{flag} needs more than one data-parallel rank, but {why}: there is no data-parallel "
                 "exchange to compress. Drop --dp-compression, or leave room for dp > 1."
             )
+
+    def _check_experts(self) -> None:
+        """The expert-parallel pin divides the pinned dp; the MoE factors are in range (whether the
+        model has experts, and how many, the search checks against the layer table)."""
+        if self.ep is not None:
+            _check_positive_int("ep", self.ep)
+            if self.dp is not None and self.dp % self.ep:
+                raise SearchError(
+                    f"--ep {self.ep} does not divide --dp {self.dp}: the expert-parallel groups are carved "
+                    "out of the data-parallel ranks. Pick an --ep that divides --dp."
+                )
+        imbalance = self.moe_imbalance
+        if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not imbalance >= 1.0:
+            raise SearchError(f"--moe-imbalance must be a number >= 1.0 (1.0: balanced routing), got {imbalance!r}.")
+        factor = self.moe_capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0
+        ):
+            raise SearchError(f"--moe-capacity-factor must be a positive number, got {factor!r}.")
 
 
 _FLAGS: dict[str, CliFlag] = {f.name: flag for f, flag in cli_flags(PlanRequest)}

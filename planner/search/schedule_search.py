@@ -708,7 +708,7 @@ def _bound_walk(
     unchanged, and a strategy that can run none of ``searched`` dropped (:class:`_Walk`)."""
     walk = _Walk(cc_of, rows, searched, keep, refit)
     for k, evaluation in enumerate(evs):
-        walk.owners.setdefault(evaluation.strategy.candidate.degrees, k)
+        walk.owners.setdefault(evaluation.strategy.candidate.mesh, k)
         walk.add(evaluation, k, False)
     if refit is not None:
         walk.add_candidates([evaluation.strategy.candidate for evaluation in evs])
@@ -794,7 +794,7 @@ class _Walk:
         assert refit is not None  # the walk adds candidates only with a refit
         compiled = {cand.compile for cand in kept_candidates}
         for cand in list(self.cc_of.keys()):
-            if cand in self.seen or cand.compile not in compiled or cand.degrees not in self.owners:
+            if cand in self.seen or cand.compile not in compiled or cand.mesh not in self.owners:
                 continue
             if not any(
                 o[0] != ScheduleName.ONE_F_ONE_B for o in schedule_options(cand, self.rows, None, None, self.searched)
@@ -803,7 +803,7 @@ class _Walk:
             costs = self.cc_of[cand]
             if memory_lower_bound(costs) > costs.capacity:
                 continue
-            owner = self.owners[cand.degrees]
+            owner = self.owners[cand.mesh]
             self.push(
                 schedule_free_bound(costs, refit.kinds, refit.checkpoint),
                 "strategy",

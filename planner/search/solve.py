@@ -67,6 +67,14 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
+from planner.search.expert_search import (
+    ExpertSummary,
+    expert_summary,
+    listed_runners_up,
+    model_moe,
+    replicated_note,
+    with_replicated_experts,
+)
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
@@ -303,6 +311,8 @@ class Solution:
     compression: CompressionChoice | None = None
     """Whether the data-parallel exchange is compressed (1-bit Adam), and why; None when the
     search did not weigh it (nothing compressed could win)."""
+    experts: ExpertSummary | None = None
+    """A mixture of experts' figures for the report (``planner.search.expert_search``); None when dense."""
 
 
 def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Solution:
@@ -366,11 +376,23 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
+    result = with_replicated_experts(result, entries, table.kinds, request.checkpoint, solver)
+    moe_note = replicated_note(table.model)
+    if moe_note:
+        result.notes.append(moe_note)
     result = _scheduled(request, table, _costs_for(request, table, hw, gpus_per_node, entries, result), result, solver)
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
     plan = build_plan(request, table, hw, gpus_per_node, result, solver, time.perf_counter() - started, inputs)
-    return Solution(plan=plan, evaluation=result.winner(), search=result, compile=choice, compression=compression)
+    experts = expert_summary(request, table, hw, gpus_per_node, result.winner())
+    return Solution(
+        plan=plan,
+        evaluation=result.winner(),
+        search=result,
+        compile=choice,
+        compression=compression,
+        experts=experts,
+    )
 
 
 def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
@@ -620,6 +642,7 @@ def build_plan(
         layer_names=model_layer_names(request.spec, list(table.names)),
         inputs=list(inputs or []),
         attention=_attention(table.model, request.seq_len, request.global_batch),
+        moe=model_moe(table.model, getattr(request, "moe_capacity_factor", None)),
     )
     alts = [
         Alternative(
@@ -638,8 +661,9 @@ def build_plan(
             dp_compression=alt.strategy.candidate.dp_compression,
             schedule=alt.strategy.schedule,
             virtual_stages=alt.strategy.virtual_stages,
+            expert_parallel=alt.strategy.candidate.expert_parallel,
         )
-        for alt in result.runners_up(3)
+        for alt in listed_runners_up(result, evaluation)
     ]
     plan = Plan(
         model=model,
@@ -662,6 +686,7 @@ def build_plan(
         compile=candidate.compile,
         offload={"optimizer": candidate.offload_optimizer, "params": candidate.offload_params},
         dp_compression=candidate.dp_compression,
+        expert_parallel=candidate.expert_parallel,
         overlap=candidate.overlap.to_json(),
         compression_warmup=default_warmup(request.horizon_steps()) if candidate.compressed else 0,
         predicted=Predicted(**predicted_fields(evaluation, flops, request.gpus, hw.peak(request.dtype))),

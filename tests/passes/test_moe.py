@@ -42,3 +42,106 @@ def test_encoder_decoder_is_refused_clearly(tmp_path):
     tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64).save_pretrained(tmp_path / "t5")
     with pytest.raises(ModelError, match="encoder-decoder model"):
         build_layer_table(f"hf:{tmp_path / 't5'}", batch=1, seq_len=8, dtype="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# passes.moe: the facts pricing reads, per layer-table row
+# ---------------------------------------------------------------------------------------------
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
+MOE_CONFIGS = {
+    "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **TINY),
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, **TINY
+    ),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=8, **TINY
+    ),
+    "deepseek_v3": lambda: tf.DeepseekV3Config(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        **{**TINY, "num_key_value_heads": 4},
+    ),
+}
+#: experts, top_k, MoE rows, shared experts, routed expert's (gate + up + down) width
+MOE_EXPECT = {
+    "mixtral": (4, 2, [1, 2], 0, 64),
+    "qwen2_moe": (4, 2, [1, 2], 1, 32),
+    "qwen3_moe": (8, 3, [1, 2], 0, 32),
+    "deepseek_v3": (4, 2, [2], 2, 32),  # one dense block first; two shared experts' worth of width
+}
+
+
+@pytest.mark.parametrize("arch", list(MOE_CONFIGS))
+def test_moe_facts_per_row(arch, tmp_path):
+    """Routed expert parameters (exactly E x 3 h f), experts, top_k, shared experts, the dispatch
+    bytes (tokens x top_k x h x 4 bytes in fp32), rows per expert, and the expert products listed
+    apart with the FLOPs of the routed MLPs at the even share (forward 2 x tokens x top_k x 3 h f,
+    backward twice that): all of them still inside the row's FLOPs."""
+    MOE_CONFIGS[arch]().save_pretrained(tmp_path / arch)
+    table = build_layer_table(f"hf:{tmp_path / arch}", batch=1, seq_len=16, dtype="fp32")
+    experts, top_k, rows, shared, ffn = MOE_EXPECT[arch]
+    h, at = 32, {B: 2, S: 16}
+    tokens = 2 * 16
+    assert table.model["moe"] == {"layers": rows, "experts": experts, "top_k": top_k, "shared_experts": shared}
+    for row in table.layers:
+        if row.index not in rows:
+            assert (row.experts, row.expert_param_count, row.expert_fwd_gemms) == (0, 0, [])
+            continue
+        assert (row.experts, row.top_k, row.moe_layers, row.shared_experts) == (experts, top_k, 1, shared)
+        assert row.expert_param_count == experts * 3 * h * ffn
+        assert int(row.expert_dispatch_bytes.subs(at)) == tokens * top_k * h * 4
+        assert int(row.expert_tokens.subs(at)) == tokens * top_k // experts
+        fwd = sum(int(g.flops.subs(at)) for g in row.expert_fwd_gemms)
+        bwd = sum(int(g.flops.subs(at)) for g in row.expert_bwd_gemms)
+        assert fwd == 2 * tokens * top_k * 3 * h * ffn and bwd == 2 * fwd
+        assert int(row.fwd_flops.subs(at)) > fwd
+
+
+def test_gpt_oss_experts_stay_replicated_and_say_why(tmp_path):
+    """GPT-OSS adds a per-expert bias gathered by expert id between its products: the region is
+    refused (``passes.expert_regions``), no row has routed experts and the table says why."""
+    tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=8, **TINY).save_pretrained(tmp_path / "oss")
+    table = build_layer_table(f"hf:{tmp_path / 'oss'}", batch=1, seq_len=16, dtype="fp32")
+    assert all(row.experts == 0 and row.expert_param_count == 0 for row in table.layers)
+    assert set(table.model["moe"]) == {"reason"}
+    assert "bias gathered by expert id" in table.model["moe"]["reason"]
+
+
+def test_experts_in_a_python_loop_stay_replicated_and_say_why():
+    """Experts as a ModuleList run one by one have no grouped product to cut: every rank keeps
+    them, the table says why, and ``--ep`` is refused naming it."""
+    from pathlib import Path
+
+    from cost_models.hardware import load_hardware
+    from planner.search.request import PlanRequest
+    from planner.search.search_errors import SearchError
+    from planner.search.solve import solve
+
+    spec = f"{Path(__file__).parents[1] / 'fixtures' / 'moe_models.py'}:looped_experts"
+    table = build_layer_table(spec, batch=2, seq_len=8, dtype="fp32")
+    assert all(row.experts == 0 for row in table.layers)
+    assert "ModuleList of MLPs the graph runs one by one" in table.model["moe"]["reason"]
+    request = dict(spec=spec, gpus=2, gpus_per_node=2, hardware="cpu", global_batch=4, seq_len=8, dtype="fp32")
+    with pytest.raises(SearchError, match="no routed experts the planner can shard .*ModuleList"):
+        solve(PlanRequest(**request, ep=2), table, load_hardware("cpu", 2))
+    solution = solve(PlanRequest(**request), table, load_hardware("cpu", 2))
+    assert solution.plan.model.moe == {} and solution.plan.expert_parallel == 1
+    assert any("experts replicated" in note for note in solution.search.notes)
