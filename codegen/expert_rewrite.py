@@ -25,6 +25,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from codegen.codegen_errors import CodegenError
@@ -48,8 +49,9 @@ class ExpertRewrite:
     """E: experts of every routed layer."""
     capacity_factor: float | None
     """``model.moe.capacity_factor`` (None: dropless)."""
-    params: set[str] = field(default_factory=set)
-    """FQNs of the routed expert weights (``[E, ...]``, cut by the runtime)."""
+    params: dict[str, list[int]] = field(default_factory=dict)
+    """FQN of each routed expert weight -> its full ``[E, ...]`` shape (the manifest's; the
+    generated ``__init__`` allocates this rank's ``E / ep`` rows, which the runtime loads)."""
 
     def manifest(self) -> dict:
         """The manifest's ``expert_parallel`` entry."""
@@ -67,7 +69,8 @@ def rewrite_experts(gm: fx.GraphModule, plan) -> ExpertRewrite | None:
     done = ExpertRewrite(plan.expert_parallel, regions[0].experts, capacity)
     for region in regions:
         _rewrite_region(gm.graph, region, capacity)
-        done.params.update(region.params)
+        for fqn in region.params:
+            done.params[fqn] = _keep_local_rows(gm, fqn, plan.expert_parallel)
     gm.graph.lint()
     gm.recompile()
     return done
@@ -103,6 +106,22 @@ def _check_plan(plan, regions: list[ExpertRegion], capacity: float | None) -> No
             f"torch.compile of the layer classes (plan.json compile: true) cannot trace {what}: the "
             "dispatch's row counts are known only at run time; plan with --compile off"
         )
+
+
+def _keep_local_rows(gm: fx.GraphModule, fqn: str, ep: int) -> list[int]:
+    """Give ``gm``'s meta expert weight ``fqn`` one rank's ``E / ep`` rows (what the generated
+    ``__init__`` allocates); return its full shape."""
+    mod_path, _, attr = fqn.rpartition(".")
+    mod = gm.get_submodule(mod_path) if mod_path else gm
+    tensor = getattr(mod, attr)
+    full = [int(size) for size in tensor.shape]
+    if ep > 1:
+        local = torch.empty([full[0] // ep, *full[1:]], dtype=tensor.dtype, device="meta")
+        if attr in mod._parameters:
+            mod._parameters[attr] = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
+        else:
+            mod._buffers[attr] = local
+    return full
 
 
 def _carried(node: fx.Node) -> dict:

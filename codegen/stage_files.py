@@ -153,7 +153,7 @@ def _stage_header(plan: Plan, spec: StageSpec, plan_digest: str, where: str) -> 
 
 
 def _stage_params(
-    gm: fx.GraphModule, spec: StageSpec, param_map: dict[str, str], shard_info: dict, experts: set[str]
+    gm: fx.GraphModule, spec: StageSpec, param_map: dict[str, str], shard_info: dict, experts: dict[str, list[int]]
 ) -> dict:
     """The manifest's ``params`` of one stage: each attribute's FQN, shape, trainability, tp
     shard, (for a weight several stages read) the stages holding a copy and (for a routed expert
@@ -171,6 +171,7 @@ def _stage_params(
             params[attr]["tied"] = spec.tied[attr]
         if fqn in experts:  # the runtime keeps rows [r E/ep, (r+1) E/ep) on expert-parallel rank r
             params[attr]["expert"] = True
+            params[attr]["shape"] = experts[fqn]  # the whole [E, ...] (the stage allocates its rows)
     return params
 
 
@@ -216,7 +217,7 @@ def _compile_stage(plan: Plan, spec: StageSpec, context: _StageContext, out_dir:
         "recv": [_meta(n, *crossing) for n in spec.recv],
         "send": [_meta(n, *crossing) for n in spec.send],
         "params": _stage_params(
-            context.gm, spec, param_map, context.shard_info, context.experts.params if context.experts else set()
+            context.gm, spec, param_map, context.shard_info, context.experts.params if context.experts else {}
         ),
         "sha256": hashlib.sha256(src.encode()).hexdigest(),
     }

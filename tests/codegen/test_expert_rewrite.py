@@ -64,18 +64,19 @@ def _weights_and_inputs(spec: str):
 
 
 def _run(folder: str, manifest: dict, spec: str):
+    """The compiled stages' loss in this process, on the model's weights."""
     model, inputs = _weights_and_inputs(spec)
     state = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
-    loss, mods = run_stages_in_process(folder, manifest, state, inputs)
-    grads = {name: p.grad for m in mods for name, p in m.named_parameters()}
-    return loss.detach(), grads
+    loss, _ = run_stages_in_process(folder, manifest, state, inputs)
+    return loss.detach()
 
 
 def test_ep2_stage_dispatches_and_combines_each_routed_layer(mixtral, tmp_path):
     """The generated layer reads like the math: dispatch the sorted rows with their counts, run
-    the expert products on the local rows and offsets, combine; the manifest marks the expert
-    weights (full [E, ...] shapes) and records the degree. One process: the same loss and
-    gradients as the stage compiled without expert parallelism."""
+    the expert products on the local rows and offsets, combine. The stage allocates its rank's
+    ``E / ep`` experts; the manifest marks the expert weights with their full ``[E, ...]`` shape
+    (what checkpoints and the loader cut from) and records the degree. (The exchange runs over
+    ranks: ``tests/e2e/test_moe.py``.)"""
     plain = compile_plan(_plan(mixtral, ep=1), str(tmp_path / "ep1"))
     cut = compile_plan(_plan(mixtral, ep=2), str(tmp_path / "ep2"))
     assert "expert_parallel" not in plain
@@ -88,21 +89,20 @@ def test_ep2_stage_dispatches_and_combines_each_routed_layer(mixtral, tmp_path):
         for name, shape in (("gate_up_proj", [EXPERTS, 2 * 64, 32]), ("down_proj", [EXPERTS, 32, 64]))
     }
     assert not any("expert" in entry for entry in plain["stages"][0]["params"].values())
+    assert {k: e for k, e in params.items() if not e.get("expert")} == {
+        k: e for k, e in plain["stages"][0]["params"].items() if "experts" not in e["fqn"]
+    }
     source = (tmp_path / "ep2" / "stage_0.py").read_text()  # both blocks share the class Block
-    assert (
-        source.count("dispatched = runtime_moe_dispatch_dispatch(to_dtype_6, histc_default, 4, capacity_factor = None)")
-        == 1
-    )
+    dispatch = "dispatched = runtime_moe_dispatch_dispatch(to_dtype_6, histc_default, 4, capacity_factor = None)"
+    assert source.count(dispatch) == 1
     assert source.count("runtime_portable_grouped_mm(local_rows, ") == 1
     assert source.count(", local_offsets)") == 2
     assert source.count("combined = runtime_moe_dispatch_combine(grouped_mm_fallback_default_1, routing)") == 1
     assert "from runtime.moe.dispatch import dispatch as runtime_moe_dispatch_dispatch" in source
-    loss1, grads1 = _run(str(tmp_path / "ep1"), plain, mixtral)
-    loss2, grads2 = _run(str(tmp_path / "ep2"), cut, mixtral)
-    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=0)
-    assert grads1.keys() == grads2.keys()
-    for name in grads1:
-        torch.testing.assert_close(grads2[name], grads1[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert "self.mlp_experts_gate_up_proj = torch.nn.Parameter(torch.empty((2, 128, 32)" in source
+    assert "self.mlp_experts_down_proj = torch.nn.Parameter(torch.empty((2, 32, 64)" in source
+    plain_source = (tmp_path / "ep1" / "stage_0.py").read_text()
+    assert "runtime.moe" not in plain_source and "torch.empty((4, 128, 32)" in plain_source
 
 
 def _hand_count_dropped(spec: str, capacity: float) -> tuple[int, int]:
@@ -131,14 +131,14 @@ def test_capacity_drops_what_a_hand_count_drops(mixtral, tmp_path):
     man = compile_plan(_plan(mixtral, capacity=0.5, dp=1), str(tmp_path / "cap"))
     assert man["expert_parallel"] == {"degree": 1, "experts": EXPERTS, "capacity_factor": 0.5}
     LOAD.reset()
-    loss_cap, _ = _run(str(tmp_path / "cap"), man, mixtral)
+    loss_cap = _run(str(tmp_path / "cap"), man, mixtral)
     assert LOAD.tokens_dropped == dropped and sum(sum(v) for v in LOAD.per_expert.values()) == routed
     roomy = compile_plan(_plan(mixtral, capacity=float(EXPERTS), dp=1), str(tmp_path / "roomy"))
     plain = compile_plan(_plan(mixtral, dp=1), str(tmp_path / "plain"))
     LOAD.reset()
-    loss_roomy, _ = _run(str(tmp_path / "roomy"), roomy, mixtral)
+    loss_roomy = _run(str(tmp_path / "roomy"), roomy, mixtral)
     assert LOAD.tokens_dropped == 0
-    loss_plain, _ = _run(str(tmp_path / "plain"), plain, mixtral)
+    loss_plain = _run(str(tmp_path / "plain"), plain, mixtral)
     torch.testing.assert_close(loss_roomy, loss_plain, rtol=1e-6, atol=0)
     assert not torch.allclose(loss_cap, loss_plain)
     LOAD.reset()
