@@ -4,7 +4,8 @@ holding their experts and combines the products' rows back.
 ``passes.expert_regions`` finds one region per MoE layer: the rows sorted by expert, the ``histc``
 counting them, the ``cumsum`` offsets and the grouped products reading ``[E, ...]`` expert weights.
 When the plan cuts the experts (``expert_parallel > 1``) or caps their load
-(``model.moe.capacity_factor``), every region is rewritten so that::
+(``model.moe.capacity_factor``), every region is rewritten so that (and, for the metrics' expert
+load, every readable region of a mixture of experts planned at ep 1)::
 
     dispatch = runtime.moe.dispatch(rows, counts, E, capacity_factor)
     local_rows, local_offsets, routing = dispatch[0], dispatch[1], dispatch[2]
@@ -59,13 +60,25 @@ class ExpertRewrite:
 
 
 def rewrite_experts(gm: fx.GraphModule, plan) -> ExpertRewrite | None:
-    """Rewrite ``gm``'s routed-expert regions for ``plan``; None when the plan needs no rewrite
-    (experts replicated and dropless: the graph runs as traced)."""
-    capacity = (plan.model.moe or {}).get("capacity_factor")
-    if plan.expert_parallel <= 1 and capacity is None:
+    """Rewrite ``gm``'s routed-expert regions for ``plan``; None when nothing is rewritten.
+
+    Expert parallelism or a capacity factor needs every region rewritten (or the plan refused).
+    A mixture of experts planned with experts replicated and dropless (``model.moe`` set, ep 1)
+    has its readable regions rewritten too, the dispatch then moving nothing: it counts the tokens
+    each expert gets for the metrics' ``expert_load``. Not under ``plan.compile`` (torch.compile
+    cannot trace data-dependent row counts), nor in a region the pass refuses: those run as traced.
+    """
+    facts = plan.model.moe or {}
+    capacity = facts.get("capacity_factor")
+    required = plan.expert_parallel > 1 or capacity is not None
+    if not required and (not facts or getattr(plan, "compile", False)):
         return None
     regions = find_expert_regions(gm)
-    _check_plan(plan, regions, capacity)
+    if required:
+        _check_plan(plan, regions, capacity)
+    regions = [region for region in regions if region.parallel]
+    if not regions:
+        return None
     done = ExpertRewrite(plan.expert_parallel, regions[0].experts, capacity)
     for region in regions:
         _rewrite_region(gm.graph, region, capacity)

@@ -43,15 +43,11 @@ def mixtral(tmp_path_factory) -> str:
     return f"hf:{path}"
 
 
-def _plan(spec: str, *, ep: int = 1, capacity: float | None = None, dp: int = 2, **pins):
+def _plan(spec: str, *, ep: int = 1, capacity: float | None = None, dp: int = 2, moe: bool = True, **pins):
+    """A hand-pinned plan; ``moe``: with the ``model.moe`` facts the planner fills for an MoE model."""
     plan = make_plan(spec, {"layers": 2, "seq_len": SEQ}, mbs=MBS, m=pins.get("pp", 1), dp=dp, **pins)
-    plan.model.moe = {
-        "layers": [1, 2],
-        "experts": EXPERTS,
-        "top_k": TOP_K,
-        "shared_experts": 0,
-        "capacity_factor": capacity,
-    }
+    if moe:
+        plan.model.moe = dict(layers=[1, 2], experts=EXPERTS, top_k=TOP_K, shared_experts=0, capacity_factor=capacity)
     return dataclasses.replace(plan, expert_parallel=ep)
 
 
@@ -77,7 +73,7 @@ def test_ep2_stage_dispatches_and_combines_each_routed_layer(mixtral, tmp_path):
     ``E / ep`` experts; the manifest marks the expert weights with their full ``[E, ...]`` shape
     (what checkpoints and the loader cut from) and records the degree. (The exchange runs over
     ranks: ``tests/e2e/test_moe.py``.)"""
-    plain = compile_plan(_plan(mixtral, ep=1), str(tmp_path / "ep1"))
+    plain = compile_plan(_plan(mixtral, moe=False), str(tmp_path / "ep1"))
     cut = compile_plan(_plan(mixtral, ep=2), str(tmp_path / "ep2"))
     assert "expert_parallel" not in plain
     assert cut["expert_parallel"] == {"degree": 2, "experts": EXPERTS, "capacity_factor": None}
@@ -134,13 +130,32 @@ def test_capacity_drops_what_a_hand_count_drops(mixtral, tmp_path):
     loss_cap = _run(str(tmp_path / "cap"), man, mixtral)
     assert LOAD.tokens_dropped == dropped and sum(sum(v) for v in LOAD.per_expert.values()) == routed
     roomy = compile_plan(_plan(mixtral, capacity=float(EXPERTS), dp=1), str(tmp_path / "roomy"))
-    plain = compile_plan(_plan(mixtral, dp=1), str(tmp_path / "plain"))
+    plain = compile_plan(_plan(mixtral, dp=1, moe=False), str(tmp_path / "plain"))
     LOAD.reset()
     loss_roomy = _run(str(tmp_path / "roomy"), roomy, mixtral)
     assert LOAD.tokens_dropped == 0
     loss_plain = _run(str(tmp_path / "plain"), plain, mixtral)
     torch.testing.assert_close(loss_roomy, loss_plain, rtol=1e-6, atol=0)
     assert not torch.allclose(loss_cap, loss_plain)
+    LOAD.reset()
+
+
+def test_replicated_experts_dispatch_in_place_to_count_the_load(mixtral, tmp_path):
+    """An MoE plan at ep 1, dropless: the regions still call dispatch (which moves nothing) so the
+    metrics see the tokens per expert; the loss is the traced graph's. A model without MoE facts in
+    its plan, or under torch.compile, compiles as traced."""
+    counted = compile_plan(_plan(mixtral, dp=1), str(tmp_path / "counted"))
+    assert counted["expert_parallel"] == {"degree": 1, "experts": EXPERTS, "capacity_factor": None}
+    assert "torch.empty((4, 128, 32)" in (tmp_path / "counted" / "stage_0.py").read_text()
+    compiled = compile_plan(dataclasses.replace(_plan(mixtral, dp=1), compile=True), str(tmp_path / "compiled"))
+    assert "expert_parallel" not in compiled
+    assert "runtime.moe" not in (tmp_path / "compiled" / "stage_0.py").read_text()
+    plain = compile_plan(_plan(mixtral, dp=1, moe=False), str(tmp_path / "plain"))
+    LOAD.reset()
+    loss = _run(str(tmp_path / "counted"), counted, mixtral)
+    _, routed = _hand_count_dropped(mixtral, 1.0)
+    assert LOAD.calls == 2 and sum(LOAD.per_expert[EXPERTS]) == routed and LOAD.tokens_dropped == 0
+    torch.testing.assert_close(loss, _run(str(tmp_path / "plain"), plain, mixtral), rtol=1e-6, atol=0)
     LOAD.reset()
 
 
