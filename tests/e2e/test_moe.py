@@ -95,9 +95,13 @@ def _model_dir(root, arch: str) -> str:
     return f"hf:{path}"
 
 
-def _plan(spec: str, arch: str, *, dp: int, ep: int, pp: int = 1, tp: int = 1, zero: int = 0, capacity=None):
+def _plan(
+    spec: str, arch: str, *, dp: int, ep: int, pp: int = 1, tp: int = 1, zero: int = 0, capacity=None, checkpoint=()
+):
     """A hand-pinned plan (``tests.helpers.make_plan``) with the MoE fields the planner fills."""
-    plan = make_plan(spec, {"layers": 2, "seq_len": SEQ}, mbs=MBS, m=pp, dp=dp, pp=pp, tp=tp, zero=zero)
+    plan = make_plan(
+        spec, {"layers": 2, "seq_len": SEQ}, mbs=MBS, m=pp, dp=dp, pp=pp, tp=tp, zero=zero, checkpoint=checkpoint
+    )
     plan.model.moe = {**ARCHS[arch][1], "capacity_factor": capacity}
     return dataclasses.replace(plan, expert_parallel=ep)
 
@@ -118,6 +122,7 @@ def _cases(root) -> dict[str, Run]:
     spec = _model_dir(os.path.join(root, "models"), "mixtral")
     for zero in (1, 3):
         add(f"mixtral-ep2-zero{zero}", _plan(spec, "mixtral", dp=2, ep=2, zero=zero))
+    add("mixtral-ep2-recompute", _plan(spec, "mixtral", dp=2, ep=2, checkpoint=(1, 2)))
     deepseek = _model_dir(os.path.join(root, "models"), "deepseek_v3")
     add("deepseek-capacity", _plan(deepseek, "deepseek_v3", dp=2, ep=2, capacity=CAPACITY), steps=1)
     saved = runs["mixtral-ep2"].opts.checkpoint_dir
@@ -179,6 +184,18 @@ def test_expert_parallel_trains_like_one_process(trained, arch, layout):
 def test_expert_parallel_with_zero(trained, zero):
     """Expert weights sharded over the expert-data-parallel group, the rest over dp."""
     _check(trained[f"mixtral-ep2-zero{zero}"])
+
+
+def test_recomputed_moe_layers_dispatch_again_in_backward(trained):
+    """Both blocks recomputed in backward (activation checkpointing): their dispatch and combine
+    run again there, over the same ranks in the same order; the training and the routing are
+    those of the run without recompute."""
+    run = trained["mixtral-ep2-recompute"]
+    assert run.plan.checkpoint_layers == [1, 2]
+    _check(run)
+    plain = read_metrics(os.path.join(trained["mixtral-ep2"].folder, "m.jsonl"))
+    again = read_metrics(os.path.join(run.folder, "m.jsonl"))
+    assert [row["expert_load"] for row in again] == [row["expert_load"] for row in plain]
 
 
 def test_dropless_routing_reports_no_drops_and_the_load(trained):
