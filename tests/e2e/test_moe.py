@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from planner.frontend.zoo import ModelSizes, build_model
+from planner.plan import Plan
 from runtime.training.data import open_data
 from runtime.training.events import read_lines
 from tests.e2e.batched import Run, options, run_result, train_together
@@ -81,6 +82,12 @@ LAYOUTS = {
     "ep2xtp2": dict(dp=2, tp=2, ep=2),
     "ep4": dict(dp=4, ep=4),
 }
+SCHEDULES = {
+    "zero-bubble": dict(schedule="zero-bubble"),
+    "interleaved": dict(schedule="interleaved", virtual_stages=2, stages=[[0, 0], [1, 1], [2, 2], [3, 3]]),
+}
+"""Other pipeline schedules at ep2 x pp2: B and W apart (the all-to-alls' backward in B), and two
+model chunks per rank (one routed block each)."""
 CAPACITY = 0.5
 RESUMED_STEPS = STEPS + 2
 SETTINGS = dict(eps=EPS, min_lr=3e-4)
@@ -123,6 +130,11 @@ def _cases(root) -> dict[str, Run]:
     for zero in (1, 3):
         add(f"mixtral-ep2-zero{zero}", _plan(spec, "mixtral", dp=2, ep=2, zero=zero))
     add("mixtral-ep2-recompute", _plan(spec, "mixtral", dp=2, ep=2, checkpoint=(1, 2)))
+    for schedule, layout in SCHEDULES.items():
+        add(
+            f"mixtral-ep2xpp2-{schedule}",
+            Plan.from_dict({**_plan(spec, "mixtral", dp=2, pp=2, ep=2).to_dict(), **layout}),
+        )
     deepseek = _model_dir(os.path.join(root, "models"), "deepseek_v3")
     add("deepseek-capacity", _plan(deepseek, "deepseek_v3", dp=2, ep=2, capacity=CAPACITY), steps=1)
     saved = runs["mixtral-ep2"].opts.checkpoint_dir
@@ -178,6 +190,11 @@ def _resumed_result(run: Run):
 def test_expert_parallel_trains_like_one_process(trained, arch, layout):
     """Dropless routing over ep ranks: the same losses and parameters as one process."""
     _check(trained[f"{arch}-{layout}"])
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_expert_parallel_under_other_pipeline_schedules(trained, schedule):
+    _check(trained[f"mixtral-ep2xpp2-{schedule}"])
 
 
 @pytest.mark.parametrize("zero", [1, 3])
