@@ -3,8 +3,10 @@
 Tiny Mixtral, Qwen2-MoE (routed experts plus a gated shared expert) and DeepSeek-V3 (multi-head
 latent attention, a dense first layer, shared and grouped-routed experts), each a model directory
 holding only ``config.json`` (``hf:PATH``), compiled with ``expert_parallel`` set and trained
-dropless at ep2 (dp2), ep2 x pp2, ep2 x tp2 and ep4 (dp4); ZeRO 1 and 3 at ep2; capacity mode
-(DeepSeek: tokens over capacity dropped and counted); a checkpoint written at ep2 resumed at ep1. Every
+dropless at ep2 (dp2), ep2 x pp2, ep2 x tp2 and ep4 (dp4), and Qwen3-MoE at ep2 and ep4; ZeRO 1
+and 3 at ep2; recompute at ep2; the zero-bubble and interleaved schedules at ep2 x pp2; capacity
+mode (DeepSeek: tokens over capacity dropped and counted); a checkpoint written at ep2 resumed at
+ep1. Every
 case's per-step losses and final parameters match a single process training the HF model with
 torch AdamW on the whole global batch (``tests.helpers.reference_run``) at rtol 1e-5.
 
@@ -76,6 +78,15 @@ ARCHS = {
         dict(layers=[2], experts=4, top_k=2, shared_experts=1),
     ),
 }
+QWEN3 = (
+    lambda: tf.Qwen3MoeConfig(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=8, num_key_value_heads=2, **COMMON
+    ),
+    dict(layers=[1, 2], experts=8, top_k=3, shared_experts=0),
+)
+"""Qwen3-MoE (8 experts, top 3, q/k norms), trained at ep2 and ep4 only."""
+CONFIGS = {**ARCHS, "qwen3_moe": QWEN3}
+"""Each model's config and the ``model.moe`` facts the planner would fill."""
 LAYOUTS = {
     "ep2": dict(dp=2, ep=2),
     "ep2xpp2": dict(dp=2, pp=2, ep=2),
@@ -98,7 +109,7 @@ steps follows the schedule of the run it resumes (a cosine schedule depends on t
 def _model_dir(root, arch: str) -> str:
     path = os.path.join(root, arch)
     if not os.path.exists(path):
-        ARCHS[arch][0]().save_pretrained(path)
+        CONFIGS[arch][0]().save_pretrained(path)
     return f"hf:{path}"
 
 
@@ -109,7 +120,7 @@ def _plan(
     plan = make_plan(
         spec, {"layers": 2, "seq_len": SEQ}, mbs=MBS, m=pp, dp=dp, pp=pp, tp=tp, zero=zero, checkpoint=checkpoint
     )
-    plan.model.moe = {**ARCHS[arch][1], "capacity_factor": capacity}
+    plan.model.moe = {**CONFIGS[arch][1], "capacity_factor": capacity}
     return dataclasses.replace(plan, expert_parallel=ep)
 
 
@@ -126,6 +137,9 @@ def _cases(root) -> dict[str, Run]:
         spec = _model_dir(os.path.join(root, "models"), arch)
         for layout, pins in LAYOUTS.items():
             add(f"{arch}-{layout}", _plan(spec, arch, **pins))
+    qwen3 = _model_dir(os.path.join(root, "models"), "qwen3_moe")
+    for layout in ("ep2", "ep4"):
+        add(f"qwen3_moe-{layout}", _plan(qwen3, "qwen3_moe", **LAYOUTS[layout]))
     spec = _model_dir(os.path.join(root, "models"), "mixtral")
     for zero in (1, 3):
         add(f"mixtral-ep2-zero{zero}", _plan(spec, "mixtral", dp=2, ep=2, zero=zero))
@@ -190,6 +204,11 @@ def _resumed_result(run: Run):
 def test_expert_parallel_trains_like_one_process(trained, arch, layout):
     """Dropless routing over ep ranks: the same losses and parameters as one process."""
     _check(trained[f"{arch}-{layout}"])
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep4"])
+def test_qwen3_moe_trains_like_one_process(trained, layout):
+    _check(trained[f"qwen3_moe-{layout}"])
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
