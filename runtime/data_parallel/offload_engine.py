@@ -685,10 +685,10 @@ class Offload:
             raise OffloadError("the optimizer state is on the device: there is no host gradient to flush")
         return self.opt
 
-    def flush_grad(self, group: FlatGroup, dp_rank: int) -> None:
-        """``group``'s reduction is complete: copy (ZeRO-1: this rank's shard of the all-reduced
-        buffer) or move (ZeRO-2/3: the fp32 accumulator, released here) its reduced gradient into
-        the host tier."""
+    def flush_grad(self, group: FlatGroup) -> None:
+        """``group``'s reduction is complete: copy (ZeRO-1: this rank's shard ``group.way`` of the
+        all-reduced buffer) or move (ZeRO-2/3: the fp32 accumulator, released here) its reduced
+        gradient into the host tier."""
         if self.stage >= 2:
             store = self._store()
             acc = group.grad_shard if group.grad_shard is not None else torch.zeros(group.shard, device=store.device)
@@ -697,16 +697,16 @@ class Offload:
         else:
             assert group.grad_full is not None  # ZeRO-1 keeps the full gradient buffer
             self._store().flush_grad(
-                group, group.grad_full[dp_rank * group.shard : (dp_rank + 1) * group.shard], overwrite=True
+                group, group.grad_full[group.way * group.shard : (group.way + 1) * group.shard], overwrite=True
             )
         group.flushed = True
 
-    def flush_all(self, groups: Sequence[FlatGroup], dp_rank: int) -> None:
+    def flush_all(self, groups: Sequence[FlatGroup]) -> None:
         """In ``step()``: flush what backward did not (tied weights after their sum over stages, the
         last reductions) and wait until every gradient is in host memory."""
         for group in groups:
             if not group.flushed:
-                self.flush_grad(group, dp_rank)
+                self.flush_grad(group)
         self._store().wait_grads()
 
     def shard_source(self, group: FlatGroup) -> torch.Tensor:

@@ -9,6 +9,9 @@ Each group is a flat vector: its parameters concatenated in order and padded wit
 parameter becomes a view of its group's flat buffer (``p.data = flat[off:off + n].view(shape)``),
 so collectives and the optimizer work on whole buffers without copies.
 
+Routed expert weights under expert parallelism are groups of their own, sharded and reduced over
+the expert-data-parallel group instead of dp (``runtime.data_parallel.expert_groups``).
+
 What each rank holds (``P`` = parameter count, ``b`` = bytes of the compute dtype)::
 
     stage   compute params      fp32 master            grads                      AdamW m, v
@@ -72,8 +75,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import OptimizerConfig, ParallelContext, ShardingConfig
+from runtime.data_parallel.expert_groups import by_kind, check_experts, expert_data_group, place_groups
 from runtime.data_parallel.flat_shards import (
     FREE,
     FlatGroup,
@@ -171,12 +174,12 @@ class ZeroEngine(Zero3Params):
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.norm_groups = [group for group in parallel.norm_groups if group is not None and comm.group_size(group) > 1]
         self._init_bookkeeping()
-        self.edp_group = self._expert_data_group(parallel)
+        self.edp_group = expert_data_group(parallel, self.dp)
         self.edp = comm.group_size(self.edp_group) if self.edp_group is not None else 1
         self.edp_rank = dist.get_rank(self.edp_group) if self.edp > 1 else 0
         self.groups: list[FlatGroup] = build_groups(module, layers, self.dp, parallel.expert_params, self.edp)
-        self._place_groups()
-        self._check_experts(offload)
+        place_groups(self.groups, (self.dp, self.dp_rank, dp_group), (self.edp, self.edp_rank, self.edp_group))
+        check_experts(self.groups, self.optimizer)
         self._roots = list(roots) if roots else [""]
         self._group_root = group_roots(self.groups, self._roots)
         self.device = self._common_device()
@@ -200,40 +203,6 @@ class ZeroEngine(Zero3Params):
         self._register_hooks()
 
     # ------------------------------------------------------------------ construction
-    def _expert_data_group(self, parallel: ParallelContext) -> Any:
-        """The group expert parameters are sharded and reduced over (None: no expert parameters)."""
-        if not parallel.expert_params:
-            return None
-        group = parallel.expert_data_group if parallel.expert_data_group is not None else get_mesh().edp_group
-        if group is not None and self.dp % comm.group_size(group):
-            raise ZeroError(
-                f"the expert-data-parallel group has {comm.group_size(group)} ranks, which does not divide dp={self.dp}"
-            )
-        return group
-
-    def _place_groups(self) -> None:
-        """Each group's shard index and process group: dp for dense groups, expert-data-parallel
-        for expert groups (``FlatGroup.ways``)."""
-        for group in self.groups:
-            if group.expert:
-                group.way, group.comm_group = self.edp_rank, self.edp_group if self.edp > 1 else None
-            else:
-                group.way, group.comm_group = self.dp_rank, self.dp_group if self.dp > 1 else None
-
-    def _check_experts(self, offload: OffloadConfig | None) -> None:
-        """Refuse what expert parallelism does not run with yet: offloaded state, 1-bit Adam."""
-        if not any(group.expert for group in self.groups):
-            return
-        if offload is not None and offload.active:
-            raise ConfigError(
-                "expert parallelism does not run with offloaded optimizer state or parameters yet: plan with "
-                "--offload-optimizer none --offload-params none, or with --ep 1"
-            )
-        if self.optimizer.compression.enabled:
-            raise ConfigError(
-                "expert parallelism does not run with 1-bit Adam (--dp-compression): plan one or the other"
-            )
-
     def _loss_scaler(self, loss_scaler: DynamicLossScaler | None) -> DynamicLossScaler | None:
         """The loss scaler of the compute dtype: the given one or a default one for fp16, none else."""
         if loss_scaler is None and self.dtype == torch.float16:
@@ -596,7 +565,7 @@ class ZeroEngine(Zero3Params):
         tied weight's waits for its sum over stages, in ``step()``)."""
         last = self.micro_batches_per_step is not None and self._backwards >= self.micro_batches_per_step
         if self._opt is not None and last and group.index not in self._tied_ids:
-            self._off.flush_grad(group, self.dp_rank)
+            self._off.flush_grad(group)
 
     # ------------------------------------------------------------------ step
     @property
@@ -638,7 +607,7 @@ class ZeroEngine(Zero3Params):
             self._free(group)
         self._sync_tied()
         if self._opt is not None:
-            self._off.flush_all(self.groups, self.dp_rank)
+            self._off.flush_all(self.groups)
 
     def _global_norm(self) -> tuple[float, bool]:
         """The unscaled global gradient norm and whether any rank saw inf/nan (one fp64 all-reduce
@@ -808,13 +777,6 @@ class ZeroEngine(Zero3Params):
             return (1, 0)
         return (self.edp, self.edp_rank) if expert else (self.dp, self.dp_rank)
 
-    def _kinds(self) -> list[tuple[str | None, list[FlatGroup]]]:
-        """The dense groups (key None: the state dict itself) and, when there are any, the expert
-        groups (key ``"experts"``: a state dict of their own, sharded over expert data parallelism)."""
-        dense = [group for group in self.groups if not group.expert]
-        experts = [group for group in self.groups if group.expert]
-        return [(None, dense)] + ([("experts", experts)] if experts else [])
-
     def state_dict(self) -> dict:
         """This rank's shards of masters and AdamW state, with the layout needed to reshard.
 
@@ -827,7 +789,7 @@ class ZeroEngine(Zero3Params):
         self.wait_params()
         self._settle()
         state: dict = {}
-        for key, groups in self._kinds():
+        for key, groups in by_kind(self.groups):
             num_shards, shard_index = self._shard_position(key is not None)
             part = export_state(groups, num_shards, shard_index, self.step_count, self._off.access)
             if key is None:
@@ -845,7 +807,7 @@ class ZeroEngine(Zero3Params):
     def state_layout(self) -> dict:
         """``state_dict()`` without its tensors (the layout a full state must have), read nothing."""
         layout: dict = {}
-        for key, groups in self._kinds():
+        for key, groups in by_kind(self.groups):
             part = state_layout(groups, *self._shard_position(key is not None), self.step_count)
             if key is None:
                 layout.update(part)
@@ -861,7 +823,7 @@ class ZeroEngine(Zero3Params):
         """
         self.wait_params()  # a gather in flight would overwrite the loaded parameters
         self._settle()
-        for key, groups in self._kinds():
+        for key, groups in by_kind(self.groups):
             part = state if key is None else state.get(key)
             if part is None:
                 raise ZeroError("the state holds no expert parameters, but this engine has some (expert parallelism)")

@@ -44,7 +44,8 @@ __all__ = ["Mesh", "setup_mesh", "get_mesh", "set_mesh"]
 class Mesh:
     """Degrees, this rank's coordinates and the process group of each axis.
 
-    Groups are never ``None`` in a distributed job (a size-1 axis has a one-rank group).
+    Groups are never ``None`` in a distributed job (a size-1 axis has a one-rank group), but for
+    ``ep_group`` when ``ep == 1`` (nothing is exchanged; ``edp_group`` is then the dp group).
     """
 
     pp: int

@@ -5,4 +5,19 @@ parameter's rows live (``expert_shards``)."""
 from runtime.moe.dispatch import Routing, combine, dispatch, expert_slice
 from runtime.moe.load_stats import LOAD, ExpertLoad, expert_load, reduce_over
 
-__all__ = ["Routing", "dispatch", "combine", "expert_slice", "LOAD", "ExpertLoad", "expert_load", "reduce_over"]
+__all__ = [
+    "Routing",
+    "dispatch",
+    "combine",
+    "expert_slice",
+    "LOAD",
+    "ExpertLoad",
+    "expert_load",
+    "reduce_over",
+    "EAGER_ONLY",
+]
+
+#: What a ``torch.compile``'d layer calls eagerly (``runtime.stages.compile_layers.prepare`` wraps
+#: them in ``torch.compiler.disable``): they read the expert counts on the host and exchange rows
+#: through ``runtime.distributed.comm``, so each call is a clean graph break.
+EAGER_ONLY: tuple[str, ...] = ("dispatch", "combine")

@@ -10,8 +10,9 @@ saved once, whole, and loads at any other ep degree.
 
 The manifest (written by ``planner compile``) says which parameters are routed experts:
 ``manifest["expert_parallel"] = {"degree": ep, "experts": E, "capacity_factor": F | null}`` and, per
-stage parameter entry, ``"expert": true`` (its ``shape`` is the full ``[E, ...]``); an older or
-dense manifest has neither, and every parameter is then replicated as before.
+stage parameter entry, ``"expert": true`` (its ``shape`` is the full ``[E, ...]``), or a list of the
+routed parameters' names in ``expert_parallel["params"]`` (``mark_listed`` turns it into the
+flags); an older or dense manifest has neither, and every parameter is then replicated as before.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from runtime.contract.input_errors import ConfigError
 from runtime.moe.dispatch import expert_slice
 
-__all__ = ["is_expert", "expert_degree", "num_experts", "expert_attrs", "cut", "join"]
+__all__ = ["is_expert", "expert_degree", "num_experts", "expert_attrs", "mark_listed", "cut", "join"]
 
 
 def is_expert(entry: Mapping) -> bool:
@@ -32,13 +33,19 @@ def is_expert(entry: Mapping) -> bool:
 
 
 def expert_degree(man: Mapping) -> int:
-    """The plan's expert-parallel degree (1: experts replicated); the manifest's record must agree."""
+    """The plan's expert-parallel degree (1: experts replicated); the manifest's record must agree,
+    and a degree above 1 needs routed expert parameters to cut."""
     planned = int(man["plan"].get("expert_parallel", 1) or 1)
     record = man.get("expert_parallel") or {}
     if record and int(record.get("degree", planned)) != planned:
         raise ConfigError(
             f"the compiled manifest shards experts over {record['degree']} ranks but the plan says expert_parallel "
             f"{planned}; compile the plan again"
+        )
+    if planned > 1 and not any(expert_attrs(stage) for stage in man.get("stages", ())):
+        raise ConfigError(
+            f"the plan says expert_parallel {planned} but the compiled manifest marks no parameter as a routed "
+            "expert ('expert': true); compile the plan again with this planner"
         )
     return planned
 
@@ -50,6 +57,19 @@ def num_experts(man: Mapping) -> int | None:
         return int(record["experts"])
     moe = (man["plan"].get("model") or {}).get("moe") or {}
     return int(moe["experts"]) if moe.get("experts") else None
+
+
+def mark_listed(man: dict) -> dict:
+    """Mark ``"expert": true`` every parameter entry that ``manifest["expert_parallel"]["params"]``
+    names (by original name or attribute), the other way a manifest may list its routed experts;
+    returns ``man``."""
+    listed = set((man.get("expert_parallel") or {}).get("params") or ())
+    if listed:
+        for stage in man["stages"]:
+            for attr, entry in stage["params"].items():
+                if entry.get("fqn") in listed or attr in listed:
+                    entry["expert"] = True
+    return man
 
 
 def expert_attrs(stage: Mapping) -> frozenset[str]:

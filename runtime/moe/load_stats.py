@@ -63,9 +63,9 @@ class ExpertLoad:
         return self.calls > 0
 
     def as_vector(self, sizes: list[int]) -> torch.Tensor:
-        """``[tokens_dropped, counts of the E=sizes[0] experts..., counts of E=sizes[1]...]`` as
-        float64 (a flat vector one all-reduce sums)."""
-        values = [float(self.tokens_dropped)]
+        """``[calls, tokens_dropped, counts of the E=sizes[0] experts..., counts of E=sizes[1]...]``
+        as float64 (a flat vector one all-reduce sums)."""
+        values = [float(self.calls), float(self.tokens_dropped)]
         for size in sizes:
             values += [float(c) for c in self.per_expert.get(size, [0] * size)]
         return torch.tensor(values, dtype=torch.float64)
@@ -86,22 +86,24 @@ def expert_load(per_expert: dict[int, list[int]] | dict[int, list[float]]) -> fl
 
 def reduce_over(
     load: ExpertLoad, sizes: list[int], group=None, counted: bool = True, device: torch.device | None = None
-) -> tuple[int, float]:
+) -> tuple[int, float | None]:
     """``(tokens_dropped, expert_load)`` summed over the ranks of ``group`` (the whole job by
     default; collective). ``sizes``: the expert counts of the model's routed layers, the same on
     every rank (a pipeline stage without routed layers contributes zeros). ``counted``: whether
     this rank's counts enter the sum: False on all but one rank of a tensor-parallel group, whose
     ranks route the same tokens. ``device``: where the all-reduce runs (the rank's device under
-    NCCL). Outside ``runtime.distributed.comm``: metrics bookkeeping, not training traffic."""
+    NCCL). Outside ``runtime.distributed.comm``: metrics bookkeeping, not training traffic.
+    ``expert_load`` is None when no rank dispatched anything (compiled code that routes without
+    ``runtime.moe``, e.g. replicated dropless experts: there was nothing to count)."""
     sizes = sorted(set(int(s) for s in sizes))
     vector = load.as_vector(sizes).to(device or "cpu")
     if not counted:
         vector.zero_()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(vector, group=group)
-    dropped = int(round(float(vector[0])))
-    per_expert, at = {}, 1
+    calls, dropped = float(vector[0]), int(round(float(vector[1])))
+    per_expert, at = {}, 2
     for size in sizes:
         per_expert[size] = vector[at : at + size].cpu().tolist()
         at += size
-    return dropped, expert_load(per_expert)
+    return dropped, (expert_load(per_expert) if calls > 0 else None)

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from runtime import tensor_parallel
+from runtime import moe, tensor_parallel
 from runtime.contract import environment
 
 __all__ = [
@@ -82,7 +82,7 @@ COMPILE_WAIT_S = 3600.0
 TRACKED_STEPS = 2
 
 _EAGER: dict[Callable, Callable] = {}
-"""Each ``EAGER_ONLY`` function of ``runtime.tensor_parallel`` -> its ``torch.compiler.disable``
+"""Each ``EAGER_ONLY`` function of ``runtime.tensor_parallel`` and ``runtime.moe`` -> its ``torch.compiler.disable``
 wrapper (filled by :func:`prepare`)."""
 
 
@@ -92,16 +92,19 @@ def backend() -> str:
 
 
 def prepare() -> None:
-    """Make the tensor-parallel entry points graph breaks (once per process): wrap each of
-    ``runtime.tensor_parallel.EAGER_ONLY`` in ``torch.compiler.disable`` where the module holds it,
-    so calls from compiled code (and from the module's own traced helpers) run eagerly."""
-    for name in tensor_parallel.EAGER_ONLY:
-        fn = getattr(tensor_parallel, name)
-        if fn in _EAGER.values():
-            continue
-        wrapped = torch.compiler.disable(fn, recursive=True)
-        _EAGER[fn] = wrapped
-        setattr(tensor_parallel, name, wrapped)
+    """Make the tensor-parallel and expert-parallel entry points graph breaks (once per process):
+    wrap each of ``runtime.tensor_parallel.EAGER_ONLY`` and ``runtime.moe.EAGER_ONLY`` (dispatch
+    and combine: counts read on the host, all-to-alls through ``runtime.distributed.comm``) in
+    ``torch.compiler.disable`` where the module holds it, so calls from compiled code (and from the
+    module's own traced helpers) run eagerly."""
+    for package in (tensor_parallel, moe):
+        for name in package.EAGER_ONLY:
+            fn = getattr(package, name)
+            if fn in _EAGER.values():
+                continue
+            wrapped = torch.compiler.disable(fn, recursive=True)
+            _EAGER[fn] = wrapped
+            setattr(package, name, wrapped)
 
 
 def _rebind_imports(module: torch.nn.Module) -> None:

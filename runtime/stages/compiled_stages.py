@@ -75,6 +75,7 @@ def read_manifest(directory: str) -> dict:
             raise CompiledError(
                 f"{src} was modified after compilation (hash mismatch); re-run `planner compile` or restore the file."
             )
+    expert_shards.mark_listed(man)
     return man
 
 

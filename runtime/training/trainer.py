@@ -155,7 +155,8 @@ class StepMetrics:
     every MoE layer (``runtime.moe.load_stats``); None for a model without routed experts."""
     expert_load: float | None = None
     """max / mean tokens per expert over the global batch and every MoE layer (1.0: balanced);
-    None for a model without routed experts."""
+    None for a model without routed experts, or whose compiled code routes without
+    ``runtime.moe`` (nothing counted)."""
 
     def to_json(self) -> str:
         fields = asdict(self)

@@ -1,6 +1,7 @@
 """The ZeRO engine with expert parameters, run inside ``test_moe_dispatch``'s 4-rank launch: a tiny
 MoE network (input projection, a router + routed experts layer through ``runtime.moe``'s dispatch
-and combine, a head) trained for a few steps at dp4 ep2 and dp4 ep4 under ZeRO 0-3, against plain
+and combine, a head) trained for a few steps at dp4 ep2, dp4 ep4 and dp2 tp2 ep2 (the net replicated over tp) under ZeRO 0-3 (and at dp4 ep2 with the optimizer
+state, and at ZeRO 3 the parameters, offloaded to host memory), against plain
 torch AdamW with ``clip_grad_norm_`` on the full batch in one process with every expert: losses,
 gradient norms (each expert counted once) and final weights (dense whole, experts this rank's
 slice) at rtol 1e-5. Also: a checkpoint's expert state joined from the ep ranks and cut again for
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from runtime.checkpointing import checkpoint_io
+from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
 from runtime.distributed.mesh import Mesh, get_mesh, set_mesh, setup_mesh
 from runtime.moe import combine, dispatch, expert_slice
@@ -116,9 +118,11 @@ def layers(net: Net) -> list[list[str]]:
     return [[n for n in names if n.startswith(head)] for head in ("inp.", "moe.", "head.")]
 
 
-def train(zero_stage: int) -> tuple[list[float], list[float], dict[str, torch.Tensor], ZeroEngine]:
-    """The engine at the current mesh: this rank's slice of each batch in ``MICRO`` micro-batches;
-    losses averaged over dp."""
+def train(
+    zero_stage: int, offload: OffloadConfig | None = None
+) -> tuple[list[float], list[float], dict[str, torch.Tensor], ZeroEngine]:
+    """The engine at the current mesh (``offload``: its state in host memory): this rank's slice of
+    each batch in ``MICRO`` micro-batches; losses averaged over dp."""
     mesh = get_mesh()
     net = make_net(mesh.ep, mesh.ep_index)
     engine = ZeroEngine(
@@ -127,7 +131,13 @@ def train(zero_stage: int) -> tuple[list[float], list[float], dict[str, torch.Te
         dp_group=mesh.dp_group,
         sharding=ShardingConfig(zero_stage=zero_stage, micro_batches_per_step=MICRO),
         optimizer=OptimizerConfig(**HP, max_grad_norm=MAX_NORM),
-        parallel=ParallelContext(expert_params=EXPERTS),
+        parallel=ParallelContext(
+            expert_params=EXPERTS,
+            # tp > 1: every weight of this net is replicated over tp, counted once in the norm
+            norm_groups=[mesh.tp_group] if mesh.tp > 1 else (),
+            replicated_param_filter=(lambda name: True) if mesh.tp > 1 else None,
+        ),
+        offload=offload,
     )
     per = BATCH // mesh.dp
     rows = slice(mesh.dp_index * per, (mesh.dp_index + 1) * per)
@@ -147,9 +157,9 @@ def train(zero_stage: int) -> tuple[list[float], list[float], dict[str, torch.Te
     return losses, norms, engine.full_state_dict(), engine
 
 
-def check_engine(zero_stage: int) -> None:
+def check_engine(zero_stage: int, offload: OffloadConfig | None = None) -> None:
     ref_losses, ref_norms, ref_params = reference()
-    losses, norms, params, engine = train(zero_stage)
+    losses, norms, params, engine = train(zero_stage, offload)
     mesh = get_mesh()
     assert engine.edp == mesh.dp // mesh.ep and sum(g.expert for g in engine.groups) == 1
     assert_close(torch.tensor(losses), torch.tensor(ref_losses), **RTOL)
@@ -226,20 +236,35 @@ def check_checkpoint(out_dir: str) -> None:
             assert_close(value, saved[key], rtol=0, atol=0, msg=f"ep{ep}: {key}")
 
 
-MESHES = {"dp4_ep2": (4, 2), "dp4_ep4": (4, 4)}
-CASES = [f"engine/{m}/zero{z}" for m in MESHES for z in range(4)] + ["checkpoint/ep2_to_ep1_and_ep4"]
+MESHES = {"dp4_ep2": (4, 1, 2), "dp4_ep4": (4, 1, 4), "dp2_tp2_ep2": (2, 2, 2)}
+OFFLOADED = {  # dp4 ep2: ZeRO stage and where the state lives
+    "zero1_optimizer_cpu": (1, OffloadConfig(optimizer="cpu")),
+    "zero3_optimizer_and_params_cpu": (3, OffloadConfig(optimizer="cpu", params="cpu")),
+}
+CASES = (
+    [f"engine/{m}/zero{z}" for m in MESHES for z in range(4)]
+    + [f"engine/dp4_ep2/{name}" for name in OFFLOADED]
+    + ["checkpoint/ep2_to_ep1_and_ep4"]
+)
 
 
 def run_all(rank: int, world: int, verdicts: dict, out_dir: str) -> None:
     """Every case of this module on the launch's ranks; a traceback per failed case."""
-    for name, (dp, ep) in MESHES.items():
-        setup_mesh(1, dp, 1, ep=ep)
+    for name, (dp, tp, ep) in MESHES.items():
+        setup_mesh(1, dp, tp, ep=ep)
         for stage in range(4):
             try:
                 check_engine(stage)
                 verdicts[f"engine/{name}/zero{stage}"] = "ok"
             except Exception:  # recorded per case so one failure does not hide the others
                 verdicts[f"engine/{name}/zero{stage}"] = traceback.format_exc()
+    setup_mesh(1, 4, 1, ep=2)
+    for name, (stage, offload) in OFFLOADED.items():
+        try:
+            check_engine(stage, offload)
+            verdicts[f"engine/dp4_ep2/{name}"] = "ok"
+        except Exception:
+            verdicts[f"engine/dp4_ep2/{name}"] = traceback.format_exc()
     try:
         check_checkpoint(out_dir)
         verdicts["checkpoint/ep2_to_ep1_and_ep4"] = "ok"

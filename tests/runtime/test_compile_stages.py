@@ -10,6 +10,7 @@ import torch._dynamo
 
 import runtime.tensor_parallel as tp
 from planner.commands.compile import compile_plan
+from runtime import moe
 from runtime.stages.compile_layers import compile_counts, compile_stage, prepare, warm_up
 from runtime.stages.compiled_stages import load_stage_module, read_manifest
 from runtime.training.memtrack import MemoryTracker
@@ -123,3 +124,5 @@ def test_tensor_parallel_entry_points_become_graph_breaks():
         assert not getattr(getattr(fn, "__wrapped__", None), "_torchdynamo_disable", False), name
     x = torch.ones(3)
     assert tp.copy_to_tp(x) is x and tp.tp_rank() == 0  # no group: the plain operation
+    for name in moe.EAGER_ONLY:  # the expert dispatch and combine too
+        assert getattr(getattr(moe, name), "_torchdynamo_disable", False), name

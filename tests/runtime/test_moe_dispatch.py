@@ -262,7 +262,7 @@ def test_accumulator_sums_calls_and_expert_load_is_max_over_mean():
     # counts 4 2 2 0 1 1: max 4, mean 10 / 6
     assert expert_load(LOAD.per_expert) == pytest.approx(4 / (10 / 6))
     assert reduce_over(LOAD, [4, 2]) == (3, pytest.approx(2.4))
-    assert reduce_over(LOAD, [4, 2], counted=False) == (0, 1.0)
+    assert reduce_over(LOAD, [4, 2], counted=False) == (0, None)  # nothing dispatched anywhere
     assert expert_load({4: [5, 5, 5, 5]}) == 1.0 and expert_load({}) == 1.0
     LOAD.reset()
     assert not LOAD.active and LOAD.per_expert == {} and LOAD.tokens_dropped == 0

@@ -2,7 +2,7 @@
 (an expert parameter's rows per expert-parallel rank, cut at load from a whole tensor or through a
 lazy reader, joined back into the full ``[E, ...]`` tensor, for every ep degree dividing E; the
 manifest's expert records read and checked) and the ZeRO engine's expert groups (a layer split
-into a dense and an expert group, sharded over other degrees; what it refuses). One process."""
+into a dense and an expert group, sharded over other degrees; 1-bit Adam refused). One process."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from torch import nn
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.engine_config import CompressionConfig
 from runtime.data_parallel.flat_shards import build_groups
-from runtime.data_parallel.offload_engine import OffloadConfig
-from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ShardingConfig, ZeroEngine
+from runtime.data_parallel.zero_engine import OptimizerConfig, ParallelContext, ZeroEngine
 from runtime.distributed.mesh import Mesh, set_mesh
-from runtime.moe.expert_shards import cut, expert_attrs, expert_degree, join, num_experts
+from runtime.moe.expert_shards import cut, expert_attrs, expert_degree, join, mark_listed, num_experts
 from runtime.stages.compiled_stages import CompiledError, load_weights
 
 E, H, FF = 4, 3, 2
@@ -117,6 +116,16 @@ def test_manifest_records():
         expert_degree(man)
     dense = {"plan": {"model": {}}}
     assert expert_degree(dense) == 1 and num_experts(dense) is None
+    unmarked = {"plan": {"expert_parallel": 2}, "stages": [{"params": {"w": {"fqn": "w"}}}]}
+    with pytest.raises(ConfigError, match="marks no parameter as a routed expert"):
+        expert_degree(unmarked)
+
+
+def test_a_list_of_expert_names_marks_the_entries():
+    stage = {"params": {"a": {"fqn": "mlp.experts.down_proj"}, "b": {"fqn": "mlp.gate.weight"}, "c": {"fqn": "x"}}}
+    man = {"expert_parallel": {"degree": 2, "params": ["mlp.experts.down_proj", "c"]}, "stages": [stage]}
+    assert expert_attrs(mark_listed(man)["stages"][0]) == {"a", "c"}
+    assert expert_attrs(mark_listed({"stages": [STAGE]})["stages"][0]) == {"gate_up"}
 
 
 # ---------------------------------------------------------------------- the engine's expert groups
@@ -165,12 +174,9 @@ def test_one_process_with_expert_groups_trains_like_without():
         assert torch.equal(value, results[1][name]), name
 
 
-def test_engine_refuses_offload_and_one_bit_adam_with_experts():
+def test_engine_refuses_one_bit_adam_with_experts():
     checks, net = _moe_net()
     set_mesh(Mesh(1, 1, 1))
-    kw = dict(layers=checks.layers(net), parallel=ParallelContext(expert_params=checks.EXPERTS))
-    with pytest.raises(ConfigError, match="expert parallelism does not run with offloaded optimizer state"):
-        ZeroEngine(net, sharding=ShardingConfig(zero_stage=1), offload=OffloadConfig(optimizer="cpu"), **kw)
     onebit = OptimizerConfig(compression=CompressionConfig(method="onebit-adam", warmup_steps=1))
     with pytest.raises(ConfigError, match="does not run with 1-bit Adam"):
-        ZeroEngine(net, optimizer=onebit, **kw)
+        ZeroEngine(net, checks.layers(net), optimizer=onebit, parallel=ParallelContext(expert_params=checks.EXPERTS))
