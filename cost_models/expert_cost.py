@@ -121,14 +121,15 @@ def expert_placements(dp: int, tp: int, pp: int, ep: int, gpus_per_node: int) ->
     return worst(groups), worst(data_groups)
 
 
-def _token_dim(gemm: Sequence[Any], tokens: float) -> int:
+def _token_dim(gemm: Sequence[Any], tokens: float) -> int | None:
     """Which of a listed expert product's dims holds the token rows: ``m`` for the forward and the
-    input gradient, ``k`` for the weight gradient (the contraction over tokens)."""
+    input gradient, ``k`` for the weight gradient (the contraction over tokens); None when neither
+    does (a table whose batch the model fixed scales its products' batch instead)."""
     if math.isclose(float(gemm[0]), tokens, rel_tol=1e-9):
         return 0
     if math.isclose(float(gemm[2]), tokens, rel_tol=1e-9):
         return 2
-    raise ValueError(f"expert product {tuple(gemm)} has no dim of {tokens} token rows")
+    return None
 
 
 def local_expert_gemms(gemms: Sequence[Sequence[Any]], tokens: float, ep: int, load: float) -> list[tuple]:
@@ -138,8 +139,12 @@ def local_expert_gemms(gemms: Sequence[Sequence[Any]], tokens: float, ep: int, l
     out = []
     for gemm in gemms:
         dims = [float(x) for x in gemm[:4]]
-        dims[_token_dim(gemm, tokens)] *= ep * load
-        dims[3] /= ep
+        rows = _token_dim(gemm, tokens)
+        if rows is None:  # the rows dim is not known: the same FLOPs, at the listed shape
+            dims[3] *= load
+        else:
+            dims[rows] *= ep * load
+            dims[3] /= ep
         out.append((dims[0], dims[1], dims[2], dims[3], int(gemm[4]), gemm[5] if len(gemm) > 5 else None))
     return out
 
@@ -185,9 +190,7 @@ def matmul_seconds(
     )
 
 
-def all_to_all_times(
-    dispatch_bytes: float, moe_layers: int, expert: ExpertSetting, hw: HardwareProfile
-) -> AllToAll:
+def all_to_all_times(dispatch_bytes: float, moe_layers: int, expert: ExpertSetting, hw: HardwareProfile) -> AllToAll:
     """The row's dispatches and combines of one micro-batch (module docstring, "all-to-all"):
     ``dispatch_bytes`` the whole routed rows of one forward (``expert_dispatch_bytes`` per device)."""
     if expert.ep == 1 or moe_layers == 0 or dispatch_bytes <= 0:

@@ -313,9 +313,7 @@ def evaluate_schedule(
     busiest = out[critical.bottleneck]
     micro_step = busiest.micro_step_s
     span = sim.makespan_s
-    busy = micro_batches * (
-        busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.ep_s + busiest.zero_mb_s
-    )
+    busy = micro_batches * (busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.ep_s + busiest.zero_mb_s)
     extra, fits = capacity_extra(
         costs,
         out,

@@ -67,19 +67,22 @@ def _layer_of(region: ExpertRegion) -> int:
     return int(region.products[0].meta.get("layer", -1))
 
 
-def annotate_moe(gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, str]) -> tuple[dict[int, MoeLayer], list[str]]:
+def annotate_moe(
+    gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, str]
+) -> tuple[dict[int, MoeLayer], list[str]]:
     """Mark the routed experts of ``gm`` (module docstring) and return, per layer-table row, its
     ``MoeLayer``, and the reasons of the regions left replicated."""
     by_layer: dict[int, MoeLayer] = {}
     reasons: list[str] = []
     for region in find_expert_regions(gm, roles=roles, fqns=fqns):
-        if region.reason is None and not region.top_k:
+        top_k = region.top_k
+        if region.reason is None and not top_k:
             region.reason = "the router's top-k could not be read"
-        if region.reason is not None:
+        if region.reason is not None or not top_k:
             reasons.append(f"{region.module or 'experts'}: {region.reason}")
             continue
         layer = _layer_of(region)
-        facts = by_layer.setdefault(layer, MoeLayer(layer, region.experts, int(region.top_k)))
+        facts = by_layer.setdefault(layer, MoeLayer(layer, region.experts, int(top_k)))
         if (facts.experts, facts.top_k) != (region.experts, region.top_k):
             reasons.append(f"{region.module}: MoE layers of one block disagree on experts or top_k")
             continue
@@ -87,6 +90,7 @@ def annotate_moe(gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, str]
             node.meta[MOE_META] = True
         facts.moe_layers += 1
         rows = region.rows if region.rows is not None else region.products[0].args[0]
+        assert isinstance(rows, fx.Node), f"grouped product {region.products[0].name} has no row input node"
         facts.dispatch_bytes = facts.dispatch_bytes + rows.meta.get("out_bytes", 0)
         first = (region.products[0].meta.get("fwd_gemms") or [None])[0]
         facts.tokens = first.m if first is not None else rows.meta["shape"][0] / region.experts
@@ -95,7 +99,9 @@ def annotate_moe(gm: fx.GraphModule, roles: dict[str, str], fqns: dict[str, str]
     return by_layer, reasons
 
 
-def _count_shared(gm: fx.GraphModule, by_layer: dict[int, MoeLayer], roles: dict[str, str], fqns: dict[str, str]) -> None:
+def _count_shared(
+    gm: fx.GraphModule, by_layer: dict[int, MoeLayer], roles: dict[str, str], fqns: dict[str, str]
+) -> None:
     """Shared experts per MoE row, from the always-on modules' names and sizes (module docstring)."""
     modules: dict[tuple[int, str, str], int] = {}
     for node in gm.graph.nodes:

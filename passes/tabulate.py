@@ -18,7 +18,6 @@ import torch.fx as fx
 
 from passes.analyze import analyze
 from passes.attention import SDPA, annotate_attention, attention_core
-from passes.moe import MOE_META, MoeLayer, annotate_moe, moe_summary, replicated_reason
 from passes.common import B, dtype_name, iter_tensors
 from passes.graph import TracedGraph
 from passes.inputs import infer_inputs
@@ -26,6 +25,7 @@ from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, Layer
 from passes.layers import layer_io, layer_names, layer_signatures
 from passes.mask_kind import mask_facts
 from passes.model_facts import merge_graph_facts
+from passes.moe import MOE_META, MoeLayer, annotate_moe, moe_summary, replicated_reason
 from passes.op_class import op_name
 from passes.split_backward import frontier_outputs, tail_saved
 

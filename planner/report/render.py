@@ -19,8 +19,8 @@ from cost_models.hardware import HardwareProfile, ProfileError
 from cost_models.run_cost import SECONDS_PER_DAY, scale_cost
 from cost_models.strategy import Evaluation
 from planner.plan import TIME_LABELS
-from planner.search.ilp import SearchResult
 from planner.search.expert_search import ExpertSummary
+from planner.search.ilp import SearchResult
 from planner.search.solve import CompileChoice, Solution
 from planner.units import compress_ranges, format_bytes, format_count, format_rate, format_seconds
 from runtime.contract.choices import OffloadTier, ScheduleName
@@ -267,7 +267,8 @@ def _head_table(plan, hw: HardwareProfile | None, evaluation: Evaluation | None,
     )
     head.add_row("batch", f"{plan.global_batch} sequences x {plan.seq_len} tokens, {plan.dtype}")
     head.add_row(
-        "degrees", f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}" + (f"  ep={plan.expert_parallel}" if plan.model.moe else "")
+        "degrees",
+        f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}" + (f"  ep={plan.expert_parallel}" if plan.model.moe else ""),
     )
     if plan.model.moe:
         head.add_row("experts", experts_text(plan))
@@ -432,7 +433,7 @@ def experts_text(plan) -> str:
     if ep == 1:
         return text + "ep=1: every rank holds every expert"
     return text + (
-        f"ep={ep}: {experts // ep} experts per rank, tokens routed by all-to-all among {ep} ranks "
+        f"ep={ep}: {experts // ep} expert{'s' if experts // ep != 1 else ''} per rank, tokens routed by all-to-all among {ep} ranks "
         f"{plan.tp} apart; expert gradients reduced over dp/ep = {plan.dp // ep} ranks"
     )
 
@@ -452,7 +453,11 @@ def expert_rows(plan, experts: ExpertSummary | None) -> list[tuple[str, str, str
             f"{experts.tokens_per_expert:,.0f}",
             f"imbalance {experts.imbalance:g}" if experts.imbalance != 1.0 else "even routing",
         ),
-        ("all-to-all bytes / device / step", format_bytes(experts.all_to_all_bytes), format_seconds(experts.all_to_all_s)),
+        (
+            "all-to-all bytes / device / step",
+            format_bytes(experts.all_to_all_bytes),
+            format_seconds(experts.all_to_all_s),
+        ),
     ]
     if experts.imbalanced_step_s is not None:
         extra = experts.imbalanced_step_s - experts.step_s

@@ -38,9 +38,8 @@ def _context(part: str, evaluation) -> str:
     if part == "offload":
         return _offload_context(candidate)
     if part == "ep_comm":
-        return (
-            f"ep={candidate.expert_parallel}: every MoE layer's dispatch and combine, forward and backward"
-            + (f", at {candidate.expert_load:g}x the even load" if candidate.expert_load != 1.0 else "")
+        return f"ep={candidate.expert_parallel}: every MoE layer's dispatch and combine, forward and backward" + (
+            f", at {candidate.expert_load:g}x the even load" if candidate.expert_load != 1.0 else ""
         )
     if part == "compute":
         if candidate.pp > 1 and evaluation.strategy.virtual_stages > 1:

@@ -360,22 +360,27 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
                         for zero in zeros
                     )
     if not out:
-        pins = " ".join(
-            f"--{pin.replace('_', '-')} {getattr(request, pin)}"
-            for pin in ("dp", "tp", "pp", "micro_batch")
-            if getattr(request, pin) is not None
-        )
-        reasons = "; ".join(f"{reason} ({n}x)" for reason, n in why.items()) or "the pins exclude every degree"
-        advice = (
-            "Drop --sequence-parallel on, or pin a --tp it applies to."
-            if why and all(reason.startswith("--sequence-parallel") for reason in why)
-            else "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions."
-        )
-        raise SearchError(
-            f"No combination of degrees and micro-batching satisfies --gpus {gpus}, --global-batch "
-            f"{global_batch}{' and ' + pins if pins else ''}: {reasons}. {advice}"
-        )
+        raise _nothing_left(request, why)
     return out
+
+
+def _nothing_left(request: Any, why: dict[str, int]) -> SearchError:
+    """The error of an enumeration that kept no candidate: the pins and each reason, counted."""
+    pins = " ".join(
+        f"--{pin.replace('_', '-')} {getattr(request, pin)}"
+        for pin in ("dp", "tp", "pp", "micro_batch")
+        if getattr(request, pin) is not None
+    )
+    reasons = "; ".join(f"{reason} ({n}x)" for reason, n in why.items()) or "the pins exclude every degree"
+    advice = (
+        "Drop --sequence-parallel on, or pin a --tp it applies to."
+        if why and all(reason.startswith("--sequence-parallel") for reason in why)
+        else "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions."
+    )
+    return SearchError(
+        f"No combination of degrees and micro-batching satisfies --gpus {request.gpus}, --global-batch "
+        f"{request.global_batch}{' and ' + pins if pins else ''}: {reasons}. {advice}"
+    )
 
 
 # ---------------------------------------------------------------------------------- offload

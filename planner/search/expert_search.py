@@ -38,18 +38,29 @@ __all__ = [
 REPORTED_IMBALANCE = 1.2
 
 
-def with_replicated_experts(result: SearchResult, entries, kinds, checkpoint: str, solver: str) -> SearchResult:
+def with_replicated_experts(
+    result: SearchResult, candidates: list, price, kinds, checkpoint: str, solver: str
+) -> SearchResult:
     """``result`` with the best strategy without expert parallelism (ep 1) among its runners-up
-    when the winner shards its experts, searched apart when the main search kept none (so the
-    plan shows what ep gains)."""
+    when the winner shards its experts (so the plan shows what ep gains). The main search keeps
+    the best of the few fastest layouts only, and an ep-1 strategy it kept need not be the best
+    one (a pipelined ep-1 layout may have been pruned by the ep > 1 incumbents), so the ep-1
+    ``candidates`` are searched on their own, compiled as the winner is (``price``: candidates ->
+    search entries, ``planner.search.solve.candidate_entries``)."""
     if not result.ranked or result.winner().strategy.candidate.expert_parallel == 1:
         return result
-    if any(ev.strategy.candidate.expert_parallel == 1 for ev in result.ranked + result.extra):
-        return result
-    plain = search([entry for entry in entries if entry[2].cand.expert_parallel == 1], kinds, checkpoint, solver, keep=1)
+    compiled = result.winner().strategy.candidate.compile
+    plain_candidates = sorted(
+        {dataclasses.replace(c, compile=compiled) for c in candidates if c.expert_parallel == 1 and not c.compressed}
+    )
+    plain = search(price(plain_candidates), kinds, checkpoint, solver, keep=1)
     if not plain.ranked:
         return result
-    return dataclasses.replace(result, extra=result.extra + [plain.ranked[0]])
+    best = plain.ranked[0]
+    kept = [ev for ev in result.ranked + result.extra if ev.strategy.candidate.expert_parallel == 1]
+    if any(ev.step_time_s <= best.step_time_s * (1 + 1e-9) for ev in kept):
+        return result
+    return dataclasses.replace(result, extra=result.extra + [best])
 
 
 def replicated_note(model: dict) -> str | None:
@@ -128,7 +139,7 @@ def expert_summary(
     def priced(candidate) -> tuple[Evaluation, list]:
         costs = candidate_costs(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, capacity)
         flat = _one_f_one_b_stages(strategy)
-        return evaluate(costs, flat, strategy.checkpoint, strategy.selective), costs.layers
+        return evaluate(costs, flat, sorted(strategy.checkpoint), sorted(strategy.selective)), costs.layers
 
     base, layers = priced(cand)
     sent = cand.num_micro_batches * sum(

@@ -527,6 +527,19 @@ class PlanRequest:
                     f"--ep {self.ep} does not divide --dp {self.dp}: the expert-parallel groups are carved "
                     "out of the data-parallel ranks. Pick an --ep that divides --dp."
                 )
+        if self.ep is not None and self.ep > 1:
+            offloaded = [
+                f"--offload-{kind} {tier}"
+                for kind, tier in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
+                if tier not in (None, OffloadTier.NONE)
+            ]
+            if self.dp_compression == GradCompression.ONEBIT_ADAM:
+                offloaded.append("--dp-compression onebit-adam")
+            if offloaded:
+                raise SearchError(
+                    f"--ep {self.ep} cannot run with {' and '.join(offloaded)}: the runtime keeps sharded experts' "
+                    "state on the device and exchanges it in full precision. Drop one of the flags."
+                )
         imbalance = self.moe_imbalance
         if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not imbalance >= 1.0:
             raise SearchError(f"--moe-imbalance must be a number >= 1.0 (1.0: balanced routing), got {imbalance!r}.")

@@ -744,7 +744,7 @@ class _Walk:
         self.order = 0
         self.best = math.inf
         self.per_triple: dict[int, Evaluation] = {}
-        self.owners: dict[tuple[int, int, int], int] = {}
+        self.owners: dict[tuple[int, int, int, int], int] = {}
         self.seen: set[Candidate] = set()
 
     def push(self, bound: float, kind: str, payload: tuple) -> None:

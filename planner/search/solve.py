@@ -67,6 +67,7 @@ from planner.search.candidates import (
     tied_summary,
     time_lower_bound,
 )
+from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.expert_search import (
     ExpertSummary,
     expert_summary,
@@ -75,7 +76,6 @@ from planner.search.expert_search import (
     replicated_note,
     with_replicated_experts,
 )
-from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
 from planner.search.ilp import SOLVERS, TIME_TOL, SearchResult, default_solver, search, solve_candidate
 from planner.search.request import PlanRequest
 from planner.search.schedule_refit import make_refit, schedule_fix
@@ -376,10 +376,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
-    result = with_replicated_experts(result, entries, table.kinds, request.checkpoint, solver)
-    moe_note = replicated_note(table.model)
-    if moe_note:
-        result.notes.append(moe_note)
+    result = _with_experts_replicated(request, table, hw, gpus_per_node, entries, result, solver)
     result = _scheduled(request, table, _costs_for(request, table, hw, gpus_per_node, entries, result), result, solver)
     compression = final_choice(request, compression, result)
     result = with_runner_up(result)
@@ -393,6 +390,25 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         compression=compression,
         experts=experts,
     )
+
+
+def _with_experts_replicated(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
+) -> SearchResult:
+    """``result`` with the best ep-1 strategy among the runners-up when the winner shards its
+    experts, and the note of a model whose experts stay replicated (``planner.search.expert_search``)."""
+    result = with_replicated_experts(
+        result,
+        [entry[2].cand for entry in entries],
+        lambda plain: candidate_entries(request, table, hw, gpus_per_node, plain),
+        table.kinds,
+        request.checkpoint,
+        solver,
+    )
+    note = replicated_note(table.model)
+    if note:
+        result.notes.append(note)
+    return result
 
 
 def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
@@ -614,6 +630,31 @@ def _attention(model: dict, seq_len: int, sequences: int) -> dict:
     return summarize(facts, seq_len, int(model.get("heads") or 0), int(model.get("head_dim") or 0), sequences)
 
 
+def _alternative_entries(result: SearchResult, evaluation: Evaluation) -> list[Alternative]:
+    """plan.json's ``alternatives``: each listed runner-up (``listed_runners_up``) and why it lost."""
+    return [
+        Alternative(
+            dp=alt.strategy.candidate.dp,
+            tp=alt.strategy.candidate.tp,
+            pp=alt.strategy.candidate.pp,
+            zero_stage=alt.strategy.candidate.zero_stage,
+            micro_batch_size=alt.strategy.candidate.micro_batch_size,
+            step_time_s=float(alt.step_time_s),
+            reason=alternative_reason(evaluation, alt),
+            offload={
+                "optimizer": alt.strategy.candidate.offload_optimizer,
+                "params": alt.strategy.candidate.offload_params,
+            },
+            sequence_parallel=alt.strategy.candidate.sequence_parallel,
+            dp_compression=alt.strategy.candidate.dp_compression,
+            schedule=alt.strategy.schedule,
+            virtual_stages=alt.strategy.virtual_stages,
+            expert_parallel=alt.strategy.candidate.expert_parallel,
+        )
+        for alt in listed_runners_up(result, evaluation)
+    ]
+
+
 def build_plan(
     request,
     table: NumericTable,
@@ -644,27 +685,7 @@ def build_plan(
         attention=_attention(table.model, request.seq_len, request.global_batch),
         moe=model_moe(table.model, getattr(request, "moe_capacity_factor", None)),
     )
-    alts = [
-        Alternative(
-            dp=alt.strategy.candidate.dp,
-            tp=alt.strategy.candidate.tp,
-            pp=alt.strategy.candidate.pp,
-            zero_stage=alt.strategy.candidate.zero_stage,
-            micro_batch_size=alt.strategy.candidate.micro_batch_size,
-            step_time_s=float(alt.step_time_s),
-            reason=alternative_reason(evaluation, alt),
-            offload={
-                "optimizer": alt.strategy.candidate.offload_optimizer,
-                "params": alt.strategy.candidate.offload_params,
-            },
-            sequence_parallel=alt.strategy.candidate.sequence_parallel,
-            dp_compression=alt.strategy.candidate.dp_compression,
-            schedule=alt.strategy.schedule,
-            virtual_stages=alt.strategy.virtual_stages,
-            expert_parallel=alt.strategy.candidate.expert_parallel,
-        )
-        for alt in listed_runners_up(result, evaluation)
-    ]
+    alts = _alternative_entries(result, evaluation)
     plan = Plan(
         model=model,
         hardware=HardwareInfo(name=str(request.hardware), gpus=request.gpus, gpus_per_node=gpus_per_node),

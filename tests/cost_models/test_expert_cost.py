@@ -89,7 +89,10 @@ def test_expert_state_divides_by_ep_over_the_expert_data_group():
             if ep == 1:
                 want = model_state_bytes(dense + experts, "bf16", zero, 8)
             else:
-                rest, mine = model_state_bytes(dense, "bf16", zero, 8), model_state_bytes(experts // ep, "bf16", zero, 8 // ep)
+                rest, mine = (
+                    model_state_bytes(dense, "bf16", zero, 8),
+                    model_state_bytes(experts // ep, "bf16", zero, 8 // ep),
+                )
                 want = {key: rest[key] + mine[key] for key in rest}
             assert (block.params_b, block.grads_b, block.optimizer_b) == (
                 want["params"],
@@ -138,6 +141,8 @@ def test_expert_products_run_at_the_rows_each_local_expert_gets():
     assert flops == pytest.approx(1.5 * expert_forward_flops(2, 128, HIDDEN, FFN, TOP_K))
     wgrad = (HIDDEN, 2 * FFN, tokens, EXPERTS, 1, None)  # the contraction over the rows is k
     assert local_expert_gemms([wgrad], tokens, 2, 1.0)[0][:4] == (HIDDEN, 2 * FFN, 2 * tokens, EXPERTS / 2)
+    unknown = (tokens * 3, 2 * FFN, HIDDEN, EXPERTS, 1, None)  # no dim of the even share: FLOPs x load only
+    assert local_expert_gemms([unknown], tokens, 4, 1.5)[0][:4] == (tokens * 3, 2 * FFN, HIDDEN, EXPERTS * 1.5)
     ep1, ep8 = (_costs(_cand(ep=ep)).layers[1] for ep in (1, 8))
     assert ep8.compute_s < ep1.compute_s  # bigger products run faster on an H100
     loaded = _costs(_cand(ep=8, moe_imbalance=1.2)).layers[1]

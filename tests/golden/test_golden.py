@@ -53,6 +53,26 @@ _SMALL_GPT = [
 
 REQUESTS: dict[str, tuple[list[str], bool]] = {
     # name: (plan flags, compile it too)
+    # a mixture of experts (8 experts, top 2) from its config, its experts sharded over 4 ranks
+    "hf-mixtral-ep4-h100-16": (
+        [
+            "--model",
+            "hf:" + os.path.join(FIXTURES, "tiny_mixtral"),
+            "--gpus",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--hardware",
+            "h100-sxm",
+            "--global-batch",
+            "64",
+            "--seq-len",
+            "512",
+            "--ep",
+            "4",
+        ],
+        False,
+    ),
     "gpt2-a100-8": (
         [
             "--model",

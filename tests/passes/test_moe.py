@@ -113,6 +113,17 @@ def test_moe_facts_per_row(arch, tmp_path):
         bwd = sum(int(g.flops.subs(at)) for g in row.expert_bwd_gemms)
         assert fwd == 2 * tokens * top_k * 3 * h * ffn and bwd == 2 * fwd
         assert int(row.fwd_flops.subs(at)) > fwd
+    # and it plans: experts sharded over 2 of the 4 data-parallel ranks when pinned
+    from cost_models.hardware import load_hardware
+    from planner.search.request import PlanRequest
+    from planner.search.solve import solve
+
+    request = PlanRequest(
+        spec=f"hf:{tmp_path / arch}", gpus=4, gpus_per_node=4, hardware="h100-sxm", global_batch=8, seq_len=16, ep=2
+    )
+    plan = solve(request, table, load_hardware("h100-sxm", 4)).plan
+    assert plan.expert_parallel == 2 and plan.dp % 2 == 0 and plan.predicted.time["ep_comm"] > 0
+    assert plan.model.moe == {**table.model["moe"], "capacity_factor": None}
 
 
 def test_gpt_oss_experts_stay_replicated_and_say_why(tmp_path):

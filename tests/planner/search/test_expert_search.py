@@ -26,9 +26,7 @@ SMALL = dataclasses.replace(H100, memory_bytes=2**31)
 
 
 def _req(**kw) -> PlanRequest:
-    base = dict(
-        spec="gpt", gpus=8, gpus_per_node=4, hardware="h100-sxm", global_batch=16, seq_len=256, dtype="bf16"
-    )
+    base = dict(spec="gpt", gpus=8, gpus_per_node=4, hardware="h100-sxm", global_batch=16, seq_len=256, dtype="bf16")
     base.update(kw)
     return PlanRequest(**base)
 
@@ -65,7 +63,10 @@ def test_ilp_optimum_equals_brute_force_with_expert_parallelism(layers, pp, ep, 
     table = NumericTable(moe_table(layers=layers, hidden=128, ffn=256, experts=4, top_k=2, vocab=1024))
     cand = Candidate(4, tp, pp, zero, 2, pp + 1, expert_parallel=ep, moe_imbalance=imbalance)
     costs = candidate_costs(table, SMALL, "bf16", 256, cand, 4, 1.0)
-    roomy = max(evaluate(costs, [(0, costs.num_layers - 1)] if pp == 1 else _even(costs.num_layers, pp)).extra["memory_bound"], 1)
+    roomy = max(
+        evaluate(costs, [(0, costs.num_layers - 1)] if pp == 1 else _even(costs.num_layers, pp)).extra["memory_bound"],
+        1,
+    )
     costs.capacity = roomy * room * (1 + 3e-5)  # off any strategy's exact bound (the ILP keeps a margin)
     want = _brute(costs) if pp <= costs.num_layers else None
     got = solve_candidate(costs, table.kinds, "auto").evaluation if pp <= costs.num_layers else None
@@ -107,6 +108,8 @@ def test_ep_pins_and_bad_settings_are_refused_clearly():
         solve(_req(ep=8), moe, H100)
     with pytest.raises(SearchError, match="--ep 4 does not divide --dp 2"):
         _req(ep=4, dp=2)
+    with pytest.raises(SearchError, match="--ep 2 cannot run with --offload-optimizer cpu"):
+        _req(ep=2, offload_optimizer="cpu")
     with pytest.raises(SearchError, match="--moe-imbalance must be a number >= 1.0"):
         _req(moe_imbalance=0.8)
     with pytest.raises(SearchError, match="--moe-capacity-factor must be a positive number"):
@@ -118,17 +121,32 @@ def test_ep_pins_and_bad_settings_are_refused_clearly():
 def test_plan_records_experts_and_shows_the_best_plan_without_ep():
     """plan.json: ``expert_parallel``, ``model.moe`` (with the capacity factor), the request's MoE
     settings (a re-plan keeps them), and a runner-up at ep 1 when the winner shards its experts."""
-    moe = moe_table(layers=4, hidden=512, ffn=2048, experts=8, top_k=2, heads=8, vocab=4096)
+    moe = moe_table(layers=8, hidden=1024, ffn=4096, experts=8, top_k=2, heads=8, vocab=4096)
     request = _req(gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024, moe_capacity_factor=1.25, ep=8)
     plan = solve(request, moe, H100).plan
     assert plan.expert_parallel == 8
-    assert plan.model.moe == {"layers": [1, 2, 3, 4], "experts": 8, "top_k": 2, "shared_experts": 0, "capacity_factor": 1.25}
+    assert plan.model.moe == {
+        "layers": list(range(1, 9)),
+        "experts": 8,
+        "top_k": 2,
+        "shared_experts": 0,
+        "capacity_factor": 1.25,
+    }
     assert plan.request["ep"] == 8 and plan.request["moe_capacity_factor"] == 1.25
-    assert PlanRequest.from_record({k: v for k, v in plan.request.items() if k != "gpus_per_node"} | {"gpus_per_node": 8}).ep == 8
-    free = solve(dataclasses.replace(request, ep=None), moe, H100).plan
-    if free.expert_parallel > 1:
-        plain = [alt for alt in free.alternatives if alt.expert_parallel == 1]
-        assert plain and plain[0].step_time_s >= free.predicted.step_time_s
+    assert (
+        PlanRequest.from_record(
+            {k: v for k, v in plan.request.items() if k != "gpus_per_node"} | {"gpus_per_node": 8}
+        ).ep
+        == 8
+    )
+    free_request = dataclasses.replace(request, ep=None, moe_capacity_factor=None, seq_len=2048)
+    free = solve(free_request, moe, H100).plan
+    assert free.expert_parallel > 1
+    # the runner-up without ep is the best plan without it: what --ep 1 plans
+    plain = [alt for alt in free.alternatives if alt.expert_parallel == 1]
+    replicated = solve(dataclasses.replace(free_request, ep=1), moe, H100).plan
+    assert plain and plain[0].step_time_s == pytest.approx(replicated.predicted.step_time_s, rel=1e-9)
+    assert plain[0].step_time_s > free.predicted.step_time_s
     data = free.to_dict()
     assert data["expert_parallel"] == free.expert_parallel
     assert all(("expert_parallel" in alt) == (alt.get("expert_parallel", 1) > 1) for alt in data["alternatives"])

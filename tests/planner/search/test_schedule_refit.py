@@ -113,7 +113,8 @@ def test_runners_up_are_other_layouts():
     assert (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage) not in keys
     assert all(a.step_time_s >= plan.predicted.step_time_s * (1 - 1e-9) for a in plan.alternatives)
     winner = solve(dataclasses.replace(req, pp=None, dp=None, tp=None, micro_batch=None), table, hw)
-    assert layout_key(winner.evaluation) == (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage)
+    layout = (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage, plan.expert_parallel)
+    assert layout_key(winner.evaluation) == layout
 
 
 def test_hf_layer_names_drop_the_loss_wrapper():
