@@ -65,13 +65,14 @@ def rewrite_experts(gm: fx.GraphModule, plan) -> ExpertRewrite | None:
     Expert parallelism or a capacity factor needs every region rewritten (or the plan refused).
     A mixture of experts planned with experts replicated and dropless (``model.moe`` set, ep 1)
     has its readable regions rewritten too, the dispatch then moving nothing: it counts the tokens
-    each expert gets for the metrics' ``expert_load``. Not under ``plan.compile`` (torch.compile
-    cannot trace data-dependent row counts), nor in a region the pass refuses: those run as traced.
+    each expert gets for the metrics' ``expert_load`` (a region the pass refuses runs as traced).
+    Under ``plan.compile`` the dispatch and combine are graph breaks of the compiled layers
+    (``runtime.stages.compile_layers.prepare``): their row counts are known only at run time.
     """
     facts = plan.model.moe or {}
     capacity = facts.get("capacity_factor")
     required = plan.expert_parallel > 1 or capacity is not None
-    if not required and (not facts or getattr(plan, "compile", False)):
+    if not required and not facts:
         return None
     regions = find_expert_regions(gm)
     if required:
@@ -113,11 +114,6 @@ def _check_plan(plan, regions: list[ExpertRegion], capacity: float | None) -> No
         raise CodegenError(
             f"expert_parallel={plan.expert_parallel} does not divide the model's {counts[0]} experts; "
             "plan with an --ep that divides it"
-        )
-    if getattr(plan, "compile", False):
-        raise CodegenError(
-            f"torch.compile of the layer classes (plan.json compile: true) cannot trace {what}: the "
-            "dispatch's row counts are known only at run time; plan with --compile off"
         )
 
 

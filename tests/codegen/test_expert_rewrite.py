@@ -143,19 +143,48 @@ def test_capacity_drops_what_a_hand_count_drops(mixtral, tmp_path):
 def test_replicated_experts_dispatch_in_place_to_count_the_load(mixtral, tmp_path):
     """An MoE plan at ep 1, dropless: the regions still call dispatch (which moves nothing) so the
     metrics see the tokens per expert; the loss is the traced graph's. A model without MoE facts in
-    its plan, or under torch.compile, compiles as traced."""
+    its plan compiles as traced."""
     counted = compile_plan(_plan(mixtral, dp=1), str(tmp_path / "counted"))
     assert counted["expert_parallel"] == {"degree": 1, "experts": EXPERTS, "capacity_factor": None}
     assert "torch.empty((4, 128, 32)" in (tmp_path / "counted" / "stage_0.py").read_text()
-    compiled = compile_plan(dataclasses.replace(_plan(mixtral, dp=1), compile=True), str(tmp_path / "compiled"))
-    assert "expert_parallel" not in compiled
-    assert "runtime.moe" not in (tmp_path / "compiled" / "stage_0.py").read_text()
     plain = compile_plan(_plan(mixtral, dp=1, moe=False), str(tmp_path / "plain"))
     LOAD.reset()
     loss = _run(str(tmp_path / "counted"), counted, mixtral)
     _, routed = _hand_count_dropped(mixtral, 1.0)
     assert LOAD.calls == 2 and sum(LOAD.per_expert[EXPERTS]) == routed and LOAD.tokens_dropped == 0
     torch.testing.assert_close(loss, _run(str(tmp_path / "plain"), plain, mixtral), rtol=1e-6, atol=0)
+    LOAD.reset()
+
+
+def test_compiled_layers_run_the_dispatch_eagerly(mixtral, tmp_path):
+    """``plan.compile`` (torch.compile of each layer class): the dispatch and combine are graph
+    breaks (``runtime.stages.compile_layers``), so a capacity-limited stage compiled with
+    ``aot_eager`` drops and counts what the eager stage does, with the same loss and gradients."""
+    from runtime.stages.compile_layers import compile_counts, compile_stage
+    from runtime.stages.compiled_stages import load_stage_module, load_weights
+
+    plan = dataclasses.replace(_plan(mixtral, capacity=0.5, dp=1), compile=True)
+    man = compile_plan(plan, str(tmp_path / "c"))
+    model, inputs = _weights_and_inputs(mixtral)
+    state = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    results = []
+    for compiled in (False, True):
+        module = load_stage_module(str(tmp_path / "c"), man["stages"][0])
+        load_weights(module, man["stages"][0], state)
+        if compiled:
+            before = compile_counts()
+            compile_stage(module, "aot_eager")
+        LOAD.reset()
+        loss = module(*[inputs[name] for name in man["stages"][0]["data_inputs"]])
+        loss.backward()
+        results.append((loss.detach(), LOAD.tokens_dropped, {n: p.grad for n, p in module.named_parameters()}))
+    (eager, dropped, grads), (fast, fast_dropped, fast_grads) = results
+    after = compile_counts()  # Pre, Block (around its two breaks: dispatch, combine) and Post compiled
+    assert after["frames"] > before["frames"] and after["graph_breaks"] >= before["graph_breaks"] + 2
+    assert dropped == fast_dropped == _hand_count_dropped(mixtral, 0.5)[0]
+    torch.testing.assert_close(fast, eager, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     LOAD.reset()
 
 
@@ -173,11 +202,8 @@ def test_ep_with_tp_and_pp_compiles_the_rewrite_in_each_stage(mixtral, tmp_path)
 
 
 def test_refusals_name_what_to_change(mixtral, tmp_path):
-    """A plan the rewrite cannot honour fails at compile time with what to change: torch.compile
-    of layer classes (data-dependent row counts), experts the pass refuses (GPT-OSS's bias
-    gathered by expert id), a model without routed experts."""
-    with pytest.raises(CodegenError, match="plan with --compile off"):
-        compile_plan(dataclasses.replace(_plan(mixtral, ep=2), compile=True), str(tmp_path / "c"))
+    """A plan the rewrite cannot honour fails at compile time with what to change: experts the
+    pass refuses (GPT-OSS's bias gathered by expert id), a model without routed experts."""
     oss = tmp_path / "gpt_oss"
     tf.GptOssConfig(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=8, **SIZES).save_pretrained(oss)
     with pytest.raises(CodegenError, match=r"mlp\.experts cannot be dispatched: index_\d+ feeds .*plan with --ep 1"):
