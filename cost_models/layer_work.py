@@ -34,11 +34,13 @@ COMPILED_REGION_OPS = 10
 COMPILED_BYTES_FRACTION = 0.75
 
 
-def compiled_regions(row: LayerRow, tp: int) -> int:
+def compiled_regions(row: LayerRow, tp: int, ep: int = 1) -> int:
     """Compiled regions of one layer: one, plus a graph break at each tensor-parallel collective
-    the runtime issues eagerly (``runtime.tensor_parallel.EAGER_ONLY``)."""
+    the runtime issues eagerly (``runtime.tensor_parallel.EAGER_ONLY``) and, under expert
+    parallelism, at each MoE layer's dispatch and combine (variable-size all-to-alls)."""
     traffic = row.tp_traffic
-    return 1 + (int(traffic.allreduce_fwd_calls) + int(traffic.allreduce_bwd_calls) if tp > 1 else 0)
+    breaks = int(traffic.allreduce_fwd_calls) + int(traffic.allreduce_bwd_calls) if tp > 1 else 0
+    return 1 + breaks + (2 * row.experts.moe_layers if ep > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
     instead of every operator's, and fused memory-bound chains (module docstring)."""
     tp, sequence_parallel = setting.tp, setting.sequence_parallel
     if setting.compiled:
-        ops_s = compiled_regions(row, tp) * COMPILED_REGION_OPS * hw.op_overhead_s
+        ops_s = compiled_regions(row, tp, setting.expert.ep) * COMPILED_REGION_OPS * hw.op_overhead_s
         fused = COMPILED_BYTES_FRACTION
     else:
         ops_s, fused = row.num_ops * hw.op_overhead_s, 1.0

@@ -26,7 +26,7 @@ reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequen
   by ``cost_models.memory.model_state_bytes`` per layer (ZeRO pads each layer to ``dp``); ZeRO-2/3
   transients sized by the stage's largest layer. Activations: ``saved - saved_tp + saved_tp / tp``,
   a checkpointed layer keeps ``input_bytes``; ``boundary_bytes`` crosses a stage cut.
-- compiled (``Candidate.compile``): ``r = 1 + tp collective calls`` regions cost ``r x
+- compiled (``Candidate.compile``): ``r = 1 + tp collective calls (+ 2 per MoE layer at ep > 1)`` regions cost ``r x
   COMPILED_REGION_OPS`` calls of overhead, memory-bound bytes scale by ``COMPILED_BYTES_FRACTION``;
   compiling costs ``COMPILE_S_PER_CLASS`` per distinct layer class of the busiest stage, once per run
   (``Evaluation.extra["compile_s"]``, weighed by ``planner.search.solve``).

@@ -185,3 +185,14 @@ def test_candidate_refuses_what_is_not_priced():
         _cand(dp=6, ep=4)
     with pytest.raises(ValueError, match="offload"):
         _cand(zero=1, ep=2, offload_optimizer="cpu")
+
+
+def test_compiled_layers_break_at_each_dispatch_and_combine():
+    """Compiled, a MoE layer's all-to-alls are graph breaks: two more regions per MoE layer at ep > 1."""
+    from cost_models.layer_work import compiled_regions
+
+    row = NumericTable(moe_table(layers=1)).layer_rows(2, 128)[0][1]
+    assert (compiled_regions(row, 1), compiled_regions(row, 1, ep=4)) == (1, 3)
+    eager = _costs(_cand(ep=4, compile=False)).layers[1]
+    compiled = _costs(_cand(ep=4, compile=True)).layers[1]
+    assert compiled.ep_s == eager.ep_s  # the same all-to-alls either way

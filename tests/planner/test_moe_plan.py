@@ -10,6 +10,7 @@ import pytest
 
 from planner.cli import main
 from planner.plan import load_plan
+from planner.report.deepspeed import launcher_command
 from tests.helpers import SMALL_GPT_FLAGS
 
 tf = pytest.importorskip("transformers")
@@ -54,7 +55,10 @@ def test_ep_pin_capacity_and_imbalance_reach_the_plan_report_and_deepspeed(mixtr
     assert plan.predicted.time["ep_comm"] > 0
     ds = tmp_path / "ds.json"
     assert main(["export", "deepspeed", str(out), "--out", str(ds)]) == 0
-    moe = json.loads(ds.read_text())["planner"]["moe"]
+    config = json.loads(ds.read_text())
+    assert any("split_params_into_different_moe_groups_for_optimizer" in w for w in config["planner"]["warnings"])
+    assert "--num-experts 4 --moe-expert-parallel-size 2" in launcher_command(plan)
+    moe = config["planner"]["moe"]
     assert moe == {
         "num_experts": 4,
         "ep_size": 2,
