@@ -31,7 +31,19 @@ from codegen.names import safe_ident
 from codegen.selective import extract_attention_cores
 from runtime import portable
 
-__all__ = ["LayerGraph", "StageOptions", "StageSpec", "partition_graph", "emit_stage_source", "get_tensor"]
+__all__ = [
+    "LayerGraph",
+    "StageOptions",
+    "StageSpec",
+    "partition_graph",
+    "emit_stage_source",
+    "get_tensor",
+    "CODEGEN_NAME",
+]
+
+CODEGEN_NAME = "codegen_name"
+"""``node.meta`` key: the variable name a rewrite wants its node to have in generated code
+(``local_rows``, ``routing``...); fx appends a number if the layer already uses it."""
 
 _DROP_TARGETS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -245,7 +257,7 @@ def _layer_graph_code(layer: LayerGraph, rewrite=None, selective: bool = False):
         args = fx.node.map_arg(n.args, lambda arg: env[arg])
         kwargs = fx.node.map_arg(n.kwargs, lambda arg: env[arg])
         args, kwargs = _retarget_devices(args), _retarget_devices(kwargs)
-        new = graph.create_node("call_function", n.target, args, kwargs)
+        new = graph.create_node("call_function", n.target, args, kwargs, name=n.meta.get(CODEGEN_NAME))
         new.meta = dict(n.meta)
         env[n] = new
         target = _portable(n)

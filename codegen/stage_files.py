@@ -25,6 +25,7 @@ import torch.fx as fx
 
 import runtime
 from codegen.codegen_errors import CodegenError
+from codegen.expert_rewrite import ExpertRewrite, rewrite_experts
 from codegen.lower import LayerGraph, StageOptions, StageSpec, emit_stage_source, get_tensor, partition_graph
 from codegen.tp_rewrite import plan_tp_rewrite
 from passes.causal_rewrite import by_verdicts, causal_at_length, rewrite_causal
@@ -151,9 +152,12 @@ def _stage_header(plan: Plan, spec: StageSpec, plan_digest: str, where: str) -> 
     return "\n".join("# " + line.lstrip("# ").replace("\r", " ") for line in header.splitlines())
 
 
-def _stage_params(gm: fx.GraphModule, spec: StageSpec, param_map: dict[str, str], shard_info: dict) -> dict:
+def _stage_params(
+    gm: fx.GraphModule, spec: StageSpec, param_map: dict[str, str], shard_info: dict, experts: dict[str, list[int]]
+) -> dict:
     """The manifest's ``params`` of one stage: each attribute's FQN, shape, trainability, tp
-    shard and (for a weight several stages read) the stages holding a copy."""
+    shard, (for a weight several stages read) the stages holding a copy and (for a routed expert
+    weight, ``[E, ...]`` in full) ``"expert": true``."""
     params = {}
     for attr, fqn in param_map.items():
         tensor = get_tensor(gm, fqn)
@@ -165,6 +169,9 @@ def _stage_params(gm: fx.GraphModule, spec: StageSpec, param_map: dict[str, str]
         }
         if attr in spec.tied:  # a copy per stage in this list; gradients summed over them
             params[attr]["tied"] = spec.tied[attr]
+        if fqn in experts:  # the runtime keeps rows [r E/ep, (r+1) E/ep) on expert-parallel rank r
+            params[attr]["expert"] = True
+            params[attr]["shape"] = experts[fqn]  # the whole [E, ...] (the stage allocates its rows)
     return params
 
 
@@ -182,6 +189,8 @@ class _StageContext:
     requires_grad: dict[fx.Node, bool]
     sequence_sharded: dict | None
     """Values sharded along the sequence (sequence parallelism) -> their sequence dim."""
+    experts: ExpertRewrite | None = None
+    """The routed-expert rewrite (expert parallelism or capacity), None when the graph runs as traced."""
 
 
 def _compile_stage(plan: Plan, spec: StageSpec, context: _StageContext, out_dir: str) -> dict:
@@ -207,7 +216,9 @@ def _compile_stage(plan: Plan, spec: StageSpec, context: _StageContext, out_dir:
         "data_inputs": list(spec.data_inputs),
         "recv": [_meta(n, *crossing) for n in spec.recv],
         "send": [_meta(n, *crossing) for n in spec.send],
-        "params": _stage_params(context.gm, spec, param_map, context.shard_info),
+        "params": _stage_params(
+            context.gm, spec, param_map, context.shard_info, context.experts.params if context.experts else {}
+        ),
         "sha256": hashlib.sha256(src.encode()).hexdigest(),
     }
     if plan.virtual_stages > 1:
@@ -220,9 +231,10 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     gm, layer_of, names = _layered(model, plan)
     tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, plan, model.vocab, model.dims)
     sequence_sharded = getattr(tp_rewrite, "sequence_sharded", None)  # sequence parallelism: S/tp positions
+    experts = rewrite_experts(gm, plan)  # after the tp analysis, which reads the graph as traced
     layers, specs, _ = partition_graph(gm, layer_of, names, plan.stages)
     context = _StageContext(
-        gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded
+        gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded, experts
     )
     os.makedirs(out_dir, exist_ok=True)
     _check_tied_ranks(specs, plan.pp)
@@ -242,6 +254,8 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
         },
         "stages": stages,
     }
+    if experts is not None:  # runtime.stages keeps each rank's experts of the "expert": true weights
+        manifest["expert_parallel"] = experts.manifest()
     if plan.virtual_stages > 1:  # which rank runs which chunks (runtime.stages.compiled_stages.rank_chunks reads it)
         manifest["chunks_of_rank"] = [list(range(rank, chunks, plan.pp)) for rank in range(plan.pp)]
     _write(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
