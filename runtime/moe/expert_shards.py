@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import torch
 
 from runtime.contract.input_errors import ConfigError
-from runtime.moe.dispatch import expert_slice
+from runtime.moe.exchange import expert_slice
 
 __all__ = ["is_expert", "expert_degree", "num_experts", "expert_attrs", "mark_listed", "cut", "join"]
 

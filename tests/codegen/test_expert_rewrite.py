@@ -89,12 +89,12 @@ def test_ep2_stage_dispatches_and_combines_each_routed_layer(mixtral, tmp_path):
         k: e for k, e in plain["stages"][0]["params"].items() if "experts" not in e["fqn"]
     }
     source = (tmp_path / "ep2" / "stage_0.py").read_text()  # both blocks share the class Block
-    dispatch = "dispatched = runtime_moe_dispatch_dispatch(to_dtype_6, histc_default, 4, capacity_factor = None)"
+    dispatch = "dispatched = runtime_moe_exchange_dispatch(to_dtype_6, histc_default, 4, capacity_factor = None)"
     assert source.count(dispatch) == 1
     assert source.count("runtime_portable_grouped_mm(local_rows, ") == 1
     assert source.count(", local_offsets)") == 2
-    assert source.count("combined = runtime_moe_dispatch_combine(grouped_mm_fallback_default_1, routing)") == 1
-    assert "from runtime.moe.dispatch import dispatch as runtime_moe_dispatch_dispatch" in source
+    assert source.count("combined = runtime_moe_exchange_combine(grouped_mm_fallback_default_1, routing)") == 1
+    assert "from runtime.moe.exchange import dispatch as runtime_moe_exchange_dispatch" in source
     assert "self.mlp_experts_gate_up_proj = torch.nn.Parameter(torch.empty((2, 128, 32)" in source
     assert "self.mlp_experts_down_proj = torch.nn.Parameter(torch.empty((2, 32, 64)" in source
     plain_source = (tmp_path / "ep1" / "stage_0.py").read_text()
@@ -194,11 +194,11 @@ def test_ep_with_tp_and_pp_compiles_the_rewrite_in_each_stage(mixtral, tmp_path)
     tp = compile_plan(_plan(mixtral, ep=2, tp=2), str(tmp_path / "tp"))
     assert tp["expert_parallel"]["degree"] == 2
     assert all(entry["shard"] is None for entry in tp["stages"][0]["params"].values() if entry.get("expert"))
-    assert (tmp_path / "tp" / "stage_0.py").read_text().count("runtime_moe_dispatch_combine(") == 1
+    assert (tmp_path / "tp" / "stage_0.py").read_text().count("runtime_moe_exchange_combine(") == 1
     pp = compile_plan(_plan(mixtral, ep=2, pp=2), str(tmp_path / "pp"))
     for k, stage in enumerate(pp["stages"]):
         assert sum(bool(e.get("expert")) for e in stage["params"].values()) == 2
-        assert (tmp_path / "pp" / f"stage_{k}.py").read_text().count("runtime_moe_dispatch_dispatch(") == 1
+        assert (tmp_path / "pp" / f"stage_{k}.py").read_text().count("runtime_moe_exchange_dispatch(") == 1
 
 
 def test_refusals_name_what_to_change(mixtral, tmp_path):
