@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,hf,highs]"
 	touch $(STAMP)
 
-# The whole suite (what CI runs, via .ci/run), then its 15 slowest tests.
+# The whole suite (what CI runs, via .ci/run), then its 15 slowest tests. Two pytest-xdist workers:
+# every test that starts processes runs on one of them in turn, the in-process tests beside it a
+# file at a time (tests/conftest.py, pytest_collection_modifyitems).
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15
 
 # The inner loop: every test that starts no process and no process group (not marked `dist`); no lint.
 test-fast: $(STAMP)
