@@ -1079,6 +1079,7 @@ def time_breakdown(
         "optimizer": tail.opt_s,
         "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
         "ep_comm": micro_batches * busiest.ep_s,
+        "cp_comm": 0.0,  # no context parallelism is priced yet: every strategy here has cp = 1
     }
 
 

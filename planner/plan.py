@@ -1,7 +1,7 @@
 """The Plan: the planner's output, ``plan.json`` (schema_version 1), loaded back with validation.
 
 Every field of the contract in ``shared/CONVENTIONS.md`` is here with its meaning. ``Plan``
-checks its invariants in ``__post_init__`` (``dp*tp*pp == gpus``, ``global_batch == dp *
+checks its invariants in ``__post_init__`` (``dp*cp*tp*pp == gpus``, ``global_batch == dp *
 micro_batch_size * num_micro_batches``, contiguous stages covering the layer table, ...), so a
 plan that exists is a plan the runtime can run. ``load_plan`` turns any malformed file into a
 ``PlanError`` that names the field and what it should be.
@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, NoReturn
 
 from planner.errors import UserError
-from runtime.contract.choices import ZERO_STAGES, GradCompression, OffloadTier, ScheduleName, names
+from runtime.contract.choices import ZERO_STAGES, ContextMethod, GradCompression, OffloadTier, ScheduleName, names
 from runtime.contract.data_roles import INPUT_ROLES
 from runtime.contract.dtype_table import DTYPES
 from runtime.contract.input_errors import ConfigError
@@ -46,6 +46,8 @@ __all__ = [
     "SCHEDULES",
     "TIME_LABELS",
     "COMPRESSIONS",
+    "CP_METHODS",
+    "NO_CONTEXT_PARALLEL",
     "plan_hash",
 ]
 
@@ -59,8 +61,8 @@ SCHEDULES = names(ScheduleName)
 
 COMPRESSIONS = names(GradCompression)
 """The data-parallel exchanges a plan may name (plan.json ``dp_compression``)."""
-TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload", "ep_comm")
-LATER_TIME_KEYS = ("offload", "ep_comm")
+TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload", "ep_comm", "cp_comm")
+LATER_TIME_KEYS = ("offload", "ep_comm", "cp_comm")
 """Time parts added after the first plans: a plan written before one existed loads it as 0 s."""
 OFFLOAD_TIERS = names(OffloadTier)
 OFFLOAD_KINDS = ("optimizer", "params")
@@ -76,9 +78,15 @@ TIME_LABELS = {
     "optimizer": "optimizer step",
     "offload": "offload transfers (host / NVMe)",
     "ep_comm": "expert-parallel all-to-alls",
+    "cp_comm": "context-parallel attention exchange",
 }
 """What each ``predicted.time`` key means, as the report and the runners-up say it."""
 
+
+CP_METHODS = names(ContextMethod)
+"""How a context-parallel group computes attention (plan.json ``context_parallel.method``)."""
+NO_CONTEXT_PARALLEL = {"degree": 1, "method": "ring"}
+"""plan.json's ``context_parallel`` without context parallelism (and what a plan without the key loads as)."""
 
 NO_OFFLOAD = {"optimizer": "none", "params": "none"}
 """plan.json's ``offload`` when every state lives on the device (and what a plan without the key loads as)."""
@@ -347,6 +355,8 @@ class Alternative:
     """Model chunks per pipeline rank of an interleaved runner-up; written only when above 1."""
     expert_parallel: int = 1
     """The runner-up's expert-parallel degree (as the plan's); written only when above 1."""
+    context_parallel: dict = field(default_factory=lambda: dict(NO_CONTEXT_PARALLEL))
+    """The runner-up's context parallelism (as the plan's); written only when its degree is above 1."""
 
     def __post_init__(self):
         for k in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages", "expert_parallel"):
@@ -361,6 +371,7 @@ class Alternative:
                 f"must be one of {', '.join(COMPRESSIONS)}, got {self.dp_compression!r}.",
             )
         _check_str("alternatives[].reason", self.reason)
+        self.context_parallel = _checked_context_parallel("alternatives[].context_parallel", self.context_parallel)
         if self.schedule not in SCHEDULES:
             _fail("alternatives[].schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
 
@@ -446,6 +457,14 @@ class Plan:
     rank holds every expert. Divides ``dp`` and ``model.moe.experts``; the expert-data-parallel
     group (the ranks holding the same experts, ``dp / expert_parallel`` of them) reduces the
     experts' gradients (``runtime.contract.rank_layout.expert_ranks``). A plan without the key loads as 1."""
+    context_parallel: dict = field(default_factory=lambda: dict(NO_CONTEXT_PARALLEL))
+    """Context parallelism, ``{"degree": cp, "method": m}``: every sequence split over ``cp`` ranks
+    (its own mesh axis, between tp and dp: ``gpus = dp * cp * tp * pp``), each holding chunks ``i``
+    and ``2cp-1-i`` of ``2cp`` (balanced causal work, ``runtime.context_parallel.layout``); attention
+    by ``method`` (``ring``, ``all-gather`` or ``ulysses``: ``runtime.contract.choices.ContextMethod``),
+    everything else on the rank's own positions. Gradients are reduced (and ZeRO state sharded) over
+    the ``dp * cp`` ranks holding the same weights. ``seq_len`` divides into ``2 cp`` chunks. A plan
+    without the key loads as ``{"degree": 1, "method": "ring"}``."""
     overlap: dict = field(default_factory=OVERLAP_ALL.to_json)
     """What the run overlaps with compute and the prediction assumed, ``{"dp", "tp", "pp"}``
     booleans (``runtime.contract.overlap``): all true by default; ``planner plan --overlap off``
@@ -477,6 +496,8 @@ class Plan:
         self.offload = {kind: self.offload[kind] for kind in OFFLOAD_KINDS}
         self._check_compression()
         self._check_expert_parallel()
+        self.context_parallel = _checked_context_parallel("context_parallel", self.context_parallel)
+        self._check_context_parallel()
         self._check_measured()
         if self.request is not None and not (isinstance(self.request, dict) and "spec" in self.request):
             _fail("request", "must be an object holding the planning request (spec, gpus, ...).")
@@ -510,12 +531,10 @@ class Plan:
             _fail("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.")
         if self.dtype not in DTYPES:
             _fail("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        if self.dp * self.tp * self.pp != self.hardware.gpus:
-            _fail(
-                "dp*tp*pp",
-                f"= {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
-                f"must equal hardware.gpus = {self.hardware.gpus}.",
-            )
+        cp = _checked_context_parallel("context_parallel", self.context_parallel)["degree"]
+        if self.dp * cp * self.tp * self.pp != self.hardware.gpus:
+            name, sizes = ("dp*tp*pp", f"{self.dp}*{self.tp}*{self.pp}") if cp == 1 else ("dp*cp*tp*pp", f"{self.dp}*{cp}*{self.tp}*{self.pp}")
+            _fail(name, f"= {sizes} = {self.dp * cp * self.tp * self.pp} must equal hardware.gpus = {self.hardware.gpus}.")
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch:
             _fail(
                 "global_batch",
@@ -616,6 +635,20 @@ class Plan:
                 f"({self.expert_parallel}) must divide the routed experts ({self.model.moe['experts']}): every rank of a group holds the same number.",
             )
 
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree (``context_parallel.degree``)."""
+        return self.context_parallel["degree"]
+
+    def _check_context_parallel(self) -> None:
+        """A sequence splits into ``2 cp`` equal chunks (the balanced causal layout)."""
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            _fail(
+                "context_parallel.degree",
+                f"({self.cp}) needs seq_len ({self.seq_len}) divisible by 2*cp = {2 * self.cp}: each rank holds "
+                "two equal chunks of every sequence.",
+            )
+
     def _check_compression(self) -> None:
         if self.dp_compression not in COMPRESSIONS:
             _fail("dp_compression", f"must be one of {', '.join(COMPRESSIONS)}, got {self.dp_compression!r}.")
@@ -668,6 +701,7 @@ class Plan:
             "dp_compression",
             "compression_warmup",
             "expert_parallel",
+            "context_parallel",
             "overlap",
             "predicted",
             "solver",
@@ -687,6 +721,8 @@ class Plan:
                 del alt["virtual_stages"]
             if alt["expert_parallel"] == 1:
                 del alt["expert_parallel"]
+            if alt["context_parallel"]["degree"] == 1:
+                del alt["context_parallel"]
         for key in ("cost", "compression"):
             if out["predicted"].get(key) is None:
                 out["predicted"].pop(key, None)
@@ -728,6 +764,16 @@ def _check_layer_list(name: str, layers: Any, n_rows: int) -> None:
             _fail(f"{name}[]", f"index {i} is outside the layer table (0..{n_rows - 1}).")
     if len(set(layers)) != len(layers):
         _fail(name, "has duplicates.")
+
+
+def _checked_context_parallel(where: str, value: Any) -> dict:
+    """``value`` as ``{"degree", "method"}`` (both keys, in that order), or a ``PlanError``."""
+    if not isinstance(value, dict) or set(value) != {"degree", "method"}:
+        _fail(where, f'must be an object {{"degree": int, "method": one of {", ".join(CP_METHODS)}}}, got {value!r}.')
+    _check_int(f"{where}.degree", value["degree"], 1)
+    if value["method"] not in CP_METHODS:
+        _fail(f"{where}.method", f"must be one of {', '.join(CP_METHODS)}, got {value['method']!r}.")
+    return {"degree": value["degree"], "method": str(value["method"])}
 
 
 def _check_offload(offload: Any, zero_stage: int) -> None:
@@ -822,6 +868,8 @@ def plan_hash(plan: Plan) -> str:
     for k in ("selective_layers", "sequence_parallel"):
         if data[k]:
             keep[k] = data[k]
+    if data["context_parallel"]["degree"] > 1:  # added by the third milestone, hashed when used
+        keep["context_parallel"] = data["context_parallel"]
     if data["dp_compression"] != GradCompression.NONE:  # another optimizer: its state differs
         keep["dp_compression"] = data["dp_compression"]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.contract.choices import ContextMethod, names
 from runtime.context_parallel.blocks import AttentionMask, masked_attention
 from runtime.context_parallel.layout import chunk_indices, gather_sequence, local_positions, shard_sequence
 from runtime.context_parallel.ring import ring_attention
@@ -44,7 +45,7 @@ __all__ = [
     "gather_sequence",
 ]
 
-METHODS = ("ring", "all-gather", "ulysses")
+METHODS = names(ContextMethod)
 """plan.json ``context_parallel.method`` values."""
 
 

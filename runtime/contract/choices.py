@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "Toggle", "GradCompression", "ZERO_STAGES", "names"]
+__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "Toggle", "GradCompression", "ContextMethod", "ZERO_STAGES", "names"]
 
 
 class ScheduleName(StrEnum):
@@ -49,6 +49,17 @@ class GradCompression(StrEnum):
 
     NONE = "none"
     ONEBIT_ADAM = "onebit-adam"
+
+
+class ContextMethod(StrEnum):
+    """How a context-parallel group computes one sequence's attention (plan.json
+    ``context_parallel.method``, ``planner plan --cp-method``): key/value blocks passed round a
+    ring and merged by log-sum-exp; keys and values all-gathered (Llama 3); or the sequence
+    exchanged for heads by all-to-all (DeepSpeed-Ulysses: needs the heads to divide)."""
+
+    RING = "ring"
+    ALL_GATHER = "all-gather"
+    ULYSSES = "ulysses"
 
 
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)

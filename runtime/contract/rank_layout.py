@@ -1,54 +1,70 @@
-"""The (pp, dp, tp) rank layout: tp innermost, then dp, then pp::
+"""The (pp, dp, cp, tp) rank layout: tp innermost, then cp, then dp, then pp::
 
-    rank = (pp_index * dp + dp_index) * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
-so a tp group is ``tp`` consecutive ranks (one node when ``tp`` divides the devices per node),
-which is what both the runtime's process groups and the cost models' placement assume.
+so a tp group is ``tp`` consecutive ranks (one node when ``tp`` divides the devices per node), a
+context-parallel group the ``cp`` ranks ``tp`` apart next to it (inside a node when ``tp * cp``
+divides the devices per node: Megatron-Core's tp-cp-dp-pp order), which is what both the
+runtime's process groups and the cost models' placement assume. Without context parallelism
+(``cp == 1``, the default everywhere) this is ``(pp_index * dp + dp_index) * tp + tp_index``.
+
+The ranks holding the same weights (same ``pp_index`` and ``tp_index``) are the ``dp * cp`` ranks
+of a ``dp_cp`` group: gradients are reduced, and ZeRO state sharded, over it.
 
 Expert parallelism (``ep`` dividing ``dp``) splits the data-parallel index once more, ep innermost::
 
     dp_index = edp_index * ep + ep_index
 
-An expert-parallel group is ``ep`` consecutive dp ranks (ranks ``tp`` apart: inside a node when
-``tp * ep`` divides the devices per node), sharing one layer's routed experts; an
+An expert-parallel group is ``ep`` consecutive dp ranks (ranks ``tp * cp`` apart: inside a node
+when ``tp * cp * ep`` divides the devices per node), sharing one layer's routed experts; an
 expert-data-parallel group is the ``dp / ep`` ranks with the same ``ep_index``, holding the same
 experts (their gradients are reduced over it), as Megatron-Core carves them."""
 
 from __future__ import annotations
 
-__all__ = ["AXES", "coords_of", "rank_of", "axis_ranks", "expert_ranks"]
+__all__ = ["AXES", "coords_of", "cp_index_of", "rank_of", "axis_ranks", "expert_ranks"]
 
-AXES: tuple[str, ...] = ("tp", "dp", "pp")
-"""The mesh axes, innermost first."""
-
-
-def coords_of(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
-    """``(pp_index, dp_index, tp_index)`` of a global rank."""
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp", "dp_cp")
+"""The mesh axes, innermost first, and ``dp_cp`` (the dp and cp axes together: the ranks
+holding the same weights)."""
 
 
-def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int) -> int:
-    """The global rank at mesh coordinates ``(pp_index, dp_index, tp_index)``."""
-    return (pp_index * dp + dp_index) * tp + tp_index
+def coords_of(rank: int, dp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
+    """``(pp_index, dp_index, tp_index)`` of a global rank (``cp_index_of`` gives the fourth)."""
+    return rank // (dp * cp * tp), (rank // (tp * cp)) % dp, rank % tp
 
 
-def axis_ranks(axis: str, dp: int, tp: int, pp: int) -> list[list[int]]:
-    """Every group of one mesh axis, as lists of global ranks in the axis's order."""
-    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
+def cp_index_of(rank: int, tp: int, cp: int) -> int:
+    """The position of a global rank in its context-parallel group."""
+    return (rank // tp) % cp
+
+
+def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int, cp: int = 1, cp_index: int = 0) -> int:
+    """The global rank at mesh coordinates ``(pp_index, dp_index, cp_index, tp_index)``."""
+    return ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
+
+
+def axis_ranks(axis: str, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
+    """Every group of one mesh axis (``AXES``), as lists of global ranks in the axis's order (a
+    ``dp_cp`` group in rank order: dp index major, cp index minor)."""
+    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(degree, int) or degree < 1:
             raise ValueError(f"mesh degree {name} must be a positive integer (got {degree!r})")
-    cells = [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)]
     if axis not in AXES:
-        raise ValueError(f"unknown mesh axis {axis!r}: expected 'tp', 'dp' or 'pp'")
-    position = {"pp": 0, "dp": 1, "tp": 2}[axis]
+        raise ValueError(f"unknown mesh axis {axis!r}: expected one of {', '.join(AXES)}")
+    varying = {"tp": ("t",), "cp": ("c",), "dp": ("d",), "pp": ("p",), "dp_cp": ("d", "c")}[axis]
     groups: dict[tuple[int, ...], list[int]] = {}
-    for cell in cells:
-        others = cell[:position] + cell[position + 1 :]
-        groups.setdefault(others, []).append(rank_of(*cell, dp=dp, tp=tp))
+    for p in range(pp):
+        for d in range(dp):
+            for c in range(cp):
+                for t in range(tp):
+                    cell = {"p": p, "d": d, "c": c, "t": t}
+                    fixed = tuple(value for key, value in cell.items() if key not in varying)
+                    groups.setdefault(fixed, []).append(rank_of(p, d, t, dp, tp, cp, c))
     return list(groups.values())
 
 
-def expert_ranks(dp: int, tp: int, pp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+def expert_ranks(dp: int, tp: int, pp: int, ep: int, cp: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """Every expert-parallel group and every expert-data-parallel group, as lists of global ranks
     (``ep_index`` order, then ``edp_index`` order): each dp group split into ``dp / ep`` runs of
     ``ep`` consecutive dp indices, and the ranks with the same position in those runs."""
@@ -56,7 +72,7 @@ def expert_ranks(dp: int, tp: int, pp: int, ep: int) -> tuple[list[list[int]], l
         raise ValueError(f"expert-parallel degree {ep!r} must be a positive integer dividing dp ({dp})")
     expert_groups: list[list[int]] = []
     expert_data_groups: list[list[int]] = []
-    for group in axis_ranks("dp", dp, tp, pp):
+    for group in axis_ranks("dp", dp, tp, pp, cp):
         runs = [group[start : start + ep] for start in range(0, dp, ep)]
         expert_groups += runs
         expert_data_groups += [list(column) for column in zip(*runs)]

@@ -33,7 +33,7 @@ from cost_models.memory import (
     zero_transient_bytes,
 )
 from runtime.contract.collective_bytes import ring_bytes
-from runtime.contract.rank_layout import axis_ranks, coords_of, expert_ranks, rank_of
+from runtime.contract.rank_layout import axis_ranks, coords_of, cp_index_of, expert_ranks, rank_of
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -357,6 +357,32 @@ def test_axis_placement_matches_mesh_layout(dp, tp, pp, gpn, axis):
     assert got in placements
     assert got.size == {"tp": tp, "dp": dp, "pp": pp}[axis]
     assert got.nodes == max(p.nodes for p in placements)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dp=st.integers(1, 4),
+    cp=st.integers(1, 4),
+    tp=st.integers(1, 3),
+    pp=st.integers(1, 3),
+    axis=st.sampled_from(["tp", "cp", "dp", "pp", "dp_cp"]),
+)
+def test_context_parallel_axis_sits_between_tp_and_dp(dp, cp, tp, pp, axis):
+    """Brute force from ``rank = ((p * dp + d) * cp + c) * tp + t``: every rank once, coordinates
+    round-trip, and a group of an axis shares every coordinate but that axis's (both dp and cp
+    for ``dp_cp``), listed in rank order."""
+    cells = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
+    ranks = [rank_of(p, d, t, dp, tp, cp, c) for p, d, c, t in cells]
+    assert ranks == list(range(dp * cp * tp * pp))
+    for (p, d, c, t), rank in zip(cells, ranks):
+        assert coords_of(rank, dp, tp, cp) == (p, d, t) and cp_index_of(rank, tp, cp) == c
+    varying = {"tp": {3}, "cp": {2}, "dp": {1}, "pp": {0}, "dp_cp": {1, 2}}[axis]
+    by_key: dict = {}
+    for cell, rank in zip(cells, ranks):
+        by_key.setdefault(tuple(x for i, x in enumerate(cell) if i not in varying), []).append(rank)
+    assert axis_ranks(axis, dp, tp, pp, cp) == list(by_key.values())
+    if cp == 1 and axis != "dp_cp":  # the three-axis layout is unchanged
+        assert axis_ranks(axis, dp, tp, pp, cp) == axis_ranks(axis, dp, tp, pp)
 
 
 @settings(max_examples=40, deadline=None)

@@ -50,6 +50,16 @@ def test_round_trip(tmp_path, sample_plan_dict):
         (lambda d: d["model"].update(moe={"layers": [1], "experts": 4}), "model.moe is missing ['top_k'"),
         (lambda d: d["model"].update(moe=MOE | {"capacity_factor": 0}), "model.moe.capacity_factor must be positive"),
         (lambda d: d["model"].update(moe=MOE) or d.update(expert_parallel=4), "(4) must divide dp (2)"),
+        (lambda d: d.update(context_parallel={"degree": 2, "method": "ring"}), "dp*cp*tp*pp = 2*2*1*2 = 8"),
+        (lambda d: d.update(context_parallel={"degree": 2}), "context_parallel must be an object"),
+        (
+            lambda d: d.update(dp=1, num_micro_batches=4, context_parallel={"degree": 2, "method": "zigzag"}),
+            "context_parallel.method must be one of ring, all-gather, ulysses",
+        ),
+        (
+            lambda d: d.update(dp=1, num_micro_batches=4, seq_len=18, context_parallel={"degree": 2, "method": "ring"}),
+            "needs seq_len (18) divisible by 2*cp = 4",
+        ),
         (
             lambda d: d["model"].update(moe=MOE | {"experts": 3}) or d.update(expert_parallel=2),
             "must divide the routed experts (3)",
@@ -123,3 +133,18 @@ def test_expert_parallel_plans_load_and_older_plans_have_no_experts(tmp_path, sa
     plan = load_plan(str(p))
     assert plan.expert_parallel == 1 and plan.model.moe == {}
     assert {k: plan.predicted.time[k] for k in LATER_TIME_KEYS} == dict.fromkeys(LATER_TIME_KEYS, 0.0)
+
+
+def test_context_parallel_plans_load_hash_and_older_plans_have_none(sample_plan_dict):
+    """A cp plan counts cp in the device total and in the hash (its checkpoints are cut another
+    way); a plan without the key loads as cp 1 with the hash it always had."""
+    d = copy.deepcopy(sample_plan_dict)
+    plain = Plan.from_dict(copy.deepcopy(d))
+    assert plain.context_parallel == {"degree": 1, "method": "ring"} and plain.cp == 1
+    d.update(dp=1, num_micro_batches=4, context_parallel={"degree": 2, "method": "all-gather"})
+    plan = Plan.from_dict(d)
+    assert plan.cp == 2 and plan.to_dict()["context_parallel"] == {"degree": 2, "method": "all-gather"}
+    assert plan_hash(plan) != plan_hash(Plan.from_dict(d | {"context_parallel": {"degree": 2, "method": "ring"}}))
+    older = copy.deepcopy(sample_plan_dict)
+    older.pop("context_parallel", None)
+    assert plan_hash(Plan.from_dict(older)) == plan_hash(plain)
