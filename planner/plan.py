@@ -533,8 +533,14 @@ class Plan:
             _fail("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         cp = _checked_context_parallel("context_parallel", self.context_parallel)["degree"]
         if self.dp * cp * self.tp * self.pp != self.hardware.gpus:
-            name, sizes = ("dp*tp*pp", f"{self.dp}*{self.tp}*{self.pp}") if cp == 1 else ("dp*cp*tp*pp", f"{self.dp}*{cp}*{self.tp}*{self.pp}")
-            _fail(name, f"= {sizes} = {self.dp * cp * self.tp * self.pp} must equal hardware.gpus = {self.hardware.gpus}.")
+            name, sizes = (
+                ("dp*tp*pp", f"{self.dp}*{self.tp}*{self.pp}")
+                if cp == 1
+                else ("dp*cp*tp*pp", f"{self.dp}*{cp}*{self.tp}*{self.pp}")
+            )
+            _fail(
+                name, f"= {sizes} = {self.dp * cp * self.tp * self.pp} must equal hardware.gpus = {self.hardware.gpus}."
+            )
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch:
             _fail(
                 "global_batch",

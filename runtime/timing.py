@@ -55,13 +55,30 @@ __all__ = [
 ]
 
 #: The parts of a step, in plan.json ``predicted.time`` order; the one list the runtime measures.
-PARTS: tuple[str, ...] = ("compute", "recompute", "tp_comm", "pp_bubble", "dp_comm", "optimizer", "offload", "ep_comm", "cp_comm")
+PARTS: tuple[str, ...] = (
+    "compute",
+    "recompute",
+    "tp_comm",
+    "pp_bubble",
+    "dp_comm",
+    "optimizer",
+    "offload",
+    "ep_comm",
+    "cp_comm",
+)
 
 #: The part whose clock runs when no other part is entered.
 RESIDUAL = "compute"
 
 #: The part each kind of process group's blocking collectives count in (``register_group``).
-AXIS_PARTS: dict[str, str] = {"tp": "tp_comm", "dp": "dp_comm", "tied": "dp_comm", "pp": "pp_bubble", "ep": "ep_comm", "cp": "cp_comm"}
+AXIS_PARTS: dict[str, str] = {
+    "tp": "tp_comm",
+    "dp": "dp_comm",
+    "tied": "dp_comm",
+    "pp": "pp_bubble",
+    "ep": "ep_comm",
+    "cp": "cp_comm",
+}
 
 
 class Breakdown(NamedTuple):

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.contract.choices import ContextMethod, names
 from runtime.context_parallel.blocks import AttentionMask, masked_attention
 from runtime.context_parallel.layout import chunk_indices, gather_sequence, local_positions, shard_sequence
 from runtime.context_parallel.ring import ring_attention
+from runtime.contract.choices import ContextMethod, names
 from runtime.distributed import comm
 from runtime.tensor_parallel.collectives import AllGatherSeq
 

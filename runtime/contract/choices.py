@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ScheduleName", "RecomputeMode", "OffloadTier", "Toggle", "GradCompression", "ContextMethod", "ZERO_STAGES", "names"]
+__all__ = [
+    "ScheduleName",
+    "RecomputeMode",
+    "OffloadTier",
+    "Toggle",
+    "GradCompression",
+    "ContextMethod",
+    "ZERO_STAGES",
+    "names",
+]
 
 
 class ScheduleName(StrEnum):
