@@ -17,11 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,hf,highs]"
 	touch $(STAMP)
 
-# The whole suite (what CI runs, via .ci/run), then its 15 slowest tests. Two pytest-xdist workers:
-# every test that starts processes runs on one of them in turn, the in-process tests beside it a
-# file at a time (tests/conftest.py, pytest_collection_modifyitems).
+# The whole suite (what CI runs, via .ci/run), then its 15 slowest tests. Two pytest-xdist workers,
+# each taking a test file whole (--dist loadfile): a file's module fixtures, the batched launches
+# of tests/e2e among them, are built once. (--dist loadgroup cannot group under pytest 9: xdist
+# 3.8 renames a grouped test's node id, which pytest 9 derives anew, so every test became its
+# own unit and the batched fixtures were built on both workers.)
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
 
 # The inner loop: every test that starts no process and no process group (not marked `dist`); no lint.
 test-fast: $(STAMP)

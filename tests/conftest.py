@@ -23,17 +23,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config, items):
-    """How ``make test`` shares the machine between its two pytest-xdist workers (``--dist
-    loadgroup``): every test that starts processes (marked ``dist``, or anywhere in tests/e2e) runs
-    on one worker, one after another, because a launch of gloo ranks already fills the cores; the
-    in-process tests go to either worker a file at a time (a file's module fixtures are built
-    once), beside the launches, which spend much of their time starting up and waiting."""
-    for item in items:
-        launches = item.get_closest_marker("dist") is not None or "/tests/e2e/" in str(item.path)
-        item.add_marker(pytest.mark.xdist_group("launches" if launches else item.nodeid.split("::")[0]))
-
-
 # CI (``.ci/run``) replays the same examples every run, so a landing is decided by the code and not
 # by the draw; local runs keep exploring new examples, which is where counterexamples come from.
 settings.register_profile("ci", derandomize=True, print_blob=True)
