@@ -30,6 +30,7 @@ from runtime.training.events import read_lines
 from tests.e2e.batched import Run, options, run_result, train_together
 from tests.e2e.test_train_matrix import EPS
 from tests.helpers import make_plan, read_metrics, reference_run
+from tests.moe_configs import moe_configs
 
 tf = pytest.importorskip("transformers")
 
@@ -42,48 +43,13 @@ COMMON = dict(
     max_position_embeddings=64,
     vocab_size=96,
 )
+_BUILD = moe_configs(tf, {**COMMON, "num_key_value_heads": 2})
 ARCHS = {
-    "mixtral": (
-        lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2, **COMMON),
-        dict(layers=[1, 2], experts=4, top_k=2, shared_experts=0),
-    ),
-    "qwen2_moe": (
-        lambda: tf.Qwen2MoeConfig(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-            num_key_value_heads=2,
-            **COMMON,
-        ),
-        dict(layers=[1, 2], experts=4, top_k=2, shared_experts=1),
-    ),
-    "deepseek_v3": (
-        lambda: tf.DeepseekV3Config(
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            num_key_value_heads=4,  # transformers' MLA repeats no kv heads
-            **COMMON,
-        ),
-        dict(layers=[2], experts=4, top_k=2, shared_experts=1),
-    ),
+    "mixtral": (_BUILD["mixtral"], dict(layers=[1, 2], experts=4, top_k=2, shared_experts=0)),
+    "qwen2_moe": (_BUILD["qwen2_moe"], dict(layers=[1, 2], experts=4, top_k=2, shared_experts=1)),
+    "deepseek_v3": (_BUILD["deepseek_v3"], dict(layers=[2], experts=4, top_k=2, shared_experts=1)),
 }
-QWEN3 = (
-    lambda: tf.Qwen3MoeConfig(
-        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=8, num_key_value_heads=2, **COMMON
-    ),
-    dict(layers=[1, 2], experts=8, top_k=3, shared_experts=0),
-)
+QWEN3 = (_BUILD["qwen3_moe"], dict(layers=[1, 2], experts=8, top_k=3, shared_experts=0))
 """Qwen3-MoE (8 experts, top 3, q/k norms), trained at ep2 and ep4 only."""
 CONFIGS = {**ARCHS, "qwen3_moe": QWEN3}
 """Each model's config and the ``model.moe`` facts the planner would fill."""

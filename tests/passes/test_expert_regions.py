@@ -16,6 +16,7 @@ from torch import nn
 
 from passes.expert_regions import find_expert_regions
 from passes.op_class import op_name
+from tests.moe_configs import moe_configs
 
 tf = pytest.importorskip("transformers")
 
@@ -28,34 +29,9 @@ SIZES = dict(
     vocab_size=96,
     max_position_embeddings=64,
 )
-CONFIGS = {
-    "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **SIZES),
-    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, **SIZES
-    ),
-    "qwen3_moe": lambda: tf.Qwen3MoeConfig(
-        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=8, **SIZES
-    ),
-    # multi-head latent attention (low-rank q and kv, a rope part and a no-rope part of each head;
-    # transformers' MLA needs as many kv heads as heads), one dense layer then one MoE layer with
-    # a shared expert and grouped routing
-    "deepseek_v3": lambda: tf.DeepseekV3Config(
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        **{**SIZES, "num_key_value_heads": 4},
-    ),
-    "gpt_oss": lambda: tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=8, **SIZES),
-}
+CONFIGS = moe_configs(tf, SIZES)
+"""The architectures read: DeepSeek-V3 with multi-head latent attention, one dense layer then one MoE
+layer with a shared expert and grouped routing; GPT-OSS, whose expert bias ep cannot cut."""
 EXPECT = {
     "mixtral": (4, 2, [0, 1]),
     "qwen2_moe": (4, 2, [0, 1]),

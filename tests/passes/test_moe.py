@@ -7,6 +7,7 @@ import pytest
 from passes.core import B, S
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.model_analysis import build_layer_table
+from tests.moe_configs import moe_configs
 
 tf = pytest.importorskip("transformers")
 
@@ -56,30 +57,7 @@ TINY = dict(
     vocab_size=96,
     max_position_embeddings=64,
 )
-MOE_CONFIGS = {
-    "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **TINY),
-    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, **TINY
-    ),
-    "qwen3_moe": lambda: tf.Qwen3MoeConfig(
-        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=8, **TINY
-    ),
-    "deepseek_v3": lambda: tf.DeepseekV3Config(
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=2,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        **{**TINY, "num_key_value_heads": 4},
-    ),
-}
+MOE_CONFIGS = {arch: build for arch, build in moe_configs(tf, TINY, deepseek_shared=2).items() if arch != "gpt_oss"}
 #: experts, top_k, MoE rows, shared experts, routed expert's (gate + up + down) width
 MOE_EXPECT = {
     "mixtral": (4, 2, [1, 2], 0, 64),
