@@ -57,6 +57,7 @@ def test_nested_parts_count_once_in_the_innermost():
         "optimizer": 4.0,
         "offload": 0.0,
         "ep_comm": 0.0,
+        "cp_comm": 0.0,
     }
     assert list(parts) == list(PARTS)
     assert sum(parts.values()) == pytest.approx(seconds)
@@ -104,7 +105,7 @@ def test_sync_runs_at_every_boundary():
 @pytest.fixture
 def groups():
     timing.forget_groups()
-    g = {axis: object() for axis in ("tp", "dp", "pp", "tied")}
+    g = {axis: object() for axis in ("tp", "cp", "dp", "pp", "tied")}
     for axis, grp in g.items():
         timing.register_group(grp, axis)
     yield g
@@ -114,13 +115,14 @@ def groups():
 def test_group_to_part(groups):
     assert {a: timing.part_of(g) for a, g in groups.items()} == {
         "tp": "tp_comm",
+        "cp": "cp_comm",
         "dp": "dp_comm",
         "pp": "pp_bubble",
         "tied": "dp_comm",
     }
     assert timing.part_of(None) is None and timing.part_of(object()) is None
     with pytest.raises(ValueError, match="unknown axis"):
-        timing.register_group(object(), "cp")
+        timing.register_group(object(), "sp")
     expert_group = object()
     timing.register_group(expert_group, "ep")  # runtime.moe's all-to-all
     assert timing.part_of(expert_group) == "ep_comm"
@@ -169,6 +171,7 @@ def test_comm_charges_blocking_calls_and_waits_to_their_group(groups, monkeypatc
         "optimizer": 0.25,
         "offload": 0.0,
         "ep_comm": 0.0,
+        "cp_comm": 0.0,
     }
     assert seconds == 7.75
 
