@@ -563,6 +563,7 @@ class _StageSource:
         )
         out = [header.rstrip(), "", "import torch", "", "import runtime"]
         used_src = "\n".join(body for _, body, _ in self.class_src)
+        out += _operator_imports("\n".join([used_src, *self.body_lines]))
         out += imports_for(
             {k: value for k, value in self.globals.items() if re.search(rf"\b{re.escape(k)}\b", used_src)}
         )
@@ -594,6 +595,20 @@ class _StageSource:
         out += ["        " + line for line in self.body_lines]
         out += [f"        return {ret}", ""]
         return "\n".join(out)
+
+
+#: The runtime modules that register the custom operators compiled code may call, by namespace.
+_OPERATOR_MODULES = {"planner_runtime": "runtime.sparse_attention"}
+
+
+def _operator_imports(source: str) -> list[str]:
+    """``import`` lines for the runtime modules whose operators ``source`` calls
+    (``torch.ops.planner_runtime.*`` exists only once ``runtime.sparse_attention`` is imported)."""
+    return [
+        f"import {module}  # registers torch.ops.{namespace}"
+        for namespace, module in _OPERATOR_MODULES.items()
+        if f"torch.ops.{namespace}." in source
+    ]
 
 
 def _doc_safe(text: str) -> str:

@@ -8,7 +8,8 @@ reads the counts from its operands' shapes:
   and ``k`` ``[..., K, s', D]``. With ``enable_gqa`` ``K`` is the key/value head count itself.
   Otherwise a grouped-query model repeats its key/value heads before the call (HF's
   ``repeat_kv``: ``k[:, :, None].expand(b, K, H/K, s, D).reshape(b, H, s, D)``); walking back
-  from ``k`` through views, copies and that ``expand`` gives ``K = H / repeats``.
+  from ``k`` through views, copies and that ``expand`` gives ``K = H / repeats``. The runtime's
+  block-sparse operator (``runtime.sparse_attention``) takes the same ``q, k, v`` and counts here.
 * **eager attention**, the matmul-softmax-matmul pattern: ``softmax(q @ k^T [* scale, + mask])``
   (over the last dim) then ``@ v``, with ``q`` ``[b, H, s, D]`` read through the transpose,
   scales, masks, casts and dropout between them; ``K`` as above from ``k^T``'s source.
@@ -44,6 +45,7 @@ SDPA = {
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
+    "block_sparse_attention",
 }
 _SOFTMAX = {"softmax", "_softmax", "_safe_softmax"}
 _ACT_MATMUL = {"matmul", "bmm"}

@@ -157,11 +157,17 @@ FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
 
 #: Products of libraries' own operators, by qualified name (their packets exist only while the
 #: library is imported): transformers' grouped product of experts and its backward (both factors).
+BLOCK_SPARSE = "planner_runtime::block_sparse_attention"
+BLOCK_SPARSE_BACKWARD = "planner_runtime::block_sparse_attention_backward"
 NAMED_FORMULAS: dict[str, Callable[..., Any]] = {
     "transformers::grouped_mm_fallback": _grouped_mm_flops,
     "transformers::grouped_mm_fallback_backward": lambda input, weight, *args, out_val=None, **kwargs: (  # noqa: A002
         2 * _grouped_mm_flops(input, weight)
     ),
+    # runtime.sparse_attention's operator, counted as the whole square like SDPA: passes.mask_kind
+    # prices the core at its layout's density, as it does a causal SDPA
+    BLOCK_SPARSE: _attention_fwd,
+    BLOCK_SPARSE_BACKWARD: _attention_bwd,
 }
 
 
@@ -233,12 +239,13 @@ def gemm_calls(packet, args, kwargs) -> list[tuple]:
             e = _arg(args, kwargs, 2, "offs").shape[0]
             return [(lhs.shape[0], rhs.shape[1], lhs.shape[1] // e, e, lhs, rhs)]
         return []
-    if packet in _ATTENTION_FWD:
+    if packet in _ATTENTION_FWD or name == BLOCK_SPARSE:
         query, k, value = (_arg(args, kwargs, i, arg_name) for i, arg_name in enumerate(("query", "key", "value")))
         return [gemm + (None, None) for gemm in _attention_gemms(query, k, value, backward=False)]
-    if packet in _ATTENTION_BWD:
+    if packet in _ATTENTION_BWD or name == BLOCK_SPARSE_BACKWARD:
         query, k, value = (_arg(args, kwargs, i, arg_name) for i, arg_name in ((1, "query"), (2, "key"), (3, "value")))
-        return [gemm + (None, None) for gemm in _attention_gemms(query, k, value, True, _ATTENTION_BWD[packet])]
+        recompute = _ATTENTION_BWD.get(packet, False)  # the block-sparse backward's recompute is not model work
+        return [gemm + (None, None) for gemm in _attention_gemms(query, k, value, True, recompute)]
     return []
 
 

@@ -34,7 +34,7 @@ the model FLOPs follow it. Memory is unchanged: the fused kernels keep no score 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -58,17 +58,20 @@ class MaskInfo:
     """The mask of one attention core."""
 
     kind: str
-    """``full`` | ``causal`` | ``sliding`` | ``custom`` (``passes.mask_density.MASK_KINDS``)."""
+    """``full`` | ``causal`` | ``sliding`` | ``block-sparse`` | ``custom``
+    (``passes.mask_density.MASK_KINDS``)."""
     window: int | None = None
     """The sliding window ``w`` (None for other kinds)."""
     skips: bool = False
     """The kernel skips what the mask drops, so the core is priced at the mask's density."""
     reason: str = ""
     """Why a core is priced full (empty when ``skips``, or for a full mask)."""
+    layout: tuple[int, int, int] | None = None
+    """A block-sparse core's ``(block, local_blocks, global_blocks)`` (None for other kinds)."""
 
     def density(self, s: Any) -> Any:
         """The fraction of the square the mask keeps at sequence length ``s``."""
-        return density(self.kind, s, self.window)
+        return density(self.kind, s, self.window, self.layout)
 
     def priced_density(self, s: Any) -> Any:
         """The fraction of the full core's work the planner charges."""
@@ -179,6 +182,9 @@ def classify(kept: torch.Tensor) -> MaskInfo:
 
 def _read(n: fx.Node, roles: dict[str, str], window: int | None, probes: dict) -> MaskInfo:
     info = n.meta["attention"]
+    if op_name(n) == "block_sparse_attention":  # runtime.sparse_attention: the layout is in its arguments
+        block, local, glob = (int(cast(int, n.args[i])) for i in (3, 4, 5))
+        return MaskInfo("block-sparse", skips=True, layout=(block, local, glob))
     if info.pattern == "sdpa":
         mask, causal = _sdpa_mask(n)
         if mask is None:
@@ -230,15 +236,16 @@ def price_masks(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _dominant(entries: list[list]) -> list:
-    """The most common ``[kind, window, skips, reason]`` (the first one on a tie)."""
-    keys = [tuple(e[:3]) for e in entries]
+    """The most common ``[kind, window, skips, reason, layout]`` (the first one on a tie)."""
+    keys = [(e[0], e[1], e[2], tuple(e[4] or ())) for e in entries]
     best = max(keys, key=lambda k: (keys.count(k), -keys.index(k)))
     return entries[keys.index(best)]
 
 
 def mask_facts(gm: fx.GraphModule, layers: int, shallow: bool, windows: list | None) -> dict:
-    """The layer table's ``model["attention"]``: ``{"mask", "window", "skips", "reason",
-    "layers": [[kind, window, skips, reason] per block 1..L]}`` (``{}`` without attention).
+    """The layer table's ``model["attention"]``: ``{"mask", "window", "skips", "reason", "layout",
+    "layers": [[kind, window, skips, reason, layout] per block 1..L]}`` (``{}`` without
+    attention; ``layout`` is a block-sparse core's ``[block, local_blocks, global_blocks]``, else None).
 
     A shallow trace's first block stands for blocks 1..L-1 and its last for L. ``windows`` (the
     config's window per block, None where a block has none) names windows larger than the probe:
@@ -258,6 +265,7 @@ def mask_facts(gm: fx.GraphModule, layers: int, shallow: bool, windows: list | N
         window = windows[block - 1] if windows and len(windows) == layers else None
         if window is not None and info.kind == "causal":
             info = replace(info, kind="sliding", window=int(window))
-        per_block.append([info.kind, info.window, info.skips, info.reason])
-    kind, window, skips, reason = _dominant(per_block)
-    return {"mask": kind, "window": window, "skips": skips, "reason": reason, "layers": per_block}
+        layout = list(info.layout) if info.layout else None
+        per_block.append([info.kind, info.window, info.skips, info.reason, layout])
+    kind, window, skips, reason, layout = _dominant(per_block)
+    return {"mask": kind, "window": window, "skips": skips, "reason": reason, "layout": layout, "layers": per_block}

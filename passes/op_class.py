@@ -54,6 +54,7 @@ _ATTENTION = {
     "_flash_attention_forward",
     "_efficient_attention_forward",
     "flex_attention",
+    "block_sparse_attention",
 }
 _NORM = {
     "layer_norm",

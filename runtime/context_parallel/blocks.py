@@ -14,7 +14,8 @@ block alone (FlashAttention-2's backward): ``dv = p^T do``, ``ds = p * (do v^T -
 ``dq = ds k * scale``, ``dk = ds^T q * scale``.
 
 Masks are positional (``AttentionMask``): a query at position ``t`` sees key position ``u`` when
-``u <= t`` (causal) and ``t - u < window`` (sliding window), so every rank builds its masks from
+``u <= t`` (causal), ``t - u < window`` (sliding window) and the block-sparse layout's blocks
+(``runtime.sparse_attention``), so every rank builds its masks from
 the positions it holds (``runtime.context_parallel.layout``). A block whose keys are all visible
 is computed unmasked and a block with no visible key is skipped: under a causal mask, chunks below
 the diagonal cost no mask and chunks above it cost nothing.
@@ -32,20 +33,27 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.sparse_attention import BlockSparseLayout
+
 __all__ = ["AttentionMask", "Span", "block_forward", "block_backward", "merge", "masked_attention"]
 
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """Which (query, key) position pairs attend: ``causal`` (keys at or before the query) and
-    ``window`` (only the ``window`` most recent keys, the query's own included; None: no limit)."""
+    """Which (query, key) position pairs attend: ``causal`` (keys at or before the query),
+    ``window`` (only the ``window`` most recent keys, the query's own included; None: no limit)
+    and ``layout`` (a causal block-sparse layout, ``runtime.sparse_attention.BlockSparseLayout``;
+    None: none)."""
 
     causal: bool = True
     window: int | None = None
+    layout: BlockSparseLayout | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
             raise ValueError(f"a sliding window must hold at least one key, got {self.window}")
+        if self.layout is not None and not self.causal:
+            raise ValueError("a block-sparse layout is causal: build its mask with causal=True")
 
     def visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """``[nq, nk]`` booleans: which keys each query sees."""
@@ -53,6 +61,8 @@ class AttentionMask:
         seen = gap >= 0 if self.causal else torch.ones_like(gap, dtype=torch.bool)
         if self.window is not None:
             seen = seen & (gap < self.window) if self.causal else seen & (gap.abs() < self.window)
+        if self.layout is not None:
+            seen = seen & self.layout.visible(query_pos, key_pos)
         return seen
 
 
@@ -73,6 +83,8 @@ class Span:
 
 def _coverage(mask: AttentionMask, queries: Span, keys: Span) -> str:
     """``none``, ``all`` or ``some``: how many of the block's pairs the mask keeps."""
+    if mask.layout is not None:
+        return _layout_coverage(mask, queries, keys)
     nearest, farthest = queries.start - keys.last, queries.last - keys.start  # smallest / largest t - u
     if mask.causal:
         if farthest < 0:
@@ -87,6 +99,19 @@ def _coverage(mask: AttentionMask, queries: Span, keys: Span) -> str:
     if nearest >= mask.window or farthest <= -mask.window:
         return "none"
     return "all" if max(abs(nearest), abs(farthest)) < mask.window else "some"
+
+
+def _layout_coverage(mask: AttentionMask, queries: Span, keys: Span) -> str:
+    """A block-sparse mask's coverage: ``none`` when the causal and window parts keep nothing or
+    every key block is neither global nor near enough to any query block, else ``some``."""
+    layout = mask.layout
+    assert layout is not None
+    if _coverage(AttentionMask(mask.causal, mask.window), queries, keys) == "none":
+        return "none"
+    nearest_blocks = queries.start // layout.block - keys.last // layout.block
+    if keys.start // layout.block >= layout.global_blocks and nearest_blocks >= layout.local_blocks:
+        return "none"
+    return "some"
 
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:

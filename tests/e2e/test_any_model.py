@@ -57,6 +57,31 @@ def _plan(arch: str, spec: str | None = None, **pins):
     return solve(req, _table(spec), load_hardware("cpu", gpus_per_node=n)).plan
 
 
+BLOCK_SPARSE = os.path.join(TESTS, "fixtures", "block_sparse_lm.py") + ":factory"
+BLOCK_SPARSE_SEQ = 256
+"""Eight of the example's 32-position blocks: local, global and skipped blocks all occur."""
+
+
+def _block_sparse_plan(**pins):
+    """The block-sparse example (runtime.sparse_attention) on 2 ranks at 128 positions."""
+    req = PlanRequest(
+        spec=BLOCK_SPARSE,
+        gpus=2,
+        gpus_per_node=2,
+        hardware="cpu",
+        global_batch=BATCH,
+        seq_len=BLOCK_SPARSE_SEQ,
+        dtype="fp32",
+        micro_batch=1,
+        **{"dp": 1, "tp": 1, "pp": 1, **pins},
+    )
+    table = build_layer_table(BLOCK_SPARSE, batch=1, seq_len=BLOCK_SPARSE_SEQ, dtype="fp32")
+    return solve(req, table, load_hardware("cpu", gpus_per_node=2)).plan
+
+
+BLOCK_SPARSE_CASES = {"dp2-zero3": dict(dp=2, zero_stage=3), "tp2": dict(tp=2), "pp2": dict(pp=2)}
+
+
 def _hf_plan(spec: str, **pins):
     """A tiny model directory's plan on 2 ranks (micro-batch 1)."""
     req = PlanRequest(
@@ -106,6 +131,8 @@ def _all_cases(hf_root) -> dict:
     cases.update({f"{arch}-tp2xpp2": functools.partial(_plan, arch, tp=2, pp=2) for arch in TP_PP})
     cases["user-masked-dp2"] = functools.partial(_plan, "", spec=f"{USER_MODELS}:masked", dp=2)
     cases["llama-bf16-pp2"] = _bf16_plan
+    for case, pins in BLOCK_SPARSE_CASES.items():
+        cases[f"block-sparse-{case}"] = functools.partial(_block_sparse_plan, **pins)
     for index, (arch, pins) in enumerate(DIR_CASES):
         cases[f"dir-{arch}-{index}"] = lambda arch=arch, pins=pins: _hf_plan(_hf_dir(hf_root, arch), **pins)
     return cases
@@ -119,6 +146,7 @@ def _case_of(item) -> str:
         "test_hf_architecture_tp2_pp2": lambda: f"{params.get('arch')}-tp2xpp2",
         "test_user_model_fed_mask_positions_and_labels": lambda: "user-masked-dp2",
         "test_hf_architecture_trains_in_bf16": lambda: "llama-bf16-pp2",
+        "test_block_sparse_model_trains_like_one_process": lambda: f"block-sparse-{params.get('case')}",
         "test_hf_directory_moe_and_eager_attention_train_like_one_process": lambda: (
             f"dir-{params.get('arch')}-{params.get('index')}"
         ),
@@ -173,6 +201,20 @@ def test_hf_architecture_trains_in_bf16(trained):
     losses, _ = run_result(run.folder)
     ref, _ = reference_run(run.plan, STEPS, eps=EPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("case", list(BLOCK_SPARSE_CASES))
+def test_block_sparse_model_trains_like_one_process(trained, case):
+    """A fixed block-sparse layout (runtime.sparse_attention's operator in the compiled stages)
+    under ZeRO-3, tensor parallelism (its heads split) and a pipeline, priced at its density."""
+    run = trained[f"block-sparse-{case}"]
+    attention = run.plan.model.attention
+    assert attention["mask"] == "block-sparse" and attention["priced"]
+    assert attention["layout"] == {"block": 32, "local_blocks": 4, "global_blocks": 1}
+    # 8 blocks of 32: the diagonal blocks (8 x 528 pairs), the local blocks below them (block rows
+    # 0..7 see 0, 1, 2, 3, 3, 3, 3, 3) and the global block 0 for rows 4..7 (4 more)
+    assert attention["density"] == pytest.approx((8 * 528 + 22 * 32 * 32) / 256**2)
+    _check(run)
 
 
 def _hf_dir(root, arch: str) -> str:

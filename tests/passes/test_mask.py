@@ -233,3 +233,52 @@ def test_plan_json_attention_and_report_line(capsys, tmp_path):
     what, saves = attention_line(Plan.from_dict(plan))
     assert what == f"sliding window 16, density {kept_pairs('sliding', 64, 16) / 64**2:.3g}"
     assert saves.startswith("priced full (an explicit mask tensor); a kernel that skips would save ")
+
+
+@HYP
+@given(
+    s=st.integers(1, 200),
+    block=st.integers(1, 12),
+    local=st.integers(1, 6),
+    glob=st.integers(0, 4),
+)
+def test_block_sparse_pairs_match_a_brute_count(s, block, local, glob):
+    """Closed form (a whole number of blocks, numeric and symbolic) and the query-by-query count
+    (any length) against the layout's own mask, the one the runtime applies."""
+    from runtime.sparse_attention import BlockSparseLayout
+
+    positions = torch.arange(s)
+    brute = int(BlockSparseLayout(block, local, glob).visible(positions, positions).sum())
+    layout = (block, local, glob)
+    assert kept_pairs("block-sparse", s, layout=layout) == brute
+    if s % block == 0:
+        assert int(kept_pairs("block-sparse", S, layout=layout).subs(S, s)) == brute
+    assert density("block-sparse", s, layout=layout) == pytest.approx(brute / s**2, rel=1e-12)
+
+
+def test_block_sparse_needs_a_layout():
+    with pytest.raises(ValueError, match="needs a layout"):
+        kept_pairs("block-sparse", 64)
+
+
+def test_block_sparse_core_is_named_and_priced_by_its_layout():
+    """The example model's cores are the runtime's operator: named block-sparse with their layout,
+    priced at the layout's density (forward 4 and backward 8 H D pairs per kept pair and layer)."""
+    from tests.helpers import TESTS
+
+    spec = os.path.join(TESTS, "fixtures", "block_sparse_lm.py") + ":factory"
+    table = _table(spec, dtype="fp32")
+    facts = table.model["attention"]
+    assert facts["mask"] == "block-sparse" and facts["skips"] and facts["layout"] == [32, 4, 1]
+    s = 4096
+    pairs = kept_pairs("block-sparse", s, layout=(32, 4, 1))
+    assert pairs / (s * (s + 1) / 2) < 0.08  # about 7% of the causal triangle at 4096
+    summary = summarize(facts, s, heads=4, head_dim=16, sequences=1)
+    assert summary["layout"] == {"block": 32, "local_blocks": 4, "global_blocks": 1}
+    assert summary["density"] == pytest.approx(pairs / s**2)
+    # a block's FLOPs: its projections and MLP per token, plus the core over the kept pairs only
+    row = table.layers[1]
+    per_token = 2 * (64 * 64 + 64 * 64 + 64 * 64 + 64 * 256 + 256 * 64)  # q, kv, o, up, down
+    core = 2 * 2 * 4 * 16 * pairs  # q k^T and p v: 2 FLOPs per multiply-add, 4 heads of 16
+    assert float(row.fwd_flops.subs({B: 1, S: s})) == pytest.approx(per_token * s + core, rel=1e-9)
+    assert float(row.bwd_flops.subs({B: 1, S: s})) == pytest.approx(2 * per_token * s + 2 * core, rel=1e-9)

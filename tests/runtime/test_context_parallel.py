@@ -27,8 +27,15 @@ from runtime.context_parallel import (
 from runtime.context_parallel.blocks import Span, _coverage, block_forward, merge
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
+from runtime.sparse_attention import BlockSparseLayout
 
-MASKS = {"causal": AttentionMask(), "sliding": AttentionMask(window=5), "full": AttentionMask(causal=False)}
+MASKS = {
+    "causal": AttentionMask(),
+    "sliding": AttentionMask(window=5),
+    "full": AttentionMask(causal=False),
+    # 12 blocks of 2 positions: each query sees its block and the one before, and block 0
+    "block-sparse": AttentionMask(layout=BlockSparseLayout(block=2, local_blocks=2, global_blocks=1)),
+}
 
 
 def reference(q, k, v, mask: AttentionMask):
@@ -64,14 +71,24 @@ def test_a_length_the_chunks_do_not_divide_is_refused():
     causal=st.booleans(),
     window=st.one_of(st.none(), st.integers(1, 9)),
     spans=st.tuples(st.integers(0, 12), st.integers(1, 5), st.integers(0, 12), st.integers(1, 5)),
+    layout=st.one_of(st.none(), st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(0, 2))),
 )
-def test_block_coverage_matches_the_mask_pair_by_pair(causal, window, spans):
-    """A block is skipped only when the mask keeps none of its pairs and left unmasked only when it keeps all."""
-    mask = AttentionMask(causal, window)
+def test_block_coverage_matches_the_mask_pair_by_pair(causal, window, spans, layout):
+    """A block is skipped only when the mask keeps none of its pairs and left unmasked only when
+    it keeps all (a block-sparse layout's blocks are masked whenever not skipped, and skipped only
+    when they keep nothing)."""
+    if layout is not None and not causal:
+        with pytest.raises(ValueError, match="block-sparse layout is causal"):
+            AttentionMask(causal, window, BlockSparseLayout(*layout))
+        return
+    mask = AttentionMask(causal, window, BlockSparseLayout(*layout) if layout else None)
     queries, keys = Span(spans[0], spans[1]), Span(spans[2], spans[3])
     seen = mask.visible(queries.positions("cpu"), keys.positions("cpu"))
-    expected = "all" if bool(seen.all()) else "none" if not bool(seen.any()) else "some"
-    assert _coverage(mask, queries, keys) == expected
+    cover = _coverage(mask, queries, keys)
+    if layout is None:
+        assert cover == ("all" if bool(seen.all()) else "none" if not bool(seen.any()) else "some")
+    else:  # skipped only when nothing is visible; masked otherwise
+        assert cover in ("none", "some") and (cover == "some" or not bool(seen.any()))
 
 
 @pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
