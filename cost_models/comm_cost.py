@@ -165,14 +165,15 @@ def group_placement(ranks: Sequence[int], gpus_per_node: int) -> GroupPlacement:
 
 
 @functools.lru_cache(maxsize=4096)
-def axis_placement(axis: str, dp: int, tp: int, pp: int, gpus_per_node: int) -> GroupPlacement:
-    """Placement of the worst group of ``axis`` in the (pp, dp, tp) mesh.
+def axis_placement(axis: str, dp: int, tp: int, pp: int, gpus_per_node: int, cp: int = 1) -> GroupPlacement:
+    """Placement of the worst group of ``axis`` in the (pp, dp, cp, tp) mesh
+    (``runtime.contract.rank_layout``; ``cp`` 1 without context parallelism).
 
     Groups of one axis differ only when ``gpus_per_node`` does not align with the layout (e.g.
     ``tp = 3`` on 8-device nodes); the one spanning the most nodes, then with the thinnest node,
     sets the pace of a step, so that is the one returned.
     """
-    groups = axis_ranks(axis, dp, tp, pp)
+    groups = axis_ranks(axis, dp, tp, pp, cp)
     worst = None
     key = None
     for group in groups:

@@ -237,6 +237,9 @@ class NumericTable:
         self._rows: dict[tuple, Any] = {}
         self.work_memo: dict[tuple, Any] = {}
         """``_layer_cost``'s per-row work, shared by the candidates that agree on it."""
+        self.cache: dict[tuple, Any] = {}
+        """Rows other cost models derive from these (``cost_models.strategy.context_rows``), kept
+        for the table's life: their identities key ``work_memo`` too."""
 
     def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, Any]], list[int]]:
         """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""

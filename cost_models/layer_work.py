@@ -9,11 +9,13 @@ ZeRO fields of the :class:`LayerCost` it returns are 0; ``cost_models.strategy``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, fields
 from typing import NamedTuple, Sequence
 
 from cost_models.comm_cost import GroupPlacement, collective_time
 from cost_models.compute import compute_time
+from cost_models.context_cost import ContextSetting, context_exchange
 from cost_models.expert_cost import ExpertSetting, all_to_all_times, expert_state_split, matmul_seconds
 from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, Sharded
@@ -138,6 +140,19 @@ class LayerCost:
     contention they cost is in ``compute_s``, ``cost_models.overlap_cost``)."""
     tp_rec_hidden_s: float = 0.0
     """TP seconds a recompute of this layer hides (its exposed rest and contention are in ``rec_s``)."""
+    cp_s: float = 0.0
+    """Exposed context-parallel attention exchange of forward + backward of one micro-batch
+    (``cost_models.context_cost``; its contention is in ``compute_s``)."""
+    cp_fwd_s: float = 0.0
+    """Of ``cp_s``, the forward's."""
+    cp_rec_s: float = 0.0
+    """Of ``rec_s``, the exchange a recomputed forward runs again (exposed, with its contention)."""
+    cp_sent_b: float = 0.0
+    """Bytes the exchange of forward + backward of one micro-batch sends."""
+    cp_rec_sent_b: float = 0.0
+    """Bytes a recomputed forward's exchange sends."""
+    cp_hidden_s: float = 0.0
+    """Exchange seconds of one micro-batch hidden under the attention cores' compute (the ring's)."""
     zero_mb_hidden_s: float = 0.0
     """ZeRO 2/3 seconds of one micro-batch hidden under compute (``zero_mb_s`` is the exposed rest;
     their contention is in ``compute_s``)."""
@@ -150,7 +165,7 @@ class LayerCost:
 
     @property
     def work_s(self) -> float:
-        return self.compute_s + self.tp_s + self.ep_s
+        return self.compute_s + self.tp_s + self.ep_s + self.cp_s
 
     @property
     def state_b(self) -> int:
@@ -159,6 +174,20 @@ class LayerCost:
     @property
     def trans_b(self) -> int:
         return self.trans_params_b + self.trans_grads_b
+
+    def but(self, **changes: float | int) -> "LayerCost":
+        """A copy with ``changes``: ``dataclasses.replace`` without re-running ``__init__`` over
+        the fifty-odd fields (the search builds a copy per row and candidate; nothing here is
+        validated at construction)."""
+        unknown = set(changes) - _LAYER_COST_FIELDS
+        if unknown:
+            raise TypeError(f"LayerCost has no fields {sorted(unknown)}")
+        copied = copy.copy(self)
+        copied.__dict__.update(changes)
+        return copied
+
+
+_LAYER_COST_FIELDS = frozenset(field.name for field in fields(LayerCost))
 
 
 @dataclass(frozen=True)
@@ -180,6 +209,9 @@ class WorkSetting:
     charged what its window cannot hide, plus contention (``cost_models.overlap_cost``)."""
     expert: ExpertSetting = ExpertSetting()
     """Expert parallelism and the routing load (``cost_models.expert_cost``; ep 1 for a dense model)."""
+    context: ContextSetting = ContextSetting()
+    """Context parallelism (``cost_models.context_cost``; cp 1: none). ``tokens`` is then the
+    rank's ``b s / cp`` and the row the rank's (``context_cost.context_row``)."""
 
 
 class _PassTimes(NamedTuple):
@@ -368,7 +400,8 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
     )
     tp_comm = _tp_times(row, hw, setting)
     tp_seen = _tp_seen(tp_comm, passes, setting)
-    slow = hw.overlap_slowdown * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s)
+    exchange = context_exchange(row, setting.context, tp, setting.tokens, hw, dtype)
+    slow = hw.overlap_slowdown * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s + exchange.hidden_s)
     saved = row.saved_bytes.per_device(tp, sequence_parallel)
     gradient_bytes = bytes_per_param(dtype)["grads"] * row.largest_param.per_device_elements(tp)
     work = LayerCost(
@@ -378,8 +411,9 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         tp_fwd_s=tp_seen.fwd.exposed_s,
         rec_s=hw.recompute_ratio * passes.forward_s
         + tp_seen.rec.exposed_s
-        + hw.overlap_slowdown * tp_seen.rec.hidden_s
-        + routing.rec_s,
+        + hw.overlap_slowdown * (tp_seen.rec.hidden_s + exchange.rec_hidden_s)
+        + routing.rec_s
+        + exchange.rec_s,
         zero_mb_s=0.0,
         dp_step_s=0.0,
         opt_s=0.0,
@@ -390,7 +424,7 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         trans_grads_b=0,
         bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes))
         + _regathered_bytes(row, setting),
-        saved_b=saved,
+        saved_b=saved + exchange.saved_b,
         input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sequence_parallel),
         boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sequence_parallel),
         tp_sent_b=tp_comm.fwd_sent_b,
@@ -412,6 +446,12 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         tail_b=min(max(row.tail_saved_bytes.per_device(tp, sequence_parallel), 0.0), saved),
         tp_hidden_s=tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s,
         tp_rec_hidden_s=tp_seen.rec.hidden_s,
+        cp_s=exchange.fwd_s + exchange.bwd_s,
+        cp_fwd_s=exchange.fwd_s,
+        cp_rec_s=exchange.rec_s,
+        cp_sent_b=exchange.fwd_sent_b + exchange.bwd_sent_b,
+        cp_rec_sent_b=exchange.fwd_sent_b,
+        cp_hidden_s=exchange.hidden_s,
     )
     return work, passes.backward_s
 

@@ -181,7 +181,7 @@ def _split_chunks(costs: tuple[float, ...], num_chunks: int) -> tuple[tuple[int,
 def _chunk_forward(costs: CandidateCosts, first: int, last: int) -> float:
     chunk_layers = costs.layers[first : last + 1]
     zmb = sum(layer.zero_mb_s for layer in chunk_layers)
-    return sum(layer.fwd_s + layer.tp_fwd_s + layer.ep_fwd_s for layer in chunk_layers) + (
+    return sum(layer.fwd_s + layer.tp_fwd_s + layer.ep_fwd_s + layer.cp_fwd_s for layer in chunk_layers) + (
         zmb / 3 if costs.cand.zero_stage == 3 else 0.0
     )
 
@@ -313,7 +313,9 @@ def evaluate_schedule(
     busiest = out[critical.bottleneck]
     micro_step = busiest.micro_step_s
     span = sim.makespan_s
-    busy = micro_batches * (busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.ep_s + busiest.zero_mb_s)
+    busy = micro_batches * (
+        busiest.compute_s + busiest.recompute_s + busiest.tp_s + busiest.ep_s + busiest.cp_s + busiest.zero_mb_s
+    )
     extra, fits = capacity_extra(
         costs,
         out,

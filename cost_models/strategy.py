@@ -86,6 +86,7 @@ from cost_models.comm_cost import (
 )
 from cost_models.compression_cost import StageExchange, shares, stage_exchange
 from cost_models.compute import optimizer_step_time
+from cost_models.context_cost import ContextSetting, context_row
 from cost_models.expert_cost import ExpertSetting, expert_load, expert_placements
 from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, NumericTable
@@ -116,7 +117,7 @@ from cost_models.offload_cost import (
 )
 from cost_models.overlap_cost import DpExposure, DpTraffic, dp_exposure
 from cost_models.tied_cost import TiedCost, tied_weight_costs
-from runtime.contract.choices import GradCompression, OffloadTier
+from runtime.contract.choices import ContextMethod, GradCompression, OffloadTier, names
 from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.compressed_exchange import ERROR_ELEMENT_BYTES
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
@@ -190,6 +191,11 @@ class Candidate:
     """The busiest rank's expert tokens over the mean (``--moe-imbalance``): the request's."""
     moe_capacity_factor: float | None = field(default=None, compare=False)
     """Tokens an expert takes, over its even share (``--moe-capacity-factor``); None: dropless."""
+    context_parallel: int = 1
+    """Ranks splitting each sequence (``cost_models.context_cost``); 1: none. A mesh axis of its
+    own: ``gpus = dp * cp * tp * pp``."""
+    cp_method: str = ContextMethod.RING.value
+    """How the context-parallel group computes attention (``ring``, ``all-gather``, ``ulysses``)."""
 
     def __post_init__(self) -> None:
         if self.compressed and (self.dp < 2 or self.zero_stage > 1 or self.offloads):
@@ -198,6 +204,10 @@ class Candidate:
             raise ValueError(f"expert_parallel {self.expert_parallel} must divide dp {self.dp}")
         if self.expert_parallel > 1 and (self.compressed or self.offloads):
             raise ValueError(f"expert parallelism is not priced with 1-bit Adam or offload: {self.describe()}")
+        if self.context_parallel < 1 or self.cp_method not in names(ContextMethod):
+            raise ValueError(f"context parallelism needs cp >= 1 and a known method: {self.describe()}")
+        if self.context_parallel > 1 and (self.compressed or self.offloads or self.expert_parallel > 1):
+            raise ValueError(f"context parallelism runs without 1-bit Adam, offload or ep: {self.describe()}")
 
     @property
     def expert_load(self) -> float:
@@ -214,10 +224,17 @@ class Candidate:
         return self.dp, self.tp, self.pp
 
     @property
-    def mesh(self) -> tuple[int, int, int, int]:
-        """``(dp, tp, pp, ep)``: what makes two candidates different layouts of the devices (the
-        search keeps the best of each)."""
-        return self.dp, self.tp, self.pp, self.expert_parallel
+    def weight_dp(self) -> int:
+        """Ranks holding the same weights, ``dp * cp``: gradients are reduced and ZeRO state sharded
+        over them (with cp between tp and dp in the rank layout they are the data-parallel axis of
+        a ``(pp, dp * cp, tp)`` mesh, which prices their placement)."""
+        return self.dp * self.context_parallel
+
+    @property
+    def mesh(self) -> tuple[int, int, int, int, int]:
+        """``(dp, tp, pp, ep, cp)``: what makes two candidates different layouts of the devices (the
+        search keeps the best of each; context-parallel methods compete within a layout)."""
+        return self.dp, self.tp, self.pp, self.expert_parallel, self.context_parallel
 
     @property
     def offloads(self) -> bool:
@@ -239,6 +256,7 @@ class Candidate:
             + (", 1-bit Adam" if self.compressed else "")
             + ("" if self.overlap.any else ", no overlap")
             + (f", ep={self.expert_parallel}" if self.expert_parallel > 1 else "")
+            + (f", cp={self.context_parallel} ({self.cp_method})" if self.context_parallel > 1 else "")
         )
 
 
@@ -300,8 +318,8 @@ class CandidateCosts:
         """Each distinct layer cost with the number of layers that have it."""
         self.hw = hw
         self.capacity = capacity
-        self.placements = boundary_placements(cand.dp, cand.tp, cand.pp, gpus_per_node)
-        self.dp_placement = axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node)
+        self.placements = boundary_placements(cand.weight_dp, cand.tp, cand.pp, gpus_per_node)
+        self.dp_placement = axis_placement("dp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node)
         """Where the data-parallel group's ranks live (prices the compressed exchange)."""
         pp, micro_batches = cand.pp, cand.num_micro_batches
         self.inflight: list[float] = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
@@ -310,7 +328,7 @@ class CandidateCosts:
         """The last layer's backward transient (a language model's loss: ``2 x logits``)."""
         self.dtype = "fp32"
         """Training dtype (sizes the ZeRO buffers)."""
-        self.ranks_per_node = ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node)
+        self.ranks_per_node = ranks_per_node(cand.weight_dp * cand.tp * cand.pp, gpus_per_node)
         """Ranks of a node sharing its host memory and drives (``cost_models.offload_cost``)."""
         self.host_buffers_b = 0
         """Pinned offload buffers of one rank (``cost_models.offload_cost.offload_buffer_bytes``)."""
@@ -376,8 +394,8 @@ def candidate_costs(
     capacity: float,
 ) -> CandidateCosts:
     """Per-layer costs of ``cand`` (identical rows are priced once)."""
-    distinct_rows, row_of_layer = table.layer_rows(cand.micro_batch_size, seq_len)
-    tokens = cand.micro_batch_size * seq_len
+    distinct_rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
+    tokens = cand.micro_batch_size * seq_len / cand.context_parallel
     pricing = _CandidatePricing(
         hw=hw,
         dtype=dtype,
@@ -386,13 +404,14 @@ def candidate_costs(
             tp=cand.tp,
             sequence_parallel=cand.sequence_parallel and cand.tp > 1,
             compiled=cand.compile,
-            tp_placement=axis_placement("tp", cand.dp, cand.tp, cand.pp, gpus_per_node),
+            tp_placement=axis_placement("tp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
             tokens=tokens,
             overlap_tp=cand.overlap.tp,
             expert=_expert_setting(cand, gpus_per_node),
+            context=context_setting(table, cand, gpus_per_node),
         ),
-        dp_placement=axis_placement("dp", cand.dp, cand.tp, cand.pp, gpus_per_node),
-        ranks_per_node=ranks_per_node(cand.dp * cand.tp * cand.pp, gpus_per_node),
+        dp_placement=axis_placement("dp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
+        ranks_per_node=ranks_per_node(cand.weight_dp * cand.tp * cand.pp, gpus_per_node),
         gpus_per_node=gpus_per_node,
     )
     priced = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
@@ -402,7 +421,7 @@ def candidate_costs(
     if overlapped:
         layers = _overlap_dp(layers, [priced[i][1] for i in row_of_layer], hw.overlap_slowdown)
     zero = 0 if cand.compressed else cand.zero_stage  # compressed: stage 0's optimizer memory
-    tied = tied_weight_costs(table.tied, cand.dp, cand.tp, cand.pp, zero, dtype, hw, gpus_per_node)
+    tied = tied_weight_costs(table.tied, cand.weight_dp, cand.tp, cand.pp, zero, dtype, hw, gpus_per_node)
     for weight in tied:
         _add_tied_weight(layers, weight, cand.offload_optimizer)
         if cand.compressed:
@@ -425,6 +444,40 @@ def candidate_costs(
     return costs
 
 
+def context_rows(table: NumericTable, micro_batch: int, seq_len: int, cp: int) -> tuple[list[LayerRow], list[int]]:
+    """The distinct rows one rank runs at ``(b, s)`` under context parallelism ``cp`` and, per
+    layer, the index of its row (``cost_models.context_cost.context_row``; cached in the table,
+    whose row identities key the shared work)."""
+    rows, row_of_layer = table.layer_rows(micro_batch, seq_len)
+    if cp == 1:
+        return rows, row_of_layer
+    key = ("context_rows", micro_batch, seq_len, cp)
+    cached = table.cache.get(key)
+    if cached is None:
+        local = table.rows(micro_batch, seq_len // cp)
+        first = [row_of_layer.index(i) for i in range(len(rows))]  # a layer of each distinct row
+        cached = [context_row(row, LayerRow.from_numbers(local[j]), cp) for row, j in zip(rows, first)], row_of_layer
+        table.cache[key] = cached
+    return cached
+
+
+def context_setting(table: NumericTable, cand: Candidate, gpus_per_node: int) -> ContextSetting:
+    """The candidate's context parallelism as a row's work sees it (the model's heads from the
+    layer table; the group placed as ``runtime.contract.rank_layout`` places it)."""
+    cp = cand.context_parallel
+    if cp == 1:
+        return ContextSetting()
+    model = table.model
+    return ContextSetting(
+        cp=cp,
+        method=cand.cp_method,
+        placement=axis_placement("cp", cand.dp, cand.tp, cand.pp, gpus_per_node, cp),
+        heads=int(model.get("heads") or 0),
+        kv_heads=int(model.get("kv_heads") or model.get("heads") or 0),
+        head_dim=int(model.get("head_dim") or 0),
+    )
+
+
 def _expert_setting(cand: Candidate, gpus_per_node: int) -> ExpertSetting:
     """The candidate's expert parallelism as a row's work sees it (placement only at ep > 1)."""
     ep = cand.expert_parallel
@@ -435,8 +488,7 @@ def _expert_setting(cand: Candidate, gpus_per_node: int) -> ExpertSetting:
 def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimizer: str) -> None:
     """A tied weight's copy on its last reader's stage, and its gradient all-reduce on both readers."""
     first = layers[weight.first]
-    layers[weight.first] = dataclasses.replace(
-        first,
+    layers[weight.first] = first.but(
         dp_step_s=first.dp_step_s + weight.time_s,
         dp_step_sent_b=first.dp_step_sent_b + weight.sent_b,
         warmup_dp_step_s=first.warmup_dp_step_s + weight.time_s,
@@ -444,8 +496,7 @@ def _add_tied_weight(layers: list[LayerCost], weight: TiedCost, offload_optimize
     )
     last = layers[weight.last]
     offloaded = offload_optimizer != OffloadTier.NONE  # the copy's optimizer state lives with the others
-    layers[weight.last] = dataclasses.replace(
-        last,
+    layers[weight.last] = last.but(
         dp_step_s=last.dp_step_s + weight.time_s,
         dp_step_sent_b=last.dp_step_sent_b + weight.sent_b,
         warmup_dp_step_s=last.warmup_dp_step_s + weight.time_s,
@@ -463,8 +514,7 @@ def _compress_tied_copy(layers: list[LayerCost], index: int, numel: int, pricing
     exchange and compute, its error buffers)."""
     layer = layers[index]
     exchange_s, compute_s = shares(numel, pricing.dp_placement, pricing.hw)
-    layers[index] = dataclasses.replace(
-        layer,
+    layers[index] = layer.but(
         compressed_numel=layer.compressed_numel + numel,
         dp_step_s=layer.dp_step_s + exchange_s,
         opt_s=layer.opt_s + compute_s,
@@ -494,7 +544,7 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
     """One row's costs under a candidate: its work (compute, tp collectives, activations; a
     function of the row and ``pricing.setting`` only, so shared through ``memo`` by every
     candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
-    hw, dtype, cand = pricing.hw, pricing.dtype, pricing.candidate
+    hw, dtype = pricing.hw, pricing.dtype
     key = (id(row), id(hw), dtype, pricing.setting)
     cached = memo.get(key) if memo is not None else None
     if cached is None:
@@ -502,6 +552,43 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
         if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
             memo[key] = cached
     work, backward_s = cached[0]
+    state_key = ("state", id(hw), dtype, work.num_params, work.expert_params, _state_key(work, backward_s, pricing))
+    state = memo.get(state_key) if memo is not None else None
+    if state is None:
+        state = _row_state(work, backward_s, pricing)
+        if memo is not None:
+            memo[state_key] = state
+    return _with_state(work, *state)
+
+
+def _state_key(work: LayerCost, backward_s: float, pricing: _CandidatePricing) -> tuple:
+    """What a row's model state and DP/ZeRO costs depend on beside its work (``_with_state``):
+    candidates that differ only in micro-batching, pipeline depth or context-parallel method
+    share it."""
+    cand = pricing.candidate
+    experts = (
+        (cand.dp, cand.tp, cand.pp, cand.expert_parallel, pricing.gpus_per_node)
+        if cand.expert_parallel > 1 and work.expert_params
+        else None
+    )
+    return (
+        cand.zero_stage,
+        cand.weight_dp,
+        cand.offload_optimizer,
+        cand.offload_params,
+        cand.dp_compression,
+        pricing.dp_placement,
+        pricing.ranks_per_node,
+        experts,
+        (work.fwd_s, backward_s) if cand.offloads else None,
+    )
+
+
+def _row_state(
+    work: LayerCost, backward_s: float, pricing: _CandidatePricing
+) -> tuple["_LayerState", "_CompressedTerms | None"]:
+    """A row's model state and DP/ZeRO costs (and 1-bit Adam's terms when compressed)."""
+    cand = pricing.candidate
     params = work.num_params
     if cand.expert_parallel > 1 and work.expert_params:  # the experts' state over the expert-data group
         state = _merged_state(
@@ -510,9 +597,15 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
         )
     else:
         state = _layer_state(params, pricing, work.fwd_s, backward_s)
-    compressed = _compressed_terms(params, pricing) if cand.compressed else None
-    cost = dataclasses.replace(
-        work,
+    return state, (_compressed_terms(params, pricing) if cand.compressed else None)
+
+
+def _with_state(
+    work: LayerCost, state: "_LayerState", compressed: "_CompressedTerms | None"
+) -> tuple[LayerCost, DpTraffic]:
+    """A row's work with its model state and DP/ZeRO traffic (``_layer_cost``)."""
+    params = work.num_params
+    cost = work.but(
         zero_mb_s=state.zero_mb_s + state.offload.mb_s,
         dp_step_s=compressed.dp_step_s if compressed else state.dp_step_s + state.offload.step_s,
         opt_s=compressed.opt_s if compressed else state.opt_s,
@@ -538,7 +631,7 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
 def _overlaps_dp(cand: Candidate) -> bool:
     """Whether ``cand``'s DP/ZeRO collectives run beside compute (``cost_models.overlap_cost``:
     not with offload or 1-bit Adam, whose transfers are waited where they are issued)."""
-    return cand.overlap.dp and cand.dp > 1 and not cand.offloads and not cand.compressed
+    return cand.overlap.dp and cand.weight_dp > 1 and not cand.offloads and not cand.compressed
 
 
 def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], slowdown: float) -> list[LayerCost]:
@@ -569,8 +662,7 @@ def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, slowd
     step_total = row.grad_step_s + row.gather_step_s
     mb_total = row.reduce_mb_s + row.fwd_gather_mb_s + row.bwd_gather_mb_s
     contention = slowdown * exposure.step.hidden_s
-    return dataclasses.replace(
-        layer,
+    return layer.but(
         compute_s=layer.compute_s + slowdown * exposure.micro_batch.hidden_s,
         zero_mb_s=layer.zero_mb_s - mb_total + exposure.micro_batch.exposed_s,
         zero_mb_hidden_s=exposure.micro_batch.hidden_s,
@@ -613,7 +705,7 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
     """Model state (stage 0's optimizer state when compressed: the engine gathers its shards at
     the switch), ZeRO traffic and the AdamW step of a row of ``params`` parameters."""
     hw, dtype, cand = pricing.hw, pricing.dtype, pricing.candidate
-    zero, dp = cand.zero_stage, cand.dp
+    zero, dp = cand.zero_stage, cand.weight_dp
     offload_optimizer, offload_params = cand.offload_optimizer, cand.offload_params
     memory_zero = 0 if cand.compressed else zero
     base = model_state_bytes(
@@ -729,7 +821,7 @@ def selective_view(layers: Sequence[LayerCost], indices: Sequence[int], selectiv
     if not selective:
         return list(layers)
     return [
-        dataclasses.replace(layer, saved_b=layer.saved_b - layer.sel_saved_b, bt_b=max(layer.bt_b, layer.sel_saved_b))
+        layer.but(saved_b=layer.saved_b - layer.sel_saved_b, bt_b=max(layer.bt_b, layer.sel_saved_b))
         if i in selective
         else layer
         for layer, i in zip(layers, indices)
@@ -762,6 +854,9 @@ class StageCost:
     work_s: float
     ep_s: float
     """Expert-parallel all-to-alls of one micro-batch (recomputed forwards' included; not in ``recompute_s``)."""
+    cp_s: float
+    """Exposed context-parallel exchange of one micro-batch (recomputed forwards' included; not in
+    ``recompute_s``)."""
     micro_step_s: float
     """``work + zero_mb``: one micro-batch's forward + backward on this stage."""
     dp_s: float
@@ -803,6 +898,8 @@ class StageCost:
     """Per-step DP/ZeRO seconds hidden under compute."""
     dp_contention_s: float = 0.0
     """Of ``dp_s``, the compute slowed beside the hidden per-step collectives (reported as compute)."""
+    cp_hidden_s: float = 0.0
+    """Context-parallel exchange seconds of one micro-batch hidden under the cores' compute."""
 
 
 @dataclass
@@ -925,7 +1022,7 @@ def _one_f_one_b_stage(
     memory, bound = _stage_memory(costs, view, recomputed, stage)
     # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward
     zero_mb_s = sum(layer.zero_mb_s for layer in view)
-    forward_s = sum(layer.fwd_s + layer.tp_fwd_s + layer.ep_fwd_s for layer in view) + (
+    forward_s = sum(layer.fwd_s + layer.tp_fwd_s + layer.ep_fwd_s + layer.cp_fwd_s for layer in view) + (
         zero_mb_s / 3 if costs.cand.zero_stage == 3 else 0.0
     )
     work = StageWork(first, last, view, recomputed, recompute_s, p2p_s, sent_b)
@@ -939,20 +1036,23 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
     compute = sum(layer.compute_s for layer in view)
     tp_s = sum(layer.tp_s for layer in view)
     zero_mb_s = sum(layer.zero_mb_s for layer in view)
-    busy = compute + tp_s + work.recompute_s + work.p2p_s + sum(layer.ep_s for layer in view)
-    # the all-to-alls of the recomputed forwards are in ``recompute_s`` (``rec_s``); reported as ep_comm
+    busy = compute + tp_s + work.recompute_s + work.p2p_s + sum(layer.ep_s + layer.cp_s for layer in view)
+    # the all-to-alls and context exchanges of the recomputed forwards are in ``recompute_s``
+    # (``rec_s``); reported as ep_comm and cp_comm
     ep_rec_s = sum(layer.ep_rec_s for layer, whole in zip(view, work.recomputed) if whole)
+    cp_rec_s = sum(layer.cp_rec_s for layer, whole in zip(view, work.recomputed) if whole)
     tp_passes = sum(
         layer.tp_sent_b
         + layer.tp_bwd_sent_b
         + layer.ep_sent_b
-        + ((layer.tp_rec_sent_b + layer.ep_rec_sent_b) if whole else 0.0)
+        + layer.cp_sent_b
+        + ((layer.tp_rec_sent_b + layer.ep_rec_sent_b + layer.cp_rec_sent_b) if whole else 0.0)
         for layer, whole in zip(view, work.recomputed)
     )
     comm = (
         cand.num_micro_batches * (tp_passes + work.sent_b + sum(layer.zero_mb_sent_b for layer in view))
         + sum(layer.dp_step_sent_b for layer in view)
-        + step_control_bytes(cand.dp, cand.tp, cand.pp)
+        + step_control_bytes(cand.weight_dp, cand.tp, cand.pp)
     )
     forward_s = forward_s + work.p2p_s / 2
     dp_s, opt_s = sum(layer.dp_step_s for layer in view), sum(layer.opt_s for layer in view)
@@ -979,9 +1079,10 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         first=work.first,
         last=work.last,
         compute_s=compute,
-        recompute_s=work.recompute_s - ep_rec_s,
+        recompute_s=work.recompute_s - ep_rec_s - cp_rec_s,
         tp_s=tp_s,
         ep_s=sum(layer.ep_s for layer in view) + ep_rec_s,
+        cp_s=sum(layer.cp_s for layer in view) + cp_rec_s,
         p2p_s=work.p2p_s,
         zero_mb_s=zero_mb_s,
         work_s=busy,
@@ -1006,6 +1107,7 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         zero_mb_hidden_s=sum(layer.zero_mb_hidden_s for layer in view),
         dp_hidden_s=sum(layer.dp_step_hidden_s for layer in view),
         dp_contention_s=sum(layer.dp_contention_s for layer in view),
+        cp_hidden_s=sum(layer.cp_hidden_s for layer in view),
     )
 
 
@@ -1079,14 +1181,15 @@ def time_breakdown(
         "optimizer": tail.opt_s,
         "offload": micro_batches * busiest.offload_mb_s + tail.offload_step_s,
         "ep_comm": micro_batches * busiest.ep_s,
-        "cp_comm": 0.0,  # no context parallelism is priced yet: every strategy here has cp = 1
+        "cp_comm": micro_batches * busiest.cp_s,
     }
 
 
 def hidden_breakdown(evaluation: "Evaluation") -> dict[str, float]:
     """plan.json's ``predicted.hidden``: per part, the seconds of communication the step hides
     under compute, read at the same stages as ``predicted.time`` (``time_breakdown``):
-    ``tp_comm`` and ``dp_comm``, and ``recompute`` (a recomputed forward's TP collectives)."""
+    ``tp_comm``, ``dp_comm``, ``cp_comm`` (the ring's key/value sends under the cores' compute),
+    and ``recompute`` (a recomputed forward's TP collectives)."""
     critical = critical_stages(evaluation.stages)
     busiest, tail = evaluation.stages[critical.bottleneck], evaluation.stages[critical.tail]
     micro_batches = evaluation.strategy.candidate.num_micro_batches
@@ -1094,6 +1197,7 @@ def hidden_breakdown(evaluation: "Evaluation") -> dict[str, float]:
         "tp_comm": float(micro_batches * busiest.tp_hidden_s),
         "recompute": float(micro_batches * busiest.rec_hidden_s),
         "dp_comm": float(micro_batches * busiest.zero_mb_hidden_s + tail.dp_hidden_s),
+        "cp_comm": float(micro_batches * busiest.cp_hidden_s),
     }
 
 
@@ -1159,7 +1263,7 @@ def _stage_memory(
     micro-batches of the stage's activations held at once when the schedule is not 1F1B
     (``cost_models.schedule_cost``)."""
     cand = costs.cand
-    pp, micro_batches, zero_stage, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.dp
+    pp, micro_batches, zero_stage, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.weight_dp
     leave = buckets_leave(zero_stage, dp, cand.offload_optimizer)
 
     def acts(transient: float) -> float:

@@ -29,24 +29,30 @@ __all__ = ["render_plan", "rank_layout"]
 
 
 def rank_layout(
-    dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the intra-node link"
+    dp: int, tp: int, pp: int, gpus_per_node: int, link: str = "the intra-node link", cp: int = 1
 ) -> list[tuple[str, str]]:
-    """How the mesh ``rank = (pp_i * dp + dp_i) * tp + tp_i`` sits on nodes of ``gpus_per_node``;
-    ``link`` names what connects the devices of one node (NVLink on a GPU node, shared memory
-    between the processes of a CPU host)."""
-    rows = [("mesh", f"rank = (pp_i x {dp} + dp_i) x {tp} + tp_i; node = rank // {gpus_per_node}")]
-    for axis, stride, size in (("tp", 1, tp), ("dp", tp, dp), ("pp", dp * tp, pp)):
+    """How the mesh ``rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i`` sits on nodes of
+    ``gpus_per_node`` (``runtime.contract.rank_layout``; without context parallelism, ``cp = 1``,
+    the cp terms drop); ``link`` names what connects the devices of one node (NVLink on a GPU
+    node, shared memory between the processes of a CPU host)."""
+    if cp == 1:
+        formula = f"rank = (pp_i x {dp} + dp_i) x {tp} + tp_i"
+    else:
+        formula = f"rank = ((pp_i x {dp} + dp_i) x {cp} + cp_i) x {tp} + tp_i"
+    rows = [("mesh", f"{formula}; node = rank // {gpus_per_node}")]
+    axes = [("tp", 1, tp)] + ([("cp", tp, cp)] if cp > 1 else []) + [("dp", tp * cp, dp), ("pp", dp * cp * tp, pp)]
+    for axis, stride, size in axes:
         if size == 1:
             rows.append((f"{axis.upper()} groups", f"none ({axis}=1)"))
             continue
-        placement = axis_placement(axis, dp, tp, pp, gpus_per_node)
+        placement = axis_placement(axis, dp, tp, pp, gpus_per_node, cp)
         where = (
             f"inside one node ({link})"
             if placement.nodes == 1
             else f"spans {placement.nodes} nodes ({placement.ranks_per_node} per node)"
         )
         rows.append((f"{axis.upper()} groups", f"{size} ranks, stride {stride}: {where}"))
-    width = dp * tp
+    width = dp * cp * tp
     for k in range(min(pp, 8)):
         first_rank, last_rank = k * width, (k + 1) * width - 1
         first_node, last_node = first_rank // gpus_per_node, last_rank // gpus_per_node
@@ -268,8 +274,12 @@ def _head_table(plan, hw: HardwareProfile | None, evaluation: Evaluation | None,
     head.add_row("batch", f"{plan.global_batch} sequences x {plan.seq_len} tokens, {plan.dtype}")
     head.add_row(
         "degrees",
-        f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}" + (f"  ep={plan.expert_parallel}" if plan.model.moe else ""),
+        f"dp={plan.dp}  tp={plan.tp}  pp={plan.pp}"
+        + (f"  ep={plan.expert_parallel}" if plan.model.moe else "")
+        + (f"  cp={plan.cp}" if plan.cp > 1 else ""),
     )
+    if plan.cp > 1:
+        head.add_row("context parallel", context_text(plan))
     if plan.model.moe:
         head.add_row("experts", experts_text(plan))
     head.add_row("ZeRO stage", _ZERO_TEXT[plan.zero_stage])
@@ -292,9 +302,26 @@ def _head_table(plan, hw: HardwareProfile | None, evaluation: Evaluation | None,
         )
     head.add_row("compiled stages", choice.reason() if choice is not None else ("on" if plan.compile else "off"))
     link = f"{hw.intra_node_bandwidth / 1e9:.3g} GB/s link" if hw is not None else "the intra-node link"
-    for label, text in rank_layout(plan.dp, plan.tp, plan.pp, plan.hardware.gpus_per_node, link):
+    for label, text in rank_layout(plan.dp, plan.tp, plan.pp, plan.hardware.gpus_per_node, link, plan.cp):
         head.add_row(label, text)
     return head
+
+
+_CONTEXT_METHOD_TEXT = {
+    "ring": "key/value blocks passed round the group, each transfer beside a block's attention",
+    "all-gather": "keys and values all-gathered whole once per layer, their gradients reduce-scattered",
+    "ulysses": "heads exchanged for positions by four all-to-alls per layer (each rank attends with heads / cp)",
+}
+
+
+def context_text(plan) -> str:
+    """The context-parallel split in words: the chunks each rank holds and how attention is exchanged."""
+    cp, method = plan.cp, plan.context_parallel["method"]
+    return (
+        f"cp={cp}, {method}: each rank holds chunks i and {2 * cp - 1}-i of {2 * cp} of every sequence "
+        f"({plan.seq_len // cp:,} positions); {_CONTEXT_METHOD_TEXT[method]}; gradients and ZeRO over "
+        f"dp x cp = {plan.dp * cp} ranks"
+    )
 
 
 def _stages_table(plan, evaluation: Evaluation | None) -> Table:
@@ -526,9 +553,11 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
     offloads = any(tier != OffloadTier.NONE for alt in plan.alternatives + [plan] for tier in alt.offload.values())
     compresses = any(alt.dp_compression != "none" for alt in plan.alternatives + [plan])
     scheduled = any(alt.schedule != "1f1b" for alt in plan.alternatives + [plan])
+    contexts = any(alt.context_parallel["degree"] > 1 for alt in plan.alternatives + [plan])
     columns = (
         ["dp", "tp", "pp"]
         + (["ep"] if plan.model.moe else [])
+        + (["cp"] if contexts else [])
         + ["ZeRO", "micro-batch"]
         + (["schedule"] if scheduled else [])
         + (["offload opt/params"] if offloads else [])
@@ -543,6 +572,7 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
         row = (
             [str(alt.dp), str(alt.tp), str(alt.pp)]
             + ([str(alt.expert_parallel)] if plan.model.moe else [])
+            + ([_short_context(alt.context_parallel)] if contexts else [])
             + [str(alt.zero_stage), str(alt.micro_batch_size)]
             + ([_short_schedule(alt.schedule, alt.virtual_stages)] if scheduled else [])
             + ([f"{alt.offload['optimizer']}/{alt.offload['params']}"] if offloads else [])
@@ -554,6 +584,11 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
             row.append(_money_or_hours(scale_cost(cost, alt.step_time_s, mean_step or plan.predicted.step_time_s)))
         table.add_row(*row, alt.reason)
     return table
+
+
+def _short_context(context: dict) -> str:
+    """A runner-up's context parallelism in a narrow column: ``1``, ``2 ring``, ``4 all-gather``."""
+    return "1" if context["degree"] == 1 else f"{context['degree']} {context['method']}"
 
 
 def _short_schedule(schedule: str, virtual_stages: int) -> str:

@@ -18,14 +18,15 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
+from cost_models.context_cost import ContextSetting, ulysses_obstacle
 from cost_models.expert_cost import valid_expert_degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.offload_cost import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
 from planner.search.search_errors import SearchError
-from runtime.contract.choices import GradCompression, Toggle
+from runtime.contract.choices import ContextMethod, GradCompression, Toggle, names
 from runtime.contract.overlap import Overlap
 
 __all__ = [
@@ -50,6 +51,12 @@ __all__ = [
     "compression_variants",
     "work_lower_bound",
 ]
+
+
+#: Fewest positions of a sequence chunk the default search gives a context-parallel rank (it holds
+#: two): below that the attention exchange's per-message latency outweighs any saving, and the
+#: search would only multiply candidates. A ``--cp`` pin is not bound by it.
+MIN_CONTEXT_CHUNK = 1024
 
 
 def is_repeated(costs: CandidateCosts, kinds: Sequence[str]) -> bool:
@@ -318,50 +325,126 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
             skip(structural or "tensor-parallel degree not allowed by the node size")
             continue
         options = sequence_parallel_options(request, table, tp)  # per degree, not per batching
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if (request.pp and pp != request.pp) or (request.dp and dp != request.dp):
-                continue
-            if pp > rows:
-                skip(f"more pipeline stages than the {rows} layer-table rows")
-                continue
-            if global_batch % dp:
-                skip("global batch not divisible by the data-parallel degree")
-                continue
-            for micro_batch in divisors(global_batch // dp):
-                if request.micro_batch and micro_batch != request.micro_batch:
+        for cp, methods in context_options(request, table, tp, skip):
+            for pp in divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if (request.pp and pp != request.pp) or (request.dp and dp != request.dp):
                     continue
-                micro_batches = global_batch // (dp * micro_batch)
-                if pp > 1 and micro_batches < pp:
-                    skip("fewer micro-batches than pipeline stages")
+                if pp > rows:
+                    skip(f"more pipeline stages than the {rows} layer-table rows")
                     continue
-                zeros = [request.zero_stage] if request.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                if not options:
-                    skip(sequence_parallel_obstacle(request, table, tp))
-                eps = expert_degrees(request, table, dp)
-                if not eps:
-                    skip(f"--ep {request.ep} does not divide the data-parallel degree")
-                for sequence_parallel in options:
-                    out.extend(
-                        Candidate(
-                            dp,
-                            tp,
-                            pp,
-                            zero,
-                            micro_batch,
-                            micro_batches,
-                            sequence_parallel=sequence_parallel,
-                            overlap=overlap,
-                            expert_parallel=ep,
-                            moe_imbalance=float(getattr(request, "moe_imbalance", 1.0)),
-                            moe_capacity_factor=getattr(request, "moe_capacity_factor", None),
-                        )
-                        for ep in eps
-                        for zero in zeros
-                    )
+                if global_batch % dp:
+                    skip("global batch not divisible by the data-parallel degree")
+                    continue
+                layout = _Layout(dp, tp, pp, cp, methods, options)
+                out.extend(_batchings(request, table, layout, overlap, skip))
     if not out:
         raise _nothing_left(request, why)
     return out
+
+
+class _Layout(NamedTuple):
+    """Degrees of one layout of the devices, and the choices made per layout."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    methods: Sequence[str]
+    """The context-parallel methods searched (one, unused, at cp 1)."""
+    sequence_parallel: Sequence[bool]
+
+
+def _batchings(request: Any, table: NumericTable, layout: _Layout, overlap: Overlap, skip: Any) -> list[Candidate]:
+    """The candidates of one layout: every micro-batching, ZeRO stage, sequence-parallel setting,
+    expert-parallel degree and context-parallel method the pins allow."""
+    dp, tp, pp, cp = layout.dp, layout.tp, layout.pp, layout.cp
+    out: list[Candidate] = []
+    for micro_batch in divisors(request.global_batch // dp):
+        if request.micro_batch and micro_batch != request.micro_batch:
+            continue
+        micro_batches = request.global_batch // (dp * micro_batch)
+        if pp > 1 and micro_batches < pp:
+            skip("fewer micro-batches than pipeline stages")
+            continue
+        sharded = dp * cp > 1  # ZeRO shards over the dp * cp ranks holding the same weights
+        zeros = [request.zero_stage] if request.zero_stage is not None else ([0, 1, 2, 3] if sharded else [0])
+        options = [on for on in layout.sequence_parallel if not on or (request.seq_len // cp) % tp == 0]
+        if not options:
+            skip(sequence_parallel_obstacle(request, table, tp))
+        eps = expert_degrees(request, table, dp) if cp == 1 else [1]
+        if not eps:
+            skip(f"--ep {request.ep} does not divide the data-parallel degree")
+        out.extend(
+            Candidate(
+                dp,
+                tp,
+                pp,
+                zero,
+                micro_batch,
+                micro_batches,
+                sequence_parallel=sequence_parallel,
+                overlap=overlap,
+                expert_parallel=ep,
+                moe_imbalance=float(getattr(request, "moe_imbalance", 1.0)),
+                moe_capacity_factor=getattr(request, "moe_capacity_factor", None),
+                context_parallel=cp,
+                cp_method=method,
+            )
+            for sequence_parallel in options
+            for ep in eps
+            for zero in zeros
+            for method in layout.methods
+        )
+    return out
+
+
+def context_options(request: Any, table: NumericTable, tp: int, skip: Any) -> list[tuple[int, Sequence[str]]]:
+    """The context-parallel degrees searched at tensor-parallel degree ``tp``, each with its
+    methods: the pin, or every degree whose ``2 cp`` chunks divide the sequence and leave each
+    rank at least ``MIN_CONTEXT_CHUNK`` positions per chunk (no degree above 1 for a request that
+    offloads, compresses or pins ep > 1, which the runtime does not split sequences beside);
+    Ulysses only where the heads per tp rank divide by cp (``cost_models.context_cost``)."""
+    pin, method_pin = getattr(request, "cp", None), getattr(request, "cp_method", None)
+    default = method_pin or ContextMethod.RING.value
+    if pin is not None:
+        degrees = [pin]
+    elif _context_excluded(request):
+        degrees = [1]
+    else:
+        room = request.gpus // tp
+        degrees = [
+            cp
+            for cp in divisors(room)
+            if request.seq_len % (2 * cp) == 0 and request.seq_len // (2 * cp) >= MIN_CONTEXT_CHUNK
+        ] or [1]
+        degrees = sorted(set(degrees) | {1})
+    out: list[tuple[int, Sequence[str]]] = []
+    for cp in degrees:
+        if cp == 1:
+            out.append((1, (default,)))
+            continue
+        if (request.gpus // tp) % cp:
+            skip(f"--cp {cp} does not divide what tp={tp} leaves of the devices")
+            continue
+        methods = [method_pin] if method_pin else list(names(ContextMethod))
+        heads = int(table.model.get("heads") or 0)
+        kv_heads = int(table.model.get("kv_heads") or heads)
+        setting = ContextSetting(cp=cp, heads=heads, kv_heads=kv_heads)
+        if ContextMethod.ULYSSES in methods and ulysses_obstacle(setting, tp):
+            if method_pin:
+                skip(f"--cp-method ulysses at tp={tp}, cp={cp}: {ulysses_obstacle(setting, tp)}")
+            methods.remove(ContextMethod.ULYSSES.value)
+        if methods:
+            out.append((cp, tuple(methods)))
+    return out
+
+
+def _context_excluded(request: Any) -> bool:
+    """Whether the request pins what the runtime does not split sequences beside."""
+    offloads = any(getattr(request, f"offload_{kind}", None) not in (None, "none") for kind in ("optimizer", "params"))
+    ep = getattr(request, "ep", None)
+    return offloads or getattr(request, "dp_compression", None) == GradCompression.ONEBIT_ADAM or bool(ep and ep > 1)
 
 
 def _nothing_left(request: Any, why: dict[str, int]) -> SearchError:
@@ -413,9 +496,10 @@ def offload_variants(request: Any, candidates: Sequence[Candidate], hw: Hardware
     seen: set[Candidate] = set()
     opt_tiers, par_tiers = _tiers(request, "optimizer", hw), _tiers(request, "params", hw)
     for candidate in candidates:
-        if candidate.compressed or candidate.expert_parallel > 1:  # 1-bit Adam, and ep, keep state on the device
+        if candidate.compressed or candidate.expert_parallel > 1 or candidate.context_parallel > 1:
+            # 1-bit Adam, ep and cp keep state on the device
             continue
-        zeros = [candidate.zero_stage] if candidate.dp > 1 or request.zero_stage is not None else [1, 2, 3]
+        zeros = [candidate.zero_stage] if candidate.weight_dp > 1 or request.zero_stage is not None else [1, 2, 3]
         for zero in zeros:
             for optimizer_tier in opt_tiers:
                 for params_tier in par_tiers:
@@ -443,6 +527,7 @@ def compression_variants(candidates: Sequence[Candidate]) -> list[Candidate]:
         and not candidate.offloads
         and not candidate.compressed
         and candidate.expert_parallel == 1
+        and candidate.context_parallel == 1
     ]
 
 

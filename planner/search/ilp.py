@@ -854,7 +854,15 @@ def _rank_key(evaluation: Evaluation) -> tuple[float, bool, float, Candidate]:
 
 
 def _candidate_layout(candidate: Candidate, schedule: str = "1f1b") -> tuple:
-    return (candidate.dp, candidate.tp, candidate.pp, schedule, candidate.zero_stage, candidate.expert_parallel)
+    return (
+        candidate.dp,
+        candidate.tp,
+        candidate.pp,
+        schedule,
+        candidate.zero_stage,
+        candidate.expert_parallel,
+        candidate.context_parallel,
+    )
 
 
 def layout_key(evaluation: Evaluation) -> tuple:

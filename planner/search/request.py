@@ -21,6 +21,7 @@ from planner.frontend.input_pins import parse_input_pins
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import (
     ZERO_STAGES,
+    ContextMethod,
     GradCompression,
     OffloadTier,
     RecomputeMode,
@@ -359,6 +360,29 @@ class PlanRequest:
         ),
     )
     """The busiest expert-parallel rank's tokens over the mean (``--moe-imbalance``, >= 1.0)."""
+    cp: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--cp",
+            kind="positive_int",
+            metavar="N",
+            help="pin the context-parallel degree: every sequence split over N ranks (each holds two of "
+            "2N chunks; the sequence length divides by 2N), attention exchanged by --cp-method; 1: none; "
+            "default: searched where the sequence is long enough to divide",
+        ),
+    )
+    """Context-parallel degree (``--cp``; ``cost_models.context_cost``); ``None``: searched."""
+    cp_method: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--cp-method",
+            choices=names(ContextMethod),
+            help="pin how a context-parallel group computes attention: ring (key/value blocks passed round, "
+            "overlapped with compute), all-gather (keys and values gathered whole, as Llama 3) or ulysses "
+            "(heads exchanged for positions by all-to-all; the heads must divide); default: searched",
+        ),
+    )
+    """How a context-parallel group computes attention (``--cp-method``); ``None``: searched."""
 
     def to_record(self) -> dict:
         """The request as plan.json's ``request``: every field by name (JSON values), enough for
@@ -396,6 +420,7 @@ class PlanRequest:
         self._check_degrees()
         self._check_compression()
         self._check_experts()
+        self._check_context()
 
     def _check_problem(self) -> None:
         """The cluster, the batch and the dtype."""
@@ -464,15 +489,17 @@ class PlanRequest:
     def _check_degrees(self) -> None:
         """The pinned degrees fit the cluster and the batch."""
         pins = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
-        fixed = 1
+        fixed = (self.cp or 1) if isinstance(self.cp, int) else 1
         for degree in pins.values():
             fixed *= degree or 1
         if all(degree is not None for degree in pins.values()) and fixed != self.gpus:
+            context = f" x --cp {self.cp}" if self.cp and self.cp > 1 else ""
             raise SearchError(
-                f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {fixed}, but --gpus is "
-                f"{self.gpus}; the three degrees must multiply to the number of devices."
+                f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}{context} = {fixed}, but --gpus is "
+                f"{self.gpus}; the degrees must multiply to the number of devices."
             )
         if self.gpus % fixed:
+            pins["cp"] = self.cp if isinstance(self.cp, int) and self.cp > 1 else None
             pinned = " x ".join(f"--{name} {degree}" for name, degree in pins.items() if degree is not None)
             raise SearchError(f"{pinned} = {fixed} does not divide --gpus {self.gpus}.")
         if self.dp is not None and self.global_batch % self.dp:
@@ -548,6 +575,38 @@ class PlanRequest:
             isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0
         ):
             raise SearchError(f"--moe-capacity-factor must be a positive number, got {factor!r}.")
+
+    def _check_context(self) -> None:
+        """The context-parallel pins: a degree whose ``2 cp`` chunks divide the sequence, a known
+        method, and none of what the runtime does not run beside it."""
+        _check_choice("cp_method", self.cp_method, names(ContextMethod), searched=True)
+        if self.cp is None:
+            return
+        _check_positive_int("cp", self.cp)
+        if self.seq_len % (2 * self.cp):
+            raise SearchError(
+                f"--cp {self.cp} splits each sequence into 2 x {self.cp} = {2 * self.cp} equal chunks, but "
+                f"--seq-len {self.seq_len} does not divide by {2 * self.cp}. Pick a --cp whose double divides "
+                "the sequence length."
+            )
+        if self.gpus % self.cp:
+            raise SearchError(f"--cp {self.cp} does not divide --gpus {self.gpus}.")
+        if self.cp == 1:
+            return
+        clashes = [
+            f"--offload-{kind} {tier}"
+            for kind, tier in (("optimizer", self.offload_optimizer), ("params", self.offload_params))
+            if tier not in (None, OffloadTier.NONE)
+        ]
+        if self.dp_compression == GradCompression.ONEBIT_ADAM:
+            clashes.append("--dp-compression onebit-adam")
+        if self.ep is not None and self.ep > 1:
+            clashes.append(f"--ep {self.ep}")
+        if clashes:
+            raise SearchError(
+                f"--cp {self.cp} cannot run with {' and '.join(clashes)}: the runtime splits sequences only "
+                "with state on the device, a full-precision exchange and replicated experts. Drop one of the flags."
+            )
 
 
 _FLAGS: dict[str, CliFlag] = {f.name: flag for f, flag in cli_flags(PlanRequest)}

@@ -362,7 +362,9 @@ def schedule_fix(
                     f"--checkpoint {mode}",
                     refit(cc_of[candidate], evaluation, name, virtual_stages, kinds, mode, solver, answers),
                 )
-            for zero in range(candidate.zero_stage + 1, 4) if candidate.dp > 1 and not candidate.compressed else ():
+            for zero in (
+                range(candidate.zero_stage + 1, 4) if candidate.weight_dp > 1 and not candidate.compressed else ()
+            ):
                 costs = cc_of.price(dataclasses.replace(candidate, zero_stage=zero))
                 for mode in dict.fromkeys((checkpoint, "all")):
                     setting = f"--zero-stage {zero}" + (f" --checkpoint {mode}" if mode != checkpoint else "")

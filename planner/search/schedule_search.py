@@ -744,7 +744,7 @@ class _Walk:
         self.order = 0
         self.best = math.inf
         self.per_triple: dict[int, Evaluation] = {}
-        self.owners: dict[tuple[int, int, int, int], int] = {}
+        self.owners: dict[tuple[int, int, int, int, int], int] = {}
         self.seen: set[Candidate] = set()
 
     def push(self, bound: float, kind: str, payload: tuple) -> None:
@@ -920,7 +920,7 @@ def _sharded_siblings(evaluation: Evaluation, cc_of: dict) -> list[Evaluation]:
     candidate = evaluation.strategy.candidate
     out = []
     top = 2 if candidate.compressed else 4  # 1-bit Adam runs at ZeRO 0 and 1 only
-    for zero in range(candidate.zero_stage + 1, top) if candidate.dp > 1 else ():
+    for zero in range(candidate.zero_stage + 1, top) if candidate.weight_dp > 1 else ():
         try:
             costs = cc_of[dataclasses.replace(candidate, zero_stage=zero)]
         except KeyError:  # not enumerated: pinned out, or not a stage this candidate can use

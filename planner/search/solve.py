@@ -191,7 +191,7 @@ def _no_feasible_plan(
             f"({_gib(hw.host_memory_bytes or 0)} of host memory per node of {gpus_per_node})."
         )
     if state >= memory["activations"]:
-        if candidate.zero_stage < 3 and candidate.dp > 1:
+        if candidate.zero_stage < 3 and candidate.weight_dp > 1:
             fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
         room = usable - memory["activations"]
         if room > 0 and offload is None:  # more devices only when offload cannot fit on these
@@ -630,6 +630,11 @@ def _attention(model: dict, seq_len: int, sequences: int) -> dict:
     return summarize(facts, seq_len, int(model.get("heads") or 0), int(model.get("head_dim") or 0), sequences)
 
 
+def context_entry(candidate) -> dict:
+    """plan.json's ``context_parallel`` of a candidate."""
+    return {"degree": candidate.context_parallel, "method": candidate.cp_method}
+
+
 def _alternative_entries(result: SearchResult, evaluation: Evaluation) -> list[Alternative]:
     """plan.json's ``alternatives``: each listed runner-up (``listed_runners_up``) and why it lost."""
     return [
@@ -650,6 +655,7 @@ def _alternative_entries(result: SearchResult, evaluation: Evaluation) -> list[A
             schedule=alt.strategy.schedule,
             virtual_stages=alt.strategy.virtual_stages,
             expert_parallel=alt.strategy.candidate.expert_parallel,
+            context_parallel=context_entry(alt.strategy.candidate),
         )
         for alt in listed_runners_up(result, evaluation)
     ]
@@ -708,6 +714,7 @@ def build_plan(
         offload={"optimizer": candidate.offload_optimizer, "params": candidate.offload_params},
         dp_compression=candidate.dp_compression,
         expert_parallel=candidate.expert_parallel,
+        context_parallel=context_entry(candidate),
         overlap=candidate.overlap.to_json(),
         compression_warmup=default_warmup(request.horizon_steps()) if candidate.compressed else 0,
         predicted=Predicted(**predicted_fields(evaluation, flops, request.gpus, hw.peak(request.dtype))),

@@ -138,7 +138,7 @@ def test_overlap_takes_exactly_the_hidden_seconds_less_their_contention(zero, tp
     cand = Candidate(4 if tp == 1 else 2, tp, 1, zero, 2, 4, sequence_parallel=sp)
     on, off = _pair(cand, hw)
     hidden = hidden_breakdown(on)
-    assert hidden_breakdown(off) == {"tp_comm": 0.0, "recompute": 0.0, "dp_comm": 0.0}
+    assert hidden_breakdown(off) == {"tp_comm": 0.0, "recompute": 0.0, "dp_comm": 0.0, "cp_comm": 0.0}
     assert (hidden["recompute"] > 0) == sp  # only chunked forwards hide any of their traffic
     assert hidden["dp_comm"] > 0 and (hidden["tp_comm"] > 0) == (tp > 1)
     assert on.step_time_s == pytest.approx(off.step_time_s - (1 - slowdown) * sum(hidden.values()), rel=1e-9)

@@ -102,6 +102,11 @@ def test_rank_layout_maps_ranks_to_nodes():
     assert rows["stage 1"] == "ranks 8-15 on node 1"
     rows = dict(rank_layout(dp=16, tp=1, pp=1, gpus_per_node=8))
     assert rows["TP groups"] == "none (tp=1)" and rows["stage 0"] == "ranks 0-15 on nodes 0-1"
+    rows = dict(rank_layout(dp=2, tp=2, pp=2, gpus_per_node=8, link="NVLink", cp=4))
+    assert rows["mesh"] == "rank = ((pp_i x 2 + dp_i) x 4 + cp_i) x 2 + tp_i; node = rank // 8"
+    assert rows["CP groups"] == "4 ranks, stride 2: inside one node (NVLink)"
+    assert rows["DP groups"] == "2 ranks, stride 8: spans 2 nodes (1 per node)"
+    assert rows["stage 1"] == "ranks 16-31 on nodes 2-3"
 
 
 def test_report_names_the_link_of_a_cpu_node_not_nvlink(plan):

@@ -108,12 +108,12 @@ def test_a_refused_schedule_pin_says_what_makes_it_fit():
 def test_runners_up_are_other_layouts():
     table, req, hw = _tight_case()
     plan = solve(dataclasses.replace(req, pp=None, dp=None, tp=None, micro_batch=None), table, hw).plan
-    keys = [(a.dp, a.tp, a.pp, a.schedule, a.zero_stage) for a in plan.alternatives]
+    keys = [(a.dp, a.tp, a.pp, a.schedule, a.zero_stage, a.context_parallel["degree"]) for a in plan.alternatives]
     assert len(set(keys)) == len(keys) and plan.alternatives
-    assert (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage) not in keys
+    assert (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage, plan.cp) not in keys
     assert all(a.step_time_s >= plan.predicted.step_time_s * (1 - 1e-9) for a in plan.alternatives)
     winner = solve(dataclasses.replace(req, pp=None, dp=None, tp=None, micro_batch=None), table, hw)
-    layout = (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage, plan.expert_parallel)
+    layout = (plan.dp, plan.tp, plan.pp, plan.schedule, plan.zero_stage, plan.expert_parallel, plan.cp)
     assert layout_key(winner.evaluation) == layout
 
 
