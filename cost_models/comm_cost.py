@@ -74,7 +74,7 @@ from typing import Any, Sequence
 from cost_models.compute import dtype_bytes, smax, smin
 from cost_models.hardware import HardwareProfile
 from runtime.contract.collective_bytes import COLLECTIVES, ring_bytes
-from runtime.contract.rank_layout import axis_ranks
+from runtime.contract.rank_layout import axis_pattern
 
 __all__ = [
     "ALGORITHMS",
@@ -173,11 +173,13 @@ def axis_placement(axis: str, dp: int, tp: int, pp: int, gpus_per_node: int, cp:
     ``tp = 3`` on 8-device nodes); the one spanning the most nodes, then with the thinnest node,
     sets the pace of a step, so that is the one returned.
     """
-    groups = axis_ranks(axis, dp, tp, pp, cp)
+    offsets, bases = axis_pattern(axis, dp, tp, pp, cp)
+    # a group shifted by whole nodes sits the same way: one group per base residue is enough
+    shifts = {base % gpus_per_node: base for base in reversed(bases)}
     worst = None
     key = None
-    for group in groups:
-        placement = group_placement(group, gpus_per_node)
+    for base in sorted(shifts.values()):
+        placement = group_placement([base + offset for offset in offsets], gpus_per_node)
         rank_key = (placement.nodes, -placement.fewest_per_node, placement.ranks_per_node)
         if key is None or rank_key > key:
             worst, key = placement, rank_key

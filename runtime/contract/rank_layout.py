@@ -22,7 +22,7 @@ experts (their gradients are reduced over it), as Megatron-Core carves them."""
 
 from __future__ import annotations
 
-__all__ = ["AXES", "coords_of", "cp_index_of", "rank_of", "axis_ranks", "expert_ranks"]
+__all__ = ["AXES", "coords_of", "cp_index_of", "rank_of", "axis_ranks", "axis_pattern", "expert_ranks"]
 
 AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp", "dp_cp")
 """The mesh axes, innermost first, and ``dp_cp`` (the dp and cp axes together: the ranks
@@ -47,11 +47,7 @@ def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int, cp: i
 def axis_ranks(axis: str, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
     """Every group of one mesh axis (``AXES``), as lists of global ranks in the axis's order (a
     ``dp_cp`` group in rank order: dp index major, cp index minor)."""
-    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(degree, int) or degree < 1:
-            raise ValueError(f"mesh degree {name} must be a positive integer (got {degree!r})")
-    if axis not in AXES:
-        raise ValueError(f"unknown mesh axis {axis!r}: expected one of {', '.join(AXES)}")
+    _check_axis(axis, dp, tp, pp, cp)
     varying = {"tp": ("t",), "cp": ("c",), "dp": ("d",), "pp": ("p",), "dp_cp": ("d", "c")}[axis]
     groups: dict[tuple[int, ...], list[int]] = {}
     for p in range(pp):
@@ -62,6 +58,30 @@ def axis_ranks(axis: str, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[i
                     fixed = tuple(value for key, value in cell.items() if key not in varying)
                     groups.setdefault(fixed, []).append(rank_of(p, d, t, dp, tp, cp, c))
     return list(groups.values())
+
+
+def _check_axis(axis: str, dp: int, tp: int, pp: int, cp: int) -> None:
+    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"mesh degree {name} must be a positive integer (got {degree!r})")
+    if axis not in AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}: expected one of {', '.join(AXES)}")
+
+
+def axis_pattern(axis: str, dp: int, tp: int, pp: int, cp: int = 1) -> tuple[list[int], list[int]]:
+    """The groups of one mesh axis as ``(offsets, bases)``: group ``g`` is ``[bases[g] + o for o in
+    offsets]``, exactly ``axis_ranks`` (the rank is linear in the coordinates, so every group of an
+    axis is the first one shifted). Cheap at any world size: the cost models place groups from it."""
+    _check_axis(axis, dp, tp, pp, cp)
+    strides = {"t": (1, tp), "c": (tp, cp), "d": (tp * cp, dp), "p": (tp * cp * dp, pp)}
+    varying = {"tp": "t", "cp": "c", "dp": "d", "pp": "p", "dp_cp": "dc"}[axis]
+    offsets, bases = [0], [0]
+    for key, (stride, size) in strides.items():
+        if key in varying:
+            offsets = [offset + i * stride for i in range(size) for offset in offsets]
+        else:
+            bases = [base + i * stride for i in range(size) for base in bases]
+    return sorted(offsets), sorted(bases)
 
 
 def expert_ranks(dp: int, tp: int, pp: int, ep: int, cp: int = 1) -> tuple[list[list[int]], list[list[int]]]:
