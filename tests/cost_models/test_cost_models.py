@@ -33,7 +33,7 @@ from cost_models.memory import (
     zero_transient_bytes,
 )
 from runtime.contract.collective_bytes import ring_bytes
-from runtime.contract.rank_layout import axis_ranks, coords_of, cp_index_of, expert_ranks, rank_of
+from runtime.contract.rank_layout import axis_pattern, axis_ranks, coords_of, cp_index_of, expert_ranks, rank_of
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -383,6 +383,13 @@ def test_context_parallel_axis_sits_between_tp_and_dp(dp, cp, tp, pp, axis):
     assert axis_ranks(axis, dp, tp, pp, cp) == list(by_key.values())
     if cp == 1 and axis != "dp_cp":  # the three-axis layout is unchanged
         assert axis_ranks(axis, dp, tp, pp, cp) == axis_ranks(axis, dp, tp, pp)
+    offsets, bases = axis_pattern(axis, dp, tp, pp, cp)
+    assert [[base + offset for offset in offsets] for base in bases] == list(by_key.values())
+    for gpn in (1, 2, 3, 4, 8):  # one group per base residue places the worst group of all
+        placements = [group_placement(group, gpn) for group in by_key.values()]
+        got = axis_placement(axis, dp, tp, pp, gpn, cp)
+        assert got in placements
+        assert (got.nodes, -got.fewest_per_node) == max((p.nodes, -p.fewest_per_node) for p in placements)
 
 
 @settings(max_examples=40, deadline=None)
