@@ -43,6 +43,13 @@ DeepSpeed argument and gets a warning). DeepSpeed needs the MoE parameter groups
 (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``): a warning says so.
 Megatron-DeepSpeed's launch line gains ``--num-experts`` and ``--moe-expert-parallel-size``.
 
+Context parallelism (plan.json ``context_parallel``) exists in DeepSpeed only as DeepSpeed-Ulysses:
+a ``ulysses`` plan's launch line gains Megatron-DeepSpeed's ``--ds-sequence-parallel-size`` = cp
+(the data-parallel degree DeepSpeed derives then excludes those ranks, as the plan's ``dp`` does);
+a ``ring`` or ``all-gather`` plan gets a warning naming Megatron-Core's equivalent
+(``--context-parallel-size`` with ``--cp-comm-type p2p`` or ``allgather``) and the pin that
+makes a DeepSpeed plan (``--cp-method ulysses``). ``planner.context_parallel`` records it.
+
 DeepSpeed's pipeline engine runs only ZeRO stages 0 and 1; a plan with ``pp > 1`` and ZeRO 2 or
 3 is exported with ``planner.warnings`` saying so. The ``planner`` block is provenance for the
 reader (DeepSpeed ignores keys it does not know).
@@ -213,12 +220,38 @@ def _warnings(plan, offload: dict, nvme_path: str | None) -> list[str]:
                 f"{moe['shared_experts']} shared experts per layer: DeepSpeed's residual MoE has one; "
                 "build the others as a dense MLP beside the MoE layer."
             )
+    warnings += _context_warnings(plan)
     if OffloadTier.NVME in offload.values() and nvme_path is None:
         warnings.append(
             f"The plan offloads to NVMe: set zero_optimization's nvme_path (now {DEFAULT_NVME_PATH!r}) "
             "to a directory on each node's local NVMe drive."
         )
     return warnings
+
+
+#: Megatron-Core's ``--cp-comm-type`` of each context-parallel method.
+MEGATRON_CP_COMM = {"ring": "p2p", "all-gather": "allgather", "ulysses": "a2a"}
+
+
+def _context_warnings(plan) -> list[str]:
+    """What of the plan's context parallelism DeepSpeed cannot express (none without it)."""
+    context = getattr(plan, "context_parallel", None) or {"degree": 1, "method": "ring"}
+    cp, method = context["degree"], context["method"]
+    if cp == 1:
+        return []
+    if method != "ulysses":
+        return [
+            f"the plan splits sequences over cp={cp} ranks with {method} attention, which DeepSpeed does not "
+            f"run (its sequence parallelism is Ulysses); Megatron-Core runs it as --context-parallel-size {cp} "
+            f"--cp-comm-type {MEGATRON_CP_COMM[method]}. Plan with --cp-method ulysses for DeepSpeed, or run "
+            "it on planner's runtime."
+        ]
+    if plan.sequence_parallel:
+        return [
+            "Megatron-DeepSpeed's --ds-sequence-parallel-size cannot be combined with Megatron's "
+            "--sequence-parallel, which this plan also uses; plan with --sequence-parallel off for DeepSpeed."
+        ]
+    return []
 
 
 def _zero_section(plan, offload: dict, nvme_path: str | None) -> dict:
@@ -251,6 +284,7 @@ def _provenance(plan, offload: dict, warnings: list[str]) -> dict:
         "checkpoint_layer_names": [names[i] for i in checkpointed if i < len(names)],
         "selective_layers": list(plan.selective_layers),
         "sequence_parallel": plan.sequence_parallel,
+        "context_parallel": dict(getattr(plan, "context_parallel", None) or {"degree": 1, "method": "ring"}),
         "compile": plan.compile,
         "offload": dict(offload) if offload else {"optimizer": "none", "params": "none"},
         "predicted_step_time_s": plan.predicted.step_time_s,
@@ -281,8 +315,12 @@ def launcher_command(plan, config_path: str = "ds_config.json", script: str = "t
         "--deepspeed_config",
         config_path,
     ]
-    if plan.tp > 1 or plan.pp > 1:
+    context = getattr(plan, "context_parallel", None) or {"degree": 1, "method": "ring"}
+    ulysses = context["degree"] > 1 and context["method"] == "ulysses"
+    if plan.tp > 1 or plan.pp > 1 or ulysses:
         parts += ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp)]
+    if ulysses:
+        parts += ["--ds-sequence-parallel-size", str(context["degree"])]
     moe = getattr(plan.model, "moe", None) or {}
     if moe:
         parts += ["--num-experts", str(moe["experts"]), "--moe-expert-parallel-size", str(plan.expert_parallel)]

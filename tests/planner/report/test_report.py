@@ -195,6 +195,33 @@ def test_launcher_command(plan):
     )
 
 
+def test_deepspeed_export_of_context_parallelism(plan):
+    """Ulysses is DeepSpeed's own sequence parallelism (a launch flag); ring and all-gather are not,
+    and the warning names Megatron-Core's equivalent and the pin that makes a DeepSpeed plan."""
+    ulysses = dataclasses.replace(
+        plan,
+        hardware=dataclasses.replace(plan.hardware, gpus=8, gpus_per_node=8),
+        dp=1,
+        tp=1,
+        pp=1,
+        stages=[[0, 13]],
+        num_micro_batches=plan.global_batch,
+        micro_batch_size=1,
+        sequence_parallel=False,
+        context_parallel={"degree": 8, "method": "ulysses"},
+    )
+    assert launcher_command(ulysses).endswith(
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --ds-sequence-parallel-size 8"
+    )
+    cfg = to_deepspeed(ulysses)
+    assert cfg["planner"]["context_parallel"] == {"degree": 8, "method": "ulysses"}
+    assert not any("context" in w or "sequences" in w for w in cfg["planner"]["warnings"])
+    ring = dataclasses.replace(ulysses, context_parallel={"degree": 8, "method": "ring"})
+    assert "--ds-sequence-parallel-size" not in launcher_command(ring)
+    warning = next(w for w in to_deepspeed(ring)["planner"]["warnings"] if "cp=8" in w)
+    assert "--context-parallel-size 8 --cp-comm-type p2p" in warning and "--cp-method ulysses" in warning
+
+
 def test_export_deepspeed_through_the_cli(plan, tmp_path, capsys):
     from planner.cli import main
 
