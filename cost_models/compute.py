@@ -254,7 +254,29 @@ def _roofline_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k:
     return min(hw.compute_efficiency, flops * hw.memory_bandwidth / (hw.peak(dtype) * moved))
 
 
+#: Dtypes whose products run on tensor cores, which need 16-byte aligned sizes
+#: (``HardwareProfile.gemm_misaligned_efficiency``); plain fp32 runs on the SIMT cores.
+TENSOR_CORE_DTYPES = ("bf16", "fp16", "tf32")
+
+
+def misaligned(dtype: str, *sizes: float) -> bool:
+    """True when a tensor-core product has a size that is not a multiple of 16 bytes of its elements."""
+    if dtype not in TENSOR_CORE_DTYPES:
+        return False
+    align = 16 // dtype_bytes(dtype)
+    return any(size % align for size in sizes)
+
+
 def _numeric_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
+    """The shape's efficiency (``_shape_efficiency``), times ``hw.gemm_misaligned_efficiency``
+    when a size breaks the tensor cores' 16-byte alignment."""
+    eff = _shape_efficiency(hw, dtype, m, n, k, batch)
+    if hw.gemm_misaligned_efficiency < 1.0 and misaligned(dtype, m, n, k):
+        eff *= hw.gemm_misaligned_efficiency
+    return eff
+
+
+def _shape_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return hw.compute_efficiency
     table = (hw.gemm_efficiency or {}).get(dtype)

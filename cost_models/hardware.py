@@ -187,6 +187,17 @@ class HardwareProfile:
     the fraction of ``peak_flops[dtype]`` an ``m[i] x k[l]`` by ``k[l] x n[j]`` product reached.
     ``cost_models.compute.gemm_efficiency`` interpolates it in log space and clamps at its edges.
     ``planner calibrate`` fills it; datasheet profiles leave it out."""
+    gemm_misaligned_efficiency: float = 1.0
+    """What a 16-bit or TF32 product keeps of its tabled efficiency when a size is not a multiple
+    of 16 bytes of its elements (8 bf16/fp16 values, 4 TF32): tensor-core kernels need aligned
+    leading dimensions, and cuBLAS falls back to older, slower ones (a language-model head over
+    GPT-2's 50,257-word vocabulary is the common case; Megatron-LM pads its vocabulary to a
+    multiple of 128 for this). In ``(0, 1]``; 1 on CPUs. ``planner calibrate --device cuda``
+    measures it (an ``8192 x 16383 x 2048`` product against ``8192 x 16384 x 2048``). Hopper
+    defaults: measured on an H200 here (2026-12-04, torch 2.11 + CUDA 13.0: the three products of
+    that head at 16,384 tokens ran cuBLAS's ``cutlass_75`` fallback at 93-142 TFLOP/s against
+    about 720 for their aligned neighbours in the calibrated table, 0.17 of it in the mean);
+    other GPUs keep 1 until measured."""
     host_device_bandwidth: float | None = None
     """Bytes/s of a pinned-memory copy between host and device (PCIe or C2C), per device, the slower
     of the two directions; ``None`` when unknown. What offload's transfers run at
@@ -329,6 +340,13 @@ class HardwareProfile:
         """The GEMM efficiency tables, the source and the calibration record."""
         if self.gemm_efficiency is not None:
             object.__setattr__(self, "gemm_efficiency", _check_gemm_tables(self.gemm_efficiency, self.peak_flops))
+        _check_fraction(
+            "gemm_misaligned_efficiency",
+            self.gemm_misaligned_efficiency,
+            1,
+            "the share of its efficiency a product with a size not a multiple of 16 bytes keeps",
+        )
+        object.__setattr__(self, "gemm_misaligned_efficiency", float(self.gemm_misaligned_efficiency))
         if not isinstance(self.source, str):
             raise ProfileError(f"field 'source' must be a string (got {self.source!r})")
         if self.calibration is not None and not isinstance(self.calibration, dict):
@@ -361,6 +379,7 @@ class HardwareProfile:
                     )
                 ),
                 self.sm_count,
+                self.gemm_misaligned_efficiency,
                 self.host_device_bandwidth,
                 self.host_memory_bytes,
                 self.nvme_bytes,

@@ -13,6 +13,8 @@ What is measured, on ``cuda:0`` unless said otherwise (``collect_single_device``
   repetitions (as many as fit ``gemm_target_s``, 3 to ``gemm_max_reps``), after a warm-up call and
   a few seconds of large GEMMs that bring the clocks up. The profile stores the fraction of peak
   (``gemm_efficiency``); ``compute_efficiency`` is the bf16 table's largest GEMM.
+- **Misaligned products**: ``MISALIGNED_SHAPE`` in bf16 against the same with ``n - 1``
+  (``gemm_misaligned_efficiency``: what a size that breaks the tensor cores' 16-byte alignment keeps).
 - **Memory bandwidth**: a large device-to-device tensor copy (read + write bytes / time).
 - **Per-operator host overhead**: the built-in GPT shrunk until its FLOPs are nothing (width 16,
   8 tokens), exported as the runtime runs it and trained on the device; a step's wall time over
@@ -244,6 +246,21 @@ def time_gemm(m: int, n: int, k: int, dtype: str, timer: DeviceTimer, target_s: 
         est = lower_quartile(timer.per_call(fn, 3))
         reps = max(3, min(max_reps, int(target_s / max(est, 1e-7))))
         return lower_quartile(timer.per_call(fn, reps))
+
+
+#: The product ``measure_misaligned_gemm`` times aligned, and with its ``n`` one short of it.
+MISALIGNED_SHAPE = (8192, 16384, 2048)
+
+
+def measure_misaligned_gemm(timer: DeviceTimer, target_s: float, max_reps: int) -> dict[str, float]:
+    """bf16 seconds of ``MISALIGNED_SHAPE`` and of the same with ``n - 1`` (not a multiple of 8
+    elements, which tensor-core kernels need), and the rate the second keeps of the first
+    (``HardwareProfile.gemm_misaligned_efficiency``)."""
+    m, n, k = MISALIGNED_SHAPE
+    aligned = time_gemm(m, n, k, "bf16", timer, target_s, max_reps)
+    odd = time_gemm(m, n - 1, k, "bf16", timer, target_s, max_reps)
+    kept = (n - 1) / n * aligned / odd if odd > 0 else 1.0
+    return {"aligned_s": aligned, "misaligned_s": odd, "efficiency": min(1.0, max(kept, 1e-3))}
 
 
 def measure_gemm_table(
@@ -527,6 +544,7 @@ def collect_single_device(
             spec.gemm_sizes, spec.gemm_dtypes, timer, spec.gemm_target_s, spec.gemm_max_reps, tick
         )
     }
+    raw["misaligned_gemm"] = measure_misaligned_gemm(timer, spec.gemm_target_s, spec.gemm_max_reps)
     raw["memory_bandwidth"] = measure_copy_bandwidth(timer, spec.copy_bytes, spec.copy_reps)
     tick("device copy")
     raw["op_chain"] = measure_op_chain(timer, spec.op_chain, spec.op_rounds)
@@ -634,6 +652,7 @@ def build_gpu_profile(
         "gemm": gemm,
         "gemm_skipped": skipped,
         "memory_bandwidth": raw.get("memory_bandwidth"),
+        "misaligned_gemm": raw.get("misaligned_gemm"),
         "op_chain": chain,
         "model_op_overhead": model,
         "host_device": raw.get("host_device"),
@@ -662,6 +681,9 @@ def build_gpu_profile(
         ops_async=True,
         recompute_ratio=1.0,
         overlap_slowdown=(raw.get("overlap") or {}).get("overlap_slowdown", base.overlap_slowdown),
+        gemm_misaligned_efficiency=(raw.get("misaligned_gemm") or {}).get(
+            "efficiency", base.gemm_misaligned_efficiency
+        ),
         intra_node_collectives=links,
         sm_count=int(device_info["sm_count"]),
         gemm_efficiency=tables or None,
