@@ -25,6 +25,7 @@ import torch.fx as fx
 
 import runtime
 from codegen.codegen_errors import CodegenError
+from codegen.context_rewrite import rewrite_context
 from codegen.expert_rewrite import ExpertRewrite, rewrite_experts
 from codegen.lower import LayerGraph, StageOptions, StageSpec, emit_stage_source, get_tensor, partition_graph
 from codegen.tp_rewrite import plan_tp_rewrite
@@ -232,6 +233,8 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, plan, model.vocab, model.dims)
     sequence_sharded = getattr(tp_rewrite, "sequence_sharded", None)  # sequence parallelism: S/tp positions
     experts = rewrite_experts(gm, plan)  # after the tp analysis, which reads the graph as traced
+    # context parallelism: traced at seq_len / cp; attention, positions and the loss over the cp group
+    context_parallel = rewrite_context(gm, plan, plan.seq_len // plan.cp)
     layers, specs, _ = partition_graph(gm, layer_of, names, plan.stages)
     context = _StageContext(
         gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded, experts
@@ -254,6 +257,8 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
         },
         "stages": stages,
     }
+    if context_parallel is not None:  # the trainer shards the sequences and sets the method from it
+        manifest["context_parallel"] = context_parallel
     if experts is not None:  # runtime.stages keeps each rank's experts of the "expert": true weights
         manifest["expert_parallel"] = experts.manifest()
     if plan.virtual_stages > 1:  # which rank runs which chunks (runtime.stages.compiled_stages.rank_chunks reads it)
