@@ -8,9 +8,10 @@ crossing a pipeline boundary) is already a rank's. What depends on *which* posit
 
 - every attention core (``aten.scaled_dot_product_attention``, ``planner_runtime.block_sparse_attention``)
   becomes ``attention(q, k, v, causal=, window=, scale=, layout=, enable_gqa=)``. Its mask is what
-  ``passes.causal_rewrite`` left (``is_causal``) or, for an explicit mask tensor, the planner's
-  per-block reading of it (plan.json ``model.attention.layers``: causal, sliding window, full),
-  checked against the mask the graph builds at the local length where it can be run. A mask
+  ``passes.causal_rewrite`` left (``is_causal``) or, for an explicit mask tensor, the mask the graph
+  builds, run at the local length (``passes.mask_kind.probe_mask``) and named causal, full, or the
+  sliding window the config states for the core's block (a window wider than the local length
+  looks causal there, so the config's window is what is kept). A mask
   that is not positional (a document mask, a custom pattern) or an eager (matmul-softmax) core
   cannot be split by position: ``CodegenError`` naming the node and what to do. The mask
   tensors then have no reader left and are dropped.
@@ -31,7 +32,6 @@ crossing a pipeline boundary) is already a rank's. What depends on *which* posit
 """
 
 from __future__ import annotations
-
 
 import torch
 import torch.fx as fx
@@ -86,40 +86,27 @@ def _arg(n: fx.Node, index: int, name: str, default):
     return n.args[index] if len(n.args) > index else n.kwargs.get(name, default)
 
 
-def _block_mask(n: fx.Node, plan) -> list | None:
-    """The planner's reading of the mask of ``n``'s block (plan.json ``model.attention.layers``)."""
-    rows = (plan.model.attention or {}).get("layers") or []
+def _explicit_mask(n: fx.Node, mask: fx.Node, windows: list | None, method: str) -> AttentionMask:
+    """The positional mask an explicit mask tensor stands for (causal, or sliding with the window
+    the config states for the core's block, ``windows``), checked against what the graph builds at
+    the local length; a ``CodegenError`` otherwise."""
     layer = n.meta.get("layer")
-    if isinstance(layer, int) and 1 <= layer <= len(rows):
-        return rows[layer - 1]
-    return None
-
-
-def _explicit_mask(n: fx.Node, mask: fx.Node, plan, method: str) -> AttentionMask:
-    """The positional mask an explicit mask tensor stands for, or a ``CodegenError``."""
-    row = _block_mask(n, plan)
-    kind, window = (row[0], row[1]) if row else ("custom", None)
-    if kind not in ("causal", "sliding", "full"):
-        raise CodegenError(
-            f"context parallelism ({method}) cannot split the attention of {_where(n)}: its mask is "
-            f"{kind!r} (a document or custom mask is not a function of positions alone); only causal, "
-            f"sliding-window, block-sparse and full masks are supported. Use a causal or sliding-window "
-            f"mask, or {_WHAT_TO_DO}"
-        )
-    wanted = AttentionMask(causal=kind != "full", window=int(window) if kind == "sliding" else None)
+    window = windows[layer - 1] if windows and isinstance(layer, int) and 1 <= layer <= len(windows) else None
     n_local = int(n.args[0].meta["val"].shape[-2])
     kept = probe_mask(mask, {}, n_local)
-    if isinstance(kept, torch.Tensor):
-        where = torch.arange(n_local)
-        if not torch.equal(kept.bool(), wanted.visible(where, where)):
-            raise CodegenError(
-                f"context parallelism ({method}) cannot split the attention of {_where(n)}: the mask the "
-                f"graph builds is not the {kind} mask the plan read; {_WHAT_TO_DO}"
-            )
-    return wanted
+    where = torch.arange(n_local)
+    for wanted in (AttentionMask(causal=True, window=window), AttentionMask(causal=False)):
+        if isinstance(kept, torch.Tensor) and torch.equal(kept.bool(), wanted.visible(where, where)):
+            return wanted
+    why = kept if isinstance(kept, str) else "it is neither causal, a sliding window the config states, nor full"
+    raise CodegenError(
+        f"context parallelism ({method}) cannot split the attention of {_where(n)}: its mask cannot be read as "
+        f"a function of positions ({why}; a document or custom mask is not). Only causal, sliding-window, "
+        f"block-sparse and full masks are supported: use one of them, or {_WHAT_TO_DO}"
+    )
 
 
-def _rewrite_cores(gm: fx.GraphModule, plan, method: str) -> int:
+def _rewrite_cores(gm: fx.GraphModule, windows: list | None, method: str) -> int:
     """Every attention core -> ``entry.attention``; the number rewritten."""
     annotate_attention(gm)
     count = 0
@@ -141,7 +128,7 @@ def _rewrite_cores(gm: fx.GraphModule, plan, method: str) -> int:
                 )
             mask = _arg(n, 3, "attn_mask", None)
             if isinstance(mask, fx.Node):
-                wanted = _explicit_mask(n, mask, plan, method)
+                wanted = _explicit_mask(n, mask, windows, method)
             else:
                 wanted = AttentionMask(causal=bool(_arg(n, 5, "is_causal", False)))
             kwargs = {
@@ -327,15 +314,16 @@ def _check_plan(plan, degree: int, method: str) -> None:
             raise CodegenError(f"context parallelism (cp={degree}, {method}) with {what} is not supported; {fix}")
 
 
-def rewrite_context(gm: fx.GraphModule, plan, n_local: int) -> dict | None:
+def rewrite_context(gm: fx.GraphModule, plan, n_local: int, windows: list | None = None) -> dict | None:
     """Rewrite ``gm`` (exported at the local length ``n_local``) for ``plan.context_parallel``;
-    the manifest's ``context_parallel`` entry, None without context parallelism."""
+    the manifest's ``context_parallel`` entry, None without context parallelism. ``windows``: the
+    sliding window the model's config states for each block (None where it has none)."""
     context = plan.context_parallel or {}
     degree, method = int(context.get("degree", 1)), context.get("method", "ring")
     if degree <= 1:
         return None
     _check_plan(plan, degree, method)
-    cores = _rewrite_cores(gm, plan, method)
+    cores = _rewrite_cores(gm, windows, method)
     positions = _rewrite_positions(gm, n_local)
     loss = _rewrite_loss(gm, n_local)
     gm.graph.eliminate_dead_code()
@@ -350,5 +338,3 @@ def rewrite_context(gm: fx.GraphModule, plan, n_local: int) -> dict | None:
         "positions": positions,
         "loss": loss,
     }
-
-

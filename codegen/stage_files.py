@@ -54,6 +54,9 @@ class ExportedModel:
     """Which SDPA cores, in order, get ``is_causal`` in place of their explicit mask, read from an
     export at the planner's probe length (``passes.causal_rewrite.causal_verdicts``); None: probe
     this export's masks at its own length."""
+    windows: list[int | None] | None = None
+    """The sliding window the model's config states for each block (None where it has none; None
+    for a model without windows): what context parallelism keeps of an explicit mask."""
 
 
 def _layered(model: ExportedModel, plan: Plan):
@@ -234,7 +237,7 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     sequence_sharded = getattr(tp_rewrite, "sequence_sharded", None)  # sequence parallelism: S/tp positions
     experts = rewrite_experts(gm, plan)  # after the tp analysis, which reads the graph as traced
     # context parallelism: traced at seq_len / cp; attention, positions and the loss over the cp group
-    context_parallel = rewrite_context(gm, plan, plan.seq_len // plan.cp)
+    context_parallel = rewrite_context(gm, plan, plan.seq_len // plan.cp, model.windows)
     layers, specs, _ = partition_graph(gm, layer_of, names, plan.stages)
     context = _StageContext(
         gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded, experts

@@ -140,9 +140,7 @@ def set_mesh(mesh: Mesh) -> Mesh:
     return mesh
 
 
-def setup_mesh(
-    pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] = (), ep: int = 1, cp: int = 1
-) -> Mesh:
+def setup_mesh(pp: int, dp: int, tp: int, tied_stages: Sequence[Sequence[int]] = (), ep: int = 1, cp: int = 1) -> Mesh:
     """Create the axis groups, one group per (holder set, dp, cp, tp) of ``tied_stages`` (the
     stages holding a copy of a tied weight), with ``ep > 1`` the expert-parallel and
     expert-data-parallel groups and with ``cp > 1`` the context-parallel and dp_cp groups;

@@ -52,8 +52,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from runtime import moe, tensor_parallel, timing
-from runtime import context_parallel
+from runtime import context_parallel, moe, tensor_parallel, timing
 from runtime.checkpointing import checkpoint_io
 from runtime.contract.choices import GradCompression, ScheduleName
 from runtime.contract.compressed_exchange import default_warmup
@@ -69,7 +68,14 @@ from runtime.dtypes import to_torch
 from runtime.moe.expert_shards import expert_attrs, expert_degree, num_experts
 from runtime.pipeline.executor import PipelineStage, TensorMeta
 from runtime.stages.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
-from runtime.stages.compiled_stages import CompiledError, load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
+from runtime.stages.compiled_stages import (
+    CompiledError,
+    load_stage_module,
+    load_weights,
+    param_groups,
+    rank_chunks,
+    read_manifest,
+)
 from runtime.training.data import CHECKSUM_MODULUS, batch_checksum, data_vocab, model_inputs, open_data, rank_slice
 from runtime.training.events import write_event
 from runtime.training.profiling import StepProbes
