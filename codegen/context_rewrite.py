@@ -48,6 +48,7 @@ __all__ = ["rewrite_context"]
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
 _SPARSE = torch.ops.planner_runtime.block_sparse_attention.default
+_ASSERT = aten._assert_tensor_metadata.default
 _CARRIED_META = ("layer", "nn_module_stack", "stack_trace", "source_fn_stack", "op_class", "val")
 _TARGET_OPS = {
     aten.view.default,
@@ -106,10 +107,9 @@ def _explicit_mask(n: fx.Node, mask: fx.Node, windows: list | None, method: str)
     )
 
 
-def _rewrite_cores(gm: fx.GraphModule, windows: list | None, method: str) -> int:
-    """Every attention core -> ``entry.attention``; the number rewritten."""
+def _rewrite_cores(gm: fx.GraphModule, windows: list | None, method: str) -> None:
+    """Every attention core -> ``entry.attention``."""
     annotate_attention(gm)
-    count = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
@@ -152,13 +152,10 @@ def _rewrite_cores(gm: fx.GraphModule, windows: list | None, method: str) -> int
             new = _carry(gm.graph.call_function(entry.attention, (q, k, v), kwargs), n, "cp_attention")
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
-        count += 1
-    return count
 
 
-def _rewrite_positions(gm: fx.GraphModule, n_local: int) -> int:
-    """``arange(n)`` over the sequence -> ``entry.positions(n)``; the number rewritten."""
-    count = 0
+def _rewrite_positions(gm: fx.GraphModule, n_local: int) -> None:
+    """``arange(n)`` over the sequence -> ``entry.positions(n)``."""
     for n in list(gm.graph.nodes):
         ends = None
         if n.target is aten.arange.default:
@@ -174,8 +171,6 @@ def _rewrite_positions(gm: fx.GraphModule, n_local: int) -> int:
             new = _carry(gm.graph.call_function(entry.positions, (n_local,), kwargs), n, "cp_positions")
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
-        count += 1
-    return count
 
 
 def _targets_source(target: fx.Node, loss: fx.Node) -> fx.Node:
@@ -323,10 +318,13 @@ def rewrite_context(gm: fx.GraphModule, plan, n_local: int, windows: list | None
     if degree <= 1:
         return None
     _check_plan(plan, degree, method)
-    cores = _rewrite_cores(gm, windows, method)
-    positions = _rewrite_positions(gm, n_local)
+    _rewrite_cores(gm, windows, method)
+    _rewrite_positions(gm, n_local)
     loss = _rewrite_loss(gm, n_local)
-    gm.graph.eliminate_dead_code()
+    # the mask tensors and the positions only they read (metadata assertions, which codegen drops, do not keep them)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.target is not _ASSERT and n.is_impure())
+    cores = sum(1 for n in gm.graph.nodes if n.target is entry.attention)
+    positions = sum(1 for n in gm.graph.nodes if n.target is entry.positions)
     gm.graph.lint()
     gm.recompile()
     return {

@@ -12,6 +12,7 @@ import torch
 
 from codegen.codegen_errors import CodegenError
 from planner.commands.compile import compile_plan
+from planner.commands.train import original_state
 from planner.frontend.spec import ModelSizes
 from planner.frontend.zoo import build_model
 from runtime.data_parallel.engine_config import CompressionConfig
@@ -60,7 +61,7 @@ def test_compiled_stage_without_a_mesh_is_the_model_at_the_local_length(compiled
     plan, out, manifest = compiled
     model = build_model(plan.model.spec, ModelSizes(**plan.model.sizes), seed=0).model
     ids = torch.randint(0, 96, (1, SEQ // 2), generator=torch.Generator().manual_seed(3))
-    state = {name: t.detach().clone() for name, t in model.state_dict(keep_vars=False).items()}
+    state = original_state(plan.model.spec, dict(plan.model.sizes), plan.seq_len, 0)
     loss, _ = run_stages_in_process(out, manifest, state, {"input_ids": ids})
     expected = model(ids)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
