@@ -33,6 +33,8 @@ crossing a pipeline boundary) is already a rank's. What depends on *which* posit
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -93,7 +95,7 @@ def _explicit_mask(n: fx.Node, mask: fx.Node, windows: list | None, method: str)
     the local length; a ``CodegenError`` otherwise."""
     layer = n.meta.get("layer")
     window = windows[layer - 1] if windows and isinstance(layer, int) and 1 <= layer <= len(windows) else None
-    n_local = int(n.args[0].meta["val"].shape[-2])
+    n_local = int(cast(fx.Node, n.args[0]).meta["val"].shape[-2])
     kept = probe_mask(mask, {}, n_local)
     where = torch.arange(n_local)
     for wanted in (AttentionMask(causal=True, window=window), AttentionMask(causal=False)):
@@ -272,7 +274,7 @@ def _rewrite_loss(gm: fx.GraphModule, n_local: int) -> dict:
         flat.meta.pop("val", None)
     loss.args = (loss.args[0], flat, *loss.args[2:])
     if dropped is not None:  # the last position stays; its target is ignored instead
-        dropped.replace_all_uses_with(dropped.args[0])
+        dropped.replace_all_uses_with(cast(fx.Node, dropped.args[0]))
         graph.erase_node(dropped)
         for n in graph.nodes:  # views after it keep -1 or a flattened size; fix a baked b * (n - 1)
             if n.target in (aten.view.default, aten.reshape.default) and _feeds(n, loss):
