@@ -69,7 +69,18 @@ _TARGET_OPS = {
     aten.contiguous.default,
 }
 """Ops a loss's targets may pass through between a model input and the loss."""
-_LOGIT_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+_LOGIT_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.contiguous.default,
+}
+"""Ops between the ``[b, n, V]`` logits and the loss (views and casts)."""
 _WHAT_TO_DO = "plan this model without context parallelism (--cp 1)"
 
 
@@ -204,7 +215,7 @@ def _logits_source(logits: fx.Node, n_local: int) -> tuple[fx.Node, fx.Node | No
         n = n.args[0]
     raise CodegenError(
         f"context parallelism cannot split the loss {_where(logits)}: its logits are not "
-        f"[batch, {n_local}, classes] read through views (and one slice dropping the last position); {_WHAT_TO_DO}"
+        f"[batch, {n_local}, classes] read through views and casts (and one slice dropping the last position); {_WHAT_TO_DO}"
     )
 
 
