@@ -18,15 +18,25 @@ __all__ = ["cp_plan"]
 
 
 @functools.lru_cache(maxsize=None)
-def _table(spec: str, seq_len: int):
-    return build_layer_table(spec, batch=1, seq_len=seq_len, dtype="fp32")
+def _table(spec: str, seq_len: int, sizes: tuple):
+    return build_layer_table(spec, batch=1, seq_len=seq_len, dtype="fp32", **dict(sizes))
 
 
 def cp_plan(
-    spec: str, *, cp: int, method: str, seq_len: int, global_batch: int, dp=1, tp=1, pp=1, zero_stage=None
+    spec: str,
+    *,
+    cp: int,
+    method: str,
+    seq_len: int,
+    global_batch: int,
+    dp=1,
+    tp=1,
+    pp=1,
+    zero_stage=None,
+    sizes: dict | None = None,
 ) -> Plan:
     """A plan of ``dp * cp * tp * pp`` ranks with context parallelism ``cp`` over ``method``
-    (micro-batches of one sequence)."""
+    (micro-batches of one sequence); ``sizes``: the model's size flags (layers, hidden, ...)."""
     gpus = dp * cp * tp * pp
     request = PlanRequest(
         spec=spec,
@@ -41,8 +51,11 @@ def cp_plan(
         tp=tp,
         pp=pp,
         zero_stage=zero_stage,
+        sizes=dict(sizes or {}),
     )
-    planned = solve(request, _table(spec, seq_len), load_hardware("cpu", gpus_per_node=gpus)).plan.to_dict()
+    planned = solve(
+        request, _table(spec, seq_len, tuple(sorted((sizes or {}).items()))), load_hardware("cpu", gpus_per_node=gpus)
+    ).plan.to_dict()
     planned.pop("alternatives", None)
     planned["dp"] = dp
     planned["num_micro_batches"] *= cp
