@@ -152,6 +152,12 @@ def _stage_header(plan: Plan, spec: StageSpec, plan_digest: str, where: str) -> 
         f"{spec.layers[0]}..{spec.layers[-1]}; dp={plan.dp} tp={plan.tp} pp={plan.pp} "
         f"zero={plan.zero_stage} micro-batch={plan.micro_batch_size} dtype={plan.dtype}"
         + (" sequence-parallel." if plan.sequence_parallel else ".")
+        + (
+            f"\n# Context parallel: cp={plan.cp} ({plan.context_parallel['method']}), "
+            f"{plan.seq_len // plan.cp} of {plan.seq_len} positions per rank."
+            if plan.cp > 1
+            else ""
+        )
     )
     return "\n".join("# " + line.lstrip("# ").replace("\r", " ") for line in header.splitlines())
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from runtime.context_parallel.blocks import AttentionMask
@@ -134,9 +133,9 @@ class _SumOverGroup(torch.autograd.Function):
 
 def _full_labels(labels: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     """The whole sequence's labels ``[b, n cp]`` in position order from every rank's ``[b, n]``."""
-    parts = [torch.empty_like(labels) for _ in range(cp)]
-    dist.all_gather(parts, labels.contiguous(), group=group)
-    return gather_sequence(parts, dim=1)
+    gathered = labels.new_empty(cp * labels.numel())
+    comm.all_gather_into(gathered, labels.contiguous().view(-1), group=group)
+    return gather_sequence(list(gathered.view(cp, *labels.shape).unbind(0)), dim=1)
 
 
 def targets(labels: torch.Tensor, *, shift: bool, ignore_index: int = -100) -> torch.Tensor:
