@@ -15,6 +15,7 @@ from planner.commands.compile import compile_plan
 from planner.commands.train import original_state
 from planner.frontend.spec import ModelSizes
 from planner.frontend.zoo import build_model
+from planner.plan import Plan
 from runtime.data_parallel.engine_config import CompressionConfig
 from runtime.data_parallel.offload_engine import OffloadConfig
 from runtime.stages.compiled_stages import CompiledError
@@ -71,6 +72,21 @@ def test_a_document_mask_is_refused_naming_the_node(tmp_path):
     plan = cp_plan(f"{CP_MODELS}:document_mask", cp=2, method="ring", seq_len=SEQ, global_batch=2)
     with pytest.raises(CodegenError, match=r"cannot split the attention of node '.*scaled_dot_product.*'.*custom mask"):
         compile_plan(plan, str(tmp_path))
+
+
+def test_eager_attention_is_refused_saying_what_to_export(tmp_path):
+    plan = cp_plan(f"{CP_MODELS}:eager_attention", cp=2, method="all-gather", seq_len=SEQ, global_batch=2)
+    with pytest.raises(CodegenError, match=r"eager \(matmul-softmax\) attention of node .*attn_implementation='sdpa'"):
+        compile_plan(plan, str(tmp_path))
+
+
+def test_compile_refuses_offload_with_context_parallelism(compiled, tmp_path):
+    plan, _, _ = compiled
+    offloaded = Plan.from_dict({**plan.to_dict(), "zero_stage": 3, "offload": {"optimizer": "cpu", "params": "none"}})
+    with pytest.raises(
+        CodegenError, match=r"context parallelism \(cp=2, ulysses\) with offload .*plan without offload"
+    ):
+        compile_plan(offloaded, str(tmp_path))
 
 
 def test_the_trainer_refuses_what_context_parallelism_does_not_combine_with(compiled):
