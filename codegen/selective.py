@@ -26,6 +26,7 @@ import torch.fx as fx
 import runtime
 from codegen.codegen_errors import LoweringError
 from passes.attention import annotate_attention, attention_core
+from runtime import context_parallel
 
 __all__ = ["CoreGraph", "extract_attention_cores", "CORE_ATTR"]
 
@@ -44,7 +45,9 @@ def _core_sets(graph: fx.Graph) -> list[list[fx.Node]]:
     annotate_attention(graph)
     cores, taken = [], set()
     for n in graph.nodes:
-        nodes = [x for x in attention_core(n) if x not in taken]
+        # a context-parallel core (codegen.context_rewrite) is one call, as SDPA is
+        core = [n] if n.target is context_parallel.attention else attention_core(n)
+        nodes = [x for x in core if x not in taken]
         if nodes:
             cores.append(nodes)
             taken.update(nodes)

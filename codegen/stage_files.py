@@ -25,6 +25,7 @@ import torch.fx as fx
 
 import runtime
 from codegen.codegen_errors import CodegenError
+from codegen.context_rewrite import rewrite_context
 from codegen.expert_rewrite import ExpertRewrite, rewrite_experts
 from codegen.lower import LayerGraph, StageOptions, StageSpec, emit_stage_source, get_tensor, partition_graph
 from codegen.tp_rewrite import plan_tp_rewrite
@@ -53,6 +54,9 @@ class ExportedModel:
     """Which SDPA cores, in order, get ``is_causal`` in place of their explicit mask, read from an
     export at the planner's probe length (``passes.causal_rewrite.causal_verdicts``); None: probe
     this export's masks at its own length."""
+    windows: list[int | None] | None = None
+    """The sliding window the model's config states for each block (None where it has none; None
+    for a model without windows): what context parallelism keeps of an explicit mask."""
 
 
 def _layered(model: ExportedModel, plan: Plan):
@@ -148,6 +152,12 @@ def _stage_header(plan: Plan, spec: StageSpec, plan_digest: str, where: str) -> 
         f"{spec.layers[0]}..{spec.layers[-1]}; dp={plan.dp} tp={plan.tp} pp={plan.pp} "
         f"zero={plan.zero_stage} micro-batch={plan.micro_batch_size} dtype={plan.dtype}"
         + (" sequence-parallel." if plan.sequence_parallel else ".")
+        + (
+            f"\n# Context parallel: cp={plan.cp} ({plan.context_parallel['method']}), "
+            f"{plan.seq_len // plan.cp} of {plan.seq_len} positions per rank."
+            if plan.cp > 1
+            else ""
+        )
     )
     return "\n".join("# " + line.lstrip("# ").replace("\r", " ") for line in header.splitlines())
 
@@ -232,6 +242,8 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, plan, model.vocab, model.dims)
     sequence_sharded = getattr(tp_rewrite, "sequence_sharded", None)  # sequence parallelism: S/tp positions
     experts = rewrite_experts(gm, plan)  # after the tp analysis, which reads the graph as traced
+    # context parallelism: traced at seq_len / cp; attention, positions and the loss over the cp group
+    context_parallel = rewrite_context(gm, plan, plan.seq_len // plan.cp, model.windows)
     layers, specs, _ = partition_graph(gm, layer_of, names, plan.stages)
     context = _StageContext(
         gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded, experts
@@ -254,6 +266,8 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
         },
         "stages": stages,
     }
+    if context_parallel is not None:  # the trainer shards the sequences and sets the method from it
+        manifest["context_parallel"] = context_parallel
     if experts is not None:  # runtime.stages keeps each rank's experts of the "expert": true weights
         manifest["expert_parallel"] = experts.manifest()
     if plan.virtual_stages > 1:  # which rank runs which chunks (runtime.stages.compiled_stages.rank_chunks reads it)

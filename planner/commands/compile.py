@@ -60,9 +60,14 @@ def causal_cores(plan: Plan, bundle: ModelBundle, gm: fx.GraphModule) -> list[bo
 
 def compile_plan(plan: Plan, out_dir: str) -> dict:
     """Write ``stage_<k>.py`` per pipeline stage and ``manifest.json`` into ``out_dir``; return
-    the manifest."""
+    the manifest. A context-parallel plan is exported at the length one rank holds, ``seq_len / cp``
+    (``codegen.context_rewrite``)."""
     gm, block_paths, bundle = export_training_module(
-        plan.model.spec, plan.model.sizes, dtype=plan.dtype, batch=plan.micro_batch_size, seq_len=plan.seq_len
+        plan.model.spec,
+        plan.model.sizes,
+        dtype=plan.dtype,
+        batch=plan.micro_batch_size,
+        seq_len=plan.seq_len // plan.cp,
     )
     vocab = bundle.vocab or data_vocab(plan.model.inputs, 0)  # a user's model: what its token inputs index
     model = ExportedModel(
@@ -71,6 +76,7 @@ def compile_plan(plan: Plan, out_dir: str) -> dict:
         vocab=vocab,
         dims=model_dims(bundle, plan.model.sizes, gm),
         causal_cores=causal_cores(plan, bundle, gm),
+        windows=config_windows(bundle.model, plan.model.layers),
     )
     return compile_exported(plan, model, out_dir)
 

@@ -71,7 +71,7 @@ class Replan:
 
 
 def _world(plan: Plan) -> int:
-    return plan.dp * plan.tp * plan.pp
+    return plan.dp * plan.cp * plan.tp * plan.pp
 
 
 def _layout(plan: Plan) -> dict:

@@ -333,7 +333,7 @@ def run_train(args, *, on_step_start: StepHook | None = None) -> int:
 
 
 def _world_of(plan: Plan) -> int:
-    return plan.dp * plan.tp * plan.pp
+    return plan.dp * plan.cp * plan.tp * plan.pp
 
 
 def _resume_step(opts: TrainOptions) -> int:
@@ -402,7 +402,7 @@ def train_plan(
     0 done (or nothing left to train), 1 the run failed (the reason on stderr); bad input raises
     ``UserError``. ``on_step_start`` must be picklable for local runs (it is sent to every rank).
     ``restart_note``: the re-plan event the first step reports (``run_train``)."""
-    world = plan.dp * plan.tp * plan.pp
+    world = _world_of(plan)
     if not _check_before_start(plan, opts):
         return 0
     compiled = compile_for_training(plan, plan_path, compiled)
@@ -480,7 +480,7 @@ def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world:
     """Spawn ``nproc`` local processes (one per rank) and train; 1 when the run failed."""
     if nproc != world:
         raise UserError(
-            f"{plan_path} needs dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {world} processes, "
+            f"{plan_path} needs dp*cp*tp*pp = {plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {world} processes, "
             f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}."
         )
     try:
@@ -509,7 +509,7 @@ def _train_under_torchrun(plan_path: str, job: _WorkerJob, world: int) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world:
-        raise UserError(f"{plan_path} needs {world} processes (dp*tp*pp), but torchrun started {env_world}.")
+        raise UserError(f"{plan_path} needs {world} processes (dp*cp*tp*pp), but torchrun started {env_world}.")
     ctx = init_distributed(timeout_s=job.opts.timeout_s)
     try:
         _worker(ctx.rank, ctx.world_size, job)

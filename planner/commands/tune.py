@@ -504,7 +504,7 @@ def _run_trial(trial: Trial, workdir: str, steps: int, timeout: float, capacity:
         overlap="on" if any(trial.plan.overlap.values()) else "off",  # as the plan was priced
     )
     local = not _torchrun()
-    nproc = trial.plan.dp * trial.plan.tp * trial.plan.pp if local else None
+    nproc = trial.plan.dp * trial.plan.cp * trial.plan.tp * trial.plan.pp if local else None
     err = io.StringIO()
     error: str | None = None
     start = time.perf_counter()

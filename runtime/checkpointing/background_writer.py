@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from runtime.checkpointing.checkpoint_io import CheckpointError, JoinGroups, StagedCheckpoint, write
 from runtime.contract import environment
-from runtime.contract.rank_layout import rank_of
+from runtime.contract.rank_layout import axis_ranks
 
 __all__ = ["BackgroundWriter", "fault_hook", "join_in_flight", "writer_groups"]
 
@@ -93,11 +93,11 @@ def writer_groups(mesh, timeout_s: float) -> JoinGroups:
     timeout = timedelta(seconds=timeout_s)
     rank = dist.get_rank()
     world = dist.new_group(backend="gloo", timeout=timeout)
-    pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
+    pp, dp, tp, cp = mesh.pp, mesh.dp, mesh.tp, mesh.cp
     mine = {}
-    axes = {
-        "dp": [[rank_of(k, d, t, dp, tp) for d in range(dp)] for k in range(pp) for t in range(tp)],
-        "tp": [[rank_of(k, d, t, dp, tp) for t in range(tp)] for k in range(pp) for d in range(dp)],
+    axes = {  # "dp": the ranks holding the same weights (dp * cp of them under context parallelism)
+        "dp": axis_ranks("dp_cp", dp, tp, pp, cp),
+        "tp": axis_ranks("tp", dp, tp, pp, cp),
     }
     for axis, member_lists in axes.items():
         if len(member_lists[0]) == 1:

@@ -220,9 +220,9 @@ def _logical_state(local: dict, params: dict, mesh, groups: JoinGroups) -> dict[
     dense = {k: value for k, value in local.items() if k != "experts"}
     gathered: list | None = [dense]  # ZeRO-0: every dp rank holds the full state already
     if dense["num_shards"] != 1:
-        gathered = _gather_to(dense, groups.dp, mesh.dp_ranks[0])
-    expert_parts = _gather_to((mesh.ep_index, experts), groups.dp, mesh.dp_ranks[0]) if experts else None
-    if mesh.dp_index != 0:
+        gathered = _gather_to(dense, groups.dp, mesh.dp_cp_ranks[0])
+    expert_parts = _gather_to((mesh.ep_index, experts), groups.dp, mesh.dp_cp_ranks[0]) if experts else None
+    if mesh.rank != mesh.dp_cp_ranks[0]:  # dp index 0 (and cp index 0): the first of the ranks sharing weights
         return None
     assert gathered is not None  # dp index 0 is the gather's destination
     per_attr = _by_name(consolidate_shards(gathered), {k: {} for k in _KINDS})
@@ -428,7 +428,7 @@ def save(directory: str, step: int, engine, man: dict, mesh, keep_last: int = 2,
     training process group); return its path. Older ones beyond ``keep_last`` go. ``schedule``
     (the learning-rate schedule's settings) is recorded in the meta for resumes."""
     staged = stage(directory, step, engine, man, mesh, keep_last=keep_last, schedule=schedule)
-    return write(staged, JoinGroups(dp=mesh.dp_group, tp=mesh.tp_group))
+    return write(staged, JoinGroups(dp=mesh.dp_cp_group, tp=mesh.tp_group))
 
 
 def _check_same_model(meta: dict, man: dict, path: str) -> None:

@@ -91,7 +91,7 @@ class Saver:
             if directory and self.writer is not None:
                 self.writer.submit(staged)
             elif directory:
-                checkpoint_io.write(staged, JoinGroups(dp=self.mesh.dp_group, tp=self.mesh.tp_group), self.fault)
+                checkpoint_io.write(staged, JoinGroups(dp=self.mesh.dp_cp_group, tp=self.mesh.tp_group), self.fault)
         except CheckpointError as e:
             self._settle(e)
         if done == self.opts.steps:  # the run's end: its last save must be on disk

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from runtime import moe, tensor_parallel, timing
+from runtime import context_parallel, moe, tensor_parallel, timing
 from runtime.checkpointing import checkpoint_io
 from runtime.contract.choices import GradCompression, ScheduleName
 from runtime.contract.compressed_exchange import default_warmup
@@ -68,7 +68,14 @@ from runtime.dtypes import to_torch
 from runtime.moe.expert_shards import expert_attrs, expert_degree, num_experts
 from runtime.pipeline.executor import PipelineStage, TensorMeta
 from runtime.stages.compile_layers import TRACKED_STEPS, CompiledLayers, compile_stage, warm_up_in_turn
-from runtime.stages.compiled_stages import load_stage_module, load_weights, param_groups, rank_chunks, read_manifest
+from runtime.stages.compiled_stages import (
+    CompiledError,
+    load_stage_module,
+    load_weights,
+    param_groups,
+    rank_chunks,
+    read_manifest,
+)
 from runtime.training.data import CHECKSUM_MODULUS, batch_checksum, data_vocab, model_inputs, open_data, rank_slice
 from runtime.training.events import write_event
 from runtime.training.profiling import StepProbes
@@ -347,7 +354,7 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     return ZeroEngine(
         module,
         layers=layers,
-        dp_group=mesh.dp_group,
+        dp_group=mesh.dp_cp_group,  # the ranks holding these weights: dp * cp of them
         sharding=ShardingConfig(
             zero_stage=plan["zero_stage"],
             param_dtype=to_torch(plan["dtype"]),
@@ -384,6 +391,40 @@ def compression_of(plan: dict, opts: TrainOptions) -> CompressionConfig:
     if warmup is None:
         warmup = plan.get("compression_warmup") or default_warmup(opts.steps)
     return CompressionConfig(method=method, warmup_steps=warmup if method != GradCompression.NONE else 0)
+
+
+def context_degree(manifest: Mapping[str, Any], offload: OffloadConfig, compression: CompressionConfig) -> int:
+    """The plan's context-parallel degree, its method set for the compiled stages
+    (``runtime.context_parallel.set_method``); a ``CompiledError`` for stages compiled without it or a
+    plan combining it with what it does not support (expert parallelism, offload, compression)."""
+    plan = manifest["plan"]
+    entry = plan.get("context_parallel") or {}
+    cp = int(entry.get("degree", 1))
+    if cp == 1:
+        return 1
+    if manifest.get("context_parallel", {}).get("degree") != cp:
+        raise CompiledError(
+            f"the plan asks for context parallelism over {cp} ranks but its stages were compiled without it; "
+            "recompile the plan (planner compile)"
+        )
+    refused = [
+        (expert_degree(manifest) > 1, "expert parallelism", "plan with --ep 1"),
+        (offload.optimizer != "none" or offload.params != "none", "offload", "plan without offload"),
+        (compression.method != GradCompression.NONE, f"{compression.method} compression", "--dp-compression none"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise CompiledError(f"context parallelism (cp={cp}) with {what} is not supported; {fix}")
+    context_parallel.set_method(manifest["context_parallel"]["method"])
+    return cp
+
+
+def _sequence_part(x: torch.Tensor, mesh: Mesh, seq_len: int) -> torch.Tensor:
+    """This rank's chunks of ``x`` along dim 1 when it is sequence-long (token ids, labels, masks,
+    positions), else ``x``."""
+    if x.dim() < 2 or x.shape[1] != seq_len:
+        return x
+    return context_parallel.shard_sequence(x, 1, mesh.cp_index, mesh.cp).contiguous()
 
 
 def _rank_device() -> torch.device:
@@ -423,7 +464,8 @@ def setup(
     plan = manifest["plan"]
     offload = OffloadConfig.from_plan(plan, opts.nvme_path)  # bad placement: fail before any work
     pp, dp, tp = plan["pp"], plan["dp"], plan["tp"]
-    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest), ep=expert_degree(manifest))
+    cp = context_degree(manifest, offload, compression_of(plan, opts))
+    mesh = setup_mesh(pp, dp, tp, tied_stage_sets(manifest), ep=expert_degree(manifest), cp=cp)
     tensor_parallel.set_overlap(opts.overlap_settings.tp)
     device = _rank_device()
     chunks = rank_chunks(manifest, mesh.pp_index)
@@ -522,6 +564,8 @@ def micro_batches(run: Run, step: int) -> tuple[list, int]:
     checksum = batch_checksum(ids, row_start)
     ids, labels = ids.to(run.device), labels.to(run.device)
     by_name = dict(zip(run.graph_inputs, model_inputs(run.input_specs, ids, labels)))
+    if run.mesh.cp > 1:  # this rank's two chunks of every sequence-long input (the loss shifts at full length)
+        by_name = {name: _sequence_part(x, run.mesh, plan["seq_len"]) for name, x in by_name.items()}
     per_chunk = [
         [tuple(by_name[name][i * micro_size : (i + 1) * micro_size] for name in names) for names in run.stage_inputs]
         for i in range(micro_batch_count)

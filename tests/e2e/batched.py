@@ -59,7 +59,7 @@ def options(folder: str, steps: int, **settings) -> TrainOptions:
 
 
 def _world(plan: Plan) -> int:
-    return plan.dp * plan.tp * plan.pp
+    return plan.dp * plan.cp * plan.tp * plan.pp
 
 
 def _train_each(rank: int, world: int, runs: Sequence[Run]) -> None:

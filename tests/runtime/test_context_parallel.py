@@ -1,7 +1,9 @@
 """runtime.context_parallel: the balanced sequence layout, block attention merged by log-sum-exp,
 and the three methods (ring, all-gather, Ulysses) on 2 and 4 gloo ranks against single-process
 attention (torch's SDPA with an explicit mask): outputs and the gradients of queries, keys and
-values, for causal, sliding-window and full masks with grouped-query heads, and the ring's bytes."""
+values, for causal, sliding-window and full masks with grouped-query heads, and the ring's bytes.
+The same launch checks the mesh's cp and dp_cp groups (``setup_mesh(cp=)``) and the entry points
+compiled stages call (``positions``, ``targets``, ``sequence_mean``, ``attention``) over them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
+from runtime import context_parallel as cpr
+from runtime import timing
 from runtime.context_parallel import (
     METHODS,
     AttentionMask,
@@ -27,6 +31,7 @@ from runtime.context_parallel import (
 from runtime.context_parallel.blocks import Span, _coverage, block_forward, merge
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
+from runtime.distributed.mesh import Mesh, set_mesh, setup_mesh
 from runtime.sparse_attention import BlockSparseLayout
 
 MASKS = {
@@ -161,11 +166,88 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
                     verdicts[name] = "ok"
                 except Exception:  # noqa: BLE001 -- reported per case to the test process
                     verdicts[name] = traceback.format_exc()
+    for name, check in MESH_CASES.items():
+        try:
+            check(rank)
+            verdicts[name] = "ok"
+        except Exception:  # noqa: BLE001 -- reported per case to the test process
+            verdicts[name] = traceback.format_exc()
+    set_mesh(Mesh(1, 1, 1))
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(verdicts, f)
 
 
-CASES = [f"cp{cp}-{method}-{mask}" for cp in (4, 2) for method in METHODS for mask in MASKS]
+def _mesh_tp2_cp2(rank: int) -> None:
+    """rank = cp_index * 2 + tp_index: a cp group is the ranks tp apart, and (dp 1) the dp_cp group."""
+    mesh = setup_mesh(1, 1, 2, cp=2)
+    t, c = rank % 2, rank // 2
+    assert (mesh.cp, mesh.cp_index, mesh.tp_index, mesh.dp_index, mesh.pp_index) == (2, c, t, 0, 0)
+    assert mesh.cp_ranks == (t, 2 + t) and mesh.dp_cp_ranks == (t, 2 + t) and mesh.tp_ranks == (2 * c, 2 * c + 1)
+    assert dist.get_process_group_ranks(mesh.cp_group) == [t, 2 + t]
+    assert timing.part_of(mesh.cp_group) == "cp_comm" and timing.part_of(mesh.dp_cp_group) == "dp_comm"
+
+
+def _mesh_dp2_cp2(rank: int) -> None:
+    """rank = dp_index * 2 + cp_index: gradients are reduced over all four ranks."""
+    mesh = setup_mesh(1, 2, 1, cp=2)
+    assert (mesh.cp_index, mesh.dp_index) == (rank % 2, rank // 2)
+    assert mesh.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and mesh.dp_ranks == (rank % 2, rank % 2 + 2)
+    assert mesh.dp_cp_ranks == (0, 1, 2, 3) and dist.get_process_group_ranks(mesh.dp_cp_group) == [0, 1, 2, 3]
+    assert mesh.world_size == 4
+
+
+def _mesh_pp2_cp2(rank: int) -> None:
+    mesh = setup_mesh(2, 1, 1, cp=2)
+    assert (mesh.pp_index, mesh.cp_index) == (rank // 2, rank % 2)
+    assert mesh.pp_ranks == (rank % 2, rank % 2 + 2) and mesh.cp_ranks == (rank - rank % 2, rank - rank % 2 + 1)
+
+
+def _mesh_without_cp(rank: int) -> None:
+    """cp 1: no cp group, and the dp_cp group is the dp group itself (the groups of before)."""
+    mesh = setup_mesh(2, 2, 1)
+    assert mesh.cp_group is None and mesh.dp_cp_group is mesh.dp_group and mesh.dp_cp_ranks == mesh.dp_ranks
+    assert mesh.dp_ranks == (rank - rank % 2, rank - rank % 2 + 1) and mesh.pp_ranks == (rank % 2, rank % 2 + 2)
+    assert cpr.positions(4).tolist() == [0, 1, 2, 3]
+
+
+def _entry_points(rank: int) -> None:
+    """dp 2 x cp 2: positions, the shifted targets and the sequence mean of the loss (its value the
+    whole sequence's mean; its gradient, times cp, this rank's part of the one-process gradient)."""
+    mesh = setup_mesh(1, 2, 1, cp=2)
+    index, n, vocab = mesh.cp_index, 6, 11
+    assert cpr.positions(n).tolist() == local_positions(2 * n, index, 2).tolist() and cpr.full_length(n) == 12
+    torch.manual_seed(5 + mesh.dp_index)  # each dp rank its own sequences, the same on its cp pair
+    labels = torch.randint(0, vocab, (2, 2 * n))
+    logits = torch.randn(2, 2 * n, vocab, requires_grad=True)
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    expected.backward()
+    local = shard_sequence(logits.detach(), 1, index, 2).requires_grad_(True)
+    targets = cpr.targets(shard_sequence(labels, 1, index, 2), shift=True)
+    assert_close(targets, shard_sequence(torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1), 1, index, 2))
+    loss = cpr.sequence_mean(F.cross_entropy(local.flatten(0, 1), targets.flatten()), targets.flatten())
+    loss.backward()
+    assert_close(loss, expected)
+    assert_close(local.grad / 2, shard_sequence(logits.grad, 1, index, 2))
+    torch.manual_seed(9)
+    q, k, v = torch.randn(1, 4, 2 * n, 8), torch.randn(1, 2, 2 * n, 8), torch.randn(1, 2, 2 * n, 8)
+    whole = reference(q, k, v, AttentionMask(window=4))
+    for method in METHODS:
+        cpr.set_method(method)
+        out = cpr.attention(*(shard_sequence(t, 2, index, 2) for t in (q, k, v)), causal=True, window=4)
+        assert_close(out, shard_sequence(whole, 2, index, 2))
+    cpr.set_method("ring")
+
+
+MESH_CASES = {
+    "mesh-tp2-cp2": _mesh_tp2_cp2,
+    "mesh-dp2-cp2": _mesh_dp2_cp2,
+    "mesh-pp2-cp2": _mesh_pp2_cp2,
+    "mesh-without-cp": _mesh_without_cp,
+    "entry-points-dp2-cp2": _entry_points,
+}
+
+
+CASES = [f"cp{cp}-{method}-{mask}" for cp in (4, 2) for method in METHODS for mask in MASKS] + list(MESH_CASES)
 
 
 @pytest.fixture(scope="module")
