@@ -1,8 +1,5 @@
-"""Context-parallel plans for tests, until ``planner plan --cp`` exists: the equivalent data-parallel
-plan (``dp * cp`` ranks, the real search) with ``cp`` of its dp ranks turned into one
-context-parallel group: ``dp`` divided by ``cp``, the micro-batches multiplied by ``cp`` (so
-``global_batch == dp * micro_batch_size * num_micro_batches`` still holds) and plan.json's
-``context_parallel`` set."""
+"""Context-parallel plans for tests: the planner's own search with the degrees, the context-parallel
+method and micro-batches of one sequence pinned (``planner plan --cp N --cp-method M``)."""
 
 from __future__ import annotations
 
@@ -47,17 +44,15 @@ def cp_plan(
         seq_len=seq_len,
         dtype="fp32",
         micro_batch=1,
-        dp=dp * cp,
+        dp=dp,
         tp=tp,
         pp=pp,
+        cp=cp,
+        cp_method=method,
         zero_stage=zero_stage,
         sizes=dict(sizes or {}),
     )
-    planned = solve(
-        request, _table(spec, seq_len, tuple(sorted((sizes or {}).items()))), load_hardware("cpu", gpus_per_node=gpus)
-    ).plan.to_dict()
-    planned.pop("alternatives", None)
-    planned["dp"] = dp
-    planned["num_micro_batches"] *= cp
-    planned["context_parallel"] = {"degree": cp, "method": method}
-    return Plan.from_dict(planned)
+    table = _table(spec, seq_len, tuple(sorted((sizes or {}).items())))
+    plan = solve(request, table, load_hardware("cpu", gpus_per_node=gpus)).plan
+    assert plan.context_parallel == {"degree": cp, "method": method}, plan.context_parallel
+    return plan

@@ -236,10 +236,12 @@ def check_pins(request: Any, table: NumericTable, gpus_per_node: int) -> None:
     _check_expert_pin(request, table)
     rows = len(table.layers)
     dp, tp, pp = request.dp, request.tp, request.pp
-    if dp and tp and pp and dp * tp * pp != request.gpus:
+    cp = getattr(request, "cp", None)
+    if dp and tp and pp and dp * tp * pp * (cp or 1) != request.gpus:
+        context = f" x --cp {cp}" if cp and cp > 1 else ""
         raise SearchError(
-            f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but --gpus is {request.gpus}; "
-            "the three degrees must multiply to the number of devices."
+            f"--dp {dp} x --tp {tp} x --pp {pp}{context} = {dp * tp * pp * (cp or 1)}, but --gpus is "
+            f"{request.gpus}; the degrees must multiply to the number of devices."
         )
     if tp:
         why = valid_tp(tp, table, request.gpus, gpus_per_node, request.tp_across_nodes)

@@ -494,9 +494,14 @@ class PlanRequest:
             fixed *= degree or 1
         if all(degree is not None for degree in pins.values()) and fixed != self.gpus:
             context = f" x --cp {self.cp}" if self.cp and self.cp > 1 else ""
+            hint = (
+                f" (or pin --cp {self.gpus // fixed} to split each sequence over the rest)"
+                if not context and self.gpus % fixed == 0 and fixed < self.gpus
+                else ""
+            )
             raise SearchError(
                 f"--dp {self.dp} x --tp {self.tp} x --pp {self.pp}{context} = {fixed}, but --gpus is "
-                f"{self.gpus}; the degrees must multiply to the number of devices."
+                f"{self.gpus}; the degrees must multiply to the number of devices{hint}."
             )
         if self.gpus % fixed:
             pins["cp"] = self.cp if isinstance(self.cp, int) and self.cp > 1 else None

@@ -24,7 +24,11 @@ Grouped-query attention: ``k`` and ``v`` carry ``heads / group`` heads; query he
 key/value head ``i // group`` (transformers' ``repeat_kv`` layout). Blocks travel compact and are
 expanded only for the products; their gradients are summed back over each group.
 
-Scores, probabilities and the running output are float32 whatever the inputs' dtype.
+Scores, probabilities and the running output are float32 whatever the inputs' dtype. A block is
+computed in tiles of at most ``TILE`` queries by ``TILE`` keys (merged the same way), so the
+float32 scores alive at once are ``heads x TILE x TILE`` per block whatever the sequence length,
+and ``masked_attention`` saves only ``q, k, v, out`` and the log-sum-exp for backward, never a
+score matrix: memory linear in the sequence, as the planner prices it (``cost_models.context_cost``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ import torch
 
 from runtime.sparse_attention import BlockSparseLayout
 
-__all__ = ["AttentionMask", "Span", "block_forward", "block_backward", "merge", "masked_attention"]
+__all__ = ["TILE", "AttentionMask", "Span", "block_forward", "block_backward", "merge", "masked_attention"]
+
+TILE = 512
+"""Queries and keys per tile of a block: bounds the float32 scores alive at once."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,15 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
 
 
+def _tiles(span: Span, offset: int = 0) -> list[tuple[Span, slice]]:
+    """``span`` cut into runs of at most ``TILE`` positions, each with its rows in the tensor
+    (starting at ``offset``)."""
+    return [
+        (Span(span.start + lo, min(TILE, span.length - lo)), slice(offset + lo, offset + min(lo + TILE, span.length)))
+        for lo in range(0, span.length, TILE)
+    ]
+
+
 def _scores(q, k, mask: AttentionMask, queries: Span, keys: Span, scale: float):
     """Float32 scores of one block, masked when the mask keeps only some pairs; None when it keeps none."""
     cover = _coverage(mask, queries, keys)
@@ -138,15 +154,39 @@ def _scores(q, k, mask: AttentionMask, queries: Span, keys: Span, scale: float):
     return scores
 
 
-def block_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale: float):
-    """``(out, lse)`` of queries ``q`` ``[b, h, nq, d]`` over one block of keys (float32; ``lse``
-    ``[b, h, nq]``, ``-inf`` where a query sees no key of the block), or None when it sees none."""
+def _tile_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale: float):
+    """``block_forward`` of one tile pair (all of it in one product)."""
     scores = _scores(q, k, mask, queries, keys, scale)
     if scores is None:
         return None
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: -inf - -inf
     return torch.matmul(probs, _expand(v, q.shape[1]).float()), lse
+
+
+def block_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale: float):
+    """``(out, lse)`` of queries ``q`` ``[b, h, nq, d]`` over one block of keys (float32; ``lse``
+    ``[b, h, nq]``, ``-inf`` where a query sees no key of the block), or None when it sees none.
+    Computed tile by tile (``TILE``), merged by log-sum-exp."""
+    if _coverage(mask, queries, keys) == "none":
+        return None
+    outs, lses, seen = [], [], False
+    for query_tile, rows in _tiles(queries):
+        acc = None
+        for key_tile, cols in _tiles(keys):
+            acc = merge(
+                acc, _tile_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, query_tile, key_tile, scale)
+            )
+        if acc is None:  # this tile of queries sees none of the block's keys
+            shape = (q.shape[0], q.shape[1], query_tile.length)
+            acc = (
+                q.new_zeros(*shape, q.shape[3], dtype=torch.float32),
+                q.new_full(shape, float("-inf"), dtype=torch.float32),
+            )
+        seen = True
+        outs.append(acc[0])
+        lses.append(acc[1])
+    return (torch.cat(outs, dim=2), torch.cat(lses, dim=2)) if seen else None
 
 
 def merge(acc, part):
@@ -162,9 +202,8 @@ def merge(acc, part):
     return out_a * weight_a + out_b * weight_b, lse
 
 
-def block_backward(q, k, v, grads, mask: AttentionMask, queries: Span, keys: Span, scale: float):
-    """``(dq, dk, dv)`` float32 contributions of one block, from the final ``grads = (dout, out,
-    lse, delta)`` of the queries (``delta = rowsum(dout * out)``); None when the block was skipped."""
+def _tile_backward(q, k, v, grads, mask: AttentionMask, queries: Span, keys: Span, scale: float):
+    """``block_backward`` of one tile pair."""
     dout, _, lse, delta = grads
     scores = _scores(q, k, mask, queries, keys, scale)
     if scores is None:
@@ -178,10 +217,91 @@ def block_backward(q, k, v, grads, mask: AttentionMask, queries: Span, keys: Spa
     return dq, _fold(dk, k.shape[1]), _fold(dv, v.shape[1])
 
 
+def block_backward(q, k, v, grads, mask: AttentionMask, queries: Span, keys: Span, scale: float):
+    """``(dq, dk, dv)`` float32 contributions of one block, from the final ``grads = (dout, out,
+    lse, delta)`` of the queries (``delta = rowsum(dout * out)``); None when the block was skipped.
+    Tile by tile (``TILE``): each tile pair adds its share."""
+    if _coverage(mask, queries, keys) == "none":
+        return None
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for query_tile, rows in _tiles(queries):
+        tile_grads = tuple(g[:, :, rows] for g in grads)
+        for key_tile, cols in _tiles(keys):
+            part = _tile_backward(
+                q[:, :, rows], k[:, :, cols], v[:, :, cols], tile_grads, mask, query_tile, key_tile, scale
+            )
+            if part is not None:
+                dq[:, :, rows] += part[0]
+                dk[:, :, cols] += part[1]
+                dv[:, :, cols] += part[2]
+    return dq, dk, dv
+
+
+def _spans(positions: torch.Tensor) -> list[tuple[Span, slice]]:
+    """Runs of consecutive positions in ``positions`` (a rank's chunks, or every rank's in rank
+    order), each with its rows."""
+    values = positions.tolist()
+    out, first = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            out.append((Span(values[first], i - first), slice(first, i)))
+            first = i
+    return out
+
+
+class _MaskedAttention(torch.autograd.Function):
+    """Attention of ``q`` over ``k, v`` at arbitrary positions, block by block over their runs of
+    consecutive positions (``block_forward``), saving only ``q, k, v, out, lse``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, query_pos, key_pos, mask: AttentionMask, scale: float):
+        queries, keys = _spans(query_pos), _spans(key_pos)
+        outs, lses = [], []
+        for query_span, rows in queries:
+            acc = None
+            for key_span, cols in keys:
+                acc = merge(
+                    acc, block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, query_span, key_span, scale)
+                )
+            if acc is None:
+                shape = (q.shape[0], q.shape[1], query_span.length)
+                acc = (
+                    q.new_zeros(*shape, q.shape[3], dtype=torch.float32),
+                    q.new_full(shape, float("-inf"), dtype=torch.float32),
+                )
+            outs.append(acc[0])
+            lses.append(acc[1])
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spans, ctx.mask, ctx.scale = (queries, keys), mask, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        queries, keys = ctx.spans
+        dout = grad_out.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for query_span, rows in queries:
+            grads = (dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows])
+            for key_span, cols in keys:
+                part = block_backward(
+                    q[:, :, rows], k[:, :, cols], v[:, :, cols], grads, ctx.mask, query_span, key_span, ctx.scale
+                )
+                if part is not None:
+                    dq[:, :, rows] += part[0]
+                    dk[:, :, cols] += part[1]
+                    dv[:, :, cols] += part[2]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
 def masked_attention(q, k, v, query_pos: torch.Tensor, key_pos: torch.Tensor, mask: AttentionMask, scale: float):
-    """Plain differentiable attention of ``q`` over every key at the given positions (the all-gather
-    and Ulysses methods, where one rank holds all keys its queries need); output in ``q``'s dtype."""
-    scores = torch.matmul(q.float(), _expand(k, q.shape[1]).float().transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~mask.visible(query_pos, key_pos), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, _expand(v, q.shape[1]).float()).to(q.dtype)
+    """Differentiable attention of ``q`` over every key at the given positions (the all-gather and
+    Ulysses methods, where one rank holds all keys its queries need); output in ``q``'s dtype.
+    Block by block and tile by tile: no score matrix is kept (module docstring)."""
+    return _MaskedAttention.apply(q, k, v, query_pos, key_pos, mask, scale)

@@ -313,6 +313,25 @@ def test_invalid_new_fields_name_the_file_and_field(tmp_path, field, value, patt
     assert str(p) in str(e.value)
 
 
+def test_misaligned_products_keep_the_measured_share_on_tensor_cores():
+    """A size not a multiple of 16 bytes of its elements (8 bf16, 4 tf32) costs the tensor-core
+    dtypes ``gemm_misaligned_efficiency`` of the aligned rate; plain fp32 and CPUs are unaffected."""
+    assert H200.gemm_misaligned_efficiency == pytest.approx(0.17)
+    aligned = gemm_efficiency(H200, "bf16", 16384, 50256, 2048)
+    assert gemm_efficiency(H200, "bf16", 16384, 50257, 2048) == pytest.approx(0.17 * aligned, rel=1e-3)
+    assert gemm_efficiency(H200, "bf16", 16384, 2048, 50257) == pytest.approx(
+        0.17 * gemm_efficiency(H200, "bf16", 16384, 2048, 50256), rel=1e-3
+    )
+    tf32_aligned = gemm_efficiency(H200, "tf32", 4096, 4100, 4096)  # 4100 is a multiple of 4 fp32 values
+    assert tf32_aligned > 0.9 * gemm_efficiency(H200, "tf32", 4096, 4096, 4096)
+    assert gemm_efficiency(H200, "tf32", 4096, 4102, 4096) < 0.2 * tf32_aligned
+    assert gemm_efficiency(H200, "fp32", 4096, 4097, 4096) > 0.9 * gemm_efficiency(H200, "fp32", 4096, 4096, 4096)
+    assert load_hardware("cpu").gemm_misaligned_efficiency == 1.0
+    assert load_hardware("a100-80gb").gemm_misaligned_efficiency == 1.0  # not measured on an A100
+    with pytest.raises(ProfileError, match="gemm_misaligned_efficiency"):
+        dataclasses.replace(H200, gemm_misaligned_efficiency=0.0)
+
+
 def test_a_table_needs_the_peak_it_is_a_fraction_of():
     tab = {"tf32": _table()["bf16"]}
     with pytest.raises(

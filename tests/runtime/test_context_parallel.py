@@ -28,6 +28,7 @@ from runtime.context_parallel import (
     local_positions,
     shard_sequence,
 )
+from runtime.context_parallel import blocks
 from runtime.context_parallel.blocks import Span, _coverage, block_forward, merge
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
@@ -109,6 +110,29 @@ def test_blocks_merged_by_log_sum_exp_equal_whole_attention(mask):
         )
         acc = merge(acc, part)
     assert_close(acc[0], reference(q, k, v, MASKS[mask]))
+
+
+@pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
+@pytest.mark.parametrize("tile", [1, 3, 5])
+def test_tiled_attention_keeps_the_math_and_no_score_matrix(mask, tile, monkeypatch):
+    """Tiles of a few queries by a few keys (``blocks.TILE``) give whole attention and its
+    gradients, and backward saves q, k, v, out and the log-sum-exp only, never a score matrix."""
+    monkeypatch.setattr(blocks, "TILE", tile)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+    mine, ref = [t.clone().requires_grad_() for t in (q, k, v)], [t.clone().requires_grad_() for t in (q, k, v)]
+    positions = torch.arange(13)
+    saved: list[tuple] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = blocks.masked_attention(*mine, positions, positions, MASKS[mask], 8**-0.5)
+    assert (13, 13) not in {shape[-2:] for shape in saved}
+    expected = reference(*ref, MASKS[mask])
+    assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for got, want in zip(mine, ref):
+        assert_close(got.grad, want.grad)
 
 
 @pytest.mark.parametrize("method", METHODS)
