@@ -23,12 +23,12 @@ from runtime import timing
 from runtime.context_parallel import (
     METHODS,
     AttentionMask,
+    blocks,
     context_attention,
     gather_sequence,
     local_positions,
     shard_sequence,
 )
-from runtime.context_parallel import blocks
 from runtime.context_parallel.blocks import Span, _coverage, block_forward, merge
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
