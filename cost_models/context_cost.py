@@ -50,6 +50,7 @@ from cost_models.layer_row import AttentionCore, Largest, LayerRow, Sharded
 from cost_models.overlap_cost import hide
 from runtime.contract.choices import ContextMethod
 from runtime.contract.collective_bytes import ring_bytes
+from runtime.contract.limits import ATTENTION_TILE, ATTENTION_TILE_TENSORS
 
 __all__ = [
     "CORE_BACKWARD_RATIO",
@@ -83,6 +84,8 @@ class ContextSetting:
     kv_heads: int = 0
     """Key/value heads at tp = 1."""
     head_dim: int = 0
+    micro_batch: int = 1
+    """Sequences of a micro-batch (the score tiles are per sequence)."""
 
 
 class ContextTimes(NamedTuple):
@@ -100,6 +103,9 @@ class ContextTimes(NamedTuple):
     bwd_sent_b: float
     saved_b: float
     """Activation bytes the method adds per micro-batch (all-gather: the gathered keys and values)."""
+    transient_b: float = 0.0
+    """The backward's float32 tiles of scores (``ATTENTION_TILE_TENSORS`` of ``b x heads x t x t``,
+    ``t`` the tile or the chunk when smaller): a transient beside the layer's others."""
 
 
 NO_EXCHANGE = ContextTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -182,11 +188,23 @@ def context_exchange(
         core_fwd_s = float(
             compute_time(row.core.fwd_flops.per_device(tp), row.core.fwd_bytes.per_device(tp), hw, dtype)
         )
-        return _ring(cores, kv_elements * element, kv_elements * GRAD_BLOCK_BYTES, core_fwd_s / cores, setting, hw)
-    if setting.method == ContextMethod.ALL_GATHER:
-        return _gathered(cores, kv_elements * element, setting, hw)
-    q_elements = local_tokens * (setting.heads // tp) * setting.head_dim
-    return _ulysses(cores, (2 * q_elements + kv_elements) * element, setting, hw)
+        times = _ring(cores, kv_elements * element, kv_elements * GRAD_BLOCK_BYTES, core_fwd_s / cores, setting, hw)
+    elif setting.method == ContextMethod.ALL_GATHER:
+        times = _gathered(cores, kv_elements * element, setting, hw)
+    else:
+        q_elements = local_tokens * (setting.heads // tp) * setting.head_dim
+        times = _ulysses(cores, (2 * q_elements + kv_elements) * element, setting, hw)
+    return times._replace(transient_b=tile_transient_bytes(setting, tp, local_tokens))
+
+
+def tile_transient_bytes(setting: ContextSetting, tp: int, local_tokens: float) -> float:
+    """``ContextTimes.transient_b``: the tile is ``ATTENTION_TILE`` or the chunk (``s / 2cp``
+    positions) when smaller; ``local_tokens`` is ``b s / cp``."""
+    sequences = setting.micro_batch
+    chunk = local_tokens / (2 * sequences)
+    return float(
+        ATTENTION_TILE_TENSORS * 4 * sequences * local_heads(setting.heads, tp) * min(ATTENTION_TILE, chunk) ** 2
+    )
 
 
 def _send(nbytes: float, setting: ContextSetting, hw: HardwareProfile) -> float:

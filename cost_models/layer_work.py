@@ -423,7 +423,8 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         trans_params_b=0,
         trans_grads_b=0,
         bt_b=float(backward_transient_bytes(row.peak_act_bytes.per_device(tp), gradient_bytes))
-        + _regathered_bytes(row, setting),
+        + _regathered_bytes(row, setting)
+        + exchange.transient_b,
         saved_b=saved + exchange.saved_b,
         input_b=row.input_bytes.whole - row.input_bytes.sp_removed(tp, sequence_parallel),
         boundary_b=row.boundary_bytes.whole - row.boundary_bytes.sp_removed(tp, sequence_parallel),

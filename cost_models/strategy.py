@@ -475,6 +475,7 @@ def context_setting(table: NumericTable, cand: Candidate, gpus_per_node: int) ->
         heads=int(model.get("heads") or 0),
         kv_heads=int(model.get("kv_heads") or model.get("heads") or 0),
         head_dim=int(model.get("head_dim") or 0),
+        micro_batch=cand.micro_batch_size,
     )
 
 

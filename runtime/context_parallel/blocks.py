@@ -37,12 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.contract.limits import ATTENTION_TILE
 from runtime.sparse_attention import BlockSparseLayout
 
 __all__ = ["TILE", "AttentionMask", "Span", "block_forward", "block_backward", "merge", "masked_attention"]
 
-TILE = 512
-"""Queries and keys per tile of a block: bounds the float32 scores alive at once."""
+TILE = ATTENTION_TILE
+"""Queries and keys per tile of a block: bounds the float32 scores alive at once (the cost
+models price ``ATTENTION_TILE_TENSORS`` of them in a backward)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cost_models.context_cost import ContextSetting, core_count, ulysses_obstacle
+from cost_models.context_cost import ContextSetting, core_count, tile_transient_bytes, ulysses_obstacle
 from cost_models.hardware import load_hardware
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, context_rows, evaluate, hidden_breakdown
 from planner.frontend.model_analysis import build_layer_table
@@ -112,6 +112,13 @@ def test_ring_hides_its_sends_under_the_block_compute(table):
     assert layer.cp_hidden_s > 0
     evaluation = evaluate(costs, [(0, 3)])
     assert hidden_breakdown(evaluation)["cp_comm"] == pytest.approx(sum(cost.cp_hidden_s for cost in costs.layers))
+
+
+def test_the_score_tiles_are_a_backward_transient():
+    """``ATTENTION_TILE_TENSORS`` float32 tiles of ``b x heads x t x t``, ``t`` the tile or the chunk."""
+    wide = ContextSetting(cp=4, heads=8, kv_heads=2, micro_batch=2)
+    assert tile_transient_bytes(wide, 1, 2 * 8192 / 4) == 4 * 4 * 2 * 8 * 512**2  # chunks of 1024: tiles of 512
+    assert tile_transient_bytes(wide, 2, 2 * 1024 / 4) == 4 * 4 * 2 * 4 * 128**2  # chunks of 128
 
 
 def test_ulysses_needs_heads_that_divide():

@@ -3,7 +3,7 @@ the loss rewritten by ``codegen.context_rewrite``) and train on gloo ranks like 
 
 The matrix: a tiny HF Llama (grouped-query attention, rotary positions) and a tiny Qwen2 whose first
 layer has a sliding window of 48 over sequences of 256 (the window crosses the chunk edges), at cp 2
-with each method; cp 2 with tp 2 (the built-in ``hf:llama``, its labels pre-shifted by the data and
+with each method, and at 1024 and 2048 positions; cp 2 with tp 2 (the built-in ``hf:llama``, its labels pre-shifted by the data and
 its loss vocab-parallel), with pp 2 and with dp 2 under ZeRO-3; and the block-sparse example
 (``tests/fixtures/block_sparse_lm.py``, its loss shifting the logits) at cp 2. Every case compiles in
 the test process and trains in one spawn per world size (``tests.e2e.batched``); each compares its
@@ -43,6 +43,11 @@ CASES = {
     "qwen2-sliding-all-gather-pp2": dict(spec=f"{CP_MODELS}:qwen2_sliding", method="all-gather", global_batch=4, pp=2),
     "llama-ulysses-dp2-zero3": dict(spec=f"{CP_MODELS}:llama", method="ulysses", global_batch=4, dp=2, zero_stage=3),
     "block-sparse-ring": dict(spec=BLOCK_SPARSE, method="ring", global_batch=2),
+    # the lengths: chunks of 256 and 512 positions, the window well inside a chunk
+    "llama-ring-seq1024": dict(spec=f"{CP_MODELS}:llama", method="ring", global_batch=1, seq=1024),
+    "qwen2-sliding-ulysses-seq2048": dict(
+        spec=f"{CP_MODELS}:qwen2_sliding", method="ulysses", global_batch=1, seq=2048
+    ),
 }
 
 
@@ -55,7 +60,8 @@ def trained(request, tmp_path_factory) -> dict[str, Run]:
     for name, settings in CASES.items():
         if name in wanted:
             folder = str(root / name)
-            plan = cp_plan(cp=2, seq_len=SEQ, **settings)
+            pins = {key: value for key, value in settings.items() if key != "seq"}
+            plan = cp_plan(cp=2, seq_len=settings.get("seq", SEQ), **pins)
             runs[name] = Run(name, plan, folder, options(folder, STEPS, eps=EPS))
     train_together(list(runs.values()))
     return runs
