@@ -149,10 +149,10 @@ def _scores(q, k, mask: AttentionMask, queries: Span, keys: Span, scale: float):
     cover = _coverage(mask, queries, keys)
     if cover == "none":
         return None
-    scores = torch.matmul(q.float(), _expand(k, q.shape[1]).float().transpose(-2, -1)) * scale
+    scores = torch.matmul(q.float(), _expand(k, q.shape[1]).float().transpose(-2, -1)).mul_(scale)
     if cover == "some":
         seen = mask.visible(queries.positions(q.device), keys.positions(q.device))
-        scores = scores.masked_fill(~seen, float("-inf"))
+        scores.masked_fill_(~seen, float("-inf"))
     return scores
 
 
@@ -162,7 +162,7 @@ def _tile_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale
     if scores is None:
         return None
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: -inf - -inf
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)  # in place; rows that see nothing: -inf - -inf
     return torch.matmul(probs, _expand(v, q.shape[1]).float()), lse
 
 
@@ -210,12 +210,14 @@ def _tile_backward(q, k, v, grads, mask: AttentionMask, queries: Span, keys: Spa
     scores = _scores(q, k, mask, queries, keys, scale)
     if scores is None:
         return None
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    # in place: the scores become the probabilities, the probabilities' gradient the scores'
+    # gradient, so two tile-sized tensors are alive at once (ATTENTION_TILE_TENSORS)
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)
     k_full, v_full = _expand(k, q.shape[1]).float(), _expand(v, q.shape[1]).float()
     dv = torch.matmul(probs.transpose(-2, -1), dout)
-    dscores = probs * (torch.matmul(dout, v_full.transpose(-2, -1)) - delta.unsqueeze(-1))
-    dq = torch.matmul(dscores, k_full) * scale
-    dk = torch.matmul(dscores.transpose(-2, -1), q.float()) * scale
+    dscores = torch.matmul(dout, v_full.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(probs)
+    dq = torch.matmul(dscores, k_full).mul_(scale)
+    dk = torch.matmul(dscores.transpose(-2, -1), q.float()).mul_(scale)
     return dq, _fold(dk, k.shape[1]), _fold(dv, v.shape[1])
 
 

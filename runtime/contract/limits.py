@@ -12,6 +12,7 @@ ATTENTION_TILE = 512
 """Queries and keys per tile of context-parallel attention (``runtime.context_parallel.blocks``):
 its float32 scores are computed ``ATTENTION_TILE x ATTENTION_TILE`` per head at a time."""
 
-ATTENTION_TILE_TENSORS = 4
-"""Float32 ``[b, heads, tile, tile]`` tensors alive at once in a tile's backward (the scores,
-the probabilities, the gradient of the probabilities and the scores' gradient)."""
+ATTENTION_TILE_TENSORS = 2
+"""Float32 ``[b, heads, tile, tile]`` tensors alive at once in a tile's backward: the scores,
+turned into the probabilities in place, and the probabilities' gradient, turned into the
+scores' gradient in place."""

@@ -14,6 +14,7 @@ from planner.frontend.model_analysis import build_layer_table
 from planner.search.request import PlanRequest
 from planner.search.search_errors import SearchError
 from planner.search.solve import solve
+from runtime.contract.limits import ATTENTION_TILE_TENSORS
 from runtime.contract.overlap import OVERLAP_NONE
 
 H100 = load_hardware("h100-sxm", 8)
@@ -117,8 +118,8 @@ def test_ring_hides_its_sends_under_the_block_compute(table):
 def test_the_score_tiles_are_a_backward_transient():
     """``ATTENTION_TILE_TENSORS`` float32 tiles of ``b x heads x t x t``, ``t`` the tile or the chunk."""
     wide = ContextSetting(cp=4, heads=8, kv_heads=2, micro_batch=2)
-    assert tile_transient_bytes(wide, 1, 2 * 8192 / 4) == 4 * 4 * 2 * 8 * 512**2  # chunks of 1024: tiles of 512
-    assert tile_transient_bytes(wide, 2, 2 * 1024 / 4) == 4 * 4 * 2 * 4 * 128**2  # chunks of 128
+    assert tile_transient_bytes(wide, 1, 2 * 8192 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 8 * 512**2  # chunks of 1024: tiles of 512
+    assert tile_transient_bytes(wide, 2, 2 * 1024 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 4 * 128**2  # chunks of 128
 
 
 def test_ulysses_needs_heads_that_divide():
