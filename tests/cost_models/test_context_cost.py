@@ -118,7 +118,9 @@ def test_ring_hides_its_sends_under_the_block_compute(table):
 def test_the_score_tiles_are_a_backward_transient():
     """``ATTENTION_TILE_TENSORS`` float32 tiles of ``b x heads x t x t``, ``t`` the tile or the chunk."""
     wide = ContextSetting(cp=4, heads=8, kv_heads=2, micro_batch=2)
-    assert tile_transient_bytes(wide, 1, 2 * 8192 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 8 * 512**2  # chunks of 1024: tiles of 512
+    assert (
+        tile_transient_bytes(wide, 1, 2 * 8192 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 8 * 512**2
+    )  # chunks of 1024: tiles of 512
     assert tile_transient_bytes(wide, 2, 2 * 1024 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 4 * 128**2  # chunks of 128
 
 
