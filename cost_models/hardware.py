@@ -193,7 +193,7 @@ class HardwareProfile:
     leading dimensions, and cuBLAS falls back to older, slower ones (a language-model head over
     GPT-2's 50,257-word vocabulary is the common case; Megatron-LM pads its vocabulary to a
     multiple of 128 for this). In ``(0, 1]``; 1 on CPUs. ``planner calibrate --device cuda``
-    measures it (an ``8192 x 16383 x 2048`` product against ``8192 x 16384 x 2048``). Hopper
+    measures it (the GEMM grid's largest cube against the same with ``n`` one short). Hopper
     defaults: measured on an H200 here (2026-12-04, torch 2.11 + CUDA 13.0: the three products of
     that head at 16,384 tokens ran cuBLAS's ``cutlass_75`` fallback at 93-142 TFLOP/s against
     about 720 for their aligned neighbours in the calibrated table, 0.17 of it in the mean);

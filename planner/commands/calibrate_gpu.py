@@ -13,7 +13,7 @@ What is measured, on ``cuda:0`` unless said otherwise (``collect_single_device``
   repetitions (as many as fit ``gemm_target_s``, 3 to ``gemm_max_reps``), after a warm-up call and
   a few seconds of large GEMMs that bring the clocks up. The profile stores the fraction of peak
   (``gemm_efficiency``); ``compute_efficiency`` is the bf16 table's largest GEMM.
-- **Misaligned products**: ``MISALIGNED_SHAPE`` in bf16 against the same with ``n - 1``
+- **Misaligned products**: the grid's largest bf16 cube against the same with ``n - 1``
   (``gemm_misaligned_efficiency``: what a size that breaks the tensor cores' 16-byte alignment keeps).
 - **Memory bandwidth**: a large device-to-device tensor copy (read + write bytes / time).
 - **Per-operator host overhead**: the built-in GPT shrunk until its FLOPs are nothing (width 16,
@@ -248,15 +248,11 @@ def time_gemm(m: int, n: int, k: int, dtype: str, timer: DeviceTimer, target_s: 
         return lower_quartile(timer.per_call(fn, reps))
 
 
-#: The product ``measure_misaligned_gemm`` times aligned, and with its ``n`` one short of it.
-MISALIGNED_SHAPE = (8192, 16384, 2048)
-
-
-def measure_misaligned_gemm(timer: DeviceTimer, target_s: float, max_reps: int) -> dict[str, float]:
-    """bf16 seconds of ``MISALIGNED_SHAPE`` and of the same with ``n - 1`` (not a multiple of 8
-    elements, which tensor-core kernels need), and the rate the second keeps of the first
-    (``HardwareProfile.gemm_misaligned_efficiency``)."""
-    m, n, k = MISALIGNED_SHAPE
+def measure_misaligned_gemm(timer: DeviceTimer, size: int, target_s: float, max_reps: int) -> dict[str, float]:
+    """bf16 seconds of a ``size`` cube (the GEMM grid's largest) and of the same with ``n = size - 1``
+    (not a multiple of 8 elements, which tensor-core kernels need), and the rate the second keeps
+    of the first (``HardwareProfile.gemm_misaligned_efficiency``)."""
+    m, n, k = size, size, size
     aligned = time_gemm(m, n, k, "bf16", timer, target_s, max_reps)
     odd = time_gemm(m, n - 1, k, "bf16", timer, target_s, max_reps)
     kept = (n - 1) / n * aligned / odd if odd > 0 else 1.0
@@ -544,7 +540,9 @@ def collect_single_device(
             spec.gemm_sizes, spec.gemm_dtypes, timer, spec.gemm_target_s, spec.gemm_max_reps, tick
         )
     }
-    raw["misaligned_gemm"] = measure_misaligned_gemm(timer, spec.gemm_target_s, spec.gemm_max_reps)
+    raw["misaligned_gemm"] = measure_misaligned_gemm(
+        timer, max(spec.gemm_sizes), spec.gemm_target_s, spec.gemm_max_reps
+    )
     raw["memory_bandwidth"] = measure_copy_bandwidth(timer, spec.copy_bytes, spec.copy_reps)
     tick("device copy")
     raw["op_chain"] = measure_op_chain(timer, spec.op_chain, spec.op_rounds)
