@@ -479,8 +479,13 @@ def _check_data(plan: Plan, opts: TrainOptions, compiled: str) -> None:
 def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world: int) -> int:
     """Spawn ``nproc`` local processes (one per rank) and train; 1 when the run failed."""
     if nproc != world:
+        degrees = (
+            f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp}"
+            if plan.cp == 1
+            else f"dp*cp*tp*pp = {plan.dp}*{plan.cp}*{plan.tp}*{plan.pp}"
+        )
         raise UserError(
-            f"{plan_path} needs dp*cp*tp*pp = {plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {world} processes, "
+            f"{plan_path} needs {degrees} = {world} processes, "
             f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}."
         )
     try:
