@@ -279,9 +279,12 @@ def _entry(rank: int, job: _RankJob) -> None:
         open(os.path.join(job.error_dir, f"rank{rank}.done"), "w").close()
     except BaseException as e:
         # Record the error with its time: the launcher reports the first failure (the cause),
-        # not the connection errors it triggers on the other ranks.
-        with open(os.path.join(job.error_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
+        # not the connection errors it triggers on the other ranks. Written whole, then renamed:
+        # the launcher never reads half a report.
+        report = os.path.join(job.error_dir, f"rank{rank}.err")
+        with open(report + ".tmp", "w", encoding="utf-8") as f:
             f.write(f"{time.time():.6f}\n{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        os.replace(report + ".tmp", report)
         raise
 
 
@@ -314,7 +317,10 @@ def _diagnose(ctx: Any, error_dir: str, nproc: int) -> LaunchError:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 stamp, _, rest = f.read().partition("\n")
-            errors.append((float(stamp), rank, rest))
+            try:
+                errors.append((float(stamp), rank, rest))
+            except ValueError:  # not a report this launcher's ranks write
+                continue
     if errors:
         _, first, text = min(errors)
         head, _, remote_traceback = text.partition("\n\n")
