@@ -166,29 +166,50 @@ def _tile_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale
     return torch.matmul(probs, _expand(v, q.shape[1]).float()), lse
 
 
+def _forward_over(q, k, v, cuts, mask: AttentionMask, scale: float, part):
+    """``(out, lse)`` of ``q`` over ``k, v`` cut into ``cuts = (query pieces, key pieces)``, each a
+    ``(Span, rows)``: ``part`` (a tile's or a block's forward) per pair, merged by log-sum-exp; a
+    query piece that sees no key gets zeros and ``-inf``."""
+    outs, lses = [], []
+    for query_span, rows in cuts[0]:
+        acc = None
+        for key_span, cols in cuts[1]:
+            acc = merge(acc, part(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, query_span, key_span, scale))
+        if acc is None:
+            shape = (q.shape[0], q.shape[1], query_span.length)
+            acc = (
+                q.new_zeros(*shape, q.shape[3], dtype=torch.float32),
+                q.new_full(shape, float("-inf"), dtype=torch.float32),
+            )
+        outs.append(acc[0])
+        lses.append(acc[1])
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _backward_over(q, k, v, grads, cuts, mask: AttentionMask, scale: float, part):
+    """Float32 ``(dq, dk, dv)`` over the pieces of ``_forward_over``: ``part`` (a tile's or a
+    block's backward) per pair, its contributions added in place."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for query_span, rows in cuts[0]:
+        piece = tuple(g[:, :, rows] for g in grads)
+        for key_span, cols in cuts[1]:
+            got = part(q[:, :, rows], k[:, :, cols], v[:, :, cols], piece, mask, query_span, key_span, scale)
+            if got is not None:
+                dq[:, :, rows] += got[0]
+                dk[:, :, cols] += got[1]
+                dv[:, :, cols] += got[2]
+    return dq, dk, dv
+
+
 def block_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale: float):
     """``(out, lse)`` of queries ``q`` ``[b, h, nq, d]`` over one block of keys (float32; ``lse``
     ``[b, h, nq]``, ``-inf`` where a query sees no key of the block), or None when it sees none.
     Computed tile by tile (``TILE``), merged by log-sum-exp."""
     if _coverage(mask, queries, keys) == "none":
         return None
-    outs, lses, seen = [], [], False
-    for query_tile, rows in _tiles(queries):
-        acc = None
-        for key_tile, cols in _tiles(keys):
-            acc = merge(
-                acc, _tile_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, query_tile, key_tile, scale)
-            )
-        if acc is None:  # this tile of queries sees none of the block's keys
-            shape = (q.shape[0], q.shape[1], query_tile.length)
-            acc = (
-                q.new_zeros(*shape, q.shape[3], dtype=torch.float32),
-                q.new_full(shape, float("-inf"), dtype=torch.float32),
-            )
-        seen = True
-        outs.append(acc[0])
-        lses.append(acc[1])
-    return (torch.cat(outs, dim=2), torch.cat(lses, dim=2)) if seen else None
+    return _forward_over(q, k, v, (_tiles(queries), _tiles(keys)), mask, scale, _tile_forward)
 
 
 def merge(acc, part):
@@ -227,20 +248,7 @@ def block_backward(q, k, v, grads, mask: AttentionMask, queries: Span, keys: Spa
     Tile by tile (``TILE``): each tile pair adds its share."""
     if _coverage(mask, queries, keys) == "none":
         return None
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for query_tile, rows in _tiles(queries):
-        tile_grads = tuple(g[:, :, rows] for g in grads)
-        for key_tile, cols in _tiles(keys):
-            part = _tile_backward(
-                q[:, :, rows], k[:, :, cols], v[:, :, cols], tile_grads, mask, query_tile, key_tile, scale
-            )
-            if part is not None:
-                dq[:, :, rows] += part[0]
-                dk[:, :, cols] += part[1]
-                dv[:, :, cols] += part[2]
-    return dq, dk, dv
+    return _backward_over(q, k, v, grads, (_tiles(queries), _tiles(keys)), mask, scale, _tile_backward)
 
 
 def _spans(positions: torch.Tensor) -> list[tuple[Span, slice]]:
@@ -262,22 +270,7 @@ class _MaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, query_pos, key_pos, mask: AttentionMask, scale: float):
         queries, keys = _spans(query_pos), _spans(key_pos)
-        outs, lses = [], []
-        for query_span, rows in queries:
-            acc = None
-            for key_span, cols in keys:
-                acc = merge(
-                    acc, block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, query_span, key_span, scale)
-                )
-            if acc is None:
-                shape = (q.shape[0], q.shape[1], query_span.length)
-                acc = (
-                    q.new_zeros(*shape, q.shape[3], dtype=torch.float32),
-                    q.new_full(shape, float("-inf"), dtype=torch.float32),
-                )
-            outs.append(acc[0])
-            lses.append(acc[1])
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = _forward_over(q, k, v, (queries, keys), mask, scale, block_forward)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spans, ctx.mask, ctx.scale = (queries, keys), mask, scale
         return out.to(q.dtype)
@@ -288,19 +281,8 @@ class _MaskedAttention(torch.autograd.Function):
         queries, keys = ctx.spans
         dout = grad_out.float()
         delta = (dout * out).sum(-1)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for query_span, rows in queries:
-            grads = (dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows])
-            for key_span, cols in keys:
-                part = block_backward(
-                    q[:, :, rows], k[:, :, cols], v[:, :, cols], grads, ctx.mask, query_span, key_span, ctx.scale
-                )
-                if part is not None:
-                    dq[:, :, rows] += part[0]
-                    dk[:, :, cols] += part[1]
-                    dv[:, :, cols] += part[2]
+        grads = (dout, out, lse, delta)
+        dq, dk, dv = _backward_over(q, k, v, grads, (queries, keys), ctx.mask, ctx.scale, block_backward)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
