@@ -48,7 +48,7 @@ from runtime.contract.choices import OffloadTier, Toggle
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.input_errors import ConfigError
 from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
-from runtime.distributed.launch import LaunchError, free_port, init_distributed, launch_local, shutdown
+from runtime.distributed.launch import LaunchError, init_distributed, launch_local, shutdown
 from runtime.stages.compiled_stages import read_manifest
 from runtime.training.data import TokenFile, data_vocab
 from runtime.training.saving import resume_point
@@ -511,11 +511,14 @@ def _train_under_torchrun(plan_path: str, job: _WorkerJob, world: int) -> None:
                 f"torchrun (torchrun --nproc-per-node ... -m planner train {plan_path} ...)."
             )
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        # One process meets only itself: an in-process store, no port to find or to lose.
+        store = dist.HashStore()
+    else:
+        store = None
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world:
         raise UserError(f"{plan_path} needs {world} processes (dp*cp*tp*pp), but torchrun started {env_world}.")
-    ctx = init_distributed(timeout_s=job.opts.timeout_s)
+    ctx = init_distributed(timeout_s=job.opts.timeout_s, store=store)
     try:
         _worker(ctx.rank, ctx.world_size, job)
     finally:

@@ -2,7 +2,7 @@
 
 ``init_distributed`` joins a process group either from torchrun's environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or from explicit arguments passed by
-``launch_local``. The backend is nccl when the process owns a CUDA device, gloo otherwise.
+``launch_local``, whose ranks meet at a store the launcher itself serves for the run. The backend is nccl when the process owns a CUDA device, gloo otherwise.
 Every collective gets ``timeout`` seconds: a rank that dies or stops answering makes the others
 fail with an error instead of hanging.
 
@@ -139,8 +139,10 @@ def init_distributed(
     master_port: int | None = None,
     timeout_s: float = 300.0,
     backend: str | None = None,
+    store: Any = None,
 ) -> DistContext:
-    """Join (or create) the default process group; idempotent."""
+    """Join (or create) the default process group; idempotent. ``store``: a rendezvous store to
+    join through (``launch_local``'s ranks) instead of the ``env://`` one rank 0 would create."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if world_size is None:
@@ -166,7 +168,9 @@ def init_distributed(
         timeout = datetime.timedelta(seconds=timeout_s)
         kwargs: dict[str, Any] = {}
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if _JOINS or restart:
+        if store is not None:
+            kwargs["store"] = dist.PrefixStore(f"planner/join-{_JOINS}", store)
+        elif _JOINS or restart:
             # This process joined a group before (``planner tune`` runs its trials one after
             # another in torchrun's ranks), or torchrun's elastic agent restarted the workers
             # (``--max-restarts``): torchrun's store still holds the keys the previous group (or
@@ -226,7 +230,7 @@ class _RankJob:
     world_size: int
     """Number of local ranks."""
     port: int
-    """The rendezvous port on the loopback interface."""
+    """The port of the launcher's rendezvous store on the loopback interface."""
     timeout_s: float
     """Timeout of each collective, in seconds."""
     args: tuple
@@ -264,7 +268,10 @@ def _entry(rank: int, job: _RankJob) -> None:
     _enter_launcher_context(rank, job)
     world_size = job.world_size
     try:
-        init_distributed(rank, world_size, job.port, timeout_s=job.timeout_s)
+        store = dist.TCPStore(
+            "127.0.0.1", job.port, world_size, is_master=False, timeout=datetime.timedelta(seconds=job.timeout_s)
+        )
+        init_distributed(rank, world_size, job.port, timeout_s=job.timeout_s, store=store)
         try:
             job.fn(rank, world_size, *job.args)
             # Leave together: a rank that tears its connections down while a peer still
@@ -345,8 +352,15 @@ def launch_local(
     reported as lost) and kills the rest. ``timeout_s`` bounds the whole run;
     ``collective_timeout_s`` bounds each collective.
     """
-    port = free_port()
     coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
+    # The launcher serves the rendezvous store on a port the kernel picks while binding it, held
+    # for the whole run. A port found free and released first (``free_port``) could be taken before
+    # rank 0 bound it, by any process of the machine (another run's gloo connections draw from the
+    # same ephemeral range): the run then failed at start with "address already in use".
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=coll_timeout), wait_for_workers=False
+    )
+    port = store.port
     method = start_method()
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs

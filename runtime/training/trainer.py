@@ -587,7 +587,7 @@ def run_step(run: Run, step: int) -> StepResult:
     moe.LOAD.reset()
     timing.TIMER.start()
     try:
-        with run.probes.around(index, step):
+        with run.probes.around(index, step, settle=run.engine.wait_params):
             loss = run.pstage.run(run.actions, micro, loss_scale=run.engine.loss_scale)
             with timing.part("optimizer"):
                 info = run.engine.step(lr=lr)
