@@ -36,11 +36,20 @@ activation, largest activation + largest weight's gradient)`` (the second wins a
 with a large vocabulary and small micro-batches). The stage's transient is its largest layer's;
 it competes with a recomputed layer's re-materialized activations (``transient_peak``).
 
-The stage's peak is the larger of two moments: (a) the backward of its last layer, every saved
-activation alive and nothing reduced yet (under ZeRO-2/3 with one micro-batch per step the
-gradient shards do not exist yet); (b) the backward of each earlier layer ``j`` with the
-reductions of ``j`` and the ``REDUCTIONS_IN_FLIGHT`` layers after it in flight, while the
-activations those later layers saved for this micro-batch are released.
+The stage's peak is the largest of the moments of its backward, in backward order, one per layer
+``j``: the micro-batches in flight hold every activation they saved, but the one running backward
+holds only what layers ``0..j`` saved (autograd released the later layers' as their backward ran)
+and ``j``'s transient, so a large transient early in the stage (an attention's score tiles under
+context parallelism) does not meet the later layers' activations. Each moment is taken (a) before
+any reduction and (b) with the reductions of ``j`` and the ``REDUCTIONS_IN_FLIGHT`` layers after it
+in flight; under ZeRO-2/3 with one micro-batch per step a gradient shard exists only once its
+layer's backward ran. This backward order is applied to a single stage (``pp = 1``), where it was
+measured (``benchmarks/bench_context.py``: cp2 within 5%, from +9.5% with every activation alive).
+A pipeline stage keeps the earlier moment, the largest transient with every activation alive: a
+zero-bubble ``W`` keeps the weight products' inputs until it runs, and a 1F1B stage 0 (4 GPT
+blocks, pp2 on CPU) measured 2.7% above the backward order's peak, for a reason not yet found.
+The ILP's memory rows keep the simpler bound, every saved activation beside the largest transient
+(``memory_bound``), never below the peak.
 
 Loss backward. The loss layer saves the vocabulary-wide log-probabilities (``b s V`` elements,
 ``V / tp`` under a vocabulary-parallel head); its backward holds two more tensors of that size

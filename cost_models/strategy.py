@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
@@ -1020,7 +1021,9 @@ def _one_f_one_b_stage(
         previous = ranges[stage - 1][1]
         p2p_s += costs.send_s(previous, stage - 1)
         sent_b += costs.layers[previous].boundary_b
-    memory, bound = _stage_memory(costs, view, recomputed, stage)
+    # the released order holds where it was measured, one stage (cost_models.memory, "backward
+    # order"); a pipeline stage keeps every activation beside its largest transient
+    memory, bound = _stage_memory(costs, view, recomputed, stage, released=costs.cand.pp == 1)
     # drawing only: ZeRO-3 gathers once for forward (1/3 of its traffic), the rest is backward
     zero_mb_s = sum(layer.zero_mb_s for layer in view)
     forward_s = sum(layer.fwd_s + layer.tp_fwd_s + layer.ep_fwd_s + layer.cp_fwd_s for layer in view) + (
@@ -1258,11 +1261,15 @@ def _stage_memory(
     recomputed: Sequence[bool],
     stage: int,
     inflight: float | None = None,
+    released: bool = False,
 ) -> tuple[dict, int]:
     """One stage's predicted peak (``params, grads, optimizer, activations, total``) and its
     conservative bound (see ``cost_models.memory``: "Backward transients"). ``inflight``: the
     micro-batches of the stage's activations held at once when the schedule is not 1F1B
-    (``cost_models.schedule_cost``)."""
+    (``cost_models.schedule_cost``). ``released``: a layer's backward frees what it saved, so
+    an earlier layer's backward does not meet it; False: the peak is taken with every activation
+    alive (a split backward, zero bubble's ``W``, keeps the weight products' inputs until it runs,
+    and a pipeline stage's measured peak under 1F1B was above the released order's)."""
     cand = costs.cand
     pp, micro_batches, zero_stage, dp = cand.pp, cand.num_micro_batches, cand.zero_stage, cand.weight_dp
     leave = buckets_leave(zero_stage, dp, cand.offload_optimizer)
@@ -1281,43 +1288,43 @@ def _stage_memory(
             )
         )
 
+    max_transient = max(layer.bt_b for layer in layers)
     params = sum(layer.params_b for layer in layers)
     grads = sum(layer.grads_b for layer in layers)
     optim = sum(layer.optimizer_b for layer in layers)
     zero_buffers = zero_transient_bytes(
         [layer.num_params for layer in layers], costs.dtype, zero_stage, dp, cand.offload_optimizer, cand.offload_params
     )
-    # (a) the stage's last layer runs backward first: all transients but the ZeRO-2/3 reductions
-    # (none launched yet); with one micro-batch per step the gradient shards do not exist yet.
+    # Each layer j's backward, in backward order: the micro-batches in flight hold all their
+    # activations but the one running backward, which holds only what layers 0..j saved (autograd
+    # freed the later layers' as their backward ran, when ``released``) and j's own transient. (a)
+    # every such moment before any ZeRO-2/3 reduction is launched; (b) with the reductions of j and
+    # the layers after it in flight. With one micro-batch per step a ZeRO-2/3 gradient shard exists
+    # only once its layer's backward has run (``shards_later``: the runtime allocates it at its
+    # first reduction and frees it after the step).
     shards_later = leave and micro_batches == 1
-    backward_first = {
-        "params": params + zero_buffers["params"],
-        "grads": 0 if shards_later else grads,
-        "optimizer": optim,
-        "activations": acts(max(layer.bt_b for layer in layers)),
-    }
-    moments = [backward_first]
-    if leave:
-        # (b) each earlier layer j's backward, with the reductions of j and the layers after it in
-        # flight, while the later layers' activations of this micro-batch are released.
-        held = inflight_microbatches(stage, pp, micro_batches) if inflight is None else inflight
-        keep = [layer.input_b if whole else layer.saved_b for layer, whole in zip(layers, recomputed)]
-        red = [reduction_bytes(layer.num_params, costs.dtype, dp) for layer in layers]
-        for j in range(len(layers) - 1):
-            running = max(layers[j].bt_b, layers[j].saved_b if recomputed[j] else 0.0)
-            moments.append(
-                {
-                    "params": params + zero_buffers["params"],
-                    "optimizer": optim,
-                    "grads": grads + sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1]),
-                    "activations": (held - 1) * sum(keep) + sum(keep[: j + 1]) + running,
-                }
-            )
+    held = inflight_microbatches(stage, pp, micro_batches) if inflight is None else inflight
+    keep = [layer.input_b if whole else layer.saved_b for layer, whole in zip(layers, recomputed)]
+    red = [reduction_bytes(layer.num_params, costs.dtype, dp) for layer in layers] if leave else []
+    state = {"params": params + zero_buffers["params"], "optimizer": optim}
+    moments = []
+    if not released:  # the largest transient with every activation alive
+        moments.append({**state, "grads": 0 if shards_later else grads, "activations": acts(max_transient)})
+    shards_after = grads  # the shards of the layers after j (all of them before the loop)
+    for j, (layer, kept) in enumerate(zip(layers, itertools.accumulate(keep))):
+        shards_after -= layer.grads_b
+        running = (held - 1) * sum(keep) + kept + max(layer.bt_b, layer.saved_b if recomputed[j] else 0.0)
+        if released:
+            moments.append({**state, "grads": 0 if shards_later else grads, "activations": running})
+        if leave and j < len(layers) - 1:
+            shards = shards_after if shards_later and released else grads
+            in_flight = sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1])
+            moments.append({**state, "grads": shards + in_flight, "activations": running})
     mem = max(moments, key=lambda moment: sum(moment.values()))
     mem = {key: int(math.ceil(value)) for key, value in mem.items()}
     mem["total"] = sum(mem.values())
     big = max(layers, key=lambda layer: layer.trans_b)
-    bound = params + grads + optim + big.trans_b + acts(max(layer.bt_b for layer in layers))
+    bound = params + grads + optim + big.trans_b + acts(max_transient)
     return mem, int(math.ceil(bound))
 
 

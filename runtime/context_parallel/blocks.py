@@ -40,7 +40,16 @@ import torch
 from runtime.contract.limits import ATTENTION_TILE
 from runtime.sparse_attention import BlockSparseLayout
 
-__all__ = ["TILE", "AttentionMask", "Span", "block_forward", "block_backward", "merge", "masked_attention"]
+__all__ = [
+    "TILE",
+    "AttentionMask",
+    "Span",
+    "block_forward",
+    "block_backward",
+    "heads_inner",
+    "merge",
+    "masked_attention",
+]
 
 TILE = ATTENTION_TILE
 """Queries and keys per tile of a block: bounds the float32 scores alive at once (the cost
@@ -212,6 +221,15 @@ def block_forward(q, k, v, mask: AttentionMask, queries: Span, keys: Span, scale
     return _forward_over(q, k, v, (_tiles(queries), _tiles(keys)), mask, scale, _tile_forward)
 
 
+def heads_inner(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (``[b, heads, n, d]``) in ``dtype``, stored position-major (``[b, n, heads, d]``
+    in memory) as SDPA returns it: the model's ``transpose(1, 2).contiguous()`` before its output
+    projection is then free and the projection's saved input is the tensor attention saved, one
+    copy of the output per layer as the planner prices it, not two."""
+    by_position = out.transpose(1, 2)
+    return torch.empty(by_position.shape, dtype=dtype, device=out.device).copy_(by_position).transpose(1, 2)
+
+
 def merge(acc, part):
     """Two partial ``(out, lse)`` of the same queries over disjoint keys -> their union's (either may be None)."""
     if acc is None:
@@ -271,13 +289,15 @@ class _MaskedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, query_pos, key_pos, mask: AttentionMask, scale: float):
         queries, keys = _spans(query_pos), _spans(key_pos)
         out, lse = _forward_over(q, k, v, (queries, keys), mask, scale, block_forward)
+        out = heads_inner(out, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spans, ctx.mask, ctx.scale = (queries, keys), mask, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        out = out.float()
         queries, keys = ctx.spans
         dout = grad_out.float()
         delta = (dout * out).sum(-1)

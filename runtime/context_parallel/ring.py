@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.context_parallel.blocks import AttentionMask, Span, block_backward, block_forward, merge
+from runtime.context_parallel.blocks import AttentionMask, Span, block_backward, block_forward, heads_inner, merge
 from runtime.context_parallel.layout import chunk_indices
 from runtime.distributed import comm
 
@@ -79,15 +79,16 @@ class RingAttention(torch.autograd.Function):
                 comm.wait(handle)
             if pending:
                 block = incoming
-        out = torch.cat([part[0] for part in acc], dim=2)
+        out = heads_inner(torch.cat([part[0] for part in acc], dim=2), q.dtype)
         lse = torch.cat([part[1] for part in acc], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale, ctx.group = mask, scale, group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
+        out = out.float()
         ring = _Ring(ctx.group)
         chunk = q.shape[2] // 2
         mine = _spans(ring.index, ring.size, chunk)
