@@ -14,9 +14,16 @@ from planner.search.solve import solve
 __all__ = ["cp_plan"]
 
 
+TRACE_SEQ = 256
+"""The sequence length every model is traced at. A layer table's costs are symbolic in the batch
+and the sequence (``planner.frontend.model_analysis``), so one trace per model serves the plans of
+every length (a plan at 2048 from this table equals the one from a trace at 2048), and compile
+exports each plan at its own length; each extra trace cost about 9 s of the suite."""
+
+
 @functools.lru_cache(maxsize=None)
-def _table(spec: str, seq_len: int, sizes: tuple):
-    return build_layer_table(spec, batch=1, seq_len=seq_len, dtype="fp32", **dict(sizes))
+def _table(spec: str, sizes: tuple):
+    return build_layer_table(spec, batch=1, seq_len=TRACE_SEQ, dtype="fp32", **dict(sizes))
 
 
 def cp_plan(
@@ -52,7 +59,7 @@ def cp_plan(
         zero_stage=zero_stage,
         sizes=dict(sizes or {}),
     )
-    table = _table(spec, seq_len, tuple(sorted((sizes or {}).items())))
+    table = _table(spec, tuple(sorted((sizes or {}).items())))
     plan = solve(request, table, load_hardware("cpu", gpus_per_node=gpus)).plan
     assert plan.context_parallel == {"degree": cp, "method": method}, plan.context_parallel
     return plan
