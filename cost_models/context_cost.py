@@ -24,8 +24,14 @@ A context-parallel group holds ``s / cp`` positions of every sequence on each ra
   all-gather all-gather of the whole keys and values (exposed); the     reduce-scatter of their
              gathered ``(cp - 1) / cp`` of ``kv`` stays saved            gradients (exposed)
   ulysses    all-to-alls of q, k, v and out (exposed); needs the        the same four, reversed
-             query and key/value heads per tp rank divisible by cp
+             query and key/value heads per tp rank divisible by cp;
+             the output stays saved twice (below)
   ========== ========================================================= ============================
+
+  Ulysses' attention runs over the whole sequence on ``heads / (tp cp)`` heads, so its score tiles
+  hold that many heads; its output is kept in the heads' layout for the attention's backward and,
+  after the all-to-all back, in the positions' layout as the output projection's input: one
+  output more per core than one process, where the projection saves the tensor attention saved.
 
   ``runtime.context_parallel`` runs exactly these (the ring posts each block's transfer before
   the block's compute and waits after it; its gradient pass is waited at once). Each wait costs
@@ -194,17 +200,20 @@ def context_exchange(
     else:
         q_elements = local_tokens * (setting.heads // tp) * setting.head_dim
         times = _ulysses(cores, (2 * q_elements + kv_elements) * element, setting, hw)
+        times = times._replace(saved_b=cores * q_elements * element)
     return times._replace(transient_b=tile_transient_bytes(setting, tp, local_tokens))
 
 
 def tile_transient_bytes(setting: ContextSetting, tp: int, local_tokens: float) -> float:
     """``ContextTimes.transient_b``: the tile is ``ATTENTION_TILE`` or the chunk (``s / 2cp``
-    positions) when smaller; ``local_tokens`` is ``b s / cp``."""
+    positions) when smaller, over the rank's heads (a cp-th of them under Ulysses);
+    ``local_tokens`` is ``b s / cp``."""
     sequences = setting.micro_batch
     chunk = local_tokens / (2 * sequences)
-    return float(
-        ATTENTION_TILE_TENSORS * 4 * sequences * local_heads(setting.heads, tp) * min(ATTENTION_TILE, chunk) ** 2
-    )
+    heads = local_heads(setting.heads, tp)
+    if setting.method == ContextMethod.ULYSSES:  # the whole sequence on a cp-th of the heads
+        heads = max(heads // setting.cp, 1)
+    return float(ATTENTION_TILE_TENSORS * 4 * sequences * heads * min(ATTENTION_TILE, chunk) ** 2)
 
 
 def _send(nbytes: float, setting: ContextSetting, hw: HardwareProfile) -> float:

@@ -14,6 +14,7 @@ from planner.frontend.model_analysis import build_layer_table
 from planner.search.request import PlanRequest
 from planner.search.search_errors import SearchError
 from planner.search.solve import solve
+from runtime.contract.choices import ContextMethod
 from runtime.contract.limits import ATTENTION_TILE_TENSORS
 from runtime.contract.overlap import OVERLAP_NONE
 
@@ -73,7 +74,8 @@ def test_exchange_bytes_are_exact(table, method):
     assert layer.cp_sent_b == pytest.approx(forward + backward)
     assert layer.cp_rec_sent_b == pytest.approx(forward)
     assert costs.layers[0].cp_sent_b == 0.0  # the embedding has no attention
-    extra = (cp - 1) * kv * 2 if method == "all-gather" else 0.0  # the gathered keys and values stay saved
+    # all-gather: the gathered keys and values stay saved; Ulysses: the output, in both layouts
+    extra = {"ring": 0.0, "all-gather": (cp - 1) * kv * 2, "ulysses": q * 2}[method]
     plain = _costs(table, _cand(dp=2, b=b, cp=cp, method="ring")).layers[1]
     assert layer.saved_b - plain.saved_b == pytest.approx(extra)
 
@@ -122,6 +124,9 @@ def test_the_score_tiles_are_a_backward_transient():
         tile_transient_bytes(wide, 1, 2 * 8192 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 8 * 512**2
     )  # chunks of 1024: tiles of 512
     assert tile_transient_bytes(wide, 2, 2 * 1024 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 4 * 128**2  # chunks of 128
+    # Ulysses attends over the whole sequence on a cp-th of the heads: 8 / 4 = 2 per rank
+    ulysses = dataclasses.replace(wide, method=ContextMethod.ULYSSES)
+    assert tile_transient_bytes(ulysses, 1, 2 * 8192 / 4) == ATTENTION_TILE_TENSORS * 4 * 2 * 2 * 512**2
 
 
 def test_ulysses_needs_heads_that_divide():
