@@ -1310,10 +1310,11 @@ def _stage_memory(
     moments = []
     if not released:  # the largest transient with every activation alive
         moments.append({**state, "grads": 0 if shards_later else grads, "activations": acts(max_transient)})
+    others = (held - 1) * sum(keep)  # the other micro-batches in flight, whole
     shards_after = grads  # the shards of the layers after j (all of them before the loop)
     for j, (layer, kept) in enumerate(zip(layers, itertools.accumulate(keep))):
         shards_after -= layer.grads_b
-        running = (held - 1) * sum(keep) + kept + max(layer.bt_b, layer.saved_b if recomputed[j] else 0.0)
+        running = others + kept + max(layer.bt_b, layer.saved_b if recomputed[j] else 0.0)
         if released:
             moments.append({**state, "grads": 0 if shards_later else grads, "activations": running})
         if leave and j < len(layers) - 1:

@@ -2,9 +2,10 @@
 
 ``init_distributed`` joins a process group either from torchrun's environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or from explicit arguments passed by
-``launch_local``, whose ranks meet at a store the launcher itself serves for the run. The backend is nccl when the process owns a CUDA device, gloo otherwise.
-Every collective gets ``timeout`` seconds: a rank that dies or stops answering makes the others
-fail with an error instead of hanging.
+``launch_local``, whose ranks meet at a store the launcher itself serves for the run. The
+backend is nccl when the process owns a CUDA device, gloo otherwise. Every collective gets
+``timeout`` seconds: a rank that dies or stops answering makes the others fail with an error
+instead of hanging.
 
 Local ranks start from a fork server (multiprocessing's ``forkserver``) that imported torch and
 the trainer once, the first time this process launched ranks: each later launch forks ready
