@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from passes.causal_rewrite import by_verdicts, causal_at_length, rewrite_causal
 from passes.layers import assign_layers, layer_names
 from passes.op_class import classify_ops
 from planner.plan import Plan, plan_hash
+from runtime.contract.rank_layout import crosses_nodes
 
 __all__ = ["ExportedModel", "compile_exported"]
 
@@ -93,9 +95,11 @@ def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     return carries_grad
 
 
-def _meta(n: fx.Node, requires_grad: dict, seq: dict | None = None, tp: int = 1) -> dict:
+def _meta(n: fx.Node, requires_grad: dict, seq: dict | None = None, tp: int = 1, split: bool = False) -> dict:
     """What a stage sends or receives; ``seq`` maps the sequence-sharded values to their sequence
-    dim (each tp rank holds ``1/tp`` of it: sequence parallelism)."""
+    dim (each tp rank holds ``1/tp`` of it: sequence parallelism). Across a ``split`` boundary (two
+    nodes, ``_splits``) a value every tp rank holds whole is marked ``tp_split``: each sends its
+    ``1/tp`` slice and the next stage's tp ranks all-gather them (``runtime.pipeline.transport``)."""
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ValueError(f"value {n.name} crossing a stage boundary is not a tensor")
@@ -103,12 +107,25 @@ def _meta(n: fx.Node, requires_grad: dict, seq: dict | None = None, tp: int = 1)
     seq_dim = (seq or {}).get(n.name)
     if isinstance(seq_dim, int):
         shape[seq_dim] //= tp
-    return {
+    meta = {
         "name": n.name,
         "shape": shape,
         "dtype": str(val.dtype).replace("torch.", ""),
         "requires_grad": bool(requires_grad[n]),
     }
+    if split and tp > 1 and not isinstance(seq_dim, int) and math.prod(shape) % tp == 0:
+        meta["tp_split"] = True  # every tp rank holds it whole: sent as 1/tp slices, gathered
+    return meta
+
+
+def _splits(plan: Plan, sender: int, receiver: int) -> bool:
+    """Whether model chunk ``sender``'s messages to chunk ``receiver`` travel split over the
+    tensor-parallel group: they cross two nodes (``cost_models.strategy.CandidateCosts.send_s``
+    prices the same) without sequence parallelism."""
+    if plan.tp == 1 or plan.sequence_parallel:
+        return False
+    width = plan.dp * plan.cp * plan.tp
+    return crosses_nodes(sender % plan.pp, receiver % plan.pp, width, plan.hardware.gpus_per_node)
 
 
 def _write(path: str, text: str) -> None:
@@ -217,6 +234,7 @@ def _compile_stage(plan: Plan, spec: StageSpec, context: _StageContext, out_dir:
     file_name = f"stage_{spec.index}.py"
     _write(os.path.join(out_dir, file_name), src)
     crossing = (context.requires_grad, context.sequence_sharded, plan.tp)
+    index = spec.index
     entry = {
         "index": spec.index,
         "file": file_name,
@@ -224,8 +242,8 @@ def _compile_stage(plan: Plan, spec: StageSpec, context: _StageContext, out_dir:
         "layers": spec.layers,
         "layer_names": [context.names[i] for i in spec.layers],
         "data_inputs": list(spec.data_inputs),
-        "recv": [_meta(n, *crossing) for n in spec.recv],
-        "send": [_meta(n, *crossing) for n in spec.send],
+        "recv": [_meta(n, *crossing, _splits(plan, index - 1, index)) for n in spec.recv],
+        "send": [_meta(n, *crossing, _splits(plan, index, index + 1)) for n in spec.send],
         "params": _stage_params(
             context.gm, spec, param_map, context.shard_info, context.experts.params if context.experts else {}
         ),

@@ -123,6 +123,7 @@ from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.compressed_exchange import ERROR_ELEMENT_BYTES
 from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
 from runtime.contract.overlap import OVERLAP_ALL, Overlap
+from runtime.contract.rank_layout import crosses_nodes
 
 __all__ = [
     "NumericTable",
@@ -287,13 +288,10 @@ def boundary_placements(dp: int, tp: int, pp: int, gpus_per_node: int) -> tuple[
     a boundary is inter-node when any such pair lives on two nodes.
     """
     width = dp * tp
-    out = []
-    for j in range(pp - 1):
-        cross = width >= gpus_per_node or any(
-            (j * width + i) // gpus_per_node != ((j + 1) * width + i) // gpus_per_node for i in range(width)
-        )
-        out.append(GroupPlacement(2, 2, 1) if cross else GroupPlacement(2, 1, 2))
-    return tuple(out)
+    return tuple(
+        GroupPlacement(2, 2, 1) if crosses_nodes(j, j + 1, width, gpus_per_node) else GroupPlacement(2, 1, 2)
+        for j in range(pp - 1)
+    )
 
 
 class CandidateCosts:
@@ -321,6 +319,8 @@ class CandidateCosts:
         self.capacity = capacity
         self.placements = boundary_placements(cand.weight_dp, cand.tp, cand.pp, gpus_per_node)
         self.dp_placement = axis_placement("dp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node)
+        self.tp_placement = axis_placement("tp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node)
+        """Where the tensor-parallel group's ranks live (gathers a split pipeline message)."""
         """Where the data-parallel group's ranks live (prices the compressed exchange)."""
         pp, micro_batches = cand.pp, cand.num_micro_batches
         self.inflight: list[float] = [inflight_microbatches(k, pp, micro_batches) for k in range(pp)]
@@ -344,13 +344,24 @@ class CandidateCosts:
         return len(self.layers)
 
     def send_s(self, layer: int, boundary: int) -> float:
-        """Seconds to send layer ``layer``'s output across pipeline boundary ``boundary``."""
+        """Seconds to send layer ``layer``'s output across pipeline boundary ``boundary``: a
+        blocking transfer (its alpha-beta time and one wait for the peer). Between two nodes,
+        without sequence parallelism, the ``tp`` ranks of a stage hold the same activation and
+        each sends a ``1 / tp`` slice that the receiving ranks all-gather over their
+        tensor-parallel group (``runtime.pipeline.transport``, Megatron-LM's scatter/gather:
+        Narayanan et al. 2021, section 4.1): the network carries ``1 / tp`` of the bytes, the
+        node's links the rest. Under sequence parallelism the activation is already split; inside
+        a node the split would only add the gather's latency."""
         key = (self.layers[layer].boundary_b, boundary)
         seconds = self._send.get(key)
-        if seconds is None:  # a blocking transfer: the alpha-beta time and one wait for the peer
-            seconds = (
-                float(collective_time("send", key[0], self.placements[boundary], self.hw)) + self.hw.sync_overhead_s
-            )
+        if seconds is None:
+            nbytes, tp = key[0], self.cand.tp
+            placement = self.placements[boundary]
+            split = tp > 1 and not self.cand.sequence_parallel and not placement.intra_node
+            seconds = float(collective_time("send", nbytes / tp if split else nbytes, placement, self.hw))
+            if split:
+                seconds += float(collective_time("all_gather", nbytes, self.tp_placement, self.hw))
+            seconds += self.hw.sync_overhead_s
             self._send[key] = seconds
         return seconds
 

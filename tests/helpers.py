@@ -80,10 +80,12 @@ def manual_plan(
     seq_len: int | None = None,
     selective=(),
     sequence_parallel: bool = False,
+    gpus_per_node: int | None = None,
 ) -> Plan:
     """A plan whose decisions are given by hand and that predicts nothing (every predicted
     number is 0): a fixed layout for tests and benchmarks, valid for ``compile`` and ``train``.
-    ``sizes`` must contain ``layers``; ``seq_len`` defaults to ``sizes['seq_len']`` (else 16)."""
+    ``sizes`` must contain ``layers``; ``seq_len`` defaults to ``sizes['seq_len']`` (else 16);
+    ``gpus_per_node`` defaults to every device on one node."""
     sizes = dict(sizes)
     n = dp * tp * pp
     zero_mem = {k: 0 for k in MEMORY_KEYS}
@@ -98,7 +100,7 @@ def manual_plan(
                 "sizes": sizes,
                 "layer_names": [],
             },
-            "hardware": {"name": hardware, "gpus": n, "gpus_per_node": n},
+            "hardware": {"name": hardware, "gpus": n, "gpus_per_node": gpus_per_node or n},
             "global_batch": mbs * m * dp,
             "seq_len": seq_len or sizes.get("seq_len", 16),
             "dtype": dtype,

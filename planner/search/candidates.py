@@ -311,7 +311,7 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
     candidate at all.
     """
     gpus, global_batch = request.gpus, request.global_batch
-    overlap = Overlap.from_toggle(getattr(request, "overlap", Toggle.ON))
+    overlap = Overlap.of(getattr(request, "overlap", Toggle.ON))
     rows = len(table.layers)
     out: list[Candidate] = []
     why: dict[str, int] = {}

@@ -30,6 +30,8 @@ from runtime.contract.choices import (
     names,
 )
 from runtime.contract.dtype_table import DTYPES
+from runtime.contract.input_errors import ConfigError
+from runtime.contract.overlap import Overlap
 from runtime.training.train_config import CliFlag, cli_flags
 
 __all__ = [
@@ -324,7 +326,8 @@ class PlanRequest:
         ),
     )
     """What the run will overlap (``--overlap on|off``, ``runtime.contract.overlap``): the price
-    charges each collective what its window cannot hide (on) or all of it (off)."""
+    charges each collective what its window cannot hide (on) or all of it (off). A program may
+    give an ``Overlap`` (or plan.json's object) to set the kinds one by one."""
     ep: int | None = field(
         default=None,
         metadata=_flag(
@@ -472,8 +475,10 @@ class PlanRequest:
             _check_positive_int("virtual_stages", self.virtual_stages)
         if self.sequence_parallel not in (None, *names(Toggle)):
             raise SearchError(f"--sequence-parallel must be on or off, got {self.sequence_parallel!r}.")
-        if self.overlap not in names(Toggle):
-            raise SearchError(f"--overlap must be on or off, got {self.overlap!r}.")
+        try:
+            Overlap.of(self.overlap)
+        except ConfigError:
+            raise SearchError(f"--overlap must be on or off, got {self.overlap!r}.") from None
         if self.sequence_parallel == Toggle.ON and self.tp == 1:
             raise SearchError(
                 "--sequence-parallel on needs tensor parallelism, but --tp is 1: sequence "

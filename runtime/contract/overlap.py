@@ -62,6 +62,16 @@ class Overlap:
                 raise ConfigError(f"plan.json overlap.{kind} must be true or false, got {value!r}")
         return cls(**dict(data))
 
+    @classmethod
+    def of(cls, setting: "str | Toggle | Mapping[str, Any] | Overlap") -> "Overlap":
+        """An ``Overlap`` from ``on`` / ``off`` (``--overlap``), plan.json's object or itself: a
+        program (``benchmarks/bench_published.py``) may set the kinds one by one."""
+        if isinstance(setting, Overlap):
+            return setting
+        if isinstance(setting, Mapping):
+            return cls.from_json(setting)
+        return cls.from_toggle(setting)
+
     def to_json(self) -> dict[str, bool]:
         """plan.json's ``overlap`` object."""
         return asdict(self)

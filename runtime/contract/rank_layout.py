@@ -22,7 +22,16 @@ experts (their gradients are reduced over it), as Megatron-Core carves them."""
 
 from __future__ import annotations
 
-__all__ = ["AXES", "coords_of", "cp_index_of", "rank_of", "axis_ranks", "axis_pattern", "expert_ranks"]
+__all__ = [
+    "AXES",
+    "coords_of",
+    "cp_index_of",
+    "rank_of",
+    "axis_ranks",
+    "axis_pattern",
+    "expert_ranks",
+    "crosses_nodes",
+]
 
 AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp", "dp_cp")
 """The mesh axes, innermost first, and ``dp_cp`` (the dp and cp axes together: the ranks
@@ -97,3 +106,13 @@ def expert_ranks(dp: int, tp: int, pp: int, ep: int, cp: int = 1) -> tuple[list[
         expert_groups += runs
         expert_data_groups += [list(column) for column in zip(*runs)]
     return expert_groups, expert_data_groups
+
+
+def crosses_nodes(sender: int, receiver: int, width: int, gpus_per_node: int) -> bool:
+    """Whether some rank of pipeline stage ``sender`` and its peer in stage ``receiver`` (the rank
+    ``(receiver - sender) * width`` away, ``width = dp * cp * tp`` ranks per stage) sit on two
+    nodes of ``gpus_per_node`` devices: the pipeline's messages between them then cross the
+    network. Interleaved schedules' last stage sends to stage 0 (``receiver < sender``)."""
+    if width >= gpus_per_node:
+        return True
+    return any((sender * width + i) // gpus_per_node != (receiver * width + i) // gpus_per_node for i in range(width))

@@ -173,8 +173,11 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
     )
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
-    """Gather equal ``shard``s of every rank into ``output`` (rank-major, flat)."""
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, part: str | None = None
+):
+    """Gather equal ``shard``s of every rank into ``output`` (rank-major, flat). ``part``: the part
+    of the step's time breakdown its wait counts in, when not its group's."""
     n = group_size(group)
     if n == 1:
         if output.data_ptr() != shard.data_ptr():
@@ -187,6 +190,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, async
         group,
         lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op),
         not async_op,
+        part,
     )
 
 

@@ -44,6 +44,10 @@ class TensorMeta:
     """Element type; integer and bool tensors never carry gradients."""
     requires_grad: bool | None = None
     """Whether the receiver sends a gradient back; defaults to ``dtype.is_floating_point``."""
+    split: bool = False
+    """Every rank of the tensor-parallel group holds the same tensor (and its gradient): each sends
+    a ``1 / tp`` slice and the receivers all-gather it over their group
+    (``runtime.pipeline.transport``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(size) for size in self.shape))

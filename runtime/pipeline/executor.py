@@ -44,7 +44,7 @@ import torch
 
 from runtime.contract.schedule_ir import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, B, F, W
 from runtime.distributed import comm
-from runtime.distributed.mesh import Mesh
+from runtime.distributed.mesh import Mesh, get_mesh
 from runtime.pipeline import preflight
 from runtime.pipeline.backward_split import BackwardScope, WeightWork, backward_input, backward_weight
 from runtime.pipeline.boundary import PipelineError, TensorMeta, as_meta, as_tuple, check_outputs, describe
@@ -113,6 +113,7 @@ class PipelineStage:
         device: torch.device | str | None = None,
         backward_scope: BackwardScope | None = None,
         overlap: bool = True,
+        tp_group: Any = None,
     ):
         chunks = placement.virtual_stages
         if chunks == 1:
@@ -135,7 +136,7 @@ class PipelineStage:
             first_param = next(iter(self.module.parameters()), None)
             device = first_param.device if first_param is not None else torch.device("cpu")
         self.device = torch.device(device)
-        self.transport = StageTransport(placement.pp_group, self.device)
+        self.transport = StageTransport(placement.pp_group, self.device, tp_group)
         self.backward_scope = backward_scope
         self.overlap = overlap
         """Receives posted one compute action ahead (``runtime.pipeline.transport.ReceiveAhead``);
@@ -157,8 +158,15 @@ class PipelineStage:
     ) -> "PipelineStage":
         """Build from :func:`runtime.distributed.mesh.get_mesh` (stage = this rank's pp index)."""
         placement = StagePlacement.from_mesh(mesh, virtual_stages)
+        tp_group = (mesh or get_mesh()).tp_group
         return cls(
-            module, placement, recv_meta=recv_meta, device=device, backward_scope=backward_scope, overlap=overlap
+            module,
+            placement,
+            recv_meta=recv_meta,
+            device=device,
+            backward_scope=backward_scope,
+            overlap=overlap,
+            tp_group=tp_group,
         )
 
     @property
@@ -207,8 +215,8 @@ class PipelineStage:
             [meta for meta in sent if meta.requires_grad], _neighbour(self.placement.next_rank)
         )
 
-    def _isend(self, tensors: Sequence[torch.Tensor], destination: int | None) -> None:
-        self.transport.isend(tensors, _neighbour(destination))
+    def _isend(self, tensors: Sequence[torch.Tensor], destination: int | None, metas: Sequence[TensorMeta]) -> None:
+        self.transport.isend(tensors, _neighbour(destination), metas)
 
     # ------------------------------------------------------------------ execution
 
@@ -232,7 +240,7 @@ class PipelineStage:
         for index, action in enumerate(actions):
             receives.before(index)
             if action.kind in (RECV_ACT, RECV_GRAD):
-                self._store_received(action, StageTransport.wait_recv(receives.take(index)), state)
+                self._store_received(action, self.transport.wait_recv(receives.take(index)), state)
             else:
                 self._act(action, split, extras, state, loss_scale / micro_batch_count)
         self.transport.finish()
@@ -255,7 +263,7 @@ class PipelineStage:
             received = state.inputs.get(key, ())
             self._forward(key, received, extras[action.microbatch][action.chunk], state, scale)
         elif action.kind == SEND_ACT:
-            self._isend(state.outputs[key], self.placement.next_rank)
+            self._isend(state.outputs[key], self.placement.next_rank, self.send_metas[action.chunk] or ())
         elif action.kind == B:
             with self._scope(accumulates=not split):
                 self._backward(key, split, state)
@@ -263,7 +271,8 @@ class PipelineStage:
             with self._scope(accumulates=True):
                 backward_weight(state.weight_work.pop(key), self._prepare)
         elif action.kind == SEND_GRAD:
-            self._isend(state.in_grads.pop(key), self.placement.prev_rank)
+            wanted = [meta for meta in self.recv_metas[action.chunk] if meta.requires_grad]
+            self._isend(state.in_grads.pop(key), self.placement.prev_rank, wanted)
 
     def _forward(self, key: Key, received: tuple, extra: tuple, state: StepState, scale: float) -> None:
         """``F`` of one (chunk, micro-batch): its outputs go to ``state.outputs`` (the last chunk's

@@ -2,7 +2,8 @@
 
 All stages of the pipeline exchange one small all-reduce: a table with a row per model chunk,
 each row ``[error code, micro-batch count, offending micro-batch, offending input, number of
-received tensors, (dtype code, requires_grad, ndim, dims...) per received tensor]``; row
+received tensors, (dtype code, flags, ndim, dims...) per received tensor]`` (flags: 1 requires
+grad, 2 split over the tensor-parallel group); row
 ``c < p`` (local chunk 0) carries its rank's error code, every row its chunk's ``recv_meta``.
 Fewer micro-batches than stages, micro-batch inputs whose shapes or dtypes differ, a malformed
 action list, or stages that disagree on the micro-batch count then raise :class:`PipelineError`
@@ -29,7 +30,7 @@ __all__ = ["MAX_TENSORS", "MAX_DIMS", "META_ROW", "exchange", "local_check", "Lo
 MAX_TENSORS = 8
 MAX_DIMS = 6
 _HEAD = 5  # code, num_microbatches, bad micro-batch, bad input, number of received tensors
-_SLOT = 3 + MAX_DIMS  # dtype code, requires_grad, ndim, dims
+_SLOT = 3 + MAX_DIMS  # dtype code, flags (1: requires_grad, 2: split), ndim, dims
 META_ROW = _HEAD + MAX_TENSORS * _SLOT
 
 # pre-flight error codes
@@ -119,7 +120,8 @@ def _encode(check: LocalCheck, micro_batch_count: int, metas: tuple[TensorMeta, 
     if check.code != _META:
         for k, meta in enumerate(metas):
             start = _HEAD + k * _SLOT
-            row[start : start + 3] = [BOUNDARY_DTYPES.index(meta.dtype), int(bool(meta.requires_grad)), len(meta.shape)]
+            flags = int(bool(meta.requires_grad)) | int(meta.split) << 1
+            row[start : start + 3] = [BOUNDARY_DTYPES.index(meta.dtype), flags, len(meta.shape)]
             row[start + 3 : start + 3 + len(meta.shape)] = list(meta.shape)
     return row
 
@@ -128,9 +130,9 @@ def _decode_meta(row: list[int]) -> tuple[TensorMeta, ...]:
     metas = []
     for k in range(row[4]):
         start = _HEAD + k * _SLOT
-        dtype_code, requires_grad, ndim = row[start : start + 3]
+        dtype_code, flags, ndim = row[start : start + 3]
         shape = tuple(row[start + 3 : start + 3 + ndim])
-        metas.append(TensorMeta(shape, BOUNDARY_DTYPES[dtype_code], bool(requires_grad)))
+        metas.append(TensorMeta(shape, BOUNDARY_DTYPES[dtype_code], bool(flags & 1), bool(flags & 2)))
     return tuple(metas)
 
 

@@ -14,51 +14,94 @@ costs the pipeline is paid by the receiver's wait. All traffic goes
 through :mod:`runtime.distributed.comm` and is counted (a send counts its bytes, a receive
 nothing); the time blocked waiting for a neighbour is the ``pp_bubble`` part of the step's
 measured breakdown (:mod:`runtime.timing`), as the pipeline group is registered for it.
+
+Split messages (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1). Without
+sequence parallelism the ``tp`` ranks of a stage hold the same activation, and the ``tp`` ranks
+of the next stage need it whole: a tensor whose :class:`TensorMeta` says ``split`` (and whose
+size ``tp`` divides) leaves each sender as its ``1 / tp`` slice of the flattened tensor, and the
+receivers all-gather the slices over their tensor-parallel group once the receive is done. The
+link between stages, the network when they sit on two nodes, carries ``1 / tp`` of the bytes; the
+group's own links the rest. A rank sends ``S / tp`` and gathers ``(tp - 1) / tp x S``: the bytes
+it counts are those of a whole send. The gather waits in ``pp_bubble``, as the receive does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import math
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 
+from runtime import timing
 from runtime.contract.schedule_ir import COMPUTE, RECV_ACT, RECV_GRAD, Action
 from runtime.distributed import comm
 from runtime.pipeline.boundary import TensorMeta
 
 __all__ = ["PostedRecv", "StageTransport", "ReceiveAhead"]
 
-#: A posted receive: its buffers and their works.
-PostedRecv = tuple[list[torch.Tensor], list]
+
+class PostedRecv(NamedTuple):
+    """A posted receive: what arrives (a tensor, or this rank's slice of a split one), the works,
+    and the whole tensors the split slices are gathered into (``None`` where not split)."""
+
+    buffers: list[torch.Tensor]
+    works: list
+    gathered: list[torch.Tensor | None]
 
 
 class StageTransport:
     """Point-to-point messages over the pipeline group, and the sends still in flight."""
 
-    def __init__(self, pp_group: Any, device: torch.device):
+    def __init__(self, pp_group: Any, device: torch.device, tp_group: Any = None):
         self.pp_group = pp_group
         """The pipeline process group (``None``: the default group)."""
         self.device = device
         """Where receive buffers are allocated."""
+        self.tp_group = tp_group
+        """This rank's tensor-parallel group, over which split messages are gathered (``None``:
+        nothing is split)."""
+        self.tp = comm.group_size(tp_group) if tp_group is not None else 1
+        self.tp_index = dist.get_rank(tp_group) if self.tp > 1 else 0
         self._pending: list = []
+
+    def _splits(self, meta: TensorMeta) -> bool:
+        """Whether ``meta``'s tensor travels as ``1 / tp`` slices (module docstring)."""
+        return meta.split and self.tp > 1 and math.prod(meta.shape) % self.tp == 0
 
     def post_recv(self, metas: Sequence[TensorMeta], source: int) -> PostedRecv:
         """Post one ``irecv`` per tensor of a message from global rank ``source``."""
-        buffers = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device) for meta in metas]
-        return buffers, [comm.irecv(buffer, source, group=self.pp_group) for buffer in buffers]
+        gathered = [
+            torch.empty(meta.shape, dtype=meta.dtype, device=self.device) if self._splits(meta) else None
+            for meta in metas
+        ]
+        buffers = [
+            torch.empty(math.prod(meta.shape) // self.tp, dtype=meta.dtype, device=self.device)
+            if whole is not None
+            else torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            for meta, whole in zip(metas, gathered)
+        ]
+        return PostedRecv(buffers, [comm.irecv(buffer, source, group=self.pp_group) for buffer in buffers], gathered)
 
-    @staticmethod
-    def wait_recv(posted: PostedRecv) -> list[torch.Tensor]:
-        """Wait for a posted receive; its buffers."""
-        buffers, works = posted
-        for work in works:
+    def wait_recv(self, posted: PostedRecv) -> list[torch.Tensor]:
+        """Wait for a posted receive (and gather its split tensors); the tensors."""
+        for work in posted.works:
             comm.wait(work)
-        return buffers
+        received = []
+        for buffer, whole in zip(posted.buffers, posted.gathered):
+            if whole is not None:
+                comm.all_gather_into(whole.view(-1), buffer, group=self.tp_group, part=timing.AXIS_PARTS["pp"])
+            received.append(buffer if whole is None else whole)
+        return received
 
-    def isend(self, tensors: Sequence[torch.Tensor], destination: int) -> None:
-        """Post one ``isend`` per tensor to global rank ``destination`` and move on."""
-        for tensor in tensors:
+    def isend(self, tensors: Sequence[torch.Tensor], destination: int, metas: Sequence[TensorMeta]) -> None:
+        """Post one ``isend`` per tensor to global rank ``destination`` and move on (a split one
+        as this rank's slice)."""
+        for tensor, meta in zip(tensors, metas, strict=True):
             buffer = tensor.detach().contiguous()
+            if self._splits(meta):
+                size = buffer.numel() // self.tp
+                buffer = buffer.view(-1).narrow(0, self.tp_index * size, size)
             self._pending.append((comm.isend(buffer, destination, group=self.pp_group), buffer))
         # Release buffers whose sends completed (the receiver has taken them).
         self._pending = [

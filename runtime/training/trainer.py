@@ -246,7 +246,8 @@ def _recv_meta(stage: dict) -> list[TensorMeta]:
     metas = []
     for received in stage["recv"]:
         dtype = getattr(torch, received["dtype"])
-        metas.append(TensorMeta(tuple(received["shape"]), dtype, bool(received["requires_grad"])))
+        split = bool(received.get("tp_split", False))  # absent in manifests older than it: whole
+        metas.append(TensorMeta(tuple(received["shape"]), dtype, bool(received["requires_grad"]), split))
     return metas
 
 

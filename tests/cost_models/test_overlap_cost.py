@@ -163,6 +163,29 @@ def test_each_kind_of_traffic_overlaps_on_its_own_switch():
     assert hidden[False]["dp_comm"] == 0 and hidden[False]["tp_comm"] > 0
 
 
+def test_a_request_may_set_each_kind_of_overlap():
+    """``--overlap on|off`` sets the three kinds; a program may pin them one by one (an
+    ``Overlap`` or plan.json's object), priced as given and written to plan.json as given."""
+    from planner.search.request import PlanRequest
+    from planner.search.search_errors import SearchError
+    from planner.search.solve import solve
+
+    base = dict(spec="gpt", gpus=4, gpus_per_node=4, hardware="a100-80gb", global_batch=8, seq_len=512)
+    base.update(dtype="bf16", compile="off", tp=2, dp=2, pp=1, zero_stage=1)
+    table = gpt_table(layers=4, hidden=1024, heads=16)
+    only_tp = Overlap(dp=False, tp=True, pp=False)
+    plans = {
+        name: solve(PlanRequest(**base, overlap=setting), table, HW).plan
+        for name, setting in (("object", only_tp), ("json", only_tp.to_json()), ("off", "off"))
+    }
+    assert plans["object"].overlap == plans["json"].overlap == only_tp.to_json()
+    assert plans["object"].predicted.step_time_s == plans["json"].predicted.step_time_s
+    assert plans["object"].predicted.hidden["dp_comm"] == 0 < plans["object"].predicted.hidden["tp_comm"]
+    assert plans["object"].predicted.step_time_s < plans["off"].predicted.step_time_s
+    with pytest.raises(SearchError, match="--overlap must be on or off"):
+        PlanRequest(**base, overlap={"tp": "yes"})
+
+
 def test_offloaded_and_compressed_traffic_stays_exposed():
     for cand in (
         Candidate(2, 1, 1, 2, 2, 4, offload_optimizer="cpu"),

@@ -147,6 +147,29 @@ def test_evaluate_step_time_and_memory_by_hand():
     assert ev.bubble_fraction == pytest.approx(min(w0, w1) / (4 * T + min(w0, w1)))
 
 
+@pytest.mark.parametrize(("dp", "sequence_parallel", "split"), [(1, False, False), (2, False, True), (2, True, False)])
+def test_a_stage_sends_slices_between_nodes(dp, sequence_parallel, split):
+    """tp 4, pp 2 on 8-GPU nodes: with dp 1 both stages share a node and send whole; with dp 2
+    each stage fills a node, and without sequence parallelism each tp rank sends a quarter of the
+    (replicated) activation over the network and the receivers all-gather it over NVLink (the
+    runtime's split messages); under sequence parallelism the activation is already split."""
+    t = gpt_table(layers=4)
+    cand = Candidate(dp, 4, 2, 0, 1, 4, sequence_parallel=sequence_parallel)
+    cc = _cc(t, cand, seq=8192)  # 4 MiB a micro-batch: the bandwidth, not the latency, matters
+    nbytes = cc.layers[2].boundary_b
+    placement = cc.placements[0]
+    assert placement.intra_node == (dp == 1)
+    if split:
+        tp_group = axis_placement("tp", dp, 4, 2, 8)
+        expected = collective_time("send", nbytes / 4, placement, HW) + collective_time(
+            "all_gather", nbytes, tp_group, HW
+        )
+        assert expected < collective_time("send", nbytes, placement, HW) / 2
+    else:
+        expected = collective_time("send", nbytes, placement, HW)
+    assert cc.send_s(2, 0) == pytest.approx(expected + HW.sync_overhead_s)
+
+
 def test_one_stage_peak_follows_the_backward_order():
     """One stage: layer j's backward meets only what layers 0..j saved (the later layers' were
     released by their own backward), so a transient early in the stage (context parallelism's

@@ -32,7 +32,8 @@ CASES = {
     "tp2-selective": dict(tp=2, selective=(1, 2)),
     "tp2-sp-selective": dict(tp=2, sequence_parallel=True, selective=(1, 2)),
     "pp2-selective-ckpt": dict(pp=2, checkpoint=(1,), selective=(2,)),
-    "tp2xpp2": dict(tp=2, pp=2),
+    # a stage per node: activations and gradients cross as tp slices, gathered (runtime.pipeline.transport)
+    "tp2xpp2": dict(tp=2, pp=2, gpus_per_node=2),
     "dp2xtp2-zero3": dict(dp=2, tp=2, zero=3),
 }
 

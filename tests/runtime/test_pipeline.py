@@ -20,7 +20,7 @@ from runtime.pipeline.executor import (
     backward_weight,
     run_pipeline,
 )
-from runtime.pipeline.transport import ReceiveAhead
+from runtime.pipeline.transport import PostedRecv, ReceiveAhead
 from tests.runtime.pipeline_harness import RECV_META, StageModule, make_data, make_layers, reference
 
 
@@ -170,8 +170,8 @@ def test_split_backward_frees_the_loss_tail_at_b():
         head, StagePlacement(1, 2, prev_rank=0, last_rank=1), recv_meta=[TensorMeta((4, 6), torch.float32)]
     )
     stage._preflight = lambda actions, extras: None
-    stage._post_recv = lambda a: ([torch.randn(4, 6)], [])
-    stage._isend = lambda tensors, dst: None
+    stage._post_recv = lambda a: PostedRecv([torch.randn(4, 6)], [], [None])
+    stage._isend = lambda tensors, dst, metas: None
     stage._mean_loss = lambda losses, m: 0.0
     actions = zero_bubble_h1(2, m)[1]
     done_b: list[int] = []
