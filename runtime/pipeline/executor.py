@@ -101,7 +101,8 @@ class PipelineStage:
     chunk 0); ``self.module`` is then an ``nn.ModuleList`` of them. ``backward_scope`` (e.g. the
     ZeRO engine over these modules, :class:`BackwardScope`) wraps each ``B`` and each ``W``: a
     ``W`` and its per-group autograd calls are one backward pass of the engine, a split ``B`` one
-    that accumulates nothing.
+    that accumulates nothing. ``tp_group``: this rank's tensor-parallel group, over which a message
+    marked ``split`` is gathered (:mod:`runtime.pipeline.transport`; ``from_mesh`` passes the mesh's).
     """
 
     def __init__(
