@@ -35,7 +35,7 @@ A context-parallel group holds ``s / cp`` positions of every sequence on each ra
 
   ``runtime.context_parallel`` runs exactly these (the ring posts each block's transfer before
   the block's compute and waits after it; its gradient pass is waited at once). Each wait costs
-  ``sync_overhead_s``; hidden seconds cost ``overlap_slowdown x`` of compute (contention). The
+  ``sync_overhead_s``; hidden seconds cost ``overlap_contention x`` of compute (contention). The
   core's backward is priced at twice its forward (its four products against the forward's two).
 - **State.** Weights are replicated over the cp group: gradients are reduced and ZeRO state
   sharded over the ``dp * cp`` ranks holding the same weights. Under the (pp, dp, cp, tp) layout
@@ -228,8 +228,8 @@ def _ring(
 ) -> ContextTimes:
     steps = setting.cp - 1
     block_fwd_s, block_bwd_s = core_fwd_s / setting.cp, CORE_BACKWARD_RATIO * core_fwd_s / setting.cp
-    forward = hide(_send(kv_b, setting, hw), block_fwd_s)
-    backward = hide(_send(kv_b, setting, hw), block_bwd_s)
+    forward = hide(_send(kv_b, setting, hw), block_fwd_s, hw.overlap_window_gain)
+    backward = hide(_send(kv_b, setting, hw), block_bwd_s, hw.overlap_window_gain)
     gradient_s = setting.cp * _send(grad_b, setting, hw)
     fwd_s = cores * steps * forward.exposed_s
     return ContextTimes(

@@ -160,8 +160,8 @@ class HardwareProfile:
     """How much slower compute runs while a collective runs beside it: compute of ``t`` seconds
     that overlaps a collective takes ``(1 + overlap_slowdown) t`` (the *contention* of an
     overlapped collective: it takes memory bandwidth and, on a GPU, the SMs its kernels occupy).
-    ``cost_models.strategy`` charges ``overlap_slowdown x`` every second of communication it hides
-    under compute. In ``[0, 1)``; 0 means free overlap. ``planner calibrate`` measures it (a compute
+    ``cost_models.overlap_cost`` charges it for the time compute and communication run together
+    (:attr:`overlap_contention`, with :attr:`overlap_comm_rate`). In ``[0, 1)``; 0 means free overlap. ``planner calibrate`` measures it (a compute
     loop alone against the same loop beside a loop of all-reduces between the calibrate processes).
     GPU defaults, a first-principles estimate until ``planner calibrate --device cuda`` measures one:
     NCCL runs each collective as one thread block per channel, and a large intra-node ring
@@ -170,6 +170,18 @@ class HardwareProfile:
     (80 SMs), 0.15 on an A100 (108), 0.12 on an H100/H200 (132); the HBM traffic of the reduction
     (a few bytes per byte sent) is small beside these GEMMs' needs and is not added. The ``cpu``
     profile's value is measured (``planner calibrate`` on the machine that wrote it)."""
+    overlap_comm_rate: float = 1.0
+    """The fraction of its own speed a collective keeps while compute runs beside it (the other
+    side of the contention): a collective of ``c`` seconds alone progresses ``overlap_comm_rate``
+    seconds of its work per second beside compute. In ``(0, 1]``. With the slowdown ``kappa`` and
+    this rate ``rho``, a window of ``w`` seconds of compute lasts ``(1 + kappa) w`` beside a
+    collective and hides up to ``rho (1 + kappa) w`` seconds of it (:attr:`overlap_window_gain`);
+    each hidden second costs the compute ``kappa / (rho (1 + kappa))`` seconds
+    (:attr:`overlap_contention`; ``cost_models.overlap_cost``). GPU defaults 1: NCCL's kernels keep
+    the SMs they occupy and are bound by the link, which compute does not use. On a CPU the
+    reduction threads share the cores with the matmuls: ``planner calibrate`` measures it (how much
+    of a chain of all-reduces completes while the compute loop runs, against the chain alone); the
+    ``cpu`` profile's value was measured on this project's development machine."""
     intra_node_collectives: dict[str, dict[str, float]] | None = None
     """Optional per-collective intra-node link, ``{kind: {"latency": s, "bandwidth": B/s}}`` for
     kinds among ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send``: the alpha and
@@ -293,6 +305,13 @@ class HardwareProfile:
                 f"a collective (got {value!r})"
             )
         object.__setattr__(self, "overlap_slowdown", float(value))
+        rate = self.overlap_comm_rate
+        if not _is_number(rate) or not math.isfinite(rate) or not 0 < rate <= 1:
+            raise ProfileError(
+                "field 'overlap_comm_rate' must be a number in (0, 1], the fraction of its speed a "
+                f"collective keeps beside compute (got {rate!r})"
+            )
+        object.__setattr__(self, "overlap_comm_rate", float(rate))
         if self.intra_node_collectives is not None:
             object.__setattr__(self, "intra_node_collectives", _check_collective_links(self.intra_node_collectives))
 
@@ -371,6 +390,7 @@ class HardwareProfile:
                 self.sync_overhead_s,
                 self.recompute_ratio,
                 self.overlap_slowdown,
+                self.overlap_comm_rate,
                 self.ops_async,
                 tuple(
                     sorted(
@@ -402,6 +422,18 @@ class HardwareProfile:
         )
 
     # ----------------------------------------------------------------------------------------
+    @property
+    def overlap_window_gain(self) -> float:
+        """Seconds of communication a second of compute can hide: the window stretches by the
+        slowdown and the collective runs at its rate beside it, ``rho (1 + kappa)``."""
+        return self.overlap_comm_rate * (1.0 + self.overlap_slowdown)
+
+    @property
+    def overlap_contention(self) -> float:
+        """Seconds of compute lost per second of communication hidden: over the ``t`` seconds both
+        run the compute loses ``kappa t / (1 + kappa)`` and the collective does ``rho t`` of its work."""
+        return self.overlap_slowdown / self.overlap_window_gain
+
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``)."""
         try:

@@ -135,6 +135,9 @@ class LayerCost:
     """``opt_s`` of a full-precision step."""
     warmup_dp_step_sent_b: float = 0.0
     """``dp_step_sent_b`` of a full-precision step."""
+    warmup_dp_contention_s: float = 0.0
+    """``dp_contention_s`` of a full-precision step (a compressed plan's warm-up overlaps its
+    reductions; its compressed steps do not)."""
     tp_hidden_s: float = 0.0
     """TP seconds of one micro-batch hidden under compute (``tp_s`` is the exposed rest; the
     contention they cost is in ``compute_s``, ``cost_models.overlap_cost``)."""
@@ -161,7 +164,7 @@ class LayerCost:
     ``dp_contention_s``)."""
     dp_contention_s: float = 0.0
     """Of ``dp_step_s``, the compute slowed beside the hidden per-step collectives
-    (``overlap_slowdown x dp_step_hidden_s``): reported as ``compute``."""
+    (``overlap_contention x dp_step_hidden_s``): reported as ``compute``."""
 
     @property
     def work_s(self) -> float:
@@ -399,19 +402,19 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         routed.dispatch_bytes.per_device(tp, sequence_parallel), routed.moe_layers, setting.expert, hw
     )
     tp_comm = _tp_times(row, hw, setting)
-    tp_seen = _tp_seen(tp_comm, passes, setting)
+    tp_seen = _tp_seen(tp_comm, passes, setting, hw)
     exchange = context_exchange(row, setting.context, tp, setting.tokens, hw, dtype)
-    slow = hw.overlap_slowdown * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s + exchange.hidden_s)
+    slow = hw.overlap_contention * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s + exchange.hidden_s)
     saved = row.saved_bytes.per_device(tp, sequence_parallel)
     gradient_bytes = bytes_per_param(dtype)["grads"] * row.largest_param.per_device_elements(tp)
     work = LayerCost(
         compute_s=passes.forward_s + passes.backward_s + slow,
-        fwd_s=passes.forward_s + hw.overlap_slowdown * tp_seen.fwd.hidden_s,
+        fwd_s=passes.forward_s + hw.overlap_contention * tp_seen.fwd.hidden_s,
         tp_s=tp_seen.fwd.exposed_s + tp_seen.bwd.exposed_s,
         tp_fwd_s=tp_seen.fwd.exposed_s,
         rec_s=hw.recompute_ratio * passes.forward_s
         + tp_seen.rec.exposed_s
-        + hw.overlap_slowdown * (tp_seen.rec.hidden_s + exchange.rec_hidden_s)
+        + hw.overlap_contention * (tp_seen.rec.hidden_s + exchange.rec_hidden_s)
         + routing.rec_s
         + exchange.rec_s,
         zero_mb_s=0.0,
@@ -467,7 +470,7 @@ def _regathered_bytes(row: LayerRow, setting: WorkSetting) -> float:
     return row.tp_traffic.sp_all_gather_bytes / calls
 
 
-def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting) -> TpExposure:
+def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting, hw: HardwareProfile) -> TpExposure:
     """The row's TP seconds split into exposed and hidden (all exposed when the run does not
     overlap them, ``WorkSetting.overlap_tp``)."""
     if not setting.overlap_tp or setting.tp == 1:
@@ -481,4 +484,5 @@ def _tp_seen(tp_comm: _TpTimes, passes: _PassTimes, setting: WorkSetting) -> TpE
         setting.tp,
         setting.sequence_parallel,
         regather_s=tp_comm.regather_s,
+        gain=hw.overlap_window_gain,
     )

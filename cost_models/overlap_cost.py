@@ -1,10 +1,16 @@
 """What overlapped communication costs: each collective's window of independent compute.
 
-The runtime (``runtime.contract.overlap``) runs collectives beside compute. A collective of ``c``
-seconds beside a window of ``w`` seconds of compute that does not depend on it costs
-``max(0, c - w)`` exposed seconds, and hides ``h = min(c, w)``; the compute that ran beside it is
-slowed by the profile's ``overlap_slowdown`` ``kappa`` (``cost_models.hardware``): ``kappa h``
-more seconds of compute (*contention*). Windows, per layer, as the runtime runs them:
+The runtime (``runtime.contract.overlap``) runs collectives beside compute, and each slows the
+other (``cost_models.hardware``): compute by the profile's ``overlap_slowdown`` ``kappa`` (``t``
+seconds of it take ``(1 + kappa) t``), the collective to its ``overlap_comm_rate`` ``rho`` of its
+speed. A window of ``w`` seconds of compute that does not depend on a collective of ``c`` seconds
+therefore lasts ``(1 + kappa) w`` beside it and hides ``h = min(c, g w)`` of it, with the *gain*
+``g = rho (1 + kappa)`` (``HardwareProfile.overlap_window_gain``); ``c - h`` is exposed. Over the
+``h / rho`` seconds both run, compute loses ``kappa / (1 + kappa)`` of its speed: ``h kappa / g``
+more seconds of compute (the *contention*, ``HardwareProfile.overlap_contention`` per hidden
+second). On a GPU ``rho = 1`` (NCCL keeps its own SMs); on a CPU whose cores run both, the two
+rates share the cores (measured here: ``1 / (1 + kappa) + rho`` about 1). Windows, per layer, as
+the runtime runs them:
 
 Tensor parallel (per micro-batch, one layer's own products; :func:`tp_exposure`):
 
@@ -25,7 +31,13 @@ forward and backward compute of one micro-batch). Row ``j``'s pass is the window
 
 - backward: the gradient reduction of row ``j + 1`` (ZeRO 0/1: all-reduce in the last
   micro-batch; ZeRO 2/3: reduce-scatter every micro-batch; launched when row ``j + 1``'s backward
-  ends) and, at ZeRO 3, the backward gather of row ``j - 1`` (prefetched one layer ahead);
+  ends) and, at ZeRO 3, the backward gather of row ``j - 1`` (prefetched one layer ahead). ZeRO
+  0/1 reductions go by *bucket*, as the runtime forms them (:func:`grad_buckets`: consecutive rows
+  in backward order up to ``GRAD_BUCKET_BYTES``, the first up to ``FIRST_BUCKET_BYTES``): a
+  bucket's all-reduce launches when its first row's backward ends and its window is the backward
+  of the rows down to the next bucket's launch. Layers of 25 MiB or more are buckets of their own
+  (the per-row rule above); small models' layers share buckets and much of their reduction waits
+  for the end of backward (a 4-block GPT of hidden 256 reduces its blocks with the embedding);
 - forward: the parameter all-gather of row ``j + 1`` (ZeRO 1/2: once per step, waited at first use
   in the next step's forward; ZeRO 3: every micro-batch, prefetched one layer ahead).
 
@@ -37,13 +49,18 @@ is exact whenever rows 0 and 1 share a stage (a pipeline cut right after row 0 m
 A stage's first row's collectives are priced with the previous row's window even when that row
 is on another stage (an error of one layer's reduction per pipeline boundary).
 
-Not overlapped (priced as before): tied-weight all-reduces, the 1-bit Adam exchange, and the
-data-parallel traffic of plans that offload (the offload engine waits for its transfers).
+Not overlapped (priced as before): tied-weight all-reduces, the 1-bit Adam exchange (its
+full-precision warm-up is), and the data-parallel traffic of plans that offload (the offload
+engine waits for its transfers). The buckets are formed over the whole table, as one stage's: a
+pipeline stage's own buckets start at its last row (small layers only; an error of one bucket per
+stage boundary).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
+
+from runtime.contract.limits import FIRST_BUCKET_BYTES, GRAD_BUCKET_BYTES
 
 __all__ = [
     "COLUMN_WGRAD_SHARE",
@@ -54,6 +71,7 @@ __all__ = [
     "DpTraffic",
     "DpExposure",
     "dp_exposure",
+    "grad_buckets",
 ]
 
 #: Of a transformer block's weight-gradient products, the share of the column-parallel linears,
@@ -69,15 +87,16 @@ class Hidden(NamedTuple):
     hidden_s: float
 
 
-def hide(comm_s: float, window_s: float) -> Hidden:
-    """``comm_s`` of communication beside ``window_s`` of independent compute."""
-    hidden = min(max(comm_s, 0.0), max(window_s, 0.0))
+def hide(comm_s: float, window_s: float, gain: float = 1.0) -> Hidden:
+    """``comm_s`` of communication beside ``window_s`` of independent compute, of which a second
+    hides ``gain`` seconds of communication (``HardwareProfile.overlap_window_gain``)."""
+    hidden = min(max(comm_s, 0.0), gain * max(window_s, 0.0))
     return Hidden(max(comm_s, 0.0) - hidden, hidden)
 
 
-def _chunked(comm_s: float, window_s: float, chunks: int) -> Hidden:
+def _chunked(comm_s: float, window_s: float, chunks: int, gain: float) -> Hidden:
     """A collective decomposed into ``chunks`` beside partial products: one chunk at least exposed."""
-    exposed = max(comm_s / max(chunks, 1), comm_s - max(window_s, 0.0), 0.0)
+    exposed = max(comm_s / max(chunks, 1), comm_s - gain * max(window_s, 0.0), 0.0)
     exposed = min(exposed, max(comm_s, 0.0))
     return Hidden(exposed, max(comm_s, 0.0) - exposed)
 
@@ -99,18 +118,20 @@ def tp_exposure(
     tp: int,
     sequence_parallel: bool,
     regather_s: float = 0.0,
+    gain: float = 1.0,
 ) -> TpExposure:
     """Exposed and hidden TP seconds (module docstring). ``passes``: the row's forward, backward
     and weight-gradient compute seconds of one micro-batch; ``regather_s``: under sequence
-    parallelism, the backward's all-gathers of the column-parallel inputs (not in ``bwd_comm_s``)."""
+    parallelism, the backward's all-gathers of the column-parallel inputs (not in ``bwd_comm_s``);
+    ``gain``: the profile's ``overlap_window_gain``."""
     forward_s, backward_s, wgrad_s = passes
     if sequence_parallel:
-        fwd = _chunked(fwd_comm_s, forward_s, tp)
-        regather = hide(regather_s, COLUMN_WGRAD_SHARE * max(backward_s - wgrad_s, 0.0))
-        bwd = _add(regather, _chunked(bwd_comm_s, backward_s - regather.hidden_s, tp))
+        fwd = _chunked(fwd_comm_s, forward_s, tp, gain)
+        regather = hide(regather_s, COLUMN_WGRAD_SHARE * max(backward_s - wgrad_s, 0.0), gain)
+        bwd = _add(regather, _chunked(bwd_comm_s, backward_s - regather.hidden_s / gain, tp, gain))
     else:
         fwd = Hidden(fwd_comm_s, 0.0)
-        bwd = hide(bwd_comm_s, COLUMN_WGRAD_SHARE * wgrad_s)
+        bwd = hide(bwd_comm_s, COLUMN_WGRAD_SHARE * wgrad_s, gain)
     share = fwd.exposed_s / fwd_comm_s if fwd_comm_s > 0 else 1.0
     rec = Hidden(rec_comm_s * share, rec_comm_s * (1 - share))
     return TpExposure(fwd, bwd, rec)
@@ -129,6 +150,8 @@ class DpTraffic(NamedTuple):
     """ZeRO-3 parameter gather for the forward of every micro-batch."""
     bwd_gather_mb_s: float = 0.0
     """ZeRO-3 parameter gather for the backward of every micro-batch."""
+    grad_bytes: float = 0.0
+    """Bytes of the row's gradient that ``grad_step_s`` all-reduces (ZeRO 0/1): what fills its bucket."""
 
 
 class DpExposure(NamedTuple):
@@ -140,15 +163,59 @@ class DpExposure(NamedTuple):
     """Per micro-batch (ZeRO 2/3)."""
 
 
-def _row_exposure(j: int, traffic: Sequence[DpTraffic], fwd: Sequence[float], bwd: Sequence[float]) -> DpExposure:
+def grad_buckets(traffic: Sequence[DpTraffic]) -> list[list[int]]:
+    """The ZeRO 0/1 gradient buckets over the rows that all-reduce one, as the runtime forms them
+    (``runtime.data_parallel.grad_reduction.make_buckets``): consecutive rows in backward order,
+    the first bucket at most ``FIRST_BUCKET_BYTES``, the others ``GRAD_BUCKET_BYTES`` (a larger row
+    is a bucket of its own). Each bucket lists its rows from the last to the first."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, cap = 0.0, float(min(GRAD_BUCKET_BYTES, FIRST_BUCKET_BYTES))
+    for j in reversed(range(len(traffic))):
+        row_bytes = traffic[j].grad_bytes
+        if row_bytes <= 0 and traffic[j].grad_step_s <= 0:
+            continue
+        if current and size + row_bytes > cap:
+            buckets.append(current)
+            current, size, cap = [], 0.0, float(GRAD_BUCKET_BYTES)
+        current.append(j)
+        size += row_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _reductions(traffic: Sequence[DpTraffic], bwd: Sequence[float]) -> tuple[list[Hidden], bool]:
+    """Each row's share of the ZeRO 0/1 gradient all-reduces, and whether every bucket is one row.
+    A bucket's all-reduce (its rows' ``grad_step_s``) launches when its first row's backward ends
+    and runs beside the backward of the rows before it down to the next bucket's launch (with one
+    row a bucket: the row below it, as every other window); it is charged to the row just below
+    its launch, the last bucket's (row 0's, with nothing after it) to row 0."""
+    shares = [Hidden(0.0, 0.0)] * len(traffic)
+    buckets = grad_buckets(traffic)
+    for k, bucket in enumerate(buckets):
+        launch = bucket[-1]
+        comm_s = sum(traffic[j].grad_step_s for j in bucket)
+        if launch == 0:
+            shares[0] = _add(shares[0], Hidden(comm_s, 0.0))
+            continue
+        stop = buckets[k + 1][-1] if k + 1 < len(buckets) else 0
+        window = sum(bwd[j] for j in range(stop, launch))
+        shares[launch - 1] = _add(shares[launch - 1], hide(comm_s, window))
+    return shares, all(len(bucket) == 1 for bucket in buckets)
+
+
+def _row_exposure(
+    j: int, traffic: Sequence[DpTraffic], fwd: Sequence[float], bwd: Sequence[float], reduced: Sequence[Hidden]
+) -> DpExposure:
     n = len(traffic)
     after = traffic[j + 1] if j + 1 < n else DpTraffic()
     before = traffic[j - 1] if j > 0 else DpTraffic()
-    step = _add(hide(after.grad_step_s, bwd[j]), hide(after.gather_step_s, fwd[j]))
+    step = _add(reduced[j], hide(after.gather_step_s, fwd[j]))
     mb = _add(hide(after.reduce_mb_s + before.bwd_gather_mb_s, bwd[j]), hide(after.fwd_gather_mb_s, fwd[j]))
     own = traffic[j]
     if j == 0:  # nothing runs after row 0's backward or before its forward
-        step = _add(step, Hidden(own.grad_step_s + own.gather_step_s, 0.0))
+        step = _add(step, Hidden(own.gather_step_s, 0.0))
         mb = _add(mb, Hidden(own.reduce_mb_s + own.fwd_gather_mb_s, 0.0))
     if j == n - 1:  # the first backward's gather: nothing runs before it
         mb = _add(mb, Hidden(own.bwd_gather_mb_s, 0.0))
@@ -169,19 +236,21 @@ def dp_exposure(
     """Each row's exposed and hidden DP seconds (module docstring). ``uniform_blocks``: rows
     ``1 .. n-3`` are identical blocks, which then keep one cost (the difference moves to row 0);
     only the rows next to a different one are worked out then (a block between blocks is the
-    steady state)."""
+    steady state). Gradient buckets of several rows (small layers) break the blocks' symmetry:
+    every row is then worked out."""
     n = len(traffic)
-    if not (uniform_blocks and n >= 5):
-        return [_row_exposure(j, traffic, fwd, bwd) for j in range(n)]
-    steady = _row_exposure(2, traffic, fwd, bwd)
-    first = _row_exposure(0, traffic, fwd, bwd)
+    reduced, one_row_buckets = _reductions(traffic, bwd)
+    if not (uniform_blocks and one_row_buckets and n >= 5):
+        return [_row_exposure(j, traffic, fwd, bwd, reduced) for j in range(n)]
+    steady = _row_exposure(2, traffic, fwd, bwd, reduced)
+    first = _row_exposure(0, traffic, fwd, bwd, reduced)
     step, mb = first.step, first.micro_batch
     for j in {1, n - 3}:  # the blocks beside the embedding row and the last block
-        exact = _row_exposure(j, traffic, fwd, bwd)
+        exact = _row_exposure(j, traffic, fwd, bwd, reduced)
         step = _add(step, _sub(exact.step, steady.step))
         mb = _add(mb, _sub(exact.micro_batch, steady.micro_batch))
     return (
         [DpExposure(step, mb)]
         + [steady] * (n - 3)
-        + [_row_exposure(n - 2, traffic, fwd, bwd), _row_exposure(n - 1, traffic, fwd, bwd)]
+        + [_row_exposure(n - 2, traffic, fwd, bwd, reduced), _row_exposure(n - 1, traffic, fwd, bwd, reduced)]
     )

@@ -42,7 +42,7 @@ reads the table's row; ``X_tp`` is the part tp divides, ``X_sp`` the part sequen
 - overlap (``Candidate.overlap``, plan.json ``overlap``): TP and DP/ZeRO collectives are charged
   only what their window of independent compute cannot hide, per layer (``cost_models.overlap_cost``):
   ``tp``, ``zero_mb``, ``dp_step`` hold the exposed seconds, ``*_hidden_s`` the hidden ones, and the
-  contention ``overlap_slowdown x hidden`` joins the compute (per step: ``dp_contention_s``, in
+  contention ``overlap_contention x hidden`` joins the compute (per step: ``dp_contention_s``, in
   ``dp_step`` and reported as ``compute``). Every term stays a per-layer constant (ILP unchanged).
 
 Step time (1F1B, ``p`` stages, ``m`` micro-batches), stage ``k`` holding layers ``S_k``, recomputed ``R``::
@@ -431,7 +431,7 @@ def candidate_costs(
     layers = [row_costs[i] for i in row_of_layer]
     overlapped = _overlaps_dp(cand)
     if overlapped:
-        layers = _overlap_dp(layers, [priced[i][1] for i in row_of_layer], hw.overlap_slowdown)
+        layers = _overlap_dp(layers, [priced[i][1] for i in row_of_layer], hw)
     zero = 0 if cand.compressed else cand.zero_stage  # compressed: stage 0's optimizer memory
     tied = tied_weight_costs(table.tied, cand.weight_dp, cand.tp, cand.pp, zero, dtype, hw, gpus_per_node)
     for weight in tied:
@@ -643,21 +643,25 @@ def _with_state(
 
 def _overlaps_dp(cand: Candidate) -> bool:
     """Whether ``cand``'s DP/ZeRO collectives run beside compute (``cost_models.overlap_cost``:
-    not with offload or 1-bit Adam, whose transfers are waited where they are issued)."""
-    return cand.overlap.dp and cand.weight_dp > 1 and not cand.offloads and not cand.compressed
+    not with offload, whose transfers the offload engine waits where they are issued; with 1-bit
+    Adam only the full-precision warm-up's reductions, its compressed exchange is waited in the step)."""
+    return cand.overlap.dp and cand.weight_dp > 1 and not cand.offloads
 
 
-def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], slowdown: float) -> list[LayerCost]:
+def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], hw: HardwareProfile) -> list[LayerCost]:
     """``layers`` with their ZeRO traffic charged what its windows cannot hide (exposed in
     ``zero_mb_s`` / ``dp_step_s``, hidden in ``*_hidden_s``) and the contention: per micro-batch in
     ``compute_s``, per step in ``dp_step_s`` (as ``dp_contention_s``). Rows that share a cost and an
-    exposure share the result (repeated blocks stay one object)."""
+    exposure share the result (repeated blocks stay one object). A window of ``w`` seconds hides
+    ``hw.overlap_window_gain x w`` seconds of communication; each hidden second costs
+    ``hw.overlap_contention`` seconds of compute."""
     n = len(layers)
     uniform = n >= 5 and all(layers[i] is layers[1] or layers[i] == layers[1] for i in range(2, n - 2))
+    gain = hw.overlap_window_gain
     seen = dp_exposure(
         traffic,
-        [layer.fwd_s for layer in layers],
-        [layer.compute_s - layer.fwd_s for layer in layers],
+        [gain * layer.fwd_s for layer in layers],
+        [gain * (layer.compute_s - layer.fwd_s) for layer in layers],
         uniform,
     )
     made: dict[tuple, LayerCost] = {}
@@ -666,23 +670,30 @@ def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], slowdown: flo
         key = (id(layer), exposure)
         cost = made.get(key)
         if cost is None:
-            cost = made[key] = _exposed_layer(layer, row, exposure, slowdown)
+            cost = made[key] = _exposed_layer(layer, row, exposure, hw.overlap_contention)
         out.append(cost)
     return out
 
 
-def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, slowdown: float) -> LayerCost:
+def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, contention: float) -> LayerCost:
+    """``layer`` with its DP/ZeRO traffic split by ``exposure`` (``contention``: compute seconds
+    lost per hidden second). A compressed row (ZeRO 0/1, so all its traffic per step) keeps its
+    exchange: only its full-precision warm-up runs the overlapped reductions."""
     step_total = row.grad_step_s + row.gather_step_s
     mb_total = row.reduce_mb_s + row.fwd_gather_mb_s + row.bwd_gather_mb_s
-    contention = slowdown * exposure.step.hidden_s
+    step_contention = contention * exposure.step.hidden_s
+    warmup = layer.warmup_dp_step_s - step_total + exposure.step.exposed_s + step_contention
+    if layer.compressed_numel:
+        return layer.but(warmup_dp_step_s=warmup, warmup_dp_contention_s=step_contention)
     return layer.but(
-        compute_s=layer.compute_s + slowdown * exposure.micro_batch.hidden_s,
+        compute_s=layer.compute_s + contention * exposure.micro_batch.hidden_s,
         zero_mb_s=layer.zero_mb_s - mb_total + exposure.micro_batch.exposed_s,
         zero_mb_hidden_s=exposure.micro_batch.hidden_s,
-        dp_step_s=layer.dp_step_s - step_total + exposure.step.exposed_s + contention,
-        warmup_dp_step_s=layer.warmup_dp_step_s - step_total + exposure.step.exposed_s + contention,
+        dp_step_s=layer.dp_step_s - step_total + exposure.step.exposed_s + step_contention,
+        warmup_dp_step_s=warmup,
         dp_step_hidden_s=exposure.step.hidden_s,
-        dp_contention_s=contention,
+        dp_contention_s=step_contention,
+        warmup_dp_contention_s=step_contention,
     )
 
 
@@ -759,7 +770,7 @@ def _layer_state(params: int, pricing: _CandidatePricing, fwd_s: float, backward
         opt_s=opt_s,
         zero_mb_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_microbatch),
         dp_step_sent_b=sum(float(ring_bytes(kind, size, dp)) for kind, size in per_step),
-        traffic=_dp_traffic(zero, mb_times, step_times),
+        traffic=_dp_traffic(zero, mb_times, step_times, float(per_step[0][1]) if zero <= 1 and per_step else 0.0),
     )
 
 
@@ -779,8 +790,11 @@ def _merged_state(dense: _LayerState, experts: _LayerState) -> _LayerState:
     )
 
 
-def _dp_traffic(zero_stage: int, per_microbatch: Sequence[float], per_step: Sequence[float]) -> DpTraffic:
-    """The seconds of ``_zero_collectives``'s lists by role (their order is fixed there)."""
+def _dp_traffic(
+    zero_stage: int, per_microbatch: Sequence[float], per_step: Sequence[float], grad_bytes: float = 0.0
+) -> DpTraffic:
+    """The seconds of ``_zero_collectives``'s lists by role (their order is fixed there);
+    ``grad_bytes``: the ZeRO 0/1 all-reduce's size (what fills its bucket)."""
     if not per_microbatch and not per_step:
         return DpTraffic()
     if zero_stage == 3:  # all-gather (forward), all-gather (backward), reduce-scatter
@@ -790,7 +804,7 @@ def _dp_traffic(zero_stage: int, per_microbatch: Sequence[float], per_step: Sequ
     if zero_stage == 2:  # reduce-scatter every micro-batch, all-gather once
         return DpTraffic(reduce_mb_s=sum(per_microbatch), gather_step_s=sum(per_step))
     # ZeRO 0: all-reduce; ZeRO 1: all-reduce, then all-gather
-    return DpTraffic(grad_step_s=per_step[0], gather_step_s=sum(per_step[1:]))
+    return DpTraffic(grad_step_s=per_step[0], gather_step_s=sum(per_step[1:]), grad_bytes=grad_bytes)
 
 
 class _CompressedTerms(NamedTuple):
@@ -897,6 +911,8 @@ class StageCost:
     """``dp_s`` of a full-precision step (a compressed plan's warm-up; else the same)."""
     warmup_opt_s: float = 0.0
     """``opt_s`` of a full-precision step."""
+    warmup_contention_s: float = 0.0
+    """``dp_contention_s`` of a full-precision step (in ``warmup_dp_s``)."""
     warmup_comm_bytes: float = 0.0
     """``comm_bytes`` of a full-precision step (a compressed plan's warm-up; else the same)."""
     exchange: StageExchange | None = None
@@ -1044,6 +1060,26 @@ def _one_f_one_b_stage(
     return stage_cost(costs, work, forward_s, memory, bound)
 
 
+def _stage_comm_bytes(cand: Candidate, work: StageWork) -> float:
+    """Bytes a device of the stage sends per step: every micro-batch's TP, EP and CP traffic (the
+    recomputed forwards' again), its transfers and ZeRO traffic, the per-step DP traffic and the
+    step's control collectives."""
+    view = work.layers
+    tp_passes = sum(
+        layer.tp_sent_b
+        + layer.tp_bwd_sent_b
+        + layer.ep_sent_b
+        + layer.cp_sent_b
+        + ((layer.tp_rec_sent_b + layer.ep_rec_sent_b + layer.cp_rec_sent_b) if whole else 0.0)
+        for layer, whole in zip(view, work.recomputed)
+    )
+    return (
+        cand.num_micro_batches * (tp_passes + work.sent_b + sum(layer.zero_mb_sent_b for layer in view))
+        + sum(layer.dp_step_sent_b for layer in view)
+        + step_control_bytes(cand.weight_dp, cand.tp, cand.pp)
+    )
+
+
 def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory: dict, bound: int) -> StageCost:
     """A stage's cost from its layers and schedule-decided parts (``forward_s``: the forward part
     of its micro-step but the transfers, which are split evenly between the two passes)."""
@@ -1056,22 +1092,11 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
     # (``rec_s``); reported as ep_comm and cp_comm
     ep_rec_s = sum(layer.ep_rec_s for layer, whole in zip(view, work.recomputed) if whole)
     cp_rec_s = sum(layer.cp_rec_s for layer, whole in zip(view, work.recomputed) if whole)
-    tp_passes = sum(
-        layer.tp_sent_b
-        + layer.tp_bwd_sent_b
-        + layer.ep_sent_b
-        + layer.cp_sent_b
-        + ((layer.tp_rec_sent_b + layer.ep_rec_sent_b + layer.cp_rec_sent_b) if whole else 0.0)
-        for layer, whole in zip(view, work.recomputed)
-    )
-    comm = (
-        cand.num_micro_batches * (tp_passes + work.sent_b + sum(layer.zero_mb_sent_b for layer in view))
-        + sum(layer.dp_step_sent_b for layer in view)
-        + step_control_bytes(cand.weight_dp, cand.tp, cand.pp)
-    )
+    comm = _stage_comm_bytes(cand, work)
     forward_s = forward_s + work.p2p_s / 2
     dp_s, opt_s = sum(layer.dp_step_s for layer in view), sum(layer.opt_s for layer in view)
     warmup_dp_s = sum(layer.warmup_dp_step_s for layer in view)
+    warmup_contention_s = sum(layer.warmup_dp_contention_s for layer in view)
     warmup_opt_s = sum(layer.warmup_opt_s for layer in view)
     warmup_comm = (
         comm - sum(layer.dp_step_sent_b for layer in view) + sum(layer.warmup_dp_step_sent_b for layer in view)
@@ -1088,7 +1113,7 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         )
         memory = {**memory, "optimizer": memory["optimizer"] + extra_b, "total": memory["total"] + extra_b}
         bound += extra_b
-    else:
+    else:  # (an uncompressed layer's warm-up contention is its own)
         warmup_dp_s, warmup_opt_s = dp_s, opt_s
     return StageCost(
         first=work.first,
@@ -1115,6 +1140,7 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         nvme_b=sum(layer.nvme_b for layer in view),
         warmup_dp_s=warmup_dp_s,
         warmup_opt_s=warmup_opt_s,
+        warmup_contention_s=warmup_contention_s,
         warmup_comm_bytes=warmup_comm,
         exchange=exchange,
         tp_hidden_s=sum(layer.tp_hidden_s for layer in view),
@@ -1151,9 +1177,11 @@ def warmup_time(evaluation: Evaluation) -> dict[str, float]:
         return dict(evaluation.time)
     tail = max(evaluation.stages, key=lambda stage: stage.dp_s + stage.opt_s)
     stage = _warmup_tail_stage(evaluation)
+    contention = stage.warmup_contention_s - tail.dp_contention_s  # the warm-up's reductions overlap
     return {
         **evaluation.time,
-        "dp_comm": evaluation.time["dp_comm"] - tail.dp_s + stage.warmup_dp_s,
+        "compute": evaluation.time["compute"] + contention,
+        "dp_comm": evaluation.time["dp_comm"] - tail.dp_s + stage.warmup_dp_s - contention,
         "optimizer": stage.warmup_opt_s,
     }
 
@@ -1376,4 +1404,14 @@ def compression_fields(evaluation: Evaluation) -> dict | None:
         "exchange_s": float(exchange.exchange_s),
         "compute_s": float(exchange.compute_s),
         "error_buffer_bytes": int(math.ceil(exchange.error_b)),
+        "warmup_peak_memory_bytes": warmup_peak_bytes(evaluation),
     }
+
+
+def warmup_peak_bytes(evaluation: Evaluation) -> int:
+    """The peak memory of a compressed plan's full-precision warm-up: the runtime allocates the
+    error buffers at the first compressed step, so each stage holds its own less until then."""
+    stages = evaluation.stages
+    top = max(stage.memory["total"] for stage in stages)
+    warm = max(stage.memory["total"] - (math.ceil(stage.exchange.error_b) if stage.exchange else 0) for stage in stages)
+    return int(evaluation.memory["total"] - top + warm)

@@ -252,7 +252,9 @@ class Predicted:
     compressed step after the warm-up), ``warmup_comm_bytes_per_device`` (what the exchange sends in
     full precision; ``comm_bytes_per_device`` is the compressed exchange's), and the compressed
     step's ``exchange_bytes_per_device``, ``exchange_s`` (its collectives), ``compute_s`` (the
-    compression's passes) and ``error_buffer_bytes`` (in ``memory.optimizer``), on the tail stage."""
+    compression's passes) and ``error_buffer_bytes`` (in ``memory.optimizer``), on the tail stage;
+    ``warmup_peak_memory_bytes``, the peak before the first compressed step allocates the error
+    buffers (absent from plans written before it)."""
     hidden: dict = field(default_factory=dict)
     """Seconds of communication hidden under compute, by ``time`` part (``tp_comm``, ``dp_comm``):
     what the plan's ``overlap`` hides (``cost_models.overlap_cost``); ``time`` holds only the

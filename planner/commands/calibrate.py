@@ -12,9 +12,10 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   timed between the rounds of training steps.
 - **Recomputation**: two exported blocks timed plain, checkpointed and forward-only;
   ``recompute_ratio`` is what checkpointing adds over the forward (``_time_recompute``).
-- **Overlap contention** (``overlap_slowdown``): a few matmuls timed alone and beside a chain of
-  asynchronous all-reduces between the ranks (``calibrate_gpu.measure_overlap_slowdown``, the
-  code the CUDA path runs over NCCL).
+- **Overlap contention** (``overlap_slowdown``, ``overlap_comm_rate``): a few matmuls timed alone
+  and beside a chain of asynchronous all-reduces between the ranks, and how much of the chain
+  completes meanwhile (``calibrate_gpu.measure_overlap_slowdown``, the code the CUDA path runs
+  over NCCL).
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
   ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
   rank's mean over a few repetitions after a warm-up.
@@ -94,6 +95,7 @@ from planner.commands.calibrate_gpu import (
     DeviceTimer,
     measure_gemm_table,
     measure_overlap_slowdown,
+    overlap_fields,
     run_gpu_calibration,
     time_collective,
 )
@@ -497,7 +499,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         op_overhead_s=float(raw.get("op_overhead_s") or 0.0),
         sync_overhead_s=float(raw.get("sync_overhead_s") or 0.0),
         recompute_ratio=_clamp_ratio(raw.get("recompute_ratio")),
-        overlap_slowdown=(raw.get("overlap") or {}).get("overlap_slowdown", base.overlap_slowdown),
+        **overlap_fields(raw.get("overlap"), base),
         intra_node_collectives=collective_links(per_kind),
         gemm_efficiency=tables or None,
         host_device_bandwidth=offload.get("host_copy_Bps"),
@@ -535,7 +537,7 @@ def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> s
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
         f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
     )

@@ -454,19 +454,26 @@ def time_collective(
 #: beyond it the timing was disturbed.
 MAX_OVERLAP_SLOWDOWN = 0.9
 
+#: Least comm rate a calibration reports (``HardwareProfile.overlap_comm_rate`` must stay above 0).
+MIN_OVERLAP_COMM_RATE = 0.05
+
 
 def measure_overlap_slowdown(
     timer: DeviceTimer, rounds: int, size: int = 512, matmuls: int = 8, comm_bytes: int = 8 * MB
 ) -> dict[str, float]:
-    """How much slower compute runs beside a collective (``HardwareProfile.overlap_slowdown``),
-    over the default group on ``timer``'s device (gloo on CPUs, NCCL on GPUs; every rank calls it).
+    """How much slower compute runs beside a collective (``HardwareProfile.overlap_slowdown``) and
+    how much of its speed the collective keeps beside compute (``overlap_comm_rate``), over the
+    default group on ``timer``'s device (gloo on CPUs, NCCL on GPUs; every rank calls it).
 
     The compute is ``matmuls`` products of ``size x size`` matrices (fp32 on a CPU, bf16 on a GPU),
     timed alone and then while a chain of all-reduces of ``comm_bytes`` runs beside it, long
-    enough to cover it (launched asynchronously first, waited after), in ``rounds`` pairs. The
+    enough to outlast it (launched asynchronously first, waited after), in ``rounds`` pairs. The
     slowdown is the median over the pairs of ``beside / alone - 1`` (pairing cancels a shared
-    machine's slower drifts), the mean over ranks, kept to ``[0, MAX_OVERLAP_SLOWDOWN]``; the
-    lower quartiles of both times are recorded beside it."""
+    machine's slower drifts). The rate: the chain alone takes ``C`` (timed in the same round),
+    beside the compute's ``T_c`` seconds it takes ``T``; the chain ran at rate
+    ``r`` for ``T_c`` and alone after, so ``T = T_c + C - r T_c``, ``r = (T_c + C - T) / T_c``
+    (median over the rounds). Both are means over ranks, kept to ``[0, MAX_OVERLAP_SLOWDOWN]`` and
+    ``[MIN_OVERLAP_COMM_RATE, 1]``; the lower quartiles of both compute times are recorded beside."""
     device = timer.device
     dtype = torch.bfloat16 if timer.cuda else torch.float32
     a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
@@ -486,30 +493,43 @@ def measure_overlap_slowdown(
     alone_s = lower_quartile([timer.per_call(compute, 1, queue_ahead=False)[0] for _ in range(3)])
     dist.barrier()
     comm_s = lower_quartile(timer.per_call(one_collective, 3, queue_ahead=False))
-    chain = torch.tensor([math.ceil(1.5 * alone_s / max(comm_s, 1e-9))], dtype=torch.float64, device=device)
+    # long enough to outlast the compute even when it runs at full speed beside a slowed compute
+    chain = torch.tensor([math.ceil(2.5 * alone_s / max(comm_s, 1e-9))], dtype=torch.float64, device=device)
     dist.all_reduce(chain, op=dist.ReduceOp.MAX)  # every rank issues the same collectives
     links = int(min(max(chain.item(), 1), 64))
-    alone, beside = [], []
-    for _ in range(rounds):  # paired rounds: a neighbour's load drifts slower than one round
+
+    def run_chain(beside_compute: bool) -> tuple[float, float]:
+        """The chain launched, the compute beside it (or nothing), all waited: (whole, compute) s."""
         dist.barrier()
-        alone.append(timer.per_call(compute, 1, queue_ahead=False)[0])
-        dist.barrier()
+        started = time.perf_counter()
         works = [dist.all_reduce(buf, async_op=True) for _ in range(links)]
-        beside.append(timer.per_call(compute, 1, queue_ahead=False)[0])
+        compute_s = timer.per_call(compute, 1, queue_ahead=False)[0] if beside_compute else 0.0
         for work in works:
             work.wait()
         timer.sync()
+        return time.perf_counter() - started, compute_s
+
+    alone, beside, rates = [], [], []
+    for _ in range(rounds):  # paired rounds: a neighbour's load drifts slower than one round
+        dist.barrier()
+        alone.append(timer.per_call(compute, 1, queue_ahead=False)[0])
+        chain_s, _ = run_chain(False)
+        whole, compute_s = run_chain(True)
+        beside.append(compute_s)
+        if compute_s > 0:
+            rates.append((compute_s + chain_s - whole) / compute_s)
     alone_s, beside_s = lower_quartile(alone), lower_quartile(beside)
     ratio = median([b / a for a, b in zip(alone, beside) if a > 0]) if any(a > 0 for a in alone) else 1.0
-    slowdown = torch.tensor([ratio - 1], dtype=torch.float64, device=device)
-    dist.all_reduce(slowdown)
-    value = float(slowdown.item()) / dist.get_world_size()
+    means = torch.tensor([ratio - 1, median(rates) if rates else 1.0], dtype=torch.float64, device=device)
+    dist.all_reduce(means)
+    slowdown, rate = (float(value) / dist.get_world_size() for value in means.tolist())
     return {
         "compute_alone_s": alone_s,
         "compute_beside_s": beside_s,
         "collective_s": comm_s,
         "collectives_beside": links,
-        "overlap_slowdown": min(max(value, 0.0), MAX_OVERLAP_SLOWDOWN),
+        "overlap_slowdown": min(max(slowdown, 0.0), MAX_OVERLAP_SLOWDOWN),
+        "overlap_comm_rate": min(max(rate, MIN_OVERLAP_COMM_RATE), 1.0),
     }
 
 
@@ -614,6 +634,16 @@ def datasheet_kind(name: str, memory_bytes: int) -> str | None:
     return None
 
 
+def overlap_fields(overlap: dict[str, float] | None, base: HardwareProfile) -> dict[str, Any]:
+    """The profile's contention fields from ``measure_overlap_slowdown``'s result (``base``'s when
+    not measured)."""
+    measured = overlap or {}
+    return {
+        "overlap_slowdown": measured.get("overlap_slowdown", base.overlap_slowdown),
+        "overlap_comm_rate": measured.get("overlap_comm_rate", base.overlap_comm_rate),
+    }
+
+
 def build_gpu_profile(
     raw: dict[str, Any], base: HardwareProfile, spec: GpuCalibrationSpec, datasheet: bool, nproc: int
 ) -> HardwareProfile:
@@ -678,7 +708,7 @@ def build_gpu_profile(
         sync_overhead_s=base.sync_overhead_s,
         ops_async=True,
         recompute_ratio=1.0,
-        overlap_slowdown=(raw.get("overlap") or {}).get("overlap_slowdown", base.overlap_slowdown),
+        **overlap_fields(raw.get("overlap"), base),
         gemm_misaligned_efficiency=(raw.get("misaligned_gemm") or {}).get(
             "efficiency", base.gemm_misaligned_efficiency
         ),

@@ -49,7 +49,8 @@ def compare(plan, metrics: list[dict]) -> dict:
     ``measured`` step time, peak memory and bytes; the timed steps' times; the median collective
     wait; ``time``, the predicted and measured (median) seconds of each part of the step. A 1-bit
     Adam plan whose run ends inside its full-precision warm-up is compared with the warm-up step
-    (``predicted.compression``), which is what ran."""
+    (``predicted.compression``: its step, parts, bytes and peak, before the error buffers exist),
+    which is what ran."""
     rows = metrics[WARMUP_STEPS:]
     if not rows:
         raise UserError(
@@ -73,6 +74,7 @@ def compare(plan, metrics: list[dict]) -> dict:
         # 1-bit Adam still in its full-precision warm-up: every timed step is a warm-up step.
         predicted["step_time_s"] = warmup["warmup_step_time_s"]
         predicted["comm_bytes_per_device"] = warmup["warmup_comm_bytes_per_device"]
+        predicted["peak_memory_bytes"] = warmup.get("warmup_peak_memory_bytes", prediction.peak_memory_bytes)
         predicted_time = dict(warmup["warmup_time"])
     host = [row["host_memory_bytes"] for row in metrics if "host_memory_bytes" in row]
     if host and set(plan.offload.values()) != {OffloadTier.NONE}:  # only a plan that keeps state on the host

@@ -15,12 +15,13 @@ import torch
 
 from runtime.contract.choices import GradCompression, names
 from runtime.contract.input_errors import ConfigError
+from runtime.contract.limits import GRAD_BUCKET_BYTES
 from runtime.data_parallel.precision import DynamicLossScaler, check_compute_dtype
 
 __all__ = ["ShardingConfig", "OptimizerConfig", "CompressionConfig", "ParallelContext", "DEFAULT_BUCKET_BYTES"]
 
 #: Default target size of one gradient reduction (DDP's default bucket, 25 MiB).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES
 
 
 @dataclass(frozen=True)

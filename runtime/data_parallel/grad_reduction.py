@@ -30,15 +30,12 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.contract.limits import REDUCTIONS_IN_FLIGHT
+from runtime.contract.limits import FIRST_BUCKET_BYTES, REDUCTIONS_IN_FLIGHT
 from runtime.data_parallel.engine_config import ShardingConfig
 from runtime.data_parallel.flat_shards import FlatGroup
 from runtime.distributed import comm
 
 __all__ = ["FIRST_BUCKET_BYTES", "GradientReducer", "make_buckets", "shard_accumulator", "drop_full_grad"]
-
-#: Cap of the first gradient bucket of a step (the last layers' gradients, ready first).
-FIRST_BUCKET_BYTES = 2**20
 
 
 def make_buckets(

@@ -1,7 +1,7 @@
 """Overlapped communication is priced by its windows (``cost_models.overlap_cost``).
 
 The unit rules by hand, a brute-force check that the per-row windows add up, and the strategy
-level: overlap on against off of the same strategy, exactly ``(1 - overlap_slowdown) x hidden``
+level: overlap on against off of the same strategy, exactly ``(1 - overlap_contention) x hidden``
 apart, with every part and the hidden seconds accounted for."""
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from cost_models.overlap_cost import (
     DpTraffic,
     Hidden,
     dp_exposure,
+    grad_buckets,
     hide,
     tp_exposure,
 )
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, hidden_breakdown
+from runtime.contract.limits import FIRST_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from runtime.contract.overlap import OVERLAP_ALL, OVERLAP_NONE, Overlap
 from tests.helpers import gpt_table
 
@@ -34,6 +36,23 @@ def test_hide_charges_what_the_window_cannot_hide():
     assert hide(3.0, 1.0) == Hidden(2.0, 1.0)
     assert hide(1.0, 3.0) == Hidden(0.0, 1.0)
     assert hide(1.0, 0.0) == Hidden(1.0, 0.0)
+    # a window stretched by the slowdown, the collective slowed to its rate: gain rho (1 + kappa)
+    assert hide(3.0, 1.0, gain=0.5) == Hidden(2.5, 0.5)
+
+
+def test_the_window_gain_and_contention_follow_the_two_rates():
+    """Over ``t`` seconds side by side the compute does ``t / (1 + kappa)`` of its work and the
+    collective ``rho t`` of its: a window of ``w`` lasts ``(1 + kappa) w`` and hides
+    ``rho (1 + kappa) w``, losing ``kappa w`` of compute, ``kappa / (rho (1 + kappa))`` per hidden second."""
+    hw = dataclasses.replace(HW, overlap_slowdown=0.6, overlap_comm_rate=0.5)
+    assert hw.overlap_window_gain == pytest.approx(0.8)
+    window = 2.0
+    hidden = hw.overlap_window_gain * window
+    assert hw.overlap_contention * hidden == pytest.approx(0.6 * window)
+    free = dataclasses.replace(HW, overlap_slowdown=0.0, overlap_comm_rate=1.0)
+    assert (free.overlap_window_gain, free.overlap_contention) == (1.0, 0.0)
+    with pytest.raises(Exception, match="overlap_comm_rate"):
+        dataclasses.replace(HW, overlap_comm_rate=0.0)
 
 
 def test_tp_without_sequence_parallelism_hides_the_backward_all_reduce_under_weight_gradients():
@@ -86,7 +105,7 @@ def _serial_bounds(traffic, fwd, bwd):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(seconds, seconds, seconds), min_size=2, max_size=8))
 def test_dp_windows_conserve_the_traffic_and_bound_the_serial_channel(rows):
-    traffic = [DpTraffic(grad_step_s=c) for c, _, _ in rows]
+    traffic = [DpTraffic(grad_step_s=c, grad_bytes=GRAD_BUCKET_BYTES) for c, _, _ in rows]
     fwd = [f for _, f, _ in rows]
     bwd = [b for _, _, b in rows]
     seen = dp_exposure(traffic, fwd, bwd, uniform_blocks=False)
@@ -106,7 +125,7 @@ def test_dp_windows_conserve_the_traffic_and_bound_the_serial_channel(rows):
 )
 def test_uniform_blocks_keep_one_cost_and_the_same_total(block, ends, n):
     def traffic_of(t):
-        return DpTraffic(*t)
+        return DpTraffic(*t, grad_bytes=GRAD_BUCKET_BYTES)
 
     rows = [traffic_of((ends[0],) * 5)] + [traffic_of(block)] * (n - 2) + [traffic_of((ends[1],) * 5)]
     fwd = [0.1] + [0.3] * (n - 2) + [0.5]
@@ -135,19 +154,20 @@ def _pair(cand: Candidate, hw=HW, layers=6):
 @pytest.mark.parametrize("slowdown", [0.0, 0.15])
 def test_overlap_takes_exactly_the_hidden_seconds_less_their_contention(zero, tp, sp, slowdown):
     hw = dataclasses.replace(HW, overlap_slowdown=slowdown)
+    contention = hw.overlap_contention
     cand = Candidate(4 if tp == 1 else 2, tp, 1, zero, 2, 4, sequence_parallel=sp)
     on, off = _pair(cand, hw)
     hidden = hidden_breakdown(on)
     assert hidden_breakdown(off) == {"tp_comm": 0.0, "recompute": 0.0, "dp_comm": 0.0, "cp_comm": 0.0}
     assert (hidden["recompute"] > 0) == sp  # only chunked forwards hide any of their traffic
     assert hidden["dp_comm"] > 0 and (hidden["tp_comm"] > 0) == (tp > 1)
-    assert on.step_time_s == pytest.approx(off.step_time_s - (1 - slowdown) * sum(hidden.values()), rel=1e-9)
+    assert on.step_time_s == pytest.approx(off.step_time_s - (1 - contention) * sum(hidden.values()), rel=1e-9)
     assert sum(on.time.values()) == pytest.approx(on.step_time_s, rel=1e-9)
     for part in ("tp_comm", "dp_comm"):  # exposed + hidden: the synchronous traffic
         # (the recompute part: its traffic's exposed share and the contention of the hidden one)
         assert on.time[part] + hidden[part] == pytest.approx(off.time[part], rel=1e-9)
     busy_on, busy_off = (run.time["compute"] + run.time["recompute"] for run in (on, off))
-    want = busy_off - hidden["recompute"] + slowdown * sum(hidden.values())
+    want = busy_off - hidden["recompute"] + contention * sum(hidden.values())
     assert busy_on == pytest.approx(want, rel=1e-9)
     assert on.memory == off.memory and on.comm_bytes_per_device == off.comm_bytes_per_device
 
@@ -184,6 +204,69 @@ def test_a_request_may_set_each_kind_of_overlap():
     assert plans["object"].predicted.step_time_s < plans["off"].predicted.step_time_s
     with pytest.raises(SearchError, match="--overlap must be on or off"):
         PlanRequest(**base, overlap={"tp": "yes"})
+
+
+def test_small_layers_share_a_bucket_launched_at_its_last_layer():
+    """A 4-block model of 3 MiB layers and 8 MiB ends: the head alone (above the 1 MiB first cap),
+    then the blocks and the embedding together (20.6 MiB < 25 MiB), launched only when the embedding's
+    backward ends: all of it exposed, none hidden under the blocks it waited for."""
+    mib = 2**20
+    sizes = [8 * mib] + [3.1 * mib] * 4 + [8 * mib]
+    traffic = [DpTraffic(grad_step_s=size / (1000 * mib), grad_bytes=size) for size in sizes]
+    assert grad_buckets(traffic) == [[5], [4, 3, 2, 1, 0]]
+    bwd = [0.03] * 6
+    seen = dp_exposure(traffic, [0.01] * 6, bwd, uniform_blocks=True)
+    total = sum(t.grad_step_s for t in traffic)
+    head = traffic[5].grad_step_s
+    assert seen[4].step.hidden_s == pytest.approx(head)  # under the last block, the row below the head
+    assert seen[0].step.exposed_s == pytest.approx(total - head)  # the rest waits for row 0
+    assert sum(row.step.exposed_s + row.step.hidden_s for row in seen) == pytest.approx(total)
+    # each layer its own bucket (25 MiB or more): the per-row windows
+    large = [t._replace(grad_bytes=GRAD_BUCKET_BYTES) for t in traffic]
+    assert grad_buckets(large) == [[j] for j in reversed(range(6))]
+    assert dp_exposure(large, [0.01] * 6, bwd, uniform_blocks=False)[0].step.exposed_s == traffic[0].grad_step_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(seconds, seconds, st.integers(min_value=0, max_value=2 * GRAD_BUCKET_BYTES)), min_size=2, max_size=10
+    )
+)
+def test_buckets_follow_the_runtime_and_conserve_the_traffic(rows):
+    traffic = [DpTraffic(grad_step_s=c, grad_bytes=size) for c, _, size in rows]
+    bwd = [b for _, b, _ in rows]
+    buckets = grad_buckets(traffic)
+    flat = [row for bucket in buckets for row in bucket]
+    assert flat == sorted(flat, reverse=True) and set(flat) == {
+        j for j, t in enumerate(traffic) if t.grad_bytes or t.grad_step_s
+    }
+    for k, bucket in enumerate(buckets):
+        cap = FIRST_BUCKET_BYTES if k == 0 else GRAD_BUCKET_BYTES
+        assert len(bucket) == 1 or sum(traffic[j].grad_bytes for j in bucket) <= cap
+    seen = dp_exposure(traffic, [0.0] * len(rows), bwd, uniform_blocks=False)
+    assert sum(row.step.exposed_s + row.step.hidden_s for row in seen) == pytest.approx(sum(c for c, _, _ in rows))
+    # a bucket hides at most the backward that runs between its launch and the next one's
+    for k, bucket in enumerate(buckets):
+        launch, stop = bucket[-1], (buckets[k + 1][-1] if k + 1 < len(buckets) else 0)
+        if launch > 0:
+            assert seen[launch - 1].step.hidden_s <= sum(bwd[stop:launch]) + 1e-12
+    if buckets and buckets[-1][-1] == 0:  # the bucket launched by row 0 has no window
+        assert seen[0].step.exposed_s >= sum(traffic[j].grad_step_s for j in buckets[-1]) - 1e-12
+
+
+def test_a_compressed_plan_overlaps_its_warm_up_only():
+    """1-bit Adam's compressed steps wait their exchange in the step; its full-precision warm-up
+    runs the same overlapped reductions as the uncompressed plan."""
+    from cost_models.strategy import warmup_time
+
+    cand = Candidate(2, 1, 1, 0, 2, 4, dp_compression="onebit-adam")
+    plain = dataclasses.replace(cand, dp_compression="none")
+    on, off = _pair(cand)
+    uncompressed, _ = _pair(plain)
+    assert warmup_time(on)["dp_comm"] < warmup_time(off)["dp_comm"]
+    assert warmup_time(on)["dp_comm"] == pytest.approx(uncompressed.time["dp_comm"], rel=1e-9)
+    assert warmup_time(on)["compute"] == pytest.approx(uncompressed.time["compute"], rel=1e-9)
 
 
 def test_offloaded_and_compressed_traffic_stays_exposed():

@@ -247,7 +247,7 @@ REQUESTS: dict[str, tuple[list[str], bool]] = {
         ],
         True,
     ),
-    "gpt-cpu-tp2": (_SMALL_GPT + ["--gpus", "4", "--hardware", "cpu", "--tp", "2"], True),
+    "gpt-cpu-tp2": (_SMALL_GPT + ["--gpus", "4", "--hardware", "cpu", "--tp", "2", "--sequence-parallel", "on"], True),
     "gpt-cpu-pp2": (_SMALL_GPT + ["--gpus", "2", "--hardware", "cpu", "--pp", "2", "--dtype", "fp32"], True),
     "gpt-zero3-dp4": (_SMALL_GPT + ["--gpus", "4", "--hardware", "a100-40gb", "--dp", "4", "--zero-stage", "3"], True),
     "gpt-ckpt-all": (
