@@ -288,9 +288,10 @@ class CompileChoice:
         run = f"the run's {self.steps:,} steps" + (
             " (--tokens)" if self.from_tokens else " (the default horizon without --tokens)"
         )
+        compiling = f"{self.compile_s:.0f} s" if self.compile_s >= 10 else seconds(self.compile_s)
         head = (
-            f"compiled layers {'save' if self.on else 'would save'} {seconds(self.saving_s)} per step ({why}), "
-            f"which repays about {seconds(self.compile_s)} of compilation after "
+            f"compiled layers {'save' if self.on else 'would save'} {seconds(self.saving_s)} per step ({why}): "
+            f"about {compiling} of compilation, repaid {'' if self.on else 'only '}after "
             f"{math.ceil(self.compile_s / self.saving_s):,} steps"
         )
         return f"on, because {head}, within {run}" if self.on else f"off, because {head}, more than {run}"
