@@ -364,19 +364,28 @@ def ridge_intensity(hw: HardwareProfile, dtype: str) -> float:
 
 
 def adam_step_bytes(num_params: Any, dtype: str) -> Any:
-    """Device-memory bytes one AdamW step moves for ``num_params`` (this device's shard).
+    """Device-memory bytes of one optimizer step as the runtime runs it (``ZeroEngine.step`` and
+    ``zero_grad``, timed together as the ``optimizer`` part) for ``num_params`` (this device's shard):
 
-    Per parameter the step reads the gradient, the fp32 (master) weight and both fp32 moments,
-    and writes the weight and both moments; mixed precision also writes the low-precision copy
-    of the weight that the next forward uses:
+    - the global gradient norm: two dot products over the fp32 gradient (the whole, for inf/nan,
+      and its norm ranges): read 4 + 4;
+    - the clip (and, in fp16, unscale) factor applied to the gradient: read 4 + write 4 (a step
+      whose norm is under the clip skips it; early training and every fp16 step do not);
+    - the decoupled weight decay on the decayed ranges: master read 4 + write 4;
+    - torch's fused AdamW: read the gradient, master and both moments, write the three: 28;
+    - ``zero_grad``: the gradient buffer written;
+    - mixed precision only: the gradient cast to fp32 for the norm and again for the update
+      (read 2 + write 4, twice) and the updated master cast to the compute copy (read 4 + write 2).
 
-    - fp32:       read 4 (grad) + 4 (w) + 4 (m) + 4 (v), write 4 + 4 + 4        = 28 bytes
-    - bf16/fp16:  read 2 (grad) + 4 (master) + 4 + 4, write 4 + 4 + 4 + 2 (w)    = 28 bytes
+    - fp32:      8 + 8 + 8 + 28 + 4                   = 56 bytes
+    - bf16/fp16: 12 + 8 + 8 + 8 + 28 + 6 + 2          = 72 bytes
+
+    A fully fused kernel (one pass, 28 bytes) would do it in about half; the price is the runtime's.
     """
     if dtype == "fp32":
-        per = 4 + 4 + 4 + 4 + 4 + 4 + 4
+        per = 8 + 8 + 8 + 28 + 4
     elif dtype in ("bf16", "fp16"):
-        per = 2 + 4 + 4 + 4 + 4 + 4 + 4 + 2
+        per = 12 + 8 + 8 + 8 + 28 + 6 + 2
     else:
         raise ValueError(f"unknown training dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return per * num_params

@@ -185,12 +185,37 @@ def grad_buckets(traffic: Sequence[DpTraffic]) -> list[list[int]]:
     return buckets
 
 
-def _reductions(traffic: Sequence[DpTraffic], bwd: Sequence[float]) -> tuple[list[Hidden], bool]:
-    """Each row's share of the ZeRO 0/1 gradient all-reduces, and whether every bucket is one row.
-    A bucket's all-reduce (its rows' ``grad_step_s``) launches when its first row's backward ends
-    and runs beside the backward of the rows before it down to the next bucket's launch (with one
-    row a bucket: the row below it, as every other window); it is charged to the row just below
-    its launch, the last bucket's (row 0's, with nothing after it) to row 0."""
+def _carries(row: DpTraffic) -> bool:
+    """Whether the row all-reduces a gradient (ZeRO 0/1): it joins a bucket."""
+    return row.grad_bytes > 0 or row.grad_step_s > 0
+
+
+def _single_rows(traffic: Sequence[DpTraffic], rows: Sequence[int]) -> bool:
+    """Whether ``rows`` (every distinct row) make one-row buckets only: any two reductions exceed
+    a bucket (``grad_buckets``; the first bucket's smaller cap then holds too)."""
+    return all(traffic[j].grad_bytes * 2 > GRAD_BUCKET_BYTES for j in rows if _carries(traffic[j]))
+
+
+def _one_row_reduction(j: int, traffic: Sequence[DpTraffic], bwd: Sequence[float]) -> Hidden:
+    """Row ``j``'s share when every bucket is one row: row ``j + 1``'s all-reduce beside the
+    backward down to the next row that reduces (row ``j`` itself, unless it has no gradient), and
+    at row 0 its own, exposed."""
+    share = Hidden(0.0, 0.0)
+    if j + 1 < len(traffic) and _carries(traffic[j + 1]):
+        stop = j
+        while stop > 0 and not _carries(traffic[stop]):
+            stop -= 1
+        share = hide(traffic[j + 1].grad_step_s, bwd[j] if stop == j else sum(bwd[stop : j + 1]))
+    if j == 0 and _carries(traffic[0]):
+        share = _add(share, Hidden(traffic[0].grad_step_s, 0.0))
+    return share
+
+
+def _many_row_reductions(traffic: Sequence[DpTraffic], bwd: Sequence[float]) -> list[Hidden]:
+    """Every row's share of the reductions, bucket by bucket (``_one_row_reduction``'s rule with a
+    bucket's rows in place of one: its all-reduce launches when its first row's backward ends,
+    beside the backward of the rows down to the next bucket's launch, charged to the row just
+    below its launch; the bucket row 0 launches, to row 0)."""
     shares = [Hidden(0.0, 0.0)] * len(traffic)
     buckets = grad_buckets(traffic)
     for k, bucket in enumerate(buckets):
@@ -200,18 +225,24 @@ def _reductions(traffic: Sequence[DpTraffic], bwd: Sequence[float]) -> tuple[lis
             shares[0] = _add(shares[0], Hidden(comm_s, 0.0))
             continue
         stop = buckets[k + 1][-1] if k + 1 < len(buckets) else 0
-        window = sum(bwd[j] for j in range(stop, launch))
-        shares[launch - 1] = _add(shares[launch - 1], hide(comm_s, window))
-    return shares, all(len(bucket) == 1 for bucket in buckets)
+        shares[launch - 1] = _add(shares[launch - 1], hide(comm_s, sum(bwd[stop:launch])))
+    return shares
 
 
 def _row_exposure(
-    j: int, traffic: Sequence[DpTraffic], fwd: Sequence[float], bwd: Sequence[float], reduced: Sequence[Hidden]
+    j: int,
+    traffic: Sequence[DpTraffic],
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    bucketed: Sequence[Hidden] | None,
 ) -> DpExposure:
+    """Row ``j``'s exposure; ``bucketed``: every row's reductions when buckets hold several rows
+    (``_many_row_reductions``), None when each is one row."""
     n = len(traffic)
     after = traffic[j + 1] if j + 1 < n else DpTraffic()
     before = traffic[j - 1] if j > 0 else DpTraffic()
-    step = _add(reduced[j], hide(after.gather_step_s, fwd[j]))
+    reduced = bucketed[j] if bucketed is not None else _one_row_reduction(j, traffic, bwd)
+    step = _add(reduced, hide(after.gather_step_s, fwd[j]))
     mb = _add(hide(after.reduce_mb_s + before.bwd_gather_mb_s, bwd[j]), hide(after.fwd_gather_mb_s, fwd[j]))
     own = traffic[j]
     if j == 0:  # nothing runs after row 0's backward or before its forward
@@ -239,18 +270,20 @@ def dp_exposure(
     steady state). Gradient buckets of several rows (small layers) break the blocks' symmetry:
     every row is then worked out."""
     n = len(traffic)
-    reduced, one_row_buckets = _reductions(traffic, bwd)
-    if not (uniform_blocks and one_row_buckets and n >= 5):
-        return [_row_exposure(j, traffic, fwd, bwd, reduced) for j in range(n)]
-    steady = _row_exposure(2, traffic, fwd, bwd, reduced)
-    first = _row_exposure(0, traffic, fwd, bwd, reduced)
+    uniform = uniform_blocks and n >= 5
+    one_row = _single_rows(traffic, sorted({0, 1, n - 3, n - 2, n - 1}) if uniform else range(n))
+    bucketed = None if one_row else _many_row_reductions(traffic, bwd)
+    if not (uniform and one_row):
+        return [_row_exposure(j, traffic, fwd, bwd, bucketed) for j in range(n)]
+    steady = _row_exposure(2, traffic, fwd, bwd, None)
+    first = _row_exposure(0, traffic, fwd, bwd, None)
     step, mb = first.step, first.micro_batch
     for j in {1, n - 3}:  # the blocks beside the embedding row and the last block
-        exact = _row_exposure(j, traffic, fwd, bwd, reduced)
+        exact = _row_exposure(j, traffic, fwd, bwd, None)
         step = _add(step, _sub(exact.step, steady.step))
         mb = _add(mb, _sub(exact.micro_batch, steady.micro_batch))
     return (
         [DpExposure(step, mb)]
         + [steady] * (n - 3)
-        + [_row_exposure(n - 2, traffic, fwd, bwd, reduced), _row_exposure(n - 1, traffic, fwd, bwd, reduced)]
+        + [_row_exposure(n - 2, traffic, fwd, bwd, None), _row_exposure(n - 1, traffic, fwd, bwd, None)]
     )

@@ -1409,9 +1409,18 @@ def compression_fields(evaluation: Evaluation) -> dict | None:
 
 
 def warmup_peak_bytes(evaluation: Evaluation) -> int:
-    """The peak memory of a compressed plan's full-precision warm-up: the runtime allocates the
-    error buffers at the first compressed step, so each stage holds its own less until then."""
+    """The peak memory of a compressed plan's full-precision warm-up. The runtime allocates the
+    error buffers at the first compressed step and, at ZeRO-1, gathers the optimizer state it
+    sharded over dp until then (the compressed steps keep stage 0's): each stage holds its error
+    buffers less, and at ZeRO-1 all but a ``1/dp`` share of the rest of its optimizer state."""
+    cand = evaluation.strategy.candidate
     stages = evaluation.stages
+
+    def warm(stage: StageCost) -> float:
+        error = math.ceil(stage.exchange.error_b) if stage.exchange else 0
+        state = stage.memory["optimizer"] - error
+        sharded = state - state / cand.weight_dp if cand.zero_stage == 1 else 0.0
+        return stage.memory["total"] - error - sharded
+
     top = max(stage.memory["total"] for stage in stages)
-    warm = max(stage.memory["total"] - (math.ceil(stage.exchange.error_b) if stage.exchange else 0) for stage in stages)
-    return int(evaluation.memory["total"] - top + warm)
+    return int(evaluation.memory["total"] - top + max(warm(stage) for stage in stages))

@@ -277,3 +277,34 @@ def test_offloaded_and_compressed_traffic_stays_exposed():
         on, off = _pair(cand)
         assert hidden_breakdown(on)["dp_comm"] == 0
         assert on.time["dp_comm"] == pytest.approx(off.time["dp_comm"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(seconds, seconds, st.booleans()), min_size=1, max_size=10))
+def test_one_row_buckets_take_the_short_path_to_the_same_shares(rows):
+    """Layers of 25 MiB or more skip the bucket walk (the per-row rule), rows without a
+    gradient (no parameters) in between included: the same shares as the walk."""
+    from cost_models.overlap_cost import _many_row_reductions, _one_row_reduction
+
+    traffic = [
+        DpTraffic(grad_step_s=c, grad_bytes=GRAD_BUCKET_BYTES) if carries else DpTraffic() for c, _, carries in rows
+    ]
+    bwd = [b for _, b, _ in rows]
+    walked = _many_row_reductions(traffic, bwd)
+    for j in range(len(rows)):
+        short = _one_row_reduction(j, traffic, bwd)
+        assert short.exposed_s == pytest.approx(walked[j].exposed_s)
+        assert short.hidden_s == pytest.approx(walked[j].hidden_s)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_compressed_plans_warm_up_peak_is_the_uncompressed_plans(zero):
+    """Before the first compressed step the runtime holds no error buffers and, at ZeRO-1, the
+    optimizer state still sharded: the warm-up's peak is the uncompressed strategy's."""
+    from cost_models.strategy import warmup_peak_bytes
+
+    cand = Candidate(2, 1, 1, zero, 2, 4, dp_compression="onebit-adam")
+    on, _ = _pair(cand)
+    plain, _ = _pair(dataclasses.replace(cand, dp_compression="none"))
+    assert on.memory["total"] > plain.memory["total"]
+    assert warmup_peak_bytes(on) == pytest.approx(plain.memory["total"], rel=1e-4)
