@@ -643,6 +643,19 @@ class Plan:
                 f"({self.expert_parallel}) must divide the routed experts ({self.model.moe['experts']}): every rank of a group holds the same number.",
             )
 
+    def in_warmup(self, steps: int) -> bool:
+        """Whether a run of ``steps`` steps ends inside the full-precision warm-up of a compressed
+        plan (``compression_warmup``): then every step it times ran the warm-up's exchange."""
+        return self.predicted.compression is not None and steps <= self.compression_warmup
+
+    def time_of_run(self, steps: int) -> dict[str, float]:
+        """``predicted.time`` of a run of ``steps`` steps: the warm-up's (``predicted.compression``)
+        when the run ends inside it (:meth:`in_warmup`), else the steady step's."""
+        if self.in_warmup(steps):
+            assert self.predicted.compression is not None
+            return dict(self.predicted.compression["warmup_time"])
+        return dict(self.predicted.time)
+
     @property
     def cp(self) -> int:
         """The context-parallel degree (``context_parallel.degree``)."""

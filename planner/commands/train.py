@@ -167,9 +167,12 @@ class _WorkerJob:
     on_step_start: StepHook | None
     """Runs on every rank before every step (``runtime.training.trainer.StepHook``)."""
     predicted_time: dict[str, float] | None = None
-    """plan.json's ``predicted.time``, printed beside the measured breakdown."""
+    """plan.json's ``predicted.time`` of the run (a compressed plan's warm-up when the run ends
+    inside it, ``Plan.time_of_run``), printed beside the measured breakdown."""
     restart_note: dict | None = None
     """The re-plan event to write with the first step (``elastic_note``); None when not re-planned."""
+    in_warmup: bool = False
+    """The run ends inside a compressed plan's full-precision warm-up (``Plan.in_warmup``)."""
 
 
 def _worker(rank: int, world: int, job: _WorkerJob) -> None:
@@ -193,10 +196,12 @@ def _worker(rank: int, world: int, job: _WorkerJob) -> None:
         if reporter:
             reporter.close()
     if show and history:
-        _print_summary(history, opts, job.predicted_time)
+        _print_summary(history, opts, job.predicted_time, job.in_warmup)
 
 
-def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted_time: dict[str, float] | None) -> None:
+def _print_summary(
+    history: Sequence[StepMetrics], opts: TrainOptions, predicted_time: dict[str, float] | None, in_warmup: bool = False
+) -> None:
     """Rank 0's closing lines: last loss, mean throughput, peak memory and the time breakdown."""
     last = history[-1]
     peak = (
@@ -223,6 +228,8 @@ def _print_summary(history: Sequence[StepMetrics], opts: TrainOptions, predicted
     measured, n = median_breakdown([h.time for h in history if h.time is not None])
     if measured:
         caption = f"measured: median of the {'last ' if len(history) > WARMUP_STEPS else ''}{n} steps"
+        if in_warmup:
+            caption += "; predicted: 1-bit Adam's full-precision warm-up, which these steps ran"
         if opts.track_memory and opts.memory_steps is None:
             caption += (
                 ", under live-tensor tracking, which slows every operator (--no-memory-tracking times the run as it is)"
@@ -416,8 +423,9 @@ def train_plan(
         dict(plan.model.sizes),
         plan.seq_len,
         on_step_start,
-        dict(plan.predicted.time),
+        plan.time_of_run(opts.steps),
         restart_note,
+        plan.in_warmup(opts.steps),
     )
     if nproc is not None:
         return _train_local(plan, plan_path, job, nproc, world)

@@ -68,14 +68,13 @@ def compare(plan, metrics: list[dict]) -> dict:
         "peak_memory_bytes": prediction.peak_memory_bytes,
         "comm_bytes_per_device": prediction.comm_bytes_per_device,
     }
-    predicted_time = dict(prediction.time)
+    predicted_time = plan.time_of_run(len(metrics))
     warmup = prediction.compression
-    if warmup is not None and len(metrics) <= plan.compression_warmup:
+    if warmup is not None and plan.in_warmup(len(metrics)):
         # 1-bit Adam still in its full-precision warm-up: every timed step is a warm-up step.
         predicted["step_time_s"] = warmup["warmup_step_time_s"]
         predicted["comm_bytes_per_device"] = warmup["warmup_comm_bytes_per_device"]
         predicted["peak_memory_bytes"] = warmup.get("warmup_peak_memory_bytes", prediction.peak_memory_bytes)
-        predicted_time = dict(warmup["warmup_time"])
     host = [row["host_memory_bytes"] for row in metrics if "host_memory_bytes" in row]
     if host and set(plan.offload.values()) != {OffloadTier.NONE}:  # only a plan that keeps state on the host
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
