@@ -21,7 +21,7 @@ from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow, Sharded
 from cost_models.memory import backward_transient_bytes, bytes_per_param, split_by_tp
 from cost_models.overlap_cost import Hidden, TpExposure, tp_exposure
-from cost_models.wgrad import wgrad_device_time, wgrad_kept_bytes
+from cost_models.wgrad import fused_weight_elements, wgrad_device_time, wgrad_kept_bytes
 from passes.layer_table import Gemm
 from runtime.contract.collective_bytes import ring_bytes
 
@@ -273,7 +273,8 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
     """Per-op roofline summed: matmul-class FLOPs at the achievable rate, memory-bound ops' bytes
     at the memory bandwidth, and a fixed cost per operator call (backward runs about two per
     forward op). Backward also accumulates each micro-batch's weight gradients into the gradient
-    buffers: read both, write one, 3 x the layer's gradient bytes. Compiled: a few region calls
+    buffers: read both, write one, 3 x the gradient bytes of the weights whose products do not
+    accumulate themselves (``cost_models.wgrad.fused_weight_elements``). Compiled: a few region calls
     instead of every operator's, and fused memory-bound chains (module docstring)."""
     tp, sequence_parallel = setting.tp, setting.sequence_parallel
     if setting.compiled:
@@ -281,7 +282,17 @@ def _pass_times(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSet
         fused = COMPILED_BYTES_FRACTION
     else:
         ops_s, fused = row.num_ops * hw.op_overhead_s, 1.0
-    accumulate = 3 * params * bytes_per_param(dtype)["grads"]
+    # the tensor-parallel linears accumulate into the gradient buffer with the product itself:
+    # column-parallel ones whenever their autograd function runs (SP or overlapped TP), row-parallel
+    # ones under SP with overlap in fp32 (a low-precision gradient sums its pieces in fp32 first)
+    self_accumulating = fused_weight_elements(
+        row,
+        tp,
+        setting.tokens,
+        column=sequence_parallel or setting.overlap_tp,
+        row_parallel=sequence_parallel and setting.overlap_tp and dtype == "fp32",
+    )
+    accumulate = 3 * max(params - self_accumulating, 0.0) * bytes_per_param(dtype)["grads"]
     fwd_flops, bwd_flops = (
         row.fwd_flops.per_device(tp, sequence_parallel),
         row.bwd_flops.per_device(tp, sequence_parallel),

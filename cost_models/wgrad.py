@@ -22,7 +22,32 @@ from cost_models.hardware import HardwareProfile
 from cost_models.layer_row import LayerRow
 from cost_models.memory import bytes_per_param
 
-__all__ = ["wgrad_device_time", "wgrad_kept_bytes"]
+__all__ = ["wgrad_device_time", "wgrad_kept_bytes", "fused_weight_elements"]
+
+
+def _weight_products(row: LayerRow, tokens: float) -> list:
+    """The row's listed weight-gradient products (module docstring)."""
+    return [
+        gemm for gemm in row.bwd_gemms if gemm.batch == 1 and abs(gemm.k - tokens) < 0.5 and abs(gemm.m - tokens) >= 0.5
+    ]
+
+
+def fused_weight_elements(row: LayerRow, tp: int, tokens: float, column: bool, row_parallel: bool) -> float:
+    """Elements per device of the weights whose gradient the runtime's tensor-parallel linears add
+    into the gradient buffer with the product itself (``runtime.tensor_parallel.overlapped``,
+    gradient-accumulation fusion), so that backward makes no separate accumulation pass over
+    them: with ``column``, the column-parallel weights (their weight-gradient product's output
+    rows are what tp splits, ``tp_dim`` m: QKV, the first MLP linear, the LM head); with
+    ``row_parallel``, the row-parallel ones too (``tp_dim`` n: the output projection, the second
+    MLP linear). The callers say when each runs fused (``layer_work._pass_times``)."""
+    if tp == 1 or not (column or row_parallel):
+        return 0.0
+    fused = [
+        gemm
+        for gemm in _weight_products(row, tokens)
+        if (gemm.tp_dim == "m" and column) or (gemm.tp_dim == "n" and row_parallel)
+    ]
+    return float(sum(m * n * batch * count for m, n, _k, batch, count in per_device_gemms(fused, tp)))
 
 
 def wgrad_device_time(
@@ -32,9 +57,7 @@ def wgrad_device_time(
     backward's FLOPs at that degree, for the fallback without listed products)."""
     if not row.bwd_gemms:
         return float(layer_matmul_time(bwd_flops / 2, (), hw, dtype, tp))
-    weight_products = [
-        gemm for gemm in row.bwd_gemms if gemm.batch == 1 and abs(gemm.k - tokens) < 0.5 and abs(gemm.m - tokens) >= 0.5
-    ]
+    weight_products = _weight_products(row, tokens)
     if not weight_products:
         return 0.0
     return float(layer_matmul_time(gemm_flops(weight_products, tp), weight_products, hw, dtype, tp))

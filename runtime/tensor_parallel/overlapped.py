@@ -134,6 +134,42 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
+def _gradient_buffer(ctx: Any, index: int, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``weight.grad``, taken from the weight, when the weight-gradient product may accumulate
+    straight into it (:func:`_accumulated_weight_grad`): the engine will accumulate this call's
+    gradient into ``.grad`` (a plain backward or a split backward's ``W``, not ``autograd.grad``),
+    the buffer exists with the weight's layout and the product's dtype, and no graph of the
+    gradient is being built. None otherwise."""
+    grad = weight.grad
+    if (
+        grad is None
+        or torch.is_grad_enabled()
+        or grad.dtype != dtype
+        or grad.shape != weight.shape
+        or grad.stride() != weight.stride()
+        or _wanted(ctx, index) is not True
+    ):
+        return None
+    weight.grad = None
+    return grad
+
+
+def _accumulated_weight_grad(ctx: Any, index: int, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+    """The weight gradient ``dy^T x`` of input ``index`` (Megatron-LM's gradient-accumulation
+    fusion): with a gradient buffer already on the weight (the ZeRO engine's flat-buffer views, or
+    a previous backward's), the product is added into it by the GEMM itself (``addmm_``, one pass)
+    instead of written to a new tensor that autograd then adds (read both, write one: three passes
+    of the gradient's bytes per micro-batch). The weight's ``.grad`` is cleared and the buffer
+    returned as this call's gradient, so autograd's accumulation takes it as is (no copy: the
+    post-accumulate hooks, the ZeRO engine's, fire as before and find their view); a weight whose
+    gradient has other terms (tied weights) gets them added by autograd as usual. Without a buffer
+    (the first backward, ZeRO 2/3 before its group's first gradient), the plain product."""
+    buffer = _gradient_buffer(ctx, index, weight, dy.dtype)
+    if buffer is None:
+        return _weight_grad(dy, x)
+    return buffer.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
 class ColumnLinears(torch.autograd.Function):
     """``y_i = x W_i^T + b_i`` for linears sharing one input that enters the tensor-parallel region:
     replicated (``dim`` None; the input gradient all-reduced) or this rank's positions along ``dim``
@@ -187,7 +223,7 @@ class ColumnLinears(torch.autograd.Function):
         dbs: list[torch.Tensor | None] = [None] * count
         for i, g in used:  # beside the input gradient's collective in flight
             if want_w[i] is not False:
-                dws[i] = _weight_grad(g, full)
+                dws[i] = _accumulated_weight_grad(ctx, 4 + i, weights[i], g, full)
             if _wanted(ctx, 4 + count + i) is not False:
                 dbs[i] = g.reshape(-1, g.shape[-1]).sum(0)
         comm.wait(reducing)
@@ -263,22 +299,30 @@ class LinearReduceScatter(torch.autograd.Function):
             gathered = getattr(ctx, "gathered", None)
             ctx.gathered = None
             if gathered is not None or not want_w:
-                dw = _weight_grad(gathered, xm) if gathered is not None and want_w else None
+                dw = _accumulated_weight_grad(ctx, 1, weight, gathered, xm) if gathered is not None and want_w else None
                 return None, dw, None, None
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         gm = grad.movedim(dim, 0)
         rows = gm.shape[0]
         launched = _launch_gathers(gm, n, group)
         dxm = xm.new_empty(xm.shape) if want_x else None
+        # the weight gradient sums the pieces in fp32; an fp32 weight's straight into its buffer
         acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        buffer = _gradient_buffer(ctx, 1, weight, acc) if want_w and acc == weight.dtype else None
+        if buffer is None and want_w:
+            buffer = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        dw = buffer
         later = ctx.needs_input_grad[1] and maybe_w is not True  # a split backward's ``B``: keep dy for ``W``
         gathered = gm.new_empty((n * rows,) + tuple(gm.shape[1:])) if later else None
         # this rank's positions while the pieces travel, then every other rank's as each piece lands
         for at, block in _blocks_local_first((rank * rows, gm), launched, rows, n, rank):
             if dxm is not None:
                 dxm[at : at + block.shape[0]] = block.matmul(weight)
-            if dw is not None:
+            if dw is not None and block.dtype == acc:  # the piece's product added by the GEMM
+                dw.addmm_(
+                    block.reshape(-1, block.shape[-1]).t(), xm[at : at + block.shape[0]].reshape(-1, xm.shape[-1])
+                )
+            elif dw is not None:
                 dw += _weight_grad(block, xm[at : at + block.shape[0]]).to(acc)
             if gathered is not None:
                 gathered[at : at + block.shape[0]] = block

@@ -545,3 +545,24 @@ def test_backward_transient_counts_the_fresh_weight_gradient():
     assert backward_transient_bytes(100) == 200  # 2 x the largest activation
     assert backward_transient_bytes(100, weight_grad=50) == 200  # the activations dominate
     assert backward_transient_bytes(100, weight_grad=8000) == 8100  # an embedding's dense gradient
+
+
+def test_tensor_parallel_weight_products_accumulate_themselves():
+    """The weights whose gradient the runtime's tp linears add into the gradient buffer with the
+    product (``runtime.tensor_parallel.overlapped``): the column-parallel ones (QKV, the first MLP
+    linear, the LM head) whenever their autograd function runs, the row-parallel ones (output
+    projection, second MLP linear) too under SP with overlap in fp32; none at tp 1, never the
+    embedding (its gradient is an index-add). Backward then makes no accumulation pass over them."""
+    from cost_models.layer_row import LayerRow, NumericTable
+    from cost_models.wgrad import fused_weight_elements
+    from planner.frontend.model_analysis import build_layer_table
+
+    h, f, vocab, tokens = 64, 256, 128, 32
+    table = NumericTable(build_layer_table("gpt", layers=2, hidden=h, heads=4, vocab=vocab, seq_len=16, dtype="fp32"))
+    pre, block, _, post = (LayerRow.from_numbers(numbers) for numbers in table.rows(2, 16))
+    column, row = 3 * h * h + f * h, h * h + h * f
+    assert fused_weight_elements(block, 2, tokens, column=True, row_parallel=False) == column / 2
+    assert fused_weight_elements(block, 2, tokens, column=True, row_parallel=True) == (column + row) / 2
+    assert fused_weight_elements(block, 1, tokens, column=True, row_parallel=True) == 0
+    assert fused_weight_elements(post, 4, tokens, column=True, row_parallel=True) == vocab * h / 4
+    assert fused_weight_elements(pre, 2, tokens, column=True, row_parallel=True) == 0

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.distributed import comm
 from runtime.distributed.launch import launch_local
@@ -263,6 +264,68 @@ def _check_overlap_pieces(rank, world):
         column_parallel_linears(x, [w, w], [None])
 
 
+class _AddedByGemm(TorchDispatchMode):
+    """Records the storage each in-place ``addmm_`` writes (a GEMM that accumulates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pointers: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.addmm_.default:
+            self.pointers.add(args[0].data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def _check_fused_accumulation(rank, world):
+    """A weight that already has a gradient buffer (the ZeRO engine's flat-buffer views) gets its
+    weight gradient added by the GEMM into that buffer, which stays its ``.grad`` (same storage),
+    in a plain backward and in a split one (``B`` writes nothing there, ``W`` does); the values are
+    the buffer's plus one process's gradient. A weight used twice (tied) gets both terms."""
+    h, f = 8, 16
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float64)
+
+    for seq, split in ((None, False), (1, False), (1, True), (None, True)):
+        torch.manual_seed(7)
+        x, c = randn(2, 8, h), randn(2, 8, h)
+        w1, w2 = randn(f, h), randn(h, f)
+        ref = [_leaf(w1), _leaf(w2)]
+        (F.linear(F.gelu(F.linear(x, ref[0])), ref[1]) * c).sum().backward()
+        local = [_leaf(shard_dim(w1, 0, rank, world)), _leaf(shard_dim(w2, 1, rank, world))]
+        flat = randn(sum(t.numel() for t in local))
+        start = flat.clone()
+        spans, at = [], 0  # (no reference to the views kept: autograd takes a buffer no one else holds)
+        for leaf in local:
+            leaf.grad = flat[at : at + leaf.numel()].view(leaf.shape)
+            spans.append((at, leaf.grad.data_ptr()))
+            at += leaf.numel()
+        xs = _leaf(x if seq is None else shard_dim(x, seq, rank, world))
+        hidden = column_parallel_linears(xs, [local[0]], sequence_dim=seq)[0]
+        y = row_parallel_linear(F.gelu(hidden), local[1], sequence_dim=seq)
+        dy = c if seq is None else shard_dim(c, seq, rank, world)
+        with _AddedByGemm() as added:
+            if split:
+                _, work = backward_input([y], [dy], [xs])
+                assert_close(flat, start)  # B computes no weight gradient into the buffers
+                backward_weight(work)
+            else:
+                y.backward(dy)
+        fused = [True, seq is not None]  # the row-parallel product without SP is F.linear's
+        for leaf, (at, pointer), whole, dim, one in zip(local, spans, ref, (0, 1), fused):
+            assert leaf.grad.data_ptr() == pointer  # in the buffer either way (autograd adds in place)
+            assert (pointer in added.pointers) == one, (seq, split, dim)
+            want = shard_dim(whole.grad, dim, rank, world) + start[at : at + leaf.numel()].view(leaf.shape)
+            assert_close(leaf.grad, want)
+    tied = _leaf(randn(f, h))
+    tied.grad = torch.zeros(f, h, dtype=torch.float64)
+    x = randn(3, h)
+    a, b = column_parallel_linears(x, [tied])[0], column_parallel_linears(x, [tied])[0]
+    (a.sum() + 2 * b.sum()).backward()
+    assert_close(tied.grad, 3 * torch.ones(3, f, dtype=torch.float64).t() @ x)
+
+
 CHECKS = {
     "adjoint_pair": _check_adjoint_pair,
     "sp_mlp": _check_sp_mlp,
@@ -270,6 +333,7 @@ CHECKS = {
     "sharded_dropout": _check_sharded_dropout,
     "overlap_equivalence": _check_overlap_equivalence,
     "overlap_pieces": _check_overlap_pieces,
+    "fused_accumulation": _check_fused_accumulation,
 }
 
 
