@@ -369,23 +369,20 @@ def adam_step_bytes(num_params: Any, dtype: str) -> Any:
 
     - the global gradient norm: two dot products over the fp32 gradient (the whole, for inf/nan,
       and its norm ranges): read 4 + 4;
-    - the clip (and, in fp16, unscale) factor applied to the gradient: read 4 + write 4 (a step
-      whose norm is under the clip skips it; early training and every fp16 step do not);
-    - the decoupled weight decay on the decayed ranges: master read 4 + write 4;
-    - torch's fused AdamW: read the gradient, master and both moments, write the three: 28;
+    - torch's fused AdamW (``runtime.data_parallel.flat_shards.adamw_step_``): read the gradient,
+      master and both moments, write the three: 28; the clip (and fp16 unscale) factor and the
+      decoupled weight decay are applied inside it;
     - ``zero_grad``: the gradient buffer written;
     - mixed precision only: the gradient cast to fp32 for the norm and again for the update
       (read 2 + write 4, twice) and the updated master cast to the compute copy (read 4 + write 2).
 
-    - fp32:      8 + 8 + 8 + 28 + 4                   = 56 bytes
-    - bf16/fp16: 12 + 8 + 8 + 8 + 28 + 6 + 2          = 72 bytes
-
-    A fully fused kernel (one pass, 28 bytes) would do it in about half; the price is the runtime's.
+    - fp32:      8 + 28 + 4                  = 40 bytes
+    - bf16/fp16: 12 + 8 + 28 + 6 + 2         = 56 bytes
     """
     if dtype == "fp32":
-        per = 8 + 8 + 8 + 28 + 4
+        per = 8 + 28 + 4
     elif dtype in ("bf16", "fp16"):
-        per = 12 + 8 + 8 + 8 + 28 + 6 + 2
+        per = 12 + 8 + 28 + 6 + 2
     else:
         raise ValueError(f"unknown training dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return per * num_params

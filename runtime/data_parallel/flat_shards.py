@@ -304,6 +304,18 @@ def owned_ranges(
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 
 
+def _complement(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, size)`` outside the sorted, disjoint ``ranges``."""
+    out, at = [], 0
+    for start, end in ranges:
+        if start > at:
+            out.append((at, start))
+        at = max(at, end)
+    if at < size:
+        out.append((at, size))
+    return out
+
+
 @torch.no_grad()
 def adamw_step_(
     param: torch.Tensor,
@@ -314,45 +326,53 @@ def adamw_step_(
     step: int,
     config: OptimizerConfig,
     decay_ranges: Sequence[tuple[int, int]] | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
     """One AdamW update of the flat fp32 ``param`` in place (see the module docstring).
 
     ``step`` is the 1-based count including this update; ``config`` gives ``lr``, ``betas``, ``eps``
     and ``weight_decay``. ``decay_ranges`` lists the ``[start, end)`` element ranges that receive
-    weight decay; ``None`` decays everything.
+    weight decay; ``None`` decays everything. ``grad_scale`` multiplies the gradient first (the
+    clip and loss-scale factor); the fused kernel applies it as it reads the gradient, which is left
+    as it was, where the unfused path scales it in place.
     """
     if param.dtype != torch.float32 or exp_avg.dtype != torch.float32:
         raise TypeError(f"AdamW runs on fp32 masters and state, got {param.dtype}/{exp_avg.dtype}")
     if step < 1:
         raise ValueError(f"AdamW step count must be >= 1, got {step}")
     lr, (beta1, beta2), eps, weight_decay = config.lr, config.betas, config.eps, config.weight_decay
-    fused = _FUSED_ADAMW is not None and param.device.type in ("cpu", "cuda") and grad.dtype == torch.float32
-    if weight_decay != 0.0 and not (fused and decay_ranges is None):
+    if _FUSED_ADAMW is not None and param.device.type in ("cpu", "cuda") and grad.dtype == torch.float32:
+        # One pass over the four buffers (torch's fused kernel, the same update: decoupled decay,
+        # bias-corrected moments), the decayed ranges and the others as two lists of slices, the
+        # scale applied by the kernel: no pass of its own for the decay or the clip.
+        # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);
+        # a fill, not a host-to-device copy, so the host does not wait for the queued kernels.
+        steps = torch.full((), float(step), device=param.device)
+        scale = None if grad_scale == 1.0 else torch.full((), 1.0 / grad_scale, device=param.device)
+        decayed = [(0, param.numel())] if decay_ranges is None else list(decay_ranges)
+        for pieces, decay in ((decayed, weight_decay), (_complement(decayed, param.numel()), 0.0)):
+            if not pieces:
+                continue
+            _FUSED_ADAMW(
+                *([t[start:end] for start, end in pieces] for t in (param, grad, exp_avg, exp_avg_sq)),
+                [],
+                [steps] * len(pieces),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=scale,
+            )
+        return
+    if grad_scale != 1.0:
+        grad.mul_(grad_scale)
+    if weight_decay != 0.0:
         factor = 1.0 - lr * weight_decay
         for start, end in [(0, param.numel())] if decay_ranges is None else decay_ranges:
             param[start:end].mul_(factor)
-    if _FUSED_ADAMW is not None and fused:
-        # One pass over the four buffers instead of eight (torch's fused kernel, the same update:
-        # decoupled decay, bias-corrected moments).
-        # The step count lives on the parameters' device (the CUDA kernel rejects a CPU tensor);
-        # a fill, not a host-to-device copy, so the host does not wait for the queued kernels.
-        steps = [torch.full((), float(step), device=param.device)]
-        _FUSED_ADAMW(
-            [param],
-            [grad],
-            [exp_avg],
-            [exp_avg_sq],
-            [],
-            steps,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay if decay_ranges is None else 0.0,
-            eps=eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        return
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     bias_correction1 = 1.0 - beta1**step

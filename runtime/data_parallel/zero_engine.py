@@ -643,9 +643,16 @@ class ZeroEngine(Zero3Params):
 
         def update(group: FlatGroup, master, exp_avg, exp_avg_sq, grad=None):
             gradient = self._grad_source(group) if grad is None else grad
-            if coefficient != 1.0:
-                gradient.mul_(coefficient)
-            adamw_step_(master, gradient, exp_avg, exp_avg_sq, step=step, config=hyper, decay_ranges=group.decay_ranges)
+            adamw_step_(
+                master,
+                gradient,
+                exp_avg,
+                exp_avg_sq,
+                step=step,
+                config=hyper,
+                decay_ranges=group.decay_ranges,
+                grad_scale=coefficient,
+            )
             return self._publish(group, master) if grad is None else None
 
         works: list = []

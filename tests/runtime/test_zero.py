@@ -174,11 +174,11 @@ def test_adamw_step_fused_and_unfused_match_torch(ranges, monkeypatch):
     w0, grads = torch.randn(100), [torch.randn(100) for _ in range(4)]
     hp = OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
-    def ours(fused: bool) -> torch.Tensor:
+    def ours(fused: bool, scale: float = 1.0) -> torch.Tensor:
         monkeypatch.setattr(optim, "_FUSED_ADAMW", getattr(torch, "_fused_adamw_", None) if fused else None)
         p, m, v = w0.clone(), torch.zeros(100), torch.zeros(100)
         for i, g in enumerate(grads, start=1):
-            optim.adamw_step_(p, g, m, v, step=i, config=hp, decay_ranges=ranges)
+            optim.adamw_step_(p, g / scale, m, v, step=i, config=hp, decay_ranges=ranges, grad_scale=scale)
         return p
 
     decayed = torch.zeros(100, dtype=torch.bool)
@@ -193,6 +193,8 @@ def test_adamw_step_fused_and_unfused_match_torch(ranges, monkeypatch):
         opt.step()
     for fused in (True, False):
         torch.testing.assert_close(ours(fused), ref.detach(), rtol=1e-6, atol=1e-7)
+        # the clip / loss-scale factor applied by the step (the fused kernel as it reads the gradient)
+        torch.testing.assert_close(ours(fused, scale=0.25), ref.detach(), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------- split backward
