@@ -138,12 +138,14 @@ def _gradient_buffer(ctx: Any, index: int, weight: torch.Tensor, dtype: torch.dt
     """``weight.grad``, taken from the weight, when the weight-gradient product may accumulate
     straight into it (:func:`_accumulated_weight_grad`): the engine will accumulate this call's
     gradient into ``.grad`` (a plain backward or a split backward's ``W``, not ``autograd.grad``),
-    the buffer exists with the weight's layout and the product's dtype, and no graph of the
-    gradient is being built. None otherwise."""
+    the buffer exists with the weight's layout and the product's dtype, no graph of the gradient
+    is being built, and no hook of the weight's (``register_hook``, which would see the sum instead
+    of this call's gradient) waits for it. None otherwise."""
     grad = weight.grad
     if (
         grad is None
         or torch.is_grad_enabled()
+        or getattr(weight, "_backward_hooks", None)
         or grad.dtype != dtype
         or grad.shape != weight.shape
         or grad.stride() != weight.stride()

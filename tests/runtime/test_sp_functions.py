@@ -324,6 +324,13 @@ def _check_fused_accumulation(rank, world):
     a, b = column_parallel_linears(x, [tied])[0], column_parallel_linears(x, [tied])[0]
     (a.sum() + 2 * b.sum()).backward()
     assert_close(tied.grad, 3 * torch.ones(3, f, dtype=torch.float64).t() @ x)
+    hooked, seen = _leaf(randn(f, h)), []  # a gradient hook sees this backward's gradient, not the sum
+    hooked.grad = torch.ones(f, h, dtype=torch.float64)
+    hooked.register_hook(lambda grad: seen.append(grad.clone()))
+    column_parallel_linears(x, [hooked])[0].sum().backward()
+    fresh = torch.ones(3, f, dtype=torch.float64).t() @ x
+    assert_close(seen[0], fresh)
+    assert_close(hooked.grad, 1 + fresh)
 
 
 CHECKS = {
