@@ -55,13 +55,16 @@ GLOBAL_BATCH, SEQ = 8, 16
 
 
 def _flops_per_step(spec: str, micro_batch: int, tmp_path) -> float:
+    """plan.json's ``flops_per_step`` with the attention FLOPs its mask skips added back
+    (``model.attention.saved_flops``: a causal core is priced at its density), so that it compares
+    with ``FlopCounterMode``, which counts every score of the dense product."""
     out = tmp_path / f"plan-{micro_batch}.json"
     args = ["plan", "--model", spec, "--gpus", "2", "--gpus-per-node", "2", "--hardware", "a100-80gb"]
     args += ["--global-batch", str(GLOBAL_BATCH), "--seq-len", str(SEQ), "--dtype", "fp32", "--dp", "2"]
     assert main([*args, "--micro-batch", str(micro_batch), "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["micro_batch_size"] == micro_batch
-    return plan["model"]["flops_per_step"]
+    return plan["model"]["flops_per_step"] + (plan["model"].get("attention") or {}).get("saved_flops", 0.0)
 
 
 def _load(path, name="make"):
