@@ -237,15 +237,14 @@ def chunk_times(
             for (first, last), weight_s in zip(chunks, weight)
         )
     sel = frozenset(selective)
-    acts = tuple(
-        sum(
-            layer.input_b if i in checkpointed else layer.saved_b
-            for i, layer in zip(
-                range(first, last + 1), selective_view(costs.layers[first : last + 1], range(first, last + 1), sel)
-            )
-        )
-        for first, last in chunks
-    )
+    layers = costs.layers
+    # what each layer keeps: its input when recomputed whole, less its cores when selective
+    # (``cost_models.strategy.selective_view``'s ``saved_b``)
+    kept = [
+        layer.input_b if i in checkpointed else layer.saved_b - (layer.sel_saved_b if i in sel else 0)
+        for i, layer in enumerate(layers)
+    ]
+    acts = tuple(sum(kept[first : last + 1]) for first, last in chunks)
     keep = free = None
     if weight is not None:
         # the first chunk has no B (nothing before it needs a gradient): W runs its whole backward

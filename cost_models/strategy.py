@@ -139,6 +139,7 @@ __all__ = [
     "StageCost",
     "Evaluation",
     "candidate_costs",
+    "compile_saving_bound",
     "evaluate",
     "predicted_fields",
     "hidden_breakdown",
@@ -407,25 +408,7 @@ def candidate_costs(
 ) -> CandidateCosts:
     """Per-layer costs of ``cand`` (identical rows are priced once)."""
     distinct_rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
-    tokens = cand.micro_batch_size * seq_len / cand.context_parallel
-    pricing = _CandidatePricing(
-        hw=hw,
-        dtype=dtype,
-        candidate=cand,
-        setting=WorkSetting(
-            tp=cand.tp,
-            sequence_parallel=cand.sequence_parallel and cand.tp > 1,
-            compiled=cand.compile,
-            tp_placement=axis_placement("tp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
-            tokens=tokens,
-            overlap_tp=cand.overlap.tp,
-            expert=_expert_setting(cand, gpus_per_node),
-            context=context_setting(table, cand, gpus_per_node),
-        ),
-        dp_placement=axis_placement("dp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
-        ranks_per_node=ranks_per_node(cand.weight_dp * cand.tp * cand.pp, gpus_per_node),
-        gpus_per_node=gpus_per_node,
-    )
+    pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
     priced = [_layer_cost(row, pricing, table.work_memo) for row in distinct_rows]
     row_costs = [cost for cost, _ in priced]
     layers = [row_costs[i] for i in row_of_layer]
@@ -454,6 +437,69 @@ def candidate_costs(
     # The last row's transient: for a language model the loss backward's 2 x logits.
     costs.loss_transient_b = costs.layers[-1].bt_b
     return costs
+
+
+def _pricing(
+    table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
+) -> _CandidatePricing:
+    """What ``cand``'s rows are priced with: its work setting, placements and node share."""
+    tokens = cand.micro_batch_size * seq_len / cand.context_parallel
+    return _CandidatePricing(
+        hw=hw,
+        dtype=dtype,
+        candidate=cand,
+        setting=WorkSetting(
+            tp=cand.tp,
+            sequence_parallel=cand.sequence_parallel and cand.tp > 1,
+            compiled=cand.compile,
+            tp_placement=axis_placement("tp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
+            tokens=tokens,
+            overlap_tp=cand.overlap.tp,
+            expert=_expert_setting(cand, gpus_per_node),
+            context=context_setting(table, cand, gpus_per_node),
+        ),
+        dp_placement=axis_placement("dp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
+        ranks_per_node=ranks_per_node(cand.weight_dp * cand.tp * cand.pp, gpus_per_node),
+        gpus_per_node=gpus_per_node,
+    )
+
+
+def compile_saving_bound(
+    table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
+) -> float:
+    """Seconds per step that compiling can save any strategy of the eager ``cand``, at most, from
+    its rows' work alone (memoized per work setting: no candidate is priced).
+
+    A step is ``(m - 1) T + sum_k T_k + D``; compiling changes only each row's work (compute,
+    recompute, selective recompute; ``row_work``), so ``T`` and each ``T_k`` shrink by at most
+    the sum of their rows' savings and the bound is ``(m + 1)`` times every row's saving per
+    micro-batch. What the work's windows hide moves too: a window that grows (a row with fewer
+    operators than a compiled region's calls) hides more data-parallel or offload traffic, at most
+    ``1 + gain |1 - contention|`` seconds per second it grew; one that shrinks costs exposure,
+    which only a contention above 1 repays (``gain (contention - 1)`` per second)."""
+    eager = _pricing(table, hw, dtype, seq_len, dataclasses.replace(cand, compile=False), gpus_per_node)
+    key = ("compile_saving", id(hw), dtype, cand.micro_batch_size, seq_len, eager.setting)
+    per_micro_batch = table.work_memo.get(key)
+    if per_micro_batch is None:
+        compiled_setting = dataclasses.replace(eager.setting, compiled=True)
+        gain, contention = hw.overlap_window_gain, hw.overlap_contention
+        grown_rate = 1.0 + gain * abs(1.0 - contention)
+        shrunk_rate = gain * max(0.0, contention - 1.0)
+        rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
+        per_micro_batch = 0.0
+        for i, row in enumerate(rows):
+            before = _row_work(row, hw, dtype, eager.setting, table.work_memo)[0]
+            after = _row_work(row, hw, dtype, compiled_setting, table.work_memo)[0]
+            windows = (before.fwd_s - after.fwd_s, (before.compute_s - before.fwd_s) - (after.compute_s - after.fwd_s))
+            saving = (
+                max(0.0, before.work_s - after.work_s)
+                + max(0.0, before.rec_s - after.rec_s, before.sel_rec_s - after.sel_rec_s)
+                + grown_rate * sum(max(0.0, -delta) for delta in windows)
+                + shrunk_rate * sum(max(0.0, delta) for delta in windows)
+            )
+            per_micro_batch += row_of_layer.count(i) * saving
+        table.work_memo[key] = per_micro_batch
+    return (cand.num_micro_batches + 1) * per_micro_batch
 
 
 def context_rows(table: NumericTable, micro_batch: int, seq_len: int, cp: int) -> tuple[list[LayerRow], list[int]]:
@@ -558,13 +604,7 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
     function of the row and ``pricing.setting`` only, so shared through ``memo`` by every
     candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
     hw, dtype = pricing.hw, pricing.dtype
-    key = (id(row), id(hw), dtype, pricing.setting)
-    cached = memo.get(key) if memo is not None else None
-    if cached is None:
-        cached = row_work(row, hw, dtype, pricing.setting), row, hw
-        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
-            memo[key] = cached
-    work, backward_s = cached[0]
+    work, backward_s = _row_work(row, hw, dtype, pricing.setting, memo)
     state_key = ("state", id(hw), dtype, work.num_params, work.expert_params, _state_key(work, backward_s, pricing))
     state = memo.get(state_key) if memo is not None else None
     if state is None:
@@ -572,6 +612,19 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
         if memo is not None:
             memo[state_key] = state
     return _with_state(work, *state)
+
+
+def _row_work(
+    row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, memo: dict | None
+) -> tuple[LayerCost, float]:
+    """``row_work``, through ``memo`` (``NumericTable.work_memo``) when given."""
+    key = (id(row), id(hw), dtype, setting)
+    cached = memo.get(key) if memo is not None else None
+    if cached is None:
+        cached = row_work(row, hw, dtype, setting), row, hw
+        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
+            memo[key] = cached
+    return cached[0]
 
 
 def _state_key(work: LayerCost, backward_s: float, pricing: _CandidatePricing) -> tuple:

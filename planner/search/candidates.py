@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import weakref
 from typing import Any, NamedTuple, Sequence
 
 from cost_models.context_cost import ContextSetting, ulysses_obstacle
@@ -69,6 +70,9 @@ def is_repeated(costs: CandidateCosts, kinds: Sequence[str]) -> bool:
 def total_work(costs: CandidateCosts) -> float:
     """Every layer's micro-step work once, plus the cheapest transfers over the ``p - 1`` boundaries:
     a lower bound of ``sum_k T_k`` (recompute only adds time)."""
+    known = _TOTAL_WORK.get(costs)
+    if known is not None:
+        return known
     stages = costs.cand.pp
     work = sum(n * (cost.work_s + cost.zero_mb_s) for cost, n in costs.distinct)
     if stages > 1:
@@ -76,7 +80,12 @@ def total_work(costs: CandidateCosts) -> float:
         # the smallest layer output (sends cost more for more bytes)
         small = min(range(costs.num_layers - 1), key=lambda i: costs.layers[i].boundary_b)
         work += 2 * sum(costs.send_s(small, j) for j in range(stages - 1))
+    _TOTAL_WORK[costs] = work
     return work
+
+
+#: :func:`total_work` per costs object (by identity; each bound asks for it again).
+_TOTAL_WORK: "weakref.WeakKeyDictionary[CandidateCosts, float]" = weakref.WeakKeyDictionary()
 
 
 def tail_bound(costs: CandidateCosts) -> float:
@@ -807,7 +816,7 @@ def uniform_time_bound(costs: CandidateCosts, kinds: Sequence[str], checkpoint: 
     base = time_lower_bound(costs)
     if not is_repeated(costs, kinds):
         return base
-    found = _UniformStages(costs, checkpoint, relaxed=True).allocate()
+    found = _relaxed_allocation(costs, checkpoint)
     if found is None:
         return math.inf
     micro_batches = costs.cand.num_micro_batches
@@ -822,8 +831,22 @@ def forced_micro_step(costs: CandidateCosts, kinds: Sequence[str], checkpoint: s
     ``r`` ``(2 (p - r - 1) + (v - 1) p + 1) / v >= p - r``), so on equal chunks it bounds them too."""
     if not is_repeated(costs, kinds):
         return 0.0
-    found = _UniformStages(costs, checkpoint, relaxed=True).allocate()
+    found = _relaxed_allocation(costs, checkpoint)
     return math.inf if found is None else found[0]
+
+
+#: The relaxed allocations found so far, per candidate's costs (by identity: a copy with other
+#: in-flight counts or capacity, ``planner.search.schedule_refit.schedule_costs``, is another key)
+#: and recompute mode; the search's bounds and the schedule walk's ask for the same ones.
+_RELAXED: "weakref.WeakKeyDictionary[CandidateCosts, dict]" = weakref.WeakKeyDictionary()
+
+
+def _relaxed_allocation(costs: CandidateCosts, checkpoint: str) -> tuple[float, list[int]] | None:
+    """:meth:`_UniformStages.allocate` of the relaxed model, once per costs object and mode."""
+    known = _RELAXED.setdefault(costs, {})
+    if checkpoint not in known:
+        known[checkpoint] = _UniformStages(costs, checkpoint, relaxed=True).allocate()
+    return known[checkpoint]
 
 
 def _uniform_heuristic(costs: CandidateCosts, checkpoint: str) -> Evaluation | None:

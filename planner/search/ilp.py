@@ -105,6 +105,11 @@ __all__ = [
 ]
 
 SOLVERS = ("cbc", "highs")
+#: CBC's options. Cut generation off: these ILPs are small (O(p) integers in the uniform form) and
+#: CBC's root cut loop was most of their time; branching closes them faster. On the 68 ILPs of
+#: GPT-3 175B on 1,024 A100 they took 2.7 s with cuts and 1.1 s without (the 126-layer GQA model's
+#: 39 on 8,192 H100: 1.6 s and 1.0 s), the same optima, no ILP more than 17% slower.
+CBC_OPTIONS = ("cutsOnOff off",)
 #: Weight of the tie-break terms (recompute + transfer seconds) against the step time.
 TIE_BREAK = 1e-6
 #: The objective is scaled to about this value (the step-time bound, or the capacity, maps to it).
@@ -134,7 +139,7 @@ def _make_solver(name: str, time_limit: float | None) -> Any:
     if name == "cbc":
         with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class name only
             warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(msg=False, gapRel=1e-9, timeLimit=time_limit)
+            return pulp.PULP_CBC_CMD(msg=False, gapRel=1e-9, timeLimit=time_limit, options=list(CBC_OPTIONS))
     if name == "highs":
         if not highs_available():
             raise ValueError("solver 'highs' needs the highspy package: pip install highspy (or use 'cbc')")

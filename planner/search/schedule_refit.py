@@ -42,6 +42,7 @@ their predicted step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import math
@@ -281,9 +282,43 @@ class _Refitter:
     answers: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """1F1B ILP answers by ``(candidate, mode)``."""
 
+    pending: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """1F1B ILPs started ahead (:meth:`prefetch`) by ``(candidate, mode)``: their futures."""
+
     @property
     def modes(self) -> tuple[str, ...]:
         return UNIFORM_MODES if self.checkpoint == "auto" else ()
+
+    def _solve(self, costs: CandidateCosts, mode: str) -> Evaluation | None:
+        """The candidate's 1F1B ILP under ``mode``: the search's own (no time limit but the
+        search's) for its mode, :func:`uniform_answer`'s for the others."""
+        if mode == self.checkpoint:
+            return solve_candidate(costs, list(self.kinds), mode, self.solver).evaluation
+        return solve_candidate(costs, list(self.kinds), mode, self.solver, time_limit=REFIT_TIME_LIMIT_S).evaluation
+
+    def _answer(self, costs: CandidateCosts, mode: str) -> Evaluation | None:
+        """The 1F1B answer under ``mode``: known, started ahead, or solved now."""
+        key = (costs.cand, mode)
+        if key not in self.answers:
+            future = self.pending.pop(key, None)
+            if future is not None and not future.cancelled():
+                self.answers[key] = future.result()
+            else:
+                self.answers[key] = self._solve(costs, mode)
+        return self.answers[key]
+
+    def prefetch(
+        self, costs: CandidateCosts, mode: str, pool: concurrent.futures.Executor, budgeted: bool = False
+    ) -> concurrent.futures.Future | None:
+        """Start the 1F1B ILP under ``mode`` on ``pool`` unless known, started, or (``budgeted``)
+        past :data:`SOLVE_BUDGET`; the answer is the one :meth:`strategy` or :meth:`uniform`
+        would solve (the same ILP, deterministic), and nothing is counted against a budget until
+        they ask. The future, or None when it started nothing."""
+        key = (costs.cand, mode)
+        if key in self.answers or key in self.pending or (budgeted and self.spent[1] >= SOLVE_BUDGET):
+            return None
+        future = self.pending[key] = pool.submit(self._solve, costs, mode)
+        return future
 
     def __call__(self, costs: CandidateCosts, base: Evaluation, name: str, virtual_stages: int) -> Evaluation | None:
         """The schedule's own ILP (:func:`refit` without the uniform answers, which the walk
@@ -304,17 +339,14 @@ class _Refitter:
         return True
 
     def strategy(self, costs: CandidateCosts, budgeted: bool = True) -> Evaluation | None:
-        key = (costs.cand, self.checkpoint)
         if budgeted and not self._affords(costs, self.checkpoint):
             return None
-        if key not in self.answers:
-            self.answers[key] = solve_candidate(costs, list(self.kinds), self.checkpoint, self.solver).evaluation
-        return self.answers[key]
+        return self._answer(costs, self.checkpoint)
 
     def uniform(
         self, costs: CandidateCosts, mode: str, name: str, virtual_stages: int, best: float
     ) -> Evaluation | None:
-        solved = uniform_answer(costs, self.kinds, mode, self.solver, self.answers)
+        solved = self._answer(costs, mode)
         if solved is None:
             return None
         got = _priced(costs, self.kinds, solved, name, virtual_stages, best)

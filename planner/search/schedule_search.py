@@ -67,11 +67,12 @@ at all once it reaches the best found, and the action lists are cached per ``(p,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import heapq
 import math
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from cost_models.schedule_cost import (
     ChunkTimes,
@@ -126,6 +127,11 @@ SEARCHED_SCHEDULES: tuple[str, ...] = tuple(ScheduleName)
 
 #: Largest number of model chunks per rank the search tries (Megatron-LM's runs use 2-8).
 MAX_VIRTUAL_STAGES = 8
+#: Items of the walk's queue :meth:`_Walk.prefetch` looks through for the next ILP to start.
+PREFETCH_LOOKAHEAD = 6
+#: ILPs the walk keeps started ahead of the one it waits for: each solver is a process of its own,
+#: so two use two cores while the walk prices what it has.
+PREFETCH_AHEAD = 2
 
 
 #: What simulating a strategy under a schedule needs: its model chunks (inclusive layer ranges)
@@ -164,6 +170,13 @@ class Refit(Protocol):
     ) -> Evaluation | None:
         """The candidate's 1F1B strategy with every block recomputed under ``mode`` priced under
         the schedule; ``None`` when it does not run, or provably not faster than ``best``."""
+
+    def prefetch(
+        self, costs: CandidateCosts, mode: str, pool: concurrent.futures.Executor, budgeted: bool = False
+    ) -> concurrent.futures.Future | None:
+        """Start on ``pool`` the 1F1B ILP under ``mode`` that :meth:`strategy` (the search's
+        mode) or :meth:`uniform` will ask for, so that it runs beside the one being solved; the
+        answers stay what they would be. The future, or None when it started nothing."""
 
 
 @functools.lru_cache(maxsize=128)
@@ -715,6 +728,10 @@ def _bound_walk(
     return walk.run()
 
 
+#: One item of the walk's queue: (bound, order, kind, payload, the tighter bound to come or None).
+_Item = tuple[float, int, str, tuple, "Callable[[], float] | None"]
+
+
 class _Walk:
     """The post-pass's walk over work items, each keyed by a sound lower bound of what it can
     find, visited by increasing bound and skipped once the bound exceeds the best step found (so
@@ -740,16 +757,22 @@ class _Walk:
 
     def __init__(self, cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None):
         self.cc_of, self.rows, self.searched, self.keep, self.refit = cc_of, rows, searched, keep, refit
-        self.heap: list[tuple] = []  # (bound, order, kind, payload)
+        self.heap: list[_Item] = []
         self.order = 0
         self.best = math.inf
         self.per_triple: dict[int, Evaluation] = {}
         self.owners: dict[tuple[int, int, int, int, int], int] = {}
         self.seen: set[Candidate] = set()
+        self.ahead: list[concurrent.futures.Future] = []
+        """The ILPs started ahead (:meth:`prefetch`) that may still run."""
 
-    def push(self, bound: float, kind: str, payload: tuple) -> None:
+    def push(self, bound: float, kind: str, payload: tuple, tighter: Callable[[], float] | None = None) -> None:
+        """Queue an item under ``bound``; ``tighter``: a dearer, tighter bound, computed only when
+        the item comes first under the best found (then it is queued again under that), so the
+        visiting order is that of the tight bounds and the items the cheap one rules out never
+        pay for it."""
         self.order += 1
-        heapq.heappush(self.heap, (bound, self.order, kind, payload))
+        heapq.heappush(self.heap, (bound, self.order, kind, payload, tighter))
 
     def keep_best(self, owner: int, got: Evaluation | None) -> None:
         if got is None or not got.feasible:
@@ -781,8 +804,12 @@ class _Walk:
         others = [option for option in opts if option[0] != ScheduleName.ONE_F_ONE_B]
         for mode in self.refit.modes if others else ():
             if not _is_uniform(evaluation, self.cc_of[cand], self.refit.kinds, mode):
+                costs, kinds = self.cc_of[cand], self.refit.kinds
                 self.push(
-                    recompute_free_bound(self.cc_of[cand], self.refit.kinds, mode), "uniform", (cand, mode, owner)
+                    recompute_free_bound(costs, kinds, mode, forced=False),
+                    "uniform",
+                    (cand, mode, owner),
+                    functools.partial(recompute_free_bound, costs, kinds, mode),
                 )
 
     def add_candidates(self, kept_candidates: list[Candidate]) -> None:
@@ -805,27 +832,80 @@ class _Walk:
                 continue
             owner = self.owners[cand.mesh]
             self.push(
-                schedule_free_bound(costs, refit.kinds, refit.checkpoint),
+                schedule_free_bound(costs),
                 "strategy",
                 (cand, owner, not any(_batching(cand, kept) for kept in kept_candidates)),
+                functools.partial(schedule_free_bound, costs, refit.kinds, refit.checkpoint),
             )
 
     def run(self) -> list[Evaluation]:
-        while self.heap:
-            lower, _order, kind, payload = heapq.heappop(self.heap)
-            if kind == "base":
-                self.visit_base(lower, *payload)
-            elif lower > self.best * (1 - 1e-9):
-                continue
-            elif kind == "uniform":
-                self.visit_uniform(*payload)
-            else:
-                cand, owner, budgeted = payload
-                assert self.refit is not None  # strategy items come with a refit
-                got = self.refit.strategy(self.cc_of[cand], budgeted)
-                if got is not None:
-                    self.add(got, owner, True)
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=PREFETCH_AHEAD, thread_name_prefix="planner-ilp"
+        ) as pool:
+            try:
+                while self.heap:
+                    self.visit(*heapq.heappop(self.heap), pool)
+            finally:
+                for future in self.ahead:  # not asked for: not waited for either
+                    future.cancel()
         return list(self.per_triple.values())
+
+    def prefetch(self, pool: concurrent.futures.Executor) -> None:
+        """Start the ILPs of the next items that will need one (the least bounds under the best
+        found), :data:`PREFETCH_AHEAD` at most, while this one is visited; what is started is what
+        would be asked (an item whose bound the best then passes wastes its solve, never changes
+        an answer)."""
+        refit = self.refit
+        self.ahead = [future for future in self.ahead if not future.done()]
+        if refit is None or len(self.ahead) >= PREFETCH_AHEAD:
+            return
+        # the next items come with their tight bounds (what they would get at their turn)
+        while self.heap and self.heap[0][4] is not None and self.heap[0][0] <= self.best * (1 - 1e-9):
+            lower, _order, kind, payload, tighter = heapq.heappop(self.heap)
+            assert tighter is not None  # the loop's condition
+            self.push(max(lower, tighter()), kind, payload)
+        for lower, _order, kind, payload, tighter in heapq.nsmallest(PREFETCH_LOOKAHEAD, self.heap):
+            if kind == "base" or tighter is not None or lower > self.best * (1 - 1e-9):
+                continue
+            if kind == "uniform":
+                cand, mode, _owner = payload
+                budgeted = False
+            else:
+                cand, _owner, budgeted = payload
+                mode = refit.checkpoint
+            started = refit.prefetch(self.cc_of[cand], mode, pool, budgeted)
+            if started is not None:
+                self.ahead.append(started)
+                if len(self.ahead) >= PREFETCH_AHEAD:
+                    return
+
+    def visit(
+        self,
+        lower: float,
+        _order: int,
+        kind: str,
+        payload: tuple,
+        tighter: Callable[[], float] | None,
+        pool: concurrent.futures.Executor,
+    ) -> None:
+        """One work item (the class docstring), after starting the next one's ILP; an item with a
+        tighter bound to come is queued again under it (:meth:`push`)."""
+        if kind != "base" and lower > self.best * (1 - 1e-9):
+            return
+        if tighter is not None:
+            self.push(max(lower, tighter()), kind, payload)
+            return
+        self.prefetch(pool)
+        if kind == "base":
+            self.visit_base(lower, *payload)
+        elif kind == "uniform":
+            self.visit_uniform(*payload)
+        else:
+            cand, owner, budgeted = payload
+            assert self.refit is not None  # strategy items come with a refit
+            got = self.refit.strategy(self.cc_of[cand], budgeted)
+            if got is not None:
+                self.add(got, owner, True)
 
     def visit_base(
         self, lower: float, evaluation: Evaluation, opts: list, bounds: list, owner: int, sibling: bool
@@ -865,17 +945,18 @@ def schedule_free_bound(costs: CandidateCosts, kinds: Sequence[str] | None = Non
     return _free_bound(costs, [0.0] * costs.num_layers, forced)
 
 
-def recompute_free_bound(costs: CandidateCosts, kinds: Sequence[str], mode: str) -> float:
+def recompute_free_bound(costs: CandidateCosts, kinds: Sequence[str], mode: str, forced: bool = True) -> float:
     """:func:`schedule_free_bound` of the strategies that recompute every block under ``mode``
     (``all``: whole blocks, ``selective``: their attention cores): each block's recompute is added
-    to its work, the rest as there."""
+    to its work, the rest as there; without the micro-step the memory forces unless ``forced``
+    (a looser bound that costs no allocation)."""
     extra = [
         (layer.rec_s if mode == "all" else layer.sel_rec_s if layer.sel_saved_b > 0 else 0.0)
         if kind == "block"
         else 0.0
         for layer, kind in zip(costs.layers, kinds)
     ]
-    return _free_bound(costs, extra, forced_micro_step(costs, kinds, mode))
+    return _free_bound(costs, extra, forced_micro_step(costs, kinds, mode) if forced else 0.0)
 
 
 def _free_bound(costs: CandidateCosts, extra: Sequence[float], forced: float) -> float:

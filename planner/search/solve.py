@@ -45,6 +45,7 @@ from cost_models.strategy import (
     Evaluation,
     NumericTable,
     candidate_costs,
+    compile_saving_bound,
     compile_seconds,
     evaluate,
     memory_bound,
@@ -566,18 +567,6 @@ def _repriced(
     )
 
 
-def _saving_bound(eager: CandidateCosts, compiled: CandidateCosts) -> float:
-    """The most any strategy of this candidate saves per step by compiling: ``m`` x the layers'
-    per-micro-batch savings (work and recompute; nothing else changes). Sound: a step is
-    ``(m - 1) T + sum_k T_k + D``, the slowest stage ``T`` shrinks by at most the sum of its
-    layers' savings, ``sum_k T_k`` by exactly all of them, ``D`` not at all."""
-    micro_batches = eager.cand.num_micro_batches
-    return micro_batches * sum(
-        max(0.0, (eager_layer.work_s + eager_layer.rec_s) - (compiled_layer.work_s + compiled_layer.rec_s))
-        for eager_layer, compiled_layer in zip(eager.layers, compiled.layers)
-    )
-
-
 def choose_compile(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
 ) -> tuple[SearchResult, CompileChoice]:
@@ -598,29 +587,62 @@ def choose_compile(
             steps,
             from_tokens,
         )
-    compiled = candidate_entries(
-        request, table, hw, gpus_per_node, [dataclasses.replace(costs.cand, compile=True) for _, _, costs in entries]
-    )
-    bound = max(
-        _saving_bound(eager_entry[2], compiled_entry[2]) for eager_entry, compiled_entry in zip(entries, compiled)
-    )
-    if bound * steps <= compile_seconds(hw, 1):  # nothing compiled can pay: keep the eager answer
-        compiled_eval = _repriced(request, table, hw, gpus_per_node, best, True)
+    repriced = _repriced(request, table, hw, gpus_per_node, best, True)
+    hopeful = _compile_hopefuls(request, table, hw, gpus_per_node, entries, best, repriced.step_time_s)
+    if not hopeful:  # nothing compiled can pay: keep the eager answer
         return result, CompileChoice(
-            False,
-            "auto",
-            best.step_time_s - compiled_eval.step_time_s,
-            compiled_eval.extra["compile_s"],
-            steps,
-            from_tokens,
+            False, "auto", best.step_time_s - repriced.step_time_s, repriced.extra["compile_s"], steps, from_tokens
         )
+    compiled = candidate_entries(request, table, hw, gpus_per_node, hopeful)
+    # search them all at once when compiling likely wins (the winner's own stages compiled repay
+    # it) or most candidates may: the plan's runners-up then come from every candidate
+    pays = (best.step_time_s - repriced.step_time_s) * steps > repriced.extra["compile_s"]
+    everything = pays or len(hopeful) * 2 > len(entries)
+    if everything:
+        compiled += _other_compiled_entries(request, table, hw, gpus_per_node, entries, hopeful)
     compiled_result = search(compiled, table.kinds, request.checkpoint, solver)
     compiled_eval = compiled_result.winner()  # compiling changes no memory: it finds one
     saving = best.step_time_s - compiled_eval.step_time_s
     use = saving * steps > compiled_eval.extra["compile_s"]
+    if use and not everything:  # the plan's runners-up come from every candidate
+        compiled += _other_compiled_entries(request, table, hw, gpus_per_node, entries, hopeful)
+        compiled_result = search(compiled, table.kinds, request.checkpoint, solver)
     return (compiled_result if use else result), CompileChoice(
         use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens
     )
+
+
+def _other_compiled_entries(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, hopeful: list[Candidate]
+) -> list:
+    """The compiled entries of the candidates of ``entries`` not among ``hopeful``."""
+    taken = set(hopeful)
+    others = [dataclasses.replace(costs.cand, compile=True) for _, _, costs in entries]
+    return candidate_entries(request, table, hw, gpus_per_node, [cand for cand in others if cand not in taken])
+
+
+def _compile_hopefuls(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, best: Evaluation, repriced: float
+) -> list[Candidate]:
+    """The compiled candidates worth searching: none when no candidate's compiled step can repay the
+    compilation within the horizon (``cost_models.strategy.compile_saving_bound``, below its eager
+    lower bound); else the winner's and every one whose compiled step can beat ``repriced`` (the
+    winner's stages compiled), among which the fastest compiled strategy lies."""
+    steps = request.horizon_steps()
+    pays = best.step_time_s - compile_seconds(hw, 1) / steps
+    reach = {}
+    for time_lb, _memory_lb, costs in entries:
+        reach[costs.cand] = time_lb - compile_saving_bound(
+            table, hw, request.dtype, request.seq_len, costs.cand, gpus_per_node
+        )
+    if min(reach.values()) >= pays * (1 - TIME_TOL):
+        return []
+    winner = best.strategy.candidate
+    return [
+        dataclasses.replace(cand, compile=True)
+        for cand, lowest in reach.items()
+        if cand == dataclasses.replace(winner, compile=False) or lowest < repriced * (1 + TIME_TOL)
+    ]
 
 
 def _attention(model: dict, seq_len: int, sequences: int) -> dict:
