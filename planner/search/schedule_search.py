@@ -839,9 +839,8 @@ class _Walk:
             )
 
     def run(self) -> list[Evaluation]:
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=PREFETCH_AHEAD, thread_name_prefix="planner-ilp"
-        ) as pool:
+        workers = max(1, PREFETCH_AHEAD)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="planner-ilp") as pool:
             try:
                 while self.heap:
                     self.visit(*heapq.heappop(self.heap), pool)

@@ -264,3 +264,29 @@ def test_the_walks_bounds_hold_under_every_schedule(layers, hidden, micro_batch,
                 priced += 1
                 assert bound <= got.step_time_s * (1 + 1e-9), (mode, name, virtual_stages)
     assert priced or tight < 0.6  # with room, the answers run under the other schedules
+
+
+def test_ilps_started_ahead_change_no_answer(monkeypatch):
+    """The walk's prefetch (two ILPs beside each other) plans what the walk alone plans, and it
+    does start some: a 48-block model on 64 GPUs walks other candidates' 1F1B strategies."""
+    import planner.search.schedule_refit as schedule_refit
+    import planner.search.schedule_search as schedule_search
+
+    table = gpt_table(layers=48, hidden=2048, heads=16, vocab=32000)
+    req = _req(gpus=64, global_batch=256, seq_len=2048)
+    started = []
+    prefetch = schedule_refit._Refitter.prefetch
+
+    def counted(self, *args, **kwargs):
+        future = prefetch(self, *args, **kwargs)
+        started.append(future is not None)
+        return future
+
+    monkeypatch.setattr(schedule_refit._Refitter, "prefetch", counted)
+    ahead = solve(req, table, HW)
+    monkeypatch.setattr(schedule_search, "PREFETCH_AHEAD", 0)
+    alone = solve(req, table, HW)
+    assert any(started)
+    assert ahead.plan.predicted.step_time_s == alone.plan.predicted.step_time_s
+    assert ahead.evaluation.strategy == alone.evaluation.strategy
+    assert [alt.step_time_s for alt in ahead.plan.alternatives] == [alt.step_time_s for alt in alone.plan.alternatives]
