@@ -145,37 +145,49 @@ def _split_chunks(costs: tuple[float, ...], num_chunks: int) -> tuple[tuple[int,
     n = len(costs)
     if not 1 <= num_chunks <= n:
         raise ValueError(f"cannot cut {n} layers into {num_chunks} non-empty chunks")
-
-    def cut(limit: float) -> list[tuple[int, int]] | None:
-        out: list[tuple[int, int]] = []
-        start, acc = 0, 0.0
-        for i, cost in enumerate(costs):
-            left = num_chunks - len(out) - 1  # chunks still to open after the current one
-            if i > start and (acc + cost > limit or n - i == left):
-                out.append((start, i - 1))
-                start, acc = i, 0.0
-            acc += cost
-        out.append((start, n - 1))
-        return (
-            out
-            if len(out) == num_chunks and max(sum(costs[first : last + 1]) for first, last in out) <= limit
-            else None
-        )
-
     lower, upper = max(costs), sum(costs)
-    best = cut(upper * (1 + 1e-12))
+    best, upper, _ = _greedy_cut(costs, num_chunks, upper * (1 + 1e-12))
     for _ in range(60):
         if upper - lower <= 1e-9 * upper:
             break
         mid = (lower + upper) / 2
-        got = cut(mid)
+        got, largest, exceeded = _greedy_cut(costs, num_chunks, mid)
         if got is None:
-            lower = mid
+            lower = max(mid, exceeded)  # the fill fails alike under any threshold below `exceeded`
         else:
-            upper, best = mid, got
-    if best is None:  # pragma: no cover - cut(sum) always succeeds
+            upper, best = largest, got  # and succeeds alike down to its largest chunk
+    if best is None:  # pragma: no cover - a fill under the whole sum always succeeds
         raise ValueError("no chunking found")
     return tuple(best)
+
+
+def _greedy_cut(
+    costs: tuple[float, ...], num_chunks: int, limit: float
+) -> tuple[list[tuple[int, int]] | None, float, float]:
+    """The greedy fill of ``split_chunks`` under ``limit``: a chunk closes before the layer that
+    would take it past ``limit``, or where the layers left are one per chunk left. Returns the
+    chunks (None when there are not exactly ``num_chunks`` or one exceeds ``limit``), the largest
+    chunk's sum, and the least sum above ``limit`` the fill met (a layer's ``acc + cost`` that
+    closed a chunk, or a chunk over the limit): every threshold in ``[limit, that)`` makes the
+    same comparisons, so the same fill and the same outcome."""
+    n = len(costs)
+    out: list[tuple[int, int]] = []
+    start, acc, exceeded = 0, 0.0, math.inf
+    for i, cost in enumerate(costs):
+        left = num_chunks - len(out) - 1  # chunks still to open after the current one
+        if i > start:
+            grown = acc + cost
+            if grown > limit:
+                exceeded = min(exceeded, grown)
+            if grown > limit or n - i == left:
+                out.append((start, i - 1))
+                start, acc = i, 0.0
+        acc += cost
+    out.append((start, n - 1))
+    largest = max(sum(costs[first : last + 1]) for first, last in out)
+    if largest > limit:
+        exceeded = min(exceeded, largest)
+    return (out if len(out) == num_chunks and largest <= limit else None), largest, exceeded
 
 
 def _chunk_forward(costs: CandidateCosts, first: int, last: int) -> float:

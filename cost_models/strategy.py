@@ -139,7 +139,7 @@ __all__ = [
     "StageCost",
     "Evaluation",
     "candidate_costs",
-    "compile_saving_bound",
+    "work_floor",
     "evaluate",
     "predicted_fields",
     "hidden_breakdown",
@@ -464,42 +464,29 @@ def _pricing(
     )
 
 
-def compile_saving_bound(
+def work_floor(
     table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
 ) -> float:
-    """Seconds per step that compiling can save any strategy of the eager ``cand``, at most, from
-    its rows' work alone (memoized per work setting: no candidate is priced).
+    """A step time no strategy of ``cand`` beats, from its rows' work alone: at most the
+    ``time_lower_bound`` of ``candidate_costs`` (``planner.search.candidates``) and about a
+    twentieth of its price, so a search can order candidates by it and price only those it visits.
 
-    A step is ``(m - 1) T + sum_k T_k + D``; compiling changes only each row's work (compute,
-    recompute, selective recompute; ``row_work``), so ``T`` and each ``T_k`` shrink by at most
-    the sum of their rows' savings and the bound is ``(m + 1)`` times every row's saving per
-    micro-batch. What the work's windows hide moves too: a window that grows (a row with fewer
-    operators than a compiled region's calls) hides more data-parallel or offload traffic, at most
-    ``1 + gain |1 - contention|`` seconds per second it grew; one that shrinks costs exposure,
-    which only a contention above 1 repays (``gain (contention - 1)`` per second)."""
-    eager = _pricing(table, hw, dtype, seq_len, dataclasses.replace(cand, compile=False), gpus_per_node)
-    key = ("compile_saving", id(hw), dtype, cand.micro_batch_size, seq_len, eager.setting)
-    per_micro_batch = table.work_memo.get(key)
-    if per_micro_batch is None:
-        compiled_setting = dataclasses.replace(eager.setting, compiled=True)
-        gain, contention = hw.overlap_window_gain, hw.overlap_contention
-        grown_rate = 1.0 + gain * abs(1.0 - contention)
-        shrunk_rate = gain * max(0.0, contention - 1.0)
+    The step is at least ``(m - 1) T + sum_k T_k`` with ``sum_k T_k >= W``, every row's work once
+    (``row_work``: compute and tensor-, expert- and context-parallel traffic of one micro-batch),
+    and ``T >= max(W / p, largest row)``. Pricing a candidate only adds to a row's work (ZeRO and
+    offload transfers, pipeline sends, what overlapped collectives cost compute, the per-step
+    tail), so the floor holds. Memoized per work setting: candidates that differ in ZeRO stage,
+    data-parallel placement or offload share it."""
+    pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
+    key = ("work_floor", id(hw), dtype, cand.micro_batch_size, seq_len, cand.context_parallel, pricing.setting)
+    known = table.work_memo.get(key)
+    if known is None:
         rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
-        per_micro_batch = 0.0
-        for i, row in enumerate(rows):
-            before = _row_work(row, hw, dtype, eager.setting, table.work_memo)[0]
-            after = _row_work(row, hw, dtype, compiled_setting, table.work_memo)[0]
-            windows = (before.fwd_s - after.fwd_s, (before.compute_s - before.fwd_s) - (after.compute_s - after.fwd_s))
-            saving = (
-                max(0.0, before.work_s - after.work_s)
-                + max(0.0, before.rec_s - after.rec_s, before.sel_rec_s - after.sel_rec_s)
-                + grown_rate * sum(max(0.0, -delta) for delta in windows)
-                + shrunk_rate * sum(max(0.0, delta) for delta in windows)
-            )
-            per_micro_batch += row_of_layer.count(i) * saving
-        table.work_memo[key] = per_micro_batch
-    return (cand.num_micro_batches + 1) * per_micro_batch
+        works = [_row_work(row, hw, dtype, pricing.setting, table.work_memo)[0].work_s for row in rows]
+        known = table.work_memo[key] = (sum(works[i] for i in row_of_layer), max(works))
+    total, largest = known
+    slowest = max(total / cand.pp, largest)
+    return (cand.num_micro_batches - 1) * slowest + max(total, slowest)
 
 
 def context_rows(table: NumericTable, micro_batch: int, seq_len: int, cp: int) -> tuple[list[LayerRow], list[int]]:

@@ -122,16 +122,17 @@ def choose_compression(
     plain = result.winner()
     best = plain.step_time_s
     compiled = plain.strategy.candidate.compile  # the variants take the winner's compile mode
+    limit = best * (1 + TIME_TOL)
     base = [
-        costs.cand
-        for _t, _m, costs in entries
-        if costs.cand.compile != compiled or work_lower_bound(costs) < best * (1 + TIME_TOL)
+        entry.cand
+        for entry in entries
+        if entry.cand.compile != compiled or (entry.floor < limit and work_lower_bound(entry.costs) < limit)
     ]
     base = list(dict.fromkeys(dataclasses.replace(candidate, compile=False) for candidate in base))
     kept = [
         entry
         for entry in price(compression_variants(base))
-        if entry[0] < best * (1 + TIME_TOL) and entry[1] <= entry[2].capacity
+        if entry.floor < limit and entry.time_lb < limit and entry.memory_lb <= entry.costs.capacity
     ]
     if not kept:
         return result, entries, None

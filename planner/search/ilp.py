@@ -82,6 +82,7 @@ import pulp
 
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, evaluate
 from planner.search.candidates import heuristic_strategy, is_repeated, time_lower_bound, uniform_time_bound
+from planner.search.entries import Entry
 from runtime.contract import environment
 
 __all__ = [
@@ -887,10 +888,6 @@ def by_layout(evaluations: list[Evaluation], exclude: set | None = None) -> list
     return list(best.values())
 
 
-#: One candidate to search: ``(time lower bound, memory lower bound, costs)``.
-Entry = tuple[float, float, CandidateCosts]
-
-
 class _Search:
     """The state of one :func:`search`: the incumbents, the greedy strategies, the counts."""
 
@@ -899,7 +896,7 @@ class _Search:
     ):
         self.kinds, self.checkpoint, self.solver, self.keep = kinds, checkpoint, solver, keep
         self.result = SearchResult(ranked=[], enumerated=len(entries))
-        self.order = sorted(entries, key=lambda entry: (entry[0], entry[2].cand))
+        self.order = sorted(entries, key=lambda entry: (entry.floor, entry.cand))
         self.best: dict[tuple, Evaluation] = {
             evaluation.strategy.candidate.mesh: evaluation for evaluation in (seed.ranked if seed else [])
         }
@@ -936,18 +933,22 @@ class _Search:
     def sweep(self, exact: bool) -> None:
         """One pass in bound order: greedy strategies only (seeding incumbents), then exact ILPs."""
         result, best = self.result, self.best
-        for i, (time_lb, memory_lb, costs) in enumerate(self.order):
+        for i, entry in enumerate(self.order):
             times = sorted(evaluation.step_time_s for evaluation in best.values())
             threshold = times[self.keep - 1] if len(times) >= self.keep else float("inf")
-            if time_lb > threshold * (1 + TIME_TOL):
+            if entry.floor > threshold * (1 + TIME_TOL):  # so is every later one's (and its bound)
                 result.pruned_time += (len(self.order) - i) * exact
                 return
-            if memory_lb > costs.capacity:
+            if entry.time_lb > threshold * (1 + TIME_TOL):
+                result.pruned_time += exact
+                continue
+            costs = entry.costs
+            if entry.memory_lb > costs.capacity:
                 result.pruned_memory += exact
                 continue
             triple = costs.cand.mesh
             bound = min(best[triple].step_time_s if triple in best else float("inf"), threshold)
-            if time_lb > bound * (1 + TIME_TOL):
+            if entry.time_lb > bound * (1 + TIME_TOL):
                 result.pruned_time += exact
                 continue
             if exact and uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
@@ -963,19 +964,19 @@ class _Search:
         a runner-up that only offloads or re-batches the winner's layout says little."""
         taken = {layout_key(evaluation) for evaluation in self.result.ranked}
         per_layout: dict[tuple, Evaluation] = {}
-        for time_lb, memory_lb, costs in self.order:
-            if memory_lb > costs.capacity:
-                continue
-            key = _candidate_layout(costs.cand)
+        for entry in self.order:
+            key = _candidate_layout(entry.cand)
             if key in taken:
                 continue
             best = sorted(per_layout.values(), key=_rank_key)
-            bound = best[need - 1].step_time_s if len(best) >= need else float("inf")
-            if key in per_layout:
-                bound = min(bound, per_layout[key].step_time_s)
-            if time_lb > bound * (1 + TIME_TOL):
-                if key not in per_layout and len(best) >= need:
-                    break
+            enough = best[need - 1].step_time_s if len(best) >= need else float("inf")
+            if entry.floor > enough * (1 + TIME_TOL):  # every later one's floor (and bound) too
+                break
+            bound = min(enough, per_layout[key].step_time_s) if key in per_layout else enough
+            if entry.floor > bound * (1 + TIME_TOL) or entry.time_lb > bound * (1 + TIME_TOL):
+                continue
+            costs = entry.costs
+            if entry.memory_lb > costs.capacity:
                 continue
             if uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
                 continue
@@ -993,7 +994,7 @@ def search(
     keep: int = 4,
     seed: SearchResult | None = None,
 ) -> SearchResult:
-    """Best strategies over ``entries`` = ``(time_lb, memory_lb, costs)`` with sound pruning.
+    """Best strategies over ``entries`` (:class:`planner.search.entries.Entry`) with sound pruning.
 
     Keeps the best of each ``(dp, tp, pp)`` among the ``keep`` fastest triples; when fewer than
     ``keep`` triples are feasible, fills the runners-up with the best other candidates. A first
@@ -1010,7 +1011,8 @@ def search(
     1``, where they are all the same), micro-batch size ``b`` with ``m = global_batch / (dp * b)``
     micro-batches and ``m >= pp`` (1F1B needs it). Pins remove the other values.
 
-    Candidates are visited in increasing order of a sound step-time lower bound
+    Candidates are visited in increasing order of a sound step-time floor (``Entry.floor``, from
+    the rows' work alone) and priced when visited, which gives the tighter sound lower bound
     (:func:`planner.search.candidates.time_lower_bound`). The winner and three runners-up are wanted, each
     the best of its own ``(dp, tp, pp)``, so a candidate matters only if it can beat ``bound =
     min(best time of its triple, 4th best time over triples)``. Two passes:
@@ -1021,7 +1023,8 @@ def search(
        or memory-aware bound (:func:`planner.search.candidates.uniform_time_bound`, which counts the
        recompute each stage is forced into), is above ``bound``; otherwise solve its ILP with
        ``min(bound, own greedy cost)`` as a cutoff (row ``time_cutoff``), so a candidate that cannot
-       win is refuted at the root. The loop stops at the first time bound above the 4th best.
+       win is refuted at the root. The loop stops at the first floor above the 4th best: the
+       candidates after it are never priced.
 
     Every skipped candidate provably costs at least what it is compared with, and a cut-off ILP
     proves the same, so the result equals solving every candidate to optimality (a test compares

@@ -72,7 +72,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from typing import Any, Callable, Protocol, Sequence, cast
+from typing import Any, Callable, Mapping, Protocol, Sequence, cast
 
 from cost_models.schedule_cost import (
     ChunkTimes,
@@ -651,7 +651,7 @@ def check_schedule_pins(req: Any, rows: int) -> None:
 
 def apply_schedules(
     res,
-    cc_of: dict,
+    cc_of: Mapping,
     rows: int,
     schedule: str | None = None,
     virtual_stages: int | None = None,
@@ -714,7 +714,7 @@ def apply_schedules(
 
 
 def _bound_walk(
-    evs: list[Evaluation], cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None = None
+    evs: list[Evaluation], cc_of: Mapping, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None = None
 ) -> list[Evaluation]:
     """``evs`` (1F1B strategies, one per degree triple, fastest first) with the ``keep`` first, and
     every other that could beat the best found, priced under their best schedule; the rest
@@ -755,7 +755,7 @@ class _Walk:
     reached by the free walk too, with its own bound (``tests/planner/search/test_schedule_refit.py``).
     """
 
-    def __init__(self, cc_of: dict, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None):
+    def __init__(self, cc_of: Mapping, rows: int, searched: tuple[str, ...], keep: int, refit: Refit | None):
         self.cc_of, self.rows, self.searched, self.keep, self.refit = cc_of, rows, searched, keep, refit
         self.heap: list[_Item] = []
         self.order = 0
@@ -990,7 +990,7 @@ def _batching(candidate: Candidate, kept: Candidate) -> bool:
     )
 
 
-def _sharded_siblings(evaluation: Evaluation, cc_of: dict) -> list[Evaluation]:
+def _sharded_siblings(evaluation: Evaluation, cc_of: Mapping) -> list[Evaluation]:
     """``ev``'s stages and recompute (1F1B-priced) on each candidate the search enumerated
     (``cc_of``: the pins hold) that differs from ``ev``'s only by a higher ZeRO stage: less
     model state per device, for a little more data-parallel traffic. The search keeps one

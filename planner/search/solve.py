@@ -10,11 +10,14 @@ or, by default, the search runs once with every candidate eager and, when compil
 once more with every candidate compiled (``Candidate.compile``, priced by
 :mod:`cost_models.strategy`), and keeps the compiled winner only if its per-step saving over the
 eager winner, times the run's steps (``--tokens``, else ``DEFAULT_HORIZON_STEPS``), exceeds its
-compile time. "Could pay" is a sound bound checked before the second search: no compiled
-strategy saves more per step than ``m`` times the sum of its layers' per-micro-batch savings, so
-when the largest such bound over the candidates, times the steps, is below the compile time of
-one layer class, the compiled search cannot change the answer and is skipped (the tiny models of
-the tests, on the ``cpu`` profile, never compile).
+compile time. "Could pay" is checked before the second search from sound bounds: when no
+compiled candidate's lower bound (its floor, else its priced ``time_lower_bound``) is below the
+eager winner's step less the compile time of one layer class spread over the steps, the compiled
+search cannot change the answer and is skipped (the tiny models of the tests, on the ``cpu``
+profile, never compile).
+
+Every search prices lazily (:mod:`planner.search.entries`): a candidate's costs are worked out
+when a search reaches it, in order of a floor from its rows' work alone.
 
 Offload (``search_offload``): after the plain search, the offloaded versions of the candidates
 that could still win (sound filters in its docstring) are searched with the plain result as the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from cost_models.compute import optimizer_step_time
@@ -45,11 +49,11 @@ from cost_models.strategy import (
     Evaluation,
     NumericTable,
     candidate_costs,
-    compile_saving_bound,
     compile_seconds,
     evaluate,
     memory_bound,
     predicted_fields,
+    work_floor,
 )
 from passes.mask_density import summarize
 from planner.frontend.input_pins import resolve_inputs
@@ -61,14 +65,13 @@ from planner.search.candidates import (
     check_pins,
     compression_variants,
     enumerate_candidates,
-    memory_lower_bound,
     memory_may_bind,
     offload_pinned,
     offload_variants,
     tied_summary,
-    time_lower_bound,
 )
 from planner.search.compression_search import CompressionChoice, choose_compression, final_choice, with_runner_up
+from planner.search.entries import Entry
 from planner.search.expert_search import (
     ExpertSummary,
     expert_summary,
@@ -104,14 +107,18 @@ def _gib(x: float) -> str:
 
 def candidate_entries(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, candidates: list[Candidate]
-) -> list[tuple[float, float, CandidateCosts]]:
-    """``(time lower bound, memory lower bound, costs)`` of every candidate."""
+) -> list[Entry]:
+    """The search entries of ``candidates``: each one's floor now, its costs when first read."""
     capacity = hw.memory_bytes * request.memory_headroom
-    out = []
-    for candidate in candidates:
-        costs = candidate_costs(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, capacity)
-        out.append((time_lower_bound(costs), memory_lower_bound(costs), costs))
-    return out
+    dtype, seq_len = request.dtype, request.seq_len
+
+    def price(candidate: Candidate) -> CandidateCosts:
+        return candidate_costs(table, hw, dtype, seq_len, candidate, gpus_per_node, capacity)
+
+    return [
+        Entry(candidate, work_floor(table, hw, dtype, seq_len, candidate, gpus_per_node), price)
+        for candidate in candidates
+    ]
 
 
 def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: str = "cbc") -> Evaluation | None:
@@ -121,10 +128,10 @@ def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: st
     found, so the answer is exact.
     """
     best: Evaluation | None = None
-    for _time_lb, memory_lb, costs in sorted(entries, key=lambda e: (e[1], e[2].cand)):
-        if best is not None and memory_lb >= memory_bound(best):
+    for entry in sorted(entries, key=lambda entry: (entry.memory_lb, entry.cand)):
+        if best is not None and entry.memory_lb >= memory_bound(best):
             break
-        evaluation = solve_candidate(costs, kinds, checkpoint, solver, objective="memory").evaluation
+        evaluation = solve_candidate(entry.costs, kinds, checkpoint, solver, objective="memory").evaluation
         if evaluation is not None and (
             best is None or (memory_bound(evaluation), evaluation.step_time_s) < (memory_bound(best), best.step_time_s)
         ):
@@ -401,7 +408,7 @@ def _with_experts_replicated(
     experts, and the note of a model whose experts stay replicated (``planner.search.expert_search``)."""
     result = with_replicated_experts(
         result,
-        [entry[2].cand for entry in entries],
+        [entry.cand for entry in entries],
         lambda plain: candidate_entries(request, table, hw, gpus_per_node, plain),
         table.kinds,
         request.checkpoint,
@@ -413,7 +420,7 @@ def _with_experts_replicated(
     return result
 
 
-def _scheduled(request, table: NumericTable, cc_of: dict, result: SearchResult, solver: str) -> SearchResult:
+def _scheduled(request, table: NumericTable, cc_of: Mapping, result: SearchResult, solver: str) -> SearchResult:
     """``result`` with each kept strategy under its best schedule, recompute re-chosen for the
     schedule's memory (:mod:`planner.search.schedule_refit`); a refused ``--schedule`` pin's
     ``SearchError`` says which recompute or ZeRO setting makes it fit, when one does."""
@@ -464,13 +471,13 @@ def _pinned_variants(request, candidates: list[Candidate], hw: HardwareProfile) 
 
 def _costs_for(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult
-) -> dict:
+) -> "_Costs":
     """``CandidateCosts`` of every strategy ``res`` kept (from ``entries``, else priced again:
     the compiled search's candidates), and, on demand, of any other candidate the search
     enumerated, compiled or not (the schedule post-pass asks for a kept strategy's other ZeRO
     stages); a candidate it did not enumerate (one the pins rule out) is a ``KeyError``."""
     known = _Costs(
-        {costs.cand: costs for _time_lb, _memory_lb, costs in entries},
+        entries,
         lambda candidate: candidate_costs(
             table,
             hw,
@@ -482,26 +489,45 @@ def _costs_for(
         ),
     )
     for evaluation in result.ranked + result.extra:
-        candidate = evaluation.strategy.candidate
-        if candidate not in known:
-            known[candidate] = known.price(candidate)
+        known.add(evaluation.strategy.candidate)
     return known
 
 
-class _Costs(dict):
-    """Candidate -> ``CandidateCosts``: the ones given, else priced when first asked for, for a
-    candidate whose eager version is among them."""
+class _Costs(Mapping):
+    """Candidate -> ``CandidateCosts`` of the entries' candidates (priced when first read), and of
+    their compiled or eager versions (priced when first asked for); another is a ``KeyError``
+    unless :meth:`add` made it known."""
 
-    def __init__(self, known: dict, price):
-        super().__init__(known)
+    def __init__(self, entries: list[Entry], price):
+        self.entries = {entry.cand: entry for entry in entries}
+        self.others: dict[Candidate, CandidateCosts] = {}
         self.price = price
-        self._enumerated = {dataclasses.replace(candidate, compile=False) for candidate in known}
+        self._enumerated = {dataclasses.replace(candidate, compile=False) for candidate in self.entries}
 
-    def __missing__(self, candidate: Candidate) -> CandidateCosts:
-        if dataclasses.replace(candidate, compile=False) not in self._enumerated:
-            raise KeyError(candidate)
-        costs = self[candidate] = self.price(candidate)
-        return costs
+    def add(self, candidate: Candidate) -> None:
+        """Make ``candidate`` known, whether the search enumerated it or not."""
+        if candidate not in self:
+            self.others[candidate] = self.price(candidate)
+
+    def __getitem__(self, candidate: Candidate) -> CandidateCosts:
+        entry = self.entries.get(candidate)
+        if entry is not None:
+            return entry.costs
+        if candidate not in self.others:
+            if dataclasses.replace(candidate, compile=False) not in self._enumerated:
+                raise KeyError(candidate)
+            self.others[candidate] = self.price(candidate)
+        return self.others[candidate]
+
+    def __contains__(self, candidate: object) -> bool:
+        return candidate in self.entries or candidate in self.others
+
+    def __iter__(self) -> Iterator[Candidate]:
+        yield from self.entries
+        yield from (candidate for candidate in list(self.others) if candidate not in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries) + sum(candidate not in self.entries for candidate in self.others)
 
 
 def search_offload(
@@ -535,11 +561,16 @@ def search_offload(
         hw.cpu_adam_params_per_s is None
         or adam_rate_per_rank(hw, ranks, request.dtype) * optimizer_step_time(1, hw, request.dtype) <= 1.0 + 1e-12
     )
+    limit = best * (1 + TIME_TOL)
     base = [
-        costs.cand
-        for time_lb, _memory_lb, costs in entries
+        entry.cand
+        for entry in entries
         if not host_slower
-        or (time_lb < best * (1 + TIME_TOL) and memory_may_bind(costs, table.kinds, request.checkpoint))
+        or (
+            entry.floor < limit
+            and entry.time_lb < limit
+            and memory_may_bind(entry.costs, table.kinds, request.checkpoint)
+        )
     ]
     variants = offload_variants(request, base, hw)
     if not variants:
@@ -547,7 +578,7 @@ def search_offload(
     kept = [
         entry
         for entry in candidate_entries(request, table, hw, gpus_per_node, variants)
-        if entry[0] < best * (1 + TIME_TOL) and entry[1] <= entry[2].capacity
+        if entry.floor < limit and entry.time_lb < limit and entry.memory_lb <= entry.costs.capacity
     ]
     if not kept:
         return result, entries
@@ -588,61 +619,30 @@ def choose_compile(
             from_tokens,
         )
     repriced = _repriced(request, table, hw, gpus_per_node, best, True)
-    hopeful = _compile_hopefuls(request, table, hw, gpus_per_node, entries, best, repriced.step_time_s)
-    if not hopeful:  # nothing compiled can pay: keep the eager answer
+    compiled = candidate_entries(
+        request, table, hw, gpus_per_node, [dataclasses.replace(entry.cand, compile=True) for entry in entries]
+    )
+    if not _compiling_may_pay(compiled, best.step_time_s - compile_seconds(hw, 1) / steps):
         return result, CompileChoice(
             False, "auto", best.step_time_s - repriced.step_time_s, repriced.extra["compile_s"], steps, from_tokens
         )
-    compiled = candidate_entries(request, table, hw, gpus_per_node, hopeful)
-    # search them all at once when compiling likely wins (the winner's own stages compiled repay
-    # it) or most candidates may: the plan's runners-up then come from every candidate
-    pays = (best.step_time_s - repriced.step_time_s) * steps > repriced.extra["compile_s"]
-    everything = pays or len(hopeful) * 2 > len(entries)
-    if everything:
-        compiled += _other_compiled_entries(request, table, hw, gpus_per_node, entries, hopeful)
     compiled_result = search(compiled, table.kinds, request.checkpoint, solver)
     compiled_eval = compiled_result.winner()  # compiling changes no memory: it finds one
     saving = best.step_time_s - compiled_eval.step_time_s
     use = saving * steps > compiled_eval.extra["compile_s"]
-    if use and not everything:  # the plan's runners-up come from every candidate
-        compiled += _other_compiled_entries(request, table, hw, gpus_per_node, entries, hopeful)
-        compiled_result = search(compiled, table.kinds, request.checkpoint, solver)
     return (compiled_result if use else result), CompileChoice(
         use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens
     )
 
 
-def _other_compiled_entries(
-    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, hopeful: list[Candidate]
-) -> list:
-    """The compiled entries of the candidates of ``entries`` not among ``hopeful``."""
-    taken = set(hopeful)
-    others = [dataclasses.replace(costs.cand, compile=True) for _, _, costs in entries]
-    return candidate_entries(request, table, hw, gpus_per_node, [cand for cand in others if cand not in taken])
-
-
-def _compile_hopefuls(
-    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, best: Evaluation, repriced: float
-) -> list[Candidate]:
-    """The compiled candidates worth searching: none when no candidate's compiled step can repay the
-    compilation within the horizon (``cost_models.strategy.compile_saving_bound``, below its eager
-    lower bound); else the winner's and every one whose compiled step can beat ``repriced`` (the
-    winner's stages compiled), among which the fastest compiled strategy lies."""
-    steps = request.horizon_steps()
-    pays = best.step_time_s - compile_seconds(hw, 1) / steps
-    reach = {}
-    for time_lb, _memory_lb, costs in entries:
-        reach[costs.cand] = time_lb - compile_saving_bound(
-            table, hw, request.dtype, request.seq_len, costs.cand, gpus_per_node
-        )
-    if min(reach.values()) >= pays * (1 - TIME_TOL):
-        return []
-    winner = best.strategy.candidate
-    return [
-        dataclasses.replace(cand, compile=True)
-        for cand, lowest in reach.items()
-        if cand == dataclasses.replace(winner, compile=False) or lowest < repriced * (1 + TIME_TOL)
-    ]
+def _compiling_may_pay(compiled: list[Entry], pays: float) -> bool:
+    """Whether some compiled candidate may step faster than ``pays`` (the eager winner's step less
+    one layer class's compile time spread over the horizon): only then can compiling repay itself.
+    A candidate is priced only when its floor does not already rule it out."""
+    limit = pays * (1 - TIME_TOL)
+    return any(
+        entry.time_lb < limit for entry in sorted(compiled, key=lambda entry: entry.floor) if entry.floor < limit
+    )
 
 
 def _attention(model: dict, seq_len: int, sequences: int) -> dict:

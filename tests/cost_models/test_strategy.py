@@ -18,7 +18,7 @@ from cost_models.comm_cost import axis_placement, collective_time, zero_dp_colle
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
-from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound
+from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound, work_floor
 from planner.errors import UserError
 from planner.search.candidates import (
     check_pins,
@@ -27,6 +27,7 @@ from planner.search.candidates import (
     memory_lower_bound,
     time_lower_bound,
     uniform_time_bound,
+    work_lower_bound,
 )
 from planner.search.request import PlanRequest
 from runtime.contract.collective_bytes import ring_bytes
@@ -241,6 +242,42 @@ def test_lower_bounds_are_sound(pp, zero, tp, mbs, tail, cap, data):
         assert uniform_time_bound(cc, [l.kind for l in t.layers]) <= ev.step_time_s * (1 + 1e-9)
     h = heuristic_strategy(cc, [l.kind for l in t.layers])
     assert h is None or h.feasible
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dp=st.sampled_from([1, 2, 4]),
+    tp=st.sampled_from([1, 2]),
+    pp=st.integers(1, 3),
+    zero=st.integers(0, 3),
+    mbs=st.sampled_from([1, 2]),
+    compiled=st.booleans(),
+    overlap=st.booleans(),
+    variant=st.sampled_from(["plain", "offload", "onebit"]),
+    cpu_like=st.booleans(),
+)
+def test_work_floor_is_below_the_priced_lower_bound(dp, tp, pp, zero, mbs, compiled, overlap, variant, cpu_like):
+    """The floor a search orders candidates by (priced from the rows' work alone) never exceeds
+    the candidate's time lower bound once priced, whatever its ZeRO stage, offload, compression,
+    compile mode and overlap; with one stage and no data parallelism it is the bound's work part
+    exactly (nothing but work to add)."""
+    zero = zero if dp > 1 else 0
+    extra: dict = {}
+    if variant == "offload" and zero >= 1:
+        extra["offload_optimizer"] = "cpu"
+    if variant == "onebit" and dp > 1 and zero <= 1:
+        extra["dp_compression"] = "onebit-adam"
+    if not overlap:
+        extra["overlap"] = OVERLAP_NONE
+    hw = dataclasses.replace(HW, op_overhead_s=1e-5, ops_async=False) if cpu_like else HW
+    cand = Candidate(dp, tp, pp, zero, mbs, 4, compile=compiled, **extra)
+    table = NumericTable(gpt_table(layers=3, hidden=128, heads=4, vocab=1024))
+    costs = candidate_costs(table, hw, "bf16", 128, cand, hw.gpus_per_node, hw.memory_bytes)
+    floor = work_floor(table, hw, "bf16", 128, cand, hw.gpus_per_node)
+    assert 0 < floor <= work_lower_bound(costs) * (1 + 1e-12) <= time_lower_bound(costs) * (1 + 1e-12)
+    if dp == 1 and pp == 1:
+        assert floor == pytest.approx(work_lower_bound(costs), rel=1e-12)
+    assert work_floor(table, hw, "bf16", 128, cand, hw.gpus_per_node) == floor  # memoized: the same figure
 
 
 def _req(**kw):

@@ -90,7 +90,7 @@ def test_pruned_search_is_optimal_over_every_expert_degree():
     assert {c.expert_parallel for c in candidates} == {1, 2, 4}
     entries = candidate_entries(request, table, hw, 4, candidates)
     result = search(entries, table.kinds)
-    best = min(t for t in (_brute(costs) for _lb, _mlb, costs in entries) if t is not None)
+    best = min(t for t in (_brute(entry.costs) for entry in entries) if t is not None)
     assert result.best.step_time_s == pytest.approx(best, rel=1e-6)
 
 

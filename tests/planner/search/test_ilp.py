@@ -184,8 +184,8 @@ def test_search_with_pruning_equals_exhaustive_brute_force(cores):
     kinds = nt.kinds
     res = search(entries, kinds)
     best = None
-    for _lb, _mlb, cc in entries:
-        t, _, _ = _brute(cc, kinds, "auto")
+    for entry in entries:
+        t, _, _ = _brute(entry.costs, kinds, "auto")
         if t is not None and (best is None or t < best):
             best = t
     assert best is not None and res.best.step_time_s == pytest.approx(best, rel=1e-6)
@@ -193,7 +193,7 @@ def test_search_with_pruning_equals_exhaustive_brute_force(cores):
     assert res.pruned_time + res.pruned_memory + res.solved == len(entries)
     # exact least memory over everything, through the pruned least-memory search
     least = least_memory(entries, kinds)
-    brute_least = min(_brute(cc, kinds, "auto")[1] for _, _, cc in entries)
+    brute_least = min(_brute(entry.costs, kinds, "auto")[1] for entry in entries)
     assert least.memory["total"] == pytest.approx(brute_least, rel=1e-6, abs=8)
 
 
@@ -297,7 +297,8 @@ def test_only_pinned_triple_fills_alternatives_with_other_layouts():
     nt = NumericTable(table)
     entries = candidate_entries(req, nt, HW, 4, enumerate_candidates(req, nt, 4))
     best: dict[int, float] = {}
-    for _, _, cc in entries:
+    for entry in entries:
+        cc = entry.costs
         if (r := solve_candidate(cc, nt.kinds)).evaluation is not None:
             zero = cc.cand.zero_stage
             best[zero] = min(best.get(zero, math.inf), r.evaluation.step_time_s)
