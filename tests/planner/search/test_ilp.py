@@ -16,6 +16,7 @@ from cost_models.strategy import Candidate, NumericTable, candidate_costs, evalu
 from planner.errors import UserError
 from planner.plan import Plan
 from planner.search.candidates import enumerate_candidates, heuristic_strategy
+from planner.search.entries import Entry
 from planner.search.ilp import build_problem, highs_available, search, solve_candidate
 from planner.search.request import PlanRequest
 from planner.search.search_errors import NoFeasiblePlan
@@ -195,6 +196,23 @@ def test_search_with_pruning_equals_exhaustive_brute_force(cores):
     least = least_memory(entries, kinds)
     brute_least = min(_brute(entry.costs, kinds, "auto")[1] for entry in entries)
     assert least.memory["total"] == pytest.approx(brute_least, rel=1e-6, abs=8)
+
+
+def test_the_search_prices_only_the_candidates_it_reaches():
+    """Lazy entries (ordered by their work floor) give the search of fully priced ones, ranked
+    strategies and counts alike, and most of a larger request's candidates are never priced."""
+    table = NumericTable(gpt_table(layers=8, hidden=2048, heads=16, vocab=8192))
+    req = _req(gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024)
+    candidates = enumerate_candidates(req, table, 8)
+    lazy = candidate_entries(req, table, HW, 8, candidates)
+    got = search(lazy, table.kinds)
+    priced = sum(entry.priced for entry in lazy)
+    assert 0 < priced < len(lazy) / 2
+    assert all(entry.floor <= entry.time_lb * (1 + 1e-12) for entry in lazy)
+    eager = search([Entry.of(entry.costs) for entry in lazy], table.kinds)
+    assert [ev.strategy.candidate for ev in got.ranked] == [ev.strategy.candidate for ev in eager.ranked]
+    assert [ev.step_time_s for ev in got.ranked] == pytest.approx([ev.step_time_s for ev in eager.ranked], rel=1e-12)
+    assert got.pruned_time + got.pruned_memory + got.solved == len(lazy)
 
 
 def test_solve_gives_a_valid_plan_with_alternatives():
