@@ -939,9 +939,6 @@ class _Search:
             if entry.floor > threshold * (1 + TIME_TOL):  # so is every later one's (and its bound)
                 result.pruned_time += (len(self.order) - i) * exact
                 return
-            if entry.time_lb > threshold * (1 + TIME_TOL):
-                result.pruned_time += exact
-                continue
             costs = entry.costs
             if entry.memory_lb > costs.capacity:
                 result.pruned_memory += exact

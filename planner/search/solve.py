@@ -105,18 +105,23 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
+def _pricer(request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int):
+    """A function pricing one candidate of ``request`` (its ``CandidateCosts``)."""
+    capacity = hw.memory_bytes * request.memory_headroom
+
+    def price(candidate: Candidate) -> CandidateCosts:
+        return candidate_costs(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, capacity)
+
+    return price
+
+
 def candidate_entries(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, candidates: list[Candidate]
 ) -> list[Entry]:
     """The search entries of ``candidates``: each one's floor now, its costs when first read."""
-    capacity = hw.memory_bytes * request.memory_headroom
-    dtype, seq_len = request.dtype, request.seq_len
-
-    def price(candidate: Candidate) -> CandidateCosts:
-        return candidate_costs(table, hw, dtype, seq_len, candidate, gpus_per_node, capacity)
-
+    price = _pricer(request, table, hw, gpus_per_node)
     return [
-        Entry(candidate, work_floor(table, hw, dtype, seq_len, candidate, gpus_per_node), price)
+        Entry(candidate, work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node), price)
         for candidate in candidates
     ]
 
@@ -476,18 +481,7 @@ def _costs_for(
     the compiled search's candidates), and, on demand, of any other candidate the search
     enumerated, compiled or not (the schedule post-pass asks for a kept strategy's other ZeRO
     stages); a candidate it did not enumerate (one the pins rule out) is a ``KeyError``."""
-    known = _Costs(
-        entries,
-        lambda candidate: candidate_costs(
-            table,
-            hw,
-            request.dtype,
-            request.seq_len,
-            candidate,
-            gpus_per_node,
-            hw.memory_bytes * request.memory_headroom,
-        ),
-    )
+    known = _Costs(entries, _pricer(request, table, hw, gpus_per_node))
     for evaluation in result.ranked + result.extra:
         known.add(evaluation.strategy.candidate)
     return known
@@ -524,10 +518,10 @@ class _Costs(Mapping):
 
     def __iter__(self) -> Iterator[Candidate]:
         yield from self.entries
-        yield from (candidate for candidate in list(self.others) if candidate not in self.entries)
+        yield from list(self.others)  # never an entry's candidate: add() and __getitem__ check
 
     def __len__(self) -> int:
-        return len(self.entries) + sum(candidate not in self.entries for candidate in self.others)
+        return len(self.entries) + len(self.others)
 
 
 def search_offload(
