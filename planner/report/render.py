@@ -10,6 +10,7 @@ runner-up is written by the search (``planner.search.alternatives``) and stored 
 from __future__ import annotations
 
 import os
+import re
 
 from rich.console import Console
 from rich.table import Table
@@ -241,7 +242,11 @@ def render_plan(
     if cost is not None:
         _render_cost(plan, cost, console)
     if plan.alternatives:
-        console.print(_runners_up_table(plan, cost))
+        # on a narrow terminal a reason column would wrap each runner-up over a dozen lines
+        inline = console.width >= WIDE_REPORT
+        console.print(_runners_up_table(plan, cost, inline))
+        for k, alt in enumerate([] if inline else plan.alternatives, 1):
+            console.print(f"{k}. {alt.reason}", markup=False, highlight=False)
     _render_solver(plan, search, console)
 
 
@@ -325,36 +330,66 @@ def context_text(plan) -> str:
 
 
 def _stages_table(plan, evaluation: Evaluation | None) -> Table:
-    """One row per pipeline stage (per model chunk when interleaved): its layers, what they
-    recompute and, with the search's evaluation, its micro-step and memory."""
+    """One row per pipeline stage (per pipeline rank when interleaved, with the rank's model
+    chunks): its layers, what they recompute and, with the search's evaluation, its micro-step and
+    memory (both per rank)."""
     names = plan.model.layer_names or [str(i) for i in range(plan.model.layers + 2)]
     table = Table(title="Pipeline stages", title_justify="left")
-    for column in ("stage", "layers", "rows", "recomputed"):
+    chunked = len(plan.stages) > plan.pp
+    for column in ("stage", "layers", "rows of its chunks" if chunked else "rows", "recomputed"):
         # a narrow column folds the layer names rather than cutting them to "model.…"
         table.add_column(column, overflow="fold" if column == "layers" else "ellipsis")
     if evaluation is not None:
         table.add_column("micro-step", justify="right")
         table.add_column("memory / device", justify="right")
     checkpointed, selective = set(plan.checkpoint_layers), set(plan.selective_layers)
-    chunked = plan.virtual_stages > 1
-    for k, (first, last) in enumerate(plan.stages):
-        whole = [i for i in range(first, last + 1) if i in checkpointed]
-        cores = [i for i in range(first, last + 1) if i in selective]
-        label = f"{k % plan.pp} (chunk {k})" if chunked else str(k)
+    per_rank = evaluation is not None and len(evaluation.stages) == plan.pp
+    for rank in range(plan.pp):
+        # interleaved: rank r runs chunks r, r + p, r + 2p, ... (the glossary's "model chunk")
+        chunks = list(range(rank, len(plan.stages), plan.pp))
+        spans = [plan.stages[chunk] for chunk in chunks]
+        indices = [i for first, last in spans for i in range(first, last + 1)]
+        whole = [i for i in indices if i in checkpointed]
+        cores = [i for i in indices if i in selective]
         recomputed = "; ".join(
             ([f"{len(whole)}: {compress_ranges(whole)}"] if whole else [])
             + ([f"attention core of {len(cores)}: {compress_ranges(cores)}"] if cores else [])
         )
-        layers = f"{names[first]} .. {names[last]}" if last > first else names[first]
-        row = [label, layers, f"{first}-{last} ({last - first + 1})", recomputed or "-"]
-        if evaluation is not None and len(evaluation.stages) == plan.pp:
-            if k < plan.pp:  # per pipeline rank: all its chunks (the rank's first chunk's row)
-                stage_cost = evaluation.stages[k]
-                row += [format_seconds(stage_cost.micro_step_s), format_bytes(stage_cost.memory["total"])]
-            else:
-                row += ["", ""]
+        layers = _chunk_names([f"{names[a]} .. {names[b]}" if b > a else names[a] for a, b in spans])
+        rows = _abridged([f"{a}-{b}" if b > a else str(a) for a, b in spans], ", ") + f" ({len(indices)})"
+        row = [str(rank), layers, rows, recomputed or "-"]
+        if per_rank and evaluation is not None:
+            stage_cost = evaluation.stages[rank]
+            row += [format_seconds(stage_cost.micro_step_s), format_bytes(stage_cost.memory["total"])]
+        elif evaluation is not None:
+            row += ["", ""]
         table.add_row(*row)
     return table
+
+
+def _chunk_names(items: list[str]) -> str:
+    """A rank's chunk names, a run of numbered siblings written once: ``model.layers.0``,
+    ``model.layers.16``, ``model.layers.32`` -> ``model.layers.{0, 16, 32}`` (abridged)."""
+    groups: list[tuple[str, list[str]]] = []  # (prefix, numbers), or (a name, []) kept whole
+    for item in items:
+        numbered = re.fullmatch(r"(.*?\.)(\d+)", item)
+        if numbered and groups and groups[-1][1] and groups[-1][0] == numbered[1]:
+            groups[-1][1].append(numbered[2])
+        elif numbered:
+            groups.append((numbered[1], [numbered[2]]))
+        else:
+            groups.append((item, []))
+    return "; ".join(
+        prefix + (numbers[0] if len(numbers) == 1 else "{" + _abridged(numbers, ", ") + "}") if numbers else prefix
+        for prefix, numbers in groups
+    )
+
+
+def _abridged(items: list[str], separator: str, keep: int = 4) -> str:
+    """``items`` joined, at most ``keep`` of them shown: the first ones, an ellipsis, the last."""
+    if len(items) <= keep:
+        return separator.join(items)
+    return separator.join(items[: keep - 1]) + f"{separator}…{separator}" + items[-1]
 
 
 def _memory_table(plan, hw: HardwareProfile | None) -> Table:
@@ -547,15 +582,21 @@ def _overlap_caption(overlap: dict) -> str:
     return f"Priced with overlap of {', '.join(on)} traffic only."
 
 
-def _runners_up_table(plan, cost: dict | None) -> Table:
-    """The runners-up, each with its step (and run cost) and why it lost."""
-    table = Table(title="Runners-up (why each lost)", title_justify="left")
+WIDE_REPORT = 120
+"""Console columns from which the runners-up table holds its reasons (else numbered lines below it)."""
+
+
+def _runners_up_table(plan, cost: dict | None, inline: bool = True) -> Table:
+    """The runners-up, each with its step (and run cost) and, ``inline``, why it lost (else
+    numbered, for the reasons printed below the table)."""
+    table = Table(title="Runners-up (why each lost" + ("" if inline else ": below") + ")", title_justify="left")
     offloads = any(tier != OffloadTier.NONE for alt in plan.alternatives + [plan] for tier in alt.offload.values())
     compresses = any(alt.dp_compression != "none" for alt in plan.alternatives + [plan])
     scheduled = any(alt.schedule != "1f1b" for alt in plan.alternatives + [plan])
     contexts = any(alt.context_parallel["degree"] > 1 for alt in plan.alternatives + [plan])
     columns = (
-        ["dp", "tp", "pp"]
+        ([] if inline else ["#"])
+        + ["dp", "tp", "pp"]
         + (["ep"] if plan.model.moe else [])
         + (["cp"] if contexts else [])
         + ["ZeRO", "micro-batch"]
@@ -564,13 +605,14 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
         + (["DP exchange"] if compresses else [])
         + ["step"]
         + (["run cost"] if cost else [])
-        + ["reason"]
+        + (["reason"] if inline else [])
     )
     for column in columns:
         table.add_column(column)
-    for alt in plan.alternatives:
+    for k, alt in enumerate(plan.alternatives, 1):
         row = (
-            [str(alt.dp), str(alt.tp), str(alt.pp)]
+            ([] if inline else [str(k)])
+            + [str(alt.dp), str(alt.tp), str(alt.pp)]
             + ([str(alt.expert_parallel)] if plan.model.moe else [])
             + ([_short_context(alt.context_parallel)] if contexts else [])
             + [str(alt.zero_stage), str(alt.micro_batch_size)]
@@ -582,7 +624,7 @@ def _runners_up_table(plan, cost: dict | None) -> Table:
         if cost:  # against the winner's mean step over the run (its warm-up included)
             mean_step = cost["days"] * SECONDS_PER_DAY / cost["steps"] if cost.get("steps") else None
             row.append(_money_or_hours(scale_cost(cost, alt.step_time_s, mean_step or plan.predicted.step_time_s)))
-        table.add_row(*row, alt.reason)
+        table.add_row(*row, *([alt.reason] if inline else []))
     return table
 
 

@@ -85,6 +85,23 @@ def test_report_shows_every_part(solution):
     assert f"{tokens:,.0f}" in out
 
 
+def test_a_narrow_terminal_numbers_the_runners_up_and_gives_their_reasons_below(solution):
+    """At 80 columns a reason column would wrap each runner-up over a dozen lines: the table
+    numbers them and each reason follows it on its own (wrapped) line, whole."""
+    plan = solution.plan
+    assert plan.alternatives
+    buf = io.StringIO()
+    render_plan(plan, HW, Console(file=buf, width=80, color_system=None), solution)
+    out = buf.getvalue()
+    below = out[out.index("Runners-up (why each lost: below)") :]
+    header = next(line for line in below.splitlines() if "dp" in line and "step" in line)
+    assert "# " in header and "reason" not in header
+    flat = " ".join(below.split())
+    for k, alt in enumerate(plan.alternatives, 1):
+        assert f"{k}. {' '.join(alt.reason.split())}" in flat
+    assert max(map(len, out.splitlines())) <= 80
+
+
 def test_report_renders_a_plan_loaded_from_json(plan, tmp_path):
     path = tmp_path / "plan.json"
     save_plan(plan, str(path))

@@ -183,9 +183,42 @@ def test_report_and_plot_show_the_chosen_schedule(tmp_path):
     render_plan(sol.plan, HW, console, sol)
     text = console.export_text()
     assert "interleaved 1F1B, v=2 model chunks per rank" in text
-    assert "than the best plain 1F1B plan" in text and "(chunk 7)" in text
+    assert "than the best plain 1F1B plan" in text
+    # one row per pipeline rank with the rows of its chunks (rank 3 runs chunks 3 and 7 of 8)
+    first, last = sol.plan.stages[3], sol.plan.stages[7]
+    assert "rows of its chunks" in text and f"{first[0]}-{first[1]}, {last[0]}-{last[1]} (" in text
     assert plot_plan(sol.plan, str(tmp_path / "s.png"), hw=HW, evaluation=sol.evaluation)
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_deep_interleaving_lists_one_row_per_rank_with_its_chunks_abridged():
+    """pp 2 with v 8 (16 chunks of 18 rows): two rows, one per rank, each with its first chunks'
+    rows, an ellipsis and its last chunk's, and the rank's own micro-step and memory."""
+    from rich.console import Console
+
+    from planner.report.render import render_plan
+
+    sol = solve(_req(pp=2, dp=1, tp=4, micro_batch=1, schedule="interleaved", virtual_stages=8), TABLE, HW)
+    stages = sol.plan.stages
+    assert len(stages) == 16
+    console = Console(record=True, width=200)
+    render_plan(sol.plan, HW, console, sol)
+    text = console.export_text()
+    table = text[text.index("Pipeline stages") : text.index("Memory per device")]
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in table.splitlines() if "…" in line]
+
+    def span(chunk: int) -> str:
+        first, last = stages[chunk]
+        return f"{first}-{last}" if last > first else str(first)
+
+    expected = []
+    for rank in (0, 1):
+        mine = list(range(rank, 16, 2))
+        count = sum(stages[c][1] - stages[c][0] + 1 for c in mine)
+        expected.append([str(rank), ", ".join(map(span, mine[:3])) + f", …, {span(mine[-1])} ({count})"])
+    assert [row[0:1] + row[2:3] for row in cells] == expected
+    micro_steps = [row[4] for row in cells]
+    assert all(step.endswith("ms") for step in micro_steps)  # each rank's own micro-step
 
 
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero-bubble", 1)])
