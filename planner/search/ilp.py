@@ -865,7 +865,9 @@ def _candidate_layout(candidate: Candidate, schedule: str = "1f1b") -> tuple:
         candidate.tp,
         candidate.pp,
         schedule,
-        candidate.zero_stage,
+        # a compressed exchange keeps stage 0's state after its warm-up, and is priced so at
+        # every stage: its ZeRO stages are the same layout
+        0 if candidate.compressed else candidate.zero_stage,
         candidate.expert_parallel,
         candidate.context_parallel,
     )

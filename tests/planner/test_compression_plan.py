@@ -279,3 +279,14 @@ def test_validate_compares_warmup_steps_with_the_warmup_prediction(ethernet_plan
     late = compare(dataclasses.replace(plan, compression_warmup=2), lines)
     assert late["predicted"]["step_time_s"] == plan.predicted.step_time_s
     assert late["time"]["predicted"] == dict(plan.predicted.time)
+
+
+def test_a_compressed_plan_s_other_zero_stage_is_not_a_runner_up():
+    """1-bit Adam keeps stage 0's state after its warm-up and is priced so at ZeRO 0 and 1: the
+    same layout, so the winner at one stage never lists itself at the other (it did, as a tie)."""
+    table = gpt_table(layers=4, hidden=256, heads=4, vocab=8192)
+    request = _request(hardware="v100-16gb-eth25", gpus=2, gpus_per_node=2, global_batch=16, seq_len=128, dtype="fp32")
+    plan = _solve(dataclasses.replace(request, dp_compression="onebit-adam"), table).plan
+    assert plan.dp_compression == "onebit-adam" and plan.dp == 2
+    same_degrees = [alt for alt in plan.alternatives if (alt.dp, alt.tp, alt.pp) == (plan.dp, plan.tp, plan.pp)]
+    assert not [alt for alt in same_degrees if alt.dp_compression != "none" and alt.schedule == plan.schedule]
