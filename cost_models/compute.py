@@ -394,8 +394,12 @@ def adam_step_flops(num_params: Any) -> Any:
 
 
 def optimizer_step_time(num_params: Any, hw: HardwareProfile, dtype: str) -> Any:
-    """Roofline time of one AdamW step over ``num_params`` parameters (memory-bound in practice).
-
-    The elementwise arithmetic runs in fp32 whatever the training dtype, so the fp32 peak applies.
-    """
-    return compute_time(adam_step_flops(num_params), adam_step_bytes(num_params, dtype), hw, "fp32")
+    """Time of one AdamW step over ``num_params`` parameters: its roofline (memory-bound in
+    practice; the elementwise arithmetic runs in fp32 whatever the training dtype, so the fp32
+    peak applies), or its bytes at the profile's measured ``optimizer_bytes_per_s`` where that
+    is slower (a CPU's fused AdamW runs well under its copy bandwidth)."""
+    moved = adam_step_bytes(num_params, dtype)
+    roofline = compute_time(adam_step_flops(num_params), moved, hw, "fp32")
+    if hw.optimizer_bytes_per_s is None:
+        return roofline
+    return smax(roofline, moved / hw.optimizer_bytes_per_s)

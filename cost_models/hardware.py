@@ -36,7 +36,11 @@ built-in profile carries datasheet figures, ``planner calibrate`` measures the l
      "nvme_write_bandwidth": 1.2e10,        # bytes/s per node
      "cpu_adam_params_per_s": 6.5e9         # AdamW parameters updated per second per node
 
-Every one is *per node* except ``host_device_bandwidth`` (per device): the node's GPUs share the
+Optional optimizer field (``planner calibrate`` measures it; without it the step is the roofline)::
+
+     "optimizer_bytes_per_s": 3.0e10        # the runtime's AdamW step, adam_step_bytes per second
+
+Every offload field is *per node* except ``host_device_bandwidth`` (per device): the node's GPUs share the
 host's memory, its drives and its cores, so the cost model divides the last four by the devices of
 the node that use them at once. A profile without one of them cannot offload to the tier that
 needs it (the search says so). On a ``cpu`` profile the host *is* the device: the host-device link
@@ -230,6 +234,14 @@ class HardwareProfile:
     the node, fp32 master, moments and gradient): shared by the node's devices whose optimizer runs
     on the host at once. ``planner calibrate`` times ``runtime.data_parallel.flat_shards.adamw_step_`` on a large flat
     buffer."""
+    optimizer_bytes_per_s: float | None = None
+    """Bytes per second, counted as ``cost_models.compute.adam_step_bytes`` counts them, at which
+    the device runs the runtime's optimizer step (the gradient's square sums, the fused AdamW
+    and ``zero_grad``) over a shard past its caches, every rank of a node at once; ``None``: the
+    roofline of ``memory_bandwidth`` and the fp32 peak. ``planner calibrate`` measures it: on a
+    CPU the fused AdamW's square roots and divisions run well under the copy bandwidth (this
+    machine, one thread per rank: about 30 GB/s for one rank against a 49 GB/s copy, less with
+    both ranks at once), so the roofline predicted half the step's measured optimizer part."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""
     calibration: dict[str, Any] | None = None
@@ -354,6 +366,13 @@ class HardwareProfile:
                     f"field {name!r} must be a positive number of {unit} per node or absent (got {value!r})"
                 )
             object.__setattr__(self, name, float(value))
+        if self.optimizer_bytes_per_s is not None:
+            value = self.optimizer_bytes_per_s
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ProfileError(
+                    f"field 'optimizer_bytes_per_s' must be a positive number of bytes/s per device or absent (got {value!r})"
+                )
+            object.__setattr__(self, "optimizer_bytes_per_s", float(value))
 
     def _check_tables_and_provenance(self) -> None:
         """The GEMM efficiency tables, the source and the calibration record."""
@@ -406,6 +425,7 @@ class HardwareProfile:
                 self.nvme_read_bandwidth,
                 self.nvme_write_bandwidth,
                 self.cpu_adam_params_per_s,
+                self.optimizer_bytes_per_s,
                 tuple(
                     sorted(
                         (

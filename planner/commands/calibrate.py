@@ -10,6 +10,11 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   forward + backward, every rank at once) to that peak.
 - **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time),
   timed between the rounds of training steps.
+- **Optimizer step** (``optimizer_bytes_per_s``): the runtime's step over a flat fp32 shard past
+  the last-level cache (the gradient's square sums, ``flat_shards.adamw_step_``, ``zero_grad``'s
+  fill), every rank at once after a barrier per step, in the bytes ``cost_models.compute.
+  adam_step_bytes`` counts: a CPU's fused AdamW runs well under its copy bandwidth, which the
+  roofline would assume (``calibrate_gpu.measure_optimizer_step``, also the CUDA path's).
 - **Recomputation**: two exported blocks timed plain, checkpointed and forward-only;
   ``recompute_ratio`` is what checkpointing adds over the forward (``_time_recompute``).
 - **Overlap contention** (``overlap_slowdown``, ``overlap_comm_rate``): a few matmuls timed alone
@@ -94,6 +99,7 @@ from planner.commands.calibrate_common import (
 from planner.commands.calibrate_gpu import (
     DeviceTimer,
     measure_gemm_table,
+    measure_optimizer_step,
     measure_overlap_slowdown,
     overlap_fields,
     run_gpu_calibration,
@@ -145,6 +151,11 @@ class CalibrationSpec:
     """Size of the tensor copied to measure memory bandwidth."""
     copy_budget_s: float = 0.4
     """Seconds of copies in all, spread over the rounds of training steps."""
+    optimizer_params: int = 1 << 23
+    """Elements of the flat shard each rank times the optimizer step on (four fp32 buffers, 128
+    MiB per rank, past a CPU's last-level cache), every rank at once."""
+    optimizer_reps: int = 12
+    """Timed optimizer steps per rank (``optimizer_bytes_per_s``)."""
     message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
     """Collective sizes in bytes (full size: the reduced tensor or the gathered output)."""
     max_reps: int = 20
@@ -181,10 +192,10 @@ class CalibrationSpec:
 
     def num_ticks(self) -> int:
         """Progress-bar steps: one per (dtype, size), the training steps (and copies), the recomputation,
-        one per (kind, size), the sync loop, the overlap loop, one per (dtype, m) of the GEMM table."""
+        the optimizer step, one per (kind, size), the sync loop, the overlap loop, one per (dtype, m) of the GEMM table."""
         return (
             len(self.dtypes) * (len(self.matmul_sizes) + len(self.gemm_sizes))
-            + 4
+            + 5
             + len(MEASURED_KINDS) * len(self.message_sizes)
         )
 
@@ -420,6 +431,11 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
     result["train_step_flops"] = _mean_over_ranks(rate)
     result["op_overhead_s"] = _mean_over_ranks(overhead)
     tick("training steps and copies")
+    step_rate = measure_optimizer_step(
+        DeviceTimer(torch.device("cpu")), spec.optimizer_params, spec.optimizer_reps, before=dist.barrier
+    )
+    result["optimizer_bytes_per_s"] = _mean_over_ranks(step_rate)
+    tick("optimizer step")
     result["recompute_ratio"] = _mean_over_ranks(_time_recompute(max(spec.train_batches), spec.recompute_budget_s))
     tick("recomputation")
     for kind in MEASURED_KINDS:
@@ -478,6 +494,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         "op_overhead_s": raw.get("op_overhead_s"),
         "sync_overhead_s": raw.get("sync_overhead_s"),
         "recompute_ratio": raw.get("recompute_ratio"),
+        "optimizer_bytes_per_s": raw.get("optimizer_bytes_per_s"),
         "overlap": raw.get("overlap"),
         "gemm": gemm,
         "gemm_skipped": skipped,
@@ -508,9 +525,16 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         nvme_read_bandwidth=nvme.get("read_Bps"),
         nvme_write_bandwidth=nvme.get("write_Bps"),
         cpu_adam_params_per_s=offload.get("cpu_adam_params_per_s"),
+        optimizer_bytes_per_s=_positive(raw.get("optimizer_bytes_per_s")),
         source=_cpu_source(nproc, base, offload),
         calibration=finite(calibration),
     )
+
+
+def _positive(value: Any) -> float | None:
+    """A measured rate, or None where it is missing, NaN or not positive (the profile then prices
+    by its roofline)."""
+    return float(value) if isinstance(value, (int, float)) and value == value and value > 0 else None
 
 
 def _matmul_peaks(matmul: dict[str, dict[str, float]], base: HardwareProfile) -> dict[str, float]:
@@ -535,7 +559,7 @@ def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> s
     source = (
         f"Measured by `planner calibrate` on {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} logical "
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
-        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; "
+        f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; optimizer_bytes_per_s = the runtime's optimizer step (square sums, fused AdamW, zero_grad) on a 2^23-element fp32 shard per process, every process at once; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
         f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "

@@ -115,7 +115,10 @@ class GpuCalibrationSpec:
     copy_bytes: int = 1 << 30
     """Size of the device tensor copied to measure memory bandwidth."""
     copy_reps: int = 20
-    """Repetitions of the device copy."""
+    """Repetitions of the device copy (and of the optimizer step)."""
+    optimizer_params: int = 1 << 26
+    """Elements of the flat shard the optimizer step is timed on (``measure_optimizer_step``: four
+    fp32 buffers, 1 GiB, far past the L2)."""
     op_chain: int = 2000
     """Tiny operators per chain (per-operator host and device cost)."""
     op_rounds: int = 5
@@ -299,6 +302,41 @@ def measure_copy_bandwidth(timer: DeviceTimer, nbytes: int, reps: int) -> float:
     dst.copy_(src)
     timer.sync()
     return 2.0 * src.numel() * 4 / lower_quartile(timer.per_call(lambda: dst.copy_(src), reps))
+
+
+def measure_optimizer_step(
+    timer: DeviceTimer, num_params: int, reps: int, before: Callable[[], Any] = lambda: None
+) -> float:
+    """Bytes/s, counted as ``cost_models.compute.adam_step_bytes(num_params, "fp32")``, of the
+    runtime's optimizer step over one flat fp32 shard of ``num_params`` on the timer's device:
+    the gradient's two square sums (``ZeroEngine``'s norm and overflow check), the fused AdamW
+    with a clip factor (``runtime.data_parallel.flat_shards.adamw_step_``) and ``zero_grad``'s
+    fill; lower quartile of ``reps`` steps after one, each timed alone after ``before()`` (a
+    barrier, so that the ranks sharing a memory bus step at once, as after training's last
+    collective). The profile's ``optimizer_bytes_per_s``."""
+    from cost_models.compute import adam_step_bytes
+    from runtime.data_parallel.engine_config import OptimizerConfig
+    from runtime.data_parallel.flat_shards import adamw_step_
+
+    device = timer.device
+    param, grad = torch.randn(num_params, device=device), torch.randn(num_params, device=device)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    config = OptimizerConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    count = [0]
+
+    def step() -> None:
+        count[0] += 1
+        torch.stack([torch.dot(grad, grad), torch.dot(grad, grad)]).double()
+        adamw_step_(param, grad, exp_avg, exp_avg_sq, step=count[0], config=config, grad_scale=0.5)
+        grad.zero_()
+
+    step()
+    timer.sync()
+    times: list[float] = []
+    for _ in range(reps):
+        before()
+        times += timer.per_call(step, 1, queue_ahead=False)
+    return float(adam_step_bytes(num_params, "fp32")) / lower_quartile(times)
 
 
 def measure_op_chain(timer: DeviceTimer, length: int, rounds: int) -> dict[str, float]:
@@ -564,7 +602,8 @@ def collect_single_device(
         timer, max(spec.gemm_sizes), spec.gemm_target_s, spec.gemm_max_reps
     )
     raw["memory_bandwidth"] = measure_copy_bandwidth(timer, spec.copy_bytes, spec.copy_reps)
-    tick("device copy")
+    raw["optimizer_bytes_per_s"] = measure_optimizer_step(timer, spec.optimizer_params, spec.copy_reps)
+    tick("device copy and optimizer step")
     raw["op_chain"] = measure_op_chain(timer, spec.op_chain, spec.op_rounds)
     try:
         raw["model_op_overhead"] = measure_model_op_overhead(timer, spec.model_budget_s)
@@ -680,6 +719,7 @@ def build_gpu_profile(
         "gemm": gemm,
         "gemm_skipped": skipped,
         "memory_bandwidth": raw.get("memory_bandwidth"),
+        "optimizer_bytes_per_s": raw.get("optimizer_bytes_per_s"),
         "misaligned_gemm": raw.get("misaligned_gemm"),
         "op_chain": chain,
         "model_op_overhead": model,
@@ -721,6 +761,7 @@ def build_gpu_profile(
         nvme_read_bandwidth=nvme.get("read_Bps") or base.nvme_read_bandwidth,
         nvme_write_bandwidth=nvme.get("write_Bps") or base.nvme_write_bandwidth,
         cpu_adam_params_per_s=offload.get("cpu_adam_params_per_s") or base.cpu_adam_params_per_s,
+        optimizer_bytes_per_s=raw.get("optimizer_bytes_per_s") or base.optimizer_bytes_per_s,
         source=_gpu_source(raw, base, datasheet, nproc),
         calibration=finite(calibration),
     )

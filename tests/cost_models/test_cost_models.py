@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -212,6 +213,21 @@ def test_optimizer_step_is_memory_bound_at_the_runtimes_passes():
     hw = load_hardware("h100-sxm")
     assert optimizer_step_time(10**9, hw, "fp32") == pytest.approx((8 + 28 + 4) * 1e9 / 3.35e12)
     assert optimizer_step_time(10**9, hw, "bf16") == pytest.approx((12 + 8 + 28 + 6 + 2) * 1e9 / 3.35e12)
+
+
+def test_a_measured_optimizer_rate_prices_the_step_where_it_is_slower_than_the_roofline():
+    """``optimizer_bytes_per_s`` (what ``planner calibrate`` measures): the step's bytes at that
+    rate when it is under the roofline's, the roofline otherwise; invalid values are refused."""
+    base = load_hardware("cpu")
+    roofline = optimizer_step_time(10**7, base, "fp32")
+    slow = dataclasses.replace(base, optimizer_bytes_per_s=base.memory_bandwidth / 2)
+    fast = dataclasses.replace(base, optimizer_bytes_per_s=base.memory_bandwidth * 4)
+    assert optimizer_step_time(10**7, slow, "fp32") == pytest.approx(40 * 10**7 / (base.memory_bandwidth / 2))
+    assert optimizer_step_time(10**7, slow, "bf16") == pytest.approx(56 * 10**7 / (base.memory_bandwidth / 2))
+    assert optimizer_step_time(10**7, fast, "fp32") == roofline
+    for bad in (0, -1.0, float("nan"), "fast"):
+        with pytest.raises(ProfileError, match="optimizer_bytes_per_s"):
+            dataclasses.replace(base, optimizer_bytes_per_s=bad)
 
 
 def test_symbolic_costs_substitute():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.comm_cost import collective_time, group_placement
+from cost_models.compute import adam_step_bytes, optimizer_step_time
 from cost_models.hardware import load_hardware
 from planner.commands.calibrate import CalibrationSpec, run_calibration
 
@@ -23,6 +24,10 @@ def test_quick_calibration_writes_loadable_profile(tmp_path):
     assert 0 <= hw.intra_node_latency < 0.05
     assert 0 <= hw.sync_overhead_s < 0.05 and 0 <= hw.op_overhead_s < 0.01
     assert 0.25 <= hw.recompute_ratio <= 1.5
+    # the optimizer step as the runtime runs it: under the copy bandwidth's roofline here (square
+    # roots and divisions), and what the cost model prices the step at
+    assert 1e8 < hw.optimizer_bytes_per_s == hw.calibration["optimizer_bytes_per_s"]
+    assert optimizer_step_time(1 << 23, hw, "fp32") >= adam_step_bytes(1 << 23, "fp32") / hw.optimizer_bytes_per_s
     # a kind whose few quick timings do not grow with size gets no fit and keeps the generic link
     assert set(hw.intra_node_collectives or {}) <= {"all_reduce", "all_gather", "reduce_scatter", "send"}
     # offload figures of this machine (cost_models.offload_cost): the drive under --nvme-path, AdamW, a copy

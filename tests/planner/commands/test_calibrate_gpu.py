@@ -129,6 +129,7 @@ def test_profile_from_injected_timings(tmp_path):
     assert p.recompute_ratio == 1.0 and p.sync_overhead_s == H200.sync_overhead_s
     assert p.op_overhead_s == 2.8e-5
     assert p.overlap_slowdown == H200.overlap_slowdown  # not measured: the datasheet's estimate
+    assert p.optimizer_bytes_per_s is None  # not measured: the roofline prices the step
     measured = _build(dict(_raw(), overlap={"overlap_slowdown": 0.07, "collectives_beside": 3}))
     assert measured.overlap_slowdown == 0.07 and measured.calibration["overlap"]["collectives_beside"] == 3
     assert p.host_device_bandwidth == pytest.approx(4.5e10, rel=1e-6)  # the slower direction
@@ -264,6 +265,7 @@ def test_single_device_collection_on_the_cpu_builds_a_profile():
         warmup_s=0,
         copy_bytes=MB,
         copy_reps=3,
+        optimizer_params=1 << 16,
         op_chain=20,
         op_rounds=2,
         model_budget_s=0.05,
@@ -279,6 +281,7 @@ def test_single_device_collection_on_the_cpu_builds_a_profile():
     p = build_gpu_profile(raw, load_hardware("cpu"), spec, datasheet=False, nproc=1)
     assert set(p.gemm_efficiency) == {"bf16", "fp16", "fp32"}
     assert p.op_overhead_s == raw["model_op_overhead"]["per_op_s"] and p.host_device_bandwidth > 0
+    assert p.optimizer_bytes_per_s == raw["optimizer_bytes_per_s"] > 1e6  # the step, timed on the device
     assert json.dumps(p.to_dict(), allow_nan=False)
 
 
