@@ -47,6 +47,7 @@ from runtime.checkpointing.checkpoint_io import CheckpointError, read_meta
 from runtime.contract.choices import OffloadTier, Toggle
 from runtime.contract.data_roles import LEGACY_INPUTS
 from runtime.contract.input_errors import ConfigError
+from runtime.contract.overlap import Overlap
 from runtime.data_parallel.offload_engine import OffloadConfig, OffloadError
 from runtime.distributed.launch import LaunchError, init_distributed, launch_local, shutdown
 from runtime.stages.compiled_stages import read_manifest
@@ -173,6 +174,8 @@ class _WorkerJob:
     """The re-plan event to write with the first step (``elastic_note``); None when not re-planned."""
     in_warmup: bool = False
     """The run ends inside a compressed plan's full-precision warm-up (``Plan.in_warmup``)."""
+    overlap_note: str = ""
+    """What the run overlaps unlike the plan's price (``overlap_mismatch``; empty when alike)."""
 
 
 def _worker(rank: int, world: int, job: _WorkerJob) -> None:
@@ -196,11 +199,34 @@ def _worker(rank: int, world: int, job: _WorkerJob) -> None:
         if reporter:
             reporter.close()
     if show and history:
-        _print_summary(history, opts, job.predicted_time, job.in_warmup)
+        _print_summary(history, opts, job.predicted_time, job.in_warmup, job.overlap_note)
+
+
+def overlap_mismatch(priced: Mapping[str, bool], run: Overlap) -> str:
+    """A caption when a run overlaps other traffic than its plan's price assumed (plan.json
+    ``overlap`` against ``--overlap``): its communication parts then differ from the prediction
+    by design, and how to compare like with like. Empty when they agree."""
+    ran = run.to_json()
+    if dict(priced) == ran:
+        return ""
+
+    def kinds(flags: Mapping[str, bool]) -> str:
+        return (", ".join(kind for kind, on in flags.items() if on) or "no") + " traffic"
+
+    toggle = "on" if any(ran.values()) else "off"
+    return (
+        f"the prediction assumed {kinds(priced)} overlapped, this run overlapped {kinds(ran)} "
+        f"(--overlap {toggle}): its communication parts differ by design; plan with --overlap {toggle} to "
+        "compare like with like"
+    )
 
 
 def _print_summary(
-    history: Sequence[StepMetrics], opts: TrainOptions, predicted_time: dict[str, float] | None, in_warmup: bool = False
+    history: Sequence[StepMetrics],
+    opts: TrainOptions,
+    predicted_time: dict[str, float] | None,
+    in_warmup: bool = False,
+    overlap_note: str = "",
 ) -> None:
     """Rank 0's closing lines: last loss, mean throughput, peak memory and the time breakdown."""
     last = history[-1]
@@ -234,6 +260,8 @@ def _print_summary(
             caption += (
                 ", under live-tensor tracking, which slows every operator (--no-memory-tracking times the run as it is)"
             )
+        if overlap_note:
+            caption += f"; {overlap_note}"
         Console().print(breakdown_table(predicted_time or {}, measured, "step time by part", caption))
 
 
@@ -426,6 +454,7 @@ def train_plan(
         plan.time_of_run(opts.steps),
         restart_note,
         plan.in_warmup(opts.steps),
+        overlap_mismatch(plan.overlap, opts.overlap_settings),
     )
     if nproc is not None:
         return _train_local(plan, plan_path, job, nproc, world)

@@ -24,10 +24,11 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdown, train_plan
+from planner.commands.train import WARMUP_STEPS, breakdown_table, median_breakdown, overlap_mismatch, train_plan
 from planner.errors import UserError
 from planner.plan import load_plan
 from runtime.contract.choices import OffloadTier
+from runtime.contract.overlap import Overlap
 from runtime.training.events import step_lines
 from runtime.training.train_config import TrainOptions
 
@@ -121,6 +122,9 @@ def run_validate(args) -> int:
         with open(metrics, encoding="utf-8") as f:
             lines = step_lines(json.loads(line) for line in f if line.strip())
     result = compare(plan, lines)
+    run_overlap = Overlap.from_toggle(args.overlap)
+    result["overlap"] = {"priced": dict(plan.overlap), "run": run_overlap.to_json()}
+    note = overlap_mismatch(plan.overlap, run_overlap)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return 0
@@ -140,7 +144,7 @@ def run_validate(args) -> int:
             result["time"]["predicted"],
             result["time"]["measured"],
             "step time by part",
-            f"measured: median after {WARMUP_STEPS} warm-up steps",
+            f"measured: median after {WARMUP_STEPS} warm-up steps" + (f"; {note}" if note else ""),
         )
     )
     return 0

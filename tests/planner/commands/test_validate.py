@@ -47,3 +47,18 @@ def test_quartile_and_summary_of_pooled_steps():
     assert s["median_time_error_median"] == pytest.approx(1.0 / 2.0)  # median of [t, 2t, 3t] is 2t
     assert s["median_step_spread"] == pytest.approx(1.0)  # (3t - t) / 2t
     assert s["targets_met"]
+
+
+def test_a_run_that_overlaps_otherwise_than_its_price_says_so_and_how_to_compare():
+    """train/validate --overlap against plan.json ``overlap``: nothing when they agree, else what
+    each overlapped and the plan flag that prices the run as launched."""
+    from planner.commands.train import overlap_mismatch
+    from runtime.contract.overlap import Overlap
+
+    on = {"dp": True, "tp": True, "pp": True}
+    assert overlap_mismatch(on, Overlap.from_toggle("on")) == ""
+    note = overlap_mismatch(on, Overlap.from_toggle("off"))
+    assert "assumed dp, tp, pp traffic overlapped" in note and "overlapped no traffic (--overlap off)" in note
+    assert note.endswith("plan with --overlap off to compare like with like")
+    partial = overlap_mismatch({"dp": True, "tp": False, "pp": False}, Overlap.from_toggle("on"))
+    assert "assumed dp traffic" in partial and "plan with --overlap on" in partial
