@@ -69,9 +69,8 @@ import functools
 import itertools
 import math
 import re
+import sys
 from typing import Any, Callable, Iterable, Sequence
-
-import sympy
 
 from cost_models.hardware import HardwareProfile, ProfileError
 from runtime.contract.dtype_table import DTYPES, ITEMSIZE
@@ -110,13 +109,18 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def _is_symbolic(x: Any) -> bool:
+    """Whether ``x`` is a sympy expression. Before anything imported sympy none can exist: a
+    re-plan from the layer-table cache prices numbers only and never imports it."""
+    sympy = sys.modules.get("sympy")
     # isinstance also catches the GEMM-efficiency functions this module defines on sympy.Function
-    return isinstance(x, sympy.Basic) or type(x).__module__.startswith("sympy")
+    return sympy is not None and (isinstance(x, sympy.Basic) or type(x).__module__.startswith("sympy"))
 
 
 def smax(first: Any, second: Any) -> Any:
     """``max`` that also works on sympy expressions (``sympy.Max``)."""
     if _is_symbolic(first) or _is_symbolic(second):
+        import sympy
+
         return sympy.Max(first, second)
     return first if first >= second else second
 
@@ -124,6 +128,8 @@ def smax(first: Any, second: Any) -> Any:
 def smin(first: Any, second: Any) -> Any:
     """``min`` that also works on sympy expressions (``sympy.Min``)."""
     if _is_symbolic(first) or _is_symbolic(second):
+        import sympy
+
         return sympy.Min(first, second)
     return first if first <= second else second
 
@@ -339,6 +345,8 @@ def _symbolic_efficiency(hw: HardwareProfile, dtype: str) -> Callable[..., Any]:
     """A sympy function ``f(m, n, k, batch)`` of one profile and dtype: unevaluated while a size
     is symbolic, ``_numeric_efficiency`` once all are numbers (``subs``), and compiled to it by
     ``sympy.lambdify`` (its ``_imp_``)."""
+
+    import sympy  # only symbolic sizes reach here
 
     def numeric(m, n, k, batch):
         return _numeric_efficiency(hw, dtype, float(m), float(n), float(k), float(batch))

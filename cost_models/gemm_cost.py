@@ -28,9 +28,8 @@ golden corpus do not change.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable, Sequence
-
-import sympy
 
 from cost_models.compute import _shape_priced, compute_time, numeric_gemms_time
 from cost_models.hardware import HardwareProfile
@@ -50,7 +49,8 @@ def _number(x: Any, micro_batch: Any, seq_len: Any) -> float:
     """A size as a float; a sympy size is evaluated at micro-batch ``b``, sequence length ``s``."""
     if type(x) is float or type(x) is int:  # the numeric rows the search prices: the hot path
         return float(x)
-    if isinstance(x, sympy.Basic):
+    sympy = sys.modules.get("sympy")  # none of its expressions exists before it is imported
+    if sympy is not None and isinstance(x, sympy.Basic):
         if x.free_symbols:
             env = {"b": micro_batch, "s": seq_len}
             missing = sorted(str(symbol) for symbol in x.free_symbols if env.get(str(symbol)) is None)

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm, LayerTable
+from passes.table_fields import EXPR_FIELDS, GEMM_FIELDS, INT_FIELDS, Gemm
+
+if TYPE_CHECKING:
+    from passes.compiled_table import CompiledTable
+    from passes.layer_table import LayerTable
 
 __all__ = ["Sharded", "Largest", "TensorParallelTraffic", "AttentionCore", "RoutedExperts", "LayerRow", "NumericTable"]
 
@@ -222,9 +226,9 @@ class NumericTable:
     computed from.
     """
 
-    def __init__(self, table: LayerTable):
+    def __init__(self, table: LayerTable | CompiledTable):
         self.table = table
-        self.layers = list(table.layers)
+        self.layers: list[Any] = list(table.layers)
         if not self.layers:
             raise ValueError("the layer table is empty")
         self.names = [lay.name for lay in self.layers]
@@ -240,6 +244,14 @@ class NumericTable:
         self.cache: dict[tuple, Any] = {}
         """Rows other cost models derive from these (``cost_models.strategy.context_rows``), kept
         for the table's life: their identities key ``work_memo`` too."""
+        self._nonzero: frozenset[str] | None = None
+
+    def has_field(self, name: str) -> bool:
+        """Whether some row's ``name`` (an ``EXPR_FIELDS`` entry) is not identically zero: what
+        the model has at all (``saved_bytes_sp``: sequence-parallel activations)."""
+        if self._nonzero is None:
+            self._nonzero = frozenset(self.table.nonzero_fields())
+        return name in self._nonzero
 
     def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, Any]], list[int]]:
         """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""

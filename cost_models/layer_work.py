@@ -22,7 +22,7 @@ from cost_models.layer_row import LayerRow, Sharded
 from cost_models.memory import backward_transient_bytes, bytes_per_param, split_by_tp
 from cost_models.overlap_cost import Hidden, TpExposure, tp_exposure
 from cost_models.wgrad import fused_weight_elements, wgrad_device_time, wgrad_kept_bytes
-from passes.layer_table import Gemm
+from passes.table_fields import Gemm
 from runtime.contract.collective_bytes import ring_bytes
 
 __all__ = ["COMPILED_REGION_OPS", "COMPILED_BYTES_FRACTION", "compiled_regions", "LayerCost", "WorkSetting", "row_work"]

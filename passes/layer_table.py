@@ -29,98 +29,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import sympy
 
+from passes.compiled_table import check_fixed, evaluate_rows
 from passes.core import B, PassError, S
+from passes.table_fields import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm
 
 __all__ = ["Gemm", "LayerCosts", "LayerTable", "EXPR_FIELDS", "INT_FIELDS", "GEMM_FIELDS", "GEMM_TP_DIMS"]
 
-EXPR_FIELDS = (
-    "fwd_flops",
-    "bwd_flops",
-    "fwd_flops_tp",
-    "bwd_flops_tp",
-    "saved_bytes",
-    "saved_bytes_tp",
-    "input_bytes",
-    "boundary_bytes",
-    "tp_allreduce_bytes",
-    "tp_allreduce_bwd_bytes",
-    "fwd_bytes",
-    "bwd_bytes",
-    "fwd_bytes_tp",
-    "bwd_bytes_tp",
-    "peak_act_bytes",
-    "peak_act_bytes_tp",
-    "tp_loss_fwd_bytes",
-    "tp_loss_bwd_bytes",
-    "core_fwd_flops",
-    "core_fwd_flops_tp",
-    "core_fwd_bytes",
-    "core_fwd_bytes_tp",
-    "core_saved_bytes",
-    "core_saved_bytes_tp",
-    "saved_bytes_sp",
-    "fwd_bytes_sp",
-    "bwd_bytes_sp",
-    "input_bytes_sp",
-    "boundary_bytes_sp",
-    "tail_saved_bytes",
-    "tail_saved_bytes_tp",
-    "tail_saved_bytes_sp",
-    "frontier_out_bytes",
-    "frontier_out_bytes_tp",
-    "frontier_out_bytes_sp",
-    "sp_reduce_scatter_bytes",
-    "sp_all_gather_bytes",
-    "sp_grad_all_reduce_bytes",
-    "sp_split_bytes",
-    "expert_dispatch_bytes",
-    "expert_tokens",
-)
-INT_FIELDS = (
-    "param_count",
-    "param_count_tp",
-    "param_bytes",
-    "buffer_bytes",
-    "num_ops",
-    "tp_allreduce_calls",
-    "tp_allreduce_bwd_calls",
-    "largest_param",
-    "largest_param_tp",
-    "core_num_ops",
-    "sp_reduce_scatter_calls",
-    "sp_all_gather_calls",
-    "expert_param_count",
-    "expert_param_count_tp",
-    "experts",
-    "top_k",
-    "shared_experts",
-    "moe_layers",
-)
-GEMM_FIELDS = ("fwd_gemms", "bwd_gemms", "core_gemms", "expert_fwd_gemms", "expert_bwd_gemms")
-GEMM_TP_DIMS = (None, "m", "n", "k", "batch")
 _ZERO = sympy.Integer(0)
-
-
-class Gemm(NamedTuple):
-    """``count`` identical products of ``batch`` ``m x k`` by ``k x n`` matrices in one pass of a
-    layer (sympy sizes in ``b`` and ``s`` in the table, floats from ``LayerTable.numeric``)."""
-
-    m: Any
-    n: Any
-    k: Any
-    batch: Any
-    count: int = 1  # type: ignore[assignment]  # the schema's field shadows tuple.count, which no reader calls
-    tp_dim: str | None = None
-    """The dim tensor parallelism divides (``m``, ``n``, ``k``, ``batch``), or None."""
-
-    @property
-    def flops(self) -> Any:
-        """FLOPs of all ``count`` products at tp = 1: ``2 m n k batch count``."""
-        return 2 * self.m * self.n * self.k * self.batch * self.count
 
 
 @dataclass
@@ -352,6 +271,10 @@ class LayerTable:
         self._fn: tuple[Any, list] | None = None
         self._cache: dict[tuple[int, int], list[dict[str, float]]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the compiled function is generated code that pickle cannot find by name: compiled again
+        return {**self.__dict__, "_fn": None}
+
     def _compile(self) -> tuple[Any, list]:
         """One ``lambdify`` of the table's distinct expressions, and where each field reads them."""
         uniq: dict[sympy.Expr, int] = {}
@@ -386,30 +309,18 @@ class LayerTable:
     def numeric(self, b: int, s: int) -> list[dict[str, Any]]:
         """Every field of every layer as numbers at micro-batch ``b``, sequence length ``s``
         (``GEMM_FIELDS``: tuples of ``Gemm`` with float sizes)."""
-        for name, v in (("s", s), ("b", b)):
-            if name in self.fixed and int(v) != self.fixed[name]:
-                what = "sequence length" if name == "s" else "micro-batch size"
-                raise PassError(
-                    "",
-                    None,
-                    f"This model's costs were traced at a fixed {what} "
-                    f"{self.fixed[name]}; re-trace at {v} (the model or the trace "
-                    f"pinned it), or make the model shape-generic.",
-                )
+        check_fixed(self.fixed, b, s)
         key = (int(b), int(s))
-        if key in self._cache:
-            return [dict(row) for row in self._cache[key]]
-        fn, index = self._fn if self._fn is not None else self._compile()
-        vals = [float(v) for v in fn(*key)]
-        out = []
-        for lay, (row, gemms) in zip(self.layers, index):
-            d: dict[str, Any] = {f: vals[i] for f, i in zip(EXPR_FIELDS, row)}
-            d.update({f: float(getattr(lay, f)) for f in INT_FIELDS})
-            for f, entries in gemms.items():
-                d[f] = tuple(Gemm._make([*(vals[i] for i in dims), count, tp_dim]) for dims, count, tp_dim in entries)
-            out.append(d)
-        self._cache[key] = out
-        return [dict(row) for row in out]
+        if key not in self._cache:
+            fn, index = self._fn if self._fn is not None else self._compile()
+            integers = [{name: getattr(lay, name) for name in INT_FIELDS} for lay in self.layers]
+            self._cache[key] = evaluate_rows(fn, index, integers, *key)
+        return [dict(row) for row in self._cache[key]]
+
+    def nonzero_fields(self) -> frozenset[str]:
+        """The ``EXPR_FIELDS`` that are not identically zero in some row (what a model has at
+        all: ``saved_bytes_sp`` for sequence parallelism, ``expert_tokens`` for experts)."""
+        return frozenset(name for name in EXPR_FIELDS if any(getattr(lay, name) != 0 for lay in self.layers))
 
     def total(self, field_name: str, b: int, s: int) -> float:
         """Sum of one field over all layers at (b, s)."""

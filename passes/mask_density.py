@@ -28,9 +28,8 @@ No torch here: the planner reads densities back from a cached layer table withou
 
 from __future__ import annotations
 
+import sys
 from typing import Any
-
-import sympy
 
 __all__ = ["MASK_KINDS", "kept_pairs", "density", "summarize"]
 
@@ -38,14 +37,25 @@ MASK_KINDS = ("full", "causal", "sliding", "block-sparse", "custom")
 """``custom``: a mask the pass could not name (priced full; its reason is recorded)."""
 
 
+def _symbolic(x: Any) -> bool:
+    """Whether ``x`` is a sympy expression (none exists before sympy is imported: the search's
+    numeric sizes never import it)."""
+    sympy = sys.modules.get("sympy")
+    return sympy is not None and isinstance(x, sympy.Basic)
+
+
 def _min(a: Any, b: Any) -> Any:
-    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+    if _symbolic(a) or _symbolic(b):
+        import sympy
+
         return sympy.Min(a, b)
     return min(a, b)
 
 
 def _max(a: Any, b: Any) -> Any:
-    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+    if _symbolic(a) or _symbolic(b):
+        import sympy
+
         return sympy.Max(a, b)
     return max(a, b)
 
@@ -57,11 +67,11 @@ def _block_sparse_pairs(s: Any, layout: Any) -> Any:
             f"a block-sparse mask needs a layout (block >= 1, local_blocks >= 1, global_blocks >= 0), got {layout!r}"
         )
     block, local, glob = (int(x) for x in layout)
-    if not isinstance(s, sympy.Basic) and int(s) % block:
+    symbolic = _symbolic(s)
+    if not symbolic and int(s) % block:
         return _block_sparse_rows(int(s), block, local, glob)
-    symbolic = isinstance(s, sympy.Basic)
     n = s / block if symbolic else int(s) // block
-    half = sympy.Rational(1, 2) if symbolic else 0.5  # every halved product is even: exact either way
+    half = _half() if symbolic else 0.5  # every halved product is even: exact either way
     m = _min(n, local)
     local_pairs = m * (m - 1) * half + (n - m) * (local - 1)
     tail = _max(n - local, 0)
@@ -69,6 +79,12 @@ def _block_sparse_pairs(s: Any, layout: Any) -> Any:
     global_pairs = g * (g + 1) * half + (tail - g) * glob
     pairs = n * block * (block + 1) * half + block * block * (local_pairs + global_pairs)
     return pairs if symbolic else int(pairs)
+
+
+def _half() -> Any:
+    import sympy
+
+    return sympy.Rational(1, 2)
 
 
 def _block_sparse_rows(s: int, block: int, local: int, glob: int) -> int:
@@ -99,10 +115,14 @@ def kept_pairs(kind: str, s: Any, window: int | None = None, layout: Any = None)
 
 def density(kind: str, s: Any, window: int | None = None, layout: Any = None) -> Any:
     """Fraction of the ``s x s`` square the mask keeps (1 for ``full``)."""
-    if kind in ("full", "custom"):
-        return 1 if not isinstance(s, sympy.Basic) else sympy.Integer(1)
-    if isinstance(s, sympy.Basic):
+    if _symbolic(s):
+        import sympy
+
+        if kind in ("full", "custom"):
+            return sympy.Integer(1)
         return sympy.Rational(1, 1) * kept_pairs(kind, s, window, layout) / (s * s)
+    if kind in ("full", "custom"):
+        return 1
     return float(kept_pairs(kind, s, window, layout)) / float(s * s)
 
 

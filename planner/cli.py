@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import planner.frontend.model_analysis as model_analysis
 from codegen.codegen_errors import CodegenError, LoweringError, TPRewriteError, UnsafeNameError
 from cost_models.hardware import ProfileError
-from passes.core import PassError
+from passes.pass_error import PassError
 from planner.commands.calibrate_common import CalibrationError
 from planner.errors import UserError
 from planner.frontend.frontend_errors import ModelError

@@ -683,6 +683,17 @@ def overlap_fields(overlap: dict[str, float] | None, base: HardwareProfile) -> d
     }
 
 
+_RAW_RECORDED = (
+    "memory_bandwidth",
+    "optimizer_bytes_per_s",
+    "misaligned_gemm",
+    "host_device",
+    "collectives_skipped",
+    "overlap",
+)
+"""Raw measurements the profile's ``calibration`` record keeps as they were measured."""
+
+
 def build_gpu_profile(
     raw: dict[str, Any], base: HardwareProfile, spec: GpuCalibrationSpec, datasheet: bool, nproc: int
 ) -> HardwareProfile:
@@ -718,20 +729,15 @@ def build_gpu_profile(
         "gpu": device_info,
         "gemm": gemm,
         "gemm_skipped": skipped,
-        "memory_bandwidth": raw.get("memory_bandwidth"),
-        "optimizer_bytes_per_s": raw.get("optimizer_bytes_per_s"),
-        "misaligned_gemm": raw.get("misaligned_gemm"),
+        **{name: raw.get(name) for name in _RAW_RECORDED},
         "op_chain": chain,
         "model_op_overhead": model,
-        "host_device": raw.get("host_device"),
         "host_device_fit": host_fits,
         "collectives": collectives,
-        "collectives_skipped": raw.get("collectives_skipped"),
         "fit_by_kind": per_kind,
         "fit": {"alpha_s": alpha, "bandwidth_Bps": bandwidth} if collectives else None,
         "base": base.name,
         "offload": offload or None,
-        "overlap": raw.get("overlap"),
     }
     return HardwareProfile(
         name=_profile_name(device_info["name"]),

@@ -37,10 +37,19 @@ Safety. A cache must never make planning fail or lie:
 - entries are pickles, and unpickling runs code named in the file, so only files owned by the
   current user are read and the folder is created private (mode 0700), like ``~/.cache`` itself.
 
+An entry holds two forms of the table. The *compiled* one (``passes.compiled_table``: the
+source of the one function of ``(b, s)`` that ``LayerTable.numeric`` compiles, and each row's
+name, kind and integers) is plain data: a hit builds a ``CompiledTable`` from it, and a re-plan
+prices from it without importing sympy (a third of a second, a sixth of a re-plan). The
+*symbolic* one is pickled apart, as bytes inside the entry, and unpickled only when a caller reads
+an expression (``CompiledTable.full``); should that part be unusable then, the table is traced
+again and the entry overwritten. A table whose compiled function needs more than ``math`` has no
+compiled form and is served symbolic.
+
 Pickle was chosen over the table's JSON form (``LayerTable.to_json``) because reading JSON back
 re-parses every sympy expression, which costs more than the plan it would save. Even sympy's own
 pickling rebuilds each expression through its constructor, which re-canonicalizes it (and on the
-first ``Add`` imports half of sympy). ``_TablePickler`` stores each expression as its class and
+first ``Add`` imports half of sympy). ``_table_pickler`` stores each expression as its class and
 arguments instead and ``_rebuild`` reassembles it unevaluated (the arguments are canonical
 already, so the result is the same expression). Rows that share an expression (identical
 blocks) share it in the file too.
@@ -60,21 +69,26 @@ import tempfile
 from collections import Counter
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-import sympy
-
-from passes.layer_table import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm, LayerCosts, LayerTable
+from passes.compiled_table import CompiledTable
+from passes.table_fields import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.spec import hf_directory, parse_spec
 from runtime.contract import environment
 from runtime.contract.dtype_table import DTYPES, canonical
 
+if TYPE_CHECKING:
+    import sympy
+
+    from passes.layer_table import LayerTable
+
 __all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
 
-FORMAT = 3
+FORMAT = 4
 """Version of the entry layout; raise it when the pickled payload changes shape (2: the rows'
-GEMM shapes, ``fwd_gemms`` / ``bwd_gemms``)."""
+GEMM shapes, ``fwd_gemms`` / ``bwd_gemms``; 4: the compiled numeric form beside the symbolic
+table, which is pickled apart and read only when asked for)."""
 
 _SUBDIR = "layer-tables"
 _log = logging.getLogger(__name__)
@@ -189,7 +203,7 @@ def table_key(spec: str, args: dict[str, Any]) -> str | None:
             "sizes": {k: sizes[k] for k in sorted(sizes) if sizes[k] is not None},
             "dtype": _dtype_key(dtype),
             "code": code_digest(),
-            "versions": {"python": platform.python_version(), "torch": _version("torch"), "sympy": sympy.__version__},
+            "versions": {"python": platform.python_version(), "torch": _version("torch"), "sympy": _version("sympy")},
         }
         if kind != "gpt":  # hf: models are transformers' code; a factory may wrap one too
             parts["versions"]["transformers"] = _version("transformers")
@@ -215,7 +229,7 @@ def _entry_path(key: str) -> Path:
 # Reading and writing
 
 
-def _rebuild(cls: type, args: tuple) -> sympy.Basic:
+def _rebuild(cls: type, args: tuple) -> "sympy.Basic":
     """An expression from its class and canonical arguments, without evaluating it again."""
     try:
         return cls(*args, evaluate=False)
@@ -223,17 +237,26 @@ def _rebuild(cls: type, args: tuple) -> sympy.Basic:
         return cls(*args)
 
 
-class _TablePickler(pickle.Pickler):
-    """Pickles compound sympy expressions as ``_rebuild(class, args)`` (see the module doc)."""
+def _table_pickler(buffer: io.BytesIO) -> pickle.Pickler:
+    """A pickler that stores compound sympy expressions as ``_rebuild(class, args)`` (see the
+    module doc)."""
+    import sympy
 
-    def reducer_override(self, obj):
-        if isinstance(obj, sympy.Basic) and not obj.is_Atom and obj.args:
-            return _rebuild, (type(obj), obj.args)
-        return NotImplemented
+    class _TablePickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, sympy.Basic) and not obj.is_Atom and obj.args:
+                return _rebuild, (type(obj), obj.args)
+            return NotImplemented
+
+    return _TablePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _valid_table(obj: Any) -> bool:
     """Is ``obj`` the field dict of a ``LayerTable`` (right types all the way down)?"""
+    import sympy
+
+    from passes.layer_table import LayerCosts, LayerTable
+
     if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(LayerTable)}:
         return False
     rows = obj["layers"]
@@ -244,8 +267,12 @@ def _valid_table(obj: Any) -> bool:
             return False
         if not all(type(getattr(row, f)) is int for f in INT_FIELDS):
             return False
-        if not all(_valid_gemms(getattr(row, f, None)) for f in GEMM_FIELDS):
+        if not all(_valid_gemms(getattr(row, f, None), sympy.Basic) for f in GEMM_FIELDS):
             return False
+    return _valid_header(obj)
+
+
+def _valid_header(obj: dict) -> bool:
     return (
         isinstance(obj["dtype"], str)
         and isinstance(obj["model"], dict)
@@ -255,19 +282,45 @@ def _valid_table(obj: Any) -> bool:
     )
 
 
-def _valid_gemms(gemms: Any) -> bool:
-    """Is ``gemms`` a row's list of ``Gemm`` (sympy sizes, an int count, a known tp dim)?"""
+def _valid_gemms(gemms: Any, size_type: type) -> bool:
+    """Is ``gemms`` a row's list of ``Gemm`` (sizes of ``size_type``, an int count, a known tp dim)?"""
     return isinstance(gemms, list) and all(
         type(gemm) is Gemm
-        and all(isinstance(x, sympy.Basic) for x in gemm[:4])
+        and all(isinstance(x, size_type) for x in gemm[:4])
         and type(gemm.count) is int
         and gemm.tp_dim in GEMM_TP_DIMS
         for gemm in gemms
     )
 
 
-def load_table(key: str) -> LayerTable | None:
-    """The cached table of ``key``, or ``None`` (a miss, or an entry that cannot be used)."""
+def _valid_record(record: Any) -> bool:
+    """Is ``record`` a ``CompiledTable.record`` (plain data of the right shapes)?"""
+    keys = {"dtype", "model", "fixed", "notes", "tied", "nonzero", "source", "index", "rows"}
+    if not isinstance(record, dict) or set(record) != keys or not _valid_header(record):
+        return False
+    rows, index = record["rows"], record["index"]
+    return (
+        isinstance(record["source"], str)
+        and isinstance(record["nonzero"], list)
+        and isinstance(rows, list)
+        and isinstance(index, list)
+        and len(rows) == len(index) > 0
+        and all(
+            isinstance(row, dict)
+            and isinstance(row.get("name"), str)
+            and isinstance(row.get("kind"), str)
+            and type(row.get("index")) is int
+            and isinstance(row.get("ints"), dict)
+            and all(type(row["ints"].get(f)) is int for f in INT_FIELDS)
+            for row in rows
+        )
+        and all(isinstance(slots, tuple) and len(slots) == 2 and len(slots[0]) == len(EXPR_FIELDS) for slots in index)
+    )
+
+
+def _read_payload(key: str) -> dict | None:
+    """The entry of ``key`` as written by :func:`store_table` (its outer pickle: plain data and
+    the symbolic table's bytes), or None (a miss, or an entry that cannot be used)."""
     path = _entry_path(key)
     try:
         with open(path, "rb") as f:
@@ -278,10 +331,10 @@ def load_table(key: str) -> LayerTable | None:
             isinstance(payload, dict)
             and payload.get("format") == FORMAT
             and payload.get("key") == key
-            and _valid_table(payload.get("table"))
+            and isinstance(payload.get("table"), bytes)
+            and (payload.get("compiled") is None or _valid_record(payload["compiled"]))
         ):
             raise ValueError("not an entry of this key and format")
-        table = LayerTable(**payload["table"])
     except FileNotFoundError:
         stats["miss"] += 1
         return None
@@ -289,19 +342,64 @@ def load_table(key: str) -> LayerTable | None:
         _log.debug("layer-table cache: ignoring %s (%s: %s)", path, type(e).__name__, e)
         stats["rejected"] += 1
         return None
-    stats["hit"] += 1
+    return payload
+
+
+def _symbolic(key: str, data: bytes) -> "LayerTable | None":
+    """The symbolic table pickled in ``data`` (imports sympy), or None when it cannot be used."""
+    from passes.layer_table import LayerTable
+
+    try:
+        fields_of = pickle.loads(data)
+        if not _valid_table(fields_of):
+            raise ValueError("not a layer table")
+        return LayerTable(**fields_of)
+    except Exception as e:  # noqa: BLE001 - the caller rebuilds the table
+        _log.debug("layer-table cache: ignoring the symbolic table of %s (%s: %s)", key[:60], type(e).__name__, e)
+        stats["rejected"] += 1
+        return None
+
+
+def load_table(key: str, rebuild: "Callable[[], LayerTable] | None" = None) -> "LayerTable | CompiledTable | None":
+    """The cached table of ``key``, or ``None`` (a miss, or an entry that cannot be used).
+
+    With ``rebuild`` (what computes the table on a miss), a hit gives the entry's compiled form
+    (``passes.compiled_table.CompiledTable``: numbers without sympy), which reads its symbolic
+    table from the entry only when a caller asks for it, and calls ``rebuild`` should that part
+    be unusable. Without it, or for an entry without a compiled form, the symbolic table."""
+    payload = _read_payload(key)
+    if payload is None:
+        return None
+    data, record = payload["table"], payload["compiled"]
+    if record is not None and rebuild is not None:
+        try:
+            compiled = CompiledTable(record, lambda: _symbolic(key, data) or rebuild())
+        except Exception as e:  # noqa: BLE001 - a source that does not compile: use the symbolic table
+            _log.debug("layer-table cache: no compiled form for %s (%s: %s)", key[:60], type(e).__name__, e)
+        else:
+            stats["hit"] += 1
+            return compiled
+    table = _symbolic(key, data)
+    if table is not None:
+        stats["hit"] += 1
     return table
 
 
-def store_table(key: str, table: LayerTable) -> None:
-    """Write ``table`` under ``key`` atomically; a failure only loses the speed-up."""
+def store_table(key: str, table: "LayerTable") -> None:
+    """Write ``table`` under ``key`` atomically, with its compiled form where it has one
+    (``CompiledTable.record``); a failure only loses the speed-up."""
     path = _entry_path(key)
     tmp = None
     try:
-        payload = {"format": FORMAT, "key": key, "table": {f.name: getattr(table, f.name) for f in fields(LayerTable)}}
-        buffer = io.BytesIO()
-        _TablePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-        data = buffer.getvalue()
+        symbolic = io.BytesIO()
+        _table_pickler(symbolic).dump({f.name: getattr(table, f.name) for f in fields(table)})
+        payload = {
+            "format": FORMAT,
+            "key": key,
+            "compiled": CompiledTable.record(table),
+            "table": symbolic.getvalue(),
+        }
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem[:16] + ".", suffix=".tmp")

@@ -16,10 +16,11 @@ import importlib
 import sys
 from typing import TYPE_CHECKING
 
-from passes.layer_table import LayerTable
 from planner.frontend import cache
 
 if TYPE_CHECKING:
+    from passes.compiled_table import CompiledTable
+    from passes.layer_table import LayerTable
     from planner.frontend.bundle import ModelBundle
 
 __all__ = ["build_layer_table"]
@@ -80,30 +81,33 @@ def build_layer_table(
     dynamic: bool = True,
     positions: int | None = None,
     **sizes,
-) -> LayerTable:
+) -> LayerTable | CompiledTable:
     """Trace ``model`` (spec or ``ModelBundle``) and return its layer table, from the cache when
-    this spec was analyzed before with the same arguments and code.
+    this spec was analyzed before with the same arguments and code: then its compiled numeric
+    form (``passes.compiled_table``), which imports no sympy and loads the symbolic table only
+    for a caller that reads an expression.
 
     ``sizes`` are the model size flags (layers, hidden, heads, kv_heads, ffn, vocab);
     ``positions`` the model's position table (the ``seq_len`` size of ``build_model``).
     """
+    options = dict(batch=batch, seq_len=seq_len, dtype=dtype, shallow=shallow, dynamic=dynamic, positions=positions)
     key = None
     if isinstance(model, str) and cache.cache_enabled():
-        key = cache.table_key(
-            model,
-            dict(
-                batch=batch,
-                seq_len=seq_len,
-                dtype=dtype,
-                shallow=shallow,
-                dynamic=dynamic,
-                positions=positions,
-                sizes=sizes,
-            ),
-        )
-        table = cache.load_table(key) if key is not None else None
-        if table is not None:
-            return table
+        key = cache.table_key(model, dict(options, sizes=sizes))
+    if key is None:
+        return _traced(model, options, sizes)
+
+    def traced_and_stored() -> LayerTable:
+        table = _traced(model, options, sizes)
+        cache.store_table(key, table)
+        return table
+
+    cached = cache.load_table(key, rebuild=traced_and_stored)
+    return cached if cached is not None else traced_and_stored()
+
+
+def _traced(model: str | ModelBundle, options: dict, sizes: dict) -> LayerTable:
+    """The layer table of ``model`` traced now (``build_layer_table``'s arguments)."""
     with _cyclic_gc_paused():
         # Tracing needs torch (and transformers for HF models), whose imports are most of a
         # re-plan's time: they are imported here, on a miss, and never by a plan the cache answers.
@@ -113,17 +117,5 @@ def build_layer_table(
         trace.import_tracer(model)
         if FREEZE_IMPORTS and len(sys.modules) > modules:
             _freeze_imports()
-        traced = trace.trace_model(
-            model,
-            batch=batch,
-            seq_len=seq_len,
-            dtype=dtype,
-            shallow=shallow,
-            positions=positions,
-            dynamic=dynamic,
-            **sizes,
-        )
-        table = table_from_traced(traced)
-    if key is not None:
-        cache.store_table(key, table)
-    return table
+        traced = trace.trace_model(model, **options, **sizes)
+        return table_from_traced(traced)

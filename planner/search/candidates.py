@@ -289,7 +289,7 @@ def sequence_parallel_options(request: Any, table: NumericTable, tp: int) -> lis
         tp > 1
         and request.seq_len % tp == 0
         and (not kv_heads or kv_heads % tp == 0)
-        and any(lay.saved_bytes_sp != 0 for lay in table.layers)
+        and table.has_field("saved_bytes_sp")
     )
     if pin == "on":
         return [True] if able else []

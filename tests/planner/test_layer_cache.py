@@ -6,6 +6,7 @@ Tiny models only (GPT 2 x 64, vocabulary 128, sequence 16; a two-factory file of
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import sympy
 
 from passes import tabulate
+from passes.compiled_table import CompiledTable, function_source
 from passes.layer_table import EXPR_FIELDS
 from planner.cli import main
 from planner.frontend import cache, trace
@@ -257,15 +259,32 @@ def _wrong_type(path: Path, key: str):
     path.write_bytes(pickle.dumps(["not", "a", "table"]))
 
 
-def _wrong_table(path: Path, key: str):
+def _with_symbolic(path: Path, change) -> None:
+    """Apply ``change`` to the entry's symbolic table (pickled apart inside the entry)."""
     payload = pickle.loads(path.read_bytes())
-    payload["table"]["layers"] = [{"index": 0}]
+    table = pickle.loads(payload["table"])
+    change(table)
+    payload["table"] = pickle.dumps(table)
     path.write_bytes(pickle.dumps(payload))
 
 
+def _wrong_table(path: Path, key: str):
+    _with_symbolic(path, lambda table: table.update(layers=[{"index": 0}]))
+
+
 def _wrong_field_type(path: Path, key: str):
+    _with_symbolic(path, lambda table: setattr(table["layers"][1], "param_count", "many"))
+
+
+def _symbolic_garbage(path: Path, key: str):
     payload = pickle.loads(path.read_bytes())
-    payload["table"]["layers"][1].param_count = "many"
+    payload["table"] = os.urandom(64)
+    path.write_bytes(pickle.dumps(payload))
+
+
+def _wrong_record(path: Path, key: str):
+    payload = pickle.loads(path.read_bytes())
+    payload["compiled"]["rows"][0]["ints"]["param_count"] = "many"
     path.write_bytes(pickle.dumps(payload))
 
 
@@ -294,6 +313,8 @@ def _missing_class(path: Path, key: str):
         _wrong_type,
         _wrong_table,
         _wrong_field_type,
+        _symbolic_garbage,
+        _wrong_record,
         _other_key,
         _old_format,
         _missing_class,
@@ -306,7 +327,10 @@ def test_a_bad_entry_is_ignored_rebuilt_and_overwritten(damage, traces, tmp_path
     damage(path, pickle.loads(path.read_bytes())["key"])
     rejected = cache.stats["rejected"]
     again = build_layer_table("gpt", **GPT)
-    assert traces.calls == 2 and again == first and cache.stats["rejected"] == rejected + 1
+    # the comparison reads the symbolic table: where only that part is damaged, the compiled form
+    # answered the hit and the damage is found (and the table traced again) on that first read
+    assert again == first
+    assert traces.calls == 2 and cache.stats["rejected"] == rejected + 1
     assert build_layer_table("gpt", **GPT) == first and traces.calls == 2  # overwritten with a good entry
 
 
@@ -411,3 +435,57 @@ def test_a_hit_imports_neither_transformers_nor_the_tracer(traces):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split(maxsplit=1) == [str(len(table.layers)), "[]\n"]
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled form a hit gives
+
+
+def test_a_hit_is_the_compiled_form_with_the_symbolic_tables_numbers(traces, gpt_table):
+    """``CompiledTable``: the same numbers at every (b, s), rows, integers and nonzero fields,
+    without sympy; an expression (or ``to_json``) reads the symbolic table, once."""
+    build_layer_table("gpt", **GPT)
+    hit = build_layer_table("gpt", **GPT)
+    assert isinstance(hit, CompiledTable) and hit._full is None
+    for b, s in ((1, 16), (3, 16), (8, 16)):
+        assert hit.numeric(b, s) == gpt_table.numeric(b, s)
+    assert hit.total("fwd_flops", 2, 16) == gpt_table.total("fwd_flops", 2, 16)
+    assert hit.nonzero_fields() == gpt_table.nonzero_fields() and "saved_bytes" in hit.nonzero_fields()
+    assert [(row.index, row.name, row.kind, row.param_count) for row in hit.layers] == [
+        (row.index, row.name, row.kind, row.param_count) for row in gpt_table.layers
+    ]
+    assert (hit.model, hit.fixed, hit.tied, hit.dtype) == (
+        gpt_table.model,
+        gpt_table.fixed,
+        gpt_table.tied,
+        gpt_table.dtype,
+    )
+    assert hit._full is None  # nothing above needed the symbolic table
+    assert hit.layers[1].fwd_flops == gpt_table.layers[1].fwd_flops and hit._full is not None
+    assert traces.calls == 1
+
+
+def test_a_compiled_form_that_does_not_run_falls_back_to_the_symbolic_table(traces, tmp_path, gpt_table):
+    build_layer_table("gpt", **GPT)
+    [path] = entries(tmp_path)
+    payload = pickle.loads(path.read_bytes())
+    payload["compiled"]["source"] = "def _lambdifygenerated(b, s):\n    return ["  # a syntax error
+    path.write_bytes(pickle.dumps(payload))
+    hit = build_layer_table("gpt", **GPT)
+    assert not isinstance(hit, CompiledTable) and hit == gpt_table and traces.calls == 1
+
+
+def test_a_function_reading_more_than_math_is_not_compiled():
+    """``function_source``: the generated code must mean the same when rebuilt from its text."""
+    outside = {"scale": 3.0}
+
+    def generated(b, s):
+        return [b * s * scale]  # noqa: F821 - read from the namespace below
+
+    reads_outside = type(generated)(generated.__code__, {**outside, "__builtins__": __builtins__}, "generated")
+    assert function_source(reads_outside) is None
+
+    def plain(b, s):
+        return [max(b, s), math.floor(b / 2)]
+
+    assert function_source(plain) is not None

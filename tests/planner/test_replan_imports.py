@@ -1,7 +1,8 @@
-"""A re-plan answered by the layer-table cache imports neither torch nor transformers.
+"""A re-plan answered by the layer-table cache imports neither torch, transformers nor sympy.
 
-``import torch`` alone is most of a cached re-plan's time (ARCHITECTURE.md, import rules), so the
-planning path keeps it out: these tests run ``planner plan`` in fresh interpreters and look at
+``import torch`` alone is most of a cached re-plan's time (ARCHITECTURE.md, import rules), and
+``import sympy`` a sixth of what is left, so the planning path keeps them out (a hit prices from
+the table's compiled form, ``passes.compiled_table``): these tests run ``planner plan`` in fresh interpreters and look at
 ``sys.modules`` afterwards. The first run may trace (and fill the session's cache); the second
 must be a hit and stay torch-free, with the same plan.
 """
@@ -23,7 +24,7 @@ _PROBE = """
 import json, sys
 from planner.cli import main
 rc = main(sys.argv[1:])
-heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "transformers", "sympy") if m in sys.modules)
 print(json.dumps({"rc": rc, "heavy": heavy}), file=sys.stderr)
 """
 
@@ -75,7 +76,7 @@ def _plan(args: list[str], env: dict, out) -> tuple[dict, dict]:
     ],
     ids=["gpt", "hf-llama"],
 )
-def test_a_cached_replan_imports_no_torch(args, tmp_path):
+def test_a_cached_replan_imports_no_torch_nor_sympy(args, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     first, _ = _plan(args, env, tmp_path / "first.json")
     again, probe = _plan(args, env, tmp_path / "again.json")
