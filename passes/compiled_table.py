@@ -94,6 +94,10 @@ def _function(source: str) -> Callable:
     return namespace["_lambdifygenerated"]
 
 
+def _same(table: Any) -> Any:
+    return table
+
+
 class CompiledRow:
     """One row's name, kind and integer fields; any other field is the symbolic row's (the table
     loads it)."""
@@ -192,6 +196,10 @@ class CompiledTable:
         return self.full() == other
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as LayerTable
+
+    def __reduce__(self) -> tuple:
+        # its function is generated code and its loader a closure: it pickles as the table it stands for
+        return (_same, (self.full(),))
 
     def __getattr__(self, name: str) -> Any:  # only for what __init__ did not set
         if name.startswith("_"):

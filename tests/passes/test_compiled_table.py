@@ -48,6 +48,7 @@ def test_compiled_numbers_equal_the_symbolic_tables(layers, picks, points):
         assert compiled.numeric(b, s) == table.numeric(b, s)
     assert compiled.nonzero_fields() == table.nonzero_fields()
     assert compiled._full is None  # none of the above read an expression
+    assert pickle.loads(pickle.dumps(compiled)) == table  # pickles as the table it stands for
 
 
 def test_a_fixed_size_is_refused_as_the_symbolic_table_refuses_it():
