@@ -156,8 +156,10 @@ class CalibrationSpec:
     MiB per rank, past a CPU's last-level cache), every rank at once."""
     optimizer_reps: int = 12
     """Timed optimizer steps per rank (``optimizer_bytes_per_s``)."""
-    message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
-    """Collective sizes in bytes (full size: the reduced tensor or the gathered output)."""
+    message_sizes: tuple[int, ...] = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB)
+    """Collective sizes in bytes (full size: the reduced tensor or the gathered output). The
+    largest lies past a CPU's last-level cache, as a gradient bucket does, and weighs most in the
+    least-squares fit of the times."""
     max_reps: int = 20
     """Most repetitions of one collective at one size."""
     bytes_per_size: int = 48 * MB
@@ -180,7 +182,7 @@ class CalibrationSpec:
             recompute_budget_s=0.1,
             sync_iters=3,
             overlap_rounds=3,
-            message_sizes=(4 * KB, 256 * KB, 4 * MB),
+            message_sizes=(4 * KB, 256 * KB, 4 * MB, 32 * MB),
             max_reps=5,
             bytes_per_size=8 * MB,
             gemm_sizes=(32, 128),
