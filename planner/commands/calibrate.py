@@ -22,8 +22,9 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   completes meanwhile (``calibrate_gpu.measure_overlap_slowdown``, the code the CUDA path runs
   over NCCL).
 - **Collectives**: all-reduce, all-gather and reduce-scatter over all ranks, and send/recv
-  ping-pong between rank pairs, for message sizes from 4 KB to 16 MB. Each time is the slowest
-  rank's mean over a few repetitions after a warm-up.
+  ping-pong between rank pairs, for message sizes from 4 KB to 64 MB (the largest past the
+  last-level cache, as a gradient bucket is). Each time is the fastest of up to three rounds of
+  back-to-back calls, a round's time its slowest rank's mean (``time_collective``).
 - **Offload** (``calibrate_common.measure_offload``, in the parent process once the ranks are
   done, every core free): NVMe write and read bandwidth of a temporary file in ``--nvme-path``
   (fsync'd write, page cache dropped before the read), the host's AdamW throughput with
@@ -563,7 +564,7 @@ def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> s
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; optimizer_bytes_per_s = the runtime's optimizer step (square sums, fused AdamW, zero_grad) on a 2^23-element fp32 shard per process, every process at once; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times (mean of back-to-back reps) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times (the fastest of three rounds of back-to-back reps, each its slowest rank's mean) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
         f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
     )
