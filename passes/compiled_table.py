@@ -14,6 +14,7 @@ imports neither torch nor sympy, which alone is a third of a second.
 from __future__ import annotations
 
 import builtins
+import copy
 import math
 from typing import Any, Callable
 
@@ -69,6 +70,10 @@ def function_source(fn: Callable) -> str | None:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         return None
+    if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__ or fn.__code__.co_freevars:
+        return None  # state beside the text (lambdify makes none)
+    if fn.__builtins__ is not builtins.__dict__ and fn.__builtins__ is not builtins:  # type: ignore[attr-defined]
+        return None
     missing = object()
     for name in _globals_read(fn.__code__):  # each must mean, rebuilt from the text, what it means now
         bound = fn.__globals__[name] if name in fn.__globals__ else getattr(builtins, name, missing)
@@ -111,13 +116,20 @@ class CompiledRow:
     def __getattr__(self, name: str) -> Any:  # only for what __init__ did not set
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._table.full().layers[self._position], name)
+        return getattr(self._symbolic(), name)
+
+    def _symbolic(self) -> Any:
+        return self._table.full().layers[self._position]
+
+    def __reduce__(self) -> tuple:
+        return (_same, (self._symbolic(),))  # pickles (and copies) as the symbolic row
 
 
 class CompiledTable:
     """A ``LayerTable``'s numeric form (module docstring): ``numeric``, ``total``, the rows'
     names, kinds and integers, ``model``, ``fixed``, ``notes``, ``tied``, ``dtype`` and
-    ``nonzero_fields`` without sympy; anything else from ``full()``."""
+    ``nonzero_fields`` without sympy; anything else from ``full()``. Pickled or copied, it is the
+    symbolic table (``dataclasses.replace`` wants ``full()``)."""
 
     def __init__(self, record: dict[str, Any], load_full: Callable[[], Any]):
         self.dtype: str = record["dtype"]
@@ -153,7 +165,7 @@ class CompiledTable:
             "tied": table.tied,
             "nonzero": sorted(table.nonzero_fields()),
             "source": source,
-            "index": index,
+            "index": copy.deepcopy(index),  # not the table's own (a reader may not change it)
             "rows": [
                 {
                     "index": lay.index,
@@ -180,7 +192,11 @@ class CompiledTable:
         check_fixed(self.fixed, b, s)
         key = (int(b), int(s))
         if key not in self._cache:
-            self._cache[key] = evaluate_rows(self._fn, self._index, self._integers, *key)
+            try:
+                self._cache[key] = evaluate_rows(self._fn, self._index, self._integers, *key)
+            except (ArithmeticError, AttributeError, IndexError, TypeError, ValueError):
+                # a damaged entry the checks let through: the symbolic table answers (or raises)
+                return self.full().numeric(b, s)
         return [dict(row) for row in self._cache[key]]
 
     def total(self, field_name: str, b: int, s: int) -> float:
@@ -200,6 +216,12 @@ class CompiledTable:
     def __reduce__(self) -> tuple:
         # its function is generated code and its loader a closure: it pickles as the table it stands for
         return (_same, (self.full(),))
+
+    def __copy__(self) -> Any:
+        return copy.copy(self.full())
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return copy.deepcopy(self.full(), memo)
 
     def __getattr__(self, name: str) -> Any:  # only for what __init__ did not set
         if name.startswith("_"):

@@ -96,6 +96,7 @@ from planner.commands.calibrate_common import (
     measure_offload,
     median,
     offload_source,
+    positive_rate,
 )
 from planner.commands.calibrate_gpu import (
     DeviceTimer,
@@ -528,16 +529,10 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         nvme_read_bandwidth=nvme.get("read_Bps"),
         nvme_write_bandwidth=nvme.get("write_Bps"),
         cpu_adam_params_per_s=offload.get("cpu_adam_params_per_s"),
-        optimizer_bytes_per_s=_positive(raw.get("optimizer_bytes_per_s")),
+        optimizer_bytes_per_s=positive_rate(raw.get("optimizer_bytes_per_s")),
         source=_cpu_source(nproc, base, offload),
         calibration=finite(calibration),
     )
-
-
-def _positive(value: Any) -> float | None:
-    """A measured rate, or None where it is missing, NaN or not positive (the profile then prices
-    by its roofline)."""
-    return float(value) if isinstance(value, (int, float)) and value == value and value > 0 else None
 
 
 def _matmul_peaks(matmul: dict[str, dict[str, float]], base: HardwareProfile) -> dict[str, float]:

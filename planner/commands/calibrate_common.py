@@ -46,6 +46,7 @@ __all__ = [
     "MEASURED_KINDS",
     "lower_quartile",
     "median",
+    "positive_rate",
     "fit_alpha_beta",
     "fit_collectives",
     "collective_links",
@@ -71,6 +72,12 @@ MIN_EFFICIENCY = 1e-6
 
 class CalibrationError(UserError):
     """Calibration could not run or its measurements could not be fitted."""
+
+
+def positive_rate(value: Any) -> float | None:
+    """A measured rate, or None where it is missing, NaN, infinite or not positive (the profile
+    then keeps its default)."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
 
 
 def median(values: Sequence[float]) -> float:

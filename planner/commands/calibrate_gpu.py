@@ -72,6 +72,7 @@ from planner.commands.calibrate_common import (
     measure_offload,
     median,
     offload_source,
+    positive_rate,
 )
 from planner.frontend.model_analysis import build_layer_table
 from planner.frontend.zoo import ModelSizes, build_model
@@ -478,9 +479,10 @@ def time_collective(
     # ones included. The fastest round: on a shared host another tenant slows a round for a while
     # and never speeds one up (the compute figures keep their lower quartile for the same reason);
     # a gloo all-reduce of 4 MB here measured 2.8-9.4 ms from one calibration to the next.
-    per_round = max(1, reps // max(1, rounds))
+    count = max(1, min(rounds, reps))
+    per_round = max(1, reps // count)
     means = []
-    for _ in range(max(1, reps // per_round)):
+    for _ in range(count):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(per_round):
@@ -774,7 +776,7 @@ def build_gpu_profile(
         nvme_read_bandwidth=nvme.get("read_Bps") or base.nvme_read_bandwidth,
         nvme_write_bandwidth=nvme.get("write_Bps") or base.nvme_write_bandwidth,
         cpu_adam_params_per_s=offload.get("cpu_adam_params_per_s") or base.cpu_adam_params_per_s,
-        optimizer_bytes_per_s=raw.get("optimizer_bytes_per_s") or base.optimizer_bytes_per_s,
+        optimizer_bytes_per_s=positive_rate(raw.get("optimizer_bytes_per_s")) or base.optimizer_bytes_per_s,
         source=_gpu_source(raw, base, datasheet, nproc),
         calibration=finite(calibration),
     )

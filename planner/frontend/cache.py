@@ -314,7 +314,36 @@ def _valid_record(record: Any) -> bool:
             and all(type(row["ints"].get(f)) is int for f in INT_FIELDS)
             for row in rows
         )
-        and all(isinstance(slots, tuple) and len(slots) == 2 and len(slots[0]) == len(EXPR_FIELDS) for slots in index)
+        and all(_valid_slots(slots) for slots in index)
+    )
+
+
+def _valid_slots(slots: Any) -> bool:
+    """One row's ``Index`` entry: a result slot per ``EXPR_FIELDS`` entry, and per GEMM field its
+    products as ``(four size slots, count, tp_dim)``."""
+    if not (isinstance(slots, tuple) and len(slots) == 2 and isinstance(slots[1], dict)):
+        return False
+    row, gemms = slots
+    return (
+        isinstance(row, list)
+        and len(row) == len(EXPR_FIELDS)
+        and all(type(slot) is int and slot >= 0 for slot in row)
+        and set(gemms) <= set(GEMM_FIELDS)
+        and all(
+            isinstance(entries, list) and all(_valid_product(entry) for entry in entries) for entries in gemms.values()
+        )
+    )
+
+
+def _valid_product(entry: Any) -> bool:
+    return (
+        isinstance(entry, tuple)
+        and len(entry) == 3
+        and isinstance(entry[0], tuple)
+        and len(entry[0]) == 4
+        and all(type(slot) is int and slot >= 0 for slot in entry[0])
+        and type(entry[1]) is int
+        and entry[2] in GEMM_TP_DIMS
     )
 
 

@@ -61,3 +61,34 @@ def test_a_fixed_size_is_refused_as_the_symbolic_table_refuses_it():
     with pytest.raises(PassError, match="fixed sequence length 128"):
         table.numeric(1, 256)
     assert compiled.numeric(2, 128) == table.numeric(2, 128)
+
+
+def test_a_damaged_slot_falls_back_to_the_symbolic_table_and_rows_pickle_as_symbolic_rows():
+    """An evaluation a damaged record breaks is answered by the symbolic table; a row pickles and
+    a table copies as their symbolic selves (never sharing the cached table)."""
+    import copy
+
+    table = gpt_table(layers=2, hidden=64, heads=2, vocab=128)
+    record = CompiledTable.record(table)
+    assert record is not None
+    row, gemms = record["index"][1]
+    record["index"][1] = ([10**6, *row[1:]], gemms)  # a slot past the function's results
+    compiled = CompiledTable(record, lambda: table)
+    assert compiled.numeric(2, 64) == table.numeric(2, 64)
+    assert pickle.loads(pickle.dumps(compiled.layers[1])) == table.layers[1]
+    copied = copy.deepcopy(compiled)
+    assert copied == table and copied is not table and copy.copy(compiled) is not table
+
+
+def test_function_source_refuses_state_beside_the_text():
+    from passes.compiled_table import function_source
+
+    def with_default(b, s, k=3):
+        return [b * s * k]
+
+    scale = 2
+
+    def with_closure(b, s):
+        return [b * s * scale]
+
+    assert function_source(with_default) is None and function_source(with_closure) is None
