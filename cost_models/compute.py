@@ -402,14 +402,14 @@ def adam_step_flops(num_params: Any) -> Any:
 
 
 def optimizer_step_time(num_params: Any, hw: HardwareProfile, dtype: str) -> Any:
-    """Time of one AdamW step over ``num_params`` parameters: its roofline (memory-bound in
-    practice; the elementwise arithmetic runs in fp32 whatever the training dtype, so the fp32
-    peak applies), or, where that is slower, the fp32 step's bytes at the profile's measured
-    ``optimizer_bytes_per_s`` (a CPU's fused AdamW runs well under its copy bandwidth; it was
-    measured on fp32 state) plus mixed precision's casts at the copy bandwidth."""
+    """Time of one AdamW step over ``num_params`` parameters: the fp32 step's bytes at the
+    profile's measured ``optimizer_bytes_per_s`` (the step itself, timed by ``planner
+    calibrate``: a CPU's fused AdamW runs at neither its copy bandwidth nor its FLOP rate) plus
+    mixed precision's casts at the copy bandwidth; without a measured rate, the roofline
+    (memory-bound in practice; the elementwise arithmetic runs in fp32 whatever the training
+    dtype, so the fp32 peak applies)."""
     moved = adam_step_bytes(num_params, dtype)
-    roofline = compute_time(adam_step_flops(num_params), moved, hw, "fp32")
     if hw.optimizer_bytes_per_s is None:
-        return roofline
+        return compute_time(adam_step_flops(num_params), moved, hw, "fp32")
     fp32 = adam_step_bytes(num_params, "fp32")
-    return smax(roofline, fp32 / hw.optimizer_bytes_per_s + (moved - fp32) / hw.memory_bandwidth)
+    return fp32 / hw.optimizer_bytes_per_s + (moved - fp32) / hw.memory_bandwidth

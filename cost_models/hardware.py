@@ -237,11 +237,12 @@ class HardwareProfile:
     optimizer_bytes_per_s: float | None = None
     """Bytes per second, counted as ``cost_models.compute.adam_step_bytes`` counts them, at which
     the device runs the runtime's optimizer step (the gradient's square sums, the fused AdamW
-    and ``zero_grad``) over a shard past its caches, every rank of a node at once; ``None``: the
-    roofline of ``memory_bandwidth`` and the fp32 peak. ``planner calibrate`` measures it: on a
-    CPU the fused AdamW's square roots and divisions run well under the copy bandwidth (this
-    machine, one thread per rank: about 30 GB/s for one rank against a 49 GB/s copy, less with
-    both ranks at once), so the roofline predicted half the step's measured optimizer part."""
+    and ``zero_grad``) over a shard past its caches, every rank of a node at once; it replaces the
+    roofline of ``memory_bandwidth`` and the fp32 peak (``None``: the roofline prices the step).
+    ``planner calibrate`` measures it: on a CPU the fused AdamW runs at neither its copy bandwidth
+    nor its FLOP rate (this machine, one thread per rank, both stepping at once: 25-26 GB/s
+    against a 17-21 GB/s out-of-cache copy; with an in-cache copy the roofline predicted half the
+    step's measured optimizer part)."""
     source: str = ""
     """Where the numbers come from (datasheet, calibration run, ...)."""
     calibration: dict[str, Any] | None = None

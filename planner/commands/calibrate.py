@@ -8,13 +8,15 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   ``peak_flops[dtype]`` is the best per-rank rate seen (``2 n^3`` FLOPs per ``n x n`` product),
   and ``compute_efficiency`` is the ratio of a real training step's FLOP/s (a small built-in GPT,
   forward + backward, every rank at once) to that peak.
-- **Memory bandwidth**: a large tensor copy on every rank at once (read + write bytes / time),
-  timed between the rounds of training steps.
+- **Memory bandwidth**: a tensor copy on every rank at once (read + write bytes / time), its
+  source and destination past the last-level cache (32 MB each, quick or not: an 8 MB copy
+  measured the cache here, 50-66 GB/s against 17-21), timed between the rounds of training steps.
 - **Optimizer step** (``optimizer_bytes_per_s``): the runtime's step over a flat fp32 shard past
   the last-level cache (the gradient's square sums, ``flat_shards.adamw_step_``, ``zero_grad``'s
   fill), every rank at once after a barrier per step, in the bytes ``cost_models.compute.
-  adam_step_bytes`` counts: a CPU's fused AdamW runs well under its copy bandwidth, which the
-  roofline would assume (``calibrate_gpu.measure_optimizer_step``, also the CUDA path's).
+  adam_step_bytes`` counts; it replaces the roofline, for a CPU's fused AdamW runs at neither
+  its copy bandwidth nor its FLOP rate (``calibrate_gpu.measure_optimizer_step``, also the CUDA
+  path's).
 - **Recomputation**: two exported blocks timed plain, checkpointed and forward-only;
   ``recompute_ratio`` is what checkpointing adds over the forward (``_time_recompute``).
 - **Overlap contention** (``overlap_slowdown``, ``overlap_comm_rate``): a few matmuls timed alone
@@ -177,7 +179,7 @@ class CalibrationSpec:
         return cls(
             matmul_sizes=(128, 256),
             matmul_budget_s=0.05,
-            copy_bytes=8 * MB,
+            copy_bytes=32 * MB,  # source and copy past the last-level cache, as in the full spec
             train_batches=(1, 4),
             train_budget_s=0.1,
             copy_budget_s=0.05,

@@ -215,9 +215,10 @@ def test_optimizer_step_is_memory_bound_at_the_runtimes_passes():
     assert optimizer_step_time(10**9, hw, "bf16") == pytest.approx((12 + 8 + 28 + 6 + 2) * 1e9 / 3.35e12)
 
 
-def test_a_measured_optimizer_rate_prices_the_step_where_it_is_slower_than_the_roofline():
-    """``optimizer_bytes_per_s`` (what ``planner calibrate`` measures): the step's bytes at that
-    rate when it is under the roofline's, the roofline otherwise; invalid values are refused."""
+def test_a_measured_optimizer_rate_prices_the_step_instead_of_the_roofline():
+    """``optimizer_bytes_per_s`` (what ``planner calibrate`` measures): the fp32 step's bytes at
+    that rate, slower or faster than the roofline's, and the casts at the copy bandwidth; invalid
+    values are refused."""
     base = load_hardware("cpu")
     roofline = optimizer_step_time(10**7, base, "fp32")
     slow = dataclasses.replace(base, optimizer_bytes_per_s=base.memory_bandwidth / 2)
@@ -227,7 +228,8 @@ def test_a_measured_optimizer_rate_prices_the_step_where_it_is_slower_than_the_r
     assert optimizer_step_time(10**7, slow, "bf16") == pytest.approx(
         40 * 10**7 / (base.memory_bandwidth / 2) + 16 * 10**7 / base.memory_bandwidth
     )
-    assert optimizer_step_time(10**7, fast, "fp32") == roofline
+    assert roofline == pytest.approx(40 * 10**7 / base.memory_bandwidth)  # memory-bound without a rate
+    assert optimizer_step_time(10**7, fast, "fp32") == pytest.approx(40 * 10**7 / (base.memory_bandwidth * 4))
     for bad in (0, -1.0, float("nan"), "fast"):
         with pytest.raises(ProfileError, match="optimizer_bytes_per_s"):
             dataclasses.replace(base, optimizer_bytes_per_s=bad)
