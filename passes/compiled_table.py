@@ -72,7 +72,7 @@ def function_source(fn: Callable) -> str | None:
         return None
     if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__ or fn.__code__.co_freevars:
         return None  # state beside the text (lambdify makes none)
-    if fn.__builtins__ is not builtins.__dict__ and fn.__builtins__ is not builtins:  # type: ignore[attr-defined]
+    if fn.__builtins__ is not builtins.__dict__ and fn.__builtins__ is not builtins:
         return None
     missing = object()
     for name in _globals_read(fn.__code__):  # each must mean, rebuilt from the text, what it means now
