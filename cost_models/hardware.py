@@ -338,13 +338,6 @@ class HardwareProfile:
                 raise ProfileError(
                     f"field 'sm_count' must be a positive integer (streaming multiprocessors) or absent (got {value!r})"
                 )
-        if self.host_device_bandwidth is not None:
-            value = self.host_device_bandwidth
-            if not _is_number(value) or not math.isfinite(value) or value <= 0:
-                raise ProfileError(
-                    f"field 'host_device_bandwidth' must be a positive number of bytes/s or absent (got {value!r})"
-                )
-            object.__setattr__(self, "host_device_bandwidth", float(value))
         for name in ("host_memory_bytes", "nvme_bytes"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
@@ -355,25 +348,18 @@ class HardwareProfile:
                     f"field {name!r} must be a positive integer of bytes per node or absent (got {value!r})"
                 )
         for name, unit in (
-            ("nvme_read_bandwidth", "bytes/s"),
-            ("nvme_write_bandwidth", "bytes/s"),
-            ("cpu_adam_params_per_s", "parameters/s"),
+            ("host_device_bandwidth", "bytes/s"),
+            ("nvme_read_bandwidth", "bytes/s per node"),
+            ("nvme_write_bandwidth", "bytes/s per node"),
+            ("cpu_adam_params_per_s", "parameters/s per node"),
+            ("optimizer_bytes_per_s", "bytes/s per device"),
         ):
             value = getattr(self, name)
             if value is None:
                 continue
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
-                raise ProfileError(
-                    f"field {name!r} must be a positive number of {unit} per node or absent (got {value!r})"
-                )
+                raise ProfileError(f"field {name!r} must be a positive number of {unit} or absent (got {value!r})")
             object.__setattr__(self, name, float(value))
-        if self.optimizer_bytes_per_s is not None:
-            value = self.optimizer_bytes_per_s
-            if not _is_number(value) or not math.isfinite(value) or value <= 0:
-                raise ProfileError(
-                    f"field 'optimizer_bytes_per_s' must be a positive number of bytes/s per device or absent (got {value!r})"
-                )
-            object.__setattr__(self, "optimizer_bytes_per_s", float(value))
 
     def _check_tables_and_provenance(self) -> None:
         """The GEMM efficiency tables, the source and the calibration record."""
