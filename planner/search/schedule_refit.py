@@ -50,8 +50,9 @@ from typing import Callable, Sequence
 
 from cost_models.schedule_cost import ChunkTimes, chunk_times, split_chunks
 from cost_models.strategy import CandidateCosts, Evaluation, evaluate
-from planner.search.candidates import memory_lower_bound
-from planner.search.ilp import block_capacity, solve_candidate
+from planner.search.candidates import is_repeated, memory_lower_bound
+from planner.search.ilp import solve_candidate
+from planner.search.objective import block_capacity
 from planner.search.schedule_search import Refit, _simulated, pipeline_memory, step_bound
 from runtime.contract.choices import ScheduleName
 
@@ -316,6 +317,8 @@ class _Refitter:
         they ask. The future, or None when it started nothing."""
         key = (costs.cand, mode)
         if key in self.answers or key in self.pending or (budgeted and self.spent[1] >= SOLVE_BUDGET):
+            return None
+        if is_repeated(costs, self.kinds):  # solved by counting, in this process: a thread only contends
             return None
         future = self.pending[key] = pool.submit(self._solve, costs, mode)
         return future

@@ -17,7 +17,8 @@ from planner.errors import UserError
 from planner.plan import Plan
 from planner.search.candidates import enumerate_candidates, heuristic_strategy
 from planner.search.entries import Entry
-from planner.search.ilp import build_problem, highs_available, search, solve_candidate
+from planner.search.ilp import search, solve_candidate
+from planner.search.ilp_form import build_problem, highs_available
 from planner.search.request import PlanRequest
 from planner.search.search_errors import NoFeasiblePlan
 from planner.search.solve import candidate_entries, least_memory, solve

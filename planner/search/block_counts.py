@@ -1,0 +1,572 @@
+"""The block-count problem solved exactly by counting: the uniform ILP without an ILP solver.
+
+A uniform table (``pre``, identical blocks, maybe a distinct last block ``X``, ``post``: the
+"Repeated blocks" form of :mod:`planner.search.ilp`) leaves two kinds of choice: how many blocks
+each stage holds (``n_k``, summing to ``L``) and what each stage recomputes. The second is local:
+a stage's memory row, micro-step and tail involve only its own counts. So:
+
+1. **Stage tables** (:func:`_stage_table`). For each stage and each count ``n``, the recompute of
+   least cost that fits the stage's memory row: every full-recompute count ``r``, the fewest
+   selective blocks ``s`` that make the row hold, each choice for the rows the stage holds beside
+   its blocks (the embedding, the head, ``X``). It gives three numbers per count, in the ILP's
+   scaled units: ``F`` the micro-step, ``H`` the micro-step plus its tie-break terms, ``G`` the
+   per-step tail.
+2. **Partition** (:func:`_partition`). The ILP's objective over counts is
+   ``(m - 1) max_k F_k(n_k) + sum_k H_k(n_k) + max_k G_k(n_k)``. Caps on ``max F`` are tried in
+   increasing order, and under each cap, caps on ``max G``; under both, the least ``sum H`` is a
+   min-plus dynamic program over the stages (:func:`_least_sum`). The least ``sum H + max G``
+   with no cap on ``F`` bounds every later cap's, so the walk stops as soon as
+   ``(m - 1) cap + bound`` cannot beat the best found (likewise for ``G``).
+3. **Structure.** The ILP's binaries that are not counts (stage 0 holds blocks or only the
+   embedding, ``z0``; ``X`` in the last stage or ending stage ``p - 2``, ``q``) change which rows
+   and which boundary sends each stage has: each of their (at most four) settings is solved and
+   the best kept.
+
+The rows are the ILP's rows (memory with its margin, the ZeRO buffer and recompute peaks, the
+offload capacities, the cutoff), so the optimum is the ILP's. One approximation: each stage's
+recompute is the one of least ``H`` for its count, which can differ from the ILP's choice only
+between strategies within the count tie-break (1e-7 of the step) of each other. The tests check
+the optimum against the ILP and against brute force (``tests/planner/search/test_block_counts.py``).
+
+Why: the ILP of a 96-block model on 1,024 GPUs took 30-40 ms through CBC (model building, an MPS
+file, a solver process); the search and the schedule walk solve tens of them per plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from cost_models.layer_work import LayerCost
+from cost_models.strategy import CandidateCosts
+from planner.search.candidates import total_work
+from planner.search.objective import (
+    CUTOFF_SLACK,
+    MEMORY_MARGIN,
+    TIE_BREAK,
+    block_capacity,
+    count_weight,
+    objective_scale,
+)
+
+__all__ = ["Counts", "solve_counts"]
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Counts:
+    """An optimal strategy of the block-count problem, as the ILP's ``decode`` gives it."""
+
+    stages: list[tuple[int, int]]
+    recomputed: set[int]
+    selective: set[int]
+    objective: float
+    """The ILP's objective (scaled step time plus tie-breaks) at this strategy."""
+
+
+@dataclass(frozen=True)
+class _RowChoice:
+    """What one combination of the non-block rows' recompute adds to a stage."""
+
+    seconds: float
+    """Recompute seconds (full or selective) of the rows."""
+    count: float
+    """Recomputed rows (a selective one counts half)."""
+    freed: float
+    """Activation bytes the recompute frees per micro-batch in flight."""
+    peak: float
+    """The largest activation a recomputed row re-materializes at once."""
+    recompute: tuple[str, ...]
+    """``"pre"``, ``"post"``, ``"X"`` recomputed fully, ``"X-sel"`` selectively."""
+
+
+@dataclass
+class _Table:
+    """One stage's best recompute per block count ``n = 0..len - 1``: scaled micro-step ``F``,
+    objective share ``H`` (``F`` + tie-breaks), scaled tail ``G`` (``inf``: the count does not fit)."""
+
+    F: np.ndarray
+    H: np.ndarray
+    G: np.ndarray
+    full: np.ndarray
+    """Blocks recomputed fully per count."""
+    sel: np.ndarray
+    """Blocks recomputed selectively per count."""
+    rows: list[_RowChoice]
+    choice: np.ndarray
+    """Index into ``rows`` per count."""
+
+
+class _Problem:
+    """One candidate's block-count problem: the distinct rows and the constants the ILP reads."""
+
+    def __init__(self, costs: CandidateCosts, mode: str, most: int):
+        self.costs, self.mode = costs, mode
+        self.p, self.m = costs.cand.pp, costs.cand.num_micro_batches
+        layers = costs.layers
+        self.rows = costs.num_layers
+        self.tail = layers[-2] != layers[1]
+        self.L = self.rows - 2 - self.tail
+        self.pre, self.blk, self.post, self.X = layers[0], layers[1], layers[-1], layers[-2]
+        self.scale = objective_scale(costs)
+        self.per_count = count_weight(costs)
+        # counts above ``most`` are left out (:func:`solve_counts` proves they cannot win)
+        self.ub = [min(fits, self.L, most) for fits in block_capacity(costs)]
+        selects = mode in ("auto", "selective")
+        self.sel_blk = selects and self.blk.sel_saved_b > 0
+        self.sel_x = selects and self.tail and self.X.sel_saved_b > 0
+        self.limit = costs.capacity * (1 - MEMORY_MARGIN)
+        self.tables: dict[tuple, _Table] = {}
+
+    # ------------------------------------------------------------------ structure
+    def layouts(self) -> list[tuple[bool, bool]]:
+        """``(z0, q)`` settings: stage 0 holds blocks; ``X`` sits in the last stage."""
+        if self.p == 1:
+            return [(True, True)]
+        return [(z0, q) for z0 in (False, True) for q in ((False, True) if self.tail else (True,))]
+
+    def holds_x(self, k: int, q: bool) -> bool:
+        return self.tail and ((k == self.p - 1 and q) or (k == self.p - 2 and not q))
+
+    def boundary(self, j: int, z0: bool, q: bool) -> float:
+        """Seconds of the send over boundary ``j`` (the ILP's ``_boundary`` at these binaries)."""
+        send = self.costs.send_s
+        run, pre, last_block = send(1, j), send(0, j), send(self.rows - 2, j)
+        if self.tail and j == self.p - 2:
+            if j > 0:
+                return run if q else last_block
+            return run if (q and z0) else pre if q else last_block
+        if j > 0:
+            return run
+        return run if z0 else pre
+
+    def p2p(self, k: int, z0: bool, q: bool) -> float:
+        total = self.boundary(k, z0, q) if k < self.p - 1 else 0.0
+        return total + (self.boundary(k - 1, z0, q) if k > 0 else 0.0)
+
+    def domain(self, k: int, z0: bool, q: bool) -> tuple[int, int]:
+        """Counts stage ``k`` may hold under the structure (before memory)."""
+        top = self.ub[k]
+        if self.p == 1:
+            return self.L, self.L
+        if k == 0:
+            return (1, top) if z0 else (0, 0)
+        if k == self.p - 1:
+            return (0, top) if q else (0, 0)
+        return (0 if self.holds_x(k, q) else 1), top
+
+    def others(self, k: int, z0: bool, q: bool) -> list[LayerCost]:
+        """The rows stage ``k`` holds beside its blocks."""
+        held = [self.pre] if k == 0 else []
+        if self.holds_x(k, q):
+            held.append(self.X)
+        return held + ([self.post] if k == self.p - 1 else [])
+
+    # ------------------------------------------------------------------ stage tables
+    def row_choices(self, k: int, holds_x: bool) -> list[_RowChoice]:
+        """Each combination of recompute for the non-block rows of stage ``k``."""
+        auto = self.mode == "auto"
+        per_row: list[list[tuple[str, LayerCost, bool]]] = []
+        if k == 0:
+            per_row.append([("", self.pre, False)] + ([("pre", self.pre, False)] if auto else []))
+        if k == self.p - 1:
+            per_row.append([("", self.post, False)] + ([("post", self.post, False)] if auto else []))
+        if holds_x:
+            options = {
+                "auto": [("", self.X, False), ("X", self.X, False)] + ([("X-sel", self.X, True)] if self.sel_x else []),
+                "all": [("X", self.X, False)],
+                "selective": [("X-sel", self.X, True)] if self.sel_x else [("", self.X, False)],
+                "none": [("", self.X, False)],
+            }[self.mode]
+            per_row.append(options)
+        out = []
+        for combo in itertools.product(*per_row):
+            chosen = [(name, row, selective) for name, row, selective in combo if name]
+            out.append(
+                _RowChoice(
+                    seconds=sum(row.sel_rec_s if sel else row.rec_s for _, row, sel in chosen),
+                    count=sum(0.5 if sel else 1.0 for _, _, sel in chosen),
+                    freed=sum(row.sel_saved_b if sel else row.saved_b - row.input_b for _, row, sel in chosen),
+                    peak=max([row.sel_saved_b if sel else row.saved_b for _, row, sel in chosen], default=0.0),
+                    recompute=tuple(name for name, _, _ in chosen),
+                )
+            )
+        return out
+
+    def stage_table(self, k: int, holds_x: bool) -> _Table:
+        """Stage ``k``'s best recompute per count (boundary sends not included). The middle
+        stages without ``X`` are tabulated together on first asking."""
+        if (k, holds_x) not in self.tables:
+            plain = 0 < k < self.p - 1 and not holds_x
+            ks = [j for j in range(1, self.p - 1) if (j, False) not in self.tables] if plain else [k]
+            self.tables.update({(j, holds_x): table for j, table in zip(ks, _stage_tables(self, ks, holds_x))})
+        return self.tables[(k, holds_x)]
+
+
+def _stage_tables(problem: _Problem, ks: Sequence[int], holds_x: bool) -> list[_Table]:
+    """The tables of :meth:`_Problem.stage_table` for stages ``ks`` that hold the same rows
+    beside their blocks (they differ in their in-flight micro-batches and block capacity): every
+    stage ``k``, row choice ``c``, full-recompute count ``r`` and count ``n`` at once (numpy axes
+    0 to 3), the fewest selective blocks for each, the best per stage and ``n``."""
+    blk, mode, scale = problem.blk, problem.mode, problem.scale
+    first, last = ks[0] == 0, ks[0] == problem.p - 1
+    others = [row for row, here in ((problem.pre, first), (problem.X, holds_x), (problem.post, last)) if here]
+    tops = np.array([max(problem.ub[k], 0) for k in ks])
+    counts = np.arange(int(tops.max()) + 1, dtype=float)
+    rows = problem.row_choices(ks[0], holds_x)
+    grid = _Grid(problem, counts, rows, has_always=not (first or last) or problem.p == 1)
+    a = np.array([problem.costs.inflight[k] for k in ks], dtype=float)[:, None, None, None]
+    memory = (
+        sum(row.state_b for row in others)
+        + a * sum(row.saved_b for row in others)
+        + grid.n * (blk.state_b + a * blk.saved_b)
+        + np.maximum(max([row.trans_b for row in others], default=0.0), grid.has * blk.trans_b)
+        - grid.r * a * (blk.saved_b - blk.input_b)
+        - a * grid.column("freed")
+    )
+    base_s = sum(row.work_s + row.zero_mb_s for row in others)
+    bt0 = max([row.bt_b for row in others], default=0.0)
+    within = grid.n <= tops[:, None, None, None]
+    best_h, best_f = (np.full((len(ks), len(counts)), INF) for _ in range(2))
+    picked = (np.zeros(best_h.shape), np.zeros(best_h.shape), np.zeros(best_h.shape, dtype=int))
+    # whether the blocks' attention cores are recomputed (``u_k``): pinned under ``selective``
+    for selective in (False,) if not problem.sel_blk else (True,) if mode == "selective" else (False, True):
+        peak = functools.reduce(
+            np.maximum,
+            [
+                np.maximum(grid.column("peak"), bt0),
+                grid.has * blk.bt_b,
+                grid.recomputes * (blk.saved_b if mode in ("auto", "all") else 0.0),
+                (grid.has if mode == "selective" else 1.0) * blk.sel_saved_b * selective,
+            ],
+        )
+        sel, fits = grid.selective(memory + peak - problem.limit, selective, a * blk.sel_saved_b)
+        extra = grid.column("seconds") + grid.r * blk.rec_s + sel * blk.sel_rec_s
+        micro = scale * (base_s + grid.n * (blk.work_s + blk.zero_mb_s) + extra)
+        share = micro + TIE_BREAK * scale * extra + problem.per_count * (grid.column("count") + grid.r + 0.5 * sel)
+        shape = np.broadcast_shapes(share.shape, fits.shape, within.shape, micro.shape, sel.shape, grid.r.shape)
+        flat = (shape[0], shape[1] * shape[2], shape[3])
+        share = np.broadcast_to(np.where(fits & within, share, INF), shape).reshape(flat)
+        at = np.argmin(share, axis=1)[:, None, :]
+        h = np.take_along_axis(share, at, axis=1)[:, 0, :]
+
+        def pick(values: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(np.broadcast_to(values, shape).reshape(flat), at, axis=1)[:, 0, :]
+
+        better = h < best_h
+        best_h, best_f = np.where(better, h, best_h), np.where(better, pick(micro), best_f)
+        picked = (
+            np.where(better, pick(grid.r), picked[0]),
+            np.where(better, pick(sel), picked[1]),
+            np.where(better, at[:, 0, :] // shape[2], picked[2]),
+        )
+    tail = scale * (sum(row.dp_step_s + row.opt_s for row in others) + counts * (blk.dp_step_s + blk.opt_s))
+    return [
+        _Table(
+            best_f[i],
+            best_h[i],
+            np.where(np.isfinite(best_h[i]), tail, INF),
+            picked[0][i],
+            picked[1][i],
+            rows,
+            picked[2][i],
+        )
+        for i in range(len(ks))
+    ]
+
+
+class _Grid:
+    """The axes of :func:`_stage_tables` beside the stage's: row choice (1), full-recompute count
+    ``r`` (2, only under ``auto``; pinned: ``r = n`` or 0) and count ``n`` (3), as broadcastable
+    arrays."""
+
+    def __init__(self, problem: _Problem, counts: np.ndarray, rows: list[_RowChoice], has_always: bool):
+        self.mode, self.rows = problem.mode, rows
+        self.n = counts[None, None, None, :]
+        # middle stages count the blocks' buffers whether or not they hold one (the ILP's ``has``)
+        self.has = np.ones_like(self.n) if has_always else (self.n > 0).astype(float)
+        if self.mode == "auto":
+            self.r = counts[None, None, :, None]
+            self.recomputes = (self.r > 0).astype(float)
+        elif self.mode == "all":
+            self.r, self.recomputes = self.n, self.has
+        else:
+            self.r = self.recomputes = np.zeros((1, 1, 1, 1))
+
+    def column(self, name: str) -> np.ndarray:
+        """One number of each row choice, along axis 1."""
+        return np.array([getattr(row, name) for row in self.rows], dtype=float)[None, :, None, None]
+
+    def selective(self, need: np.ndarray, selective: bool, frees: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Selectively recomputed blocks and whether the stage fits: none (``need <= 0`` must
+        hold), all of them (pinned), or the fewest (at least one) that cover ``need``."""
+        if not selective:
+            return np.zeros((1, 1, 1, 1)), (need <= 0) & (self.r <= self.n)
+        if self.mode == "selective":
+            return self.n, need - self.n * frees <= 0
+        sel = np.maximum(1.0, np.ceil(need / frees))
+        return sel, sel <= self.n - self.r
+
+
+# ---------------------------------------------------------------------------------- partition
+# Stage tables stacked: one row per stage, one column per count (``inf``: not allowed).
+
+
+def _bracket(allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each stage's smallest and largest allowed count; ``None`` if a stage allows none."""
+    if not allowed.any(axis=1).all():
+        return None
+    width = allowed.shape[1]
+    return np.argmax(allowed, axis=1), width - 1 - np.argmax(allowed[:, ::-1], axis=1)
+
+
+def _may_sum(allowed: np.ndarray, total: int) -> bool:
+    """A quick necessary condition for :func:`_least_sum`: the smallest and largest allowed
+    counts bracket ``total``."""
+    ends = _bracket(allowed)
+    return ends is not None and int(ends[0].sum()) <= total <= int(ends[1].sum())
+
+
+def _least_sum(values: np.ndarray, allowed: np.ndarray, total: int) -> tuple[float, list[int]] | None:
+    """Least ``sum_k values[k, n_k]`` over ``n_k`` with ``allowed[k, n_k]`` and ``sum n_k =
+    total`` (a min-plus dynamic program over the stages), and the counts; ``None`` if none."""
+    ends = _bracket(allowed)
+    if ends is None:
+        return None
+    low, high = ends
+    # a stage holds at least what the others cannot
+    floor = total - (int(high.sum()) - high)
+    counts_all = np.arange(allowed.shape[1])
+    reach = np.full(total + 1, INF)
+    reach[0] = 0.0
+    picks = []
+    sums = np.arange(total + 1)
+    for k in range(allowed.shape[0]):
+        counts = np.flatnonzero(allowed[k] & (counts_all >= floor[k]) & (counts_all <= total))
+        if counts.size == 0:
+            return None
+        before = sums[:, None] - counts[None, :]
+        trial = np.where(before >= 0, reach[np.maximum(before, 0)], INF) + values[k, counts][None, :]
+        at = np.argmin(trial, axis=1)
+        reach = trial[sums, at]
+        picks.append(counts[at])
+    if not math.isfinite(reach[total]):
+        return None
+    chosen, left = [], total
+    for pick in reversed(picks):
+        chosen.append(int(pick[left]))
+        left -= chosen[-1]
+    return float(reach[total]), chosen[::-1]
+
+
+def _at(table: np.ndarray, counts: list[int]) -> float:
+    """The largest entry of ``table`` at these counts (one per stage)."""
+    return float(table[np.arange(len(counts)), counts].max())
+
+
+def _caps(table: np.ndarray, allowed: np.ndarray, total: int) -> np.ndarray:
+    """The values a cap on ``table``'s maximum can take, in increasing order, from the first
+    under which the allowed counts can still sum to ``total`` (bisection: a higher cap only
+    allows more)."""
+    caps = np.unique(table[allowed])
+    low, high = 0, len(caps)
+    while low < high:
+        middle = (low + high) // 2
+        if _may_sum(allowed & (table <= caps[middle]), total):
+            high = middle
+        else:
+            low = middle + 1
+    return caps[low:]
+
+
+def _inner(
+    H: np.ndarray, G: np.ndarray, allowed: np.ndarray, total: int, bound: float
+) -> tuple[float, list[int]] | None:
+    """Least ``sum H + max G`` over the allowed counts, if under ``bound``."""
+    free = _least_sum(H, allowed, total)
+    if free is None:
+        return None
+    least_h, counts = free
+    best = (least_h + _at(G, counts), counts)
+    if best[0] >= bound:
+        best = (bound, [])
+    for cap in _caps(G, allowed, total):
+        if cap + least_h >= best[0]:  # every later cap's strategies cost at least this
+            break
+        found = _least_sum(H, allowed & (G <= cap), total)
+        if found is not None and found[0] + cap < best[0]:
+            best = (found[0] + _at(G, found[1]), found[1])
+    return best if best[1] else None
+
+
+def _partition(
+    F: np.ndarray, H: np.ndarray, G: np.ndarray, total: int, weight: float, bound: float
+) -> tuple[float, list[int]] | None:
+    """Least ``weight max F + sum H + max G`` over counts summing to ``total`` (``inf`` entries
+    not allowed), if under ``bound``; the value and the counts."""
+    allowed = np.isfinite(H)
+    if not _may_sum(allowed, total):
+        return None
+    free = _inner(H, G, allowed, total, INF)
+    if free is None:
+        return None
+
+    def value(found: tuple[float, list[int]]) -> float:
+        return weight * _at(F, found[1]) + found[0]
+
+    best = (value(free), free[1]) if value(free) < bound else (bound, [])
+    if weight > 0:
+        for cap in _caps(F, allowed, total):
+            if weight * cap + free[0] >= best[0]:  # the inner part cannot drop below free's
+                break
+            found = _inner(H, G, allowed & (F <= cap), total, best[0] - weight * cap)
+            if found is not None and value(found) < best[0]:
+                best = (value(found), found[1])
+    return best if best[1] else None
+
+
+# ---------------------------------------------------------------------------------- solve
+def _layout_arrays(
+    problem: _Problem, z0: bool, q: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Table]] | None:
+    """Per stage ``F``, ``H``, ``G`` under structure ``(z0, q)``: the stage tables with the
+    stages' sends added, and counts outside the structure's domain or the offload capacities
+    removed (``inf``)."""
+    domains = [problem.domain(k, z0, q) for k in range(problem.p)]
+    if any(high < low for low, high in domains):
+        return None
+    tables = [problem.stage_table(k, problem.holds_x(k, q)) for k in range(problem.p)]
+    F, H, G = (np.full((problem.p, problem.L + 1), INF) for _ in range(3))
+    for k, table in enumerate(tables):
+        F[k, : len(table.F)], H[k, : len(table.H)], G[k, : len(table.G)] = table.F, table.H, table.G
+    counts = np.arange(problem.L + 1)
+    low, high = (np.array(ends)[:, None] for ends in zip(*domains))
+    ok = (counts >= low) & (counts <= high) & np.isfinite(H)
+    costs = problem.costs
+    for room, field in ((costs.host_room, "host_b"), (costs.nvme_room, "nvme_b")):
+        if not math.isfinite(room) or sum(count * getattr(cost, field) for cost, count in costs.distinct) <= 0:
+            continue
+        held = np.array([sum(getattr(row, field) for row in problem.others(k, z0, q)) for k in range(problem.p)])
+        ok &= held[:, None] + counts * getattr(problem.blk, field) <= room * (1 - MEMORY_MARGIN)
+    sends = problem.scale * np.array([problem.p2p(k, z0, q) for k in range(problem.p)])[:, None]
+    F = np.where(ok, F + sends, INF)
+    H = np.where(ok, H + sends * (1 + TIE_BREAK), INF)
+    return F, H, np.where(ok, G, INF), tables
+
+
+def _lower_bound(F: np.ndarray, H: np.ndarray, G: np.ndarray, total: int, weight: float) -> float:
+    """A value no strategy of these tables beats: the least feasible cap on ``F``, each stage's
+    least ``H`` and the largest least ``G``."""
+    allowed = np.isfinite(H)
+    caps = _caps(F, allowed, total)
+    if not allowed.any(axis=1).all() or caps.size == 0:
+        return INF
+    return weight * float(caps[0]) + float(np.min(H, axis=1).sum()) + float(np.min(G, axis=1).max())
+
+
+def _decode(problem: _Problem, q: bool, counts: list[int], tables: list[_Table], objective: float) -> Counts:
+    """The ILP's ``decode`` of these counts and each stage's recompute."""
+    stages: list[tuple[int, int]] = []
+    recomputed: set[int] = set()
+    selective: set[int] = set()
+    start = 0
+    for k, (n, table) in enumerate(zip(counts, tables)):
+        holds_x = problem.holds_x(k, q)
+        last = start + n + (k == 0) + (k == problem.p - 1) + holds_x - 1
+        first_block = start + (k == 0)
+        full, sel = int(table.full[n]), int(table.sel[n])
+        stages.append((start, last))
+        recomputed.update(range(first_block, first_block + full))
+        selective.update(range(first_block + full, first_block + full + sel))
+        for name in table.rows[int(table.choice[n])].recompute:
+            if name == "pre":
+                recomputed.add(0)
+            elif name == "post":
+                recomputed.add(problem.rows - 1)
+            elif name == "X":
+                recomputed.add(problem.rows - 2)
+            else:
+                selective.add(problem.rows - 2)
+        start = last + 1
+    return Counts(stages, recomputed, selective, objective)
+
+
+def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = None) -> Counts | None:
+    """The optimal partition and recompute of a uniform table (``planner.search.candidates.
+    is_repeated``) under recompute mode ``checkpoint``: the ILP's optimum (module docstring).
+    ``None`` when nothing fits the memory (and the offload capacities), or nothing is faster
+    than ``cutoff`` seconds.
+
+    The tables first stop at twice the even share of blocks (plus two): a stage with more has a
+    micro-step of at least ``n`` blocks' work, and when ``(m - 1)`` times that plus the least
+    total work is above the best found, no stage can hold more. Otherwise the bound doubles."""
+    blocks = costs.num_layers - 2 - (costs.layers[-2] != costs.layers[1])
+    most = 2 * math.ceil(blocks / costs.cand.pp) + 2 if costs.cand.num_micro_batches > 1 else blocks
+    while True:
+        problem = _Problem(costs, checkpoint, most)
+        if min(problem.ub) < 0:
+            return None
+        limit = INF if cutoff is None else problem.scale * cutoff * (1 + CUTOFF_SLACK)
+        # the tie-breaks are far below 1% of the step: a bound that keeps every strategy under the cutoff
+        bound = limit * 1.01 + 1.0
+        best = _solve_layouts(problem, bound)
+        if most >= blocks or (best[0] if best else bound) <= _count_bound(problem, most + 1):
+            break
+        most = min(2 * most, blocks)
+    if best is None:
+        return None
+    if cutoff is not None and _step(problem, best[1]) > limit:
+        return None
+    return best[1]
+
+
+def _count_bound(problem: _Problem, count: int) -> float:
+    """A value every strategy with a stage of ``count`` or more blocks reaches: ``(m - 1)`` times
+    that stage's work plus every layer's work once (:func:`planner.search.candidates.total_work`)."""
+    blk = problem.blk
+    stage = count * (blk.work_s + blk.zero_mb_s)
+    return problem.scale * ((problem.m - 1) * stage + total_work(problem.costs))
+
+
+def _solve_layouts(problem: _Problem, bound: float) -> tuple[float, Counts] | None:
+    """The best of :func:`_partition` over the structures (:meth:`_Problem.layouts`), in the
+    order of their lower bounds, if under ``bound``: its value and strategy."""
+    best: tuple[float, Counts] | None = None
+    weight = problem.m - 1
+    layouts = []
+    for z0, q in problem.layouts():
+        arrays = _layout_arrays(problem, z0, q)
+        if arrays is not None:
+            layouts.append((_lower_bound(*arrays[:3], problem.L, weight), z0, q, arrays))
+    for lower, _z0, q, (F, H, G, tables) in sorted(layouts, key=lambda layout: layout[:3]):
+        if lower >= (bound if best is None else min(bound, best[0])):
+            break
+        found = _partition(F, H, G, problem.L, weight, bound if best is None else min(bound, best[0]))
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], _decode(problem, q, found[1], tables, found[0]))
+    return best
+
+
+def _step(problem: _Problem, answer: Counts) -> float:
+    """The scaled step of ``answer`` without tie-breaks (what the ILP's cutoff row bounds)."""
+    costs, scale = problem.costs, problem.scale
+    micro, tails = [], []
+    for first, last in answer.stages:
+        rows = range(first, last + 1)
+        micro.append(
+            sum(costs.layers[i].work_s + costs.layers[i].zero_mb_s for i in rows)
+            + sum(costs.layers[i].rec_s for i in rows if i in answer.recomputed)
+            + sum(costs.layers[i].sel_rec_s for i in rows if i in answer.selective)
+        )
+        tails.append(sum(costs.layers[i].dp_step_s + costs.layers[i].opt_s for i in rows))
+    for k in range(problem.p - 1):
+        send = costs.send_s(answer.stages[k][1], k)
+        micro[k] += send
+        micro[k + 1] += send
+    return scale * ((problem.m - 1) * max(micro) + sum(micro) + max(tails))
