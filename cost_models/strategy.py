@@ -1314,9 +1314,17 @@ def capacity_extra(
         host_rank - (costs.host_buffers_b if cand.offloads else 0) <= costs.host_room and nvme_rank <= costs.nvme_room
     )
     if cand.compile:  # once per run: the stage with the most distinct layer classes
-        classes = max(len({costs.layers[i] for i in indices}) for indices in stage_layers)
+        classes = max(len({_layer_class(costs.layers[i]) for i in indices}) for indices in stage_layers)
         extra["compile_s"] = compile_seconds(costs.hw, classes)
     return extra, bound <= costs.capacity and fits_offload
+
+
+def _layer_class(layer: LayerCost) -> tuple:
+    """What tells the generated layer classes apart (one ``torch.compile`` each,
+    ``runtime.stages.compile_layers``): the layer's own work and shapes, not where it sits
+    (the data-parallel overlap prices blocks at bucket edges apart, their backward's contention
+    included, and they share a class)."""
+    return (layer.fwd_s, layer.params_b, layer.saved_b, layer.input_b, layer.boundary_b, layer.bt_b)
 
 
 def pipeline_time(micro_steps: Sequence[float], micro_batches: int) -> float:

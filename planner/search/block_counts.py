@@ -340,6 +340,11 @@ def _least_sum(values: np.ndarray, allowed: np.ndarray, total: int) -> tuple[flo
     if ends is None:
         return None
     low, high = ends
+    if int(low.sum()) > total or int(high.sum()) < total:
+        return None
+    affine = _affine_sum(values, allowed, low, high, total)
+    if affine is not None:
+        return affine
     # a stage holds at least what the others cannot
     floor = total - (int(high.sum()) - high)
     counts_all = np.arange(allowed.shape[1])
@@ -363,6 +368,32 @@ def _least_sum(values: np.ndarray, allowed: np.ndarray, total: int) -> tuple[flo
         chosen.append(int(pick[left]))
         left -= chosen[-1]
     return float(reach[total]), chosen[::-1]
+
+
+def _affine_sum(
+    values: np.ndarray, allowed: np.ndarray, low: np.ndarray, high: np.ndarray, total: int
+) -> tuple[float, list[int]] | None:
+    """:func:`_least_sum` without the program when every stage allows an interval of counts and
+    its values rise by one common step per block (pinned recompute, or none needed): every
+    distribution then sums the same, and the counts are spread evenly. ``None`` otherwise."""
+    if (allowed.sum(axis=1) != high - low + 1).any():
+        return None
+    inside = allowed[:, :-1] & allowed[:, 1:]
+    steps = (values[:, 1:] - np.where(inside, values[:, :-1], 0.0))[inside]
+    if steps.size and np.ptp(steps) > 1e-12 * max(float(np.abs(steps).max()), 1e-300):
+        return None
+    counts, room, extra = low.copy(), high - low, total - int(low.sum())
+    while extra > 0:
+        share = max(1, extra // int((room > 0).sum()))
+        for k in np.flatnonzero(room > 0):
+            give = min(int(room[k]), share, extra)
+            counts[k] += give
+            room[k] -= give
+            extra -= give
+            if extra == 0:
+                break
+    chosen = [int(count) for count in counts]
+    return float(values[np.arange(len(chosen)), chosen].sum()), chosen
 
 
 def _at(table: np.ndarray, counts: list[int]) -> float:

@@ -70,6 +70,7 @@ other schedules are priced after the search (:mod:`planner.search.schedule_searc
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -275,9 +276,16 @@ class _Search:
     """The state of one :func:`search`: the incumbents, the greedy strategies, the counts."""
 
     def __init__(
-        self, entries: list[Entry], kinds: list[str], checkpoint: str, solver: str, keep: int, seed: SearchResult | None
+        self,
+        entries: list[Entry],
+        kinds: list[str],
+        checkpoint: str,
+        solver: str,
+        keep: int,
+        seed: SearchResult | None,
+        below: float = math.inf,
     ):
-        self.kinds, self.checkpoint, self.solver, self.keep = kinds, checkpoint, solver, keep
+        self.kinds, self.checkpoint, self.solver, self.keep, self.below = kinds, checkpoint, solver, keep, below
         self.result = SearchResult(ranked=[], enumerated=len(entries))
         self.order = sorted(entries, key=lambda entry: (entry.floor, entry.cand))
         self.best: dict[tuple, Evaluation] = {
@@ -318,7 +326,7 @@ class _Search:
         result, best = self.result, self.best
         for i, entry in enumerate(self.order):
             times = sorted(evaluation.step_time_s for evaluation in best.values())
-            threshold = times[self.keep - 1] if len(times) >= self.keep else float("inf")
+            threshold = min(times[self.keep - 1] if len(times) >= self.keep else math.inf, self.below)
             if entry.floor > threshold * (1 + TIME_TOL):  # so is every later one's (and its bound)
                 result.pruned_time += (len(self.order) - i) * exact
                 return
@@ -373,6 +381,7 @@ def search(
     solver: str = "cbc",
     keep: int = 4,
     seed: SearchResult | None = None,
+    below: float = math.inf,
 ) -> SearchResult:
     """Best strategies over ``entries`` (:class:`planner.search.entries.Entry`) with sound pruning.
 
@@ -384,6 +393,9 @@ def search(
     ``seed``: an earlier search over other candidates (the offload variants' search continues the
     plain one): its strategies are the starting incumbents, its counts carry over, and a strategy
     it ranked that loses its place to a new one stays a runner-up.
+
+    ``below``: only strategies faster than this matter (a probe: the others are pruned as if four
+    layouts were already faster; the runners-up are then incomplete).
 
     The small decisions are enumerated (:func:`planner.search.candidates.enumerate_candidates`):
     ``dp * tp * pp = gpus`` (``tp`` divides the heads and key/value heads and stays inside a node unless allowed
@@ -411,13 +423,15 @@ def search(
     with exhaustive enumeration).
     """
     started = time.perf_counter()
-    state = _Search(entries, kinds, checkpoint, solver, keep, seed)
+    state = _Search(entries, kinds, checkpoint, solver, keep, seed, below)
     result = state.result
     state.sweep(exact=False)
     state.sweep(exact=True)
-    result.ranked = sorted(state.best.values(), key=_rank_key)
+    result.ranked = sorted(
+        (evaluation for evaluation in state.best.values() if evaluation.step_time_s < below), key=_rank_key
+    )
     need = keep - len(result.ranked)
-    if result.ranked and need > 0:
+    if result.ranked and need > 0 and below == math.inf:
         result.extra = state.runners_up(need)
     if seed is not None:
         _merge_seed(result, seed, keep)

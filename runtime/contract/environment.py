@@ -55,7 +55,8 @@ CACHE_DIR = EnvVar(
 SOLVER = EnvVar(
     "PLANNER_SOLVER",
     "cbc",
-    "The ILP solver: `cbc` (pulp's bundled CBC) or `highs` (needs `highspy`).",
+    "The ILP solver: `cbc` (pulp's bundled CBC) or `highs` (needs `highspy`). Models whose blocks all cost "
+    "the same (most transformers) are partitioned by counting, without a solver.",
     "planner.search.ilp",
 )
 START_METHOD = EnvVar(

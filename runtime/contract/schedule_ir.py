@@ -296,25 +296,29 @@ def with_communication(compute: Sequence[Sequence[Action]], num_stages: int, vir
             elif action.kind == B and chunk > 0:
                 out.append(Action(rank, SEND_GRAD, action.microbatch, action.chunk))
         sends.append(out)
-    return [_place_receives(compute, sends, receiver, p) for receiver in range(p)]
+    # each message once: (sender, send, the receiver's local chunk), by receiver, in send order
+    incoming: list[list[tuple[int, Action, int]]] = [[] for _ in range(p)]
+    for sender, out in enumerate(sends):
+        for action in out:
+            if action.kind in _SENDS:
+                peer, chunk = _peer(action, p)
+                incoming[peer].append((sender, action, chunk))
+    return [_place_receives(compute[receiver], sends[receiver], incoming[receiver], receiver) for receiver in range(p)]
 
 
 def _place_receives(
-    compute: Sequence[Sequence[Action]], sends: list[list[Action]], receiver: int, num_stages: int
+    own: Sequence[Action], mine: list[Action], incoming: list[tuple[int, Action, int]], receiver: int
 ) -> list[Action]:
-    """Rank ``receiver``'s list with sends (``sends[receiver]``) and its receives, each as late as
-    the order of its sender's messages allows (:func:`with_communication`)."""
-    own = compute[receiver]
+    """Rank ``receiver``'s list with its sends (``mine``: its compute actions and sends) and its
+    receives (``incoming``: the messages for it), each as late as the order of its sender's
+    messages allows (:func:`with_communication`)."""
     # Per sender: the receives in send order and the position that needs each.
     use = {(action.kind, action.chunk, action.microbatch): position for position, action in enumerate(own)}
     queues: dict[int, list[tuple[int, Action]]] = {}
-    for sender in range(num_stages):
-        for action in sends[sender]:
-            if action.kind in _SENDS and _peer(action, num_stages)[0] == receiver:
-                _, chunk = _peer(action, num_stages)
-                recv = Action(receiver, _SENDS[action.kind], action.microbatch, chunk)
-                need = use.get((F if action.kind == SEND_ACT else B, chunk, action.microbatch), len(own))
-                queues.setdefault(sender, []).append((need, recv))
+    for sender, action, chunk in incoming:
+        recv = Action(receiver, _SENDS[action.kind], action.microbatch, chunk)
+        need = use.get((F if action.kind == SEND_ACT else B, chunk, action.microbatch), len(own))
+        queues.setdefault(sender, []).append((need, recv))
     # Latest position each queue's k-th receive may take: the minimum need over its suffix.
     for items in queues.values():
         latest = len(own)
@@ -322,11 +326,12 @@ def _place_receives(
             latest = min(latest, items[k][0])
             items[k] = (latest, items[k][1])
     heads = {sender: 0 for sender in queues}
+    senders = sorted(queues)
     out = []
     position = 0
-    for action in sends[receiver]:
+    for action in mine:
         if action.kind in COMPUTE:
-            for sender in sorted(queues):
+            for sender in senders:
                 items = queues[sender]
                 while heads[sender] < len(items) and items[heads[sender]][0] <= position:
                     out.append(items[heads[sender]][1])
