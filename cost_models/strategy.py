@@ -75,6 +75,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
@@ -368,8 +369,15 @@ class CandidateCosts:
 
     def is_uniform(self) -> bool:
         """True when the blocks (rows 1..L) cost the same, except possibly the last one: the ILP
-        can then count blocks per stage."""
-        return self.num_layers >= 3 and all(cost == self.layers[1] for cost in self.layers[2:-2])
+        can then count blocks per stage. Remembered for the rows it was asked of (the same
+        objects; a row replaced since is asked again): the search asks often, and each answer
+        compares every row's fifty-odd fields."""
+        known = self.__dict__.get("_uniform")
+        if known is not None and len(known[0]) == len(self.layers) and all(map(operator.is_, known[0], self.layers)):
+            return known[1]
+        uniform = self.num_layers >= 3 and all(cost == self.layers[1] for cost in self.layers[2:-2])
+        self.__dict__["_uniform"] = (tuple(self.layers), uniform)
+        return uniform
 
 
 @dataclass(frozen=True)
