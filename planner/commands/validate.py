@@ -47,8 +47,9 @@ _FORMATS = {
 
 def compare(plan, metrics: list[dict]) -> dict:
     """The ``validate --json`` object from a plan and its metrics lines: ``predicted`` and
-    ``measured`` step time, peak memory and bytes; the timed steps' times; the median collective
-    wait; ``time``, the predicted and measured (median) seconds of each part of the step. A 1-bit
+    ``measured`` step time, peak memory and bytes; the timed steps' times and parts
+    (``step_parts``); the median collective wait; ``time``, the predicted and measured (median)
+    seconds of each part of the step. A 1-bit
     Adam plan whose run ends inside its full-precision warm-up is compared with the warm-up step
     (``predicted.compression``: its step, parts, bytes and peak, before the error buffers exist),
     which is what ran."""
@@ -81,11 +82,13 @@ def compare(plan, metrics: list[dict]) -> dict:
         ranks = max(1, min(plan.hardware.gpus_per_node, plan.hardware.gpus))
         predicted["host_memory_bytes"] = int(prediction.memory.get("host", 0) // ranks)
         measured["host_memory_bytes"] = int(max(host))
-    parts, _ = median_breakdown([row["time"] for row in metrics if "time" in row])
+    times = [row["time"] for row in metrics if "time" in row]
+    parts, _ = median_breakdown(times)
     return {
         "predicted": predicted,
         "measured": measured,
         "step_times_s": [float(row["step_time_s"]) for row in rows],
+        "step_parts": [{part: float(seconds) for part, seconds in step.items()} for step in times[WARMUP_STEPS:]],
         "comm_wait_s": statistics.median(float(row.get("comm_wait_s", 0.0)) for row in rows),
         "time": {"predicted": predicted_time, "measured": parts},
     }

@@ -62,3 +62,39 @@ def test_a_run_that_overlaps_otherwise_than_its_price_says_so_and_how_to_compare
     assert note.endswith("plan with --overlap off to compare like with like")
     partial = overlap_mismatch({"dp": True, "tp": False, "pp": False}, Overlap.from_toggle("on"))
     assert "assumed dp traffic" in partial and "plan with --overlap on" in partial
+
+
+def test_a_communication_part_is_read_as_the_step_time_is():
+    """The benchmark's measured part: the lower quartile of its per-step seconds pooled over the
+    repeats (``validate --json``'s ``step_parts``), else the median of the runs' medians."""
+    from benchmarks.bench_validate import _measured_part
+
+    runs = [
+        {"step_parts": [{"dp_comm": 0.010}, {"dp_comm": 0.040}], "time": {"measured": {"dp_comm": 0.025}}},
+        {"step_parts": [{"dp_comm": 0.020}, {"dp_comm": 0.030}, {}], "time": {"measured": {"dp_comm": 0.020}}},
+    ]
+    # pooled: 0.0 (a step without the part), 0.010, 0.020, 0.030, 0.040 -> lower quartile 0.010
+    assert _measured_part(runs, "dp_comm") == pytest.approx(0.010)
+    older = [{"time": {"measured": {"dp_comm": seconds}}} for seconds in (0.3, 0.1, 0.2)]
+    assert _measured_part(older, "dp_comm") == pytest.approx(0.2)
+
+
+def test_validate_json_keeps_each_timed_steps_parts():
+    from types import SimpleNamespace
+
+    from planner.commands.validate import compare
+
+    prediction = SimpleNamespace(step_time_s=1.0, peak_memory_bytes=10, comm_bytes_per_device=5, compression=None)
+    plan = SimpleNamespace(
+        predicted=prediction,
+        time_of_run=lambda steps: {"dp_comm": 0.1},
+        in_warmup=lambda steps: False,
+        offload={"optimizer": "none", "params": "none"},
+    )
+    metrics = [
+        {"step_time_s": 1.0 + i, "peak_memory_bytes": 9, "comm_bytes": 5, "time": {"dp_comm": 0.01 * i}}
+        for i in range(5)
+    ]
+    got = compare(plan, metrics)
+    assert got["step_parts"] == [{"dp_comm": 0.02}, {"dp_comm": 0.03}, {"dp_comm": 0.04}]
+    assert got["time"]["measured"] == {"dp_comm": pytest.approx(0.03)}
