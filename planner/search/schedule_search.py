@@ -93,6 +93,7 @@ from runtime.contract.schedule_ir import (
     ScheduleError,
     W,
     analyze,
+    interleaved_compute,
     interleaved_one_f_one_b,
     one_f_one_b,
     peak_inflight,
@@ -193,6 +194,23 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: i
     return cast(Schedule, tuple(tuple(acts) for acts in sched))
 
 
+@functools.lru_cache(maxsize=128)
+def compute_order(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """:func:`build_schedule`'s compute actions alone (``F``, ``B``, ``W`` in each rank's order),
+    cached: all the memory analyses read (they skip the messages), built without placing every
+    message (most of a deep interleaved schedule's building)."""
+    if name == ScheduleName.INTERLEAVED and virtual_stages > 1:
+        sched = interleaved_compute(stages, micro_batches, virtual_stages)
+    elif name == ScheduleName.ZERO_BUBBLE:
+        sched = interleaved_compute(stages, micro_batches, 1, split=True)
+    else:
+        sched = [
+            [action for action in acts if action.kind in (F, B, W)]
+            for acts in build_schedule(name, stages, micro_batches, 1)
+        ]
+    return cast(Schedule, tuple(tuple(acts) for acts in sched))
+
+
 def _run(name: str, stages: int, micro_batches: int, virtual_stages: int, times: ChunkTimes):
     return analyze(
         build_schedule(name, stages, micro_batches, virtual_stages),
@@ -243,12 +261,12 @@ def pipeline_memory(
     without simulating: the order of each rank's actions fixes it, not their times (makespan and
     messages 0). What lets :func:`best_schedule` skip simulating a schedule that does not fit."""
     warm = _warm(name)
-    sched = build_schedule(
+    sched = compute_order(
         name, stages, micro_batches if micro_batches <= (warm + 2) * stages else (warm + 1) * stages, virtual_stages
     )
     peaks = peak_weight_pending(sched) if name == ScheduleName.ZERO_BUBBLE else peak_inflight(sched)
     held = tuple(min(k, micro_batches * virtual_stages) / virtual_stages for k in peaks)
-    short = build_schedule(name, stages, min(micro_batches, (warm + 1) * stages), virtual_stages)
+    short = compute_order(name, stages, min(micro_batches, (warm + 1) * stages), virtual_stages)
     pending = tuple(min(k, 1) / virtual_stages for k in _peak_b_to_w(short))
     if times.act_bytes is not None:  # chunks of unequal size: which ones are in flight matters
         at_b, anywhere = _weighted_held(

@@ -85,6 +85,7 @@ __all__ = [
     "one_f_one_b",
     "gpipe",
     "interleaved_one_f_one_b",
+    "interleaved_compute",
     "interleaved_zero_bubble",
     "zero_bubble_h1",
     "with_communication",
@@ -402,10 +403,23 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, virtual_stag
     _check_interleaved(p, m, v, "interleaved 1F1B")
     if v == 1:
         return one_f_one_b(p, m)
-    compute = [
+    return with_communication(interleaved_compute(p, m, v), p, v)
+
+
+def interleaved_compute(num_stages: int, num_microbatches: int, virtual_stages: int, split: bool = False) -> Schedule:
+    """Each rank's compute actions of :func:`interleaved_one_f_one_b` (``split``: of
+    :func:`interleaved_zero_bubble`, ``B`` and ``W`` apart) without the sends and receives
+    (:func:`with_communication` adds them): what an analysis of the order alone reads (the
+    activations held), for far less than placing every message. Same checks."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    _check_interleaved(p, m, v, "the zero-bubble schedule" if split else "interleaved 1F1B")
+    if split:
+        return [
+            _interleaved_order(p, m, v, rank, min((v - 1) * p + p - rank - 1, m * v), True, rank) for rank in range(p)
+        ]
+    return [
         _interleaved_order(p, m, v, rank, min(2 * (p - rank - 1) + (v - 1) * p, m * v), False, 0) for rank in range(p)
     ]
-    return with_communication(compute, p, v)
 
 
 def interleaved_zero_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -418,11 +432,7 @@ def interleaved_zero_bubble(num_stages: int, num_microbatches: int, virtual_stag
     micro-batch rules as :func:`interleaved_one_f_one_b`.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
-    _check_interleaved(p, m, v, "the zero-bubble schedule")
-    compute = [
-        _interleaved_order(p, m, v, rank, min((v - 1) * p + p - rank - 1, m * v), True, rank) for rank in range(p)
-    ]
-    return with_communication(compute, p, v)
+    return with_communication(interleaved_compute(p, m, v, split=True), p, v)
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:

@@ -403,3 +403,30 @@ def test_a_higher_zero_stage_makes_room_for_the_schedule():
     # without the ZeRO 1 candidate (a --zero-stage 0 pin), the triple stays 1F1B at ZeRO 0
     pinned = apply_schedules(SearchResult(ranked=[base]), {c0: cc_of[c0]}, rows)
     assert pinned.best.strategy.candidate == c0 and pinned.best.step_time_s <= base.step_time_s
+
+
+def test_the_compute_order_is_the_schedules_compute_actions():
+    """``compute_order`` (what the memory analyses read, built without the messages) equals each
+    schedule's compute actions, and refuses what the schedule refuses."""
+    import itertools
+
+    from planner.search.schedule_search import build_schedule, compute_order
+    from runtime.contract.choices import ScheduleName
+    from runtime.contract.schedule_ir import B, F, ScheduleError, W
+
+    compared = 0
+    for name, p, m in itertools.product(
+        (ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED, ScheduleName.ZERO_BUBBLE),
+        (1, 2, 3, 4),
+        (1, 2, 3, 4, 8, 12),
+    ):
+        for v in (1, 2, 3) if name == ScheduleName.INTERLEAVED else (1,):
+            try:
+                full = build_schedule(name, p, m, v)
+            except (ScheduleError, ValueError):
+                with pytest.raises((ScheduleError, ValueError)):
+                    compute_order(name, p, m, v)
+                continue
+            assert compute_order(name, p, m, v) == tuple(tuple(a for a in acts if a.kind in (F, B, W)) for acts in full)
+            compared += 1
+    assert compared > 40
