@@ -14,9 +14,9 @@ compile time. "Could pay" is checked before the second search from sound bounds:
 compiled candidate's lower bound (its floor, else its priced ``time_lower_bound``) is below the
 eager winner's step less the compile time of one layer class spread over the steps, the compiled
 search cannot change the answer and is skipped (the tiny models of the tests, on the ``cpu``
-profile, never compile). The compiled search prunes every strategy slower than that, which still
-finds the compiled winner when it can pay; a whole one (for the runners-up) runs only when the
-compiled winner is kept.
+profile, never compile). Unless the eager winner compiled already repays its compilation, the
+compiled search prunes every strategy slower than that, which still finds the compiled winner
+when it can pay; a whole one (for the runners-up) runs only when the compiled winner is kept.
 
 Every search prices lazily (:mod:`planner.search.entries`): a candidate's costs are worked out
 when a search reaches it, in order of a floor from its rows' work alone.
@@ -619,22 +619,26 @@ def choose_compile(
         request, table, hw, gpus_per_node, [dataclasses.replace(entry.cand, compile=True) for entry in entries]
     )
     pays = best.step_time_s - compile_seconds(hw, 1) / steps
-    # only compiled strategies faster than `pays` could repay their compilation: a search that
-    # prunes the others finds the compiled winner if it is one of them
-    probe = (
-        search(compiled, table.kinds, request.checkpoint, solver, below=pays * (1 - TIME_TOL))
-        if _compiling_may_pay(compiled, pays)
-        else None
-    )
-    if probe is None or probe.best is None:
+    whole: SearchResult | None = None
+    if (best.step_time_s - repriced.step_time_s) * steps > repriced.extra["compile_s"]:
+        whole = search(compiled, table.kinds, request.checkpoint, solver)  # the winner compiled pays already
+        found = whole
+    elif _compiling_may_pay(compiled, pays):
+        # only compiled strategies faster than `pays` could repay their compilation: a search that
+        # prunes the others finds the compiled winner if it is one of them
+        found = search(compiled, table.kinds, request.checkpoint, solver, below=pays * (1 - TIME_TOL))
+    else:
+        found = SearchResult(ranked=[])
+    if found.best is None:
         return result, CompileChoice(
             False, "auto", best.step_time_s - repriced.step_time_s, repriced.extra["compile_s"], steps, from_tokens
         )
-    compiled_eval = probe.winner()
+    compiled_eval = found.winner()
     saving = best.step_time_s - compiled_eval.step_time_s
     use = saving * steps > compiled_eval.extra["compile_s"]
-    # the plan's runners-up come from a whole search (the probe pruned the slower layouts)
-    return (search(compiled, table.kinds, request.checkpoint, solver) if use else result), CompileChoice(
+    if use and whole is None:  # the plan's runners-up come from a whole search (the probe pruned them)
+        whole = search(compiled, table.kinds, request.checkpoint, solver)
+    return (whole if use and whole is not None else result), CompileChoice(
         use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens
     )
 
