@@ -23,9 +23,9 @@ a stage's memory row, micro-step and tail involve only its own counts. So:
    the best kept.
 
 The rows are the ILP's rows (memory with its margin, the ZeRO buffer and recompute peaks, the
-offload capacities, the cutoff), so the optimum is the ILP's. One approximation: each stage's
-recompute is the one of least ``H`` for its count, which can differ from the ILP's choice only
-between strategies within the count tie-break (1e-7 of the step) of each other. The tests check
+offload capacities, the cutoff), so the optimum is the ILP's. Two approximations, both within the
+tie-break terms (about 1e-7 of the step): each stage's recompute is the one of least ``H`` for its
+count (not least ``F``), and the cutoff is checked on the optimum (the ILP minimizes under it). The tests check
 the optimum against the ILP and against brute force (``tests/planner/search/test_block_counts.py``).
 
 Why: the ILP of a 96-block model on 1,024 GPUs took 30-40 ms through CBC (model building, an MPS
@@ -89,7 +89,8 @@ class _RowChoice:
 @dataclass
 class _Table:
     """One stage's best recompute per block count ``n = 0..len - 1``: scaled micro-step ``F``,
-    objective share ``H`` (``F`` + tie-breaks), scaled tail ``G`` (``inf``: the count does not fit)."""
+    objective share ``H`` (``F`` + tie-breaks), scaled tail ``G``; ``inf`` in each where the count
+    does not fit."""
 
     F: np.ndarray
     H: np.ndarray
@@ -153,7 +154,7 @@ class _Problem:
     def domain(self, k: int, z0: bool, q: bool) -> tuple[int, int]:
         """Counts stage ``k`` may hold under the structure (before memory)."""
         top = self.ub[k]
-        if self.p == 1:
+        if self.p == 1:  # every block (the stage table stops at ``ub``: beyond it nothing fits)
             return self.L, self.L
         if k == 0:
             return (1, top) if z0 else (0, 0)
@@ -203,8 +204,10 @@ class _Problem:
         """Stage ``k``'s best recompute per count (boundary sends not included). The middle
         stages without ``X`` are tabulated together on first asking."""
         if (k, holds_x) not in self.tables:
-            plain = 0 < k < self.p - 1 and not holds_x
-            ks = [j for j in range(1, self.p - 1) if (j, False) not in self.tables] if plain else [k]
+            if 0 < k < self.p - 1 and not holds_x:  # every plain middle stage not tabulated yet
+                ks = [j for j in range(1, self.p - 1) if (j, False) not in self.tables]
+            else:
+                ks = [k]
             self.tables.update({(j, holds_x): table for j, table in zip(ks, _stage_tables(self, ks, holds_x))})
         return self.tables[(k, holds_x)]
 
@@ -419,28 +422,29 @@ def _caps(table: np.ndarray, allowed: np.ndarray, total: int) -> np.ndarray:
 def _inner(
     H: np.ndarray, G: np.ndarray, allowed: np.ndarray, total: int, bound: float
 ) -> tuple[float, list[int]] | None:
-    """Least ``sum H + max G`` over the allowed counts, if under ``bound``."""
+    """Least ``sum H + max G`` over the allowed counts, if under ``bound``: the value and the counts."""
     free = _least_sum(H, allowed, total)
     if free is None:
         return None
     least_h, counts = free
-    best = (least_h + _at(G, counts), counts)
-    if best[0] >= bound:
-        best = (bound, [])
+    best: tuple[float, list[int]] | None = None
+    if least_h + _at(G, counts) < bound:
+        best = (least_h + _at(G, counts), counts)
     for cap in _caps(G, allowed, total):
-        if cap + least_h >= best[0]:  # every later cap's strategies cost at least this
+        beat = bound if best is None else best[0]
+        if cap + least_h >= beat:  # every later cap's strategies cost at least this
             break
         found = _least_sum(H, allowed & (G <= cap), total)
-        if found is not None and found[0] + cap < best[0]:
+        if found is not None and found[0] + _at(G, found[1]) < beat:
             best = (found[0] + _at(G, found[1]), found[1])
-    return best if best[1] else None
+    return best
 
 
 def _partition(
     F: np.ndarray, H: np.ndarray, G: np.ndarray, total: int, weight: float, bound: float
 ) -> tuple[float, list[int]] | None:
     """Least ``weight max F + sum H + max G`` over counts summing to ``total`` (``inf`` entries
-    not allowed), if under ``bound``; the value and the counts."""
+    not allowed), if under ``bound``: the value and the counts."""
     allowed = np.isfinite(H)
     if not _may_sum(allowed, total):
         return None
@@ -451,15 +455,16 @@ def _partition(
     def value(found: tuple[float, list[int]]) -> float:
         return weight * _at(F, found[1]) + found[0]
 
-    best = (value(free), free[1]) if value(free) < bound else (bound, [])
+    best = (value(free), free[1]) if value(free) < bound else None
     if weight > 0:
         for cap in _caps(F, allowed, total):
-            if weight * cap + free[0] >= best[0]:  # the inner part cannot drop below free's
+            beat = bound if best is None else best[0]
+            if weight * cap + free[0] >= beat:  # the inner part cannot drop below free's
                 break
-            found = _inner(H, G, allowed & (F <= cap), total, best[0] - weight * cap)
-            if found is not None and value(found) < best[0]:
+            found = _inner(H, G, allowed & (F <= cap), total, beat - weight * cap)
+            if found is not None and value(found) < beat:
                 best = (value(found), found[1])
-    return best if best[1] else None
+    return best
 
 
 # ---------------------------------------------------------------------------------- solve
@@ -531,8 +536,8 @@ def _decode(problem: _Problem, q: bool, counts: list[int], tables: list[_Table],
 def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = None) -> Counts | None:
     """The optimal partition and recompute of a uniform table (``planner.search.candidates.
     is_repeated``) under recompute mode ``checkpoint``: the ILP's optimum (module docstring).
-    ``None`` when nothing fits the memory (and the offload capacities), or nothing is faster
-    than ``cutoff`` seconds.
+    ``None`` when nothing fits the memory (and the offload capacities), or the optimum's step
+    (without tie-breaks) is above ``cutoff`` seconds (with ``CUTOFF_SLACK``).
 
     The tables first stop at twice the even share of blocks (plus two): a stage with more has a
     micro-step of at least ``n`` blocks' work, and when ``(m - 1)`` times that plus the least

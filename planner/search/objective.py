@@ -48,10 +48,10 @@ def count_weight(costs: CandidateCosts) -> float:
 def block_capacity(costs: CandidateCosts) -> list[int]:
     """Most blocks each stage can hold in a uniform table (a valid bound that tightens the ILP).
 
-    Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in, sv - sel))`` plus the state and
-    least activations of the embedding / head rows it holds, whatever it recomputes, so ``n_k <=
-    (capacity - fixed_k) / (st + a_k min(sv, in))``; never more than ``L``; -1 when even the
-    embedding / head rows alone do not fit.
+    Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in, sv - sel))`` plus the
+    state and least activations of the embedding / head rows it holds, whatever it recomputes, so
+    ``n_k <= (capacity - fixed_k) / (st + a_k min(sv, in, sv - sel))``; never more than ``L``; -1
+    when even the embedding / head rows alone do not fit.
     """
     stages, blocks = costs.cand.pp, costs.num_layers - 2
     pre, blk, post = costs.layers[0], costs.layers[1], costs.layers[-1]
