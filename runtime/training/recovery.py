@@ -25,6 +25,7 @@ workers run on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,13 +44,20 @@ HEARTBEAT_FILE = "heartbeat.json"
 
 def write_heartbeat(directory: str, step: int, finished: bool = False) -> None:
     """Record that ``step`` steps are done now (``finished``: the run ended normally). Atomic: a
-    reader sees the previous heartbeat or this one."""
-    os.makedirs(directory, exist_ok=True)
+    reader sees the previous heartbeat or this one. A beat that cannot be written (a full disk)
+    is skipped: the checkpoint that fills the disk says so (``CheckpointError``, the earlier
+    checkpoints intact), where this write, beside a save in flight, would fail first and
+    stop the run with a bare ``OSError``."""
     path = os.path.join(directory, HEARTBEAT_FILE)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as out:
-        json.dump({"step": step, "time": time.time(), "finished": finished}, out)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as out:
+            json.dump({"step": step, "time": time.time(), "finished": finished}, out)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def read_heartbeat(directory: str) -> dict | None:

@@ -80,7 +80,8 @@ def _validate(plan, capsys):
 def test_validate_json_bytes_and_memory(validated, capsys):
     res = _validate(validated, capsys)
     keys = {"step_time_s", "peak_memory_bytes", "comm_bytes_per_device"}
-    assert set(res) == {"predicted", "measured", "step_times_s", "comm_wait_s", "time", "overlap"}
+    assert set(res) == {"predicted", "measured", "step_times_s", "step_parts", "comm_wait_s", "time", "overlap"}
+    assert len(res["step_parts"]) == 1 and res["step_parts"][0] == res["time"]["measured"]  # one timed step
     on = {"dp": True, "tp": True, "pp": True}
     assert res["overlap"] == {"priced": on, "run": on}  # the run overlaps what the price assumed
     assert len(res["step_times_s"]) == 1 and res["step_times_s"][0] == res["measured"]["step_time_s"]

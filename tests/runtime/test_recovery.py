@@ -41,6 +41,25 @@ def test_without_heartbeat_the_checkpoint_write_time_stands_for_the_failure(tmp_
     assert "steps lost unknown" in describe_recovery(fields)
 
 
+def test_a_heartbeat_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
+    """A full disk fails the beat beside a checkpoint save in flight: the save reports it (its
+    CheckpointError), the beat neither raises nor leaves its temporary file."""
+    write_heartbeat(str(tmp_path), 3)
+    real_dump = __import__("json").dump
+
+    def full(obj, out, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("runtime.training.recovery.json.dump", full)
+    write_heartbeat(str(tmp_path), 4)  # no exception
+    monkeypatch.setattr("runtime.training.recovery.json.dump", real_dump)
+    assert read_heartbeat(str(tmp_path))["step"] == 3  # the previous beat stands
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    write_heartbeat(str(blocked / "ck"), 1)  # not a directory: skipped too
+
+
 def test_kill_hook_reads_rank_and_step_and_spares_restarts(monkeypatch):
     monkeypatch.delenv(environment.FAULT_KILL.name, raising=False)
     assert kill_hook() is None
