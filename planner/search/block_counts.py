@@ -68,6 +68,8 @@ class Counts:
     selective: set[int]
     objective: float
     """The ILP's objective (scaled step time plus tie-breaks) at this strategy."""
+    step: float
+    """The scaled step time without tie-breaks (what the ILP's cutoff row bounds)."""
 
 
 @dataclass(frozen=True)
@@ -506,7 +508,9 @@ def _lower_bound(F: np.ndarray, H: np.ndarray, G: np.ndarray, total: int, weight
     return weight * float(caps[0]) + float(np.min(H, axis=1).sum()) + float(np.min(G, axis=1).max())
 
 
-def _decode(problem: _Problem, q: bool, counts: list[int], tables: list[_Table], objective: float) -> Counts:
+def _decode(
+    problem: _Problem, q: bool, counts: list[int], tables: list[_Table], objective: float, step: float
+) -> Counts:
     """The ILP's ``decode`` of these counts and each stage's recompute."""
     stages: list[tuple[int, int]] = []
     recomputed: set[int] = set()
@@ -530,7 +534,7 @@ def _decode(problem: _Problem, q: bool, counts: list[int], tables: list[_Table],
             else:
                 selective.add(problem.rows - 2)
         start = last + 1
-    return Counts(stages, recomputed, selective, objective)
+    return Counts(stages, recomputed, selective, objective, step)
 
 
 def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = None) -> Counts | None:
@@ -557,7 +561,7 @@ def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = 
         most = min(2 * most, blocks)
     if best is None:
         return None
-    if cutoff is not None and _step(problem, best[1]) > limit:
+    if best[1].step > limit:
         return None
     return best[1]
 
@@ -585,24 +589,7 @@ def _solve_layouts(problem: _Problem, bound: float) -> tuple[float, Counts] | No
             break
         found = _partition(F, H, G, problem.L, weight, bound if best is None else min(bound, best[0]))
         if found is not None and (best is None or found[0] < best[0]):
-            best = (found[0], _decode(problem, q, found[1], tables, found[0]))
+            counts = found[1]
+            step = weight * _at(F, counts) + float(F[np.arange(problem.p), counts].sum()) + _at(G, counts)
+            best = (found[0], _decode(problem, q, counts, tables, found[0], step))
     return best
-
-
-def _step(problem: _Problem, answer: Counts) -> float:
-    """The scaled step of ``answer`` without tie-breaks (what the ILP's cutoff row bounds)."""
-    costs, scale = problem.costs, problem.scale
-    micro, tails = [], []
-    for first, last in answer.stages:
-        rows = range(first, last + 1)
-        micro.append(
-            sum(costs.layers[i].work_s + costs.layers[i].zero_mb_s for i in rows)
-            + sum(costs.layers[i].rec_s for i in rows if i in answer.recomputed)
-            + sum(costs.layers[i].sel_rec_s for i in rows if i in answer.selective)
-        )
-        tails.append(sum(costs.layers[i].dp_step_s + costs.layers[i].opt_s for i in rows))
-    for k in range(problem.p - 1):
-        send = costs.send_s(answer.stages[k][1], k)
-        micro[k] += send
-        micro[k + 1] += send
-    return scale * ((problem.m - 1) * max(micro) + sum(micro) + max(tails))
