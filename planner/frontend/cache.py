@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 
     from passes.layer_table import LayerTable
 
-__all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "stats"]
+__all__ = ["FORMAT", "cache_enabled", "cache_dir", "table_key", "load_table", "store_table", "write_entry", "stats"]
 
 FORMAT = 4
 """Version of the entry layout; raise it when the pickled payload changes shape (2: the rows'
@@ -418,7 +418,6 @@ def store_table(key: str, table: "LayerTable") -> None:
     """Write ``table`` under ``key`` atomically, with its compiled form where it has one
     (``CompiledTable.record``); a failure only loses the speed-up."""
     path = _entry_path(key)
-    tmp = None
     try:
         symbolic = io.BytesIO()
         _table_pickler(symbolic).dump({f.name: getattr(table, f.name) for f in fields(table)})
@@ -429,6 +428,23 @@ def store_table(key: str, table: "LayerTable") -> None:
             "table": symbolic.getvalue(),
         }
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - an unpicklable note...
+        _log.debug("layer-table cache: cannot store %s (%s: %s)", path, type(e).__name__, e)
+        stats["unwritable"] += 1
+        return
+    if write_entry(path, data):
+        stats["stored"] += 1
+    else:
+        stats["unwritable"] += 1
+
+
+def write_entry(path: Path, data: bytes) -> bool:
+    """Write ``data`` to the cache entry ``path`` atomically (a temporary file in the same folder,
+    renamed over the old entry, so a reader sees a whole entry or none), creating the folders
+    private (mode 0700); whether it was written (a read-only home or a full disk only lose the
+    speed-up)."""
+    tmp = None
+    try:
         path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem[:16] + ".", suffix=".tmp")
@@ -436,10 +452,10 @@ def store_table(key: str, table: "LayerTable") -> None:
             f.write(data)
         os.replace(tmp, path)
         tmp = None
-        stats["stored"] += 1
-    except Exception as e:  # noqa: BLE001 - read-only home, full disk, an unpicklable note...
-        _log.debug("layer-table cache: cannot write %s (%s: %s)", path, type(e).__name__, e)
-        stats["unwritable"] += 1
+        return True
+    except OSError as e:
+        _log.debug("cache: cannot write %s (%s: %s)", path, type(e).__name__, e)
+        return False
     finally:
         if tmp is not None:
             try:

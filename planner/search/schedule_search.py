@@ -84,6 +84,7 @@ from cost_models.schedule_cost import (
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 from planner.search.candidates import forced_micro_step, memory_lower_bound, tail_bound, total_work
 from planner.search.ilp import _rank_key
+from planner.search.program_cache import cached_program
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import ScheduleName
 from runtime.contract.schedule_ir import (
@@ -91,8 +92,8 @@ from runtime.contract.schedule_ir import (
     F,
     Schedule,
     ScheduleError,
+    TimingProgram,
     W,
-    analyze,
     interleaved_compute,
     interleaved_one_f_one_b,
     one_f_one_b,
@@ -211,14 +212,30 @@ def compute_order(name: str, stages: int, micro_batches: int, virtual_stages: in
     return cast(Schedule, tuple(tuple(acts) for acts in sched))
 
 
-def _run(name: str, stages: int, micro_batches: int, virtual_stages: int, times: ChunkTimes):
-    return analyze(
-        build_schedule(name, stages, micro_batches, virtual_stages),
+@functools.lru_cache(maxsize=64)
+def timing_program(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> TimingProgram:
+    """:func:`build_schedule`'s schedule compiled for pricing under many chunk times, cached:
+    the kept strategies share their ``(p, m)`` and differ in their times, and later plans read it
+    from disk (:mod:`planner.search.program_cache`)."""
+    return cached_program(
+        name,
+        stages,
+        micro_batches,
+        virtual_stages,
+        lambda: TimingProgram.of(build_schedule(name, stages, micro_batches, virtual_stages)),
+    )
+
+
+def _run(name: str, stages: int, micro_batches: int, virtual_stages: int, times: ChunkTimes) -> tuple[float, int]:
+    """Makespan and messages of one simulation of the schedule under ``times``."""
+    program = timing_program(name, stages, micro_batches, virtual_stages)
+    span = program.makespan(
         forward_time=times.forward_s,
         backward_time=times.backward_s,
         weight_time=times.weight_s,
         send_time=times.send_s,
     )
+    return span, program.messages
 
 
 def simulate_pipeline(
@@ -237,14 +254,11 @@ def _makespan(name: str, stages: int, micro_batches: int, virtual_stages: int, t
     """:func:`simulate_pipeline`'s makespan and messages."""
     warm = _warm(name)
     if micro_batches <= (warm + 2) * stages:
-        run = _run(name, stages, micro_batches, virtual_stages, times)
-        return run.makespan, run.messages
-    short_run, long_run = (
-        _run(name, stages, warm * stages, virtual_stages, times),
-        _run(name, stages, (warm + 1) * stages, virtual_stages, times),
-    )
-    slope = max(long_run.makespan - short_run.makespan, stages * _busiest(stages, times)) / stages
-    return long_run.makespan + slope * (micro_batches - (warm + 1) * stages), long_run.messages // (
+        return _run(name, stages, micro_batches, virtual_stages, times)
+    short_span, _ = _run(name, stages, warm * stages, virtual_stages, times)
+    long_span, long_messages = _run(name, stages, (warm + 1) * stages, virtual_stages, times)
+    slope = max(long_span - short_span, stages * _busiest(stages, times)) / stages
+    return long_span + slope * (micro_batches - (warm + 1) * stages), long_messages // (
         (warm + 1) * stages
     ) * micro_batches
 

@@ -44,12 +44,15 @@ class EnvVar:
 
 
 CACHE = EnvVar(
-    "PLANNER_CACHE", "on", "`off` (or `0`, `false`, `no`) turns the layer-table cache off.", "planner.frontend.cache"
+    "PLANNER_CACHE",
+    "on",
+    "`off` (or `0`, `false`, `no`) turns the planner's caches (layer tables, schedule programs) off.",
+    "planner.frontend.cache",
 )
 CACHE_DIR = EnvVar(
     "PLANNER_CACHE_DIR",
     "",
-    "The layer-table cache's folder (default `$XDG_CACHE_HOME/planner`, else `~/.cache/planner`).",
+    "The planner's cache folder (default `$XDG_CACHE_HOME/planner`, else `~/.cache/planner`).",
     "planner.frontend.cache",
 )
 SOLVER = EnvVar(

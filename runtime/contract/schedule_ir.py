@@ -93,6 +93,7 @@ __all__ = [
     "validate_schedule",
     "simulate",
     "SimResult",
+    "TimingProgram",
     "analyze",
     "ScheduleStats",
     "peak_open",
@@ -624,7 +625,15 @@ def _durations(
 ) -> dict[str, TimeSpec]:
     """Each compute kind's time; with ``W`` actions and no ``weight_time``, ``B`` and ``W`` each
     take half of ``backward_time``."""
-    split = any(action.kind == W for acts in sched for action in acts)
+    return _durations_of(
+        any(action.kind == W for acts in sched for action in acts), forward_time, backward_time, weight_time
+    )
+
+
+def _durations_of(
+    split: bool, forward_time: TimeSpec, backward_time: TimeSpec, weight_time: TimeSpec | None
+) -> dict[str, TimeSpec]:
+    """:func:`_durations` of a schedule that has ``W`` actions (``split``) or none."""
     if split and weight_time is None:
         full_backward = backward_time
 
@@ -654,8 +663,11 @@ class _Simulation:
         """(sender, receiver) -> FIFO of (arrival time, send action)."""
         self.start: dict[Action, float] = {}
         self.end: dict[Action, float] = {}
+        self.order: list[tuple[int, Action]] = []
+        """Every action as it ran, over all ranks: an order that no times change (:class:`TimingProgram`)."""
 
     def _record(self, rank: int, action: Action, began: float, ended: float) -> None:
+        self.order.append((rank, action))
         self.timeline[rank].append((action, began, ended))
         self.start[action], self.end[action] = began, ended
         self.clock[rank] = ended
@@ -754,6 +766,115 @@ def simulate(
         raise ValueError("empty schedule")
     durations = _durations(sched, forward_time, backward_time, weight_time)
     return _Simulation(sched, durations, p2p_time, send_time).run()
+
+
+_SEND_SLOT, _RECV_SLOT = -1, -2
+
+
+class TimingProgram:
+    """A schedule's simulation with the times left open: what :func:`simulate` does, as flat
+    integer steps, so that one schedule can be priced under many times (the planner prices each
+    kept strategy's chunk times) at a fraction of a simulation's cost.
+
+    Which send each receive waits for does not depend on the times (messages between two ranks
+    are matched in order), and neither does an order in which every action comes after its
+    rank's previous one and every receive after its send. One walk of the lists in such an order
+    fixes, for each action in turn, its rank and either its compute slot (kind and model chunk)
+    or the message; :meth:`makespan` replays those steps with the times, adding them in the same
+    order per rank as :func:`simulate` (the same floats). A schedule the walk cannot finish (a
+    deadlock, a misordered message, an action on the wrong rank) is handed to :func:`simulate`,
+    whose error says what is wrong."""
+
+    SEND = _SEND_SLOT
+    """A step's slot when it is a send (its message is its own step's index)."""
+    RECEIVE = _RECV_SLOT
+    """A step's slot when it is a receive (its message is the index of the send's step)."""
+
+    def __init__(self, ranks: int, chunks: int, steps: Sequence[Sequence[int]], split: bool):
+        self.ranks, self.chunks = ranks, chunks
+        self.steps = steps
+        """``(rank, slot, message)`` per action in a runnable order; ``slot`` is ``k p v + c`` for
+        compute kind ``k`` (``F``, ``B``, ``W``) of model chunk ``c``, else :attr:`SEND` or
+        :attr:`RECEIVE`."""
+        self.split = split
+        """Whether the schedule has ``W`` actions (``B`` is then the input-gradient half)."""
+        self.messages = sum(1 for step in steps if step[1] == _SEND_SLOT)
+        """Point-to-point messages of one step, over all ranks."""
+
+    @classmethod
+    def of(cls, sched: Schedule) -> "TimingProgram":
+        """The program of ``sched``; raises :func:`simulate`'s error for a schedule that cannot run."""
+        ranks, chunks = len(sched), num_chunks(sched)
+        slots = {kind: index * ranks * chunks for index, kind in enumerate(COMPUTE)}
+        queues: list[list[deque]] = [[deque() for _ in range(ranks)] for _ in range(ranks)]
+        """``[sender][receiver]``: the messages sent and not received yet, as (index, what)."""
+        steps: list[tuple[int, int, int]] = []
+        done = [0] * ranks
+        progress = True
+        while progress:
+            progress = False
+            for rank, acts in enumerate(sched):
+                index = done[rank]
+                while index < len(acts) and cls._walk(acts[index], rank, ranks, chunks, slots, queues, steps):
+                    index += 1
+                progress |= index > done[rank]
+                done[rank] = index
+        if any(index < len(acts) for index, acts in zip(done, sched)):
+            simulate(sched)  # raises the deadlock or mismatch that stopped the walk
+            raise ScheduleError("the schedule's messages cannot be matched")  # pragma: no cover
+        return cls(ranks, chunks, tuple(steps), any(action.kind == W for acts in sched for action in acts))
+
+    @staticmethod
+    def _walk(action: Action, rank: int, ranks: int, chunks: int, slots: dict, queues: list, steps: list) -> bool:
+        """Append ``action``'s step; False when it cannot run yet or is malformed (stops the walk)."""
+        kind = action.kind
+        if action.stage != rank:
+            return False
+        if kind in slots:
+            steps.append((rank, slots[kind] + action.chunk * ranks + rank, 0))
+            return True
+        target = action.chunk * ranks + rank + _DIRECTION[kind]
+        if not 0 <= target < ranks * chunks:
+            return False
+        peer, chunk = target % ranks, target // ranks
+        if kind in _SENDS:
+            message = len(steps)  # the send's step names its message
+            queues[rank][peer].append((message, (_SENDS[kind], chunk, action.microbatch)))
+            steps.append((rank, _SEND_SLOT, message))
+            return True
+        queue = queues[peer][rank]
+        if not queue or queue[0][1] != (kind, action.chunk, action.microbatch):
+            return False
+        steps.append((rank, _RECV_SLOT, queue.popleft()[0]))
+        return True
+
+    def makespan(
+        self,
+        *,
+        forward_time: TimeSpec = 1.0,
+        backward_time: TimeSpec = 2.0,
+        weight_time: TimeSpec | None = None,
+        p2p_time: float = 0.0,
+        send_time: float = 0.0,
+    ) -> float:
+        """:func:`simulate`'s makespan under these times (the same arguments, the same result)."""
+        durations = _durations_of(self.split, forward_time, backward_time, weight_time)
+        table = [
+            _per_stage(durations[kind], chunk, f"{kind} time") if kind in durations else 0.0
+            for kind in COMPUTE
+            for chunk in range(self.ranks * self.chunks)
+        ]
+        clock = [0.0] * self.ranks
+        arrivals = [0.0] * len(self.steps)  # by the index of the send's step
+        for rank, slot, message in self.steps:
+            if slot >= 0:
+                clock[rank] += table[slot]
+            elif slot == _SEND_SLOT:
+                clock[rank] += send_time
+                arrivals[message] = clock[rank] + p2p_time
+            elif arrivals[message] > clock[rank]:
+                clock[rank] = arrivals[message]
+        return max(clock)
 
 
 def _deadlock(sched: Schedule, next_index: list[int], unfinished: list[int]) -> DeadlockError:

@@ -16,6 +16,7 @@ from runtime.contract.schedule_ir import (
     DeadlockError,
     F,
     ScheduleError,
+    TimingProgram,
     W,
     analyze,
     format_schedule,
@@ -215,3 +216,50 @@ def test_per_chunk_times_and_latency():
     zb = zero_bubble_h1(p, m)
     split = simulate(zb, forward_time=[1.0, 1.0], backward_time=[2.0, 4.0])  # B and W halve it
     assert split.compute_time == [m * (1 + 2), m * (1 + 4)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pmv=sizes(), data=st.data())
+def test_timing_program_replays_the_simulation_exactly(pmv, data):
+    """A schedule's timing program gives :func:`simulate`'s makespan, to the float, under any
+    per-chunk times, send and latency times, for every generator (``W`` halves included)."""
+    p, m, v = pmv
+    name, sched = data.draw(
+        st.sampled_from(
+            [
+                ("1f1b", one_f_one_b(p, m)),
+                ("interleaved", interleaved_one_f_one_b(p, m, v)),
+                ("zb-h1", zero_bubble_h1(p, m)),
+                ("interleaved zb", interleaved_zero_bubble(p, m, v)),
+            ]
+        ),
+        label="schedule",
+    )
+    chunks = p * (v if name.startswith("interleaved") else 1)
+    times = st.lists(st.floats(0.0, 5.0), min_size=chunks, max_size=chunks)
+    forward, backward = data.draw(times), data.draw(times)
+    weight = data.draw(st.none() | times)
+    send, latency = data.draw(st.floats(0.0, 2.0)), data.draw(st.floats(0.0, 2.0))
+    kwargs = dict(forward_time=forward, backward_time=backward, weight_time=weight, send_time=send, p2p_time=latency)
+    program = TimingProgram.of(sched)
+    assert program.makespan(**kwargs) == simulate(sched, **kwargs).makespan
+    assert program.messages == sum(a.kind in (SEND_ACT, SEND_GRAD) for acts in sched for a in acts)
+
+
+def test_timing_program_refuses_what_the_simulation_refuses():
+    """A schedule that deadlocks or mismatches its messages raises the simulation's own error."""
+    small = interleaved_one_f_one_b(2, 2, 2)
+    early = "RECV_ACT0@s0c1 RECV_ACT1@s0c1 RECV_GRAD0@s0c1 F0@s0c1 SEND_ACT0@s0c1 F1@s0c1 SEND_ACT1@s0c1 B0@s0c1"
+    late = "SEND_GRAD0@s0c1 RECV_GRAD1@s0c1 B1@s0c1 SEND_GRAD1@s0c1 RECV_GRAD0@s0 B0@s0 RECV_GRAD1@s0 B1@s0"
+    r0 = [Action.parse(t) for t in f"F0@s0 SEND_ACT0@s0 F1@s0 SEND_ACT1@s0 {early} {late}".split()]
+    stuck = [r0, small[1]]  # rank 0 waits for a gradient before the forwards that lead to it
+    with pytest.raises(DeadlockError) as expected:
+        simulate(stuck)
+    with pytest.raises(DeadlockError) as got:
+        TimingProgram.of(stuck)
+    assert str(got.value) == str(expected.value)
+    swapped = [list(small[0]), list(small[1])]
+    first, second = (k for k, a in enumerate(swapped[1]) if a.kind == RECV_ACT and a.chunk == 0)
+    swapped[1][first], swapped[1][second] = swapped[1][second], swapped[1][first]
+    with pytest.raises(ScheduleError, match="matched in order"):
+        TimingProgram.of(swapped)
