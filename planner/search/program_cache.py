@@ -101,7 +101,7 @@ def _read(path: Path, key: str) -> TimingProgram | None:
         _log.debug("schedule-program cache: ignoring %s (%s: %s)", path, type(e).__name__, e)
         stats["rejected"] += 1
         return None
-    return TimingProgram(ranks, chunks, [tuple(step) for step in steps.tolist()], bool(split))
+    return TimingProgram(ranks, chunks, steps.tolist(), bool(split))
 
 
 def _check(steps: np.ndarray, ranks: int, chunks: int) -> None:
