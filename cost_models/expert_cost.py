@@ -30,7 +30,12 @@ apart, form an expert group; the ``dp / ep`` ranks holding the same experts an e
   mean in all (the imbalance only moves tokens between its own experts), so ``X`` applies only at
   ``ep > 1``. With a capacity factor ``F`` (``--moe-capacity-factor``) an expert takes at most
   ``F`` times its even share and drops the rest, so the load is ``min(X, F)`` (``min(1, F)`` at
-  ``ep = 1``).
+  ``ep = 1``). Under a load the busiest expert's rows are priced rounded up to a multiple of
+  ``LOADED_ROWS_MULTIPLE``: ``X`` times a mean is rarely a whole count, and the token rows are
+  never a product's leading dimension (its rows, or its contraction in the weight gradient), so
+  a real count of any size runs at the aligned rate; the rounding keeps the tensor cores'
+  alignment rule (``cost_models.compute.misaligned``) from reading a fractional mean as a
+  misaligned size (it did: ``--moe-imbalance 1.1`` priced Mixtral's steps 4.5 times 1.0's).
 """
 
 from __future__ import annotations
@@ -46,7 +51,12 @@ from cost_models.hardware import HardwareProfile
 from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.rank_layout import expert_ranks
 
+#: Under a routing imbalance, the busiest expert's token rows are priced rounded up to a multiple
+#: of this (16 rows: 16 bytes of the narrowest tensor-core type, fp8, and a tile's row step).
+LOADED_ROWS_MULTIPLE = 16
+
 __all__ = [
+    "LOADED_ROWS_MULTIPLE",
     "ExpertSetting",
     "AllToAll",
     "expert_load",
@@ -135,7 +145,8 @@ def _token_dim(gemm: Sequence[Any], tokens: float) -> int | None:
 def local_expert_gemms(gemms: Sequence[Sequence[Any]], tokens: float, ep: int, load: float) -> list[tuple]:
     """The row's expert products as one rank runs them: ``experts / ep`` local experts (the batch
     dim) each with ``tokens x ep x load`` rows (``tokens``: the even share at ep = 1,
-    ``expert_tokens``). The same FLOPs times ``load``."""
+    ``expert_tokens``). The same FLOPs times ``load`` (under a load, to within the rows' rounding up
+    to ``LOADED_ROWS_MULTIPLE``)."""
     out = []
     for gemm in gemms:
         dims = [float(x) for x in gemm[:4]]
@@ -144,6 +155,8 @@ def local_expert_gemms(gemms: Sequence[Sequence[Any]], tokens: float, ep: int, l
             dims[3] *= load
         else:
             dims[rows] *= ep * load
+            if load != 1.0:  # whole rows, in a multiple no alignment rule breaks (module docstring)
+                dims[rows] = math.ceil(dims[rows] / LOADED_ROWS_MULTIPLE - 1e-9) * LOADED_ROWS_MULTIPLE
             dims[3] /= ep
         out.append((dims[0], dims[1], dims[2], dims[3], int(gemm[4]), gemm[5] if len(gemm) > 5 else None))
     return out

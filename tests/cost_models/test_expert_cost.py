@@ -152,6 +152,21 @@ def test_expert_products_run_at_the_rows_each_local_expert_gets():
     assert cpu8.fwd_s == pytest.approx(cpu1.fwd_s, rel=1e-12)
 
 
+def test_imbalance_raises_the_expert_products_smoothly():
+    """A busiest expert's ``X`` times the mean rows is rarely whole: priced rounded up to 16 rows,
+    the products cost more as ``X`` grows, and never more than ``X`` times their even cost plus the
+    rounding (a fractional mean read as a misaligned size cost Mixtral 4.5x at X = 1.1)."""
+    assert H100.gemm_misaligned_efficiency < 1.0  # the rule the rounding must not trip
+    tokens = 2 * 128 * TOP_K / EXPERTS
+    fwd = (tokens, 2 * FFN, HIDDEN, EXPERTS, 1, None)
+    assert local_expert_gemms([fwd], tokens, 4, 1.1)[0][0] == 16 * 18  # 281.6 rows -> 288
+    even = _costs(_cand(ep=8)).layers[1].compute_s
+    times = [_costs(_cand(ep=8, moe_imbalance=x)).layers[1].compute_s for x in (1.05, 1.1, 1.2, 1.25, 1.5, 2.0)]
+    assert all(a <= b for a, b in zip([even] + times, times))
+    for x, seconds in zip((1.05, 1.1, 1.2, 1.25, 1.5, 2.0), times):
+        assert seconds <= even * (x + 16 / (tokens * 8)), x
+
+
 def test_expert_groups_inside_a_node_unless_tp_times_ep_exceeds_it():
     """The expert group is ep consecutive dp ranks, tp apart: on one node while tp x ep fits."""
     inside, data = expert_placements(16, 1, 1, 8, 8)
