@@ -146,14 +146,26 @@ def sweep_paths(out: str, counts: list[int]) -> dict[int, str]:
 _SCHEDULE_MARKS = {ScheduleName.ONE_F_ONE_B: "", ScheduleName.INTERLEAVED: " iv{v}", ScheduleName.ZERO_BUBBLE: " zb"}
 
 
+def _degrees(plan: Plan) -> str:
+    """``dp8 cp2 tp4 pp2 ep8``: the mesh's degrees, whose product is the GPU count (cp and ep when above 1)."""
+    cp = plan.context_parallel["degree"]
+    return (
+        f"dp{plan.dp}"
+        + (f" cp{cp}" if cp > 1 else "")
+        + f" tp{plan.tp} pp{plan.pp}"
+        + (f" ep{plan.expert_parallel}" if plan.expert_parallel > 1 else "")
+    )
+
+
 def _strategy(plan: Plan) -> str:
-    """``dp8 tp4 pp8 Z1 192x1 iv6 sp rc4 sel8 C off:cpu/nvme``: degrees, ZeRO stage, micro-batches x
-    size, the pipeline schedule (interleaved v, zero bubble), sequence parallelism, layers
-    recomputed whole and selectively, compiled stages, offload (optimizer/parameters) when any, 1-bit Adam (``1bit``)."""
+    """``dp8 cp2 tp4 pp8 ep8 Z1 192x1 iv6 sp rc4 sel8 C off:cpu/nvme``: degrees (:func:`_degrees`),
+    ZeRO stage, micro-batches x size, the pipeline schedule (interleaved v, zero bubble), sequence
+    parallelism, layers recomputed whole and selectively, compiled stages, offload
+    (optimizer/parameters) when any, 1-bit Adam (``1bit``)."""
     recomputed, selective = len(plan.checkpoint_layers), len(plan.selective_layers)
     offload = plan.offload
     return (
-        f"dp{plan.dp} tp{plan.tp} pp{plan.pp} Z{plan.zero_stage} {plan.num_micro_batches}x"
+        f"{_degrees(plan)} Z{plan.zero_stage} {plan.num_micro_batches}x"
         f"{plan.micro_batch_size}"
         + _SCHEDULE_MARKS[ScheduleName(plan.schedule)].format(v=plan.virtual_stages)
         + (" sp" if plan.sequence_parallel else "")
@@ -273,7 +285,7 @@ def plot_sweep(rows: list[SweepRow], path: str, args: argparse.Namespace) -> str
         axes.grid(alpha=0.3)
     for done in planned:
         days_axes.annotate(
-            f"dp{done.plan.dp} tp{done.plan.tp} pp{done.plan.pp}",
+            _degrees(done.plan),
             (done.gpus, done.cost["days"]),
             fontsize=7,
             textcoords="offset points",

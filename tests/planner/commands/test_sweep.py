@@ -87,3 +87,15 @@ def test_bad_cost_and_sweep_input_is_one_clear_message(extra, message, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_sweep_degrees_name_every_axis_of_the_mesh():
+    """A row's degrees multiply to its GPU count: cp and ep are named when above 1."""
+    from types import SimpleNamespace
+
+    from planner.commands.sweep import _degrees
+
+    plan = SimpleNamespace(dp=8, tp=4, pp=2, expert_parallel=1, context_parallel={"degree": 2, "method": "ring"})
+    assert _degrees(plan) == "dp8 cp2 tp4 pp2"
+    moe = SimpleNamespace(dp=32, tp=1, pp=2, expert_parallel=8, context_parallel={"degree": 1, "method": "ring"})
+    assert _degrees(moe) == "dp32 tp1 pp2 ep8"
