@@ -141,16 +141,21 @@ def _render_placement(plan, hw: HardwareProfile | None, evaluation, console: Con
         table.add_row("optimizer state", "device", format_bytes(pred.memory["optimizer"]), "")
     offloaded = evaluation.extra.get("offload_bytes") if evaluation is not None else None
     if offloaded is not None:
+        on_nvme = plan.offload["optimizer"] == OffloadTier.NVME  # the host keeps only the accumulator
         labels = {
-            "optimizer": "optimizer (fp32 master, m, v; gradient accumulator)",
-            "params": "parameter shards",
-            "buffers": "pinned transfer buffers",
+            ("host", "optimizer"): (
+                "gradient accumulator (fp32)" if on_nvme else "optimizer (fp32 master, m, v; gradient accumulator)"
+            ),
+            ("nvme", "optimizer"): "optimizer (fp32 master, m, v)",
+            ("host", "params"): "parameter shards",
+            ("nvme", "params"): "parameter shards",
+            ("host", "buffers"): "pinned transfer buffers",
         }
         for tier in ("host", "nvme"):
             for kind, size in offloaded[tier].items():
                 if size:
                     table.add_row(
-                        labels[kind],
+                        labels[(tier, kind)],
                         "host memory" if tier == "host" else "NVMe",
                         format_bytes(size),
                         format_bytes(size * ranks),

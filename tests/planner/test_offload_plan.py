@@ -95,6 +95,9 @@ def test_report_shows_where_each_state_lives():
     assert "optimizer state on NVMe (AdamW on the host's cores); parameters in host memory" in out
     assert "Where the state lives (2 devices share each node's host)" in out
     assert "total in host memory" in out and "total in NVMe" in out and "parameter shards" in out
+    # the optimizer state is on NVMe: the host row holds only the gradient accumulator
+    assert "gradient accumulator (fp32)" in out and "optimizer (fp32 master, m, v)" in out
+    assert "m, v; gradient accumulator" not in out
     assert "offload transfers (host / NVMe)" in out and "offload opt/params" in out
 
 
