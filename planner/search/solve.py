@@ -371,7 +371,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result, entries = search_offload(request, table, hw, gpus_per_node, entries, result, solver)
     choice = None
     if result.best is not None:
-        result, choice = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
+        result, choice, entries = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
     compiled = choice is not None and choice.on
     result, entries, compression = choose_compression(
         request,
@@ -596,8 +596,10 @@ def _repriced(
 
 def choose_compile(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
-) -> tuple[SearchResult, CompileChoice]:
-    """The search result to plan from and whether it compiles (see the module docstring).
+) -> tuple[SearchResult, CompileChoice, list[Entry]]:
+    """The search result to plan from, whether it compiles (see the module docstring) and the
+    candidates of its mode (what the later passes walk: the schedule walk visits the result's
+    siblings among them, so a compiled result needs the compiled candidates).
 
     ``entries`` and ``res``: the candidates and search of the request's own mode (compiled when
     ``--compile on``, eager otherwise)."""
@@ -606,13 +608,17 @@ def choose_compile(
     if request.compile != "auto":
         other = _repriced(request, table, hw, gpus_per_node, best, not best.strategy.candidate.compile)
         compiled_eval, eager_eval = (best, other) if request.compile == "on" else (other, best)
-        return result, CompileChoice(
-            request.compile == "on",
-            request.compile,
-            eager_eval.step_time_s - compiled_eval.step_time_s,
-            compiled_eval.extra["compile_s"],
-            steps,
-            from_tokens,
+        return (
+            result,
+            CompileChoice(
+                request.compile == "on",
+                request.compile,
+                eager_eval.step_time_s - compiled_eval.step_time_s,
+                compiled_eval.extra["compile_s"],
+                steps,
+                from_tokens,
+            ),
+            entries,
         )
     repriced = _repriced(request, table, hw, gpus_per_node, best, True)
     compiled = candidate_entries(
@@ -630,17 +636,17 @@ def choose_compile(
     else:
         found = SearchResult(ranked=[])
     if found.best is None:
-        return result, CompileChoice(
+        choice = CompileChoice(
             False, "auto", best.step_time_s - repriced.step_time_s, repriced.extra["compile_s"], steps, from_tokens
         )
+        return result, choice, entries
     compiled_eval = found.winner()
     saving = best.step_time_s - compiled_eval.step_time_s
     use = saving * steps > compiled_eval.extra["compile_s"]
     if use and whole is None:  # the plan's runners-up come from a whole search (the probe pruned them)
         whole = search(compiled, table.kinds, request.checkpoint, solver)
-    return (whole if use and whole is not None else result), CompileChoice(
-        use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens
-    )
+    choice = CompileChoice(use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens)
+    return (whole, choice, compiled) if use and whole is not None else (result, choice, entries)
 
 
 def _compiling_may_pay(compiled: list[Entry], pays: float) -> bool:
