@@ -33,10 +33,10 @@ from codegen.tp_rewrite import plan_tp_rewrite
 from passes.causal_rewrite import by_verdicts, causal_at_length, rewrite_causal
 from passes.layers import assign_layers, layer_names
 from passes.op_class import classify_ops
-from planner.plan import Plan, plan_hash
+from planner.plan import Plan, output_problem, plan_hash
 from runtime.contract.rank_layout import crosses_nodes
 
-__all__ = ["ExportedModel", "compile_exported"]
+__all__ = ["ExportedModel", "compile_exported", "check_out_dir"]
 
 
 @dataclass
@@ -254,8 +254,28 @@ def _compile_stage(plan: Plan, spec: StageSpec, context: _StageContext, out_dir:
     return entry
 
 
+def check_out_dir(out_dir: str) -> None:
+    """A ``CodegenError`` when ``out_dir`` cannot hold the stage files: an existing file (left as it
+    is), a path under a file, a folder this user cannot write in. A missing folder is created."""
+    problem = output_problem(out_dir, folder=True)
+    if problem is not None:
+        raise CodegenError(
+            f"cannot compile into {out_dir}: it {problem}. The stage files go into a folder: give "
+            "--out (or train's --compiled) a new or existing folder."
+        )
+
+
+def _make_out_dir(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise CodegenError(f"cannot create the folder {out_dir} for the stage files: {e.strerror or e}.") from None
+
+
 def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
-    """Write one module per pipeline stage and the manifest; return the manifest."""
+    """Write one module per pipeline stage and the manifest; return the manifest. An ``out_dir``
+    that cannot be a folder is a ``CodegenError`` (``check_out_dir``), whatever is there kept."""
+    check_out_dir(out_dir)
     gm, layer_of, names = _layered(model, plan)
     tp_rewrite, shard_info = plan_tp_rewrite(gm, layer_of, plan, model.vocab, model.dims)
     sequence_sharded = getattr(tp_rewrite, "sequence_sharded", None)  # sequence parallelism: S/tp positions
@@ -266,7 +286,7 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     context = _StageContext(
         gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded, experts
     )
-    os.makedirs(out_dir, exist_ok=True)
+    _make_out_dir(out_dir)
     _check_tied_ranks(specs, plan.pp)
     stages = [_compile_stage(plan, spec, context, out_dir) for spec in specs]
     chunks = len(plan.stages)

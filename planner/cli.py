@@ -20,7 +20,7 @@ from passes.pass_error import PassError
 from planner.commands.calibrate_common import CalibrationError
 from planner.errors import UserError
 from planner.frontend.frontend_errors import ModelError
-from planner.plan import PlanError
+from planner.plan import PlanError, check_plan_out, output_problem
 from planner.search.request import PlanFlag, PlanRequest
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from runtime.contract.choices import Toggle, names
@@ -352,8 +352,29 @@ _DRIVERS = {
 
 
 def _driver(name: str):
-    module, function = _DRIVERS[name]
-    return getattr(importlib.import_module(module), function)
+    return getattr(_driver_module(name), _DRIVERS[name][1])
+
+
+def _check_outputs(name: str, args) -> None:
+    """Before the search (seconds to minutes): the files ``plan``, its sweep and ``tune`` will write
+    can be written (not a directory, not under a file, not read-only), else a ``UserError`` naming the flag."""
+    if name not in ("plan", "sweep", "tune"):
+        return
+    if name == "sweep":
+        for path in _driver_module("sweep").sweep_paths(args.out, sorted(args.gpus)).values():
+            problem = output_problem(path)
+            if problem is not None:
+                raise UserError(f"--out {args.out}: the sweep's plan {path} {problem}; give another --out.")
+    else:
+        check_plan_out(args.out)
+    for flag, path in (("--plot", getattr(args, "plot", None)), ("--profile-out", getattr(args, "profile_out", None))):
+        problem = output_problem(path) if path else None
+        if problem is not None:
+            raise UserError(f"{flag} {path} {problem}; give a path where that file can be written.")
+
+
+def _driver_module(name: str):
+    return importlib.import_module(_DRIVERS[name][0])
 
 
 def _run(args) -> int:
@@ -361,6 +382,7 @@ def _run(args) -> int:
     name = args.command
     if name == "plan" and len(args.gpus) > 1:
         name = "sweep"
+    _check_outputs(name, args)
     if name in ("plan", "sweep", "tune"):  # one process per command: freezing imports is safe
         model_analysis.FREEZE_IMPORTS = True
     return _driver(name)(args)

@@ -49,6 +49,8 @@ __all__ = [
     "CP_METHODS",
     "NO_CONTEXT_PARALLEL",
     "plan_hash",
+    "output_problem",
+    "check_plan_out",
 ]
 
 SCHEMA_VERSION = 1
@@ -847,8 +849,49 @@ def load_plan(path: str) -> Plan:
         raise PlanError(f"{path}: malformed plan ({e}).") from None
 
 
+def output_problem(path: str, folder: bool = False) -> str | None:
+    """Why ``path`` cannot be written as a file (or, with ``folder``, used as a folder that is created
+    when missing), in words that follow the path: "is a directory", "cannot be created: /x is a file,
+    not a directory" ...; None when it can. Cheap (it writes nothing), so commands check their outputs
+    with it before the long work; a race or a full disk still fails at the write itself."""
+    full = os.path.abspath(path)
+    if os.path.islink(full) and not os.path.exists(full):
+        return "is a broken symbolic link"
+    if os.path.isdir(full):
+        if not folder:
+            return "is a directory, not a file"
+        return None if os.access(full, os.W_OK | os.X_OK) else "is a directory this user cannot write in"
+    if os.path.lexists(full):
+        if folder:
+            return "is an existing file, not a directory"
+        return None if os.access(full, os.W_OK) else "is read-only"
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is {'a file, ' if os.path.isfile(parent) else ''}not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: this user cannot write in {parent}"
+    return None
+
+
+def check_plan_out(path: str, flag: str = "--out") -> None:
+    """A ``PlanError`` when a plan cannot be written to ``path`` (``output_problem``), naming the flag."""
+    problem = output_problem(path)
+    if problem is None:
+        return
+    if os.path.isdir(path):
+        hint = f"give the path of the plan file to write in it, such as {os.path.join(path, 'plan.json')}"
+    else:
+        hint = "give a path where the plan file can be written"
+    raise PlanError(f"{flag} {path} {problem}; {hint}.")
+
+
 def save_plan(plan: Plan, path: str) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated plan.json behind."""
+    """Write atomically: a crash mid-write never leaves a truncated plan.json behind. A path that cannot
+    be written (a directory, a read-only file, a parent that is a file) is a ``PlanError`` before anything
+    is written; a failure of the write itself (a full disk) raises its ``OSError``, the old file kept."""
+    check_plan_out(path)
     tmp = f"{path}.tmp{os.getpid()}"
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from codegen.stage_files import ExportedModel, compile_exported
+from codegen.stage_files import ExportedModel, check_out_dir, compile_exported
 from passes.attention import attention_facts
 from passes.causal_rewrite import causal_verdicts, explicit_causal_mask, probe_length, sdpa_cores
 from planner.frontend.bundle import ModelBundle
@@ -61,7 +61,9 @@ def causal_cores(plan: Plan, bundle: ModelBundle, gm: fx.GraphModule) -> list[bo
 def compile_plan(plan: Plan, out_dir: str) -> dict:
     """Write ``stage_<k>.py`` per pipeline stage and ``manifest.json`` into ``out_dir``; return
     the manifest. A context-parallel plan is exported at the length one rank holds, ``seq_len / cp``
-    (``codegen.context_rewrite``)."""
+    (``codegen.context_rewrite``). An ``out_dir`` that cannot be a folder is refused before the
+    model is exported (``codegen.stage_files.check_out_dir``)."""
+    check_out_dir(out_dir)
     gm, block_paths, bundle = export_training_module(
         plan.model.spec,
         plan.model.sizes,

@@ -21,6 +21,7 @@ package, checked before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -41,7 +42,7 @@ from planner.frontend.bundle import parse_spec
 from planner.frontend.checkpoint import check_weights, directory_state
 from planner.frontend.hf import hf_directory
 from planner.frontend.zoo import ModelSizes, build_model
-from planner.plan import TIME_KEYS, Plan, load_plan
+from planner.plan import TIME_KEYS, Plan, load_plan, output_problem
 from planner.units import format_seconds
 from runtime.checkpointing.checkpoint_io import CheckpointError, read_meta
 from runtime.contract.choices import OffloadTier, Toggle
@@ -438,12 +439,12 @@ def train_plan(
     ``UserError``. ``on_step_start`` must be picklable for local runs (it is sent to every rank).
     ``restart_note``: the re-plan event the first step reports (``run_train``)."""
     world = _world_of(plan)
+    if nproc is not None:
+        _check_nproc(plan, plan_path, nproc, world)
     if not _check_before_start(plan, opts):
         return 0
     compiled = compile_for_training(plan, plan_path, compiled)
     _check_data(plan, opts, compiled)
-    if opts.metrics_path and not opts.resume and os.path.exists(opts.metrics_path):
-        os.remove(opts.metrics_path)
     job = _WorkerJob(
         compiled,
         opts,
@@ -469,6 +470,7 @@ def _check_before_start(plan: Plan, opts: TrainOptions) -> bool:
     if opts.save_every and not opts.checkpoint_dir:
         raise UserError("--save-every needs --checkpoint-dir DIR.")
     _check_snapshots(opts)
+    _check_outputs(opts)
     if opts.resume and not _check_resumable(plan, opts):
         return False
     kind, name = parse_spec(plan.model.spec)
@@ -503,6 +505,41 @@ def _check_snapshots(opts: TrainOptions) -> None:
         )
 
 
+def _check_outputs(opts: TrainOptions) -> None:
+    """Where the run writes must be writable before it starts: ``--metrics`` a file;
+    ``--checkpoint-dir``, ``--snapshot-dir`` and ``--tensorboard`` folders (created when missing)."""
+    outputs = (
+        ("--metrics", opts.metrics_path, False, "the path of a file to write, such as metrics.jsonl"),
+        ("--checkpoint-dir", opts.checkpoint_dir, True, "a folder path (created when missing)"),
+        ("--snapshot-dir", opts.snapshot_dir, True, "a folder path (created when missing)"),
+        ("--tensorboard", opts.tensorboard_dir, True, "a folder path (created when missing)"),
+    )
+    for flag, path, folder, wanted in outputs:
+        problem = output_problem(path, folder=folder) if path else None
+        if problem is not None:
+            raise UserError(f"{flag} {path} {problem}; give {wanted}.")
+
+
+def _fresh_metrics(opts: TrainOptions) -> None:
+    """Right before the ranks start, once every check passed: a run from step 0 starts its metrics
+    file anew (a resumed run appends to it); the file's folder is created when missing."""
+    if not opts.metrics_path:
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.metrics_path)), exist_ok=True)
+        if not opts.resume:
+            with contextlib.suppress(FileNotFoundError):  # another local rank under torchrun removed it
+                os.remove(opts.metrics_path)
+    except OSError as e:
+        raise UserError(f"--metrics {opts.metrics_path}: cannot start the metrics file ({e.strerror or e}).") from None
+
+
+def _sentence(text: str) -> str:
+    """``text`` as one sentence: stripped, with a closing full stop when it has none."""
+    text = text.strip()
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
 def _check_data(plan: Plan, opts: TrainOptions, compiled: str) -> None:
     """A ``--data`` token file must fit the model's vocabulary: fail fast, before any process starts."""
     if opts.data_path is not None:
@@ -513,8 +550,8 @@ def _check_data(plan: Plan, opts: TrainOptions, compiled: str) -> None:
         )
 
 
-def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world: int) -> int:
-    """Spawn ``nproc`` local processes (one per rank) and train; 1 when the run failed."""
+def _check_nproc(plan: Plan, plan_path: str, nproc: int, world: int) -> None:
+    """``--nproc`` must start as many processes as the plan has ranks: bad input before anything runs."""
     if nproc != world:
         degrees = (
             f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp}"
@@ -525,6 +562,12 @@ def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world:
             f"{plan_path} needs {degrees} = {world} processes, "
             f"but --nproc is {nproc}. Use --nproc {world} or re-plan with --gpus {nproc}."
         )
+
+
+def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world: int) -> int:
+    """Spawn ``nproc`` local processes (one per rank) and train; 1 when the run failed."""
+    _check_nproc(plan, plan_path, nproc, world)
+    _fresh_metrics(job.opts)
     try:
         launch_local(
             _worker,
@@ -534,7 +577,7 @@ def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world:
             collective_timeout_s=job.opts.timeout_s,
         )
     except LaunchError as e:
-        print(f"planner train: training failed: {e}", file=sys.stderr)
+        print(f"planner train: training failed: {_sentence(str(e))}", file=sys.stderr)
         return 1
     return 0
 
@@ -555,6 +598,7 @@ def _train_under_torchrun(plan_path: str, job: _WorkerJob, world: int) -> None:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world:
         raise UserError(f"{plan_path} needs {world} processes (dp*cp*tp*pp), but torchrun started {env_world}.")
+    _fresh_metrics(job.opts)
     ctx = init_distributed(timeout_s=job.opts.timeout_s, store=store)
     try:
         _worker(ctx.rank, ctx.world_size, job)
