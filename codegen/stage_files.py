@@ -76,6 +76,12 @@ def _layered(model: ExportedModel, plan: Plan):
             f"the model traced to {len(names) - 2} blocks but the plan was made for "
             f"{plan.model.layers}; re-run `planner plan`."
         )
+    params = sum(parameter.numel() for _, parameter in gm.named_parameters())
+    if plan.model.params and params != plan.model.params:
+        raise CodegenError(
+            f"the model traced to {params:,} parameters but the plan was made for {plan.model.params:,} "
+            f"({plan.model.spec} changed since it was planned, or the plan was edited); re-run `planner plan`."
+        )
     return gm, (lambda n: n.meta["layer"]), names
 
 

@@ -161,3 +161,17 @@ def test_a_repeated_compile_reuses_the_export_and_writes_the_same_files(tmp_path
     source.write_text(source.read_text() + "\n# edited\n")
     compile_plan(user, str(tmp_path / "user2"))
     assert len(calls) == 3
+
+
+def test_a_plan_of_another_model_size_is_refused(tmp_path):
+    """A model that changed since it was planned (same blocks, other widths) is not compiled under
+    the old plan's prices: the parameter count must be the plan's."""
+    import dataclasses
+
+    from codegen.codegen_errors import CodegenError
+
+    plan = make_plan()  # a hand-made plan states no parameter count (0): nothing to compare
+    stale = dataclasses.replace(plan, model=dataclasses.replace(plan.model, params=12_345))
+    with pytest.raises(CodegenError, match=r"parameters but the plan was made for .*re-run `planner plan`"):
+        compile_plan(stale, str(tmp_path / "c"))
+    assert compile_plan(plan, str(tmp_path / "ok"))["stages"]  # the plan's own count compiles
