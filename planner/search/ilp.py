@@ -339,8 +339,10 @@ class _Search:
             if entry.time_lb > bound * (1 + TIME_TOL):
                 result.pruned_time += exact
                 continue
-            if exact and uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
-                result.pruned_time += 1  # forced recompute (or no fit at all) makes it lose
+            if uniform_time_bound(costs, self.kinds, self.checkpoint) > bound * (1 + TIME_TOL):
+                # forced recompute (or no fit at all) makes it lose: no greedy seed either (it could
+                # only be slower than the bound, which a seed must beat to matter)
+                result.pruned_time += exact
                 continue
             evaluation = self.run(costs, bound) if exact else self.greedy(costs)
             if evaluation is not None and _better(evaluation, best.get(triple)):
