@@ -218,11 +218,26 @@ def expert_degrees(request: Any, table: NumericTable, dp: int) -> list[int]:
 
 
 def _check_expert_pin(request: Any, table: NumericTable) -> None:
-    """``--ep N`` needs routed experts that N divides (and a dp it can divide)."""
+    """``--ep N`` needs routed experts that N divides (and a dp it can divide); the routing flags
+    need routed experts at all."""
     pin = getattr(request, "ep", None)
+    experts = model_experts(table)
+    routing = [
+        flag
+        for flag, given in (
+            ("--moe-capacity-factor", getattr(request, "moe_capacity_factor", None) is not None),
+            ("--moe-imbalance", getattr(request, "moe_imbalance", 1.0) != 1.0),
+        )
+        if given
+    ]
+    if routing and not experts:
+        raise SearchError(
+            f"{' and '.join(routing)} describe{'s' if len(routing) == 1 else ''} a mixture of experts' routing, "
+            "but this model has no routed experts the planner reads; drop "
+            f"{'it' if len(routing) == 1 else 'them'}."
+        )
     if pin is None or pin == 1:
         return
-    experts = model_experts(table)
     if not experts:
         why = table.model.get("moe", {}).get("reason") if isinstance(table.model.get("moe"), dict) else None
         raise SearchError(
@@ -242,6 +257,14 @@ def _check_expert_pin(request: Any, table: NumericTable) -> None:
 
 def check_pins(request: Any, table: NumericTable, gpus_per_node: int) -> None:
     """Reject pins no strategy can honour, with what to use instead (``SearchError``)."""
+    if request.gpus > gpus_per_node and request.gpus % gpus_per_node:
+        nodes = request.gpus // gpus_per_node
+        raise SearchError(
+            f"--gpus {request.gpus} is not a whole number of nodes of {gpus_per_node} devices: ranks are laid "
+            f"out node by node, and the last node would hold {request.gpus % gpus_per_node}. Use "
+            f"{nodes * gpus_per_node} or {(nodes + 1) * gpus_per_node} devices, or give the real node size "
+            "with --gpus-per-node."
+        )
     _check_expert_pin(request, table)
     rows = len(table.layers)
     dp, tp, pp = request.dp, request.tp, request.pp

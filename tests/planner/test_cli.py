@@ -248,6 +248,14 @@ BAD = [
     ),
     (["compile", "/nonexistent/plan.json", "--out", "/tmp/x"], "does not exist"),
     (["train", "/nonexistent/plan.json", "--steps", "2"], "does not exist"),
+    (
+        ["plan", *SMALL_GPT_FLAGS, "--gpus", "4", "--gpus-per-node", "3", "--hardware", "cpu", "--global-batch", "8"],
+        "--gpus 4 is not a whole number of nodes of 3 devices",
+    ),
+    (
+        ["plan", *SMALL_GPT_FLAGS, "--gpus", "2", "--hardware", "cpu", "--global-batch", "8", "--moe-imbalance", "1.2"],
+        "--moe-imbalance describes a mixture of experts' routing, but this model has no routed experts",
+    ),
 ]
 
 
