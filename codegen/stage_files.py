@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -317,4 +318,16 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
     if plan.virtual_stages > 1:  # which rank runs which chunks (runtime.stages.compiled_stages.rank_chunks reads it)
         manifest["chunks_of_rank"] = [list(range(rank, chunks, plan.pp)) for rank in range(plan.pp)]
     _write(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _remove_stale_stages(out_dir, {stage["file"] for stage in stages})
     return manifest
+
+
+def _remove_stale_stages(out_dir: str, written: set[str]) -> None:
+    """Delete the ``stage_<k>.py`` an earlier compile of another plan left in ``out_dir`` (a pp=2
+    compile's ``stage_1.py`` under a pp=1 one): the folder holds what its manifest names."""
+    for name in os.listdir(out_dir):
+        if re.fullmatch(r"stage_\d+\.py", name) and name not in written:
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except OSError:
+                pass  # a file that cannot go is still not in the manifest, which is what runs

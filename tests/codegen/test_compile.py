@@ -175,3 +175,12 @@ def test_a_plan_of_another_model_size_is_refused(tmp_path):
     with pytest.raises(CodegenError, match=r"parameters but the plan was made for .*re-run `planner plan`"):
         compile_plan(stale, str(tmp_path / "c"))
     assert compile_plan(plan, str(tmp_path / "ok"))["stages"]  # the plan's own count compiles
+
+
+def test_a_compile_leaves_only_the_stages_of_its_plan(tmp_path):
+    """Compiling a one-stage plan into the folder of a two-stage one removes ``stage_1.py``."""
+    out = str(tmp_path / "c")
+    assert [stage["file"] for stage in compile_plan(make_plan(pp=2), out)["stages"]] == ["stage_0.py", "stage_1.py"]
+    (tmp_path / "c" / "notes.txt").write_text("kept")
+    assert [stage["file"] for stage in compile_plan(make_plan(), out)["stages"]] == ["stage_0.py"]
+    assert sorted(os.listdir(out)) == ["manifest.json", "notes.txt", "stage_0.py"]
