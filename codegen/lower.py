@@ -133,6 +133,7 @@ def _assign_nodes(graph: fx.Graph, layer_of: Callable[[fx.Node], int], layers: l
         if n.op == "call_function":
             if n.target in _DROP_TARGETS and not n.users:
                 continue
+            _refuse_nested_graph(n)
             layer_index = layer_of(n)
             if not 0 <= layer_index < layer_count:
                 raise LoweringError(f"node {n.name} was assigned to layer {layer_index}, outside 0..{layer_count - 1}")
@@ -150,6 +151,20 @@ def _assign_nodes(graph: fx.Graph, layer_of: Callable[[fx.Node], int], layers: l
         elif n.op not in ("placeholder", "get_attr", "output"):
             raise LoweringError(f"unsupported node kind {n.op} ({n.name})")
     return layer
+
+
+def _refuse_nested_graph(n: fx.Node) -> None:
+    """A higher-order op (a region ``torch.export`` kept as a nested graph: ``torch.cond``, an
+    autocast region ...) cannot be printed as a straight line of ATen calls: refuse it by name
+    (``passes.grad_regions`` inlines the ``no_grad`` regions before lowering)."""
+    if isinstance(n.target, torch._ops.HigherOrderOperator):
+        stack = n.meta.get("nn_module_stack") or {}
+        where = f" in {next(reversed(stack.values()))[0]}" if stack else ""
+        raise LoweringError(
+            f"node {n.name}{where} calls {n.target.name()}, a region torch.export kept as a nested "
+            "graph; compiled stages run only flat ATen ops, so this model cannot be compiled (rewrite "
+            "that part of its forward without it)"
+        )
 
 
 def _assign_weights(

@@ -107,6 +107,39 @@ def hf_classes(arch: str) -> tuple[type, type]:
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
+def _config_error(exc: BaseException) -> str:
+    """``Type: message`` of what transformers refused in a config: the innermost cause of ``exc``
+    (huggingface_hub's strict-dataclass validation wraps the real ``ValueError`` in its own type)."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return f"{type(exc).__name__}: {first_sentence(str(exc))}"
+
+
+def _arch_config(arch: str, config_cls: type, sizes: dict, dropout: float):
+    """The config of a built-in architecture at ``sizes`` (flag name -> value), or a ``ModelError``
+    quoting what transformers' validation refused (whatever exception type it raised)."""
+    fields = _FIELDS[arch]
+    kwargs = {fields[k]: size for k, size in sizes.items()}
+    try:
+        if arch == "gpt2":
+            if "vocab" in sizes:  # the default special-token id 50256 must lie inside the vocabulary
+                kwargs["bos_token_id"] = kwargs["eos_token_id"] = min(50256, sizes["vocab"] - 1)
+            return config_cls(**kwargs, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+        if arch == "llama":
+            if "kv_heads" not in sizes and "heads" in sizes:
+                kwargs["num_key_value_heads"] = sizes["heads"]
+            return config_cls(**kwargs, attention_dropout=dropout)
+        return config_cls(**kwargs, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    except Exception as e:  # noqa: BLE001 - transformers validates with several exception types
+        flags = " ".join(f"--{k.replace('_', '-')} {size}" for k, size in sizes.items())
+        raise ModelError(
+            f"hf:{arch}: transformers refuses the config these sizes make ({flags or 'the defaults'}): "
+            f"{_config_error(e)} Change the size flags."
+        ) from None
+
+
 def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropout: float = 0.0):
     config_cls, cls = hf_classes(arch)
     fields = _FIELDS[arch]
@@ -117,17 +150,7 @@ def build_hf(arch: str, sizes: dict, *, device="cpu", dtype=torch.float32, dropo
             + ", ".join("--" + k.replace("_", "-") for k in fields)
             + "."
         )
-    kwargs = {fields[k]: size for k, size in sizes.items()}
-    if arch == "gpt2":
-        if "vocab" in sizes:  # the default special-token id 50256 must lie inside the vocabulary
-            kwargs["bos_token_id"] = kwargs["eos_token_id"] = min(50256, sizes["vocab"] - 1)
-        cfg = config_cls(**kwargs, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    elif arch == "llama":
-        if "kv_heads" not in sizes and "heads" in sizes:
-            kwargs["num_key_value_heads"] = sizes["heads"]
-        cfg = config_cls(**kwargs, attention_dropout=dropout)
-    else:
-        cfg = config_cls(**kwargs, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    cfg = _arch_config(arch, config_cls, sizes, dropout)
     cfg.use_cache = False if arch != "bert" else cfg.use_cache
     # Special-token ids of the default configs can fall outside a small vocabulary.
     for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -243,7 +266,12 @@ def load_hf_config(path: str):
     try:
         with _quiet_transformers():
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers validates with several exception types
+        if _known_model_type(model_type):
+            raise ModelError(
+                f"cannot build a model from {cfg_path}: transformers {transformers.__version__} refuses "
+                f"this {model_type!r} config: {_config_error(e)} Fix that value in config.json."
+            ) from None
         what = (
             f"its model_type {model_type!r} is unknown to transformers {transformers.__version__}"
             if model_type
@@ -252,8 +280,15 @@ def load_hf_config(path: str):
         raise ModelError(
             f"cannot build a model from {cfg_path}: {what}. Use a config.json written by "
             "save_pretrained of an architecture this transformers version ships, or "
-            f"upgrade transformers. ({type(e).__name__}: {first_sentence(str(e))})"
+            f"upgrade transformers. ({_config_error(e)})"
         ) from None
+
+
+def _known_model_type(model_type) -> bool:
+    """Whether this transformers ships a config class for ``model_type``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
 def _model_class(cfg):
@@ -276,9 +311,23 @@ def _model_class(cfg):
     except (KeyError, AttributeError):
         raise ModelError(
             f"transformers has no causal-LM class for model_type {cfg.model_type!r} and the "
-            "config.json names no known class in 'architectures'; add one (e.g. "
-            '"LlamaForCausalLM").'
+            f"config.json names no known class in 'architectures'; add one ({_class_example(cfg.model_type)})."
         ) from None
+
+
+def _class_example(model_type: str) -> str:
+    """An ``architectures`` entry that fits ``model_type``: its masked-LM class (an encoder) from
+    transformers' auto mappings, else a generic example."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping, kind in (
+        ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-LM"),
+        ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-LM"),
+    ):
+        name = getattr(modeling_auto, mapping, {}).get(model_type)
+        if isinstance(name, str):
+            return f'"architectures": ["{name}"], transformers\' {kind} class for {model_type!r}'
+    return 'e.g. "LlamaForCausalLM" for a decoder, a *ForMaskedLM class for an encoder'
 
 
 def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
@@ -359,8 +408,7 @@ def build_hf_dir(
         raise
     except Exception as e:  # noqa: BLE001 - a config transformers accepts but cannot build from
         raise ModelError(
-            f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')}"
-            f" ({type(e).__name__}: {first_sentence(str(e))})."
+            f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')} ({_config_error(e)})."
         ) from None
     model = HFLossModel(inner).to(dtype)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)

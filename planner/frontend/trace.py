@@ -8,6 +8,9 @@ constants are *placeholders* (``Traced.roles`` / ``Traced.fqns`` say which, from
 signature), so every tensor the graph touches is an explicit input with a fake value in
 ``node.meta["val"]``. That is the convenient form for analysis. For training, codegen wants
 ``Traced.exported.module()`` (parameters unlifted back into the module; gradients match eager).
+Both forms are flat: a ``torch.no_grad()`` region, which export keeps as a nested graph, is inlined
+with its outputs detached (``passes.grad_regions``), and a custom ``autograd.Function`` whose
+backward export would drop is exported as its known equivalent (``planner.frontend.export_fixes``).
 
 Symbolic sizes. The batch and sequence dimensions of the inputs are exported as ``Dim``s, so every
 shape in the graph is a polynomial in two shape symbols; ``Traced.symbols`` maps them to
@@ -17,10 +20,13 @@ dimension is recorded in ``Traced.fixed`` and the passes see numbers for it.
 Repeated blocks. Transformers are ``pre -> L identical blocks -> post``. For zoo models (``gpt``
 presets and ``hf:``, a model directory too: its config with ``num_hidden_layers`` set) we export a copy rebuilt with 2 blocks (meta device: nothing is allocated),
 check that the two traced blocks have identical signatures (op sequence, shapes, parameter
-shapes, wiring), and let the layer table replicate the block L times. Export cost then does not
+shapes, wiring) and, for a model directory, that the full model's blocks are all built alike
+(a hybrid such as Jamba mixes Mamba and attention blocks; any difference traces every block),
+and let the layer table replicate the block L times. Export cost then does not
 grow with depth (GPT-3 175B exports in the time of a 2-block model). The blocks are found
 generically: the children of the ``ModuleList``/``Sequential`` with the most children of one type
-(``blocks.N``, ``transformer.h.N``, ``model.layers.N``, ``bert.encoder.layer.N``). A user's
+(``blocks.N``, ``transformer.h.N``, ``model.layers.N``, ``bert.encoder.layer.N``; every child of
+a ``ModuleList``, whatever its type: ``find_block_container``). A user's
 ``file.py:factory`` is traced in full; identical blocks are grouped by signature so the layer
 table computes each group's costs once.
 
@@ -53,10 +59,12 @@ from torch.export.graph_signature import InputKind
 from torch.overrides import TorchFunctionMode
 
 from passes.common import B, S
+from passes.grad_regions import inline_grad_regions
 from passes.layers import assign_layers, layer_signatures
 from planner.frontend.bundle import ModelBundle, parse_spec
 from planner.frontend.cache import table_key
 from planner.frontend.checkpoint import check_weights
+from planner.frontend.export_fixes import exportable
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import PRESETS
 from planner.frontend.hf import config_windows, hf_classes, hf_directory, load_hf_config
@@ -100,8 +108,11 @@ def find_block_container(model: nn.Module) -> tuple[str, list[str]]:
     """The repeated blocks of ``model``: ``(container path, [block paths])``.
 
     Among all ``ModuleList``/``Sequential`` containers, pick the one with the most children of a
-    single type (ties: the first found, i.e. the outermost); the blocks are those children, in
-    order. Returns ``("", [])`` when the model has no such container.
+    single type (ties: the first found, i.e. the outermost). The blocks of a ``ModuleList`` (what
+    the model loops over) are all its children, in order, whatever their types: a hybrid stack
+    (Jamba's attention and Mamba layers) is one block sequence. Those of a ``Sequential``, which
+    may hold the embedding and head too, are its children of that type. Returns ``("", [])`` when
+    the model has no such container.
     """
     best: tuple[int, str, list[str]] = (0, "", [])
     for path, mod in model.named_modules():
@@ -113,8 +124,8 @@ def find_block_container(model: nn.Module) -> tuple[str, list[str]]:
         counts = Counter(type(child) for _, child in kids)
         typ, n = counts.most_common(1)[0]
         if n > best[0]:
-            names = [f"{path}.{name}" if path else name for name, child in kids if type(child) is typ]
-            best = (n, path, names)
+            blocks = kids if isinstance(mod, nn.ModuleList) else [(name, c) for name, c in kids if type(c) is typ]
+            best = (n, path, [f"{path}.{name}" if path else name for name, _ in blocks])
     return best[1], best[2]
 
 
@@ -301,12 +312,14 @@ def import_tracer(model: str | ModelBundle) -> None:
 
 def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
     try:
-        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices():
-            return torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices(), exportable():
+            ep = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except ModelError:
         raise
     except Exception as e:  # torch raises many types; all become one readable ModelError
         raise explain_export_error(e, what) from e
+    inline_grad_regions(ep.graph_module)  # no_grad regions: flat ATen ops, as codegen's export has them
+    return ep
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,15 +480,7 @@ def trace_model(
     b_ex, s_ex = _zoo_example_sizes(bundle, batch, seq_len, dynamic)
     request = _ZooTrace(kind, spec, torch_dtype, full_layers, b_ex, s_ex, dynamic)
     bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
-    traced = _trace_bundle(bundle, request)
-    if traced.shallow:
-        assign_layers(traced.gm, traced.block_paths, traced.roles)
-        signatures = layer_signatures(traced.gm, len(traced.block_paths))
-        if len(set(signatures[1:-1])) != 1:
-            request.notes.append("shallow trace: traced blocks differ; traced every block instead")
-            bundle = _zoo_bundle(spec, sizes, full_layers, torch_dtype)
-            bundle.example_inputs = bundle.make_inputs(b_ex, s_ex, device="meta")
-            traced = _trace_bundle(bundle, request)
+    traced, bundle = _every_block_if_unlike(_trace_bundle(bundle, request), bundle, request, sizes)
     traced.model_info = dict(
         spec=spec,
         layers=full_layers,
@@ -491,6 +496,41 @@ def trace_model(
         traced.model_info["attention_windows"] = windows
     traced.seconds = time.perf_counter() - start
     return traced
+
+
+def _every_block_if_unlike(
+    traced: Traced, bundle: ModelBundle, request: _ZooTrace, sizes: dict
+) -> tuple[Traced, ModelBundle]:
+    """A shallow trace as it is, or a trace of every block (and its bundle) when the traced blocks
+    differ or, for a model directory, the full model's blocks are not all built alike (a hybrid
+    such as Jamba or Zamba, whose first blocks may match while a later one differs)."""
+    if not traced.shallow:
+        return traced, bundle
+    assign_layers(traced.gm, traced.block_paths, traced.roles)
+    signatures = layer_signatures(traced.gm, len(traced.block_paths))
+    full = None
+    if len(set(signatures[1:-1])) == 1:
+        if request.kind != "hf" or hf_directory(parse_spec(request.spec)[1]) is None:
+            return traced, bundle  # the built-in architectures repeat one block
+        full = _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
+        if _blocks_alike(full.model):
+            return traced, bundle
+    request.notes.append("shallow trace: the model's blocks differ; traced every block instead")
+    bundle = full if full is not None else _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
+    bundle.example_inputs = bundle.make_inputs(request.b_ex, request.s_ex, device="meta")
+    return _trace_bundle(bundle, request), bundle
+
+
+def _blocks_alike(model: nn.Module) -> bool:
+    """Whether every block of ``model`` (on meta) has the same submodules, of the same types, and
+    the same parameter shapes."""
+
+    def structure(block: nn.Module) -> tuple:
+        modules = tuple((name, type(module)) for name, module in block.named_modules())
+        return modules + tuple((name, tuple(param.shape)) for name, param in block.named_parameters())
+
+    _, blocks = find_block_container(model)
+    return len({structure(model.get_submodule(path)) for path in blocks}) <= 1
 
 
 def _zoo_example_sizes(bundle: ModelBundle, batch: int | None, seq_len: int | None, dynamic: bool) -> tuple[int, int]:
@@ -694,9 +734,11 @@ def _export_training_module(
             tensor.to(to_torch(dtype)) if tensor.is_floating_point() else tensor for tensor in bundle.example_inputs
         )
     try:
-        with _uncached_fake_tensors(), _HostListIndices():
+        with _uncached_fake_tensors(), _HostListIndices(), exportable():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message
         raise explain_export_error(e, spec) from e
     _, block_paths = find_block_container(bundle.model)
-    return ep.module(), block_paths, bundle
+    gm = ep.module()
+    inline_grad_regions(gm)  # a no_grad region (PhiMoE's router) -> its ops, outputs detached
+    return gm, block_paths, bundle

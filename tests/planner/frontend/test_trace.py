@@ -96,6 +96,19 @@ def test_block_container_is_found_generically():
         assert blocks == [f"{path}.{j}" for j in range(ARCHS[spec]["layers"])]
 
 
+def test_a_mixed_module_list_is_one_block_sequence():
+    """A ``ModuleList`` is what a model loops over: every child is a block whatever its type (a
+    hybrid stack such as Jamba's Mamba and attention layers); a ``Sequential`` keeps only the
+    children of its most common type (it may hold the embedding and the head too)."""
+    import torch.nn as nn
+
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([nn.Linear(4, 4), nn.Conv1d(4, 4, 1), nn.Linear(4, 4), nn.GRU(4, 4)])
+    assert find_block_container(hybrid) == ("layers", ["layers.0", "layers.1", "layers.2", "layers.3"])
+    seq = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    assert find_block_container(seq) == ("", ["1", "2"])
+
+
 def test_shallow_trace_expands_to_the_full_trace():
     tr, shallow = traced_table("gpt")
     assert tr.shallow and tr.layers == 3 and tr.block_paths == ["blocks.0", "blocks.1"]
