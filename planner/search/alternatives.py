@@ -52,8 +52,32 @@ def _context(part: str, evaluation) -> str:
                 evaluation.stages[evaluation.bottleneck_stage].last,
             )
             return f"its slowest of {candidate.pp} stages holds rows {first}-{last}"
-        return f"tp={candidate.tp}: work tensor parallelism does not split runs on every device"
+        return ""  # said by _compute_change, which compares with the winner
     return ""
+
+
+def _compute_change(best: Evaluation, alt: Evaluation) -> str:
+    """What differs from ``best`` in the decisions that set a single-stage runner-up's compute: a
+    wider tp (the work it does not split, norms and residuals, runs on every rank of a group), the
+    micro-batch (the products' sizes), the pipeline, ep, cp and compilation; empty when none does."""
+    a, b = alt.strategy.candidate, best.strategy.candidate
+    said = []
+    if a.tp != b.tp:
+        said.append(
+            f"tp={a.tp} vs {b.tp}"
+            + (": the work tensor parallelism does not split runs on every rank of a group" if a.tp > b.tp else "")
+        )
+    for label, mine, theirs in (
+        ("micro-batch", a.micro_batch_size, b.micro_batch_size),
+        ("pp", a.pp, b.pp),
+        ("ep", a.expert_parallel, b.expert_parallel),
+        ("cp", a.context_parallel, b.context_parallel),
+    ):
+        if mine != theirs:
+            said.append(f"{label}={mine} vs {theirs}")
+    if a.compile != b.compile:
+        said.append("compiled" if a.compile else "not compiled")
+    return ", ".join(said)
 
 
 def _offload_context(candidate) -> str:
@@ -136,7 +160,7 @@ def alternative_reason(best: Evaluation, alt: Evaluation) -> str:
             f"{_schedule_change(best, alt)})"
         )
     else:
-        context = _context(part, alt)
+        context = _context(part, alt) or (_compute_change(best, alt) if part == "compute" else "")
         said = part == "tp_comm" and alt.strategy.candidate.sequence_parallel  # the context names it
         change = (
             (_offload_change(best, alt) if part != "offload" else "")
