@@ -23,7 +23,9 @@ newest checkpoint when asked, the step probes of ``runtime.training.profiling``)
 3. ``aggregate_metrics``: ``loss`` is the mean over the dp ranks (so over the global batch),
    ``peak_memory_bytes`` (device memory), ``host_memory_bytes`` and ``nvme_bytes`` (the offload
    tiers, ``runtime.data_parallel.offload_engine``), ``comm_bytes``, the step time and the collective wait time the max
-   over all ranks; ``time``, the breakdown of the slowest rank (so that it sums to the step time);
+   over all ranks; ``time``, the breakdown of the critical rank (``critical_breakdown``: the one that
+   worked longest, whose waits are communication, not a faster peer waiting for it), made to sum
+   to the step time;
 4. ``write_metrics``: rank 0 appends one metrics line (``step, loss, step_time_s, tokens_per_s,
    peak_memory_bytes, comm_bytes, lr, host_memory_bytes, nvme_bytes, time`` and ``loss_scale`` in
    fp16) and calls ``on_metrics``;
@@ -89,6 +91,7 @@ __all__ = [
     "StepMetrics",
     "StepResult",
     "aggregate_metrics",
+    "critical_breakdown",
     "lr_at",
     "maybe_checkpoint",
     "open_tensorboard",
@@ -144,7 +147,8 @@ class StepMetrics:
     """Seconds the slowest rank spent blocked in collectives this step (unhidden communication)."""
     time: dict[str, float] | None = None
     """Seconds of the step by part (``runtime.timing.PARTS``, the keys of plan.json's
-    ``predicted.time``), measured on the rank with the longest step: they sum to ``step_time_s``."""
+    ``predicted.time``), measured on the critical rank (``critical_breakdown``): they sum to
+    ``step_time_s``."""
     data_checksum: int | None = None
     """A checksum of the token rows the step consumed, over the whole global batch
     (``runtime.training.data.batch_checksum``): equal for every plan of the same seed and global
@@ -614,11 +618,35 @@ def run_step(run: Run, step: int) -> StepResult:
     )
 
 
+#: The parts in which a rank waits for its peers (``runtime.timing.AXIS_PARTS``).
+_WAIT_PARTS = frozenset(timing.AXIS_PARTS.values())
+
+
+def critical_breakdown(rows: list[list[float]]) -> tuple[float, dict[str, float]]:
+    """The step time (the longest rank's) and the breakdown of the *critical* rank, from one row
+    ``[seconds, *parts]`` per rank (``runtime.timing.PARTS`` order).
+
+    The critical rank is the one that worked longest (its seconds less its waits on its peers:
+    the collectives' and the pipeline's parts): the rank the others wait for. Its waits are the
+    communication itself, where a faster rank's also hold the time it waited for the slow one
+    to arrive (ranks drift apart by milliseconds between two collectives; with two processes on
+    two shared cores one rank's ZeRO waits read 101 ms in a step whose critical rank waited 22 ms).
+    The prediction prices identical ranks, so the critical rank's parts are what it compares with.
+    Whatever the critical rank's step is short of the longest goes to the residual part, so the
+    parts sum to the step time."""
+    waits = [index for index, part in enumerate(timing.PARTS) if part in _WAIT_PARTS]
+    critical = max(rows, key=lambda row: row[0] - sum(row[1 + index] for index in waits))
+    step_time = max(row[0] for row in rows)
+    parts = dict(zip(timing.PARTS, critical[1:]))
+    parts[timing.RESIDUAL] += step_time - critical[0]
+    return step_time, parts
+
+
 def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
     """The step's metrics over all ranks: the loss is the mean over dp ranks; peak memory, bytes
     sent, step time and collective wait time the max over all ranks; the time breakdown that of
-    the rank with the longest step, which is the step time reported (each rank fills its row of a
-    table of every rank's time and parts, which one sum all-reduce gives to all)."""
+    the critical rank (:func:`critical_breakdown`; each rank fills its row of a table of every
+    rank's time and parts, which one sum all-reduce gives to all)."""
     plan, device = run.plan, run.device
     # the loss and the data checksum, averaged over dp (the checksum's sum is that mean times dp)
     mean_loss = torch.tensor([result.loss, float(result.data_checksum), 0.0], dtype=torch.float64, device=device)
@@ -644,8 +672,7 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
             averaged_over = plan["dp"]
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         dist.all_reduce(times)
-    slowest = times[int(torch.argmax(times[:, 0]))].tolist()
-    step_time = slowest[0]
+    step_time, parts = critical_breakdown(times.tolist())
     experts = num_experts(run.manifest)
     dropped, load = (None, None)
     if experts is not None:  # every rank alike: summed over the world, once per tp group
@@ -664,7 +691,7 @@ def aggregate_metrics(run: Run, step: int, result: StepResult) -> StepMetrics:
         loss_scale=result.info.loss_scale if plan["dtype"] == "fp16" else None,
         grad_norm=result.info.grad_norm,
         comm_wait_s=float(maxima[2]),
-        time=dict(zip(timing.PARTS, slowest[1:])),
+        time=parts,
         data_checksum=round(float(mean_loss[1]) * averaged_over) % CHECKSUM_MODULUS,
         checkpoint_s=float(maxima[5]),
         tokens_dropped=dropped,

@@ -242,3 +242,25 @@ def test_recomputation_counts_only_forwards_inside_backward(checkpointed, monkey
         for h in handles:
             h.remove()
     assert (parts["recompute"] > 0) == checkpointed, parts
+
+
+def test_the_breakdown_is_the_critical_ranks_and_sums_to_the_step():
+    """Two data-parallel ranks: the fast one waited 80 ms in dp_comm for the slow one, which waited
+    20 ms. The step is the longest rank's; the parts are the slow (critical) rank's, the few
+    microseconds its step is short of the longest added to compute."""
+    from runtime.training.trainer import critical_breakdown
+
+    def row(seconds, **parts):
+        return [seconds] + [parts.get(part, 0.0) for part in timing.PARTS]
+
+    fast = row(0.7001, compute=0.6101, dp_comm=0.08, optimizer=0.01)
+    slow = row(0.7, compute=0.67, dp_comm=0.02, optimizer=0.01)
+    step, parts = critical_breakdown([fast, slow])
+    assert step == 0.7001
+    assert parts["dp_comm"] == 0.02 and parts["optimizer"] == 0.01
+    assert parts["compute"] == pytest.approx(0.6701)
+    assert sum(parts.values()) == pytest.approx(step)
+    # a pipeline: the stage with the most work is critical, whatever its bubble
+    first = row(1.0, compute=0.5, pp_bubble=0.5)
+    last = row(0.99, compute=0.7, pp_bubble=0.29)
+    assert critical_breakdown([first, last])[1]["pp_bubble"] == 0.29
