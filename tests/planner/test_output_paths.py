@@ -7,6 +7,7 @@ import os
 import pytest
 
 import planner.commands.plan_command as plan_command
+import planner.commands.sweep  # noqa: F401 - bound to the real search before `no_search` patches it
 import planner.commands.train as train
 from planner.cli import main
 from planner.plan import PlanError, load_plan, save_plan
