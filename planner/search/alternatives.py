@@ -59,7 +59,8 @@ def _context(part: str, evaluation) -> str:
 def _compute_change(best: Evaluation, alt: Evaluation) -> str:
     """What differs from ``best`` in the decisions that set a single-stage runner-up's compute: a
     wider tp (the work it does not split, norms and residuals, runs on every rank of a group), the
-    micro-batch (the products' sizes), the pipeline, ep, cp and compilation; empty when none does."""
+    ZeRO stage (the contention of the traffic hidden under compute), the micro-batch (the products'
+    sizes), the pipeline, ep, cp and compilation; empty when none does."""
     a, b = alt.strategy.candidate, best.strategy.candidate
     said = []
     if a.tp != b.tp:
@@ -67,6 +68,8 @@ def _compute_change(best: Evaluation, alt: Evaluation) -> str:
             f"tp={a.tp} vs {b.tp}"
             + (": the work tensor parallelism does not split runs on every rank of a group" if a.tp > b.tp else "")
         )
+    if a.zero_stage != b.zero_stage:  # ZeRO 3's per-layer gathers contend with the compute they hide under
+        said.append(f"ZeRO-{a.zero_stage} vs {b.zero_stage}")
     for label, mine, theirs in (
         ("micro-batch", a.micro_batch_size, b.micro_batch_size),
         ("pp", a.pp, b.pp),

@@ -268,3 +268,25 @@ def test_report_says_how_much_each_part_hid(plan):
     assert "Priced with overlap of dp traffic only" in _render(
         dataclasses.replace(plan, overlap={"dp": True, "tp": False, "pp": False})
     )
+
+
+def test_a_single_stage_runner_ups_compute_names_what_differs():
+    """A runner-up's compute is explained by what differs from the winner, never by the tp it
+    shares with it (the fallback said 'tp=1: ... does not split' at tp=1 against tp=1)."""
+    from types import SimpleNamespace
+
+    from cost_models.strategy import Candidate
+    from planner.search.alternatives import _compute_change
+
+    def ev(cand):
+        return SimpleNamespace(strategy=SimpleNamespace(candidate=cand))
+
+    winner = Candidate(8, 2, 1, 1, 4, 2)
+    wider = Candidate(4, 4, 1, 1, 4, 4)
+    assert _compute_change(ev(winner), ev(wider)) == (
+        "tp=4 vs 2: the work tensor parallelism does not split runs on every rank of a group"
+    )
+    assert _compute_change(ev(wider), ev(winner)) == "tp=2 vs 4"  # a narrower tp splits more, not less
+    sharded = Candidate(8, 2, 1, 3, 8, 1)
+    assert _compute_change(ev(winner), ev(sharded)) == "ZeRO-3 vs 1, micro-batch=8 vs 4"
+    assert _compute_change(ev(winner), ev(winner)) == ""
