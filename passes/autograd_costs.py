@@ -433,9 +433,10 @@ class CostReplay(fx.Interpreter):
                 raise PassError(
                     _PASS,
                     n,
-                    f"replaying this op fixed the {ours} size to {value}, so the costs would no longer "
-                    "follow it; its kernel reads sizes as integers (teach the replay a symbolic kernel for "
-                    f"{n.target}, see _SYMBOLIC_KERNELS).",
+                    f"the planner cannot price this op at every {ours} size yet: replaying it fixed the {ours} "
+                    f"size to {value} (its kernel reads sizes as integers), so the costs would no longer follow "
+                    "it. The model cannot be planned until the op has a symbolic kernel (passes/autograd_costs.py, "
+                    "_SYMBOLIC_KERNELS); please report it with the model.",
                 )
 
     def call_function(self, target, args, kwargs):

@@ -17,6 +17,7 @@ class PassError(ValueError):
     def __init__(self, pass_name: str, node: Any | None, message: str):
         where = ""
         if not pass_name:  # a plain message (no pass, no node)
+            self.text = message
             super().__init__(message)
             return
         if node is not None:
@@ -24,7 +25,13 @@ class PassError(ValueError):
             src = source_line(node)
             if src:
                 where += f", from {src}"
-        super().__init__(f"{pass_name}{where}: {message}")
+        self.text = f"{pass_name}{where}: {message}"
+        super().__init__(self.text)
+
+    def __str__(self) -> str:
+        # the message as the pass wrote it: torch.fx's Interpreter appends the graph node, the
+        # traced stack and a pointer to its log parser to the args of whatever a node raises
+        return getattr(self, "text", None) or super().__str__()
 
 
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
