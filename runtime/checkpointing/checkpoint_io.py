@@ -129,6 +129,17 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def earlier(directory: str) -> str:
+    """What a failed save leaves: the earlier checkpoints of ``directory``, intact, or none."""
+    try:
+        saved = list_checkpoints(directory)
+    except OSError:
+        saved = []
+    if not saved:
+        return "no earlier checkpoint was saved in it"
+    return f"the earlier checkpoints are intact (the latest: step {saved[-1][0]})"
+
+
 def read_meta(path: str) -> dict:
     try:
         with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
@@ -316,9 +327,7 @@ def _prepare_folder(directory: str, step: int) -> None:
         err = f"cannot create {tmp}: {e}"
     err = _agree(err)
     if err:
-        raise CheckpointError(
-            f"saving checkpoint step {step} in {directory} failed ({err}); the earlier checkpoints are intact"
-        )
+        raise CheckpointError(f"saving checkpoint step {step} in {directory} failed ({err}); {earlier(directory)}")
 
 
 def stage(
@@ -385,7 +394,7 @@ def write(staged: StagedCheckpoint, groups: JoinGroups, after_data: Callable[[in
     if err:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final} failed ({err}); the earlier checkpoints are intact")
+        raise CheckpointError(f"saving checkpoint {final} failed ({err}); {earlier(os.path.dirname(final))}")
     everyone = _gather_to((shapes, staged.meta["optimizer_step"], staged.compression_shapes), group, 0)
     if rank == 0:
         assert everyone is not None  # rank 0 is the gather's destination
@@ -396,7 +405,7 @@ def write(staged: StagedCheckpoint, groups: JoinGroups, after_data: Callable[[in
             shutil.rmtree(tmp, ignore_errors=True)
     err = _agree(err, group)
     if err:
-        raise CheckpointError(f"publishing checkpoint {final} failed ({err}); the earlier checkpoints are intact")
+        raise CheckpointError(f"publishing checkpoint {final} failed ({err}); {earlier(os.path.dirname(final))}")
     return final
 
 

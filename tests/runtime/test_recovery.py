@@ -84,3 +84,18 @@ def test_checksums_of_rank_slices_add_up_to_the_global_batch():
     assert batch_checksum(data.rows(6, 0, 8, 8)[0], 0) != batch_checksum(whole, 0)
     swapped = torch.cat([whole[1:2], whole[0:1], whole[2:]])  # the same samples in another order
     assert batch_checksum(swapped, 0) != batch_checksum(whole, 0)
+
+
+def test_a_failed_save_says_which_checkpoints_it_left(tmp_path):
+    """A failed save names the latest checkpoint that survives, or says there is none (it said
+    'the earlier checkpoints are intact' when no checkpoint had been saved)."""
+    from runtime.checkpointing.checkpoint_io import earlier
+
+    assert earlier(str(tmp_path / "missing")) == "no earlier checkpoint was saved in it"
+    (tmp_path / "afile").write_text("x")
+    assert earlier(str(tmp_path / "afile")) == "no earlier checkpoint was saved in it"
+    for step in (4, 8):
+        folder = tmp_path / "ckpt" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text("{}")
+    assert earlier(str(tmp_path / "ckpt")) == "the earlier checkpoints are intact (the latest: step 8)"
