@@ -56,6 +56,27 @@ def plan_args(out, *extra) -> list[str]:
     ]
 
 
+def two_rank_plan(spec: str, table, seq_len: int, global_batch: int, **pins) -> Plan:
+    """The real search's plan of ``spec`` (its layer table ``table``) on 2 CPU ranks, fp32,
+    micro-batch 1, every degree 1 unless pinned."""
+    from cost_models.hardware import load_hardware
+    from planner.search.request import PlanRequest
+    from planner.search.solve import solve
+
+    req = PlanRequest(
+        spec=spec,
+        gpus=2,
+        gpus_per_node=2,
+        hardware="cpu",
+        global_batch=global_batch,
+        seq_len=seq_len,
+        dtype="fp32",
+        micro_batch=1,
+        **{"dp": 1, "tp": 1, "pp": 1, **pins},
+    )
+    return solve(req, table, load_hardware("cpu", gpus_per_node=2)).plan
+
+
 def even_stages(layers: int, pp: int) -> list[list[int]]:
     """``pp`` contiguous ``[first, last]`` ranges of equal size over the L + 2 layer-table rows."""
     rows = layers + 2

@@ -22,7 +22,7 @@ from planner.search.request import PlanRequest
 from planner.search.solve import solve
 from tests.e2e.batched import Run, options, run_result, train_together
 from tests.e2e.test_train_matrix import EPS
-from tests.helpers import TESTS, USER_MODELS, reference_run
+from tests.helpers import TESTS, USER_MODELS, reference_run, two_rank_plan
 
 pytest.importorskip("transformers")
 
@@ -84,18 +84,7 @@ BLOCK_SPARSE_CASES = {"dp2-zero3": dict(dp=2, zero_stage=3), "tp2": dict(tp=2), 
 
 def _hf_plan(spec: str, **pins):
     """A tiny model directory's plan on 2 ranks (micro-batch 1)."""
-    req = PlanRequest(
-        spec=spec,
-        gpus=2,
-        gpus_per_node=2,
-        hardware="cpu",
-        global_batch=BATCH,
-        seq_len=SEQ,
-        dtype="fp32",
-        micro_batch=1,
-        **{"dp": 1, "tp": 1, "pp": 1, **pins},
-    )
-    return solve(req, _table(spec), load_hardware("cpu", gpus_per_node=2)).plan
+    return two_rank_plan(spec, _table(spec), SEQ, BATCH, **pins)
 
 
 def _bf16_plan():

@@ -18,14 +18,11 @@ import os
 import pytest
 import torch
 
-from cost_models.hardware import load_hardware
 from planner.frontend.model_analysis import build_layer_table
-from planner.search.request import PlanRequest
-from planner.search.solve import solve
 from tests.codegen.test_hybrid_archs import model_dir
 from tests.e2e.batched import Run, options, run_result, train_together
 from tests.e2e.test_train_matrix import EPS
-from tests.helpers import reference_run
+from tests.helpers import reference_run, two_rank_plan
 
 pytest.importorskip("transformers")
 
@@ -45,18 +42,7 @@ def _table(spec: str):
 
 
 def _plan(spec: str, **pins):
-    req = PlanRequest(
-        spec=spec,
-        gpus=2,
-        gpus_per_node=2,
-        hardware="cpu",
-        global_batch=BATCH,
-        seq_len=SEQ,
-        dtype="fp32",
-        micro_batch=1,
-        **{"dp": 1, "tp": 1, "pp": 1, **pins},
-    )
-    return solve(req, _table(spec), load_hardware("cpu", gpus_per_node=2)).plan
+    return two_rank_plan(spec, _table(spec), SEQ, BATCH, **pins)
 
 
 @pytest.fixture(scope="module")
