@@ -141,6 +141,8 @@ __all__ = [
     "Evaluation",
     "candidate_costs",
     "work_floor",
+    "free_work_floor",
+    "state_floor",
     "evaluate",
     "predicted_fields",
     "hidden_breakdown",
@@ -375,7 +377,8 @@ class CandidateCosts:
         known = self.__dict__.get("_uniform")
         if known is not None and len(known[0]) == len(self.layers) and all(map(operator.is_, known[0], self.layers)):
             return known[1]
-        uniform = self.num_layers >= 3 and all(cost == self.layers[1] for cost in self.layers[2:-2])
+        block = self.layers[1] if self.num_layers >= 3 else None
+        uniform = block is not None and all(cost is block or cost == block for cost in self.layers[2:-2])
         self.__dict__["_uniform"] = (tuple(self.layers), uniform)
         return uniform
 
@@ -485,6 +488,26 @@ def work_floor(
     offload transfers, pipeline sends, what overlapped collectives cost compute, the per-step
     tail), so the floor holds. Memoized per work setting: candidates that differ in ZeRO stage,
     data-parallel placement or offload share it."""
+    total, largest = _row_works(table, hw, dtype, seq_len, cand, gpus_per_node)
+    slowest = max(total / cand.pp, largest)
+    return (cand.num_micro_batches - 1) * slowest + max(total, slowest)
+
+
+def free_work_floor(
+    table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
+) -> float:
+    """``work_floor`` of any schedule (no fill or drain): the busiest rank runs ``m`` micro-batches
+    of at least the average rank's work and of its largest row; at most the schedule-free bound
+    of the priced candidate (``planner.search.schedule_search.schedule_free_bound``)."""
+    total, largest = _row_works(table, hw, dtype, seq_len, cand, gpus_per_node)
+    return cand.num_micro_batches * max(total / cand.pp, largest)
+
+
+def _row_works(
+    table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
+) -> tuple[float, float]:
+    """Every row's work of one micro-batch once, and the largest row's (``work_floor``; memoized
+    per work setting)."""
     pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
     key = ("work_floor", id(hw), dtype, cand.micro_batch_size, seq_len, cand.context_parallel, pricing.setting)
     known = table.work_memo.get(key)
@@ -492,9 +515,23 @@ def work_floor(
         rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
         works = [_row_work(row, hw, dtype, pricing.setting, table.work_memo)[0].work_s for row in rows]
         known = table.work_memo[key] = (sum(works[i] for i in row_of_layer), max(works))
-    total, largest = known
-    slowest = max(total / cand.pp, largest)
-    return (cand.num_micro_batches - 1) * slowest + max(total, slowest)
+    return known
+
+
+def state_floor(
+    table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
+) -> float:
+    """Bytes of model state no strategy of ``cand`` goes under on its most loaded device: the
+    rows' parameters, gradients and optimizer state (under its ZeRO stage, data parallelism and
+    offload) spread evenly over the pipeline stages, and the largest row's whole. At most the
+    ``memory_lower_bound`` of ``candidate_costs`` (``planner.search.candidates``: pricing only
+    adds activations, transients and tied copies), so a search can rule out a candidate whose
+    state alone overflows the device without pricing its traffic; the row states are memoized
+    and priced once for both."""
+    rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
+    pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
+    states = [_state_bytes(*_work_and_state(row, pricing, table.work_memo)) for row in rows]
+    return max(sum(states[i] for i in row_of_layer) / cand.pp, max(states))
 
 
 def context_rows(table: NumericTable, micro_batch: int, seq_len: int, cp: int) -> tuple[list[LayerRow], list[int]]:
@@ -598,6 +635,14 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
     """One row's costs under a candidate: its work (compute, tp collectives, activations; a
     function of the row and ``pricing.setting`` only, so shared through ``memo`` by every
     candidate that agrees on those) and its model state and ZeRO traffic (dp, ZeRO, offload)."""
+    work, state = _work_and_state(row, pricing, memo)
+    return _with_state(work, *state)
+
+
+def _work_and_state(
+    row: LayerRow, pricing: _CandidatePricing, memo: dict | None
+) -> tuple[LayerCost, tuple["_LayerState", "_CompressedTerms | None"]]:
+    """A row's work and its model state and DP/ZeRO costs, each through ``memo`` when given."""
     hw, dtype = pricing.hw, pricing.dtype
     work, backward_s = _row_work(row, hw, dtype, pricing.setting, memo)
     state_key = ("state", id(hw), dtype, work.num_params, work.expert_params, _state_key(work, backward_s, pricing))
@@ -606,7 +651,7 @@ def _layer_cost(row: LayerRow, pricing: _CandidatePricing, memo: dict | None = N
         state = _row_state(work, backward_s, pricing)
         if memo is not None:
             memo[state_key] = state
-    return _with_state(work, *state)
+    return work, state
 
 
 def _row_work(
@@ -659,6 +704,18 @@ def _row_state(
     else:
         state = _layer_state(params, pricing, work.fwd_s, backward_s)
     return state, (_compressed_terms(params, pricing) if cand.compressed else None)
+
+
+def _state_bytes(work: LayerCost, state_terms: tuple["_LayerState", "_CompressedTerms | None"]) -> int:
+    """``state_b`` of ``_with_state``'s cost, without building it."""
+    state, compressed = state_terms
+    return (
+        state.base["params"]
+        + work.params_b
+        + state.base["grads"]
+        + state.base["optimizer"]
+        + (compressed.error_b if compressed else 0)
+    )
 
 
 def _with_state(

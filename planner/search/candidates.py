@@ -734,59 +734,61 @@ class _UniformStages:
         self.L = costs.num_layers - 2 - len(self.tail)
         self.lows = [0 if relaxed or not 0 < k < stages - 1 else 1 for k in range(stages)]
         self._memo: dict[tuple[int, int], tuple[int, float] | None] = {}
+        # a block's figures, read once (LayerCost's are properties summing fields)
+        self._block = (blk.state_b, blk.saved_b, blk.trans_b, blk.work_s + blk.zero_mb_s, blk.saved_b - blk.input_b)
+        self._fixed = [self._stage_rows(k) for k in range(stages)]
+
+    def _stage_rows(self, k: int) -> tuple[float, float, float, float, float]:
+        """Stage ``k``'s figures that do not depend on its block count: its in-flight
+        micro-batches, the largest transient of its own rows, their memory, their work and
+        (exact model) its sends."""
+        costs, stages = self.costs, self.p
+        tail = [] if self.relaxed else self.tail
+        rows = ([self.pre] if k == 0 else []) + (tail + [self.post] if k == stages - 1 else [])
+        in_flight = costs.inflight[k]
+        trans = max([row.trans_b for row in rows] + [0])
+        act = (lambda row: min(row.saved_b, row.input_b)) if self.relaxed else (lambda row: row.saved_b)
+        memory = sum(row.state_b + in_flight * act(row) for row in rows)
+        work = sum(row.work_s + row.zero_mb_s for row in rows)
+        sends = 0.0
+        if not self.relaxed:
+            sends = (costs.send_s(1, k) if k < stages - 1 else 0.0) + (costs.send_s(1, k - 1) if k > 0 else 0.0)
+        return in_flight, trans, memory, work, sends
 
     def stage(self, k: int, blocks: int) -> tuple[int, float] | None:
         """``(r, t_k(n))`` of stage ``k`` holding ``n`` run blocks; ``None`` if it cannot fit."""
         key = (k, blocks)
         if key in self._memo:
             return self._memo[key]
-        costs, blk, stages = self.costs, self.blk, self.p
-        tail = [] if self.relaxed else self.tail
-        rows = ([self.pre] if k == 0 else []) + (tail + [self.post] if k == stages - 1 else [])
-        in_flight = costs.inflight[k]
-        trans = max([row.trans_b for row in rows] + ([blk.trans_b] if blocks else []) + [0])
-        act = (lambda row: min(row.saved_b, row.input_b)) if self.relaxed else (lambda row: row.saved_b)
-        mem = (
-            blocks * (blk.state_b + in_flight * blk.saved_b)
-            + trans
-            + sum(row.state_b + in_flight * act(row) for row in rows)
-        )
-        delta = blk.saved_b - blk.input_b
-        if self.mode == "auto" and math.isfinite(self.sel_rate) and mem > costs.capacity and blocks:
+        blk, capacity = self.blk, self.costs.capacity
+        state_b, saved_b, trans_b, work_s, delta = self._block
+        in_flight, rows_trans, rows_memory, rows_work, sends = self._fixed[k]
+        trans = max(rows_trans, trans_b) if blocks else rows_trans
+        mem = blocks * (state_b + in_flight * saved_b) + trans + rows_memory
+        if self.mode == "auto" and math.isfinite(self.sel_rate) and mem > capacity and blocks:
             # relaxed with selective: free the excess fractionally at the cheaper rate per byte,
             # re-materializing the smaller of the two transients (a lower bound of either choice)
             rates = [self.sel_rate] + ([blk.rec_s / delta] if delta > 0 else [])
             most = blocks * in_flight * max(delta, blk.sel_saved_b)
-            excess = mem + min(blk.saved_b, blk.sel_saved_b) - costs.capacity
+            excess = mem + min(saved_b, blk.sel_saved_b) - capacity
             out = None
             if excess <= most:
-                micro_step = (
-                    blocks * (blk.work_s + blk.zero_mb_s)
-                    + max(excess, 0.0) / in_flight * min(rates)
-                    + sum(row.work_s + row.zero_mb_s for row in rows)
-                )
-                out = (0, micro_step)
+                out = (0, blocks * work_s + max(excess, 0.0) / in_flight * min(rates) + rows_work)
             self._memo[key] = out
             return out
         if self.mode == "all":
             recomputed = blocks
-        elif mem <= costs.capacity or self.mode == "none" or blocks == 0 or delta <= 0:
+        elif mem <= capacity or self.mode == "none" or blocks == 0 or delta <= 0:
             recomputed = 0
         else:
-            recomputed = max(1, math.ceil((mem + blk.saved_b - costs.capacity) / (in_flight * delta)))
+            recomputed = max(1, math.ceil((mem + saved_b - capacity) / (in_flight * delta)))
         if recomputed:
-            mem += blk.saved_b - in_flight * recomputed * delta
+            mem += saved_b - in_flight * recomputed * delta
         out = None
-        if recomputed <= blocks and mem <= costs.capacity:
-            micro_step = (
-                blocks * (blk.work_s + blk.zero_mb_s)
-                + recomputed * blk.rec_s
-                + sum(row.work_s + row.zero_mb_s for row in rows)
-            )
+        if recomputed <= blocks and mem <= capacity:
+            micro_step = blocks * work_s + recomputed * blk.rec_s + rows_work
             if not self.relaxed:
-                micro_step += (costs.send_s(1, k) if k < stages - 1 else 0.0) + (
-                    costs.send_s(1, k - 1) if k > 0 else 0.0
-                )
+                micro_step += sends
             out = (recomputed, micro_step)
         self._memo[key] = out
         return out

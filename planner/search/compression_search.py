@@ -126,13 +126,17 @@ def choose_compression(
     base = [
         entry.cand
         for entry in entries
-        if entry.cand.compile != compiled or (entry.floor < limit and work_lower_bound(entry.costs) < limit)
-    ]
+        if entry.cand.compile != compiled
+        or (entry.floor < limit and not entry.too_big and work_lower_bound(entry.costs) < limit)
+    ]  # a candidate whose state overflows the device overflows it compressed (stage 0's optimizer state)
     base = list(dict.fromkeys(dataclasses.replace(candidate, compile=False) for candidate in base))
     kept = [
         entry
         for entry in price(compression_variants(base))
-        if entry.floor < limit and entry.time_lb < limit and entry.memory_lb <= entry.costs.capacity
+        if entry.floor < limit
+        and not entry.too_big
+        and entry.time_lb < limit
+        and entry.memory_lb <= entry.costs.capacity
     ]
     if not kept:
         return result, entries, None

@@ -330,10 +330,10 @@ class _Search:
             if entry.floor > threshold * (1 + TIME_TOL):  # so is every later one's (and its bound)
                 result.pruned_time += (len(self.order) - i) * exact
                 return
-            costs = entry.costs
-            if entry.memory_lb > costs.capacity:
+            if entry.too_big or entry.memory_lb > entry.costs.capacity:
                 result.pruned_memory += exact
                 continue
+            costs = entry.costs
             triple = costs.cand.mesh
             bound = min(best[triple].step_time_s if triple in best else float("inf"), threshold)
             if entry.time_lb > bound * (1 + TIME_TOL):
@@ -363,7 +363,7 @@ class _Search:
             if entry.floor > enough * (1 + TIME_TOL):  # every later one's floor (and bound) too
                 break
             bound = min(enough, per_layout[key].step_time_s) if key in per_layout else enough
-            if entry.floor > bound * (1 + TIME_TOL) or entry.time_lb > bound * (1 + TIME_TOL):
+            if entry.floor > bound * (1 + TIME_TOL) or entry.too_big or entry.time_lb > bound * (1 + TIME_TOL):
                 continue
             costs = entry.costs
             if entry.memory_lb > costs.capacity:

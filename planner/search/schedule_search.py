@@ -852,6 +852,7 @@ class _Walk:
         refit = self.refit
         assert refit is not None  # the walk adds candidates only with a refit
         compiled = {cand.compile for cand in kept_candidates}
+        kept_layouts = {_layout(cand) for cand in kept_candidates}
         for cand in list(self.cc_of.keys()):
             if cand in self.seen or cand.compile not in compiled or cand.mesh not in self.owners:
                 continue
@@ -859,16 +860,31 @@ class _Walk:
                 o[0] != ScheduleName.ONE_F_ONE_B for o in schedule_options(cand, self.rows, None, None, self.searched)
             ):
                 continue
+            if _known_too_big(self.cc_of, cand):
+                continue
+            payload = (cand, self.owners[cand.mesh], _layout(cand) not in kept_layouts)
+            unpriced = getattr(self.cc_of, "free_floor", None)
+            if unpriced is not None:  # priced only once that floor comes first under the best found
+                self.push(unpriced(cand), "strategy", payload, functools.partial(self._priced_bound, cand))
+                continue
             costs = self.cc_of[cand]
             if memory_lower_bound(costs) > costs.capacity:
                 continue
-            owner = self.owners[cand.mesh]
             self.push(
                 schedule_free_bound(costs),
                 "strategy",
-                (cand, owner, not any(_batching(cand, kept) for kept in kept_candidates)),
+                payload,
                 functools.partial(schedule_free_bound, costs, refit.kinds, refit.checkpoint),
             )
+
+    def _priced_bound(self, cand: Candidate) -> float:
+        """A ``strategy`` item's tight bound (:func:`schedule_free_bound` with the micro-step the
+        memory forces), ``inf`` when nothing of ``cand`` fits."""
+        assert self.refit is not None  # strategy items come with a refit
+        costs = self.cc_of[cand]
+        if memory_lower_bound(costs) > costs.capacity:
+            return math.inf
+        return schedule_free_bound(costs, self.refit.kinds, self.refit.checkpoint)
 
     def run(self) -> list[Evaluation]:
         workers = max(1, PREFETCH_AHEAD)
@@ -1014,11 +1030,25 @@ def _is_uniform(evaluation: Evaluation, costs: CandidateCosts, kinds: Sequence[s
     return not full and sel == {i for i in blocks if costs.layers[i].sel_saved_b > 0}
 
 
-def _batching(candidate: Candidate, kept: Candidate) -> bool:
-    """``candidate`` differs from ``kept`` only by its micro-batch size."""
-    return (
-        dataclasses.replace(candidate, micro_batch_size=kept.micro_batch_size, num_micro_batches=kept.num_micro_batches)
-        == kept
+def _known_too_big(cc_of: Mapping, cand: Candidate) -> bool:
+    """Whether ``cc_of`` knows without pricing ``cand`` that none of its strategies fits (its
+    model state alone overflows the device: ``planner.search.entries.Entry.too_big``); a plain
+    mapping of priced costs cannot tell."""
+    check = getattr(cc_of, "too_big", None)
+    return bool(check(cand)) if check is not None else False
+
+
+#: The fields of a candidate that are its micro-batching (``_layout``).
+_BATCHING_FIELDS = frozenset({"micro_batch_size", "num_micro_batches"})
+
+
+def _layout(candidate: Candidate) -> tuple:
+    """``candidate``'s compared fields but its micro-batching: two candidates with the same
+    layout differ only by their micro-batch size."""
+    return tuple(
+        getattr(candidate, field.name)
+        for field in dataclasses.fields(candidate)
+        if field.compare and field.name not in _BATCHING_FIELDS
     )
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from cost_models.compute import optimizer_step_time
@@ -53,8 +53,10 @@ from cost_models.strategy import (
     candidate_costs,
     compile_seconds,
     evaluate,
+    free_work_floor,
     memory_bound,
     predicted_fields,
+    state_floor,
     work_floor,
 )
 from passes.mask_density import summarize
@@ -120,10 +122,18 @@ def _pricer(request, table: NumericTable, hw: HardwareProfile, gpus_per_node: in
 def candidate_entries(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, candidates: list[Candidate]
 ) -> list[Entry]:
-    """The search entries of ``candidates``: each one's floor now, its costs when first read."""
+    """The search entries of ``candidates``: each one's floor now, its costs when first read, and
+    whether its model state alone overflows the device when first asked."""
     price = _pricer(request, table, hw, gpus_per_node)
+    capacity = hw.memory_bytes * request.memory_headroom
+
+    def too_big(candidate: Candidate) -> bool:
+        return state_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node) > capacity
+
     return [
-        Entry(candidate, work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node), price)
+        Entry(
+            candidate, work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node), price, too_big
+        )
         for candidate in candidates
     ]
 
@@ -483,7 +493,11 @@ def _costs_for(
     the compiled search's candidates), and, on demand, of any other candidate the search
     enumerated, compiled or not (the schedule post-pass asks for a kept strategy's other ZeRO
     stages); a candidate it did not enumerate (one the pins rule out) is a ``KeyError``."""
-    known = _Costs(entries, _pricer(request, table, hw, gpus_per_node))
+    known = _Costs(
+        entries,
+        _pricer(request, table, hw, gpus_per_node),
+        lambda cand: free_work_floor(table, hw, request.dtype, request.seq_len, cand, gpus_per_node),
+    )
     for evaluation in result.ranked + result.extra:
         known.add(evaluation.strategy.candidate)
     return known
@@ -494,8 +508,9 @@ class _Costs(Mapping):
     their compiled or eager versions (priced when first asked for); another is a ``KeyError``
     unless :meth:`add` made it known."""
 
-    def __init__(self, entries: list[Entry], price):
+    def __init__(self, entries: list[Entry], price, free_floor_of: Callable[[Candidate], float]):
         self.entries = {entry.cand: entry for entry in entries}
+        self._free_floor_of = free_floor_of
         self.others: dict[Candidate, CandidateCosts] = {}
         self.price = price
         self._enumerated = {dataclasses.replace(candidate, compile=False) for candidate in self.entries}
@@ -514,6 +529,15 @@ class _Costs(Mapping):
                 raise KeyError(candidate)
             self.others[candidate] = self.price(candidate)
         return self.others[candidate]
+
+    def too_big(self, candidate: Candidate) -> bool:
+        """Whether ``candidate``'s entry knows, unpriced, that none of its strategies fits."""
+        entry = self.entries.get(candidate)
+        return entry is not None and entry.too_big
+
+    def free_floor(self, candidate: Candidate) -> float:
+        """A step time no schedule of ``candidate`` beats, unpriced (``free_work_floor``)."""
+        return self._free_floor_of(candidate)
 
     def __contains__(self, candidate: object) -> bool:
         return candidate in self.entries or candidate in self.others
@@ -564,8 +588,12 @@ def search_offload(
         if not host_slower
         or (
             entry.floor < limit
-            and entry.time_lb < limit
-            and memory_may_bind(entry.costs, table.kinds, request.checkpoint)
+            # a candidate whose state overflows the device needs offload: its variants are
+            # priced and bounded on their own (``kept``), so it is not priced here
+            and (
+                entry.too_big
+                or (entry.time_lb < limit and memory_may_bind(entry.costs, table.kinds, request.checkpoint))
+            )
         )
     ]
     variants = offload_variants(request, base, hw)
@@ -574,7 +602,10 @@ def search_offload(
     kept = [
         entry
         for entry in candidate_entries(request, table, hw, gpus_per_node, variants)
-        if entry.floor < limit and entry.time_lb < limit and entry.memory_lb <= entry.costs.capacity
+        if entry.floor < limit
+        and not entry.too_big
+        and entry.time_lb < limit
+        and entry.memory_lb <= entry.costs.capacity
     ]
     if not kept:
         return result, entries

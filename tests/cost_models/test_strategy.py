@@ -18,7 +18,16 @@ from cost_models.comm_cost import axis_placement, collective_time, zero_dp_colle
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
-from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, memory_bound, work_floor
+from cost_models.strategy import (
+    Candidate,
+    NumericTable,
+    candidate_costs,
+    evaluate,
+    free_work_floor,
+    memory_bound,
+    state_floor,
+    work_floor,
+)
 from planner.errors import UserError
 from planner.search.candidates import (
     check_pins,
@@ -30,8 +39,10 @@ from planner.search.candidates import (
     work_lower_bound,
 )
 from planner.search.request import PlanRequest
+from planner.search.schedule_search import schedule_free_bound
 from runtime.contract.collective_bytes import ring_bytes
 from runtime.contract.overlap import OVERLAP_NONE
+from tests.cost_models.moe_tables import moe_table
 from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -278,6 +289,41 @@ def test_work_floor_is_below_the_priced_lower_bound(dp, tp, pp, zero, mbs, compi
     if dp == 1 and pp == 1:
         assert floor == pytest.approx(work_lower_bound(costs), rel=1e-12)
     assert work_floor(table, hw, "bf16", 128, cand, hw.gpus_per_node) == floor  # memoized: the same figure
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dp=st.sampled_from([1, 2, 4, 8]),
+    tp=st.sampled_from([1, 2]),
+    pp=st.integers(1, 3),
+    zero=st.integers(0, 3),
+    mbs=st.sampled_from([1, 2]),
+    variant=st.sampled_from(["plain", "offload", "offload-params", "onebit", "moe"]),
+)
+def test_unpriced_floors_are_below_the_priced_bounds(dp, tp, pp, zero, mbs, variant):
+    """What a search reads of a candidate before pricing it never claims more than the priced
+    candidate: its model state floor is at most ``memory_lower_bound`` (so a candidate it rules
+    out could not fit), its schedule-free work floor at most ``schedule_free_bound``; whatever
+    the ZeRO stage, offload, 1-bit Adam or expert parallelism."""
+    zero = zero if dp > 1 else 0
+    extra: dict = {}
+    if variant.startswith("offload") and zero >= 1:
+        extra["offload_optimizer"] = "cpu"
+        if variant == "offload-params" and zero == 3:
+            extra["offload_params"] = "cpu"
+    if variant == "onebit" and dp > 1 and zero <= 1:
+        extra["dp_compression"] = "onebit-adam"
+    if variant == "moe":
+        table = NumericTable(moe_table(layers=3, hidden=128, ffn=256, experts=4, top_k=2))
+        extra["expert_parallel"] = 2 if dp % 2 == 0 else 1
+    else:
+        table = NumericTable(gpt_table(layers=3, hidden=128, heads=4, vocab=1024))
+    cand = Candidate(dp, tp, pp, zero, mbs, 4, **extra)
+    costs = candidate_costs(table, HW, "bf16", 128, cand, HW.gpus_per_node, HW.memory_bytes)
+    assert 0 <= state_floor(table, HW, "bf16", 128, cand, HW.gpus_per_node) <= memory_lower_bound(costs)
+    free = free_work_floor(table, HW, "bf16", 128, cand, HW.gpus_per_node)
+    assert 0 < free <= schedule_free_bound(costs) * (1 + 1e-12)
+    assert free <= work_floor(table, HW, "bf16", 128, cand, HW.gpus_per_node) * (1 + 1e-12)
 
 
 def _req(**kw):

@@ -216,6 +216,30 @@ def test_the_search_prices_only_the_candidates_it_reaches():
     assert got.pruned_time + got.pruned_memory + got.solved == len(lazy)
 
 
+def test_candidates_whose_state_overflows_are_skipped_unpriced():
+    """On devices too small for most layouts, the search rules out the candidates whose model
+    state alone overflows without pricing them (``Entry.too_big``): it prices fewer candidates
+    than without that check and finds the same strategies and counts; every candidate ruled out
+    so is out of memory once priced."""
+    table = NumericTable(gpt_table(layers=8, hidden=4096, heads=32, vocab=32000))
+    small = dataclasses.replace(HW, memory_bytes=12 * 2**30)
+    req = _req(gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024)
+    lazy = candidate_entries(req, table, small, 8, enumerate_candidates(req, table, 8))
+    blind = [Entry(entry.cand, entry.floor, entry._price) for entry in lazy]  # no state floor
+    got, without = search(lazy, table.kinds), search(blind, table.kinds)
+    assert got.best is not None
+    assert sum(entry.priced for entry in lazy) < sum(entry.priced for entry in blind)
+    assert [ev.strategy.candidate for ev in got.ranked] == [ev.strategy.candidate for ev in without.ranked]
+    assert (got.pruned_memory, got.pruned_time, got.solved) == (
+        without.pruned_memory,
+        without.pruned_time,
+        without.solved,
+    )
+    for entry in lazy:
+        if entry.too_big:
+            assert entry.memory_lb > entry.costs.capacity
+
+
 def test_solve_gives_a_valid_plan_with_alternatives():
     table = gpt_table(layers=8, hidden=1024, heads=16, vocab=32000)
     req = PlanRequest(
