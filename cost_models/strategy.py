@@ -142,6 +142,7 @@ __all__ = [
     "candidate_costs",
     "work_floor",
     "free_work_floor",
+    "draft_costs",
     "state_floor",
     "evaluate",
     "predicted_fields",
@@ -312,6 +313,10 @@ class CandidateCosts:
     ):
         self.cand = cand
         self.layers = layers
+        self.draft = False
+        """Whether these are ``draft_costs`` (no data-parallel traffic): bounds only, and the
+        relaxed stage model (``planner.search.candidates``) leaves the last block out as it does
+        a distinct one, since once priced it may be one."""
         if distinct is None:
             counts: dict[LayerCost, int] = {}
             for cost in layers:
@@ -491,6 +496,39 @@ def work_floor(
     total, largest = _row_works(table, hw, dtype, seq_len, cand, gpus_per_node)
     slowest = max(total / cand.pp, largest)
     return (cand.num_micro_batches - 1) * slowest + max(total, slowest)
+
+
+def draft_costs(
+    table: NumericTable,
+    hw: HardwareProfile,
+    dtype: str,
+    seq_len: int,
+    cand: Candidate,
+    gpus_per_node: int,
+    capacity: float,
+) -> CandidateCosts:
+    """``candidate_costs`` with the data-parallel traffic free (no ZeRO collective, gradient
+    reduction or offload transfer, so nothing to overlap) and no tied-weight copies: every row's
+    work, state, activations and tail at most the priced ones', so a lower bound of time or
+    memory computed on it bounds the priced candidate too. It skips what the overlap model works
+    out (most of a price): a search can rule a candidate out on it first."""
+    distinct_rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
+    pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
+    row_costs = [
+        _layer_cost(row, pricing, table.work_memo)[0].but(zero_mb_s=0.0, dp_step_s=0.0) for row in distinct_rows
+    ]
+    costs = CandidateCosts(
+        cand,
+        [row_costs[i] for i in row_of_layer],
+        hw,
+        gpus_per_node,
+        capacity,
+        distinct=[(cost, row_of_layer.count(i)) for i, cost in enumerate(row_costs)],
+    )
+    costs.dtype = dtype
+    costs.loss_transient_b = costs.layers[-1].bt_b
+    costs.draft = True
+    return costs
 
 
 def free_work_floor(

@@ -720,7 +720,9 @@ class _UniformStages:
         self.costs, self.mode, self.relaxed = costs, checkpoint, relaxed
         self.p = stages = costs.cand.pp
         self.pre, self.blk, self.post = costs.layers[0], costs.layers[1], costs.layers[-1]
-        self.tail = [costs.layers[-2]] if costs.layers[-2] != self.blk else []
+        # a draft's last block may differ once priced: the relaxed model leaves it out either way
+        distinct_last = costs.layers[-2] != self.blk or (relaxed and costs.draft)
+        self.tail = [costs.layers[-2]] if distinct_last else []
         if checkpoint == "selective":  # every block recomputes its cores, none recomputes whole
             self.blk = _as_selective(self.blk) if self.blk.sel_saved_b > 0 else self.blk
             self.tail = [_as_selective(row) if row.sel_saved_b > 0 else row for row in self.tail]

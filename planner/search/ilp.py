@@ -330,12 +330,18 @@ class _Search:
             if entry.floor > threshold * (1 + TIME_TOL):  # so is every later one's (and its bound)
                 result.pruned_time += (len(self.order) - i) * exact
                 return
-            if entry.too_big or entry.memory_lb > entry.costs.capacity:
+            if entry.too_big:
                 result.pruned_memory += exact
                 continue
-            costs = entry.costs
-            triple = costs.cand.mesh
+            triple = entry.cand.mesh
             bound = min(best[triple].step_time_s if triple in best else float("inf"), threshold)
+            if entry.floor > bound * (1 + TIME_TOL):  # its triple has a faster strategy: not priced
+                result.pruned_time += exact
+                continue
+            costs = entry.costs
+            if entry.memory_lb > costs.capacity:
+                result.pruned_memory += exact
+                continue
             if entry.time_lb > bound * (1 + TIME_TOL):
                 result.pruned_time += exact
                 continue

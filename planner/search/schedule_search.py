@@ -761,7 +761,7 @@ def _bound_walk(
 
 
 #: One item of the walk's queue: (bound, order, kind, payload, the tighter bound to come or None).
-_Item = tuple[float, int, str, tuple, "Callable[[], float] | None"]
+_Item = tuple[float, int, str, tuple, "Callable[[], Any] | None"]
 
 
 class _Walk:
@@ -798,13 +798,20 @@ class _Walk:
         self.ahead: list[concurrent.futures.Future] = []
         """The ILPs started ahead (:meth:`prefetch`) that may still run."""
 
-    def push(self, bound: float, kind: str, payload: tuple, tighter: Callable[[], float] | None = None) -> None:
+    def push(self, bound: float, kind: str, payload: tuple, tighter: Callable[[], Any] | None = None) -> None:
         """Queue an item under ``bound``; ``tighter``: a dearer, tighter bound, computed only when
         the item comes first under the best found (then it is queued again under that), so the
         visiting order is that of the tight bounds and the items the cheap one rules out never
         pay for it."""
         self.order += 1
         heapq.heappush(self.heap, (bound, self.order, kind, payload, tighter))
+
+    def tighten(self, lower: float, kind: str, payload: tuple, tighter: Callable[[], Any]) -> None:
+        """Queue an item again under its tighter bound; a bound that comes in steps returns
+        ``(bound, the next step)``, and the item is queued with that step to come."""
+        got = tighter()
+        bound, following = got if isinstance(got, tuple) else (got, None)
+        self.push(max(lower, bound), kind, payload, following)
 
     def keep_best(self, owner: int, got: Evaluation | None) -> None:
         if got is None or not got.feasible:
@@ -863,9 +870,11 @@ class _Walk:
             if _known_too_big(self.cc_of, cand):
                 continue
             payload = (cand, self.owners[cand.mesh], _layout(cand) not in kept_layouts)
-            unpriced = getattr(self.cc_of, "free_floor", None)
-            if unpriced is not None:  # priced only once that floor comes first under the best found
-                self.push(unpriced(cand), "strategy", payload, functools.partial(self._priced_bound, cand))
+            unpriced = getattr(self.cc_of, "unpriced", None)
+            if unpriced is not None:  # priced only once its cheaper bounds come first under the best found
+                self.push(
+                    unpriced.free_floor(cand), "strategy", payload, functools.partial(self._draft_bound, unpriced, cand)
+                )
                 continue
             costs = self.cc_of[cand]
             if memory_lower_bound(costs) > costs.capacity:
@@ -876,6 +885,17 @@ class _Walk:
                 payload,
                 functools.partial(schedule_free_bound, costs, refit.kinds, refit.checkpoint),
             )
+
+    def _draft_bound(self, unpriced: Any, cand: Candidate) -> tuple[float, Callable[[], float]]:
+        """A ``strategy`` item's second bound, :func:`schedule_free_bound` with the micro-step the
+        memory forces on ``cand``'s costs without data-parallel traffic (``unpriced.draft``: at
+        most the priced figures), ``inf`` when even those do not fit; and the third, priced."""
+        assert self.refit is not None  # strategy items come with a refit
+        draft = unpriced.draft(cand)
+        following = functools.partial(self._priced_bound, cand)
+        if memory_lower_bound(draft) > draft.capacity:
+            return math.inf, following
+        return schedule_free_bound(draft, self.refit.kinds, self.refit.checkpoint), following
 
     def _priced_bound(self, cand: Candidate) -> float:
         """A ``strategy`` item's tight bound (:func:`schedule_free_bound` with the micro-step the
@@ -910,7 +930,7 @@ class _Walk:
         while self.heap and self.heap[0][4] is not None and self.heap[0][0] <= self.best * (1 - 1e-9):
             lower, _order, kind, payload, tighter = heapq.heappop(self.heap)
             assert tighter is not None  # the loop's condition
-            self.push(max(lower, tighter()), kind, payload)
+            self.tighten(lower, kind, payload, tighter)
         for lower, _order, kind, payload, tighter in heapq.nsmallest(PREFETCH_LOOKAHEAD, self.heap):
             if kind == "base" or tighter is not None or lower > self.best * (1 - 1e-9):
                 continue
@@ -932,7 +952,7 @@ class _Walk:
         _order: int,
         kind: str,
         payload: tuple,
-        tighter: Callable[[], float] | None,
+        tighter: Callable[[], Any] | None,
         pool: concurrent.futures.Executor,
     ) -> None:
         """One work item (the class docstring), after starting the next one's ILP; an item with a
@@ -940,7 +960,7 @@ class _Walk:
         if kind != "base" and lower > self.best * (1 - 1e-9):
             return
         if tighter is not None:
-            self.push(max(lower, tighter()), kind, payload)
+            self.tighten(lower, kind, payload, tighter)
             return
         self.prefetch(pool)
         if kind == "base":

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from cost_models.compute import optimizer_step_time
@@ -52,6 +52,7 @@ from cost_models.strategy import (
     NumericTable,
     candidate_costs,
     compile_seconds,
+    draft_costs,
     evaluate,
     free_work_floor,
     memory_bound,
@@ -493,14 +494,28 @@ def _costs_for(
     the compiled search's candidates), and, on demand, of any other candidate the search
     enumerated, compiled or not (the schedule post-pass asks for a kept strategy's other ZeRO
     stages); a candidate it did not enumerate (one the pins rule out) is a ``KeyError``."""
-    known = _Costs(
-        entries,
-        _pricer(request, table, hw, gpus_per_node),
-        lambda cand: free_work_floor(table, hw, request.dtype, request.seq_len, cand, gpus_per_node),
-    )
+    known = _Costs(entries, _pricer(request, table, hw, gpus_per_node), _Unpriced(request, table, hw, gpus_per_node))
     for evaluation in result.ranked + result.extra:
         known.add(evaluation.strategy.candidate)
     return known
+
+
+class _Unpriced:
+    """What a request's candidates cost before they are priced: a step no schedule beats from the
+    rows' work alone (``free_work_floor``), then the candidate's costs without its data-parallel
+    traffic (``draft_costs``), on which any lower bound bounds the priced candidate."""
+
+    def __init__(self, request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int):
+        self.request, self.table, self.hw, self.gpus_per_node = request, table, hw, gpus_per_node
+
+    def free_floor(self, candidate: Candidate) -> float:
+        request = self.request
+        return free_work_floor(self.table, self.hw, request.dtype, request.seq_len, candidate, self.gpus_per_node)
+
+    def draft(self, candidate: Candidate) -> CandidateCosts:
+        request, hw = self.request, self.hw
+        capacity = hw.memory_bytes * request.memory_headroom
+        return draft_costs(self.table, hw, request.dtype, request.seq_len, candidate, self.gpus_per_node, capacity)
 
 
 class _Costs(Mapping):
@@ -508,9 +523,10 @@ class _Costs(Mapping):
     their compiled or eager versions (priced when first asked for); another is a ``KeyError``
     unless :meth:`add` made it known."""
 
-    def __init__(self, entries: list[Entry], price, free_floor_of: Callable[[Candidate], float]):
+    def __init__(self, entries: list[Entry], price, unpriced: "_Unpriced"):
         self.entries = {entry.cand: entry for entry in entries}
-        self._free_floor_of = free_floor_of
+        self.unpriced = unpriced
+        """What is known of a candidate before pricing it (the schedule walk's first bounds)."""
         self.others: dict[Candidate, CandidateCosts] = {}
         self.price = price
         self._enumerated = {dataclasses.replace(candidate, compile=False) for candidate in self.entries}
@@ -534,10 +550,6 @@ class _Costs(Mapping):
         """Whether ``candidate``'s entry knows, unpriced, that none of its strategies fits."""
         entry = self.entries.get(candidate)
         return entry is not None and entry.too_big
-
-    def free_floor(self, candidate: Candidate) -> float:
-        """A step time no schedule of ``candidate`` beats, unpriced (``free_work_floor``)."""
-        return self._free_floor_of(candidate)
 
     def __contains__(self, candidate: object) -> bool:
         return candidate in self.entries or candidate in self.others

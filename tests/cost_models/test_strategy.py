@@ -22,6 +22,7 @@ from cost_models.strategy import (
     Candidate,
     NumericTable,
     candidate_costs,
+    draft_costs,
     evaluate,
     free_work_floor,
     memory_bound,
@@ -291,7 +292,7 @@ def test_work_floor_is_below_the_priced_lower_bound(dp, tp, pp, zero, mbs, compi
     assert work_floor(table, hw, "bf16", 128, cand, hw.gpus_per_node) == floor  # memoized: the same figure
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     dp=st.sampled_from([1, 2, 4, 8]),
     tp=st.sampled_from([1, 2]),
@@ -304,7 +305,9 @@ def test_unpriced_floors_are_below_the_priced_bounds(dp, tp, pp, zero, mbs, vari
     """What a search reads of a candidate before pricing it never claims more than the priced
     candidate: its model state floor is at most ``memory_lower_bound`` (so a candidate it rules
     out could not fit), its schedule-free work floor at most ``schedule_free_bound``; whatever
-    the ZeRO stage, offload, 1-bit Adam or expert parallelism."""
+    the ZeRO stage, offload, 1-bit Adam or expert parallelism; and the draft costs' bounds (the
+    schedule walk's second step) lie between the two, with memory tight enough to force recompute
+    too."""
     zero = zero if dp > 1 else 0
     extra: dict = {}
     if variant.startswith("offload") and zero >= 1:
@@ -324,6 +327,34 @@ def test_unpriced_floors_are_below_the_priced_bounds(dp, tp, pp, zero, mbs, vari
     free = free_work_floor(table, HW, "bf16", 128, cand, HW.gpus_per_node)
     assert 0 < free <= schedule_free_bound(costs) * (1 + 1e-12)
     assert free <= work_floor(table, HW, "bf16", 128, cand, HW.gpus_per_node) * (1 + 1e-12)
+    # the draft (no data-parallel traffic, nothing overlapped) bounds the priced candidate from below
+    draft = draft_costs(table, HW, "bf16", 128, cand, HW.gpus_per_node, HW.memory_bytes)
+    kinds = [layer.kind for layer in table.layers]
+    assert memory_lower_bound(draft) <= memory_lower_bound(costs)
+    assert free <= schedule_free_bound(draft, kinds) * (1 + 1e-12)
+    assert schedule_free_bound(draft, kinds) <= _best_by_enumeration(costs) * (1 + 1e-12)
+    # memory tight enough to force recompute: the draft's bound (inf when nothing fits) is at
+    # most every feasible 1F1B strategy of the priced candidate, enumerated
+    tight = dataclasses.replace(HW, memory_bytes=int(memory_lower_bound(costs) * 1.3))
+    draft = draft_costs(table, tight, "bf16", 128, cand, HW.gpus_per_node, tight.memory_bytes)
+    priced = candidate_costs(table, tight, "bf16", 128, cand, HW.gpus_per_node, tight.memory_bytes)
+    assert schedule_free_bound(draft, kinds) <= _best_by_enumeration(priced) * (1 + 1e-12)
+
+
+def _best_by_enumeration(costs) -> float:
+    """The fastest feasible 1F1B strategy of ``costs`` over every partition and recompute set
+    (``inf`` when none fits)."""
+    n, pp = costs.num_layers, costs.cand.pp
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = [0, *cuts, n]
+        stages = [(bounds[i], bounds[i + 1] - 1) for i in range(pp)]
+        for size in range(n + 1):
+            for recomputed in itertools.combinations(range(n), size):
+                evaluation = evaluate(costs, stages, list(recomputed), [])
+                if evaluation.feasible:
+                    best = min(best, evaluation.step_time_s)
+    return best
 
 
 def _req(**kw):
