@@ -459,24 +459,28 @@ def _pricing(
     table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
 ) -> _CandidatePricing:
     """What ``cand``'s rows are priced with: its work setting, placements and node share."""
-    tokens = cand.micro_batch_size * seq_len / cand.context_parallel
     return _CandidatePricing(
         hw=hw,
         dtype=dtype,
         candidate=cand,
-        setting=WorkSetting(
-            tp=cand.tp,
-            sequence_parallel=cand.sequence_parallel and cand.tp > 1,
-            compiled=cand.compile,
-            tp_placement=axis_placement("tp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
-            tokens=tokens,
-            overlap_tp=cand.overlap.tp,
-            expert=_expert_setting(cand, gpus_per_node),
-            context=context_setting(table, cand, gpus_per_node),
-        ),
+        setting=_work_setting(table, seq_len, cand, gpus_per_node),
         dp_placement=axis_placement("dp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
         ranks_per_node=ranks_per_node(cand.weight_dp * cand.tp * cand.pp, gpus_per_node),
         gpus_per_node=gpus_per_node,
+    )
+
+
+def _work_setting(table: NumericTable, seq_len: int, cand: Candidate, gpus_per_node: int) -> WorkSetting:
+    """What ``cand``'s rows' work depends on beside the row, the profile and the dtype."""
+    return WorkSetting(
+        tp=cand.tp,
+        sequence_parallel=cand.sequence_parallel and cand.tp > 1,
+        compiled=cand.compile,
+        tp_placement=axis_placement("tp", cand.weight_dp, cand.tp, cand.pp, gpus_per_node),
+        tokens=cand.micro_batch_size * seq_len / cand.context_parallel,
+        overlap_tp=cand.overlap.tp,
+        expert=_expert_setting(cand, gpus_per_node),
+        context=context_setting(table, cand, gpus_per_node),
     )
 
 
@@ -546,12 +550,12 @@ def _row_works(
 ) -> tuple[float, float]:
     """Every row's work of one micro-batch once, and the largest row's (``work_floor``; memoized
     per work setting)."""
-    pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
-    key = ("work_floor", id(hw), dtype, cand.micro_batch_size, seq_len, cand.context_parallel, pricing.setting)
+    setting = _work_setting(table, seq_len, cand, gpus_per_node)
+    key = ("work_floor", id(hw), dtype, cand.micro_batch_size, seq_len, cand.context_parallel, setting)
     known = table.work_memo.get(key)
     if known is None:
         rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
-        works = [_row_work(row, hw, dtype, pricing.setting, table.work_memo)[0].work_s for row in rows]
+        works = [_row_work(row, hw, dtype, setting, table.work_memo)[0].work_s for row in rows]
         known = table.work_memo[key] = (sum(works[i] for i in row_of_layer), max(works))
     return known
 
