@@ -195,6 +195,10 @@ def plan_one(name: str, spec: dict, profile: str, workdir: str) -> str:
         str(spec["mb"]),
         "--checkpoint",
         spec["ckpt"],
+        # the plans are what their names say: no 1-bit Adam (the planner picks it for dp2 on a slow
+        # link, and the timed steps would then run its full-precision warm-up)
+        "--dp-compression",
+        "none",
         "--out",
         out,
         "--json",

@@ -38,10 +38,19 @@ forward and backward compute of one micro-batch). Row ``j``'s pass is the window
   of the rows down to the next bucket's launch. Layers of 25 MiB or more are buckets of their own
   (the per-row rule above); small models' layers share buckets and much of their reduction waits
   for the end of backward (a 4-block GPT of hidden 256 reduces its blocks with the embedding);
-- forward: the parameter all-gather of row ``j + 1`` (ZeRO 1/2: once per step, waited at first use
-  in the next step's forward; ZeRO 3: every micro-batch, prefetched one layer ahead).
+- forward: the ZeRO-3 parameter all-gather of row ``j + 1`` (every micro-batch, prefetched one
+  layer ahead).
 
-Row 0's reduction and forward gather and the last row's backward gather have no window. Each
+ZeRO 1/2 gather each row's parameters once per step: ``step()`` updates the rows in forward order
+and launches row ``j``'s all-gather as soon as row ``j``'s update is done, and the next forward
+waits for it at row ``j``'s first use. Row ``j``'s gather thus runs beside the update of row
+``j + 1`` and the forward of row ``j - 1`` (``u_{j+1} + f_{j-1}``, disjoint windows for disjoint
+gathers; ``u_j`` row ``j``'s optimizer seconds on this rank, :func:`dp_exposure`'s ``update``): the
+first row's gather (often the embedding, the largest) hides under the second row's update.
+Measured on 2 CPU ranks (``benchmarks/bench_validate.py``'s dp2-z1, a per-wait log): the gathers'
+waits came to 1-1.6 ms a step where a forward-only window priced 7.7 ms.
+
+Row 0's reduction and ZeRO-3 forward gather and the last row's backward gather have no window. Each
 window's exposure ``max(0, sum c - w)`` is charged to the row owning the window, so every term
 is a per-row constant and the ILP stays linear. Repeated blocks keep one cost: the first block's
 difference from the steady state (its neighbour is the embedding row) is moved onto row 0, which
@@ -232,25 +241,47 @@ def _many_row_reductions(traffic: Sequence[DpTraffic], bwd: Sequence[float]) -> 
 def _row_exposure(
     j: int,
     traffic: Sequence[DpTraffic],
-    fwd: Sequence[float],
-    bwd: Sequence[float],
+    passes: tuple[Sequence[float], Sequence[float], Sequence[float]],
     bucketed: Sequence[Hidden] | None,
 ) -> DpExposure:
-    """Row ``j``'s exposure; ``bucketed``: every row's reductions when buckets hold several rows
-    (``_many_row_reductions``), None when each is one row."""
+    """Row ``j``'s exposure but its ZeRO 1/2 gather (:func:`_gathers`); ``passes``: every row's
+    forward, backward and optimizer-update windows; ``bucketed``: every row's reductions when
+    buckets hold several rows (``_many_row_reductions``), None when each is one row."""
+    fwd, bwd, _update = passes
     n = len(traffic)
     after = traffic[j + 1] if j + 1 < n else DpTraffic()
     before = traffic[j - 1] if j > 0 else DpTraffic()
-    reduced = bucketed[j] if bucketed is not None else _one_row_reduction(j, traffic, bwd)
-    step = _add(reduced, hide(after.gather_step_s, fwd[j]))
-    mb = _add(hide(after.reduce_mb_s + before.bwd_gather_mb_s, bwd[j]), hide(after.fwd_gather_mb_s, fwd[j]))
+    step = bucketed[j] if bucketed is not None else _one_row_reduction(j, traffic, bwd)
     own = traffic[j]
+    mb = _add(hide(after.reduce_mb_s + before.bwd_gather_mb_s, bwd[j]), hide(after.fwd_gather_mb_s, fwd[j]))
     if j == 0:  # nothing runs after row 0's backward or before its forward
-        step = _add(step, Hidden(own.gather_step_s, 0.0))
         mb = _add(mb, Hidden(own.reduce_mb_s + own.fwd_gather_mb_s, 0.0))
     if j == n - 1:  # the first backward's gather: nothing runs before it
         mb = _add(mb, Hidden(own.bwd_gather_mb_s, 0.0))
     return DpExposure(step, mb)
+
+
+def _gathers(
+    traffic: Sequence[DpTraffic], passes: tuple[Sequence[float], Sequence[float], Sequence[float]], uniform: bool
+) -> list[Hidden]:
+    """Each row's ZeRO 1/2 gather beside the next row's update and the previous row's forward
+    (module docstring). ``uniform``: rows ``1 .. n-3`` are identical blocks, which keep one share
+    (a block's between blocks), the others' difference moved to row 0, whatever the buckets: the
+    same total, and the blocks stay one cost for the block-count ILP."""
+    fwd, _bwd, update = passes
+    n = len(traffic)
+
+    def share(j: int) -> Hidden:
+        window = (update[j + 1] if j + 1 < n else 0.0) + (fwd[j - 1] if j > 0 else 0.0)
+        return hide(traffic[j].gather_step_s, window)
+
+    if not uniform:
+        return [share(j) for j in range(n)]
+    steady = share(2)
+    first = share(0)
+    for j in {1, n - 3}:  # the blocks beside the embedding row and before the last block's row
+        first = _add(first, _sub(share(j), steady))
+    return [first] + [steady] * (n - 3) + [share(n - 2), share(n - 1)]
 
 
 def _add(a: Hidden, b: Hidden) -> Hidden:
@@ -262,28 +293,50 @@ def _sub(a: Hidden, b: Hidden) -> Hidden:
 
 
 def dp_exposure(
-    traffic: Sequence[DpTraffic], fwd: Sequence[float], bwd: Sequence[float], uniform_blocks: bool
+    traffic: Sequence[DpTraffic],
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    uniform_blocks: bool,
+    update: Sequence[float] | None = None,
 ) -> list[DpExposure]:
-    """Each row's exposed and hidden DP seconds (module docstring). ``uniform_blocks``: rows
-    ``1 .. n-3`` are identical blocks, which then keep one cost (the difference moves to row 0);
-    only the rows next to a different one are worked out then (a block between blocks is the
-    steady state). Gradient buckets of several rows (small layers) break the blocks' symmetry:
-    every row is then worked out."""
+    """Each row's exposed and hidden DP seconds (module docstring); ``update``: each row's
+    optimizer seconds (the ZeRO 1/2 gathers' first window; none when not given).
+    ``uniform_blocks``: rows ``1 .. n-3`` are identical blocks, which then keep one cost (the
+    difference moves to row 0); only the rows next to a different one are worked out then (a
+    block between blocks is the steady state). Gradient buckets of several rows (small layers)
+    break the blocks' symmetry: every row is then worked out."""
     n = len(traffic)
+    passes = (fwd, bwd, update if update is not None else [0.0] * n)
     uniform = uniform_blocks and n >= 5
+    combined: dict[tuple[int, int], DpExposure] = {}  # rows that shared objects still do
+    out = []
+    for row, gather in zip(_exposures_but_gathers(traffic, passes, uniform), _gathers(traffic, passes, uniform)):
+        key = (id(row), id(gather))
+        exposure = combined.get(key)
+        if exposure is None:
+            exposure = combined[key] = DpExposure(_add(row.step, gather), row.micro_batch)
+        out.append(exposure)
+    return out
+
+
+def _exposures_but_gathers(
+    traffic: Sequence[DpTraffic], passes: tuple[Sequence[float], Sequence[float], Sequence[float]], uniform: bool
+) -> list[DpExposure]:
+    """:func:`dp_exposure` without the ZeRO 1/2 gathers."""
+    n, bwd = len(traffic), passes[1]
     one_row = _single_rows(traffic, sorted({0, 1, n - 3, n - 2, n - 1}) if uniform else range(n))
     bucketed = None if one_row else _many_row_reductions(traffic, bwd)
     if not (uniform and one_row):
-        return [_row_exposure(j, traffic, fwd, bwd, bucketed) for j in range(n)]
-    steady = _row_exposure(2, traffic, fwd, bwd, None)
-    first = _row_exposure(0, traffic, fwd, bwd, None)
+        return [_row_exposure(j, traffic, passes, bucketed) for j in range(n)]
+    steady = _row_exposure(2, traffic, passes, None)
+    first = _row_exposure(0, traffic, passes, None)
     step, mb = first.step, first.micro_batch
     for j in {1, n - 3}:  # the blocks beside the embedding row and the last block
-        exact = _row_exposure(j, traffic, fwd, bwd, None)
+        exact = _row_exposure(j, traffic, passes, None)
         step = _add(step, _sub(exact.step, steady.step))
         mb = _add(mb, _sub(exact.micro_batch, steady.micro_batch))
     return (
         [DpExposure(step, mb)]
         + [steady] * (n - 3)
-        + [_row_exposure(n - 2, traffic, fwd, bwd, None), _row_exposure(n - 1, traffic, fwd, bwd, None)]
+        + [_row_exposure(n - 2, traffic, passes, None), _row_exposure(n - 1, traffic, passes, None)]
     )

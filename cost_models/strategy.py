@@ -810,6 +810,7 @@ def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], hw: HardwareP
         [gain * layer.fwd_s for layer in layers],
         [gain * (layer.compute_s - layer.fwd_s) for layer in layers],
         uniform,
+        [gain * layer.opt_s for layer in layers],
     )
     made: dict[tuple, LayerCost] = {}
     out = []

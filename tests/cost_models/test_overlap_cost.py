@@ -308,3 +308,42 @@ def test_a_compressed_plans_warm_up_peak_is_the_uncompressed_plans(zero):
     plain, _ = _pair(dataclasses.replace(cand, dp_compression="none"))
     assert on.memory["total"] > plain.memory["total"]
     assert warmup_peak_bytes(on) == pytest.approx(plain.memory["total"], rel=1e-4)
+
+
+def test_zero_1_2_gathers_hide_under_the_next_update_and_the_previous_forward():
+    """``step()`` launches row ``j``'s gather after row ``j``'s update: it runs beside row
+    ``j + 1``'s update and, in the next forward, row ``j - 1``'s; the first row's (the embedding,
+    the largest) has only the second row's update, the last row's only the forward before it."""
+    traffic = [DpTraffic(gather_step_s=c) for c in (4.0, 1.0, 2.0, 1.0)]
+    fwd, bwd, update = [1.0, 1.0, 1.0, 0.2], [0.0] * 4, [0.5, 0.5, 0.5, 0.5]
+    seen = dp_exposure(traffic, fwd, bwd, uniform_blocks=False, update=update)
+    assert [row.step for row in seen] == [
+        Hidden(3.5, 0.5),  # window: row 1's update
+        Hidden(0.0, 1.0),  # row 2's update + row 0's forward = 1.5
+        Hidden(0.5, 1.5),  # row 3's update + row 1's forward = 1.5
+        Hidden(0.0, 1.0),  # row 2's forward
+    ]
+    # without the updates (nothing known of the optimizer) only the forwards hide them
+    alone = dp_exposure(traffic, fwd, bwd, uniform_blocks=False)
+    assert [row.step.exposed_s for row in alone] == [4.0, 0.0, 1.0, 0.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.tuples(seconds, seconds), st.tuples(seconds, seconds), st.integers(min_value=5, max_value=9))
+def test_uniform_blocks_keep_one_gather_share_whatever_the_buckets(ends, block, n):
+    """ZeRO 1/2 gathers of identical blocks keep one share per block (the block-count ILP needs
+    identical rows), with the same total as row-by-row, also when small layers share buckets."""
+    small = GRAD_BUCKET_BYTES / 8  # several rows per bucket (their reductions free: gathers alone)
+    rows = (
+        [DpTraffic(gather_step_s=ends[1], grad_bytes=small)]
+        + [DpTraffic(gather_step_s=block[1], grad_bytes=small)] * (n - 2)
+        + [DpTraffic(gather_step_s=ends[0], grad_bytes=small)]
+    )
+    fwd = [0.1] + [block[0]] * (n - 2) + [0.5]
+    bwd = [0.2] + [0.6] * (n - 2) + [1.0]
+    update = [0.3] + [0.05] * (n - 2) + [0.01]
+    exact = dp_exposure(rows, fwd, bwd, uniform_blocks=False, update=update)
+    even = dp_exposure(rows, fwd, bwd, uniform_blocks=True, update=update)
+    assert len({row.step for row in even[1 : n - 2]}) == 1
+    total = sum(row.step.exposed_s + row.step.hidden_s for row in exact)
+    assert sum(row.step.exposed_s + row.step.hidden_s for row in even) == pytest.approx(total)

@@ -175,19 +175,20 @@ def test_the_free_plan_is_never_slower_than_a_pinned_one(layers, hidden, gpus, b
 
 
 def test_the_free_search_finds_a_sharded_zero_bubble_plan_with_full_recompute():
-    """A counterexample the property above found once the overlap pricing landed: 5 blocks of 128
+    """A counterexample the property above found once the overlap pricing landed: blocks of 128
     on 4 GPUs at half the memory, the pin ``--schedule zero-bubble --checkpoint all`` plans ZeRO 2,
-    micro-batch 4, every block recomputed, 0.4% under what the free search planned (1F1B, ZeRO 0,
+    micro-batch 4, every block recomputed, under what the free search planned (1F1B, ZeRO 0,
     micro-batch 2): another ZeRO stage and micro-batch of the kept triple, whose schedule fits only
     with full recompute. The post-pass now walks the triple's other candidates and the uniform
-    recompute answers, and plans exactly that strategy."""
-    table = gpt_table(layers=5, hidden=128, heads=4, vocab=1024)
+    recompute answers, and plans exactly that strategy. (Found on 5 blocks; since ZeRO 2's
+    gathers hide under the optimizer step too, 4 blocks show it.)"""
+    table = gpt_table(layers=4, hidden=128, heads=4, vocab=1024)
     req = _req(gpus=4, global_batch=16)
     hw = _hw(memory_bound(solve(req, table, HW).evaluation) / req.memory_headroom * 0.5)
     free = solve(req, table, hw).plan
     pinned = solve(dataclasses.replace(req, schedule="zero-bubble", checkpoint="all"), table, hw).plan
     assert (free.schedule, free.zero_stage, free.micro_batch_size) == ("zero-bubble", 2, 4)
-    assert free.checkpoint_layers == pinned.checkpoint_layers == [1, 2, 3, 4, 5]
+    assert free.checkpoint_layers == pinned.checkpoint_layers == [1, 2, 3, 4]
     assert free.predicted.step_time_s == pytest.approx(pinned.predicted.step_time_s, rel=1e-12)
     for pin in (dict(zero_stage=2, schedule="zero-bubble"), dict(checkpoint="all"), dict(schedule="1f1b")):
         other = solve(dataclasses.replace(req, **pin), table, hw).plan
