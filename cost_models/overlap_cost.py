@@ -43,12 +43,14 @@ forward and backward compute of one micro-batch). Row ``j``'s pass is the window
 
 ZeRO 1/2 gather each row's parameters once per step: ``step()`` updates the rows in forward order
 and launches row ``j``'s all-gather as soon as row ``j``'s update is done, and the next forward
-waits for it at row ``j``'s first use. Row ``j``'s gather thus runs beside the update of row
-``j + 1`` and the forward of row ``j - 1`` (``u_{j+1} + f_{j-1}``, disjoint windows for disjoint
-gathers; ``u_j`` row ``j``'s optimizer seconds on this rank, :func:`dp_exposure`'s ``update``): the
-first row's gather (often the embedding, the largest) hides under the second row's update.
+waits for it at row ``j``'s first use. :func:`_gathers` runs that on one channel: the gathers go
+in launch order, beside the remaining updates (``u_j`` row ``j``'s optimizer seconds on this
+rank, :func:`dp_exposure`'s ``update``) and then the forward, whose rows wait for theirs. The
+first row's gather (often the embedding, the largest) hides under every later row's update.
 Measured on 2 CPU ranks (``benchmarks/bench_validate.py``'s dp2-z1, a per-wait log): the gathers'
-waits came to 1-1.6 ms a step where a forward-only window priced 7.7 ms.
+waits came to 1-1.6 ms a step where a forward-only window priced 7.7 ms. The channel runs over
+the whole table, as one stage's (a later pipeline stage starts its own: an error of the backlog
+carried over a stage boundary).
 
 Row 0's reduction and ZeRO-3 forward gather and the last row's backward gather have no window. Each
 window's exposure ``max(0, sum c - w)`` is charged to the row owning the window, so every term
@@ -264,24 +266,34 @@ def _row_exposure(
 def _gathers(
     traffic: Sequence[DpTraffic], passes: tuple[Sequence[float], Sequence[float], Sequence[float]], uniform: bool
 ) -> list[Hidden]:
-    """Each row's ZeRO 1/2 gather beside the next row's update and the previous row's forward
-    (module docstring). ``uniform``: rows ``1 .. n-3`` are identical blocks, which keep one share
-    (a block's between blocks), the others' difference moved to row 0, whatever the buckets: the
-    same total, and the blocks stay one cost for the block-count ILP."""
+    """Each row's ZeRO 1/2 gather as the runtime runs them (module docstring): one channel in
+    launch order, row ``j``'s launched when row ``j``'s update ends and waited at row ``j``'s
+    first use in the next forward (which starts when the updates end, and is held by each
+    wait). A row is charged its wait (exposed) and the rest of its gather (hidden; a row that
+    waits for earlier gathers may show less than nothing hidden: the totals are exact).
+    ``uniform``: rows ``1 .. n-3`` are identical blocks, which share their mean (the same total;
+    the block-count ILP needs identical rows)."""
     fwd, _bwd, update = passes
+    comm = [row.gather_step_s for row in traffic]
+    clock, channel, ends = 0.0, 0.0, []
+    for launch_after, seconds in zip(update, comm):  # the optimizer step, row by row
+        clock += launch_after
+        channel = max(channel, clock) + seconds
+        ends.append(channel)
+    shares = []
+    for seconds, done, forward in zip(comm, ends, fwd):  # the next forward
+        wait = max(done - clock, 0.0)
+        shares.append(Hidden(wait, seconds - wait))
+        clock += wait + forward
     n = len(traffic)
-
-    def share(j: int) -> Hidden:
-        window = (update[j + 1] if j + 1 < n else 0.0) + (fwd[j - 1] if j > 0 else 0.0)
-        return hide(traffic[j].gather_step_s, window)
-
-    if not uniform:
-        return [share(j) for j in range(n)]
-    steady = share(2)
-    first = share(0)
-    for j in {1, n - 3}:  # the blocks beside the embedding row and before the last block's row
-        first = _add(first, _sub(share(j), steady))
-    return [first] + [steady] * (n - 3) + [share(n - 2), share(n - 1)]
+    if uniform and n >= 5:
+        blocks = shares[1 : n - 2]
+        mean = Hidden(
+            sum(share.exposed_s for share in blocks) / len(blocks),
+            sum(share.hidden_s for share in blocks) / len(blocks),
+        )
+        shares[1 : n - 2] = [mean] * len(blocks)
+    return shares
 
 
 def _add(a: Hidden, b: Hidden) -> Hidden:

@@ -310,20 +310,17 @@ def test_a_compressed_plans_warm_up_peak_is_the_uncompressed_plans(zero):
     assert warmup_peak_bytes(on) == pytest.approx(plain.memory["total"], rel=1e-4)
 
 
-def test_zero_1_2_gathers_hide_under_the_next_update_and_the_previous_forward():
-    """``step()`` launches row ``j``'s gather after row ``j``'s update: it runs beside row
-    ``j + 1``'s update and, in the next forward, row ``j - 1``'s; the first row's (the embedding,
-    the largest) has only the second row's update, the last row's only the forward before it."""
+def test_zero_1_2_gathers_run_on_one_channel_from_the_optimizer_step_to_their_first_use():
+    """``step()`` launches row ``j``'s gather after row ``j``'s update; the gathers share one
+    channel in launch order; the next forward starts when the updates end and waits at each
+    row's first use. By hand: updates of 0.5 s each end at 2 s; the gathers (4, 1, 2, 1 s) end
+    at 4.5, 5.5, 7.5 and 8.5 s; row 0 waits 2.5 s, row 1 none (5.5 s: 2 + 2.5 + row 0's 1 s),
+    row 2 one second (its gather ends at 7.5, the forward reaches it at 6.5), row 3 none."""
     traffic = [DpTraffic(gather_step_s=c) for c in (4.0, 1.0, 2.0, 1.0)]
     fwd, bwd, update = [1.0, 1.0, 1.0, 0.2], [0.0] * 4, [0.5, 0.5, 0.5, 0.5]
     seen = dp_exposure(traffic, fwd, bwd, uniform_blocks=False, update=update)
-    assert [row.step for row in seen] == [
-        Hidden(3.5, 0.5),  # window: row 1's update
-        Hidden(0.0, 1.0),  # row 2's update + row 0's forward = 1.5
-        Hidden(0.5, 1.5),  # row 3's update + row 1's forward = 1.5
-        Hidden(0.0, 1.0),  # row 2's forward
-    ]
-    # without the updates (nothing known of the optimizer) only the forwards hide them
+    assert [row.step for row in seen] == [Hidden(2.5, 1.5), Hidden(0.0, 1.0), Hidden(1.0, 1.0), Hidden(0.0, 1.0)]
+    # without the updates (nothing known of the optimizer) only the forward hides them
     alone = dp_exposure(traffic, fwd, bwd, uniform_blocks=False)
     assert [row.step.exposed_s for row in alone] == [4.0, 0.0, 1.0, 0.0]
 

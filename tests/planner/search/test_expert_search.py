@@ -121,13 +121,14 @@ def test_ep_pins_and_bad_settings_are_refused_clearly():
 def test_plan_records_experts_and_shows_the_best_plan_without_ep():
     """plan.json: ``expert_parallel``, ``model.moe`` (with the capacity factor), the request's MoE
     settings (a re-plan keeps them), and a runner-up at ep 1 when the winner shards its experts."""
-    moe = moe_table(layers=8, hidden=1024, ffn=4096, experts=8, top_k=2, heads=8, vocab=4096)
+    # 16 experts: enough expert state that the free plan shards them (8 replicated ones stay at ep 1)
+    moe = moe_table(layers=8, hidden=1024, ffn=4096, experts=16, top_k=2, heads=8, vocab=4096)
     request = _req(gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024, moe_capacity_factor=1.25, ep=8)
     plan = solve(request, moe, H100).plan
     assert plan.expert_parallel == 8
     assert plan.model.moe == {
         "layers": list(range(1, 9)),
-        "experts": 8,
+        "experts": 16,
         "top_k": 2,
         "shared_experts": 0,
         "capacity_factor": 1.25,
