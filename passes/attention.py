@@ -12,7 +12,9 @@ reads the counts from its operands' shapes:
   block-sparse operator (``runtime.sparse_attention``) takes the same ``q, k, v`` and counts here.
 * **eager attention**, the matmul-softmax-matmul pattern: ``softmax(q @ k^T [* scale, + mask])``
   (over the last dim) then ``@ v``, with ``q`` ``[b, H, s, D]`` read through the transpose,
-  scales, masks, casts and dropout between them; ``K`` as above from ``k^T``'s source.
+  scales, masks, casts and dropout between them (Gemma 2's ``tanh`` soft-cap, gpt-oss's sink
+  logits concatenated to the scores and sliced off the probabilities); ``K`` as above from
+  ``k^T``'s source.
 
 Writes ``node.meta["attention"]`` (an ``AttentionInfo``) on each attention core (the SDPA node,
 or the eager pattern's ``softmax``); needs only ``meta["val"]`` (export's fake tensors).
@@ -80,6 +82,9 @@ _SCORES = {
     "dropout",
     "native_dropout",
     "getitem",
+    "tanh",  # Gemma 2's soft-capped logits: cap * tanh(scores / cap)
+    "cat",  # gpt-oss's attention sinks: a learned logit per head joins the scores (first operand)
+    "slice",  # ... and its probability is sliced off before ``@ v``
 }
 """Ops between ``q @ k^T`` and the softmax or between the softmax and ``@ v``."""
 
@@ -128,10 +133,16 @@ def _kv_heads(k: fx.Node, heads: int, gqa: bool) -> int:
 
 
 def _back(n, allowed: set):
-    """Walk back from ``n`` through ``allowed`` ops (first tensor argument) to the first other node."""
+    """Walk back from ``n`` through ``allowed`` ops (first tensor argument; a ``cat``'s first
+    tensor) to the first other node."""
     seen = 0
     while isinstance(n, fx.Node) and n.op == "call_function" and op_name(n) in allowed and seen < 16:
-        n, seen = next((a for a in n.args if isinstance(a, fx.Node)), None), seen + 1
+        first = n.args[0] if n.args else None
+        if op_name(n) == "cat" and isinstance(first, (list, tuple)):
+            n = next((a for a in first if isinstance(a, fx.Node)), None)
+        else:
+            n = next((a for a in n.args if isinstance(a, fx.Node)), None)
+        seen += 1
     return n
 
 

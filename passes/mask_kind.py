@@ -106,7 +106,9 @@ def _eager_mask(softmax: fx.Node) -> fx.Node | None:
     for _ in range(16):
         if not isinstance(n, fx.Node) or n.op != "call_function" or op_name(n) in ("matmul", "bmm"):
             return None
-        nodes = [a for a in n.args if isinstance(a, fx.Node)]
+        # a list operand's nodes too (gpt-oss concatenates its sink logits to the masked scores)
+        flat = [item for arg in n.args for item in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        nodes = [a for a in flat if isinstance(a, fx.Node)]
         path = [a for a in nodes if _reaches_matmul(a)]
         rest = [a for a in nodes if not _reaches_matmul(a)]
         if op_name(n) in _MASK_OPS and len(path) == 1 and rest:

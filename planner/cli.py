@@ -7,8 +7,10 @@ traceback); a failed training run exits 1 with the reason. See README.md for exa
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib
+import os
 import sys
 from dataclasses import MISSING, Field
 from typing import Any, Callable, Iterable
@@ -419,11 +421,29 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return _USER_ERRORS + ((compiled_stages.CompiledError,) if compiled_stages is not None else ())
 
 
+#: The storage failures a user can act on (a full disk or quota, a read-only file system): one line
+#: and exit 1, as a failed run (every file is written atomically, so what was saved is intact).
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def _storage_message(e: OSError) -> str:
+    """What went wrong writing to disk and what to do."""
+    where = f" writing {e.filename}" if e.filename else ""
+    what = os.strerror(e.errno) if e.errno is not None else str(e)
+    return (
+        f"{what.lower()}{where}; free some space (or choose another folder) and run the command "
+        "again: files already saved were left as they were."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            print(f"planner {args.command}: error: {_storage_message(e)}", file=sys.stderr)
+            return 1
         if not isinstance(e, user_errors()):
             raise
         print(f"planner {args.command}: error: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from passes.attention import AttentionInfo, annotate_attention, attention_facts
+from passes.attention import AttentionInfo, annotate_attention, attention_core, attention_facts
 from passes.op_class import op_name
 from passes.tensor_parallel.tp_analysis import analyze_tensor_parallel
 from tests.helpers import TESTS
@@ -88,6 +88,53 @@ def test_hand_written_attention_and_no_attention():
     assert [n.meta["attention"] for n in gm.graph.nodes if "attention" in n.meta] == [AttentionInfo(3, 3, 4, "eager")]
     mlp = torch.export.export(nn.Sequential(nn.Linear(4, 8), nn.Softmax(-1)), (torch.randn(2, 4),)).module()
     assert attention_facts(mlp) == {}
+
+
+class _CappedAttention(nn.Module):
+    """Gemma 2's eager attention: logits soft-capped by ``cap * tanh(scores / cap)`` (2 heads of 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        scores = torch.tanh(q @ k.transpose(-1, -2) / 2 / 50.0) * 50.0
+        return self.o((F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, 8)).sum()
+
+
+class _SinkAttention(nn.Module):
+    """gpt-oss's eager attention: a learned sink logit per head joins the scores, the softmax
+    runs over both and the sink's probability is sliced off before ``@ v`` (2 heads of 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.sinks = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / 2
+        sinks = self.sinks.reshape(1, 2, 1, 1).expand(b, 2, s, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1)[..., :-1]
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, 8)).sum()
+
+
+@pytest.mark.parametrize("model,kept", [(_CappedAttention, "tanh"), (_SinkAttention, "cat")])
+def test_soft_capped_and_sink_attention_are_found_with_their_cores(model, kept):
+    """Gemma 2 and gpt-oss run eager attention with an op between the scores and the softmax;
+    both are attention (heads read, plan.json's ``model.attention`` filled) and the core that
+    selective recompute frees runs from ``q @ k^T`` through that op to ``@ v``."""
+    gm = torch.export.export(model(), (torch.randn(2, 5, 8),)).module()
+    annotate_attention(gm)
+    cores = [n for n in gm.graph.nodes if "attention" in n.meta]
+    assert [n.meta["attention"] for n in cores] == [AttentionInfo(2, 2, 4, "eager")]
+    names = [op_name(n) for n in attention_core(cores[0])]
+    assert names[0] == "matmul" and names[-1] == "matmul" and kept in names and "softmax" in names
 
 
 def _analysis(name: str, tp=None):

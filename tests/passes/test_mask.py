@@ -126,6 +126,29 @@ def test_masks_read_from_real_graphs(tmp_path, monkeypatch):
     assert att["mask"] == "custom" and not att["skips"] and "buffer" in att["reason"]
 
 
+def test_sink_attention_reads_its_masks(tmp_path, monkeypatch):
+    """gpt-oss runs eager attention with a sink logit per head concatenated to the masked scores:
+    it is found, with its layers' sliding and causal masks read through the concatenation
+    (plan.json's ``model.attention`` was empty; Gemma 2's soft-capped scores, found by the same
+    pass, are checked on a hand-written core in ``tests/passes/test_attention.py``)."""
+    monkeypatch.setenv("PLANNER_CACHE", "off")
+    import transformers as tf
+
+    small = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128)
+    small.update(num_hidden_layers=2, max_position_embeddings=256, sliding_window=8)
+    oss = tf.GptOssConfig(
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        architectures=["GptOssForCausalLM"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **small,
+    )
+    att = _table(_hf_dir(tmp_path, "gpt_oss", oss)).model["attention"]
+    assert [row[:2] for row in att["layers"]] == [["sliding", 8], ["causal", None]]
+    assert not att["skips"] and "eager" in att["reason"]
+
+
 EAGER_MISTRAL = textwrap.dedent(
     """
     import torch

@@ -362,3 +362,26 @@ def test_export_deepspeed_writes_the_nvme_path_of_an_offloaded_plan(tmp_path, ca
     assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/mnt/nvme0", "pin_memory": True}
     assert zero["offload_param"]["device"] == "cpu"
     assert not any("nvme_path" in w for w in json.loads(ds.read_text())["planner"]["warnings"])
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_old_plan(tmp_path, capsys, monkeypatch):
+    """A disk that fills up while plan.json is written: one line naming the file and what to do,
+    exit 1, no traceback, and the plan saved before is untouched."""
+    import errno
+
+    from planner.plan import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(plan_args(out)) == 0
+    before = out.read_text()
+    capsys.readouterr()
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out) + ".tmp")
+
+    monkeypatch.setattr(Plan, "to_json", full)
+    assert main(plan_args(out)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("planner plan: error: no space left on device writing ")
+    assert "free some space" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert out.read_text() == before
