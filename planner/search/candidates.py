@@ -21,6 +21,8 @@ import math
 import weakref
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
+
 from cost_models.context_cost import ContextSetting, ulysses_obstacle
 from cost_models.expert_cost import valid_expert_degrees
 from cost_models.hardware import HardwareProfile
@@ -795,6 +797,66 @@ class _UniformStages:
         self._memo[key] = out
         return out
 
+    def least_micro_step(self) -> float | None:
+        """``allocate()``'s ``T*`` alone (None: no fit), every stage's ``t_k(n)`` computed at once:
+        the ``j``-th block handed out has the ``j``-th smallest increment, so ``T*`` is the
+        ``L - sum(lows)``-th smallest of the stages' increasing sequences (each cut where a stage
+        stops fitting), or the largest starting cost. The same arithmetic as :meth:`stage`,
+        elementwise, so the same figure to the bit (a test compares them)."""
+        stages, blocks = self.p, self.L
+        state_b, saved_b, trans_b, work_s, delta = self._block
+        fixed = np.array(self._fixed, dtype=float)  # per stage: in flight, trans, memory, work, sends
+        in_flight, rows_trans, rows_memory, rows_work, sends = (fixed[:, i : i + 1] for i in range(5))
+        n = np.arange(blocks + 1, dtype=float)[None, :]
+        trans = np.where(n > 0, np.maximum(rows_trans, trans_b), rows_trans)
+        mem = n * (state_b + in_flight * saved_b) + trans + rows_memory
+        micro_step, fits = self._micro_steps(n, mem, in_flight, rows_work, (state_b, saved_b, work_s, delta))
+        if not self.relaxed:
+            micro_step = micro_step + sends
+        lows = np.array(self.lows)[:, None]
+        fits &= n >= lows
+        # a stage that stops fitting at n takes no more blocks (memory grows with n)
+        fits &= np.cumsum(~fits & (n >= lows), axis=1) == 0
+        starts = micro_step[np.arange(stages), lows[:, 0]]
+        if not fits[np.arange(stages), lows[:, 0]].all():
+            return None
+        handed = blocks - int(lows.sum())
+        if handed < 0:
+            return None
+        increments = micro_step[fits & (n > lows)]
+        if increments.size < handed:
+            return None
+        slowest = float(starts.max())
+        if handed == 0:
+            return slowest
+        return max(slowest, float(np.partition(increments, handed - 1)[handed - 1]))
+
+    def _micro_steps(self, n, mem, in_flight, rows_work, block: tuple) -> tuple[Any, Any]:
+        """:meth:`stage`'s micro-step and fit of every stage (rows) and block count (columns)."""
+        state_b, saved_b, work_s, delta = block
+        blk, capacity = self.blk, self.costs.capacity
+        if self.mode == "auto" and math.isfinite(self.sel_rate):
+            rates = min([self.sel_rate] + ([blk.rec_s / delta] if delta > 0 else []))
+            most = n * in_flight * max(delta, blk.sel_saved_b)
+            excess = mem + min(saved_b, blk.sel_saved_b) - capacity
+            freeing = (mem > capacity) & (n > 0)
+            step = np.where(freeing, n * work_s + np.maximum(excess, 0.0) / in_flight * rates + rows_work, 0.0)
+            fits_freeing = excess <= most
+        else:
+            freeing = np.zeros(mem.shape, dtype=bool)
+            step, fits_freeing = 0.0, False
+        if self.mode == "all":
+            recomputed = np.broadcast_to(n, mem.shape).copy()
+        elif self.mode == "none" or delta <= 0:
+            recomputed = np.zeros(mem.shape)
+        else:
+            needed = np.maximum(1.0, np.ceil((mem + saved_b - capacity) / (in_flight * delta)))
+            recomputed = np.where((mem <= capacity) | (n == 0), 0.0, needed)
+        after = np.where(recomputed > 0, mem + (saved_b - in_flight * recomputed * delta), mem)
+        plain = n * work_s + recomputed * blk.rec_s + rows_work
+        fits = np.where(freeing, fits_freeing, (recomputed <= n) & (after <= capacity))
+        return np.where(freeing, step, plain), fits
+
     def allocate(self) -> tuple[float, list[int]] | None:
         """The smallest achievable micro-step ``T*`` and block counts achieving it (None: no fit).
 
@@ -847,7 +909,7 @@ def uniform_time_bound(costs: CandidateCosts, kinds: Sequence[str], checkpoint: 
     if found is None:
         return math.inf
     micro_batches = costs.cand.num_micro_batches
-    return max(base, (micro_batches - 1) * found[0] + max(found[0], total_work(costs)) + tail_bound(costs))
+    return max(base, (micro_batches - 1) * found + max(found, total_work(costs)) + tail_bound(costs))
 
 
 def forced_micro_step(costs: CandidateCosts, kinds: Sequence[str], checkpoint: str = "auto") -> float:
@@ -859,7 +921,7 @@ def forced_micro_step(costs: CandidateCosts, kinds: Sequence[str], checkpoint: s
     if not is_repeated(costs, kinds):
         return 0.0
     found = _relaxed_allocation(costs, checkpoint)
-    return math.inf if found is None else found[0]
+    return math.inf if found is None else found
 
 
 #: The relaxed allocations found so far, per candidate's costs (by identity: a copy with other
@@ -868,11 +930,12 @@ def forced_micro_step(costs: CandidateCosts, kinds: Sequence[str], checkpoint: s
 _RELAXED: "weakref.WeakKeyDictionary[CandidateCosts, dict]" = weakref.WeakKeyDictionary()
 
 
-def _relaxed_allocation(costs: CandidateCosts, checkpoint: str) -> tuple[float, list[int]] | None:
-    """:meth:`_UniformStages.allocate` of the relaxed model, once per costs object and mode."""
+def _relaxed_allocation(costs: CandidateCosts, checkpoint: str) -> float | None:
+    """The least micro-step of the relaxed model (:meth:`_UniformStages.least_micro_step`), once
+    per costs object and mode."""
     known = _RELAXED.setdefault(costs, {})
     if checkpoint not in known:
-        known[checkpoint] = _UniformStages(costs, checkpoint, relaxed=True).allocate()
+        known[checkpoint] = _UniformStages(costs, checkpoint, relaxed=True).least_micro_step()
     return known[checkpoint]
 
 

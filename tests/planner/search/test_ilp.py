@@ -412,3 +412,31 @@ def test_solver_choice_from_environment(monkeypatch):
     assert default_solver() == "cbc"
     with pytest.raises(UserError, match="unknown solver"):
         solve(_req(), gpt_table(), HW, solver="gurobi").plan
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(3, 10),
+    pp=st.integers(1, 5),
+    zero=st.integers(0, 3),
+    micro_batch=st.sampled_from([1, 2, 4]),
+    room=st.sampled_from([0.9, 1.0, 1.2, 1.5, 3.0]),
+    core=st.booleans(),
+)
+def test_the_vectorized_least_micro_step_is_the_allocation_s(layers, pp, zero, micro_batch, room, core):
+    """The relaxed stage model's least micro-step, every stage's costs computed at once, equals to
+    the bit the block-by-block allocation's, in every recompute mode, exact and relaxed, with
+    memory from too small to ample."""
+    from planner.search.candidates import _UniformStages, memory_lower_bound
+
+    pp = min(pp, layers)
+    table = NumericTable(gpt_table(layers=layers, hidden=128, heads=4, vocab=1024, attention_core=core))
+    cand = Candidate(2, 1, pp, zero, micro_batch, max(pp, 4))
+    roomy = candidate_costs(table, HW, "bf16", 256, cand, 8, HW.memory_bytes)
+    costs = candidate_costs(table, HW, "bf16", 256, cand, 8, memory_lower_bound(roomy) * room)
+    for mode in ("auto", "none", "all", "selective"):
+        for relaxed in (True, False):
+            allocated = _UniformStages(costs, mode, relaxed=relaxed).allocate()
+            least = _UniformStages(costs, mode, relaxed=relaxed).least_micro_step()
+            assert (least is None) == (allocated is None)
+            assert allocated is None or least == allocated[0]
