@@ -844,7 +844,7 @@ class _UniformStages:
             fits_freeing = excess <= most
         else:
             freeing = np.zeros(mem.shape, dtype=bool)
-            step, fits_freeing = 0.0, False
+            step, fits_freeing = np.zeros(mem.shape), np.zeros(mem.shape, dtype=bool)
         if self.mode == "all":
             recomputed = np.broadcast_to(n, mem.shape).copy()
         elif self.mode == "none" or delta <= 0:
