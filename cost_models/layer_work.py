@@ -143,6 +143,9 @@ class LayerCost:
     contention they cost is in ``compute_s``, ``cost_models.overlap_cost``)."""
     tp_rec_hidden_s: float = 0.0
     """TP seconds a recompute of this layer hides (its exposed rest and contention are in ``rec_s``)."""
+    tp_rec_s: float = 0.0
+    """Of ``rec_s``, the recomputed forward's exposed TP collectives: reported as ``tp_comm``, where
+    the runtime times a collective wherever it runs (``runtime.timing``)."""
     cp_s: float = 0.0
     """Exposed context-parallel attention exchange of forward + backward of one micro-batch
     (``cost_models.context_cost``; its contention is in ``compute_s``)."""
@@ -461,6 +464,7 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         tail_b=min(max(row.tail_saved_bytes.per_device(tp, sequence_parallel), 0.0), saved),
         tp_hidden_s=tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s,
         tp_rec_hidden_s=tp_seen.rec.hidden_s,
+        tp_rec_s=tp_seen.rec.exposed_s,
         cp_s=exchange.fwd_s + exchange.bwd_s,
         cp_fwd_s=exchange.fwd_s,
         cp_rec_s=exchange.rec_s,

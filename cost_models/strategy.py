@@ -63,7 +63,8 @@ micro-batches of activations (``cost_models.memory``); feasible when every stage
 Time breakdown (``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``) and the tail
 stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`` stage ``k*``'s;
 ``pp_bubble = sum_k T_k - T + m p2p_k*``; ``ep_comm = m x`` stage ``k*``'s all-to-alls
-(``cost_models.expert_cost``: in ``work`` through ``t_ep``, and in ``rec`` for a recomputed forward); ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
+(``cost_models.expert_cost``: in ``work`` through ``t_ep``, and in ``rec`` for a recomputed forward;
+so are a recomputed forward's TP collectives in ``tp_comm``, where the runtime times them); ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
 offload_step_d* - dp_contention_d*`` (``compute`` gains ``dp_contention_d*``); ``optimizer =
 opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The parts sum to the step time.
 ``predicted.hidden`` reads the hidden seconds at the same stages (``hidden_breakdown``).
@@ -1024,6 +1025,7 @@ class StageCost:
     compute_s: float
     recompute_s: float
     tp_s: float
+    """Exposed tensor-parallel collectives of one micro-batch (recomputed forwards' included; not in ``recompute_s``)."""
     p2p_s: float
     zero_mb_s: float
     work_s: float
@@ -1236,10 +1238,11 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
     tp_s = sum(layer.tp_s for layer in view)
     zero_mb_s = sum(layer.zero_mb_s for layer in view)
     busy = compute + tp_s + work.recompute_s + work.p2p_s + sum(layer.ep_s + layer.cp_s for layer in view)
-    # the all-to-alls and context exchanges of the recomputed forwards are in ``recompute_s``
-    # (``rec_s``); reported as ep_comm and cp_comm
+    # the collectives, all-to-alls and context exchanges of the recomputed forwards are in
+    # ``recompute_s`` (``rec_s``); reported as tp_comm, ep_comm and cp_comm (as the runtime times them)
     ep_rec_s = sum(layer.ep_rec_s for layer, whole in zip(view, work.recomputed) if whole)
     cp_rec_s = sum(layer.cp_rec_s for layer, whole in zip(view, work.recomputed) if whole)
+    tp_rec_s = sum(layer.tp_rec_s for layer, whole in zip(view, work.recomputed) if whole)
     comm = _stage_comm_bytes(cand, work)
     forward_s = forward_s + work.p2p_s / 2
     dp_s, opt_s = sum(layer.dp_step_s for layer in view), sum(layer.opt_s for layer in view)
@@ -1267,8 +1270,8 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         first=work.first,
         last=work.last,
         compute_s=compute,
-        recompute_s=work.recompute_s - ep_rec_s - cp_rec_s,
-        tp_s=tp_s,
+        recompute_s=work.recompute_s - ep_rec_s - cp_rec_s - tp_rec_s,
+        tp_s=tp_s + tp_rec_s,
         ep_s=sum(layer.ep_s for layer in view) + ep_rec_s,
         cp_s=sum(layer.cp_s for layer in view) + cp_rec_s,
         p2p_s=work.p2p_s,
