@@ -16,6 +16,12 @@ are the original's, so the exported graph keeps both and compiled code needs not
   forward's exact value and, through the softmax that computed ``multiplier`` from ``scores``,
   exactly that gradient.
 
+- RecurrentGemma's ``SqrtBoundDerivative`` (its RG-LRU's ``sqrt(1 - a^2)``): the forward is
+  ``sqrt(x)``, the backward clips the derivative at ``_MAX_SQRT_GRADIENT`` (``1 / sqrt(max(4 x,
+  1 / max^2))``, where plain ``sqrt`` would reach infinity at 0). ``sqrt(x).detach() + (x / c -
+  (x / c).detach())`` with ``c`` that clipped ``sqrt(4 x)``, detached, has the value ``sqrt(x)``
+  exactly and the gradient ``1 / c``.
+
 A stand-in is installed only while exporting, and only in a module the model has imported.
 """
 
@@ -44,9 +50,24 @@ class _PhimoeMultiplier:
         return (multiplier * mask_for_one).detach() + (multiplier - multiplier.detach())
 
 
+_RECURRENT_GEMMA = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
+
+
+class _SqrtBoundDerivative:
+    """``SqrtBoundDerivative`` as differentiable torch ops (see the module docstring)."""
+
+    @staticmethod
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        largest = float(getattr(sys.modules.get(_RECURRENT_GEMMA), "_MAX_SQRT_GRADIENT", 1000.0))
+        clipped = torch.sqrt(torch.clamp(4.0 * x, min=1.0 / largest**2)).detach()
+        scaled = x / clipped
+        return torch.sqrt(x).detach() + (scaled - scaled.detach())
+
+
 #: module -> {attribute: its exportable stand-in}
 _STAND_INS = {
     "transformers.models.phimoe.modeling_phimoe": {"PhimoeMultiplier": _PhimoeMultiplier},
+    _RECURRENT_GEMMA: {"SqrtBoundDerivative": _SqrtBoundDerivative},
 }
 
 
