@@ -62,11 +62,11 @@ micro-batches of activations (``cost_models.memory``); feasible when every stage
 
 Time breakdown (``predicted.time``) at the bottleneck stage ``k*`` (largest ``T_k``) and the tail
 stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`` stage ``k*``'s;
-``pp_bubble = sum_k T_k - T + m p2p_k*``; ``ep_comm = m x`` stage ``k*``'s all-to-alls
-(``cost_models.expert_cost``: in ``work`` through ``t_ep``, and in ``rec`` for a recomputed forward;
-so are a recomputed forward's TP collectives in ``tp_comm``, where the runtime times them); ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* -
-offload_step_d* - dp_contention_d*`` (``compute`` gains ``dp_contention_d*``); ``optimizer =
-opt_d*``; ``offload = m offload_mb_k* + offload_step_d*``. The parts sum to the step time.
+``pp_bubble = sum_k T_k - T + m p2p_k*``; ``ep_comm = m x`` stage ``k*``'s all-to-alls (a
+recomputed forward's too, as its TP collectives are ``tp_comm``: where the runtime times them);
+``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* - offload_step_d* - dp_contention_d*``
+(``compute`` gains ``dp_contention_d*``); ``optimizer = opt_d*``; ``offload = m offload_mb_k* +
+offload_step_d*``. The parts sum to the step time.
 ``predicted.hidden`` reads the hidden seconds at the same stages (``hidden_breakdown``).
 """
 
