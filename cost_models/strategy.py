@@ -66,8 +66,7 @@ stage ``d*`` (largest ``D``): ``compute``, ``recompute``, ``tp_comm`` are ``m x`
 recomputed forward's too, as its TP collectives are ``tp_comm``: where the runtime times them);
 ``dp_comm = m (zero_mb_k* - offload_mb_k*) + dp_d* - offload_step_d* - dp_contention_d*``
 (``compute`` gains ``dp_contention_d*``); ``optimizer = opt_d*``; ``offload = m offload_mb_k* +
-offload_step_d*``. The parts sum to the step time.
-``predicted.hidden`` reads the hidden seconds at the same stages (``hidden_breakdown``).
+offload_step_d*``. The parts sum to the step time. ``predicted.hidden``: the hidden seconds there.
 """
 
 from __future__ import annotations
