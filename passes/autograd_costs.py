@@ -83,6 +83,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from passes.common import PassError, iter_tensors, need, to_expr
+from passes.layers import is_size
 
 __all__ = ["annotate_costs", "bytes_moved", "CostReplay", "GemmCall", "gemm_calls", "SavedTensor", "total_saved_bytes"]
 
@@ -609,12 +610,15 @@ def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]) -> tuple[fx.Grap
     """A copy of ``gm`` without the layers in ``same_as`` (layer -> earlier identical layer).
 
     Uses of a dropped node are redirected to the node at the same position in its
-    representative layer, so the next kept layer reads the representative's output. Returns the
+    representative layer, so the next kept layer reads the representative's output; size
+    arithmetic is kept wherever it is. Returns the
     copy and ``{dropped node name: representative node name}``.
     """
     by_layer: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function":
+        # size arithmetic is matched by nothing: export computes an expression once, in the first
+        # block that needs it, and later blocks read it there (``passes.layers.is_size``)
+        if n.op == "call_function" and not is_size(n):
             by_layer.setdefault(n.meta["layer"], []).append(n)
     corr: dict[fx.Node, fx.Node] = {}
     for lay, rep in same_as.items():

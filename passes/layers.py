@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from passes.common import PassError, has_tensor, is_meta_only, iter_tensors, need
 
-__all__ = ["assign_layers", "layer_signatures", "layer_io", "LayerIO", "layer_names", "DATA"]
+__all__ = ["assign_layers", "layer_signatures", "layer_io", "LayerIO", "layer_names", "is_size", "DATA"]
 
 DATA = -1
 """Pseudo-layer of the user's inputs (token ids, labels): supplied by the data loader."""
@@ -100,6 +100,13 @@ def _fmt(x) -> str:
     return str(x)
 
 
+def is_size(n: fx.Node) -> bool:
+    """A node of size arithmetic (a symbolic or plain integer, float or bool, no tensor): export
+    computes each such expression once and reuses it, so the first block that needs it holds the
+    node and the next reads it from there; blocks are compared without them (by expression)."""
+    return isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
 def _val_sig(val) -> str:
     parts = []
     for t in iter_tensors(val):
@@ -114,13 +121,14 @@ def layer_signatures(gm: fx.GraphModule, n_blocks: int) -> list[str]:
 
     A node contributes its target, output shapes/dtypes and arguments; an argument produced in the
     same layer is written as its position within the layer, one from elsewhere as ``ext`` plus its
-    shape (a parameter as ``param`` plus its shape), constants as themselves. Two blocks with equal
-    digests run the same computation on the same shapes with same-shaped weights.
+    shape (a parameter as ``param`` plus its shape), a size expression (``is_size``) and a constant
+    as themselves. Two blocks with equal digests run the same computation on the same shapes with
+    same-shaped weights.
     """
     per_layer: list[list[fx.Node]] = [[] for _ in range(n_blocks + 2)]
     for n in gm.graph.nodes:
         lay = need(n, "layer", "layer_signatures", "assign_layers")
-        if n.op == "call_function" and 0 <= lay <= n_blocks + 1:
+        if n.op == "call_function" and 0 <= lay <= n_blocks + 1 and not is_size(n):
             per_layer[lay].append(n)
     out = []
     for nodes in per_layer:
@@ -129,6 +137,8 @@ def layer_signatures(gm: fx.GraphModule, n_blocks: int) -> list[str]:
 
         def arg(value):
             if isinstance(value, fx.Node):
+                if is_size(value):  # by its expression, wherever export computed it first
+                    return _fmt(value.meta.get("val"))
                 if value in pos:
                     return f"%{pos[value]}"
                 kind = "param" if value.op == "placeholder" and value.meta.get("layer", 0) >= 0 else "ext"
