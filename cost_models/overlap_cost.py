@@ -275,25 +275,33 @@ def _gathers(
     the block-count ILP needs identical rows)."""
     fwd, _bwd, update = passes
     comm = [row.gather_step_s for row in traffic]
+    n = len(traffic)
+    if not any(comm):  # ZeRO 0 and 3: nothing gathered once per step
+        return [_NOTHING] * n
     clock, channel, ends = 0.0, 0.0, []
     for launch_after, seconds in zip(update, comm):  # the optimizer step, row by row
         clock += launch_after
         channel = max(channel, clock) + seconds
         ends.append(channel)
-    shares = []
-    for seconds, done, forward in zip(comm, ends, fwd):  # the next forward
+    waits = []
+    for done, forward in zip(ends, fwd):  # the next forward
         wait = max(done - clock, 0.0)
-        shares.append(Hidden(wait, seconds - wait))
+        waits.append(wait)
         clock += wait + forward
-    n = len(traffic)
-    if uniform and n >= 5:
-        blocks = shares[1 : n - 2]
-        mean = Hidden(
-            sum(share.exposed_s for share in blocks) / len(blocks),
-            sum(share.hidden_s for share in blocks) / len(blocks),
-        )
-        shares[1 : n - 2] = [mean] * len(blocks)
-    return shares
+    if not (uniform and n >= 5):
+        return [Hidden(wait, seconds - wait) for wait, seconds in zip(waits, comm)]
+    shares = [
+        Hidden(wait, seconds - wait) for wait, seconds in zip(waits[:1] + waits[n - 2 :], comm[:1] + comm[n - 2 :])
+    ]
+    blocks = [Hidden(wait, seconds - wait) for wait, seconds in zip(waits[1 : n - 2], comm[1 : n - 2])]
+    mean = Hidden(
+        sum(share.exposed_s for share in blocks) / len(blocks),
+        sum(share.hidden_s for share in blocks) / len(blocks),
+    )
+    return shares[:1] + [mean] * len(blocks) + shares[1:]
+
+
+_NOTHING = Hidden(0.0, 0.0)
 
 
 def _add(a: Hidden, b: Hidden) -> Hidden:
@@ -321,13 +329,18 @@ def dp_exposure(
     passes = (fwd, bwd, update if update is not None else [0.0] * n)
     uniform = uniform_blocks and n >= 5
     combined: dict[tuple[int, int], DpExposure] = {}  # rows that shared objects still do
-    out = []
+    out: list[DpExposure] = []
+    last = (None, None)
     for row, gather in zip(_exposures_but_gathers(traffic, passes, uniform), _gathers(traffic, passes, uniform)):
+        if row is last[0] and gather is last[1]:  # a run of repeated blocks
+            out.append(out[-1])
+            continue
         key = (id(row), id(gather))
         exposure = combined.get(key)
         if exposure is None:
             exposure = combined[key] = DpExposure(_add(row.step, gather), row.micro_batch)
         out.append(exposure)
+        last = (row, gather)
     return out
 
 

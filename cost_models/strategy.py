@@ -813,13 +813,18 @@ def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], hw: HardwareP
         [gain * layer.opt_s for layer in layers],
     )
     made: dict[tuple, LayerCost] = {}
-    out = []
+    out: list[LayerCost] = []
+    last: tuple = (None, None)
     for layer, row, exposure in zip(layers, traffic, seen):
+        if layer is last[0] and exposure is last[1]:  # a run of repeated blocks
+            out.append(out[-1])
+            continue
         key = (id(layer), exposure)
         cost = made.get(key)
         if cost is None:
             cost = made[key] = _exposed_layer(layer, row, exposure, hw.overlap_contention)
         out.append(cost)
+        last = (layer, exposure)
     return out
 
 
@@ -848,8 +853,10 @@ def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, conte
 def _distinct(layers: Sequence[LayerCost]) -> list[tuple[LayerCost, int]]:
     """Each distinct layer cost with its count, hashing each object once (rows share objects)."""
     by_object: dict[int, list] = {}
+    entry: list = [None, 0]
     for cost in layers:
-        entry = by_object.setdefault(id(cost), [cost, 0])
+        if cost is not entry[0]:  # runs of one object (repeated blocks) count in place
+            entry = by_object.setdefault(id(cost), [cost, 0])
         entry[1] += 1
     counts: dict[LayerCost, int] = {}
     for cost, count in by_object.values():
