@@ -330,7 +330,7 @@ def dp_exposure(
     uniform = uniform_blocks and n >= 5
     combined: dict[tuple[int, int], DpExposure] = {}  # rows that shared objects still do
     out: list[DpExposure] = []
-    last = (None, None)
+    last: tuple = (None, None)
     for row, gather in zip(_exposures_but_gathers(traffic, passes, uniform), _gathers(traffic, passes, uniform)):
         if row is last[0] and gather is last[1]:  # a run of repeated blocks
             out.append(out[-1])
