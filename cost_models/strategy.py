@@ -550,14 +550,38 @@ def _row_works(
 ) -> tuple[float, float]:
     """Every row's work of one micro-batch once, and the largest row's (``work_floor``; memoized
     per work setting)."""
-    setting = _work_setting(table, seq_len, cand, gpus_per_node)
-    key = ("work_floor", id(hw), dtype, cand.micro_batch_size, seq_len, cand.context_parallel, setting)
+    key = ("work_floor", id(hw), dtype, seq_len, gpus_per_node, _work_fields(cand))
     known = table.work_memo.get(key)
     if known is None:
+        setting = _work_setting(table, seq_len, cand, gpus_per_node)
         rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
         works = [_row_work(row, hw, dtype, setting, table.work_memo)[0].work_s for row in rows]
         known = table.work_memo[key] = (sum(works[i] for i in row_of_layer), max(works))
     return known
+
+
+def _work_fields(cand: Candidate) -> tuple:
+    """The fields of ``cand`` its rows' work depends on (``_work_setting``'s inputs; a memo key
+    read without building the setting): all but its ZeRO stage, offload, compression and count of
+    micro-batches."""
+    return (cand.micro_batch_size, *_layout_fields(cand))
+
+
+def _layout_fields(cand: Candidate) -> tuple:
+    """``_work_fields`` but the micro-batch size."""
+    return (
+        cand.dp,
+        cand.tp,
+        cand.pp,
+        cand.compile,
+        cand.sequence_parallel,
+        cand.overlap,
+        cand.expert_parallel,
+        cand.moe_imbalance,
+        cand.moe_capacity_factor,
+        cand.context_parallel,
+        cand.cp_method,
+    )
 
 
 def state_floor(
@@ -569,11 +593,28 @@ def state_floor(
     ``memory_lower_bound`` of ``candidate_costs`` (``planner.search.candidates``: pricing only
     adds activations, transients and tied copies), so a search can rule out a candidate whose
     state alone overflows the device without pricing its traffic; the row states are memoized
-    and priced once for both."""
-    rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
-    pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
-    states = [_state_bytes(*_work_and_state(row, pricing, table.work_memo)) for row in rows]
-    return max(sum(states[i] for i in row_of_layer) / cand.pp, max(states))
+    and priced once for both. A row's state reads its integer fields only (parameter and buffer
+    counts, which no ``(b, s)`` changes), so the floor is memoized across micro-batch sizes."""
+    key = (
+        "state_floor",
+        id(hw),
+        dtype,
+        seq_len,
+        gpus_per_node,
+        _layout_fields(cand),
+        cand.zero_stage,
+        cand.offload_optimizer,
+        cand.offload_params,
+        cand.dp_compression,
+    )
+    known = table.work_memo.get(key)
+    if known is None:
+        rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
+        pricing = _pricing(table, hw, dtype, seq_len, cand, gpus_per_node)
+        states = [_state_bytes(*_work_and_state(row, pricing, table.work_memo)) for row in rows]
+        known = table.work_memo[key] = (sum(map(states.__getitem__, row_of_layer)), max(states))
+    total, largest = known
+    return max(total / cand.pp, largest)
 
 
 def context_rows(table: NumericTable, micro_batch: int, seq_len: int, cp: int) -> tuple[list[LayerRow], list[int]]:
@@ -1510,23 +1551,29 @@ def _stage_memory(
     held = inflight_microbatches(stage, pp, micro_batches) if inflight is None else inflight
     keep = [layer.input_b if whole else layer.saved_b for layer, whole in zip(layers, recomputed)]
     red = [reduction_bytes(layer.num_params, costs.dtype, dp) for layer in layers] if leave else []
-    state = {"params": params + zero_buffers["params"], "optimizer": optim}
-    moments = []
+    state = params + zero_buffers["params"] + optim  # what every moment holds beside grads and activations
+    peak = (-math.inf, 0.0, 0.0)  # (total, grads, activations) of the first largest moment
+
+    def moment(held_grads: float, activations: float) -> None:
+        nonlocal peak
+        total = state + held_grads + activations
+        if total > peak[0]:
+            peak = (total, held_grads, activations)
+
     if not released:  # the largest transient with every activation alive
-        moments.append({**state, "grads": 0 if shards_later else grads, "activations": acts(max_transient)})
+        moment(0 if shards_later else grads, acts(max_transient))
     others = (held - 1) * sum(keep)  # the other micro-batches in flight, whole
     shards_after = grads  # the shards of the layers after j (all of them before the loop)
     for j, (layer, kept) in enumerate(zip(layers, itertools.accumulate(keep))):
         shards_after -= layer.grads_b
         running = others + kept + max(layer.bt_b, layer.saved_b if recomputed[j] else 0.0)
         if released:
-            moments.append({**state, "grads": 0 if shards_later else grads, "activations": running})
+            moment(0 if shards_later else grads, running)
         if leave and j < len(layers) - 1:
             shards = shards_after if shards_later and released else grads
-            in_flight = sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1])
-            moments.append({**state, "grads": shards + in_flight, "activations": running})
-    mem = max(moments, key=lambda moment: sum(moment.values()))
-    mem = {key: int(math.ceil(value)) for key, value in mem.items()}
+            moment(shards + sum(red[j : j + REDUCTIONS_IN_FLIGHT + 1]), running)
+    parts = {"params": params + zero_buffers["params"], "optimizer": optim, "grads": peak[1], "activations": peak[2]}
+    mem = {key: int(math.ceil(value)) for key, value in parts.items()}
     mem["total"] = sum(mem.values())
     big = max(layers, key=lambda layer: layer.trans_b)
     bound = params + grads + optim + big.trans_b + acts(max_transient)

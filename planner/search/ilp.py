@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
@@ -284,6 +285,7 @@ class _Search:
         keep: int,
         seed: SearchResult | None,
         below: float = math.inf,
+        incumbents: Sequence[Evaluation] = (),
     ):
         self.kinds, self.checkpoint, self.solver, self.keep, self.below = kinds, checkpoint, solver, keep, below
         self.result = SearchResult(ranked=[], enumerated=len(entries))
@@ -291,6 +293,10 @@ class _Search:
         self.best: dict[tuple, Evaluation] = {
             evaluation.strategy.candidate.mesh: evaluation for evaluation in (seed.ranked if seed else [])
         }
+        for evaluation in incumbents:
+            triple = evaluation.strategy.candidate.mesh
+            if evaluation.feasible and _better(evaluation, self.best.get(triple)):
+                self.best[triple] = evaluation
         self.heuristic: dict[Candidate, Evaluation | None] = {}
 
     def greedy(self, costs: CandidateCosts) -> Evaluation | None:
@@ -390,6 +396,7 @@ def search(
     keep: int = 4,
     seed: SearchResult | None = None,
     below: float = math.inf,
+    incumbents: Sequence[Evaluation] = (),
 ) -> SearchResult:
     """Best strategies over ``entries`` (:class:`planner.search.entries.Entry`) with sound pruning.
 
@@ -401,6 +408,11 @@ def search(
     ``seed``: an earlier search over other candidates (the offload variants' search continues the
     plain one): its strategies are the starting incumbents, its counts carry over, and a strategy
     it ranked that loses its place to a new one stays a runner-up.
+
+    ``incumbents``: strategies of some of ``entries``' candidates known beforehand (the eager
+    winners repriced compiled), each its triple's first incumbent: the sweeps then skip at once
+    what they would skip only after finding as good a strategy. The result is the same, since an
+    incumbent's own candidate is still solved against it and ties break alike (``_tie_key``).
 
     ``below``: only strategies faster than this matter (a probe: the others are pruned as if four
     layouts were already faster; the runners-up are then incomplete).
@@ -431,13 +443,14 @@ def search(
     with exhaustive enumeration).
     """
     started = time.perf_counter()
-    state = _Search(entries, kinds, checkpoint, solver, keep, seed, below)
+    state = _Search(entries, kinds, checkpoint, solver, keep, seed, below, incumbents)
     result = state.result
     state.sweep(exact=False)
     state.sweep(exact=True)
-    result.ranked = sorted(
-        (evaluation for evaluation in state.best.values() if evaluation.step_time_s < below), key=_rank_key
-    )
+    ranked = sorted((evaluation for evaluation in state.best.values() if evaluation.step_time_s < below), key=_rank_key)
+    # an incumbent beyond the `keep` fastest that nothing replaced is one the search did not reach
+    given = {id(evaluation) for evaluation in incumbents}
+    result.ranked = [evaluation for k, evaluation in enumerate(ranked) if k < keep or id(evaluation) not in given]
     need = keep - len(result.ranked)
     if result.ranked and need > 0 and below == math.inf:
         result.extra = state.runners_up(need)

@@ -886,13 +886,15 @@ class _Walk:
                 functools.partial(schedule_free_bound, costs, refit.kinds, refit.checkpoint),
             )
 
-    def _draft_bound(self, unpriced: Any, cand: Candidate) -> tuple[float, Callable[[], float]]:
+    def _draft_bound(self, unpriced: Any, cand: Candidate) -> tuple[float, Callable[[], float] | None]:
         """A ``strategy`` item's second bound, :func:`schedule_free_bound` with the micro-step the
         memory forces on ``cand``'s costs without data-parallel traffic (``unpriced.draft``: at
         most the priced figures), ``inf`` when even those do not fit; and the third, priced."""
         assert self.refit is not None  # strategy items come with a refit
-        draft = unpriced.draft(cand)
         following = functools.partial(self._priced_bound, cand)
+        if _known_priced(self.cc_of, cand):  # the priced bound costs no more than the draft's
+            return following(), None
+        draft = unpriced.draft(cand)
         if memory_lower_bound(draft) > draft.capacity:
             return math.inf, following
         return schedule_free_bound(draft, self.refit.kinds, self.refit.checkpoint), following
@@ -1048,6 +1050,12 @@ def _is_uniform(evaluation: Evaluation, costs: CandidateCosts, kinds: Sequence[s
     if mode == "all":
         return full == blocks and not sel
     return not full and sel == {i for i in blocks if costs.layers[i].sel_saved_b > 0}
+
+
+def _known_priced(cc_of: Mapping, cand: Candidate) -> bool:
+    """Whether ``cc_of`` has priced ``cand`` already (a plain mapping of priced costs has)."""
+    check = getattr(cc_of, "priced", None)
+    return bool(check(cand)) if check is not None else cand in cc_of
 
 
 def _known_too_big(cc_of: Mapping, cand: Candidate) -> bool:

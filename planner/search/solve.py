@@ -133,7 +133,10 @@ def candidate_entries(
 
     return [
         Entry(
-            candidate, work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node), price, too_big
+            candidate,
+            work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node),
+            price,
+            too_big,
         )
         for candidate in candidates
     ]
@@ -546,6 +549,11 @@ class _Costs(Mapping):
             self.others[candidate] = self.price(candidate)
         return self.others[candidate]
 
+    def priced(self, candidate: Candidate) -> bool:
+        """Whether ``candidate``'s costs are known already (reading them costs nothing)."""
+        entry = self.entries.get(candidate)
+        return entry.priced if entry is not None else candidate in self.others
+
     def too_big(self, candidate: Candidate) -> bool:
         """Whether ``candidate``'s entry knows, unpriced, that none of its strategies fits."""
         entry = self.entries.get(candidate)
@@ -670,7 +678,8 @@ def choose_compile(
     pays = best.step_time_s - compile_seconds(hw, 1) / steps
     whole: SearchResult | None = None
     if (best.step_time_s - repriced.step_time_s) * steps > repriced.extra["compile_s"]:
-        whole = search(compiled, table.kinds, request.checkpoint, solver)  # the winner compiled pays already
+        # the winner compiled pays already; the eager search's strategies, compiled, start it off
+        whole = search(compiled, table.kinds, request.checkpoint, solver, incumbents=_compiled_twins(result, compiled))
         found = whole
     elif _compiling_may_pay(compiled, pays):
         # only compiled strategies faster than `pays` could repay their compilation: a search that
@@ -690,6 +699,20 @@ def choose_compile(
         whole = search(compiled, table.kinds, request.checkpoint, solver)
     choice = CompileChoice(use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens)
     return (whole, choice, compiled) if use and whole is not None else (result, choice, entries)
+
+
+def _compiled_twins(result: SearchResult, compiled: list[Entry]) -> list[Evaluation]:
+    """The strategies ``result`` ranked, each priced on its candidate's compiled entry."""
+    entries = {entry.cand: entry for entry in compiled}
+    twins = []
+    for evaluation in result.ranked + result.extra:
+        strategy = evaluation.strategy
+        entry = entries.get(dataclasses.replace(strategy.candidate, compile=True))
+        if entry is not None:
+            twins.append(
+                evaluate(entry.costs, strategy.stages, sorted(strategy.checkpoint), sorted(strategy.selective))
+            )
+    return twins
 
 
 def _compiling_may_pay(compiled: list[Entry], pays: float) -> bool:

@@ -341,6 +341,36 @@ def test_unpriced_floors_are_below_the_priced_bounds(dp, tp, pp, zero, mbs, vari
     assert schedule_free_bound(draft, kinds) <= _best_by_enumeration(priced) * (1 + 1e-12)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    dp=st.sampled_from([1, 2, 4]),
+    tp=st.sampled_from([1, 2]),
+    pp=st.integers(1, 3),
+    zero=st.integers(0, 3),
+    sizes=st.lists(st.sampled_from([1, 2, 4]), min_size=2, max_size=2, unique=True),
+    variant=st.sampled_from(["plain", "offload", "moe", "context"]),
+)
+def test_the_state_floor_is_the_same_at_every_micro_batch(dp, tp, pp, zero, sizes, variant):
+    """``state_floor`` is memoized across micro-batch sizes (a row's state reads its integer
+    fields only): two tables, each asked at its own size first, give the same figure, which the
+    memo then gives at the other size too."""
+    zero = zero if dp > 1 else 0
+    extra: dict = {}
+    if variant == "offload" and zero >= 1:
+        extra["offload_optimizer"] = "cpu"
+    if variant == "context":
+        extra["context_parallel"] = 2
+    if variant == "moe":
+        tables = [NumericTable(moe_table(layers=3, hidden=128, ffn=256, experts=4, top_k=2)) for _ in sizes]
+        extra["expert_parallel"] = 2 if dp % 2 == 0 else 1
+    else:
+        tables = [NumericTable(gpt_table(layers=3, hidden=128, heads=4, vocab=1024)) for _ in sizes]
+    cands = [Candidate(dp, tp, pp, zero, size, 4, **extra) for size in sizes]
+    first, second = (state_floor(table, HW, "bf16", 128, cand, HW.gpus_per_node) for table, cand in zip(tables, cands))
+    assert first == second > 0
+    assert state_floor(tables[0], HW, "bf16", 128, cands[1], HW.gpus_per_node) == first
+
+
 def _best_by_enumeration(costs) -> float:
     """The fastest feasible 1F1B strategy of ``costs`` over every partition and recompute set
     (``inf`` when none fits)."""

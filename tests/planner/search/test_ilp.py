@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import warnings
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +22,7 @@ from planner.search.ilp import search, solve_candidate
 from planner.search.ilp_form import build_problem, highs_available
 from planner.search.request import PlanRequest
 from planner.search.search_errors import NoFeasiblePlan
-from planner.search.solve import candidate_entries, least_memory, solve
+from planner.search.solve import _compiled_twins, candidate_entries, least_memory, solve
 from tests.helpers import gpt_table
 
 HW = load_hardware("a100-80gb", 8)
@@ -236,6 +237,37 @@ def test_candidates_whose_state_overflows_are_skipped_unpriced():
     for entry in lazy:
         if entry.too_big:
             assert entry.memory_lb > entry.costs.capacity
+
+
+def test_incumbents_change_what_a_search_prices_not_what_it_finds():
+    """The compiled search starts from the eager winners repriced compiled (``incumbents``): it
+    runs fewer greedy strategies and finds the same strategies, runners-up included, as a search
+    that starts from nothing."""
+    table = NumericTable(gpt_table(layers=8, hidden=2048, heads=16, vocab=32000))
+    req = _req(gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024)
+    eager = search(candidate_entries(req, table, HW, 8, enumerate_candidates(req, table, 8)), table.kinds)
+    compiled_candidates = [dataclasses.replace(c, compile=True) for c in enumerate_candidates(req, table, 8)]
+    plain_entries = candidate_entries(req, table, HW, 8, compiled_candidates)
+    seeded_entries = candidate_entries(req, table, HW, 8, compiled_candidates)
+    twins = _compiled_twins(eager, seeded_entries)
+    assert twins and all(twin.strategy.candidate.compile for twin in twins)
+    greedy_runs = []
+
+    def counted(costs, *args):
+        greedy_runs.append(costs.cand)
+        return heuristic_strategy(costs, *args)
+
+    with mock.patch("planner.search.ilp.heuristic_strategy", counted):
+        plain = search(plain_entries, table.kinds)
+        plain_runs = len(greedy_runs)
+        seeded = search(seeded_entries, table.kinds, incumbents=twins)
+
+    def found(result):
+        return [(ev.strategy, round(ev.step_time_s, 12)) for ev in result.ranked + result.extra]
+
+    assert found(seeded) == found(plain)
+    assert seeded.solved == plain.solved
+    assert len(greedy_runs) - plain_runs < plain_runs
 
 
 def test_solve_gives_a_valid_plan_with_alternatives():
