@@ -342,8 +342,16 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
     """Every ``(dp, tp, pp, zero, b, m)`` the pins and the model allow (see planner.search.ilp).
 
     Raises ``SearchError`` listing why nothing is left when the pins and the batch admit no
-    candidate at all.
+    candidate at all, and the nearest device counts that admit one.
     """
+    out, why = _enumerated(request, table, gpus_per_node)
+    if not out:
+        raise _nothing_left(request, why, _nearby_gpus(request, table, gpus_per_node))
+    return out
+
+
+def _enumerated(request: Any, table: NumericTable, gpus_per_node: int) -> tuple[list[Candidate], dict[str, int]]:
+    """``enumerate_candidates``'s candidates and, per reason, how many layouts it ruled out."""
     gpus, global_batch = request.gpus, request.global_batch
     overlap = Overlap.of(getattr(request, "overlap", Toggle.ON))
     rows = len(table.layers)
@@ -374,9 +382,31 @@ def enumerate_candidates(request: Any, table: NumericTable, gpus_per_node: int) 
                     continue
                 layout = _Layout(dp, tp, pp, cp, methods, options)
                 out.extend(_batchings(request, table, layout, overlap, skip))
-    if not out:
-        raise _nothing_left(request, why)
-    return out
+    return out, why
+
+
+def _nearby_gpus(request: Any, table: NumericTable, gpus_per_node: int, reach: int = 64) -> list[int]:
+    """The nearest device counts below and above ``request.gpus`` (whole nodes when it spans
+    nodes) that some strategy can run with the same pins and batch: what to suggest when the
+    count itself admits none (1,000 GPUs share no factor 5 with a power-of-two batch or heads).
+    Empty when the degrees are pinned, or nothing within ``reach`` steps runs."""
+    if any(getattr(request, pin, None) for pin in ("dp", "tp", "pp")) or not dataclasses.is_dataclass(request):
+        return []
+    step = gpus_per_node if request.gpus >= gpus_per_node else 1
+    found = []
+    for direction in (-1, 1):
+        for k in range(1, reach + 1):
+            gpus = (request.gpus // step + k) * step if direction > 0 else (-(-request.gpus // step) - k) * step
+            if gpus < 1:
+                break
+            try:
+                runs = bool(_enumerated(dataclasses.replace(request, gpus=gpus), table, gpus_per_node)[0])
+            except (SearchError, ValueError):  # a count the request's own checks refuse
+                runs = False
+            if runs:
+                found.append(gpus)
+                break
+    return found
 
 
 class _Layout(NamedTuple):
@@ -396,6 +426,8 @@ def _batchings(request: Any, table: NumericTable, layout: _Layout, overlap: Over
     expert-parallel degree and context-parallel method the pins allow."""
     dp, tp, pp, cp = layout.dp, layout.tp, layout.pp, layout.cp
     out: list[Candidate] = []
+    if request.micro_batch and (request.global_batch // dp) % request.micro_batch:
+        skip(f"--micro-batch {request.micro_batch} does not divide the global batch's share of a data-parallel rank")
     for micro_batch in divisors(request.global_batch // dp):
         if request.micro_batch and micro_batch != request.micro_batch:
             continue
@@ -483,23 +515,47 @@ def _context_excluded(request: Any) -> bool:
     return offloads or getattr(request, "dp_compression", None) == GradCompression.ONEBIT_ADAM or bool(ep and ep > 1)
 
 
-def _nothing_left(request: Any, why: dict[str, int]) -> SearchError:
-    """The error of an enumeration that kept no candidate: the pins and each reason, counted."""
+def _nothing_left(request: Any, why: dict[str, int], nearby: Sequence[int] = ()) -> SearchError:
+    """The error of an enumeration that kept no candidate: the pins, each reason counted (the
+    degrees a reason shares listed once), and the nearest device counts that do run."""
     pins = " ".join(
         f"--{pin.replace('_', '-')} {getattr(request, pin)}"
         for pin in ("dp", "tp", "pp", "micro_batch")
         if getattr(request, pin) is not None
     )
-    reasons = "; ".join(f"{reason} ({n}x)" for reason, n in why.items()) or "the pins exclude every degree"
+    reasons = "; ".join(f"{reason} ({n}x)" for reason, n in _grouped(why).items()) or "the pins exclude every degree"
     advice = (
         "Drop --sequence-parallel on, or pin a --tp it applies to."
         if why and all(reason.startswith("--sequence-parallel") for reason in why)
         else "Pick a global batch divisible by more data-parallel degrees, or pin fewer decisions."
     )
+    if nearby:
+        counts = " and ".join(f"{gpus:,}" for gpus in nearby)
+        advice += f" The nearest device counts some strategy runs on: --gpus {counts}."
     return SearchError(
         f"No combination of degrees and micro-batching satisfies --gpus {request.gpus}, --global-batch "
         f"{request.global_batch}{' and ' + pins if pins else ''}: {reasons}. {advice}"
     )
+
+
+def _grouped(why: dict[str, int]) -> dict[str, int]:
+    """``why`` with the reasons that differ only in a degree (``--tp 5 does not divide ...``,
+    ``--tp 8 does not divide ...``) merged into one listing the degrees (``--tp 5, 8 or 10 does
+    not divide ...``), their counts summed."""
+    groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    out: dict[str, int] = {}
+    for reason, n in why.items():
+        flag, _, rest = reason.partition(" ")
+        value, _, tail = rest.partition(" ")
+        if flag.startswith("--") and value.isdigit() and tail:
+            groups.setdefault((flag, tail), []).append((int(value), n))
+        else:
+            out[reason] = n
+    for (flag, tail), values in groups.items():
+        degrees = [str(value) for value, _ in sorted(values)]
+        listed = degrees[0] if len(degrees) == 1 else f"{', '.join(degrees[:-1])} or {degrees[-1]}"
+        out[f"{flag} {listed} {tail}"] = sum(n for _, n in values)
+    return out
 
 
 # ---------------------------------------------------------------------------------- offload

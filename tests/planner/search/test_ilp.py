@@ -390,6 +390,23 @@ def test_bad_pins_raise_user_errors():
         solve(_req(dp=1, tp=1, pp=4, micro_batch=4), table, HW).plan
 
 
+def test_a_device_count_nothing_runs_on_names_the_nearest_that_do():
+    """1,000 devices share no factor 5 with a power-of-two batch, 12 heads or 14 rows: the error
+    lists the tensor-parallel degrees once, with their count, and the nearest whole-node counts
+    that some strategy runs on; a pinned micro-batch that divides no rank's share says so."""
+    table = NumericTable(gpt_table(layers=12, hidden=768, heads=12, vocab=50257))
+    with pytest.raises(UserError) as refused:
+        enumerate_candidates(_req(gpus=1000, gpus_per_node=8, global_batch=512), table, 8)
+    message = str(refused.value)
+    assert "--tp 5, 8, 10, 20, 25, 40, 50, 100, 125, 200, 250, 500 or 1000 does not divide the model's 12" in message
+    assert message.count("does not divide the model's 12 attention heads") == 1
+    assert "nearest device counts some strategy runs on: --gpus 896 and 1,024." in message
+    for gpus in (896, 1024):
+        assert enumerate_candidates(_req(gpus=gpus, gpus_per_node=8, global_batch=512), table, 8)
+    with pytest.raises(UserError, match="--micro-batch 3 does not divide the global batch's share"):
+        enumerate_candidates(_req(gpus=2, gpus_per_node=2, global_batch=8, micro_batch=3), table, 2)
+
+
 def test_no_feasible_plan_explains_least_memory_and_fixes():
     table = gpt_table(layers=8, hidden=4096, heads=32, vocab=50000)  # ~1.8 B parameters
     small = dataclasses.replace(HW, memory_bytes=2 * 2**30)
