@@ -390,17 +390,20 @@ def _nearby_gpus(request: Any, table: NumericTable, gpus_per_node: int, reach: i
     nodes) that some strategy can run with the same pins and batch: what to suggest when the
     count itself admits none (1,000 GPUs share no factor 5 with a power-of-two batch or heads).
     Empty when the degrees are pinned, or nothing within ``reach`` steps runs."""
-    if any(getattr(request, pin, None) for pin in ("dp", "tp", "pp")) or not dataclasses.is_dataclass(request):
+    if any(getattr(request, pin, None) for pin in ("dp", "tp", "pp")):
         return []
-    step = gpus_per_node if request.gpus >= gpus_per_node else 1
+    asked: int = request.gpus
+    step = gpus_per_node if asked >= gpus_per_node else 1
     found = []
     for direction in (-1, 1):
         for k in range(1, reach + 1):
-            gpus = (request.gpus // step + k) * step if direction > 0 else (-(-request.gpus // step) - k) * step
+            gpus = (asked // step + k) * step if direction > 0 else (-(-asked // step) - k) * step
             if gpus < 1:
                 break
             try:
                 runs = bool(_enumerated(dataclasses.replace(request, gpus=gpus), table, gpus_per_node)[0])
+            except TypeError:  # not a dataclass request: nothing to vary
+                return []
             except (SearchError, ValueError):  # a count the request's own checks refuse
                 runs = False
             if runs:

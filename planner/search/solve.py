@@ -366,7 +366,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     check_schedule_pins(request, len(table.layers))
     inputs = resolve_inputs(table.model.get("inputs"), request.inputs, request.spec)
     candidates = [
-        dataclasses.replace(candidate, compile=request.compile == "on")
+        dataclasses.replace(candidate, compile=True) if request.compile == "on" else candidate  # eager as enumerated
         for candidate in enumerate_candidates(request, table, gpus_per_node)
         if schedule_allows(candidate, len(table.layers), sched, virtual_stages)
     ]
@@ -532,7 +532,6 @@ class _Costs(Mapping):
         """What is known of a candidate before pricing it (the schedule walk's first bounds)."""
         self.others: dict[Candidate, CandidateCosts] = {}
         self.price = price
-        self._enumerated = {dataclasses.replace(candidate, compile=False) for candidate in self.entries}
 
     def add(self, candidate: Candidate) -> None:
         """Make ``candidate`` known, whether the search enumerated it or not."""
@@ -544,8 +543,8 @@ class _Costs(Mapping):
         if entry is not None:
             return entry.costs
         if candidate not in self.others:
-            if dataclasses.replace(candidate, compile=False) not in self._enumerated:
-                raise KeyError(candidate)
+            if dataclasses.replace(candidate, compile=not candidate.compile) not in self.entries:
+                raise KeyError(candidate)  # neither it nor its other compile mode was enumerated
             self.others[candidate] = self.price(candidate)
         return self.others[candidate]
 

@@ -4,6 +4,7 @@ serialize as plan.json's values (``ScheduleName.ZERO_BUBBLE == "zero-bubble"``).
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 
 __all__ = [
@@ -76,6 +77,7 @@ ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 parameters (plan.json ``zero_stage``, ``planner plan --zero-stage``)."""
 
 
+@functools.cache  # an enumeration's members are fixed: every candidate built checks its method here
 def names(choice: type[StrEnum]) -> tuple[str, ...]:
     """The values of an enumeration, in declaration order (for argparse ``choices`` and messages)."""
     return tuple(member.value for member in choice)
