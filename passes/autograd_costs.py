@@ -278,6 +278,11 @@ _SYMBOLIC_KERNELS: dict[Any, Callable] = {
     # sizes symbolic; it runs inside the counter's dispatch, so its own ops are not charged and
     # the pad is priced as the one memory-bound op it is.
     _aten.constant_pad_nd.default: torch._refs.constant_pad_nd,
+    # polar (DeepSeek-V2's rotary frequencies, ``torch.polar(ones, freqs)``): its kernel, and
+    # torch.complex's in its decomposition, read sizes as integers too
+    _aten.polar.default: lambda magnitude, angle: torch.view_as_complex(
+        torch.stack([magnitude * torch.cos(angle), magnitude * torch.sin(angle)], -1)
+    ),
 }
 
 

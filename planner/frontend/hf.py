@@ -265,7 +265,7 @@ def load_hf_config(path: str):
         ) from None
     try:
         with _quiet_transformers():
-            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers validates with several exception types
         if _known_model_type(model_type):
             raise ModelError(
@@ -282,6 +282,33 @@ def load_hf_config(path: str):
             "save_pretrained of an architecture this transformers version ships, or "
             f"upgrade transformers. ({_config_error(e)})"
         ) from None
+    _check_token_model(cfg)
+    return cfg
+
+
+def _check_token_model(cfg) -> None:
+    """A ``ModelError`` unless ``cfg``'s model reads one token sequence: what the planner traces
+    and trains (an encoder-decoder, a vision or audio model, a multimodal wrapper does not)."""
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ModelError(
+            f"{cfg.model_type!r} is an encoder-decoder model (its config sets is_encoder_decoder), "
+            "and the planner plans and trains decoder-only and encoder-only models, which take "
+            "one token sequence: use a causal LM or an encoder architecture."
+        )
+    text = getattr(cfg, "text_config", None)
+    if not _vocab_size(cfg) and text is not None and _vocab_size(text):
+        raise ModelError(
+            f"{cfg.model_type!r} is a multimodal model (its token vocabulary is in text_config), and "
+            "the planner plans and trains models that read one token sequence: plan its language "
+            f"model, a config.json of model_type {getattr(text, 'model_type', '?')!r} holding "
+            "text_config's fields (e.g. written by save_pretrained of text_config)."
+        )
+    if not _vocab_size(cfg):
+        raise ModelError(
+            f"{cfg.model_type!r} reads no token ids (its config has no vocab_size: an image, audio or "
+            "other non-text model), and the planner plans and trains models that read one token "
+            "sequence: use a causal LM or an encoder architecture."
+        )
 
 
 def _known_model_type(model_type) -> bool:
@@ -295,13 +322,7 @@ def _model_class(cfg):
     """The class named by ``cfg.architectures`` (a causal LM if the config names none)."""
     import transformers
 
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise ModelError(
-            f"{cfg.model_type!r} is an encoder-decoder model (its config sets is_encoder_decoder), "
-            "and the planner plans and trains decoder-only and encoder-only models, which take "
-            "one token sequence: use a causal LM or an encoder architecture."
-        )
-
+    _check_token_model(cfg)  # also a config built in memory (the built-in hf: presets)
     for name in getattr(cfg, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -313,6 +334,14 @@ def _model_class(cfg):
             f"transformers has no causal-LM class for model_type {cfg.model_type!r} and the "
             f"config.json names no known class in 'architectures'; add one ({_class_example(cfg.model_type)})."
         ) from None
+
+
+def _vocab_size(cfg) -> int:
+    """The config's token vocabulary (0 when it has none: ViT, Whisper's encoder, ...)."""
+    try:
+        return int(getattr(cfg, "vocab_size", 0) or 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def _class_example(model_type: str) -> str:
@@ -418,7 +447,7 @@ def build_hf_dir(
         f"hf:{path}",
         model,
         (),
-        int(cfg.vocab_size),
+        _vocab_size(cfg),
         seq,
         int(getattr(cfg, "hidden_size", 0)),
         heads,

@@ -45,6 +45,19 @@ def test_encoder_decoder_is_refused_clearly(tmp_path):
         build_layer_table(f"hf:{tmp_path / 't5'}", batch=1, seq_len=8, dtype="fp32")
 
 
+def test_models_without_token_ids_are_refused_clearly(tmp_path):
+    """A vision model (no vocabulary at all) and a multimodal wrapper (its vocabulary in
+    text_config) are refused before anything is built, the latter naming its language model."""
+    tf.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path / "vit"
+    )
+    tf.Gemma3Config().save_pretrained(tmp_path / "gemma3")
+    with pytest.raises(ModelError, match="'vit' reads no token ids"):
+        build_layer_table(f"hf:{tmp_path / 'vit'}", batch=1, seq_len=8, dtype="fp32")
+    with pytest.raises(ModelError, match="multimodal model .* model_type 'gemma3_text'"):
+        build_layer_table(f"hf:{tmp_path / 'gemma3'}", batch=1, seq_len=8, dtype="fp32")
+
+
 # ---------------------------------------------------------------------------------------------
 # passes.moe: the facts pricing reads, per layer-table row
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,39 @@ def make():
     return Net(), (torch.randint(0, 40, (2, 16)),)
 """
 
+ROTARY_POLAR = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(24, 24)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(12).float() / 12), persistent=False)
+
+    def forward(self, x):
+        # DeepSeek-V2's rotary embedding: frequencies turned complex by torch.polar, per position
+        freqs = torch.arange(x.shape[1], device=x.device).float()[:, None] * self.inv_freq
+        rotation = torch.polar(torch.ones_like(freqs), freqs)
+        pairs = torch.view_as_complex(self.proj(x).reshape(*x.shape[:-1], 12, 2))
+        return x + torch.view_as_real(pairs * rotation).flatten(-2)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.layers:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+def make():
+    return Net(), (torch.randint(0, 40, (2, 16)),)
+"""
+
 GLOBAL_BATCH, SEQ = 8, 16
 
 
@@ -121,3 +154,23 @@ def test_a_replay_that_pins_a_size_is_an_error(tmp_path, monkeypatch):
         analyze(traced)
     assert "pad" in str(err.value)
     assert "While executing" not in str(err.value) and "tlparse" not in str(err.value)  # torch.fx's notes
+
+
+def test_rotary_frequencies_by_polar_follow_the_sequence(tmp_path, monkeypatch):
+    """``torch.polar`` (DeepSeek-V2's rotary frequencies) has a kernel that reads sizes as
+    integers: its symbolic stand-in keeps the costs following b and s, and without it the replay
+    refuses the model rather than price it at the example's shape."""
+    path = tmp_path / "polar.py"
+    path.write_text(ROTARY_POLAR)
+    table = build_layer_table(f"{path}:make")
+    assert table.fixed == {}
+    one, other = (table.total("fwd_flops", b, s) + table.total("bwd_flops", b, s) for b, s in ((1, 16), (3, 7)))
+    assert one > 0 and other != one * 3 and other == pytest.approx(one * 3 * 7 / 16, rel=0.05)
+    from passes.analyze import analyze
+    from planner.frontend.trace import trace_model
+
+    kernels = {op: kernel for op, kernel in autograd_costs._SYMBOLIC_KERNELS.items() if "polar" not in str(op)}
+    monkeypatch.setattr(autograd_costs, "_SYMBOLIC_KERNELS", kernels)
+    with pytest.raises(PassError, match=r"fixed the (b|s) size to (2|16)") as err:
+        analyze(trace_model(f"{path}:make"))
+    assert "polar" in str(err.value)
