@@ -338,10 +338,22 @@ def _model_class(cfg):
 
 def _vocab_size(cfg) -> int:
     """The config's token vocabulary (0 when it has none: ViT, Whisper's encoder, ...)."""
+    return config_int(cfg, "vocab_size")
+
+
+def config_int(cfg, name: str, default: int = 0) -> int:
+    """A whole-model size of ``cfg`` (``default`` when it has none, or when it differs per layer:
+    transformers' heterogeneous configs raise on reading a per-layer attribute globally, e.g.
+    ``num_attention_heads`` of a model whose layers have different head counts; the planner then
+    reads the heads from the graph)."""
     try:
-        return int(getattr(cfg, "vocab_size", 0) or 0)
-    except (AttributeError, TypeError, ValueError):
-        return 0
+        value = getattr(cfg, name, None)
+    except (AttributeError, RuntimeError):  # AmbiguousGlobalPerLayerAttributeError is a RuntimeError
+        return default
+    try:
+        return int(value) if value is not None else default
+    except (TypeError, ValueError):
+        return default
 
 
 def _class_example(model_type: str) -> str:
@@ -374,9 +386,14 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
         attr = _GENERIC.get(key)
         if attr is None:
             raise ModelError(f"hf:{path} has no size {key!r}.")
-        current = getattr(cfg, attr, None)
+        try:
+            current = getattr(cfg, attr, None)
+        except RuntimeError:  # differs per layer (a heterogeneous config): one flag cannot set it
+            raise ModelError(
+                f"{cfg_file} sets {attr} per layer, so --{key.replace('_', '-')} cannot change it; drop the flag."
+            ) from None
         if key == "layers":
-            setattr(cfg, attr, int(value))
+            _set_layer_count(cfg, int(value))
         elif key == "seq_len":
             if current is None or value <= current:
                 continue
@@ -412,6 +429,19 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
     return cfg
 
 
+def _set_layer_count(cfg, layers: int) -> None:
+    """Give ``cfg`` ``layers`` blocks, and each of its per-layer lists (``layer_types``,
+    ``mlp_layer_types``, ...: a list with one entry per block) as many entries: the first ones, or
+    the list repeated (its pattern kept) when the count grows. A model that zips the list with its
+    blocks strictly (Ergo) would refuse a shallow copy otherwise."""
+    before = config_int(cfg, "num_hidden_layers")
+    if before >= 2 and before != layers:
+        for name, value in list(cfg.to_dict().items()):
+            if isinstance(value, list) and len(value) == before and name != "architectures":
+                setattr(cfg, name, (value * (layers // before + 1))[:layers])
+    cfg.num_hidden_layers = layers
+
+
 def build_hf_dir(
     path: str,
     sizes: dict,
@@ -440,33 +470,34 @@ def build_hf_dir(
             f"transformers cannot build {cls.__name__} from {os.path.join(path, 'config.json')} ({_config_error(e)})."
         ) from None
     model = HFLossModel(inner).to(dtype)
-    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", heads) or heads)
-    seq = int(getattr(cfg, "max_position_embeddings", 0) or 0) or int(sizes.get("seq_len") or 2048)
+    heads = config_int(cfg, "num_attention_heads")
+    kv_heads = config_int(cfg, "num_key_value_heads", heads) or heads
+    seq = config_int(cfg, "max_position_embeddings") or int(sizes.get("seq_len") or 2048)
     return ModelBundle(
         f"hf:{path}",
         model,
         (),
         _vocab_size(cfg),
         seq,
-        int(getattr(cfg, "hidden_size", 0)),
+        config_int(cfg, "hidden_size"),
         heads,
         kv_heads,
-        int(getattr(cfg, "num_hidden_layers", 0)),
+        config_int(cfg, "num_hidden_layers"),
         "hf",
         dict(sizes),
     )
 
 
-def config_windows(model: nn.Module, layers: int) -> list[int | None] | None:
+def config_windows(model: nn.Module, layers: int, cfg: Any = None) -> list[int | None] | None:
     """The sliding window of each of the ``layers`` blocks an HF config states (None where a block
     attends to the whole causal prefix), or None for a model that is not HF or has no window:
     ``layer_types`` (``sliding_attention`` / ``full_attention``, Qwen2, Gemma 2/3, GPT-OSS) with
     ``sliding_window``, else ``sliding_window`` on every block unless ``use_sliding_window`` is
-    False (Mistral). ``passes.mask_kind`` names the windows the graph's probe is too short to see."""
-    cfg = getattr(getattr(model, "inner", model), "config", None)
-    window = getattr(cfg, "sliding_window", None)
-    if cfg is None or not isinstance(window, int) or window < 1:
+    False (Mistral). ``passes.mask_kind`` names the windows the graph's probe is too short to see.
+    ``cfg``: the full model's config when ``model`` is a shallow copy (whose lists are its own)."""
+    cfg = cfg if cfg is not None else getattr(getattr(model, "inner", model), "config", None)
+    window = config_int(cfg, "sliding_window") if cfg is not None else 0
+    if window < 1:
         return None
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, (list, tuple)) and types:

@@ -67,7 +67,7 @@ from planner.frontend.checkpoint import check_weights
 from planner.frontend.export_fixes import exportable
 from planner.frontend.frontend_errors import ModelError
 from planner.frontend.gpt import PRESETS
-from planner.frontend.hf import config_windows, hf_classes, hf_directory, load_hf_config
+from planner.frontend.hf import config_int, config_windows, dir_config, hf_classes, hf_directory, load_hf_config
 from planner.frontend.zoo import ModelSizes, build_model
 from runtime.contract.dtype_table import DTYPES
 from runtime.dtypes import to_torch
@@ -334,7 +334,12 @@ def _full_layers(kind: str, name: str, sizes: dict) -> int:
         return PRESETS[name].layers
     directory = hf_directory(name)
     if directory is not None:  # a model directory: its config.json (the shallow copy sets this field)
-        return int(load_hf_config(directory).num_hidden_layers)
+        layers = config_int(load_hf_config(directory), "num_hidden_layers")
+        if layers < 1:
+            raise ModelError(
+                f"{directory}/config.json states no num_hidden_layers: pass --layers (the number of blocks)."
+            )
+        return layers
     import transformers
 
     cls_name, attr = _HF_CONFIGS[name]
@@ -491,11 +496,18 @@ def trace_model(
         seq_len=bundle.seq_len,
         sizes={k: size for k, size in sizes.items() if k != "layers"},
     )
-    windows = config_windows(bundle.model, full_layers) if kind == "hf" else None
+    windows = config_windows(bundle.model, full_layers, _full_config(kind, name, sizes)) if kind == "hf" else None
     if windows:
         traced.model_info["attention_windows"] = windows
     traced.seconds = time.perf_counter() - start
     return traced
+
+
+def _full_config(kind: str, name: str, sizes: dict):
+    """The config of a model directory's full model (None for another spec): a shallow copy's
+    per-layer lists hold only its own blocks' entries (``planner.frontend.hf``)."""
+    directory = hf_directory(name) if kind == "hf" else None
+    return dir_config(directory, sizes, weights=False) if directory is not None else None
 
 
 def _every_block_if_unlike(

@@ -198,3 +198,39 @@ def test_bad_weights_exit_2(tmp_path, capsys, gpt2_dir):
     assert rc == 2 and "--hidden 32 differs" in err
     rc, err = _plan(f"hf:{gpt2_dir}", capsys, "--seq-len", "64")
     assert rc == 2 and "exceeds the 32 positions" in err
+
+
+def test_a_layer_count_resizes_the_per_layer_lists(tmp_path):
+    """A shallow copy (``--layers``, or the planner's own 2-block trace) keeps the config's
+    per-layer lists as long as its blocks (Ergo zips them strictly): the first entries when it
+    shrinks, the pattern repeated when it grows; other lists are left alone."""
+    import transformers as tf
+
+    from planner.frontend.hf import dir_config
+
+    types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    tf.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=64,
+        layer_types=types, architectures=["Qwen2ForCausalLM"],
+    ).save_pretrained(tmp_path)  # fmt: skip
+    shallow = dir_config(str(tmp_path), {"layers": 2}, weights=False)
+    assert shallow.num_hidden_layers == 2 and shallow.layer_types == types[:2]
+    deeper = dir_config(str(tmp_path), {"layers": 6}, weights=False)
+    assert deeper.layer_types == types + types[:2] and deeper.architectures == ["Qwen2ForCausalLM"]
+
+
+def test_sizes_a_config_sets_per_layer_read_as_unknown():
+    """transformers' heterogeneous configs raise on reading a per-layer size globally: the front
+    end reads it as unknown (the heads then come from the graph) instead of a traceback."""
+    from planner.frontend.hf import config_int
+
+    class PerLayer:
+        hidden_size = 64
+
+        @property
+        def num_attention_heads(self):
+            raise RuntimeError("'num_attention_heads' is a per-layer attribute and may vary across layers")
+
+    assert config_int(PerLayer(), "num_attention_heads") == 0
+    assert config_int(PerLayer(), "num_attention_heads", 8) == 8
+    assert config_int(PerLayer(), "hidden_size") == 64 and config_int(PerLayer(), "missing") == 0
