@@ -78,6 +78,7 @@ import torch._decomp
 import torch._refs
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
@@ -286,6 +287,25 @@ _SYMBOLIC_KERNELS: dict[Any, Callable] = {
 }
 
 
+def _check_data_independent(node: fx.Node, result: Any) -> None:
+    """Refuse a tensor whose size the data decides (an unbacked size: the tokens each expert
+    receives, split by their counts; a ``nonzero``): no cost of it follows ``b`` and ``s``, and
+    summing such sizes stalls the layer table's simplification (JetMoE's experts: minutes)."""
+    for tensor in iter_tensors(result):
+        unknown = free_unbacked_symbols(tuple(tensor.shape))
+        if unknown:
+            raise PassError(
+                _PASS,
+                node,
+                f"this op makes a tensor whose size depends on the data (shape {tuple(tensor.shape)}, "
+                f"{', '.join(sorted(map(str, unknown)))} known only when it runs: e.g. the tokens routed to "
+                "each expert, split by their counts), and the planner prices sizes that follow the batch "
+                "and sequence only. A mixture of experts plans when its experts run as transformers' "
+                "grouped products (use_experts_implementation) or densely over every expert; please "
+                "report the model.",
+            )
+
+
 @contextlib.contextmanager
 def _quiet_fake_tensor_errors():
     """Keep fake tensors' log of a meta kernel that failed off stderr: the replay handles the
@@ -418,6 +438,7 @@ class CostReplay(fx.Interpreter):
         finally:
             self.current = None
         self._check_symbolic(n)
+        _check_data_independent(n, result)
         self.keep.append(result)
         for tensor in iter_tensors(result):
             key = StorageWeakRef(tensor.untyped_storage()).cdata

@@ -174,3 +174,47 @@ def test_rotary_frequencies_by_polar_follow_the_sequence(tmp_path, monkeypatch):
     with pytest.raises(PassError, match=r"fixed the (b|s) size to (2|16)") as err:
         analyze(trace_model(f"{path}:make"))
     assert "polar" in str(err.value)
+
+
+DATA_SIZED = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(24, 24)
+
+    def forward(self, x, keep):
+        rows = x.flatten(0, 1)[keep]  # as many rows as the data keeps: a size known only at run time
+        return x + self.up(rows).sum() / x.numel()
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, ids):
+        x, keep = self.emb(ids), ids.flatten() > 20
+        for block in self.layers:
+            x = block(x, keep)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+def make():
+    return Net(), (torch.randint(0, 40, (2, 16)),)
+"""
+
+
+def test_a_size_the_data_decides_is_refused_at_its_op(tmp_path):
+    """A tensor whose size depends on the data (JetMoE's experts split by their token counts;
+    here boolean indexing) has no cost that follows b and s: the replay refuses it at that op,
+    at once, where summing such sizes used to stall the table for minutes."""
+    from passes.analyze import analyze
+    from planner.frontend.trace import trace_model
+
+    path = tmp_path / "data_sized.py"
+    path.write_text(DATA_SIZED)
+    with pytest.raises(PassError, match=r"size depends on the data \(shape \(u\d+, 24\)") as err:
+        analyze(trace_model(f"{path}:make"))
+    assert "data_sized.py" in str(err.value)
