@@ -395,8 +395,8 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
         if key == "layers":
             _set_layer_count(cfg, int(value))
         elif key == "seq_len":
-            if current is None or value <= current:
-                continue
+            if not isinstance(current, int) or current < 1 or value <= current:
+                continue  # no position table (XLNet states -1 and refuses a new value) or long enough
             if weights:
                 raise ModelError(
                     f"sequence length {value} exceeds the {current} positions of {cfg_file} "
@@ -472,7 +472,8 @@ def build_hf_dir(
     model = HFLossModel(inner).to(dtype)
     heads = config_int(cfg, "num_attention_heads")
     kv_heads = config_int(cfg, "num_key_value_heads", heads) or heads
-    seq = config_int(cfg, "max_position_embeddings") or int(sizes.get("seq_len") or 2048)
+    positions = config_int(cfg, "max_position_embeddings")  # -1: no limit (XLNet)
+    seq = positions if positions > 0 else int(sizes.get("seq_len") or 2048)
     return ModelBundle(
         f"hf:{path}",
         model,
