@@ -21,9 +21,31 @@ from passes.common import PassError
 from planner.cli import main
 from planner.frontend.model_analysis import build_layer_table
 
-PADDED_LOSS = """
+_STACK = """
 import torch, torch.nn as nn, torch.nn.functional as F
 
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])  # the model's own Block
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, ids):
+        x, extra = self.emb(ids), block_inputs(ids)
+        for block in self.layers:
+            x = block(x, *extra)
+        return loss(self.head(x), ids)
+
+def make():
+    return Net(), (torch.randint(0, 40, (2, 16)),)
+"""
+"""An embedding, two blocks and a head: each model below adds its ``Block``, what its blocks read
+beside the hidden states (``block_inputs``) and its ``loss``."""
+
+PADDED_LOSS = (
+    _STACK
+    + """
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -32,28 +54,18 @@ class Block(nn.Module):
     def forward(self, x):
         return x + self.down(torch.relu(self.up(x)))
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(40, 24)
-        self.layers = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(24, 40)
+def block_inputs(ids):
+    return ()
 
-    def forward(self, ids):
-        x = self.emb(ids)
-        for block in self.layers:
-            x = block(x)
-        logits = self.head(x)
-        labels = F.pad(ids, (0, 1), value=-100)[:, 1:]  # HF's shift: pad, then drop the first
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-def make():
-    return Net(), (torch.randint(0, 40, (2, 16)),)
+def loss(logits, ids):
+    labels = F.pad(ids, (0, 1), value=-100)[:, 1:]  # HF's shift: pad, then drop the first
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 """
+)
 
-ROTARY_POLAR = """
-import torch, torch.nn as nn, torch.nn.functional as F
-
+ROTARY_POLAR = (
+    _STACK
+    + """
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -67,22 +79,13 @@ class Block(nn.Module):
         pairs = torch.view_as_complex(self.proj(x).reshape(*x.shape[:-1], 12, 2))
         return x + torch.view_as_real(pairs * rotation).flatten(-2)
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(40, 24)
-        self.layers = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(24, 40)
+def block_inputs(ids):
+    return ()
 
-    def forward(self, ids):
-        x = self.emb(ids)
-        for block in self.layers:
-            x = block(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
-
-def make():
-    return Net(), (torch.randint(0, 40, (2, 16)),)
+def loss(logits, ids):
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
 """
+)
 
 GLOBAL_BATCH, SEQ = 8, 16
 
@@ -176,9 +179,9 @@ def test_rotary_frequencies_by_polar_follow_the_sequence(tmp_path, monkeypatch):
     assert "polar" in str(err.value)
 
 
-DATA_SIZED = """
-import torch, torch.nn as nn, torch.nn.functional as F
-
+DATA_SIZED = (
+    _STACK
+    + """
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -188,22 +191,13 @@ class Block(nn.Module):
         rows = x.flatten(0, 1)[keep]  # as many rows as the data keeps: a size known only at run time
         return x + self.up(rows).sum() / x.numel()
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(40, 24)
-        self.layers = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(24, 40)
+def block_inputs(ids):
+    return (ids.flatten() > 20,)
 
-    def forward(self, ids):
-        x, keep = self.emb(ids), ids.flatten() > 20
-        for block in self.layers:
-            x = block(x, keep)
-        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
-
-def make():
-    return Net(), (torch.randint(0, 40, (2, 16)),)
+def loss(logits, ids):
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
 """
+)
 
 
 def test_a_size_the_data_decides_is_refused_at_its_op(tmp_path):
