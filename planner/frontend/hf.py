@@ -282,13 +282,15 @@ def load_hf_config(path: str):
             "save_pretrained of an architecture this transformers version ships, or "
             f"upgrade transformers. ({_config_error(e)})"
         ) from None
-    _check_token_model(cfg)
+    _check_token_model(cfg, path)
     return cfg
 
 
-def _check_token_model(cfg) -> None:
+def _check_token_model(cfg, path: str | None = None) -> None:
     """A ``ModelError`` unless ``cfg``'s model reads one token sequence: what the planner traces
-    and trains (an encoder-decoder, a vision or audio model, a multimodal wrapper does not)."""
+    and trains (an encoder-decoder, a vision or audio model, a multimodal wrapper does not; for
+    the last, read from ``path``, the message gives the command that writes its language model's
+    config)."""
     if getattr(cfg, "is_encoder_decoder", False):
         raise ModelError(
             f"{cfg.model_type!r} is an encoder-decoder model (its config sets is_encoder_decoder), "
@@ -301,7 +303,13 @@ def _check_token_model(cfg) -> None:
             f"{cfg.model_type!r} is a multimodal model (its token vocabulary is in text_config), and "
             "the planner plans and trains models that read one token sequence: plan its language "
             f"model, a config.json of model_type {getattr(text, 'model_type', '?')!r} holding "
-            "text_config's fields (e.g. written by save_pretrained of text_config)."
+            "text_config's fields"
+            + (
+                f": python -c \"import transformers as t; t.AutoConfig.from_pretrained('{path}')"
+                f".text_config.save_pretrained('{path.rstrip('/')}-text')\" and plan hf:{path.rstrip('/')}-text."
+                if path
+                else " (e.g. written by save_pretrained of text_config)."
+            )
         )
     if not _vocab_size(cfg):
         raise ModelError(

@@ -54,8 +54,12 @@ def test_models_without_token_ids_are_refused_clearly(tmp_path):
     tf.Gemma3Config().save_pretrained(tmp_path / "gemma3")
     with pytest.raises(ModelError, match="'vit' reads no token ids"):
         build_layer_table(f"hf:{tmp_path / 'vit'}", batch=1, seq_len=8, dtype="fp32")
-    with pytest.raises(ModelError, match="multimodal model .* model_type 'gemma3_text'"):
+    with pytest.raises(ModelError, match="multimodal model .* model_type 'gemma3_text'") as refused:
         build_layer_table(f"hf:{tmp_path / 'gemma3'}", batch=1, seq_len=8, dtype="fp32")
+    # the message's command writes the language model's config, which plans as a causal LM
+    assert f".text_config.save_pretrained('{tmp_path / 'gemma3'}-text')" in str(refused.value)
+    text = tf.AutoConfig.from_pretrained(tmp_path / "gemma3").text_config
+    assert text.model_type == "gemma3_text" and text.vocab_size > 0
 
 
 # ---------------------------------------------------------------------------------------------
