@@ -220,7 +220,9 @@ def _no_feasible_plan(
             f"({_gib(hw.host_memory_bytes or 0)} of host memory per node of {gpus_per_node})."
         )
     if state >= memory["activations"]:
-        if candidate.zero_stage < 3 and candidate.weight_dp > 1:
+        # only a pin can have kept ZeRO 3 out: searched, it did not need less (a MoE whose
+        # experts are replicated over ep = dp ranks has no expert state for it to shard)
+        if request.zero_stage is not None and request.zero_stage < 3 and candidate.weight_dp > 1:
             fixes.append("--zero-stage 3 (shards parameters, gradients and optimizer state over data parallelism)")
         room = usable - memory["activations"]
         if room > 0 and offload is None:  # more devices only when offload cannot fit on these

@@ -438,6 +438,25 @@ def test_no_feasible_plan_explains_least_memory_and_fixes():
     assert "drop the pins (--tp 1 --pp 1 --zero-stage 0)" in msg and "--zero-stage 3" in msg
 
 
+def test_a_searched_zero_stage_is_not_offered_as_a_fix():
+    """A MoE whose experts are sharded over ep = dp ranks has no expert state for ZeRO 3 to shard:
+    the least memory is at ZeRO 1, and ZeRO 3, searched already, is no fix to offer; pinned
+    below 3 it is."""
+    from tests.cost_models.moe_tables import moe_table
+
+    table = NumericTable(moe_table(layers=2, hidden=1024, ffn=4096, experts=8, top_k=2))
+    small = dataclasses.replace(HW, memory_bytes=2**30)
+    req = _req(gpus=2, gpus_per_node=2, global_batch=8, seq_len=256, tp=1, pp=1)
+    with pytest.raises(NoFeasiblePlan) as searched:
+        solve(req, table, small)
+    least = searched.value.least.strategy.candidate
+    assert (least.zero_stage, least.dp, least.expert_parallel) == (1, 2, 2)
+    assert "To make it fit" in str(searched.value) and "--zero-stage 3" not in str(searched.value)
+    with pytest.raises(NoFeasiblePlan) as pinned:
+        solve(dataclasses.replace(req, zero_stage=1), table, small)
+    assert "--zero-stage 3 (shards parameters" in str(pinned.value)
+
+
 def test_highs_agrees_with_cbc():
     if not highs_available():
         pytest.skip("highspy not installed")
