@@ -401,10 +401,14 @@ def _nearby_gpus(request: Any, table: NumericTable, gpus_per_node: int, reach: i
             if gpus < 1:
                 break
             try:
-                runs = bool(_enumerated(dataclasses.replace(request, gpus=gpus), table, gpus_per_node)[0])
+                varied = dataclasses.replace(request, gpus=gpus)
             except TypeError:  # not a dataclass request: nothing to vary
                 return []
             except (SearchError, ValueError):  # a count the request's own checks refuse
+                continue
+            try:
+                runs = bool(_enumerated(varied, table, gpus_per_node)[0])
+            except (SearchError, ValueError):  # a pin this count cannot honour
                 runs = False
             if runs:
                 found.append(gpus)

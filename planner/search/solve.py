@@ -133,10 +133,7 @@ def candidate_entries(
 
     return [
         Entry(
-            candidate,
-            work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node),
-            price,
-            too_big,
+            candidate, work_floor(table, hw, request.dtype, request.seq_len, candidate, gpus_per_node), price, too_big
         )
         for candidate in candidates
     ]
