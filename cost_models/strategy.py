@@ -549,14 +549,20 @@ def _row_works(
     table: NumericTable, hw: HardwareProfile, dtype: str, seq_len: int, cand: Candidate, gpus_per_node: int
 ) -> tuple[float, float]:
     """Every row's work of one micro-batch once, and the largest row's (``work_floor``; memoized
-    per work setting)."""
+    per candidate fields, then per work setting: layouts that differ in ``dp`` or ``pp`` alone
+    mostly share one)."""
+    memo = table.work_memo
     key = ("work_floor", id(hw), dtype, seq_len, gpus_per_node, _work_fields(cand))
-    known = table.work_memo.get(key)
+    known = memo.get(key)
     if known is None:
         setting = _work_setting(table, seq_len, cand, gpus_per_node)
-        rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
-        works = [_row_work(row, hw, dtype, setting, table.work_memo)[0].work_s for row in rows]
-        known = table.work_memo[key] = (sum(works[i] for i in row_of_layer), max(works))
+        shared = ("row_works", id(hw), dtype, seq_len, setting, cand.micro_batch_size, cand.context_parallel)
+        known = memo.get(shared)
+        if known is None:
+            rows, row_of_layer = context_rows(table, cand.micro_batch_size, seq_len, cand.context_parallel)
+            works = [_row_work(row, hw, dtype, setting, memo)[0].work_s for row in rows]
+            known = memo[shared] = (sum(works[i] for i in row_of_layer), max(works))
+        memo[key] = known
     return known
 
 
@@ -844,15 +850,14 @@ def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], hw: HardwareP
     ``hw.overlap_window_gain x w`` seconds of communication; each hidden second costs
     ``hw.overlap_contention`` seconds of compute."""
     n = len(layers)
-    uniform = n >= 5 and all(layers[i] is layers[1] or layers[i] == layers[1] for i in range(2, n - 2))
-    gain = hw.overlap_window_gain
-    seen = dp_exposure(
-        traffic,
-        [gain * layer.fwd_s for layer in layers],
-        [gain * (layer.compute_s - layer.fwd_s) for layer in layers],
-        uniform,
-        [gain * layer.opt_s for layer in layers],
-    )
+    # list.count compares by identity first: repeated blocks, one object, are counted at C speed
+    uniform = n >= 5 and layers[1 : n - 2].count(layers[1]) == n - 3
+    steady = uniform and traffic[1 : n - 2].count(traffic[1]) == n - 3
+    fwd, bwd, update = _windows(layers, hw.overlap_window_gain, steady)
+    seen = dp_exposure(traffic, fwd, bwd, uniform, update)
+    if steady and seen[1] is seen[n - 3]:  # rows 1 .. n-3: one block, one exposure, one result
+        ends = [_exposed_layer(layers[j], traffic[j], seen[j], hw.overlap_contention) for j in (0, 1, n - 2, n - 1)]
+        return ends[:1] + ends[1:2] * (n - 3) + ends[2:]
     made: dict[tuple, LayerCost] = {}
     out: list[LayerCost] = []
     last: tuple = (None, None)
@@ -867,6 +872,22 @@ def _overlap_dp(layers: list[LayerCost], traffic: list[DpTraffic], hw: HardwareP
         out.append(cost)
         last = (layer, exposure)
     return out
+
+
+def _windows(layers: list[LayerCost], gain: float, steady: bool) -> tuple[list[float], list[float], list[float]]:
+    """Each row's forward, backward and optimizer-update seconds, times ``gain``; ``steady``: rows
+    ``1 .. n-3`` are one block, worked out once."""
+    rows = (layers[0], layers[1], layers[-2], layers[-1]) if steady else layers
+    windows = (
+        [gain * layer.fwd_s for layer in rows],
+        [gain * (layer.compute_s - layer.fwd_s) for layer in rows],
+        [gain * layer.opt_s for layer in rows],
+    )
+    if not steady:
+        return windows
+    blocks = len(layers) - 3
+    fwd, bwd, update = (window[:1] + window[1:2] * blocks + window[2:] for window in windows)
+    return fwd, bwd, update
 
 
 def _exposed_layer(layer: LayerCost, row: DpTraffic, exposure: DpExposure, contention: float) -> LayerCost:

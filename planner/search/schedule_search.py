@@ -1011,7 +1011,7 @@ def schedule_free_bound(costs: CandidateCosts, kinds: Sequence[str] | None = Non
     layer ``kinds``, also of the micro-step the memory forces (:func:`forced_micro_step` under
     ``checkpoint``: what rules out the large micro-batches that only fit with much recompute)."""
     forced = forced_micro_step(costs, kinds, checkpoint) if kinds is not None else 0.0
-    return _free_bound(costs, [0.0] * costs.num_layers, forced)
+    return _free_bound(costs, None, forced)
 
 
 def recompute_free_bound(costs: CandidateCosts, kinds: Sequence[str], mode: str, forced: bool = True) -> float:
@@ -1028,13 +1028,15 @@ def recompute_free_bound(costs: CandidateCosts, kinds: Sequence[str], mode: str,
     return _free_bound(costs, extra, forced_micro_step(costs, kinds, mode) if forced else 0.0)
 
 
-def _free_bound(costs: CandidateCosts, extra: Sequence[float], forced: float) -> float:
-    work = total_work(costs) + sum(extra)
-    slowest = max(
-        work / costs.cand.pp,
-        max(layer.work_s + layer.zero_mb_s + more for layer, more in zip(costs.layers, extra)),
-        forced,
-    )
+def _free_bound(costs: CandidateCosts, extra: Sequence[float] | None, forced: float) -> float:
+    """``extra``: each layer's added work (None: none, read off the distinct layers)."""
+    if extra is None:
+        work = total_work(costs)
+        largest = max(layer.work_s + layer.zero_mb_s for layer, _ in costs.distinct)
+    else:
+        work = total_work(costs) + sum(extra)
+        largest = max(layer.work_s + layer.zero_mb_s + more for layer, more in zip(costs.layers, extra))
+    slowest = max(work / costs.cand.pp, largest, forced)
     return costs.cand.num_micro_batches * slowest + tail_bound(costs)
 
 

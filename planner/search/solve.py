@@ -17,6 +17,10 @@ search cannot change the answer and is skipped (the tiny models of the tests, on
 profile, never compile). Unless the eager winner compiled already repays its compilation, the
 compiled search prunes every strategy slower than that, which still finds the compiled winner
 when it can pay; a whole one (for the runners-up) runs only when the compiled winner is kept.
+When compiling looks likely to pay (the floors' gap, :func:`_compiling_likely`), the order turns
+round (:func:`_compiled_first`): the compiled search runs whole and the eager one only as a probe
+below the compiled winner plus its compile time per step, which prunes most eager candidates
+unpriced; an eager strategy under that line sends the request down the eager-first path.
 
 Every search prices lazily (:mod:`planner.search.entries`): a candidate's costs are worked out
 when a search reaches it, in order of a floor from its rows' work alone.
@@ -379,12 +383,16 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         )
     candidates = _pinned_variants(request, candidates, hw)
     entries = candidate_entries(request, table, hw, gpus_per_node, candidates)
-    result = search(entries, table.kinds, request.checkpoint, solver)
-    if not offload_pinned(request) and None in (request.offload_optimizer, request.offload_params):
-        result, entries = search_offload(request, table, hw, gpus_per_node, entries, result, solver)
-    choice = None
-    if result.best is not None:
-        result, choice, entries = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
+    first = _compiled_first(request, table, hw, gpus_per_node, entries, solver) if request.compile == "auto" else None
+    if first is not None:
+        result, choice, entries = first
+    else:
+        result = search(entries, table.kinds, request.checkpoint, solver)
+        if _searches_offload(request):
+            result, entries = search_offload(request, table, hw, gpus_per_node, entries, result, solver)
+        choice = None
+        if result.best is not None:
+            result, choice, entries = choose_compile(request, table, hw, gpus_per_node, entries, result, solver)
     compiled = choice is not None and choice.on
     result, entries, compression = choose_compression(
         request,
@@ -568,8 +576,20 @@ class _Costs(Mapping):
         return len(self.entries) + len(self.others)
 
 
+def _searches_offload(request) -> bool:
+    """Whether offloaded candidates are searched after the plain ones (:func:`search_offload`)."""
+    return not offload_pinned(request) and None in (request.offload_optimizer, request.offload_params)
+
+
 def search_offload(
-    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries, result: SearchResult, solver: str
+    request,
+    table: NumericTable,
+    hw: HardwareProfile,
+    gpus_per_node: int,
+    entries,
+    result: SearchResult,
+    solver: str,
+    below: float = math.inf,
 ) -> tuple[SearchResult, list]:
     """Continue the plain search ``res`` with the offloaded candidates that could beat it.
 
@@ -592,8 +612,8 @@ def search_offload(
 
     When memory suffices, the plain winner is close to its bound and the extra work is a few cost
     tables and rarely an ILP. Returns the search result and the entries searched (the plain ones
-    and the kept offloaded ones)."""
-    best = result.best.step_time_s if result.best is not None else math.inf
+    and the kept offloaded ones). ``below``: a probe's limit (``search``), when ``result`` is one."""
+    best = min(result.best.step_time_s if result.best is not None else math.inf, below)
     ranks = ranks_per_node(request.gpus, gpus_per_node)
     host_slower = (
         hw.cpu_adam_params_per_s is None
@@ -627,7 +647,7 @@ def search_offload(
     ]
     if not kept:
         return result, entries
-    return search(kept, table.kinds, request.checkpoint, solver, seed=result), entries + kept
+    return search(kept, table.kinds, request.checkpoint, solver, seed=result, below=below), entries + kept
 
 
 def _repriced(
@@ -697,6 +717,56 @@ def choose_compile(
         whole = search(compiled, table.kinds, request.checkpoint, solver)
     choice = CompileChoice(use, "auto", saving, compiled_eval.extra["compile_s"], steps, from_tokens)
     return (whole, choice, compiled) if use and whole is not None else (result, choice, entries)
+
+
+def _compiled_first(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, entries: list[Entry], solver: str
+) -> tuple[SearchResult, CompileChoice, list[Entry]] | None:
+    """:func:`choose_compile`'s answer found the other way round, when compiling looks likely to pay
+    (:func:`_compiling_likely`): the compiled candidates are searched (offloaded ones too), then the
+    eager ones only as a probe below the compiled winner's step plus its compilation spread over
+    the run. An eager strategy that fast could still win: None, and the caller searches eager first
+    (the probe's prices are kept in ``entries``). Otherwise the compiled search is the answer,
+    found with one whole search in place of two: the probe prunes most eager candidates unpriced.
+    The saving reported is the compiled winner's over its own strategy run eager (the eager winner,
+    slower still, is known only when the probe found it)."""
+    steps = request.horizon_steps()
+    compiled = candidate_entries(
+        request, table, hw, gpus_per_node, [dataclasses.replace(entry.cand, compile=True) for entry in entries]
+    )
+    if not _compiling_likely(entries, compiled, steps, compile_seconds(hw, len(set(table.kinds)))):
+        return None
+    result = search(compiled, table.kinds, request.checkpoint, solver)
+    if _searches_offload(request):
+        result, compiled = search_offload(request, table, hw, gpus_per_node, compiled, result, solver)
+    if result.best is None:
+        return None
+    winner = result.winner()
+    limit = winner.step_time_s + winner.extra["compile_s"] / steps
+    probe = search(entries, table.kinds, request.checkpoint, solver, below=limit * (1 + TIME_TOL))
+    if _searches_offload(request):
+        probe, _ = search_offload(
+            request, table, hw, gpus_per_node, entries, probe, solver, below=limit * (1 + TIME_TOL)
+        )
+    if probe.best is not None and probe.best.step_time_s <= limit:  # compiling may not repay itself
+        return None
+    eager = probe.winner() if probe.best is not None else _repriced(request, table, hw, gpus_per_node, winner, False)
+    saving = eager.step_time_s - winner.step_time_s
+    return (
+        result,
+        CompileChoice(True, "auto", saving, winner.extra["compile_s"], steps, request.tokens is not None),
+        compiled,
+    )
+
+
+def _compiling_likely(eager: list[Entry], compiled: list[Entry], steps: int, compile_s: float) -> bool:
+    """Whether compiling looks likely to repay itself: the least compiled floor (work alone) saves,
+    over the run's ``steps``, more than 1.5 times ``compile_s`` (the compile time of every layer
+    kind) on the least eager one. Only a guess, which orders the two searches, never their answer."""
+    if not eager:
+        return False
+    gap = min(entry.floor for entry in eager) - min(entry.floor for entry in compiled)
+    return gap * steps > 1.5 * compile_s
 
 
 def _compiled_twins(result: SearchResult, compiled: list[Entry]) -> list[Evaluation]:

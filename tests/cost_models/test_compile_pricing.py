@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import planner.search.solve as solve_module
 from cost_models.hardware import load_hardware
 from cost_models.strategy import (
     COMPILE_S_PER_CLASS,
@@ -171,3 +172,31 @@ def test_a_compiled_free_plan_is_never_slower_than_the_compile_pin(tmp_path, cap
         steps[name] = plan["predicted"]["step_time_s"]
     capsys.readouterr()
     assert steps["free"] <= steps["on"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("repaid_times", [0.8, 3.0])
+def test_searching_compiled_first_plans_what_searching_eager_first_does(monkeypatch, repaid_times):
+    """``solve._compiled_first`` (the compiled search, then an eager probe) against the eager
+    search first: the same plan and the same decision, whether compiling repays itself or not
+    (then the probe finds the eager winner and the eager search runs after all)."""
+    t = _table(ops=400)
+    eager = solve(_request(compile="off"), t, CPU_RANK)
+    need = eager.compile.compile_s / eager.compile.saving_s
+    request = _request(tokens=repaid_times * need * 8 * SEQ)
+    found = {}
+    for first in (False, True):
+        monkeypatch.setattr(solve_module, "_compiling_likely", lambda *args, first=first: first)
+        solution = solve(request, t, CPU_RANK)
+        plan = solution.plan.to_dict()
+        plan.pop("solver")
+        assert plan["compile"] is (repaid_times > 1)
+        found[first] = (plan, solution.compile.on, solution.compile.compile_s)
+    assert found[True] == found[False]
+    # the guess itself, on the floors' gap: three times over is likely, 0.8 times is not
+    monkeypatch.undo()
+    table = NumericTable(t)
+    entries = solve_module.candidate_entries(
+        request, table, CPU_RANK, 1, solve_module.enumerate_candidates(request, table, 1)
+    )
+    guessed = solve_module._compiled_first(request, table, CPU_RANK, 1, entries, "cbc")
+    assert (guessed is not None) is (repaid_times > 1)

@@ -22,7 +22,15 @@ from cost_models.overlap_cost import (
     hide,
     tp_exposure,
 )
-from cost_models.strategy import Candidate, NumericTable, candidate_costs, evaluate, hidden_breakdown
+from cost_models.strategy import (
+    Candidate,
+    NumericTable,
+    _exposed_layer,
+    _overlap_dp,
+    candidate_costs,
+    evaluate,
+    hidden_breakdown,
+)
 from runtime.contract.limits import FIRST_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from runtime.contract.overlap import OVERLAP_ALL, OVERLAP_NONE, Overlap
 from tests.helpers import gpt_table
@@ -346,3 +354,39 @@ def test_uniform_blocks_keep_one_gather_share_whatever_the_buckets(ends, block, 
     assert len({row.step for row in even[1 : n - 2]}) == 1
     total = sum(row.step.exposed_s + row.step.hidden_s for row in exact)
     assert sum(row.step.exposed_s + row.step.hidden_s for row in even) == pytest.approx(total)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(min_value=5, max_value=12),
+    st.tuples(seconds, seconds, seconds, seconds, seconds),
+    st.sampled_from(["identical", "equal", "one differs"]),
+)
+def test_repeated_blocks_are_priced_once_as_every_row_would_be(n, block_traffic, blocks):
+    """``strategy._overlap_dp``'s shortcut for a steady block (rows ``1 .. n-3`` one object, and
+    its traffic one row) against the definition row by row: each row's costs from
+    ``dp_exposure`` of every row's windows."""
+    table = NumericTable(gpt_table(layers=4, hidden=256, heads=4))
+    template = candidate_costs(table, HW, "bf16", 128, Candidate(2, 1, 1, 1, 1, 4), 8, 1e15).layers[1]
+    first, last, block = (template.but(fwd_s=f, compute_s=3 * f, opt_s=f / 2) for f in (0.01, 0.02, 0.03))
+    layers = [first] + [block if blocks == "identical" else block.but() for _ in range(n - 3)] + [last, first]
+    if blocks == "one differs":
+        layers[2] = block.but(fwd_s=0.04)
+    traffic = (
+        [DpTraffic(0.01, 0.02, 0.0, 0.0, 0.0, GRAD_BUCKET_BYTES)]
+        + [DpTraffic(*block_traffic, grad_bytes=GRAD_BUCKET_BYTES)] * (n - 3)
+        + [DpTraffic(0.005, 0.001, 0.0, 0.0, 0.0, GRAD_BUCKET_BYTES)] * 2
+    )
+    gain = HW.overlap_window_gain
+    seen = dp_exposure(
+        traffic,
+        [gain * layer.fwd_s for layer in layers],
+        [gain * (layer.compute_s - layer.fwd_s) for layer in layers],
+        blocks != "one differs",
+        [gain * layer.opt_s for layer in layers],
+    )
+    expected = [_exposed_layer(*row, HW.overlap_contention) for row in zip(layers, traffic, seen)]
+    got = _overlap_dp(layers, traffic, HW)
+    assert got == expected
+    if blocks != "one differs":
+        assert all(row is got[1] for row in got[1 : n - 2])
