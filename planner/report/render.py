@@ -374,19 +374,22 @@ def _stages_table(plan, evaluation: Evaluation | None) -> Table:
 
 def _chunk_names(items: list[str]) -> str:
     """A rank's chunk names, a run of numbered siblings written once: ``model.layers.0``,
-    ``model.layers.16``, ``model.layers.32`` -> ``model.layers.{0, 16, 32}`` (abridged)."""
-    groups: list[tuple[str, list[str]]] = []  # (prefix, numbers), or (a name, []) kept whole
+    ``model.layers.16``, ``model.layers.32`` -> ``model.layers.{0, 16, 32}``, and ranges of them
+    alike: ``model.layers.11 .. model.layers.16``, ``model.layers.23 .. model.layers.28`` ->
+    ``model.layers.{11..16, 23..28}`` (abridged)."""
+    groups: list[tuple[str, list[str], str]] = []  # (prefix, numbers, the first item as given)
     for item in items:
-        numbered = re.fullmatch(r"(.*?\.)(\d+)", item)
-        if numbered and groups and groups[-1][1] and groups[-1][0] == numbered[1]:
-            groups[-1][1].append(numbered[2])
-        elif numbered:
-            groups.append((numbered[1], [numbered[2]]))
+        span = re.fullmatch(r"([^ ]*?\.)(\d+) \.\. \1(\d+)", item)
+        single = re.fullmatch(r"([^ ]*?\.)(\d+)", item)
+        prefix, number = (
+            (span[1], f"{span[2]}..{span[3]}") if span else (single[1], single[2]) if single else (item, "")
+        )
+        if number and groups and groups[-1][1] and groups[-1][0] == prefix:
+            groups[-1][1].append(number)
         else:
-            groups.append((item, []))
+            groups.append((prefix, [number] if number else [], item))
     return "; ".join(
-        prefix + (numbers[0] if len(numbers) == 1 else "{" + _abridged(numbers, ", ") + "}") if numbers else prefix
-        for prefix, numbers in groups
+        item if len(numbers) <= 1 else prefix + "{" + _abridged(numbers, ", ") + "}" for prefix, numbers, item in groups
     )
 
 

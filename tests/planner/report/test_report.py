@@ -13,7 +13,7 @@ from cost_models.hardware import load_hardware
 from planner.plan import Plan, load_plan, save_plan
 from planner.report.deepspeed import launcher_command, to_deepspeed
 from planner.report.plot import plot_plan, stage_times
-from planner.report.render import rank_layout, render_plan
+from planner.report.render import _chunk_names, rank_layout, render_plan
 from planner.search.alternatives import alternative_reason
 from planner.search.request import PlanRequest
 from planner.search.solve import solve
@@ -290,3 +290,22 @@ def test_a_single_stage_runner_ups_compute_names_what_differs():
     sharded = Candidate(8, 2, 1, 3, 8, 1)
     assert _compute_change(ev(winner), ev(sharded)) == "ZeRO-3 vs 1, micro-batch=8 vs 4"
     assert _compute_change(ev(winner), ev(winner)) == ""
+
+
+def test_a_ranks_chunks_name_their_layers_once_per_run_of_siblings():
+    """An interleaved rank's chunks, as the stage table names them: ranges of numbered siblings
+    share their prefix and are abridged like the rows beside them; a lone range, or a chunk that
+    spans two kinds of layer, keeps its names whole."""
+    chunks = ["model.embed_tokens .. model.layers.4"] + [
+        f"model.layers.{first} .. model.layers.{first + 5}" for first in range(11, 72, 12)
+    ]
+    assert (
+        _chunk_names(chunks) == "model.embed_tokens .. model.layers.4; model.layers.{11..16, 23..28, 35..40, …, 71..76}"
+    )
+    assert _chunk_names(["model.layers.0", "model.layers.16", "model.layers.32", "lm_head"]) == (
+        "model.layers.{0, 16, 32}; lm_head"
+    )
+    assert (
+        _chunk_names(["model.layers.3 .. model.layers.5", "model.norm"])
+        == "model.layers.3 .. model.layers.5; model.norm"
+    )
