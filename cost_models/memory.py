@@ -60,6 +60,7 @@ largest of the step.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -305,11 +306,22 @@ def zero_transient_bytes(
     over consecutive pairs. ``grads``: ZeRO-2/3's full gradients and reduced shards of
     ``REDUCTIONS_IN_FLIGHT + 1`` consecutive layers, the largest over such windows. Both 0 when
     nothing is gathered or reduced (``gathers_params``, ``buckets_leave``: ``dp == 1`` without
-    offload, or a stage that does not shard them). Exact integers.
+    offload, or a stage that does not shard them). Exact integers; remembered per stage (every
+    strategy of a candidate asks again for the same layers).
     """
+    params, grads = _zero_transients(
+        tuple(int(x) for x in layer_params), dtype, zero_stage, dp, offload_optimizer, offload_params
+    )
+    return {"params": params, "grads": grads}
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_transients(
+    layer_params: tuple[int, ...], dtype: str, zero_stage: int, dp: int, offload_optimizer: str, offload_params: str
+) -> tuple[int, int]:
+    """:func:`zero_transient_bytes`' two figures."""
     _check_int("dp", dp, 1)
     sizes = bytes_per_param(dtype)
-    layer_params = [int(x) for x in layer_params]
     for x in layer_params:
         _check_int("layer params", x, 0)
 
@@ -326,9 +338,10 @@ def zero_transient_bytes(
         if buckets_leave(zero_stage, dp, offload_optimizer)
         else 0
     )
-    return {"params": int(params), "grads": int(grads)}
+    return int(params), int(grads)
 
 
+@functools.lru_cache(maxsize=4096)
 def reduction_bytes(layer_params: int, dtype: str, dp: int) -> int:
     """One ZeRO-2/3 gradient reduction's buffers: the layer's full gradient and its reduced
     shard, in the training dtype (at ``dp = 1``, an offloaded optimizer's bucket: the gradient
