@@ -9,7 +9,6 @@ ZeRO fields of the :class:`LayerCost` it returns are 0; ``cost_models.strategy``
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Sequence
 
@@ -185,10 +184,10 @@ class LayerCost:
         """A copy with ``changes``: ``dataclasses.replace`` without re-running ``__init__`` over
         the fifty-odd fields (the search builds a copy per row and candidate; nothing here is
         validated at construction)."""
-        unknown = set(changes) - _LAYER_COST_FIELDS
-        if unknown:
-            raise TypeError(f"LayerCost has no fields {sorted(unknown)}")
-        copied = copy.copy(self)
+        if not _LAYER_COST_FIELDS.issuperset(changes):
+            raise TypeError(f"LayerCost has no fields {sorted(set(changes) - _LAYER_COST_FIELDS)}")
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
         copied.__dict__.update(changes)
         return copied
 
