@@ -12,10 +12,12 @@ there, and the cost pass prices the same decisions) for the plan's tp degree ``t
   all-reduce of the gradient backward): each rank's gradient covers only its shard.
 * Views, reshapes, unflattens and expands in a sharded region get their size argument along the
   sharded dim divided by ``t`` (hidden -> hidden/t, heads -> heads/t, kv heads -> kv_heads/t,
-  ffn -> ffn/t); the split of a fused projection (GPT-2's ``c_attn``) gets its sizes divided.
+  ffn -> ffn/t); the split of a fused projection (GPT-2's ``c_attn``) gets its sizes divided,
+  and the slices that cut one (Phi-3's ``qkv_proj``) their bounds.
 * Replicated k / v holding every query head (grouped-query attention whose key/value heads tp
   does not divide: their projections stay replicated) pass through ``scatter_to_tp`` along the
-  heads: each rank keeps its query heads' share, and the gradients are gathered back.
+  heads: each rank keeps its query heads' share, and the gradients are gathered back; so does a
+  constant added to sharded values (MPT's per-head ALiBi bias).
 * A row-parallel matmul becomes ``runtime.tensor_parallel.row_parallel_linear`` (or
   ``reduce_from_tp`` of the matmul, then the bias): the replicated bias is added once.
 * The token embedding becomes ``vocab_parallel_embedding(ids, W_r, vocab_start)`` with
@@ -85,6 +87,7 @@ from passes.tensor_parallel.tp_analysis import (
     matmul_operands,
     node_arg,
     reshape_groups,
+    slice_bounds,
 )
 from runtime import tensor_parallel as rtp
 from runtime.tensor_parallel.sharding import TensorShard
@@ -262,6 +265,8 @@ class _Planner:
                     analysis.actions[n.name] = ("size", (1, state.dim, self.local(state)))
                 elif name in SPLITS and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.split(n)
+                elif name == "slice" and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
+                    self.fused_slice(n)
         analysis.enter = {n.name: paths for n, paths in dec.enter.items()}
         analysis.scatter = {n.name: scatter for n, scatter in dec.scatter.items()}
         if analysis.sequence_parallel:
@@ -334,6 +339,23 @@ class _Planner:
             arg = n.args[1]
             new = arg // self.tp if isinstance(arg, int) else [piece // self.tp for piece in arg]
             self.a.actions[n.name] = ("split", (1, new))
+
+    def fused_slice(self, n):
+        """A part of a fused projection cut by a slice (Phi-3's ``qkv[..., :q]``): the same layout
+        as :meth:`split`, the bounds divided (each rank's parts are ``[q_r; k_r; v_r]``)."""
+        state = self.dec.state[n.args[0]]
+        pieces = [end - start for start, end in sorted(slice_bounds(user, state.size) for user in n.args[0].users)]
+        if any(piece % self.tp for piece in pieces):
+            self.fail(
+                n,
+                f"the fused projection slices {state.size} features into {pieces}, which tp={self.tp} does not divide",
+            )
+        if self.fused_ok is None:
+            self.fused_ok = _fused_supported()
+        if not self.fused_ok:
+            self.fail(n, "this fused projection needs the runtime to load 'qkv' shards; this runtime does not")
+        start, end = slice_bounds(n, state.size)
+        self.a.actions[n.name] = ("slice", (start // self.tp, end // self.tp))
 
 
 def _spec(weight, tp: int) -> dict:
@@ -472,6 +494,10 @@ class _LayerRewriter:
                     _set_path(new, (pos, idx), local)
             elif kind == "split":
                 _set_path(new, (payload[0], None), payload[1])
+            elif kind == "slice":  # aten.slice(x, dim, start, end[, step]): this rank's bounds
+                args = list(new.args) + [None] * max(0, 4 - len(new.args))
+                args[2], args[3] = payload
+                new.args = tuple(args)
             elif kind in ("row", "embed", "loss"):
                 with graph.inserting_before(new):
                     out = self._replacement(

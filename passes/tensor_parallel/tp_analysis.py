@@ -42,8 +42,11 @@ Rules (the walk is in graph order)
   ratio. k / v may also be replicated with one head (broadcast) or with every query head (GQA's
   repeated key/value heads when their projections stayed replicated, e.g. one kv head at tp 2):
   each rank then keeps its query heads' share (``scatter``). A per-head mask is a conflict.
-* A fused projection split along its sharded features (GPT-2's ``c_attn`` -> q, k, v) keeps each
-  part sharded; its weight is laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
+* A fused projection split along its sharded features (GPT-2's ``c_attn`` -> q, k, v, or slices
+  that cut it into consecutive parts: Phi-3's ``qkv_proj``) keeps each part sharded; its weight is
+  laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
+* A constant (no gradient) as long as the sharded dim it lines up with (MPT's per-head ALiBi bias
+  added to the scores) is cut the same way (``scatter``): each rank keeps its block.
 * A replicated tensor that requires grad and enters a sharded op (a norm weight, a broadcast
   scale, a learnable mask, a column-parallel input) is recorded in ``enter``: each rank's
   gradient for it covers only its shard.
@@ -108,6 +111,7 @@ from passes.tensor_parallel.tp_common import (
     reshape_dim,
     reshape_groups,
     shape_of,
+    slice_bounds,
     states_of,
     value_of,
 )
@@ -124,6 +128,7 @@ __all__ = [
     "SeqComm",
     "SeqShard",
     "Shard",
+    "slice_bounds",
     "SPLITS",
     "TPConflict",
     "TPDecisions",
@@ -458,8 +463,35 @@ class _Walk:
         ndim = len(shape_of(x))
         dim = norm_dim(node_arg(n, "dim", 0), ndim)
         if dim == state.dim and not (name != "select" and shape_of(n)[dim] == shape_of(x)[dim]):
-            self.conflict(n, "slicing along the sharded dim", x)
+            pieces = self.fused_slices(x, state) if name == "slice" else None
+            if pieces is None:
+                self.conflict(n, "slicing along the sharded dim", x)
+            # one part of a fused projection cut by slices (Phi-3's qkv_proj): as a split of it
+            self.tag(state, ("parts", tuple(end - start for start, end in pieces)))
+            start, end = slice_bounds(n, state.size)
+            return self.set(n, Shard(dim, end - start, state.origins))
         self.set(n, state.at(state.dim - 1 if (name == "select" and dim < state.dim) else state.dim))
+
+    def fused_slices(self, x, state: Shard) -> list[tuple[int, int]] | None:
+        """The ``[start, end)`` ranges of ``x``'s slices along its sharded dim when ``x`` is a
+        column-parallel projection's output and those slices (unit steps, every user of ``x``)
+        cut its features into consecutive parts, as a fused ``[q; k; v]`` split does; else None."""
+        if any(self.col_out.get(origin) != state.size for origin in state.origins):
+            return None
+        ranges = []
+        for user in x.users:
+            if op_name(user) != "slice" or norm_dim(node_arg(user, "dim", 0), len(shape_of(x))) != state.dim:
+                return None
+            if node_arg(user, "step", 1) != 1:
+                return None
+            ranges.append(slice_bounds(user, state.size))
+        ranges.sort()
+        covered = 0
+        for start, end in ranges:
+            if start != covered or end <= start:
+                return None
+            covered = end
+        return ranges if covered == state.size else None
 
     def split(self, n, name):
         x = n.args[0]
@@ -563,15 +595,24 @@ class _Walk:
                     self.conflict(n, "elementwise op mixes differently sharded tensors", *n.all_input_nodes)
                 found = (key, (found[1] if found else frozenset()) | state.origins)
         (shard_dim, size), origins = found
-        for _, arg in flat_args(n):
+        scatter = []
+        for path, arg in flat_args(n):
             if is_tensor_node(arg) and not isinstance(self.st(arg), Shard):
                 k = shard_dim - (ndim - len(shape_of(arg)))
-                if k >= 0 and shape_of(arg)[k] != 1:
-                    self.conflict(
-                        n,
-                        f"elementwise op combines a sharded tensor with a full one ({arg.name}, shape {shape_of(arg)})",
-                        *n.all_input_nodes,
-                    )
+                if k < 0 or shape_of(arg)[k] == 1:
+                    continue
+                if shape_of(arg)[k] == size and not self.rg.get(arg, False):
+                    # a constant aligned with the sharded dim (MPT's per-head ALiBi bias added to
+                    # the scores): each rank keeps its block, nothing to send either way
+                    scatter.append((path, k))
+                    continue
+                self.conflict(
+                    n,
+                    f"elementwise op combines a sharded tensor with a full one ({arg.name}, shape {shape_of(arg)})",
+                    *n.all_input_nodes,
+                )
+        if scatter:
+            self.out.scatter[n] = scatter
         self.out.enter[n] = self.entering(n)
         out = Shard(shard_dim, size, origins)
         self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])

@@ -61,6 +61,7 @@ __all__ = [
     "shape_of",
     "Shard",
     "SLICES",
+    "slice_bounds",
     "SOFTMAX",
     "SPLITS",
     "states_of",
@@ -348,6 +349,16 @@ def reshape_dim(src: list[int], dst: list[int], dim: int) -> int | None:
     interleave with a dim before it)."""
     groups = reshape_groups(src, dst, dim)
     return groups[1][0] if groups is not None and groups[0][0] == dim else None
+
+
+def slice_bounds(n: fx.Node, size: int) -> tuple[int, int]:
+    """``[start, end)`` of an ``aten.slice`` node along its dim of ``size`` entries (negative and
+    open bounds resolved, as Python slices read them)."""
+    start, end = node_arg(n, "start", None), node_arg(n, "end", None)
+    low, high, _ = slice(hint(start) if start is not None else None, hint(end) if end is not None else None).indices(
+        size
+    )
+    return low, max(low, high)
 
 
 def reads_data(n: fx.Node, data: set) -> bool:

@@ -173,3 +173,32 @@ def test_kv_heads_tp_does_not_divide_stay_replicated_at_that_tp():
     assert len(dec.scatter) == 2
     assert not any("k_proj" in k or "v_proj" in k for k in dec.weights)
     assert dec.weights["inner.model.layers.0.self_attn.q_proj.weight"].kind == "heads"
+
+
+class _SlicedQKV(nn.Module):
+    """Phi-3's attention: q, k and v cut from one fused projection by slices (2 kv heads of 4)."""
+
+    def __init__(self, k_start: int = 16):
+        super().__init__()
+        self.qkv, self.o, self.k_start = nn.Linear(16, 32, bias=False), nn.Linear(16, 16, bias=False), k_start
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv[..., :16], qkv[..., self.k_start : self.k_start + 8], qkv[..., 24:]
+        q, k, v = (t.view(b, s, -1, 4).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, 16)).sum()
+
+
+@pytest.mark.parametrize("k_start,parts", [(16, (16, 8, 8)), (12, None)])
+def test_slices_that_cut_a_projection_into_parts_split_it_as_fused(k_start, parts):
+    """Slices that partition a column-parallel projection's features are its fused parts (each
+    rank ``[q_r; k_r; v_r]``); slices that overlap (or leave a gap) keep it replicated."""
+    gm = torch.export.export(_SlicedQKV(k_start), (torch.randn(2, 5, 16),)).module()
+    weights = analyze_tensor_parallel(gm, layer_of=lambda n: 0).weights
+    if parts is None:
+        assert "qkv.weight" not in weights and "o.weight" not in weights
+    else:
+        assert weights["qkv.weight"].kind == "qkv" and weights["qkv.weight"].parts == parts
+        assert weights["o.weight"].kind == "row"
