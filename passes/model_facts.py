@@ -6,8 +6,9 @@ config); a ``file.py:factory`` model states none. ``merge_graph_facts`` fills th
 attention cores found by ``passes.attention`` (and adds ``head_dim``), cross-checks them where
 both exist (the graph is what will run, so it wins, with a note), and records ``tp_blocked``: why
 tensor parallelism cannot split the model, naming the node (``passes.tensor_parallel.tp_costs``), so the
-search plans without it, and ``tp_divides``: each column-parallel output size tp must divide ->
-the first node with it.
+search plans without it, ``tp_divides``: each column-parallel output size tp must divide ->
+the first node with it, and ``tp_replicated``: the modules tp keeps whole while it splits others
+(the report names them under ``--tp``), each with why.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from torch import fx
 
 from passes.attention import attention_facts
-from passes.tensor_parallel.tp_costs import tp_blocked, tp_sizes
+from passes.tensor_parallel.tp_costs import tp_blocked, tp_replicated, tp_sizes
 
 __all__ = ["merge_graph_facts"]
 
@@ -45,4 +46,6 @@ def merge_graph_facts(gm: fx.GraphModule, model: dict) -> list[str]:
     if why:
         model["tp_blocked"] = why
         notes.append(f"tensor parallelism cannot split this model ({why}); planned without it")
+    elif replicated := tp_replicated(gm):
+        model["tp_replicated"] = replicated
     return notes

@@ -51,7 +51,7 @@ from passes.tensor_parallel.tp_analysis import (
     matmul_operands,
 )
 
-__all__ = ["TPInfo", "propagate_tensor_parallel", "tp_blocked", "tp_sizes", "vocab_loss_bytes"]
+__all__ = ["TPInfo", "propagate_tensor_parallel", "tp_blocked", "tp_replicated", "tp_sizes", "vocab_loss_bytes"]
 
 _PASS = "propagate_tensor_parallel"
 _ZERO = sympy.Integer(0)
@@ -94,6 +94,9 @@ class TPInfo:
     """Names of the parameter placeholders this node shards (matmul weights, biases...)."""
     blocked: str = ""
     """On the node that keeps tensor parallelism from splitting anything: why (else empty)."""
+    replicated: str = ""
+    """On a matmul or embedding the analysis kept whole while others split: why, naming the node
+    where its region conflicted (else empty)."""
     must_divide: int = 0
     """A column-parallel matmul's output features (its vocabulary excepted, which is padded):
     the size tp must divide (0 elsewhere)."""
@@ -235,6 +238,20 @@ def tp_sizes(gm: fx.GraphModule) -> dict[int, str]:
     return out
 
 
+def tp_replicated(gm: fx.GraphModule) -> dict[str, str]:
+    """The modules whose matmuls stay whole on every rank while tensor parallelism splits others
+    (blocks' numbers read ``*``: ``transformer.h.*.self_attention.query_key_value``) -> why the
+    first of them did."""
+    out: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        info = n.meta.get("tp")
+        if isinstance(info, TPInfo) and info.replicated:
+            stack = n.meta.get("nn_module_stack") or {}
+            module = list(stack.values())[-1][0] if stack else n.name
+            out.setdefault(re.sub(r"\.\d+\.", ".*.", module), info.replicated)
+    return out
+
+
 def tp_blocked(gm: fx.GraphModule) -> str:
     """Why tensor parallelism splits nothing in ``gm`` (naming the node), or ``''``."""
     for n in gm.graph.nodes:
@@ -303,6 +320,9 @@ def propagate_tensor_parallel(gm: fx.GraphModule, roles: dict[str, str]) -> fx.G
     reduced: set[fx.Node] = set()
     info = {n: _node_info(n, decisions, reduced) for n in gm.graph.nodes}
     by_name = {n.name: n for n in gm.graph.nodes}
+    for name, why in decisions.replicated.items():
+        if name in by_name:
+            info[by_name[name]].replicated = f"{why.why} at {_where(why.node)}"
     for n in gm.graph.nodes:
         if n.op != "placeholder" and n.op != "output":
             info[n].saved_bytes_tp = _saved_tp(n, info, by_name)

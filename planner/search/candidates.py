@@ -28,6 +28,7 @@ from cost_models.expert_cost import valid_expert_degrees
 from cost_models.hardware import HardwareProfile
 from cost_models.offload_cost import TIERS, check_offload, offload_missing
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, LayerCost, NumericTable, evaluate
+from planner.frontend.spec import model_layer_names
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import ContextMethod, GradCompression, Toggle, names
 from runtime.contract.overlap import Overlap
@@ -196,8 +197,10 @@ def valid_tp(tp: int, table: NumericTable, gpus: int, gpus_per_node: int, across
 def tied_summary(table: NumericTable) -> str:
     """``weight read by <row> and <row>, ...``: the tied weights, which pipeline stages hold one
     copy of per stage that reads them (kept in sync by an all-reduce of their gradients)."""
+    spec = table.model.get("spec", "")
+    names = model_layer_names(spec, list(table.names))  # as the model names them (no wrapper's prefix)
     return ", ".join(
-        f"{tie['weight']} read by {table.names[tie['layers'][0]]} and {table.names[tie['layers'][1]]}"
+        f"{model_layer_names(spec, [tie['weight']])[0]} read by {names[tie['layers'][0]]} and {names[tie['layers'][1]]}"
         for tie in table.tied
     )
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -404,13 +405,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
         result,
         solver,
     )
-    if table.tied and result.best is not None and result.best.strategy.candidate.pp > 1:
-        result.notes.append(
-            f"tied weights ({tied_summary(table)}): each stage that reads one holds a "
-            "copy; their gradients are all-reduced over those stages after backward"
-        )
-    if table.model.get("tp_blocked") and request.gpus > 1:
-        result.notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
+    result.notes.extend(_model_notes(request, table, result))
     if result.best is None:
         raise _no_feasible_plan(request, table, hw, gpus_per_node, entries, solver)
     result = _with_experts_replicated(request, table, hw, gpus_per_node, entries, result, solver)
@@ -475,6 +470,55 @@ def _scheduled(request, table: NumericTable, cc_of: Mapping, result: SearchResul
         if not fix:
             raise
         raise SearchError(f"{refused} {fix}") from None
+
+
+def _model_notes(request, table: NumericTable, result: SearchResult) -> list[str]:
+    """What the model's structure does to the winner: tied weights held per stage, tensor
+    parallelism that splits nothing, or keeps part of each block whole."""
+    notes = []
+    best = result.best.strategy.candidate if result.best is not None else None
+    if table.tied and best is not None and best.pp > 1:
+        notes.append(
+            f"tied weights ({tied_summary(table)}): each stage that reads one holds a "
+            "copy; their gradients are all-reduced over those stages after backward"
+        )
+    if table.model.get("tp_blocked") and request.gpus > 1:
+        notes.append(f"planned without tensor parallelism: {table.model['tp_blocked']}")
+    replicated = table.model.get("tp_replicated")
+    if replicated and best is not None and best.tp > 1:
+        whole = _whole_share(table, request.seq_len)
+        if whole >= NOTED_WHOLE_SHARE:
+            notes.append(_replicated_note(replicated, table.model.get("spec", ""), whole))
+    return notes
+
+
+#: Share of a block's weights tensor parallelism keeps whole from which a plan under tp says so
+#: (a single key/value head's projections, a few percent, are the design: not worth a note).
+NOTED_WHOLE_SHARE = 0.05
+
+
+def _whole_share(table: NumericTable, seq_len: int) -> float:
+    """The largest share of a block's weights that tensor parallelism keeps whole on every rank."""
+    rows, row_of_layer = table.layer_rows(1, seq_len)
+    shares = [
+        1 - rows[row].param_count.tp_part / rows[row].param_count.whole
+        for row, kind in zip(row_of_layer, table.kinds)
+        if kind == "block" and rows[row].param_count.whole
+    ]
+    return max(shares, default=0.0)
+
+
+def _replicated_note(replicated: dict[str, str], spec: str, whole: float) -> str:
+    """The modules tensor parallelism keeps whole (``model.tp_replicated``), named as the model
+    names them, and why the first did (its source file without the directories)."""
+    names = model_layer_names(spec, list(replicated))
+    why = re.sub(r"/\S*/", "", next(iter(replicated.values())))
+    why = re.sub(r"'([^']+)'", lambda quoted: "'" + model_layer_names(spec, [quoted[1]])[0] + "'", why)
+    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"tensor parallelism keeps {whole:.0%} of a block's weights whole on every rank, {listed} "
+        f"(the first because {why}): they run unsplit on each rank"
+    )
 
 
 def _pinned_variants(request, candidates: list[Candidate], hw: HardwareProfile) -> list[Candidate]:

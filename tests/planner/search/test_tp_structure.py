@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -82,3 +83,24 @@ def test_unsplittable_model_is_planned_without_tp_and_a_pin_names_the_node(tmp_p
 def test_file_model_heads_come_from_the_graph(tmp_path):
     rc, plan = _plan(tmp_path, f"{HF_ARCHS}:gemma", "--tp", "2")  # 4 heads of 16, one kv head
     assert rc == 0 and plan["tp"] == 2
+
+
+def test_a_plan_under_tp_names_what_tp_keeps_whole(tmp_path, capsys):
+    """Bloom merges its heads with the batch before its batched matmuls, which tensor parallelism
+    cannot cut by heads: its attention stays whole on every rank while the MLP splits, and a plan
+    under ``--tp`` says so, naming the modules as the model does and the source line."""
+    import transformers
+
+    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4)
+    config.architectures = ["BloomForCausalLM"]
+    config.save_pretrained(tmp_path / "bloom")
+    rc, plan = _plan(tmp_path, f"hf:{tmp_path / 'bloom'}", "--tp", "2")
+    out = capsys.readouterr().out
+    assert rc == 0 and plan["tp"] == 2
+    note = " ".join(out[out.index("tensor parallelism keeps") :].split())
+    share = re.match(r"tensor parallelism keeps (\d+)% of a block's weights whole on every rank, ", note)
+    assert share and 33 <= int(share[1]) <= 36  # attention's 4 h^2 of 12 h^2, with its biases and the norms
+    assert "transformer.h.*.self_attention.query_key_value" in note
+    assert "interleaves the sharded dim" in note and "modeling_bloom.py:" in note and "inner." not in note
+    rc, plan = _plan(tmp_path, f"{HF_ARCHS}:llama", "--tp", "2")  # split whole: nothing to say
+    assert rc == 0 and "tensor parallelism keeps" not in capsys.readouterr().out
