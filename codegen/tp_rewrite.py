@@ -19,7 +19,9 @@ there, and the cost pass prices the same decisions) for the plan's tp degree ``t
   heads: each rank keeps its query heads' share, and the gradients are gathered back; so does a
   constant added to sharded values (MPT's per-head ALiBi bias).
 * A row-parallel matmul becomes ``runtime.tensor_parallel.row_parallel_linear`` (or
-  ``reduce_from_tp`` of the matmul, then the bias): the replicated bias is added once.
+  ``reduce_from_tp`` of the matmul, then the bias): the replicated bias is added once. A sum or
+  mean over the whole sharded dim becomes ``reduce_from_tp`` of this rank's sum (a mean then
+  divided by the full size).
 * The token embedding becomes ``vocab_parallel_embedding(ids, W_r, vocab_start)`` with
   ``vocab_start = tp_rank() * V_r`` computed at run time; ``aten.cross_entropy_loss`` over
   vocab-sharded logits becomes ``vocab_parallel_cross_entropy``. A vocabulary ``t`` does not
@@ -250,6 +252,8 @@ class _Planner:
                     "embed",
                     (rtp.padded_vocab_size(cast(int, dec.vocab), self.tp) // self.tp, node_arg(n, "padding_idx", -1)),
                 )
+            elif role == "partial":
+                analysis.actions[n.name] = ("partial", (name, dec.partial[n]))
             elif role == "vocab_loss":
                 state = dec.state[n.args[0]]
                 red = {code: k for k, code in _REDUCTIONS.items()}[node_arg(n, "reduction", 1)]
@@ -495,10 +499,8 @@ class _LayerRewriter:
             elif kind == "split":
                 _set_path(new, (payload[0], None), payload[1])
             elif kind == "slice":  # aten.slice(x, dim, start, end[, step]): this rank's bounds
-                args = list(new.args) + [None] * max(0, 4 - len(new.args))
-                args[2], args[3] = payload
-                new.args = tuple(args)
-            elif kind in ("row", "embed", "loss"):
+                new.args = (new.args[0], node_arg(new, "dim", 0), *payload, *new.args[4:])
+            elif kind in ("row", "embed", "loss", "partial"):
                 with graph.inserting_before(new):
                     out = self._replacement(
                         graph, new, kind, payload, vocab_start, rtp, self.an.sp_reduce.get(orig.name)
@@ -519,9 +521,16 @@ class _LayerRewriter:
 
     @staticmethod
     def _replacement(graph: fx.Graph, new: fx.Node, kind: str, payload, vocab_start, rtp, seq=None) -> fx.Node:
-        """The nodes that replace a row-parallel matmul, the token embedding or the loss (``seq``:
-        the sequence dim a row-parallel matmul or the embedding reduce-scatters along under SP)."""
+        """The nodes that replace a row-parallel matmul, the token embedding, the loss or a partial
+        reduction (``seq``: the sequence dim a row-parallel matmul or the embedding reduce-scatters
+        along under SP)."""
         call = graph.call_function
+        if kind == "partial":  # this rank's sum, all-reduced (a mean then divided by the full size)
+            name, full = payload
+            dtype = {"dtype": new.kwargs["dtype"]} if new.kwargs.get("dtype") is not None else {}
+            reduced = (new.args[0], node_arg(new, "dim"), node_arg(new, "keepdim", False))
+            out = call(rtp.reduce_from_tp, (call(aten.sum.dim_IntList, reduced, dtype),))
+            return call(aten.div.Tensor, (out, full)) if name == "mean" else out
         if kind == "row" and seq is not None:  # SP: the bias (through copy_to_tp) after the scatter
             x, weight, bias = matmul_operands(new)
             if payload is aten.linear.default:  # one call: overlaps its pieces' reduce-scatters

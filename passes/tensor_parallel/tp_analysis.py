@@ -46,7 +46,10 @@ Rules (the walk is in graph order)
   that cut it into consecutive parts: Phi-3's ``qkv_proj``) keeps each part sharded; its weight is
   laid out ``[q_r; k_r; v_r]`` per rank (shard kind ``qkv``).
 * A constant (no gradient) as long as the sharded dim it lines up with (MPT's per-head ALiBi bias
-  added to the scores) is cut the same way (``scatter``): each rank keeps its block.
+  added to the scores) is cut the same way (``scatter``): each rank keeps its block; so is a
+  per-feature weight read only there (a norm's scale), as a ``column`` shard.
+* A sum or mean over the whole sharded dim (OLMo 2's RMS norm over all query features) is each
+  rank's partial result all-reduced (``partial``): its output is replicated.
 * A replicated tensor that requires grad and enters a sharded op (a norm weight, a broadcast
   scale, a learnable mask, a column-parallel input) is recorded in ``enter``: each rank's
   gradient for it covers only its shard.
@@ -553,7 +556,18 @@ class _Walk:
         dims = dims_of(node_arg(n, "dim"), ndim)
         if not dims:
             self.conflict(n, "reduction over every dim of a sharded tensor", x)
-        if state.dim in dims or any(isinstance(self.st(arg), Shard) for arg in n.all_input_nodes if arg is not x):
+        others_sharded = any(isinstance(self.st(arg), Shard) for arg in n.all_input_nodes if arg is not x)
+        if (
+            dims == [state.dim]
+            and name in ("sum", "mean")
+            and not others_sharded
+            and value_of(n).dtype.is_floating_point
+        ):
+            # over the whole sharded dim: each rank's partial result, all-reduced (an RMS norm's
+            # mean of squares over every query feature, OLMo 2's)
+            self.out.partial[n] = state.size
+            return self.set(n, None, "partial")
+        if state.dim in dims or others_sharded:
             self.conflict(n, "reduction over the sharded dim", x)
         keep = node_arg(n, "keepdim", False)
         out = state.at(state.dim if keep else state.dim - sum(1 for k in dims if k < state.dim))
@@ -595,7 +609,7 @@ class _Walk:
                     self.conflict(n, "elementwise op mixes differently sharded tensors", *n.all_input_nodes)
                 found = (key, (found[1] if found else frozenset()) | state.origins)
         (shard_dim, size), origins = found
-        scatter = []
+        scatter, own = [], []
         for path, arg in flat_args(n):
             if is_tensor_node(arg) and not isinstance(self.st(arg), Shard):
                 k = shard_dim - (ndim - len(shape_of(arg)))
@@ -606,6 +620,13 @@ class _Walk:
                     # the scores): each rank keeps its block, nothing to send either way
                     scatter.append((path, k))
                     continue
+                if shape_of(arg)[k] == size and arg in self.params and set(arg.users) == {n}:
+                    # a per-feature weight read only here (a norm's scale over every query
+                    # feature): each rank holds the block its shard multiplies, gradient included
+                    self.uses[self.params[arg]].remove((n, None))
+                    self.use(arg, n, ("column", k, size))
+                    own.append(path)
+                    continue
                 self.conflict(
                     n,
                     f"elementwise op combines a sharded tensor with a full one ({arg.name}, shape {shape_of(arg)})",
@@ -613,7 +634,7 @@ class _Walk:
                 )
         if scatter:
             self.out.scatter[n] = scatter
-        self.out.enter[n] = self.entering(n)
+        self.out.enter[n] = [path for path in self.entering(n) if path not in own]
         out = Shard(shard_dim, size, origins)
         self.set(n, out if isinstance(value_of(n), torch.Tensor) else [out for _ in value_of(n)])
 

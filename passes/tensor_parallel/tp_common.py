@@ -228,6 +228,10 @@ class TPDecisions:
     replicated) of which each rank keeps its query heads' share (``scatter_to_tp``)."""
     replicated: dict = field(default_factory=dict)
     """Name of a matmul / embedding kept replicated -> the ``TPConflict`` that forced it."""
+    partial: dict = field(default_factory=dict)
+    """Sum or mean over the whole sharded dim (OLMo 2's norm over all query features) -> that
+    dim's full size: each rank reduces its shard, the partial sums are all-reduced
+    (``reduce_from_tp``), a mean divides by the full size; role ``partial``, output replicated."""
     vocab: int | None = None
     """The vocabulary the analysis used (given, or the rows of the token embedding)."""
     # ---- sequence parallelism (module doc, "Sequence parallelism"); never changes the fields above

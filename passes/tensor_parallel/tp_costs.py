@@ -62,8 +62,8 @@ class TPInfo:
     """What tensor parallelism does to one node."""
 
     role: str
-    """col | row | vocab_embedding | vocab_loss | sharded | replicated (placeholders: sharded
-    or replicated weights, replicated data)."""
+    """col | row | vocab_embedding | vocab_loss | partial (a reduction all-reduced) | sharded |
+    replicated (placeholders: sharded or replicated weights, replicated data)."""
     shard_dim: Any = None
     """Output state: None (replicated) or the sharded dim; a list for multi-output nodes."""
     divides: bool = False
@@ -186,9 +186,11 @@ def _node_info(n: fx.Node, dec: TPDecisions, reduced: set) -> TPInfo:
         kw["allreduce_fwd"] = need(n, "out_bytes", _PASS, "annotate_shapes")
     elif role == "vocab_loss":
         kw.update(_loss_info(n))
+    elif role == "partial":  # each rank's partial sum, all-reduced
+        kw["allreduce_fwd"] = need(n, "out_bytes", _PASS, "annotate_shapes")
     if n in dec.params:
         role = "sharded" if dec.params[n] in dec.weights else "replicated"
-    divides = role in ("col", "row", "sharded", "vocab_loss") and n not in dec.params
+    divides = role in ("col", "row", "sharded", "vocab_loss", "partial") and n not in dec.params
     if divides:
         for gemms_key, dims_key in (("fwd_gemms", "fwd_gemm_dims"), ("bwd_gemms", "bwd_gemm_dims")):
             kw[dims_key] = [gemm_tp_dim(role, True, g.operands) for g in need(n, gemms_key, _PASS, "annotate_costs")]

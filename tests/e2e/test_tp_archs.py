@@ -1,7 +1,8 @@
 """Tensor parallelism read from the graph: each tiny HF architecture of ``tests/fixtures/hf_archs.py``,
 given as a ``file.py:factory`` (no head counts from flags), compiled at tp 2, reproduces the
 original model's loss and gradients on gloo ranks (Phi-3: q, k and v sliced from one fused
-projection, split as its parts; MPT: its ALiBi bias cut by heads with the scores). Also at tp 4: llama (its 2 key/value heads
+projection, split as its parts; MPT: its ALiBi bias cut by heads with the scores; OLMo 2: q and
+k normalized over all their features, the sums of squares all-reduced). Also at tp 4: llama (its 2 key/value heads
 replicated, each rank keeping its query heads' share), gemma (one key/value head) and falcon
 (fused qkv, one head per rank); and llama with eager matmul-softmax-matmul attention."""
 
@@ -24,12 +25,17 @@ from tests.helpers import TESTS, manual_plan
 
 ARCHS_FILE = os.path.join(TESTS, "fixtures", "hf_archs.py")
 EAGER_FILE = os.path.join(TESTS, "fixtures", "tp_models.py")
-ARCHS = ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "falcon", "opt", "gpt2", "bert", "phi3", "mpt")
+ARCHS = ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "falcon", "opt", "gpt2", "bert", "phi3", "mpt", "olmo2")
 CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2)]
 WORLD, MBS, SEQ = 4, 2, 16
-#: Per architecture, its blocks' fused q, k, v projection and parts: sliced from it (Phi-3), or
-#: chunked with ALiBi added to the scores (MPT, which kept its attention replicated before).
-FUSED = {"phi3": ("qkv_proj.weight", [32, 16, 16]), "mpt": ("Wqkv.weight", [32, 32, 32])}
+#: Per architecture, attention weights of its blocks and the shard each must get (their attention
+#: stayed whole before): q, k, v sliced from one projection (Phi-3), chunked with ALiBi added to
+#: the scores (MPT), normalized over all features, the norm's scale cut with them (OLMo 2).
+SPLIT = {
+    "phi3": {"qkv_proj.weight": {"kind": "qkv", "parts": [32, 16, 16]}},
+    "mpt": {"Wqkv.weight": {"kind": "qkv", "parts": [32, 32, 32]}},
+    "olmo2": {"q_proj.weight": {"kind": "heads"}, "q_norm.weight": {"kind": "column"}},
+}
 
 
 def _file(arch: str) -> str:
@@ -113,7 +119,6 @@ def test_arch_tp_matches_original(runs, arch, tp):
     # per block at least the query (or fused qkv), attention output and two MLP weights are
     # sharded: the split was not silently given up
     assert sharded >= 2 * 3, f"{name}: only {sharded} sharded parameters"
-    if arch in FUSED:  # the attention's fused projection is split as its parts, [q_r; k_r; v_r]
-        suffix, parts = FUSED[arch]
-        fused = [e["shard"] for e in stage["params"].values() if e["fqn"].endswith(suffix)]
-        assert len(fused) == 2 and all(shard and shard["parts"] == parts for shard in fused), fused
+    for suffix, want in SPLIT.get(arch, {}).items():  # once per block, sharded as it must be
+        shards = [e["shard"] for e in stage["params"].values() if e["fqn"].endswith(suffix)]
+        assert len(shards) == 2 and all(shard and shard.items() >= want.items() for shard in shards), shards
