@@ -2,7 +2,8 @@
 given as a ``file.py:factory`` (no head counts from flags), compiled at tp 2, reproduces the
 original model's loss and gradients on gloo ranks (Phi-3: q, k and v sliced from one fused
 projection, split as its parts; MPT: its ALiBi bias cut by heads with the scores; OLMo 2: q and
-k normalized over all their features, the sums of squares all-reduced). Also at tp 4: llama (its 2 key/value heads
+k normalized over all their features, the sums of squares all-reduced; BitNet: its sub-norms
+before the row-parallel projections alike). Also at tp 4: llama (its 2 key/value heads
 replicated, each rank keeping its query heads' share), gemma (one key/value head) and falcon
 (fused qkv, one head per rank); and llama with eager matmul-softmax-matmul attention."""
 
@@ -25,7 +26,21 @@ from tests.helpers import TESTS, manual_plan
 
 ARCHS_FILE = os.path.join(TESTS, "fixtures", "hf_archs.py")
 EAGER_FILE = os.path.join(TESTS, "fixtures", "tp_models.py")
-ARCHS = ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "falcon", "opt", "gpt2", "bert", "phi3", "mpt", "olmo2")
+ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma",
+    "gpt_neox",
+    "falcon",
+    "opt",
+    "gpt2",
+    "bert",
+    "phi3",
+    "mpt",
+    "olmo2",
+    "bitnet",
+)
 CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2)]
 WORLD, MBS, SEQ = 4, 2, 16
 #: Per architecture, attention weights of its blocks and the shard each must get (their attention
@@ -35,6 +50,7 @@ SPLIT = {
     "phi3": {"qkv_proj.weight": {"kind": "qkv", "parts": [32, 16, 16]}},
     "mpt": {"Wqkv.weight": {"kind": "qkv", "parts": [32, 32, 32]}},
     "olmo2": {"q_proj.weight": {"kind": "heads"}, "q_norm.weight": {"kind": "column"}},
+    "bitnet": {"o_proj.weight": {"kind": "row"}, "attn_sub_norm.weight": {"kind": "column"}},
 }
 
 
