@@ -550,6 +550,8 @@ class _Walk:
         self.set(n, state)
 
     def reduce(self, n, name):
+        if getattr(n.target, "_overloadname", "") == "other":  # min(x, y) / max(x, y): elementwise
+            return self.pointwise(n, name)  # (Apertus' xIELU clamps with torch.min(x, eps))
         x = n.args[0]
         state = self.st(x)
         ndim = len(shape_of(x))

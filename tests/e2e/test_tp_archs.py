@@ -3,7 +3,7 @@ given as a ``file.py:factory`` (no head counts from flags), compiled at tp 2, re
 original model's loss and gradients on gloo ranks (Phi-3: q, k and v sliced from one fused
 projection, split as its parts; MPT: its ALiBi bias cut by heads with the scores; OLMo 2: q and
 k normalized over all their features, the sums of squares all-reduced; BitNet: its sub-norms
-before the row-parallel projections alike). Also at tp 4: llama (its 2 key/value heads
+before the row-parallel projections alike; Apertus: its xIELU's elementwise min). Also at tp 4: llama (its 2 key/value heads
 replicated, each rank keeping its query heads' share), gemma (one key/value head) and falcon
 (fused qkv, one head per rank); and llama with eager matmul-softmax-matmul attention."""
 
@@ -40,6 +40,7 @@ ARCHS = (
     "mpt",
     "olmo2",
     "bitnet",
+    "apertus",
 )
 CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2)]
 WORLD, MBS, SEQ = 4, 2, 16
@@ -51,6 +52,7 @@ SPLIT = {
     "mpt": {"Wqkv.weight": {"kind": "qkv", "parts": [32, 32, 32]}},
     "olmo2": {"q_proj.weight": {"kind": "heads"}, "q_norm.weight": {"kind": "column"}},
     "bitnet": {"o_proj.weight": {"kind": "row"}, "attn_sub_norm.weight": {"kind": "column"}},
+    "apertus": {"mlp.up_proj.weight": {"kind": "column"}, "mlp.down_proj.weight": {"kind": "row"}},
 }
 
 
