@@ -22,26 +22,11 @@ from runtime.distributed.launch import launch_local
 from runtime.distributed.mesh import setup_mesh
 from runtime.stages.compiled_stages import load_stage_module, load_weights, read_manifest
 from runtime.tensor_parallel.sharding import TensorShard
+from tests.fixtures.hf_archs import ARCHS
 from tests.helpers import TESTS, manual_plan
 
 ARCHS_FILE = os.path.join(TESTS, "fixtures", "hf_archs.py")
 EAGER_FILE = os.path.join(TESTS, "fixtures", "tp_models.py")
-ARCHS = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "gemma",
-    "gpt_neox",
-    "falcon",
-    "opt",
-    "gpt2",
-    "bert",
-    "phi3",
-    "mpt",
-    "olmo2",
-    "bitnet",
-    "apertus",
-)
 CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2)]
 WORLD, MBS, SEQ = 4, 2, 16
 #: Per architecture, attention weights of its blocks and the shard each must get (their attention
