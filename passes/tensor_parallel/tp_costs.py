@@ -225,9 +225,14 @@ def _where(n: fx.Node) -> str:
     """``node 'x' (op) in module 'a.b' at file:line`` (the innermost frame outside torch)."""
     frames = [f"{f}:{ln}" for f, ln in _FRAME.findall(n.meta.get("stack_trace") or "") if not f.startswith(_TORCH_DIR)]
     src = frames[-1] if frames else source_line(n)
-    stack = n.meta.get("nn_module_stack") or {}
-    mod = list(stack.values())[-1][0] if stack else ""
+    mod = _module_of(n)
     return f"node {n.name!r} ({n.target})" + (f" in module {mod!r}" if mod else "") + (f" at {src}" if src else "")
+
+
+def _module_of(n: fx.Node) -> str:
+    """The innermost module that ran ``n`` (its path), or ``''``."""
+    stack = n.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def tp_sizes(gm: fx.GraphModule) -> dict[int, str]:
@@ -248,9 +253,7 @@ def tp_replicated(gm: fx.GraphModule) -> dict[str, str]:
     for n in gm.graph.nodes:
         info = n.meta.get("tp")
         if isinstance(info, TPInfo) and info.replicated:
-            stack = n.meta.get("nn_module_stack") or {}
-            module = list(stack.values())[-1][0] if stack else n.name
-            out.setdefault(re.sub(r"\.\d+\.", ".*.", module), info.replicated)
+            out.setdefault(re.sub(r"\.\d+\.", ".*.", _module_of(n) or n.name), info.replicated)
     return out
 
 
