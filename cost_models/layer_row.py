@@ -245,6 +245,7 @@ class NumericTable:
         """Rows other cost models derive from these (``cost_models.strategy.context_rows``), kept
         for the table's life: their identities key ``work_memo`` too."""
         self._nonzero: frozenset[str] | None = None
+        self._shapes: list[int] | None = None
 
     def has_field(self, name: str) -> bool:
         """Whether some row's ``name`` (an ``EXPR_FIELDS`` entry) is not identically zero: what
@@ -254,20 +255,28 @@ class NumericTable:
         return name in self._nonzero
 
     def groups(self, micro_batch: int, seq_len: int) -> tuple[list[dict[str, Any]], list[int]]:
-        """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached)."""
+        """Distinct rows at ``(b, s)`` and, per layer, the index of its row (cached). Only one
+        layer of each shape (``LayerTable.shapes``: equal numbers at every size) is evaluated;
+        shapes whose numbers coincide at ``(b, s)`` share a row too."""
         key = ("groups", micro_batch, seq_len)
         if key not in self._rows:
+            if self._shapes is None:
+                self._shapes = self.table.shapes()
+            firsts = list({shape: position for position, shape in reversed(list(enumerate(self._shapes)))}.values())
+            firsts.sort()
+            numbers = self.table.numeric_at(micro_batch, seq_len, firsts)
             distinct: dict[tuple, int] = {}
             representatives: list[dict[str, Any]] = []
-            row_of_layer: list[int] = []
-            for row in self.rows(micro_batch, seq_len):
+            row_of_shape: dict[int, int] = {}
+            for position, row in zip(firsts, numbers):
+                row.update({name: int(row[name]) for name in INT_FIELDS})
                 values = tuple(row[name] for name in EXPR_FIELDS + INT_FIELDS)
                 values += tuple(row.get(name, ()) for name in GEMM_FIELDS)
                 if values not in distinct:
                     distinct[values] = len(representatives)
                     representatives.append(row)
-                row_of_layer.append(distinct[values])
-            self._rows[key] = (representatives, row_of_layer)
+                row_of_shape[self._shapes[position]] = distinct[values]
+            self._rows[key] = (representatives, [row_of_shape[shape] for shape in self._shapes])
         return self._rows[key]
 
     def layer_rows(self, micro_batch: int, seq_len: int) -> tuple[list[LayerRow], list[int]]:

@@ -10,7 +10,7 @@ ZeRO fields of the :class:`LayerCost` it returns are 0; ``cost_models.strategy``
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from cost_models.comm_cost import GroupPlacement, collective_time
 from cost_models.compute import compute_time
@@ -399,8 +399,13 @@ def _tp_times(row: LayerRow, hw: HardwareProfile, setting: WorkSetting) -> _TpTi
     return _TpTimes(fwd_s, fwd_sent, bwd_s, bwd_sent, rec_s, rec_sent, regather_s)
 
 
-def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting) -> tuple[LayerCost, float]:
-    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's seconds."""
+def row_work(
+    row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, memo: dict | None = None
+) -> tuple[LayerCost, float]:
+    """The candidate-independent part of ``_layer_cost`` (its state fields 0) and the backward's
+    seconds. ``memo`` (``NumericTable.work_memo``) shares the passes' and the tensor-parallel
+    collectives' seconds between settings that differ in what those do not read (a context
+    method or placement, the tensor-parallel group's placement)."""
     tp, sequence_parallel = setting.tp, setting.sequence_parallel
     params = int(split_by_tp(row.param_count.tp_part, row.param_count.whole - row.param_count.tp_part, tp))
     routed = row.experts
@@ -410,11 +415,10 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         setting.expert.ep,
     )
     params = dense + local_experts
-    passes = _pass_times(row, hw, dtype, setting, params)
+    passes, tp_comm = _shared_times(row, hw, dtype, setting, params, memo)
     routing = all_to_all_times(
         routed.dispatch_bytes.per_device(tp, sequence_parallel), routed.moe_layers, setting.expert, hw
     )
-    tp_comm = _tp_times(row, hw, setting)
     tp_seen = _tp_seen(tp_comm, passes, setting, hw)
     exchange = context_exchange(row, setting.context, tp, setting.tokens, hw, dtype)
     slow = hw.overlap_contention * (tp_seen.fwd.hidden_s + tp_seen.bwd.hidden_s + exchange.hidden_s)
@@ -472,6 +476,38 @@ def row_work(row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSettin
         cp_hidden_s=exchange.hidden_s,
     )
     return work, passes.backward_s
+
+
+def _shared_times(
+    row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, params: int, memo: dict | None
+) -> tuple[_PassTimes, _TpTimes]:
+    """The row's passes and tensor-parallel collectives, each keyed by what it reads."""
+    tp, sequence_parallel = setting.tp, setting.sequence_parallel
+    passes = _remembered(
+        memo,
+        ("passes", id(row), id(hw), dtype, tp, sequence_parallel, setting.compiled, setting.tokens)
+        + (setting.overlap_tp, setting.expert, params),
+        lambda: _pass_times(row, hw, dtype, setting, params),
+        (row, hw),
+    )
+    tp_comm = _remembered(
+        memo,
+        ("tp_times", id(row), id(hw), tp, sequence_parallel, setting.tp_placement),
+        lambda: _tp_times(row, hw, setting),
+        (row, hw),
+    )
+    return passes, tp_comm
+
+
+def _remembered(memo: dict | None, key: tuple, compute: Callable[[], Any], keyed_by: tuple) -> Any:
+    """``compute()``, through ``memo`` when given; the objects whose ids are in ``key``
+    (``keyed_by``) stay referenced beside the value, so their ids cannot be reused."""
+    if memo is None:
+        return compute()
+    known = memo.get(key)
+    if known is None:
+        known = memo[key] = (compute(), keyed_by)
+    return known[0]
 
 
 def _regathered_bytes(row: LayerRow, setting: WorkSetting) -> float:

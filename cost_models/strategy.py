@@ -750,7 +750,7 @@ def _row_work(
     key = (id(row), id(hw), dtype, setting)
     cached = memo.get(key) if memo is not None else None
     if cached is None:
-        cached = row_work(row, hw, dtype, setting), row, hw
+        cached = row_work(row, hw, dtype, setting, memo), row, hw
         if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
             memo[key] = cached
     return cached[0]

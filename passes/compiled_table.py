@@ -21,7 +21,7 @@ from typing import Any, Callable
 from passes.pass_error import PassError
 from passes.table_fields import EXPR_FIELDS, INT_FIELDS, Gemm
 
-__all__ = ["CompiledRow", "CompiledTable", "check_fixed", "evaluate_rows", "function_source"]
+__all__ = ["CompiledRow", "CompiledTable", "check_fixed", "evaluate_rows", "function_source", "row_shapes"]
 
 #: Where each row reads the compiled function's results: per row, the result index of each
 #: ``EXPR_FIELDS`` entry, and per ``GEMM_FIELDS`` entry its products as ``(size indices, count, tp_dim)``.
@@ -45,12 +45,16 @@ def check_fixed(fixed: dict[str, int], b: int, s: int) -> None:
             )
 
 
-def evaluate_rows(fn: Callable, index: Index, integers: list[dict[str, int]], b: int, s: int) -> list[dict]:
-    """Every field of every row as numbers at ``(b, s)``: the compiled function's results by
-    ``index``, each row's ``integers`` as floats, its products as tuples of ``Gemm``."""
+def evaluate_rows(
+    fn: Callable, index: Index, integers: list[dict[str, int]], b: int, s: int, positions: list[int] | None = None
+) -> list[dict]:
+    """Every field of every row (or of the rows at ``positions``) as numbers at ``(b, s)``: the
+    compiled function's results by ``index``, each row's ``integers`` as floats, its products as
+    tuples of ``Gemm``."""
     values = [float(value) for value in fn(b, s)]
     out = []
-    for (row, gemms), ints in zip(index, integers):
+    for position in range(len(index)) if positions is None else positions:
+        (row, gemms), ints = index[position], integers[position]
         numbers: dict[str, Any] = {name: values[i] for name, i in zip(EXPR_FIELDS, row)}
         numbers.update({name: float(ints[name]) for name in INT_FIELDS})
         for name, entries in gemms.items():
@@ -58,6 +62,25 @@ def evaluate_rows(fn: Callable, index: Index, integers: list[dict[str, int]], b:
                 Gemm._make([*(values[i] for i in dims), count, tp_dim]) for dims, count, tp_dim in entries
             )
         out.append(numbers)
+    return out
+
+
+def row_shapes(index: Index, integers: list[dict[str, int]]) -> list[int]:
+    """Per row, the number of its shape: rows of one shape read the same results of the compiled
+    function (its expressions are deduplicated) and have the same integers, so their numbers are
+    equal at every ``(b, s)``: a 96-block table has a handful of shapes."""
+    shapes: dict[tuple, int] = {}
+    out = []
+    for (row, gemms), ints in zip(index, integers):
+        key = (
+            tuple(row),
+            tuple(
+                (name, tuple((tuple(dims), count, tp_dim) for dims, count, tp_dim in entries))
+                for name, entries in sorted(gemms.items())
+            ),
+            tuple(sorted(ints.items())),
+        )
+        out.append(shapes.setdefault(key, len(shapes)))
     return out
 
 
@@ -148,6 +171,7 @@ class CompiledTable:
         self._load_full = load_full
         self._full: Any = None
         self._cache: dict[tuple[int, int], list[dict]] = {}
+        self._shapes: list[int] | None = None
 
     @staticmethod
     def record(table: Any) -> dict[str, Any] | None:
@@ -198,6 +222,21 @@ class CompiledTable:
                 # a damaged entry the checks let through: the symbolic table answers (or raises)
                 return self.full().numeric(b, s)
         return [dict(row) for row in self._cache[key]]
+
+    def shapes(self) -> list[int]:
+        """``row_shapes`` of the rows (computed once)."""
+        if self._shapes is None:
+            self._shapes = row_shapes(self._index, self._integers)
+        return self._shapes
+
+    def numeric_at(self, b: int, s: int, positions: list[int]) -> list[dict[str, Any]]:
+        """``numeric(b, s)`` of the rows at ``positions`` only (what a search reads of one row per
+        shape); the same numbers, without building every row's."""
+        check_fixed(self.fixed, b, s)
+        try:
+            return evaluate_rows(self._fn, self._index, self._integers, int(b), int(s), positions)
+        except (ArithmeticError, AttributeError, IndexError, TypeError, ValueError):
+            return self.full().numeric_at(b, s, positions)  # as ``numeric``: a damaged entry
 
     def total(self, field_name: str, b: int, s: int) -> float:
         """Sum of one field over all rows at ``(b, s)``."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import sympy
 
-from passes.compiled_table import check_fixed, evaluate_rows
+from passes.compiled_table import check_fixed, evaluate_rows, row_shapes
 from passes.core import B, PassError, S
 from passes.table_fields import EXPR_FIELDS, GEMM_FIELDS, GEMM_TP_DIMS, INT_FIELDS, Gemm
 
@@ -313,9 +313,23 @@ class LayerTable:
         key = (int(b), int(s))
         if key not in self._cache:
             fn, index = self._fn if self._fn is not None else self._compile()
-            integers = [{name: getattr(lay, name) for name in INT_FIELDS} for lay in self.layers]
-            self._cache[key] = evaluate_rows(fn, index, integers, *key)
+            self._cache[key] = evaluate_rows(fn, index, self._integers(), *key)
         return [dict(row) for row in self._cache[key]]
+
+    def shapes(self) -> list[int]:
+        """Per layer, the number of its shape (``passes.compiled_table.row_shapes``): layers of one
+        shape have equal numbers at every ``(b, s)``."""
+        _fn, index = self._fn if self._fn is not None else self._compile()
+        return row_shapes(index, self._integers())
+
+    def numeric_at(self, b: int, s: int, positions: list[int]) -> list[dict[str, Any]]:
+        """``numeric(b, s)`` of the layers at ``positions`` only."""
+        check_fixed(self.fixed, b, s)
+        fn, index = self._fn if self._fn is not None else self._compile()
+        return evaluate_rows(fn, index, self._integers(), int(b), int(s), positions)
+
+    def _integers(self) -> list[dict[str, int]]:
+        return [{name: getattr(lay, name) for name in INT_FIELDS} for lay in self.layers]
 
     def nonzero_fields(self) -> frozenset[str]:
         """The ``EXPR_FIELDS`` that are not identically zero in some row (what a model has at

@@ -176,3 +176,20 @@ def test_long_sequences_fit_only_when_split(table):
 def test_bad_context_pins_say_what_to_do(pins, message):
     with pytest.raises(SearchError, match=message):
         _request(**pins)
+
+
+def test_costs_priced_through_the_shared_memo_are_those_priced_alone(table):
+    """Candidates that differ in the context method or the groups' placement share a row's passes
+    and tensor-parallel seconds through ``work_memo``; each one's costs are what a fresh table
+    (nothing shared) prices for it alone."""
+    cands = [
+        _cand(dp=dp, tp=2, cp=2, method=method, b=1, m=2, sequence_parallel=True)
+        for method in ("ring", "all-gather", "ulysses")
+        for dp in (1, 8)  # dp 8: the data-parallel group spans nodes
+    ]
+    shared = [_costs(table, cand) for cand in cands]
+    for cand, costs in zip(cands, shared):
+        alone = _costs(NumericTable(table.table), cand)  # a fresh memo
+        assert [dataclasses.asdict(cost) for cost in costs.layers] == [
+            dataclasses.asdict(cost) for cost in alone.layers
+        ]

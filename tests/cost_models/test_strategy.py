@@ -18,6 +18,7 @@ from cost_models.comm_cost import axis_placement, collective_time, zero_dp_colle
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
+from passes.compiled_table import CompiledTable
 from cost_models.strategy import (
     Candidate,
     NumericTable,
@@ -221,6 +222,35 @@ def test_numeric_table_caches_identical_blocks():
     reps, index = nt.groups(2, 64)
     assert len(reps) == 3 and index == [0] + [1] * 48 + [2]  # identical blocks are priced once
     assert nt.flops_per_sequence(64) == pytest.approx(sum(r["fwd_flops"] + r["bwd_flops"] for r in nt.rows(1, 64)))
+
+
+def _groups_by_value(rows: list[dict]) -> tuple[list[dict], list[int]]:
+    """Every row's numbers compared: the grouping ``NumericTable.groups`` must equal."""
+    distinct: list[dict] = []
+    index = []
+    for row in rows:
+        if row not in distinct:
+            distinct.append(row)
+        index.append(distinct.index(row))
+    return distinct, index
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    b=st.integers(1, 6),
+    s=st.sampled_from([1, 8, 64, 96]),
+    tail=st.sampled_from([None, 0.5]),
+    compiled=st.booleans(),
+)
+def test_groups_evaluate_one_row_per_shape_and_match_comparing_every_row(b, s, tail, compiled):
+    """``groups`` evaluates one layer of each shape only; its rows and index are those of
+    comparing every layer's numbers, for the symbolic table and its compiled form alike."""
+    symbolic = gpt_table(layers=5, hidden=64, heads=4, vocab=256, tail_boundary=tail)
+    table = CompiledTable(CompiledTable.record(symbolic), lambda: symbolic) if compiled else symbolic
+    assert len(set(table.shapes())) == (3 if tail is None else 4)  # pre, block (, last block), post
+    reps, index = NumericTable(table).groups(b, s)
+    want_reps, want_index = _groups_by_value(NumericTable(symbolic).rows(b, s))
+    assert index == want_index and reps == want_reps
 
 
 @settings(max_examples=40, deadline=None)
