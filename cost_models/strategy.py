@@ -216,6 +216,14 @@ class Candidate:
         if self.context_parallel > 1 and (self.compressed or self.offloads or self.expert_parallel > 1):
             raise ValueError(f"context parallelism runs without 1-bit Adam, offload or ep: {self.describe()}")
 
+    def compiled_as(self, on: bool) -> "Candidate":
+        """This candidate with ``compile`` set to ``on``, every other field as is (none of
+        ``__post_init__``'s checks reads it: a search makes thousands of these twins)."""
+        twin = object.__new__(Candidate)
+        twin.__dict__.update(self.__dict__)
+        twin.__dict__["compile"] = bool(on)
+        return twin
+
     @property
     def expert_load(self) -> float:
         """The busiest rank's expert rows over the even share (``cost_models.expert_cost.expert_load``)."""

@@ -66,7 +66,7 @@ MIN_CONTEXT_CHUNK = 1024
 def is_repeated(costs: CandidateCosts, kinds: Sequence[str]) -> bool:
     """True for ``pre``, identical ``block`` rows (the last may differ), ``post``: the tables the
     block-count ILP, the repeated-block bound and the min-max greedy handle."""
-    return costs.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and all(k == "block" for k in kinds[1:-1])
+    return costs.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and kinds.count("block") == len(kinds) - 2
 
 
 # ---------------------------------------------------------------------------------- bounds

@@ -370,7 +370,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     check_schedule_pins(request, len(table.layers))
     inputs = resolve_inputs(table.model.get("inputs"), request.inputs, request.spec)
     candidates = [
-        dataclasses.replace(candidate, compile=True) if request.compile == "on" else candidate  # eager as enumerated
+        candidate.compiled_as(True) if request.compile == "on" else candidate  # eager as enumerated
         for candidate in enumerate_candidates(request, table, gpus_per_node)
         if schedule_allows(candidate, len(table.layers), sched, virtual_stages)
     ]
@@ -398,7 +398,7 @@ def solve(request, table, hw: HardwareProfile, solver: str | None = None) -> Sol
     result, entries, compression = choose_compression(
         request,
         lambda variants: candidate_entries(
-            request, table, hw, gpus_per_node, [dataclasses.replace(v, compile=compiled) for v in variants]
+            request, table, hw, gpus_per_node, [v.compiled_as(compiled) for v in variants]
         ),
         table.kinds,
         entries,
@@ -594,7 +594,7 @@ class _Costs(Mapping):
         if entry is not None:
             return entry.costs
         if candidate not in self.others:
-            if dataclasses.replace(candidate, compile=not candidate.compile) not in self.entries:
+            if candidate.compiled_as(not candidate.compile) not in self.entries:
                 raise KeyError(candidate)  # neither it nor its other compile mode was enumerated
             self.others[candidate] = self.price(candidate)
         return self.others[candidate]
@@ -698,7 +698,7 @@ def _repriced(
     request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, evaluation: Evaluation, compiled: bool
 ) -> Evaluation:
     """``ev``'s strategy priced with its layers compiled (or not)."""
-    candidate = dataclasses.replace(evaluation.strategy.candidate, compile=compiled)
+    candidate = evaluation.strategy.candidate.compiled_as(compiled)
     costs = candidate_costs(
         table, hw, request.dtype, request.seq_len, candidate, gpus_per_node, hw.memory_bytes * request.memory_headroom
     )
@@ -734,9 +734,7 @@ def choose_compile(
             entries,
         )
     repriced = _repriced(request, table, hw, gpus_per_node, best, True)
-    compiled = candidate_entries(
-        request, table, hw, gpus_per_node, [dataclasses.replace(entry.cand, compile=True) for entry in entries]
-    )
+    compiled = candidate_entries(request, table, hw, gpus_per_node, [entry.cand.compiled_as(True) for entry in entries])
     pays = best.step_time_s - compile_seconds(hw, 1) / steps
     whole: SearchResult | None = None
     if (best.step_time_s - repriced.step_time_s) * steps > repriced.extra["compile_s"]:
@@ -775,9 +773,7 @@ def _compiled_first(
     The saving reported is the compiled winner's over its own strategy run eager (the eager winner,
     slower still, is known only when the probe found it)."""
     steps = request.horizon_steps()
-    compiled = candidate_entries(
-        request, table, hw, gpus_per_node, [dataclasses.replace(entry.cand, compile=True) for entry in entries]
-    )
+    compiled = candidate_entries(request, table, hw, gpus_per_node, [entry.cand.compiled_as(True) for entry in entries])
     if not _compiling_likely(entries, compiled, steps, compile_seconds(hw, len(set(table.kinds)))):
         return None
     result = search(compiled, table.kinds, request.checkpoint, solver)
@@ -819,7 +815,7 @@ def _compiled_twins(result: SearchResult, compiled: list[Entry]) -> list[Evaluat
     twins = []
     for evaluation in result.ranked + result.extra:
         strategy = evaluation.strategy
-        entry = entries.get(dataclasses.replace(strategy.candidate, compile=True))
+        entry = entries.get(strategy.candidate.compiled_as(True))
         if entry is not None:
             twins.append(
                 evaluate(entry.costs, strategy.stages, sorted(strategy.checkpoint), sorted(strategy.selective))

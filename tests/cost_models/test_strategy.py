@@ -18,7 +18,6 @@ from cost_models.comm_cost import axis_placement, collective_time, zero_dp_colle
 from cost_models.compute import compute_time, optimizer_step_time
 from cost_models.hardware import load_hardware
 from cost_models.memory import model_state_bytes, shard_elements
-from passes.compiled_table import CompiledTable
 from cost_models.strategy import (
     Candidate,
     NumericTable,
@@ -30,6 +29,7 @@ from cost_models.strategy import (
     state_floor,
     work_floor,
 )
+from passes.compiled_table import CompiledTable
 from planner.errors import UserError
 from planner.search.candidates import (
     check_pins,
