@@ -162,6 +162,9 @@ class _Walk:
         self.data: set[fx.Node] = set()
         self.tags: dict[str, set] = {}  # origin name -> {"heads", "loss", ("parts", sizes)}
         self.uses: dict[str, list] = {}  # param key -> [(user, (kind, dim, size) | None)]
+        self.row_origins: dict[str, frozenset] = {}
+        """A row-parallel matmul's name -> the column-parallel matmuls whose shard it reads: what
+        keeping replicated undoes its sharded use of its weight (it cannot be banned itself)."""
         self.col_out: dict[str, int] = {}  # column-parallel matmul -> its output features
 
     # ------------------------------------------------------------------ helpers
@@ -297,6 +300,7 @@ class _Walk:
         if state.size != shape_of(weight)[in_dim]:
             self.conflict(n, "matmul contraction does not match the sharded features", x)
         self.use(weight, n, ("row", in_dim, state.size))
+        self.row_origins[n.name] = state.origins
         if bias is not None:
             self.use(bias, n, None)
         self.set(n, None, "row")
@@ -328,8 +332,12 @@ class _Walk:
                 continue
             kinds = {(use_spec[1], use_spec[2]) if use_spec is not None else None for _, use_spec in uses}
             if len(kinds) > 1:
+                # undo a row-parallel use first (keep the region whose shard it reads replicated:
+                # OPT's head behind its column-parallel projection, tied to the vocab-parallel
+                # embedding, then splits the vocabulary as the embedding does), else every one
+                rows = [self.row_origins[user.name] for user in sharding if user.name in self.row_origins]
                 raise TPConflict(
-                    frozenset(user.name for user in sharding),
+                    frozenset().union(*rows) if rows else frozenset(user.name for user in sharding),
                     sharding[0],
                     f"the weight {key} is used both sharded and replicated (or sharded two ways)",
                 )

@@ -27,7 +27,7 @@ from tests.helpers import TESTS, manual_plan
 
 ARCHS_FILE = os.path.join(TESTS, "fixtures", "hf_archs.py")
 EAGER_FILE = os.path.join(TESTS, "fixtures", "tp_models.py")
-CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2)]
+CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2), ("opt_proj", 2)]
 WORLD, MBS, SEQ = 4, 2, 16
 #: Per architecture, attention weights of its blocks and the shard each must get (their attention
 #: stayed whole before): q, k, v sliced from one projection (Phi-3), chunked with ALiBi added to
@@ -38,7 +38,11 @@ SPLIT = {
     "olmo2": {"q_proj.weight": {"kind": "heads"}, "q_norm.weight": {"kind": "column"}},
     "bitnet": {"o_proj.weight": {"kind": "row"}, "attn_sub_norm.weight": {"kind": "column"}},
     "apertus": {"mlp.up_proj.weight": {"kind": "column"}, "mlp.down_proj.weight": {"kind": "row"}},
+    "opt_proj": {"self_attn.q_proj.weight": {"kind": "heads"}, "fc1.weight": {"kind": "column"}},
 }
+#: Per architecture, weights outside the blocks and the shard each must get: OPT-350m's head, behind
+#: a projection out of the blocks and tied to the embedding, keeps the vocabulary split.
+SPLIT_ONCE = {"opt_proj": {"lm_head.weight": {"dim": 0, "kind": "vocab"}}}
 
 
 def _file(arch: str) -> str:
@@ -125,3 +129,6 @@ def test_arch_tp_matches_original(runs, arch, tp):
     for suffix, want in SPLIT.get(arch, {}).items():  # once per block, sharded as it must be
         shards = [e["shard"] for e in stage["params"].values() if e["fqn"].endswith(suffix)]
         assert len(shards) == 2 and all(shard and shard.items() >= want.items() for shard in shards), shards
+    for suffix, want in SPLIT_ONCE.get(arch, {}).items():
+        shards = [e["shard"] for e in stage["params"].values() if e["fqn"].endswith(suffix)]
+        assert len(shards) == 1 and shards[0] and shards[0].items() >= want.items(), shards
