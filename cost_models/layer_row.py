@@ -262,8 +262,8 @@ class NumericTable:
         if key not in self._rows:
             if self._shapes is None:
                 self._shapes = self.table.shapes()
-            firsts = list({shape: position for position, shape in reversed(list(enumerate(self._shapes)))}.values())
-            firsts.sort()
+            # shapes are numbered in order of first appearance: their first layers, in layer order
+            firsts = [self._shapes.index(shape) for shape in range(len(set(self._shapes)))]
             numbers = self.table.numeric_at(micro_batch, seq_len, firsts)
             distinct: dict[tuple, int] = {}
             representatives: list[dict[str, Any]] = []

@@ -24,7 +24,15 @@ from cost_models.wgrad import fused_weight_elements, wgrad_device_time, wgrad_ke
 from passes.table_fields import Gemm
 from runtime.contract.collective_bytes import ring_bytes
 
-__all__ = ["COMPILED_REGION_OPS", "COMPILED_BYTES_FRACTION", "compiled_regions", "LayerCost", "WorkSetting", "row_work"]
+__all__ = [
+    "COMPILED_REGION_OPS",
+    "COMPILED_BYTES_FRACTION",
+    "compiled_regions",
+    "LayerCost",
+    "WorkSetting",
+    "remembered",
+    "row_work",
+]
 
 #: Host cost of one call of a compiled region, in eager operator calls (``hw.op_overhead_s`` each):
 #: forward; backward twice that, like an eager operator (module docstring, "compiled").
@@ -483,14 +491,14 @@ def _shared_times(
 ) -> tuple[_PassTimes, _TpTimes]:
     """The row's passes and tensor-parallel collectives, each keyed by what it reads."""
     tp, sequence_parallel = setting.tp, setting.sequence_parallel
-    passes = _remembered(
+    passes = remembered(
         memo,
         ("passes", id(row), id(hw), dtype, tp, sequence_parallel, setting.compiled, setting.tokens)
         + (setting.overlap_tp, setting.expert, params),
         lambda: _pass_times(row, hw, dtype, setting, params),
         (row, hw),
     )
-    tp_comm = _remembered(
+    tp_comm = remembered(
         memo,
         ("tp_times", id(row), id(hw), tp, sequence_parallel, setting.tp_placement),
         lambda: _tp_times(row, hw, setting),
@@ -499,7 +507,7 @@ def _shared_times(
     return passes, tp_comm
 
 
-def _remembered(memo: dict | None, key: tuple, compute: Callable[[], Any], keyed_by: tuple) -> Any:
+def remembered(memo: dict | None, key: tuple, compute: Callable[[], Any], keyed_by: tuple) -> Any:
     """``compute()``, through ``memo`` when given; the objects whose ids are in ``key``
     (``keyed_by``) stay referenced beside the value, so their ids cannot be reused."""
     if memo is None:

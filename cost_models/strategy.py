@@ -98,6 +98,7 @@ from cost_models.layer_work import (
     LayerCost,
     WorkSetting,
     compiled_regions,
+    remembered,
     row_work,
 )
 from cost_models.memory import (
@@ -755,13 +756,9 @@ def _row_work(
     row: LayerRow, hw: HardwareProfile, dtype: str, setting: WorkSetting, memo: dict | None
 ) -> tuple[LayerCost, float]:
     """``row_work``, through ``memo`` (``NumericTable.work_memo``) when given."""
-    key = (id(row), id(hw), dtype, setting)
-    cached = memo.get(key) if memo is not None else None
-    if cached is None:
-        cached = row_work(row, hw, dtype, setting, memo), row, hw
-        if memo is not None:  # the row and profile stay referenced: their ids cannot be reused
-            memo[key] = cached
-    return cached[0]
+    return remembered(
+        memo, (id(row), id(hw), dtype, setting), lambda: row_work(row, hw, dtype, setting, memo), (row, hw)
+    )
 
 
 def _state_key(work: LayerCost, backward_s: float, pricing: _CandidatePricing) -> tuple:

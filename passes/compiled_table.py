@@ -66,7 +66,7 @@ def evaluate_rows(
 
 
 def row_shapes(index: Index, integers: list[dict[str, int]]) -> list[int]:
-    """Per row, the number of its shape: rows of one shape read the same results of the compiled
+    """Per row, the number of its shape (numbered in order of first appearance): rows of one shape read the same results of the compiled
     function (its expressions are deduplicated) and have the same integers, so their numbers are
     equal at every ``(b, s)``: a 96-block table has a handful of shapes."""
     shapes: dict[tuple, int] = {}
