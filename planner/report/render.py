@@ -401,14 +401,20 @@ def _abridged(items: list[str], separator: str, keep: int = 4) -> str:
 
 
 def _memory_table(plan, hw: HardwareProfile | None) -> Table:
-    """Bytes per device on the most loaded device, by kind, against the capacity."""
+    """Bytes per device on the most loaded device at its peak, by kind, against the capacity."""
     capacity = hw.memory_bytes if hw is not None else None
-    table = Table(title="Memory per device (most loaded device)", title_justify="left")
+    memory = plan.predicted.memory
+    caption = None
+    if plan.zero_stage >= 2 and memory["grads"] == 0:  # a newcomer would read 0 B as a mistake
+        caption = "grads 0 B: the peak comes before any layer's backward has made its ZeRO gradient shard."
+    table = Table(
+        title="Memory per device (most loaded, at peak)", title_justify="left", caption=caption, caption_justify="left"
+    )
     table.add_column("kind")
     table.add_column("bytes", justify="right")
     table.add_column("of capacity", justify="right")
     for kind in ("params", "grads", "optimizer", "activations", "total"):
-        size = plan.predicted.memory[kind]
+        size = memory[kind]
         table.add_row(kind, format_bytes(size), f"{size / capacity:.1%}" if capacity else "-")
     if capacity:
         table.add_row("capacity", format_bytes(capacity), "100.0%")

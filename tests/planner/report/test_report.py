@@ -309,3 +309,15 @@ def test_a_ranks_chunks_name_their_layers_once_per_run_of_siblings():
         _chunk_names(["model.layers.3 .. model.layers.5", "model.norm"])
         == "model.layers.3 .. model.layers.5; model.norm"
     )
+
+
+def test_a_zero_2_peak_without_gradient_shards_says_why_grads_are_0(plan):
+    """ZeRO 2/3 with one micro-batch peak before any backward made a gradient shard: the memory
+    table says so beside its 0 B, and only then."""
+    memory = dict(plan.predicted.memory, grads=0)
+    sharded = dataclasses.replace(plan, zero_stage=2, predicted=dataclasses.replace(plan.predicted, memory=memory))
+    assert "grads 0 B: the peak comes before" in _render(sharded)
+    assert "the peak comes before" not in _render(dataclasses.replace(sharded, zero_stage=1))
+    assert plan.predicted.memory["grads"] > 0 and "the peak comes before" not in _render(
+        dataclasses.replace(plan, zero_stage=2)
+    )
