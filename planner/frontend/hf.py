@@ -434,7 +434,25 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
         if isinstance(tid, int) and tid >= cfg.vocab_size:
             setattr(cfg, tok, cfg.vocab_size - 1)
     cfg._attn_implementation = "sdpa"  # build_hf_dir falls back to eager for a class without SDPA
+    _check_routing(cfg, cfg_file)
     return cfg
+
+
+#: Config attributes naming the experts a token is routed to, and the routed experts of a layer.
+_TOP_K_ATTRS = ("num_experts_per_tok", "moe_top_k")
+_EXPERT_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_routing(cfg, cfg_file: str) -> None:
+    """A ``ModelError`` when a mixture of experts routes each token to more experts than a layer
+    has (an edited config: the trace would fail deep in the router's ``topk``)."""
+    top_k = next(((attr, config_int(cfg, attr)) for attr in _TOP_K_ATTRS if config_int(cfg, attr)), None)
+    experts = next(((attr, config_int(cfg, attr)) for attr in _EXPERT_ATTRS if config_int(cfg, attr)), None)
+    if top_k and experts and top_k[1] > experts[1]:
+        raise ModelError(
+            f"{cfg_file} routes each token to {top_k[0]} = {top_k[1]} experts, more than the "
+            f"{experts[1]} a layer has ({experts[0]}); lower {top_k[0]} or raise {experts[0]}."
+        )
 
 
 def _set_layer_count(cfg, layers: int) -> None:

@@ -242,6 +242,7 @@ def _quiet_torch_logs():
         "torch._dynamo",
         "torch._functorch",
         "torch.fx.experimental.recording",
+        "torch._subclasses",  # a meta kernel's failure is logged whole, then raised (and explained)
     )
     saved = [(logger, logger.level) for logger in map(logging.getLogger, names)]
     for logger, _ in saved:
@@ -746,7 +747,7 @@ def _export_training_module(
             tensor.to(to_torch(dtype)) if tensor.is_floating_point() else tensor for tensor in bundle.example_inputs
         )
     try:
-        with _uncached_fake_tensors(), _HostListIndices(), exportable():
+        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices(), exportable():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message
         raise explain_export_error(e, spec) from e

@@ -81,3 +81,54 @@ def test_an_encoder_without_architectures_is_told_its_masked_lm_class(tmp_path, 
     data = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**data, "architectures": [example]}))
     assert _plan(f"hf:{tmp_path}", capsys)[0] == 0  # the advice works
+
+
+def test_a_mixture_routing_to_more_experts_than_it_has_is_named(tmp_path, capsys):
+    """An edited MoE config whose top-k exceeds its experts: the config's two fields, not a
+    failure deep in the router's ``topk`` while tracing."""
+    transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=6,
+    ).save_pretrained(str(tmp_path))
+    rc, err = _plan(f"hf:{tmp_path}", capsys)
+    assert rc == 2
+    assert "num_experts_per_tok = 6 experts, more than the 4 a layer has (num_local_experts)" in err
+
+
+BAD_MODEL = """
+import torch
+from torch import nn
+
+
+class TopTooMany(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 8)
+
+    def forward(self, ids):
+        return torch.topk(self.embed(ids), 9, dim=-1).values.sum()  # 9 of 8 features
+
+
+def factory():
+    return TopTooMany(), (torch.zeros(2, 8, dtype=torch.long),)
+"""
+
+
+def test_a_trace_that_fails_in_a_kernel_prints_the_reason_not_torchs_log(tmp_path, capfd):
+    """torch logs a meta kernel's failure whole (a traceback per line) before raising it: the
+    CLI prints its one explained error only, whatever stream the log handler holds."""
+    model = tmp_path / "bad_model.py"
+    model.write_text(BAD_MODEL)
+    rc = main(
+        ["plan", "--model", f"{model}:factory", "--gpus", "1", "--hardware", "cpu", "--global-batch", "2"]
+        + ["--seq-len", "8", "--dtype", "fp32", "--out", os.devnull, "--json"]
+    )
+    err = capfd.readouterr().err
+    assert rc == 2 and "Cannot trace" in err and "k not in range" in err
+    assert "Traceback" not in err and "fake_tensor" not in err, err[:2000]
