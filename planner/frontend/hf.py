@@ -435,7 +435,23 @@ def dir_config(path: str, sizes: dict, *, weights: bool, dropout: float = 0.0):
             setattr(cfg, tok, cfg.vocab_size - 1)
     cfg._attn_implementation = "sdpa"  # build_hf_dir falls back to eager for a class without SDPA
     _check_routing(cfg, cfg_file)
+    _check_rotary(cfg, cfg_file, sizes)
     return cfg
+
+
+def _check_rotary(cfg, cfg_file: str, sizes: dict) -> None:
+    """A ``ModelError`` when a rotary embedding of ``rotary_dim`` features (GPT-J, CodeGen) is
+    wider than a head: what ``--hidden`` / ``--heads`` smaller than the config's make (the trace
+    would fail on a broadcast in the rotation)."""
+    rotary, heads, hidden = (config_int(cfg, attr) for attr in ("rotary_dim", "num_attention_heads", "hidden_size"))
+    if rotary and heads and hidden and rotary > hidden // heads:
+        flags = " ".join(f"--{key.replace('_', '-')} {sizes[key]}" for key in ("hidden", "heads") if key in sizes)
+        raise ModelError(
+            f"{cfg_file}: rotary_dim {rotary} is wider than a head ({hidden} / {heads} heads = "
+            f"{hidden // heads} features)"
+            + (f" under {flags}" if flags else "")
+            + f"; keep hidden / heads at least {rotary}, or lower rotary_dim."
+        )
 
 
 #: Config attributes naming the experts a token is routed to, and the routed experts of a layer.

@@ -132,3 +132,15 @@ def test_a_trace_that_fails_in_a_kernel_prints_the_reason_not_torchs_log(tmp_pat
     err = capfd.readouterr().err
     assert rc == 2 and "Cannot trace" in err and "k not in range" in err
     assert "Traceback" not in err and "fake_tensor" not in err, err[:2000]
+
+
+def test_a_rotary_embedding_wider_than_a_head_names_the_flag(tmp_path, capsys):
+    """GPT-J rotates ``rotary_dim`` features of each head: ``--heads`` that narrow a head below it
+    are named, with the sizes, before any trace; the config's own heads plan."""
+    transformers.GPTJConfig(
+        n_embd=64, n_head=2, rotary_dim=16, n_layer=1, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    ).save_pretrained(str(tmp_path))
+    rc, err = _plan(f"hf:{tmp_path}", capsys, "--heads", "8")
+    assert rc == 2
+    assert "rotary_dim 16 is wider than a head (64 / 8 heads = 8 features) under --heads 8" in err
+    assert _plan(f"hf:{tmp_path}", capsys)[0] == 0
