@@ -461,10 +461,11 @@ _EXPERT_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_nu
 
 def _check_routing(cfg, cfg_file: str) -> None:
     """A ``ModelError`` when a mixture of experts routes each token to more experts than a layer
-    has (an edited config: the trace would fail deep in the router's ``topk``)."""
+    has (an edited config: the trace would fail deep in the router's ``topk``). One expert is no
+    mixture: Jamba then builds a plain MLP whatever its top-k."""
     top_k = next(((attr, value) for attr in _TOP_K_ATTRS if (value := config_int(cfg, attr))), None)
     experts = next(((attr, value) for attr in _EXPERT_ATTRS if (value := config_int(cfg, attr))), None)
-    if top_k and experts and top_k[1] > experts[1]:
+    if top_k and experts and 1 < experts[1] < top_k[1]:
         raise ModelError(
             f"{cfg_file} routes each token to {top_k[0]} = {top_k[1]} experts, more than the "
             f"{experts[1]} a layer has ({experts[0]}); lower {top_k[0]} or raise {experts[0]}."

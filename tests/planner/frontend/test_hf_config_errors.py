@@ -99,6 +99,21 @@ def test_a_mixture_routing_to_more_experts_than_it_has_is_named(tmp_path, capsys
     rc, err = _plan(f"hf:{tmp_path}", capsys)
     assert rc == 2
     assert "num_experts_per_tok = 6 experts, more than the 4 a layer has (num_local_experts)" in err
+    # one expert is no mixture (Jamba builds a plain MLP): nothing to refuse
+    one = tmp_path / "jamba"
+    transformers.JambaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        num_experts=1,
+        num_experts_per_tok=2,
+        attn_layer_period=1,
+        attn_layer_offset=0,
+    ).save_pretrained(str(one))
+    assert _plan(f"hf:{one}", capsys)[0] == 0
 
 
 BAD_MODEL = """
