@@ -84,7 +84,8 @@ from cost_models.schedule_cost import (
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 from planner.search.candidates import forced_micro_step, memory_lower_bound, tail_bound, total_work
 from planner.search.ilp import _rank_key
-from planner.search.program_cache import cached_program
+from planner.search.order_arrays import OrderArrays, has_kind, peak_open, weighted_held
+from planner.search.program_cache import cached_order, cached_program
 from planner.search.search_errors import SearchError
 from runtime.contract.choices import ScheduleName
 from runtime.contract.schedule_ir import (
@@ -97,9 +98,6 @@ from runtime.contract.schedule_ir import (
     interleaved_compute,
     interleaved_one_f_one_b,
     one_f_one_b,
-    peak_inflight,
-    peak_open,
-    peak_weight_pending,
     zero_bubble_h1,
 )
 
@@ -273,24 +271,24 @@ def pipeline_memory(
 ) -> SimulatedPipeline:
     """What :func:`simulate_pipeline` says of memory (``held``, ``w_pending``, ``held_between``),
     without simulating: the order of each rank's actions fixes it, not their times (makespan and
-    messages 0). What lets :func:`best_schedule` skip simulating a schedule that does not fit."""
+    messages 0). What lets :func:`best_schedule` skip simulating a schedule that does not fit.
+    Read off the order as arrays (:mod:`planner.search.order_arrays`)."""
     warm = _warm(name)
-    sched = compute_order(
+    order = order_arrays(
         name, stages, micro_batches if micro_batches <= (warm + 2) * stages else (warm + 1) * stages, virtual_stages
     )
-    peaks = peak_weight_pending(sched) if name == ScheduleName.ZERO_BUBBLE else peak_inflight(sched)
+    # the activations in flight; zero bubble keeps a chunk's whole graph until its W
+    split = name == ScheduleName.ZERO_BUBBLE and any(has_kind(order, W))
+    peaks = peak_open(order, F, W if split else B)
     held = tuple(min(k, micro_batches * virtual_stages) / virtual_stages for k in peaks)
-    short = compute_order(name, stages, min(micro_batches, (warm + 1) * stages), virtual_stages)
-    pending = tuple(min(k, 1) / virtual_stages for k in _peak_b_to_w(short))
+    short = order_arrays(name, stages, min(micro_batches, (warm + 1) * stages), virtual_stages)
+    pending = tuple(
+        min(peak if with_w else 0, 1) / virtual_stages
+        for peak, with_w in zip(peak_open(short, B, W), has_kind(short, W))
+    )
     if times.act_bytes is not None:  # chunks of unequal size: which ones are in flight matters
-        at_b, anywhere = _weighted_held(
-            short,
-            stages,
-            virtual_stages,
-            times.act_bytes,
-            W if name == ScheduleName.ZERO_BUBBLE else B,
-            times.keep_bytes,
-            times.free_bytes,
+        at_b, anywhere = weighted_held(
+            short, times.act_bytes, W if name == ScheduleName.ZERO_BUBBLE else B, times.keep_bytes, times.free_bytes
         )
         held = tuple(weighted if math.isfinite(weighted) else plain for plain, weighted in zip(held, at_b))
         if times.keep_bytes is not None:  # the kept gradients are in the followed bytes
@@ -305,39 +303,17 @@ def pipeline_memory(
     return SimulatedPipeline(makespan_s=0.0, held=held, messages=0, w_pending=pending)
 
 
-def _weighted_held(
-    sched: Schedule, stages: int, virtual_stages: int, act_bytes, release: str, keep_bytes=None, free_bytes=None
-) -> tuple[list[float], list[float]]:
-    """Per rank, the bytes its in-flight (chunk, micro-batch) pairs hold (a chunk's ``F`` adds its
-    activations, its ``release`` action frees them; with ``keep_bytes``, the end of a ``B`` adds the
-    gradients kept for its ``W``, which frees them; with ``free_bytes``, the end of a ``B`` already
-    frees that much of the activations, the rest goes at ``release``), in units of the rank's activations of one
-    micro-batch (what the memory model multiplies): ``(most held when a backward starts, most held
-    at any moment)``. A backward's transients come on top of the first; the second matters when
-    kept gradients outlast them. The order of a rank's actions fixes both: no timing needed."""
-    at_b, anywhere = [], []
-    for rank, acts in enumerate(sched):
-        per_mb = sum(act_bytes[chunk * stages + rank] for chunk in range(virtual_stages))
-        live = peak = peak_b = 0.0
-        for action in acts:
-            chunk = action.chunk * stages + rank
-            if action.kind == F:
-                live += act_bytes[chunk]
-            early = free_bytes[chunk] if free_bytes is not None and release != B else 0.0
-            if action.kind == B:
-                peak_b = max(peak_b, live)
-                if keep_bytes is not None:
-                    live += keep_bytes[chunk]
-                peak = max(peak, live)  # the kept gradients are all made before B drops its outputs
-                live -= early
-            if action.kind == W and keep_bytes is not None:
-                live -= keep_bytes[chunk]
-            if action.kind == release:
-                live -= act_bytes[chunk] - early
-            peak = max(peak, live)
-        at_b.append(peak_b / per_mb if per_mb > 0 else math.inf)
-        anywhere.append(peak / per_mb if per_mb > 0 else math.inf)
-    return at_b, anywhere
+@functools.lru_cache(maxsize=128)
+def order_arrays(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> OrderArrays:
+    """:func:`compute_order` as arrays, cached in this process and on disk
+    (:func:`planner.search.program_cache.cached_order`): what the memory analyses read."""
+    return cached_order(
+        name,
+        stages,
+        micro_batches,
+        virtual_stages,
+        lambda: OrderArrays.of(compute_order(name, stages, micro_batches, virtual_stages), virtual_stages),
+    )
 
 
 def _busiest(stages: int, times: ChunkTimes) -> float:
@@ -354,13 +330,6 @@ def _busiest(stages: int, times: ChunkTimes) -> float:
         )
         for rank in range(stages)
     )
-
-
-def _peak_b_to_w(sched: Schedule) -> list[int]:
-    """Per rank, the most micro-batch chunks whose ``B`` has run and whose ``W`` has not (0 on a
-    rank without ``W`` actions)."""
-    peaks = peak_open(sched, B, W)
-    return [peak if any(action.kind == W for action in acts) else 0 for peak, acts in zip(peaks, sched)]
 
 
 def schedule_options(

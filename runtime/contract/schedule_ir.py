@@ -791,15 +791,38 @@ class TimingProgram:
     """A step's slot when it is a receive (its message is the index of the send's step)."""
 
     def __init__(self, ranks: int, chunks: int, steps: Sequence[Sequence[int]], split: bool):
+        steps = list(steps)
+        self._init(
+            ranks, chunks, [step[0] for step in steps], [step[1] for step in steps], [step[2] for step in steps], split
+        )
+
+    @classmethod
+    def of_columns(
+        cls, ranks: int, chunks: int, rank: list[int], slot: list[int], message: list[int], *, split: bool
+    ) -> "TimingProgram":
+        """The program of these steps given as three columns (what a store of the program reads
+        back without building a tuple per step)."""
+        program = cls.__new__(cls)
+        program._init(ranks, chunks, rank, slot, message, split)
+        return program
+
+    def _init(self, ranks: int, chunks: int, rank: list[int], slot: list[int], message: list[int], split: bool) -> None:
+        if not len(rank) == len(slot) == len(message):
+            raise ValueError("the columns of a program's steps differ in length")
         self.ranks, self.chunks = ranks, chunks
-        self.steps = steps
-        """``(rank, slot, message)`` per action in a runnable order; ``slot`` is ``k p v + c`` for
-        compute kind ``k`` (``F``, ``B``, ``W``) of model chunk ``c``, else :attr:`SEND` or
-        :attr:`RECEIVE`."""
+        self.columns = (rank, slot, message)
+        """The steps as three columns: ``rank``, ``slot`` and ``message`` per action in a runnable
+        order; ``slot`` is ``k p v + c`` for compute kind ``k`` (``F``, ``B``, ``W``) of model
+        chunk ``c``, else :attr:`SEND` or :attr:`RECEIVE`."""
         self.split = split
         """Whether the schedule has ``W`` actions (``B`` is then the input-gradient half)."""
-        self.messages = sum(1 for step in steps if step[1] == _SEND_SLOT)
+        self.messages = slot.count(_SEND_SLOT)
         """Point-to-point messages of one step, over all ranks."""
+
+    @property
+    def steps(self) -> list[tuple[int, int, int]]:
+        """``(rank, slot, message)`` per action in a runnable order (:attr:`columns` as rows)."""
+        return list(zip(*self.columns))
 
     @classmethod
     def of(cls, sched: Schedule) -> "TimingProgram":
@@ -865,8 +888,8 @@ class TimingProgram:
             for chunk in range(self.ranks * self.chunks)
         ]
         clock = [0.0] * self.ranks
-        arrivals = [0.0] * len(self.steps)  # by the index of the send's step
-        for rank, slot, message in self.steps:
+        arrivals = [0.0] * len(self.columns[0])  # by the index of the send's step
+        for rank, slot, message in zip(*self.columns):
             if slot >= 0:
                 clock[rank] += table[slot]
             elif slot == _SEND_SLOT:
