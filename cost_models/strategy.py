@@ -1289,10 +1289,10 @@ def _one_f_one_b_stage(
     return stage_cost(costs, work, forward_s, memory, bound)
 
 
-def _stage_comm_bytes(cand: Candidate, work: StageWork) -> float:
+def _stage_comm_bytes(cand: Candidate, work: StageWork, dp_step_sent_b: float) -> float:
     """Bytes a device of the stage sends per step: every micro-batch's TP, EP and CP traffic (the
-    recomputed forwards' again), its transfers and ZeRO traffic, the per-step DP traffic and the
-    step's control collectives."""
+    recomputed forwards' again), its transfers and ZeRO traffic, the per-step DP traffic
+    (``dp_step_sent_b``, the stage's sum) and the step's control collectives."""
     view = work.layers
     tp_passes = sum(
         layer.tp_sent_b
@@ -1304,33 +1304,62 @@ def _stage_comm_bytes(cand: Candidate, work: StageWork) -> float:
     )
     return (
         cand.num_micro_batches * (tp_passes + work.sent_b + sum(layer.zero_mb_sent_b for layer in view))
-        + sum(layer.dp_step_sent_b for layer in view)
+        + dp_step_sent_b
         + step_control_bytes(cand.weight_dp, cand.tp, cand.pp)
     )
+
+
+#: The layer fields a stage sums over all its layers (:func:`stage_cost`).
+_STAGE_SUMS = (
+    "compute_s",
+    "tp_s",
+    "zero_mb_s",
+    "dp_step_s",
+    "opt_s",
+    "warmup_dp_step_s",
+    "warmup_dp_contention_s",
+    "warmup_opt_s",
+    "dp_step_sent_b",
+    "warmup_dp_step_sent_b",
+    "ep_s",
+    "cp_s",
+    "offload_mb_s",
+    "offload_step_s",
+    "host_b",
+    "nvme_b",
+    "tp_hidden_s",
+    "zero_mb_hidden_s",
+    "dp_step_hidden_s",
+    "dp_contention_s",
+    "cp_hidden_s",
+)
+#: And over its recomputed layers.
+_RECOMPUTED_SUMS = ("ep_rec_s", "cp_rec_s", "tp_rec_s", "tp_rec_hidden_s")
+
+
+def _field_sums(layers: Sequence[LayerCost], names: Sequence[str]) -> dict[str, float]:
+    """Each named field summed over ``layers``, in order (what ``sum`` of each gives): the fields
+    read once per layer, the columns summed in C."""
+    rows = map(operator.attrgetter(*names), layers)
+    totals = list(map(sum, zip(*rows))) if layers else [0] * len(names)
+    return dict(zip(names, totals))
 
 
 def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory: dict, bound: int) -> StageCost:
     """A stage's cost from its layers and schedule-decided parts (``forward_s``: the forward part
     of its micro-step but the transfers, which are split evenly between the two passes)."""
     cand, view = costs.cand, work.layers
-    compute = sum(layer.compute_s for layer in view)
-    tp_s = sum(layer.tp_s for layer in view)
-    zero_mb_s = sum(layer.zero_mb_s for layer in view)
-    busy = compute + tp_s + work.recompute_s + work.p2p_s + sum(layer.ep_s + layer.cp_s for layer in view)
+    total = _field_sums(view, _STAGE_SUMS)
     # the collectives, all-to-alls and context exchanges of the recomputed forwards are in
     # ``recompute_s`` (``rec_s``); reported as tp_comm, ep_comm and cp_comm (as the runtime times them)
-    ep_rec_s = sum(layer.ep_rec_s for layer, whole in zip(view, work.recomputed) if whole)
-    cp_rec_s = sum(layer.cp_rec_s for layer, whole in zip(view, work.recomputed) if whole)
-    tp_rec_s = sum(layer.tp_rec_s for layer, whole in zip(view, work.recomputed) if whole)
-    comm = _stage_comm_bytes(cand, work)
+    again = _field_sums([layer for layer, whole in zip(view, work.recomputed) if whole], _RECOMPUTED_SUMS)
+    compute, tp_s, zero_mb_s = total["compute_s"], total["tp_s"], total["zero_mb_s"]
+    busy = compute + tp_s + work.recompute_s + work.p2p_s + sum(layer.ep_s + layer.cp_s for layer in view)
+    comm = _stage_comm_bytes(cand, work, total["dp_step_sent_b"])
     forward_s = forward_s + work.p2p_s / 2
-    dp_s, opt_s = sum(layer.dp_step_s for layer in view), sum(layer.opt_s for layer in view)
-    warmup_dp_s = sum(layer.warmup_dp_step_s for layer in view)
-    warmup_contention_s = sum(layer.warmup_dp_contention_s for layer in view)
-    warmup_opt_s = sum(layer.warmup_opt_s for layer in view)
-    warmup_comm = (
-        comm - sum(layer.dp_step_sent_b for layer in view) + sum(layer.warmup_dp_step_sent_b for layer in view)
-    )
+    dp_s, opt_s = total["dp_step_s"], total["opt_s"]
+    warmup_dp_s, warmup_opt_s = total["warmup_dp_step_s"], total["warmup_opt_s"]
+    warmup_comm = comm - total["dp_step_sent_b"] + total["warmup_dp_step_sent_b"]
     exchange = None
     if cand.compressed:  # the stage's whole vector, exactly, in place of the layers' shares
         exchange = compressed_exchange(costs, view)
@@ -1349,10 +1378,10 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         first=work.first,
         last=work.last,
         compute_s=compute,
-        recompute_s=work.recompute_s - ep_rec_s - cp_rec_s - tp_rec_s,
-        tp_s=tp_s + tp_rec_s,
-        ep_s=sum(layer.ep_s for layer in view) + ep_rec_s,
-        cp_s=sum(layer.cp_s for layer in view) + cp_rec_s,
+        recompute_s=work.recompute_s - again["ep_rec_s"] - again["cp_rec_s"] - again["tp_rec_s"],
+        tp_s=tp_s + again["tp_rec_s"],
+        ep_s=total["ep_s"] + again["ep_rec_s"],
+        cp_s=total["cp_s"] + again["cp_rec_s"],
         p2p_s=work.p2p_s,
         zero_mb_s=zero_mb_s,
         work_s=busy,
@@ -1364,21 +1393,21 @@ def stage_cost(costs: CandidateCosts, work: StageWork, forward_s: float, memory:
         memory=memory,
         comm_bytes=comm,
         memory_bound=bound,
-        offload_mb_s=sum(layer.offload_mb_s for layer in view),
-        offload_step_s=sum(layer.offload_step_s for layer in view),
-        host_b=sum(layer.host_b for layer in view) + (costs.host_buffers_b if cand.offloads else 0),
-        nvme_b=sum(layer.nvme_b for layer in view),
+        offload_mb_s=total["offload_mb_s"],
+        offload_step_s=total["offload_step_s"],
+        host_b=total["host_b"] + (costs.host_buffers_b if cand.offloads else 0),
+        nvme_b=total["nvme_b"],
         warmup_dp_s=warmup_dp_s,
         warmup_opt_s=warmup_opt_s,
-        warmup_contention_s=warmup_contention_s,
+        warmup_contention_s=total["warmup_dp_contention_s"],
         warmup_comm_bytes=warmup_comm,
         exchange=exchange,
-        tp_hidden_s=sum(layer.tp_hidden_s for layer in view),
-        rec_hidden_s=sum(layer.tp_rec_hidden_s for layer, whole in zip(view, work.recomputed) if whole),
-        zero_mb_hidden_s=sum(layer.zero_mb_hidden_s for layer in view),
-        dp_hidden_s=sum(layer.dp_step_hidden_s for layer in view),
-        dp_contention_s=sum(layer.dp_contention_s for layer in view),
-        cp_hidden_s=sum(layer.cp_hidden_s for layer in view),
+        tp_hidden_s=total["tp_hidden_s"],
+        rec_hidden_s=again["tp_rec_hidden_s"],
+        zero_mb_hidden_s=total["zero_mb_hidden_s"],
+        dp_hidden_s=total["dp_step_hidden_s"],
+        dp_contention_s=total["dp_contention_s"],
+        cp_hidden_s=total["cp_hidden_s"],
     )
 
 

@@ -139,15 +139,12 @@ class _Problem:
 
     def boundary(self, j: int, z0: bool, q: bool) -> float:
         """Seconds of the send over boundary ``j`` (the ILP's ``_boundary`` at these binaries)."""
-        send = self.costs.send_s
-        run, pre, last_block = send(1, j), send(0, j), send(self.rows - 2, j)
+        # the row whose output crosses it: a block's (1), the embedding's (0) or the last block's
         if self.tail and j == self.p - 2:
-            if j > 0:
-                return run if q else last_block
-            return run if (q and z0) else pre if q else last_block
-        if j > 0:
-            return run
-        return run if z0 else pre
+            row = 1 if q and (z0 or j > 0) else 0 if q else self.rows - 2
+        else:
+            row = 1 if j > 0 or z0 else 0
+        return self.costs.send_s(row, j)
 
     def p2p(self, k: int, z0: bool, q: bool) -> float:
         total = self.boundary(k, z0, q) if k < self.p - 1 else 0.0
