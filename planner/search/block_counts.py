@@ -85,7 +85,8 @@ class _RowChoice:
     peak: float
     """The largest activation a recomputed row re-materializes at once."""
     recompute: tuple[str, ...]
-    """``"pre"``, ``"post"``, ``"X"`` recomputed fully, ``"X-sel"`` selectively."""
+    """``"pre"``, ``"post"``, ``"X"`` (or head row ``i``'s ``"H{i}"``) recomputed fully, ``"X-sel"``
+    (``"H{i}-sel"``) selectively."""
 
 
 @dataclass
@@ -106,85 +107,130 @@ class _Table:
     """Index into ``rows`` per count."""
 
 
-class _Problem:
-    """One candidate's block-count problem: the distinct rows and the constants the ILP reads."""
+@dataclass(frozen=True)
+class _Layout:
+    """The structure's binaries: how the head (the embedding and the distinct blocks after it) is
+    cut over the first stages (``pieces``: the rows of each, stages ``0..t``; one piece without a
+    head), whether stage ``t`` also holds blocks (``z0``), and whether ``X`` sits in the last stage
+    (``q``) or ends stage ``p - 2``."""
 
-    def __init__(self, costs: CandidateCosts, mode: str, most: int):
-        self.costs, self.mode = costs, mode
+    pieces: tuple[int, ...]
+    z0: bool
+    q: bool
+
+    @property
+    def t(self) -> int:
+        """The stage holding the head's last piece."""
+        return len(self.pieces) - 1
+
+
+class _Problem:
+    """One candidate's block-count problem: the distinct rows and the constants the ILP reads.
+
+    ``head``: the distinct blocks between the embedding and the identical ones (rows ``1..head``;
+    DeepSeek-V3's dense blocks before its mixtures of experts)."""
+
+    def __init__(self, costs: CandidateCosts, mode: str, most: int, head: int = 0):
+        self.costs, self.mode, self.head = costs, mode, head
         self.p, self.m = costs.cand.pp, costs.cand.num_micro_batches
         layers = costs.layers
         self.rows = costs.num_layers
-        self.tail = layers[-2] != layers[1]
-        self.L = self.rows - 2 - self.tail
-        self.pre, self.blk, self.post, self.X = layers[0], layers[1], layers[-1], layers[-2]
+        self.pre, self.blk, self.post, self.X = layers[0], layers[1 + head], layers[-1], layers[-2]
+        self.tail = self.X != self.blk
+        self.L = self.rows - 2 - self.tail - head
         self.scale = objective_scale(costs)
         self.per_count = count_weight(costs)
         # counts above ``most`` are left out (:func:`solve_counts` proves they cannot win)
-        self.ub = [min(fits, self.L, most) for fits in block_capacity(costs)]
+        self.ub = [min(fits, self.L, most) for fits in block_capacity(costs, self.blk)]
         selects = mode in ("auto", "selective")
         self.sel_blk = selects and self.blk.sel_saved_b > 0
-        self.sel_x = selects and self.tail and self.X.sel_saved_b > 0
+        self.selects = selects
         self.limit = costs.capacity * (1 - MEMORY_MARGIN)
         self.tables: dict[tuple, _Table] = {}
 
     # ------------------------------------------------------------------ structure
-    def layouts(self) -> list[tuple[bool, bool]]:
-        """``(z0, q)`` settings: stage 0 holds blocks; ``X`` sits in the last stage."""
+    def layouts(self) -> list[_Layout]:
+        """Every structure: the head's cuts over stages ``0..t`` (``t < p``), then ``(z0, q)``."""
+        qs = (False, True) if self.tail else (True,)
         if self.p == 1:
-            return [(True, True)]
-        return [(z0, q) for z0 in (False, True) for q in ((False, True) if self.tail else (True,))]
+            return [_Layout((1 + self.head,), True, True)]
+        out = []
+        for t in range(min(self.head, self.p - 1) + 1):
+            for cuts in itertools.combinations(range(1, 1 + self.head), t):
+                ends = (0,) + cuts + (1 + self.head,)
+                pieces = tuple(b - a for a, b in zip(ends, ends[1:]))
+                out += [_Layout(pieces, z0, q) for z0 in (False, True) for q in qs if q or t < self.p - 1]
+        return out
+
+    def head_rows(self, k: int, lay: _Layout) -> range:
+        """The head rows stage ``k`` holds."""
+        if k > lay.t:
+            return range(0)
+        start = sum(lay.pieces[:k])
+        return range(start, start + lay.pieces[k])
 
     def holds_x(self, k: int, q: bool) -> bool:
         return self.tail and ((k == self.p - 1 and q) or (k == self.p - 2 and not q))
 
-    def boundary(self, j: int, z0: bool, q: bool) -> float:
+    def boundary(self, j: int, lay: _Layout) -> float:
         """Seconds of the send over boundary ``j`` (the ILP's ``_boundary`` at these binaries)."""
-        # the row whose output crosses it: a block's (1), the embedding's (0) or the last block's
-        if self.tail and j == self.p - 2:
-            row = 1 if q and (z0 or j > 0) else 0 if q else self.rows - 2
+        # the row whose output crosses it: a block's, the head's last row in stage j, or X
+        if j < lay.t or (j == lay.t and not lay.z0 and not (self.tail and j == self.p - 2 and not lay.q)):
+            row = self.head_rows(j, lay)[-1]
+        elif self.tail and j == self.p - 2 and not lay.q:
+            row = self.rows - 2
         else:
-            row = 1 if j > 0 or z0 else 0
+            row = 1 + self.head
         return self.costs.send_s(row, j)
 
-    def p2p(self, k: int, z0: bool, q: bool) -> float:
-        total = self.boundary(k, z0, q) if k < self.p - 1 else 0.0
-        return total + (self.boundary(k - 1, z0, q) if k > 0 else 0.0)
+    def p2p(self, k: int, lay: _Layout) -> float:
+        total = self.boundary(k, lay) if k < self.p - 1 else 0.0
+        return total + (self.boundary(k - 1, lay) if k > 0 else 0.0)
 
-    def domain(self, k: int, z0: bool, q: bool) -> tuple[int, int]:
+    def domain(self, k: int, lay: _Layout) -> tuple[int, int]:
         """Counts stage ``k`` may hold under the structure (before memory)."""
         top = self.ub[k]
         if self.p == 1:  # every block (the stage table stops at ``ub``: beyond it nothing fits)
             return self.L, self.L
-        if k == 0:
-            return (1, top) if z0 else (0, 0)
+        if k < lay.t:
+            return 0, 0
+        if k == lay.t:
+            return (1, top) if lay.z0 else (0, 0)
         if k == self.p - 1:
-            return (0, top) if q else (0, 0)
-        return (0 if self.holds_x(k, q) else 1), top
+            return (0, top) if lay.q else (0, 0)
+        return (0 if self.holds_x(k, lay.q) else 1), top
 
-    def others(self, k: int, z0: bool, q: bool) -> list[LayerCost]:
+    def others(self, k: int, lay: _Layout) -> list[LayerCost]:
         """The rows stage ``k`` holds beside its blocks."""
-        held = [self.pre] if k == 0 else []
-        if self.holds_x(k, q):
+        held = [self.costs.layers[row] for row in self.head_rows(k, lay)]
+        if self.holds_x(k, lay.q):
             held.append(self.X)
         return held + ([self.post] if k == self.p - 1 else [])
 
     # ------------------------------------------------------------------ stage tables
-    def row_choices(self, k: int, holds_x: bool) -> list[_RowChoice]:
+    def _block_options(self, name: str, row: LayerCost) -> list[tuple[str, LayerCost, bool]]:
+        """A distinct block's recompute options (``X`` or a head row) under the mode."""
+        can_select = self.selects and row.sel_saved_b > 0
+        return {
+            "auto": [("", row, False), (name, row, False)] + ([(f"{name}-sel", row, True)] if can_select else []),
+            "all": [(name, row, False)],
+            "selective": [(f"{name}-sel", row, True)] if can_select else [("", row, False)],
+            "none": [("", row, False)],
+        }[self.mode]
+
+    def row_choices(self, k: int, lay: _Layout) -> list[_RowChoice]:
         """Each combination of recompute for the non-block rows of stage ``k``."""
         auto = self.mode == "auto"
         per_row: list[list[tuple[str, LayerCost, bool]]] = []
-        if k == 0:
-            per_row.append([("", self.pre, False)] + ([("pre", self.pre, False)] if auto else []))
+        for row in self.head_rows(k, lay):
+            if row == 0:
+                per_row.append([("", self.pre, False)] + ([("pre", self.pre, False)] if auto else []))
+            else:
+                per_row.append(self._block_options(f"H{row}", self.costs.layers[row]))
         if k == self.p - 1:
             per_row.append([("", self.post, False)] + ([("post", self.post, False)] if auto else []))
-        if holds_x:
-            options = {
-                "auto": [("", self.X, False), ("X", self.X, False)] + ([("X-sel", self.X, True)] if self.sel_x else []),
-                "all": [("X", self.X, False)],
-                "selective": [("X-sel", self.X, True)] if self.sel_x else [("", self.X, False)],
-                "none": [("", self.X, False)],
-            }[self.mode]
-            per_row.append(options)
+        if self.holds_x(k, lay.q):
+            per_row.append(self._block_options("X", self.X))
         out = []
         for combo in itertools.product(*per_row):
             chosen = [(name, row, selective) for name, row, selective in combo if name]
@@ -199,30 +245,35 @@ class _Problem:
             )
         return out
 
-    def stage_table(self, k: int, holds_x: bool) -> _Table:
+    def stage_table(self, k: int, lay: _Layout) -> _Table:
         """Stage ``k``'s best recompute per count (boundary sends not included). The middle
-        stages without ``X`` are tabulated together on first asking."""
-        if (k, holds_x) not in self.tables:
-            if 0 < k < self.p - 1 and not holds_x:  # every plain middle stage not tabulated yet
-                ks = [j for j in range(1, self.p - 1) if (j, False) not in self.tables]
+        stages without head rows or ``X`` are tabulated together on first asking."""
+        heads, holds_x = tuple(self.head_rows(k, lay)), self.holds_x(k, lay.q)
+        if (k, heads, holds_x) not in self.tables:
+            if 0 < k < self.p - 1 and not heads and not holds_x:  # every plain middle stage not tabulated yet
+                ks = [j for j in range(1, self.p - 1) if (j, (), False) not in self.tables]
             else:
                 ks = [k]
-            self.tables.update({(j, holds_x): table for j, table in zip(ks, _stage_tables(self, ks, holds_x))})
-        return self.tables[(k, holds_x)]
+            # the uniform ILP counts a middle stage's block buffers whether or not it holds a block
+            # (its ``has``); with a head the reference is the general ILP, which counts what is held
+            has_always = self.p == 1 or (not self.head and 0 < k < self.p - 1)
+            tables = _stage_tables(self, ks, self.others(k, lay), self.row_choices(k, lay), has_always)
+            self.tables.update({(j, heads, holds_x): table for j, table in zip(ks, tables)})
+        return self.tables[(k, heads, holds_x)]
 
 
-def _stage_tables(problem: _Problem, ks: Sequence[int], holds_x: bool) -> list[_Table]:
+def _stage_tables(
+    problem: _Problem, ks: Sequence[int], others: list[LayerCost], rows: list[_RowChoice], has_always: bool
+) -> list[_Table]:
     """The tables of :meth:`_Problem.stage_table` for stages ``ks`` that hold the same rows
-    beside their blocks (they differ in their in-flight micro-batches and block capacity): every
-    stage ``k``, row choice ``c``, full-recompute count ``r`` and count ``n`` at once (numpy axes
-    0 to 3), the fewest selective blocks for each, the best per stage and ``n``."""
+    beside their blocks (``others``, recomputed as ``rows`` choose; they differ in their in-flight
+    micro-batches and block capacity): every stage ``k``, row choice ``c``, full-recompute count
+    ``r`` and count ``n`` at once (numpy axes 0 to 3), the fewest selective blocks for each, the
+    best per stage and ``n``."""
     blk, mode, scale = problem.blk, problem.mode, problem.scale
-    first, last = ks[0] == 0, ks[0] == problem.p - 1
-    others = [row for row, here in ((problem.pre, first), (problem.X, holds_x), (problem.post, last)) if here]
     tops = np.array([max(problem.ub[k], 0) for k in ks])
     counts = np.arange(int(tops.max()) + 1, dtype=float)
-    rows = problem.row_choices(ks[0], holds_x)
-    grid = _Grid(problem, counts, rows, has_always=not (first or last) or problem.p == 1)
+    grid = _Grid(problem, counts, rows, has_always=has_always)
     a = np.array([problem.costs.inflight[k] for k in ks], dtype=float)[:, None, None, None]
     memory = (
         sum(row.state_b for row in others)
@@ -467,16 +518,14 @@ def _partition(
 
 
 # ---------------------------------------------------------------------------------- solve
-def _layout_arrays(
-    problem: _Problem, z0: bool, q: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Table]] | None:
-    """Per stage ``F``, ``H``, ``G`` under structure ``(z0, q)``: the stage tables with the
-    stages' sends added, and counts outside the structure's domain or the offload capacities
-    removed (``inf``)."""
-    domains = [problem.domain(k, z0, q) for k in range(problem.p)]
+def _layout_arrays(problem: _Problem, lay: _Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Table]] | None:
+    """Per stage ``F``, ``H``, ``G`` under structure ``lay``: the stage tables with the stages'
+    sends added, and counts outside the structure's domain or the offload capacities removed
+    (``inf``)."""
+    domains = [problem.domain(k, lay) for k in range(problem.p)]
     if any(high < low for low, high in domains):
         return None
-    tables = [problem.stage_table(k, problem.holds_x(k, q)) for k in range(problem.p)]
+    tables = [problem.stage_table(k, lay) for k in range(problem.p)]
     F, H, G = (np.full((problem.p, problem.L + 1), INF) for _ in range(3))
     for k, table in enumerate(tables):
         F[k, : len(table.F)], H[k, : len(table.H)], G[k, : len(table.G)] = table.F, table.H, table.G
@@ -487,9 +536,9 @@ def _layout_arrays(
     for room, field in ((costs.host_room, "host_b"), (costs.nvme_room, "nvme_b")):
         if not math.isfinite(room) or sum(count * getattr(cost, field) for cost, count in costs.distinct) <= 0:
             continue
-        held = np.array([sum(getattr(row, field) for row in problem.others(k, z0, q)) for k in range(problem.p)])
+        held = np.array([sum(getattr(row, field) for row in problem.others(k, lay)) for k in range(problem.p)])
         ok &= held[:, None] + counts * getattr(problem.blk, field) <= room * (1 - MEMORY_MARGIN)
-    sends = problem.scale * np.array([problem.p2p(k, z0, q) for k in range(problem.p)])[:, None]
+    sends = problem.scale * np.array([problem.p2p(k, lay) for k in range(problem.p)])[:, None]
     F = np.where(ok, F + sends, INF)
     H = np.where(ok, H + sends * (1 + TIE_BREAK), INF)
     return F, H, np.where(ok, G, INF), tables
@@ -506,7 +555,7 @@ def _lower_bound(F: np.ndarray, H: np.ndarray, G: np.ndarray, total: int, weight
 
 
 def _decode(
-    problem: _Problem, q: bool, counts: list[int], tables: list[_Table], objective: float, step: float
+    problem: _Problem, lay: _Layout, counts: list[int], tables: list[_Table], objective: float, step: float
 ) -> Counts:
     """The ILP's ``decode`` of these counts and each stage's recompute."""
     stages: list[tuple[int, int]] = []
@@ -514,27 +563,22 @@ def _decode(
     selective: set[int] = set()
     start = 0
     for k, (n, table) in enumerate(zip(counts, tables)):
-        holds_x = problem.holds_x(k, q)
-        last = start + n + (k == 0) + (k == problem.p - 1) + holds_x - 1
-        first_block = start + (k == 0)
+        heads = len(problem.head_rows(k, lay))
+        last = start + heads + n + (k == problem.p - 1) + problem.holds_x(k, lay.q) - 1
+        first_block = start + heads
         full, sel = int(table.full[n]), int(table.sel[n])
         stages.append((start, last))
         recomputed.update(range(first_block, first_block + full))
         selective.update(range(first_block + full, first_block + full + sel))
         for name in table.rows[int(table.choice[n])].recompute:
-            if name == "pre":
-                recomputed.add(0)
-            elif name == "post":
-                recomputed.add(problem.rows - 1)
-            elif name == "X":
-                recomputed.add(problem.rows - 2)
-            else:
-                selective.add(problem.rows - 2)
+            row, _, how = name.partition("-")
+            index = {"pre": 0, "post": problem.rows - 1, "X": problem.rows - 2}.get(row)
+            (selective if how else recomputed).add(index if index is not None else int(row[1:]))
         start = last + 1
     return Counts(stages, recomputed, selective, objective, step)
 
 
-def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = None) -> Counts | None:
+def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = None, head: int = 0) -> Counts | None:
     """The optimal partition and recompute of a uniform table (``planner.search.candidates.
     is_repeated``) under recompute mode ``checkpoint``: the ILP's optimum (module docstring).
     ``None`` when nothing fits the memory (and the offload capacities), or the optimum's step
@@ -542,11 +586,14 @@ def solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None = 
 
     The tables first stop at twice the even share of blocks (plus two): a stage with more has a
     micro-step of at least ``n`` blocks' work, and when ``(m - 1)`` times that plus the least
-    total work is above the best found, no stage can hold more. Otherwise the bound doubles."""
-    blocks = costs.num_layers - 2 - (costs.layers[-2] != costs.layers[1])
+    total work is above the best found, no stage can hold more. Otherwise the bound doubles.
+
+    ``head``: the distinct blocks after the embedding (``planner.search.candidates.head_rows``),
+    cut over the first stages in every way (:meth:`_Problem.layouts`)."""
+    blocks = costs.num_layers - 2 - head - (costs.layers[-2] != costs.layers[1 + head])
     most = 2 * math.ceil(blocks / costs.cand.pp) + 2 if costs.cand.num_micro_batches > 1 else blocks
     while True:
-        problem = _Problem(costs, checkpoint, most)
+        problem = _Problem(costs, checkpoint, most, head)
         if min(problem.ub) < 0:
             return None
         limit = INF if cutoff is None else problem.scale * cutoff * (1 + CUTOFF_SLACK)
@@ -577,16 +624,16 @@ def _solve_layouts(problem: _Problem, bound: float) -> tuple[float, Counts] | No
     best: tuple[float, Counts] | None = None
     weight = problem.m - 1
     layouts = []
-    for z0, q in problem.layouts():
-        arrays = _layout_arrays(problem, z0, q)
+    for order, lay in enumerate(problem.layouts()):
+        arrays = _layout_arrays(problem, lay)
         if arrays is not None:
-            layouts.append((_lower_bound(*arrays[:3], problem.L, weight), z0, q, arrays))
-    for lower, _z0, q, (F, H, G, tables) in sorted(layouts, key=lambda layout: layout[:3]):
+            layouts.append((_lower_bound(*arrays[:3], problem.L, weight), order, lay, arrays))
+    for lower, _order, lay, (F, H, G, tables) in sorted(layouts, key=lambda layout: layout[:2]):
         if lower >= (bound if best is None else min(bound, best[0])):
             break
         found = _partition(F, H, G, problem.L, weight, bound if best is None else min(bound, best[0]))
         if found is not None and (best is None or found[0] < best[0]):
             counts = found[1]
             step = weight * _at(F, counts) + float(F[np.arange(problem.p), counts].sum()) + _at(G, counts)
-            best = (found[0], _decode(problem, q, counts, tables, found[0], step))
+            best = (found[0], _decode(problem, lay, counts, tables, found[0], step))
     return best

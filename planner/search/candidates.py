@@ -35,6 +35,8 @@ from runtime.contract.overlap import Overlap
 
 __all__ = [
     "is_repeated",
+    "head_rows",
+    "MAX_HEAD_ROWS",
     "forced_micro_step",
     "divisors",
     "model_heads",
@@ -67,6 +69,45 @@ def is_repeated(costs: CandidateCosts, kinds: Sequence[str]) -> bool:
     """True for ``pre``, identical ``block`` rows (the last may differ), ``post``: the tables the
     block-count ILP, the repeated-block bound and the min-max greedy handle."""
     return costs.is_uniform() and kinds[0] == "pre" and kinds[-1] == "post" and kinds.count("block") == len(kinds) - 2
+
+
+#: Most distinct blocks before the repeated ones that :func:`head_rows` accepts: each way of
+#: cutting them over the first stages is a structure the block-count solver walks (``2^head``).
+MAX_HEAD_ROWS = 4
+
+
+def head_rows(costs: CandidateCosts, kinds: Sequence[str]) -> int | None:
+    """The distinct blocks between the embedding and identical ones when the table is ``pre``,
+    at most :data:`MAX_HEAD_ROWS` distinct blocks, identical blocks (the last may differ),
+    ``post`` (DeepSeek-V3's three dense blocks before its 58 mixtures of experts): what the
+    block-count solver (:mod:`planner.search.block_counts`) solves; 0 for :func:`is_repeated`
+    tables, ``None`` for any other. Remembered per costs object."""
+    known = _HEAD_ROWS.get(costs)
+    if known is not None and known[0] == tuple(kinds):
+        return known[1]
+    found = _head_rows(costs, kinds)
+    _HEAD_ROWS[costs] = (tuple(kinds), found)
+    return found
+
+
+def _head_rows(costs: CandidateCosts, kinds: Sequence[str]) -> int | None:
+    if is_repeated(costs, kinds):
+        return 0
+    layers, n = costs.layers, costs.num_layers
+    if n < 5 or kinds[0] != "pre" or kinds[-1] != "post" or kinds.count("block") != n - 2:
+        return None
+    # the repeated run ends at the second-last block (the last may differ) and reaches back to row first
+    first = n - 3
+    while first > 1 and (layers[first - 1] is layers[n - 3] or layers[first - 1] == layers[n - 3]):
+        first -= 1
+    head = first - 1
+    return head if 0 < head <= MAX_HEAD_ROWS else None
+
+
+#: :func:`head_rows` per costs object (by identity), with the kinds it was asked for.
+_HEAD_ROWS: "weakref.WeakKeyDictionary[CandidateCosts, tuple[tuple[str, ...], int | None]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 # ---------------------------------------------------------------------------------- bounds

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
 from planner.search.block_counts import solve_counts
-from planner.search.candidates import heuristic_strategy, is_repeated, uniform_time_bound
+from planner.search.candidates import MAX_HEAD_ROWS, head_rows, heuristic_strategy, uniform_time_bound
 from planner.search.entries import Entry
 from planner.search.objective import block_capacity
 from runtime.contract import environment
@@ -142,11 +142,13 @@ def solve_candidate(
     :func:`cost_models.strategy.evaluate`, which is what the plan reports.
     """
     started = time.perf_counter()
-    if objective == "time" and formulation in ("auto", "counts") and is_repeated(costs, kinds):
-        return _solve_counts(costs, checkpoint, cutoff, started)
+    head = head_rows(costs, kinds) if objective == "time" and formulation in ("auto", "counts") else None
+    if head is not None:
+        return _solve_counts(costs, checkpoint, cutoff, started, head)
     if formulation == "counts":
         raise ValueError(
-            "the counts formulation needs identical blocks between a pre and a post row, and objective 'time'"
+            "the counts formulation needs identical blocks (after at most "
+            f"{MAX_HEAD_ROWS} distinct ones) between a pre and a post row, and objective 'time'"
         )
     from planner.search import ilp_form  # pulp and its solvers load only when an ILP is solved
 
@@ -156,11 +158,14 @@ def solve_candidate(
     return ILPResult(evaluation, status, time.perf_counter() - started, uniform)
 
 
-def _solve_counts(costs: CandidateCosts, checkpoint: str, cutoff: float | None, started: float) -> ILPResult:
-    """:func:`solve_candidate` of a uniform table by :func:`planner.search.block_counts.solve_counts`."""
+def _solve_counts(
+    costs: CandidateCosts, checkpoint: str, cutoff: float | None, started: float, head: int = 0
+) -> ILPResult:
+    """:func:`solve_candidate` of a uniform table (after ``head`` distinct blocks) by
+    :func:`planner.search.block_counts.solve_counts`."""
     if checkpoint not in ("auto", "none", "all", "selective"):
         raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
-    found = solve_counts(costs, checkpoint, cutoff)
+    found = solve_counts(costs, checkpoint, cutoff, head)
     evaluation = None
     if found is not None:
         evaluation = evaluate(costs, found.stages, sorted(found.recomputed), sorted(found.selective))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from cost_models.layer_work import LayerCost
 from cost_models.strategy import CandidateCosts
 from planner.search.candidates import time_lower_bound
 
@@ -45,16 +46,18 @@ def count_weight(costs: CandidateCosts) -> float:
     return COUNT_TIE_BREAK * OBJECTIVE_SCALE / costs.num_layers
 
 
-def block_capacity(costs: CandidateCosts) -> list[int]:
+def block_capacity(costs: CandidateCosts, blk: LayerCost | None = None) -> list[int]:
     """Most blocks each stage can hold in a uniform table (a valid bound that tightens the ILP).
 
     Stage ``k`` with ``n`` blocks needs at least ``n (st + a_k min(sv, in, sv - sel))`` plus the
     state and least activations of the embedding / head rows it holds, whatever it recomputes, so
     ``n_k <= (capacity - fixed_k) / (st + a_k min(sv, in, sv - sel))``; never more than ``L``; -1
-    when even the embedding / head rows alone do not fit.
+    when even the embedding / head rows alone do not fit. ``blk``: the repeated block (the table's
+    second row unless given; other rows a stage may hold are left out, which keeps the bound valid).
     """
     stages, blocks = costs.cand.pp, costs.num_layers - 2
-    pre, blk, post = costs.layers[0], costs.layers[1], costs.layers[-1]
+    pre, post = costs.layers[0], costs.layers[-1]
+    blk = costs.layers[1] if blk is None else blk
     capacities = []
     for k in range(stages):
         in_flight = costs.inflight[k]

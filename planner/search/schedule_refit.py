@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 
 from cost_models.schedule_cost import ChunkTimes, chunk_times, split_chunks
 from cost_models.strategy import CandidateCosts, Evaluation, evaluate
-from planner.search.candidates import is_repeated, memory_lower_bound
+from planner.search.candidates import head_rows, memory_lower_bound
 from planner.search.ilp import solve_candidate
 from planner.search.objective import block_capacity
 from planner.search.schedule_search import Refit, _simulated, pipeline_memory, step_bound
@@ -318,7 +318,7 @@ class _Refitter:
         key = (costs.cand, mode)
         if key in self.answers or key in self.pending or (budgeted and self.spent[1] >= SOLVE_BUDGET):
             return None
-        if is_repeated(costs, self.kinds):  # solved by counting, in this process: a thread only contends
+        if head_rows(costs, self.kinds) is not None:  # solved by counting, in this process: a thread only contends
             return None
         future = self.pending[key] = pool.submit(self._solve, costs, mode)
         return future

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cost_models.hardware import load_hardware
 from cost_models.strategy import Candidate, NumericTable, candidate_costs, memory_bound
 from planner.search.block_counts import _least_sum, _partition, solve_counts
-from planner.search.candidates import is_repeated
+from planner.search.candidates import MAX_HEAD_ROWS, head_rows, is_repeated
 from planner.search.ilp import solve_candidate
 from planner.search.ilp_form import highs_available
 from planner.search.schedule_refit import schedule_costs
@@ -110,8 +110,75 @@ def test_a_96_block_model_counts_as_the_ilp_solves(pp, m, capacity):
             assert counted.evaluation.step_time_s == pytest.approx(ilp.evaluation.step_time_s, rel=1e-6), mode
 
 
+@st.composite
+def head_instances(draw):
+    """A table whose first blocks differ from the repeated ones (DeepSeek-V3's dense blocks
+    before its mixtures of experts), maybe with a distinct last block and attention cores; a
+    candidate, a recompute mode and a capacity between "nothing fits" and roomy."""
+    head = draw(st.integers(1, 3))
+    repeated = draw(st.integers(1, 6))
+    scales = draw(st.lists(st.sampled_from([0.5, 2.0, 3.0]), min_size=head, max_size=head))
+    table = gpt_table(
+        layers=head + repeated,
+        hidden=draw(st.sampled_from([64, 256])),
+        heads=4,
+        vocab=draw(st.sampled_from([256, 8192])),
+        block_scale=scales + [1.0] * repeated,
+        tail_boundary=draw(st.sampled_from([None, 0.5])),
+        attention_core=draw(st.booleans()),
+    )
+    pp = draw(st.integers(1, min(5, head + repeated + 2)))
+    m = draw(st.integers(1, pp + 3))
+    cand = Candidate(1, draw(st.sampled_from([1, 2])), pp, 0, draw(st.sampled_from([1, 4])), m)
+    costs = candidate_costs(NumericTable(table), SLOW, "bf16", draw(st.sampled_from([64, 512])), cand, 8, 1.0)
+    every = sum(n * (row.state_b + row.saved_b * max(costs.inflight)) for row, n in costs.distinct)
+    costs.capacity = every * draw(st.floats(0.05, 1.2)) + 1.0
+    return (
+        costs,
+        [row.kind for row in table.layers],
+        draw(st.sampled_from(["auto", "auto", "none", "all", "selective"])),
+    )
+
+
+@SETTINGS
+@given(head_instances())
+def test_counting_finds_the_general_ilps_optimum_after_distinct_first_blocks(instance):
+    """The head's cuts over the first stages are the general ILP's choices there: the same optimum."""
+    costs, kinds, mode = instance
+    head = head_rows(costs, kinds)
+    assume(head is not None and head > 0)
+    ilp = solve_candidate(costs, kinds, mode, formulation="general")
+    counted = solve_candidate(costs, kinds, mode, formulation="counts")
+    assert counted.status in ("Optimal", "Infeasible")
+    if ilp.evaluation is None:
+        assert counted.evaluation is None, (
+            f"counting found {counted.evaluation.step_time_s} where the ILP found nothing"
+        )
+        return
+    assert counted.evaluation is not None, f"counting found nothing, the ILP {ilp.evaluation.step_time_s}"
+    if counted.evaluation.step_time_s < ilp.evaluation.step_time_s * (1 - 1e-6) and highs_available():
+        ilp = solve_candidate(costs, kinds, mode, solver="highs", formulation="general")  # CBC's tolerances
+        assert ilp.evaluation is not None
+    assert counted.evaluation.step_time_s == pytest.approx(ilp.evaluation.step_time_s, rel=1e-6)
+    assert memory_bound(counted.evaluation) <= costs.capacity
+
+
+def test_which_tables_count_after_a_head():
+    def kinds_and_costs(scales):
+        table = gpt_table(layers=len(scales), block_scale=scales)
+        costs = candidate_costs(NumericTable(table), SLOW, "bf16", 64, Candidate(1, 1, 2, 0, 1, 2), 8, 2**30)
+        return costs, [row.kind for row in table.layers]
+
+    assert head_rows(*kinds_and_costs([1, 1, 1, 1])) == 0
+    assert head_rows(*kinds_and_costs([1, 1, 1, 2])) == 0  # a distinct last block is the uniform form's X
+    assert head_rows(*kinds_and_costs([2, 3, 1, 1, 1])) == 2
+    assert head_rows(*kinds_and_costs([2, 2, 2, 2, 1, 1])) == MAX_HEAD_ROWS
+    assert head_rows(*kinds_and_costs([2, 2, 2, 2, 2, 1, 1])) is None  # more cuts than the walk takes
+    assert head_rows(*kinds_and_costs([1, 1, 2, 1, 1, 2, 1, 1])) is None  # a distinct block deeper in
+
+
 def test_the_formulations_say_what_they_need():
-    table = gpt_table(layers=4, block_scale=[1, 2, 1, 1])
+    table = gpt_table(layers=8, block_scale=[1, 1, 1, 1, 1, 2, 1, 1])
     costs = candidate_costs(NumericTable(table), SLOW, "bf16", 64, Candidate(1, 1, 2, 0, 1, 2), 8, 2**30)
     kinds = [row.kind for row in table.layers]
     with pytest.raises(ValueError, match="identical blocks"):

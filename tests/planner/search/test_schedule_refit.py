@@ -277,7 +277,7 @@ def test_ilps_started_ahead_change_no_answer(monkeypatch):
 
     table = gpt_table(layers=48, hidden=2048, heads=16, vocab=32000)
     req = _req(gpus=64, global_batch=256, seq_len=2048)
-    monkeypatch.setattr(schedule_refit, "is_repeated", lambda costs, kinds: False)
+    monkeypatch.setattr(schedule_refit, "head_rows", lambda costs, kinds: None)
     started = []
     prefetch = schedule_refit._Refitter.prefetch
 
