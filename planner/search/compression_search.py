@@ -150,7 +150,7 @@ def choose_compression(
         ranked=sorted(compressed_result.ranked + result.ranked, key=_rank_key),
         extra=sorted(compressed_result.extra + result.extra, key=_rank_key),
     )
-    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
+    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited", "enveloped"):
         setattr(merged, counter, getattr(merged, counter) + getattr(result, counter))
     merged.notes = result.notes + merged.notes
     merged.answers = {**result.answers, **merged.answers}

@@ -70,15 +70,17 @@ other schedules are priced after the search (:mod:`planner.search.schedule_searc
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate
+from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate, memory_bound
 from planner.search.block_counts import solve_counts
 from planner.search.candidates import MAX_HEAD_ROWS, head_rows, heuristic_strategy, uniform_time_bound
 from planner.search.entries import Entry
+from planner.search.envelope import overlap_envelope
 from planner.search.objective import block_capacity
 from runtime.contract import environment
 
@@ -130,7 +132,9 @@ def solve_candidate(
 
     ``objective="time"`` minimizes the step time under the memory limit; ``"memory"`` minimizes
     the most loaded stage's memory with no limit (used to explain infeasibility). With a
-    ``cutoff`` an infeasible answer means "nothing fits, or nothing is faster than the cutoff".
+    ``cutoff`` an infeasible answer means "nothing fits, or nothing is faster than the cutoff";
+    under the memory objective the cutoff is bytes, and it means "nothing needs less" (what a
+    caller that knows a strategy needing that much asks; only the block-count tables read it).
 
     ``formulation``: ``"auto"`` solves a uniform table's time objective by counting
     (:mod:`planner.search.block_counts`: the same optimum, no solver process) and everything else
@@ -145,6 +149,14 @@ def solve_candidate(
     head = head_rows(costs, kinds) if objective == "time" and formulation in ("auto", "counts") else None
     if head is not None:
         return _solve_counts(costs, checkpoint, cutoff, started, head)
+    enveloped = overlap_envelope(costs, kinds) if objective == "time" and formulation == "auto" else None
+    if enveloped is not None:  # blocks that differ only in their hidden traffic: counted on their envelope
+        return _solve_counts(costs, checkpoint, cutoff, started, enveloped[1], enveloped[0])
+    if objective == "memory" and formulation == "auto":
+        head = head_rows(costs, kinds)
+        enveloped = (costs, head) if head is not None else overlap_envelope(costs, kinds)
+        if enveloped is not None and head != 0:  # a uniform table's ILP is small; the general one is not
+            return _least_memory_by_counts(costs, checkpoint, started, enveloped[1], enveloped[0], cutoff)
     if formulation == "counts":
         raise ValueError(
             "the counts formulation needs identical blocks (after at most "
@@ -159,19 +171,70 @@ def solve_candidate(
 
 
 def _solve_counts(
-    costs: CandidateCosts, checkpoint: str, cutoff: float | None, started: float, head: int = 0
+    costs: CandidateCosts,
+    checkpoint: str,
+    cutoff: float | None,
+    started: float,
+    head: int = 0,
+    envelope: CandidateCosts | None = None,
 ) -> ILPResult:
     """:func:`solve_candidate` of a uniform table (after ``head`` distinct blocks) by
-    :func:`planner.search.block_counts.solve_counts`."""
+    :func:`planner.search.block_counts.solve_counts`; with ``envelope``
+    (:func:`planner.search.envelope.overlap_envelope`), solved on it and priced on ``costs``."""
     if checkpoint not in ("auto", "none", "all", "selective"):
         raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
-    found = solve_counts(costs, checkpoint, cutoff, head)
+    found = solve_counts(costs if envelope is None else envelope, checkpoint, cutoff, head)
     evaluation = None
     if found is not None:
         evaluation = evaluate(costs, found.stages, sorted(found.recomputed), sorted(found.selective))
         evaluation = evaluation if evaluation.feasible else None
-    status = "Optimal" if evaluation is not None else "Infeasible"
+    status = "Infeasible" if evaluation is None else "Optimal" if envelope is None else "Enveloped"
     return ILPResult(evaluation, status, time.perf_counter() - started, True)
+
+
+def _least_memory_by_counts(
+    costs: CandidateCosts,
+    checkpoint: str,
+    started: float,
+    head: int,
+    counted: CandidateCosts,
+    below: float | None = None,
+) -> ILPResult:
+    """The memory objective of a table the block-count solver takes (``counted``: ``costs`` or
+    its envelope, after ``head`` distinct blocks), by bisection on the capacity: a strategy fits
+    under a capacity exactly when counting finds one, and fitting only gets easier as the
+    capacity grows. The answer is priced on ``costs``; its memory is the least to within
+    :data:`MEMORY_BISECTION_TOLERANCE` (the general ILP took its 60 s limit on a 61-block model)."""
+    if checkpoint not in ("auto", "none", "all", "selective"):
+        raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
+
+    def strategy_under(capacity: float) -> Evaluation | None:
+        probe = copy.copy(counted)  # a fresh object: the bounds remember a costs object's answers
+        probe.capacity = capacity
+        found = solve_counts(probe, checkpoint, None, head)
+        if found is None:
+            return None
+        priced = evaluate(costs, found.stages, sorted(found.recomputed), sorted(found.selective))
+        return priced if memory_bound(priced) <= capacity else None
+
+    per_row = (row.state_b + row.saved_b * max(costs.inflight) + row.trans_b + row.bt_b for row, _ in costs.distinct)
+    everything = 2.0 * sum(n * size for (_, n), size in zip(costs.distinct, per_row)) + 1.0
+    # one probe settles a candidate that cannot beat ``below``
+    best = strategy_under(everything if below is None else min(below, everything))
+    low = 0.0
+    while best is not None and memory_bound(best) - low > MEMORY_BISECTION_TOLERANCE * memory_bound(best):
+        middle = (low + memory_bound(best)) / 2
+        found = strategy_under(middle)
+        if found is None:
+            low = middle
+        else:
+            best = found
+    status = "Infeasible" if best is None else "Optimal"
+    return ILPResult(best, status, time.perf_counter() - started, head == 0)
+
+
+#: Relative gap at which :func:`_least_memory_by_counts` stops bisecting.
+MEMORY_BISECTION_TOLERANCE = 1e-3
 
 
 # ---------------------------------------------------------------------------------- search
@@ -193,6 +256,9 @@ class SearchResult:
     uniform: bool = True
     time_limited: int = 0
     """ILPs stopped by their time limit (their answer is feasible, maybe not optimal)."""
+    enveloped: int = 0
+    """Candidates solved on the envelope of their blocks' overlap (:mod:`planner.search.envelope`:
+    optimal there, priced on the real rows)."""
     notes: list[str] = field(default_factory=list)
     """What the model ruled out before the search (printed under the plan)."""
     answers: dict = field(default_factory=dict, repr=False)
@@ -202,8 +268,15 @@ class SearchResult:
 
     @property
     def status(self) -> str:
-        """``optimal``, or ``feasible`` when some ILP hit its time limit."""
-        return "optimal" if not self.time_limited else f"feasible ({self.time_limited} ILPs hit the time limit)"
+        """``optimal``, or ``feasible`` when some ILP hit its time limit; what was solved on an
+        envelope is said."""
+        status = "optimal" if not self.time_limited else f"feasible ({self.time_limited} ILPs hit the time limit)"
+        if self.enveloped:
+            status += (
+                f"; {self.enveloped} candidates' blocks, alike but for the traffic their place hides, were "
+                "partitioned as if each hid the least"
+            )
+        return status
 
     @property
     def best(self) -> Evaluation | None:
@@ -323,6 +396,7 @@ class _Search:
         result.solver_seconds += solved.seconds
         result.uniform = result.uniform and solved.uniform
         result.time_limited += solved.status == "Feasible"
+        result.enveloped += solved.status == "Enveloped"
         evaluation = solved.evaluation
         if evaluation is not None and solved.status == "Optimal":
             result.answers[costs.cand] = evaluation
@@ -494,7 +568,7 @@ def _merge_seed(result: SearchResult, seed: SearchResult, keep: int) -> None:
     pool = {candidate: evaluation for candidate, evaluation in pool.items() if not _dominated(evaluation, plain)}
     taken = {layout_key(evaluation) for evaluation in result.ranked}
     result.extra = by_layout(list(pool.values()), taken)[: max(keep - len(result.ranked), 0)]
-    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited"):
+    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited", "enveloped"):
         setattr(result, counter, getattr(result, counter) + getattr(seed, counter))
     result.solver_seconds += seed.solver_seconds
     result.answers = {**seed.answers, **result.answers}

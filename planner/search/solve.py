@@ -154,7 +154,14 @@ def least_memory(entries, kinds: list[str], checkpoint: str = "auto", solver: st
     for entry in sorted(entries, key=lambda entry: (entry.memory_lb, entry.cand)):
         if best is not None and entry.memory_lb >= memory_bound(best):
             break
-        evaluation = solve_candidate(entry.costs, kinds, checkpoint, solver, objective="memory").evaluation
+        evaluation = solve_candidate(
+            entry.costs,
+            kinds,
+            checkpoint,
+            solver,
+            objective="memory",
+            cutoff=None if best is None else memory_bound(best),
+        ).evaluation
         if evaluation is not None and (
             best is None or (memory_bound(evaluation), evaluation.step_time_s) < (memory_bound(best), best.step_time_s)
         ):

@@ -234,3 +234,42 @@ def test_the_dynamic_program_and_the_capped_walk_equal_brute_force(data):
             weight * max(F[k, n] for k, n in counts) + sum(H[k, n] for k, n in counts) + max(G[k, n] for k, n in counts)
         )
         assert value == pytest.approx(best_value)
+
+
+def _head_costs(pp=3, m=6, capacity=0.5):
+    table = gpt_table(
+        layers=8, hidden=256, heads=4, vocab=8192, block_scale=[2.0, 0.5] + [1.0] * 6, attention_core=True
+    )
+    costs = candidate_costs(NumericTable(table), SLOW, "bf16", 512, Candidate(1, 1, pp, 0, 1, m), 8, 1.0)
+    every = sum(n * (row.state_b + row.saved_b * max(costs.inflight)) for row, n in costs.distinct)
+    costs.capacity = every / pp * capacity * 2
+    return costs, [row.kind for row in table.layers]
+
+
+def test_blocks_alike_but_for_their_hidden_traffic_are_partitioned_on_their_envelope():
+    """Rows that differ only in what their data-parallel traffic exposes (their place in the
+    model) are counted on the envelope and priced on the real rows: feasible, never better than
+    the general ILP's optimum, and within the exposures' spread of it."""
+    costs, kinds = _head_costs()
+    layers = list(costs.layers)
+    for i in range(4, 8):  # the later blocks expose a little more of their (made-up) traffic
+        layers[i] = layers[i].but(zero_mb_s=layers[i].zero_mb_s + 0.01 * layers[i].work_s * (i - 3))
+    costs.layers = layers
+    costs.distinct = [(row, layers.count(row)) for row in dict.fromkeys(layers)]
+    assert head_rows(costs, kinds) is None
+    counted = solve_candidate(costs, kinds, "auto")
+    assert counted.status == "Enveloped" and counted.evaluation.feasible
+    ilp = solve_candidate(costs, kinds, "auto", formulation="general")
+    assert ilp.evaluation.step_time_s * (1 - 1e-6) <= counted.evaluation.step_time_s
+    assert counted.evaluation.step_time_s <= ilp.evaluation.step_time_s * 1.05
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_least_memory_of_a_head_table_is_the_general_ilps(pp):
+    costs, kinds = _head_costs(pp=pp, capacity=0.3)
+    counted = solve_candidate(costs, kinds, "auto", objective="memory")
+    ilp = solve_candidate(costs, kinds, "auto", objective="memory", formulation="general")
+    assert memory_bound(counted.evaluation) == pytest.approx(memory_bound(ilp.evaluation), rel=2e-3)
+    # a caller that knows a strategy needing less learns in one probe that this one cannot beat it
+    below = memory_bound(counted.evaluation) * 0.9
+    assert solve_candidate(costs, kinds, "auto", objective="memory", cutoff=below).evaluation is None
