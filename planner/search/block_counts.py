@@ -20,7 +20,11 @@ a stage's memory row, micro-step and tail involve only its own counts. So:
 3. **Structure.** The ILP's binaries that are not counts (stage 0 holds blocks or only the
    embedding, ``z0``; ``X`` in the last stage or ending stage ``p - 2``, ``q``) change which rows
    and which boundary sends each stage has: each of their (at most four) settings is solved and
-   the best kept.
+   the best kept. A table whose first blocks differ (a *head*: DeepSeek-V3's three dense blocks
+   before its 58 mixtures of experts) adds the head's cuts over the first stages
+   (:class:`_Layout`: ``2^head`` of them, the head at most four blocks); a stage then holds its
+   piece of the head beside its blocks, as stage 0 holds the embedding, and the optimum is the
+   general ILP's (the tests compare them on random tables).
 
 The rows are the ILP's rows (memory with its margin, the ZeRO buffer and recompute peaks, the
 offload capacities, the cutoff), so the optimum is the ILP's. Two approximations, both within the
