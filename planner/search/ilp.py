@@ -62,11 +62,8 @@ block's constants: O(p) variables instead of O(n p). Selective recompute adds in
 Both forms are built by the same ``add_*_constraints`` functions of :mod:`planner.search.ilp_form`
 (rows named ``family_k{k}...``, so an infeasible model says which stage and family failed).
 A uniform table's time objective is solved by counting instead (:mod:`planner.search.block_counts`:
-the same rows and optimum, no solver); ``formulation="uniform"`` keeps its ILP for comparison.
-So is a table whose first few blocks differ (a head, ``planner.search.candidates.head_rows``:
-every cut of it over the first stages, the general ILP's optimum), one whose blocks differ only
-in the traffic their place hides (on their envelope, :mod:`planner.search.envelope`), and the
-memory objective of both (bisection on the capacity).
+the same rows and optimum, no solver; also after a head of distinct blocks, and on an envelope,
+:mod:`planner.search.envelope`); ``formulation="uniform"`` keeps its ILP for comparison.
 
 Pipeline schedules. The ILP prices 1F1B (``(m - 1) T + sum_k T_k``, the closed form above); the
 other schedules are priced after the search (:mod:`planner.search.schedule_search`).
