@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,14 +80,6 @@ def test_the_arrays_memory_figures_are_the_walks_exactly(case):
         got = weighted_held(order, act, release, keep, free)
         want = walked_held(sched, stages, virtual, act, release, keep, free)
         assert got == want  # the same floats, not merely close
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("PLANNER_CACHE", raising=False)
-    monkeypatch.setattr(program_cache, "stats", program_cache.stats.__class__())
-    return tmp_path / "schedule-programs"
 
 
 def _cached(builds: list) -> OrderArrays:

@@ -13,14 +13,6 @@ from runtime.contract.schedule_ir import TimingProgram, interleaved_one_f_one_b
 TIMES = dict(forward_time=[1.0, 1.5, 0.5, 2.0, 1.0, 1.25], backward_time=[2.0, 3.0, 1.0, 4.0, 2.5, 2.0], send_time=0.1)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("PLANNER_CACHE", raising=False)
-    monkeypatch.setattr(program_cache, "stats", program_cache.stats.__class__())
-    return tmp_path / "schedule-programs"
-
-
 def _program(builds: list) -> TimingProgram:
     def build() -> TimingProgram:
         builds.append(1)
