@@ -274,15 +274,15 @@ def misaligned(dtype: str, *sizes: float) -> bool:
 
 
 def _numeric_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
-    """The shape's efficiency (``_shape_efficiency``), times ``hw.gemm_misaligned_efficiency``
-    when a size breaks the tensor cores' 16-byte alignment."""
-    eff = _shape_efficiency(hw, dtype, m, n, k, batch)
-    if hw.gemm_misaligned_efficiency < 1.0 and misaligned(dtype, m, n, k):
-        eff *= hw.gemm_misaligned_efficiency
-    return eff
+    """The shape's efficiency (``_shape_efficiency``), its tensor-core math at
+    ``hw.gemm_misaligned_efficiency`` of the rate when a size breaks their 16-byte alignment."""
+    slow = hw.gemm_misaligned_efficiency if misaligned(dtype, m, n, k) else 1.0
+    return _shape_efficiency(hw, dtype, m, n, k, batch, min(1.0, slow))
 
 
-def _shape_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
+def _shape_efficiency(
+    hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float, slow: float = 1.0
+) -> float:
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return hw.compute_efficiency
     table = (hw.gemm_efficiency or {}).get(dtype)
@@ -294,12 +294,14 @@ def _shape_efficiency(hw: HardwareProfile, dtype: str, m: float, n: float, k: fl
                 2.0 * m * n * k * hw.memory_bandwidth / (hw.peak(dtype) * (m * k + k * n + m * n) * dtype_bytes(dtype))
             )
             eff = min(eff, roof)
-        return eff
-    return _default_curve(hw, dtype, m, n, k, batch)  # case 2
+        return eff * slow
+    return _default_curve(hw, dtype, m, n, k, batch, slow)  # case 2
 
 
-def _default_curve(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float) -> float:
-    """The default curve of the module docstring (case 2), numeric sizes > 0."""
+def _default_curve(hw: HardwareProfile, dtype: str, m: float, n: float, k: float, batch: float, slow: float) -> float:
+    """The default curve of the module docstring (case 2), numeric sizes > 0; ``slow``: the share
+    of the math's rate a misaligned product keeps. It slows the math only: a product held by the
+    kernel floor or by memory keeps that time while the slower math still fits under it."""
     sms = hw.sm_count
     if sms is None:
         raise ValueError(f"hardware {hw.name!r} has no sm_count: the default GEMM curve needs it")
@@ -312,8 +314,14 @@ def _default_curve(hw: HardwareProfile, dtype: str, m: float, n: float, k: float
     moved = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
     # fp32 partial sums of the extra splits, written and read back by the reduction
     moved += 2 * (split - 1.0) * batch * m * n * 4
-    seconds = max(padded / (peak * hw.compute_efficiency * fill), moved / hw.memory_bandwidth, GEMM_MIN_TIME_S)
-    return min(hw.compute_efficiency, 2.0 * batch * m * n * k / (peak * seconds))
+    math_s = padded / (peak * hw.compute_efficiency * fill)
+    seconds = max(math_s, moved / hw.memory_bandwidth, GEMM_MIN_TIME_S)
+    eff = min(hw.compute_efficiency, 2.0 * batch * m * n * k / (peak * seconds))
+    if slow >= 1.0 or math_s / slow <= seconds:  # aligned, or the slower math still fits under the rest
+        return eff
+    if math_s >= seconds:  # bound by the math: all of it at the misaligned rate
+        return eff * slow
+    return min(hw.compute_efficiency, 2.0 * batch * m * n * k / (peak * (math_s / slow)))
 
 
 def _interpolate(table: dict[str, list], m: float, n: float, k: float) -> float:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import sympy
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cost_models.compute import (
@@ -20,6 +20,7 @@ from cost_models.compute import (
     gemms_time,
     matmul_flops,
     matmul_time,
+    misaligned,
     smax,
 )
 from cost_models.hardware import KNOWN_KINDS, HardwareProfile, ProfileError, load_hardware
@@ -121,8 +122,10 @@ def test_default_curve_prices_small_gemms_below_large_ones(kind):
         assert gemm_efficiency(hw, "bf16", 1024, 1024, 1024) == pytest.approx(
             hw.compute_efficiency * tiles / hw.sm_count
         )
-    # a tiny product is held by the kernel floor (fp16: V100 has no bf16 tensor cores)
+    # a tiny product is held by the kernel floor (fp16: V100 has no bf16 tensor cores), a
+    # misaligned one too: its slower math still fits under the floor
     assert matmul_time(16, 16, 16, hw, "fp16") == pytest.approx(GEMM_MIN_TIME_S)
+    assert matmul_time(8, 8, 1, load_hardware("h100-sxm"), "bf16") == pytest.approx(GEMM_MIN_TIME_S)
 
 
 def test_default_curve_pays_for_padded_tiles_and_uses_split_k_for_long_k():
@@ -152,6 +155,8 @@ def test_default_curve_never_drops_when_a_size_grows_by_an_integer_factor(m, n, 
     before = gemm_efficiency(hw, dtype, m, n, k)
     grown = {"m": m, "n": n, "k": k}
     grown[axis] *= factor
+    # a misaligned product runs a slower kernel than the aligned one it grows into (k = 175 -> 1,400)
+    assume(misaligned(dtype, m, n, k) == misaligned(dtype, *grown.values()))
     after = gemm_efficiency(hw, dtype, grown["m"], grown["n"], grown["k"])
     assert 0 < before <= hw.compute_efficiency + 1e-12
     assert after >= before * (1 - 1e-9)
