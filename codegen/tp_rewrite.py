@@ -264,13 +264,16 @@ class _Planner:
             elif n.args and isinstance(dec.state.get(n.args[0]), Shard):
                 if name in VIEWS:
                     self.view(n)
-                elif name == "expand":
+                elif name in ("expand", "new_empty"):
                     state = dec.state[n]
                     analysis.actions[n.name] = ("size", (1, state.dim, self.local(state)))
                 elif name in SPLITS and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.split(n)
                 elif name == "slice" and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.fused_slice(n)
+            elif name == "expand" and isinstance(dec.state.get(n), Shard):  # a broadcast to the local heads
+                state = dec.state[n]
+                analysis.actions[n.name] = ("size", (1, state.dim, self.local(state)))
         analysis.enter = {n.name: paths for n, paths in dec.enter.items()}
         analysis.scatter = {n.name: scatter for n, scatter in dec.scatter.items()}
         if analysis.sequence_parallel:

@@ -371,6 +371,9 @@ class _Walk:
         q_state = self.st(query)
         head_dim = len(shape_of(query)) - 3
         if not (isinstance(q_state, Shard) and q_state.dim == head_dim):
+            rows = self.rows_feeding(query)
+            if rows:  # q was split and summed back (DeepSeek's low-rank q): keep that split replicated
+                raise TPConflict(rows, n, "attention needs q sharded by heads, and a row-parallel matmul made it whole")
             self.conflict(n, "attention needs q sharded by heads", query, k, value)
         heads = shape_of(query)[head_dim]
         scatter, origins = [], set(q_state.origins)
@@ -418,6 +421,22 @@ class _Walk:
                 for extra in value_of(n)[1:]
             ],
         )
+
+    def rows_feeding(self, x: fx.Node) -> frozenset:
+        """The column-parallel origins of the row-parallel matmuls whose (whole) outputs ``x`` is
+        computed from within its layer, through replicated values only."""
+        found: set[str] = set()
+        seen, todo = {x}, [x]
+        while todo:
+            node = todo.pop()
+            if self.out.role.get(node) == "row":
+                found |= self.row_origins.get(node.name, frozenset())
+                continue
+            for arg in node.all_input_nodes:
+                if arg not in seen and self.st(arg) is None and self.layer_of(arg) == self.layer_of(x):
+                    seen.add(arg)
+                    todo.append(arg)
+        return frozenset(found - self.banned)
 
     def loss(self, n, name):
         logits, target = n.args[0], n.args[1]
@@ -467,6 +486,33 @@ class _Walk:
         x = n.args[0]
         state = self.st(x)
         self.set(n, state.at(state.dim + len(shape_of(n)) - len(shape_of(x))))
+
+    def new_empty(self, n, name):
+        """A buffer shaped like a sharded tensor (DeepSeek's MLA builds its keys in one and fills
+        it by slices): sharded alike when its size along the sharded dim is the whole one."""
+        x = n.args[0]
+        state = self.st(x)
+        shape = shape_of(n)
+        if len(shape) != len(shape_of(x)) or shape[state.dim] != state.size:
+            self.conflict(n, "a new tensor sized unlike the sharded one it is made from", x)
+        self.set(n, state)
+
+    def broadcast_expand(self, arg: fx.Node, dim: int, size: int, origins: frozenset) -> bool:
+        """Whether ``arg``, a replicated tensor meeting a shard along ``dim`` (its own), is a
+        size-1 dim expanded to the shard's whole size and read only there (DeepSeek's MLA expands
+        the one rotary key to every head): then it is expanded to the local heads instead, its
+        replicated input entering the region (its gradient summed over the ranks)."""
+        if op_name(arg) != "expand" or len(arg.users) != 1:
+            return False
+        source = arg.args[0]
+        if not isinstance(source, fx.Node) or isinstance(self.st(source), Shard):
+            return False
+        lead = len(shape_of(arg)) - len(shape_of(source))
+        if dim < lead or shape_of(source)[dim - lead] != 1:
+            return False
+        self.set(arg, Shard(dim, size, origins))
+        self.out.enter[arg] = self.entering(arg)
+        return True
 
     def slice(self, n, name):
         x = n.args[0]
@@ -630,6 +676,8 @@ class _Walk:
                     # the scores): each rank keeps its block, nothing to send either way
                     scatter.append((path, k))
                     continue
+                if shape_of(arg)[k] == size and self.broadcast_expand(arg, k, size, origins):
+                    continue
                 if shape_of(arg)[k] == size and arg in self.params and set(arg.users) == {n}:
                     # a per-feature weight read only here (a norm's scale over every query
                     # feature): each rank holds the block its shard multiplies, gradient included
@@ -655,6 +703,9 @@ _HANDLERS = {
     **{k: "view" for k in VIEWS},
     **{k: "layout" for k in LAYOUT},
     "expand": "expand",
+    "new_empty": "new_empty",
+    "copy_": "pointwise",
+    "copy": "pointwise",
     **{k: "slice" for k in SLICES},
     **{k: "split" for k in SPLITS},
     **{k: "cat" for k in CATS},

@@ -5,7 +5,9 @@ projection, split as its parts; MPT: its ALiBi bias cut by heads with the scores
 k normalized over all their features, the sums of squares all-reduced; BitNet: its sub-norms
 before the row-parallel projections alike; Apertus: its xIELU's elementwise min). Also at tp 4: llama (its 2 key/value heads
 replicated, each rank keeping its query heads' share), gemma (one key/value head) and falcon
-(fused qkv, one head per rank); and llama with eager matmul-softmax-matmul attention."""
+(fused qkv, one head per rank); and llama with eager matmul-softmax-matmul attention. DeepSeek-V3's
+latent attention: q and the keys and values expanded per head from replicated low-rank latents,
+the one rotary key broadcast to the local heads."""
 
 from __future__ import annotations
 
@@ -27,7 +29,14 @@ from tests.helpers import TESTS, manual_plan
 
 ARCHS_FILE = os.path.join(TESTS, "fixtures", "hf_archs.py")
 EAGER_FILE = os.path.join(TESTS, "fixtures", "tp_models.py")
-CASES = [(a, 2) for a in ARCHS] + [("llama", 4), ("gemma", 4), ("falcon", 4), ("llama_eager", 2), ("opt_proj", 2)]
+CASES = [(a, 2) for a in ARCHS] + [
+    ("llama", 4),
+    ("gemma", 4),
+    ("falcon", 4),
+    ("llama_eager", 2),
+    ("opt_proj", 2),
+    ("deepseek_mla", 2),
+]
 WORLD, MBS, SEQ = 4, 2, 16
 #: Per architecture, attention weights of its blocks and the shard each must get (their attention
 #: stayed whole before): q, k, v sliced from one projection (Phi-3), chunked with ALiBi added to
@@ -39,6 +48,12 @@ SPLIT = {
     "bitnet": {"o_proj.weight": {"kind": "row"}, "attn_sub_norm.weight": {"kind": "column"}},
     "apertus": {"mlp.up_proj.weight": {"kind": "column"}, "mlp.down_proj.weight": {"kind": "row"}},
     "opt_proj": {"self_attn.q_proj.weight": {"kind": "heads"}, "fc1.weight": {"kind": "column"}},
+    # DeepSeek-V3's latent attention: the low-rank projections whole, their expansions by heads
+    "deepseek_mla": {
+        "self_attn.q_b_proj.weight": {"kind": "heads"},
+        "self_attn.kv_b_proj.weight": {"kind": "heads"},
+        "self_attn.o_proj.weight": {"kind": "row"},
+    },
 }
 #: Per architecture, weights outside the blocks and the shard each must get: OPT-350m's head, behind
 #: a projection out of the blocks and tied to the embedding, keeps the vocabulary split.
