@@ -151,6 +151,8 @@ class _Problem:
         self.selects = selects
         self.limit = costs.capacity * (1 - MEMORY_MARGIN)
         self.tables: dict[tuple, _Table] = {}
+        self.rows_made: dict[tuple, tuple] = {}
+        """:func:`_stage_row`'s rows, by what decides them."""
 
     # ------------------------------------------------------------------ structure
     def layouts(self) -> list[_Layout]:
@@ -525,27 +527,48 @@ def _partition(
 def _layout_arrays(problem: _Problem, lay: _Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Table]] | None:
     """Per stage ``F``, ``H``, ``G`` under structure ``lay``: the stage tables with the stages'
     sends added, and counts outside the structure's domain or the offload capacities removed
-    (``inf``)."""
+    (``inf``). Stacked from rows remembered per stage and what decides them (most stages' rows
+    are the same under every cut of a head)."""
     domains = [problem.domain(k, lay) for k in range(problem.p)]
     if any(high < low for low, high in domains):
         return None
-    tables = [problem.stage_table(k, lay) for k in range(problem.p)]
-    F, H, G = (np.full((problem.p, problem.L + 1), INF) for _ in range(3))
-    for k, table in enumerate(tables):
-        F[k, : len(table.F)], H[k, : len(table.H)], G[k, : len(table.G)] = table.F, table.H, table.G
+    rows = [_stage_row(problem, k, lay, domains[k]) for k in range(problem.p)]
+    F = np.stack([row[0] for row in rows])
+    H = np.stack([row[1] for row in rows])
+    G = np.stack([row[2] for row in rows])
+    return F, H, G, [row[3] for row in rows]
+
+
+def _stage_row(
+    problem: _Problem, k: int, lay: _Layout, domain: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Table]:
+    """Stage ``k``'s row of :func:`_layout_arrays`, remembered by what decides it: its rows beside
+    the blocks, its count domain and its sends."""
+    heads, holds_x = tuple(problem.head_rows(k, lay)), problem.holds_x(k, lay.q)
+    sends = problem.scale * problem.p2p(k, lay)
+    key = (k, heads, holds_x, domain, sends)
+    known = problem.rows_made.get(key)
+    if known is not None:
+        return known
+    table = problem.stage_table(k, lay)
+    F, H, G = (np.full(problem.L + 1, INF) for _ in range(3))
+    F[: len(table.F)], H[: len(table.H)], G[: len(table.G)] = table.F, table.H, table.G
     counts = np.arange(problem.L + 1)
-    low, high = (np.array(ends)[:, None] for ends in zip(*domains))
-    ok = (counts >= low) & (counts <= high) & np.isfinite(H)
+    ok = (counts >= domain[0]) & (counts <= domain[1]) & np.isfinite(H)
     costs = problem.costs
     for room, field in ((costs.host_room, "host_b"), (costs.nvme_room, "nvme_b")):
         if not math.isfinite(room) or sum(count * getattr(cost, field) for cost, count in costs.distinct) <= 0:
             continue
-        held = np.array([sum(getattr(row, field) for row in problem.others(k, lay)) for k in range(problem.p)])
-        ok &= held[:, None] + counts * getattr(problem.blk, field) <= room * (1 - MEMORY_MARGIN)
-    sends = problem.scale * np.array([problem.p2p(k, lay) for k in range(problem.p)])[:, None]
-    F = np.where(ok, F + sends, INF)
-    H = np.where(ok, H + sends * (1 + TIE_BREAK), INF)
-    return F, H, np.where(ok, G, INF), tables
+        held = sum(getattr(row, field) for row in problem.others(k, lay))
+        ok &= held + counts * getattr(problem.blk, field) <= room * (1 - MEMORY_MARGIN)
+    made = (
+        np.where(ok, F + sends, INF),
+        np.where(ok, H + sends * (1 + TIE_BREAK), INF),
+        np.where(ok, G, INF),
+        table,
+    )
+    problem.rows_made[key] = made
+    return made
 
 
 def _lower_bound(F: np.ndarray, H: np.ndarray, G: np.ndarray, total: int, weight: float) -> float:
