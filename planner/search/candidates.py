@@ -19,7 +19,7 @@ import dataclasses
 import heapq
 import math
 import weakref
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -93,15 +93,25 @@ def head_rows(costs: CandidateCosts, kinds: Sequence[str]) -> int | None:
 def _head_rows(costs: CandidateCosts, kinds: Sequence[str]) -> int | None:
     if is_repeated(costs, kinds):
         return 0
+    first = repeated_run_start(costs, kinds)
+    return first - 1 if first is not None and 0 < first - 1 <= MAX_HEAD_ROWS else None
+
+
+def repeated_run_start(
+    costs: CandidateCosts, kinds: Sequence[str], same: Callable[[LayerCost], Any] | None = None
+) -> int | None:
+    """The first row of the run of blocks that ends at the second-last block (the last block
+    may differ) and are alike (equal, or equal in ``same(row)``); ``None`` unless the table is
+    ``pre``, blocks, ``post`` with at least three blocks."""
     layers, n = costs.layers, costs.num_layers
-    if n < 5 or kinds[0] != "pre" or kinds[-1] != "post" or kinds.count("block") != n - 2:
+    if n < 5 or kinds[0] != "pre" or kinds[-1] != "post" or list(kinds).count("block") != n - 2:
         return None
-    # the repeated run ends at the second-last block (the last may differ) and reaches back to row first
+    key = same or (lambda row: row)
+    reference = key(layers[n - 3])
     first = n - 3
-    while first > 1 and (layers[first - 1] is layers[n - 3] or layers[first - 1] == layers[n - 3]):
+    while first > 1 and (layers[first - 1] is layers[n - 3] or key(layers[first - 1]) == reference):
         first -= 1
-    head = first - 1
-    return head if 0 < head <= MAX_HEAD_ROWS else None
+    return first
 
 
 #: :func:`head_rows` per costs object (by identity), with the kinds it was asked for.

@@ -21,11 +21,12 @@ each block at most what the envelope does): ``planner.search.ilp.solve_candidate
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Sequence
 
 from cost_models.layer_work import LayerCost
 from cost_models.strategy import CandidateCosts
-from planner.search.candidates import MAX_HEAD_ROWS
+from planner.search.candidates import MAX_HEAD_ROWS, repeated_run_start
 
 __all__ = ["EXPOSURE_FIELDS", "overlap_envelope"]
 
@@ -48,8 +49,6 @@ def overlap_envelope(costs: CandidateCosts, kinds: Sequence[str]) -> tuple[Candi
     ``pre``, a head, blocks that differ only in :data:`EXPOSURE_FIELDS` (the last block may
     differ in anything), ``post``, and the blocks do differ."""
     layers, n = costs.layers, costs.num_layers
-    if n < 5 or kinds[0] != "pre" or kinds[-1] != "post" or list(kinds).count("block") != n - 2:
-        return None
     neutral: dict[int, LayerCost] = {}
 
     def without_exposure(row: LayerCost) -> LayerCost:
@@ -57,18 +56,14 @@ def overlap_envelope(costs: CandidateCosts, kinds: Sequence[str]) -> tuple[Candi
             neutral[id(row)] = row.but(**{name: 0.0 for name in EXPOSURE_FIELDS})
         return neutral[id(row)]
 
-    reference = without_exposure(layers[n - 3])
-    first = n - 3
-    while first > 1 and without_exposure(layers[first - 1]) == reference:
-        first -= 1
+    first = repeated_run_start(costs, kinds, without_exposure)
+    if first is None:
+        return None
     head, run = first - 1, layers[first : n - 2]
     if head > MAX_HEAD_ROWS or all(row is run[0] or row == run[0] for row in run):
         return None
     envelope = run[0].but(**{name: max(getattr(row, name) for row in run) for name in EXPOSURE_FIELDS})
     out = copy.copy(costs)
     out.layers = layers[:first] + [envelope] * len(run) + layers[n - 2 :]
-    counts: dict[LayerCost, int] = {}
-    for row in out.layers:
-        counts[row] = counts.get(row, 0) + 1
-    out.distinct = list(counts.items())
+    out.distinct = list(Counter(out.layers).items())
     return out, head

@@ -83,35 +83,28 @@ def test_an_encoder_without_architectures_is_told_its_masked_lm_class(tmp_path, 
     assert _plan(f"hf:{tmp_path}", capsys)[0] == 0  # the advice works
 
 
+#: The sizes of the tiny mixtures below (one block).
+TINY_MOE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
+
+
 def test_a_mixture_routing_to_more_experts_than_it_has_is_named(tmp_path, capsys):
     """An edited MoE config whose top-k exceeds its experts: the config's two fields, not a
     failure deep in the router's ``topk`` while tracing."""
-    transformers.MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        num_local_experts=4,
-        num_experts_per_tok=6,
-    ).save_pretrained(str(tmp_path))
+    transformers.MixtralConfig(**TINY_MOE, num_local_experts=4, num_experts_per_tok=6).save_pretrained(str(tmp_path))
     rc, err = _plan(f"hf:{tmp_path}", capsys)
     assert rc == 2
     assert "num_experts_per_tok = 6 experts, more than the 4 a layer has (num_local_experts)" in err
     # one expert is no mixture (Jamba builds a plain MLP): nothing to refuse
     one = tmp_path / "jamba"
     transformers.JambaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        num_experts=1,
-        num_experts_per_tok=2,
-        attn_layer_period=1,
-        attn_layer_offset=0,
+        **TINY_MOE, num_experts=1, num_experts_per_tok=2, attn_layer_period=1, attn_layer_offset=0
     ).save_pretrained(str(one))
     assert _plan(f"hf:{one}", capsys)[0] == 0
 
