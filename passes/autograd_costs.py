@@ -637,8 +637,12 @@ def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]) -> tuple[fx.Grap
 
     Uses of a dropped node are redirected to the node at the same position in its
     representative layer, so the next kept layer reads the representative's output; size
-    arithmetic is kept wherever it is. Returns the
-    copy and ``{dropped node name: representative node name}``.
+    arithmetic is kept wherever it is. A kept layer that fed only dropped ones would then feed
+    nothing, and autograd would never run its backward: when blocks alternate (Llama-4's dense
+    block, a rotary expert block, the dense block again, then an expert block without rotary)
+    the second block's output fed the dropped third one only. Such outputs are returned beside
+    the graph's own, so the backward starts from them too (each function still runs once).
+    Returns the copy and ``{dropped node name: representative node name}``.
     """
     by_layer: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
@@ -663,6 +667,13 @@ def _reduced_graph(gm: fx.GraphModule, same_as: dict[int, int]) -> tuple[fx.Grap
             env[n] = env[corr[n]]
         else:
             env[n] = graph.node_copy(n, lambda arg: env[arg])
+    # what only dropped layers read: outputs too, or its layer's backward would never run
+    orphans = [
+        env[n] for n in gm.graph.nodes if n not in corr and n.op == "call_function" and n.users and not env[n].users
+    ]
+    if orphans:
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        output.args = ((output.args[0], tuple(orphans)),)
     return fx.GraphModule(gm, graph), {n.name: twin.name for n, twin in corr.items()}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from cost_models.strategy import Evaluation, warmup_step_s
 from planner.search.candidates import compression_variants, work_lower_bound
-from planner.search.ilp import TIME_TOL, SearchResult, _rank_key, search
+from planner.search.ilp import COUNTERS, TIME_TOL, SearchResult, _rank_key, search
 from planner.units import format_seconds
 from runtime.contract.compressed_exchange import default_warmup
 
@@ -150,7 +150,7 @@ def choose_compression(
         ranked=sorted(compressed_result.ranked + result.ranked, key=_rank_key),
         extra=sorted(compressed_result.extra + result.extra, key=_rank_key),
     )
-    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited", "enveloped"):
+    for counter in COUNTERS:
         setattr(merged, counter, getattr(merged, counter) + getattr(result, counter))
     merged.notes = result.notes + merged.notes
     merged.answers = {**result.answers, **merged.answers}

@@ -74,15 +74,16 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cost_models.strategy import Candidate, CandidateCosts, Evaluation, evaluate, memory_bound
-from planner.search.block_counts import solve_counts
+from planner.search.block_counts import Counts, solve_counts
 from planner.search.candidates import MAX_HEAD_ROWS, head_rows, heuristic_strategy, uniform_time_bound
 from planner.search.entries import Entry
 from planner.search.envelope import overlap_envelope
 from planner.search.objective import block_capacity
+from planner.search.periods import periodic_groups
 from runtime.contract import environment
 
 __all__ = [
@@ -93,6 +94,7 @@ __all__ = [
     "block_capacity",
     "search",
     "SearchResult",
+    "COUNTERS",
     "layout_key",
     "by_layout",
 ]
@@ -149,15 +151,15 @@ def solve_candidate(
     started = time.perf_counter()
     head = head_rows(costs, kinds) if objective == "time" and formulation in ("auto", "counts") else None
     if head is not None:
-        return _solve_counts(costs, checkpoint, cutoff, started, head)
-    enveloped = overlap_envelope(costs, kinds) if objective == "time" and formulation == "auto" else None
-    if enveloped is not None:  # blocks that differ only in their hidden traffic: counted on their envelope
-        return _solve_counts(costs, checkpoint, cutoff, started, enveloped[1], enveloped[0])
+        return _solve_counts(costs, checkpoint, cutoff, started, _Counted(costs, head))
+    counted = _counted_form(costs, kinds) if formulation == "auto" else None
+    if counted is not None and objective == "time":
+        return _solve_counts(costs, checkpoint, cutoff, started, counted)
     if objective == "memory" and formulation == "auto":
         head = head_rows(costs, kinds)
-        enveloped = (costs, head) if head is not None else overlap_envelope(costs, kinds)
-        if enveloped is not None and head != 0:  # a uniform table's ILP is small; the general one is not
-            return _least_memory_by_counts(costs, checkpoint, started, enveloped[1], enveloped[0], cutoff)
+        counted = _Counted(costs, head) if head is not None else counted
+        if counted is not None and head != 0:  # a uniform table's ILP is small; the general one is not
+            return _least_memory_by_counts(costs, checkpoint, started, counted, cutoff)
     if formulation == "counts":
         raise ValueError(
             "the counts formulation needs identical blocks (after at most "
@@ -171,51 +173,74 @@ def solve_candidate(
     return ILPResult(evaluation, status, time.perf_counter() - started, uniform)
 
 
-def _solve_counts(
-    costs: CandidateCosts,
-    checkpoint: str,
-    cutoff: float | None,
-    started: float,
-    head: int = 0,
-    envelope: CandidateCosts | None = None,
-) -> ILPResult:
-    """:func:`solve_candidate` of a uniform table (after ``head`` distinct blocks) by
-    :func:`planner.search.block_counts.solve_counts`; with ``envelope``
-    (:func:`planner.search.envelope.overlap_envelope`), solved on it and priced on ``costs``."""
+@dataclass(frozen=True)
+class _Counted:
+    """A table the block-count solver takes (``costs`` after ``head`` distinct blocks): the
+    candidate's own, its envelope (:mod:`planner.search.envelope`) or its periods grouped
+    (:mod:`planner.search.periods`), with how the answer maps to the real rows (``expand``) and
+    the status it is reported with."""
+
+    costs: CandidateCosts
+    head: int
+    status: str = "Optimal"
+    expand: Callable[[Counts], tuple[list[tuple[int, int]], list[int], list[int]]] | None = None
+
+    def priced(self, real: CandidateCosts, found: Counts) -> Evaluation:
+        """The counted strategy priced on the real rows."""
+        if self.expand is None:
+            return evaluate(real, found.stages, sorted(found.recomputed), sorted(found.selective))
+        return evaluate(real, *self.expand(found))
+
+
+def _counted_form(costs: CandidateCosts, kinds: Sequence[str]) -> _Counted | None:
+    """The block-count form of a table that is not counted as it is: blocks alike but for the
+    traffic their place hides, on their envelope; blocks repeating in a period, grouped."""
+    enveloped = overlap_envelope(costs, kinds)
+    if enveloped is not None:
+        return _Counted(enveloped[0], enveloped[1], "Enveloped")
+    grouped = periodic_groups(costs, kinds)
+    if grouped is not None:
+        return _Counted(grouped.costs, grouped.head, "Periodic", grouped.expand)
+    return None
+
+
+def _check_mode(checkpoint: str) -> None:
     if checkpoint not in ("auto", "none", "all", "selective"):
         raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
-    found = solve_counts(costs if envelope is None else envelope, checkpoint, cutoff, head)
+
+
+def _solve_counts(
+    costs: CandidateCosts, checkpoint: str, cutoff: float | None, started: float, counted: _Counted
+) -> ILPResult:
+    """:func:`solve_candidate` of a table the block-count solver takes
+    (:func:`planner.search.block_counts.solve_counts`), solved on ``counted`` and priced on ``costs``."""
+    _check_mode(checkpoint)
+    found = solve_counts(counted.costs, checkpoint, cutoff, counted.head)
     evaluation = None
     if found is not None:
-        evaluation = evaluate(costs, found.stages, sorted(found.recomputed), sorted(found.selective))
+        evaluation = counted.priced(costs, found)
         evaluation = evaluation if evaluation.feasible else None
-    status = "Infeasible" if evaluation is None else "Optimal" if envelope is None else "Enveloped"
+    status = "Infeasible" if evaluation is None else counted.status
     return ILPResult(evaluation, status, time.perf_counter() - started, True)
 
 
 def _least_memory_by_counts(
-    costs: CandidateCosts,
-    checkpoint: str,
-    started: float,
-    head: int,
-    counted: CandidateCosts,
-    below: float | None = None,
+    costs: CandidateCosts, checkpoint: str, started: float, counted: _Counted, below: float | None = None
 ) -> ILPResult:
-    """The memory objective of a table the block-count solver takes (``counted``: ``costs`` or
-    its envelope, after ``head`` distinct blocks), by bisection on the capacity: a strategy fits
-    under a capacity exactly when counting finds one, and fitting only gets easier as the
-    capacity grows. The answer is priced on ``costs``; its memory is the least to within
-    :data:`MEMORY_BISECTION_TOLERANCE` (the general ILP took its 60 s limit on a 61-block model)."""
-    if checkpoint not in ("auto", "none", "all", "selective"):
-        raise ValueError(f"checkpoint must be auto, none, all or selective, got {checkpoint!r}")
+    """The memory objective of a table the block-count solver takes (``counted``), by bisection
+    on the capacity: a strategy fits under a capacity exactly when counting finds one, and
+    fitting only gets easier as the capacity grows. The answer is priced on ``costs``; its memory
+    is the least to within :data:`MEMORY_BISECTION_TOLERANCE` (the general ILP took its 60 s limit
+    on a 61-block model), on a grouped table the least of the strategies it can express."""
+    _check_mode(checkpoint)
 
     def strategy_under(capacity: float) -> Evaluation | None:
-        probe = copy.copy(counted)  # a fresh object: the bounds remember a costs object's answers
+        probe = copy.copy(counted.costs)  # a fresh object: the bounds remember a costs object's answers
         probe.capacity = capacity
-        found = solve_counts(probe, checkpoint, None, head)
+        found = solve_counts(probe, checkpoint, None, counted.head)
         if found is None:
             return None
-        priced = evaluate(costs, found.stages, sorted(found.recomputed), sorted(found.selective))
+        priced = counted.priced(costs, found)
         return priced if memory_bound(priced) <= capacity else None
 
     per_row = (row.state_b + row.saved_b * max(costs.inflight) + row.trans_b + row.bt_b for row, _ in costs.distinct)
@@ -231,8 +256,20 @@ def _least_memory_by_counts(
         else:
             best = found
     status = "Infeasible" if best is None else "Optimal"
-    return ILPResult(best, status, time.perf_counter() - started, head == 0)
+    return ILPResult(best, status, time.perf_counter() - started, counted.head == 0 and counted.expand is None)
 
+
+#: What :class:`SearchResult` counts, summed when two searches' results are merged.
+COUNTERS = (
+    "enumerated",
+    "solved",
+    "infeasible",
+    "pruned_time",
+    "pruned_memory",
+    "time_limited",
+    "enveloped",
+    "periodic",
+)
 
 #: Relative gap at which :func:`_least_memory_by_counts` stops bisecting.
 MEMORY_BISECTION_TOLERANCE = 1e-3
@@ -260,6 +297,9 @@ class SearchResult:
     enveloped: int = 0
     """Candidates solved on the envelope of their blocks' overlap (:mod:`planner.search.envelope`:
     optimal there, priced on the real rows)."""
+    periodic: int = 0
+    """Candidates solved with their periods of unlike blocks grouped (:mod:`planner.search.periods`:
+    optimal among cuts between whole periods, priced on the real rows)."""
     notes: list[str] = field(default_factory=list)
     """What the model ruled out before the search (printed under the plan)."""
     answers: dict = field(default_factory=dict, repr=False)
@@ -276,6 +316,11 @@ class SearchResult:
             status += (
                 f"; {self.enveloped} candidates' blocks, alike but for the traffic their place hides, were "
                 "partitioned as if each hid the least"
+            )
+        if self.periodic:
+            status += (
+                f"; {self.periodic} candidates' blocks, repeating in a period of unlike blocks, were cut "
+                "between whole periods"
             )
         return status
 
@@ -398,6 +443,7 @@ class _Search:
         result.uniform = result.uniform and solved.uniform
         result.time_limited += solved.status == "Feasible"
         result.enveloped += solved.status == "Enveloped"
+        result.periodic += solved.status == "Periodic"
         evaluation = solved.evaluation
         if evaluation is not None and solved.status == "Optimal":
             result.answers[costs.cand] = evaluation
@@ -569,7 +615,7 @@ def _merge_seed(result: SearchResult, seed: SearchResult, keep: int) -> None:
     pool = {candidate: evaluation for candidate, evaluation in pool.items() if not _dominated(evaluation, plain)}
     taken = {layout_key(evaluation) for evaluation in result.ranked}
     result.extra = by_layout(list(pool.values()), taken)[: max(keep - len(result.ranked), 0)]
-    for counter in ("enumerated", "solved", "infeasible", "pruned_time", "pruned_memory", "time_limited", "enveloped"):
+    for counter in COUNTERS:
         setattr(result, counter, getattr(result, counter) + getattr(seed, counter))
     result.solver_seconds += seed.solver_seconds
     result.answers = {**seed.answers, **result.answers}

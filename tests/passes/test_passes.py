@@ -335,6 +335,41 @@ def test_reusing_identical_blocks_matches_a_full_replay():
     assert _cost_meta(tr.gm) == reused
 
 
+def test_reusing_alternating_blocks_runs_every_kept_blocks_backward(tmp_path):
+    """Llama-4 alternates a dense block and an expert block, and every fourth block has no
+    rotary: blocks 0 and 2 are alike, 1 and 3 are not. The replay without block 2 once fed block
+    3 from block 0, so block 1 fed nothing and its backward never ran (0 FLOPs)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    config.save_pretrained(tmp_path)
+    tr = trace_model(f"hf:{tmp_path}", batch=2, seq_len=32, dtype="fp32")
+    analyze(tr)  # replays blocks 0, 1 and 3 (2 is block 0's twin)
+
+    def flops():
+        return {n.name: (n.meta["fwd_flops"], n.meta["bwd_flops"]) for n in tr.gm.graph.nodes if n.op != "placeholder"}
+
+    reused = flops()
+    table = table_from_traced(tr, analyzed=True)
+    expert_blocks = table.layers[2], table.layers[4]
+    assert all(row.bwd_flops != 0 and row.bwd_flops == expert_blocks[1].bwd_flops for row in expert_blocks)
+    annotate_costs(tr.gm, tr.roles, tr.symbols)  # every block replayed
+    price_masks(tr.gm)
+    assert flops() == reused
+
+
 def test_pass_errors_name_the_node_and_source_line():
     tr, _table = analyzed("gpt")
     lin = next(n for n in tr.gm.graph.nodes if n.name == "linear")
