@@ -10,7 +10,9 @@ load, every readable region of a mixture of experts planned at ep 1)::
     dispatch = runtime.moe.dispatch(rows, counts, E, capacity_factor)
     local_rows, local_offsets, routing = dispatch[0], dispatch[1], dispatch[2]
     h = grouped_mm(local_rows, W1, local_offsets)      # W1: this rank's E/ep experts at run time
-    ...                                                # row-wise, as the pass checked
+    ...                                                # row-wise, as the pass checked; a bias
+                                                       # b[sorted ids] (GPT-OSS) becomes
+                                                       # b[runtime.moe.local_expert_ids(local_offsets)]
     y = grouped_mm(h, W2, local_offsets)
     combine = runtime.moe.combine(y, routing)          # y's users read this instead
 
@@ -153,6 +155,7 @@ def _rewrite_region(graph: fx.Graph, region: ExpertRegion, capacity: float | Non
     for node, name in zip((sent, local_rows, local_offsets, routing), names):
         node.meta.update(meta)
         node.meta[CODEGEN_NAME] = name
+    _gather_locally(graph, region, local_offsets, meta)
     for product in region.products:
         args = list(product.args)
         if args[0] is region.rows:
@@ -169,3 +172,25 @@ def _rewrite_region(graph: fx.Graph, region: ExpertRegion, capacity: float | Non
     if "val" in last.meta:  # the combined rows have the shape the last product had before
         back.meta["val"] = last.meta["val"]
     last.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+
+
+def _gather_locally(graph: fx.Graph, region: ExpertRegion, local_offsets: fx.Node, meta: dict) -> None:
+    """Each per-expert parameter the region gathers by the sorted expert ids (``region.gathers``)
+    gathered instead by the dispatched rows' local experts, from this rank's slice of it."""
+    if not region.gathers:
+        return
+    with graph.inserting_after(local_offsets):
+        local_ids = graph.call_function(moe.local_expert_ids, (local_offsets,))
+    local_ids.meta.update(meta)
+    local_ids.meta[CODEGEN_NAME] = "local_expert_ids"
+    after = local_ids
+    for gather in region.gathers:
+        with graph.inserting_after(after):
+            local = graph.call_function(gather.target, (gather.args[0], [local_ids]))  # type: ignore[arg-type]
+        local.meta.update(meta)
+        local.meta[CODEGEN_NAME] = "local_" + str(getattr(gather.args[0], "target", gather.args[0])).rsplit(".", 1)[-1]
+        if "val" in gather.meta:
+            local.meta["val"] = gather.meta["val"]
+        gather.replace_all_uses_with(local)
+        graph.erase_node(gather)
+        after = local

@@ -16,8 +16,11 @@ Expert parallelism keeps ``E / ep`` experts per rank and sends every row to the 
 expert (all-to-all) before the first product, and back after the last. That is exact only if
 everything between the first and the last product works row by row on the products' rows: each
 row's result may depend on its own row and on the expert weights, never on another row nor on a
-tensor laid out in the pre-dispatch order (GPT-OSS adds a per-row bias ``b[sorted ids]`` after
-each product: that tensor would not travel with its rows). ``find_expert_regions`` finds one
+tensor laid out in the pre-dispatch order. One such tensor is allowed because it can be rebuilt
+after the dispatch: an ``[E, ...]`` parameter gathered by the sorted expert ids (GPT-OSS adds a
+per-expert bias ``b[sorted ids]`` after each product). The region lists those gathers
+(``ExpertRegion.gathers``) and its parameters among the experts'; the rewrite gathers this rank's
+slice by each dispatched row's local expert instead. ``find_expert_regions`` finds one
 ``ExpertRegion`` per grouped-product layer and checks exactly that; a region it cannot read or
 that fails the check carries a ``reason`` (the planner then keeps that layer's experts
 replicated and reports why). Code generation (``codegen.expert_rewrite``) rewrites the regions
@@ -78,7 +81,8 @@ class ExpertRegion:
     offsets: fx.Node | None = None
     """The ``cumsum`` node the products read: cumulative tokens per expert ``[E]``."""
     params: list[str] = field(default_factory=list)
-    """FQNs of the ``[E, ...]`` expert weights the products read."""
+    """FQNs of the ``[E, ...]`` expert weights the products read (and of the parameters ``gathers``
+    read: a per-expert bias is cut with its experts)."""
     param_nodes: list[fx.Node] = field(default_factory=list)
     """The placeholder / ``get_attr`` node of each of ``params``."""
     experts: int = 0
@@ -87,6 +91,9 @@ class ExpertRegion:
     """Experts per token, from the router's ``topk`` (None when it cannot be read)."""
     module: str = ""
     """The experts' module path (the FQN prefix their weights share)."""
+    gathers: list[fx.Node] = field(default_factory=list)
+    """``index(P, [sorted ids])`` nodes that feed the ops between the products: an ``[E, ...]``
+    parameter ``P`` (GPT-OSS's expert bias) read per row by the rows' expert ids."""
     reason: str | None = None
     """Why the region cannot be expert-parallel; None when it can."""
 
@@ -262,6 +269,8 @@ def _check_between(region: ExpertRegion, state: _StateNodes) -> str | None:
             return f"{node.name} ({name}) between the expert products is not a row-wise op"
         for arg in node.all_input_nodes:
             if arg not in inside and arg is not rows and not state.is_const(arg):
+                if _expert_gather(arg, region, state):
+                    continue
                 return (
                     f"{arg.name} feeds {node.name} between the expert products but is neither computed from "
                     f"them nor a parameter: a per-row tensor in the pre-dispatch order (e.g. a bias gathered "
@@ -271,6 +280,31 @@ def _check_between(region: ExpertRegion, state: _StateNodes) -> str | None:
         if isinstance(val, torch.Tensor) and (val.dim() == 0 or _rows_of(node) != n_rows):
             return f"{node.name} ({name}) between the expert products changes the row count"
     return None
+
+
+def _expert_gather(node: fx.Node, region: ExpertRegion, state: _StateNodes) -> bool:
+    """Whether ``node`` gathers an ``[E, ...]`` parameter by the rows' sorted expert ids (the ids
+    ``histc`` counts); if so, it is recorded in ``region.gathers`` and its parameter among the
+    experts'."""
+    if node in region.gathers:
+        return True
+    if node.op != "call_function" or op_name(node) != "index" or len(node.args) < 2:
+        return False
+    source, indices = node.args[0], node.args[1]
+    if not isinstance(source, fx.Node) or not state.is_state(source) or not isinstance(indices, (list, tuple)):
+        return False
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or region.counts is None:
+        return False
+    val = source.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 1 or int(val.shape[0]) != region.experts:
+        return False
+    if _through(indices[0], _CASTS) is not _through(region.counts.args[0], _CASTS):  # type: ignore[arg-type]
+        return False
+    region.gathers.append(node)
+    if source not in region.param_nodes:
+        region.param_nodes.append(source)
+        region.params.append(state.fqn(source))
+    return True
 
 
 def _rows_of(node: fx.Node | None) -> str | None:

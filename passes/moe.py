@@ -21,8 +21,9 @@ module (Qwen2-MoE) is one always-on expert; a ``shared_experts`` module (DeepSee
 whose width is ``n_shared_experts`` routed experts') counts its parameters over one routed
 expert's. They are dense work and priced as such (replicated, dp-sharded state).
 
-A layer whose region carries a ``reason`` (``ExpertRegion.reason``: GPT-OSS's per-expert bias,
-routing it cannot read) keeps its experts replicated; so does a model whose experts are a
+A layer whose region carries a ``reason`` (``ExpertRegion.reason``: routing it cannot read, a
+per-row tensor laid out before the dispatch; GPT-OSS's per-expert bias is not one, it is cut with
+the experts) keeps its experts replicated; so does a model whose experts are a
 ``ModuleList`` of MLPs run in a python loop over data-dependent indices (no grouped products:
 ``replicated_reason``). ``moe_summary`` says why in the table's ``model["moe"]["reason"]``, which
 the planner reports.
@@ -35,9 +36,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import sympy
+import torch
 import torch.fx as fx
 
 from passes.expert_regions import ExpertRegion, find_expert_regions
+from passes.op_class import op_name
 
 __all__ = ["MOE_META", "MoeLayer", "annotate_moe", "moe_summary", "replicated_reason"]
 
@@ -134,7 +137,45 @@ def replicated_reason(gm: fx.GraphModule, regions_found: bool) -> str | None:
                 "by one (a python loop), not grouped expert products: the planner cannot route their tokens "
                 "between ranks, so every rank holds every expert"
             )
+        experts = _dense_experts(node)
+        if experts:
+            return (
+                f"the experts ({path or node.name}) run every token through all {experts} of them (a batched "
+                f"product of the tokens repeated {experts} times, the router's scores zeroing the unchosen ones, "
+                "as transformers' Llama-4 layer does): the plan prices that work, and the planner cannot route "
+                "their tokens between ranks, so every rank holds every expert"
+            )
     return None
+
+
+_DENSE_PATH = {"view", "reshape", "_unsafe_view", "mul", "to", "_to_copy", "contiguous", "clone"}
+"""Ops between a repeat of the tokens and the batched expert product that computes them all."""
+
+
+def _dense_experts(node: fx.Node) -> int:
+    """E when ``node`` is a ``bmm`` of an ``[E, ...]`` weight by the tokens repeated E times (every
+    expert computing every token); else 0."""
+    if node.op != "call_function" or op_name(node) != "bmm" or len(node.args) < 2:
+        return 0
+    tokens, weight = node.args[0], node.args[1]
+    val = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 3 or not isinstance(tokens, fx.Node):
+        return 0
+    experts = val.shape[0]
+    if not isinstance(experts, int) or experts < 2:
+        return 0
+    stack, seen = [tokens], set()
+    while stack:
+        current = stack.pop()
+        if current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        name = op_name(current)
+        if name == "repeat" and len(current.args) > 1 and list(current.args[1])[:1] == [experts]:  # type: ignore[arg-type]
+            return experts
+        if name in _DENSE_PATH:
+            stack.extend(arg for arg in current.args if isinstance(arg, fx.Node))
+    return 0
 
 
 def moe_summary(rows: list[Any], reasons: list[str]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ architecture at them, so the five files that read, rewrite, plan and train MoE m
 same routing shapes: Mixtral (4 experts, top 2), Qwen2-MoE (4, top 2, one shared expert),
 Qwen3-MoE (8, top 3, q/k norms), DeepSeek-V3 (4, top 2, grouped routing, multi-head latent
 attention, one dense block first) and GPT-OSS (4, top 2: its expert bias is gathered by expert
-id, which expert parallelism cannot cut).
+id, cut with the experts).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from runtime.distributed import comm
 from runtime.distributed.mesh import get_mesh
 from runtime.moe.load_stats import LOAD
 
-__all__ = ["Routing", "dispatch", "combine", "expert_slice"]
+__all__ = ["Routing", "dispatch", "combine", "expert_slice", "local_expert_ids"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,15 @@ def dispatch(
         offsets = torch.tensor(kept, dtype=torch.int64).cumsum(0).to(device=rows.device, dtype=torch.int32)
         return rows, offsets, Routing(total, keep, None)
     return _exchange(rows, kept, keep, total, group, mesh.ep)
+
+
+def local_expert_ids(offsets: torch.Tensor) -> torch.Tensor:
+    """This rank's expert (``0 .. E/ep - 1``) of each row ``dispatch`` delivered, from its
+    ``local_offsets`` (the rows are grouped by expert): what a per-expert parameter gathered by
+    expert id (GPT-OSS's bias) is gathered by after the dispatch."""
+    ends = offsets.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.repeat_interleave(torch.arange(ends.numel(), device=ends.device), counts)
 
 
 def _exchange(

@@ -201,13 +201,35 @@ def test_ep_with_tp_and_pp_compiles_the_rewrite_in_each_stage(mixtral, tmp_path)
         assert (tmp_path / "pp" / f"stage_{k}.py").read_text().count("runtime_moe_exchange_dispatch(") == 1
 
 
-def test_refusals_name_what_to_change(mixtral, tmp_path):
-    """A plan the rewrite cannot honour fails at compile time with what to change: experts the
-    pass refuses (GPT-OSS's bias gathered by expert id), a model without routed experts."""
+def test_gpt_oss_bias_is_gathered_by_each_rows_local_expert(tmp_path):
+    """GPT-OSS adds ``bias[sorted expert ids]`` after its first expert product: the rewrite gathers
+    this rank's rows of the bias by the local expert of each dispatched row, and cuts the bias
+    with the experts. At ep 1 (nothing moves) the stage computes the traced graph's loss."""
     oss = tmp_path / "gpt_oss"
     tf.GptOssConfig(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=8, **SIZES).save_pretrained(oss)
-    with pytest.raises(CodegenError, match=r"mlp\.experts cannot be dispatched: index_\d+ feeds .*plan with --ep 1"):
-        compile_plan(_plan(f"hf:{oss}", ep=2), str(tmp_path / "o"))
+    spec = f"hf:{oss}"
+    cut = compile_plan(_plan(spec, ep=2), str(tmp_path / "ep2"))
+    experts = {e["fqn"].rsplit(".", 1)[1]: e["shape"] for e in cut["stages"][0]["params"].values() if e.get("expert")}
+    assert experts == {
+        "gate_up_proj": [EXPERTS, 32, 128],
+        "down_proj": [EXPERTS, 64, 32],
+        "gate_up_proj_bias": [4, 128],
+    }
+    source = (tmp_path / "ep2" / "stage_0.py").read_text()
+    assert source.count("local_expert_ids = runtime_moe_exchange_local_expert_ids(local_offsets)") == 1
+    assert "self.mlp_experts_gate_up_proj_bias = torch.nn.Parameter(torch.empty((2, 128)" in source
+    counted = compile_plan(_plan(spec, dp=1), str(tmp_path / "counted"))
+    plain = compile_plan(_plan(spec, dp=1, moe=False), str(tmp_path / "plain"))
+    LOAD.reset()
+    loss = _run(str(tmp_path / "counted"), counted, spec)
+    assert LOAD.calls == 2
+    torch.testing.assert_close(loss, _run(str(tmp_path / "plain"), plain, spec), rtol=1e-6, atol=0)
+    LOAD.reset()
+
+
+def test_refusals_name_what_to_change(mixtral, tmp_path):
+    """A plan the rewrite cannot honour fails at compile time with what to change: a model
+    without routed experts."""
     llama = tmp_path / "llama"
     tf.LlamaConfig(**SIZES).save_pretrained(llama)
     with pytest.raises(CodegenError, match="has no routed-expert layer.*plan with --ep 1"):

@@ -6,7 +6,7 @@ holding only ``config.json`` (``hf:PATH``), compiled with ``expert_parallel`` se
 dropless at ep2 (dp2), ep2 x pp2, ep2 x tp2 and ep4 (dp4), and Qwen3-MoE at ep2 and ep4; ZeRO 1
 and 3 at ep2; recompute at ep2; the zero-bubble and interleaved schedules at ep2 x pp2; capacity
 mode (DeepSeek: tokens over capacity dropped and counted); a checkpoint written at ep2 resumed at
-ep1. Every
+ep1; GPT-OSS (a bias per expert, gathered by expert id) at ep2. Every
 case's per-step losses and final parameters match a single process training the HF model with
 torch AdamW on the whole global batch (``tests.helpers.reference_run``) at rtol 1e-5.
 
@@ -51,7 +51,10 @@ ARCHS = {
 }
 QWEN3 = (_BUILD["qwen3_moe"], dict(layers=[1, 2], experts=8, top_k=3, shared_experts=0))
 """Qwen3-MoE (8 experts, top 3, q/k norms), trained at ep2 and ep4 only."""
-CONFIGS = {**ARCHS, "qwen3_moe": QWEN3}
+GPT_OSS = (_BUILD["gpt_oss"], dict(layers=[1, 2], experts=4, top_k=2, shared_experts=0))
+"""GPT-OSS (4 experts, top 2, a bias per expert gathered by expert id between its products, cut
+with the experts), trained at ep2."""
+CONFIGS = {**ARCHS, "qwen3_moe": QWEN3, "gpt_oss": GPT_OSS}
 """Each model's config and the ``model.moe`` facts the planner would fill."""
 LAYOUTS = {
     "ep2": dict(dp=2, ep=2),
@@ -106,6 +109,7 @@ def _cases(root) -> dict[str, Run]:
     qwen3 = _model_dir(os.path.join(root, "models"), "qwen3_moe")
     for layout in ("ep2", "ep4"):
         add(f"qwen3_moe-{layout}", _plan(qwen3, "qwen3_moe", **LAYOUTS[layout]))
+    add("gpt_oss-ep2", _plan(_model_dir(os.path.join(root, "models"), "gpt_oss"), "gpt_oss", **LAYOUTS["ep2"]))
     spec = _model_dir(os.path.join(root, "models"), "mixtral")
     for zero in (1, 3):
         add(f"mixtral-ep2-zero{zero}", _plan(spec, "mixtral", dp=2, ep=2, zero=zero))
@@ -175,6 +179,10 @@ def test_expert_parallel_trains_like_one_process(trained, arch, layout):
 @pytest.mark.parametrize("layout", ["ep2", "ep4"])
 def test_qwen3_moe_trains_like_one_process(trained, layout):
     _check(trained[f"qwen3_moe-{layout}"])
+
+
+def test_gpt_oss_trains_like_one_process_with_its_bias_cut_with_the_experts(trained):
+    _check(trained["gpt_oss-ep2"])
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

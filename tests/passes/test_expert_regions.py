@@ -103,19 +103,18 @@ def test_the_trainable_export_reads_the_same_regions(root):
     assert all(n.op == "get_attr" for r in regions for n in r.param_nodes)
 
 
-def test_a_bias_gathered_by_expert_id_is_refused_with_the_reason(root):
+def test_a_bias_gathered_by_expert_id_is_cut_with_its_experts(root):
     """GPT-OSS adds ``bias[sorted expert ids]`` to each product's output: a per-row tensor laid
-    out before dispatch, which would not travel with its rows. The region is found (its experts
-    and weights known, for the planner's memory) but refused, naming the node."""
+    out before the dispatch, but rebuilt after it from the bias's rows and each row's expert.
+    The region lists the gather between its products and cuts the bias with the experts; the
+    bias added after the last product runs on the combined rows, in the original order."""
     traced = _traced("gpt_oss", root)
     regions = find_expert_regions(traced.gm, roles=traced.roles, fqns=traced.fqns)
-    assert len(regions) == 2 and all(r.experts == 4 and r.top_k == 2 for r in regions)
-    assert not any(r.parallel for r in regions)
-    first = regions[0]
-    gathered = first.reason.split(" ")[0]
-    node = next(n for n in traced.gm.graph.nodes if n.name == gathered)
-    assert op_name(node) == "index" and traced.fqns[node.args[0].name].endswith("gate_up_proj_bias")
-    assert "a bias gathered by expert id" in first.reason and "add_" in first.reason
+    assert len(regions) == 2 and all(r.parallel and r.experts == 4 and r.top_k == 2 for r in regions)
+    for region in regions:
+        (gather,) = region.gathers
+        assert op_name(gather) == "index" and traced.fqns[gather.args[0].name].endswith("gate_up_proj_bias")
+        assert [name.rsplit(".", 1)[1] for name in region.params] == ["gate_up_proj", "down_proj", "gate_up_proj_bias"]
 
 
 class _Experts(nn.Module):

@@ -121,14 +121,35 @@ def test_moe_facts_per_row(arch, tmp_path):
     assert plan.model.moe == {**table.model["moe"], "capacity_factor": None}
 
 
-def test_gpt_oss_experts_stay_replicated_and_say_why(tmp_path):
-    """GPT-OSS adds a per-expert bias gathered by expert id between its products: the region is
-    refused (``passes.expert_regions``), no row has routed experts and the table says why."""
+def test_gpt_oss_experts_and_their_bias_are_routed(tmp_path):
+    """GPT-OSS gathers a per-expert bias by expert id between its products: the bias is cut with
+    the experts, so its parameters count among the row's routed ones."""
     tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=8, **TINY).save_pretrained(tmp_path / "oss")
     table = build_layer_table(f"hf:{tmp_path / 'oss'}", batch=1, seq_len=16, dtype="fp32")
-    assert all(row.experts == 0 and row.expert_param_count == 0 for row in table.layers)
+    routed = [row for row in table.layers if row.experts]
+    assert len(routed) == TINY["num_hidden_layers"] and all((row.experts, row.top_k) == (4, 2) for row in routed)
+    hidden, ffn = TINY["hidden_size"], TINY["intermediate_size"]
+    # gate_up [E, h, 2f] + its bias [E, 2f] + down [E, f, h]; down's bias (added after the combine) stays dense
+    assert all(row.expert_param_count == 4 * (hidden * 2 * ffn + 2 * ffn + ffn * hidden) for row in routed)
+    assert "reason" not in table.model["moe"]
+
+
+def test_experts_computing_every_token_stay_replicated_and_say_why(tmp_path):
+    """transformers' Llama-4 layer repeats the tokens once per expert and runs one batched product
+    over all of them (the router's scores zero the unchosen): nothing to route, and the table says
+    that every token goes through every expert."""
+    tf.Llama4TextConfig(
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        intermediate_size_mlp=64,
+        head_dim=8,
+        **TINY,
+    ).save_pretrained(tmp_path / "llama4")
+    table = build_layer_table(f"hf:{tmp_path / 'llama4'}", batch=1, seq_len=16, dtype="fp32")
+    assert all(row.experts == 0 for row in table.layers)
     assert set(table.model["moe"]) == {"reason"}
-    assert "bias gathered by expert id" in table.model["moe"]["reason"]
+    assert "layers.1.feed_forward.experts) run every token through all 4 of them" in table.model["moe"]["reason"]
 
 
 def test_experts_in_a_python_loop_stay_replicated_and_say_why():
