@@ -311,16 +311,70 @@ def import_tracer(model: str | ModelBundle) -> None:
             hf_classes(name)
 
 
-def _export(module: nn.Module, inputs: tuple, dynamic_shapes, what: str) -> ExportedProgram:
+def _export(
+    module: nn.Module, inputs: tuple, dynamic_shapes, what: str, budget: "_NodeBudget | None" = None
+) -> ExportedProgram:
     try:
-        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices(), exportable():
+        with (
+            _quiet_torch_logs(),
+            _uncached_fake_tensors(),
+            _HostListIndices(),
+            exportable(),
+            budget or contextlib.nullcontext(),
+        ):
             ep = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
-    except ModelError:
-        raise
     except Exception as e:  # torch raises many types; all become one readable ModelError
+        if budget is not None and budget.spent:
+            raise budget.error(what) from None
+        if isinstance(e, ModelError):
+            raise
         raise explain_export_error(e, what) from e
     inline_grad_regions(ep.graph_module)  # no_grad regions: flat ATen ops, as codegen's export has them
     return ep
+
+
+class _NodeBudget:
+    """A bound on the graph nodes one export may create (all its passes together): a model whose
+    graph grows with the sequence (a Python loop over the positions, such as a Mamba layer's
+    reference scan without its CUDA kernels) would otherwise unroll the loop once per position,
+    for minutes to hours, into a graph the planner would price one small kernel per position."""
+
+    #: Nodes per traced block: a transformer block exports 150-250 ATen ops (Llama-4's expert and
+    #: dense blocks, GPT-OSS's), its export creating about 1.4 nodes per op kept; a loop over 4,096
+    #: positions makes tens of thousands per block, at about 2 ms each on this machine.
+    PER_BLOCK = 3_000
+
+    def __init__(self, blocks: int, seq: int):
+        self.limit, self.seq, self.blocks = self.PER_BLOCK * (blocks + 1), seq, blocks
+        self.spent = False
+        self._create = fx.Graph.create_node
+
+    def __enter__(self) -> "_NodeBudget":
+        budget, create, made = self, self._create, [0]
+        self.spent = False
+
+        def counted(graph: fx.Graph, *args, **kwargs):
+            made[0] += 1
+            if made[0] > budget.limit:
+                budget.spent = True
+                raise ModelError("export stopped: node budget spent")
+            return create(graph, *args, **kwargs)
+
+        fx.Graph.create_node = counted  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fx.Graph.create_node = self._create  # type: ignore[method-assign]
+
+    def error(self, what: str) -> ModelError:
+        return ModelError(
+            f"{what} did not export within {self.limit:,} graph nodes for {self.blocks} blocks at {self.seq} "
+            "positions (a block exports a few hundred): its graph grows with the sequence, a Python loop over "
+            "the positions such as a Mamba layer's reference scan without its CUDA kernels. Unrolled once per "
+            "position it would take minutes to hours to trace, and the plan would price one small kernel per "
+            "position, not the fused scan a GPU runs. The planner cannot price this model at "
+            f"--seq-len {self.seq}; a shorter --seq-len traces it as written."
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,12 +646,13 @@ def _trace_bundle(bundle: ModelBundle, request: _ZooTrace) -> Traced:
         batch_dim, seq_dim = Dim("b", min=2), Dim("s", min=2, max=smax)
         dyn = ({0: batch_dim, 1: seq_dim}, {0: batch_dim, 1: seq_dim})
     what = f"model {request.spec!r}"
+    budget = _NodeBudget(len(blocks), request.s_ex)
     try:
-        ep = _export(bundle.model, bundle.example_inputs, dyn, what)
+        ep = _export(bundle.model, bundle.example_inputs, dyn, what, budget)
     except ModelError:
-        if dyn is None:
+        if dyn is None or budget.spent:
             raise
-        ep = _export(bundle.model, bundle.example_inputs, None, what)
+        ep = _export(bundle.model, bundle.example_inputs, None, what, budget)
         request.notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
     roles, fqns, tied = _placeholder_roles(ep)
     symbols, fixed = _symbol_map(ep.graph_module, roles, request.b_ex, request.s_ex)

@@ -275,3 +275,37 @@ def test_gpt_trace_is_on_meta_and_lifts_parameters():
     ids = next(n for n in ph if n.name == "input_ids").meta["val"]
     assert [tr.symbols[d.node.expr] for d in ids.shape] == [B, S]
     assert isinstance(tr.exported.module(), torch.nn.Module)
+
+
+class _Scan(torch.nn.Module):
+    """A recurrence stepped position by position in Python (a Mamba layer's reference scan)."""
+
+    def __init__(self):
+        super().__init__()
+        self.decay = torch.nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x):
+        state, outputs = torch.zeros_like(x[:, 0]), []
+        for position in range(x.shape[1]):
+            state = state * self.decay + x[:, position]
+            outputs.append(state)
+        return torch.stack(outputs, 1).sum()
+
+
+def test_a_graph_that_grows_with_the_sequence_is_refused_before_it_unrolls(monkeypatch):
+    """A model that loops over the positions in Python would unroll its loop once per position
+    (hours at 4,096): the export stops at its node budget and says why, while the same model at
+    a handful of positions, and a model without the loop at any length, export."""
+    from planner.errors import UserError as Refused
+    from planner.frontend.trace import _export, _NodeBudget
+
+    monkeypatch.setattr(_NodeBudget, "PER_BLOCK", 300)  # a tenth of a real block's: spent sooner
+    scan = _Scan().to("meta")
+    with pytest.raises(
+        Refused, match=r"within 600 graph nodes for 1 blocks at 4096 positions.*grows with the sequence"
+    ):
+        _export(scan, (torch.ones(2, 4096, 8, device="meta"),), None, "model 'scan'", _NodeBudget(1, 4096))
+    _export(scan, (torch.ones(2, 16, 8, device="meta"),), None, "model 'scan'", _NodeBudget(1, 16))
+    dense = torch.nn.Linear(8, 8, device="meta")
+    _export(dense, (torch.ones(2, 4096, 8, device="meta"),), None, "model 'dense'", _NodeBudget(1, 4096))
+    assert torch.fx.Graph.create_node is _NodeBudget(1, 1)._create  # restored after each export
