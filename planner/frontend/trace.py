@@ -340,9 +340,11 @@ class _NodeBudget:
     for minutes to hours, into a graph the planner would price one small kernel per position."""
 
     #: Nodes per traced block: a transformer block exports 150-250 ATen ops (Llama-4's expert and
-    #: dense blocks, GPT-OSS's), its export creating about 1.4 nodes per op kept; a loop over 4,096
-    #: positions makes tens of thousands per block, at about 2 ms each on this machine.
-    PER_BLOCK = 3_000
+    #: dense blocks, GPT-OSS's), its export creating about 1.4 nodes per op kept. A loop over
+    #: chunks of 64 positions (Qwen3-Next's linear attention) adds about 17 per chunk: 9,000 per
+    #: block at 32K positions, under the bound. A loop over 4,096 single positions makes tens of
+    #: thousands per block, at about 2 ms each on this machine: stopped within about a minute.
+    PER_BLOCK = 10_000
 
     def __init__(self, blocks: int, seq: int):
         self.limit, self.seq, self.blocks = self.PER_BLOCK * (blocks + 1), seq, blocks
@@ -371,8 +373,8 @@ class _NodeBudget:
             f"{what} did not export within {self.limit:,} graph nodes for {self.blocks} blocks at {self.seq} "
             "positions (a block exports a few hundred): its graph grows with the sequence, a Python loop over "
             "the positions such as a Mamba layer's reference scan without its CUDA kernels. Unrolled once per "
-            "position it would take minutes to hours to trace, and the plan would price one small kernel per "
-            "position, not the fused scan a GPU runs. The planner cannot price this model at "
+            "position it would take tens of minutes to hours to trace, and the plan would price one small "
+            "kernel per position, not the fused scan a GPU runs. The planner cannot price this model at "
             f"--seq-len {self.seq}; a shorter --seq-len traces it as written."
         )
 
