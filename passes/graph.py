@@ -31,7 +31,10 @@ class TracedGraph(Protocol):
     container: str
     """Path of the module holding the blocks (``'blocks'``, ``'inner.transformer.h'``)."""
     shallow: bool
-    """True when ``gm`` holds fewer blocks than the model (the table replicates one)."""
+    """True when ``gm`` holds fewer blocks than the model (the table replicates them)."""
+    sources: list[int] | None
+    """Of a shallow trace, the traced block (0-based) standing for each of the model's blocks;
+    None: the first traced block stands for blocks 1..L-1, the last for block L."""
     roles: dict[str, str]
     """Placeholder name -> ``param`` | ``buffer`` | ``constant`` | ``input``."""
     fqns: dict[str, str]

@@ -244,15 +244,17 @@ def _dominant(entries: list[list]) -> list:
     return entries[keys.index(best)]
 
 
-def mask_facts(gm: fx.GraphModule, layers: int, shallow: bool, windows: list | None) -> dict:
+def mask_facts(gm: fx.GraphModule, sources: list[int], windows: list | None) -> dict:
     """The layer table's ``model["attention"]``: ``{"mask", "window", "skips", "reason", "layout",
     "layers": [[kind, window, skips, reason, layout] per block 1..L]}`` (``{}`` without
     attention; ``layout`` is a block-sparse core's ``[block, local_blocks, global_blocks]``, else None).
 
-    A shallow trace's first block stands for blocks 1..L-1 and its last for L. ``windows`` (the
-    config's window per block, None where a block has none) names windows larger than the probe:
-    a block whose graph mask is causal and whose config states ``w`` is ``sliding`` ``w``.
+    Block ``j`` of the model is traced block ``sources[j]`` (``passes.tabulate.block_sources``:
+    a shallow trace's blocks stand for several). ``windows`` (the config's window per block, None
+    where a block has none) names windows larger than the probe: a block whose graph mask is
+    causal and whose config states ``w`` is ``sliding`` ``w``.
     """
+    layers = len(sources)
     traced: dict[int, MaskInfo] = {}
     for n in gm.graph.nodes:
         if "mask" in n.meta and n.meta.get("layer", 0) >= 1:
@@ -262,7 +264,7 @@ def mask_facts(gm: fx.GraphModule, layers: int, shallow: bool, windows: list | N
     rows = sorted(traced)
     per_block = []
     for block in range(1, layers + 1):
-        row = (rows[0] if block < layers else rows[-1]) if shallow else min(rows, key=lambda r: abs(r - block))
+        row = min(rows, key=lambda r: abs(r - 1 - sources[block - 1]))  # its traced block's, or the nearest
         info = traced[row]
         window = windows[block - 1] if windows and len(windows) == layers else None
         if window is not None and info.kind == "causal":

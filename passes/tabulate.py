@@ -407,13 +407,26 @@ def _share_identical_blocks(rows: list[LayerCosts]) -> list[LayerCosts]:
     return out
 
 
-def _expand(rows: list[LayerCosts], full_layers: int, container: str) -> list[LayerCosts]:
-    """Replicate a shallow trace's blocks to L: traced block 1 -> blocks 1..L-1, the last traced
-    block -> block L (its outgoing boundary is the one the head receives)."""
+def block_sources(traced: TracedGraph) -> list[int]:
+    """The traced block (0-based) standing for each of the model's ``L`` blocks: the trace's own
+    mapping, or for a shallow trace of alike blocks the first for blocks 1..L-1 and the last for
+    block L (its outgoing boundary is the one the head receives); each itself when every block
+    was traced."""
+    if traced.sources is not None:
+        return list(traced.sources)
+    if not traced.shallow:
+        return list(range(traced.layers))
+    return [0] * (traced.layers - 1) + [len(traced.block_paths) - 1]
+
+
+def _expand(rows: list[LayerCosts], sources: list[int], container: str) -> list[LayerCosts]:
+    """Replicate a shallow trace's blocks to L: block ``j`` of the model is traced block
+    ``sources[j]`` (:func:`block_sources`)."""
     pre, blocks, post = rows[0], rows[1:-1], rows[-1]
+    full_layers = len(sources)
     out = [replace(pre, index=0)]
     for j in range(full_layers):
-        src = blocks[-1] if j == full_layers - 1 else blocks[0]
+        src = blocks[sources[j]]
         name = f"{container}.{j}" if container else src.name
         out.append(replace(src, index=j + 1, name=name))
     out.append(replace(post, index=full_layers + 1))
@@ -434,7 +447,7 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
         full = {0: 0, last: traced.layers + 1, last - 1: traced.layers}
         for t in tied:
             t["layers"] = [full.get(i, i) for i in t["layers"]]
-        rows = _expand(rows, traced.layers, traced.container)
+        rows = _expand(rows, block_sources(traced), traced.container)
     else:
         rows = _share_identical_blocks(rows)
     fixed = dict(traced.fixed)
@@ -450,7 +463,7 @@ def table_from_traced(traced: TracedGraph, analyzed: bool = False) -> LayerTable
                 setattr(r, f, [g._replace(batch=sympy.expand(g.batch * B / b0)) for g in getattr(r, f)])
     model = dict(traced.model_info)
     notes += merge_graph_facts(gm, model)  # heads, kv_heads, head_dim, tp_blocked: from the graph
-    attention = mask_facts(gm, traced.layers, traced.shallow, model.get("attention_windows"))
+    attention = mask_facts(gm, block_sources(traced), model.get("attention_windows"))
     if attention:
         model["attention"] = attention
     moe = moe_summary(rows, moe_reasons + ([looped] if looped else []))

@@ -165,6 +165,8 @@ class Traced:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     """Wall time spent building and exporting."""
+    sources: list[int] | None = None
+    """The traced block standing for each of the model's blocks (``passes.graph.TracedGraph``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,22 +586,60 @@ def _every_block_if_unlike(
         full = _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
         if _blocks_alike(full.model):
             return traced, bundle
+    full = full if full is not None else _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
+    kinds = [_structure(full.model.get_submodule(path)) for path in find_block_container(full.model)[1]]
+    prefix = _kinds_prefix(kinds)
+    if prefix < len(kinds):
+        found = _trace_prefix(request, sizes, kinds, prefix)
+        if found is not None:
+            return found
     request.notes.append("shallow trace: the model's blocks differ; traced every block instead")
-    bundle = full if full is not None else _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
+    full.example_inputs = full.make_inputs(request.b_ex, request.s_ex, device="meta")
+    return _trace_bundle(full, request), full
+
+
+def _kinds_prefix(kinds: list[tuple]) -> int:
+    """The fewest first blocks that hold every kind of the model's blocks (``kinds``: one key per
+    block) before their last, which is of the model's last block's kind: each block of the model
+    is then traced as the first of its kind among them, the last as the last."""
+    for count in range(2, len(kinds) + 1):
+        if set(kinds[: count - 1]) >= set(kinds[:-1]) and kinds[count - 1] == kinds[-1]:
+            return count
+    return len(kinds)
+
+
+def _trace_prefix(
+    request: _ZooTrace, sizes: dict, kinds: list[tuple], prefix: int
+) -> tuple[Traced, ModelBundle] | None:
+    """The trace of the model's first ``prefix`` blocks standing for all of them (DeepSeek-V3's
+    three dense blocks and two of its expert blocks for 61; Llama-4's dense and expert blocks
+    in turn, four for 48); None when the shallow copy's blocks are not built as the model's are."""
+    bundle = _zoo_bundle(request.spec, sizes, prefix, request.dtype)
+    if [_structure(bundle.model.get_submodule(path)) for path in find_block_container(bundle.model)[1]] != kinds[
+        :prefix
+    ]:
+        return None
     bundle.example_inputs = bundle.make_inputs(request.b_ex, request.s_ex, device="meta")
-    return _trace_bundle(bundle, request), bundle
+    traced = _trace_bundle(bundle, request)
+    traced.sources = [kinds.index(kind) for kind in kinds[:-1]] + [prefix - 1]
+    request.notes.append(
+        f"shallow trace: the model's blocks differ; traced its first {prefix}, which hold each of its "
+        f"{len(set(kinds))} kinds of block, for all {len(kinds)}"
+    )
+    return traced, bundle
+
+
+def _structure(block: nn.Module) -> tuple:
+    """A block's submodules (names and types) and parameter shapes: what tells kinds of block apart."""
+    modules = tuple((name, type(module)) for name, module in block.named_modules())
+    return modules + tuple((name, tuple(param.shape)) for name, param in block.named_parameters())
 
 
 def _blocks_alike(model: nn.Module) -> bool:
     """Whether every block of ``model`` (on meta) has the same submodules, of the same types, and
     the same parameter shapes."""
-
-    def structure(block: nn.Module) -> tuple:
-        modules = tuple((name, type(module)) for name, module in block.named_modules())
-        return modules + tuple((name, tuple(param.shape)) for name, param in block.named_parameters())
-
     _, blocks = find_block_container(model)
-    return len({structure(model.get_submodule(path)) for path in blocks}) <= 1
+    return len({_structure(model.get_submodule(path)) for path in blocks}) <= 1
 
 
 def _zoo_example_sizes(bundle: ModelBundle, batch: int | None, seq_len: int | None, dynamic: bool) -> tuple[int, int]:

@@ -5,6 +5,8 @@ Tiny models only (2-4 blocks of width 64, vocabulary 128, sequence 32), all on t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import sympy
 import torch
@@ -116,6 +118,45 @@ def test_shallow_trace_expands_to_the_full_trace():
     full = build_layer_table("gpt", batch=2, seq_len=32, shallow=False, **ARCHS["gpt"])
     assert_rows_equal(shallow, full)
     assert shallow.model["params"] == full.model["params"]
+
+
+def test_a_hybrid_is_traced_as_its_first_blocks_of_each_kind(tmp_path):
+    """DeepSeek-V3 (dense blocks, then experts) and Llama-4 (dense and expert blocks in turn) are
+    traced as their first blocks holding each kind, the last of the model's last kind (Llama-4's
+    rotary and plain expert blocks differ: 8 of 12): their tables equal the trace of every block,
+    row by row (a 61-block DeepSeek-V3 traces 5). Two differences, by design: the last block
+    keeps its own sequence-parallel collectives (it hands the head its rows, as a shallow trace's
+    last block does), where the trace of every block gives it the costs of the first block alike;
+    a block hands on what its twin among the first blocks does, which may include the rotary
+    tables no later block of the model reads (Llama-4's last blocks have none): bytes per
+    position, never per sequence."""
+    transformers = pytest.importorskip("transformers")
+    from tests.moe_configs import moe_configs
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    sizes.update(vocab_size=96, max_position_embeddings=64)
+    deepseek = moe_configs(transformers, {**sizes, "num_hidden_layers": 6})["deepseek_v3"]()
+    llama4 = transformers.Llama4TextConfig(
+        num_hidden_layers=12, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, head_dim=8,
+        intermediate_size_mlp=64, **sizes,
+    )  # fmt: skip
+    for name, config, traced_blocks in (("deepseek", deepseek, 3), ("llama4", llama4, 8)):
+        config.save_pretrained(tmp_path / name)
+        spec = f"hf:{tmp_path / name}"
+        prefix = build_layer_table(spec, batch=2, seq_len=16, dtype="fp32")
+        assert f"traced its first {traced_blocks}" in " ".join(prefix.notes)
+        every = build_layer_table(spec, batch=2, seq_len=16, dtype="fp32", shallow=False)
+        last = len(every.layers) - 2
+        for mine, theirs in zip(prefix.layers[1:last], every.layers[1:last]):
+            extra = sympy.expand(mine.boundary_bytes - theirs.boundary_bytes)
+            assert extra.coeff(B) == 0 and extra.subs(S, 1) >= 0, (mine.name, extra)
+            mine.boundary_bytes, mine.boundary = theirs.boundary_bytes, theirs.boundary
+        for table in (prefix, every):
+            table.layers[last] = dataclasses.replace(
+                table.layers[last], **{f: 0 for f in (*EXPR_FIELDS, *INT_FIELDS) if "sp_" in f or f.endswith("_sp")}
+            )
+        assert_rows_equal(prefix, every)
+        assert prefix.model["params"] == every.model["params"] and prefix.model.get("moe") == every.model.get("moe")
 
 
 @pytest.mark.parametrize("spec", ["gpt", "hf:llama"])
