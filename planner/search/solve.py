@@ -247,6 +247,9 @@ def _no_feasible_plan(
     fixes.append(f"a device with at least {_gib(memory['total'] / request.memory_headroom)} of memory")
     if request.memory_headroom < 1.0 and memory["total"] <= hw.memory_bytes:
         fixes.append(f"--memory-headroom {min(1.0, math.ceil(memory['total'] / hw.memory_bytes * 100) / 100):.2f}")
+    moe_reason = (table.model.get("moe") or {}).get("reason")
+    if moe_reason:  # the experts every rank holds whole are often what does not fit
+        msg.append(f"No expert parallelism: {moe_reason}.")
     msg.append("To make it fit: " + "; or ".join(fixes) + ".")
     return NoFeasiblePlan(" ".join(msg), least)
 

@@ -150,6 +150,21 @@ def test_experts_computing_every_token_stay_replicated_and_say_why(tmp_path):
     assert all(row.experts == 0 for row in table.layers)
     assert set(table.model["moe"]) == {"reason"}
     assert "layers.1.feed_forward.experts) run every token through all 4 of them" in table.model["moe"]["reason"]
+    # a request that does not fit says so beside the memory it needs: those experts are why
+    import dataclasses
+
+    from cost_models.hardware import load_hardware
+    from planner.search.request import PlanRequest
+    from planner.search.search_errors import NoFeasiblePlan
+    from planner.search.solve import solve
+
+    spec = f"hf:{tmp_path / 'llama4'}"
+    request = PlanRequest(spec=spec, gpus=2, gpus_per_node=2, hardware="cpu", global_batch=4, seq_len=16, dtype="fp32")
+    tiny = dataclasses.replace(load_hardware("cpu", 2), memory_bytes=2**14, host_memory_bytes=2**14)
+    with pytest.raises(
+        NoFeasiblePlan, match=r"No expert parallelism: the experts \(.*\) run every token through all 4"
+    ):
+        solve(request, table, tiny).plan
 
 
 def test_experts_in_a_python_loop_stay_replicated_and_say_why():
