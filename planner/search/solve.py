@@ -197,27 +197,7 @@ def _no_feasible_plan(
         f"{len(least.strategy.checkpoint)} of {len(table.layers)} layers recomputed; most loaded stage "
         f"{least.peak_stage}): {detail}; {dominant} dominate{'' if dominant.endswith('s') else 's'}.",
     ]
-    fixes: list[str] = []
-    pinned = {
-        key: getattr(request, key)
-        for key in ("dp", "tp", "pp", "zero_stage", "micro_batch")
-        if getattr(request, key) is not None
-    }
-    if request.checkpoint == "none":
-        pinned["checkpoint"] = "none"
-    if pinned:
-        free = dataclasses.replace(
-            request, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None, checkpoint="auto"
-        )
-        free_entries = candidate_entries(
-            free, table, hw, gpus_per_node, enumerate_candidates(free, table, gpus_per_node)
-        )
-        alt = least_memory(free_entries, table.kinds, "auto", solver)
-        flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in pinned.items())
-        if alt is not None and memory_bound(alt) <= usable:
-            fixes.append(
-                f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only {_gib(memory_bound(alt))}"
-            )
+    fixes = [fix for fix in (_unpinned_fix(request, table, hw, gpus_per_node, solver, usable),) if fix]
     offload = _offload_fix(request, table, hw, gpus_per_node, solver) if state >= memory["activations"] else None
     if offload is not None:
         fixes.append(offload)
@@ -252,6 +232,29 @@ def _no_feasible_plan(
         msg.append(f"No expert parallelism: {moe_reason}.")
     msg.append("To make it fit: " + "; or ".join(fixes) + ".")
     return NoFeasiblePlan(" ".join(msg), least)
+
+
+def _unpinned_fix(
+    request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, solver: str, usable: float
+) -> str | None:
+    """The fix "drop the pins" when the request pins degrees, ZeRO, micro-batch or no recompute
+    and the unpinned search's least memory fits; else None."""
+    pinned = {
+        key: getattr(request, key)
+        for key in ("dp", "tp", "pp", "zero_stage", "micro_batch")
+        if getattr(request, key) is not None
+    }
+    if request.checkpoint == "none":
+        pinned["checkpoint"] = "none"
+    if not pinned:
+        return None
+    free = dataclasses.replace(request, dp=None, tp=None, pp=None, zero_stage=None, micro_batch=None, checkpoint="auto")
+    free_entries = candidate_entries(free, table, hw, gpus_per_node, enumerate_candidates(free, table, gpus_per_node))
+    alt = least_memory(free_entries, table.kinds, "auto", solver)
+    flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in pinned.items())
+    if alt is not None and memory_bound(alt) <= usable:
+        return f"drop the pins ({flags}): {alt.strategy.candidate.describe()} needs only {_gib(memory_bound(alt))}"
+    return None
 
 
 def _offload_fix(request, table: NumericTable, hw: HardwareProfile, gpus_per_node: int, solver: str) -> str | None:
@@ -498,7 +501,8 @@ def _model_notes(request, table: NumericTable, result: SearchResult) -> list[str
     if replicated and best is not None and best.tp > 1:
         whole = _whole_share(table, request.seq_len)
         if whole >= NOTED_WHOLE_SHARE:
-            notes.append(_replicated_note(replicated, table.model.get("spec", ""), whole))
+            routed = bool((table.model.get("moe") or {}).get("experts"))
+            notes.append(_replicated_note(replicated, table.model.get("spec", ""), whole, routed))
     return notes
 
 
@@ -508,25 +512,31 @@ NOTED_WHOLE_SHARE = 0.05
 
 
 def _whole_share(table: NumericTable, seq_len: int) -> float:
-    """The largest share of a block's weights that tensor parallelism keeps whole on every rank."""
+    """The largest share of a block's weights that tensor parallelism keeps whole on every rank,
+    its routed experts aside (expert parallelism, not tp, splits those: counted in, DeepSeek-V3's
+    blocks read as 98% whole under tp)."""
     rows, row_of_layer = table.layer_rows(1, seq_len)
-    shares = [
-        1 - rows[row].param_count.tp_part / rows[row].param_count.whole
-        for row, kind in zip(row_of_layer, table.kinds)
-        if kind == "block" and rows[row].param_count.whole
-    ]
+    shares = []
+    for row, kind in zip(row_of_layer, table.kinds):
+        params, experts = rows[row].param_count, rows[row].experts.param_count
+        whole = params.whole - experts.whole
+        if kind == "block" and whole > 0:
+            shares.append(1 - (params.tp_part - experts.tp_part) / whole)
     return max(shares, default=0.0)
 
 
-def _replicated_note(replicated: dict[str, str], spec: str, whole: float) -> str:
+def _replicated_note(replicated: dict[str, str], spec: str, whole: float, routed: bool = False) -> str:
     """The modules tensor parallelism keeps whole (``model.tp_replicated``), named as the model
-    names them, and why the first did (its source file without the directories)."""
+    names them, and why the first did (its source file without the directories); ``routed``: the
+    share leaves the routed experts out."""
     names = model_layer_names(spec, list(replicated))
     why = re.sub(r"/\S*/", "", next(iter(replicated.values())))
     why = re.sub(r"'([^']+)'", lambda quoted: "'" + model_layer_names(spec, [quoted[1]])[0] + "'", why)
     listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (
-        f"tensor parallelism keeps {whole:.0%} of a block's weights whole on every rank, {listed} "
+        f"tensor parallelism keeps {whole:.0%} of a block's weights"
+        + (" (its routed experts aside, which expert parallelism splits)" if routed else "")
+        + f" whole on every rank, {listed} "
         f"(the first because {why}): they run unsplit on each rank"
     )
 

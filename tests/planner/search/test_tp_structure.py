@@ -104,3 +104,23 @@ def test_a_plan_under_tp_names_what_tp_keeps_whole(tmp_path, capsys):
     assert "interleaves the sharded dim" in note and "modeling_bloom.py:" in note and "inner." not in note
     rc, plan = _plan(tmp_path, f"{HF_ARCHS}:llama", "--tp", "2")  # split whole: nothing to say
     assert rc == 0 and "tensor parallelism keeps" not in capsys.readouterr().out
+
+
+def test_the_whole_share_leaves_routed_experts_to_expert_parallelism(tmp_path, capsys):
+    """DeepSeek-V3's experts stay whole under tp (expert parallelism splits them) and its latent
+    attention keeps two low-rank projections whole: the note's share counts those projections
+    against the rest of the block, the experts aside, not the experts as weights tp left whole."""
+    import transformers
+
+    from tests.moe_configs import moe_configs
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    moe_configs(transformers, sizes)["deepseek_v3"]().save_pretrained(tmp_path / "deepseek")
+    rc, plan = _plan(tmp_path, f"hf:{tmp_path / 'deepseek'}", "--tp", "2")
+    out = capsys.readouterr().out
+    assert rc == 0 and plan["tp"] == 2
+    note = " ".join(out[out.index("tensor parallelism keeps") :].split())
+    share = re.match(r"tensor parallelism keeps (\d+)% of a block's weights \(its routed experts aside", note)
+    assert share and 5 <= int(share[1]) <= 50, note
+    assert "self_attn.q_a_proj" in note and "kv_a_proj_with_mqa" in note and ".experts." not in note
