@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cost_models.layer_work import LayerCost
 from cost_models.strategy import CandidateCosts
 from planner.search.candidates import MAX_HEAD_ROWS, repeated_run_start
 
-__all__ = ["EXPOSURE_FIELDS", "overlap_envelope"]
+__all__ = ["EXPOSURE_FIELDS", "overlap_envelope", "exposure_free", "envelope_row"]
 
 #: The fields the data-parallel overlap sets per row (``cost_models.strategy._exposed_layer``).
 EXPOSURE_FIELDS = (
@@ -49,6 +49,21 @@ def overlap_envelope(costs: CandidateCosts, kinds: Sequence[str]) -> tuple[Candi
     ``pre``, a head, blocks that differ only in :data:`EXPOSURE_FIELDS` (the last block may
     differ in anything), ``post``, and the blocks do differ."""
     layers, n = costs.layers, costs.num_layers
+    first = repeated_run_start(costs, kinds, exposure_free())
+    if first is None:
+        return None
+    head, run = first - 1, layers[first : n - 2]
+    if head > MAX_HEAD_ROWS or all(row is run[0] or row == run[0] for row in run):
+        return None
+    out = copy.copy(costs)
+    out.layers = layers[:first] + [envelope_row(run)] * len(run) + layers[n - 2 :]
+    out.distinct = list(Counter(out.layers).items())
+    return out, head
+
+
+def exposure_free() -> Callable[[LayerCost], LayerCost]:
+    """A key telling rows apart but for :data:`EXPOSURE_FIELDS` (each row with them at 0),
+    remembered per row object for the one table it is used on."""
     neutral: dict[int, LayerCost] = {}
 
     def without_exposure(row: LayerCost) -> LayerCost:
@@ -56,14 +71,12 @@ def overlap_envelope(costs: CandidateCosts, kinds: Sequence[str]) -> tuple[Candi
             neutral[id(row)] = row.but(**{name: 0.0 for name in EXPOSURE_FIELDS})
         return neutral[id(row)]
 
-    first = repeated_run_start(costs, kinds, without_exposure)
-    if first is None:
-        return None
-    head, run = first - 1, layers[first : n - 2]
-    if head > MAX_HEAD_ROWS or all(row is run[0] or row == run[0] for row in run):
-        return None
-    envelope = run[0].but(**{name: max(getattr(row, name) for row in run) for name in EXPOSURE_FIELDS})
-    out = copy.copy(costs)
-    out.layers = layers[:first] + [envelope] * len(run) + layers[n - 2 :]
-    out.distinct = list(Counter(out.layers).items())
-    return out, head
+    return without_exposure
+
+
+def envelope_row(rows: Sequence[LayerCost]) -> LayerCost:
+    """The first of ``rows`` with each of :data:`EXPOSURE_FIELDS` at its largest over them (the
+    row itself when they are all equal)."""
+    if all(row is rows[0] or row == rows[0] for row in rows):
+        return rows[0]
+    return rows[0].but(**{name: max(getattr(row, name) for row in rows) for name in EXPOSURE_FIELDS})

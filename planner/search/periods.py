@@ -37,7 +37,7 @@ from cost_models.layer_work import LayerCost
 from cost_models.strategy import CandidateCosts
 from planner.search.block_counts import Counts
 from planner.search.candidates import MAX_HEAD_ROWS
-from planner.search.envelope import EXPOSURE_FIELDS
+from planner.search.envelope import envelope_row, exposure_free
 
 __all__ = ["MAX_PERIOD", "Grouped", "periodic_groups", "group_rows"]
 
@@ -101,14 +101,7 @@ def periodic_groups(costs: CandidateCosts, kinds: Sequence[str]) -> Grouped | No
     layers, n = costs.layers, costs.num_layers
     if n < 7 or kinds[0] != "pre" or kinds[-1] != "post" or list(kinds).count("block") != n - 2:
         return None
-    neutral: dict[int, LayerCost] = {}
-
-    def without_exposure(row: LayerCost) -> LayerCost:
-        if id(row) not in neutral:
-            neutral[id(row)] = row.but(**{name: 0.0 for name in EXPOSURE_FIELDS})
-        return neutral[id(row)]
-
-    for key in (lambda row: row, without_exposure):
+    for key in (lambda row: row, exposure_free()):
         found = _period(layers, key)
         if found is not None:
             return _grouped(costs, *found)
@@ -143,13 +136,7 @@ def _grouped(costs: CandidateCosts, head: int, period: int, alike: int) -> Group
     rows += [rest] if len(rest) else []
     rows.append(range(n - 1, n))
     # each place in the period at its envelope over the whole periods (equal rows: the row itself)
-    places = []
-    for place in range(period):
-        same = [layers[start + i * period + place] for i in range(alike)]
-        if all(row is same[0] or row == same[0] for row in same):
-            places.append(same[0])
-        else:
-            places.append(same[0].but(**{name: max(getattr(row, name) for row in same) for name in EXPOSURE_FIELDS}))
+    places = [envelope_row([layers[start + i * period + place] for i in range(alike)]) for place in range(period)]
     block = group_rows(places)
     grouped_layers = [layers[row] for row in range(start)] + [block] * alike
     grouped_layers += [group_rows([layers[row] for row in rest])] if len(rest) else []
