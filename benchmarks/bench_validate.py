@@ -172,6 +172,19 @@ def calibrate(out: str, quick: bool) -> str:
     return out
 
 
+def profile_line(path: str) -> str:
+    """The profile's figures the communication parts move with (a fresh calibration of shared
+    cores moves them; a run's errors are read beside them)."""
+    with open(path) as f:
+        prof = json.load(f)
+    return (
+        f"profile: sync_overhead {1e3 * (prof.get('sync_overhead_s') or 0.0):.2f} ms/call, "
+        f"overlap_slowdown {prof.get('overlap_slowdown', 0.0):.3g}, "
+        f"overlap_comm_rate {prof.get('overlap_comm_rate', 1.0):.3g}, "
+        f"compute_efficiency {prof.get('compute_efficiency', 1.0):.3g}"
+    )
+
+
 def plan_one(name: str, spec: dict, profile: str, workdir: str) -> str:
     """Write ``workdir/<name>.json`` for the pinned strategy ``spec``; returns its path."""
     out = os.path.join(workdir, f"{name}.json")
@@ -337,6 +350,7 @@ def run_benchmark(
         t0 = time.perf_counter()
         profile = calibrate(os.path.join(workdir, "profile.json"), quick)
         log(f"calibrated {profile} in {time.perf_counter() - t0:.0f} s")
+    log(profile_line(profile))
     paths = {name: plan_one(name, PLANS[name], profile, workdir) for name in plans}
     # Repeats go round-robin over the plans, so a busy spell of the shared machine slows several
     # plans a little rather than one plan a lot (that would scramble the rank correlation).

@@ -148,7 +148,8 @@ class HardwareProfile:
     """Seconds a *blocking* collective costs beyond its alpha-beta time inside a training step:
     the ranks reach it at slightly different moments (compute jitter) and the waiting one must
     wake up. Charged per tensor-parallel all-reduce and per pipeline transfer. ``planner
-    calibrate`` measures it (a compute + all-reduce loop against its parts); 0 in datasheet
+    calibrate`` measures it: the mean wait per call of the least-waiting rank in a loop of a
+    layer's matmuls and a blocking all-reduce, beyond the same call back to back; 0 in datasheet
     profiles, where kernels queue asynchronously and the jitter is small."""
     ops_async: bool = False
     """The device runs operators asynchronously from the host that issues them (GPUs): a

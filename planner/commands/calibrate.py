@@ -75,6 +75,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import fmean
 from typing import Any, Sequence, cast
 
 import torch
@@ -96,7 +97,6 @@ from planner.commands.calibrate_common import (
     gemm_tables,
     lower_quartile,
     measure_offload,
-    median,
     offload_source,
     positive_rate,
 )
@@ -127,6 +127,7 @@ __all__ = [
     "KB",
     "MB",
     "MEASURED_KINDS",
+    "sync_overhead",
 ]
 
 
@@ -146,8 +147,10 @@ class CalibrationSpec:
     """Seconds of repeated training steps per micro-batch size."""
     recompute_budget_s: float = 1.5
     """Seconds of plain, checkpointed and forward-only block steps (``recompute_ratio``)."""
-    sync_iters: int = 30
-    """Iterations of the compute + all-reduce loop that measures ``sync_overhead_s``."""
+    sync_iters: int = 8
+    """Calls per round of the compute + all-reduce loop that measures ``sync_overhead_s``."""
+    sync_rounds: int = 10
+    """Rounds of that loop (and of the all-reduce alone), spread over about a second."""
     overlap_rounds: int = 12
     """Rounds of compute alone and beside all-reduces (``overlap_slowdown``,
     ``calibrate_gpu.measure_overlap_slowdown``)."""
@@ -184,7 +187,8 @@ class CalibrationSpec:
             train_budget_s=0.1,
             copy_budget_s=0.05,
             recompute_budget_s=0.1,
-            sync_iters=3,
+            sync_iters=6,
+            sync_rounds=5,
             overlap_rounds=3,
             message_sizes=(4 * KB, 256 * KB, 4 * MB, 32 * MB),
             max_reps=5,
@@ -365,37 +369,70 @@ def _mean_over_ranks(value: float) -> float:
     return float(total.item()) / dist.get_world_size()
 
 
+def _all_ranks(value: float) -> list[float]:
+    """A per-rank float from every rank, in rank order."""
+    values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    return [float(v.item()) for v in values]
+
+
 def _max_over_ranks(value: float) -> float:
     largest = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return float(largest.item())
 
 
-def _time_sync_overhead(iters: int, repeats: int = 5) -> float:
-    """Seconds a blocking all-reduce costs in a compute loop beyond compute and the all-reduce
-    alone (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
-    waits must wake up. Median over ``repeats`` of ``(both - compute - comm) / iters``."""
+#: Matmuls (1024 x 256 by 256 x 256, about 0.9 ms each on one core here) between two calls of the
+#: loop that measures ``sync_overhead_s``: a transformer layer's forward on one rank, the compute a
+#: tensor-parallel all-reduce follows in training. The wait grows with the compute before it (the
+#: ranks drift further apart): measured here at 1, 4 and 16 matmuls, about 0.15, 0.9 and 1.4 ms.
+SYNC_MATMULS = 12
+
+
+def _time_sync_overhead(iters: int, rounds: int) -> float:
+    """Seconds a blocking all-reduce costs in a compute loop beyond the same all-reduce run back
+    to back (``sync_overhead_s``): ranks arrive at slightly different moments and the one that
+    waits must wake up. Each of ``rounds`` rounds times ``iters`` calls each way; a round's loop
+    figure is the rank that waited least (the critical rank, whose waits the runtime's step
+    breakdown reports: ``runtime.training.trainer.critical_breakdown``), its back-to-back figure
+    the ranks' mean. The result is the difference of the two means over the rounds.
+
+    Means, not medians: on shared cores a call either returns at once or a scheduler tick later
+    (measured here: a 1 MiB all-reduce took about 0.8 ms or about 4 ms, seldom between), and
+    the median of such a sample jumps between the modes from one run to the next (0.1 to 1.8
+    ms in three runs of 150 calls), where the mean, what a step's many calls add up to, stays
+    within about 20%."""
     weight, x = torch.randn(256, 256), torch.randn(1024, 256)
     buf = torch.ones(256 * 1024)  # 1 MiB, a tensor-parallel activation of a small model
 
-    def loop(comp: bool, comm: bool) -> float:
+    def blocked_per_call(compute: bool) -> float:
         dist.barrier()
-        start = time.perf_counter()
+        blocked = 0.0
         for _ in range(iters):
-            if comp:
+            if compute:
                 hidden = x
-                for _ in range(4):  # a few milliseconds of matmuls, like a layer's share of work
+                for _ in range(SYNC_MATMULS):
                     hidden = hidden @ weight
-            if comm:
-                dist.all_reduce(buf)
-        return (time.perf_counter() - start) / iters
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            blocked += time.perf_counter() - start
+        return blocked / iters
 
-    loop(True, True)  # warm-up
-    out = []
-    for _ in range(repeats):
-        both, comp, comm = loop(True, True), loop(True, False), loop(False, True)
-        out.append(both - comp - comm)
-    return max(0.0, median(out))
+    blocked_per_call(True)  # warm-up
+    in_loop, alone = [], []
+    for _ in range(rounds):
+        in_loop.append(_all_ranks(blocked_per_call(True)))
+        alone.append(_all_ranks(blocked_per_call(False)))
+    return sync_overhead(in_loop, alone)
+
+
+def sync_overhead(in_loop: Sequence[Sequence[float]], alone: Sequence[Sequence[float]]) -> float:
+    """``sync_overhead_s`` from per-round, per-rank mean waits (``_time_sync_overhead``): each
+    round's loop figure is its least-waiting rank's, its back-to-back figure the ranks' mean; the
+    result is the difference of the two means over the rounds, never below zero."""
+    loop_s = fmean(min(ranks) for ranks in in_loop)
+    alone_s = fmean(fmean(ranks) for ranks in alone)
+    return max(0.0, loop_s - alone_s)
 
 
 def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: str, progress_q) -> None:
@@ -449,7 +486,7 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             nbytes, ranks, secs = time_collective(kind, size, rank, world, spec.reps(size))
             result["collectives"].append({"kind": kind, "size_bytes": nbytes, "n": ranks, "seconds": secs})
             tick(f"{kind} {fmt_bytes(nbytes)}")
-    result["sync_overhead_s"] = _max_over_ranks(_time_sync_overhead(spec.sync_iters))
+    result["sync_overhead_s"] = _max_over_ranks(_time_sync_overhead(spec.sync_iters, spec.sync_rounds))
     tick("collective in a compute loop")
     result["overlap"] = measure_overlap_slowdown(DeviceTimer(torch.device("cpu")), spec.overlap_rounds)
     tick("compute beside collectives")
@@ -561,7 +598,7 @@ def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> s
         f"CPUs, torch {torch.__version__}) with {nproc} gloo processes, {now}. peak_flops = best "
         f"per-process matmul rate; compute_efficiency = FLOP/s of a real GPT training step (net of op_overhead_s, the measured fixed cost per operator call) / that peak; memory_bandwidth = tensor copy; optimizer_bytes_per_s = the runtime's optimizer step (square sums, fused AdamW, zero_grad) on a 2^23-element fp32 shard per process, every process at once; "
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
-        f"send/recv times (the fastest of three rounds of back-to-back reps, each its slowest rank's mean) together, and of each kind alone (intra_node_collectives); sync_overhead_s = what a blocking all-reduce costs in a compute loop beyond both parts; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
+        f"send/recv times (the fastest of three rounds of back-to-back reps, each its slowest rank's mean) together, and of each kind alone (intra_node_collectives); sync_overhead_s = the mean wait of a blocking all-reduce in a compute loop on the rank that waits least, beyond the same call back to back; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
         f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
     )

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from cost_models.comm_cost import ring_terms
 from cost_models.hardware import load_hardware
-from planner.commands.calibrate import CalibrationError, CalibrationSpec, build_profile, fit_alpha_beta, run_calibration
+from planner.commands.calibrate import (
+    CalibrationError,
+    CalibrationSpec,
+    build_profile,
+    fit_alpha_beta,
+    run_calibration,
+    sync_overhead,
+)
 
 SIZES = (4096, 65536, 1 << 20, 1 << 24)
 
@@ -42,6 +49,23 @@ def test_fit_clamps_negative_latency_and_rejects_flat_times():
         fit_alpha_beta([(1, 1e3, 1e-3), (1, 1e6, 1e-4)])
     with pytest.raises(CalibrationError, match="need at least 2 timed messages"):
         fit_alpha_beta([(1, 1e3, 1e-3)])
+
+
+def test_sync_overhead_reads_the_least_waiting_rank_and_means_over_rounds():
+    # Round 1: rank 1 waited 5 ms a call (it arrived first), rank 0 3 ms: the critical rank is 0.
+    in_loop = [[3e-3, 5e-3], [4e-3, 2e-3]]
+    alone = [[1e-3, 1e-3], [2e-3, 2e-3]]
+    assert sync_overhead(in_loop, alone) == pytest.approx((3e-3 + 2e-3) / 2 - (1e-3 + 2e-3) / 2)
+    # A sample of two modes (a call returns at once or a 4 ms scheduler tick later): the mean
+    # follows the share of slow calls, where a median would jump from one mode to the other.
+    fast, slow = 1e-3, 5e-3
+    mostly_fast = [[fast, fast]] * 6 + [[slow, slow]] * 4
+    mostly_slow = [[fast, fast]] * 4 + [[slow, slow]] * 6
+    back_to_back = [[fast, fast]] * 10
+    assert sync_overhead(mostly_fast, back_to_back) == pytest.approx(0.4 * (slow - fast))
+    assert sync_overhead(mostly_slow, back_to_back) == pytest.approx(0.6 * (slow - fast))
+    # Never below zero: a loop that waited less than the calls alone took costs nothing extra.
+    assert sync_overhead([[1e-3, 1e-3]], [[2e-3, 2e-3]]) == 0.0
 
 
 def _raw(alpha=5e-5, bw=2e9, bf16_ok=True):
