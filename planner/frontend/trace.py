@@ -200,8 +200,10 @@ _DATA_DEPENDENT = (
 _UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicOutputShape")
 
 
-def explain_export_error(exc: BaseException, what: str) -> ModelError:
-    """Turn a ``torch.export`` failure into a short ``ModelError`` with the source line and a fix."""
+def explain_export_error(exc: BaseException, what: str, eager_fails: bool = False) -> ModelError:
+    """Turn a ``torch.export`` failure into a short ``ModelError`` with the source line and a fix.
+    ``eager_fails``: the model's forward, run without tracing on the same inputs, failed at the same
+    line (:func:`fails_eagerly`): the model's code or configuration is at fault, not the trace."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     headline = lines[0] if lines else type(exc).__name__
     if len(headline) > 160:
@@ -224,6 +226,13 @@ def explain_export_error(exc: BaseException, what: str) -> ModelError:
     elif "Constraints violated" in text or "specialized" in text:
         problem = "a batch or sequence dimension was forced to a constant"
         advice = "Avoid code that depends on the exact size (e.g. asserts on x.shape[0])."
+    elif eager_fails:
+        problem = "forward() fails on the example input even when run without tracing"
+        advice = (
+            "The model's own code rejects this configuration or input: check that the config's "
+            "sizes agree with each other (head_dim with the attention and rotary sizes, experts with "
+            "their groups), or that forward() takes one [batch, sequence] tensor of token ids."
+        )
     else:
         problem = "torch.export failed"
         advice = "Make forward() traceable by torch.export (no Python side effects on data)."
@@ -231,6 +240,24 @@ def explain_export_error(exc: BaseException, what: str) -> ModelError:
         f"Cannot trace {what}: {problem}\n  at {where}{code}\n"
         f"  What to do: {advice}\n  (torch: {type(exc).__name__}: {headline})"
     )
+
+
+def fails_eagerly(module: nn.Module, inputs: tuple, export_error: BaseException) -> bool:
+    """Whether ``module(*inputs)``, run without tracing (on the same meta tensors, without
+    autograd), fails at the same line of model code as ``export_error`` did: then the model
+    rejects its input or configuration (an inconsistent config's shapes), and telling the user to
+    make forward() traceable would send them the wrong way. Any failure elsewhere (a meta tensor
+    has no values to branch on) says nothing about the export's."""
+    where = _user_frame(export_error)
+    if where is None:
+        return False
+    try:
+        with _quiet_torch_logs(), _HostListIndices(), torch.no_grad():
+            module(*inputs)
+    except Exception as eager_error:  # the model's own error, of whatever type it raises
+        found = _user_frame(eager_error)
+        return found is not None and found[:2] == where[:2]
+    return False
 
 
 @contextlib.contextmanager
@@ -330,7 +357,7 @@ def _export(
             raise budget.error(what) from None
         if isinstance(e, ModelError):
             raise
-        raise explain_export_error(e, what) from e
+        raise explain_export_error(e, what, fails_eagerly(module, inputs, e)) from e
     inline_grad_regions(ep.graph_module)  # no_grad regions: flat ATen ops, as codegen's export has them
     return ep
 
@@ -847,7 +874,7 @@ def _export_training_module(
         with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices(), exportable():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message
-        raise explain_export_error(e, spec) from e
+        raise explain_export_error(e, spec, fails_eagerly(bundle.model, bundle.example_inputs, e)) from e
     _, block_paths = find_block_container(bundle.model)
     gm = ep.module()
     inline_grad_regions(gm)  # a no_grad region (PhiMoE's router) -> its ops, outputs detached

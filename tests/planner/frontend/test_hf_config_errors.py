@@ -142,6 +142,37 @@ def test_a_trace_that_fails_in_a_kernel_prints_the_reason_not_torchs_log(tmp_pat
     assert "Traceback" not in err and "fake_tensor" not in err, err[:2000]
 
 
+def test_a_config_whose_own_forward_fails_is_not_blamed_on_the_trace(tmp_path, capsys):
+    """DeepSeek-V3 with ``head_dim`` set apart from its rotary width (16 against 8): transformers
+    builds it, and its forward fails at the rotary product whether traced or not. The message
+    says so and points at the config's sizes, not at making forward() traceable."""
+    transformers.DeepseekV3Config(
+        num_hidden_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=16,
+        vocab_size=64,
+        n_group=1,
+        topk_group=1,
+    ).save_pretrained(str(tmp_path))
+    rc, err = _plan(f"hf:{tmp_path}", capsys)
+    assert rc == 2
+    assert "forward() fails on the example input even when run without tracing" in err
+    assert "sizes agree" in err and "modeling_deepseek_v3.py" in err
+    assert "Make forward() traceable" not in err
+
+
 def test_a_rotary_embedding_wider_than_a_head_names_the_flag(tmp_path, capsys):
     """GPT-J rotates ``rotary_dim`` features of each head: ``--heads`` that narrow a head below it
     are named, with the sizes, before any trace; the config's own heads plan."""
