@@ -229,7 +229,7 @@ def explain_export_error(exc: BaseException, what: str, eager_fails: bool = Fals
     elif eager_fails:
         problem = "forward() fails on the example input even when run without tracing"
         advice = (
-            "The model's own code rejects this configuration or input: check that the config's "
+            "The model's own code rejects this configuration or input (its error is below): check that the config's "
             "sizes agree with each other (head_dim with the attention and rotary sizes, experts with "
             "their groups), or that forward() takes one [batch, sequence] tensor of token ids."
         )
