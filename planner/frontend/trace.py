@@ -252,7 +252,7 @@ def fails_eagerly(module: nn.Module, inputs: tuple, export_error: BaseException)
     if where is None:
         return False
     try:
-        with _quiet_torch_logs(), _HostListIndices(), torch.no_grad():
+        with _quiet_torch_logs(), _HostValues(), torch.no_grad():
             module(*inputs)
     except Exception as eager_error:  # the model's own error, of whatever type it raises
         found = _user_frame(eager_error)
@@ -297,20 +297,33 @@ def _uncached_fake_tensors():
         yield
 
 
-class _HostListIndices(TorchFunctionMode):
-    """Index lists become CPU tensors before a tensor is indexed (``qkv[..., [-2]]``, Falcon's
-    attention): torch would make the index tensor on the indexed tensor's device, meta here, and
-    export would lift a constant without values that no generated code can rebuild. On CPU the
-    values are kept; indexing a meta (or CUDA) tensor with CPU indices is the same operation."""
+class _HostValues(TorchFunctionMode):
+    """Values a trace on the meta device would lose are made on the CPU, where they keep them:
+
+    - index lists become CPU tensors before a tensor is indexed (``qkv[..., [-2]]``, Falcon's
+      attention): torch would make the index tensor on the indexed tensor's device, meta here;
+      indexing a meta (or CUDA) tensor with CPU indices is the same operation;
+    - ``torch.tensor(data)`` and ``torch.as_tensor(data)`` of Python data asked for on the meta
+      device (``device=x.device``, or meta as the default device) are made on the CPU and moved
+      with ``.to``: export lifts the CPU constant, values and all, and records the move as an op
+      whose device codegen retargets (CPM-Ant's ``torch.tensor(list(range(n)), device=device)``).
+
+    Either way export would otherwise lift a constant without values that no generated code can
+    rebuild."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.Tensor.__getitem__ and len(args) == 2:
             idx = args[1]
             parts = idx if isinstance(idx, tuple) else (idx,)
             if any(_int_list(part) for part in parts):
                 fixed = tuple(torch.tensor(part, dtype=torch.int64) if _int_list(part) else part for part in parts)
                 args = (args[0], fixed if isinstance(idx, tuple) else fixed[0])
-        return func(*args, **(kwargs or {}))
+        elif (func is torch.tensor or func is torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
+            device = torch.device(kwargs.get("device") or torch.get_default_device())
+            if device.type == "meta":
+                return func(*args, **{**kwargs, "device": "cpu"}).to(device)
+        return func(*args, **kwargs)
 
 
 def _int_list(x) -> bool:
@@ -347,7 +360,7 @@ def _export(
         with (
             _quiet_torch_logs(),
             _uncached_fake_tensors(),
-            _HostListIndices(),
+            _HostValues(),
             exportable(),
             budget or contextlib.nullcontext(),
         ):
@@ -871,7 +884,7 @@ def _export_training_module(
             tensor.to(to_torch(dtype)) if tensor.is_floating_point() else tensor for tensor in bundle.example_inputs
         )
     try:
-        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostListIndices(), exportable():
+        with _quiet_torch_logs(), _uncached_fake_tensors(), _HostValues(), exportable():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message
         raise explain_export_error(e, spec, fails_eagerly(bundle.model, bundle.example_inputs, e)) from e

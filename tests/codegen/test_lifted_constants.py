@@ -53,3 +53,30 @@ def test_constants_without_values_are_refused():
     src = _constant_ctor("c", torch.tensor([[1.0, float("inf")], [float("nan"), -0.5]]))
     t = eval(src, {"torch": torch, "device": torch.device("cpu")})
     torch.testing.assert_close(t, torch.tensor([[1.0, float("inf")], [float("nan"), -0.5]]), equal_nan=True)
+
+
+def test_a_constant_made_on_the_inputs_device_keeps_its_values(tmp_path):
+    """An ``hf:`` model is traced on the meta device, so CPM-Ant's ``torch.tensor(list(range(n)),
+    device=input.device)`` was a constant without values, and compile refused the model. The
+    trace makes such data on the CPU and records the move: the compiled stage computes the eager
+    model's loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    transformers.CpmAntConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, vocab_size=64
+    ).save_pretrained(str(tmp_path / "cpmant"))
+    spec = f"hf:{tmp_path / 'cpmant'}"
+    compile_plan(manual_plan(spec, {"layers": 2}, mbs=2, seq_len=8), str(tmp_path / "out"))
+    stage = read_manifest(str(tmp_path / "out"))["stages"][0]
+    module = load_stage_module(str(tmp_path / "out"), stage)
+    load_weights(module, stage, original_state(spec, {"layers": 2}, 8, 0))
+    eager = build_model(spec, ModelSizes(layers=2), seed=0).model
+    ids, labels = torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8))
+    data = {"input_ids": ids, "labels": labels}
+    loss = module(*(data[name] for name in stage["data_inputs"]))
+    ref = eager(ids, labels)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    loss.backward()
+    ref.backward()
+    want = dict(eager.named_parameters())
+    for attr, param in module.named_parameters():
+        torch.testing.assert_close(param.grad, want[stage["params"][attr]["fqn"]].grad, rtol=1e-5, atol=1e-6)
