@@ -375,6 +375,28 @@ def _export(
     return ep
 
 
+def refuse_repeated_blocks(gm: fx.GraphModule, blocks: list[str], what: str) -> None:
+    """A ``ModelError`` when a block runs more than once in one forward (a weight-shared loop
+    over the blocks: recurrent-depth models such as HRM, or Dory's looped middle layers). Export
+    marks a module's second call ``path@1`` in ``nn_module_stack``. The planner partitions a
+    model into blocks that each run once, in order, and its costs, stages and recompute all
+    count on that; such a model would plan and then fail to compile."""
+    paths = set(blocks)
+    runs: Counter = Counter()
+    for node in gm.graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if path in paths:
+                runs[path] = max(runs[path], 1 + int(key.rpartition("@")[2]) if "@" in key else 1)
+    looped = [path for path in blocks if runs[path] > 1]
+    if looped:
+        raise ModelError(
+            f"Cannot plan {what}: its forward runs {looped[0]} {runs[looped[0]]} times "
+            f"({len(looped)} of its {len(blocks)} blocks run more than once), a loop over shared "
+            "blocks. The planner splits a model into blocks that each run once, in order; plan a "
+            "model whose blocks are distinct modules."
+        )
+
+
 class _NodeBudget:
     """A bound on the graph nodes one export may create (all its passes together): a model whose
     graph grows with the sequence (a Python loop over the positions, such as a Mamba layer's
@@ -736,6 +758,7 @@ def _trace_bundle(bundle: ModelBundle, request: _ZooTrace) -> Traced:
             raise
         ep = _export(bundle.model, bundle.example_inputs, None, what, budget)
         request.notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
+    refuse_repeated_blocks(ep.graph_module, blocks, what)
     roles, fqns, tied = _placeholder_roles(ep)
     symbols, fixed = _symbol_map(ep.graph_module, roles, request.b_ex, request.s_ex)
     return Traced(
@@ -794,6 +817,7 @@ def _trace_file(bundle: ModelBundle, dtype: torch.dtype | None, dynamic: bool, s
         ep = _export(model, inputs, None, what)
         if dynamic:
             notes.append("symbolic batch/sequence export failed; traced at fixed sizes")
+    refuse_repeated_blocks(ep.graph_module, blocks, what)
     roles, fqns, tied = _placeholder_roles(ep)
     symbols, fixed = _symbol_map(ep.graph_module, roles, batch, seq or 1)
     if seq is None:

@@ -298,6 +298,21 @@ def test_unexportable_model_names_the_source_line(tmp_path):
     assert "def forward(self" not in msg and len(msg.splitlines()) <= 6
 
 
+def test_a_loop_over_shared_blocks_is_refused_at_plan_time(tmp_path):
+    """A forward that runs its blocks twice (weight-shared recurrence, as HRM and Dory do) cannot
+    be split into stages of blocks that each run once: the plan says so instead of planning a
+    model that compile then refuses. The same model looping once traces."""
+    path = tmp_path / "looped.py"
+    path.write_text(FACTORY_OK.replace("        for blk in self.layers:", "        for blk in [*self.layers] * 2:"))
+    with pytest.raises(UserError) as err:
+        trace_model(f"{path}:make")
+    msg = str(err.value)
+    assert "runs layers.0 2 times (3 of its 3 blocks run more than once)" in msg
+    assert "a loop over shared blocks" in msg
+    path.write_text(FACTORY_OK)
+    assert trace_model(f"{path}:make").block_paths == ["layers.0", "layers.1", "layers.2"]
+
+
 def test_bad_sizes_are_user_errors():
     with pytest.raises(UserError, match="exceeds"):
         trace_model("gpt", seq_len=4096, layers=1, **TINY)
