@@ -46,7 +46,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from cost_models.schedule_cost import ChunkTimes, chunk_times, split_chunks
 from cost_models.strategy import CandidateCosts, Evaluation, evaluate
@@ -120,9 +120,12 @@ def _spread(
     stages: Sequence[tuple[int, int]],
     chosen: tuple[set[int], set[int]],
     chunks: Sequence[tuple[int, int]],
+    selectable: Collection[int],
 ) -> tuple[set[int], set[int]]:
     """The ILP's recompute (``chosen``: full, selective) on the interleaved ``chunks``: each rank
-    recomputes the share of its blocks that the ILP's stage of the same index does."""
+    recomputes the share of its blocks that the ILP's stage of the same index does. Selective
+    recompute goes only to ``selectable`` blocks (those with an attention core: a hybrid's linear
+    attention or Mamba blocks have none), the first of the rank's others after the whole ones."""
     full, sel = chosen
     blocks = [i for i, kind in enumerate(kinds) if kind == "block"]
     out_full = {i for i in full if kinds[i] != "block"}
@@ -141,7 +144,7 @@ def _spread(
         n_full = math.ceil(sum(i in full for i in held) * len(mine) / len(held))
         n_sel = min(math.ceil(sum(i in sel for i in held) * len(mine) / len(held)), len(mine) - n_full)
         out_full.update(mine[:n_full])
-        out_sel.update(mine[n_full : n_full + n_sel])
+        out_sel.update([i for i in mine[n_full:] if i in selectable][:n_sel])
     return out_full, out_sel
 
 
@@ -178,7 +181,8 @@ def _priced(
         first = _chunks(costs, full, sel, costs.cand.pp * virtual_stages)
         if first is None:
             return None
-        full, sel = _spread(kinds, stages, (full, sel), first)
+        selectable = {i for i, layer in enumerate(costs.layers) if layer.sel_saved_b > 0}
+        full, sel = _spread(kinds, stages, (full, sel), first, selectable)
         again = _chunks(costs, full, sel, costs.cand.pp * virtual_stages)
         if again is None:
             return None

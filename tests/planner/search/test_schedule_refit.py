@@ -15,7 +15,7 @@ from cost_models.strategy import NumericTable, candidate_costs, memory_bound
 from planner.frontend.spec import model_layer_names
 from planner.search.ilp import layout_key
 from planner.search.request import PlanRequest
-from planner.search.schedule_refit import refit, schedule_inflight
+from planner.search.schedule_refit import _spread, refit, schedule_inflight
 from planner.search.search_errors import NoFeasiblePlan, SearchError
 from planner.search.solve import solve
 from tests.helpers import gpt_table
@@ -294,3 +294,19 @@ def test_ilps_started_ahead_change_no_answer(monkeypatch):
     assert ahead.plan.predicted.step_time_s == alone.plan.predicted.step_time_s
     assert ahead.evaluation.strategy == alone.evaluation.strategy
     assert [alt.step_time_s for alt in ahead.plan.alternatives] == [alt.step_time_s for alt in alone.plan.alternatives]
+
+
+def test_interleaving_gives_selective_recompute_only_to_blocks_with_an_attention_core():
+    """A hybrid's linear-attention or Mamba blocks have no attention core to recompute: when the
+    1F1B answer's selective share is spread over the interleaved chunks, it goes to the rank's
+    other blocks that have one (MiniMax and Lara planned at --pp 2 stopped on a ValueError)."""
+    kinds = ["embedding", *["block"] * 8, "head"]
+    stages = [(0, 4), (5, 9)]
+    chunks = [(0, 2), (3, 4), (5, 6), (7, 9)]  # v = 2: rank 0 holds chunks 0 and 2, rank 1 1 and 3
+    selectable = {2, 4, 6, 8}  # the softmax-attention blocks of an alternating hybrid
+    full, sel = _spread(kinds, stages, ({1}, {2, 3, 6, 7}), chunks, selectable)
+    assert sel <= selectable
+    # rank 0 (blocks 1, 2, 5, 6) recomputes 1 of 4 whole and 2 selectively, as stage 0 does; rank 1
+    # (blocks 3, 4, 7, 8) 2 selectively as stage 1 does: on 4 and 8, its blocks with a core, not 3 and 7
+    assert full == {1}
+    assert sel == {2, 6, 4, 8}
