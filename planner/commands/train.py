@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -577,9 +578,22 @@ def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world:
             collective_timeout_s=job.opts.timeout_s,
         )
     except LaunchError as e:
-        print(f"planner train: training failed: {_sentence(str(e))}", file=sys.stderr)
+        print(f"planner train: training failed: {_sentence(str(e))}{_dtype_hint(plan, str(e))}", file=sys.stderr)
         return 1
     return 0
+
+
+def _dtype_hint(plan: Plan, error: str) -> str:
+    """What to do when a rank failed on two dtypes meeting in one operation under a 16-bit plan:
+    the runtime computes every layer in the plan's dtype, and a model that keeps some modules in
+    fp32 (transformers' ``_keep_in_fp32_modules``, Inkling-2's convolutions) casts its activations
+    to fp32 before them."""
+    if plan.dtype == "fp32" or not re.search(r"same dtype|dtype mismatch|expected .*dtype", error):
+        return ""
+    return (
+        f" The plan computes every layer in {plan.dtype}; a model that keeps some layers in fp32 "
+        "mixes the two: plan with --dtype fp32."
+    )
 
 
 def _train_under_torchrun(plan_path: str, job: _WorkerJob, world: int) -> None:
