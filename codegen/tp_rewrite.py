@@ -271,7 +271,8 @@ class _Planner:
                     self.split(n)
                 elif name == "slice" and node_arg(n, "dim", 0) % len(_shape(n.args[0])) == dec.state[n.args[0]].dim:
                     self.fused_slice(n)
-            elif name == "expand" and isinstance(dec.state.get(n), Shard):  # a broadcast to the local heads
+            elif name in ("expand", "view", "_unsafe_view", "reshape") and isinstance(dec.state.get(n), Shard):
+                # a broadcast to the local heads, or a per-head parameter's view (attention sinks)
                 state = dec.state[n]
                 analysis.actions[n.name] = ("size", (1, state.dim, self.local(state)))
         analysis.enter = {n.name: paths for n, paths in dec.enter.items()}

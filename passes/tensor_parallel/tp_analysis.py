@@ -514,6 +514,29 @@ class _Walk:
         self.out.enter[arg] = self.entering(arg)
         return True
 
+    def per_head_parameter(self, arg: fx.Node, dim: int, shard: Shard) -> bool:
+        """Whether ``arg``, a replicated tensor meeting ``shard`` along its ``dim``, is a 1-d
+        parameter of that dim's whole size reached only through views and expands (attention
+        sinks, one logit per head: GPT-OSS concatenates ``sinks.reshape(1, -1, 1, 1).expand(...)``
+        to the scores, Granite-SWA subtracts ``sinks.view(1, -1, 1)`` from each head's log-sum):
+        then the parameter is cut like the heads, each rank holding its heads' entries (their
+        gradients included), and the views and expands are sized to the local heads."""
+        if dim >= len(shape_of(arg)) or shape_of(arg)[dim] != shard.size:
+            return False
+        chain, node = [], arg
+        while op_name(node) in ("view", "_unsafe_view", "reshape", "expand") and len(node.users) == 1:
+            if shape_of(node).count(shard.size) != 1:  # where the heads are must be unambiguous
+                return False
+            chain.append(node)
+            node = arg_node(node, 0)
+        if not chain or node not in self.params or shape_of(node) != [shard.size] or len(node.users) != 1:
+            return False
+        self.uses[self.params[node]].remove((chain[-1], None))
+        self.use(node, chain[-1], ("column", 0, shard.size))
+        for link in chain:
+            self.set(link, Shard(shape_of(link).index(shard.size), shard.size, shard.origins))
+        return True
+
     def slice(self, n, name):
         x = n.args[0]
         state = self.st(x)
@@ -572,6 +595,10 @@ class _Walk:
         parts = n.args[0]
         ndim = len(shape_of(n))
         dim = norm_dim(node_arg(n, "dim", 0), ndim)
+        first = next(self.st(part) for part in parts if isinstance(self.st(part), Shard))
+        for part in parts:
+            if not isinstance(self.st(part), Shard) and dim != first.dim:
+                self.per_head_parameter(part, first.dim, first)
         states = [self.st(part) for part in parts]
         f = states[0]
         alike = all(isinstance(state, Shard) and (state.dim, state.size) == (f.dim, f.size) for state in states)
@@ -677,6 +704,8 @@ class _Walk:
                     scatter.append((path, k))
                     continue
                 if shape_of(arg)[k] == size and self.broadcast_expand(arg, k, size, origins):
+                    continue
+                if self.per_head_parameter(arg, k, Shard(k, size, origins)):
                     continue
                 if shape_of(arg)[k] == size and arg in self.params and set(arg.users) == {n}:
                     # a per-feature weight read only here (a norm's scale over every query

@@ -7,7 +7,8 @@ before the row-parallel projections alike; Apertus: its xIELU's elementwise min)
 replicated, each rank keeping its query heads' share), gemma (one key/value head) and falcon
 (fused qkv, one head per rank); and llama with eager matmul-softmax-matmul attention. DeepSeek-V3's
 latent attention: q and the keys and values expanded per head from replicated low-rank latents,
-the one rotary key broadcast to the local heads."""
+the one rotary key broadcast to the local heads. GPT-OSS: its attention sinks (a logit per head,
+concatenated to the scores) cut by heads with them."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ CASES = [(a, 2) for a in ARCHS] + [
     ("llama_eager", 2),
     ("opt_proj", 2),
     ("deepseek_mla", 2),
+    ("gpt_oss", 2),
 ]
 WORLD, MBS, SEQ = 4, 2, 16
 #: Per architecture, attention weights of its blocks and the shard each must get (their attention
@@ -48,6 +50,8 @@ SPLIT = {
     "bitnet": {"o_proj.weight": {"kind": "row"}, "attn_sub_norm.weight": {"kind": "column"}},
     "apertus": {"mlp.up_proj.weight": {"kind": "column"}, "mlp.down_proj.weight": {"kind": "row"}},
     "opt_proj": {"self_attn.q_proj.weight": {"kind": "heads"}, "fc1.weight": {"kind": "column"}},
+    # GPT-OSS's attention sinks, one logit per head concatenated to the scores: cut by heads
+    "gpt_oss": {"self_attn.sinks": {"dim": 0, "size": 4}, "self_attn.o_proj.weight": {"kind": "row"}},
     # DeepSeek-V3's latent attention: the low-rank projections whole, their expansions by heads
     "deepseek_mla": {
         "self_attn.q_b_proj.weight": {"kind": "heads"},
