@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import io
 import logging
@@ -47,7 +48,7 @@ import traceback
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -200,10 +201,11 @@ _DATA_DEPENDENT = (
 _UNSUPPORTED = ("Unsupported", "not supported", "NotImplementedError", "DynamicOutputShape")
 
 
-def explain_export_error(exc: BaseException, what: str, eager_fails: bool = False) -> ModelError:
+def explain_export_error(exc: BaseException, what: str, eager_fails: Callable[[], bool] | None = None) -> ModelError:
     """Turn a ``torch.export`` failure into a short ``ModelError`` with the source line and a fix.
-    ``eager_fails``: the model's forward, run without tracing on the same inputs, failed at the same
-    line (:func:`fails_eagerly`): the model's code or configuration is at fault, not the trace."""
+    ``eager_fails``, asked only when no known cause explains the failure: whether the model's
+    forward, run without tracing on the same inputs, fails at the same line (:func:`fails_eagerly`);
+    then the model's code or configuration is at fault, not the trace."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     headline = lines[0] if lines else type(exc).__name__
     if len(headline) > 160:
@@ -226,7 +228,7 @@ def explain_export_error(exc: BaseException, what: str, eager_fails: bool = Fals
     elif "Constraints violated" in text or "specialized" in text:
         problem = "a batch or sequence dimension was forced to a constant"
         advice = "Avoid code that depends on the exact size (e.g. asserts on x.shape[0])."
-    elif eager_fails:
+    elif eager_fails is not None and eager_fails():
         problem = "forward() fails on the example input even when run without tracing"
         advice = (
             "The model's own code rejects this configuration or input (its error is below): check that the config's "
@@ -370,7 +372,7 @@ def _export(
             raise budget.error(what) from None
         if isinstance(e, ModelError):
             raise
-        raise explain_export_error(e, what, fails_eagerly(module, inputs, e)) from e
+        raise explain_export_error(e, what, functools.partial(fails_eagerly, module, inputs, e)) from e
     inline_grad_regions(ep.graph_module)  # no_grad regions: flat ATen ops, as codegen's export has them
     return ep
 
@@ -911,7 +913,9 @@ def _export_training_module(
         with _quiet_torch_logs(), _uncached_fake_tensors(), _HostValues(), exportable():
             ep = torch.export.export(bundle.model, bundle.example_inputs, strict=False)
     except Exception as e:  # every export failure becomes one readable message
-        raise explain_export_error(e, spec, fails_eagerly(bundle.model, bundle.example_inputs, e)) from e
+        raise explain_export_error(
+            e, spec, functools.partial(fails_eagerly, bundle.model, bundle.example_inputs, e)
+        ) from e
     _, block_paths = find_block_container(bundle.model)
     gm = ep.module()
     inline_grad_regions(gm)  # a no_grad region (PhiMoE's router) -> its ops, outputs detached
