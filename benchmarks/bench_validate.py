@@ -181,7 +181,8 @@ def profile_line(path: str) -> str:
         f"profile: sync_overhead {1e3 * (prof.get('sync_overhead_s') or 0.0):.2f} ms/call, "
         f"overlap_slowdown {prof.get('overlap_slowdown', 0.0):.3g}, "
         f"overlap_comm_rate {prof.get('overlap_comm_rate', 1.0):.3g}, "
-        f"compute_efficiency {prof.get('compute_efficiency', 1.0):.3g}"
+        f"compute_efficiency {prof.get('compute_efficiency', 1.0):.3g}, "
+        f"gemm_in_step_scale {(prof.get('calibration') or {}).get('gemm_in_step_scale', 1.0):.3g}"
     )
 
 

@@ -35,8 +35,10 @@ What is measured, with ``nproc`` local gloo processes each standing for one devi
   free space of that directory's file system.
 - **GEMM table** (small): every ``(m, n, k)`` of ``gemm_sizes ** 3`` per dtype, all ranks at once,
   the fraction of ``peak_flops`` each reached (``gemm_efficiency``, which ``cost_models.compute``
-  interpolates). The same measurement code as the CUDA path (``calibrate_gpu.measure_gemm_table``),
-  so CI runs it.
+  interpolates), then scaled by one factor so that the training steps' own products, priced by
+  the table, take the time the steps gave them (``fit_gemm_tables_to_steps``: a product alone
+  runs faster than inside a step). The same measurement code as the CUDA path
+  (``calibrate_gpu.measure_gemm_table``), so CI runs it.
 
 ``--device cuda`` (the default where ``torch.cuda.is_available()``) measures GPUs instead:
 ``planner.commands.calibrate_gpu``.
@@ -62,6 +64,7 @@ by ``nproc``. The result is written as JSON that ``cost_models.load_hardware(pat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -82,11 +85,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cost_models.gemm_cost import gemm_flops, layer_gemm_time
 from cost_models.hardware import HardwareProfile, load_hardware
 from planner.commands.calibrate_common import (
     KB,
     MB,
     MEASURED_KINDS,
+    MIN_EFFICIENCY,
     CalibrationError,
     collective_links,
     drain_progress,
@@ -123,6 +128,7 @@ __all__ = [
     "run_calibrate",
     "fit_alpha_beta",
     "build_profile",
+    "fit_gemm_tables_to_steps",
     "lower_quartile",
     "KB",
     "MB",
@@ -249,8 +255,10 @@ def _time_matmul(n: int, dtype_name: str, budget_s: float) -> float:
 
 def _time_training(
     batches: Sequence[int], budget_s: float, copy_bytes: int, copy_budget_s: float, rounds: int = 4
-) -> tuple[float, float, float]:
-    """``(FLOP/s, seconds per operator, memory bytes/s)`` of real training steps, all ranks at once.
+) -> tuple[float, float, float, list[list[float]]]:
+    """``(FLOP/s, seconds per operator, memory bytes/s, products)`` of real training steps, all
+    ranks at once; ``products`` lists the layer table's matmuls of every fitted step as
+    ``[m, n, k, batch, count]`` (``build_profile`` prices them with the GEMM table).
 
     The planner prices a forward + backward as ``T = 3 N c + F / R + Q / W``: ``N`` operator
     calls (backward makes about two per forward op), ``F`` FLOPs, ``Q`` memory-bound bytes, all
@@ -285,6 +293,12 @@ def _time_training(
     small = timed(tiny, build_layer_table("gpt", batch=1, seq_len=8, dtype="fp32", **tiny), 1, 8)
     table = build_layer_table("gpt", batch=1, seq_len=128, dtype="fp32", **full)  # symbolic in b: one trace
     steps = [small] + [timed(full, table, batch, 128) for batch in batches]
+    products = [
+        [float(x) for x in gemm[:5]]
+        for batch in batches
+        for row in table.numeric(batch, 128)
+        for gemm in (*row["fwd_gemms"], *row["bwd_gemms"])
+    ]
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -311,8 +325,8 @@ def _time_training(
         flop_s = step_s - 3 * n * overhead - moved / memory_bandwidth  # the FLOP time
         num, den = num + flops * flops, den + flops * flop_s
     if den <= 0:  # too noisy to separate the terms: all of the largest step is FLOP time
-        return flops / max(step_s, 1e-9), 0.0, memory_bandwidth
-    return num / den, overhead, memory_bandwidth
+        return flops / max(step_s, 1e-9), 0.0, memory_bandwidth, products
+    return num / den, overhead, memory_bandwidth, products
 
 
 def _time_recompute(batch: int, budget_s: float, rounds: int = 4) -> float:
@@ -467,9 +481,10 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
             reduce=_mean_over_ranks,
         )
     dist.barrier()
-    rate, overhead, bandwidth = _time_training(
+    rate, overhead, bandwidth, products = _time_training(
         spec.train_batches, spec.train_budget_s, spec.copy_bytes, spec.copy_budget_s
     )
+    result["train_products"] = products
     result["memory_bandwidth"] = _mean_over_ranks(bandwidth)
     result["train_step_flops"] = _mean_over_ranks(rate)
     result["op_overhead_s"] = _mean_over_ranks(overhead)
@@ -545,7 +560,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
     }
     offload = raw.get("offload") or {}
     nvme = offload.get("nvme") or {}
-    return HardwareProfile(
+    profile = HardwareProfile(
         name="calibrated-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", socket.gethostname()).strip("-") or "host"),
         peak_flops=peaks,
         memory_bytes=int(memory_bytes),
@@ -572,6 +587,45 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
         source=_cpu_source(nproc, base, offload),
         calibration=finite(calibration),
     )
+    return fit_gemm_tables_to_steps(profile, raw.get("train_products"))
+
+
+def fit_gemm_tables_to_steps(profile: HardwareProfile, products: Sequence[Sequence[float]] | None) -> HardwareProfile:
+    """``profile`` with its GEMM tables scaled to what the products achieve inside a training step.
+
+    The grid times each product alone, back to back, its operands warm in cache; in a step the
+    same product follows norms, softmaxes and other products that evict them, and reaches less
+    (here the grid read 0.95-1.0 of the peak where the steps' FLOPs ran at 0.78). ``compute_efficiency``
+    is fitted to the steps with every FLOP at one rate; priced by the raw grid instead, the
+    calibration GPT's own products would take 20% less than its measured steps give them, and so
+    would every plan's (``bench_validate``'s steps were all predicted 18-28% fast). Every cell is
+    multiplied by one factor, ``gemm_in_step_scale`` in the calibration record: the calibration
+    steps' ``products`` priced by shape over their FLOPs at ``peak * compute_efficiency``, so that
+    those products priced by the scaled table take exactly the flat fit's time, while other shapes
+    keep their measured standing relative to them (a small product of a tensor-parallel split
+    still reaches less than a large one). The fp32 steps give the factor; every dtype's table takes
+    it (the same cores and caches run them). Unchanged without a table or products.
+    """
+    tables = profile.gemm_efficiency
+    if not tables or "fp32" not in tables or not products:
+        return profile
+    by_shape = layer_gemm_time(products, profile, "fp32")
+    flat = gemm_flops(products) / (profile.peak("fp32") * profile.compute_efficiency)
+    if not (by_shape > 0 and flat > 0):
+        return profile
+    scale = by_shape / flat
+    scaled = {
+        dtype: dict(
+            table,
+            efficiency=[
+                [[max(MIN_EFFICIENCY, min(1.0, cell * scale)) for cell in row] for row in plane]
+                for plane in table["efficiency"]
+            ],
+        )
+        for dtype, table in tables.items()
+    }
+    calibration = dict(profile.calibration or {}, gemm_in_step_scale=scale)
+    return dataclasses.replace(profile, gemm_efficiency=scaled, calibration=calibration)
 
 
 def _matmul_peaks(matmul: dict[str, dict[str, float]], base: HardwareProfile) -> dict[str, float]:
@@ -600,7 +654,9 @@ def _cpu_source(nproc: int, base: HardwareProfile, offload: dict[str, Any]) -> s
         f"intra-node alpha/beta = least-squares fit of all-reduce, all-gather, reduce-scatter and "
         f"send/recv times (the fastest of three rounds of back-to-back reps, each its slowest rank's mean) together, and of each kind alone (intra_node_collectives); sync_overhead_s = the mean wait of a blocking all-reduce in a compute loop on the rank that waits least, beyond the same call back to back; recompute_ratio = (checkpointed - plain step) / forward of two blocks; overlap_slowdown = matmuls beside a chain of async all-reduces over alone, minus 1; overlap_comm_rate = the share of the chain's speed it keeps beside the matmuls; inter-node numbers copy the intra-node ones (one machine, no network); "
         f"memory_bytes = physical RAM / nproc; gemm_efficiency = rate of each (m, n, k) product of a small grid "
-        f"(every process at once) / peak_flops. Base for unmeasured values: {base.name}."
+        f"(every process at once) / peak_flops, times gemm_in_step_scale (calibration), which makes the training "
+        f"steps' own products priced by the table take their time at compute_efficiency. "
+        f"Base for unmeasured values: {base.name}."
     )
     if offload:
         source += offload_source(offload, host_is_device=True)

@@ -44,6 +44,7 @@ __all__ = [
     "MB",
     "GB",
     "MEASURED_KINDS",
+    "MIN_EFFICIENCY",
     "lower_quartile",
     "median",
     "positive_rate",

@@ -122,3 +122,40 @@ def test_build_profile_from_raw_measurements(tmp_path):
 def test_nproc_must_be_at_least_two(tmp_path):
     with pytest.raises(CalibrationError, match=r"calibrate needs --nproc >= 2 .*\(got 1\)"):
         run_calibration(1, tmp_path / "p.json", progress=False)
+
+
+def _with_gemm_table(raw: dict, efficiency: float) -> dict:
+    """``raw`` with a 2 x 2 x 2 grid whose every fp32 product reached ``efficiency`` of the 5e10 peak."""
+    axis = [64, 512]
+    seconds = [[[2.0 * m * n * k / (5e10 * efficiency) for k in axis] for n in axis] for m in axis]
+    return dict(raw, gemm={"sizes": {"m": axis, "n": axis, "k": axis}, "seconds": {"fp32": seconds}})
+
+
+def test_gemm_table_is_scaled_so_the_steps_products_take_their_measured_time():
+    from cost_models.gemm_cost import gemm_flops, layer_gemm_time
+
+    base = load_hardware("cpu")
+    # The grid says every product alone reaches 0.95 of the peak; the steps ran their FLOPs at 0.7.
+    products = [[512.0, 512.0, 512.0, 1.0, 3.0], [64.0, 512.0, 512.0, 2.0, 1.0]]
+    raw = dict(_with_gemm_table(_raw(), 0.95), train_step_flops=0.7 * 5e10, train_products=products)
+    profile = build_profile(raw, 2, base, CalibrationSpec.quick())
+    assert profile.compute_efficiency == pytest.approx(0.7)
+    assert profile.calibration["gemm_in_step_scale"] == pytest.approx(0.7 / 0.95)
+    # priced by the scaled table, the steps' products take their FLOPs at peak * compute_efficiency
+    assert layer_gemm_time(products, profile, "fp32") == pytest.approx(gemm_flops(products) / (0.7 * 5e10))
+    # the raw timings stay in the record; without products the measured table stands as it is
+    assert profile.calibration["gemm"]["seconds"]["fp32"] == raw["gemm"]["seconds"]["fp32"]
+    unscaled = build_profile(dict(raw, train_products=None), 2, base, CalibrationSpec.quick())
+    assert unscaled.gemm_efficiency["fp32"]["efficiency"][0][0][0] == pytest.approx(0.95)
+
+
+def test_gemm_table_scaling_keeps_the_shapes_relative_standing():
+    base = load_hardware("cpu")
+    raw = _with_gemm_table(_raw(), 1.0)
+    raw["gemm"]["seconds"]["fp32"][0][0][0] *= 4  # the 64^3 product alone reached only 0.25
+    products = [[512.0, 512.0, 512.0, 1.0, 1.0]]
+    profile = build_profile(
+        dict(raw, train_step_flops=0.5 * 5e10, train_products=products), 2, base, CalibrationSpec.quick()
+    )
+    table = profile.gemm_efficiency["fp32"]["efficiency"]
+    assert table[1][1][1] == pytest.approx(0.5) and table[0][0][0] == pytest.approx(0.125)
