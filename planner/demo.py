@@ -18,6 +18,7 @@ import time
 
 from cost_models.hardware import ProfileError, load_hardware
 from planner.cli import main as cli
+from planner.commands.calibrate import CALIBRATION_METHOD
 from runtime.training.events import step_lines
 
 
@@ -65,12 +66,14 @@ def _calibrate(out: str) -> str:
     profile = f"{out}/cpu_profile.json"
     if os.path.exists(profile):
         try:
-            load_hardware(profile)
+            kept = load_hardware(profile)
         except ProfileError:
             os.remove(profile)
         else:
-            print(f"(reusing the quick calibration of this machine in {profile}; delete it to measure again)")
-            return profile
+            if (kept.calibration or {}).get("method") == CALIBRATION_METHOD:
+                print(f"(reusing the quick calibration of this machine in {profile}; delete it to measure again)")
+                return profile
+            print(f"(the calibration in {profile} predates this version's method: measuring again)")
     run(["calibrate", "--nproc", "2", "--quick", "--out", profile])
     return profile
 

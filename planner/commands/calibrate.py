@@ -122,6 +122,7 @@ from runtime.distributed.launch import LaunchError, launch_local
 from runtime.dtypes import to_torch
 
 __all__ = [
+    "CALIBRATION_METHOD",
     "CalibrationError",
     "CalibrationSpec",
     "run_calibration",
@@ -135,6 +136,12 @@ __all__ = [
     "MEASURED_KINDS",
     "sync_overhead",
 ]
+
+
+#: How the figures are derived from the measurements, recorded in the profile's ``calibration``
+#: (``method``): raised when a change makes older profiles price differently (2: the GEMM table
+#: scaled to the training steps), so that a tool keeping a profile (``planner.demo``) measures again.
+CALIBRATION_METHOD = 2
 
 
 @dataclass(frozen=True)
@@ -542,6 +549,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
     ram = _physical_memory()
     memory_bytes = ram // nproc if ram else base.memory_bytes
     calibration = {
+        "method": CALIBRATION_METHOD,
         "nproc": nproc,
         "spec": asdict(spec),
         "matmul_flops": raw["matmul"],
