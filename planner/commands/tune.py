@@ -218,16 +218,30 @@ def scaled_profile(
     ``op_overhead_s`` per operator call and ``sync_overhead_s`` per blocking collective (each
     unchanged when None).
 
-    The FLOP rate is ``peak x compute_efficiency``: the efficiency becomes ``e / flops``; one
-    above 1 (the datasheet peak was too low) is 1 with every dtype's peak raised by that factor.
+    The FLOP rate is ``peak x compute_efficiency``, and a product priced by a measured GEMM table
+    ``peak x`` its cell: the efficiency and every cell are divided by ``flops``; where that takes
+    one above 1 (the datasheet peak was too low) every dtype's peak is raised by the largest such
+    factor and the efficiencies divided by it too, so every FLOP's rate is still ``1 / flops`` of
+    what it was.
     """
     changes: dict = {}
     if flops != 1.0:
-        e = hw.compute_efficiency / flops
-        if e > 1.0:
-            changes["peak_flops"] = {dtype: rate * e for dtype, rate in hw.peak_flops.items()}
-            e = 1.0
-        changes["compute_efficiency"] = e
+        tables = hw.gemm_efficiency or {}
+        cells = [cell for table in tables.values() for plane in table["efficiency"] for row in plane for cell in row]
+        raise_by = max(1.0, max([hw.compute_efficiency, *cells]) / flops)
+        if raise_by > 1.0:
+            changes["peak_flops"] = {dtype: rate * raise_by for dtype, rate in hw.peak_flops.items()}
+        changes["compute_efficiency"] = hw.compute_efficiency / flops / raise_by
+        if tables:
+            changes["gemm_efficiency"] = {
+                dtype: dict(
+                    table,
+                    efficiency=[
+                        [[cell / flops / raise_by for cell in row] for row in plane] for plane in table["efficiency"]
+                    ],
+                )
+                for dtype, table in tables.items()
+            }
     if op_overhead_s is not None:
         changes["op_overhead_s"] = max(0.0, float(op_overhead_s))
     if sync_overhead_s is not None:
@@ -814,6 +828,7 @@ def _write_profile(args, refit: Refit | None, n: int, one_node: bool, say) -> No
         name=f"{original.name.removesuffix('-tuned')}-tuned",
         peak_flops=dict(refit_hw.peak_flops),
         compute_efficiency=refit_hw.compute_efficiency,
+        gemm_efficiency=refit_hw.gemm_efficiency,
         op_overhead_s=refit_hw.op_overhead_s,
         intra_node_latency=refit_hw.intra_node_latency,
         intra_node_bandwidth=refit_hw.intra_node_bandwidth,

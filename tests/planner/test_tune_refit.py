@@ -3,6 +3,8 @@ against a toy cost model, and what a trial's outcome is called."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cost_models.hardware import load_hardware
@@ -190,3 +192,18 @@ def test_a_trial_runs_with_the_overlap_its_plan_was_priced_with(tmp_path, monkey
     monkeypatch.setattr(tune, "train_plan", fake_train)
     tune._run_trial(tune.Trial(1, plan), str(tmp_path), 3, 60.0, 1e12, None)
     assert seen["overlap"] == ("on" if overlap["dp"] else "off")
+
+
+def test_scaled_profile_scales_a_measured_gemm_table_with_the_flop_rate():
+    from cost_models.gemm_cost import layer_gemm_time
+
+    axis = [64, 512]
+    table = {"m": axis, "n": axis, "k": axis, "efficiency": [[[0.5, 0.9], [0.6, 1.0]], [[0.7, 0.8], [0.9, 1.0]]]}
+    measured = dataclasses.replace(CPU, gemm_efficiency={"fp32": table})
+    products = [(512.0, 512.0, 512.0, 1.0, 1), (64.0, 512.0, 64.0, 1.0, 2), (100.0, 300.0, 200.0, 1.0, 1)]
+    before = layer_gemm_time(products, measured, "fp32")
+    # every listed product takes f times as long, slower or faster (a cell of 1 then raises the peak)
+    for f in (2.0, 0.5):
+        assert layer_gemm_time(products, scaled_profile(measured, flops=f), "fp32") == pytest.approx(f * before)
+    fast = scaled_profile(measured, flops=0.5)
+    assert fast.achievable_flops("fp32") == pytest.approx(measured.achievable_flops("fp32") * 2)
