@@ -15,8 +15,14 @@ off``, by ``planner train --nproc 2 --metrics``. For each the table gives
   ``(dp_comm + tp_comm + pp_bubble) / step_time_s`` from the metrics' measured ``time``
   (``runtime.timing``: only blocking waits count there; communication that ran under compute
   counts as compute, so the share is what overlap failed to hide);
-- whether the losses are equal: overlap changes when collectives are waited, never what they
-  compute, so the per-step losses of every run must be the same (exit 1 otherwise).
+- whether the losses agree: overlap changes when collectives are waited, never what they
+  compute. Data-parallel and pipeline overlap leave every product as it was, and the per-step
+  losses of every run are bitwise equal (``equal``). Overlapped tensor parallelism computes each
+  column-parallel weight gradient inside its own autograd function, accumulated into the gradient
+  buffer by the product (``addmm``), where the synchronous run lets autograd multiply and then
+  add: the same sums rounded in another order, so the losses agree to fp32 rounding (``close``,
+  with the largest relative difference; the bound is ``torch.testing``'s for fp32, rtol 1.3e-6
+  and atol 1e-5). Anything further apart is ``DIFFER`` and the script exits 1.
 
 What it cannot show on this machine: gloo on CPU moves bytes with the same cores that compute, so
 a collective "in flight" competes with the compute it overlaps (the contention factor the price
@@ -46,6 +52,10 @@ __all__ = ["BenchConfig", "CASES", "run_benchmark", "format_report", "passed", "
 
 MODEL = ["--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "8192"]
 REQUEST = ["--seq-len", "128", "--global-batch", "16", "--dtype", "fp32", "--gpus", "2", "--gpus-per-node", "2"]
+
+#: How far apart two runs' per-step losses may be and still agree: ``torch.testing.assert_close``'s
+#: fp32 tolerances (the module docstring says why tensor-parallel overlap is not bitwise equal).
+LOSS_RTOL, LOSS_ATOL = 1.3e-6, 1e-5
 
 #: name -> the pinned flags of ``planner plan`` (2 ranks; global batch 16)
 CASES: dict[str, list[str]] = {
@@ -119,7 +129,21 @@ def run_case(name: str, config: BenchConfig, folder: str, log) -> dict:
     out: dict = {side: _summary(side_runs, config.warmup) for side, side_runs in runs.items()}
     losses = [run for side in ("on", "off") for run in out[side]["losses"]]
     out["losses_equal"] = all(run == losses[0] for run in losses)
+    out["losses_max_rel_diff"] = max(
+        (abs(a - b) / abs(b) if b else abs(a - b) for run in losses for a, b in zip(run, losses[0])), default=0.0
+    )
+    out["losses_close"] = all(
+        len(run) == len(losses[0]) and all(abs(a - b) <= LOSS_ATOL + LOSS_RTOL * abs(b) for a, b in zip(run, losses[0]))
+        for run in losses
+    )
     return out
+
+
+def loss_verdict(case: dict) -> str:
+    """``equal`` (bitwise), ``close (max relative difference)`` or ``DIFFER (...)``."""
+    if case["losses_equal"]:
+        return "equal"
+    return f"{'close' if case['losses_close'] else 'DIFFER'} (max {case['losses_max_rel_diff']:.1e})"
 
 
 def _train(name: str, plan: str, overlap: str, repeat: int, config: BenchConfig, folder: str, log) -> list[dict]:
@@ -156,14 +180,14 @@ def format_report(result: dict) -> str:
         rows.append(
             f"{name:<17} {on['step_time_s']:>8.3f}s {off['step_time_s']:>8.3f}s "
             f"{off['step_time_s'] / on['step_time_s']:>7.2f} {100 * on['exposed_share']:>10.1f}% "
-            f"{100 * off['exposed_share']:>11.1f}%  {'equal' if case['losses_equal'] else 'DIFFER'}"
+            f"{100 * off['exposed_share']:>11.1f}%  {loss_verdict(case)}"
         )
     return "\n".join(rows)
 
 
 def passed(result: dict) -> bool:
-    """The losses of every case are equal with and without overlap."""
-    return all(case["losses_equal"] for case in result["cases"].values())
+    """The losses of every case agree with and without overlap (bitwise, or to fp32 rounding)."""
+    return all(case["losses_close"] for case in result["cases"].values())
 
 
 def main(argv=None) -> int:

@@ -68,15 +68,44 @@ def tiny_config(model_type: str, directory: str) -> str | None:
     cls = CONFIG_MAPPING[model_type]
     try:
         defaults = cls()
-        sizes = {name: value for name, value in TINY.items() if hasattr(defaults, name)}
-        if hasattr(defaults, "qk_rope_head_dim"):  # latent attention: one key/value head per query head
-            sizes.pop("num_key_value_heads", None)  # and its head_dim is its rotary width, left as is
-        elif getattr(defaults, "head_dim", None) is not None:
-            sizes["head_dim"] = 16  # hidden / heads
-        cls(**sizes).save_pretrained(directory)
     except Exception as e:  # noqa: BLE001 - any config class's own validation
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    return None
+        return _reason(e)
+    sizes = {name: value for name, value in TINY.items() if _has(defaults, name)}
+    if _has(defaults, "qk_rope_head_dim"):  # latent attention: one key/value head per query head
+        sizes.pop("num_key_value_heads", None)  # and its head_dim is its rotary width, left as is
+    elif _has(defaults, "head_dim") and defaults.head_dim is not None and _settable(cls, "head_dim"):
+        sizes["head_dim"] = 16  # hidden / heads (Falcon derives it: a property without a setter)
+    # A class that checks its sizes against per-layer lists (GPT-Neo's attention types, hybrid
+    # layouts) refuses a changed depth: then keep its depth, and at last its every size but the vocabulary.
+    depth = {"num_hidden_layers", "n_layer", "num_layers"}
+    attempts = [sizes, {k: v for k, v in sizes.items() if k not in depth}, {"vocab_size": TINY["vocab_size"]}]
+    for attempt in attempts:
+        try:
+            cls(**attempt).save_pretrained(directory)
+            return None
+        except Exception as e:  # noqa: BLE001 - any config class's own validation
+            refused = _reason(e)
+    return refused
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+
+
+def _has(config, name: str) -> bool:
+    """``hasattr`` that also says no where the attribute raises otherwise (Gemma-4's per-layer
+    sizes refuse a global read)."""
+    try:
+        getattr(config, name)
+    except Exception:  # noqa: BLE001 - AttributeError or a config's own refusal
+        return False
+    return True
+
+
+def _settable(cls: type, name: str) -> bool:
+    """Whether a config class takes ``name`` as a keyword (not a read-only property)."""
+    attribute = getattr(cls, name, None)
+    return not isinstance(attribute, property) or attribute.fset is not None
 
 
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
