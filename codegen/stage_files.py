@@ -87,8 +87,10 @@ def _layered(model: ExportedModel, plan: Plan):
 
 
 def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
-    """Which values carry gradients: float outputs of ops that read a trainable parameter."""
-    params = {n for n, _ in gm.named_parameters()}
+    """Which values carry gradients: float outputs of ops that read a trainable parameter (by any
+    of its names: a tied embedding's reads name the table, which ``named_parameters`` lists once,
+    under the head's name)."""
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     carries_grad: dict[fx.Node, bool] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
@@ -144,20 +146,6 @@ def _write(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _check_tied_ranks(specs, pp: int) -> None:
-    """A weight read by several model chunks must have its copies on distinct pipeline ranks (one
-    engine per rank holds each parameter once; ``runtime.data_parallel.tied_weights`` sums the copies over ranks)."""
-    for spec in specs:
-        for attr, holders in spec.tied.items():
-            ranks = [k % pp for k in holders]
-            if len(set(ranks)) != len(ranks):
-                raise CodegenError(
-                    f"the weight {attr} is read by model chunks {holders}, of which two run on "
-                    f"the same pipeline rank (ranks {ranks}); choose a chunk split (plan.json "
-                    "stages) that puts each of its readers on another rank"
-                )
 
 
 def _stage_where(plan: Plan, spec: StageSpec) -> str:
@@ -294,7 +282,6 @@ def compile_exported(plan: Plan, model: ExportedModel, out_dir: str) -> dict:
         gm, names, layers, plan_hash(plan), tp_rewrite, shard_info, _requires_grad(gm), sequence_sharded, experts
     )
     _make_out_dir(out_dir)
-    _check_tied_ranks(specs, plan.pp)
     stages = [_compile_stage(plan, spec, context, out_dir) for spec in specs]
     chunks = len(plan.stages)
     manifest = {

@@ -391,16 +391,20 @@ def _core_saved(gm: fx.GraphModule, core: set[fx.Node], n: int) -> dict[int, tup
 
 
 _POSITIONAL = ("index", "name", "boundary", "boundary_bytes", "input_bytes")
+#: The parameters a row owns: equal for blocks of equal signatures, but where blocks share a
+#: weight (Zamba's attention block, read by every hybrid layer) only the first reader owns it.
+_OWNED = ("param_count", "param_count_tp", "param_bytes", "expert_param_count", "expert_param_count_tp")
 
 
 def _share_identical_blocks(rows: list[LayerCosts]) -> list[LayerCosts]:
-    """Blocks with equal signatures get the first one's costs (positional fields kept)."""
+    """Blocks with equal signatures get the first one's costs (positional fields and the
+    parameters each owns kept)."""
     first: dict[str, LayerCosts] = {}
     out = []
     for r in rows:
         if r.kind == "block" and r.signature in first:
             rep = first[r.signature]
-            r = replace(rep, **{f: getattr(r, f) for f in _POSITIONAL})
+            r = replace(rep, **{f: getattr(r, f) for f in (*_POSITIONAL, *_OWNED)})
         elif r.kind == "block":
             first[r.signature] = r
         out.append(r)

@@ -648,16 +648,23 @@ def _every_block_if_unlike(
         if request.kind != "hf" or hf_directory(parse_spec(request.spec)[1]) is None:
             return traced, bundle  # the built-in architectures repeat one block
         full = _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
-        if _blocks_alike(full.model):
+        if _blocks_alike(full.model) and not _shared_across_blocks(full.model):
             return traced, bundle
     full = full if full is not None else _zoo_bundle(request.spec, sizes, request.full_layers, request.dtype)
-    kinds = [_structure(full.model.get_submodule(path)) for path in find_block_container(full.model)[1]]
-    prefix = _kinds_prefix(kinds)
-    if prefix < len(kinds):
-        found = _trace_prefix(request, sizes, kinds, prefix)
-        if found is not None:
-            return found
-    request.notes.append("shallow trace: the model's blocks differ; traced every block instead")
+    shared = _shared_across_blocks(full.model)
+    if shared:  # a copy of fewer blocks would count the weights once per block standing for another
+        request.notes.append(
+            f"shallow trace: blocks share weights ({shared}, read by {len(_blocks_reading(full.model, shared))} "
+            "blocks); traced every block instead"
+        )
+    else:
+        kinds = [_structure(full.model.get_submodule(path)) for path in find_block_container(full.model)[1]]
+        prefix = _kinds_prefix(kinds)
+        if prefix < len(kinds):
+            found = _trace_prefix(request, sizes, kinds, prefix)
+            if found is not None:
+                return found
+        request.notes.append("shallow trace: the model's blocks differ; traced every block instead")
     full.example_inputs = full.make_inputs(request.b_ex, request.s_ex, device="meta")
     return _trace_bundle(full, request), full
 
@@ -697,6 +704,28 @@ def _structure(block: nn.Module) -> tuple:
     """A block's submodules (names and types) and parameter shapes: what tells kinds of block apart."""
     modules = tuple((name, type(module)) for name, module in block.named_modules())
     return modules + tuple((name, tuple(param.shape)) for name, param in block.named_parameters())
+
+
+def _shared_across_blocks(model: nn.Module) -> str | None:
+    """The name of a parameter that more than one block holds (Zamba's shared attention block,
+    registered in every hybrid layer), or None: then a block of a shallow or prefix trace stands
+    for others without counting anyone's weights twice."""
+    _, blocks = find_block_container(model)
+    holder: dict[int, str] = {}
+    for path in blocks:
+        block = model.get_submodule(path)
+        for name, param in block.named_parameters():
+            first = holder.setdefault(id(param), f"{path}.{name}")
+            if not first.startswith(f"{path}."):
+                return first
+    return None
+
+
+def _blocks_reading(model: nn.Module, weight: str) -> list[str]:
+    """The blocks holding the parameter named ``weight`` (one of ``model``'s names for it)."""
+    target = model.get_parameter(weight)
+    _, blocks = find_block_container(model)
+    return [path for path in blocks if any(param is target for param in model.get_submodule(path).parameters())]
 
 
 def _blocks_alike(model: nn.Module) -> bool:

@@ -151,6 +151,10 @@ class ParallelContext:
     """``name -> (group, counted)`` for parameters tied across pipeline stages
     (``runtime.data_parallel.tied_weights``): each forms a group of its own in ``layers``; after the
     dp reduction its gradient is summed over ``group``, and it counts in the norm only where ``counted``."""
+    tied_keys: Mapping[str, str] = field(default_factory=dict)
+    """``name -> weight`` for tied parameters of which this rank holds several copies (one per
+    model chunk reading the weight): the copies of one weight are summed here before ``group``'s
+    sum, and all get the result (unlisted names are their own weight)."""
     rank: int | None = None
     """This process's global rank, naming its NVMe folder (default: ``dist.get_rank()``)."""
     expert_params: frozenset[str] = frozenset()

@@ -7,12 +7,18 @@ stage's gradient; the ZeRO engine sums them over the *tied group* (the ranks of 
 the same dp and tp coordinates, ``runtime.distributed.mesh``) before clipping and the optimizer step, so the
 copies receive the same update and stay identical. At tp > 1 each rank holds the same vocabulary
 shard on every stage and sums only that shard. With model chunks (``virtual_stages > 1``) the
-holders are chunks and the group is made of the ranks that run them (``holder_ranks``). The
-gradient norm counts the weight on the first holder only, and a checkpoint stores it once (the first holder writes it, ``runtime.checkpointing.checkpoint_io``).
+holders are chunks and the group is made of the ranks that run them (``holder_ranks``). Two
+chunks of one rank may both read the weight (Zamba's attention block, shared by every hybrid
+layer, under an interleaved schedule): the rank's engine then holds two copies, sums their
+gradients locally, all-reduces the sum over the group once and gives it back to every copy
+(``tied_flat_groups`` pairs each copy with its weight's key). The gradient norm counts the
+weight on the first holder only, and a checkpoint stores it once (the first holder writes it,
+``runtime.checkpointing.checkpoint_io``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Mapping, Sequence
 
 from runtime.data_parallel.flat_shards import FlatGroup, ZeroError
@@ -33,15 +39,9 @@ def tied_params(stage: dict) -> dict[str, tuple[int, ...]]:
 
 def holder_ranks(manifest: dict, holders: Sequence[int]) -> tuple[int, ...]:
     """The pipeline ranks of a tied weight's holders (manifest entries: stages, or model chunks whose
-    ``pp_rank`` says where they run). Two holders on one rank would be two copies in one engine,
-    which the tied group cannot sum: refused."""
-    ranks = [int(manifest["stages"][k].get("pp_rank", k)) for k in holders]
-    if len(set(ranks)) != len(ranks):
-        raise ZeroError(
-            f"a weight tied across model chunks {list(holders)} has two copies on one pipeline rank "
-            f"(ranks {ranks}); choose a chunk split that puts each reader on its own rank"
-        )
-    return tuple(ranks)
+    ``pp_rank`` says where they run), each once and in order: the members of its tied group (a
+    rank running two holders sums their copies first, ``tied_flat_groups``)."""
+    return tuple(sorted({int(manifest["stages"][k].get("pp_rank", k)) for k in holders}))
 
 
 def tied_stage_sets(manifest: dict) -> list[tuple[int, ...]]:
@@ -60,11 +60,16 @@ def isolate_tied(groups: Sequence[Sequence[str]], tied: Mapping[str, object]) ->
 
 
 def tied_flat_groups(
-    groups: Sequence[FlatGroup], tied: Mapping[str, tuple[object, bool]]
-) -> list[tuple[FlatGroup, object]]:
+    groups: Sequence[FlatGroup], tied: Mapping[str, tuple[object, bool]], keys: Mapping[str, str] | None = None
+) -> list[tuple[FlatGroup, object, str]]:
     """The ZeRO groups of the tied parameters ``name -> (tied group, counted in the norm)``, each
-    paired with its process group (none when the group has one rank); a copy that another stage
-    counts gets empty ``norm_ranges``, so the gradient norm counts the weight once."""
+    with its process group (None when the group has one rank) and its weight's key (``keys``:
+    the same key for the copies of one weight that this rank holds, one per model chunk reading
+    it; the name itself by default). A copy that another holder counts gets empty
+    ``norm_ranges``, so the gradient norm counts the weight once. Left out: a copy with nothing
+    to sum, alone on its rank in a group of one."""
+    keys = keys or {}
+    copies = Counter(keys.get(name, name) for name in tied)
     out = []
     for name, (process_group, counted) in tied.items():
         group = next((group for group in groups if any(e.name == name for e in group.entries)), None)
@@ -72,6 +77,8 @@ def tied_flat_groups(
             raise ZeroError(f"tied parameter {name!r} must form a parameter group of its own")
         if not counted:
             group.norm_ranges = []
-        if process_group is not None and comm.group_size(process_group) > 1:
-            out.append((group, process_group))
+        across = process_group if process_group is not None and comm.group_size(process_group) > 1 else None
+        key = keys.get(name, name)
+        if across is not None or copies[key] > 1:
+            out.append((group, across, key))
     return out

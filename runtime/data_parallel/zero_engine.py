@@ -184,8 +184,8 @@ class ZeroEngine(Zero3Params):
         self._group_root = group_roots(self.groups, self._roots)
         self.device = self._common_device()
         self._set_ranges(parallel)
-        self._tied = tied_flat_groups(self.groups, parallel.tied)
-        self._tied_ids = {group.index for group, _ in self._tied}
+        self._tied = tied_flat_groups(self.groups, parallel.tied, parallel.tied_keys)
+        self._tied_ids = {group.index for group, _, _ in self._tied}
         rank = parallel.rank
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -357,11 +357,24 @@ class ZeroEngine(Zero3Params):
                 entry.param.grad = group.grad_full[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     def _sync_tied(self) -> None:
-        """Sum the gradients of tied parameters over the stages that hold a copy."""
-        for group, tied_group in self._tied:
+        """Sum the gradients of tied parameters over the stages that hold a copy: this rank's
+        copies of one weight first (one per model chunk reading it), then over its tied group;
+        every copy gets the sum. The weights go in the order of their keys (the same names on
+        every holder), so that ranks sharing a group call its all-reduces in the same order
+        whichever chunk met the weight first."""
+        copies: dict[str, list[tuple[torch.Tensor, Any]]] = {}
+        for group, tied_group, key in self._tied:
             grad = shard_accumulator(group, self.device) if self.stage >= 2 else group.grad_full
             assert grad is not None  # stages 0/1 keep the full gradient buffers
-            comm.all_reduce(grad, tied_group)
+            copies.setdefault(key, []).append((grad, tied_group))
+        for _key, held in sorted(copies.items()):
+            total, tied_group = held[0]
+            for grad, _ in held[1:]:
+                total.add_(grad)
+            if tied_group is not None:
+                comm.all_reduce(total, tied_group)
+            for grad, _ in held[1:]:
+                grad.copy_(total)
 
     def _register_hooks(self) -> None:
         for k, name in enumerate(self._roots):

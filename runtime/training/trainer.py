@@ -347,12 +347,14 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
     v = len(chunks)
     prefix = [""] if v == 1 else [f"{j}." for j in range(v)]
     layers, tied, replicated, experts = [], {}, set(), set()
+    tied_keys: dict[str, str] = {}  # a weight read by several of this rank's chunks: one key for its copies
     for pre, sub, st in zip(prefix, modules, chunks):
         own_tied = tied_params(st)  # weights held by several stages: summed over their tied group
         layers += [[pre + n for n in grp] for grp in isolate_tied(param_groups(sub), own_tied)]
         tied.update(
             {pre + a: (mesh.tied_groups.get(holder_ranks(man, h)), st["index"] == h[0]) for a, h in own_tied.items()}
         )
+        tied_keys.update({pre + a: a for a in own_tied})
         replicated |= {pre + attr for attr, e in st["params"].items() if not e.get("shard")}
         if mesh.ep > 1:  # routed experts: this rank's rows, reduced over the expert-data-parallel group
             experts |= {pre + attr for attr in expert_attrs(st)}
@@ -379,6 +381,7 @@ def _make_engine(module, modules, chunks, man, mesh, opts, offload, rank) -> Zer
             norm_groups=[g for g in (mesh.tp_group, mesh.pp_group) if g is not None],
             replicated_param_filter=(lambda name: name in replicated) if plan["tp"] > 1 else None,
             tied=tied,
+            tied_keys=tied_keys,
             rank=rank,
             expert_params=frozenset(experts),
         ),

@@ -1,7 +1,8 @@
 """A plan's pipeline schedule, trained end to end, against one process (fp32, gloo).
 
 Interleaved 1F1B over model chunks (pp2 v2: 4 blocks = 6 layer-table rows in 4 chunks; hf:gpt2,
-whose tied embedding and LM head sit in chunk 0 on rank 0 and chunk 3 on rank 1, and the built-in
+whose tied embedding and LM head sit in chunk 0 on rank 0 and chunk 3 on rank 1; a model whose
+four blocks all hold one linear, so that each rank runs two chunks reading it; and the built-in
 GPT at dp2 with ZeRO-1 and ZeRO-3) and ZB-H1 with its split B/W (pp2 with recompute, pp2 x tp2, pp2 x dp2
 with ZeRO-3) are compiled as `planner train` compiles them and run by the trainer
 (``runtime.training.trainer.train_worker``); their per-step losses and final parameters (the consolidated
@@ -26,7 +27,8 @@ STEPS = 3
 RESUMED = 5  # the resumed run continues to this step
 GPT4 = dict(TINY_GPT, layers=4)  # 6 layer-table rows
 HF4 = {"layers": 4, "hidden": 32, "heads": 4, "vocab": 96, "seq_len": 16}  # hf:gpt2, tied LM head
-SIZES = {"gpt": GPT4, "hf:gpt2": HF4}
+SHARED = "tests/fixtures/user_models.py:shared_blocks"  # 4 blocks holding one linear: rows 1-4 read it
+SIZES = {"gpt": GPT4, "hf:gpt2": HF4, SHARED: {"layers": 4}}
 ALIASES = {"inner.transformer.wte.weight"}  # hf:gpt2's tied weight, stored once as inner.lm_head.weight
 CHUNKS = [[0, 1], [2, 2], [3, 3], [4, 5]]  # pp2 x v2, in model order: chunk c on rank c % 2
 # Constant learning rate (min_lr = lr): a resumed run with more steps follows the same schedule.
@@ -35,6 +37,8 @@ SETTINGS = dict(lr=1e-3, min_lr=1e-3, eps=1e-6)
 
 CASES = {  # name -> (world, plan decisions)
     "interleaved-pp2-v2": (2, dict(spec="hf:gpt2", pp=2, schedule="interleaved", v=2)),
+    # a weight every block reads: each rank runs two of its readers, and sums their copies first
+    "interleaved-pp2-v2-shared": (2, dict(spec=SHARED, pp=2, schedule="interleaved", v=2)),
     "zb-pp2-ckpt": (2, dict(pp=2, schedule="zero-bubble", checkpoint=(1, 3))),
     "interleaved-pp2-v2-dp2-zero1": (4, dict(pp=2, dp=2, zero=1, schedule="interleaved", v=2)),
     "zb-pp2-tp2": (4, dict(pp=2, tp=2, schedule="zero-bubble")),
@@ -50,6 +54,11 @@ def schedule_plan(spec: str = "gpt", schedule: str = "1f1b", v: int = 1, **decis
     """A hand-made plan of a 4-block model (4 micro-batches of 1 per dp rank) with a schedule."""
     d = make_plan(spec, SIZES[spec], mbs=1, m=4, **decisions).to_dict()
     d.update(schedule=schedule, virtual_stages=v)
+    if spec == SHARED:  # what `planner plan` reads from the graph: token ids and next-token targets
+        d["model"]["inputs"] = [
+            {"dtype": "int64", "name": name, "role": role, "shape": ["b", "s"], "vocab": 32}
+            for name, role in (("ids", "tokens"), ("labels", "targets"))
+        ]
     if v > 1:
         d["stages"] = CHUNKS
     return Plan.from_dict(d)
@@ -75,9 +84,19 @@ def trained(tmp_path_factory):
 def _check(losses, params, plan: Plan, steps: int, first: int = 0) -> None:
     ref_losses, ref_params = reference_run(plan, steps, **SETTINGS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[first:]), rtol=1e-5, atol=1e-6)
-    assert set(params) == set(ref_params) - ALIASES
-    for name, p in params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    stored = {_first_name(name): p for name, p in params.items()}
+    assert set(stored) == {_first_name(name) for name in ref_params} - ALIASES
+    for name, p in stored.items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _first_name(name: str) -> str:
+    """One name for each of the shared linear's names: it is stored once, under one of its
+    blocks' names, where the reference lists it under every block's."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blocks" and parts[2] == "shared":
+        return f"blocks.0.shared.{parts[3]}"
+    return name
 
 
 def _result(folder, step: int):

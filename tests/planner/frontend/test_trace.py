@@ -16,7 +16,8 @@ from passes.layer_table import EXPR_FIELDS, INT_FIELDS, LayerTable
 from passes.tabulate import table_from_traced
 from planner.errors import UserError
 from planner.frontend.model_analysis import build_layer_table
-from planner.frontend.trace import find_block_container, trace_model
+from planner.frontend.trace import _blocks_reading, _shared_across_blocks, find_block_container, trace_model
+from tests.fixtures.user_models import SharedBlocks
 
 TINY = dict(hidden=64, heads=4, vocab=128)
 ARCHS = {
@@ -311,6 +312,28 @@ def test_a_loop_over_shared_blocks_is_refused_at_plan_time(tmp_path):
     assert "a loop over shared blocks" in msg
     path.write_text(FACTORY_OK)
     assert trace_model(f"{path}:make").block_paths == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_blocks_holding_one_shared_weight_count_it_once():
+    """Every block holds the same linear (as Zamba's hybrid layers hold its attention block): the
+    table owns it in its first reader's row and ties it to the others, so the plan's parameter
+    count is the model's (the rows of alike blocks once all took the first's count, which owns
+    the shared weight: a plan that compile then refused for its parameter count)."""
+    table = table_from_traced(trace_model("tests/fixtures/user_models.py:shared_blocks"))
+    model = SharedBlocks()
+    assert table.model["params"] == sum(p.numel() for p in model.parameters())
+    assert [row.param_count for row in table.layers[1:-1]] == [16 * 16 * 2 + 32] + [16 * 16 + 16] * 3
+    shared = [t for t in table.tied if t["weight"].endswith("shared.weight")]
+    assert shared and shared[0]["layers"] == [1, 4]
+    # a zoo model of such blocks is traced whole: a shallow copy's blocks would each own it
+    assert _shared_across_blocks(model) == "blocks.0.shared.weight"
+    assert _blocks_reading(model, "blocks.0.shared.weight") == [f"blocks.{i}" for i in range(4)]
+    assert _shared_across_blocks(nn_blocks()) is None
+
+
+def nn_blocks() -> torch.nn.Module:
+    """Four blocks with weights of their own."""
+    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
 
 
 def test_bad_sizes_are_user_errors():
