@@ -44,7 +44,7 @@ from planner.frontend.checkpoint import check_weights, directory_state
 from planner.frontend.hf import hf_directory
 from planner.frontend.zoo import ModelSizes, build_model
 from planner.plan import TIME_KEYS, Plan, load_plan, output_problem
-from planner.units import format_seconds
+from planner.units import format_bytes, format_seconds
 from runtime.checkpointing.checkpoint_io import CheckpointError, read_meta
 from runtime.contract.choices import OffloadTier, Toggle
 from runtime.contract.data_roles import LEGACY_INPUTS
@@ -442,6 +442,7 @@ def train_plan(
     world = _world_of(plan)
     if nproc is not None:
         _check_nproc(plan, plan_path, nproc, world)
+        _check_host_memory(plan, plan_path, nproc, physical_memory())
     if not _check_before_start(plan, opts):
         return 0
     compiled = compile_for_training(plan, plan_path, compiled)
@@ -578,9 +579,49 @@ def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world:
             collective_timeout_s=job.opts.timeout_s,
         )
     except LaunchError as e:
-        print(f"planner train: training failed: {_sentence(str(e))}{_dtype_hint(plan, str(e))}", file=sys.stderr)
+        hints = _dtype_hint(plan, str(e)) + _killed_hint(plan, str(e))
+        print(f"planner train: training failed: {_sentence(str(e))}{hints}", file=sys.stderr)
         return 1
     return 0
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_host_memory(plan: Plan, plan_path: str, nproc: int, memory: int | None) -> None:
+    """Local CPU ranks share the host's memory: a plan whose predicted peak (its host offload
+    with it) times ``nproc`` exceeds ``memory`` would have its ranks killed by the kernel's
+    out-of-memory killer minutes in, and the run would say only that a rank was lost (a plan
+    made for an 80 GB GPU, trained here to try it). Bad input instead, before anything starts.
+    GPU ranks each have a device of their own: not checked here."""
+    if memory is None or torch.cuda.is_available():
+        return
+    per_rank = plan.predicted.peak_memory_bytes + plan.predicted.memory.get("host", 0)
+    if per_rank * nproc <= memory:
+        return
+    raise UserError(
+        f"{plan_path} predicts {format_bytes(per_rank)} per device at its peak (planned for "
+        f"{plan.hardware.name}), and its {nproc} local processes share this machine's "
+        f"{format_bytes(memory)} of memory: {format_bytes(per_rank * nproc)} in all, more than there is, "
+        "so the out-of-memory killer would stop the run. Train it on the machines it was planned "
+        "for, or plan for this one (--hardware cpu, or a profile from `planner calibrate`)."
+    )
+
+
+def _killed_hint(plan: Plan, error: str) -> str:
+    """What a rank killed by SIGKILL most often means: the kernel's out-of-memory killer."""
+    if "SIGKILL" not in error:
+        return ""
+    return (
+        " SIGKILL most often comes from the out-of-memory killer: the plan predicts "
+        f"{format_bytes(plan.predicted.peak_memory_bytes)} per device at its peak; check the "
+        "memory free for every local process (or `dmesg`)."
+    )
 
 
 def _dtype_hint(plan: Plan, error: str) -> str:
