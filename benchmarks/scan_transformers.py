@@ -75,10 +75,19 @@ def tiny_config(model_type: str, directory: str) -> str | None:
         sizes.pop("num_key_value_heads", None)  # and its head_dim is its rotary width, left as is
     elif _has(defaults, "head_dim") and defaults.head_dim is not None and _settable(cls, "head_dim"):
         sizes["head_dim"] = 16  # hidden / heads (Falcon derives it: a property without a setter)
+    if _has(defaults, "expand") and _has(defaults, "n_groups") and getattr(defaults, "expand", None):
+        # Mamba-2's mixer: heads x head size = expand x hidden, in groups that divide the heads
+        sizes.update(num_heads=defaults.expand * TINY["hidden_size"] // 16, n_groups=1)
     # A class that checks its sizes against per-layer lists (GPT-Neo's attention types, hybrid
-    # layouts) refuses a changed depth: then keep its depth, and at last its every size but the vocabulary.
+    # layouts) refuses a changed depth: then keep its depth, and at last its every size but the
+    # vocabulary; one that routes each token to one expert (ZAYA) refuses two.
     depth = {"num_hidden_layers", "n_layer", "num_layers"}
-    attempts = [sizes, {k: v for k, v in sizes.items() if k not in depth}, {"vocab_size": TINY["vocab_size"]}]
+    attempts = [
+        sizes,
+        {**sizes, "num_experts_per_tok": 1} if "num_experts_per_tok" in sizes else sizes,
+        {k: v for k, v in sizes.items() if k not in depth},
+        {"vocab_size": TINY["vocab_size"]},
+    ]
     for attempt in attempts:
         try:
             cls(**attempt).save_pretrained(directory)
