@@ -103,6 +103,7 @@ from planner.commands.calibrate_common import (
     lower_quartile,
     measure_offload,
     offload_source,
+    physical_memory,
     positive_rate,
 )
 from planner.commands.calibrate_gpu import (
@@ -519,13 +520,6 @@ def _calibrate_worker(rank: int, world: int, spec: CalibrationSpec, out_file: st
 # ----------------------------------------------------------------------------------------------
 # Fitting and the profile
 # ----------------------------------------------------------------------------------------------
-def _physical_memory() -> int | None:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _clamp_ratio(ratio: Any) -> float:
     """A measured recompute ratio, kept to (0.25, 1.5]: outside it the timing was disturbed
     (a difference of two noisy step times); an unmeasured one is 1."""
@@ -546,7 +540,7 @@ def build_profile(raw: dict[str, Any], nproc: int, base: HardwareProfile, spec: 
     efficiency = 1.0
     if step_rate and step_rate == step_rate and step_rate > 0:
         efficiency = max(0.01, min(1.0, step_rate / peaks["fp32"]))
-    ram = _physical_memory()
+    ram = physical_memory()
     memory_bytes = ram // nproc if ram else base.memory_bytes
     calibration = {
         "method": CALIBRATION_METHOD,

@@ -60,6 +60,7 @@ __all__ = [
     "measure_cpu_adam",
     "measure_host_copy",
     "measure_offload",
+    "physical_memory",
 ]
 
 KB = 1 << 10
@@ -67,6 +68,16 @@ MB = 1 << 20
 GB = 1 << 30
 #: Collective kinds measured (``send`` = ping-pong between rank pairs).
 MEASURED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes, ``None`` where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 #: Smallest efficiency a GEMM table stores (a profile needs values in (0, 1]).
 MIN_EFFICIENCY = 1e-6
 

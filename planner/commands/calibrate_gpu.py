@@ -72,6 +72,7 @@ from planner.commands.calibrate_common import (
     measure_offload,
     median,
     offload_source,
+    physical_memory,
     positive_rate,
 )
 from planner.frontend.model_analysis import build_layer_table
@@ -771,7 +772,7 @@ def build_gpu_profile(
         sm_count=int(device_info["sm_count"]),
         gemm_efficiency=tables or None,
         host_device_bandwidth=host_bandwidth,
-        host_memory_bytes=_host_ram() if offload else base.host_memory_bytes,
+        host_memory_bytes=physical_memory() if offload else base.host_memory_bytes,
         nvme_bytes=nvme.get("free_bytes") or base.nvme_bytes,
         nvme_read_bandwidth=nvme.get("read_Bps") or base.nvme_read_bandwidth,
         nvme_write_bandwidth=nvme.get("write_Bps") or base.nvme_write_bandwidth,
@@ -880,14 +881,6 @@ def _gpu_source(raw: dict[str, Any], base: HardwareProfile, datasheet: bool, npr
     if offload:
         source += offload_source(offload, host_is_device=False)
     return source
-
-
-def _host_ram() -> int | None:
-    """Physical RAM of this host (the offload tier's host memory), ``None`` when unknown."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

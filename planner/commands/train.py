@@ -36,6 +36,7 @@ from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from planner.commands.calibrate_common import physical_memory
 from planner.commands.compile import compile_plan
 from planner.commands.elastic import Replan, plan_for_world
 from planner.errors import UserError
@@ -583,14 +584,6 @@ def _train_local(plan: Plan, plan_path: str, job: _WorkerJob, nproc: int, world:
         print(f"planner train: training failed: {_sentence(str(e))}{hints}", file=sys.stderr)
         return 1
     return 0
-
-
-def physical_memory() -> int | None:
-    """This machine's memory in bytes (None where the system does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _check_host_memory(plan: Plan, plan_path: str, nproc: int, memory: int | None) -> None:
